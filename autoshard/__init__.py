@@ -1,0 +1,25 @@
+"""autoshard: a compiler for distributed training.
+
+    plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", global_batch=16)
+    model, optimizer, mesh = autoshard.parallelize(model, plan)   # inside torchrun
+"""
+
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Plan, load_plan
+
+__version__ = "0.1.0"
+__all__ = ["plan", "parallelize", "load_plan", "Plan", "AutoshardError", "__version__"]
+
+
+def plan(*args, **kwargs):
+    from autoshard.api import plan as _plan
+    return _plan(*args, **kwargs)
+
+
+def parallelize(*args, **kwargs):
+    from autoshard.api import parallelize as _parallelize
+    return _parallelize(*args, **kwargs)
+
+
+plan.__doc__ = "Plan a model on a cluster; see autoshard.api.plan."
+parallelize.__doc__ = "Apply a plan inside a torchrun-launched script; see autoshard.api.parallelize."

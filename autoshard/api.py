@@ -1,0 +1,41 @@
+"""The Python API: plan a model, and parallelize it inside a torchrun-launched script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.nn as nn
+
+from autoshard.ir.plan import Plan, load_plan
+from autoshard.ir.topology import Cluster
+from autoshard.passes.strategies import Pins
+from autoshard.pipeline import PlanRequest, plan_model
+
+
+def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
+         devices_per_node: int | None = None, **pins) -> Plan:
+    """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
+    (dp, tp, pp, zero, microbatch_size, recompute, schedule)."""
+    from autoshard.cost.hardware import load_cluster
+
+    if not isinstance(cluster, Cluster):
+        cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
+    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins)))
+
+
+def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
+    """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every
+    rank) and return ``(model, optimizer, mesh)``. Micro-batching and data sharding stay in the
+    caller's loop: take the ``mesh.get_local_rank("dp")``-th of ``plan.mesh.dp`` slices of each
+    global batch, in ``plan.num_microbatches`` micro-batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard import runtime
+
+    if not isinstance(plan, Plan):
+        plan = load_plan(plan)
+    ctx = runtime.init_distributed(expected_world_size=plan.world_size)
+    mesh = init_device_mesh(ctx.device_type, (plan.mesh.dp,), mesh_dim_names=("dp",))
+    model = model.to(ctx.device)
+    model, optimizer = runtime.apply_plan(model, plan, mesh, ctx.device, lr)
+    return model, optimizer, mesh

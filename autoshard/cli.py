@@ -1,0 +1,172 @@
+"""``autoshard`` command line: parse, call the API, print. Errors: one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+
+EXIT_USER_ERROR = 2
+EXIT_VERIFY_FAILED = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (and exit 2) like every other user error."""
+
+    def error(self, message: str):
+        raise AutoshardError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except AutoshardError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser = _Parser(prog="autoshard", description="Plan, emit and verify distributed training programs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_plan(sub, common)
+    _add_inspect(sub, common)
+    _add_compile(sub, common)
+    _add_run(sub, common)
+    _add_verify(sub, common)
+    return parser
+
+
+def _add_plan(sub, common) -> None:
+    p = sub.add_parser("plan", parents=[common], help="choose how to parallelize a model on a cluster")
+    p.add_argument("model", help="path/to/model.py:factory")
+    p.add_argument("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or cluster YAML")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("-o", "--output", help="write plan JSON here")
+    p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
+    for name in ("dp", "tp", "pp", "zero", "microbatch-size"):
+        p.add_argument(f"--{name}", type=int, help="pin this decision")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
+    p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_inspect(sub, common) -> None:
+    p = sub.add_parser("inspect", parents=[common], help="show a plan as tables")
+    p.add_argument("plan")
+    p.set_defaults(func=cmd_inspect)
+
+
+def _add_compile(sub, common) -> None:
+    p = sub.add_parser("compile", parents=[common], help="emit the training program of a plan")
+    p.add_argument("plan")
+    p.add_argument("-o", "--output", default="train.py")
+    p.set_defaults(func=cmd_compile)
+
+
+def _add_run(sub, common) -> None:
+    p = sub.add_parser("run", parents=[common], help="emit a plan's program and run it here with torchrun")
+    p.add_argument("plan")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
+    p.set_defaults(func=cmd_run)
+
+
+def _add_verify(sub, common) -> None:
+    p = sub.add_parser("verify", parents=[common], help="check the emitted program trains like one process")
+    p.add_argument("plan")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_plan(args) -> int:
+    from autoshard import api
+    from autoshard.show import render_plan
+
+    plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
+                    devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                    microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        render_plan(plan)
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from autoshard.ir.plan import load_plan
+    from autoshard.show import render_plan
+
+    render_plan(load_plan(args.plan))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from autoshard.ir.plan import load_plan
+    from autoshard.launch import write_program
+    from autoshard.passes.codegen import torchrun_command
+    from autoshard.runtime.model import load_model_file
+
+    plan = load_plan(args.plan)
+    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    path = write_program(plan, args.output)
+    print(f"wrote {path}; run it with: {torchrun_command(plan, str(path))}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from autoshard.ir.plan import load_plan
+    from autoshard.launch import check_runs_here, run_torchrun, write_program
+    from autoshard.runtime.model import load_model_file
+
+    plan = load_plan(args.plan)
+    check_runs_here(plan)
+    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
+    write_program(plan, program)
+    print(f"running {program} on {plan.world_size} local ranks", flush=True)
+    proc = run_torchrun(program, plan.world_size, ["--steps", str(args.steps), "--seed", str(args.seed)])
+    return proc.returncode
+
+
+def cmd_verify(args) -> int:
+    from autoshard.ir.plan import load_plan
+    from autoshard.verify import ATOL, RTOL, verify
+
+    plan = load_plan(args.plan)
+    print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
+          f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
+    report = verify(plan, steps=args.steps, seed=args.seed)
+    for step, (a, b) in enumerate(zip(report.parallel_losses, report.reference_losses)):
+        print(f"step {step}: loss {a:.8f} parallel, {b:.8f} one process")
+    print(f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g} "
+          f"({report.worst_param}); tolerance rtol {RTOL:g}, atol {ATOL:g}")
+    if not report.ok:
+        print(f"FAILED: {report.failure}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    print("OK: the parallel program trains like one process")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

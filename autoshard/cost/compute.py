@@ -1,0 +1,77 @@
+"""Compute time: a per-op roofline on the device, forward and backward apart.
+
+For an op with F FLOPs that moves M bytes, on a device of peak P FLOP/s (efficiency η on
+matmuls) and memory bandwidth W bytes/s (Williams et al., "Roofline", CACM 2009)::
+
+    t_fwd(op) = max(F / (η·P), M / W)
+    t_bwd(op) = 2 · t_fwd(op)        (gradients w.r.t. inputs and weights: two matmuls each)
+
+Activation bytes scale with the micro-batch b (captured at b₀); weight bytes do not.
+Recompute adds a forward: all of each block (full) or its non-matmul ops (selective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
+from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.topology import DeviceSpec
+
+BACKWARD_TO_FORWARD = 2.0  # FLOPs of backward / forward for matmul-dominated models
+
+
+@dataclass(frozen=True)
+class ComputeTime:
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s
+
+
+def op_forward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float) -> float:
+    """Roofline time of one op at ``scale`` times the captured batch."""
+    flops = node.flops * scale
+    moved = (node.bytes_read - weight_bytes) * scale * elem_ratio + weight_bytes + node.bytes_written * scale * elem_ratio
+    peak_flops = device.peak_tflops * 1e12 * device.matmul_efficiency
+    return max(flops / peak_flops, moved / (device.memory_bandwidth_gbps * 1e9))
+
+
+def microbatch_compute(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
+                       activation_elem_bytes: int = 4, captured_bytes: int = 4) -> ComputeTime:
+    """Forward, backward and recompute seconds of one micro-batch on one device."""
+    scale = microbatch_size / graph.batch_size
+    ratio = activation_elem_bytes / captured_bytes
+    weights = _weight_bytes_per_node(graph)
+    fwd = {n.name: op_forward_s(n, weights.get(n.name, 0), scale, device, ratio) for n in graph.nodes}
+    forward_s = sum(fwd.values())
+    return ComputeTime(forward_s, BACKWARD_TO_FORWARD * forward_s, _recompute_s(graph, fwd, recompute))
+
+
+def model_flops_per_sample(graph: OpGraph) -> float:
+    """Forward + backward FLOPs of one sample, recompute not counted (for MFU)."""
+    return (1 + BACKWARD_TO_FORWARD) * graph.flops_fwd / graph.batch_size
+
+
+def _recompute_s(graph: OpGraph, fwd: dict[str, float], recompute: str) -> float:
+    if recompute == "none":
+        return 0.0
+    nodes = [graph.node(n) for b in graph.blocks for n in b.node_names]
+    if recompute == "selective":
+        nodes = [n for n in nodes if not n.target.startswith(COMPUTE_HEAVY_TARGETS)]
+    return sum(fwd[n.name] for n in nodes)
+
+
+def _weight_bytes_per_node(graph: OpGraph) -> dict[str, int]:
+    size = {p.name: p.numel * _dtype_bytes(p.dtype) for p in graph.params}
+    for p in graph.params:
+        for alias in p.tied_to:
+            size[alias] = size[p.name]
+    return {n.name: sum(size.get(p, 0) for p in n.param_inputs) for n in graph.nodes if n.param_inputs}
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}.get(dtype, 4)

@@ -1,0 +1,110 @@
+"""Memory per rank: model state by ZeRO stage and precision, activations per block.
+
+Model state (ZeRO paper, Rajbhandari et al. 2020; Ψ parameters, N_d data-parallel ranks;
+p, g, o bytes per parameter of weights, gradients and optimizer state)::
+
+    stage 0 (DDP)   p·Ψ      + g·Ψ      + o·Ψ
+    stage 1         p·Ψ      + g·Ψ      + o·Ψ/N_d
+    stage 2         p·Ψ      + g·Ψ/N_d  + o·Ψ/N_d     (weights unsharded during the step)
+    stage 3         p·Ψ/N_d  + g·Ψ/N_d  + o·Ψ/N_d
+
+With Megatron's mixed precision (p, g, o) = (2, 2, 12): 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d,
+16Ψ/N_d, as in NUMBERS.md. The emitted programs keep fp32 weights and use bf16 autocast
+on GPUs, so their (p, g, o) is (4, 4, 8): the same 16Ψ, split differently.
+
+Activations of one micro-batch of b samples, per block, from the captured graph (captured at
+batch b₀ in ``captured_bytes`` per element, trained with ``a`` bytes per element)::
+
+    none       A_block · (b/b₀) · (a/captured)        every non-alias output kept
+    selective  A_saved · (b/b₀) · (a/captured)        outputs of matmul-class ops kept
+    full       I_block · (b/b₀) · (a/captured)        only the block input kept
+
+plus, under recompute, one block's full activations while it is recomputed in backward.
+Korthikanti et al.'s per-layer formulas (NUMBERS.md) are a check on these figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.ir.graph import Block, OpGraph
+
+# Ops whose outputs selective recompute keeps (the expensive ones); the rest are recomputed.
+COMPUTE_HEAVY_TARGETS = (
+    "aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul",
+    "aten.scaled_dot_product_attention", "aten._scaled_dot_product", "aten.convolution",
+    "aten.conv1d", "aten.conv2d", "aten.embedding",
+)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state in a training precision."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # Adam: fp32 m and v (+ fp32 master weights when params are 16-bit)
+    activation_bytes: int
+
+
+FP32 = Precision("fp32", param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+BF16_AUTOCAST = Precision("bf16-autocast", param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2)
+MEGATRON_MIXED = Precision("bf16-mixed", param_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2)
+
+
+def precision_for_backend(backend: str) -> Precision:
+    """What the emitted program trains in: bf16 autocast with NCCL (GPUs), fp32 with gloo (CPUs)."""
+    return BF16_AUTOCAST if backend == "nccl" else FP32
+
+
+def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precision) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes per rank; see the module docstring."""
+    p, g, o = params * precision.param_bytes, params * precision.grad_bytes, params * precision.optimizer_bytes
+    if zero_stage >= 1:
+        o = o / dp
+    if zero_stage >= 2:
+        g = g / dp
+    if zero_stage >= 3:
+        p = p / dp
+    return int(p), int(g), int(o)
+
+
+def block_saved_bytes(graph: OpGraph, block: Block, recompute: str) -> int:
+    """Bytes one block keeps for backward at the captured batch, per recompute mode."""
+    if recompute == "full":
+        return block.input_bytes
+    if recompute == "selective":
+        heavy = sum(graph.node(n).bytes_written for n in block.node_names if _is_heavy(graph.node(n).target))
+        return block.input_bytes + heavy
+    return block.activation_bytes
+
+
+def non_block_saved_bytes(graph: OpGraph) -> int:
+    """Bytes kept by nodes outside any block (embeddings, final norm, head), plus the loss's copy.
+
+    Cross-entropy keeps its log-softmax, as large as the model output, hence one more output.
+    """
+    in_block = {n for b in graph.blocks for n in b.node_names}
+    outside = sum(n.bytes_written for n in graph.nodes if n.name not in in_block)
+    output_bytes = graph.nodes[-1].bytes_written if graph.nodes else 0
+    return outside + output_bytes
+
+
+def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, precision: Precision,
+                     captured_bytes: int = 4) -> int:
+    """Activation bytes per rank for one micro-batch in flight (see module docstring)."""
+    scale = (microbatch_size / graph.batch_size) * (precision.activation_bytes / captured_bytes)
+    kept = sum(block_saved_bytes(graph, b, recompute) for b in graph.blocks) + non_block_saved_bytes(graph)
+    workspace = max((b.activation_bytes for b in graph.blocks), default=0) if recompute != "none" else 0
+    return int((kept + workspace) * scale)
+
+
+def fsdp_unit_bytes(graph: OpGraph, precision: Precision) -> int:
+    """Largest FSDP unit's unsharded weights (the blocks are the units)."""
+    largest = max((b.param_count for b in graph.blocks), default=graph.param_count)
+    return largest * precision.param_bytes
+
+
+def _is_heavy(target: str) -> bool:
+    return target.startswith(COMPUTE_HEAVY_TARGETS)

@@ -1,0 +1,1 @@
+"""The nouns of autoshard: the op graph, the cluster topology and the plan."""

@@ -1,0 +1,165 @@
+"""Load a model file: ``path/to/file.py:factory`` (the model-file contract in DESIGN.md).
+
+A model file defines a factory returning an ``nn.Module`` (it must also work under
+``with torch.device("meta")``), ``example_batch(batch_size) -> (inputs: tuple, targets)``
+and optionally ``loss_fn(outputs, targets)``. Without ``loss_fn`` the default is
+cross-entropy when the targets are integer class ids (outputs ``(..., classes)``, targets
+``(...)``) and mean squared error otherwise; an output object with a ``logits`` attribute
+(Hugging Face models) is reduced to its logits first.
+
+The file runs only when the user names it; nothing else executes user code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard.errors import AutoshardError
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file and the callables of its contract."""
+
+    spec: str  # as the user gave it, e.g. "examples/gpt.py:build"
+    path: Path
+    factory_name: str
+    module: types.ModuleType
+
+    @property
+    def factory(self) -> Callable[[], nn.Module]:
+        return getattr(self.module, self.factory_name)
+
+    def build(self, device: str | torch.device = "cpu") -> nn.Module:
+        """Call the factory under ``torch.device(device)``; errors name the file and factory."""
+        try:
+            with torch.device(device):
+                model = self.factory()
+        except AutoshardError:
+            raise
+        except Exception as exc:  # the user's code failed: say where, keep one line
+            raise AutoshardError(
+                f"{self.spec}: the factory raised {type(exc).__name__}: {_first_line(exc)}; "
+                f"fix the model file (run it with --debug for the traceback)"
+            ) from exc
+        if not isinstance(model, nn.Module):
+            raise AutoshardError(
+                f"{self.spec}: the factory returned {type(model).__name__}, not a torch.nn.Module; "
+                f"make {self.factory_name}() return the model"
+            )
+        return model
+
+    def example_batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """``(inputs, targets)`` with inputs a tuple of tensors, checked against the contract."""
+        fn = getattr(self.module, "example_batch", None)
+        if fn is None:
+            raise AutoshardError(
+                f"{self.path}: no example_batch(batch_size) function; add one returning "
+                f"(inputs: tuple, targets) for a batch of that size"
+            )
+        try:
+            batch = fn(batch_size)
+        except Exception as exc:
+            raise AutoshardError(
+                f"{self.path}: example_batch({batch_size}) raised {type(exc).__name__}: "
+                f"{_first_line(exc)}; fix the model file"
+            ) from exc
+        return _check_batch(self.path, batch, batch_size)
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        fn = getattr(self.module, "loss_fn", None)
+        if fn is not None:
+            return fn(outputs, targets)
+        return default_loss(outputs, targets)
+
+    @property
+    def has_loss_fn(self) -> bool:
+        return getattr(self.module, "loss_fn", None) is not None
+
+    def source_sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer targets, mean squared error otherwise (see module doc)."""
+    if hasattr(outputs, "logits"):
+        outputs = outputs.logits
+    if isinstance(outputs, (tuple, list)):
+        outputs = outputs[0]
+    if not targets.dtype.is_floating_point and outputs.dim() == targets.dim() + 1:
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+    return F.mse_loss(outputs, targets)
+
+
+def load_model_file(spec: str) -> ModelFile:
+    """Import ``file.py:factory``; the file's directory goes on ``sys.path`` for its imports."""
+    if ":" not in spec:
+        raise AutoshardError(
+            f"model '{spec}' has no factory: write it as path/to/file.py:factory, e.g. examples/gpt.py:build"
+        )
+    file_part, factory_name = spec.rsplit(":", 1)
+    path = Path(file_part)
+    if not path.is_file():
+        raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
+    module = _import_file(path, spec)
+    if not factory_name.isidentifier() or not callable(getattr(module, factory_name, None)):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise AutoshardError(
+            f"{path}: no function '{factory_name}'; name one of: {', '.join(names[:8]) or 'none defined'}"
+        )
+    return ModelFile(spec=spec, path=path, factory_name=factory_name, module=module)
+
+
+def _import_file(path: Path, spec: str) -> types.ModuleType:
+    name = "autoshard_user_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    import_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(import_spec)
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        sys.modules[name] = module
+        import_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise AutoshardError(
+            f"{path}: importing the model file raised {type(exc).__name__}: {_first_line(exc)}; fix the file"
+        ) from exc
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module
+
+
+def _check_batch(path: Path, batch: Any, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise AutoshardError(
+            f"{path}: example_batch must return (inputs: tuple, targets), got {type(batch).__name__}"
+        )
+    inputs, targets = batch
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    tensors = list(inputs) + ([targets] if isinstance(targets, torch.Tensor) else [])
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise AutoshardError(f"{path}: example_batch inputs must be a tuple of tensors")
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] != batch_size:
+            raise AutoshardError(
+                f"{path}: example_batch({batch_size}) returned a tensor of shape {tuple(t.shape)}; "
+                f"every input and target needs the batch ({batch_size}) as its first dimension"
+            )
+    return tuple(inputs), targets
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

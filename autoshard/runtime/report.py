@@ -1,0 +1,71 @@
+"""Per-step log lines on rank 0, and the metrics file ``autoshard verify`` reads."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from autoshard.runtime.model import strip_wrapper_names
+
+WARMUP_STEPS = 1  # the first step pays for allocation and lazy initialisation; throughput skips it
+
+
+@dataclass
+class StepLog:
+    tokens_per_step: int
+    is_main: bool
+    log_every: int = 1
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    _t0: float = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def end(self, step: int, loss: float) -> None:
+        elapsed_s = time.perf_counter() - self._t0
+        self.losses.append(loss)
+        self.step_times_s.append(elapsed_s)
+        if self.is_main and (step % self.log_every == 0):
+            print(f"step {step:4d} | loss {loss:.4f} | {self.tokens_per_step / elapsed_s:10,.0f} tokens/s | "
+                  f"{elapsed_s * 1e3:8.1f} ms", flush=True)
+
+    @property
+    def median_step_s(self) -> float:
+        timed = self.step_times_s[WARMUP_STEPS:] or self.step_times_s
+        return statistics.median(timed)
+
+    def summary(self) -> str:
+        first, last = self.losses[0], self.losses[-1]
+        return (f"done: loss {first:.4f} -> {last:.4f} over {len(self.losses)} steps; median step "
+                f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s")
+
+
+def finish(model: nn.Module, log: StepLog, metrics_out: str | None) -> None:
+    """Print the summary; with ``metrics_out``, rank 0 writes losses, times and full weights."""
+    if log.is_main and log.losses:
+        print(log.summary(), flush=True)
+    if not metrics_out:
+        return
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        _write_metrics(Path(metrics_out), log, {strip_wrapper_names(k): v for k, v in state.items()})
+    dist.barrier()
+
+
+def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "params.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(out / "params.pt")
+    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": log.median_step_s}
+    (out / "metrics.json.tmp").write_text(json.dumps(metrics, indent=1))
+    (out / "metrics.json.tmp").replace(out / "metrics.json")

@@ -1,0 +1,27 @@
+"""Every DP/ZeRO configuration the planner can emit trains like one process (gloo, CPU ranks)."""
+
+import pytest
+
+import autoshard
+from autoshard.verify import verify
+
+pytestmark = pytest.mark.e2e
+
+MODELS = {
+    "gpt": "examples/gpt.py:build",
+    "llama": "tests/models/hf_llama.py:build",
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_dp_and_zero(in_repo, model, zero, ranks):
+    plan = autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
+                          zero=zero, microbatch_size=1 if zero % 2 else None,
+                          recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero])
+    assert plan.mesh.dp == ranks and plan.zero_stage == zero
+    report = verify(plan, steps=3)
+    assert report.ok, report.failure
+    assert len(report.parallel_losses) == 3
+    assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
