@@ -1,0 +1,235 @@
+"""Hardware presets and cluster files: where a ``Cluster`` comes from.
+
+``load_cluster(name_or_path, nodes=None, devices_per_node=None)`` takes a preset name
+(``PRESETS``) or a path to a YAML file; ``nodes`` / ``devices_per_node`` (the CLI's
+``--nodes`` / ``--devices-per-node``) override the preset or file. All ``*_gbps`` are GB/s.
+
+Presets (figures from /work/shared/reference/NUMBERS.md, each marked in ``source``):
+
+    dgx-a100-80gb  A100 SXM 80GB: 312 TFLOP/s bf16, 2.0 TB/s, 80 GiB; NVLink 3 300 GB/s,
+                   3 µs; HDR IB 25 GB/s per GPU, 6 µs. 1 node × 8.
+    dgx-h100       H100 SXM 80GB: 989 TFLOP/s bf16, 3.35 TB/s, 80 GiB; NVLink 4 450 GB/s,
+                   3 µs; 50 GB/s per GPU NIC, 6 µs. 1 node × 8.
+    local-cpu      this machine's CPU processes over gloo, 1 node × 2; memory per process =
+                   host memory / devices_per_node; speeds are rough defaults (calibrate).
+
+Latencies are fitted to nccl-tests small messages (NUMBERS.md) with the tree all-reduce of
+``autoshard.cost.comm`` (2⌈log2 p⌉·α): 32 KiB over 8×H200 in one node ≈ 18 µs → α ≈ 3 µs;
+8 B over 32 A100 ranks on HDR IB ≈ 55-58 µs → α ≈ 5.7 µs, rounded to 6 (which also gives
+1 MiB ≈ 141 µs against the measured 143 µs).
+
+Cluster file (YAML)::
+
+    name: my-cluster              # required unless a preset is given
+    nodes: 2
+    devices_per_node: 8
+    backend: nccl                 # nccl (GPUs) or gloo (CPUs)
+    device: {name: H100-SXM-80GB, peak_tflops: 989, memory_bytes: 85899345920,
+             memory_bandwidth_gbps: 3350, matmul_efficiency: 0.8}
+    intra_node: {bandwidth_gbps: 450, latency_us: 3}   # per device per direction
+    inter_node: {bandwidth_gbps: 50, latency_us: 8}    # per device's share of the NICs
+
+Each section may carry a ``source`` (default ``"cluster file <path>"``). Or start from a
+preset and override any field; a section you override keeps the preset's other fields::
+
+    preset: dgx-h100
+    nodes: 4
+    inter_node: {bandwidth_gbps: 25}
+
+Every mistake (syntax, a non-mapping document, a missing or unknown field, a wrong type, a
+non-positive bandwidth) is an ``AutoshardError`` naming the file, the field and the fix.
+See ``examples/cluster.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoshard.errors import AutoshardError
+from autoshard.ir.topology import CLUSTER_KEYS, Cluster, DeviceSpec, LinkSpec
+
+GIB = 2**30
+_NUMBERS = "NUMBERS.md"
+
+_NVLINK_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 32 KiB ≈ 18 µs on 8×H200 = 2·log2(8)·α (NUMBERS.md)"
+_IB_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (NUMBERS.md)"
+
+A100_SXM_80GB = DeviceSpec(
+    name="A100-SXM-80GB",
+    peak_tflops=312.0,
+    memory_bytes=80 * GIB,
+    memory_bandwidth_gbps=2000.0,
+    matmul_efficiency=0.8,
+    source=f"NVIDIA datasheet via {_NUMBERS} (312 TFLOP/s bf16, ~2.0 TB/s, 80 GB); "
+           "matmul_efficiency assumed equal to the measured H100 ratio (790-800/989); calibrate",
+)
+H100_SXM_80GB = DeviceSpec(
+    name="H100-SXM-80GB",
+    peak_tflops=989.0,
+    memory_bytes=80 * GIB,
+    memory_bandwidth_gbps=3350.0,
+    matmul_efficiency=0.8,
+    source=f"NVIDIA datasheet via {_NUMBERS} (~989 TFLOP/s bf16, ~3.35 TB/s, 80 GB); matmul_efficiency "
+           "from 8192³ bf16 matmul measured 790-800 TFLOP/s on one H100 (NUMBERS.md)",
+)
+NVLINK3 = LinkSpec(
+    bandwidth_gbps=300.0,
+    latency_us=3.0,
+    source="NVLink 3 300 GB/s per GPU per direction, Narayanan et al. SC21 §5 (measured all-reduce busbw "
+           f"≈ 235 GB/s, ml-engineering); {_NVLINK_LATENCY_SOURCE}",
+)
+NVLINK4 = LinkSpec(
+    bandwidth_gbps=450.0,
+    latency_us=3.0,
+    source="NVLink 4 450 GB/s per GPU per direction, NVIDIA DGX H100 datasheet (measured all-reduce busbw "
+           f"464-481 GB/s for 1-16 GiB on 8×H200, nccl-tests); {_NVLINK_LATENCY_SOURCE}",
+)
+HDR_IB_PER_GPU = LinkSpec(
+    bandwidth_gbps=25.0,
+    latency_us=6.0,
+    source=f"8 × 200 Gb/s HDR IB per DGX A100 ≈ 25 GB/s per GPU, Narayanan et al. SC21 §5; {_IB_LATENCY_SOURCE}",
+)
+NDR_PER_GPU = LinkSpec(
+    bandwidth_gbps=50.0,
+    latency_us=6.0,
+    source=f"8 × 400 Gb/s NICs per DGX H100 ≈ 50 GB/s per GPU, NVIDIA datasheet; latency assumed as HDR: "
+           f"{_IB_LATENCY_SOURCE}",
+)
+
+_ROUGH = "rough default; run `autoshard calibrate`"
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine: /proc/meminfo MemTotal, else sysconf."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the figure is in kB (KiB)
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _local_cpu(devices_per_node: int = 2) -> Cluster:
+    device = DeviceSpec(
+        name="cpu-process",
+        peak_tflops=0.05,
+        memory_bytes=host_memory_bytes() // devices_per_node,
+        memory_bandwidth_gbps=10.0,
+        matmul_efficiency=1.0,
+        source=f"fp32, one process; peak_tflops and memory_bandwidth_gbps are a {_ROUGH}; "
+               "memory_bytes = host MemTotal / devices_per_node",
+    )
+    intra = LinkSpec(2.0, 50.0, f"gloo over loopback / shared memory, {_ROUGH}")
+    inter = LinkSpec(1.0, 100.0, f"gloo over TCP between hosts (~10 GbE), {_ROUGH}")
+    return Cluster("local-cpu", 1, devices_per_node, device, intra, inter, "gloo")
+
+
+PRESETS: dict[str, Cluster] = {
+    "dgx-a100-80gb": Cluster("dgx-a100-80gb", 1, 8, A100_SXM_80GB, NVLINK3, HDR_IB_PER_GPU, "nccl"),
+    "dgx-h100": Cluster("dgx-h100", 1, 8, H100_SXM_80GB, NVLINK4, NDR_PER_GPU, "nccl"),
+    "local-cpu": _local_cpu(),
+}
+# Presets whose device memory is a share of the host's: recomputed when devices_per_node changes.
+HOST_MEMORY_PRESETS = frozenset({"local-cpu"})
+
+
+def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: int | None = None) -> Cluster:
+    """A preset by name, or a YAML cluster file; ``nodes`` / ``devices_per_node`` override either."""
+    _check_flag("--nodes", nodes)
+    _check_flag("--devices-per-node", devices_per_node)
+    if name_or_path in PRESETS:
+        d, where, default_source = PRESETS[name_or_path].to_dict(), f"preset {name_or_path}", None
+        host_share = name_or_path in HOST_MEMORY_PRESETS
+    elif _looks_like_path(name_or_path):
+        d, host_share = read_cluster_file(Path(name_or_path))
+        where = default_source = f"cluster file {name_or_path}"
+    else:
+        raise AutoshardError(f"unknown cluster {name_or_path!r}; fix: use a preset ({', '.join(PRESETS)}) "
+                             "or a path to a cluster YAML file (see examples/cluster.yaml)")
+    if nodes is not None:
+        d["nodes"] = nodes
+    if devices_per_node is not None:
+        d["devices_per_node"] = devices_per_node
+    if host_share and _is_count(d.get("devices_per_node")):
+        d["device"] = {**d["device"], "memory_bytes": host_memory_bytes() // d["devices_per_node"]}
+    return Cluster.from_dict(d, where=where, default_source=default_source)
+
+
+def read_cluster_file(path: Path) -> tuple[dict[str, Any], bool]:
+    """The file as a cluster mapping (preset merged in), and whether memory is a host share."""
+    where = f"cluster file {path}"
+    raw = _read_yaml(path, where)
+    preset = raw.pop("preset", None)
+    if preset is None:
+        return raw, False
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise AutoshardError(f"{where}: preset must be one of {', '.join(PRESETS)}, got {preset!r}; "
+                             "fix: name a preset, or drop 'preset' and give every field")
+    merged = _merge_preset(PRESETS[preset].to_dict(), raw, where, f"{where} over preset {preset}")
+    memory_given = isinstance(raw.get("device"), dict) and "memory_bytes" in raw["device"]
+    return merged, preset in HOST_MEMORY_PRESETS and not memory_given
+
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise AutoshardError(f"{where} does not exist; fix: check the path, or use a preset "
+                             f"({', '.join(PRESETS)})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise AutoshardError(f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise AutoshardError(f"{where}: YAML syntax error{_yaml_position(e)}: {_yaml_problem(e)}; "
+                             "fix: correct the YAML (see examples/cluster.yaml)") from None
+    if not isinstance(raw, dict):
+        raise AutoshardError(f"{where}: the document must be a mapping of cluster fields, got "
+                             f"{type(raw).__name__}; fix: write 'name: ...', 'nodes: ...' etc. "
+                             "as in examples/cluster.yaml")
+    known = ("preset",) + CLUSTER_KEYS
+    unknown = sorted(str(k) for k in raw if k not in known)
+    if unknown:
+        raise AutoshardError(f"{where}: unknown field '{unknown[0]}'; fix: remove it, or use one of {', '.join(known)}")
+    return raw
+
+
+def _merge_preset(base: dict[str, Any], raw: dict[str, Any], where: str, source: str) -> dict[str, Any]:
+    """``raw`` over ``base``; an overridden section keeps the preset's other fields."""
+    merged = {**base, **raw}
+    for key in ("device", "intra_node", "inter_node"):
+        if key not in raw:
+            continue
+        if not isinstance(raw[key], dict):
+            raise AutoshardError(f"{where}: {key} must be a mapping, got {type(raw[key]).__name__}; "
+                                 f"fix: write {key}: {{field: value, ...}}")
+        merged[key] = {**base[key], "source": source, **raw[key]}
+    return merged
+
+
+def _yaml_position(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or os.sep in name or os.path.exists(name)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_flag(flag: str, value: int | None) -> None:
+    if value is not None and not _is_count(value):
+        raise AutoshardError(f"{flag} {value!r} must be a positive integer; fix: pass e.g. {flag} 2")

@@ -1,0 +1,286 @@
+"""Cluster topology: devices, links, and the networkx graph that joins them.
+
+Units: every ``*_gbps`` in autoshard is **GB/s (gigabytes per second)**, never gigabits;
+``*_us`` is microseconds, ``*_bytes`` bytes, ``*_tflops`` 10¹² FLOP/s. Link bandwidths are
+per device per direction (a full-duplex link sends and receives at that rate at once).
+
+The graph (``Cluster.graph``) has
+
+- a device vertex per rank, ``"node{n}/dev{d}"`` (``kind="device"``, ``rank``, ``node``),
+  rank = n · devices_per_node + d;
+- a switch per node, ``"node{n}/switch"`` (``kind="switch"``): NVSwitch, or shared memory;
+- a ``"spine"`` switch when there is more than one node;
+- edges device — node switch (``kind="intra_node"``, the device's own NVLink bandwidth) and
+  node switch — spine (``kind="inter_node"``, the node's NICs together:
+  ``inter_node.bandwidth_gbps · devices_per_node``), each with ``bandwidth_gbps``,
+  ``latency_us`` and ``source``.
+
+``Cluster.group_link(ranks)`` prices a collective over ``ranks`` with one alpha-beta link
+(α = latency, B = bandwidth; the formulas are in ``autoshard.cost.comm``):
+
+    B = min over the edges e joining the ranks of  share(e)
+    α = max over the same edges of latency(e)
+
+    share(e) = bandwidth(e)                      on a device's own intra-node edge
+    share(e) = bandwidth(e) / devices_per_node   on a node's NIC uplink
+
+The NIC share is the **mesh-axis model**: a collective runs over one group of a mesh axis,
+and the other groups of the same axis run at the same time, so every device of the node
+is pushing traffic through the node's NICs at once and each gets its own device's share
+(``inter_node.bandwidth_gbps``), however many members of this one group sit on the node.
+A group inside one node gets ``intra_node`` itself. A flat ring priced this way over
+several nodes is pessimistic (every byte is charged at NIC speed); use
+``autoshard.cost.comm.hierarchical_allreduce_s`` for groups that span nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+import networkx as nx
+
+from autoshard.errors import AutoshardError
+
+BACKENDS = ("nccl", "gloo")
+
+_POSITIVE = ("> 0", lambda v: v > 0)
+_NON_NEGATIVE = (">= 0", lambda v: v >= 0)
+_FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+_NON_EMPTY = ("a non-empty string", lambda v: bool(v.strip()))
+_TYPES = {"str": str, "int": int, "float": float}
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number"}
+
+
+def _spec(doc: str, rule: tuple | None = None) -> Any:
+    """A dataclass field that carries its own documentation and validity rule."""
+    return field(metadata={"doc": doc, "rule": rule})
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU process) as the cost model sees it."""
+
+    name: str = _spec("the device name, e.g. H100-SXM-80GB", _NON_EMPTY)
+    peak_tflops: float = _spec("the dense peak TFLOP/s in the training precision, e.g. 989 for H100 bf16", _POSITIVE)
+    memory_bytes: int = _spec("the device memory in bytes, e.g. 85899345920 for 80 GiB", _POSITIVE)
+    memory_bandwidth_gbps: float = _spec("the memory bandwidth in GB/s, e.g. 3350 for H100 HBM3", _POSITIVE)
+    matmul_efficiency: float = _spec("achieved/peak FLOP/s on large matmuls, e.g. 0.8", _FRACTION)
+    source: str = _spec("where the figures come from (datasheet, measurement)")
+
+    def __post_init__(self):
+        _check_dataclass(self)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link as the alpha-beta model sees it: per device, per direction."""
+
+    bandwidth_gbps: float = _spec("the per-device, per-direction bandwidth in GB/s, e.g. 450 for NVLink 4", _POSITIVE)
+    latency_us: float = _spec("the small-message latency in microseconds, e.g. 3", _NON_NEGATIVE)
+    source: str = _spec("where the figures come from (datasheet, measurement)")
+
+    def __post_init__(self):
+        _check_dataclass(self)
+
+
+_COUNTS = {
+    "nodes": ("the number of nodes, e.g. 1", _POSITIVE),
+    "devices_per_node": ("the number of devices in each node, e.g. 8", _POSITIVE),
+}
+_SECTIONS = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec}
+_CLUSTER_DOCS = {
+    "name": "a cluster name",
+    "nodes": _COUNTS["nodes"][0],
+    "devices_per_node": _COUNTS["devices_per_node"][0],
+    "backend": "nccl for GPUs, gloo for CPUs",
+    "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency",
+    "intra_node": "a mapping of bandwidth_gbps, latency_us for the link inside a node",
+    "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
+}
+CLUSTER_KEYS = tuple(_CLUSTER_DOCS)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of identical devices; build from presets or YAML with ``autoshard.cost.hardware``."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec  # device <-> node switch (NVLink / shared memory)
+    inter_node: LinkSpec  # per-device share of the node's NICs
+    backend: str  # "nccl" or "gloo"
+    graph: nx.Graph = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        where = f"cluster {self.name!r}"
+        _check_value(self.name, str, _NON_EMPTY, where, "name", "a cluster name")
+        for key, (doc, rule) in _COUNTS.items():
+            _check_value(getattr(self, key), int, rule, where, key, doc)
+        _check_backend(self.backend, where)
+        for key, kind in _SECTIONS.items():
+            if not isinstance(getattr(self, key), kind):
+                raise AutoshardError(f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
+                                     f"fix: build it with {kind.__name__}(...)")
+        object.__setattr__(self, "graph", self._build_graph())
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node that holds ``rank``."""
+        self._check_rank(rank)
+        return rank // self.devices_per_node
+
+    def device_vertex(self, rank: int) -> str:
+        """The graph vertex of ``rank``, e.g. ``"node1/dev3"``."""
+        return f"node{self.node_of(rank)}/dev{rank % self.devices_per_node}"
+
+    def group_link(self, ranks: Sequence[int]) -> LinkSpec:
+        """The bottleneck link of a collective over ``ranks`` (model in the module doc)."""
+        vertices = [self.device_vertex(r) for r in ranks]
+        if not vertices:
+            raise AutoshardError(f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks")
+        edges = _tree_edges(self.graph, vertices)
+        if not edges:
+            return self.intra_node
+        bottleneck = min(edges, key=self._share_gbps)
+        latency_us = max(e["latency_us"] for e in edges)
+        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, in a fixed key order (plan.json's ``cluster``)."""
+        return {
+            "name": self.name,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "backend": self.backend,
+            "device": _spec_dict(self.device),
+            "intra_node": _spec_dict(self.intra_node),
+            "inter_node": _spec_dict(self.inter_node),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "cluster dict", default_source: str | None = None) -> Cluster:
+        """Inverse of ``to_dict``; every mistake is an ``AutoshardError`` naming ``where`` and the field.
+
+        ``default_source`` fills absent ``source`` fields (a YAML file's name); without it they
+        are required.
+        """
+        _check_mapping(d, where, "the cluster", "a mapping with keys " + ", ".join(CLUSTER_KEYS))
+        _check_keys(d, _CLUSTER_DOCS, where, "")
+        sections = {key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()}
+        name = _check_value(d["name"], str, _NON_EMPTY, where, "name", "a cluster name")
+        counts = {key: _check_value(d[key], int, rule, where, key, doc) for key, (doc, rule) in _COUNTS.items()}
+        return cls(name=name, backend=_check_backend(d["backend"], where), **counts, **sections)
+
+    def _share_gbps(self, edge: Mapping[str, Any]) -> float:
+        users = self.devices_per_node if edge["kind"] == "inter_node" else 1
+        return edge["bandwidth_gbps"] / users
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise AutoshardError(f"rank {rank!r} is not in cluster {self.name!r} (ranks 0..{self.world_size - 1}); "
+                                 "fix: use ranks below nodes × devices_per_node, or a bigger cluster")
+
+    def _build_graph(self) -> nx.Graph:
+        g = nx.Graph(name=self.name)
+        intra = _edge_attrs(self.intra_node, "intra_node", 1)
+        inter = _edge_attrs(self.inter_node, "inter_node", self.devices_per_node)  # the node's NICs together
+        if self.nodes > 1:
+            g.add_node("spine", kind="switch")
+        for n in range(self.nodes):
+            switch = f"node{n}/switch"
+            g.add_node(switch, kind="switch", node=n)
+            if self.nodes > 1:
+                g.add_edge(switch, "spine", **inter)
+            for d in range(self.devices_per_node):
+                g.add_node(f"node{n}/dev{d}", kind="device", rank=n * self.devices_per_node + d, node=n)
+                g.add_edge(f"node{n}/dev{d}", switch, **intra)
+        return g
+
+
+def _edge_attrs(link: LinkSpec, kind: str, devices: int) -> dict[str, Any]:
+    return {"kind": kind, "bandwidth_gbps": link.bandwidth_gbps * devices, "latency_us": link.latency_us,
+            "source": link.source}
+
+
+def _tree_edges(graph: nx.Graph, vertices: list[str]) -> list[dict[str, Any]]:
+    """Attributes of the edges on the shortest paths from the first vertex to the others."""
+    paths = nx.single_source_shortest_path(graph, vertices[0])
+    pairs = {tuple(sorted(p)) for v in vertices[1:] for p in zip(paths[v], paths[v][1:])}
+    return [graph.edges[a, b] for a, b in sorted(pairs)]
+
+
+def _spec_dict(spec: DeviceSpec | LinkSpec) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in fields(spec)}
+
+
+def _spec_from_mapping(kind: type, values: Any, where: str, section: str, default_source: str | None):
+    example = "{" + ", ".join(f"{f.name}: ..." for f in fields(kind) if f.name != "source") + "}"
+    _check_mapping(values, where, section, f"a mapping like {example}")
+    names = {f.name: f.metadata["doc"] for f in fields(kind)}
+    if default_source is not None and "source" not in values:
+        values = {**values, "source": default_source}
+    _check_keys(values, names, where, section + ".")
+    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in fields(kind)}
+    return kind(**checked)
+
+
+def _check_mapping(value: Any, where: str, what: str, fix: str) -> None:
+    if not isinstance(value, Mapping):
+        raise AutoshardError(f"{where}: {what} must be a mapping, got {_short(value)} ({type(value).__name__}); "
+                             f"fix: write {fix}")
+
+
+def _check_keys(values: Mapping[str, Any], known: Mapping[str, str], where: str, prefix: str) -> None:
+    """No unknown keys, no missing ones; ``known`` maps each key to what it holds."""
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        raise AutoshardError(f"{where}: unknown field '{prefix}{unknown[0]}'; "
+                             f"fix: remove it, or use one of {', '.join(known)}")
+    missing = [k for k in known if k not in values]
+    if missing:
+        raise AutoshardError(f"{where}: missing field '{prefix}{missing[0]}'; fix: add it: {known[missing[0]]}")
+
+
+def _check_backend(backend: Any, where: str) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise AutoshardError(f"{where}: backend must be one of {', '.join(BACKENDS)}, got {_short(backend)}; "
+                             "fix: use nccl for GPUs, gloo for CPUs")
+    return backend
+
+
+def _check_dataclass(spec: DeviceSpec | LinkSpec) -> None:
+    """Validate every field from its metadata; store ints given for floats as floats."""
+    for f in fields(spec):
+        value = _check_field(getattr(spec, f.name), f, type(spec).__name__, f.name)
+        object.__setattr__(spec, f.name, value)
+
+
+def _check_field(value: Any, f: Field, where: str, dotted: str) -> Any:
+    return _check_value(value, _TYPES[f.type], f.metadata["rule"], where, dotted, f.metadata["doc"])
+
+
+def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted: str, doc: str) -> Any:
+    """``value`` as ``kind`` (ints widen to floats, whole floats narrow to ints), or an error."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, kind) or (kind is float and not math.isfinite(value)):
+        raise AutoshardError(f"{where}: {dotted} must be {_TYPE_WORDS[kind]}, got {_short(value)} "
+                             f"({type(value).__name__}); fix: give {doc}")
+    if rule is not None and not rule[1](value):
+        raise AutoshardError(f"{where}: {dotted} must be {rule[0]}, got {_short(value)}; fix: give {doc}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
