@@ -4,11 +4,15 @@ The program runs on local CPU ranks (gloo, fp32) for K steps; a single process t
 same model from the same seed on the same global batches with the same optimizer. They
 agree when, for every step t and every parameter element w::
 
-    |loss_par(t) − loss_ref(t)| ≤ atol + rtol·|loss_ref(t)|
-    |w_par − w_ref|             ≤ atol + rtol·|w_ref|
+    |loss_par(t) − loss_ref(t)| ≤ 1e-6 + 1e-5·|loss_ref(t)|        (LOSS_ATOL, LOSS_RTOL)
+    |w_par − w_ref|             ≤ 1e-5 + 1e-5·|w_ref|              (WEIGHT_ATOL, WEIGHT_RTOL)
 
-with rtol = 1e-5 and atol = 1e-6 (fp32 summation order differs between one process and
-several: gradients are summed in another order, nothing else).
+Only fp32 summation order differs between one process and several. The weights' absolute
+tolerance is torch.testing's fp32 default, and it is needed: a parameter whose true
+gradient is zero (a key projection's bias under softmax) gets pure rounding noise n ≈ 1e-10
+as its gradient, and AdamW turns it into a step of lr·n/(|n| + eps) ≈ lr·1e-2, different
+noise on each side. Measured on the example GPT at lr 1e-3: 7.2e-6 after 1, 3 and 10
+steps (it does not accumulate), every other element within 1e-6.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from autoshard.modelfile import ModelFile
 from autoshard.runtime.data import global_batch
 from autoshard.runtime.model import build_model, load_model_file
 
-RTOL = 1e-5
-ATOL = 1e-6
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 DEFAULT_LR = 1e-3
 
 
@@ -103,9 +107,10 @@ def compare(steps: int, par_losses: list[float], ref_losses: list[float], par_pa
             diff = (par_params[name].float() - ref.float()).abs().max().item() if ref.numel() else 0.0
             if diff > worst_diff or not worst:
                 worst, worst_diff = name, diff
-            if not failure and not torch.allclose(par_params[name].float(), ref.float(), rtol=RTOL, atol=ATOL):
-                failure = f"weights of {name} differ by up to {diff:.3g} (rtol {RTOL}, atol {ATOL})"
+            if not failure and not torch.allclose(par_params[name].float(), ref.float(), rtol=WEIGHT_RTOL,
+                                                  atol=WEIGHT_ATOL):
+                failure = f"weights of {name} differ by up to {diff:.3g} (rtol {WEIGHT_RTOL}, atol {WEIGHT_ATOL})"
     for step, (a, b) in enumerate(zip(par_losses, ref_losses)):
-        if not failure and abs(a - b) > ATOL + RTOL * abs(b):
+        if not failure and abs(a - b) > LOSS_ATOL + LOSS_RTOL * abs(b):
             failure = f"loss at step {step} differs: {a:.8g} parallel vs {b:.8g} one process"
     return VerifyReport(steps, par_losses, ref_losses, max(loss_diffs, default=0.0), worst_diff, worst, failure)

@@ -1,0 +1,117 @@
+"""The CLI as a user meets it: plans, byte-identical re-plans, and one-line errors with exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.cli import main
+
+GPT = "examples/gpt.py:build"
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_has_design_keys_and_is_deterministic(in_repo, capsys, tmp_path):
+    args = ["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8"]
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert code == 0
+    plan = json.loads(out)
+    for key in ("version", "model", "cluster", "global_batch", "mesh", "zero_stage", "microbatch_size",
+                "num_microbatches", "schedule", "recompute", "stages", "tensor_parallel", "predicted", "alternatives"):
+        assert key in plan
+    for key in ("spec", "hash", "params", "layers"):
+        assert key in plan["model"]
+    for key in ("step_time_s", "compute_s", "comm_exposed_s", "bubble_s", "memory_peak_bytes_per_rank",
+                "tokens_per_s", "mfu"):
+        assert key in plan["predicted"]
+    assert plan["model"]["layers"] == 4 and plan["mesh"]["dp"] == 2
+    run_cli(capsys, *args, "-o", str(tmp_path / "a.json"))
+    run_cli(capsys, *args, "-o", str(tmp_path / "b.json"))
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert (tmp_path / "a.json").read_text() == out
+
+
+def test_pins_are_honoured(in_repo, capsys):
+    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
+                           "--global-batch", "8", "--zero", "3", "--microbatch-size", "2", "--recompute", "full",
+                           "--json")
+    plan = json.loads(out)
+    assert (plan["zero_stage"], plan["microbatch_size"], plan["num_microbatches"], plan["recompute"]) == (3, 2, 2, "full")
+    assert sorted(plan["pinned"]) == ["microbatch_size", "recompute", "zero"]
+
+
+def test_inspect_and_compile(in_repo, capsys, tmp_path):
+    plan_path, program = tmp_path / "p.json", tmp_path / "train.py"
+    run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--global-batch", "8", "--zero", "1", "-o", str(plan_path))
+    code, out, _ = run_cli(capsys, "inspect", str(plan_path))
+    assert code == 0
+    for text in ("Memory per rank", "optimizer state", "Time per step", "exposed communication", "Alternatives"):
+        assert text in out
+    code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
+    source = program.read_text()
+    compile(source, str(program), "exec")
+    assert "ZeroRedundancyOptimizer(" in source and "bucket_cap_mb=" in source and "DP = 2" in source
+
+
+BAD = [
+    (["plan", "nope.py:build"], "model file 'nope.py' not found"),
+    (["plan", "examples/gpt.py"], "has no factory"),
+    (["plan", "examples/gpt.py:missing"], "no function 'missing'"),
+    (["plan", "tests/bad_models/broken.py:raises"], "factory raised RuntimeError: boom"),
+    (["plan", "tests/bad_models/broken.py:not_a_module"], "not a torch.nn.Module"),
+    (["plan", "tests/bad_models/broken.py:no_batch_model"], "no example_batch"),
+    (["plan", "tests/bad_models/wrong_batch.py:build"], "batch (2) as its first dimension"),
+    (["plan", "tests/bad_models/data_dependent.py:build"], "data-dependent"),
+    (["plan", GPT, "--global-batch", "7"], "not divisible by dp=2"),
+    (["plan", GPT, "--cluster", "dgx-z9000"], "dgx-z9000"),
+    (["plan", GPT, "--tp", "2"], "not supported yet"),
+    (["plan", GPT, "--zero", "5"], "--zero 5"),
+    (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
+    (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),
+    (["inspect", "missing.json"], "not found"),
+    (["plan", GPT, "--global-batch"], "expected one argument"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line_exit_2(in_repo, capsys, tmp_path, argv, message):
+    if argv[0] == "plan" and "--cluster" not in argv:
+        argv = argv + ["--cluster", "local-cpu", "--devices-per-node", "2"]
+    if argv[0] == "plan" and "--global-batch" not in argv:
+        argv = argv + ["--global-batch", "8"]
+    out_file = tmp_path / "plan.json"
+    code, out, err = run_cli(capsys, *argv, *(["-o", str(out_file)] if argv[0] == "plan" else []))
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "Traceback" not in err + out
+    assert not out_file.exists()
+
+
+def test_infeasible_names_memory_and_fix(in_repo, capsys):
+    code, _, err = run_cli(capsys, "plan", "tests/bad_models/huge.py:build", "--cluster", "local-cpu",
+                           "--devices-per-node", "2", "--global-batch", "8")
+    assert code == 2 and "GiB short" in err and "--nodes" in err
+
+
+def test_plan_for_another_model_is_refused(in_repo, capsys, tmp_path):
+    plan_path = tmp_path / "p.json"
+    run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--global-batch", "8", "-o", str(plan_path))
+    data = json.loads(plan_path.read_text())
+    data["model"]["spec"] = "tests/models/mlp.py:build"
+    plan_path.write_text(json.dumps(data))
+    code, _, err = run_cli(capsys, "compile", str(plan_path), "-o", str(tmp_path / "t.py"))
+    assert code == 2 and "not the model this plan was made for" in err
+    assert not (tmp_path / "t.py").exists()
+
+
+def test_debug_shows_traceback(in_repo):
+    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", "nope.py:build", "--cluster", "local-cpu",
+                           "--global-batch", "8", "--debug"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
