@@ -11,8 +11,13 @@ MIB = 2**20
 GIB = 2**30
 
 
+WIDTH_WHEN_PIPED = 120  # rich's 80-column default for non-terminals wraps the alternatives table
+
+
 def render_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, WIDTH_WHEN_PIPED)
     console.print(Group(decision_table(plan), memory_table(plan), time_table(plan), stages_table(plan),
                         alternatives_table(plan)))
 
@@ -80,14 +85,18 @@ def stages_table(plan: Plan) -> Table:
 
 def alternatives_table(plan: Plan) -> Table:
     t = Table(title="Alternatives considered", title_justify="left")
-    for col in ("mesh", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
+    for col in ("dp x tp x pp", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
         t.add_column(col, justify="right" if col in ("step ms", "peak MiB", "micro-batch") else "left")
-    t.add_row(str(plan.mesh), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
+    t.add_row(_mesh(plan.mesh), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
               *_time_mem(plan.predicted), "[green]chosen[/green]")
     for a in plan.alternatives:
-        t.add_row(str(a.mesh), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
+        t.add_row(_mesh(a.mesh), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
                   a.why_not)
     return t
+
+
+def _mesh(mesh) -> str:
+    return f"{mesh.dp}x{mesh.tp}x{mesh.pp}"
 
 
 def _time_mem(p: Predicted | None) -> tuple[str, str]:

@@ -74,7 +74,7 @@ def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
     if slower > 1e-9:
         part = _largest_gap(p.predicted, best.predicted)
         return f"{slower:.1%} slower ({part})"
-    return "as fast, but uses more memory or a more complex setup"
+    return "tie on time; the chosen plan needs less memory or is simpler"
 
 
 def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -> str:

@@ -25,3 +25,10 @@ def test_verify_dp_and_zero(in_repo, model, zero, ranks):
     assert report.ok, report.failure
     assert len(report.parallel_losses) == 3
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+
+
+def test_verify_eight_ranks_zero3(in_repo):
+    plan = autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
+    assert plan.mesh.dp == 8
+    report = verify(plan, steps=2)
+    assert report.ok, report.failure
