@@ -8,6 +8,34 @@ object, never the ``nn.Module``, so plans are made from meta tensors alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+# Bytes per element of the dtypes a captured graph can name (``str(torch.dtype)`` minus "torch.").
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "complex128": 16, "complex64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (e.g. "bfloat16" -> 2); 0 for "" (no tensor)."""
+    if not dtype:
+        return 0
+    if dtype not in DTYPE_BYTES:  # a rarer dtype: ask torch (imported only then)
+        import torch
+
+        return getattr(torch, dtype).itemsize
+    return DTYPE_BYTES[dtype]
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a dense tensor: prod(shape) · bytes per element."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype_bytes(dtype)
 
 
 @dataclass
@@ -25,6 +53,11 @@ class OpNode:
     flops: int = 0  # forward FLOPs (multiply-add = 2)
     bytes_read: int = 0
     bytes_written: int = 0
+    # Non-tensor arguments by schema name, as plain Python values, e.g. {"dim0": 1, "dim1": 2},
+    # {"p": 0.0, "train": True}; positional ones of non-aten targets are "arg0", "arg1", ...
+    attrs: dict[str, Any] = field(default_factory=dict)
+    # Tensor outputs after the first, as (shape, dtype), for ops that return several.
+    extra_outputs: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     @property
     def output_numel(self) -> int:
@@ -32,6 +65,12 @@ class OpNode:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of all tensor outputs (the first and ``extra_outputs``)."""
+        extra = sum(tensor_bytes(shape, dtype) for shape, dtype in self.extra_outputs)
+        return tensor_bytes(self.shape, self.dtype) + extra
 
 
 @dataclass
@@ -82,6 +121,10 @@ class OpGraph:
     tokens_per_sample: int  # sequence length for token models, 1 otherwise
     module_types: dict[str, str] = field(default_factory=dict)  # module path -> class name
     blocks: list[Block] = field(default_factory=list)  # filled by passes/blocks
+    # Graph inputs that OpNode.inputs may name besides other nodes (filled by passes/capture):
+    input_names: list[str] = field(default_factory=list)  # user-input placeholders, as input_shapes
+    placeholder_params: dict[str, str] = field(default_factory=dict)  # placeholder -> param/buffer name
+    placeholders: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # -> (shape, dtype)
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]
@@ -92,6 +135,28 @@ class OpGraph:
             cache = {n.name: n for n in self.nodes}
             self.__dict__["_by_name_cache"] = cache
         return cache
+
+    def value_meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of anything ``OpNode.inputs`` names: a node's first output or a placeholder."""
+        node = self._by_name().get(name)
+        if node is not None:
+            return node.shape, node.dtype
+        return self.placeholders[name]
+
+    def value_bytes(self, name: str) -> int:
+        return tensor_bytes(*self.value_meta(name))
+
+    def param(self, name: str) -> ParamInfo:
+        """The parameter or buffer called ``name`` (or tied to it)."""
+        cache = self.__dict__.get("_param_cache")
+        if cache is None or len(cache) < len(self.params):
+            cache = {alias: p for p in self.params for alias in (p.name, *p.tied_to)}
+            self.__dict__["_param_cache"] = cache
+        return cache[name]
+
+    @property
+    def block_paths(self) -> list[str]:
+        return [b.path for b in self.blocks]
 
     @property
     def param_count(self) -> int:

@@ -1,0 +1,255 @@
+"""Annotate: forward FLOPs and bytes moved for every OpNode, from shapes alone.
+
+FLOPs count a multiply-add as 2. For an op with output ``out`` and inputs ``x``, ``w``::
+
+    linear(x, w[out_f, in_f])      2 · prod(x.shape[:-1]) · in_f · out_f     (bias not counted)
+    matmul(a, b), mm, bmm, addmm   2 · numel(out) · a.shape[-1]               (K multiply-adds per output)
+    einsum                         2 · numel(out) · prod(sizes of the contracted letters)
+    conv (any)                     2 · numel(out) · in_channels/groups · prod(kernel)
+    sdpa(q[B,H,L,E], k[B,Hk,S,E], v[B,Hk,S,Ev])
+                                   2·B·H·L·S·E + 2·B·H·L·S·Ev                 (QKᵀ and PV; no causal
+                                                                             discount, as PaLM's MFU
+                                                                             and flop_counter)
+    pointwise / norm / softmax     c_op · numel(out)                          (c_op in POINTWISE_FLOPS)
+    reduction                      c_op · numel(input)                        (c_op in REDUCTION_FLOPS)
+    alias (views), copies, creation  0
+
+``torch.utils.flop_counter``'s registered formulas (``flop_registry``: mm, addmm, bmm,
+baddbmm, convolution, the ``_scaled_dot_product_*`` kernels) are used for the ops they
+cover; the training IR keeps higher-level ops (linear, matmul, scaled_dot_product_attention,
+conv2d) whose formulas are written here from shapes.
+
+Bytes (for the memory-bound side of the roofline in cost/compute)::
+
+    bytes_read    = Σ bytes of the distinct tensor inputs, parameters included
+                    (an embedding counts its whole table: an upper bound, and what cost/compute
+                    assumes when it separates weight bytes from activation bytes)
+    bytes_written = Σ bytes of the tensor outputs
+    alias ops     read 0 and write 0: ALIAS_OPS, a ``to`` that keeps the dtype, dropout with p = 0
+                  (views share storage; ``reshape`` and ``contiguous`` of a
+                  non-contiguous tensor copy in reality — strides are not captured: reshape is
+                  counted as a view, contiguous as a copy)
+    creation ops  read 0 (arange, zeros, full, ...)
+
+The constants are operation counts of each op's textbook definition (one per add, multiply,
+compare or transcendental); they matter little next to matmuls but make the memory-bound ops
+visible. Ops in no table get 0 FLOPs and their bytes: unknown ops are charged for memory only.
+Higher-order ops (``higher_order.cond``, ``higher_order.wrap_with_set_grad_enabled``, as HF
+Llama's rotary table) are such ops: the ops inside their bodies are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.utils.flop_counter as flop_counter
+
+from autoshard.ir.graph import OpGraph, OpNode
+
+# Ops that return a view or alias of an input: no FLOPs, no bytes. Names are aten op names
+# without overload (in-place variants "add_" are looked up as "add"), or full targets.
+ALIAS_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "transpose", "t", "permute",
+    "expand", "expand_as", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "narrow", "alias", "detach", "as_strided", "unflatten", "flatten", "movedim",
+    "moveaxis", "swapaxes", "swapdims", "diagonal", "view_as_real", "view_as_complex", "real", "imag",
+    "lift_fresh", "numpy_T", "mT", "adjoint",
+    "_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_size", "sym_numel",
+    "sym_stride", "sym_storage_offset", "sym_constrain_range", "sym_constrain_range_for_size",
+    "operator.getitem",
+})
+
+# Pointwise, normalisation and softmax-like ops: FLOPs per output element.
+POINTWISE_FLOPS = {
+    # one operation per element
+    **dict.fromkeys([
+        "add", "sub", "rsub", "mul", "div", "neg", "abs", "sign", "square", "reciprocal", "sqrt",
+        "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh",
+        "erf", "erfc", "pow", "floor", "ceil", "round", "trunc", "frac", "remainder", "fmod",
+        "maximum", "minimum", "clamp", "clamp_min", "clamp_max",
+        "relu", "relu6", "threshold", "hardtanh", "where", "masked_fill", "fill",
+        "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
+        "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "__and__", "__or__", "__xor__",
+        "__invert__", "isnan", "isinf", "isfinite", "nan_to_num", "tril", "triu", "diff",
+    ], 1),
+    # two operations: fused multiply-add forms and dropout (mask compare, scale)
+    **dict.fromkeys(["addcmul", "addcdiv", "lerp", "leaky_relu", "hardsigmoid", "dropout", "feature_dropout",
+                     "alpha_dropout", "native_dropout"], 2),
+    # activations, as the count of their primitive operations
+    "elu": 3, "celu": 3, "selu": 4, "softplus": 3, "hardswish": 4, "sigmoid": 4, "logsigmoid": 5,
+    "silu": 5, "mish": 7, "gelu": 8, "glu": 5,
+    # normalisations over the last dims: mean, subtract, square, mean, rsqrt·x, scale, shift
+    "layer_norm": 7, "native_layer_norm": 7, "group_norm": 7, "native_group_norm": 7,
+    "batch_norm": 7, "native_batch_norm": 7, "_native_batch_norm_legit": 7,
+    "_native_batch_norm_legit_no_training": 5, "instance_norm": 7,
+    "rms_norm": 4, "_fused_rms_norm": 4,  # square, mean, rsqrt·x, scale
+    # softmax: max, subtract, exp, sum, divide (log-softmax: log and subtract instead of divide)
+    "softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "safe_softmax": 5, "_safe_softmax": 5,
+}
+
+# Reductions: FLOPs per *input* element.
+REDUCTION_FLOPS = {
+    **dict.fromkeys(["sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod",
+                     "cumsum", "cumprod", "all", "any", "nansum", "count_nonzero"], 1),
+    "norm": 2, "linalg_vector_norm": 2, "var": 3, "std": 3, "var_mean": 3, "std_mean": 3,
+    "logsumexp": 3, "cross_entropy_loss": 6, "nll_loss": 1, "nll_loss_forward": 1, "mse_loss": 3,
+    "l1_loss": 2, "smooth_l1_loss": 3, "binary_cross_entropy_with_logits": 6,
+}
+
+# Ops that make a tensor from nothing: they write their output and read nothing.
+CREATION_OPS = frozenset({
+    "arange", "zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones", "new_full",
+    "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand", "randn", "randint",
+    "rand_like", "randn_like", "randint_like", "randperm", "scalar_tensor", "linspace", "logspace",
+    "eye", "tensor", "lift_fresh_copy",
+})
+
+
+def annotate(graph: OpGraph) -> OpGraph:
+    """Fill ``flops``, ``bytes_read`` and ``bytes_written`` of every node (in place; returns graph)."""
+    for node in graph.nodes:
+        node.flops = node_flops(graph, node)
+        node.bytes_read, node.bytes_written = node_bytes(graph, node)
+    return graph
+
+
+def node_flops(graph: OpGraph, node: OpNode) -> int:
+    """Forward FLOPs of one node (module docstring)."""
+    op = op_name(node.target)
+    if is_alias(graph, node):
+        return 0
+    if op in MATMUL_FORMULAS:
+        return MATMUL_FORMULAS[op](graph, node)
+    registered = _registry_flops(graph, node)
+    if registered is not None:
+        return registered
+    if op in POINTWISE_FLOPS:
+        return POINTWISE_FLOPS[op] * node.output_numel
+    if op in REDUCTION_FLOPS and node.inputs:
+        return REDUCTION_FLOPS[op] * _numel(_shape(graph, node.inputs[0]))
+    return 0
+
+
+def node_bytes(graph: OpGraph, node: OpNode) -> tuple[int, int]:
+    """(bytes_read, bytes_written): distinct tensor inputs and all tensor outputs; 0 for aliases."""
+    if is_alias(graph, node):
+        return 0, 0
+    written = node.output_bytes
+    if op_name(node.target) in CREATION_OPS:
+        return 0, written
+    return sum(graph.value_bytes(name) for name in dict.fromkeys(node.inputs)), written
+
+
+def op_name(target: str) -> str:
+    """The table key of a target: "aten.add_.Tensor" -> "add"; non-aten targets stay whole."""
+    if not target.startswith("aten."):
+        return target
+    name = target.split(".")[1]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def is_alias(graph: OpGraph, node: OpNode) -> bool:
+    """A view or no-op: in ALIAS_OPS, a ``to`` that keeps the dtype, or dropout with p = 0."""
+    op = op_name(node.target)
+    if op in ALIAS_OPS:
+        return True
+    if op in ("to", "type_as") and node.inputs:
+        return graph.value_meta(node.inputs[0]) == (node.shape, node.dtype)
+    if op in ("dropout", "feature_dropout", "alpha_dropout"):
+        return node.attrs.get("p") == 0 or node.attrs.get("train") is False
+    return False
+
+
+# ---------------------------------------------------------------------------- matmul-class formulas
+
+
+def _shape(graph: OpGraph, name: str) -> tuple[int, ...]:
+    return graph.value_meta(name)[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def linear_flops(graph: OpGraph, node: OpNode) -> int:
+    """2 · prod(x.shape[:-1]) · in_features · out_features."""
+    x, w = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    out_features = w[0] if len(w) == 2 else 1
+    return 2 * _numel(x[:-1]) * x[-1] * out_features
+
+
+def matmul_flops(graph: OpGraph, node: OpNode) -> int:
+    """2 · numel(out) · K, K = a.shape[-1]: each output element is K multiply-adds (any broadcast)."""
+    return 2 * node.output_numel * _shape(graph, node.inputs[0])[-1]
+
+
+def einsum_flops(graph: OpGraph, node: OpNode) -> int:
+    """2 · numel(out) · prod(sizes of the letters summed away)."""
+    lhs, _, rhs = str(node.attrs.get("equation", "")).replace(" ", "").partition("->")
+    sizes: dict[str, int] = {}
+    for operand, name in zip(lhs.split(","), node.inputs):
+        letters = operand.replace("...", "")
+        shape = _shape(graph, name)
+        tail = shape[len(shape) - len(letters):] if "..." in operand else shape[:len(letters)]
+        sizes.update(zip(letters, tail))
+    contracted = [size for letter, size in sizes.items() if letter not in rhs]
+    return 2 * node.output_numel * math.prod(contracted)
+
+
+def conv_flops(graph: OpGraph, node: OpNode) -> int:
+    """``flop_counter.conv_flop_count``: 2 · numel(out) · in_channels/groups · prod(kernel)."""
+    x, w = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    transposed = op_name(node.target).startswith("conv_transpose")
+    return int(flop_counter.conv_flop_count(list(x), list(w), list(node.shape), transposed=transposed))
+
+
+def sdpa_flops(graph: OpGraph, node: OpNode) -> int:
+    """QKᵀ and PV: 2·B·H·L·S·(E + Ev), by ``flop_counter.sdpa_flop_count`` (GQA allowed)."""
+    q, k, v = (_as_bhse(_shape(graph, name)) for name in node.inputs[:3])
+    return int(flop_counter.sdpa_flop_count(q, k, v))
+
+
+def _as_bhse(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(..., L, E) as (batch, heads, L, E): leading dims beyond the heads fold into the batch."""
+    padded = (1,) * max(0, 4 - len(shape)) + tuple(shape)
+    return (_numel(padded[:-3]), *padded[-3:])
+
+
+MATMUL_FORMULAS: dict[str, Callable[[OpGraph, OpNode], int]] = {
+    "linear": linear_flops,
+    "matmul": matmul_flops,
+    "einsum": einsum_flops,
+    "scaled_dot_product_attention": sdpa_flops,
+    **dict.fromkeys(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                     "conv_transpose3d"], conv_flops),
+}
+
+
+def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
+    """FLOPs from ``flop_counter.flop_registry`` for the aten ops it covers, else None.
+
+    The formulas take the op's arguments with tensors replaced by shapes; they are rebuilt
+    from the schema: Tensor arguments from ``node.inputs`` in order, the rest from ``attrs``,
+    with trailing defaults left off as in an ordinary call (``addmm_flop`` takes no beta).
+    """
+    overload = _overload(node.target)
+    formula = flop_counter.flop_registry.get(overload.overloadpacket) if overload is not None else None
+    if formula is None:
+        return None
+    schema_args = overload._schema.arguments
+    shapes = iter(_shape(graph, name) for name in node.inputs)
+    args = [node.attrs[a.name] if a.name in node.attrs else next(shapes) for a in schema_args]
+    while args and schema_args[len(args) - 1].has_default_value() \
+            and args[-1] == schema_args[len(args) - 1].default_value:
+        args.pop()
+    return int(formula(*args, out_val=node.shape))
+
+
+def _overload(target: str) -> torch._ops.OpOverload | None:
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return None
+    packet = getattr(torch.ops.aten, parts[1], None)
+    return getattr(packet, parts[2], None) if packet is not None else None

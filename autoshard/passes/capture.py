@@ -1,0 +1,391 @@
+"""Capture: a model file becomes an :class:`OpGraph` through ``torch.export`` on meta tensors.
+
+The model is built under ``torch.device("meta")`` (no memory is allocated, so a 175B model
+plans on a laptop) and exported with ``torch.export.export(model, inputs, strict=False)``:
+the training IR keeps high-level ops (``aten.linear``, ``aten.scaled_dot_product_attention``,
+``aten.layer_norm``) and records, on every node, the module stack it ran in.
+
+Each ``call_function`` node of the exported graph becomes one :class:`OpNode`:
+
+    name, target           node.name, str(node.target)           "linear_3", "aten.linear.default"
+    module_path, type      innermost entry of nn_module_stack    "h.0.attn.q_proj", "...Linear"
+    inputs                 names of the Node arguments, argument order (duplicates kept)
+    shape, dtype           node.meta["val"] (first tensor; the others in extra_outputs)
+    param_inputs           placeholders read that are parameters / buffers, by qualified name
+    attrs                  non-tensor arguments by schema name ({"dim0": 1, "dim1": 2})
+
+Parameters and buffers come from the module itself (``named_parameters(remove_duplicate=False)``),
+so tied weights appear once, under their first name, with the others in ``tied_to``.
+
+Export failures become one-line :class:`AutoshardError` messages that name the user's
+source line and the fix (``describe_export_failure``).
+
+Ensures: every name in ``OpNode.inputs`` is a node or a key of ``OpGraph.placeholders``;
+every ``param_inputs`` name is a ``ParamInfo.name``; nodes are in execution order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
+from autoshard.modelfile import ModelFile
+
+# modelfile imports user files under this module-name prefix; class names use the file stem.
+_USER_MODULE_PREFIX = "autoshard_user_model_"
+# Loggers that print whole graphs on an export failure; the user gets one line instead.
+_NOISY_LOGGERS = (
+    "torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+    "torch._dynamo", "torch.fx.experimental.proxy_tensor", "torch._subclasses.fake_tensor",
+)
+
+
+def capture(model_file: ModelFile, batch_size: int = 2) -> OpGraph:
+    """Build the model on meta, export it on a meta copy of ``example_batch(batch_size)``."""
+    model = build_on_meta(model_file)
+    inputs, _ = model_file.example_batch(batch_size)
+    meta_inputs = tuple(t.to("meta") for t in inputs)
+    return capture_module(model, meta_inputs, where=model_file.spec)
+
+
+def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str = "model") -> OpGraph:
+    """Export ``model`` on ``inputs`` (same device as its parameters) and convert the result."""
+    program = export_module(model, inputs, where)
+    return graph_from_export(model, program, inputs)
+
+
+def build_on_meta(model_file: ModelFile) -> nn.Module:
+    """Call the factory under ``torch.device("meta")``; a failure says that meta is the problem."""
+    try:
+        model = model_file.build("meta")
+    except AutoshardError as exc:
+        cause = exc.__cause__
+        if cause is None:  # not an exception of the user's code (e.g. it returned no module)
+            raise
+        where = _user_location(cause)
+        raise AutoshardError(
+            f"{model_file.spec}: the model cannot be built on the meta device "
+            f"({type(cause).__name__}: {_first_line(cause)}{' at ' + where if where else ''}); "
+            f"make {model_file.factory_name}() work under `with torch.device('meta')`: create tensors "
+            f"without a fixed device=, and do not read values (.item(), .tolist(), torch.load) while building"
+        ) from cause
+    if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
+        model = model.to("meta")  # the factory pinned a device; planning needs shapes only
+    return model
+
+
+def export_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)``; a failure is one line with the user's source line."""
+    with _quiet_export():
+        try:
+            return torch.export.export(model, inputs, strict=False)
+        except Exception as exc:
+            raise AutoshardError(describe_export_failure(exc, where)) from exc
+
+
+def graph_from_export(model: nn.Module, program: torch.export.ExportedProgram,
+                      inputs: tuple[torch.Tensor, ...]) -> OpGraph:
+    """The OpGraph of an exported program (see the module docstring for the mapping)."""
+    sig = program.graph_signature
+    params = param_infos(model)
+    canonical = {alias: p.name for p in params for alias in (p.name, *p.tied_to)}
+    # export may name a tied tensor by any of its names; the OpGraph uses ParamInfo.name
+    placeholder_params = {ph: canonical.get(_clean_path(fqn), _clean_path(fqn)) for ph, fqn in
+                          {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+    module_types = module_types_of(model)
+    graph_nodes = list(program.graph.nodes)
+    first = inputs[0] if inputs else None
+    return OpGraph(
+        nodes=[op_node(n, placeholder_params, module_types) for n in graph_nodes if n.op == "call_function"],
+        params=params,
+        input_shapes=[tuple(t.shape) for t in inputs],
+        batch_size=int(first.shape[0]) if first is not None and first.dim() else 1,
+        tokens_per_sample=_tokens_per_sample(first),
+        module_types=module_types,
+        input_names=[str(name) for name in sig.user_inputs],
+        placeholder_params=placeholder_params,
+        placeholders={n.name: _outputs(n.meta.get("val"))[:2] for n in graph_nodes if n.op == "placeholder"},
+    )
+
+
+# ---------------------------------------------------------------------------- nodes
+
+
+def op_node(node: torch.fx.Node, placeholder_params: dict[str, str], module_types: dict[str, str]) -> OpNode:
+    """One exported ``call_function`` node as an OpNode."""
+    path, stack_type = _module_of(node)
+    inputs = tuple(a.name for a in _node_args(node))
+    shape, dtype, extra = _outputs(node.meta.get("val"))
+    params = tuple(dict.fromkeys(placeholder_params[i] for i in inputs if i in placeholder_params))
+    return OpNode(
+        name=node.name, target=target_name(node.target), module_path=path,
+        module_type=module_types.get(path, stack_type), inputs=inputs, shape=shape, dtype=dtype,
+        param_inputs=params, attrs=_attrs(node), extra_outputs=extra,
+    )
+
+
+def target_name(target: Any) -> str:
+    """"aten.linear.default" for aten ops, "higher_order.cond", "operator.getitem" otherwise."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    module = getattr(target, "__module__", None) or ""
+    return f"{module.lstrip('_')}.{getattr(target, '__name__', str(target))}".lstrip(".")
+
+
+def _node_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor-carrying Node arguments in order; submodule references (get_attr) are not data."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return [a for a in found if a.op != "get_attr"]
+
+
+def _outputs(val: Any) -> tuple[tuple[int, ...], str, tuple[tuple[tuple[int, ...], str], ...]]:
+    """(shape, dtype) of the first tensor in ``val`` and (shape, dtype) of the others."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+    metas = [(tuple(int(d) for d in t.shape), _dtype_name(t.dtype)) for t in tensors]
+    if not metas:
+        return (), "", ()
+    return metas[0][0], metas[0][1], tuple(metas[1:])
+
+
+def _attrs(node: torch.fx.Node) -> dict[str, Any]:
+    """Non-tensor arguments by schema name (defaults filled in); "argN" for non-aten targets."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return {f"arg{i}": _plain(a) for i, a in enumerate(node.args) if not _has_node(a)}
+    attrs = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        default = arg.default_value if arg.has_default_value() else None
+        if i < len(node.args) and not arg.kwarg_only:
+            value = node.args[i]
+        else:
+            value = node.kwargs.get(arg.name, default)
+        if not _has_node(value):
+            attrs[arg.name] = _plain(value)
+    return attrs
+
+
+def _has_node(value: Any) -> bool:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, found.append)
+    return bool(found)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly copy: numbers, strings, None, lists; torch objects as their names."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.hint if value.node.has_hint() else str(value)
+    return str(value)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------- modules and params
+
+
+def _module_of(node: torch.fx.Node) -> tuple[str, str]:
+    """(path, class name) of the innermost module on the node's ``nn_module_stack``; root is ""."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1][:2]
+    return _clean_path(path), cls if isinstance(cls, str) else qualified_class_name(cls)
+
+
+def _clean_path(path: str) -> str:
+    """Dotted module path: "L['self'].h[0]" -> "h.0", "_orig_mod.h.0" -> "h.0", "h.0@1" -> "h.0"."""
+    path = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", path)
+    path = re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]",
+                  lambda m: "." + next(g for g in m.groups() if g), path)
+    path = re.sub(r"@\d+$", "", path)
+    path = re.sub(r"(^|\.)_orig_mod(?=\.|$)", "", path)
+    return path.strip(".")
+
+
+def qualified_class_name(cls: type) -> str:
+    """"torch.nn.modules.linear.Linear"; classes of user model files use the file's stem ("gpt.Block")."""
+    module = cls.__module__
+    if module.startswith(_USER_MODULE_PREFIX):
+        file = getattr(sys.modules.get(module), "__file__", None)
+        module = Path(file).stem if file else module
+    return f"{module}.{cls.__qualname__}"
+
+
+def module_types_of(model: nn.Module) -> dict[str, str]:
+    """Every named module path (root "") -> qualified class name."""
+    return {_clean_path(name): qualified_class_name(type(m)) for name, m in model.named_modules()}
+
+
+def param_infos(model: nn.Module) -> list[ParamInfo]:
+    """Parameters, then buffers; a tensor reachable under several names appears once."""
+    params = _group_tied(model.named_parameters(remove_duplicate=False), is_buffer=False)
+    return params + _group_tied(model.named_buffers(remove_duplicate=False), is_buffer=True)
+
+
+def _group_tied(named: Iterator[tuple[str, torch.Tensor]], is_buffer: bool) -> list[ParamInfo]:
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in named:
+        names.setdefault(id(tensor), []).append(_clean_path(name))
+        tensors[id(tensor)] = tensor
+    return [
+        ParamInfo(name=ns[0], shape=tuple(tensors[key].shape), dtype=_dtype_name(tensors[key].dtype),
+                  module_path=ns[0].rpartition(".")[0], is_buffer=is_buffer, tied_to=tuple(ns[1:]))
+        for key, ns in names.items()
+    ]
+
+
+def _tokens_per_sample(first: torch.Tensor | None) -> int:
+    """Sequence length when the first input is token ids (integer, rank 2), else 1."""
+    integer = not (first is None or first.dtype.is_floating_point or first.dtype.is_complex
+                   or first.dtype == torch.bool)
+    if not integer or first.dim() != 2:
+        return 1
+    return int(first.shape[1])
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def describe_export_failure(exc: BaseException, where: str) -> str:
+    """One line: what torch.export could not trace, where in the user's code, and the fix."""
+    location = _user_location(exc)
+    at = f" at {location}" if location else ""
+    if _is_data_dependent(exc):
+        return (f"{where}: data-dependent control flow{at}; replace the Python `if` on a tensor value "
+                f"with torch.where / torch.cond (shapes and branches must not depend on tensor values)")
+    unflattenable = _unflattenable_output(exc)
+    if unflattenable:
+        return (f"{where}: the model returns a {unflattenable}, which torch.export cannot flatten; return "
+                f"tensors (or tuples / dicts / dataclasses of them) from forward(); for a Hugging Face "
+                f"model set use_cache=False in its config")
+    op = _failing_op(exc)
+    if op:
+        return (f"{where}: torch.export cannot trace op {op}{at} on meta tensors "
+                f"({type(exc).__name__}: {_first_line(exc)}); use standard torch ops there "
+                f"or register a fake (meta) kernel for {op}")
+    return (f"{where}: torch.export failed{at}: {type(exc).__name__}: {_first_line(exc)}; make forward() "
+            f"traceable (no .item()/.tolist()/.numpy(), no Python branches on tensor values); "
+            f"--debug shows the traceback")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes / contexts, outermost first."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    names = ("GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException")
+    for e in _chain(exc):
+        text = str(e).lower()
+        if type(e).__name__ in names or "data-dependent" in text or "data dependent" in text:
+            return True
+    return False
+
+
+def _unflattenable_output(exc: BaseException) -> str:
+    """The class name in torch's "Found <class 'X'> in output, which is not a known type"."""
+    for e in _chain(exc):
+        match = re.search(r"Found <class '([\w.]+)'> in output", str(e))
+        if match:
+            return match.group(1).rsplit(".", 1)[-1]
+    return ""
+
+
+def _failing_op(exc: BaseException) -> str:
+    for e in _chain(exc):
+        match = re.search(r"\b(\w+::\w+(?:\.\w+)?)", str(e))
+        if match:
+            return match.group(1)
+    return ""
+
+
+def _user_location(exc: BaseException) -> str:
+    """"file.py:7 (`code`)" for the innermost frame outside torch, the stdlib and autoshard."""
+    for e in reversed(_chain(exc)):
+        frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_tb(e.__traceback__)]
+        frames += re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', str(e))
+        user = [f for f in frames if _is_user_file(f[0])]
+        if user:
+            filename, lineno, line = user[-1]
+            code = f" (`{line.strip()}`)" if line and line.strip() else ""
+            return f"{_short_path(filename)}:{lineno}{code}"
+    return ""
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [Path(torch.__file__).parent, Path(autoshard.__file__).parent, Path(sysconfig.get_paths()["stdlib"])]
+    return tuple(str(d.resolve()) for d in dirs)
+
+
+def _is_user_file(filename: str) -> bool:
+    if not filename or filename.startswith("<"):
+        return False
+    return not str(Path(filename).resolve()).startswith(_library_dirs())
+
+
+def _short_path(filename: str) -> str:
+    path = Path(filename).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Export fast and quietly; everything is restored after.
+
+    * no per-node stack traces (``torch.fx.config.do_not_emit_stack_traces``): the OpGraph
+      does not keep them, and collecting them is ~25% of exporting GPT-3 175B; failures are
+      still located from the exception's own traceback (``_user_location``);
+    * torch's loggers, and its ``print`` of the partial graph to stderr on a failure, are held
+      back: the user gets one line instead. Text written to stderr is replayed on success.
+    """
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
+    stderr = io.StringIO()
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield
+        sys.stderr.write(stderr.getvalue())
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

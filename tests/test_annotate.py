@@ -1,0 +1,149 @@
+"""passes/annotate: FLOPs and bytes per node from shapes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoshard.ir.graph import OpGraph, OpNode, tensor_bytes
+from autoshard.modelfile import load_model_file
+from autoshard.passes.annotate import annotate, is_alias, node_bytes, node_flops
+from autoshard.passes.capture import capture, capture_module
+
+ROOT = Path(__file__).resolve().parent.parent
+B, S, D, L, V = 2, 64, 64, 4, 256  # examples/gpt.py's default config at batch 2
+MATMUL_TARGETS = ("aten.linear", "aten.scaled_dot_product_attention")
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return annotate(capture(load_model_file(f"{ROOT / 'examples/gpt.py'}:build"), batch_size=B))
+
+
+def test_every_linear_is_2_b_s_in_out(gpt_graph):
+    linears = [n for n in gpt_graph.nodes if n.target == "aten.linear.default"]
+    assert len(linears) == 6 * L + 1
+    for node in linears:
+        out_features, in_features = gpt_graph.value_meta(node.inputs[1])[0]
+        assert node.flops == 2 * B * S * in_features * out_features
+
+
+def test_gpt_forward_flops_match_the_analytic_count(gpt_graph):
+    """2·N·tokens (N: weights that multiply, embeddings excluded) + 4·L·B·S²·d for attention."""
+    n_matmul_weights = 12 * D * D * L + V * D
+    attention = 4 * L * B * S * S * D
+    analytic = 2 * n_matmul_weights * B * S + attention
+    matmul = sum(n.flops for n in gpt_graph.nodes if n.target.startswith(MATMUL_TARGETS))
+    assert matmul == analytic
+    assert gpt_graph.flops_fwd == pytest.approx(analytic, rel=0.05)  # + norms, GELU, adds
+    assert gpt_graph.flops_fwd > analytic
+
+
+def test_sdpa_counts_qk_and_pv(gpt_graph):
+    sdpa = next(n for n in gpt_graph.nodes if n.target.startswith("aten.scaled_dot_product_attention"))
+    assert sdpa.flops == 2 * 2 * B * S * S * D  # heads · head_dim = D
+
+
+def test_views_cost_nothing(gpt_graph):
+    views = [n for n in gpt_graph.nodes if n.target.split(".")[1] in ("view", "transpose", "reshape")]
+    assert views and all((n.flops, n.bytes_read, n.bytes_written) == (0, 0, 0) for n in views)
+
+
+def test_linear_bytes_are_its_input_weight_bias_and_output(gpt_graph):
+    node = next(n for n in gpt_graph.nodes if n.module_path == "h.0.mlp.c_fc")
+    expected_read = 4 * (B * S * D + 4 * D * D + 4 * D)
+    assert (node.bytes_read, node.bytes_written) == (expected_read, 4 * B * S * 4 * D)
+
+
+def test_pointwise_ops_are_charged_per_element(gpt_graph):
+    gelu = next(n for n in gpt_graph.nodes if n.target == "aten.gelu.default")
+    add = next(n for n in gpt_graph.nodes if n.target == "aten.add.Tensor" and n.module_path == "h.0")
+    assert gelu.flops == 8 * B * S * 4 * D
+    assert add.flops == B * S * D and add.bytes_read == 2 * 4 * B * S * D
+
+
+def test_registry_formula_for_addmm_in_gpt2():
+    graph = annotate(capture(load_model_file(f"{ROOT / 'tests/models/hf_gpt2.py'}:build"), batch_size=B))
+    addmm = [n for n in graph.nodes if n.target == "aten.addmm.default"]
+    assert addmm
+    for node in addmm:
+        (m, k), (_, n) = graph.value_meta(node.inputs[1])[0], graph.value_meta(node.inputs[2])[0]
+        assert node.flops == 2 * m * k * n
+
+
+def test_gqa_attention_counts_query_heads():
+    graph = annotate(capture(load_model_file(f"{ROOT / 'tests/models/hf_llama.py'}:build"), batch_size=B))
+    sdpa = [n for n in graph.nodes if n.target.startswith("aten.scaled_dot_product_attention")]
+    assert len(sdpa) == 2
+    assert all(n.flops == 4 * B * 4 * 32 * 32 * 16 for n in sdpa)  # 4 query heads of 16, seq 32
+
+
+def test_conv2d_flops_from_shapes():
+    model = nn.Sequential(nn.Conv2d(3, 8, kernel_size=3, padding=1, groups=1), nn.ReLU())
+    graph = annotate(capture_module(model, (torch.randn(2, 3, 10, 10),)))
+    conv = graph.nodes[0]
+    assert conv.target == "aten.conv2d.default"
+    assert conv.flops == 2 * (2 * 8 * 10 * 10) * 3 * 3 * 3
+
+
+# ---------------------------------------------------------------------------- hand-made graphs
+
+
+def tiny_graph(*nodes: OpNode, placeholders=None) -> OpGraph:
+    placeholders = placeholders or {"x": ((4, 8), "float32"), "y": ((8, 16), "float32")}
+    return OpGraph(nodes=list(nodes), params=[], input_shapes=[], batch_size=4, tokens_per_sample=1,
+                   input_names=list(placeholders), placeholders=placeholders)
+
+
+def node(name, target, inputs, shape, dtype="float32", **attrs) -> OpNode:
+    return OpNode(name=name, target=target, module_path="", module_type="", inputs=inputs,
+                  shape=shape, dtype=dtype, attrs=attrs)
+
+
+def test_matmul_and_einsum():
+    mm = node("mm", "aten.matmul.default", ("x", "y"), (4, 16))
+    es = node("es", "aten.einsum.default", ("x", "y"), (4, 16), equation="ik,kj->ij")
+    graph = tiny_graph(mm, es)
+    assert node_flops(graph, mm) == node_flops(graph, es) == 2 * 4 * 8 * 16
+
+
+def test_reductions_count_input_elements():
+    total = node("s", "aten.sum.dim_IntList", ("x",), (4,))
+    graph = tiny_graph(total)
+    assert node_flops(graph, total) == 4 * 8
+    assert node_bytes(graph, total) == (4 * 4 * 8, 4 * 4)
+
+
+def test_conditional_aliases():
+    same = node("to", "aten.to.dtype", ("x",), (4, 8), "float32")
+    cast = node("to_1", "aten.to.dtype", ("x",), (4, 8), "bfloat16")
+    off = node("drop", "aten.dropout.default", ("x",), (4, 8), p=0.0, train=True)
+    on = node("drop_1", "aten.dropout.default", ("x",), (4, 8), p=0.1, train=True)
+    graph = tiny_graph(same, cast, off, on)
+    assert [is_alias(graph, n) for n in (same, cast, off, on)] == [True, False, True, False]
+    assert node_bytes(graph, cast) == (4 * 32, 2 * 32)
+
+
+def test_creation_reads_nothing_and_inplace_ops_use_their_table():
+    ones = node("ones", "aten.ones.default", (), (4, 8))
+    add_ = node("add_", "aten.add_.Tensor", ("x", "x"), (4, 8))
+    graph = annotate(tiny_graph(ones, add_))
+    assert (ones.flops, ones.bytes_read, ones.bytes_written) == (0, 0, 4 * 32)
+    assert add_.flops == 32 and add_.bytes_read == 4 * 32  # x read once
+
+
+def test_unknown_ops_are_charged_for_memory_only():
+    odd = node("odd", "mylib.frobnicate.default", ("x",), (4, 8))
+    graph = annotate(tiny_graph(odd))
+    assert (odd.flops, odd.bytes_read, odd.bytes_written) == (0, 128, 128)
+
+
+def test_tensor_bytes():
+    assert tensor_bytes((2, 3), "bfloat16") == 12
+    assert tensor_bytes((), "float32") == 4
+    assert tensor_bytes((5,), "") == 0
+    assert math.prod((2, 3)) * 8 == tensor_bytes((2, 3), "int64")
