@@ -25,7 +25,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
 from autoshard.passes.search import SearchResult, search
-from autoshard.passes.strategies import Pins, candidate_configs
+from autoshard.passes.strategies import Pins, candidate_configs, choose_dp, refuse_unsupported
 from autoshard.runtime.model import model_fingerprint
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
@@ -48,6 +48,9 @@ class PlanRequest:
 
 
 def plan_model(request: PlanRequest) -> Plan:
+    # The request is checked before capture, which takes seconds on large models.
+    refuse_unsupported(request.pins)
+    choose_dp(request.cluster.world_size, request.global_batch, request.pins)
     model_file = load_model_file(request.model_spec)
     done: list[str] = []
     graph = _run("capture", done, capture, model_file, CAPTURE_BATCH)
