@@ -77,7 +77,8 @@ def _imports(plan: Plan) -> str:
     if plan.zero_stage <= 1:
         torch_imports.append("from torch.nn.parallel import DistributedDataParallel as DDP")
     lines = "\n".join(sorted(torch_imports))
-    return f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\nfrom autoshard import runtime\n"
+    return (f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\n"
+            "from autoshard import runtime\nfrom autoshard.runtime import checkpoint\n")
 
 
 def _constants(plan: Plan) -> str:
@@ -150,6 +151,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     args = parser.parse_args()
 
     ctx = runtime.init_distributed(expected_world_size=DP)
@@ -158,9 +161,11 @@ def main():
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
+
     dp_rank = mesh.get_local_rank("dp")
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
         inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
@@ -174,6 +179,8 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.end(step, runtime.mean_over(step_loss, mesh.get_group("dp")))
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
     runtime.finish(model, log, args.metrics_out)
     dist.destroy_process_group()
