@@ -75,6 +75,8 @@ BAD = [
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),
     (["inspect", "missing.json"], "not found"),
+    (["inspect", "tests/bad_models/broken.py"], "not valid JSON"),
+    (["plan", GPT, "--cluster", "tests/bad_models/bad_cluster.yaml"], "intra_node.bandwidth_gbps"),
     (["plan", GPT, "--global-batch"], "expected one argument"),
 ]
 
