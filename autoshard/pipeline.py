@@ -53,9 +53,7 @@ def plan_model(request: PlanRequest) -> Plan:
     choose_dp(request.cluster.world_size, request.global_batch, request.pins)
     model_file = load_model_file(request.model_spec)
     done: list[str] = []
-    graph = _run("capture", done, capture, model_file, CAPTURE_BATCH)
-    graph = _run("annotate", done, annotate, graph)
-    graph = _run("blocks", done, find_blocks, graph)
+    graph = _graph_passes(model_file, done)
     configs = _run("strategies", done, candidate_configs, request.cluster.world_size, request.global_batch,
                    request.pins)
     result = _run("search", done, search, graph, request.cluster, configs, request.global_batch)
@@ -65,10 +63,13 @@ def plan_model(request: PlanRequest) -> Plan:
 def capture_graph(model_spec: str) -> tuple[ModelFile, OpGraph]:
     """capture -> annotate -> blocks, for tools that need only the graph."""
     model_file = load_model_file(model_spec)
-    done: list[str] = []
+    return model_file, _graph_passes(model_file, [])
+
+
+def _graph_passes(model_file: ModelFile, done: list[str]) -> OpGraph:
     graph = _run("capture", done, capture, model_file, CAPTURE_BATCH)
     graph = _run("annotate", done, annotate, graph)
-    return model_file, _run("blocks", done, find_blocks, graph)
+    return _run("blocks", done, find_blocks, graph)
 
 
 def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, result: SearchResult) -> Plan:
