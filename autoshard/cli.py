@@ -151,7 +151,7 @@ def cmd_run(args) -> int:
 
 def cmd_verify(args) -> int:
     from autoshard.ir.plan import load_plan
-    from autoshard.verify import LOSS_ATOL, LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, verify
+    from autoshard.verify import DEFAULT_LR, LOSS_ATOL, LOSS_RTOL, WEIGHT_RTOL, verify, weight_atol
 
     plan = load_plan(args.plan)
     print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
@@ -161,7 +161,7 @@ def cmd_verify(args) -> int:
         print(f"step {step}: loss {a:.8f} parallel, {b:.8f} one process")
     print(f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g} "
           f"({report.worst_param}); tolerance: loss rtol {LOSS_RTOL:g} atol {LOSS_ATOL:g}, "
-          f"weights rtol {WEIGHT_RTOL:g} atol {WEIGHT_ATOL:g}")
+          f"weights rtol {WEIGHT_RTOL:g} atol {weight_atol(DEFAULT_LR):g} (2% of one AdamW step)")
     if not report.ok:
         print(f"FAILED: {report.failure}", file=sys.stderr)
         return EXIT_VERIFY_FAILED

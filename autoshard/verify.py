@@ -5,14 +5,15 @@ same model from the same seed on the same global batches with the same optimizer
 agree when, for every step t and every parameter element w::
 
     |loss_par(t) − loss_ref(t)| ≤ 1e-6 + 1e-5·|loss_ref(t)|        (LOSS_ATOL, LOSS_RTOL)
-    |w_par − w_ref|             ≤ 1e-5 + 1e-5·|w_ref|              (WEIGHT_ATOL, WEIGHT_RTOL)
+    |w_par − w_ref|             ≤ 0.02·lr + 1e-5·|w_ref|           (WEIGHT_ATOL_PER_LR, WEIGHT_RTOL)
 
 Only fp32 summation order differs between one process and several. The weights' absolute
-tolerance is torch.testing's fp32 default, and it is needed: a parameter whose true
-gradient is zero (a key projection's bias under softmax) gets pure rounding noise n ≈ 1e-10
-as its gradient, and AdamW turns it into a step of lr·n/(|n| + eps) ≈ lr·1e-2, different
-noise on each side. Measured on the example GPT at lr 1e-3: 7.2e-6 after 1, 3 and 10
-steps (it does not accumulate), every other element within 1e-6.
+tolerance is 2% of one AdamW step, and it is needed: an element whose true gradient is
+zero or near AdamW's eps (a key projection's bias under softmax; a weight whose gradient is
+1e-8) gets rounding noise n as (part of) its gradient, and AdamW moves it by
+lr·n/(|g| + eps), up to about 1% of a step, with different noise on each side. Measured at
+lr 1e-3: 7.2e-6 for DP on the example GPT after 1, 3 and 10 steps (it does not accumulate),
+1.12e-5 for TP=2 (a gradient of 1.4e-8); every other element within 6e-6.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from autoshard.runtime.data import global_batch
 from autoshard.runtime.model import build_model, load_model_file
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
-WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+WEIGHT_RTOL, WEIGHT_ATOL_PER_LR = 1e-5, 0.02
 DEFAULT_LR = 1e-3
 
 
@@ -62,7 +63,7 @@ def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) ->
             return VerifyReport(steps, [], [], float("nan"), float("nan"), "", parallel)
         par_losses, par_params = parallel
     ref_losses, ref_params = train_reference(model_file, plan.global_batch, steps, seed, lr)
-    return compare(steps, par_losses, ref_losses, par_params, ref_params)
+    return compare(steps, par_losses, ref_losses, par_params, ref_params, lr)
 
 
 def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float):
@@ -93,7 +94,12 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def compare(steps: int, par_losses: list[float], ref_losses: list[float], par_params: dict, ref_params: dict) -> VerifyReport:
+def weight_atol(lr: float) -> float:
+    return WEIGHT_ATOL_PER_LR * lr
+
+
+def compare(steps: int, par_losses: list[float], ref_losses: list[float], par_params: dict, ref_params: dict,
+            lr: float = DEFAULT_LR) -> VerifyReport:
     loss_diffs = [abs(a - b) for a, b in zip(par_losses, ref_losses)]
     failure = ""
     if len(par_losses) != len(ref_losses):
@@ -108,8 +114,8 @@ def compare(steps: int, par_losses: list[float], ref_losses: list[float], par_pa
             if diff > worst_diff or not worst:
                 worst, worst_diff = name, diff
             if not failure and not torch.allclose(par_params[name].float(), ref.float(), rtol=WEIGHT_RTOL,
-                                                  atol=WEIGHT_ATOL):
-                failure = f"weights of {name} differ by up to {diff:.3g} (rtol {WEIGHT_RTOL}, atol {WEIGHT_ATOL})"
+                                                  atol=weight_atol(lr)):
+                failure = f"weights of {name} differ by up to {diff:.3g} (rtol {WEIGHT_RTOL}, atol {weight_atol(lr):g})"
     for step, (a, b) in enumerate(zip(par_losses, ref_losses)):
         if not failure and abs(a - b) > LOSS_ATOL + LOSS_RTOL * abs(b):
             failure = f"loss at step {step} differs: {a:.8g} parallel vs {b:.8g} one process"

@@ -1,0 +1,547 @@
+"""Tensor parallelism: choose a per-module TP style by optimising tensor layouts on the OpGraph.
+
+Nothing here matches module names. Every activation value v of a segment (one representative
+block per block ``signature``, plus the ops outside all blocks) gets a layout
+
+    L(v) ∈ {R, S, P}     R replicated, S sharded over tp ranks on one dimension s(v)
+                          (the feature / heads dimension), P partial sums (Σ over ranks = value)
+
+The sharded dimension s(v) is fixed by shape propagation before the solve
+(``shard_dims``): a linear shards its last dim; view/reshape map it through equal prefix
+products (F = H·hd → H, needs H mod tp = 0); transpose / unsqueeze / expand move it; an
+elementwise op aligns broadcast dims from the right; a split / slice / cat / reduction / norm
+over s(v) makes S illegal downstream. S is allowed on v only where s(v) exists and
+size(v, s(v)) mod tp = 0.
+
+Each op n picks one rule k from ``op_rules(n)``: a tuple of required input layouts and an
+output layout. Boolean x[n,k], Σ_k x[n,k] = 1 (``add_op_choice``):
+
+    linear (nn.Linear, Conv1D addmm)   replicate R→R | col R→S | row S→P
+    embedding                          replicate R→R | vocab-parallel R→P
+    sdpa                               (R,R,R,[R])→R | (S,S,S,[R])→S   (heads split; GQA: the
+                                       KV heads too)
+    elementwise / views                all R → R    | S (with broadcast inputs R) → S
+    norms, softmax / mean over s(v),   R → R only
+    anything unknown
+
+A producer's layout meets each consumer's required layout on the edge e = (u → n) through
+one transition t[e,a,b], Σ_b t[e,a,b] = L(u)=a, Σ_a t[e,a,b] = need(e)=b
+(``add_edge_transitions``). Allowed transitions and their price, S the bytes of u:
+
+    a = b            0
+    P → R            AR(S, tp)      all-reduce (the row-parallel output)
+    S → R            AG(S, tp)      all-gather, only right after a col linear (ColwiseParallel
+                                    with output_layouts=Replicate())
+    R → S, S → P, R → P, P → S      forbidden (the runtime has no place to slice or scale)
+
+Values entering a segment, and values leaving it (read by another segment or returned by the
+model), are R: the residual stream between blocks is replicated, as in Megatron-LM.
+
+Objective (``add_objective``), minimised over x and t, in integer picoseconds:
+
+    Σ_n Σ_k x[n,k] · (3 · T_c(flops(n)) / d(k)  +  c_bwd(k))   +   Σ_e Σ_{a,b} t[e,a,b] · c(a→b, bytes(u))
+
+with T_c(f) = f / (peak_tflops · 10¹² · matmul_efficiency), 3 = forward + two backward matmuls,
+d(k) = tp when k computes on shards (col, row, sharded elementwise / sdpa) and 1 otherwise,
+and c_bwd(col) = AR(bytes of its input, tp): the backward all-reduce of the input gradient of a
+column-parallel linear (Megatron's f operator). Collective costs come from
+``autoshard.cost.comm`` on the TP link. The model is solved exactly with OR-Tools CP-SAT,
+once per block signature, and the representative's styles are copied to its repeats.
+
+Divisibility (``check_divisibility``) is checked before the solve: tp must divide the query
+heads and the KV heads of every attention; a violation is refused with the numbers and the
+degrees that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from autoshard.cost.comm import all_gather_s, allreduce_s
+from autoshard.errors import AutoshardError
+from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.topology import DeviceSpec, LinkSpec
+from autoshard.passes.annotate import op_name
+
+R, S, P = "R", "S", "P"
+LAYOUTS = (R, S, P)
+PS_PER_S = 1e12  # CP-SAT needs integers: costs are in picoseconds
+FWD_BWD_FACTOR = 3  # forward matmul + two backward matmuls (input and weight gradients)
+
+LINEAR_OPS = {"linear", "addmm"}
+EMBEDDING_OPS = {"embedding"}
+SDPA_OPS = {"scaled_dot_product_attention"}
+VIEW_OPS = {"view", "reshape", "_unsafe_view"}
+PASS_OPS = {"contiguous", "clone", "to", "dropout", "alias", "detach", "type_as", "operator.getitem",
+            "lift_fresh", "lift_fresh_copy"}
+ELEMENTWISE_OPS = {"add", "sub", "mul", "div", "gelu", "silu", "relu", "tanh", "neg", "pow", "rsqrt", "sigmoid",
+                   "exp", "sqrt", "where", "masked_fill", "erf", "square"}
+REDUCE_OPS = {"mean", "sum", "amax", "amin", "softmax", "_softmax", "log_softmax", "_log_softmax"}
+DIM_OPS = {"split", "split_with_sizes", "slice", "cat", "chunk", "narrow", "select"}
+SINK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async"}
+CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
+CONV1D_REASON = ("transformers Conv1D: weight is (in, out), ColwiseParallel/RowwiseParallel expect nn.Linear's "
+                 "(out, in); replicated")
+
+STYLE_OF_RULE = {"col": "colwise", "row": "rowwise", "vocab": "vocab-parallel-embedding", "rep": "replicate"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One way to run an op: required layouts of its activation inputs, the output layout."""
+
+    kind: str  # "rep", "col", "row", "vocab", "shard" (elementwise / sdpa on shards)
+    inputs: tuple[str, ...]
+    output: str
+
+
+@dataclass
+class SegmentCost:
+    """The chosen layouts' predicted cost for one segment (a representative block or the rest)."""
+
+    path: str  # representative block path, or "" for the ops outside blocks
+    repeats: int
+    compute_s: float
+    comm_s: float
+    comm_bytes: int  # Σ sizes S of the collectives (all-reduce buffers, all-gather outputs)
+
+
+@dataclass
+class TPChoice:
+    tp: int
+    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding | replicate
+    reasons: dict[str, str]  # module path -> why it stays replicated
+    segments: list[SegmentCost] = field(default_factory=list)
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(s.comm_bytes * s.repeats for s in self.segments)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(s.comm_s * s.repeats for s in self.segments)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.compute_s * s.repeats for s in self.segments)
+
+    @property
+    def sharded(self) -> dict[str, str]:
+        """The styles that do something (not "replicate"): what ``apply_tensor_parallel`` needs."""
+        return {m: s for m, s in self.styles.items() if s != "replicate"}
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def choose_tp_styles(graph: OpGraph, tp: int, link: LinkSpec, device: DeviceSpec) -> TPChoice:
+    """Solve the layout model (module doc) per block signature and for the ops outside blocks."""
+    if tp < 1:
+        raise AutoshardError(f"tp={tp} must be a positive integer")
+    violations = check_divisibility(graph, tp)
+    if violations:
+        raise AutoshardError(f"tp={tp} cannot split this model: {'; '.join(violations)}; "
+                             f"fix: use tp in {valid_degrees(graph, up_to=max(tp, 8))}")
+    styles, reasons = _default_styles(graph)
+    choice = TPChoice(tp, styles, reasons)
+    if tp == 1:
+        return choice
+    consumers = consumer_map(graph)
+    for path, nodes, repeats in segments(graph):
+        rules, cost = solve_segment(graph, nodes, consumers, tp, link, device)
+        cost.path, cost.repeats = path, repeats
+        choice.segments.append(cost)
+        _record_styles(graph, choice, nodes, rules, path)
+    return choice
+
+
+def check_divisibility(graph: OpGraph, tp: int) -> list[str]:
+    """One line per attention whose query or KV head count tp does not divide."""
+    found = []
+    for node in graph.nodes:
+        if op_name(node.target) not in SDPA_OPS:
+            continue
+        q_heads, kv_heads = (projected_heads(graph, name) for name in node.inputs[:2])
+        for what, heads in (("query heads", q_heads), ("KV heads", kv_heads)):
+            if heads % tp:
+                found.append(f"{node.module_path or 'model'}: {heads} {what} are not divisible by tp={tp}")
+    return list(dict.fromkeys(found))
+
+
+def projected_heads(graph: OpGraph, name: str) -> int:
+    """Heads of an sdpa input as its projection made them: walk back through views / rotary ops
+    to the view just after the linear (so GQA's repeat_kv does not hide the KV head count)."""
+    heads = graph.value_meta(name)[0][1]
+    node = graph._by_name().get(name)
+    while node is not None and op_name(node.target) not in LINEAR_OPS:
+        ins = activation_inputs(graph, node)
+        producer = graph._by_name().get(ins[0]) if ins else None
+        if producer is not None and op_name(producer.target) in LINEAR_OPS and len(node.shape) == 4:
+            return node.shape[2]
+        node = producer
+    return heads
+
+
+def valid_degrees(graph: OpGraph, up_to: int) -> list[int]:
+    return [d for d in range(1, up_to + 1) if not check_divisibility(graph, d)]
+
+
+# ---------------------------------------------------------------------------- segments
+
+
+def segments(graph: OpGraph) -> list[tuple[str, list[OpNode], int]]:
+    """(representative path, its nodes, number of blocks with that signature), then the rest."""
+    in_blocks = {name for b in graph.blocks for name in b.node_names}
+    out = []
+    for block in graph.blocks:
+        if block.path == block.representative:
+            repeats = sum(b.signature == block.signature for b in graph.blocks)
+            out.append((block.path, [graph.node(n) for n in block.node_names], repeats))
+    rest = [n for n in graph.nodes if n.name not in in_blocks]
+    if rest:
+        out.append(("", rest, 1))
+    return out
+
+
+def consumer_map(graph: OpGraph) -> dict[str, list[str]]:
+    """Value name -> the nodes that read it."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for name in node.inputs:
+            readers.setdefault(name, []).append(node.name)
+    return readers
+
+
+def activation_inputs(graph: OpGraph, node: OpNode) -> list[str]:
+    """The inputs that are activations (not parameters or buffers), in argument order."""
+    return [name for name in node.inputs if name not in graph.placeholder_params]
+
+
+# ---------------------------------------------------------------------------- shard dims
+
+
+def shard_dims(graph: OpGraph, nodes: list[OpNode], tp: int) -> dict[str, int | None]:
+    """s(v) for every node of the segment: the dim S would shard, or None where S is illegal."""
+    dims: dict[str, int | None] = {}
+    for node in nodes:
+        dims[node.name] = _shard_dim(graph, node, dims, tp)
+    return dims
+
+
+def _shard_dim(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> int | None:
+    op, shape = op_name(node.target), node.shape
+    ins = [dims.get(name) for name in activation_inputs(graph, node)]
+    if not shape:
+        return None
+    if op in LINEAR_OPS:
+        return len(shape) - 1 if linear_can_split(graph, node, shape[-1], tp) else None
+    first = ins[0] if ins else None
+    if first is None or op in SINK_OPS:
+        return None if op not in ELEMENTWISE_OPS else _elementwise_dim(graph, node, dims, tp)
+    in_shape = graph.value_meta(activation_inputs(graph, node)[0])[0]
+    if op in VIEW_OPS:
+        out = _view_dim(in_shape, shape, first)
+    elif op == "transpose":
+        out = _transpose_dim(node, len(shape), first)
+    elif op == "unsqueeze":
+        d = node.attrs["dim"] % len(shape)
+        out = first + (d <= first)
+    elif op == "expand":
+        out = first if in_shape[first] == shape[first] else None
+    elif op in PASS_OPS:
+        out = first
+    elif op in SDPA_OPS:
+        out = _sdpa_dim(graph, node, dims)
+    elif op in DIM_OPS:
+        out = None if _dim_attr(node, len(in_shape)) == first else first
+    elif op in ELEMENTWISE_OPS:
+        out = _elementwise_dim(graph, node, dims, tp)
+    elif op in REDUCE_OPS:
+        reduced = node.attrs.get("dim")
+        reduced = [reduced] if isinstance(reduced, int) else (reduced or list(range(len(in_shape))))
+        keep = node.attrs.get("keepdim", True) or op not in {"mean", "sum", "amax", "amin"}
+        out = None if first in {d % len(in_shape) for d in reduced} or not keep else first
+    else:
+        out = None
+    return out if out is not None and out < len(shape) and shape[out] % tp == 0 else None
+
+
+def linear_can_split(graph: OpGraph, node: OpNode, out_features: int, tp: int) -> bool:
+    return not linear_refusal(graph, node, tp) and out_features % tp == 0
+
+
+def linear_refusal(graph: OpGraph, node: OpNode, tp: int) -> str:
+    """Why a linear module can be neither col nor row parallel ("" when it can)."""
+    if node.module_type == CONV1D_TYPE or node.module_type.endswith(".Conv1D"):
+        return CONV1D_REASON
+    tied = [p for p in node.param_inputs if graph.param(p).tied_to]
+    if tied:
+        p = graph.param(tied[0])
+        return f"weight tied to {', '.join((p.name, *p.tied_to))}: sharding one user would shard the other; replicated"
+    if op_name(node.target) != "linear":
+        return f"{op_name(node.target)} outside an nn.Linear: no ParallelStyle for it; replicated"
+    return ""
+
+
+def _view_dim(in_shape: tuple, out_shape: tuple, d: int) -> int | None:
+    """The output dim whose start lies where input dim d starts (equal prefix products)."""
+    prefix = _prod(in_shape[:d])
+    for j in range(len(out_shape)):
+        if _prod(out_shape[:j]) == prefix and out_shape[j] > 1:
+            return j
+    return None
+
+
+def _transpose_dim(node: OpNode, rank: int, d: int) -> int:
+    a, b = node.attrs["dim0"] % rank, node.attrs["dim1"] % rank
+    return b if d == a else a if d == b else d
+
+
+def _dim_attr(node: OpNode, rank: int) -> int:
+    return node.attrs.get("dim", 0) % rank
+
+
+def _sdpa_dim(graph: OpGraph, node: OpNode, dims: dict) -> int | None:
+    """Heads (dim 1) when q, k, v are all sharded on heads and the mask broadcasts over them."""
+    q, k, v, *rest = activation_inputs(graph, node)
+    if not all(dims.get(x) == 1 for x in (q, k, v)):
+        return None
+    if any(graph.value_meta(m)[0][1] != 1 for m in rest if len(graph.value_meta(m)[0]) == 4):
+        return None
+    return 1
+
+
+def _elementwise_dim(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> int | None:
+    """The common S dim, aligned from the right; inputs broadcast along it must be size 1 there."""
+    rank, found = len(node.shape), None
+    for name in activation_inputs(graph, node):
+        d, shape = dims.get(name), graph.value_meta(name)[0]
+        if d is not None:
+            aligned = d + rank - len(shape)
+            if found is not None and aligned != found:
+                return None
+            found = aligned
+    if found is None:
+        return None
+    for name in node.inputs:  # parameters and R inputs must broadcast along the sharded dim
+        shape = graph.value_meta(name)[0]
+        at = found - (rank - len(shape))
+        if dims.get(name) is None and at >= 0 and shape[at] != 1:
+            return None
+    return found
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+# ---------------------------------------------------------------------------- rules per op
+
+
+def op_rules(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> list[Rule]:
+    """The legal ways to run ``node`` (module doc table)."""
+    op, ins = op_name(node.target), activation_inputs(graph, node)
+    n_in = len(ins)
+    rules = [Rule("rep", (R,) * n_in, R)]
+    if op in SINK_OPS:
+        return [Rule("rep", (layout,) * n_in, R) for layout in LAYOUTS][: 1 if not n_in else 3]
+    if op in LINEAR_OPS and not linear_refusal(graph, node, tp):
+        x_dim = dims.get(ins[0]) if ins else None
+        if dims.get(node.name) is not None:
+            rules.append(Rule("col", (R,), S))
+        if x_dim is not None and x_dim == len(graph.value_meta(ins[0])[0]) - 1:
+            rules.append(Rule("row", (S,), P))
+    elif op in EMBEDDING_OPS and graph.param(node.param_inputs[0]).shape[0] % tp == 0 \
+            and not graph.param(node.param_inputs[0]).tied_to:
+        rules.append(Rule("vocab", (R,) * n_in, P))
+    elif dims.get(node.name) is not None and op not in LINEAR_OPS | EMBEDDING_OPS:
+        rules.append(Rule("shard", shard_rule_inputs(graph, node, dims), S))
+    return rules
+
+
+def shard_rule_inputs(graph: OpGraph, node: OpNode, dims: dict) -> tuple[str, ...]:
+    """Input layouts of an op computing on shards: elementwise inputs spanning the sharded dim are S
+    (broadcast ones R); sdpa's q, k, v are S (its mask R); cat's all S; a view-like op's one input is S."""
+    op, ins = op_name(node.target), activation_inputs(graph, node)
+    if op in ELEMENTWISE_OPS:
+        return tuple(S if dims.get(x) is not None and _full_at(graph, node, x, dims) else R for x in ins)
+    if op in SDPA_OPS:
+        return (S, S, S) + (R,) * (len(ins) - 3)
+    if op == "cat":
+        return (S,) * len(ins)
+    return (S,) + (R,) * (len(ins) - 1)
+
+
+def _full_at(graph: OpGraph, node: OpNode, name: str, dims: dict) -> bool:
+    """Whether input ``name`` spans the output's sharded dim (so it must be sharded too)."""
+    shape, rank = graph.value_meta(name)[0], len(node.shape)
+    at = dims[node.name] - (rank - len(shape))
+    return at >= 0 and shape[at] == node.shape[dims[node.name]]
+
+
+# ---------------------------------------------------------------------------- CP-SAT model
+
+
+def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int, link: LinkSpec,
+                  device: DeviceSpec) -> tuple[dict[str, Rule], SegmentCost]:
+    """Build and solve the CP-SAT model of one segment; the chosen rule per node and its cost."""
+    dims = shard_dims(graph, nodes, tp)
+    rules = {n.name: op_rules(graph, n, dims, tp) for n in nodes}
+    model = cp_model.CpModel()
+    pick = add_op_choice(model, rules)
+    layout = add_layouts(model, nodes, rules, pick)
+    costs = add_edge_transitions(model, graph, nodes, rules, pick, layout, consumers, tp, link)
+    costs += op_costs(graph, nodes, rules, pick, tp, link, device)
+    add_objective(model, costs)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    status = solver.Solve(model)
+    assert status == cp_model.OPTIMAL, f"TP layout model: {solver.StatusName(status)}"
+    chosen = {name: rs[k] for name, rs in rules.items() for k in range(len(rs)) if solver.Value(pick[name][k])}
+    return chosen, _segment_cost(solver, costs)
+
+
+def add_op_choice(model: cp_model.CpModel, rules: dict[str, list[Rule]]) -> dict[str, list]:
+    """x[n,k] booleans, Σ_k x[n,k] = 1."""
+    pick = {name: [model.NewBoolVar(f"x[{name},{k}]") for k in range(len(rs))] for name, rs in rules.items()}
+    for xs in pick.values():
+        model.AddExactlyOne(xs)
+    return pick
+
+
+def add_layouts(model, nodes: list[OpNode], rules: dict, pick: dict) -> dict[str, dict[str, object]]:
+    """L(v)=a as a linear expression of the x of v's producer: Σ_{k: out(k)=a} x[v,k]."""
+    return {n.name: {a: sum(x for x, r in zip(pick[n.name], rules[n.name]) if r.output == a) for a in LAYOUTS}
+            for n in nodes}
+
+
+TRANSITIONS = {(R, R), (S, S), (P, P), (P, R), (S, R)}
+
+
+def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, layout: dict,
+                         consumers: dict, tp: int, link: LinkSpec) -> list[tuple]:
+    """t[e,a,b] per edge into the segment's nodes and per value leaving it; returns cost terms."""
+    inside = {n.name for n in nodes}
+    terms = []
+    for node in nodes:
+        for i, name in enumerate(activation_inputs(graph, node)):
+            need = {b: sum(x for x, r in zip(pick[node.name], rules[node.name]) if r.inputs[i] == b) for b in LAYOUTS}
+            have = layout[name] if name in inside else {R: 1, S: 0, P: 0}
+            terms += _link_edge(model, graph, f"{name}->{node.name}", name, have, need, tp, link)
+    for node in nodes:  # values read outside the segment, or returned by the model, must be R
+        outside = [c for c in consumers.get(node.name, []) if c not in inside]
+        if node.shape and (outside or not consumers.get(node.name)):
+            terms += _link_edge(model, graph, f"{node.name}->out", node.name, layout[node.name],
+                                {R: 1, S: 0, P: 0}, tp, link)
+    return terms
+
+
+def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict, tp: int,
+               link: LinkSpec) -> list[tuple]:
+    size = graph.value_bytes(producer)
+    after_linear = producer in graph._by_name() and op_name(graph.node(producer).target) in LINEAR_OPS
+    allowed = [(a, b) for a, b in TRANSITIONS if (a, b) != (S, R) or after_linear]
+    t = {(a, b): model.NewBoolVar(f"t[{key},{a}{b}]") for a, b in allowed}
+    for a in LAYOUTS:
+        model.Add(sum(v for (x, _), v in t.items() if x == a) == have[a])
+    for b in LAYOUTS:
+        model.Add(sum(v for (_, y), v in t.items() if y == b) == need[b])
+    terms = []
+    for (a, b), var in t.items():
+        if (a, b) == (P, R):
+            terms.append((var, 0.0, allreduce_s(size, tp, link), size))
+        elif (a, b) == (S, R):
+            terms.append((var, 0.0, all_gather_s(size, tp, link), size))
+    return terms
+
+
+def op_costs(graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, tp: int, link: LinkSpec,
+             device: DeviceSpec) -> list[tuple]:
+    """(x, compute_s, comm_s, comm_bytes) per op rule: 3·T_c(flops)/d(k) + c_bwd(k)."""
+    flops_per_s = device.peak_tflops * 1e12 * device.matmul_efficiency
+    terms = []
+    for node in nodes:
+        for x, rule in zip(pick[node.name], rules[node.name]):
+            split = tp if rule.kind in ("col", "row", "shard") else 1
+            compute = FWD_BWD_FACTOR * node.flops / split / flops_per_s
+            comm, size = 0.0, 0
+            if rule.kind == "col":
+                size = graph.value_bytes(activation_inputs(graph, node)[0])
+                comm = allreduce_s(size, tp, link)
+            terms.append((x, compute, comm, size))
+    return terms
+
+
+def add_objective(model, terms: list[tuple]) -> None:
+    model.Minimize(sum(var * round((compute + comm) * PS_PER_S) for var, compute, comm, _ in terms))
+
+
+def _segment_cost(solver, terms: list[tuple]) -> SegmentCost:
+    on = [(c, m, b) for var, c, m, b in terms if solver.Value(var)]
+    return SegmentCost("", 1, sum(c for c, _, _ in on), sum(m for _, m, _ in on), sum(b for _, _, b in on))
+
+
+# ---------------------------------------------------------------------------- styles
+
+
+def _default_styles(graph: OpGraph) -> tuple[dict[str, str], dict[str, str]]:
+    """Every module that owns parameters starts replicated."""
+    styles = {p.module_path: "replicate" for p in graph.params if not p.is_buffer}
+    return styles, {}
+
+
+def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules: dict[str, Rule], path: str) -> None:
+    """Write the representative's styles (and reasons) for it and every block sharing its signature."""
+    local: dict[str, tuple[str, str]] = {}
+    gathered = _gathered_outputs(graph, nodes, rules)
+    for node in nodes:
+        op, rule = op_name(node.target), rules[node.name]
+        if op not in LINEAR_OPS | EMBEDDING_OPS or not node.module_path:
+            continue
+        style = STYLE_OF_RULE.get(rule.kind, "replicate")
+        if style == "colwise" and node.name in gathered:
+            style = "colwise-gather"
+        local[node.module_path] = (style, "" if style != "replicate" else _replicate_reason(graph, node, choice.tp))
+    for module in {n.module_path for n in nodes if op_name(n.target) in {"layer_norm", "rms_norm"} or
+                   n.module_type.endswith("RMSNorm")}:
+        local.setdefault(module, ("replicate", "normalises over the hidden dim: needs R input"))
+    for target in _repeats(graph, path):
+        for module, (style, reason) in local.items():
+            name = target + module[len(path):] if path else module
+            choice.styles[name] = style
+            if reason:
+                choice.reasons[name] = reason
+
+
+def _gathered_outputs(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule]) -> set[str]:
+    """Col linears whose S output some consumer reads as R (so the runtime gathers it)."""
+    out = set()
+    inside = {n.name for n in nodes}
+    for node in nodes:
+        for i, name in enumerate(activation_inputs(graph, node)):
+            if name in inside and rules[name].output == S and rules[node.name].inputs[i] == R:
+                out.add(name)
+    return out | {n.name for n in nodes if rules[n.name].kind == "col" and _leaves(graph, n, inside)}
+
+
+def _leaves(graph: OpGraph, node: OpNode, inside: set[str]) -> bool:
+    readers = consumer_map(graph).get(node.name, [])
+    return not readers or any(r not in inside for r in readers)
+
+
+def _replicate_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
+    refusal = linear_refusal(graph, node, tp) if op_name(node.target) in LINEAR_OPS else ""
+    return refusal or ("the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
+                       "resharding communication it adds")
+
+
+def _repeats(graph: OpGraph, path: str) -> list[str]:
+    if not path:
+        return [""]
+    signature = next(b.signature for b in graph.blocks if b.path == path)
+    return [b.path for b in graph.blocks if b.signature == signature]

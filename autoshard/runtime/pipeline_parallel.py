@@ -1,0 +1,326 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: split, schedule, tie, gather.
+
+Layout. The model is cut at module boundaries into S = pp · v stages (``split_points`` name
+the modules where a stage *begins*; v = ``virtual_stages``). Stage s lives on pipeline rank
+s mod pp, so rank r holds stages r, r + pp, r + 2·pp, ... (Megatron's interleaved layout; v = 1
+is the plain layout). The split is ``pipeline(model, mb_args, split_spec)``: torch.export
+traces one micro-batch, so any exportable model splits, and each stage is a GraphModule whose
+parameters keep the original names (``h.2.attn.q_proj.weight``).
+
+Loss and gradients. A step of batch B runs m = ``n_microbatches`` micro-batches of b = B/m;
+the last stage computes ℓ_j = loss_fn(out_j, y_j) (a mean over micro-batch j) and backward
+runs on each ℓ_j unscaled. The schedule then divides every gradient by m (``scale_grads=True``,
+in ``perform_reduce_grad``), so with equal micro-batches::
+
+    g = (1/m) Σ_j ∇ℓ_j = ∇ (1/m) Σ_j ℓ_j = ∇ ℓ(B)            the one-process gradient
+
+and with dp replicas FSDP2's reduce-scatter averages once more over dp (B = dp · m · b).
+The step's loss is (1/(dp·m)) Σ_replicas Σ_j ℓ_j, summed over the world and read on every rank.
+
+Tied weights. ``pipeline()`` REPLICATEs a parameter used by several stages (GPT-2's
+``transformer.wte.weight`` in stage 0, ``lm_head.weight`` in the last): each stage gets its own
+deep copy, listed in ``Pipe.replicated_params``. The copies start equal; each gets only its
+stage's share of the gradient, so after the schedule we sum them (Megatron's embedding-group
+all-reduce)::
+
+    g_tied = Σ_{stages s using it} g_s
+
+over the pp ranks holding a copy (all of pp when pp = 2), and AdamW then moves every copy
+the same.
+``pipeline()`` also leaves the original, now unused, alias on stage 0 (``lm_head.weight`` on the
+embedding stage); ``drop_unused_state`` removes such leftovers so no stale copy is trained or
+gathered.
+
+DP × PP. ``apply_fsdp_to_stages`` puts FSDP2 ``fully_shard`` on each stage module over the dp
+sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselves
+(``perform_reduce_grad``), and tied copies are summed shard by shard (every copy is sharded the
+same way over dp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint,
+                                          pipeline)
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from autoshard.errors import AutoshardError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b"}
+
+
+@dataclass(frozen=True)
+class TiedCopies:
+    """The copies of one tied parameter held on this rank, and the group that sums their gradients."""
+
+    copies: list[tuple[int, str]]  # (position in PipelineStages.stages, parameter name in that module)
+    group: dist.ProcessGroup | None
+
+
+@dataclass
+class PipelineStages:
+    """This rank's part of the pipeline: its stages and the tied copies among them."""
+
+    stages: list[_PipelineStageBase]
+    pp_size: int
+    pp_group: dist.ProcessGroup | None
+    output_spec: pytree.TreeSpec  # the model's output structure, to rebuild it for loss_fn
+    state_names: frozenset[str]  # the original model's state-dict names
+    tied: list[TiedCopies] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [stage.submod for stage in self.stages]
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every local parameter once (for the optimizer)."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
+    """Interleaved layout: rank r holds stages r, r + pp, r + 2·pp, ..."""
+    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+
+
+def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, split_points: list[str],
+                          pp_rank: int, pp_size: int, virtual_stages: int, device: torch.device,
+                          pp_group: dist.ProcessGroup | None = None) -> PipelineStages:
+    """Split ``model`` before each of ``split_points`` and build this rank's stages.
+
+    ``example_microbatch_inputs`` must have the micro-batch shape used at run time (the
+    stages' send/receive buffers are sized from it). Non-tied stages share ``model``'s
+    parameter objects; drop ``model`` afterwards and train the stages.
+    """
+    num_stages = pp_size * virtual_stages
+    if len(split_points) != num_stages - 1:
+        raise AutoshardError(f"pp={pp_size} x {virtual_stages} virtual stages needs {num_stages - 1} split points, "
+                             f"got {len(split_points)}: {split_points}")
+    output_spec = model_output_spec(model, example_microbatch_inputs)
+    state_names = frozenset(model.state_dict())
+    pipe = split_model(model, example_microbatch_inputs, split_points)
+    if pipe.num_stages != num_stages:
+        raise AutoshardError(f"splitting at {split_points} gave {pipe.num_stages} stages, not {num_stages}; "
+                             f"name modules that run in order, each once")
+    local = stage_indices(pp_rank, pp_size, virtual_stages)
+    for index in local:
+        drop_unused_state(pipe.get_stage_module(index))
+    stages = [pipe.build_stage(index, device, pp_group) for index in local]
+    tied = _local_tied_copies(pipe, local, pp_size, pp_group)
+    return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied)
+
+
+def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]):
+    """``pipeline()`` with a stage beginning at each of ``split_points``.
+
+    ``pipeline()`` cannot split a graph holding a ``torch.no_grad()`` region (export keeps it
+    as a ``wrap_with_set_grad_enabled`` higher-order op whose body the splitter cuts off from
+    its module: HF Llama's rotary embedding fails at run time with StopIteration). Such a
+    model is traced again under ``no_grad``, which inlines those regions. That is exact when
+    they compute only from tensors that need no gradient (rotary tables from buffers and
+    positions); a region that reads trainable weights would then pass gradients through.
+    """
+    pipe = _pipeline_once(model, example_inputs, split_points)
+    if not _has_grad_mode_region(pipe):
+        return pipe
+    with torch.no_grad():
+        return _pipeline_once(model, example_inputs, split_points)
+
+
+def _pipeline_once(model: nn.Module, example_inputs: tuple, split_points: list[str]):
+    try:
+        return pipeline(model, mb_args=example_inputs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+    finally:  # pipeline() patches each split module's forward; undo it so the model can be split again
+        for path in split_points:
+            module = model.get_submodule(path)
+            if "_orig_forward" in module.__dict__:
+                module.forward = module.__dict__.pop("_orig_forward")
+
+
+def _has_grad_mode_region(pipe) -> bool:
+    for module in pipe.split_gm.modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph) and any(
+                node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled
+                for node in graph.nodes):
+            return True
+    return False
+
+
+def model_output_spec(model: nn.Module, example_inputs: tuple) -> pytree.TreeSpec:
+    """The pytree structure of ``model``'s output, from a forward on fake tensors (no compute)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        outputs = model(*example_inputs)
+    return pytree.tree_flatten(outputs)[1]
+
+
+def drop_unused_state(stage_module: nn.Module) -> list[str]:
+    """Remove parameters and buffers the stage's graphs never read; returns their names."""
+    used = _used_state_names(stage_module)
+    named = list(stage_module.named_parameters(remove_duplicate=False))
+    named += list(stage_module.named_buffers(remove_duplicate=False))
+    dropped = [name for name, _ in named if name not in used]
+    for name in dropped:
+        parent_path, _, leaf = name.rpartition(".")
+        delattr(stage_module.get_submodule(parent_path), leaf)
+    return dropped
+
+
+def _used_state_names(module: nn.Module, scope: str = "") -> set[str]:
+    """Names read by ``get_attr`` in the (nested) graphs, plus all state of graph-less called modules."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return {_join(scope, name) for name, _ in module.named_parameters(remove_duplicate=False)} | \
+               {_join(scope, name) for name, _ in module.named_buffers(remove_duplicate=False)}
+    used = {_join(scope, n.target) for n in graph.nodes if n.op == "get_attr"}
+    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    for name, child in module.named_children():
+        if isinstance(getattr(child, "graph", None), torch.fx.Graph) or name in called:
+            used |= _used_state_names(child, _join(scope, name))
+    return used
+
+
+def _join(scope: str, name: str) -> str:
+    return f"{scope}.{name}" if scope else name
+
+
+def _local_tied_copies(pipe, local: list[int], pp_size: int, pp_group) -> list[TiedCopies]:
+    """For each parameter ``pipeline()`` replicated over stages, the copies this rank holds.
+
+    The sum runs over the pp ranks holding a copy: the whole pp group when that is all of it
+    (pp = 2), else a subgroup made only by its members (``use_local_synchronization``).
+    """
+    stage_of = {id(pipe.get_stage_module(i)): i for i in range(pipe.num_stages)}
+    ties = []
+    for uses in pipe.replicated_params:  # {submodule name: parameter name in it}
+        held = {stage_of[id(pipe.split_gm.get_submodule(sub))]: name for sub, name in uses.items()}
+        holders = sorted({index % pp_size for index in held})
+        copies = [(local.index(index), name) for index, name in held.items() if index in local]
+        if copies:
+            ties.append(TiedCopies(copies, _holders_group(holders, pp_size, pp_group)))
+    return ties
+
+
+def _holders_group(holders: list[int], pp_size: int, pp_group):
+    if len(holders) == pp_size:
+        return pp_group
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else list(range(pp_size))
+    return dist.new_group([pp_ranks[r] for r in holders], use_local_synchronization=True)
+
+
+def apply_fsdp_to_stages(parts: PipelineStages, dp_mesh, reshard_after_forward: bool = True) -> PipelineStages:
+    """DP × PP: FSDP2 ``fully_shard`` on each stage module over the dp sub-mesh (torchtitan's way).
+
+    The schedule drives FSDP itself: no gradient sync until the last micro-batch's backward,
+    then ``perform_reduce_grad`` runs the post-backward reduce-scatter (mean over dp).
+    """
+    for module in parts.modules:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return parts
+
+
+def build_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable, schedule: str):
+    """GPipe, 1F1B or interleaved 1F1B over the local stages; gradients are the mean over micro-batches.
+
+    ``loss_fn(outputs, targets)`` sees the model's own output structure (e.g. a Hugging Face
+    ``CausalLMOutput``), rebuilt from the last stage's flat tensors.
+    """
+    if schedule not in SCHEDULES:
+        raise AutoshardError(f"unknown pipeline schedule '{schedule}'; use one of {', '.join(SCHEDULES)}")
+    multi = schedule in MULTI_STAGE_SCHEDULES
+    if multi != (len(parts.stages) > 1):
+        raise AutoshardError(f"schedule '{schedule}' with {len(parts.stages)} stage(s) per rank: "
+                             f"interleaved-1f1b needs virtual_stages > 1, gpipe and 1f1b need exactly 1")
+    stage_loss = _structured_loss(loss_fn, parts.output_spec)
+    stages = parts.stages if multi else parts.stages[0]
+    return SCHEDULES[schedule](stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
+
+
+def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec) -> Callable:
+    def stage_loss(stage_output, targets):
+        flat = list(stage_output) if isinstance(stage_output, (tuple, list)) else [stage_output]
+        return loss_fn(pytree.tree_unflatten(flat, output_spec), targets)
+    return stage_loss
+
+
+def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch.Tensor) -> float:
+    """One forward/backward of this rank's batch through the pipeline; returns the global mean loss.
+
+    ``inputs`` and ``targets`` are this dp replica's batch (the schedule splits it into
+    micro-batches); only the first stage reads inputs and only the last reads targets.
+    Gradients are left summed over tied copies, ready for ``optimizer.step()``.
+    """
+    losses: list[torch.Tensor] = []
+    args = inputs if parts.has_first else ()
+    kwargs = {"target": targets, "losses": losses} if parts.has_last else {}
+    schedule.step(*args, **kwargs)
+    sync_tied_grads(parts)
+    return global_mean_loss(losses, parts)
+
+
+def sync_tied_grads(parts: PipelineStages) -> None:
+    """g_tied = Σ over the stages holding a copy; every copy then takes the same step."""
+    for tie in parts.tied:
+        grads = [_local_grad(parts.stages[pos].submod.get_parameter(name)) for pos, name in tie.copies]
+        total = torch.stack(grads).sum(0)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tie.group)
+        for grad in grads:
+            grad.copy_(total)
+
+
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    assert param.grad is not None, "a tied copy got no gradient"
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float:
+    """(Σ ℓ_j) / (dp·m) over every replica's micro-batches; only last-stage ranks hold ℓ_j."""
+    device = parts.stages[0].device
+    local_sum = sum((loss.detach().double() for loss in losses), torch.zeros((), dtype=torch.float64))
+    sum_and_count = torch.stack([local_sum.to(device), torch.tensor(float(len(losses)), dtype=torch.float64,
+                                                                     device=device)])
+    dist.all_reduce(sum_and_count, op=dist.ReduceOp.SUM)
+    return (sum_and_count[0] / sum_and_count[1]).item()
+
+
+def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
+    """The whole model's state with its original names, on global rank 0 ({} elsewhere).
+
+    Collective: every rank must call it (FSDP shards are gathered over dp first).
+    """
+    local = {}
+    for module in parts.modules:
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in parts.state_names:
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                local[name] = full.detach().cpu().clone()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
