@@ -123,6 +123,9 @@ class Plan:
     predicted: Predicted
     alternatives: tuple[Alternative, ...] = ()
     blocks: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, recompute units)
+    virtual_stages: int = 1  # pipeline stages per pp rank (interleaved 1F1B when > 1)
+    split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
+    tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
     ddp_bucket_cap_mb: float = 25.0
     precision: str = "fp32"  # "bf16-mixed" on GPUs, "fp32" on CPU
     pinned: tuple[str, ...] = ()  # decisions the user fixed by hand
@@ -136,6 +139,12 @@ class Plan:
             raise AutoshardError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.mesh.pp > 1 and len(self.split_points) != self.mesh.pp * self.virtual_stages - 1:
+            raise AutoshardError(f"pp={self.mesh.pp} x {self.virtual_stages} virtual stages needs "
+                                 f"{self.mesh.pp * self.virtual_stages - 1} split points, got {len(self.split_points)}")
+        if (self.mesh.pp > 1) != (self.schedule != "none"):
+            raise AutoshardError(f"schedule {self.schedule!r} does not fit pp={self.mesh.pp}: pipelines need "
+                                 f"gpipe, 1f1b or interleaved-1f1b, and pp=1 needs none")
         per_step = self.mesh.dp * self.microbatch_size * self.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
@@ -217,6 +226,9 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         predicted=_predicted(d["predicted"]),
         alternatives=tuple(_alternative(a) for a in d["alternatives"]),
         blocks=tuple(d.get("blocks", ())),
+        virtual_stages=_int(d.get("virtual_stages", 1)),
+        split_points=tuple(d.get("split_points", ())),
+        tensor_parallel_reasons=dict(d.get("tensor_parallel_reasons", {})),
         ddp_bucket_cap_mb=float(d.get("ddp_bucket_cap_mb", 25.0)),
         precision=d.get("precision", "fp32"),
         pinned=tuple(d.get("pinned", ())),
