@@ -19,8 +19,10 @@ MIB = 2**20
 
 def emit_program(plan: Plan) -> str:
     """The whole program as Python source."""
-    parts = [_header(plan), _imports(plan), _constants(plan), _parallelize(plan), _MAIN]
-    return "\n\n".join(p.strip("\n") for p in parts) + "\n"
+    main = _MAIN_PIPELINE if plan.mesh.pp > 1 else _MAIN_SPMD
+    body = _build_pipeline(plan) if plan.mesh.pp > 1 else _parallelize(plan)
+    parts = [_header(plan), _imports(plan), _constants(plan), body, _ARGS, main]
+    return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
 def torchrun_command(plan: Plan, program: str = "train.py") -> str:
@@ -70,41 +72,67 @@ Run:  {torchrun_command(plan)} [--steps 20]
 
 def _imports(plan: Plan) -> str:
     torch_imports = ["from torch.distributed.device_mesh import init_device_mesh"]
-    if plan.zero_stage >= 2:
+    if plan.zero_stage >= 2 and plan.mesh.pp == 1 and plan.mesh.dp > 1:
         torch_imports.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
-    if plan.zero_stage == 1:
+    if plan.zero_stage == 1 and plan.mesh.dp > 1:
         torch_imports.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
-    if plan.zero_stage <= 1:
+    if plan.zero_stage <= 1 and plan.mesh.dp > 1:
         torch_imports.append("from torch.nn.parallel import DistributedDataParallel as DDP")
+    if plan.tensor_parallel:
+        sources = [STYLE_SOURCE[s] for s in set(plan.tensor_parallel.values())]
+        names = sorted({src.split("(")[0] for src in sources} | {"parallelize_module"})
+        torch_imports.append(f"from torch.distributed.tensor.parallel import {', '.join(names)}")
+        if any("Replicate()" in src for src in sources):
+            torch_imports.append("from torch.distributed.tensor import Replicate")
     lines = "\n".join(sorted(torch_imports))
+    local = "from autoshard.runtime import checkpoint"
+    if plan.mesh.pp > 1:
+        local = "from autoshard.runtime import pipeline_parallel as pp"
     return (f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\n"
-            "from autoshard import runtime\nfrom autoshard.runtime import checkpoint\n")
+            f"from autoshard import runtime\n{local}\n")
+
+
+# The source text of each tensor-parallel style (runtime.tensor_parallel.parallel_style builds the same).
+STYLE_SOURCE = {
+    "colwise": "ColwiseParallel()",
+    "colwise-gather": "ColwiseParallel(output_layouts=Replicate())",
+    "rowwise": "RowwiseParallel()",
+    "vocab-parallel-embedding": "RowwiseParallel(input_layouts=Replicate())",
+}
 
 
 def _constants(plan: Plan) -> str:
+    pipeline = ""
+    if plan.mesh.pp > 1:
+        pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
+                    f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
+                    f"SPLIT_POINTS = {list(plan.split_points)!r}  # modules where stages 1.. begin\n")
     return f'''
 MODEL = {plan.model["spec"]!r}
 MODEL_FINGERPRINT = {plan.model["hash"]!r}  # the program refuses a different model
 TOKENS_PER_SAMPLE = {plan.model.get("tokens_per_sample", 1)}
 GLOBAL_BATCH = {plan.global_batch}
-DP = {plan.mesh.dp}  # data-parallel ranks (tp=1, pp=1)
+PP, DP, TP = {plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp}  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
 MICROBATCH_SIZE = {plan.microbatch_size}
-NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE), gradients accumulated
+NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-'''
+{pipeline}'''
 
 
 def _parallelize(plan: Plan) -> str:
-    body = _recompute_lines(plan) + _zero_lines(plan)
+    body = _tensor_parallel_lines(plan) + _recompute_lines(plan) + _zero_lines(plan)
     return f'''
 def parallelize(model, mesh, device, lr):
     """{_parallelize_doc(plan)}"""
-{textwrap.indent(body, "    ")}
+{textwrap.indent(body.rstrip(), "    ")}
     return model, optimizer
 '''
 
 
 def _parallelize_doc(plan: Plan) -> str:
+    tp = f"Tensor parallel over {plan.mesh.tp} ranks, styles chosen on the op graph. " if plan.mesh.tp > 1 else ""
+    if plan.mesh.dp == 1:
+        return tp + "One data-parallel rank: no gradient synchronisation."
     what = {
         0: f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets, overlapped with backward.",
         1: f"ZeRO-1: DDP all-reduces gradients ({plan.ddp_bucket_cap_mb:g} MiB buckets); "
@@ -114,7 +142,7 @@ def _parallelize_doc(plan: Plan) -> str:
         3: f"ZeRO-3: FSDP2 shards weights, gradients and optimizer state over {plan.mesh.dp} ranks; "
            "each block is gathered just before use.",
     }[plan.zero_stage]
-    return what
+    return tp + what
 
 
 def _recompute_lines(plan: Plan) -> str:
@@ -125,7 +153,42 @@ def _recompute_lines(plan: Plan) -> str:
     return f'# Recompute ({plan.recompute}): {why}.\nruntime.apply_recompute(model, BLOCKS, "{plan.recompute}")\n'
 
 
+def _tensor_parallel_lines(plan: Plan) -> str:
+    """parallelize_module per repeated block (one loop when the blocks agree), then the rest."""
+    if not plan.tensor_parallel:
+        return ""
+    per_block, rest = _split_styles(plan)
+    lines = ["# Tensor parallelism: column-parallel then row-parallel, as chosen on the op graph."]
+    if per_block:
+        lines.append("for path in BLOCKS:")
+        lines.append('    parallelize_module(model.get_submodule(path), mesh["tp"], {')
+        lines += [f'        "{k}": {STYLE_SOURCE[v]},' for k, v in per_block.items()]
+        lines.append("    })")
+    if rest:
+        lines.append('parallelize_module(model, mesh["tp"], {')
+        lines += [f'    "{k}": {STYLE_SOURCE[v]},' for k, v in rest.items()]
+        lines.append("})")
+    return "\n".join(lines) + "\n"
+
+
+def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
+    """(styles relative to a block, the same in every block; the other modules' styles by path)."""
+    relative: list[dict[str, str]] = [{} for _ in plan.blocks]
+    rest: dict[str, str] = {}
+    for path, style in sorted(plan.tensor_parallel.items()):
+        owner = next((i for i, b in enumerate(plan.blocks) if path.startswith(b + ".")), None)
+        if owner is None:
+            rest[path] = style
+        else:
+            relative[owner][path[len(plan.blocks[owner]) + 1:]] = style
+    if relative and all(r == relative[0] for r in relative):
+        return relative[0], rest
+    return {}, dict(sorted(plan.tensor_parallel.items()))
+
+
 def _zero_lines(plan: Plan) -> str:
+    if plan.mesh.dp == 1:
+        return "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
     if plan.zero_stage >= 2:
         reshard = plan.zero_stage == 3
         return f'''# bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs
@@ -136,15 +199,34 @@ fully_shard(model, mesh=mesh["dp"], reshard_after_forward={reshard}, mp_policy=p
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 '''
     ddp = (f'model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,\n'
-           f'            bucket_cap_mb={plan.ddp_bucket_cap_mb:g}, gradient_as_bucket_view=True)  # bucket size chosen by the cost model\n')
+           f'            process_group=mesh.get_group("dp"), bucket_cap_mb={plan.ddp_bucket_cap_mb:g}, gradient_as_bucket_view=True)  # bucket size chosen by the cost model\n')
     if plan.zero_stage == 1:
         return ddp + ("optimizer = ZeroRedundancyOptimizer(model.parameters(), "
-                      "optimizer_class=torch.optim.AdamW, lr=lr)\n")
+                      "optimizer_class=torch.optim.AdamW, lr=lr,\n"
+                      '                                   process_group=mesh.get_group("dp"))\n')
     return ddp + "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
 
 
-_MAIN = '''
-def main():
+def _build_pipeline(plan: Plan) -> str:
+    fsdp = ""
+    if plan.mesh.dp > 1:
+        fsdp = (f"\n    # ZeRO-{plan.zero_stage}: FSDP2 on each stage module over the {plan.mesh.dp} dp ranks.\n"
+                f'    pp.apply_fsdp_to_stages(parts, mesh["dp"], reshard_after_forward={plan.zero_stage == 3})')
+    stages = plan.mesh.pp * plan.virtual_stages
+    return f'''
+def build_pipeline(model, model_file, mesh, device, lr, example_microbatch):
+    """{plan.schedule} pipeline over {plan.mesh.pp} ranks, {stages} stages cut at SPLIT_POINTS; this rank
+    keeps its stages (torch.distributed.pipelining) and drops the rest of the model."""
+    parts = pp.build_pipeline_stages(model, example_microbatch, SPLIT_POINTS, mesh.get_local_rank("pp"), PP,
+                                     VIRTUAL_STAGES, device, mesh.get_group("pp")){fsdp}
+    optimizer = torch.optim.AdamW(parts.parameters(), lr=lr)
+    schedule = pp.build_schedule(parts, NUM_MICROBATCHES, model_file.loss, SCHEDULE)
+    return parts, schedule, optimizer
+'''
+
+
+_ARGS = '''
+def parse_args():
     parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -153,17 +235,22 @@ def main():
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    args = parser.parse_args()
+    return parser.parse_args()
+'''
 
-    ctx = runtime.init_distributed(expected_world_size=DP)
-    mesh = init_device_mesh(ctx.device_type, (DP,), mesh_dim_names=("dp",))
+
+_MAIN_SPMD = '''
+def main():
+    args = parse_args()
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP)
+    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
 
-    dp_rank = mesh.get_local_rank("dp")
+    dp_rank = mesh.get_local_rank("dp")  # the TP ranks of one dp rank see the same data
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
@@ -183,6 +270,40 @@ def main():
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
     runtime.finish(model, log, args.metrics_out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+_MAIN_PIPELINE = '''
+def main():
+    args = parse_args()
+    if args.checkpoint_dir:
+        raise SystemExit("error: checkpoints of pipeline-parallel programs are not supported yet; drop --checkpoint-dir")
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP)
+    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
+    first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
+    example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
+    parts, schedule, optimizer = build_pipeline(model, model_file, mesh, ctx.device, args.lr, example_microbatch)
+    del model  # the stages hold what this rank needs
+
+    dp_rank = mesh.get_local_rank("dp")
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    for step in range(args.steps):
+        log.start()
+        batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
+        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        loss = pp.pipeline_step(schedule, parts, inputs, targets)  # all micro-batches; mean over the global batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, loss)
+
+    runtime.finish_with_state(pp.full_state_dict(parts), log, args.metrics_out)
     dist.destroy_process_group()
 
 

@@ -10,10 +10,10 @@ from autoshard.runtime.data import global_batch, split_microbatches, take_shard
 from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
 from autoshard.runtime.parallel import (apply_ddp, apply_fsdp, apply_recompute, build_optimizer, grad_sync,
                                         apply_plan)
-from autoshard.runtime.report import StepLog, finish
+from autoshard.runtime.report import StepLog, finish, finish_with_state
 
 __all__ = [
     "DistContext", "init_distributed", "mean_over", "global_batch", "split_microbatches", "take_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ddp", "apply_fsdp",
-    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish",
+    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state",
 ]

@@ -51,11 +51,18 @@ class StepLog:
 
 def finish(model: nn.Module, log: StepLog, metrics_out: str | None) -> None:
     """Print the summary; with ``metrics_out``, rank 0 writes losses, times and full weights."""
+    state = None
+    if metrics_out:  # a collective: every rank takes part in gathering the full weights
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    finish_with_state(state, log, metrics_out)
+
+
+def finish_with_state(state: dict[str, torch.Tensor] | None, log: StepLog, metrics_out: str | None) -> None:
+    """As ``finish``, with the full weights already gathered on rank 0 (pipeline stages)."""
     if log.is_main and log.losses:
         print(log.summary(), flush=True)
     if not metrics_out:
         return
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         _write_metrics(Path(metrics_out), log, {strip_wrapper_names(k): v for k, v in state.items()})
     dist.barrier()
