@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
+
+from autoshard.cost.schedule import bubble_fraction, format_grid, rank_orders, simulate
 
 from autoshard.ir.plan import Plan, Predicted
 
@@ -18,8 +22,39 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:
         console.width = max(console.width, WIDTH_WHEN_PIPED)
-    console.print(Group(decision_table(plan), memory_table(plan), time_table(plan), stages_table(plan),
-                        alternatives_table(plan)))
+    parts = [decision_table(plan), memory_table(plan), time_table(plan), stages_table(plan)]
+    if plan.mesh.pp > 1:
+        parts.append(schedule_panel(plan))
+    if plan.tensor_parallel or plan.tensor_parallel_reasons:
+        parts.append(tensor_parallel_table(plan))
+    console.print(Group(*parts, alternatives_table(plan)))
+
+
+MAX_GRID_MICROBATCHES = 4  # longer schedules repeat the same steady state; the grid shows the first 4
+
+
+def schedule_panel(plan: Plan) -> Panel:
+    """The pipeline schedule as a rank x time grid: stage, F/B, micro-batch; dots are idle."""
+    m = min(plan.num_microbatches, MAX_GRID_MICROBATCHES)
+    m -= m % plan.mesh.pp if plan.virtual_stages > 1 and m >= plan.mesh.pp else 0
+    grid = simulate(rank_orders(plan.schedule, plan.mesh.pp, m, plan.virtual_stages),
+                    plan.mesh.pp * plan.virtual_stages)
+    shown = f"first {m} of {plan.num_microbatches} micro-batches" if m < plan.num_microbatches else f"{m} micro-batches"
+    title = (f"Pipeline schedule {plan.schedule}, {plan.mesh.pp} ranks x {plan.virtual_stages} stages each, {shown}; "
+             f"idle {bubble_fraction(grid):.0%}")
+    return Panel(Text(format_grid(grid), no_wrap=True, overflow="ellipsis"), title=title, title_align="left")
+
+
+def tensor_parallel_table(plan: Plan) -> Table:
+    t = Table(title=f"Tensor parallelism over {plan.mesh.tp} ranks", title_justify="left")
+    t.add_column("module")
+    t.add_column("style")
+    t.add_column("why")
+    for path, style in sorted(plan.tensor_parallel.items()):
+        t.add_row(path, style, "chosen on the op graph")
+    for path, reason in sorted(plan.tensor_parallel_reasons.items()):
+        t.add_row(path, "replicate", reason)
+    return t
 
 
 def decision_table(plan: Plan) -> Table:
@@ -78,8 +113,8 @@ def stages_table(plan: Plan) -> Table:
     t.add_column("modules")
     for s in plan.stages:
         t.add_row(str(s.index), _ranks(s.ranks), ", ".join(s.modules))
-    tp = ", ".join(f"{k}: {v}" for k, v in plan.tensor_parallel.items()) or "none (tp=1)"
-    t.caption = f"tensor parallel styles: {tp}"
+    if not plan.tensor_parallel:
+        t.caption = "tensor parallel: none"
     return t
 
 

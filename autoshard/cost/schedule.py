@@ -1,0 +1,110 @@
+"""Pipeline schedules as rank × time grids, for review and as a check on the bubble formula.
+
+torch.distributed.pipelining computes a schedule's action order only inside a live schedule
+object (which needs stages and process groups), so the orders are restated here, Megatron's
+way, and run on a unit-time simulator: each slot, each rank runs its next action if its
+inputs are ready (F of micro-batch i on stage s after F on stage s−1; B on stage s after B on
+stage s+1, and after its own F), else idles. With F and B one slot each, the idle fraction
+of the grid is the bubble (p − 1)/(v·m + p − 1) of NUMBERS.md's (p − 1)/(v·m) overhead.
+
+    GPipe        all forwards, then all backwards
+    1F1B         p − r − 1 warm-up forwards on rank r, then one forward one backward, then the rest
+    interleaved  v model chunks per rank (stage c·p + r); forwards go through the chunks in
+                 groups of p micro-batches; warm-up (p − r − 1)·2 + (v − 1)·p (Narayanan et al. 2021)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_SLOTS_PER_ACTION = 8  # the simulator stops (a bug) if a schedule cannot make progress
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str  # "F" or "B"
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """The order of actions on each pp rank."""
+    if schedule == "gpipe":
+        return [[Action(r, "F", i) for i in range(microbatches)] + [Action(r, "B", i) for i in range(microbatches)]
+                for r in range(pp)]
+    if schedule == "1f1b":
+        return [_one_f_one_b(r, pp, microbatches) for r in range(pp)]
+    if schedule == "interleaved-1f1b":
+        return [_interleaved(r, pp, microbatches, virtual_stages) for r in range(pp)]
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def simulate(orders: list[list[Action]], num_stages: int) -> list[list[Action | None]]:
+    """Unit-time grid: ``grid[rank][slot]`` is the action run then, or None when idle."""
+    done: set[tuple[int, str, int]] = set()
+    position = [0] * len(orders)
+    grid: list[list[Action | None]] = [[] for _ in orders]
+    limit = MAX_SLOTS_PER_ACTION * sum(len(o) for o in orders)
+    while any(position[r] < len(orders[r]) for r in range(len(orders))):
+        assert len(grid[0]) < limit, "schedule cannot make progress"
+        ready = [_next_if_ready(orders[r], position[r], done, num_stages) for r in range(len(orders))]
+        for r, action in enumerate(ready):
+            grid[r].append(action)
+            if action is not None:
+                position[r] += 1
+        done.update((a.stage, a.kind, a.microbatch) for a in ready if a is not None)
+    return grid
+
+
+def bubble_fraction(grid: list[list[Action | None]]) -> float:
+    slots = sum(len(row) for row in grid)
+    return sum(a is None for row in grid for a in row) / slots
+
+
+def format_grid(grid: list[list[Action | None]]) -> str:
+    """``rank 0 | 0F0 0F1 ... 0B1`` lines; idle slots are dots."""
+    width = max(len(str(a)) for row in grid for a in row if a is not None)
+    return "\n".join(f"rank {r} | " + " ".join(str(a).rjust(width) if a else ".".rjust(width) for a in row)
+                     for r, row in enumerate(grid))
+
+
+def _next_if_ready(order: list[Action], pos: int, done: set, num_stages: int) -> Action | None:
+    if pos >= len(order):
+        return None
+    a = order[pos]
+    if a.kind == "F":
+        ok = a.stage == 0 or (a.stage - 1, "F", a.microbatch) in done
+    else:
+        after = (a.stage + 1, "B", a.microbatch) if a.stage < num_stages - 1 else (a.stage, "F", a.microbatch)
+        ok = after in done and (a.stage, "F", a.microbatch) in done
+    return a if ok else None
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+    warmup = min(pp - rank - 1, m)
+    order = [Action(rank, "F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Action(rank, "F", warmup + i), Action(rank, "B", i)]
+    return order + [Action(rank, "B", i) for i in range(m - warmup, m)]
+
+
+def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    total = m * v
+    forwards = [Action(_chunk(k, pp, v) * pp + rank, "F", _microbatch(k, pp, v)) for k in range(total)]
+    backwards = [Action((v - 1 - _chunk(k, pp, v)) * pp + rank, "B", _microbatch(k, pp, v)) for k in range(total)]
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order = forwards[:warmup]
+    for i in range(total - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return order + backwards[total - warmup:]
+
+
+def _chunk(k: int, pp: int, v: int) -> int:
+    return (k // pp) % v
+
+
+def _microbatch(k: int, pp: int, v: int) -> int:
+    return (k // (pp * v)) * pp + k % pp
