@@ -1,0 +1,39 @@
+"""Tensor, pipeline and hybrid plans, pinned through the planner, train like one process."""
+
+import pytest
+
+import autoshard
+from autoshard.verify import verify
+
+pytestmark = pytest.mark.e2e
+
+GPT, LLAMA, GPT2 = "examples/gpt.py:build", "tests/models/hf_llama.py:build", "tests/models/hf_gpt2.py:build"
+
+CASES = {  # name: (model, ranks, pins)
+    "gpt-tp2": (GPT, 2, dict(tp=2)),
+    "gpt-pp2-gpipe": (GPT, 2, dict(pp=2, schedule="gpipe")),
+    "gpt-pp2-1f1b": (GPT, 2, dict(pp=2, schedule="1f1b")),
+    "gpt-pp2-interleaved": (GPT, 2, dict(pp=2, schedule="interleaved-1f1b")),
+    "gpt-dp2-tp2-zero3": (GPT, 4, dict(dp=2, tp=2, zero=3)),
+    "gpt-dp2-pp2-zero2": (GPT, 4, dict(dp=2, pp=2, zero=2, schedule="1f1b")),
+    "llama-tp2": (LLAMA, 2, dict(tp=2)),
+    "llama-pp2-gpipe": (LLAMA, 2, dict(pp=2, schedule="gpipe")),
+    "llama-pp2-1f1b": (LLAMA, 2, dict(pp=2, schedule="1f1b")),
+    "llama-dp2-tp2-zero3": (LLAMA, 4, dict(dp=2, tp=2, zero=3)),
+    "llama-dp2-pp2-zero3": (LLAMA, 4, dict(dp=2, pp=2, zero=3, schedule="gpipe")),
+    "gpt2-pp2-1f1b": (GPT2, 2, dict(pp=2, schedule="1f1b")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hybrid_plan_trains_like_one_process(in_repo, case):
+    model, ranks, pins = CASES[case]
+    plan = autoshard.plan(model, cluster="local-cpu", devices_per_node=ranks, global_batch=8, **pins)
+    for axis in ("dp", "tp", "pp"):
+        assert getattr(plan.mesh, axis) == pins.get(axis, 1)
+    if "schedule" in pins:
+        assert plan.schedule == pins["schedule"] and len(plan.split_points) == plan.mesh.pp * plan.virtual_stages - 1
+    if plan.mesh.tp > 1:
+        assert plan.tensor_parallel, "a tp plan shards something"
+    report = verify(plan, steps=3)
+    assert report.ok, report.failure
