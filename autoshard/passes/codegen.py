@@ -80,7 +80,8 @@ def _imports(plan: Plan) -> str:
         torch_imports.append("from torch.nn.parallel import DistributedDataParallel as DDP")
     if plan.tensor_parallel:
         sources = [STYLE_SOURCE[s] for s in set(plan.tensor_parallel.values())]
-        names = sorted({src.split("(")[0] for src in sources} | {"parallelize_module"})
+        names = sorted({src.split("(")[0] for src in sources if not src.startswith("runtime.")}
+                       | {"parallelize_module"})
         torch_imports.append(f"from torch.distributed.tensor.parallel import {', '.join(names)}")
         if any("Replicate()" in src for src in sources):
             torch_imports.append("from torch.distributed.tensor import Replicate")
@@ -98,6 +99,8 @@ STYLE_SOURCE = {
     "colwise-gather": "ColwiseParallel(output_layouts=Replicate())",
     "rowwise": "RowwiseParallel()",
     "vocab-parallel-embedding": "RowwiseParallel(input_layouts=Replicate())",
+    "conv1d-colwise": "runtime.tensor_parallel.Conv1DColwiseParallel()",  # transformers' Conv1D: weight (in, out)
+    "conv1d-rowwise": "runtime.tensor_parallel.Conv1DRowwiseParallel()",
 }
 
 
