@@ -73,11 +73,28 @@ def test_fast_device_slow_link_replicates(gpt_graph):
     assert "cheapest layout" in choice.reasons["h.0.mlp.c_fc"]
 
 
-def test_gpt2_conv1d_kept_replicated_with_reason():
-    choice = choose_tp_styles(capture_graph("tests/models/hf_gpt2.py:build")[1], 2, FAST_LINK, SLOW_DEVICE)
-    assert choice.styles["transformer.h.0.mlp.c_fc"] == "replicate"
-    assert "Conv1D" in choice.reasons["transformer.h.0.mlp.c_fc"]
-    assert "tied" in choice.reasons["lm_head"]
+@pytest.fixture(scope="module")
+def gpt2_choice(gpt_graph):
+    return choose_tp_styles(capture_graph("tests/models/hf_gpt2.py:build")[1], 2, FAST_LINK, SLOW_DEVICE)
+
+
+def test_gpt2_conv1d_mlp_is_column_then_row_parallel(gpt2_choice):
+    for i in range(2):
+        assert gpt2_choice.styles[f"transformer.h.{i}.mlp.c_fc"] == "conv1d-colwise"
+        assert gpt2_choice.styles[f"transformer.h.{i}.mlp.c_proj"] == "conv1d-rowwise"
+    assert gpt2_choice.sharded == {f"transformer.h.{i}.mlp.{m}": f"conv1d-{s}"
+                                   for i in range(2) for m, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
+    # per block: the all-reduce of c_proj's (2, 32, 64) fp32 output, and of c_fc's input gradient
+    assert gpt2_choice.segments[0].comm_bytes == 2 * 2 * 32 * 64 * 4
+
+
+def test_gpt2_fused_qkv_and_tied_head_stay_replicated_with_reasons(gpt2_choice):
+    for i in range(2):
+        assert gpt2_choice.styles[f"transformer.h.{i}.attn.c_attn"] == "replicate"
+        assert "fused q, k, v" in gpt2_choice.reasons[f"transformer.h.{i}.attn.c_attn"]
+    for module in ("lm_head", "transformer.wte"):
+        assert gpt2_choice.styles[module] == "replicate"
+        assert "tied to transformer.wte.weight, lm_head.weight" in gpt2_choice.reasons[module]
 
 
 def synthetic_mlp(hidden: int) -> OpGraph:

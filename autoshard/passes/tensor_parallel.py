@@ -16,7 +16,8 @@ size(v, s(v)) mod tp = 0.
 Each op n picks one rule k from ``op_rules(n)``: a tuple of required input layouts and an
 output layout. Boolean x[n,k], Σ_k x[n,k] = 1 (``add_op_choice``):
 
-    linear (nn.Linear, Conv1D addmm)   replicate R→R | col R→S | row S→P
+    linear (nn.Linear, Conv1D addmm)   replicate R→R | col R→S | row S→P   (Conv1D: not when the
+                                       output is split along its feature dim, i.e. fused q, k, v)
     embedding                          replicate R→R | vocab-parallel R→P
     sdpa                               (R,R,R,[R])→R | (S,S,S,[R])→S   (heads split; GQA: the
                                        KV heads too)
@@ -30,8 +31,8 @@ one transition t[e,a,b], Σ_b t[e,a,b] = L(u)=a, Σ_a t[e,a,b] = need(e)=b
 
     a = b            0
     P → R            AR(S, tp)      all-reduce (the row-parallel output)
-    S → R            AG(S, tp)      all-gather, only right after a col linear (ColwiseParallel
-                                    with output_layouts=Replicate())
+    S → R            AG(S, tp)      all-gather, only right after a col nn.Linear (ColwiseParallel
+                                    with output_layouts=Replicate()); a Conv1D has no gather style
     R → S, S → P, R → P, P → S      forbidden (the runtime has no place to slice or scale)
 
 Values entering a segment, and values leaving it (read by another segment or returned by the
@@ -47,6 +48,10 @@ and c_bwd(col) = AR(bytes of its input, tp): the backward all-reduce of the inpu
 column-parallel linear (Megatron's f operator). Collective costs come from
 ``autoshard.cost.comm`` on the TP link. The model is solved exactly with OR-Tools CP-SAT,
 once per block signature, and the representative's styles are copied to its repeats.
+
+Styles: a col / row nn.Linear is colwise (colwise-gather when its S output is read as R) /
+rowwise; a col / row transformers Conv1D (weight (in, out), y = x·W + b, seen as its views around
+an ``addmm``) is conv1d-colwise / conv1d-rowwise (``runtime.tensor_parallel``'s Conv1D styles).
 
 Divisibility (``check_divisibility``) is checked before the solve: tp must divide the query
 heads and the KV heads of every attention; a violation is refused with the numbers and the
@@ -82,10 +87,11 @@ REDUCE_OPS = {"mean", "sum", "amax", "amin", "softmax", "_softmax", "log_softmax
 DIM_OPS = {"split", "split_with_sizes", "slice", "cat", "chunk", "narrow", "select"}
 SINK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async"}
 CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
-CONV1D_REASON = ("transformers Conv1D: weight is (in, out), ColwiseParallel/RowwiseParallel expect nn.Linear's "
-                 "(out, in); replicated")
+FUSED_REASON = ("fused q, k, v (its output is split along the sharded dim by {op}): a column shard would give each "
+                "rank a contiguous block of the [q | k | v] columns, not its slice of q, k and v; replicated")
 
 STYLE_OF_RULE = {"col": "colwise", "row": "rowwise", "vocab": "vocab-parallel-embedding", "rep": "replicate"}
+CONV1D_STYLE_OF_RULE = {"col": "conv1d-colwise", "row": "conv1d-rowwise", "rep": "replicate"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ class SegmentCost:
 @dataclass
 class TPChoice:
     tp: int
-    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding | replicate
+    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding |
+    #                         conv1d-colwise | conv1d-rowwise | replicate
     reasons: dict[str, str]  # module path -> why it stays replicated
     segments: list[SegmentCost] = field(default_factory=list)
 
@@ -274,14 +281,48 @@ def linear_can_split(graph: OpGraph, node: OpNode, out_features: int, tp: int) -
 
 def linear_refusal(graph: OpGraph, node: OpNode, tp: int) -> str:
     """Why a linear module can be neither col nor row parallel ("" when it can)."""
-    if node.module_type == CONV1D_TYPE or node.module_type.endswith(".Conv1D"):
-        return CONV1D_REASON
-    tied = [p for p in node.param_inputs if graph.param(p).tied_to]
+    tied = tied_reason(graph, node)
     if tied:
-        p = graph.param(tied[0])
-        return f"weight tied to {', '.join((p.name, *p.tied_to))}: sharding one user would shard the other; replicated"
+        return tied
+    if is_conv1d(node):
+        splitter = fused_split(graph, node)
+        return FUSED_REASON.format(op=splitter) if splitter else ""
     if op_name(node.target) != "linear":
         return f"{op_name(node.target)} outside an nn.Linear: no ParallelStyle for it; replicated"
+    return ""
+
+
+def tied_reason(graph: OpGraph, node: OpNode) -> str:
+    """Why a module whose weight is tied to another (GPT-2's wte / lm_head) stays replicated ("" if untied)."""
+    tied = [p for p in node.param_inputs if graph.param(p).tied_to]
+    if not tied:
+        return ""
+    p = graph.param(tied[0])
+    return (f"weight tied to {', '.join((p.name, *p.tied_to))}: one parameter, two uses (the embedding looks up "
+            f"rows, the head multiplies by it), so a shard that suits one is the wrong one for the other; replicated")
+
+
+def is_conv1d(node: OpNode) -> bool:
+    """transformers' Conv1D (GPT-2): an ``addmm`` on a (in, out) weight between two views."""
+    return node.module_type == CONV1D_TYPE or node.module_type.endswith(".Conv1D")
+
+
+def fused_split(graph: OpGraph, node: OpNode) -> str:
+    """The op that splits ``node``'s output along its feature dim ("" if none): follow the readers
+    through views and pass-through ops, mapping the last dim as ``_view_dim`` does, to a split /
+    slice / chunk on that dim (GPT-2's ``c_attn(x).split(n_embd, dim=2)`` into q, k, v)."""
+    readers, frontier = consumer_map(graph), [(node.name, len(node.shape) - 1)]
+    while frontier:
+        name, dim = frontier.pop()
+        in_shape = graph.value_meta(name)[0]
+        for reader in (graph.node(r) for r in readers.get(name, [])):
+            op = op_name(reader.target)
+            if op in DIM_OPS and _dim_attr(reader, len(in_shape)) == dim:
+                return op
+            if op in VIEW_OPS and (d := _view_dim(in_shape, reader.shape, dim)) is not None:
+                frontier.append((reader.name, d))
+            elif op in PASS_OPS:
+                frontier.append((reader.name, dim))
     return ""
 
 
@@ -444,7 +485,8 @@ def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict
 def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict, tp: int,
                link: LinkSpec) -> list[tuple]:
     size = graph.value_bytes(producer)
-    after_linear = producer in graph._by_name() and op_name(graph.node(producer).target) in LINEAR_OPS
+    node = graph._by_name().get(producer)
+    after_linear = node is not None and op_name(node.target) in LINEAR_OPS and not is_conv1d(node)
     allowed = [(a, b) for a, b in TRANSITIONS if (a, b) != (S, R) or after_linear]
     t = {(a, b): model.NewBoolVar(f"t[{key},{a}{b}]") for a, b in allowed}
     for a in LAYOUTS:
@@ -506,6 +548,9 @@ def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules:
         style = STYLE_OF_RULE.get(rule.kind, "replicate")
         if style == "colwise" and node.name in gathered:
             style = "colwise-gather"
+        if is_conv1d(node):
+            assert node.name not in gathered, f"{node.module_path}: a Conv1D has no gather style"
+            style = CONV1D_STYLE_OF_RULE[rule.kind]
         local[node.module_path] = (style, "" if style != "replicate" else _replicate_reason(graph, node, choice.tp))
     for module in {n.module_path for n in nodes if op_name(n.target) in {"layer_norm", "rms_norm"} or
                    n.module_type.endswith("RMSNorm")}:
@@ -535,7 +580,9 @@ def _leaves(graph: OpGraph, node: OpNode, inside: set[str]) -> bool:
 
 
 def _replicate_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
-    refusal = linear_refusal(graph, node, tp) if op_name(node.target) in LINEAR_OPS else ""
+    op = op_name(node.target)
+    refusal = (linear_refusal(graph, node, tp) if op in LINEAR_OPS
+               else tied_reason(graph, node) if op in EMBEDDING_OPS else "")
     return refusal or ("the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
                        "resharding communication it adds")
 

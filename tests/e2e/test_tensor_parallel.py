@@ -27,7 +27,6 @@ FAST_LINK = LinkSpec(100.0, 0.0, "test")
 CASES = {  # name: (spec, dp, tp, expected sharded-module count or None for "any")
     "gpt-tp2": ("examples/gpt.py:build", 1, 2, 24),
     "llama-tp2": ("tests/models/hf_llama.py:build", 1, 2, 14),
-    "gpt2-tp2": ("tests/models/hf_gpt2.py:build", 1, 2, 0),
     "llama-dp2-tp2": ("tests/models/hf_llama.py:build", 2, 2, 14),
 }
 
@@ -41,16 +40,29 @@ def run_driver(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> subproce
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def check_against_one_process(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> None:
+    proc = run_driver(spec, styles, dp, tp, tmp)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    losses = json.loads((tmp / "out" / "losses.json").read_text())
+    params = torch.load(tmp / "out" / "params.pt", weights_only=True)
+    ref_losses, ref_params = train_reference(load_model_file(spec), BATCH, STEPS, 0, LR)
+    report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
+    assert report.max_loss_diff < 1e-5, report
+    assert report.ok, report.failure
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tensor_parallel_matches_one_process(in_repo, tmp_path, case):
     spec, dp, tp, sharded = CASES[case]
     choice = choose_tp_styles(capture_graph(spec)[1], tp, FAST_LINK, SLOW_DEVICE)
     assert len(choice.sharded) - ("lm_head" in choice.sharded) == sharded
-    proc = run_driver(spec, choice.sharded, dp, tp, tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    losses = json.loads((tmp_path / "out" / "losses.json").read_text())
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    ref_losses, ref_params = train_reference(load_model_file(spec), BATCH, STEPS, 0, LR)
-    report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
-    assert report.max_loss_diff < 1e-5, report
-    assert report.ok, report.failure
+    check_against_one_process(spec, choice.sharded, dp, tp, tmp_path)
+
+
+def test_gpt2_conv1d_tp2_matches_one_process(in_repo, tmp_path):
+    """transformers' Conv1D MLP split by the conv1d-colwise / conv1d-rowwise styles (c_attn, fused, replicated)."""
+    spec = "tests/models/hf_gpt2.py:build"
+    choice = choose_tp_styles(capture_graph(spec)[1], 2, FAST_LINK, SLOW_DEVICE)
+    assert choice.sharded == {f"transformer.h.{i}.mlp.{m}": style for i in range(2)
+                              for m, style in (("c_fc", "conv1d-colwise"), ("c_proj", "conv1d-rowwise"))}
+    check_against_one_process(spec, choice.sharded, 1, 2, tmp_path)
