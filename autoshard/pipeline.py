@@ -3,9 +3,12 @@
     capture     torch.export on meta tensors         ModelFile -> OpGraph
     annotate    FLOPs and bytes per op               OpGraph -> OpGraph
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
-    strategies  configurations honouring the pins   -> [Config]
-    search      price each, keep the fastest fit     -> SearchResult      (needs blocks)
-    assemble    decision + prediction + rivals       -> Plan
+    strategies  meshes (dp, tp, pp) and configurations
+                the runtime supports, pins applied   -> [Config]          (needs blocks)
+    search      price each (TP layouts, stage cuts),
+                keep the fastest fit                 -> SearchResult      (needs blocks)
+    assemble    decision + stages + TP styles +
+                prediction + rivals                  -> Plan
 
 A pass that fails on a bug is re-raised as "while running pass X after [A, B]"; a user error
 (AutoshardError) passes through unchanged, as its message already names the fix.
@@ -16,16 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from autoshard.cost.step import stage_ranks
+from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Plan, Stage
+from autoshard.ir.plan import Mesh, Plan, Stage
 from autoshard.ir.topology import Cluster
 from autoshard.modelfile import ModelFile, load_model_file
 from autoshard.passes.annotate import annotate
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
 from autoshard.passes.search import SearchResult, search
-from autoshard.passes.strategies import Pins, candidate_configs, choose_dp, refuse_unsupported
+from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 from autoshard.runtime.model import model_fingerprint
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
@@ -49,12 +54,17 @@ class PlanRequest:
 
 def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
-    refuse_unsupported(request.pins)
-    choose_dp(request.cluster.world_size, request.global_batch, request.pins)
+    check_pins(request.pins, request.cluster, request.global_batch)
     model_file = load_model_file(request.model_spec)
     done: list[str] = []
     graph = _graph_passes(model_file, done)
-    configs = _run("strategies", done, candidate_configs, request.cluster.world_size, request.global_batch,
+    return plan_graph(request, model_file, graph, done)
+
+
+def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done: list[str] | None = None) -> Plan:
+    """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
+    done = done if done is not None else ["capture", "annotate", "blocks"]
+    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("search", done, search, graph, request.cluster, configs, request.global_batch)
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
@@ -73,8 +83,9 @@ def _graph_passes(model_file: ModelFile, done: list[str]) -> OpGraph:
 
 
 def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, result: SearchResult) -> Plan:
-    c = result.best.config
-    world = list(range(c.mesh.world_size))
+    best = result.best
+    c = best.config
+    tp = best.tp_choice
     return Plan(
         model=model_summary(request.model_spec, model_file, graph),
         cluster=request.cluster.to_dict(),
@@ -85,15 +96,59 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, r
         num_microbatches=c.num_microbatches,
         schedule=c.schedule,
         recompute=c.recompute,
-        stages=(Stage(index=0, modules=top_level_modules(graph), ranks=tuple(world)),),
-        tensor_parallel={},
+        stages=pipeline_stages(graph, c.mesh, best.cuts),
+        tensor_parallel=dict(tp.sharded) if tp is not None else {},
+        tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
+        virtual_stages=c.virtual_stages,
+        split_points=tuple(graph.blocks[k].path for k in best.cuts),
         predicted=result.best.predicted,
         alternatives=result.alternatives,
         blocks=tuple(b.path for b in graph.blocks),
         ddp_bucket_cap_mb=c.ddp_bucket_cap_mb,
         precision="bf16-autocast" if request.cluster.backend == "nccl" else "fp32",
         pinned=request.pins.names,
+        notes=plan_notes(best),
     )
+
+
+def plan_notes(best) -> tuple[str, ...]:
+    """What a reviewer should know that the fields do not say."""
+    mesh, tp = best.config.mesh, best.tp_choice
+    if tp is not None and not tp.sharded:
+        return (f"tp={mesh.tp}: the layout model keeps every module replicated on this cluster (resharding would "
+                f"cost more than it saves), so the {mesh.tp} tp ranks compute the same thing; pin --tp 1 or use "
+                f"a cluster with a faster link",)
+    return ()
+
+
+def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...]) -> tuple[Stage, ...]:
+    """One Stage per pipeline stage (one in all without pipelining): its top-level / block modules
+    in run order and the ranks holding it (pp rank s mod pp, all of its dp × tp)."""
+    if mesh.pp == 1:
+        return (Stage(index=0, modules=top_level_modules(graph), ranks=tuple(range(mesh.world_size))),)
+    names = unit_modules(graph)
+    return tuple(Stage(index=s, modules=tuple(m for u in stage_units(rng, len(graph.blocks)) for m in names[u]),
+                       ranks=stage_ranks(mesh, s))
+                 for s, rng in enumerate(stage_ranges(cuts, len(graph.blocks))))
+
+
+def unit_modules(graph: OpGraph) -> list[tuple[str, ...]]:
+    """Per pipeline unit (``cost.units``): each block's path; outside blocks, the outermost module
+    that is not an ancestor of a block ("wte", "lm_head"; "transformer.wte" under HF GPT-2)."""
+    ancestors = {".".join(b.path.split(".")[:i]) for b in graph.blocks for i in range(1, b.path.count(".") + 1)}
+    outside: list[dict[str, None]] = [{} for _ in range(len(graph.blocks) + 2)]
+    in_block = {n for b in graph.blocks for n in b.node_names}
+    for node, u in zip(graph.nodes, node_units(graph)):
+        if node.module_path and node.name not in in_block:
+            outside[u].setdefault(_outermost_outside(node.module_path, ancestors), None)
+    blocks = [(b.path,) for b in graph.blocks]
+    return [tuple(outside[0]), *[blk + tuple(outside[k + 1]) for k, blk in enumerate(blocks)], tuple(outside[-1])]
+
+
+def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
+    parts = module_path.split(".")
+    return next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in ancestors),
+                module_path)
 
 
 def model_summary(spec: str, model_file: ModelFile, graph: OpGraph) -> dict[str, Any]:

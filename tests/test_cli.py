@@ -56,7 +56,7 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
     source = program.read_text()
     compile(source, str(program), "exec")
-    assert "ZeroRedundancyOptimizer(" in source and "bucket_cap_mb=" in source and "DP = 2" in source
+    assert "ZeroRedundancyOptimizer(" in source and "bucket_cap_mb=" in source and "PP, DP, TP = 1, 2, 1" in source
 
 
 BAD = [
@@ -68,9 +68,9 @@ BAD = [
     (["plan", "tests/bad_models/broken.py:no_batch_model"], "no example_batch"),
     (["plan", "tests/bad_models/wrong_batch.py:build"], "batch (2) as its first dimension"),
     (["plan", "tests/bad_models/data_dependent.py:build"], "data-dependent"),
-    (["plan", GPT, "--global-batch", "7"], "not divisible by dp=2"),
+    (["plan", GPT, "--global-batch", "7", "--dp", "2"], "not divisible by dp=2"),
     (["plan", GPT, "--cluster", "dgx-z9000"], "dgx-z9000"),
-    (["plan", GPT, "--tp", "2"], "not supported yet"),
+    (["plan", GPT, "--tp", "2", "--pp", "2"], "not supported yet"),
     (["plan", GPT, "--zero", "5"], "--zero 5"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),

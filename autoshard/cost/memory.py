@@ -100,11 +100,5 @@ def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, preci
     return int((kept + workspace) * scale)
 
 
-def fsdp_unit_bytes(graph: OpGraph, precision: Precision) -> int:
-    """Largest FSDP unit's unsharded weights (the blocks are the units)."""
-    largest = max((b.param_count for b in graph.blocks), default=graph.param_count)
-    return largest * precision.param_bytes
-
-
 def _is_heavy(target: str) -> bool:
     return target.startswith(COMPUTE_HEAVY_TARGETS)

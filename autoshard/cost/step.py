@@ -1,10 +1,22 @@
 """One training step of a configuration, priced as a sum of named parts.
 
-With m micro-batches per step and per-micro-batch compute c = fwd + bwd + recompute::
+Notation: mesh (dp, tp, pp) laid out (pp, dp, tp), tp innermost; m micro-batches of b samples
+per dp replica; v virtual stages per pp rank; c = fwd + bwd + recompute of one micro-batch.
 
-    step_time = m·c + t_optimizer + comm_exposed + bubble
-    comm_exposed = Σ over collectives of max(0, t_comm − t_compute it hides behind),
+**Without pipelining** (pp = 1; ``price_spmd``)::
+
+    step_time    = compute + comm_exposed              (bubble = 0)
+    compute      = m·c_tp + t_optimizer
+    comm_exposed = m·T_tp + Σ_DP max(0, t_comm − t_compute it hides behind),
                    never less than the part that has nothing to hide behind
+
+With tp > 1 the op graph's layout choice (``passes.tensor_parallel.choose_tp_styles``, made
+for micro-batch b, see ``CostTables.tp_cost``) gives per segment (a block signature, or the
+ops outside blocks) the share f of its matmul time that is left per rank (1/tp where fully
+sharded); c_tp = Σ_units f(unit)·c(unit). T_tp is that choice's TP collectives per micro-batch
+(forward all-reduces of row-parallel outputs, backward all-reduces of column-parallel input
+gradients), all exposed: they sit between dependent matmuls. Full recompute runs the forward
+again, so T_tp × ``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer).
 
 DDP (ZeRO-0/1) all-reduces gradients in buckets of B bytes during the last micro-batch's
 backward (``no_sync`` on the others); the last bucket is always exposed. ZeroRedundancy-
@@ -12,25 +24,64 @@ Optimizer (ZeRO-1) then broadcasts each rank's updated shard (an all-gather of t
 exposed. FSDP2 (ZeRO-2/3) all-gathers each block's weights before its forward (prefetched
 behind the previous block's compute; the first is exposed) and reduce-scatters its gradients
 after its backward (the last is exposed); ZeRO-3 gathers again for backward. Both do this
-every micro-batch.
+every micro-batch. DP collectives run on the dp group of rank 0 (ranks d·tp); a group that
+spans n nodes with g members per node is priced as the cheaper of a flat ring on the NIC
+share and the two-level form (``dp_collective_s``)::
+
+    AR_2(S) = RS(S, g, intra) + AR(S/g, n, inter) + AG(S, g, intra)   (comm.hierarchical_allreduce_s)
+    RS_2(S) = RS(S, g, intra) + RS(S/g, n, inter)         AG_2(S) = AG(S/g, n, inter) + AG(S, g, intra)
+
+**With pipelining** (pp > 1, tp = 1; ``price_pipeline``): stage s holds a run of units
+(``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
+micro-batch, rank r spends T_r = C_r + P_r: C_r the compute of its stages, P_r two p2p
+transfers (activation forward, gradient backward) of the boundary activation entering each
+of its stages but the first, on the pp link (NUMBERS.md: b·s·h·bytes each way)::
+
+    step_time    = (m + (p−1)/v) · T_max + t_optimizer + DP_exposed      T_max = max_r T_r
+    compute      = m · C_{r*} + t_optimizer                               r* the slowest rank
+    comm_exposed = m · P_{r*} + DP_exposed
+    bubble       = (p−1)/v · T_max        (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks)
+
+DP × PP is FSDP2 on each stage module (one unit): the stage's weights are gathered once and
+kept unsharded until the last micro-batch, gradients accumulate unsharded and are reduce-
+scattered once (``torch.distributed.pipelining`` turns resharding and gradient sync off
+until the last backward). ZeRO-2: one all-gather and one reduce-scatter per step; ZeRO-3
+gathers again around each micro-batch (2m all-gathers). Nothing overlaps them: exposed.
+
+**Memory** per rank (``memory_spmd`` / ``memory_pipeline``): model state by ZeRO stage over dp
+(``memory.model_state_bytes``) of the rank's parameters (TP: sharded modules' weights / tp;
+PP: its stages'); activations of one micro-batch times the micro-batches in flight
+(``in_flight``): 1 without pipelining; GPipe m; 1F1B min(m, p − r) on rank r; interleaved
+min(m, p − r + (p−1)/v) (Korthikanti et al.: p·(1 + (p−1)/(p·v)) on the first rank). With TP
+a block keeps (10 + 24/t)/34 of its unsharded activations (Korthikanti et al., TP without
+sequence parallelism); full recompute keeps the unsharded block inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
-from autoshard.cost.compute import ComputeTime, microbatch_compute, model_flops_per_sample
-from autoshard.cost.memory import (Precision, activation_bytes, fsdp_unit_bytes, model_state_bytes,
-                                   precision_for_backend)
+from autoshard.cost.compute import BACKWARD_TO_FORWARD, ComputeTime, model_flops_per_sample
+from autoshard.cost.memory import Precision, model_state_bytes, precision_for_backend
+from autoshard.cost.units import Units, stage_ranges, stage_units, unit_costs
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Memory, Mesh, Predicted
 from autoshard.ir.topology import Cluster, LinkSpec
+from autoshard.passes.blocks import block_of
 
 ALLOCATOR_SLACK = 0.05  # caching-allocator fragmentation, a few % in practice (torch.cuda.memory_stats)
 ADAM_BYTES_PER_PARAM = 28  # fp32 Adam step: read w, g, m, v (16 B), write w, m, v (12 B)
 BUCKET_CAP_CHOICES_MB = (1.0, 5.0, 25.0, 100.0)  # DDP bucket sizes the cost model picks from
+FULL_RECOMPUTE_TP_COMM = 1.5  # full recompute repeats the forward TP all-reduces (half of them)
+CAPTURED_ELEM_BYTES = 4  # graphs are captured in fp32
+
+
+def tp_activation_fraction(tp: int) -> float:
+    """(10 + 24/t)/34: a TP block's activations over the unsharded ones (Korthikanti et al. 2022)."""
+    return (10 + 24 / tp) / 34
 
 
 @dataclass(frozen=True)
@@ -43,7 +94,12 @@ class Config:
     num_microbatches: int
     recompute: str = "none"
     schedule: str = "none"
+    virtual_stages: int = 1
     ddp_bucket_cap_mb: float = 25.0
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp * self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -52,53 +108,176 @@ class CommTime:
     exposed_s: float
 
 
+@dataclass(frozen=True)
+class TPCost:
+    """A TP layout choice priced for one micro-batch size (see ``CostTables.tp_cost``)."""
+
+    choice: object  # passes.tensor_parallel.TPChoice
+    unit_fraction: tuple[float, ...]  # share of each unit's compute left per rank
+    comm_s: float  # TP collectives of one micro-batch (forward + backward)
+    local_params: int  # parameters per rank: sharded modules' weights / tp
+    largest_block_params: int  # the same, of the largest block (the largest FSDP unit)
+
+
+class CostTables:
+    """Quantities shared by many configurations, computed once per search and cached."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster):
+        self.graph, self.cluster = graph, cluster
+        self.precision = precision_for_backend(cluster.backend)
+        self._units: dict[tuple, Units] = {}
+        self._tp: dict[tuple, TPCost] = {}
+        self._memo: dict[tuple, object] = {}
+
+    def memo(self, key: tuple, compute):
+        """``compute()`` once per ``key`` (for other passes' per-search quantities, e.g. stage cuts)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def units(self, microbatch_size: int, recompute: str) -> Units:
+        key = (microbatch_size, recompute)
+        if key not in self._units:
+            self._units[key] = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
+                                          self.precision.activation_bytes, CAPTURED_ELEM_BYTES)
+        return self._units[key]
+
+    def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
+        """The layout choice for micro-batch b, exact for it: with r = b/b₀ and e = a/captured,
+        comm(S·r·e; α, B) = r·comm(S; α/r, B/e) and compute scales by r, so solving at the
+        captured batch on the link (α/r, B/e) minimises r·(compute + comm) at b."""
+        key = (tp, microbatch_size)
+        if key not in self._tp:
+            self._tp[key] = self._solve_tp(tp, microbatch_size)
+        return self._tp[key]
+
+    def _solve_tp(self, tp: int, microbatch_size: int) -> TPCost:
+        from autoshard.passes.tensor_parallel import choose_tp_styles
+
+        r = microbatch_size / self.graph.batch_size
+        e = self.precision.activation_bytes / CAPTURED_ELEM_BYTES
+        link = self.cluster.group_link(list(range(tp)))
+        scaled = LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
+        choice = choose_tp_styles(self.graph, tp, scaled, self.cluster.device)
+        largest = max(self.graph.blocks, key=lambda b: b.param_count).path if self.graph.blocks else None
+        local = local_param_count(self.graph, choice.sharded, tp)
+        block = local_param_count(self.graph, choice.sharded, tp, block=largest) if largest else local
+        return TPCost(choice, _unit_fractions(self.graph, choice, self.cluster), r * choice.comm_s, local, block)
+
+
+def _unit_fractions(graph: OpGraph, choice, cluster: Cluster) -> tuple[float, ...]:
+    """Per unit: the segment's TP compute over its unsharded matmul time, 3·flops/(η·P)."""
+    flops_per_s = cluster.device.peak_tflops * 1e12 * cluster.device.matmul_efficiency
+    in_blocks = {n for b in graph.blocks for n in b.node_names}
+    rest_flops = sum(n.flops for n in graph.nodes if n.name not in in_blocks)
+    flops = {b.path: b.flops_fwd for b in graph.blocks} | {"": rest_flops}
+    share = {s.path: s.compute_s / ((1 + BACKWARD_TO_FORWARD) * flops[s.path] / flops_per_s)
+             for s in choice.segments if flops.get(s.path)}
+    blocks = [share.get(b.representative, 1.0) for b in graph.blocks]
+    return (share.get("", 1.0), *blocks, share.get("", 1.0))
+
+
+def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: str | None = None) -> int:
+    """Parameters per TP rank (of ``block`` only, if given): sharded modules' weights / tp;
+    a row-parallel bias stays whole (RowwiseParallel replicates it)."""
+    total = 0
+    for p in graph.params:
+        if p.is_buffer or (block is not None and block_of(p.module_path) != block):
+            continue
+        style = sharded.get(p.module_path)
+        split = style is not None and not (style == "rowwise" and p.name.endswith(".bias"))
+        total += p.numel // tp if split else p.numel
+    return total
+
+
 def dp_group_ranks(mesh: Mesh) -> list[int]:
     """Ranks of the DP group of rank 0; the mesh is laid out (pp, dp, tp), tp innermost."""
     return [d * mesh.tp for d in range(mesh.dp)]
 
 
-def price(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int) -> Predicted:
-    """Predicted step time, memory and throughput of ``config`` (see module docstring)."""
-    precision = precision_for_backend(cluster.backend)
-    micro = microbatch_compute(graph, config.microbatch_size, config.recompute, cluster.device,
-                               precision.activation_bytes)
-    compute_s = config.num_microbatches * micro.total_s + optimizer_step_s(graph, config, cluster, precision)
-    comms = dp_comm_time(graph, cluster, config, micro, precision)
-    step_s = compute_s + comms.exposed_s
-    memory = memory_per_rank(graph, config, precision)
-    flops = global_batch * model_flops_per_sample(graph)
-    return Predicted(
-        step_time_s=step_s,
-        compute_s=compute_s,
-        comm_exposed_s=comms.exposed_s,
-        bubble_s=0.0,
-        memory_peak_bytes_per_rank=memory.peak_bytes,
-        memory=memory,
-        tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
-        samples_per_s=global_batch / step_s,
-        mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
-        comm_total_s=comms.total_s,
-    )
+def pp_group_ranks(mesh: Mesh) -> list[int]:
+    """Ranks of the PP group of rank 0: stage s on pp rank s mod pp."""
+    return [k * mesh.dp * mesh.tp for k in range(mesh.pp)]
 
 
-def optimizer_step_s(graph: OpGraph, config: Config, cluster: Cluster, precision: Precision) -> float:
+def stage_ranks(mesh: Mesh, stage: int) -> tuple[int, ...]:
+    """Global ranks holding pipeline stage ``stage``: pp rank r = stage mod pp, all its dp × tp."""
+    r = stage % mesh.pp
+    return tuple(r * mesh.dp * mesh.tp + i for i in range(mesh.dp * mesh.tp))
+
+
+def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
+    """Micro-batches whose activations rank ``pp_rank`` holds at its peak (module doc)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved-1f1b":
+        return min(float(m), pp - pp_rank + (pp - 1) / v)
+    return float(min(m, pp - pp_rank))
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def price(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, tables: CostTables | None = None,
+          cuts: tuple[int, ...] | None = None) -> Predicted:
+    """Predicted step time, memory and throughput of ``config`` (module doc); pipelines need ``cuts``."""
+    tables = tables or CostTables(graph, cluster)
+    if config.mesh.pp > 1:
+        assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
+        return price_pipeline(tables, config, global_batch, cuts)
+    return price_spmd(tables, config, global_batch)
+
+
+def price_spmd(tables: CostTables, config: Config, global_batch: int) -> Predicted:
+    """pp = 1: DP (ZeRO 0-3) and TP (module doc)."""
+    graph, cluster, precision = tables.graph, tables.cluster, tables.precision
+    micro, tp_comm_s, local = spmd_microbatch(tables, config)
+    m = config.num_microbatches
+    compute_s = m * micro.total_s + optimizer_step_s(local, config, cluster)
+    dp = dp_comm_time(graph, cluster, config, micro, precision, local)
+    memory = memory_spmd(tables, config, local)
+    return _predicted(graph, cluster, config, global_batch, compute_s, dp.exposed_s + m * tp_comm_s, 0.0, memory,
+                      dp.total_s + m * tp_comm_s)
+
+
+def spmd_microbatch(tables: CostTables, config: Config) -> tuple[ComputeTime, float, int]:
+    """(compute of one micro-batch per rank, its TP communication, parameters per rank)."""
+    units = tables.units(config.microbatch_size, config.recompute)
+    if config.mesh.tp == 1:
+        return _compute_time(units, (1.0,) * len(units.forward_s)), 0.0, tables.graph.param_count
+    tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
+    factor = FULL_RECOMPUTE_TP_COMM if config.recompute == "full" else 1.0
+    return _compute_time(units, tp.unit_fraction), tp.comm_s * factor, tp.local_params
+
+
+def _compute_time(units: Units, fraction: tuple[float, ...]) -> ComputeTime:
+    fwd = sum(f * x for f, x in zip(units.forward_s, fraction))
+    return ComputeTime(fwd, BACKWARD_TO_FORWARD * fwd, sum(f * x for f, x in zip(units.recompute_s, fraction)))
+
+
+def optimizer_step_s(local_params: float, config: Config, cluster: Cluster) -> float:
     """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
     shards = config.mesh.dp if config.zero_stage >= 1 else 1
-    local_params = graph.param_count / (config.mesh.tp * config.mesh.pp * shards)
-    return local_params * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
+    return local_params / shards * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
 
 
-def memory_per_rank(graph: OpGraph, config: Config, precision: Precision) -> Memory:
-    params = graph.param_count // (config.mesh.tp * config.mesh.pp)
-    p, g, o = model_state_bytes(params, config.zero_stage, config.mesh.dp, precision)
-    acts = activation_bytes(graph, config.microbatch_size, config.recompute, precision)
+def memory_spmd(tables: CostTables, config: Config, local_params: int) -> Memory:
+    graph, precision, tp = tables.graph, tables.precision, config.mesh.tp
+    p, g, o = model_state_bytes(local_params, config.zero_stage, config.mesh.dp, precision)
+    units = tables.units(config.microbatch_size, config.recompute)
+    keep = tp_activation_fraction(tp)
+    blocks_kept = sum(units.saved_bytes[1:-1]) * (1.0 if config.recompute == "full" else keep)
+    acts = blocks_kept + units.saved_bytes[0] + units.saved_bytes[-1] + max(units.workspace_bytes) * keep
     return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
-                             activations_bytes=acts, transient_bytes=transient_bytes(graph, config, precision))
+                             activations_bytes=int(acts), transient_bytes=transient_bytes(tables, config))
 
 
-def transient_bytes(graph: OpGraph, config: Config, precision: Precision) -> int:
+def transient_bytes(tables: CostTables, config: Config) -> int:
     """ZeRO-3: the unit being used and the one prefetched, unsharded, and one unit's gradients."""
-    unit = fsdp_unit_bytes(graph, precision)
+    precision = tables.precision
+    unit = fsdp_unit_params(tables, config) * precision.param_bytes
     if config.zero_stage == 3 and config.mesh.dp > 1:
         return 2 * unit + unit * precision.grad_bytes // precision.param_bytes
     if config.zero_stage == 2 and config.mesh.dp > 1:
@@ -106,53 +285,201 @@ def transient_bytes(graph: OpGraph, config: Config, precision: Precision) -> int
     return 0
 
 
-def dp_comm_time(graph: OpGraph, cluster: Cluster, config: Config, micro: ComputeTime,
-                 precision: Precision) -> CommTime:
-    dp = config.mesh.dp
-    if dp == 1:
+def fsdp_unit_params(tables: CostTables, config: Config) -> int:
+    """Largest FSDP unit (a block) per rank: its weights, TP-sharded where the plan shards them."""
+    graph = tables.graph
+    if config.mesh.tp > 1:
+        return tables.tp_cost(config.mesh.tp, config.microbatch_size).largest_block_params
+    return max((b.param_count for b in graph.blocks), default=graph.param_count)
+
+
+# ---------------------------------------------------------------------------- data parallel
+
+
+def dp_comm_time(graph: OpGraph, cluster: Cluster, config: Config, micro: ComputeTime, precision: Precision,
+                 params: float | None = None) -> CommTime:
+    """DP collectives of one step (module doc); ``params`` per rank, default Ψ/(tp·pp)."""
+    if config.mesh.dp == 1:
         return CommTime(0.0, 0.0)
-    link = cluster.group_link(dp_group_ranks(config.mesh))
-    params = graph.param_count / (config.mesh.tp * config.mesh.pp)
+    params = graph.param_count / (config.mesh.tp * config.mesh.pp) if params is None else params
     if config.zero_stage <= 1:
-        return _ddp_comm(params, config, micro, precision, link)
-    return _fsdp_comm(graph, params, config, micro, precision, link)
+        return _ddp_comm(cluster, params, config, micro, precision)
+    return _fsdp_comm(graph, cluster, params, config, micro, precision)
 
 
-def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Config) -> float:
+def dp_collective_s(kind: str, size_bytes: float, mesh: Mesh, cluster: Cluster) -> float:
+    """``kind`` ∈ {allreduce, reduce_scatter, all_gather} over the dp group: flat ring on the
+    group's link, or the two-level form when that is cheaper (module doc)."""
+    link, g = dp_group_shape(cluster, mesh)
+    flat = {"allreduce": comm.allreduce_s, "reduce_scatter": comm.reduce_scatter_s,
+            "all_gather": comm.all_gather_s}[kind](size_bytes, mesh.dp, link)
+    n = mesh.dp // g
+    if n == 1 or g == 1 or mesh.dp % g:
+        return flat
+    intra = cluster.intra_node
+    if kind == "allreduce":
+        two_level = comm.hierarchical_allreduce_s(size_bytes, g, n, intra, link)
+    elif kind == "reduce_scatter":
+        two_level = comm.reduce_scatter_s(size_bytes, g, intra) + comm.reduce_scatter_s(size_bytes / g, n, link)
+    else:
+        two_level = comm.all_gather_s(size_bytes / g, n, link) + comm.all_gather_s(size_bytes, g, intra)
+    return min(flat, two_level)
+
+
+@functools.lru_cache(maxsize=256)
+def dp_group_shape(cluster: Cluster, mesh: Mesh) -> tuple[LinkSpec, int]:
+    """(the dp group's link, its members on one node); cached: group_link walks the topology graph."""
+    ranks = dp_group_ranks(mesh)
+    return cluster.group_link(ranks), sum(cluster.node_of(r) == 0 for r in ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def pp_link(cluster: Cluster, mesh: Mesh) -> LinkSpec:
+    """The link between consecutive pipeline stages (pp ranks 0 and 1)."""
+    return cluster.group_link(pp_group_ranks(mesh)[:2])
+
+
+def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Config, tables: CostTables | None = None) -> float:
     """The DDP bucket size (from BUCKET_CAP_CHOICES_MB) with the least exposed communication."""
-    if config.zero_stage >= 2 or config.mesh.dp == 1:
+    if config.zero_stage >= 2 or config.mesh.dp == 1 or config.mesh.pp > 1:
         return config.ddp_bucket_cap_mb
-    precision = precision_for_backend(cluster.backend)
-    micro = microbatch_compute(graph, config.microbatch_size, config.recompute, cluster.device,
-                               precision.activation_bytes)
+    tables = tables or CostTables(graph, cluster)
+    micro, _, local = spmd_microbatch(tables, config)
 
     def exposed(cap_mb: float) -> float:
-        trial = Config(**{**config.__dict__, "ddp_bucket_cap_mb": cap_mb})
-        return dp_comm_time(graph, cluster, trial, micro, precision).exposed_s
+        trial = replace(config, ddp_bucket_cap_mb=cap_mb)
+        return dp_comm_time(graph, cluster, trial, micro, tables.precision, local).exposed_s
 
     return min(BUCKET_CAP_CHOICES_MB, key=lambda cap: (exposed(cap), cap))
 
 
-def _ddp_comm(params: float, config: Config, micro: ComputeTime, precision: Precision, link: LinkSpec) -> CommTime:
-    dp = config.mesh.dp
+def _ddp_comm(cluster: Cluster, params: float, config: Config, micro: ComputeTime, precision: Precision) -> CommTime:
+    mesh = config.mesh
     grad_bytes = params * precision.grad_bytes
     buckets = max(1, math.ceil(grad_bytes / (config.ddp_bucket_cap_mb * 2**20)))
-    per_bucket_s = comm.allreduce_s(grad_bytes / buckets, dp, link)
+    per_bucket_s = dp_collective_s("allreduce", grad_bytes / buckets, mesh, cluster)
     allreduce_total_s = buckets * per_bucket_s
     exposed_s = max(allreduce_total_s - micro.backward_s, per_bucket_s)
     if config.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards
-        gather_s = comm.all_gather_s(params * precision.param_bytes, dp, link)
+        gather_s = dp_collective_s("all_gather", params * precision.param_bytes, mesh, cluster)
         return CommTime(allreduce_total_s + gather_s, exposed_s + gather_s)
     return CommTime(allreduce_total_s, exposed_s)
 
 
-def _fsdp_comm(graph: OpGraph, params: float, config: Config, micro: ComputeTime, precision: Precision,
-               link: LinkSpec) -> CommTime:
-    dp, units = config.mesh.dp, max(1, len(graph.blocks)) + 1
-    gather_s = comm.all_gather_s(params * precision.activation_bytes, dp, link)
-    scatter_s = comm.reduce_scatter_s(params * precision.grad_bytes, dp, link)
+def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, micro: ComputeTime,
+               precision: Precision) -> CommTime:
+    mesh, units = config.mesh, max(1, len(graph.blocks)) + 1
+    gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, mesh, cluster)
+    scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, mesh, cluster)
     regather_s = gather_s if config.zero_stage == 3 else 0.0
     fwd_exposed = max(gather_s - micro.forward_s, gather_s / units)
     bwd_exposed = max(regather_s + scatter_s - micro.backward_s - micro.recompute_s, scatter_s / units)
     m = config.num_microbatches
     return CommTime(m * (gather_s + regather_s + scatter_s), m * (fwd_exposed + bwd_exposed))
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One pp rank's per-micro-batch work and its memory."""
+
+    compute_s: float
+    p2p_s: float
+    params: int
+    memory: Memory
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.p2p_s
+
+
+def price_pipeline(tables: CostTables, config: Config, global_batch: int, cuts: tuple[int, ...]) -> Predicted:
+    """pp > 1 (module doc): the slowest rank sets the pace; the worst rank's memory is the peak."""
+    graph, cluster, precision = tables.graph, tables.cluster, tables.precision
+    loads = rank_loads(tables, config, cuts)
+    slowest = max(loads, key=lambda r: r.time_s)
+    m, p, v = config.num_microbatches, config.mesh.pp, config.virtual_stages
+    dp = pipeline_dp_comm(cluster, config, max(r.params for r in loads), precision)
+    optimizer_s = optimizer_step_s(max(r.params for r in loads), config, cluster)
+    compute_s = m * slowest.compute_s + optimizer_s
+    bubble_s = (p - 1) / v * slowest.time_s
+    memory = max((r.memory for r in loads), key=lambda mem: mem.peak_bytes)
+    return _predicted(graph, cluster, config, global_batch, compute_s, m * slowest.p2p_s + dp.exposed_s, bubble_s,
+                      memory, dp.total_s + m * slowest.p2p_s)
+
+
+def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:
+    units = tables.units(config.microbatch_size, config.recompute)
+    compute = units.compute_s
+    link = pp_link(tables.cluster, config.mesh)
+    ranges = stage_ranges(cuts, units.blocks)
+    loads = []
+    for r in range(config.mesh.pp):
+        mine = [(s, ranges[s]) for s in range(r, len(ranges), config.mesh.pp)]
+        idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
+        p2p = sum(2 * comm.p2p_s(units.boundary_bytes[i], link) for s, (i, _) in mine if s > 0)
+        params = sum(units.params[u] for u in idx)
+        acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
+            sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
+        loads.append(RankLoad(sum(compute[u] for u in idx), p2p, params,
+                              memory_pipeline(tables.precision, config, params, acts)))
+    return loads
+
+
+def memory_pipeline(precision: Precision, config: Config, params: int, activations: float) -> Memory:
+    p, g, o = model_state_bytes(params, config.zero_stage, config.mesh.dp, precision)
+    return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
+                             activations_bytes=int(activations),
+                             transient_bytes=int(pipeline_transient_per_param(precision, config) * params))
+
+
+def pipeline_transient_per_param(precision: Precision, config: Config) -> float:
+    """FSDP on a stage keeps the gradients (and ZeRO-3's gathered weights) unsharded all step."""
+    dp = config.mesh.dp
+    if dp == 1 or config.zero_stage < 2:
+        return 0.0
+    spread = 1 - 1 / dp
+    return precision.grad_bytes * spread + (precision.param_bytes * spread if config.zero_stage == 3 else 0.0)
+
+
+def state_bytes_per_param(precision: Precision, config: Config) -> float:
+    """Weights, gradients, optimizer state and FSDP transients per parameter of a stage."""
+    dp = config.mesh.dp
+    p, g, o = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    z = config.zero_stage
+    state = p / (dp if z >= 3 else 1) + g / (dp if z >= 2 else 1) + o / (dp if z >= 1 else 1)
+    return state + pipeline_transient_per_param(precision, config)
+
+
+def pipeline_dp_comm(cluster: Cluster, config: Config, params: int, precision: Precision) -> CommTime:
+    """FSDP per stage over dp: ZeRO-2 one gather + one scatter per step, ZeRO-3 2m gathers; exposed."""
+    if config.mesh.dp == 1:
+        return CommTime(0.0, 0.0)
+    gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, config.mesh, cluster)
+    scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, config.mesh, cluster)
+    gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
+    total = gathers * gather_s + scatter_s
+    return CommTime(total, total)
+
+
+# ---------------------------------------------------------------------------- result
+
+
+def _predicted(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, compute_s: float,
+               comm_exposed_s: float, bubble_s: float, memory: Memory, comm_total_s: float) -> Predicted:
+    step_s = compute_s + comm_exposed_s + bubble_s
+    flops = global_batch * model_flops_per_sample(graph)
+    return Predicted(
+        step_time_s=step_s,
+        compute_s=compute_s,
+        comm_exposed_s=comm_exposed_s,
+        bubble_s=bubble_s,
+        memory_peak_bytes_per_rank=memory.peak_bytes,
+        memory=memory,
+        tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
+        samples_per_s=global_batch / step_s,
+        mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
+        comm_total_s=comm_total_s,
+    )

@@ -1,27 +1,40 @@
 """Search: price every candidate configuration and keep the fastest that fits.
 
-Objective and constraint (per-rank memory M, device memory C)::
+Objective and constraints (per-rank memory M, device memory C; configurations c from
+``passes.strategies``: mesh (dp, tp, pp), ZeRO stage, micro-batch, recompute, schedule)::
 
-    minimise   step_time(c)            over candidates c
-    subject to M(c) ≤ C                 (add_memory_constraint: ``fits``)
+    minimise   step_time(c)                               over candidates c
+    subject to M(c) ≤ C                                    (``fits``)
+               stage cuts of c minimise its slowest stage  (``choose_cuts``, pp > 1)
 
-Ties break on lower peak memory, then lower ZeRO stage, then larger micro-batch, then less
-recompute, so the same inputs always give the same plan. The candidate sets of this pass
-are small (ZeRO stage × micro-batch × recompute), so it enumerates them exactly.
+Ties break on lower peak memory, then lower ZeRO stage, larger micro-batch, less recompute,
+then the simpler mesh (smaller tp, then smaller pp) and schedule, so the same inputs always
+give the same plan. The space is enumerated exactly, in the fixed order of the candidate list,
+with two economies that change no answer:
+
+- ``CostTables`` computes per-unit costs once per (micro-batch, recompute) and the TP layout
+  choice once per (tp, micro-batch); stage cuts are cached per (micro-batch, stages) and the
+  memory-constrained cuts are only solved when the time-optimal ones do not fit;
+- a configuration whose lower bound ``lower_bound_s`` = m · Σ_units c(u) / (tp · pp) (perfect
+  division of the compute, no communication, no bubble) already exceeds the fastest feasible
+  step found so far is not priced (``search``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, price,
+                                 state_bytes_per_param)
 from autoshard.cost.memory import precision_for_backend
-from autoshard.cost.step import Config, choose_bucket_cap_mb, price
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import RECOMPUTE_MODES, Alternative, Predicted
+from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.topology import Cluster
+from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts
+from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
 
-MAX_ALTERNATIVES = 8
+MAX_ALTERNATIVES = 12
 GIB = 2**30
 
 
@@ -30,6 +43,8 @@ class Priced:
     config: Config
     predicted: Predicted
     fits: bool
+    cuts: tuple[int, ...] = ()  # pipeline: the first block of stages 1 .. S−1
+    tp_choice: object = field(default=None, compare=False)  # passes.tensor_parallel.TPChoice when tp > 1
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,16 @@ class SearchResult:
 
 
 def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch: int) -> SearchResult:
-    priced = [price_config(graph, cluster, c, global_batch) for c in configs]
+    tables = CostTables(graph, cluster)
+    priced: list[Priced] = []
+    fastest_s = float("inf")
+    for config in configs:
+        if lower_bound_s(tables, config) > fastest_s:
+            continue
+        p = price_config(graph, cluster, config, global_batch, tables)
+        priced.append(p)
+        if p.fits:
+            fastest_s = min(fastest_s, p.predicted.step_time_s)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
     if not feasible:
         raise AutoshardError(explain_infeasible(graph, cluster, priced))
@@ -47,18 +71,80 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch
     return SearchResult(best=best, alternatives=alternatives(best, priced, cluster))
 
 
-def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int) -> Priced:
-    config = replace(config, ddp_bucket_cap_mb=choose_bucket_cap_mb(graph, cluster, config))
-    predicted = price(graph, cluster, config, global_batch)
-    return Priced(config, predicted, fits=predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes)
+def lower_bound_s(tables: CostTables, config: Config) -> float:
+    """m · Σ_units c(u) / (tp · pp): no configuration of this mesh and micro-batch is faster."""
+    units = tables.units(config.microbatch_size, config.recompute)
+    return config.num_microbatches * sum(units.compute_s) / (config.mesh.tp * config.mesh.pp)
+
+
+def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int,
+                 tables: CostTables | None = None) -> Priced:
+    tables = tables or CostTables(graph, cluster)
+    config = replace(config, ddp_bucket_cap_mb=choose_bucket_cap_mb(graph, cluster, config, tables))
+    choice = tables.tp_cost(config.mesh.tp, config.microbatch_size).choice if config.mesh.tp > 1 else None
+    if config.mesh.pp == 1:
+        return _priced(tables, config, global_batch, (), choice)
+    fastest = _priced(tables, config, global_batch, time_cuts(tables, config), choice)
+    if fastest.fits:
+        return fastest
+    cuts = memory_cuts(tables, config)
+    return _priced(tables, config, global_batch, cuts, choice) if cuts is not None else fastest
+
+
+def _priced(tables: CostTables, config: Config, global_batch: int, cuts: tuple[int, ...], choice) -> Priced:
+    predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
+    fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
+    return Priced(config, predicted, fits, cuts, choice)
+
+
+# ---------------------------------------------------------------------------- stage cuts
+
+
+def time_cuts(tables: CostTables, config: Config) -> tuple[int, ...]:
+    """Cuts minimising the slowest stage, memory aside (cached per micro-batch and stage count)."""
+    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages)
+    cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False),
+                                              config.num_stages))
+    assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
+    return cuts
+
+
+def memory_cuts(tables: CostTables, config: Config) -> tuple[int, ...] | None:
+    """Cuts minimising the slowest stage with every stage under C / ((1 + slack)·v); None if none fit."""
+    return best_cuts(partition_problem(tables, config, with_memory=True), config.num_stages)
+
+
+def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> PartitionProblem:
+    """The stage-cut problem of ``config`` (``passes.stage_cuts``): unit times in ps, and per stage
+    state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
+    units = tables.units(config.microbatch_size, config.recompute)
+    ps = [round(t * PS_PER_S) for t in units.compute_s]
+    problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1])
+    if not with_memory:
+        return problem
+    per_param = state_bytes_per_param(tables.precision, config)
+    fixed = [per_param * n for n in units.params]
+    acts = [s + w for s, w in zip(units.saved_bytes, units.workspace_bytes)]
+    mesh, m, v = config.mesh, config.num_microbatches, config.virtual_stages
+    flights = tuple(in_flight(config.schedule, m, mesh.pp, v, s % mesh.pp) for s in range(config.num_stages))
+    cap = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) / v
+    return replace(problem, block_fixed_bytes=tuple(fixed[1:-1]), prefix_fixed_bytes=fixed[0],
+                   suffix_fixed_bytes=fixed[-1], block_act_bytes=tuple(acts[1:-1]), prefix_act_bytes=acts[0],
+                   suffix_act_bytes=acts[-1], in_flight=flights, cap_bytes=cap)
+
+
+# ---------------------------------------------------------------------------- alternatives
 
 
 def alternatives(best: Priced, priced: list[Priced], cluster: Cluster) -> tuple[Alternative, ...]:
-    """The best runner-up of each ZeRO stage and recompute mode, then the next fastest."""
+    """The best runner-up of each mesh, schedule, ZeRO stage and recompute mode, then the next fastest."""
     others = sorted((p for p in priced if p is not best), key=_rank)
     chosen: list[Priced] = []
-    for key in [("zero", z) for z in range(4)] + [("recompute", r) for r in RECOMPUTE_MODES]:
-        match = next((p for p in others if _attr(p, key[0]) == key[1] and p not in chosen), None)
+    keys = [("mesh", m) for m in dict.fromkeys(p.config.mesh for p in others)]
+    keys += [("schedule", s) for s in SCHEDULES] + [("zero", z) for z in range(4)]
+    keys += [("recompute", r) for r in RECOMPUTE_MODES]
+    for name, value in keys:
+        match = next((p for p in others if _attr(p, name) == value and p not in chosen), None)
         if match is not None:
             chosen.append(match)
     chosen += [p for p in others if p not in chosen][: max(0, MAX_ALTERNATIVES - len(chosen))]
@@ -83,30 +169,46 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     need = least.predicted.memory_peak_bytes_per_rank
     have = cluster.device.memory_bytes
     c = least.config
-    state = least.predicted.memory.params_bytes + least.predicted.memory.grads_bytes + least.predicted.memory.optimizer_bytes
-    hints = []
-    if c.zero_stage < 3:
+    hints = _mesh_hints(graph, cluster, priced)
+    if c.zero_stage < 3 and c.mesh.pp == 1 and (c.mesh.dp > 1 or c.mesh.tp == 1):
         hints.append("allow --zero 3")
-    if c.recompute != "full":
+    if c.recompute != "full" and c.mesh.pp == 1:
         hints.append("allow --recompute full")
     if c.microbatch_size > 1:
         hints.append("a smaller --microbatch-size")
-    devices_needed = _devices_needed(graph, cluster, state, need, c.mesh.dp)
+    devices_needed = _devices_needed(graph, cluster, least)
     hints.append(f"about {devices_needed} devices (--nodes {-(-devices_needed // cluster.devices_per_node)})")
     return (f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, micro-batch {c.microbatch_size}, "
             f"recompute {c.recompute}) needs {need / GIB:.2f} GiB per rank but devices have {have / GIB:.2f} GiB "
             f"({(need - have) / GIB:.2f} GiB short); try {', '.join(hints)}")
 
 
-def _devices_needed(graph: OpGraph, cluster: Cluster, state_bytes: int, need_bytes: int, dp: int) -> int:
-    """Devices at which ZeRO-3 shards of the full model state leave room for the rest."""
+def _mesh_hints(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -> list[str]:
+    """--tp / --pp degrees the search did not try (pinned away) that would split the model further."""
+    tried_tp = max(p.config.mesh.tp for p in priced)
+    tried_pp = max(p.config.mesh.pp for p in priced)
+    hints = []
+    tp = max(legal_tp_degrees(graph, cluster), default=1)
+    if tp > tried_tp:
+        hints.append(f"--tp {tp} (tensor parallelism inside a node)")
+    pp = max(pipeline_degrees(graph, cluster.world_size), default=1)
+    if pp > tried_pp:
+        hints.append(f"--pp {pp} (pipeline stages)")
+    return hints
+
+
+def _devices_needed(graph: OpGraph, cluster: Cluster, least: Priced) -> int:
+    """Devices at which the leanest plan would fit. Pure DP: ZeRO-3 shards of the full model state
+    next to the unshardable rest; with tp or pp (or no room left), every byte divides over the devices."""
+    need, have = least.predicted.memory_peak_bytes_per_rank, cluster.device.memory_bytes
+    mem = least.predicted.memory
     precision = precision_for_backend(cluster.backend)
     full_state = graph.param_count * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes)
-    rest = max(0, need_bytes - state_bytes)
-    room = cluster.device.memory_bytes - rest
-    if room <= 0:
-        return cluster.world_size * 2
-    return max(cluster.world_size + 1, -(-full_state // room))
+    room = have - max(0, need - (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes))
+    proportional = -(-cluster.world_size * need // have)
+    if least.config.mesh.tp == least.config.mesh.pp == 1 and room > 0:
+        return max(cluster.world_size + 1, -(-full_state // room))
+    return max(cluster.world_size + 1, proportional)
 
 
 def _alternative(p: Priced, best: Priced, cluster: Cluster) -> Alternative:
@@ -129,8 +231,10 @@ def _largest_gap(worse: Predicted, best: Predicted) -> str:
 def _rank(p: Priced) -> tuple:
     c = p.config
     return (not p.fits, round(p.predicted.step_time_s, 12), p.predicted.memory_peak_bytes_per_rank,
-            c.zero_stage, -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute))
+            c.zero_stage, -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute), c.mesh.tp, c.mesh.pp,
+            SCHEDULES.index(c.schedule), c.virtual_stages)
 
 
 def _attr(p: Priced, key: str):
-    return p.config.zero_stage if key == "zero" else p.config.recompute
+    return {"mesh": p.config.mesh, "schedule": p.config.schedule, "zero": p.config.zero_stage,
+            "recompute": p.config.recompute}[key]

@@ -1,0 +1,124 @@
+"""Stage cuts: split [prefix, block_0, ..., block_{L-1}, suffix] into S pipeline stages.
+
+Stage s holds blocks [c_s, c_{s+1}) with 0 = c_0 < c_1 < ... < c_S = L (every stage at least
+one block, as split points are block paths); stage 0 also holds the prefix, stage S − 1 the
+suffix. With per-block time t_k, prefix time t_pre and suffix time t_suf::
+
+    time(i, j) = Σ_{i≤k<j} t_k + t_pre·[i = 0] + t_suf·[j = L]
+    mem(s, i, j) = fixed(i, j) + in_flight(s) · act(i, j)     (both sums over the same units)
+
+    minimise   max_s time(c_s, c_{s+1})
+    subject to mem(s, c_s, c_{s+1}) ≤ cap   for every stage s
+
+solved exactly by dynamic programming over cut positions (``best_cuts``)::
+
+    D[0][j] = time(0, j)                                        if mem(0, 0, j) ≤ cap
+    D[s][j] = min_{s ≤ i < j} max(D[s−1][i], time(i, j))        over i with mem(s, i, j) ≤ cap
+    answer  = D[S−1][L]
+
+Times are integer picoseconds so that equal blocks tie exactly; among equal optima the
+smallest i wins at every step (the later stages take more blocks, leaving the early stages,
+which hold the most micro-batches in flight under 1F1B, the fewest). O(S·L²) with numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoshard.cost.units import stage_ranges
+
+PS_PER_S = 10**12
+_INF = np.iinfo(np.int64).max // 4
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Per-unit figures: ``*_time_ps`` integer picoseconds, ``*_bytes`` bytes (module doc)."""
+
+    block_time_ps: tuple[int, ...]
+    prefix_time_ps: int = 0
+    suffix_time_ps: int = 0
+    block_fixed_bytes: tuple[float, ...] = ()
+    prefix_fixed_bytes: float = 0.0
+    suffix_fixed_bytes: float = 0.0
+    block_act_bytes: tuple[float, ...] = ()
+    prefix_act_bytes: float = 0.0
+    suffix_act_bytes: float = 0.0
+    in_flight: tuple[float, ...] = ()  # per stage; empty: no memory constraint
+    cap_bytes: float = float("inf")
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_time_ps)
+
+    def stage_time_ps(self, i: int, j: int) -> int:
+        return (sum(self.block_time_ps[i:j]) + self.prefix_time_ps * (i == 0)
+                + self.suffix_time_ps * (j == self.blocks))
+
+    def stage_bytes(self, s: int, i: int, j: int) -> float:
+        if not self.in_flight:
+            return 0.0
+        first, last = i == 0, j == self.blocks
+        fixed = sum(self.block_fixed_bytes[i:j]) + self.prefix_fixed_bytes * first + self.suffix_fixed_bytes * last
+        act = sum(self.block_act_bytes[i:j]) + self.prefix_act_bytes * first + self.suffix_act_bytes * last
+        return fixed + self.in_flight[s] * act
+
+
+def best_cuts(problem: PartitionProblem, stages: int) -> tuple[int, ...] | None:
+    """(c_1, ..., c_{S−1}) minimising the slowest stage under the memory cap; None if none fits."""
+    n = problem.blocks
+    if not 1 <= stages <= n:
+        return None
+    time = _range_matrix(problem.block_time_ps, problem.prefix_time_ps, problem.suffix_time_ps, np.int64)
+    fits = _fits(problem)
+    best = np.where(fits(0)[0], time[0], _INF)
+    choice = []
+    for s in range(1, stages):
+        cand = np.maximum(best[:, None], time)
+        cand = np.where(fits(s) & (best[:, None] < _INF), cand, _INF)
+        choice.append(np.argmin(cand, axis=0))
+        best = cand.min(axis=0)
+    if best[n] >= _INF:
+        return None
+    return _trace(choice, n)
+
+
+def bottleneck_ps(problem: PartitionProblem, cuts: tuple[int, ...]) -> int:
+    return max(problem.stage_time_ps(i, j) for i, j in stage_ranges(cuts, problem.blocks))
+
+
+def _range_matrix(per_block, prefix, suffix, dtype) -> np.ndarray:
+    """M[i, j] = Σ_{i≤k<j} x_k + prefix·[i=0] + suffix·[j=L] for i < j (0 elsewhere)."""
+    n = len(per_block)
+    sums = np.concatenate([[0], np.cumsum(np.asarray(per_block, dtype=dtype))]).astype(dtype)
+    m = sums[None, :] - sums[:, None]
+    m[0, :] += prefix
+    m[:, n] += suffix
+    return np.where(_upper(n), m, 0)
+
+
+def _upper(n: int) -> np.ndarray:
+    """i < j, the ranges that hold at least one block."""
+    idx = np.arange(n + 1)
+    return idx[:, None] < idx[None, :]
+
+
+def _fits(problem: PartitionProblem):
+    """s -> the boolean matrix of ranges [i, j) that stage s may hold: i < j and mem(s, i, j) ≤ cap."""
+    upper = _upper(problem.blocks)
+    if not problem.in_flight:
+        return lambda s: upper
+    fixed = _range_matrix(problem.block_fixed_bytes, problem.prefix_fixed_bytes, problem.suffix_fixed_bytes,
+                          np.float64)
+    act = _range_matrix(problem.block_act_bytes, problem.prefix_act_bytes, problem.suffix_act_bytes, np.float64)
+    return lambda s: upper & (fixed + problem.in_flight[s] * act <= problem.cap_bytes)
+
+
+def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:
+    cuts, j = [], n
+    for arg in reversed(choice):
+        j = int(arg[j])
+        cuts.append(j)
+    return tuple(reversed(cuts))

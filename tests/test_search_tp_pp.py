@@ -1,0 +1,271 @@
+"""The planner plans TP and PP: meshes the runtime supports, exact stage cuts, pins, determinism.
+
+No processes: plans are made on captured graphs (meta tensors) with ``plan_graph``.
+"""
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from autoshard.cli import main
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.memory import activation_bytes, precision_for_backend
+from autoshard.cost.compute import microbatch_compute
+from autoshard.cost.step import in_flight, stage_ranks
+from autoshard.cost.units import stage_ranges, unit_costs
+from autoshard.errors import AutoshardError
+from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps
+from autoshard.passes.strategies import Pins
+from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+
+GPT = "examples/gpt.py:build"
+WIDE = "tests/models/wide_gpt.py:build"
+
+
+@pytest.fixture(scope="module")
+def gpt(in_repo_module):
+    return capture_graph(GPT)
+
+
+@pytest.fixture(scope="module")
+def wide(in_repo_module):
+    return capture_graph(WIDE)
+
+
+@pytest.fixture(scope="module")
+def in_repo_module():
+    import os
+    from tests.conftest import ROOT
+    here = os.getcwd()
+    os.chdir(ROOT)
+    yield ROOT
+    os.chdir(here)
+
+
+def plan(captured, spec, cluster, global_batch, **pins):
+    model_file, graph = captured
+    return plan_graph(PlanRequest(spec, cluster, global_batch, Pins(**pins)), model_file, graph)
+
+
+def local(devices):
+    return load_cluster("local-cpu", devices_per_node=devices)
+
+
+# ---------------------------------------------------------------------------- stage cuts
+
+
+def brute_force(problem: PartitionProblem, stages: int):
+    """min over all cut sets of the slowest stage, every stage within the memory cap; None if none fits."""
+    best = None
+    for cuts in itertools.combinations(range(1, problem.blocks), stages - 1):
+        ranges = stage_ranges(cuts, problem.blocks)
+        if any(problem.stage_bytes(s, i, j) > problem.cap_bytes for s, (i, j) in enumerate(ranges)):
+            continue
+        value = bottleneck_ps(problem, cuts)
+        best = value if best is None else min(best, value)
+    return best
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(1, 7))
+    stages = draw(st.integers(1, n))
+    times = st.integers(0, 50)
+    sizes = st.floats(0, 20, allow_nan=False)
+    problem = PartitionProblem(
+        block_time_ps=tuple(draw(st.lists(times, min_size=n, max_size=n))),
+        prefix_time_ps=draw(times), suffix_time_ps=draw(times),
+        block_fixed_bytes=tuple(draw(st.lists(sizes, min_size=n, max_size=n))),
+        prefix_fixed_bytes=draw(sizes), suffix_fixed_bytes=draw(sizes),
+        block_act_bytes=tuple(draw(st.lists(sizes, min_size=n, max_size=n))),
+        prefix_act_bytes=draw(sizes), suffix_act_bytes=draw(sizes),
+        in_flight=tuple(draw(st.lists(st.integers(1, 4), min_size=stages, max_size=stages))),
+        cap_bytes=draw(st.floats(5, 120, allow_nan=False)),
+    )
+    return problem, stages
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_stage_cuts_are_exact_against_brute_force(case):
+    problem, stages = case
+    cuts = best_cuts(problem, stages)
+    expected = brute_force(problem, stages)
+    if expected is None:
+        assert cuts is None
+        return
+    assert cuts is not None and len(cuts) == stages - 1 and list(cuts) == sorted(set(cuts))
+    assert all(0 < c < problem.blocks for c in cuts)
+    assert bottleneck_ps(problem, cuts) == expected
+    assert all(problem.stage_bytes(s, i, j) <= problem.cap_bytes
+               for s, (i, j) in enumerate(stage_ranges(cuts, problem.blocks)))
+
+
+def test_equal_blocks_split_evenly_and_a_heavy_head_gets_its_own_room():
+    assert best_cuts(PartitionProblem((10,) * 8), 4) == (2, 4, 6)
+    cuts = best_cuts(PartitionProblem((10,) * 8, prefix_time_ps=0, suffix_time_ps=20), 4)
+    assert bottleneck_ps(PartitionProblem((10,) * 8, 0, 20), cuts) == 30  # the last stage takes one block
+    assert best_cuts(PartitionProblem((1,) * 3), 4) is None
+
+
+def test_units_add_up_to_the_whole_model(gpt):
+    graph = gpt[1]
+    cluster = local(2)
+    precision = precision_for_backend(cluster.backend)
+    for recompute in ("none", "selective", "full"):
+        units = unit_costs(graph, 4, recompute, cluster.device, precision.activation_bytes)
+        whole = microbatch_compute(graph, 4, recompute, cluster.device, precision.activation_bytes)
+        assert sum(units.forward_s) == pytest.approx(whole.forward_s)
+        assert sum(units.recompute_s) == pytest.approx(whole.recompute_s)
+        kept = sum(units.saved_bytes) + max(units.workspace_bytes)
+        assert kept == pytest.approx(activation_bytes(graph, 4, recompute, precision), rel=1e-6)
+        assert sum(units.params) == graph.param_count
+        assert len(units.boundary_bytes) == len(graph.blocks) == 4
+
+
+def test_in_flight_micro_batches_by_schedule():
+    assert in_flight("gpipe", 8, 4, 1, 0) == 8
+    assert [in_flight("1f1b", 8, 4, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 2, 4, 1, 0) == 2
+    assert in_flight("interleaved-1f1b", 16, 4, 2, 0) == pytest.approx(4 * (1 + 3 / 8))  # Korthikanti et al.
+
+
+# ---------------------------------------------------------------------------- pins on local-cpu
+
+
+def check_pipeline(p, graph):
+    blocks = [b.path for b in graph.blocks]
+    stages = p.mesh.pp * p.virtual_stages
+    assert len(p.split_points) == stages - 1 and len(p.stages) == stages
+    positions = [blocks.index(s) for s in p.split_points]
+    assert positions == sorted(set(positions)) and positions[0] > 0
+    held = [m for s in p.stages for m in s.modules if m in blocks]
+    assert held == blocks  # every block once, in order
+    assert p.stages[0].modules[:2] == ("wte", "wpe") and p.stages[-1].modules[-2:] == ("ln_f", "lm_head")
+    for s in p.stages:
+        assert s.ranks == stage_ranks(p.mesh, s.index)
+    assert p.num_microbatches >= p.mesh.pp and p.recompute == "none"
+    assert p.zero_stage in ((2, 3) if p.mesh.dp > 1 else (0,))
+
+
+def test_pin_tp_2(gpt):
+    p = plan(gpt, GPT, local(4), 16, tp=2)
+    assert (p.mesh.tp, p.mesh.pp, p.mesh.dp) == (2, 1, 2) and p.schedule == "none" and p.split_points == ()
+    assert p.tensor_parallel["h.0.attn.q_proj"] == "colwise" and p.tensor_parallel["h.3.mlp.c_proj"] == "rowwise"
+    assert "ln_f" not in p.tensor_parallel and "needs R" in p.tensor_parallel_reasons["h.0.ln_1"]
+    assert p.zero_stage in (2, 3)
+    assert p.stages[0].ranks == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_pin_pp_2_with_a_schedule(gpt, schedule, virtual):
+    p = plan(gpt, GPT, local(4), 16, pp=2, schedule=schedule)
+    assert (p.mesh.pp, p.mesh.tp, p.mesh.dp, p.schedule, p.virtual_stages) == (2, 1, 2, schedule, virtual)
+    check_pipeline(p, gpt[1])
+    assert p.tensor_parallel == {} and p.predicted.bubble_s > 0
+    assert p.predicted.step_time_s == pytest.approx(p.predicted.compute_s + p.predicted.comm_exposed_s
+                                                    + p.predicted.bubble_s)
+    if schedule == "interleaved-1f1b":
+        assert p.split_points == ("h.1", "h.2", "h.3")
+        assert [s.ranks for s in p.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+
+
+def test_pin_pp_4_puts_one_block_per_stage(gpt):
+    p = plan(gpt, GPT, local(4), 16, pp=4)
+    assert p.mesh.dp == 1 and p.zero_stage == 0 and p.split_points == ("h.1", "h.2", "h.3")
+    check_pipeline(p, gpt[1])
+
+
+def test_schedule_pin_is_case_insensitive(gpt):
+    assert plan(gpt, GPT, local(4), 16, pp=2, schedule="1F1B").schedule == "1f1b"
+
+
+def test_replans_are_byte_identical(gpt):
+    for pins in ({}, {"tp": 2}, {"pp": 2, "schedule": "interleaved-1f1b"}):
+        a = plan(gpt, GPT, local(4), 16, **pins).to_json()
+        b = plan(gpt, GPT, local(4), 16, **pins).to_json()
+        assert a == b
+
+
+def test_alternatives_span_meshes(gpt):
+    p = plan(gpt, GPT, local(4), 16)
+    meshes = {(a.mesh.dp, a.mesh.tp, a.mesh.pp) for a in p.alternatives} | {(p.mesh.dp, p.mesh.tp, p.mesh.pp)}
+    assert {(4, 1, 1), (2, 2, 1), (2, 1, 2)} <= meshes
+    assert not any(a.mesh.tp > 1 and a.mesh.pp > 1 for a in p.alternatives)
+    assert all(a.why_not for a in p.alternatives)
+
+
+REFUSED = [
+    ({"tp": 2, "pp": 2}, "tensor parallelism inside pipeline stages is not supported yet; pin --tp or --pp, not both"),
+    ({"tp": 2, "schedule": "1f1b"}, "not supported yet"),
+    ({"tp": 3}, "must divide the 4 devices per node"),
+    ({"pp": 2, "recompute": "full"}, "inside pipeline stages is not supported yet"),
+    ({"pp": 1, "schedule": "gpipe"}, "needs pipeline stages but --pp 1 is pinned"),
+    ({"pp": 2, "schedule": "none"}, "pipelines need one of"),
+    ({"pp": 2, "zero": 1}, "--zero 1 with tensor or pipeline parallelism"),
+    ({"schedule": "zigzag"}, "--schedule zigzag must be one of"),
+    ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
+    ({"pp": 8}, "pin degrees whose product divides 4"),
+]
+
+
+@pytest.mark.parametrize("pins, message", REFUSED, ids=[m for _, m in REFUSED])
+def test_pins_outside_the_runtime_are_refused(gpt, pins, message):
+    with pytest.raises(AutoshardError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan(gpt, GPT, local(4), 16, **pins)
+
+
+def test_pins_that_need_the_graph(gpt):
+    with pytest.raises(AutoshardError, match="--pp 8 needs at least 8 blocks"):
+        plan(gpt, GPT, local(8), 16, pp=8)
+    with pytest.raises(AutoshardError, match="interleaved-1f1b puts 2 stages on each of --pp 4"):
+        plan(gpt, GPT, local(4), 16, pp=4, schedule="interleaved-1f1b")
+    with pytest.raises(AutoshardError, match="--microbatch-size 3 does not divide"):
+        plan(gpt, GPT, local(4), 16, pp=2, microbatch_size=3)
+
+
+def test_cli_refuses_tp_with_pp_in_one_line(in_repo, capsys):
+    code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16",
+                 "--tp", "2", "--pp", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "pin --tp or --pp, not both" in err
+
+
+def test_cli_plans_gpt_on_two_local_devices(in_repo, capsys):
+    code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "16", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and json.loads(out)["mesh"]["dp"] * json.loads(out)["mesh"]["tp"] * json.loads(out)["mesh"]["pp"] == 2
+
+
+# ---------------------------------------------------------------------------- a model DP alone cannot hold
+
+
+def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(wide):
+    cluster = load_cluster("dgx-a100-80gb", nodes=2)
+    p = plan(wide, WIDE, cluster, 64)
+    assert p.mesh.tp > 1 or p.mesh.pp > 1
+    assert p.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
+    for mesh in [p.mesh] + [a.mesh for a in p.alternatives]:
+        assert cluster.devices_per_node % mesh.tp == 0  # TP stays inside a node
+        assert not (mesh.tp > 1 and mesh.pp > 1)
+    dp_only = [a for a in p.alternatives if a.mesh.tp == a.mesh.pp == 1]
+    assert dp_only and all("does not fit" in a.why_not for a in dp_only)
+
+
+def test_wide_gpt_with_dp_only_pinned_suggests_tp_and_pp(wide):
+    cluster = load_cluster("dgx-a100-80gb", nodes=2)
+    with pytest.raises(AutoshardError, match=r"no plan fits in memory.*--tp 8.*--pp 8"):
+        plan(wide, WIDE, cluster, 64, tp=1, pp=1)
+    with pytest.raises(AutoshardError, match="stays inside a node"):
+        plan(wide, WIDE, cluster, 64, tp=16)
+
+
+def test_wide_gpt_pipeline_pin_balances_stages(wide):
+    cluster = load_cluster("dgx-a100-80gb", nodes=2)
+    p = plan(wide, WIDE, cluster, 64, pp=8, schedule="1f1b")
+    assert p.split_points == tuple(f"h.{k}" for k in range(1, 8))  # equal blocks: one per stage
+    assert p.stages[1].ranks == (2, 3)  # pp rank 1 holds its dp × tp = 2 ranks
+    with pytest.raises(AutoshardError, match=r"no plan fits in memory.*--tp 8"):
+        plan(wide, WIDE, cluster, 64, pp=4)  # four stages of 10B parameters each do not fit
