@@ -29,7 +29,8 @@ CASES = {  # name: (model, ranks, pins)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hybrid_plan_trains_like_one_process(in_repo, case):
     model, ranks, pins = CASES[case]
-    plan = autoshard.plan(model, cluster="local-cpu", devices_per_node=ranks, global_batch=8, **pins)
+    cluster = "tests/clusters/fast_link_cpu.yaml" if pins.get("tp", 1) > 1 else "local-cpu"
+    plan = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
     for axis in ("dp", "tp", "pp"):
         assert getattr(plan.mesh, axis) == pins.get(axis, 1)
     if "schedule" in pins:
