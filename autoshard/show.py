@@ -120,14 +120,18 @@ def stages_table(plan: Plan) -> Table:
 
 def alternatives_table(plan: Plan) -> Table:
     t = Table(title="Alternatives considered", title_justify="left")
-    for col in ("dp x tp x pp", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
+    for col in ("dp x tp x pp", "schedule", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
         t.add_column(col, justify="right" if col in ("step ms", "peak MiB", "micro-batch") else "left")
-    t.add_row(_mesh(plan.mesh), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
+    t.add_row(_mesh(plan.mesh), _schedule(plan.schedule, plan.virtual_stages), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
               *_time_mem(plan.predicted), "[green]chosen[/green]")
     for a in plan.alternatives:
-        t.add_row(_mesh(a.mesh), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
+        t.add_row(_mesh(a.mesh), _schedule(a.schedule, 1), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
                   a.why_not)
     return t
+
+
+def _schedule(schedule: str, virtual_stages: int) -> str:
+    return "-" if schedule == "none" else schedule + (f" v{virtual_stages}" if virtual_stages > 1 else "")
 
 
 def _mesh(mesh) -> str:
