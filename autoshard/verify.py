@@ -73,10 +73,16 @@ def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float):
     args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out)]
     proc = run_torchrun(program, plan.world_size, args, quiet=True)
     if proc.returncode != 0:
-        tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["no output"]
-        return f"the emitted program failed (exit {proc.returncode}): {tail[0][:300]}"
+        return f"the emitted program failed (exit {proc.returncode}): {_error_line(proc.stdout)}"
     metrics = json.loads((out / "metrics.json").read_text())
     return metrics["losses"], torch.load(out / "params.pt", weights_only=True)
+
+
+def _error_line(output: str) -> str:
+    """The last line that names an error (torchrun ends with banners that do not)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float):

@@ -29,9 +29,9 @@ SEQ_LEN = 32
 VOCAB_SIZE = 256
 
 
-def config() -> LlamaConfig:
+def config(layers: int = 2) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
     )
@@ -39,6 +39,11 @@ def config() -> LlamaConfig:
 
 def build() -> LlamaForCausalLM:
     return LlamaForCausalLM(config())
+
+
+def build_4_layers() -> LlamaForCausalLM:
+    """Enough blocks for interleaved pipelines: 2 ranks x 2 stages each."""
+    return LlamaForCausalLM(config(layers=4))
 
 
 def example_batch(batch_size: int):
