@@ -32,10 +32,16 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
 
     from autoshard import runtime
 
+    from autoshard.errors import AutoshardError
+
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
+    if plan.mesh.pp > 1:
+        raise AutoshardError("autoshard.parallelize takes plans without pipeline parallelism (a pipeline replaces "
+                             "the model by stages and the loop by a schedule); run `autoshard compile` for this plan")
     ctx = runtime.init_distributed(expected_world_size=plan.world_size)
-    mesh = init_device_mesh(ctx.device_type, (plan.mesh.dp,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(ctx.device_type, (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
     model = model.to(ctx.device)
     model, optimizer = runtime.apply_plan(model, plan, mesh, ctx.device, lr)
     return model, optimizer, mesh

@@ -79,9 +79,14 @@ def grad_sync(model: nn.Module, enabled: bool):
 
 def apply_plan(model: nn.Module, plan, mesh, device: torch.device, lr: float):
     """The Python-API path: the same steps an emitted program takes, chosen from ``plan``."""
+    from autoshard.runtime.tensor_parallel import apply_tensor_parallel
+
     blocks = list(plan.blocks)
+    apply_tensor_parallel(model, mesh["tp"], dict(plan.tensor_parallel))
     apply_recompute(model, blocks, plan.recompute)
     dp_mesh = mesh["dp"]
+    if plan.mesh.dp == 1:
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if plan.zero_stage >= 2:
         model = apply_fsdp(model, dp_mesh, blocks, reshard_after_forward=plan.zero_stage == 3)
     else:
