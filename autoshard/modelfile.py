@@ -82,12 +82,6 @@ class ModelFile:
             return fn(outputs, targets)
         return default_loss(outputs, targets)
 
-    @property
-    def has_loss_fn(self) -> bool:
-        return getattr(self.module, "loss_fn", None) is not None
-
-    def source_sha256(self) -> str:
-        return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
 
 def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:

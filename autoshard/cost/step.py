@@ -264,7 +264,7 @@ def optimizer_step_s(local_params: float, config: Config, cluster: Cluster) -> f
 
 
 def memory_spmd(tables: CostTables, config: Config, local_params: int) -> Memory:
-    graph, precision, tp = tables.graph, tables.precision, config.mesh.tp
+    precision, tp = tables.precision, config.mesh.tp
     p, g, o = model_state_bytes(local_params, config.zero_stage, config.mesh.dp, precision)
     units = tables.units(config.microbatch_size, config.recompute)
     keep = tp_activation_fraction(tp)

@@ -16,5 +16,5 @@ from autoshard.runtime import tensor_parallel  # emitted programs name runtime.t
 __all__ = [
     "DistContext", "init_distributed", "mean_over", "global_batch", "split_microbatches", "take_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ddp", "apply_fsdp",
-    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state",
+    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state", "tensor_parallel",
 ]

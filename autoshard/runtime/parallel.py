@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -92,10 +92,6 @@ def apply_plan(model: nn.Module, plan, mesh, device: torch.device, lr: float):
     else:
         model = apply_ddp(model, device, plan.ddp_bucket_cap_mb, group=dp_mesh.get_group())
     return model, build_optimizer(model, plan.zero_stage, lr, group=dp_mesh.get_group())
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
 
 
 def _selective_kwargs(mode: str) -> dict:

@@ -136,12 +136,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[st
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a whole tensor (DTensors gathered), under the model's names."""
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-            for name, t in model.state_dict().items()}
-
-
 def _check_module(model: nn.Module, path: str, style: str) -> None:
     try:
         module = model.get_submodule(path)

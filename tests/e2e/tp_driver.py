@@ -24,7 +24,10 @@ from torch.distributed.fsdp import fully_shard
 
 from autoshard.passes.blocks import block_of
 from autoshard.runtime import build_model, global_batch, init_distributed, load_model_file, mean_over, take_shard
-from autoshard.runtime.tensor_parallel import apply_tensor_parallel, full_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from autoshard.runtime.model import strip_wrapper_names
+from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,7 +70,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(mean_over(loss, mesh["dp"].get_group()))
-    params = full_state_dict(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    params = {strip_wrapper_names(k): v for k, v in full.items()}
     if ctx.is_main:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
