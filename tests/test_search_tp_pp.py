@@ -192,14 +192,21 @@ def test_replans_are_byte_identical(gpt):
 def test_alternatives_span_meshes(gpt):
     p = plan(gpt, GPT, local(4), 16)
     meshes = {(a.mesh.dp, a.mesh.tp, a.mesh.pp) for a in p.alternatives} | {(p.mesh.dp, p.mesh.tp, p.mesh.pp)}
-    assert {(4, 1, 1), (2, 2, 1), (2, 1, 2)} <= meshes
-    assert not any(a.mesh.tp > 1 and a.mesh.pp > 1 for a in p.alternatives)
+    assert {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)} <= meshes
     assert all(a.why_not for a in p.alternatives)
 
 
+def test_tensor_parallel_inside_pipeline_stages(gpt):
+    """TP x PP: the stages are split over tp as without pipelining, so the per-rank stage time drops."""
+    both = plan(gpt, GPT, local(4), 16, tp=2, schedule="1f1b")
+    pp_only = plan(gpt, GPT, local(2), 16, pp=2, schedule="1f1b")
+    assert (both.mesh.dp, both.mesh.tp, both.mesh.pp) == (1, 2, 2) and both.split_points
+    sharded = {m: s for m, s in both.tensor_parallel.items() if s != "replicate"}
+    assert sharded, "the stages are tensor parallel"
+    assert both.predicted.memory.params_bytes < pp_only.predicted.memory.params_bytes
+
+
 REFUSED = [
-    ({"tp": 2, "pp": 2}, "tensor parallelism inside pipeline stages is not supported yet; pin --tp or --pp, not both"),
-    ({"tp": 2, "schedule": "1f1b"}, "not supported yet"),
     ({"tp": 3}, "must divide the 4 devices per node"),
     ({"pp": 2, "recompute": "full"}, "inside pipeline stages is not supported yet"),
     ({"pp": 1, "schedule": "gpipe"}, "needs pipeline stages but --pp 1 is pinned"),
@@ -226,11 +233,11 @@ def test_pins_that_need_the_graph(gpt):
         plan(gpt, GPT, local(4), 16, pp=2, microbatch_size=3)
 
 
-def test_cli_refuses_tp_with_pp_in_one_line(in_repo, capsys):
+def test_cli_refuses_recompute_in_pipeline_in_one_line(in_repo, capsys):
     code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16",
-                 "--tp", "2", "--pp", "2"])
+                 "--tp", "2", "--pp", "2", "--recompute", "full"])
     _, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "pin --tp or --pp, not both" in err
+    assert code == 2 and err.count("\n") == 1 and "drop --recompute" in err
 
 
 def test_cli_plans_gpt_on_two_local_devices(in_repo, capsys):
@@ -249,7 +256,6 @@ def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(wide):
     assert p.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
     for mesh in [p.mesh] + [a.mesh for a in p.alternatives]:
         assert cluster.devices_per_node % mesh.tp == 0  # TP stays inside a node
-        assert not (mesh.tp > 1 and mesh.pp > 1)
     dp_only = [a for a in p.alternatives if a.mesh.tp == a.mesh.pp == 1]
     assert dp_only and all("does not fit" in a.why_not for a in dp_only)
 
@@ -268,4 +274,6 @@ def test_wide_gpt_pipeline_pin_balances_stages(wide):
     assert p.split_points == tuple(f"h.{k}" for k in range(1, 8))  # equal blocks: one per stage
     assert p.stages[1].ranks == (2, 3)  # pp rank 1 holds its dp × tp = 2 ranks
     with pytest.raises(AutoshardError, match=r"no plan fits in memory.*--tp 8"):
-        plan(wide, WIDE, cluster, 64, pp=4)  # four stages of 10B parameters each do not fit
+        plan(wide, WIDE, cluster, 64, pp=4, tp=1)  # four stages of 10B parameters each do not fit
+    both = plan(wide, WIDE, cluster, 64, pp=4)  # unless tp splits them
+    assert both.mesh.tp > 1 and both.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes

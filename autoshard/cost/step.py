@@ -31,7 +31,7 @@ share and the two-level form (``dp_collective_s``)::
     AR_2(S) = RS(S, g, intra) + AR(S/g, n, inter) + AG(S, g, intra)   (comm.hierarchical_allreduce_s)
     RS_2(S) = RS(S, g, intra) + RS(S/g, n, inter)         AG_2(S) = AG(S/g, n, inter) + AG(S, g, intra)
 
-**With pipelining** (pp > 1, tp = 1; ``price_pipeline``): stage s holds a run of units
+**With pipelining** (pp > 1; ``price_pipeline``): stage s holds a run of units
 (``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
 micro-batch, rank r spends T_r = C_r + P_r: C_r the compute of its stages, P_r two p2p
 transfers (activation forward, gradient backward) of the boundary activation entering each
@@ -41,6 +41,10 @@ of its stages but the first, on the pp link (NUMBERS.md: b·s·h·bytes each way
     compute      = m · C_{r*} + t_optimizer                               r* the slowest rank
     comm_exposed = m · P_{r*} + DP_exposed
     bubble       = (p−1)/v · T_max        (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks)
+
+TP × PP: each stage is split over tp as without pipelining (``pipeline_units``): C_r is the
+sharded compute, P_r also holds the stages' TP collectives; the boundary activation is whole
+on every TP rank, and each TP rank sends its own copy to its peer in the next stage.
 
 DP × PP is FSDP2 on each stage module (one unit): the stage's weights are gathered once and
 kept unsharded until the last micro-batch, gradients accumulate unsharded and are reduce-
@@ -386,7 +390,7 @@ class RankLoad:
     """One pp rank's per-micro-batch work and its memory."""
 
     compute_s: float
-    p2p_s: float
+    p2p_s: float  # pipeline sends and receives, and the stages' TP collectives
     params: int
     memory: Memory
 
@@ -411,7 +415,7 @@ def price_pipeline(tables: CostTables, config: Config, global_batch: int, cuts: 
 
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:
-    units = tables.units(config.microbatch_size, config.recompute)
+    units, tp_comm = pipeline_units(tables, config)
     compute = units.compute_s
     link = pp_link(tables.cluster, config.mesh)
     ranges = stage_ranges(cuts, units.blocks)
@@ -420,12 +424,60 @@ def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> lis
         mine = [(s, ranges[s]) for s in range(r, len(ranges), config.mesh.pp)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
         p2p = sum(2 * comm.p2p_s(units.boundary_bytes[i], link) for s, (i, _) in mine if s > 0)
+        p2p += sum(tp_comm[u] for u in idx)
         params = sum(units.params[u] for u in idx)
         acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
             sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
         loads.append(RankLoad(sum(compute[u] for u in idx), p2p, params,
                               memory_pipeline(tables.precision, config, params, acts)))
     return loads
+
+
+def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[float, ...]]:
+    """The units of one micro-batch as one TP rank of a stage sees them, and each unit's TP comm.
+
+    With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, compute × f(u)
+    (its share left per rank), parameters × local(u)/params(u) (sharded weights / t), a block's
+    saved activations and workspace × (10 + 24/t)/34; TP collectives of a block are its
+    segment's, those of the ops outside blocks are split evenly over prefix and suffix. They
+    sit between dependent matmuls, so they count with the compute of the unit (exposed).
+    """
+    units = tables.units(config.microbatch_size, config.recompute)
+    tp = config.mesh.tp
+    if tp == 1:
+        return units, (0.0,) * len(units.forward_s)
+    cost = tables.tp_cost(tp, config.microbatch_size)
+    f, keep = cost.unit_fraction, tp_activation_fraction(tp)
+    share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
+    blocks = [1.0] + [keep] * units.blocks + [1.0]
+    sharded = replace(
+        units,
+        forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
+        recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f)),
+        params=tuple(round(n * k) for n, k in zip(units.params, share)),
+        saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),
+        workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
+    factor = FULL_RECOMPUTE_TP_COMM if config.recompute == "full" else 1.0
+    return sharded, _unit_tp_comm(tables.graph, cost, factor)
+
+
+def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:
+    """Per unit: parameters left per TP rank over all its parameters (blocks each; the rest pooled)."""
+    per_block = [local_param_count(graph, sharded, tp, block=b.path) / max(1, b.param_count) for b in graph.blocks]
+    in_blocks = sum(b.param_count for b in graph.blocks)
+    local_blocks = sum(local_param_count(graph, sharded, tp, block=b.path) for b in graph.blocks)
+    rest = graph.param_count - in_blocks
+    rest_share = (local_param_count(graph, sharded, tp) - local_blocks) / rest if rest else 1.0
+    return (rest_share, *per_block, rest_share)
+
+
+def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, ...]:
+    """Per unit: TP collectives of one micro-batch (``TPCost.comm_s`` is their sum over units)."""
+    total = sum(s.comm_s * s.repeats for s in cost.choice.segments)
+    scale = cost.comm_s * factor / total if total else 0.0
+    by_path = {s.path: s.comm_s * scale for s in cost.choice.segments}
+    rest = by_path.get("", 0.0) / 2
+    return (rest, *(by_path.get(b.representative, 0.0) for b in graph.blocks), rest)
 
 
 def memory_pipeline(precision: Precision, config: Config, params: int, activations: float) -> Memory:

@@ -78,7 +78,7 @@ def _imports(plan: Plan) -> str:
         torch_imports.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
     if plan.zero_stage <= 1 and plan.mesh.dp > 1:
         torch_imports.append("from torch.nn.parallel import DistributedDataParallel as DDP")
-    if plan.tensor_parallel:
+    if plan.tensor_parallel and plan.mesh.pp == 1:
         sources = [STYLE_SOURCE[s] for s in set(plan.tensor_parallel.values())]
         names = sorted({src.split("(")[0] for src in sources if not src.startswith("runtime.")}
                        | {"parallelize_module"})
@@ -89,6 +89,8 @@ def _imports(plan: Plan) -> str:
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
         local = "from autoshard.runtime import pipeline_parallel as pp"
+        if plan.tensor_parallel:
+            local += "\nfrom autoshard.runtime import tensor_parallel_stages as tps"
     return (f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\n"
             f"from autoshard import runtime\n{local}\n")
 
@@ -109,7 +111,8 @@ def _constants(plan: Plan) -> str:
     if plan.mesh.pp > 1:
         pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
                     f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
-                    f"SPLIT_POINTS = {list(plan.split_points)!r}  # modules where stages 1.. begin\n")
+                    f"SPLIT_POINTS = {list(plan.split_points)!r}  # modules where stages 1.. begin\n"
+                    f"{_stage_tp_constants(plan)}")
     return f'''
 MODEL = {plan.model["spec"]!r}
 MODEL_FINGERPRINT = {plan.model["hash"]!r}  # the program refuses a different model
@@ -210,18 +213,40 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     return ddp + "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
 
 
+def _stage_tp_constants(plan: Plan) -> str:
+    """TP inside pipeline stages: the styles as data (module path relative to a block -> style)."""
+    if not plan.tensor_parallel:
+        return ""
+    per_block, rest = _split_styles(plan)
+    lines = ["BLOCK_TP_STYLES = {  # the same in every block: column-parallel then row-parallel, chosen on the op graph"]
+    lines += [f'    "{k}": "{v}",' for k, v in per_block.items()]
+    lines.append("}")
+    lines.append("OTHER_TP_STYLES = {" + ", ".join(f'"{k}": "{v}"' for k, v in rest.items()) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def _stage_tp_lines(plan: Plan) -> str:
+    if not plan.tensor_parallel:
+        return ""
+    return (f"    # Tensor parallel over {plan.mesh.tp} ranks: each keeps its shard of these modules, and the\n"
+            "    # Megatron f/g collectives are custom ops, so the split below traces them into the stages.\n"
+            "    styles = {f\"{block}.{name}\": style for block in BLOCKS for name, style in BLOCK_TP_STYLES.items()}\n"
+            "    shard_dims = tps.shard_for_tracing(model, mesh.get_group(\"tp\"), styles | OTHER_TP_STYLES)\n")
+
+
 def _build_pipeline(plan: Plan) -> str:
     fsdp = ""
     if plan.mesh.dp > 1:
         fsdp = (f"\n    # ZeRO-{plan.zero_stage}: FSDP2 on each stage module over the {plan.mesh.dp} dp ranks.\n"
                 f'    pp.apply_fsdp_to_stages(parts, mesh["dp"], reshard_after_forward={plan.zero_stage == 3})')
     stages = plan.mesh.pp * plan.virtual_stages
+    tp_args = ",\n                                     shard_dims, mesh.get_group(\"tp\")" if plan.tensor_parallel else ""
     return f'''
 def build_pipeline(model, model_file, mesh, device, lr, example_microbatch):
     """{plan.schedule} pipeline over {plan.mesh.pp} ranks, {stages} stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model."""
-    parts = pp.build_pipeline_stages(model, example_microbatch, SPLIT_POINTS, mesh.get_local_rank("pp"), PP,
-                                     VIRTUAL_STAGES, device, mesh.get_group("pp")){fsdp}
+{_stage_tp_lines(plan)}    parts = pp.build_pipeline_stages(model, example_microbatch, SPLIT_POINTS, mesh.get_local_rank("pp"), PP,
+                                     VIRTUAL_STAGES, device, mesh.get_group("pp"){tp_args}){fsdp}
     optimizer = torch.optim.AdamW(parts.parameters(), lr=lr)
     schedule = pp.build_schedule(parts, NUM_MICROBATCHES, model_file.loss, SCHEDULE)
     return parts, schedule, optimizer

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, price,
-                                 state_bytes_per_param)
+from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, pipeline_units,
+                                 price, state_bytes_per_param)
 from autoshard.cost.memory import precision_for_backend
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
@@ -114,7 +114,7 @@ def _skip_reason(graph: OpGraph, cuts: tuple[int, ...]) -> str:
 
 def time_cuts(tables: CostTables, config: Config) -> tuple[int, ...]:
     """Cuts minimising the slowest stage, memory aside (cached per micro-batch and stage count)."""
-    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages)
+    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, config.mesh.tp)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False),
                                               config.num_stages))
     assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
@@ -129,8 +129,8 @@ def memory_cuts(tables: CostTables, config: Config) -> tuple[int, ...] | None:
 def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> PartitionProblem:
     """The stage-cut problem of ``config`` (``passes.stage_cuts``): unit times in ps, and per stage
     state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
-    units = tables.units(config.microbatch_size, config.recompute)
-    ps = [round(t * PS_PER_S) for t in units.compute_s]
+    units, tp_comm = pipeline_units(tables, config)
+    ps = [round((t + c) * PS_PER_S) for t, c in zip(units.compute_s, tp_comm)]
     problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1])
     if not with_memory:
         return problem

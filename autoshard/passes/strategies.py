@@ -7,7 +7,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
 
     dp · tp · pp = world size,   B mod dp = 0
     tp | devices_per_node        (TP stays inside a node), check_divisibility(graph, tp) = ∅
-    pp ≤ L blocks,               tp > 1 and pp > 1 not together (TP inside pipeline stages: later)
+    pp ≤ L blocks
     ZeRO: tp = pp = 1 → 0-3;  dp > 1 with tp or pp > 1 → 2, 3 (FSDP2 on dp);  dp = 1 → 0
     pp > 1: recompute none; m ≥ pp; schedule gpipe | 1f1b (v = 1) | interleaved-1f1b (v = 2,
             L ≥ 2·pp, m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds)
@@ -30,7 +30,6 @@ from autoshard.ir.topology import Cluster
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
 PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, virtual stages)
-TP_AND_PP = "tensor parallelism inside pipeline stages is not supported yet; pin --tp or --pp, not both"
 
 
 @dataclass(frozen=True)
@@ -74,17 +73,11 @@ class Pins:
 
 def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     """Refuse pins outside what the runtime supports (module doc), before the model is captured."""
-    _check_tp_pp(pins)
     _check_schedule(pins)
     _check_degrees(pins, cluster)
     if pins.dp is not None and global_batch % pins.dp:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
     _check_zero(pins)
-
-
-def _check_tp_pp(pins: Pins) -> None:
-    if (pins.tp or 1) > 1 and pins.wants_pipeline:
-        raise AutoshardError(TP_AND_PP)
 
 
 def _check_schedule(pins: Pins) -> None:
@@ -192,7 +185,7 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
     for tp in legal_tp_degrees(graph, cluster):
         for pp in [1] + pipeline_degrees(graph, world // tp):
             dp = world // (tp * pp)
-            if (tp > 1 and pp > 1) or global_batch % dp or not _honours(Mesh(dp, tp, pp), pins):
+            if global_batch % dp or not _honours(Mesh(dp, tp, pp), pins):
                 continue
             meshes.append(Mesh(dp=dp, tp=tp, pp=pp))
     return meshes

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.tensor_parallel_stages import gather_shards
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b"}
@@ -77,6 +78,8 @@ class PipelineStages:
     output_spec: pytree.TreeSpec  # the model's output structure, to rebuild it for loss_fn
     state_names: frozenset[str]  # the original model's state-dict names
     tied: list[TiedCopies] = field(default_factory=list)
+    tp_shard_dims: dict[str, int] = field(default_factory=dict)  # TP inside stages: name -> split dim
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -106,12 +109,15 @@ def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
 
 def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, split_points: list[str],
                           pp_rank: int, pp_size: int, virtual_stages: int, device: torch.device,
-                          pp_group: dist.ProcessGroup | None = None) -> PipelineStages:
+                          pp_group: dist.ProcessGroup | None = None, tp_shard_dims: dict[str, int] | None = None,
+                          tp_group: dist.ProcessGroup | None = None) -> PipelineStages:
     """Split ``model`` before each of ``split_points`` and build this rank's stages.
 
     ``example_microbatch_inputs`` must have the micro-batch shape used at run time (the
     stages' send/receive buffers are sized from it). Non-tied stages share ``model``'s
-    parameter objects; drop ``model`` afterwards and train the stages.
+    parameter objects; drop ``model`` afterwards and train the stages. With tensor parallelism
+    the model is already sharded (``tensor_parallel_stages.shard_for_tracing``, which returns
+    ``tp_shard_dims``); ``tp_group`` lets ``full_state_dict`` put the shards back together.
     """
     num_stages = pp_size * virtual_stages
     if len(split_points) != num_stages - 1:
@@ -128,7 +134,8 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     tied = _local_tied_copies(pipe, local, pp_size, pp_group)
-    return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied)
+    return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
+                          tp_group)
 
 
 def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]):
@@ -308,7 +315,8 @@ def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float
 def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
     """The whole model's state with its original names, on global rank 0 ({} elsewhere).
 
-    Collective: every rank must call it (FSDP shards are gathered over dp first).
+    Collective: every rank must call it (FSDP shards are gathered over dp first; TP shards are
+    concatenated in tp-rank order along ``tp_shard_dims``).
     """
     local = {}
     for module in parts.modules:
@@ -316,11 +324,14 @@ def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
             if name in parts.state_names:
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 local[name] = full.detach().cpu().clone()
+    tp_rank = dist.get_rank(parts.tp_group) if parts.tp_group is not None else 0
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    dist.gather_object((tp_rank, local), gathered, dst=0)
     if dist.get_rank() != 0:
         return {}
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for rank_in_tp, part in gathered:
+        for name, tensor in part.items():
+            shards.setdefault(name, {}).setdefault(rank_in_tp, tensor)
+    return {name: gather_shards([by_rank[k] for k in sorted(by_rank)], parts.tp_shard_dims.get(name))
+            for name, by_rank in shards.items()}

@@ -23,6 +23,11 @@ CASES = {  # name: (model, ranks, pins)
     "llama-dp2-pp2-zero3": (LLAMA, 4, dict(dp=2, pp=2, zero=3, schedule="gpipe")),
     "gpt2-pp2-1f1b": (GPT2, 2, dict(pp=2, schedule="1f1b")),
     "gpt2-tp2": (GPT2, 2, dict(tp=2)),
+    "gpt-tp2-pp2": (GPT, 4, dict(tp=2, pp=2, schedule="1f1b")),
+    "llama-tp2-pp2": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe")),
+    "gpt2-tp2-pp2": (GPT2, 4, dict(tp=2, pp=2, schedule="1f1b")),
+    "gpt-dp2-tp2-pp2-zero3": (GPT, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+    "llama-dp2-tp2-pp2-zero3": (LLAMA, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
 }
 
 
