@@ -16,10 +16,13 @@ Activations of one micro-batch of b samples, per block, from the captured graph 
 batch b₀ in ``captured_bytes`` per element, trained with ``a`` bytes per element)::
 
     none       A_block · (b/b₀) · (a/captured)        every non-alias output kept
-    selective  A_saved · (b/b₀) · (a/captured)        outputs of matmul-class ops kept
+    selective  A_saved · (b/b₀) · (a/captured)        the block input and outputs of matmul-class ops kept
     full       I_block · (b/b₀) · (a/captured)        only the block input kept
 
-plus, under recompute, one block's full activations while it is recomputed in backward.
+plus, under recompute, the workspace of one block while it is recomputed in backward: what
+the recomputed forward regenerates (``block_workspace_bytes``), all of A_block under full
+recompute, A_block less the matmul-class outputs under selective (those are kept, already
+counted in A_saved, and reused by the recomputation, not made again).
 Korthikanti et al.'s per-layer formulas (NUMBERS.md) are a check on these figures.
 """
 
@@ -75,9 +78,17 @@ def block_saved_bytes(graph: OpGraph, block: Block, recompute: str) -> int:
     if recompute == "full":
         return block.input_bytes
     if recompute == "selective":
-        heavy = sum(graph.node(n).bytes_written for n in block.node_names if _is_heavy(graph.node(n).target))
-        return block.input_bytes + heavy
+        return block.input_bytes + _heavy_bytes(graph, block)
     return block.activation_bytes
+
+
+def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str) -> int:
+    """Bytes the recomputed forward of one block makes again in backward, at the captured batch."""
+    if recompute == "full":
+        return block.activation_bytes
+    if recompute == "selective":
+        return max(0, block.activation_bytes - _heavy_bytes(graph, block))
+    return 0
 
 
 def non_block_saved_bytes(graph: OpGraph) -> int:
@@ -96,8 +107,13 @@ def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, preci
     """Activation bytes per rank for one micro-batch in flight (see module docstring)."""
     scale = (microbatch_size / graph.batch_size) * (precision.activation_bytes / captured_bytes)
     kept = sum(block_saved_bytes(graph, b, recompute) for b in graph.blocks) + non_block_saved_bytes(graph)
-    workspace = max((b.activation_bytes for b in graph.blocks), default=0) if recompute != "none" else 0
+    workspace = max((block_workspace_bytes(graph, b, recompute) for b in graph.blocks), default=0)
     return int((kept + workspace) * scale)
+
+
+def _heavy_bytes(graph: OpGraph, block: Block) -> int:
+    """Outputs of the block's matmul-class ops: what selective recompute keeps besides the input."""
+    return sum(graph.node(n).bytes_written for n in block.node_names if _is_heavy(graph.node(n).target))
 
 
 def _is_heavy(target: str) -> bool:

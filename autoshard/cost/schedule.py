@@ -10,7 +10,15 @@ of the grid is the bubble (p − 1)/(v·m + p − 1) of NUMBERS.md's (p − 1)/(
     GPipe        all forwards, then all backwards
     1F1B         p − r − 1 warm-up forwards on rank r, then one forward one backward, then the rest
     interleaved  v model chunks per rank (stage c·p + r); forwards go through the chunks in
-                 groups of p micro-batches; warm-up (p − r − 1)·2 + (v − 1)·p (Narayanan et al. 2021)
+                 rounds of G micro-batches; warm-up (p − r − 1)·2 + (v − 1)·G (Narayanan et al. 2021)
+
+Megatron's interleaved schedule has G = p and needs m mod p = 0. torch's
+``ScheduleInterleaved1F1B`` (what the runtime runs, and what ``passes.strategies`` admits) relaxes
+that: max(1, ⌊m/p⌋) rounds of G = m / rounds micro-batches, m a multiple of the rounds; with
+m mod p = 0 it is Megatron's. The orders here follow torch's, so every schedule the planner can
+choose can be drawn. With m ≥ p the idle share is the formula's; with m < p (one round of
+G = m < p, which ``autoshard plan`` draws for its first few micro-batches) each of the v − 1 chunk
+changes idles every rank 2(p − m) slots more: 2(p − 1) + 2(v − 1)(p − m) idle slots per rank.
 """
 
 from __future__ import annotations
@@ -91,20 +99,30 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
     return order + [Action(rank, "B", i) for i in range(m - warmup, m)]
 
 
+def interleaved_round_size(pp: int, m: int) -> int:
+    """G: micro-batches per round of torch's interleaved 1F1B (module doc); p when m mod p = 0."""
+    rounds = max(1, m // pp)
+    if m % rounds:
+        raise ValueError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of the "
+                         f"{rounds} rounds (max(1, m // pp) with pp = {pp}), as torch's ScheduleInterleaved1F1B")
+    return m // rounds
+
+
 def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    total = m * v
-    forwards = [Action(_chunk(k, pp, v) * pp + rank, "F", _microbatch(k, pp, v)) for k in range(total)]
-    backwards = [Action((v - 1 - _chunk(k, pp, v)) * pp + rank, "B", _microbatch(k, pp, v)) for k in range(total)]
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    total, group = m * v, interleaved_round_size(pp, m)
+    forwards = [Action(_chunk(k, group, v) * pp + rank, "F", _microbatch(k, group, v)) for k in range(total)]
+    backwards = [Action((v - 1 - _chunk(k, group, v)) * pp + rank, "B", _microbatch(k, group, v))
+                 for k in range(total)]
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * group, total)
     order = forwards[:warmup]
     for i in range(total - warmup):
         order += [forwards[warmup + i], backwards[i]]
     return order + backwards[total - warmup:]
 
 
-def _chunk(k: int, pp: int, v: int) -> int:
-    return (k // pp) % v
+def _chunk(k: int, group: int, v: int) -> int:
+    return (k // group) % v
 
 
-def _microbatch(k: int, pp: int, v: int) -> int:
-    return (k // (pp * v)) * pp + k % pp
+def _microbatch(k: int, group: int, v: int) -> int:
+    return (k // (group * v)) * group + k % group

@@ -17,8 +17,9 @@ Per unit u, for a micro-batch of b samples (captured at b₀; t_fwd from
                 unit that reads it: ``pipeline()`` gives each stage its own copy)
     saved(u)  = block_saved_bytes(block, recompute) for blocks, the outputs of the prefix / suffix
                 nodes (the suffix also the loss's copy of the logits), all × (b/b₀)·(a/captured)
-    workspace(u) = activation_bytes(block) × the same scale when recompute ≠ none (one block's
-                full activations while it is recomputed), else 0
+    workspace(u) = block_workspace_bytes(block, recompute) × the same scale (what one block's
+                recomputation makes again: all its activations (full), its non-matmul outputs
+                (selective), 0 (none))
     boundary(k) = input_bytes(block k) × the same scale: what a cut before block k sends
 
 Σ_u saved(u) + max_u workspace(u) equals ``memory.activation_bytes`` of the whole model.
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.compute import BACKWARD_TO_FORWARD, _weight_bytes_per_node, op_forward_s
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec
 
@@ -132,6 +133,4 @@ def _saved_bytes(graph: OpGraph, recompute: str, units: list[int]) -> list[int]:
 
 
 def _workspace_bytes(graph: OpGraph, recompute: str) -> list[int]:
-    if recompute == "none":
-        return [0] * (len(graph.blocks) + 2)
-    return [0] + [b.activation_bytes for b in graph.blocks] + [0]
+    return [0] + [block_workspace_bytes(graph, b, recompute) for b in graph.blocks] + [0]
