@@ -88,7 +88,7 @@ def _imports(plan: Plan) -> str:
     lines = "\n".join(sorted(torch_imports))
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
-        local = "from autoshard.runtime import pipeline_parallel as pp"
+        local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
         if plan.tensor_parallel:
             local += "\nfrom autoshard.runtime import tensor_parallel_stages as tps"
     return (f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\n"
@@ -247,7 +247,7 @@ def build_pipeline(model, model_file, mesh, device, lr, example_microbatch):
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model."""
 {_stage_tp_lines(plan)}    parts = pp.build_pipeline_stages(model, example_microbatch, SPLIT_POINTS, mesh.get_local_rank("pp"), PP,
                                      VIRTUAL_STAGES, device, mesh.get_group("pp"){tp_args}){fsdp}
-    optimizer = torch.optim.AdamW(parts.parameters(), lr=lr)
+    optimizer = checkpoint.StageOptimizers(parts.modules, torch.optim.AdamW, lr=lr)  # one AdamW per stage
     schedule = pp.build_schedule(parts, NUM_MICROBATCHES, model_file.loss, SCHEDULE)
     return parts, schedule, optimizer
 '''
@@ -309,8 +309,6 @@ if __name__ == "__main__":
 _MAIN_PIPELINE = '''
 def main():
     args = parse_args()
-    if args.checkpoint_dir:
-        raise SystemExit("error: checkpoints of pipeline-parallel programs are not supported yet; drop --checkpoint-dir")
     ctx = runtime.init_distributed(expected_world_size=PP * DP * TP)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
@@ -320,9 +318,11 @@ def main():
     parts, schedule, optimizer = build_pipeline(model, model_file, mesh, ctx.device, args.lr, example_microbatch)
     del model  # the stages hold what this rank needs
 
+    start = checkpoint.resume(args.checkpoint_dir, parts, optimizer, mesh)  # 0 without a checkpoint
+
     dp_rank = mesh.get_local_rank("dp")
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
         inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
@@ -330,6 +330,8 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.end(step, loss)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, parts, optimizer, mesh)
 
     runtime.finish_with_state(pp.full_state_dict(parts), log, args.metrics_out)
     dist.destroy_process_group()

@@ -115,8 +115,8 @@ def _check_zero(pins: Pins) -> None:
     if pins.zero is None or not split:
         return
     if pins.zero == 1:
-        raise AutoshardError(f"--zero 1 with tensor or pipeline parallelism is not supported; use --zero 2 or 3 "
-                             f"(FSDP2 over dp), or --zero 0 with dp=1")
+        raise AutoshardError("--zero 1 with tensor or pipeline parallelism is not supported; use --zero 2 or 3 "
+                             "(FSDP2 over dp), or --zero 0 with dp=1")
     if pins.zero >= 2 and pins.dp == 1:
         raise AutoshardError(f"--zero {pins.zero} with --dp 1 has nothing to shard over; use --zero 0, or a larger --dp")
     if pins.zero == 0 and (pins.dp or 1) > 1:

@@ -7,6 +7,19 @@ after every rank has finished writing (a barrier), so a crash during a write lea
 
 Resuming is exact because the data of step t depends only on (seed, t) (runtime.data) and
 weights and optimizer state are restored in full.
+
+State is keyed by the original model's names (``h.0.attn.q_proj.weight``,
+``state.h.0.attn.q_proj.weight.exp_avg``: DCP's flattened optimizer state), whatever the plan:
+
+    DDP / FSDP2 / DTensor TP   torch's ``get_state_dict`` / ``set_state_dict``
+    ZeRO-1                     the same on ZeroRedundancyOptimizer's local AdamW: each rank
+                               saves the state of the parameters it owns, under their names
+    pipeline stages            one model part and one optimizer per stage (``StageOptimizers``),
+                               their state dicts merged (a tied weight's copies are equal)
+    TP inside stages           a local shard is plain, so it is saved as the DTensor it is a
+                               shard of: Shard(d) over tp, and under FSDP2 on dp
+                               (Shard(0) over dp, Shard(d) over tp), or
+                               (_StridedShard(0, tp), Shard(0)) when d = 0 (FSDP2's own 2-D layout)
 """
 
 from __future__ import annotations
@@ -14,29 +27,54 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
-
-from autoshard.errors import AutoshardError
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 STEP_DIR = re.compile(r"step-(\d{8})")
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys by name, no per-rank lists
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Write the state after ``steps_done`` steps; returns the final folder."""
-    _refuse_zero1(optimizer)
+class StageOptimizers:
+    """One optimizer per pipeline stage module, stepped together.
+
+    DCP's state-dict API maps an optimizer's parameters to names through one module, so a
+    rank holding several stages (interleaved) keeps one optimizer per stage (as torchtitan does).
+    """
+
+    def __init__(self, modules: list[nn.Module], optimizer_class=torch.optim.AdamW, **kwargs):
+        self.modules = list(modules)
+        self.optimizers = [optimizer_class(m.parameters(), **kwargs) for m in self.modules]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None) -> Path:
+    """Write the state after ``steps_done`` steps; returns the final folder.
+
+    ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
+    ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages.
+    """
     root = Path(checkpoint_dir)
     final = root / f"step-{steps_done:08d}"
     partial = root / f".step-{steps_done:08d}.partial"
     if dist.get_rank() == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, _ = _state(model, optimizer, mesh)
     dcp.save({"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)},
              checkpoint_id=partial)
     dist.barrier()  # every rank has written its shards
@@ -55,27 +93,90 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load(path: str | Path, model, optimizer, mesh=None) -> int:
     """Restore model and optimizer in place from ``path``; returns the steps already done."""
-    _refuse_zero1(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, restore = _state(model, optimizer, mesh)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
     dcp.load(state, checkpoint_id=Path(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    restore()
     return int(state["steps_done"])
 
 
-def resume(checkpoint_dir: str | Path | None, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> int:
     """Load the newest complete checkpoint in ``checkpoint_dir`` if any; the step to start at."""
     if not checkpoint_dir:
         return 0
     found = latest(checkpoint_dir)
-    return load(found, model, optimizer) if found else 0
+    return load(found, model, optimizer, mesh) if found else 0
 
 
-def _refuse_zero1(optimizer) -> None:
-    # ZeroRedundancyOptimizer keeps a rank-local partition that DCP's state-dict API cannot
-    # read (it asks for consolidate_state_dict to one rank); refuse rather than pickle rank 0.
+# ---------------------------------------------------------------------------- state dicts by plan
+
+
+def _state(model, optimizer, mesh) -> tuple[dict, dict, Callable[[], None]]:
+    """(model state, optimizer state, a function that puts loaded values back into the run)."""
+    if isinstance(optimizer, StageOptimizers):
+        return _pipeline_state(model, optimizer, mesh)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise AutoshardError("checkpoints of ZeRO-1 plans (ZeroRedundancyOptimizer) are not supported yet; "
-                             "re-plan with --zero 0, 2 or 3 to checkpoint")
+        optimizer = optimizer.optim  # the local AdamW over the parameters this rank owns
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
+
+    def restore() -> None:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=OPTIONS)
+    return model_state, optim_state, restore
+
+
+def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dict, Callable[[], None]]:
+    per_stage = [get_state_dict(m, o, options=OPTIONS) for m, o in zip(optimizers.modules, optimizers.optimizers)]
+    model_state = {k: v for m, _ in per_stage for k, v in m.items()}
+    optim_state = {k: v for _, o in per_stage for k, v in o.items()}
+    dims = getattr(parts, "tp_shard_dims", {})
+    originals = {**{("model", k): v for k, v in model_state.items()},
+                 **{("optim", k): v for k, v in optim_state.items()}}
+    wrapped = {key: _as_global(value, dims[name], mesh) for key, value in originals.items()
+               if (name := _param_name(*key)) in dims and isinstance(value, torch.Tensor) and value.dim() > 0}
+    model_state.update({k: v for (kind, k), v in wrapped.items() if kind == "model"})
+    optim_state.update({k: v for (kind, k), v in wrapped.items() if kind == "optim"})
+
+    def restore() -> None:
+        for key, value in wrapped.items():
+            _local(originals[key]).copy_(value.to_local())
+        for (module, optimizer), (m, o) in zip(zip(optimizers.modules, optimizers.optimizers), per_stage):
+            set_state_dict(module, optimizer, options=OPTIONS,
+                           model_state_dict={k: originals[("model", k)] for k in m},
+                           optim_state_dict={k: originals[("optim", k)] for k in o})
+    return model_state, optim_state, restore
+
+
+def _param_name(kind: str, key: str) -> str:
+    """The parameter a flattened key belongs to: ``state.<name>.exp_avg`` -> ``<name>``."""
+    if kind == "model":
+        return key
+    return key.removeprefix("state.").rpartition(".")[0] if key.startswith("state.") else ""
+
+
+def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
+    """A TP-local shard (plain, or FSDP2's Shard(0) over dp) as the DTensor of the whole tensor."""
+    tp = mesh["tp"].size()
+    if isinstance(value, DTensor):  # FSDP2 on dp over a tp shard: 2-D, as FSDP2 itself lays out TP params
+        shape = list(value.shape)
+        shape[dim] *= tp
+        dp_placement = _StridedShard(0, split_factor=tp) if dim == 0 else Shard(0)
+        return DTensor.from_local(value.to_local(), mesh["dp", "tp"], (dp_placement, Shard(dim)), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    shape = list(value.shape)
+    shape[dim] *= tp
+    return DTensor.from_local(value, mesh["tp"], (Shard(dim),), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value

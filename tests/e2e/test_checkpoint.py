@@ -1,5 +1,6 @@
 """DCP checkpoints: a run stopped and resumed matches an uninterrupted run bit for bit."""
 
+import functools
 import json
 
 import pytest
@@ -12,17 +13,31 @@ from autoshard.runtime.checkpoint import latest
 pytestmark = pytest.mark.e2e
 
 
-def train(program, tmp_path, name, steps, *extra):
+def train_ranks(program, tmp_path, name, steps, *extra, ranks):
     out = tmp_path / name
-    proc = run_torchrun(program, 2, ["--steps", str(steps), "--metrics-out", str(out), *extra], quiet=True)
+    proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), *extra], quiet=True)
     assert proc.returncode == 0, proc.stdout[-2000:]
     return json.loads((out / "metrics.json").read_text())["losses"], torch.load(out / "params.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_resume_is_bit_exact(in_repo, tmp_path, zero):
-    plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", devices_per_node=2, global_batch=8, zero=zero)
+GPT, GPT2 = "examples/gpt.py:build", "tests/models/hf_gpt2.py:build"
+CASES = {  # name: (model, cluster, ranks, pins)
+    "zero0": (GPT, "local-cpu", 2, dict(zero=0)),
+    "zero1": (GPT, "local-cpu", 2, dict(zero=1, dp=2)),
+    "zero3": (GPT, "local-cpu", 2, dict(zero=3)),
+    "gpt2-pp2-tied": (GPT2, "local-cpu", 2, dict(pp=2, schedule="1f1b")),
+    "dp2-tp2-pp2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 8,
+                          dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_is_bit_exact(in_repo, tmp_path, case):
+    model, cluster, ranks, pins = CASES[case]
+    plan = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+    assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
     program = write_program(plan, tmp_path / "train.py")
+    train = functools.partial(train_ranks, ranks=ranks)
     full_losses, full_params = train(program, tmp_path, "full", 4)
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     first_losses, _ = train(program, tmp_path, "first", 2, *ckpt)
