@@ -74,8 +74,6 @@ BAD = [
     (["plan", GPT, "--zero", "5"], "--zero 5"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),
-    (["plan", "tests/models/hf_llama.py:build_4_layers", "--pp", "2", "--schedule", "interleaved-1f1b"],
-     "past the next stage"),
     (["inspect", "missing.json"], "not found"),
     (["inspect", "tests/bad_models/broken.py"], "not valid JSON"),
     (["plan", GPT, "--cluster", "tests/bad_models/bad_cluster.yaml"], "intra_node.bandwidth_gbps"),

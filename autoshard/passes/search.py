@@ -31,7 +31,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.topology import Cluster
-from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, skipped_values
+from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
 
 MAX_ALTERNATIVES = 12
@@ -45,7 +45,6 @@ class Priced:
     fits: bool
     cuts: tuple[int, ...] = ()  # pipeline: the first block of stages 1 .. S−1
     tp_choice: object = field(default=None, compare=False)  # passes.tensor_parallel.TPChoice when tp > 1
-    blocked: str = ""  # why the configuration cannot run at all, whatever its memory
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,8 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch
         if p.fits:
             fastest_s = min(fastest_s, p.predicted.step_time_s)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
-    if priced and all(p.blocked for p in priced):
-        raise AutoshardError(f"{priced[0].blocked}; try --schedule 1f1b or gpipe with fewer stages (--pp 2)")
     if not feasible:
-        raise AutoshardError(explain_infeasible(graph, cluster, [p for p in priced if not p.blocked] or priced))
+        raise AutoshardError(explain_infeasible(graph, cluster, priced))
     best = feasible[0]
     return SearchResult(best=best, alternatives=alternatives(best, priced, cluster))
 
@@ -96,17 +93,8 @@ def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch:
 
 def _priced(tables: CostTables, config: Config, global_batch: int, cuts: tuple[int, ...], choice) -> Priced:
     predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
-    blocked = _skip_reason(tables.graph, cuts) if cuts else ""
-    fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes and not blocked
-    return Priced(config, predicted, fits, cuts, choice, blocked)
-
-
-def _skip_reason(graph: OpGraph, cuts: tuple[int, ...]) -> str:
-    skipped = skipped_values(graph, cuts)
-    if not skipped:
-        return ""
-    return (f"{len(cuts) + 1} pipeline stages would send {skipped[0]} past the next stage, which "
-            f"torch.distributed.pipelining cannot do")
+    fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
+    return Priced(config, predicted, fits, cuts, choice)
 
 
 # ---------------------------------------------------------------------------- stage cuts
@@ -165,8 +153,6 @@ def alternatives(best: Priced, priced: list[Priced], cluster: Cluster) -> tuple[
 
 
 def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
-    if p.blocked:
-        return p.blocked
     if not p.fits:
         over = p.predicted.memory_peak_bytes_per_rank - cluster.device.memory_bytes
         return f"does not fit: {over / GIB:.2f} GiB over the {cluster.device.memory_bytes / GIB:.1f} GiB per device"

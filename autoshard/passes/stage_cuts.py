@@ -123,29 +123,3 @@ def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:
         cuts.append(j)
     return tuple(reversed(cuts))
 
-
-def skipped_values(graph, cuts: tuple[int, ...]) -> list[str]:
-    """Values that would travel past the next pipeline stage with these cuts.
-
-    torch.distributed.pipelining sends activations only between adjacent stages, so a value
-    made in stage i and read in stage j > i + 1 (HF Llama's rotary cos/sin, made once before
-    the first layer and read by every layer) makes the split unrunnable. Stage of a node:
-    before the first block, 0; in block k, the number of cuts ≤ k; after the last block, the last.
-    """
-    stage_of = _node_stages(graph, cuts)
-    names = {n.name for n in graph.nodes}
-    return sorted({src for n in graph.nodes for src in n.inputs
-                   if src in names and stage_of[n.name] - stage_of[src] > 1})
-
-
-def _node_stages(graph, cuts: tuple[int, ...]) -> dict[str, int]:
-    block_index = {b.path: i for i, b in enumerate(graph.blocks)}
-    owner = {name: block_index[b.path] for b in graph.blocks for name in b.node_names}
-    stages, seen_block = {}, False
-    for node in graph.nodes:
-        if node.name in owner:
-            seen_block = True
-            stages[node.name] = sum(c <= owner[node.name] for c in cuts)
-        else:
-            stages[node.name] = len(cuts) if seen_block else 0
-    return stages

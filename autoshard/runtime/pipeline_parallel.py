@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.pipeline_skips import route_skipped_values
 from autoshard.runtime.tensor_parallel_stages import gather_shards
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -147,12 +148,15 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     model is traced again under ``no_grad``, which inlines those regions. That is exact when
     they compute only from tensors that need no gradient (rotary tables from buffers and
     positions); a region that reads trainable weights would then pass gradients through.
+
+    Values read more than one stage after the one making them are passed through the stages
+    in between (``pipeline_skips``): torch's stages and schedules only send s → s + 1.
     """
     pipe = _pipeline_once(model, example_inputs, split_points)
-    if not _has_grad_mode_region(pipe):
-        return pipe
-    with torch.no_grad():
-        return _pipeline_once(model, example_inputs, split_points)
+    if _has_grad_mode_region(pipe):
+        with torch.no_grad():
+            pipe = _pipeline_once(model, example_inputs, split_points)
+    return route_skipped_values(pipe)
 
 
 def _pipeline_once(model: nn.Module, example_inputs: tuple, split_points: list[str]):

@@ -30,6 +30,10 @@ CASES = {  # id: (model spec, split points, dp, pp, virtual stages, schedule, mi
     "gpt-pp2-1f1b": ("examples/gpt.py:build", "h.2", 1, 2, 1, "1f1b", 4),
     "gpt-pp2-interleaved": ("examples/gpt.py:build", "h.1,h.2,h.3", 1, 2, 2, "interleaved-1f1b", 4),
     "llama-pp2-1f1b": ("tests/models/hf_llama.py:build", "model.layers.1", 1, 2, 1, "1f1b", 4),
+    # the rotary tables made in stage 0 reach stages 2 and 3 through the stages between (8 micro-batches:
+    # with 4, even one process drifts 7.5e-5 from the full batch, an embedding gradient near AdamW's eps)
+    "llama-pp4-1f1b": ("tests/models/hf_llama.py:build_4_layers", "model.layers.1,model.layers.2,model.layers.3",
+                       1, 4, 1, "1f1b", 8),
     "gpt2-tied-pp2-1f1b": ("tests/models/hf_gpt2.py:build", "transformer.h.1", 1, 2, 1, "1f1b", 4),
     # the tie spans pp ranks 0 and 3 only: summed in a 2-rank subgroup
     "gpt2-tied-pp4-1f1b": ("tests/models/hf_gpt2.py:build", "transformer.h.0,transformer.h.1,transformer.ln_f",
