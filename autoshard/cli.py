@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub, common)
     _add_run(sub, common)
     _add_verify(sub, common)
+    _add_calibrate(sub, common)
     return parser
 
 
@@ -92,6 +93,14 @@ def _add_verify(sub, common) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_verify)
+
+
+def _add_calibrate(sub, common) -> None:
+    p = sub.add_parser("calibrate", parents=[common], help="measure this machine and write a cluster file")
+    p.add_argument("-o", "--output", required=True, help="the cluster YAML to write, e.g. cluster.yaml")
+    p.add_argument("--devices-per-node", type=int, help="ranks to measure with (default: 2 on CPU, every GPU)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 30 s)")
+    p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_plan(args) -> int:
@@ -165,6 +174,25 @@ def cmd_verify(args) -> int:
         print(f"FAILED: {report.failure}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     print("OK: the parallel program trains like one process")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from autoshard.calibrate import calibrate, check_output, render, resolve_ranks, write_cluster_file
+
+    output = check_output(args.output)
+    ranks, _ = resolve_ranks(args.devices_per_node)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("calibrating", total=None)
+        result = calibrate(ranks, quick=args.quick, on_step=lambda done, total, name: progress.update(
+            task, completed=done, total=total, description=f"calibrating: {name}"))
+    command = "autoshard calibrate" + (" --quick" if args.quick else "") + f" --devices-per-node {ranks} -o {output}"
+    write_cluster_file(output, result, command)
+    render(result)
+    print(f"wrote {output}; use it with: autoshard plan MODEL --cluster {output} --global-batch N")
     return 0
 
 

@@ -1,0 +1,527 @@
+"""``autoshard calibrate``: measure this machine and write a cluster file for ``--cluster``.
+
+N worker processes (``--devices-per-node``; default 2 CPU ranks, or every GPU) join one
+process group (gloo on CPU, NCCL on GPU, rendezvous through a file) and rank 0 reports
+what all of them measured:
+
+- **collectives**: all-reduce, reduce-scatter, all-gather, broadcast over message sizes
+  4 KiB … 64 MiB (×4 apart; to 4 MiB with ``--quick``; to 256 MiB on GPUs), S as comm.py
+  counts it (the all-reduced buffer, the reduce-scatter input, the all-gather output);
+- **point-to-point**: isend/irecv ping-pong between ranks 2i and 2i+1 (all pairs at once,
+  like the stage boundaries of a pipeline); one-way time = round trip / 2;
+- **matmul**: square n×n fp32 matmuls on CPU (bf16 on GPU), all ranks at once, because CPU
+  ranks share cores and memory bandwidth in training too; throughput 2n³ / t;
+- **elementwise**: ``torch.add(a, b, out=c)`` on large tensors, all ranks at once;
+  bandwidth 3·bytes(a) / t, the bytes the annotate pass counts for it (two reads, a write).
+
+Every figure is timed like this (``_time_op``): a warm-up call, then a timed one; the ranks
+agree (slowest rank) on k calls that take about ``Settings.point_s`` in all; after a
+barrier each rank times each of its k calls back to back; a call's time is the slowest
+rank's (a synchronous step waits for it); the figure is the median over the k calls, so a
+call that another process on the machine delayed does not move it. CPU ranks use
+``OMP_NUM_THREADS`` threads (default 1), as ``autoshard run`` starts them.
+
+What is written (``build_cluster``):
+
+- ``intra_node``: the one (α, B) that, put through comm.py's formulas, best reproduces the
+  measured times of all collectives and sizes together (least squares of relative error,
+  ``autoshard.cost.calibrate.fit_link``; the maths is there). The planner prices every
+  collective on one link, so this is the link it should use; where the backend's
+  collectives differ in efficiency (gloo's reduce-scatter and all-gather move fewer bytes
+  per second than its all-reduce and broadcast) no single link fits all of them, so the
+  fit error is reported, and each collective's own fit beside it, in the table and the file.
+- ``device.peak_tflops`` = the median over the matmul sizes (512-2048 on CPU, 2048-8192 on
+  GPU: large enough for steady state) of the measured throughput, and ``matmul_efficiency``
+  = 1. compute.py's roofline t = max(F / (η·P), M / W) uses only the product η·P, and a
+  CPU's theoretical peak is not portably knowable, so η·P = measured makes the roofline
+  predict the measured matmul times (the file's header shows how close, size by size).
+- ``device.memory_bandwidth_gbps`` = the elementwise bandwidth; ``memory_bytes`` as the
+  ``local-cpu`` preset computes it (host memory / N) or the GPU's memory.
+- ``inter_node``: one machine cannot measure it; the ``local-cpu`` (gloo) or ``dgx-h100``
+  (NCCL) preset's figure, marked "not measured".
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoshard.cost.calibrate import COLLECTIVES, LinkFit, Sample, fit_link, predict_s
+from autoshard.cost.hardware import PRESETS, host_memory_bytes
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import write_text_atomic
+from autoshard.ir.topology import Cluster, DeviceSpec, LinkSpec
+
+KIB, MIB = 2**10, 2**20
+WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure and how long to spend on each figure."""
+
+    sizes_bytes: tuple[int, ...]
+    matmul_sizes: tuple[int, ...]
+    elementwise_numel: int
+    point_s: float  # time each figure for about this long, in min_calls..max_calls calls
+    min_calls: int
+    max_calls: int
+
+    @classmethod
+    def for_backend(cls, backend: str, quick: bool) -> Settings:
+        if backend == "nccl":  # GPUs: bf16 matmuls of 2048-8192 reach steady state, up to 256 MiB messages
+            return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
+                       matmul_sizes=(2048, 4096) if quick else (2048, 4096, 8192), elementwise_numel=2**28,
+                       point_s=0.05 if quick else 0.2, min_calls=5, max_calls=200 if quick else 1000)
+        if quick:
+            return cls(sizes_bytes=_sizes(4 * KIB, 4 * MIB), matmul_sizes=(512, 1024), elementwise_numel=2**23,
+                       point_s=0.08, min_calls=3, max_calls=40)
+        return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB), matmul_sizes=(512, 1024, 2048), elementwise_numel=2**24,
+                   point_s=0.3, min_calls=7, max_calls=200)
+
+    def steps(self, ranks: int) -> list[str]:
+        """The progress-bar steps, in the order the workers run them."""
+        comm = [f"{c} {_size(s)}" for c in COLLECTIVES for s in self.sizes_bytes] if ranks > 1 else []
+        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add"]
+
+
+@dataclass
+class Measurements:
+    """What rank 0 reports: seconds per call, the slowest rank's median."""
+
+    backend: str
+    ranks: int
+    threads: int
+    device_name: str
+    memory_bytes: int
+    dtype: str
+    comm: list[Sample] = field(default_factory=list)
+    matmul_s: dict[int, float] = field(default_factory=dict)  # n -> seconds per n×n @ n×n
+    elementwise_bytes: int = 0  # bytes one add moves (two reads, one write)
+    elementwise_s: float = 0.0
+    load_1min: float = 0.0  # the machine's load average when calibration started (other jobs)
+    cpus: int = 1
+
+    @property
+    def busy(self) -> str:
+        """'load 3.1 on 2 CPUs': other processes compete with the ranks and slow what is measured."""
+        return f"load {self.load_1min:.1f} on {self.cpus} CPUs at the start"
+
+
+@dataclass
+class Calibration:
+    measurements: Measurements
+    link_fit: LinkFit | None  # all collectives together: the written intra_node; None for one rank
+    per_collective: dict[str, LinkFit | None]  # None: too noisy to fit alone
+    cluster: Cluster
+    wall_s: float
+
+    @property
+    def matmul_tflops(self) -> dict[int, float]:
+        return {n: 2 * n**3 / t / 1e12 for n, t in self.measurements.matmul_s.items()}
+
+    def roofline_errors(self) -> dict[int, float]:
+        """Relative error of compute.py's roofline against each measured matmul."""
+        d, out = self.cluster.device, {}
+        for n, t in self.measurements.matmul_s.items():
+            elem = 2 if self.measurements.dtype == "bfloat16" else 4
+            predicted = max(2 * n**3 / (d.peak_tflops * 1e12 * d.matmul_efficiency),
+                            3 * n * n * elem / (d.memory_bandwidth_gbps * 1e9))
+            out[n] = predicted / t - 1
+        return out
+
+
+def check_output(path: str | Path) -> Path:
+    """The -o path, checked before minutes of measuring are spent."""
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml"):
+        raise AutoshardError(f"output '{path}' must end in .yaml or .yml; fix: e.g. -o cluster.yaml")
+    if not path.parent.is_dir():
+        raise AutoshardError(f"output directory '{path.parent}' does not exist; fix: create it, or write "
+                             f"-o {path.name} in the current directory")
+    if path.is_dir():
+        raise AutoshardError(f"output '{path}' is a directory; fix: give a file name, e.g. -o {path}/cluster.yaml")
+    return path
+
+
+def calibrate(devices_per_node: int | None = None, quick: bool = False,
+              on_step: Callable[[int, int, str], None] | None = None) -> Calibration:
+    """Measure this machine with ``devices_per_node`` ranks; ``on_step(done, total, name)`` reports progress."""
+    start, load_1min = time.perf_counter(), os.getloadavg()[0]
+    ranks, backend = resolve_ranks(devices_per_node)
+    settings = Settings.for_backend(backend, quick)
+    steps = settings.steps(ranks)
+    progress = on_step or (lambda done, total, name: None)
+    progress(0, len(steps), f"starting {ranks} {backend} ranks")
+    done = itertools.count(1)
+    measured = _run_workers(ranks, backend, settings, lambda name: progress(next(done), len(steps), name))
+    measured.load_1min, measured.cpus = load_1min, os.cpu_count() or 1
+    return _calibration(measured, quick, time.perf_counter() - start)
+
+
+def resolve_ranks(devices_per_node: int | None) -> tuple[int, str]:
+    """(ranks, backend) to measure with: NCCL over the GPUs if there are any, else gloo."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if gpus else "gloo"
+    ranks = (gpus or 2) if devices_per_node is None else devices_per_node
+    _check_ranks(ranks, backend)
+    return ranks, backend
+
+
+def _check_ranks(ranks: int, backend: str) -> None:
+    import torch
+
+    from autoshard.launch import MAX_LOCAL_CPU_RANKS
+
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise AutoshardError(f"--devices-per-node {ranks!r} must be a positive integer; fix: pass e.g. 2")
+    if backend == "nccl" and ranks > torch.cuda.device_count():
+        raise AutoshardError(f"--devices-per-node {ranks} but this machine has {torch.cuda.device_count()} GPU(s); "
+                             f"fix: pass --devices-per-node {torch.cuda.device_count()} or fewer")
+    if backend == "gloo" and ranks > MAX_LOCAL_CPU_RANKS:
+        raise AutoshardError(f"--devices-per-node {ranks} CPU processes is more than this machine should run; "
+                             "fix: pass the number of ranks a node will run, e.g. 2")
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _run_workers(ranks: int, backend: str, settings: Settings, on_step: Callable[[str], None]) -> Measurements:
+    """Spawn the workers, relay rank 0's progress, and read its result file."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="autoshard-calibrate-") as tmp:
+        queue = mp.get_context("spawn").SimpleQueue()
+        args = (ranks, backend, settings, tmp, queue, _threads())
+        ctx = mp.start_processes(_worker, args=args, nprocs=ranks, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=0.1):
+                _relay(queue, on_step)
+        except mp.ProcessRaisedException as exc:
+            raise AutoshardError(f"a calibration worker failed: {_last_line(str(exc))}; "
+                                 "fix: rerun with --debug for the traceback") from exc
+        except mp.ProcessExitedException as exc:
+            raise AutoshardError(f"a calibration worker died ({exc}); fix: check memory, rerun with "
+                                 "fewer --devices-per-node") from exc
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+        _relay(queue, on_step)
+        return _read_result(Path(tmp) / "result.json")
+
+
+def _relay(queue, on_step: Callable[[str], None]) -> None:
+    while not queue.empty():
+        on_step(queue.get())
+
+
+def _threads() -> int:
+    """Threads per CPU rank, as ``autoshard run`` starts them (launch.py)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def _read_result(path: Path) -> Measurements:
+    d = json.loads(path.read_text())
+    comm = [Sample(*row) for row in d.pop("comm")]
+    matmul = {int(n): t for n, t in d.pop("matmul_s").items()}
+    return Measurements(**d, comm=comm, matmul_s=matmul)
+
+
+def _calibration(m: Measurements, quick: bool, wall_s: float) -> Calibration:
+    per_collective = {c: _fit_or_none([s for s in m.comm if s.collective == c]) for c in COLLECTIVES} if m.comm else {}
+    link_fit = fit_link(m.comm) if m.comm else None
+    cluster = build_cluster(m, link_fit, quick)
+    return Calibration(m, link_fit, per_collective, cluster, wall_s)
+
+
+def _fit_or_none(samples: list[Sample]) -> LinkFit | None:
+    """A per-collective fit, only reported: one whose times do not grow with size is left out."""
+    try:
+        return fit_link(samples)
+    except AutoshardError:
+        return None
+
+
+def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool) -> Cluster:
+    """The measured cluster: one node of ``m.ranks`` devices (what is written and how: module doc)."""
+    host = socket.gethostname()
+    day = datetime.date.today().isoformat()
+    origin = f"measured by autoshard calibrate{' --quick' if quick else ''} on {host} {day} ({m.busy})"
+    default = PRESETS["local-cpu" if m.backend == "gloo" else "dgx-h100"]
+    inter = LinkSpec(default.inter_node.bandwidth_gbps, default.inter_node.latency_us,
+                     f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}")
+    return Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), _intra_link(m, fit, origin, default), inter,
+                   m.backend)
+
+
+def _device(m: Measurements, origin: str) -> DeviceSpec:
+    tflops = statistics.median(2 * n**3 / t / 1e12 for n, t in m.matmul_s.items())
+    who = f"{m.ranks} {m.backend} ranks" + (f" of {m.threads} thread(s)" if m.backend == "gloo" else "")
+    return DeviceSpec(
+        name=m.device_name, peak_tflops=_round(tflops), memory_bytes=m.memory_bytes,
+        memory_bandwidth_gbps=_round(m.elementwise_bytes / m.elementwise_s / 1e9), matmul_efficiency=1.0,
+        source=f"{origin}, {who} at once: peak_tflops = median {m.dtype} matmul throughput over n = "
+               f"{', '.join(map(str, m.matmul_s))} (matmul_efficiency 1, so the roofline predicts measured matmuls), "
+               f"memory_bandwidth_gbps = torch.add of {_size(m.elementwise_bytes // 3)} tensors (3 × bytes / time)"
+               + (", memory_bytes = host MemTotal / devices_per_node" if m.backend == "gloo" else ""))
+
+
+def _intra_link(m: Measurements, fit: LinkFit | None, origin: str, default: Cluster) -> LinkSpec:
+    if fit is None:
+        return LinkSpec(default.intra_node.bandwidth_gbps, default.intra_node.latency_us,
+                        f"not measured (one rank); {default.name} preset: {default.intra_node.source}")
+    sizes = sorted(s.size_bytes for s in m.comm)
+    return LinkSpec(_round(fit.bandwidth_gbps), _round(fit.latency_us),
+                    f"{origin}, {m.backend} with {m.ranks} ranks: α and B fitted by least squares of relative error "
+                    f"to comm.py's formulas over {', '.join(COLLECTIVES)} at {_size(sizes[0])}-{_size(sizes[-1])} "
+                    f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}")
+
+
+def _round(x: float) -> float:
+    """Four significant digits: the measurements are not better than that."""
+    return float(f"{x:.4g}")
+
+
+def _sizes(smallest: int, largest: int) -> tuple[int, ...]:
+    """Message sizes ×4 apart."""
+    return tuple(smallest * 4**i for i in range(round(math.log(largest / smallest, 4)) + 1))
+
+
+def _size(n: float) -> str:
+    return f"{n / MIB:g} MiB" if n >= MIB else f"{n / KIB:g} KiB"
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def write_cluster_file(path: str | Path, cal: Calibration, command: str) -> Path:
+    """Write ``cal.cluster`` as a YAML cluster file atomically, the measurements as comments."""
+    path = Path(path)
+    body = yaml.safe_dump(cal.cluster.to_dict(), sort_keys=False, allow_unicode=True, width=10_000)
+    write_text_atomic(path, _header(cal, command, path) + body)
+    return path
+
+
+def _header(cal: Calibration, command: str, path: Path) -> str:
+    m = cal.measurements
+    lines = [f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
+             f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
+             f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank.",
+             f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.", ""]
+    if cal.link_fit is not None:
+        lines += ["alpha-beta fits (autoshard.cost.calibrate), relative error of the fitted model:",
+                  f"  {'collective':<15} {'latency_us':>10} {'GB/s':>8} {'max err':>8} {'rms err':>8}"]
+        for name, fit in [("all (written)", cal.link_fit), *cal.per_collective.items()]:
+            figures = (f"{fit.latency_us:>10.1f} {fit.bandwidth_gbps:>8.3g} {fit.max_rel_error:>8.1%} "
+                       f"{fit.rms_rel_error:>8.1%}" if fit else "no fit: times do not grow with size")
+            lines.append(f"  {name:<15} {figures}")
+        lines += ["", "measured / predicted with the written intra_node, microseconds:",
+                  "  " + f"{'size':>8}" + "".join(f" {c:>21}" for c in COLLECTIVES)]
+        link = cal.cluster.intra_node
+        columns = [sorted((s for s in m.comm if s.collective == c), key=lambda s: s.size_bytes) for c in COLLECTIVES]
+        for row in zip(*columns):  # the same nominal size in each (rounded to whole elements per rank)
+            cells = [f"{s.time_s * 1e6:>10.0f} / {predict_s(s.collective, s.ranks, s.size_bytes, link) * 1e6:<8.0f}"
+                     for s in row]
+            lines.append(f"  {_size(row[-1].size_bytes):>8} " + " ".join(cells))
+        lines.append("")
+    lines.append("matmul n: TFLOP/s (roofline error) " + ", ".join(
+        f"{n}: {t:.3g} ({cal.roofline_errors()[n]:+.0%})" for n, t in cal.matmul_tflops.items()))
+    return "".join(f"# {line}".rstrip() + "\n" for line in lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def render(cal: Calibration, console=None) -> None:
+    """A small table of the written figures and their errors against the measurements."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"Calibrated {cal.cluster.name}: {cal.measurements.ranks} {cal.cluster.backend} ranks "
+                        f"({cal.wall_s:.0f} s, {cal.measurements.busy})",
+                  caption="error: |model − measured| / measured over the sizes; '… alone': one collective's own fit, "
+                          "for comparison (the file has the joint fit)")
+    for col in ("figure", "value", "error max / rms"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    link, device = cal.cluster.intra_node, cal.cluster.device
+    if cal.link_fit is not None:
+        table.add_row("intra_node α, B", f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s", _err(cal.link_fit))
+        for name, fit in cal.per_collective.items():
+            figures = f"{fit.latency_us:.3g} µs, {fit.bandwidth_gbps:.3g} GB/s" if fit else "no fit (noisy)"
+            table.add_row(f"  {name} alone", figures, _err(fit) if fit else "")
+    else:
+        table.add_row("intra_node", "not measured (one rank)", "")
+    errors = cal.roofline_errors()
+    worst = max(errors.values(), key=abs)
+    rms = math.sqrt(statistics.mean(e * e for e in errors.values()))
+    table.add_row(f"peak_tflops ({cal.measurements.dtype} matmul)", f"{device.peak_tflops:.3g} TFLOP/s",
+                  f"{abs(worst):.0%} / {rms:.0%}")
+    table.add_row("memory_bandwidth_gbps", f"{device.memory_bandwidth_gbps:.3g} GB/s", "")
+    table.add_row("memory_bytes per rank", f"{device.memory_bytes / 2**30:.1f} GiB", "")
+    console.print(table)
+
+
+def _err(fit: LinkFit) -> str:
+    return f"{fit.max_rel_error:.0%} / {fit.rms_rel_error:.0%}"
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _worker(rank: int, ranks: int, backend: str, settings: Settings, tmp: str, queue, threads: int) -> None:
+    """One rank: join the group, measure everything, rank 0 writes ``result.json``."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
+    try:
+        bench = _Bench(device, settings, (lambda name: queue.put(name)) if rank == 0 else (lambda name: None))
+        result = bench.run()
+        if rank == 0:
+            Path(tmp, "result.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Bench:
+    """The measurements of one rank (the timing scheme is in the module doc)."""
+
+    def __init__(self, device, settings: Settings, report: Callable[[str], None]):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.device, self.s, self.report = torch, dist, device, settings, report
+        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        self.gpu = device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.gpu else torch.float32
+
+    def run(self) -> dict[str, Any]:
+        comm = self.collectives() + self.p2p() if self.ranks > 1 else []
+        matmul_s = {n: self.matmul(n) for n in self.s.matmul_sizes}
+        elem_bytes, elem_s = self.elementwise()
+        return {"backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
+                "device_name": self.device_name(), "memory_bytes": self.memory_bytes(),
+                "dtype": str(self.dtype).removeprefix("torch."), "comm": comm, "matmul_s": matmul_s,
+                "elementwise_bytes": elem_bytes, "elementwise_s": elem_s}
+
+    def collectives(self) -> list[list]:
+        rows = []
+        for name in COLLECTIVES[:-1]:  # p2p has its own pattern
+            for size in self.s.sizes_bytes:
+                op, size = self._collective(name, size)
+                rows.append([name, self.ranks, size, self._time_op(op)])
+                self.report(f"{name} {_size(size)}")
+        return rows
+
+    def _collective(self, name: str, size_bytes: int) -> tuple[Callable[[], None], int]:
+        """The call, and S as comm.py counts it (rounded to whole elements per rank)."""
+        torch, dist, p = self.torch, self.dist, self.ranks
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        numel = max(p, size_bytes // elem // p * p)
+        full = torch.ones(numel, dtype=self.dtype, device=self.device)
+        shard = torch.ones(numel // p, dtype=self.dtype, device=self.device)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+               "all_gather": lambda: dist.all_gather_single(full, shard),
+               "broadcast": lambda: dist.broadcast(full, src=0)}
+        return ops[name], numel * elem
+
+    def p2p(self) -> list[list]:
+        """isend/irecv ping-pong in pairs (2i, 2i+1); one-way time = round trip / 2."""
+        rows = []
+        for size in self.s.sizes_bytes:
+            buf = self.torch.ones(size // 4, dtype=self.torch.float32, device=self.device)
+            rows.append(["p2p", self.ranks, size, self._time_op(functools.partial(self._ping_pong, buf)) / 2])
+            self.report(f"p2p {_size(size)}")
+        return rows
+
+    def _ping_pong(self, buf) -> None:
+        """Even ranks send then receive, odd ranks receive then send; a last odd rank out waits."""
+        dist, peer = self.dist, self.rank ^ 1
+        if peer >= self.ranks:
+            return
+        first, second = (dist.isend, dist.irecv) if self.rank % 2 == 0 else (dist.irecv, dist.isend)
+        first(buf, peer).wait()
+        second(buf, peer).wait()
+
+    def matmul(self, n: int) -> float:
+        torch = self.torch
+        a, b = (torch.randn(n, n, device=self.device).to(self.dtype) for _ in range(2))
+        c = torch.empty(n, n, dtype=self.dtype, device=self.device)
+        t = self._time_op(lambda: torch.mm(a, b, out=c))
+        self.report(f"matmul {n}")
+        return t
+
+    def elementwise(self) -> tuple[int, float]:
+        torch = self.torch
+        a, b, c = (torch.ones(self.s.elementwise_numel, dtype=self.dtype, device=self.device) for _ in range(3))
+        t = self._time_op(lambda: torch.add(a, b, out=c))
+        self.report("elementwise add")
+        return 3 * a.numel() * a.element_size(), t
+
+    def _time_op(self, op: Callable[[], None]) -> float:
+        """Median over calls of the slowest rank's time per call (module doc)."""
+        op()
+        self._sync()
+        t0 = time.perf_counter()
+        op()
+        self._sync()
+        warm = self._max_over_ranks([time.perf_counter() - t0])[0]
+        calls = max(self.s.min_calls, min(self.s.max_calls, math.floor(self.s.point_s / max(warm, 1e-9))))
+        times = []
+        self.dist.barrier()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            op()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(self._max_over_ranks(times))
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def _sync(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+    def device_name(self) -> str:
+        return self.torch.cuda.get_device_name(self.device) if self.gpu else "cpu-process"
+
+    def memory_bytes(self) -> int:
+        if self.gpu:
+            return self.torch.cuda.get_device_properties(self.device).total_memory
+        return host_memory_bytes() // self.ranks

@@ -1,0 +1,117 @@
+"""`autoshard calibrate`: the alpha-beta fit, the cluster file it writes, and the command itself."""
+
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.calibrate import Measurements, _calibration, build_cluster, write_cluster_file
+from autoshard.cli import main
+from autoshard.cost import comm
+from autoshard.cost.calibrate import COLLECTIVES, Sample, coefficients, fit_link, predict_s
+from autoshard.cost.hardware import host_memory_bytes, load_cluster
+from autoshard.errors import AutoshardError
+from autoshard.ir.topology import LinkSpec
+
+SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB ... 64 MiB
+LINK = LinkSpec(bandwidth_gbps=2.5, latency_us=37.0, source="test")
+
+
+def synthetic(link, ranks=(2, 4), collectives=COLLECTIVES):
+    return [Sample(c, p, s, predict_s(c, p, s, link)) for c in collectives for p in ranks for s in SIZES]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_coefficients_are_comm_formulas(ranks):
+    for alpha_us, gbps, size in [(3.0, 450.0, 2**20), (50.0, 1.5, 12345.0)]:
+        link = LinkSpec(gbps, alpha_us, "test")
+        for c in COLLECTIVES:
+            k_alpha, k_beta = coefficients(c, ranks)
+            expected = predict_s(c, ranks, size, link)
+            assert k_alpha * alpha_us * 1e-6 + k_beta * size / (gbps * 1e9) == pytest.approx(expected)
+    assert coefficients("all_reduce", 8) == (6.0, pytest.approx(1.75))  # tree: 2·log2(8); 2(p−1)/p
+    assert predict_s("p2p", ranks, 1e6, LINK) == comm.p2p_s(1e6, LINK)
+
+
+@pytest.mark.parametrize("collectives", [COLLECTIVES, ("all_reduce",), ("p2p",), ("all_gather", "broadcast")])
+def test_fit_recovers_alpha_and_bandwidth_within_1_percent(collectives):
+    fit = fit_link(synthetic(LINK, collectives=collectives))
+    assert fit.latency_us == pytest.approx(LINK.latency_us, rel=0.01)
+    assert fit.bandwidth_gbps == pytest.approx(LINK.bandwidth_gbps, rel=0.01)
+    assert fit.max_rel_error < 1e-6
+
+
+def test_fit_with_noise_and_no_latency():
+    noisy = [Sample(s.collective, s.ranks, s.size_bytes, s.time_s * (1.02 if i % 2 else 0.98))
+             for i, s in enumerate(synthetic(LinkSpec(10.0, 0.0, "test")))]
+    fit = fit_link(noisy)
+    assert fit.latency_us >= 0 and fit.bandwidth_gbps == pytest.approx(10.0, rel=0.03)
+    assert 0.015 < fit.max_rel_error < 0.06
+
+
+def test_times_that_do_not_grow_cannot_be_fitted():
+    flat = [Sample("all_reduce", 2, s, 1e-3 * (2 - i / 10)) for i, s in enumerate(SIZES)]
+    with pytest.raises(AutoshardError, match="do not grow"):
+        fit_link(flat)
+
+
+def fake_measurements(ranks=2):
+    return Measurements(backend="gloo", ranks=ranks, threads=1, device_name="cpu-process",
+                        memory_bytes=host_memory_bytes() // ranks, dtype="float32",
+                        comm=synthetic(LINK, ranks=(ranks,)) if ranks > 1 else [],
+                        matmul_s={512: 2 * 512**3 / 50e9, 1024: 2 * 1024**3 / 60e9},
+                        elementwise_bytes=3 * 2**26, elementwise_s=3 * 2**26 / 12e9)
+
+
+def test_cluster_file_round_trips_through_load_cluster(tmp_path):
+    cal = _calibration(fake_measurements(), quick=True, wall_s=1.0)
+    path = write_cluster_file(tmp_path / "c.yaml", cal, "autoshard calibrate --quick -o c.yaml")
+    cluster = load_cluster(str(path))
+    assert cluster == cal.cluster
+    assert (cluster.nodes, cluster.devices_per_node, cluster.backend) == (1, 2, "gloo")
+    assert cluster.intra_node.latency_us == pytest.approx(37.0, rel=1e-3)
+    assert cluster.intra_node.bandwidth_gbps == pytest.approx(2.5, rel=1e-3)
+    assert cluster.device.peak_tflops == pytest.approx(0.055, rel=1e-3)  # median of 50 and 60 GFLOP/s
+    assert cluster.device.matmul_efficiency == 1.0 and cluster.device.memory_bandwidth_gbps == pytest.approx(12.0)
+    assert cluster.device.memory_bytes == host_memory_bytes() // 2
+    assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
+    assert "load 0.0 on 1 CPUs at the start" in cluster.device.source
+    assert "fit error max 0%" in cluster.intra_node.source and "not measured" in cluster.inter_node.source
+    assert max(abs(e) for e in cal.roofline_errors().values()) < 0.1
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_one_rank_keeps_the_preset_link():
+    cluster = build_cluster(fake_measurements(ranks=1), None, quick=False)
+    assert cluster.intra_node.source.startswith("not measured (one rank)") and cluster.devices_per_node == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-o", "no/such/dir/cluster.yaml"], "output directory 'no/such/dir' does not exist"),
+    (["-o", "cluster.json"], "must end in .yaml or .yml"),
+    (["-o", "c.yaml", "--devices-per-node", "0"], "--devices-per-node 0 must be a positive integer"),
+    ([], "the following arguments are required: -o/--output"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code = main(["calibrate", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err + out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.e2e
+def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
+    path = tmp_path / "cluster.yaml"
+    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--quick", "-o", str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=in_repo, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "intra_node α, B" in proc.stdout and f"wrote {path}" in proc.stdout
+    cluster = load_cluster(str(path))
+    assert (cluster.nodes, cluster.devices_per_node, cluster.backend) == (1, 2, "gloo")
+    assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
+    assert cluster.device.peak_tflops > 0 and cluster.device.memory_bandwidth_gbps > 0
+    code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and f'"name": "{cluster.name}"' in out
