@@ -9,7 +9,7 @@ import torch.nn as nn
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.topology import Cluster
 from autoshard.passes.strategies import Pins
-from autoshard.pipeline import PlanRequest, plan_model
+from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
@@ -21,6 +21,22 @@ def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
     return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins)))
+
+
+def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
+             devices_per_node: int | None = None, **pins) -> Plan:
+    """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
+    microbatch_size, recompute, schedule). It is priced like ``plan`` prices it (a fitting one is
+    the same plan) and returned even when it does not fit (its ``notes`` say by how much)."""
+    from autoshard.cost.hardware import load_cluster
+    from autoshard.errors import AutoshardError
+
+    missing = [name for name in Pins.__dataclass_fields__ if pins.get(name) is None]
+    if missing:
+        raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
+    if not isinstance(cluster, Cluster):
+        cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
+    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins)))
 
 
 def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):

@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autoshard", description="Plan, emit and verify distributed training programs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_plan(sub, common)
+    _add_estimate(sub, common)
     _add_inspect(sub, common)
+    _add_diff(sub, common)
     _add_compile(sub, common)
     _add_run(sub, common)
     _add_verify(sub, common)
@@ -51,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_plan(sub, common) -> None:
     p = sub.add_parser("plan", parents=[common], help="choose how to parallelize a model on a cluster")
+    _add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_estimate(sub, common) -> None:
+    p = sub.add_parser("estimate", parents=[common],
+                       help="price a configuration fixed by hand (--dp --tp --pp --zero --microbatch-size "
+                            "--recompute --schedule all pinned)")
+    _add_plan_arguments(p)
+    p.set_defaults(func=cmd_estimate)
+
+
+ESTIMATE_PINS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule")
+
+
+def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="path/to/model.py:factory")
     p.add_argument("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or cluster YAML")
     p.add_argument("--nodes", type=int)
@@ -62,13 +80,22 @@ def _add_plan(sub, common) -> None:
         p.add_argument(f"--{name}", type=int, help="pin this decision")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
-    p.set_defaults(func=cmd_plan)
 
 
 def _add_inspect(sub, common) -> None:
     p = sub.add_parser("inspect", parents=[common], help="show a plan as tables")
     p.add_argument("plan")
+    p.add_argument("--what-if", action="append", default=[], metavar="NAME=VALUE",
+                   help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp) "
+                        "changed, without re-planning; repeat for several")
     p.set_defaults(func=cmd_inspect)
+
+
+def _add_diff(sub, common) -> None:
+    p = sub.add_parser("diff", parents=[common], help="compare two plans: decisions and predicted parts")
+    p.add_argument("a", help="plan JSON")
+    p.add_argument("b", help="plan JSON")
+    p.set_defaults(func=cmd_diff)
 
 
 def _add_compile(sub, common) -> None:
@@ -84,6 +111,13 @@ def _add_run(sub, common) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
+    p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every rank this many times when one fails (resumes from --checkpoint-dir)")
+    p.add_argument("--timeout-s", type=int, default=300,
+                   help="a collective waiting longer ends the job, naming the ranks that never joined it")
+    p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
     p.set_defaults(func=cmd_run)
 
 
@@ -105,11 +139,42 @@ def _add_calibrate(sub, common) -> None:
 
 def cmd_plan(args) -> int:
     from autoshard import api
-    from autoshard.show import render_plan
 
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                     devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                     microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule)
+    _write_plan(plan, args)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    """Every decision pinned (--schedule none implied for --pp 1). A configuration that does not fit is
+    still priced, printed and written, with one "warning: does not fit" line on stderr, and exits 0: the
+    user asked what it costs, and "it needs 3 GiB more than the device has" is that answer (the plan's
+    notes carry it too). Exit 2 stays for bad input, as everywhere."""
+    from autoshard import api
+
+    if args.schedule is None and args.pp == 1:
+        args.schedule = "none"
+    missing = [f"--{name.replace('_', '-')}" for name in ESTIMATE_PINS if getattr(args, name) is None]
+    if missing:
+        raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
+                             f"(or let `autoshard plan` choose)")
+    plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
+                        devices_per_node=args.devices_per_node,
+                        **{name: getattr(args, name) for name in ESTIMATE_PINS})
+    _write_plan(plan, args)
+    device = plan.cluster["device"]["memory_bytes"]
+    if plan.predicted.memory_peak_bytes_per_rank > device:
+        over = plan.predicted.memory_peak_bytes_per_rank - device
+        print(f"warning: does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
+              f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device", file=sys.stderr)
+    return 0
+
+
+def _write_plan(plan, args) -> None:
+    from autoshard.show import render_plan
+
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -118,14 +183,36 @@ def cmd_plan(args) -> int:
         render_plan(plan)
         if args.output:
             print(f"plan written to {args.output}")
-    return 0
 
 
 def cmd_inspect(args) -> int:
-    from autoshard.ir.plan import load_plan
-    from autoshard.show import render_plan
+    from rich.console import Console
 
-    render_plan(load_plan(args.plan))
+    from autoshard.cost.symbolic import what_if_values
+    from autoshard.ir.plan import load_plan
+    from autoshard.show import render_plan, what_if_view, what_if_warnings
+
+    plan = load_plan(args.plan)
+    if not args.what_if:
+        render_plan(plan)
+        return 0
+    values = what_if_values(args.what_if, plan.model.get("tokens_per_sample", 1))
+    view = what_if_view(plan, values)  # checks the plan's symbolic cost before anything is printed
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    console.print(view)
+    for line in what_if_warnings(plan, values):
+        print(f"warning: {line}", file=sys.stderr)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from autoshard.ir.plan import load_plan
+    from autoshard.show import render_diff
+
+    a, b = load_plan(args.a), load_plan(args.b)
+    render_diff(a, b, (args.a, args.b))
     return 0
 
 
@@ -152,8 +239,15 @@ def cmd_run(args) -> int:
     load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
     program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
     write_program(plan, program)
+    if args.max_restarts and not args.checkpoint_dir:
+        raise AutoshardError(f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
+                             f"step 0; add --checkpoint-dir DIR (and --checkpoint-every N)")
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
-    proc = run_torchrun(program, plan.world_size, ["--steps", str(args.steps), "--seed", str(args.seed)])
+    extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
+    extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
+    proc = run_torchrun(program, plan.world_size,
+                        ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),
+                         "--checkpoint-every", str(args.checkpoint_every), *extra], max_restarts=args.max_restarts)
     return proc.returncode
 
 

@@ -19,6 +19,10 @@ def write_program(plan: Plan, path: str | Path) -> Path:
     path = Path(path)
     if path.suffix != ".py":
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
+    model_path = Path(plan.model["spec"].rsplit(":", 1)[0])
+    if path.exists() and model_path.exists() and path.resolve() == model_path.resolve():
+        raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
+                             f"your model; fix: choose another name, e.g. -o train.py")
     write_text_atomic(path, emit_program(plan))
     return path
 
@@ -32,12 +36,17 @@ def check_runs_here(plan: Plan) -> None:
             f"the torchrun command in its header, or re-plan with --cluster local-cpu --devices-per-node 4 to try it here")
 
 
-def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --standalone`` with ``nproc`` ranks on this machine."""
+def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False, max_restarts: int = 0,
+                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone`` with ``nproc`` ranks on this machine.
+
+    ``max_restarts``: torchrun starts every rank again this many times when one fails (the
+    program resumes from its newest checkpoint; see ``runtime.faults``).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(program), *args]
+           f"--max-restarts={max_restarts}", str(program), *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": _pythonpath_with_autoshard()}
+           "PYTHONPATH": _pythonpath_with_autoshard(), **(extra_env or {})}
     kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} if quiet else {}
     return subprocess.run(cmd, env=env, check=False, **kwargs)
 

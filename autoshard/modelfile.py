@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard.errors import AutoshardError
+
+# What the user's code may raise that becomes a one-line error: any exception, and exit()
+# (a script's argparse or sys.exit must not end autoshard silently with its own status).
+USER_CODE_ERRORS = (Exception, SystemExit)
 
 
 @dataclass
@@ -43,11 +48,13 @@ class ModelFile:
     def build(self, device: str | torch.device = "cpu") -> nn.Module:
         """Call the factory under ``torch.device(device)``; errors name the file and factory."""
         try:
-            with torch.device(device):
+            with torch.device(device), warnings.catch_warnings():
+                # torch's init warns on zero-size weights; _check_parameters then names the layer
+                warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
                 model = self.factory()
         except AutoshardError:
             raise
-        except Exception as exc:  # the user's code failed: say where, keep one line
+        except USER_CODE_ERRORS as exc:  # the user's code failed: say where, keep one line
             raise AutoshardError(
                 f"{self.spec}: the factory raised {type(exc).__name__}: {_first_line(exc)}; "
                 f"fix the model file (run it with --debug for the traceback)"
@@ -57,6 +64,7 @@ class ModelFile:
                 f"{self.spec}: the factory returned {type(model).__name__}, not a torch.nn.Module; "
                 f"make {self.factory_name}() return the model"
             )
+        _check_parameters(self.spec, model)
         return model
 
     def example_batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -69,7 +77,7 @@ class ModelFile:
             )
         try:
             batch = fn(batch_size)
-        except Exception as exc:
+        except USER_CODE_ERRORS as exc:
             raise AutoshardError(
                 f"{self.path}: example_batch({batch_size}) raised {type(exc).__name__}: "
                 f"{_first_line(exc)}; fix the model file"
@@ -115,7 +123,9 @@ def load_model_file(spec: str) -> ModelFile:
 
 
 def _import_file(path: Path, spec: str) -> types.ModuleType:
-    name = "autoshard_user_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    stat = path.stat()  # an edited file is imported again, not served from the cache
+    key = f"{path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}"
+    name = "autoshard_user_model_" + hashlib.sha1(key.encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     import_spec = importlib.util.spec_from_file_location(name, path)
@@ -124,7 +134,7 @@ def _import_file(path: Path, spec: str) -> types.ModuleType:
     try:
         sys.modules[name] = module
         import_spec.loader.exec_module(module)
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         sys.modules.pop(name, None)
         raise AutoshardError(
             f"{path}: importing the model file raised {type(exc).__name__}: {_first_line(exc)}; fix the file"
@@ -151,9 +161,24 @@ def _check_batch(path: Path, batch: Any, batch_size: int) -> tuple[tuple[torch.T
                 f"{path}: example_batch({batch_size}) returned a tensor of shape {tuple(t.shape)}; "
                 f"every input and target needs the batch ({batch_size}) as its first dimension"
             )
+        if 0 in t.shape:
+            raise AutoshardError(
+                f"{path}: example_batch({batch_size}) returned a tensor of shape {tuple(t.shape)} with a "
+                f"zero-size dimension; give every dimension at least one element"
+            )
     return tuple(inputs), targets
 
 
+def _check_parameters(spec: str, model: nn.Module) -> None:
+    """No weight of zero elements: a width of 0 is a typo, not a layer (capture checks there are weights)."""
+    for name, p in model.named_parameters():
+        if p.numel() == 0:
+            raise AutoshardError(f"{spec}: parameter '{name}' has shape {tuple(p.shape)}, a zero-size dimension; "
+                                 f"give every layer a width of at least 1")
+
+
 def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"exit({exc.code!r}) was called; a model file defines functions and must not exit"
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__

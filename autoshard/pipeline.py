@@ -8,7 +8,11 @@
     search      price each (TP layouts, stage cuts),
                 keep the fastest fit                 -> SearchResult      (needs blocks)
     assemble    decision + stages + TP styles +
-                prediction + rivals                  -> Plan
+                prediction + symbolic cost + rivals  -> Plan
+
+``estimate_model`` (``autoshard estimate``) runs the same list with every decision pinned and
+``price`` in place of ``search``: the one configuration is priced the same way and kept even
+when it does not fit, so the user still sees what it would cost.
 
 A pass that fails on a bug is re-raised as "while running pass X after [A, B]"; a user error
 (AutoshardError) passes through unchanged, as its message already names the fix.
@@ -19,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from autoshard.cost.step import stage_ranks
+from autoshard.cost.step import CostTables, price_parts, stage_ranks
+from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
@@ -29,7 +34,7 @@ from autoshard.modelfile import ModelFile, load_model_file
 from autoshard.passes.annotate import annotate
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
-from autoshard.passes.search import SearchResult, search
+from autoshard.passes.search import SearchResult, price_config, search, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 from autoshard.runtime.model import model_fingerprint
 
@@ -70,6 +75,25 @@ def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
+def estimate_model(request: PlanRequest) -> Plan:
+    """The plan of the one configuration the pins fix (all of them; the CLI checks), fit or not."""
+    check_pins(request.pins, request.cluster, request.global_batch)
+    model_file = load_model_file(request.model_spec)
+    done: list[str] = []
+    graph = _graph_passes(model_file, done)
+    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
+                   request.pins)
+    result = _run("price", done, price_pinned, graph, request.cluster, configs, request.global_batch)
+    return _run("assemble", done, assemble_plan, request, model_file, graph, result)
+
+
+def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: int) -> SearchResult:
+    """Every decision pinned leaves one configuration: priced as ``search`` prices it (so a plan with the
+    same pins that fits is the same plan), and kept when it does not fit."""
+    assert len(configs) == 1, f"every decision pinned, yet {len(configs)} configurations"
+    return SearchResult(best=price_config(graph, cluster, configs[0], global_batch), alternatives=())
+
+
 def capture_graph(model_spec: str) -> tuple[ModelFile, OpGraph]:
     """capture -> annotate -> blocks, for tools that need only the graph."""
     model_file = load_model_file(model_spec)
@@ -107,8 +131,19 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, r
         ddp_bucket_cap_mb=c.ddp_bucket_cap_mb,
         precision="bf16-autocast" if request.cluster.backend == "nccl" else "fp32",
         pinned=request.pins.names,
-        notes=plan_notes(best),
+        notes=plan_notes(best) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
+        symbolic=plan_symbolic(request, graph, best),
     )
+
+
+def plan_symbolic(request: PlanRequest, graph: OpGraph, best) -> dict[str, Any]:
+    """The chosen configuration's step time and memory as expressions (``cost.symbolic``), anchored at
+    its priced parts (priced again here: ``search`` keeps only their sums)."""
+    tables = CostTables(graph, request.cluster)
+    parts = price_parts(tables, best.config, best.cuts or None)
+    assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, \
+        "the parts priced again differ from the search's"
+    return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
 
 
 def plan_notes(best) -> tuple[str, ...]:

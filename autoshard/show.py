@@ -53,7 +53,7 @@ def tensor_parallel_table(plan: Plan) -> Table:
     for path, style in sorted(plan.tensor_parallel.items()):
         t.add_row(path, style, "chosen on the op graph")
     for path, reason in sorted(plan.tensor_parallel_reasons.items()):
-        t.add_row(path, "replicate", reason)
+        t.add_row(path, "replicate", Text(reason))  # prose from the plan file: not rich markup
     return t
 
 
@@ -126,7 +126,7 @@ def alternatives_table(plan: Plan) -> Table:
               *_time_mem(plan.predicted), "[green]chosen[/green]")
     for a in plan.alternatives:
         t.add_row(_mesh(a.mesh), _schedule(a.schedule, 1), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
-                  a.why_not)
+                  Text(a.why_not))  # prose from the plan file: not rich markup
     return t
 
 
@@ -153,3 +153,191 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     if ranks and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
         return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
     return ", ".join(map(str, ranks))
+
+
+# ---------------------------------------------------------------------------- what-if (inspect --what-if)
+
+TIME_ROWS = (("forward_s", "forward"), ("backward_s", "backward"), ("recompute_s", "recompute"),
+             ("grad_accumulation_s", "gradient accumulation"), ("optimizer_s", "optimizer step"),
+             ("tp_comm_s", "TP collectives"), ("p2p_s", "pipeline p2p"),
+             ("dp_comm_exposed_s", "DP collectives, exposed"), ("bubble_s", "pipeline bubble"))
+MEMORY_ROWS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
+               ("activations_bytes", "activations"), ("transient_bytes", "transient"))
+SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "dp": "dp", "tp": "tp", "pp": "pp"}
+
+
+def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, float]:
+    """The plan's symbolic cost (``cost.symbolic``) at its own point with ``values`` changed, plus
+    throughput and MFU; one-line errors for plans without it or with a damaged one."""
+    from autoshard.cost.symbolic import evaluate
+    from autoshard.errors import AutoshardError
+
+    if not plan.symbolic:
+        raise AutoshardError("this plan has no symbolic cost (made before autoshard stored one); "
+                             "re-create it with `autoshard plan` to use --what-if")
+    try:
+        out = evaluate(plan.symbolic, values or {})
+        point = {**plan.symbolic["symbols"], **(values or {})}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise AutoshardError(f"the plan's symbolic cost is damaged ({type(exc).__name__}: {exc}); "
+                             f"re-create it with `autoshard plan`") from exc
+    tokens = point["s"] if plan.model.get("tokens_per_sample", 1) > 1 else 1
+    world = point["dp"] * point["tp"] * point["pp"]
+    out["samples_per_s"] = point["B"] / out["step_time_s"]
+    out["tokens_per_s"] = out["samples_per_s"] * tokens
+    out["mfu"] = point["B"] * out["model_flops_per_sample"] / (
+        out["step_time_s"] * world * plan.cluster["device"]["peak_tflops"] * 1e12)
+    return out
+
+
+def point_label(plan: Plan, values: dict[str, int]) -> str:
+    point = {**plan.symbolic["symbols"], **values}
+    return " ".join(f"{SYMBOL_LABELS[k]}={point[k]}" for k in SYMBOL_LABELS if k in values) or "the plan"
+
+
+def what_if_view(plan: Plan, values: dict[str, int]) -> Group:
+    """Each part at the plan's point and at the what-if point, with the ratio."""
+    base, new = plan_figures(plan), plan_figures(plan, values)
+    sym = plan.symbolic["symbols"]
+    where = Text(f"plan: {' '.join(f'{label}={sym[k]}' for k, label in SYMBOL_LABELS.items())}; "
+                 f"what-if: {point_label(plan, values)} (re-evaluated, not re-planned)")
+    t = Table(title=f"What if {point_label(plan, values)}", title_justify="left")
+    for col in ("part", "plan", "what-if", "x"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+
+    def row(label: str, key: str, scale: float, fmt: str, bold: bool = False) -> None:
+        a, b = base[key] * scale, new[key] * scale
+        cells = [label, format(a, fmt), format(b, fmt), f"{b / a:.3g}" if a else "-"]
+        t.add_row(*(f"[bold]{c}[/bold]" for c in cells) if bold else cells)
+
+    for key, label in TIME_ROWS:
+        if base[key] or new[key]:
+            row(f"{label} (ms)", key, 1e3, ",.3f")
+    row("compute (ms)", "compute_s", 1e3, ",.3f")
+    row("exposed communication (ms)", "comm_exposed_s", 1e3, ",.3f")
+    row("step (ms)", "step_time_s", 1e3, ",.3f", bold=True)
+    row("tokens/s", "tokens_per_s", 1, ",.0f")
+    row("samples/s", "samples_per_s", 1, ",.1f")
+    row("MFU (%)", "mfu", 100, ".1f")
+    for key, label in MEMORY_ROWS:
+        if base[key] or new[key]:
+            row(f"{label} (MiB)", key, 1 / MIB, ",.1f")
+    row("peak per rank (MiB)", "memory_peak_bytes", 1 / MIB, ",.1f", bold=True)
+    return Group(where, t)
+
+
+def what_if_warnings(plan: Plan, values: dict[str, int]) -> list[str]:
+    """One line each: memory over the device, a batch that does not split, degrees off the plan."""
+    point = {**plan.symbolic["symbols"], **values}
+    new = plan_figures(plan, values)
+    lines = []
+    device = plan.cluster["device"]["memory_bytes"]
+    if new["memory_peak_bytes"] > device:
+        lines.append(f"does not fit: {new['memory_peak_bytes'] / GIB:.2f} GiB per rank, "
+                     f"{(new['memory_peak_bytes'] - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device")
+    per_step = point["dp"] * point["b"]
+    if point["B"] % per_step:
+        lines.append(f"global_batch={point['B']} is not divisible by dp x microbatch_size = {per_step}: "
+                     f"{point['B'] / per_step:.3g} micro-batches is not a whole number")
+    if any(point[k] != plan.symbolic["symbols"][k] for k in ("dp", "tp", "pp")):
+        world = point["dp"] * point["tp"] * point["pp"]
+        devices = plan.cluster["nodes"] * plan.cluster["devices_per_node"]
+        ranks = f"; dp x tp x pp = {world} ranks, the plan's cluster has {devices}" if world != devices else ""
+        lines.append(f"degrees differ from the plan's: its TP layout, stage cuts, schedule and links are kept, so this "
+                     f"is an estimate{ranks}; re-plan with --dp {point['dp']} --tp {point['tp']} --pp {point['pp']} "
+                     f"to decide")
+    return lines
+
+
+# ---------------------------------------------------------------------------- diff
+
+
+def render_diff(a: Plan, b: Plan, names: tuple[str, str], console: Console | None = None) -> None:
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, WIDTH_WHEN_PIPED)
+    console.print(Group(decisions_diff_table(a, b, names), predicted_diff_table(a, b, names)))
+
+
+def decision_rows(plan: Plan) -> dict[str, str]:
+    """The decisions of a plan, as text, by name (``diff``)."""
+    c = plan.cluster
+    rows = {
+        "model": plan.model["spec"],
+        "cluster": f"{c['name']}: {c['nodes']} x {c['devices_per_node']}",
+        "global batch": str(plan.global_batch),
+        "mesh": str(plan.mesh),
+        "ZeRO stage": str(plan.zero_stage),
+        "micro-batch": f"{plan.microbatch_size} x {plan.num_microbatches}",
+        "recompute": plan.recompute,
+        "schedule": plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
+        "split points": ", ".join(plan.split_points) or "none",
+        "precision": plan.precision,
+        "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.zero_stage <= 1 and plan.mesh.dp > 1 else "-",
+    }
+    return rows
+
+
+def decisions_diff_table(a: Plan, b: Plan, names: tuple[str, str]) -> Table:
+    t = Table(title="Decisions that differ", title_justify="left")
+    t.add_column("decision")
+    t.add_column(names[0])
+    t.add_column(names[1])
+    ra, rb = decision_rows(a), decision_rows(b)
+    for key in ra:
+        if ra[key] != rb[key]:
+            t.add_row(key, ra[key], rb[key])
+    for module in sorted(set(a.tensor_parallel) | set(b.tensor_parallel)):
+        sa, sb = a.tensor_parallel.get(module, "replicate"), b.tensor_parallel.get(module, "replicate")
+        if sa != sb:
+            t.add_row(f"TP {module}", sa, sb)
+    if not t.row_count:
+        t.caption = "none: the same decisions"
+    return t
+
+
+def predicted_diff_table(a: Plan, b: Plan, names: tuple[str, str]) -> Table:
+    """Predicted figures side by side, with the difference b − a and its share of a."""
+    t = Table(title="Predicted", title_justify="left")
+    for col in ("part", names[0], names[1], "delta", "delta %"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+
+    def row(label: str, x: float, y: float, fmt: str, bold: bool = False) -> None:
+        pct = f"{(y - x) / x:+.1%}" if x else ("-" if not y else "new")
+        cells = [label, format(x, fmt), format(y, fmt), format(y - x, "+" + fmt.lstrip("+")), pct]
+        t.add_row(*(f"[bold]{c}[/bold]" for c in cells) if bold else cells)
+
+    pa, pb = a.predicted, b.predicted
+    fine = _fine_parts(a, b)
+    row("step (ms)", pa.step_time_s * 1e3, pb.step_time_s * 1e3, ",.3f", bold=True)
+    row("  compute (ms)", pa.compute_s * 1e3, pb.compute_s * 1e3, ",.3f")
+    for (x, y), label in fine[:5]:
+        if x or y:
+            row(f"    {label} (ms)", x * 1e3, y * 1e3, ",.3f")
+    row("  exposed communication (ms)", pa.comm_exposed_s * 1e3, pb.comm_exposed_s * 1e3, ",.3f")
+    for (x, y), label in fine[5:]:
+        if x or y:
+            row(f"    {label} (ms)", x * 1e3, y * 1e3, ",.3f")
+    row("  pipeline bubble (ms)", pa.bubble_s * 1e3, pb.bubble_s * 1e3, ",.3f")
+    row("all communication (ms)", pa.comm_total_s * 1e3, pb.comm_total_s * 1e3, ",.3f")
+    row("tokens/s", pa.tokens_per_s, pb.tokens_per_s, ",.0f")
+    row("samples/s", pa.samples_per_s, pb.samples_per_s, ",.1f")
+    row("MFU (%)", pa.mfu * 100, pb.mfu * 100, ".1f")
+    row("peak memory per rank (MiB)", pa.memory.peak_bytes / MIB, pb.memory.peak_bytes / MIB, ",.1f", bold=True)
+    for key, label in MEMORY_ROWS:
+        row(f"  {label} (MiB)", getattr(pa.memory, key) / MIB, getattr(pb.memory, key) / MIB, ",.1f")
+    return t
+
+
+def _fine_parts(a: Plan, b: Plan) -> list[tuple[tuple[float, float], str]]:
+    """The parts of compute (5) then of exposed communication (3), where both plans carry their
+    symbolic cost (``cost.symbolic``); none for older plans or a damaged field (the sums still show)."""
+    from autoshard.errors import AutoshardError
+
+    if not (a.symbolic and b.symbolic):
+        return []
+    try:
+        fa, fb = plan_figures(a), plan_figures(b)
+    except AutoshardError:
+        return []
+    return [((fa[k], fb[k]), label) for k, label in TIME_ROWS[:8]]

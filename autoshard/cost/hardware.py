@@ -6,12 +6,18 @@
 
 Presets (figures from /work/shared/reference/NUMBERS.md, each marked in ``source``):
 
-    dgx-a100-80gb  A100 SXM 80GB: 312 TFLOP/s bf16, 2.0 TB/s, 80 GiB; NVLink 3 300 GB/s,
-                   3 µs; HDR IB 25 GB/s per GPU, 6 µs. 1 node × 8.
-    dgx-h100       H100 SXM 80GB: 989 TFLOP/s bf16, 3.35 TB/s, 80 GiB; NVLink 4 450 GB/s,
-                   3 µs; 50 GB/s per GPU NIC, 6 µs. 1 node × 8.
+    dgx-a100-80gb  A100 SXM 80GB: 312 TFLOP/s bf16, 1.83 TB/s achieved (2.04 TB/s datasheet),
+                   80 GiB; NVLink 3 at the measured all-reduce busbw 235 GB/s, 3 µs; HDR IB
+                   25 GB/s per GPU, 6 µs. 1 node × 8.
+    dgx-h100       H100 SXM 80GB: 989 TFLOP/s bf16, 3.0 TB/s achieved (3.35 TB/s datasheet),
+                   80 GiB; NVLink 4 450 GB/s, 3 µs; 50 GB/s per GPU NIC, 6 µs. 1 node × 8.
     local-cpu      this machine's CPU processes over gloo, 1 node × 2; memory per process =
                    host memory / devices_per_node; speeds are rough defaults (calibrate).
+
+Device figures are what kernels achieve, as ``autoshard calibrate`` measures them: matmul
+efficiency from a large bf16 matmul, memory bandwidth from a device-to-device copy (read +
+write bytes over time). Where only H100 was measured (NUMBERS.md: 790-800 of 989 TFLOP/s;
+3.0 of 3.35 TB/s), the A100 preset takes the same ratios of its datasheet figures.
 
 Latencies are fitted to nccl-tests small messages (NUMBERS.md) with the tree all-reduce of
 ``autoshard.cost.comm`` (2⌈log2 p⌉·α): 32 KiB over 8×H200 in one node ≈ 18 µs → α ≈ 3 µs;
@@ -62,25 +68,28 @@ A100_SXM_80GB = DeviceSpec(
     name="A100-SXM-80GB",
     peak_tflops=312.0,
     memory_bytes=80 * GIB,
-    memory_bandwidth_gbps=2000.0,
+    memory_bandwidth_gbps=1830.0,
     matmul_efficiency=0.8,
-    source=f"NVIDIA datasheet via {_NUMBERS} (312 TFLOP/s bf16, ~2.0 TB/s, 80 GB); "
-           "matmul_efficiency assumed equal to the measured H100 ratio (790-800/989); calibrate",
+    source=f"NVIDIA datasheet via {_NUMBERS} (312 TFLOP/s bf16, ~2.0 TB/s (2039 GB/s), 80 GB); matmul_efficiency "
+           "and memory_bandwidth_gbps assumed at the measured H100 ratios (790-800/989 TFLOP/s; copy 3.0/3.35 "
+           "TB/s: 0.896 × 2039 ≈ 1830 GB/s); calibrate",
 )
 H100_SXM_80GB = DeviceSpec(
     name="H100-SXM-80GB",
     peak_tflops=989.0,
     memory_bytes=80 * GIB,
-    memory_bandwidth_gbps=3350.0,
+    memory_bandwidth_gbps=3000.0,
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (~989 TFLOP/s bf16, ~3.35 TB/s, 80 GB); matmul_efficiency "
-           "from 8192³ bf16 matmul measured 790-800 TFLOP/s on one H100 (NUMBERS.md)",
+           "from 8192³ bf16 matmul measured 790-800 TFLOP/s and memory_bandwidth_gbps from a device-to-device "
+           "copy measured ≈ 3.0 TB/s (read + write) on one H100 (NUMBERS.md)",
 )
 NVLINK3 = LinkSpec(
-    bandwidth_gbps=300.0,
+    bandwidth_gbps=235.0,
     latency_us=3.0,
-    source="NVLink 3 300 GB/s per GPU per direction, Narayanan et al. SC21 §5 (measured all-reduce busbw "
-           f"≈ 235 GB/s, ml-engineering); {_NVLINK_LATENCY_SOURCE}",
+    source="NCCL all-reduce busbw ≈ 235 GB/s for large messages on 8×A100 in one node (ml-engineering, "
+           "NUMBERS.md), ≈ 80% of NVLink 3's 300 GB/s per GPU per direction (Narayanan et al. SC21 §5); "
+           f"{_NVLINK_LATENCY_SOURCE}",
 )
 NVLINK4 = LinkSpec(
     bandwidth_gbps=450.0,
@@ -189,6 +198,9 @@ def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise AutoshardError(f"{where}: YAML syntax error{_yaml_position(e)}: {_yaml_problem(e)}; "
                              "fix: correct the YAML (see examples/cluster.yaml)") from None
+    except RecursionError:
+        raise AutoshardError(f"{where}: not a cluster file (YAML nested too deeply); "
+                             "fix: write a flat mapping as in examples/cluster.yaml") from None
     if not isinstance(raw, dict):
         raise AutoshardError(f"{where}: the document must be a mapping of cluster fields, got "
                              f"{type(raw).__name__}; fix: write 'name: ...', 'nodes: ...' etc. "

@@ -1,22 +1,44 @@
 """One training step of a configuration, priced as a sum of named parts.
 
 Notation: mesh (dp, tp, pp) laid out (pp, dp, tp), tp innermost; m micro-batches of b samples
-per dp replica; v virtual stages per pp rank; c = fwd + bwd + recompute of one micro-batch.
+per dp replica; v virtual stages per pp rank; c = fwd + bwd + recompute of one micro-batch;
+W the device's memory bandwidth; g bytes per gradient element.
 
-**Without pipelining** (pp = 1; ``price_spmd``)::
+Every step is a ``StepParts`` (``price_parts``), and ``Predicted`` sums it::
 
-    step_time    = compute + comm_exposed              (bubble = 0)
-    compute      = m·c_tp + t_optimizer
-    comm_exposed = m·T_tp + Σ_DP max(0, t_comm − t_compute it hides behind),
-                   never less than the part that has nothing to hide behind
+    step_time    = compute + comm_exposed + bubble
+    compute      = forward + backward + recompute + grad_accumulation + optimizer
+    comm_exposed = tp_comm + p2p + dp_exposed
+
+    grad_accumulation = (m − 1)·3·g·Ψ_acc / W     (``grad_accumulation_s``: each micro-batch after
+                        the first reads its gradients and the sum, writes the sum; Ψ_acc the rank's
+                        parameters, / dp under FSDP without pipelining)
+    optimizer         = 28 bytes · Ψ_opt / W      (``optimizer_step_s``: fp32 Adam, memory-bound)
+
+**Runtime** (``Runtime``): what executes the plan changes three things: the precision (bytes of
+weights, gradients, optimizer state, activations), the attention kernel (``compute``: flash, or
+scores materialized in HBM), and whether TP ranks scatter-gather pipeline boundaries. autoshard's
+own programs are ``Runtime.for_cluster``; ``benchmarks/bench_megatron.py`` describes Megatron-LM.
+
+**Without pipelining** (pp = 1; ``spmd_parts``)::
+
+    forward + backward + recompute = m·c_tp        tp_comm = m·T_tp       p2p = bubble = 0
+    dp_exposed = Σ_DP max(0, t_comm − t_compute it hides behind),
+                 never less than the part that has nothing to hide behind
 
 With tp > 1 the op graph's layout choice (``passes.tensor_parallel.choose_tp_styles``, made
-for micro-batch b, see ``CostTables.tp_cost``) gives per segment (a block signature, or the
-ops outside blocks) the share f of its matmul time that is left per rank (1/tp where fully
-sharded); c_tp = Σ_units f(unit)·c(unit). T_tp is that choice's TP collectives per micro-batch
-(forward all-reduces of row-parallel outputs, backward all-reduces of column-parallel input
-gradients), all exposed: they sit between dependent matmuls. Full recompute runs the forward
-again, so T_tp × ``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer).
+for micro-batch b, see ``CostTables.tp_cost``) runs some ops on shards: linears and embeddings of
+a sharded style, and every op between a column-parallel linear and the row-parallel one that
+reduces its output (``sharded_nodes``); norms, residual adds, dropouts on the residual stream
+stay replicated, as in Megatron-LM without sequence parallelism. Per unit u (``cost.units``)::
+
+    f(u) = Σ_{n∈u} s(n)·t(n) / Σ_{n∈u} t(n),   s(n) = 1/tp on shards, 1 replicated   (``unit_tp_fractions``)
+    c_tp = Σ_u f(u)·c(u)            (selective recompute: its rerun ops' own share)
+
+T_tp is that choice's TP collectives per micro-batch (forward all-reduces of row-parallel
+outputs, backward all-reduces of column-parallel input gradients), all exposed: they sit
+between dependent matmuls. Full recompute runs the forward again, so T_tp ×
+``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer).
 
 DDP (ZeRO-0/1) all-reduces gradients in buckets of B bytes during the last micro-batch's
 backward (``no_sync`` on the others); the last bucket is always exposed. ZeroRedundancy-
@@ -31,26 +53,31 @@ share and the two-level form (``dp_collective_s``)::
     AR_2(S) = RS(S, g, intra) + AR(S/g, n, inter) + AG(S, g, intra)   (comm.hierarchical_allreduce_s)
     RS_2(S) = RS(S, g, intra) + RS(S/g, n, inter)         AG_2(S) = AG(S/g, n, inter) + AG(S, g, intra)
 
-**With pipelining** (pp > 1; ``price_pipeline``): stage s holds a run of units
+**With pipelining** (pp > 1; ``pipeline_parts``): stage s holds a run of units
 (``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
-micro-batch, rank r spends T_r = C_r + P_r: C_r the compute of its stages, P_r two p2p
-transfers (activation forward, gradient backward) of the boundary activation entering each
-of its stages but the first, on the pp link (NUMBERS.md: b·s·h·bytes each way)::
+micro-batch, rank r spends T_r = C_r + P_r + X_r: C_r the compute of its stages, X_r their TP
+collectives, P_r two transfers (activation forward, gradient backward) of the boundary
+activation entering each of its stages but the first (NUMBERS.md: b·s·h·bytes each way;
+``boundary_transfer_s``)::
 
-    step_time    = (m + (p−1)/v) · T_max + t_optimizer + DP_exposed      T_max = max_r T_r
-    compute      = m · C_{r*} + t_optimizer                               r* the slowest rank
-    comm_exposed = m · P_{r*} + DP_exposed
+    step_time    = (m + (p−1)/v) · T_max + grad_accumulation + optimizer + DP_exposed
+    compute      = m · C_{r*} + grad_accumulation + optimizer      r* the slowest rank, T_max = T_{r*}
+    comm_exposed = m · (X_{r*} + P_{r*}) + DP_exposed
     bubble       = (p−1)/v · T_max        (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks)
 
-TP × PP: each stage is split over tp as without pipelining (``pipeline_units``): C_r is the
-sharded compute, P_r also holds the stages' TP collectives; the boundary activation is whole
-on every TP rank, and each TP rank sends its own copy to its peer in the next stage.
+grad_accumulation and optimizer are priced on the rank with the most parameters.
+
+TP × PP: each stage is split over tp as without pipelining (``pipeline_units``). The boundary
+activation is whole on every TP rank; each TP rank sends its own copy to its peer in the next
+stage, α + S/B on the pp link; a runtime that scatter-gathers (Megatron-LM, Narayanan et al.
+§4.1) sends S/t per rank and all-gathers it on the TP link: p2p(S/t) + AG(S, t).
 
 DP × PP is FSDP2 on each stage module (one unit): the stage's weights are gathered once and
 kept unsharded until the last micro-batch, gradients accumulate unsharded and are reduce-
 scattered once (``torch.distributed.pipelining`` turns resharding and gradient sync off
 until the last backward). ZeRO-2: one all-gather and one reduce-scatter per step; ZeRO-3
-gathers again around each micro-batch (2m all-gathers). Nothing overlaps them: exposed.
+gathers again around each micro-batch (2m all-gathers); DDP (ZeRO-0, Megatron-LM's
+pipelines) one all-reduce after the flush. Nothing overlaps them: exposed.
 
 **Memory** per rank (``memory_spmd`` / ``memory_pipeline``): model state by ZeRO stage over dp
 (``memory.model_state_bytes``) of the rank's parameters (TP: sharded modules' weights / tp;
@@ -68,12 +95,13 @@ import math
 from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
-from autoshard.cost.compute import BACKWARD_TO_FORWARD, ComputeTime, model_flops_per_sample
-from autoshard.cost.memory import Precision, model_state_bytes, precision_for_backend
-from autoshard.cost.units import Units, stage_ranges, stage_units, unit_costs
+from autoshard.cost.compute import ATTENTION_KERNELS, BACKWARD_TO_FORWARD, ComputeTime, model_flops_per_sample
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend
+from autoshard.cost.units import Units, node_forward_s, node_units, stage_ranges, stage_units, unit_costs
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Memory, Mesh, Predicted
 from autoshard.ir.topology import Cluster, LinkSpec
+from autoshard.passes.annotate import op_name
 from autoshard.passes.blocks import block_of
 
 ALLOCATOR_SLACK = 0.05  # caching-allocator fragmentation, a few % in practice (torch.cuda.memory_stats)
@@ -81,11 +109,35 @@ ADAM_BYTES_PER_PARAM = 28  # fp32 Adam step: read w, g, m, v (16 B), write w, m,
 BUCKET_CAP_CHOICES_MB = (1.0, 5.0, 25.0, 100.0)  # DDP bucket sizes the cost model picks from
 FULL_RECOMPUTE_TP_COMM = 1.5  # full recompute repeats the forward TP all-reduces (half of them)
 CAPTURED_ELEM_BYTES = 4  # graphs are captured in fp32
+SHARDED_STYLES = frozenset({"colwise", "colwise-gather", "rowwise", "conv1d-colwise", "conv1d-rowwise",
+                            "vocab-parallel-embedding"})  # ParallelStyles whose op runs on 1/tp of the weight
+SHARD_OUTPUT_STYLES = frozenset({"colwise", "conv1d-colwise"})  # ... and leaves its output sharded (S)
 
 
 def tp_activation_fraction(tp: int) -> float:
     """(10 + 24/t)/34: a TP block's activations over the unsharded ones (Korthikanti et al. 2022)."""
     return (10 + 24 / tp) / 34
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs the plan, where that changes the price (module doc, "Runtime").
+
+    ``for_cluster`` is autoshard's emitted program; other frameworks are described with the same
+    fields (``benchmarks/bench_megatron.py`` describes Megatron-LM's to price its published rows).
+    """
+
+    precision: Precision
+    attention: str = "flash"  # compute.ATTENTION_KERNELS
+    p2p_scatter_gather: bool = False  # TP ranks send 1/t of a pipeline boundary each, then all-gather
+
+    def __post_init__(self):
+        assert self.attention in ATTENTION_KERNELS, self.attention
+
+    @classmethod
+    def for_cluster(cls, cluster: Cluster) -> Runtime:
+        """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank."""
+        return cls(precision_for_backend(cluster.backend))
 
 
 @dataclass(frozen=True)
@@ -117,7 +169,8 @@ class TPCost:
     """A TP layout choice priced for one micro-batch size (see ``CostTables.tp_cost``)."""
 
     choice: object  # passes.tensor_parallel.TPChoice
-    unit_fraction: tuple[float, ...]  # share of each unit's compute left per rank
+    unit_fraction: tuple[float, ...]  # share of each unit's forward time left per rank (``unit_tp_fractions``)
+    light_fraction: tuple[float, ...]  # the same over its non-matmul ops (what selective recompute reruns)
     comm_s: float  # TP collectives of one micro-batch (forward + backward)
     local_params: int  # parameters per rank: sharded modules' weights / tp
     largest_block_params: int  # the same, of the largest block (the largest FSDP unit)
@@ -126,9 +179,10 @@ class TPCost:
 class CostTables:
     """Quantities shared by many configurations, computed once per search and cached."""
 
-    def __init__(self, graph: OpGraph, cluster: Cluster):
+    def __init__(self, graph: OpGraph, cluster: Cluster, runtime: Runtime | None = None):
         self.graph, self.cluster = graph, cluster
-        self.precision = precision_for_backend(cluster.backend)
+        self.runtime = runtime or Runtime.for_cluster(cluster)
+        self.precision = self.runtime.precision
         self._units: dict[tuple, Units] = {}
         self._tp: dict[tuple, TPCost] = {}
         self._memo: dict[tuple, object] = {}
@@ -143,7 +197,8 @@ class CostTables:
         key = (microbatch_size, recompute)
         if key not in self._units:
             self._units[key] = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
-                                          self.precision.activation_bytes, CAPTURED_ELEM_BYTES)
+                                          self.precision.activation_bytes, CAPTURED_ELEM_BYTES,
+                                          self.runtime.attention)
         return self._units[key]
 
     def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
@@ -166,19 +221,47 @@ class CostTables:
         largest = max(self.graph.blocks, key=lambda b: b.param_count).path if self.graph.blocks else None
         local = local_param_count(self.graph, choice.sharded, tp)
         block = local_param_count(self.graph, choice.sharded, tp, block=largest) if largest else local
-        return TPCost(choice, _unit_fractions(self.graph, choice, self.cluster), r * choice.comm_s, local, block)
+        times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
+                               CAPTURED_ELEM_BYTES, self.runtime.attention)
+        fractions = unit_tp_fractions(self.graph, choice.styles, tp, times)
+        return TPCost(choice, *fractions, r * choice.comm_s, local, block)
 
 
-def _unit_fractions(graph: OpGraph, choice, cluster: Cluster) -> tuple[float, ...]:
-    """Per unit: the segment's TP compute over its unsharded matmul time, 3·flops/(η·P)."""
-    flops_per_s = cluster.device.peak_tflops * 1e12 * cluster.device.matmul_efficiency
-    in_blocks = {n for b in graph.blocks for n in b.node_names}
-    rest_flops = sum(n.flops for n in graph.nodes if n.name not in in_blocks)
-    flops = {b.path: b.flops_fwd for b in graph.blocks} | {"": rest_flops}
-    share = {s.path: s.compute_s / ((1 + BACKWARD_TO_FORWARD) * flops[s.path] / flops_per_s)
-             for s in choice.segments if flops.get(s.path)}
-    blocks = [share.get(b.representative, 1.0) for b in graph.blocks]
-    return (share.get("", 1.0), *blocks, share.get("", 1.0))
+def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
+    """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
+    every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
+    ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
+    there: ``passes.tensor_parallel``). Norms, residual adds and the rest stay replicated."""
+    sharded: set[str] = set()
+    split_values: set[str] = set()
+    for node in graph.nodes:
+        op = op_name(node.target)
+        if op in ("linear", "addmm", "embedding") and node.module_path in styles:
+            style = styles[node.module_path]
+            if style in SHARDED_STYLES:
+                sharded.add(node.name)
+            if style in SHARD_OUTPUT_STYLES:
+                split_values.add(node.name)
+        elif any(name in split_values for name in node.inputs):
+            sharded.add(node.name)
+            split_values.add(node.name)
+    return sharded
+
+
+def unit_tp_fractions(graph: OpGraph, styles: dict[str, str], tp: int,
+                      times: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per unit u: Σ_{n∈u} s(n)·t(n) / Σ_{n∈u} t(n), s(n) = 1/tp for ``sharded_nodes`` and 1 for the
+    others (module doc); over all of u's ops, then over its non-matmul ops only."""
+    sharded = sharded_nodes(graph, styles)
+    count = len(graph.blocks) + 2
+    whole, local = [[0.0] * count for _ in range(2)], [[0.0] * count for _ in range(2)]  # [all ops, light ops]
+    for node, u, t in zip(graph.nodes, node_units(graph), times):
+        kinds = (0,) if node.target.startswith(COMPUTE_HEAVY_TARGETS) else (0, 1)
+        for k in kinds:
+            whole[k][u] += t
+            local[k][u] += t / tp if node.name in sharded else t
+    all_ops, light_ops = (tuple(lo / wh if wh else 1.0 for lo, wh in zip(local[k], whole[k])) for k in (0, 1))
+    return all_ops, light_ops
 
 
 def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: str | None = None) -> int:
@@ -224,47 +307,104 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
 # ---------------------------------------------------------------------------- entry point
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """One step's time by named part (seconds); the fields add up to ``step_time_s`` (module doc).
+
+    Pipelines: the compute parts are the slowest pp rank's (it sets the pace)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    grad_accumulation_s: float
+    optimizer_s: float
+    tp_comm_s: float  # TP collectives, exposed: they sit between dependent matmuls
+    p2p_s: float  # pipeline sends and receives, exposed
+    dp_comm_exposed_s: float
+    bubble_s: float
+    dp_comm_total_s: float  # hidden or not (not part of the step time)
+    memory: Memory
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.grad_accumulation_s + self.optimizer_s
+
+    @property
+    def comm_exposed_s(self) -> float:
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.comm_exposed_s + self.bubble_s
+
+
 def price(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, tables: CostTables | None = None,
           cuts: tuple[int, ...] | None = None) -> Predicted:
     """Predicted step time, memory and throughput of ``config`` (module doc); pipelines need ``cuts``."""
     tables = tables or CostTables(graph, cluster)
+    return _predicted(tables, config, global_batch, price_parts(tables, config, cuts))
+
+
+def price_parts(tables: CostTables, config: Config, cuts: tuple[int, ...] | None = None) -> StepParts:
+    """The step's time by part (``StepParts``) and its peak memory; pipelines need ``cuts``."""
     if config.mesh.pp > 1:
         assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
-        return price_pipeline(tables, config, global_batch, cuts)
-    return price_spmd(tables, config, global_batch)
+        return pipeline_parts(tables, config, cuts)
+    return spmd_parts(tables, config)
 
 
 def price_spmd(tables: CostTables, config: Config, global_batch: int) -> Predicted:
     """pp = 1: DP (ZeRO 0-3) and TP (module doc)."""
+    return _predicted(tables, config, global_batch, spmd_parts(tables, config))
+
+
+def spmd_parts(tables: CostTables, config: Config) -> StepParts:
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
     m = config.num_microbatches
-    compute_s = m * micro.total_s + optimizer_step_s(local, config, cluster)
     dp = dp_comm_time(graph, cluster, config, micro, precision, local)
-    memory = memory_spmd(tables, config, local)
-    return _predicted(graph, cluster, config, global_batch, compute_s, dp.exposed_s + m * tp_comm_s, 0.0, memory,
-                      dp.total_s + m * tp_comm_s)
+    return StepParts(
+        forward_s=m * micro.forward_s, backward_s=m * micro.backward_s, recompute_s=m * micro.recompute_s,
+        grad_accumulation_s=grad_accumulation_s(local, config, precision, cluster),
+        optimizer_s=optimizer_step_s(local, config, cluster), tp_comm_s=m * tp_comm_s, p2p_s=0.0,
+        dp_comm_exposed_s=dp.exposed_s, bubble_s=0.0, dp_comm_total_s=dp.total_s,
+        memory=memory_spmd(tables, config, local))
 
 
 def spmd_microbatch(tables: CostTables, config: Config) -> tuple[ComputeTime, float, int]:
     """(compute of one micro-batch per rank, its TP communication, parameters per rank)."""
     units = tables.units(config.microbatch_size, config.recompute)
     if config.mesh.tp == 1:
-        return _compute_time(units, (1.0,) * len(units.forward_s)), 0.0, tables.graph.param_count
+        ones = (1.0,) * len(units.forward_s)
+        return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
     tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
     factor = FULL_RECOMPUTE_TP_COMM if config.recompute == "full" else 1.0
-    return _compute_time(units, tp.unit_fraction), tp.comm_s * factor, tp.local_params
+    return _compute_time(units, *_fractions(tp, config.recompute)), tp.comm_s * factor, tp.local_params
 
 
-def _compute_time(units: Units, fraction: tuple[float, ...]) -> ComputeTime:
+def _fractions(tp: TPCost, recompute: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(forward, recompute) share per unit left per TP rank: selective recompute reruns the light ops."""
+    return tp.unit_fraction, tp.light_fraction if recompute == "selective" else tp.unit_fraction
+
+
+def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction: tuple[float, ...]) -> ComputeTime:
     fwd = sum(f * x for f, x in zip(units.forward_s, fraction))
-    return ComputeTime(fwd, BACKWARD_TO_FORWARD * fwd, sum(f * x for f, x in zip(units.recompute_s, fraction)))
+    return ComputeTime(fwd, BACKWARD_TO_FORWARD * fwd, sum(f * x for f, x in zip(units.recompute_s, recompute_fraction)))
 
 
 def optimizer_step_s(local_params: float, config: Config, cluster: Cluster) -> float:
     """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
     shards = config.mesh.dp if config.zero_stage >= 1 else 1
     return local_params / shards * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
+
+
+def grad_accumulation_s(local_params: float, config: Config, precision: Precision, cluster: Cluster) -> float:
+    """(m − 1)·3·g·Ψ_acc / W: every micro-batch after the first adds its gradients to the sum (read both,
+    write the sum; g bytes each). Ψ_acc: the rank's parameters, / dp where FSDP keeps the sum sharded
+    (ZeRO-2/3 without pipelining; with pipelining the stage's gradients accumulate unsharded)."""
+    shards = config.mesh.dp if config.zero_stage >= 2 and config.mesh.pp == 1 else 1
+    moved = (config.num_microbatches - 1) * 3 * precision.grad_bytes * local_params / shards
+    return moved / (cluster.device.memory_bandwidth_gbps * 1e9)
 
 
 def memory_spmd(tables: CostTables, config: Config, local_params: int) -> Memory:
@@ -389,55 +529,81 @@ def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, 
 class RankLoad:
     """One pp rank's per-micro-batch work and its memory."""
 
-    compute_s: float
-    p2p_s: float  # pipeline sends and receives, and the stages' TP collectives
+    forward_s: float
+    recompute_s: float
+    p2p_s: float  # pipeline sends and receives of its stages' boundaries
+    tp_comm_s: float  # its stages' TP collectives
     params: int
     memory: Memory
 
     @property
+    def compute_s(self) -> float:
+        return (1 + BACKWARD_TO_FORWARD) * self.forward_s + self.recompute_s
+
+    @property
     def time_s(self) -> float:
-        return self.compute_s + self.p2p_s
+        return self.compute_s + self.p2p_s + self.tp_comm_s
 
 
 def price_pipeline(tables: CostTables, config: Config, global_batch: int, cuts: tuple[int, ...]) -> Predicted:
     """pp > 1 (module doc): the slowest rank sets the pace; the worst rank's memory is the peak."""
-    graph, cluster, precision = tables.graph, tables.cluster, tables.precision
+    return _predicted(tables, config, global_batch, pipeline_parts(tables, config, cuts))
+
+
+def pipeline_parts(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> StepParts:
+    cluster, precision = tables.cluster, tables.precision
     loads = rank_loads(tables, config, cuts)
     slowest = max(loads, key=lambda r: r.time_s)
     m, p, v = config.num_microbatches, config.mesh.pp, config.virtual_stages
-    dp = pipeline_dp_comm(cluster, config, max(r.params for r in loads), precision)
-    optimizer_s = optimizer_step_s(max(r.params for r in loads), config, cluster)
-    compute_s = m * slowest.compute_s + optimizer_s
-    bubble_s = (p - 1) / v * slowest.time_s
-    memory = max((r.memory for r in loads), key=lambda mem: mem.peak_bytes)
-    return _predicted(graph, cluster, config, global_batch, compute_s, m * slowest.p2p_s + dp.exposed_s, bubble_s,
-                      memory, dp.total_s + m * slowest.p2p_s)
+    params = max(r.params for r in loads)
+    dp = pipeline_dp_comm(cluster, config, params, precision)
+    return StepParts(
+        forward_s=m * slowest.forward_s, backward_s=m * BACKWARD_TO_FORWARD * slowest.forward_s,
+        recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
+        optimizer_s=optimizer_step_s(params, config, cluster), tp_comm_s=m * slowest.tp_comm_s,
+        p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s, bubble_s=(p - 1) / v * slowest.time_s,
+        dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes))
 
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:
     units, tp_comm = pipeline_units(tables, config)
-    compute = units.compute_s
-    link = pp_link(tables.cluster, config.mesh)
     ranges = stage_ranges(cuts, units.blocks)
     loads = []
     for r in range(config.mesh.pp):
         mine = [(s, ranges[s]) for s in range(r, len(ranges), config.mesh.pp)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
-        p2p = sum(2 * comm.p2p_s(units.boundary_bytes[i], link) for s, (i, _) in mine if s > 0)
-        p2p += sum(tp_comm[u] for u in idx)
+        p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine if s > 0)
         params = sum(units.params[u] for u in idx)
         acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
             sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
-        loads.append(RankLoad(sum(compute[u] for u in idx), p2p, params,
+        loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.recompute_s[u] for u in idx), p2p,
+                              sum(tp_comm[u] for u in idx), params,
                               memory_pipeline(tables.precision, config, params, acts)))
     return loads
+
+
+def boundary_transfer_s(tables: CostTables, config: Config, size_bytes: float) -> float:
+    """One pipeline boundary of S bytes, one way: each TP rank sends its whole copy to its peer,
+    α + S/B on the pp link; or, with the runtime's scatter-gather (Narayanan et al. §4.1), 1/t of it,
+    then the t receivers all-gather: p2p(S/t) + AG(S, t) on the TP link."""
+    link, tp = pp_link(tables.cluster, config.mesh), config.mesh.tp
+    if not tables.runtime.p2p_scatter_gather or tp == 1:
+        return comm.p2p_s(size_bytes, link)
+    return comm.p2p_s(size_bytes / tp, link) + comm.all_gather_s(size_bytes, tp, tp_link(tables.cluster, tp))
+
+
+@functools.lru_cache(maxsize=64)
+def tp_link(cluster: Cluster, tp: int) -> LinkSpec:
+    """The link of the TP group of rank 0 (ranks 0 .. tp − 1)."""
+    return cluster.group_link(list(range(tp)))
 
 
 def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[float, ...]]:
     """The units of one micro-batch as one TP rank of a stage sees them, and each unit's TP comm.
 
-    With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, compute × f(u)
-    (its share left per rank), parameters × local(u)/params(u) (sharded weights / t), a block's
+    With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
+    recompute × their shares left per rank (``unit_tp_fractions``; selective recompute: of the
+    light ops), parameters × local(u)/params(u) (sharded weights / t), a block's
     saved activations and workspace × (10 + 24/t)/34; TP collectives of a block are its
     segment's, those of the ops outside blocks are split evenly over prefix and suffix. They
     sit between dependent matmuls, so they count with the compute of the unit (exposed).
@@ -447,13 +613,13 @@ def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[flo
     if tp == 1:
         return units, (0.0,) * len(units.forward_s)
     cost = tables.tp_cost(tp, config.microbatch_size)
-    f, keep = cost.unit_fraction, tp_activation_fraction(tp)
+    (f, f_recompute), keep = _fractions(cost, config.recompute), tp_activation_fraction(tp)
     share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
     blocks = [1.0] + [keep] * units.blocks + [1.0]
     sharded = replace(
         units,
         forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
-        recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f)),
+        recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
         saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),
         workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
@@ -506,9 +672,16 @@ def state_bytes_per_param(precision: Precision, config: Config) -> float:
 
 
 def pipeline_dp_comm(cluster: Cluster, config: Config, params: int, precision: Precision) -> CommTime:
-    """FSDP per stage over dp: ZeRO-2 one gather + one scatter per step, ZeRO-3 2m gathers; exposed."""
+    """Per stage over dp, all exposed: FSDP ZeRO-2 one gather + one scatter per step, ZeRO-3 2m gathers;
+    DDP (ZeRO-0, as Megatron-LM's pipelines) one all-reduce of the gradients after the flush,
+    ZeRO-1 that and an all-gather of the updated weights."""
     if config.mesh.dp == 1:
         return CommTime(0.0, 0.0)
+    if config.zero_stage <= 1:
+        total = dp_collective_s("allreduce", params * precision.grad_bytes, config.mesh, cluster)
+        if config.zero_stage == 1:
+            total += dp_collective_s("all_gather", params * precision.param_bytes, config.mesh, cluster)
+        return CommTime(total, total)
     gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, config.mesh, cluster)
     scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, config.mesh, cluster)
     gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
@@ -519,19 +692,19 @@ def pipeline_dp_comm(cluster: Cluster, config: Config, params: int, precision: P
 # ---------------------------------------------------------------------------- result
 
 
-def _predicted(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, compute_s: float,
-               comm_exposed_s: float, bubble_s: float, memory: Memory, comm_total_s: float) -> Predicted:
-    step_s = compute_s + comm_exposed_s + bubble_s
+def _predicted(tables: CostTables, config: Config, global_batch: int, parts: StepParts) -> Predicted:
+    graph, cluster = tables.graph, tables.cluster
+    step_s = parts.step_time_s
     flops = global_batch * model_flops_per_sample(graph)
     return Predicted(
         step_time_s=step_s,
-        compute_s=compute_s,
-        comm_exposed_s=comm_exposed_s,
-        bubble_s=bubble_s,
-        memory_peak_bytes_per_rank=memory.peak_bytes,
-        memory=memory,
+        compute_s=parts.compute_s,
+        comm_exposed_s=parts.comm_exposed_s,
+        bubble_s=parts.bubble_s,
+        memory_peak_bytes_per_rank=parts.memory.peak_bytes,
+        memory=parts.memory,
         tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
         samples_per_s=global_batch / step_s,
         mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
-        comm_total_s=comm_total_s,
+        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s,
     )

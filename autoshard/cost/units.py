@@ -9,7 +9,8 @@ belongs to (``node_units``)::
     suffix (unit L + 1)    nodes after the last block (final norm, head, loss)
 
 Per unit u, for a micro-batch of b samples (captured at b₀; t_fwd from
-``compute.op_forward_s``, the same roofline as ``compute.microbatch_compute``)::
+``compute.op_forward_s``, the same roofline as ``compute.microbatch_compute``, attention priced
+by the given kernel; ``node_forward_s``)::
 
     fwd(u) = Σ_{n∈u} t_fwd(n)          bwd(u) = 2·fwd(u)
     recompute(u) = fwd(u) (full) | Σ_{n∈u, not matmul-class} t_fwd(n) (selective) | 0   (blocks only)
@@ -70,17 +71,26 @@ def node_units(graph: OpGraph) -> list[int]:
     return units
 
 
+def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
+                   captured_bytes: int = 4, attention: str = "flash") -> list[float]:
+    """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``)."""
+    scale = microbatch_size / graph.batch_size
+    ratio = activation_elem_bytes / captured_bytes
+    weights = _weight_bytes_per_node(graph)
+    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes)
+            for node in graph.nodes]
+
+
 def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
-               activation_elem_bytes: int, captured_bytes: int = 4) -> Units:
+               activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash") -> Units:
     """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc)."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
-    weights = _weight_bytes_per_node(graph)
     units = node_units(graph)
     forward, light = [0.0] * count, [0.0] * count
-    for node, u in zip(graph.nodes, units):
-        t = op_forward_s(node, weights.get(node.name, 0), scale, device, ratio)
+    times = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention)
+    for node, u, t in zip(graph.nodes, units, times):
         forward[u] += t
         if not node.target.startswith(COMPUTE_HEAVY_TARGETS):
             light[u] += t

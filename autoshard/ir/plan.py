@@ -8,6 +8,7 @@ breakdown and the reason they lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -130,6 +131,9 @@ class Plan:
     precision: str = "fp32"  # "bf16-mixed" on GPUs, "fp32" on CPU
     pinned: tuple[str, ...] = ()  # decisions the user fixed by hand
     notes: tuple[str, ...] = ()
+    # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
+    # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
+    symbolic: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     def __post_init__(self):
@@ -170,18 +174,23 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise AutoshardError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); re-create it with `autoshard plan`") from exc
+        except RecursionError:
+            raise AutoshardError(f"{source}: not a plan (JSON nested too deeply); re-create it with `autoshard plan`") from None
         if not isinstance(data, dict):
             raise AutoshardError(f"{source}: a plan is a JSON object; re-create it with `autoshard plan`")
         return cls.from_dict(data, source)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "plan") -> "Plan":
+        from autoshard.ir.plan_schema import check_plan_dict
+
         version = data.get("version")
-        if version != PLAN_VERSION:
+        if version != PLAN_VERSION or isinstance(version, bool) or not isinstance(version, int):
             raise AutoshardError(
                 f"{source}: plan version {version!r}, this autoshard reads version {PLAN_VERSION}; re-plan with this version"
             )
         try:
+            check_plan_dict(data)  # every field first (ir/plan_schema.py): a tampered file is one line, never code
             return _plan_from_dict(data)
         except AutoshardError as exc:
             raise AutoshardError(f"{source}: {exc}") from exc
@@ -204,10 +213,16 @@ def load_plan(path: str | Path) -> Plan:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write via a temporary file in the same folder and rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # nothing half-written stays behind
+        raise AutoshardError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); "
+                             f"fix: choose a writable file in an existing folder") from exc
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -233,8 +248,15 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         precision=d.get("precision", "fp32"),
         pinned=tuple(d.get("pinned", ())),
         notes=tuple(d.get("notes", ())),
+        symbolic=_symbolic(d.get("symbolic", {})),
         version=d["version"],
     )
+
+
+def _symbolic(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise TypeError(f"symbolic must be an object, got {type(d).__name__}")
+    return dict(d)
 
 
 def _predicted(d: dict[str, Any] | None) -> Predicted | None:

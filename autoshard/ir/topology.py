@@ -45,6 +45,7 @@ import networkx as nx
 from autoshard.errors import AutoshardError
 
 BACKENDS = ("nccl", "gloo")
+MAX_DEVICES = 2**20  # the largest clusters today have ~10^5 devices; 10^6 graph vertices take seconds
 
 _POSITIVE = ("> 0", lambda v: v > 0)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
@@ -121,6 +122,10 @@ class Cluster:
         _check_value(self.name, str, _NON_EMPTY, where, "name", "a cluster name")
         for key, (doc, rule) in _COUNTS.items():
             _check_value(getattr(self, key), int, rule, where, key, doc)
+        if self.world_size > MAX_DEVICES:  # its graph would not fit in memory; no cluster is this big
+            raise AutoshardError(f"{where}: {self.nodes} nodes x {self.devices_per_node} devices = {self.world_size:,} "
+                                 f"devices, more than autoshard plans for ({MAX_DEVICES:,}); fix: check nodes "
+                                 f"and devices_per_node (--nodes, --devices-per-node)")
         _check_backend(self.backend, where)
         for key, kind in _SECTIONS.items():
             if not isinstance(getattr(self, key), kind):

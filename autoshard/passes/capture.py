@@ -59,12 +59,17 @@ def capture(model_file: ModelFile, batch_size: int = 2) -> OpGraph:
     model = build_on_meta(model_file)
     inputs, _ = model_file.example_batch(batch_size)
     meta_inputs = tuple(t.to("meta") for t in inputs)
-    return capture_module(model, meta_inputs, where=model_file.spec)
+    graph = capture_module(model, meta_inputs, where=model_file.spec)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoshardError(f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
+                             f"train or shard; return the model with its layers from the factory")
+    return graph
 
 
 def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str = "model") -> OpGraph:
     """Export ``model`` on ``inputs`` (same device as its parameters) and convert the result."""
     program = export_module(model, inputs, where)
+    check_static_shapes(program, where)
     return graph_from_export(model, program, inputs)
 
 
@@ -74,9 +79,13 @@ def build_on_meta(model_file: ModelFile) -> nn.Module:
         model = model_file.build("meta")
     except AutoshardError as exc:
         cause = exc.__cause__
-        if cause is None:  # not an exception of the user's code (e.g. it returned no module)
+        if cause is None or isinstance(cause, SystemExit):  # not meta's fault (no module returned, exit())
             raise
         where = _user_location(cause)
+        if "overflow" in str(cause).lower():  # a size beyond int64: the dimensions are wrong, not meta
+            raise AutoshardError(
+                f"{model_file.spec}: a tensor is too large to exist ({type(cause).__name__}: {_first_line(cause)}"
+                f"{' at ' + where if where else ''}); check the model's dimensions") from cause
         raise AutoshardError(
             f"{model_file.spec}: the model cannot be built on the meta device "
             f"({type(cause).__name__}: {_first_line(cause)}{' at ' + where if where else ''}); "
@@ -95,6 +104,18 @@ def export_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str
             return torch.export.export(model, inputs, strict=False)
         except Exception as exc:
             raise AutoshardError(describe_export_failure(exc, where)) from exc
+
+
+def check_static_shapes(program: torch.export.ExportedProgram, where: str) -> None:
+    """Every op's output shape is a number: one that depends on tensor values cannot be planned."""
+    for node in program.graph.nodes:
+        values = torch.utils._pytree.tree_leaves(node.meta.get("val"))
+        if any(isinstance(t, torch.Tensor) and not all(isinstance(d, int) for d in t.shape) for t in values):
+            path, _ = _module_of(node)
+            raise AutoshardError(
+                f"{where}: the output shape of {target_name(node.target)} in module '{path or 'the root'}' "
+                f"depends on tensor values (boolean-mask indexing, nonzero, unique); planning needs fixed "
+                f"shapes: use torch.where or multiply by the mask instead")
 
 
 def graph_from_export(model: nn.Module, program: torch.export.ExportedProgram,

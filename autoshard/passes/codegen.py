@@ -263,6 +263,8 @@ def parse_args():
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
+                        "naming the ranks that never joined it")
     return parser.parse_args()
 '''
 
@@ -270,7 +272,7 @@ def parse_args():
 _MAIN_SPMD = '''
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP)
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
@@ -302,14 +304,14 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
 '''
 
 
 _MAIN_PIPELINE = '''
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP)
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
@@ -338,5 +340,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
 '''

@@ -170,17 +170,26 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     have = cluster.device.memory_bytes
     c = least.config
     hints = _mesh_hints(graph, cluster, priced)
-    if c.zero_stage < 3 and c.mesh.pp == 1 and (c.mesh.dp > 1 or c.mesh.tp == 1):
+    tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
+    if c.zero_stage < 3 and c.mesh.pp == 1 and (c.mesh.dp > 1 or c.mesh.tp == 1) and 3 not in {z for z, _ in tried}:
         hints.append("allow --zero 3")
-    if c.recompute != "full" and c.mesh.pp == 1:
+    if c.recompute != "full" and c.mesh.pp == 1 and "full" not in {r for _, r in tried}:
         hints.append("allow --recompute full")
     if c.microbatch_size > 1:
         hints.append("a smaller --microbatch-size")
     devices_needed = _devices_needed(graph, cluster, least)
     hints.append(f"about {devices_needed} devices (--nodes {-(-devices_needed // cluster.devices_per_node)})")
     return (f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, micro-batch {c.microbatch_size}, "
-            f"recompute {c.recompute}) needs {need / GIB:.2f} GiB per rank but devices have {have / GIB:.2f} GiB "
-            f"({(need - have) / GIB:.2f} GiB short); try {', '.join(hints)}")
+            f"recompute {c.recompute}) needs {_bytes_text(need)} per rank but devices have {_bytes_text(have)} "
+            f"({_bytes_text(need - have)} short); try {', '.join(hints)}")
+
+
+def _bytes_text(n: int) -> str:
+    """"172.27 GiB", "5.23 MiB", "1000 bytes": the unit that shows the figure."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _mesh_hints(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -> list[str]:

@@ -11,10 +11,11 @@ from autoshard.runtime.model import build_model, load_model_file, model_fingerpr
 from autoshard.runtime.parallel import (apply_ddp, apply_fsdp, apply_recompute, build_optimizer, grad_sync,
                                         apply_plan)
 from autoshard.runtime.report import StepLog, finish, finish_with_state
+from autoshard.runtime import faults  # emitted programs run main under runtime.faults.guard
 from autoshard.runtime import tensor_parallel  # emitted programs name runtime.tensor_parallel.Conv1D*Parallel
 
 __all__ = [
     "DistContext", "init_distributed", "mean_over", "global_batch", "split_microbatches", "take_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ddp", "apply_fsdp",
-    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state", "tensor_parallel",
+    "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state", "tensor_parallel", "faults",
 ]

@@ -38,6 +38,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autoshard.runtime import faults, safe_load
+
 STEP_DIR = re.compile(r"step-(\d{8})")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys by name, no per-rank lists
 
@@ -77,6 +79,7 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     model_state, optim_state, _ = _state(model, optimizer, mesh)
     dcp.save({"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)},
              checkpoint_id=partial)
+    faults.inject("kill-in-checkpoint", steps_done)
     dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
         partial.replace(final)
@@ -97,7 +100,7 @@ def load(path: str | Path, model, optimizer, mesh=None) -> int:
     """Restore model and optimizer in place from ``path``; returns the steps already done."""
     model_state, optim_state, restore = _state(model, optimizer, mesh)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=Path(path))
+    safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
     restore()
     return int(state["steps_done"])
 

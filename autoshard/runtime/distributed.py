@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,9 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
     """Join the job torchrun started; check its size against the plan's."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if expected_world_size is not None and world_size != expected_world_size:
-        raise SystemExit(f"error: this program was planned for {expected_world_size} ranks but was launched with "
-                         f"{world_size}; launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)")
+        print(f"error: this program was planned for {expected_world_size} ranks but was launched with {world_size}; "
+              f"launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)", file=sys.stderr, flush=True)
+        raise SystemExit(2)  # a user error, as in the CLI
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -49,9 +51,29 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(world_size, timeout),
                                 **({"device_id": device} if backend == "nccl" else {}))
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, a store whose keys belong to this attempt only (``TORCHELASTIC_RESTART_COUNT``).
+
+    torch's ``env://`` reuses torchrun's agent store across restarts with no per-attempt prefix,
+    so a restarted gloo group can read the dead attempt's addresses and fail to connect
+    ("Connection refused", seen on every restart after a SIGKILL). A ``PrefixStore`` per attempt
+    over the same TCP store keeps the attempts apart. Outside torchrun: torch's default.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    rank = int(os.environ["RANK"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=not agent_hosts and rank == 0, timeout=timeout, multi_tenant=True)
+    return {"store": dist.PrefixStore(f"autoshard/attempt-{attempt}", base), "rank": rank,
+            "world_size": world_size}
 
 
 def mean_over(value: torch.Tensor, group) -> float:

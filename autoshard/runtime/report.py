@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from autoshard.runtime import faults
 from autoshard.runtime.model import strip_wrapper_names
 
 WARMUP_STEPS = 1  # the first step pays for allocation and lazy initialisation; throughput skips it
@@ -37,6 +38,9 @@ class StepLog:
         if self.is_main and (step % self.log_every == 0):
             print(f"step {step:4d} | loss {loss:.4f} | {self.tokens_per_step / elapsed_s:10,.0f} tokens/s | "
                   f"{elapsed_s * 1e3:8.1f} ms", flush=True)
+        faults.note_step(step)
+        faults.inject("kill", step)
+        faults.inject("hang", step)
 
     @property
     def median_step_s(self) -> float:

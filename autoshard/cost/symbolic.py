@@ -1,0 +1,456 @@
+"""Symbolic cost: a plan's step time and memory per rank as sympy expressions.
+
+Symbols (``SYMBOLS``): B global batch, s sequence length (tokens per sample), dp, tp, pp the
+mesh degrees, b the micro-batch size, v virtual stages per pp rank; m = B/(dp·b) micro-batches
+is substituted, so every expression is in these seven symbols only. Each named part of
+``cost.step.StepParts`` gets the scaling law it has in the cost model; its coefficient comes
+from the plan's own priced figure (``_anchored``: value₀ · law / law(point₀)), so evaluating at
+the plan's point gives the plan's predicted figures back, up to float rounding. With
+h(t) = φ + (1−φ)/t the share of compute left per TP rank (φ: the FLOPs share of the ops the
+plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share of the parameters
+(ψ: the replicated parameters), ring(n) = (n−1)/n, [x>1] an indicator::
+
+    forward_s        = m·b·(f₁·s + f₂·s²)·h(tp)/pp     f₂/f₁: attention (s²) vs the rest (s), by FLOPs
+    backward_s       = m·b·(g₁·s + g₂·s²)·h(tp)/pp     (2 × forward in the cost model)
+    recompute_s      = m·b·(r₁·s + r₂·s²)·h_r(tp)/pp   0 without recompute
+    grad_accumulation_s = k·max(0, m − 1)·P / dp^[ZeRO ≥ 2, no pipeline]
+    optimizer_s      = k·P / dp^[ZeRO ≥ 1]             (Adam is memory-bound on the local shard)
+    tp_comm_s        = k·m·b·s·ring(tp)/pp             activations all-reduced per micro-batch
+    p2p_s            = k·m·b·s·v·[pp>1]                 two boundary transfers per stage on the rank
+    dp_comm_exposed_s = k·ring(dp)·P·X                  gradient size: constant in B and s;
+                       X = 1 (DDP, once a step), m (FSDP without pipeline, per micro-batch),
+                       2·a·m + g (pipeline ZeRO-3: 2m gathers of a bytes, a scatter of g bytes per param)
+    bubble_s         = k·(pp − 1)/v · T_mb,   T_mb = (forward + backward + recompute + tp_comm + p2p)/m
+    step_time_s      = Σ of the parts above
+
+    params_bytes     = k·P / dp^[ZeRO = 3]      grads_bytes = k·P / dp^[ZeRO ≥ 2]
+    optimizer_bytes  = k·P / dp^[ZeRO ≥ 1]
+    activations_bytes = I·b·(a₁·s + a₂·s²)·A(tp)/pp,
+                       A(t) = β + (1−β)·(10 + 24/t)/34 (Korthikanti et al.; 1 under full recompute)
+                       I in-flight micro-batches: 1 | m (GPipe) | min(m, pp) (1F1B) | min(m, pp + (pp−1)/v)
+    transient_bytes  = k·[dp>1]·(ψ + (1−ψ)/tp)   (ZeRO-2/3 without pipeline: the largest FSDP unit)
+                     = k·ring(dp)·P              (ZeRO-2/3 pipeline: the stage's unsharded state)
+    memory_peak_bytes = (Σ memory parts)·(1 + allocator slack)
+
+(``time_expressions``, ``memory_expressions``; every k, f, g, r, a is a plan's figure over its law.)
+A part that is zero at the plan's point only because of the point (tp = 1: no TP all-reduces;
+pp = 1: no p2p; m = 1: no accumulation; dp = 1: no DP collectives) has no price to scale, so its
+coefficient is the cost model's analytic one on the cluster's links (``_fallbacks``): Megatron's
+4 all-reduces of each block's input per micro-batch on the intra-node link; 2 boundary transfers
+per stage; the DP collectives fully exposed on the inter-node link (intra-node on one node).
+
+**Held fixed** (the plan's, re-plan for a decision): the ZeRO stage, recompute mode and
+schedule (and so whether there is a pipeline at all); the TP layout (φ, ψ); the stage cuts and
+their imbalance (the slowest rank's share scales as 1/pp); the share of DP communication
+hidden behind compute, the DDP bucket count and the flat vs two-level collective choice; the
+links (latencies scale with the bandwidth terms); the attention/rest split of each part.
+Changing B, s or b is exact up to roofline effects (weights read once per op, memory-bound
+small ops); changing degrees far from the plan is an estimate.
+
+Plans store the expressions as strings (``sympy.sstr``: deterministic for the same inputs);
+``parse_expression`` reads them back without ``eval`` (a plan is data, loading runs no code).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, non_block_saved_bytes
+from autoshard.cost.step import ALLOCATOR_SLACK, FULL_RECOMPUTE_TP_COMM, sharded_nodes
+from autoshard.errors import AutoshardError
+from autoshard.ir.graph import OpGraph, OpNode
+
+SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", "tp", "pp", "b", "v")}
+B, S, DP, TP, PP, MB, V = SYMBOLS.values()
+M = B / (DP * MB)  # micro-batches per step
+
+TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "tp_comm_s",
+              "p2p_s", "dp_comm_exposed_s", "bubble_s")
+COMPUTE_PARTS = TIME_PARTS[:5]
+COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s")
+MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
+WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp"}
+WHAT_IF_EXAMPLES = {"global_batch": 2048, "seq_len": 4096, "microbatch_size": 2, "dp": 8, "tp": 2, "pp": 2}
+QUADRATIC_TARGETS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
+SNAP = 1e-9  # a coefficient this close to 1 is 1 (exact identities stay readable)
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """What the expressions need to know about the plan they describe."""
+
+    symbols: dict[str, int]  # B, s, dp, tp, pp, b, v at the plan
+    zero_stage: int
+    recompute: str
+    schedule: str
+
+    @property
+    def pipeline(self) -> bool:
+        return self.symbols["pp"] > 1
+
+    def subs(self) -> dict[sympy.Symbol, sympy.Integer]:
+        return {SYMBOLS[k]: sympy.Integer(v) for k, v in self.symbols.items()}
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Structural constants from the op graph and the plan's TP layout (module doc)."""
+
+    attention: float  # FLOPs share of the s² ops
+    recompute_attention: float  # the same over what recompute reruns
+    replicated: float  # φ: FLOPs share left whole on every TP rank
+    recompute_replicated: float  # φ_r
+    replicated_params: float  # ψ
+    activation_attention: float  # bytes share of saved activations that grow as s²
+    outside_blocks: float  # β: share of saved activations that TP does not split
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def symbolic_cost(tables, config, global_batch: int, parts, tp_choice=None) -> dict[str, Any]:
+    """The plan's ``symbolic`` field: expressions (as strings) of every part, anchored at ``parts``
+    (``cost.step.StepParts`` of ``config`` on ``tables``) and the plan's own symbol values."""
+    graph, cluster, precision = tables.graph, tables.cluster, tables.precision
+    mesh = config.mesh
+    point = PlanPoint(symbols={"B": global_batch, "s": graph.tokens_per_sample, "dp": mesh.dp, "tp": mesh.tp,
+                               "pp": mesh.pp, "b": config.microbatch_size, "v": config.virtual_stages},
+                      zero_stage=config.zero_stage, recompute=config.recompute, schedule=config.schedule)
+    shares = graph_shares(graph, point, tp_choice)
+    fallback = _fallbacks(graph, cluster, precision, point, parts, shares)
+    times = time_expressions(parts, point, shares, fallback, precision)
+    memory = memory_expressions(parts.memory, point, shares, fallback)
+    flops = _split(3.0 * graph.flops_fwd / graph.batch_size, shares.attention, point, sympy.Integer(1))
+    return {
+        "symbols": dict(point.symbols),
+        "step_time_s": _text(sum(times.values(), sympy.Integer(0))),
+        "parts": {k: _text(e) for k, e in times.items()},
+        "memory_peak_bytes": _text(sum(memory.values(), sympy.Integer(0)) * _number(1 + ALLOCATOR_SLACK)),
+        "memory": {k: _text(e) for k, e in memory.items()},
+        "model_flops_per_sample": _text(flops),
+    }
+
+
+def time_expressions(parts, point: PlanPoint, shares: Shares, fallback: dict[str, float],
+                     precision) -> dict[str, sympy.Expr]:
+    """Every time part (module doc), anchored at ``parts``."""
+    h = _tp_share(shares.replicated)
+    per_rank = MB * h / PP
+    e = {
+        "forward_s": _split(parts.forward_s, shares.attention, point, M * per_rank),
+        "backward_s": _split(parts.backward_s, shares.attention, point, M * per_rank),
+        "recompute_s": _split(parts.recompute_s, shares.recompute_attention, point,
+                              M * MB * _tp_share(shares.recompute_replicated) / PP),
+    }
+    param_share = _param_share(shares.replicated_params)
+    accumulate_over = DP if point.zero_stage >= 2 and not point.pipeline else 1
+    accumulations = sympy.Max(0, M - 1) * param_share / accumulate_over
+    e["grad_accumulation_s"] = _anchored(parts.grad_accumulation_s, accumulations, point,
+                                         fallback["grad_accumulation_s"])
+    e["optimizer_s"] = _anchored(parts.optimizer_s, param_share / (DP if point.zero_stage >= 1 else 1), point)
+    e["tp_comm_s"] = _anchored(parts.tp_comm_s, M * MB * S * _ring(TP) / PP, point, fallback["tp_comm_s"])
+    e["p2p_s"] = _anchored(parts.p2p_s, M * MB * S * V * _more_than_one(PP), point, fallback["p2p_s"])
+    e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s, _ring(DP) * param_share * _dp_rounds(point, precision),
+                                       point, fallback["dp_comm_exposed_s"])
+    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "tp_comm_s", "p2p_s")),
+                         sympy.Integer(0)) / M
+    e["bubble_s"] = _anchored(parts.bubble_s, (PP - 1) / V * per_microbatch, point, 1.0)
+    return e
+
+
+def memory_expressions(memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]) -> dict[str, sympy.Expr]:
+    """Every memory part per rank (module doc), anchored at the plan's ``Memory``."""
+    z = point.zero_stage
+    param_share = _param_share(shares.replicated_params)
+    e = {
+        "params_bytes": _anchored(memory.params_bytes, param_share / (DP if z >= 3 else 1), point),
+        "grads_bytes": _anchored(memory.grads_bytes, param_share / (DP if z >= 2 else 1), point),
+        "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (DP if z >= 1 else 1), point),
+    }
+    beta = shares.outside_blocks
+    kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * (10 + 24 / TP) / 34
+    e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
+                                    in_flight(point) * MB * kept / PP)
+    if z < 2:
+        e["transient_bytes"] = sympy.Integer(0)
+    elif point.pipeline:
+        e["transient_bytes"] = _anchored(memory.transient_bytes, _ring(DP) * param_share, point)
+    else:
+        largest_unit = _more_than_one(DP) * _tp_share(shares.replicated_params)
+        e["transient_bytes"] = _anchored(memory.transient_bytes, largest_unit, point, fallback["transient_bytes"])
+    return e
+
+
+def in_flight(point: PlanPoint) -> sympy.Expr:
+    """Micro-batches whose activations the first pp rank holds at its peak (``cost.step.in_flight``)."""
+    if not point.pipeline:
+        return sympy.Integer(1)
+    return {"gpipe": M, "1f1b": sympy.Min(M, PP)}.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
+
+
+def _dp_rounds(point: PlanPoint, precision) -> sympy.Expr:
+    """X of the module doc: how DP communication repeats within a step."""
+    if point.zero_stage <= 1:
+        return sympy.Integer(1)
+    if not point.pipeline:
+        return M
+    if point.zero_stage == 3:
+        return 2 * precision.activation_bytes * M + precision.grad_bytes
+    return sympy.Integer(1)
+
+
+def _split(value: float, quadratic_share: float, point: PlanPoint, law: sympy.Expr) -> sympy.Expr:
+    """value·(1−α) scaled by law·s plus value·α scaled by law·s²: the s and s² terms apart."""
+    linear = _anchored(value * (1 - quadratic_share), law * S, point)
+    return linear + _anchored(value * quadratic_share, law * S**2, point)
+
+
+def _anchored(value: float, law: sympy.Expr, point: PlanPoint, fallback: float = 0.0) -> sympy.Expr:
+    """value · law / law(point): the law with the plan's own price as its coefficient. Where the law
+    vanishes at the plan's point there is nothing to scale: ``fallback`` is the coefficient."""
+    at = float(law.xreplace(point.subs()))
+    k = value / at if at else fallback
+    if k == 0:
+        return sympy.Integer(0)
+    return law if abs(k - 1) < SNAP else _number(k) * law
+
+
+def _tp_share(replicated: float) -> sympy.Expr:
+    """h(tp) = φ + (1−φ)/tp."""
+    return _number(replicated) + _number(1 - replicated) / TP
+
+
+def _param_share(replicated: float) -> sympy.Expr:
+    """P = (ψ + (1−ψ)/tp)/pp."""
+    return _tp_share(replicated) / PP
+
+
+def _ring(n: sympy.Symbol) -> sympy.Expr:
+    return (n - 1) / n
+
+
+def _more_than_one(x: sympy.Symbol) -> sympy.Expr:
+    return sympy.Piecewise((0, sympy.Eq(x, 1)), (1, True))
+
+
+def _number(x: float) -> sympy.Expr:
+    """A float coefficient; exact 0 and 1 stay integers so expressions stay short."""
+    if x == 0 or x == 1:
+        return sympy.Integer(int(x))
+    return sympy.Float(x)
+
+
+def _text(expr: sympy.Expr) -> str:
+    return sympy.sstr(expr, order="lex")
+
+
+# ---------------------------------------------------------------------------- graph shares
+
+
+def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice=None) -> Shares:
+    """α, φ, ψ, β of the module doc, from the op graph and the plan's TP layout."""
+    s0 = point.symbols["s"]
+    quadratic = {n.name for n in graph.nodes if _is_quadratic(graph, n, s0)}
+    in_block = {n for blk in graph.blocks for n in blk.node_names}
+    rerun = [n for n in graph.nodes if n.name in in_block and
+             (point.recompute == "full" or not n.target.startswith(COMPUTE_HEAVY_TARGETS))]
+    sharded = _sharded_nodes(graph, tp_choice)
+    rerun_weight = (lambda n: n.flops) if point.recompute == "full" else (lambda n: n.bytes_written)
+    return Shares(
+        attention=_share(graph.nodes, lambda n: n.flops, lambda n: n.name in quadratic),
+        recompute_attention=_share(rerun, rerun_weight, lambda n: n.name in quadratic),
+        replicated=_share(graph.nodes, lambda n: n.flops, lambda n: n.name not in sharded, default=1.0),
+        recompute_replicated=_share(rerun, rerun_weight, lambda n: n.name not in sharded, default=1.0),
+        replicated_params=_replicated_params(graph, tp_choice),
+        activation_attention=_share(_kept_nodes(graph, point.recompute, in_block), lambda n: n.bytes_written,
+                                    lambda n: n.name in quadratic),
+        outside_blocks=_outside_share(graph, point.recompute),
+    )
+
+
+def _share(nodes, weight, chosen, default: float = 0.0) -> float:
+    total = sum(weight(n) for n in nodes)
+    return sum(weight(n) for n in nodes if chosen(n)) / total if total else default
+
+
+def _is_quadratic(graph: OpGraph, node: OpNode, s0: int) -> bool:
+    """Attention: an SDPA op, or an op producing or reading a (batch, heads, s, s) score tensor."""
+    if s0 <= 1:
+        return False
+    if node.target.startswith(QUADRATIC_TARGETS):
+        return True
+    shapes = [node.shape] + [_shape(graph, i) for i in node.inputs if i not in graph.placeholder_params]
+    return any(len(sh) >= 4 and tuple(sh[-2:]) == (s0, s0) for sh in shapes)
+
+
+def _shape(graph: OpGraph, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(graph.value_meta(name)[0])
+    except KeyError:
+        return ()
+
+
+def _sharded_nodes(graph: OpGraph, tp_choice) -> set[str]:
+    """The ops the plan's TP layout runs on 1/tp of their data; with no layout (tp = 1), the ideal
+    Megatron one: every matmul-class op (norms, residuals and the rest stay whole)."""
+    if tp_choice is not None:
+        return sharded_nodes(graph, tp_choice.styles)
+    return {n.name for n in graph.nodes if n.target.startswith(COMPUTE_HEAVY_TARGETS)}
+
+
+def _replicated_params(graph: OpGraph, tp_choice) -> float:
+    """ψ: the share of parameters whole on every TP rank (a row-parallel bias stays whole)."""
+    if tp_choice is not None:
+        styles = tp_choice.sharded
+    else:
+        heavy = {n.module_path for n in graph.nodes if n.target.startswith(COMPUTE_HEAVY_TARGETS)}
+        styles = {m: "colwise" for m in heavy}
+    params = [p for p in graph.params if not p.is_buffer]
+    whole = sum(p.numel for p in params
+                if p.module_path not in styles or (styles[p.module_path] == "rowwise" and p.name.endswith(".bias")))
+    total = sum(p.numel for p in params)
+    return whole / total if total else 1.0
+
+
+def _kept_nodes(graph: OpGraph, recompute: str, in_block: set[str]) -> list[OpNode]:
+    """The ops whose outputs stay saved for backward under the recompute mode (``cost.memory``)."""
+    if recompute == "none":
+        return list(graph.nodes)
+    if recompute == "selective":
+        return [n for n in graph.nodes if n.name not in in_block or n.target.startswith(COMPUTE_HEAVY_TARGETS)]
+    return [n for n in graph.nodes if n.name not in in_block]
+
+
+def _outside_share(graph: OpGraph, recompute: str) -> float:
+    """β: saved activations outside the blocks over all saved activations."""
+    outside = non_block_saved_bytes(graph)
+    total = outside + sum(block_saved_bytes(graph, blk, recompute) for blk in graph.blocks)
+    return outside / total if total else 1.0
+
+
+# ---------------------------------------------------------------------------- fallbacks
+
+
+def _fallbacks(graph: OpGraph, cluster, precision, point: PlanPoint, parts, shares: Shares) -> dict[str, float]:
+    """Coefficients of the parts whose law vanishes at the plan's point (module doc)."""
+    p = point.symbols
+    a, g, w = precision.activation_bytes, precision.grad_bytes, precision.param_bytes
+    bandwidth = cluster.device.memory_bandwidth_gbps * 1e9
+    intra = cluster.intra_node.bandwidth_gbps * 1e9
+    outer = (cluster.inter_node if cluster.nodes > 1 else cluster.intra_node).bandwidth_gbps * 1e9
+    share0 = (shares.replicated_params + (1 - shares.replicated_params) / p["tp"]) / p["pp"]
+    state_dp = p["dp"] if point.zero_stage >= 3 else 1
+    local = parts.memory.params_bytes * state_dp / w  # the rank's parameters
+    per_token = sum(blk.input_bytes for blk in graph.blocks) * a / 4 / (graph.batch_size * max(1, p["s"]))
+    recompute_factor = FULL_RECOMPUTE_TP_COMM if point.recompute == "full" else 1.0
+    if point.zero_stage <= 1:  # all-reduce (2(n−1)/n) of the gradients, ZeRO-1 a gather of the weights
+        dp_bytes = 2 * g + (w if point.zero_stage == 1 else 0)
+    elif point.pipeline and point.zero_stage == 3:  # X = 2·a·m + g carries the bytes
+        dp_bytes = 1
+    else:  # gather (twice under ZeRO-3) and reduce-scatter
+        dp_bytes = a * (2 if point.zero_stage == 3 and not point.pipeline else 1) + g
+    largest = max((blk.param_count for blk in graph.blocks), default=graph.param_count)
+    unit_bytes = (2 * w + g) if point.zero_stage == 3 else g
+    return {
+        "grad_accumulation_s": 3 * g * local / (bandwidth * share0),
+        "tp_comm_s": 8 * per_token * recompute_factor / intra,  # 4 all-reduces of 2(t−1)/t·S per block
+        "p2p_s": 2 * per_token / max(1, len(graph.blocks)) / outer,
+        "dp_comm_exposed_s": dp_bytes * local / (outer * share0),
+        "transient_bytes": unit_bytes * largest,
+    }
+
+
+# ---------------------------------------------------------------------------- read back, evaluate
+
+
+_FUNCTIONS = {"Piecewise": sympy.Piecewise, "Eq": sympy.Eq, "Min": sympy.Min, "Max": sympy.Max}
+_BINARY = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y, ast.Mult: lambda x, y: x * y,
+           ast.Div: lambda x, y: x / y, ast.Pow: lambda x, y: x**y}
+MAX_EXPRESSION_CHARS = 100_000
+MAX_EXPONENT = 16
+
+
+def parse_expression(text: str) -> sympy.Expr:
+    """An expression string of a plan back to sympy, by walking its syntax tree: only the seven
+    symbols, numbers, + − × / **, and Piecewise / Eq / Min / Max; nothing is evaluated as code."""
+    if not isinstance(text, str) or len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError("an expression must be a string of at most 100000 characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {exc.msg}") from exc
+    return _convert(tree.body)
+
+
+def _convert(node: ast.AST):
+    if isinstance(node, ast.Constant) and isinstance(node.value, bool):
+        return sympy.true if node.value else sympy.false
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return sympy.Integer(node.value)
+    if isinstance(node, ast.Constant) and isinstance(node.value, float):
+        return sympy.Float(node.value)
+    if isinstance(node, ast.Name) and node.id in SYMBOLS:
+        return SYMBOLS[node.id]
+    if isinstance(node, ast.Name) and node.id in ("True", "False"):
+        return sympy.true if node.id == "True" else sympy.false
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        x = _convert(node.operand)
+        return -x if isinstance(node.op, ast.USub) else x
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _convert(node.left), _convert(node.right)
+        if isinstance(node.op, ast.Pow) and not (right.is_Number and abs(float(right)) <= MAX_EXPONENT):
+            raise ValueError(f"exponent {right} is not a small number")
+        return _BINARY[type(node.op)](left, right)
+    if isinstance(node, ast.Tuple):
+        return tuple(_convert(e) for e in node.elts)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS \
+            and not node.keywords:
+        return _FUNCTIONS[node.func.id](*(_convert(a) for a in node.args))
+    raise ValueError(f"unexpected {ast.unparse(node)!r} in an expression")
+
+
+def evaluate(symbolic: Mapping[str, Any], values: Mapping[str, float]) -> dict[str, float]:
+    """Every part, their sums, the step time and the peak memory at ``values`` (symbol name -> value;
+    missing symbols take the plan's own values). Raises ValueError on a malformed ``symbolic``."""
+    point = {**symbolic["symbols"], **values}
+    subs = {SYMBOLS[k]: sympy.Integer(v) if isinstance(v, int) else sympy.Float(v) for k, v in point.items()}
+
+    def at(text: str) -> float:
+        return float(parse_expression(text).xreplace(subs))
+
+    out = {k: at(symbolic["parts"][k]) for k in TIME_PARTS}
+    out["compute_s"] = sum(out[k] for k in COMPUTE_PARTS)
+    out["comm_exposed_s"] = sum(out[k] for k in COMM_PARTS)
+    out["step_time_s"] = at(symbolic["step_time_s"])
+    out.update({k: at(symbolic["memory"][k]) for k in MEMORY_PARTS})
+    out["memory_peak_bytes"] = at(symbolic["memory_peak_bytes"])
+    out["model_flops_per_sample"] = at(symbolic["model_flops_per_sample"])
+    return out
+
+
+def what_if_values(items: list[str], tokens_per_sample: int) -> dict[str, int]:
+    """``name=value`` pairs (``WHAT_IF_NAMES``) to symbol values; one-line errors naming the valid ones."""
+    valid = ", ".join(WHAT_IF_NAMES)
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in WHAT_IF_NAMES:
+            raise AutoshardError(f"--what-if {item!r}: expected NAME=VALUE with NAME one of {valid}")
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise AutoshardError(f"--what-if {item!r}: {name} must be a positive integer, "
+                                 f"e.g. {name}={WHAT_IF_EXAMPLES[name]}")
+        if name == "seq_len" and tokens_per_sample <= 1:
+            raise AutoshardError(f"--what-if {item!r}: this model has no sequence dimension; use one of "
+                                 f"{', '.join(n for n in WHAT_IF_NAMES if n != 'seq_len')}")
+        out[WHAT_IF_NAMES[name]] = value
+    return out

@@ -1,0 +1,120 @@
+"""Faults: restart from checkpoints, a hang deadline that names the stuck rank, and injection for tests.
+
+Rank failure. ``autoshard run --max-restarts R`` launches torchrun with ``--max-restarts R``:
+when a rank dies, torchrun's agent stops the others and starts every rank again, and the
+program resumes from the newest complete checkpoint (``runtime.checkpoint``; a write that
+was cut off is a ``.partial`` folder, never loaded). The data of step t depends only on
+(seed, t), so the run ends with the parameters of a run without the fault; the steps after
+the last checkpoint are computed again, nothing is lost.
+
+Hangs. Every collective runs under the process group's timeout T (``init_distributed``,
+``--timeout-s`` on the program). A rank whose collective times out marks itself in
+torchrun's rendezvous store (``autoshard/timed-out/<rank>``), waits a moment for the others
+to do the same, and names the ranks that never did: they are not in the collective at all
+(stuck in their own code, or gone). It then exits non-zero and torchrun stops the job, so a
+hang costs T plus a few seconds instead of forever.
+
+Injection (tests and drills only): ``AUTOSHARD_INJECT_FAULT=KIND:RANK:STEP`` with KIND one of
+``kill`` (SIGKILL after the step), ``hang`` (sleep forever after the step) or
+``kill-in-checkpoint`` (SIGKILL after writing the checkpoint of that step, before it is
+renamed into place). Acted on only in torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT``
+= 0), so a restarted job runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from autoshard.errors import AutoshardError
+
+INJECT_ENV = "AUTOSHARD_INJECT_FAULT"
+KINDS = ("kill", "hang", "kill-in-checkpoint")
+STRAGGLER_GRACE_S = 3.0  # how long a timed-out rank waits for the others to time out too
+_progress = {"step": None}
+
+
+def note_step(step: int) -> None:
+    """Record the last step this rank finished (for the hang message)."""
+    _progress["step"] = step
+
+
+def inject(kind: str, step: int) -> None:
+    """Carry out the injected fault ``kind`` if it is due on this rank at this step (module doc)."""
+    spec = os.environ.get(INJECT_ENV, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    want_kind, rank, at_step = _parse(spec)
+    if want_kind != kind or at_step != step or rank != int(os.environ.get("RANK", "0")):
+        return
+    print(f"fault injected: {kind} on rank {rank} at step {step}", file=sys.stderr, flush=True)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse(spec: str) -> tuple[str, int, int]:
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
+        raise SystemExit(f"error: {INJECT_ENV}={spec!r} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)}; "
+                         f"e.g. kill:1:5")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def guard(main: Callable[[], None]) -> None:
+    """Run the program's ``main``; a collective that times out ends it with one line naming the stuck ranks."""
+    try:
+        main()
+    except AutoshardError as exc:  # a user mistake (e.g. the model file changed since planning): one line, exit 2
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(AutoshardError.exit_code)
+    except Exception as exc:  # torch raises DistBackendError / RuntimeError, by backend
+        if not _is_timeout(exc) or not dist.is_initialized():
+            raise
+        print(f"error: {hang_message(exc)}", file=sys.stderr, flush=True)
+        os._exit(1)  # skip destroy_process_group: it would wait on the stuck ranks
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def hang_message(exc: BaseException) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stuck = _ranks_not_timed_out(rank, world)
+    step = _progress["step"]
+    where = f" after step {step}" if step is not None else " before the first step ended"
+    who = (f"rank(s) {', '.join(map(str, stuck))} never joined it (stuck in their own code, or gone)" if stuck
+           else "every rank was waiting in it (a lost message or a dead link)")
+    return (f"rank {rank}: a collective{where} timed out; {who}; look at those ranks' logs, "
+            f"or raise --timeout-s if a step can really take that long")
+
+
+def _ranks_not_timed_out(rank: int, world: int) -> list[int]:
+    """Ranks that did not mark a timeout within the grace period (module doc)."""
+    # torch has no API that lists the ranks missing from a collective; torchrun's store is
+    # the one channel that still works when the process group does not.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"autoshard/timed-out/{rank}", "1")
+    deadline = time.monotonic() + STRAGGLER_GRACE_S
+    missing = [r for r in range(world) if r != rank]
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not _has_key(store, f"autoshard/timed-out/{r}")]
+        time.sleep(0.1)
+    return missing
+
+
+def _has_key(store, key: str) -> bool:
+    try:
+        store.wait([key], timedelta(milliseconds=10))
+        return True
+    except Exception:  # the store raises on its wait timeout  # noqa: BLE001
+        return False

@@ -1,0 +1,4 @@
+"""Bad input: the model file calls sys.exit() when imported (a script, not a model file)."""
+import sys
+
+sys.exit(3)

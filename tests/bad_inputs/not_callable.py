@@ -1,0 +1,2 @@
+"""Bad input: the name after the colon is not a function."""
+build = 3

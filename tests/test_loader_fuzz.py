@@ -1,0 +1,260 @@
+"""Fuzzing the plan and cluster loaders: whatever the file holds, no traceback escapes.
+
+Every outcome is a success or an ``AutoshardError`` (through the CLI: exit 2, one line). The
+documents are a real plan's JSON / a valid cluster file with values replaced, types changed
+and keys deleted, plus arbitrary text. A plan that loads must also render (``inspect``) and
+emit a program that is valid Python (``compile``), since its fields reach both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from autoshard.cli import main
+from autoshard.cost.hardware import load_cluster
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Plan
+from autoshard.passes.codegen import emit_program
+from autoshard.show import render_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fuzz(examples: int) -> settings:
+    return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+WORK = Path(tempfile.mkdtemp(prefix="autoshard-fuzz-"))
+atexit.register(shutil.rmtree, WORK, True)
+
+
+@lru_cache(maxsize=1)
+def base_plan() -> dict:
+    """A real plan with TP styles, stages and alternatives (GPT on 4 CPU ranks, tp=2), captured once."""
+    import autoshard
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", devices_per_node=4, global_batch=8, tp=2)
+    finally:
+        os.chdir(cwd)
+    assert plan.tensor_parallel
+    return json.loads(plan.to_json())
+
+
+def base_cluster() -> dict:
+    return yaml.safe_load((ROOT / "examples/cluster.yaml").read_text())
+
+
+# ---------------------------------------------------------------------------- mutations
+
+SCALARS = st.one_of(
+    st.none(), st.booleans(),
+    st.integers(-3, 70), st.integers(10**7, 10**30), st.integers(-(10**30), -(10**7)),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["", "h.0", "colwise", "1f1b", "none", "gloo", "[/]", '"""', "x\ny", "{__import__('os')}",
+                     "a:b", "examples/gpt.py:build", "0" * 16, "dgx-h100"]),
+)
+JSON_VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6)
+
+
+def paths(doc, prefix=()) -> list[tuple]:
+    """Every path into a JSON document, the root first."""
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += paths(v, prefix + (i,))
+    return out
+
+
+def mutate(doc, path: tuple, action: str, value):
+    """Replace, delete, wrap in a list, or stringify the value at ``path``; returns the document."""
+    if not path:
+        return value if action == "replace" else doc
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    if action == "replace":
+        parent[key] = value
+    elif action == "delete":
+        del parent[key]
+    elif action == "wrap":
+        parent[key] = [parent[key]]
+    elif action == "stringify":
+        parent[key] = str(parent[key])
+    return doc
+
+
+def same_kind(value):
+    """A value of the same JSON type as ``value`` (a near-valid edit: the loader must check ranges too)."""
+    if isinstance(value, bool):
+        return st.booleans()
+    if isinstance(value, int):
+        return st.one_of(st.integers(-2, 70), st.just(value * 2), st.just(2**63))
+    if isinstance(value, float):
+        return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.just(-value), st.just(0.0))
+    if isinstance(value, str):
+        return st.one_of(st.text(max_size=10), st.just(value + "x"), st.just(value.upper()),
+                         st.sampled_from(["h.0", "h.0.attn.c_attn", "rowwise", "gpipe", "full", "fp32"]))
+    if isinstance(value, list):
+        return st.just(value[:-1]) | st.just(value + value[:1]) | st.just(value[::-1])
+    return st.just(value)
+
+
+@st.composite
+def mutated(draw, make_base, max_edits: int = 3):
+    doc = make_base()
+    for _ in range(draw(st.integers(1, max_edits))):
+        path = draw(st.sampled_from(paths(doc)))
+        action = draw(st.sampled_from(["same-kind", "same-kind", "same-kind", "replace", "delete", "wrap",
+                                       "stringify"]))
+        if action == "same-kind":
+            current = doc
+            for key in path:
+                current = current[key]
+            action, value = "replace", draw(same_kind(current))
+        else:
+            value = draw(JSON_VALUES)
+        doc = mutate(doc, path, action, value)
+    return doc
+
+
+def plan_documents():
+    return st.one_of(
+        mutated(lambda: json.loads(json.dumps(base_plan()))).map(lambda d: json.dumps(d, allow_nan=True)),
+        st.text(max_size=200),
+        st.builds(lambda d: json.dumps(d), st.dictionaries(st.sampled_from(sorted(base_plan())), JSON_VALUES)),
+    )
+
+
+def cluster_documents():
+    return st.one_of(
+        mutated(base_cluster).map(lambda d: yaml.safe_dump(d)),
+        st.text(max_size=200),
+        st.builds(yaml.safe_dump, st.dictionaries(st.sampled_from(["preset", "name", "nodes", "devices_per_node",
+                                                                   "backend", "device", "intra_node", "inter_node"]),
+                                                  JSON_VALUES)),
+    )
+
+
+# ---------------------------------------------------------------------------- plan loader
+
+def check_plan_text(text: str) -> Plan | None:
+    try:
+        plan = Plan.from_json(text, source="fuzzed.json")
+    except AutoshardError as exc:
+        assert "\n" not in str(exc)
+        return None
+    # it loaded: every reader of a plan must cope with it
+    render_plan(plan, Console(file=io.StringIO(), width=120))
+    compile(emit_program(plan), "train.py", "exec")
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    return plan
+
+
+def test_base_plan_loads():
+    assert check_plan_text(json.dumps(base_plan())) is not None
+
+
+@fuzz(300)
+@given(plan_documents())
+def test_plan_loader_never_raises_anything_else(text):
+    check_plan_text(text)
+
+
+def _edited(path: tuple, value) -> str:
+    return json.dumps(mutate(json.loads(json.dumps(base_plan())), path, "replace", value))
+
+
+@pytest.mark.parametrize("path, value", [
+    (("alternatives", 0, "why_not"), "[/]"),  # rich markup in prose: shown as text, not parsed
+    (("tensor_parallel_reasons",), {"h.0": "[/x] [bold]"}),
+    (("notes",), ["[red]x"]),
+    (("model", "spec"), "examples/gpt.py:build x"),
+    (("ddp_bucket_cap_mb",), 1e-300),
+])
+def test_plan_edits_that_load_still_render_and_compile(path, value):
+    assert check_plan_text(_edited(path, value)) is not None
+
+
+@fuzz(40)
+@given(plan_documents())
+def test_inspect_fuzzed_plan_is_a_table_or_one_line(capsys, text):
+    path = WORK / "plan.json"
+    path.write_text(text)
+    code = main(["inspect", str(path)])
+    out, err = capsys.readouterr()
+    assert code in (0, 2)
+    assert "Traceback" not in out + err
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------- cluster loader
+
+def check_cluster_text(text: str) -> None:
+    path = WORK / "cluster.yaml"
+    path.write_text(text)
+    try:
+        cluster = load_cluster(str(path))
+    except AutoshardError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert cluster.world_size >= 1 and cluster.intra_node.bandwidth_gbps > 0
+    assert math.isfinite(cluster.device.peak_tflops)
+
+
+def test_base_cluster_loads():
+    check_cluster_text(yaml.safe_dump(base_cluster()))
+    assert load_cluster(str(WORK / "cluster.yaml")).world_size == 16
+
+
+@fuzz(300)
+@given(cluster_documents())
+def test_cluster_loader_never_raises_anything_else(text):
+    check_cluster_text(text)
+
+
+@fuzz(200)
+@given(st.text(max_size=40), st.one_of(st.none(), st.integers(-5, 10**9)), st.one_of(st.none(), st.integers(-5, 64)))
+def test_cluster_names_and_flags_never_raise_anything_else(name, nodes, devices_per_node):
+    try:
+        load_cluster(name, nodes=nodes, devices_per_node=devices_per_node)
+    except AutoshardError as exc:
+        assert "\n" not in str(exc)
+
+
+@fuzz(12)
+@given(cluster_documents())
+def test_plan_with_fuzzed_cluster_file_is_a_plan_or_one_line(in_repo, capsys, text):
+    path = WORK / "cli-cluster.yaml"
+    path.write_text(text)
+    code = main(["plan", "tests/models/mlp.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert code in (0, 2)
+    assert "Traceback" not in out + err
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1
+    else:
+        assert json.loads(out)["version"] == 1
