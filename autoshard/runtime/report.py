@@ -77,6 +77,7 @@ def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor]) -> N
     tmp = out / "params.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(out / "params.pt")
-    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": log.median_step_s}
+    median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
+    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median}
     (out / "metrics.json.tmp").write_text(json.dumps(metrics, indent=1))
     (out / "metrics.json.tmp").replace(out / "metrics.json")
