@@ -54,17 +54,18 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from autoshard import host_probes
 from autoshard.cost.calibrate import COLLECTIVES, LinkFit, Sample, fit_link, predict_s
 from autoshard.cost.hardware import PRESETS, host_memory_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
-from autoshard.ir.topology import Cluster, DeviceSpec, LinkSpec
+from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
@@ -96,7 +97,7 @@ class Settings:
     def steps(self, ranks: int) -> list[str]:
         """The progress-bar steps, in the order the workers run them."""
         comm = [f"{c} {_size(s)}" for c in COLLECTIVES for s in self.sizes_bytes] if ranks > 1 else []
-        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add"]
+        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add", "host overheads"]
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Measurements:
     matmul_s: dict[int, float] = field(default_factory=dict)  # n -> seconds per n×n @ n×n
     elementwise_bytes: int = 0  # bytes one add moves (two reads, one write)
     elementwise_s: float = 0.0
+    host: dict[str, Any] = field(default_factory=dict)  # host_probes.measure: seconds per probe
     load_1min: float = 0.0  # the machine's load average when calibration started (other jobs)
     cpus: int = 1
 
@@ -275,8 +277,16 @@ def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool) -> Cluster:
     default = PRESETS["local-cpu" if m.backend == "gloo" else "dgx-h100"]
     inter = LinkSpec(default.inter_node.bandwidth_gbps, default.inter_node.latency_us,
                      f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}")
-    return Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), _intra_link(m, fit, origin, default), inter,
-                   m.backend)
+    cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), _intra_link(m, fit, origin, default),
+                      inter, m.backend)
+    return replace(cluster, host=_host(m, cluster, origin)) if m.host else cluster
+
+
+def _host(m: Measurements, cluster: Cluster, origin: str) -> HostOverheads:
+    """Host overheads from the probes (``host_probes``), priced against the device and link just fitted."""
+    return host_probes.fit_host(m.host, host_probes.probe_counts(cluster), cluster, m.ranks,
+                                f"{origin}, {m.ranks} {m.backend} ranks at once: autoshard.host_probes on "
+                                f"{host_probes.BLOCKS} blocks of width {host_probes.WIDTH}")
 
 
 def _device(m: Measurements, origin: str) -> DeviceSpec:
@@ -431,7 +441,9 @@ class _Bench:
         comm = self.collectives() + self.p2p() if self.ranks > 1 else []
         matmul_s = {n: self.matmul(n) for n in self.s.matmul_sizes}
         elem_bytes, elem_s = self.elementwise()
-        return {"backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
+        host = host_probes.measure(self._time_op, self.ranks)
+        self.report("host overheads")
+        return {"host": host, "backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
                 "device_name": self.device_name(), "memory_bytes": self.memory_bytes(),
                 "dtype": str(self.dtype).removeprefix("torch."), "comm": comm, "matmul_s": matmul_s,
                 "elementwise_bytes": elem_bytes, "elementwise_s": elem_s}

@@ -215,13 +215,13 @@ def _read_yaml(path: Path, where: str) -> dict[str, Any]:
 def _merge_preset(base: dict[str, Any], raw: dict[str, Any], where: str, source: str) -> dict[str, Any]:
     """``raw`` over ``base``; an overridden section keeps the preset's other fields."""
     merged = {**base, **raw}
-    for key in ("device", "intra_node", "inter_node"):
+    for key in ("device", "intra_node", "inter_node", "host"):
         if key not in raw:
             continue
         if not isinstance(raw[key], dict):
             raise AutoshardError(f"{where}: {key} must be a mapping, got {type(raw[key]).__name__}; "
                                  f"fix: write {key}: {{field: value, ...}}")
-        merged[key] = {**base[key], "source": source, **raw[key]}
+        merged[key] = {**base.get(key, {}), "source": source, **raw[key]}
     return merged
 
 

@@ -7,13 +7,23 @@ W the device's memory bandwidth; g bytes per gradient element.
 Every step is a ``StepParts`` (``price_parts``), and ``Predicted`` sums it::
 
     step_time    = compute + comm_exposed + bubble
-    compute      = forward + backward + recompute + grad_accumulation + optimizer
+    compute      = forward + backward + recompute + grad_accumulation + optimizer + host
     comm_exposed = tp_comm + p2p + dp_exposed
 
     grad_accumulation = (m − 1)·3·g·Ψ_acc / W     (``grad_accumulation_s``: each micro-batch after
                         the first reads its gradients and the sum, writes the sum; Ψ_acc the rank's
                         parameters, / dp under FSDP without pipelining)
     optimizer         = 28 bytes · Ψ_opt / W      (``optimizer_step_s``: fp32 Adam, memory-bound)
+    host              = m · Σ_u host(u)  +  m · U · h_fsdp  +  T_opt · h_opt
+
+**Host** (``cluster.host``, measured by ``autoshard calibrate``; zero in the presets): the op
+dispatch of every unit (``cost.units``, forward, backward, recompute), FSDP2's hooks and copies
+per unit and micro-batch (U units: the blocks and the root; a pipeline stage is one unit), the
+optimizer's loop over its T_opt parameter tensors (FSDP2's sharded DTensors cost more), and
+with pipelining the schedule's bookkeeping per stage and micro-batch (in T_r below). ZeRO-1's
+ZeroRedundancyOptimizer broadcasts each parameter tensor alone: T broadcasts' latencies.
+On CPU ranks (gloo) collectives and compute share the cores: no communication is hidden
+(``hides_comm``).
 
 **Runtime** (``Runtime``): what executes the plan changes three things: the precision (bytes of
 weights, gradients, optimizer state, activations), the attention kernel (``compute``: flash, or
@@ -95,7 +105,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
-from autoshard.cost.compute import ATTENTION_KERNELS, BACKWARD_TO_FORWARD, ComputeTime, model_flops_per_sample
+from autoshard.cost.compute import ATTENTION_KERNELS, ComputeTime, model_flops_per_sample
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend
 from autoshard.cost.units import Units, node_forward_s, node_units, stage_ranges, stage_units, unit_costs
 from autoshard.ir.graph import OpGraph
@@ -198,7 +208,7 @@ class CostTables:
         if key not in self._units:
             self._units[key] = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
                                           self.precision.activation_bytes, CAPTURED_ELEM_BYTES,
-                                          self.runtime.attention)
+                                          self.runtime.attention, self.cluster.host, hides_comm(self.cluster))
         return self._units[key]
 
     def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
@@ -324,10 +334,12 @@ class StepParts:
     bubble_s: float
     dp_comm_total_s: float  # hidden or not (not part of the step time)
     memory: Memory
+    host_s: float = 0.0  # host overheads not hidden by the device (module doc, "Host")
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s + self.recompute_s + self.grad_accumulation_s + self.optimizer_s
+        return (self.forward_s + self.backward_s + self.recompute_s + self.grad_accumulation_s + self.optimizer_s
+                + self.host_s)
 
     @property
     def comm_exposed_s(self) -> float:
@@ -363,12 +375,16 @@ def spmd_parts(tables: CostTables, config: Config) -> StepParts:
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
     m = config.num_microbatches
     dp = dp_comm_time(graph, cluster, config, micro, precision, local)
+    units = tables.units(config.microbatch_size, config.recompute)
+    fsdp_units = len(graph.blocks) + 1
+    host_s = m * sum(units.host_s) + m * fsdp_units * fsdp_unit_host_s(cluster, config) + \
+        optimizer_host_s(cluster, config, param_tensors(graph))
     return StepParts(
         forward_s=m * micro.forward_s, backward_s=m * micro.backward_s, recompute_s=m * micro.recompute_s,
         grad_accumulation_s=grad_accumulation_s(local, config, precision, cluster),
         optimizer_s=optimizer_step_s(local, config, cluster), tp_comm_s=m * tp_comm_s, p2p_s=0.0,
         dp_comm_exposed_s=dp.exposed_s, bubble_s=0.0, dp_comm_total_s=dp.total_s,
-        memory=memory_spmd(tables, config, local))
+        memory=memory_spmd(tables, config, local), host_s=host_s)
 
 
 def spmd_microbatch(tables: CostTables, config: Config) -> tuple[ComputeTime, float, int]:
@@ -389,13 +405,43 @@ def _fractions(tp: TPCost, recompute: str) -> tuple[tuple[float, ...], tuple[flo
 
 def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction: tuple[float, ...]) -> ComputeTime:
     fwd = sum(f * x for f, x in zip(units.forward_s, fraction))
-    return ComputeTime(fwd, BACKWARD_TO_FORWARD * fwd, sum(f * x for f, x in zip(units.recompute_s, recompute_fraction)))
+    bwd = sum(f * x for f, x in zip(units.backward_s, fraction))
+    return ComputeTime(fwd, bwd, sum(f * x for f, x in zip(units.recompute_s, recompute_fraction)))
 
 
 def optimizer_step_s(local_params: float, config: Config, cluster: Cluster) -> float:
     """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
     shards = config.mesh.dp if config.zero_stage >= 1 else 1
     return local_params / shards * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
+
+
+def hides_comm(cluster: Cluster) -> bool:
+    """Whether collectives can run behind compute: on GPUs (own engines and streams), not on CPU
+    ranks, where gloo's threads and the compute share the same cores."""
+    return cluster.backend != "gloo"
+
+
+def param_tensors(graph: OpGraph) -> int:
+    """Parameter tensors of the model (not buffers; a tied one once)."""
+    return sum(not p.is_buffer for p in graph.params)
+
+
+def fsdp_unit_host_s(cluster: Cluster, config: Config) -> float:
+    """FSDP2's host time per unit and micro-batch (``HostOverheads``); 0 without FSDP."""
+    if config.mesh.dp == 1 or config.zero_stage < 2:
+        return 0.0
+    host = cluster.host
+    return (host.fsdp_unit_zero3_us if config.zero_stage == 3 else host.fsdp_unit_zero2_us) * 1e-6
+
+
+def optimizer_host_s(cluster: Cluster, config: Config, tensors: int) -> float:
+    """The optimizer's loop over its parameter tensors: T·h_opt (FSDP2: sharded tensors; ZeRO-1:
+    each rank steps T/dp of them)."""
+    host = cluster.host
+    if config.mesh.dp > 1 and config.zero_stage >= 2:
+        return tensors * host.sharded_optimizer_tensor_us * 1e-6
+    shards = config.mesh.dp if config.zero_stage == 1 else 1
+    return tensors / shards * host.optimizer_tensor_us * 1e-6
 
 
 def grad_accumulation_s(local_params: float, config: Config, precision: Precision, cluster: Cluster) -> float:
@@ -447,7 +493,7 @@ def dp_comm_time(graph: OpGraph, cluster: Cluster, config: Config, micro: Comput
         return CommTime(0.0, 0.0)
     params = graph.param_count / (config.mesh.tp * config.mesh.pp) if params is None else params
     if config.zero_stage <= 1:
-        return _ddp_comm(cluster, params, config, micro, precision)
+        return _ddp_comm(cluster, params, config, micro, precision, param_tensors(graph))
     return _fsdp_comm(graph, cluster, params, config, micro, precision)
 
 
@@ -497,17 +543,27 @@ def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Config, table
     return min(BUCKET_CAP_CHOICES_MB, key=lambda cap: (exposed(cap), cap))
 
 
-def _ddp_comm(cluster: Cluster, params: float, config: Config, micro: ComputeTime, precision: Precision) -> CommTime:
+def _ddp_comm(cluster: Cluster, params: float, config: Config, micro: ComputeTime, precision: Precision,
+              tensors: int = 1) -> CommTime:
     mesh = config.mesh
     grad_bytes = params * precision.grad_bytes
     buckets = max(1, math.ceil(grad_bytes / (config.ddp_bucket_cap_mb * 2**20)))
     per_bucket_s = dp_collective_s("allreduce", grad_bytes / buckets, mesh, cluster)
     allreduce_total_s = buckets * per_bucket_s
-    exposed_s = max(allreduce_total_s - micro.backward_s, per_bucket_s)
+    hidden_s = micro.backward_s if hides_comm(cluster) else 0.0
+    exposed_s = max(allreduce_total_s - hidden_s, per_bucket_s)
     if config.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards
-        gather_s = dp_collective_s("all_gather", params * precision.param_bytes, mesh, cluster)
+        gather_s = zero1_gather_s(params * precision.param_bytes, tensors, mesh, cluster)
         return CommTime(allreduce_total_s + gather_s, exposed_s + gather_s)
     return CommTime(allreduce_total_s, exposed_s)
+
+
+def zero1_gather_s(size_bytes: float, tensors: int, mesh: Mesh, cluster: Cluster) -> float:
+    """ZeroRedundancyOptimizer's all-gather of the updated weights is one broadcast per parameter
+    tensor from the rank that owns it: an all-gather's bytes, and T − 1 more broadcast latencies."""
+    link, _ = dp_group_shape(cluster, mesh)
+    extra_latency_s = (tensors - 1) * (mesh.dp - 1) * link.latency_us * 1e-6
+    return dp_collective_s("all_gather", size_bytes, mesh, cluster) + max(0.0, extra_latency_s)
 
 
 def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, micro: ComputeTime,
@@ -516,8 +572,9 @@ def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, 
     gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, mesh, cluster)
     scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, mesh, cluster)
     regather_s = gather_s if config.zero_stage == 3 else 0.0
-    fwd_exposed = max(gather_s - micro.forward_s, gather_s / units)
-    bwd_exposed = max(regather_s + scatter_s - micro.backward_s - micro.recompute_s, scatter_s / units)
+    hides = hides_comm(cluster)
+    fwd_exposed = max(gather_s - micro.forward_s * hides, gather_s / units)
+    bwd_exposed = max(regather_s + scatter_s - (micro.backward_s + micro.recompute_s) * hides, scatter_s / units)
     m = config.num_microbatches
     return CommTime(m * (gather_s + regather_s + scatter_s), m * (fwd_exposed + bwd_exposed))
 
@@ -530,15 +587,18 @@ class RankLoad:
     """One pp rank's per-micro-batch work and its memory."""
 
     forward_s: float
+    backward_s: float
     recompute_s: float
     p2p_s: float  # pipeline sends and receives of its stages' boundaries
     tp_comm_s: float  # its stages' TP collectives
     params: int
     memory: Memory
+    host_s: float = 0.0  # its stages' host time (ops, schedule, FSDP hooks), not hidden by the device
+    tensors: int = 0  # parameter tensors of its stages
 
     @property
     def compute_s(self) -> float:
-        return (1 + BACKWARD_TO_FORWARD) * self.forward_s + self.recompute_s
+        return self.forward_s + self.backward_s + self.recompute_s + self.host_s
 
     @property
     def time_s(self) -> float:
@@ -557,12 +617,14 @@ def pipeline_parts(tables: CostTables, config: Config, cuts: tuple[int, ...]) ->
     m, p, v = config.num_microbatches, config.mesh.pp, config.virtual_stages
     params = max(r.params for r in loads)
     dp = pipeline_dp_comm(cluster, config, params, precision)
+    host_s = m * slowest.host_s + optimizer_host_s(cluster, config, max(r.tensors for r in loads))
     return StepParts(
-        forward_s=m * slowest.forward_s, backward_s=m * BACKWARD_TO_FORWARD * slowest.forward_s,
+        forward_s=m * slowest.forward_s, backward_s=m * slowest.backward_s,
         recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
         optimizer_s=optimizer_step_s(params, config, cluster), tp_comm_s=m * slowest.tp_comm_s,
         p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s, bubble_s=(p - 1) / v * slowest.time_s,
-        dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes))
+        dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
+        host_s=host_s)
 
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:
@@ -576,9 +638,14 @@ def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> lis
         params = sum(units.params[u] for u in idx)
         acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
             sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
-        loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.recompute_s[u] for u in idx), p2p,
+        per_stage_host_s = tables.cluster.host.pipeline_microbatch_us * 1e-6 + \
+            fsdp_unit_host_s(tables.cluster, config)  # the schedule's bookkeeping; FSDP2 on the stage module
+        host_s = sum(units.host_s[u] for u in idx) + len(mine) * per_stage_host_s
+        loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] for u in idx),
+                              sum(units.recompute_s[u] for u in idx), p2p,
                               sum(tp_comm[u] for u in idx), params,
-                              memory_pipeline(tables.precision, config, params, acts)))
+                              memory_pipeline(tables.precision, config, params, acts), host_s,
+                              sum(units.tensors[u] for u in idx)))
     return loads
 
 
@@ -619,6 +686,7 @@ def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[flo
     sharded = replace(
         units,
         forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
+        backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
         recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
         saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),

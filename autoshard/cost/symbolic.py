@@ -13,6 +13,7 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
     forward_s        = m·b·(f₁·s + f₂·s²)·h(tp)/pp     f₂/f₁: attention (s²) vs the rest (s), by FLOPs
     backward_s       = m·b·(g₁·s + g₂·s²)·h(tp)/pp     (2 × forward in the cost model)
     recompute_s      = m·b·(r₁·s + r₂·s²)·h_r(tp)/pp   0 without recompute
+    host_s           = k·m/pp                          host overheads: per micro-batch on the rank's stages
     grad_accumulation_s = k·max(0, m − 1)·P / dp^[ZeRO ≥ 2, no pipeline]
     optimizer_s      = k·P / dp^[ZeRO ≥ 1]             (Adam is memory-bound on the local shard)
     tp_comm_s        = k·m·b·s·ring(tp)/pp             activations all-reduced per micro-batch
@@ -69,9 +70,9 @@ SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", 
 B, S, DP, TP, PP, MB, V = SYMBOLS.values()
 M = B / (DP * MB)  # micro-batches per step
 
-TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "tp_comm_s",
-              "p2p_s", "dp_comm_exposed_s", "bubble_s")
-COMPUTE_PARTS = TIME_PARTS[:5]
+TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "host_s",
+              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s")
+COMPUTE_PARTS = TIME_PARTS[:6]
 COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s")
 MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
 WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp"}
@@ -153,11 +154,12 @@ def time_expressions(parts, point: PlanPoint, shares: Shares, fallback: dict[str
     e["grad_accumulation_s"] = _anchored(parts.grad_accumulation_s, accumulations, point,
                                          fallback["grad_accumulation_s"])
     e["optimizer_s"] = _anchored(parts.optimizer_s, param_share / (DP if point.zero_stage >= 1 else 1), point)
+    e["host_s"] = _anchored(parts.host_s, M / PP, point)
     e["tp_comm_s"] = _anchored(parts.tp_comm_s, M * MB * S * _ring(TP) / PP, point, fallback["tp_comm_s"])
     e["p2p_s"] = _anchored(parts.p2p_s, M * MB * S * V * _more_than_one(PP), point, fallback["p2p_s"])
     e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s, _ring(DP) * param_share * _dp_rounds(point, precision),
                                        point, fallback["dp_comm_exposed_s"])
-    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "tp_comm_s", "p2p_s")),
+    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s")),
                          sympy.Integer(0)) / M
     e["bubble_s"] = _anchored(parts.bubble_s, (PP - 1) / V * per_microbatch, point, 1.0)
     return e
@@ -423,7 +425,7 @@ def evaluate(symbolic: Mapping[str, Any], values: Mapping[str, float]) -> dict[s
     def at(text: str) -> float:
         return float(parse_expression(text).xreplace(subs))
 
-    out = {k: at(symbolic["parts"][k]) for k in TIME_PARTS}
+    out = {k: at(symbolic["parts"].get(k, "0")) for k in TIME_PARTS}  # plans before host_s lack it
     out["compute_s"] = sum(out[k] for k in COMPUTE_PARTS)
     out["comm_exposed_s"] = sum(out[k] for k in COMM_PARTS)
     out["step_time_s"] = at(symbolic["step_time_s"])

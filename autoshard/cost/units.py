@@ -22,8 +22,19 @@ by the given kernel; ``node_forward_s``)::
                 recomputation makes again: all its activations (full), its non-matmul outputs
                 (selective), 0 (none))
     boundary(k) = input_bytes(block k) × the same scale: what a cut before block k sends
+    tensors(u) = the distinct parameter tensors u's nodes read (the optimizer loops over them)
 
 Σ_u saved(u) + max_u workspace(u) equals ``memory.activation_bytes`` of the whole model.
+
+**Host time** (``host_times``; figures h from ``autoshard calibrate``, ``ir.topology.HostOverheads``):
+with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
+
+    host_fwd(u) = n(u)·h_f        host_bwd(u) = n(u)·h_b
+    host_recompute(u) = n(u)·h_f + h_ckpt (full) | l(u)·h_f + (n(u) + l(u))·h_sel (selective) | 0
+
+On CPU ranks (gloo) the host is the device: these add to the roofline. On GPUs the host runs
+ahead of the kernels it launches, so only what it does not hide counts:
+max(0, host − device) per unit and pass (forward, backward, recompute).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from dataclasses import dataclass
 from autoshard.cost.compute import BACKWARD_TO_FORWARD, _weight_bytes_per_node, op_forward_s
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.topology import DeviceSpec
+from autoshard.ir.topology import DeviceSpec, HostOverheads
 
 
 @dataclass(frozen=True)
@@ -41,16 +52,28 @@ class Units:
     """Per-micro-batch costs of the L + 2 units (module doc), in unit order."""
 
     forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
     recompute_s: tuple[float, ...]
     params: tuple[int, ...]
     saved_bytes: tuple[int, ...]
     workspace_bytes: tuple[int, ...]
     boundary_bytes: tuple[int, ...]  # per block (L entries): bytes sent at a cut before it
+    tensors: tuple[int, ...] = ()  # parameter tensors per unit
+    host_forward_s: tuple[float, ...] = ()  # host time not hidden by the device, per unit (module doc)
+    host_backward_s: tuple[float, ...] = ()
+    host_recompute_s: tuple[float, ...] = ()
+
+    @property
+    def host_s(self) -> tuple[float, ...]:
+        """Host time per unit of one micro-batch: forward + backward + recompute."""
+        if not self.host_forward_s:
+            return (0.0,) * len(self.forward_s)
+        return tuple(map(sum, zip(self.host_forward_s, self.host_backward_s, self.host_recompute_s)))
 
     @property
     def compute_s(self) -> tuple[float, ...]:
-        """fwd + bwd + recompute per unit."""
-        return tuple((1 + BACKWARD_TO_FORWARD) * f + r for f, r in zip(self.forward_s, self.recompute_s))
+        """fwd + bwd + recompute per unit, device and host."""
+        return tuple(map(sum, zip(self.forward_s, self.backward_s, self.recompute_s, self.host_s)))
 
     @property
     def blocks(self) -> int:
@@ -82,7 +105,8 @@ def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, act
 
 
 def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
-               activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash") -> Units:
+               activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash",
+               host: HostOverheads | None = None, host_overlaps: bool = False) -> Units:
     """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc)."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
@@ -97,14 +121,50 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
     recomputed = {"none": [0.0] * count, "full": forward, "selective": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
     byte_scale = scale * ratio
+    host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
+    if host_overlaps:
+        host_f = _not_hidden(host_f, forward)
+        host_b = _not_hidden(host_b, [BACKWARD_TO_FORWARD * f for f in forward])
+        host_r = _not_hidden(host_r, recompute_s)
     return Units(
         forward_s=tuple(forward),
+        backward_s=tuple(BACKWARD_TO_FORWARD * f for f in forward),
         recompute_s=tuple(recompute_s),
         params=unit_params(graph, units),
         saved_bytes=tuple(int(b * byte_scale) for b in _saved_bytes(graph, recompute, units)),
         workspace_bytes=tuple(int(b * byte_scale) for b in _workspace_bytes(graph, recompute)),
         boundary_bytes=tuple(int(b.input_bytes * byte_scale) for b in graph.blocks),
+        tensors=unit_tensors(graph, units),
+        host_forward_s=tuple(host_f), host_backward_s=tuple(host_b), host_recompute_s=tuple(host_r),
     )
+
+
+def host_times(graph: OpGraph, units: list[int], recompute: str,
+               host: HostOverheads) -> tuple[list[float], list[float], list[float]]:
+    """Host seconds per unit of one micro-batch: forward, backward, recompute (module doc)."""
+    count = len(graph.blocks) + 2
+    ops, light = [0] * count, [0] * count
+    for node, u in zip(graph.nodes, units):
+        ops[u] += 1
+        light[u] += not node.target.startswith(COMPUTE_HEAVY_TARGETS)
+    h_f, h_b = host.op_forward_us * 1e-6, host.op_backward_us * 1e-6
+    if recompute == "full":
+        rerun = [n * h_f + host.checkpoint_block_us * 1e-6 for n in ops]
+    elif recompute == "selective":
+        rerun = [l_ * h_f + (n + l_) * host.selective_op_us * 1e-6 for n, l_ in zip(ops, light)]
+    else:
+        rerun = [0.0] * count
+    rerun = [0.0] + rerun[1:-1] + [0.0] if graph.blocks else [0.0] * count  # blocks only, as recompute_s
+    return [n * h_f for n in ops], [n * h_b for n in ops], rerun
+
+
+def _not_hidden(host: list[float], device: list[float]) -> list[float]:
+    return [max(0.0, h - d) for h, d in zip(host, device)]
+
+
+def unit_tensors(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
+    """Parameter tensors (not buffers) read by each unit; a tied one in every unit that reads it."""
+    return tuple(len(names) for names in _unit_param_names(graph, units))
 
 
 def stage_ranges(cuts: tuple[int, ...], blocks: int) -> list[tuple[int, int]]:
@@ -121,13 +181,14 @@ def stage_units(block_range: tuple[int, int], blocks: int) -> list[int]:
 
 def unit_params(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
     """Parameters (not buffers) read by each unit; a tied one in every unit that reads it."""
+    return tuple(sum(graph.param(n).numel for n in names) for names in _unit_param_names(graph, units))
+
+
+def _unit_param_names(graph: OpGraph, units: list[int]) -> list[set[str]]:
     seen: list[set[str]] = [set() for _ in range(len(graph.blocks) + 2)]
     for node, u in zip(graph.nodes, units):
-        for name in node.param_inputs:
-            p = graph.param(name)
-            if not p.is_buffer:
-                seen[u].add(p.name)
-    return tuple(sum(graph.param(n).numel for n in names) for names in seen)
+        seen[u].update(graph.param(n).name for n in node.param_inputs if not graph.param(n).is_buffer)
+    return seen
 
 
 def _saved_bytes(graph: OpGraph, recompute: str, units: list[int]) -> list[int]:

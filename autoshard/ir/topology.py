@@ -87,11 +87,47 @@ class LinkSpec:
         _check_dataclass(self)
 
 
+@dataclass(frozen=True)
+class HostOverheads:
+    """What the host spends around the device's work, measured by ``autoshard calibrate`` (its
+    ``host_probes``); all zero when not measured (the presets). On CPU ranks (gloo) the host *is*
+    the device, so these add to the roofline; on GPUs they overlap it (``cost.units``)."""
+
+    op_forward_us: float = _spec("host time per op of the forward (one OpGraph node), e.g. 12", _NON_NEGATIVE)
+    op_backward_us: float = _spec("host time per op in the backward, e.g. 30", _NON_NEGATIVE)
+    selective_op_us: float = _spec("extra per block op under selective recompute (its policy runs at every op "
+                                   "of the forward and of the recompute), e.g. 40", _NON_NEGATIVE)
+    checkpoint_block_us: float = _spec("extra per block and micro-batch under full recompute, e.g. 100",
+                                       _NON_NEGATIVE)
+    fsdp_unit_zero2_us: float = _spec("FSDP2 (ZeRO-2) host time per unit and micro-batch beyond its "
+                                      "collectives, e.g. 2000", _NON_NEGATIVE)
+    fsdp_unit_zero3_us: float = _spec("the same for ZeRO-3 (resharded after forward), e.g. 3000", _NON_NEGATIVE)
+    optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60",
+                                       _NON_NEGATIVE)
+    sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300",
+                                               _NON_NEGATIVE)
+    pipeline_microbatch_us: float = _spec("pipeline schedule time per stage and micro-batch beyond its ops and "
+                                          "transfers, e.g. 1500", _NON_NEGATIVE)
+    source: str = _spec("where the figures come from (autoshard calibrate)")
+
+    def __post_init__(self):
+        _check_dataclass(self)
+
+    @classmethod
+    def none(cls) -> HostOverheads:
+        return cls(0, 0, 0, 0, 0, 0, 0, 0, 0, "not measured")
+
+    @property
+    def measured(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self) if f.name != "source")
+
+
 _COUNTS = {
     "nodes": ("the number of nodes, e.g. 1", _POSITIVE),
     "devices_per_node": ("the number of devices in each node, e.g. 8", _POSITIVE),
 }
 _SECTIONS = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec}
+_OPTIONAL_SECTIONS = {"host": HostOverheads}  # absent: HostOverheads.none()
 _CLUSTER_DOCS = {
     "name": "a cluster name",
     "nodes": _COUNTS["nodes"][0],
@@ -100,6 +136,7 @@ _CLUSTER_DOCS = {
     "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency",
     "intra_node": "a mapping of bandwidth_gbps, latency_us for the link inside a node",
     "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
+    "host": "optional: host overheads per op, unit and tensor, as autoshard calibrate writes them",
 }
 CLUSTER_KEYS = tuple(_CLUSTER_DOCS)
 
@@ -115,6 +152,7 @@ class Cluster:
     intra_node: LinkSpec  # device <-> node switch (NVLink / shared memory)
     inter_node: LinkSpec  # per-device share of the node's NICs
     backend: str  # "nccl" or "gloo"
+    host: HostOverheads = field(default_factory=HostOverheads.none)
     graph: nx.Graph = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -127,7 +165,7 @@ class Cluster:
                                  f"devices, more than autoshard plans for ({MAX_DEVICES:,}); fix: check nodes "
                                  f"and devices_per_node (--nodes, --devices-per-node)")
         _check_backend(self.backend, where)
-        for key, kind in _SECTIONS.items():
+        for key, kind in {**_SECTIONS, **_OPTIONAL_SECTIONS}.items():
             if not isinstance(getattr(self, key), kind):
                 raise AutoshardError(f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
                                      f"fix: build it with {kind.__name__}(...)")
@@ -168,6 +206,7 @@ class Cluster:
             "device": _spec_dict(self.device),
             "intra_node": _spec_dict(self.intra_node),
             "inter_node": _spec_dict(self.inter_node),
+            **({"host": _spec_dict(self.host)} if self.host.measured else {}),
         }
 
     @classmethod
@@ -178,8 +217,10 @@ class Cluster:
         are required.
         """
         _check_mapping(d, where, "the cluster", "a mapping with keys " + ", ".join(CLUSTER_KEYS))
-        _check_keys(d, _CLUSTER_DOCS, where, "")
+        _check_keys(d, _CLUSTER_DOCS, where, "", optional=tuple(_OPTIONAL_SECTIONS))
         sections = {key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()}
+        sections |= {key: _spec_from_mapping(kind, d[key], where, key, default_source)
+                     for key, kind in _OPTIONAL_SECTIONS.items() if key in d}
         name = _check_value(d["name"], str, _NON_EMPTY, where, "name", "a cluster name")
         counts = {key: _check_value(d[key], int, rule, where, key, doc) for key, (doc, rule) in _COUNTS.items()}
         return cls(name=name, backend=_check_backend(d["backend"], where), **counts, **sections)
@@ -243,13 +284,14 @@ def _check_mapping(value: Any, where: str, what: str, fix: str) -> None:
                              f"fix: write {fix}")
 
 
-def _check_keys(values: Mapping[str, Any], known: Mapping[str, str], where: str, prefix: str) -> None:
-    """No unknown keys, no missing ones; ``known`` maps each key to what it holds."""
+def _check_keys(values: Mapping[str, Any], known: Mapping[str, str], where: str, prefix: str,
+                optional: tuple[str, ...] = ()) -> None:
+    """No unknown keys, no missing ones but ``optional``; ``known`` maps each key to what it holds."""
     unknown = sorted(str(k) for k in values if k not in known)
     if unknown:
         raise AutoshardError(f"{where}: unknown field '{prefix}{unknown[0]}'; "
                              f"fix: remove it, or use one of {', '.join(known)}")
-    missing = [k for k in known if k not in values]
+    missing = [k for k in known if k not in values and k not in optional]
     if missing:
         raise AutoshardError(f"{where}: missing field '{prefix}{missing[0]}'; fix: add it: {known[missing[0]]}")
 

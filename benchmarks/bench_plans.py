@@ -1,0 +1,191 @@
+"""Every plan the planner can emit, run on this machine: predicted vs measured step time.
+
+    python benchmarks/bench_plans.py --cluster runs/cpu2.yaml --ranks 2 -o runs/plans2.json
+    python benchmarks/bench_plans.py --reprice runs/plans2.json     # the same runs, priced again
+
+For one model, cluster file (from ``autoshard calibrate``) and global batch: every configuration
+``passes.strategies`` offers (every mesh, ZeRO stage, micro-batch, recompute mode and schedule
+the runtime supports) is planned with all its decisions pinned, emitted, and run with torchrun
+on this machine's CPU ranks for ``--steps`` steps; the measured step time is the median over
+the steps after the first (``runtime.report.WARMUP_STEPS``). The runs are interleaved round by
+round (``--rounds``: every plan once, then every plan again) so that a slow phase of the machine
+hits all plans alike, and each plan's figure is the median of its rounds.
+
+Reported: MAPE = mean |predicted − measured| / measured; Spearman's ρ between predicted and
+measured (do the predictions order the plans as the machine does); the planner's pick (the plan
+``autoshard plan`` chooses with nothing pinned) and its regret = measured time of the pick /
+the best measured time.
+
+``--reprice`` prices the stored configurations again with the current cost model and the
+stored cluster file, without running anything: the measurements stay, the predictions move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.step import Config
+from autoshard.ir.plan import Mesh
+from autoshard.launch import run_torchrun, write_program
+from autoshard.passes.strategies import Pins, candidate_configs
+from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+
+
+def pins_of(config: Config) -> Pins:
+    m = config.mesh
+    return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero=config.zero_stage, microbatch_size=config.microbatch_size,
+                recompute=config.recompute, schedule=config.schedule)
+
+
+def config_key(config: Config) -> str:
+    m = config.mesh
+    sched = "" if config.schedule == "none" else f" {config.schedule}"
+    return (f"dp{m.dp} tp{m.tp} pp{m.pp} z{config.zero_stage} b{config.microbatch_size} "
+            f"{config.recompute}{sched}")
+
+
+def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
+    """(key, plan) of every configuration that fits, in the candidate order, and the planner's pick."""
+    cluster = load_cluster(cluster_path, devices_per_node=ranks)
+    model_file, graph = capture_graph(model)
+    plans = []
+    for config in candidate_configs(graph, cluster, global_batch, Pins()):
+        request = PlanRequest(model, cluster, global_batch, pins_of(config))
+        try:
+            plans.append((config_key(config), plan_graph(request, model_file, graph)))
+        except Exception as exc:  # a pinned configuration that does not fit: not a plan the planner emits
+            print(f"skip {config_key(config)}: {exc}", file=sys.stderr)
+    pick = plan_graph(PlanRequest(model, cluster, global_batch), model_file, graph)
+    return plans, pick
+
+
+def plan_key(plan) -> str:
+    return config_key(Config(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
+                             plan.microbatch_size, plan.num_microbatches, plan.recompute, plan.schedule,
+                             plan.virtual_stages))
+
+
+def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
+    """Median step time of the emitted program (steps after the warm-up one), in seconds."""
+    program = write_program(plan, workdir / "train.py")
+    out = workdir / "out"
+    proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
+                        quiet=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-2000:])
+    return json.loads((out / "metrics.json").read_text())["median_step_s"]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's ρ: Pearson's r of the ranks (ties share their mean rank)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def summary(rows: list[dict], pick: str) -> dict:
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    errors = [abs(p - m) / m for p, m in zip(pred, meas)]
+    best = min(rows, key=lambda r: r["measured_s"])
+    picked = next((r for r in rows if r["key"] == pick), None)
+    return {
+        "plans": len(rows),
+        "mape": statistics.fmean(errors),
+        "max_error": max(errors),
+        "spearman": spearman(pred, meas),
+        "pick": pick,
+        "pick_measured_s": picked["measured_s"] if picked else None,
+        "best_measured": best["key"],
+        "best_measured_s": best["measured_s"],
+        "regret": picked["measured_s"] / best["measured_s"] if picked else None,
+    }
+
+
+def run(args) -> dict:
+    plans, pick = plan_all(args.model, args.cluster, args.ranks, args.global_batch)
+    print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
+    times: dict[str, list[float]] = {key: [] for key, _ in plans}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for i, (key, plan) in enumerate(plans):
+                times[key].append(measure(plan, args.ranks, args.steps, Path(tmp)))
+                print(f"round {rnd + 1}/{args.rounds} {i + 1}/{len(plans)} {key}: "
+                      f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})", flush=True)
+    rows = [{"key": key, "pins": asdict(pins_of_plan(plan)), "predicted_s": plan.predicted.step_time_s,
+             "measured_s": statistics.median(times[key]), "measured_rounds_s": times[key]} for key, plan in plans]
+    return {"model": args.model, "cluster": args.cluster, "cluster_file": Path(args.cluster).read_text(),
+            "ranks": args.ranks, "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds,
+            "date": time.strftime("%Y-%m-%d"), "torch": _torch_version(), "wall_s": time.perf_counter() - start,
+            "load_1min_at_end": os.getloadavg()[0], "rows": rows, "summary": summary(rows, plan_key(pick))}
+
+
+def pins_of_plan(plan) -> Pins:
+    return Pins(dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp, zero=plan.zero_stage,
+                microbatch_size=plan.microbatch_size, recompute=plan.recompute, schedule=plan.schedule)
+
+
+def reprice(path: Path, cluster: str | None = None) -> dict:
+    """The stored runs, priced again with today's cost model (module doc) on their own cluster file,
+    or on ``cluster`` (a newer calibration of the same machine)."""
+    data = json.loads(path.read_text())
+    if cluster is not None:
+        data["cluster"], data["cluster_file"] = cluster, Path(cluster).read_text()
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(data["cluster_file"])
+    plans, pick = plan_all(data["model"], f.name, data["ranks"], data["global_batch"])
+    os.unlink(f.name)
+    predicted = {key: plan.predicted.step_time_s for key, plan in plans}
+    rows = [dict(r, predicted_s=predicted[r["key"]]) for r in data["rows"] if r["key"] in predicted]
+    return dict(data, rows=rows, summary=summary(rows, plan_key(pick)))
+
+
+def print_table(result: dict) -> None:
+    for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
+        err = r["predicted_s"] / r["measured_s"] - 1
+        print(f"{r['key']:<45} measured {r['measured_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms"
+              f"  {err:+7.1%}")
+    s = result["summary"]
+    print(f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
+          f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="examples/gpt.py:build")
+    parser.add_argument("--cluster", help="a cluster file from autoshard calibrate (with --reprice: price on it)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("-o", "--output", help="write the runs here (JSON)")
+    parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
+    args = parser.parse_args()
+    result = reprice(args.reprice, args.cluster) if args.reprice else run(args)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
