@@ -62,6 +62,7 @@ import yaml
 
 from autoshard import host_probes
 from autoshard.cost.calibrate import COLLECTIVES, LinkFit, Sample, fit_link, predict_s
+from autoshard.cost.profile import ProfileRequest, measure_model, model_profile
 from autoshard.cost.hardware import PRESETS, host_memory_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
@@ -69,6 +70,7 @@ from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
+PROBE_TIME_FACTOR = 3  # host probes and models: 3 × a collective's timing budget (their figures are differences)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,11 @@ class Settings:
         return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB), matmul_sizes=(512, 1024, 2048), elementwise_numel=2**24,
                    point_s=0.3, min_calls=7, max_calls=200)
 
-    def steps(self, ranks: int) -> list[str]:
+    def steps(self, ranks: int, models: list[ProfileRequest] = ()) -> list[str]:
         """The progress-bar steps, in the order the workers run them."""
         comm = [f"{c} {_size(s)}" for c in COLLECTIVES for s in self.sizes_bytes] if ranks > 1 else []
-        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add", "host overheads"]
+        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add", "host overheads"] + \
+            [f"model {m.spec}" for m in models]
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Measurements:
     elementwise_bytes: int = 0  # bytes one add moves (two reads, one write)
     elementwise_s: float = 0.0
     host: dict[str, Any] = field(default_factory=dict)  # host_probes.measure: seconds per probe
+    models: list = field(default_factory=list)  # per --model: b -> mode -> [forward_s, forward_backward_s]
     load_1min: float = 0.0  # the machine's load average when calibration started (other jobs)
     cpus: int = 1
 
@@ -161,18 +165,33 @@ def check_output(path: str | Path) -> Path:
 
 
 def calibrate(devices_per_node: int | None = None, quick: bool = False,
-              on_step: Callable[[int, int, str], None] | None = None) -> Calibration:
-    """Measure this machine with ``devices_per_node`` ranks; ``on_step(done, total, name)`` reports progress."""
+              on_step: Callable[[int, int, str], None] | None = None,
+              models: list[ProfileRequest] = ()) -> Calibration:
+    """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``cost.profile``);
+    ``on_step(done, total, name)`` reports progress."""
     start, load_1min = time.perf_counter(), os.getloadavg()[0]
     ranks, backend = resolve_ranks(devices_per_node)
     settings = Settings.for_backend(backend, quick)
-    steps = settings.steps(ranks)
+    steps = settings.steps(ranks, models)
     progress = on_step or (lambda done, total, name: None)
     progress(0, len(steps), f"starting {ranks} {backend} ranks")
     done = itertools.count(1)
-    measured = _run_workers(ranks, backend, settings, lambda name: progress(next(done), len(steps), name))
+    measured = _run_workers(ranks, backend, settings, list(models),
+                            lambda name: progress(next(done), len(steps), name))
     measured.load_1min, measured.cpus = load_1min, os.cpu_count() or 1
-    return _calibration(measured, quick, time.perf_counter() - start)
+    return _calibration(measured, quick, time.perf_counter() - start, list(models))
+
+
+def microbatch_sizes_flag(text: str) -> tuple[int, ...]:
+    """--microbatch-sizes "1,2,4,8" as sizes; one line naming the fix otherwise."""
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1 or len(sizes) > 16:
+        raise AutoshardError(f"--microbatch-sizes {text!r} must be up to 16 positive integers separated by commas; "
+                             "fix: e.g. --microbatch-sizes 1,2,4,8")
+    return sizes
 
 
 def resolve_ranks(devices_per_node: int | None) -> tuple[int, str]:
@@ -204,13 +223,14 @@ def _check_ranks(ranks: int, backend: str) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-def _run_workers(ranks: int, backend: str, settings: Settings, on_step: Callable[[str], None]) -> Measurements:
+def _run_workers(ranks: int, backend: str, settings: Settings, models: list[ProfileRequest],
+                 on_step: Callable[[str], None]) -> Measurements:
     """Spawn the workers, relay rank 0's progress, and read its result file."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="autoshard-calibrate-") as tmp:
         queue = mp.get_context("spawn").SimpleQueue()
-        args = (ranks, backend, settings, tmp, queue, _threads())
+        args = (ranks, backend, settings, models, tmp, queue, _threads())
         ctx = mp.start_processes(_worker, args=args, nprocs=ranks, join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=0.1):
@@ -254,10 +274,15 @@ def _read_result(path: Path) -> Measurements:
     return Measurements(**d, comm=comm, matmul_s=matmul)
 
 
-def _calibration(m: Measurements, quick: bool, wall_s: float) -> Calibration:
+def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[ProfileRequest] = ()) -> Calibration:
     per_collective = {c: _fit_or_none([s for s in m.comm if s.collective == c]) for c in COLLECTIVES} if m.comm else {}
     link_fit = fit_link(m.comm) if m.comm else None
     cluster = build_cluster(m, link_fit, quick)
+    if models:
+        origin = f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} " \
+                 f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
+        profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
+        cluster = replace(cluster, profiles=profiles)
     return Calibration(m, link_fit, per_collective, cluster, wall_s)
 
 
@@ -404,7 +429,8 @@ def _err(fit: LinkFit) -> str:
 # --------------------------------------------------------------------------- worker side
 
 
-def _worker(rank: int, ranks: int, backend: str, settings: Settings, tmp: str, queue, threads: int) -> None:
+def _worker(rank: int, ranks: int, backend: str, settings: Settings, models: list[ProfileRequest], tmp: str, queue,
+            threads: int) -> None:
     """One rank: join the group, measure everything, rank 0 writes ``result.json``."""
     import torch
     import torch.distributed as dist
@@ -418,7 +444,7 @@ def _worker(rank: int, ranks: int, backend: str, settings: Settings, tmp: str, q
                             timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
     try:
         bench = _Bench(device, settings, (lambda name: queue.put(name)) if rank == 0 else (lambda name: None))
-        result = bench.run()
+        result = bench.run(models)
         if rank == 0:
             Path(tmp, "result.json").write_text(json.dumps(result))
     finally:
@@ -437,13 +463,17 @@ class _Bench:
         self.gpu = device.type == "cuda"
         self.dtype = torch.bfloat16 if self.gpu else torch.float32
 
-    def run(self) -> dict[str, Any]:
+    def run(self, models: list[ProfileRequest] = ()) -> dict[str, Any]:
         comm = self.collectives() + self.p2p() if self.ranks > 1 else []
         matmul_s = {n: self.matmul(n) for n in self.s.matmul_sizes}
         elem_bytes, elem_s = self.elementwise()
-        host = host_probes.measure(self._time_op, self.ranks)
+        host = host_probes.measure(self._time_probe, self.ranks)
         self.report("host overheads")
-        return {"host": host, "backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
+        profiles = []
+        for request in models:
+            profiles.append(measure_model(self._time_probe, request, self.device))
+            self.report(f"model {request.spec}")
+        return {"host": host, "models": profiles, "backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
                 "device_name": self.device_name(), "memory_bytes": self.memory_bytes(),
                 "dtype": str(self.dtype).removeprefix("torch."), "comm": comm, "matmul_s": matmul_s,
                 "elementwise_bytes": elem_bytes, "elementwise_s": elem_s}
@@ -503,7 +533,12 @@ class _Bench:
         self.report("elementwise add")
         return 3 * a.numel() * a.element_size(), t
 
-    def _time_op(self, op: Callable[[], None]) -> float:
+    def _time_probe(self, op: Callable[[], None]) -> float:
+        """``_time_op`` for the host probes and models: their figures are differences of times, so
+        each gets PROBE_TIME_FACTOR × the time of a collective's point."""
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
+
+    def _time_op(self, op: Callable[[], None], point_s: float | None = None) -> float:
         """Median over calls of the slowest rank's time per call (module doc)."""
         op()
         self._sync()
@@ -511,7 +546,8 @@ class _Bench:
         op()
         self._sync()
         warm = self._max_over_ranks([time.perf_counter() - t0])[0]
-        calls = max(self.s.min_calls, min(self.s.max_calls, math.floor(self.s.point_s / max(warm, 1e-9))))
+        budget_s = self.s.point_s if point_s is None else point_s
+        calls = max(self.s.min_calls, min(self.s.max_calls, math.floor(budget_s / max(warm, 1e-9))))
         times = []
         self.dist.barrier()
         for _ in range(calls):

@@ -134,6 +134,10 @@ def _add_calibrate(sub, common) -> None:
     p.add_argument("-o", "--output", required=True, help="the cluster YAML to write, e.g. cluster.yaml")
     p.add_argument("--devices-per-node", type=int, help="ranks to measure with (default: 2 on CPU, every GPU)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 30 s)")
+    p.add_argument("--model", action="append", default=[], metavar="MODEL",
+                   help="also measure this model (file.py:factory): its forward and backward per micro-batch size "
+                        "and recompute mode, kept in the cluster file for plans of it (repeatable)")
+    p.add_argument("--microbatch-sizes", default="1,2,4,8", help="micro-batch sizes to measure --model at")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -275,15 +279,21 @@ def cmd_calibrate(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from autoshard.calibrate import calibrate, check_output, render, resolve_ranks, write_cluster_file
+    from autoshard.calibrate import (calibrate, check_output, microbatch_sizes_flag, render, resolve_ranks,
+                                     write_cluster_file)
+    from autoshard.cost.profile import profile_request
 
     output = check_output(args.output)
     ranks, _ = resolve_ranks(args.devices_per_node)
+    sizes = microbatch_sizes_flag(args.microbatch_sizes)
+    models = [profile_request(spec, sizes) for spec in args.model]  # captured before minutes of measuring
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("calibrating", total=None)
-        result = calibrate(ranks, quick=args.quick, on_step=lambda done, total, name: progress.update(
+        result = calibrate(ranks, quick=args.quick, models=models, on_step=lambda done, total, name: progress.update(
             task, completed=done, total=total, description=f"calibrating: {name}"))
-    command = "autoshard calibrate" + (" --quick" if args.quick else "") + f" --devices-per-node {ranks} -o {output}"
+    command = "autoshard calibrate" + (" --quick" if args.quick else "") + f" --devices-per-node {ranks}" + \
+        "".join(f" --model {m}" for m in args.model) + \
+        (f" --microbatch-sizes {args.microbatch_sizes}" if args.model else "") + f" -o {output}"
     write_cluster_file(output, result, command)
     render(result)
     print(f"wrote {output}; use it with: autoshard plan MODEL --cluster {output} --global-batch N")

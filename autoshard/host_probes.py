@@ -18,10 +18,16 @@ and t_* the measured medians (``fit_host``)::
     op_backward_us       h_b = (t_fwd+bwd − t_fwd − 2·R(all)) / N
     selective_op_us      (t_selective − t_fwd+bwd − N_l·h_f − R(light)) / (N_b + N_l)
     checkpoint_block_us  (t_full − t_fwd+bwd − N_b·h_f − R(blocks)) / K
-    fsdp_unit_zero{2,3}  (t_fsdp − t_fwd+bwd − comm(U units)) / U, comm by comm.py on the link
+    fsdp_unit_zero{2,3}  r(w) = (t_fsdp − t_fwd+bwd − comm(U units)) / U at two widths w (comm by comm.py
+                         on the link): r = a + S·c over the mean unit bytes S; a per unit, c per MiB
+    ddp_tensor_us        (t_ddp − t_fwd+bwd − AR(all gradients)) / T
+    zero1_tensor_us      (t_zero1 − AdamW(T/N tensors) − the T broadcasts (``cost.step.zero1_gather_s``)) / T
     optimizer_tensor_us  (t_adamw − 28·P / W) / T     (P parameters, W memory bandwidth; ``cost.step``)
     sharded_optimizer…   the same over FSDP2's sharded parameters (P / N per rank)
     pipeline_microbatch  slope of the 1F1B step over micro-batches − the slower stage's ops − 2·p2p
+    pipeline_step_us     t(m₀) − (m₀ + 1)·slope: what a step costs beyond its m₀ + p − 1 stage slots
+    tp_module_us         (t_tp − t_fwd+bwd − the 4 all-reduces per block) / (6K sharded linears),
+                         every rank one TP rank (colwise q, k, v, fc; rowwise o, proj)
 
 Every figure is clamped at 0: a negative one means the part is within the noise.
 """
@@ -36,10 +42,11 @@ from autoshard.cost.step import ADAM_BYTES_PER_PARAM
 from autoshard.ir.topology import Cluster, HostOverheads
 
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
+WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
 PIPELINE_MICROBATCHES = (2, 8)
 
 
-def probe_model():
+def probe_model(width: int = WIDTH):
     """K narrow transformer blocks (pre-norm attention + GELU MLP) and a linear head."""
     import torch.nn as nn
     import torch.nn.functional as F
@@ -47,19 +54,19 @@ def probe_model():
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
-            self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+            self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
 
         def forward(self, x):
             b, s, _ = x.shape
-            q, k, v = (p(x).view(b, s, -1, WIDTH // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+            q, k, v = (p(x).view(b, s, -1, width // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(WIDTH), Attention(), nn.LayerNorm(WIDTH)
-            self.fc, self.proj = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+            self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(width), Attention(), nn.LayerNorm(width)
+            self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
         def forward(self, x):
             x = x + self.attn(self.ln_1(x))
@@ -69,7 +76,7 @@ def probe_model():
         def __init__(self):
             super().__init__()
             self.h = nn.ModuleList(Block() for _ in range(BLOCKS))
-            self.head = nn.Linear(WIDTH, WIDTH)
+            self.head = nn.Linear(width, width)
 
         def forward(self, x):
             for block in self.h:
@@ -79,10 +86,15 @@ def probe_model():
     return Probe()
 
 
-def probe_input(batch: int = 1):
+def probe_input(batch: int = 1, width: int = WIDTH):
     import torch
 
-    return torch.randn(batch, TOKENS, WIDTH)
+    return torch.randn(batch, TOKENS, width)
+
+
+def unit_param_bytes(width: int) -> tuple[int, ...]:
+    """fp32 bytes of each FSDP unit of ``probe_model(width)``: K blocks (12w² + 13w), then the head."""
+    return (*[4 * (12 * width * width + 13 * width)] * BLOCKS, 4 * (width * width + width))
 
 
 # --------------------------------------------------------------------------- worker side
@@ -103,7 +115,9 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
         out[mode] = time_op(_fwd_bwd(apply_recompute(probe_model(), blocks, mode), x))
     out["adamw"], out["tensors"], out["params"] = _optimizer_probe(time_op, plain)
     if ranks > 1:
-        out |= _fsdp_probes(time_op, x, blocks)
+        out |= _fsdp_probes(time_op, blocks)
+        out |= _ddp_probes(time_op, x, plain)
+        out["tp"] = _tp_probe(time_op, x)
     if ranks > 1 and ranks % 2 == 0:
         out["pipeline"] = {m: _pipeline_probe(time_op, m, ranks) for m in PIPELINE_MICROBATCHES}
     return out
@@ -125,7 +139,9 @@ def _optimizer_probe(time_op, model) -> tuple[float, int, int]:
     return time_op(opt.step), len(params), sum(p.numel() for p in params)
 
 
-def _fsdp_probes(time_op, x, blocks: list[str]) -> dict[str, Any]:
+def _fsdp_probes(time_op, blocks: list[str]) -> dict[str, Any]:
+    """FSDP2 (ZeRO-2 and 3) fwd + bwd at both widths, the plain model's at the wide one, and AdamW
+    over the sharded parameters."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,13 +149,46 @@ def _fsdp_probes(time_op, x, blocks: list[str]) -> dict[str, Any]:
     from autoshard.runtime.parallel import apply_fsdp
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    out = {}
-    for stage, reshard in ((2, False), (3, True)):
-        model = apply_fsdp(probe_model(), mesh, blocks, reshard_after_forward=reshard)
-        out[f"fsdp{stage}"] = time_op(_fwd_bwd(model, x))
+    out = {"fwd_bwd_wide": time_op(_fwd_bwd(probe_model(WIDE), probe_input(width=WIDE)))}
+    for width, suffix in ((WIDTH, ""), (WIDE, "_wide")):
+        x = probe_input(width=width)
+        for stage, reshard in ((2, False), (3, True)):
+            model = apply_fsdp(probe_model(width), mesh, blocks, reshard_after_forward=reshard)
+            out[f"fsdp{stage}{suffix}"] = time_op(_fwd_bwd(model, x))
+    model = apply_fsdp(probe_model(), mesh, blocks, reshard_after_forward=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(x).sum().backward()
+    model(probe_input()).sum().backward()
     out["sharded_adamw"] = time_op(opt.step)
+    return out
+
+
+TP_STYLES = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+             "fc": "colwise", "proj": "rowwise"}  # Megatron's layout of the probe's blocks
+
+
+def _tp_probe(time_op, x) -> float:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.runtime.tensor_parallel import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in TP_STYLES.items()}
+    model = apply_tensor_parallel(probe_model(), mesh, styles)
+    return time_op(_fwd_bwd(model, x))
+
+
+def _ddp_probes(time_op, x, plain) -> dict[str, Any]:
+    """DDP's fwd + bwd (one bucket) and ZeroRedundancyOptimizer's step, over every rank."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from autoshard.runtime.parallel import apply_ddp
+
+    ddp = apply_ddp(probe_model(), torch.device("cpu"), bucket_cap_mb=25.0)
+    out = {"ddp": time_op(_fwd_bwd(ddp, x))}
+    zero1 = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    out["zero1"] = time_op(zero1.step)
     return out
 
 
@@ -179,7 +228,6 @@ class ProbeCounts:
     light_roofline_s: float
     stage_ops: tuple[int, int]  # ops of the two pipeline stages
     stage_roofline_s: tuple[float, float]
-    unit_param_bytes: tuple[int, ...]  # per FSDP unit: K blocks, then the root (head)
     boundary_bytes: int  # one micro-batch's activation between the pipeline stages
 
 
@@ -199,14 +247,12 @@ def probe_counts(cluster: Cluster) -> ProbeCounts:
     in_block = [n.module_path.startswith("h.") for n in graph.nodes]
     light = [b and not n.target.startswith(COMPUTE_HEAVY_TARGETS) for n, b in zip(graph.nodes, in_block)]
     first = [n.module_path.startswith(tuple(f"h.{k}." for k in range(BLOCKS // 2))) for n in graph.nodes]
-    unit_bytes = [4 * sum(p.numel() for p in model.h[k].parameters()) for k in range(BLOCKS)]
     return ProbeCounts(
         ops=len(graph.nodes), block_ops=sum(in_block), light_block_ops=sum(light), roofline_s=sum(times),
         block_roofline_s=sum(t for t, b in zip(times, in_block) if b),
         light_roofline_s=sum(t for t, b in zip(times, light) if b),
         stage_ops=(sum(first), len(first) - sum(first)),
         stage_roofline_s=(sum(t for t, f in zip(times, first) if f), sum(t for t, f in zip(times, first) if not f)),
-        unit_param_bytes=(*unit_bytes, 4 * sum(p.numel() for p in model.head.parameters())),
         boundary_bytes=4 * TOKENS * WIDTH)
 
 
@@ -223,34 +269,56 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
     figures = {"op_forward_us": h_f, "op_backward_us": h_b, "selective_op_us": selective,
                "checkpoint_block_us": full, "optimizer_tensor_us": adamw}
     if "fsdp2" in t:
-        units = len(c.unit_param_bytes)
         for stage in (2, 3):
-            figures[f"fsdp_unit_zero{stage}_us"] = (t[f"fsdp{stage}"] - t["fwd_bwd"] -
-                                                     _fsdp_comm_s(c, cluster, ranks, stage)) / units
+            figures[f"fsdp_unit_zero{stage}_us"], figures[f"fsdp_zero{stage}_us_per_mib"] = \
+                _fsdp_fit(t, cluster, ranks, stage)
         figures["sharded_optimizer_tensor_us"] = \
             (t["sharded_adamw"] - ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth) / t["tensors"]
+        gradient_bytes = 4 * t["params"]
+        figures["ddp_tensor_us"] = (t["ddp"] - t["fwd_bwd"] - comm.allreduce_s(gradient_bytes, ranks,
+                                                                                cluster.intra_node)) / t["tensors"]
+        local_adamw = adamw * t["tensors"] / ranks + ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
+        broadcasts = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node) + \
+            (t["tensors"] - 1) * (ranks - 1) * cluster.intra_node.latency_us * 1e-6
+        figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - broadcasts) / t["tensors"]
+        all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, ranks, cluster.intra_node)
+        figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
     if "pipeline" in t:
-        figures["pipeline_microbatch_us"] = _pipeline_residual_s(t["pipeline"], c, cluster, h_f, h_b)
+        figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = \
+            _pipeline_residual_s(t["pipeline"], c, cluster, h_f, h_b)
     return HostOverheads(**{k: _us(v) for k, v in figures.items()} | _zeros_for_missing(figures), source=source)
 
 
-def _fsdp_comm_s(c: ProbeCounts, cluster: Cluster, ranks: int, stage: int) -> float:
+def _fsdp_fit(t: dict[str, Any], cluster: Cluster, ranks: int, stage: int) -> tuple[float, float]:
+    """(a seconds per unit, c µs per MiB as seconds per MiB·1e-6) from the two widths (module doc)."""
+    points = []
+    for width, suffix in ((WIDTH, ""), (WIDE, "_wide")):
+        sizes = unit_param_bytes(width)
+        residual = (t[f"fsdp{stage}{suffix}"] - t[f"fwd_bwd{suffix}"] - _fsdp_comm_s(sizes, cluster, ranks, stage))
+        points.append((sum(sizes) / len(sizes) / 2**20, residual / len(sizes)))
+    (s0, r0), (s1, r1) = points
+    per_mib = max(0.0, (r1 - r0) / (s1 - s0))
+    return r0 - per_mib * s0, per_mib
+
+
+def _fsdp_comm_s(unit_bytes: tuple[int, ...], cluster: Cluster, ranks: int, stage: int) -> float:
     """The probe's FSDP collectives as the cost model prices them: per unit an all-gather before
     forward (and again before backward for ZeRO-3) and a reduce-scatter after backward."""
     link = cluster.intra_node
     gathers = 2 if stage == 3 else 1
     return sum(gathers * comm.all_gather_s(b, ranks, link) + comm.reduce_scatter_s(b, ranks, link)
-               for b in c.unit_param_bytes)
+               for b in unit_bytes)
 
 
-def _pipeline_residual_s(times: dict, c: ProbeCounts, cluster: Cluster, h_f: float, h_b: float) -> float:
+def _pipeline_residual_s(times: dict, c: ProbeCounts, cluster: Cluster, h_f: float,
+                         h_b: float) -> tuple[float, float]:
     """Per micro-batch and stage: the step's slope over micro-batches (in 1F1B's steady state each
     micro-batch adds one slowest stage), less what the cost model already prices there (that
     stage's ops, forward and backward, and its two boundary transfers)."""
     (m0, t0), (m1, t1) = sorted((int(m), s) for m, s in times.items())
     slope = (t1 - t0) / (m1 - m0)
     ops = max(n * (h_f + h_b) + 3 * r for n, r in zip(c.stage_ops, c.stage_roofline_s))
-    return slope - ops - 2 * comm.p2p_s(c.boundary_bytes, cluster.intra_node)
+    return slope - ops - 2 * comm.p2p_s(c.boundary_bytes, cluster.intra_node), t0 - (m0 + 1) * slope
 
 
 def _zeros_for_missing(figures: dict[str, float]) -> dict[str, float]:

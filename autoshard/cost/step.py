@@ -107,6 +107,7 @@ from dataclasses import dataclass, replace
 from autoshard.cost import comm
 from autoshard.cost.compute import ATTENTION_KERNELS, ComputeTime, model_flops_per_sample
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend
+from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.units import Units, node_forward_s, node_units, stage_ranges, stage_units, unit_costs
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Memory, Mesh, Predicted
@@ -204,12 +205,21 @@ class CostTables:
         return self._memo[key]
 
     def units(self, microbatch_size: int, recompute: str) -> Units:
+        """Per-unit costs of one micro-batch; scaled to the model's measured profile when the cluster
+        has one for this graph (``cost.profile``)."""
         key = (microbatch_size, recompute)
         if key not in self._units:
-            self._units[key] = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
-                                          self.precision.activation_bytes, CAPTURED_ELEM_BYTES,
-                                          self.runtime.attention, self.cluster.host, hides_comm(self.cluster))
+            units = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
+                               self.precision.activation_bytes, CAPTURED_ELEM_BYTES, self.runtime.attention,
+                               self.cluster.host, hides_comm(self.cluster))
+            measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
+            self._units[key] = scaled_to(units, measured) if measured else units
         return self._units[key]
+
+    @functools.cached_property
+    def profile(self):
+        """The model's measured profile on this cluster (``cost.profile.ModelProfile``), or None."""
+        return self.cluster.profile_for(graph_signature(self.graph)) if self.cluster.profiles else None
 
     def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
         """The layout choice for micro-batch b, exact for it: with r = b/b₀ and e = a/captured,
@@ -376,13 +386,16 @@ def spmd_parts(tables: CostTables, config: Config) -> StepParts:
     m = config.num_microbatches
     dp = dp_comm_time(graph, cluster, config, micro, precision, local)
     units = tables.units(config.microbatch_size, config.recompute)
-    fsdp_units = len(graph.blocks) + 1
-    host_s = m * sum(units.host_s) + m * fsdp_units * fsdp_unit_host_s(cluster, config) + \
-        optimizer_host_s(cluster, config, param_tensors(graph))
+    tensors = param_tensors(graph)
+    optimizer_s, optimizer_host = optimizer_parts(tables, config, local, tensors)
+    tp_host_s = sum(tp_host_per_unit_s(tables, config))
+    host_s = m * (sum(units.host_s) + tp_host_s) + \
+        m * fsdp_host_s(cluster, config, len(graph.blocks) + 1, local, precision) + \
+        optimizer_host + dp_host_s(cluster, config, tensors)
     return StepParts(
         forward_s=m * micro.forward_s, backward_s=m * micro.backward_s, recompute_s=m * micro.recompute_s,
         grad_accumulation_s=grad_accumulation_s(local, config, precision, cluster),
-        optimizer_s=optimizer_step_s(local, config, cluster), tp_comm_s=m * tp_comm_s, p2p_s=0.0,
+        optimizer_s=optimizer_s, tp_comm_s=m * tp_comm_s, p2p_s=0.0,
         dp_comm_exposed_s=dp.exposed_s, bubble_s=0.0, dp_comm_total_s=dp.total_s,
         memory=memory_spmd(tables, config, local), host_s=host_s)
 
@@ -426,12 +439,51 @@ def param_tensors(graph: OpGraph) -> int:
     return sum(not p.is_buffer for p in graph.params)
 
 
-def fsdp_unit_host_s(cluster: Cluster, config: Config) -> float:
-    """FSDP2's host time per unit and micro-batch (``HostOverheads``); 0 without FSDP."""
+def fsdp_host_s(cluster: Cluster, config: Config, units: int, params: float, precision: Precision) -> float:
+    """FSDP2's host time per micro-batch over ``units`` units holding ``params`` parameters:
+    U·a + c·MiB(params) (``HostOverheads``: per unit, and per MiB copied in and out); 0 without FSDP."""
     if config.mesh.dp == 1 or config.zero_stage < 2:
         return 0.0
+    host, z3 = cluster.host, config.zero_stage == 3
+    per_unit_us = host.fsdp_unit_zero3_us if z3 else host.fsdp_unit_zero2_us
+    per_mib_us = host.fsdp_zero3_us_per_mib if z3 else host.fsdp_zero2_us_per_mib
+    return (units * per_unit_us + per_mib_us * params * precision.param_bytes / 2**20) * 1e-6
+
+
+def tp_host_per_unit_s(tables: CostTables, config: Config) -> tuple[float, ...]:
+    """DTensor's host time per micro-batch in each unit: its modules of a sharded style × tp_module_us."""
+    count = len(tables.graph.blocks) + 2
+    if config.mesh.tp == 1 or not tables.cluster.host.tp_module_us:
+        return (0.0,) * count
+    sharded = tables.tp_cost(config.mesh.tp, config.microbatch_size).choice.sharded
+    unit_of = {}
+    for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
+        unit_of.setdefault(node.module_path, u)
+    per_unit = [0.0] * count
+    for path, style in sharded.items():
+        if style in SHARDED_STYLES and path in unit_of:
+            per_unit[unit_of[path]] += tables.cluster.host.tp_module_us * 1e-6
+    return tuple(per_unit)
+
+
+def dp_host_s(cluster: Cluster, config: Config, tensors: int) -> float:
+    """DDP's hooks on the synchronising micro-batch, and ZeroRedundancyOptimizer's step, per tensor."""
+    if config.mesh.dp == 1 or config.zero_stage >= 2:
+        return 0.0
     host = cluster.host
-    return (host.fsdp_unit_zero3_us if config.zero_stage == 3 else host.fsdp_unit_zero2_us) * 1e-6
+    return tensors * (host.ddp_tensor_us + (host.zero1_tensor_us if config.zero_stage == 1 else 0.0)) * 1e-6
+
+
+def optimizer_parts(tables: CostTables, config: Config, local_params: float, tensors: int) -> tuple[float, float]:
+    """(optimizer_s, its host time): the model's measured AdamW step (``cost.profile``) over the rank's
+    share of the parameters where there is one and the parameters are plain tensors; else the
+    memory-bound formula and the per-tensor loop."""
+    profile, cluster = tables.profile, tables.cluster
+    sharded = config.mesh.dp > 1 and config.zero_stage >= 2
+    if profile is not None and profile.optimizer_s and not sharded:
+        shards = config.mesh.dp if config.zero_stage == 1 else 1
+        return profile.optimizer_s * local_params / tables.graph.param_count / shards, 0.0
+    return optimizer_step_s(local_params, config, cluster), optimizer_host_s(cluster, config, tensors)
 
 
 def optimizer_host_s(cluster: Cluster, config: Config, tensors: int) -> float:
@@ -617,11 +669,12 @@ def pipeline_parts(tables: CostTables, config: Config, cuts: tuple[int, ...]) ->
     m, p, v = config.num_microbatches, config.mesh.pp, config.virtual_stages
     params = max(r.params for r in loads)
     dp = pipeline_dp_comm(cluster, config, params, precision)
-    host_s = m * slowest.host_s + optimizer_host_s(cluster, config, max(r.tensors for r in loads))
+    optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
+    host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
     return StepParts(
         forward_s=m * slowest.forward_s, backward_s=m * slowest.backward_s,
         recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
-        optimizer_s=optimizer_step_s(params, config, cluster), tp_comm_s=m * slowest.tp_comm_s,
+        optimizer_s=optimizer_s, tp_comm_s=m * slowest.tp_comm_s,
         p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s, bubble_s=(p - 1) / v * slowest.time_s,
         dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
         host_s=host_s)
@@ -629,6 +682,7 @@ def pipeline_parts(tables: CostTables, config: Config, cuts: tuple[int, ...]) ->
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:
     units, tp_comm = pipeline_units(tables, config)
+    tp_host = tp_host_per_unit_s(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
     loads = []
     for r in range(config.mesh.pp):
@@ -638,9 +692,9 @@ def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> lis
         params = sum(units.params[u] for u in idx)
         acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
             sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
-        per_stage_host_s = tables.cluster.host.pipeline_microbatch_us * 1e-6 + \
-            fsdp_unit_host_s(tables.cluster, config)  # the schedule's bookkeeping; FSDP2 on the stage module
-        host_s = sum(units.host_s[u] for u in idx) + len(mine) * per_stage_host_s
+        host_s = sum(units.host_s[u] + tp_host[u] for u in idx) + \
+            len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
+            + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
         loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] for u in idx),
                               sum(units.recompute_s[u] for u in idx), p2p,
                               sum(tp_comm[u] for u in idx), params,

@@ -102,12 +102,23 @@ class HostOverheads:
     fsdp_unit_zero2_us: float = _spec("FSDP2 (ZeRO-2) host time per unit and micro-batch beyond its "
                                       "collectives, e.g. 2000", _NON_NEGATIVE)
     fsdp_unit_zero3_us: float = _spec("the same for ZeRO-3 (resharded after forward), e.g. 3000", _NON_NEGATIVE)
+    fsdp_zero2_us_per_mib: float = _spec("FSDP2 (ZeRO-2) host time per MiB of a unit's parameters and micro-batch "
+                                         "beyond its collectives (copies in and out), e.g. 500", _NON_NEGATIVE)
+    fsdp_zero3_us_per_mib: float = _spec("the same for ZeRO-3, e.g. 800", _NON_NEGATIVE)
+    ddp_tensor_us: float = _spec("DDP's hooks per parameter tensor and micro-batch beyond the all-reduce, e.g. 50",
+                                 _NON_NEGATIVE)
+    zero1_tensor_us: float = _spec("ZeroRedundancyOptimizer's step per parameter tensor beyond its broadcasts "
+                                   "and AdamW, e.g. 100", _NON_NEGATIVE)
     optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60",
                                        _NON_NEGATIVE)
     sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300",
                                                _NON_NEGATIVE)
     pipeline_microbatch_us: float = _spec("pipeline schedule time per stage and micro-batch beyond its ops and "
                                           "transfers, e.g. 1500", _NON_NEGATIVE)
+    pipeline_step_us: float = _spec("pipeline schedule time per step beyond its micro-batches and bubble (loss "
+                                    "and tied-weight bookkeeping), e.g. 5000", _NON_NEGATIVE)
+    tp_module_us: float = _spec("DTensor's host time per tensor-parallel module and micro-batch (forward and "
+                                "backward) beyond its collectives, e.g. 400", _NON_NEGATIVE)
     source: str = _spec("where the figures come from (autoshard calibrate)")
 
     def __post_init__(self):
@@ -115,7 +126,7 @@ class HostOverheads:
 
     @classmethod
     def none(cls) -> HostOverheads:
-        return cls(0, 0, 0, 0, 0, 0, 0, 0, 0, "not measured")
+        return cls(**{f.name: 0.0 for f in fields(cls) if f.name != "source"}, source="not measured")
 
     @property
     def measured(self) -> bool:
@@ -137,6 +148,7 @@ _CLUSTER_DOCS = {
     "intra_node": "a mapping of bandwidth_gbps, latency_us for the link inside a node",
     "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
     "host": "optional: host overheads per op, unit and tensor, as autoshard calibrate writes them",
+    "profiles": "optional: measured models, as autoshard calibrate --model writes them",
 }
 CLUSTER_KEYS = tuple(_CLUSTER_DOCS)
 
@@ -153,6 +165,7 @@ class Cluster:
     inter_node: LinkSpec  # per-device share of the node's NICs
     backend: str  # "nccl" or "gloo"
     host: HostOverheads = field(default_factory=HostOverheads.none)
+    profiles: tuple = ()  # cost.profile.ModelProfile of models measured on these devices
     graph: nx.Graph = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -207,7 +220,12 @@ class Cluster:
             "intra_node": _spec_dict(self.intra_node),
             "inter_node": _spec_dict(self.inter_node),
             **({"host": _spec_dict(self.host)} if self.host.measured else {}),
+            **({"profiles": [p.to_dict() for p in self.profiles]} if self.profiles else {}),
         }
+
+    def profile_for(self, signature: str):
+        """The measured profile (``cost.profile.ModelProfile``) of the graph with this signature, or None."""
+        return next((p for p in self.profiles if p.signature == signature), None)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "cluster dict", default_source: str | None = None) -> Cluster:
@@ -217,13 +235,14 @@ class Cluster:
         are required.
         """
         _check_mapping(d, where, "the cluster", "a mapping with keys " + ", ".join(CLUSTER_KEYS))
-        _check_keys(d, _CLUSTER_DOCS, where, "", optional=tuple(_OPTIONAL_SECTIONS))
+        _check_keys(d, _CLUSTER_DOCS, where, "", optional=(*_OPTIONAL_SECTIONS, "profiles"))
         sections = {key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()}
         sections |= {key: _spec_from_mapping(kind, d[key], where, key, default_source)
                      for key, kind in _OPTIONAL_SECTIONS.items() if key in d}
         name = _check_value(d["name"], str, _NON_EMPTY, where, "name", "a cluster name")
         counts = {key: _check_value(d[key], int, rule, where, key, doc) for key, (doc, rule) in _COUNTS.items()}
-        return cls(name=name, backend=_check_backend(d["backend"], where), **counts, **sections)
+        return cls(name=name, backend=_check_backend(d["backend"], where), **counts, **sections,
+                   profiles=_profiles(d.get("profiles", []), where))
 
     def _share_gbps(self, edge: Mapping[str, Any]) -> float:
         users = self.devices_per_node if edge["kind"] == "inter_node" else 1
@@ -249,6 +268,15 @@ class Cluster:
                 g.add_node(f"node{n}/dev{d}", kind="device", rank=n * self.devices_per_node + d, node=n)
                 g.add_edge(f"node{n}/dev{d}", switch, **intra)
         return g
+
+
+def _profiles(raw: Any, where: str) -> tuple:
+    from autoshard.cost.profile import ModelProfile  # cost builds on ir; only this reader needs it
+
+    if not isinstance(raw, list):
+        raise AutoshardError(f"{where}: profiles must be a list, got {_short(raw)}; fix: run `autoshard calibrate "
+                             f"--model MODEL` again, or delete the profiles section")
+    return tuple(ModelProfile.from_dict(p, where) for p in raw)
 
 
 def _edge_attrs(link: LinkSpec, kind: str, devices: int) -> dict[str, Any]:
