@@ -13,18 +13,19 @@ from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-         devices_per_node: int | None = None, **pins) -> Plan:
+         devices_per_node: int | None = None, fold: bool = True, **pins) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
-    (dp, tp, pp, zero, microbatch_size, recompute, schedule)."""
+    (dp, tp, pp, zero, microbatch_size, recompute, schedule); ``fold=False`` exports every repeated
+    layer (``passes.fold``)."""
     from autoshard.cost.hardware import load_cluster
 
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins)))
+    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold))
 
 
 def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-             devices_per_node: int | None = None, **pins) -> Plan:
+             devices_per_node: int | None = None, fold: bool = True, **pins) -> Plan:
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
     microbatch_size, recompute, schedule). It is priced like ``plan`` prices it (a fitting one is
     the same plan) and returned even when it does not fit (its ``notes`` say by how much)."""
@@ -36,7 +37,7 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins)))
+    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold))
 
 
 def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):

@@ -80,6 +80,8 @@ def _add_plan_arguments(p) -> None:
         p.add_argument(f"--{name}", type=int, help="pin this decision")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
+    p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of two and copies "
+                   "(slower on deep models; for a model whose layers differ by their index)")
 
 
 def _add_inspect(sub, common) -> None:
@@ -146,7 +148,8 @@ def cmd_plan(args) -> int:
 
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                     devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                    microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule)
+                    microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
+                    fold=not args.no_fold)
     _write_plan(plan, args)
     return 0
 
@@ -165,7 +168,7 @@ def cmd_estimate(args) -> int:
         raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
                              f"(or let `autoshard plan` choose)")
     plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
-                        devices_per_node=args.devices_per_node,
+                        devices_per_node=args.devices_per_node, fold=not args.no_fold,
                         **{name: getattr(args, name) for name in ESTIMATE_PINS})
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]

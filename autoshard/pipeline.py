@@ -1,7 +1,10 @@
 """The pass pipeline, in one flat list: model file + cluster -> Plan.
 
-    capture     torch.export on meta tensors         ModelFile -> OpGraph
+    capture     torch.export on meta tensors, two    ModelFile -> OpGraph
+                of L repeated layers (passes.fold)
     annotate    FLOPs and bytes per op               OpGraph -> OpGraph
+    unfold      the L layers, copied from the two    OpGraph -> OpGraph   (after annotate: copies
+                                                                           carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
     strategies  meshes (dp, tp, pp) and configurations
                 the runtime supports, pins applied   -> [Config]          (needs blocks)
@@ -30,13 +33,13 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage
 from autoshard.ir.topology import Cluster
-from autoshard.modelfile import ModelFile, load_model_file
+from autoshard.modelfile import ModelFile, load_model_file, model_fingerprint
 from autoshard.passes.annotate import annotate
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
+from autoshard.passes.fold import unfold
 from autoshard.passes.search import SearchResult, price_config, search, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
-from autoshard.runtime.model import model_fingerprint
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
 
@@ -51,6 +54,7 @@ class PlanRequest:
     cluster: Cluster
     global_batch: int
     pins: Pins = field(default_factory=Pins)
+    fold: bool = True  # capture two of the repeated layers and copy them (passes.fold); --no-fold
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -62,7 +66,7 @@ def plan_model(request: PlanRequest) -> Plan:
     check_pins(request.pins, request.cluster, request.global_batch)
     model_file = load_model_file(request.model_spec)
     done: list[str] = []
-    graph = _graph_passes(model_file, done)
+    graph = _graph_passes(model_file, done, request.fold)
     return plan_graph(request, model_file, graph, done)
 
 
@@ -80,7 +84,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     check_pins(request.pins, request.cluster, request.global_batch)
     model_file = load_model_file(request.model_spec)
     done: list[str] = []
-    graph = _graph_passes(model_file, done)
+    graph = _graph_passes(model_file, done, request.fold)
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("price", done, price_pinned, graph, request.cluster, configs, request.global_batch)
@@ -94,15 +98,16 @@ def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: 
     return SearchResult(best=price_config(graph, cluster, configs[0], global_batch), alternatives=())
 
 
-def capture_graph(model_spec: str) -> tuple[ModelFile, OpGraph]:
-    """capture -> annotate -> blocks, for tools that need only the graph."""
+def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGraph]:
+    """capture -> annotate -> unfold -> blocks, for tools that need only the graph."""
     model_file = load_model_file(model_spec)
-    return model_file, _graph_passes(model_file, [])
+    return model_file, _graph_passes(model_file, [], fold)
 
 
-def _graph_passes(model_file: ModelFile, done: list[str]) -> OpGraph:
-    graph = _run("capture", done, capture, model_file, CAPTURE_BATCH)
+def _graph_passes(model_file: ModelFile, done: list[str], fold: bool = True) -> OpGraph:
+    graph = _run("capture", done, capture, model_file, CAPTURE_BATCH, fold)
     graph = _run("annotate", done, annotate, graph)
+    graph = _run("unfold", done, unfold, graph)
     return _run("blocks", done, find_blocks, graph)
 
 
@@ -189,7 +194,7 @@ def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
 def model_summary(spec: str, model_file: ModelFile, graph: OpGraph) -> dict[str, Any]:
     return {
         "spec": spec,
-        "hash": model_fingerprint(model_file.build("meta")),
+        "hash": graph.model_fingerprint or model_fingerprint(model_file.build("meta")),
         "params": graph.param_count,
         "layers": len(graph.blocks),
         "tokens_per_sample": graph.tokens_per_sample,

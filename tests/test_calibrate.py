@@ -104,7 +104,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, argv, messa
 @pytest.mark.e2e
 def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--quick", "-o", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--quick", "-o", str(path),
+                           "--model", "examples/gpt.py:build", "--microbatch-sizes", "1,2"],
                           capture_output=True, text=True, timeout=300, cwd=in_repo, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "intra_node α, B" in proc.stdout and f"wrote {path}" in proc.stdout
@@ -112,6 +113,11 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert (cluster.nodes, cluster.devices_per_node, cluster.backend) == (1, 2, "gloo")
     assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
     assert cluster.device.peak_tflops > 0 and cluster.device.memory_bandwidth_gbps > 0
+    assert cluster.host.measured and cluster.host.op_forward_us > 0 and cluster.host.fsdp_unit_zero3_us > 0
+    (profile,) = cluster.profiles
+    assert profile.model == "examples/gpt.py:build" and sorted(profile.times) == [1, 2]
+    assert all(0 < fwd < fwd_bwd for modes in profile.times.values() for fwd, fwd_bwd in modes.values())
+    assert profile.optimizer_s > 0
     code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
     out, _ = capsys.readouterr()
     assert code == 0 and f'"name": "{cluster.name}"' in out

@@ -284,17 +284,23 @@ def unit_tp_fractions(graph: OpGraph, styles: dict[str, str], tp: int,
     return all_ops, light_ops
 
 
-def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: str | None = None) -> int:
-    """Parameters per TP rank (of ``block`` only, if given): sharded modules' weights / tp;
-    a row-parallel bias stays whole (RowwiseParallel replicates it)."""
-    total = 0
+def _local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> dict[str | None, int]:
+    """Parameters per TP rank of every block (None: outside blocks), in one pass: sharded modules'
+    weights / tp; a row-parallel bias stays whole (RowwiseParallel replicates it)."""
+    totals: dict[str | None, int] = {}
     for p in graph.params:
-        if p.is_buffer or (block is not None and block_of(p.module_path) != block):
-            continue
-        style = sharded.get(p.module_path)
-        split = style is not None and not (style == "rowwise" and p.name.endswith(".bias"))
-        total += p.numel // tp if split else p.numel
-    return total
+        if not p.is_buffer:
+            style = sharded.get(p.module_path)
+            split = style is not None and not (style == "rowwise" and p.name.endswith(".bias"))
+            block = block_of(p.module_path)
+            totals[block] = totals.get(block, 0) + (p.numel // tp if split else p.numel)
+    return totals
+
+
+def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: str | None = None) -> int:
+    """Parameters per TP rank, of ``block`` only if given (``_local_params_by_block``)."""
+    totals = _local_params_by_block(graph, sharded, tp)
+    return totals.get(block, 0) if block is not None else sum(totals.values())
 
 
 def dp_group_ranks(mesh: Mesh) -> list[int]:
@@ -720,6 +726,12 @@ def tp_link(cluster: Cluster, tp: int) -> LinkSpec:
 
 
 def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[float, ...]]:
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp) in a search."""
+    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp)
+    return tables.memo(key, lambda: tp_sharded_units(tables, config))
+
+
+def tp_sharded_units(tables: CostTables, config: Config) -> tuple[Units, tuple[float, ...]]:
     """The units of one micro-batch as one TP rank of a stage sees them, and each unit's TP comm.
 
     With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
@@ -751,9 +763,10 @@ def pipeline_units(tables: CostTables, config: Config) -> tuple[Units, tuple[flo
 
 def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:
     """Per unit: parameters left per TP rank over all its parameters (blocks each; the rest pooled)."""
-    per_block = [local_param_count(graph, sharded, tp, block=b.path) / max(1, b.param_count) for b in graph.blocks]
+    local = _local_params_by_block(graph, sharded, tp)
+    per_block = [local.get(b.path, 0) / max(1, b.param_count) for b in graph.blocks]
     in_blocks = sum(b.param_count for b in graph.blocks)
-    local_blocks = sum(local_param_count(graph, sharded, tp, block=b.path) for b in graph.blocks)
+    local_blocks = sum(local.get(b.path, 0) for b in graph.blocks)
     rest = graph.param_count - in_blocks
     rest_share = (local_param_count(graph, sharded, tp) - local_blocks) / rest if rest else 1.0
     return (rest_share, *per_block, rest_share)

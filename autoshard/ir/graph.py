@@ -125,6 +125,8 @@ class OpGraph:
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, as input_shapes
     placeholder_params: dict[str, str] = field(default_factory=dict)  # placeholder -> param/buffer name
     placeholders: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # -> (shape, dtype)
+    fold: Any = None  # passes.fold.Fold while the repeated layers are captured two of L (until unfold)
+    model_fingerprint: str = ""  # runtime.model.model_fingerprint of the captured model (filled by capture)
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]

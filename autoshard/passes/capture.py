@@ -43,7 +43,8 @@ import torch.nn as nn
 import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
-from autoshard.modelfile import ModelFile
+from autoshard.modelfile import ModelFile, model_fingerprint
+from autoshard.passes.fold import fold_model, layers_match
 
 # modelfile imports user files under this module-name prefix; class names use the file stem.
 _USER_MODULE_PREFIX = "autoshard_user_model_"
@@ -54,12 +55,20 @@ _NOISY_LOGGERS = (
 )
 
 
-def capture(model_file: ModelFile, batch_size: int = 2) -> OpGraph:
-    """Build the model on meta, export it on a meta copy of ``example_batch(batch_size)``."""
+def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> OpGraph:
+    """Build the model on meta, export it on a meta copy of ``example_batch(batch_size)``. With
+    ``fold``, only two of its repeated layers are exported (``passes.fold``; ``unfold`` restores
+    the rest after ``annotate``), unless the two turn out different: then the whole model is."""
     model = build_on_meta(model_file)
+    fingerprint = model_fingerprint(model)  # of the whole model: plans name it (fold shortens it next)
+    folded = fold_model(model) if fold else None
     inputs, _ = model_file.example_batch(batch_size)
     meta_inputs = tuple(t.to("meta") for t in inputs)
     graph = capture_module(model, meta_inputs, where=model_file.spec)
+    if folded is not None and not layers_match(graph, folded):
+        model = build_on_meta(model_file)
+        graph, folded = capture_module(model, meta_inputs, where=model_file.spec), None
+    graph.fold, graph.model_fingerprint = folded, fingerprint
     if not any(p.requires_grad for p in model.parameters()):
         raise AutoshardError(f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
                              f"train or shard; return the model with its layers from the factory")

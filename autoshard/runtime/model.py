@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn as nn
 
 from autoshard.errors import AutoshardError
-from autoshard.modelfile import ModelFile
+from autoshard.modelfile import ModelFile, model_fingerprint
 from autoshard.modelfile import load_model_file as _load
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """sha256 of the model's structure: module types, parameter and buffer names, shapes, dtypes.
-
-    Weights' values do not enter, so a meta-device build gives the same fingerprint.
-    """
-    h = hashlib.sha256()
-    for name, module in model.named_modules():
-        h.update(f"m {name} {type(module).__name__}\n".encode())
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        h.update(f"t {name} {tuple(t.shape)} {t.dtype}\n".encode())
-    return h.hexdigest()[:16]
 
 
 def load_model_file(spec: str, expected_hash: str | None = None) -> ModelFile:

@@ -1,0 +1,176 @@
+"""Fold and unfold: capture three of L identical layers, then copy the last L − 3 times.
+
+Exporting costs about 40 ms per transformer layer, so a 96-layer model spends seconds in
+``torch.export`` on layers that are all the same. ``fold_model`` finds the model's stack of
+repeated layers (the one ``nn.ModuleList`` / ``nn.Sequential`` whose L ≥ 4 children have one
+structure: the same classes, parameter and buffer names, shapes and dtypes, ``fingerprint``) and
+keeps its first three children; the model is exported like that; ``unfold`` (after ``annotate``)
+rebuilds the L-layer graph. With P the nodes from the end of layer 1 to the end of layer 2 (the
+glue between the layers, then layer 2), copy k = 3 … L−1 of P is P with
+
+    node names         n → n_k            (fresh names; ``inputs`` rewired below)
+    module paths       <list>.2… → <list>.k…, parameters and their placeholders likewise
+    inputs             a node of P → its copy in k; a node of layer 1 → the same node of layer
+                       2 in copy k − 1 (the previous layer); anything else (embeddings, masks,
+                       rotary tables, placeholders) unchanged
+
+and every node after layer 2 that read P reads copy L − 1 instead. FLOPs and bytes are copied
+with the nodes (they were annotated on the folded graph).
+
+The copies are exact when every layer runs the same ops, which the layers' equal structure
+suggests but does not prove (a forward could branch on the layer's index). ``layers_match``
+checks what it can: the three captured layers have one ``blocks.block_signature`` and the glue
+after layer 0 runs the same ops as the glue after layer 1 (this catches every-other-layer
+patterns); else ``capture`` exports the whole model. ``--no-fold`` turns folding off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+import torch.nn as nn
+
+from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
+from autoshard.passes.blocks import block_members, block_signature
+
+KEPT = 3  # two layers and the glue between them are compared with the next two (module doc)
+MIN_LAYERS = KEPT + 1
+
+
+@dataclass(frozen=True)
+class Fold:
+    """What ``fold_model`` removed: the stack's module path and its full length."""
+
+    path: str
+    layers: int
+
+
+def fingerprint(module: nn.Module) -> str:
+    """Structure of one layer: module classes by relative path, parameter and buffer shapes."""
+    h = hashlib.sha256()
+    for name, m in module.named_modules():
+        h.update(f"m {name} {type(m).__qualname__}\n".encode())
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        h.update(f"t {name} {tuple(t.shape)} {t.dtype}\n".encode())
+    return h.hexdigest()
+
+
+def repeated_stack(model: nn.Module) -> str | None:
+    """The path of the one stack of ≥ MIN_LAYERS identical layers, outermost; None if none or several."""
+    found = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < MIN_LAYERS:
+            continue
+        if any(part.isdigit() for part in path.split(".")) or not path:
+            continue  # inside another stack, or the model itself is the stack
+        if len({fingerprint(layer) for layer in module}) == 1:
+            found.append(path)
+    return found[0] if len(found) == 1 else None
+
+
+def fold_model(model: nn.Module) -> Fold | None:
+    """Keep the first KEPT layers of the model's repeated stack (in place); what was removed."""
+    path = repeated_stack(model)
+    if path is None:
+        return None
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    stack = getattr(parent, name)
+    parent.register_module(name, stack[:KEPT])  # ModuleList / Sequential slices keep their class
+    return Fold(path, len(stack))
+
+
+def layers_match(graph: OpGraph, fold: Fold) -> bool:
+    """Whether the captured layers run the same ops on the same shapes (``blocks.block_signature``),
+    and so does the glue after each of the first two (module doc)."""
+    members = block_members(graph)
+    layers = [members.get(f"{fold.path}.{i}") for i in range(KEPT)]
+    if not all(layers) or len({block_signature(graph, f"{fold.path}.{i}", nodes)
+                               for i, nodes in enumerate(layers)}) != 1:
+        return False
+    ends = [graph.nodes.index(nodes[-1]) for nodes in layers]
+    starts = [graph.nodes.index(nodes[0]) for nodes in layers]
+    glue = [[(n.target, n.shape, n.dtype, sorted(n.attrs.items())) for n in graph.nodes[ends[i] + 1:starts[i + 1]]]
+            for i in range(KEPT - 1)]
+    return glue[0] == glue[1]
+
+
+def unfold(graph: OpGraph) -> OpGraph:
+    """The L-layer graph from a folded one (module doc); a graph that was not folded as it is."""
+    fold = graph.fold
+    if fold is None:
+        return graph
+    assert layers_match(graph, fold), "capture keeps a fold only when its two layers match"
+    members = block_members(graph)
+    first, second = (members[f"{fold.path}.{i}"] for i in (KEPT - 2, KEPT - 1))
+    end0 = graph.nodes.index(first[-1])
+    end1 = graph.nodes.index(second[-1])
+    pattern = graph.nodes[end0 + 1:end1 + 1]
+    previous = {a.name: b.name for a, b in zip(first, second)}  # layer K−2 node -> same node of layer K−1
+    copies, params, placeholders = [], [], {}
+    last = {n.name: n.name for n in pattern}  # pattern node -> its name in the latest copy
+    for k in range(KEPT, fold.layers):
+        names = {n.name: f"{n.name}_l{k}" for n in pattern}
+        prev_of = {a: last[b] for a, b in previous.items()}  # layer K−2 names -> copy k−1's layer
+        renamer = _Renamer(f"{fold.path}.{KEPT - 1}", f"{fold.path}.{k}")
+        copies += [_copy(n, names, prev_of, renamer, graph, placeholders) for n in pattern]
+        params += [renamer.param(p) for p in graph.params if p.name.startswith(f"{fold.path}.{KEPT - 1}.")]
+        last = {n.name: names[n.name] for n in pattern}
+    after = [_rewired(n, last) for n in graph.nodes[end1 + 1:]]
+    module_types = dict(graph.module_types)
+    for k in range(KEPT, fold.layers):
+        module_types |= _Renamer(f"{fold.path}.{KEPT - 1}", f"{fold.path}.{k}").module_types(graph.module_types)
+    placeholder_params = {**graph.placeholder_params, **{new: p for new, (_, p) in placeholders.items()}}
+    last_layer = [i for i, p in enumerate(graph.params) if p.name.startswith(f"{fold.path}.{KEPT - 1}.")]
+    cut = last_layer[-1] + 1 if last_layer else len(graph.params)  # the copies' parameters follow, in order
+    return replace(graph, nodes=graph.nodes[:end1 + 1] + copies + after,
+                   params=graph.params[:cut] + params + graph.params[cut:],
+                   module_types=module_types, placeholder_params=placeholder_params,
+                   placeholders={**graph.placeholders, **{new: meta for new, (meta, _) in placeholders.items()}},
+                   blocks=[], fold=None)
+
+
+class _Renamer:
+    """Paths under the last captured layer as paths under layer k."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def path(self, name: str) -> str:
+        if name == self.old or name.startswith(self.old + "."):
+            return self.new + name[len(self.old):]
+        return name
+
+    def param(self, p: ParamInfo) -> ParamInfo:
+        return replace(p, name=self.path(p.name), module_path=self.path(p.module_path),
+                       tied_to=tuple(self.path(t) for t in p.tied_to))
+
+    def module_types(self, types: dict[str, str]) -> dict[str, str]:
+        return {self.path(k): v for k, v in types.items() if self.path(k) != k}
+
+
+def _copy(node: OpNode, names: dict[str, str], prev_of: dict[str, str], renamer: _Renamer, graph: OpGraph,
+          placeholders: dict[str, tuple]) -> OpNode:
+    inputs = []
+    for name in node.inputs:
+        if name in names:
+            inputs.append(names[name])
+        elif name in prev_of:
+            inputs.append(prev_of[name])
+        elif name in graph.placeholder_params and renamer.path(graph.placeholder_params[name]) != \
+                graph.placeholder_params[name]:
+            new = f"{name}_{renamer.new.replace('.', '_')}"
+            placeholders[new] = (graph.placeholders[name], renamer.path(graph.placeholder_params[name]))
+            inputs.append(new)
+        else:
+            inputs.append(name)
+    return replace(node, name=names[node.name], module_path=renamer.path(node.module_path), inputs=tuple(inputs),
+                   param_inputs=tuple(renamer.path(p) for p in node.param_inputs), attrs=dict(node.attrs))
+
+
+def _rewired(node: OpNode, last: dict[str, str]) -> OpNode:
+    """A node after the stack: what it read of the last captured layer it now reads of the last copy."""
+    if not any(name in last for name in node.inputs):
+        return node
+    return replace(node, inputs=tuple(last.get(name, name) for name in node.inputs))

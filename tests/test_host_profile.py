@@ -1,0 +1,169 @@
+"""Host overheads and model profiles: the probes' maths, the cost model's use of them, the cluster file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from autoshard import host_probes
+from autoshard.cost import comm
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.profile import ModelProfile, graph_signature
+from autoshard.cost.step import ADAM_BYTES_PER_PARAM, Config, CostTables, price_parts
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Mesh
+from autoshard.ir.topology import Cluster, HostOverheads
+from autoshard.pipeline import capture_graph
+
+GPT = "examples/gpt.py:build"
+TRUE = dict(op_forward_us=12.0, op_backward_us=25.0, selective_op_us=60.0, checkpoint_block_us=700.0,
+            fsdp_unit_zero2_us=4000.0, fsdp_unit_zero3_us=6000.0, fsdp_zero2_us_per_mib=3000.0,
+            fsdp_zero3_us_per_mib=5000.0, ddp_tensor_us=50.0, zero1_tensor_us=200.0, optimizer_tensor_us=30.0,
+            sharded_optimizer_tensor_us=250.0, pipeline_microbatch_us=3000.0, pipeline_step_us=1500.0,
+            tp_module_us=400.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return load_cluster("local-cpu", devices_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def gpt(in_repo_module):
+    return capture_graph(GPT)[1]
+
+
+@pytest.fixture(scope="module")
+def in_repo_module():
+    import os
+    from pathlib import Path
+
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).resolve().parent.parent)
+    yield
+    os.chdir(cwd)
+
+
+def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster: Cluster, ranks: int) -> dict:
+    """What the probes would measure on a machine whose overheads are exactly ``h`` (host_probes' doc)."""
+    us = 1e-6
+    fwd = c.roofline_s + c.ops * h.op_forward_us * us
+    fwd_bwd = fwd + 2 * c.roofline_s + c.ops * h.op_backward_us * us
+    t = {"fwd": fwd, "fwd_bwd": fwd_bwd,
+         "selective": fwd_bwd + c.light_block_ops * h.op_forward_us * us + c.light_roofline_s
+         + (c.block_ops + c.light_block_ops) * h.selective_op_us * us,
+         "full": fwd_bwd + c.block_ops * h.op_forward_us * us + c.block_roofline_s
+         + host_probes.BLOCKS * h.checkpoint_block_us * us}
+    tensors, params = 6 * host_probes.BLOCKS + 6 + 2, 12345
+    bandwidth = cluster.device.memory_bandwidth_gbps * 1e9
+    adamw = tensors * h.optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / bandwidth
+    t |= {"adamw": adamw, "tensors": tensors, "params": params}
+    t["fwd_bwd_wide"] = 10 * fwd_bwd
+    for width, suffix, base in ((host_probes.WIDTH, "", fwd_bwd), (host_probes.WIDE, "_wide", 10 * fwd_bwd)):
+        sizes = host_probes.unit_param_bytes(width)
+        for stage in (2, 3):
+            a, c_mib = (getattr(h, f"fsdp_unit_zero{stage}_us"), getattr(h, f"fsdp_zero{stage}_us_per_mib"))
+            t[f"fsdp{stage}{suffix}"] = base + host_probes._fsdp_comm_s(sizes, cluster, ranks, stage) + \
+                sum(a * us + c_mib * us * b / 2**20 for b in sizes)
+    link = cluster.intra_node
+    t["sharded_adamw"] = tensors * h.sharded_optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
+    t["ddp"] = fwd_bwd + comm.allreduce_s(4 * params, ranks, link) + tensors * h.ddp_tensor_us * us
+    local = h.optimizer_tensor_us * us * tensors / ranks + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
+    t["zero1"] = local + comm.all_gather_s(4 * params, ranks, link) + \
+        (tensors - 1) * (ranks - 1) * link.latency_us * us + tensors * h.zero1_tensor_us * us
+    tp_modules = len(host_probes.TP_STYLES) * host_probes.BLOCKS
+    t["tp"] = fwd_bwd + 4 * host_probes.BLOCKS * comm.allreduce_s(4 * host_probes.TOKENS * host_probes.WIDTH,
+                                                                   ranks, link) + tp_modules * h.tp_module_us * us
+    stage = max(n * (h.op_forward_us + h.op_backward_us) * us + 3 * r for n, r in zip(c.stage_ops, c.stage_roofline_s))
+    slope = stage + 2 * comm.p2p_s(c.boundary_bytes, link) + h.pipeline_microbatch_us * us
+    t["pipeline"] = {m: (m + 1) * slope + h.pipeline_step_us * us for m in host_probes.PIPELINE_MICROBATCHES}
+    return t
+
+
+def test_the_probes_maths_recovers_known_overheads(cluster):
+    """Probe times made from known overheads give those overheads back (``host_probes.fit_host``)."""
+    truth = HostOverheads(**TRUE, source="test")
+    counts = host_probes.probe_counts(cluster)
+    fitted = host_probes.fit_host(synthetic_probe_times(truth, counts, cluster, 2), counts, cluster, 2, "test")
+    for name, value in TRUE.items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=2e-3, abs=0.05), name
+
+
+def test_host_overheads_are_a_named_part_and_grow_with_micro_batches(cluster, gpt):
+    host = replace(cluster, host=HostOverheads(**TRUE, source="test"))
+    for config in (Config(Mesh(2, 1, 1), 3, 4, 1), Config(Mesh(2, 1, 1), 3, 1, 4), Config(Mesh(1, 1, 2), 0, 2, 2,
+                                                                                        schedule="1f1b")):
+        cuts = (2,) if config.mesh.pp > 1 else None
+        bare, with_host = price_parts(CostTables(gpt, cluster), config, cuts), price_parts(CostTables(gpt, host), config,
+                                                                                           cuts)
+        assert bare.host_s == 0 and with_host.host_s > 0
+        assert with_host.step_time_s > bare.step_time_s
+        assert with_host.compute_s == pytest.approx(bare.compute_s + with_host.host_s, rel=1e-9) or config.mesh.pp > 1
+    one, four = (price_parts(CostTables(gpt, host), Config(Mesh(2, 1, 1), 3, b, m)).host_s for b, m in ((4, 1), (1, 4)))
+    assert four > 3 * one * 0.9  # per micro-batch: ops, FSDP units
+
+
+def test_gpu_hides_host_time_behind_the_device(gpt):
+    """On nccl clusters host time counts only where it exceeds the device's time of that unit."""
+    h100 = load_cluster("dgx-h100")
+    small = replace(h100, host=HostOverheads(**{**TRUE, "op_forward_us": 1.0, "op_backward_us": 1.0}, source="t"))
+    large = replace(h100, host=HostOverheads(**{**TRUE, "op_forward_us": 1e5, "op_backward_us": 1e5}, source="t"))
+    units = {name: CostTables(gpt, c).units(1024, "none") for name, c in (("small", small), ("large", large))}
+    device = sum(units["small"].forward_s)
+    assert sum(units["small"].host_forward_s) < 0.05 * device  # hidden: only the excess of tiny units shows
+    assert sum(units["large"].host_forward_s) > device  # a host slower than the kernels sets the pace
+
+
+def profile_of(graph, times, optimizer_s=0.01) -> ModelProfile:
+    return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s)
+
+
+def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
+    times = {1: {"none": (0.002, 0.006), "selective": (0.004, 0.011), "full": (0.003, 0.009)},
+             4: {"none": (0.005, 0.015), "selective": (0.009, 0.027), "full": (0.006, 0.021)}}
+    profiled = replace(cluster, profiles=(profile_of(gpt, times),))
+    tables = CostTables(gpt, profiled)
+    assert tables.profile is not None
+    for b, mode in ((1, "none"), (4, "full"), (2, "selective")):
+        u = tables.units(b, mode)
+        fwd, fwd_bwd = (times[1]["none"][i] + (times[4]["none"][i] - times[1]["none"][i]) * (b - 1) / 3 for i in (0, 1))
+        mode_total = times[1][mode][1] + (times[4][mode][1] - times[1][mode][1]) * (b - 1) / 3
+        assert sum(u.forward_s) == pytest.approx(fwd)
+        assert sum(u.forward_s) + sum(u.backward_s) == pytest.approx(fwd_bwd)
+        assert sum(u.compute_s) == pytest.approx(mode_total)  # everything measured; no host time added twice
+    parts = price_parts(tables, Config(Mesh(1, 1, 1), 0, 4, 1))
+    assert parts.optimizer_s == pytest.approx(0.01)  # the measured AdamW step
+
+
+def test_a_profile_of_another_model_is_not_used(cluster, gpt):
+    other = ModelProfile("x.py:build", "0" * 16, 2, {1: {"none": (1.0, 3.0)}}, "test")
+    assert CostTables(gpt, replace(cluster, profiles=(other,))).profile is None
+
+
+def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
+    full = replace(cluster, host=HostOverheads(**TRUE, source="t"),
+                   profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}),))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(full.to_dict(), sort_keys=False))
+    assert load_cluster(str(path)) == full
+    assert Cluster.from_dict(full.to_dict()) == full
+    assert "host" not in cluster.to_dict() and "profiles" not in cluster.to_dict()  # presets: as before
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"times": {0: {"none": [1, 2]}}}, "positive micro-batch size"),
+    ({"times": {1: {"none": [1, -2]}}}, "two seconds >= 0"),
+    ({"times": {1: {"sometimes": [1, 2]}}}, "positive micro-batch size"),
+    ({"ranks": 0}, "malformed"),
+    ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
+])
+def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
+    good = {"model": GPT, "signature": "ab" * 8, "ranks": 2, "times": {1: {"none": [0.1, 0.3]}},
+            "optimizer_s": 0.0, "source": "t"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**cluster.to_dict(), "profiles": [{**good, **bad}]}))
+    with pytest.raises(AutoshardError, match=message) as info:
+        load_cluster(str(path))
+    assert "\n" not in str(info.value) and "calibrate --model" in str(info.value)
