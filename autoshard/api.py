@@ -13,15 +13,15 @@ from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-         devices_per_node: int | None = None, fold: bool = True, **pins) -> Plan:
+         devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, **pins) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
     (dp, tp, pp, zero, microbatch_size, recompute, schedule); ``fold=False`` exports every repeated
-    layer (``passes.fold``)."""
+    layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's ``search`` gives the gap)."""
     from autoshard.cost.hardware import load_cluster
 
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold))
+    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s))
 
 
 def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,

@@ -80,8 +80,10 @@ def _add_plan_arguments(p) -> None:
         p.add_argument(f"--{name}", type=int, help="pin this decision")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
-    p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of two and copies "
+    p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of three and copies "
                    "(slower on deep models; for a model whose layers differ by their index)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="stop searching after this long and report the optimality gap (default: search to the optimum)")
 
 
 def _add_inspect(sub, common) -> None:
@@ -149,9 +151,15 @@ def cmd_plan(args) -> int:
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                     devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                     microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
-                    fold=not args.no_fold)
+                    fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit))
     _write_plan(plan, args)
     return 0
+
+
+def _time_limit(value: float | None) -> float | None:
+    if value is not None and not (value > 0 and value < 1e6):
+        raise AutoshardError(f"--time-limit {value} must be a number of seconds > 0; fix: e.g. --time-limit 10")
+    return value
 
 
 def cmd_estimate(args) -> int:

@@ -38,7 +38,7 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
 from autoshard.passes.fold import unfold
-from autoshard.passes.search import SearchResult, price_config, search, why_not
+from autoshard.passes.search import SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
@@ -54,7 +54,8 @@ class PlanRequest:
     cluster: Cluster
     global_batch: int
     pins: Pins = field(default_factory=Pins)
-    fold: bool = True  # capture two of the repeated layers and copy them (passes.fold); --no-fold
+    fold: bool = True  # capture three of the repeated layers and copy them (passes.fold); --no-fold
+    time_limit_s: float | None = None  # stop the search here, reporting the optimality gap; --time-limit
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -75,7 +76,8 @@ def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done
     done = done if done is not None else ["capture", "annotate", "blocks"]
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
-    result = _run("search", done, search, graph, request.cluster, configs, request.global_batch)
+    result = _run("search", done, search, graph, request.cluster, configs, request.global_batch,
+                  request.time_limit_s)
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
@@ -95,7 +97,8 @@ def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: 
     """Every decision pinned leaves one configuration: priced as ``search`` prices it (so a plan with the
     same pins that fits is the same plan), and kept when it does not fit."""
     assert len(configs) == 1, f"every decision pinned, yet {len(configs)} configurations"
-    return SearchResult(best=price_config(graph, cluster, configs[0], global_batch), alternatives=())
+    best = price_config(graph, cluster, configs[0], global_batch)
+    return SearchResult(best=best, alternatives=(), report=search_report(1, 1, best, None))
 
 
 def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGraph]:
@@ -138,6 +141,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, r
         pinned=request.pins.names,
         notes=plan_notes(best) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
         symbolic=plan_symbolic(request, graph, best),
+        search=dict(result.report),
     )
 
 

@@ -134,6 +134,8 @@ class Plan:
     # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
     # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
     symbolic: dict[str, Any] = field(default_factory=dict)
+    # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
+    search: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     def __post_init__(self):
@@ -249,8 +251,15 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         pinned=tuple(d.get("pinned", ())),
         notes=tuple(d.get("notes", ())),
         symbolic=_symbolic(d.get("symbolic", {})),
+        search=_search(d.get("search", {})),
         version=d["version"],
     )
+
+
+def _search(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict) or not all(isinstance(v, (int, float, bool)) for v in d.values()):
+        raise TypeError("search must be an object of numbers")
+    return dict(d)
 
 
 def _symbolic(d: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ with two economies that change no answer:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, pipeline_units,
@@ -29,12 +30,13 @@ from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_buc
 from autoshard.cost.memory import precision_for_backend
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
+from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
 from autoshard.ir.topology import Cluster
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
 
 MAX_ALTERNATIVES = 12
+MESH_RIVALS = 6  # meshes pruned by their bound that are still priced once, for the alternatives table
 GIB = 2**30
 
 
@@ -51,24 +53,57 @@ class Priced:
 class SearchResult:
     best: Priced
     alternatives: tuple[Alternative, ...]
+    report: dict = field(default_factory=dict)  # the plan's ``search``: candidates, priced, optimal, gap
 
 
-def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch: int) -> SearchResult:
+def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch: int,
+           time_limit_s: float | None = None) -> SearchResult:
+    """The fastest configuration that fits (module doc), and the best rivals priced on the way."""
+    start = time.perf_counter()
     tables = CostTables(graph, cluster)
+    bounds = [lower_bound_s(tables, config) for config in configs]
+    order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
     priced: list[Priced] = []
-    fastest_s = float("inf")
-    for config in configs:
-        if lower_bound_s(tables, config) > fastest_s:
-            continue
-        p = price_config(graph, cluster, config, global_batch, tables)
+    fastest_s, stopped = float("inf"), False
+    for n, i in enumerate(order):
+        if bounds[i] > fastest_s:
+            break  # in bound order: no configuration left can be faster
+        if time_limit_s is not None and fastest_s < float("inf") and time.perf_counter() - start > time_limit_s:
+            stopped = True
+            break
+        p = price_config(graph, cluster, configs[i], global_batch, tables)
         priced.append(p)
         if p.fits:
             fastest_s = min(fastest_s, p.predicted.step_time_s)
+    else:
+        n = len(order)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
     if not feasible:
         raise AutoshardError(explain_infeasible(graph, cluster, priced))
     best = feasible[0]
-    return SearchResult(best=best, alternatives=alternatives(best, priced, cluster))
+    unpriced = mesh_rivals(configs, order[n:], {p.config.mesh for p in priced})
+    rivals = [price_config(graph, cluster, configs[i], global_batch, tables) for i in unpriced]
+    report = search_report(len(configs), len(priced), best, bounds[order[n]] if stopped else None)
+    return SearchResult(best, alternatives(best, priced + rivals, cluster), report)
+
+
+def search_report(candidates: int, priced: int, best: Priced, next_bound_s: float | None) -> dict:
+    """The plan's ``search`` field: how much of the space was priced; with ``--time-limit`` cut short,
+    the optimality gap (best − the lowest bound left) / best; else optimal on the cost model."""
+    gap = 0.0 if next_bound_s is None else max(0.0, 1 - next_bound_s / best.predicted.step_time_s)
+    return {"candidates": candidates, "priced": priced, "optimal": next_bound_s is None, "gap": gap}
+
+
+def mesh_rivals(configs: list[Config], unpriced: list[int], priced_meshes: set[Mesh]) -> list[int]:
+    """For review only: the lowest-bound configuration of each mesh the search never had to price
+    (up to MESH_RIVALS meshes, in bound order), so ``inspect`` can say why those meshes lost."""
+    seen: dict[Mesh, int] = {}
+    for i in unpriced:
+        if len(seen) == MESH_RIVALS:
+            break
+        if configs[i].mesh not in priced_meshes:
+            seen.setdefault(configs[i].mesh, i)
+    return list(seen.values())
 
 
 def lower_bound_s(tables: CostTables, config: Config) -> float:

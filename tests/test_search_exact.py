@@ -1,0 +1,68 @@
+"""passes/search is exact: the plan it returns costs what brute-force enumeration of the same space finds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.step import CostTables
+from autoshard.passes.search import _rank, price_config, search
+from autoshard.passes.strategies import Pins, candidate_configs
+from autoshard.pipeline import capture_graph
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = str(ROOT / "tests/clusters/fast_link_cpu.yaml")
+CASES = [  # model, cluster, nodes, devices per node, global batch
+    ("examples/gpt.py:build", "local-cpu", 1, 4, 16),
+    ("examples/gpt.py:build", FAST, 1, 8, 32),
+    ("tests/models/hf_llama.py:build_4_layers", FAST, 1, 4, 16),
+    ("tests/models/wide_gpt.py:build", "dgx-a100-80gb", 2, 8, 64),
+    ("tests/models/wide_gpt.py:build", "dgx-h100", 4, 8, 128),
+]
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {}
+
+
+@pytest.mark.parametrize("model, cluster_name, nodes, per_node, batch", CASES)
+def test_search_equals_brute_force(graphs, model, cluster_name, nodes, per_node, batch):
+    if model not in graphs:
+        graphs[model] = capture_graph(str(ROOT / model))[1]
+    graph = graphs[model]
+    cluster = load_cluster(cluster_name, nodes=nodes, devices_per_node=per_node)
+    configs = candidate_configs(graph, cluster, batch, Pins())
+    tables = CostTables(graph, cluster)
+    every = [price_config(graph, cluster, c, batch, tables) for c in configs]
+    brute = min((p for p in every if p.fits), key=_rank)
+    found = search(graph, cluster, configs, batch).best
+    assert found.config == brute.config
+    assert found.predicted.step_time_s == brute.predicted.step_time_s
+    assert found.cuts == brute.cuts
+
+
+def test_a_time_limit_stops_early_and_reports_the_gap(graphs):
+    model = "tests/models/wide_gpt.py:build"
+    graphs.setdefault(model, capture_graph(str(ROOT / model))[1])
+    graph, cluster = graphs[model], load_cluster("dgx-a100-80gb", nodes=2)
+    configs = candidate_configs(graph, cluster, 64, Pins())
+    full = search(graph, cluster, configs, 64)
+    assert full.report == {"candidates": len(configs), "priced": full.report["priced"], "optimal": True, "gap": 0.0}
+    assert full.report["priced"] < len(configs)  # bounds prune without changing the answer (test above)
+    cut = search(graph, cluster, configs, 64, time_limit_s=1e-9)  # stops once something fits
+    assert not cut.report["optimal"] and cut.report["priced"] < full.report["priced"]
+    assert cut.best.predicted.step_time_s >= full.best.predicted.step_time_s
+    # the gap bounds how far the plan can be from the optimum: best·(1 − gap) <= optimum
+    assert cut.best.predicted.step_time_s * (1 - cut.report["gap"]) <= full.best.predicted.step_time_s * (1 + 1e-12)
+
+
+def test_bad_time_limit_is_one_line(in_repo, capsys):
+    from autoshard.cli import main
+
+    assert main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "8",
+                 "--time-limit", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--time-limit -1.0 must be a number of seconds > 0" in err and err.count("\n") == 1
