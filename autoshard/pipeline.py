@@ -77,7 +77,7 @@ def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("search", done, search, graph, request.cluster, configs, request.global_batch,
-                  request.time_limit_s)
+                  request.time_limit_s, request.pins.recompute is None)
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
@@ -142,6 +142,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, r
         notes=plan_notes(best) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
         symbolic=plan_symbolic(request, graph, best),
         search=dict(result.report),
+        recompute_blocks=dict(zip((b.path for b in graph.blocks), c.recompute_blocks)),
     )
 
 

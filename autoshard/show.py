@@ -68,7 +68,7 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("ZeRO stage", f"{plan.zero_stage}  ({_zero_how(plan)})")
     t.add_row("batch", f"global {plan.global_batch} = {plan.mesh.dp} dp x {plan.num_microbatches} micro-batches "
                        f"x {plan.microbatch_size}")
-    t.add_row("recompute", plan.recompute)
+    t.add_row("recompute", _recompute_text(plan))
     t.add_row("schedule", plan.schedule)
     t.add_row("precision", plan.precision)
     if plan.zero_stage <= 1 and plan.mesh.dp > 1:
@@ -341,3 +341,15 @@ def _fine_parts(a: Plan, b: Plan) -> list[tuple[tuple[float, float], str]]:
     except AutoshardError:
         return []
     return [((fa[k], fb[k]), label) for k, label in TIME_ROWS[:8]]
+
+
+def _recompute_text(plan) -> str:
+    """"full", or for a mixed plan the blocks per mode: "mixed: full h.0-h.1, none h.2-h.3"."""
+    if plan.recompute != "mixed":
+        return plan.recompute
+    by_mode: dict[str, list[str]] = {}
+    for path, mode in plan.recompute_blocks.items():
+        by_mode.setdefault(mode, []).append(path)
+    parts = [f"{mode} {paths[0]}" + (f"-{paths[-1]} ({len(paths)})" if len(paths) > 1 else "")
+             for mode, paths in by_mode.items()]
+    return "mixed: " + ", ".join(parts)

@@ -8,7 +8,7 @@ import pytest
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.step import CostTables
-from autoshard.passes.search import _rank, price_config, search
+from autoshard.passes.search import _rank, price_config, price_with_mixed, search
 from autoshard.passes.strategies import Pins, candidate_configs
 from autoshard.pipeline import capture_graph
 
@@ -36,7 +36,7 @@ def test_search_equals_brute_force(graphs, model, cluster_name, nodes, per_node,
     cluster = load_cluster(cluster_name, nodes=nodes, devices_per_node=per_node)
     configs = candidate_configs(graph, cluster, batch, Pins())
     tables = CostTables(graph, cluster)
-    every = [price_config(graph, cluster, c, batch, tables) for c in configs]
+    every = [p for c in configs for p in price_with_mixed(graph, cluster, c, batch, tables)]
     brute = min((p for p in every if p.fits), key=_rank)
     found = search(graph, cluster, configs, batch).best
     assert found.config == brute.config
@@ -66,3 +66,38 @@ def test_bad_time_limit_is_one_line(in_repo, capsys):
                  "--time-limit", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--time-limit -1.0 must be a number of seconds > 0" in err and err.count("\n") == 1
+
+
+def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
+    """CP-SAT's per-block modes (``passes.recompute``) against every split of the blocks over the three
+    modes, each priced by the cost model: none that fits is faster."""
+    from itertools import product
+
+    from autoshard.cost.step import Config
+    from autoshard.ir.plan import Mesh
+    from autoshard.passes.recompute import assign, choose_recompute, signature_groups
+
+    model = "tests/models/wide_gpt.py:build"
+    graphs.setdefault(model, capture_graph(str(ROOT / model))[1])
+    graph, cluster = graphs[model], load_cluster("dgx-a100-80gb", nodes=2)
+    tables = CostTables(graph, cluster)
+    base = Config(Mesh(4, 4, 1), 3, 8, 2)
+    assert not price_config(graph, cluster, base, 64, tables).fits  # every activation kept does not fit
+    chosen = choose_recompute(tables, base)
+    assert chosen is not None and chosen.recompute == "mixed"
+    best = price_config(graph, cluster, chosen, 64, tables)
+    assert best.fits
+    groups, blocks = signature_groups(tables), len(graph.blocks)
+    (group,) = groups  # one signature: the split is a count per mode
+    fitting = []
+    for full, selective in product(range(blocks + 1), repeat=2):
+        if full + selective > blocks:
+            continue
+        counts = {(group, "full"): full, (group, "selective"): selective, (group, "none"): blocks - full - selective}
+        modes = assign(groups, counts, blocks)
+        config = Config(base.mesh, 3, 8, 2, "mixed", recompute_blocks=modes) if len(set(modes)) > 1 else \
+            Config(base.mesh, 3, 8, 2, modes[0])
+        p = price_config(graph, cluster, config, 64, tables)
+        if p.fits:
+            fitting.append(p.predicted.step_time_s)
+    assert best.predicted.step_time_s <= min(fitting) * (1 + 1e-9)

@@ -123,6 +123,7 @@ CAPTURED_ELEM_BYTES = 4  # graphs are captured in fp32
 SHARDED_STYLES = frozenset({"colwise", "colwise-gather", "rowwise", "conv1d-colwise", "conv1d-rowwise",
                             "vocab-parallel-embedding"})  # ParallelStyles whose op runs on 1/tp of the weight
 SHARD_OUTPUT_STYLES = frozenset({"colwise", "conv1d-colwise"})  # ... and leaves its output sharded (S)
+MIXED = "mixed"  # a configuration whose blocks recompute in different modes (Config.recompute_blocks)
 
 
 def tp_activation_fraction(tp: int) -> float:
@@ -159,14 +160,19 @@ class Config:
     zero_stage: int
     microbatch_size: int
     num_microbatches: int
-    recompute: str = "none"
+    recompute: str = "none"  # none | selective | full | mixed (then ``recompute_blocks``)
     schedule: str = "none"
     virtual_stages: int = 1
     ddp_bucket_cap_mb: float = 25.0
+    recompute_blocks: tuple[str, ...] = ()  # mixed: each block's mode, in block order (passes.recompute)
 
     @property
     def num_stages(self) -> int:
         return self.mesh.pp * self.virtual_stages
+
+    def block_modes(self, blocks: int) -> tuple[str, ...]:
+        """Each block's recompute mode."""
+        return self.recompute_blocks if self.recompute == MIXED else (self.recompute,) * blocks
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,15 @@ class CostTables:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    def config_units(self, config: Config) -> Units:
+        """``units`` of a configuration; mixed recompute takes each block's figures from its mode."""
+        if config.recompute != MIXED:
+            return self.units(config.microbatch_size, config.recompute)
+        key = (config.microbatch_size, config.recompute_blocks)
+        if key not in self._units:
+            self._units[key] = mixed_units({m: self.units(config.microbatch_size, m) for m in set(key[1])}, key[1])
+        return self._units[key]
 
     def units(self, microbatch_size: int, recompute: str) -> Units:
         """Per-unit costs of one micro-batch; scaled to the model's measured profile when the cluster
@@ -245,6 +260,21 @@ class CostTables:
                                CAPTURED_ELEM_BYTES, self.runtime.attention)
         fractions = unit_tp_fractions(self.graph, choice.styles, tp, times)
         return TPCost(choice, *fractions, r * choice.comm_s, local, block)
+
+
+def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
+    """Units whose block k recomputes in ``modes[k]``: its recompute time, saved activations and
+    workspace from that mode's units (forward and backward are the same in every mode)."""
+    base = next(iter(by_mode.values()))
+
+    def pick(field_name: str) -> tuple:
+        values = list(getattr(base, field_name))
+        for k, mode in enumerate(modes):
+            values[k + 1] = getattr(by_mode[mode], field_name)[k + 1]
+        return tuple(values)
+
+    return replace(base, recompute_s=pick("recompute_s"), saved_bytes=pick("saved_bytes"),
+                   workspace_bytes=pick("workspace_bytes"), host_recompute_s=pick("host_recompute_s"))
 
 
 def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
@@ -391,7 +421,7 @@ def spmd_parts(tables: CostTables, config: Config) -> StepParts:
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
     m = config.num_microbatches
     dp = dp_comm_time(graph, cluster, config, micro, precision, local)
-    units = tables.units(config.microbatch_size, config.recompute)
+    units = tables.config_units(config)
     tensors = param_tensors(graph)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, local, tensors)
     tp_host_s = sum(tp_host_per_unit_s(tables, config))
@@ -408,18 +438,28 @@ def spmd_parts(tables: CostTables, config: Config) -> StepParts:
 
 def spmd_microbatch(tables: CostTables, config: Config) -> tuple[ComputeTime, float, int]:
     """(compute of one micro-batch per rank, its TP communication, parameters per rank)."""
-    units = tables.units(config.microbatch_size, config.recompute)
+    units = tables.config_units(config)
     if config.mesh.tp == 1:
         ones = (1.0,) * len(units.forward_s)
         return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
     tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
-    factor = FULL_RECOMPUTE_TP_COMM if config.recompute == "full" else 1.0
-    return _compute_time(units, *_fractions(tp, config.recompute)), tp.comm_s * factor, tp.local_params
+    modes = config.block_modes(len(tables.graph.blocks))
+    return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes), tp.local_params
 
 
-def _fractions(tp: TPCost, recompute: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(forward, recompute) share per unit left per TP rank: selective recompute reruns the light ops."""
-    return tp.unit_fraction, tp.light_fraction if recompute == "selective" else tp.unit_fraction
+def tp_comm_factor(modes: tuple[str, ...]) -> float:
+    """TP collectives of a micro-batch over those without recompute: full recompute repeats a
+    block's forward ones (FULL_RECOMPUTE_TP_COMM for the whole model), by the share of such blocks."""
+    if not modes:
+        return 1.0
+    return 1.0 + (FULL_RECOMPUTE_TP_COMM - 1.0) * sum(m == "full" for m in modes) / len(modes)
+
+
+def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(forward, recompute) share per unit left per TP rank: a selective block reruns its light ops."""
+    rerun = [tp.light_fraction[u] if 0 < u <= len(modes) and modes[u - 1] == "selective" else tp.unit_fraction[u]
+             for u in range(len(tp.unit_fraction))]
+    return tp.unit_fraction, tuple(rerun)
 
 
 def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction: tuple[float, ...]) -> ComputeTime:
@@ -514,9 +554,10 @@ def grad_accumulation_s(local_params: float, config: Config, precision: Precisio
 def memory_spmd(tables: CostTables, config: Config, local_params: int) -> Memory:
     precision, tp = tables.precision, config.mesh.tp
     p, g, o = model_state_bytes(local_params, config.zero_stage, config.mesh.dp, precision)
-    units = tables.units(config.microbatch_size, config.recompute)
+    units = tables.config_units(config)
     keep = tp_activation_fraction(tp)
-    blocks_kept = sum(units.saved_bytes[1:-1]) * (1.0 if config.recompute == "full" else keep)
+    modes = config.block_modes(len(units.saved_bytes) - 2)
+    blocks_kept = sum(saved * (1.0 if mode == "full" else keep) for saved, mode in zip(units.saved_bytes[1:-1], modes))
     acts = blocks_kept + units.saved_bytes[0] + units.saved_bytes[-1] + max(units.workspace_bytes) * keep
     return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
                              activations_bytes=int(acts), transient_bytes=transient_bytes(tables, config))
@@ -746,7 +787,7 @@ def tp_sharded_units(tables: CostTables, config: Config) -> tuple[Units, tuple[f
     if tp == 1:
         return units, (0.0,) * len(units.forward_s)
     cost = tables.tp_cost(tp, config.microbatch_size)
-    (f, f_recompute), keep = _fractions(cost, config.recompute), tp_activation_fraction(tp)
+    (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tp_activation_fraction(tp)
     share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
     blocks = [1.0] + [keep] * units.blocks + [1.0]
     sharded = replace(
@@ -757,8 +798,7 @@ def tp_sharded_units(tables: CostTables, config: Config) -> tuple[Units, tuple[f
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
         saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),
         workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
-    factor = FULL_RECOMPUTE_TP_COMM if config.recompute == "full" else 1.0
-    return sharded, _unit_tp_comm(tables.graph, cost, factor)
+    return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
 
 
 def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:

@@ -121,7 +121,7 @@ def symbolic_cost(tables, config, global_batch: int, parts, tp_choice=None) -> d
     mesh = config.mesh
     point = PlanPoint(symbols={"B": global_batch, "s": graph.tokens_per_sample, "dp": mesh.dp, "tp": mesh.tp,
                                "pp": mesh.pp, "b": config.microbatch_size, "v": config.virtual_stages},
-                      zero_stage=config.zero_stage, recompute=config.recompute, schedule=config.schedule)
+                      zero_stage=config.zero_stage, recompute=_law_mode(config), schedule=config.schedule)
     shares = graph_shares(graph, point, tp_choice)
     fallback = _fallbacks(graph, cluster, precision, point, parts, shares)
     times = time_expressions(parts, point, shares, fallback, precision)
@@ -135,6 +135,14 @@ def symbolic_cost(tables, config, global_batch: int, parts, tp_choice=None) -> d
         "memory": {k: _text(e) for k, e in memory.items()},
         "model_flops_per_sample": _text(flops),
     }
+
+
+def _law_mode(config) -> str:
+    """The recompute mode whose laws a plan's expressions follow: a mixed plan (some blocks full,
+    some selective, some none) follows its most aggressive mode; its own figures anchor them."""
+    if config.recompute != "mixed":
+        return config.recompute
+    return next(m for m in ("full", "selective") if m in config.recompute_blocks)
 
 
 def time_expressions(parts, point: PlanPoint, shares: Shares, fallback: dict[str, float],

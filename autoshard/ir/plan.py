@@ -19,6 +19,7 @@ from autoshard.errors import AutoshardError
 
 PLAN_VERSION = 1
 RECOMPUTE_MODES = ("none", "selective", "full")
+PLAN_RECOMPUTE = (*RECOMPUTE_MODES, "mixed")  # mixed: each block's own mode in Plan.recompute_blocks
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b")
 
 
@@ -136,13 +137,18 @@ class Plan:
     symbolic: dict[str, Any] = field(default_factory=dict)
     # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
     search: dict[str, Any] = field(default_factory=dict)
+    recompute_blocks: dict[str, str] = field(default_factory=dict)  # recompute "mixed": block path -> its mode
     version: int = PLAN_VERSION
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise AutoshardError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise AutoshardError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+        if self.recompute not in PLAN_RECOMPUTE:
+            raise AutoshardError(f"recompute={self.recompute!r} must be one of {', '.join(PLAN_RECOMPUTE)}")
+        if (self.recompute == "mixed") != bool(self.recompute_blocks) or \
+                any(m not in RECOMPUTE_MODES for m in self.recompute_blocks.values()):
+            raise AutoshardError(f"recompute={self.recompute!r} with recompute_blocks {self.recompute_blocks!r}: a "
+                                 f"mixed plan gives every block one of {', '.join(RECOMPUTE_MODES)}, others none")
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.mesh.pp > 1 and len(self.split_points) != self.mesh.pp * self.virtual_stages - 1:
@@ -252,6 +258,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         notes=tuple(d.get("notes", ())),
         symbolic=_symbolic(d.get("symbolic", {})),
         search=_search(d.get("search", {})),
+        recompute_blocks=dict(d.get("recompute_blocks", {})),
         version=d["version"],
     )
 

@@ -41,7 +41,7 @@ FIX = "re-create it with `autoshard plan` (the file was edited or damaged)"
 
 def check_plan_dict(d: dict[str, Any]) -> None:
     """Raise ``AutoshardError`` naming the first field of ``d`` that a plan cannot have (module doc)."""
-    from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES
+    from autoshard.ir.plan import PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES
     from autoshard.ir.topology import Cluster
     from autoshard.passes.codegen import STYLE_SOURCE
 
@@ -51,7 +51,10 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     for key in ("global_batch", "microbatch_size", "num_microbatches"):
         _count(_get(d, key), key)
     _choice(_get(d, "zero_stage"), "zero_stage", (0, 1, 2, 3))
-    _choice(_get(d, "recompute"), "recompute", RECOMPUTE_MODES)
+    _choice(_get(d, "recompute"), "recompute", PLAN_RECOMPUTE)
+    for key, mode in _mapping(d, "recompute_blocks", {}).items():
+        _path(key, "recompute_blocks")
+        _choice(mode, f"recompute_blocks.{key}", RECOMPUTE_MODES)
     _choice(_get(d, "schedule"), "schedule", SCHEDULES)
     world = _check_mesh(_mapping(d, "mesh"), "mesh")
     if world > cluster.world_size:
@@ -63,7 +66,7 @@ def check_plan_dict(d: dict[str, Any]) -> None:
         _choice(value, f"tensor_parallel.{key}", tuple(STYLE_SOURCE))
     _check_predicted(_mapping(d, "predicted"), "predicted")
     for i, alt in enumerate(_list(d, "alternatives")):
-        _check_alternative(alt, f"alternatives[{i}]", RECOMPUTE_MODES, SCHEDULES)
+        _check_alternative(alt, f"alternatives[{i}]", PLAN_RECOMPUTE, SCHEDULES)
     _check_optional(d)
 
 

@@ -155,7 +155,13 @@ def _recompute_lines(plan: Plan) -> str:
     if plan.recompute == "none":
         return ""
     why = {"full": "keep only each block's input; recompute the block in backward",
-           "selective": "keep matmul and attention outputs; recompute the cheap ops"}[plan.recompute]
+           "selective": "keep matmul and attention outputs; recompute the cheap ops",
+           "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
+                    "selective: keep matmul and attention outputs)"}[plan.recompute]
+    if plan.recompute == "mixed":
+        lines = "".join(f"    {path!r}: {mode!r},\n" for path, mode in plan.recompute_blocks.items())
+        return (f"# Recompute ({plan.recompute}): {why}.\nRECOMPUTE = {{\n{lines}}}\n"
+                f"runtime.apply_recompute(model, BLOCKS, RECOMPUTE)\n")
     return f'# Recompute ({plan.recompute}): {why}.\nruntime.apply_recompute(model, BLOCKS, "{plan.recompute}")\n'
 
 

@@ -1,23 +1,48 @@
-"""Search: price every candidate configuration and keep the fastest that fits.
+"""Search: the fastest configuration that fits, over the joint space, exactly on the cost model.
 
-Objective and constraints (per-rank memory M, device memory C; configurations c from
-``passes.strategies``: mesh (dp, tp, pp), ZeRO stage, micro-batch, recompute, schedule)::
+**Variables.** A configuration c = (mesh (dp, tp, pp), ZeRO stage z, micro-batch b, recompute r,
+schedule σ with v virtual stages) from ``passes.strategies`` (every combination the runtime
+supports, pins applied), and inside it three decisions solved exactly for that c:
 
-    minimise   step_time(c)                               over candidates c
-    subject to M(c) ≤ C                                    (``fits``)
-               stage cuts of c minimise its slowest stage  (``choose_cuts``, pp > 1)
+    TP layout  L(v) ∈ {R, S, P} on every value of a block      CP-SAT, once per (tp, b) and block
+               signature (repeated blocks share one model)      (``passes.tensor_parallel``)
+    stage cuts 0 = c_0 < c_1 < … < c_{pp·v} = L                 dynamic programming, once per
+                                                                 (b, r, stages, tp) (``passes.stage_cuts``)
+    DDP bucket B ∈ BUCKET_CAP_CHOICES_MB                         least exposed all-reduce (``cost.step``)
 
-Ties break on lower peak memory, then lower ZeRO stage, larger micro-batch, less recompute,
-then the simpler mesh (smaller tp, then smaller pp) and schedule, so the same inputs always
-give the same plan. The space is enumerated exactly, in the fixed order of the candidate list,
-with two economies that change no answer:
+**Objective and constraints.** With T(c) the cost model's step time (``cost.step``: compute,
+exposed communication, bubble and host time as named parts), M(c) the peak memory per rank and
+C the device memory::
 
-- ``CostTables`` computes per-unit costs once per (micro-batch, recompute) and the TP layout
-  choice once per (tp, micro-batch); stage cuts are cached per (micro-batch, stages) and the
-  memory-constrained cuts are only solved when the time-optimal ones do not fit;
-- a configuration whose lower bound ``lower_bound_s`` = m · Σ_units c(u) / (tp · pp) (perfect
-  division of the compute, no communication, no bubble) already exceeds the fastest feasible
-  step found so far is not priced (``search``).
+    minimise    T(c)
+    subject to  M(c) ≤ C                               (``Priced.fits``)
+                dp·tp·pp = devices, tp | devices per node, B mod dp = 0, …   (``strategies``)
+                cuts(c) = argmin_cuts max_s T_stage(s) s.t. M_stage(s) ≤ C  (``time_cuts``, ``memory_cuts``)
+
+**Method.** Every candidate gets a lower bound (``lower_bound_s``)::
+
+    LB(c) = m · Σ_u compute(u) / (tp · pp) ≤ T(c)
+
+(perfect division of the compute over the tp·pp ranks that share a replica: no communication,
+no bubble, no imbalance; with a measured profile or host time in the units it is still below
+T(c)). Candidates are priced in increasing LB (ties in candidate order); the first time LB
+exceeds the fastest feasible T found, no candidate left can beat it and the search stops. The
+answer is the minimum of T over all candidates that fit, as brute-force enumeration of the same
+space finds it (``tests/test_search_exact.py``): the plan is optimal on the cost model, and the
+plan's ``search`` field says so (``optimal``, ``gap`` 0, candidates and how many were priced).
+With ``--time-limit`` the search may stop sooner; it then reports gap = 1 − LB_next / T_best,
+a bound on how far the plan can be from the optimum.
+
+Ties on T break on lower peak memory, then lower ZeRO stage, larger micro-batch, less
+recompute, the simpler mesh (smaller tp, then smaller pp) and schedule (``_rank``), so the same
+inputs always give the same plan. Per-(b, r) unit costs, TP layouts and stage cuts are cached
+in ``CostTables`` and shared by every candidate that needs them.
+
+**Review.** Besides the candidates priced on the way, the lowest-bound candidate of up to
+MESH_RIVALS meshes that pruning skipped is priced too (``mesh_rivals``): ``alternatives`` keeps
+the best of each mesh, schedule, ZeRO stage and recompute mode with its parts and why it lost
+(``why_not``). When nothing fits, ``explain_infeasible`` names the binding constraint and the
+smallest changes that would make a plan fit.
 """
 
 from __future__ import annotations
@@ -32,10 +57,12 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
 from autoshard.ir.topology import Cluster
+from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
 
 MAX_ALTERNATIVES = 12
+RECOMPUTE_ORDER = ("none", "mixed", "selective", "full")  # ties go to less recompute
 MESH_RIVALS = 6  # meshes pruned by their bound that are still priced once, for the alternatives table
 GIB = 2**30
 
@@ -57,7 +84,7 @@ class SearchResult:
 
 
 def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch: int,
-           time_limit_s: float | None = None) -> SearchResult:
+           time_limit_s: float | None = None, mixed_recompute: bool = True) -> SearchResult:
     """The fastest configuration that fits (module doc), and the best rivals priced on the way."""
     start = time.perf_counter()
     tables = CostTables(graph, cluster)
@@ -71,10 +98,10 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch
         if time_limit_s is not None and fastest_s < float("inf") and time.perf_counter() - start > time_limit_s:
             stopped = True
             break
-        p = price_config(graph, cluster, configs[i], global_batch, tables)
-        priced.append(p)
-        if p.fits:
-            fastest_s = min(fastest_s, p.predicted.step_time_s)
+        for p in price_with_mixed(graph, cluster, configs[i], global_batch, tables, mixed_recompute):
+            priced.append(p)
+            if p.fits:
+                fastest_s = min(fastest_s, p.predicted.step_time_s)
     else:
         n = len(order)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
@@ -85,6 +112,17 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch
     rivals = [price_config(graph, cluster, configs[i], global_batch, tables) for i in unpriced]
     report = search_report(len(configs), len(priced), best, bounds[order[n]] if stopped else None)
     return SearchResult(best, alternatives(best, priced + rivals, cluster), report)
+
+
+def price_with_mixed(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, tables: CostTables,
+                     mixed_recompute: bool = True) -> list[Priced]:
+    """``config`` priced; when it keeps every block's activations and does not fit, also the per-block
+    recompute that fits at the least cost (``passes.recompute``), unless recompute is pinned."""
+    p = price_config(graph, cluster, config, global_batch, tables)
+    if p.fits or not mixed_recompute or config.recompute != "none":
+        return [p]
+    mixed = choose_recompute(tables, config)
+    return [p] if mixed is None else [p, price_config(graph, cluster, mixed, global_batch, tables)]
 
 
 def search_report(candidates: int, priced: int, best: Priced, next_bound_s: float | None) -> dict:
@@ -108,7 +146,7 @@ def mesh_rivals(configs: list[Config], unpriced: list[int], priced_meshes: set[M
 
 def lower_bound_s(tables: CostTables, config: Config) -> float:
     """m · Σ_units c(u) / (tp · pp): no configuration of this mesh and micro-batch is faster."""
-    units = tables.units(config.microbatch_size, config.recompute)
+    units = tables.config_units(config)
     return config.num_microbatches * sum(units.compute_s) / (config.mesh.tp * config.mesh.pp)
 
 
@@ -275,7 +313,7 @@ def _largest_gap(worse: Predicted, best: Predicted) -> str:
 def _rank(p: Priced) -> tuple:
     c = p.config
     return (not p.fits, round(p.predicted.step_time_s, 12), p.predicted.memory_peak_bytes_per_rank,
-            c.zero_stage, -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute), c.mesh.tp, c.mesh.pp,
+            c.zero_stage, -c.microbatch_size, RECOMPUTE_ORDER.index(c.recompute), c.mesh.tp, c.mesh.pp,
             SCHEDULES.index(c.schedule), c.virtual_stages)
 
 

@@ -33,15 +33,17 @@ SAVE_IN_SELECTIVE = {
 }
 
 
-def apply_recompute(model: nn.Module, blocks: list[str], mode: str) -> nn.Module:
-    """Wrap each block in ``checkpoint_wrapper`` (in place); ``mode`` is none, selective or full."""
-    if mode == "none":
-        return model
+def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, str]) -> nn.Module:
+    """Wrap each block in ``checkpoint_wrapper`` (in place); ``mode`` is none, selective or full, or a
+    mode per block path (a mixed plan's ``recompute_blocks``)."""
+    modes = mode if isinstance(mode, dict) else {path: mode for path in blocks}
     for path in blocks:
+        if modes.get(path, "none") == "none":
+            continue
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         wrapped = checkpoint_wrapper(get_block(model, path), checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     **_selective_kwargs(mode))
+                                     **_selective_kwargs(modes[path]))
         parent.register_module(child, wrapped)
     return model
 
@@ -83,7 +85,7 @@ def apply_plan(model: nn.Module, plan, mesh, device: torch.device, lr: float):
 
     blocks = list(plan.blocks)
     apply_tensor_parallel(model, mesh["tp"], dict(plan.tensor_parallel))
-    apply_recompute(model, blocks, plan.recompute)
+    apply_recompute(model, blocks, plan.recompute_blocks or plan.recompute)
     dp_mesh = mesh["dp"]
     if plan.mesh.dp == 1:
         return model, torch.optim.AdamW(model.parameters(), lr=lr)

@@ -32,3 +32,22 @@ def test_verify_eight_ranks_zero3(in_repo):
     assert plan.mesh.dp == 8
     report = verify(plan, steps=2)
     assert report.ok, report.failure
+
+
+def test_verify_mixed_recompute_chosen_under_memory_pressure(in_repo):
+    """With device memory between what full recompute and no recompute need, the planner recomputes
+    some blocks only (passes.recompute); that program trains like one process too."""
+    from dataclasses import replace
+
+    from autoshard.cost.hardware import load_cluster
+
+    cluster = load_cluster("local-cpu", devices_per_node=2)
+    pins = dict(dp=2, zero=0, microbatch_size=4)
+    need = {mode: autoshard.plan(MODELS["gpt"], cluster=cluster, global_batch=8, recompute=mode, **pins)
+            .predicted.memory_peak_bytes_per_rank for mode in ("none", "full")}
+    tight = replace(cluster, device=replace(cluster.device, memory_bytes=(need["none"] + need["full"]) // 2))
+    plan = autoshard.plan(MODELS["gpt"], cluster=tight, global_batch=8, **pins)
+    assert plan.recompute == "mixed" and len(set(plan.recompute_blocks.values())) > 1  # blocks differ
+    assert plan.predicted.memory_peak_bytes_per_rank <= tight.device.memory_bytes
+    report = verify(plan, steps=3)
+    assert report.ok, report.failure

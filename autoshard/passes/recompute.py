@@ -1,0 +1,119 @@
+"""Recompute per block: which blocks to recompute, and how, so that a configuration fits.
+
+Recomputing every block (Megatron-LM's full recompute) buys memory with a whole extra forward;
+often only some blocks need it. For a configuration c without pipelining whose blocks all keep
+their activations and that does not fit, this chooses a mode r_k ∈ {none, selective, full} for
+each block k. Blocks with one ``signature`` are interchangeable, so the variables are counts
+per signature group g (repeated blocks share them)::
+
+    n[g,r] ∈ {0 … |g|},  Σ_r n[g,r] = |g|           u[g,r] ∈ {0, 1},  n[g,r] ≤ |g|·u[g,r]
+    W ≥ w[g,r]·u[g,r]                                (the largest recompute workspace in use)
+
+    minimise    Σ_{g,r} n[g,r]·t[g,r]                recompute time of one micro-batch, ps
+    subject to  Σ_{g,r} n[g,r]·a[g,r]·k_r + W·κ ≤ A  (``add_memory_constraint``)
+
+with, from the cost model (``cost.step.memory_spmd``, ``cost.units``) at c's micro-batch: t the
+recompute time of one block of g in mode r (device and host), a its saved activation bytes, w
+its workspace, κ = (10 + 24/tp)/34 the TP share of activations, k_r = 1 for full and κ otherwise,
+and A the memory left for block activations: C / (1 + slack) − weights, gradients, optimizer
+state, transients and the prefix's and suffix's activations. The model is solved to optimality
+by CP-SAT (one worker, so the answer is deterministic); a group's blocks take their modes in
+block order (full first, then selective, then none: for one stage the order changes nothing).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autoshard.cost.memory import model_state_bytes
+from autoshard.cost.step import (ALLOCATOR_SLACK, FULL_RECOMPUTE_TP_COMM, MIXED, Config, CostTables, spmd_microbatch,
+                                 tp_activation_fraction, transient_bytes)
+from autoshard.ir.plan import RECOMPUTE_MODES
+
+PS_PER_S = 10**12
+
+
+def choose_recompute(tables: CostTables, config: Config) -> Config | None:
+    """``config`` with the per-block modes that fit at the least recompute time (module doc); None
+    when no assignment fits, or when the best one is uniform (a candidate of its own)."""
+    from ortools.sat.python import cp_model
+
+    if config.mesh.pp > 1 or not tables.graph.blocks:
+        return None
+    groups = signature_groups(tables)
+    by_mode = {r: tables.units(config.microbatch_size, r) for r in RECOMPUTE_MODES}
+    keep = tp_activation_fraction(config.mesh.tp)
+    model = cp_model.CpModel()
+    count = {(g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items()
+             for r in RECOMPUTE_MODES}
+    used = {key: model.NewBoolVar(f"u_{key[0]}_{key[1]}") for key in count}
+    for g, blocks in groups.items():
+        model.Add(sum(count[g, r] for r in RECOMPUTE_MODES) == len(blocks))
+        for r in RECOMPUTE_MODES:
+            model.Add(count[g, r] <= len(blocks) * used[g, r])
+    add_memory_constraint(model, tables, config, groups, by_mode, count, used, keep)
+    model.Minimize(sum(count[g, r] * _ps(block_recompute_s(tables, config, by_mode[r], r, groups[g][0]))
+                       for g, r in count))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    if solver.Solve(model) != cp_model.OPTIMAL:
+        return None
+    modes = assign(groups, {key: solver.Value(var) for key, var in count.items()}, len(tables.graph.blocks))
+    if len(set(modes)) == 1:
+        return None
+    return Config(config.mesh, config.zero_stage, config.microbatch_size, config.num_microbatches, MIXED,
+                  config.schedule, config.virtual_stages, config.ddp_bucket_cap_mb, modes)
+
+
+def block_recompute_s(tables: CostTables, config: Config, units, mode: str, k: int) -> float:
+    """t[g, r] of the module doc for block k: its recompute on one TP rank (a selective block reruns
+    its light ops' share), its host time, and for full recompute its share of the repeated forward
+    TP collectives (``cost.step.tp_comm_factor``)."""
+    u = k + 1
+    host = units.host_recompute_s[u] if units.host_recompute_s else 0.0
+    if config.mesh.tp == 1:
+        return units.recompute_s[u] + host
+    tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
+    share = tp.light_fraction[u] if mode == "selective" else tp.unit_fraction[u]
+    repeated = (FULL_RECOMPUTE_TP_COMM - 1.0) * tp.comm_s / len(tables.graph.blocks) if mode == "full" else 0.0
+    return units.recompute_s[u] * share + host + repeated
+
+
+def signature_groups(tables: CostTables) -> dict[int, list[int]]:
+    """Block indices by block signature, groups in order of their first block."""
+    by_signature: dict[str, list[int]] = defaultdict(list)
+    for k, block in enumerate(tables.graph.blocks):
+        by_signature[block.signature].append(k)
+    return dict(enumerate(by_signature.values()))
+
+
+def add_memory_constraint(model, tables: CostTables, config: Config, groups, by_mode, count, used,
+                          keep: float) -> None:
+    """Σ n·a·k_r + W·κ ≤ A (module doc), in bytes."""
+    none = by_mode["none"]
+    _, _, local = spmd_microbatch(tables, config)
+    p, g, o = model_state_bytes(local, config.zero_stage, config.mesh.dp, tables.precision)
+    fixed = p + g + o + transient_bytes(tables, config) + none.saved_bytes[0] + none.saved_bytes[-1]
+    room = int(tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) - fixed)
+    largest = max(by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values()
+                  for k in blocks)
+    workspace = model.NewIntVar(0, int(largest * keep) + 1, "workspace")
+    for (gi, r), var in used.items():
+        model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1] * keep) * var)
+    saved = sum(count[gi, r] * int(by_mode[r].saved_bytes[groups[gi][0] + 1] * (1.0 if r == "full" else keep))
+                for (gi, r) in count)
+    model.Add(saved + workspace <= room)
+
+
+def assign(groups: dict[int, list[int]], counts: dict[tuple[int, str], int], blocks: int) -> tuple[str, ...]:
+    """Each block's mode: in each group, the first blocks full, then selective, then none."""
+    modes = ["none"] * blocks
+    for g, members in groups.items():
+        order = [r for r in ("full", "selective", "none") for _ in range(counts[g, r])]
+        for k, mode in zip(members, order):
+            modes[k] = mode
+    return tuple(modes)
+
+
+def _ps(seconds: float) -> int:
+    return round(seconds * PS_PER_S)
