@@ -239,8 +239,9 @@ def cmd_compile(args) -> int:
 
     plan = load_plan(args.plan)
     load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
-    path = write_program(plan, args.output)
-    print(f"wrote {path}; run it with: {torchrun_command(plan, str(path))}")
+    path = write_program(plan, args.output, sbatch=True)
+    print(f"wrote {path} and {path.with_suffix('.sbatch')}; run it with: {torchrun_command(plan, str(path))} "
+          f"(or on SLURM: sbatch {path.with_suffix('.sbatch')})")
     return 0
 
 

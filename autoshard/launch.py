@@ -9,13 +9,14 @@ from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, write_text_atomic
-from autoshard.passes.codegen import emit_program
+from autoshard.passes.codegen import emit_program, emit_sbatch
 
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
 
 
-def write_program(plan: Plan, path: str | Path) -> Path:
-    """Emit the plan's program to ``path`` atomically (no half-written file on failure)."""
+def write_program(plan: Plan, path: str | Path, sbatch: bool = False) -> Path:
+    """Emit the plan's program to ``path`` atomically (no half-written file on failure); with
+    ``sbatch``, also its SLURM batch script beside it (``train.py`` -> ``train.sbatch``)."""
     path = Path(path)
     if path.suffix != ".py":
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
@@ -24,6 +25,8 @@ def write_program(plan: Plan, path: str | Path) -> Path:
         raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
                              f"your model; fix: choose another name, e.g. -o train.py")
     write_text_atomic(path, emit_program(plan))
+    if sbatch:
+        write_text_atomic(path.with_suffix(".sbatch"), emit_sbatch(plan, path.name))
     return path
 
 

@@ -117,3 +117,19 @@ def test_debug_shows_traceback(in_repo):
     proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", "nope.py:build", "--cluster", "local-cpu",
                            "--global-batch", "8", "--debug"], capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_compile_writes_a_slurm_script_with_the_multi_node_torchrun(in_repo, tmp_path, capsys):
+    import subprocess
+
+    plan_path, program = tmp_path / "plan.json", tmp_path / "train.py"
+    assert main(["plan", "examples/gpt.py:build", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "32",
+                 "-o", str(plan_path)]) == 0
+    assert main(["compile", str(plan_path), "-o", str(program)]) == 0
+    out = capsys.readouterr().out
+    script = (tmp_path / "train.sbatch").read_text()
+    assert "sbatch" in out and program.exists()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert ("srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
+            "--rdzv-id $JOB_ID train.py") in script
+    assert subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")], check=False).returncode == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import textwrap
+from pathlib import Path
 
 from autoshard.ir.plan import Plan
 
@@ -32,6 +33,27 @@ def torchrun_command(plan: Plan, program: str = "train.py") -> str:
         return f"torchrun --standalone --nproc-per-node {per_node} {program}"
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID {program}")
+
+
+def emit_sbatch(plan: Plan, program: str = "train.py") -> str:
+    """A SLURM batch script that starts ``program`` on the plan's nodes: one task per node runs
+    torchrun (``torchrun_command``), the first node of the allocation hosts the c10d rendezvous."""
+    nodes = plan.cluster.get("nodes", 1)
+    per_node = plan.world_size // nodes
+    gpus = f"#SBATCH --gpus-per-node={per_node}\n" if plan.cluster.get("backend") == "nccl" else ""
+    return f"""#!/bin/bash
+# SLURM batch script emitted by autoshard for plan {plan_digest(plan)}: {nodes} node(s) x {per_node} ranks.
+# Submit: sbatch {Path(program).with_suffix('.sbatch').name} [--steps 1000 --checkpoint-dir ckpt]
+#SBATCH --job-name=autoshard-{plan_digest(plan)}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gpus}#SBATCH --exclusive
+set -euo pipefail
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+JOB_ID=$SLURM_JOB_ID
+export MASTER_ADDR JOB_ID
+srun {torchrun_command(plan, program)} "$@"
+"""
 
 
 def plan_digest(plan: Plan) -> str:

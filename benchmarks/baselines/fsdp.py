@@ -1,0 +1,32 @@
+"""Hand-written ZeRO-3 training of the example GPT: FSDP2 fully_shard on each block, then the root."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import common
+
+a = common.args()
+rank, world = common.init()
+gpt = common.load_gpt()
+model = common.build(gpt)
+mesh = init_device_mesh("cpu", (world,))
+for block in model.h:
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step(i):
+    x, y = common.batch(gpt, a.global_batch, i, rank, world)
+    total = torch.zeros(())
+    for xs, ys in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
+        loss = gpt.loss_fn(model(xs), ys) / a.microbatches
+        loss.backward()
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return common.global_loss(total)
+
+
+common.run(step, a.steps, a.out)

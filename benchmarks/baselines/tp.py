@@ -1,0 +1,33 @@
+"""Hand-written tensor parallel training of the example GPT: Megatron's layout with parallelize_module."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import common
+
+a = common.args()
+rank, world = common.init()
+gpt = common.load_gpt()
+model = common.build(gpt)
+mesh = init_device_mesh("cpu", (world,))
+for block in model.h:
+    parallelize_module(block, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                                     "attn.v_proj": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                     "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step(i):
+    x, y = common.batch(gpt, a.global_batch, i, 0, 1)  # every TP rank sees the whole batch
+    total = torch.zeros(())
+    for xs, ys in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
+        loss = gpt.loss_fn(model(xs), ys) / a.microbatches
+        loss.backward()
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total.item()
+
+
+common.run(step, a.steps, a.out)
