@@ -277,7 +277,7 @@ def _read_result(path: Path) -> Measurements:
 def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[ProfileRequest] = ()) -> Calibration:
     per_collective = {c: _fit_or_none([s for s in m.comm if s.collective == c]) for c in COLLECTIVES} if m.comm else {}
     link_fit = fit_link(m.comm) if m.comm else None
-    cluster = build_cluster(m, link_fit, quick)
+    cluster = build_cluster(m, link_fit, quick, per_collective)
     if models:
         origin = f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} " \
                  f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
@@ -294,7 +294,8 @@ def _fit_or_none(samples: list[Sample]) -> LinkFit | None:
         return None
 
 
-def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool) -> Cluster:
+def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool,
+                  per_collective: dict[str, LinkFit | None] | None = None) -> Cluster:
     """The measured cluster: one node of ``m.ranks`` devices (what is written and how: module doc)."""
     host = socket.gethostname()
     day = datetime.date.today().isoformat()
@@ -302,8 +303,8 @@ def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool) -> Cluster:
     default = PRESETS["local-cpu" if m.backend == "gloo" else "dgx-h100"]
     inter = LinkSpec(default.inter_node.bandwidth_gbps, default.inter_node.latency_us,
                      f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}")
-    cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), _intra_link(m, fit, origin, default),
-                      inter, m.backend)
+    intra = _intra_link(m, fit, origin, default, per_collective)
+    cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), intra, inter, m.backend)
     return replace(cluster, host=_host(m, cluster, origin)) if m.host else cluster
 
 
@@ -326,15 +327,18 @@ def _device(m: Measurements, origin: str) -> DeviceSpec:
                + (", memory_bytes = host MemTotal / devices_per_node" if m.backend == "gloo" else ""))
 
 
-def _intra_link(m: Measurements, fit: LinkFit | None, origin: str, default: Cluster) -> LinkSpec:
+def _intra_link(m: Measurements, fit: LinkFit | None, origin: str, default: Cluster,
+                per_collective: dict[str, LinkFit | None] | None = None) -> LinkSpec:
     if fit is None:
         return LinkSpec(default.intra_node.bandwidth_gbps, default.intra_node.latency_us,
                         f"not measured (one rank); {default.name} preset: {default.intra_node.source}")
     sizes = sorted(s.size_bytes for s in m.comm)
+    own = tuple((name, _round(f.latency_us), _round(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f)
     return LinkSpec(_round(fit.bandwidth_gbps), _round(fit.latency_us),
                     f"{origin}, {m.backend} with {m.ranks} ranks: α and B fitted by least squares of relative error "
                     f"to comm.py's formulas over {', '.join(COLLECTIVES)} at {_size(sizes[0])}-{_size(sizes[-1])} "
-                    f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}")
+                    f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}; "
+                    f"collectives: each one's own fit, which the cost model prices it with", own)
 
 
 def _round(x: float) -> float:
@@ -535,11 +539,15 @@ class _Bench:
 
     def _time_probe(self, op: Callable[[], None]) -> float:
         """``_time_op`` for the host probes and models: their figures are differences of times, so
-        each gets PROBE_TIME_FACTOR × the time of a collective's point."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
+        each gets PROBE_TIME_FACTOR × the time of a collective's point; and the slowest rank's own
+        median, not the median of each call's slowest rank: between collectives the ranks do not
+        wait for each other, so a call one rank lost to the scheduler does not slow the others
+        (the maximum of each call over ranks would count every rank's jitter)."""
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR, per_rank=True)
 
-    def _time_op(self, op: Callable[[], None], point_s: float | None = None) -> float:
-        """Median over calls of the slowest rank's time per call (module doc)."""
+    def _time_op(self, op: Callable[[], None], point_s: float | None = None, per_rank: bool = False) -> float:
+        """Median over calls of the slowest rank's time per call (module doc); ``per_rank``: the
+        largest of the ranks' own medians."""
         op()
         self._sync()
         t0 = time.perf_counter()
@@ -555,6 +563,8 @@ class _Bench:
             op()
             self._sync()
             times.append(time.perf_counter() - t0)
+        if per_rank:
+            return self._max_over_ranks([statistics.median(times)])[0]
         return statistics.median(self._max_over_ranks(times))
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:

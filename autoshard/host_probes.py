@@ -27,7 +27,7 @@ and t_* the measured medians (``fit_host``)::
     pipeline_microbatch  slope of the 1F1B step over micro-batches − the slower stage's ops − 2·p2p
     pipeline_step_us     t(m₀) − (m₀ + 1)·slope: what a step costs beyond its m₀ + p − 1 stage slots
     tp_module_us         (t_tp − t_fwd+bwd − the 4 all-reduces per block) / (6K sharded linears),
-                         every rank one TP rank (colwise q, k, v, fc; rowwise o, proj)
+                         every rank one TP rank of a pair (colwise q, k, v, fc; rowwise o, proj)
 
 Every figure is clamped at 0: a negative one means the part is within the noise.
 """
@@ -172,9 +172,11 @@ def _tp_probe(time_op, x) -> float:
 
     from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    tp = 2 if world % 2 == 0 else world  # the probe's 2 heads split at most 2 ways; pairs of ranks
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in TP_STYLES.items()}
-    model = apply_tensor_parallel(probe_model(), mesh, styles)
+    model = apply_tensor_parallel(probe_model(), mesh["tp"], styles)
     return time_op(_fwd_bwd(model, x))
 
 
@@ -281,7 +283,8 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         broadcasts = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node) + \
             (t["tensors"] - 1) * (ranks - 1) * cluster.intra_node.latency_us * 1e-6
         figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - broadcasts) / t["tensors"]
-        all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, ranks, cluster.intra_node)
+        tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
+        all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
     if "pipeline" in t:
         figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = \

@@ -43,3 +43,16 @@ def llama3_8b_shape() -> gpt.GPT:
 def example_batch(batch_size: int):
     """``((token ids (batch, 2048),), next tokens)``: examples/gpt.py's synthetic sequences."""
     return gpt.example_batch(batch_size, seq_len=SEQ_LEN, vocab_size=VOCAB_SIZE)
+
+
+def __getattr__(name: str):
+    """``gpt_l{layers}_d{width}``: the GPT block at that depth and width (width / 128 heads), for sweeps
+    such as ``benchmarks/bench_planner_speed.py``; e.g. ``benchmarks/models.py:gpt_l48_d4096``."""
+    import re
+
+    match = re.fullmatch(r"gpt_l(\d+)_d(\d+)", name)
+    if match is None:
+        raise AttributeError(name)
+    layers, width = int(match.group(1)), int(match.group(2))
+    return lambda: gpt.build(n_layer=layers, n_head=max(1, width // 128), n_embd=width, block_size=SEQ_LEN,
+                             vocab_size=VOCAB_SIZE)

@@ -71,3 +71,36 @@ def test_hierarchical_never_loses_to_a_flat_ring_when_inter_is_slower(size, g, n
     inter = LinkSpec(min(a.bandwidth_gbps, b.bandwidth_gbps), max(a.latency_us, b.latency_us), "inter")
     hierarchical = comm.hierarchical_allreduce_s(size, g, n, intra, inter)
     assert hierarchical <= comm.ring_allreduce_s(size, g * n, inter) * (1 + 1e-9) + 1e-15
+
+
+def test_a_link_calibrated_per_collective_prices_each_with_its_own_pair():
+    import yaml
+
+    from autoshard.cost.hardware import load_cluster
+    from autoshard.ir.topology import Cluster
+
+    link = LinkSpec(3.0, 100.0, "t", (("all_gather", 400.0, 0.5), ("reduce_scatter", 550.0, 0.33)))
+    plain = LinkSpec(3.0, 100.0, "t")
+    size = 2**22
+    assert comm.all_gather_s(size, 2, link) == pytest.approx(400e-6 + size / 2 / 0.5e9)
+    assert comm.reduce_scatter_s(size, 2, link) == pytest.approx(550e-6 + size / 2 / 0.33e9)
+    assert comm.allreduce_s(size, 2, link) == comm.allreduce_s(size, 2, plain)  # no entry: the link's own pair
+    base = load_cluster("local-cpu", devices_per_node=4, nodes=2)
+    cluster = Cluster(base.name, 2, 4, base.device, link, base.inter_node, "gloo")
+    assert cluster.group_link([0, 1, 2]).collectives == link.collectives  # inside a node: the calibrated pairs
+    assert cluster.group_link([0, 4]).collectives == ()  # across nodes: the NIC link, not calibrated per collective
+    assert Cluster.from_dict(yaml.safe_load(yaml.safe_dump(cluster.to_dict()))) == cluster
+
+
+def test_bad_collective_entries_are_one_line():
+    from autoshard.errors import AutoshardError
+    from autoshard.ir.topology import Cluster
+
+    d = __import__("autoshard.cost.hardware", fromlist=["x"]).load_cluster("local-cpu").to_dict()
+    for bad, message in [({"all_to_none": {"latency_us": 1, "bandwidth_gbps": 1}}, "unknown collective"),
+                         ({"p2p": {"latency_us": -1, "bandwidth_gbps": 1}}, "latency_us must be >= 0"),
+                         ({"p2p": {"latency_us": 1}}, "must be {latency_us, bandwidth_gbps}")]:
+        d["intra_node"] = {**d["intra_node"], "collectives": bad}
+        with pytest.raises(AutoshardError, match=message) as info:
+            Cluster.from_dict(d)
+        assert "\n" not in str(info.value)

@@ -1,7 +1,9 @@
 """Collective communication time: the alpha-beta model on one ``LinkSpec``.
 
 A message of S bytes over a link of latency α (``latency_us``) and per-direction bandwidth
-B (``bandwidth_gbps``, GB/s) takes α + S/B. For p ranks (NUMBERS.md, "Formulas"):
+B (``bandwidth_gbps``, GB/s) takes α + S/B. A link calibrated per collective
+(``LinkSpec.collectives``) gives each collective its own α and B (``LinkSpec.for_collective``).
+For p ranks (NUMBERS.md, "Formulas"):
 
     ring all-reduce     2(p−1)·α       + 2(p−1)/p · S/B      ``ring_allreduce_s``
     tree all-reduce     2⌈log2 p⌉·α    + 2(p−1)/p · S/B      ``tree_allreduce_s``
@@ -63,6 +65,7 @@ def ring_allreduce_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     """2(p−1)·α + 2(p−1)/p · S/B."""
     if _alone(ranks):
         return 0.0
+    link = link.for_collective("all_reduce")
     return 2 * (ranks - 1) * _alpha_s(link) + ring_allreduce_bytes_per_rank(size_bytes, ranks) * _beta_s_per_byte(link)
 
 
@@ -70,6 +73,7 @@ def tree_allreduce_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     """2⌈log2 p⌉·α + 2(p−1)/p · S/B: a reduce up and a broadcast down a binary tree, pipelined."""
     if _alone(ranks):
         return 0.0
+    link = link.for_collective("all_reduce")
     depth = math.ceil(math.log2(ranks))
     return 2 * depth * _alpha_s(link) + ring_allreduce_bytes_per_rank(size_bytes, ranks) * _beta_s_per_byte(link)
 
@@ -81,25 +85,31 @@ def allreduce_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
 
 def reduce_scatter_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     """(p−1)·α + (p−1)/p · S/B, S the unsharded input: half a ring all-reduce."""
-    if _alone(ranks):
-        return 0.0
-    return (ranks - 1) * _alpha_s(link) + (ranks - 1) / ranks * size_bytes * _beta_s_per_byte(link)
+    return _half_ring_s(size_bytes, ranks, link.for_collective("reduce_scatter"))
 
 
 def all_gather_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     """(p−1)·α + (p−1)/p · S/B, S the gathered output: the other half of a ring all-reduce."""
-    return reduce_scatter_s(size_bytes, ranks, link)
+    return _half_ring_s(size_bytes, ranks, link.for_collective("all_gather"))
+
+
+def _half_ring_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
+    if _alone(ranks):
+        return 0.0
+    return (ranks - 1) * _alpha_s(link) + (ranks - 1) / ranks * size_bytes * _beta_s_per_byte(link)
 
 
 def broadcast_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     """(p−1)·α + S/B: a pipelined ring (NCCL's broadcast), S in chunks down the chain."""
     if _alone(ranks):
         return 0.0
+    link = link.for_collective("broadcast")
     return (ranks - 1) * _alpha_s(link) + size_bytes * _beta_s_per_byte(link)
 
 
 def p2p_s(size_bytes: float, link: LinkSpec) -> float:
     """α + S/B: one send/recv pair (a pipeline-stage boundary)."""
+    link = link.for_collective("p2p")
     return _alpha_s(link) + size_bytes * _beta_s_per_byte(link)
 
 

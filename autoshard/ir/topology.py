@@ -75,16 +75,35 @@ class DeviceSpec:
         _check_dataclass(self)
 
 
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p")
+
+
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link as the alpha-beta model sees it: per device, per direction."""
+    """A link as the alpha-beta model sees it: per device, per direction.
+
+    ``collectives`` optionally gives a collective its own (latency_us, bandwidth_gbps) on this
+    link, as ``autoshard calibrate`` fits them: gloo's reduce-scatter and all-gather move 4-9×
+    fewer bytes per second than its broadcast, so one α-β pair cannot price them all. Without an
+    entry a collective uses the link's own pair (``for_collective``)."""
 
     bandwidth_gbps: float = _spec("the per-device, per-direction bandwidth in GB/s, e.g. 450 for NVLink 4", _POSITIVE)
     latency_us: float = _spec("the small-message latency in microseconds, e.g. 3", _NON_NEGATIVE)
     source: str = _spec("where the figures come from (datasheet, measurement)")
+    collectives: tuple[tuple[str, float, float], ...] = field(
+        default=(), metadata={"doc": "optional: per collective {latency_us, bandwidth_gbps}, as calibrate fits them",
+                              "rule": None, "composite": True})
 
     def __post_init__(self):
         _check_dataclass(self)
+        object.__setattr__(self, "collectives", _check_collectives(self.collectives, "LinkSpec"))
+
+    def for_collective(self, name: str) -> LinkSpec:
+        """This link as collective ``name`` sees it: its own fitted pair where there is one."""
+        for collective, latency_us, bandwidth_gbps in self.collectives:
+            if collective == name:
+                return LinkSpec(bandwidth_gbps, latency_us, self.source)
+        return self
 
 
 @dataclass(frozen=True)
@@ -207,7 +226,9 @@ class Cluster:
             return self.intra_node
         bottleneck = min(edges, key=self._share_gbps)
         latency_us = max(e["latency_us"] for e in edges)
-        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"])
+        inside = all(e["kind"] == "intra_node" for e in edges)  # measured per collective: one node's link
+        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"],
+                        self.intra_node.collectives if inside else ())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, in a fixed key order (plan.json's ``cluster``)."""
@@ -292,18 +313,45 @@ def _tree_edges(graph: nx.Graph, vertices: list[str]) -> list[dict[str, Any]]:
 
 
 def _spec_dict(spec: DeviceSpec | LinkSpec) -> dict[str, Any]:
-    return {f.name: getattr(spec, f.name) for f in fields(spec)}
+    d = {f.name: getattr(spec, f.name) for f in fields(spec) if not f.metadata.get("composite")}
+    if getattr(spec, "collectives", ()):
+        d["collectives"] = {name: {"latency_us": lat, "bandwidth_gbps": bw} for name, lat, bw in spec.collectives}
+    return d
+
+
+def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float], ...]:
+    """``collectives`` as sorted (name, latency_us, bandwidth_gbps); a mapping (from a file) or tuples."""
+    fix = "fix: give each of " + ", ".join(COLLECTIVE_NAMES) + " as {latency_us: >= 0, bandwidth_gbps: > 0}, or drop it"
+    if isinstance(value, Mapping):
+        items = []
+        for name, pair in value.items():
+            if not isinstance(pair, Mapping) or set(pair) != {"latency_us", "bandwidth_gbps"}:
+                raise AutoshardError(f"{where}: collectives.{name} must be {{latency_us, bandwidth_gbps}}; {fix}")
+            items.append((name, pair["latency_us"], pair["bandwidth_gbps"]))
+        value = items
+    out = []
+    for item in value:
+        name, latency_us, bandwidth_gbps = item
+        if name not in COLLECTIVE_NAMES:
+            raise AutoshardError(f"{where}: unknown collective {name!r}; {fix}")
+        lat = _check_value(latency_us, float, _NON_NEGATIVE, where, f"collectives.{name}.latency_us", "microseconds")
+        bw = _check_value(bandwidth_gbps, float, _POSITIVE, where, f"collectives.{name}.bandwidth_gbps", "GB/s")
+        out.append((name, lat, bw))
+    return tuple(sorted(out))
 
 
 def _spec_from_mapping(kind: type, values: Any, where: str, section: str, default_source: str | None):
-    example = "{" + ", ".join(f"{f.name}: ..." for f in fields(kind) if f.name != "source") + "}"
+    plain = [f for f in fields(kind) if not f.metadata.get("composite")]
+    example = "{" + ", ".join(f"{f.name}: ..." for f in plain if f.name != "source") + "}"
     _check_mapping(values, where, section, f"a mapping like {example}")
     names = {f.name: f.metadata["doc"] for f in fields(kind)}
     if default_source is not None and "source" not in values:
         values = {**values, "source": default_source}
-    _check_keys(values, names, where, section + ".")
-    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in fields(kind)}
-    return kind(**checked)
+    optional = tuple(f.name for f in fields(kind) if f.metadata.get("composite"))
+    _check_keys(values, names, where, section + ".", optional=optional)
+    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain}
+    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in optional if name in values}
+    return kind(**checked, **extra)
 
 
 def _check_mapping(value: Any, where: str, what: str, fix: str) -> None:
@@ -332,8 +380,10 @@ def _check_backend(backend: Any, where: str) -> str:
 
 
 def _check_dataclass(spec: DeviceSpec | LinkSpec) -> None:
-    """Validate every field from its metadata; store ints given for floats as floats."""
+    """Validate every plain field from its metadata; store ints given for floats as floats."""
     for f in fields(spec):
+        if f.metadata.get("composite"):
+            continue
         value = _check_field(getattr(spec, f.name), f, type(spec).__name__, f.name)
         object.__setattr__(spec, f.name, value)
 

@@ -1,0 +1,78 @@
+"""How long `autoshard plan` takes, whole command, against model depth and against cluster size.
+
+    python benchmarks/bench_planner_speed.py -o runs/planner_speed.json --plot benchmarks/planner_speed.png
+
+Each figure is the wall time of one `autoshard plan` process (Python start, imports, capture on
+meta, search, plan written), the median of ``--repeats``. Depth: the GPT block at width 4096
+(``benchmarks/models.py:gpt_l{L}_d4096``) on 64 A100s. Size: GPT-3 175B and the Llama-3-8B shape
+on 8 … 4096 A100s (``dgx-a100-80gb``, 8 per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "benchmarks" / "models.py"
+DEPTHS = (8, 16, 32, 64, 128)
+GPUS = (8, 64, 512, 4096)
+
+
+def plan_s(model: str, gpus: int, batch: int, repeats: int) -> float:
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", f"{MODELS}:{model}", "--cluster",
+                            "dgx-a100-80gb", "--nodes", str(max(1, gpus // 8)), "--global-batch", str(batch), "-o",
+                            f"{tmp}/p.json"], check=True, capture_output=True, cwd=ROOT)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("-o", "--output")
+    parser.add_argument("--plot", help="write a PNG (needs matplotlib: pip install -e .[bench])")
+    a = parser.parse_args()
+    depth = {L: plan_s(f"gpt_l{L}_d4096", 64, 512, a.repeats) for L in DEPTHS}
+    for L, s in depth.items():
+        print(f"depth {L:>4} layers, 64 GPUs: {s:6.2f} s", flush=True)
+    size = {name: {g: plan_s(name, g, max(512, 2 * g), a.repeats) for g in GPUS} for name in ("llama3_8b_shape",
+                                                                                                "gpt3_175b")}
+    for name, row in size.items():
+        for g, s in row.items():
+            print(f"{name:>16} on {g:>5} GPUs: {s:6.2f} s", flush=True)
+    if a.output:
+        Path(a.output).write_text(json.dumps({"depth_64_gpus": depth, "gpus": size}, indent=1))
+    if a.plot:
+        plot(depth, size, a.plot)
+
+
+def plot(depth: dict, size: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(list(depth), list(depth.values()), "o-")
+    left.set(xlabel="layers (width 4096, 64 A100s)", ylabel="autoshard plan, whole command (s)", xscale="log")
+    for name, row in size.items():
+        right.plot(list(row), list(row.values()), "o-", label=name)
+    right.set(xlabel="A100 GPUs", ylabel="autoshard plan, whole command (s)", xscale="log")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
