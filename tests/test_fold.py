@@ -96,3 +96,10 @@ def test_layers_that_differ_by_index_are_captured_whole(tmp_path, in_repo):
     folded = capture_graph(f"{path}:build", fold=True)[1]
     assert node_facts(folded) == node_facts(whole)
     assert sum(n.target == "aten.mul.Tensor" for n in folded.nodes) == 3
+
+
+def test_the_profile_signature_does_not_depend_on_folding(both):
+    from autoshard.cost.profile import graph_signature
+
+    whole, folded = both
+    assert graph_signature(whole) == graph_signature(folded)

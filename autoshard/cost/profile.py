@@ -37,8 +37,10 @@ MODES = ("none", "selective", "full")
 def graph_signature(graph: OpGraph) -> str:
     """sha256 of what the cost model reads of a graph: ops, shapes, parameters, blocks, batch."""
     h = hashlib.sha256(f"b{graph.batch_size} s{graph.tokens_per_sample}\n".encode())
-    for n in graph.nodes:
-        h.update(f"{n.target} {n.shape} {n.dtype} {n.module_path} {n.inputs}\n".encode())
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:  # inputs by position or parameter name: node names differ between captures
+        inputs = [index.get(i, graph.placeholder_params.get(i, "in")) for i in n.inputs]
+        h.update(f"{n.target} {n.shape} {n.dtype} {n.module_path} {inputs}\n".encode())
     for p in graph.params:
         h.update(f"p {p.name} {p.shape} {p.dtype}\n".encode())
     for b in graph.blocks:
