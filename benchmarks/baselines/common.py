@@ -61,6 +61,23 @@ def batch(gpt, size: int, step: int, index: int, count: int):
     return x[index * n:(index + 1) * n], y[index * n:(index + 1) * n]
 
 
+def train_step(model, opt, gpt, x, y, microbatches: int, no_sync=None) -> torch.Tensor:
+    """Forward and backward over the micro-batches (gradients summed: loss / count), one AdamW step;
+    ``no_sync``: DDP's context that skips the all-reduce on all but the last micro-batch."""
+    import contextlib
+
+    total = torch.zeros(())
+    for k, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+        skip = no_sync is not None and k < microbatches - 1
+        with no_sync() if skip else contextlib.nullcontext():
+            loss = gpt.loss_fn(model(xs), ys) / microbatches
+            loss.backward()
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
 def run(step_fn, steps: int, out: str) -> None:
     """Time ``step_fn(step) -> loss`` per step on every rank; rank 0 writes the median (first step skipped)."""
     times = []

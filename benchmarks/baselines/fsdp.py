@@ -19,14 +19,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 def step(i):
     x, y = common.batch(gpt, a.global_batch, i, rank, world)
-    total = torch.zeros(())
-    for xs, ys in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
-        loss = gpt.loss_fn(model(xs), ys) / a.microbatches
-        loss.backward()
-        total += loss.detach()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return common.global_loss(total)
+    return common.global_loss(common.train_step(model, opt, gpt, x, y, a.microbatches))
 
 
 common.run(step, a.steps, a.out)

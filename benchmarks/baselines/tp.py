@@ -20,14 +20,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 def step(i):
     x, y = common.batch(gpt, a.global_batch, i, 0, 1)  # every TP rank sees the whole batch
-    total = torch.zeros(())
-    for xs, ys in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
-        loss = gpt.loss_fn(model(xs), ys) / a.microbatches
-        loss.backward()
-        total += loss.detach()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return total.item()
+    return common.train_step(model, opt, gpt, x, y, a.microbatches).item()
 
 
 common.run(step, a.steps, a.out)
