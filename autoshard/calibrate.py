@@ -539,15 +539,14 @@ class _Bench:
 
     def _time_probe(self, op: Callable[[], None]) -> float:
         """``_time_op`` for the host probes and models: their figures are differences of times, so
-        each gets PROBE_TIME_FACTOR × the time of a collective's point; and the slowest rank's own
-        median, not the median of each call's slowest rank: between collectives the ranks do not
-        wait for each other, so a call one rank lost to the scheduler does not slow the others
-        (the maximum of each call over ranks would count every rank's jitter)."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR, per_rank=True)
+        each gets PROBE_TIME_FACTOR × the time of a collective's point. Still the median of each
+        call's slowest rank: training steps synchronise the ranks (collectives every step, FSDP2
+        every unit), so a call one rank loses to the scheduler is lost by all (measured on this
+        machine: the ranks' own medians predicted the CPU plans' step times 20-40% low)."""
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
 
-    def _time_op(self, op: Callable[[], None], point_s: float | None = None, per_rank: bool = False) -> float:
-        """Median over calls of the slowest rank's time per call (module doc); ``per_rank``: the
-        largest of the ranks' own medians."""
+    def _time_op(self, op: Callable[[], None], point_s: float | None = None) -> float:
+        """Median over calls of the slowest rank's time per call (module doc)."""
         op()
         self._sync()
         t0 = time.perf_counter()
@@ -563,8 +562,6 @@ class _Bench:
             op()
             self._sync()
             times.append(time.perf_counter() - t0)
-        if per_rank:
-            return self._max_over_ranks([statistics.median(times)])[0]
         return statistics.median(self._max_over_ranks(times))
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
