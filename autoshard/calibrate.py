@@ -464,6 +464,7 @@ class _Bench:
 
         self.torch, self.dist, self.device, self.s, self.report = torch, dist, device, settings, report
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        self.group, self.broadcast_src = None, 0  # the group collectives run in (None: all ranks), its root
         self.gpu = device.type == "cuda"
         self.dtype = torch.bfloat16 if self.gpu else torch.float32
 
@@ -498,10 +499,11 @@ class _Bench:
         numel = max(p, size_bytes // elem // p * p)
         full = torch.ones(numel, dtype=self.dtype, device=self.device)
         shard = torch.ones(numel // p, dtype=self.dtype, device=self.device)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-               "all_gather": lambda: dist.all_gather_single(full, shard),
-               "broadcast": lambda: dist.broadcast(full, src=0)}
+        g = self.group
+        ops = {"all_reduce": lambda: dist.all_reduce(full, group=g),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=g),
+               "all_gather": lambda: dist.all_gather_single(full, shard, group=g),
+               "broadcast": lambda: dist.broadcast(full, src=self.broadcast_src, group=g)}
         return ops[name], numel * elem
 
     def p2p(self) -> list[list]:

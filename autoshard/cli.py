@@ -142,7 +142,22 @@ def _add_calibrate(sub, common) -> None:
                    help="also measure this model (file.py:factory): its forward and backward per micro-batch size "
                         "and recompute mode, kept in the cluster file for plans of it (repeatable)")
     p.add_argument("--microbatch-sizes", default="1,2,4,8", help="micro-batch sizes to measure --model at")
+    p.add_argument("--across-nodes", metavar="NODE_FILE",
+                   help="under torchrun on every node: measure the links between nodes and write NODE_FILE's "
+                        "cluster (from calibrate on one node) with them")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _calibrate_across_nodes(args, output) -> int:
+    from autoshard.calibrate_nodes import calibrate_across_nodes
+
+    command = f"autoshard calibrate --across-nodes {args.across_nodes} -o {output}"
+    cluster = calibrate_across_nodes(args.across_nodes, str(output), command)
+    if cluster is not None:
+        link = cluster.inter_node
+        print(f"wrote {output}: {cluster.nodes} nodes x {cluster.devices_per_node}, inter_node "
+              f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s per device")
+    return 0
 
 
 def cmd_plan(args) -> int:
@@ -296,6 +311,8 @@ def cmd_calibrate(args) -> int:
     from autoshard.cost.profile import profile_request
 
     output = check_output(args.output)
+    if args.across_nodes:
+        return _calibrate_across_nodes(args, output)
     ranks, _ = resolve_ranks(args.devices_per_node)
     sizes = microbatch_sizes_flag(args.microbatch_sizes)
     models = [profile_request(spec, sizes) for spec in args.model]  # captured before minutes of measuring

@@ -52,9 +52,11 @@ def torchrun(script: Path, ranks: int, args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
            *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{script.name} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    for _ in range(2):  # one retry: a run that dies in gloo's shutdown (seen under load) is run again
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return
+    raise RuntimeError(f"{script.name} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
 
 def emitted_s(program: Path, ranks: int, steps: int, tmp: Path) -> float:

@@ -43,6 +43,8 @@ from autoshard.launch import run_torchrun, write_program
 from autoshard.passes.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
+RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2-core machine) is run again
+
 
 def pins_of(config: Config) -> Pins:
     m = config.mesh
@@ -82,11 +84,13 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
     """Median step time of the emitted program (steps after the warm-up one), in seconds."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "out"
-    proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
-                        quiet=True)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stdout[-2000:])
-    return json.loads((out / "metrics.json").read_text())["median_step_s"]
+    for attempt in range(RETRIES + 1):
+        proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
+                            quiet=True)
+        if proc.returncode == 0:
+            return json.loads((out / "metrics.json").read_text())["median_step_s"]
+        print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
+    raise RuntimeError(proc.stdout[-2000:])
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -9,7 +9,6 @@ seed per step; each dp rank takes its slice), so both do the same work.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -24,10 +23,13 @@ SEED_STRIDE = 1_000_003
 
 
 def load_gpt():
-    spec = importlib.util.spec_from_file_location("gpt_example", ROOT / "examples" / "gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """examples/gpt.py as a module."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    return gpt
 
 
 def args():
