@@ -16,6 +16,11 @@ measured (do the predictions order the plans as the machine does); the planner's
 ``autoshard plan`` chooses with nothing pinned) and its regret = measured time of the pick /
 the best measured time.
 
+``--calibrate FILE`` runs ``autoshard calibrate --model`` right before the runs and prices with
+it (the machine's speed drifts by tens of percent over tens of minutes on a shared VM, so a
+calibration from earlier mispredicts every plan alike), and once more after them; the second
+summary shows how much the machine moved meanwhile.
+
 ``--reprice`` prices the stored configurations again with the current cost model and the
 stored cluster file, without running anything: the measurements stay, the predictions move.
 """
@@ -26,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,7 +125,16 @@ def summary(rows: list[dict], pick: str) -> dict:
     }
 
 
+def calibrate(ranks: int, model: str, path: Path) -> str:
+    """``autoshard calibrate`` of this machine and ``model`` at ``ranks`` ranks; the cluster file's path."""
+    subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--devices-per-node", str(ranks), "--model",
+                    model, "-o", str(path)], check=True, capture_output=True, cwd=ROOT)
+    return str(path)
+
+
 def run(args) -> dict:
+    if args.calibrate:  # right before the runs: the machine's speed drifts over tens of minutes
+        args.cluster = calibrate(args.ranks, args.model, Path(args.calibrate))
     plans, pick = plan_all(args.model, args.cluster, args.ranks, args.global_batch)
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
@@ -132,7 +147,15 @@ def run(args) -> dict:
                       f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})", flush=True)
     rows = [{"key": key, "pins": asdict(pins_of_plan(plan)), "predicted_s": plan.predicted.step_time_s,
              "measured_s": statistics.median(times[key]), "measured_rounds_s": times[key]} for key, plan in plans]
+    drift = {}
+    if args.calibrate:  # again after the runs: how far the machine moved while they ran
+        after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))
+        again, again_pick = plan_all(args.model, after, args.ranks, args.global_batch)
+        predicted = {key: plan.predicted.step_time_s for key, plan in again}
+        drift = summary([dict(r, predicted_s=predicted[r["key"]]) for r in rows if r["key"] in predicted],
+                        plan_key(again_pick))
     return {"model": args.model, "cluster": args.cluster, "cluster_file": Path(args.cluster).read_text(),
+            "summary_calibrated_after": drift,
             "ranks": args.ranks, "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds,
             "date": time.strftime("%Y-%m-%d"), "torch": _torch_version(), "wall_s": time.perf_counter() - start,
             "load_1min_at_end": os.getloadavg()[0], "rows": rows, "summary": summary(rows, plan_key(pick))}
@@ -166,6 +189,9 @@ def print_table(result: dict) -> None:
     s = result["summary"]
     print(f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
           f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})")
+    if result.get("summary_calibrated_after"):
+        a = result["summary_calibrated_after"]
+        print(f"priced with the calibration after the runs: MAPE {a['mape']:.1%}, Spearman {a['spearman']:.3f}")
 
 
 def _torch_version() -> str:
@@ -184,6 +210,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
+    parser.add_argument("--calibrate", metavar="CLUSTER_YAML",
+                        help="run autoshard calibrate (with --model) right before the runs, write its file here and "
+                             "price with it (instead of --cluster)")
     args = parser.parse_args()
     result = reprice(args.reprice, args.cluster) if args.reprice else run(args)
     if args.output:
