@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.topology import Cluster
 from autoshard.passes.strategies import Pins
 from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
+if TYPE_CHECKING:  # planning never imports torch when the capture cache has the model
+    import torch.nn as nn
+
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-         devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, **pins) -> Plan:
+         devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, cache: bool = True,
+         **pins) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
     (dp, tp, pp, zero, microbatch_size, recompute, schedule); ``fold=False`` exports every repeated
-    layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's ``search`` gives the gap)."""
+    layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's ``search`` gives the gap);
+    ``cache=False`` captures the model even when the capture cache has it (``passes.capture_cache``)."""
     from autoshard.cost.hardware import load_cluster
 
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s))
+    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s, cache))
 
 
 def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-             devices_per_node: int | None = None, fold: bool = True, **pins) -> Plan:
+             devices_per_node: int | None = None, fold: bool = True, cache: bool = True, **pins) -> Plan:
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
     microbatch_size, recompute, schedule). It is priced like ``plan`` prices it (a fitting one is
     the same plan) and returned even when it does not fit (its ``notes`` say by how much)."""
@@ -37,7 +41,7 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold))
+    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, cache=cache))
 
 
 def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):

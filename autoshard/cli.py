@@ -82,6 +82,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
     p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of three and copies "
                    "(slower on deep models; for a model whose layers differ by their index)")
+    p.add_argument("--no-cache", action="store_true", help="capture the model even if the capture cache has it "
+                   "(AUTOSHARD_CACHE=0 turns the cache off; AUTOSHARD_CACHE_DIR moves it)")
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="stop searching after this long and report the optimality gap (default: search to the optimum)")
 
@@ -166,7 +168,7 @@ def cmd_plan(args) -> int:
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                     devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                     microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
-                    fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit))
+                    fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
     _write_plan(plan, args)
     return 0
 
@@ -191,7 +193,7 @@ def cmd_estimate(args) -> int:
         raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
                              f"(or let `autoshard plan` choose)")
     plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
-                        devices_per_node=args.devices_per_node, fold=not args.no_fold,
+                        devices_per_node=args.devices_per_node, fold=not args.no_fold, cache=not args.no_cache,
                         **{name: getattr(args, name) for name in ESTIMATE_PINS})
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]

@@ -163,8 +163,9 @@ def load_model_file(spec: str) -> ModelFile:
 
 
 def _import_file(path: Path, spec: str) -> types.ModuleType:
-    stat = path.stat()  # an edited file is imported again, not served from the cache
-    key = f"{path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}"
+    # An edited file is imported again, not served from sys.modules: keyed by content, since an
+    # edit can keep the size and the timestamp (two saves within the file system's clock tick).
+    key = f"{path.resolve()}:{hashlib.sha256(path.read_bytes()).hexdigest()}"
     name = "autoshard_user_model_" + hashlib.sha1(key.encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]

@@ -3,6 +3,7 @@
     capture     torch.export on meta tensors, two    ModelFile -> OpGraph
                 of L repeated layers (passes.fold)
     annotate    FLOPs and bytes per op               OpGraph -> OpGraph
+                (both read from passes.capture_cache instead when it has the model unchanged)
     unfold      the L layers, copied from the two    OpGraph -> OpGraph   (after annotate: copies
                                                                            carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
@@ -23,8 +24,9 @@ A pass that fails on a bug is re-raised as "while running pass X after [A, B]"; 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from autoshard.cost.step import CostTables, price_parts, stage_ranks
 from autoshard.cost.symbolic import symbolic_cost
@@ -33,13 +35,14 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage
 from autoshard.ir.topology import Cluster
-from autoshard.modelfile import ModelFile, load_model_file, model_fingerprint
-from autoshard.passes.annotate import annotate
+from autoshard.passes import capture_cache
 from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import capture
 from autoshard.passes.fold import unfold
 from autoshard.passes.search import SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
+
+if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
+    from autoshard.modelfile import ModelFile
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
 
@@ -56,6 +59,7 @@ class PlanRequest:
     pins: Pins = field(default_factory=Pins)
     fold: bool = True  # capture three of the repeated layers and copy them (passes.fold); --no-fold
     time_limit_s: float | None = None  # stop the search here, reporting the optimality gap; --time-limit
+    cache: bool = True  # read and write the capture cache (passes.capture_cache); --no-cache
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -65,13 +69,13 @@ class PlanRequest:
 def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
-    model_file = load_model_file(request.model_spec)
     done: list[str] = []
-    graph = _graph_passes(model_file, done, request.fold)
+    model_file, graph = _captured(request.model_spec, done, request.fold, request.cache)
+    graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
 
 
-def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done: list[str] | None = None) -> Plan:
+def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, done: list[str] | None = None) -> Plan:
     """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
     done = done if done is not None else ["capture", "annotate", "blocks"]
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
@@ -84,9 +88,9 @@ def plan_graph(request: PlanRequest, model_file: ModelFile, graph: OpGraph, done
 def estimate_model(request: PlanRequest) -> Plan:
     """The plan of the one configuration the pins fix (all of them; the CLI checks), fit or not."""
     check_pins(request.pins, request.cluster, request.global_batch)
-    model_file = load_model_file(request.model_spec)
     done: list[str] = []
-    graph = _graph_passes(model_file, done, request.fold)
+    model_file, graph = _captured(request.model_spec, done, request.fold, request.cache)
+    graph = _later_graph_passes(graph, done)
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("price", done, price_pinned, graph, request.cluster, configs, request.global_batch)
@@ -102,19 +106,37 @@ def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: 
 
 
 def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGraph]:
-    """capture -> annotate -> unfold -> blocks, for tools that need only the graph."""
-    model_file = load_model_file(model_spec)
-    return model_file, _graph_passes(model_file, [], fold)
+    """capture -> annotate -> unfold -> blocks, for tools that need only the graph (never cached)."""
+    done: list[str] = []
+    model_file, graph = _captured(model_spec, done, fold, use_cache=False)
+    return model_file, _later_graph_passes(graph, done)
 
 
-def _graph_passes(model_file: ModelFile, done: list[str], fold: bool = True) -> OpGraph:
+def _captured(spec: str, done: list[str], fold: bool, use_cache: bool) -> tuple[ModelFile | None, OpGraph]:
+    """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None)."""
+    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
+    if graph is not None:
+        done += ["capture (cached)", "annotate (cached)"]
+        return None, graph
+    from autoshard.modelfile import load_model_file
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+
+    modules_before = set(sys.modules)
+    model_file = load_model_file(spec)
     graph = _run("capture", done, capture, model_file, CAPTURE_BATCH, fold)
     graph = _run("annotate", done, annotate, graph)
+    if use_cache:
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
+    return model_file, graph
+
+
+def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
     graph = _run("unfold", done, unfold, graph)
     return _run("blocks", done, find_blocks, graph)
 
 
-def assemble_plan(request: PlanRequest, model_file: ModelFile, graph: OpGraph, result: SearchResult) -> Plan:
+def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult) -> Plan:
     best = result.best
     c = best.config
     tp = best.tp_choice
@@ -196,10 +218,16 @@ def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
                 module_path)
 
 
-def model_summary(spec: str, model_file: ModelFile, graph: OpGraph) -> dict[str, Any]:
+def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> dict[str, Any]:
+    if graph.model_fingerprint or model_file is None:
+        fingerprint = graph.model_fingerprint
+    else:
+        from autoshard.modelfile import model_fingerprint
+
+        fingerprint = model_fingerprint(model_file.build("meta"))
     return {
         "spec": spec,
-        "hash": graph.model_fingerprint or model_fingerprint(model_file.build("meta")),
+        "hash": fingerprint,
         "params": graph.param_count,
         "layers": len(graph.blocks),
         "tokens_per_sample": graph.tokens_per_sample,

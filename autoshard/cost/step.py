@@ -56,7 +56,8 @@ Optimizer (ZeRO-1) then broadcasts each rank's updated shard (an all-gather of t
 exposed. FSDP2 (ZeRO-2/3) all-gathers each block's weights before its forward (prefetched
 behind the previous block's compute; the first is exposed) and reduce-scatters its gradients
 after its backward (the last is exposed); ZeRO-3 gathers again for backward. Both do this
-every micro-batch. DP collectives run on the dp group of rank 0 (ranks d·tp); a group that
+every micro-batch, one collective per unit (U = blocks + 1 latencies each way:
+``per_unit_collectives_s``). DP collectives run on the dp group of rank 0 (ranks d·tp); a group that
 spans n nodes with g members per node is priced as the cheaper of a flat ring on the NIC
 share and the two-level form (``dp_collective_s``)::
 
@@ -665,11 +666,18 @@ def zero1_gather_s(size_bytes: float, tensors: int, mesh: Mesh, cluster: Cluster
     return dp_collective_s("all_gather", size_bytes, mesh, cluster) + max(0.0, extra_latency_s)
 
 
+def per_unit_collectives_s(kind: str, total_bytes: float, units: int, mesh: Mesh, cluster: Cluster) -> float:
+    """FSDP2 runs one collective per unit, each paying the group's latency: U · C(S / U) for S bytes
+    over U units (exact for equal units; the α-β forms are affine in S, so unequal units move only
+    which of the flat and two-level forms is cheaper)."""
+    return units * dp_collective_s(kind, total_bytes / units, mesh, cluster)
+
+
 def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, micro: ComputeTime,
                precision: Precision) -> CommTime:
     mesh, units = config.mesh, max(1, len(graph.blocks)) + 1
-    gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, mesh, cluster)
-    scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, mesh, cluster)
+    gather_s = per_unit_collectives_s("all_gather", params * precision.activation_bytes, units, mesh, cluster)
+    scatter_s = per_unit_collectives_s("reduce_scatter", params * precision.grad_bytes, units, mesh, cluster)
     regather_s = gather_s if config.zero_stage == 3 else 0.0
     hides = hides_comm(cluster)
     fwd_exposed = max(gather_s - micro.forward_s * hides, gather_s / units)

@@ -41,12 +41,12 @@ Llama's rotary table) are such ops: the ops inside their bodies are not counted.
 from __future__ import annotations
 
 import math
-from typing import Callable
-
-import torch
-import torch.utils.flop_counter as flop_counter
+from typing import TYPE_CHECKING, Callable
 
 from autoshard.ir.graph import OpGraph, OpNode
+
+if TYPE_CHECKING:  # torch is imported where FLOPs are counted; op_name and is_alias serve the
+    import torch  # cost model on graphs from the capture cache, where torch is never imported
 
 # Ops that return a view or alias of an input: no FLOPs, no bytes. Names are aten op names
 # without overload (in-place variants "add_" are looked up as "add"), or full targets.
@@ -201,12 +201,16 @@ def einsum_flops(graph: OpGraph, node: OpNode) -> int:
 def conv_flops(graph: OpGraph, node: OpNode) -> int:
     """``flop_counter.conv_flop_count``: 2 · numel(out) · in_channels/groups · prod(kernel)."""
     x, w = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    import torch.utils.flop_counter as flop_counter
+
     transposed = op_name(node.target).startswith("conv_transpose")
     return int(flop_counter.conv_flop_count(list(x), list(w), list(node.shape), transposed=transposed))
 
 
 def sdpa_flops(graph: OpGraph, node: OpNode) -> int:
     """QKᵀ and PV: 2·B·H·L·S·(E + Ev), by ``flop_counter.sdpa_flop_count`` (GQA allowed)."""
+    import torch.utils.flop_counter as flop_counter
+
     q, k, v = (_as_bhse(_shape(graph, name)) for name in node.inputs[:3])
     return int(flop_counter.sdpa_flop_count(q, k, v))
 
@@ -234,6 +238,8 @@ def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
     from the schema: Tensor arguments from ``node.inputs`` in order, the rest from ``attrs``,
     with trailing defaults left off as in an ordinary call (``addmm_flop`` takes no beta).
     """
+    import torch.utils.flop_counter as flop_counter
+
     overload = _overload(node.target)
     formula = flop_counter.flop_registry.get(overload.overloadpacket) if overload is not None else None
     if formula is None:
@@ -248,6 +254,8 @@ def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
 
 
 def _overload(target: str) -> torch._ops.OpOverload | None:
+    import torch
+
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return None

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
 from autoshard.passes.blocks import block_members, block_signature
+
+if TYPE_CHECKING:  # unfold runs on cached graphs, where torch is not imported at all
+    import torch.nn as nn
 
 KEPT = 3  # two layers and the glue between them are compared with the next two (module doc)
 MIN_LAYERS = KEPT + 1
@@ -58,6 +60,8 @@ def fingerprint(module: nn.Module) -> str:
 
 def repeated_stack(model: nn.Module) -> str | None:
     """The path of the one stack of ≥ MIN_LAYERS identical layers, outermost; None if none or several."""
+    import torch.nn as nn
+
     found = []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < MIN_LAYERS:

@@ -21,11 +21,12 @@ C the device memory::
 
 **Method.** Every candidate gets a lower bound (``lower_bound_s``)::
 
-    LB(c) = m · Σ_u compute(u) / (tp · pp) ≤ T(c)
+    LB(c) = (m + (pp − 1)/v) · Σ_u compute(u) / (tp · pp) ≤ T(c)
 
-(perfect division of the compute over the tp·pp ranks that share a replica: no communication,
-no bubble, no imbalance; with a measured profile or host time in the units it is still below
-T(c)). Candidates are priced in increasing LB (ties in candidate order); the first time LB
+(perfect division of the compute over the tp·pp ranks that share a replica, no communication, no
+imbalance; the pipeline's (pp − 1)/v bubble slots are kept, because the cost model prices the
+step as (m + (pp − 1)/v)·T_max with T_max ≥ the mean rank's compute ≥ Σ_u compute(u) / (tp·pp);
+with a measured profile or host time in the units it is still below T(c)). Candidates are priced in increasing LB (ties in candidate order); the first time LB
 exceeds the fastest feasible T found, no candidate left can beat it and the search stops. The
 answer is the minimum of T over all candidates that fit, as brute-force enumeration of the same
 space finds it (``tests/test_search_exact.py``): the plan is optimal on the cost model, and the
@@ -145,9 +146,12 @@ def mesh_rivals(configs: list[Config], unpriced: list[int], priced_meshes: set[M
 
 
 def lower_bound_s(tables: CostTables, config: Config) -> float:
-    """m · Σ_units c(u) / (tp · pp): no configuration of this mesh and micro-batch is faster."""
+    """(m + (p − 1)/v) · Σ_units c(u) / (tp · p): no configuration of this mesh and micro-batch is faster
+    (module doc; p = pp, v virtual stages; without pipelining the factor is m)."""
     units = tables.config_units(config)
-    return config.num_microbatches * sum(units.compute_s) / (config.mesh.tp * config.mesh.pp)
+    p = config.mesh.pp
+    slots = config.num_microbatches + (p - 1) / config.virtual_stages
+    return slots * sum(units.compute_s) / (config.mesh.tp * p)
 
 
 def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int,
