@@ -3,7 +3,9 @@
     python benchmarks/bench_planner_speed.py -o runs/planner_speed.json --plot benchmarks/planner_speed.png
 
 Each figure is the wall time of one `autoshard plan` process (Python start, imports, capture on
-meta, search, plan written), the median of ``--repeats``. Depth: the GPT block at width 4096
+meta, search, plan written), the median of ``--repeats``: cold (``--no-cache``, the model captured
+every time) and, for the three headline models, warm (planned again with the capture cache filled,
+``passes.capture_cache``). Depth: the GPT block at width 4096
 (``benchmarks/models.py:gpt_l{L}_d4096``) on 64 A100s. Size: GPT-3 175B and the Llama-3-8B shape
 on 8 … 4096 A100s (``dgx-a100-80gb``, 8 per node).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,16 +26,24 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "models.py"
 DEPTHS = (8, 16, 32, 64, 128)
 GPUS = (8, 64, 512, 4096)
+HEADLINE = (("llama3_8b_shape", 64, 512), ("gpt3_175b", 1024, 2048), ("gpt_1t", 3072, 3072))  # model, GPUs, batch
 
 
-def plan_s(model: str, gpus: int, batch: int, repeats: int) -> float:
+def plan_s(model: str, gpus: int, batch: int, repeats: int, warm: bool = False) -> float:
+    """Median wall time of ``autoshard plan``: cold (``--no-cache``: capture every time) or warm (the
+    capture cache filled by one run before the timed ones, as when a user plans the model again)."""
     times = []
     with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{tmp}/cache")
+        command = [sys.executable, "-m", "autoshard.cli", "plan", f"{MODELS}:{model}", "--cluster", "dgx-a100-80gb",
+                   "--nodes", str(max(1, gpus // 8)), "--global-batch", str(batch), "-o", f"{tmp}/p.json"]
+        if warm:
+            subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=env)
+        else:
+            command.append("--no-cache")
         for _ in range(repeats):
             start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", f"{MODELS}:{model}", "--cluster",
-                            "dgx-a100-80gb", "--nodes", str(max(1, gpus // 8)), "--global-batch", str(batch), "-o",
-                            f"{tmp}/p.json"], check=True, capture_output=True, cwd=ROOT)
+            subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=env)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -51,8 +62,13 @@ def main() -> None:
     for name, row in size.items():
         for g, s in row.items():
             print(f"{name:>16} on {g:>5} GPUs: {s:6.2f} s", flush=True)
+    headline = {f"{name} on {g}": {"cold_s": plan_s(name, g, batch, a.repeats),
+                                    "warm_s": plan_s(name, g, batch, a.repeats, warm=True)}
+                for name, g, batch in HEADLINE}
+    for key, row in headline.items():
+        print(f"{key:>26} GPUs: cold {row['cold_s']:6.2f} s, capture cached {row['warm_s']:6.2f} s", flush=True)
     if a.output:
-        Path(a.output).write_text(json.dumps({"depth_64_gpus": depth, "gpus": size}, indent=1))
+        Path(a.output).write_text(json.dumps({"depth_64_gpus": depth, "gpus": size, "headline": headline}, indent=1))
     if a.plot:
         plot(depth, size, a.plot)
 
