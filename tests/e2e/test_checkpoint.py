@@ -2,6 +2,7 @@
 
 import functools
 import json
+import shutil
 
 import pytest
 import torch
@@ -38,15 +39,18 @@ def test_resume_is_bit_exact(in_repo, tmp_path, case):
     assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
     program = write_program(plan, tmp_path / "train.py")
     train = functools.partial(train_ranks, ranks=ranks)
-    full_losses, full_params = train(program, tmp_path, "full", 4)
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
-    first_losses, _ = train(program, tmp_path, "first", 2, *ckpt)
-    assert latest(tmp_path / "ckpt").name == "step-00000002"
-    resumed_losses, resumed_params = train(program, tmp_path, "resumed", 4, *ckpt)
-    assert first_losses + resumed_losses == full_losses
+    # Two launches, not three: the uninterrupted run keeps its step-2 checkpoint, and a copy of it
+    # alone is what the resumed run finds (as if the job had stopped after step 2).
+    full_losses, full_params = train(program, tmp_path, "full", 4, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                     "--checkpoint-every", "2")
+    assert [p.name for p in sorted((tmp_path / "ckpt").glob("step-*"))] == ["step-00000002", "step-00000004"]
+    shutil.copytree(tmp_path / "ckpt" / "step-00000002", tmp_path / "stopped" / "step-00000002")
+    resumed_losses, resumed_params = train(program, tmp_path, "resumed", 4, "--checkpoint-dir",
+                                           str(tmp_path / "stopped"), "--checkpoint-every", "2")
+    assert resumed_losses == full_losses[2:]  # steps 3 and 4 only: it resumed, not restarted
     for name, value in full_params.items():
         assert torch.equal(resumed_params[name], value), name
-    assert latest(tmp_path / "ckpt").name == "step-00000004"
+    assert latest(tmp_path / "stopped").name == "step-00000004"
 
 
 def test_partial_checkpoint_is_ignored(tmp_path):
