@@ -21,7 +21,8 @@ and t_* the measured medians (``fit_host``)::
     fsdp_unit_zero{2,3}  r(w) = (t_fsdp − t_fwd+bwd − comm(U units)) / U at two widths w (comm by comm.py
                          on the link): r = a + S·c over the mean unit bytes S; a per unit, c per MiB
     ddp_tensor_us        (t_ddp − t_fwd+bwd − AR(all gradients)) / T
-    zero1_tensor_us      (t_zero1 − AdamW(T/N tensors) − the T broadcasts (``cost.step.zero1_gather_s``)) / T
+    zero1_tensor_us      (t_zero1 − AdamW(T/N tensors) − AG(all weights)) / T: per tensor, its broadcast's
+                         latency as ZeroRedundancyOptimizer issues them (all at once, async) and its loop
     optimizer_tensor_us  (t_adamw − 28·P / W) / T     (P parameters, W memory bandwidth; ``cost.step``)
     sharded_optimizer…   the same over FSDP2's sharded parameters (P / N per rank)
     pipeline_microbatch  slope of the 1F1B step over micro-batches − the slower stage's ops − 2·p2p
@@ -280,9 +281,8 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         figures["ddp_tensor_us"] = (t["ddp"] - t["fwd_bwd"] - comm.allreduce_s(gradient_bytes, ranks,
                                                                                 cluster.intra_node)) / t["tensors"]
         local_adamw = adamw * t["tensors"] / ranks + ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
-        broadcasts = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node) + \
-            (t["tensors"] - 1) * (ranks - 1) * cluster.intra_node.latency_us * 1e-6
-        figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - broadcasts) / t["tensors"]
+        gathered = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node)
+        figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - gathered) / t["tensors"]
         tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)

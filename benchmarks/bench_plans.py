@@ -6,8 +6,9 @@
 For one model, cluster file (from ``autoshard calibrate``) and global batch: every configuration
 ``passes.strategies`` offers (every mesh, ZeRO stage, micro-batch, recompute mode and schedule
 the runtime supports) is planned with all its decisions pinned, emitted, and run with torchrun
-on this machine's CPU ranks for ``--steps`` steps; the measured step time is the median over
-the steps after the first (``runtime.report.WARMUP_STEPS``). The runs are interleaved round by
+on this machine's CPU ranks for ``--steps`` steps; the measured step time is the slowest rank's
+median over the steps after the first (``runtime.report.WARMUP_STEPS``): ranks that share no
+collective in a step (a replicated TP layout) drift apart, and the job goes at its slowest one. The runs are interleaved round by
 round (``--rounds``: every plan once, then every plan again) so that a slow phase of the machine
 hits all plans alike, and each plan's figure is the median of its rounds.
 
@@ -87,14 +88,15 @@ def plan_key(plan) -> str:
 
 
 def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
-    """Median step time of the emitted program (steps after the warm-up one), in seconds."""
+    """The slowest rank's median step time of the emitted program (steps after the warm-up one), in seconds."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "out"
     for attempt in range(RETRIES + 1):
         proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
                             quiet=True)
         if proc.returncode == 0:
-            return json.loads((out / "metrics.json").read_text())["median_step_s"]
+            metrics = json.loads((out / "metrics.json").read_text())
+            return metrics.get("slowest_rank_median_step_s") or metrics["median_step_s"]
         print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
     raise RuntimeError(proc.stdout[-2000:])
 

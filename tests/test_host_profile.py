@@ -71,8 +71,7 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
     t["sharded_adamw"] = tensors * h.sharded_optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
     t["ddp"] = fwd_bwd + comm.allreduce_s(4 * params, ranks, link) + tensors * h.ddp_tensor_us * us
     local = h.optimizer_tensor_us * us * tensors / ranks + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
-    t["zero1"] = local + comm.all_gather_s(4 * params, ranks, link) + \
-        (tensors - 1) * (ranks - 1) * link.latency_us * us + tensors * h.zero1_tensor_us * us
+    t["zero1"] = local + comm.all_gather_s(4 * params, ranks, link) + tensors * h.zero1_tensor_us * us
     tp_modules = len(host_probes.TP_STYLES) * host_probes.BLOCKS
     t["tp"] = fwd_bwd + 4 * host_probes.BLOCKS * comm.allreduce_s(4 * host_probes.TOKENS * host_probes.WIDTH,
                                                                    ranks, link) + tp_modules * h.tp_module_us * us

@@ -660,10 +660,15 @@ def _ddp_comm(cluster: Cluster, params: float, config: Config, micro: ComputeTim
 
 def zero1_gather_s(size_bytes: float, tensors: int, mesh: Mesh, cluster: Cluster) -> float:
     """ZeroRedundancyOptimizer's all-gather of the updated weights is one broadcast per parameter
-    tensor from the rank that owns it: an all-gather's bytes, and T − 1 more broadcast latencies."""
+    tensor from the rank that owns it: an all-gather's bytes, and T − 1 more broadcast latencies,
+    (T − 1)·(dp − 1)·α_broadcast. It issues them all at once (async), so where ``calibrate`` measured
+    what a tensor costs as issued (``host.zero1_tensor_us``, in ``dp_host_s``) that replaces the formula."""
+    gather_s = dp_collective_s("all_gather", size_bytes, mesh, cluster)
+    if cluster.host.zero1_tensor_us > 0:
+        return gather_s
     link, _ = dp_group_shape(cluster, mesh)
-    extra_latency_s = (tensors - 1) * (mesh.dp - 1) * link.latency_us * 1e-6
-    return dp_collective_s("all_gather", size_bytes, mesh, cluster) + max(0.0, extra_latency_s)
+    latency_us = link.for_collective("broadcast").latency_us
+    return gather_s + max(0.0, (tensors - 1) * (mesh.dp - 1) * latency_us * 1e-6)
 
 
 def per_unit_collectives_s(kind: str, total_bytes: float, units: int, mesh: Mesh, cluster: Cluster) -> float:

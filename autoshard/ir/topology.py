@@ -126,8 +126,9 @@ class HostOverheads:
     fsdp_zero3_us_per_mib: float = _spec("the same for ZeRO-3, e.g. 800", _NON_NEGATIVE)
     ddp_tensor_us: float = _spec("DDP's hooks per parameter tensor and micro-batch beyond the all-reduce, e.g. 50",
                                  _NON_NEGATIVE)
-    zero1_tensor_us: float = _spec("ZeroRedundancyOptimizer's step per parameter tensor beyond its broadcasts "
-                                   "and AdamW, e.g. 100", _NON_NEGATIVE)
+    zero1_tensor_us: float = _spec("ZeroRedundancyOptimizer's step per parameter tensor beyond AdamW and the "
+                                   "weights' all-gather bytes: its broadcast's latency as issued (async) and its "
+                                   "loop, e.g. 300", _NON_NEGATIVE)
     optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60",
                                        _NON_NEGATIVE)
     sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300",
