@@ -22,8 +22,10 @@ per unit and micro-batch (U units: the blocks and the root; a pipeline stage is 
 optimizer's loop over its T_opt parameter tensors (FSDP2's sharded DTensors cost more), and
 with pipelining the schedule's bookkeeping per stage and micro-batch (in T_r below). ZeRO-1's
 ZeroRedundancyOptimizer broadcasts each parameter tensor alone: T broadcasts' latencies.
-On CPU ranks (gloo) collectives and compute share the cores: no communication is hidden
-(``hides_comm``).
+On CPU ranks (gloo) collectives and compute share the cores (``hides_comm`` false): the bytes a
+collective moves (copies and reductions on those cores) are never hidden; only its waiting is,
+where it is issued ahead of compute: FSDP2's per-unit latencies U·C(0) hide behind the forward
+(all-gathers) and backward (reduce-scatters, ZeRO-3's re-gathers), the first unit's never.
 
 **Runtime** (``Runtime``): what executes the plan changes three things: the precision (bytes of
 weights, gradients, optimizer state, activations), the attention kernel (``compute``: flash, or
@@ -684,9 +686,17 @@ def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Config, 
     gather_s = per_unit_collectives_s("all_gather", params * precision.activation_bytes, units, mesh, cluster)
     scatter_s = per_unit_collectives_s("reduce_scatter", params * precision.grad_bytes, units, mesh, cluster)
     regather_s = gather_s if config.zero_stage == 3 else 0.0
-    hides = hides_comm(cluster)
-    fwd_exposed = max(gather_s - micro.forward_s * hides, gather_s / units)
-    bwd_exposed = max(regather_s + scatter_s - (micro.backward_s + micro.recompute_s) * hides, scatter_s / units)
+    fwd_s, bwd_s = micro.forward_s, micro.backward_s + micro.recompute_s
+    if hides_comm(cluster):
+        fwd_exposed = max(gather_s - fwd_s, gather_s / units)
+        bwd_exposed = max(regather_s + scatter_s - bwd_s, scatter_s / units)
+    else:  # CPU ranks: only the waiting hides (module doc)
+        gather_wait = per_unit_collectives_s("all_gather", 0.0, units, mesh, cluster)
+        scatter_wait = per_unit_collectives_s("reduce_scatter", 0.0, units, mesh, cluster)
+        regather_wait = gather_wait if config.zero_stage == 3 else 0.0
+        fwd_exposed = gather_s - gather_wait + max(gather_wait - fwd_s, gather_wait / units)
+        bwd_exposed = regather_s + scatter_s - regather_wait - scatter_wait + \
+            max(regather_wait + scatter_wait - bwd_s, scatter_wait / units)
     m = config.num_microbatches
     return CommTime(m * (gather_s + regather_s + scatter_s), m * (fwd_exposed + bwd_exposed))
 
