@@ -38,14 +38,21 @@ def plan_s(model: str, gpus: int, batch: int, repeats: int, warm: bool = False) 
         command = [sys.executable, "-m", "autoshard.cli", "plan", f"{MODELS}:{model}", "--cluster", "dgx-a100-80gb",
                    "--nodes", str(max(1, gpus // 8)), "--global-batch", str(batch), "-o", f"{tmp}/p.json"]
         if warm:
-            subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=env)
+            _plan(command, env)
         else:
             command.append("--no-cache")
         for _ in range(repeats):
             start = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=env)
+            _plan(command, env)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _plan(command: list[str], env: dict[str, str]) -> None:
+    """One ``autoshard plan``; exit 2 "no plan fits" (175B on 8 GPUs) is a finished plan command too."""
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode not in (0, 2) or (proc.returncode == 2 and "no plan fits" not in proc.stderr):
+        raise RuntimeError(proc.stderr[-2000:])
 
 
 def main() -> None:
@@ -53,7 +60,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-o", "--output")
     parser.add_argument("--plot", help="write a PNG (needs matplotlib: pip install -e .[bench])")
+    parser.add_argument("--replot", metavar="JSON", help="only plot the figures of an earlier -o file")
     a = parser.parse_args()
+    if a.replot:
+        data = json.loads(Path(a.replot).read_text())
+        as_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
+        plot(as_int(data["depth_64_gpus"]), {n: as_int(r) for n, r in data["gpus"].items()}, a.plot)
+        return
     depth = {L: plan_s(f"gpt_l{L}_d4096", 64, 512, a.repeats) for L in DEPTHS}
     for L, s in depth.items():
         print(f"depth {L:>4} layers, 64 GPUs: {s:6.2f} s", flush=True)
@@ -81,10 +94,11 @@ def plot(depth: dict, size: dict, path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(list(depth), list(depth.values()), "o-")
-    left.set(xlabel="layers (width 4096, 64 A100s)", ylabel="autoshard plan, whole command (s)", xscale="log")
+    left.set(xlabel="layers (width 4096, 64 A100s)", ylabel="autoshard plan, whole command (s)", xscale="log",
+             ylim=(0, None))
     for name, row in size.items():
         right.plot(list(row), list(row.values()), "o-", label=name)
-    right.set(xlabel="A100 GPUs", ylabel="autoshard plan, whole command (s)", xscale="log")
+    right.set(xlabel="A100 GPUs", ylabel="autoshard plan, whole command (s)", xscale="log", ylim=(0, None))
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
