@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from autoshard.cost.hardware import load_cluster
 from autoshard.cost.step import Config
 from autoshard.ir.plan import Mesh
 from autoshard.launch import run_torchrun, write_program
+from autoshard.runtime.report import slowest_rank_median_step_s
 from autoshard.passes.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
@@ -91,12 +93,12 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
     """The slowest rank's median step time of the emitted program (steps after the warm-up one), in seconds."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "out"
+    shutil.rmtree(out, ignore_errors=True)  # no rank's figure from the plan before
     for attempt in range(RETRIES + 1):
         proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
                             quiet=True)
         if proc.returncode == 0:
-            metrics = json.loads((out / "metrics.json").read_text())
-            return metrics.get("slowest_rank_median_step_s") or metrics["median_step_s"]
+            return slowest_rank_median_step_s(out) or json.loads((out / "metrics.json").read_text())["median_step_s"]
         print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
     raise RuntimeError(proc.stdout[-2000:])
 

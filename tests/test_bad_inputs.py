@@ -369,8 +369,9 @@ def test_program_refuses_a_model_changed_after_compile(capsys, tmp_path, planned
     model.write_text(model.read_text().replace("N_BLOCKS = 4", "N_BLOCKS = 3"))
     proc = run_torchrun(program, 2, ["--steps", "1"], quiet=True)
     assert proc.returncode != 0
-    ours = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 2 and all("is not the model this plan was made for" in line for line in ours), proc.stdout
+    # Two ranks print at once through torchrun's one stdout: their lines may run together.
+    assert proc.stdout.count("error: ") == 2, proc.stdout
+    assert proc.stdout.count("is not the model this plan was made for") == 2, proc.stdout
     assert "autoshard/runtime" not in proc.stdout  # no traceback through our code
 
 

@@ -67,23 +67,34 @@ def finish_with_state(state: dict[str, torch.Tensor] | None, log: StepLog, metri
         print(log.summary(), flush=True)
     if not metrics_out:
         return
-    medians: list[float | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(medians, log.median_step_s if log.step_times_s else None)
     if dist.get_rank() == 0:
-        _write_metrics(Path(metrics_out), log, {strip_wrapper_names(k): v for k, v in state.items()},
-                       max((m for m in medians if m is not None), default=None))
+        _write_metrics(Path(metrics_out), log, {strip_wrapper_names(k): v for k, v in state.items()})
+    _write_rank_median(Path(metrics_out), log)
     dist.barrier()
 
 
-def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor], slowest_s: float | None = None) -> None:
+def _write_rank_median(out: Path, log: StepLog) -> None:
+    """Every rank's own median step, ``rank-{r}.json``: the job's pace is its slowest rank's, and
+    ranks that share no collective in a step (a replicated TP layout) drift apart, so rank 0's
+    steps may not show it (``slowest_rank_median_step_s``). A file, not a collective: nothing
+    more for the ranks to agree on at shutdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    median = log.median_step_s if log.step_times_s else None
+    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps({"median_step_s": median}))
+
+
+def slowest_rank_median_step_s(out: str | Path) -> float | None:
+    """The largest of the ranks' median steps that ``finish`` wrote to ``out``."""
+    medians = [json.loads(p.read_text())["median_step_s"] for p in Path(out).glob("rank-*.json")]
+    return max((m for m in medians if m is not None), default=None)
+
+
+def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "params.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(out / "params.pt")
     median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
-    # The job's pace is its slowest rank's: ranks that share no collective in a step (a replicated
-    # TP layout, dp groups of independent FSDP) drift apart, and rank 0's own steps may not show it.
-    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median,
-               "slowest_rank_median_step_s": slowest_s}
+    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median}
     (out / "metrics.json.tmp").write_text(json.dumps(metrics, indent=1))
     (out / "metrics.json.tmp").replace(out / "metrics.json")
