@@ -125,12 +125,13 @@ def measure(plan, tmp: Path, steps: int) -> float:
     """Run the plan's program with the emitted multi-node torchrun command on both nodes."""
     from autoshard.launch import write_program
     from autoshard.passes.codegen import torchrun_command
+    from autoshard.runtime.report import slowest_rank_median_step_s
 
     program = write_program(plan, tmp / "train.py", sbatch=True)
     out = tmp / "metrics"
     command = f"{torchrun_command(plan, str(program))} --steps {steps} --metrics-out {out} --log-every 1000"
     on_both(["bash", "-c", command], {"JOB_ID": f"job{time.time_ns()}"})
-    return json.loads((out / "metrics.json").read_text())["median_step_s"]
+    return slowest_rank_median_step_s(out) or json.loads((out / "metrics.json").read_text())["median_step_s"]
 
 
 def one_rate(rate: str, steps: int, rounds: int) -> dict:

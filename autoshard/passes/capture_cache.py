@@ -166,8 +166,7 @@ def _entry_path(spec: str, batch_size: int, fold: bool) -> Path | None:
     directory = cache_dir()
     if directory is None or ":" not in spec:
         return None
-    file_part, factory = spec.rsplit(":", 1)
-    model_path = Path(file_part)
+    model_path, factory = _model_path(spec), spec.rsplit(":", 1)[1]
     if not model_path.is_file():
         return None
     return directory / f"{entry_key(model_path, factory, batch_size, fold)}.json"
