@@ -75,12 +75,14 @@ def two_nodes(rate: str):
 
 
 def in_node(k: int, cmd: list[str], env: dict[str, str] | None = None) -> list[str]:
-    # PET_RDZV_CONF is torchrun's --rdzv-conf from the environment: in a network namespace the host
-    # name does not resolve to the namespace's address, so torchrun cannot tell that node 0 hosts
-    # the c10d store; saying so here keeps the command itself exactly the one `compile` emits.
+    # PET_RDZV_CONF and PET_LOCAL_ADDR are torchrun's --rdzv-conf and --local-addr from the
+    # environment: in a network namespace the host name ("localhost" here) does not resolve to the
+    # namespace's address, so torchrun can neither tell that node 0 hosts the c10d store nor give
+    # node 1's workers a MASTER_ADDR that reaches it. Saying so here keeps the command itself
+    # exactly the one `compile` emits (on a real cluster the host names resolve).
     base = {"GLOO_SOCKET_IFNAME": f"as-veth{k}", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
             "MASTER_ADDR": ADDRESSES[0], "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            "PET_RDZV_CONF": f"is_host={int(k == 0)}", **(env or {})}
+            "PET_RDZV_CONF": f"is_host={int(k == 0)}", "PET_LOCAL_ADDR": ADDRESSES[k], **(env or {})}
     return ["ip", "netns", "exec", f"as-node{k}", "env", *(f"{a}={b}" for a, b in base.items()), *cmd]
 
 

@@ -113,7 +113,7 @@ def _imports(plan: Plan) -> str:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
         if plan.tensor_parallel:
             local += "\nfrom autoshard.runtime import tensor_parallel_stages as tps"
-    return (f"import argparse\n\nimport torch\nimport torch.distributed as dist\n{lines}\n\n"
+    return (f"import argparse\n\nimport torch\n{lines}\n\n"
             f"from autoshard import runtime\n{local}\n")
 
 
@@ -328,7 +328,7 @@ def main():
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
     runtime.finish(model, log, args.metrics_out)
-    dist.destroy_process_group()
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 
 if __name__ == "__main__":
@@ -364,7 +364,7 @@ def main():
             checkpoint.save(args.checkpoint_dir, step + 1, parts, optimizer, mesh)
 
     runtime.finish_with_state(pp.full_state_dict(parts), log, args.metrics_out)
-    dist.destroy_process_group()
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ DeviceMesh, DDP, ZeroRedundancyOptimizer, FSDP2 ``fully_shard``, ``checkpoint_wr
 the emitted program calls them in order, with the plan's decisions written inline.
 """
 
-from autoshard.runtime.distributed import DistContext, init_distributed, mean_over
+from autoshard.runtime.distributed import DistContext, init_distributed, mean_over, shutdown
 from autoshard.runtime.data import global_batch, split_microbatches, take_shard
 from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
 from autoshard.runtime.parallel import (apply_ddp, apply_fsdp, apply_recompute, build_optimizer, grad_sync,
@@ -15,7 +15,7 @@ from autoshard.runtime import faults  # emitted programs run main under runtime.
 from autoshard.runtime import tensor_parallel  # emitted programs name runtime.tensor_parallel.Conv1D*Parallel
 
 __all__ = [
-    "DistContext", "init_distributed", "mean_over", "global_batch", "split_microbatches", "take_shard",
+    "DistContext", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches", "take_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ddp", "apply_fsdp",
     "apply_recompute", "build_optimizer", "grad_sync", "apply_plan", "StepLog", "finish", "finish_with_state", "tensor_parallel", "faults",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
         print(f"error: this program was planned for {expected_world_size} ranks but was launched with {world_size}; "
               f"launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)", file=sys.stderr, flush=True)
         raise SystemExit(2)  # a user error, as in the CLI
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -74,6 +76,23 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
                          is_master=not agent_hosts and rank == 0, timeout=timeout, multi_tenant=True)
     return {"store": dist.PrefixStore(f"autoshard/attempt-{attempt}", base), "rank": rank,
             "world_size": world_size}
+
+
+def shutdown() -> None:
+    """End this rank once its work is done: destroy the process groups, flush, exit 0.
+
+    The interpreter's own teardown is skipped (``os._exit``). After a finished CPU job, gloo's
+    threads occasionally abort that teardown ("terminate called without an active exception",
+    SIGABRT; about once in a few hundred launches, after the last step and the metrics were
+    written), which torchrun reports as a failed job and, with restarts allowed, runs again.
+    Nothing is lost by skipping it: every file the program writes is complete and renamed into
+    place before this point, and the output streams are flushed here.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def mean_over(value: torch.Tensor, group) -> float:
