@@ -70,7 +70,7 @@ def main() -> None:
         torch.save(state, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps({"losses": losses}))
     dist.barrier()
-    dist.destroy_process_group()
+    runtime.shutdown()  # as emitted programs end
 
 
 if __name__ == "__main__":

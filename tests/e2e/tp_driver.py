@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from autoshard.passes.blocks import block_of
-from autoshard.runtime import build_model, global_batch, init_distributed, load_model_file, mean_over, take_shard
+from autoshard.runtime import (build_model, global_batch, init_distributed, load_model_file, mean_over, shutdown,
+                               take_shard)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from autoshard.runtime.model import strip_wrapper_names
@@ -78,7 +79,7 @@ def main() -> None:
         (out / "losses.json").write_text(json.dumps(losses))
         torch.save(params, out / "params.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # as emitted programs end (runtime.distributed.shutdown)
 
 
 if __name__ == "__main__":
