@@ -10,7 +10,8 @@
    between nodes crosses the shaped link. (This kernel has no ``netem``, so no delay is added:
    latency is the veth's own plus what the shaping queue adds.)
 2. **Calibrate both link levels**: ``autoshard calibrate --devices-per-node 2 --model GPT`` in
-   node 0 (devices, host, intra-node link, the model's profile), then ``autoshard calibrate
+   both nodes at once, node 0's file kept (devices, host, intra-node link, the model's profile;
+   at once because the emulated nodes share this machine's cores, as the runs will), then ``autoshard calibrate
    --across-nodes`` under torchrun on both nodes (the inter-node link).
 3. **Plan** the example GPT (global batch 16) on that cluster file, and for each other mesh
    the best plan with that mesh pinned (the alternatives a reviewer would weigh).
@@ -87,7 +88,8 @@ def in_node(k: int, cmd: list[str], env: dict[str, str] | None = None) -> list[s
 
 
 def on_both(cmd: list[str], env: dict[str, str] | None = None, timeout_s: int = 900) -> None:
-    procs = [subprocess.Popen(in_node(k, cmd, env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    """Run ``cmd`` in both namespaces at once ("{NODE}" in an argument becomes the node's index)."""
+    procs = [subprocess.Popen(in_node(k, [a.replace("{NODE}", str(k)) for a in cmd], env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for k in range(NODES)]
     outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -95,10 +97,13 @@ def on_both(cmd: list[str], env: dict[str, str] | None = None, timeout_s: int = 
 
 
 def calibrate(tmp: Path) -> Path:
+    """Both link levels (module doc, 2). Both nodes calibrate at once, each writing its own file
+    (node 0's is used): the two emulated nodes share this machine's cores, so a node measured
+    alone would see twice the compute the training runs get."""
     node, cluster = tmp / "node.yaml", tmp / "two.yaml"
-    subprocess.run(in_node(0, [sys.executable, "-m", "autoshard.cli", "calibrate", "--devices-per-node",
-                               str(PER_NODE), "--model", GPT, "-o", str(node)]), cwd=ROOT, check=True,
-                   capture_output=True)
+    on_both([sys.executable, "-m", "autoshard.cli", "calibrate", "--devices-per-node", str(PER_NODE), "--model", GPT,
+             "-o", str(tmp / "node{NODE}.yaml")])
+    (tmp / "node0.yaml").replace(node)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node",
                 str(PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:29511", "--rdzv-id",
                 f"cal{time.time_ns()}", "-m", "autoshard.cli", "calibrate", "--across-nodes", str(node), "-o",
