@@ -85,6 +85,9 @@ def shutdown() -> None:
     threads occasionally abort that teardown ("terminate called without an active exception",
     SIGABRT; about once in a few hundred launches, after the last step and the metrics were
     written), which torchrun reports as a failed job and, with restarts allowed, runs again.
+    ``destroy_process_group`` only unregisters the groups: the mesh, FSDP and DDP still hold
+    them, so their C++ side (worker threads, pending work holding tensors) is destroyed during
+    interpreter finalization, when it can no longer take the GIL (pytorch/pytorch#179291).
     Nothing is lost by skipping it: every file the program writes is complete and renamed into
     place before this point, and the output streams are flushed here.
     """
