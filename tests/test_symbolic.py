@@ -148,13 +148,21 @@ def test_parts_zero_at_the_plan_take_the_cost_models_coefficient(plans):
 
 
 def test_bubble_is_the_schedules_share_of_a_micro_batch(plans):
+    """bubble = k·(pp − 1)/v·T_mb: at the plan's point it is the priced bubble (fill and drain,
+    (Σ_r T_r − T_max)/v, so 0 < k ≤ 1: the other ranks are no slower than the slowest), and
+    re-evaluated elsewhere it keeps that k."""
     plan = plans["tp-interleaved"]
+    assert evaluate(plan.symbolic, {})["bubble_s"] == pytest.approx(plan.predicted.bubble_s, rel=1e-6)
+    shares = []
     for values in ({}, {"B": 64, "s": 32}, {"pp": 4}):
         e = evaluate(plan.symbolic, values)
         point = {**plan.symbolic["symbols"], **values}
         m = point["B"] / (point["dp"] * point["b"])
-        per_microbatch = sum(e[k] for k in ("forward_s", "backward_s", "recompute_s", "tp_comm_s", "p2p_s")) / m
-        assert e["bubble_s"] == pytest.approx((point["pp"] - 1) / point["v"] * per_microbatch)
+        per_microbatch = sum(e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s",
+                                            "p2p_s")) / m
+        shares.append(e["bubble_s"] / ((point["pp"] - 1) / point["v"] * per_microbatch))
+    assert 0 < shares[0] <= 1
+    assert shares == pytest.approx([shares[0]] * len(shares))
 
 
 # ---------------------------------------------------------------------------- reading back

@@ -67,6 +67,38 @@ def simulate(orders: list[list[Action]], num_stages: int) -> list[list[Action | 
     return grid
 
 
+def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float]) -> float:
+    """The step of a schedule whose stages take unequal times: each rank runs its order one
+    action after another, an action starting when its rank is free and its inputs are done
+    (the dependencies of ``simulate``); F on stage s takes ``forward_s[s]``, B ``backward_s[s]``.
+    Transfers take no time here. A check on ``cost.step``'s pipeline formula with unequal ranks."""
+    finish: dict[tuple[int, str, int], float] = {}
+    free_at = [0.0] * len(orders)
+    position = [0] * len(orders)
+    while any(position[r] < len(orders[r]) for r in range(len(orders))):
+        progressed = False
+        for r, order in enumerate(orders):
+            while position[r] < len(order):
+                a = order[position[r]]
+                needs = _inputs(a, num_stages)
+                if any(n not in finish for n in needs):
+                    break
+                start = max([free_at[r]] + [finish[n] for n in needs])
+                free_at[r] = start + (forward_s if a.kind == "F" else backward_s)[a.stage]
+                finish[(a.stage, a.kind, a.microbatch)] = free_at[r]
+                position[r] += 1
+                progressed = True
+        assert progressed, "schedule cannot make progress"
+    return max(free_at)
+
+
+def _inputs(a: Action, num_stages: int) -> list[tuple[int, str, int]]:
+    if a.kind == "F":
+        return [] if a.stage == 0 else [(a.stage - 1, "F", a.microbatch)]
+    after = (a.stage + 1, "B", a.microbatch) if a.stage < num_stages - 1 else (a.stage, "F", a.microbatch)
+    return [after, (a.stage, "F", a.microbatch)]
+
+
 def bubble_fraction(grid: list[list[Action | None]]) -> float:
     slots = sum(len(row) for row in grid)
     return sum(a is None for row in grid for a in row) / slots
