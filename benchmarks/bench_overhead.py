@@ -48,20 +48,42 @@ def cases(ranks: int) -> dict[str, tuple[str, dict]]:
     }
 
 
-def torchrun(script: Path, ranks: int, args: list[str]) -> None:
+BASELINE_TP = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.c_proj": "rowwise",
+               "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+
+
+def check_tp_layout(plan) -> None:
+    """The hand-written TP script (baselines/tp.py) shards each block Megatron's way and the head
+    colwise with gathered logits; the emitted program must do the same for a like-for-like ratio."""
+    want = {f"h.{k}.{name}": style for k in range(len(plan.blocks)) for name, style in BASELINE_TP.items()}
+    want["lm_head"] = "colwise-gather"
+    if dict(plan.tensor_parallel) != want:
+        raise SystemExit(f"the TP plan's layout {dict(plan.tensor_parallel)} is not the hand-written one; "
+                         "change benchmarks/baselines/tp.py to match it")
+
+
+def torchrun(script: Path, ranks: int, args: list[str], figure: Path) -> float:
+    """Run ``script`` and read the median step it writes to ``figure``.
+
+    A hand-written script that ends with ``destroy_process_group`` can die in gloo's teardown
+    (SIGABRT after training; ``runtime.distributed.shutdown`` says why): its figure, written
+    before, is kept. A run with no figure is tried once more."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
            *args]
-    for _ in range(2):  # one retry: a run that dies in gloo's shutdown (seen under load) is run again
+    for _ in range(2):
+        figure.unlink(missing_ok=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode == 0:
-            return
+        if figure.is_file():
+            if proc.returncode != 0:
+                print(f"  ({script.name} died after writing its figure, exit {proc.returncode}: figure kept)", flush=True)
+            return json.loads(figure.read_text())["median_step_s"]
     raise RuntimeError(f"{script.name} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
 
 def emitted_s(program: Path, ranks: int, steps: int, tmp: Path) -> float:
-    torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(tmp / "m"), "--log-every", "1000"])
-    return json.loads((tmp / "m" / "metrics.json").read_text())["median_step_s"]
+    args = ["--steps", str(steps), "--metrics-out", str(tmp / "m"), "--log-every", "1000"]
+    return torchrun(program, ranks, args, tmp / "m" / "metrics.json")
 
 
 def baseline_s(name: str, plan, ranks: int, steps: int, tmp: Path) -> float:
@@ -70,8 +92,7 @@ def baseline_s(name: str, plan, ranks: int, steps: int, tmp: Path) -> float:
             "--bucket-cap-mb", str(plan.ddp_bucket_cap_mb), "--out", str(out)]
     if plan.split_points:
         args += ["--splits", ",".join(plan.split_points)]
-    torchrun(ROOT / "benchmarks" / "baselines" / f"{name}.py", ranks, args)
-    return json.loads(out.read_text())["median_step_s"]
+    return torchrun(ROOT / "benchmarks" / "baselines" / f"{name}.py", ranks, args, out)
 
 
 def main() -> None:
@@ -79,14 +100,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--cases", nargs="*", default=["ddp", "fsdp", "tp", "pp"])
     parser.add_argument("-o", "--output")
     a = parser.parse_args()
     os.chdir(ROOT)
     plans = {}
     for ranks in a.ranks:
         for name, (cluster, pins) in cases(ranks).items():
+            if name not in a.cases:
+                continue
             plans[name, ranks] = autoshard.plan(GPT, cluster=cluster, devices_per_node=ranks,
                                                 global_batch=GLOBAL_BATCH, **pins)
+            if name == "tp":
+                check_tp_layout(plans[name, ranks])
     times = {key: {"emitted": [], "baseline": []} for key in plans}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,7 @@
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import common
@@ -15,6 +16,8 @@ for block in model.h:
     parallelize_module(block, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
                                      "attn.v_proj": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
                                      "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+# the head split over the vocabulary, logits gathered for the loss (the layout the planner picks here)
+parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
