@@ -83,8 +83,9 @@ def shutdown() -> None:
 
     The interpreter's own teardown is skipped (``os._exit``). After a finished CPU job, gloo's
     threads occasionally abort that teardown ("terminate called without an active exception",
-    SIGABRT; about once in a few hundred launches, after the last step and the metrics were
-    written), which torchrun reports as a failed job and, with restarts allowed, runs again.
+    SIGABRT after the last step and the metrics were written; on a 2-core machine about one
+    launch in ten of a hand-written DDP script that ends with ``destroy_process_group``), which
+    torchrun reports as a failed job and, with restarts allowed, runs again.
     ``destroy_process_group`` only unregisters the groups: the mesh, FSDP and DDP still hold
     them, so their C++ side (worker threads, pending work holding tensors) is destroyed during
     interpreter finalization, when it can no longer take the GIL (pytorch/pytorch#179291).
