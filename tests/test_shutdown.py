@@ -1,5 +1,6 @@
 """``runtime.shutdown``: how every emitted program ends (exit 0 without the interpreter's teardown)."""
 
+import os
 import subprocess
 import sys
 
@@ -14,8 +15,9 @@ def test_shutdown_exits_0_with_buffered_output_flushed_and_skips_exit_handlers(i
             "sys.stderr.write('to stderr')\n"
             "shutdown()\n"
             "print('after shutdown')\n")
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # so the flush matters
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=in_repo, timeout=120,
-                          check=False)
+                          check=False, env=buffered)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "last step"
     assert proc.stderr.endswith("to stderr")
