@@ -39,6 +39,7 @@ def args():
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--splits", help="pipeline: modules that begin stages 1 .. pp-1, e.g. h.2 (default: even)")
+    p.add_argument("--tp-styles", help='tensor parallel: JSON {module: style}, e.g. {"h.0.mlp.c_fc": "colwise"}')
     p.add_argument("--out", required=True)
     return p.parse_args()
 

@@ -1,4 +1,7 @@
-"""Hand-written tensor parallel training of the example GPT: Megatron's layout with parallelize_module."""
+"""Hand-written tensor parallel training of the example GPT with parallelize_module, in the layout
+given by ``--tp-styles`` (module -> colwise / rowwise / colwise-gather), e.g. Megatron's."""
+
+import json
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -12,12 +15,9 @@ rank, world = common.init()
 gpt = common.load_gpt()
 model = common.build(gpt)
 mesh = init_device_mesh("cpu", (world,))
-for block in model.h:
-    parallelize_module(block, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                                     "attn.v_proj": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                     "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
-# the head split over the vocabulary, logits gathered for the loss (the layout the planner picks here)
-parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+          "colwise-gather": lambda: ColwiseParallel(output_layouts=Replicate())}  # logits gathered for the loss
+parallelize_module(model, mesh, {name: STYLES[style]() for name, style in json.loads(a.tp_styles).items()})
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
