@@ -3,7 +3,8 @@
     capture     torch.export on meta tensors, two    ModelFile -> OpGraph
                 of L repeated layers (passes.fold)
     annotate    FLOPs and bytes per op               OpGraph -> OpGraph
-                (both read from passes.capture_cache instead when it has the model unchanged)
+                (both read from passes.capture_cache instead when it has the model unchanged;
+                both run in a forked child while this process imports the rest: passes.front)
     unfold      the L layers, copied from the two    OpGraph -> OpGraph   (after annotate: copies
                                                                            carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
@@ -24,9 +25,8 @@ A pass that fails on a bug is re-raised as "while running pass X after [A, B]"; 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.step import CostTables, price_parts, stage_ranks
 from autoshard.cost.symbolic import symbolic_cost
@@ -35,20 +35,16 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage
 from autoshard.ir.topology import Cluster
-from autoshard.passes import capture_cache
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.fold import unfold
+from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
+from autoshard.passes.front import run_pass as _run
 from autoshard.passes.search import SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
 
-CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
-
-
-class PassError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -113,22 +109,8 @@ def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGrap
 
 
 def _captured(spec: str, done: list[str], fold: bool, use_cache: bool) -> tuple[ModelFile | None, OpGraph]:
-    """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None)."""
-    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
-    if graph is not None:
-        done += ["capture (cached)", "annotate (cached)"]
-        return None, graph
-    from autoshard.modelfile import load_model_file
-    from autoshard.passes.annotate import annotate
-    from autoshard.passes.capture import capture
-
-    modules_before = set(sys.modules)
-    model_file = load_model_file(spec)
-    graph = _run("capture", done, capture, model_file, CAPTURE_BATCH, fold)
-    graph = _run("annotate", done, annotate, graph)
-    if use_cache:
-        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
-    return model_file, graph
+    """capture -> annotate, or their graph from the capture cache or a child (``passes.front``)."""
+    return capture_front(spec, done, fold, use_cache)
 
 
 def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
@@ -241,14 +223,3 @@ def top_level_modules(graph: OpGraph) -> tuple[str, ...]:
         if node.module_path:
             seen.setdefault(node.module_path.split(".")[0], None)
     return tuple(seen)
-
-
-def _run(name: str, done: list[str], fn: Callable, *args):
-    try:
-        out = fn(*args)
-    except AutoshardError:
-        raise
-    except Exception as exc:
-        raise PassError(f"while running pass {name} after {done}: {type(exc).__name__}: {exc}") from exc
-    done.append(name)
-    return out

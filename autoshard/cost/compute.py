@@ -114,6 +114,10 @@ def _recompute_s(graph: OpGraph, fwd: dict[str, float], recompute: str) -> float
 
 
 def _weight_bytes_per_node(graph: OpGraph) -> dict[str, int]:
+    return graph.derived("weight_bytes_per_node", lambda: _weight_bytes(graph))
+
+
+def _weight_bytes(graph: OpGraph) -> dict[str, int]:
     size = {p.name: p.numel * _dtype_bytes(p.dtype) for p in graph.params}
     for p in graph.params:
         for alias in p.tied_to:

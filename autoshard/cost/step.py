@@ -267,8 +267,9 @@ class CostTables:
         scaled = LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
         choice = choose_tp_styles(self.graph, tp, scaled, self.cluster.device)
         largest = max(self.graph.blocks, key=lambda b: b.param_count).path if self.graph.blocks else None
-        local = local_param_count(self.graph, choice.sharded, tp)
-        block = local_param_count(self.graph, choice.sharded, tp, block=largest) if largest else local
+        by_block = _local_params_by_block(self.graph, choice.sharded, tp)
+        local = sum(by_block.values())
+        block = by_block.get(largest, 0) if largest else local
         times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
                                CAPTURED_ELEM_BYTES, self.runtime.attention)
         fractions = unit_tp_fractions(self.graph, choice.styles, tp, times)

@@ -185,6 +185,10 @@ def unit_params(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
 
 
 def _unit_param_names(graph: OpGraph, units: list[int]) -> list[set[str]]:
+    return graph.derived(("unit_param_names", tuple(units)), lambda: _param_names_by_unit(graph, units))
+
+
+def _param_names_by_unit(graph: OpGraph, units: list[int]) -> list[set[str]]:
     seen: list[set[str]] = [set() for _ in range(len(graph.blocks) + 2)]
     for node, u in zip(graph.nodes, units):
         seen[u].update(graph.param(n).name for n in node.param_inputs if not graph.param(n).is_buffer)

@@ -8,7 +8,7 @@ object, never the ``nn.Module``, so plans are made from meta tensors alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Hashable
 
 # Bytes per element of the dtypes a captured graph can name (``str(torch.dtype)`` minus "torch.").
 DTYPE_BYTES = {
@@ -137,6 +137,17 @@ class OpGraph:
             cache = {n.name: n for n in self.nodes}
             self.__dict__["_by_name_cache"] = cache
         return cache
+
+    def derived(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key``: a pure function of this graph that the search reads many
+        times (a value's readers, weight bytes per node, each unit's parameters). Passes that change
+        a graph return a new one, except ``blocks``, which fills ``blocks`` in place: the sizes of
+        nodes, params and blocks are part of the key, so a value from before it is not reused."""
+        memo = self.__dict__.setdefault("_derived_cache", {})
+        full_key = (key, len(self.nodes), len(self.params), len(self.blocks))
+        if full_key not in memo:
+            memo[full_key] = compute()
+        return memo[full_key]
 
     def value_meta(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, dtype) of anything ``OpNode.inputs`` names: a node's first output or a placeholder."""

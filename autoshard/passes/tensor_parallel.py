@@ -166,6 +166,10 @@ def choose_tp_styles(graph: OpGraph, tp: int, link: LinkSpec, device: DeviceSpec
 
 def check_divisibility(graph: OpGraph, tp: int) -> list[str]:
     """One line per attention whose query or KV head count tp does not divide."""
+    return list(graph.derived(("tp_divisibility", tp), lambda: tuple(_divisibility(graph, tp))))
+
+
+def _divisibility(graph: OpGraph, tp: int) -> list[str]:
     found = []
     for node in graph.nodes:
         if op_name(node.target) not in SDPA_OPS:
@@ -213,7 +217,11 @@ def segments(graph: OpGraph) -> list[tuple[str, list[OpNode], int]]:
 
 
 def consumer_map(graph: OpGraph) -> dict[str, list[str]]:
-    """Value name -> the nodes that read it."""
+    """Value name -> the nodes that read it (computed once per graph; callers must not change it)."""
+    return graph.derived("consumers", lambda: _readers(graph))
+
+
+def _readers(graph: OpGraph) -> dict[str, list[str]]:
     readers: dict[str, list[str]] = {}
     for node in graph.nodes:
         for name in node.inputs:

@@ -1,0 +1,206 @@
+"""The pipeline's front: capture -> annotate (or their graph from the capture cache), run in this
+process or ahead of time in a forked child.
+
+**Why a child.** A cold ``autoshard plan`` does two long things that need nothing of each other:
+
+    capture   import torch (~1.1 s), torch.export with dynamo (~0.7 s), export on meta (~0.3 s)
+    planner   import OR-Tools and the pandas it imports (~0.4 s), sympy (~0.2 s), networkx, rich
+
+In one process they run one after the other on one core. ``capture_ahead`` forks a child before
+either starts; the child captures while the parent imports the planner's libraries on another
+core, and the annotated OpGraph comes back pickled through a pipe (milliseconds). Nothing after
+the front needs torch (a plan from the capture cache never imports it), so the parent never
+imports it at all: on a 2-core machine a cold Llama-3-8B-shape plan drops from ~3.4 s to ~2.7 s.
+
+**When.** Only where it is safe and pays: fork exists, torch is not imported yet (so no thread
+pool exists that a fork would break) and only one thread runs: a fresh ``autoshard plan``
+process. Everywhere else (tests, the Python API inside a training script) the front runs in this
+process, as it always did. ``AUTOSHARD_CAPTURE_AHEAD=0`` turns the child off.
+
+**Errors.** The child's exception comes back pickled and is raised here, chained to the child's
+traceback as text (``--debug`` shows both); a child that dies without answering (killed, out of
+memory) is one line naming how it ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+import traceback
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from autoshard.errors import AutoshardError
+from autoshard.ir.graph import OpGraph
+from autoshard.passes import capture_cache
+
+if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
+    from autoshard.modelfile import ModelFile
+
+CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
+# Imported by the parent while the child captures: what the passes after the front import anyway.
+PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.tensor_parallel", "autoshard.show")
+
+_Key = tuple[str, bool, bool]  # (model spec, fold, use the capture cache)
+_ahead: dict[_Key, "_Child"] = {}
+
+
+class PassError(RuntimeError):
+    """A pass failed on a bug (not a user error): "while running pass X after [A, B]: ..."."""
+
+
+def run_pass(name: str, done: list[str], fn: Callable, *args):
+    """``fn(*args)``, appending ``name`` to ``done``; a bug becomes a PassError naming the pass."""
+    try:
+        out = fn(*args)
+    except AutoshardError:
+        raise
+    except Exception as exc:
+        raise PassError(f"while running pass {name} after {done}: {type(exc).__name__}: {exc}") from exc
+    done.append(name)
+    return out
+
+
+def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool) -> tuple[ModelFile | None, OpGraph]:
+    """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
+    Takes the child's graph when ``capture_ahead`` started one for the same request."""
+    child = _ahead.pop((spec, fold, use_cache), None)
+    if child is not None:
+        graph, names = child.result()
+        done += names
+        return None, graph
+    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
+    if graph is not None:
+        done += ["capture (cached)", "annotate (cached)"]
+        return None, graph
+    model_file, graph, modules_before = _capture_and_annotate(spec, done, fold)
+    if use_cache:
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
+    return model_file, graph
+
+
+def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[ModelFile, OpGraph, set[str]]:
+    """The model file loaded, its annotated graph, and the modules imported before it (for the cache)."""
+    from autoshard.modelfile import load_model_file
+    from autoshard.passes.annotate import annotate
+    from autoshard.passes.capture import capture
+
+    modules_before = set(sys.modules)
+    model_file = load_model_file(spec)
+    graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
+    graph = run_pass("annotate", done, annotate, graph)
+    return model_file, graph, modules_before
+
+
+@contextlib.contextmanager
+def capture_ahead(spec: str, fold: bool, use_cache: bool) -> Iterator[None]:
+    """Within the block, ``capture_front`` for this request takes the graph a forked child captures
+    (started here, when ``forking_pays``); a child not taken is stopped when the block ends."""
+    key = (spec, fold, use_cache)
+    if not forking_pays() or key in _ahead:
+        yield
+        return
+    child = _ahead[key] = _Child.start(spec, fold, use_cache)
+    try:
+        yield
+    finally:
+        _ahead.pop(key, None)
+        child.stop()
+
+
+def forking_pays() -> bool:
+    """Fork exists, torch is not imported and one thread runs (a fresh process), and not turned off."""
+    return (hasattr(os, "fork") and "torch" not in sys.modules and threading.active_count() == 1
+            and os.environ.get("AUTOSHARD_CAPTURE_AHEAD", "1") != "0")
+
+
+class RemoteTraceback(Exception):
+    """The child's traceback, as text: the ``__cause__`` of an exception raised in the child."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+class _Child:
+    """One forked capture: the process and the parent's end of its pipe."""
+
+    def __init__(self, spec: str, process: multiprocessing.process.BaseProcess, conn) -> None:
+        self.spec, self.process, self.conn, self.answered = spec, process, conn, False
+
+    @classmethod
+    def start(cls, spec: str, fold: bool, use_cache: bool) -> _Child:
+        # multiprocessing's fork context: its children end with os._exit (no teardown of torch's
+        # modules, ~0.7 s), and Pipe uses no named semaphores, so nothing is left to clean up.
+        context = multiprocessing.get_context("fork")
+        parent_end, child_end = context.Pipe(duplex=False)
+        process = context.Process(target=_capture_in_child, args=(child_end, spec, fold, use_cache),
+                                  name="autoshard-capture", daemon=True)
+        process.start()
+        child_end.close()
+        return cls(spec, process, parent_end)
+
+    def result(self) -> tuple[OpGraph, list[str]]:
+        """Import the planner's modules meanwhile, then the child's (graph, passes done) or its error."""
+        for name in PLANNER_MODULES:
+            importlib.import_module(name)
+        try:
+            status, payload, extra = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise AutoshardError(
+                f"{self.spec}: capturing the model ended its process without an answer ({_how_it_ended(self.process)}): "
+                f"the model file or what it calls exited or was killed; AUTOSHARD_CAPTURE_AHEAD=0 with --debug "
+                f"captures in the main process, to see where") from None
+        self.answered = True
+        if status == "error":
+            self.process.join()
+            raise payload from RemoteTraceback(extra)
+        return payload, extra
+
+    def stop(self) -> None:
+        """Wait for a child that answered (it may be writing the capture cache); kill one that did not."""
+        if not self.answered and self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
+    """The child: send ``("ok", graph, passes done)`` or ``("error", exception, traceback)``, then write
+    the capture cache entry while the parent plans (the parent waits for it before it exits)."""
+    cached = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
+    if cached is not None:
+        conn.send(("ok", cached, ["capture (cached)", "annotate (cached)"]))
+        conn.close()
+        return
+    try:
+        done: list[str] = []
+        _, graph, modules_before = _capture_and_annotate(spec, done, fold)
+    except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
+        conn.send(("error", _picklable(exc), traceback.format_exc()))
+        conn.close()
+        return
+    conn.send(("ok", graph, done))
+    conn.close()
+    if use_cache:
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
+
+
+def _how_it_ended(process: multiprocessing.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"killed by signal {-code}{' (out of memory?)' if -code == 9 else ''}"
+    return f"exit code {code}"
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` itself, or a PassError with its type and message when pickle cannot carry it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return PassError(f"while running pass capture: {type(exc).__name__}: {exc}")
