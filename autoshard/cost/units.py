@@ -96,7 +96,15 @@ def node_units(graph: OpGraph) -> list[int]:
 
 def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
                    captured_bytes: int = 4, attention: str = "flash") -> list[float]:
-    """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``)."""
+    """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
+    per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode)."""
+    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention)
+    return graph.derived(key, lambda: _node_forward_s(graph, microbatch_size, device, activation_elem_bytes,
+                                                      captured_bytes, attention))
+
+
+def _node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
+                    captured_bytes: int, attention: str) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
