@@ -305,7 +305,10 @@ def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool,
                      f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}")
     intra = _intra_link(m, fit, origin, default, per_collective)
     cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), intra, inter, m.backend)
-    return replace(cluster, host=_host(m, cluster, origin)) if m.host else cluster
+    overheads = _host(m, cluster, origin) if m.host else HostOverheads.none()
+    if m.backend == "gloo":  # CPU ranks share the node's cores (cost.step, "Shared cores")
+        overheads = replace(overheads, shared_cores=float(max(1, m.cpus // m.threads)))
+    return replace(cluster, host=overheads) if overheads.measured else cluster
 
 
 def _host(m: Measurements, cluster: Cluster, origin: str) -> HostOverheads:

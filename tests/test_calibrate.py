@@ -1,5 +1,6 @@
 """`autoshard calibrate`: the alpha-beta fit, the cluster file it writes, and the command itself."""
 
+import os
 import subprocess
 import sys
 
@@ -76,6 +77,7 @@ def test_cluster_file_round_trips_through_load_cluster(tmp_path):
     assert cluster.device.memory_bytes == host_memory_bytes() // 2
     assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
     assert "load 0.0 on 1 CPUs at the start" in cluster.device.source
+    assert cluster.host.shared_cores == 1.0  # 2 ranks of 1 thread on 1 CPU: they share it (cost.step)
     assert "fit error max 0%" in cluster.intra_node.source and "not measured" in cluster.inter_node.source
     assert max(abs(e) for e in cal.roofline_errors().values()) < 0.1
     assert not list(tmp_path.glob(".*tmp"))
@@ -114,6 +116,7 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
     assert cluster.device.peak_tflops > 0 and cluster.device.memory_bandwidth_gbps > 0
     assert cluster.host.measured and cluster.host.op_forward_us > 0 and cluster.host.fsdp_unit_zero3_us > 0
+    assert cluster.host.shared_cores == max(1, (os.cpu_count() or 1) // int(os.environ.get("OMP_NUM_THREADS", "1")))
     (profile,) = cluster.profiles
     assert profile.model == "examples/gpt.py:build" and sorted(profile.times) == [1, 2]
     assert all(0 < fwd < fwd_bwd for modes in profile.times.values() for fwd, fwd_bwd in modes.values())

@@ -13,6 +13,7 @@ xfails below, each naming the gap, so that a calibration that closes one shows u
 """
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from autoshard.cost import comm
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.hardware import PRESETS, load_cluster
 from autoshard.cost.memory import BF16_AUTOCAST, FP32, MEGATRON_MIXED, model_state_bytes
-from autoshard.cost.schedule import bubble_fraction, makespan_s, rank_orders, simulate
+from autoshard.cost.schedule import bubble_fraction, makespan_s, rank_orders, shared_makespan_s, simulate
 from autoshard.cost.step import (CostTables, Config, dp_collective_s, dp_comm_time, in_flight, price,
-                                 rank_loads, tp_activation_fraction)
+                                 rank_loads, stage_action_times, tp_activation_fraction)
 from autoshard.cost.units import unit_costs
 from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
+from autoshard.passes.search import lower_bound_s
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,3 +294,38 @@ def test_fill_and_drain_bubble_bounds_timed_schedules(schedule, p, m):
             assert formula == pytest.approx(timed)
         else:
             assert timed * (1 - 1e-9) <= formula <= 1.25 * timed
+
+
+SHARED = str(ROOT / "tests/clusters/cpu4_shared_cores.yaml")  # 4 gloo ranks calibrated on 2 cores
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 4),
+                                                 ("interleaved-1f1b", 2, 2, 4)])
+def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(gpt_graph, schedule, pp, v, m):
+    """4 ranks calibrated on 2 cores (``host.shared_cores`` 2): the pipelined part of the step is the
+    schedule run with processor sharing on the stages' priced F and B, shorter than the same cluster
+    without sharing; the parts still add up, and the search's lower bound stays below the step."""
+    shared = load_cluster(SHARED)
+    alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
+    dp = 4 // pp
+    config = Config(mesh=Mesh(dp=dp, pp=pp), zero_stage=0, microbatch_size=8 // dp // m, num_microbatches=m,
+                    schedule=schedule, virtual_stages=v)
+    cuts = tuple(round(len(gpt_graph.blocks) * k / (pp * v)) for k in range(1, pp * v))
+    tables = CostTables(gpt_graph, shared)
+    loads = rank_loads(tables, config, cuts)
+    forward, backward = stage_action_times(tables, config, cuts, loads)
+    span = shared_makespan_s(rank_orders(schedule, pp, m, v), pp * v, forward, backward, dp, 2.0)
+    sharing = price(gpt_graph, shared, config, global_batch=8, tables=tables, cuts=cuts)
+    assert sharing.bubble_s == pytest.approx(span - m * max(load.time_s for load in loads), rel=1e-12)
+    unshared = price(gpt_graph, alone, config, global_batch=8, cuts=cuts)
+    assert sharing.step_time_s < unshared.step_time_s
+    assert sharing.step_time_s - sharing.bubble_s == pytest.approx(unshared.step_time_s - unshared.bubble_s)
+    assert lower_bound_s(tables, config) <= sharing.step_time_s
+
+
+def test_two_ranks_on_two_cores_share_nothing(gpt_graph):
+    shared = load_cluster(SHARED, devices_per_node=2)
+    alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
+    config = Config(mesh=Mesh(pp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b")
+    cuts = (len(gpt_graph.blocks) // 2,)
+    assert price(gpt_graph, shared, config, 8, cuts=cuts) == price(gpt_graph, alone, config, 8, cuts=cuts)

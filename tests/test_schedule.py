@@ -1,8 +1,10 @@
 """Pipeline schedule grids: every action once, dependencies honoured, bubbles as the formulas say."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from autoshard.cost.schedule import bubble_fraction, format_grid, rank_orders, simulate
+from autoshard.cost.schedule import bubble_fraction, format_grid, makespan_s, rank_orders, shared_makespan_s, simulate
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", [
@@ -27,3 +29,46 @@ def test_interleaved_has_smaller_bubble_than_1f1b():
     plain = bubble_fraction(simulate(rank_orders("1f1b", 4, 8), 4))
     interleaved = bubble_fraction(simulate(rank_orders("interleaved-1f1b", 4, 8, 2), 8))
     assert interleaved < plain
+
+
+# ---------------------------------------------------------------------------- shared cores
+
+SHARED_CASES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
+                ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2)]
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", SHARED_CASES)
+@pytest.mark.parametrize("replicas, cores", [(1, 2), (1, 1), (2, 2), (2, 3)])
+def test_shared_cores_with_equal_actions_is_the_grid_at_each_slots_speed(schedule, pp, m, v, replicas, cores):
+    """F = B = 1 everywhere: actions start together and end together, so the span is the unit-time
+    grid's slots, each lasting 1/speed(n) = min(1, C/R) / min(1, C/n) with n ranks busy in it."""
+    orders = rank_orders(schedule, pp, m, v)
+    grid = simulate(orders, pp * v)
+    ranks = replicas * pp
+    expected = 0.0
+    for slot in range(len(grid[0])):
+        busy = replicas * sum(row[slot] is not None for row in grid)
+        expected += min(1.0, cores / ranks) / min(1.0, cores / busy)
+    ones = [1.0] * (pp * v)
+    assert shared_makespan_s(orders, pp * v, ones, ones, replicas, cores) == pytest.approx(expected, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(SHARED_CASES), replicas=st.integers(1, 3), cores=st.integers(1, 12),
+       times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16))
+def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cores, times):
+    """Never slower than every rank at its calibrated pace (``makespan_s``; equal when the node runs
+    every rank at once), never faster than the node allows: it does at most R rank-seconds of
+    calibrated work per second, so the span is at least the mean pp rank's work."""
+    schedule, pp, m, v = case
+    stages = pp * v
+    forward, backward = times[:stages], times[8:8 + stages]
+    orders = rank_orders(schedule, pp, m, v)
+    unshared = makespan_s(orders, stages, forward, backward)
+    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores)
+    assert shared <= unshared * (1 + 1e-12)
+    if cores >= replicas * pp:
+        assert shared == pytest.approx(unshared, rel=1e-12)
+    else:
+        work_per_pp_rank = m * sum(f + b for f, b in zip(forward, backward)) / pp
+        assert shared >= work_per_pp_rank * (1 - 1e-12)

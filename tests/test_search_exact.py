@@ -14,9 +14,11 @@ from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = str(ROOT / "tests/clusters/fast_link_cpu.yaml")
+SHARED = str(ROOT / "tests/clusters/cpu4_shared_cores.yaml")  # pipelines priced with shared cores
 CASES = [  # model, cluster, nodes, devices per node, global batch
     ("examples/gpt.py:build", "local-cpu", 1, 4, 16),
     ("examples/gpt.py:build", FAST, 1, 8, 32),
+    ("examples/gpt.py:build", SHARED, 1, 4, 8),
     ("tests/models/hf_llama.py:build_4_layers", FAST, 1, 4, 16),
     ("tests/models/wide_gpt.py:build", "dgx-a100-80gb", 2, 8, 64),
     ("tests/models/wide_gpt.py:build", "dgx-h100", 4, 8, 128),

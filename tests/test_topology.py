@@ -204,3 +204,15 @@ def test_unknown_preset_and_missing_file(tmp_path):
         load_cluster(str(tmp_path / "nope.yaml"))
     with pytest.raises(AutoshardError, match="--nodes 0 must be a positive integer"):
         load_cluster("dgx-h100", nodes=0)
+
+
+def test_shared_cores_is_optional_checked_and_round_trips():
+    shared = load_cluster("tests/clusters/cpu4_shared_cores.yaml")
+    assert shared.host.shared_cores == 2.0
+    d = shared.to_dict()
+    assert d["host"]["shared_cores"] == 2.0 and Cluster.from_dict(json.loads(json.dumps(d))) == shared
+    del d["host"]["shared_cores"]  # a cluster file from before the field: every rank has its own core
+    assert Cluster.from_dict(d).host.shared_cores == 0.0
+    d["host"]["shared_cores"] = -1
+    with pytest.raises(AutoshardError, match=r"host\.shared_cores must be >= 0"):
+        Cluster.from_dict(d)

@@ -92,6 +92,49 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
     return max(free_at)
 
 
+def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
+                      replicas: int, cores: float) -> float:
+    """``makespan_s`` on one host whose ranks share ``cores`` cores (processor sharing).
+
+    Each pp rank stands for ``replicas`` ranks running in lockstep (its dp × tp group), so
+    R = replicas · pp ranks share the host. The action times are their pace with all R busy, as
+    ``autoshard calibrate`` measures them: min(1, C/R) of a core each. With n ranks busy each runs
+    on min(1, C/n) of a core, so an action progresses at
+
+        speed(n) = min(1, C/n) / min(1, C/R)   ≥ 1,
+
+    and ranks idle in the fill, the drain or waiting on a peer lend their cores to the busy ones.
+    Simulated event by event: between two events every busy rank progresses at speed(n).
+    With C ≥ R every speed is 1 and this is ``makespan_s``; speeds never fall below 1, so it is
+    never more than ``makespan_s`` (the orders are fixed: a faster action delays nothing)."""
+    ranks = replicas * len(orders)
+    calibrated = min(1.0, cores / ranks)
+    finish: dict[tuple[int, str, int], float] = {}
+    position = [0] * len(orders)
+    running: list[list | None] = [None] * len(orders)  # [action, work left in calibrated seconds]
+    now = 0.0
+    while True:
+        for r, order in enumerate(orders):
+            if running[r] is None and position[r] < len(order):
+                a = order[position[r]]
+                if all(n in finish for n in _inputs(a, num_stages)):
+                    running[r] = [a, (forward_s if a.kind == "F" else backward_s)[a.stage]]
+                    position[r] += 1
+        busy = [r for r in range(len(orders)) if running[r] is not None]
+        if not busy:
+            assert all(position[r] == len(o) for r, o in enumerate(orders)), "schedule cannot make progress"
+            return now
+        speed = min(1.0, cores / (replicas * len(busy))) / calibrated
+        step = min(running[r][1] for r in busy) / speed
+        now += step
+        for r in busy:
+            running[r][1] -= step * speed
+            if running[r][1] <= 1e-15:
+                a = running[r][0]
+                finish[(a.stage, a.kind, a.microbatch)] = now
+                running[r] = None
+
+
 def _inputs(a: Action, num_stages: int) -> list[tuple[int, str, int]]:
     if a.kind == "F":
         return [] if a.stage == 0 else [(a.stage - 1, "F", a.microbatch)]

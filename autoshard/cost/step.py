@@ -76,7 +76,8 @@ activation entering each of its stages but the first (NUMBERS.md: b·s·h·bytes
     step_time    = m · T_max + (Σ_r T_r − T_max)/v + grad_accumulation + optimizer + DP_exposed
     compute      = m · C_{r*} + grad_accumulation + optimizer      r* the slowest rank, T_max = T_{r*}
     comm_exposed = m · (X_{r*} + P_{r*}) + DP_exposed
-    bubble       = (Σ_r T_r − T_max)/v    (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks)
+    bubble       = (Σ_r T_r − T_max)/v    (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks;
+                                           ranks sharing fewer cores: "Shared cores" below)
 
 The bubble is the fill and the drain: the first micro-batch's forward and the last one's
 backward pass through every other rank once (1/v of its work per chunk), while the slowest
@@ -87,6 +88,16 @@ least (m + (p−1)/v) · mean_r T_r, as the search's lower bound assumes: it is
 (m − 1/v)·T_max + p·mean/v, and m ≥ 1/v, T_max ≥ mean. Against a timed run of the schedule
 (``schedule.makespan_s``, tests): exact for GPipe; for 1F1B never below it, within a few
 per cent typically and 25 % at most with stages up to 3× apart.
+
+**Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
+figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
+over threads per rank). A pipeline rank idle in the fill, the drain or waiting on a peer lends
+its core to the busy ones, so when C < R the pipelined part m·T_max + bubble is the schedule run
+with processor sharing instead (``schedule.shared_makespan_s``: n ranks busy each progress at
+min(1, C/n) / min(1, C/R) of their calibrated pace; F and B of a stage are its rank's T_r split
+by compute). The bubble is then that span − m·T_max, which can be negative: on 4 ranks sharing 2
+cores, pp = 4 and m = 4 a rank is busy half the time, and the others run twice as fast meanwhile.
+Ranks of an SPMD step are busy and idle together (every collective spans them): no change there.
 
 grad_accumulation and optimizer are priced on the rank with the most parameters.
 
@@ -118,6 +129,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
+from autoshard.cost.schedule import rank_orders, shared_makespan_s
 from autoshard.cost.compute import ATTENTION_KERNELS, ComputeTime, model_flops_per_sample
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend
 from autoshard.cost.profile import graph_signature, scaled_to
@@ -752,14 +764,54 @@ def pipeline_parts(tables: CostTables, config: Config, cuts: tuple[int, ...]) ->
     dp = pipeline_dp_comm(cluster, config, params, precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
+    span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
         forward_s=m * slowest.forward_s, backward_s=m * slowest.backward_s,
         recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
         optimizer_s=optimizer_s, tp_comm_s=m * slowest.tp_comm_s,
         p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s,
-        bubble_s=(sum(r.time_s for r in loads) - slowest.time_s) / v,
+        bubble_s=span_s - m * slowest.time_s,
         dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
         host_s=host_s)
+
+
+def pipeline_span_s(tables: CostTables, config: Config, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:
+    """The pipelined part of the step: m·T_max + (Σ_r T_r − T_max)/v (module doc); on a host whose
+    ranks share fewer cores (``shared_cores``), the schedule run with processor sharing."""
+    m, v = config.num_microbatches, config.virtual_stages
+    times = [r.time_s for r in loads]
+    cores = shared_cores(tables.cluster, config.mesh)
+    if cores is None:
+        return m * max(times) + (sum(times) - max(times)) / v
+    forward, backward = stage_action_times(tables, config, cuts, loads)
+    orders = rank_orders(config.schedule, config.mesh.pp, m, v)
+    return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores)
+
+
+def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
+    """C when the mesh's R ranks sit on one node that runs only C < R of them at full speed at once
+    (CPU ranks: ``HostOverheads.shared_cores``); None when every rank has its own core or device."""
+    cores, ranks = cluster.host.shared_cores, mesh.dp * mesh.tp * mesh.pp
+    if not cores or ranks <= cores or ranks > cluster.devices_per_node:
+        return None
+    return cores
+
+
+def stage_action_times(tables: CostTables, config: Config, cuts: tuple[int, ...],
+                       loads: list[RankLoad]) -> tuple[list[float], list[float]]:
+    """(F, B) seconds of one micro-batch on each stage: its rank's T_r shared among the rank's stages
+    by their compute, and within a stage between forward and backward + recompute the same way."""
+    units, _ = pipeline_units(tables, config)
+    ranges = stage_ranges(cuts, units.blocks)
+    parts = []
+    for rng in ranges:
+        idx = stage_units(rng, units.blocks)
+        parts.append((sum(units.forward_s[u] for u in idx),
+                      sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
+    pp = config.mesh.pp
+    rank_compute = [sum(f + b for f, b in parts[r::pp]) for r in range(pp)]
+    scale = [loads[s % pp].time_s / rank_compute[s % pp] if rank_compute[s % pp] else 0.0 for s in range(len(parts))]
+    return [f * k for (f, _), k in zip(parts, scale)], [b * k for (_, b), k in zip(parts, scale)]
 
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:

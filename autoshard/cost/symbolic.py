@@ -22,7 +22,8 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
                        X = 1 (DDP, once a step), m (FSDP without pipeline, per micro-batch),
                        2·a·m + g (pipeline ZeRO-3: 2m gathers of a bytes, a scatter of g bytes per param)
     bubble_s         = k·(pp − 1)/v · T_mb,   T_mb = (forward + backward + recompute + host + tp_comm + p2p)/m
-                       (k ≤ 1: the fill and drain run at the other ranks' pace, ``cost.step``)
+                       (k ≤ 1: the fill and drain run at the other ranks' pace, ``cost.step``;
+                       below 0 where ranks share fewer cores and idle ones lend theirs)
     step_time_s      = Σ of the parts above
 
     params_bytes     = k·P / dp^[ZeRO = 3]      grads_bytes = k·P / dp^[ZeRO ≥ 2]

@@ -140,6 +140,11 @@ class HostOverheads:
     tp_module_us: float = _spec("DTensor's host time per tensor-parallel module and micro-batch (forward and "
                                 "backward) beyond its collectives, e.g. 400", _NON_NEGATIVE)
     source: str = _spec("where the figures come from (autoshard calibrate)")
+    # Written by calibrate since it was added; a file without it shares nothing (the default).
+    shared_cores: float = field(default=0.0, metadata={
+        "doc": "how many of the node's ranks run at full speed at once when they share its CPU cores: "
+               "the cores / threads per rank, e.g. 2 (0: every rank has its own device, as GPUs)",
+        "rule": _NON_NEGATIVE, "optional": True})
 
     def __post_init__(self):
         _check_dataclass(self)
@@ -343,15 +348,18 @@ def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float]
 
 def _spec_from_mapping(kind: type, values: Any, where: str, section: str, default_source: str | None):
     plain = [f for f in fields(kind) if not f.metadata.get("composite")]
+    fields_by_name = {f.name: f for f in fields(kind)}
     example = "{" + ", ".join(f"{f.name}: ..." for f in plain if f.name != "source") + "}"
     _check_mapping(values, where, section, f"a mapping like {example}")
     names = {f.name: f.metadata["doc"] for f in fields(kind)}
     if default_source is not None and "source" not in values:
         values = {**values, "source": default_source}
-    optional = tuple(f.name for f in fields(kind) if f.metadata.get("composite"))
+    optional = tuple(f.name for f in fields(kind) if f.metadata.get("composite") or f.metadata.get("optional"))
     _check_keys(values, names, where, section + ".", optional=optional)
-    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain}
-    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in optional if name in values}
+    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain
+               if f.name in values or not f.metadata.get("optional")}
+    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in optional
+             if name in values and fields_by_name[name].metadata.get("composite")}
     return kind(**checked, **extra)
 
 

@@ -26,7 +26,10 @@ C the device memory::
 (perfect division of the compute over the tp·pp ranks that share a replica, no communication, no
 imbalance; the pipeline's (pp − 1)/v bubble slots are kept, because the cost model prices the
 step as (m + (pp − 1)/v)·T_max with T_max ≥ the mean rank's compute ≥ Σ_u compute(u) / (tp·pp);
-with a measured profile or host time in the units it is still below T(c)). Candidates are priced in increasing LB (ties in candidate order); the first time LB
+with a measured profile or host time in the units it is still below T(c)). On a node whose ranks share
+fewer cores than there are ranks (``cost.step.shared_cores``) the bubble slots go: idle ranks lend
+their cores, and the node does at most R rank-seconds of calibrated work per second, so the span is
+at least the mean rank's work, m · Σ_u compute(u) / (tp·pp). Candidates are priced in increasing LB (ties in candidate order); the first time LB
 exceeds the fastest feasible T found, no candidate left can beat it and the search stops. The
 answer is the minimum of T over all candidates that fit, as brute-force enumeration of the same
 space finds it (``tests/test_search_exact.py``): the plan is optimal on the cost model, and the
@@ -52,7 +55,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, pipeline_units,
-                                 price, state_bytes_per_param)
+                                 price, shared_cores, state_bytes_per_param)
 from autoshard.cost.memory import precision_for_backend
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
@@ -151,6 +154,8 @@ def lower_bound_s(tables: CostTables, config: Config) -> float:
     units = tables.config_units(config)
     p = config.mesh.pp
     slots = config.num_microbatches + (p - 1) / config.virtual_stages
+    if p > 1 and shared_cores(tables.cluster, config.mesh) is not None:
+        slots = config.num_microbatches  # idle ranks lend their cores: only the work itself bounds it
     return slots * sum(units.compute_s) / (config.mesh.tp * p)
 
 
