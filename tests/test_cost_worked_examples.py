@@ -303,8 +303,8 @@ SHARED = str(ROOT / "tests/clusters/cpu4_shared_cores.yaml")  # 4 gloo ranks cal
                                                  ("interleaved-1f1b", 2, 2, 4)])
 def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(gpt_graph, schedule, pp, v, m):
     """4 ranks calibrated on 2 cores (``host.shared_cores`` 2): the pipelined part of the step is the
-    schedule run with processor sharing on the stages' priced F and B, shorter than the same cluster
-    without sharing; the parts still add up, and the search's lower bound stays below the step."""
+    schedule run with processor sharing on the stages' priced work and waits, shorter than the same
+    cluster without sharing; the parts still add up, and the search's lower bound stays below it."""
     shared = load_cluster(SHARED)
     alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
     dp = 4 // pp
@@ -313,8 +313,13 @@ def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(g
     cuts = tuple(round(len(gpt_graph.blocks) * k / (pp * v)) for k in range(1, pp * v))
     tables = CostTables(gpt_graph, shared)
     loads = rank_loads(tables, config, cuts)
-    forward, backward = stage_action_times(tables, config, cuts, loads)
-    span = shared_makespan_s(rank_orders(schedule, pp, m, v), pp * v, forward, backward, dp, 2.0)
+    forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
+    for r, load in enumerate(loads):  # each rank's work and waits are its priced time per micro-batch
+        mine = range(r, pp * v, pp)
+        assert sum(forward[s] + backward[s] for s in mine) == pytest.approx(load.compute_s)
+        assert sum(forward_wait[s] + backward_wait[s] for s in mine) == pytest.approx(load.p2p_s + load.tp_comm_s)
+    span = shared_makespan_s(rank_orders(schedule, pp, m, v), pp * v, forward, backward, dp, 2.0,
+                             forward_wait, backward_wait)
     sharing = price(gpt_graph, shared, config, global_batch=8, tables=tables, cuts=cuts)
     assert sharing.bubble_s == pytest.approx(span - m * max(load.time_s for load in loads), rel=1e-12)
     unshared = price(gpt_graph, alone, config, global_batch=8, cuts=cuts)

@@ -55,20 +55,33 @@ def test_shared_cores_with_equal_actions_is_the_grid_at_each_slots_speed(schedul
 
 @settings(max_examples=60, deadline=None)
 @given(case=st.sampled_from(SHARED_CASES), replicas=st.integers(1, 3), cores=st.integers(1, 12),
-       times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16))
-def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cores, times):
-    """Never slower than every rank at its calibrated pace (``makespan_s``; equal when the node runs
-    every rank at once), never faster than the node allows: it does at most R rank-seconds of
-    calibrated work per second, so the span is at least the mean pp rank's work."""
+       times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16),
+       waits=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16))
+def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cores, times, waits):
+    """Never slower than every rank at its calibrated pace (``makespan_s`` of work + wait; equal
+    when the node runs every rank at once), never faster than the node allows: it does at most R
+    rank-seconds of calibrated work per second, so the span is at least the mean pp rank's work."""
     schedule, pp, m, v = case
     stages = pp * v
     forward, backward = times[:stages], times[8:8 + stages]
+    forward_wait, backward_wait = waits[:stages], waits[8:8 + stages]
     orders = rank_orders(schedule, pp, m, v)
-    unshared = makespan_s(orders, stages, forward, backward)
-    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores)
+    unshared = makespan_s(orders, stages, [f + w for f, w in zip(forward, forward_wait)],
+                          [b + w for b, w in zip(backward, backward_wait)])
+    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores, forward_wait, backward_wait)
     assert shared <= unshared * (1 + 1e-12)
     if cores >= replicas * pp:
         assert shared == pytest.approx(unshared, rel=1e-12)
     else:
         work_per_pp_rank = m * sum(f + b for f, b in zip(forward, backward)) / pp
         assert shared >= work_per_pp_rank * (1 - 1e-12)
+
+
+def test_a_wait_takes_no_core():
+    """Three pp ranks on one core (speed 3 alone, 1.5 in pairs), GPipe, two micro-batches, every
+    action 1 s of work; stages 0 and 2 wait 1 s after each forward. While rank 0 waits on its second
+    send (t = 2..3) rank 2 works alone at speed 3 and finishes its first forward at 7/3, not 8/3:
+    that third of a second carries to the end, 20/3 s instead of the 7 s of a wait holding a core."""
+    orders = rank_orders("gpipe", 3, 2)
+    span = shared_makespan_s(orders, 3, [1.0] * 3, [1.0] * 3, 1, 1.0, [1.0, 0.0, 1.0], [0.0] * 3)
+    assert span == pytest.approx(20 / 3)

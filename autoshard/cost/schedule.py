@@ -93,44 +93,54 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
 
 
 def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
-                      replicas: int, cores: float) -> float:
+                      replicas: int, cores: float, forward_wait_s: list[float] | None = None,
+                      backward_wait_s: list[float] | None = None) -> float:
     """``makespan_s`` on one host whose ranks share ``cores`` cores (processor sharing).
 
     Each pp rank stands for ``replicas`` ranks running in lockstep (its dp × tp group), so
-    R = replicas · pp ranks share the host. The action times are their pace with all R busy, as
-    ``autoshard calibrate`` measures them: min(1, C/R) of a core each. With n ranks busy each runs
-    on min(1, C/n) of a core, so an action progresses at
+    R = replicas · pp ranks share the host. An action is work, then a wait: the work (``forward_s``,
+    ``backward_s``) is timed at the pace of all R ranks busy, as ``autoshard calibrate`` measures it,
+    min(1, C/R) of a core each; the wait (``*_wait_s``: its transfers and collectives, blocked in
+    the process group) takes its own time and no core. With n ranks working, work progresses at
 
         speed(n) = min(1, C/n) / min(1, C/R)   ≥ 1,
 
-    and ranks idle in the fill, the drain or waiting on a peer lend their cores to the busy ones.
-    Simulated event by event: between two events every busy rank progresses at speed(n).
-    With C ≥ R every speed is 1 and this is ``makespan_s``; speeds never fall below 1, so it is
-    never more than ``makespan_s`` (the orders are fixed: a faster action delays nothing)."""
+    so ranks idle in the fill, the drain or a wait lend their cores to the working ones. Simulated
+    event by event. With C ≥ R every speed is 1 and this is ``makespan_s`` of work + wait; speeds
+    never fall below 1, so it is never more (the orders are fixed: a faster action delays nothing)."""
+    stages = range(num_stages)
+    wait = {"F": forward_wait_s or [0.0 for _ in stages], "B": backward_wait_s or [0.0 for _ in stages]}
+    work = {"F": forward_s, "B": backward_s}
     ranks = replicas * len(orders)
     calibrated = min(1.0, cores / ranks)
     finish: dict[tuple[int, str, int], float] = {}
     position = [0] * len(orders)
-    running: list[list | None] = [None] * len(orders)  # [action, work left in calibrated seconds]
+    running: list[list | None] = [None] * len(orders)  # [action, "work" | "wait", left]
     now = 0.0
     while True:
         for r, order in enumerate(orders):
             if running[r] is None and position[r] < len(order):
                 a = order[position[r]]
                 if all(n in finish for n in _inputs(a, num_stages)):
-                    running[r] = [a, (forward_s if a.kind == "F" else backward_s)[a.stage]]
+                    running[r] = [a, "work", work[a.kind][a.stage]]
                     position[r] += 1
-        busy = [r for r in range(len(orders)) if running[r] is not None]
-        if not busy:
+        active = [r for r in range(len(orders)) if running[r] is not None]
+        if not active:
             assert all(position[r] == len(o) for r, o in enumerate(orders)), "schedule cannot make progress"
             return now
-        speed = min(1.0, cores / (replicas * len(busy))) / calibrated
-        step = min(running[r][1] for r in busy) / speed
+        working = sum(running[r][1] == "work" for r in active)
+        speed = min(1.0, cores / (replicas * working)) / calibrated if working else 1.0
+        rates = {r: speed if running[r][1] == "work" else 1.0 for r in active}
+        step = min(running[r][2] / rates[r] for r in active)
         now += step
-        for r in busy:
-            running[r][1] -= step * speed
-            if running[r][1] <= 1e-15:
-                a = running[r][0]
+        for r in active:
+            running[r][2] -= step * rates[r]
+            if running[r][2] > 1e-15:
+                continue
+            a, phase, _ = running[r]
+            if phase == "work" and wait[a.kind][a.stage] > 0:
+                running[r] = [a, "wait", wait[a.kind][a.stage]]
+            else:
                 finish[(a.stage, a.kind, a.microbatch)] = now
                 running[r] = None
 

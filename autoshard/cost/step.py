@@ -94,8 +94,9 @@ figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_core
 over threads per rank). A pipeline rank idle in the fill, the drain or waiting on a peer lends
 its core to the busy ones, so when C < R the pipelined part m·T_max + bubble is the schedule run
 with processor sharing instead (``schedule.shared_makespan_s``: n ranks busy each progress at
-min(1, C/n) / min(1, C/R) of their calibrated pace; F and B of a stage are its rank's T_r split
-by compute). The bubble is then that span − m·T_max, which can be negative: on 4 ranks sharing 2
+min(1, C/n) / min(1, C/R) of their calibrated pace; F and B of a stage are its rank's compute
+and, after it, its transfers and TP collectives as a wait that takes no core, both split by the
+stages' compute). The bubble is then that span − m·T_max, which can be negative: on 4 ranks sharing 2
 cores, pp = 4 and m = 4 a rank is busy half the time, and the others run twice as fast meanwhile.
 Ranks of an SPMD step are busy and idle together (every collective spans them): no change there.
 
@@ -783,9 +784,10 @@ def pipeline_span_s(tables: CostTables, config: Config, cuts: tuple[int, ...], l
     cores = shared_cores(tables.cluster, config.mesh)
     if cores is None:
         return m * max(times) + (sum(times) - max(times)) / v
-    forward, backward = stage_action_times(tables, config, cuts, loads)
+    forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
     orders = rank_orders(config.schedule, config.mesh.pp, m, v)
-    return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores)
+    return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
+                             forward_wait, backward_wait)
 
 
 def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
@@ -797,10 +799,11 @@ def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
     return cores
 
 
-def stage_action_times(tables: CostTables, config: Config, cuts: tuple[int, ...],
-                       loads: list[RankLoad]) -> tuple[list[float], list[float]]:
-    """(F, B) seconds of one micro-batch on each stage: its rank's T_r shared among the rank's stages
-    by their compute, and within a stage between forward and backward + recompute the same way."""
+def stage_action_times(tables: CostTables, config: Config, cuts: tuple[int, ...], loads: list[RankLoad]
+                       ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(F work, B work, F wait, B wait) seconds of one micro-batch on each stage: its rank's compute
+    (with host time) and its transfers and TP collectives (``RankLoad``) shared among the rank's
+    stages by their compute, and within a stage between forward and backward + recompute the same way."""
     units, _ = pipeline_units(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
     parts = []
@@ -810,8 +813,13 @@ def stage_action_times(tables: CostTables, config: Config, cuts: tuple[int, ...]
                       sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
     pp = config.mesh.pp
     rank_compute = [sum(f + b for f, b in parts[r::pp]) for r in range(pp)]
-    scale = [loads[s % pp].time_s / rank_compute[s % pp] if rank_compute[s % pp] else 0.0 for s in range(len(parts))]
-    return [f * k for (f, _), k in zip(parts, scale)], [b * k for (_, b), k in zip(parts, scale)]
+    out: tuple[list[float], ...] = ([], [], [], [])
+    for s, (f, b) in enumerate(parts):
+        load, total = loads[s % pp], rank_compute[s % pp]
+        work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s) / total) if total else (0.0, 0.0)
+        for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
+            column.append(value)
+    return out
 
 
 def rank_loads(tables: CostTables, config: Config, cuts: tuple[int, ...]) -> list[RankLoad]:

@@ -10,7 +10,7 @@ In one process they run one after the other on one core. ``capture_ahead`` forks
 either starts; the child captures while the parent imports the planner's libraries on another
 core, and the annotated OpGraph comes back pickled through a pipe (milliseconds). Nothing after
 the front needs torch (a plan from the capture cache never imports it), so the parent never
-imports it at all: on a 2-core machine a cold Llama-3-8B-shape plan drops from ~3.4 s to ~2.7 s.
+imports it at all: on a 2-core machine a cold Llama-3-8B-shape plan drops from ~3.4 s to ~2.9 s.
 
 **When.** Only where it is safe and pays: fork exists, torch is not imported yet (so no thread
 pool exists that a fork would break) and only one thread runs: a fresh ``autoshard plan``
