@@ -151,10 +151,11 @@ class _Child:
             status, payload, extra = self.conn.recv()
         except EOFError:
             self.process.join()
+            ended = _how_it_ended(self.process)
             raise AutoshardError(
-                f"{self.spec}: capturing the model ended its process without an answer ({_how_it_ended(self.process)}): "
-                f"the model file or what it calls exited or was killed; AUTOSHARD_CAPTURE_AHEAD=0 with --debug "
-                f"captures in the main process, to see where") from None
+                f"{self.spec}: capturing the model ended its process without an answer ({ended}): the model "
+                f"file or what it calls exited or was killed; AUTOSHARD_CAPTURE_AHEAD=0 with --debug captures "
+                f"in the main process, to see where") from None
         self.answered = True
         if status == "error":
             self.process.join()
