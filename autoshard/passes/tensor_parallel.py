@@ -438,14 +438,13 @@ def _full_at(graph: OpGraph, node: OpNode, name: str, dims: dict) -> bool:
 
 def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int, link: LinkSpec,
                   device: DeviceSpec) -> tuple[dict[str, Rule], SegmentCost]:
-    """Build and solve the CP-SAT model of one segment; the chosen rule per node and its cost."""
-    dims = shard_dims(graph, nodes, tp)
-    rules = {n.name: op_rules(graph, n, dims, tp) for n in nodes}
-    model = cp_model.CpModel()
-    pick = add_op_choice(model, rules)
-    layout = add_layouts(model, nodes, rules, pick)
-    costs = add_edge_transitions(model, graph, nodes, rules, pick, layout, consumers, tp, link)
-    costs += op_costs(graph, nodes, rules, pick, tp, link, device)
+    """Solve the CP-SAT model of one segment on ``link``; the chosen rule per node and its cost. The
+    variables and constraints depend on the graph, the segment and tp only: they are built once
+    (``segment_model``; a search solves each for several micro-batch sizes, i.e. scaled links) and
+    solved again with each link's prices as the objective."""
+    key = ("tp_segment_model", tp, tuple(n.name for n in nodes))
+    model, rules, pick, terms = graph.derived(key, lambda: segment_model(graph, nodes, consumers, tp))
+    costs = priced(terms, tp, link, device)
     add_objective(model, costs)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -453,6 +452,25 @@ def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
     assert status == cp_model.OPTIMAL, f"TP layout model: {solver.StatusName(status)}"
     chosen = {name: rs[k] for name, rs in rules.items() for k in range(len(rs)) if solver.Value(pick[name][k])}
     return chosen, _segment_cost(solver, costs)
+
+
+def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int) -> tuple:
+    """(model, rules per node, x per node, cost terms (var, flops, collective, bytes)) of one segment."""
+    dims = shard_dims(graph, nodes, tp)
+    rules = {n.name: op_rules(graph, n, dims, tp) for n in nodes}
+    model = cp_model.CpModel()
+    pick = add_op_choice(model, rules)
+    layout = add_layouts(model, nodes, rules, pick)
+    terms = add_edge_transitions(model, graph, nodes, rules, pick, layout, consumers)
+    return model, rules, pick, terms + op_terms(graph, nodes, rules, pick, tp)
+
+
+def priced(terms: list[tuple], tp: int, link: LinkSpec, device: DeviceSpec) -> list[tuple]:
+    """(var, compute_s, comm_s, comm_bytes) of every term: 3·T_c(flops) on the device, the collective on the link."""
+    flops_per_s = device.peak_tflops * 1e12 * device.matmul_efficiency
+    comm = {None: lambda size: 0.0, "all_reduce": lambda size: allreduce_s(size, tp, link),
+            "all_gather": lambda size: all_gather_s(size, tp, link)}
+    return [(var, FWD_BWD_FACTOR * flops / flops_per_s, comm[kind](size), size) for var, flops, kind, size in terms]
 
 
 def add_op_choice(model: cp_model.CpModel, rules: dict[str, list[Rule]]) -> dict[str, list]:
@@ -473,7 +491,7 @@ TRANSITIONS = {(R, R), (S, S), (P, P), (P, R), (S, R)}
 
 
 def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, layout: dict,
-                         consumers: dict, tp: int, link: LinkSpec) -> list[tuple]:
+                         consumers: dict) -> list[tuple]:
     """t[e,a,b] per edge into the segment's nodes and per value leaving it; returns cost terms."""
     inside = {n.name for n in nodes}
     terms = []
@@ -481,17 +499,16 @@ def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict
         for i, name in enumerate(activation_inputs(graph, node)):
             need = {b: sum(x for x, r in zip(pick[node.name], rules[node.name]) if r.inputs[i] == b) for b in LAYOUTS}
             have = layout[name] if name in inside else {R: 1, S: 0, P: 0}
-            terms += _link_edge(model, graph, f"{name}->{node.name}", name, have, need, tp, link)
+            terms += _link_edge(model, graph, f"{name}->{node.name}", name, have, need)
     for node in nodes:  # values read outside the segment, or returned by the model, must be R
         outside = [c for c in consumers.get(node.name, []) if c not in inside]
         if node.shape and (outside or not consumers.get(node.name)):
             terms += _link_edge(model, graph, f"{node.name}->out", node.name, layout[node.name],
-                                {R: 1, S: 0, P: 0}, tp, link)
+                                {R: 1, S: 0, P: 0})
     return terms
 
 
-def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict, tp: int,
-               link: LinkSpec) -> list[tuple]:
+def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict) -> list[tuple]:
     size = graph.value_bytes(producer)
     node = graph._by_name().get(producer)
     after_linear = node is not None and op_name(node.target) in LINEAR_OPS and not is_conv1d(node)
@@ -501,29 +518,20 @@ def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need:
         model.Add(sum(v for (x, _), v in t.items() if x == a) == have[a])
     for b in LAYOUTS:
         model.Add(sum(v for (_, y), v in t.items() if y == b) == need[b])
-    terms = []
-    for (a, b), var in t.items():
-        if (a, b) == (P, R):
-            terms.append((var, 0.0, allreduce_s(size, tp, link), size))
-        elif (a, b) == (S, R):
-            terms.append((var, 0.0, all_gather_s(size, tp, link), size))
-    return terms
+    collective = {(P, R): "all_reduce", (S, R): "all_gather"}
+    return [(var, 0.0, collective[a, b], size) for (a, b), var in t.items() if (a, b) in collective]
 
 
-def op_costs(graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, tp: int, link: LinkSpec,
-             device: DeviceSpec) -> list[tuple]:
-    """(x, compute_s, comm_s, comm_bytes) per op rule: 3·T_c(flops)/d(k) + c_bwd(k)."""
-    flops_per_s = device.peak_tflops * 1e12 * device.matmul_efficiency
+def op_terms(graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, tp: int) -> list[tuple]:
+    """(x, flops, collective, comm_bytes) per op rule: T_c(flops/d(k)) and c_bwd(k) once priced."""
     terms = []
     for node in nodes:
         for x, rule in zip(pick[node.name], rules[node.name]):
             split = tp if rule.kind in ("col", "row", "shard") else 1
-            compute = FWD_BWD_FACTOR * node.flops / split / flops_per_s
-            comm, size = 0.0, 0
+            kind, size = None, 0
             if rule.kind == "col":
-                size = graph.value_bytes(activation_inputs(graph, node)[0])
-                comm = allreduce_s(size, tp, link)
-            terms.append((x, compute, comm, size))
+                kind, size = "all_reduce", graph.value_bytes(activation_inputs(graph, node)[0])
+            terms.append((x, node.flops / split, kind, size))
     return terms
 
 
