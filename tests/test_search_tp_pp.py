@@ -5,6 +5,9 @@ No processes: plans are made on captured graphs (meta tensors) with ``plan_graph
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -22,6 +25,7 @@ from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 GPT = "examples/gpt.py:build"
 WIDE = "tests/models/wide_gpt.py:build"
+FAST_LINK = "tests/clusters/fast_link_cpu.yaml"  # TP pays off here
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +281,17 @@ def test_wide_gpt_pipeline_pin_balances_stages(wide):
         plan(wide, WIDE, cluster, 64, pp=4, tp=1)  # four stages of 10B parameters each do not fit
     both = plan(wide, WIDE, cluster, 64, pp=4)  # unless tp splits them
     assert both.mesh.tp > 1 and both.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
+
+
+def test_tp_plans_do_not_depend_on_the_hash_seed(in_repo, tmp_path):
+    """Same inputs, byte-identical plans, whatever order Python's string hashing gives sets: a TP plan
+    (styles and reasons for every block) planned in processes with different hash seeds."""
+    outputs = set()
+    for seed in ("0", "1", "7", "42", "1234"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "AUTOSHARD_CACHE_DIR": str(tmp_path)}
+        proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", GPT, "--cluster", FAST_LINK,
+                               "--devices-per-node", "2", "--global-batch", "8", "--tp", "2", "--json"],
+                              capture_output=True, text=True, env=env, check=True)
+        assert json.loads(proc.stdout)["tensor_parallel_reasons"]
+        outputs.add(proc.stdout)
+    assert len(outputs) == 1

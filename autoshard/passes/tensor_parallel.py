@@ -568,8 +568,8 @@ def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules:
             assert node.name not in gathered, f"{node.module_path}: a Conv1D has no gather style"
             style = CONV1D_STYLE_OF_RULE[rule.kind]
         local[node.module_path] = (style, "" if style != "replicate" else _replicate_reason(graph, node, choice.tp))
-    for module in {n.module_path for n in nodes if op_name(n.target) in {"layer_norm", "rms_norm"} or
-                   n.module_type.endswith("RMSNorm")}:
+    for module in dict.fromkeys(n.module_path for n in nodes if op_name(n.target) in {"layer_norm", "rms_norm"} or
+                                n.module_type.endswith("RMSNorm")):  # graph order: plans must not follow hash order
         local.setdefault(module, ("replicate", "normalises over the hidden dim: needs R input"))
     for target in _repeats(graph, path):
         for module, (style, reason) in local.items():
