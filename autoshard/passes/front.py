@@ -17,9 +17,11 @@ pool exists that a fork would break) and only one thread runs: a fresh ``autosha
 process. Everywhere else (tests, the Python API inside a training script) the front runs in this
 process, as it always did. ``AUTOSHARD_CAPTURE_AHEAD=0`` turns the child off.
 
-**Errors.** The child's exception comes back pickled and is raised here, chained to the child's
-traceback as text (``--debug`` shows both); a child that dies without answering (killed, out of
-memory) is one line naming how it ended.
+**Errors.** The child's exception comes back as its kind and message (a user error, a bug, an
+interrupt, an exit) and is raised here, chained to the child's traceback as text (``--debug``
+shows both); a child that dies without answering (killed, out of memory) is one line naming how
+it ended. The pipe carries only that, or the graph: plain data and autoshard's own dataclasses,
+from a process this one forked.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import gc
 import importlib
 import multiprocessing
 import os
-import pickle
 import sys
 import threading
 import traceback
@@ -160,7 +161,7 @@ class _Child:
         self.answered = True
         if status == "error":
             self.process.join()
-            raise payload from RemoteTraceback(extra)
+            raise _rebuilt(*payload) from RemoteTraceback(extra)
         return payload, extra
 
     def stop(self) -> None:
@@ -188,7 +189,7 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
         done: list[str] = []
         _, graph, modules_before = _capture_and_annotate(spec, done, fold)
     except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
-        conn.send(("error", _picklable(exc), traceback.format_exc()))
+        conn.send(("error", _portable(exc), traceback.format_exc()))
         conn.close()
         return
     conn.send(("ok", graph, done))
@@ -204,10 +205,22 @@ def _how_it_ended(process: multiprocessing.process.BaseProcess) -> str:
     return f"exit code {code}"
 
 
-def _picklable(exc: BaseException) -> BaseException:
-    """``exc`` itself, or a PassError with its type and message when pickle cannot carry it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return PassError(f"while running pass capture: {type(exc).__name__}: {exc}")
+def _portable(exc: BaseException) -> tuple[str, str]:
+    """The child's exception as plain data (the parent rebuilds it: ``_rebuilt``), so that nothing but
+    strings, numbers and autoshard's own dataclasses crosses the pipe."""
+    for kind, cls in (("user", AutoshardError), ("bug", PassError), ("interrupt", KeyboardInterrupt)):
+        if isinstance(exc, cls):
+            return kind, str(exc)
+    if isinstance(exc, SystemExit):
+        return "exit", str(exc.code)
+    return "bug", f"while running pass capture: {type(exc).__name__}: {exc}"
+
+
+def _rebuilt(kind: str, text: str) -> BaseException:
+    if kind == "user":
+        return AutoshardError(text)
+    if kind == "interrupt":
+        return KeyboardInterrupt()
+    if kind == "exit":
+        return SystemExit(int(text) if text.lstrip("-").isdigit() else text)
+    return PassError(text)
