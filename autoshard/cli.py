@@ -46,8 +46,11 @@ def entry() -> None:
     """The ``autoshard`` console script: ``main``, then exit with its code (see QUICK_EXIT_COMMANDS)."""
     code = main()
     if sys.argv[1:2] and sys.argv[1] in QUICK_EXIT_COMMANDS:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:  # the reader went away (`| head`): nothing more can be said
+            pass
         os._exit(code)
     sys.exit(code)
 
