@@ -46,7 +46,6 @@ if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture 
     from autoshard.modelfile import ModelFile
 
 
-
 @dataclass(frozen=True)
 class PlanRequest:
     model_spec: str
@@ -66,7 +65,7 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _captured(request.model_spec, done, request.fold, request.cache)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache)
     graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
 
@@ -85,7 +84,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     """The plan of the one configuration the pins fix (all of them; the CLI checks), fit or not."""
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _captured(request.model_spec, done, request.fold, request.cache)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache)
     graph = _later_graph_passes(graph, done)
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
@@ -104,13 +103,8 @@ def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: 
 def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGraph]:
     """capture -> annotate -> unfold -> blocks, for tools that need only the graph (never cached)."""
     done: list[str] = []
-    model_file, graph = _captured(model_spec, done, fold, use_cache=False)
+    model_file, graph = capture_front(model_spec, done, fold, use_cache=False)
     return model_file, _later_graph_passes(graph, done)
-
-
-def _captured(spec: str, done: list[str], fold: bool, use_cache: bool) -> tuple[ModelFile | None, OpGraph]:
-    """capture -> annotate, or their graph from the capture cache or a child (``passes.front``)."""
-    return capture_front(spec, done, fold, use_cache)
 
 
 def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:

@@ -348,18 +348,17 @@ def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float]
 
 def _spec_from_mapping(kind: type, values: Any, where: str, section: str, default_source: str | None):
     plain = [f for f in fields(kind) if not f.metadata.get("composite")]
-    fields_by_name = {f.name: f for f in fields(kind)}
+    composite = tuple(f.name for f in fields(kind) if f.metadata.get("composite"))
     example = "{" + ", ".join(f"{f.name}: ..." for f in plain if f.name != "source") + "}"
     _check_mapping(values, where, section, f"a mapping like {example}")
     names = {f.name: f.metadata["doc"] for f in fields(kind)}
     if default_source is not None and "source" not in values:
         values = {**values, "source": default_source}
-    optional = tuple(f.name for f in fields(kind) if f.metadata.get("composite") or f.metadata.get("optional"))
+    optional = composite + tuple(f.name for f in plain if f.metadata.get("optional"))  # optional: the default
     _check_keys(values, names, where, section + ".", optional=optional)
     checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain
-               if f.name in values or not f.metadata.get("optional")}
-    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in optional
-             if name in values and fields_by_name[name].metadata.get("composite")}
+               if f.name in values or f.name not in optional}
+    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in composite if name in values}
     return kind(**checked, **extra)
 
 

@@ -75,14 +75,20 @@ def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool) -> tu
         graph, names = child.result()
         done += names
         return None, graph
-    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
-    if graph is not None:
-        done += ["capture (cached)", "annotate (cached)"]
-        return None, graph
+    cached = _from_cache(spec, fold) if use_cache else None
+    if cached is not None:
+        done += cached[1]
+        return None, cached[0]
     model_file, graph, modules_before = _capture_and_annotate(spec, done, fold)
     if use_cache:
         capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
     return model_file, graph
+
+
+def _from_cache(spec: str, fold: bool) -> tuple[OpGraph, list[str]] | None:
+    """The capture cache's graph of ``spec`` and the passes it stands for, or None."""
+    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold)
+    return None if graph is None else (graph, ["capture (cached)", "annotate (cached)"])
 
 
 def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[ModelFile, OpGraph, set[str]]:
@@ -180,9 +186,9 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
     objects to run hundreds of collections that find next to nothing (0.4 s of the 2 s those
     imports take on a 2-core machine), and this process ends as soon as its answer is sent."""
     gc.disable()
-    cached = capture_cache.lookup(spec, CAPTURE_BATCH, fold) if use_cache else None
+    cached = _from_cache(spec, fold) if use_cache else None
     if cached is not None:
-        conn.send(("ok", cached, ["capture (cached)", "annotate (cached)"]))
+        conn.send(("ok", *cached))
         conn.close()
         return
     try:
