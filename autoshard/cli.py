@@ -312,17 +312,13 @@ def cmd_run(args) -> int:
 
 def cmd_verify(args) -> int:
     from autoshard.ir.plan import load_plan
-    from autoshard.verify import DEFAULT_LR, LOSS_ATOL, LOSS_RTOL, WEIGHT_RTOL, verify, weight_atol
+    from autoshard.verify import summary_lines, verify
 
     plan = load_plan(args.plan)
     print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
           f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
     report = verify(plan, steps=args.steps, seed=args.seed)
-    for step, (a, b) in enumerate(zip(report.parallel_losses, report.reference_losses)):
-        print(f"step {step}: loss {a:.8f} parallel, {b:.8f} one process")
-    print(f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g} "
-          f"({report.worst_param}); tolerance: loss rtol {LOSS_RTOL:g} atol {LOSS_ATOL:g}, "
-          f"weights rtol {WEIGHT_RTOL:g} atol {weight_atol(DEFAULT_LR):g} (2% of one AdamW step)")
+    print("\n".join(summary_lines(report)))
     if not report.ok:
         print(f"FAILED: {report.failure}", file=sys.stderr)
         return EXIT_VERIFY_FAILED

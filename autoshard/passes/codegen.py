@@ -223,6 +223,15 @@ def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
 def _zero_lines(plan: Plan) -> str:
     if plan.mesh.dp == 1:
         return "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
+    return _SYNC_BATCH_NORM + _zero_dp_lines(plan)
+
+
+# SyncBatchNorm (GlooSyncBatchNorm on CPUs): BatchNorm statistics of the dp ranks' whole batch, as one process's.
+_SYNC_BATCH_NORM = ('model = runtime.model.sync_batch_norm(model, mesh.get_group("dp"))  '
+                    '# BatchNorm over all dp ranks\' samples; no change without BatchNorm\n')
+
+
+def _zero_dp_lines(plan: Plan) -> str:
     if plan.zero_stage >= 2:
         reshard = plan.zero_stage == 3
         return f'''# bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs
@@ -289,6 +298,8 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--no-dropout", action="store_true", help="turn every dropout off (autoshard verify "
+                        "compares runs with dropout off: each rank would draw its own masks)")
     parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
@@ -303,7 +314,7 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
@@ -342,7 +353,7 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
     parts, schedule, optimizer = build_pipeline(model, model_file, mesh, ctx.device, args.lr, example_microbatch)

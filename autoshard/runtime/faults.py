@@ -69,7 +69,8 @@ def _parse(spec: str) -> tuple[str, int, int]:
 
 
 def guard(main: Callable[[], None]) -> None:
-    """Run the program's ``main``; a collective that times out ends it with one line naming the stuck ranks."""
+    """Run the program's ``main``; a collective that times out ends it with one line naming the stuck ranks;
+    any other exception is recorded for torchrun (``record_for_torchrun``) and raised."""
     try:
         main()
     except AutoshardError as exc:  # a user mistake (e.g. the model file changed since planning): one line, exit 2
@@ -77,9 +78,23 @@ def guard(main: Callable[[], None]) -> None:
         sys.exit(AutoshardError.exit_code)
     except Exception as exc:  # torch raises DistBackendError / RuntimeError, by backend
         if not _is_timeout(exc) or not dist.is_initialized():
+            record_for_torchrun(exc)
             raise
         print(f"error: {hang_message(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # skip destroy_process_group: it would wait on the stuck ranks
+
+
+def record_for_torchrun(exc: BaseException) -> None:
+    """Write the exception to the error file torchrun gave this rank (``TORCHELASTIC_ERROR_FILE``),
+    as torch's ``@record`` does: torchrun hands it to the launcher, which names the failed rank
+    (``autoshard.launch.crash_block``). Nothing outside torchrun."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    handler.record_exception(exc)
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -24,11 +24,15 @@ def load_model_file(spec: str, expected_hash: str | None = None) -> ModelFile:
     return model_file
 
 
-def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """Build with the same seed on every rank (and in the reference), so weights start equal."""
+def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu",
+                dropout: bool = True) -> nn.Module:
+    """Build with the same seed on every rank (and in the reference), so weights start equal;
+    ``dropout=False`` turns every dropout off (``disable_dropout``), as ``autoshard verify`` runs."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_file.build("cpu")
+    if not dropout:
+        disable_dropout(model)
     return model.to(device)
 
 
@@ -47,3 +51,131 @@ def get_block(model: nn.Module, path: str) -> nn.Module:
         return model.get_submodule(path)
     except AttributeError as exc:
         raise AutoshardError(f"the model has no module '{path}' named in the plan; re-plan this model") from exc
+
+
+# Dropout as functions: nn.Dropout* call the torch.nn.functional forms, which the mode below sees.
+_DROPOUT_FUNCTIONS = {
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+}
+_SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+
+
+class NoDropout(torch.overrides.TorchFunctionMode):
+    """Every dropout call returns its input, and attention runs with ``dropout_p=0``.
+
+    A TorchFunctionMode sees each call of a torch function wherever the model makes it: an
+    ``nn.Dropout`` module, ``F.dropout(x, 0.1, self.training)`` written inline, and the
+    ``dropout_p`` that transformers' attention passes to ``scaled_dot_product_attention``.
+    It does not see calls made inside a torch function it let through (``multi_head_attention_forward``
+    drops out inside); ``disable_dropout`` zeroes those modules' rates as well.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUT_FUNCTIONS:
+            return args[0] if args else kwargs["input"]
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > _SDPA_DROPOUT_ARG:
+                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1:])
+            if "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Turn dropout off for the rest of this process; the model stays in training mode (BatchNorm
+    keeps using batch statistics). Returns how many dropout rates were set to 0.
+
+    Two ways, for two kinds of model code: every dropout rate the model holds becomes 0
+    (``zero_dropout_rates``), and ``NoDropout`` is entered for good, for rates written inline.
+    """
+    zeroed = zero_dropout_rates(model)
+    if not any(isinstance(m, NoDropout) for m in torch.overrides._get_current_function_mode_stack()):
+        NoDropout().__enter__()  # left on: the process exists to run this model
+    return zeroed
+
+
+def zero_dropout_rates(model: nn.Module) -> int:
+    """Set to 0 the ``p`` of dropout modules and the float attributes whose name contains "dropout"
+    on modules and on a transformers ``config``; returns how many were not 0."""
+    zeroed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p:
+            module.p, zeroed = 0.0, zeroed + 1
+        zeroed += _zero_dropout_attributes(module)
+    config = getattr(model, "config", None)
+    if config is not None:
+        zeroed += _zero_dropout_attributes(config)
+    return zeroed
+
+
+def _zero_dropout_attributes(obj) -> int:
+    names = [k for k, v in vars(obj).items() if "dropout" in k.lower() and isinstance(v, float) and v > 0]
+    for name in names:
+        setattr(obj, name, 0.0)
+    return len(names)
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+class GlooSyncBatchNorm(nn.SyncBatchNorm):
+    """SyncBatchNorm for CPU tensors (torch's raises "expected input tensor to be on GPU").
+
+    The statistics of the whole data-parallel batch, from two differentiable all-reduces
+    (``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces the gradients):
+    mean = Σx / N, then var = Σ(x − mean)² / N over every rank's elements per channel; the
+    output and the running statistics (unbiased var, N/(N−1)) are those of one process that
+    saw the whole batch.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        if input.device.type != "cpu" or not (self.training and dist.is_initialized()):
+            return super().forward(input)
+        from torch.distributed.nn.functional import all_reduce
+
+        dims = [0] + list(range(2, input.dim()))
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        count = torch.tensor(float(input.numel() // input.shape[1]))
+        dist.all_reduce(count, group=self.process_group)
+        mean = all_reduce(input.sum(dims), group=self.process_group) / count
+        centred = input - mean.reshape(shape)
+        var = all_reduce(centred.square().sum(dims), group=self.process_group) / count
+        self._update_running_stats(mean.detach(), var.detach(), count.item())
+        out = centred * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.affine:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return out
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+        if not self.track_running_stats:
+            return
+        self.num_batches_tracked += 1
+        momentum = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
+        self.running_mean.lerp_(mean, momentum)
+        self.running_var.lerp_(var * count / max(count - 1, 1.0), momentum)
+
+
+def sync_batch_norm(model: nn.Module, group) -> nn.Module:
+    """BatchNorm layers take their statistics over the data-parallel group, as one process over the
+    global batch would (``nn.SyncBatchNorm.convert_sync_batchnorm``; ``GlooSyncBatchNorm`` on CPUs).
+    A model without BatchNorm is returned as it is."""
+    if not has_batch_norm(model):
+        return model
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+    for module in model.modules():
+        if type(module) is nn.SyncBatchNorm and _on_cpu(module):
+            module.__class__ = GlooSyncBatchNorm
+    return model
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    tensor = next(iter(module.parameters()), None)
+    if tensor is None:
+        tensor = next(iter(module.buffers()), None)
+    return tensor is None or tensor.device.type == "cpu"

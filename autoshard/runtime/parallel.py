@@ -21,7 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoshard.runtime.model import get_block
+from autoshard.runtime.model import get_block, sync_batch_norm
 
 # Outputs that selective recompute keeps: the ops that cost FLOPs, not bytes (torchtitan's op-level SAC).
 SAVE_IN_SELECTIVE = {
@@ -89,6 +89,7 @@ def apply_plan(model: nn.Module, plan, mesh, device: torch.device, lr: float):
     dp_mesh = mesh["dp"]
     if plan.mesh.dp == 1:
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    model = sync_batch_norm(model, dp_mesh.get_group())  # BatchNorm over all dp ranks' samples
     if plan.zero_stage >= 2:
         model = apply_fsdp(model, dp_mesh, blocks, reshard_after_forward=plan.zero_stage == 3)
     else:
