@@ -144,3 +144,139 @@ def test_a_cached_plan_never_imports_torch(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                            cwd=ROOT).stdout.split() for _ in range(2)]
     assert runs == [["True"], ["False"]]
+
+
+# ---------------------------------------------------------------------------- what the model reads
+
+READS_MODEL = textwrap.dedent("""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.nn as nn
+
+    LAYERS = int(os.environ.get("AUTOSHARD_TEST_LAYERS", "2"))
+    WIDTH = 32 if "AUTOSHARD_TEST_WIDE" in os.environ else 16
+    CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())
+
+    def build():
+        layers = LAYERS + CONFIG["extra_layers"]
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+    def example_batch(batch_size):
+        return (torch.randn(batch_size, WIDTH),), torch.randn(batch_size, WIDTH)
+""")
+
+
+@pytest.fixture
+def reads_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("AUTOSHARD_TEST_LAYERS", raising=False)
+    monkeypatch.delenv("AUTOSHARD_TEST_WIDE", raising=False)
+    (tmp_path / "config.json").write_text('{"extra_layers": 0}')
+    (tmp_path / "model.py").write_text(READS_MODEL)
+    return f"{tmp_path}/model.py:build"
+
+
+def test_an_environment_variable_the_model_reads_is_part_of_the_entry(reads_model, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_TEST_LAYERS", "2")
+    two = plan(reads_model)
+    monkeypatch.setenv("AUTOSHARD_TEST_LAYERS", "3")
+    three = plan(reads_model)
+    assert three.model["params"] == two.model["params"] * 3 // 2
+    monkeypatch.delenv("AUTOSHARD_TEST_LAYERS")  # unset is a value of its own (the default: 2)
+    assert plan(reads_model).model["params"] == two.model["params"]
+
+
+def test_a_variable_only_tested_with_in_is_part_of_the_entry(reads_model, monkeypatch):
+    narrow = plan(reads_model)
+    monkeypatch.setenv("AUTOSHARD_TEST_WIDE", "")
+    wide = plan(reads_model)
+    assert wide.model["params"] > narrow.model["params"]
+
+
+def test_an_edit_of_a_config_file_the_model_opens_captures_again(reads_model, tmp_path):
+    before = plan(reads_model)
+    config = tmp_path / "config.json"
+    st = config.stat()
+    config.write_text('{"extra_layers": 1}')  # same size
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))  # same timestamp too
+    after = plan(reads_model)
+    assert after.model["params"] == before.model["params"] * 3 // 2
+
+
+def test_nothing_the_model_reads_changed_reads_the_cache(reads_model, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_TEST_LAYERS", "3")
+    first = plan(reads_model)
+    monkeypatch.setenv("UNRELATED_VARIABLE", "changed")  # the model never reads it
+    forbid_capture(monkeypatch)
+    assert plan(reads_model).to_json() == first.to_json()
+
+
+def test_a_model_that_opens_a_device_or_a_vanished_file_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    opens_device = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+                                       'open(os.devnull).read()\nCONFIG = {"extra_layers": 0}')
+    (tmp_path / "device.py").write_text(opens_device)
+    plan(f"{tmp_path}/device.py:build")
+    assert entries(tmp_path) == []
+    (tmp_path / "config.json").write_text('{"extra_layers": 0}')
+    vanishes = READS_MODEL.replace('read_text())', 'read_text())\n(Path(__file__).parent / "config.json").unlink()')
+    (tmp_path / "vanish.py").write_text(vanishes)
+    plan(f"{tmp_path}/vanish.py:build")
+    assert entries(tmp_path) == []
+
+
+def test_a_directory_the_model_lists_is_part_of_the_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a").write_text("")
+    lists = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+                                'CONFIG = {"extra_layers": len(os.listdir(Path(__file__).parent / "shards"))}')
+    (tmp_path / "lists.py").write_text(lists)
+    spec = f"{tmp_path}/lists.py:build"
+    one = plan(spec)
+    (tmp_path / "shards" / "b").write_text("")
+    assert plan(spec).model["params"] == one.model["params"] * 4 // 3
+
+
+def test_an_other_version_of_an_imported_distribution_is_a_miss():
+    entry = {"environment": {}, "whole_environment": None, "listings": [],
+             "distributions": {"torch": capture_cache._installed_version("torch")}}
+    assert capture_cache.reads_unchanged(entry)
+    entry["distributions"]["torch"] = "0.0.1"
+    assert not capture_cache.reads_unchanged(entry)
+
+
+def test_reads_outside_the_recording_are_not_noted(tmp_path):
+    with capture_cache.recording() as reads:
+        os.environ.get("AUTOSHARD_TEST_INSIDE")
+        (tmp_path / "inside").write_text("x")
+        (tmp_path / "inside").read_text()
+    os.environ.get("AUTOSHARD_TEST_OUTSIDE")
+    (tmp_path / "inside").read_text()
+    assert type(os.environ) is os._Environ
+    assert reads.env_names == {"AUTOSHARD_TEST_INSIDE"}
+    assert reads.files == {str(tmp_path / "inside")}
+
+
+def test_the_forked_capture_records_what_the_model_reads(tmp_path):
+    (tmp_path / "config.json").write_text('{"extra_layers": 0}')
+    (tmp_path / "model.py").write_text(READS_MODEL)
+    env = dict(os.environ, AUTOSHARD_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("AUTOSHARD_CAPTURE_AHEAD", None)
+
+    def cli_plan(layers: str) -> int:
+        out = tmp_path / f"plan{layers}.json"
+        subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", f"{tmp_path}/model.py:build", "--cluster",
+                        "local-cpu", "--global-batch", "8", "-o", str(out)],
+                       env=dict(env, AUTOSHARD_TEST_LAYERS=layers), cwd=ROOT, check=True, capture_output=True)
+        return json.loads(out.read_text())["model"]["params"]
+
+    two = cli_plan("2")
+    three = cli_plan("3")
+    assert three == two * 3 // 2
+    (entry,) = entries(tmp_path)
+    written = entry.stat().st_mtime_ns
+    assert cli_plan("3") == three and entry.stat().st_mtime_ns == written  # served, not captured again

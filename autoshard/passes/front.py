@@ -79,9 +79,9 @@ def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool) -> tu
     if cached is not None:
         done += cached[1]
         return None, cached[0]
-    model_file, graph, modules_before = _capture_and_annotate(spec, done, fold)
+    model_file, graph, reads = _capture_and_annotate(spec, done, fold)
     if use_cache:
-        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads)
     return model_file, graph
 
 
@@ -91,17 +91,21 @@ def _from_cache(spec: str, fold: bool) -> tuple[OpGraph, list[str]] | None:
     return None if graph is None else (graph, ["capture (cached)", "annotate (cached)"])
 
 
-def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[ModelFile, OpGraph, set[str]]:
-    """The model file loaded, its annotated graph, and the modules imported before it (for the cache)."""
+def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
+    """The model file loaded, its annotated graph, and what loading and capturing it read: modules
+    imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
+    same in this process and in the forked child, which records in itself."""
     from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
+    from autoshard.passes.tp_proof import prove_tensor_parallel
 
-    modules_before = set(sys.modules)
-    model_file = load_model_file(spec)
-    graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
-    graph = run_pass("annotate", done, annotate, graph)
-    return model_file, graph, modules_before
+    with capture_cache.recording() as reads:
+        model_file = load_model_file(spec)
+        graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
+        graph = run_pass("annotate", done, annotate, graph)
+        graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
+    return model_file, graph, reads
 
 
 @contextlib.contextmanager
@@ -193,7 +197,7 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
         return
     try:
         done: list[str] = []
-        _, graph, modules_before = _capture_and_annotate(spec, done, fold)
+        _, graph, reads = _capture_and_annotate(spec, done, fold)
     except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
         conn.send(("error", _portable(exc), traceback.format_exc()))
         conn.close()
@@ -201,7 +205,7 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
     conn.send(("ok", graph, done))
     conn.close()
     if use_cache:
-        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, modules_before)
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads)
 
 
 def _how_it_ended(process: multiprocessing.process.BaseProcess) -> str:
