@@ -35,6 +35,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage
 from autoshard.ir.topology import Cluster
+from autoshard.passes.annotate import estimated_ops
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.fold import unfold
 from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
@@ -194,6 +195,9 @@ def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
                 module_path)
 
 
+OPS_NAMED = 5  # op targets a plan names in model.ops_estimated (the count covers them all)
+
+
 def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> dict[str, Any]:
     if graph.model_fingerprint or model_file is None:
         fingerprint = graph.model_fingerprint
@@ -201,13 +205,17 @@ def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> di
         from autoshard.modelfile import model_fingerprint
 
         fingerprint = model_fingerprint(model_file.build("meta"))
-    return {
+    summary = {
         "spec": spec,
         "hash": fingerprint,
         "params": graph.param_count,
         "layers": len(graph.blocks),
         "tokens_per_sample": graph.tokens_per_sample,
     }
+    estimated = estimated_ops(graph)
+    if estimated:  # only then: plans of models whose every op has a formula stay as they were
+        summary["ops_estimated"] = {"count": len(estimated), "ops": sorted({n.target for n in estimated})[:OPS_NAMED]}
+    return summary
 
 
 def top_level_modules(graph: OpGraph) -> tuple[str, ...]:

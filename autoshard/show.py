@@ -63,6 +63,9 @@ def decision_table(plan: Plan) -> Table:
     t.add_column("what", style="bold")
     t.add_column("value")
     t.add_row("model", f"{plan.model['params']:,} parameters, {plan.model['layers']} blocks")
+    estimated = plan.model.get("ops_estimated")
+    if estimated and estimated.get("count"):
+        t.add_row("estimated ops", Text(_estimated_text(estimated)))  # op names from the plan file: not markup
     t.add_row("cluster", f"{c['name']}: {c['nodes']} node(s) x {c['devices_per_node']} devices ({c['backend']})")
     t.add_row("mesh", f"{plan.mesh}  ({plan.world_size} ranks)")
     t.add_row("ZeRO stage", f"{plan.zero_stage}  ({_zero_how(plan)})")
@@ -75,6 +78,14 @@ def decision_table(plan: Plan) -> Table:
         t.add_row("DDP buckets", f"{plan.ddp_bucket_cap_mb:g} MiB")
     t.add_row("pinned by you", ", ".join(plan.pinned) or "nothing")
     return t
+
+
+def _estimated_text(estimated: dict) -> str:
+    """"3 ops costed by an estimate, their FLOP formula failing (aten.addmm.default)": the count of
+    nodes, then the plan's few op targets."""
+    count, ops = estimated["count"], estimated.get("ops", [])
+    named = f" ({', '.join(ops)})" if ops else ""
+    return f"{count} op{'s' if count != 1 else ''} costed by an estimate, their FLOP formula failing{named}"
 
 
 def memory_table(plan: Plan) -> Table:

@@ -147,3 +147,123 @@ def test_tensor_bytes():
     assert tensor_bytes((), "float32") == 4
     assert tensor_bytes((5,), "") == 0
     assert math.prod((2, 3)) * 8 == tensor_bytes((2, 3), "int64")
+
+
+# ---------------------------------------------------------------------------- formulas that fail
+
+
+class _AddmmBaddbmm(nn.Module):
+    """addmm and baddbmm called with keyword-only beta and alpha (2·M·N·K each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 12))
+        self.b = nn.Parameter(torch.randn(12))
+
+    def forward(self, x):
+        y = torch.addmm(self.b, x.view(-1, 16), self.w, beta=0.5, alpha=2.0)  # [8, 12]
+        z = y.view(2, 4, 12)
+        return torch.baddbmm(z.new_zeros(2, 4, 4), z, z.transpose(1, 2), beta=0.0, alpha=3.0)
+
+
+def _kw_graph():
+    return capture_module(_AddmmBaddbmm(), (torch.randn(2, 4, 16),))
+
+
+def _raise(*args, **kwargs):
+    raise TypeError("formula failed")
+
+
+def test_addmm_and_baddbmm_with_beta_and_alpha_are_counted_exactly():
+    from autoshard.passes.annotate import ESTIMATED
+
+    graph = annotate(_kw_graph())
+    addmm = next(n for n in graph.nodes if n.target == "aten.addmm.default")
+    baddbmm = next(n for n in graph.nodes if n.target == "aten.baddbmm.default")
+    assert addmm.flops == 2 * 8 * 12 * 16
+    assert baddbmm.flops == 2 * 2 * 4 * 4 * 12
+    assert not any(n.attrs.get(ESTIMATED) for n in graph.nodes)
+
+
+def test_a_formula_that_raises_gives_an_estimate_not_a_traceback(monkeypatch):
+    import torch.utils.flop_counter as flop_counter
+
+    from autoshard.passes.annotate import ESTIMATED, estimated_ops
+
+    monkeypatch.setitem(flop_counter.flop_registry, torch.ops.aten.addmm, _raise)
+    graph = annotate(_kw_graph())
+    (addmm,) = estimated_ops(graph)
+    assert addmm.target == "aten.addmm.default" and addmm.attrs[ESTIMATED] is True
+    last_dims = [graph.value_meta(name)[0][-1] for name in addmm.inputs]
+    assert addmm.flops == 2 * addmm.output_numel * max(last_dims) >= 2 * 8 * 12 * 16  # a bound for matmuls
+    assert (addmm.bytes_read, addmm.bytes_written) == node_bytes(graph, addmm)
+    baddbmm = next(n for n in graph.nodes if n.target == "aten.baddbmm.default")
+    assert baddbmm.flops == 2 * 2 * 4 * 4 * 12 and ESTIMATED not in baddbmm.attrs  # the others keep theirs
+
+
+KW_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return torch.addmm(self.b, x, self.w, beta=0.5, alpha=2.0).relu()
+
+
+def build():
+    return Net()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 16)
+'''
+
+
+def test_a_plan_reports_and_inspect_shows_the_estimated_ops(tmp_path, monkeypatch, capsys):
+    import torch.utils.flop_counter as flop_counter
+
+    from autoshard.cli import main
+    from autoshard.cost.hardware import load_cluster
+    from autoshard.ir.plan import load_plan
+    from autoshard.pipeline import PlanRequest, plan_model
+
+    (tmp_path / "kw.py").write_text(KW_MODEL)
+    cluster = load_cluster("local-cpu", devices_per_node=2)
+    exact = plan_model(PlanRequest(f"{tmp_path}/kw.py:build", cluster, 8, cache=False))
+    assert "ops_estimated" not in exact.model
+    monkeypatch.setitem(flop_counter.flop_registry, torch.ops.aten.addmm, _raise)
+    plan = plan_model(PlanRequest(f"{tmp_path}/kw.py:build", cluster, 8, cache=False))
+    assert plan.model["ops_estimated"] == {"count": 1, "ops": ["aten.addmm.default"]}
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").to_json() == plan.to_json()
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "plan.json")]) == 0
+    shown = capsys.readouterr().out
+    assert "1 op costed by an estimate" in shown and "aten.addmm.default" in shown
+    exact.save(tmp_path / "exact.json")
+    assert main(["inspect", str(tmp_path / "exact.json")]) == 0
+    assert "estimate" not in capsys.readouterr().out
+
+
+def test_a_plan_file_with_a_malformed_ops_estimated_is_refused_in_one_line(tmp_path):
+    import json
+
+    from autoshard.cost.hardware import load_cluster
+    from autoshard.errors import AutoshardError
+    from autoshard.ir.plan import load_plan
+    from autoshard.pipeline import PlanRequest, plan_model
+
+    (tmp_path / "kw.py").write_text(KW_MODEL)
+    plan = plan_model(PlanRequest(f"{tmp_path}/kw.py:build", load_cluster("local-cpu", devices_per_node=2), 8,
+                                  cache=False))
+    d = json.loads(plan.to_json())
+    d["model"]["ops_estimated"] = {"count": 0, "ops": []}
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(AutoshardError, match="model.ops_estimated.count"):
+        load_plan(tmp_path / "bad.json")

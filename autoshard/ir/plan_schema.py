@@ -99,6 +99,13 @@ def _check_model(m: dict[str, Any]) -> None:
     _size(_get(m, "layers", where="model"), "model.layers")
     if "tokens_per_sample" in m:
         _count(m["tokens_per_sample"], "model.tokens_per_sample")
+    if "ops_estimated" in m:  # optional: plans from before it, and plans with none, lack it
+        estimated = m["ops_estimated"]
+        if not isinstance(estimated, dict):
+            _fail("model.ops_estimated", "a mapping of count and ops", estimated)
+        _count(_get(estimated, "count", where="model.ops_estimated"), "model.ops_estimated.count")
+        for i, target in enumerate(_list(estimated, "ops", where="model.ops_estimated")):
+            _string(target, f"model.ops_estimated.ops[{i}]")
 
 
 def _check_mesh(mesh: dict[str, Any], where: str) -> int:

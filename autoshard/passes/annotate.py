@@ -36,6 +36,15 @@ compare or transcendental); they matter little next to matmuls but make the memo
 visible. Ops in no table get 0 FLOPs and their bytes: unknown ops are charged for memory only.
 Higher-order ops (``higher_order.cond``, ``higher_order.wrap_with_set_grad_enabled``, as HF
 Llama's rotary table) are such ops: the ops inside their bodies are not counted.
+
+A formula that fails on a node (a registry formula that does not take an argument as the op was
+called, a shape it does not expect) never fails the plan: the node gets an estimate instead, is
+marked ``attrs[ESTIMATED] = True`` and is counted in the plan's ``model.ops_estimated``::
+
+    estimated FLOPs  2 · numel(out) · max(last dimension of each tensor input)
+                     (an upper bound for the matmul family, mm/addmm/bmm/baddbmm/matmul/linear:
+                     K is the last dimension of the first matrix; a rough figure for others)
+    estimated bytes  bytes_read = Σ bytes of the inputs it can size, bytes_written = outputs
 """
 
 from __future__ import annotations
@@ -107,12 +116,53 @@ CREATION_OPS = frozenset({
 })
 
 
+ESTIMATED = "flops_estimated"  # key of OpNode.attrs marking a node whose cost is estimated (module doc)
+
+
 def annotate(graph: OpGraph) -> OpGraph:
-    """Fill ``flops``, ``bytes_read`` and ``bytes_written`` of every node (in place; returns graph)."""
+    """Fill ``flops``, ``bytes_read`` and ``bytes_written`` of every node (in place; returns graph).
+    A node whose formula raises gets the module docstring's estimate and ``attrs[ESTIMATED]``."""
     for node in graph.nodes:
-        node.flops = node_flops(graph, node)
-        node.bytes_read, node.bytes_written = node_bytes(graph, node)
+        node.attrs.pop(ESTIMATED, None)
+        try:
+            node.flops = node_flops(graph, node)
+            node.bytes_read, node.bytes_written = node_bytes(graph, node)
+        except Exception:  # noqa: BLE001 - any formula's failure on any op: estimate, never fail the plan
+            node.flops, (node.bytes_read, node.bytes_written) = estimated_flops(graph, node), estimated_bytes(graph, node)
+            node.attrs[ESTIMATED] = True
     return graph
+
+
+def estimated_ops(graph: OpGraph) -> list[OpNode]:
+    """The nodes whose cost ``annotate`` estimated, in graph order."""
+    return [node for node in graph.nodes if node.attrs.get(ESTIMATED)]
+
+
+def estimated_flops(graph: OpGraph, node: OpNode) -> int:
+    """2 · numel(out) · max(last dimension of each tensor input it can size) (module doc)."""
+    last_dims = [shape[-1] for shape in _known_shapes(graph, node) if shape]
+    return 2 * node.output_numel * max(last_dims, default=1)
+
+
+def estimated_bytes(graph: OpGraph, node: OpNode) -> tuple[int, int]:
+    """(Σ bytes of the inputs it can size, bytes of the outputs)."""
+    read = 0
+    for name in dict.fromkeys(node.inputs):
+        try:
+            read += graph.value_bytes(name)
+        except Exception:  # noqa: BLE001 - an input without metadata reads nothing we can count
+            continue
+    return read, node.output_bytes
+
+
+def _known_shapes(graph: OpGraph, node: OpNode) -> list[tuple[int, ...]]:
+    shapes = []
+    for name in node.inputs:
+        try:
+            shapes.append(tuple(_shape(graph, name)))
+        except Exception:  # noqa: BLE001 - as estimated_bytes
+            continue
+    return shapes
 
 
 def node_flops(graph: OpGraph, node: OpNode) -> int:
@@ -235,8 +285,10 @@ def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
     """FLOPs from ``flop_counter.flop_registry`` for the aten ops it covers, else None.
 
     The formulas take the op's arguments with tensors replaced by shapes; they are rebuilt
-    from the schema: Tensor arguments from ``node.inputs`` in order, the rest from ``attrs``,
-    with trailing defaults left off as in an ordinary call (``addmm_flop`` takes no beta).
+    from the schema as an ordinary call makes them: Tensor arguments from ``node.inputs`` in
+    order, the rest from ``attrs``; positional ones with trailing defaults left off
+    (``addmm_flop`` takes no beta), keyword-only ones (addmm's ``beta``, ``alpha``) as keywords
+    when not the default.
     """
     import torch.utils.flop_counter as flop_counter
 
@@ -246,11 +298,14 @@ def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
         return None
     schema_args = overload._schema.arguments
     shapes = iter(_shape(graph, name) for name in node.inputs)
-    args = [node.attrs[a.name] if a.name in node.attrs else next(shapes) for a in schema_args]
+    values = [node.attrs[a.name] if a.name in node.attrs else next(shapes) for a in schema_args]
+    args = [v for a, v in zip(schema_args, values) if not a.kwarg_only]
+    kwargs = {a.name: v for a, v in zip(schema_args, values)
+              if a.kwarg_only and not (a.has_default_value() and v == a.default_value)}
     while args and schema_args[len(args) - 1].has_default_value() \
             and args[-1] == schema_args[len(args) - 1].default_value:
         args.pop()
-    return int(formula(*args, out_val=node.shape))
+    return int(formula(*args, out_val=node.shape, **kwargs))
 
 
 def _overload(target: str) -> torch._ops.OpOverload | None:
