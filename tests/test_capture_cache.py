@@ -280,3 +280,14 @@ def test_the_forked_capture_records_what_the_model_reads(tmp_path):
     (entry,) = entries(tmp_path)
     written = entry.stat().st_mtime_ns
     assert cli_plan("3") == three and entry.stat().st_mtime_ns == written  # served, not captured again
+
+
+def test_a_model_that_runs_another_program_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    runs = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+                               'import subprocess, sys\n'
+                               'CONFIG = {"extra_layers": int(subprocess.run([sys.executable, "-c", "print(1)"], '
+                               'capture_output=True, text=True).stdout)}')
+    (tmp_path / "runs.py").write_text(runs)
+    assert plan(f"{tmp_path}/runs.py:build").model["params"] == 3 * (16 * 16 + 16)
+    assert entries(tmp_path) == []

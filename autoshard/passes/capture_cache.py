@@ -26,9 +26,9 @@ opened files up to ``DIGEST_LIMIT_BYTES``) or by size and modification time (ins
 as Python's own bytecode cache checks a source). Reads are charged to the first caller outside the
 standard library: those of torch and autoshard (their own settings: debug and compile switches,
 temporary files) and those of the import system (the modules list covers them) are not recorded.
-A capture that opened a device, a socket, a pipe, a directory or anything under ``/proc``,
-``/sys`` or ``/dev``, or a file that is gone when the entry is written, is not cached: nothing
-says what it would read next time. Errors are never cached: a model that fails to capture fails
+A capture that opened a device, a pipe, a directory or anything under ``/proc``, ``/sys`` or
+``/dev``, a file that is gone when the entry is written, that connected to the network or ran
+another program, is not cached: nothing says what it would read next time. Errors are never cached: a model that fails to capture fails
 again.
 
 **Format**: JSON, tuples tagged (``_encode``), written to a temporary file and renamed into
@@ -65,6 +65,7 @@ KEYED_PACKAGES = frozenset(sys.stdlib_module_names) | PINNED_PACKAGES
 AUTOSHARD_ROOT = Path(__file__).resolve().parent.parent
 DIGEST_LIMIT_BYTES = 16 * 2**20  # opened files up to this size are compared by content, larger by stat
 SPECIAL_ROOTS = ("/proc/", "/sys/", "/dev/")  # files whose content no stat or hash pins down
+USER_MODEL_PREFIX = "autoshard_user_model_"  # modelfile's module names for model files
 
 
 def cache_dir() -> Path | None:
@@ -206,11 +207,23 @@ def _install_audit_hook() -> None:
         _hook_installed = True
 
 
+# Audit events after which nothing on disk says what the capture saw: the network, other programs.
+OUTSIDE_EVENTS = frozenset({"socket.connect", "socket.sendto", "urllib.Request", "subprocess.Popen", "os.system",
+                            "os.posix_spawn", "os.exec", "os.fork", "os.spawn"})
+
+
 def _audit(event: str, args: tuple) -> None:
-    """Note files opened for reading and directories listed, inside ``recording`` only. Never
-    raises (an audit hook's exception would fail the open): a surprise makes the capture uncacheable."""
+    """Note files opened for reading and directories listed, inside ``recording`` only; a connection
+    or another program run (``OUTSIDE_EVENTS``) makes the capture uncacheable. Never raises (an
+    audit hook's exception would fail the open): a surprise makes the capture uncacheable too."""
     reads = _recording
-    if reads is None or event not in ("open", "os.listdir", "os.scandir"):
+    if reads is None:
+        return
+    if event in OUTSIDE_EVENTS:
+        if _charged():
+            reads.uncacheable = event
+        return
+    if event not in ("open", "os.listdir", "os.scandir"):
         return
     try:
         path = args[0]
@@ -258,8 +271,11 @@ def _imported_by_the_system(callee) -> bool:
     name = callee.f_globals.get("__name__") or ""
     if _is_import_system(name):
         return False  # further in: the innermost import-system frame decides
-    return (callee.f_code.co_name != "<module>" or name.partition(".")[0] in sys.stdlib_module_names
-            or _is_installed(callee.f_code.co_filename))
+    if callee.f_code.co_name != "<module>":
+        return True  # a finder or loader
+    if name.startswith(USER_MODEL_PREFIX):
+        return False  # the model file's body, wherever the file is
+    return name.partition(".")[0] in sys.stdlib_module_names or _is_installed(callee.f_code.co_filename)
 
 
 def _is_import_system(module_name: str) -> bool:
