@@ -128,7 +128,8 @@ def annotate(graph: OpGraph) -> OpGraph:
             node.flops = node_flops(graph, node)
             node.bytes_read, node.bytes_written = node_bytes(graph, node)
         except Exception:  # noqa: BLE001 - any formula's failure on any op: estimate, never fail the plan
-            node.flops, (node.bytes_read, node.bytes_written) = estimated_flops(graph, node), estimated_bytes(graph, node)
+            node.flops = estimated_flops(graph, node)
+            node.bytes_read, node.bytes_written = estimated_bytes(graph, node)
             node.attrs[ESTIMATED] = True
     return graph
 

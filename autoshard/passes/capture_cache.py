@@ -28,8 +28,8 @@ standard library: those of torch and autoshard (their own settings: debug and co
 temporary files) and those of the import system (the modules list covers them) are not recorded.
 A capture that opened a device, a pipe, a directory or anything under ``/proc``, ``/sys`` or
 ``/dev``, a file that is gone when the entry is written, that connected to the network or ran
-another program, is not cached: nothing says what it would read next time. Errors are never cached: a model that fails to capture fails
-again.
+another program, is not cached: nothing says what it would read next time. Errors are never
+cached: a model that fails to capture fails again.
 
 **Format**: JSON, tuples tagged (``_encode``), written to a temporary file and renamed into
 place (a stopped run leaves no half-written entry). Pickle would be shorter; JSON keeps the
