@@ -37,7 +37,7 @@ def test_gpt_megatron_pattern(gpt_graph):
         for m in ("attn.c_proj", "mlp.c_proj"):
             assert choice.styles[f"h.{i}.{m}"] == "rowwise"
         for m in ("ln_1", "ln_2"):
-            assert choice.styles[f"h.{i}.{m}"] == "replicate" and "needs R" in choice.reasons[f"h.{i}.{m}"]
+            assert choice.styles[f"h.{i}.{m}"] == "replicate" and "needs whole tensors" in choice.reasons[f"h.{i}.{m}"]
     assert choice.styles["ln_f"] == "replicate"
     assert len(choice.segments) == 2 and choice.segments[0].repeats == 4  # one solve for the 4 blocks
     block = choice.segments[0]

@@ -127,6 +127,9 @@ class OpGraph:
     placeholders: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # -> (shape, dtype)
     fold: Any = None  # passes.fold.Fold while the repeated layers are captured two of L (until unfold)
     model_fingerprint: str = ""  # runtime.model.model_fingerprint of the captured model (filled by capture)
+    # passes/tp_proof: str(tp) -> {node: why its computation on a tp shard is refused}, for every degree
+    # checked against the model's code; None when the graph was never checked (hand-built graphs).
+    tp_proofs: dict[str, dict[str, str]] | None = None
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]

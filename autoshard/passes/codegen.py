@@ -125,6 +125,8 @@ STYLE_SOURCE = {
     "vocab-parallel-embedding": "RowwiseParallel(input_layouts=Replicate())",
     "conv1d-colwise": "runtime.tensor_parallel.Conv1DColwiseParallel()",  # transformers' Conv1D: weight (in, out)
     "conv1d-rowwise": "runtime.tensor_parallel.Conv1DRowwiseParallel()",
+    # replicated parameters on an input sharded on dim d (a per-head norm): DTensor sums their gradients
+    **{f"sharded-input-dim{d}": f"SequenceParallel(sequence_dim={d}, use_local_output=True)" for d in range(8)},
 }
 
 

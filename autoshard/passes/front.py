@@ -98,11 +98,13 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[Model
     from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
+    from autoshard.passes.tp_proof import prove_tensor_parallel
 
     with capture_cache.recording() as reads:
         model_file = load_model_file(spec)
         graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
         graph = run_pass("annotate", done, annotate, graph)
+        graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
     return model_file, graph, reads
 
 

@@ -87,6 +87,8 @@ REDUCE_OPS = {"mean", "sum", "amax", "amin", "softmax", "_softmax", "log_softmax
 DIM_OPS = {"split", "split_with_sizes", "slice", "cat", "chunk", "narrow", "select"}
 SINK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async"}
 CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
+LINEAR_TYPES = frozenset({"torch.nn.modules.linear.Linear", "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"})
+EMBEDDING_TYPES = frozenset({"torch.nn.modules.sparse.Embedding"})
 FUSED_REASON = ("fused q, k, v (its output is split along the sharded dim by {op}): a column shard would give each "
                 "rank a contiguous block of the [q | k | v] columns, not its slice of q, k and v; replicated")
 
@@ -297,6 +299,20 @@ def linear_refusal(graph: OpGraph, node: OpNode, tp: int) -> str:
         return FUSED_REASON.format(op=splitter) if splitter else ""
     if op_name(node.target) != "linear":
         return f"{op_name(node.target)} outside an nn.Linear: no ParallelStyle for it; replicated"
+    return style_module_refusal(node, LINEAR_TYPES, "nn.Linear")
+
+
+def style_module_refusal(node: OpNode, types: frozenset[str], kind: str) -> str:
+    """Why DTensor's Colwise / Rowwise styles cannot take the module that runs ``node`` ("" if they can):
+    they install hooks on an ``nn.Linear`` / ``nn.Embedding`` and shard its own ``weight`` (and ``bias``),
+    so the op must be that module's own forward on its own weight. Module types are exact names: a
+    subclass may override ``forward`` (OPT's positional embedding adds an offset)."""
+    if node.module_type not in types:
+        short = node.module_type.rsplit(".", 1)[-1] or "the root module"
+        return (f"the op runs in a {short}, not an {kind}: DTensor's parallel styles take only {kind} modules; "
+                f"replicated")
+    if f"{node.module_path}.weight" not in node.param_inputs:
+        return f"the op does not use {node.module_path}.weight (its module calls it on another tensor); replicated"
     return ""
 
 
@@ -406,7 +422,8 @@ def op_rules(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> list[Rule]:
         if x_dim is not None and x_dim == len(graph.value_meta(ins[0])[0]) - 1:
             rules.append(Rule("row", (S,), P))
     elif op in EMBEDDING_OPS and graph.param(node.param_inputs[0]).shape[0] % tp == 0 \
-            and not graph.param(node.param_inputs[0]).tied_to:
+            and not graph.param(node.param_inputs[0]).tied_to \
+            and not style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding"):
         rules.append(Rule("vocab", (R,) * n_in, P))
     elif dims.get(node.name) is not None and op not in LINEAR_OPS | EMBEDDING_OPS:
         rules.append(Rule("shard", shard_rule_inputs(graph, node, dims), S))
@@ -433,6 +450,117 @@ def _full_at(graph: OpGraph, node: OpNode, name: str, dims: dict) -> bool:
     return at >= 0 and shape[at] == node.shape[dims[node.name]]
 
 
+def allowed_rules(graph: OpGraph, nodes: list[OpNode], dims: dict, tp: int) -> dict[str, list[Rule]]:
+    """``op_rules`` less what the model's code was not proven to compute on shards (``proof_refusals``)
+    and less shard rules on replicated parameters that cannot be made DTensors (``param_module``)."""
+    refused = proof_refusals(graph, tp)
+    rules = {}
+    for n in nodes:
+        rs = op_rules(graph, n, dims, tp)
+        rules[n.name] = rs[:1] if refused is None or n.name in refused else rs
+    for module, members in param_modules(graph, nodes).items():
+        if not param_module_fits(graph, module, members, rules, dims):
+            for n in members:
+                if _reads_own_params(graph, n, module):
+                    rules[n.name] = rules[n.name][:1]
+    return rules
+
+
+def proof_refusals(graph: OpGraph, tp: int) -> dict[str, str] | None:
+    """Nodes whose computation on a tp shard the model's code was not shown to give (passes/tp_proof); {} for
+    a graph never checked (hand-built); None when tp was not among the degrees checked: nothing shards."""
+    if graph.tp_proofs is None:
+        return {}
+    return graph.tp_proofs.get(str(tp))
+
+
+def proof_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
+    """Why the shards a module's output would reach were refused by the proof, nearest module first."""
+    refused = proof_refusals(graph, tp)
+    if refused is None:
+        return f"tp={tp} was not checked against the model's code when it was captured; replicated"
+    if not refused or node.module_path not in _col_paths(graph):
+        return ""
+    parent = node.module_path.rpartition(".")[0]
+    near = [r for name, r in refused.items() if graph.node(name).module_path.startswith(parent)
+            and not r.startswith("not run on a shard")]
+    return near[0] if near else ""
+
+
+def _col_paths(graph: OpGraph) -> set[str]:
+    return graph.derived("tp_linear_paths", lambda: {n.module_path for n in graph.nodes
+                                                    if op_name(n.target) in LINEAR_OPS})
+
+
+def param_modules(graph: OpGraph, nodes: list[OpNode]) -> dict[str, list[OpNode]]:
+    """Modules other than linears and embeddings whose parameters (not buffers) the segment's ops read:
+    module path -> the segment's nodes inside it (its subtree), in graph order."""
+    owners = {}
+    for n in nodes:
+        if op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS:
+            continue
+        for p in n.param_inputs:
+            info = graph.param(p)
+            if not info.is_buffer:
+                owners[info.module_path] = None
+    return {m: [n for n in nodes if n.module_path == m or n.module_path.startswith(m + ".")] for m in owners}
+
+
+def _reads_own_params(graph: OpGraph, node: OpNode, module: str) -> bool:
+    return any(not graph.param(p).is_buffer and graph.param(p).module_path == module for p in node.param_inputs)
+
+
+def param_module_fits(graph: OpGraph, module: str, members: list[OpNode], rules: dict, dims: dict) -> bool:
+    """Whether ``module`` can run on shards with its parameters replicated DTensors (torch's
+    SequenceParallel on the sharded dim: the parameters' gradients, partial on each rank, are summed
+    over tp by DTensor): no linear or embedding inside it, every op of it in this segment with a shard
+    rule, its parameters read nowhere else, one activation input from outside it."""
+    if not module or any(op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS for n in members):
+        return False
+    if any(n.shape and not any(r.kind == "shard" for r in rules[n.name]) for n in members):
+        return False
+    names = {n.name for n in members}
+    readers = [n for n in graph.nodes if _reads_own_params(graph, n, module)]
+    if any(n.name not in names for n in readers):
+        return False
+    return len(module_inputs(graph, members)) == 1
+
+
+def module_inputs(graph: OpGraph, members: list[OpNode]) -> list[str]:
+    """Activation values the module's ops read from outside it, in order."""
+    names = {n.name for n in members}
+    return list(dict.fromkeys(x for n in members for x in activation_inputs(graph, n) if x not in names))
+
+
+def add_same_module_rules(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict) -> None:
+    """A module called more than once gets one style: its linear / embedding nodes pick the same kind
+    of rule (Σ_{k: kind(k)=c} x[n,k] equal across the module's nodes, for every kind c)."""
+    by_module: dict[str, list[OpNode]] = {}
+    for n in nodes:
+        if op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS and n.module_path:
+            by_module.setdefault(n.module_path, []).append(n)
+    for group in by_module.values():
+        _same_kind(model, group, rules, pick)
+
+
+def add_replicated_param_modules(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict,
+                                 dims: dict) -> None:
+    """A module with replicated parameters runs wholly on shards (its SequenceParallel style) or wholly
+    replicated: every op inside it picks the same kind."""
+    for module, members in param_modules(graph, nodes).items():
+        if param_module_fits(graph, module, members, rules, dims):
+            _same_kind(model, [n for n in members if n.shape], rules, pick)
+
+
+def _same_kind(model, group: list[OpNode], rules: dict, pick: dict) -> None:
+    kinds = sorted({r.kind for n in group for r in rules[n.name]})
+    for kind in kinds:
+        sums = [sum((x for x, r in zip(pick[n.name], rules[n.name]) if r.kind == kind), 0) for n in group]
+        for other in sums[1:]:
+            if not (isinstance(sums[0], int) and isinstance(other, int)):
+                model.Add(sums[0] == other)
+
+
 # ---------------------------------------------------------------------------- CP-SAT model
 
 
@@ -442,7 +570,8 @@ def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
     variables and constraints depend on the graph, the segment and tp only: they are built once
     (``segment_model``; a search solves each for several micro-batch sizes, i.e. scaled links) and
     solved again with each link's prices as the objective."""
-    key = ("tp_segment_model", tp, tuple(n.name for n in nodes))
+    refused = proof_refusals(graph, tp)
+    key = ("tp_segment_model", tp, tuple(n.name for n in nodes), None if refused is None else tuple(sorted(refused)))
     model, rules, pick, terms = graph.derived(key, lambda: segment_model(graph, nodes, consumers, tp))
     costs = priced(terms, tp, link, device)
     add_objective(model, costs)
@@ -457,11 +586,13 @@ def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
 def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int) -> tuple:
     """(model, rules per node, x per node, cost terms (var, flops, collective, bytes)) of one segment."""
     dims = shard_dims(graph, nodes, tp)
-    rules = {n.name: op_rules(graph, n, dims, tp) for n in nodes}
+    rules = allowed_rules(graph, nodes, dims, tp)
     model = cp_model.CpModel()
     pick = add_op_choice(model, rules)
     layout = add_layouts(model, nodes, rules, pick)
     terms = add_edge_transitions(model, graph, nodes, rules, pick, layout, consumers)
+    add_same_module_rules(model, graph, nodes, rules, pick)
+    add_replicated_param_modules(model, graph, nodes, rules, pick, dims)
     return model, rules, pick, terms + op_terms(graph, nodes, rules, pick, tp)
 
 
@@ -492,23 +623,40 @@ TRANSITIONS = {(R, R), (S, S), (P, P), (P, R), (S, R)}
 
 def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, layout: dict,
                          consumers: dict) -> list[tuple]:
-    """t[e,a,b] per edge into the segment's nodes and per value leaving it; returns cost terms."""
+    """t[e,a,b] per edge into the segment's nodes and per value leaving it; returns cost terms.
+    A col linear's output is gathered for every reader or for none (``add_gather_all_or_none``)."""
     inside = {n.name for n in nodes}
-    terms = []
+    terms, edges_of = [], {}
     for node in nodes:
         for i, name in enumerate(activation_inputs(graph, node)):
             need = {b: sum(x for x, r in zip(pick[node.name], rules[node.name]) if r.inputs[i] == b) for b in LAYOUTS}
             have = layout[name] if name in inside else {R: 1, S: 0, P: 0}
-            terms += _link_edge(model, graph, f"{name}->{node.name}", name, have, need)
+            edge_terms, t = _link_edge(model, graph, f"{name}->{node.name}", name, have, need)
+            terms += edge_terms
+            edges_of.setdefault(name, []).append(t)
     for node in nodes:  # values read outside the segment, or returned by the model, must be R
         outside = [c for c in consumers.get(node.name, []) if c not in inside]
         if node.shape and (outside or not consumers.get(node.name)):
-            terms += _link_edge(model, graph, f"{node.name}->out", node.name, layout[node.name],
-                                {R: 1, S: 0, P: 0})
+            edge_terms, t = _link_edge(model, graph, f"{node.name}->out", node.name, layout[node.name],
+                                       {R: 1, S: 0, P: 0})
+            terms += edge_terms
+            edges_of.setdefault(node.name, []).append(t)
+    add_gather_all_or_none(model, edges_of)
     return terms
 
 
-def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict) -> list[tuple]:
+def add_gather_all_or_none(model, edges_of: dict[str, list[dict]]) -> None:
+    """ColwiseParallel(output_layouts=Replicate()) hands every reader the gathered tensor, so no reader of
+    a value may keep its shard (S→S) while another gathers it (S→R): t[e,S,S] + t[e',S,R] ≤ 1."""
+    for edges in edges_of.values():
+        kept = [t[S, S] for t in edges if (S, S) in t]
+        gathered = [t[S, R] for t in edges if (S, R) in t]
+        for a in kept:
+            for b in gathered:
+                model.Add(a + b <= 1)
+
+
+def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict) -> tuple[list[tuple], dict]:
     size = graph.value_bytes(producer)
     node = graph._by_name().get(producer)
     after_linear = node is not None and op_name(node.target) in LINEAR_OPS and not is_conv1d(node)
@@ -519,7 +667,7 @@ def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need:
     for b in LAYOUTS:
         model.Add(sum(v for (_, y), v in t.items() if y == b) == need[b])
     collective = {(P, R): "all_reduce", (S, R): "all_gather"}
-    return [(var, 0.0, collective[a, b], size) for (a, b), var in t.items() if (a, b) in collective]
+    return [(var, 0.0, collective[a, b], size) for (a, b), var in t.items() if (a, b) in collective], t
 
 
 def op_terms(graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, tp: int) -> list[tuple]:
@@ -568,15 +716,33 @@ def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules:
             assert node.name not in gathered, f"{node.module_path}: a Conv1D has no gather style"
             style = CONV1D_STYLE_OF_RULE[rule.kind]
         local[node.module_path] = (style, "" if style != "replicate" else _replicate_reason(graph, node, choice.tp))
-    for module in dict.fromkeys(n.module_path for n in nodes if op_name(n.target) in {"layer_norm", "rms_norm"} or
-                                n.module_type.endswith("RMSNorm")):  # graph order: plans must not follow hash order
-        local.setdefault(module, ("replicate", "normalises over the hidden dim: needs R input"))
+    local |= _param_module_styles(graph, nodes, rules, choice.tp)
     for target in _repeats(graph, path):
         for module, (style, reason) in local.items():
             name = target + module[len(path):] if path else module
             choice.styles[name] = style
             if reason:
                 choice.reasons[name] = reason
+
+
+def _param_module_styles(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule], tp: int) -> dict:
+    """Style and reason of each module with replicated parameters (norms, per-head norms, scales):
+    ``sharded-input-dim{d}`` when its ops run on shards (d: the dim its input is sharded on)."""
+    dims = shard_dims(graph, nodes, tp)
+    allowed = allowed_rules(graph, nodes, dims, tp)
+    out = {}
+    for module, members in param_modules(graph, nodes).items():
+        if any(rules[n.name].kind == "shard" for n in members):
+            out[module] = (f"sharded-input-dim{dims[module_inputs(graph, members)[0]]}", "")
+        elif not param_module_fits(graph, module, members, allowed, dims):
+            out[module] = ("replicate", REPLICATED_PARAMS_REASON)
+        else:
+            out[module] = ("replicate", "its input is replicated in the cheapest layout assignment")
+    return out
+
+
+REPLICATED_PARAMS_REASON = ("its computation needs whole tensors where its input would be sharded (a norm, softmax or "
+                            "reduction over that dim, or an op with no sharding rule); replicated")
 
 
 def _gathered_outputs(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule]) -> set[str]:
@@ -598,7 +764,9 @@ def _leaves(graph: OpGraph, node: OpNode, inside: set[str]) -> bool:
 def _replicate_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
     op = op_name(node.target)
     refusal = (linear_refusal(graph, node, tp) if op in LINEAR_OPS
-               else tied_reason(graph, node) if op in EMBEDDING_OPS else "")
+               else tied_reason(graph, node) or style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding")
+               if op in EMBEDDING_OPS else "")
+    refusal = refusal or proof_reason(graph, node, tp)
     return refusal or ("the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
                        "resharding communication it adds")
 

@@ -7,6 +7,8 @@
     vocab-parallel-embedding     RowwiseParallel(input_layouts=Replicate())      Shard(0) / all-reduced
     conv1d-colwise               Conv1DColwiseParallel()                         Shard(1) / local shard
     conv1d-rowwise               Conv1DRowwiseParallel()                         Shard(0) / all-reduced
+    sharded-input-dim{d}         SequenceParallel(sequence_dim=d,                Replicate / local shard
+                                   use_local_output=True)
     replicate                    (nothing: a plain parameter, the same on every TP rank)
 
 The two ``conv1d-*`` styles are for transformers' ``Conv1D`` (GPT-2): its weight is (in, out) and
@@ -20,8 +22,12 @@ parallel linears, so attention must reshape with -1 for the head count: examples
 ``view(b, s, -1, head_dim)`` and HF Llama's ``view(*input_shape, -1, head_dim)`` (and its
 ``repeat_kv``, which reads the KV head count from the tensor) both do; local heads = heads / tp.
 
-Replicated parameters need no gradient sync over tp: every TP rank computes the same
-activations at the replicated ops (the planner only leaves S inside col → row spans).
+A module whose parameters stay whole but whose input is a shard (Qwen3's per-head ``q_norm`` on
+heads sharded over tp) takes ``sharded-input-dim{d}``: torch's SequenceParallel on the sharded dim
+makes its parameters Replicate DTensors and its input a Shard(d) DTensor, so each rank's partial
+weight gradient is summed over tp by DTensor (Megatron does the same for sequence-parallel norms).
+Every other replicated parameter only meets replicated activations (the planner's layouts keep
+it so), so every TP rank computes the same gradient for it and needs no sync.
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.errors import AutoshardError
+
+
+SHARDED_INPUT = "sharded-input-dim"
 
 
 def parallel_style(style: str) -> ParallelStyle | None:
@@ -54,8 +64,10 @@ def parallel_style(style: str) -> ParallelStyle | None:
         return Conv1DColwiseParallel()
     if style == "conv1d-rowwise":
         return Conv1DRowwiseParallel()
+    if style.startswith(SHARDED_INPUT) and style[len(SHARDED_INPUT):].isdigit():
+        return SequenceParallel(sequence_dim=int(style[len(SHARDED_INPUT):]), use_local_output=True)
     raise AutoshardError(f"unknown tensor-parallel style {style!r}; use colwise, colwise-gather, rowwise, "
-                         f"vocab-parallel-embedding, conv1d-colwise, conv1d-rowwise or replicate")
+                         f"vocab-parallel-embedding, conv1d-colwise, conv1d-rowwise, sharded-input-dimN or replicate")
 
 
 class Conv1DColwiseParallel(ParallelStyle):

@@ -22,6 +22,8 @@ Styles (the planner's names, as in ``runtime.tensor_parallel``), rank k of t::
       embedding
     conv1d-colwise    transformers Conv1D (weight (in, out)): W[:, k·o/t:(k+1)·o/t], b likewise
     conv1d-rowwise    W[k·i/t:(k+1)·i/t, :], b whole
+    sharded-input-dimN  parameters whole, input this rank's shard; each parameter used through f,
+                      so its gradient (partial: this rank's heads only) is summed over tp
 
 Every TP rank builds the same seeded model and keeps its slice, so no weights are sent. Module
 and parameter names do not change; ``shard_dims`` says which dimension of which parameter is
@@ -197,14 +199,36 @@ def shard_for_tracing(model: nn.Module, tp_group: dist.ProcessGroup, styles: dic
     return dims
 
 
+def _params_through_copy(module: nn.Module, group_name: str) -> nn.Module:
+    """``module`` (in place) running with each parameter p replaced by tp_copy(p): the same values, and in
+    backward the tp ranks' partial gradients summed. ``_reparametrize_module`` is what
+    ``torch.func.functional_call`` swaps parameters with; calling the class's forward inside it keeps the
+    module, its names and its parameters as they are (functional_call would re-enter this forward)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    class_forward = type(module).forward
+
+    def forward(*args, **kwargs):
+        swapped = {name: tp_copy(p, group_name) for name, p in module.named_parameters()}
+        with _reparametrize_module(module, swapped):
+            return class_forward(module, *args, **kwargs)
+
+    module.forward = forward
+    return module
+
+
 def param_shard_dims(style: str) -> dict[str, int]:
     """Which of a style's parameters are split, and along which dimension."""
+    if style.startswith("sharded-input-dim"):
+        return {}
     return {"colwise": {"weight": 0, "bias": 0}, "colwise-gather": {"weight": 0, "bias": 0},
             "rowwise": {"weight": 1}, "vocab-parallel-embedding": {"weight": 0},
             "conv1d-colwise": {"weight": 1, "bias": 0}, "conv1d-rowwise": {"weight": 0}}[style]
 
 
 def _local_module(path: str, module: nn.Module, style: str, rank: int, size: int, group_name: str) -> nn.Module:
+    if style.startswith("sharded-input-dim"):
+        return _params_through_copy(module, group_name)
     if style.startswith("conv1d-") and type(module).__name__ == "Conv1D":
         return ShardedConv1D(module, style, rank, size, group_name)
     if style == "vocab-parallel-embedding" and isinstance(module, nn.Embedding):
