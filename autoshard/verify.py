@@ -316,7 +316,9 @@ def likely_cause(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: 
     bn = {path for path, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
     if any(name.rsplit(".", 1)[0] in bn for name in names):
         return ("BatchNorm: its statistics in the program are not those of one process over the same samples"
-                + (" (pipeline stages normalise each micro-batch alone)" if plan.mesh.pp > 1 else ""))
+                + (" (pipeline stages normalise each micro-batch alone)" if plan.mesh.pp > 1 else "")
+                + (f" (recompute {plan.recompute} runs a block's forward again in backward, and a BatchNorm "
+                   f"there updates its running statistics twice)" if plan.recompute != "none" else ""))
     if not forward_is_deterministic(model_file, plan.global_batch, seed):
         return ("the model is random with dropout disabled (two forwards of one batch differ): a random op other "
                 "than dropout draws different numbers on each rank")

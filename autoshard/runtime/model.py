@@ -122,8 +122,10 @@ def has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-class GlooSyncBatchNorm(nn.SyncBatchNorm):
-    """SyncBatchNorm for CPU tensors (torch's raises "expected input tensor to be on GPU").
+class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over a process group for CPU tensors: torch's SyncBatchNorm raises "expected input
+    tensor to be on GPU", and DDP refuses it on CPUs ("SyncBatchNorm layers only work with GPU
+    modules"), so this is a BatchNorm of its own class.
 
     The statistics of the whole data-parallel batch, from two differentiable all-reduces
     (``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces the gradients):
@@ -132,9 +134,15 @@ class GlooSyncBatchNorm(nn.SyncBatchNorm):
     saw the whole batch.
     """
 
+    process_group = None
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
-        if input.device.type != "cpu" or not (self.training and dist.is_initialized()):
+        if not (self.training and dist.is_initialized()):
             return super().forward(input)
         from torch.distributed.nn.functional import all_reduce
 
@@ -153,7 +161,8 @@ class GlooSyncBatchNorm(nn.SyncBatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
-        if not self.track_running_stats:
+        """Once per forward: a forward run again during backward (activation recompute) leaves them."""
+        if not self.track_running_stats or torch._C._current_graph_task_id() != -1:
             return
         self.num_batches_tracked += 1
         momentum = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
@@ -163,14 +172,15 @@ class GlooSyncBatchNorm(nn.SyncBatchNorm):
 
 def sync_batch_norm(model: nn.Module, group) -> nn.Module:
     """BatchNorm layers take their statistics over the data-parallel group, as one process over the
-    global batch would (``nn.SyncBatchNorm.convert_sync_batchnorm``; ``GlooSyncBatchNorm`` on CPUs).
-    A model without BatchNorm is returned as it is."""
+    global batch would: ``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPUs, ``GlooSyncBatchNorm``
+    on CPUs (the same layers, their class changed). A model without BatchNorm is returned as it is."""
     if not has_batch_norm(model):
         return model
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+    if not _on_cpu(model):
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     for module in model.modules():
-        if type(module) is nn.SyncBatchNorm and _on_cpu(module):
-            module.__class__ = GlooSyncBatchNorm
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm):
+            module.__class__, module.process_group = GlooSyncBatchNorm, group
     return model
 
 

@@ -1,0 +1,70 @@
+"""verify on models that used to fail it, on a deliberately broken program, and on a crashing rank.
+
+tests/models/tiny_attention.py: a key bias (true gradient zero) and dropout 0.1;
+tests/models/bn_cnn.py: BatchNorm after conv biases (their gradient is zero too).
+"""
+
+import pytest
+
+import autoshard
+from autoshard.cli import main
+from autoshard.verify import verify
+
+pytestmark = pytest.mark.e2e
+
+TINY = "tests/models/tiny_attention.py"
+MODEL_LINE = "tests/models/tiny_attention.py:"
+
+
+def _plan(spec, **pins):
+    return autoshard.plan(spec, cluster="local-cpu", devices_per_node=2, global_batch=8, **pins)
+
+
+def test_zero_gradient_parameters_and_dropout_pass(in_repo):
+    """dp=2: dropout is off in both runs, and the key bias's rounding noise is judged against the
+    one-process run's own."""
+    report = verify(_plan(f"{TINY}:build", dp=2, zero=0), steps=3)
+    assert report.ok, report.failure
+    assert any("dropout disabled in both runs (4 dropout rate(s)" in note for note in report.notes)
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
+
+
+def test_tensor_parallel_with_dropout_passes(in_repo):
+    plan = _plan(f"{TINY}:build", tp=2)
+    assert plan.mesh.tp == 2
+    report = verify(plan, steps=2)
+    assert report.ok, report.failure
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_batch_norm_cnn_verifies_at_dp2(in_repo, zero):
+    """BatchNorm statistics over both dp ranks (GlooSyncBatchNorm); ZeRO-3 also recomputes each block,
+    whose BatchNorm must update its running statistics once per step, not twice."""
+    plan = _plan("tests/models/bn_cnn.py:build", dp=2, zero=zero)
+    report = verify(plan, steps=3)
+    assert report.ok, report.failure
+    assert any("BatchNorm statistics over the 2 data-parallel rank(s)" in note for note in report.notes)
+
+
+def test_broken_program_fails_naming_step_and_tensor(in_repo):
+    """The parallel run adds one AdamW step to h.1.mlp.bias before every forward from step 1 on."""
+    report = verify(_plan(f"{TINY}:build_perturbed", dp=2, zero=0), steps=3)
+    assert not report.ok
+    assert report.first_diverging_step == 1
+    assert report.most_off[0].name == "h.1.mlp.bias"
+    assert "losses first differ at step 1" in report.failure
+    assert "tensors most off: h.1.mlp.bias" in report.failure
+
+
+def test_crashing_rank_is_named_in_verify_and_run(in_repo, tmp_path, capfd):
+    plan = _plan(f"{TINY}:build_crash_on_rank1", dp=2, zero=0)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    assert main(["verify", str(plan_file), "--steps", "1"]) != 0
+    err = capfd.readouterr().err
+    assert "rank 1 failed: RuntimeError: tiny attention refuses to run on rank 1" in err, err[-3000:]
+    assert MODEL_LINE in err and "ChildFailedError" not in err
+    assert main(["run", str(plan_file), "--steps", "1", "--program", str(tmp_path / "train.py")]) != 0
+    captured = capfd.readouterr()
+    assert "rank 1 failed: RuntimeError: tiny attention refuses to run on rank 1" in captured.err, captured.err[-3000:]
+    assert MODEL_LINE in captured.err and "ChildFailedError" not in captured.out + captured.err
