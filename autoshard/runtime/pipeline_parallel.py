@@ -39,22 +39,23 @@ same way over dp).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint,
                                           pipeline)
+from torch.distributed.pipelining._IR import Pipe
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.pipeline_skips import route_skipped_values
+from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 from autoshard.runtime.tensor_parallel_stages import gather_shards
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -81,6 +82,7 @@ class PipelineStages:
     tied: list[TiedCopies] = field(default_factory=list)
     tp_shard_dims: dict[str, int] = field(default_factory=dict)  # TP inside stages: name -> split dim
     tp_group: dist.ProcessGroup | None = None
+    aliases: tuple[tuple[str, ...], ...] = ()  # state names of one tensor (BERT's decoder.bias and bias)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -124,9 +126,9 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     if len(split_points) != num_stages - 1:
         raise AutoshardError(f"pp={pp_size} x {virtual_stages} virtual stages needs {num_stages - 1} split points, "
                              f"got {len(split_points)}: {split_points}")
-    output_spec = model_output_spec(model, example_microbatch_inputs)
     state_names = frozenset(model.state_dict())
     pipe = split_model(model, example_microbatch_inputs, split_points)
+    output_spec = pipe.model_output_spec
     if pipe.num_stages != num_stages:
         raise AutoshardError(f"splitting at {split_points} gave {pipe.num_stages} stages, not {num_stages}; "
                              f"name modules that run in order, each once")
@@ -136,7 +138,15 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     tied = _local_tied_copies(pipe, local, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
-                          tp_group)
+                          tp_group, state_aliases(model))
+
+
+def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The groups of state names that name one tensor (a stage keeps one name of each)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
 def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]):
@@ -149,24 +159,77 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     they compute only from tensors that need no gradient (rotary tables from buffers and
     positions); a region that reads trainable weights would then pass gradients through.
 
-    Values read more than one stage after the one making them are passed through the stages
-    in between (``pipeline_skips``): torch's stages and schedules only send s → s + 1.
+    Values read more than one stage after the one making them, and model inputs read after
+    the first stage, are passed through the stages in between, and every value crossing a
+    boundary is made contiguous (``pipeline_skips``): torch's stages and schedules only send
+    s → s + 1, hand the inputs to stage 0 only, and gloo sends only contiguous tensors.
+
+    The pipe's ``model_output_spec`` is the pytree structure of the model's output as the
+    export saw it: the last stage returns exactly its leaves.
     """
     pipe = _pipeline_once(model, example_inputs, split_points)
     if _has_grad_mode_region(pipe):
         with torch.no_grad():
             pipe = _pipeline_once(model, example_inputs, split_points)
-    return route_skipped_values(pipe)
+    one_parameter_per_tie(pipe, state_aliases(model))
+    return make_transfers_contiguous(route_skipped_values(pipe))
+
+
+def one_parameter_per_tie(pipe, aliases: tuple[tuple[str, ...], ...]) -> None:
+    """Inside each stage, every name of one tied weight names one parameter again.
+
+    ``pipeline()`` gives a stage a copy of a weight tied across stages under one of its names
+    (``Pipe.replicated_params``) but may leave the stage's other names of it on another object
+    (T5's ``encoder.embed_tokens`` copied, ``decoder.embed_tokens`` not): the two would each get
+    part of the gradient and drift apart. All names then take the listed copy (else the first).
+    """
+    listed = {(sub, name) for uses in pipe.replicated_params for sub, name in uses.items()}
+    for sub, module in pipe.split_gm.named_children():
+        held = dict(module.named_parameters(remove_duplicate=False))
+        for group in aliases:
+            names = [name for name in group if name in held]
+            keep = next((name for name in names if (sub, name) in listed), names[0] if names else None)
+            for name in names:
+                if held[name] is not held[keep]:
+                    parent_path, _, leaf = name.rpartition(".")
+                    setattr(module.get_submodule(parent_path), leaf, held[keep])
 
 
 def _pipeline_once(model: nn.Module, example_inputs: tuple, split_points: list[str]):
+    exported = []
     try:
-        return pipeline(model, mb_args=example_inputs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+        with _recording_exports(exported):
+            pipe = pipeline(model, mb_args=example_inputs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+        pipe.model_output_spec = exported[-1].call_spec.out_spec
+        return pipe
     finally:  # pipeline() patches each split module's forward; undo it so the model can be split again
         for path in split_points:
             module = model.get_submodule(path)
             if "_orig_forward" in module.__dict__:
                 module.forward = module.__dict__.pop("_orig_forward")
+
+
+@contextmanager
+def _recording_exports(exported: list):
+    """Keep the ``ExportedProgram`` that ``pipeline()`` traces (it drops it after splitting).
+
+    Its ``call_spec.out_spec`` is the model's output structure without a second run of the
+    model: a forward on fake tensors outside export takes other code paths (transformers' MoE
+    experts call ``grouped_mm``, whose fake kernel takes only bf16, where export's trace takes
+    a fallback).
+    """
+    original = Pipe.__dict__["_trace_with_export"]
+
+    def recording(*args, **kwargs):
+        program = original.__func__(*args, **kwargs)
+        exported.append(program)
+        return program
+
+    Pipe._trace_with_export = staticmethod(recording)
+    try:
+        yield
+    finally:
+        Pipe._trace_with_export = original
 
 
 def _has_grad_mode_region(pipe) -> bool:
@@ -177,13 +240,6 @@ def _has_grad_mode_region(pipe) -> bool:
                 for node in graph.nodes):
             return True
     return False
-
-
-def model_output_spec(model: nn.Module, example_inputs: tuple) -> pytree.TreeSpec:
-    """The pytree structure of ``model``'s output, from a forward on fake tensors (no compute)."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        outputs = model(*example_inputs)
-    return pytree.tree_flatten(outputs)[1]
 
 
 def drop_unused_state(stage_module: nn.Module) -> list[str]:
@@ -285,7 +341,7 @@ def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch
     losses: list[torch.Tensor] = []
     args = inputs if parts.has_first else ()
     kwargs = {"target": targets, "losses": losses} if parts.has_last else {}
-    schedule.step(*args, **kwargs)
+    schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
     sync_tied_grads(parts)
     return global_mean_loss(losses, parts)
 
@@ -337,5 +393,16 @@ def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
     for rank_in_tp, part in gathered:
         for name, tensor in part.items():
             shards.setdefault(name, {}).setdefault(rank_in_tp, tensor)
-    return {name: gather_shards([by_rank[k] for k in sorted(by_rank)], parts.tp_shard_dims.get(name))
+    full = {name: gather_shards([by_rank[k] for k in sorted(by_rank)], parts.tp_shard_dims.get(name))
             for name, by_rank in shards.items()}
+    return with_aliases(full, parts.aliases)
+
+
+def with_aliases(state: dict[str, torch.Tensor], aliases: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:
+    """Every name of each aliased tensor, as the model's own ``state_dict()`` lists them."""
+    for group in aliases:
+        held = next((name for name in group if name in state), None)
+        for name in group:
+            if held is not None:
+                state.setdefault(name, state[held])
+    return state

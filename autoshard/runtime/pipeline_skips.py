@@ -24,41 +24,212 @@ and every stage output has one reader stage::
 Gradients stay exact: the carried output is the identity, so stage s's input gradient is
 its own use's gradient plus the one stage s + 1 sends back, and by induction stage p(v)
 receives ∂L/∂v = Σ_{r ∈ R(v)} ∂L_r/∂v, the sum autograd forms in one process.
+
+Model inputs. The schedule hands the step's inputs to the first stage only, positionally, so
+stage 0 must take every model input x_1 .. x_n in order, and an input read by a later stage
+(nanoGPT's ``forward(idx, targets)``: only the loss in the last stage reads ``targets``) is
+made adjacent like any other value: it counts as made by stage p(x) = −1, and stages
+0 .. last(x) − 1 carry it (``first_stage_takes_every_input``, then ``route_skipped_values``).
+
+Contiguous transfers. Send and receive buffers must be contiguous (gloo refuses others), but
+a stage may hand on a view: the expanded 4-D attention masks of BERT, T5 and ViT, a transposed
+bias. Every stage output but the last stage's becomes ``output.contiguous()`` (the identity on
+values and gradients, a no-op on a tensor already contiguous), and the receiving placeholders
+are described with contiguous strides, from which the stages size their buffers
+(``make_transfers_contiguous``).
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
+
+ROOT = -1  # the stage "making" a model input
 
 
 def route_skipped_values(pipe):
     """Make every transfer of ``pipe`` (from ``torch.distributed.pipelining.pipeline()``) adjacent.
 
-    Modifies the pipe's graphs in place and returns it.
+    Stage 0 takes every model input; values (model inputs included) read past the next stage
+    are carried. Modifies the pipe's graphs in place and returns it.
     """
     graph = pipe.split_gm.graph
     stages = stage_nodes(graph)
-    skipping = _skipping_values(graph, stages)
-    if not skipping:
-        return pipe
     assert not pipe.has_loss_and_backward, "a pipe with its backward in the graph cannot be rerouted"
+    changed = first_stage_takes_every_input(pipe.split_gm, stages)
+    returned = last_stage_reads_every_output(pipe.split_gm, stages)
+    skipping = _skipping_values(graph, stages)
     for value, producer, last in skipping:
         _carry(pipe.split_gm, stages, value, producer, last)
+    if returned is not None:
+        _return_model_output(pipe.split_gm, stages[-1], returned)
+    if not (changed or returned is not None or skipping):
+        return pipe
+    _receive_in_send_order(pipe.split_gm, stages)
     graph.lint()
     pipe.split_gm.recompile()
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # its cached last uses are stale
     assert not skipped_transfers(pipe), skipped_transfers(pipe)
+    assert not misordered_transfers(pipe), misordered_transfers(pipe)
     return pipe
 
 
 def skipped_transfers(pipe) -> list[tuple[str, int, int]]:
-    """(value, producer stage, reader stage) for each transfer that is not s → s + 1."""
+    """(value, producer stage, reader stage) for each transfer that is not s → s + 1.
+
+    A model input read by a stage after the first counts (producer ``ROOT`` = −1).
+    """
     stages = stage_nodes(pipe.split_gm.graph)
     position = {node: s for s, node in enumerate(stages)}
     transfers = [(arg.name, _producer(arg, position), s) for s, node in enumerate(stages) for arg in node.args]
     return [(name, p, s) for name, p, s in transfers if p is not None and s - p > 1]
+
+
+def misordered_transfers(pipe) -> list[int]:
+    """The stages whose inputs are not, in order, the previous stage's outputs 0, 1, 2, ...
+
+    ``_PipelineStage`` sends output i to the i-th ``getitem`` user of its call and receives into
+    the placeholders in order, pairing sends with receives by order alone: tensors of one shape
+    and dtype received out of order would be swapped silently.
+    """
+    stages = stage_nodes(pipe.split_gm.graph)
+    wrong = []
+    for s in range(1, len(stages)):
+        sender = stages[s - 1]
+        sends = [i for i, user in enumerate(_getitem_users(sender)) if user.args[1] != i]
+        indices = [_own_output_index(arg, sender) for arg in stages[s].args]
+        if sends or None in indices or indices != sorted(indices):
+            wrong.append(s)
+    return wrong
+
+
+def _getitem_users(node: fx.Node) -> list[fx.Node]:
+    return [user for user in node.users if user.target is operator.getitem]
+
+
+def _receive_in_send_order(split_gm: fx.GraphModule, stages: list[fx.Node]) -> None:
+    """Order each stage's inputs (and placeholders) by the previous stage's output index."""
+    for s in range(1, len(stages)):
+        node, sender = stages[s], stages[s - 1]
+        module = split_gm.get_submodule(node.target)
+        pairs = sorted(zip(node.args, _placeholders(module.graph)), key=lambda pair: _own_output_index(pair[0], sender))
+        if [arg for arg, _ in pairs] != list(node.args):
+            _order_placeholders(module.graph, [inner for _, inner in pairs])
+            module.recompile()
+            node.args = tuple(arg for arg, _ in pairs)
+
+
+def first_stage_takes_every_input(split_gm: fx.GraphModule, stages: list[fx.Node]) -> bool:
+    """Give stage 0 a placeholder for each model input it lacks, all in the model's order.
+
+    Returns whether stage 0 changed. A new placeholder is unused inside stage 0 until a later
+    reader's value is carried through it (``_carry``).
+    """
+    roots = _placeholders(split_gm.graph)
+    first = stages[0]
+    if tuple(first.args) == tuple(roots) or set(first.args) == set(roots) and len(first.args) == len(roots):
+        return False
+    assert all(arg in roots for arg in first.args) and not first.kwargs, \
+        f"the first stage {first.name} reads values other than the model's inputs"
+    module = split_gm.get_submodule(first.target)
+    inner = dict(zip(first.args, _placeholders(module.graph)))
+    for root in roots:
+        if root not in inner:
+            inner[root] = _new_placeholder(module.graph, f"input_{root.name}", _root_meta(split_gm, stages, root))
+    _order_placeholders(module.graph, [inner[root] for root in roots])
+    module.recompile()
+    first.args = tuple(roots)
+    return True
+
+
+def last_stage_reads_every_output(split_gm: fx.GraphModule, stages: list[fx.Node]) -> list[fx.Node] | None:
+    """Make the last stage read each model output an earlier stage makes; None if none does.
+
+    The schedule returns only the last stage's outputs, so those must be all of the model's
+    (T5's ``encoder_last_hidden_state`` is made by the encoder's stages). Returns, for each
+    model output leaf in order, the node inside the last stage that holds it (the old output,
+    or the placeholder reading it); ``_return_model_output`` then returns them.
+    """
+    last = stages[-1]
+    module = split_gm.get_submodule(last.target)
+    leaves = _output_leaves(split_gm.graph)
+    own = _stage_outputs(module)
+    inner = []
+    for leaf in leaves:
+        index = _own_output_index(leaf, last)
+        inner.append(own[index] if index is not None else _input_for(last, module, leaf, _value_meta(split_gm, leaf)))
+    if inner == own:
+        return None
+    return inner
+
+
+def _output_leaves(graph: fx.Graph) -> list[fx.Node]:
+    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(_output_node(graph).args[0]) if leaf is not None]
+    assert all(isinstance(leaf, fx.Node) for leaf in leaves), f"the model returns non-tensors: {leaves}"
+    return leaves
+
+
+def _stage_outputs(module: fx.GraphModule) -> list:
+    outputs = _output_node(module.graph).args[0]
+    return list(outputs) if isinstance(outputs, tuple) else [outputs]
+
+
+def _own_output_index(leaf: fx.Node, stage: fx.Node) -> int | None:
+    """i where ``leaf`` is the stage's output i (``getitem(stage, i)``, or the stage call: 0)."""
+    if leaf is stage:
+        return 0
+    if leaf.target is operator.getitem and leaf.args[0] is stage:
+        return leaf.args[1]
+    return None
+
+
+def _return_model_output(split_gm: fx.GraphModule, last: fx.Node, inner: list[fx.Node]) -> None:
+    """The last stage returns ``inner`` (the model's output leaves); the top level returns its outputs."""
+    module = split_gm.get_submodule(last.target)
+    _output_node(module.graph).args = (tuple(inner),)
+    module.recompile()
+    graph = split_gm.graph
+    top = _output_node(graph)
+    old = [user for user in last.users if user.target is operator.getitem]
+    with graph.inserting_before(top):
+        outputs = [graph.call_function(operator.getitem, (last, i)) for i in range(len(inner))]
+    leaves = iter(outputs)
+    spec_args = torch.utils._pytree.tree_map(lambda leaf: next(leaves) if leaf is not None else None, top.args[0])
+    top.args = (spec_args,)
+    for node in old:
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [node for node in graph.nodes if node.op == "placeholder"]
+
+
+def _new_placeholder(graph: fx.Graph, name: str, meta: dict) -> fx.Node:
+    placeholders = _placeholders(graph)
+    with graph.inserting_after(placeholders[-1] if placeholders else None):
+        inner = graph.placeholder(name)
+    inner.meta.update({key: meta[key] for key in ("val", "tensor_meta") if key in meta})
+    return inner
+
+
+def _order_placeholders(graph: fx.Graph, ordered: list[fx.Node]) -> None:
+    """Move the placeholders to the front of ``graph`` in the order given."""
+    anchor = next(node for node in graph.nodes if node.op != "placeholder" or node not in ordered)
+    for node in ordered:
+        anchor.prepend(node)
+
+
+def _root_meta(split_gm: fx.GraphModule, stages: list[fx.Node], root: fx.Node) -> dict:
+    """The ``meta`` of a model input: its own, else that of a stage placeholder bound to it."""
+    if "val" in root.meta:
+        return root.meta
+    for node in stages:
+        if root in node.args:
+            return _placeholders(split_gm.get_submodule(node.target).graph)[node.args.index(root)].meta
+    return {}
 
 
 def stage_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -74,9 +245,11 @@ def _skipping_values(graph: fx.Graph, stages: list[fx.Node]) -> list[tuple[fx.No
 
 
 def _producer(value, position: dict[fx.Node, int]) -> int | None:
-    """The stage making ``value`` (a stage call or an output of one), else None (a root input)."""
+    """The stage making ``value`` (a stage call or an output of one), ``ROOT`` for a model input."""
     if not isinstance(value, fx.Node):
         return None
+    if value.op == "placeholder":
+        return ROOT
     if value.op == "call_function" and value.target is operator.getitem:
         value = value.args[0]
     return position.get(value)
@@ -100,7 +273,9 @@ def _carry(split_gm: fx.GraphModule, stages: list[fx.Node], value: fx.Node, prod
 
 
 def _value_meta(split_gm: fx.GraphModule, value: fx.Node) -> dict:
-    """The ``meta`` of the producer stage's output node that ``value`` names."""
+    """The ``meta`` of the producer stage's output node that ``value`` names (of a model input: its own)."""
+    if value.op == "placeholder":
+        return _root_meta(split_gm, stage_nodes(split_gm.graph), value)
     index = value.args[1] if value.target is operator.getitem else None
     stage = value.args[0] if index is not None else value
     outputs = _output_node(split_gm.get_submodule(stage.target).graph).args[0]
@@ -110,12 +285,9 @@ def _value_meta(split_gm: fx.GraphModule, value: fx.Node) -> dict:
 def _input_for(node: fx.Node, module: fx.GraphModule, value: fx.Node, meta: dict) -> fx.Node:
     """The stage's placeholder bound to ``value``; a new last placeholder (and arg) if it has none."""
     assert not node.kwargs, f"stage {node.name} takes keyword arguments"
-    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     if value in node.args:
-        return placeholders[node.args.index(value)]
-    with module.graph.inserting_after(placeholders[-1] if placeholders else None):
-        inner = module.graph.placeholder(f"carried_{value.name}")
-    inner.meta.update({key: meta[key] for key in ("val", "tensor_meta") if key in meta})
+        return _placeholders(module.graph)[node.args.index(value)]
+    inner = _new_placeholder(module.graph, f"carried_{value.name}", meta)
     node.args = (*node.args, value)
     return inner
 
@@ -153,3 +325,41 @@ def _last_getitem(node: fx.Node) -> fx.Node:
 
 def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def make_transfers_contiguous(pipe):
+    """Every stage output but the last stage's is sent contiguous, into contiguous buffers (module doc).
+
+    Modifies the pipe's graphs in place and returns it.
+    """
+    stages = stage_nodes(pipe.split_gm.graph)
+    for s, node in enumerate(stages):
+        module = pipe.split_gm.get_submodule(node.target)
+        if s < len(stages) - 1:
+            _contiguous_outputs(module)
+        if s > 0:
+            for inner in _placeholders(module.graph):
+                _describe_contiguous(inner)
+        module.recompile()
+    return pipe
+
+
+def _contiguous_outputs(module: fx.GraphModule) -> None:
+    output = _output_node(module.graph)
+    single = not isinstance(output.args[0], tuple)
+    values = (output.args[0],) if single else output.args[0]
+    made = []
+    for value in values:
+        with module.graph.inserting_before(output):
+            contiguous = module.graph.call_method("contiguous", (value,))
+        contiguous.meta.update(value.meta)
+        _describe_contiguous(contiguous)
+        made.append(contiguous)
+    output.args = (made[0] if single else tuple(made),)
+
+
+def _describe_contiguous(node: fx.Node) -> None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not val.is_contiguous():
+        node.meta["val"] = val.contiguous()
+        node.meta.pop("tensor_meta", None)

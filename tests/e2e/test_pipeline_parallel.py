@@ -40,6 +40,15 @@ CASES = {  # id: (model spec, split points, dp, pp, virtual stages, schedule, mi
                            1, 4, 1, "1f1b", 4),
     "gpt-dp2-pp2-1f1b": ("examples/gpt.py:build", "h.2", 2, 2, 1, "1f1b", 2),
     "gpt2-tied-dp2-pp2-gpipe": ("tests/models/hf_gpt2.py:build", "transformer.h.1", 2, 2, 1, "gpipe", 2),
+    # BERT's padded attention mask, expanded to 4-D (a view) in stage 0, crosses to stage 1
+    "bert-mask-pp2-1f1b": ("tests/models/hf_bert.py:build", "bert.encoder.layer.1", 1, 2, 1, "1f1b", 4),
+    # nanoGPT's forward(idx, targets): the model input targets is read only by the last stage's loss
+    "nanogpt-targets-pp2-1f1b": ("tests/models/nanogpt.py:build", "transformer.h.1", 1, 2, 1, "1f1b", 4),
+    # T5 cut inside the encoder: the position bias and masks are read by both stages, decoder_input_ids
+    # only by stage 1, and encoder_last_hidden_state (a model output) is made by stage 0
+    "t5-shared-pp2-gpipe": ("tests/models/hf_t5.py:build", "encoder.block.1", 1, 2, 1, "gpipe", 2),
+    # Mixtral's top-2 of 4 experts (transformers' grouped_mm experts)
+    "mixtral-moe-pp2-1f1b": ("tests/models/hf_mixtral.py:build", "model.layers.1", 1, 2, 1, "1f1b", 2),
 }
 
 
