@@ -212,13 +212,13 @@ def compare_shapes(captured: OpGraph, full: OpGraph, layout: Layout, local: list
     failures: dict[str, str] = {}
     for i, node in enumerate(ours):
         if i >= len(theirs) or node.target != target_name(theirs[i].target):
-            return failures | _refusal(full, layout, node, tp, "runs other ops on a shard than on the whole model")
+            return _refusal(full, layout, node, tp, "runs other ops on a shard than on the whole model") | failures
         expected, actual = expected_shape(node, layout, tp), _shape(theirs[i])
         if expected == actual:
             matched.add(node.name)
         elif all(x in matched or x not in captured._by_name() for x in node.inputs):
-            failures |= _refusal(full, layout, node, tp, f"gives shape {list(actual)} on a shard where the layout "
-                                                         f"needs {list(expected)} (a size written as a constant?)")
+            why = f"gives shape {list(actual)} on a shard where the layout needs {list(expected)} (a size written as a constant?)"
+            failures = _refusal(full, layout, node, tp, why) | failures  # a block's first failure names it
     return failures
 
 
@@ -243,9 +243,10 @@ def _shape(fx_node) -> tuple[int, ...]:
 
 
 def _refusal(full: OpGraph, layout: Layout, node: OpNode, tp: int, what: str) -> dict[str, str]:
+    """{representative node: reason}, named after the representative (the node the search decides)."""
     rep = layout.rep_of.get(node.name, node.name)
-    where = node.module_path or "the root"
-    return {rep: f"{op_name(node.target)} in {where} {what} at tp={tp}; its module's input stays replicated"}
+    where = full.node(rep).module_path or "the root"
+    return {rep: f"{op_name(node.target)} in {where} {what} at tp={tp}; its input stays replicated"}
 
 
 def _refuse_module(full: OpGraph, layout: Layout, module: str, tp: int, exc: BaseException) -> dict[str, str]:

@@ -1,0 +1,66 @@
+"""TP layouts are proven on the model's own code (passes/tp_proof): what the code computes on a shard."""
+
+import pytest
+
+from autoshard.ir.topology import DeviceSpec, LinkSpec
+from autoshard.passes.tensor_parallel import choose_tp_styles
+from autoshard.pipeline import capture_graph
+
+SPEC = "tests/models/tp_cases.py"
+SLOW_DEVICE = DeviceSpec("slow-test-device", 0.05, 2**34, 20.0, 1.0, "test")  # compute-bound: TP pays
+FAST_LINK = LinkSpec(100.0, 0.0, "test")
+ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+def styles(factory: str, tp: int = 2):
+    graph = capture_graph(f"{SPEC}:{factory}")[1]
+    return graph, choose_tp_styles(graph, tp, FAST_LINK, SLOW_DEVICE)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heads_read_from_the_tensor_shard(in_repo, tp):
+    graph, choice = styles("build", tp)
+    assert graph.tp_proofs is not None and str(tp) in graph.tp_proofs
+    for i in range(2):
+        assert all(choice.styles[f"h.{i}.attn.{m}"] == "colwise" for m in ATTN)
+        assert choice.styles[f"h.{i}.attn.o_proj"] == "rowwise"
+
+
+def test_a_constant_head_count_is_refused_with_its_reason(in_repo):
+    """view(b, -1, HEADS, hd) on a column shard would keep all heads and halve the sequence: the attention
+    core stays whole (its projections may only be gathered; the MLP still shards), and the refusal names the
+    view in the representative block and the two shapes."""
+    graph, choice = styles("build_constant_heads")
+    refused = graph.tp_proofs["2"]
+    assert "view in h.0.attn gives shape [2, 8, 4, 8] on a shard where the layout needs [2, 16, 2, 8]" in \
+        refused["view"]
+    for i in range(2):
+        assert all(choice.styles[f"h.{i}.attn.{m}"] in ("colwise-gather", "replicate") for m in ATTN)
+        assert choice.styles[f"h.{i}.attn.o_proj"] != "rowwise"  # its input, the attention output, is whole
+        assert choice.styles[f"h.{i}.up"] == "colwise" and choice.styles[f"h.{i}.down"] == "rowwise"
+
+
+def test_per_head_norm_gets_its_gradient_summed_over_tp(in_repo):
+    """A norm over head_dim on sharded heads runs as SequenceParallel on the heads dim (its weight a
+    Replicate DTensor whose partial gradients DTensor sums), not as a plain replicated module."""
+    _, choice = styles("build_head_norm")
+    for i in range(2):
+        assert all(choice.styles[f"h.{i}.attn.{m}"] == "colwise" for m in ATTN)
+        assert choice.styles[f"h.{i}.attn.q_norm"] == "sharded-input-dim2"
+        assert choice.styles[f"h.{i}.attn.k_norm"] == "sharded-input-dim2"
+        assert choice.styles[f"h.{i}.ln_1"] == "replicate" and "needs whole tensors" in choice.reasons[f"h.{i}.ln_1"]
+
+
+def test_a_linear_outside_nn_linear_gets_no_style(in_repo):
+    _, choice = styles("build_router")
+    for i in range(2):
+        assert choice.styles[f"h.{i}.router"] == "replicate"
+        assert "not an nn.Linear" in choice.reasons[f"h.{i}.router"]
+
+
+def test_degrees_not_checked_shard_nothing(in_repo):
+    graph, _ = styles("build")
+    assert "3" not in graph.tp_proofs  # 3 does not divide the 4 heads; 16 is not a checked degree
+    graph.tp_proofs.pop("4")
+    choice = choose_tp_styles(graph, 4, FAST_LINK, SLOW_DEVICE)
+    assert not choice.sharded and "was not checked" in choice.reasons["h.0.attn.q_proj"]
