@@ -1,0 +1,113 @@
+"""verify's parts in one process: the noise-relative comparison, its failure text, the crash block,
+dropout off, and the CPU BatchNorm over a process group."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard.launch import crash_block, last_own_frame
+from autoshard.runtime.model import GlooSyncBatchNorm, NoDropout, sync_batch_norm, zero_dropout_rates
+from autoshard.verify import Run, _tensor_parallel_module, compare
+
+NOISY = "h.0.k.bias"  # a parameter whose fp32 update is mostly rounding noise
+CLEAN = "h.0.q.weight"
+
+
+def _runs(par_shift: dict[str, float], loss_shift: float = 0.0):
+    """ref64 exact; ref32 off by 1e-5 on NOISY and 1e-9 on CLEAN; the parallel run as ref32, shifted."""
+    ref64 = Run([2.0, 1.9, 1.8], {NOISY: torch.zeros(4, dtype=torch.float64), CLEAN: torch.ones(4, 4, dtype=torch.float64)})
+    ref32 = Run([2.0 + 1e-7, 1.9 + 1e-7, 1.8 - 1e-7], {NOISY: torch.full((4,), 1e-5), CLEAN: torch.ones(4, 4) + 1e-9})
+    par = {k: v.clone() + par_shift.get(k, 0.0) for k, v in ref32.params.items()}
+    par_losses = [x + (loss_shift if i == 2 else 0.0) for i, x in enumerate(ref32.losses)]
+    return par_losses, par, ref32, ref64
+
+
+def test_noise_as_large_as_the_references_passes():
+    """NOISY is off by 4e-5 (4x what fp32 shows in one process): that is rounding, it passes; the
+    fixed tolerance (2% of a step at lr 1e-3 = 2e-5) fails it."""
+    par_losses, par, ref32, ref64 = _runs({NOISY: 3e-5})
+    report = compare(3, par_losses, ref32.losses, par, ref32.params, 1e-3, exact=ref64)
+    assert report.ok, report.failure
+    assert not compare(3, par_losses, ref32.losses, par, ref32.params, 1e-3).ok
+
+
+def test_a_small_bug_on_a_clean_tensor_fails_naming_step_and_tensor():
+    par_losses, par, ref32, ref64 = _runs({CLEAN: 1e-6}, loss_shift=1e-4)
+    report = compare(3, par_losses, ref32.losses, par, ref32.params, 1e-3, exact=ref64)
+    assert not report.ok
+    assert report.first_diverging_step == 2
+    assert report.most_off[0].name == CLEAN and report.most_off[0].excess > 1
+    assert report.failure.startswith("losses first differ at step 2")
+    assert f"tensors most off: {CLEAN}" in report.failure
+    assert NOISY not in report.failure  # within its noise: not listed
+
+
+def test_integer_buffers_must_be_equal():
+    par_losses, par, ref32, ref64 = _runs({})
+    for run in (ref32, ref64):
+        run.params["bn.num_batches_tracked"] = torch.tensor(3)
+    par["bn.num_batches_tracked"] = torch.tensor(6)
+    report = compare(3, par_losses, ref32.losses, par, ref32.params, 1e-3, exact=ref64)
+    assert "bn.num_batches_tracked" in report.failure and report.first_diverging_step is None
+
+
+def test_tensor_parallel_module_of_a_tensor():
+    plan = SimpleNamespace(tensor_parallel={"h.0.attn.q": "colwise", "h.0.attn": "rowwise"})
+    assert _tensor_parallel_module("h.0.attn.q.weight", plan) == "h.0.attn.q"
+    assert _tensor_parallel_module("h.0.mlp.weight", plan) == ""
+
+
+def test_crash_block_names_the_first_rank_and_the_model_line():
+    stack = ('Traceback (most recent call last):\n'
+             '  File "/work/x/train.py", line 80, in main\n    loss = model(x)\n'
+             '  File "/work/x/my_model.py", line 12, in forward\n    raise RuntimeError("bad shape")\n'
+             '  File "/usr/lib/python3/site-packages/torch/nn/functional.py", line 3, in linear\n    return op()\n'
+             'RuntimeError: bad shape\n')
+    first = SimpleNamespace(timestamp=100, message={"message": "RuntimeError: bad shape",
+                                                    "extraInfo": {"py_callstack": stack}},
+                            error_file_data={"message": 1}, exitcode=1)
+    peer = SimpleNamespace(timestamp=100, message={"message": "RuntimeError: Connection closed by peer",
+                                                   "extraInfo": {"py_callstack": ""}},
+                           error_file_data={"message": 1}, exitcode=1)
+    block = crash_block({0: peer, 1: first})
+    assert block.splitlines()[0] == "rank 1 failed: RuntimeError: bad shape"
+    assert "my_model.py:12 in forward: raise RuntimeError" in block and "1 other rank(s)" in block
+    assert last_own_frame(stack).endswith('my_model.py:12 in forward: raise RuntimeError("bad shape")')
+
+
+def test_no_dropout_covers_modules_inline_calls_and_attention():
+    x = torch.randn(2, 4, 8, 16)
+    mha = nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+    assert zero_dropout_rates(nn.Sequential(nn.Dropout(0.3), mha)) == 2 and mha.dropout == 0.0
+    with NoDropout():
+        assert torch.equal(nn.Dropout(0.5)(x), x) and torch.equal(F.dropout(x, 0.5, True), x)
+        torch.manual_seed(0)
+        a = F.scaled_dot_product_attention(x, x, x, None, 0.9)
+        b = F.scaled_dot_product_attention(x, x, x, dropout_p=0.9)
+    assert torch.equal(a, F.scaled_dot_product_attention(x, x, x)) and torch.equal(b, a)
+    assert not torch.equal(F.dropout(x, 0.5, True), x)  # the mode ends with its block
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_gloo_sync_batch_norm_equals_batch_norm_on_one_rank(one_rank_group):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    synced = sync_batch_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), one_rank_group)
+    synced.load_state_dict(plain.state_dict())
+    assert isinstance(synced[1], GlooSyncBatchNorm)
+    x = torch.randn(6, 3, 7, 7)
+    for model in (plain, synced):
+        model(x).square().mean().backward()
+        model(x)
+    torch.testing.assert_close(synced[0].weight.grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(synced.state_dict(), plain.state_dict(), rtol=1e-5, atol=1e-6)
