@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
+        if debug:
+            os.environ["AUTOSHARD_DEBUG"] = "1"  # a failed rank's whole traceback (autoshard.launch.crash_block)
         return args.func(args)
     except AutoshardError as exc:
         if debug:

@@ -119,6 +119,8 @@ def crash_block(failures: dict) -> str:
         lines.append(f"  at {frame}")
     if others:
         lines.append(f"  ({others} other rank(s) stopped after it)")
+    if os.environ.get("AUTOSHARD_DEBUG") and _callstack(failure):  # --debug: the rank's whole traceback
+        lines.append(_callstack(failure).rstrip())
     return "\n".join(lines)
 
 
@@ -130,7 +132,7 @@ def _failure_message(failure) -> str:
         if failure.exitcode < 0:
             return f"killed by signal {failure.signal_name()} (no Python exception)"
         return f"exited with status {failure.exitcode} (its own message is in the output above)"
-    return str(message).strip().splitlines()[-1][:400]
+    return str(message).strip().splitlines()[0][:400]
 
 
 def _callstack(failure) -> str:

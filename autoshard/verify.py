@@ -312,6 +312,10 @@ def _times(excess: float) -> str:
 
 def likely_cause(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: int) -> str:
     """What in the plan or the model most likely explains a failed comparison, or ""."""
+    if report.first_diverging_step == 0 and _loss_is_mean_of_shard_means(report, plan, model_file, seed):
+        return ("the loss is not a mean over equal shares: each rank averages its own micro-batch over a count "
+                "that depends on the data (ignore_index, padding, masks), and the mean of those means is not the "
+                "global batch's loss; make loss_fn a sum over the batch divided by a fixed count")
     names = [t.name for t in report.most_off if t.excess > 1] or [t.name for t in report.most_off]
     for name in names:
         module = _tensor_parallel_module(name, plan)
@@ -329,6 +333,22 @@ def likely_cause(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: 
         return ("the model is random with dropout disabled (two forwards of one batch differ): a random op other "
                 "than dropout draws different numbers on each rank")
     return ""
+
+
+def _loss_is_mean_of_shard_means(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: int) -> bool:
+    """The program's first loss is (much closer to) the mean of its micro-batches' mean losses."""
+    dp, count = plan.mesh.dp, plan.num_microbatches
+    if dp * count == 1:
+        return False
+    model = build_model(model_file, seed)
+    zero_dropout_rates(model)
+    inputs, targets = global_batch(model_file, plan.global_batch, seed, 0)
+    with NoDropout(), torch.no_grad():
+        losses = [model_file.loss(model(*x), y).item()
+                  for r in range(dp) for x, y in split_microbatches(*take_shard((inputs, targets), r, dp,
+                                                                                 torch.device("cpu")), count)]
+    par, ref = report.parallel_losses[0], report.reference_losses[0]
+    return abs(par - sum(losses) / len(losses)) < abs(par - ref) / 10
 
 
 def _tensor_parallel_module(name: str, plan: Plan) -> str:

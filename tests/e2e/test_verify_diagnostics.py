@@ -68,3 +68,9 @@ def test_crashing_rank_is_named_in_verify_and_run(in_repo, tmp_path, capfd):
     captured = capfd.readouterr()
     assert "rank 1 failed: RuntimeError: tiny attention refuses to run on rank 1" in captured.err, captured.err[-3000:]
     assert MODEL_LINE in captured.err and "ChildFailedError" not in captured.out + captured.err
+
+
+def test_a_loss_averaged_over_a_data_dependent_count_is_named(in_repo):
+    report = verify(_plan("tests/models/tiny_attention_padded.py:build", dp=2, zero=0), steps=1)
+    assert report.first_diverging_step == 0
+    assert "likely cause: the loss is not a mean over equal shares" in report.failure
