@@ -49,10 +49,11 @@ an AdamW step, the largest noise measured on the example GPT).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -104,7 +105,7 @@ class VerifyReport:
     failure: str  # "" when the run agrees
     first_diverging_step: int | None = None
     most_off: tuple[TensorExcess, ...] = ()
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = ()  # what verify changed or kept about the model
 
     @property
     def ok(self) -> bool:
@@ -112,6 +113,7 @@ class VerifyReport:
 
 
 def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) -> VerifyReport:
+    """Run the plan's program (dropout off) and the fp32 and float64 references; compare (module doc)."""
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
@@ -133,7 +135,6 @@ def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) ->
 
 
 def _with(report: VerifyReport, **changes) -> VerifyReport:
-    from dataclasses import replace
     return replace(report, **changes)
 
 
@@ -141,8 +142,8 @@ def run_notes(model_file: ModelFile, plan: Plan) -> tuple[str, ...]:
     """What verify changed or kept about the model, for its output."""
     model = model_file.build("meta")
     rates = zero_dropout_rates(model)
-    notes = [f"dropout disabled in both runs ({rates} dropout rate(s) in the model set to 0, and every "
-             f"dropout call made the identity)"]
+    held = f"{rates} dropout rate(s) of the model set to 0" if rates else "the model holds no dropout rate"
+    notes = [f"dropout disabled in both runs ({held}; every dropout call is the identity)"]
     if has_batch_norm(model):
         notes.append(f"BatchNorm statistics over the {plan.mesh.dp} data-parallel rank(s) (SyncBatchNorm)"
                      + (f"; per micro-batch of {plan.mesh.dp * plan.microbatch_size} samples, in the reference too"
@@ -193,7 +194,7 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
         zero_dropout_rates(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    with NoDropout() if not dropout else _nothing():
+    with NoDropout() if not dropout else contextlib.nullcontext():
         for step in range(steps):
             batch = _cast(global_batch(model_file, batch_size, seed, step), dtype)
             loss = sum(_backward(model_file, model, chunk, len(chunks))
@@ -224,14 +225,6 @@ def _cast(batch, dtype: torch.dtype):
     inputs, targets = batch
     cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
     return tuple(cast(t) for t in inputs), cast(targets)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def weight_atol(lr: float) -> float:

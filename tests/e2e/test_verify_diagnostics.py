@@ -25,7 +25,7 @@ def test_zero_gradient_parameters_and_dropout_pass(in_repo):
     one-process run's own."""
     report = verify(_plan(f"{TINY}:build", dp=2, zero=0), steps=3)
     assert report.ok, report.failure
-    assert any("dropout disabled in both runs (4 dropout rate(s)" in note for note in report.notes)
+    assert any("dropout disabled in both runs (4 dropout rate(s) of the model set to 0" in note for note in report.notes)
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 
 
