@@ -1,6 +1,6 @@
 """``autoshard verify``: the emitted program trains like one process.
 
-The program runs on local CPU ranks (gloo, fp32) for K steps; a single process trains the
+The program runs on local CPU ranks (gloo, fp32) for a few steps; a single process trains the
 same model from the same seed on the same global batches with the same optimizer, twice:
 in fp32 (the reference) and in float64 (the same fp32 initial weights and data, cast).
 
@@ -25,9 +25,10 @@ Integer tensors (BatchNorm's ``num_batches_tracked``) must be equal.
 
 Why K = 50: the largest deviation of one run is one draw, and when a single element carries
 it (a gradient near AdamW's eps, amplified) two draws can differ several-fold. Measured, the
-parallel run's deviation over the one-process run's, worst tensor of 8 runs (DP, TP, ZeRO-1
-with micro-batches, ZeRO-3, transformer with a key bias, BatchNorm CNN; 3 steps): median
-2.2x, largest 12.3x (one element of a conv weight before BatchNorm, ZeRO-1, 4 micro-batches).
+parallel run's deviation over the one-process run's, worst tensor of 11 runs of 3 steps (DP,
+TP, PP, ZeRO-1 with micro-batches, ZeRO-3; the example GPT, BERT, nanoGPT with dropout, a
+transformer with a key bias, a BatchNorm CNN): median 2.2x, largest 12.3x (one element of a
+conv weight before BatchNorm, ZeRO-1, 4 micro-batches; 2.1x and 3.4x with seeds 1 and 2).
 A bug is far outside: one layer's update off by 1% of an AdamW step shows as 735x the noise
 of that layer's tensor (excess 15); off by a whole step, ~10⁵x.
 
@@ -39,8 +40,9 @@ sync_batch_norm``); with several micro-batches its statistics are those of each 
 micro-batches.
 
 On failure the report names the first step whose loss is off, the tensors most off (by
-excess), and a likely cause when the plan or the model suggests one (a tensor-parallel
-module, BatchNorm, a model that is random with dropout off).
+excess), and a likely cause when the plan or the model suggests one (a loss averaged over a
+data-dependent count, a tensor-parallel module, BatchNorm, a model that is random with
+dropout off).
 
 ``compare`` without the float64 run (``exact=None``; the tensor- and pipeline-parallel drivers'
 tests) uses a fixed tolerance: |Δloss| ≤ 1e-6 + 1e-5·|loss|, |Δw| ≤ 0.02·lr + 1e-5·|w| (2% of
