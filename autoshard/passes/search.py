@@ -62,7 +62,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
 from autoshard.ir.topology import Cluster
 from autoshard.passes.recompute import choose_recompute
-from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts
+from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
 
 MAX_ALTERNATIVES = 12
@@ -201,7 +201,8 @@ def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> 
     state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
     units, tp_comm = pipeline_units(tables, config)
     ps = [round((t + c) * PS_PER_S) for t, c in zip(units.compute_s, tp_comm)]
-    problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1])
+    forbidden = tables.memo(("cut_refusals",), lambda: frozenset(cut_refusals(tables.graph)))
+    problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1], forbidden_starts=forbidden)
     if not with_memory:
         return problem
     per_param = state_bytes_per_param(tables.precision, config)

@@ -16,6 +16,14 @@ solved exactly by dynamic programming over cut positions (``best_cuts``)::
     D[s][j] = min_{s ≤ i < j} max(D[s−1][i], time(i, j))        over i with mem(s, i, j) ≤ cap
     answer  = D[S−1][L]
 
+Legal cuts. A stage begins where torch's split begins it: at each call of the block's module.
+So no stage may begin at block k when k runs more than once per forward (weights shared
+across depth, as in ALBERT or a looped GPT: every call would begin a stage), nor when a block
+before k runs again after k begins (the boundary would be crossed twice). ``cut_refusals``
+names those k with the reason; the dynamic programme takes only ranges [i, j) with i not
+refused (``PartitionProblem.forbidden_starts``), and ``max_stages`` = 1 + the legal cuts bounds
+the pipeline degrees the planner proposes and the pins it accepts.
+
 Times are integer picoseconds so that equal blocks tie exactly; among equal optima the
 smallest i wins at every step (the later stages take more blocks, leaving the early stages,
 which hold the most micro-batches in flight under 1F1B, the fewest). O(S·L²) with numpy.
@@ -23,11 +31,14 @@ which hold the most micro-batches in flight under 1F1B, the fewest). O(S·L²) w
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoshard.cost.units import stage_ranges
+from autoshard.ir.graph import OpGraph
+from autoshard.passes.blocks import block_of
 
 PS_PER_S = 10**12
 _INF = np.iinfo(np.int64).max // 4
@@ -48,6 +59,7 @@ class PartitionProblem:
     suffix_act_bytes: float = 0.0
     in_flight: tuple[float, ...] = ()  # per stage; empty: no memory constraint
     cap_bytes: float = float("inf")
+    forbidden_starts: frozenset[int] = frozenset()  # blocks no stage may begin at (``cut_refusals``)
 
     @property
     def blocks(self) -> int:
@@ -106,8 +118,10 @@ def _upper(n: int) -> np.ndarray:
 
 
 def _fits(problem: PartitionProblem):
-    """s -> the boolean matrix of ranges [i, j) that stage s may hold: i < j and mem(s, i, j) ≤ cap."""
+    """s -> the boolean matrix of ranges [i, j) that stage s may hold: i < j, i a legal start, mem ≤ cap."""
     upper = _upper(problem.blocks)
+    if problem.forbidden_starts:
+        upper = upper & ~np.isin(np.arange(problem.blocks + 1), sorted(problem.forbidden_starts))[:, None]
     if not problem.in_flight:
         return lambda s: upper
     fixed = _range_matrix(problem.block_fixed_bytes, problem.prefix_fixed_bytes, problem.suffix_fixed_bytes,
@@ -123,3 +137,40 @@ def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:
         cuts.append(j)
     return tuple(reversed(cuts))
 
+
+
+def cut_refusals(graph: OpGraph) -> dict[int, str]:
+    """k -> why no pipeline stage can begin at block k (1 ≤ k < L), for the blocks where none can."""
+    paths = [block.path for block in graph.blocks]
+    runs = _block_runs(graph)
+    calls = Counter(runs)
+    first = {path: runs.index(path) for path in paths}
+    last = {path: len(runs) - 1 - runs[::-1].index(path) for path in paths}
+    refusals = {}
+    for k in range(1, len(paths)):
+        path = paths[k]
+        late = [p for p in paths[:k] if last[p] > first[path]]
+        if calls[path] > 1:
+            refusals[k] = (f"{path} runs {calls[path]} times per forward (one module, shared weights) and torch's "
+                           f"split would begin a stage at each call")
+        elif late:
+            refusals[k] = f"{late[0]} runs again after {path} begins, so the stage boundary would be crossed twice"
+    return refusals
+
+
+def _block_runs(graph: OpGraph) -> list[str]:
+    """The blocks in the order they run, one entry per call (a maximal run of the block's nodes)."""
+    runs: list[str] = []
+    previous = None
+    for node in graph.nodes:
+        path = block_of(node.module_path)
+        if path is not None and path != previous:
+            runs.append(path)
+        previous = path
+    return runs
+
+
+def max_stages(graph: OpGraph, refusals: dict[int, str] | None = None) -> int:
+    """The most pipeline stages the model splits into: 1 + the blocks a stage may begin at (0 with no blocks)."""
+    refusals = cut_refusals(graph) if refusals is None else refusals
+    return max(0, len(graph.blocks) - len(refusals))

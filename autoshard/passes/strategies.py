@@ -26,6 +26,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
 from autoshard.ir.topology import Cluster
+from autoshard.passes.stage_cuts import cut_refusals, max_stages
 
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
@@ -136,7 +137,7 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     """Every configuration that honours the pins, in a fixed order (for deterministic plans)."""
     check_pins(pins, cluster, global_batch)
     check_graph_pins(graph, cluster, pins)
-    blocks = len(graph.blocks)
+    blocks = max_stages(graph)  # blocks a stage may begin at
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
                for c in mesh_configs(mesh, global_batch, pins, blocks)]
     if not configs:
@@ -156,9 +157,22 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
     if pins.pp is not None and pins.pp > max(1, blocks):
         raise AutoshardError(f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; "
                              f"pin --pp {max(1, blocks)} or less")
-    if pins.schedule == "interleaved-1f1b" and pins.pp is not None and blocks < 2 * pins.pp:
+    _check_cuts(graph, pins)
+    if pins.schedule == "interleaved-1f1b" and pins.pp is not None and max_stages(graph) < 2 * pins.pp:
         raise AutoshardError(f"--schedule interleaved-1f1b puts 2 stages on each of --pp {pins.pp} ranks: needs "
                              f"{2 * pins.pp} blocks, the model has {blocks}; use 1f1b or --pp {max(1, blocks // 2)}")
+
+
+def _check_cuts(graph: OpGraph, pins: Pins) -> None:
+    """--pp (× 2 stages per rank with interleaved 1F1B) needs that many blocks a stage may begin at."""
+    refusals = cut_refusals(graph)
+    stages = (pins.pp or 1) * (2 if pins.schedule == "interleaved-1f1b" else 1)
+    most = max_stages(graph, refusals)
+    if refusals and stages > max(1, most):
+        why = "; ".join(refusals[k] for k in sorted(refusals)[:2]) + ("; ..." if len(refusals) > 2 else "")
+        fix = f"pin --pp {most} or less" if most > 1 else "pin --pp 1"
+        raise AutoshardError(f"--pp {pins.pp} needs {stages} pipeline stages, but a stage can begin at only "
+                             f"{max(1, most)} of this model's {len(graph.blocks)} blocks: {why}; {fix}")
 
 
 def divisors(n: int) -> list[int]:
@@ -174,8 +188,8 @@ def legal_tp_degrees(graph: OpGraph, cluster: Cluster) -> list[int]:
 
 
 def pipeline_degrees(graph: OpGraph, world_size: int) -> list[int]:
-    """pp > 1 dividing the world, at most one stage per block."""
-    return [p for p in divisors(world_size) if 1 < p <= len(graph.blocks)]
+    """pp > 1 dividing the world, at most one stage per block a stage may begin at (``stage_cuts``)."""
+    return [p for p in divisors(world_size) if 1 < p <= max_stages(graph)]
 
 
 def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> list[Mesh]:
