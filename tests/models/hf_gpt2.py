@@ -40,6 +40,13 @@ def build() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config())
 
 
+def build_with_dropout() -> GPT2LMHeadModel:
+    """GPT-2's default dropout (0.1 on embeddings, attention and residuals)."""
+    c = config()
+    c.resid_pdrop = c.embd_pdrop = c.attn_pdrop = 0.1
+    return GPT2LMHeadModel(c)
+
+
 def example_batch(batch_size: int):
     """``((token ids (batch, 32),), next tokens)``."""
     return gpt.example_batch(batch_size, seq_len=SEQ_LEN, vocab_size=VOCAB_SIZE)
