@@ -1,4 +1,6 @@
-"""Values that skip stages are passed through the stages in between (runtime.pipeline_skips)."""
+"""What crosses a pipeline boundary (runtime.pipeline_skips): values that skip stages are passed
+through the stages in between, model inputs enter at the first stage, model outputs leave the last,
+transfers are contiguous and received in the order sent; a tie is one parameter inside a stage."""
 
 import operator
 
@@ -6,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from autoshard.runtime.pipeline_parallel import split_model
-from autoshard.runtime.pipeline_skips import route_skipped_values, skipped_transfers, stage_nodes
+from autoshard.runtime.pipeline_parallel import split_model, state_aliases
+from autoshard.runtime.pipeline_skips import misordered_transfers, route_skipped_values, skipped_transfers, stage_nodes
 
 
 class SkipNet(nn.Module):
@@ -80,3 +82,128 @@ def test_gradients_through_passed_values_match():
     run_adjacent(pipe, x).square().sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+# ---------------------------------------------------------------------------- what else crosses a boundary
+
+
+class LateInputs(nn.Module):
+    """forward(x, scale, shift): ``shift`` is read only by the last layer, ``scale`` by the last two
+    (nanoGPT's ``targets``); both have x's shape, so a swapped transfer would go unnoticed by shape.
+    Returns the output and a view made in the first stage (a model output the last stage must return)."""
+
+    def __init__(self, width: int = 8, layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x, scale, shift):
+        h = torch.tanh(self.layers[0](x))
+        early = h.t()  # a non-contiguous view, returned as a model output
+        h = torch.tanh(self.layers[1](h)) * scale
+        h = self.layers[2](h) * scale + shift
+        return h, early
+
+
+class TransposedHandOff(nn.Module):
+    """Each layer hands the next a transposed view and an expanded mask (stride 0), as HF masks are."""
+
+    def __init__(self, width: int = 8, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        mask = (x[:, :1] > 0).float().expand(-1, x.shape[1])
+        h = x.t()
+        for layer in self.layers:
+            h = (torch.tanh(layer(h.t())) * mask).t()
+        return h.t()
+
+
+def run_by_order(pipe, *inputs):
+    """Run the stages as p2p delivers: stage 0 gets the model inputs in order, stage s > 0 gets the
+    previous stage's outputs positionally, in the order they are sent. Returns the last outputs."""
+    outputs = inputs
+    for s in range(pipe.num_stages):
+        result = pipe.get_stage_module(s)(*outputs)
+        outputs = result if isinstance(result, tuple) else (result,)
+    return outputs
+
+
+def late_inputs_case():
+    torch.manual_seed(0)
+    model = LateInputs()
+    x, scale, shift = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    return model, (x, scale, shift)
+
+
+def test_model_inputs_are_taken_by_the_first_stage_in_order_and_carried():
+    model, inputs = late_inputs_case()
+    pipe = split_model(model, inputs, ["layers.1", "layers.2"])
+    first = stage_nodes(pipe.split_gm.graph)[0]
+    assert [arg.name for arg in first.args] == ["x", "scale", "shift"]
+    assert skipped_transfers(pipe) == [] and misordered_transfers(pipe) == []
+
+
+def test_carried_inputs_and_early_outputs_reproduce_the_model_values_and_gradients():
+    model, inputs = late_inputs_case()
+    expected = model(*inputs)
+    (expected[0].square().sum() + expected[1].sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    pipe = split_model(model, inputs, ["layers.1", "layers.2"])
+    out = run_by_order(pipe, *inputs)
+    assert len(out) == 2  # the last stage returns every model output, in the model's order
+    torch.testing.assert_close(out[0], expected[0])
+    torch.testing.assert_close(out[1], expected[1])
+    (out[0].square().sum() + out[1].sum()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+
+
+def test_receives_follow_the_send_order():
+    """Stage 2 reads ``scale`` and ``shift`` (same shape): they must arrive in the order sent."""
+    model, inputs = late_inputs_case()
+    pipe = split_model(model, inputs, ["layers.2"])
+    assert misordered_transfers(pipe) == []
+    torch.testing.assert_close(run_by_order(pipe, *inputs)[0], model(*inputs)[0])
+
+
+def test_every_transfer_is_contiguous():
+    torch.manual_seed(0)
+    model, x = TransposedHandOff(), torch.randn(4, 8)
+    pipe = split_model(model, (x,), ["layers.1"])
+    sender, receiver = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    sent = sender(x)
+    sent = sent if isinstance(sent, tuple) else (sent,)
+    assert all(t.is_contiguous() for t in sent)
+    received = [n.meta["val"] for n in receiver.graph.nodes if n.op == "placeholder"]
+    assert all(v.is_contiguous() for v in received)  # the receive buffers are sized from these
+    torch.testing.assert_close(run_by_order(pipe, x)[0], model(x))
+
+
+class TiedThreeWays(nn.Module):
+    """One weight as two embeddings in the first stage and the head in the last (T5's ``shared``)."""
+
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.enc_embed = nn.Embedding(vocab, width)
+        self.dec_embed = nn.Embedding(vocab, width)
+        self.dec_embed.weight = self.enc_embed.weight
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.enc_embed.weight
+
+    def forward(self, a, b):
+        h = self.layers[0](self.enc_embed(a) + self.dec_embed(b))
+        return self.head(torch.tanh(self.layers[1](h)))
+
+
+def test_a_tie_is_one_parameter_inside_each_stage():
+    torch.manual_seed(0)
+    model = TiedThreeWays()
+    a, b = torch.randint(0, 16, (4, 5)), torch.randint(0, 16, (4, 5))
+    pipe = split_model(model, (a, b), ["layers.1"])
+    assert pipe.replicated_params  # the head's stage holds a copy
+    first = pipe.get_stage_module(0)
+    assert first.get_parameter("enc_embed.weight") is first.get_parameter("dec_embed.weight")
+    assert state_aliases(model) == (("enc_embed.weight", "dec_embed.weight", "head.weight"),)

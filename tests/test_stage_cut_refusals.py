@@ -1,0 +1,52 @@
+"""No pipeline stage begins where torch's split cannot begin one (passes.stage_cuts.cut_refusals).
+
+tests/models/looped_gpt.py runs its two blocks twice per forward (shared weights): a stage
+beginning at h.1 would begin at each of its calls, so the planner never cuts there, and a
+--pp that needs the cut is refused in one line naming the block and the reason.
+"""
+
+import json
+
+from autoshard.cli import main
+from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, cut_refusals, max_stages
+from autoshard.pipeline import capture_graph
+
+LOOPED = "tests/models/looped_gpt.py:build"
+PLAN = ["plan", LOOPED, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8"]
+
+
+def test_a_block_that_runs_twice_cannot_begin_a_stage(in_repo):
+    _, graph = capture_graph(LOOPED)
+    assert [b.path for b in graph.blocks] == ["h.0", "h.1"]
+    refusals = cut_refusals(graph)
+    assert list(refusals) == [1] and "h.1 runs 2 times per forward" in refusals[1]
+    assert max_stages(graph) == 1
+
+
+def test_blocks_that_run_once_in_order_can_all_begin_stages(in_repo):
+    _, graph = capture_graph("examples/gpt.py:build")
+    assert cut_refusals(graph) == {} and max_stages(graph) == len(graph.blocks) == 4
+
+
+def test_the_partition_skips_forbidden_starts():
+    equal = PartitionProblem(block_time_ps=(10, 10, 10, 10))
+    assert best_cuts(equal, 2) == (2,)
+    assert best_cuts(PartitionProblem(block_time_ps=(10, 10, 10, 10), forbidden_starts=frozenset({2})), 2) == (1,)
+    assert best_cuts(PartitionProblem(block_time_ps=(10, 10, 10, 10), forbidden_starts=frozenset({1, 2, 3})), 2) is None
+
+
+def test_a_pinned_pp_that_needs_the_cut_is_refused_in_one_line(in_repo, capsys):
+    code = main([*PLAN, "--pp", "2"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "--pp 2" in lines[0] and "h.1 runs 2 times per forward" in lines[0] and "pin --pp 1" in lines[0]
+
+
+def test_the_planner_never_proposes_the_cut(in_repo, capsys):
+    code = main([*PLAN, "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert plan["mesh"]["pp"] == 1 and plan["split_points"] == []
+    assert all(alt["mesh"]["pp"] == 1 for alt in plan["alternatives"])
