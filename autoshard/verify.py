@@ -54,11 +54,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
@@ -187,7 +190,8 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     """One process, the whole global batch per step, plain AdamW: the ground truth.
 
     ``dtype=torch.float64`` casts the fp32 initial weights and the float data, so it is the same
-    computation with less rounding. ``dropout=False`` zeroes the model's dropout rates and runs
+    computation with less rounding (an op with no float64 kernel runs in fp32 there:
+    ``Float64Fallback``). ``dropout=False`` zeroes the model's dropout rates and runs
     under ``NoDropout``. ``microbatches=(dp, m)``: accumulate over the m micro-batches the program
     runs, each the dp ranks' slices of it.
     """
@@ -196,7 +200,8 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
         zero_dropout_rates(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    with NoDropout() if not dropout else contextlib.nullcontext():
+    fallback = Float64Fallback() if dtype == torch.float64 else contextlib.nullcontext()
+    with NoDropout() if not dropout else contextlib.nullcontext(), fallback:
         for step in range(steps):
             batch = _cast(global_batch(model_file, batch_size, seed, step), dtype)
             loss = sum(_backward(model_file, model, chunk, len(chunks))
@@ -205,6 +210,29 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss))
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+class Float64Fallback(TorchFunctionMode):
+    """In the float64 reference, an op that has no float64 kernel (``torch._grouped_mm`` in transformers'
+    MoE experts) runs on fp32 copies of its float64 inputs, its outputs cast back: that op rounds like
+    fp32, every other op like float64, so the reference stays far closer to exact than the fp32 run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _DOUBLE_REFUSED.search(str(exc)):
+                raise
+        args, kwargs = tree_map(_to(torch.float64, torch.float32), (args, kwargs))
+        return tree_map(_to(torch.float32, torch.float64), func(*args, **kwargs))
+
+
+_DOUBLE_REFUSED = re.compile(r"Double|float64", re.IGNORECASE)
+
+
+def _to(src: torch.dtype, dst: torch.dtype):
+    return lambda t: t.to(dst) if isinstance(t, torch.Tensor) and t.dtype == src else t
 
 
 def _backward(model_file: ModelFile, model, chunk, count: int) -> float:
