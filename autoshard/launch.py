@@ -86,7 +86,9 @@ def torchrun_main(argv: list[str]) -> int:
     from torch.distributed.run import main
 
     if not os.environ.get("AUTOSHARD_DEBUG"):  # the agent's per-rank log lines say what the block says
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        for name in list(logging.root.manager.loggerDict):  # each elastic module sets its logger's own level
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main(argv)
     except ChildFailedError as exc:
