@@ -402,7 +402,7 @@ def summary_lines(report: VerifyReport) -> list[str]:
     if report.parallel_losses:
         worst = report.most_off[0] if report.most_off else None
         lines.append(f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g}"
-                     + (f"; closest to its bound: {worst.name} ({_times(worst.excess)} its rounding noise)"
+                     + (f"; most off for its rounding noise: {worst.name} ({_times(worst.excess)} that noise)"
                         if worst else ""))
         lines.append(f"tolerance: {TOLERANCE_TEXT}")
     return lines
