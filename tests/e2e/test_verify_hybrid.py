@@ -9,6 +9,7 @@ pytestmark = pytest.mark.e2e
 
 GPT, LLAMA, GPT2 = "examples/gpt.py:build", "tests/models/hf_llama.py:build", "tests/models/hf_gpt2.py:build"
 LLAMA4 = "tests/models/hf_llama.py:build_4_layers"  # enough blocks for 4 stages
+QWEN3 = "tests/models/hf_causal_zoo.py:build_qwen3"  # per-head q_norm / k_norm on sharded heads
 
 CASES = {  # name: (model, ranks, pins)
     "gpt-tp2": (GPT, 2, dict(tp=2)),
@@ -32,6 +33,10 @@ CASES = {  # name: (model, ranks, pins)
     "gpt2-tp2-pp2": (GPT2, 4, dict(tp=2, pp=2, schedule="1f1b")),
     "gpt-dp2-tp2-pp2-zero3": (GPT, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
     "llama-dp2-tp2-pp2-zero3": (LLAMA, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+    # the norms' replicated weights get their tp-partial gradients summed: DTensor (SequenceParallel) with
+    # FSDP2 on dp; the traced tp_copy on each weight inside pipeline stages
+    "qwen3-dp2-tp2-zero3": (QWEN3, 4, dict(dp=2, tp=2, zero=3)),
+    "qwen3-tp2-pp2": (QWEN3, 4, dict(tp=2, pp=2, schedule="1f1b")),
 }
 
 
@@ -46,5 +51,7 @@ def test_hybrid_plan_trains_like_one_process(in_repo, case):
         assert plan.schedule == pins["schedule"] and len(plan.split_points) == plan.mesh.pp * plan.virtual_stages - 1
     if plan.mesh.tp > 1:
         assert plan.tensor_parallel, "a tp plan shards something"
+    if model == QWEN3:
+        assert plan.tensor_parallel["model.layers.0.self_attn.q_norm"] == "sharded-input-dim2"
     report = verify(plan, steps=3)
     assert report.ok, report.failure
