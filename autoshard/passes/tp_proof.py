@@ -29,7 +29,11 @@ For each degree t in ``PROOF_DEGREES`` that divides the model's heads (``prove_d
    layout did not use was never run on a shard, so the search may not pick it either.
 
 What is proven: every op the search may run on shards gave, in the model's own code on shard-shaped
-inputs, the shape the layout implies. Per-head mixing that keeps shapes (a fused q|k|v split) is
+inputs, the shape the layout implies. The search may combine proven rules into another layout than
+the widest; each op then still sees the input shapes it was checked with (a rule fixes its inputs'
+layouts), so the argument carries over, unless an op's size arguments are read at run time from a
+*different* tensor whose layout differs between the two (none of the zoo's models does this; the
+zoo's tp2 programs are verified numerically). Per-head mixing that keeps shapes (a fused q|k|v split) is
 refused by the propagation itself (``fused_split``, splits over the sharded dim). The result is
 ``OpGraph.tp_proofs[str(t)]``: node -> the reason it is refused; degrees not checked refuse all.
 """
