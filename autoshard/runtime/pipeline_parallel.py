@@ -27,6 +27,9 @@ all-reduce)::
 
 over the pp ranks holding a copy (all of pp when pp = 2), and AdamW then moves every copy
 the same.
+Inside one stage every name of a tied weight is made one parameter again (``one_parameter_per_tie``:
+``pipeline()`` may copy it under one name and keep the original under another, T5's encoder and
+decoder embeddings), and ``full_state_dict`` lists every alias the model's ``state_dict()`` does.
 ``pipeline()`` also leaves the original, now unused, alias on stage 0 (``lm_head.weight`` on the
 embedding stage); ``drop_unused_state`` removes such leftovers so no stale copy is trained or
 gathered.

@@ -1,4 +1,4 @@
-"""Route values that skip pipeline stages through every stage in between.
+"""Make every pipeline transfer one torch's stages can run: adjacent, in order, contiguous.
 
 What torch lacks. ``pipeline()`` splits such a model correctly: its top-level graph
 (``Pipe.split_gm``) calls stage s as ``submod_s(*args)``, and an arg may be an output of any
@@ -31,6 +31,17 @@ stage 0 must take every model input x_1 .. x_n in order, and an input read by a 
 made adjacent like any other value: it counts as made by stage p(x) = −1, and stages
 0 .. last(x) − 1 carry it (``first_stage_takes_every_input``, then ``route_skipped_values``).
 
+Model outputs. The schedule returns the last stage's outputs only, and the loss rebuilds the
+model's output from them, so the last stage returns every model output leaf in the model's
+order; one made earlier (T5's ``encoder_last_hidden_state``) is carried to it like a value it
+reads (``last_stage_reads_every_output``).
+
+Receive order. ``_PipelineStage`` sends output i of stage s to its i-th ``getitem`` user and
+stage s + 1 receives into its placeholders in order; the two are paired by order alone, so two
+tensors of one shape and dtype (an attention mask and a carried input) taken in another order
+would be swapped silently. Each stage's inputs are put in the previous stage's output order
+(``misordered_transfers`` finds any that are not).
+
 Contiguous transfers. Send and receive buffers must be contiguous (gloo refuses others), but
 a stage may hand on a view: the expanded 4-D attention masks of BERT, T5 and ViT, a transposed
 bias. Every stage output but the last stage's becomes ``output.contiguous()`` (the identity on
@@ -53,7 +64,8 @@ def route_skipped_values(pipe):
     """Make every transfer of ``pipe`` (from ``torch.distributed.pipelining.pipeline()``) adjacent.
 
     Stage 0 takes every model input; values (model inputs included) read past the next stage
-    are carried. Modifies the pipe's graphs in place and returns it.
+    are carried; the last stage returns every model output; each stage receives in the order
+    the previous one sends. Modifies the pipe's graphs in place and returns it.
     """
     graph = pipe.split_gm.graph
     stages = stage_nodes(graph)
@@ -65,9 +77,9 @@ def route_skipped_values(pipe):
         _carry(pipe.split_gm, stages, value, producer, last)
     if returned is not None:
         _return_model_output(pipe.split_gm, stages[-1], returned)
-    if not (changed or returned is not None or skipping):
+    reordered = _receive_in_send_order(pipe.split_gm, stages)
+    if not (changed or returned is not None or skipping or reordered):
         return pipe
-    _receive_in_send_order(pipe.split_gm, stages)
     graph.lint()
     pipe.split_gm.recompile()
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # its cached last uses are stale
@@ -109,8 +121,9 @@ def _getitem_users(node: fx.Node) -> list[fx.Node]:
     return [user for user in node.users if user.target is operator.getitem]
 
 
-def _receive_in_send_order(split_gm: fx.GraphModule, stages: list[fx.Node]) -> None:
-    """Order each stage's inputs (and placeholders) by the previous stage's output index."""
+def _receive_in_send_order(split_gm: fx.GraphModule, stages: list[fx.Node]) -> bool:
+    """Order each stage's inputs (and placeholders) by the previous stage's output index; whether any moved."""
+    moved = False
     for s in range(1, len(stages)):
         node, sender = stages[s], stages[s - 1]
         module = split_gm.get_submodule(node.target)
@@ -119,6 +132,8 @@ def _receive_in_send_order(split_gm: fx.GraphModule, stages: list[fx.Node]) -> N
             _order_placeholders(module.graph, [inner for _, inner in pairs])
             module.recompile()
             node.args = tuple(arg for arg, _ in pairs)
+            moved = True
+    return moved
 
 
 def first_stage_takes_every_input(split_gm: fx.GraphModule, stages: list[fx.Node]) -> bool:
