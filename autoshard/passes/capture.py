@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import sys
 import sysconfig
@@ -73,6 +74,28 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
         raise AutoshardError(f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
                              f"train or shard; return the model with its layers from the factory")
     return graph
+
+
+@contextlib.contextmanager
+def model_output_to_stderr() -> Iterator[None]:
+    """What the model file prints while it is imported, built and exported goes to stderr, so that
+    stdout carries only autoshard's own output (``plan --json`` is pure JSON). Both Python's
+    ``sys.stdout`` and file descriptor 1 (C extensions, subprocesses) are redirected, then restored."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (a closed stdout): Python's level only
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str = "model") -> OpGraph:

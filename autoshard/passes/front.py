@@ -97,10 +97,10 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[Model
     same in this process and in the forked child, which records in itself."""
     from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
-    from autoshard.passes.capture import capture
+    from autoshard.passes.capture import capture, model_output_to_stderr
     from autoshard.passes.tp_proof import prove_tensor_parallel
 
-    with capture_cache.recording() as reads:
+    with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
         model_file = load_model_file(spec)
         graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
         graph = run_pass("annotate", done, annotate, graph)
