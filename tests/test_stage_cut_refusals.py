@@ -3,12 +3,14 @@
 tests/models/looped_gpt.py runs its two blocks twice per forward (shared weights): a stage
 beginning at h.1 would begin at each of its calls, so the planner never cuts there, and a
 --pp that needs the cut is refused in one line naming the block and the reason.
+tests/models/no_grad_gate.py computes a gate from its weights under ``torch.no_grad()``:
+no stage boundary at all.
 """
 
 import json
 
 from autoshard.cli import main
-from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, cut_refusals, max_stages
+from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, cut_refusals, gradient_stopping_regions, max_stages
 from autoshard.pipeline import capture_graph
 
 LOOPED = "tests/models/looped_gpt.py:build"
@@ -50,3 +52,18 @@ def test_the_planner_never_proposes_the_cut(in_repo, capsys):
     assert code == 0
     assert plan["mesh"]["pp"] == 1 and plan["split_points"] == []
     assert all(alt["mesh"]["pp"] == 1 for alt in plan["alternatives"])
+
+
+def test_a_no_grad_region_reading_weights_keeps_the_model_in_one_stage(in_repo, capsys):
+    spec = "tests/models/no_grad_gate.py:build"
+    _, graph = capture_graph(spec)
+    assert gradient_stopping_regions(graph) == ["0", "1", "2", "3"]
+    assert max_stages(graph) == 1
+    code = main(["plan", spec, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--pp", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "torch.no_grad() region in 0" in err
+
+
+def test_a_no_grad_region_on_buffers_only_keeps_every_cut(in_repo):
+    _, graph = capture_graph("tests/models/hf_llama.py:build")  # the rotary tables, from inv_freq
+    assert gradient_stopping_regions(graph) == [] and cut_refusals(graph) == {}

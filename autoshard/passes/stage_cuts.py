@@ -19,7 +19,10 @@ solved exactly by dynamic programming over cut positions (``best_cuts``)::
 Legal cuts. A stage begins where torch's split begins it: at each call of the block's module.
 So no stage may begin at block k when k runs more than once per forward (weights shared
 across depth, as in ALBERT or a looped GPT: every call would begin a stage), nor when a block
-before k runs again after k begins (the boundary would be crossed twice). ``cut_refusals``
+before k runs again after k begins (the boundary would be crossed twice). No stage boundary
+at all when a ``torch.no_grad()`` region reads values that need gradients (parameters, or
+activations made from them): torch's ``pipeline()`` cannot split around such a region, and
+tracing it under ``no_grad`` (as the runtime does for rotary tables) would let gradients through. ``cut_refusals``
 names those k with the reason; the dynamic programme takes only ranges [i, j) with i not
 refused (``PartitionProblem.forbidden_starts``), and ``max_stages`` = 1 + the legal cuts bounds
 the pipeline degrees the planner proposes and the pins it accepts.
@@ -146,6 +149,11 @@ def cut_refusals(graph: OpGraph) -> dict[int, str]:
     calls = Counter(runs)
     first = {path: runs.index(path) for path in paths}
     last = {path: len(runs) - 1 - runs[::-1].index(path) for path in paths}
+    regions = gradient_stopping_regions(graph)
+    if regions:
+        why = (f"a torch.no_grad() region in {regions[0]} reads values that need gradients, and torch's "
+               f"pipeline() cannot split a model around it")
+        return {k: why for k in range(1, len(paths))}
     refusals = {}
     for k in range(1, len(paths)):
         path = paths[k]
@@ -156,6 +164,25 @@ def cut_refusals(graph: OpGraph) -> dict[int, str]:
         elif late:
             refusals[k] = f"{late[0]} runs again after {path} begins, so the stage boundary would be crossed twice"
     return refusals
+
+
+GRAD_MODE_REGION = "higher_order.wrap_with_set_grad_enabled"
+
+
+def gradient_stopping_regions(graph: OpGraph) -> list[str]:
+    """Module paths of the ``torch.no_grad()`` regions that read a parameter or an activation made from one."""
+    trainable = {p.name for p in graph.params if not p.is_buffer}
+    needs_grad: set[str] = set()
+    found = []
+    for node in graph.nodes:
+        reads = any(name in needs_grad or graph.placeholder_params.get(name) in trainable for name in node.inputs)
+        if node.target == GRAD_MODE_REGION and node.attrs.get("arg0") is False:
+            if reads:
+                found.append(node.module_path or "the model's forward")
+            continue  # what leaves the region needs no gradient
+        if reads:
+            needs_grad.add(node.name)
+    return found
 
 
 def _block_runs(graph: OpGraph) -> list[str]:
