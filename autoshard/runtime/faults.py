@@ -7,6 +7,10 @@ was cut off is a ``.partial`` folder, never loaded). The data of step t depends 
 (seed, t), so the run ends with the parameters of a run without the fault; the steps after
 the last checkpoint are computed again, nothing is lost.
 
+A rank that survives (its collective lost the dead peer: "Connection reset by peer") says so in one
+line, and whether torchrun restarts the job, instead of a traceback (``peer_gone_message``): the
+dead rank is the one to name, and torchrun's block names it when the job ends.
+
 Hangs. Every collective runs under the process group's timeout T (``init_distributed``,
 ``--timeout-s`` on the program). A rank whose collective times out marks itself in
 torchrun's rendezvous store (``autoshard/timed-out/<rank>``), waits a moment for the others
@@ -77,6 +81,10 @@ def guard(main: Callable[[], None]) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(AutoshardError.exit_code)
     except Exception as exc:  # torch raises DistBackendError / RuntimeError, by backend
+        if dist.is_initialized() and _is_peer_gone(exc):  # another rank died: it is the one to name, not us
+            record_for_torchrun(exc)
+            print(f"rank {dist.get_rank()}: {peer_gone_message()}", file=sys.stderr, flush=True)
+            os._exit(1)  # no traceback, and no destroy_process_group: its peers are gone
         if not _is_timeout(exc) or not dist.is_initialized():
             record_for_torchrun(exc)
             raise
@@ -95,6 +103,30 @@ def record_for_torchrun(exc: BaseException) -> None:
     handler = get_error_handler()
     handler.initialize()
     handler.record_exception(exc)
+
+
+# What gloo and NCCL say when the other end of a collective went away (its process ended).
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "socket closed", "remote process exited")
+
+
+def _is_peer_gone(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(phrase in text for phrase in _PEER_GONE)
+
+
+def peer_gone_message() -> str:
+    """One line for a rank whose collective lost a peer: what happens next (a restart, or the end)."""
+    step = _progress["step"]
+    where = f"after step {step}" if step is not None else "before the first step ended"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts < allowed:
+        then = (f"torchrun restarts every rank (restart {restarts + 1} of {allowed}) and the job resumes from "
+                f"its newest checkpoint")
+    else:
+        then = "the job stops; the rank that failed first is named below"
+    return f"another rank ended during a collective {where}; {then}"
 
 
 def _is_timeout(exc: BaseException) -> bool:

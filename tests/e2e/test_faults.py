@@ -54,6 +54,9 @@ def test_job_survives_a_dead_rank_with_the_same_parameters(in_repo, plan_file, n
     captured = capfd.readouterr()
     assert code == 0, captured.out[-3000:] + captured.err[-3000:]
     assert f"fault injected: {fault.split(':')[0]}" in captured.err
+    # the surviving rank says the restart is coming in one line, with no traceback
+    assert "another rank ended during a collective" in captured.err and "restart 1 of 1" in captured.err
+    assert "Traceback" not in captured.err and "Connection reset" not in captured.err, captured.err[-3000:]
     losses = json.loads((tmp_path / "out" / "metrics.json").read_text())["losses"]
     assert len(losses) == STEPS - resumed_from  # the restarted attempt began at the last complete checkpoint
     got = params(tmp_path / "out")
