@@ -26,6 +26,23 @@ class _Parser(argparse.ArgumentParser):
         raise AutoshardError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+def _int_flag(flag: str, low: int, high: int, example: int):
+    """argparse ``type=`` for an integer flag in [low, high]: anything else is one line before anything starts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; e.g. {flag} {example}") from None
+        if not low <= value <= high:
+            bound = f">= {low}" if high >= 10**15 else f"from {low} to {high:,}"
+            raise argparse.ArgumentTypeError(f"{flag} {text} must be an integer {bound}; e.g. {flag} {example}")
+        return value
+    return parse
+
+
+MAX = 2**63 - 1  # --seed: torch.manual_seed takes 0 .. 2**64-1; beyond it every rank would fail
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -130,20 +147,23 @@ def _add_compile(sub, common) -> None:
     p = sub.add_parser("compile", parents=[common], help="emit the training program of a plan")
     p.add_argument("plan")
     p.add_argument("-o", "--output", default="train.py")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing SLURM script beside the program (NAME.sbatch) that autoshard did not write")
     p.set_defaults(func=cmd_compile)
 
 
 def _add_run(sub, common) -> None:
     p = sub.add_parser("run", parents=[common], help="emit a plan's program and run it here with torchrun")
     p.add_argument("plan")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20)
+    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0)
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
     p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=_int_flag("--checkpoint-every", 1, 10**9, 100), default=100,
+                   help="steps between checkpoints")
+    p.add_argument("--max-restarts", type=_int_flag("--max-restarts", 0, 100, 1), default=0,
                    help="restart every rank this many times when one fails (resumes from --checkpoint-dir)")
-    p.add_argument("--timeout-s", type=int, default=300,
+    p.add_argument("--timeout-s", type=_int_flag("--timeout-s", 1, 10**7, 300), default=300,
                    help="a collective waiting longer ends the job, naming the ranks that never joined it")
     p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
     p.set_defaults(func=cmd_run)
@@ -152,8 +172,8 @@ def _add_run(sub, common) -> None:
 def _add_verify(sub, common) -> None:
     p = sub.add_parser("verify", parents=[common], help="check the emitted program trains like one process")
     p.add_argument("plan")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5)
+    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0)
     p.set_defaults(func=cmd_verify)
 
 
@@ -187,6 +207,7 @@ def _calibrate_across_nodes(args, output) -> int:
 def cmd_plan(args) -> int:
     from autoshard.passes.front import capture_ahead
 
+    _check_plan_output(args)
     with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):  # before other imports
         from autoshard import api
 
@@ -217,6 +238,7 @@ def cmd_estimate(args) -> int:
     if missing:
         raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
                              f"(or let `autoshard plan` choose)")
+    _check_plan_output(args)
     with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):
         from autoshard import api
 
@@ -232,10 +254,74 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def _plan_inputs(args) -> dict[str, Path]:
+    """The files a plan or estimate command reads, by what they are: -o never names one of them."""
+    inputs = {"model file": Path(args.model.rsplit(":", 1)[0])}
+    if Path(args.cluster).exists():
+        inputs["cluster file"] = Path(args.cluster)
+    return inputs
+
+
+def _check_plan_output(args) -> None:
+    """Before any capture: -o is not an input, a folder or a Python module (a plan is JSON)."""
+    if not args.output:
+        return
+    output = Path(args.output)
+    check_outputs([output], _plan_inputs(args))
+    if output.suffix == ".py" and output.exists():
+        raise AutoshardError(f"output '{output}' is an existing Python file and a plan is JSON; writing it there "
+                             f"would replace that code; fix: choose another name, e.g. -o plan.json")
+
+
+def check_outputs(outputs: list[Path], inputs: dict[str, Path], loaded: dict[Path, str] | None = None) -> None:
+    """Every output names a file, not a folder, and none is one of the command's inputs (``inputs``: what it
+    is -> path) or a module the model imported (``loaded``: resolved path -> module name)."""
+    for output in outputs:
+        if output.is_dir():
+            raise AutoshardError(f"output '{output}' is a folder; fix: name a file in it, e.g. "
+                                 f"{output / ('plan.json' if output.suffix != '.py' else 'train.py')}")
+        for what, path in inputs.items():
+            if _same_file(output, path):
+                raise AutoshardError(f"output '{output}' is this command's {what} ('{path}'); writing there would "
+                                     f"replace it; fix: choose another name for the output")
+        module = (loaded or {}).get(_resolved(output))
+        if module is not None and output.exists():
+            raise AutoshardError(f"output '{output}' is the module '{module}' that the model imports; writing there "
+                                 f"would replace that code; fix: choose another name for the output")
+    named = [_resolved(o) for o in outputs]
+    if len(set(named)) != len(named):
+        raise AutoshardError(f"outputs {', '.join(map(str, outputs))} name one file twice; fix: give each its own name")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return _resolved(a) == _resolved(b)
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compared as written
+        return path.absolute()
+
+
+def _loaded_modules() -> dict[Path, str]:
+    """Resolved file -> name of every module imported in this process (the model's among them)."""
+    out: dict[Path, str] = {}
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str):
+            out.setdefault(_resolved(Path(file)), name)
+    return out
+
+
 def _write_plan(plan, args) -> None:
     from autoshard.show import render_plan
 
     if args.output:
+        check_outputs([Path(args.output)], _plan_inputs(args), _loaded_modules())  # the model's own modules too
         plan.save(args.output)
     if args.json:
         sys.stdout.write(plan.to_json())
@@ -276,33 +362,93 @@ def cmd_diff(args) -> int:
     return 0
 
 
+SBATCH_MARK = "emitted by autoshard"  # in the second line of every SLURM script compile writes
+
+
+def _program_outputs(plan, program: Path, plan_file: Path, also: tuple[Path, ...] = ()) -> dict[str, Path]:
+    """Checks what needs no import: the program's name and that no output is an input."""
+    if program.suffix != ".py":
+        raise AutoshardError(f"output '{program}' must end in .py; e.g. -o train.py")
+    model = Path(plan.model["spec"].rsplit(":", 1)[0])
+    if _same_file(program, model):
+        raise AutoshardError(f"output '{program}' is this plan's model file; writing the program there would "
+                             f"replace your model; fix: choose another name, e.g. -o train.py")
+    inputs = {"plan file": plan_file, "model file": model}
+    check_outputs([program, *also], inputs)
+    return inputs
+
+
+def _check_sbatch(sbatch: Path, force: bool) -> bool:
+    """Whether ``sbatch`` exists; one that autoshard did not write is replaced only with --force."""
+    if not sbatch.exists() or sbatch.is_dir():
+        return False
+    try:
+        with open(sbatch, "rb") as f:
+            head = f.read(4096).decode(errors="replace")
+    except OSError:
+        head = ""
+    if SBATCH_MARK not in head and not force:
+        raise AutoshardError(f"'{sbatch}' exists and autoshard did not write it; compile writes the SLURM script "
+                             f"beside the program; fix: add --force to replace it, or choose another -o name")
+    return True
+
+
 def cmd_compile(args) -> int:
-    from autoshard.ir.plan import load_plan
-    from autoshard.launch import write_program
-    from autoshard.passes.codegen import torchrun_command
+    from autoshard.ir.plan import check_model_file, load_plan, write_files_atomic
+    from autoshard.passes.codegen import emit_program, emit_sbatch, torchrun_command
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
+    path = Path(args.output)
+    sbatch = path.with_suffix(".sbatch")
+    inputs = _program_outputs(plan, path, Path(args.plan), also=(sbatch,))
+    replaced = _check_sbatch(sbatch, args.force)
+    check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
-    path = write_program(plan, args.output, sbatch=True)
-    print(f"wrote {path} and {path.with_suffix('.sbatch')}; run it with: {torchrun_command(plan, str(path))} "
-          f"(or on SLURM: sbatch {path.with_suffix('.sbatch')})")
+    check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
+    write_files_atomic({path: emit_program(plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
+    print(f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
+          f"{torchrun_command(plan, str(path))} (or on SLURM: sbatch {sbatch})")
     return 0
 
 
+def _check_output_folder(flag: str, folder: str | None) -> None:
+    """A folder the ranks will create or write into: not a file, and under a folder (not a file) that exists."""
+    if not folder:
+        return
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise AutoshardError(f"{flag} '{folder}' is an existing file, not a folder; fix: name a folder (it is "
+                             f"created if missing)")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AutoshardError(f"{flag} '{folder}' cannot be created: '{parent}' is a file; fix: name a folder "
+                             f"under an existing folder")
+    if not os.access(parent if not path.exists() else path, os.W_OK | os.X_OK):
+        raise AutoshardError(f"{flag} '{folder}': '{parent if not path.exists() else path}' is not writable; "
+                             f"fix: choose a folder you can write")
+
+
 def cmd_run(args) -> int:
-    from autoshard.ir.plan import load_plan
+    from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.launch import check_runs_here, run_torchrun, write_program
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
     check_runs_here(plan)
-    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
-    program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
-    write_program(plan, program)
     if args.max_restarts and not args.checkpoint_dir:
         raise AutoshardError(f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
                              f"step 0; add --checkpoint-dir DIR (and --checkpoint-every N)")
+    program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
+    inputs = _program_outputs(plan, program, Path(args.plan))
+    _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
+    _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
+    check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
+    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    check_outputs([program], inputs, _loaded_modules())
+    write_program(plan, program)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
@@ -313,10 +459,11 @@ def cmd_run(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from autoshard.ir.plan import load_plan
+    from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.verify import summary_lines, verify
 
     plan = load_plan(args.plan)
+    check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
           f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
     report = verify(plan, steps=args.steps, seed=args.seed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import sys
 import types
 import warnings
@@ -151,15 +152,35 @@ def load_model_file(spec: str) -> ModelFile:
         )
     file_part, factory_name = spec.rsplit(":", 1)
     path = Path(file_part)
+    if path.is_dir():
+        raise AutoshardError(f"model file '{file_part}' is a folder, not a file; name the Python file that "
+                             f"defines the factory, e.g. {file_part.rstrip('/')}/model.py:{factory_name or 'build'}")
     if not path.is_file():
         raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
+    if path.suffix != ".py":
+        raise AutoshardError(f"model file '{file_part}' is not a Python file; a model is path/to/file.py:factory")
     module = _import_file(path, spec)
     if not factory_name.isidentifier() or not callable(getattr(module, factory_name, None)):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise AutoshardError(
             f"{path}: no function '{factory_name}'; name one of: {', '.join(names[:8]) or 'none defined'}"
         )
+    _check_factory_takes_no_arguments(path, factory_name, getattr(module, factory_name))
     return ModelFile(spec=spec, path=path, factory_name=factory_name, module=module)
+
+
+def _check_factory_takes_no_arguments(path: Path, name: str, factory: Callable) -> None:
+    """autoshard calls the factory with no arguments: one that needs some is named here, not blamed later on
+    the meta device."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or a class without a signature: calling it will tell
+        return
+    needed = [p.name for p in signature.parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if needed:
+        raise AutoshardError(f"{path}: the factory {name}() needs the argument(s) {', '.join(needed[:4])}; autoshard "
+                             f"calls it with none: give them defaults, or add a factory that takes no arguments")
 
 
 def _import_file(path: Path, spec: str) -> types.ModuleType:

@@ -33,7 +33,7 @@ from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Mesh, Plan, Stage
+from autoshard.ir.plan import Mesh, Plan, Stage, model_file_sha256
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops
 from autoshard.passes.blocks import find_blocks
@@ -212,6 +212,9 @@ def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> di
         "layers": len(graph.blocks),
         "tokens_per_sample": graph.tokens_per_sample,
     }
+    file_sha256 = model_file_sha256(spec)  # checked before compile, run or verify import the file
+    if file_sha256 is not None:
+        summary["file_sha256"] = file_sha256
     estimated = estimated_ops(graph)
     if estimated:  # only then: plans of models whose every op has a formula stay as they were
         summary["ops_estimated"] = {"count": len(estimated), "ops": sorted({n.target for n in estimated})[:OPS_NAMED]}

@@ -38,7 +38,7 @@ def cluster_args(cluster: str, *extra: str) -> list[str]:
 
 MODEL_FILES = [  # broken model files
     (plan_args("nope.py:build"), "model file 'nope.py' not found"),
-    (plan_args("tests/bad_inputs:build"), "not found; check the path"),
+    (plan_args("tests/bad_inputs:build"), "is a folder, not a file"),
     (plan_args("examples/gpt.py"), "has no factory"),
     (plan_args("examples/gpt.py:"), "no function ''"),
     (plan_args(B + "syntax_error.py:build"), "raised SyntaxError"),

@@ -9,11 +9,16 @@ breakdown and the reason they lost.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import os
+import re
+import stat
+import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
 
@@ -220,25 +225,194 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename over the target."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write ``text`` to ``path`` atomically (``write_atomic``)."""
+    write_atomic(path, text.encode())
+
+
+def write_atomic(path: str | Path, data: bytes | Callable[[IO[bytes]], None]) -> None:
+    """Write ``data`` (bytes, or a function writing to a binary file) to ``path`` atomically.
+
+    The temporary file is created by ``tempfile.mkstemp`` in the target's folder: a fresh, unique
+    name opened with O_EXCL, so no other file (a symlink planted at a predictable name) is ever
+    followed or truncated; ``os.replace`` then puts it in place in one step. A crash or an error
+    leaves the target as it was and no temporary behind."""
+    write_files_atomic({Path(path): data})
+
+
+def write_files_atomic(outputs: dict[Path, bytes | Callable[[IO[bytes]], None]]) -> None:
+    """Write several files all or nothing: every temporary is written first, then each renamed over its
+    target; a rename that fails puts back the files already replaced (or removes the ones it created)."""
+    temps: dict[Path, str] = {}
+    done: list[tuple[Path, str | None]] = []  # target, backup of what it was (None: it did not exist)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(path)
+        for path, data in outputs.items():
+            if path.is_dir():
+                raise IsADirectoryError(21, "Is a directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temps[path] = _write_temporary(path, data)
+        for path, tmp in temps.items():
+            backup = _backup(path) if len(outputs) > 1 else None
+            os.replace(tmp, path)
+            done.append((path, backup))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # nothing half-written stays behind
-        raise AutoshardError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); "
+        _undo(done)
+        _remove(temps.values())
+        failed = next((p for p in outputs if p not in dict(done)), next(iter(outputs)))
+        raise AutoshardError(f"cannot write {failed} ({exc.strerror or type(exc).__name__}); "
                              f"fix: choose a writable file in an existing folder") from exc
+    except BaseException:
+        _undo(done)
+        _remove(temps.values())
+        raise
+    _remove(b for _, b in done if b is not None)
+
+
+def _write_temporary(path: Path, data: bytes | Callable[[IO[bytes]], None]) -> str:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+        os.chmod(tmp, _mode_for(path))  # mkstemp makes it 0600
+    except BaseException:
+        _remove([tmp])
+        raise
+    return tmp
+
+
+def _backup(path: Path) -> str | None:
+    """A hard link to what ``path`` is now (a unique name), so a later failure can put it back."""
+    if not path.is_file() or path.is_symlink():
+        return None
+    for _ in range(100):
+        name = str(path.with_name(f".{path.name}.{os.urandom(6).hex()}.bak"))
+        try:
+            os.link(path, name)  # fails if the name exists: never follows or replaces anything
+            return name
+        except FileExistsError:
+            continue
+        except OSError:
+            return None  # no hard links here: an undo then removes the new file only
+    return None
+
+
+def _undo(done: list[tuple[Path, str | None]]) -> None:
+    for path, backup in reversed(done):
+        with contextlib.suppress(OSError):
+            if backup is not None:
+                os.replace(backup, path)
+            else:
+                path.unlink()
+
+
+def _remove(names) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def _mode_for(path: Path) -> int:
+    """The target's own mode when it exists, else that of a file the user creates (0666 less the umask)."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    umask = 0o022
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:  # os.umask would set it
+        umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    return 0o666 & ~umask
+
+
+# ---------------------------------------------------------------------------- the plan's model file
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_file_sha256(spec: str) -> str | None:
+    """``model.file_sha256`` of a plan of ``spec``: its model file's content hash (None when unreadable)."""
+    try:
+        return file_sha256(spec.rsplit(":", 1)[0])
+    except OSError:
+        return None
+
+
+def check_model_file(plan: "Plan") -> Path:
+    """The plan's model file, checked before anything imports it: a plan is data, and its ``model.spec``
+    names a file that ``compile``, ``run`` and ``verify`` import (run). That file must be a Python file
+    whose bytes are the ones planned (``model.file_sha256``). A plan without the hash (made before plans
+    recorded it) is refused too: nothing could tell its file from another one."""
+    spec = plan.model["spec"]
+    file_part = spec.rsplit(":", 1)[0]
+    path = Path(file_part)
+    if path.is_dir():
+        raise AutoshardError(f"model file '{file_part}' is a folder; the plan's model.spec must name a Python "
+                             f"file (path/to/file.py:factory); re-plan it with `autoshard plan`")
+    if not path.is_file():
+        raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
+    if path.suffix != ".py":
+        raise AutoshardError(f"model file '{file_part}' is not a Python file (.py); a plan's model.spec names "
+                             f"the model file it was made for; re-plan it with `autoshard plan`")
+    expected = plan.model.get("file_sha256")
+    if expected is None:
+        raise AutoshardError(f"the plan does not record the content hash of its model file '{file_part}' (made by "
+                             f"an older autoshard), so the file cannot be checked before it is imported; "
+                             f"re-plan it with `autoshard plan {spec} ...`")
+    try:
+        actual = file_sha256(path)
+    except OSError as exc:
+        raise AutoshardError(f"model file '{file_part}' cannot be read ({exc.strerror}); check its permissions") \
+            from exc
+    if actual != expected:
+        raise AutoshardError(f"model file '{file_part}' is not the model this plan was made for: its sha256 is "
+                             f"{actual[:16]}..., the plan's model.file_sha256 {expected[:16]}...; nothing was "
+                             f"imported; re-plan it with `autoshard plan {spec} ...`")
+    return path
+
+
+def _check_file_sha256(model: dict[str, Any]) -> dict[str, Any]:
+    digest = model.get("file_sha256")
+    if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+        raise AutoshardError(f"plan field 'model.file_sha256' must be 64 lowercase hexadecimal digits, got "
+                             f"{str(digest)[:80]!r}; re-create the plan with `autoshard plan`")
+    return model
+
+
+def _mesh(d: Any, where: str) -> Mesh:
+    if not isinstance(d, dict):
+        raise TypeError(f"{where} must be a mapping of dp, tp, pp")
+    unknown = sorted(str(k) for k in d if k not in ("dp", "tp", "pp"))
+    if unknown:
+        raise AutoshardError(f"plan field '{where}' has an unknown key {unknown[0][:40]!r}; a mesh has only dp, "
+                             f"tp and pp; remove it or re-create the plan with `autoshard plan`")
+    return Mesh(**d)
+
+
+def _memory(d: Any) -> Memory:
+    if not isinstance(d, dict):
+        raise TypeError("predicted.memory must be a mapping")
+    known = {f.name for f in fields(Memory)}
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise AutoshardError(f"plan field 'predicted.memory' has an unknown key {unknown[0][:40]!r}; "
+                             f"re-create the plan with `autoshard plan`")
+    return Memory(**d)
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     return Plan(
-        model=dict(_require_keys(d["model"], ("spec", "hash", "params", "layers"), "model")),
+        model=_check_file_sha256(dict(_require_keys(d["model"], ("spec", "hash", "params", "layers"), "model"))),
         cluster=dict(d["cluster"]),
         global_batch=_int(d["global_batch"]),
-        mesh=Mesh(**d["mesh"]),
+        mesh=_mesh(d["mesh"], "mesh"),
         zero_stage=_int(d["zero_stage"]),
         microbatch_size=_int(d["microbatch_size"]),
         num_microbatches=_int(d["num_microbatches"]),
@@ -280,13 +454,13 @@ def _predicted(d: dict[str, Any] | None) -> Predicted | None:
         return None
     known = {f.name for f in fields(Predicted)}
     values = {k: v for k, v in d.items() if k in known}
-    values["memory"] = Memory(**d["memory"])
+    values["memory"] = _memory(d["memory"])
     return Predicted(**values)
 
 
 def _alternative(d: dict[str, Any]) -> Alternative:
     return Alternative(
-        mesh=Mesh(**d["mesh"]),
+        mesh=_mesh(d["mesh"], "alternatives[].mesh"),
         zero_stage=d["zero_stage"],
         microbatch_size=d["microbatch_size"],
         recompute=d["recompute"],

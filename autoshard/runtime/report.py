@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from autoshard.ir.plan import write_atomic
 from autoshard.runtime import faults
 from autoshard.runtime.model import strip_wrapper_names
 
@@ -80,7 +81,7 @@ def _write_rank_median(out: Path, log: StepLog) -> None:
     more for the ranks to agree on at shutdown."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None
-    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps({"median_step_s": median}))
+    write_atomic(out / f"rank-{dist.get_rank()}.json", json.dumps({"median_step_s": median}).encode())
 
 
 def slowest_rank_median_step_s(out: str | Path) -> float | None:
@@ -90,11 +91,9 @@ def slowest_rank_median_step_s(out: str | Path) -> float | None:
 
 
 def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor]) -> None:
+    """Each file through a fresh temporary (``write_atomic``): never a name another file could stand at."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "params.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(out / "params.pt")
+    write_atomic(out / "params.pt", lambda f: torch.save(state, f))
     median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
     metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median}
-    (out / "metrics.json.tmp").write_text(json.dumps(metrics, indent=1))
-    (out / "metrics.json.tmp").replace(out / "metrics.json")
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=1).encode())
