@@ -362,7 +362,7 @@ def cmd_diff(args) -> int:
     return 0
 
 
-SBATCH_MARK = "emitted by autoshard"  # in the second line of every SLURM script compile writes
+AUTOSHARD_MARK = "emitted by autoshard"  # in the first lines of every program and SLURM script autoshard writes
 
 
 def _program_outputs(plan, program: Path, plan_file: Path, also: tuple[Path, ...] = ()) -> dict[str, Path]:
@@ -378,16 +378,19 @@ def _program_outputs(plan, program: Path, plan_file: Path, also: tuple[Path, ...
     return inputs
 
 
+def _written_by_autoshard(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return AUTOSHARD_MARK in f.read(4096).decode(errors="replace")
+    except OSError:
+        return False
+
+
 def _check_sbatch(sbatch: Path, force: bool) -> bool:
     """Whether ``sbatch`` exists; one that autoshard did not write is replaced only with --force."""
     if not sbatch.exists() or sbatch.is_dir():
         return False
-    try:
-        with open(sbatch, "rb") as f:
-            head = f.read(4096).decode(errors="replace")
-    except OSError:
-        head = ""
-    if SBATCH_MARK not in head and not force:
+    if not force and not _written_by_autoshard(sbatch):
         raise AutoshardError(f"'{sbatch}' exists and autoshard did not write it; compile writes the SLURM script "
                              f"beside the program; fix: add --force to replace it, or choose another -o name")
     return True
@@ -443,6 +446,9 @@ def cmd_run(args) -> int:
                              f"step 0; add --checkpoint-dir DIR (and --checkpoint-every N)")
     program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
     inputs = _program_outputs(plan, program, Path(args.plan))
+    if not args.program and program.is_file() and not _written_by_autoshard(program):
+        raise AutoshardError(f"'{program}' exists and autoshard did not write it; run keeps the program next to the "
+                             f"plan; fix: name another file with --program, or move that one")
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this

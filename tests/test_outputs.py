@@ -130,6 +130,7 @@ FILES = [  # no output is one of the command's inputs or a module the model impo
      "--checkpoint-dir 'notes.txt' is an existing file"),
     (["run", "plan.json", "--metrics-out", "notes.txt/out", "--steps", "1"], "cannot be created"),
     (["run", "plan.json", "--max-restarts", "1"], "without --checkpoint-dir would restart from step 0"),
+    (["run", "notes.json", "--steps", "1"], "'notes.train.py' exists and autoshard did not write it"),
 ]
 
 FLAGS = [  # checked before anything is launched
@@ -163,6 +164,8 @@ def _prepare(folder: Path) -> None:
     """Inputs some cases need beside the plan."""
     (folder / "notes.sbatch").write_text("#!/bin/bash\n# my own job script\n")
     (folder / "notes.py").write_text("# my notes\n")
+    shutil.copy(folder / "plan.json", folder / "notes.json")
+    (folder / "notes.train.py").write_text("# my own training script\n")
     (folder / "job.sbatch").mkdir()
     (folder / "needs_argument.py").write_text(
         "import torch\n\ndef build(width):\n    return torch.nn.Linear(width, width)\n\n"
@@ -305,4 +308,4 @@ def test_compile_replaces_its_own_slurm_script_and_others_only_with_force(capsys
 
 
 def test_counts_match_tests_readme():
-    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 14, 11, 7)
+    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 15, 11, 7)
