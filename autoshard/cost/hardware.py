@@ -50,6 +50,7 @@ See ``examples/cluster.yaml``.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -185,16 +186,142 @@ def read_cluster_file(path: Path) -> tuple[dict[str, Any], bool]:
     return merged, preset in HOST_MEMORY_PRESETS and not memory_given
 
 
-def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+MAX_CLUSTER_FILE_BYTES = 1 << 20  # 1 MiB: a calibrated cluster file with profiles is ~10 KB
+MAX_YAML_NODES = 100_000  # values in the document with every alias expanded (a cluster file has ~100)
+
+
+class _ClusterLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses duplicate keys and documents whose aliases expand beyond
+    ``MAX_YAML_NODES`` values (a "billion laughs" file is a few lines that expand to 10⁹)."""
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node)
+        return self.construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if duplicate:
+                    raise _DuplicateKey(key, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isdigit() for c in self.construct_scalar(node))
+        if digits > MAX_NUMBER_DIGITS:  # int() of 4300+ digits raises; no field needs 30
+            raise _HugeNumber(node.start_mark, digits)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        digits = sum(c.isdigit() for c in self.construct_scalar(node))
+        if digits > MAX_NUMBER_DIGITS:
+            raise _HugeNumber(node.start_mark, digits)
+        return super().construct_yaml_float(node)
+
+
+_ClusterLoader.add_constructor("tag:yaml.org,2002:int", _ClusterLoader.construct_yaml_int)
+_ClusterLoader.add_constructor("tag:yaml.org,2002:float", _ClusterLoader.construct_yaml_float)
+MAX_NUMBER_DIGITS = 30
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__()
+        self.key, self.problem_mark = key, mark
+
+
+class _HugeNumber(yaml.YAMLError):
+    def __init__(self, mark, digits: int):
+        super().__init__()
+        self.problem_mark, self.digits = mark, digits
+
+
+class _TooManyNodes(yaml.YAMLError):
+    pass
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Count the document's values with aliases expanded, without expanding them: each node once,
+    its count the sum of its children's. A node inside itself (``&a [*a]``) is refused too."""
+    sizes: dict[int, int] = {}  # id(node) -> expanded count; -1 while its children are counted
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise _TooManyNodes()
+            continue
+        state = sizes.get(id(node))
+        if state is not None:
+            if state < 0:  # reached again below itself
+                raise _TooManyNodes()
+            continue
+        sizes[id(node)] = -1
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _read_text(path: Path, where: str) -> str:
+    """The file's text, read only if it is a regular file of at most ``MAX_CLUSTER_FILE_BYTES``."""
     try:
-        text = path.read_text()
+        info = path.stat()
     except FileNotFoundError:
         raise AutoshardError(f"{where} does not exist; fix: check the path, or use a preset "
                              f"({', '.join(PRESETS)})") from None
+    except OSError as e:
+        raise AutoshardError(f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise AutoshardError(f"{where} cannot be read (IsADirectoryError); fix: give a readable UTF-8 YAML file")
+    if not stat.S_ISREG(info.st_mode):
+        raise AutoshardError(f"{where} is not a regular file (a device, pipe or socket); fix: give a YAML file "
+                             "(see examples/cluster.yaml)")
+    if info.st_size > MAX_CLUSTER_FILE_BYTES:
+        raise AutoshardError(f"{where} is {info.st_size:,} bytes, more than a cluster file holds "
+                             f"({MAX_CLUSTER_FILE_BYTES:,}); fix: give the cluster's YAML file (see examples/cluster.yaml)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CLUSTER_FILE_BYTES + 1)  # the file may grow after stat
+        if len(data) > MAX_CLUSTER_FILE_BYTES:
+            raise AutoshardError(f"{where} is more than {MAX_CLUSTER_FILE_BYTES:,} bytes, more than a cluster "
+                                 "file holds; fix: give the cluster's YAML file (see examples/cluster.yaml)")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise AutoshardError(f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file") from None
+
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+    text = _read_text(path, where)
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_ClusterLoader)  # noqa: S506 (a safe loader)
+    except _DuplicateKey as e:
+        raise AutoshardError(f"{where}: duplicate key {_short_key(e.key)}{_yaml_position(e)}; "
+                             "fix: give each field once") from None
+    except _HugeNumber as e:
+        raise AutoshardError(f"{where}: a number with {e.digits} digits{_yaml_position(e)}; fix: give every "
+                             f"number in at most {MAX_NUMBER_DIGITS} digits (e.g. 85899345920 or 4.5e+11)") from None
+    except _TooManyNodes:
+        raise AutoshardError(f"{where}: not a cluster file (its aliases expand to more than {MAX_YAML_NODES:,} "
+                             "values); fix: write the fields out as in examples/cluster.yaml, without * aliases") from None
     except yaml.YAMLError as e:
         raise AutoshardError(f"{where}: YAML syntax error{_yaml_position(e)}: {_yaml_problem(e)}; "
                              "fix: correct the YAML (see examples/cluster.yaml)") from None
@@ -228,6 +355,11 @@ def _merge_preset(base: dict[str, Any], raw: dict[str, Any], where: str, source:
 def _yaml_position(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None)
     return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def _short_key(key: Any) -> str:
+    text = repr(key) if isinstance(key, (str, int, float, bool)) or key is None else type(key).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

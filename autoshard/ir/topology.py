@@ -35,6 +35,7 @@ several nodes is pessimistic (every byte is charged at NIC speed); use
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -45,11 +46,32 @@ import networkx as nx
 from autoshard.errors import AutoshardError
 
 BACKENDS = ("nccl", "gloo")
-MAX_DEVICES = 2**20  # the largest clusters today have ~10^5 devices; 10^6 graph vertices take seconds
+MAX_DEVICES = 2**18  # 262,144: the largest clusters today have ~10^5 devices; plans in ~2 s of CPU on 2 cores (8.6 s at 2^20)
 
 _POSITIVE = ("> 0", lambda v: v > 0)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
 _FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+# Physical bounds (a rule's third part: lowest, highest, unit): every figure of a cluster lies far
+# inside them, and outside them the cost model's sums leave the range of CP-SAT's 64-bit integers.
+#   bandwidths    1e-3 .. 1e6 GB/s (1 MB/s: a slow WAN; 1 PB/s: 300x HBM3)
+#   latencies     0 .. 1e7 µs (10 s); host overheads the same
+#   peak          1e-3 .. 1e6 TFLOP/s (1 GFLOP/s: one old CPU core; 1 EFLOP/s on one device)
+#   memory        1 .. 2^50 bytes (1 PiB; too little memory is "no plan fits", not an error here)
+#   efficiency    1e-3 .. 1
+BOUNDS = {
+    "bandwidth": (1e-3, 1e6, "GB/s"),
+    "latency": (0.0, 1e7, "µs"),
+    "tflops": (1e-3, 1e6, "TFLOP/s"),
+    "memory": (1, 2**50, "bytes"),
+    "efficiency": (1e-3, 1.0, ""),
+    "cores": (0.0, 1e6, "cores"),
+}
+_BANDWIDTH = (*_POSITIVE, BOUNDS["bandwidth"])
+_LATENCY = (*_NON_NEGATIVE, BOUNDS["latency"])
+_TFLOPS = (*_POSITIVE, BOUNDS["tflops"])
+_MEMORY = (*_POSITIVE, BOUNDS["memory"])
+_EFFICIENCY = (*_FRACTION, BOUNDS["efficiency"])
+_HOST_US = _LATENCY
 _NON_EMPTY = ("a non-empty string", lambda v: bool(v.strip()))
 _TYPES = {"str": str, "int": int, "float": float}
 _TYPE_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -65,10 +87,10 @@ class DeviceSpec:
     """One accelerator (or CPU process) as the cost model sees it."""
 
     name: str = _spec("the device name, e.g. H100-SXM-80GB", _NON_EMPTY)
-    peak_tflops: float = _spec("the dense peak TFLOP/s in the training precision, e.g. 989 for H100 bf16", _POSITIVE)
-    memory_bytes: int = _spec("the device memory in bytes, e.g. 85899345920 for 80 GiB", _POSITIVE)
-    memory_bandwidth_gbps: float = _spec("the memory bandwidth in GB/s, e.g. 3350 for H100 HBM3", _POSITIVE)
-    matmul_efficiency: float = _spec("achieved/peak FLOP/s on large matmuls, e.g. 0.8", _FRACTION)
+    peak_tflops: float = _spec("the dense peak TFLOP/s in the training precision, e.g. 989 for H100 bf16", _TFLOPS)
+    memory_bytes: int = _spec("the device memory in bytes, e.g. 85899345920 for 80 GiB", _MEMORY)
+    memory_bandwidth_gbps: float = _spec("the memory bandwidth in GB/s, e.g. 3350 for H100 HBM3", _BANDWIDTH)
+    matmul_efficiency: float = _spec("achieved/peak FLOP/s on large matmuls, e.g. 0.8", _EFFICIENCY)
     source: str = _spec("where the figures come from (datasheet, measurement)")
 
     def __post_init__(self):
@@ -87,8 +109,8 @@ class LinkSpec:
     fewer bytes per second than its broadcast, so one α-β pair cannot price them all. Without an
     entry a collective uses the link's own pair (``for_collective``)."""
 
-    bandwidth_gbps: float = _spec("the per-device, per-direction bandwidth in GB/s, e.g. 450 for NVLink 4", _POSITIVE)
-    latency_us: float = _spec("the small-message latency in microseconds, e.g. 3", _NON_NEGATIVE)
+    bandwidth_gbps: float = _spec("the per-device, per-direction bandwidth in GB/s, e.g. 450 for NVLink 4", _BANDWIDTH)
+    latency_us: float = _spec("the small-message latency in microseconds, e.g. 3", _LATENCY)
     source: str = _spec("where the figures come from (datasheet, measurement)")
     collectives: tuple[tuple[str, float, float], ...] = field(
         default=(), metadata={"doc": "optional: per collective {latency_us, bandwidth_gbps}, as calibrate fits them",
@@ -112,39 +134,39 @@ class HostOverheads:
     ``host_probes``); all zero when not measured (the presets). On CPU ranks (gloo) the host *is*
     the device, so these add to the roofline; on GPUs they overlap it (``cost.units``)."""
 
-    op_forward_us: float = _spec("host time per op of the forward (one OpGraph node), e.g. 12", _NON_NEGATIVE)
-    op_backward_us: float = _spec("host time per op in the backward, e.g. 30", _NON_NEGATIVE)
+    op_forward_us: float = _spec("host time per op of the forward (one OpGraph node), e.g. 12", _HOST_US)
+    op_backward_us: float = _spec("host time per op in the backward, e.g. 30", _HOST_US)
     selective_op_us: float = _spec("extra per block op under selective recompute (its policy runs at every op "
-                                   "of the forward and of the recompute), e.g. 40", _NON_NEGATIVE)
+                                   "of the forward and of the recompute), e.g. 40", _HOST_US)
     checkpoint_block_us: float = _spec("extra per block and micro-batch under full recompute, e.g. 100",
-                                       _NON_NEGATIVE)
+                                       _HOST_US)
     fsdp_unit_zero2_us: float = _spec("FSDP2 (ZeRO-2) host time per unit and micro-batch beyond its "
-                                      "collectives, e.g. 2000", _NON_NEGATIVE)
-    fsdp_unit_zero3_us: float = _spec("the same for ZeRO-3 (resharded after forward), e.g. 3000", _NON_NEGATIVE)
+                                      "collectives, e.g. 2000", _HOST_US)
+    fsdp_unit_zero3_us: float = _spec("the same for ZeRO-3 (resharded after forward), e.g. 3000", _HOST_US)
     fsdp_zero2_us_per_mib: float = _spec("FSDP2 (ZeRO-2) host time per MiB of a unit's parameters and micro-batch "
-                                         "beyond its collectives (copies in and out), e.g. 500", _NON_NEGATIVE)
-    fsdp_zero3_us_per_mib: float = _spec("the same for ZeRO-3, e.g. 800", _NON_NEGATIVE)
+                                         "beyond its collectives (copies in and out), e.g. 500", _HOST_US)
+    fsdp_zero3_us_per_mib: float = _spec("the same for ZeRO-3, e.g. 800", _HOST_US)
     ddp_tensor_us: float = _spec("DDP's hooks per parameter tensor and micro-batch beyond the all-reduce, e.g. 50",
-                                 _NON_NEGATIVE)
+                                 _HOST_US)
     zero1_tensor_us: float = _spec("ZeroRedundancyOptimizer's step per parameter tensor beyond AdamW and the "
                                    "weights' all-gather bytes: its broadcast's latency as issued (async) and its "
-                                   "loop, e.g. 300", _NON_NEGATIVE)
+                                   "loop, e.g. 300", _HOST_US)
     optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60",
-                                       _NON_NEGATIVE)
+                                       _HOST_US)
     sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300",
-                                               _NON_NEGATIVE)
+                                               _HOST_US)
     pipeline_microbatch_us: float = _spec("pipeline schedule time per stage and micro-batch beyond its ops and "
-                                          "transfers, e.g. 1500", _NON_NEGATIVE)
+                                          "transfers, e.g. 1500", _HOST_US)
     pipeline_step_us: float = _spec("pipeline schedule time per step beyond its micro-batches and bubble (loss "
-                                    "and tied-weight bookkeeping), e.g. 5000", _NON_NEGATIVE)
+                                    "and tied-weight bookkeeping), e.g. 5000", _HOST_US)
     tp_module_us: float = _spec("DTensor's host time per tensor-parallel module and micro-batch (forward and "
-                                "backward) beyond its collectives, e.g. 400", _NON_NEGATIVE)
+                                "backward) beyond its collectives, e.g. 400", _HOST_US)
     source: str = _spec("where the figures come from (autoshard calibrate)")
     # Written by calibrate since it was added; a file without it shares nothing (the default).
     shared_cores: float = field(default=0.0, metadata={
         "doc": "how many of the node's ranks run at full speed at once when they share its CPU cores: "
                "the cores / threads per rank, e.g. 2 (0: every rank has its own device, as GPUs)",
-        "rule": _NON_NEGATIVE, "optional": True})
+        "rule": (*_NON_NEGATIVE, BOUNDS["cores"]), "optional": True})
 
     def __post_init__(self):
         _check_dataclass(self)
@@ -191,7 +213,6 @@ class Cluster:
     backend: str  # "nccl" or "gloo"
     host: HostOverheads = field(default_factory=HostOverheads.none)
     profiles: tuple = ()  # cost.profile.ModelProfile of models measured on these devices
-    graph: nx.Graph = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         where = f"cluster {self.name!r}"
@@ -207,15 +228,21 @@ class Cluster:
             if not isinstance(getattr(self, key), kind):
                 raise AutoshardError(f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
                                      f"fix: build it with {kind.__name__}(...)")
-        object.__setattr__(self, "graph", self._build_graph())
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @functools.cached_property
+    def graph(self) -> nx.Graph:
+        """The topology as a networkx graph (module doc), built on first use: 10⁶ devices take seconds
+        and planning never needs it (``group_link`` knows the tree's shape)."""
+        return self._build_graph()
+
     def node_of(self, rank: int) -> int:
         """The node that holds ``rank``."""
-        self._check_rank(rank)
+        if type(rank) is not int or not 0 <= rank < self.nodes * self.devices_per_node:
+            self._check_rank(rank)
         return rank // self.devices_per_node
 
     def device_vertex(self, rank: int) -> str:
@@ -223,7 +250,30 @@ class Cluster:
         return f"node{self.node_of(rank)}/dev{rank % self.devices_per_node}"
 
     def group_link(self, ranks: Sequence[int]) -> LinkSpec:
-        """The bottleneck link of a collective over ``ranks`` (model in the module doc)."""
+        """The bottleneck link of a collective over ``ranks`` (model in the module doc).
+
+        On this two-level tree the edges joining the ranks are known without walking the graph
+        (``_tree_edges`` does walk it, and gives the same link): every other rank's own intra-node
+        edge and the first rank's, plus each involved node's uplink when the ranks span nodes. So
+        this is O(len(ranks)) and never O(world size) per call."""
+        if not ranks:
+            raise AutoshardError(f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks")
+        if not (all(type(r) is int for r in ranks) and 0 <= min(ranks) and max(ranks) < self.world_size):
+            for r in ranks:
+                self._check_rank(r)
+        low, high = min(ranks), max(ranks)
+        if low == high:
+            return self.intra_node
+        inside = low // self.devices_per_node == high // self.devices_per_node
+        intra = _edge_attrs(self.intra_node, "intra_node", 1)
+        edges = [intra] if inside else [intra, _edge_attrs(self.inter_node, "inter_node", self.devices_per_node)]
+        bottleneck = min(edges, key=self._share_gbps)  # ties: the intra-node edge, first in the graph's edge order
+        latency_us = max(e["latency_us"] for e in edges)
+        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"],
+                        self.intra_node.collectives if inside else ())
+
+    def group_link_by_graph(self, ranks: Sequence[int]) -> LinkSpec:
+        """``group_link`` by shortest paths on ``graph`` (the reference it is tested against)."""
         vertices = [self.device_vertex(r) for r in ranks]
         if not vertices:
             raise AutoshardError(f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks")
@@ -340,8 +390,8 @@ def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float]
         name, latency_us, bandwidth_gbps = item
         if name not in COLLECTIVE_NAMES:
             raise AutoshardError(f"{where}: unknown collective {name!r}; {fix}")
-        lat = _check_value(latency_us, float, _NON_NEGATIVE, where, f"collectives.{name}.latency_us", "microseconds")
-        bw = _check_value(bandwidth_gbps, float, _POSITIVE, where, f"collectives.{name}.bandwidth_gbps", "GB/s")
+        lat = _check_value(latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds")
+        bw = _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s")
         out.append((name, lat, bw))
     return tuple(sorted(out))
 
@@ -411,9 +461,15 @@ def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted:
                              f"({type(value).__name__}); fix: give {doc}")
     if rule is not None and not rule[1](value):
         raise AutoshardError(f"{where}: {dotted} must be {rule[0]}, got {_short(value)}; fix: give {doc}")
+    if rule is not None and len(rule) > 2 and not rule[2][0] <= value <= rule[2][1]:
+        low, high, unit = rule[2]
+        raise AutoshardError(f"{where}: {dotted} must be between {low:g} and {high:g}{' ' + unit if unit else ''} "
+                             f"(physical bounds), got {_short(value)}; fix: give {doc}")
     return value
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 200:  # repr of 4300+ digits raises; none is useful
+        return f"an integer of {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -19,6 +19,7 @@ checks that need no graph before capture (seconds on large models).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autoshard.cost.step import Config
@@ -30,6 +31,9 @@ from autoshard.passes.stage_cuts import cut_refusals, max_stages
 
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
+# The largest global batch planned: 2^30 samples per step, ~10^5 times the largest in use (a few
+# thousand sequences); divisors are found by trial division up to its square root (32,768 steps).
+MAX_GLOBAL_BATCH = 2**30
 PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, virtual stages)
 
 
@@ -74,11 +78,24 @@ class Pins:
 
 def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     """Refuse pins outside what the runtime supports (module doc), before the model is captured."""
+    check_global_batch(global_batch)
     _check_schedule(pins)
     _check_degrees(pins, cluster)
     if pins.dp is not None and global_batch % pins.dp:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
     _check_zero(pins)
+
+
+def check_global_batch(global_batch: int) -> None:
+    """A positive integer of at most ``MAX_GLOBAL_BATCH`` samples."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise AutoshardError(f"--global-batch {global_batch!r} must be a positive integer; fix: pass e.g. "
+                             "--global-batch 256")
+    if global_batch > MAX_GLOBAL_BATCH:
+        digits = int(global_batch.bit_length() * math.log10(2)) + 1  # str() of 4300+ digits raises
+        shown = f"{global_batch:,}" if digits <= 30 else f"(a number of {digits} digits)"
+        raise AutoshardError(f"--global-batch {shown} is more than autoshard plans for ({MAX_GLOBAL_BATCH:,} = 2^30 "
+                             "samples per step); fix: give the samples per optimizer step, e.g. --global-batch 2048")
 
 
 def _check_schedule(pins: Pins) -> None:
@@ -176,7 +193,9 @@ def _check_cuts(graph: OpGraph, pins: Pins) -> None:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(√n) steps: each d ≤ √n that divides n, and n / d."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def legal_tp_degrees(graph: OpGraph, cluster: Cluster) -> list[int]:
@@ -244,8 +263,7 @@ def schedule_choices(mesh: Mesh, blocks: int, pins: Pins) -> list[tuple[str, int
 
 def microbatch_sizes(per_rank_batch: int, pinned: int | None, min_microbatches: int = 1) -> list[int]:
     """Divisors of the per-rank batch giving at least ``min_microbatches``, largest first."""
-    divisors_ = [b for b in range(per_rank_batch, 0, -1)
-                 if per_rank_batch % b == 0 and per_rank_batch // b >= min_microbatches]
+    divisors_ = [b for b in reversed(divisors(per_rank_batch)) if per_rank_batch // b >= min_microbatches]
     if pinned is not None:
         return [pinned] if pinned in divisors_ else []
     return divisors_[:MAX_MICROBATCH_CHOICES]
