@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -52,6 +55,19 @@ _AGENT = "import sys; from autoshard.launch import torchrun_main; sys.exit(torch
 CRASH_FILE_ENV = "AUTOSHARD_CRASH_FILE"
 
 
+JOB_ENV = "AUTOSHARD_JOB"  # every process of one job carries this token (torchrun, its ranks): ``_job_pids``
+LAUNCHER_PID_ENV = "AUTOSHARD_LAUNCHER_PID"
+STOP_GRACE_S = 20.0  # after SIGTERM, how long torchrun may take to stop its ranks before everything is killed
+
+
+class _Stop(Exception):
+    """The launcher got SIGTERM or SIGINT (Ctrl-C) while the job ran."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False, max_restarts: int = 0,
                  extra_env: dict[str, str] | None = None) -> TorchrunResult:
     """``python -m torch.distributed.run --standalone`` with ``nproc`` ranks on this machine.
@@ -60,17 +76,143 @@ def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False
     program resumes from its newest checkpoint; see ``runtime.faults``). When the job fails,
     the first rank to fail is named in one block (``crash_block``), printed on stderr and kept
     in the result's ``crash``.
+
+    The job is owned here: torchrun runs in its own session, and SIGTERM or SIGINT (Ctrl-C) to
+    this process stops all of it (``_stop_job``: SIGTERM to torchrun, which stops its ranks; after
+    STOP_GRACE_S, SIGKILL to every process of the job) and ends with one line and the conventional
+    exit status 128 + the signal. torchrun and its ranks also die with their parent
+    (``runtime.distributed.die_with_parent``), should this process be killed outright. With
+    ``--checkpoint-dir`` in ``args``, the folder is locked for the job (``checkpoint.lock``): a second
+    job on it is refused, naming this one's pid, and ``.partial`` folders of dead writers are removed.
     """
     torchrun_args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", str(program), *args]
     kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} if quiet else {}
-    with tempfile.TemporaryDirectory(prefix="autoshard-torchrun-") as tmp:
-        crash_file = Path(tmp) / "crash.txt"
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONPATH": _pythonpath_with_autoshard(), CRASH_FILE_ENV: str(crash_file), **(extra_env or {})}
-        proc = subprocess.run([sys.executable, "-c", _AGENT, *torchrun_args], env=env, check=False, **kwargs)
-        result = TorchrunResult(proc.args, proc.returncode, proc.stdout, proc.stderr)
-        result.crash = crash_file.read_text() if crash_file.exists() else ""
+    lock = _lock_checkpoint_dir(args)
+    try:
+        with tempfile.TemporaryDirectory(prefix="autoshard-torchrun-") as tmp:
+            crash_file = Path(tmp) / "crash.txt"
+            token = uuid.uuid4().hex
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                   "PYTHONPATH": _pythonpath_with_autoshard(), CRASH_FILE_ENV: str(crash_file), JOB_ENV: token,
+                   LAUNCHER_PID_ENV: str(os.getpid()), **(extra_env or {})}
+            if lock is not None:
+                env[_checkpoint().LOCK_HELD_ENV] = lock.folder
+            result = _run_owned([sys.executable, "-c", _AGENT, *torchrun_args], env, token, lock, kwargs)
+            result.crash = crash_file.read_text() if crash_file.exists() else ""
+    finally:
+        if lock is not None:
+            lock.release()
     return result
+
+
+def _checkpoint():
+    from autoshard.runtime import checkpoint  # imports torch: only for a job with a checkpoint folder
+
+    return checkpoint
+
+
+def _lock_checkpoint_dir(args: list[str]):
+    """The lock of the ``--checkpoint-dir`` in ``args`` (None without one), its dead writers' ``.partial``
+    folders removed."""
+    folder = _flag_value(args, "--checkpoint-dir")
+    if not folder:
+        return None
+    checkpoint = _checkpoint()
+    lock = checkpoint.lock(folder, holder=f"autoshard run pid {os.getpid()}")
+    checkpoint.remove_partials(folder)  # we hold the lock: whoever wrote them is gone
+    return lock
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _run_owned(cmd: list[str], env: dict, token: str, lock, kwargs: dict) -> TorchrunResult:
+    """Run torchrun in its own session; SIGTERM / SIGINT here stop the whole job (``run_torchrun``)."""
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {}
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    for sig in handled:
+        previous[sig] = signal.signal(sig, on_signal)  # raises ValueError off the main thread
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                pass_fds=(lock.fd,) if lock is not None else (), **kwargs)
+        if lock is not None:
+            lock.note(f"autoshard run pid {os.getpid()}, torchrun pid {proc.pid}")
+        stdout, stderr = proc.communicate()
+        return TorchrunResult(proc.args, proc.returncode, stdout, stderr)
+    except _Stop as stop:
+        for sig in handled:
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        if proc is not None:
+            _stop_job(proc, token)
+        name = signal.Signals(stop.signum).name
+        print(f"error: stopped by {name}: torchrun and every rank of the job were stopped; the newest complete "
+              f"checkpoint (if any) is kept and a new run resumes from it", file=sys.stderr, flush=True)
+        output = proc.stdout.read() if proc is not None and proc.stdout else None
+        return TorchrunResult(cmd, 128 + stop.signum, output, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_job(proc: subprocess.Popen, token: str) -> None:
+    """SIGTERM to torchrun's session (torchrun stops its ranks, each in its own session), then, after
+    STOP_GRACE_S or at once for what is left, SIGKILL to every process of the job."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _job_pids(token)
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGKILL)
+    for pid in left:
+        _kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _job_pids(token) and time.monotonic() < deadline:  # a killed rank is gone once its parent reaps it
+        time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _job_pids(token: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries this job's token (Linux ``/proc``; else [])."""
+    needle = f"{JOB_ENV}={token}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and _alive(entry):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return pids
+
+
+def _alive(entry: Path) -> bool:
+    stat = (entry / "stat").read_text()
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def torchrun_main(argv: list[str]) -> int:
@@ -82,8 +224,13 @@ def torchrun_main(argv: list[str]) -> int:
     """
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
+
+    from autoshard.runtime.distributed import die_with_parent
+
+    die_with_parent(signal.SIGTERM, os.environ.get(LAUNCHER_PID_ENV))  # a killed launcher stops the job
 
     if not os.environ.get("AUTOSHARD_DEBUG"):  # the agent's per-rank log lines say what the block says
         for name in list(logging.root.manager.loggerDict):  # each elastic module sets its logger's own level
@@ -97,6 +244,8 @@ def torchrun_main(argv: list[str]) -> int:
         if os.environ.get(CRASH_FILE_ENV):
             Path(os.environ[CRASH_FILE_ENV]).write_text(block)
         return 1
+    except SignalException as exc:  # stopped (its ranks too) by a signal: the launcher says so in one line
+        return 128 + int(exc.sigval)
     return 0
 
 

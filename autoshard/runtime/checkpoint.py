@@ -5,6 +5,12 @@ Each save writes ``DIR/.step-00000012.partial/`` first; rank 0 renames it into p
 after every rank has finished writing (a barrier), so a crash during a write leaves a
 ``.partial`` folder that ``latest`` ignores, and the previous checkpoint still loads.
 
+One job at a time: the job holds ``DIR/.autoshard.lock`` (``fcntl.flock``, released by the kernel when
+its holders end, however they end). ``autoshard run`` takes it before it starts torchrun, which
+inherits it; a program started by torchrun directly takes it on rank 0 (``resume``). A second job
+on the folder is refused in one line naming the holder's pid. The lock's holder removes the
+``.partial`` folders it finds on start: their writers are dead.
+
 Resuming is exact because the data of step t depends only on (seed, t) (runtime.data) and
 weights and optimizer state are restored in full.
 
@@ -24,6 +30,8 @@ State is keyed by the original model's names (``h.0.attn.q_proj.weight``,
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shutil
 from pathlib import Path
@@ -38,6 +46,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autoshard.errors import AutoshardError
 from autoshard.runtime import faults, safe_load
 
 STEP_DIR = re.compile(r"step-(\d{8})")
@@ -82,9 +91,73 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     faults.inject("kill-in-checkpoint", steps_done)
     dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
+        if final.exists():  # an earlier write of this step that never finished (no .metadata) or a re-run
+            shutil.rmtree(final)
         partial.replace(final)
     dist.barrier()
     return final
+
+
+LOCK_FILE = ".autoshard.lock"
+LOCK_HELD_ENV = "AUTOSHARD_CHECKPOINT_LOCK"  # the folder whose lock this job's launcher holds
+_held: dict[str, "CheckpointLock"] = {}  # locks this process took for its job (kept until it ends)
+
+
+class CheckpointLock:
+    """An exclusive ``flock`` on a checkpoint folder's lock file; the file says who holds it."""
+
+    def __init__(self, folder: str, fd: int):
+        self.folder, self.fd = folder, fd
+
+    def note(self, holder: str) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, holder.encode() + b"\n", 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the lock goes with the last descriptor of it (torchrun may still hold one)
+            self.fd = -1
+
+
+def lock(checkpoint_dir: str | Path, holder: str) -> CheckpointLock:
+    """Lock ``checkpoint_dir`` (created if missing) for this job, or refuse: another job writes there."""
+    root = Path(checkpoint_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise AutoshardError(f"cannot use checkpoint folder {root}: {exc.strerror}; fix: choose a folder you "
+                             f"can write, e.g. --checkpoint-dir ckpt") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
+        os.close(fd)
+        raise AutoshardError(f"checkpoint folder {root} is in use by another job ({who}); wait for it to end "
+                             f"or stop it, or give this run another --checkpoint-dir") from None
+    held = CheckpointLock(str(root.resolve()), fd)
+    held.note(holder)
+    return held
+
+
+def remove_partials(checkpoint_dir: str | Path) -> list[Path]:
+    """Remove the ``.partial`` folders of dead writers (call only while holding the folder's ``lock``)."""
+    root = Path(checkpoint_dir)
+    gone = sorted(root.glob(".step-*.partial")) if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def _lock_for_job(checkpoint_dir: str | Path) -> None:
+    """On rank 0: lock the folder for this job unless its launcher holds the lock (``LOCK_HELD_ENV``),
+    then remove dead writers' ``.partial`` folders."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    folder = str(Path(checkpoint_dir).resolve())
+    if os.environ.get(LOCK_HELD_ENV) != folder and folder not in _held:
+        _held[folder] = lock(checkpoint_dir, holder=f"training rank 0 pid {os.getpid()}")
+    remove_partials(checkpoint_dir)
 
 
 def latest(checkpoint_dir: str | Path) -> Path | None:
@@ -109,6 +182,7 @@ def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> in
     """Load the newest complete checkpoint in ``checkpoint_dir`` if any; the step to start at."""
     if not checkpoint_dir:
         return 0
+    _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
     return load(found, model, optimizer, mesh) if found else 0
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import faulthandler
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +47,8 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
               f"launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)", file=sys.stderr, flush=True)
         raise SystemExit(2)  # a user error, as in the CLI
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        die_with_parent(signal.SIGKILL)  # torchrun gone (killed outright): no orphan rank keeps training
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -57,6 +61,26 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(world_size, timeout),
                                 **({"device_id": device} if backend == "nccl" else {}))
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int, parent_pid: str | int | None = None) -> None:
+    """Have the kernel send this process ``sig`` when its parent ends (Linux ``prctl(PR_SET_PDEATHSIG)``;
+    elsewhere nothing). ``parent_pid``: the parent it should have; if it is gone already (or, without it,
+    this process was handed to init), ``sig`` comes now."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    parent = os.getppid()
+    if (parent_pid is not None and parent != int(parent_pid)) or (parent_pid is None and parent == 1):
+        os.kill(os.getpid(), sig)
 
 
 def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
