@@ -490,6 +490,8 @@ def cmd_calibrate(args) -> int:
     from autoshard.cost.profile import profile_request
 
     output = check_output(args.output)
+    inputs = {"--across-nodes file": Path(args.across_nodes)} if args.across_nodes else {}
+    check_outputs([output], {**inputs, **{f"--model file {m}": Path(m.rsplit(":", 1)[0]) for m in args.model}})
     if args.across_nodes:
         return _calibrate_across_nodes(args, output)
     ranks, _ = resolve_ranks(args.devices_per_node)

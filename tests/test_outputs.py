@@ -131,6 +131,7 @@ FILES = [  # no output is one of the command's inputs or a module the model impo
     (["run", "plan.json", "--metrics-out", "notes.txt/out", "--steps", "1"], "cannot be created"),
     (["run", "plan.json", "--max-restarts", "1"], "without --checkpoint-dir would restart from step 0"),
     (["run", "notes.json", "--steps", "1"], "'notes.train.py' exists and autoshard did not write it"),
+    (["calibrate", "-o", "cluster.yaml", "--across-nodes", "cluster.yaml"], "is this command's --across-nodes file"),
 ]
 
 FLAGS = [  # checked before anything is launched
@@ -308,4 +309,4 @@ def test_compile_replaces_its_own_slurm_script_and_others_only_with_force(capsys
 
 
 def test_counts_match_tests_readme():
-    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 15, 11, 7)
+    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 16, 11, 7)
