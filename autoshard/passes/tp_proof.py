@@ -7,7 +7,7 @@ local shards (``use_local_output=True``), and that code may have written a size 
 sequence, silently) or read it from the tensor (Llama's ``view(*input_shape, -1, head_dim)``).
 The graph alone cannot tell the two apart; running the code on shard-shaped tensors can.
 
-For each degree t in ``PROOF_DEGREES`` that divides the model's heads (``prove_degree``):
+For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``prove_degree``):
 
 1. **The widest layout** (``widest_layout``): the layout model of ``passes.tensor_parallel`` per
    segment with the objective min Σ_n x[n, rep] over nodes that have another rule, i.e. as many
@@ -56,7 +56,7 @@ from autoshard.passes.fold import fold_model, unfold
 from autoshard.passes.tensor_parallel import (LINEAR_OPS, R, S, TPChoice, _default_styles, _record_styles,
                                               check_divisibility, consumer_map, segment_model, segments, shard_dims)
 
-PROOF_DEGREES = (2, 4, 8)
+PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = "not run on a shard by the check of the model's code:"
 MAX_ROUNDS = 6
 
