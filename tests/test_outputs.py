@@ -267,6 +267,7 @@ def test_outputs_of_one_command_are_written_all_or_nothing(tmp_path, monkeypatch
     """The second rename fails: the first file is put back as it was, and no temporary stays."""
     first, second = tmp_path / "job.py", tmp_path / "job.sbatch"
     first.write_text("# my earlier program\n")
+    second.write_text("# my earlier script\n")
     real_replace, calls = os.replace, []
 
     def replace(src, dst):
@@ -279,8 +280,11 @@ def test_outputs_of_one_command_are_written_all_or_nothing(tmp_path, monkeypatch
     with pytest.raises(AutoshardError, match="cannot write .*job.sbatch"):
         plan_io.write_files_atomic({first: b"new program", second: b"new script"})
     monkeypatch.setattr(plan_io.os, "replace", real_replace)
-    assert first.read_text() == "# my earlier program\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]
+    assert first.read_text() == "# my earlier program\n" and second.read_text() == "# my earlier script\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py", "job.sbatch"]  # no temporary, no backup
+    plan_io.write_files_atomic({first: b"new program", second: b"new script"})
+    assert first.read_bytes() == b"new program" and second.read_bytes() == b"new script"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py", "job.sbatch"]
 
 
 def test_a_new_file_gets_the_usual_mode_and_a_replaced_one_keeps_its_own(tmp_path):

@@ -184,7 +184,9 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            data = json.loads(text)
+            from autoshard.ir.plan_schema import bounded_json_int  # ints of 30+ digits: named by the schema
+
+            data = json.loads(text, parse_int=bounded_json_int)
         except json.JSONDecodeError as exc:
             raise AutoshardError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); re-create it with `autoshard plan`") from exc
         except RecursionError:
@@ -241,9 +243,10 @@ def write_atomic(path: str | Path, data: bytes | Callable[[IO[bytes]], None]) ->
 
 def write_files_atomic(outputs: dict[Path, bytes | Callable[[IO[bytes]], None]]) -> None:
     """Write several files all or nothing: every temporary is written first, then each renamed over its
-    target; a rename that fails puts back the files already replaced (or removes the ones it created)."""
+    target; a rename that fails puts back the files already replaced (``_undo``) and removes the ones it
+    created. Replaced files are kept as hard links until every rename has succeeded."""
     temps: dict[Path, str] = {}
-    done: list[tuple[Path, str | None]] = []  # target, backup of what it was (None: it did not exist)
+    done: list[tuple[Path, str | None, bool]] = []  # target, backup of what it was, whether it existed
     try:
         for path, data in outputs.items():
             if path.is_dir():
@@ -251,20 +254,25 @@ def write_files_atomic(outputs: dict[Path, bytes | Callable[[IO[bytes]], None]])
             path.parent.mkdir(parents=True, exist_ok=True)
             temps[path] = _write_temporary(path, data)
         for path, tmp in temps.items():
-            backup = _backup(path) if len(outputs) > 1 else None
-            os.replace(tmp, path)
-            done.append((path, backup))
+            existed = os.path.lexists(path)
+            backup = _backup(path) if len(outputs) > 1 and existed else None
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _remove([backup] if backup else [])
+                raise
+            done.append((path, backup, existed))
     except OSError as exc:
         _undo(done)
         _remove(temps.values())
-        failed = next((p for p in outputs if p not in dict(done)), next(iter(outputs)))
+        failed = next((p for p in outputs if p not in {d[0] for d in done}), next(iter(outputs)))
         raise AutoshardError(f"cannot write {failed} ({exc.strerror or type(exc).__name__}); "
                              f"fix: choose a writable file in an existing folder") from exc
     except BaseException:
         _undo(done)
         _remove(temps.values())
         raise
-    _remove(b for _, b in done if b is not None)
+    _remove(b for _, b, _ in done if b is not None)
 
 
 def _write_temporary(path: Path, data: bytes | Callable[[IO[bytes]], None]) -> str:
@@ -294,16 +302,18 @@ def _backup(path: Path) -> str | None:
         except FileExistsError:
             continue
         except OSError:
-            return None  # no hard links here: an undo then removes the new file only
+            return None  # no hard links here: an undo then keeps the new file
     return None
 
 
-def _undo(done: list[tuple[Path, str | None]]) -> None:
-    for path, backup in reversed(done):
+def _undo(done: list[tuple[Path, str | None, bool]]) -> None:
+    """Put back what was replaced; remove what was created; a file without a backup keeps its new, whole
+    content (never deleted: it was the user's)."""
+    for path, backup, existed in reversed(done):
         with contextlib.suppress(OSError):
             if backup is not None:
                 os.replace(backup, path)
-            else:
+            elif not existed:
                 path.unlink()
 
 
