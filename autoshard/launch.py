@@ -53,6 +53,7 @@ class TorchrunResult(subprocess.CompletedProcess):
 # torchrun's ChildFailedError traceback and banner.
 _AGENT = "import sys; from autoshard.launch import torchrun_main; sys.exit(torchrun_main(sys.argv[1:]))"
 CRASH_FILE_ENV = "AUTOSHARD_CRASH_FILE"
+USER_ERROR_EXIT = 2  # a rank's exit status for bad input (AutoshardError)
 
 
 JOB_ENV = "AUTOSHARD_JOB"  # every process of one job carries this token (torchrun, its ranks): ``_job_pids``
@@ -239,6 +240,8 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError as exc:
+        if all(f.exitcode == USER_ERROR_EXIT for f in exc.failures.values()):
+            return USER_ERROR_EXIT  # the ranks refused bad input and said why in one line (runtime.faults.guard)
         block = crash_block(exc.failures)
         print(block, file=sys.stderr, flush=True)
         if os.environ.get(CRASH_FILE_ENV):

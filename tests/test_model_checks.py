@@ -83,3 +83,25 @@ def test_json_stays_pure_from_the_forked_capture(tmp_path):
     json.loads(proc.stdout)
     assert "hello from import" in proc.stderr and "hello from a shell" in proc.stderr
     assert "hello from forward" in proc.stderr
+
+
+def test_checkpoint_of_another_model_names_the_first_difference(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from autoshard.errors import AutoshardError
+    from autoshard.runtime.checkpoint import check_same_model
+
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    dcp.save({"model": saved.state_dict(), "optim": {}, "steps_done": torch.tensor(2)}, checkpoint_id=tmp_path)
+    check_same_model(tmp_path, saved.state_dict())  # the same model: no complaint
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 4)).state_dict()
+    with pytest.raises(AutoshardError, match=r"'0.weight' is \[8, 4\] there and \[16, 4\] here \(2 more differ\)"):
+        check_same_model(tmp_path, wider)
+    deeper = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4), torch.nn.Linear(4, 4)).state_dict()
+    with pytest.raises(AutoshardError, match=r"it has no '2.bias' \(1 more missing\)"):
+        check_same_model(tmp_path, deeper)
+    first = {k: v for k, v in saved.state_dict().items() if k.startswith("0.")}
+    with pytest.raises(AutoshardError, match=r"it has '1.bias', which this model lacks"):
+        check_same_model(tmp_path, first)
+    check_same_model(tmp_path, first, this_rank_has_all=False)  # a pipeline rank holds its stages only

@@ -172,10 +172,40 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 def load(path: str | Path, model, optimizer, mesh=None) -> int:
     """Restore model and optimizer in place from ``path``; returns the steps already done."""
     model_state, optim_state, restore = _state(model, optimizer, mesh)
+    check_same_model(path, model_state, this_rank_has_all=not isinstance(optimizer, StageOptimizers))
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
     restore()
     return int(state["steps_done"])
+
+
+def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: bool = True) -> None:
+    """Refuse, in one line, a checkpoint written for another model: its parameter names and whole shapes
+    (DCP's metadata, read without running code) must be this model's, whatever the plans of the two
+    runs (state is keyed by the original model's names). A pipeline rank holds its stages only
+    (``this_rank_has_all`` False): then the checkpoint may have more. Every rank finds the same
+    mismatch, so only rank 0 prints it (``same_on_every_rank``; ``faults.guard``)."""
+    metadata = safe_load.SafeFileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    saved = {key[len("model."):]: tuple(getattr(meta, "size", ())) for key, meta in metadata.items()
+             if key.startswith("model.")}
+    here = {name: tuple(value.shape) for name, value in model_state.items() if isinstance(value, torch.Tensor)}
+    missing = sorted(set(here) - set(saved))
+    extra = sorted(set(saved) - set(here)) if this_rank_has_all else []
+    reshaped = [name for name in here if name in saved and saved[name] != here[name]]
+    if not (missing or extra or reshaped):
+        return
+    if reshaped:
+        name = reshaped[0]
+        what = (f"'{name}' is {list(saved[name])} there and {list(here[name])} here"
+                + (f" ({len(reshaped) - 1} more differ)" if len(reshaped) > 1 else ""))
+    elif missing:
+        what = f"it has no '{missing[0]}'" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+    else:
+        what = f"it has '{extra[0]}', which this model lacks" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
+    exc = AutoshardError(f"checkpoint {path} was written for another model: {what}; fix: give this run another "
+                         f"--checkpoint-dir, or resume it with the model that wrote it")
+    exc.same_on_every_rank = True
+    raise exc
 
 
 def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> int:

@@ -78,7 +78,8 @@ def guard(main: Callable[[], None]) -> None:
     try:
         main()
     except AutoshardError as exc:  # a user mistake (e.g. the model file changed since planning): one line, exit 2
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not getattr(exc, "same_on_every_rank", False) or not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(AutoshardError.exit_code)
     except Exception as exc:  # torch raises DistBackendError / RuntimeError, by backend
         if dist.is_initialized() and _is_peer_gone(exc):  # another rank died: it is the one to name, not us

@@ -60,3 +60,27 @@ def test_partial_checkpoint_is_ignored(tmp_path):
     (tmp_path / "step-00000006").mkdir()  # no .metadata: never finished
     assert latest(tmp_path).name == "step-00000002"
     assert latest(tmp_path / "missing") is None
+
+
+def write_foreign_checkpoint(folder, step=2):
+    """A complete DCP checkpoint of another model (one process, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    other = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    dcp.save({"model": other.state_dict(), "optim": {}, "steps_done": torch.tensor(step)},
+             checkpoint_id=folder / f"step-{step:08d}")
+
+
+def test_checkpoint_of_another_model_is_refused_in_one_line(in_repo, tmp_path, capfd):
+    from autoshard.cli import main
+
+    plan = autoshard.plan("tests/models/mlp.py:build", cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2)
+    plan.save(tmp_path / "plan.json")
+    write_foreign_checkpoint(tmp_path / "ckpt")
+    code = main(["run", str(tmp_path / "plan.json"), "--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    out, err = capfd.readouterr()
+    assert code == 2, out[-2000:] + err[-2000:]
+    ours = [line for line in (out + err).splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "was written for another model: it has no '0.fc1.bias'" in ours[0], out + err
+    assert "Traceback" not in out + err and "rank 0 failed" not in out + err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".autoshard.lock", "step-00000002"]
