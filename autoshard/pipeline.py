@@ -195,6 +195,27 @@ def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
                 module_path)
 
 
+def check_plan_modules(plan: Plan, model_file: ModelFile) -> None:
+    """Every module the plan names exists in the model (built on meta): tensor-parallel modules, stage
+    modules, split points, blocks and recompute blocks. A plan edited by hand, or made for another
+    version of the model, otherwise compiles into a program that fails on every rank."""
+    from autoshard.passes.capture import build_on_meta
+
+    have = {name for name, _ in build_on_meta(model_file).named_modules()}
+    named = [*(("tensor_parallel", path) for path in plan.tensor_parallel),
+             *((f"stage {s.index}", path) for s in plan.stages for path in s.modules),
+             *(("split_points", path) for path in plan.split_points),
+             *(("blocks", path) for path in plan.blocks),
+             *(("recompute_blocks", path) for path in plan.recompute_blocks)]
+    missing = [(where, path) for where, path in named if path not in have]
+    if missing:
+        where, path = missing[0]
+        more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
+        raise AutoshardError(f"the plan names module '{path}' in {where}, which {plan.model['spec']} does not have"
+                             f"{more}; fix: re-plan with `autoshard plan {plan.model['spec']} ...` instead of "
+                             f"editing the plan")
+
+
 OPS_NAMED = 5  # op targets a plan names in model.ops_estimated (the count covers them all)
 
 

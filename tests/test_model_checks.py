@@ -105,3 +105,54 @@ def test_checkpoint_of_another_model_names_the_first_difference(tmp_path):
     with pytest.raises(AutoshardError, match=r"it has '1.bias', which this model lacks"):
         check_same_model(tmp_path, first)
     check_same_model(tmp_path, first, this_rank_has_all=False)  # a pipeline rank holds its stages only
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """A tensor-parallel and a pipeline plan of the example GPT, as JSON documents."""
+    import autoshard
+
+    folder = tmp_path_factory.mktemp("plans")
+    out = {}
+    for name, pins in (("tp", dict(tp=2)), ("pp", dict(pp=2))):
+        plan = autoshard.plan(os.path.join(ROOT, "examples/gpt.py") + ":build", cluster="local-cpu",
+                              devices_per_node=2, global_batch=8, **pins)
+        plan.save(folder / f"{name}.json")
+        out[name] = json.loads((folder / f"{name}.json").read_text())
+    return out
+
+
+def _rename_first_tp(doc):
+    first = sorted(doc["tensor_parallel"])[0]
+    doc["tensor_parallel"]["h.0.attn.nope"] = doc["tensor_parallel"].pop(first)
+    return "h.0.attn.nope", "tensor_parallel"
+
+
+def _rename_stage_module(doc):
+    doc["stages"][1]["modules"][0] = "h.77"
+    return "h.77", "stage 1"
+
+
+def _rename_split_point(doc):
+    doc["split_points"][0] = "blocks.3"
+    return "blocks.3", "split_points"
+
+
+@pytest.mark.parametrize("kind, edit", [("tp", _rename_first_tp), ("pp", _rename_stage_module),
+                                        ("pp", _rename_split_point)])
+def test_compile_refuses_a_plan_naming_a_module_the_model_lacks(plans, tmp_path, capfd, kind, edit):
+    doc = json.loads(json.dumps(plans[kind]))
+    name, where = edit(doc)
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    program = tmp_path / "train.py"
+    code = main(["compile", str(tmp_path / "plan.json"), "-o", str(program)])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert err.count("\n") == 1 and f"names module '{name}' in {where}" in err and "re-plan" in err, err
+    assert not program.exists() and not program.with_suffix(".sbatch").exists()
+
+
+def test_compile_accepts_the_untouched_plans(plans, tmp_path, capfd):
+    for kind, doc in plans.items():
+        (tmp_path / f"{kind}.json").write_text(json.dumps(doc))
+        assert main(["compile", str(tmp_path / f"{kind}.json"), "-o", str(tmp_path / f"{kind}.py")]) == 0
