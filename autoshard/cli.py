@@ -399,6 +399,7 @@ def _check_sbatch(sbatch: Path, force: bool) -> bool:
 def cmd_compile(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan, write_files_atomic
     from autoshard.passes.codegen import emit_program, emit_sbatch, torchrun_command
+    from autoshard.pipeline import check_plan_modules
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
@@ -407,7 +408,8 @@ def cmd_compile(args) -> int:
     inputs = _program_outputs(plan, path, Path(args.plan), also=(sbatch,))
     replaced = _check_sbatch(sbatch, args.force)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
     write_files_atomic({path: emit_program(plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
     print(f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
@@ -437,6 +439,7 @@ def _check_output_folder(flag: str, folder: str | None) -> None:
 def cmd_run(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.launch import check_runs_here, run_torchrun, write_program
+    from autoshard.pipeline import check_plan_modules
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
@@ -452,7 +455,8 @@ def cmd_run(args) -> int:
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([program], inputs, _loaded_modules())
     write_program(plan, program)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
