@@ -11,15 +11,20 @@ never code in the emitted program:
     names          model.spec, cluster.name, precision,        one printable line without
                    pinned[]                                    quotes, backslashes or brackets
     fingerprint    model.hash                                  hexadecimal
-    counts         global_batch, microbatch_size, ...          integers (never booleans), >= 1
-    sizes          model.params, predicted.memory.*_bytes      integers >= 0
-    times, rates   predicted.*_s, *_per_s, mfu                 finite numbers >= 0
+    counts         global_batch, microbatch_size, ...          integers (never booleans), 1 .. 2^40
+    sizes          model.params, predicted.memory.*_bytes      integers 0 .. 2^60 (1 EiB)
+    times, rates   predicted.*_s, *_per_s, mfu                 finite numbers 0 .. 1e30
+    search         search.*                                    numbers of at most 1e30 in size
     choices        zero_stage, recompute, schedule, TP styles  one of the known values
     cluster        cluster                                     ``Cluster.from_dict`` (its own checks)
     ranks          mesh dp·tp·pp <= the cluster's devices; stage ranks in 0 .. dp·tp·pp − 1
     prose          alternatives[].why_not, reasons, notes      strings
 
 Unknown keys are ignored, so a reader skips fields that a newer writer of the same version adds.
+Every number is bounded so that no reader overflows (``float(10**400)``) or meets Python's
+limit on converting integers of 4,300+ digits to text: the JSON is read with ``parse_int=
+bounded_json_int``, which keeps an integer of more than ``MAX_JSON_DIGITS`` digits as a
+``HugeNumber`` that no check accepts, so the field holding it is named.
 """
 
 from __future__ import annotations
@@ -37,6 +42,26 @@ _UNSAFE_NAME_CHARS = set("\"'\\[]{}`")
 _SHORT = reprlib.Repr()  # a value in a message: short, whatever the file holds
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 50, 50, 4, 4
 FIX = "re-create it with `autoshard plan` (the file was edited or damaged)"
+MAX_COUNT = 2**40
+MAX_SIZE = 2**60
+MAX_AMOUNT = 1e30
+MAX_JSON_DIGITS = 30
+
+
+class HugeNumber:
+    """An integer of the plan's JSON with more than ``MAX_JSON_DIGITS`` digits, kept unconverted."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<a number of {self.digits} digits>"
+
+
+def bounded_json_int(text: str) -> int | HugeNumber:
+    """``json.loads``' ``parse_int``: int(text), or a ``HugeNumber`` beyond ``MAX_JSON_DIGITS`` digits."""
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= MAX_JSON_DIGITS else HugeNumber(digits)
 
 
 def check_plan_dict(d: dict[str, Any]) -> None:
@@ -86,6 +111,9 @@ def _check_optional(d: dict[str, Any]) -> None:
         _name(name, f"pinned[{i}]")
     for i, note in enumerate(_list(d, "notes", [])):
         _string(note, f"notes[{i}]")
+    for key, value in _mapping(d, "search", {}).items():
+        if not isinstance(value, bool):
+            _number(value, f"search.{key}")
 
 
 def _check_model(m: dict[str, Any]) -> None:
@@ -192,18 +220,24 @@ def _is_int(value: Any) -> bool:
 def _count(value: Any, field: str) -> int:
     if not _is_int(value) or value < 1:
         _fail(field, "an integer >= 1", value)
+    if value > MAX_COUNT:
+        _fail(field, "an integer of at most 2^40", value)
     return value
 
 
 def _size(value: Any, field: str) -> int:
     if not _is_int(value) or value < 0:
         _fail(field, "an integer >= 0", value)
+    if value > MAX_SIZE:
+        _fail(field, "an integer of at most 2^60", value)
     return value
 
 
 def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         _fail(field, "a finite number", value)
+    if abs(value) > MAX_AMOUNT:
+        _fail(field, "a number of at most 1e30 in size", value)
     return float(value)
 
 
@@ -240,5 +274,8 @@ def _path(value: Any, field: str) -> str:
 
 
 def _fail(field: str, what: str, value: Any) -> None:
-    shown = _SHORT.repr(value)
+    if isinstance(value, int) and value.bit_length() > 200:  # repr of 4,300+ digits raises
+        shown = f"<a number of {int(value.bit_length() * math.log10(2)) + 1} digits>"
+    else:
+        shown = _SHORT.repr(value)
     raise AutoshardError(f"plan field '{field}' must be {what}, got {shown}; {FIX}")

@@ -228,6 +228,7 @@ class Cluster:
             if not isinstance(getattr(self, key), kind):
                 raise AutoshardError(f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
                                      f"fix: build it with {kind.__name__}(...)")
+            _check_bounds(getattr(self, key), where, key)
 
     @property
     def world_size(self) -> int:
@@ -390,8 +391,10 @@ def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float]
         name, latency_us, bandwidth_gbps = item
         if name not in COLLECTIVE_NAMES:
             raise AutoshardError(f"{where}: unknown collective {name!r}; {fix}")
-        lat = _check_value(latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds")
-        bw = _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s")
+        lat = _check_value(latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds",
+                           bounded=False)
+        bw = _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s",
+                          bounded=False)
         out.append((name, lat, bw))
     return tuple(sorted(out))
 
@@ -438,19 +441,32 @@ def _check_backend(backend: Any, where: str) -> str:
 
 
 def _check_dataclass(spec: DeviceSpec | LinkSpec) -> None:
-    """Validate every plain field from its metadata; store ints given for floats as floats."""
+    """Validate every plain field from its metadata; store ints given for floats as floats. The
+    physical bounds are a cluster's (``_check_bounds``): links the cost model derives (a NIC shared
+    by 8, a scaled link) may lie outside them."""
     for f in fields(spec):
         if f.metadata.get("composite"):
             continue
-        value = _check_field(getattr(spec, f.name), f, type(spec).__name__, f.name)
+        value = _check_field(getattr(spec, f.name), f, type(spec).__name__, f.name, bounded=False)
         object.__setattr__(spec, f.name, value)
 
 
-def _check_field(value: Any, f: Field, where: str, dotted: str) -> Any:
-    return _check_value(value, _TYPES[f.type], f.metadata["rule"], where, dotted, f.metadata["doc"])
+def _check_bounds(spec: DeviceSpec | LinkSpec | HostOverheads, where: str, section: str) -> None:
+    """Every figure of a cluster's section within its physical bounds (``BOUNDS``)."""
+    for f in fields(spec):
+        if not f.metadata.get("composite"):
+            _check_field(getattr(spec, f.name), f, where, f"{section}.{f.name}")
+    for name, latency_us, bandwidth_gbps in getattr(spec, "collectives", ()):
+        _check_value(latency_us, float, _LATENCY, where, f"{section}.collectives.{name}.latency_us", "microseconds")
+        _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"{section}.collectives.{name}.bandwidth_gbps", "GB/s")
 
 
-def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted: str, doc: str) -> Any:
+def _check_field(value: Any, f: Field, where: str, dotted: str, bounded: bool = True) -> Any:
+    return _check_value(value, _TYPES[f.type], f.metadata["rule"], where, dotted, f.metadata["doc"], bounded)
+
+
+def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted: str, doc: str,
+                 bounded: bool = True) -> Any:
     """``value`` as ``kind`` (ints widen to floats, whole floats narrow to ints), or an error."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -461,7 +477,7 @@ def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted:
                              f"({type(value).__name__}); fix: give {doc}")
     if rule is not None and not rule[1](value):
         raise AutoshardError(f"{where}: {dotted} must be {rule[0]}, got {_short(value)}; fix: give {doc}")
-    if rule is not None and len(rule) > 2 and not rule[2][0] <= value <= rule[2][1]:
+    if bounded and rule is not None and len(rule) > 2 and not rule[2][0] <= value <= rule[2][1]:
         low, high, unit = rule[2]
         raise AutoshardError(f"{where}: {dotted} must be between {low:g} and {high:g}{' ' + unit if unit else ''} "
                              f"(physical bounds), got {_short(value)}; fix: give {doc}")

@@ -200,7 +200,8 @@ def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> 
     """The stage-cut problem of ``config`` (``passes.stage_cuts``): unit times in ps, and per stage
     state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
     units, tp_comm = pipeline_units(tables, config)
-    ps = [round((t + c) * PS_PER_S) for t, c in zip(units.compute_s, tp_comm)]
+    scale = PS_PER_S * _time_scale(units.compute_s, tp_comm)
+    ps = [round((t + c) * scale) for t, c in zip(units.compute_s, tp_comm)]
     forbidden = tables.memo(("cut_refusals",), lambda: frozenset(cut_refusals(tables.graph)))
     problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1], forbidden_starts=forbidden)
     if not with_memory:
@@ -214,6 +215,17 @@ def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> 
     return replace(problem, block_fixed_bytes=tuple(fixed[1:-1]), prefix_fixed_bytes=fixed[0],
                    suffix_fixed_bytes=fixed[-1], block_act_bytes=tuple(acts[1:-1]), prefix_act_bytes=acts[0],
                    suffix_act_bytes=acts[-1], in_flight=flights, cap_bytes=cap)
+
+
+MAX_TOTAL_PS = 2**52  # the stage-cut tables sum unit times in int64: a step above ~75 minutes is scaled down
+
+
+def _time_scale(compute_s, tp_comm) -> float:
+    """1, or what brings the units' total time under MAX_TOTAL_PS picoseconds: only the cuts' order
+    matters (they minimise the slowest stage), and int64 sums overflow beyond ~106 days of compute
+    (slow devices, huge micro-batches). Plans of ordinary steps are unchanged."""
+    total = sum(compute_s) + sum(tp_comm)
+    return 1.0 if total * PS_PER_S <= MAX_TOTAL_PS else MAX_TOTAL_PS / (total * PS_PER_S)
 
 
 # ---------------------------------------------------------------------------- alternatives
