@@ -275,7 +275,7 @@ def _check_plan_output(args) -> None:
 
 def check_outputs(outputs: list[Path], inputs: dict[str, Path], loaded: dict[Path, str] | None = None) -> None:
     """Every output names a file, not a folder, and none is one of the command's inputs (``inputs``: what it
-    is -> path) or a module the model imported (``loaded``: resolved path -> module name)."""
+    is -> path) or a file the model loaded (``loaded``: resolved path -> what it is)."""
     for output in outputs:
         if output.is_dir():
             raise AutoshardError(f"output '{output}' is a folder; fix: name a file in it, e.g. "
@@ -284,10 +284,10 @@ def check_outputs(outputs: list[Path], inputs: dict[str, Path], loaded: dict[Pat
             if _same_file(output, path):
                 raise AutoshardError(f"output '{output}' is this command's {what} ('{path}'); writing there would "
                                      f"replace it; fix: choose another name for the output")
-        module = (loaded or {}).get(_resolved(output))
-        if module is not None and output.exists():
-            raise AutoshardError(f"output '{output}' is the module '{module}' that the model imports; writing there "
-                                 f"would replace that code; fix: choose another name for the output")
+        what = (loaded or {}).get(_resolved(output))
+        if what is not None and output.exists():
+            raise AutoshardError(f"output '{output}' is {what}; writing there would replace it; fix: choose another "
+                                 f"name for the output")
     named = [_resolved(o) for o in outputs]
     if len(set(named)) != len(named):
         raise AutoshardError(f"outputs {', '.join(map(str, outputs))} name one file twice; fix: give each its own name")
@@ -308,20 +308,37 @@ def _resolved(path: Path) -> Path:
 
 
 def _loaded_modules() -> dict[Path, str]:
-    """Resolved file -> name of every module imported in this process (the model's among them)."""
+    """Resolved file -> what it is, for every module imported in this process (the model's among them)."""
     out: dict[Path, str] = {}
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if isinstance(file, str):
-            out.setdefault(_resolved(Path(file)), name)
+            out.setdefault(_resolved(Path(file)), f"the module '{name}' that the model imports")
     return out
+
+
+def _model_reads(args) -> dict[Path, str]:
+    """Resolved file -> what it is, for the files the capture recorded as read while the model was built
+    (its modules, a config file it opened): the capture cache's entry, when there is one."""
+    import json
+
+    try:
+        from autoshard.passes.capture_cache import _entry_path
+        from autoshard.passes.front import CAPTURE_BATCH
+
+        entry = _entry_path(args.model, CAPTURE_BATCH, not args.no_fold)
+        rows = json.loads(entry.read_text())["dependencies"] if entry is not None and entry.is_file() else []
+        return {_resolved(Path(row[0])): f"a file the model read while it was built ('{row[0]}')"
+                for row in rows if isinstance(row, list) and row and isinstance(row[0], str)}
+    except (ImportError, OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _write_plan(plan, args) -> None:
     from autoshard.show import render_plan
 
     if args.output:
-        check_outputs([Path(args.output)], _plan_inputs(args), _loaded_modules())  # the model's own modules too
+        check_outputs([Path(args.output)], _plan_inputs(args), {**_model_reads(args), **_loaded_modules()})
         plan.save(args.output)
     if args.json:
         sys.stdout.write(plan.to_json())

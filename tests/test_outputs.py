@@ -132,6 +132,7 @@ FILES = [  # no output is one of the command's inputs or a module the model impo
     (["run", "plan.json", "--max-restarts", "1"], "without --checkpoint-dir would restart from step 0"),
     (["run", "notes.json", "--steps", "1"], "'notes.train.py' exists and autoshard did not write it"),
     (["calibrate", "-o", "cluster.yaml", "--across-nodes", "cluster.yaml"], "is this command's --across-nodes file"),
+    (["plan", "reads_config.py:build", *LOCAL, "-o", "config.json"], "is a file the model read while it was built"),
 ]
 
 FLAGS = [  # checked before anything is launched
@@ -168,6 +169,12 @@ def _prepare(folder: Path) -> None:
     shutil.copy(folder / "plan.json", folder / "notes.json")
     (folder / "notes.train.py").write_text("# my own training script\n")
     (folder / "job.sbatch").mkdir()
+    (folder / "config.json").write_text('{"width": 8}\n')
+    (folder / "reads_config.py").write_text(
+        "import json\nfrom pathlib import Path\n\nimport torch\nimport torch.nn as nn\n\n\ndef build():\n"
+        "    width = json.loads(Path(__file__).with_name('config.json').read_text())['width']\n"
+        "    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)])\n\n\n"
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)\n")
     (folder / "needs_argument.py").write_text(
         "import torch\n\ndef build(width):\n    return torch.nn.Linear(width, width)\n\n"
         "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n")
@@ -313,4 +320,4 @@ def test_compile_replaces_its_own_slurm_script_and_others_only_with_force(capsys
 
 
 def test_counts_match_tests_readme():
-    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 16, 11, 7)
+    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 17, 11, 7)
