@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autoshard.cost.memory import precision_for_graph
 from autoshard.cost.step import CostTables, price_parts, stage_ranks
 from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.units import node_units, stage_ranges, stage_units
@@ -136,7 +137,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         alternatives=result.alternatives,
         blocks=tuple(b.path for b in graph.blocks),
         ddp_bucket_cap_mb=c.ddp_bucket_cap_mb,
-        precision="bf16-autocast" if request.cluster.backend == "nccl" else "fp32",
+        precision=precision_for_graph(request.cluster.backend, graph).name,  # the parameters' dtype decides
         pinned=request.pins.names,
         notes=plan_notes(best) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
         symbolic=plan_symbolic(request, graph, best),

@@ -156,3 +156,22 @@ def test_compile_accepts_the_untouched_plans(plans, tmp_path, capfd):
     for kind, doc in plans.items():
         (tmp_path / f"{kind}.json").write_text(json.dumps(doc))
         assert main(["compile", str(tmp_path / f"{kind}.json"), "-o", str(tmp_path / f"{kind}.py")]) == 0
+
+
+@pytest.mark.parametrize("dtype, short, nbytes", [("bfloat16", "bf16", 2), ("float16", "fp16", 2),
+                                                  ("float32", "fp32", 4)])
+def test_parameters_are_priced_by_their_dtype(tmp_path, dtype, short, nbytes):
+    import autoshard
+
+    spec = model_file(tmp_path, dtype=f".to(torch.{dtype})",
+                      targets=f"torch.randn(batch_size, 16, dtype=torch.{dtype})")
+    spec_path = spec.rsplit(":", 1)[0]
+    text = open(spec_path).read().replace("x = torch.randn(batch_size, 16)",
+                                          f"x = torch.randn(batch_size, 16, dtype=torch.{dtype})")
+    open(spec_path, "w").write(text)
+    plan = autoshard.plan(spec, cluster="local-cpu", devices_per_node=1, global_batch=4, cache=False)
+    params = plan.model["params"]
+    memory = plan.predicted.memory
+    assert memory.params_bytes == params * nbytes
+    assert memory.grads_bytes == params * nbytes and memory.optimizer_bytes == params * 2 * nbytes
+    assert plan.precision == ("fp32" if dtype == "float32" else f"{short}-params")

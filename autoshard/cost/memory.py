@@ -56,9 +56,37 @@ BF16_AUTOCAST = Precision("bf16-autocast", param_bytes=4, grad_bytes=4, optimize
 MEGATRON_MIXED = Precision("bf16-mixed", param_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2)
 
 
-def precision_for_backend(backend: str) -> Precision:
-    """What the emitted program trains in: bf16 autocast with NCCL (GPUs), fp32 with gloo (CPUs)."""
+# Bytes per element of parameter dtypes (ParamInfo.dtype: torch's name without "torch.").
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_SHORT = {"float64": "fp64", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def param_dtype(graph: OpGraph) -> str:
+    """The dtype holding most of the model's trainable parameters (elements), "float32" without any."""
+    counts: dict[str, int] = {}
+    for p in graph.params:
+        if not p.is_buffer and p.dtype in DTYPE_BYTES:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel
+    return max(sorted(counts), key=counts.get) if counts else "float32"
+
+
+def precision_for_backend(backend: str, dtype: str = "float32") -> Precision:
+    """What the emitted program trains in: the model's parameters stay in the dtype it built them in,
+    so fp32 parameters train under bf16 autocast with NCCL (GPUs) or in fp32 with gloo (CPUs), and
+    16-bit (or fp64) parameters train in that dtype: weights and gradients d bytes each, AdamW's m and
+    v 2d (torch creates them like the parameter), activations in that dtype too."""
+    if dtype in _SHORT:
+        d = DTYPE_BYTES[dtype]
+        # activations: 4, as the step model scales captured bytes by activation_bytes / 4 and the graph
+        # was captured in the model's dtype, so its bytes are already the trained ones
+        return Precision(f"{_SHORT[dtype]}-params", param_bytes=d, grad_bytes=d, optimizer_bytes=2 * d,
+                         activation_bytes=4)
     return BF16_AUTOCAST if backend == "nccl" else FP32
+
+
+def precision_for_graph(backend: str, graph: OpGraph) -> Precision:
+    """``precision_for_backend`` for this model's parameter dtype (``param_dtype``)."""
+    return precision_for_backend(backend, param_dtype(graph))
 
 
 def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precision) -> tuple[int, int, int]:

@@ -132,7 +132,8 @@ from dataclasses import dataclass, replace
 from autoshard.cost import comm
 from autoshard.cost.schedule import rank_orders, shared_makespan_s
 from autoshard.cost.compute import ATTENTION_KERNELS, ComputeTime, model_flops_per_sample
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend
+from autoshard.cost.memory import (COMPUTE_HEAVY_TARGETS, Precision, model_state_bytes, precision_for_backend,
+                                   precision_for_graph)
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.units import Units, node_forward_s, node_units, stage_ranges, stage_units, unit_costs
 from autoshard.ir.graph import OpGraph
@@ -173,9 +174,11 @@ class Runtime:
         assert self.attention in ATTENTION_KERNELS, self.attention
 
     @classmethod
-    def for_cluster(cls, cluster: Cluster) -> Runtime:
-        """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank."""
-        return cls(precision_for_backend(cluster.backend))
+    def for_cluster(cls, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
+        """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank;
+        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``)."""
+        return cls(precision_for_graph(cluster.backend, graph) if graph is not None
+                   else precision_for_backend(cluster.backend))
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class CostTables:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, runtime: Runtime | None = None):
         self.graph, self.cluster = graph, cluster
-        self.runtime = runtime or Runtime.for_cluster(cluster)
+        self.runtime = runtime or Runtime.for_cluster(cluster, graph)
         self.precision = self.runtime.precision
         self._units: dict[tuple, Units] = {}
         self._tp: dict[tuple, TPCost] = {}
