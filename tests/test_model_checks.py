@@ -175,3 +175,19 @@ def test_parameters_are_priced_by_their_dtype(tmp_path, dtype, short, nbytes):
     assert memory.params_bytes == params * nbytes
     assert memory.grads_bytes == params * nbytes and memory.optimizer_bytes == params * 2 * nbytes
     assert plan.precision == ("fp32" if dtype == "float32" else f"{short}-params")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(net_forward="self.blocks(x)"), "the model's forward returns None"),
+    (dict(top="import numpy", targets="numpy.zeros((batch_size, 16), dtype='float32')"),
+     "example_batch returns targets of type numpy.ndarray, not a torch tensor; every rank slices"),
+    (dict(targets="[0.0] * batch_size"), "targets of type list, not a torch tensor"),
+])
+def test_plan_refuses_a_model_that_cannot_train(tmp_path, capfd, edit, message):
+    spec = model_file(tmp_path, **edit)
+    out_file = tmp_path / "plan.json"
+    code = main(["plan", spec, *PLAN, "-o", str(out_file)])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert err.count("\n") == 1 and message in err and "fix: " in err and "Traceback" not in err, err
+    assert not out_file.exists()

@@ -63,7 +63,8 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
     model = build_on_meta(model_file)
     fingerprint = model_fingerprint(model)  # of the whole model: plans name it (fold shortens it next)
     folded = fold_model(model) if fold else None
-    inputs, _ = model_file.example_batch(batch_size)
+    inputs, targets = model_file.example_batch(batch_size)
+    check_targets(model_file, targets)
     meta_inputs = tuple(t.to("meta") for t in inputs)
     graph = capture_module(model, meta_inputs, where=model_file.spec)
     if folded is not None and not layers_match(graph, folded):
@@ -74,6 +75,27 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
         raise AutoshardError(f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
                              f"train or shard; return the model with its layers from the factory")
     return graph
+
+
+def check_targets(model_file: ModelFile, targets: Any) -> None:
+    """The example targets are one tensor: every rank slices its share of the batch and moves it to its
+    device, and the loss takes it; anything else (a NumPy array, a list) would fail on every rank."""
+    if isinstance(targets, torch.Tensor):
+        return
+    cls = type(targets)
+    kind = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+    fix = "torch.from_numpy(targets)" if cls.__module__.split(".")[0] == "numpy" else "torch.tensor(targets)"
+    raise AutoshardError(f"{model_file.path}: example_batch returns targets of type {kind}, not a torch tensor; "
+                         f"every rank slices the targets by the batch and moves them to its device; fix: "
+                         f"return {fix}")
+
+
+def check_output(program: torch.export.ExportedProgram, where: str) -> None:
+    """The model's forward returns something the loss can use (a tensor, or a structure holding some)."""
+    outputs = program.graph_signature.user_outputs
+    if not outputs or all(name is None for name in outputs):
+        raise AutoshardError(f"{where}: the model's forward returns None (or no tensor), so there is no output "
+                             f"for the loss; fix: end forward with `return` of its output (e.g. the logits)")
 
 
 @contextlib.contextmanager
@@ -101,6 +123,7 @@ def model_output_to_stderr() -> Iterator[None]:
 def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str = "model") -> OpGraph:
     """Export ``model`` on ``inputs`` (same device as its parameters) and convert the result."""
     program = export_module(model, inputs, where)
+    check_output(program, where)
     check_static_shapes(program, where)
     return graph_from_export(model, program, inputs)
 
