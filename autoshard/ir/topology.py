@@ -62,7 +62,7 @@ BOUNDS = {
     "bandwidth": (1e-3, 1e6, "GB/s"),
     "latency": (0.0, 1e7, "µs"),
     "tflops": (1e-3, 1e6, "TFLOP/s"),
-    "memory": (1, 2**50, "bytes"),
+    "memory": (1, 2**50, "bytes (2^50 = 1 PiB)"),
     "efficiency": (1e-3, 1.0, ""),
     "cores": (0.0, 1e6, "cores"),
 }
@@ -376,7 +376,7 @@ def _spec_dict(spec: DeviceSpec | LinkSpec) -> dict[str, Any]:
     return d
 
 
-def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float], ...]:
+def _check_collectives(value: Any, where: str, bounded: bool = False) -> tuple[tuple[str, float, float], ...]:
     """``collectives`` as sorted (name, latency_us, bandwidth_gbps); a mapping (from a file) or tuples."""
     fix = "fix: give each of " + ", ".join(COLLECTIVE_NAMES) + " as {latency_us: >= 0, bandwidth_gbps: > 0}, or drop it"
     if isinstance(value, Mapping):
@@ -392,9 +392,9 @@ def _check_collectives(value: Any, where: str) -> tuple[tuple[str, float, float]
         if name not in COLLECTIVE_NAMES:
             raise AutoshardError(f"{where}: unknown collective {name!r}; {fix}")
         lat = _check_value(latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds",
-                           bounded=False)
+                           bounded=bounded)
         bw = _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s",
-                          bounded=False)
+                          bounded=bounded)
         out.append((name, lat, bw))
     return tuple(sorted(out))
 
@@ -411,7 +411,8 @@ def _spec_from_mapping(kind: type, values: Any, where: str, section: str, defaul
     _check_keys(values, names, where, section + ".", optional=optional)
     checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain
                if f.name in values or f.name not in optional}
-    extra = {name: _check_collectives(values[name], f"{where}: {section}") for name in composite if name in values}
+    extra = {name: _check_collectives(values[name], f"{where}: {section}", bounded=True)
+             for name in composite if name in values}
     return kind(**checked, **extra)
 
 
@@ -479,7 +480,8 @@ def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted:
         raise AutoshardError(f"{where}: {dotted} must be {rule[0]}, got {_short(value)}; fix: give {doc}")
     if bounded and rule is not None and len(rule) > 2 and not rule[2][0] <= value <= rule[2][1]:
         low, high, unit = rule[2]
-        raise AutoshardError(f"{where}: {dotted} must be between {low:g} and {high:g}{' ' + unit if unit else ''} "
+        high_text = f"{high:,}" if isinstance(high, int) else f"{high:g}"
+        raise AutoshardError(f"{where}: {dotted} must be between {low:g} and {high_text}{' ' + unit if unit else ''} "
                              f"(physical bounds), got {_short(value)}; fix: give {doc}")
     return value
 
