@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -141,8 +142,9 @@ def _run_owned(cmd: list[str], env: dict, token: str, lock, kwargs: dict) -> Tor
     def on_signal(signum, frame):
         raise _Stop(signum)
 
-    for sig in handled:
-        previous[sig] = signal.signal(sig, on_signal)  # raises ValueError off the main thread
+    if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        for sig in handled:
+            previous[sig] = signal.signal(sig, on_signal)
     proc = None
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True,
