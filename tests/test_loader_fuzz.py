@@ -258,3 +258,170 @@ def test_plan_with_fuzzed_cluster_file_is_a_plan_or_one_line(in_repo, capsys, te
         assert err.startswith("error: ") and err.count("\n") == 1
     else:
         assert json.loads(out)["version"] == 1
+
+
+# ---------------------------------------------------------------------------- symbolic expressions
+
+EXPRESSION_TOKENS = st.sampled_from(
+    ["B", "s", "dp", "tp", "pp", "b", "v", "x", "0", "1", "16", "17", "9", "2.5e-7", "1e308", "1e-308",
+     "9" * 40, "+", "-", "*", "/", "**", "(", ")", ",", " ", "Max(", "Min(", "Eq(", "Piecewise((", "True",
+     "False", "__import__", ".", "[", "'", "lambda", "(-1)", "**16", "**-16", "**0.5"])
+
+
+def plan_expressions() -> list[str]:
+    symbolic = base_plan()["symbolic"]
+    return [symbolic["step_time_s"], symbolic["memory_peak_bytes"], symbolic["model_flops_per_sample"],
+            *symbolic["parts"].values(), *symbolic["memory"].values()]
+
+
+@st.composite
+def mutated_expression(draw) -> str:
+    """A real plan's expression with tokens inserted, slices deleted or repeated; or tokens strung together."""
+    if draw(st.integers(0, 3)) == 0:
+        return "".join(draw(st.lists(EXPRESSION_TOKENS, max_size=30)))
+    text = draw(st.sampled_from(plan_expressions()))
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(text)))
+        j = draw(st.integers(i, min(len(text), i + 40)))
+        action = draw(st.sampled_from(["insert", "delete", "repeat", "nest"]))
+        if action == "insert":
+            text = text[:i] + draw(EXPRESSION_TOKENS) + text[i:]
+        elif action == "delete":
+            text = text[:i] + text[j:]
+        elif action == "repeat":
+            text = text[:j] + text[i:j] * draw(st.integers(2, 200)) + text[j:]
+        else:
+            depth = draw(st.integers(1, 60))
+            text = "(" * depth + text[i:j] + "**16)" * depth if text[i:j] else text
+    return text
+
+
+@pytest.mark.timeout(300)
+@fuzz(400)
+@given(mutated_expression(), st.fixed_dictionaries({}, optional={
+    "B": st.integers(1, 2**40), "s": st.integers(1, 2**20), "dp": st.integers(1, 4096), "b": st.integers(1, 64)}))
+def test_expressions_evaluate_or_raise_value_error(text, values):
+    """Whatever the string: a finite float or a ValueError naming the problem, never anything else."""
+    from autoshard.cost.symbolic import evaluate_expression
+
+    point = {**base_plan()["symbolic"]["symbols"], **values}
+    try:
+        result = evaluate_expression(text, point)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and len(str(exc)) < 400
+    else:
+        assert isinstance(result, float) and math.isfinite(result)
+
+
+@pytest.mark.timeout(600)
+@fuzz(40)
+@given(mutated_expression(), st.sampled_from(["step_time_s", "memory_peak_bytes", "parts.forward_s",
+                                               "memory.activations_bytes"]),
+       st.sampled_from(["global_batch=16", "seq_len=4096", "dp=1", "global_batch=1099511627776"]))
+def test_inspect_what_if_with_fuzzed_expression_is_a_table_or_one_line(capsys, text, where, what_if):
+    data = json.loads(json.dumps(base_plan()))
+    target = data["symbolic"]
+    *parents, key = where.split(".")
+    for parent in parents:
+        target = target[parent]
+    target[key] = text
+    path = WORK / "what-if.json"
+    path.write_text(json.dumps(data))
+    assert check_plan_text(path.read_text()) is not None  # the loader leaves symbolic cost to --what-if
+    code = main(["inspect", str(path), "--what-if", what_if])
+    out, err = capsys.readouterr()
+    assert code in (0, 2)
+    assert "Traceback" not in out + err
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1
+    else:
+        assert "What if" in out
+
+
+# ---------------------------------------------------------------------------- file outputs
+
+OUTPUT_KINDS = ["new", "new-in-missing-folder", "existing-file", "directory", "link-to-file", "dangling-link",
+                "link-to-model", "link-to-cluster", "model", "cluster", "helper", "inside-a-file", "trailing-slash",
+                "dot"]
+
+
+REFUSED_OUTPUTS = ("directory", "dot", "model", "cluster", "helper", "link-to-model", "link-to-cluster",
+                   "inside-a-file")  # an input, or no file at all
+
+
+def _output_folder() -> Path:
+    """A fresh folder with a model file, the module it imports, a cluster file and an unrelated file."""
+    folder = Path(tempfile.mkdtemp(dir=WORK, prefix="outputs-"))
+    model = (ROOT / "tests/models/mlp.py").read_text()
+    (folder / "model.py").write_text(model.replace("import torch\n", "import torch\nimport helper  # noqa\n", 1))
+    (folder / "helper.py").write_text("SCALE = 1\n")
+    (folder / "cluster.yaml").write_text((ROOT / "tests/clusters/fast_link_cpu.yaml").read_text())
+    (folder / "notes.txt").write_text("keep me\n")
+    (folder / "sub").mkdir()
+    return folder
+
+
+def _output_path(folder: Path, kind: str, name: str) -> str:
+    if kind == "new":
+        return str(folder / name)
+    if kind == "new-in-missing-folder":
+        return str(folder / "missing" / name)
+    if kind == "existing-file":
+        return str(folder / "notes.txt")
+    if kind == "directory":
+        return str(folder / "sub")
+    if kind == "link-to-file":
+        (folder / name).symlink_to(folder / "notes.txt")
+    elif kind == "dangling-link":
+        (folder / name).symlink_to(folder / "nowhere.json")
+    elif kind == "link-to-model":
+        (folder / name).symlink_to(folder / "model.py")
+    elif kind == "link-to-cluster":
+        (folder / name).symlink_to(folder / "cluster.yaml")
+    elif kind in ("model", "cluster", "helper"):
+        return str(folder / {"model": "model.py", "cluster": "cluster.yaml", "helper": "helper.py"}[kind])
+    elif kind == "inside-a-file":
+        return str(folder / "notes.txt" / name)
+    elif kind == "trailing-slash":
+        return str(folder / name) + "/"
+    elif kind == "dot":
+        return str(folder) + "/."
+    return str(folder / name)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else ("<dir>" if p.is_dir() else p.read_bytes())
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", OUTPUT_KINDS)
+@fuzz(2)
+@given(name=st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=12)
+       .map(lambda t: t + ".json"))
+def test_plan_output_never_replaces_an_input_nor_leaves_a_temporary(capsys, kind, name):
+    folder = _output_folder()
+    output = _output_path(folder, kind, name)
+    before = _snapshot(folder)
+    inputs = {p: before[p] for p in ("model.py", "helper.py", "cluster.yaml")}
+    code = main(["plan", f"{folder}/model.py:build", "--cluster", str(folder / "cluster.yaml"),
+                 "--devices-per-node", "2", "--global-batch", "8", "-o", output])
+    out, err = capsys.readouterr()
+    after = _snapshot(folder)
+    assert code in (0, 2), err
+    assert "Traceback" not in out + err
+    if kind in REFUSED_OUTPUTS:
+        assert code == 2, f"plan -o {kind} was written"
+    assert all(after.get(p) == content for p, content in inputs.items()), "an input was replaced"
+    assert all(after.get(p) == before[p] for p in before if p not in (name, "notes.txt")), "a file changed"
+    added = set(after) - set(before) - {name, "__pycache__"} - {p for p in after if p.startswith("__pycache__/")}
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert after == {**before, **{p: after[p] for p in after if "__pycache__" in p}}, "a failed plan wrote"
+    else:
+        assert added <= {"missing", f"missing/{name}"}, added  # the output, and nothing temporary
+        written = Path(output)
+        assert json.loads(written.read_text())["version"] == 1
