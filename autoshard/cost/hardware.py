@@ -44,6 +44,13 @@ preset and override any field; a section you override keeps the preset's other f
 
 Every mistake (syntax, a non-mapping document, a missing or unknown field, a wrong type, a
 non-positive bandwidth) is an ``AutoshardError`` naming the file, the field and the fix.
+
+Reading is bounded: only a regular file (not a device such as /dev/zero, a pipe or a socket) of
+at most ``MAX_CLUSTER_FILE_BYTES`` (1 MiB) is read; a document whose aliases expand to more than
+``MAX_YAML_NODES`` (100,000) values, or that contains itself, is refused before it is built (a
+"billion laughs" file); a key given twice in one mapping is refused, naming it (YAML would keep
+the last); a number of more than ``MAX_NUMBER_DIGITS`` (30) digits is refused before Python
+converts it. Every figure must then lie within its physical bounds (``ir.topology.BOUNDS``).
 See ``examples/cluster.yaml``.
 """
 

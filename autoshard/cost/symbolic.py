@@ -52,6 +52,13 @@ small ops); changing degrees far from the plan is an estimate.
 
 Plans store the expressions as strings (``sympy.sstr``: deterministic for the same inputs);
 ``parse_expression`` reads them back without ``eval`` (a plan is data, loading runs no code).
+A plan file may be damaged or hostile, so a string is first checked against limits (at most
+MAX_EXPRESSION_CHARS characters, MAX_DEPTH levels, numbers of at most MAX_DIGITS digits and
+MAX_LITERAL in size, powers only of expressions holding a symbol and only by a written number of
+at most MAX_EXPONENT), and ``evaluate`` (``inspect --what-if``) walks the checked tree in floats
+(``evaluate_expression``) with every symbol an integer of at most MAX_SYMBOL_VALUE: never exact,
+unbounded arithmetic. A division by zero, a result beyond floats or a step time that is not > 0
+is a ValueError that ``show.plan_figures`` turns into one line.
 """
 
 from __future__ import annotations
