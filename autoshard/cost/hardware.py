@@ -258,6 +258,15 @@ class _TooManyNodes(yaml.YAMLError):
     pass
 
 
+def _load_document(text: str) -> Any:
+    """The one YAML document of ``text`` through ``_ClusterLoader`` (safe: plain data only)."""
+    loader = _ClusterLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _check_expanded_size(root: yaml.Node) -> None:
     """Count the document's values with aliases expanded, without expanding them: each node once,
     its count the sum of its children's. A node inside itself (``&a [*a]``) is refused too."""
@@ -319,7 +328,7 @@ def _read_text(path: Path, where: str) -> str:
 def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     text = _read_text(path, where)
     try:
-        raw = yaml.load(text, Loader=_ClusterLoader)  # noqa: S506 (a safe loader)
+        raw = _load_document(text)
     except _DuplicateKey as e:
         raise AutoshardError(f"{where}: duplicate key {_short_key(e.key)}{_yaml_position(e)}; "
                              "fix: give each field once") from None
