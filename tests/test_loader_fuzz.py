@@ -425,3 +425,28 @@ def test_plan_output_never_replaces_an_input_nor_leaves_a_temporary(capsys, kind
         assert added <= {"missing", f"missing/{name}"}, added  # the output, and nothing temporary
         written = Path(output)
         assert json.loads(written.read_text())["version"] == 1
+
+
+@pytest.mark.timeout(120)
+@fuzz(40)
+@given(st.integers(1, 12), st.integers(1, 12), st.sampled_from(["name", "device", "nodes", "preset"]),
+       st.booleans())
+def test_alias_bombs_of_any_shape_are_refused_by_their_expanded_size(branching, depth, key, flow):
+    """Level k holds ``branching`` aliases of level k − 1: branching^depth values once expanded. Over
+    the bound it is refused by size, before anything is built; under it the loader says what is wrong."""
+    from autoshard.cost.hardware import MAX_YAML_NODES
+
+    def items(level: int) -> str:
+        inner = ", ".join(["x"] * branching if level == 0 else [f"*l{level - 1}"] * branching)
+        return f"[{inner}]" if flow else "".join(f"\n  - {i}" for i in inner.split(", "))
+
+    lines = [f"l{k}: &l{k} {items(k)}" for k in range(depth)] + [f"{key}: *l{depth - 1}"]
+    text = "preset: dgx-h100\n" * (key != "preset") + "\n".join(lines) + "\n"
+    path = WORK / "aliases.yaml"
+    path.write_text(text)
+    with pytest.raises(AutoshardError) as info:
+        load_cluster(str(path))
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 400
+    if branching ** depth > MAX_YAML_NODES:  # the last level alone expands to at least branching^depth values
+        assert "aliases expand to more than" in message
