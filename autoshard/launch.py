@@ -242,7 +242,7 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError as exc:
-        if all(f.exitcode == USER_ERROR_EXIT for f in exc.failures.values()):
+        if refused_bad_input(exc.failures):
             return USER_ERROR_EXIT  # the ranks refused bad input and said why in one line (runtime.faults.guard)
         block = crash_block(exc.failures)
         print(block, file=sys.stderr, flush=True)
@@ -252,6 +252,12 @@ def torchrun_main(argv: list[str]) -> int:
     except SignalException as exc:  # stopped (its ranks too) by a signal: the launcher says so in one line
         return 128 + int(exc.sigval)
     return 0
+
+
+def refused_bad_input(failures: dict) -> bool:
+    """Every rank that failed refused bad input (exit 2), or was stopped by torchrun (a signal) after one did."""
+    refused = [f for f in failures.values() if f.exitcode == USER_ERROR_EXIT]
+    return bool(refused) and all(f.exitcode == USER_ERROR_EXIT or f.exitcode < 0 for f in failures.values())
 
 
 _PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout|peer", re.IGNORECASE)
