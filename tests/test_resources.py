@@ -365,3 +365,14 @@ def test_float_evaluation_agrees_with_sympy(good_plan):
             exact = float(parse_expression(text).xreplace(subs))
             assert evaluate_expression(text, values) == pytest.approx(exact, rel=1e-12, abs=1e-300)
     assert evaluate(symbolic, {})["step_time_s"] == pytest.approx(good_plan["predicted"]["step_time_s"], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_infeasible_hint_never_suggests_a_cluster_beyond_the_limit(in_repo, capsys, tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("preset: dgx-h100\ndevice: {memory_bytes: 1}\n")
+    code, out, err = run_cli(capsys, ["plan", MLP, "--cluster", str(path), "--global-batch", "8",
+                                      "-o", str(tmp_path / "plan.json")])
+    assert_one_line_exit_2(code, out, err, f"more than the {MAX_DEVICES:,} autoshard plans for")
+    assert "--nodes" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]

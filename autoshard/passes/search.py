@@ -60,7 +60,7 @@ from autoshard.cost.memory import precision_for_backend
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
-from autoshard.ir.topology import Cluster
+from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
@@ -273,7 +273,11 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     if c.microbatch_size > 1:
         hints.append("a smaller --microbatch-size")
     devices_needed = _devices_needed(graph, cluster, least)
-    hints.append(f"about {devices_needed} devices (--nodes {-(-devices_needed // cluster.devices_per_node)})")
+    if devices_needed <= MAX_DEVICES:
+        hints.append(f"about {devices_needed} devices (--nodes {-(-devices_needed // cluster.devices_per_node)})")
+    else:  # clamped: no cluster autoshard plans for is that big
+        hints.append(f"devices with more memory (it would take about {devices_needed:,} of these, more than the "
+                     f"{MAX_DEVICES:,} autoshard plans for)")
     return (f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, micro-batch {c.microbatch_size}, "
             f"recompute {c.recompute}) needs {_bytes_text(need)} per rank but devices have {_bytes_text(have)} "
             f"({_bytes_text(need - have)} short); try {', '.join(hints)}")
