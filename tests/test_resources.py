@@ -376,3 +376,17 @@ def test_infeasible_hint_never_suggests_a_cluster_beyond_the_limit(in_repo, caps
     assert_one_line_exit_2(code, out, err, f"more than the {MAX_DEVICES:,} autoshard plans for")
     assert "--nodes" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]
+
+
+@pytest.mark.timeout(60)
+def test_a_profile_key_too_long_to_convert_is_one_line(in_repo, capsys, tmp_path):
+    import yaml
+
+    data = yaml.safe_load((ROOT / "tests/clusters/cpu4_shared_cores.yaml").read_text())
+    times = data["profiles"][0]["times"]
+    times["9" * 5000] = times[1]  # a quoted string key: int() of it would raise
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, out, err = run_cli(capsys, cluster_args(str(path), "-o", str(tmp_path / "plan.json")))
+    assert_one_line_exit_2(code, out, err, "profiles hold a value that is not a measured figure")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]

@@ -354,7 +354,13 @@ def _profiles(raw: Any, where: str) -> tuple:
     if not isinstance(raw, list):
         raise AutoshardError(f"{where}: profiles must be a list, got {_short(raw)}; fix: run `autoshard calibrate "
                              f"--model MODEL` again, or delete the profiles section")
-    return tuple(ModelProfile.from_dict(p, where) for p in raw)
+    try:
+        return tuple(ModelProfile.from_dict(p, where) for p in raw)
+    except AutoshardError:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a micro-batch size of 4,300+ digits
+        raise AutoshardError(f"{where}: profiles hold a value that is not a measured figure ({type(exc).__name__}); "
+                             "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section") from None
 
 
 def _edge_attrs(link: LinkSpec, kind: str, devices: int) -> dict[str, Any]:
