@@ -390,3 +390,22 @@ def test_a_profile_key_too_long_to_convert_is_one_line(in_repo, capsys, tmp_path
     code, out, err = run_cli(capsys, cluster_args(str(path), "-o", str(tmp_path / "plan.json")))
     assert_one_line_exit_2(code, out, err, "profiles hold a value that is not a measured figure")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]
+
+
+# ---------------------------------------------------------------------------- plan files
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["inspect", "compile", "verify"])
+def test_a_plan_that_is_a_device_is_refused_unread(capsys, command):
+    code, out, err = run_cli(capsys, [command, "/dev/zero"])
+    assert_one_line_exit_2(code, out, err, "is not a regular file")
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_plan_is_refused_unread(capsys, tmp_path):
+    big = tmp_path / "plan.json"
+    with open(big, "wb") as f:
+        f.truncate(65 * 2**20)  # sparse: no disk, and reading it would take the time and memory refused here
+    code, out, err = run_cli(capsys, ["inspect", str(big)])
+    assert_one_line_exit_2(code, out, err, "more than a plan can be")

@@ -215,10 +215,20 @@ class Plan:
             ) from exc
 
 
+MAX_PLAN_BYTES = 64 * 2**20  # a plan of a 2^18-device cluster with every alternative is a few MiB
+
+
 def load_plan(path: str | Path) -> Plan:
+    """The plan in a regular file of at most ``MAX_PLAN_BYTES`` (a device or a pipe is refused unread)."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise AutoshardError(f"plan file '{path}' is not a regular file (a folder, device or pipe); name a plan "
+                             f"file that `autoshard plan -o` wrote")
     if not path.is_file():
         raise AutoshardError(f"plan file '{path}' not found; create one with `autoshard plan MODEL -o {path}`")
+    if path.stat().st_size > MAX_PLAN_BYTES:
+        raise AutoshardError(f"plan file '{path}' is {path.stat().st_size / 2**20:.0f} MiB, more than a plan can be "
+                             f"({MAX_PLAN_BYTES // 2**20} MiB); re-create it with `autoshard plan`")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
