@@ -11,6 +11,7 @@ GPT, LLAMA, GPT2 = "examples/gpt.py:build", "tests/models/hf_llama.py:build", "t
 LLAMA4 = "tests/models/hf_llama.py:build_4_layers"  # enough blocks for 4 stages
 QWEN3 = "tests/models/hf_causal_zoo.py:build_qwen3"  # per-head q_norm / k_norm on sharded heads
 
+# Llama and GPT-2 at tp=2 and pp=2 on 2 ranks are cases of the model zoo (tests/e2e/test_zoo.py).
 CASES = {  # name: (model, ranks, pins)
     "gpt-tp2": (GPT, 2, dict(tp=2)),
     "gpt-pp2-gpipe": (GPT, 2, dict(pp=2, schedule="gpipe")),
@@ -18,8 +19,6 @@ CASES = {  # name: (model, ranks, pins)
     "gpt-pp2-interleaved": (GPT, 2, dict(pp=2, schedule="interleaved-1f1b")),
     "gpt-dp2-tp2-zero3": (GPT, 4, dict(dp=2, tp=2, zero=3)),
     "gpt-dp2-pp2-zero2": (GPT, 4, dict(dp=2, pp=2, zero=2, schedule="1f1b")),
-    "llama-tp2": (LLAMA, 2, dict(tp=2)),
-    "llama-pp2-gpipe": (LLAMA, 2, dict(pp=2, schedule="gpipe")),
     "llama-pp2-1f1b": (LLAMA, 2, dict(pp=2, schedule="1f1b")),
     # the rotary tables made before layer 0 reach stages 2 and 3 through the stages between; with 4
     # micro-batches even one process drifts 7.5e-5 from the full batch (an embedding gradient near eps)
@@ -27,7 +26,6 @@ CASES = {  # name: (model, ranks, pins)
     "llama-dp2-tp2-zero3": (LLAMA, 4, dict(dp=2, tp=2, zero=3)),
     "llama-dp2-pp2-zero3": (LLAMA, 4, dict(dp=2, pp=2, zero=3, schedule="gpipe")),
     "gpt2-pp2-1f1b": (GPT2, 2, dict(pp=2, schedule="1f1b")),
-    "gpt2-tp2": (GPT2, 2, dict(tp=2)),
     "gpt-tp2-pp2": (GPT, 4, dict(tp=2, pp=2, schedule="1f1b")),
     "llama-tp2-pp2": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe")),
     "gpt2-tp2-pp2": (GPT2, 4, dict(tp=2, pp=2, schedule="1f1b")),
