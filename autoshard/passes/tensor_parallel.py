@@ -450,6 +450,30 @@ def _full_at(graph: OpGraph, node: OpNode, name: str, dims: dict) -> bool:
     return at >= 0 and shape[at] == node.shape[dims[node.name]]
 
 
+def segment_rules(graph: OpGraph, nodes: list[OpNode], tp: int) -> tuple[dict, dict[str, list[Rule]]]:
+    """(s(v) per node, ``allowed_rules``) of a segment, once per graph, tp and proof: the search prices many
+    micro-batch sizes, and each solve's styles read them again."""
+    refused = proof_refusals(graph, tp)
+    key = ("tp_rules", tp, tuple(n.name for n in nodes), None if refused is None else tuple(sorted(refused)))
+
+    def compute():
+        dims = shard_dims(graph, nodes, tp)
+        return dims, allowed_rules(graph, nodes, dims, tp)
+    return graph.derived(key, compute)
+
+
+def param_readers(graph: OpGraph) -> dict[str, tuple[str, ...]]:
+    """Module path -> the nodes that read one of its parameters (not buffers), once per graph."""
+    def compute():
+        out: dict[str, list[str]] = {}
+        for n in graph.nodes:
+            for module in dict.fromkeys(graph.param(p).module_path for p in n.param_inputs
+                                        if not graph.param(p).is_buffer):
+                out.setdefault(module, []).append(n.name)
+        return {m: tuple(names) for m, names in out.items()}
+    return graph.derived("tp_param_readers", compute)
+
+
 def allowed_rules(graph: OpGraph, nodes: list[OpNode], dims: dict, tp: int) -> dict[str, list[Rule]]:
     """``op_rules`` less what the model's code was not proven to compute on shards (``proof_refusals``)
     and less shard rules on replicated parameters that cannot be made DTensors (``param_module``)."""
@@ -520,8 +544,7 @@ def param_module_fits(graph: OpGraph, module: str, members: list[OpNode], rules:
     if any(n.shape and not any(r.kind == "shard" for r in rules[n.name]) for n in members):
         return False
     names = {n.name for n in members}
-    readers = [n for n in graph.nodes if _reads_own_params(graph, n, module)]
-    if any(n.name not in names for n in readers):
+    if any(n not in names for n in param_readers(graph).get(module, ())):
         return False
     return len(module_inputs(graph, members)) == 1
 
@@ -585,8 +608,7 @@ def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
 
 def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int) -> tuple:
     """(model, rules per node, x per node, cost terms (var, flops, collective, bytes)) of one segment."""
-    dims = shard_dims(graph, nodes, tp)
-    rules = allowed_rules(graph, nodes, dims, tp)
+    dims, rules = segment_rules(graph, nodes, tp)
     model = cp_model.CpModel()
     pick = add_op_choice(model, rules)
     layout = add_layouts(model, nodes, rules, pick)
@@ -728,8 +750,7 @@ def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules:
 def _param_module_styles(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule], tp: int) -> dict:
     """Style and reason of each module with replicated parameters (norms, per-head norms, scales):
     ``sharded-input-dim{d}`` when its ops run on shards (d: the dim its input is sharded on)."""
-    dims = shard_dims(graph, nodes, tp)
-    allowed = allowed_rules(graph, nodes, dims, tp)
+    dims, allowed = segment_rules(graph, nodes, tp)
     out = {}
     for module, members in param_modules(graph, nodes).items():
         if any(rules[n.name].kind == "shard" for n in members):
