@@ -34,6 +34,7 @@ import fcntl
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -214,7 +215,22 @@ def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> in
         return 0
     _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
-    return load(found, model, optimizer, mesh) if found else 0
+    steps_done = load(found, model, optimizer, mesh) if found else 0
+    _announce_restart(found, steps_done)
+    return steps_done
+
+
+def _announce_restart(found: Path | None, steps_done: int) -> None:
+    """Rank 0 of a restarted attempt says so in one line. The rank that survived a dead peer says it too
+    (``faults.peer_gone_message``), but only when it sees the broken collective before torchrun stops it,
+    which is a race; this line comes from the attempt that resumes, so it is always there."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if attempt == 0 or rank != 0:
+        return
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    source = f"checkpoint {found.name} (step {steps_done})" if found else "the start (no complete checkpoint yet)"
+    print(f"restart {attempt} of {allowed}: every rank resumes from {source}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- state dicts by plan
