@@ -35,6 +35,7 @@ import reprlib
 from typing import Any
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import TP_STYLES
 
 _PATH = re.compile(r"[\w\-]+(\.[\w\-]+)*")
 _HEX = re.compile(r"[0-9a-f]{1,64}")
@@ -68,7 +69,6 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     """Raise ``AutoshardError`` naming the first field of ``d`` that a plan cannot have (module doc)."""
     from autoshard.ir.plan import PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES
     from autoshard.ir.topology import Cluster
-    from autoshard.passes.codegen import STYLE_SOURCE
 
     _check_model(_mapping(d, "model"))
     cluster = Cluster.from_dict(_mapping(d, "cluster"), where="plan field 'cluster'")
@@ -88,7 +88,7 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     _check_stages(_list(d, "stages"), world)
     for key, value in _mapping(d, "tensor_parallel").items():
         _path(key, "tensor_parallel")
-        _choice(value, f"tensor_parallel.{key}", tuple(STYLE_SOURCE))
+        _choice(value, f"tensor_parallel.{key}", tuple(TP_STYLES))
     _check_predicted(_mapping(d, "predicted"), "predicted")
     for i, alt in enumerate(_list(d, "alternatives")):
         _check_alternative(alt, f"alternatives[{i}]", PLAN_RECOMPUTE, SCHEDULES)

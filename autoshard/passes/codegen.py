@@ -13,6 +13,7 @@ import re
 import textwrap
 from pathlib import Path
 
+from autoshard.ir.decisions import TP_STYLES
 from autoshard.ir.plan import Plan
 
 MIB = 2**20
@@ -117,17 +118,8 @@ def _imports(plan: Plan) -> str:
             f"from autoshard import runtime\n{local}\n")
 
 
-# The source text of each tensor-parallel style (runtime.tensor_parallel.parallel_style builds the same).
-STYLE_SOURCE = {
-    "colwise": "ColwiseParallel()",
-    "colwise-gather": "ColwiseParallel(output_layouts=Replicate())",
-    "rowwise": "RowwiseParallel()",
-    "vocab-parallel-embedding": "RowwiseParallel(input_layouts=Replicate())",
-    "conv1d-colwise": "runtime.tensor_parallel.Conv1DColwiseParallel()",  # transformers' Conv1D: weight (in, out)
-    "conv1d-rowwise": "runtime.tensor_parallel.Conv1DRowwiseParallel()",
-    # replicated parameters on an input sharded on dim d (a per-head norm): DTensor sums their gradients
-    **{f"sharded-input-dim{d}": f"SequenceParallel(sequence_dim={d}, use_local_output=True)" for d in range(8)},
-}
+# The source text of each tensor-parallel style (runtime.tensor_parallel.parallel_style builds the same row).
+STYLE_SOURCE = {name: row.source for name, row in TP_STYLES.items()}
 
 
 def _constants(plan: Plan) -> str:

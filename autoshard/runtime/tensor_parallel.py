@@ -32,6 +32,7 @@ it so), so every TP rank computes the same gradient for it and needs no sync.
 
 from __future__ import annotations
 
+import ast
 from functools import partial
 
 import torch
@@ -43,31 +44,22 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.errors import AutoshardError
-
-
-SHARDED_INPUT = "sharded-input-dim"
+from autoshard.ir.decisions import REPLICATE, tp_style
 
 
 def parallel_style(style: str) -> ParallelStyle | None:
-    """The DTensor ParallelStyle of a planner style name; None for "replicate"."""
-    if style == "replicate":
+    """The DTensor ParallelStyle of a planner style name (its row in ``ir.decisions.TP_STYLES``, built);
+    None for "replicate"."""
+    if style == REPLICATE:
         return None
-    if style == "colwise":
-        return ColwiseParallel()
-    if style == "colwise-gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    if style == "rowwise":
-        return RowwiseParallel()
-    if style == "vocab-parallel-embedding":
-        return RowwiseParallel(input_layouts=Replicate())
-    if style == "conv1d-colwise":
-        return Conv1DColwiseParallel()
-    if style == "conv1d-rowwise":
-        return Conv1DRowwiseParallel()
-    if style.startswith(SHARDED_INPUT) and style[len(SHARDED_INPUT):].isdigit():
-        return SequenceParallel(sequence_dim=int(style[len(SHARDED_INPUT):]), use_local_output=True)
-    raise AutoshardError(f"unknown tensor-parallel style {style!r}; use colwise, colwise-gather, rowwise, "
-                         f"vocab-parallel-embedding, conv1d-colwise, conv1d-rowwise, sharded-input-dimN or replicate")
+    row = tp_style(style)
+    constructor = _CONSTRUCTORS[row.constructor]
+    return constructor(**{key: _argument(source) for key, source in row.arguments})
+
+
+def _argument(source: str):
+    """A style argument's value from its source text: ``Replicate()``, or a Python literal."""
+    return Replicate() if source == "Replicate()" else ast.literal_eval(source)
 
 
 class Conv1DColwiseParallel(ParallelStyle):
@@ -160,3 +152,9 @@ def _check_module(model: nn.Module, path: str, style: str) -> None:
     elif not isinstance(module, (nn.Linear, nn.Embedding)):
         raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, not nn.Linear / nn.Embedding; "
                              f"keep it replicated")
+
+
+# The constructors ``ir.decisions.TP_STYLES`` names: torch's, and the two written here.
+_CONSTRUCTORS = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+                 "SequenceParallel": SequenceParallel, "Conv1DColwiseParallel": Conv1DColwiseParallel,
+                 "Conv1DRowwiseParallel": Conv1DRowwiseParallel}

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch._C._distributed_c10d import _resolve_process_group
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import tp_style
 
 # ---------------------------------------------------------------------------- traceable collectives
 
@@ -218,12 +219,8 @@ def _params_through_copy(module: nn.Module, group_name: str) -> nn.Module:
 
 
 def param_shard_dims(style: str) -> dict[str, int]:
-    """Which of a style's parameters are split, and along which dimension."""
-    if style.startswith("sharded-input-dim"):
-        return {}
-    return {"colwise": {"weight": 0, "bias": 0}, "colwise-gather": {"weight": 0, "bias": 0},
-            "rowwise": {"weight": 1}, "vocab-parallel-embedding": {"weight": 0},
-            "conv1d-colwise": {"weight": 1, "bias": 0}, "conv1d-rowwise": {"weight": 0}}[style]
+    """Which of a style's parameters are split, and along which dimension (``ir.decisions.TP_STYLES``)."""
+    return tp_style(style).param_shard_dims
 
 
 def _local_module(path: str, module: nn.Module, style: str, rank: int, size: int, group_name: str) -> nn.Module:
