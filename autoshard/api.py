@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.topology import Cluster
+from autoshard.passes.lower import lower
 from autoshard.passes.strategies import Pins
 from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
@@ -64,5 +65,5 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     mesh = init_device_mesh(ctx.device_type, (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
     model = model.to(ctx.device)
-    model, optimizer = runtime.apply_plan(model, plan, mesh, ctx.device, lr)
-    return model, optimizer, mesh
+    applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, lr=lr)  # as the emitted program
+    return applied["model"], applied["optimizer"], mesh

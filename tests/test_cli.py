@@ -56,7 +56,8 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
     source = program.read_text()
     compile(source, str(program), "exec")
-    assert "ZeroRedundancyOptimizer(" in source and "bucket_cap_mb=" in source and "PP, DP, TP = 1, 2, 1" in source
+    assert 'build_optimizer(model, mesh["dp"], zero_stage=1, lr=lr)' in source and "ZeroRedundancyOptimizer" in source
+    assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and "PP, DP, TP = 1, 2, 1" in source
 
 
 BAD = [

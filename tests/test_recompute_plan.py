@@ -29,7 +29,7 @@ def test_round_trip_and_program(mixed_plan, tmp_path):
     assert again.to_json() == path.read_text() and again.recompute_blocks == mixed_plan.recompute_blocks
     program = emit_program(mixed_plan)
     compile(program, "train.py", "exec")
-    assert "RECOMPUTE = {" in program and "runtime.apply_recompute(model, BLOCKS, RECOMPUTE)" in program
+    assert "RECOMPUTE = {" in program and "model = apply_ac(model, modes=RECOMPUTE)" in program
     for block, mode in mixed_plan.recompute_blocks.items():
         assert f"{block!r}: {mode!r}," in program
 

@@ -1,9 +1,11 @@
 """Codegen: Plan -> a readable training program, launchable with torchrun.
 
-The program states the plan in its header, the decisions as constants, and applies them in
-one ``parallelize`` function written with PyTorch's own calls (DDP, ZeroRedundancyOptimizer,
-FSDP2 ``fully_shard``), only the branch this plan takes. Everything else it needs comes from
-``autoshard.runtime``. The output depends only on the plan, so it is byte-stable.
+The program states the plan in its header and the decisions as constants, then prints the plan's
+apply steps (``passes.lower``) as calls of the runtime's applier (``runtime.parallel``: apply_tp,
+apply_ac, apply_fsdp, apply_ddp, build_optimizer, ...) in one ``parallelize`` (or ``build_pipeline``)
+function, each with its reason as a comment; per-block decisions are folded over ``BLOCKS``. No
+decision is made here: ``autoshard.parallelize`` runs the same steps through ``apply_steps``. The
+output depends only on the plan, so it is byte-stable.
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import re
 import textwrap
 from pathlib import Path
 
-from autoshard.ir.decisions import TP_STYLES
+from autoshard.ir.decisions import TP_STYLES, precision_policy
 from autoshard.ir.plan import Plan
+from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
+from autoshard.passes.lower import lower, recompute_modes
 
 MIB = 2**20
 
 
 def emit_program(plan: Plan) -> str:
     """The whole program as Python source."""
+    steps = lower(plan)
     main = _MAIN_PIPELINE if plan.mesh.pp > 1 else _MAIN_SPMD
-    body = _build_pipeline(plan) if plan.mesh.pp > 1 else _parallelize(plan)
-    parts = [_header(plan), _imports(plan), _constants(plan), body, _ARGS, main]
+    body = _build_pipeline(plan, steps) if plan.mesh.pp > 1 else _parallelize(plan, steps)
+    parts = [_header(plan), _imports(plan, steps), _constants(plan), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
@@ -93,29 +98,13 @@ Run:  {torchrun_command(plan)} [--steps 20]
 """'''
 
 
-def _imports(plan: Plan) -> str:
-    torch_imports = ["from torch.distributed.device_mesh import init_device_mesh"]
-    if plan.zero_stage >= 2 and plan.mesh.pp == 1 and plan.mesh.dp > 1:
-        torch_imports.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
-    if plan.zero_stage == 1 and plan.mesh.dp > 1:
-        torch_imports.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
-    if plan.zero_stage <= 1 and plan.mesh.dp > 1:
-        torch_imports.append("from torch.nn.parallel import DistributedDataParallel as DDP")
-    if plan.tensor_parallel and plan.mesh.pp == 1:
-        sources = [STYLE_SOURCE[s] for s in set(plan.tensor_parallel.values())]
-        names = sorted({src.split("(")[0] for src in sources if not src.startswith("runtime.")}
-                       | {"parallelize_module"})
-        torch_imports.append(f"from torch.distributed.tensor.parallel import {', '.join(names)}")
-        if any("Replicate()" in src for src in sources):
-            torch_imports.append("from torch.distributed.tensor import Replicate")
-    lines = "\n".join(sorted(torch_imports))
+def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
+    ops = ", ".join(sorted({step.op for step in steps}))
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
-        if plan.tensor_parallel:
-            local += "\nfrom autoshard.runtime import tensor_parallel_stages as tps"
-    return (f"import argparse\n\nimport torch\n{lines}\n\n"
-            f"from autoshard import runtime\n{local}\n")
+    return (f"import argparse\n\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n\n"
+            f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n")
 
 
 # The source text of each tensor-parallel style (runtime.tensor_parallel.parallel_style builds the same row).
@@ -127,8 +116,7 @@ def _constants(plan: Plan) -> str:
     if plan.mesh.pp > 1:
         pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
                     f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
-                    f"SPLIT_POINTS = {list(plan.split_points)!r}  # modules where stages 1.. begin\n"
-                    f"{_stage_tp_constants(plan)}")
+                    f"SPLIT_POINTS = {tuple(plan.split_points)!r}  # modules where stages 1.. begin\n")
     return f'''
 MODEL = {plan.model["spec"]!r}
 MODEL_FINGERPRINT = {plan.model["hash"]!r}  # the program refuses a different model
@@ -137,66 +125,43 @@ GLOBAL_BATCH = {plan.global_batch}
 PP, DP, TP = {plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp}  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
 MICROBATCH_SIZE = {plan.microbatch_size}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}'''
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}'''
 
 
-def _parallelize(plan: Plan) -> str:
-    body = _tensor_parallel_lines(plan) + _recompute_lines(plan) + _zero_lines(plan)
-    return f'''
-def parallelize(model, mesh, device, lr):
-    """{_parallelize_doc(plan)}"""
-{textwrap.indent(body.rstrip(), "    ")}
-    return model, optimizer
-'''
+def _precision_comment(precision: str) -> str:
+    policy = precision_policy(precision)
+    if policy.autocast_dtype is None:
+        return "weights, gradients and compute in the parameters' own dtype"
+    return (f"{policy.param_dtype} compute (FSDP2 gathers {policy.param_dtype} weights; autocast elsewhere), "
+            f"{policy.reduce_dtype} gradient reduction")
 
 
-def _parallelize_doc(plan: Plan) -> str:
-    tp = f"Tensor parallel over {plan.mesh.tp} ranks, styles chosen on the op graph. " if plan.mesh.tp > 1 else ""
-    if plan.mesh.dp == 1:
-        return tp + "One data-parallel rank: no gradient synchronisation."
-    what = {
-        0: f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets, overlapped with backward.",
-        1: f"ZeRO-1: DDP all-reduces gradients ({plan.ddp_bucket_cap_mb:g} MiB buckets); "
-           f"ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp} ranks.",
-        2: f"ZeRO-2: FSDP2 shards gradients and optimizer state over {plan.mesh.dp} ranks; "
-           "weights stay gathered from forward to backward.",
-        3: f"ZeRO-3: FSDP2 shards weights, gradients and optimizer state over {plan.mesh.dp} ranks; "
-           "each block is gathered just before use.",
-    }[plan.zero_stage]
-    return tp + what
-
-
-def _recompute_lines(plan: Plan) -> str:
-    if plan.recompute == "none":
-        return ""
-    why = {"full": "keep only each block's input; recompute the block in backward",
-           "selective": "keep matmul and attention outputs; recompute the cheap ops",
-           "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
-                    "selective: keep matmul and attention outputs)"}[plan.recompute]
-    if plan.recompute == "mixed":
-        lines = "".join(f"    {path!r}: {mode!r},\n" for path, mode in plan.recompute_blocks.items())
-        return (f"# Recompute ({plan.recompute}): {why}.\nRECOMPUTE = {{\n{lines}}}\n"
-                f"runtime.apply_recompute(model, BLOCKS, RECOMPUTE)\n")
-    return f'# Recompute ({plan.recompute}): {why}.\nruntime.apply_recompute(model, BLOCKS, "{plan.recompute}")\n'
-
-
-def _tensor_parallel_lines(plan: Plan) -> str:
-    """parallelize_module per repeated block (one loop when the blocks agree), then the rest."""
-    if not plan.tensor_parallel:
+def _tp_constants(plan: Plan) -> str:
+    """TP_STYLES (module path -> style, ``ir.decisions.TP_STYLES``), folded over BLOCKS when the blocks agree."""
+    if not plan.tensor_parallel or plan.mesh.tp == 1:
         return ""
     per_block, rest = _split_styles(plan)
-    lines = ["# Tensor parallelism: column-parallel then row-parallel, as chosen on the op graph."]
-    if per_block:
-        lines.append("for path in BLOCKS:")
-        lines.append('    parallelize_module(model.get_submodule(path), mesh["tp"], {')
-        lines += [f'        "{k}": {STYLE_SOURCE[v]},' for k, v in per_block.items()]
-        lines.append("    })")
+    rows = lambda styles, indent: "".join(f'{indent}"{k}": "{v}",  # {STYLE_SOURCE[v]}\n' for k, v in styles.items())
+    head = "# Tensor-parallel styles, chosen and proven on the op graph (style: its torch ParallelStyle)\n"
+    if not per_block:
+        return head + "TP_STYLES = {\n" + rows(rest, "    ") + "}\n"
+    text = head + "BLOCK_TP_STYLES = {  # the same in every block\n" + rows(per_block, "    ") + "}\n"
+    text += 'TP_STYLES = {f"{block}.{name}": style for block in BLOCKS for name, style in BLOCK_TP_STYLES.items()}'
     if rest:
-        lines.append('parallelize_module(model, mesh["tp"], {')
-        lines += [f'    "{k}": {STYLE_SOURCE[v]},' for k, v in rest.items()]
-        lines.append("})")
-    return "\n".join(lines) + "\n"
+        text += " | {\n" + rows(rest, "    ") + "}"
+    return text + "\n"
+
+
+def _recompute_constants(plan: Plan) -> str:
+    modes = recompute_modes(plan)
+    if not modes:
+        return ""
+    if plan.recompute != "mixed":
+        return f'RECOMPUTE = {{block: "{plan.recompute}" for block in BLOCKS}}  # block -> recompute mode\n'
+    lines = "".join(f"    {path!r}: {mode!r},\n" for path, mode in modes.items())
+    return f"RECOMPUTE = {{  # block -> recompute mode (none: keeps its activations)\n{lines}}}\n"
 
 
 def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
@@ -209,78 +174,89 @@ def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
             rest[path] = style
         else:
             relative[owner][path[len(plan.blocks[owner]) + 1:]] = style
-    if relative and all(r == relative[0] for r in relative):
+    if relative and relative[0] and all(r == relative[0] for r in relative):
         return relative[0], rest
     return {}, dict(sorted(plan.tensor_parallel.items()))
 
 
-def _zero_lines(plan: Plan) -> str:
-    if plan.mesh.dp == 1:
-        return "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
-    return _SYNC_BATCH_NORM + _zero_dp_lines(plan)
+# Step arguments printed as the program's constants (the rest are printed as literals).
+CONSTANT_OF_ARGUMENT = {"styles": "TP_STYLES", "tp_styles": "TP_STYLES", "modes": "RECOMPUTE", "blocks": "BLOCKS",
+                        "split_points": "SPLIT_POINTS", "virtual_stages": "VIRTUAL_STAGES", "schedule": "SCHEDULE",
+                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION"}
 
 
-# SyncBatchNorm (GlooSyncBatchNorm on CPUs): BatchNorm statistics of the dp ranks' whole batch, as one process's.
-_SYNC_BATCH_NORM = ('model = runtime.model.sync_batch_norm(model, mesh.get_group("dp"))  '
-                    '# BatchNorm over all dp ranks\' samples; no change without BatchNorm\n')
-
-
-def _zero_dp_lines(plan: Plan) -> str:
-    if plan.zero_stage >= 2:
-        reshard = plan.zero_stage == 3
-        return f'''# bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPUs
-policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
-for path in BLOCKS:
-    fully_shard(model.get_submodule(path), mesh=mesh["dp"], reshard_after_forward={reshard}, mp_policy=policy)
-fully_shard(model, mesh=mesh["dp"], reshard_after_forward={reshard}, mp_policy=policy)
-optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-'''
-    ddp = (f'model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,\n'
-           f'            process_group=mesh.get_group("dp"), bucket_cap_mb={plan.ddp_bucket_cap_mb:g}, gradient_as_bucket_view=True)  # bucket size chosen by the cost model\n')
-    if plan.zero_stage == 1:
-        return ddp + ("optimizer = ZeroRedundancyOptimizer(model.parameters(), "
-                      "optimizer_class=torch.optim.AdamW, lr=lr,\n"
-                      '                                   process_group=mesh.get_group("dp"))\n')
-    return ddp + "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n"
-
-
-def _stage_tp_constants(plan: Plan) -> str:
-    """TP inside pipeline stages: the styles as data (module path relative to a block -> style)."""
-    if not plan.tensor_parallel:
-        return ""
-    per_block, rest = _split_styles(plan)
-    lines = ["BLOCK_TP_STYLES = {  # the same in every block: column-parallel then row-parallel, chosen on the op graph"]
-    lines += [f'    "{k}": "{v}",' for k, v in per_block.items()]
-    lines.append("}")
-    lines.append("OTHER_TP_STYLES = {" + ", ".join(f'"{k}": "{v}"' for k, v in rest.items()) + "}")
+def step_lines(steps: tuple[Step, ...], model: str) -> str:
+    """Each step as one call, its reason as the comment above it; ``model`` names the model variable."""
+    lines = []
+    for step in steps:
+        args = [model]
+        if step.op == "split_pipeline":
+            model = "stages"  # from here on the steps act on this rank's stages
+        result = RESULTS.get(step.op, model)
+        if step.mesh_dim is not None:
+            args.append("mesh" if step.mesh_dim == WHOLE_MESH else f'mesh["{step.mesh_dim}"]')
+        args += [f"{key}={_argument_source(key, value)}" for key, value in step.arguments]
+        args += [f"{name}={name}" for name in RUN_INPUTS.get(step.op, ())]
+        lines += _comment(step.why) + _call(f"{result} = {step.op}(", args)
     return "\n".join(lines) + "\n"
 
 
-def _stage_tp_lines(plan: Plan) -> str:
-    if not plan.tensor_parallel:
-        return ""
-    return (f"    # Tensor parallel over {plan.mesh.tp} ranks: each keeps its shard of these modules, and the\n"
-            "    # Megatron f/g collectives are custom ops, so the split below traces them into the stages.\n"
-            "    styles = {f\"{block}.{name}\": style for block in BLOCKS for name, style in BLOCK_TP_STYLES.items()}\n"
-            "    shard_dims = tps.shard_for_tracing(model, mesh.get_group(\"tp\"), styles | OTHER_TP_STYLES)\n")
+def _call(opening: str, args: list[str], width: int = 110) -> list[str]:
+    """``opening`` + the arguments + ")", broken after commas to stay within ``width`` (the argument
+    lines aligned under the first argument)."""
+    lines, line = [], opening
+    for i, arg in enumerate(args):
+        piece = arg + (", " if i < len(args) - 1 else ")")
+        if len(line) + len(piece.rstrip()) > width and line.strip() != opening.strip():
+            lines.append(line.rstrip())
+            line = " " * len(opening) + piece
+        else:
+            line += piece
+    return lines + [line.rstrip()]
 
 
-def _build_pipeline(plan: Plan) -> str:
-    fsdp = ""
-    if plan.mesh.dp > 1:
-        fsdp = (f"\n    # ZeRO-{plan.zero_stage}: FSDP2 on each stage module over the {plan.mesh.dp} dp ranks.\n"
-                f'    pp.apply_fsdp_to_stages(parts, mesh["dp"], reshard_after_forward={plan.zero_stage == 3})')
-    stages = plan.mesh.pp * plan.virtual_stages
-    tp_args = ",\n                                     shard_dims, mesh.get_group(\"tp\")" if plan.tensor_parallel else ""
+def _argument_source(key: str, value) -> str:
+    if key in CONSTANT_OF_ARGUMENT and value not in ((), {}, None):
+        return CONSTANT_OF_ARGUMENT[key]
+    return repr(value)
+
+
+def _comment(text: str) -> list[str]:
+    return ["# " + line for line in textwrap.wrap(text[0].upper() + text[1:] + ".", width=100)]
+
+
+def _parallelize(plan: Plan, steps: tuple[Step, ...]) -> str:
     return f'''
-def build_pipeline(model, model_file, mesh, device, lr, example_microbatch):
+def parallelize(model, mesh, device, lr):
+    """{_parallelize_doc(plan)}"""
+{textwrap.indent(step_lines(steps, "model").rstrip(), "    ")}
+    return model, optimizer
+'''
+
+
+def _parallelize_doc(plan: Plan) -> str:
+    parts = []
+    if plan.mesh.tp > 1 and plan.tensor_parallel:
+        parts.append(f"tensor parallel over {plan.mesh.tp} ranks")
+    if plan.recompute != "none":
+        parts.append(f"recompute {plan.recompute}")
+    if plan.mesh.dp > 1:
+        parts.append(f"ZeRO-{plan.zero_stage} over {plan.mesh.dp} dp ranks"
+                     + (" (DDP)" if plan.zero_stage <= 1 else " (FSDP2)"))
+    else:
+        parts.append("one data-parallel rank: no gradient synchronisation")
+    return ("Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + ".")
+
+
+def _build_pipeline(plan: Plan, steps: tuple[Step, ...]) -> str:
+    stages = plan.mesh.pp * plan.virtual_stages
+    return f'''
+def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     """{plan.schedule} pipeline over {plan.mesh.pp} ranks, {stages} stages cut at SPLIT_POINTS; this rank
-    keeps its stages (torch.distributed.pipelining) and drops the rest of the model."""
-{_stage_tp_lines(plan)}    parts = pp.build_pipeline_stages(model, example_microbatch, SPLIT_POINTS, mesh.get_local_rank("pp"), PP,
-                                     VIRTUAL_STAGES, device, mesh.get_group("pp"){tp_args}){fsdp}
-    optimizer = checkpoint.StageOptimizers(parts.modules, torch.optim.AdamW, lr=lr)  # one AdamW per stage
-    schedule = pp.build_schedule(parts, NUM_MICROBATCHES, model_file.loss, SCHEDULE)
-    return parts, schedule, optimizer
+    keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
+    order (passes.lower)."""
+{textwrap.indent(step_lines(steps, "model").rstrip(), "    ")}
+    return stages, schedule, optimizer
 '''
 
 
@@ -322,7 +298,7 @@ def main():
         step_loss = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
             with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
-                with ctx.autocast():
+                with runtime.autocast(PRECISION, ctx.device):
                     loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
                 loss.backward()
             step_loss += loss.detach()
@@ -350,10 +326,10 @@ def main():
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
-    parts, schedule, optimizer = build_pipeline(model, model_file, mesh, ctx.device, args.lr, example_microbatch)
+    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)
     del model  # the stages hold what this rank needs
 
-    start = checkpoint.resume(args.checkpoint_dir, parts, optimizer, mesh)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh)  # 0 without a checkpoint
 
     dp_rank = mesh.get_local_rank("dp")
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
@@ -361,14 +337,15 @@ def main():
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
         inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
-        loss = pp.pipeline_step(schedule, parts, inputs, targets)  # all micro-batches; mean over the global batch
+        with runtime.autocast(PRECISION, ctx.device):
+            loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.end(step, loss)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, parts, optimizer, mesh)
+            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh)
 
-    runtime.finish_with_state(pp.full_state_dict(parts), log, args.metrics_out)
+    runtime.finish_with_state(pp.full_state_dict(stages), log, args.metrics_out)
     runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 

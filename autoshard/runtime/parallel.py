@@ -1,41 +1,93 @@
-"""Apply a plan's data-parallel, ZeRO and recompute decisions with PyTorch's own parts.
+"""The applier: executes a plan's apply steps (``ir.steps``, made by ``passes.lower``) with PyTorch's parts.
 
-    ZeRO-0   DistributedDataParallel (bucketed all-reduce overlapped with backward)
-    ZeRO-1   DDP + ZeroRedundancyOptimizer (optimizer state sharded over dp)
-    ZeRO-2   FSDP2 fully_shard(reshard_after_forward=False) per block, then the root
-    ZeRO-3   FSDP2 fully_shard(reshard_after_forward=True) per block, then the root
-    recompute  checkpoint_wrapper per block: "full" recomputes the block in backward,
-               "selective" keeps matmul/attention outputs and recomputes the rest (op-level SAC)
+One function per step, torchtitan-shaped; ``apply_steps`` runs a list of them, and the emitted
+programs call the same functions in the same order (``passes.codegen`` prints the steps):
+
+    apply_tp          DTensor ``parallelize_module`` (styles: ``ir.decisions.TP_STYLES``); before a
+                      pipeline split, local shards with traceable collectives (``tensor_parallel_stages``)
+    split_pipeline    this rank's stages (``pipeline_parallel.build_pipeline_stages``)
+    apply_ac          recompute per block: "full" recomputes the block in backward, "selective" keeps
+                      matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
+                      stages the block's region of its stage graph (``stage_recompute``)
+    sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
+    apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-2: reshard_after_forward
+                      False, ZeRO-3: True), or per stage module; the plan's precision policy
+    apply_ddp         DistributedDataParallel (bucketed all-reduce overlapped with backward)
+    build_optimizer   AdamW; ZeRO-1: ZeroRedundancyOptimizer over dp; pipelines: one per stage
+    build_schedule    GPipe, 1F1B or interleaved 1F1B
 """
 
 from __future__ import annotations
 
 import contextlib
-from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoshard.runtime.model import get_block, sync_batch_norm
+from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import precision_policy
+from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
+from autoshard.runtime import model as model_utils
+from autoshard.runtime import pipeline_parallel as pp
+from autoshard.runtime.checkpoint import StageOptimizers
+from autoshard.runtime.model import get_block
+from autoshard.runtime.selective import selective_kwargs
+from autoshard.runtime.tensor_parallel import apply_tensor_parallel
+from autoshard.runtime.tensor_parallel_stages import shard_dims, shard_for_tracing
 
-# Outputs that selective recompute keeps: the ops that cost FLOPs, not bytes (torchtitan's op-level SAC).
-SAVE_IN_SELECTIVE = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **run_inputs: Any) -> dict[str, Any]:
+    """Run ``steps`` on ``model`` in order; returns {"model" (or the stages), "optimizer", "schedule"}.
+
+    ``run_inputs`` are the values of the run each op may need (``ir.steps.RUN_INPUTS``: device, lr,
+    example_microbatch, loss_fn). Each op is looked up here by name at call time, as the emitted
+    program's calls are."""
+    results: dict[str, Any] = {"model": model}
+    for step in steps:
+        function: Callable = globals()[step.op]
+        args = [results["model"]] + ([] if step.mesh_dim is None else
+                                     [mesh if step.mesh_dim == WHOLE_MESH else mesh[step.mesh_dim]])
+        inputs = {name: run_inputs[name] for name in RUN_INPUTS.get(step.op, ())}
+        results[RESULTS.get(step.op, "model")] = function(*args, **step.kwargs, **inputs)
+    return results
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], before_split: bool = False) -> nn.Module:
+    """Shard the modules named in ``styles`` over ``tp_mesh`` (in place): DTensor styles, or, before a
+    pipeline split, each module replaced by its local shard with traceable collectives."""
+    if before_split:
+        shard_for_tracing(model, tp_mesh.get_group(), styles)
+        return model
+    return apply_tensor_parallel(model, tp_mesh, styles)
+
+
+def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, ...], virtual_stages: int,
+                   tp_styles: dict[str, str], example_microbatch: tuple, device: torch.device) -> pp.PipelineStages:
+    """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp)."""
+    tp = tp_styles and mesh["tp"].size() > 1
+    return pp.build_pipeline_stages(
+        model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
+        device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
+        tp_group=mesh.get_group("tp") if tp else None)
+
+
+def apply_ac(model, modes: dict[str, str]):
+    """Recompute each block in ``modes`` (path -> "selective" | "full"), in place; returns the model.
+    On pipeline stages, each stage recomputes the blocks it holds."""
+    if isinstance(model, pp.PipelineStages):
+        raise AutoshardError("recompute inside pipeline stages is not built into this runtime")
+
+    return apply_recompute(model, list(modes), modes)
 
 
 def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, str]) -> nn.Module:
     """Wrap each block in ``checkpoint_wrapper`` (in place); ``mode`` is none, selective or full, or a
-    mode per block path (a mixed plan's ``recompute_blocks``)."""
+    mode per block path."""
     modes = mode if isinstance(mode, dict) else {path: mode for path in blocks}
     for path in blocks:
         if modes.get(path, "none") == "none":
@@ -43,32 +95,53 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         wrapped = checkpoint_wrapper(get_block(model, path), checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     **_selective_kwargs(modes[path]))
+                                     **selective_kwargs(modes[path]))
         parent.register_module(child, wrapped)
     return model
 
 
-def apply_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float, group=None) -> nn.Module:
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
-               process_group=group)
+def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """BatchNorm over all dp ranks' samples; the model unchanged without BatchNorm."""
+    return model_utils.sync_batch_norm(model, dp_mesh.get_group())
 
 
-def apply_fsdp(model: nn.Module, mesh, blocks: list[str], reshard_after_forward: bool) -> nn.Module:
-    """FSDP2 with each block a unit, then the root (embeddings, head); bf16 compute on GPUs."""
-    policy = _mixed_precision(mesh.device_type)
+def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
+               reshard_after_forward: bool = True, precision: str = "fp32"):
+    """FSDP2 with each block a unit, then the root (embeddings, head); on pipeline stages, each stage
+    module a unit (torchtitan's way; the schedule drives the post-backward reduce-scatter).
+    Weights are gathered in the precision's param dtype and gradients reduced in its reduce dtype."""
+    policy = mixed_precision(precision)
+    if isinstance(model, pp.PipelineStages):
+        for module in model.modules:
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        return model
     for path in blocks:
-        fully_shard(get_block(model, path), mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(get_block(model, path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
 
-def build_optimizer(model: nn.Module, zero_stage: int, lr: float, group=None) -> torch.optim.Optimizer:
-    """AdamW; ZeRO-1 shards its state with ZeroRedundancyOptimizer (FSDP shards it for 2 and 3)."""
-    if zero_stage == 1:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
+              device: torch.device | None = None) -> nn.Module:
+    device_ids = [device.index] if device is not None and device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+               process_group=dp_mesh.get_group() if dp_mesh is not None else None)
+
+
+def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3):
+    """AdamW; ZeRO-1 shards its state over dp with ZeroRedundancyOptimizer (FSDP shards it for 2 and 3);
+    pipeline stages get one AdamW each (``checkpoint.StageOptimizers``)."""
+    if isinstance(model, pp.PipelineStages):
+        return StageOptimizers(model.modules, torch.optim.AdamW, lr=lr)
+    if zero_stage == 1 and dp_mesh is not None and dp_mesh.size() > 1:
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
-                                       process_group=group)
+                                       process_group=dp_mesh.get_group())
     return torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: int, loss_fn: Callable):
+    return pp.build_schedule(stages, num_microbatches, loss_fn, schedule)
 
 
 def grad_sync(model: nn.Module, enabled: bool):
@@ -79,35 +152,16 @@ def grad_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def apply_plan(model: nn.Module, plan, mesh, device: torch.device, lr: float):
-    """The Python-API path: the same steps an emitted program takes, chosen from ``plan``."""
-    from autoshard.runtime.tensor_parallel import apply_tensor_parallel
-
-    blocks = list(plan.blocks)
-    apply_tensor_parallel(model, mesh["tp"], dict(plan.tensor_parallel))
-    apply_recompute(model, blocks, plan.recompute_blocks or plan.recompute)
-    dp_mesh = mesh["dp"]
-    if plan.mesh.dp == 1:
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    model = sync_batch_norm(model, dp_mesh.get_group())  # BatchNorm over all dp ranks' samples
-    if plan.zero_stage >= 2:
-        model = apply_fsdp(model, dp_mesh, blocks, reshard_after_forward=plan.zero_stage == 3)
-    else:
-        model = apply_ddp(model, device, plan.ddp_bucket_cap_mb, group=dp_mesh.get_group())
-    return model, build_optimizer(model, plan.zero_stage, lr, group=dp_mesh.get_group())
+def autocast(precision: str, device: torch.device):
+    """The forward's autocast under the plan's precision (``ir.decisions.PRECISIONS``); none in fp32."""
+    dtype = precision_policy(precision).autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-def _selective_kwargs(mode: str) -> dict:
-    if mode == "selective":
-        return {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
-    return {}
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _mixed_precision(device_type: str) -> MixedPrecisionPolicy:
-    if device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the plan's precision."""
+    policy = precision_policy(precision)
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, policy.param_dtype) if policy.param_dtype else None,
+                                reduce_dtype=getattr(torch, policy.reduce_dtype) if policy.reduce_dtype else None)

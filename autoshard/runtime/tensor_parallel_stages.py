@@ -189,15 +189,20 @@ def shard_for_tracing(model: nn.Module, tp_group: dist.ProcessGroup, styles: dic
     """
     rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     name = tp_group.group_name
-    dims: dict[str, int] = {}
     for path, style in sorted(styles.items()):
         if style == "replicate":
             continue
         local = _local_module(path, model.get_submodule(path), style, rank, size, name)
         parent, _, child = path.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_module(child, local)
-        dims.update({f"{path}.{p}": d for p, d in param_shard_dims(style).items() if getattr(local, p) is not None})
-    return dims
+    return shard_dims(model, styles)
+
+
+def shard_dims(model: nn.Module, styles: dict[str, str]) -> dict[str, int]:
+    """Parameter name -> the dimension split over tp, for the modules ``styles`` shards (a missing bias is
+    left out)."""
+    return {f"{path}.{p}": d for path, style in sorted(styles.items()) if style != "replicate"
+            for p, d in param_shard_dims(style).items() if getattr(model.get_submodule(path), p, None) is not None}
 
 
 def _params_through_copy(module: nn.Module, group_name: str) -> nn.Module:

@@ -1,0 +1,128 @@
+"""Lowering: a plan -> the ordered apply steps that parallelize its model (``ir.steps``).
+
+The one place that orders the decisions. ``runtime.parallel.apply_steps`` executes the list and
+``passes.codegen`` prints it, so the Python API and every emitted program do the same calls in
+the same order. The order, and why:
+
+    SPMD plans (pp = 1)                      pipeline plans (pp > 1)
+    1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
+    2 apply_ac        recompute per block    2 split_pipeline  this rank's stages
+    3 sync_batch_norm over dp                3 apply_ac        recompute inside the stages
+    4 apply_fsdp | apply_ddp                 4 apply_fsdp      FSDP2 on each stage module (dp > 1)
+    5 build_optimizer                        5 build_optimizer one AdamW per stage
+                                             6 build_schedule
+
+TP comes first because it replaces parameters with DTensors (or local shards) that everything
+after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
+(torchtitan's order: TP, activation checkpointing, FSDP); the optimizer is built last, over the
+parameters the wrappers leave. In a pipeline the stages are traced from the sharded model, and
+recompute and FSDP act on the traced stage modules, so they follow the split.
+"""
+
+from __future__ import annotations
+
+from autoshard.ir.decisions import precision_policy
+from autoshard.ir.plan import Plan
+from autoshard.ir.steps import Step
+
+
+def lower(plan: Plan) -> tuple[Step, ...]:
+    """The plan's apply steps, in the order the module docstring gives."""
+    if plan.mesh.pp > 1:
+        return tuple(_pipeline_steps(plan))
+    return tuple(_spmd_steps(plan))
+
+
+def recompute_modes(plan: Plan) -> dict[str, str]:
+    """Each block's recompute mode; {} when no block recomputes. A mixed plan lists every block, those
+    keeping their activations as "none"."""
+    if plan.recompute == "mixed":
+        return dict(plan.recompute_blocks)
+    if plan.recompute == "none":
+        return {}
+    return {path: plan.recompute for path in plan.blocks}
+
+
+def _spmd_steps(plan: Plan) -> list[Step]:
+    steps = [*_tp_steps(plan, before_split=False), *_recompute_steps(plan)]
+    if plan.mesh.dp > 1:
+        steps.append(Step("sync_batch_norm", "dp", (), "BatchNorm statistics over every dp rank's samples, as one "
+                                                          "process sees them (no change without BatchNorm)"))
+        steps.append(_fsdp_step(plan, plan.blocks) if plan.zero_stage >= 2 else _ddp_step(plan))
+    steps.append(_optimizer_step(plan))
+    return steps
+
+
+def _pipeline_steps(plan: Plan) -> list[Step]:
+    stages = plan.mesh.pp * plan.virtual_stages
+    steps = [*_tp_steps(plan, before_split=True),
+             Step("split_pipeline", "*", (("split_points", tuple(plan.split_points)),
+                                          ("virtual_stages", plan.virtual_stages),
+                                          ("tp_styles", dict(sorted(plan.tensor_parallel.items())))),
+                  f"{stages} stages cut at the split points by tracing one micro-batch; this rank keeps stages "
+                  f"r, r + pp, ... and drops the rest of the model"),
+             *_recompute_steps(plan)]
+    if plan.mesh.dp > 1:
+        steps.append(_fsdp_step(plan, ()))
+    steps.append(_optimizer_step(plan))
+    steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
+                                               ("num_microbatches", plan.num_microbatches)),
+                      f"{plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"))
+    return steps
+
+
+def _tp_steps(plan: Plan, before_split: bool) -> list[Step]:
+    if not plan.tensor_parallel or plan.mesh.tp == 1:
+        return []
+    why = (f"tensor parallel over {plan.mesh.tp} ranks: column-parallel then row-parallel, styles chosen and "
+           f"proven on the op graph")
+    if before_split:
+        why += "; each rank keeps its shard and the collectives are custom ops, so the split traces them"
+    return [Step("apply_tp", "tp", (("styles", dict(sorted(plan.tensor_parallel.items()))),
+                                    ("before_split", before_split)), why)]
+
+
+_RECOMPUTE_WHY = {"full": "keep only each block's input; recompute the block in backward",
+                  "selective": "keep matmul and attention outputs; recompute the cheap ops",
+                  "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
+                           "selective: keep matmul and attention outputs)"}
+
+
+def _recompute_steps(plan: Plan) -> list[Step]:
+    modes = recompute_modes(plan)
+    if not modes:
+        return []
+    where = " inside the pipeline stages" if plan.mesh.pp > 1 else ""
+    return [Step("apply_ac", None, (("modes", modes),), f"recompute ({plan.recompute}){where}: "
+                                                         f"{_RECOMPUTE_WHY[plan.recompute]}")]
+
+
+def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
+    reshard = plan.zero_stage == 3
+    what = ("weights, gradients and optimizer state; each unit gathered just before use" if reshard else
+            "gradients and optimizer state; weights stay gathered from forward to backward")
+    units = "each block a unit, then the root" if blocks else "each stage module a unit"
+    policy = precision_policy(plan.precision)
+    dtypes = (f"; {policy.param_dtype} compute, {policy.reduce_dtype} gradient reduction"
+              if policy.param_dtype else "")
+    return Step("apply_fsdp", "dp", (("blocks", tuple(blocks)), ("reshard_after_forward", reshard),
+                                     ("precision", plan.precision)),
+                f"ZeRO-{plan.zero_stage}: FSDP2 over {plan.mesh.dp} dp ranks shards {what} ({units}){dtypes}")
+
+
+def _ddp_step(plan: Plan) -> Step:
+    return Step("apply_ddp", "dp", (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
+                f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets (the cost model's choice), "
+                f"overlapped with backward")
+
+
+def _optimizer_step(plan: Plan) -> Step:
+    if plan.mesh.pp > 1:
+        why = "one AdamW per stage module (each stage's state dict maps through its own module)"
+    elif plan.zero_stage == 1 and plan.mesh.dp > 1:
+        why = f"ZeRO-1: ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp} ranks"
+    elif plan.zero_stage >= 2 and plan.mesh.dp > 1:
+        why = "AdamW over the FSDP2-sharded parameters (its state is sharded with them)"
+    else:
+        why = "AdamW, whole on every rank"
+    return Step("build_optimizer", "dp", (("zero_stage", plan.zero_stage),), why)
