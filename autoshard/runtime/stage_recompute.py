@@ -66,6 +66,10 @@ from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noq
 
 RECOMPUTE_IN_STAGE = ("selective", "full")
 # Forward TP collectives whose outputs selective recompute keeps (rerunning them would repeat comm).
+# (input, weight, bias, running_mean, running_var, training | use_input_stats, ...): they write the running
+# statistics in training mode though their schemas mark no argument as written.
+RUNNING_STATS_OPS = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
+                     "cudnn_batch_norm", "miopen_batch_norm", "_native_batch_norm_legit"}
 SAVE_COLLECTIVES = {torch.ops.autoshard.tp_reduce.default, torch.ops.autoshard.tp_gather.default}
 
 
@@ -175,9 +179,16 @@ def _mutates(node: torch.fx.Node) -> bool:
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
-        return schema.is_mutable
+        return schema.is_mutable or _updates_running_stats(node, schema.name.split("::")[-1])
     name = getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.endswith("__") and node.target is not operator.getitem
+
+
+def _updates_running_stats(node: torch.fx.Node, op: str) -> bool:
+    """Norms whose schema hides a write: training-mode batch norm updates running_mean/var (args 3, 5)."""
+    if op not in RUNNING_STATS_OPS or len(node.args) < 6:
+        return False
+    return node.args[3] is not None and node.args[5] is not False
 
 
 # ---------------------------------------------------------------------------- rewriting

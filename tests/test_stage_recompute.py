@@ -1,0 +1,302 @@
+"""Recompute inside pipeline stages (``runtime.stage_recompute``) and the planner's pp × recompute space.
+
+Runtime: the bundled GPT (dropout added to each block) and a small transformers Llama are split into
+2 stages with ``split_model``; ``pipe.split_gm`` runs the stage modules one after another in one
+process. With recompute full, selective or mixed per block the loss and every parameter gradient
+equal the run without recompute bit for bit (fp32, CPU): recompute reruns the same ops on the same
+inputs, and checkpoint restores the RNG state, so dropout draws the same masks. The bytes the
+forward leaves alive for backward show the recompute happens: full < selective < none.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime.pipeline_parallel import split_model
+from autoshard.runtime.stage_recompute import apply_recompute_to_stage
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import gpt  # noqa: E402
+
+GPT_BLOCKS = [f"h.{i}" for i in range(4)]
+LLAMA_BLOCKS = [f"model.layers.{i}" for i in range(4)]
+DROPOUT = 0.1
+
+
+class DropoutBlock(gpt.Block):
+    """GPT's block with dropout on both residual branches (the example keeps it off)."""
+
+    def forward(self, x):
+        x = x + F.dropout(self.attn(self.ln_1(x)), DROPOUT, self.training)
+        return x + F.dropout(self.mlp(self.ln_2(x)), DROPOUT, self.training)
+
+
+def build_gpt():
+    model = gpt.build()
+    for block in model.h:
+        block.__class__ = DropoutBlock
+    return model
+
+
+def build_llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    (ids,), targets = gpt.example_batch(2)
+    return build_gpt, ids, targets, ["h.2"], lambda out, y: gpt.loss_fn(out, y)
+
+
+def llama_case():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    loss = lambda out, y: F.cross_entropy(out.logits.reshape(-1, 128), y.reshape(-1))  # noqa: E731
+    return build_llama, ids, ids.roll(-1, 1), ["model.layers.2"], loss
+
+
+class LiveStorages(TorchDispatchMode):
+    """Weak references to every storage an op makes; ``bytes_alive`` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[StorageWeakRef, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.made.append((StorageWeakRef(storage), storage._cdata, storage.nbytes()))
+        return out
+
+    def bytes_alive(self) -> int:
+        gc.collect()
+        return sum(dict((cdata, n) for ref, cdata, n in self.made if not ref.expired()).values())
+
+
+def run_stages(pipe, ids):
+    """The pipe's top graph, which calls the stage modules in order (stage i's outputs into stage i + 1)."""
+    return torch.fx.Interpreter(pipe.split_gm).run(ids)
+
+
+def run(case, modes: dict[str, str]):
+    """(loss, {name: gradient}, wrapped blocks per stage, forward bytes left for backward, stage modules)."""
+    build, ids, targets, split, loss_fn = case
+    torch.manual_seed(0)
+    pipe = split_model(build(), (ids,), split)
+    stages = [module for _, module in pipe.split_gm.named_children()]
+    wrapped = [apply_recompute_to_stage(stage, modes) for stage in stages]
+    torch.manual_seed(1)  # the dropout masks
+    with LiveStorages() as live:
+        flat = run_stages(pipe, ids)
+        out = pytree.tree_unflatten(list(flat), pipe.model_output_spec)
+        loss = loss_fn(out, targets)
+    kept = live.bytes_alive()
+    loss.backward()
+    grads = {name: p.grad for name, p in pipe.split_gm.named_parameters()}
+    return loss.detach(), grads, wrapped, kept, stages
+
+
+def assert_same(reference, other):
+    loss, grads = reference[0], reference[1]
+    assert torch.equal(loss, other[0]), (loss, other[0])
+    assert grads.keys() == other[1].keys()
+    for name, grad in grads.items():
+        assert grad is not None and torch.equal(grad, other[1][name]), name
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def case(request):
+    return gpt_case() if request.param == "gpt" else llama_case()
+
+
+@pytest.fixture(scope="module")
+def baseline(case):
+    return run(case, {})
+
+
+def blocks_of(case) -> list[str]:
+    return GPT_BLOCKS if case[3] == ["h.2"] else LLAMA_BLOCKS
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "mixed"])
+def test_recompute_matches_bit_for_bit(case, baseline, mode):
+    blocks = blocks_of(case)
+    modes = dict(zip(blocks, ["full", "selective", "none", "full"])) if mode == "mixed" else \
+        {path: mode for path in blocks}
+    result = run(case, modes)
+    assert_same(baseline, result)
+    assert result[2] == [[p for p in blocks[:2] if modes[p] != "none"], [p for p in blocks[2:] if modes[p] != "none"]]
+
+
+def test_recompute_keeps_fewer_bytes(case, baseline):
+    blocks = blocks_of(case)
+    full = run(case, {path: "full" for path in blocks})[3]
+    selective = run(case, {path: "selective" for path in blocks})[3]
+    assert full < selective < baseline[3], (full, selective, baseline[3])
+
+
+def test_state_is_unchanged(case, baseline):
+    stages = run(case, {path: "full" for path in blocks_of(case)})[4]
+    for before, after in zip(baseline[4], stages):
+        assert list(before.state_dict()) == list(after.state_dict())
+        assert [n for n, _ in before.named_parameters()] == [n for n, _ in after.named_parameters()]
+        assert [n for n, _ in before.named_buffers()] == [n for n, _ in after.named_buffers()]
+
+
+def test_dropout_is_on():
+    case = gpt_case()
+    first = run(case, {})[0]
+    build, ids, targets, split, loss_fn = case
+    torch.manual_seed(0)
+    pipe = split_model(build(), (ids,), split)
+    torch.manual_seed(2)
+    assert not torch.equal(first, loss_fn(run_stages(pipe, ids)[0], targets).detach())
+
+
+# ---------------------------------------------------------------------------- flat graphs: outlining
+
+
+def flat_gpt():
+    torch.manual_seed(0)
+    (ids,), targets = gpt.example_batch(2)
+    model = build_gpt()
+    return torch.export.export(model, (ids,)).module(), ids, targets
+
+
+def flat_run(modes):
+    module, ids, targets = flat_gpt()
+    wrapped = apply_recompute_to_stage(module, modes)
+    torch.manual_seed(1)
+    loss = gpt.loss_fn(module(ids), targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in module.named_parameters()}, wrapped, module
+
+
+def test_flat_graph_is_outlined_without_moving_state():
+    reference = flat_run({})
+    result = flat_run({"h.1": "full", "h.2": "selective"})
+    assert_same(reference, result)
+    module = result[3]
+    assert result[2] == ["h.1", "h.2"]
+    assert list(module.state_dict()) == list(reference[3].state_dict())
+    for name in ("_recompute_h_1", "_recompute_h_2"):
+        outlined = module.get_submodule(name)
+        assert not list(outlined.parameters()) and not list(outlined.buffers())
+        assert not any(n.op == "get_attr" for n in outlined.graph.nodes)
+
+
+def test_non_contiguous_block_is_refused():
+    module, _, _ = flat_gpt()
+    run_nodes = [n for n in module.graph.nodes
+                 if any(v[0] == "h.1" for v in (n.meta.get("nn_module_stack") or {}).values())]
+    middle = run_nodes[len(run_nodes) // 2]
+    middle.meta["nn_module_stack"] = {k: v for k, v in middle.meta["nn_module_stack"].items() if v[0] != "h.1"
+                                      and not v[0].startswith("h.1.")}
+    with pytest.raises(AutoshardError, match="not one contiguous run"):
+        apply_recompute_to_stage(module, {"h.1": "full"})
+
+
+def test_buffer_update_is_refused():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            return self.bn(self.lin(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    pipe = split_model(Net(), (torch.randn(4, 8),), ["blocks.1"])
+    with pytest.raises(AutoshardError, match="mutates a tensor in place"):
+        apply_recompute_to_stage(pipe.split_gm.submod_pp_0, {"blocks.0": "full"})
+
+
+def test_unknown_mode_is_refused():
+    module, _, _ = flat_gpt()
+    with pytest.raises(AutoshardError, match="recompute mode 'some'"):
+        apply_recompute_to_stage(module, {"h.0": "some"})
+
+
+# ---------------------------------------------------------------------------- TP stages: custom-op collectives
+
+
+@pytest.fixture(scope="module")
+def tp_group():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29641")
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.new_group([0])
+    if owned:
+        dist.destroy_process_group()
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func)] = self.count.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def tp_run(group, mode: str):
+    """GPT with Megatron's layout in every block over a tp group of 1 (the collectives are in the graph)."""
+    from autoshard.runtime.tensor_parallel_stages import shard_for_tracing
+
+    torch.manual_seed(0)
+    (ids,), targets = gpt.example_batch(2)
+    model = build_gpt()
+    styles = {}
+    for i in range(4):
+        styles.update({f"h.{i}.attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")})
+        styles.update({f"h.{i}.attn.c_proj": "rowwise", f"h.{i}.mlp.c_fc": "colwise", f"h.{i}.mlp.c_proj": "rowwise"})
+    shard_for_tracing(model, group, styles)
+    pipe = split_model(model, (ids,), ["h.2"])
+    for _, stage in pipe.split_gm.named_children():
+        apply_recompute_to_stage(stage, {path: mode for path in GPT_BLOCKS})
+    torch.manual_seed(1)
+    loss = gpt.loss_fn(run_stages(pipe, ids)[0], targets)
+    with OpCount() as ops:
+        loss.backward()
+    grads = {n: p.grad for n, p in pipe.split_gm.named_parameters()}
+    return loss.detach(), grads, ops.count.get("autoshard.tp_reduce.default", 0)
+
+
+def test_tp_stage_recompute_repeats_forward_collectives_only_when_full(tp_group):
+    reference = tp_run(tp_group, "none")
+    full, selective = tp_run(tp_group, "full"), tp_run(tp_group, "selective")
+    assert_same(reference, full)
+    assert_same(reference, selective)
+    # backward of tp_copy all-reduces (4 per block); full recompute reruns the 2 forward tp_reduces per block
+    assert (reference[2], selective[2], full[2]) == (16, 16, 24)
