@@ -30,7 +30,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import model as model_utils
@@ -38,6 +37,7 @@ from autoshard.runtime import pipeline_parallel as pp
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.model import get_block
 from autoshard.runtime.selective import selective_kwargs
+from autoshard.runtime.stage_recompute import apply_recompute_to_stage
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 from autoshard.runtime.tensor_parallel_stages import shard_dims, shard_for_tracing
 
@@ -80,8 +80,9 @@ def apply_ac(model, modes: dict[str, str]):
     """Recompute each block in ``modes`` (path -> "selective" | "full"), in place; returns the model.
     On pipeline stages, each stage recomputes the blocks it holds."""
     if isinstance(model, pp.PipelineStages):
-        raise AutoshardError("recompute inside pipeline stages is not built into this runtime")
-
+        for module in model.modules:
+            apply_recompute_to_stage(module, modes)
+        return model
     return apply_recompute(model, list(modes), modes)
 
 
