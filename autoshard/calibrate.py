@@ -62,11 +62,11 @@ import yaml
 
 from autoshard import host_probes
 from autoshard.cost.calibrate import COLLECTIVES, LinkFit, Sample, fit_link, predict_s
-from autoshard.cost.profile import ProfileRequest, measure_model, model_profile
 from autoshard.cost.hardware import PRESETS, host_memory_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
 from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
+from autoshard.model_probes import ProfileRequest, measure_model, model_profile
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
@@ -167,7 +167,7 @@ def check_output(path: str | Path) -> Path:
 def calibrate(devices_per_node: int | None = None, quick: bool = False,
               on_step: Callable[[int, int, str], None] | None = None,
               models: list[ProfileRequest] = ()) -> Calibration:
-    """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``cost.profile``);
+    """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``model_probes``);
     ``on_step(done, total, name)`` reports progress."""
     start, load_1min = time.perf_counter(), os.getloadavg()[0]
     ranks, backend = resolve_ranks(devices_per_node)
@@ -306,7 +306,7 @@ def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool,
     intra = _intra_link(m, fit, origin, default, per_collective)
     cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), intra, inter, m.backend)
     overheads = _host(m, cluster, origin) if m.host else HostOverheads.none()
-    if m.backend == "gloo":  # CPU ranks share the node's cores (cost.step, "Shared cores")
+    if m.backend == "gloo":  # CPU ranks share the node's cores (cost.pipeline_step, "Shared cores")
         overheads = replace(overheads, shared_cores=float(max(1, m.cpus // m.threads)))
     return replace(cluster, host=overheads) if overheads.measured else cluster
 

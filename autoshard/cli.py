@@ -508,7 +508,7 @@ def cmd_calibrate(args) -> int:
 
     from autoshard.calibrate import (calibrate, check_output, microbatch_sizes_flag, render, resolve_ranks,
                                      write_cluster_file)
-    from autoshard.cost.profile import profile_request
+    from autoshard.model_probes import profile_request
 
     output = check_output(args.output)
     inputs = {"--across-nodes file": Path(args.across_nodes)} if args.across_nodes else {}

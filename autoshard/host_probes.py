@@ -23,7 +23,7 @@ and t_* the measured medians (``fit_host``)::
     ddp_tensor_us        (t_ddp − t_fwd+bwd − AR(all gradients)) / T
     zero1_tensor_us      (t_zero1 − AdamW(T/N tensors) − AG(all weights)) / T: per tensor, its broadcast's
                          latency as ZeroRedundancyOptimizer issues them (all at once, async) and its loop
-    optimizer_tensor_us  (t_adamw − 28·P / W) / T     (P parameters, W memory bandwidth; ``cost.step``)
+    optimizer_tensor_us  (t_adamw − 28·P / W) / T     (P parameters, W memory bandwidth; ``cost.parts``)
     sharded_optimizer…   the same over FSDP2's sharded parameters (P / N per rank)
     pipeline_microbatch  slope of the 1F1B step over micro-batches − the slower stage's ops − 2·p2p
     pipeline_step_us     t(m₀) − (m₀ + 1)·slope: what a step costs beyond its m₀ + p − 1 stage slots
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoshard.cost import comm
-from autoshard.cost.step import ADAM_BYTES_PER_PARAM
+from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
 from autoshard.ir.topology import Cluster, HostOverheads
 
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
@@ -188,7 +188,7 @@ def _ddp_probes(time_op, x, plain) -> dict[str, Any]:
 
     from autoshard.runtime.parallel import apply_ddp
 
-    ddp = apply_ddp(probe_model(), torch.device("cpu"), bucket_cap_mb=25.0)
+    ddp = apply_ddp(probe_model(), bucket_cap_mb=25.0)  # the default group: every rank
     out = {"ddp": time_op(_fwd_bwd(ddp, x))}
     zero1 = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
     out["zero1"] = time_op(zero1.step)

@@ -9,7 +9,7 @@
                                                                            carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
     strategies  meshes (dp, tp, pp) and configurations
-                the runtime supports, pins applied   -> [Config]          (needs blocks)
+                the runtime supports, pins applied   -> [Decisions]       (needs blocks)
     search      price each (TP layouts, stage cuts),
                 keep the fastest fit                 -> SearchResult      (needs blocks)
     assemble    decision + stages + TP styles +
@@ -28,11 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autoshard.cost.dp_comm import stage_ranks
 from autoshard.cost.memory import precision_for_graph
-from autoshard.cost.step import CostTables, price_parts, stage_ranks
+from autoshard.cost.step import price_parts
 from autoshard.cost.symbolic import symbolic_cost
+from autoshard.cost.tables import CostTables
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage, model_file_sha256
 from autoshard.ir.topology import Cluster
@@ -41,7 +44,7 @@ from autoshard.passes.blocks import find_blocks
 from autoshard.passes.fold import unfold
 from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
 from autoshard.passes.front import run_pass as _run
-from autoshard.passes.search import SearchResult, price_config, search, search_report, why_not
+from autoshard.passes.search import Priced, SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
@@ -94,7 +97,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
-def price_pinned(graph: OpGraph, cluster: Cluster, configs: list, global_batch: int) -> SearchResult:
+def price_pinned(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int) -> SearchResult:
     """Every decision pinned leaves one configuration: priced as ``search`` prices it (so a plan with the
     same pins that fits is the same plan), and kept when it does not fit."""
     assert len(configs) == 1, f"every decision pinned, yet {len(configs)} configurations"
@@ -146,17 +149,20 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
     )
 
 
-def plan_symbolic(request: PlanRequest, graph: OpGraph, best) -> dict[str, Any]:
+def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[str, Any]:
     """The chosen configuration's step time and memory as expressions (``cost.symbolic``), anchored at
-    its priced parts (priced again here: ``search`` keeps only their sums)."""
+    its priced parts (priced again here, with the TP layout it was priced with: ``search`` keeps only
+    their sums)."""
     tables = CostTables(graph, request.cluster)
+    if best.tp_choice is not None:
+        tables.add_tp_layout(best.tp_choice, best.config.microbatch_size)
     parts = price_parts(tables, best.config, best.cuts or None)
     assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, \
         "the parts priced again differ from the search's"
     return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
 
 
-def plan_notes(best) -> tuple[str, ...]:
+def plan_notes(best: Priced) -> tuple[str, ...]:
     """What a reviewer should know that the fields do not say."""
     mesh, tp = best.config.mesh, best.tp_choice
     if tp is not None and not tp.sharded:

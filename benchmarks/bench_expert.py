@@ -32,9 +32,11 @@ for path in (ROOT, ROOT / "benchmarks"):
 from bench_megatron import CLUSTER, MODEL_FILE, ROWS, capture  # noqa: E402
 
 from autoshard.cost.hardware import load_cluster  # noqa: E402
-from autoshard.cost.step import CostTables, price  # noqa: E402
+from autoshard.cost.step import price  # noqa: E402
+from autoshard.cost.tables import CostTables  # noqa: E402
 from autoshard.modelfile import load_model_file  # noqa: E402
 from autoshard.passes.search import price_config  # noqa: E402
+from autoshard.passes.tp_layout import hand_tp_layout  # noqa: E402
 from autoshard.pipeline import PlanRequest, plan_graph  # noqa: E402
 
 TABLE_1 = tuple(r for r in ROWS if r.source in ("numbers", "sc21"))
@@ -43,6 +45,7 @@ TABLE_1 = tuple(r for r in ROWS if r.source in ("numbers", "sc21"))
 def published(row, graph, cluster):
     """(step seconds, fits) of the row's own configuration: Megatron's even cuts, and autoshard's cuts."""
     tables = CostTables(graph, cluster)
+    hand_tp_layout(tables, row.config())
     even = price(graph, cluster, row.config(), row.global_batch, tables, row.cuts())
     chosen = price_config(graph, cluster, replace(row.config(), ddp_bucket_cap_mb=25.0), row.global_batch, tables)
     fits = even.memory_peak_bytes_per_rank <= cluster.device.memory_bytes

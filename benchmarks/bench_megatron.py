@@ -37,9 +37,13 @@ if str(ROOT) not in sys.path:
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.memory import MEGATRON_MIXED
-from autoshard.cost.step import Config, CostTables, Runtime, StepParts, price_parts
+from autoshard.cost.parts import StepParts
+from autoshard.cost.step import price_parts
+from autoshard.cost.tables import CostTables, Runtime
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh
+from autoshard.passes.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph
 
 SEQ, VOCAB = 2048, 51200
@@ -84,9 +88,9 @@ class Row:
     def published_s(self) -> float:
         return self.seconds if self.seconds is not None else self.flops / (self.gpus * self.tflops * 1e12)
 
-    def config(self) -> Config:
+    def config(self) -> Decisions:
         schedule = "none" if self.pp == 1 else "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
-        return Config(mesh=Mesh(dp=self.dp, tp=self.tp, pp=self.pp), zero_stage=0, microbatch_size=self.micro_batch,
+        return Decisions(mesh=Mesh(dp=self.dp, tp=self.tp, pp=self.pp), zero_stage=0, microbatch_size=self.micro_batch,
                       num_microbatches=self.microbatches, recompute="full", schedule=schedule,
                       virtual_stages=self.virtual_stages)
 
@@ -123,6 +127,7 @@ def predict(row: Row, graph: OpGraph) -> StepParts:
     """The row's iteration priced as published (module doc)."""
     cluster = load_cluster(CLUSTER, nodes=max(1, row.gpus // 8))
     tables = CostTables(graph, cluster, MEGATRON_LM)
+    hand_tp_layout(tables, row.config())
     return price_parts(tables, row.config(), row.cuts())
 
 

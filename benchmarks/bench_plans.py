@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.step import Config
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime.report import slowest_rank_median_step_s
@@ -55,13 +55,13 @@ from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2-core machine) is run again
 
 
-def pins_of(config: Config) -> Pins:
+def pins_of(config: Decisions) -> Pins:
     m = config.mesh
     return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero=config.zero_stage, microbatch_size=config.microbatch_size,
                 recompute=config.recompute, schedule=config.schedule)
 
 
-def config_key(config: Config) -> str:
+def config_key(config: Decisions) -> str:
     m = config.mesh
     sched = "" if config.schedule == "none" else f" {config.schedule}"
     return (f"dp{m.dp} tp{m.tp} pp{m.pp} z{config.zero_stage} b{config.microbatch_size} "
@@ -84,7 +84,7 @@ def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
 
 
 def plan_key(plan) -> str:
-    return config_key(Config(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
+    return config_key(Decisions(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
                              plan.microbatch_size, plan.num_microbatches, plan.recompute, plan.schedule,
                              plan.virtual_stages))
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoshard.ir.names import block_of
 from autoshard.modelfile import load_model_file
 from autoshard.passes.annotate import annotate
-from autoshard.passes.blocks import block_of, find_blocks
+from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import capture
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,10 +17,14 @@ from autoshard.cost.compute import microbatch_compute
 from autoshard.cost.hardware import PRESETS
 from autoshard.cost.memory import BF16_AUTOCAST, FP32, MEGATRON_MIXED, activation_bytes, model_state_bytes
 from autoshard.cost.schedule import bubble_fraction, rank_orders, simulate
-from autoshard.cost.step import Config, CostTables, memory_spmd, spmd_microbatch, state_bytes_per_param
+from autoshard.cost.rank_memory import memory_spmd, state_bytes_per_param
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp_units import spmd_microbatch
 from autoshard.cost.units import unit_costs
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
+from autoshard.passes.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,11 +68,11 @@ def test_zero_ends(params, dp, precision):
 @given(s=st.tuples(stages, stages), d=st.tuples(degrees, degrees), pp=st.integers(2, 8),
        precision=st.sampled_from(PRECISIONS))
 def test_pipeline_stage_state_per_param_never_rises_with_stage_or_dp(s, d, pp, precision):
-    """``step.state_bytes_per_param`` (FSDP on a stage: unsharded gradients and ZeRO-3 weights all step)."""
+    """``rank_memory.state_bytes_per_param`` (FSDP on a stage: unsharded gradients and ZeRO-3 weights all step)."""
     (lo_s, hi_s), (lo_d, hi_d) = sorted(s), sorted(d)
 
     def per_param(zero, dp):
-        return state_bytes_per_param(precision, Config(mesh=Mesh(dp=dp, pp=pp), zero_stage=zero, microbatch_size=1,
+        return state_bytes_per_param(precision, Decisions(mesh=Mesh(dp=dp, pp=pp), zero_stage=zero, microbatch_size=1,
                                                        num_microbatches=pp, schedule="1f1b"))
 
     here = per_param(lo_s, lo_d)
@@ -233,13 +237,14 @@ def test_more_recompute_never_saves_time(graphs, name, b):
 @given(name=st.sampled_from(["gpt", "gpt_2x32", "gpt_3x48"]), b=st.integers(1, 8), tp=st.sampled_from([1, 2, 4]),
        zero=st.sampled_from([0, 2, 3]))
 def test_more_recompute_never_raises_priced_activations(tables, name, b, tp, zero):
-    """The planner's per-rank activations (``step.memory_spmd``) with TP over 1, 2, 4 ranks of a
+    """The planner's per-rank activations (``rank_memory.memory_spmd``) with TP over 1, 2, 4 ranks of a
     dgx-h100 node: none ≥ selective ≥ full; the model state does not depend on recompute."""
     dp = 8 // tp
     zero = 0 if tp == 1 and zero == 0 else max(zero, 2)
     memories = []
     for r in RECOMPUTE:
-        config = Config(mesh=Mesh(dp=dp, tp=tp), zero_stage=zero, microbatch_size=b, num_microbatches=1, recompute=r)
+        config = Decisions(mesh=Mesh(dp=dp, tp=tp), zero_stage=zero, microbatch_size=b, num_microbatches=1, recompute=r)
+        hand_tp_layout(tables[name], config)
         local = spmd_microbatch(tables[name], config)[2]
         memories.append(memory_spmd(tables[name], config, local))
     acts = [m.activations_bytes for m in memories]

@@ -23,9 +23,14 @@ from autoshard.cost.compute import ComputeTime
 from autoshard.cost.hardware import PRESETS, load_cluster
 from autoshard.cost.memory import BF16_AUTOCAST, FP32, MEGATRON_MIXED, model_state_bytes
 from autoshard.cost.schedule import bubble_fraction, makespan_s, rank_orders, shared_makespan_s, simulate
-from autoshard.cost.step import (CostTables, Config, dp_collective_s, dp_comm_time, in_flight, price,
-                                 rank_loads, stage_action_times, tp_activation_fraction)
+from autoshard.cost.dp_comm import dp_collective_s, dp_comm_time
+from autoshard.cost.pipeline_step import rank_loads, stage_action_times
+from autoshard.cost.rank_memory import in_flight
+from autoshard.cost.step import price
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp import tp_activation_fraction
 from autoshard.cost.units import unit_costs
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 from autoshard.passes.search import lower_bound_s
@@ -98,13 +103,13 @@ def a100_dp32_allreduce_s(size_bytes: float) -> float:
 
 def test_nccl_tests_32_a100_8_byte_latency_as_the_planner_prices_it():
     """NUMBERS.md, Hardware: all-reduce of 8 B over 32 A100 ranks on HDR IB takes 55-58 µs; the
-    planner's DP collective (``step.dp_collective_s`` on dgx-a100-80gb × 4 nodes) says ≈ 60 µs."""
+    planner's DP collective (``dp_comm.dp_collective_s`` on dgx-a100-80gb × 4 nodes) says ≈ 60 µs."""
     assert a100_dp32_allreduce_s(8) == pytest.approx(56.5e-6, rel=0.1)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="two-level gap: dp_collective_s picks the hierarchical form on 4 DGX A100 "
                    "nodes, 82 µs for 1 MiB against the measured 143 µs (−43 %; the flat fit gives 141 µs); "
-                   "cost/step.py's choice or the latency terms would need to change")
+                   "cost/dp_comm.py's choice or the latency terms would need to change")
 def test_nccl_tests_32_a100_1mib_as_the_planner_prices_it():
     """NUMBERS.md, Hardware: all-reduce of 1 MiB over 32 A100 ranks on HDR IB takes 143 µs."""
     assert a100_dp32_allreduce_s(MiB) == pytest.approx(143e-6, rel=0.2)
@@ -170,14 +175,14 @@ def mlp_graph():
 
 def test_zero3_communicates_1_5x_dp(mlp_graph):
     """NUMBERS.md, Formulas / Model state per rank: "ZeRO-3 communication is 1.5× DP's (3Ψ vs 2Ψ)",
-    from ``step.dp_comm_time`` in Megatron's bf16 precision on a latency-free node; ZeRO-2 moves the
+    from ``dp_comm.dp_comm_time`` in Megatron's bf16 precision on a latency-free node; ZeRO-2 moves the
     same 2Ψ as DP (reduce-scatter + all-gather)."""
     link = LinkSpec(900.0, 0.0, "t")
     cluster = Cluster("t", 1, 8, H100.device, link, LinkSpec(50.0, 0.0, "t"), "nccl")
     psi, idle = 1e9, ComputeTime(0.0, 0.0, 0.0)
 
     def total_s(zero):
-        config = Config(mesh=Mesh(dp=8), zero_stage=zero, microbatch_size=1, num_microbatches=1)
+        config = Decisions(mesh=Mesh(dp=8), zero_stage=zero, microbatch_size=1, num_microbatches=1)
         return dp_comm_time(mlp_graph, cluster, config, idle, MEGATRON_MIXED, psi).total_s
 
     assert total_s(0) == pytest.approx(comm.ring_allreduce_s(2 * psi, 8, link))
@@ -216,7 +221,7 @@ def test_full_recompute_keeps_2sbh_per_layer_and_the_boundary_is_bsh2(gpt_graph,
 @pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (8, 2), (8, 4)])
 def test_first_stage_holds_p_microbatches_more_when_interleaved(p, v):
     """NUMBERS.md, Formulas / Activation memory: the first pipeline stage holds p micro-batches in
-    1F1B, × (1 + (p−1)/(p·v)) with interleaving (``step.in_flight``, m large)."""
+    1F1B, × (1 + (p−1)/(p·v)) with interleaving (``rank_memory.in_flight``, m large)."""
     assert in_flight("1f1b", 64, p, 1, 0) == p
     assert in_flight("interleaved-1f1b", 64, p, v, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
@@ -262,7 +267,7 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
     rank's pace (the search's lower bound) and at the slowest rank's."""
     p = 2
     cluster = load_cluster("local-cpu", devices_per_node=p)
-    config = Config(mesh=Mesh(pp=p), zero_stage=0, microbatch_size=1, num_microbatches=m, schedule=schedule,
+    config = Decisions(mesh=Mesh(pp=p), zero_stage=0, microbatch_size=1, num_microbatches=m, schedule=schedule,
                     virtual_stages=v)
     cuts = (2,) if v == 1 else (1, 2, 3)
     tables = CostTables(mlp_graph, cluster)
@@ -282,7 +287,7 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 2), (4, 1), (4, 4), (4, 8), (8, 3)])
 def test_fill_and_drain_bubble_bounds_timed_schedules(schedule, p, m):
-    """``cost.step``'s m·T_max + (Σ_r T_r − T_max) against the timed schedule over random unequal
+    """``cost.pipeline_step``'s m·T_max + (Σ_r T_r − T_max) against the timed schedule over random unequal
     stage times (up to 3× apart): exact for GPipe, never below 1F1B and within 25 % of it, where
     NUMBERS.md's (m + p − 1)·T_max overestimates by up to 77 %."""
     rng = random.Random(p * 100 + m)
@@ -308,7 +313,7 @@ def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(g
     shared = load_cluster(SHARED)
     alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
     dp = 4 // pp
-    config = Config(mesh=Mesh(dp=dp, pp=pp), zero_stage=0, microbatch_size=8 // dp // m, num_microbatches=m,
+    config = Decisions(mesh=Mesh(dp=dp, pp=pp), zero_stage=0, microbatch_size=8 // dp // m, num_microbatches=m,
                     schedule=schedule, virtual_stages=v)
     cuts = tuple(round(len(gpt_graph.blocks) * k / (pp * v)) for k in range(1, pp * v))
     tables = CostTables(gpt_graph, shared)
@@ -331,6 +336,6 @@ def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(g
 def test_two_ranks_on_two_cores_share_nothing(gpt_graph):
     shared = load_cluster(SHARED, devices_per_node=2)
     alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
-    config = Config(mesh=Mesh(pp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b")
+    config = Decisions(mesh=Mesh(pp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b")
     cuts = (len(gpt_graph.blocks) // 2,)
     assert price(gpt_graph, shared, config, 8, cuts=cuts) == price(gpt_graph, alone, config, 8, cuts=cuts)

@@ -10,10 +10,14 @@ import yaml
 from autoshard import host_probes
 from autoshard.cost import comm
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.profile import ModelProfile, graph_signature
-from autoshard.cost.step import ADAM_BYTES_PER_PARAM, Config, CostTables, price_parts
+from autoshard.cost.profile import graph_signature
+from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
+from autoshard.cost.step import price_parts
+from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
+from autoshard.ir.profile import ModelProfile
 from autoshard.ir.topology import Cluster, HostOverheads
 from autoshard.pipeline import capture_graph
 
@@ -92,7 +96,7 @@ def test_the_probes_maths_recovers_known_overheads(cluster):
 
 def test_host_overheads_are_a_named_part_and_grow_with_micro_batches(cluster, gpt):
     host = replace(cluster, host=HostOverheads(**TRUE, source="test"))
-    for config in (Config(Mesh(2, 1, 1), 3, 4, 1), Config(Mesh(2, 1, 1), 3, 1, 4), Config(Mesh(1, 1, 2), 0, 2, 2,
+    for config in (Decisions(Mesh(2, 1, 1), 3, 4, 1), Decisions(Mesh(2, 1, 1), 3, 1, 4), Decisions(Mesh(1, 1, 2), 0, 2, 2,
                                                                                         schedule="1f1b")):
         cuts = (2,) if config.mesh.pp > 1 else None
         bare, with_host = price_parts(CostTables(gpt, cluster), config, cuts), price_parts(CostTables(gpt, host), config,
@@ -100,7 +104,7 @@ def test_host_overheads_are_a_named_part_and_grow_with_micro_batches(cluster, gp
         assert bare.host_s == 0 and with_host.host_s > 0
         assert with_host.step_time_s > bare.step_time_s
         assert with_host.compute_s == pytest.approx(bare.compute_s + with_host.host_s, rel=1e-9) or config.mesh.pp > 1
-    one, four = (price_parts(CostTables(gpt, host), Config(Mesh(2, 1, 1), 3, b, m)).host_s for b, m in ((4, 1), (1, 4)))
+    one, four = (price_parts(CostTables(gpt, host), Decisions(Mesh(2, 1, 1), 3, b, m)).host_s for b, m in ((4, 1), (1, 4)))
     assert four > 3 * one * 0.9  # per micro-batch: ops, FSDP units
 
 
@@ -132,7 +136,7 @@ def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
         assert sum(u.forward_s) == pytest.approx(fwd)
         assert sum(u.forward_s) + sum(u.backward_s) == pytest.approx(fwd_bwd)
         assert sum(u.compute_s) == pytest.approx(mode_total)  # everything measured; no host time added twice
-    parts = price_parts(tables, Config(Mesh(1, 1, 1), 0, 4, 1))
+    parts = price_parts(tables, Decisions(Mesh(1, 1, 1), 0, 4, 1))
     assert parts.optimizer_s == pytest.approx(0.01)  # the measured AdamW step
 
 

@@ -10,8 +10,12 @@ import pytest
 
 from autoshard.cost.compute import materialized_attention_s, op_forward_s
 from autoshard.cost.hardware import PRESETS, load_cluster
-from autoshard.cost.step import Config, CostTables, Runtime, price, price_parts, sharded_nodes
+from autoshard.cost.step import price, price_parts
+from autoshard.cost.tables import CostTables, Runtime
+from autoshard.cost.tp import sharded_nodes
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
+from autoshard.passes.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph
 from benchmarks.bench_megatron import MEGATRON_LM, NUMBERS_ROWS, ROWS, capture, error, predict
 
@@ -52,6 +56,7 @@ def test_the_prediction_is_a_sum_of_named_parts(graphs, row):
     assert (parts.bubble_s > 0) == (row.pp > 1) and (parts.tp_comm_s > 0) == (row.tp > 1)
     cluster = load_cluster("dgx-a100-80gb", nodes=row.gpus // 8)
     tables = CostTables(graphs[row.name], cluster, MEGATRON_LM)
+    hand_tp_layout(tables, row.config())
     predicted = price(tables.graph, cluster, row.config(), row.global_batch, tables, row.cuts())
     assert predicted.step_time_s == pytest.approx(parts.step_time_s)
     assert predicted.compute_s + predicted.comm_exposed_s + predicted.bubble_s == pytest.approx(parts.step_time_s)
@@ -95,7 +100,7 @@ def test_materialized_attention_costs_at_least_flash_and_grows_with_the_scores(s
 
 
 def test_tp_runs_matmuls_attention_and_gelu_on_shards_and_keeps_norms_and_residuals_whole(small_megatron):
-    """step.sharded_nodes on the layout Megatron uses: qkv and c_fc colwise, the c_proj after each rowwise."""
+    """tp.sharded_nodes on the layout Megatron uses: qkv and c_fc colwise, the c_proj after each rowwise."""
     graph = small_megatron
     styles = {p.module_path: "replicate" for p in graph.params}
     for block in ("h.0", "h.1"):
@@ -112,7 +117,7 @@ def test_autoshard_programs_price_flash_attention_by_default(small_megatron):
     """Runtime.for_cluster: autoshard's own programs (torch SDPA) never pay for materialized scores."""
     tables = CostTables(small_megatron, A100)
     assert tables.runtime == Runtime.for_cluster(A100) and tables.runtime.attention == "flash"
-    config = Config(mesh=Mesh(), zero_stage=0, microbatch_size=2, num_microbatches=4)
+    config = Decisions(mesh=Mesh(), zero_stage=0, microbatch_size=2, num_microbatches=4)
     flash = price_parts(tables, config)
     megatron = price_parts(CostTables(small_megatron, A100, MEGATRON_LM), config)
     assert megatron.forward_s > flash.forward_s

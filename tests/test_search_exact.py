@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.step import CostTables
+from autoshard.cost.tables import CostTables
 from autoshard.passes.search import _rank, price_config, price_with_mixed, search
 from autoshard.passes.strategies import Pins, candidate_configs
 from autoshard.pipeline import capture_graph
@@ -75,7 +75,7 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
     modes, each priced by the cost model: none that fits is faster."""
     from itertools import product
 
-    from autoshard.cost.step import Config
+    from autoshard.ir.decisions import Decisions
     from autoshard.ir.plan import Mesh
     from autoshard.passes.recompute import assign, choose_recompute, signature_groups
 
@@ -83,7 +83,7 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
     graphs.setdefault(model, capture_graph(str(ROOT / model))[1])
     graph, cluster = graphs[model], load_cluster("dgx-a100-80gb", nodes=2)
     tables = CostTables(graph, cluster)
-    base = Config(Mesh(4, 4, 1), 3, 8, 2)
+    base = Decisions(Mesh(4, 4, 1), 3, 8, 2)
     assert not price_config(graph, cluster, base, 64, tables).fits  # every activation kept does not fit
     chosen = choose_recompute(tables, base)
     assert chosen is not None and chosen.recompute == "mixed"
@@ -97,8 +97,8 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
             continue
         counts = {(group, "full"): full, (group, "selective"): selective, (group, "none"): blocks - full - selective}
         modes = assign(groups, counts, blocks)
-        config = Config(base.mesh, 3, 8, 2, "mixed", recompute_blocks=modes) if len(set(modes)) > 1 else \
-            Config(base.mesh, 3, 8, 2, modes[0])
+        config = Decisions(base.mesh, 3, 8, 2, "mixed", recompute_blocks=modes) if len(set(modes)) > 1 else \
+            Decisions(base.mesh, 3, 8, 2, modes[0])
         p = price_config(graph, cluster, config, 64, tables)
         if p.fits:
             fitting.append(p.predicted.step_time_s)

@@ -16,7 +16,8 @@ from autoshard.cli import main
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.memory import activation_bytes, precision_for_backend
 from autoshard.cost.compute import microbatch_compute
-from autoshard.cost.step import in_flight, stage_ranks
+from autoshard.cost.dp_comm import stage_ranks
+from autoshard.cost.rank_memory import in_flight
 from autoshard.cost.units import stage_ranges, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps

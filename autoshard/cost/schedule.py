@@ -71,7 +71,7 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
     """The step of a schedule whose stages take unequal times: each rank runs its order one
     action after another, an action starting when its rank is free and its inputs are done
     (the dependencies of ``simulate``); F on stage s takes ``forward_s[s]``, B ``backward_s[s]``.
-    Transfers take no time here. A check on ``cost.step``'s pipeline formula with unequal ranks."""
+    Transfers take no time here. A check on ``cost.pipeline_step``'s pipeline formula with unequal ranks."""
     finish: dict[tuple[int, str, int], float] = {}
     free_at = [0.0] * len(orders)
     position = [0] * len(orders)

@@ -3,7 +3,7 @@
 Symbols (``SYMBOLS``): B global batch, s sequence length (tokens per sample), dp, tp, pp the
 mesh degrees, b the micro-batch size, v virtual stages per pp rank; m = B/(dp·b) micro-batches
 is substituted, so every expression is in these seven symbols only. Each named part of
-``cost.step.StepParts`` gets the scaling law it has in the cost model; its coefficient comes
+``cost.parts.StepParts`` gets the scaling law it has in the cost model; its coefficient comes
 from the plan's own priced figure (``_anchored``: value₀ · law / law(point₀)), so evaluating at
 the plan's point gives the plan's predicted figures back, up to float rounding. With
 h(t) = φ + (1−φ)/t the share of compute left per TP rank (φ: the FLOPs share of the ops the
@@ -22,7 +22,7 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
                        X = 1 (DDP, once a step), m (FSDP without pipeline, per micro-batch),
                        2·a·m + g (pipeline ZeRO-3: 2m gathers of a bytes, a scatter of g bytes per param)
     bubble_s         = k·(pp − 1)/v · T_mb,   T_mb = (forward + backward + recompute + host + tp_comm + p2p)/m
-                       (k ≤ 1: the fill and drain run at the other ranks' pace, ``cost.step``;
+                       (k ≤ 1: the fill and drain run at the other ranks' pace, ``cost.pipeline_step``;
                        below 0 where ranks share fewer cores and idle ones lend theirs)
     step_time_s      = Σ of the parts above
 
@@ -72,10 +72,16 @@ from typing import Any
 
 import sympy
 
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, non_block_saved_bytes
-from autoshard.cost.step import ALLOCATOR_SLACK, FULL_RECOMPUTE_TP_COMM, sharded_nodes
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, block_saved_bytes, non_block_saved_bytes
+from autoshard.cost.parts import StepParts
+from autoshard.cost.rank_memory import ALLOCATOR_SLACK
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, sharded_nodes, splits_param
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.plan import Memory
+from autoshard.ir.topology import Cluster
 
 SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", "tp", "pp", "b", "v")}
 B, S, DP, TP, PP, MB, V = SYMBOLS.values()
@@ -125,9 +131,10 @@ class Shares:
 # ---------------------------------------------------------------------------- build
 
 
-def symbolic_cost(tables, config, global_batch: int, parts, tp_choice=None) -> dict[str, Any]:
+def symbolic_cost(tables: CostTables, config: Decisions, global_batch: int, parts: StepParts,
+                  tp_choice: TPChoice | None = None) -> dict[str, Any]:
     """The plan's ``symbolic`` field: expressions (as strings) of every part, anchored at ``parts``
-    (``cost.step.StepParts`` of ``config`` on ``tables``) and the plan's own symbol values."""
+    (``cost.parts.StepParts`` of ``config`` on ``tables``) and the plan's own symbol values."""
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     mesh = config.mesh
     point = PlanPoint(symbols={"B": global_batch, "s": graph.tokens_per_sample, "dp": mesh.dp, "tp": mesh.tp,
@@ -148,7 +155,7 @@ def symbolic_cost(tables, config, global_batch: int, parts, tp_choice=None) -> d
     }
 
 
-def _law_mode(config) -> str:
+def _law_mode(config: Decisions) -> str:
     """The recompute mode whose laws a plan's expressions follow: a mixed plan (some blocks full,
     some selective, some none) follows its most aggressive mode; its own figures anchor them."""
     if config.recompute != "mixed":
@@ -156,8 +163,8 @@ def _law_mode(config) -> str:
     return next(m for m in ("full", "selective") if m in config.recompute_blocks)
 
 
-def time_expressions(parts, point: PlanPoint, shares: Shares, fallback: dict[str, float],
-                     precision) -> dict[str, sympy.Expr]:
+def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallback: dict[str, float],
+                     precision: Precision) -> dict[str, sympy.Expr]:
     """Every time part (module doc), anchored at ``parts``."""
     h = _tp_share(shares.replicated)
     per_rank = MB * h / PP
@@ -184,7 +191,7 @@ def time_expressions(parts, point: PlanPoint, shares: Shares, fallback: dict[str
     return e
 
 
-def memory_expressions(memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]) -> dict[str, sympy.Expr]:
+def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]) -> dict[str, sympy.Expr]:
     """Every memory part per rank (module doc), anchored at the plan's ``Memory``."""
     z = point.zero_stage
     param_share = _param_share(shares.replicated_params)
@@ -208,13 +215,13 @@ def memory_expressions(memory, point: PlanPoint, shares: Shares, fallback: dict[
 
 
 def in_flight(point: PlanPoint) -> sympy.Expr:
-    """Micro-batches whose activations the first pp rank holds at its peak (``cost.step.in_flight``)."""
+    """Micro-batches whose activations the first pp rank holds at its peak (``cost.rank_memory.in_flight``)."""
     if not point.pipeline:
         return sympy.Integer(1)
     return {"gpipe": M, "1f1b": sympy.Min(M, PP)}.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
 
 
-def _dp_rounds(point: PlanPoint, precision) -> sympy.Expr:
+def _dp_rounds(point: PlanPoint, precision: Precision) -> sympy.Expr:
     """X of the module doc: how DP communication repeats within a step."""
     if point.zero_stage <= 1:
         return sympy.Integer(1)
@@ -273,7 +280,7 @@ def _text(expr: sympy.Expr) -> str:
 # ---------------------------------------------------------------------------- graph shares
 
 
-def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice=None) -> Shares:
+def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice: TPChoice | None = None) -> Shares:
     """α, φ, ψ, β of the module doc, from the op graph and the plan's TP layout."""
     s0 = point.symbols["s"]
     quadratic = {n.name for n in graph.nodes if _is_quadratic(graph, n, s0)}
@@ -316,7 +323,7 @@ def _shape(graph: OpGraph, name: str) -> tuple[int, ...]:
         return ()
 
 
-def _sharded_nodes(graph: OpGraph, tp_choice) -> set[str]:
+def _sharded_nodes(graph: OpGraph, tp_choice: TPChoice | None) -> set[str]:
     """The ops the plan's TP layout runs on 1/tp of their data; with no layout (tp = 1), the ideal
     Megatron one: every matmul-class op (norms, residuals and the rest stay whole)."""
     if tp_choice is not None:
@@ -324,7 +331,7 @@ def _sharded_nodes(graph: OpGraph, tp_choice) -> set[str]:
     return {n.name for n in graph.nodes if n.target.startswith(COMPUTE_HEAVY_TARGETS)}
 
 
-def _replicated_params(graph: OpGraph, tp_choice) -> float:
+def _replicated_params(graph: OpGraph, tp_choice: TPChoice | None) -> float:
     """ψ: the share of parameters whole on every TP rank (a row-parallel bias stays whole)."""
     if tp_choice is not None:
         styles = tp_choice.sharded
@@ -332,8 +339,7 @@ def _replicated_params(graph: OpGraph, tp_choice) -> float:
         heavy = {n.module_path for n in graph.nodes if n.target.startswith(COMPUTE_HEAVY_TARGETS)}
         styles = {m: "colwise" for m in heavy}
     params = [p for p in graph.params if not p.is_buffer]
-    whole = sum(p.numel for p in params
-                if p.module_path not in styles or (styles[p.module_path] == "rowwise" and p.name.endswith(".bias")))
+    whole = sum(p.numel for p in params if not splits_param(styles.get(p.module_path), p.name))
     total = sum(p.numel for p in params)
     return whole / total if total else 1.0
 
@@ -357,7 +363,8 @@ def _outside_share(graph: OpGraph, recompute: str) -> float:
 # ---------------------------------------------------------------------------- fallbacks
 
 
-def _fallbacks(graph: OpGraph, cluster, precision, point: PlanPoint, parts, shares: Shares) -> dict[str, float]:
+def _fallbacks(graph: OpGraph, cluster: Cluster, precision: Precision, point: PlanPoint, parts: StepParts,
+               shares: Shares) -> dict[str, float]:
     """Coefficients of the parts whose law vanishes at the plan's point (module doc)."""
     p = point.symbols
     a, g, w = precision.activation_bytes, precision.grad_bytes, precision.param_bytes

@@ -19,9 +19,13 @@ constructor, built). Pure data: no torch here, so plans stay torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from autoshard.errors import AutoshardError
+
+if TYPE_CHECKING:  # a type only: plan.py reads this module's tables through plan_schema
+    from autoshard.ir.plan import Mesh
 
 REPLICATE = "replicate"
 SHARDED_INPUT = "sharded-input-dim"
@@ -115,3 +119,70 @@ def precision_policy(name: str) -> PrecisionPolicy:
     if policy is None:
         raise AutoshardError(f"unknown precision {name!r}; use one of {', '.join(PRECISIONS)}")
     return policy
+
+
+@dataclass
+class SegmentCost:
+    """The chosen layouts' predicted cost for one segment (a representative block or the rest)."""
+
+    path: str  # representative block path, or "" for the ops outside blocks
+    repeats: int
+    compute_s: float
+    comm_s: float
+    comm_bytes: int  # Σ sizes S of the collectives (all-reduce buffers, all-gather outputs)
+
+
+@dataclass
+class TPChoice:
+    """A tensor-parallel layout of a graph over tp ranks: each module's style and what it costs
+    (solved by ``passes.tensor_parallel``, priced by ``cost.tp``)."""
+
+    tp: int
+    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding |
+    #                         conv1d-colwise | conv1d-rowwise | replicate
+    reasons: dict[str, str]  # module path -> why it stays replicated
+    segments: list[SegmentCost] = field(default_factory=list)
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(s.comm_bytes * s.repeats for s in self.segments)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(s.comm_s * s.repeats for s in self.segments)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.compute_s * s.repeats for s in self.segments)
+
+    @property
+    def sharded(self) -> dict[str, str]:
+        """The styles that do something (not "replicate"): what ``apply_tensor_parallel`` needs."""
+        return {m: s for m, s in self.styles.items() if s != REPLICATE}
+
+
+MIXED = "mixed"  # decisions whose blocks recompute in different modes (``Decisions.recompute_blocks``)
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching,
+    recompute, pipeline schedule, DDP bucket size."""
+
+    mesh: Mesh
+    zero_stage: int
+    microbatch_size: int
+    num_microbatches: int
+    recompute: str = "none"  # none | selective | full | mixed (then ``recompute_blocks``)
+    schedule: str = "none"
+    virtual_stages: int = 1
+    ddp_bucket_cap_mb: float = 25.0
+    recompute_blocks: tuple[str, ...] = ()  # mixed: each block's mode, in block order (passes.recompute)
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp * self.virtual_stages
+
+    def block_modes(self, blocks: int) -> tuple[str, ...]:
+        """Each block's recompute mode."""
+        return self.recompute_blocks if self.recompute == MIXED else (self.recompute,) * blocks

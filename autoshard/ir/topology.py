@@ -44,6 +44,7 @@ from typing import Any
 import networkx as nx
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.profile import ModelProfile
 
 BACKENDS = ("nccl", "gloo")
 MAX_DEVICES = 2**18  # 262,144: the largest clusters today have ~10^5 devices; plans in ~2 s of CPU on 2 cores (8.6 s at 2^20)
@@ -212,7 +213,7 @@ class Cluster:
     inter_node: LinkSpec  # per-device share of the node's NICs
     backend: str  # "nccl" or "gloo"
     host: HostOverheads = field(default_factory=HostOverheads.none)
-    profiles: tuple = ()  # cost.profile.ModelProfile of models measured on these devices
+    profiles: tuple[ModelProfile, ...] = ()  # models measured on these devices
 
     def __post_init__(self):
         where = f"cluster {self.name!r}"
@@ -301,8 +302,8 @@ class Cluster:
             **({"profiles": [p.to_dict() for p in self.profiles]} if self.profiles else {}),
         }
 
-    def profile_for(self, signature: str):
-        """The measured profile (``cost.profile.ModelProfile``) of the graph with this signature, or None."""
+    def profile_for(self, signature: str) -> ModelProfile | None:
+        """The measured profile of the graph with this signature (``cost.profile.graph_signature``), or None."""
         return next((p for p in self.profiles if p.signature == signature), None)
 
     @classmethod
@@ -348,9 +349,7 @@ class Cluster:
         return g
 
 
-def _profiles(raw: Any, where: str) -> tuple:
-    from autoshard.cost.profile import ModelProfile  # cost builds on ir; only this reader needs it
-
+def _profiles(raw: Any, where: str) -> tuple[ModelProfile, ...]:
     if not isinstance(raw, list):
         raise AutoshardError(f"{where}: profiles must be a list, got {_short(raw)}; fix: run `autoshard calibrate "
                              f"--model MODEL` again, or delete the profiles section")

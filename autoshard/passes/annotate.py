@@ -53,6 +53,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.names import op_name
 
 if TYPE_CHECKING:  # torch is imported where FLOPs are counted; op_name and is_alias serve the
     import torch  # cost model on graphs from the capture cache, where torch is never imported
@@ -191,14 +192,6 @@ def node_bytes(graph: OpGraph, node: OpNode) -> tuple[int, int]:
     if op_name(node.target) in CREATION_OPS:
         return 0, written
     return sum(graph.value_bytes(name) for name in dict.fromkeys(node.inputs)), written
-
-
-def op_name(target: str) -> str:
-    """The table key of a target: "aten.add_.Tensor" -> "add"; non-aten targets stay whole."""
-    if not target.startswith("aten."):
-        return target
-    name = target.split(".")[1]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
 def is_alias(graph: OpGraph, node: OpNode) -> bool:

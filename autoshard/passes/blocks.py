@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 
 from autoshard.ir.graph import Block, OpGraph, OpNode
+from autoshard.ir.names import block_of
 from autoshard.passes.annotate import is_alias
 
 SIGNATURE_HEX_CHARS = 16
@@ -54,15 +55,6 @@ def find_blocks(graph: OpGraph) -> OpGraph:
         ))
     graph.blocks = blocks
     return graph
-
-
-def block_of(module_path: str) -> str | None:
-    """The outermost "<prefix>.<int>" prefix of a module path: "h.3.mlp.0" -> "h.3"; None if none."""
-    parts = module_path.split(".") if module_path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def block_members(graph: OpGraph) -> dict[str, list[OpNode]]:

@@ -41,7 +41,6 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
 from autoshard.modelfile import ModelFile, model_fingerprint
@@ -417,7 +416,7 @@ def _user_location(exc: BaseException) -> str:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [Path(torch.__file__).parent, Path(autoshard.__file__).parent, Path(sysconfig.get_paths()["stdlib"])]
+    dirs = [Path(torch.__file__).parent, Path(__file__).parents[1], Path(sysconfig.get_paths()["stdlib"])]
     return tuple(str(d.resolve()) for d in dirs)
 
 

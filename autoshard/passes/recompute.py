@@ -12,7 +12,7 @@ per signature group g (repeated blocks share them)::
     minimise    Σ_{g,r} n[g,r]·t[g,r]                recompute time of one micro-batch, ps
     subject to  Σ_{g,r} n[g,r]·a[g,r]·k_r + W·κ ≤ A  (``add_memory_constraint``)
 
-with, from the cost model (``cost.step.memory_spmd``, ``cost.units``) at c's micro-batch: t the
+with, from the cost model (``cost.rank_memory.memory_spmd``, ``cost.units``) at c's micro-batch: t the
 recompute time of one block of g in mode r (device and host), a its saved activation bytes, w
 its workspace, κ = (10 + 24/tp)/34 the TP share of activations, k_r = 1 for full and κ otherwise,
 and A the memory left for block activations: C / (1 + slack) − weights, gradients, optimizer
@@ -26,14 +26,17 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autoshard.cost.memory import model_state_bytes
-from autoshard.cost.step import (ALLOCATOR_SLACK, FULL_RECOMPUTE_TP_COMM, MIXED, Config, CostTables, spmd_microbatch,
-                                 tp_activation_fraction, transient_bytes)
+from autoshard.cost.rank_memory import ALLOCATOR_SLACK, transient_bytes
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, tp_activation_fraction
+from autoshard.cost.tp_units import spmd_microbatch
+from autoshard.ir.decisions import MIXED, Decisions
 from autoshard.ir.plan import RECOMPUTE_MODES
 
 PS_PER_S = 10**12
 
 
-def choose_recompute(tables: CostTables, config: Config) -> Config | None:
+def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
     """``config`` with the per-block modes that fit at the least recompute time (module doc); None
     when no assignment fits, or when the best one is uniform (a candidate of its own)."""
     from ortools.sat.python import cp_model
@@ -61,14 +64,14 @@ def choose_recompute(tables: CostTables, config: Config) -> Config | None:
     modes = assign(groups, {key: solver.Value(var) for key, var in count.items()}, len(tables.graph.blocks))
     if len(set(modes)) == 1:
         return None
-    return Config(config.mesh, config.zero_stage, config.microbatch_size, config.num_microbatches, MIXED,
+    return Decisions(config.mesh, config.zero_stage, config.microbatch_size, config.num_microbatches, MIXED,
                   config.schedule, config.virtual_stages, config.ddp_bucket_cap_mb, modes)
 
 
-def block_recompute_s(tables: CostTables, config: Config, units, mode: str, k: int) -> float:
+def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k: int) -> float:
     """t[g, r] of the module doc for block k: its recompute on one TP rank (a selective block reruns
     its light ops' share), its host time, and for full recompute its share of the repeated forward
-    TP collectives (``cost.step.tp_comm_factor``)."""
+    TP collectives (``cost.tp.tp_comm_factor``)."""
     u = k + 1
     host = units.host_recompute_s[u] if units.host_recompute_s else 0.0
     if config.mesh.tp == 1:
@@ -87,7 +90,7 @@ def signature_groups(tables: CostTables) -> dict[int, list[int]]:
     return dict(enumerate(by_signature.values()))
 
 
-def add_memory_constraint(model, tables: CostTables, config: Config, groups, by_mode, count, used,
+def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, by_mode, count, used,
                           keep: float) -> None:
     """Σ n·a·k_r + W·κ ≤ A (module doc), in bytes."""
     none = by_mode["none"]

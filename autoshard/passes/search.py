@@ -8,7 +8,7 @@ supports, pins applied), and inside it three decisions solved exactly for that c
                signature (repeated blocks share one model)      (``passes.tensor_parallel``)
     stage cuts 0 = c_0 < c_1 < … < c_{pp·v} = L                 dynamic programming, once per
                                                                  (b, r, stages, tp) (``passes.stage_cuts``)
-    DDP bucket B ∈ BUCKET_CAP_CHOICES_MB                         least exposed all-reduce (``cost.step``)
+    DDP bucket B ∈ BUCKET_CAP_CHOICES_MB                         least exposed all-reduce (``cost.dp_comm``)
 
 **Objective and constraints.** With T(c) the cost model's step time (``cost.step``: compute,
 exposed communication, bubble and host time as named parts), M(c) the peak memory per rank and
@@ -27,7 +27,7 @@ C the device memory::
 imbalance; the pipeline's (pp − 1)/v bubble slots are kept, because the cost model prices the
 step as (m + (pp − 1)/v)·T_max with T_max ≥ the mean rank's compute ≥ Σ_u compute(u) / (tp·pp);
 with a measured profile or host time in the units it is still below T(c)). On a node whose ranks share
-fewer cores than there are ranks (``cost.step.shared_cores``) the bubble slots go: idle ranks lend
+fewer cores than there are ranks (``cost.pipeline_step.shared_cores``) the bubble slots go: idle ranks lend
 their cores, and the node does at most R rank-seconds of calibrated work per second, so the span is
 at least the mean rank's work, m · Σ_u compute(u) / (tp·pp). Candidates are priced in increasing LB (ties in candidate order); the first time LB
 exceeds the fastest feasible T found, no candidate left can beat it and the search stops. The
@@ -39,8 +39,9 @@ a bound on how far the plan can be from the optimum.
 
 Ties on T break on lower peak memory, then lower ZeRO stage, larger micro-batch, less
 recompute, the simpler mesh (smaller tp, then smaller pp) and schedule (``_rank``), so the same
-inputs always give the same plan. Per-(b, r) unit costs, TP layouts and stage cuts are cached
-in ``CostTables`` and shared by every candidate that needs them.
+inputs always give the same plan. Per-(b, r) unit costs, TP layouts (solved once per (tp, b), ``passes.tp_layout``, and handed to
+the cost tables) and stage cuts are cached in ``CostTables`` and shared by every candidate that
+needs them.
 
 **Review.** Besides the candidates priced on the way, the lowest-bound candidate of up to
 MESH_RIVALS meshes that pruning skipped is priced too (``mesh_rivals``): ``alternatives`` keeps
@@ -54,16 +55,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from autoshard.cost.step import (ALLOCATOR_SLACK, Config, CostTables, choose_bucket_cap_mb, in_flight, pipeline_units,
-                                 price, shared_cores, state_bytes_per_param)
+from autoshard.cost.dp_comm import choose_bucket_cap_mb
 from autoshard.cost.memory import precision_for_backend
+from autoshard.cost.pipeline_step import shared_cores
+from autoshard.cost.rank_memory import ALLOCATOR_SLACK, in_flight, state_bytes_per_param
+from autoshard.cost.step import price
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp_units import pipeline_units
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
 from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
+from autoshard.passes.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
 RECOMPUTE_ORDER = ("none", "mixed", "selective", "full")  # ties go to less recompute
@@ -73,11 +80,11 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Priced:
-    config: Config
+    config: Decisions
     predicted: Predicted
     fits: bool
     cuts: tuple[int, ...] = ()  # pipeline: the first block of stages 1 .. S−1
-    tp_choice: object = field(default=None, compare=False)  # passes.tensor_parallel.TPChoice when tp > 1
+    tp_choice: TPChoice | None = field(default=None, compare=False)  # the TP layout when tp > 1
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class SearchResult:
     report: dict = field(default_factory=dict)  # the plan's ``search``: candidates, priced, optimal, gap
 
 
-def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch: int,
+def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int,
            time_limit_s: float | None = None, mixed_recompute: bool = True) -> SearchResult:
     """The fastest configuration that fits (module doc), and the best rivals priced on the way."""
     start = time.perf_counter()
@@ -118,7 +125,7 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Config], global_batch
     return SearchResult(best, alternatives(best, priced + rivals, cluster), report)
 
 
-def price_with_mixed(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int, tables: CostTables,
+def price_with_mixed(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int, tables: CostTables,
                      mixed_recompute: bool = True) -> list[Priced]:
     """``config`` priced; when it keeps every block's activations and does not fit, also the per-block
     recompute that fits at the least cost (``passes.recompute``), unless recompute is pinned."""
@@ -136,7 +143,7 @@ def search_report(candidates: int, priced: int, best: Priced, next_bound_s: floa
     return {"candidates": candidates, "priced": priced, "optimal": next_bound_s is None, "gap": gap}
 
 
-def mesh_rivals(configs: list[Config], unpriced: list[int], priced_meshes: set[Mesh]) -> list[int]:
+def mesh_rivals(configs: list[Decisions], unpriced: list[int], priced_meshes: set[Mesh]) -> list[int]:
     """For review only: the lowest-bound configuration of each mesh the search never had to price
     (up to MESH_RIVALS meshes, in bound order), so ``inspect`` can say why those meshes lost."""
     seen: dict[Mesh, int] = {}
@@ -148,7 +155,7 @@ def mesh_rivals(configs: list[Config], unpriced: list[int], priced_meshes: set[M
     return list(seen.values())
 
 
-def lower_bound_s(tables: CostTables, config: Config) -> float:
+def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     """(m + (p − 1)/v) · Σ_units c(u) / (tp · p): no configuration of this mesh and micro-batch is faster
     (module doc; p = pp, v virtual stages; without pipelining the factor is m)."""
     units = tables.config_units(config)
@@ -159,11 +166,11 @@ def lower_bound_s(tables: CostTables, config: Config) -> float:
     return slots * sum(units.compute_s) / (config.mesh.tp * p)
 
 
-def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch: int,
+def price_config(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int,
                  tables: CostTables | None = None) -> Priced:
     tables = tables or CostTables(graph, cluster)
+    choice = hand_tp_layout(tables, config)
     config = replace(config, ddp_bucket_cap_mb=choose_bucket_cap_mb(graph, cluster, config, tables))
-    choice = tables.tp_cost(config.mesh.tp, config.microbatch_size).choice if config.mesh.tp > 1 else None
     if config.mesh.pp == 1:
         return _priced(tables, config, global_batch, (), choice)
     fastest = _priced(tables, config, global_batch, time_cuts(tables, config), choice)
@@ -173,7 +180,8 @@ def price_config(graph: OpGraph, cluster: Cluster, config: Config, global_batch:
     return _priced(tables, config, global_batch, cuts, choice) if cuts is not None else fastest
 
 
-def _priced(tables: CostTables, config: Config, global_batch: int, cuts: tuple[int, ...], choice) -> Priced:
+def _priced(tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...],
+            choice: TPChoice | None) -> Priced:
     predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
     fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
     return Priced(config, predicted, fits, cuts, choice)
@@ -182,7 +190,7 @@ def _priced(tables: CostTables, config: Config, global_batch: int, cuts: tuple[i
 # ---------------------------------------------------------------------------- stage cuts
 
 
-def time_cuts(tables: CostTables, config: Config) -> tuple[int, ...]:
+def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
     """Cuts minimising the slowest stage, memory aside (cached per micro-batch and stage count)."""
     key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, config.mesh.tp)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False),
@@ -191,12 +199,12 @@ def time_cuts(tables: CostTables, config: Config) -> tuple[int, ...]:
     return cuts
 
 
-def memory_cuts(tables: CostTables, config: Config) -> tuple[int, ...] | None:
+def memory_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...] | None:
     """Cuts minimising the slowest stage with every stage under C / ((1 + slack)·v); None if none fit."""
     return best_cuts(partition_problem(tables, config, with_memory=True), config.num_stages)
 
 
-def partition_problem(tables: CostTables, config: Config, with_memory: bool) -> PartitionProblem:
+def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) -> PartitionProblem:
     """The stage-cut problem of ``config`` (``passes.stage_cuts``): unit times in ps, and per stage
     state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
     units, tp_comm = pipeline_units(tables, config)

@@ -41,7 +41,7 @@ import numpy as np
 
 from autoshard.cost.units import stage_ranges
 from autoshard.ir.graph import OpGraph
-from autoshard.passes.blocks import block_of
+from autoshard.ir.names import block_of
 
 PS_PER_S = 10**12
 _INF = np.iinfo(np.int64).max // 4

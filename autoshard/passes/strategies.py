@@ -9,8 +9,10 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     tp | devices_per_node        (TP stays inside a node), check_divisibility(graph, tp) = ∅
     pp ≤ L blocks
     ZeRO: tp = pp = 1 → 0-3;  dp > 1 with tp or pp > 1 → 2, 3 (FSDP2 on dp);  dp = 1 → 0
-    pp > 1: recompute none; m ≥ pp; schedule gpipe | 1f1b (v = 1) | interleaved-1f1b (v = 2,
-            L ≥ 2·pp, m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds)
+    pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
+            per-block mixed stays pp = 1's, ``passes.recompute``); m ≥ pp; schedule gpipe |
+            1f1b (v = 1) | interleaved-1f1b (v = 2, L ≥ 2·pp, m mod max(1, ⌊m/pp⌋) = 0: torch's
+            interleaved rounds)
     pp = 1: schedule none
 
 Pins that fall outside it are refused with one line naming the fix; ``check_pins`` does the
@@ -22,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoshard.cost.step import Config
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
 from autoshard.ir.topology import Cluster
@@ -105,9 +107,6 @@ def _check_schedule(pins: Pins) -> None:
     if pins.schedule not in (None, "none") and pins.pp == 1:
         raise AutoshardError(f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
                              f"drop --schedule or pin --pp 2 or more")
-    if pins.wants_pipeline and pins.recompute not in (None, "none"):
-        raise AutoshardError(f"--recompute {pins.recompute} inside pipeline stages is not supported yet; "
-                             f"drop --recompute (or pin --recompute none), or pin --pp 1")
 
 
 def _check_degrees(pins: Pins, cluster: Cluster) -> None:
@@ -150,7 +149,7 @@ def _batch_message(global_batch: int, dp: int) -> str:
 # ---------------------------------------------------------------------------- the space
 
 
-def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> list[Config]:
+def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> list[Decisions]:
     """Every configuration that honours the pins, in a fixed order (for deterministic plans)."""
     check_pins(pins, cluster, global_batch)
     check_graph_pins(graph, cluster, pins)
@@ -230,19 +229,18 @@ def _honours(mesh: Mesh, pins: Pins) -> bool:
     return degrees and schedule
 
 
-def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Config]:
+def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:
     """The configurations of one mesh (module doc), zero stage outermost."""
     per_rank = global_batch // mesh.dp
     zeros = [z for z in zero_stages(mesh) if pins.zero in (None, z)]
-    recomputes = ("none",) if mesh.pp > 1 else RECOMPUTE_MODES
-    recomputes = [r for r in recomputes if pins.recompute in (None, r)]
+    recomputes = [r for r in RECOMPUTE_MODES if pins.recompute in (None, r)]
     out = []
     for schedule, v in schedule_choices(mesh, blocks, pins):
         for b in microbatch_sizes(per_rank, pins.microbatch_size, mesh.pp):
             m = per_rank // b
             if schedule == "interleaved-1f1b" and m % max(1, m // mesh.pp):
                 continue
-            out += [Config(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
+            out += [Decisions(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
                            schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes]
     return sorted(out, key=lambda c: (SCHEDULES.index(c.schedule), c.zero_stage,
                                       -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute)))

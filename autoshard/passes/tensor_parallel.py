@@ -60,15 +60,16 @@ degrees that would work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from autoshard.cost.comm import all_gather_s, allreduce_s
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import SegmentCost, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.names import op_name
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.annotate import op_name
 
 R, S, P = "R", "S", "P"
 LAYOUTS = (R, S, P)
@@ -103,43 +104,6 @@ class Rule:
     kind: str  # "rep", "col", "row", "vocab", "shard" (elementwise / sdpa on shards)
     inputs: tuple[str, ...]
     output: str
-
-
-@dataclass
-class SegmentCost:
-    """The chosen layouts' predicted cost for one segment (a representative block or the rest)."""
-
-    path: str  # representative block path, or "" for the ops outside blocks
-    repeats: int
-    compute_s: float
-    comm_s: float
-    comm_bytes: int  # Σ sizes S of the collectives (all-reduce buffers, all-gather outputs)
-
-
-@dataclass
-class TPChoice:
-    tp: int
-    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding |
-    #                         conv1d-colwise | conv1d-rowwise | replicate
-    reasons: dict[str, str]  # module path -> why it stays replicated
-    segments: list[SegmentCost] = field(default_factory=list)
-
-    @property
-    def comm_bytes(self) -> int:
-        return sum(s.comm_bytes * s.repeats for s in self.segments)
-
-    @property
-    def comm_s(self) -> float:
-        return sum(s.comm_s * s.repeats for s in self.segments)
-
-    @property
-    def compute_s(self) -> float:
-        return sum(s.compute_s * s.repeats for s in self.segments)
-
-    @property
-    def sharded(self) -> dict[str, str]:
-        """The styles that do something (not "replicate"): what ``apply_tensor_parallel`` needs."""
-        return {m: s for m, s in self.styles.items() if s != "replicate"}
 
 
 # ---------------------------------------------------------------------------- entry point

@@ -47,14 +47,15 @@ import torch
 import torch.nn as nn
 from ortools.sat.python import cp_model
 
+from autoshard.ir.decisions import TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
-from autoshard.passes.annotate import op_name
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import _module_of, _user_location, build_on_meta, export_module, target_name
 from autoshard.passes.fold import fold_model, unfold
-from autoshard.passes.tensor_parallel import (LINEAR_OPS, R, S, TPChoice, _default_styles, _record_styles,
-                                              check_divisibility, consumer_map, segment_model, segments, shard_dims)
+from autoshard.passes.tensor_parallel import (LINEAR_OPS, R, S, _default_styles, _record_styles, check_divisibility,
+                                              consumer_map, segment_model, segments, shard_dims)
 
 PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = "not run on a shard by the check of the model's code:"

@@ -1,0 +1,147 @@
+"""A step's named parts, and the parts every step has: optimizer, gradient accumulation, host time.
+
+Notation as in ``cost.step``: m micro-batches, W the device's memory bandwidth, g bytes per
+gradient element::
+
+    grad_accumulation = (m − 1)·3·g·Ψ_acc / W     (``grad_accumulation_s``: each micro-batch after
+                        the first reads its gradients and the sum, writes the sum; Ψ_acc the rank's
+                        parameters, / dp under FSDP without pipelining)
+    optimizer         = 28 bytes · Ψ_opt / W      (``optimizer_step_s``: fp32 Adam, memory-bound)
+    host              = m · Σ_u host(u)  +  m · U · h_fsdp  +  T_opt · h_opt
+
+**Host** (``cluster.host``, measured by ``autoshard calibrate``; zero in the presets): the op
+dispatch of every unit (``cost.units``, forward, backward, recompute), FSDP2's hooks and copies
+per unit and micro-batch (U units: the blocks and the root; a pipeline stage is one unit), the
+optimizer's loop over its T_opt parameter tensors (FSDP2's sharded DTensors cost more), and
+with pipelining the schedule's bookkeeping per stage and micro-batch (``cost.pipeline_step``).
+ZeRO-1's ZeroRedundancyOptimizer broadcasts each parameter tensor alone: T broadcasts' latencies.
+Where the cluster has the model's measured profile (``cost.profile``), its AdamW step replaces
+the optimizer's formula and loop (``optimizer_parts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cost.compute import model_flops_per_sample
+from autoshard.cost.memory import Precision
+from autoshard.cost.tables import CostTables
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.plan import Memory, Predicted
+from autoshard.ir.topology import Cluster
+
+ADAM_BYTES_PER_PARAM = 28  # fp32 Adam step: read w, g, m, v (16 B), write w, m, v (12 B)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """One step's time by named part (seconds); the fields add up to ``step_time_s`` (``cost.step``).
+
+    Pipelines: the compute parts are the slowest pp rank's (it sets the pace)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    grad_accumulation_s: float
+    optimizer_s: float
+    tp_comm_s: float  # TP collectives, exposed: they sit between dependent matmuls
+    p2p_s: float  # pipeline sends and receives, exposed
+    dp_comm_exposed_s: float
+    bubble_s: float
+    dp_comm_total_s: float  # hidden or not (not part of the step time)
+    memory: Memory
+    host_s: float = 0.0  # host overheads not hidden by the device (module doc, "Host")
+
+    @property
+    def compute_s(self) -> float:
+        return (self.forward_s + self.backward_s + self.recompute_s + self.grad_accumulation_s + self.optimizer_s
+                + self.host_s)
+
+    @property
+    def comm_exposed_s(self) -> float:
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.comm_exposed_s + self.bubble_s
+
+
+def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: StepParts) -> Predicted:
+    """The plan's ``Predicted``: the parts summed, throughput and MFU at ``global_batch``."""
+    graph, cluster = tables.graph, tables.cluster
+    step_s = parts.step_time_s
+    flops = global_batch * model_flops_per_sample(graph)
+    return Predicted(
+        step_time_s=step_s,
+        compute_s=parts.compute_s,
+        comm_exposed_s=parts.comm_exposed_s,
+        bubble_s=parts.bubble_s,
+        memory_peak_bytes_per_rank=parts.memory.peak_bytes,
+        memory=parts.memory,
+        tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
+        samples_per_s=global_batch / step_s,
+        mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
+        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s,
+    )
+
+
+def optimizer_step_s(local_params: float, config: Decisions, cluster: Cluster) -> float:
+    """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
+    shards = config.mesh.dp if config.zero_stage >= 1 else 1
+    return local_params / shards * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
+
+
+def param_tensors(graph: OpGraph) -> int:
+    """Parameter tensors of the model (not buffers; a tied one once)."""
+    return sum(not p.is_buffer for p in graph.params)
+
+
+def fsdp_host_s(cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision) -> float:
+    """FSDP2's host time per micro-batch over ``units`` units holding ``params`` parameters:
+    U·a + c·MiB(params) (``HostOverheads``: per unit, and per MiB copied in and out); 0 without FSDP."""
+    if config.mesh.dp == 1 or config.zero_stage < 2:
+        return 0.0
+    host, z3 = cluster.host, config.zero_stage == 3
+    per_unit_us = host.fsdp_unit_zero3_us if z3 else host.fsdp_unit_zero2_us
+    per_mib_us = host.fsdp_zero3_us_per_mib if z3 else host.fsdp_zero2_us_per_mib
+    return (units * per_unit_us + per_mib_us * params * precision.param_bytes / 2**20) * 1e-6
+
+
+def dp_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:
+    """DDP's hooks on the synchronising micro-batch, and ZeroRedundancyOptimizer's step, per tensor."""
+    if config.mesh.dp == 1 or config.zero_stage >= 2:
+        return 0.0
+    host = cluster.host
+    return tensors * (host.ddp_tensor_us + (host.zero1_tensor_us if config.zero_stage == 1 else 0.0)) * 1e-6
+
+
+def optimizer_parts(tables: CostTables, config: Decisions, local_params: float, tensors: int) -> tuple[float, float]:
+    """(optimizer_s, its host time): the model's measured AdamW step (``cost.profile``) over the rank's
+    share of the parameters where there is one and the parameters are plain tensors; else the
+    memory-bound formula and the per-tensor loop."""
+    profile, cluster = tables.profile, tables.cluster
+    sharded = config.mesh.dp > 1 and config.zero_stage >= 2
+    if profile is not None and profile.optimizer_s and not sharded:
+        shards = config.mesh.dp if config.zero_stage == 1 else 1
+        return profile.optimizer_s * local_params / tables.graph.param_count / shards, 0.0
+    return optimizer_step_s(local_params, config, cluster), optimizer_host_s(cluster, config, tensors)
+
+
+def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:
+    """The optimizer's loop over its parameter tensors: T·h_opt (FSDP2: sharded tensors; ZeRO-1:
+    each rank steps T/dp of them)."""
+    host = cluster.host
+    if config.mesh.dp > 1 and config.zero_stage >= 2:
+        return tensors * host.sharded_optimizer_tensor_us * 1e-6
+    shards = config.mesh.dp if config.zero_stage == 1 else 1
+    return tensors / shards * host.optimizer_tensor_us * 1e-6
+
+
+def grad_accumulation_s(local_params: float, config: Decisions, precision: Precision, cluster: Cluster) -> float:
+    """(m − 1)·3·g·Ψ_acc / W: every micro-batch after the first adds its gradients to the sum (read both,
+    write the sum; g bytes each). Ψ_acc: the rank's parameters, / dp where FSDP keeps the sum sharded
+    (ZeRO-2/3 without pipelining; with pipelining the stage's gradients accumulate unsharded)."""
+    shards = config.mesh.dp if config.zero_stage >= 2 and config.mesh.pp == 1 else 1
+    moved = (config.num_microbatches - 1) * 3 * precision.grad_bytes * local_params / shards
+    return moved / (cluster.device.memory_bandwidth_gbps * 1e9)

@@ -1,0 +1,188 @@
+"""A pipelined step (pp > 1): per-rank loads, the slowest rank's pace, fill and drain.
+
+With pp > 1 (``pipeline_parts``), stage s holds a run of units
+(``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
+micro-batch, rank r spends T_r = C_r + P_r + X_r: C_r the compute of its stages, X_r their TP
+collectives, P_r two transfers (activation forward, gradient backward) of the boundary
+activation entering each of its stages but the first (NUMBERS.md: b·s·h·bytes each way;
+``boundary_transfer_s``)::
+
+    step_time    = m · T_max + (Σ_r T_r − T_max)/v + grad_accumulation + optimizer + DP_exposed
+    compute      = m · C_{r*} + grad_accumulation + optimizer      r* the slowest rank, T_max = T_{r*}
+    comm_exposed = m · (X_{r*} + P_{r*}) + DP_exposed
+    bubble       = (Σ_r T_r − T_max)/v    (GPipe / 1F1B: v = 1; interleaved 1F1B: v chunks;
+                                           ranks sharing fewer cores: "Shared cores" below)
+
+The bubble is the fill and the drain: the first micro-batch's forward and the last one's
+backward pass through every other rank once (1/v of its work per chunk), while the slowest
+rank's m slots set the steady state. With equal ranks it is NUMBERS.md's (p−1)/v · T; with
+unequal ones (the embedding and the head make the end stages heavier) (p−1)/v · T_max would
+charge every fill slot at the slowest rank's pace. The pipelined part m·T_max + bubble is at
+least (m + (p−1)/v) · mean_r T_r, as the search's lower bound assumes: it is
+(m − 1/v)·T_max + p·mean/v, and m ≥ 1/v, T_max ≥ mean. Against a timed run of the schedule
+(``schedule.makespan_s``, tests): exact for GPipe; for 1F1B never below it, within a few
+per cent typically and 25 % at most with stages up to 3× apart.
+
+**Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
+figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
+over threads per rank). A pipeline rank idle in the fill, the drain or waiting on a peer lends
+its core to the busy ones, so when C < R the pipelined part m·T_max + bubble is the schedule run
+with processor sharing instead (``schedule.shared_makespan_s``: n ranks busy each progress at
+min(1, C/n) / min(1, C/R) of their calibrated pace; F and B of a stage are its rank's compute
+and, after it, its transfers and TP collectives as a wait that takes no core, both split by the
+stages' compute). The bubble is then that span − m·T_max, which can be negative: on 4 ranks sharing 2
+cores, pp = 4 and m = 4 a rank is busy half the time, and the others run twice as fast meanwhile.
+Ranks of an SPMD step are busy and idle together (every collective spans them): no change there.
+
+grad_accumulation and optimizer are priced on the rank with the most parameters.
+
+TP × PP: each stage is split over tp as without pipelining (``pipeline_units``). The boundary
+activation is whole on every TP rank; each TP rank sends its own copy to its peer in the next
+stage, α + S/B on the pp link; a runtime that scatter-gathers (Megatron-LM, Narayanan et al.
+§4.1) sends S/t per rank and all-gathers it on the TP link: p2p(S/t) + AG(S, t).
+
+DP × PP collectives are ``cost.dp_comm.pipeline_dp_comm``'s, all exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cost import comm
+from autoshard.cost.dp_comm import pipeline_dp_comm, pp_link, tp_link
+from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
+from autoshard.cost.rank_memory import in_flight, memory_pipeline
+from autoshard.cost.schedule import rank_orders, shared_makespan_s
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
+from autoshard.cost.units import stage_ranges, stage_units
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.plan import Memory, Mesh, Predicted
+from autoshard.ir.topology import Cluster
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One pp rank's per-micro-batch work and its memory."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    p2p_s: float  # pipeline sends and receives of its stages' boundaries
+    tp_comm_s: float  # its stages' TP collectives
+    params: int
+    memory: Memory
+    host_s: float = 0.0  # its stages' host time (ops, schedule, FSDP hooks), not hidden by the device
+    tensors: int = 0  # parameter tensors of its stages
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.host_s
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.p2p_s + self.tp_comm_s
+
+
+def price_pipeline(tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...]) -> Predicted:
+    """pp > 1 (module doc): the slowest rank sets the pace; the worst rank's memory is the peak."""
+    return predicted(tables, config, global_batch, pipeline_parts(tables, config, cuts))
+
+
+def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> StepParts:
+    cluster, precision = tables.cluster, tables.precision
+    loads = rank_loads(tables, config, cuts)
+    slowest = max(loads, key=lambda r: r.time_s)
+    m, v = config.num_microbatches, config.virtual_stages
+    params = max(r.params for r in loads)
+    dp = pipeline_dp_comm(cluster, config, params, precision)
+    optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
+    host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
+    span_s = pipeline_span_s(tables, config, cuts, loads)
+    return StepParts(
+        forward_s=m * slowest.forward_s, backward_s=m * slowest.backward_s,
+        recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
+        optimizer_s=optimizer_s, tp_comm_s=m * slowest.tp_comm_s,
+        p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s,
+        bubble_s=span_s - m * slowest.time_s,
+        dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
+        host_s=host_s)
+
+
+def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:
+    """The pipelined part of the step: m·T_max + (Σ_r T_r − T_max)/v (module doc); on a host whose
+    ranks share fewer cores (``shared_cores``), the schedule run with processor sharing."""
+    m, v = config.num_microbatches, config.virtual_stages
+    times = [r.time_s for r in loads]
+    cores = shared_cores(tables.cluster, config.mesh)
+    if cores is None:
+        return m * max(times) + (sum(times) - max(times)) / v
+    forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
+    orders = rank_orders(config.schedule, config.mesh.pp, m, v)
+    return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
+                             forward_wait, backward_wait)
+
+
+def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
+    """C when the mesh's R ranks sit on one node that runs only C < R of them at full speed at once
+    (CPU ranks: ``HostOverheads.shared_cores``); None when every rank has its own core or device."""
+    cores, ranks = cluster.host.shared_cores, mesh.dp * mesh.tp * mesh.pp
+    if not cores or ranks <= cores or ranks > cluster.devices_per_node:
+        return None
+    return cores
+
+
+def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]
+                       ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(F work, B work, F wait, B wait) seconds of one micro-batch on each stage: its rank's compute
+    (with host time) and its transfers and TP collectives (``RankLoad``) shared among the rank's
+    stages by their compute, and within a stage between forward and backward + recompute the same way."""
+    units, _ = pipeline_units(tables, config)
+    ranges = stage_ranges(cuts, units.blocks)
+    parts = []
+    for rng in ranges:
+        idx = stage_units(rng, units.blocks)
+        parts.append((sum(units.forward_s[u] for u in idx),
+                      sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
+    pp = config.mesh.pp
+    rank_compute = [sum(f + b for f, b in parts[r::pp]) for r in range(pp)]
+    out: tuple[list[float], ...] = ([], [], [], [])
+    for s, (f, b) in enumerate(parts):
+        load, total = loads[s % pp], rank_compute[s % pp]
+        work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s) / total) if total else (0.0, 0.0)
+        for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
+            column.append(value)
+    return out
+
+
+def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
+    units, tp_comm = pipeline_units(tables, config)
+    tp_host = tp_host_per_unit_s(tables, config)
+    ranges = stage_ranges(cuts, units.blocks)
+    loads = []
+    for r in range(config.mesh.pp):
+        mine = [(s, ranges[s]) for s in range(r, len(ranges), config.mesh.pp)]
+        idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
+        p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine if s > 0)
+        params = sum(units.params[u] for u in idx)
+        acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
+            sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
+        host_s = sum(units.host_s[u] + tp_host[u] for u in idx) + \
+            len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
+            + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
+        loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] for u in idx),
+                              sum(units.recompute_s[u] for u in idx), p2p,
+                              sum(tp_comm[u] for u in idx), params,
+                              memory_pipeline(tables.precision, config, params, acts), host_s,
+                              sum(units.tensors[u] for u in idx)))
+    return loads
+
+
+def boundary_transfer_s(tables: CostTables, config: Decisions, size_bytes: float) -> float:
+    """One pipeline boundary of S bytes, one way: each TP rank sends its whole copy to its peer,
+    α + S/B on the pp link; or, with the runtime's scatter-gather (Narayanan et al. §4.1), 1/t of it,
+    then the t receivers all-gather: p2p(S/t) + AG(S, t) on the TP link."""
+    link, tp = pp_link(tables.cluster, config.mesh), config.mesh.tp
+    if not tables.runtime.p2p_scatter_gather or tp == 1:
+        return comm.p2p_s(size_bytes, link)
+    return comm.p2p_s(size_bytes / tp, link) + comm.all_gather_s(size_bytes, tp, tp_link(tables.cluster, tp))

@@ -1,0 +1,150 @@
+"""The cost tables of one search: what runs the plan, per-unit costs, the TP layouts handed in.
+
+**Runtime** (``Runtime``): what executes the plan changes three things: the precision (bytes of
+weights, gradients, optimizer state, activations), the attention kernel (``compute``: flash, or
+scores materialized in HBM), and whether TP ranks scatter-gather pipeline boundaries. autoshard's
+own programs are ``Runtime.for_cluster``; ``benchmarks/bench_megatron.py`` describes Megatron-LM.
+
+``CostTables`` holds what many decisions share, computed once per search: each micro-batch size
+and recompute mode's per-unit costs (``cost.units``, scaled to the model's measured profile where
+the cluster has one: ``cost.profile``), and the TP layouts the passes solved and handed in
+(``add_tp_layout``), each priced once for its (tp, b) (``cost.tp.price_layout``). The tables
+never solve a layout: ``tp_solve_link`` says on which link one is exact for micro-batch b.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autoshard.cost.compute import ATTENTION_KERNELS
+from autoshard.cost.memory import Precision, precision_for_backend, precision_for_graph
+from autoshard.cost.profile import graph_signature, scaled_to
+from autoshard.cost.tp import TPCost, price_layout
+from autoshard.cost.units import Units, node_forward_s, unit_costs
+from autoshard.ir.decisions import MIXED, Decisions, TPChoice
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.profile import ModelProfile
+from autoshard.ir.topology import Cluster, LinkSpec
+
+CAPTURED_ELEM_BYTES = 4  # graphs are captured in fp32
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs the plan, where that changes the price (module doc, "Runtime").
+
+    ``for_cluster`` is autoshard's emitted program; other frameworks are described with the same
+    fields (``benchmarks/bench_megatron.py`` describes Megatron-LM's to price its published rows).
+    """
+
+    precision: Precision
+    attention: str = "flash"  # compute.ATTENTION_KERNELS
+    p2p_scatter_gather: bool = False  # TP ranks send 1/t of a pipeline boundary each, then all-gather
+
+    def __post_init__(self):
+        assert self.attention in ATTENTION_KERNELS, self.attention
+
+    @classmethod
+    def for_cluster(cls, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
+        """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank;
+        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``)."""
+        return cls(precision_for_graph(cluster.backend, graph) if graph is not None
+                   else precision_for_backend(cluster.backend))
+
+
+class CostTables:
+    """Quantities shared by many decisions, computed once per search and cached; the TP layouts
+    the passes hand in (``add_tp_layout``), priced once."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, runtime: Runtime | None = None):
+        self.graph, self.cluster = graph, cluster
+        self.runtime = runtime or Runtime.for_cluster(cluster, graph)
+        self.precision = self.runtime.precision
+        self._units: dict[tuple, Units] = {}
+        self._tp: dict[tuple[int, int], TPCost] = {}
+        self._memo: dict[tuple, Any] = {}
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key`` (for other passes' per-search quantities, e.g. stage cuts)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def config_units(self, config: Decisions) -> Units:
+        """``units`` of a point; mixed recompute takes each block's figures from its mode."""
+        if config.recompute != MIXED:
+            return self.units(config.microbatch_size, config.recompute)
+        key = (config.microbatch_size, config.recompute_blocks)
+        if key not in self._units:
+            self._units[key] = mixed_units({m: self.units(config.microbatch_size, m) for m in set(key[1])}, key[1])
+        return self._units[key]
+
+    def units(self, microbatch_size: int, recompute: str) -> Units:
+        """Per-unit costs of one micro-batch; scaled to the model's measured profile when the cluster
+        has one for this graph (``cost.profile``)."""
+        key = (microbatch_size, recompute)
+        if key not in self._units:
+            units = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
+                               self.precision.activation_bytes, CAPTURED_ELEM_BYTES, self.runtime.attention,
+                               self.cluster.host, hides_comm(self.cluster))
+            measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
+            self._units[key] = scaled_to(units, measured) if measured else units
+        return self._units[key]
+
+    @functools.cached_property
+    def profile(self) -> ModelProfile | None:
+        """The model's measured profile on this cluster, or None."""
+        return self.cluster.profile_for(graph_signature(self.graph)) if self.cluster.profiles else None
+
+    def tp_solve_link(self, tp: int, microbatch_size: int) -> LinkSpec:
+        """The link on which a layout solved at the captured batch is exact for micro-batch b: with
+        r = b/b₀ and e = a/captured, comm(S·r·e; α, B) = r·comm(S; α/r, B/e) and compute scales by r,
+        so solving at the captured batch on the link (α/r, B/e) minimises r·(compute + comm) at b."""
+        r = microbatch_size / self.graph.batch_size
+        e = self.precision.activation_bytes / CAPTURED_ELEM_BYTES
+        link = self.cluster.group_link(list(range(tp)))
+        return LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
+
+    def has_tp_layout(self, tp: int, microbatch_size: int) -> bool:
+        return (tp, microbatch_size) in self._tp
+
+    def add_tp_layout(self, choice: TPChoice, microbatch_size: int) -> TPCost:
+        """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
+        (tp, b) (``cost.tp.price_layout``)."""
+        times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
+                               CAPTURED_ELEM_BYTES, self.runtime.attention)
+        cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
+        self._tp[(choice.tp, microbatch_size)] = cost
+        return cost
+
+    def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
+        """The layout handed in for (tp, b), priced (``add_tp_layout``)."""
+        cost = self._tp.get((tp, microbatch_size))
+        if cost is None:
+            raise LookupError(f"no TP layout for tp={tp}, micro-batch {microbatch_size} was handed to the cost "
+                              "tables; hand one with passes.tp_layout.hand_tp_layout first")
+        return cost
+
+
+def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
+    """Units whose block k recomputes in ``modes[k]``: its recompute time, saved activations and
+    workspace from that mode's units (forward and backward are the same in every mode)."""
+    base = next(iter(by_mode.values()))
+
+    def pick(field_name: str) -> tuple:
+        values = list(getattr(base, field_name))
+        for k, mode in enumerate(modes):
+            values[k + 1] = getattr(by_mode[mode], field_name)[k + 1]
+        return tuple(values)
+
+    return replace(base, recompute_s=pick("recompute_s"), saved_bytes=pick("saved_bytes"),
+                   workspace_bytes=pick("workspace_bytes"), host_recompute_s=pick("host_recompute_s"))
+
+
+def hides_comm(cluster: Cluster) -> bool:
+    """Whether collectives can run behind compute: on GPUs (own engines and streams), not on CPU
+    ranks, where gloo's threads and the compute share the same cores."""
+    return cluster.backend != "gloo"

@@ -1,0 +1,128 @@
+"""Pricing a tensor-parallel layout handed to the cost model: the share of each unit a TP rank keeps.
+
+With tp > 1 the op graph's layout (``ir.decisions.TPChoice``, solved for micro-batch b by the
+passes and handed to ``CostTables.add_tp_layout``) runs some ops on shards: linears and
+embeddings of a sharded style, and every op between a column-parallel linear and the
+row-parallel one that reduces its output (``sharded_nodes``); norms, residual adds, dropouts on
+the residual stream stay replicated, as in Megatron-LM without sequence parallelism. Per unit u
+(``cost.units``)::
+
+    f(u) = Σ_{n∈u} s(n)·t(n) / Σ_{n∈u} t(n),   s(n) = 1/tp on shards, 1 replicated   (``unit_tp_fractions``)
+    c_tp = Σ_u f(u)·c(u)            (selective recompute: its rerun ops' own share)
+
+T_tp is that layout's TP collectives per micro-batch (forward all-reduces of row-parallel
+outputs, backward all-reduces of column-parallel input gradients), all exposed: they sit
+between dependent matmuls. Full recompute runs the forward again, so T_tp ×
+``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
+from autoshard.cost.units import node_units
+from autoshard.ir.decisions import SHARD_OUTPUT_STYLES, SHARDING_STYLES, TPChoice
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.names import block_of, op_name
+
+FULL_RECOMPUTE_TP_COMM = 1.5  # full recompute repeats the forward TP all-reduces (half of them)
+
+
+def tp_activation_fraction(tp: int) -> float:
+    """(10 + 24/t)/34: a TP block's activations over the unsharded ones (Korthikanti et al. 2022)."""
+    return (10 + 24 / tp) / 34
+
+
+@dataclass(frozen=True)
+class TPCost:
+    """A TP layout priced for one micro-batch size (see ``CostTables.tp_cost``)."""
+
+    choice: TPChoice
+    unit_fraction: tuple[float, ...]  # share of each unit's forward time left per rank (``unit_tp_fractions``)
+    light_fraction: tuple[float, ...]  # the same over its non-matmul ops (what selective recompute reruns)
+    comm_s: float  # TP collectives of one micro-batch (forward + backward)
+    local_params: int  # parameters per rank: sharded modules' weights / tp
+    largest_block_params: int  # the same, of the largest block (the largest FSDP unit)
+
+
+def price_layout(graph: OpGraph, choice: TPChoice, scale: float, times: list[float]) -> TPCost:
+    """``choice`` solved for a micro-batch r = b/b₀ times the captured one, priced there: its
+    collectives × r, each unit's shares left per rank (``unit_tp_fractions`` over the ops' forward
+    seconds ``times`` at b), parameters per rank in all and of the largest block."""
+    tp = choice.tp
+    largest = max(graph.blocks, key=lambda b: b.param_count).path if graph.blocks else None
+    by_block = local_params_by_block(graph, choice.sharded, tp)
+    local = sum(by_block.values())
+    block = by_block.get(largest, 0) if largest else local
+    fractions = unit_tp_fractions(graph, choice.styles, tp, times)
+    return TPCost(choice, *fractions, scale * choice.comm_s, local, block)
+
+
+def tp_comm_factor(modes: tuple[str, ...]) -> float:
+    """TP collectives of a micro-batch over those without recompute: full recompute repeats a
+    block's forward ones (FULL_RECOMPUTE_TP_COMM for the whole model), by the share of such blocks."""
+    if not modes:
+        return 1.0
+    return 1.0 + (FULL_RECOMPUTE_TP_COMM - 1.0) * sum(m == "full" for m in modes) / len(modes)
+
+
+def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
+    """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
+    every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
+    ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
+    there: ``passes.tensor_parallel``). Norms, residual adds and the rest stay replicated."""
+    sharded: set[str] = set()
+    split_values: set[str] = set()
+    for node in graph.nodes:
+        op = op_name(node.target)
+        if op in ("linear", "addmm", "embedding") and node.module_path in styles:
+            style = styles[node.module_path]
+            if style in SHARDING_STYLES:
+                sharded.add(node.name)
+            if style in SHARD_OUTPUT_STYLES:
+                split_values.add(node.name)
+        elif any(name in split_values for name in node.inputs):
+            sharded.add(node.name)
+            split_values.add(node.name)
+    return sharded
+
+
+def unit_tp_fractions(graph: OpGraph, styles: dict[str, str], tp: int,
+                      times: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per unit u: Σ_{n∈u} s(n)·t(n) / Σ_{n∈u} t(n), s(n) = 1/tp for ``sharded_nodes`` and 1 for the
+    others (module doc); over all of u's ops, then over its non-matmul ops only."""
+    sharded = sharded_nodes(graph, styles)
+    count = len(graph.blocks) + 2
+    whole, local = [[0.0] * count for _ in range(2)], [[0.0] * count for _ in range(2)]  # [all ops, light ops]
+    for node, u, t in zip(graph.nodes, node_units(graph), times):
+        kinds = (0,) if node.target.startswith(COMPUTE_HEAVY_TARGETS) else (0, 1)
+        for k in kinds:
+            whole[k][u] += t
+            local[k][u] += t / tp if node.name in sharded else t
+    all_ops, light_ops = (tuple(lo / wh if wh else 1.0 for lo, wh in zip(local[k], whole[k])) for k in (0, 1))
+    return all_ops, light_ops
+
+
+def local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> dict[str | None, int]:
+    """Parameters per TP rank of every block (None: outside blocks), in one pass: sharded modules'
+    weights / tp; a row-parallel bias stays whole (RowwiseParallel replicates it)."""
+    totals: dict[str | None, int] = {}
+    for p in graph.params:
+        if not p.is_buffer:
+            split = splits_param(sharded.get(p.module_path), p.name)
+            block = block_of(p.module_path)
+            totals[block] = totals.get(block, 0) + (p.numel // tp if split else p.numel)
+    return totals
+
+
+def splits_param(style: str | None, param_name: str) -> bool:
+    """Whether a parameter of a module in ``style`` (None: replicated) is split over the TP ranks:
+    every one of a sharded module but a row-parallel bias (RowwiseParallel replicates it)."""
+    return style is not None and not (style == "rowwise" and param_name.endswith(".bias"))
+
+
+def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: str | None = None) -> int:
+    """Parameters per TP rank, of ``block`` only if given (``local_params_by_block``)."""
+    totals = local_params_by_block(graph, sharded, tp)
+    return totals.get(block, 0) if block is not None else sum(totals.values())

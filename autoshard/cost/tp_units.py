@@ -1,0 +1,116 @@
+"""One TP rank's share of the work: the units and the compute of a micro-batch under the layout handed in.
+
+Without TP every rank runs every unit whole. With tp = t > 1 and the layout's shares
+(``cost.tp``: f(u) over all of unit u's ops, over its light ops for selective recompute), per
+unit u: forward, backward and recompute × their shares left per rank, parameters × local(u)/params(u)
+(sharded weights / t), a block's saved activations and workspace × (10 + 24/t)/34, and the unit's
+own TP collectives (a block's are its segment's; those of the ops outside blocks are split evenly
+over prefix and suffix). DTensor's host time adds ``tp_module_us`` per sharded module and
+micro-batch in the unit that runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autoshard.cost.compute import ComputeTime
+from autoshard.cost.tables import CostTables
+from autoshard.cost.tp import TPCost, local_param_count, local_params_by_block, tp_activation_fraction, tp_comm_factor
+from autoshard.cost.units import Units, node_units
+from autoshard.ir.decisions import SHARDING_STYLES, Decisions
+from autoshard.ir.graph import OpGraph
+
+
+def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime, float, int]:
+    """(compute of one micro-batch per rank, its TP communication, parameters per rank)."""
+    units = tables.config_units(config)
+    if config.mesh.tp == 1:
+        ones = (1.0,) * len(units.forward_s)
+        return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
+    tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
+    modes = config.block_modes(len(tables.graph.blocks))
+    return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes), tp.local_params
+
+
+def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(forward, recompute) share per unit left per TP rank: a selective block reruns its light ops."""
+    rerun = [tp.light_fraction[u] if 0 < u <= len(modes) and modes[u - 1] == "selective" else tp.unit_fraction[u]
+             for u in range(len(tp.unit_fraction))]
+    return tp.unit_fraction, tuple(rerun)
+
+
+def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction: tuple[float, ...]) -> ComputeTime:
+    fwd = sum(f * x for f, x in zip(units.forward_s, fraction))
+    bwd = sum(f * x for f, x in zip(units.backward_s, fraction))
+    return ComputeTime(fwd, bwd, sum(f * x for f, x in zip(units.recompute_s, recompute_fraction)))
+
+
+def pipeline_units(tables: CostTables, config: Decisions) -> tuple[Units, tuple[float, ...]]:
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp) in a search."""
+    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp)
+    return tables.memo(key, lambda: tp_sharded_units(tables, config))
+
+
+def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tuple[float, ...]]:
+    """The units of one micro-batch as one TP rank of a stage sees them, and each unit's TP comm.
+
+    With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
+    recompute × their shares left per rank (``unit_tp_fractions``; selective recompute: of the
+    light ops), parameters × local(u)/params(u) (sharded weights / t), a block's
+    saved activations and workspace × (10 + 24/t)/34; TP collectives of a block are its
+    segment's, those of the ops outside blocks are split evenly over prefix and suffix. They
+    sit between dependent matmuls, so they count with the compute of the unit (exposed).
+    """
+    units = tables.units(config.microbatch_size, config.recompute)
+    tp = config.mesh.tp
+    if tp == 1:
+        return units, (0.0,) * len(units.forward_s)
+    cost = tables.tp_cost(tp, config.microbatch_size)
+    (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tp_activation_fraction(tp)
+    share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
+    blocks = [1.0] + [keep] * units.blocks + [1.0]
+    sharded = replace(
+        units,
+        forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
+        backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
+        recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
+        params=tuple(round(n * k) for n, k in zip(units.params, share)),
+        saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),
+        workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
+    return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
+
+
+def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:
+    """Per unit: parameters left per TP rank over all its parameters (blocks each; the rest pooled)."""
+    local = local_params_by_block(graph, sharded, tp)
+    per_block = [local.get(b.path, 0) / max(1, b.param_count) for b in graph.blocks]
+    in_blocks = sum(b.param_count for b in graph.blocks)
+    local_blocks = sum(local.get(b.path, 0) for b in graph.blocks)
+    rest = graph.param_count - in_blocks
+    rest_share = (local_param_count(graph, sharded, tp) - local_blocks) / rest if rest else 1.0
+    return (rest_share, *per_block, rest_share)
+
+
+def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, ...]:
+    """Per unit: TP collectives of one micro-batch (``TPCost.comm_s`` is their sum over units)."""
+    total = sum(s.comm_s * s.repeats for s in cost.choice.segments)
+    scale = cost.comm_s * factor / total if total else 0.0
+    by_path = {s.path: s.comm_s * scale for s in cost.choice.segments}
+    rest = by_path.get("", 0.0) / 2
+    return (rest, *(by_path.get(b.representative, 0.0) for b in graph.blocks), rest)
+
+
+def tp_host_per_unit_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
+    """DTensor's host time per micro-batch in each unit: its modules of a sharded style × tp_module_us."""
+    count = len(tables.graph.blocks) + 2
+    if config.mesh.tp == 1 or not tables.cluster.host.tp_module_us:
+        return (0.0,) * count
+    sharded = tables.tp_cost(config.mesh.tp, config.microbatch_size).choice.sharded
+    unit_of = {}
+    for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
+        unit_of.setdefault(node.module_path, u)
+    per_unit = [0.0] * count
+    for path, style in sharded.items():
+        if style in SHARDING_STYLES and path in unit_of:
+            per_unit[unit_of[path]] += tables.cluster.host.tp_module_us * 1e-6
+    return tuple(per_unit)

@@ -1,0 +1,96 @@
+"""A model's measured profile, as a cluster file keeps it under ``profiles``.
+
+``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
+one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
+one AdamW step; the cost model scales its per-unit split of the work to these totals
+(``cost.profile``). A profile is keyed by the captured graph's signature
+(``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.errors import AutoshardError
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """One model measured on one cluster's devices (module doc)."""
+
+    model: str  # the model spec, for people
+    signature: str  # ``graph_signature`` of its captured graph
+    ranks: int  # how many ranks ran at once
+    times: Mapping[int, Mapping[str, tuple[float, float]]]  # b -> mode -> (forward_s, forward_backward_s)
+    source: str
+    optimizer_s: float = 0.0  # one AdamW step over all the parameters; 0: not measured
+
+    def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
+        return hash((self.model, self.signature, self.ranks, self.source))
+
+    def totals(self, microbatch_size: int, recompute: str) -> tuple[float, float, float] | None:
+        """(forward, backward, recompute) seconds of one micro-batch of b; None when the mode was not
+        measured."""
+        if recompute not in MODES or any(recompute not in modes for modes in self.times.values()):
+            return None
+        fwd, fwd_bwd = (self._at(microbatch_size, "none", i) for i in (0, 1))
+        rerun = self._at(microbatch_size, recompute, 1) - fwd_bwd if recompute != "none" else 0.0
+        return max(fwd, 0.0), max(fwd_bwd - fwd, 0.0), max(rerun, 0.0)
+
+    def _at(self, b: int, mode: str, index: int) -> float:
+        """Linear in b between the measured sizes; beyond them the nearest two extend."""
+        sizes = sorted(self.times)
+        if len(sizes) == 1:
+            return self.times[sizes[0]][mode][index] * b / sizes[0]
+        right = next((i for i, s in enumerate(sizes) if s >= b), len(sizes) - 1)
+        lo, hi = sizes[max(0, right - 1)], sizes[max(1, right)]
+        y0, y1 = self.times[lo][mode][index], self.times[hi][mode][index]
+        return y0 + (y1 - y0) * (b - lo) / (hi - lo)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "signature": self.signature, "ranks": self.ranks,
+                "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
+                "optimizer_s": self.optimizer_s, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> ModelProfile:
+        """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
+        fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
+        if not isinstance(d, Mapping) or set(d) != {"model", "signature", "ranks", "times", "optimizer_s", "source"}:
+            raise AutoshardError(f"{where}: a profile must have model, signature, ranks, times, optimizer_s and "
+                                 f"source; {fix}")
+        optimizer = d["optimizer_s"]
+        if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < 1e6:
+            raise AutoshardError(f"{where}: profile {d.get('model')!r}: optimizer_s must be seconds >= 0; {fix}")
+        if not all(isinstance(d[k], str) for k in ("model", "signature", "source")) or \
+                not isinstance(d["ranks"], int) or isinstance(d["ranks"], bool) or d["ranks"] < 1:
+            raise AutoshardError(f"{where}: profile {d.get('model')!r} has a malformed model, signature, ranks or "
+                                 f"source; {fix}")
+        return cls(d["model"], d["signature"], d["ranks"], _times(d["times"], f"{where}: profile {d['model']!r}", fix),
+                   d["source"], float(optimizer))
+
+
+def _times(raw: Any, where: str, fix: str) -> dict[int, dict[str, tuple[float, float]]]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise AutoshardError(f"{where}: times must map micro-batch sizes to modes; {fix}")
+    out: dict[int, dict[str, tuple[float, float]]] = {}
+    for b, modes in raw.items():
+        b = int(b) if isinstance(b, str) and b.isdigit() else b  # JSON (plan.json) keys are strings
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or not isinstance(modes, Mapping) or \
+                not modes or not set(modes) <= set(MODES) or "none" not in modes:
+            raise AutoshardError(f"{where}: times[{b!r}] must be a positive micro-batch size mapping none (and "
+                                 f"selective, full) to [forward_s, forward_backward_s]; {fix}")
+        out[b] = {m: _pair(v, f"{where}: times[{b}][{m}]", fix) for m, v in modes.items()}
+    return out
+
+
+def _pair(v: Any, where: str, fix: str) -> tuple[float, float]:
+    ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e6 for x in v)
+    if not ok:
+        raise AutoshardError(f"{where} must be [forward_s, forward_backward_s], two seconds >= 0; {fix}")
+    return float(v[0]), float(v[1])

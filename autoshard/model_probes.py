@@ -1,0 +1,77 @@
+"""Model profiles for ``autoshard calibrate --model SPEC``: capture the model, then measure it.
+
+The parent captures each model as ``plan`` does (on meta) for its graph signature and block paths
+(``profile_request``), before the minutes of measuring; every worker then builds the real model
+with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
+one micro-batch's forward and forward + backward, and one AdamW step (``measure_model``). The
+slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost
+model scales its units to (``cost.profile``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.cost.profile import graph_signature
+from autoshard.ir.profile import MODES, ModelProfile
+from autoshard.pipeline import capture_graph
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """A model ``autoshard calibrate --model`` measures: its spec, graph signature and block paths."""
+
+    spec: str
+    signature: str
+    blocks: tuple[str, ...]
+    microbatch_sizes: tuple[int, ...]
+
+
+def profile_request(spec: str, microbatch_sizes: tuple[int, ...]) -> ProfileRequest:
+    """Capture the model (on meta, as ``plan`` does) for its signature and blocks."""
+    _, graph = capture_graph(spec)
+    return ProfileRequest(spec, graph_signature(graph), tuple(b.path for b in graph.blocks), microbatch_sizes)
+
+
+def measure_model(time_op, request: ProfileRequest, device) -> dict[str, Any]:
+    """Worker side: {"times": b -> mode -> [forward_s, forward_backward_s], "optimizer_s"} of the real
+    model with the runtime's own recompute wrappers (``runtime.parallel.apply_recompute``) and
+    AdamW, on every rank at once."""
+    import torch  # the worker's: the planning side of calibrate stays torch-free
+
+    from autoshard.runtime.model import build_model, load_model_file
+    from autoshard.runtime.parallel import apply_recompute
+
+    model_file = load_model_file(request.spec)
+    models = {mode: apply_recompute(build_model(model_file, seed=0, device=device), list(request.blocks), mode)
+              for mode in MODES}
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    out: dict[int, dict[str, list[float]]] = {}
+    for b in request.microbatch_sizes:
+        torch.manual_seed(b)
+        inputs, targets = model_file.example_batch(b)
+        inputs = tuple(t.to(device) for t in inputs)
+        targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
+
+        def forward(model):
+            with autocast:  # as the emitted program runs on GPUs (bf16), a no-op on CPUs
+                return model_file.loss(model(*inputs), targets)
+
+        out[b] = {mode: [time_op(lambda m=model: forward(m)), time_op(lambda m=model: forward(m).backward())]
+                  for mode, model in models.items()}
+    optimizer = torch.optim.AdamW(models["none"].parameters(), lr=1e-3)  # the gradients are there
+    return {"times": out, "optimizer_s": time_op(optimizer.step)}
+
+
+def model_profile(request: ProfileRequest, measured: Mapping, ranks: int, source: str) -> ModelProfile:
+    """The worker's ``measure_model`` result as a profile, figures to 4 significant digits."""
+    rounded = {int(b): {m: tuple(_sig(x) for x in v) for m, v in modes.items()}
+               for b, modes in measured["times"].items()}
+    return ModelProfile(request.spec, request.signature, ranks, rounded, source, _sig(measured["optimizer_s"]))
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")

@@ -1,0 +1,24 @@
+"""The TP layout of a search point: solved once per (tp, micro-batch size), handed to the cost tables.
+
+The cost model prices decisions with a layout handed to it and never solves one
+(``cost.tables.CostTables.add_tp_layout``). This pass solves the layout model
+(``passes.tensor_parallel.choose_tp_styles``) at the captured batch on the link that makes the
+answer exact for micro-batch b (``CostTables.tp_solve_link``), the first time a point of that
+(tp, b) is priced, and hands it over; later points of the same (tp, b) reuse it.
+"""
+
+from __future__ import annotations
+
+from autoshard.cost.tables import CostTables
+from autoshard.ir.decisions import Decisions, TPChoice
+from autoshard.passes.tensor_parallel import choose_tp_styles
+
+
+def hand_tp_layout(tables: CostTables, decisions: Decisions) -> TPChoice | None:
+    """The layout ``decisions`` are priced with, in ``tables`` from now on; None without TP."""
+    tp, b = decisions.mesh.tp, decisions.microbatch_size
+    if tp == 1:
+        return None
+    if not tables.has_tp_layout(tp, b):
+        tables.add_tp_layout(choose_tp_styles(tables.graph, tp, tables.tp_solve_link(tp, b), tables.cluster.device), b)
+    return tables.tp_cost(tp, b).choice
