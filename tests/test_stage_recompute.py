@@ -300,3 +300,51 @@ def test_tp_stage_recompute_repeats_forward_collectives_only_when_full(tp_group)
     assert_same(reference, selective)
     # backward of tp_copy all-reduces (4 per block); full recompute reruns the 2 forward tp_reduces per block
     assert (reference[2], selective[2], full[2]) == (16, 16, 24)
+
+
+# ---------------------------------------------------------------------------- the planner: pp × recompute
+
+GPT_FILE = str(ROOT / "examples/gpt.py:build")
+TIGHT = str(ROOT / "tests/clusters/cpu4_tight_memory.yaml")
+
+
+def test_pipeline_configurations_enumerate_uniform_recompute():
+    from autoshard.ir.plan import Mesh
+    from autoshard.passes.strategies import Pins, check_pins, mesh_configs
+
+    configs = mesh_configs(Mesh(dp=2, tp=1, pp=2), 8, Pins(), blocks=4)
+    assert {c.recompute for c in configs} == {"none", "selective", "full"}
+    assert {c.recompute for c in mesh_configs(Mesh(dp=2, tp=1, pp=2), 8, Pins(recompute="full"), 4)} == {"full"}
+    from autoshard.cost.hardware import load_cluster
+
+    check_pins(Pins(pp=2, recompute="selective"), load_cluster("local-cpu", devices_per_node=4), 8)
+
+
+def _estimate(cluster, plan, recompute, **kwargs):
+    from autoshard.api import estimate
+
+    return estimate(GPT_FILE, cluster=cluster, global_batch=8, dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp,
+                    zero=plan.zero_stage, microbatch_size=plan.microbatch_size, recompute=recompute,
+                    schedule=plan.schedule, **kwargs)
+
+
+def test_pinned_pipeline_recompute_is_planned_and_priced():
+    import autoshard
+
+    plan = autoshard.plan(GPT_FILE, cluster="local-cpu", devices_per_node=4, global_batch=8, pp=2, recompute="full")
+    assert (plan.mesh.pp, plan.recompute) == (2, "full")
+    assert _estimate("local-cpu", plan, "full", devices_per_node=4).predicted == plan.predicted
+    without = _estimate("local-cpu", plan, "none", devices_per_node=4).predicted
+    assert plan.predicted.memory_peak_bytes_per_rank < without.memory_peak_bytes_per_rank
+    assert plan.predicted.compute_s > without.compute_s  # the recomputed forward
+
+
+def test_tight_memory_plans_recompute_inside_pipeline_stages():
+    import autoshard
+
+    plan = autoshard.plan(GPT_FILE, cluster=TIGHT, global_batch=8)
+    assert plan.mesh.pp > 1 and plan.recompute in ("selective", "full"), (plan.mesh, plan.recompute)
+    assert _estimate(TIGHT, plan, plan.recompute).predicted == plan.predicted
+    assert any("does not fit" in note for note in _estimate(TIGHT, plan, "none").notes)
+    without = autoshard.plan(GPT_FILE, cluster=TIGHT, global_batch=8, recompute="none")
+    assert plan.predicted.step_time_s < without.predicted.step_time_s, (plan.mesh, without.mesh)
