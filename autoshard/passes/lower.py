@@ -67,7 +67,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
     steps.append(_optimizer_step(plan))
     steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
                                                ("num_microbatches", plan.num_microbatches)),
-                      f"{plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"))
+                      f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"))
     return steps
 
 
