@@ -27,7 +27,7 @@ and leave the graph calling the old names. So the graph is rewritten instead.
 
 ``checkpointed_call`` runs the region under ``torch.utils.checkpoint.checkpoint(use_reentrant=
 False)``: full keeps only the region's inputs and reruns it in backward; selective keeps the
-outputs of ``SAVE_IN_SELECTIVE`` (matmuls, attention: the policy of ``runtime.parallel``) and of
+outputs of ``SAVE_IN_SELECTIVE`` (matmuls, attention: the policy of ``runtime.selective``) and of
 the forward TP collectives (``tp_reduce``, ``tp_gather``: the cost model charges the repeated
 collectives to full recompute only), and reruns the rest. Recompute reads the same inputs and runs
 the same ops, so values and gradients are bit for bit those without it; dropout draws the same
@@ -57,19 +57,15 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoshard.errors import AutoshardError
-
-try:
-    from autoshard.runtime.selective import SAVE_IN_SELECTIVE
-except ImportError:  # the policy's older home
-    from autoshard.runtime.parallel import SAVE_IN_SELECTIVE
+from autoshard.runtime.selective import SAVE_IN_SELECTIVE
 from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noqa: F401  (registers the ops)
 
 RECOMPUTE_IN_STAGE = ("selective", "full")
-# Forward TP collectives whose outputs selective recompute keeps (rerunning them would repeat comm).
 # (input, weight, bias, running_mean, running_var, training | use_input_stats, ...): they write the running
 # statistics in training mode though their schemas mark no argument as written.
 RUNNING_STATS_OPS = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
                      "cudnn_batch_norm", "miopen_batch_norm", "_native_batch_norm_legit"}
+# Forward TP collectives whose outputs selective recompute keeps (rerunning them would repeat comm).
 SAVE_COLLECTIVES = {torch.ops.autoshard.tp_reduce.default, torch.ops.autoshard.tp_gather.default}
 
 
