@@ -1,16 +1,25 @@
-"""Plan JSON: round trip byte for byte, and clear errors for corrupted or foreign files."""
+"""Plan JSON: round trip byte for byte, version 1 files read as version 2, and clear errors for corrupted
+or foreign files."""
 
 import json
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from autoshard.cost.hardware import PRESETS
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import Memory, Mesh, Plan, Predicted, Stage, load_plan
+from autoshard.ir.plan import Memory, Mesh, Plan, PlanDecisions, PlanLayout, Predicted, Stage, load_plan
+from autoshard.ir.plan_format import PLAN_VERSION, SECTIONS, TOP_KEYS
 from autoshard.passes.codegen import blocks_expression
 
-REQUIRED_KEYS = ["version", "model", "cluster", "global_batch", "mesh", "zero_stage", "microbatch_size",
-                 "num_microbatches", "schedule", "recompute", "stages", "tensor_parallel", "predicted", "alternatives"]
+REQUIRED_KEYS = ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
+                 "provenance"]
+DECISIONS = ["mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
+             "recompute_blocks", "ddp_bucket_cap_mb", "precision"]
+LAYOUT = ["blocks", "tensor_parallel", "split_points", "stages"]
+REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search"]
+GOLDEN_V1 = Path(__file__).resolve().parent / "golden" / "dp_zero1.plan.json"  # a version 1 file, kept as is
 
 
 CLUSTER = PRESETS["dgx-h100"].to_dict()  # a loaded plan's cluster is checked like a cluster file
@@ -33,8 +42,84 @@ def test_round_trip_is_byte_identical(tmp_path):
     plan = make_plan()
     plan.save(tmp_path / "p.json")
     again = load_plan(tmp_path / "p.json")
-    assert again.to_json() == plan.to_json()
-    assert list(json.loads(plan.to_json()))[: len(REQUIRED_KEYS)] == REQUIRED_KEYS
+    assert again.to_json() == plan.to_json() == (tmp_path / "p.json").read_text()
+    doc = json.loads(plan.to_json())
+    assert list(doc) == REQUIRED_KEYS == list(TOP_KEYS) and doc["version"] == PLAN_VERSION == 2
+    assert (list(doc["decisions"]), list(doc["layout"]), list(doc["review"]), list(doc["provenance"])) == \
+        (DECISIONS, LAYOUT, REVIEW, ["pinned"])
+    assert {k: list(v) for k, v in SECTIONS.items()} == \
+        {"decisions": DECISIONS, "layout": LAYOUT, "review": REVIEW, "provenance": ["pinned"]}
+
+
+def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
+    text = GOLDEN_V1.read_text()
+    assert json.loads(text)["version"] == 1 and "zero_stage" in json.loads(text)
+    old = load_plan(GOLDEN_V1)
+    assert old.version == PLAN_VERSION
+    old.save(tmp_path / "v2.json")
+    saved = json.loads((tmp_path / "v2.json").read_text())
+    assert saved["version"] == 2 and saved["decisions"]["zero_stage"] == json.loads(text)["zero_stage"]
+    new = load_plan(tmp_path / "v2.json")
+    assert new == old
+    assert {f.name: getattr(new, f.name) for f in fields(Plan)} == {f.name: getattr(old, f.name) for f in fields(Plan)}
+    assert new.to_json() == old.to_json() == (tmp_path / "v2.json").read_text()
+    flat = json.loads(text)  # every field of the version 1 file, under its version 2 path
+    for section, keys in SECTIONS.items():
+        for key in keys:
+            if key in flat:
+                assert saved[section][key] == flat[key], key
+    assert saved["predicted"] == flat["predicted"] and saved["model"] == flat["model"]
+
+
+def test_decisions_and_layout_are_the_flat_fields():
+    plan = load_plan(GOLDEN_V1)
+    assert [f.name for f in fields(PlanDecisions)] == DECISIONS and [f.name for f in fields(PlanLayout)] == LAYOUT
+    assert plan.decisions == PlanDecisions(**{k: getattr(plan, k) for k in DECISIONS})
+    assert plan.layout == PlanLayout(**{k: getattr(plan, k) for k in LAYOUT})
+    assert plan.decisions.mesh == plan.mesh and plan.decisions.zero_stage == plan.zero_stage == 1
+    plan.decisions.recompute_blocks["h.0"] = "full"  # a copy: the plan is unchanged
+    plan.layout.tensor_parallel["h.0"] = "colwise"
+    assert plan.recompute_blocks == {} and plan.tensor_parallel == {}
+    with pytest.raises(AttributeError):
+        plan.decisions.zero_stage = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("section", ["decisions", "layout", "review", "provenance"])
+def test_unknown_keys_in_a_section_refused_in_one_line(tmp_path, section):
+    data = json.loads(make_plan().to_json())
+    data[section]["colour"] = "blue"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutoshardError, match=f"plan field '{section}' has an unknown key 'colour'") as err:
+        load_plan(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(colour=1), "plan has an unknown key 'colour'"),
+    (lambda d: d.update(zero_stage=3), "unknown key 'zero_stage', which belongs in 'decisions' in version 2"),
+    (lambda d: d["layout"].update(mesh={"dp": 2}), "'layout' has an unknown key 'mesh', which belongs in 'decisions'"),
+    (lambda d: d["review"].update(global_batch=8), "'review' has an unknown key 'global_batch', which belongs in the "
+                                                   "top of the plan"),
+    (lambda d: d.pop("layout"), "plan field 'layout' is missing"),
+    (lambda d: d.update(decisions=[1]), "plan field 'decisions' must be a mapping, got \\[1\\]"),
+    (lambda d: d["decisions"].pop("zero_stage"), "plan field 'decisions.zero_stage' is missing"),
+    (lambda d: d["decisions"]["mesh"].update(sp=2), "plan field 'decisions.mesh' has an unknown key 'sp'"),
+    (lambda d: d["layout"]["tensor_parallel"].update({"h.0.attn.q": "diagonal"}),
+     "plan field 'layout.tensor_parallel.h.0.attn.q' must be one of colwise"),
+    (lambda d: d["layout"]["stages"][0]["ranks"].append(9), "plan field 'layout.stages\\[0\\].ranks\\[2\\]' must be a rank"),
+    (lambda d: d["review"]["notes"].append(3), "plan field 'review.notes\\[0\\]' must be a string"),
+    (lambda d: d["provenance"]["pinned"].append("a'b"), "plan field 'provenance.pinned\\[0\\]' must be a printable"),
+    (lambda d: d["predicted"]["memory"].update(vram=1), "plan field 'predicted.memory' has an unknown key 'vram'"),
+])
+def test_version_2_fields_named_by_their_path(tmp_path, edit, message):
+    data = json.loads(make_plan().to_json())
+    edit(data)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutoshardError, match=message) as err:
+        load_plan(path)
+    assert "\n" not in str(err.value)
 
 
 def test_floats_rounded_for_stable_bytes():
@@ -49,8 +134,10 @@ def test_batch_arithmetic_checked():
 @pytest.mark.parametrize("text, message", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "a plan is a JSON object"),
-    ('{"version": 99}', "plan version 99"),
+    ('{"version": 99}', "plan version 99, this autoshard reads versions 1 and 2"),
+    ('{"version": 3}', "plan version 3, this autoshard reads versions 1 and 2"),
     ('{"version": 1, "model": {}}', "plan field 'model.spec' is missing"),
+    ('{"version": 2, "model": {}}', "plan field 'decisions' is missing"),
 ])
 def test_bad_plan_files(tmp_path, text, message):
     path = tmp_path / "p.json"
@@ -61,10 +148,19 @@ def test_bad_plan_files(tmp_path, text, message):
 
 def test_tampered_zero_stage_rejected(tmp_path):
     data = json.loads(make_plan().to_json())
+    data["decisions"]["zero_stage"] = 7
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutoshardError, match="'decisions.zero_stage' must be one of 0, 1, 2, 3, got 7"):
+        load_plan(path)
+
+
+def test_tampered_version_1_field_named_by_its_flat_path(tmp_path):
+    data = json.loads(GOLDEN_V1.read_text())
     data["zero_stage"] = 7
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(AutoshardError, match="'zero_stage' must be one of 0, 1, 2, 3, got 7"):
+    with pytest.raises(AutoshardError, match="plan field 'zero_stage' must be one of 0, 1, 2, 3, got 7"):
         load_plan(path)
 
 

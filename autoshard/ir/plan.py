@@ -4,6 +4,10 @@ A plan is a review artifact: ``plan.json`` is versioned, self-describing, determ
 (same inputs give the same bytes) and JSON only, so loading one never runs code. Every
 predicted figure is a sum of named parts (``Predicted``); alternatives carry the same
 breakdown and the reason they lost.
+
+``Plan`` is flat (``plan.mesh``, ``plan.zero_stage``, ...); its JSON groups the fields into
+decisions, layout, predicted, review and provenance (``ir.plan_format``, version 2). Plans of
+version 1 (one flat object) are read as the same ``Plan`` and saved as version 2.
 """
 
 from __future__ import annotations
@@ -21,11 +25,16 @@ from pathlib import Path
 from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
-
-PLAN_VERSION = 1
-RECOMPUTE_MODES = ("none", "selective", "full")
-PLAN_RECOMPUTE = (*RECOMPUTE_MODES, "mixed")  # mixed: each block's own mode in Plan.recompute_blocks
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b")
+from autoshard.ir.plan_format import (
+    PLAN_RECOMPUTE,
+    PLAN_VERSION,
+    READ_VERSIONS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    flatten,
+    sectioned,
+)
+from autoshard.ir.plan_schema import bounded_json_int, check_plan_dict
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,37 @@ class Alternative:
 
 
 @dataclass(frozen=True)
+class PlanDecisions:
+    """What the planner decided (``plan.json``'s ``decisions`` section, in its order): ``Plan.decisions``."""
+
+    mesh: Mesh
+    zero_stage: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    recompute_blocks: dict[str, str]
+    ddp_bucket_cap_mb: float
+    precision: str
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where the decisions land on the model (``plan.json``'s ``layout`` section): the FSDP / recompute
+    units, each module's tensor-parallel style, and the pipeline's cuts and stages: ``Plan.layout``."""
+
+    blocks: tuple[str, ...]
+    tensor_parallel: dict[str, str]
+    split_points: tuple[str, ...]
+    stages: tuple[Stage, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
+    """The plan, field by field. ``plan.json`` groups the fields into sections (``ir.plan_format``);
+    ``decisions`` and ``layout`` give two of them as one record each."""
+
     model: dict[str, Any]  # spec, hash, params, layers
     cluster: dict[str, Any]  # Cluster.to_dict()
     global_batch: int
@@ -143,7 +182,7 @@ class Plan:
     # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
     search: dict[str, Any] = field(default_factory=dict)
     recompute_blocks: dict[str, str] = field(default_factory=dict)  # recompute "mixed": block path -> its mode
-    version: int = PLAN_VERSION
+    version: int = PLAN_VERSION  # the format it is written in: a plan read from an older version has this one
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -173,9 +212,21 @@ class Plan:
     def world_size(self) -> int:
         return self.mesh.world_size
 
+    @property
+    def decisions(self) -> PlanDecisions:
+        """The decision fields as one record (a copy: changing it leaves the plan as it is)."""
+        return PlanDecisions(**{f.name: _copied(getattr(self, f.name)) for f in fields(PlanDecisions)})
+
+    @property
+    def layout(self) -> PlanLayout:
+        """The layout fields as one record (a copy: changing it leaves the plan as it is)."""
+        return PlanLayout(**{f.name: _copied(getattr(self, f.name)) for f in fields(PlanLayout)})
+
     def to_json(self) -> str:
-        """Deterministic JSON: fixed key order, floats rounded to 6 significant digits."""
-        return json.dumps(_rounded(_ordered(self)), indent=2) + "\n"
+        """Deterministic JSON of version ``PLAN_VERSION``: fixed sections and key order (``ir.plan_format``),
+        floats rounded to 6 significant digits."""
+        flat = {f.name: _ordered(getattr(self, f.name)) for f in fields(self) if f.name != "version"}
+        return json.dumps(_rounded(sectioned(flat)), indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan."""
@@ -184,9 +235,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            from autoshard.ir.plan_schema import bounded_json_int  # ints of 30+ digits: named by the schema
-
-            data = json.loads(text, parse_int=bounded_json_int)
+            data = json.loads(text, parse_int=bounded_json_int)  # ints of 30+ digits: named by the schema
         except json.JSONDecodeError as exc:
             raise AutoshardError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); re-create it with `autoshard plan`") from exc
         except RecursionError:
@@ -197,16 +246,17 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "plan") -> "Plan":
-        from autoshard.ir.plan_schema import check_plan_dict
-
+        """The plan of a version 2 document, or of a version 1 (flat) one: the same ``Plan``, which
+        ``to_json`` then writes as version 2."""
         version = data.get("version")
-        if version != PLAN_VERSION or isinstance(version, bool) or not isinstance(version, int):
+        if isinstance(version, bool) or not isinstance(version, int) or version not in READ_VERSIONS:
             raise AutoshardError(
-                f"{source}: plan version {version!r}, this autoshard reads version {PLAN_VERSION}; re-plan with this version"
+                f"{source}: plan version {version!r}, this autoshard reads versions "
+                f"{' and '.join(map(str, READ_VERSIONS))}; re-plan with this version"
             )
         try:
             check_plan_dict(data)  # every field first (ir/plan_schema.py): a tampered file is one line, never code
-            return _plan_from_dict(data)
+            return _plan_from_dict(data if version == 1 else flatten(data))
         except AutoshardError as exc:
             raise AutoshardError(f"{source}: {exc}") from exc
         except (KeyError, TypeError, ValueError) as exc:
@@ -453,7 +503,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         symbolic=_symbolic(d.get("symbolic", {})),
         search=_search(d.get("search", {})),
         recompute_blocks=dict(d.get("recompute_blocks", {})),
-        version=d["version"],
+        version=PLAN_VERSION,
     )
 
 
@@ -503,13 +553,14 @@ def _int(v: Any) -> int:
     return v
 
 
+def _copied(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
+
+
 def _ordered(obj: Any) -> Any:
     """Dataclasses to dicts in field order (DESIGN.md's key order), tuples to lists."""
     if hasattr(obj, "__dataclass_fields__"):
-        out = {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)}
-        if isinstance(obj, Plan):  # version first, as readers look for it first
-            out = {"version": out.pop("version"), **out}
-        return out
+        return {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, dict):
         return {k: _ordered(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -1,5 +1,10 @@
 """The schema of ``plan.json``: every field a reader or the code generator uses, checked on load.
 
+Version 2 (``ir.plan_format``) holds the fields below in sections (``decisions``, ``layout``,
+``predicted``, ``review``, ``provenance``); version 1 holds them in one flat object. A message
+names a field by its path in the file's own version: ``decisions.zero_stage``, ``layout.stages[0]``
+in version 2, ``zero_stage``, ``stages[0]`` in version 1.
+
 A plan is a review artifact and the input of the code generator: its names and numbers are
 written into the emitted program and into ``inspect``'s tables. A plan read from disk is
 therefore checked field by field before it becomes a ``Plan``, so that a damaged or tampered
@@ -20,7 +25,10 @@ never code in the emitted program:
     ranks          mesh dp·tp·pp <= the cluster's devices; stage ranks in 0 .. dp·tp·pp − 1
     prose          alternatives[].why_not, reasons, notes      strings
 
-Unknown keys are ignored, so a reader skips fields that a newer writer of the same version adds.
+In version 2 every section is a mapping and an unknown key at the top or in ``decisions``,
+``layout``, ``review`` or ``provenance`` is refused (a key edited into the wrong place would
+otherwise change nothing), as is one in a mesh or in ``predicted.memory``; version 1 files keep
+today's rule: unknown top-level keys are ignored.
 Every number is bounded so that no reader overflows (``float(10**400)``) or meets Python's
 limit on converting integers of 4,300+ digits to text: the JSON is read with ``parse_int=
 bounded_json_int``, which keeps an integer of more than ``MAX_JSON_DIGITS`` digits as a
@@ -36,6 +44,8 @@ from typing import Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import TP_STYLES
+from autoshard.ir.plan_format import PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS, TOP_KEYS
+from autoshard.ir.topology import Cluster
 
 _PATH = re.compile(r"[\w\-]+(\.[\w\-]+)*")
 _HEX = re.compile(r"[0-9a-f]{1,64}")
@@ -47,6 +57,7 @@ MAX_COUNT = 2**40
 MAX_SIZE = 2**60
 MAX_AMOUNT = 1e30
 MAX_JSON_DIGITS = 30
+_MISSING = object()
 
 
 class HugeNumber:
@@ -66,54 +77,106 @@ def bounded_json_int(text: str) -> int | HugeNumber:
 
 
 def check_plan_dict(d: dict[str, Any]) -> None:
-    """Raise ``AutoshardError`` naming the first field of ``d`` that a plan cannot have (module doc)."""
-    from autoshard.ir.plan import PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES
-    from autoshard.ir.topology import Cluster
-
+    """Raise ``AutoshardError`` naming the first field of ``d`` (version 1 or 2) that a plan cannot have
+    (module doc)."""
+    f = _Fields(d)
     _check_model(_mapping(d, "model"))
     cluster = Cluster.from_dict(_mapping(d, "cluster"), where="plan field 'cluster'")
     _name(cluster.name, "cluster.name")
     for key in ("global_batch", "microbatch_size", "num_microbatches"):
-        _count(_get(d, key), key)
-    _choice(_get(d, "zero_stage"), "zero_stage", (0, 1, 2, 3))
-    _choice(_get(d, "recompute"), "recompute", PLAN_RECOMPUTE)
-    for key, mode in _mapping(d, "recompute_blocks", {}).items():
-        _path(key, "recompute_blocks")
-        _choice(mode, f"recompute_blocks.{key}", RECOMPUTE_MODES)
-    _choice(_get(d, "schedule"), "schedule", SCHEDULES)
-    world = _check_mesh(_mapping(d, "mesh"), "mesh")
+        _count(f.get(key), f.path(key))
+    _choice(f.get("zero_stage"), f.path("zero_stage"), (0, 1, 2, 3))
+    _choice(f.get("recompute"), f.path("recompute"), PLAN_RECOMPUTE)
+    for key, mode in f.get_mapping("recompute_blocks", {}).items():
+        _path(key, f.path("recompute_blocks"))
+        _choice(mode, f"{f.path('recompute_blocks')}.{key}", RECOMPUTE_MODES)
+    _choice(f.get("schedule"), f.path("schedule"), SCHEDULES)
+    world = _check_mesh(f.get_mapping("mesh"), f.path("mesh"))
     if world > cluster.world_size:
-        raise AutoshardError(f"plan field 'mesh' needs {world} ranks but the plan's cluster has "
+        raise AutoshardError(f"plan field '{f.path('mesh')}' needs {world} ranks but the plan's cluster has "
                              f"{cluster.world_size} devices; {FIX}")
-    _check_stages(_list(d, "stages"), world)
-    for key, value in _mapping(d, "tensor_parallel").items():
-        _path(key, "tensor_parallel")
-        _choice(value, f"tensor_parallel.{key}", tuple(TP_STYLES))
-    _check_predicted(_mapping(d, "predicted"), "predicted")
-    for i, alt in enumerate(_list(d, "alternatives")):
-        _check_alternative(alt, f"alternatives[{i}]", PLAN_RECOMPUTE, SCHEDULES)
-    _check_optional(d)
+    _check_stages(f.get_list("stages"), world, f.path("stages"))
+    for key, value in f.get_mapping("tensor_parallel").items():
+        _path(key, f.path("tensor_parallel"))
+        _choice(value, f"{f.path('tensor_parallel')}.{key}", tuple(TP_STYLES))
+    _check_predicted(f.get_mapping("predicted"), f.path("predicted"))
+    for i, alt in enumerate(f.get_list("alternatives")):
+        _check_alternative(alt, f"{f.path('alternatives')}[{i}]", PLAN_RECOMPUTE, SCHEDULES)
+    _check_optional(f)
 
 
-def _check_optional(d: dict[str, Any]) -> None:
+class _Fields:
+    """A plan document's fields by their flat name, each read from its section (version 2) or from the top
+    (version 1, or a field such as ``global_batch`` that has no section), and named by its path there."""
+
+    def __init__(self, d: dict[str, Any]):
+        self._at: dict[str, tuple[dict[str, Any], str]] = {}  # flat key -> (the mapping holding it, its path)
+        if d.get("version") != 1:
+            _check_sections(d)
+        for key, section in SECTION_OF.items():
+            self._at[key] = (d, "") if d.get("version") == 1 else (d[section], section)
+        self._top = d
+
+    def _where(self, key: str) -> tuple[dict[str, Any], str]:
+        return self._at.get(key, (self._top, ""))
+
+    def path(self, key: str) -> str:
+        section = self._where(key)[1]
+        return f"{section}.{key}" if section else key
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        mapping, section = self._where(key)
+        return _get(mapping, key, default, where=section)
+
+    def get_mapping(self, key: str, default: Any = _MISSING) -> dict[str, Any]:
+        mapping, section = self._where(key)
+        return _mapping(mapping, key, default, where=section)
+
+    def get_list(self, key: str, default: Any = _MISSING) -> list[Any]:
+        mapping, section = self._where(key)
+        return _list(mapping, key, default, where=section)
+
+
+def _check_sections(d: dict[str, Any]) -> None:
+    """Version 2's structure: known top-level keys only, every section present, a mapping of its own keys."""
+    _unknown_keys(d, TOP_KEYS, "plan", "a version 2 plan holds " + ", ".join(TOP_KEYS))
+    for section, keys in SECTIONS.items():
+        _unknown_keys(_mapping(d, section), keys, f"plan field '{section}'",
+                      f"'{section}' holds " + ", ".join(keys))
+
+
+def _unknown_keys(d: dict[str, Any], known: tuple[str, ...], what: str, holds: str) -> None:
+    unknown = sorted(str(k) for k in d if k not in known)
+    if not unknown:
+        return
+    key = unknown[0]
+    if key in SECTION_OF or key in TOP_KEYS:  # a field of another section, or a version 1 key
+        home = f"'{SECTION_OF[key]}'" if key in SECTION_OF else "the top of the plan"
+        raise AutoshardError(f"{what} has an unknown key {_SHORT.repr(key)}, which belongs in {home} in version 2; "
+                             f"move it there or re-create the plan with `autoshard plan`")
+    raise AutoshardError(f"{what} has an unknown key {_SHORT.repr(key)} ({holds}); remove it or re-create the "
+                         f"plan with `autoshard plan`")
+
+
+def _check_optional(f: _Fields) -> None:
     for key in ("blocks", "split_points"):
-        for i, path in enumerate(_list(d, key, [])):
-            _path(path, f"{key}[{i}]")
-    for key, reason in _mapping(d, "tensor_parallel_reasons", {}).items():
-        _path(key, "tensor_parallel_reasons")
-        _string(reason, f"tensor_parallel_reasons.{key}")
-    _count(_get(d, "virtual_stages", 1), "virtual_stages")
-    bucket = _number(_get(d, "ddp_bucket_cap_mb", 25.0), "ddp_bucket_cap_mb")
+        for i, path in enumerate(f.get_list(key, [])):
+            _path(path, f"{f.path(key)}[{i}]")
+    for key, reason in f.get_mapping("tensor_parallel_reasons", {}).items():
+        _path(key, f.path("tensor_parallel_reasons"))
+        _string(reason, f"{f.path('tensor_parallel_reasons')}.{key}")
+    _count(f.get("virtual_stages", 1), f.path("virtual_stages"))
+    bucket = _number(f.get("ddp_bucket_cap_mb", 25.0), f.path("ddp_bucket_cap_mb"))
     if bucket <= 0:
-        _fail("ddp_bucket_cap_mb", "a number > 0", bucket)
-    _name(_get(d, "precision", "fp32"), "precision")
-    for i, name in enumerate(_list(d, "pinned", [])):
-        _name(name, f"pinned[{i}]")
-    for i, note in enumerate(_list(d, "notes", [])):
-        _string(note, f"notes[{i}]")
-    for key, value in _mapping(d, "search", {}).items():
+        _fail(f.path("ddp_bucket_cap_mb"), "a number > 0", bucket)
+    _name(f.get("precision", "fp32"), f.path("precision"))
+    for i, name in enumerate(f.get_list("pinned", [])):
+        _name(name, f"{f.path('pinned')}[{i}]")
+    for i, note in enumerate(f.get_list("notes", [])):
+        _string(note, f"{f.path('notes')}[{i}]")
+    for key, value in f.get_mapping("search", {}).items():
         if not isinstance(value, bool):
-            _number(value, f"search.{key}")
+            _number(value, f"{f.path('search')}.{key}")
 
 
 def _check_model(m: dict[str, Any]) -> None:
@@ -137,15 +200,19 @@ def _check_model(m: dict[str, Any]) -> None:
 
 
 def _check_mesh(mesh: dict[str, Any], where: str) -> int:
+    unknown = sorted(str(k) for k in mesh if k not in ("dp", "tp", "pp"))
+    if unknown:
+        raise AutoshardError(f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; a mesh has only "
+                             f"dp, tp and pp; remove it or re-create the plan with `autoshard plan`")
     world = 1
     for axis in ("dp", "tp", "pp"):
         world *= _count(_get(mesh, axis, where=where), f"{where}.{axis}")
     return world
 
 
-def _check_stages(stages: list[Any], world: int) -> None:
+def _check_stages(stages: list[Any], world: int, field: str) -> None:
     for i, stage in enumerate(stages):
-        where = f"stages[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(stage, dict):
             _fail(where, "a mapping of index, modules, ranks", stage)
         _size(_get(stage, "index", where=where), f"{where}.index")
@@ -169,6 +236,10 @@ def _check_predicted(p: dict[str, Any], where: str) -> None:
         _amount(p["comm_total_s"], f"{where}.comm_total_s")
     _size(_get(p, "memory_peak_bytes_per_rank", where=where), f"{where}.memory_peak_bytes_per_rank")
     memory = _mapping(p, "memory", where=where)
+    unknown = sorted(str(k) for k in memory if k not in _MEMORY_PARTS)
+    if unknown:
+        raise AutoshardError(f"plan field '{where}.memory' has an unknown key {_SHORT.repr(unknown[0])}; "
+                             f"re-create the plan with `autoshard plan`")
     for key in _MEMORY_PARTS:
         _size(_get(memory, key, where=f"{where}.memory"), f"{where}.memory.{key}")
 
@@ -188,7 +259,6 @@ def _check_alternative(a: Any, where: str, recompute_modes: tuple[str, ...], sch
 
 # ---------------------------------------------------------------------------- one field
 
-_MISSING = object()
 
 
 def _get(d: dict[str, Any], key: str, default: Any = _MISSING, where: str = "") -> Any:
