@@ -97,8 +97,20 @@ def run_stages(pipe, ids):
     return torch.fx.Interpreter(pipe.split_gm).run(ids)
 
 
-def run(case, modes: dict[str, str]):
-    """(loss, {name: gradient}, wrapped blocks per stage, forward bytes left for backward, stage modules)."""
+CASES = {"gpt": gpt_case, "llama": llama_case}
+_RUNS: dict[tuple, tuple] = {}
+
+
+def run(name: str, modes: dict[str, str]):
+    """(loss, {name: gradient}, wrapped blocks per stage, forward bytes left for backward, stage modules),
+    once per (model, modes) in this module."""
+    key = (name, tuple(sorted(modes.items())))
+    if key not in _RUNS:
+        _RUNS[key] = _run(CASES[name](), modes)
+    return _RUNS[key]
+
+
+def _run(case, modes: dict[str, str]):
     build, ids, targets, split, loss_fn = case
     torch.manual_seed(0)
     pipe = split_model(build(), (ids,), split)
@@ -123,18 +135,18 @@ def assert_same(reference, other):
         assert grad is not None and torch.equal(grad, other[1][name]), name
 
 
-@pytest.fixture(scope="module", params=["gpt", "llama"])
+@pytest.fixture(params=sorted(CASES))
 def case(request):
-    return gpt_case() if request.param == "gpt" else llama_case()
+    return request.param
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def baseline(case):
     return run(case, {})
 
 
-def blocks_of(case) -> list[str]:
-    return GPT_BLOCKS if case[3] == ["h.2"] else LLAMA_BLOCKS
+def blocks_of(case: str) -> list[str]:
+    return GPT_BLOCKS if case == "gpt" else LLAMA_BLOCKS
 
 
 @pytest.mark.parametrize("mode", ["full", "selective", "mixed"])
@@ -163,9 +175,8 @@ def test_state_is_unchanged(case, baseline):
 
 
 def test_dropout_is_on():
-    case = gpt_case()
-    first = run(case, {})[0]
-    build, ids, targets, split, loss_fn = case
+    first = run("gpt", {})[0]
+    build, ids, targets, split, loss_fn = gpt_case()
     torch.manual_seed(0)
     pipe = split_model(build(), (ids,), split)
     torch.manual_seed(2)
