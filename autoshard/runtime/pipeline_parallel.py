@@ -34,7 +34,7 @@ decoder embeddings), and ``full_state_dict`` lists every alias the model's ``sta
 embedding stage); ``drop_unused_state`` removes such leftovers so no stale copy is trained or
 gathered.
 
-DP × PP. ``apply_fsdp_to_stages`` puts FSDP2 ``fully_shard`` on each stage module over the dp
+DP × PP. ``runtime.parallel.apply_fsdp`` puts FSDP2 ``fully_shard`` on each stage module over the dp
 sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselves
 (``perform_reduce_grad``), and tied copies are summed shard by shard (every copy is sharded the
 same way over dp).
@@ -49,7 +49,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint,
                                           pipeline)
 from torch.distributed.pipelining._IR import Pipe
@@ -297,17 +296,6 @@ def _holders_group(holders: list[int], pp_size: int, pp_group):
         return pp_group
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else list(range(pp_size))
     return dist.new_group([pp_ranks[r] for r in holders], use_local_synchronization=True)
-
-
-def apply_fsdp_to_stages(parts: PipelineStages, dp_mesh, reshard_after_forward: bool = True) -> PipelineStages:
-    """DP × PP: FSDP2 ``fully_shard`` on each stage module over the dp sub-mesh (torchtitan's way).
-
-    The schedule drives FSDP itself: no gradient sync until the last micro-batch's backward,
-    then ``perform_reduce_grad`` runs the post-backward reduce-scatter (mean over dp).
-    """
-    for module in parts.modules:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    return parts
 
 
 def build_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable, schedule: str):

@@ -51,7 +51,7 @@ def main() -> None:
                                      args.virtual_stages, ctx.device, mesh.get_group("pp"))
     del model  # the stages hold what this rank needs
     if args.dp > 1:
-        pp.apply_fsdp_to_stages(parts, mesh["dp"])
+        runtime.apply_fsdp(parts, mesh["dp"])  # each stage module one FSDP2 unit
     optimizer = torch.optim.AdamW(parts.parameters(), lr=args.lr)
     schedule = pp.build_schedule(parts, args.microbatches, model_file.loss, args.schedule)
 
