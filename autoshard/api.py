@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autoshard.cost.hardware import load_cluster
+from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.topology import Cluster
 from autoshard.passes.lower import lower
@@ -22,8 +24,6 @@ def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8
     (dp, tp, pp, zero, microbatch_size, recompute, schedule); ``fold=False`` exports every repeated
     layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's ``search`` gives the gap);
     ``cache=False`` captures the model even when the capture cache has it (``passes.capture_cache``)."""
-    from autoshard.cost.hardware import load_cluster
-
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
     return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s, cache))
@@ -34,9 +34,6 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
     microbatch_size, recompute, schedule). It is priced like ``plan`` prices it (a fitting one is
     the same plan) and returned even when it does not fit (its ``notes`` say by how much)."""
-    from autoshard.cost.hardware import load_cluster
-    from autoshard.errors import AutoshardError
-
     missing = [name for name in Pins.__dataclass_fields__ if pins.get(name) is None]
     if missing:
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
@@ -52,9 +49,7 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     global batch, in ``plan.num_microbatches`` micro-batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard import runtime
-
-    from autoshard.errors import AutoshardError
+    from autoshard import runtime  # torch
 
     if not isinstance(plan, Plan):
         plan = load_plan(plan)

@@ -66,6 +66,7 @@ from autoshard.cost.hardware import PRESETS, host_memory_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
 from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
+from autoshard.launch import MAX_LOCAL_CPU_RANKS
 from autoshard.model_probes import ProfileRequest, measure_model, model_profile
 
 KIB, MIB = 2**10, 2**20
@@ -207,8 +208,6 @@ def resolve_ranks(devices_per_node: int | None) -> tuple[int, str]:
 
 def _check_ranks(ranks: int, backend: str) -> None:
     import torch
-
-    from autoshard.launch import MAX_LOCAL_CPU_RANKS
 
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise AutoshardError(f"--devices-per-node {ranks!r} must be a positive integer; fix: pass e.g. 2")

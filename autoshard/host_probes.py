@@ -39,8 +39,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoshard.cost import comm
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
+from autoshard.cost.units import node_forward_s
 from autoshard.ir.topology import Cluster, HostOverheads
+from autoshard.passes.annotate import annotate
 
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
@@ -238,10 +241,7 @@ def probe_counts(cluster: Cluster) -> ProbeCounts:
     """Capture the probe like a user's model and count its ops (module doc)."""
     import torch
 
-    from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
-    from autoshard.cost.units import node_forward_s
-    from autoshard.passes.annotate import annotate
-    from autoshard.passes.capture import capture_module
+    from autoshard.passes.capture import capture_module  # torch
 
     with torch.device("meta"):
         model = probe_model()

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.cost.schedule import bubble_fraction, format_grid, rank_orders, simulate
-
+from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, Predicted
 
 MIB = 2**20
@@ -180,8 +180,7 @@ SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "d
 def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, float]:
     """The plan's symbolic cost (``cost.symbolic``) at its own point with ``values`` changed, plus
     throughput and MFU; one-line errors for plans without it or with a damaged one."""
-    from autoshard.cost.symbolic import evaluate
-    from autoshard.errors import AutoshardError
+    from autoshard.cost.symbolic import evaluate  # sympy: loaded when a plan's figures are asked for
 
     if not plan.symbolic:
         raise AutoshardError("this plan has no symbolic cost (made before autoshard stored one); "
@@ -343,8 +342,6 @@ def predicted_diff_table(a: Plan, b: Plan, names: tuple[str, str]) -> Table:
 def _fine_parts(a: Plan, b: Plan) -> list[tuple[tuple[float, float], str]]:
     """The parts of compute (5) then of exposed communication (3), where both plans carry their
     symbolic cost (``cost.symbolic``); none for older plans or a damaged field (the sums still show)."""
-    from autoshard.errors import AutoshardError
-
     if not (a.symbolic and b.symbolic):
         return []
     try:

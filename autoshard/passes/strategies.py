@@ -30,6 +30,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
 from autoshard.ir.topology import Cluster
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
+from autoshard.passes.tensor_parallel import check_divisibility
 
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
@@ -164,8 +165,6 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
 def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
     """The pins that need the captured graph: heads divisible by tp, at most one stage per block."""
     if pins.tp is not None and pins.tp not in legal_tp_degrees(graph, cluster):
-        from autoshard.passes.tensor_parallel import check_divisibility
-
         legal = ", ".join(map(str, legal_tp_degrees(graph, cluster)))
         raise AutoshardError(f"--tp {pins.tp} cannot split this model: {'; '.join(check_divisibility(graph, pins.tp))}; "
                              f"use --tp in {legal}")
@@ -199,8 +198,6 @@ def divisors(n: int) -> list[int]:
 
 def legal_tp_degrees(graph: OpGraph, cluster: Cluster) -> list[int]:
     """tp that divides devices_per_node and the world, and splits every attention's heads."""
-    from autoshard.passes.tensor_parallel import check_divisibility
-
     return [t for t in divisors(cluster.devices_per_node)
             if cluster.world_size % t == 0 and not check_divisibility(graph, t)]
 
