@@ -76,7 +76,7 @@ from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, block_saved_
 from autoshard.cost.parts import StepParts
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, sharded_nodes, splits_param
+from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, sharded_nodes, splits_param, tp_activation_fraction
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
@@ -201,7 +201,7 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
         "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (DP if z >= 1 else 1), point),
     }
     beta = shares.outside_blocks
-    kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * (10 + 24 / TP) / 34
+    kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * tp_activation_fraction(TP)
     e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
                                     in_flight(point) * MB * kept / PP)
     if z < 2:

@@ -39,9 +39,9 @@ a bound on how far the plan can be from the optimum.
 
 Ties on T break on lower peak memory, then lower ZeRO stage, larger micro-batch, less
 recompute, the simpler mesh (smaller tp, then smaller pp) and schedule (``_rank``), so the same
-inputs always give the same plan. Per-(b, r) unit costs, TP layouts (solved once per (tp, b), ``passes.tp_layout``, and handed to
-the cost tables) and stage cuts are cached in ``CostTables`` and shared by every candidate that
-needs them.
+inputs always give the same plan. Per-(b, r) unit costs, TP layouts (solved once per (tp, b) by
+``passes.tp_layout`` and handed to the cost tables) and stage cuts are cached in ``CostTables``
+and shared by every candidate that needs them.
 
 **Review.** Besides the candidates priced on the way, the lowest-bound candidate of up to
 MESH_RIVALS meshes that pruning skipped is priced too (``mesh_rivals``): ``alternatives`` keeps
