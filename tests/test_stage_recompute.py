@@ -359,3 +359,15 @@ def test_tight_memory_plans_recompute_inside_pipeline_stages():
     assert any("does not fit" in note for note in _estimate(TIGHT, plan, "none").notes)
     without = autoshard.plan(GPT_FILE, cluster=TIGHT, global_batch=8, recompute="none")
     assert plan.predicted.step_time_s < without.predicted.step_time_s, (plan.mesh, without.mesh)
+
+
+def test_second_application_is_refused():
+    module, _, _ = flat_gpt()
+    apply_recompute_to_stage(module, {"h.1": "full"})
+    with pytest.raises(AutoshardError, match="already recomputed"):
+        apply_recompute_to_stage(module, {"h.1": "selective"})
+    case = gpt_case()
+    pipe = split_model(case[0](), (case[1],), case[3])
+    apply_recompute_to_stage(pipe.split_gm.submod_pp_0, {"h.0": "full"})
+    with pytest.raises(AutoshardError, match="already recomputed"):
+        apply_recompute_to_stage(pipe.split_gm.submod_pp_0, {"h.0": "full"})

@@ -35,8 +35,8 @@ masks because checkpoint restores the RNG state it saved before the forward (``p
 
 **Refused** (``AutoshardError``, one line): a region that is not contiguous, holds a placeholder,
 an output, a module call (flat case) or an op that mutates its inputs (a buffer update such as
-BatchNorm's running statistics would run twice), a block called more than once, and an unknown
-mode. A block with no node and no state in the stage is another stage's: skipped.
+BatchNorm's running statistics would run twice), a block called more than once, a block already
+recomputed (a second application), and an unknown mode. A block with no node and no state in the stage is another stage's: skipped.
 
 TP stages (``tensor_parallel_stages``): the collectives are custom ops, plain calls in the
 graph; full recompute reruns ``tp_reduce``/``tp_gather`` (Megatron's full recompute repeats the
@@ -61,6 +61,8 @@ from autoshard.runtime.selective import SAVE_IN_SELECTIVE
 from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noqa: F401  (registers the ops)
 
 RECOMPUTE_IN_STAGE = ("selective", "full")
+OUTLINED_PREFIX = "_recompute_"  # the child holding an outlined region: _recompute_h_2 for block h.2
+OUTLINED_META = "autoshard_recompute_block"  # on the get_attr of an outlined region: the block's path
 # (input, weight, bias, running_mean, running_var, training | use_input_stats, ...): they write the running
 # statistics in training mode though their schemas mark no argument as written.
 RUNNING_STATS_OPS = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
@@ -114,6 +116,9 @@ def _graph_owners(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _wrap_block(stage_module: nn.Module, path: str, mode: str) -> bool:
     owners = _graph_owners(stage_module)
+    if any(_wrapped_path(prefix, node) == path for prefix, owner in owners for node in owner.graph.nodes):
+        raise AutoshardError(f"recompute: block {path} is already recomputed in this pipeline stage; "
+                             f"apply recompute to a stage once")
     calls = [(owner, node) for prefix, owner in owners for node in owner.graph.nodes
              if node.op == "call_module" and _block_target(prefix, node.target, path)]
     if len(calls) > 1 or any("@" in node.target for _, node in calls):
@@ -138,8 +143,20 @@ def _wrap_block(stage_module: nn.Module, path: str, mode: str) -> bool:
 
 
 def _block_target(prefix: str, target: str, path: str) -> bool:
-    full = f"{prefix}.{target}" if prefix else target
-    return full == path or full.split("@")[0] == path
+    """Whether a call_module target names block ``path`` (unflatten names a second call ``path@1``)."""
+    return _join(prefix, target).split("@")[0] == path
+
+
+def _wrapped_path(prefix: str, node: torch.fx.Node) -> str | None:
+    """The block a ``checkpointed_call`` node runs (its module, or its outlined ``_recompute_`` graph)."""
+    if node.op != "call_function" or node.target is not checkpointed_call:
+        return None
+    module_ref = node.args[0]
+    return module_ref.meta.get(OUTLINED_META, _join(prefix, module_ref.target))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _nodes_of(graph: torch.fx.Graph, path: str) -> list[torch.fx.Node]:
@@ -214,11 +231,12 @@ def _outline(owner: nn.Module, nodes: list[torch.fx.Node], path: str, mode: str)
     for n in region:
         env[n] = sub.node_copy(n, lambda arg: env[arg])
     sub.output(tuple(env[n] for n in outputs))
-    name = "_recompute_" + path.replace(".", "_")
+    name = OUTLINED_PREFIX + path.replace(".", "_")
     owner.register_module(name, torch.fx.GraphModule(nn.Module(), sub))
     graph = owner.graph
     with graph.inserting_after(region[-1]):
         module_ref = graph.get_attr(name)
+    module_ref.meta[OUTLINED_META] = path
     with graph.inserting_after(module_ref):
         call = graph.call_function(checkpointed_call, (module_ref, mode, *inputs))
     last = call
