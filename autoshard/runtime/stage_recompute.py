@@ -13,7 +13,9 @@ and leave the graph calling the old names. So the graph is rewritten instead.
    ``h.2`` in the stage's own graph, Llama's ``layers.2`` in the graph of ``model``). That node
    is the region; it is contiguous and self-contained by construction. It becomes
    ``checkpointed_call(<the block module, by get_attr>, r, *args, **kwargs)``: the module stays
-   where it is, owning its parameters under their original names.
+   where it is, owning its parameters under their original names. (``nn_module_stack`` survives
+   the split on the ops inside each unflattened module, but the ``call_module`` node of a block
+   carries none: the call is found by its target.)
 2. *Flat nodes* (a graph that was not unflattened, e.g. ``torch.export.export(...).module()``): the
    nodes whose ``meta["nn_module_stack"]`` (export's record of the module calls a node ran
    inside) lists p. They must form one contiguous run of the graph's order (``get_attr`` reads
@@ -36,7 +38,8 @@ masks because checkpoint restores the RNG state it saved before the forward (``p
 **Refused** (``AutoshardError``, one line): a region that is not contiguous, holds a placeholder,
 an output, a module call (flat case) or an op that mutates its inputs (a buffer update such as
 BatchNorm's running statistics would run twice), a block called more than once, a block already
-recomputed (a second application), and an unknown mode. A block with no node and no state in the stage is another stage's: skipped.
+recomputed (a second application), and an unknown mode. A block with no node and no state in the
+stage is another stage's: skipped.
 
 TP stages (``tensor_parallel_stages``): the collectives are custom ops, plain calls in the
 graph; full recompute reruns ``tp_reduce``/``tp_gather`` (Megatron's full recompute repeats the
