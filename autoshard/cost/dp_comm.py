@@ -49,6 +49,8 @@ BUCKET_CAP_CHOICES_MB = (1.0, 5.0, 25.0, 100.0)  # DDP bucket sizes the cost mod
 
 @dataclass(frozen=True)
 class CommTime:
+    """Seconds of a step's collectives: all of them, and the part no compute hides."""
+
     total_s: float
     exposed_s: float
 

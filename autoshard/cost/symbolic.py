@@ -201,7 +201,8 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
         "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (DP if z >= 1 else 1), point),
     }
     beta = shares.outside_blocks
-    kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * tp_activation_fraction(TP)
+    kept = (sympy.Integer(1) if point.recompute == "full"
+            else _number(beta) + _number(1 - beta) * tp_activation_fraction(TP))
     e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
                                     in_flight(point) * MB * kept / PP)
     if z < 2:

@@ -109,6 +109,7 @@ class CostTables:
         return LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
 
     def has_tp_layout(self, tp: int, microbatch_size: int) -> bool:
+        """Whether a layout for (tp, b) was handed in."""
         return (tp, microbatch_size) in self._tp
 
     def add_tp_layout(self, choice: TPChoice, microbatch_size: int) -> TPCost:
