@@ -73,7 +73,11 @@ def llama_case():
 
 
 class LiveStorages(TorchDispatchMode):
-    """Weak references to every storage an op makes; ``bytes_alive`` sums those still alive."""
+    """Weak references to every storage an op makes; ``bytes_alive`` sums those still alive.
+
+    Measured this way rather than with ``saved_tensors_hooks``: inside a checkpointed region
+    checkpoint's own hooks (and selective recompute's cache) hold what is kept, out of an outer
+    hook's sight, so the outer hook would see full and selective alike."""
 
     def __init__(self):
         super().__init__()
