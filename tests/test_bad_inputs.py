@@ -187,7 +187,7 @@ def test_failed_command_leaves_an_existing_output_untouched(in_repo, capsys, tmp
     kept_program.write_text("# my edited program\n")
     tampered = tmp_path / "tampered.json"
     data = json.loads(good_plan.read_text())
-    data["mesh"]["dp"] = "two"
+    data["decisions"]["mesh"]["dp"] = "two"
     tampered.write_text(json.dumps(data))
     for argv in (plan_args(B + "syntax_error.py:build", "-o", str(kept_plan)),
                  cluster_args(B + "negative_bandwidth.yaml", "-o", str(kept_plan)),
@@ -224,32 +224,34 @@ TAMPERED = [  # (what is done to a real plan's JSON, message)
     ("text: [1, 2, 3]", "a plan is a JSON object"),
     ("text: " + "[" * 50000 + "]" * 50000, "JSON nested too deeply"),
     ("bytes", "cannot read the plan"),
-    (_set(["version"], 2), "plan version 2, this autoshard reads version 1"),
+    (_set(["version"], 3), "plan version 3, this autoshard reads versions 1 and 2"),
     (_set(["version"], True), "plan version True"),
-    (_delete(["mesh"]), "plan field 'mesh' is missing"),
-    (_set(["mesh", "dp"], "two"), "plan field 'mesh.dp' must be an integer >= 1, got 'two'"),
-    (_set(["mesh", "sp"], 2), "plan field 'mesh' has an unknown key 'sp'"),
-    (_set(["mesh"], {"dp": 64, "tp": 1, "pp": 1}), "needs 64 ranks but the plan's cluster has 2 devices"),
-    (_set(["zero_stage"], 7), "plan field 'zero_stage' must be one of 0, 1, 2, 3, got 7"),
-    (_set(["schedule"], "zigzag"), "plan field 'schedule' must be one of"),
+    (_delete(["decisions", "mesh"]), "plan field 'decisions.mesh' is missing"),
+    (_set(["decisions", "mesh", "dp"], "two"), "plan field 'decisions.mesh.dp' must be an integer >= 1, got 'two'"),
+    (_set(["decisions", "mesh", "sp"], 2), "plan field 'decisions.mesh' has an unknown key 'sp'"),
+    (_set(["decisions", "mesh"], {"dp": 64, "tp": 1, "pp": 1}), "needs 64 ranks but the plan's cluster has 2 devices"),
+    (_set(["decisions", "zero_stage"], 7), "plan field 'decisions.zero_stage' must be one of 0, 1, 2, 3, got 7"),
+    (_set(["decisions", "schedule"], "zigzag"), "plan field 'decisions.schedule' must be one of"),
     (_set(["global_batch"], 10), "not the global batch 10"),
-    (_set(["microbatch_size"], 0), "plan field 'microbatch_size' must be an integer >= 1"),
+    (_set(["decisions", "microbatch_size"], 0), "plan field 'decisions.microbatch_size' must be an integer >= 1"),
     (_delete(["model", "hash"]), "plan field 'model.hash' is missing"),
     (_set(["model", "spec"], 5), "plan field 'model.spec' must be a printable name"),
     (_set(["model", "params"], "many"), "plan field 'model.params' must be an integer >= 0"),
     (_set(["model", "file_sha256"], "0" * 63), "plan field 'model.file_sha256' must be 64 lowercase hexadecimal"),
     (_set(["model", "tokens_per_sample"], "1; import os"), "model.tokens_per_sample' must be an integer >= 1"),
-    (_set(["blocks"], ["h.0{__import__('os').getpid()}"]), "plan field 'blocks[0]' must be a module path"),
+    (_set(["layout", "blocks"], ["h.0{__import__('os').getpid()}"]), "plan field 'layout.blocks[0]' must be a module path"),
     (_set(["cluster", "name"], 'x"""\nimport os\n"""'), "plan field 'cluster.name' must be a printable name"),
     (_set(["cluster", "nodes"], 0), "nodes must be > 0, got 0"),
     (_set(["cluster"], []), "plan field 'cluster' must be a mapping"),
-    (_set(["tensor_parallel"], {"0.fc1": "diagonal"}), "tensor_parallel.0.fc1' must be one of colwise"),
-    (_set(["stages"], [{"index": 0, "modules": ["0"], "ranks": [0, 5]}]), "a rank below the mesh's 2"),
+    (_set(["layout", "tensor_parallel"], {"0.fc1": "diagonal"}), "layout.tensor_parallel.0.fc1' must be one of colwise"),
+    (_set(["layout", "stages"], [{"index": 0, "modules": ["0"], "ranks": [0, 5]}]), "a rank below the mesh's 2"),
     (_set(["predicted"], None), "plan field 'predicted' must be a mapping, got None"),
     (_set(["predicted", "step_time_s"], -1.0), "predicted.step_time_s' must be a number >= 0"),
-    (_set(["ddp_bucket_cap_mb"], "nan"), "ddp_bucket_cap_mb' must be a finite number"),
-    (_set(["alternatives"], [None]), "plan field 'alternatives[0]' must be a mapping"),
-    (_set(["notes"], "not a list"), "plan field 'notes' must be a list"),
+    (_set(["decisions", "ddp_bucket_cap_mb"], "nan"), "decisions.ddp_bucket_cap_mb' must be a finite number"),
+    (_set(["review", "alternatives"], [None]), "plan field 'review.alternatives[0]' must be a mapping"),
+    (_set(["review", "notes"], "not a list"), "plan field 'review.notes' must be a list"),
+    (_set(["review", "colour"], 1), "plan field 'review' has an unknown key 'colour'"),
+    (_set(["zero_stage"], 3), "plan has an unknown key 'zero_stage', which belongs in 'decisions' in version 2"),
 ]
 
 

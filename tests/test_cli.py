@@ -22,15 +22,17 @@ def test_plan_json_has_design_keys_and_is_deterministic(in_repo, capsys, tmp_pat
     code, out, _ = run_cli(capsys, *args, "--json")
     assert code == 0
     plan = json.loads(out)
-    for key in ("version", "model", "cluster", "global_batch", "mesh", "zero_stage", "microbatch_size",
-                "num_microbatches", "schedule", "recompute", "stages", "tensor_parallel", "predicted", "alternatives"):
-        assert key in plan
+    assert list(plan) == ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
+                          "provenance"]
+    for key in ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "recompute"):
+        assert key in plan["decisions"]
+    assert "stages" in plan["layout"] and "tensor_parallel" in plan["layout"] and "alternatives" in plan["review"]
     for key in ("spec", "hash", "params", "layers"):
         assert key in plan["model"]
     for key in ("step_time_s", "compute_s", "comm_exposed_s", "bubble_s", "memory_peak_bytes_per_rank",
                 "tokens_per_s", "mfu"):
         assert key in plan["predicted"]
-    assert plan["model"]["layers"] == 4 and plan["mesh"]["dp"] == 2
+    assert plan["model"]["layers"] == 4 and plan["decisions"]["mesh"]["dp"] == 2
     run_cli(capsys, *args, "-o", str(tmp_path / "a.json"))
     run_cli(capsys, *args, "-o", str(tmp_path / "b.json"))
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
@@ -42,8 +44,10 @@ def test_pins_are_honoured(in_repo, capsys):
                            "--global-batch", "8", "--zero", "3", "--microbatch-size", "2", "--recompute", "full",
                            "--json")
     plan = json.loads(out)
-    assert (plan["zero_stage"], plan["microbatch_size"], plan["num_microbatches"], plan["recompute"]) == (3, 2, 2, "full")
-    assert sorted(plan["pinned"]) == ["microbatch_size", "recompute", "zero"]
+    decisions = plan["decisions"]
+    assert (decisions["zero_stage"], decisions["microbatch_size"], decisions["num_microbatches"],
+            decisions["recompute"]) == (3, 2, 2, "full")
+    assert sorted(plan["provenance"]["pinned"]) == ["microbatch_size", "recompute", "zero"]
 
 
 def test_inspect_and_compile(in_repo, capsys, tmp_path):

@@ -38,15 +38,16 @@ def test_estimate_is_plan_with_everything_pinned(in_repo, capsys):
     code, planned, _ = run_cli(capsys, "plan", GPT, *CLUSTER, *PINS, "--schedule", "none", "--json")
     assert code == 0 and estimated == planned
     plan = json.loads(estimated)
-    assert (plan["mesh"], plan["zero_stage"], plan["recompute"], plan["schedule"]) == \
+    decisions = plan["decisions"]
+    assert (decisions["mesh"], decisions["zero_stage"], decisions["recompute"], decisions["schedule"]) == \
         ({"dp": 4, "tp": 1, "pp": 1}, 1, "selective", "none")
-    assert plan["alternatives"] == [] and len(plan["pinned"]) == 7
+    assert plan["review"]["alternatives"] == [] and len(plan["provenance"]["pinned"]) == 7
 
 
 def test_estimate_prints_tables_and_writes(in_repo, capsys, two_plans, tmp_path):
     code, out, _ = run_cli(capsys, "estimate", GPT, *CLUSTER, *PINS, "-o", str(tmp_path / "e.json"))
     assert code == 0 and "Time per step" in out and f"plan written to {tmp_path / 'e.json'}" in out
-    assert json.loads((tmp_path / "e.json").read_text())["symbolic"]["symbols"]["dp"] == 4
+    assert json.loads((tmp_path / "e.json").read_text())["review"]["symbolic"]["symbols"]["dp"] == 4
 
 
 @pytest.mark.parametrize("drop, named", [
@@ -76,7 +77,7 @@ def test_estimate_that_does_not_fit_still_reports(in_repo, capsys, tmp_path):
     assert code == 0 and "Memory per rank" in out
     assert err.startswith("warning: does not fit:") and "GiB over the" in err and err.count("\n") == 1
     plan = json.loads(out_file.read_text())
-    assert any(n.startswith("does not fit:") for n in plan["notes"])
+    assert any(n.startswith("does not fit:") for n in plan["review"]["notes"])
     assert plan["predicted"]["memory_peak_bytes_per_rank"] > plan["cluster"]["device"]["memory_bytes"]
 
 

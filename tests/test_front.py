@@ -55,7 +55,7 @@ def test_the_planning_process_imports_torch_only_when_it_captures_itself(tmp_pat
         print("torch" in sys.modules, code, file=sys.stderr)
     """, tmp_path, ahead)
     assert proc.stderr.strip().splitlines()[-1] == f"{not ahead} 0", proc.stderr
-    assert json.loads(proc.stdout)["mesh"]["dp"] == 2
+    assert json.loads(proc.stdout)["decisions"]["mesh"]["dp"] == 2
 
 
 def test_the_child_fills_the_capture_cache_and_answers_from_it(tmp_path):

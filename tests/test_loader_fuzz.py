@@ -28,6 +28,7 @@ from autoshard.cli import main
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
+from autoshard.ir.plan_format import flatten
 from autoshard.passes.codegen import emit_program
 from autoshard.show import render_plan
 
@@ -55,6 +56,11 @@ def base_plan() -> dict:
         os.chdir(cwd)
     assert plan.tensor_parallel
     return json.loads(plan.to_json())
+
+
+def base_plan_v1() -> dict:
+    """The same plan in the flat layout of version 1 (still read)."""
+    return {**flatten(json.loads(json.dumps(base_plan()))), "version": 1}
 
 
 def base_cluster() -> dict:
@@ -143,6 +149,7 @@ def mutated(draw, make_base, max_edits: int = 3):
 def plan_documents():
     return st.one_of(
         mutated(lambda: json.loads(json.dumps(base_plan()))).map(lambda d: json.dumps(d, allow_nan=True)),
+        mutated(base_plan_v1).map(lambda d: json.dumps(d, allow_nan=True)),
         st.text(max_size=200),
         st.builds(lambda d: json.dumps(d), st.dictionaries(st.sampled_from(sorted(base_plan())), JSON_VALUES)),
     )
@@ -175,6 +182,7 @@ def check_plan_text(text: str) -> Plan | None:
 
 def test_base_plan_loads():
     assert check_plan_text(json.dumps(base_plan())) is not None
+    assert check_plan_text(json.dumps(base_plan_v1())).to_json() == json.dumps(base_plan(), indent=2) + "\n"
 
 
 @fuzz(300)
@@ -188,11 +196,11 @@ def _edited(path: tuple, value) -> str:
 
 
 @pytest.mark.parametrize("path, value", [
-    (("alternatives", 0, "why_not"), "[/]"),  # rich markup in prose: shown as text, not parsed
-    (("tensor_parallel_reasons",), {"h.0": "[/x] [bold]"}),
-    (("notes",), ["[red]x"]),
+    (("review", "alternatives", 0, "why_not"), "[/]"),  # rich markup in prose: shown as text, not parsed
+    (("review", "tensor_parallel_reasons"), {"h.0": "[/x] [bold]"}),
+    (("review", "notes"), ["[red]x"]),
     (("model", "spec"), "examples/gpt.py:build x"),
-    (("ddp_bucket_cap_mb",), 1e-300),
+    (("decisions", "ddp_bucket_cap_mb"), 1e-300),
 ])
 def test_plan_edits_that_load_still_render_and_compile(path, value):
     assert check_plan_text(_edited(path, value)) is not None
@@ -257,7 +265,7 @@ def test_plan_with_fuzzed_cluster_file_is_a_plan_or_one_line(in_repo, capsys, te
     if code == 2:
         assert err.startswith("error: ") and err.count("\n") == 1
     else:
-        assert json.loads(out)["version"] == 1
+        assert json.loads(out)["version"] == 2
 
 
 # ---------------------------------------------------------------------------- symbolic expressions
@@ -269,7 +277,7 @@ EXPRESSION_TOKENS = st.sampled_from(
 
 
 def plan_expressions() -> list[str]:
-    symbolic = base_plan()["symbolic"]
+    symbolic = base_plan()["review"]["symbolic"]
     return [symbolic["step_time_s"], symbolic["memory_peak_bytes"], symbolic["model_flops_per_sample"],
             *symbolic["parts"].values(), *symbolic["memory"].values()]
 
@@ -304,7 +312,7 @@ def test_expressions_evaluate_or_raise_value_error(text, values):
     """Whatever the string: a finite float or a ValueError naming the problem, never anything else."""
     from autoshard.cost.symbolic import evaluate_expression
 
-    point = {**base_plan()["symbolic"]["symbols"], **values}
+    point = {**base_plan()["review"]["symbolic"]["symbols"], **values}
     try:
         result = evaluate_expression(text, point)
     except ValueError as exc:
@@ -320,7 +328,7 @@ def test_expressions_evaluate_or_raise_value_error(text, values):
        st.sampled_from(["global_batch=16", "seq_len=4096", "dp=1", "global_batch=1099511627776"]))
 def test_inspect_what_if_with_fuzzed_expression_is_a_table_or_one_line(capsys, text, where, what_if):
     data = json.loads(json.dumps(base_plan()))
-    target = data["symbolic"]
+    target = data["review"]["symbolic"]
     *parents, key = where.split(".")
     for parent in parents:
         target = target[parent]
@@ -424,7 +432,7 @@ def test_plan_output_never_replaces_an_input_nor_leaves_a_temporary(capsys, kind
     else:
         assert added <= {"missing", f"missing/{name}"}, added  # the output, and nothing temporary
         written = Path(output)
-        assert json.loads(written.read_text())["version"] == 1
+        assert json.loads(written.read_text())["version"] == 2
 
 
 @pytest.mark.timeout(120)

@@ -67,7 +67,7 @@ def test_json_stays_pure_when_the_model_prints(tmp_path, capfd):
     assert main(["plan", spec, *PLAN, "--json"]) == 0
     out, err = capfd.readouterr()
     plan = json.loads(out)  # nothing but the JSON
-    assert plan["mesh"]
+    assert plan["decisions"]["mesh"]
     for where in ("import", "build", "forward"):
         assert f"hello from {where}" in err
 
@@ -123,18 +123,18 @@ def plans(tmp_path_factory):
 
 
 def _rename_first_tp(doc):
-    first = sorted(doc["tensor_parallel"])[0]
-    doc["tensor_parallel"]["h.0.attn.nope"] = doc["tensor_parallel"].pop(first)
+    first = sorted(doc["layout"]["tensor_parallel"])[0]
+    doc["layout"]["tensor_parallel"]["h.0.attn.nope"] = doc["layout"]["tensor_parallel"].pop(first)
     return "h.0.attn.nope", "tensor_parallel"
 
 
 def _rename_stage_module(doc):
-    doc["stages"][1]["modules"][0] = "h.77"
+    doc["layout"]["stages"][1]["modules"][0] = "h.77"
     return "h.77", "stage 1"
 
 
 def _rename_split_point(doc):
-    doc["split_points"][0] = "blocks.3"
+    doc["layout"]["split_points"][0] = "blocks.3"
     return "blocks.3", "split_points"
 
 

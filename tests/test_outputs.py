@@ -153,9 +153,9 @@ MESSAGES = [  # said as what they are
     (["plan", "needs_argument.py:build", *LOCAL, "-o", "p.json"], "the factory build() needs the argument(s) width"),
     (["plan", "package.py:build", *LOCAL, "-o", "p.json"], "model file 'package.py' is a folder, not a file"),
     (["plan", "notes.txt:build", *LOCAL, "-o", "p.json"], "model file 'notes.txt' is not a Python file"),
-    (["inspect", "mesh_key.json"], "plan field 'mesh' has an unknown key 'sp'"),
+    (["inspect", "mesh_key.json"], "plan field 'decisions.mesh' has an unknown key 'sp'"),
     (["compile", "mesh_key.json", "-o", "train.py"], "a mesh has only dp, tp and pp"),
-    (["inspect", "alt_mesh_key.json"], "plan field 'alternatives[].mesh' has an unknown key 'ep'"),
+    (["inspect", "alt_mesh_key.json"], "plan field 'review.alternatives[0].mesh' has an unknown key 'ep'"),
     (["inspect", "memory_key.json"], "plan field 'predicted.memory' has an unknown key 'vram'"),
 ]
 
@@ -179,8 +179,8 @@ def _prepare(folder: Path) -> None:
         "import torch\n\ndef build(width):\n    return torch.nn.Linear(width, width)\n\n"
         "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n")
     data = json.loads((folder / "plan.json").read_text())
-    for name, edit in (("mesh_key", lambda d: d["mesh"].update(sp=2)),
-                       ("alt_mesh_key", lambda d: [a["mesh"].update(ep=2) for a in d["alternatives"]]),
+    for name, edit in (("mesh_key", lambda d: d["decisions"]["mesh"].update(sp=2)),
+                       ("alt_mesh_key", lambda d: [a["mesh"].update(ep=2) for a in d["review"]["alternatives"]]),
                        ("memory_key", lambda d: d["predicted"]["memory"].update(vram=1))):
         changed = json.loads(json.dumps(data))
         edit(changed)
@@ -199,7 +199,7 @@ def test_refused_in_one_line_and_nothing_changes(capsys, work, argv, message):
 
 def test_the_plan_has_alternatives_to_tamper_with(planned):
     """alt_mesh_key.json above edits every alternative's mesh: there must be some."""
-    assert json.loads((planned / "plan.json").read_text())["alternatives"]
+    assert json.loads((planned / "plan.json").read_text())["review"]["alternatives"]
 
 
 # ---------------------------------------------------------------------------- the plan's model file

@@ -42,9 +42,9 @@ def test_inspect_names_the_blocks_per_mode(mixed_plan, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(recompute_blocks={}), "mixed plan gives every block"),
-    (lambda d: d["recompute_blocks"].update({"h.0": "sometimes"}), "recompute_blocks.h.0"),
-    (lambda d: d.update(recompute="none"), "mixed plan gives every block"),
+    (lambda d: d["decisions"].update(recompute_blocks={}), "mixed plan gives every block"),
+    (lambda d: d["decisions"]["recompute_blocks"].update({"h.0": "sometimes"}), "decisions.recompute_blocks.h.0"),
+    (lambda d: d["decisions"].update(recompute="none"), "mixed plan gives every block"),
 ])
 def test_tampered_mixed_plans_are_refused(mixed_plan, change, message):
     import json

@@ -186,7 +186,7 @@ def test_a_cluster_at_the_device_limit_plans(in_repo, capsys, tmp_path):
     code, _, err = run_cli(capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", str(MAX_DEVICES // 8),
                                     "--global-batch", str(MAX_DEVICES), "-o", str(out)])
     assert code == 0, err
-    mesh = json.loads(out.read_text())["mesh"]
+    mesh = json.loads(out.read_text())["decisions"]["mesh"]
     assert mesh["dp"] * mesh["tp"] * mesh["pp"] == MAX_DEVICES
     code, _, err = run_cli(capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", str(MAX_DEVICES // 8 + 1),
                                     "--global-batch", "8", "-o", str(tmp_path / "other.json")])
@@ -255,9 +255,9 @@ PLAN_NUMBERS = [  # (edit of the plan's JSON text or dict, message)
     (("global_batch", "7" * 5000), "'global_batch' must be an integer >= 1, got <a number of 5000 digits>"),
     (("step_time_s", "1" * 400 + ".5"), "'predicted.step_time_s' must be a finite number, got inf"),
     (_set(["model", "params"], 2**61), "'model.params' must be an integer of at most 2^60"),
-    (_set(["num_microbatches"], 2**41), "'num_microbatches' must be an integer of at most 2^40"),
+    (_set(["decisions", "num_microbatches"], 2**41), "'decisions.num_microbatches' must be an integer of at most 2^40"),
     (_set(["predicted", "tokens_per_s"], 1e300), "'predicted.tokens_per_s' must be a number of at most 1e30"),
-    (_set(["search", "candidates"], 10**40), "'search.candidates' must be a finite number, got <a number of 41"),
+    (_set(["review", "search", "candidates"], 10**40), "'review.search.candidates' must be a finite number, got <a number of 41"),
     (_set(["cluster", "intra_node", "latency_us"], 1e300), "intra_node.latency_us must be between 0 and 1e+07"),
     (_set(["cluster", "device", "peak_tflops"], 1e-300), "device.peak_tflops must be between 0.001 and 1e+06"),
 ]
@@ -317,7 +317,7 @@ EXPRESSIONS = [  # (the step time's expression, message): inspect --what-if
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("expression, message", EXPRESSIONS, ids=[m[:40] for _, m in EXPRESSIONS])
 def test_hostile_expression_is_one_line(in_repo, capsys, tmp_path, good_plan, expression, message):
-    plan = _write(good_plan, _set(["symbolic", "step_time_s"], expression), tmp_path / "plan.json")
+    plan = _write(good_plan, _set(["review", "symbolic", "step_time_s"], expression), tmp_path / "plan.json")
     code, out, err = run_cli(capsys, ["inspect", str(plan), "--what-if", "global_batch=16"])
     assert_one_line_exit_2(code, out, err, message)
     assert "symbolic cost is damaged" in err and "autoshard plan" in err
@@ -333,7 +333,7 @@ def test_hostile_expression_is_one_line(in_repo, capsys, tmp_path, good_plan, ex
 ])
 def test_damaged_symbols_are_one_line(in_repo, capsys, tmp_path, good_plan, symbols, message):
     data = copy.deepcopy(good_plan)
-    data["symbolic"]["symbols"].update(symbols)
+    data["review"]["symbolic"]["symbols"].update(symbols)
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(data))
     code, out, err = run_cli(capsys, ["inspect", str(plan), "--what-if", "dp=1"])
@@ -355,7 +355,7 @@ def test_what_if_values_beyond_the_bound_are_one_line(in_repo, capsys, tmp_path,
 
 def test_float_evaluation_agrees_with_sympy(good_plan):
     """The bounded evaluator gives sympy's figures (to rounding) on every expression of a real plan."""
-    symbolic = good_plan["symbolic"]
+    symbolic = good_plan["review"]["symbolic"]
     texts = [symbolic["step_time_s"], symbolic["memory_peak_bytes"], symbolic["model_flops_per_sample"],
              *symbolic["parts"].values(), *symbolic["memory"].values()]
     for point in ({}, {"B": 64, "s": 32}, {"dp": 1, "tp": 2, "pp": 2, "b": 2}):

@@ -21,6 +21,7 @@ import torch.nn as nn
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
+from autoshard.ir.plan_format import flatten
 from autoshard.passes.codegen import emit_program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,20 +67,28 @@ def test_inspect_never_runs_the_model_file(marker_plan, capsys):
 
 
 def test_plan_json_with_code_in_it_is_only_data(tmp_path):
-    """Keys and strings that look like code are read as data: ignored where unknown, refused where they reach a program."""
+    """Keys and strings that look like code are read as data: ignored where unknown in a version 1 file,
+    refused in one line where unknown in version 2, refused where they reach a program."""
     marker = tmp_path / "ran.txt"
     code = f"__import__('pathlib').Path({str(marker)!r}).write_text('ran')"
     plan = _real_plan_dict()
-    plan["__reduce__"] = ["os.system", [f"touch {marker}"]]
-    plan["py/object"] = code
-    plan["notes"] = [code, "!!python/object/apply:os.system ['true']"]
+    plan["review"]["notes"] = [code, "!!python/object/apply:os.system ['true']"]
     loaded = Plan.from_json(json.dumps(plan))
     assert loaded.notes[0] == code
     source = emit_program(loaded)
     compile(source, "train.py", "exec")
     assert code not in source and not marker.exists()
-    for field, value in ((("model", "spec"), f"x.py:build'); {code}; ('"), (("blocks",), [f"h.{{{code}}}.0"]),
-                         (("model", "tokens_per_sample"), f"1; {code}"), (("tensor_parallel",), {f'h"; {code}; "': "colwise"})):
+    version_1 = {**flatten(plan), "version": 1, "__reduce__": ["os.system", [f"touch {marker}"]], "py/object": code}
+    assert Plan.from_json(json.dumps(version_1)) == loaded
+    for section in (None, "decisions", "layout", "review", "provenance"):
+        tampered = json.loads(json.dumps(plan))
+        (tampered[section] if section else tampered)["__reduce__"] = ["os.system", [f"touch {marker}"]]
+        with pytest.raises(AutoshardError, match="unknown key '__reduce__'") as refused:
+            Plan.from_json(json.dumps(tampered))
+        assert "\n" not in str(refused.value)
+    for field, value in ((("model", "spec"), f"x.py:build'); {code}; ('"), (("layout", "blocks"), [f"h.{{{code}}}.0"]),
+                         (("model", "tokens_per_sample"), f"1; {code}"),
+                         (("layout", "tensor_parallel"), {f'h"; {code}; "': "colwise"})):
         tampered = json.loads(json.dumps(plan))
         target = tampered
         for key in field[:-1]:

@@ -248,7 +248,8 @@ def test_cli_refuses_recompute_in_pipeline_in_one_line(in_repo, capsys):
 def test_cli_plans_gpt_on_two_local_devices(in_repo, capsys):
     code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "16", "--json"])
     out, _ = capsys.readouterr()
-    assert code == 0 and json.loads(out)["mesh"]["dp"] * json.loads(out)["mesh"]["tp"] * json.loads(out)["mesh"]["pp"] == 2
+    mesh = json.loads(out)["decisions"]["mesh"]
+    assert code == 0 and mesh["dp"] * mesh["tp"] * mesh["pp"] == 2
 
 
 # ---------------------------------------------------------------------------- a model DP alone cannot hold
@@ -293,6 +294,6 @@ def test_tp_plans_do_not_depend_on_the_hash_seed(in_repo, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", GPT, "--cluster", FAST_LINK,
                                "--devices-per-node", "2", "--global-batch", "8", "--tp", "2", "--json"],
                               capture_output=True, text=True, env=env, check=True)
-        assert json.loads(proc.stdout)["tensor_parallel_reasons"]
+        assert json.loads(proc.stdout)["review"]["tensor_parallel_reasons"]
         outputs.add(proc.stdout)
     assert len(outputs) == 1

@@ -50,8 +50,8 @@ def test_the_planner_never_proposes_the_cut(in_repo, capsys):
     code = main([*PLAN, "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert plan["mesh"]["pp"] == 1 and plan["split_points"] == []
-    assert all(alt["mesh"]["pp"] == 1 for alt in plan["alternatives"])
+    assert plan["decisions"]["mesh"]["pp"] == 1 and plan["layout"]["split_points"] == []
+    assert all(alt["mesh"]["pp"] == 1 for alt in plan["review"]["alternatives"])
 
 
 def test_a_no_grad_region_reading_weights_keeps_the_model_in_one_stage(in_repo, capsys):

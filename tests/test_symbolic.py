@@ -181,7 +181,7 @@ def test_round_trip_and_no_code_runs():
 
 def test_old_plans_load_and_what_if_says_re_plan(in_repo, capsys, saved, tmp_path):
     data = json.loads(Path(saved["ddp"]).read_text())
-    del data["symbolic"]
+    del data["review"]["symbolic"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
     assert load_plan(old).symbolic == {}
@@ -193,7 +193,7 @@ def test_old_plans_load_and_what_if_says_re_plan(in_repo, capsys, saved, tmp_pat
 
 def test_tampered_expression_is_one_line(in_repo, capsys, saved, tmp_path):
     data = json.loads(Path(saved["ddp"]).read_text())
-    data["symbolic"]["parts"]["forward_s"] = "__import__('os').system('echo pwned')"
+    data["review"]["symbolic"]["parts"]["forward_s"] = "__import__('os').system('echo pwned')"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
     code, out, err = run_cli(capsys, "inspect", str(bad), "--what-if", "dp=1")
