@@ -51,6 +51,11 @@ def test_round_trip_is_byte_identical(tmp_path):
         {"decisions": DECISIONS, "layout": LAYOUT, "review": REVIEW, "provenance": ["pinned"]}
 
 
+def test_every_plan_field_has_its_place_in_the_json():
+    placed = {k for k in TOP_KEYS if k not in SECTIONS} | {k for keys in SECTIONS.values() for k in keys}
+    assert {f.name for f in fields(Plan)} == placed
+
+
 def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
     text = GOLDEN_V1.read_text()
     assert json.loads(text)["version"] == 1 and "zero_stage" in json.loads(text)

@@ -27,8 +27,9 @@ never code in the emitted program:
 
 In version 2 every section is a mapping and an unknown key at the top or in ``decisions``,
 ``layout``, ``review`` or ``provenance`` is refused (a key edited into the wrong place would
-otherwise change nothing), as is one in a mesh or in ``predicted.memory``; version 1 files keep
-today's rule: unknown top-level keys are ignored.
+otherwise change nothing), as is one in a mesh or in ``predicted.memory``; in a version 1 file an
+unknown top-level key is ignored, as it always was.
+
 Every number is bounded so that no reader overflows (``float(10**400)``) or meets Python's
 limit on converting integers of 4,300+ digits to text: the JSON is read with ``parse_int=
 bounded_json_int``, which keeps an integer of more than ``MAX_JSON_DIGITS`` digits as a
