@@ -1,6 +1,5 @@
 """DCP checkpoints: a run stopped and resumed matches an uninterrupted run bit for bit."""
 
-import functools
 import json
 import shutil
 
@@ -8,18 +7,11 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.launch import run_torchrun, write_program
+from autoshard.launch import write_program
 from autoshard.runtime.checkpoint import latest
+from e2e.ckpt_driver import ROOT, job, run_jobs
 
 pytestmark = pytest.mark.e2e
-
-
-def train_ranks(program, tmp_path, name, steps, *extra, ranks):
-    out = tmp_path / name
-    proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), *extra], quiet=True)
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    return json.loads((out / "metrics.json").read_text())["losses"], torch.load(out / "params.pt", weights_only=True)
-
 
 GPT, GPT2 = "examples/gpt.py:build", "tests/models/hf_gpt2.py:build"
 CASES = {  # name: (model, cluster, ranks, pins)
@@ -32,25 +24,60 @@ CASES = {  # name: (model, cluster, ranks, pins)
 }
 
 
+def stop_and_resume(cases, root, ranks, one_launch=False):
+    """Per case, an uninterrupted run of 4 steps with checkpoints at steps 2 and 4, and a run of 4 steps
+    that finds only a copy of the step-2 checkpoint (as if the job had stopped after step 2): two runs,
+    not three, as the uninterrupted one keeps its step-2 checkpoint. Every case's uninterrupted run in
+    one launch, then every resumed run in a second launch (each resumes in a process of its own); with
+    ``one_launch``, the resumed runs follow in the same launch (a fresh program, model and optimizer)."""
+    plans, full, resumed = {}, [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        for case in cases:
+            model, cluster, _, pins = CASES[case]
+            plans[case] = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+            program = write_program(plans[case], root / case / "train.py")
+            ckpt, stopped = root / case / "ckpt", root / case / "stopped"
+            full.append(job(program, "--steps", 4, "--metrics-out", root / case / "full", "--checkpoint-dir", ckpt,
+                            "--checkpoint-every", 2))
+            copy = (ckpt / "step-00000002", stopped / "step-00000002")
+            resumed.append(job(program, "--steps", 4, "--metrics-out", root / case / "resumed", "--checkpoint-dir",
+                               stopped, "--checkpoint-every", 2, copy=copy if one_launch else None))
+        if one_launch:
+            run_jobs(ranks, full + resumed, root)
+        else:
+            run_jobs(ranks, full, root)
+            for case in cases:
+                shutil.copytree(root / case / "ckpt" / "step-00000002", root / case / "stopped" / "step-00000002")
+            run_jobs(ranks, resumed, root)
+    return {case: (plans[case], root / case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    return stop_and_resume(sorted(c for c in CASES if CASES[c][2] == 2), tmp_path_factory.mktemp("ranks2"), 2)
+
+
+def metrics(out):
+    return json.loads((out / "metrics.json").read_text())["losses"], torch.load(out / "params.pt", weights_only=True)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_is_bit_exact(in_repo, tmp_path, case):
-    model, cluster, ranks, pins = CASES[case]
-    plan = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+def test_resume_is_bit_exact(request, tmp_path, case):
+    _, _, ranks, pins = CASES[case]
+    if ranks == 2:
+        runs = request.getfixturevalue("two_rank_runs")
+    else:
+        runs = stop_and_resume([case], tmp_path, ranks, one_launch=True)
+    plan, folder = runs[case]
     assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
-    program = write_program(plan, tmp_path / "train.py")
-    train = functools.partial(train_ranks, ranks=ranks)
-    # Two launches, not three: the uninterrupted run keeps its step-2 checkpoint, and a copy of it
-    # alone is what the resumed run finds (as if the job had stopped after step 2).
-    full_losses, full_params = train(program, tmp_path, "full", 4, "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                     "--checkpoint-every", "2")
-    assert [p.name for p in sorted((tmp_path / "ckpt").glob("step-*"))] == ["step-00000002", "step-00000004"]
-    shutil.copytree(tmp_path / "ckpt" / "step-00000002", tmp_path / "stopped" / "step-00000002")
-    resumed_losses, resumed_params = train(program, tmp_path, "resumed", 4, "--checkpoint-dir",
-                                           str(tmp_path / "stopped"), "--checkpoint-every", "2")
+    full_losses, full_params = metrics(folder / "full")
+    assert [p.name for p in sorted((folder / "ckpt").glob("step-*"))] == ["step-00000002", "step-00000004"]
+    resumed_losses, resumed_params = metrics(folder / "resumed")
     assert resumed_losses == full_losses[2:]  # steps 3 and 4 only: it resumed, not restarted
     for name, value in full_params.items():
         assert torch.equal(resumed_params[name], value), name
-    assert latest(tmp_path / "stopped").name == "step-00000004"
+    assert latest(folder / "stopped").name == "step-00000004"
 
 
 def test_partial_checkpoint_is_ignored(tmp_path):

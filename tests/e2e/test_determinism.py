@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.launch import run_torchrun, write_program
+from autoshard.launch import write_program
+from e2e.ckpt_driver import ROOT, job, run_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -17,23 +18,43 @@ CASES = {  # name: (ranks, pins)
 }
 
 
-def train(program, ranks, out, seed):
-    proc = run_torchrun(program, ranks, ["--steps", "3", "--seed", str(seed), "--metrics-out", str(out)], quiet=True)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per case, runs "a" and "c" (seed 0 and 1) in one launch and run "b" (seed 0 again) in another: the
+    two seed-0 runs of a case are each their launch's job at the same place, in processes of their own."""
+    root = tmp_path_factory.mktemp("determinism")
+    first, again = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        for case in sorted(CASES):
+            ranks, pins = CASES[case]
+            assert ranks == 2
+            plan = autoshard.plan(GPT, cluster="local-cpu", devices_per_node=ranks, global_batch=8, **pins)
+            program = write_program(plan, root / case / "train.py")
+            first.append(train(program, root / case / "a", seed=0))
+            again.append(train(program, root / case / "b", seed=0))
+        first += [train(j["program"], root / case / "c", seed=1) for case, j in zip(sorted(CASES), first)]
+        run_jobs(2, first, root)
+        run_jobs(2, again, root)
+    return root
+
+
+def train(program, out, seed):
+    return job(program, "--steps", 3, "--seed", seed, "--metrics-out", out)
+
+
+def metrics(out):
     losses = json.loads((out / "metrics.json").read_text())["losses"]
     return losses, torch.load(out / "params.pt", weights_only=True)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_same_plan_and_seed_give_identical_losses_and_parameters(in_repo, tmp_path, case):
-    ranks, pins = CASES[case]
-    plan = autoshard.plan(GPT, cluster="local-cpu", devices_per_node=ranks, global_batch=8, **pins)
-    program = write_program(plan, tmp_path / "train.py")
-    first_losses, first = train(program, ranks, tmp_path / "a", seed=0)
-    again_losses, again = train(program, ranks, tmp_path / "b", seed=0)
+def test_same_plan_and_seed_give_identical_losses_and_parameters(runs, case):
+    first_losses, first = metrics(runs / case / "a")
+    again_losses, again = metrics(runs / case / "b")
     assert again_losses == first_losses  # exact float equality, every step
     assert first.keys() == again.keys()
     for name, value in first.items():
         assert torch.equal(again[name], value), name
-    other_losses, _ = train(program, ranks, tmp_path / "c", seed=1)
+    other_losses, _ = metrics(runs / case / "c")
     assert other_losses != first_losses  # the seed is really what fixes the data and the weights

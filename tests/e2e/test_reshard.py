@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.launch import run_torchrun, write_program
+from autoshard.launch import write_program
 from autoshard.verify import WEIGHT_RTOL, weight_atol
+from e2e.ckpt_driver import ROOT, job, run_jobs
 
 pytestmark = pytest.mark.e2e
 
@@ -21,32 +22,59 @@ CASES = {  # name: (cluster, ranks, pins saved under), (cluster, ranks, pins res
 }
 
 
-def program(tmp_path, name, cluster, ranks, pins):
-    plan = autoshard.plan(GPT, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
-    return write_program(plan, tmp_path / f"{name}.py"), ranks
+def reshard_runs(cases, root, ranks, one_launch=False):
+    """Per case: plan a trains 2 steps (checkpoint at step 2); plan b loads a copy of that checkpoint and
+    runs no step; then each plan runs step 3 from its own copy. Every case's first run in one launch, the
+    other three (each resuming in a process that did not write the checkpoint) in a second launch; with
+    ``one_launch``, all four in one launch (each a fresh program, model and optimizer)."""
+    first, then = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        for case in cases:
+            folder = root / case
+            a, b = (write_program(autoshard.plan(GPT, cluster=cluster, devices_per_node=n, global_batch=8, **pins),
+                                  folder / f"{name}.py") for name, (cluster, n, pins) in zip("ab", CASES[case]))
+            assert all(n == ranks for _, n, _ in CASES[case])
+            first.append(train(a, folder / "a2", 2, folder / "ckpt"))
+            copy = (folder / "ckpt", folder / "ckpt_b") if one_launch else None
+            then += [train(b, folder / "b2", 2, folder / "ckpt_b", copy=copy),  # resumes at step 2, runs nothing
+                     train(a, folder / "a3", 3, folder / "ckpt"), train(b, folder / "b3", 3, folder / "ckpt_b")]
+        if one_launch:
+            run_jobs(ranks, first + then, root)
+        else:
+            run_jobs(ranks, first, root)
+            for case in cases:
+                shutil.copytree(root / case / "ckpt", root / case / "ckpt_b")
+            run_jobs(ranks, then, root)
+    return {case: root / case for case in cases}
 
 
-def train(prog, tmp_path, name, steps, ckpt):
-    path, ranks = prog
-    out = tmp_path / name
-    proc = run_torchrun(path, ranks, ["--steps", str(steps), "--lr", str(LR), "--metrics-out", str(out),
-                                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"], quiet=True)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+def train(program, out, steps, ckpt, copy=None):
+    return job(program, "--steps", steps, "--lr", LR, "--metrics-out", out, "--checkpoint-dir", ckpt,
+               "--checkpoint-every", 2, copy=copy)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    return reshard_runs(sorted(c for c in CASES if CASES[c][0][1] == 2), tmp_path_factory.mktemp("ranks2"), 2)
+
+
+def params(out):
     return torch.load(out / "params.pt", weights_only=True)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_checkpoint_resumes_under_another_plan(in_repo, tmp_path, case):
-    saved_under, resumed_under = CASES[case]
-    a, b = program(tmp_path, "a", *saved_under), program(tmp_path, "b", *resumed_under)
-    after_two = train(a, tmp_path, "a2", 2, tmp_path / "ckpt")
-    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt_b")
-    loaded = train(b, tmp_path, "b2", 2, tmp_path / "ckpt_b")  # resumes at step 2, runs nothing
+def test_checkpoint_resumes_under_another_plan(request, tmp_path, case):
+    ranks = CASES[case][0][1]
+    if ranks == 2:
+        folder = request.getfixturevalue("two_rank_runs")[case]
+    else:
+        folder = reshard_runs([case], tmp_path, ranks, one_launch=True)[case]
+    after_two, loaded = params(folder / "a2"), params(folder / "b2")
     assert loaded.keys() == after_two.keys()
     for name, value in after_two.items():
         assert torch.equal(loaded[name], value), name  # the same parameters, whatever the layout
     # one more step under each plan: equal up to reduction order only if the optimizer state moved too
-    next_a = train(a, tmp_path, "a3", 3, tmp_path / "ckpt")
-    next_b = train(b, tmp_path, "b3", 3, tmp_path / "ckpt_b")
+    next_a, next_b = params(folder / "a3"), params(folder / "b3")
     for name, value in next_a.items():
         torch.testing.assert_close(next_b[name], value, rtol=WEIGHT_RTOL, atol=weight_atol(LR), msg=name)
