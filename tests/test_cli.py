@@ -75,7 +75,6 @@ BAD = [
     (["plan", "tests/bad_models/data_dependent.py:build"], "data-dependent"),
     (["plan", GPT, "--global-batch", "7", "--dp", "2"], "not divisible by dp=2"),
     (["plan", GPT, "--cluster", "dgx-z9000"], "dgx-z9000"),
-    (["plan", GPT, "--pp", "2", "--recompute", "full"], "not supported yet"),
     (["plan", GPT, "--zero", "5"], "--zero 5"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),

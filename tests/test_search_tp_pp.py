@@ -213,7 +213,6 @@ def test_tensor_parallel_inside_pipeline_stages(gpt):
 
 REFUSED = [
     ({"tp": 3}, "must divide the 4 devices per node"),
-    ({"pp": 2, "recompute": "full"}, "inside pipeline stages is not supported yet"),
     ({"pp": 1, "schedule": "gpipe"}, "needs pipeline stages but --pp 1 is pinned"),
     ({"pp": 2, "schedule": "none"}, "pipelines need one of"),
     ({"pp": 2, "zero": 1}, "--zero 1 with tensor or pipeline parallelism"),
@@ -238,11 +237,12 @@ def test_pins_that_need_the_graph(gpt):
         plan(gpt, GPT, local(4), 16, pp=2, microbatch_size=3)
 
 
-def test_cli_refuses_recompute_in_pipeline_in_one_line(in_repo, capsys):
+def test_cli_plans_recompute_inside_pipeline_stages(in_repo, capsys):
     code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16",
-                 "--tp", "2", "--pp", "2", "--recompute", "full"])
-    _, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "drop --recompute" in err
+                 "--tp", "2", "--pp", "2", "--recompute", "full", "--json"])
+    out, _ = capsys.readouterr()
+    decisions = json.loads(out)["decisions"]
+    assert code == 0 and decisions["recompute"] == "full" and decisions["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
 
 
 def test_cli_plans_gpt_on_two_local_devices(in_repo, capsys):
