@@ -1,7 +1,6 @@
 """DCP checkpoints: a run stopped and resumed matches an uninterrupted run bit for bit."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -24,12 +23,11 @@ CASES = {  # name: (model, cluster, ranks, pins)
 }
 
 
-def stop_and_resume(cases, root, ranks, one_launch=False):
+def stop_and_resume(cases, root, ranks):
     """Per case, an uninterrupted run of 4 steps with checkpoints at steps 2 and 4, and a run of 4 steps
     that finds only a copy of the step-2 checkpoint (as if the job had stopped after step 2): two runs,
-    not three, as the uninterrupted one keeps its step-2 checkpoint. Every case's uninterrupted run in
-    one launch, then every resumed run in a second launch (each resumes in a process of its own); with
-    ``one_launch``, the resumed runs follow in the same launch (a fresh program, model and optimizer)."""
+    not three, as the uninterrupted one keeps its step-2 checkpoint. Every case's runs in one launch,
+    the uninterrupted ones first; each run is a fresh program, model and optimizer."""
     plans, full, resumed = {}, [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
@@ -40,16 +38,10 @@ def stop_and_resume(cases, root, ranks, one_launch=False):
             ckpt, stopped = root / case / "ckpt", root / case / "stopped"
             full.append(job(program, "--steps", 4, "--metrics-out", root / case / "full", "--checkpoint-dir", ckpt,
                             "--checkpoint-every", 2))
-            copy = (ckpt / "step-00000002", stopped / "step-00000002")
             resumed.append(job(program, "--steps", 4, "--metrics-out", root / case / "resumed", "--checkpoint-dir",
-                               stopped, "--checkpoint-every", 2, copy=copy if one_launch else None))
-        if one_launch:
-            run_jobs(ranks, full + resumed, root)
-        else:
-            run_jobs(ranks, full, root)
-            for case in cases:
-                shutil.copytree(root / case / "ckpt" / "step-00000002", root / case / "stopped" / "step-00000002")
-            run_jobs(ranks, resumed, root)
+                               stopped, "--checkpoint-every", 2,
+                               copy=(ckpt / "step-00000002", stopped / "step-00000002")))
+        run_jobs(ranks, full + resumed, root)
     return {case: (plans[case], root / case) for case in cases}
 
 
@@ -68,7 +60,7 @@ def test_resume_is_bit_exact(request, tmp_path, case):
     if ranks == 2:
         runs = request.getfixturevalue("two_rank_runs")
     else:
-        runs = stop_and_resume([case], tmp_path, ranks, one_launch=True)
+        runs = stop_and_resume([case], tmp_path, ranks)
     plan, folder = runs[case]
     assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
     full_losses, full_params = metrics(folder / "full")

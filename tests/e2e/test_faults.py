@@ -14,7 +14,7 @@ from autoshard.runtime.faults import INJECT_ENV
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 8
+STEPS = 6  # the restarted attempt runs 2 steps after a kill at step 4, 4 after a kill writing checkpoint 4
 ROOT = Path(__file__).resolve().parents[2]
 
 

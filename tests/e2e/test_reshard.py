@@ -1,7 +1,5 @@
 """A checkpoint saved under one plan resumes under another (DCP reshards by parameter name)."""
 
-import shutil
-
 import pytest
 import torch
 
@@ -22,11 +20,10 @@ CASES = {  # name: (cluster, ranks, pins saved under), (cluster, ranks, pins res
 }
 
 
-def reshard_runs(cases, root, ranks, one_launch=False):
+def reshard_runs(cases, root, ranks):
     """Per case: plan a trains 2 steps (checkpoint at step 2); plan b loads a copy of that checkpoint and
-    runs no step; then each plan runs step 3 from its own copy. Every case's first run in one launch, the
-    other three (each resuming in a process that did not write the checkpoint) in a second launch; with
-    ``one_launch``, all four in one launch (each a fresh program, model and optimizer)."""
+    runs no step; then each plan runs step 3 from its own copy. Every case's runs in one launch, each a
+    fresh program, model and optimizer."""
     first, then = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
@@ -36,16 +33,10 @@ def reshard_runs(cases, root, ranks, one_launch=False):
                                   folder / f"{name}.py") for name, (cluster, n, pins) in zip("ab", CASES[case]))
             assert all(n == ranks for _, n, _ in CASES[case])
             first.append(train(a, folder / "a2", 2, folder / "ckpt"))
-            copy = (folder / "ckpt", folder / "ckpt_b") if one_launch else None
-            then += [train(b, folder / "b2", 2, folder / "ckpt_b", copy=copy),  # resumes at step 2, runs nothing
+            then += [train(b, folder / "b2", 2, folder / "ckpt_b", copy=(folder / "ckpt", folder / "ckpt_b")),
+                     # b2 resumes at step 2 and runs nothing
                      train(a, folder / "a3", 3, folder / "ckpt"), train(b, folder / "b3", 3, folder / "ckpt_b")]
-        if one_launch:
-            run_jobs(ranks, first + then, root)
-        else:
-            run_jobs(ranks, first, root)
-            for case in cases:
-                shutil.copytree(root / case / "ckpt", root / case / "ckpt_b")
-            run_jobs(ranks, then, root)
+        run_jobs(ranks, first + then, root)
     return {case: root / case for case in cases}
 
 
@@ -69,7 +60,7 @@ def test_checkpoint_resumes_under_another_plan(request, tmp_path, case):
     if ranks == 2:
         folder = request.getfixturevalue("two_rank_runs")[case]
     else:
-        folder = reshard_runs([case], tmp_path, ranks, one_launch=True)[case]
+        folder = reshard_runs([case], tmp_path, ranks)[case]
     after_two, loaded = params(folder / "a2"), params(folder / "b2")
     assert loaded.keys() == after_two.keys()
     for name, value in after_two.items():
