@@ -1,7 +1,8 @@
 """The layout of ``plan.json``: its version, its sections and the names its choices may take.
 
 Pure data and dict reshaping, imported by both ``ir.plan`` (which writes and reads plans) and
-``ir.plan_schema`` (which checks them), so that neither imports the other.
+``ir.plan_schema`` (which checks them): ``ir.plan`` imports the schema, and the schema never
+imports ``ir.plan`` back.
 
 Version 2 (written) groups the plan's fields into sections, in this order::
 
