@@ -17,10 +17,6 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ir/plan.py reads its schema lazily and ir/plan_schema.py reads plan.py's vocabulary: the one cycle
-# left, until the two are split (the contract's ignore_imports names the same pair).
-ALLOWED_CYCLES = {frozenset({"autoshard.ir.plan", "autoshard.ir.plan_schema"})}
-
 
 def test_the_import_contracts_hold():
     """``lint-imports`` (import-linter) on pyproject.toml's contracts exits 0."""
@@ -30,9 +26,9 @@ def test_the_import_contracts_hold():
 
 
 def test_no_module_imports_itself_back():
-    """No cycle among the package's modules (type-only imports aside: they never run), but the one
-    allowed pair."""
+    """No cycle among the package's modules, function-local imports included (type-only imports aside:
+    they never run)."""
     graph = grimp.build_graph("autoshard", exclude_type_checking_imports=True, cache_dir=None)
     edges = nx.DiGraph((m, t) for m in graph.modules for t in graph.find_modules_directly_imported_by(m))
-    cycles = [c for c in nx.simple_cycles(edges) if frozenset(c) not in ALLOWED_CYCLES]
+    cycles = list(nx.simple_cycles(edges))
     assert not cycles, cycles[:5]
