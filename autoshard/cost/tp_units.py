@@ -57,7 +57,7 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
     With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
     recompute × their shares left per rank (``unit_tp_fractions``; selective recompute: of the
     light ops), parameters × local(u)/params(u) (sharded weights / t), a block's
-    saved activations and workspace × (10 + 24/t)/34; TP collectives of a block are its
+    saved activations (but a fully recomputed block's input, whole) and workspace × (10 + 24/t)/34; TP collectives of a block are its
     segment's, those of the ops outside blocks are split evenly over prefix and suffix. They
     sit between dependent matmuls, so they count with the compute of the unit (exposed).
     """
@@ -69,13 +69,15 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
     (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tp_activation_fraction(tp)
     share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
     blocks = [1.0] + [keep] * units.blocks + [1.0]
+    # a fully recomputed block keeps only its input, whole on every TP rank (as cost.rank_memory's SPMD peak)
+    saved = [1.0] + [1.0 if mode == "full" else keep for mode in config.block_modes(units.blocks)] + [1.0]
     sharded = replace(
         units,
         forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
         backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
         recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
-        saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, blocks)),
+        saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, saved)),
         workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
     return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
 

@@ -149,7 +149,7 @@ def _check_module(model: nn.Module, path: str, style: str) -> None:
         if not _is_conv1d(module):
             raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, not a transformers Conv1D; "
                                  f"{style} does not fit it; re-plan this model")
-    elif not isinstance(module, (nn.Linear, nn.Embedding)):
+    elif tp_style(style).shards_weight and not isinstance(module, (nn.Linear, nn.Embedding)):
         raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, not nn.Linear / nn.Embedding; "
                              f"keep it replicated")
 
