@@ -77,7 +77,7 @@ def test_cluster_file_round_trips_through_load_cluster(tmp_path):
     assert cluster.device.memory_bytes == host_memory_bytes() // 2
     assert cluster.intra_node.source.startswith("measured by autoshard calibrate --quick on ")
     assert "load 0.0 on 1 CPUs at the start" in cluster.device.source
-    assert cluster.host.shared_cores == 1.0  # 2 ranks of 1 thread on 1 CPU: they share it (cost.step)
+    assert cluster.host.shared_cores == 1.0  # 2 ranks of 1 thread on 1 CPU: they share it (cost.pipeline_step)
     assert "fit error max 0%" in cluster.intra_node.source and "not measured" in cluster.inter_node.source
     assert max(abs(e) for e in cal.roofline_errors().values()) < 0.1
     assert not list(tmp_path.glob(".*tmp"))
