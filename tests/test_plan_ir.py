@@ -9,7 +9,8 @@ import pytest
 
 from autoshard.cost.hardware import PRESETS
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import Memory, Mesh, Plan, PlanDecisions, PlanLayout, Predicted, Stage, load_plan
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.plan import Memory, Mesh, Plan, PlanLayout, Predicted, Stage, load_plan
 from autoshard.ir.plan_format import PLAN_VERSION, SECTIONS, TOP_KEYS
 from autoshard.passes.codegen import blocks_expression
 
@@ -78,13 +79,18 @@ def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
 
 def test_decisions_and_layout_are_the_flat_fields():
     plan = load_plan(GOLDEN_V1)
-    assert [f.name for f in fields(PlanDecisions)] == DECISIONS and [f.name for f in fields(PlanLayout)] == LAYOUT
-    assert plan.decisions == PlanDecisions(**{k: getattr(plan, k) for k in DECISIONS})
+    assert {f.name for f in fields(Decisions)} == set(DECISIONS) and [f.name for f in fields(PlanLayout)] == LAYOUT
+    decisions = plan.decisions
+    for name in DECISIONS:
+        if name != "recompute_blocks":
+            assert getattr(decisions, name) == getattr(plan, name), name
     assert plan.layout == PlanLayout(**{k: getattr(plan, k) for k in LAYOUT})
-    assert plan.decisions.mesh == plan.mesh and plan.decisions.zero_stage == plan.zero_stage == 1
-    plan.decisions.recompute_blocks["h.0"] = "full"  # a copy: the plan is unchanged
-    plan.layout.tensor_parallel["h.0"] = "colwise"
-    assert plan.recompute_blocks == {} and plan.tensor_parallel == {}
+    assert decisions.mesh == plan.mesh and decisions.zero_stage == plan.zero_stage == 1
+    mixed = load_plan(GOLDEN_V1.with_name("mixed_recompute.plan.json")).decisions
+    assert mixed.recompute == "mixed" and mixed.recompute_blocks == ("full", "selective", "none", "full")
+    assert mixed.block_modes(4) == mixed.recompute_blocks
+    plan.layout.tensor_parallel["h.0"] = "colwise"  # a copy: the plan is unchanged
+    assert plan.tensor_parallel == {}
     with pytest.raises(AttributeError):
         plan.decisions.zero_stage = 3  # type: ignore[misc]
 

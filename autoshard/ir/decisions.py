@@ -167,7 +167,8 @@ MIXED = "mixed"  # decisions whose blocks recompute in different modes (``Decisi
 @dataclass(frozen=True)
 class Decisions:
     """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching,
-    recompute, pipeline schedule, DDP bucket size."""
+    recompute, pipeline schedule, DDP bucket size; a plan's decisions are the same record
+    (``Plan.decisions``, with its precision)."""
 
     mesh: Mesh
     zero_stage: int
@@ -178,6 +179,7 @@ class Decisions:
     virtual_stages: int = 1
     ddp_bucket_cap_mb: float = 25.0
     recompute_blocks: tuple[str, ...] = ()  # mixed: each block's mode, in block order (passes.recompute)
+    precision: str = "fp32"  # a plan's (PRECISIONS); the search prices the cluster's (cost.tables.Runtime)
 
     @property
     def num_stages(self) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
     PLAN_VERSION,
@@ -124,22 +125,6 @@ class Alternative:
 
 
 @dataclass(frozen=True)
-class PlanDecisions:
-    """What the planner decided (``plan.json``'s ``decisions`` section, in its order): ``Plan.decisions``."""
-
-    mesh: Mesh
-    zero_stage: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int
-    recompute: str
-    recompute_blocks: dict[str, str]
-    ddp_bucket_cap_mb: float
-    precision: str
-
-
-@dataclass(frozen=True)
 class PlanLayout:
     """Where the decisions land on the model (``plan.json``'s ``layout`` section): the FSDP / recompute
     units, each module's tensor-parallel style, and the pipeline's cuts and stages: ``Plan.layout``."""
@@ -153,7 +138,8 @@ class PlanLayout:
 @dataclass(frozen=True)
 class Plan:
     """The plan, field by field. ``plan.json`` groups the fields into sections (``ir.plan_format``);
-    ``decisions`` and ``layout`` give two of them as one record each."""
+    ``decisions`` (``ir.decisions.Decisions``, the search's record) and ``layout`` give two of them as
+    one record each."""
 
     model: dict[str, Any]  # spec, hash, params, layers
     cluster: dict[str, Any]  # Cluster.to_dict()
@@ -213,9 +199,14 @@ class Plan:
         return self.mesh.world_size
 
     @property
-    def decisions(self) -> PlanDecisions:
-        """The decision fields as one record (a copy: changing it leaves the plan as it is)."""
-        return PlanDecisions(**{f.name: _copied(getattr(self, f.name)) for f in fields(PlanDecisions)})
+    def decisions(self) -> Decisions:
+        """The decision fields as one record, the search's own type (a mixed plan's per-block modes in
+        ``blocks`` order)."""
+        modes = tuple(self.recompute_blocks.get(b, "none") for b in self.blocks) if self.recompute == "mixed" else ()
+        return Decisions(mesh=self.mesh, zero_stage=self.zero_stage, microbatch_size=self.microbatch_size,
+                         num_microbatches=self.num_microbatches, recompute=self.recompute, schedule=self.schedule,
+                         virtual_stages=self.virtual_stages, ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
+                         recompute_blocks=modes, precision=self.precision)
 
     @property
     def layout(self) -> PlanLayout:
