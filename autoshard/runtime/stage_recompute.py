@@ -29,8 +29,8 @@ and leave the graph calling the old names. So the graph is rewritten instead.
 
 ``checkpointed_call`` runs the region under ``torch.utils.checkpoint.checkpoint(use_reentrant=
 False)``: full keeps only the region's inputs and reruns it in backward; selective keeps the
-outputs of ``SAVE_IN_SELECTIVE`` (matmuls, attention: the policy of ``runtime.selective``) and of
-the forward TP collectives (``tp_reduce``, ``tp_gather``: the cost model charges the repeated
+outputs of ``runtime.selective.SAVE_IN_SELECTIVE`` (matmuls, attention, and the
+forward TP collectives ``tp_reduce``, ``tp_gather``: the cost model charges the repeated
 collectives to full recompute only), and reruns the rest. Recompute reads the same inputs and runs
 the same ops, so values and gradients are bit for bit those without it; dropout draws the same
 masks because checkpoint restores the RNG state it saved before the forward (``preserve_rng_state``).
@@ -52,16 +52,14 @@ unsharded parameter objects FSDP2 refills in place.
 from __future__ import annotations
 
 import operator
-from functools import partial
 
 import torch
 import torch.fx
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.selective import SAVE_IN_SELECTIVE
-from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noqa: F401  (registers the ops)
+from autoshard.runtime.selective import selective_kwargs
 
 RECOMPUTE_IN_STAGE = ("selective", "full")
 OUTLINED_PREFIX = "_recompute_"  # the child holding an outlined region: _recompute_h_2 for block h.2
@@ -70,8 +68,6 @@ OUTLINED_META = "autoshard_recompute_block"  # on the get_attr of an outlined re
 # statistics in training mode though their schemas mark no argument as written.
 RUNNING_STATS_OPS = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
                      "cudnn_batch_norm", "miopen_batch_norm", "_native_batch_norm_legit"}
-# Forward TP collectives whose outputs selective recompute keeps (rerunning them would repeat comm).
-SAVE_COLLECTIVES = {torch.ops.autoshard.tp_reduce.default, torch.ops.autoshard.tp_gather.default}
 
 
 def apply_recompute_to_stage(stage_module: nn.Module, modes: dict[str, str]) -> list[str]:
@@ -93,19 +89,7 @@ def apply_recompute_to_stage(stage_module: nn.Module, modes: dict[str, str]) -> 
 
 def checkpointed_call(fn: nn.Module, mode: str, *args, **kwargs):
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint in ``mode`` (the call the graph makes)."""
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn(mode), **kwargs)
-
-
-def context_fn(mode: str):
-    """checkpoint's ``context_fn``: selective keeps matmul, attention and TP-collective outputs."""
-    if mode == "selective":
-        return partial(create_selective_checkpoint_contexts, selective_policy)
-    return torch.utils.checkpoint.noop_context_fn
-
-
-def selective_policy(ctx, op, *args, **kwargs):
-    keep = op in SAVE_IN_SELECTIVE or op in SAVE_COLLECTIVES
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return checkpoint(fn, *args, use_reentrant=False, **selective_kwargs(mode), **kwargs)
 
 
 # ---------------------------------------------------------------------------- finding the region
