@@ -36,7 +36,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.memory import MEGATRON_MIXED
 from autoshard.cost.parts import StepParts
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables, Runtime
@@ -49,7 +48,7 @@ from autoshard.pipeline import capture_graph
 SEQ, VOCAB = 2048, 51200
 CLUSTER = "dgx-a100-80gb"
 MODEL_FILE = ROOT / "benchmarks" / "megatron_gpt.py"
-MEGATRON_LM = Runtime(MEGATRON_MIXED, attention="materialized", p2p_scatter_gather=True)
+MEGATRON_LM = Runtime.named("megatron-lm", load_cluster(CLUSTER))
 
 
 @dataclass(frozen=True)

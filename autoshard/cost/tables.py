@@ -20,10 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.cost.compute import ATTENTION_KERNELS
-from autoshard.cost.memory import Precision, precision_for_backend, precision_for_graph
+from autoshard.cost.memory import MEGATRON_MIXED, Precision, precision_for_backend, precision_for_graph
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.tp import TPCost, price_layout
 from autoshard.cost.units import Units, node_forward_s, unit_costs
+from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.profile import ModelProfile
@@ -53,6 +54,21 @@ class Runtime:
         a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``)."""
         return cls(precision_for_graph(cluster.backend, graph) if graph is not None
                    else precision_for_backend(cluster.backend))
+
+    @classmethod
+    def named(cls, name: str, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
+        """The runtime called ``name`` (``RUNTIME_NAMES``): "autoshard" (the emitted programs,
+        ``for_cluster``) or "megatron-lm" (Megatron-LM as its SC21 / 2022 papers ran: fp16 weights
+        and gradients with fp32 Adam state, attention scores through HBM, pipeline boundaries
+        scatter-gathered over the TP ranks), to price published configurations as they were run."""
+        if name == "autoshard":
+            return cls.for_cluster(cluster, graph)
+        if name == "megatron-lm":
+            return cls(MEGATRON_MIXED, attention="materialized", p2p_scatter_gather=True)
+        raise AutoshardError(f"unknown runtime {name!r}; use one of {', '.join(RUNTIME_NAMES)}")
+
+
+RUNTIME_NAMES = ("autoshard", "megatron-lm")  # Runtime.named
 
 
 class CostTables:
