@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.plan_format import PLAN_RUNTIMES
 
 EXIT_USER_ERROR = 2
 EXIT_VERIFY_FAILED = 1
@@ -99,12 +100,12 @@ def _add_plan(sub, common) -> None:
 def _add_estimate(sub, common) -> None:
     p = sub.add_parser("estimate", parents=[common],
                        help="price a configuration fixed by hand (--dp --tp --pp --zero --microbatch-size "
-                            "--recompute --schedule all pinned)")
+                            "--recompute --schedule all pinned; --virtual-stages follows the schedule)")
     _add_plan_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
 
-ESTIMATE_PINS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule")
+PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts")
 
 
 def _add_plan_arguments(p) -> None:
@@ -117,8 +118,20 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
     for name in ("dp", "tp", "pp", "zero", "microbatch-size"):
         p.add_argument(f"--{name}", type=int, help="pin this decision")
+    p.add_argument("--dp-replicate", type=int, help="HSDP: FSDP2 shards over dp / N ranks (inside a node) and "
+                   "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="pin the pipeline stages per pp rank (V > 1: interleaved-1f1b, Megatron-LM's interleaving; "
+                        "default: the schedule's, 1 for gpipe and 1f1b)")
+    p.add_argument("--stage-cuts", metavar="even|K1,K2,...",
+                   help="pin where pipeline stages begin: 'even' (L / (pp x V) blocks each, as Megatron-LM splits "
+                        "layers) or the first block of stages 1 .. pp x V - 1 (default: the planner's cuts)")
+    p.add_argument("--runtime", choices=PLAN_RUNTIMES, default="autoshard", type=str.lower,
+                   help="price the configuration as this runtime runs it: autoshard (the emitted program, default) "
+                        "or megatron-lm (to compare with Megatron-LM's published runs; the plan still compiles "
+                        "to autoshard's program)")
     p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of three and copies "
                    "(slower on deep models; for a model whose layers differ by their index)")
     p.add_argument("--no-cache", action="store_true", help="capture the model even if the capture cache has it "
@@ -214,7 +227,8 @@ def cmd_plan(args) -> int:
         plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                         devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                         microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
-                        fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
+                        virtual_stages=args.virtual_stages, stage_cuts=args.stage_cuts, runtime=args.runtime,
+                        dp_replicate=args.dp_replicate, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
     _write_plan(plan, args)
     return 0
 
@@ -226,7 +240,8 @@ def _time_limit(value: float | None) -> float | None:
 
 
 def cmd_estimate(args) -> int:
-    """Every decision pinned (--schedule none implied for --pp 1). A configuration that does not fit is
+    """Every decision pinned (--schedule none implied for --pp 1; pins with a default, such as
+    --virtual-stages, may be left out: ``Pins.with_defaults``). A configuration that does not fit is
     still priced, printed and written, with one "warning: does not fit" line on stderr, and exits 0: the
     user asked what it costs, and "it needs 3 GiB more than the device has" is that answer (the plan's
     notes carry it too). Exit 2 stays for bad input, as everywhere."""
@@ -234,17 +249,21 @@ def cmd_estimate(args) -> int:
 
     if args.schedule is None and args.pp == 1:
         args.schedule = "none"
-    missing = [f"--{name.replace('_', '-')}" for name in ESTIMATE_PINS if getattr(args, name) is None]
-    if missing:
-        raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
-                             f"(or let `autoshard plan` choose)")
     _check_plan_output(args)
-    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):
+    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):  # before other imports
         from autoshard import api
+        from autoshard.passes.strategies import Pins
+
+        pins = {name: getattr(args, name) for name in PIN_FLAGS}
+        missing = [f"--{name.replace('_', '-')}" for name in Pins(**pins).missing_for_estimate()]
+        if missing:
+            raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
+                                 f"(or let `autoshard plan` choose)")
 
         plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                             devices_per_node=args.devices_per_node, fold=not args.no_fold, cache=not args.no_cache,
-                            **{name: getattr(args, name) for name in ESTIMATE_PINS})
+                            dp_replicate=args.dp_replicate or 1,
+                            runtime=args.runtime, **pins)
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]
     if plan.predicted.memory_peak_bytes_per_rank > device:

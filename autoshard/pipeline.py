@@ -32,12 +32,13 @@ from autoshard.cost.dp_comm import stage_ranks
 from autoshard.cost.memory import precision_for_graph
 from autoshard.cost.step import price_parts
 from autoshard.cost.symbolic import symbolic_cost
-from autoshard.cost.tables import CostTables
+from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage, model_file_sha256
+from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops
 from autoshard.passes.blocks import find_blocks
@@ -60,10 +61,17 @@ class PlanRequest:
     fold: bool = True  # capture three of the repeated layers and copy them (passes.fold); --no-fold
     time_limit_s: float | None = None  # stop the search here, reporting the optimality gap; --time-limit
     cache: bool = True  # read and write the capture cache (passes.capture_cache); --no-cache
+    runtime: str = "autoshard"  # what the cost model prices (cost.tables.Runtime.named); --runtime
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise AutoshardError(f"--global-batch {self.global_batch} must be a positive integer")
+        if self.runtime not in PLAN_RUNTIMES:
+            raise AutoshardError(f"--runtime {self.runtime} must be one of {', '.join(PLAN_RUNTIMES)}")
+
+    def cost_tables(self, graph: OpGraph) -> CostTables:
+        """The cost tables of ``graph`` priced for this request's runtime."""
+        return CostTables(graph, self.cluster, Runtime.named(self.runtime, self.cluster, graph))
 
 
 def plan_model(request: PlanRequest) -> Plan:
@@ -81,27 +89,29 @@ def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGrap
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("search", done, search, graph, request.cluster, configs, request.global_batch,
-                  request.time_limit_s, request.pins.recompute is None)
+                  request.time_limit_s, request.pins.recompute is None, request.runtime, request.pins.stage_cuts)
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
 def estimate_model(request: PlanRequest) -> Plan:
-    """The plan of the one configuration the pins fix (all of them; the CLI checks), fit or not."""
-    check_pins(request.pins, request.cluster, request.global_batch)
+    """The plan of the one configuration the pins fix (all of them, or their defaults:
+    ``Pins.with_defaults``; the CLI checks), fit or not."""
+    pins = request.pins.with_defaults()
+    check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
     model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache)
     graph = _later_graph_passes(graph, done)
-    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
-                   request.pins)
-    result = _run("price", done, price_pinned, graph, request.cluster, configs, request.global_batch)
+    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch, pins)
+    result = _run("price", done, price_pinned, request, graph, configs)
     return _run("assemble", done, assemble_plan, request, model_file, graph, result)
 
 
-def price_pinned(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int) -> SearchResult:
+def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions]) -> SearchResult:
     """Every decision pinned leaves one configuration: priced as ``search`` prices it (so a plan with the
     same pins that fits is the same plan), and kept when it does not fit."""
     assert len(configs) == 1, f"every decision pinned, yet {len(configs)} configurations"
-    best = price_config(graph, cluster, configs[0], global_batch)
+    best = price_config(graph, request.cluster, configs[0], request.global_batch, request.cost_tables(graph),
+                        request.pins.stage_cuts)
     return SearchResult(best=best, alternatives=(), report=search_report(1, 1, best, None))
 
 
@@ -142,10 +152,12 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         ddp_bucket_cap_mb=c.ddp_bucket_cap_mb,
         precision=precision_for_graph(request.cluster.backend, graph).name,  # the parameters' dtype decides
         pinned=request.pins.names,
-        notes=plan_notes(best) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
+        runtime=request.runtime,
+        notes=plan_notes(best, request.runtime) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
         symbolic=plan_symbolic(request, graph, best),
         search=dict(result.report),
         recompute_blocks=dict(zip((b.path for b in graph.blocks), c.recompute_blocks)),
+        dp_replicate=c.dp_replicate,
     )
 
 
@@ -153,7 +165,7 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     """The chosen configuration's step time and memory as expressions (``cost.symbolic``), anchored at
     its priced parts (priced again here, with the TP layout it was priced with: ``search`` keeps only
     their sums)."""
-    tables = CostTables(graph, request.cluster)
+    tables = request.cost_tables(graph)
     if best.tp_choice is not None:
         tables.add_tp_layout(best.tp_choice, best.config.microbatch_size)
     parts = price_parts(tables, best.config, best.cuts or None)
@@ -162,14 +174,21 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
 
 
-def plan_notes(best: Priced) -> tuple[str, ...]:
+def plan_notes(best: Priced, runtime: str = "autoshard") -> tuple[str, ...]:
     """What a reviewer should know that the fields do not say."""
     mesh, tp = best.config.mesh, best.tp_choice
+    notes = ()
     if tp is not None and not tp.sharded:
-        return (f"tp={mesh.tp}: the layout model keeps every module replicated on this cluster (resharding would "
-                f"cost more than it saves), so the {mesh.tp} tp ranks compute the same thing; pin --tp 1 or use "
-                f"a cluster with a faster link",)
-    return ()
+        notes += (f"tp={mesh.tp}: the layout model keeps every module replicated on this cluster (resharding would "
+                  f"cost more than it saves), so the {mesh.tp} tp ranks compute the same thing; pin --tp 1 or use "
+                  f"a cluster with a faster link",)
+    if runtime != "autoshard":
+        notes += (RUNTIME_NOTE.format(runtime=runtime),)
+    return notes
+
+
+RUNTIME_NOTE = ("priced as {runtime} runs this configuration (--runtime {runtime}), to compare with its published "
+                "runs; `autoshard compile` still emits autoshard's program, which `--runtime autoshard` prices")
 
 
 def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...]) -> tuple[Stage, ...]:

@@ -17,9 +17,10 @@ from autoshard.passes.codegen import blocks_expression
 REQUIRED_KEYS = ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
                  "provenance"]
 DECISIONS = ["mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
-             "recompute_blocks", "ddp_bucket_cap_mb", "precision"]
+             "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate"]
 LAYOUT = ["blocks", "tensor_parallel", "split_points", "stages"]
 REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search"]
+PROVENANCE = ["pinned", "runtime"]
 GOLDEN_V1 = Path(__file__).resolve().parent / "golden" / "dp_zero1.plan.json"  # a version 1 file, kept as is
 
 
@@ -47,9 +48,30 @@ def test_round_trip_is_byte_identical(tmp_path):
     doc = json.loads(plan.to_json())
     assert list(doc) == REQUIRED_KEYS == list(TOP_KEYS) and doc["version"] == PLAN_VERSION == 2
     assert (list(doc["decisions"]), list(doc["layout"]), list(doc["review"]), list(doc["provenance"])) == \
-        (DECISIONS, LAYOUT, REVIEW, ["pinned"])
+        (DECISIONS, LAYOUT, REVIEW, PROVENANCE)
     assert {k: list(v) for k, v in SECTIONS.items()} == \
-        {"decisions": DECISIONS, "layout": LAYOUT, "review": REVIEW, "provenance": ["pinned"]}
+        {"decisions": DECISIONS, "layout": LAYOUT, "review": REVIEW, "provenance": PROVENANCE}
+
+
+def test_the_runtime_that_priced_a_plan_round_trips_and_older_files_read_as_autoshard(tmp_path):
+    """provenance.runtime: what the prediction priced (``cost.tables.RUNTIME_NAMES``); a file without it
+    (written before the field, version 1 or 2) was priced for autoshard's own program."""
+    from autoshard.cost.tables import RUNTIME_NAMES
+    from autoshard.ir.plan_format import PLAN_RUNTIMES
+
+    assert PLAN_RUNTIMES == RUNTIME_NAMES
+    plan = make_plan(runtime="megatron-lm")
+    plan.save(tmp_path / "p.json")
+    again = load_plan(tmp_path / "p.json")
+    assert again.runtime == "megatron-lm" and again.to_json() == plan.to_json()
+    data = json.loads(make_plan().to_json())
+    assert data["provenance"]["runtime"] == "autoshard"
+    del data["provenance"]["runtime"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "old.json").runtime == "autoshard"
+    assert "runtime" not in json.loads(GOLDEN_V1.read_text()) and load_plan(GOLDEN_V1).runtime == "autoshard"
+    with pytest.raises(AutoshardError, match="runtime='deepspeed' must be one of autoshard, megatron-lm"):
+        make_plan(runtime="deepspeed")
 
 
 def test_every_plan_field_has_its_place_in_the_json():
@@ -121,6 +143,8 @@ def test_unknown_keys_in_a_section_refused_in_one_line(tmp_path, section):
     (lambda d: d["layout"]["stages"][0]["ranks"].append(9), "plan field 'layout.stages\\[0\\].ranks\\[2\\]' must be a rank"),
     (lambda d: d["review"]["notes"].append(3), "plan field 'review.notes\\[0\\]' must be a string"),
     (lambda d: d["provenance"]["pinned"].append("a'b"), "plan field 'provenance.pinned\\[0\\]' must be a printable"),
+    (lambda d: d["provenance"].update(runtime="deepspeed"), "plan field 'provenance.runtime' must be one of autoshard, "
+                                                            "megatron-lm, got 'deepspeed'"),
     (lambda d: d["predicted"]["memory"].update(vram=1), "plan field 'predicted.memory' has an unknown key 'vram'"),
 ])
 def test_version_2_fields_named_by_their_path(tmp_path, edit, message):

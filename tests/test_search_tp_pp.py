@@ -22,6 +22,7 @@ from autoshard.cost.units import stage_ranges, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps
 from autoshard.passes.strategies import Pins
+from autoshard.passes.lower import lower
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 GPT = "examples/gpt.py:build"
@@ -152,7 +153,7 @@ def check_pipeline(p, graph):
     for s in p.stages:
         assert s.ranks == stage_ranks(p.mesh, s.index)
     assert p.num_microbatches >= p.mesh.pp and p.recompute == "none"
-    assert p.zero_stage in ((2, 3) if p.mesh.dp > 1 else (0,))
+    assert p.zero_stage in ((0, 1, 3) if p.mesh.dp > 1 else (0,))  # ZeRO-2 runs as ZeRO-1 in a pipeline
 
 
 def test_pin_tp_2(gpt):
@@ -160,7 +161,7 @@ def test_pin_tp_2(gpt):
     assert (p.mesh.tp, p.mesh.pp, p.mesh.dp) == (2, 1, 2) and p.schedule == "none" and p.split_points == ()
     assert p.tensor_parallel["h.0.attn.q_proj"] == "colwise" and p.tensor_parallel["h.3.mlp.c_proj"] == "rowwise"
     assert "ln_f" not in p.tensor_parallel and "needs whole tensors" in p.tensor_parallel_reasons["h.0.ln_1"]
-    assert p.zero_stage in (2, 3)
+    assert p.zero_stage in (0, 1, 2, 3)
     assert p.stages[0].ranks == (0, 1, 2, 3)
 
 
@@ -215,7 +216,11 @@ REFUSED = [
     ({"tp": 3}, "must divide the 4 devices per node"),
     ({"pp": 1, "schedule": "gpipe"}, "needs pipeline stages but --pp 1 is pinned"),
     ({"pp": 2, "schedule": "none"}, "pipelines need one of"),
-    ({"pp": 2, "zero": 1}, "--zero 1 with tensor or pipeline parallelism"),
+    ({"pp": 2, "zero": 2}, "--zero 2 with pipeline stages runs as ZeRO-1"),
+    ({"dp": 1, "tp": 4, "zero": 1}, "--zero 1 with --dp 1 has nothing to shard over"),
+    ({"dp": 4, "zero": 3, "dp_replicate": 3}, "--dp-replicate 3 must divide --dp 4"),
+    ({"dp": 2, "pp": 2, "dp_replicate": 2}, "(HSDP) is planned without pipeline stages"),
+    ({"dp": 4, "zero": 1, "dp_replicate": 2}, "shards with FSDP2: pin --zero 2 or 3"),
     ({"schedule": "zigzag"}, "--schedule zigzag must be one of"),
     ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
     ({"pp": 8}, "pin degrees whose product divides 4"),
@@ -226,6 +231,45 @@ REFUSED = [
 def test_pins_outside_the_runtime_are_refused(gpt, pins, message):
     with pytest.raises(AutoshardError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan(gpt, GPT, local(4), 16, **pins)
+
+
+def test_zero0_and_zero1_beside_tp_and_pp_are_planned_and_lowered(gpt):
+    """ZeRO-0 / ZeRO-1 with tp or pp run on FSDP2's machinery (ir.decisions.DP_RUNTIMES), never DDP."""
+    for pins, op, arguments in (({"dp": 2, "tp": 2, "zero": 0}, "apply_replicate", {}),
+                                ({"dp": 2, "tp": 2, "zero": 1}, "apply_fsdp", {"sync_every_microbatch": False}),
+                                ({"dp": 2, "pp": 2, "zero": 0, "schedule": "1f1b"}, "apply_replicate", {}),
+                                ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, "apply_fsdp",
+                                 {"reshard_after_forward": False})):
+        p = plan(gpt, GPT, local(4), 16, microbatch_size=2, **pins)
+        steps = {s.op: s for s in lower(p)}
+        assert op in steps and "apply_ddp" not in steps, pins
+        assert arguments.items() <= steps[op].kwargs.items(), (pins, steps[op].kwargs)
+        assert p.predicted.comm_total_s > 0, pins
+
+
+def test_zero1_beside_tp_communicates_once_per_step_and_zero2_every_microbatch(gpt):
+    """Megatron's distributed optimizer: one gather and one reduce-scatter per step, so with m
+    micro-batches ZeRO-1 moves 1/m of ZeRO-2's dp bytes and keeps whole gradients (more memory)."""
+    one, two = (plan(gpt, GPT, local(4), 16, dp=2, tp=2, zero=z, microbatch_size=2) for z in (1, 2))
+    assert one.num_microbatches == 4
+    assert one.predicted.comm_total_s < two.predicted.comm_total_s
+    assert one.predicted.memory.grads_bytes > two.predicted.memory.grads_bytes
+
+
+def test_hsdp_is_searched_where_dp_spans_nodes_and_shards_inside_a_node(gpt):
+    """Two nodes of 2: dp = 4 may run as HSDP 2 x 2 (FSDP2 over a node's 2 ranks, all-reduce across
+    the nodes); the plan records it, the steps pass the replicas, and its state is sharded 2 ways, not 4."""
+    cluster = load_cluster("local-cpu", nodes=2, devices_per_node=2)
+    hsdp = plan(gpt, GPT, cluster, 16, dp=4, zero=3, dp_replicate=2)
+    flat = plan(gpt, GPT, cluster, 16, dp=4, zero=3, dp_replicate=1)
+    assert (hsdp.dp_replicate, flat.dp_replicate) == (2, 1)
+    fsdp = next(s for s in lower(hsdp) if s.op == "apply_fsdp")
+    assert fsdp.kwargs["replicas"] == 2 and "replicas" not in next(s for s in lower(flat) if s.op == "apply_fsdp").kwargs
+    assert hsdp.predicted.memory.optimizer_bytes == pytest.approx(2 * flat.predicted.memory.optimizer_bytes, rel=0.01)
+    unpinned = plan(gpt, GPT, cluster, 16, dp=4, zero=3)
+    assert unpinned.dp_replicate in (1, 2)
+    with pytest.raises(AutoshardError, match="HSDP"):
+        plan(gpt, GPT, local(4), 16, dp=4, zero=3, dp_replicate=2)
 
 
 def test_pins_that_need_the_graph(gpt):

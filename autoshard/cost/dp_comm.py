@@ -19,12 +19,24 @@ collective moves (copies and reductions on those cores) are never hidden; only i
 where it is issued ahead of compute: FSDP2's per-unit latencies U·C(0) hide behind the forward
 (all-gathers) and backward (reduce-scatters, ZeRO-3's re-gathers), the first unit's never.
 
+How each ZeRO stage runs is ``ir.decisions.DP_RUNTIMES``. With tp or pp, ZeRO-0 is FSDP2's
+``replicate``: one all-reduce per unit on the last micro-batch (its backward hides them as it hides
+DDP's buckets); ZeRO-1 is ``fully_shard`` with the gradients summed whole until the last micro-batch
+(Megatron's distributed optimizer): one all-gather per unit in the first forward and one
+reduce-scatter per unit in the last backward, per step rather than per micro-batch.
+
+HSDP (``Decisions.dp_replicate`` = n > 1): FSDP2 gathers and scatters over the dp_shard = dp / n
+ranks of one node, and all-reduces each unit's reduced shard (S / dp_shard bytes) over the n
+replicas, one per node (``replicate_allreduce_s``): the cross-node link carries 1 / dp_shard of
+the gradients, once per micro-batch.
+
 DP × PP (``pipeline_dp_comm``) is FSDP2 on each stage module (one unit): the stage's weights are
 gathered once and kept unsharded until the last micro-batch, gradients accumulate unsharded and
 are reduce-scattered once (``torch.distributed.pipelining`` turns resharding and gradient sync
 off until the last backward). ZeRO-2: one all-gather and one reduce-scatter per step; ZeRO-3
-gathers again around each micro-batch (2m all-gathers); DDP (ZeRO-0, Megatron-LM's
-pipelines) one all-reduce after the flush. Nothing overlaps them: exposed.
+gathers again around each micro-batch (2m all-gathers); ZeRO-1 is ZeRO-2's program (the schedule
+keeps gradients whole), ZeRO-0 (``replicate``, Megatron-LM's DDP pipelines) one all-reduce after
+the flush. Nothing overlaps them: exposed.
 """
 
 from __future__ import annotations
@@ -77,9 +89,26 @@ def dp_comm_time(graph: OpGraph, cluster: Cluster, config: Decisions, micro: Com
     if config.mesh.dp == 1:
         return CommTime(0.0, 0.0)
     params = graph.param_count / (config.mesh.tp * config.mesh.pp) if params is None else params
-    if config.zero_stage <= 1:
+    runtime = config.dp_runtime
+    if not runtime.fsdp2:
         return _ddp_comm(cluster, params, config, micro, precision, param_tensors(graph))
+    if runtime.name == "replicate":
+        return _replicate_comm(graph, cluster, params, config, micro, precision)
     return _fsdp_comm(graph, cluster, params, config, micro, precision)
+
+
+def shard_mesh(config: Decisions) -> Mesh:
+    """The mesh whose dp group is one FSDP2 shard group: dp, or HSDP's dp_shard ranks of one node."""
+    return config.mesh if config.dp_replicate == 1 else replace(config.mesh, dp=config.dp_shard)
+
+
+def replicate_allreduce_s(size_bytes: float, config: Decisions, cluster: Cluster) -> float:
+    """HSDP's all-reduce of a reduced shard over the dp_replicate replicas (one rank per node)."""
+    if config.dp_replicate == 1:
+        return 0.0
+    stride = config.dp_shard * config.mesh.tp
+    ranks = [k * stride for k in range(config.dp_replicate)]
+    return comm.allreduce_s(size_bytes, config.dp_replicate, cluster.group_link(ranks))
 
 
 def dp_collective_s(kind: str, size_bytes: float, mesh: Mesh, cluster: Cluster) -> float:
@@ -122,7 +151,7 @@ def tp_link(cluster: Cluster, tp: int) -> LinkSpec:
 
 def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Decisions, tables: CostTables | None = None) -> float:
     """The DDP bucket size (from BUCKET_CAP_CHOICES_MB) with the least exposed communication."""
-    if config.zero_stage >= 2 or config.mesh.dp == 1 or config.mesh.pp > 1:
+    if config.dp_runtime.fsdp2 or config.mesh.dp == 1 or config.mesh.pp > 1:
         return config.ddp_bucket_cap_mb
     tables = tables or CostTables(graph, cluster)
     micro, _, local = spmd_microbatch(tables, config)
@@ -171,9 +200,12 @@ def per_unit_collectives_s(kind: str, total_bytes: float, units: int, mesh: Mesh
 
 def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime,
                precision: Precision) -> CommTime:
-    mesh, units = config.mesh, max(1, len(graph.blocks)) + 1
+    """FSDP2's per-unit collectives (module doc): every micro-batch (ZeRO-2/3), or once per step
+    (ZeRO-1, gradients summed whole); HSDP over a node's dp_shard ranks plus the replicas' all-reduce."""
+    mesh, units = shard_mesh(config), max(1, len(graph.blocks)) + 1
     gather_s = per_unit_collectives_s("all_gather", params * precision.activation_bytes, units, mesh, cluster)
     scatter_s = per_unit_collectives_s("reduce_scatter", params * precision.grad_bytes, units, mesh, cluster)
+    scatter_s += units * replicate_allreduce_s(params * precision.grad_bytes / config.dp_shard / units, config, cluster)
     regather_s = gather_s if config.zero_stage == 3 else 0.0
     fwd_s, bwd_s = micro.forward_s, micro.backward_s + micro.recompute_s
     if hides_comm(cluster):
@@ -186,20 +218,31 @@ def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decision
         fwd_exposed = gather_s - gather_wait + max(gather_wait - fwd_s, gather_wait / units)
         bwd_exposed = regather_s + scatter_s - regather_wait - scatter_wait + \
             max(regather_wait + scatter_wait - bwd_s, scatter_wait / units)
-    m = config.num_microbatches
-    return CommTime(m * (gather_s + regather_s + scatter_s), m * (fwd_exposed + bwd_exposed))
+    times = config.num_microbatches if config.dp_runtime.sync_every_microbatch else 1
+    return CommTime(times * (gather_s + regather_s + scatter_s), times * (fwd_exposed + bwd_exposed))
+
+
+def _replicate_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime,
+                    precision: Precision) -> CommTime:
+    """FSDP2's ``replicate`` (ZeRO-0 with tp or pp): one all-reduce per unit in the last micro-batch's
+    backward, behind the units still to run (GPUs); on CPU ranks only their waiting hides."""
+    units = max(1, len(graph.blocks)) + 1
+    total_s = per_unit_collectives_s("allreduce", params * precision.grad_bytes, units, config.mesh, cluster)
+    bwd_s = micro.backward_s + micro.recompute_s
+    if hides_comm(cluster):
+        return CommTime(total_s, max(total_s - bwd_s, total_s / units))
+    wait_s = per_unit_collectives_s("allreduce", 0.0, units, config.mesh, cluster)
+    return CommTime(total_s, total_s - wait_s + max(wait_s - bwd_s, wait_s / units))
 
 
 def pipeline_dp_comm(cluster: Cluster, config: Decisions, params: int, precision: Precision) -> CommTime:
-    """Per stage over dp, all exposed: FSDP ZeRO-2 one gather + one scatter per step, ZeRO-3 2m gathers;
-    DDP (ZeRO-0, as Megatron-LM's pipelines) one all-reduce of the gradients after the flush,
-    ZeRO-1 that and an all-gather of the updated weights."""
+    """Per stage over dp, all exposed: FSDP2 ZeRO-1 (and 2, which runs as 1 in a pipeline) one gather
+    + one scatter per step, ZeRO-3 2m gathers; ZeRO-0 (``replicate``, as Megatron-LM's DDP pipelines)
+    one all-reduce of the gradients after the flush."""
     if config.mesh.dp == 1:
         return CommTime(0.0, 0.0)
-    if config.zero_stage <= 1:
+    if config.zero_stage == 0:
         total = dp_collective_s("allreduce", params * precision.grad_bytes, config.mesh, cluster)
-        if config.zero_stage == 1:
-            total += dp_collective_s("all_gather", params * precision.param_bytes, config.mesh, cluster)
         return CommTime(total, total)
     gather_s = dp_collective_s("all_gather", params * precision.activation_bytes, config.mesh, cluster)
     scatter_s = dp_collective_s("reduce_scatter", params * precision.grad_bytes, config.mesh, cluster)

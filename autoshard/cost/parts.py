@@ -6,7 +6,8 @@ gradient element::
     grad_accumulation = (m − 1)·3·g·Ψ_acc / W     (``grad_accumulation_s``: each micro-batch after
                         the first reads its gradients and the sum, writes the sum; Ψ_acc the rank's
                         parameters, / dp under FSDP without pipelining)
-    optimizer         = 28 bytes · Ψ_opt / W      (``optimizer_step_s``: fp32 Adam, memory-bound)
+    optimizer         = k bytes · Ψ_opt / W       (``optimizer_step_s``: fp32 Adam, memory-bound; k the
+                        runtime's ``optimizer_bytes_per_param``: 28 fused, 84 torch's foreach AdamW)
     host              = m · Σ_u host(u)  +  m · U · h_fsdp  +  T_opt · h_opt
 
 **Host** (``cluster.host``, measured by ``autoshard calibrate``; zero in the presets): the op
@@ -25,13 +26,13 @@ from dataclasses import dataclass
 
 from autoshard.cost.compute import model_flops_per_sample
 from autoshard.cost.memory import Precision
-from autoshard.cost.tables import CostTables
+from autoshard.cost.tables import ADAM_FUSED_BYTES_PER_PARAM, CostTables
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Memory, Predicted
 from autoshard.ir.topology import Cluster
 
-ADAM_BYTES_PER_PARAM = 28  # fp32 Adam step: read w, g, m, v (16 B), write w, m, v (12 B)
+ADAM_BYTES_PER_PARAM = ADAM_FUSED_BYTES_PER_PARAM  # fp32 Adam step: read w, g, m, v (16 B), write w, m, v (12 B)
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,11 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
     )
 
 
-def optimizer_step_s(local_params: float, config: Decisions, cluster: Cluster) -> float:
+def optimizer_step_s(local_params: float, config: Decisions, cluster: Cluster,
+                     bytes_per_param: int = ADAM_BYTES_PER_PARAM) -> float:
     """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
-    shards = config.mesh.dp if config.zero_stage >= 1 else 1
-    return local_params / shards * ADAM_BYTES_PER_PARAM / (cluster.device.memory_bandwidth_gbps * 1e9)
+    shards = config.dp_shard if config.zero_stage >= 1 else 1
+    return local_params / shards * bytes_per_param / (cluster.device.memory_bandwidth_gbps * 1e9)
 
 
 def param_tensors(graph: OpGraph) -> int:
@@ -100,7 +102,7 @@ def param_tensors(graph: OpGraph) -> int:
 def fsdp_host_s(cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision) -> float:
     """FSDP2's host time per micro-batch over ``units`` units holding ``params`` parameters:
     U·a + c·MiB(params) (``HostOverheads``: per unit, and per MiB copied in and out); 0 without FSDP."""
-    if config.mesh.dp == 1 or config.zero_stage < 2:
+    if config.mesh.dp == 1 or not config.dp_runtime.fsdp2:
         return 0.0
     host, z3 = cluster.host, config.zero_stage == 3
     per_unit_us = host.fsdp_unit_zero3_us if z3 else host.fsdp_unit_zero2_us
@@ -110,7 +112,7 @@ def fsdp_host_s(cluster: Cluster, config: Decisions, units: int, params: float, 
 
 def dp_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:
     """DDP's hooks on the synchronising micro-batch, and ZeroRedundancyOptimizer's step, per tensor."""
-    if config.mesh.dp == 1 or config.zero_stage >= 2:
+    if config.mesh.dp == 1 or config.dp_runtime.fsdp2:
         return 0.0
     host = cluster.host
     return tensors * (host.ddp_tensor_us + (host.zero1_tensor_us if config.zero_stage == 1 else 0.0)) * 1e-6
@@ -121,18 +123,19 @@ def optimizer_parts(tables: CostTables, config: Decisions, local_params: float, 
     share of the parameters where there is one and the parameters are plain tensors; else the
     memory-bound formula and the per-tensor loop."""
     profile, cluster = tables.profile, tables.cluster
-    sharded = config.mesh.dp > 1 and config.zero_stage >= 2
+    sharded = config.mesh.dp > 1 and config.dp_runtime.fsdp2  # DTensor parameters
     if profile is not None and profile.optimizer_s and not sharded:
         shards = config.mesh.dp if config.zero_stage == 1 else 1
         return profile.optimizer_s * local_params / tables.graph.param_count / shards, 0.0
-    return optimizer_step_s(local_params, config, cluster), optimizer_host_s(cluster, config, tensors)
+    return (optimizer_step_s(local_params, config, cluster, tables.runtime.optimizer_bytes_per_param),
+            optimizer_host_s(cluster, config, tensors))
 
 
 def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:
     """The optimizer's loop over its parameter tensors: T·h_opt (FSDP2: sharded tensors; ZeRO-1:
     each rank steps T/dp of them)."""
     host = cluster.host
-    if config.mesh.dp > 1 and config.zero_stage >= 2:
+    if config.mesh.dp > 1 and config.dp_runtime.fsdp2:
         return tensors * host.sharded_optimizer_tensor_us * 1e-6
     shards = config.mesh.dp if config.zero_stage == 1 else 1
     return tensors / shards * host.optimizer_tensor_us * 1e-6
@@ -142,6 +145,7 @@ def grad_accumulation_s(local_params: float, config: Decisions, precision: Preci
     """(m − 1)·3·g·Ψ_acc / W: every micro-batch after the first adds its gradients to the sum (read both,
     write the sum; g bytes each). Ψ_acc: the rank's parameters, / dp where FSDP keeps the sum sharded
     (ZeRO-2/3 without pipelining; with pipelining the stage's gradients accumulate unsharded)."""
-    shards = config.mesh.dp if config.zero_stage >= 2 and config.mesh.pp == 1 else 1
+    runtime = config.dp_runtime
+    shards = config.dp_shard if runtime.fsdp2 and runtime.sync_every_microbatch and config.mesh.pp == 1 else 1
     moved = (config.num_microbatches - 1) * 3 * precision.grad_bytes * local_params / shards
     return moved / (cluster.device.memory_bandwidth_gbps * 1e9)

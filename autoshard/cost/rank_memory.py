@@ -36,7 +36,7 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
 
 def memory_spmd(tables: CostTables, config: Decisions, local_params: int) -> Memory:
     precision, tp = tables.precision, config.mesh.tp
-    p, g, o = model_state_bytes(local_params, config.zero_stage, config.mesh.dp, precision)
+    p, g, o = model_state_bytes(local_params, config.zero_stage, config.dp_shard, precision)  # HSDP: a node's shard
     units = tables.config_units(config)
     keep = tp_activation_fraction(tp)
     modes = config.block_modes(len(units.saved_bytes) - 2)
@@ -66,25 +66,31 @@ def fsdp_unit_params(tables: CostTables, config: Decisions) -> int:
 
 
 def memory_pipeline(precision: Precision, config: Decisions, params: int, activations: float) -> Memory:
-    p, g, o = model_state_bytes(params, config.zero_stage, config.mesh.dp, precision)
+    p, g, o = model_state_bytes(params, pipeline_zero(config), config.mesh.dp, precision)
     return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
                              activations_bytes=int(activations),
                              transient_bytes=int(pipeline_transient_per_param(precision, config) * params))
 
 
 def pipeline_transient_per_param(precision: Precision, config: Decisions) -> float:
-    """FSDP on a stage keeps the gradients (and ZeRO-3's gathered weights) unsharded all step."""
+    """FSDP on a stage keeps the gradients (and ZeRO-3's gathered weights) unsharded all step; ZeRO-1's
+    state is ZeRO-2's there (the same program: ``ir.decisions.DPRuntime``), so both are priced as ZeRO-2."""
     dp = config.mesh.dp
-    if dp == 1 or config.zero_stage < 2:
+    if dp == 1 or config.zero_stage < 1:
         return 0.0
     spread = 1 - 1 / dp
     return precision.grad_bytes * spread + (precision.param_bytes * spread if config.zero_stage == 3 else 0.0)
+
+
+def pipeline_zero(config: Decisions) -> int:
+    """The ZeRO stage whose state a pipeline stage holds: 1 holds 2's (FSDP2, sharded after the step)."""
+    return 2 if config.zero_stage == 1 and config.mesh.dp > 1 else config.zero_stage
 
 
 def state_bytes_per_param(precision: Precision, config: Decisions) -> float:
     """Weights, gradients, optimizer state and FSDP transients per parameter of a stage."""
     dp = config.mesh.dp
     p, g, o = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
-    z = config.zero_stage
+    z = pipeline_zero(config)
     state = p / (dp if z >= 3 else 1) + g / (dp if z >= 2 else 1) + o / (dp if z >= 1 else 1)
     return state + pipeline_transient_per_param(precision, config)

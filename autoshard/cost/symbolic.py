@@ -175,7 +175,7 @@ def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallbac
                               M * MB * _tp_share(shares.recompute_replicated) / PP),
     }
     param_share = _param_share(shares.replicated_params)
-    accumulate_over = DP if point.zero_stage >= 2 and not point.pipeline else 1
+    accumulate_over = DP if point.zero_stage >= 2 and not point.pipeline else 1  # ZeRO-1 sums whole
     accumulations = sympy.Max(0, M - 1) * param_share / accumulate_over
     e["grad_accumulation_s"] = _anchored(parts.grad_accumulation_s, accumulations, point,
                                          fallback["grad_accumulation_s"])
@@ -193,7 +193,7 @@ def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallbac
 
 def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]) -> dict[str, sympy.Expr]:
     """Every memory part per rank (module doc), anchored at the plan's ``Memory``."""
-    z = point.zero_stage
+    z = 2 if point.pipeline and point.zero_stage == 1 else point.zero_stage  # rank_memory.pipeline_zero
     param_share = _param_share(shares.replicated_params)
     e = {
         "params_bytes": _anchored(memory.params_bytes, param_share / (DP if z >= 3 else 1), point),
@@ -219,7 +219,8 @@ def in_flight(point: PlanPoint) -> sympy.Expr:
     """Micro-batches whose activations the first pp rank holds at its peak (``cost.rank_memory.in_flight``)."""
     if not point.pipeline:
         return sympy.Integer(1)
-    return {"gpipe": M, "1f1b": sympy.Min(M, PP)}.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
+    return {"gpipe": M, "1f1b": sympy.Min(M, PP), "interleaved-zb": sympy.Min(M, PP), "zbv": sympy.Min(M, PP),
+            "dualpipev": PP + sympy.Rational(1, 2)}.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
 
 
 def _dp_rounds(point: PlanPoint, precision: Precision) -> sympy.Expr:

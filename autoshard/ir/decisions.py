@@ -165,6 +165,60 @@ MIXED = "mixed"  # decisions whose blocks recompute in different modes (``Decisi
 
 
 @dataclass(frozen=True)
+class DPRuntime:
+    """How a ZeRO stage runs on the dp axis: the torch part, and what it keeps whole or shards.
+
+        name                 ZeRO  mesh             torch part                                   per step
+        ddp                  0     dp only          DistributedDataParallel                      bucketed all-reduce, last micro-batch
+        ddp-zero-optimizer   1     dp only          DDP + ZeroRedundancyOptimizer                that, then a broadcast per tensor
+        replicate            0     with tp or pp    FSDP2's replicate (DTensor-aware DDP)       all-reduce per unit, last micro-batch
+        fsdp-accumulate      1     with tp or pp    fully_shard, weights kept gathered and       all-gather + reduce-scatter per unit,
+                                                    gradients summed whole until the last        once (Megatron's distributed optimizer)
+                                                    micro-batch
+        fsdp                 2     any              fully_shard(reshard_after_forward=False)     reduce-scatter every micro-batch
+        fsdp-reshard         3     any              fully_shard(reshard_after_forward=True)      all-gather twice, reduce-scatter, every
+                                                                                                 micro-batch
+
+    With tp or pp the parameters are DTensors or pipeline stages: DDP's bucket views and
+    ZeroRedundancyOptimizer's per-tensor broadcasts take neither, so ZeRO-0 and ZeRO-1 run on FSDP2's
+    machinery (``torch.distributed._composable.replicate_with_fsdp.replicate``, which
+    ``torch.distributed.pipelining``'s stages drive as they drive ``fully_shard``). In a pipeline the
+    schedule sums each stage's gradients whole until the last micro-batch whatever the wrapper, so
+    ZeRO-2 would run as ZeRO-1 there: pipelines offer ZeRO-0, 1 and 3.
+    """
+
+    name: str
+    zero_stage: int
+    wrapper: str  # DistributedDataParallel | replicate | fully_shard
+    reshard_after_forward: bool = False
+    sync_every_microbatch: bool = True  # False: gradients summed unsharded, reduced on the last micro-batch
+
+    @property
+    def fsdp2(self) -> bool:
+        """Runs on FSDP2's machinery (per-unit collectives, DTensor parameters)."""
+        return self.wrapper != "DistributedDataParallel"
+
+
+DP_RUNTIMES: dict[str, DPRuntime] = {row.name: row for row in (
+    DPRuntime("ddp", 0, "DistributedDataParallel"),
+    DPRuntime("ddp-zero-optimizer", 1, "DistributedDataParallel"),
+    DPRuntime("replicate", 0, "replicate", sync_every_microbatch=False),
+    DPRuntime("fsdp-accumulate", 1, "fully_shard", sync_every_microbatch=False),
+    DPRuntime("fsdp", 2, "fully_shard"),
+    DPRuntime("fsdp-reshard", 3, "fully_shard", reshard_after_forward=True),
+)}
+
+
+def dp_runtime(zero_stage: int, mesh: Mesh) -> DPRuntime:
+    """The row that runs ``zero_stage`` on ``mesh`` (``DPRuntime``)."""
+    if zero_stage == 0:
+        return DP_RUNTIMES["ddp" if mesh.tp == 1 and mesh.pp == 1 else "replicate"]
+    if zero_stage == 1:
+        return DP_RUNTIMES["ddp-zero-optimizer" if mesh.tp == 1 and mesh.pp == 1 else "fsdp-accumulate"]
+    return DP_RUNTIMES["fsdp" if zero_stage == 2 else "fsdp-reshard"]
+
+
+@dataclass(frozen=True)
 class Decisions:
     """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching,
     recompute, pipeline schedule, DDP bucket size; a plan's decisions are the same record
@@ -180,10 +234,20 @@ class Decisions:
     ddp_bucket_cap_mb: float = 25.0
     recompute_blocks: tuple[str, ...] = ()  # mixed: each block's mode, in block order (passes.recompute)
     precision: str = "fp32"  # a plan's (PRECISIONS); the search prices the cluster's (cost.tables.Runtime)
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard; FSDP2 shards over dp_shard (inside a node)
 
     @property
     def num_stages(self) -> int:
         return self.mesh.pp * self.virtual_stages
+
+    @property
+    def dp_runtime(self) -> DPRuntime:
+        return dp_runtime(self.zero_stage, self.mesh)
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks each FSDP2 shard group spans: dp, or dp / dp_replicate under HSDP."""
+        return self.mesh.dp // self.dp_replicate
 
     def block_modes(self, blocks: int) -> tuple[str, ...]:
         """Each block's recompute mode."""

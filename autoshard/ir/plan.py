@@ -28,6 +28,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
+    PLAN_RUNTIMES,
     PLAN_VERSION,
     READ_VERSIONS,
     RECOMPUTE_MODES,
@@ -155,12 +156,13 @@ class Plan:
     predicted: Predicted
     alternatives: tuple[Alternative, ...] = ()
     blocks: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, recompute units)
-    virtual_stages: int = 1  # pipeline stages per pp rank (interleaved 1F1B when > 1)
+    virtual_stages: int = 1  # pipeline stages per pp rank (interleaved and V schedules: 2)
     split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
     tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
     ddp_bucket_cap_mb: float = 25.0
     precision: str = "fp32"  # "bf16-mixed" on GPUs, "fp32" on CPU
     pinned: tuple[str, ...] = ()  # decisions the user fixed by hand
+    runtime: str = "autoshard"  # what the prediction priced (ir.plan_format); the program is autoshard's
     notes: tuple[str, ...] = ()
     # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
     # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
@@ -168,6 +170,7 @@ class Plan:
     # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
     search: dict[str, Any] = field(default_factory=dict)
     recompute_blocks: dict[str, str] = field(default_factory=dict)  # recompute "mixed": block path -> its mode
+    dp_replicate: int = 1  # HSDP: FSDP2 shards over dp / dp_replicate ranks and replicates across the rest
     version: int = PLAN_VERSION  # the format it is written in: a plan read from an older version has this one
 
     def __post_init__(self):
@@ -181,12 +184,18 @@ class Plan:
                                  f"mixed plan gives every block one of {', '.join(RECOMPUTE_MODES)}, others none")
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.runtime not in PLAN_RUNTIMES:
+            raise AutoshardError(f"runtime={self.runtime!r} must be one of {', '.join(PLAN_RUNTIMES)}")
         if self.mesh.pp > 1 and len(self.split_points) != self.mesh.pp * self.virtual_stages - 1:
             raise AutoshardError(f"pp={self.mesh.pp} x {self.virtual_stages} virtual stages needs "
                                  f"{self.mesh.pp * self.virtual_stages - 1} split points, got {len(self.split_points)}")
         if (self.mesh.pp > 1) != (self.schedule != "none"):
             raise AutoshardError(f"schedule {self.schedule!r} does not fit pp={self.mesh.pp}: pipelines need "
-                                 f"gpipe, 1f1b or interleaved-1f1b, and pp=1 needs none")
+                                 f"one of {', '.join(SCHEDULES[1:])}, and pp=1 needs none")
+        if self.dp_replicate < 1 or self.mesh.dp % self.dp_replicate or \
+                (self.dp_replicate > 1 and (self.zero_stage < 2 or self.mesh.pp > 1)):
+            raise AutoshardError(f"dp_replicate={self.dp_replicate} must divide dp={self.mesh.dp}, and HSDP "
+                                 f"(dp_replicate > 1) needs ZeRO-2 or 3 without pipeline stages")
         per_step = self.mesh.dp * self.microbatch_size * self.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
@@ -206,7 +215,7 @@ class Plan:
         return Decisions(mesh=self.mesh, zero_stage=self.zero_stage, microbatch_size=self.microbatch_size,
                          num_microbatches=self.num_microbatches, recompute=self.recompute, schedule=self.schedule,
                          virtual_stages=self.virtual_stages, ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
-                         recompute_blocks=modes, precision=self.precision)
+                         recompute_blocks=modes, precision=self.precision, dp_replicate=self.dp_replicate)
 
     @property
     def layout(self) -> PlanLayout:
@@ -490,10 +499,12 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         ddp_bucket_cap_mb=float(d.get("ddp_bucket_cap_mb", 25.0)),
         precision=d.get("precision", "fp32"),
         pinned=tuple(d.get("pinned", ())),
+        runtime=d.get("runtime", "autoshard"),  # plans written before the field: priced for autoshard's program
         notes=tuple(d.get("notes", ())),
         symbolic=_symbolic(d.get("symbolic", {})),
         search=_search(d.get("search", {})),
         recompute_blocks=dict(d.get("recompute_blocks", {})),
+        dp_replicate=_int(d.get("dp_replicate", 1)),
         version=PLAN_VERSION,
     )
 

@@ -8,11 +8,15 @@ Version 2 (written) groups the plan's fields into sections, in this order::
 
     version, model, cluster, global_batch
     decisions    mesh, zero_stage, microbatch_size, num_microbatches, schedule, virtual_stages,
-                 recompute, recompute_blocks, ddp_bucket_cap_mb, precision
+                 recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate (HSDP; absent: 1)
     layout       blocks, tensor_parallel, split_points, stages
     predicted    step time and memory by part (``ir.plan.Predicted``)
     review       alternatives, tensor_parallel_reasons, notes, symbolic, search
-    provenance   pinned
+    provenance   pinned, runtime
+
+``runtime`` names what the prediction priced (``PLAN_RUNTIMES``; ``cost.tables.Runtime.named``):
+"autoshard", the emitted program, or "megatron-lm", to compare with Megatron-LM's published runs.
+The program is autoshard's either way. Plans written before the field read as "autoshard".
 
 Version 1 (read, never written) is the same fields in one flat object: ``flatten`` turns a
 version 2 document into that flat form, ``sectioned`` the flat form into version 2.
@@ -27,13 +31,16 @@ READ_VERSIONS = (1, 2)  # versions from_json reads; only PLAN_VERSION is written
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 PLAN_RECOMPUTE = (*RECOMPUTE_MODES, "mixed")  # mixed: each block's own mode in Plan.recompute_blocks
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input and weight gradients
+V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank in a V: rank r holds stages r and 2·pp − 1 − r
+PLAN_RUNTIMES = ("autoshard", "megatron-lm")  # cost.tables.RUNTIME_NAMES: what priced the plan
 
 DECISIONS_KEYS = ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages",
-                  "recompute", "recompute_blocks", "ddp_bucket_cap_mb", "precision")
+                  "recompute", "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate")
 LAYOUT_KEYS = ("blocks", "tensor_parallel", "split_points", "stages")
 REVIEW_KEYS = ("alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search")
-PROVENANCE_KEYS = ("pinned",)
+PROVENANCE_KEYS = ("pinned", "runtime")
 SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its keys, in the order they are written
     "decisions": DECISIONS_KEYS,
     "layout": LAYOUT_KEYS,

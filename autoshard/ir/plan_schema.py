@@ -20,7 +20,8 @@ never code in the emitted program:
     sizes          model.params, predicted.memory.*_bytes      integers 0 .. 2^60 (1 EiB)
     times, rates   predicted.*_s, *_per_s, mfu                 finite numbers 0 .. 1e30
     search         search.*                                    numbers of at most 1e30 in size
-    choices        zero_stage, recompute, schedule, TP styles  one of the known values
+    choices        zero_stage, recompute, schedule, TP styles, one of the known values
+                   runtime (absent: "autoshard")
     cluster        cluster                                     ``Cluster.from_dict`` (its own checks)
     ranks          mesh dp·tp·pp <= the cluster's devices; stage ranks in 0 .. dp·tp·pp − 1
     prose          alternatives[].why_not, reasons, notes      strings
@@ -45,7 +46,8 @@ from typing import Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import TP_STYLES
-from autoshard.ir.plan_format import PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS, TOP_KEYS
+from autoshard.ir.plan_format import (PLAN_RECOMPUTE, PLAN_RUNTIMES, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS,
+                                      TOP_KEYS)
 from autoshard.ir.topology import Cluster
 
 _PATH = re.compile(r"[\w\-]+(\.[\w\-]+)*")
@@ -167,12 +169,14 @@ def _check_optional(f: _Fields) -> None:
         _path(key, f.path("tensor_parallel_reasons"))
         _string(reason, f"{f.path('tensor_parallel_reasons')}.{key}")
     _count(f.get("virtual_stages", 1), f.path("virtual_stages"))
+    _count(f.get("dp_replicate", 1), f.path("dp_replicate"))
     bucket = _number(f.get("ddp_bucket_cap_mb", 25.0), f.path("ddp_bucket_cap_mb"))
     if bucket <= 0:
         _fail(f.path("ddp_bucket_cap_mb"), "a number > 0", bucket)
     _name(f.get("precision", "fp32"), f.path("precision"))
     for i, name in enumerate(f.get_list("pinned", [])):
         _name(name, f"{f.path('pinned')}[{i}]")
+    _choice(f.get("runtime", "autoshard"), f.path("runtime"), PLAN_RUNTIMES)
     for i, note in enumerate(f.get_list("notes", [])):
         _string(note, f"{f.path('notes')}[{i}]")
     for key, value in f.get_mapping("search", {}).items():

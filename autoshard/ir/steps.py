@@ -11,9 +11,10 @@ calls (``passes.codegen``). Both take their order from the lowering alone.
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
+    apply_replicate     FSDP2's replicate per block, root   replicate per stage module (ZeRO-0 with tp or pp)
     apply_ddp           DDP with the plan's bucket size     -
     build_optimizer     AdamW / ZeroRedundancyOptimizer     one AdamW per stage
-    build_schedule      -                                   GPipe, 1F1B or interleaved 1F1B
+    build_schedule      -                                   torch's schedule (GPipe, 1F1B, interleaved, zero bubble)
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OPS = ("apply_tp", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_ddp", "build_optimizer",
-       "build_schedule")
+OPS = ("apply_tp", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate", "apply_ddp",
+       "build_optimizer", "build_schedule")
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).
 RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "apply_ddp": ("device",),

@@ -8,7 +8,8 @@ the same order. The order, and why:
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
     2 apply_ac        recompute per block    2 split_pipeline  this rank's stages
     3 sync_batch_norm over dp                3 apply_ac        recompute inside the stages
-    4 apply_fsdp | apply_ddp                 4 apply_fsdp      FSDP2 on each stage module (dp > 1)
+    4 apply_fsdp | apply_replicate |         4 apply_fsdp | apply_replicate   on each stage module (dp > 1)
+      apply_ddp   (ir.decisions.DP_RUNTIMES)
     5 build_optimizer                        5 build_optimizer one AdamW per stage
                                              6 build_schedule
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.plan import Plan
+from autoshard.ir.plan_format import V_SCHEDULES
 from autoshard.ir.steps import Step
 
 
@@ -48,27 +50,39 @@ def _spmd_steps(plan: Plan) -> list[Step]:
     if plan.mesh.dp > 1:
         steps.append(Step("sync_batch_norm", "dp", (), "BatchNorm statistics over every dp rank's samples, as one "
                                                           "process sees them (no change without BatchNorm)"))
-        steps.append(_fsdp_step(plan, plan.blocks) if plan.zero_stage >= 2 else _ddp_step(plan))
+        steps.append(_dp_step(plan, plan.blocks))
     steps.append(_optimizer_step(plan))
     return steps
 
 
 def _pipeline_steps(plan: Plan) -> list[Step]:
     stages = plan.mesh.pp * plan.virtual_stages
+    placement = (("placement", "v"),) if plan.schedule in V_SCHEDULES else ()
     steps = [*_tp_steps(plan, before_split=True),
              Step("split_pipeline", "*", (("split_points", tuple(plan.split_points)),
                                           ("virtual_stages", plan.virtual_stages),
-                                          ("tp_styles", dict(sorted(plan.tensor_parallel.items())))),
-                  f"{stages} stages cut at the split points by tracing one micro-batch; this rank keeps stages "
-                  f"r, r + pp, ... and drops the rest of the model"),
+                                          ("tp_styles", dict(sorted(plan.tensor_parallel.items()))), *placement),
+                  f"{stages} stages cut at the split points by tracing one micro-batch; {_stages_held(plan)} "
+                  f"and drops the rest of the model"),
              *_recompute_steps(plan)]
     if plan.mesh.dp > 1:
-        steps.append(_fsdp_step(plan, ()))
+        steps.append(_dp_step(plan, ()))
     steps.append(_optimizer_step(plan))
     steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
                                                ("num_microbatches", plan.num_microbatches)),
                       f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"))
     return steps
+
+
+def _stages_held(plan: Plan) -> str:
+    """Which stages each pp rank keeps: r, r + pp, ... (looped), or r and 2·pp − 1 − r (a V)."""
+    pp = plan.mesh.pp
+    if plan.schedule in V_SCHEDULES:
+        return (f"in a V, rank r keeps stages r and {2 * pp - 1} - r (rank 0 the first and the last, "
+                f"rank {pp - 1} stages {pp - 1} and {pp})")
+    if plan.virtual_stages > 1:
+        return f"rank r keeps stages r, r + {pp}, ... ({plan.virtual_stages} each)"
+    return "rank r keeps stage r"
 
 
 def _tp_steps(plan: Plan, before_split: bool) -> list[Step]:
@@ -97,17 +111,51 @@ def _recompute_steps(plan: Plan) -> list[Step]:
                                                          f"{_RECOMPUTE_WHY[plan.recompute]}")]
 
 
+def _dp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
+    """The dp axis's wrapper, by how the plan's ZeRO stage runs on its mesh (``ir.decisions.DP_RUNTIMES``)."""
+    runtime = plan.decisions.dp_runtime
+    if runtime.wrapper == "DistributedDataParallel":
+        return _ddp_step(plan)
+    if runtime.wrapper == "replicate":
+        return _replicate_step(plan, blocks)
+    return _fsdp_step(plan, blocks)
+
+
+def _units(blocks: tuple[str, ...]) -> str:
+    return "each block a unit, then the root" if blocks else "each stage module a unit"
+
+
+def _dtypes(plan: Plan) -> str:
+    policy = precision_policy(plan.precision)
+    return f"; {policy.param_dtype} compute, {policy.reduce_dtype} gradient reduction" if policy.param_dtype else ""
+
+
 def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
-    reshard = plan.zero_stage == 3
+    runtime = plan.decisions.dp_runtime
+    reshard = runtime.reshard_after_forward
     what = ("weights, gradients and optimizer state; each unit gathered just before use" if reshard else
             "gradients and optimizer state; weights stay gathered from forward to backward")
-    units = "each block a unit, then the root" if blocks else "each stage module a unit"
-    policy = precision_policy(plan.precision)
-    dtypes = (f"; {policy.param_dtype} compute, {policy.reduce_dtype} gradient reduction"
-              if policy.param_dtype else "")
-    return Step("apply_fsdp", "dp", (("blocks", tuple(blocks)), ("reshard_after_forward", reshard),
-                                     ("precision", plan.precision)),
-                f"ZeRO-{plan.zero_stage}: FSDP2 over {plan.mesh.dp} dp ranks shards {what} ({units}){dtypes}")
+    arguments: tuple = (("blocks", tuple(blocks)), ("reshard_after_forward", reshard), ("precision", plan.precision))
+    over = f"{plan.mesh.dp} dp ranks"
+    if plan.dp_replicate > 1:
+        arguments += (("replicas", plan.dp_replicate),)
+        over = (f"the {plan.mesh.dp // plan.dp_replicate} dp ranks of a node (HSDP: all-reduced across "
+                f"{plan.dp_replicate} replicas)")
+    if plan.mesh.pp == 1 and not runtime.sync_every_microbatch:
+        arguments += (("sync_every_microbatch", False),)
+        what += ("; gradients summed whole over the micro-batches and reduce-scattered once, on the last "
+                 "(Megatron's distributed optimizer)")
+    elif plan.mesh.pp > 1:
+        what += "; the schedule sums gradients whole and reduce-scatters them after the last micro-batch"
+    return Step("apply_fsdp", "dp", arguments,
+                f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_dtypes(plan)}")
+
+
+def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
+    return Step("apply_replicate", "dp", (("blocks", tuple(blocks)), ("precision", plan.precision)),
+                f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
+                f"unit's gradients over {plan.mesh.dp} dp ranks after the last micro-batch's backward "
+                f"({_units(blocks)}){_dtypes(plan)}")
 
 
 def _ddp_step(plan: Plan) -> Step:
@@ -119,10 +167,12 @@ def _ddp_step(plan: Plan) -> Step:
 def _optimizer_step(plan: Plan) -> Step:
     if plan.mesh.pp > 1:
         why = "one AdamW per stage module (each stage's state dict maps through its own module)"
-    elif plan.zero_stage == 1 and plan.mesh.dp > 1:
+    elif plan.mesh.dp > 1 and plan.decisions.dp_runtime.name == "ddp-zero-optimizer":
         why = f"ZeRO-1: ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp} ranks"
-    elif plan.zero_stage >= 2 and plan.mesh.dp > 1:
+    elif plan.zero_stage >= 1 and plan.mesh.dp > 1:
         why = "AdamW over the FSDP2-sharded parameters (its state is sharded with them)"
+    elif plan.mesh.dp > 1 and plan.mesh.tp > 1:
+        why = "AdamW over the replicated DTensor parameters, whole on every dp rank"
     else:
         why = "AdamW, whole on every rank"
     return Step("build_optimizer", "dp", (("zero_stage", plan.zero_stage),), why)

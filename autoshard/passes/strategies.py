@@ -8,26 +8,36 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     dp · tp · pp = world size,   B mod dp = 0
     tp | devices_per_node        (TP stays inside a node), check_divisibility(graph, tp) = ∅
     pp ≤ L blocks
-    ZeRO: tp = pp = 1 → 0-3;  dp > 1 with tp or pp > 1 → 2, 3 (FSDP2 on dp);  dp = 1 → 0
+    ZeRO (how each runs: ``ir.decisions.DP_RUNTIMES``): dp = 1 → 0;  pp = 1 → 0-3;  pp > 1 → 0, 1, 3
+          (a pipeline schedule sums gradients whole until the last micro-batch, so ZeRO-2 would be ZeRO-1)
+    HSDP (ZeRO-2/3, pp = 1, dp over n > 1 nodes, g > 1 of its ranks per node): dp_replicate = n,
+          FSDP2 shards over the g ranks of a node and all-reduces across nodes; also dp_replicate = 1
     pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
             per-block mixed stays pp = 1's, ``passes.recompute``); m ≥ pp; schedule gpipe |
-            1f1b (v = 1) | interleaved-1f1b (v = 2, L ≥ 2·pp, m mod max(1, ⌊m/pp⌋) = 0: torch's
-            interleaved rounds)
+            1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
+            m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds) | interleaved-zb (the same, zero
+            bubble) | zbv (v = 2 in a V, L ≥ 2·pp) | dualpipev (v = 2 in a V, L ≥ 2·pp, m ≥ 2·pp)
+            (``microbatch_refusal``)
     pp = 1: schedule none
+    --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
+            blocks per stage), else ``passes.stage_cuts`` chooses them
 
 Pins that fall outside it are refused with one line naming the fix; ``check_pins`` does the
-checks that need no graph before capture (seconds on large models).
+checks that need no graph before capture (seconds on large models). ``Pins.with_defaults`` fills
+the decisions with a natural default (virtual stages follow the schedule), for ``estimate``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
+from autoshard.ir.plan_format import V_SCHEDULES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility
@@ -37,7 +47,10 @@ MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tr
 # The largest global batch planned: 2^30 samples per step, ~10^5 times the largest in use (a few
 # thousand sequences); divisors are found by trial division up to its square root (32,768 steps).
 MAX_GLOBAL_BATCH = 2**30
-PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, virtual stages)
+# (schedule, virtual stages): torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (ZB1P), ZBV, DualPipeV
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
+                      ("dualpipev", 2))
+LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")  # v > 1 stages per rank, r, r + pp, ...; any v > 1
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,17 @@ class Pins:
     microbatch_size: int | None = None
     recompute: str | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None  # pipeline stages per pp rank (> 1: interleaved 1F1B)
+    stage_cuts: str | tuple[int, ...] | None = None  # "even", or the first block of stages 1 .. pp·v − 1
+    dp_replicate: int | None = None  # HSDP's replicas (1: plain FSDP2 over dp)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatch_size"):
+        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise AutoshardError(f"--{name.replace('_', '-')} {value} must be a positive integer")
+        if self.stage_cuts is not None:
+            object.__setattr__(self, "stage_cuts", parse_stage_cuts(self.stage_cuts))
         if self.zero is not None and self.zero not in ZERO_STAGES:
             raise AutoshardError(f"--zero {self.zero} must be 0, 1, 2 or 3")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
@@ -73,7 +91,74 @@ class Pins:
 
     @property
     def wants_pipeline(self) -> bool:
-        return (self.pp or 1) > 1 or self.schedule not in (None, "none")
+        return ((self.pp or 1) > 1 or self.schedule not in (None, "none") or (self.virtual_stages or 1) > 1
+                or self.stage_cuts is not None)
+
+    def with_defaults(self) -> Pins:
+        """These pins with every unpinned decision that has a natural default set to it (``PIN_DEFAULTS``):
+        what ``estimate`` prices, which needs every other decision pinned (``missing_for_estimate``)."""
+        pins = self
+        for name, default in PIN_DEFAULTS.items():
+            if name in self.__dataclass_fields__ and getattr(pins, name) is None:
+                pins = replace(pins, **{name: default(pins)})
+        return pins
+
+    def missing_for_estimate(self) -> tuple[str, ...]:
+        """The decisions ``estimate`` needs pinned that are neither pinned nor defaulted (``with_defaults``)."""
+        pins = self.with_defaults()
+        return tuple(name for name in self.__dataclass_fields__
+                     if getattr(pins, name) is None and name not in ESTIMATE_OPTIONAL)
+
+
+STAGE_CUTS_EVEN = "even"  # Megatron-LM's split: ⌊k·L / S⌋ for k = 1 .. S − 1, L blocks over S = pp·v stages
+# Unpinned decisions with a natural default, in the order they are set: the schedule (none without pipeline
+# stages, interleaved 1F1B with several stages per rank), the virtual stages the schedule runs (1 for gpipe
+# and 1f1b), one replica group for HSDP's replicate axis.
+PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
+    "schedule": lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None,
+    "virtual_stages": lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
+    "dp_replicate": lambda p: 1,
+}
+ESTIMATE_OPTIONAL = ("stage_cuts",)  # unpinned: the planner's cuts (``passes.stage_cuts``)
+
+
+def parse_stage_cuts(value: object) -> str | tuple[int, ...]:
+    """``--stage-cuts``: "even", or increasing block indices ≥ 1 ("12,24,36" or a sequence of ints)."""
+    if isinstance(value, str) and value.strip().lower() == STAGE_CUTS_EVEN:
+        return STAGE_CUTS_EVEN
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        cuts = tuple(_cut_index(part) for part in parts)
+    except (TypeError, ValueError):
+        cuts = ()
+    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        shown = value if isinstance(value, str) else ",".join(map(str, value)) if isinstance(value, (list, tuple)) \
+            else repr(value)
+        raise AutoshardError(f"--stage-cuts {shown[:80]} must be 'even' or increasing block indices >= 1, the "
+                             f"first block of each stage after the first; e.g. --stage-cuts even or --stage-cuts 12,24,36")
+    return cuts
+
+
+def _cut_index(part: object) -> int:
+    value = int(part.strip()) if isinstance(part, str) else part
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(part)
+    return value
+
+
+def pinned_cuts(stage_cuts: str | tuple[int, ...] | None, config: Decisions, blocks: int) -> tuple[int, ...] | None:
+    """The cuts ``--stage-cuts`` fixes for ``config`` (``STAGE_CUTS_EVEN`` worked out for its pp·v stages),
+    or None where the planner chooses them (unpinned, or no pipeline)."""
+    if stage_cuts is None or config.mesh.pp == 1:
+        return None
+    if stage_cuts == STAGE_CUTS_EVEN:
+        return even_cuts(config.num_stages, blocks)
+    return tuple(stage_cuts)
+
+
+def even_cuts(stages: int, blocks: int) -> tuple[int, ...]:
+    """⌊k·L / S⌋ for k = 1 .. S − 1: L / S blocks per stage when S divides L (Megatron-LM's split)."""
+    return tuple(k * blocks // stages for k in range(1, stages))
 
 
 # ---------------------------------------------------------------------------- pins, before capture
@@ -83,6 +168,8 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     """Refuse pins outside what the runtime supports (module doc), before the model is captured."""
     check_global_batch(global_batch)
     _check_schedule(pins)
+    _check_virtual_stages(pins)
+    _check_stage_cuts(pins)
     _check_degrees(pins, cluster)
     if pins.dp is not None and global_batch % pins.dp:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
@@ -110,6 +197,44 @@ def _check_schedule(pins: Pins) -> None:
                              f"drop --schedule or pin --pp 2 or more")
 
 
+def _check_virtual_stages(pins: Pins) -> None:
+    """v > 1 is interleaved 1F1B on pp > 1 ranks; interleaved 1F1B is v > 1."""
+    v = pins.virtual_stages
+    if v is None:
+        return
+    if v > 1 and pins.pp == 1:
+        raise AutoshardError(f"--virtual-stages {v} puts {v} stages on each pipeline rank but --pp 1 is pinned; "
+                             f"drop --virtual-stages or pin --pp 2 or more")
+    if v > 1 and pins.schedule is not None and not runs_virtual_stages(pins.schedule, v):
+        raise AutoshardError(f"--virtual-stages {v} needs --schedule interleaved-1f1b ({pins.schedule} runs "
+                             f"{dict(PIPELINE_SCHEDULES).get(pins.schedule, 1)} stage(s) per rank); pin that "
+                             f"schedule or drop --virtual-stages")
+    if v == 1 and dict(PIPELINE_SCHEDULES).get(pins.schedule, 1) > 1:
+        raise AutoshardError(f"--schedule {pins.schedule} runs 2 or more stages per rank, but --virtual-stages 1 "
+                             "is pinned; pin --virtual-stages 2, or --schedule 1f1b")
+
+
+def _pinned_stages(pins: Pins) -> int | None:
+    """pp·v when the pins fix both (v from the schedule where it is not pinned), else None."""
+    v = pins.with_defaults().virtual_stages if pins.schedule is not None or pins.virtual_stages else None
+    return pins.pp * v if pins.pp is not None and v is not None else None
+
+
+def _check_stage_cuts(pins: Pins) -> None:
+    """--stage-cuts needs pipeline stages; explicit cuts, pp·v − 1 of them when the pins fix pp·v."""
+    if pins.stage_cuts is None:
+        return
+    shown = pins.stage_cuts if isinstance(pins.stage_cuts, str) else ",".join(map(str, pins.stage_cuts))
+    if pins.pp == 1 or pins.schedule == "none":
+        raise AutoshardError(f"--stage-cuts {shown} splits pipeline stages but --pp 1 (no pipeline) is pinned; "
+                             f"drop --stage-cuts or pin --pp 2 or more")
+    stages = _pinned_stages(pins)
+    if isinstance(pins.stage_cuts, tuple) and stages is not None and len(pins.stage_cuts) != stages - 1:
+        raise AutoshardError(f"--stage-cuts {shown} gives {len(pins.stage_cuts) + 1} stages, but --pp {pins.pp} x "
+                             f"{stages // pins.pp} virtual stages is {stages}; give {stages - 1} block indices, "
+                             f"or --stage-cuts even")
+
+
 def _check_degrees(pins: Pins, cluster: Cluster) -> None:
     world, per_node = cluster.world_size, cluster.devices_per_node
     if pins.tp is not None and per_node % pins.tp:
@@ -129,17 +254,28 @@ def _check_degrees(pins: Pins, cluster: Cluster) -> None:
 
 
 def _check_zero(pins: Pins) -> None:
-    split = (pins.tp or 1) > 1 or pins.wants_pipeline
-    if pins.zero is None or not split:
-        return
-    if pins.zero == 1:
-        raise AutoshardError("--zero 1 with tensor or pipeline parallelism is not supported; use --zero 2 or 3 "
-                             "(FSDP2 over dp), or --zero 0 with dp=1")
-    if pins.zero >= 2 and pins.dp == 1:
+    pipeline = pins.wants_pipeline
+    if pins.zero is not None and pins.zero >= 1 and pins.dp == 1:
         raise AutoshardError(f"--zero {pins.zero} with --dp 1 has nothing to shard over; use --zero 0, or a larger --dp")
-    if pins.zero == 0 and (pins.dp or 1) > 1:
-        raise AutoshardError(f"--zero 0 with --dp {pins.dp} and tensor or pipeline parallelism is not supported; "
-                             f"use --zero 2 or 3")
+    if pins.zero == 2 and pipeline:
+        raise AutoshardError("--zero 2 with pipeline stages runs as ZeRO-1 (torch's pipeline schedules keep each "
+                             "stage's gradients whole until the last micro-batch); pin --zero 1 (the same "
+                             "program) or --zero 3")
+    _check_hsdp(pins, pipeline)
+
+
+def _check_hsdp(pins: Pins, pipeline: bool) -> None:
+    r = pins.dp_replicate
+    if r is None or r == 1:
+        return
+    if pipeline:
+        raise AutoshardError(f"--dp-replicate {r} (HSDP) is planned without pipeline stages; drop --dp-replicate "
+                             f"or pin --pp 1")
+    if pins.zero is not None and pins.zero < 2:
+        raise AutoshardError(f"--dp-replicate {r} (HSDP) shards with FSDP2: pin --zero 2 or 3, not {pins.zero}")
+    if pins.dp is not None and (pins.dp % r or pins.dp == r):
+        raise AutoshardError(f"--dp-replicate {r} must divide --dp {pins.dp} and leave at least 2 ranks per shard "
+                             f"group; use a divisor of {pins.dp} below it")
 
 
 def _batch_message(global_batch: int, dp: int) -> str:
@@ -156,7 +292,7 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     check_graph_pins(graph, cluster, pins)
     blocks = max_stages(graph)  # blocks a stage may begin at
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-               for c in mesh_configs(mesh, global_batch, pins, blocks)]
+               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster) if _honours_cuts(c, pins)]
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
@@ -173,15 +309,45 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
         raise AutoshardError(f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; "
                              f"pin --pp {max(1, blocks)} or less")
     _check_cuts(graph, pins)
-    if pins.schedule == "interleaved-1f1b" and pins.pp is not None and max_stages(graph) < 2 * pins.pp:
-        raise AutoshardError(f"--schedule interleaved-1f1b puts 2 stages on each of --pp {pins.pp} ranks: needs "
-                             f"{2 * pins.pp} blocks, the model has {blocks}; use 1f1b or --pp {max(1, blocks // 2)}")
+    v = _interleaved_v(pins)
+    if v > 1 and pins.pp is not None and max_stages(graph) < v * pins.pp:
+        schedule = pins.schedule or "interleaved-1f1b"
+        fewer = "" if schedule in V_SCHEDULES else ", fewer --virtual-stages"
+        raise AutoshardError(f"--schedule {schedule} puts {v} stages on each of --pp {pins.pp} ranks: needs "
+                             f"{v * pins.pp} blocks, the model has {blocks}; use 1f1b{fewer} or "
+                             f"--pp {max(1, blocks // v)}")
+    _check_pinned_cuts(graph, pins)
+
+
+def _interleaved_v(pins: Pins) -> int:
+    """Stages per rank the pins fix: --virtual-stages, else the pinned schedule's (2 for the interleaved
+    and V schedules), else 1."""
+    if pins.virtual_stages is not None:
+        return pins.virtual_stages
+    return dict(PIPELINE_SCHEDULES).get(pins.schedule, 1)
+
+
+def _check_pinned_cuts(graph: OpGraph, pins: Pins) -> None:
+    """--stage-cuts: each cut names a block after the first, in the model, where a stage may begin."""
+    blocks, stages = len(graph.blocks), _pinned_stages(pins)
+    cuts = pins.stage_cuts
+    if cuts == STAGE_CUTS_EVEN:
+        cuts = even_cuts(stages, blocks) if stages is not None and stages <= blocks else ()
+    if not cuts:
+        return
+    if cuts[-1] >= blocks:
+        raise AutoshardError(f"--stage-cuts names block {cuts[-1]}, but the model's blocks are 0 .. {blocks - 1} "
+                             f"(a stage begins at block 1 .. {blocks - 1}); fix the indices or use --stage-cuts even")
+    refused = [k for k in cuts if k in cut_refusals(graph)]
+    if refused:
+        raise AutoshardError(f"--stage-cuts: no stage can begin at block {refused[0]}: "
+                             f"{cut_refusals(graph)[refused[0]]}; choose other indices or drop --stage-cuts")
 
 
 def _check_cuts(graph: OpGraph, pins: Pins) -> None:
-    """--pp (× 2 stages per rank with interleaved 1F1B) needs that many blocks a stage may begin at."""
+    """--pp (× v stages per rank with interleaved 1F1B) needs that many blocks a stage may begin at."""
     refusals = cut_refusals(graph)
-    stages = (pins.pp or 1) * (2 if pins.schedule == "interleaved-1f1b" else 1)
+    stages = (pins.pp or 1) * _interleaved_v(pins)
     most = max_stages(graph, refusals)
     if refusals and stages > max(1, most):
         why = "; ".join(refusals[k] for k in sorted(refusals)[:2]) + ("; ..." if len(refusals) > 2 else "")
@@ -223,11 +389,25 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
 def _honours(mesh: Mesh, pins: Pins) -> bool:
     degrees = all(getattr(pins, a) in (None, getattr(mesh, a)) for a in ("dp", "tp", "pp"))
     schedule = pins.schedule is None or (pins.schedule == "none") == (mesh.pp == 1)
-    return degrees and schedule
+    staged = mesh.pp > 1 or ((pins.virtual_stages or 1) == 1 and pins.stage_cuts is None)
+    return degrees and schedule and staged
 
 
-def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:
-    """The configurations of one mesh (module doc), zero stage outermost."""
+def _honours_cuts(config: Decisions, pins: Pins) -> bool:
+    """Explicit --stage-cuts fix the number of stages pp·v to one more than their count."""
+    return not isinstance(pins.stage_cuts, tuple) or config.num_stages == len(pins.stage_cuts) + 1
+
+
+def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster: Cluster | None = None) -> list[Decisions]:
+    """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
+    group spans nodes of ``cluster``."""
+    configs = _mesh_configs(mesh, global_batch, pins, blocks)
+    return [replace(c, dp_replicate=r) for c in configs
+            for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
+            if pins.dp_replicate in (None, r)]
+
+
+def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:
     per_rank = global_batch // mesh.dp
     zeros = [z for z in zero_stages(mesh) if pins.zero in (None, z)]
     recomputes = [r for r in RECOMPUTE_MODES if pins.recompute in (None, r)]
@@ -235,7 +415,7 @@ def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list
     for schedule, v in schedule_choices(mesh, blocks, pins):
         for b in microbatch_sizes(per_rank, pins.microbatch_size, mesh.pp):
             m = per_rank // b
-            if schedule == "interleaved-1f1b" and m % max(1, m // mesh.pp):
+            if microbatch_refusal(schedule, mesh.pp, m):
                 continue
             out += [Decisions(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
                            schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes]
@@ -244,16 +424,55 @@ def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list
 
 
 def zero_stages(mesh: Mesh) -> tuple[int, ...]:
-    if mesh.tp == 1 and mesh.pp == 1:
-        return ZERO_STAGES
-    return (2, 3) if mesh.dp > 1 else (0,)
+    """ZeRO stages the runtime runs on ``mesh`` (module doc; ``ir.decisions.dp_runtime``)."""
+    if mesh.dp == 1:
+        return (0,)
+    return (0, 1, 3) if mesh.pp > 1 else ZERO_STAGES
+
+
+def hsdp_replicas(mesh: Mesh, zero_stage: int, cluster: Cluster) -> tuple[int, ...]:
+    """dp_replicate choices: 1, and under ZeRO-2/3 without pipelining the nodes the dp group spans when
+    each holds g > 1 of its ranks (shard inside a node, replicate across: torchtitan's HSDP)."""
+    if zero_stage < 2 or mesh.pp > 1 or mesh.dp == 1:
+        return (1,)
+    ranks = [d * mesh.tp for d in range(mesh.dp)]  # rank 0's dp group, (pp, dp, tp) with tp innermost
+    per_node = sum(cluster.node_of(r) == 0 for r in ranks)
+    nodes = mesh.dp // per_node
+    return (1, nodes) if nodes > 1 and per_node > 1 and mesh.dp % per_node == 0 else (1,)
 
 
 def schedule_choices(mesh: Mesh, blocks: int, pins: Pins) -> list[tuple[str, int]]:
     if mesh.pp == 1:
         return [("none", 1)]
-    return [(s, v) for s, v in PIPELINE_SCHEDULES
+    return [(s, v) for s, v in _schedules_of(pins)
             if pins.schedule in (None, s) and blocks >= v * mesh.pp]
+
+
+def _schedules_of(pins: Pins) -> tuple[tuple[str, int], ...]:
+    """PIPELINE_SCHEDULES, with --virtual-stages v: the schedules that run v stages per rank."""
+    v = pins.virtual_stages
+    if v is None:
+        return PIPELINE_SCHEDULES
+    return tuple((s, v) for s, _ in PIPELINE_SCHEDULES if runs_virtual_stages(s, v))
+
+
+def microbatch_refusal(schedule: str, pp: int, m: int) -> str:
+    """Why torch's ``schedule`` cannot run m micro-batches over pp ranks ("" when it can): the interleaved
+    schedules run them in max(1, ⌊m/pp⌋) rounds that must divide m; DualPipeV needs m ≥ 2·pp (its stages)."""
+    rounds = max(1, m // pp)
+    if schedule in LOOPED_SCHEDULES and m % rounds:
+        return (f"{schedule} runs the {m} micro-batches in rounds of {m // rounds}, and the {rounds} rounds must "
+                f"divide {m}; pick a micro-batch size that leaves a multiple of pp={pp} micro-batches")
+    if schedule == "dualpipev" and m < 2 * pp:
+        return (f"dualpipev needs at least 2·pp = {2 * pp} micro-batches (one per stage), got {m}; pick a smaller "
+                f"micro-batch size or a larger --global-batch")
+    return ""
+
+
+def runs_virtual_stages(schedule: str, v: int) -> bool:
+    """Whether ``schedule`` runs v stages per rank: the interleaved ones any v > 1, the others their own v
+    (the V schedules exactly 2)."""
+    return v > 1 if schedule in LOOPED_SCHEDULES else dict(PIPELINE_SCHEDULES).get(schedule, 1) == v
 
 
 def microbatch_sizes(per_rank_batch: int, pinned: int | None, min_microbatches: int = 1) -> list[int]:
@@ -274,12 +493,24 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
             return _batch_message(global_batch, min(dps))
         return (f"no mesh (dp, tp, pp) of {cluster.world_size} devices honours the pins "
                 f"{', '.join(pins.names)}; unpin --dp, --tp or --pp")
+    if isinstance(pins.stage_cuts, tuple) and any(mesh_configs(m, global_batch, pins, max_stages(graph)) for m in meshes):
+        n = len(pins.stage_cuts) + 1
+        return (f"--stage-cuts gives {n} stages, but no configuration honouring the other pins has pp x virtual "
+                f"stages = {n}; pin --pp and --virtual-stages whose product is {n}, or use --stage-cuts even")
     if pins.microbatch_size is not None:
         mesh = meshes[0]
         per_rank = global_batch // mesh.dp
+        m = per_rank // pins.microbatch_size
+        why = microbatch_refusal(pins.schedule or "interleaved-1f1b", mesh.pp, m) if mesh.pp > 1 else ""
+        if per_rank % pins.microbatch_size == 0 and m >= mesh.pp > 1 and _interleaved_v(pins) > 1 and why:
+            return f"--microbatch-size {pins.microbatch_size} leaves {m} micro-batches per rank: {why}"
         need = f" and leave at least {mesh.pp} micro-batches for pp={mesh.pp}" if mesh.pp > 1 else ""
         near = max(d for d in divisors(per_rank) if d <= max(1, min(pins.microbatch_size, per_rank // mesh.pp)))
         return (f"--microbatch-size {pins.microbatch_size} does not divide the per-rank batch {per_rank}{need}; "
                 f"pick a divisor such as {near}")
+    if (pins.dp_replicate or 1) > 1:
+        return (f"--dp-replicate {pins.dp_replicate} (HSDP) needs the dp group to span {pins.dp_replicate} nodes with "
+                f"at least 2 of its ranks on each (shard inside a node, replicate across); this cluster's meshes "
+                f"have none such: drop --dp-replicate or pin --dp-replicate 1")
     return (f"the pins {', '.join(pins.names)} leave no configuration the runtime supports "
             f"(e.g. ZeRO-{pins.zero} with mesh {meshes[0]}); unpin one of them")

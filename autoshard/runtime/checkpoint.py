@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.errors import AutoshardError
@@ -285,6 +285,8 @@ def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
         shape = list(value.shape)
         shape[dim] *= tp
         dp_placement = _StridedShard(0, split_factor=tp) if dim == 0 else Shard(0)
+        if value.placements[0].is_replicate():  # FSDP2's replicate (ZeRO-0): whole on every dp rank
+            dp_placement = Replicate()
         return DTensor.from_local(value.to_local(), mesh["dp", "tp"], (dp_placement, Shard(dim)), run_check=False,
                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
     shape = list(value.shape)

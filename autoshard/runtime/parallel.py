@@ -10,23 +10,26 @@ programs call the same functions in the same order (``passes.codegen`` prints th
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
                       stages the block's region of its stage graph (``stage_recompute``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
-    apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-2: reshard_after_forward
-                      False, ZeRO-3: True), or per stage module; the plan's precision policy
+    apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
+                      False, ZeRO-3: True), or per stage module; HSDP; the plan's precision policy
+    apply_replicate   FSDP2's replicate: ZeRO-0 where parameters are DTensors or stages (tp or pp)
     apply_ddp         DistributedDataParallel (bucketed all-reduce overlapped with backward)
     build_optimizer   AdamW; ZeRO-1: ZeroRedundancyOptimizer over dp; pipelines: one per stage
-    build_schedule    GPipe, 1F1B or interleaved 1F1B
+    build_schedule    torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed._composable.replicate_with_fsdp import replicate  # torch's own; pipelining uses it
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,13 +70,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], befo
 
 
 def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, ...], virtual_stages: int,
-                   tp_styles: dict[str, str], example_microbatch: tuple, device: torch.device) -> pp.PipelineStages:
-    """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp)."""
+                   tp_styles: dict[str, str], example_microbatch: tuple, device: torch.device,
+                   placement: str = "loop") -> pp.PipelineStages:
+    """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
+    "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
     tp = tp_styles and mesh["tp"].size() > 1
     return pp.build_pipeline_stages(
         model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
         device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
-        tp_group=mesh.get_group("tp") if tp else None)
+        tp_group=mesh.get_group("tp") if tp else None, placement=placement)
 
 
 def apply_ac(model, modes: dict[str, str]):
@@ -107,20 +112,45 @@ def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
-               reshard_after_forward: bool = True, precision: str = "fp32"):
+               reshard_after_forward: bool = True, precision: str = "fp32", replicas: int = 1,
+               sync_every_microbatch: bool = True):
     """FSDP2 with each block a unit, then the root (embeddings, head); on pipeline stages, each stage
     module a unit (torchtitan's way; the schedule drives the post-backward reduce-scatter).
-    Weights are gathered in the precision's param dtype and gradients reduced in its reduce dtype."""
+    Weights are gathered in the precision's param dtype and gradients reduced in its reduce dtype.
+    ``replicas`` > 1 is HSDP: the dp ranks are ``replicas`` x shard (shard inside a node, the mesh
+    being laid out with dp's neighbours on one node), FSDP2 shards over the shard dim and all-reduces
+    over the other. ``sync_every_microbatch`` False (ZeRO-1) sums gradients whole over a step's
+    micro-batches and reduce-scatters them on the last (``grad_sync``)."""
+    policy = mixed_precision(precision)
+    mesh = dp_mesh if replicas == 1 else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas),
+                                                            ("dp_replicate", "dp_shard"))
+    units = model.modules if isinstance(model, pp.PipelineStages) else [get_block(model, p) for p in blocks] + [model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    if not sync_every_microbatch and not isinstance(model, pp.PipelineStages):
+        _ACCUMULATING.add(model)
+    return model
+
+
+def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (), precision: str = "fp32"):
+    """ZeRO-0 with tp or pp: FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery, which takes
+    DTensor parameters and is driven by ``torch.distributed.pipelining``'s stages), each block a unit then
+    the root, or each stage module; gradients summed over the micro-batches, all-reduced on the last."""
     policy = mixed_precision(precision)
     if isinstance(model, pp.PipelineStages):
         for module in model.modules:
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            replicate(module, mesh=dp_mesh, mp_policy=policy)
         return model
     for path in blocks:
-        fully_shard(get_block(model, path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        replicate(get_block(model, path), mesh=dp_mesh, mp_policy=policy)
+    replicate(model, mesh=dp_mesh, mp_policy=policy)
+    _ACCUMULATING.add(model)
     return model
+
+
+# FSDP2 roots whose gradients are summed whole until a step's last micro-batch (ZeRO-0 ``replicate`` and
+# ZeRO-1); weak, so a model's lifetime is its own.
+_ACCUMULATING: weakref.WeakSet = weakref.WeakSet()
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
@@ -131,11 +161,12 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb
 
 
 def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3):
-    """AdamW; ZeRO-1 shards its state over dp with ZeroRedundancyOptimizer (FSDP shards it for 2 and 3);
+    """AdamW; ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with
+    tp or pp, and for 2 and 3);
     pipeline stages get one AdamW each (``checkpoint.StageOptimizers``)."""
     if isinstance(model, pp.PipelineStages):
         return StageOptimizers(model.modules, torch.optim.AdamW, lr=lr)
-    if zero_stage == 1 and dp_mesh is not None and dp_mesh.size() > 1:
+    if zero_stage == 1 and isinstance(model, DDP) and dp_mesh is not None and dp_mesh.size() > 1:
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
                                        process_group=dp_mesh.get_group())
     return torch.optim.AdamW(model.parameters(), lr=lr)
@@ -146,11 +177,26 @@ def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: i
 
 
 def grad_sync(model: nn.Module, enabled: bool):
-    """DDP: skip the all-reduce on all but the last micro-batch. FSDP2 reduce-scatters every
-    micro-batch so gradients stay sharded (ZeRO-2/3 memory), so nothing to skip."""
+    """Gradient synchronisation on this micro-batch or not (the last one: ``enabled``). DDP skips its
+    all-reduce on the others (``no_sync``); FSDP2 under ZeRO-0 (``replicate``) and ZeRO-1 keeps weights
+    gathered and gradients whole until the last (``set_requires_gradient_sync``,
+    ``set_reshard_after_backward``); ZeRO-2/3 reduce-scatter every micro-batch so gradients stay sharded."""
     if isinstance(model, DDP) and not enabled:
         return model.no_sync()
+    if model in _ACCUMULATING:
+        return _fsdp_sync(model, enabled)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_sync(model: FSDPModule, enabled: bool):
+    model.set_requires_gradient_sync(enabled)
+    model.set_reshard_after_backward(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def autocast(precision: str, device: torch.device):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 GPT, LLAMA = "examples/gpt.py:build", "tests/models/hf_llama.py:build"
 RANKS = 4
 CASES = {  # name: (model, cluster, pins); each model meets both modes and both meshes
-    "gpt-dp2-pp2-full": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=2, schedule="1f1b", recompute="full")),
+    "gpt-dp2-pp2-full": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="1f1b", recompute="full")),
     "gpt-tp2-pp2-selective": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="1f1b", recompute="selective")),
     "llama-dp2-pp2-selective": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=3, schedule="gpipe",
                                                          recompute="selective")),

@@ -1,0 +1,85 @@
+"""ZeRO-0 and ZeRO-1 beside tensor and pipeline parallelism, and HSDP, train like one process.
+
+The configurations practitioners run (``ir.decisions.DP_RUNTIMES``): plain data parallelism beside
+TP (FSDP2's ``replicate``), Megatron's distributed optimizer beside TP and PP (ZeRO-1: FSDP2 with
+gradients summed whole over the micro-batches), and HSDP (FSDP2 sharding inside a node and
+replicating across nodes), each planned with its decisions pinned, emitted, run on CPU ranks and
+judged against fp32 and float64 one-process runs (``zoo._verdict``). Every case runs two
+micro-batches per step, so gradient accumulation without synchronisation is exercised. One
+torchrun launch per world size (``zoo_driver.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoshard
+from autoshard.launch import run_torchrun, write_program
+from e2e.zoo import DRIVER, FAST_LINK, GLOBAL_BATCH, LR, SEED, STEPS, _last_lines, _verdict
+
+pytestmark = pytest.mark.e2e
+
+GPT, LLAMA = "examples/gpt.py:build", "tests/models/hf_llama.py:build"
+MICROBATCHES = 2
+# name: (model, cluster, nodes, devices per node, pins, the apply step that must appear)
+CASES_4 = {
+    "gpt-dp2-tp2-zero0": (GPT, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=0), "apply_replicate("),
+    "llama-dp2-tp2-zero0": (LLAMA, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=0), "apply_replicate("),
+    "gpt-dp2-tp2-zero1": (GPT, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=1), "sync_every_microbatch=False"),
+    "llama-dp2-pp2-zero1": (LLAMA, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=1, schedule="1f1b"),
+                            "apply_fsdp("),
+    "gpt-dp2-pp2-zero0": (GPT, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=0, schedule="gpipe"),
+                          "apply_replicate("),
+    "gpt-hsdp2x2-zero3": (GPT, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=3, dp_replicate=2), "replicas=2"),
+    "llama-hsdp2x2-zero2": (LLAMA, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=2, dp_replicate=2),
+                            "replicas=2"),
+}
+CASES_8 = {
+    "gpt-dp2-tp2-pp2-zero1": (GPT, FAST_LINK, 1, 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b"), "apply_fsdp("),
+    "llama-dp2-tp2-pp2-zero1": (LLAMA, FAST_LINK, 1, 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="gpipe"),
+                                "apply_fsdp("),
+    "llama-hsdp2x2-tp2-zero3": (LLAMA, FAST_LINK, 2, 4, dict(dp=4, tp=2, pp=1, zero=3, dp_replicate=2),
+                                "replicas=2"),
+}
+
+
+def _plan(model, cluster, nodes, per_node, pins):
+    microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
+    return autoshard.plan(model, cluster=cluster, nodes=nodes, devices_per_node=per_node, global_batch=GLOBAL_BATCH,
+                          microbatch_size=microbatch, recompute="none", **pins)
+
+
+def _run(cases: dict, ranks: int, tmp_path) -> None:
+    plans = {}
+    for name, (model, cluster, nodes, per_node, pins, step) in cases.items():
+        plan = _plan(model, cluster, nodes, per_node, pins)
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == \
+            (pins["dp"], pins["tp"], pins["pp"], pins["zero"], pins.get("dp_replicate", 1)), name
+        assert plan.num_microbatches == MICROBATCHES, name
+        if plan.mesh.tp > 1:
+            assert plan.tensor_parallel, f"{name}: a tp plan shards something"
+        program = write_program(plan, tmp_path / name / "train.py")
+        assert step in program.read_text(), f"{name}: the program does not call {step}"
+        plans[name] = plan
+    listed = [{"name": name, "program": str(tmp_path / name / "train.py"), "metrics_out": str(tmp_path / name / "out"),
+               "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
+                        "--metrics-out", str(tmp_path / name / "out")]} for name in plans]
+    (tmp_path / "cases.json").write_text(json.dumps(listed))
+    proc = run_torchrun(DRIVER, ranks, [str(tmp_path / "cases.json")], quiet=True)
+    for name, plan in plans.items():
+        out = tmp_path / name / "out"
+        errors = sorted(out.glob("error-rank*.txt"))
+        assert not errors, f"{name} crashed: {_last_lines(errors[0].read_text())}"
+        assert (out / "metrics.json").exists(), f"{name} did not run: {proc.crash or proc.stdout[-2000:]}"
+        status, detail = _verdict(cases[name][0], plan, out)
+        assert status == "verified", f"{name}: {detail}"
+
+
+def test_zero0_zero1_beside_tp_and_pp_and_hsdp_train_like_one_process(in_repo, tmp_path):
+    _run(CASES_4, 4, tmp_path)
+
+
+def test_zero1_with_tp_and_pp_and_hsdp_with_tp_on_8_ranks(in_repo, tmp_path):
+    _run(CASES_8, 8, tmp_path)
