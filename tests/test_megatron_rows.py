@@ -6,6 +6,8 @@ source for the benchmark and this test); models are captured at their real shape
 iteration time, nothing fitted per row. Then the mechanisms those predictions rest on.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from autoshard.cost.compute import materialized_attention_s, op_forward_s
@@ -119,7 +121,12 @@ def test_autoshard_programs_price_flash_attention_by_default(small_megatron):
     assert tables.runtime == Runtime.for_cluster(A100) and tables.runtime.attention == "flash"
     config = Decisions(mesh=Mesh(), zero_stage=0, microbatch_size=2, num_microbatches=4)
     flash = price_parts(tables, config)
+    # the same kernels with the scores through HBM (autoshard's programs are eager, Megatron's fused:
+    # compare attention kernels under one of them)
+    materialized = replace(tables.runtime, attention="materialized")
+    assert price_parts(CostTables(small_megatron, A100, materialized), config).forward_s > flash.forward_s
+    fused = replace(MEGATRON_LM, attention="flash")
     megatron = price_parts(CostTables(small_megatron, A100, MEGATRON_LM), config)
-    assert megatron.forward_s > flash.forward_s
+    assert megatron.forward_s > price_parts(CostTables(small_megatron, A100, fused), config).forward_s
     bandwidth = A100.device.memory_bandwidth_gbps * 1e9  # (m − 1) · 3 · g · Ψ / W, g = 4 (bf16 autocast)
     assert flash.grad_accumulation_s == pytest.approx(3 * 3 * 4 * small_megatron.param_count / bandwidth)

@@ -23,12 +23,24 @@ size E) is priced by the kernel that runs it (``ATTENTION_KERNELS``):
         softmax   2·n·a / W                       (read the scores, write the probabilities)
         dropout   (2·a + 1)·n / W  when p > 0     (and a one-byte keep mask)
         PV        max(F/2 / (η·P), (n·a + |v| + |out|) / W)
+
+The kernels that run the ops (``KERNELS``, ``tables.Runtime.kernels``):
+
+    fused   the roofline above, one η for every matmul, W for every other op, backward 2·forward:
+            fused kernels as Megatron-LM runs them, and CPU ranks (whose figures ``autoshard
+            calibrate`` measures)
+    eager   eager PyTorch on a GPU (``cost.eager``): matmuls at η(M, N) by their output's tiles and
+            waves, forward and backward apart (input and weight gradients); SDPA at FlashAttention-2's
+            utilization (causal work halved, backward 2.5× forward); every other op one kernel,
+            T_KERNEL + bytes / W, backward 2× forward (it reads the output gradient and the saved
+            input, writes the input gradient)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.cost import eager
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec
@@ -38,6 +50,8 @@ ATTENTION_KERNELS = ("flash", "materialized")  # module doc
 SDPA_TARGET = "aten.scaled_dot_product_attention"
 DROPOUT_TARGET = "aten.dropout"
 MASK_BYTES = 1  # torch's dropout keeps a bool mask per element
+KERNELS = ("fused", "eager")  # module doc
+CONVOLUTION_TARGETS = ("aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d")
 
 
 @dataclass(frozen=True)
@@ -52,16 +66,49 @@ class ComputeTime:
 
 
 def op_forward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
-                 attention: str = "flash", captured_bytes: int = 4) -> float:
-    """Roofline time of one op at ``scale`` times the captured batch (attention by its kernel)."""
+                 attention: str = "flash", captured_bytes: int = 4, kernels: str = "fused") -> float:
+    """Time of one op at ``scale`` times the captured batch: attention by its kernel, the rest by
+    ``kernels`` (module doc)."""
     assert attention in ATTENTION_KERNELS, attention
+    assert kernels in KERNELS, kernels
     if attention == "materialized" and node.target.startswith(SDPA_TARGET):
         return materialized_attention_s(node, scale, device, elem_ratio, captured_bytes)
-    flops = node.flops * scale
+    flops, moved = node.flops * scale, _moved_bytes(node, weight_bytes, scale, elem_ratio)
+    if kernels == "eager":
+        return _eager_forward_s(node, flops, moved, device)
+    return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
+
+
+def op_backward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
+                  forward_s: float, kernels: str = "fused") -> float:
+    """Backward time of one op whose forward takes ``forward_s``: 2·forward (fused); eager: a matmul's
+    input and weight gradients priced apart, FlashAttention 2.5·forward, other ops 2·forward."""
+    if kernels != "eager":
+        return BACKWARD_TO_FORWARD * forward_s
+    if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS):
+        moved = _moved_bytes(node, weight_bytes, scale, elem_ratio)
+        return eager.matmul_backward_s(node.target, node.shape, node.flops * scale, moved, device)
+    if node.target.startswith(SDPA_TARGET):
+        return eager.FLASH_BACKWARD_TO_FORWARD * forward_s
+    return BACKWARD_TO_FORWARD * forward_s
+
+
+def _moved_bytes(node: OpNode, weight_bytes: int, scale: float, elem_ratio: float) -> float:
+    """Activation bytes × (b/b₀)·(a/captured), weights once, a dropout's keep mask (module doc)."""
     moved = (node.bytes_read - weight_bytes) * scale * elem_ratio + weight_bytes + node.bytes_written * scale * elem_ratio
     if node.target.startswith(DROPOUT_TARGET) and node.attrs.get("p") and node.attrs.get("train", True):
         moved += MASK_BYTES * node.output_numel * scale
-    return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
+    return moved
+
+
+def _eager_forward_s(node: OpNode, flops: float, moved: float, device: DeviceSpec) -> float:
+    if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS):
+        return eager.matmul_forward_s(node.target, node.shape, flops, moved, device)
+    if node.target.startswith(SDPA_TARGET):
+        return eager.flash_forward_s(flops, moved, bool(node.attrs.get("is_causal")), device)
+    if node.target.startswith(CONVOLUTION_TARGETS):  # the plain roofline
+        return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
+    return eager.elementwise_s(moved, device)
 
 
 def materialized_attention_s(node: OpNode, scale: float, device: DeviceSpec, elem_ratio: float,

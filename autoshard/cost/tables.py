@@ -1,9 +1,16 @@
 """The cost tables of one search: what runs the plan, per-unit costs, the TP layouts handed in.
 
-**Runtime** (``Runtime``): what executes the plan changes three things: the precision (bytes of
+**Runtime** (``Runtime``): what executes the plan changes four things: the precision (bytes of
 weights, gradients, optimizer state, activations), the attention kernel (``compute``: flash, or
-scores materialized in HBM), and whether TP ranks scatter-gather pipeline boundaries. autoshard's
-own programs are ``Runtime.for_cluster``; ``benchmarks/bench_megatron.py`` describes Megatron-LM.
+scores materialized in HBM), the kernels (``compute.KERNELS``: "eager", PyTorch's one kernel per op,
+fp32 loss and foreach AdamW, ``cost.eager``; or "fused", the plain roofline), and whether TP ranks
+scatter-gather pipeline boundaries. autoshard's own programs are ``Runtime.for_cluster``: eager on
+GPUs (NCCL), fused on CPU ranks (gloo: their figures are measured by ``autoshard calibrate``, the
+roofline with measured host time is what they were calibrated against);
+``benchmarks/bench_megatron.py`` describes Megatron-LM (fused).
+
+The host time per op: the cluster's measured ``HostOverheads`` where it has them; else, for eager
+kernels on GPUs, ``cost.eager``'s published dispatch and launch figures (``Runtime.host_for``).
 
 ``CostTables`` holds what many decisions share, computed once per search: each micro-batch size
 and recompute mode's per-unit costs (``cost.units``, scaled to the model's measured profile where
@@ -19,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoshard.cost.compute import ATTENTION_KERNELS
+from autoshard.cost import eager
+from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
 from autoshard.cost.memory import MEGATRON_MIXED, Precision, precision_for_backend, precision_for_graph
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.tp import TPCost, price_layout
@@ -28,7 +36,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.profile import ModelProfile
-from autoshard.ir.topology import Cluster, LinkSpec
+from autoshard.ir.topology import Cluster, HostOverheads, LinkSpec
 
 CAPTURED_ELEM_BYTES = 4  # graphs are captured in fp32
 
@@ -44,16 +52,31 @@ class Runtime:
     precision: Precision
     attention: str = "flash"  # compute.ATTENTION_KERNELS
     p2p_scatter_gather: bool = False  # TP ranks send 1/t of a pipeline boundary each, then all-gather
+    kernels: str = "fused"  # compute.KERNELS: "eager" (autoshard's programs on GPUs) or "fused"
 
     def __post_init__(self):
         assert self.attention in ATTENTION_KERNELS, self.attention
+        assert self.kernels in KERNELS, self.kernels
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Bytes AdamW moves per parameter it steps: torch's foreach step (eager), a fused step (fused)."""
+        return eager.ADAMW_FOREACH_BYTES_PER_PARAM if self.kernels == "eager" else ADAM_FUSED_BYTES_PER_PARAM
+
+    def host_for(self, cluster: Cluster) -> HostOverheads:
+        """The cluster's measured host figures; unmeasured, eager kernels on GPUs take ``EAGER_GPU_HOST``."""
+        if cluster.host.measured or self.kernels != "eager" or cluster.backend == "gloo":
+            return cluster.host
+        return EAGER_GPU_HOST
 
     @classmethod
     def for_cluster(cls, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
         """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank;
-        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``)."""
-        return cls(precision_for_graph(cluster.backend, graph) if graph is not None
-                   else precision_for_backend(cluster.backend))
+        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``); eager
+        kernels on GPUs, the fused roofline on CPU ranks (module doc)."""
+        precision = (precision_for_graph(cluster.backend, graph) if graph is not None
+                     else precision_for_backend(cluster.backend))
+        return cls(precision, kernels="fused" if cluster.backend == "gloo" else "eager")
 
     @classmethod
     def named(cls, name: str, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
@@ -64,11 +87,17 @@ class Runtime:
         if name == "autoshard":
             return cls.for_cluster(cluster, graph)
         if name == "megatron-lm":
-            return cls(MEGATRON_MIXED, attention="materialized", p2p_scatter_gather=True)
+            return cls(MEGATRON_MIXED, attention="materialized", p2p_scatter_gather=True, kernels="fused")
         raise AutoshardError(f"unknown runtime {name!r}; use one of {', '.join(RUNTIME_NAMES)}")
 
 
 RUNTIME_NAMES = ("autoshard", "megatron-lm")  # Runtime.named
+ADAM_FUSED_BYTES_PER_PARAM = 28  # fp32 Adam step in one kernel: read w, g, m, v (16 B), write w, m, v (12 B)
+# eager PyTorch's host time per op on a GPU (cost.eager module doc, "Host": pytorch/pytorch#41383 and
+# NVIDIA's "Getting Started with CUDA Graphs"); the rest not measured (0)
+EAGER_GPU_HOST = replace(HostOverheads.none(), op_forward_us=eager.HOST_FORWARD_OP_US,
+                         op_backward_us=eager.HOST_BACKWARD_OP_US,
+                         source="published per-op dispatch and launch figures (cost.eager); not measured")
 
 
 class CostTables:
@@ -105,7 +134,7 @@ class CostTables:
         if key not in self._units:
             units = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
                                self.precision.activation_bytes, CAPTURED_ELEM_BYTES, self.runtime.attention,
-                               self.cluster.host, hides_comm(self.cluster))
+                               self.runtime.host_for(self.cluster), hides_comm(self.cluster), self.runtime.kernels)
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
         return self._units[key]
@@ -132,7 +161,7 @@ class CostTables:
         """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
         (tp, b) (``cost.tp.price_layout``)."""
         times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
-                               CAPTURED_ELEM_BYTES, self.runtime.attention)
+                               CAPTURED_ELEM_BYTES, self.runtime.attention, self.runtime.kernels)
         cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
         self._tp[(choice.tp, microbatch_size)] = cost
         return cost

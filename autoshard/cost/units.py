@@ -26,6 +26,14 @@ by the given kernel; ``node_forward_s``)::
 
 Σ_u saved(u) + max_u workspace(u) equals ``memory.activation_bytes`` of the whole model.
 
+**Eager kernels** (``kernels="eager"``, ``compute.KERNELS``; ``cost.eager``): bwd(u) = Σ_{n∈u}
+t_bwd(n) per op (``compute.op_backward_s``), and the suffix takes the fp32 loss over n = b·s·V
+logits (the model's output, ``eager`` module doc "Loss")::
+
+    fwd(suffix) += T_loss_fwd(n)       bwd(suffix) += T_loss_bwd(n)
+    saved(suffix) = outputs of the suffix nodes but the bf16 logits (the upcast frees them) + 4·n
+    workspace(suffix) = 8·n            (the loss's two fp32 gradients, at the start of backward)
+
 **Host time** (``host_times``; figures h from ``autoshard calibrate``, ``ir.topology.HostOverheads``):
 with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
 
@@ -41,7 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.compute import BACKWARD_TO_FORWARD, _weight_bytes_per_node, op_forward_s
+from autoshard.cost import eager
+from autoshard.cost.compute import BACKWARD_TO_FORWARD, _weight_bytes_per_node, op_backward_s, op_forward_s
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads
@@ -95,56 +104,91 @@ def node_units(graph: OpGraph) -> list[int]:
 
 
 def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                   captured_bytes: int = 4, attention: str = "flash") -> list[float]:
+                   captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused") -> list[float]:
     """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
     per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode)."""
-    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention)
+    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
     return graph.derived(key, lambda: _node_forward_s(graph, microbatch_size, device, activation_elem_bytes,
-                                                      captured_bytes, attention))
+                                                      captured_bytes, attention, kernels))
 
 
 def _node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                    captured_bytes: int, attention: str) -> list[float]:
+                    captured_bytes: int, attention: str, kernels: str) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes)
+    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels)
             for node in graph.nodes]
+
+
+def node_backward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
+                    captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused") -> list[float]:
+    """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``)."""
+    forward = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
+    if kernels != "eager":
+        return [BACKWARD_TO_FORWARD * t for t in forward]
+    scale = microbatch_size / graph.batch_size
+    ratio = activation_elem_bytes / captured_bytes
+    weights = _weight_bytes_per_node(graph)
+    return [op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels)
+            for node, t in zip(graph.nodes, forward)]
+
+
+def loss_logits(graph: OpGraph, microbatch_size: int) -> float:
+    """n = b·s·V: elements of the model's output (the logits) in one micro-batch of b samples."""
+    return graph.nodes[-1].output_numel * microbatch_size / graph.batch_size if graph.nodes else 0.0
 
 
 def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
                activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash",
-               host: HostOverheads | None = None, host_overlaps: bool = False) -> Units:
+               host: HostOverheads | None = None, host_overlaps: bool = False, kernels: str = "fused") -> Units:
     """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc)."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     units = node_units(graph)
-    forward, light = [0.0] * count, [0.0] * count
-    times = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention)
-    for node, u, t in zip(graph.nodes, units, times):
+    forward, backward, light = [0.0] * count, [0.0] * count, [0.0] * count
+    args = (graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
+    for node, u, t, b in zip(graph.nodes, units, node_forward_s(*args), node_backward_s(*args)):
         forward[u] += t
+        backward[u] += b
         if not node.target.startswith(COMPUTE_HEAVY_TARGETS):
             light[u] += t
-    recomputed = {"none": [0.0] * count, "full": forward, "selective": light}[recompute]
+    recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
     byte_scale = scale * ratio
+    saved = [int(b * byte_scale) for b in _saved_bytes(graph, recompute, units)]
+    workspace = [int(b * byte_scale) for b in _workspace_bytes(graph, recompute)]
+    if kernels == "eager" and graph.nodes:
+        _add_fp32_loss(graph, microbatch_size, device, byte_scale, forward, backward, saved, workspace)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
     if host_overlaps:
         host_f = _not_hidden(host_f, forward)
-        host_b = _not_hidden(host_b, [BACKWARD_TO_FORWARD * f for f in forward])
+        host_b = _not_hidden(host_b, backward)
         host_r = _not_hidden(host_r, recompute_s)
     return Units(
         forward_s=tuple(forward),
-        backward_s=tuple(BACKWARD_TO_FORWARD * f for f in forward),
+        backward_s=tuple(backward),
         recompute_s=tuple(recompute_s),
         params=unit_params(graph, units),
-        saved_bytes=tuple(int(b * byte_scale) for b in _saved_bytes(graph, recompute, units)),
-        workspace_bytes=tuple(int(b * byte_scale) for b in _workspace_bytes(graph, recompute)),
+        saved_bytes=tuple(saved),
+        workspace_bytes=tuple(workspace),
         boundary_bytes=tuple(int(b.input_bytes * byte_scale) for b in graph.blocks),
         tensors=unit_tensors(graph, units),
         host_forward_s=tuple(host_f), host_backward_s=tuple(host_b), host_recompute_s=tuple(host_r),
     )
+
+
+def _add_fp32_loss(graph: OpGraph, microbatch_size: int, device: DeviceSpec, byte_scale: float,
+                   forward: list[float], backward: list[float], saved: list[int], workspace: list[int]) -> None:
+    """The eager fp32 loss in the suffix (module doc, "Eager kernels"): its time, the fp32 log-softmax
+    kept in place of the logits and the loss's copy, and its two fp32 gradients as workspace."""
+    n = loss_logits(graph, microbatch_size)
+    forward[-1] += eager.loss_forward_s(n, device)
+    backward[-1] += eager.loss_backward_s(n, device)
+    logits = int(graph.nodes[-1].bytes_written * byte_scale)
+    saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - 2 * logits  # _saved_bytes counted the logits twice
+    workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
 
 
 def host_times(graph: OpGraph, units: list[int], recompute: str,

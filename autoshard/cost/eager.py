@@ -1,0 +1,189 @@
+"""Eager PyTorch on a GPU: what its kernels achieve, what its host spends, what its loss and AdamW move.
+
+autoshard's programs run eager PyTorch (``Runtime.kernels == "eager"``): one kernel per
+elementwise op, cuBLAS per matmul, SDPA's FlashAttention, the loss in fp32 over the whole
+vocabulary, AdamW's foreach step. This module prices those kernels; ``cost.compute`` calls it per
+op, ``cost.units`` for the loss and the host, ``cost.parts`` for the optimizer. No figure here was
+fitted to a published end-to-end iteration time; none was measured by us (no GPU was at hand):
+each is a published kernel measurement, a vendor figure or read off torch's source, as cited.
+
+**Matmul efficiency by shape** (cuBLAS; NVIDIA, "Matrix Multiplication Background User's Guide",
+DU-09799-001, 2023, §3 "Dimension Quantization Effects"): an M×N output (per batch entry) is
+cut into T×T tiles, one thread block each, run in waves of one block per SM::
+
+    tiles(M, N)  = batch · ⌈M/T⌉ · ⌈N/T⌉
+    tile_q       = M·N / (⌈M/T⌉·T · ⌈N/T⌉·T)                 (tile quantization: padded work)
+    wave_q       = tiles / (⌈tiles / SMs⌉ · SMs)              (wave quantization: idle SMs in the last wave)
+    η(M, N)      = η_large · tile_q · wave_q                 (η_large = DeviceSpec.matmul_efficiency,
+                                                              measured on an 8192³ bf16 matmul)
+
+so a big GEMM keeps η_large (Llama-3-8B's projections at 16384 tokens: 0.97-1.0 of it) and a small
+one fills a few SMs (a 128×128 output: one block, 1/132 of an H100). Forward computes the output
+M×N; backward the input gradient (M×K) and the weight gradient (N×K): ``matmul_backward_s``.
+
+**Elementwise kernels** (torch's vectorized elementwise / reduction kernels, one per op)::
+
+    t(bytes) = T_KERNEL + bytes / W                           (W = DeviceSpec.memory_bandwidth_gbps)
+
+From PyTorch's own ``maximum`` (fp16, binary) on one H200 (tile-ai/TileOPs#512, PyTorch 2.9.1, CUDA
+12.8): 25.2 MB in 13.8 µs (1.83 TB/s), 62.9 MB in 22.5 µs (2.79 TB/s), 125.8 MB in 37.3 µs (3.37 TB/s):
+the line t = 7.9 µs + bytes / 4.27 TB/s passes through all three (within 0.1 µs). 4.27 TB/s is 0.89
+of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s, NUMBERS.md, the
+preset's W), so W is the asymptote and T_KERNEL = 7.9 µs the fixed time of one kernel as timed.
+
+**FlashAttention** (torch SDPA's flash backend is FlashAttention-2): forward time F·c / (u·P) with
+c = ½ for a causal mask (FA2 skips the masked blocks; the graph counts the full 4·n·E FLOPs) and u
+the fraction of peak FA2 reaches: 0.35 on H100 (Shah et al., FlashAttention-3, 2024, abstract:
+"FlashAttention-2 achieving only 35% utilization on the H100 GPU"), 0.50 on A100 (Dao,
+FlashAttention-2, 2023, abstract: "50-73% of the theoretical maximum FLOPs/s on A100"; the low end).
+Backward: 2.5× the forward (FA2 §3.1.2: five matmuls against the forward's two), at the same u.
+
+**Host** (per op, eager dispatch + launch; overlapped with the device per unit and pass in
+``cost.units``: t = max(Σ device, Σ host))::
+
+    h_f = DISPATCH_PY_US + LAUNCH_US                      = 7 + 3  = 10 µs per forward op
+    h_b = DISPATCH_CPP_US + KERNELS_PER_BACKWARD_OP·LAUNCH_US = 1 + 2·3 = 7 µs per backward op
+
+DISPATCH_PY_US: a one-element op with autograd recorded costs ~7 µs from Python (pytorch/pytorch#41383,
+measured: 1 M calls of ``2*x`` in 6.8 s); DISPATCH_CPP_US: the same op from C++ ≈ 1 µs (ngimel in
+the same thread; the autograd engine calls backward ops from C++); LAUNCH_US: back-to-back launches
+of a 2.9 µs kernel ran at 3.8 µs per kernel (NVIDIA Developer Blog, A. Gray, "Getting Started with
+CUDA Graphs", 2019), so one launch costs the host ≲ 3.8 µs; 3 taken. A backward op launches about
+two kernels (input and weight gradient, or the gradient and its accumulation).
+
+**Loss** (``loss_forward_bytes`` / ``loss_backward_bytes``; n = b·s·V logits): autocast runs
+``cross_entropy`` in fp32 (torch.amp docs, "CUDA Ops that can autocast to float32"): the bf16 logits
+are upcast (read 2, write 4 bytes per element), log-softmax writes fp32 (read 4, write 4) and keeps
+its output for backward; ``nll_loss`` gathers one element per row. Backward: ``nll_loss_backward``
+writes a dense fp32 gradient (4), ``_log_softmax_backward_data`` reads it and the output, writes the
+input gradient (4 + 4 + 4), the upcast's backward casts it to bf16 (4 + 2)::
+
+    forward  14·n bytes, 2 kernels      backward 22·n bytes, 3 kernels
+    memory   saved 4·n (the fp32 log-softmax), and in backward 8·n more (two fp32 gradients) at once
+
+**Optimizer** (``torch.optim.AdamW``, foreach, torch 2.13 ``_multi_tensor_adam``): per fp32
+parameter, each foreach kernel reads and writes whole tensors: ``mul_(p)`` 8, ``lerp_(m, g)`` 12,
+``mul_(v)`` 8, ``addcmul_(v, g, g)`` 16, ``sqrt(v)`` 8, ``div_`` 8, ``add_(eps)`` 8,
+``addcdiv_(p, m, ·)`` 16: ADAMW_FOREACH_BYTES_PER_PARAM = 84 (a fused AdamW moves 28).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.ir.topology import DeviceSpec
+
+# Matmul tiling (NVIDIA Matrix Multiplication Background User's Guide §2.3: cuBLAS tiles from 64×64 to
+# 256×128; 128×128 taken); SMs per device (NVIDIA H100 / A100 datasheets and architecture whitepapers)
+MATMUL_TILE = 128
+SMS_BY_DEVICE = {"H100-SXM-80GB": 132, "A100-SXM-80GB": 108}
+# FlashAttention-2's fraction of dense peak (module doc): FA3 paper (H100), FA2 paper (A100)
+FLASH_UTILIZATION_BY_DEVICE = {"H100-SXM-80GB": 0.35, "A100-SXM-80GB": 0.50}
+FLASH_UTILIZATION_DEFAULT = 0.35
+FLASH_BACKWARD_TO_FORWARD = 2.5  # FA2 §3.1.2: 5 matmuls in backward, 2 in forward
+CAUSAL_WORK = 0.5  # a causal mask skips half of the score blocks
+# Elementwise kernel: fixed time per kernel (module doc: PyTorch maximum on H200, tile-ai/TileOPs#512)
+KERNEL_FIXED_US = 7.9
+# Host per op (module doc): pytorch/pytorch#41383 (7 µs Python op with autograd, 1 µs from C++);
+# NVIDIA "Getting Started with CUDA Graphs" (3.8 µs per back-to-back 2.9 µs kernel)
+DISPATCH_PY_US = 7.0
+DISPATCH_CPP_US = 1.0
+LAUNCH_US = 3.0
+KERNELS_PER_BACKWARD_OP = 2
+HOST_FORWARD_OP_US = DISPATCH_PY_US + LAUNCH_US
+HOST_BACKWARD_OP_US = DISPATCH_CPP_US + KERNELS_PER_BACKWARD_OP * LAUNCH_US
+# Loss in fp32 (module doc): bytes per logit element and kernels
+LOSS_FORWARD_BYTES_PER_LOGIT = 2 + 4 + 4 + 4  # upcast (read bf16, write fp32), log-softmax (read, write)
+LOSS_BACKWARD_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 2  # nll grad, log-softmax grad (2 reads, 1 write), downcast
+LOSS_FORWARD_KERNELS, LOSS_BACKWARD_KERNELS = 2, 3
+LOSS_SAVED_BYTES_PER_LOGIT = 4  # the fp32 log-softmax kept for backward
+LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 8  # the fp32 nll gradient and log-softmax gradient, at once
+# AdamW foreach step: bytes per fp32 parameter (module doc; torch/optim/adam.py _multi_tensor_adam)
+ADAMW_FOREACH_BYTES_PER_PARAM = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
+
+MATMUL_2D_TARGETS = ("aten.linear", "aten.mm", "aten.addmm")  # inputs flattened to 2-D: M = numel / N
+MATMUL_BATCHED_TARGETS = ("aten.bmm", "aten.baddbmm", "aten.matmul")
+
+
+def matmul_shape_efficiency(m: int, n: int, batch: int, device: DeviceSpec) -> float:
+    """tile_q · wave_q of an m×n output in ``batch`` entries (module doc); 1 on a device of unknown SMs."""
+    sms = SMS_BY_DEVICE.get(device.name)
+    if sms is None or m <= 0 or n <= 0:
+        return 1.0
+    rows, cols = math.ceil(m / MATMUL_TILE), math.ceil(n / MATMUL_TILE)
+    tile_q = m * n / (rows * MATMUL_TILE * cols * MATMUL_TILE)
+    tiles = batch * rows * cols
+    wave_q = tiles / (math.ceil(tiles / sms) * sms)
+    return tile_q * wave_q
+
+
+def matmul_dims(target: str, shape: tuple[int, ...], flops: float) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a matmul-class op from its output shape and F = 2·batch·M·N·K."""
+    n = shape[-1] if shape else 1
+    numel = math.prod(shape) if shape else 1
+    if target.startswith(MATMUL_BATCHED_TARGETS) and len(shape) >= 3:
+        batch, m = math.prod(shape[:-2]), shape[-2]
+    else:
+        batch, m = 1, max(1, numel // max(1, n))
+    k = max(1, round(flops / (2 * max(1, numel))))
+    return batch, m, n, k
+
+
+def matmul_flops_per_s(device: DeviceSpec, shape_efficiency: float) -> float:
+    """η(M, N)·P (module doc)."""
+    return device.peak_tflops * 1e12 * device.matmul_efficiency * shape_efficiency
+
+
+def matmul_forward_s(target: str, shape: tuple[int, ...], flops: float, moved_bytes: float,
+                     device: DeviceSpec) -> float:
+    """max(F / (η(M, N)·P), bytes / W): the output's tiles set η."""
+    batch, m, n, _ = matmul_dims(target, shape, flops)
+    compute = flops / matmul_flops_per_s(device, matmul_shape_efficiency(m, n, batch, device))
+    return max(compute, moved_bytes / bytes_per_s(device))
+
+
+def matmul_backward_s(target: str, shape: tuple[int, ...], flops: float, moved_bytes: float,
+                      device: DeviceSpec) -> float:
+    """Input gradient (M×K output) + weight gradient (N×K output, batch entries of a batched matmul),
+    each max(F / (η·P), bytes / W)."""
+    batch, m, n, k = matmul_dims(target, shape, flops)
+    w = bytes_per_s(device)
+    dgrad = flops / matmul_flops_per_s(device, matmul_shape_efficiency(m, k, batch, device))
+    wgrad = flops / matmul_flops_per_s(device, matmul_shape_efficiency(n, k, batch, device))
+    return max(dgrad, moved_bytes / w) + max(wgrad, moved_bytes / w)
+
+
+def flash_utilization(device: DeviceSpec) -> float:
+    return FLASH_UTILIZATION_BY_DEVICE.get(device.name, FLASH_UTILIZATION_DEFAULT)
+
+
+def flash_forward_s(flops: float, moved_bytes: float, causal: bool, device: DeviceSpec) -> float:
+    """max(F·c / (u·P), bytes / W) (module doc)."""
+    work = flops * (CAUSAL_WORK if causal else 1.0)
+    return max(work / (flash_utilization(device) * device.peak_tflops * 1e12), moved_bytes / bytes_per_s(device))
+
+
+def elementwise_s(moved_bytes: float, device: DeviceSpec, kernels: int = 1) -> float:
+    """kernels · T_KERNEL + bytes / W (module doc); 0 for an op that moves nothing (a view)."""
+    if moved_bytes <= 0:
+        return 0.0
+    return kernels * KERNEL_FIXED_US * 1e-6 + moved_bytes / bytes_per_s(device)
+
+
+def loss_forward_s(logits: float, device: DeviceSpec) -> float:
+    """Upcast and fp32 log-softmax of ``logits`` elements (module doc, "Loss")."""
+    return elementwise_s(LOSS_FORWARD_BYTES_PER_LOGIT * logits, device, LOSS_FORWARD_KERNELS)
+
+
+def loss_backward_s(logits: float, device: DeviceSpec) -> float:
+    """nll and log-softmax gradients in fp32, cast back to bf16 (module doc, "Loss")."""
+    return elementwise_s(LOSS_BACKWARD_BYTES_PER_LOGIT * logits, device, LOSS_BACKWARD_KERNELS)
+
+
+def adamw_step_s(params: float, device: DeviceSpec) -> float:
+    """84 bytes per fp32 parameter over W (module doc, "Optimizer")."""
+    return params * ADAMW_FOREACH_BYTES_PER_PARAM / bytes_per_s(device)
+
+
+def bytes_per_s(device: DeviceSpec) -> float:
+    return device.memory_bandwidth_gbps * 1e9
