@@ -30,6 +30,9 @@ From PyTorch's own ``maximum`` (fp16, binary) on one H200 (tile-ai/TileOPs#512, 
 the line t = 7.9 µs + bytes / 4.27 TB/s passes through all three (within 0.1 µs). 4.27 TB/s is 0.89
 of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s, NUMBERS.md, the
 preset's W), so W is the asymptote and T_KERNEL = 7.9 µs the fixed time of one kernel as timed.
+Timed with CUDA events, that includes the GPU's launch latency (meta-pytorch/tritonbench#50), which
+back-to-back kernels partly overlap: T_KERNEL is an upper bound on a kernel's fixed device time. With
+the host's dispatch it makes the "kernel-launch overhead" of a step (``units.kernel_fixed_s``).
 
 **FlashAttention** (torch SDPA's flash backend is FlashAttention-2): forward time F·c / (u·P) with
 c = ½ for a causal mask (FA2 skips the masked blocks; the graph counts the full 4·n·E FLOPs) and u

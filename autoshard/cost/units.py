@@ -179,6 +179,21 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
     )
 
 
+def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
+    """The device's fixed time per kernel (``eager.KERNEL_FIXED_US``) inside one eager micro-batch:
+    T_KERNEL × (3·k + k_light + loss kernels), k the elementwise ops that move bytes (forward once,
+    backward twice as ``compute.op_backward_s`` prices them), k_light those of blocks recomputed
+    (selective; all of them under full). Part of ``unit_costs``'s times, named for reports."""
+    from autoshard.cost.compute import CONVOLUTION_TARGETS, SDPA_TARGET
+    matmuls = eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS + CONVOLUTION_TARGETS + (SDPA_TARGET,)
+    in_block = {n for b in graph.blocks for n in b.node_names}
+    kernels = [n for n in graph.nodes if (n.bytes_read or n.bytes_written) and not n.target.startswith(matmuls)]
+    rerun = [n for n in kernels if n.name in in_block] if recompute != "none" else []
+    count = (1 + BACKWARD_TO_FORWARD) * len(kernels) + len(rerun) + eager.LOSS_FORWARD_KERNELS + \
+        eager.LOSS_BACKWARD_KERNELS
+    return count * eager.KERNEL_FIXED_US * 1e-6
+
+
 def _add_fp32_loss(graph: OpGraph, microbatch_size: int, device: DeviceSpec, byte_scale: float,
                    forward: list[float], backward: list[float], saved: list[int], workspace: list[int]) -> None:
     """The eager fp32 loss in the suffix (module doc, "Eager kernels"): its time, the fp32 log-softmax
