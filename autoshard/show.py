@@ -7,7 +7,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.cost.schedule import bubble_fraction, format_grid, rank_orders, simulate
+from autoshard.cost.schedule import bubble_fraction, draw, format_grid
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, Predicted
 
@@ -34,11 +34,12 @@ MAX_GRID_MICROBATCHES = 4  # longer schedules repeat the same steady state; the 
 
 
 def schedule_panel(plan: Plan) -> Panel:
-    """The pipeline schedule as a rank x time grid: stage, F/B, micro-batch; dots are idle."""
-    m = min(plan.num_microbatches, MAX_GRID_MICROBATCHES)
+    """The pipeline schedule as a rank x time grid: stage, F/B (I/W: backward split into the input's and
+    the weights' gradients), micro-batch; dots are idle."""
+    least = 2 * plan.mesh.pp if plan.schedule == "dualpipev" else 1  # DualPipeV runs at least 2·pp
+    m = min(plan.num_microbatches, max(MAX_GRID_MICROBATCHES, least))
     m -= m % plan.mesh.pp if plan.virtual_stages > 1 and m >= plan.mesh.pp else 0
-    grid = simulate(rank_orders(plan.schedule, plan.mesh.pp, m, plan.virtual_stages),
-                    plan.mesh.pp * plan.virtual_stages)
+    grid = draw(plan.schedule, plan.mesh.pp, m, plan.virtual_stages)
     shown = f"first {m} of {plan.num_microbatches} micro-batches" if m < plan.num_microbatches else f"{m} micro-batches"
     title = (f"Pipeline schedule {plan.schedule}, {plan.mesh.pp} ranks x {plan.virtual_stages} stages each, {shown}; "
              f"idle {bubble_fraction(grid):.0%}")
@@ -77,7 +78,16 @@ def decision_table(plan: Plan) -> Table:
     if plan.zero_stage <= 1 and plan.mesh.dp > 1:
         t.add_row("DDP buckets", f"{plan.ddp_bucket_cap_mb:g} MiB")
     t.add_row("pinned by you", ", ".join(plan.pinned) or "nothing")
+    t.add_row("priced for", runtime_text(plan.runtime))
     return t
+
+
+def runtime_text(runtime: str) -> str:
+    """What priced the plan (``Plan.runtime``); a runtime other than autoshard's says the program is still ours."""
+    if runtime == "autoshard":
+        return "autoshard (the program `autoshard compile` emits)"
+    return (f"{runtime}: the time and memory are {runtime}'s for this configuration; `autoshard compile` still "
+            f"emits autoshard's program (price it with --runtime autoshard)")
 
 
 def _estimated_text(estimated: dict) -> str:
@@ -283,6 +293,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "schedule": plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
         "split points": ", ".join(plan.split_points) or "none",
         "precision": plan.precision,
+        "priced for": plan.runtime,
         "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.zero_stage <= 1 and plan.mesh.dp > 1 else "-",
     }
     return rows

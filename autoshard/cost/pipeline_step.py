@@ -23,6 +23,19 @@ least (m + (p−1)/v) · mean_r T_r, as the search's lower bound assumes: it is
 (``schedule.makespan_s``, tests): exact for GPipe; for 1F1B never below it, within a few
 per cent typically and 25 % at most with stages up to 3× apart.
 
+**Zero bubble** (interleaved-zb, zbv, dualpipev: ``schedule.ZERO_BUBBLE_SCHEDULES``). Backward is
+split into I (the input's gradient, which the previous stage waits for) and W (the weights', which
+nothing waits for; ``WEIGHT_GRAD_SHARE`` of the stage's backward), and W fills the fill and drain.
+The pipelined part is the schedule's orders run with each stage's times (``schedule.makespan_s``:
+F = the stage's forward work and wait, I = the rest of its backward and its wait, W its share of the
+backward work), so unequal stages are priced as they run; bubble = that span − m·T_max ≥ 0 (every
+rank runs its m·T_r of actions). With equal stages and T_F = T_I = T_W it is (p − 1)·T/(3v)
+(``schedule`` module doc), a third of 1F1B's (p − 1)·T at v = 1. Stage s sits on the rank of
+``schedule.rank_stages`` (in a V rank r holds stages r and 2p − 1 − r: the first and last stage's
+memory and work share rank 0), and a boundary between two stages of one rank (the V's tip, stages
+p − 1 and p on rank p − 1) sends nothing. Activations in flight are the rank's order counted action
+by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W.
+
 **Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
 figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
 over threads per rank). A pipeline rank idle in the fill, the drain or waiting on a peer lends
@@ -52,13 +65,19 @@ from autoshard.cost import comm
 from autoshard.cost.dp_comm import pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
-from autoshard.cost.schedule import rank_orders, shared_makespan_s
+from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, makespan_s, peak_in_flight, rank_orders, rank_stages,
+                                     shared_makespan_s, stage_ranks)
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
 from autoshard.cost.units import stage_ranges, stage_units
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Memory, Mesh, Predicted
 from autoshard.ir.topology import Cluster
+
+# W's share of a stage's backward: a linear layer's backward is two matmuls of equal FLOPs, the input's
+# gradient dX = dY·Wᵀ (I) and the weight's dW = Xᵀ·dY (W); the zero-bubble paper's T_I = T_W.
+# Attention's score matmuls have no weight, so a transformer block's W is somewhat less.
+WEIGHT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -110,17 +129,23 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
 
 
 def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:
-    """The pipelined part of the step: m·T_max + (Σ_r T_r − T_max)/v (module doc); on a host whose
-    ranks share fewer cores (``shared_cores``), the schedule run with processor sharing."""
+    """The pipelined part of the step: m·T_max + (Σ_r T_r − T_max)/v (module doc); a zero-bubble
+    schedule's orders run with each stage's times ("Zero bubble"); on a host whose ranks share fewer
+    cores (``shared_cores``), the schedule run with processor sharing."""
     m, v = config.num_microbatches, config.virtual_stages
     times = [r.time_s for r in loads]
     cores = shared_cores(tables.cluster, config.mesh)
-    if cores is None:
+    split = config.schedule in ZERO_BUBBLE_SCHEDULES
+    if cores is None and not split:
         return m * max(times) + (sum(times) - max(times)) / v
     forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
+    weight = [WEIGHT_GRAD_SHARE * b for b in backward] if split else None
     orders = rank_orders(config.schedule, config.mesh.pp, m, v)
+    if cores is None:
+        return makespan_s(orders, len(forward), [f + w for f, w in zip(forward, forward_wait)],
+                          [b + w for b, w in zip(backward, backward_wait)], weight)
     return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
-                             forward_wait, backward_wait)
+                             forward_wait, backward_wait, weight)
 
 
 def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
@@ -144,11 +169,11 @@ def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, .
         idx = stage_units(rng, units.blocks)
         parts.append((sum(units.forward_s[u] for u in idx),
                       sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
-    pp = config.mesh.pp
-    rank_compute = [sum(f + b for f, b in parts[r::pp]) for r in range(pp)]
+    pp, owner = config.mesh.pp, stage_ranks(config.schedule, config.mesh.pp, config.virtual_stages)
+    rank_compute = [sum(f + b for s, (f, b) in enumerate(parts) if owner[s] == r) for r in range(pp)]
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
-        load, total = loads[s % pp], rank_compute[s % pp]
+        load, total = loads[owner[s]], rank_compute[owner[s]]
         work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s) / total) if total else (0.0, 0.0)
         for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
             column.append(value)
@@ -159,14 +184,21 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     units, tp_comm = pipeline_units(tables, config)
     tp_host = tp_host_per_unit_s(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
+    pp, v = config.mesh.pp, config.virtual_stages
+    owner = stage_ranks(config.schedule, pp, v)
     loads = []
-    for r in range(config.mesh.pp):
-        mine = [(s, ranges[s]) for s in range(r, len(ranges), config.mesh.pp)]
+    for r in range(pp):
+        mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
-        p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine if s > 0)
+        p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine
+                  if s > 0 and owner[s - 1] != r)  # adjacent stages on one rank (the V's tip) send nothing
         params = sum(units.params[u] for u in idx)
-        acts = in_flight(config.schedule, config.num_microbatches, config.mesh.pp, config.virtual_stages, r) * \
-            sum(units.saved_bytes[u] for u in idx) + max(units.workspace_bytes[u] for u in idx)
+        if config.schedule in ZERO_BUBBLE_SCHEDULES:
+            saved = {s: sum(units.saved_bytes[u] for u in stage_units(rng, units.blocks)) for s, rng in mine}
+            acts = split_backward_in_flight_bytes(config, r, saved)
+        else:
+            acts = in_flight(config.schedule, config.num_microbatches, pp, v, r) * sum(units.saved_bytes[u] for u in idx)
+        acts += max(units.workspace_bytes[u] for u in idx)
         host_s = sum(units.host_s[u] + tp_host[u] for u in idx) + \
             len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
@@ -176,6 +208,28 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
                               memory_pipeline(tables.precision, config, params, acts), host_s,
                               sum(units.tensors[u] for u in idx)))
     return loads
+
+
+def stage_in_flight(config: Decisions) -> tuple[float, ...]:
+    """Per stage, the micro-batches of its rank's activations that rank holds at its peak (the stage-cut
+    memory constraint): ``rank_memory.in_flight`` of rank s mod pp; a zero-bubble schedule's order counted
+    with every stage of the rank equal (``split_backward_in_flight_bytes`` with 1/v each) on its rank."""
+    pp, m, v = config.mesh.pp, config.num_microbatches, config.virtual_stages
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return tuple(in_flight(config.schedule, m, pp, v, s % pp) for s in range(config.num_stages))
+    owner = stage_ranks(config.schedule, pp, v)
+    per_rank = [split_backward_in_flight_bytes(config, r, {s: 1 / v for s in rank_stages(config.schedule, pp, v, r)})
+                for r in range(pp)]
+    return tuple(per_rank[owner[s]] for s in range(config.num_stages))
+
+
+def split_backward_in_flight_bytes(config: Decisions, pp_rank: int, stage_bytes: dict[int, float]) -> float:
+    """Saved activations rank ``pp_rank`` holds at its peak under a zero-bubble schedule, its order counted
+    action by action (``schedule.peak_in_flight``: each stage's bytes from its F until its W or full B;
+    the other schedules take ``rank_memory.in_flight``). With equal stages and m ≥ 2p: p micro-batches
+    on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's p − r on rank r."""
+    order = rank_orders(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)[pp_rank]
+    return peak_in_flight(order, stage_bytes)
 
 
 def boundary_transfer_s(tables: CostTables, config: Decisions, size_bytes: float) -> float:

@@ -19,11 +19,35 @@ m mod p = 0 it is Megatron's. The orders here follow torch's, so every schedule 
 choose can be drawn. With m ≥ p the idle share is the formula's; with m < p (one round of
 G = m < p, which ``autoshard plan`` draws for its first few micro-batches) each of the v − 1 chunk
 changes idles every rank 2(p − m) slots more: 2(p − 1) + 2(v − 1)(p − m) idle slots per rank.
+
+**Zero bubble** (Qi et al. 2024) splits a backward B into I, the gradient of the stage's input
+(what the previous stage waits for), and W, its weights' gradient (which nothing waits for),
+so W fills the slots where 1F1B idles. Their orders are torch's, restated action for action
+(``tests/test_schedule.py`` compares them with torch's own ``_calculate_single_rank_operations``):
+
+    interleaved-zb  ``ScheduleInterleavedZeroBubble`` (ZB1P): interleaved 1F1B's chunks and rounds,
+                    warm-up (v − 1)·G + p − r − 1, then F I pairs; rank r runs W of the
+                    backward r places before (W trailing I by r actions), the rest at the end
+    zbv             ``ScheduleZBVZeroBubble``: 2 stages per rank in a V, rank r holds stages r and
+                    2p − 1 − r (the first and the last stage on rank 0)
+    dualpipev       ``ScheduleDualPipeV`` (DeepSeek): the V too, F of one stage next to a full
+                    backward B of the other ("overlapped"; one after the other here and on gloo);
+                    needs m ≥ 2p
+
+In the grid each of F, I and W takes one slot and a full B two (B = I + W; ``backward_slots``), the
+zero-bubble paper's T_F = T_I = T_W. Each rank then idles p − 1 slots (interleaved-zb at any m it
+admits; zbv and dualpipev at m ≥ 2p; zbv 2(p − 1) at m = p), against 1F1B's and interleaved 1F1B's
+3(p − 1) at the same slot sizes (one F and one B, 1 + 2 slots, per hop of the fill and the drain):
+with T = 3v slots of work per micro-batch on a rank, the bubble is (p − 1)·T/(3v).
+Activations held at the peak (``peak_in_flight``, stage s from its F to its W or B): p micro-batches
+on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's p − r.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 
 MAX_SLOTS_PER_ACTION = 8  # the simulator stops (a bug) if a schedule cannot make progress
 
@@ -31,7 +55,7 @@ MAX_SLOTS_PER_ACTION = 8  # the simulator stops (a bug) if a schedule cannot mak
 @dataclass(frozen=True)
 class Action:
     stage: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (full backward), "I" (input gradient) or "W" (weight gradient)
     microbatch: int
 
     def __str__(self) -> str:
@@ -47,31 +71,83 @@ def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int =
         return [_one_f_one_b(r, pp, microbatches) for r in range(pp)]
     if schedule == "interleaved-1f1b":
         return [_interleaved(r, pp, microbatches, virtual_stages) for r in range(pp)]
+    if schedule == "interleaved-zb":
+        return [_interleaved_zero_bubble(r, pp, microbatches, virtual_stages) for r in range(pp)]
+    if schedule == "zbv":
+        return [_zbv(r, pp, microbatches) for r in range(pp)]
+    if schedule == "dualpipev":
+        return [_dualpipev(r, pp, microbatches) for r in range(pp)]
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def simulate(orders: list[list[Action]], num_stages: int) -> list[list[Action | None]]:
-    """Unit-time grid: ``grid[rank][slot]`` is the action run then, or None when idle."""
+def rank_stages(schedule: str, pp: int, virtual_stages: int, pp_rank: int) -> list[int]:
+    """The stages rank ``pp_rank`` holds: looped r, r + pp, r + 2·pp, ...; in a V r and 2·pp − 1 − r."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+    """The rank of each stage (the inverse of ``rank_stages``)."""
+    owner = {s: r for r in range(pp) for s in rank_stages(schedule, pp, virtual_stages, r)}
+    return [owner[s] for s in range(pp * virtual_stages)]
+
+
+def backward_slots(schedule: str) -> int:
+    """Grid slots of a full backward B: 2 (= I + W) where the schedule splits backward, else 1 (F = B)."""
+    return 2 if schedule in ZERO_BUBBLE_SCHEDULES else 1
+
+
+def draw(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action | None]]:
+    """The schedule's unit-time grid (``simulate`` with its ``backward_slots``)."""
+    return simulate(rank_orders(schedule, pp, microbatches, virtual_stages), pp * virtual_stages,
+                    backward_slots(schedule))
+
+
+def simulate(orders: list[list[Action]], num_stages: int, backward_slots: int = 1) -> list[list[Action | None]]:
+    """Unit-time grid: ``grid[rank][slot]`` is the action run then, or None when idle.
+
+    F, I and W take one slot, a full backward B ``backward_slots`` (it fills each of them)."""
+    slots = {"F": 1, "I": 1, "W": 1, "B": backward_slots}
     done: set[tuple[int, str, int]] = set()
     position = [0] * len(orders)
+    running: list[list | None] = [None] * len(orders)  # [action, slots left]
     grid: list[list[Action | None]] = [[] for _ in orders]
     limit = MAX_SLOTS_PER_ACTION * sum(len(o) for o in orders)
-    while any(position[r] < len(orders[r]) for r in range(len(orders))):
+    while any(position[r] < len(orders[r]) or running[r] for r in range(len(orders))):
         assert len(grid[0]) < limit, "schedule cannot make progress"
-        ready = [_next_if_ready(orders[r], position[r], done, num_stages) for r in range(len(orders))]
-        for r, action in enumerate(ready):
-            grid[r].append(action)
-            if action is not None:
+        finished = []
+        for r, order in enumerate(orders):
+            if running[r] is None and position[r] < len(order) and \
+                    all(n in done for n in _inputs(order[position[r]], num_stages)):
+                running[r] = [order[position[r]], slots[order[position[r]].kind]]
                 position[r] += 1
-        done.update((a.stage, a.kind, a.microbatch) for a in ready if a is not None)
+            grid[r].append(running[r][0] if running[r] else None)
+            if running[r]:
+                running[r][1] -= 1
+                if running[r][1] == 0:
+                    finished.append(running[r][0])
+                    running[r] = None
+        done.update(_key(a) for a in finished)
     return grid
 
 
-def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float]) -> float:
+def _action_seconds(a: Action, forward_s: list[float], backward_s: list[float], weight_s: list[float] | None) -> float:
+    """F: forward; B: the whole backward; W: ``weight_s`` of it; I: the rest."""
+    if a.kind == "F":
+        return forward_s[a.stage]
+    weight = weight_s[a.stage] if weight_s is not None else 0.0
+    return {"B": backward_s[a.stage], "I": backward_s[a.stage] - weight, "W": weight}[a.kind]
+
+
+def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
+               weight_s: list[float] | None = None) -> float:
     """The step of a schedule whose stages take unequal times: each rank runs its order one
     action after another, an action starting when its rank is free and its inputs are done
-    (the dependencies of ``simulate``); F on stage s takes ``forward_s[s]``, B ``backward_s[s]``.
-    Transfers take no time here. A check on ``cost.pipeline_step``'s pipeline formula with unequal ranks."""
+    (the dependencies of ``simulate``); F on stage s takes ``forward_s[s]``, B ``backward_s[s]``,
+    and where backward is split W ``weight_s[s]`` and I ``backward_s[s] − weight_s[s]``.
+    Transfers take no time here. A check on ``cost.pipeline_step``'s pipeline formula with unequal
+    ranks, and the zero-bubble schedules' span."""
     finish: dict[tuple[int, str, int], float] = {}
     free_at = [0.0] * len(orders)
     position = [0] * len(orders)
@@ -84,8 +160,8 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
                 if any(n not in finish for n in needs):
                     break
                 start = max([free_at[r]] + [finish[n] for n in needs])
-                free_at[r] = start + (forward_s if a.kind == "F" else backward_s)[a.stage]
-                finish[(a.stage, a.kind, a.microbatch)] = free_at[r]
+                free_at[r] = start + _action_seconds(a, forward_s, backward_s, weight_s)
+                finish[_key(a)] = free_at[r]
                 position[r] += 1
                 progressed = True
         assert progressed, "schedule cannot make progress"
@@ -94,7 +170,7 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
 
 def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
                       replicas: int, cores: float, forward_wait_s: list[float] | None = None,
-                      backward_wait_s: list[float] | None = None) -> float:
+                      backward_wait_s: list[float] | None = None, weight_s: list[float] | None = None) -> float:
     """``makespan_s`` on one host whose ranks share ``cores`` cores (processor sharing).
 
     Each pp rank stands for ``replicas`` ranks running in lockstep (its dp × tp group), so
@@ -107,10 +183,10 @@ def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: li
 
     so ranks idle in the fill, the drain or a wait lend their cores to the working ones. Simulated
     event by event. With C ≥ R every speed is 1 and this is ``makespan_s`` of work + wait; speeds
-    never fall below 1, so it is never more (the orders are fixed: a faster action delays nothing)."""
+    never fall below 1, so it is never more (the orders are fixed: a faster action delays nothing).
+    A split backward's W is ``weight_s`` of the work and waits on nothing; I is the rest and the wait."""
     stages = range(num_stages)
-    wait = {"F": forward_wait_s or [0.0 for _ in stages], "B": backward_wait_s or [0.0 for _ in stages]}
-    work = {"F": forward_s, "B": backward_s}
+    waits = {"F": forward_wait_s or [0.0 for _ in stages], "B": backward_wait_s or [0.0 for _ in stages]}
     ranks = replicas * len(orders)
     calibrated = min(1.0, cores / ranks)
     finish: dict[tuple[int, str, int], float] = {}
@@ -122,7 +198,7 @@ def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: li
             if running[r] is None and position[r] < len(order):
                 a = order[position[r]]
                 if all(n in finish for n in _inputs(a, num_stages)):
-                    running[r] = [a, "work", work[a.kind][a.stage]]
+                    running[r] = [a, "work", _action_seconds(a, forward_s, backward_s, weight_s)]
                     position[r] += 1
         active = [r for r in range(len(orders)) if running[r] is not None]
         if not active:
@@ -138,17 +214,26 @@ def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: li
             if running[r][2] > 1e-15:
                 continue
             a, phase, _ = running[r]
-            if phase == "work" and wait[a.kind][a.stage] > 0:
-                running[r] = [a, "wait", wait[a.kind][a.stage]]
+            wait = 0.0 if a.kind == "W" else waits["F" if a.kind == "F" else "B"][a.stage]
+            if phase == "work" and wait > 0:
+                running[r] = [a, "wait", wait]
             else:
-                finish[(a.stage, a.kind, a.microbatch)] = now
+                finish[_key(a)] = now
                 running[r] = None
 
 
+def _key(a: Action) -> tuple[int, str, int]:
+    """What an action makes: F its output, B or I the gradient of its input ("G"), W its weights' gradient."""
+    return a.stage, "F" if a.kind == "F" else "W" if a.kind == "W" else "G", a.microbatch
+
+
 def _inputs(a: Action, num_stages: int) -> list[tuple[int, str, int]]:
+    """F on s after F on s − 1; B or I on s after its own F and the gradient from s + 1; W after its I."""
     if a.kind == "F":
         return [] if a.stage == 0 else [(a.stage - 1, "F", a.microbatch)]
-    after = (a.stage + 1, "B", a.microbatch) if a.stage < num_stages - 1 else (a.stage, "F", a.microbatch)
+    if a.kind == "W":
+        return [(a.stage, "G", a.microbatch)]
+    after = (a.stage + 1, "G", a.microbatch) if a.stage < num_stages - 1 else (a.stage, "F", a.microbatch)
     return [after, (a.stage, "F", a.microbatch)]
 
 
@@ -157,23 +242,27 @@ def bubble_fraction(grid: list[list[Action | None]]) -> float:
     return sum(a is None for row in grid for a in row) / slots
 
 
+def idle_slots(grid: list[list[Action | None]]) -> list[int]:
+    """Idle slots of each rank between the grid's start and its last action anywhere."""
+    return [sum(a is None for a in row) for row in grid]
+
+
 def format_grid(grid: list[list[Action | None]]) -> str:
-    """``rank 0 | 0F0 0F1 ... 0B1`` lines; idle slots are dots."""
+    """``rank 0 | 0F0 0F1 ... 0B1`` lines; idle slots are dots (a two-slot B is printed twice)."""
     width = max(len(str(a)) for row in grid for a in row if a is not None)
     return "\n".join(f"rank {r} | " + " ".join(str(a).rjust(width) if a else ".".rjust(width) for a in row)
                      for r, row in enumerate(grid))
 
 
-def _next_if_ready(order: list[Action], pos: int, done: set, num_stages: int) -> Action | None:
-    if pos >= len(order):
-        return None
-    a = order[pos]
-    if a.kind == "F":
-        ok = a.stage == 0 or (a.stage - 1, "F", a.microbatch) in done
-    else:
-        after = (a.stage + 1, "B", a.microbatch) if a.stage < num_stages - 1 else (a.stage, "F", a.microbatch)
-        ok = after in done and (a.stage, "F", a.microbatch) in done
-    return a if ok else None
+def peak_in_flight(order: list[Action], stage_bytes: dict[int, float]) -> float:
+    """The most activation bytes the rank running ``order`` holds at once: stage s's ``stage_bytes[s]``
+    from its F of a micro-batch until that micro-batch's B or W (after I the weights' gradient still
+    needs the stage's saved inputs). With every stage 1 it counts the (stage, micro-batch) pairs."""
+    held, peak = 0.0, 0.0
+    for a in order:
+        held += stage_bytes[a.stage] if a.kind == "F" else -stage_bytes[a.stage] if a.kind in "BW" else 0.0
+        peak = max(peak, held)
+    return peak
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
@@ -211,3 +300,130 @@ def _chunk(k: int, group: int, v: int) -> int:
 
 def _microbatch(k: int, group: int, v: int) -> int:
     return (k // (group * v)) * group + k % group
+
+
+def _interleaved_zero_bubble(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """torch's ``ScheduleInterleavedZeroBubble`` (ZB1P) on one rank: interleaved 1F1B's chunks and
+    rounds with one forward per hop of warm-up, each backward split into I and a W run r
+    backwards later (``_get_1f1b_rank_ops`` with zero bubble)."""
+    group = interleaved_round_size(pp, m)
+    warmup = min((v - 1) * group + (pp - 1 - rank), m * v)
+    total = m * v + warmup  # warm-up F, then F + I pairs, then the cool-down's I
+    counts: dict[tuple[int, str], int] = {}
+    order: list[Action] = []
+    backwards: list[int] = []
+
+    def stage_f(step: int) -> int:
+        return (step // group) % v * pp + rank
+
+    def stage_b(step: int) -> int:
+        return (v - 1 - ((step - warmup) // group) % v) * pp + rank
+
+    def add(stage: int, kind: str) -> None:
+        counts[(stage, kind)] = counts.get((stage, kind), 0) + 1
+        order.append(Action(stage, kind, counts[(stage, kind)] - 1))
+
+    for step in range(total):
+        if step < m * v:
+            add(stage_f(step), "F")
+        if step >= warmup:
+            add(stage_b(step), "I")
+            backwards.append(step)
+            if step - warmup >= rank:
+                add(stage_b(backwards[len(backwards) - 1 - rank]), "W")
+    for step in backwards[len(backwards) - rank:] if rank else []:
+        add(stage_b(step), "W")
+    return order
+
+
+def _zbv(rank: int, pp: int, m: int) -> list[Action]:
+    """torch's ``ScheduleZBVZeroBubble`` on one rank (stages r and 2p − 1 − r). It is written for
+    n = max(2p − 1, m) micro-batches; the actions of micro-batches ≥ m are left out, as torch does."""
+    n = max(2 * pp - 1, m)
+    first, second = rank, 2 * pp - 1 - rank
+    count = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+    order: list[Action] = []
+
+    def run(stage: int, kinds: str, counter: str) -> None:
+        for kind in kinds:
+            order.append(Action(stage, kind, count[counter]))
+        count[counter] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        run(first, "F", "f0")
+    for _ in range(rank):
+        run(second, "F", "f1")
+        run(first, "F", "f0")
+    for _ in range(pp - rank):
+        run(second, "F", "f1")
+        run(second, "IW", "b1")
+    while count["f1"] < count["f0"] or count["f0"] < n:
+        if count["f0"] < n:
+            run(first, "F", "f0")
+        run(first, "IW", "b0")
+        run(second, "F", "f1")
+        run(second, "IW", "b1")
+    w0, w1 = count["b0"], count["b1"]
+    for _ in range(rank):
+        run(first, "I", "b0")
+        run(second, "I", "b1")
+    for _ in range(pp - rank):
+        run(first, "I", "b0")
+        order.append(Action(first, "W", w0))
+        w0 += 1
+    order += [Action(second, "W", i) for i in range(w1, count["b1"])]
+    order += [Action(first, "W", i) for i in range(w0, count["b0"])]
+    return [a for a in order if a.microbatch < m]
+
+
+def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
+    """torch's ``ScheduleDualPipeV`` on one rank (stages r and 2p − 1 − r); an overlapped F + B is
+    the F, then the full B."""
+    first, second = rank, 2 * pp - 1 - rank
+    counts: dict[tuple[int, str], int] = {}
+    weights: list[tuple[int, int]] = []  # (stage, micro-batch) of the I whose W is still to run
+    order: list[Action] = []
+
+    def add(stage: int, kind: str) -> None:
+        key = (stage, "I" if kind == "B" else kind)
+        mb = counts.get(key, 0)
+        order.append(Action(stage, kind, mb))
+        counts[key] = mb + 1
+        if kind == "I":
+            weights.append((stage, mb))
+
+    def weight() -> None:
+        if weights:
+            stage, mb = weights.pop(0)
+            order.append(Action(stage, "W", mb))
+
+    for _ in range(2 * (pp - rank - 1)):
+        add(first, "F")
+    for _ in range(rank + 1):
+        add(first, "F")
+        add(second, "F")
+    for _ in range(pp - rank - 1):
+        add(second, "I")
+        weight()
+        add(second, "F")
+    for _ in range(m - 2 * pp + rank + 1):
+        add(first, "F")
+        add(second, "B")
+        add(second, "F")
+        add(first, "B")
+    for _ in range(pp - rank - 1):
+        add(second, "B")
+        add(second, "F")
+        add(first, "B")
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add(second, "I" if split else "B")
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add(first, "I" if split else "B")
+    for _ in range(pp - rank - 1):
+        weight()
+        add(first, "I" if split else "B")
+    for _ in range(rank + 1):
+        weight()
+    return order

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from autoshard.ir.decisions import TP_STYLES, precision_policy
 from autoshard.ir.plan import Plan
+from autoshard.ir.plan_format import V_SCHEDULES
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.passes.lower import lower, recompute_modes
 
@@ -107,6 +108,14 @@ def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
             f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n")
 
 
+def _placement_constant(plan: Plan) -> str:
+    """The V placement's line, each rank's stages spelled out; "" for the looped placement (r, r + pp, ...)."""
+    if plan.schedule not in V_SCHEDULES:
+        return ""
+    held = ", ".join(f"rank {r}: {r} and {2 * plan.mesh.pp - 1 - r}" for r in range(plan.mesh.pp))
+    return f"PLACEMENT = 'v'  # stages in a V, rank r holds r and 2*PP-1-r ({held})\n"
+
+
 # The source text of each tensor-parallel style (runtime.tensor_parallel.parallel_style builds the same row).
 STYLE_SOURCE = {name: row.source for name, row in TP_STYLES.items()}
 
@@ -116,6 +125,7 @@ def _constants(plan: Plan) -> str:
     if plan.mesh.pp > 1:
         pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
                     f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
+                    f"{_placement_constant(plan)}"
                     f"SPLIT_POINTS = {tuple(plan.split_points)!r}  # modules where stages 1.. begin\n")
     return f'''
 MODEL = {plan.model["spec"]!r}
@@ -182,7 +192,7 @@ def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
 # Step arguments printed as the program's constants (the rest are printed as literals).
 CONSTANT_OF_ARGUMENT = {"styles": "TP_STYLES", "tp_styles": "TP_STYLES", "modes": "RECOMPUTE", "blocks": "BLOCKS",
                         "split_points": "SPLIT_POINTS", "virtual_stages": "VIRTUAL_STAGES", "schedule": "SCHEDULE",
-                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION"}
+                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION", "placement": "PLACEMENT"}
 
 
 def step_lines(steps: tuple[Step, ...], model: str) -> str:

@@ -29,7 +29,8 @@ step as (m + (pp − 1)/v)·T_max with T_max ≥ the mean rank's compute ≥ Σ_
 with a measured profile or host time in the units it is still below T(c)). On a node whose ranks share
 fewer cores than there are ranks (``cost.pipeline_step.shared_cores``) the bubble slots go: idle ranks lend
 their cores, and the node does at most R rank-seconds of calibrated work per second, so the span is
-at least the mean rank's work, m · Σ_u compute(u) / (tp·pp). Candidates are priced in increasing LB (ties in candidate order); the first time LB
+at least the mean rank's work, m · Σ_u compute(u) / (tp·pp); so is a zero-bubble schedule's, whose weight
+gradients fill the fill and the drain (``cost.pipeline_step``, "Zero bubble"). Candidates are priced in increasing LB (ties in candidate order); the first time LB
 exceeds the fastest feasible T found, no candidate left can beat it and the search stops. The
 answer is the minimum of T over all candidates that fit, as brute-force enumeration of the same
 space finds it (``tests/test_search_exact.py``): the plan is optimal on the cost model, and the
@@ -57,25 +58,27 @@ from dataclasses import dataclass, field, replace
 
 from autoshard.cost.dp_comm import choose_bucket_cap_mb
 from autoshard.cost.memory import precision_for_backend
-from autoshard.cost.pipeline_step import shared_cores
-from autoshard.cost.rank_memory import ALLOCATOR_SLACK, in_flight, state_bytes_per_param
+from autoshard.cost.pipeline_step import shared_cores, stage_in_flight
+from autoshard.cost.rank_memory import ALLOCATOR_SLACK, state_bytes_per_param
 from autoshard.cost.step import price
-from autoshard.cost.tables import CostTables
+from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp_units import pipeline_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
+from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
-from autoshard.passes.strategies import legal_tp_degrees, pipeline_degrees
+from autoshard.passes.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
 from autoshard.passes.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
 RECOMPUTE_ORDER = ("none", "mixed", "selective", "full")  # ties go to less recompute
 MESH_RIVALS = 6  # meshes pruned by their bound that are still priced once, for the alternatives table
 GIB = 2**30
+StageCutsPin = str | tuple[int, ...] | None  # strategies.Pins.stage_cuts
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,12 @@ class SearchResult:
 
 
 def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int,
-           time_limit_s: float | None = None, mixed_recompute: bool = True) -> SearchResult:
-    """The fastest configuration that fits (module doc), and the best rivals priced on the way."""
+           time_limit_s: float | None = None, mixed_recompute: bool = True, runtime: str = "autoshard",
+           stage_cuts: StageCutsPin = None) -> SearchResult:
+    """The fastest configuration that fits (module doc), and the best rivals priced on the way; priced
+    for ``runtime`` (``cost.tables.Runtime.named``), with ``--stage-cuts`` where pinned (``pinned_cuts``)."""
     start = time.perf_counter()
-    tables = CostTables(graph, cluster)
+    tables = CostTables(graph, cluster, Runtime.named(runtime, cluster, graph))
     bounds = [lower_bound_s(tables, config) for config in configs]
     order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
     priced: list[Priced] = []
@@ -109,7 +114,7 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
         if time_limit_s is not None and fastest_s < float("inf") and time.perf_counter() - start > time_limit_s:
             stopped = True
             break
-        for p in price_with_mixed(graph, cluster, configs[i], global_batch, tables, mixed_recompute):
+        for p in price_with_mixed(graph, cluster, configs[i], global_batch, tables, mixed_recompute, stage_cuts):
             priced.append(p)
             if p.fits:
                 fastest_s = min(fastest_s, p.predicted.step_time_s)
@@ -120,20 +125,20 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
         raise AutoshardError(explain_infeasible(graph, cluster, priced))
     best = feasible[0]
     unpriced = mesh_rivals(configs, order[n:], {p.config.mesh for p in priced})
-    rivals = [price_config(graph, cluster, configs[i], global_batch, tables) for i in unpriced]
+    rivals = [price_config(graph, cluster, configs[i], global_batch, tables, stage_cuts) for i in unpriced]
     report = search_report(len(configs), len(priced), best, bounds[order[n]] if stopped else None)
     return SearchResult(best, alternatives(best, priced + rivals, cluster), report)
 
 
 def price_with_mixed(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int, tables: CostTables,
-                     mixed_recompute: bool = True) -> list[Priced]:
+                     mixed_recompute: bool = True, stage_cuts: StageCutsPin = None) -> list[Priced]:
     """``config`` priced; when it keeps every block's activations and does not fit, also the per-block
     recompute that fits at the least cost (``passes.recompute``), unless recompute is pinned."""
-    p = price_config(graph, cluster, config, global_batch, tables)
+    p = price_config(graph, cluster, config, global_batch, tables, stage_cuts)
     if p.fits or not mixed_recompute or config.recompute != "none":
         return [p]
     mixed = choose_recompute(tables, config)
-    return [p] if mixed is None else [p, price_config(graph, cluster, mixed, global_batch, tables)]
+    return [p] if mixed is None else [p, price_config(graph, cluster, mixed, global_batch, tables, stage_cuts)]
 
 
 def search_report(candidates: int, priced: int, best: Priced, next_bound_s: float | None) -> dict:
@@ -163,16 +168,23 @@ def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     slots = config.num_microbatches + (p - 1) / config.virtual_stages
     if p > 1 and shared_cores(tables.cluster, config.mesh) is not None:
         slots = config.num_microbatches  # idle ranks lend their cores: only the work itself bounds it
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        slots = config.num_microbatches  # weight gradients fill the fill and the drain
     return slots * sum(units.compute_s) / (config.mesh.tp * p)
 
 
 def price_config(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int,
-                 tables: CostTables | None = None) -> Priced:
+                 tables: CostTables | None = None, stage_cuts: StageCutsPin = None) -> Priced:
+    """``config`` priced on ``tables``: its TP layout, DDP bucket and stage cuts (pinned ones as given,
+    fit or not; else the fastest, or the fastest that fits)."""
     tables = tables or CostTables(graph, cluster)
     choice = hand_tp_layout(tables, config)
     config = replace(config, ddp_bucket_cap_mb=choose_bucket_cap_mb(graph, cluster, config, tables))
     if config.mesh.pp == 1:
         return _priced(tables, config, global_batch, (), choice)
+    pinned = pinned_cuts(stage_cuts, config, len(graph.blocks))
+    if pinned is not None:
+        return _priced(tables, config, global_batch, pinned, choice)
     fastest = _priced(tables, config, global_batch, time_cuts(tables, config), choice)
     if fastest.fits:
         return fastest
@@ -217,8 +229,8 @@ def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) 
     per_param = state_bytes_per_param(tables.precision, config)
     fixed = [per_param * n for n in units.params]
     acts = [s + w for s, w in zip(units.saved_bytes, units.workspace_bytes)]
-    mesh, m, v = config.mesh, config.num_microbatches, config.virtual_stages
-    flights = tuple(in_flight(config.schedule, m, mesh.pp, v, s % mesh.pp) for s in range(config.num_stages))
+    v = config.virtual_stages
+    flights = stage_in_flight(config)
     cap = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) / v
     return replace(problem, block_fixed_bytes=tuple(fixed[1:-1]), prefix_fixed_bytes=fixed[0],
                    suffix_fixed_bytes=fixed[-1], block_act_bytes=tuple(acts[1:-1]), prefix_act_bytes=acts[0],

@@ -17,7 +17,8 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
             m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds) | interleaved-zb (the same, zero
             bubble) | zbv (v = 2 in a V, L ≥ 2·pp) | dualpipev (v = 2 in a V, L ≥ 2·pp, m ≥ 2·pp)
-            (``microbatch_refusal``)
+            (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3 or selective
+            recompute (``split_backward_refusal``)
     pp = 1: schedule none
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.stage_cuts`` chooses them
@@ -37,7 +38,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
-from autoshard.ir.plan_format import V_SCHEDULES
+from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility
@@ -119,7 +120,9 @@ PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
     "virtual_stages": lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
     "dp_replicate": lambda p: 1,
 }
-ESTIMATE_OPTIONAL = ("stage_cuts",)  # unpinned: the planner's cuts (``passes.stage_cuts``)
+# Never asked for by ``estimate``: the planner's cuts (``passes.stage_cuts``), the schedule's virtual stages
+# (the schedule is asked for where it has no default).
+ESTIMATE_OPTIONAL = ("stage_cuts", "virtual_stages")
 
 
 def parse_stage_cuts(value: object) -> str | tuple[int, ...]:
@@ -195,6 +198,25 @@ def _check_schedule(pins: Pins) -> None:
     if pins.schedule not in (None, "none") and pins.pp == 1:
         raise AutoshardError(f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
                              f"drop --schedule or pin --pp 2 or more")
+    if pins.schedule in ZERO_BUBBLE_SCHEDULES:
+        why = split_backward_refusal(pins.zero, pins.recompute)
+        if why:
+            raise AutoshardError(f"--schedule {pins.schedule} with {why}")
+
+
+def split_backward_refusal(zero: int | None, recompute: str | None) -> str:
+    """Why a zero-bubble schedule (backward split into the inputs' and the weights' gradients, torch's
+    ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage or recompute
+    mode ("" when it can), found on CPU ranks against one process (``tests/e2e/test_pipeline_schedules.py``):
+    ZeRO-3 (FSDP2 resharding each stage after forward) trains to other weights, and selective
+    recompute's saved-tensor policy lets a region run backward once, not twice."""
+    if zero == 3:
+        return ("--zero 3: FSDP2's reshard after forward does not train like one process with the split "
+                "backward; pin --zero 1, or a schedule without split backward (1f1b, interleaved-1f1b)")
+    if recompute == "selective":
+        return ("--recompute selective: its policy lets a recomputed region run backward once, and the split "
+                "backward runs it twice; pin --recompute full or none, or --schedule 1f1b")
+    return ""
 
 
 def _check_virtual_stages(pins: Pins) -> None:
@@ -418,7 +440,8 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
             if microbatch_refusal(schedule, mesh.pp, m):
                 continue
             out += [Decisions(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
-                           schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes]
+                              schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes
+                    if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r)]
     return sorted(out, key=lambda c: (SCHEDULES.index(c.schedule), c.zero_stage,
                                       -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute)))
 

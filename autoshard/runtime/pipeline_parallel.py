@@ -1,9 +1,12 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: split, schedule, tie, gather.
 
 Layout. The model is cut at module boundaries into S = pp · v stages (``split_points`` name
-the modules where a stage *begins*; v = ``virtual_stages``). Stage s lives on pipeline rank
-s mod pp, so rank r holds stages r, r + pp, r + 2·pp, ... (Megatron's interleaved layout; v = 1
-is the plain layout). The split is ``pipeline(model, mb_args, split_spec)``: torch.export
+the modules where a stage *begins*; v = ``virtual_stages``). With the looped placement stage s
+lives on pipeline rank s mod pp, so rank r holds stages r, r + pp, r + 2·pp, ... (Megatron's
+interleaved layout; v = 1 is the plain layout). The V placement (``zbv``, ``dualpipev``: v = 2)
+gives rank r stages r and 2·pp − 1 − r, so rank 0 holds the first and the last stage and the
+V's tip, stages pp − 1 and pp, sits on rank pp − 1 (torch's ``generate_stage_to_rank_mapping``
+with style "v"; the schedule tells the stages, and sends nothing between two stages of one rank). The split is ``pipeline(model, mb_args, split_spec)``: torch.export
 traces one micro-batch, so any exportable model splits, and each stage is a GraphModule whose
 parameters keep the original names (``h.2.attn.q_proj.weight``).
 
@@ -49,8 +52,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint,
-                                          pipeline)
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, SplitPoint, pipeline)
 from torch.distributed.pipelining._IR import Pipe
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
@@ -60,8 +63,12 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 from autoshard.runtime.tensor_parallel_stages import gather_shards
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE_SCHEDULES = {"interleaved-1f1b"}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
+PLACEMENTS = ("loop", "v")  # stage_indices
+V_PLACED_SCHEDULES = {"zbv", "dualpipev"}  # torch's V schedules: stages r and 2·pp − 1 − r on rank r
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class PipelineStages:
     tp_shard_dims: dict[str, int] = field(default_factory=dict)  # TP inside stages: name -> split dim
     tp_group: dist.ProcessGroup | None = None
     aliases: tuple[tuple[str, ...], ...] = ()  # state names of one tensor (BERT's decoder.bias and bias)
+    placement: str = "loop"  # PLACEMENTS: which stages each rank holds (stage_indices)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -107,15 +115,22 @@ class PipelineStages:
         return list(seen.values())
 
 
-def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """Interleaved layout: rank r holds stages r, r + pp, r + 2·pp, ..."""
+def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, placement: str = "loop") -> list[int]:
+    """Looped placement: rank r holds stages r, r + pp, r + 2·pp, ...; V placement (v = 2): r and 2·pp − 1 − r."""
+    if placement not in PLACEMENTS:
+        raise AutoshardError(f"unknown stage placement {placement!r}; use one of {', '.join(PLACEMENTS)}")
+    if placement == "v":
+        if virtual_stages != 2:
+            raise AutoshardError(f"the V placement puts exactly 2 stages on each rank, not {virtual_stages}; "
+                                 f"use virtual_stages 2 or the loop placement")
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(virtual_stages)]
 
 
 def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, split_points: list[str],
                           pp_rank: int, pp_size: int, virtual_stages: int, device: torch.device,
                           pp_group: dist.ProcessGroup | None = None, tp_shard_dims: dict[str, int] | None = None,
-                          tp_group: dist.ProcessGroup | None = None) -> PipelineStages:
+                          tp_group: dist.ProcessGroup | None = None, placement: str = "loop") -> PipelineStages:
     """Split ``model`` before each of ``split_points`` and build this rank's stages.
 
     ``example_microbatch_inputs`` must have the micro-batch shape used at run time (the
@@ -123,6 +138,7 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     parameter objects; drop ``model`` afterwards and train the stages. With tensor parallelism
     the model is already sharded (``tensor_parallel_stages.shard_for_tracing``, which returns
     ``tp_shard_dims``); ``tp_group`` lets ``full_state_dict`` put the shards back together.
+    ``placement`` is "loop" or "v" (module doc, ``stage_indices``).
     """
     num_stages = pp_size * virtual_stages
     if len(split_points) != num_stages - 1:
@@ -134,13 +150,13 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     if pipe.num_stages != num_stages:
         raise AutoshardError(f"splitting at {split_points} gave {pipe.num_stages} stages, not {num_stages}; "
                              f"name modules that run in order, each once")
-    local = stage_indices(pp_rank, pp_size, virtual_stages)
+    local = stage_indices(pp_rank, pp_size, virtual_stages, placement)
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     tied = _local_tied_copies(pipe, local, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
-                          tp_group, state_aliases(model))
+                          tp_group, state_aliases(model), placement)
 
 
 def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -299,7 +315,10 @@ def _holders_group(holders: list[int], pp_size: int, pp_group):
 
 
 def build_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable, schedule: str):
-    """GPipe, 1F1B or interleaved 1F1B over the local stages; gradients are the mean over micro-batches.
+    """torch's schedule named ``schedule`` (``SCHEDULES``) over the local stages; gradients are the mean
+    over micro-batches. The zero-bubble ones (interleaved-zb, zbv, dualpipev) split each stage's backward
+    into the input's gradient and the weights' (``stage_backward_input`` / ``stage_backward_weight``);
+    zbv and dualpipev need the stages placed in a V (``stage_indices``).
 
     ``loss_fn(outputs, targets)`` sees the model's own output structure (e.g. a Hugging Face
     ``CausalLMOutput``), rebuilt from the last stage's flat tensors.
@@ -309,10 +328,30 @@ def build_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable
     multi = schedule in MULTI_STAGE_SCHEDULES
     if multi != (len(parts.stages) > 1):
         raise AutoshardError(f"schedule '{schedule}' with {len(parts.stages)} stage(s) per rank: "
-                             f"interleaved-1f1b needs virtual_stages > 1, gpipe and 1f1b need exactly 1")
+                             f"{', '.join(sorted(MULTI_STAGE_SCHEDULES))} need virtual_stages > 1, gpipe and 1f1b "
+                             f"need exactly 1")
+    if (schedule in V_PLACED_SCHEDULES) != (parts.placement == "v"):
+        want = "v" if schedule in V_PLACED_SCHEDULES else "loop"
+        raise AutoshardError(f"schedule '{schedule}' runs stages placed '{want}', but this rank's were placed "
+                             f"'{parts.placement}'; split with placement='{want}'")
     stage_loss = _structured_loss(loss_fn, parts.output_spec)
     stages = parts.stages if multi else parts.stages[0]
+    if parts.placement == "v":
+        for stage in parts.stages:
+            _skip_own_rank_in_warmup(stage)
     return SCHEDULES[schedule](stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
+
+
+def _skip_own_rank_in_warmup(stage: _PipelineStageBase) -> None:
+    """The V's tip holds stages pp − 1 and pp on one rank: the schedules send nothing between them, but
+    the stages' first-step handshake (``_get_init_p2p_neighbors_ops``) would send to the rank itself,
+    which gloo refuses ("Pair is not connected"). Leave those out: the two ends of each are on this rank."""
+    neighbour_ops = stage._get_init_p2p_neighbors_ops
+
+    def ops_to_other_ranks() -> list[dist.P2POp]:
+        return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops_to_other_ranks
 
 
 def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec) -> Callable:

@@ -44,10 +44,12 @@ would be swapped silently. Each stage's inputs are put in the previous stage's o
 
 Contiguous transfers. Send and receive buffers must be contiguous (gloo refuses others), but
 a stage may hand on a view: the expanded 4-D attention masks of BERT, T5 and ViT, a transposed
-bias. Every stage output but the last stage's becomes ``output.contiguous()`` (the identity on
-values and gradients, a no-op on a tensor already contiguous), and the receiving placeholders
-are described with contiguous strides, from which the stages size their buffers
-(``make_transfers_contiguous``).
+bias. Every stage output but the last stage's becomes ``sendable(output)``: ``output.contiguous()``
+(the identity on values and gradients, a no-op on a tensor already contiguous), or a copy of a
+contiguous view (HF Llama's rotary tables), so no output is a view: the zero-bubble schedules'
+split backward detaches each stage output in place (``stage_backward_input``), which autograd
+refuses on a view. The receiving placeholders are described with contiguous strides, from which
+the stages size their buffers (``make_transfers_contiguous``).
 """
 
 from __future__ import annotations
@@ -366,11 +368,18 @@ def _contiguous_outputs(module: fx.GraphModule) -> None:
     made = []
     for value in values:
         with module.graph.inserting_before(output):
-            contiguous = module.graph.call_method("contiguous", (value,))
+            contiguous = module.graph.call_function(sendable, (value,))
         contiguous.meta.update(value.meta)
         _describe_contiguous(contiguous)
         made.append(contiguous)
     output.args = (made[0] if single else tuple(made),)
+
+
+def sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous and owning its storage (module doc): a copy of a view, else ``contiguous()``."""
+    if tensor._base is not None:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _describe_contiguous(node: fx.Node) -> None:
