@@ -20,7 +20,15 @@ CASES = {  # name: (model, cluster, ranks, pins)
     "gpt2-pp2-tied": (GPT2, "local-cpu", 2, dict(pp=2, schedule="1f1b")),
     "dp2-tp2-pp2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 8,
                           dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+    # Megatron's distributed optimizer (FSDP2, gradients whole until the last micro-batch) and FSDP2's
+    # replicate (ZeRO-0) on DTensor parameters, TP-local stage shards, and HSDP
+    "dp2-tp2-pp2-zero1": (GPT, "tests/clusters/fast_link_cpu.yaml", 8,
+                          dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b")),
+    "dp2-tp2-zero0": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=2, tp=2, zero=0)),
+    "dp2-tp2-zero1": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=2, tp=2, zero=1)),
+    "dp4-hsdp2x2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=4, tp=1, zero=3, dp_replicate=2)),
 }
+NODES = {"dp4-hsdp2x2-zero3": 2}  # cases planned on several nodes (HSDP), their ranks split evenly
 
 
 def stop_and_resume(cases, root, ranks):
@@ -33,7 +41,9 @@ def stop_and_resume(cases, root, ranks):
         mp.chdir(ROOT)
         for case in cases:
             model, cluster, _, pins = CASES[case]
-            plans[case] = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+            nodes = NODES.get(case, 1)
+            plans[case] = autoshard.plan(model, cluster=cluster, nodes=nodes, devices_per_node=ranks // nodes,
+                                         global_batch=8, **pins)
             program = write_program(plans[case], root / case / "train.py")
             ckpt, stopped = root / case / "ckpt", root / case / "stopped"
             full.append(job(program, "--steps", 4, "--metrics-out", root / case / "full", "--checkpoint-dir", ckpt,
@@ -46,8 +56,16 @@ def stop_and_resume(cases, root, ranks):
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    return stop_and_resume(sorted(c for c in CASES if CASES[c][2] == 2), tmp_path_factory.mktemp("ranks2"), 2)
+def runs_by_ranks(tmp_path_factory):
+    """Every case of one world size in one launch, made the first time a case of that size asks."""
+    made = {}
+
+    def runs(ranks):
+        if ranks not in made:
+            cases = sorted(c for c in CASES if CASES[c][2] == ranks)
+            made[ranks] = stop_and_resume(cases, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks)
+        return made[ranks]
+    return runs
 
 
 def metrics(out):
@@ -55,13 +73,9 @@ def metrics(out):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_is_bit_exact(request, tmp_path, case):
+def test_resume_is_bit_exact(runs_by_ranks, case):
     _, _, ranks, pins = CASES[case]
-    if ranks == 2:
-        runs = request.getfixturevalue("two_rank_runs")
-    else:
-        runs = stop_and_resume([case], tmp_path, ranks)
-    plan, folder = runs[case]
+    plan, folder = runs_by_ranks(ranks)[case]
     assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
     full_losses, full_params = metrics(folder / "full")
     assert [p.name for p in sorted((folder / "ckpt").glob("step-*"))] == ["step-00000002", "step-00000004"]
