@@ -75,7 +75,7 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("recompute", _recompute_text(plan))
     t.add_row("schedule", plan.schedule)
     t.add_row("precision", plan.precision)
-    if plan.zero_stage <= 1 and plan.mesh.dp > 1:
+    if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2:
         t.add_row("DDP buckets", f"{plan.ddp_bucket_cap_mb:g} MiB")
     t.add_row("pinned by you", ", ".join(plan.pinned) or "nothing")
     t.add_row("priced for", runtime_text(plan.runtime))
@@ -165,9 +165,25 @@ def _time_mem(p: Predicted | None) -> tuple[str, str]:
     return f"{p.step_time_s * 1e3:,.3f}", f"{p.memory_peak_bytes_per_rank / MIB:,.1f}"
 
 
+_ZERO_HOW = {  # ir.decisions.DP_RUNTIMES row -> what the user reads
+    "ddp": "DDP, nothing sharded",
+    "ddp-zero-optimizer": "optimizer state sharded (DDP + ZeroRedundancyOptimizer)",
+    "replicate": "nothing sharded (FSDP2's replicate: DDP on DTensor parameters or stages)",
+    "fsdp-accumulate": "optimizer state sharded, gradients summed whole and reduce-scattered once a step (FSDP2; "
+                       "Megatron's distributed optimizer)",
+    "fsdp": "gradients + optimizer state sharded (FSDP2)",
+    "fsdp-reshard": "weights, gradients, optimizer state sharded (FSDP2)",
+}
+
+
 def _zero_how(plan: Plan) -> str:
-    return {0: "DDP, nothing sharded", 1: "optimizer state sharded (ZeroRedundancyOptimizer)",
-            2: "gradients + optimizer state sharded (FSDP2)", 3: "weights, gradients, optimizer state sharded (FSDP2)"}[plan.zero_stage]
+    if plan.mesh.dp == 1:
+        return "one dp rank: nothing to shard"
+    how = _ZERO_HOW[plan.decisions.dp_runtime.name]
+    if plan.dp_replicate > 1:
+        how += (f"; HSDP: sharded over the {plan.mesh.dp // plan.dp_replicate} ranks of a node, "
+                f"{plan.dp_replicate} replicas across nodes")
+    return how
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -294,7 +310,9 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "split points": ", ".join(plan.split_points) or "none",
         "precision": plan.precision,
         "priced for": plan.runtime,
-        "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.zero_stage <= 1 and plan.mesh.dp > 1 else "-",
+        "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2
+        else "-",
+        "HSDP replicas": str(plan.dp_replicate),
     }
     return rows
 

@@ -251,8 +251,10 @@ def _parallelize_doc(plan: Plan) -> str:
     if plan.recompute != "none":
         parts.append(f"recompute {plan.recompute}")
     if plan.mesh.dp > 1:
+        wrapper = plan.decisions.dp_runtime.wrapper
         parts.append(f"ZeRO-{plan.zero_stage} over {plan.mesh.dp} dp ranks"
-                     + (" (DDP)" if plan.zero_stage <= 1 else " (FSDP2)"))
+                     + {"DistributedDataParallel": " (DDP)", "replicate": " (FSDP2's replicate)"}.get(wrapper, " (FSDP2)")
+                     + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else ""))
     else:
         parts.append("one data-parallel rank: no gradient synchronisation")
     return ("Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + ".")
