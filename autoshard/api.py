@@ -39,7 +39,6 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
     stages follow the schedule, the planner's stage cuts). It is priced like ``plan`` prices it (a
     fitting one is the same plan) and returned even when it does not fit (its ``notes`` say by how
     much); ``runtime`` as for ``plan``."""
-    pins.setdefault("dp_replicate", 1)  # plain FSDP2 unless HSDP is asked for
     missing = Pins(**pins).missing_for_estimate()
     if missing:
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")

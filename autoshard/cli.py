@@ -105,7 +105,8 @@ def _add_estimate(sub, common) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts")
+PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts",
+             "dp_replicate")
 
 
 def _add_plan_arguments(p) -> None:
@@ -262,7 +263,6 @@ def cmd_estimate(args) -> int:
 
         plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                             devices_per_node=args.devices_per_node, fold=not args.no_fold, cache=not args.no_cache,
-                            dp_replicate=args.dp_replicate or 1,
                             runtime=args.runtime, **pins)
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]

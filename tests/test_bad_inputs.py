@@ -117,6 +117,23 @@ OUTPUTS = [  # where results would be written
     (["calibrate", "-o", "{tmp}/no_such_folder/cluster.yaml"], "does not exist"),
 ]
 
+PIPELINE_PINS = [  # --virtual-stages, --stage-cuts, --runtime: one line, before capture where no graph is needed
+    (plan_args(GPT, "--virtual-stages", "0"), "--virtual-stages 0 must be a positive integer"),
+    (plan_args(GPT, "--virtual-stages", "two"), "invalid int value: 'two'"),
+    (plan_args(GPT, "--virtual-stages", "2", "--pp", "1"), "--virtual-stages 2 puts 2 stages on each pipeline rank"),
+    (plan_args(GPT, "--virtual-stages", "2", "--schedule", "1f1b"), "needs --schedule interleaved-1f1b"),
+    (plan_args(GPT, "--virtual-stages", "1", "--schedule", "interleaved-1f1b"), "runs 2 or more stages per rank"),
+    (plan_args(GPT, "--virtual-stages", "3", "--pp", "2"), "needs 6 blocks, the model has 4"),
+    (plan_args(GPT, "--stage-cuts", "2,1"), "--stage-cuts 2,1 must be 'even' or increasing block indices"),
+    (plan_args(GPT, "--stage-cuts", "0"), "--stage-cuts 0 must be 'even' or increasing block indices >= 1"),
+    (plan_args(GPT, "--stage-cuts", "even", "--pp", "1"), "splits pipeline stages but --pp 1"),
+    (plan_args(GPT, "--stage-cuts", "1,2", "--pp", "2", "--schedule", "1f1b"), "gives 3 stages, but --pp 2 x 1"),
+    (plan_args(GPT, "--stage-cuts", "9", "--pp", "2", "--schedule", "1f1b"), "names block 9, but the model's blocks"),
+    (plan_args(GPT, "--runtime", "deepspeed"), "invalid choice: 'deepspeed'"),
+    (["estimate", GPT, *LOCAL, "--dp", "1", "--tp", "1", "--pp", "2", "--zero", "0", "--microbatch-size", "2",
+      "--recompute", "none"], "pin --schedule too"),
+]
+
 USAGE = [
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["plan", GPT, "--global-batch", "8"], "the following arguments are required: --cluster"),
@@ -124,7 +141,8 @@ USAGE = [
     (["plan", GPT, *LOCAL, "--recompute", "sometimes"], "invalid choice: 'sometimes'"),
 ]
 
-CASES = MODEL_FILES + UNTRACEABLE + UNSUPPORTED_OPS + DIMENSIONS + CLUSTER_FILES + INFEASIBLE + OUTPUTS + USAGE
+CASES = MODEL_FILES + UNTRACEABLE + UNSUPPORTED_OPS + DIMENSIONS + CLUSTER_FILES + INFEASIBLE + PIPELINE_PINS + OUTPUTS + \
+    USAGE
 
 
 def _id(argv: list[str]) -> str:
@@ -169,7 +187,7 @@ def _fill(argv, tmp_path, plan_path):
 def test_bad_input_is_one_line_exit_2(in_repo, capsys, tmp_path, good_plan, argv, message):
     argv = _fill(argv, tmp_path, good_plan)
     output = tmp_path / "plan.json"
-    if argv[0] == "plan" and "-o" not in argv:
+    if argv[0] in ("plan", "estimate") and "-o" not in argv:
         argv = argv + ["-o", str(output)]
     before = sorted(in_repo.joinpath("tests/bad_inputs").iterdir())
     code, out, err = run_cli(capsys, argv)
@@ -382,4 +400,4 @@ def test_program_refuses_a_model_changed_after_compile(capsys, tmp_path, planned
 def test_corpus_covers_every_category():
     assert len(CASES) + len(TAMPERED) >= 30  # and 6 scenarios above: model mismatch, launch, cluster plans
     assert all(len(group) >= 2 for group in (MODEL_FILES, UNTRACEABLE, UNSUPPORTED_OPS, DIMENSIONS, CLUSTER_FILES,
-                                              INFEASIBLE, TAMPERED))
+                                              INFEASIBLE, PIPELINE_PINS, TAMPERED))

@@ -137,3 +137,53 @@ def test_compile_writes_a_slurm_script_with_the_multi_node_torchrun(in_repo, tmp
     assert ("srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
             "--rdzv-id $JOB_ID train.py") in script
     assert subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")], check=False).returncode == 0
+
+
+PIPELINE = ["--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--dp", "1", "--tp", "1",
+            "--pp", "2", "--zero", "0", "--microbatch-size", "2", "--recompute", "none"]
+
+
+def test_virtual_stages_and_even_cuts_are_pinned(in_repo, capsys):
+    """--virtual-stages 2 implies interleaved 1F1B (estimate needs no --schedule); --stage-cuts even puts
+    L / (pp·v) blocks in each stage, Megatron-LM's split; a pin left out is not recorded as pinned."""
+    code, out, _ = run_cli(capsys, "estimate", GPT, *PIPELINE, "--virtual-stages", "2", "--stage-cuts", "even",
+                           "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["decisions"]["schedule"] == "interleaved-1f1b" and plan["decisions"]["virtual_stages"] == 2
+    assert plan["layout"]["split_points"] == ["h.1", "h.2", "h.3"]
+    assert "schedule" not in plan["provenance"]["pinned"] and "stage_cuts" in plan["provenance"]["pinned"]
+    code, out, _ = run_cli(capsys, "estimate", GPT, *PIPELINE, "--schedule", "1f1b", "--stage-cuts", "3", "--json")
+    assert code == 0 and json.loads(out)["layout"]["split_points"] == ["h.3"]
+    assert json.loads(out)["decisions"]["virtual_stages"] == 1  # follows the schedule
+
+
+def test_plan_honours_virtual_stages(in_repo, capsys):
+    from autoshard.passes.strategies import runs_virtual_stages
+
+    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
+                           "--global-batch", "8", "--virtual-stages", "2", "--json")
+    decisions = json.loads(out)["decisions"]
+    assert code == 0 and decisions["mesh"]["pp"] == 2 and decisions["virtual_stages"] == 2
+    assert runs_virtual_stages(decisions["schedule"], 2) and not runs_virtual_stages(decisions["schedule"], 1)
+
+
+def test_runtime_megatron_lm_prices_megatron_and_says_the_program_is_autoshard(in_repo, capsys, tmp_path):
+    """--runtime megatron-lm: the plan records it (provenance.runtime), its price is Megatron-LM's (fp16 with
+    fp32 Adam state, scores through HBM: not autoshard's), and the printout and notes say that compile still
+    emits autoshard's program."""
+    pins = [*PIPELINE, "--schedule", "1f1b"]
+    code, out, _ = run_cli(capsys, "estimate", GPT, *pins, "--json")
+    ours = json.loads(out)
+    code, out, _ = run_cli(capsys, "estimate", GPT, *pins, "--runtime", "megatron-lm", "--json")
+    megatron = json.loads(out)
+    assert code == 0 and ours["provenance"]["runtime"] == "autoshard"
+    assert megatron["provenance"]["runtime"] == "megatron-lm"
+    assert megatron["predicted"] != ours["predicted"] and megatron["decisions"] == ours["decisions"]
+    assert any("still emits autoshard's program" in note for note in megatron["review"]["notes"])
+    path = tmp_path / "m.json"
+    run_cli(capsys, "estimate", GPT, *pins, "--runtime", "megatron-lm", "-o", str(path))
+    code, out, _ = run_cli(capsys, "inspect", str(path))
+    assert code == 0 and "priced for" in out and "megatron-lm" in out
+    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
+                           "--global-batch", "8", "--runtime", "megatron-lm", "--json")
+    assert code == 0 and json.loads(out)["provenance"]["runtime"] == "megatron-lm"

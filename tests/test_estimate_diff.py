@@ -10,7 +10,7 @@ from autoshard.cli import main
 GPT = "examples/gpt.py:build"
 CLUSTER = ["--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16"]
 PINS = ["--dp", "4", "--tp", "1", "--pp", "1", "--zero", "1", "--microbatch-size", "2", "--recompute", "selective"]
-PIPELINE = ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "2", "--microbatch-size", "2", "--recompute", "none",
+PIPELINE = ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--microbatch-size", "2", "--recompute", "none",
             "--schedule", "1f1b"]
 
 
