@@ -199,23 +199,28 @@ def _check_schedule(pins: Pins) -> None:
         raise AutoshardError(f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
                              f"drop --schedule or pin --pp 2 or more")
     if pins.schedule in ZERO_BUBBLE_SCHEDULES:
-        why = split_backward_refusal(pins.zero, pins.recompute)
+        why = split_backward_refusal(pins.zero, pins.recompute, pins.tp)
         if why:
             raise AutoshardError(f"--schedule {pins.schedule} with {why}")
 
 
-def split_backward_refusal(zero: int | None, recompute: str | None) -> str:
+def split_backward_refusal(zero: int | None, recompute: str | None, tp: int | None = None) -> str:
     """Why a zero-bubble schedule (backward split into the inputs' and the weights' gradients, torch's
-    ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage or recompute
-    mode ("" when it can), found on CPU ranks against one process (``tests/e2e/test_pipeline_schedules.py``):
-    ZeRO-3 (FSDP2 resharding each stage after forward) trains to other weights, and selective
-    recompute's saved-tensor policy lets a region run backward once, not twice."""
+    ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage, recompute
+    mode and tp ("" when it can), found on CPU ranks against one process
+    (``tests/e2e/test_pipeline_schedules.py``): ZeRO-3 (FSDP2 resharding each stage after forward)
+    trains to other weights; selective recompute's saved-tensor policy lets a region run backward
+    once, not twice; full recompute of TP local shards recomputes another number of tensors than
+    the forward saved (transformers' Llama)."""
     if zero == 3:
         return ("--zero 3: FSDP2's reshard after forward does not train like one process with the split "
                 "backward; pin --zero 1, or a schedule without split backward (1f1b, interleaved-1f1b)")
     if recompute == "selective":
         return ("--recompute selective: its policy lets a recomputed region run backward once, and the split "
                 "backward runs it twice; pin --recompute full or none, or --schedule 1f1b")
+    if recompute == "full" and (tp or 1) > 1:
+        return (f"--recompute full and --tp {tp}: recomputing tensor-parallel shards under the split backward "
+                f"saves other tensors than the forward did; pin --recompute none, or --schedule 1f1b")
     return ""
 
 
@@ -441,7 +446,7 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
                 continue
             out += [Decisions(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
                               schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes
-                    if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r)]
+                    if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r, mesh.tp)]
     return sorted(out, key=lambda c: (SCHEDULES.index(c.schedule), c.zero_stage,
                                       -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute)))
 

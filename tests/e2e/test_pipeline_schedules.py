@@ -1,0 +1,78 @@
+"""The zero-bubble pipeline schedules train like one process (4 ranks, one torchrun launch).
+
+torch's ``ScheduleInterleavedZeroBubble`` (interleaved-zb), ``ScheduleZBVZeroBubble`` (zbv) and
+``ScheduleDualPipeV`` (dualpipev) split each stage's backward into the input's gradient and the
+weights' (``stage_backward_input`` / ``stage_backward_weight``) and run on the traced stage modules
+of ``pipeline()``; zbv and dualpipev place the stages in a V (rank r holds stages r and 3 − r at
+pp = 2). Each plan is pinned to pp = 2 beside dp = 2 (FSDP2 on each stage module, ZeRO-0 and -1) or
+tp = 2 (local shards whose collectives are custom ops), one with full recompute inside the stages,
+on the bundled GPT and on transformers' Llama with 4 layers (``build_4_layers``: two stages per
+rank need 4 blocks; the 2-layer ``build`` is refused in one line). The emitted programs run one
+after another in a single launch (``zoo_driver.py``), and each is judged against fp32 and float64
+one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3, selective recompute, and full
+recompute beside tp > 1 do not train like one process with the split backward (wrong weights, or
+checkpoint errors) and are refused by the planner (``strategies.split_backward_refusal``;
+``tests/test_search_tp_pp.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.launch import run_torchrun, write_program
+from e2e.zoo import DRIVER, FAST_LINK, GLOBAL_BATCH, LR, SEED, STEPS, _last_lines, _verdict
+
+pytestmark = pytest.mark.e2e
+
+GPT, LLAMA, LLAMA_2_LAYERS = "examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", \
+    "tests/models/hf_llama.py:build"
+RANKS = 4
+CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2, each model all three
+    "gpt-dp2-pp2-zbv": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
+    "gpt-tp2-pp2-dualpipev": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="dualpipev", recompute="none")),
+    "gpt-dp2-pp2-interleaved-zb-full": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb",
+                                                               recompute="full")),
+    "llama-dp2-pp2-dualpipev": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=0, schedule="dualpipev",
+                                                         recompute="none")),
+    "llama-tp2-pp2-zbv": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="zbv", recompute="none")),
+    "llama-dp2-pp2-interleaved-zb": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb",
+                                                              recompute="none")),
+}
+
+
+def test_two_layer_llama_is_refused_two_stages_per_rank():
+    with pytest.raises(AutoshardError, match="--schedule zbv puts 2 stages on each of --pp 2 ranks: needs 4 blocks"):
+        autoshard.plan(LLAMA_2_LAYERS, cluster="local-cpu", devices_per_node=RANKS, global_batch=GLOBAL_BATCH,
+                       dp=2, tp=1, pp=2, schedule="zbv")
+
+
+def test_zero_bubble_schedules_train_like_one_process(in_repo, tmp_path):
+    plans = {}
+    for name, (model, cluster, pins) in CASES.items():
+        plan = autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.virtual_stages) == \
+            (pins["dp"], pins["tp"], 2, pins["schedule"], 2), name
+        if plan.mesh.tp > 1:
+            assert plan.tensor_parallel, f"{name}: a tp plan shards something"
+        text = write_program(plan, tmp_path / name / "train.py").read_text()
+        v_placed = plan.schedule in ("zbv", "dualpipev")
+        assert ("placement=PLACEMENT" in text) == v_placed, f"{name}: the split names its placement"
+        if v_placed:
+            assert "rank 0: 0 and 3, rank 1: 1 and 2" in text and "rank r keeps stages r and 3 - r" in text, name
+        plans[name] = plan
+    cases = [{"name": name, "program": str(tmp_path / name / "train.py"), "metrics_out": str(tmp_path / name / "out"),
+              "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
+                       "--metrics-out", str(tmp_path / name / "out")]} for name in plans]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = run_torchrun(DRIVER, RANKS, [str(tmp_path / "cases.json")], quiet=True)
+    for name, plan in plans.items():
+        out = tmp_path / name / "out"
+        errors = sorted(out.glob("error-rank*.txt"))
+        assert not errors, f"{name} crashed: {_last_lines(errors[0].read_text())}"
+        assert (out / "metrics.json").exists(), f"{name} did not run: {proc.crash or proc.stdout[-2000:]}"
+        status, detail = _verdict(CASES[name][0], plan, out)
+        assert status == "verified", f"{name}: {detail}"
