@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.dp_comm import stage_ranks
+from autoshard.cost.schedule import stage_ranks as schedule_stage_ranks
 from autoshard.cost.memory import precision_for_graph
 from autoshard.cost.step import price_parts
 from autoshard.cost.symbolic import symbolic_cost
@@ -141,7 +142,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         num_microbatches=c.num_microbatches,
         schedule=c.schedule,
         recompute=c.recompute,
-        stages=pipeline_stages(graph, c.mesh, best.cuts),
+        stages=pipeline_stages(graph, c.mesh, best.cuts, c.schedule, c.virtual_stages),
         tensor_parallel=dict(tp.sharded) if tp is not None else {},
         tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
         virtual_stages=c.virtual_stages,
@@ -191,14 +192,17 @@ RUNTIME_NOTE = ("priced as {runtime} runs this configuration (--runtime {runtime
                 "runs; `autoshard compile` still emits autoshard's program, which `--runtime autoshard` prices")
 
 
-def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...]) -> tuple[Stage, ...]:
+def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...], schedule: str = "1f1b",
+                    virtual_stages: int = 1) -> tuple[Stage, ...]:
     """One Stage per pipeline stage (one in all without pipelining): its top-level / block modules
-    in run order and the ranks holding it (pp rank s mod pp, all of its dp × tp)."""
+    in run order and the ranks holding it (all of its pp rank's dp × tp; pp rank s mod pp, or in a V
+    ``cost.schedule.stage_ranks``'s)."""
     if mesh.pp == 1:
         return (Stage(index=0, modules=top_level_modules(graph), ranks=tuple(range(mesh.world_size))),)
     names = unit_modules(graph)
+    owner = schedule_stage_ranks(schedule, mesh.pp, virtual_stages)
     return tuple(Stage(index=s, modules=tuple(m for u in stage_units(rng, len(graph.blocks)) for m in names[u]),
-                       ranks=stage_ranks(mesh, s))
+                       ranks=stage_ranks(mesh, owner[s]))
                  for s, rng in enumerate(stage_ranges(cuts, len(graph.blocks))))
 
 

@@ -154,7 +154,8 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
-    tied = _local_tied_copies(pipe, local, pp_size, pp_group)
+    owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
+    tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
                           tp_group, state_aliases(model), placement)
 
@@ -290,17 +291,18 @@ def _join(scope: str, name: str) -> str:
     return f"{scope}.{name}" if scope else name
 
 
-def _local_tied_copies(pipe, local: list[int], pp_size: int, pp_group) -> list[TiedCopies]:
+def _local_tied_copies(pipe, local: list[int], owner: dict[int, int], pp_size: int, pp_group) -> list[TiedCopies]:
     """For each parameter ``pipeline()`` replicated over stages, the copies this rank holds.
 
-    The sum runs over the pp ranks holding a copy: the whole pp group when that is all of it
-    (pp = 2), else a subgroup made only by its members (``use_local_synchronization``).
+    The sum runs over the pp ranks holding a copy (``owner``: each stage's pp rank): the whole pp
+    group when that is all of it (pp = 2, looped), else a subgroup made only by its members
+    (``use_local_synchronization``): in a V the first and the last stage's copies are both on rank 0.
     """
     stage_of = {id(pipe.get_stage_module(i)): i for i in range(pipe.num_stages)}
     ties = []
     for uses in pipe.replicated_params:  # {submodule name: parameter name in it}
         held = {stage_of[id(pipe.split_gm.get_submodule(sub))]: name for sub, name in uses.items()}
-        holders = sorted({index % pp_size for index in held})
+        holders = sorted({owner[index] for index in held})
         copies = [(local.index(index), name) for index, name in held.items() if index in local]
         if copies:
             ties.append(TiedCopies(copies, _holders_group(holders, pp_size, pp_group)))

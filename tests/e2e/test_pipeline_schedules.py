@@ -7,7 +7,9 @@ of ``pipeline()``; zbv and dualpipev place the stages in a V (rank r holds stage
 pp = 2). Each plan is pinned to pp = 2 beside dp = 2 (FSDP2 on each stage module, ZeRO-0 and -1) or
 tp = 2 (local shards whose collectives are custom ops), one with full recompute inside the stages,
 on the bundled GPT and on transformers' Llama with 4 layers (``build_4_layers``: two stages per
-rank need 4 blocks; the 2-layer ``build`` is refused in one line). The emitted programs run one
+rank need 4 blocks; the 2-layer ``build`` is refused in one line), and on transformers' GPT-2, whose
+tied embedding and head both sit on rank 0 in a V (their gradients are summed there, no peer to
+wait for). The emitted programs run one
 after another in a single launch (``zoo_driver.py``), and each is judged against fp32 and float64
 one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3, selective recompute, and full
 recompute beside tp > 1 do not train like one process with the split backward (wrong weights, or
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.e2e
 
 GPT, LLAMA, LLAMA_2_LAYERS = "examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", \
     "tests/models/hf_llama.py:build"
+GPT2_TIED = "tests/models/hf_gpt2.py:build_4_layers"  # embedding and head tied: both copies on rank 0 in a V
 RANKS = 4
 CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2, each model all three
     "gpt-dp2-pp2-zbv": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
@@ -41,6 +44,8 @@ CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2
     "llama-tp2-pp2-zbv": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="zbv", recompute="none")),
     "llama-dp2-pp2-interleaved-zb": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb",
                                                               recompute="none")),
+    "gpt2-tied-dp2-pp2-zbv": (GPT2_TIED, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv",
+                                                           recompute="none")),
 }
 
 

@@ -27,9 +27,9 @@ SEQ_LEN = 32
 VOCAB_SIZE = 256
 
 
-def config() -> GPT2Config:
+def config(layers: int = 2) -> GPT2Config:
     return GPT2Config(
-        vocab_size=VOCAB_SIZE, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+        vocab_size=VOCAB_SIZE, n_positions=64, n_embd=64, n_layer=layers, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
         bos_token_id=VOCAB_SIZE - 1, eos_token_id=VOCAB_SIZE - 1,
         use_cache=False, attn_implementation="sdpa",
@@ -38,6 +38,11 @@ def config() -> GPT2Config:
 
 def build() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config())
+
+
+def build_4_layers() -> GPT2LMHeadModel:
+    """Enough blocks for two stages per rank at pp = 2, the tied embedding and head on rank 0 in a V."""
+    return GPT2LMHeadModel(config(layers=4))
 
 
 def build_with_dropout() -> GPT2LMHeadModel:
