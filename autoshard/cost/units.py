@@ -50,7 +50,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost import eager
-from autoshard.cost.compute import BACKWARD_TO_FORWARD, _weight_bytes_per_node, op_backward_s, op_forward_s
+from autoshard.cost.compute import (BACKWARD_TO_FORWARD, CONVOLUTION_TARGETS, SDPA_TARGET, _weight_bytes_per_node,
+                                    op_backward_s, op_forward_s)
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads
@@ -184,7 +185,6 @@ def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
     T_KERNEL × (3·k + k_light + loss kernels), k the elementwise ops that move bytes (forward once,
     backward twice as ``compute.op_backward_s`` prices them), k_light those of blocks recomputed
     (selective; all of them under full). Part of ``unit_costs``'s times, named for reports."""
-    from autoshard.cost.compute import CONVOLUTION_TARGETS, SDPA_TARGET
     matmuls = eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS + CONVOLUTION_TARGETS + (SDPA_TARGET,)
     in_block = {n for b in graph.blocks for n in b.node_names}
     kernels = [n for n in graph.nodes if (n.bytes_read or n.bytes_written) and not n.target.startswith(matmuls)]
