@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.cost.schedule import bubble_fraction, format_grid, makespan_s, rank_orders, shared_makespan_s, simulate
+from autoshard.cost.rank_memory import in_flight
+from autoshard.cost.schedule import (Action, bubble_fraction, draw, format_grid, idle_slots, makespan_s, peak_in_flight,
+                                     rank_orders, rank_stages, shared_makespan_s, simulate, stage_ranks)
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", [
@@ -85,3 +87,130 @@ def test_a_wait_takes_no_core():
     orders = rank_orders("gpipe", 3, 2)
     span = shared_makespan_s(orders, 3, [1.0] * 3, [1.0] * 3, 1, 1.0, [1.0, 0.0, 1.0], [0.0] * 3)
     assert span == pytest.approx(20 / 3)
+
+
+# ---------------------------------------------------------------------------- zero bubble (split backward)
+
+ZERO_BUBBLE = ["interleaved-zb", "zbv", "dualpipev"]
+
+
+def _zero_bubble_cases(pp_degrees=(2, 3, 4), most=4):
+    """(schedule, pp, m) for every m torch's schedule takes up to most·pp (``strategies.microbatch_refusal``)."""
+    for schedule in ZERO_BUBBLE:
+        for pp in pp_degrees:
+            for m in range(2 * pp if schedule == "dualpipev" else pp, most * pp + 1):
+                if schedule == "interleaved-zb" and m % max(1, m // pp):
+                    continue
+                yield schedule, pp, m
+
+
+def _torch_orders(schedule: str, pp: int, m: int) -> list[list[Action]]:
+    """torch's own ``_calculate_single_rank_operations`` per rank, on an object with only the fields it
+    reads (a live schedule needs stages and process groups); an overlapped F + B is its F, then its B."""
+    from torch.distributed.pipelining import schedules as S
+    kinds = {S.FORWARD: "F", S.FULL_BACKWARD: "B", S.BACKWARD_INPUT: "I", S.BACKWARD_WEIGHT: "W"}
+    cls = {"interleaved-zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
+           "dualpipev": S.ScheduleDualPipeV}[schedule]
+    obj = object.__new__(cls)
+    obj.pp_group_size, obj._n_microbatches, obj.n_local_stages = pp, m, 2
+    obj.num_stages = obj._num_stages = 2 * pp
+    obj.number_of_rounds = max(1, m // pp)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    orders = []
+    for rank in range(pp):
+        obj.rank = rank
+        order = []
+        for a in obj._calculate_single_rank_operations(rank):
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                order.append(Action(sub.stage_index, kinds[sub.computation_type], sub.microbatch_index))
+        orders.append(order)
+    return orders
+
+
+@pytest.mark.parametrize("schedule, pp, m", list(_zero_bubble_cases()))
+def test_zero_bubble_orders_are_torchs(schedule, pp, m):
+    assert rank_orders(schedule, pp, m, 2) == _torch_orders(schedule, pp, m)
+
+
+@pytest.mark.parametrize("schedule, pp, m", list(_zero_bubble_cases()))
+def test_zero_bubble_runs_every_backward_once_in_order(schedule, pp, m):
+    """Each (stage, micro-batch) has one F and either a full B or an I then a W, on the rank holding it."""
+    orders = rank_orders(schedule, pp, m, 2)
+    grid = draw(schedule, pp, m, 2)  # finishes: the dependencies never deadlock
+    assert len(grid) == pp
+    for r, order in enumerate(orders):
+        assert {a.stage for a in order} == set(rank_stages(schedule, pp, 2, r))
+        for stage in rank_stages(schedule, pp, 2, r):
+            for mb in range(m):
+                kinds = [a.kind for a in order if (a.stage, a.microbatch) == (stage, mb)]
+                assert kinds in (["F", "B"], ["F", "I", "W"]), (stage, mb, kinds)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [(s, pp, m) for s in ZERO_BUBBLE for pp in (2, 3, 4, 8)
+                                             for m in (2 * pp, 4 * pp, 8 * pp)])
+def test_zero_bubble_idles_a_third_of_1f1b(schedule, pp, m):
+    """F, I, W one slot each, B two: each rank idles p − 1 slots, 1F1B and interleaved 1F1B 3(p − 1);
+    the bubble is (p − 1)·T/(3v) with T = 3v slots of work per micro-batch (``cost.schedule`` doc)."""
+    assert idle_slots(draw(schedule, pp, m, 2)) == [pp - 1] * pp
+    for legacy, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        assert idle_slots(simulate(rank_orders(legacy, pp, m, v), pp * v, backward_slots=2)) == [3 * (pp - 1)] * pp
+    grid = draw(schedule, pp, m, 2)
+    assert len(grid[0]) == m * 6 + (pp - 1)  # the span: m·T + (p − 1) slots
+
+
+def test_zbv_below_2p_micro_batches_idles_more():
+    """torch's ZBV is written for 2p − 1 or more micro-batches; at m = p each rank idles 2(p − 1)."""
+    assert idle_slots(draw("zbv", 4, 4, 2)) == [6] * 4
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", [
+    ("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("interleaved-zb", 4, 8, 2),
+    ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2), ("zbv", 3, 4, 2)])
+def test_makespan_with_unit_actions_is_the_grid(schedule, pp, m, v):
+    """F = I = W = 1 s and B = 2 s: the timed run is the unit grid (B two slots)."""
+    stages = pp * v
+    span = makespan_s(rank_orders(schedule, pp, m, v), stages, [1.0] * stages, [2.0] * stages, [1.0] * stages)
+    assert span == len(simulate(rank_orders(schedule, pp, m, v), stages, backward_slots=2)[0])
+    shared = shared_makespan_s(rank_orders(schedule, pp, m, v), stages, [1.0] * stages, [2.0] * stages, 1, 64.0,
+                               weight_s=[1.0] * stages)
+    assert shared == pytest.approx(span, rel=1e-12)  # every rank its own core: no sharing
+
+
+def test_weight_gradients_fill_the_bubble_only_when_split():
+    """With W = 0 the I carries the whole backward and zbv's span is longer than with W = B/2."""
+    orders = rank_orders("zbv", 4, 8, 2)
+    ones, twos = [1.0] * 8, [2.0] * 8
+    assert makespan_s(orders, 8, ones, twos, [1.0] * 8) < makespan_s(orders, 8, ones, twos, [0.0] * 8)
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", [
+    ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 16, 1), ("interleaved-1f1b", 2, 4, 2),
+    ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 16, 2)])
+def test_peak_in_flight_from_the_order_is_the_formula(schedule, pp, m, v):
+    """Counting F until B action by action gives ``rank_memory.in_flight``'s micro-batches."""
+    for r, order in enumerate(rank_orders(schedule, pp, m, v)):
+        assert peak_in_flight(order, {s: 1 / v for s in range(pp * v)}) == pytest.approx(in_flight(schedule, m, pp, v, r))
+
+
+@pytest.mark.parametrize("schedule, peak", [("interleaved-zb", 4.0), ("zbv", 4.0), ("dualpipev", 4.5)])
+def test_zero_bubble_holds_p_micro_batches_on_every_rank(schedule, peak):
+    """W runs late, so a stage keeps its inputs longer: p micro-batches on every rank (1F1B: p − r)."""
+    orders = rank_orders(schedule, 4, 16, 2)
+    assert [peak_in_flight(o, {s: 0.5 for s in range(8)}) for o in orders] == [peak] * 4
+
+
+def test_v_placement_is_the_runtimes():
+    """Pricing and the runtime agree on which stages each rank holds: a V for zbv and dualpipev."""
+    from autoshard.runtime.pipeline_parallel import stage_indices
+    assert rank_stages("zbv", 4, 2, 0) == [0, 7] == stage_indices(0, 4, 2, "v")
+    assert stage_ranks("dualpipev", 2, 2) == [0, 1, 1, 0]
+    assert stage_ranks("interleaved-zb", 2, 2) == [0, 1, 0, 1]
+    for schedule, placement in (("zbv", "v"), ("interleaved-zb", "loop"), ("interleaved-1f1b", "loop")):
+        for r in range(4):
+            assert rank_stages(schedule, 4, 2, r) == stage_indices(r, 4, 2, placement)
+
+
+def test_zbv_grid_text_golden():
+    assert format_grid(draw("zbv", 2, 4, 2)) == (
+        "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .\n"
+        "rank 1 |   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3")

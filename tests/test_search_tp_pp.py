@@ -18,7 +18,7 @@ from autoshard.cost.memory import activation_bytes, precision_for_backend
 from autoshard.cost.compute import microbatch_compute
 from autoshard.cost.dp_comm import stage_ranks
 from autoshard.cost.rank_memory import in_flight
-from autoshard.cost.units import stage_ranges, unit_costs
+from autoshard.cost.units import stage_ranges, stage_units, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps
 from autoshard.passes.strategies import Pins
@@ -151,7 +151,8 @@ def check_pipeline(p, graph):
     assert held == blocks  # every block once, in order
     assert p.stages[0].modules[:2] == ("wte", "wpe") and p.stages[-1].modules[-2:] == ("ln_f", "lm_head")
     for s in p.stages:
-        assert s.ranks == stage_ranks(p.mesh, s.index)
+        assert s.ranks == stage_ranks(p.mesh, s.index % p.mesh.pp if p.schedule not in ("zbv", "dualpipev")
+                                      else (s.index if s.index < p.mesh.pp else 2 * p.mesh.pp - 1 - s.index))
     assert p.num_microbatches >= p.mesh.pp and p.recompute == "none"
     assert p.zero_stage in ((0, 1, 3) if p.mesh.dp > 1 else (0,))  # ZeRO-2 runs as ZeRO-1 in a pipeline
 
@@ -176,6 +177,88 @@ def test_pin_pp_2_with_a_schedule(gpt, schedule, virtual):
     if schedule == "interleaved-1f1b":
         assert p.split_points == ("h.1", "h.2", "h.3")
         assert [s.ranks for s in p.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
+def test_zero_bubble_schedules_are_planned_with_their_placement(gpt, schedule):
+    p = plan(gpt, GPT, local(4), 16, dp=2, pp=2, schedule=schedule)
+    assert (p.mesh.pp, p.virtual_stages, p.split_points) == (2, 2, ("h.1", "h.2", "h.3"))
+    v = schedule != "interleaved-zb"
+    assert [s.ranks for s in p.stages] == ([(0, 1), (2, 3), (2, 3), (0, 1)] if v else [(0, 1), (2, 3), (0, 1), (2, 3)])
+    assert p.zero_stage != 3 and p.recompute != "selective"
+    assert p.num_microbatches >= (4 if schedule == "dualpipev" else 2)
+    split = next(s for s in lower(p) if s.op == "split_pipeline")
+    assert (("placement", "v") in split.arguments) == v
+    assert ("rank r keeps stages r and 3 - r (rank 0 the first and the last" in split.why) == v
+
+
+def test_the_space_has_no_split_backward_that_does_not_train_like_one_process(gpt):
+    from autoshard.passes.strategies import candidate_configs
+    configs = candidate_configs(gpt[1], local(4), 16, Pins())
+    split = [c for c in configs if c.schedule in ("interleaved-zb", "zbv", "dualpipev")]
+    assert {c.schedule for c in split} == {"interleaved-zb", "zbv", "dualpipev"}
+    assert not [c for c in split if c.zero_stage == 3 or c.recompute == "selective"
+                or (c.mesh.tp > 1 and c.recompute == "full")]
+    assert all(c.num_microbatches >= 2 * c.mesh.pp for c in split if c.schedule == "dualpipev")
+    assert {c.zero_stage for c in split if c.mesh.dp > 1} == {0, 1}
+
+
+def test_zero_bubble_prices_a_smaller_bubble_and_more_activations(gpt):
+    """On devices of their own (no shared cores) the split backward's W fills most of 1F1B's bubble,
+    and every rank keeps p micro-batches of activations (1F1B: p − r)."""
+    h100 = load_cluster("dgx-h100", devices_per_node=4)
+    one_f_one_b = plan(gpt, GPT, h100, 64, dp=2, pp=2, schedule="1f1b", microbatch_size=4, zero=1)
+    zbv = plan(gpt, GPT, h100, 64, dp=2, pp=2, schedule="zbv", microbatch_size=4, zero=1)
+    izb = plan(gpt, GPT, h100, 64, dp=2, pp=2, schedule="interleaved-zb", microbatch_size=4, zero=1)
+    assert 0 <= zbv.predicted.bubble_s < 0.5 * one_f_one_b.predicted.bubble_s
+    assert 0 <= izb.predicted.bubble_s < one_f_one_b.predicted.bubble_s
+    for p in (zbv, izb):
+        assert p.predicted.step_time_s == pytest.approx(p.predicted.compute_s + p.predicted.comm_exposed_s
+                                                        + p.predicted.bubble_s)
+    assert zbv.predicted.memory.activations_bytes > one_f_one_b.predicted.memory.activations_bytes
+
+
+def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_same_stage_times(gpt):
+    """GPT's end stages are heavier (embedding, head), so interleaved 1F1B's formula flatters it; run
+    as orders with the same stage times (``schedule.makespan_s``) the zero-bubble one is shorter."""
+    from autoshard.cost.pipeline_step import WEIGHT_GRAD_SHARE, pipeline_span_s, rank_loads, stage_action_times
+    from autoshard.cost.schedule import makespan_s, rank_orders
+    from autoshard.cost.tables import CostTables
+    from autoshard.ir.decisions import Decisions
+    from autoshard.ir.plan import Mesh
+    tables = CostTables(gpt[1], load_cluster("dgx-h100", devices_per_node=4))
+    spans = {}
+    for schedule in ("interleaved-1f1b", "interleaved-zb"):
+        config = Decisions(mesh=Mesh(2, 1, 2), zero_stage=1, microbatch_size=4, num_microbatches=8,
+                           schedule=schedule, virtual_stages=2)
+        loads = rank_loads(tables, config, (1, 2, 3))
+        f, b, fw, bw = stage_action_times(tables, config, (1, 2, 3), loads)
+        weight = [WEIGHT_GRAD_SHARE * x for x in b] if schedule == "interleaved-zb" else None
+        spans[schedule] = makespan_s(rank_orders(schedule, 2, 8, 2), 4, [x + y for x, y in zip(f, fw)],
+                                     [x + y for x, y in zip(b, bw)], weight)
+        if weight:
+            assert pipeline_span_s(tables, config, (1, 2, 3), loads) == pytest.approx(spans[schedule])
+    assert spans["interleaved-zb"] < spans["interleaved-1f1b"]
+
+
+def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
+    from autoshard.cost.pipeline_step import rank_loads
+    from autoshard.cost.tables import CostTables
+    from autoshard.ir.decisions import Decisions
+    from autoshard.ir.plan import Mesh
+    tables = CostTables(gpt[1], local(2))
+    looped, vee = (Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4,
+                             schedule=s, virtual_stages=2) for s in ("interleaved-zb", "zbv"))
+    units = tables.config_units(looped)
+    ranges = stage_ranges((1, 2, 3), units.blocks)
+    params = [sum(units.params[u] for u in stage_units(r, units.blocks)) for r in ranges]
+    loop_loads, v_loads = rank_loads(tables, looped, (1, 2, 3)), rank_loads(tables, vee, (1, 2, 3))
+    assert [r.params for r in loop_loads] == [params[0] + params[2], params[1] + params[3]]
+    assert [r.params for r in v_loads] == [params[0] + params[3], params[1] + params[2]]
+    # Equal boundaries (b·s·h): looped, rank 1 receives two (stages 1 and 3); in a V one each, the tip
+    # (stages 1 and 2, both on rank 1) sending nothing between them.
+    assert loop_loads[1].p2p_s == pytest.approx(2 * loop_loads[0].p2p_s)
+    assert v_loads[0].p2p_s == pytest.approx(v_loads[1].p2p_s) == pytest.approx(loop_loads[0].p2p_s)
 
 
 def test_pin_pp_4_puts_one_block_per_stage(gpt):
@@ -222,6 +305,15 @@ REFUSED = [
     ({"dp": 2, "pp": 2, "dp_replicate": 2}, "(HSDP) is planned without pipeline stages"),
     ({"dp": 4, "zero": 1, "dp_replicate": 2}, "shards with FSDP2: pin --zero 2 or 3"),
     ({"schedule": "zigzag"}, "--schedule zigzag must be one of"),
+    ({"dp": 2, "pp": 2, "schedule": "zbv", "zero": 3}, "--schedule zbv with --zero 3: FSDP2's reshard after forward"),
+    ({"pp": 2, "schedule": "interleaved-zb", "recompute": "selective"},
+     "--schedule interleaved-zb with --recompute selective: its policy lets a recomputed region run backward once"),
+    ({"tp": 2, "pp": 2, "schedule": "dualpipev", "recompute": "full"},
+     "--schedule dualpipev with --recompute full and --tp 2"),
+    ({"dp": 2, "pp": 2, "schedule": "dualpipev", "microbatch_size": 4},
+     "--microbatch-size 4 leaves 2 micro-batches per rank: dualpipev needs at least 2·pp = 4 micro-batches"),
+    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, "(zbv runs 2 stage(s) per rank)"),
+    ({"pp": 4, "schedule": "zbv"}, "--schedule zbv puts 2 stages on each of --pp 4 ranks: needs 8 blocks"),
     ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
     ({"pp": 8}, "pin degrees whose product divides 4"),
 ]
