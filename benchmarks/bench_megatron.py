@@ -1,15 +1,23 @@
-"""Price the published Megatron-LM configurations with the cost model and compare iteration times.
+"""Price the published Megatron-LM configurations through ``autoshard estimate`` and compare iteration times.
 
-    python benchmarks/bench_megatron.py              # the three rows of NUMBERS.md
-    python benchmarks/bench_megatron.py --all        # and the held-out rows below
+    python benchmarks/bench_megatron.py              # SC21 Table 1: the 3 NUMBERS.md rows and 7 more
+    python benchmarks/bench_megatron.py --all        # and the 4 Korthikanti et al. 2022 rows
+    python benchmarks/bench_megatron.py --numbers    # the 3 NUMBERS.md rows only
 
-Each row is priced exactly as it was run: its mesh (dp = GPUs / (tp · pp)), micro-batch, full
-recompute, 1F1B or interleaved 1F1B with Megatron's ``--num-layers-per-virtual-pipeline-stage``,
-layers split evenly over the pp · v stages, DDP without ZeRO, on ``dgx-a100-80gb`` with GPUs / 8
-nodes. The model is ``benchmarks/megatron_gpt.py`` (captured on meta at the published shape) and
-the program is Megatron-LM's (``MEGATRON_LM``): fp16 weights and gradients with fp32 Adam state
-(``memory.MEGATRON_MIXED``), attention scores through HBM (``compute.materialized_attention_s``),
-pipeline boundaries scatter-gathered over the TP ranks (SC21 §4.1). Nothing is fitted per row.
+Every row is one command, printed with its result, run as a user runs it (a subprocess of the
+``autoshard`` CLI; the capture cache makes a repeat a second or two)::
+
+    autoshard estimate benchmarks/megatron_gpt.py:FACTORY --cluster dgx-a100-80gb --nodes GPUS/8
+        --global-batch B --dp GPUS/(tp·pp) --tp T --pp P --zero 0 --microbatch-size b --recompute full
+        --schedule none | 1f1b | interleaved-1f1b [--virtual-stages v] [--stage-cuts even]
+        --runtime megatron-lm --json
+
+that is, each configuration exactly as it was run: its mesh, micro-batch, full recompute, 1F1B or
+interleaved 1F1B with Megatron's ``--num-layers-per-virtual-pipeline-stage`` (v = layers per pp rank /
+that), layers split evenly over the pp·v stages (``--stage-cuts even``), DDP without ZeRO, on
+``dgx-a100-80gb`` with GPUs / 8 nodes, priced as Megatron-LM runs it (``--runtime megatron-lm``:
+``cost.tables.Runtime.named``). The model is ``benchmarks/megatron_gpt.py`` (captured on meta at the
+published shape). Nothing is fitted per row; nothing here calls the cost model but the CLI.
 
 Published iteration time: SC21 rows report TFLOP/s per GPU counted with NUMBERS.md's
 F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), so t = F / (GPUs · TFLOP/s); Korthikanti et al. 2022
@@ -26,29 +34,20 @@ Sources of the rows:
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from autoshard.cost.hardware import load_cluster
-from autoshard.cost.parts import StepParts
-from autoshard.cost.step import price_parts
-from autoshard.cost.tables import CostTables, Runtime
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Mesh
-from autoshard.passes.tp_layout import hand_tp_layout
-from autoshard.pipeline import capture_graph
-
 SEQ, VOCAB = 2048, 51200
 CLUSTER = "dgx-a100-80gb"
-MODEL_FILE = ROOT / "benchmarks" / "megatron_gpt.py"
-MEGATRON_LM = Runtime.named("megatron-lm", load_cluster(CLUSTER))
+GPUS_PER_NODE = 8
+MODEL_FILE = "benchmarks/megatron_gpt.py"  # relative to ROOT, where the commands run
+TABLE_1 = ("numbers", "sc21")  # the sources that are SC21 Table 1 rows
 
 
 @dataclass(frozen=True)
@@ -87,16 +86,21 @@ class Row:
     def published_s(self) -> float:
         return self.seconds if self.seconds is not None else self.flops / (self.gpus * self.tflops * 1e12)
 
-    def config(self) -> Decisions:
-        schedule = "none" if self.pp == 1 else "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
-        return Decisions(mesh=Mesh(dp=self.dp, tp=self.tp, pp=self.pp), zero_stage=0, microbatch_size=self.micro_batch,
-                      num_microbatches=self.microbatches, recompute="full", schedule=schedule,
-                      virtual_stages=self.virtual_stages)
+    @property
+    def schedule(self) -> str:
+        return "none" if self.pp == 1 else "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
 
-    def cuts(self) -> tuple[int, ...] | None:
-        """Megatron's even split: l / (pp · v) layers per stage."""
-        stages = self.pp * self.virtual_stages
-        return tuple(k * self.layers // stages for k in range(1, stages)) if stages > 1 else None
+    def estimate_args(self) -> list[str]:
+        """The ``autoshard estimate`` arguments that price this row as it was run (module doc)."""
+        args = [f"{MODEL_FILE}:{self.factory}", "--cluster", CLUSTER, "--nodes", str(max(1, self.gpus // GPUS_PER_NODE)),
+                "--global-batch", str(self.global_batch), "--dp", str(self.dp), "--tp", str(self.tp),
+                "--pp", str(self.pp), "--zero", "0", "--microbatch-size", str(self.micro_batch),
+                "--recompute", "full", "--schedule", self.schedule]
+        if self.virtual_stages > 1:
+            args += ["--virtual-stages", str(self.virtual_stages)]
+        if self.pp > 1:
+            args += ["--stage-cuts", "even"]  # Megatron-LM: l / (pp·v) layers per stage
+        return ["estimate", *args, "--runtime", "megatron-lm", "--json"]
 
 
 ROWS = (
@@ -116,57 +120,76 @@ ROWS = (
     Row("1T", "k22", "k22_1t", 128, 25600, 8, 64, 512, 512, 1, seconds=94.42),
 )
 NUMBERS_ROWS = tuple(r for r in ROWS if r.source == "numbers")
+TABLE_1_ROWS = tuple(r for r in ROWS if r.source in TABLE_1)
 
 
-def capture(row: Row) -> OpGraph:
-    return capture_graph(f"{MODEL_FILE}:{row.factory}")[1]
+def autoshard_command() -> list[str]:
+    """The ``autoshard`` console script of this Python (its venv), else ``python -m autoshard.cli``."""
+    script = Path(sys.executable).with_name("autoshard")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "autoshard.cli"]
 
 
-def predict(row: Row, graph: OpGraph) -> StepParts:
-    """The row's iteration priced as published (module doc)."""
-    cluster = load_cluster(CLUSTER, nodes=max(1, row.gpus // 8))
-    tables = CostTables(graph, cluster, MEGATRON_LM)
-    hand_tp_layout(tables, row.config())
-    return price_parts(tables, row.config(), row.cuts())
+def command_line(row: Row) -> str:
+    """The row's command as a user types it."""
+    return shlex.join(["autoshard", *row.estimate_args()])
 
 
-def error(row: Row, parts: StepParts) -> float:
+def estimate(row: Row) -> dict:
+    """The plan JSON ``autoshard estimate`` prints for the row (a failure ends the benchmark with its line)."""
+    proc = subprocess.run([*autoshard_command(), *row.estimate_args()], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{row.name}: `{command_line(row)}` exited {proc.returncode}: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def error(row: Row, plan: dict) -> float:
     """Predicted over published iteration time, minus one."""
-    return parts.step_time_s / row.published_s - 1
+    return plan["predicted"]["step_time_s"] / row.published_s - 1
 
 
-def table(results: list[tuple[Row, StepParts]]):
+def summary(results: list[tuple[Row, dict]]) -> tuple[float, float]:
+    """MAPE and the largest |error| over ``results``."""
+    errors = [abs(error(r, p)) for r, p in results]
+    return sum(errors) / len(errors), max(errors)
+
+
+def table(results: list[tuple[Row, dict]]):
     from rich.table import Table
 
-    t = Table(title=f"Megatron-LM iterations on {CLUSTER}: published vs predicted (seconds)")
-    for col in ("row", "src", "tp·pp·dp", "m", "v", "published", "predicted", "error", "fwd+bwd", "recompute",
-                "grad acc", "optim", "TP comm", "p2p", "DP exposed", "bubble", "GiB/rank"):
+    t = Table(title=f"Megatron-LM iterations on {CLUSTER}: published vs `autoshard estimate --runtime megatron-lm` (s)")
+    for col in ("row", "src", "tp·pp·dp", "m", "v", "published", "predicted", "error", "compute", "exposed comm",
+                "bubble", "GiB/rank"):
         t.add_column(col, justify="left" if col in ("row", "src") else "right")
-    for row, p in results:
+    for row, plan in results:
+        p = plan["predicted"]
         t.add_row(row.name, row.source, f"{row.tp}·{row.pp}·{row.dp}", str(row.microbatches), str(row.virtual_stages),
-                  f"{row.published_s:.2f}", f"{p.step_time_s:.2f}", f"{error(row, p):+.1%}",
-                  f"{p.forward_s + p.backward_s:.2f}", f"{p.recompute_s:.2f}", f"{p.grad_accumulation_s:.2f}",
-                  f"{p.optimizer_s:.3f}", f"{p.tp_comm_s:.2f}", f"{p.p2p_s:.2f}", f"{p.dp_comm_exposed_s:.2f}",
-                  f"{p.bubble_s:.2f}", f"{p.memory.peak_bytes / 2**30:.1f}")
+                  f"{row.published_s:.2f}", f"{p['step_time_s']:.2f}", f"{error(row, plan):+.1%}",
+                  f"{p['compute_s']:.2f}", f"{p['comm_exposed_s']:.2f}", f"{p['bubble_s']:.2f}",
+                  f"{p['memory_peak_bytes_per_rank'] / 2**30:.1f}")
     return t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all", action="store_true", help="also the held-out rows (sc21, k22)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="also the Korthikanti et al. 2022 rows (k22)")
+    which.add_argument("--numbers", action="store_true", help="only the three NUMBERS.md rows")
     args = parser.parse_args()
     from rich.console import Console
 
-    console = Console(width=180)
+    console = Console(width=200)
+    rows = ROWS if args.all else NUMBERS_ROWS if args.numbers else TABLE_1_ROWS
     results = []
-    for row in ROWS if args.all else NUMBERS_ROWS:
+    for row in rows:
         start = time.perf_counter()
-        graph = capture(row)
-        results.append((row, predict(row, graph)))
-        console.log(f"{row.name}: captured and priced in {time.perf_counter() - start:.1f} s")
+        results.append((row, estimate(row)))
+        console.print(f"{row.name} ({time.perf_counter() - start:.1f} s): {command_line(row)}", soft_wrap=True)
     console.print(table(results))
-    worst = max(abs(error(r, p)) for r, p in results)
-    console.print(f"largest |error| {worst:.1%} over {len(results)} rows")
+    table_1 = [x for x in results if x[0].source in TABLE_1]
+    for name, subset in (("SC21 Table 1", table_1), ("all rows", results if len(table_1) < len(results) else [])):
+        if subset:
+            mape, worst = summary(subset)
+            console.print(f"{name}: MAPE {mape:.1%}, largest |error| {worst:.1%} over {len(subset)} rows")
 
 
 if __name__ == "__main__":

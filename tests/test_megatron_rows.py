@@ -1,67 +1,78 @@
 """The cost model predicts published Megatron-LM iteration times on the dgx-a100-80gb preset.
 
-Rows, configurations and the runtime description are ``benchmarks/bench_megatron.py``'s (one
-source for the benchmark and this test); models are captured at their real shape on meta
-(module-scoped: a few seconds each). The tolerance is NUMBERS.md's: ±15 % of the published
-iteration time, nothing fitted per row. Then the mechanisms those predictions rest on.
+Rows and their commands are ``benchmarks/bench_megatron.py``'s (one source for the benchmark and
+this test): each row is priced by ``autoshard estimate ... --runtime megatron-lm --json``, run here
+in-process through the CLI's ``main`` (the benchmark runs the same arguments as a subprocess). The
+tolerance is NUMBERS.md's: ±15 % of the published iteration time, nothing fitted per row. Then the
+mechanisms those predictions rest on.
 """
 
+import contextlib
+import io
+import json
 from dataclasses import replace
 
 import pytest
 
+from autoshard.cli import main
 from autoshard.cost.compute import materialized_attention_s, op_forward_s
-from autoshard.cost.hardware import PRESETS, load_cluster
-from autoshard.cost.step import price, price_parts
+from autoshard.cost.hardware import PRESETS
+from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp import sharded_nodes
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Mesh
-from autoshard.passes.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph
-from benchmarks.bench_megatron import MEGATRON_LM, NUMBERS_ROWS, ROWS, capture, error, predict
+from benchmarks.bench_megatron import NUMBERS_ROWS, ROWS, error
 
 TOLERANCE = 0.15  # NUMBERS.md: "within ±15% without a constant fitted per row"
 HELD_OUT = next(r for r in ROWS if r.name == "22B" and r.source == "k22")  # Korthikanti et al. 2022, 1.42 s
 A100 = PRESETS["dgx-a100-80gb"]
+MEGATRON_LM = Runtime.named("megatron-lm", A100)
 
 
 @pytest.fixture(scope="module")
-def graphs():
-    return {row.name: capture(row) for row in (*NUMBERS_ROWS, HELD_OUT)}
+def estimated(in_repo_module):
+    """Each row's plan, from ``autoshard estimate`` with the benchmark's arguments."""
+    plans = {}
+    for row in (*NUMBERS_ROWS, HELD_OUT):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(row.estimate_args()) == 0, row.name
+        plans[row.name] = json.loads(out.getvalue())
+    return plans
 
 
 @pytest.mark.parametrize("row", NUMBERS_ROWS, ids=lambda r: r.name)
-def test_numbers_md_rows_within_15_percent(graphs, row):
+def test_numbers_md_rows_within_15_percent(estimated, row):
     """NUMBERS.md, Published configurations: 1.7B (dp 32), 18.4B (tp 8 × dp 32), 145.6B (tp 8 × pp 8
-    interleaved × dp 24); t = F / (GPUs · TFLOP/s)."""
-    parts = predict(row, graphs[row.name])
-    assert abs(error(row, parts)) <= TOLERANCE, f"{row.name}: {parts.step_time_s:.2f} s vs {row.published_s:.2f} s"
+    interleaved, v = 2, even cuts × dp 24); t = F / (GPUs · TFLOP/s)."""
+    plan = estimated[row.name]
+    assert abs(error(row, plan)) <= TOLERANCE, f"{row.name}: {plan['predicted']['step_time_s']:.2f} s vs " \
+                                               f"{row.published_s:.2f} s"
 
 
-def test_a_held_out_row_within_15_percent(graphs):
+def test_a_held_out_row_within_15_percent(estimated):
     """Korthikanti et al. 2022: 22B on 8 A100s (tp 8), full recompute, 1.42 s per iteration; not used to
     build the model. ``python benchmarks/bench_megatron.py --all`` prices the other eleven."""
-    assert abs(error(HELD_OUT, predict(HELD_OUT, graphs[HELD_OUT.name]))) <= TOLERANCE
+    assert abs(error(HELD_OUT, estimated[HELD_OUT.name])) <= TOLERANCE
 
 
 @pytest.mark.parametrize("row", NUMBERS_ROWS, ids=lambda r: r.name)
-def test_the_prediction_is_a_sum_of_named_parts(graphs, row):
-    """Predicted = StepParts summed: compute (fwd, bwd, recompute, gradient accumulation, optimizer) +
-    exposed comm (TP, p2p, DP) + bubble; full recompute reruns the forward; only pipelines idle."""
-    parts = predict(row, graphs[row.name])
-    fields = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "tp_comm_s", "p2p_s",
-              "dp_comm_exposed_s", "bubble_s")
-    assert all(getattr(parts, f) >= 0 for f in fields)
-    assert parts.step_time_s == pytest.approx(sum(getattr(parts, f) for f in fields))
-    assert parts.recompute_s == pytest.approx(parts.forward_s, rel=0.05)  # blocks only: not the head
-    assert (parts.bubble_s > 0) == (row.pp > 1) and (parts.tp_comm_s > 0) == (row.tp > 1)
-    cluster = load_cluster("dgx-a100-80gb", nodes=row.gpus // 8)
-    tables = CostTables(graphs[row.name], cluster, MEGATRON_LM)
-    hand_tp_layout(tables, row.config())
-    predicted = price(tables.graph, cluster, row.config(), row.global_batch, tables, row.cuts())
-    assert predicted.step_time_s == pytest.approx(parts.step_time_s)
-    assert predicted.compute_s + predicted.comm_exposed_s + predicted.bubble_s == pytest.approx(parts.step_time_s)
+def test_the_rows_are_priced_as_published(estimated, row):
+    """The plan is the configuration as run: mesh, micro-batches, full recompute, ZeRO-0, the schedule with
+    its virtual stages, Megatron's even split of layers, priced for Megatron-LM; its step is compute +
+    exposed communication + bubble, and only pipelines idle."""
+    plan = estimated[row.name]
+    d, p = plan["decisions"], plan["predicted"]
+    assert d["mesh"] == {"dp": row.dp, "tp": row.tp, "pp": row.pp} and d["zero_stage"] == 0
+    assert (d["microbatch_size"], d["num_microbatches"], d["recompute"]) == (row.micro_batch, row.microbatches, "full")
+    assert (d["schedule"], d["virtual_stages"]) == (row.schedule, row.virtual_stages)
+    stages = row.pp * row.virtual_stages
+    assert plan["layout"]["split_points"] == [f"h.{k * row.layers // stages}" for k in range(1, stages)]
+    assert plan["provenance"]["runtime"] == "megatron-lm"
+    assert p["step_time_s"] == pytest.approx(p["compute_s"] + p["comm_exposed_s"] + p["bubble_s"], rel=1e-5)
+    assert (p["bubble_s"] > 0) == (row.pp > 1) and p["memory_peak_bytes_per_rank"] <= A100.device.memory_bytes
 
 
 # ------------------------------------------------------------------ the mechanisms
