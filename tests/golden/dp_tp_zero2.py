@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan dc127ff8e51f.
+"""Training program emitted by autoshard from plan 2afbae122cc7.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo

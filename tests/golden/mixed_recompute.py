@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan a65cb353d222.
+"""Training program emitted by autoshard from plan 24e04deb6833.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 2 devices, gloo

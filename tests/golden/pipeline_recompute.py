@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 2becc39cc13c.
+"""Training program emitted by autoshard from plan 748c9a8465a6.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
@@ -43,15 +43,16 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     """interleaved-1f1b pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
     order (passes.lower)."""
-    # 4 stages cut at the split points by tracing one micro-batch; this rank keeps stages r, r + pp, ...
-    # and drops the rest of the model.
+    # 4 stages cut at the split points by tracing one micro-batch; rank r keeps stages r, r + 2, ... (2
+    # each) and drops the rest of the model.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},
                             example_microbatch=example_microbatch, device=device)
     # Recompute (selective) inside the pipeline stages: keep matmul and attention outputs; recompute the
     # cheap ops.
     stages = apply_ac(stages, modes=RECOMPUTE)
     # ZeRO-2: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
-    # forward to backward (each stage module a unit).
+    # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
+    # micro-batch (each stage module a unit).
     stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
     # One AdamW per stage module (each stage's state dict maps through its own module).
     optimizer = build_optimizer(stages, mesh["dp"], zero_stage=2, lr=lr)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 8f440e8fb6bb.
+"""Training program emitted by autoshard from plan cce6f1e61d02.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 8 devices, gloo
@@ -53,12 +53,13 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     # Tensor parallel over 2 ranks: column-parallel then row-parallel, styles chosen and proven on the op
     # graph; each rank keeps its shard and the collectives are custom ops, so the split traces them.
     model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=True)
-    # 4 stages cut at the split points by tracing one micro-batch; this rank keeps stages r, r + pp, ...
-    # and drops the rest of the model.
+    # 4 stages cut at the split points by tracing one micro-batch; rank r keeps stages r, r + 2, ... (2
+    # each) and drops the rest of the model.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES,
                             tp_styles=TP_STYLES, example_microbatch=example_microbatch, device=device)
     # ZeRO-2: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
-    # forward to backward (each stage module a unit).
+    # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
+    # micro-batch (each stage module a unit).
     stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
     # One AdamW per stage module (each stage's state dict maps through its own module).
     optimizer = build_optimizer(stages, mesh["dp"], zero_stage=2, lr=lr)
