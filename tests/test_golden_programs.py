@@ -34,6 +34,7 @@ def test_the_kinds_cover_every_plan_shape():
     assert {p.zero_stage for p in plans if p.mesh.pp == 1 and p.mesh.dp > 1} >= {1, 2, 3}
     assert any(p.mesh.tp > 1 and p.mesh.dp > 1 and p.mesh.pp == 1 for p in plans)
     assert any(p.schedule == "interleaved-1f1b" for p in plans)
+    assert any(p.schedule == "zbv" for p in plans)  # stages in a V, backward split
     assert any(p.mesh.tp > 1 and p.mesh.pp > 1 for p in plans)
     assert any(p.recompute == "mixed" for p in plans)
     assert any(p.recompute != "none" and p.mesh.pp > 1 for p in plans)

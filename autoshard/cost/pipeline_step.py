@@ -141,9 +141,9 @@ def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...]
     forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
     weight = [WEIGHT_GRAD_SHARE * b for b in backward] if split else None
     orders = rank_orders(config.schedule, config.mesh.pp, m, v)
-    if cores is None:
-        return makespan_s(orders, len(forward), [f + w for f, w in zip(forward, forward_wait)],
-                          [b + w for b, w in zip(backward, backward_wait)], weight)
+    if cores is None:  # every rank runs its m·T_r of actions: at least m·T_max (max() drops float rounding)
+        return max(m * max(times), makespan_s(orders, len(forward), [f + w for f, w in zip(forward, forward_wait)],
+                                              [b + w for b, w in zip(backward, backward_wait)], weight))
     return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
                              forward_wait, backward_wait, weight)
 

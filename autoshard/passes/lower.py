@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.plan import Plan
-from autoshard.ir.plan_format import V_SCHEDULES
+from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.steps import Step
 
 
@@ -70,8 +70,13 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
     steps.append(_optimizer_step(plan))
     steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
                                                ("num_microbatches", plan.num_microbatches)),
-                      f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"))
+                      f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"
+                      + _SPLIT_BACKWARD_WHY * (plan.schedule in ZERO_BUBBLE_SCHEDULES)))
     return steps
+
+
+_SPLIT_BACKWARD_WHY = ("; each backward is split into the inputs' gradient, sent on at once, and the weights', "
+                       "run later in slots the pipeline would idle")
 
 
 def _stages_held(plan: Plan) -> str:

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Training program emitted by autoshard from plan 2075aed5f169.
+
+Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
+Cluster    local-cpu: 1 node(s) x 4 devices, gloo
+Plan       dp=2 tp=1 pp=2 | ZeRO-1 | global batch 16 = 2 dp ranks x 4 micro-batches x 2 | recompute none
+Predicted  step 11.4 ms = compute 10.5 ms + exposed comm 0.905 ms + bubble 0 ms
+           peak 4.6 MiB per rank (weights 0.5, grads 0.3, optimizer 0.5, activations 2.8, transient 0.3)
+           89,839 tokens/s, MFU 68.0%
+
+Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
+  or: autoshard run plan.json
+"""
+
+
+import argparse
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoshard import runtime
+from autoshard.runtime import checkpoint
+from autoshard.runtime import pipeline_parallel as pp
+from autoshard.runtime.parallel import apply_fsdp, build_optimizer, build_schedule, split_pipeline
+
+
+MODEL = 'examples/gpt.py:build'
+MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+TOKENS_PER_SAMPLE = 64
+GLOBAL_BATCH = 16
+PP, DP, TP = 2, 2, 1  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
+MICROBATCH_SIZE = 2
+NUM_MICROBATCHES = 4  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
+BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
+SCHEDULE = 'zbv'
+VIRTUAL_STAGES = 2  # pipeline stages per pp rank
+PLACEMENT = 'v'  # stages in a V, rank r holds r and 2*PP-1-r (rank 0: 0 and 3, rank 1: 1 and 2)
+SPLIT_POINTS = ('h.1', 'h.2', 'h.3')  # modules where stages 1.. begin
+
+
+def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
+    """zbv pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
+    keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
+    order (passes.lower)."""
+    # 4 stages cut at the split points by tracing one micro-batch; in a V, rank r keeps stages r and 3 - r
+    # (rank 0 the first and the last, rank 1 stages 1 and 2) and drops the rest of the model.
+    stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},
+                            placement=PLACEMENT, example_microbatch=example_microbatch, device=device)
+    # ZeRO-1: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
+    # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
+    # micro-batch (each stage module a unit).
+    stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
+    # One AdamW per stage module (each stage's state dict maps through its own module).
+    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=1, lr=lr)
+    # Schedule zbv over 4 micro-batches; gradients are their mean; each backward is split into the inputs'
+    # gradient, sent on at once, and the weights', run later in slots the pipeline would idle.
+    schedule = build_schedule(stages, schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    return stages, schedule, optimizer
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--no-dropout", action="store_true", help="turn every dropout off (autoshard verify "
+                        "compares runs with dropout off: each rank would draw its own masks)")
+    parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
+                        "naming the ranks that never joined it")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
+    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
+    first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
+    example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
+    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)
+    del model  # the stages hold what this rank needs
+
+    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh)  # 0 without a checkpoint
+
+    dp_rank = mesh.get_local_rank("dp")
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    for step in range(start, args.steps):
+        log.start()
+        batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
+        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        with runtime.autocast(PRECISION, ctx.device):
+            loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, loss)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh)
+
+    runtime.finish_with_state(pp.full_state_dict(stages), log, args.metrics_out)
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
+
+
+if __name__ == "__main__":
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
