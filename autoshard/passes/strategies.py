@@ -317,9 +317,10 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     """Every configuration that honours the pins, in a fixed order (for deterministic plans)."""
     check_pins(pins, cluster, global_batch)
     check_graph_pins(graph, cluster, pins)
-    blocks = max_stages(graph)  # blocks a stage may begin at
+    blocks, refusals = max_stages(graph), cut_refusals(graph)  # blocks a stage may begin at, and why not
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster) if _honours_cuts(c, pins)]
+               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster)
+               if _honours_cuts(c, pins, len(graph.blocks), refusals)]
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
@@ -420,9 +421,13 @@ def _honours(mesh: Mesh, pins: Pins) -> bool:
     return degrees and schedule and staged
 
 
-def _honours_cuts(config: Decisions, pins: Pins) -> bool:
-    """Explicit --stage-cuts fix the number of stages pp·v to one more than their count."""
-    return not isinstance(pins.stage_cuts, tuple) or config.num_stages == len(pins.stage_cuts) + 1
+def _honours_cuts(config: Decisions, pins: Pins, blocks: int, refusals: dict[int, str]) -> bool:
+    """Explicit --stage-cuts fix the number of stages pp·v to one more than their count; --stage-cuts even
+    keeps the configurations whose even cuts all begin a stage where one may begin (``cut_refusals``)."""
+    if isinstance(pins.stage_cuts, tuple):
+        return config.num_stages == len(pins.stage_cuts) + 1
+    cuts = pinned_cuts(pins.stage_cuts, config, blocks)
+    return cuts is None or not refusals.keys() & set(cuts)
 
 
 def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster: Cluster | None = None) -> list[Decisions]:
