@@ -67,7 +67,9 @@ input gradient (4 + 4 + 4), the upcast's backward casts it to bf16 (4 + 2)::
 **Optimizer** (``torch.optim.AdamW``, foreach, torch 2.13 ``_multi_tensor_adam``): per fp32
 parameter, each foreach kernel reads and writes whole tensors: ``mul_(p)`` 8, ``lerp_(m, g)`` 12,
 ``mul_(v)`` 8, ``addcmul_(v, g, g)`` 16, ``sqrt(v)`` 8, ``div_`` 8, ``add_(eps)`` 8,
-``addcdiv_(p, m, ·)`` 16: ADAMW_FOREACH_BYTES_PER_PARAM = 84 (a fused AdamW moves 28).
+``addcdiv_(p, m, ·)`` 16: ADAMW_FOREACH_BYTES_PER_PARAM = 84 (a fused AdamW moves 28). Its ``sqrt``
+temporaries (4 bytes per local parameter) live only during the step, after backward has freed the
+activations, so they do not raise the step's peak memory.
 """
 
 from __future__ import annotations
