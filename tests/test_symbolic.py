@@ -30,7 +30,7 @@ CONFIGS = {  # name -> (devices per node, global batch, pins)
     "fsdp": (4, 16, {}),  # the planner's choice: dp=4, ZeRO-3, one micro-batch
     "ddp": (2, 8, {"dp": 2, "tp": 1, "pp": 1, "zero": 0, "microbatch_size": 2, "recompute": "none"}),
     "tp": (4, 16, {"dp": 2, "tp": 2, "pp": 1, "zero": 2, "microbatch_size": 2, "recompute": "full"}),
-    "pipeline": (4, 16, {"dp": 2, "tp": 1, "pp": 2, "zero": 2, "microbatch_size": 2, "schedule": "1f1b"}),
+    "pipeline": (4, 16, {"dp": 2, "tp": 1, "pp": 2, "zero": 1, "microbatch_size": 2, "schedule": "1f1b"}),
     "tp-interleaved": (4, 16, {"dp": 1, "tp": 2, "pp": 2, "zero": 0, "microbatch_size": 2,
                                "schedule": "interleaved-1f1b"}),
 }
