@@ -11,6 +11,9 @@ Factories (``path:factory`` model specs)::
 
     llama3_8b   32 layers, d = 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256, seq 8192
                 (Llama-3-8B's published shape, Dubey et al. 2024 Table 3: 8.03B parameters)
+    llama3_70b  80 layers, d = 8192, 64 heads, 8 KV heads, FFN 28672 (the same vocab and seq;
+                the same Table 3)
+    llama3_405b 126 layers, d = 16384, 128 heads, 8 KV heads, FFN 53248 (the same Table 3)
     llama3_tiny  2 layers, d = 256, 4 heads, 2 KV heads, FFN 512, vocab 1024, seq 128 (tests)
 
 ``example_batch(batch_size)`` gives random token ids of the factory's sequence length;
@@ -105,6 +108,8 @@ class Llama3(nn.Module):
 
 SHAPES = {  # layers, dim, heads, kv heads, ffn, vocab, seq
     "llama3_8b": (32, 4096, 32, 8, 14336, VOCAB_SIZE, SEQ_LEN),
+    "llama3_70b": (80, 8192, 64, 8, 28672, VOCAB_SIZE, SEQ_LEN),
+    "llama3_405b": (126, 16384, 128, 8, 53248, VOCAB_SIZE, SEQ_LEN),
     "llama3_tiny": (2, 256, 4, 2, 512, 1024, 128),
 }
 _seq_len = SEQ_LEN
@@ -120,6 +125,14 @@ def _build(name: str) -> Llama3:
 
 def llama3_8b() -> Llama3:
     return _build("llama3_8b")
+
+
+def llama3_70b() -> Llama3:
+    return _build("llama3_70b")
+
+
+def llama3_405b() -> Llama3:
+    return _build("llama3_405b")
 
 
 def llama3_tiny() -> Llama3:
