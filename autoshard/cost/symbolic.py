@@ -23,6 +23,7 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
                        2·a·m + g (pipeline ZeRO-3: 2m gathers of a bytes, a scatter of g bytes per param)
     bubble_s         = k·(pp − 1)/v · T_mb,   T_mb = (forward + backward + recompute + host + tp_comm + p2p)/m
                        (k ≤ 1: the fill and drain run at the other ranks' pace, ``cost.pipeline_step``;
+                       about 1/3 under the zero-bubble schedules, whose weight gradients fill 2/3 of it;
                        below 0 where ranks share fewer cores and idle ones lend theirs)
     step_time_s      = Σ of the parts above
 
@@ -30,7 +31,8 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
     optimizer_bytes  = k·P / dp^[ZeRO ≥ 1]
     activations_bytes = I·b·(a₁·s + a₂·s²)·A(tp)/pp,
                        A(t) = β + (1−β)·(10 + 24/t)/34 (Korthikanti et al.; 1 under full recompute)
-                       I in-flight micro-batches: 1 | m (GPipe) | min(m, pp) (1F1B) | min(m, pp + (pp−1)/v)
+                       I in-flight micro-batches: 1 | m (GPipe) | min(m, pp) (1F1B; interleaved-zb and
+                       zbv at m a multiple of pp) | min(m, pp + (pp−1)/v) (interleaved) | pp + 1/2 (dualpipev)
     transient_bytes  = k·[dp>1]·(ψ + (1−ψ)/tp)   (ZeRO-2/3 without pipeline: the largest FSDP unit)
                      = k·ring(dp)·P              (ZeRO-2/3 pipeline: the stage's unsharded state)
     memory_peak_bytes = (Σ memory parts)·(1 + allocator slack)
