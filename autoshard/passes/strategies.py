@@ -243,7 +243,7 @@ def _check_virtual_stages(pins: Pins) -> None:
 
 def _pinned_stages(pins: Pins) -> int | None:
     """pp·v when the pins fix both (v from the schedule where it is not pinned), else None."""
-    v = pins.with_defaults().virtual_stages if pins.schedule is not None or pins.virtual_stages else None
+    v = pins.with_defaults().virtual_stages
     return pins.pp * v if pins.pp is not None and v is not None else None
 
 
