@@ -104,7 +104,7 @@ def _zero_bubble_cases(pp_degrees=(2, 3, 4), most=4):
                 yield schedule, pp, m
 
 
-def _torch_orders(schedule: str, pp: int, m: int) -> list[list[Action]]:
+def _torch_orders(schedule: str, pp: int, m: int, v: int = 2) -> list[list[Action]]:
     """torch's own ``_calculate_single_rank_operations`` per rank, on an object with only the fields it
     reads (a live schedule needs stages and process groups); an overlapped F + B is its F, then its B."""
     from torch.distributed.pipelining import schedules as S
@@ -112,8 +112,8 @@ def _torch_orders(schedule: str, pp: int, m: int) -> list[list[Action]]:
     cls = {"interleaved-zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
            "dualpipev": S.ScheduleDualPipeV}[schedule]
     obj = object.__new__(cls)
-    obj.pp_group_size, obj._n_microbatches, obj.n_local_stages = pp, m, 2
-    obj.num_stages = obj._num_stages = 2 * pp
+    obj.pp_group_size, obj._n_microbatches, obj.n_local_stages = pp, m, v
+    obj.num_stages = obj._num_stages = v * pp
     obj.number_of_rounds = max(1, m // pp)
     obj.microbatches_per_round = m // obj.number_of_rounds
     orders = []
@@ -130,6 +130,12 @@ def _torch_orders(schedule: str, pp: int, m: int) -> list[list[Action]]:
 @pytest.mark.parametrize("schedule, pp, m", list(_zero_bubble_cases()))
 def test_zero_bubble_orders_are_torchs(schedule, pp, m):
     assert rank_orders(schedule, pp, m, 2) == _torch_orders(schedule, pp, m)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 6), (3, 9), (4, 8), (4, 12)])
+def test_interleaved_zero_bubble_with_3_stages_per_rank_is_torchs(pp, m):
+    assert rank_orders("interleaved-zb", pp, m, 3) == _torch_orders("interleaved-zb", pp, m, 3)
+    assert idle_slots(draw("interleaved-zb", pp, m, 3)) == [pp - 1] * pp
 
 
 @pytest.mark.parametrize("schedule, pp, m", list(_zero_bubble_cases()))

@@ -312,7 +312,7 @@ REFUSED = [
      "--schedule dualpipev with --recompute full and --tp 2"),
     ({"dp": 2, "pp": 2, "schedule": "dualpipev", "microbatch_size": 4},
      "--microbatch-size 4 leaves 2 micro-batches per rank: dualpipev needs at least 2·pp = 4 micro-batches"),
-    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, "(zbv runs 2 stage(s) per rank)"),
+    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, "it puts exactly 2 stages on each rank, in a V"),
     ({"pp": 4, "schedule": "zbv"}, "--schedule zbv puts 2 stages on each of --pp 4 ranks: needs 8 blocks"),
     ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
     ({"pp": 8}, "pin degrees whose product divides 4"),

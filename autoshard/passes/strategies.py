@@ -232,6 +232,9 @@ def _check_virtual_stages(pins: Pins) -> None:
     if v > 1 and pins.pp == 1:
         raise AutoshardError(f"--virtual-stages {v} puts {v} stages on each pipeline rank but --pp 1 is pinned; "
                              f"drop --virtual-stages or pin --pp 2 or more")
+    if v > 1 and pins.schedule in V_SCHEDULES and v != 2:
+        raise AutoshardError(f"--virtual-stages {v} with --schedule {pins.schedule}: it puts exactly 2 stages on each "
+                             f"rank, in a V; pin --virtual-stages 2, or --schedule interleaved-zb for {v}")
     if v > 1 and pins.schedule is not None and not runs_virtual_stages(pins.schedule, v):
         raise AutoshardError(f"--virtual-stages {v} needs --schedule interleaved-1f1b ({pins.schedule} runs "
                              f"{dict(PIPELINE_SCHEDULES).get(pins.schedule, 1)} stage(s) per rank); pin that "
