@@ -433,3 +433,19 @@ def test_tp_plans_do_not_depend_on_the_hash_seed(in_repo, tmp_path):
         assert json.loads(proc.stdout)["review"]["tensor_parallel_reasons"]
         outputs.add(proc.stdout)
     assert len(outputs) == 1
+
+
+def test_split_backward_is_refused_where_it_would_drop_part_of_a_gradient(in_repo_module):
+    """T5 hands its relative position bias (made from positions and a weight) from block to block: on a
+    stage after the first, torch's split backward finds that weight's gradient only where it meets the
+    stage's inputs, and the part coming back from the next stage would be dropped (it crashed with
+    "a tied copy got no gradient" on 2 CPU ranks). GPT's weights all meet the residual stream."""
+    from autoshard.passes.strategies import candidate_configs, split_backward_graph_refusal
+    t5 = capture_graph("tests/models/hf_t5.py:build")
+    assert "relative_attention_bias.weight reaches" in split_backward_graph_refusal(t5[1])
+    with pytest.raises(AutoshardError, match="--schedule zbv splits backward, but encoder.block.0"):
+        plan(t5, "tests/models/hf_t5.py:build", local(2), 8, pp=2, schedule="zbv")
+    assert not [c for c in candidate_configs(t5[1], local(2), 8, Pins(pp=2))
+                if c.schedule in ("interleaved-zb", "zbv", "dualpipev")]
+    assert plan(t5, "tests/models/hf_t5.py:build", local(2), 8, pp=2).schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+    assert split_backward_graph_refusal(capture_graph(GPT)[1]) == ""

@@ -40,6 +40,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import Cluster
+from autoshard.cost.units import node_units
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility
 
@@ -321,12 +322,46 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     check_pins(pins, cluster, global_batch)
     check_graph_pins(graph, cluster, pins)
     blocks, refusals = max_stages(graph), cut_refusals(graph)  # blocks a stage may begin at, and why not
+    split_backward = not split_backward_graph_refusal(graph)  # zero-bubble schedules train this model right
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
                for c in mesh_configs(mesh, global_batch, pins, blocks, cluster)
-               if _honours_cuts(c, pins, len(graph.blocks), refusals)]
+               if _honours_cuts(c, pins, len(graph.blocks), refusals)
+               and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)]
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
+
+
+def split_backward_graph_refusal(graph: OpGraph) -> str:
+    """Why torch's split backward would leave part of a weight's gradient out on this model ("" when not).
+
+    On every stage but the first, ``stage_backward_input`` keeps the gradient at the values where a
+    weight's forward cone meets a value made from the stage's inputs that need gradients (D), and
+    ``stage_backward_weight`` goes from there to the weight; gradient reaching a weight by a path that
+    meets no value of D (T5's relative position bias made from positions and handed to the next
+    block, its decoder embedding of token ids) is dropped; stage 0 runs its backward whole. Cuts fall
+    between units (``cost.units``: the ops before block 0, each block, the ops after), so a value made
+    from weights but from no first-unit value needing gradients (a weight's transpose, Gemma's 1 + w)
+    is safe while it is used in its own unit, where it meets D, and refused once a later unit reads it:
+    a cut could fall in between, for any cuts the search may choose."""
+    trainable = {name for p in graph.params if not p.is_buffer for name in (p.name, *p.tied_to)}
+    needs_grad: set[str] = set()  # values made from a trainable weight
+    from_first: set[str] = set()  # values made from a first-unit value that needs gradients (in D at every cut)
+    loose: dict[str, tuple[int, str]] = {}  # needs gradients, not from_first -> (its unit, the weight behind it)
+    for node, unit in zip(graph.nodes, node_units(graph)):
+        weights = [w for w in (*node.param_inputs, *(graph.placeholder_params.get(i) for i in node.inputs))
+                   if w in trainable]
+        crossing = [loose[i][1] for i in node.inputs if i in loose and loose[i][0] != unit]
+        if crossing:
+            return (f"{crossing[0]} reaches {node.module_path or 'the forward'} through values made from no "
+                    f"input that needs gradients, and torch's split backward would drop that part of its gradient")
+        if weights or any(i in needs_grad for i in node.inputs):
+            needs_grad.add(node.name)
+        if (unit == 0 and node.name in needs_grad) or any(i in from_first for i in node.inputs):
+            from_first.add(node.name)
+        elif node.name in needs_grad:
+            loose[node.name] = (unit, weights[0] if weights else next(loose[i][1] for i in node.inputs if i in loose))
+    return ""
 
 
 def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
@@ -340,6 +375,9 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
         raise AutoshardError(f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; "
                              f"pin --pp {max(1, blocks)} or less")
     _check_cuts(graph, pins)
+    if pins.schedule in ZERO_BUBBLE_SCHEDULES and split_backward_graph_refusal(graph):
+        raise AutoshardError(f"--schedule {pins.schedule} splits backward, but "
+                             f"{split_backward_graph_refusal(graph)}; pin --schedule 1f1b or interleaved-1f1b")
     v = _interleaved_v(pins)
     if v > 1 and pins.pp is not None and max_stages(graph) < v * pins.pp:
         schedule = pins.schedule or "interleaved-1f1b"
