@@ -7,7 +7,8 @@ of ``pipeline()``; zbv and dualpipev place the stages in a V (rank r holds stage
 pp = 2). Each plan is pinned to pp = 2 beside dp = 2 (FSDP2 on each stage module, ZeRO-0 and -1) or
 tp = 2 (local shards whose collectives are custom ops), one with full recompute inside the stages,
 on the bundled GPT and on transformers' Llama with 4 layers (``build_4_layers``: two stages per
-rank need 4 blocks; the 2-layer ``build`` is refused in one line), and on transformers' GPT-2, whose
+rank need 4 blocks; the 2-layer ``build`` is refused in one line; with 8 layers at pp = 4, the V over
+4 ranks, dp = tp = 1), and on transformers' GPT-2, whose
 tied embedding and head both sit on rank 0 in a V (their gradients are summed there, no peer to
 wait for). The emitted programs run one
 after another in a single launch (``zoo_driver.py``), and each is judged against fp32 and float64
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.e2e
 
 GPT, LLAMA, LLAMA_2_LAYERS = "examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", \
     "tests/models/hf_llama.py:build"
+LLAMA_8 = "tests/models/hf_llama.py:build_8_layers"  # pp = 4 in a V: rank r holds stages r and 7 − r
 GPT2_TIED = "tests/models/hf_gpt2.py:build_4_layers"  # embedding and head tied: both copies on rank 0 in a V
 RANKS = 4
 CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2, each model all three
@@ -46,6 +48,8 @@ CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2
                                                               recompute="none")),
     "gpt2-tied-dp2-pp2-zbv": (GPT2_TIED, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv",
                                                            recompute="none")),
+    "llama8-pp4-zbv": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="zbv", recompute="none")),
+    "llama8-pp4-dualpipev": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="dualpipev", recompute="none")),
 }
 
 
@@ -60,14 +64,15 @@ def test_zero_bubble_schedules_train_like_one_process(in_repo, tmp_path):
     for name, (model, cluster, pins) in CASES.items():
         plan = autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
         assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.virtual_stages) == \
-            (pins["dp"], pins["tp"], 2, pins["schedule"], 2), name
+            (pins["dp"], pins["tp"], pins["pp"], pins["schedule"], 2), name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
         text = write_program(plan, tmp_path / name / "train.py").read_text()
         v_placed = plan.schedule in ("zbv", "dualpipev")
         assert ("placement=PLACEMENT" in text) == v_placed, f"{name}: the split names its placement"
         if v_placed:
-            assert "rank 0: 0 and 3, rank 1: 1 and 2" in text and "rank r keeps stages r and 3 - r" in text, name
+            held = ", ".join(f"rank {r}: {r} and {2 * plan.mesh.pp - 1 - r}" for r in range(plan.mesh.pp))
+            assert held in text and f"rank r keeps stages r and {2 * plan.mesh.pp - 1} - r" in text, name
         plans[name] = plan
     cases = [{"name": name, "program": str(tmp_path / name / "train.py"), "metrics_out": str(tmp_path / name / "out"),
               "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",

@@ -46,6 +46,11 @@ def build_4_layers() -> LlamaForCausalLM:
     return LlamaForCausalLM(config(layers=4))
 
 
+def build_8_layers() -> LlamaForCausalLM:
+    """Enough blocks for 4 ranks x 2 stages each (a V over pp = 4)."""
+    return LlamaForCausalLM(config(layers=8))
+
+
 def example_batch(batch_size: int):
     """``((token ids (batch, 32),), next tokens)``."""
     return gpt.example_batch(batch_size, seq_len=SEQ_LEN, vocab_size=VOCAB_SIZE)
