@@ -305,7 +305,7 @@ REFUSED = [
     ({"dp": 2, "pp": 2, "dp_replicate": 2}, "(HSDP) is planned without pipeline stages"),
     ({"dp": 4, "zero": 1, "dp_replicate": 2}, "shards with FSDP2: pin --zero 2 or 3"),
     ({"schedule": "zigzag"}, "--schedule zigzag must be one of"),
-    ({"dp": 2, "pp": 2, "schedule": "zbv", "zero": 3}, "--schedule zbv with --zero 3: FSDP2's reshard after forward"),
+    ({"dp": 2, "pp": 2, "schedule": "zbv", "zero": 3}, "--schedule zbv with --zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input"),
     ({"pp": 2, "schedule": "interleaved-zb", "recompute": "selective"},
      "--schedule interleaved-zb with --recompute selective: its policy lets a recomputed region run backward once"),
     ({"tp": 2, "pp": 2, "schedule": "dualpipev", "recompute": "full"},

@@ -209,13 +209,15 @@ def split_backward_refusal(zero: int | None, recompute: str | None, tp: int | No
     """Why a zero-bubble schedule (backward split into the inputs' and the weights' gradients, torch's
     ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage, recompute
     mode and tp ("" when it can), found on CPU ranks against one process
-    (``tests/e2e/test_pipeline_schedules.py``): ZeRO-3 (FSDP2 resharding each stage after forward)
-    trains to other weights; selective recompute's saved-tensor policy lets a region run backward
+    (``tests/e2e/test_pipeline_schedules.py``): ZeRO-3 trains to other weights (FSDP2's post-backward,
+    which reshards the stage's weights and reduce-scatters their gradients, runs when the gradient
+    reaches the stage's inputs, so at the end of I and before W); selective recompute's saved-tensor policy lets a region run backward
     once, not twice; full recompute of TP local shards recomputes another number of tensors than
     the forward saved (transformers' Llama)."""
     if zero == 3:
-        return ("--zero 3: FSDP2's reshard after forward does not train like one process with the split "
-                "backward; pin --zero 1, or a schedule without split backward (1f1b, interleaved-1f1b)")
+        return ("--zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input gradient "
+                "is done, before the split backward's weight gradients; pin --zero 1, or a schedule without "
+                "split backward (1f1b, interleaved-1f1b)")
     if recompute == "selective":
         return ("--recompute selective: its policy lets a recomputed region run backward once, and the split "
                 "backward runs it twice; pin --recompute full or none, or --schedule 1f1b")
