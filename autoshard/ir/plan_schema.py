@@ -45,7 +45,7 @@ import reprlib
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import TP_STYLES
+from autoshard.ir.decisions import PRECISIONS, TP_STYLES
 from autoshard.ir.plan_format import (PLAN_RECOMPUTE, PLAN_RUNTIMES, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS,
                                       TOP_KEYS)
 from autoshard.ir.topology import Cluster
@@ -173,7 +173,7 @@ def _check_optional(f: _Fields) -> None:
     bucket = _number(f.get("ddp_bucket_cap_mb", 25.0), f.path("ddp_bucket_cap_mb"))
     if bucket <= 0:
         _fail(f.path("ddp_bucket_cap_mb"), "a number > 0", bucket)
-    _name(f.get("precision", "fp32"), f.path("precision"))
+    _choice(f.get("precision", "fp32"), f.path("precision"), tuple(PRECISIONS))
     for i, name in enumerate(f.get_list("pinned", [])):
         _name(name, f"{f.path('pinned')}[{i}]")
     _choice(f.get("runtime", "autoshard"), f.path("runtime"), PLAN_RUNTIMES)
