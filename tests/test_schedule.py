@@ -35,6 +35,8 @@ def test_interleaved_has_smaller_bubble_than_1f1b():
 
 # ---------------------------------------------------------------------------- shared cores
 
+ZERO_BUBBLE = ["interleaved-zb", "zbv", "dualpipev"]
+
 SHARED_CASES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
                 ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2)]
 
@@ -56,7 +58,8 @@ def test_shared_cores_with_equal_actions_is_the_grid_at_each_slots_speed(schedul
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(SHARED_CASES), replicas=st.integers(1, 3), cores=st.integers(1, 12),
+@given(case=st.sampled_from(SHARED_CASES + [("interleaved-zb", 2, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 4, 8, 2)]),
+       replicas=st.integers(1, 3), cores=st.integers(1, 12),
        times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16),
        waits=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16))
 def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cores, times, waits):
@@ -68,9 +71,11 @@ def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cor
     forward, backward = times[:stages], times[8:8 + stages]
     forward_wait, backward_wait = waits[:stages], waits[8:8 + stages]
     orders = rank_orders(schedule, pp, m, v)
+    weight = [b / 2 for b in backward] if schedule in ZERO_BUBBLE else None  # W: half the backward's work
     unshared = makespan_s(orders, stages, [f + w for f, w in zip(forward, forward_wait)],
-                          [b + w for b, w in zip(backward, backward_wait)])
-    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores, forward_wait, backward_wait)
+                          [b + w for b, w in zip(backward, backward_wait)], weight)
+    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores, forward_wait, backward_wait,
+                               weight)
     assert shared <= unshared * (1 + 1e-12)
     if cores >= replicas * pp:
         assert shared == pytest.approx(unshared, rel=1e-12)
@@ -90,8 +95,6 @@ def test_a_wait_takes_no_core():
 
 
 # ---------------------------------------------------------------------------- zero bubble (split backward)
-
-ZERO_BUBBLE = ["interleaved-zb", "zbv", "dualpipev"]
 
 
 def _zero_bubble_cases(pp_degrees=(2, 3, 4), most=4):
