@@ -314,6 +314,9 @@ REFUSED = [
      "--microbatch-size 4 leaves 2 micro-batches per rank: dualpipev needs at least 2·pp = 4 micro-batches"),
     ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, "it puts exactly 2 stages on each rank, in a V"),
     ({"pp": 4, "schedule": "zbv"}, "--schedule zbv puts 2 stages on each of --pp 4 ranks: needs 8 blocks"),
+    ({"dp": 2, "pp": 2, "schedule": "dualpipev", "global_batch": 6},
+     "dualpipev needs at least 2·pp = 4 micro-batches, and the per-rank batch 3 (dp=2) gives at most 3; "
+     "use --global-batch 8 or more"),
     ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
     ({"pp": 8}, "pin degrees whose product divides 4"),
 ]
@@ -321,8 +324,10 @@ REFUSED = [
 
 @pytest.mark.parametrize("pins, message", REFUSED, ids=[m for _, m in REFUSED])
 def test_pins_outside_the_runtime_are_refused(gpt, pins, message):
+    pins = dict(pins)
+    batch = pins.pop("global_batch", 16)
     with pytest.raises(AutoshardError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan(gpt, GPT, local(4), 16, **pins)
+        plan(gpt, GPT, local(4), batch, **pins)
 
 
 def test_zero0_and_zero1_beside_tp_and_pp_are_planned_and_lowered(gpt):

@@ -588,5 +588,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (f"--dp-replicate {pins.dp_replicate} (HSDP) needs the dp group to span {pins.dp_replicate} nodes with "
                 f"at least 2 of its ranks on each (shard inside a node, replicate across); this cluster's meshes "
                 f"have none such: drop --dp-replicate or pin --dp-replicate 1")
+    piped = [m for m in meshes if m.pp > 1]
+    if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):
+        mesh = piped[0]
+        return (f"dualpipev needs at least 2·pp = {2 * mesh.pp} micro-batches, and the per-rank batch "
+                f"{global_batch // mesh.dp} (dp={mesh.dp}) gives at most {global_batch // mesh.dp}; use --global-batch "
+                f"{2 * mesh.pp * mesh.dp} or more, or --schedule zbv")
     return (f"the pins {', '.join(pins.names)} leave no configuration the runtime supports "
             f"(e.g. ZeRO-{pins.zero} with mesh {meshes[0]}); unpin one of them")
