@@ -65,8 +65,8 @@ from autoshard.cost import comm
 from autoshard.cost.dp_comm import pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
-from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, makespan_s, peak_in_flight, rank_orders, rank_stages,
-                                     shared_makespan_s, stage_ranks)
+from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, rank_orders, rank_stages, schedule_makespan_s,
+                                     schedule_peak_in_flight, shared_makespan_s, stage_ranks)
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
 from autoshard.cost.units import stage_ranges, stage_units
@@ -140,10 +140,11 @@ def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...]
         return m * max(times) + (sum(times) - max(times)) / v
     forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
     weight = [WEIGHT_GRAD_SHARE * b for b in backward] if split else None
-    orders = rank_orders(config.schedule, config.mesh.pp, m, v)
     if cores is None:  # every rank runs its m·T_r of actions: at least m·T_max (max() drops float rounding)
-        return max(m * max(times), makespan_s(orders, len(forward), [f + w for f, w in zip(forward, forward_wait)],
-                                              [b + w for b, w in zip(backward, backward_wait)], weight))
+        return max(m * max(times), schedule_makespan_s(config.schedule, config.mesh.pp, m, v,
+                                                       [f + w for f, w in zip(forward, forward_wait)],
+                                                       [b + w for b, w in zip(backward, backward_wait)], weight))
+    orders = rank_orders(config.schedule, config.mesh.pp, m, v)
     return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
                              forward_wait, backward_wait, weight)
 
@@ -228,8 +229,8 @@ def split_backward_in_flight_bytes(config: Decisions, pp_rank: int, stage_bytes:
     action by action (``schedule.peak_in_flight``: each stage's bytes from its F until its W or full B;
     the other schedules take ``rank_memory.in_flight``). With equal stages and m ≥ 2p: p micro-batches
     on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's p − r on rank r."""
-    order = rank_orders(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)[pp_rank]
-    return peak_in_flight(order, stage_bytes)
+    return schedule_peak_in_flight(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages,
+                                   pp_rank, stage_bytes)
 
 
 def boundary_transfer_s(tables: CostTables, config: Decisions, size_bytes: float) -> float:

@@ -45,6 +45,8 @@ on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
@@ -63,7 +65,17 @@ class Action:
 
 
 def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """The order of actions on each pp rank."""
+    """The order of actions on each pp rank (fresh lists of the cached orders: the search asks for the
+    same (schedule, pp, m, v) once per configuration and stage-cut trial)."""
+    return [list(order) for order in _rank_orders(schedule, pp, microbatches, virtual_stages)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(order) for order in _build_orders(schedule, pp, microbatches, virtual_stages))
+
+
+def _build_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
     if schedule == "gpipe":
         return [[Action(r, "F", i) for i in range(microbatches)] + [Action(r, "B", i) for i in range(microbatches)]
                 for r in range(pp)]
@@ -148,23 +160,81 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
     and where backward is split W ``weight_s[s]`` and I ``backward_s[s] − weight_s[s]``.
     Transfers take no time here. A check on ``cost.pipeline_step``'s pipeline formula with unequal
     ranks, and the zero-bubble schedules' span."""
-    finish: dict[tuple[int, str, int], float] = {}
-    free_at = [0.0] * len(orders)
+    return _run(_compile(orders, num_stages), len(orders), forward_s, backward_s, weight_s)
+
+
+def schedule_makespan_s(schedule: str, pp: int, microbatches: int, virtual_stages: int, forward_s: list[float],
+                        backward_s: list[float], weight_s: list[float] | None = None) -> float:
+    """``makespan_s`` of a named schedule's orders, their dependency walk worked out once per
+    (schedule, pp, m, v): the search prices many configurations of one schedule shape."""
+    compiled = _compiled_orders(schedule, pp, microbatches, virtual_stages, len(forward_s))
+    return _run(compiled, pp, forward_s, backward_s, weight_s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int, num_stages: int) -> tuple:
+    return _compile([list(o) for o in _rank_orders(schedule, pp, microbatches, virtual_stages)], num_stages)
+
+
+def _compile(orders: list[list[Action]], num_stages: int) -> tuple:
+    """The actions in an order that respects every rank's sequence and every input (the walk of
+    ``makespan_s``), each as (rank, kind, stage, output slot, input slots). A rank waits on the first
+    input not yet made and resumes when it is, so each action is visited a bounded number of times;
+    any such walk gives the same finish times (an action's depends only on what precedes it).
+    What an action makes is numbered ((stage·3 + what)·M + micro-batch), a list not a dict: the
+    search compiles every (schedule, pp, m, v) it prices."""
+    width = 1 + max((a.microbatch for order in orders for a in order), default=0)
+    made = [-1] * (3 * num_stages * width)  # slot of each product, -1 until made
+    what = {"F": 0, "B": 1, "I": 1, "W": 2}
+
+    def product(stage: int, kind: int, microbatch: int) -> int:
+        return (stage * 3 + kind) * width + microbatch
+
+    def inputs(a: Action) -> tuple[int, ...]:
+        if a.kind == "F":
+            return () if a.stage == 0 else (product(a.stage - 1, 0, a.microbatch),)
+        if a.kind == "W":
+            return (product(a.stage, 1, a.microbatch),)
+        after = product(a.stage + 1, 1, a.microbatch) if a.stage < num_stages - 1 else product(a.stage, 0, a.microbatch)
+        return after, product(a.stage, 0, a.microbatch)
+
     position = [0] * len(orders)
-    while any(position[r] < len(orders[r]) for r in range(len(orders))):
-        progressed = False
-        for r, order in enumerate(orders):
-            while position[r] < len(order):
-                a = order[position[r]]
-                needs = _inputs(a, num_stages)
-                if any(n not in finish for n in needs):
-                    break
-                start = max([free_at[r]] + [finish[n] for n in needs])
-                free_at[r] = start + _action_seconds(a, forward_s, backward_s, weight_s)
-                finish[_key(a)] = free_at[r]
-                position[r] += 1
-                progressed = True
-        assert progressed, "schedule cannot make progress"
+    waiting: dict[int, list[int]] = {}
+    walk: list[tuple] = []
+    ready = list(range(len(orders)))
+    while ready:
+        r = ready.pop()
+        order = orders[r]
+        while position[r] < len(order):
+            a = order[position[r]]
+            needs = inputs(a)
+            missing = next((n for n in needs if made[n] < 0), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            out = product(a.stage, what[a.kind], a.microbatch)
+            made[out] = len(walk)
+            walk.append((r, a.kind, a.stage, made[out], tuple(made[n] for n in needs)))
+            position[r] += 1
+            ready.extend(waiting.pop(out, ()))
+    assert all(position[r] == len(o) for r, o in enumerate(orders)), "schedule cannot make progress"
+    return tuple(walk)
+
+
+def _run(compiled: tuple, ranks: int, forward_s: list[float], backward_s: list[float],
+         weight_s: list[float] | None) -> float:
+    """Finish times along a compiled walk: each action starts when its rank is free and its inputs are done."""
+    weight = weight_s if weight_s is not None else [0.0] * len(backward_s)
+    seconds = {"F": forward_s, "B": backward_s, "W": weight,
+               "I": [b - w for b, w in zip(backward_s, weight)]}
+    finish = [0.0] * len(compiled)
+    free_at = [0.0] * ranks
+    for r, kind, stage, out, needs in compiled:
+        start = free_at[r]
+        for n in needs:
+            if finish[n] > start:
+                start = finish[n]
+        free_at[r] = finish[out] = start + seconds[kind][stage]
     return max(free_at)
 
 
@@ -252,6 +322,39 @@ def format_grid(grid: list[list[Action | None]]) -> str:
     width = max(len(str(a)) for row in grid for a in row if a is not None)
     return "\n".join(f"rank {r} | " + " ".join(str(a).rjust(width) if a else ".".rjust(width) for a in row)
                      for r, row in enumerate(grid))
+
+
+def schedule_peak_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int,
+                            stage_bytes: dict[int, float]) -> float:
+    """``peak_in_flight`` of a named schedule's order on ``pp_rank``: the most of Σ_s bytes_s · held_s(t)
+    over the order's held-count vectors after each forward that no other one exceeds in every stage
+    (bytes are ≥ 0), worked out once per schedule shape and rank."""
+    stages, vectors = _held_counts(schedule, pp, microbatches, virtual_stages, pp_rank)
+    return max(sum(stage_bytes[s] * c for s, c in zip(stages, counts)) for counts in vectors)
+
+
+@functools.lru_cache(maxsize=65536)
+def _held_counts(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int) -> tuple:
+    order = _rank_orders(schedule, pp, microbatches, virtual_stages)[pp_rank]
+    stages = tuple(sorted({a.stage for a in order}))
+    held = dict.fromkeys(stages, 0)
+    vectors = {tuple(held.values())}
+    for a in order:  # the peak follows a forward: record the counts after each
+        if a.kind == "F":
+            held[a.stage] += 1
+            vectors.add(tuple(held[s] for s in stages))
+        elif a.kind in "BW":
+            held[a.stage] -= 1
+    return stages, _undominated(vectors)
+
+
+def _undominated(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one exceeds in every entry: bytes are ≥ 0, so the peak is at one of them."""
+    kept: list[tuple[int, ...]] = []
+    for v in sorted(vectors, key=lambda v: (-sum(v), v)):
+        if not any(all(k >= x for k, x in zip(other, v)) for other in kept):
+            kept.append(v)
+    return tuple(sorted(kept))
 
 
 def peak_in_flight(order: list[Action], stage_bytes: dict[int, float]) -> float:

@@ -47,6 +47,8 @@ max(0, host − device) per unit and pass (forward, backward, recompute).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from autoshard.cost import eager
@@ -73,14 +75,14 @@ class Units:
     host_backward_s: tuple[float, ...] = ()
     host_recompute_s: tuple[float, ...] = ()
 
-    @property
+    @functools.cached_property
     def host_s(self) -> tuple[float, ...]:
         """Host time per unit of one micro-batch: forward + backward + recompute."""
         if not self.host_forward_s:
             return (0.0,) * len(self.forward_s)
         return tuple(map(sum, zip(self.host_forward_s, self.host_backward_s, self.host_recompute_s)))
 
-    @property
+    @functools.cached_property
     def compute_s(self) -> tuple[float, ...]:
         """fwd + bwd + recompute per unit, device and host."""
         return tuple(map(sum, zip(self.forward_s, self.backward_s, self.recompute_s, self.host_s)))
