@@ -52,6 +52,11 @@ MAX_GLOBAL_BATCH = 2**30
 # (schedule, virtual stages): torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (ZB1P), ZBV, DualPipeV
 PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
                       ("dualpipev", 2))
+# Zero-bubble schedules are priced by running their orders (pp·m·v·3 actions, once per (pp, m, v): see
+# cost.schedule.schedule_makespan_s); unpinned, the search tries them up to this pp, which keeps a 1T-model
+# search on thousands of GPUs within seconds. Published zero-bubble runs use pp ≤ 16 (Qi et al. 2024:
+# 8-32 GPUs per pipeline); --schedule zbv (or another) prices any pp.
+MAX_SEARCHED_ZERO_BUBBLE_PP = 8
 LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")  # v > 1 stages per rank, r, r + pp, ...; any v > 1
 
 
@@ -518,10 +523,12 @@ def hsdp_replicas(mesh: Mesh, zero_stage: int, cluster: Cluster) -> tuple[int, .
 
 
 def schedule_choices(mesh: Mesh, blocks: int, pins: Pins) -> list[tuple[str, int]]:
+    """The schedules of a pp > 1 mesh; unpinned zero-bubble schedules up to ``MAX_SEARCHED_ZERO_BUBBLE_PP``."""
     if mesh.pp == 1:
         return [("none", 1)]
     return [(s, v) for s, v in _schedules_of(pins)
-            if pins.schedule in (None, s) and blocks >= v * mesh.pp]
+            if pins.schedule in (None, s) and blocks >= v * mesh.pp
+            and (s not in ZERO_BUBBLE_SCHEDULES or pins.schedule == s or mesh.pp <= MAX_SEARCHED_ZERO_BUBBLE_PP)]
 
 
 def _schedules_of(pins: Pins) -> tuple[tuple[str, int], ...]:
