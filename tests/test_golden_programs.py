@@ -1,4 +1,4 @@
-"""Emitted programs of seven plan kinds against their reviewed text, and the applier against the program.
+"""Emitted programs of every plan kind against their reviewed text, and the applier against the program.
 
 ``tests/golden/<kind>.plan.json`` is a plan; ``<kind>.py`` the program ``autoshard compile`` must print for
 it, byte for byte. After a deliberate change to the programs, rewrite them with
@@ -38,6 +38,8 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.mesh.tp > 1 and p.mesh.pp > 1 for p in plans)
     assert any(p.recompute == "mixed" for p in plans)
     assert any(p.recompute != "none" and p.mesh.pp > 1 for p in plans)
+    assert {p.zero_stage for p in plans if p.mesh.tp > 1 and p.mesh.dp > 1} >= {0, 1}  # replicate; distributed optimizer
+    assert any(p.dp_replicate > 1 for p in plans)  # HSDP
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Training program emitted by autoshard from plan a104619653aa.
+
+Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
+Cluster    local-cpu: 1 node(s) x 4 devices, gloo
+Plan       dp=2 tp=2 pp=1 | ZeRO-0 | global batch 8 = 2 dp ranks x 2 micro-batches x 2 | recompute none
+Predicted  step 5.59 ms = compute 5.57 ms + exposed comm 0.0239 ms + bubble 0 ms
+           peak 4.0 MiB per rank (weights 0.5, grads 0.5, optimizer 1.0, activations 1.8, transient 0.0)
+           91,608 tokens/s, MFU 69.3%
+
+Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
+  or: autoshard run plan.json
+"""
+
+
+import argparse
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoshard import runtime
+from autoshard.runtime import checkpoint
+from autoshard.runtime.parallel import apply_replicate, apply_tp, build_optimizer, sync_batch_norm
+
+
+MODEL = 'examples/gpt.py:build'
+MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+TOKENS_PER_SAMPLE = 64
+GLOBAL_BATCH = 8
+PP, DP, TP = 1, 2, 2  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
+MICROBATCH_SIZE = 2
+NUM_MICROBATCHES = 2  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
+BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
+# Tensor-parallel styles, chosen and proven on the op graph (style: its torch ParallelStyle)
+BLOCK_TP_STYLES = {  # the same in every block
+    "attn.c_proj": "rowwise",  # RowwiseParallel()
+    "attn.k_proj": "colwise",  # ColwiseParallel()
+    "attn.q_proj": "colwise",  # ColwiseParallel()
+    "attn.v_proj": "colwise",  # ColwiseParallel()
+    "mlp.c_fc": "colwise",  # ColwiseParallel()
+    "mlp.c_proj": "rowwise",  # RowwiseParallel()
+}
+TP_STYLES = {f"{block}.{name}": style for block in BLOCKS for name, style in BLOCK_TP_STYLES.items()} | {
+    "lm_head": "colwise-gather",  # ColwiseParallel(output_layouts=Replicate())
+}
+
+
+def parallelize(model, mesh, device, lr):
+    """Apply the plan's steps in order (passes.lower): tensor parallel over 2 ranks, ZeRO-0 over 2 dp ranks (FSDP2's replicate)."""
+    # Tensor parallel over 2 ranks: column-parallel then row-parallel, styles chosen and proven on the op
+    # graph.
+    model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=False)
+    # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
+    # BatchNorm).
+    model = sync_batch_norm(model, mesh["dp"])
+    # ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each unit's
+    # gradients over 2 dp ranks after the last micro-batch's backward (each block a unit, then the root).
+    model = apply_replicate(model, mesh["dp"], blocks=BLOCKS, precision=PRECISION)
+    # AdamW over the replicated DTensor parameters, whole on every dp rank.
+    optimizer = build_optimizer(model, mesh["dp"], zero_stage=0, lr=lr)
+    return model, optimizer
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--no-dropout", action="store_true", help="turn every dropout off (autoshard verify "
+                        "compares runs with dropout off: each rank would draw its own masks)")
+    parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
+                        "naming the ranks that never joined it")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
+    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
+    model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
+
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
+
+    dp_rank = mesh.get_local_rank("dp")  # the TP ranks of one dp rank see the same data
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    for step in range(start, args.steps):
+        log.start()
+        batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
+        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        step_loss = torch.zeros((), device=ctx.device)
+        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
+                with runtime.autocast(PRECISION, ctx.device):
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
+                loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group("dp")))
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
+
+    runtime.finish(model, log, args.metrics_out)
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
+
+
+if __name__ == "__main__":
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
