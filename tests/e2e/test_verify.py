@@ -18,7 +18,7 @@ MODELS = {
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_verify_dp_and_zero(in_repo, model, zero, ranks):
     plan = autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
-                          zero=zero, microbatch_size=1 if zero % 2 else None,
+                          dp=ranks, tp=1, pp=1, zero=zero, microbatch_size=1 if zero % 2 else None,
                           recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero])
     assert plan.mesh.dp == ranks and plan.zero_stage == zero
     report = verify(plan, steps=3)
