@@ -182,7 +182,9 @@ def _stop_job(proc: subprocess.Popen, token: str) -> None:
         _kill(pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 5
-    while _job_pids(token) and time.monotonic() < deadline:  # a killed rank is gone once its parent reaps it
+    # A killed process is gone once it is reaped; while it exits its environment already reads empty, so
+    # the ones we killed are watched by pid, and the token finds any the scan missed.
+    while (any(_pid_alive(pid) for pid in left) or _job_pids(token)) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -211,6 +213,13 @@ def _job_pids(token: str) -> list[int]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return pids
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return _alive(Path(f"/proc/{pid}"))
+    except OSError:
+        return False
 
 
 def _alive(entry: Path) -> bool:
