@@ -8,13 +8,11 @@ against fp32 and float64 one-process runs (``zoo._verdict``: ``verify.compare``)
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import autoshard
-from autoshard.launch import run_torchrun, write_program
-from e2e.zoo import DRIVER, FAST_LINK, GLOBAL_BATCH, LR, SEED, STEPS, _last_lines, _verdict
+from autoshard.launch import write_program
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH, run_and_judge
 
 pytestmark = pytest.mark.e2e
 
@@ -40,15 +38,4 @@ def test_pipeline_recompute_trains_like_one_process(in_repo, tmp_path):
         program = write_program(plan, tmp_path / name / "train.py")
         assert "apply_ac" in program.read_text(), f"{name}: the program recomputes nothing"
         plans[name] = plan
-    cases = [{"name": name, "program": str(tmp_path / name / "train.py"), "metrics_out": str(tmp_path / name / "out"),
-              "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
-                       "--metrics-out", str(tmp_path / name / "out")]} for name in plans]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = run_torchrun(DRIVER, RANKS, [str(tmp_path / "cases.json")], quiet=True)
-    for name, plan in plans.items():
-        out = tmp_path / name / "out"
-        errors = sorted(out.glob("error-rank*.txt"))
-        assert not errors, f"{name} crashed: {_last_lines(errors[0].read_text())}"
-        assert (out / "metrics.json").exists(), f"{name} did not run: {proc.crash or proc.stdout[-2000:]}"
-        status, detail = _verdict(CASES[name][0], plan, out)
-        assert status == "verified", f"{name}: {detail}"
+    run_and_judge(plans, {n: c[0] for n, c in CASES.items()}, RANKS, tmp_path)

@@ -150,3 +150,21 @@ def table(outcomes: dict[tuple, Outcome], models: dict[str, str], cases: dict[st
         cells = [outcomes[model, case].summary.replace("|", "/")[:160] for case in cases]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_and_judge(plans: dict, models: dict[str, str], ranks: int, folder: Path) -> None:
+    """Run each plan's program (``folder/<name>/train.py``, already written) in one torchrun launch of
+    ``ranks`` (``zoo_driver.py``) and require every one to train like one process (``_verdict``);
+    ``models`` names each case's model spec."""
+    cases = [{"name": name, "program": str(folder / name / "train.py"), "metrics_out": str(folder / name / "out"),
+              "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
+                       "--metrics-out", str(folder / name / "out")]} for name in plans]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    proc = run_torchrun(DRIVER, ranks, [str(folder / "cases.json")], quiet=True)
+    for name, plan in plans.items():
+        out = folder / name / "out"
+        errors = sorted(out.glob("error-rank*.txt"))
+        assert not errors, f"{name} crashed: {_last_lines(errors[0].read_text())}"
+        assert (out / "metrics.json").exists(), f"{name} did not run: {proc.crash or proc.stdout[-2000:]}"
+        status, detail = _verdict(models[name], plan, out)
+        assert status == "verified", f"{name}: {detail}"
