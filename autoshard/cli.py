@@ -106,7 +106,7 @@ def _add_estimate(sub, common) -> None:
 
 
 PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts",
-             "dp_replicate")
+             "dp_replicate", "ep")
 
 
 def _add_plan_arguments(p) -> None:
@@ -121,6 +121,8 @@ def _add_plan_arguments(p) -> None:
         p.add_argument(f"--{name}", type=int, help="pin this decision")
     p.add_argument("--dp-replicate", type=int, help="HSDP: FSDP2 shards over dp / N ranks (inside a node) and "
                    "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)")
+    p.add_argument("--ep", type=int, help="expert parallelism: split each mixture-of-experts layer's experts over "
+                   "this many of the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
     p.add_argument("--virtual-stages", type=int, metavar="V",
@@ -229,7 +231,7 @@ def cmd_plan(args) -> int:
                         devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                         microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, stage_cuts=args.stage_cuts, runtime=args.runtime,
-                        dp_replicate=args.dp_replicate, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
+                        dp_replicate=args.dp_replicate, ep=args.ep, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
     _write_plan(plan, args)
     return 0
 

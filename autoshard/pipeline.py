@@ -8,6 +8,8 @@
     unfold      the L layers, copied from the two    OpGraph -> OpGraph   (after annotate: copies
                                                                            carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
+    experts     mixture-of-experts groups whose      OpGraph -> OpGraph   (needs blocks)
+                experts may live on other ranks
     strategies  meshes (dp, tp, pp) and configurations
                 the runtime supports, pins applied   -> [Decisions]       (needs blocks)
     search      price each (TP layouts, stage cuts),
@@ -43,6 +45,7 @@ from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops
 from autoshard.passes.blocks import find_blocks
+from autoshard.passes.experts import find_experts
 from autoshard.passes.fold import unfold
 from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
 from autoshard.passes.front import run_pass as _run
@@ -86,7 +89,7 @@ def plan_model(request: PlanRequest) -> Plan:
 
 def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, done: list[str] | None = None) -> Plan:
     """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
-    done = done if done is not None else ["capture", "annotate", "blocks"]
+    done = done if done is not None else ["capture", "annotate", "blocks", "experts"]
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
                    request.pins)
     result = _run("search", done, search, graph, request.cluster, configs, request.global_batch,
@@ -125,7 +128,8 @@ def capture_graph(model_spec: str, fold: bool = True) -> tuple[ModelFile, OpGrap
 
 def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
     graph = _run("unfold", done, unfold, graph)
-    return _run("blocks", done, find_blocks, graph)
+    graph = _run("blocks", done, find_blocks, graph)
+    return _run("experts", done, find_experts, graph)
 
 
 def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult) -> Plan:
@@ -159,6 +163,8 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         search=dict(result.report),
         recompute_blocks=dict(zip((b.path for b in graph.blocks), c.recompute_blocks)),
         dp_replicate=c.dp_replicate,
+        ep=c.ep,
+        experts=tuple(g.path for g in graph.experts) if c.ep > 1 else (),
     )
 
 

@@ -183,6 +183,9 @@ def _zero_how(plan: Plan) -> str:
     if plan.dp_replicate > 1:
         how += (f"; HSDP: sharded over the {plan.mesh.dp // plan.dp_replicate} ranks of a node, "
                 f"{plan.dp_replicate} replicas across nodes")
+    if plan.ep > 1:
+        how += (f"; experts split over ep={plan.ep} adjacent dp ranks (all-to-all dispatch), each shard synced "
+                f"over the {plan.mesh.dp // plan.ep} rank(s) holding it")
     return how
 
 
@@ -197,7 +200,8 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 TIME_ROWS = (("forward_s", "forward"), ("backward_s", "backward"), ("recompute_s", "recompute"),
              ("grad_accumulation_s", "gradient accumulation"), ("optimizer_s", "optimizer step"),
              ("tp_comm_s", "TP collectives"), ("p2p_s", "pipeline p2p"),
-             ("dp_comm_exposed_s", "DP collectives, exposed"), ("bubble_s", "pipeline bubble"))
+             ("dp_comm_exposed_s", "DP collectives, exposed"), ("bubble_s", "pipeline bubble"),
+             ("ep_comm_s", "expert all-to-all"))
 MEMORY_ROWS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
                ("activations_bytes", "activations"), ("transient_bytes", "transient"))
 SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "dp": "dp", "tp": "tp", "pp": "pp"}
@@ -313,6 +317,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2
         else "-",
         "HSDP replicas": str(plan.dp_replicate),
+        "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
     }
     return rows
 

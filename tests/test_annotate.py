@@ -90,6 +90,46 @@ def test_conv2d_flops_from_shapes():
     assert conv.flops == 2 * (2 * 8 * 10 * 10) * 3 * 3 * 3
 
 
+def test_grouped_matmuls_of_a_captured_moe_count_every_expert_row():
+    """Mixtral (tests/models/hf_mixtral.py): per layer S = tokens·top_k rows, gate_up K=H N=2I, down K=I N=H."""
+    from autoshard.passes.annotate import ESTIMATED, GROUPED_MM_TARGETS
+
+    model_file = load_model_file(f"{ROOT / 'tests/models/hf_mixtral.py'}:build")
+    graph = annotate(capture(model_file, batch_size=B))
+    hf_mixtral = model_file.module
+    cfg = hf_mixtral.config()
+    hidden, inter, top_k, experts = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok, cfg.num_local_experts
+    pairs = B * hf_mixtral.SEQ_LEN * top_k
+    grouped = [n for n in graph.nodes if n.target.startswith(GROUPED_MM_TARGETS)]
+    assert len(grouped) == 2 * cfg.num_hidden_layers
+    per_layer = 2 * pairs * hidden * 2 * inter + 2 * pairs * inter * hidden
+    assert sum(n.flops for n in grouped) == cfg.num_hidden_layers * per_layer
+    assert not any(n.attrs.get(ESTIMATED) for n in grouped)
+    for node in grouped:  # the whole [E, N, K] weight is read, whichever expert each row meets
+        weight_shape = graph.value_meta(node.inputs[1])[0]
+        assert weight_shape[0] == experts
+        assert node.bytes_read >= graph.value_bytes(node.inputs[1]) + graph.value_bytes(node.inputs[0])
+
+
+class _GroupedMM(nn.Module):
+    """``F.grouped_mm`` as transformers calls it on GPUs: a[S, K] · weight[E, N, K]ᵀ, offs by expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 24, 16, dtype=torch.bfloat16))  # [E, N, K]
+
+    def forward(self, x):
+        offs = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
+        return nn.functional.grouped_mm(x, self.w.transpose(-2, -1), offs=offs)
+
+
+def test_aten_grouped_mm_is_2_s_k_n():
+    graph = annotate(capture_module(_GroupedMM(), (torch.randn(12, 16, dtype=torch.bfloat16),)))
+    (gmm,) = [n for n in graph.nodes if n.target == "aten._grouped_mm.default"]
+    assert gmm.flops == 2 * 12 * 16 * 24
+    assert gmm.bytes_read >= 2 * (4 * 24 * 16 + 12 * 16) and gmm.bytes_written == 2 * 12 * 24
+
+
 # ---------------------------------------------------------------------------- hand-made graphs
 
 
@@ -109,6 +149,20 @@ def test_matmul_and_einsum():
     es = node("es", "aten.einsum.default", ("x", "y"), (4, 16), equation="ik,kj->ij")
     graph = tiny_graph(mm, es)
     assert node_flops(graph, mm) == node_flops(graph, es) == 2 * 4 * 8 * 16
+
+
+def test_grouped_mm_shapes_torch_allows():
+    """a[S,K]·b[E,K,N], a[E,M,K]·b[E,K,N], a[E,M,K]·b[K,N]: 2·numel(out)·K; a[M,K]·b[K,N] split on K: 2·M·K·N."""
+    shapes = {"a2": ((12, 16), "bfloat16"), "b3": ((4, 16, 24), "bfloat16"), "a3": ((4, 3, 16), "bfloat16"),
+              "b2": ((16, 24), "bfloat16"), "offs": ((4,), "int32")}
+    rows = node("rows", "aten._grouped_mm.default", ("a2", "b3", "offs"), (12, 24), "bfloat16")
+    batched = node("bmm", "aten._grouped_mm.default", ("a3", "b3"), (4, 3, 24), "bfloat16")
+    cols = node("cols", "aten._grouped_mm.default", ("a3", "b2", "offs"), (3, 24), "bfloat16")
+    k_split = node("k", "aten._grouped_mm.default", ("a2", "b2", "offs"), (4, 12, 24), "bfloat16")
+    fallback = node("fb", "transformers.grouped_mm_fallback.default", ("a2", "b3", "offs"), (12, 24), "bfloat16")
+    graph = tiny_graph(rows, batched, cols, k_split, fallback, placeholders=shapes)
+    assert [node_flops(graph, n) for n in (rows, batched, cols, k_split, fallback)] == [
+        2 * 12 * 16 * 24, 2 * 4 * 3 * 16 * 24, 2 * 3 * 16 * 24, 2 * 12 * 16 * 24, 2 * 12 * 16 * 24]
 
 
 def test_reductions_count_input_elements():

@@ -53,6 +53,7 @@ class StepParts:
     dp_comm_total_s: float  # hidden or not (not part of the step time)
     memory: Memory
     host_s: float = 0.0  # host overheads not hidden by the device (module doc, "Host")
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed (``cost.experts``)
 
     @property
     def compute_s(self) -> float:
@@ -61,7 +62,7 @@ class StepParts:
 
     @property
     def comm_exposed_s(self) -> float:
-        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s + self.ep_comm_s
 
     @property
     def step_time_s(self) -> float:
@@ -83,7 +84,7 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
         tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
         samples_per_s=global_batch / step_s,
         mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
-        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s,
+        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s + parts.ep_comm_s,
     )
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost import comm
+from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.dp_comm import pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
@@ -93,6 +94,8 @@ class RankLoad:
     memory: Memory
     host_s: float = 0.0  # its stages' host time (ops, schedule, FSDP hooks), not hidden by the device
     tensors: int = 0  # parameter tensors of its stages
+    ep_comm_s: float = 0.0  # its stages' expert all-to-alls (``cost.experts``)
+    expert_params: int = 0  # of ``params``, its expert shards (ep = dp: no other rank holds them, none synced)
 
     @property
     def compute_s(self) -> float:
@@ -100,7 +103,7 @@ class RankLoad:
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.p2p_s + self.tp_comm_s
+        return self.compute_s + self.p2p_s + self.tp_comm_s + self.ep_comm_s
 
 
 def price_pipeline(tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...]) -> Predicted:
@@ -114,7 +117,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     slowest = max(loads, key=lambda r: r.time_s)
     m, v = config.num_microbatches, config.virtual_stages
     params = max(r.params for r in loads)
-    dp = pipeline_dp_comm(cluster, config, params, precision)
+    dp = pipeline_dp_comm(cluster, config, max(r.params - r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
     span_s = pipeline_span_s(tables, config, cuts, loads)
@@ -125,7 +128,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
         p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s,
         bubble_s=span_s - m * slowest.time_s,
         dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
-        host_s=host_s)
+        host_s=host_s, ep_comm_s=m * slowest.ep_comm_s)
 
 
 def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:
@@ -175,7 +178,8 @@ def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, .
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
         load, total = loads[owner[s]], rank_compute[owner[s]]
-        work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s) / total) if total else (0.0, 0.0)
+        work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s + load.ep_comm_s) / total) if total \
+            else (0.0, 0.0)
         for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
             column.append(value)
     return out
@@ -187,13 +191,15 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     ranges = stage_ranges(cuts, units.blocks)
     pp, v = config.mesh.pp, config.virtual_stages
     owner = stage_ranks(config.schedule, pp, v)
+    experts = unit_expert_costs(tables, config)
     loads = []
     for r in range(pp):
         mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
         p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine
                   if s > 0 and owner[s - 1] != r)  # adjacent stages on one rank (the V's tip) send nothing
-        params = sum(units.params[u] for u in idx)
+        whole_experts = sum(experts[u].params for u in idx)
+        params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
         if config.schedule in ZERO_BUBBLE_SCHEDULES:
             saved = {s: sum(units.saved_bytes[u] for u in stage_units(rng, units.blocks)) for s, rng in mine}
             acts = split_backward_in_flight_bytes(config, r, saved)
@@ -203,11 +209,12 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         host_s = sum(units.host_s[u] + tp_host[u] for u in idx) + \
             len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
-        loads.append(RankLoad(sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] for u in idx),
-                              sum(units.recompute_s[u] for u in idx), p2p,
-                              sum(tp_comm[u] for u in idx), params,
-                              memory_pipeline(tables.precision, config, params, acts), host_s,
-                              sum(units.tensors[u] for u in idx)))
+        loads.append(RankLoad(sum(units.forward_s[u] + experts[u].forward_s for u in idx),
+                              sum(units.backward_s[u] + experts[u].backward_s for u in idx),
+                              sum(units.recompute_s[u] + experts[u].recompute_s for u in idx), p2p,
+                              sum(tp_comm[u] for u in idx), params + expert_shards,
+                              memory_pipeline(tables.precision, config, params, acts, expert_shards), host_s,
+                              sum(units.tensors[u] for u in idx), a2a_microbatch_s(experts, idx), expert_shards))
     return loads
 
 

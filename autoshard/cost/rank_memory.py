@@ -34,9 +34,14 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
     return float(min(m, pp - pp_rank))
 
 
-def memory_spmd(tables: CostTables, config: Decisions, local_params: int) -> Memory:
+def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert_params: int = 0) -> Memory:
+    """``local_params`` sharded by ZeRO over dp (HSDP: a node's shard), ``expert_params`` (ep > 1: the
+    rank's expert shards) over the dp / ep ranks holding the same ones."""
     precision, tp = tables.precision, config.mesh.tp
     p, g, o = model_state_bytes(local_params, config.zero_stage, config.dp_shard, precision)  # HSDP: a node's shard
+    if expert_params:
+        pe, ge, oe = model_state_bytes(expert_params, config.zero_stage, config.expert_dp, precision)
+        p, g, o = p + pe, g + ge, o + oe
     units = tables.config_units(config)
     keep = tp_activation_fraction(tp)
     modes = config.block_modes(len(units.saved_bytes) - 2)
@@ -65,8 +70,13 @@ def fsdp_unit_params(tables: CostTables, config: Decisions) -> int:
     return max((b.param_count for b in graph.blocks), default=graph.param_count)
 
 
-def memory_pipeline(precision: Precision, config: Decisions, params: int, activations: float) -> Memory:
+def memory_pipeline(precision: Precision, config: Decisions, params: int, activations: float,
+                    expert_params: int = 0) -> Memory:
+    """``params`` sharded by the stage's ZeRO over dp; ``expert_params`` (ep = dp: the rank's expert shards,
+    which no other rank holds) whole."""
     p, g, o = model_state_bytes(params, pipeline_zero(config), config.mesh.dp, precision)
+    p, g, o = p + expert_params * precision.param_bytes, g + expert_params * precision.grad_bytes, \
+        o + expert_params * precision.optimizer_bytes
     return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
                              activations_bytes=int(activations),
                              transient_bytes=int(pipeline_transient_per_param(precision, config) * params))

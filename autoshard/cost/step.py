@@ -24,11 +24,19 @@ collectives and what hides them), ``cost.rank_memory`` (memory per rank) and
     host       = m · Σ_u (host(u) + tp_host(u))  +  m · h_fsdp(U units)  +  optimizer loop  +  DDP hooks
 
 with c_tp and T_tp the layout's (``cost.tp``) for tp > 1. Pipelines: ``cost.pipeline_step``.
+
+**Expert parallelism** (ep > 1, ``cost.experts``): the most-loaded rank's extra expert work and the
+dispatch's recompute join forward, backward and recompute; the all-to-alls are ``ep_comm``
+(exposed); the rank holds Ψ_dense + Ψ_E / ep parameters, the dense ones synchronised over dp and
+the expert shards over the dp / ep ranks holding them (two DP groups, priced apart).
 """
 
 from __future__ import annotations
 
-from autoshard.cost.dp_comm import dp_comm_time
+from dataclasses import replace
+
+from autoshard.cost.dp_comm import CommTime, dp_comm_time
+from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
 from autoshard.cost.parts import (StepParts, dp_host_s, fsdp_host_s, grad_accumulation_s, optimizer_parts,
                                   param_tensors, predicted)
 from autoshard.cost.pipeline_step import pipeline_parts
@@ -65,7 +73,14 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
     m = config.num_microbatches
-    dp = dp_comm_time(graph, cluster, config, micro, precision, local)
+    experts = unit_expert_costs(tables, config)
+    dense, expert_local = expert_state_params(local, expert_params(graph), config) if config.ep > 1 else (local, 0)
+    dp = dp_comm_time(graph, cluster, config, micro, precision, dense)
+    if expert_local:
+        expert_dp = dp_comm_time(graph, cluster, replace(config, mesh=replace(config.mesh, dp=config.expert_dp)),
+                                 micro, precision, expert_local)
+        dp = CommTime(dp.total_s + expert_dp.total_s, dp.exposed_s + expert_dp.exposed_s)
+    local = dense + expert_local
     units = tables.config_units(config)
     tensors = param_tensors(graph)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, local, tensors)
@@ -74,8 +89,11 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         m * fsdp_host_s(cluster, config, len(graph.blocks) + 1, local, precision) + \
         optimizer_host + dp_host_s(cluster, config, tensors)
     return StepParts(
-        forward_s=m * micro.forward_s, backward_s=m * micro.backward_s, recompute_s=m * micro.recompute_s,
+        forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),
+        backward_s=m * (micro.backward_s + sum(e.backward_s for e in experts)),
+        recompute_s=m * (micro.recompute_s + sum(e.recompute_s for e in experts)),
         grad_accumulation_s=grad_accumulation_s(local, config, precision, cluster),
         optimizer_s=optimizer_s, tp_comm_s=m * tp_comm_s, p2p_s=0.0,
         dp_comm_exposed_s=dp.exposed_s, bubble_s=0.0, dp_comm_total_s=dp.total_s,
-        memory=memory_spmd(tables, config, local), host_s=host_s)
+        memory=memory_spmd(tables, config, dense, expert_local), host_s=host_s,
+        ep_comm_s=m * a2a_microbatch_s(experts))

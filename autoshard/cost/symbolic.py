@@ -90,9 +90,9 @@ B, S, DP, TP, PP, MB, V = SYMBOLS.values()
 M = B / (DP * MB)  # micro-batches per step
 
 TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "host_s",
-              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s")
+              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s", "ep_comm_s")
 COMPUTE_PARTS = TIME_PARTS[:6]
-COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s")
+COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s")
 MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
 WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp"}
 WHAT_IF_EXAMPLES = {"global_batch": 2048, "seq_len": 4096, "microbatch_size": 2, "dp": 8, "tp": 2, "pp": 2}
@@ -187,7 +187,10 @@ def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallbac
     e["p2p_s"] = _anchored(parts.p2p_s, M * MB * S * V * _more_than_one(PP), point, fallback["p2p_s"])
     e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s, _ring(DP) * param_share * _dp_rounds(point, precision),
                                        point, fallback["dp_comm_exposed_s"])
-    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s")),
+    if parts.ep_comm_s:  # expert parallelism's all-to-alls: the tokens of each micro-batch (absent without)
+        e["ep_comm_s"] = _anchored(parts.ep_comm_s, M * MB * S / PP, point)
+    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s",
+                                         "ep_comm_s") if k in e),
                          sympy.Integer(0)) / M
     e["bubble_s"] = _anchored(parts.bubble_s, (PP - 1) / V * per_microbatch, point, 1.0)
     return e

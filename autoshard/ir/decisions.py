@@ -209,12 +209,14 @@ DP_RUNTIMES: dict[str, DPRuntime] = {row.name: row for row in (
 )}
 
 
-def dp_runtime(zero_stage: int, mesh: Mesh) -> DPRuntime:
-    """The row that runs ``zero_stage`` on ``mesh`` (``DPRuntime``)."""
+def dp_runtime(zero_stage: int, mesh: Mesh, ep: int = 1) -> DPRuntime:
+    """The row that runs ``zero_stage`` on ``mesh`` (``DPRuntime``); expert shards (ep > 1) are
+    synchronised over their own ranks, which only FSDP2's wrappers take (as with tp or pp)."""
+    plain = mesh.tp == 1 and mesh.pp == 1 and ep == 1
     if zero_stage == 0:
-        return DP_RUNTIMES["ddp" if mesh.tp == 1 and mesh.pp == 1 else "replicate"]
+        return DP_RUNTIMES["ddp" if plain else "replicate"]
     if zero_stage == 1:
-        return DP_RUNTIMES["ddp-zero-optimizer" if mesh.tp == 1 and mesh.pp == 1 else "fsdp-accumulate"]
+        return DP_RUNTIMES["ddp-zero-optimizer" if plain else "fsdp-accumulate"]
     return DP_RUNTIMES["fsdp" if zero_stage == 2 else "fsdp-reshard"]
 
 
@@ -235,6 +237,9 @@ class Decisions:
     recompute_blocks: tuple[str, ...] = ()  # mixed: each block's mode, in block order (passes.recompute)
     precision: str = "fp32"  # a plan's (PRECISIONS); the search prices the cluster's (cost.tables.Runtime)
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard; FSDP2 shards over dp_shard (inside a node)
+    # Expert parallelism: each expert group's E experts split over ep ranks borrowed from dp (ep | dp,
+    # adjacent dp ranks); tokens reach their experts by all-to-all, expert shards sync over dp / ep ranks.
+    ep: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -242,7 +247,12 @@ class Decisions:
 
     @property
     def dp_runtime(self) -> DPRuntime:
-        return dp_runtime(self.zero_stage, self.mesh)
+        return dp_runtime(self.zero_stage, self.mesh, self.ep)
+
+    @property
+    def expert_dp(self) -> int:
+        """The dp ranks holding the same expert shard, over which its gradients are reduced: dp / ep."""
+        return self.mesh.dp // self.ep
 
     @property
     def dp_shard(self) -> int:

@@ -1,7 +1,7 @@
 """OpGraph: the captured model as a flat list of operators with shapes and costs.
 
 ``passes/capture`` fills nodes and params from ``torch.export``; ``passes/annotate`` fills
-``flops``/``bytes_*``; ``passes/blocks`` fills ``blocks``. Every later pass reads only this
+``flops``/``bytes_*``; ``passes/blocks`` fills ``blocks``, ``passes/experts`` ``experts``. Every later pass reads only this
 object, never the ``nn.Module``, so plans are made from meta tensors alone.
 """
 
@@ -110,6 +110,26 @@ class Block:
     input_bytes: int  # bytes of the block's input activation (what full recompute keeps)
 
 
+@dataclass(frozen=True)
+class ExpertGroup:
+    """A mixture-of-experts layer's experts (``passes.experts``): one module whose parameters are
+    stacked along dim 0, one slice per expert, read only by grouped matmuls (each token-expert pair
+    multiplies its own expert's slice), so the experts can live on different ranks.
+
+    Per forward of the captured batch (T tokens): ``pairs`` = T·k token-expert pairs of ``hidden``
+    features each are dispatched, and ``flops_fwd`` are the grouped matmuls' FLOPs on them."""
+
+    path: str  # the experts module, e.g. "model.layers.3.mlp.experts"
+    experts: int  # E, the stacked dim of every parameter
+    top_k: int  # k experts per token: pairs / tokens
+    hidden: int  # features of a dispatched token (the first grouped matmul's input width)
+    pairs: int  # T·k at the captured batch
+    params: tuple[str, ...]  # the stacked parameters
+    param_count: int
+    flops_fwd: int
+    block: str  # the block holding it ("" outside blocks)
+
+
 @dataclass
 class OpGraph:
     """A captured model. ``batch_size`` is the example batch size it was captured at."""
@@ -121,6 +141,7 @@ class OpGraph:
     tokens_per_sample: int  # sequence length for token models, 1 otherwise
     module_types: dict[str, str] = field(default_factory=dict)  # module path -> class name
     blocks: list[Block] = field(default_factory=list)  # filled by passes/blocks
+    experts: list[ExpertGroup] = field(default_factory=list)  # filled by passes/experts
     # Graph inputs that OpNode.inputs may name besides other nodes (filled by passes/capture):
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, as input_shapes
     placeholder_params: dict[str, str] = field(default_factory=dict)  # placeholder -> param/buffer name

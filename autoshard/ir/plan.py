@@ -171,6 +171,8 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)
     recompute_blocks: dict[str, str] = field(default_factory=dict)  # recompute "mixed": block path -> its mode
     dp_replicate: int = 1  # HSDP: FSDP2 shards over dp / dp_replicate ranks and replicates across the rest
+    ep: int = 1  # expert parallelism: each expert group split over ep of the dp ranks (Decisions.ep)
+    experts: tuple[str, ...] = ()  # the expert groups (passes.experts) the ep axis shards, when ep > 1
     version: int = PLAN_VERSION  # the format it is written in: a plan read from an older version has this one
 
     def __post_init__(self):
@@ -196,6 +198,9 @@ class Plan:
                 (self.dp_replicate > 1 and (self.zero_stage < 2 or self.mesh.pp > 1)):
             raise AutoshardError(f"dp_replicate={self.dp_replicate} must divide dp={self.mesh.dp}, and HSDP "
                                  f"(dp_replicate > 1) needs ZeRO-2 or 3 without pipeline stages")
+        if self.ep < 1 or self.mesh.dp % self.ep or (self.ep > 1 and not self.experts):
+            raise AutoshardError(f"ep={self.ep} must divide dp={self.mesh.dp}, and ep > 1 needs the expert groups "
+                                 f"it shards (layout.experts)")
         per_step = self.mesh.dp * self.microbatch_size * self.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
@@ -215,7 +220,8 @@ class Plan:
         return Decisions(mesh=self.mesh, zero_stage=self.zero_stage, microbatch_size=self.microbatch_size,
                          num_microbatches=self.num_microbatches, recompute=self.recompute, schedule=self.schedule,
                          virtual_stages=self.virtual_stages, ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
-                         recompute_blocks=modes, precision=self.precision, dp_replicate=self.dp_replicate)
+                         recompute_blocks=modes, precision=self.precision, dp_replicate=self.dp_replicate,
+                         ep=self.ep)
 
     @property
     def layout(self) -> PlanLayout:
@@ -505,6 +511,8 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         search=_search(d.get("search", {})),
         recompute_blocks=dict(d.get("recompute_blocks", {})),
         dp_replicate=_int(d.get("dp_replicate", 1)),
+        ep=_int(d.get("ep", 1)),
+        experts=tuple(d.get("experts", ())),
         version=PLAN_VERSION,
     )
 

@@ -8,8 +8,10 @@ Version 2 (written) groups the plan's fields into sections, in this order::
 
     version, model, cluster, global_batch
     decisions    mesh, zero_stage, microbatch_size, num_microbatches, schedule, virtual_stages,
-                 recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate (HSDP; absent: 1)
-    layout       blocks, tensor_parallel, split_points, stages
+                 recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate (HSDP; absent: 1),
+                 ep (expert parallelism; written only when > 1)
+    layout       blocks, tensor_parallel, split_points, stages, experts (the expert groups ep shards;
+                 written only with ep > 1)
     predicted    step time and memory by part (``ir.plan.Predicted``)
     review       alternatives, tensor_parallel_reasons, notes, symbolic, search
     provenance   pinned, runtime
@@ -37,8 +39,10 @@ V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank in a V: rank r holds sta
 PLAN_RUNTIMES = ("autoshard", "megatron-lm")  # cost.tables.RUNTIME_NAMES: what priced the plan
 
 DECISIONS_KEYS = ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages",
-                  "recompute", "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate")
-LAYOUT_KEYS = ("blocks", "tensor_parallel", "split_points", "stages")
+                  "recompute", "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate", "ep")
+LAYOUT_KEYS = ("blocks", "tensor_parallel", "split_points", "stages", "experts")
+# Keys written only when they differ from these values, so plans without them read and write as before.
+WRITTEN_UNLESS = {"ep": 1, "experts": []}
 REVIEW_KEYS = ("alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search")
 PROVENANCE_KEYS = ("pinned", "runtime")
 SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its keys, in the order they are written
@@ -57,7 +61,8 @@ def sectioned(flat: dict[str, Any]) -> dict[str, Any]:
     that is not a section), in the written order; ``version`` is ``PLAN_VERSION``."""
     out: dict[str, Any] = {"version": PLAN_VERSION}
     for key in TOP_KEYS[1:]:
-        out[key] = {k: flat[k] for k in SECTIONS[key]} if key in SECTIONS else flat[key]
+        out[key] = {k: flat[k] for k in SECTIONS[key] if k not in WRITTEN_UNLESS or flat[k] != WRITTEN_UNLESS[k]} \
+            if key in SECTIONS else flat[key]
     return out
 
 

@@ -162,7 +162,7 @@ def _unknown_keys(d: dict[str, Any], known: tuple[str, ...], what: str, holds: s
 
 
 def _check_optional(f: _Fields) -> None:
-    for key in ("blocks", "split_points"):
+    for key in ("blocks", "split_points", "experts"):
         for i, path in enumerate(f.get_list(key, [])):
             _path(path, f"{f.path(key)}[{i}]")
     for key, reason in f.get_mapping("tensor_parallel_reasons", {}).items():
@@ -170,6 +170,7 @@ def _check_optional(f: _Fields) -> None:
         _string(reason, f"{f.path('tensor_parallel_reasons')}.{key}")
     _count(f.get("virtual_stages", 1), f.path("virtual_stages"))
     _count(f.get("dp_replicate", 1), f.path("dp_replicate"))
+    _count(f.get("ep", 1), f.path("ep"))
     bucket = _number(f.get("ddp_bucket_cap_mb", 25.0), f.path("ddp_bucket_cap_mb"))
     if bucket <= 0:
         _fail(f.path("ddp_bucket_cap_mb"), "a number > 0", bucket)

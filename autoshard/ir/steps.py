@@ -7,6 +7,7 @@ calls (``passes.codegen``). Both take their order from the lowering alone.
 
     op                  SPMD plans                          pipeline plans
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
+    apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined
     sync_batch_norm     SyncBatchNorm over dp               -
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OPS = ("apply_tp", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate", "apply_ddp",
+OPS = ("apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate", "apply_ddp",
        "build_optimizer", "build_schedule")
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).

@@ -4,6 +4,8 @@ FLOPs count a multiply-add as 2. For an op with output ``out`` and inputs ``x``,
 
     linear(x, w[out_f, in_f])      2 · prod(x.shape[:-1]) · in_f · out_f     (bias not counted)
     matmul(a, b), mm, bmm, addmm   2 · numel(out) · a.shape[-1]               (K multiply-adds per output)
+    grouped mm (a, b, offs)        2 · S · K · N                              (MoE experts: each of the S rows
+                                                                             meets one group's [K, N] weight)
     einsum                         2 · numel(out) · prod(sizes of the contracted letters)
     conv (any)                     2 · numel(out) · in_channels/groups · prod(kernel)
     sdpa(q[B,H,L,E], k[B,Hk,S,E], v[B,Hk,S,Ev])
@@ -18,6 +20,23 @@ FLOPs count a multiply-add as 2. For an op with output ``out`` and inputs ``x``,
 baddbmm, convolution, the ``_scaled_dot_product_*`` kernels) are used for the ops they
 cover; the training IR keeps higher-level ops (linear, matmul, scaled_dot_product_attention,
 conv2d) whose formulas are written here from shapes.
+
+Grouped matmuls (``GROUPED_MM_TARGETS``: ``aten._grouped_mm`` = ``F.grouped_mm``, its fp8
+``_scaled_grouped_mm``, and transformers' CPU ``grouped_mm_fallback``) run a mixture of experts:
+a[S, K] holds the token-expert pairs sorted by expert, b[E, K, N] the experts' weights, ``offs``
+the end row of each expert's group; out[S, N]. Every row is multiplied by exactly one expert's
+[K, N] matrix, so the count is 2·S·K·N whatever the routing (rows past ``offs[-1]`` are counted:
+an upper bound; transformers routes all S). The shapes torch allows (its meta kernel,
+``_create_grouped_mm_output_tensor``)::
+
+    a[S, K]    · b[E, K, N]   -> out[S, N]      2 · numel(out) · K      (rows split by offs: forward)
+    a[E, M, K] · b[E, K, N]   -> out[E, M, N]   2 · numel(out) · K      (a batched mm)
+    a[E, M, K] · b[K, N]      -> out[M, N]      2 · numel(out) · K      (columns of b split by offs)
+    a[M, K]    · b[K, N]      -> out[E, M, N]   2 · M · K · N           (K split by offs: weight grads;
+                                                                         Σ_e K_e = K, not E·K)
+
+A grouped mm reads its whole weight, all E experts, whichever rows each gets: the weight input
+(a transposed view of the [E, N, K] parameter in transformers) counts in full in bytes_read.
 
 Bytes (for the memory-bound side of the roofline in cost/compute)::
 
@@ -265,8 +284,22 @@ def _as_bhse(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     return (_numel(padded[:-3]), *padded[-3:])
 
 
+def grouped_mm_flops(graph: OpGraph, node: OpNode) -> int:
+    """2·S·K·N: every row of a[S, K] times one group's [K, N]; a[M, K]·b[K, N] split on K: 2·M·K·N."""
+    a, b = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    if len(a) == 2 and len(b) == 2:  # out[E, M, N], the groups partition K
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * node.output_numel * a[-1]
+
+
+# Targets (prefixes) of grouped matmuls: the MoE experts' GEMMs (module doc).
+GROUPED_MM_TARGETS = ("aten._grouped_mm.", "aten._scaled_grouped_mm.", "transformers.grouped_mm_fallback.")
+
 MATMUL_FORMULAS: dict[str, Callable[[OpGraph, OpNode], int]] = {
     "linear": linear_flops,
+    "_grouped_mm": grouped_mm_flops,
+    "_scaled_grouped_mm": grouped_mm_flops,
+    "transformers.grouped_mm_fallback.default": grouped_mm_flops,
     "matmul": matmul_flops,
     "einsum": einsum_flops,
     "scaled_dot_product_attention": sdpa_flops,

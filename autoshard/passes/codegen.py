@@ -137,7 +137,14 @@ MICROBATCH_SIZE = {plan.microbatch_size}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}'''
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+
+
+def _expert_constants(plan: Plan) -> str:
+    if plan.ep == 1:
+        return ""
+    return (f"EP = {plan.ep}  # expert parallel over EP adjacent dp ranks\n"
+            f"EXPERTS = {blocks_expression(plan.experts)}  # mixture-of-experts groups split over EP ranks\n")
 
 
 def _precision_comment(precision: str) -> str:
@@ -192,7 +199,8 @@ def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
 # Step arguments printed as the program's constants (the rest are printed as literals).
 CONSTANT_OF_ARGUMENT = {"styles": "TP_STYLES", "tp_styles": "TP_STYLES", "modes": "RECOMPUTE", "blocks": "BLOCKS",
                         "split_points": "SPLIT_POINTS", "virtual_stages": "VIRTUAL_STAGES", "schedule": "SCHEDULE",
-                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION", "placement": "PLACEMENT"}
+                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION", "placement": "PLACEMENT",
+                        "experts": "EXPERTS", "ep": "EP"}
 
 
 def step_lines(steps: tuple[Step, ...], model: str) -> str:
@@ -254,7 +262,8 @@ def _parallelize_doc(plan: Plan) -> str:
         wrapper = plan.decisions.dp_runtime.wrapper
         parts.append(f"ZeRO-{plan.zero_stage} over {plan.mesh.dp} dp ranks"
                      + {"DistributedDataParallel": " (DDP)", "replicate": " (FSDP2's replicate)"}.get(wrapper, " (FSDP2)")
-                     + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else ""))
+                     + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else "")
+                     + (f", experts split over {plan.ep} of them" if plan.ep > 1 else ""))
     else:
         parts.append("one data-parallel rank: no gradient synchronisation")
     return ("Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + ".")

@@ -6,18 +6,22 @@ the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
-    2 apply_ac        recompute per block    2 split_pipeline  this rank's stages
-    3 sync_batch_norm over dp                3 apply_ac        recompute inside the stages
-    4 apply_fsdp | apply_replicate |         4 apply_fsdp | apply_replicate   on each stage module (dp > 1)
+    2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
+    3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
+    4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
+    5 apply_fsdp | apply_replicate |         5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
       apply_ddp   (ir.decisions.DP_RUNTIMES)
-    5 build_optimizer                        5 build_optimizer one AdamW per stage
-                                             6 build_schedule
+    6 build_optimizer                        6 build_optimizer one AdamW per stage
+                                             7 build_schedule
 
 TP comes first because it replaces parameters with DTensors (or local shards) that everything
 after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
 (torchtitan's order: TP, activation checkpointing, FSDP); the optimizer is built last, over the
 parameters the wrappers leave. In a pipeline the stages are traced from the sharded model, and
-recompute and FSDP act on the traced stage modules, so they follow the split.
+recompute and FSDP act on the traced stage modules, so they follow the split. Expert parallelism
+keeps each rank's experts before anything wraps them (FSDP2 must see the local shards, and a
+pipeline's trace must see the dispatch as one op), and the dp wrapper then syncs the expert shards
+over the dp / ep ranks holding the same ones only.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def recompute_modes(plan: Plan) -> dict[str, str]:
 
 
 def _spmd_steps(plan: Plan) -> list[Step]:
-    steps = [*_tp_steps(plan, before_split=False), *_recompute_steps(plan)]
+    steps = [*_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
     if plan.mesh.dp > 1:
         steps.append(Step("sync_batch_norm", "dp", (), "BatchNorm statistics over every dp rank's samples, as one "
                                                           "process sees them (no change without BatchNorm)"))
@@ -58,7 +62,7 @@ def _spmd_steps(plan: Plan) -> list[Step]:
 def _pipeline_steps(plan: Plan) -> list[Step]:
     stages = plan.mesh.pp * plan.virtual_stages
     placement = (("placement", "v"),) if plan.schedule in V_SCHEDULES else ()
-    steps = [*_tp_steps(plan, before_split=True),
+    steps = [*_tp_steps(plan, before_split=True), *_ep_steps(plan),
              Step("split_pipeline", "*", (("split_points", tuple(plan.split_points)),
                                           ("virtual_stages", plan.virtual_stages),
                                           ("tp_styles", dict(sorted(plan.tensor_parallel.items()))), *placement),
@@ -99,6 +103,27 @@ def _tp_steps(plan: Plan, before_split: bool) -> list[Step]:
         why += "; each rank keeps its shard and the collectives are custom ops, so the split traces them"
     return [Step("apply_tp", "tp", (("styles", dict(sorted(plan.tensor_parallel.items()))),
                                     ("before_split", before_split)), why)]
+
+
+def _ep_steps(plan: Plan) -> list[Step]:
+    if plan.ep == 1:
+        return []
+    where = "; local shards and the dispatch as one op, so the split traces it" if plan.mesh.pp > 1 else ""
+    before_split = (("before_split", True),) if plan.mesh.pp > 1 else ()
+    return [Step("apply_ep", "dp", (("experts", tuple(plan.experts)), ("ep", plan.ep), *before_split),
+                 f"expert parallel over {plan.ep} adjacent dp ranks: each keeps 1/{plan.ep} of every expert group's "
+                 f"experts and sends each token to its experts' rank by all-to-all, and back{where}")]
+
+
+def _ep_argument(plan: Plan) -> tuple:
+    """The dp wrapper's ``ep`` argument: expert shards synchronised over the dp / ep ranks holding them."""
+    return (("ep", plan.ep),) if plan.ep > 1 else ()
+
+
+def _ep_why(plan: Plan) -> str:
+    if plan.ep == 1:
+        return ""
+    return f"; each expert shard over the {plan.mesh.dp // plan.ep} dp rank(s) holding it"
 
 
 _RECOMPUTE_WHY = {"full": "keep only each block's input; recompute the block in backward",
@@ -152,15 +177,17 @@ def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
                  "(Megatron's distributed optimizer)")
     elif plan.mesh.pp > 1:
         what += "; the schedule sums gradients whole and reduce-scatters them after the last micro-batch"
-    return Step("apply_fsdp", "dp", arguments,
-                f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_dtypes(plan)}")
+    return Step("apply_fsdp", "dp", arguments + _ep_argument(plan),
+                f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_ep_why(plan)}"
+                f"{_dtypes(plan)}")
 
 
 def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
-    return Step("apply_replicate", "dp", (("blocks", tuple(blocks)), ("precision", plan.precision)),
+    return Step("apply_replicate", "dp", (("blocks", tuple(blocks)), ("precision", plan.precision),
+                                          *_ep_argument(plan)),
                 f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
                 f"unit's gradients over {plan.mesh.dp} dp ranks after the last micro-batch's backward "
-                f"({_units(blocks)}){_dtypes(plan)}")
+                f"({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}")
 
 
 def _ddp_step(plan: Plan) -> Step:

@@ -12,6 +12,9 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
           (a pipeline schedule sums gradients whole until the last micro-batch, so ZeRO-2 would be ZeRO-1)
     HSDP (ZeRO-2/3, pp = 1, dp over n > 1 nodes, g > 1 of its ranks per node): dp_replicate = n,
           FSDP2 shards over the g ranks of a node and all-reduces across nodes; also dp_replicate = 1
+    EP (models with expert groups, ``passes.experts``): ep | dp and ep | E of every group, tp = 1,
+          dp_replicate = 1; with pp > 1 only ep = dp (the stages' FSDP2 leaves the experts alone, and
+          no other rank holds the same experts); also ep = 1 (``ep_degrees``)
     pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
             per-block mixed stays pp = 1's, ``passes.recompute``); m ≥ pp; schedule gpipe |
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
@@ -74,9 +77,10 @@ class Pins:
     virtual_stages: int | None = None  # pipeline stages per pp rank (> 1: interleaved 1F1B)
     stage_cuts: str | tuple[int, ...] | None = None  # "even", or the first block of stages 1 .. pp·v − 1
     dp_replicate: int | None = None  # HSDP's replicas (1: plain FSDP2 over dp)
+    ep: int | None = None  # expert parallelism (1: every rank holds every expert)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate"):
+        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate", "ep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise AutoshardError(f"--{name.replace('_', '-')} {value} must be a positive integer")
@@ -125,6 +129,7 @@ PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
     "schedule": lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None,
     "virtual_stages": lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
     "dp_replicate": lambda p: 1,
+    "ep": lambda p: 1,
 }
 # Never asked for by ``estimate``: the planner's cuts (``passes.stage_cuts``), the schedule's virtual stages
 # (the schedule is asked for where it has no default).
@@ -183,6 +188,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     if pins.dp is not None and global_batch % pins.dp:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
     _check_zero(pins)
+    _check_ep(pins)
 
 
 def check_global_batch(global_batch: int) -> None:
@@ -316,6 +322,25 @@ def _check_hsdp(pins: Pins, pipeline: bool) -> None:
                              f"group; use a divisor of {pins.dp} below it")
 
 
+def _check_ep(pins: Pins) -> None:
+    """--ep e > 1 borrows e of the dp ranks (module doc): e | dp, no tp, no HSDP, and in a pipeline e = dp."""
+    e = pins.ep
+    if e is None or e == 1:
+        return
+    if pins.dp is not None and pins.dp % e:
+        raise AutoshardError(f"--ep {e} splits the experts over {e} of the --dp {pins.dp} ranks and must divide "
+                             f"it; pin an --ep that divides {pins.dp}")
+    if (pins.tp or 1) > 1:
+        raise AutoshardError(f"--ep {e} with --tp {pins.tp}: expert parallelism is planned without tensor "
+                             f"parallelism; pin --tp 1 or --ep 1")
+    if (pins.dp_replicate or 1) > 1:
+        raise AutoshardError(f"--ep {e} with --dp-replicate {pins.dp_replicate}: expert parallelism is planned "
+                             f"without HSDP; drop one of them")
+    if pins.wants_pipeline and pins.dp is not None and pins.dp != e:
+        raise AutoshardError(f"--ep {e} with pipeline stages needs --ep equal to --dp ({pins.dp}): each stage's "
+                             f"experts are then split over all its dp ranks; pin --ep {pins.dp}")
+
+
 def _batch_message(global_batch: int, dp: int) -> str:
     near = max(dp, global_batch // dp * dp)
     return f"global batch {global_batch} is not divisible by dp={dp}; use --global-batch {near} or {near + dp}"
@@ -330,8 +355,9 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     check_graph_pins(graph, cluster, pins)
     blocks, refusals = max_stages(graph), cut_refusals(graph)  # blocks a stage may begin at, and why not
     split_backward = not split_backward_graph_refusal(graph)  # zero-bubble schedules train this model right
+    experts = tuple(g.experts for g in graph.experts)
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster)
+               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts)
                if _honours_cuts(c, pins, len(graph.blocks), refusals)
                and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)]
     if not configs:
@@ -393,6 +419,22 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
                              f"{v * pins.pp} blocks, the model has {blocks}; use 1f1b{fewer} or "
                              f"--pp {max(1, blocks // v)}")
     _check_pinned_cuts(graph, pins)
+    _check_graph_ep(graph, pins)
+
+
+def _check_graph_ep(graph: OpGraph, pins: Pins) -> None:
+    """--ep e > 1 needs expert groups (``passes.experts``), each with a multiple of e experts."""
+    e = pins.ep or 1
+    if e == 1:
+        return
+    if not graph.experts:
+        raise AutoshardError(f"--ep {e}: the model has no expert group whose experts can live on other ranks "
+                             f"(stacked per-expert weights read only by grouped matmuls); pin --ep 1")
+    uneven = sorted({g.experts for g in graph.experts if g.experts % e})
+    if uneven:
+        legal = [d for d in divisors(math.gcd(*(g.experts for g in graph.experts))) if d > 1]
+        raise AutoshardError(f"--ep {e} must divide every expert group's experts ({uneven[0]} do not split "
+                             f"{e} ways); use --ep in {', '.join(map(str, legal)) or '1'}")
 
 
 def _interleaved_v(pins: Pins) -> int:
@@ -478,13 +520,24 @@ def _honours_cuts(config: Decisions, pins: Pins, blocks: int, refusals: dict[int
     return cuts is None or not refusals.keys() & set(cuts)
 
 
-def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster: Cluster | None = None) -> list[Decisions]:
+def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster: Cluster | None = None,
+                 experts: tuple[int, ...] = ()) -> list[Decisions]:
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
-    group spans nodes of ``cluster``."""
+    group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
-    return [replace(c, dp_replicate=r) for c in configs
+    return [replace(c, dp_replicate=r, ep=e) for c in configs
             for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
-            if pins.dp_replicate in (None, r)]
+            if pins.dp_replicate in (None, r)
+            for e in ep_degrees(mesh, experts, r) if pins.ep in (None, e)]
+
+
+def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:
+    """ep choices (module doc): 1, and each e > 1 dividing dp and every group's experts, with tp = 1 and
+    no HSDP; in a pipeline only e = dp."""
+    if not experts or mesh.tp > 1 or dp_replicate > 1:
+        return (1,)
+    common = math.gcd(*experts)
+    return (1, *(e for e in divisors(mesh.dp) if e > 1 and common % e == 0 and (mesh.pp == 1 or e == mesh.dp)))
 
 
 def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:

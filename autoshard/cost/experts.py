@@ -1,0 +1,108 @@
+"""Expert parallelism's cost: the all-to-alls, the most-loaded rank's expert work, the expert state.
+
+Notation: ep ranks share each expert group (``ir.graph.ExpertGroup``: E experts, k per token,
+hidden H); a micro-batch gives each rank T tokens, so n = T·k token-expert pairs leave it; F_e the
+group's grouped-matmul FLOPs on those n pairs (forward); Ψ_e its parameters; a = bytes per
+activation element; dp ranks in all, the ep ranks adjacent among them (``runtime.expert_parallel``).
+
+**Load.** Every rank waits for the slowest in each all-to-all, so the expert work of a rank is
+that of the rank receiving the most pairs: λ·n with λ = ``moe.rank_load_factor`` (the expected
+maximum over ep ranks of balls-into-bins loads, not the mean; λ = 1 at ep = 1).
+
+**Time per micro-batch, per group** (``unit_expert_costs``)::
+
+    forward   += (λ − 1)·t(F_e)                  the most-loaded rank's extra rows
+    backward  += (λ − 1)·2·t(F_e)
+    recompute += λ·t(F_e)                        the dispatch op recomputes its experts in backward
+    all-to-all = 5 · A2A(n·H·a over ep ranks)    forward: dispatch + combine; backward: the dispatch
+                                                 again, the output gradient out, the input gradient back
+                 (receivers' share scaled by λ: ``moe.moe_layer_a2a_s``), exposed: each sits between
+                 dependent computations
+
+with t(F) = F / (peak · matmul efficiency).
+
+**Expert state.** Each rank holds Ψ_e / ep of every group; its gradients are reduced over the
+dp / ep ranks holding the same shard, so ZeRO shards it dp / ep ways (``expert_state_params``),
+while the rest of the model is sharded dp ways as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from autoshard.cost import moe
+from autoshard.cost.tables import CostTables
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.plan import Mesh
+from autoshard.ir.topology import Cluster, LinkSpec
+
+A2A_PER_MICROBATCH = 5  # forward dispatch + combine; backward re-dispatch, gradient out, gradient back
+
+
+@dataclass(frozen=True)
+class ExpertUnitCost:
+    """One unit's expert-parallel additions per micro-batch (seconds) and its expert parameters."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    all_to_all_s: float = 0.0
+    params: int = 0  # the unit's expert parameters, all E experts (a rank holds 1/ep of them)
+
+
+def expert_params(graph: OpGraph) -> int:
+    """Ψ_E: the parameters of every expert group."""
+    return sum(g.param_count for g in graph.experts)
+
+
+def unit_expert_costs(tables: CostTables, config: Decisions) -> tuple[ExpertUnitCost, ...]:
+    """Per unit, what ep > 1 adds to one micro-batch (module doc); nothing at ep = 1."""
+    graph = tables.graph
+    units = len(graph.blocks) + 2
+    if config.ep == 1 or not graph.experts:
+        return tuple(ExpertUnitCost() for _ in range(units))
+    return tables.memo(("expert-units", config.ep, config.microbatch_size, config.mesh),
+                       lambda: _unit_expert_costs(tables, config, units))
+
+
+def _unit_expert_costs(tables: CostTables, config: Decisions, units: int) -> tuple[ExpertUnitCost, ...]:
+    graph, device = tables.graph, tables.cluster.device
+    scale = config.microbatch_size / graph.batch_size
+    flops_per_s = device.peak_tflops * 1e12 * device.matmul_efficiency
+    elem_bytes = tables.precision.activation_bytes
+    link = ep_link(tables.cluster, config.mesh, config.ep)
+    index = {b.path: i + 1 for i, b in enumerate(graph.blocks)}
+    parts = [[0.0, 0.0, 0.0, 0.0, 0] for _ in range(units)]
+    for g in graph.experts:
+        tokens = g.pairs * scale / g.top_k
+        load = moe.rank_load_factor(tokens, g.top_k, g.experts, config.ep)
+        fwd_s = g.flops_fwd * scale / flops_per_s
+        a2a_s = moe.moe_layer_a2a_s(round(tokens), g.hidden, g.top_k, elem_bytes, config.ep, g.experts, link)
+        row = parts[index.get(g.block, units - 1 if g.block else 0)]
+        row[0] += (load - 1) * fwd_s
+        row[1] += (load - 1) * 2 * fwd_s
+        row[2] += load * fwd_s
+        row[3] += a2a_s / 2 * A2A_PER_MICROBATCH  # moe_layer_a2a_s is the forward's two
+        row[4] += g.param_count
+    return tuple(ExpertUnitCost(*row) for row in parts)
+
+
+@functools.lru_cache(maxsize=256)
+def ep_link(cluster: Cluster, mesh: Mesh, ep: int) -> LinkSpec:
+    """The link of rank 0's ep group: ep adjacent dp ranks, ranks 0, tp, .., (ep − 1)·tp."""
+    return cluster.group_link([d * mesh.tp for d in range(ep)])
+
+
+def expert_state_params(params_on_rank: int, experts_on_rank: int, config: Decisions) -> tuple[int, int]:
+    """(dense parameters, expert parameters) a rank holds, from its parameters with every expert whole:
+    the expert groups' share is cut to 1/ep (module doc)."""
+    dense = params_on_rank - experts_on_rank
+    return dense, experts_on_rank // config.ep
+
+
+def a2a_microbatch_s(costs: tuple[ExpertUnitCost, ...], units: list[int] | None = None) -> float:
+    """The all-to-all seconds of one micro-batch over ``units`` (all by default)."""
+    chosen = range(len(costs)) if units is None else units
+    return sum(costs[u].all_to_all_s for u in chosen)

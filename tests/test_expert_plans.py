@@ -1,0 +1,140 @@
+"""Mixture-of-experts models: expert groups found on the graph, the ep axis planned, priced and lowered.
+
+No processes: plans are made on captured graphs (meta tensors) with ``plan_graph``; the programs run in
+tests/e2e/test_expert_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.step import price_parts
+from autoshard.cost.tables import CostTables
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Plan
+from autoshard.passes.annotate import annotate
+from autoshard.passes.blocks import find_blocks
+from autoshard.passes.capture import capture_module
+from autoshard.passes.experts import find_experts
+from autoshard.passes.lower import lower
+from autoshard.passes.strategies import Pins
+from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+
+MOE = {"mixtral": "tests/models/hf_mixtral.py:build", "olmoe": "tests/models/hf_olmoe.py:build",
+       "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe"}
+
+
+@pytest.fixture(scope="module")
+def in_repo_module():
+    import os
+    from tests.conftest import ROOT
+    here = os.getcwd()
+    os.chdir(ROOT)
+    yield ROOT
+    os.chdir(here)
+
+
+@pytest.fixture(scope="module")
+def graphs(in_repo_module):
+    return {name: capture_graph(spec) for name, spec in MOE.items()}
+
+
+def plan(captured, spec, cluster, global_batch, **pins):
+    model_file, graph = captured
+    return plan_graph(PlanRequest(spec, cluster, global_batch, Pins(**pins)), model_file, graph)
+
+
+def test_every_moe_layer_is_found_with_its_experts_and_top_k(graphs):
+    for name, (_, graph) in graphs.items():
+        assert [g.path for g in graph.experts] == [f"model.layers.{i}.mlp.experts" for i in range(2)], name
+        for g in graph.experts:
+            assert (g.experts, g.top_k, g.hidden) == (4, 2, 64)
+            assert g.pairs == graph.batch_size * graph.tokens_per_sample * g.top_k
+            assert g.param_count == sum(graph.param(p).numel for p in g.params)
+            assert g.flops_fwd > 0 and g.block == g.path.rsplit(".", 2)[0]
+    shared = graphs["qwen2-moe"][1]
+    assert not any("shared_expert" in g.path for g in shared.experts)  # a dense MLP: data parallel
+
+
+class Summed(nn.Module):
+    """A stacked [E, d, d] weight whose slices are summed: not separable by expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        return x @ self.w.sum(0)
+
+
+def test_a_stacked_weight_used_whole_is_no_expert_group():
+    graph = annotate(capture_module(Summed(), (torch.randn(2, 8),)))
+    assert find_experts(find_blocks(graph)).experts == []
+
+
+def test_a_dense_model_has_no_expert_groups_and_plans_as_before(in_repo_module):
+    model_file, graph = capture_graph("examples/gpt.py:build")
+    assert graph.experts == []
+    p = plan((model_file, graph), "examples/gpt.py:build", load_cluster("local-cpu"), 8)
+    doc = json.loads(p.to_json())
+    assert "ep" not in doc["decisions"] and "experts" not in doc["layout"]
+    assert all(s.op != "apply_ep" for s in lower(p))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_pinned_ep_plans_lowers_and_round_trips(graphs, zero):
+    p = plan(graphs["mixtral"], MOE["mixtral"], load_cluster("local-cpu"), 8, ep=2, zero=zero)
+    assert (p.ep, p.mesh.dp, p.zero_stage) == (2, 2, zero)
+    assert p.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    ops = [s.op for s in lower(p)]
+    assert ops.index("apply_ep") < ops.index("apply_fsdp" if zero else "apply_replicate")
+    wrapper = next(s for s in lower(p) if s.op in ("apply_fsdp", "apply_replicate"))
+    assert wrapper.kwargs["ep"] == 2  # expert shards synced over their own ranks only
+    again = Plan.from_json(p.to_json())
+    assert (again.ep, again.experts) == (p.ep, p.experts) and again.to_json() == p.to_json()
+    assert p.predicted.comm_exposed_s > 0
+
+
+def test_pinned_ep_in_a_pipeline_equals_dp_and_shards_before_the_split(graphs):
+    p = plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=4), 8, ep=2, pp=2, dp=2)
+    ops = [s.op for s in lower(p)]
+    assert ops.index("apply_ep") < ops.index("split_pipeline")
+    with pytest.raises(AutoshardError, match="--ep 2 with pipeline stages needs --ep equal to --dp"):
+        plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=8), 8, ep=2, pp=2, dp=4)
+
+
+@pytest.mark.parametrize("pins, message", [
+    ({"ep": 3, "dp": 2}, "must divide it"),
+    ({"ep": 2, "tp": 2}, "without tensor parallelism"),
+    ({"ep": 8}, "must divide every expert group's experts"),
+])
+def test_impossible_ep_pins_are_refused_with_the_fix(graphs, pins, message):
+    cluster = load_cluster("local-cpu", devices_per_node=8)
+    with pytest.raises(AutoshardError, match=message):
+        plan(graphs["mixtral"], MOE["mixtral"], cluster, 8, **pins)
+
+
+def test_ep_on_a_dense_model_is_refused(in_repo_module):
+    with pytest.raises(AutoshardError, match="no expert group"):
+        plan(capture_graph("examples/gpt.py:build"), "examples/gpt.py:build", load_cluster("local-cpu"), 8, ep=2)
+
+
+def test_ep_splits_expert_state_and_adds_all_to_all(graphs):
+    """ZeRO-0: the expert weights, gradients and Adam state on a rank fall to 1/ep; the all-to-alls appear."""
+    _, graph = graphs["mixtral"]
+    tables = CostTables(graph, load_cluster("local-cpu", devices_per_node=4))
+    p = plan(graphs["mixtral"], MOE["mixtral"], load_cluster("local-cpu", devices_per_node=4), 8, ep=1, zero=0, dp=4,
+             microbatch_size=2, recompute="none")
+    base = p.decisions
+    one, four = price_parts(tables, base), price_parts(tables, replace(base, ep=4))
+    experts = sum(g.param_count for g in graph.experts)
+    saved = (one.memory.params_bytes - four.memory.params_bytes) / tables.precision.param_bytes
+    assert saved == pytest.approx(experts * (1 - 1 / 4), rel=1e-6)
+    assert one.ep_comm_s == 0 and four.ep_comm_s > 0
+    assert four.recompute_s > one.recompute_s  # the dispatch recomputes its experts in backward
