@@ -13,7 +13,8 @@ from autoshard.pipeline import PlanRequest, capture_graph, plan_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = str(ROOT / "tests/clusters/fast_link_cpu.yaml")
-MODELS = ["examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers"]
+# the last: DeepSeek-V3's shape in small, 2 dense layers before 5 mixture-of-experts ones (kept whole, then 3)
+MODELS = ["examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", "benchmarks/deepseek_v3.py:build_tiny_deep"]
 
 
 def node_facts(graph):
@@ -62,6 +63,10 @@ def test_only_one_stack_of_identical_layers_is_folded():
     mixed = nn.Module()
     mixed.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 4)])
     assert repeated_stack(mixed) is None and fold_model(mixed) is None
+    prefixed = nn.Module()
+    prefixed.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 4)] + [nn.Linear(4, 4) for _ in range(5)])
+    fold = fold_model(prefixed)
+    assert (fold.first, fold.layers, len(prefixed.layers)) == (2, 7, 5)  # the distinct two, then three
     two = nn.Module()
     two.a, two.b = (nn.ModuleList(nn.Linear(4, 4) for _ in range(4)) for _ in range(2))
     assert repeated_stack(two) is None  # which one the forward loops over is not knowable: no folding

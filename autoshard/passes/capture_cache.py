@@ -378,7 +378,7 @@ def _listing_hash(directory: str) -> str:
 def encode_graph(graph: OpGraph) -> dict:
     """The graph as JSON-ready values; ``fold`` as its two fields."""
     out = {f.name: _encode(getattr(graph, f.name)) for f in fields(OpGraph) if f.name != "fold"}
-    out["fold"] = None if graph.fold is None else [graph.fold.path, graph.fold.layers]
+    out["fold"] = None if graph.fold is None else [graph.fold.path, graph.fold.layers, graph.fold.first]
     return out
 
 

@@ -5,8 +5,10 @@ Exporting costs about 40 ms per transformer layer, so a 96-layer model spends se
 repeated layers (the one ``nn.ModuleList`` / ``nn.Sequential`` whose L ≥ 4 children have one
 structure: the same classes, parameter and buffer names, shapes and dtypes, ``fingerprint``) and
 keeps its first three children; the model is exported like that; ``unfold`` (after ``annotate``)
-rebuilds the L-layer graph. With P the nodes from the end of layer 1 to the end of layer 2 (the
-glue between the layers, then layer 2), copy k = 3 … L−1 of P is P with
+rebuilds the L-layer graph. A stack may open with f distinct layers before its run of identical ones
+(DeepSeek-V3's three dense layers before 58 mixture-of-experts ones): those f are kept as they are,
+and the three kept layers are f, f + 1, f + 2 (below, with f = 0). With P the nodes from the end of
+layer 1 to the end of layer 2 (the glue between the layers, then layer 2), copy k = 3 … L−1 of P is P with
 
     node names         n → n_k            (fresh names; ``inputs`` rewired below)
     module paths       <list>.2… → <list>.k…, parameters and their placeholders likewise
@@ -46,6 +48,12 @@ class Fold:
 
     path: str
     layers: int
+    first: int = 0  # layers before the identical run, kept as they are (module doc)
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The indices of the identical layers that are captured."""
+        return tuple(range(self.first, self.first + KEPT))
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -59,7 +67,13 @@ def fingerprint(module: nn.Module) -> str:
 
 
 def repeated_stack(model: nn.Module) -> str | None:
-    """The path of the one stack of ≥ MIN_LAYERS identical layers, outermost; None if none or several."""
+    """The path of the one stack ending in ≥ MIN_LAYERS identical layers, outermost; None if none or several."""
+    found = _stacks(model)
+    return found[0][0] if len(found) == 1 else None
+
+
+def _stacks(model: nn.Module) -> list[tuple[str, int]]:
+    """(path, f) of each stack whose layers f .. L − 1 are identical, L − f ≥ MIN_LAYERS (f the fewest)."""
     import torch.nn as nn
 
     found = []
@@ -68,30 +82,36 @@ def repeated_stack(model: nn.Module) -> str | None:
             continue
         if any(part.isdigit() for part in path.split(".")) or not path:
             continue  # inside another stack, or the model itself is the stack
-        if len({fingerprint(layer) for layer in module}) == 1:
-            found.append(path)
-    return found[0] if len(found) == 1 else None
+        prints = [fingerprint(layer) for layer in module]
+        first = len(prints) - 1
+        while first > 0 and prints[first - 1] == prints[-1]:
+            first -= 1
+        if len(prints) - first >= MIN_LAYERS:
+            found.append((path, first))
+    return found
 
 
 def fold_model(model: nn.Module) -> Fold | None:
-    """Keep the first KEPT layers of the model's repeated stack (in place); what was removed."""
-    path = repeated_stack(model)
-    if path is None:
+    """Keep the distinct first layers and KEPT of the identical ones of the model's repeated stack (in place);
+    what was removed."""
+    found = _stacks(model)
+    if len(found) != 1:
         return None
+    path, first = found[0]
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     stack = getattr(parent, name)
-    parent.register_module(name, stack[:KEPT])  # ModuleList / Sequential slices keep their class
-    return Fold(path, len(stack))
+    parent.register_module(name, stack[:first + KEPT])  # ModuleList / Sequential slices keep their class
+    return Fold(path, len(stack), first)
 
 
 def layers_match(graph: OpGraph, fold: Fold) -> bool:
     """Whether the captured layers run the same ops on the same shapes (``blocks.block_signature``),
     and so does the glue after each of the first two (module doc)."""
     members = block_members(graph)
-    layers = [members.get(f"{fold.path}.{i}") for i in range(KEPT)]
+    layers = [members.get(f"{fold.path}.{i}") for i in fold.kept]
     if not all(layers) or len({block_signature(graph, f"{fold.path}.{i}", nodes)
-                               for i, nodes in enumerate(layers)}) != 1:
+                               for i, nodes in zip(fold.kept, layers)}) != 1:
         return False
     ends = [graph.nodes.index(nodes[-1]) for nodes in layers]
     starts = [graph.nodes.index(nodes[0]) for nodes in layers]
@@ -107,32 +127,42 @@ def unfold(graph: OpGraph) -> OpGraph:
         return graph
     assert layers_match(graph, fold), "capture keeps a fold only when its two layers match"
     members = block_members(graph)
-    first, second = (members[f"{fold.path}.{i}"] for i in (KEPT - 2, KEPT - 1))
+    source = fold.kept[-1]  # the last captured layer: every copy is made from it and the one before
+    first, second = (members[f"{fold.path}.{i}"] for i in (source - 1, source))
     end0 = graph.nodes.index(first[-1])
     end1 = graph.nodes.index(second[-1])
     pattern = graph.nodes[end0 + 1:end1 + 1]
     previous = {a.name: b.name for a, b in zip(first, second)}  # layer K−2 node -> same node of layer K−1
     copies, params, placeholders = [], [], {}
     last = {n.name: n.name for n in pattern}  # pattern node -> its name in the latest copy
-    for k in range(KEPT, fold.layers):
+    for k in range(source + 1, fold.layers):
         names = {n.name: f"{n.name}_l{k}" for n in pattern}
         prev_of = {a: last[b] for a, b in previous.items()}  # layer K−2 names -> copy k−1's layer
-        renamer = _Renamer(f"{fold.path}.{KEPT - 1}", f"{fold.path}.{k}")
+        renamer = _Renamer(f"{fold.path}.{source}", f"{fold.path}.{k}")
         copies += [_copy(n, names, prev_of, renamer, graph, placeholders) for n in pattern]
-        params += [renamer.param(p) for p in graph.params if p.name.startswith(f"{fold.path}.{KEPT - 1}.")]
+        params += [renamer.param(p) for p in graph.params if p.name.startswith(f"{fold.path}.{source}.")]
         last = {n.name: names[n.name] for n in pattern}
     after = [_rewired(n, last) for n in graph.nodes[end1 + 1:]]
     module_types = dict(graph.module_types)
-    for k in range(KEPT, fold.layers):
-        module_types |= _Renamer(f"{fold.path}.{KEPT - 1}", f"{fold.path}.{k}").module_types(graph.module_types)
+    for k in range(source + 1, fold.layers):
+        module_types |= _Renamer(f"{fold.path}.{source}", f"{fold.path}.{k}").module_types(graph.module_types)
     placeholder_params = {**graph.placeholder_params, **{new: p for new, (_, p) in placeholders.items()}}
-    last_layer = [i for i, p in enumerate(graph.params) if p.name.startswith(f"{fold.path}.{KEPT - 1}.")]
-    cut = last_layer[-1] + 1 if last_layer else len(graph.params)  # the copies' parameters follow, in order
     return replace(graph, nodes=graph.nodes[:end1 + 1] + copies + after,
-                   params=graph.params[:cut] + params + graph.params[cut:],
+                   params=_with_copies(graph.params, params, f"{fold.path}.{source}."),
                    module_types=module_types, placeholder_params=placeholder_params,
                    placeholders={**graph.placeholders, **{new: meta for new, (meta, _) in placeholders.items()}},
                    blocks=[], fold=None)
+
+
+def _with_copies(params: list[ParamInfo], copies: list[ParamInfo], source: str) -> list[ParamInfo]:
+    """``params`` with the copies' parameters after the source layer's last parameter and their buffers
+    after its last buffer (capture lists the parameters first, then the buffers, each in module order)."""
+    out = list(params)
+    for is_buffer in (True, False):  # buffers first: inserting them does not move the parameters' cut
+        own = [i for i, p in enumerate(out) if p.is_buffer == is_buffer and p.name.startswith(source)]
+        cut = own[-1] + 1 if own else len(out)
+        out[cut:cut] = [p for p in copies if p.is_buffer == is_buffer]
+    return out
 
 
 class _Renamer:

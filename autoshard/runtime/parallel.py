@@ -5,6 +5,8 @@ programs call the same functions in the same order (``passes.codegen`` prints th
 
     apply_tp          DTensor ``parallelize_module`` (styles: ``ir.decisions.TP_STYLES``); before a
                       pipeline split, local shards with traceable collectives (``tensor_parallel_stages``)
+    apply_ep          expert parallelism: each rank keeps E/ep experts of each MoE experts module, tokens
+                      sent to them with all-to-all (``expert_parallel``); before a split, plain local shards
     split_pipeline    this rank's stages (``pipeline_parallel.build_pipeline_stages``)
     apply_ac          recompute per block: "full" recomputes the block in backward, "selective" keeps
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
@@ -35,9 +37,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
+from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime import pipeline_parallel as pp
 from autoshard.runtime.checkpoint import StageOptimizers
+from autoshard.runtime.expert_parallel import apply_ep  # noqa: F401  (an apply step, looked up by name)
 from autoshard.runtime.model import get_block
 from autoshard.runtime.selective import selective_kwargs
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
@@ -113,39 +117,59 @@ def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
                reshard_after_forward: bool = True, precision: str = "fp32", replicas: int = 1,
-               sync_every_microbatch: bool = True):
+               sync_every_microbatch: bool = True, ep: int = 1):
     """FSDP2 with each block a unit, then the root (embeddings, head); on pipeline stages, each stage
     module a unit (torchtitan's way; the schedule drives the post-backward reduce-scatter).
     Weights are gathered in the precision's param dtype and gradients reduced in its reduce dtype.
     ``replicas`` > 1 is HSDP: the dp ranks are ``replicas`` x shard (shard inside a node, the mesh
     being laid out with dp's neighbours on one node), FSDP2 shards over the shard dim and all-reduces
     over the other. ``sync_every_microbatch`` False (ZeRO-1) sums gradients whole over a step's
-    micro-batches and reduce-scatters them on the last (``grad_sync``)."""
+    micro-batches and reduce-scatters them on the last (``grad_sync``). ``ep`` > 1: experts modules
+    sharded by ``apply_ep`` are units of their own first, over the dp/ep ranks holding the same experts
+    (``expert_parallel.expert_units``); on stages (dp = ep) FSDP leaves them out."""
     policy = mixed_precision(precision)
     mesh = dp_mesh if replicas == 1 else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas),
                                                             ("dp_replicate", "dp_shard"))
     units = model.modules if isinstance(model, pp.PipelineStages) else [get_block(model, p) for p in blocks] + [model]
+    ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: fully_shard(
+        unit, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored)
     if not sync_every_microbatch and not isinstance(model, pp.PipelineStages):
         _ACCUMULATING.add(model)
     return model
 
 
-def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (), precision: str = "fp32"):
-    """ZeRO-0 with tp or pp: FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery, which takes
+def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (), precision: str = "fp32",
+                    ep: int = 1):
+    """ZeRO-0 with tp, pp or ep: FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery, which takes
     DTensor parameters and is driven by ``torch.distributed.pipelining``'s stages), each block a unit then
-    the root, or each stage module; gradients summed over the micro-batches, all-reduced on the last."""
+    the root, or each stage module; gradients summed over the micro-batches, all-reduced on the last.
+    ``ep`` > 1: experts modules are units of their own first, as in ``apply_fsdp``."""
     policy = mixed_precision(precision)
+    ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: replicate(
+        unit, mesh=unit_mesh, mp_policy=policy))
     if isinstance(model, pp.PipelineStages):
         for module in model.modules:
-            replicate(module, mesh=dp_mesh, mp_policy=policy)
+            replicate(module, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
         return model
     for path in blocks:
         replicate(get_block(model, path), mesh=dp_mesh, mp_policy=policy)
     replicate(model, mesh=dp_mesh, mp_policy=policy)
     _ACCUMULATING.add(model)
     return model
+
+
+def _experts_apart(model, dp_mesh: DeviceMesh, ep: int, wrap: Callable) -> set[nn.Parameter] | None:
+    """Expert shards are synchronised only over the ranks holding the same experts (``expert_parallel``):
+    SPMD, ``wrap(module, mesh)`` makes each experts module a unit over those ranks; on pipeline stages
+    (dp = ep, no such ranks) returns the shards for the dp wrapper to ignore (None without any)."""
+    if isinstance(model, pp.PipelineStages):
+        return ep_runtime.pipeline_expert_params(model.modules, dp_mesh, ep) or None
+    for module, unit_mesh in ep_runtime.expert_units(model, dp_mesh, ep):
+        wrap(module, unit_mesh)
+    return None
 
 
 # FSDP2 roots whose gradients are summed whole until a step's last micro-batch (ZeRO-0 ``replicate`` and
@@ -155,6 +179,7 @@ _ACCUMULATING: weakref.WeakSet = weakref.WeakSet()
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
               device: torch.device | None = None) -> nn.Module:
+    ep_runtime.refuse_expert_shards(model, "DDP")  # it would average different experts; apply_replicate does not
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
                process_group=dp_mesh.get_group() if dp_mesh is not None else None)

@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.expert_parallel import expert_params, gather_expert_shard, refuse_state_dict
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 from autoshard.runtime.tensor_parallel_stages import gather_shards
 
@@ -154,6 +155,9 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
+    for stage in stages:
+        if expert_params(stage.submod):  # plain expert shards (expert_parallel): DCP would keep one rank's
+            refuse_state_dict(stage.submod)
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
@@ -407,14 +411,16 @@ def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float
 def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
     """The whole model's state with its original names, on global rank 0 ({} elsewhere).
 
-    Collective: every rank must call it (FSDP shards are gathered over dp first; TP shards are
-    concatenated in tp-rank order along ``tp_shard_dims``).
+    Collective: every rank must call it (FSDP shards are gathered over dp first, expert shards over
+    their ep group; TP shards are concatenated in tp-rank order along ``tp_shard_dims``).
     """
     local = {}
     for module in parts.modules:
         for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
             if name in parts.state_names:
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full = gather_expert_shard(tensor)
+                if full is None:
+                    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 local[name] = full.detach().cpu().clone()
     tp_rank = dist.get_rank(parts.tp_group) if parts.tp_group is not None else 0
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
