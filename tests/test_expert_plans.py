@@ -101,12 +101,13 @@ def test_pinned_ep_plans_lowers_and_round_trips(graphs, zero):
     assert p.predicted.comm_exposed_s > 0
 
 
-def test_pinned_ep_in_a_pipeline_equals_dp_and_shards_before_the_split(graphs):
-    p = plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=4), 8, ep=2, pp=2, dp=2)
-    ops = [s.op for s in lower(p)]
-    assert ops.index("apply_ep") < ops.index("split_pipeline")
-    with pytest.raises(AutoshardError, match="--ep 2 with pipeline stages needs --ep equal to --dp"):
-        plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=8), 8, ep=2, pp=2, dp=4)
+def test_pinned_ep_in_a_pipeline_shards_before_the_split(graphs):
+    for dp in (2, 4):  # ep = dp, and ep < dp (expert shards averaged over their replicas after the schedule)
+        p = plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=2 * dp), 8, ep=2, pp=2,
+                 dp=dp)
+        ops = [s.op for s in lower(p)]
+        assert ops.index("apply_ep") < ops.index("split_pipeline")
+        assert next(s for s in lower(p) if s.op == "apply_ep").kwargs["before_split"] is True
 
 
 @pytest.mark.parametrize("pins, message", [

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from autoshard.cost import comm
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
-from autoshard.cost.dp_comm import pipeline_dp_comm, pp_link, tp_link
+from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
 from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, rank_orders, rank_stages, schedule_makespan_s,
@@ -118,6 +118,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     m, v = config.num_microbatches, config.virtual_stages
     params = max(r.params for r in loads)
     dp = pipeline_dp_comm(cluster, config, max(r.params - r.expert_params for r in loads), precision)
+    dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
     span_s = pipeline_span_s(tables, config, cuts, loads)
@@ -129,6 +130,17 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
         bubble_s=span_s - m * slowest.time_s,
         dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
         host_s=host_s, ep_comm_s=m * slowest.ep_comm_s)
+
+
+def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, expert_params: int,
+                          precision) -> CommTime:
+    """The stages' expert shards, left out of the dp wrapper, have their gradients all-reduced over the
+    dp / ep ranks holding them once the schedule is done (``pipeline_parallel.sync_expert_grads``): exposed."""
+    if config.expert_dp == 1 or not expert_params:
+        return dp
+    mesh = Mesh(dp=config.expert_dp, tp=config.mesh.tp * config.ep, pp=config.mesh.pp)  # stride ep·tp: the replicas
+    total = dp_collective_s("allreduce", expert_params * precision.grad_bytes, mesh, cluster)
+    return CommTime(dp.total_s + total, dp.exposed_s + total)
 
 
 def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:

@@ -77,8 +77,8 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     dense, expert_local = expert_state_params(local, expert_params(graph), config) if config.ep > 1 else (local, 0)
     dp = dp_comm_time(graph, cluster, config, micro, precision, dense)
     if expert_local:
-        expert_dp = dp_comm_time(graph, cluster, replace(config, mesh=replace(config.mesh, dp=config.expert_dp)),
-                                 micro, precision, expert_local)
+        replicas = replace(config.mesh, dp=config.expert_dp, tp=config.mesh.tp * config.ep)  # ranks ep·tp apart
+        expert_dp = dp_comm_time(graph, cluster, replace(config, mesh=replicas), micro, precision, expert_local)
         dp = CommTime(dp.total_s + expert_dp.total_s, dp.exposed_s + expert_dp.exposed_s)
     local = dense + expert_local
     units = tables.config_units(config)

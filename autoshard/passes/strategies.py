@@ -13,8 +13,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     HSDP (ZeRO-2/3, pp = 1, dp over n > 1 nodes, g > 1 of its ranks per node): dp_replicate = n,
           FSDP2 shards over the g ranks of a node and all-reduces across nodes; also dp_replicate = 1
     EP (models with expert groups, ``passes.experts``): ep | dp and ep | E of every group, tp = 1,
-          dp_replicate = 1; with pp > 1 only ep = dp (the stages' FSDP2 leaves the experts alone, and
-          no other rank holds the same experts); also ep = 1 (``ep_degrees``)
+          dp_replicate = 1; also ep = 1 (``ep_degrees``)
     pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
             per-block mixed stays pp = 1's, ``passes.recompute``); m ≥ pp; schedule gpipe |
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
@@ -323,7 +322,7 @@ def _check_hsdp(pins: Pins, pipeline: bool) -> None:
 
 
 def _check_ep(pins: Pins) -> None:
-    """--ep e > 1 borrows e of the dp ranks (module doc): e | dp, no tp, no HSDP, and in a pipeline e = dp."""
+    """--ep e > 1 borrows e of the dp ranks (module doc): e | dp, no tp, no HSDP."""
     e = pins.ep
     if e is None or e == 1:
         return
@@ -336,9 +335,6 @@ def _check_ep(pins: Pins) -> None:
     if (pins.dp_replicate or 1) > 1:
         raise AutoshardError(f"--ep {e} with --dp-replicate {pins.dp_replicate}: expert parallelism is planned "
                              f"without HSDP; drop one of them")
-    if pins.wants_pipeline and pins.dp is not None and pins.dp != e:
-        raise AutoshardError(f"--ep {e} with pipeline stages needs --ep equal to --dp ({pins.dp}): each stage's "
-                             f"experts are then split over all its dp ranks; pin --ep {pins.dp}")
 
 
 def _batch_message(global_batch: int, dp: int) -> str:
@@ -533,11 +529,11 @@ def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster
 
 def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:
     """ep choices (module doc): 1, and each e > 1 dividing dp and every group's experts, with tp = 1 and
-    no HSDP; in a pipeline only e = dp."""
+    no HSDP."""
     if not experts or mesh.tp > 1 or dp_replicate > 1:
         return (1,)
     common = math.gcd(*experts)
-    return (1, *(e for e in divisors(mesh.dp) if e > 1 and common % e == 0 and (mesh.pp == 1 or e == mesh.dp)))
+    return (1, *(e for e in divisors(mesh.dp) if e > 1 and common % e == 0))
 
 
 def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:

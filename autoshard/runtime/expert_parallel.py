@@ -243,13 +243,16 @@ def expert_units(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> list[tuple[n
 
 
 def pipeline_expert_params(modules: Sequence[nn.Module], dp_mesh: DeviceMesh, ep: int) -> set[nn.Parameter]:
-    """Pipeline stages: the plain expert shards, which the dp wrapper must leave alone (``ignored_params``).
-    Nothing then synchronises them, which is right only when no other rank holds the same shard: dp = ep."""
+    """Pipeline stages: the plain expert shards, which the dp wrapper must leave alone (``ignored_params``);
+    ``pipeline_parallel.sync_expert_grads`` averages them over the dp / ep ranks holding the same ones
+    (``expert_replica_group``)."""
     _check_ep(ep, expert_ep(modules), dp_mesh)
-    if ep > 1 and dp_mesh.size() != ep:
-        raise AutoshardError(f"pipeline stages with expert parallelism need ep equal to dp (got ep={ep}, "
-                             f"dp={dp_mesh.size()}); use ep={dp_mesh.size()} or no pipeline")
     return set().union(*(expert_params(module) for module in modules))
+
+
+def expert_replica_group(dp_mesh: DeviceMesh, ep: int) -> dist.ProcessGroup | None:
+    """The group of the dp / ep ranks holding the same experts ("dp_mod_ep"); None when ep = 1."""
+    return expert_meshes(dp_mesh, ep).get_group("dp_mod_ep") if ep > 1 else None
 
 
 def refuse_expert_shards(model: nn.Module, wrapper: str) -> None:

@@ -164,9 +164,15 @@ def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[s
 def _experts_apart(model, dp_mesh: DeviceMesh, ep: int, wrap: Callable) -> set[nn.Parameter] | None:
     """Expert shards are synchronised only over the ranks holding the same experts (``expert_parallel``):
     SPMD, ``wrap(module, mesh)`` makes each experts module a unit over those ranks; on pipeline stages
-    (dp = ep, no such ranks) returns the shards for the dp wrapper to ignore (None without any)."""
+    returns the shards for the dp wrapper to ignore (None without any), their gradients averaged over
+    those ranks after the schedule."""
     if isinstance(model, pp.PipelineStages):
-        return ep_runtime.pipeline_expert_params(model.modules, dp_mesh, ep) or None
+        shards = ep_runtime.pipeline_expert_params(model.modules, dp_mesh, ep)
+        if shards:  # averaged over their replicas after each schedule step (pipeline_parallel.sync_expert_grads)
+            ids = {id(p) for p in shards}  # in module order: the same on every replica, for one flat all-reduce
+            ordered = tuple(p for m in model.modules for p in m.parameters() if id(p) in ids)
+            model.expert_replicas = (ordered, ep_runtime.expert_replica_group(dp_mesh, ep))
+        return shards or None
     for module, unit_mesh in ep_runtime.expert_units(model, dp_mesh, ep):
         wrap(module, unit_mesh)
     return None

@@ -94,6 +94,9 @@ class PipelineStages:
     tp_group: dist.ProcessGroup | None = None
     aliases: tuple[tuple[str, ...], ...] = ()  # state names of one tensor (BERT's decoder.bias and bias)
     placement: str = "loop"  # PLACEMENTS: which stages each rank holds (stage_indices)
+    # Expert shards the dp wrapper leaves alone, and the group of the dp / ep ranks holding the same ones,
+    # which averages their gradients after the schedule (``sync_expert_grads``; set by the dp wrapper).
+    expert_replicas: tuple[tuple[nn.Parameter, ...], dist.ProcessGroup | None] = ((), None)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -379,7 +382,24 @@ def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch
     kwargs = {"target": targets, "losses": losses} if parts.has_last else {}
     schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
     sync_tied_grads(parts)
+    sync_expert_grads(parts)
     return global_mean_loss(losses, parts)
+
+
+def sync_expert_grads(parts: PipelineStages) -> None:
+    """Expert shards (``expert_parallel``), which the stages' dp wrapper leaves alone: their gradients
+    averaged over the dp / ep ranks holding the same experts, as the wrapper averages the rest over dp
+    (the dispatch already scaled them by 1/ep). Nothing to do when dp = ep."""
+    params, group = parts.expert_replicas
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per step, not one per tensor
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= dist.get_world_size(group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def sync_tied_grads(parts: PipelineStages) -> None:

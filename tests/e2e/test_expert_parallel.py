@@ -9,6 +9,8 @@ Mixtral, OLMoE and Qwen2-MoE (4 experts, top-2; Qwen2-MoE with a shared expert),
     4 ranks    dp 4, ep 2, ZeRO-3: each expert unit sharded over the dp / ep = 2 ranks holding it;
                pp 2 x dp 2 = ep 2 (1F1B), the experts sharded before the split, the dispatch one
                traced op
+    8 ranks    pp 2 x dp 4, ep 2 (Mixtral): each stage's expert shards averaged over their 2 replicas
+               after the schedule
 
 Every case runs two micro-batches per step. One torchrun launch per world size (``zoo_driver.py``).
 """
@@ -37,6 +39,8 @@ CASES_4 = {
     **{f"{m}-pp2-ep2": (m, dict(dp=2, ep=2, pp=2, zero=1, schedule="1f1b")) for m in MODELS},
 }
 
+CASES_8 = {"mixtral-pp2-dp4-ep2": ("mixtral", dict(dp=4, ep=2, pp=2, zero=1, schedule="1f1b"))}
+
 
 def _plan(model: str, ranks: int, pins: dict):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
@@ -62,3 +66,7 @@ def test_experts_split_over_two_ranks_train_like_one_process(in_repo, tmp_path):
 
 def test_experts_with_sharded_replicas_and_in_pipeline_stages_train_like_one_process(in_repo, tmp_path):
     _run(CASES_4, 4, tmp_path)
+
+
+def test_expert_replicas_in_pipeline_stages_train_like_one_process(in_repo, tmp_path):
+    _run(CASES_8, 8, tmp_path)
