@@ -501,11 +501,13 @@ class _Bench:
         numel = max(p, size_bytes // elem // p * p)
         full = torch.ones(numel, dtype=self.dtype, device=self.device)
         shard = torch.ones(numel // p, dtype=self.dtype, device=self.device)
+        received = torch.empty_like(full)  # all_to_all: each rank sends S = numel elements, 1/p to each
         g = self.group
         ops = {"all_reduce": lambda: dist.all_reduce(full, group=g),
                "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=g),
                "all_gather": lambda: dist.all_gather_single(full, shard, group=g),
-               "broadcast": lambda: dist.broadcast(full, src=self.broadcast_src, group=g)}
+               "broadcast": lambda: dist.broadcast(full, src=self.broadcast_src, group=g),
+               "all_to_all": lambda: dist.all_to_all_single(received, full, group=g)}
         return ops[name], numel * elem
 
     def p2p(self) -> list[list]:

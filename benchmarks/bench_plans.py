@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -58,13 +59,14 @@ RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2
 def pins_of(config: Decisions) -> Pins:
     m = config.mesh
     return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero=config.zero_stage, microbatch_size=config.microbatch_size,
-                recompute=config.recompute, schedule=config.schedule)
+                recompute=config.recompute, schedule=config.schedule, ep=config.ep)
 
 
 def config_key(config: Decisions) -> str:
     m = config.mesh
     sched = "" if config.schedule == "none" else f" {config.schedule}"
-    return (f"dp{m.dp} tp{m.tp} pp{m.pp} z{config.zero_stage} b{config.microbatch_size} "
+    experts = f" ep{config.ep}" if config.ep > 1 else ""
+    return (f"dp{m.dp} tp{m.tp} pp{m.pp}{experts} z{config.zero_stage} b{config.microbatch_size} "
             f"{config.recompute}{sched}")
 
 
@@ -86,7 +88,7 @@ def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
 def plan_key(plan) -> str:
     return config_key(Decisions(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
                              plan.microbatch_size, plan.num_microbatches, plan.recompute, plan.schedule,
-                             plan.virtual_stages))
+                             plan.virtual_stages, ep=plan.ep))
 
 
 def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
@@ -140,6 +142,8 @@ def run(args) -> dict:
     if args.calibrate:  # right before the runs: the machine's speed drifts over tens of minutes
         args.cluster = calibrate(args.ranks, args.model, Path(args.calibrate))
     plans, pick = plan_all(args.model, args.cluster, args.ranks, args.global_batch)
+    if args.only:  # a subset of the configurations, by their keys ("dp2 tp1 pp1 ep2 z3 b4 none")
+        plans = [(key, plan) for key, plan in plans if re.search(args.only, key) or key == plan_key(pick)]
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
     start = time.perf_counter()
@@ -167,7 +171,7 @@ def run(args) -> dict:
 
 def pins_of_plan(plan) -> Pins:
     return Pins(dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp, zero=plan.zero_stage,
-                microbatch_size=plan.microbatch_size, recompute=plan.recompute, schedule=plan.schedule)
+                microbatch_size=plan.microbatch_size, recompute=plan.recompute, schedule=plan.schedule, ep=plan.ep)
 
 
 def reprice(path: Path, cluster: str | None = None) -> dict:
@@ -213,6 +217,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
+    parser.add_argument("--only", metavar="REGEX", help="run only the configurations whose key matches (and the pick)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
     parser.add_argument("--calibrate", metavar="CLUSTER_YAML",
                         help="run autoshard calibrate (with --model) right before the runs, write its file here and "

@@ -12,6 +12,7 @@ a ``LinkSpec``, α (``latency_us``) and B (``bandwidth_gbps``), linearly::
     all_gather       p−1                       (p−1)/p      ``all_gather_s``
     broadcast        p−1                       1            ``broadcast_s``
     p2p              1                         1            ``p2p_s``
+    all_to_all       p−1                       (p−1)/p      ``all_to_all_s`` (S: what one rank sends)
 
 The coefficients are not copied from this table: ``coefficients`` reads them off the comm.py
 functions themselves (k_α = t(0 bytes) on a link of α = 1 µs; k_β = t(1 GB) on a link of
@@ -52,6 +53,7 @@ COST_FUNCTIONS: dict[str, Callable[[float, int, LinkSpec], float]] = {
     "reduce_scatter": comm.reduce_scatter_s,
     "all_gather": comm.all_gather_s,
     "broadcast": comm.broadcast_s,
+    "all_to_all": comm.all_to_all_s,
     "p2p": lambda size_bytes, ranks, link: comm.p2p_s(size_bytes, link),
 }
 COLLECTIVES = tuple(COST_FUNCTIONS)

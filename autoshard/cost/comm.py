@@ -107,6 +107,15 @@ def broadcast_s(size_bytes: float, ranks: int, link: LinkSpec) -> float:
     return (ranks - 1) * _alpha_s(link) + size_bytes * _beta_s_per_byte(link)
 
 
+def all_to_all_s(bytes_per_rank_sent: float, ranks: int, link: LinkSpec) -> float:
+    """(p − 1)·α + (p − 1)/p · S/B, S the bytes one rank sends in all (S/p stay on the rank):
+    p − 1 pairwise exchanges, NCCL's all-to-all (the expert dispatch, ``cost.moe``). 0 for one rank."""
+    if _alone(ranks):
+        return 0.0
+    link = link.for_collective("all_to_all")  # its own fitted pair where calibrate gives one
+    return (ranks - 1) * _alpha_s(link) + (ranks - 1) / ranks * bytes_per_rank_sent * _beta_s_per_byte(link)
+
+
 def p2p_s(size_bytes: float, link: LinkSpec) -> float:
     """α + S/B: one send/recv pair (a pipeline-stage boundary)."""
     link = link.for_collective("p2p")

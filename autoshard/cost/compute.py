@@ -169,7 +169,17 @@ def _weight_bytes(graph: OpGraph) -> dict[str, int]:
     for p in graph.params:
         for alias in p.tied_to:
             size[alias] = size[p.name]
-    return {n.name: sum(size.get(p, 0) for p in n.param_inputs) for n in graph.nodes if n.param_inputs}
+    direct = {n.name: sum(size.get(p, 0) for p in n.param_inputs) for n in graph.nodes if n.param_inputs}
+    # A view of a weight (annotate gives views no bytes: the transposed expert stack a grouped matmul reads)
+    # moves nothing itself; the op reading the view reads the weight, once per micro-batch like any weight.
+    views = {n.name: direct[n.name] for n in graph.nodes
+             if n.name in direct and n.bytes_read == 0 and n.bytes_written == 0}
+    out = {}
+    for n in graph.nodes:
+        weight = (0 if n.name in views else direct.get(n.name, 0)) + sum(views.get(i, 0) for i in n.inputs)
+        if weight:
+            out[n.name] = weight
+    return out
 
 
 def _dtype_bytes(dtype: str) -> int:

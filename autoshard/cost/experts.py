@@ -14,12 +14,20 @@ maximum over ep ranks of balls-into-bins loads, not the mean; λ = 1 at ep = 1).
     forward   += (λ − 1)·t(F_e)                  the most-loaded rank's extra rows
     backward  += (λ − 1)·2·t(F_e)
     recompute += λ·t(F_e)                        the dispatch op recomputes its experts in backward
-    all-to-all = 5 · A2A(n·H·a over ep ranks)    forward: dispatch + combine; backward: the dispatch
-                                                 again, the output gradient out, the input gradient back
-                 (receivers' share scaled by λ: ``moe.moe_layer_a2a_s``), exposed: each sits between
-                 dependent computations
+    all-to-all = 5 · A2A(λ·n·H·a over ep ranks)  forward: dispatch + combine; backward: the dispatch
+                 + 2 · A2A(0)                    again, the output gradient out, the input gradient back;
+                                                 and the per-expert counts exchanged before each dispatch
+                 (``comm.all_to_all_s``; the receivers' share scaled by λ: ``moe.moe_layer_a2a_s``),
+                 exposed: each sits between dependent computations
 
-with t(F) = F / (peak · matmul efficiency).
+with t(F) = F / (peak · matmul efficiency). **Host** (``HostOverheads``, measured by calibrate; the
+device's own time on CPU ranks): the dispatch op runs ``DISPATCH_OPS`` ops of its own around the
+module's n_e ops (routing, counts, the exchanges' bookkeeping, the un-sorting) in the forward, and in
+the backward the same again plus the module's n_e ops recomputed (``ExpertUnitCost.host_s``)::
+
+    host += (2·DISPATCH_OPS + n_e)·h_fwd        h_fwd the measured host time per forward op
+
+and each expert group is a unit of its own for the dp wrapper (FSDP2's per-unit host time).
 
 **Expert state.** Each rank holds Ψ_e / ep of every group; its gradients are reduced over the
 dp / ep ranks holding the same shard, so ZeRO shards it dp / ep ways (``expert_state_params``),
@@ -31,7 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from autoshard.cost import moe
+from autoshard.cost import comm, moe
 from autoshard.cost.tables import CostTables
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.graph import OpGraph
@@ -39,6 +47,13 @@ from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 
 A2A_PER_MICROBATCH = 5  # forward dispatch + combine; backward re-dispatch, gradient out, gradient back
+COUNT_EXCHANGES_PER_MICROBATCH = 2  # the per-expert counts before the forward's and the backward's dispatch
+# Ops the dispatch runs besides the experts module's own, counted from runtime/expert_parallel.py: forward 22
+# (flatten, argsort, bincount, the counts' exchange and sums to lists, the received ids (arange, repeat,
+# repeat_interleave), each pair's token, the gather, the token exchange and its buffers, the weight-1 ids,
+# the exchange back, the un-sort), backward 20 (the routing and gather again, the gradient's gather and
+# two exchanges, index_add, the parameters' scaling); their mean each way.
+DISPATCH_OPS = 21
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,19 @@ class ExpertUnitCost:
     backward_s: float = 0.0
     recompute_s: float = 0.0
     all_to_all_s: float = 0.0
+    host_s: float = 0.0  # the dispatch's own ops and the module's recomputed ones (module doc)
     params: int = 0  # the unit's expert parameters, all E experts (a rank holds 1/ep of them)
+
+
+def _module_op_counts(graph: OpGraph) -> dict[str, int]:
+    """Ops of each expert group's module in the graph (n_e)."""
+    paths = {g.path for g in graph.experts}
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        owner = next((p for p in paths if node.module_path == p or node.module_path.startswith(p + ".")), None)
+        if owner is not None:
+            counts[owner] = counts.get(owner, 0) + 1
+    return counts
 
 
 def expert_params(graph: OpGraph) -> int:
@@ -74,7 +101,9 @@ def _unit_expert_costs(tables: CostTables, config: Decisions, units: int) -> tup
     elem_bytes = tables.precision.activation_bytes
     link = ep_link(tables.cluster, config.mesh, config.ep)
     index = {b.path: i + 1 for i, b in enumerate(graph.blocks)}
-    parts = [[0.0, 0.0, 0.0, 0.0, 0] for _ in range(units)]
+    module_ops = _module_op_counts(graph)
+    host_op_s = tables.cluster.host.op_forward_us * 1e-6
+    parts = [[0.0, 0.0, 0.0, 0.0, 0.0, 0] for _ in range(units)]
     for g in graph.experts:
         tokens = g.pairs * scale / g.top_k
         load = moe.rank_load_factor(tokens, g.top_k, g.experts, config.ep)
@@ -84,8 +113,9 @@ def _unit_expert_costs(tables: CostTables, config: Decisions, units: int) -> tup
         row[0] += (load - 1) * fwd_s
         row[1] += (load - 1) * 2 * fwd_s
         row[2] += load * fwd_s
-        row[3] += a2a_s / 2 * A2A_PER_MICROBATCH  # moe_layer_a2a_s is the forward's two
-        row[4] += g.param_count
+        row[3] += a2a_s / 2 * A2A_PER_MICROBATCH + COUNT_EXCHANGES_PER_MICROBATCH * comm.all_to_all_s(0, config.ep, link)
+        row[4] += (2 * DISPATCH_OPS + module_ops.get(g.path, 0)) * host_op_s
+        row[5] += g.param_count
     return tuple(ExpertUnitCost(*row) for row in parts)
 
 

@@ -82,7 +82,7 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
-from autoshard.cost.comm import _alone, _alpha_s, _beta_s_per_byte
+from autoshard.cost.comm import all_to_all_s  # noqa: F401  (re-exported: the dispatch's collective)
 from autoshard.ir.topology import LinkSpec
 
 
@@ -129,16 +129,6 @@ def _check_routing(top_k: int, experts: int, ep: int) -> None:
     if ep < 1 or experts % ep:
         raise ValueError(f"ep must divide the experts: {experts} experts over ep={ep} ranks; "
                          f"pick ep among the divisors of {experts}")
-
-
-def all_to_all_s(bytes_per_rank_sent: float, ranks: int, link: LinkSpec) -> float:
-    """(p − 1)·α + (p − 1)/p · S/B, S the bytes one rank sends in all (S/p stay on the rank):
-    p − 1 pairwise exchanges, NCCL's all-to-all. 0 for one rank."""
-    if _alone(ranks):
-        return 0.0
-    link = link.for_collective("all_to_all")  # its own fitted pair where calibrate gives one
-    off_rank_bytes = (ranks - 1) / ranks * bytes_per_rank_sent
-    return (ranks - 1) * _alpha_s(link) + off_rank_bytes * _beta_s_per_byte(link)
 
 
 def moe_layer_a2a_s(tokens: int, hidden: int, top_k: int, dtype_bytes: int, ep: int, experts: int,

@@ -218,7 +218,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         else:
             acts = in_flight(config.schedule, config.num_microbatches, pp, v, r) * sum(units.saved_bytes[u] for u in idx)
         acts += max(units.workspace_bytes[u] for u in idx)
-        host_s = sum(units.host_s[u] + tp_host[u] for u in idx) + \
+        host_s = sum(units.host_s[u] + tp_host[u] + experts[u].host_s for u in idx) + \
             len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
         loads.append(RankLoad(sum(units.forward_s[u] + experts[u].forward_s for u in idx),

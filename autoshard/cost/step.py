@@ -85,8 +85,9 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     tensors = param_tensors(graph)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, local, tensors)
     tp_host_s = sum(tp_host_per_unit_s(tables, config))
-    host_s = m * (sum(units.host_s) + tp_host_s) + \
-        m * fsdp_host_s(cluster, config, len(graph.blocks) + 1, local, precision) + \
+    expert_units = len(graph.experts) if config.ep > 1 else 0  # each expert group its own dp unit
+    host_s = m * (sum(units.host_s) + tp_host_s + sum(e.host_s for e in experts)) + \
+        m * fsdp_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision) + \
         optimizer_host + dp_host_s(cluster, config, tensors)
     return StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),

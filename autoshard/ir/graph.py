@@ -201,4 +201,4 @@ class OpGraph:
 
     @property
     def flops_fwd(self) -> int:
-        return sum(n.flops for n in self.nodes)
+        return self.derived("flops_fwd", lambda: sum(n.flops for n in self.nodes))  # read once per priced plan

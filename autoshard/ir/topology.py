@@ -98,7 +98,7 @@ class DeviceSpec:
         _check_dataclass(self)
 
 
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p")
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p", "all_to_all")
 
 
 @dataclass(frozen=True)

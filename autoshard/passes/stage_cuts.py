@@ -144,6 +144,10 @@ def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:
 
 def cut_refusals(graph: OpGraph) -> dict[int, str]:
     """k -> why no pipeline stage can begin at block k (1 ≤ k < L), for the blocks where none can."""
+    return dict(graph.derived("cut_refusals", lambda: _cut_refusals(graph)))
+
+
+def _cut_refusals(graph: OpGraph) -> dict[int, str]:
     paths = [block.path for block in graph.blocks]
     runs = _block_runs(graph)
     calls = Counter(runs)

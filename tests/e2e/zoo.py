@@ -68,7 +68,8 @@ class Outcome:
         if self.status == "verified":
             mesh = self.plan.mesh
             sharded = sum(s != "replicate" for s in self.plan.tensor_parallel.values())
-            what = f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} z{self.plan.zero_stage}"
+            what = f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} z{self.plan.zero_stage}" + \
+                (f" ep{self.plan.ep}" if self.plan.ep > 1 else "")
             return f"ok ({what}{f', {sharded} TP modules' if mesh.tp > 1 else ''})"
         return f"{self.status}: {self.detail.splitlines()[0] if self.detail else ''}"
 
