@@ -10,6 +10,7 @@ a node (``--ep`` pinned to each in-node degree; "does not fit" where none fits).
 
     DeepSeek-V3 shape (benchmarks/deepseek_v3.py, 671B, 256 experts top-8) on 2048 H100s (256 nodes)
     Mixtral 8x7B shape (benchmarks/mixtral.py, 46.7B, 8 experts top-2) on 64 H100s (8 nodes)
+    DeepSeek-V3's architecture at V2-Lite's size (deepseek_v3.py:build_16b, 15.7B, 64 experts top-6) on 64 H100s
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = (  # model, nodes of dgx-h100, global batch (sequences)
     ("benchmarks/deepseek_v3.py:build", 256, 4096),
     ("benchmarks/mixtral.py:build", 8, 512),
+    ("benchmarks/deepseek_v3.py:build_16b", 8, 512),
 )
 PER_NODE = 8
 
@@ -66,7 +68,7 @@ def run_case(model: str, nodes: int, batch: int, repeats: int) -> dict:
         plan(model, nodes, batch, env, out)  # fills the capture cache
         warm = [plan(model, nodes, batch, env, out) for _ in range(repeats)]
         chosen = describe(warm[-1][1])
-        in_node = {ep: describe(plan(model, nodes, batch, env, out, "--ep", str(ep))[1]) for ep in (2, 4, 8)
+        in_node = {ep: describe(plan(model, nodes, batch, env, out, "--ep", str(ep))[1]) for ep in (1, 2, 4, 8)
                    if chosen.get("ep") != ep}
     return {"model": model, "gpus": nodes * PER_NODE, "global_batch": batch, "cold_s": statistics.median(cold),
             "warm_s": statistics.median(w for w, _ in warm), "chosen": chosen, "ep_pinned_in_node": in_node}
@@ -76,9 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-o", "--output")
+    parser.add_argument("--models", help="only the cases whose model spec contains this")
     args = parser.parse_args()
     rows = []
     for model, nodes, batch in CASES:
+        if args.models and args.models not in model:
+            continue
         row = run_case(model, nodes, batch, args.repeats)
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)

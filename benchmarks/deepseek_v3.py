@@ -65,6 +65,15 @@ DEEPSEEK_V3 = dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
 )
+# The same architecture at DeepSeek-V2-Lite's size (deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers, the
+# first dense, hidden 2048, 64 routed experts of FFN 1408 top-6, 2 shared, 16 heads, kv_lora_rank 512, no
+# q_lora): ~16B parameters, ~2.7B active. A model whose expert state fits at small ep (bench_moe.py).
+DEEPSEEK_16B = dict(
+    DEEPSEEK_V3, vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+    routed_scaling_factor=1.0, norm_topk_prob=False, q_lora_rank=None,
+)
 TINY = dict(
     vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
@@ -88,6 +97,11 @@ def _build(fields: dict, seq_len: int) -> DeepseekV3ForCausalLM:
 def build() -> DeepseekV3ForCausalLM:
     """DeepSeek-V3 at its published shape: 671B parameters (build it on the meta device)."""
     return _build(DEEPSEEK_V3, SEQ_LEN)
+
+
+def build_16b() -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3's architecture at DeepSeek-V2-Lite's size (``DEEPSEEK_16B``); on the meta device."""
+    return _build(DEEPSEEK_16B, SEQ_LEN)
 
 
 def build_tiny() -> DeepseekV3ForCausalLM:

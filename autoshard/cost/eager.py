@@ -106,7 +106,9 @@ LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 8  # the fp32 nll gradient and log-sof
 # AdamW foreach step: bytes per fp32 parameter (module doc; torch/optim/adam.py _multi_tensor_adam)
 ADAMW_FOREACH_BYTES_PER_PARAM = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
 
-MATMUL_2D_TARGETS = ("aten.linear", "aten.mm", "aten.addmm")  # inputs flattened to 2-D: M = numel / N
+# inputs flattened to 2-D: M = numel / N; a grouped matmul's [S, N] output as one (its groups share the tiles' waves)
+MATMUL_2D_TARGETS = ("aten.linear", "aten.mm", "aten.addmm", "aten._grouped_mm", "aten._scaled_grouped_mm",
+                     "transformers.grouped_mm_fallback")
 MATMUL_BATCHED_TARGETS = ("aten.bmm", "aten.baddbmm", "aten.matmul")
 
 

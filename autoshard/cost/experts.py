@@ -69,11 +69,16 @@ class ExpertUnitCost:
 
 
 def _module_op_counts(graph: OpGraph) -> dict[str, int]:
-    """Ops of each expert group's module in the graph (n_e)."""
+    """Ops of each expert group's module in the graph (n_e); once per graph."""
+    return graph.derived("expert-module-ops", lambda: _count_module_ops(graph))
+
+
+def _count_module_ops(graph: OpGraph) -> dict[str, int]:
     paths = {g.path for g in graph.experts}
     counts: dict[str, int] = {}
     for node in graph.nodes:
-        owner = next((p for p in paths if node.module_path == p or node.module_path.startswith(p + ".")), None)
+        parts = node.module_path.split(".")
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in paths), None)
         if owner is not None:
             counts[owner] = counts.get(owner, 0) + 1
     return counts
@@ -89,7 +94,7 @@ def unit_expert_costs(tables: CostTables, config: Decisions) -> tuple[ExpertUnit
     graph = tables.graph
     units = len(graph.blocks) + 2
     if config.ep == 1 or not graph.experts:
-        return tuple(ExpertUnitCost() for _ in range(units))
+        return tables.memo(("expert-units", 1), lambda: (ExpertUnitCost(),) * units)
     return tables.memo(("expert-units", config.ep, config.microbatch_size, config.mesh),
                        lambda: _unit_expert_costs(tables, config, units))
 

@@ -37,6 +37,7 @@ COMPUTE_HEAVY_TARGETS = (
     "aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul",
     "aten.scaled_dot_product_attention", "aten._scaled_dot_product", "aten.convolution",
     "aten.conv1d", "aten.conv2d", "aten.embedding",
+    "aten._grouped_mm", "aten._scaled_grouped_mm", "transformers.grouped_mm_fallback",  # mixture-of-experts GEMMs
 )
 
 

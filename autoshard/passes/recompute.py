@@ -30,6 +30,7 @@ mode per configuration (its per-unit tables are keyed by it). ``choose_recompute
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, transient_bytes
@@ -70,8 +71,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
     modes = assign(groups, {key: solver.Value(var) for key, var in count.items()}, len(tables.graph.blocks))
     if len(set(modes)) == 1:
         return None
-    return Decisions(config.mesh, config.zero_stage, config.microbatch_size, config.num_microbatches, MIXED,
-                  config.schedule, config.virtual_stages, config.ddp_bucket_cap_mb, modes)
+    return replace(config, recompute=MIXED, recompute_blocks=modes)  # every other decision kept (HSDP, ep, ...)
 
 
 def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k: int) -> float:
