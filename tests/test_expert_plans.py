@@ -139,3 +139,17 @@ def test_ep_splits_expert_state_and_adds_all_to_all(graphs):
     assert saved == pytest.approx(experts * (1 - 1 / 4), rel=1e-6)
     assert one.ep_comm_s == 0 and four.ep_comm_s > 0
     assert four.recompute_s > one.recompute_s  # the dispatch recomputes its experts in backward
+
+
+def test_the_expert_all_to_all_stays_inside_a_node_where_the_topology_favours_it(in_repo_module):
+    """DeepSeek-V3's architecture at 16B on 2 nodes x 8: the expert state fits only at ep >= 8. With NVLink
+    inside a node and one NIC per GPU across, the planner keeps ep = 8 (one node: the all-to-all on NVLink);
+    where the link between nodes is as fast (a flat topology), splitting over both nodes is cheaper."""
+    spec = "benchmarks/deepseek_v3.py:build_16b"
+    captured = capture_graph(spec)
+    pins = dict(dp=16, tp=1, pp=1, zero=1)
+    nvlink = plan(captured, spec, load_cluster("tests/clusters/h100_40g.yaml", nodes=2), 64, **pins)
+    flat = plan(captured, spec, load_cluster("tests/clusters/h100_40g_flat.yaml", nodes=2), 64, **pins)
+    assert nvlink.ep == 8 and flat.ep == 16
+    with pytest.raises(AutoshardError, match="no plan fits|does not fit"):  # below 8 nothing fits
+        plan(captured, spec, load_cluster("tests/clusters/h100_40g.yaml", nodes=2), 64, ep=4, **pins)
