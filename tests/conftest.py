@@ -12,6 +12,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("AUTOSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="autoshard-test-cache-"))
 
 
+@pytest.fixture(scope="module")
+def in_repo_module():
+    """``in_repo`` for a module's fixtures (captured graphs shared by its tests)."""
+    here = os.getcwd()
+    os.chdir(ROOT)
+    yield ROOT
+    os.chdir(here)
+
+
 @pytest.fixture
 def in_repo(monkeypatch):
     """Run in the repo root so model specs like examples/gpt.py:build resolve."""

@@ -31,16 +31,6 @@ MOE = {"mixtral": "tests/models/hf_mixtral.py:build", "olmoe": "tests/models/hf_
 
 
 @pytest.fixture(scope="module")
-def in_repo_module():
-    import os
-    from tests.conftest import ROOT
-    here = os.getcwd()
-    os.chdir(ROOT)
-    yield ROOT
-    os.chdir(here)
-
-
-@pytest.fixture(scope="module")
 def graphs(in_repo_module):
     return {name: capture_graph(spec) for name, spec in MOE.items()}
 

@@ -39,17 +39,6 @@ def gpt(in_repo_module):
     return capture_graph(GPT)[1]
 
 
-@pytest.fixture(scope="module")
-def in_repo_module():
-    import os
-    from pathlib import Path
-
-    cwd = os.getcwd()
-    os.chdir(Path(__file__).resolve().parent.parent)
-    yield
-    os.chdir(cwd)
-
-
 def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster: Cluster, ranks: int) -> dict:
     """What the probes would measure on a machine whose overheads are exactly ``h`` (host_probes' doc)."""
     us = 1e-6

@@ -83,17 +83,6 @@ def small_megatron(in_repo_module):
     return capture_graph("benchmarks/megatron_gpt.py:build")[1]
 
 
-@pytest.fixture(scope="module")
-def in_repo_module():
-    import os
-
-    from tests.conftest import ROOT
-    here = os.getcwd()
-    os.chdir(ROOT)
-    yield ROOT
-    os.chdir(here)
-
-
 def sdpa(graph):
     return next(n for n in graph.nodes if n.target.startswith("aten.scaled_dot_product_attention"))
 

@@ -40,16 +40,6 @@ def wide(in_repo_module):
     return capture_graph(WIDE)
 
 
-@pytest.fixture(scope="module")
-def in_repo_module():
-    import os
-    from tests.conftest import ROOT
-    here = os.getcwd()
-    os.chdir(ROOT)
-    yield ROOT
-    os.chdir(here)
-
-
 def plan(captured, spec, cluster, global_batch, **pins):
     model_file, graph = captured
     return plan_graph(PlanRequest(spec, cluster, global_batch, Pins(**pins)), model_file, graph)
