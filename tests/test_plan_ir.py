@@ -21,6 +21,8 @@ DECISIONS = ["mesh", "zero_stage", "microbatch_size", "num_microbatches", "sched
 LAYOUT = ["blocks", "tensor_parallel", "split_points", "stages"]
 REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search"]
 PROVENANCE = ["pinned", "runtime"]
+# written only when the plan has them (expert parallelism): a dense plan's sections are the lists above
+DECISIONS_EP, LAYOUT_EP = DECISIONS + ["ep"], LAYOUT + ["experts"]
 GOLDEN_V1 = Path(__file__).resolve().parent / "golden" / "dp_zero1.plan.json"  # a version 1 file, kept as is
 
 
@@ -50,7 +52,7 @@ def test_round_trip_is_byte_identical(tmp_path):
     assert (list(doc["decisions"]), list(doc["layout"]), list(doc["review"]), list(doc["provenance"])) == \
         (DECISIONS, LAYOUT, REVIEW, PROVENANCE)
     assert {k: list(v) for k, v in SECTIONS.items()} == \
-        {"decisions": DECISIONS, "layout": LAYOUT, "review": REVIEW, "provenance": PROVENANCE}
+        {"decisions": DECISIONS_EP, "layout": LAYOUT_EP, "review": REVIEW, "provenance": PROVENANCE}
 
 
 def test_the_runtime_that_priced_a_plan_round_trips_and_older_files_read_as_autoshard(tmp_path):
@@ -101,12 +103,12 @@ def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
 
 def test_decisions_and_layout_are_the_flat_fields():
     plan = load_plan(GOLDEN_V1)
-    assert {f.name for f in fields(Decisions)} == set(DECISIONS) and [f.name for f in fields(PlanLayout)] == LAYOUT
+    assert {f.name for f in fields(Decisions)} == set(DECISIONS_EP) and [f.name for f in fields(PlanLayout)] == LAYOUT_EP
     decisions = plan.decisions
-    for name in DECISIONS:
+    for name in DECISIONS_EP:
         if name != "recompute_blocks":
             assert getattr(decisions, name) == getattr(plan, name), name
-    assert plan.layout == PlanLayout(**{k: getattr(plan, k) for k in LAYOUT})
+    assert plan.layout == PlanLayout(**{k: getattr(plan, k) for k in LAYOUT_EP})
     assert decisions.mesh == plan.mesh and decisions.zero_stage == plan.zero_stage == 1
     mixed = load_plan(GOLDEN_V1.with_name("mixed_recompute.plan.json")).decisions
     assert mixed.recompute == "mixed" and mixed.recompute_blocks == ("full", "selective", "none", "full")

@@ -134,6 +134,7 @@ class PlanLayout:
     tensor_parallel: dict[str, str]
     split_points: tuple[str, ...]
     stages: tuple[Stage, ...]
+    experts: tuple[str, ...] = ()  # the expert groups an ep > 1 plan splits
 
 
 @dataclass(frozen=True)
