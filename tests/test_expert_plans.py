@@ -111,6 +111,11 @@ def test_impossible_ep_pins_are_refused_with_the_fix(graphs, pins, message):
         plan(graphs["mixtral"], MOE["mixtral"], cluster, 8, **pins)
 
 
+def test_an_ep_larger_than_any_dp_is_refused_with_the_fix(graphs):
+    with pytest.raises(AutoshardError, match="--ep 4 borrows 4 of the dp ranks, but this cluster's meshes give dp in"):
+        plan(graphs["mixtral"], MOE["mixtral"], load_cluster("local-cpu"), 8, ep=4)
+
+
 def test_ep_on_a_dense_model_is_refused(in_repo_module):
     with pytest.raises(AutoshardError, match="no expert group"):
         plan(capture_graph("examples/gpt.py:build"), "examples/gpt.py:build", load_cluster("local-cpu"), 8, ep=2)

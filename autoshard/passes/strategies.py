@@ -644,6 +644,10 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (f"--dp-replicate {pins.dp_replicate} (HSDP) needs the dp group to span {pins.dp_replicate} nodes with "
                 f"at least 2 of its ranks on each (shard inside a node, replicate across); this cluster's meshes "
                 f"have none such: drop --dp-replicate or pin --dp-replicate 1")
+    if (pins.ep or 1) > 1 and all(m.dp % pins.ep or m.tp > 1 for m in meshes):
+        dps = ", ".join(str(d) for d in sorted({m.dp for m in meshes if m.tp == 1})) or "none without tp"
+        return (f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
+                f"pin an --ep that divides one of them, or plan for more devices")
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):
         mesh = piped[0]
