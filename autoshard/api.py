@@ -19,21 +19,23 @@ if TYPE_CHECKING:  # planning never imports torch when the capture cache has the
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
          devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, cache: bool = True,
-         runtime: str = "autoshard", **pins) -> Plan:
+         runtime: str = "autoshard", seq_len: int | None = None, **pins) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
     (dp, tp, pp, zero, microbatch_size, recompute, schedule, virtual_stages, stage_cuts); ``fold=False``
     exports every repeated layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's
     ``search`` gives the gap); ``cache=False`` captures the model even when the capture cache has it
     (``passes.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted
-    program, or "megatron-lm": ``cost.tables.Runtime.named``)."""
+    program, or "megatron-lm": ``cost.tables.Runtime.named``); ``seq_len`` is handed to the model file's
+    ``example_batch`` (its own sequence length when None)."""
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s, cache, runtime))
+    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s, cache, runtime,
+                                  seq_len))
 
 
 def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
              devices_per_node: int | None = None, fold: bool = True, cache: bool = True, runtime: str = "autoshard",
-             **pins) -> Plan:
+             seq_len: int | None = None, **pins) -> Plan:
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
     microbatch_size, recompute, schedule), or left to its default (``Pins.with_defaults``: virtual
     stages follow the schedule, the planner's stage cuts). It is priced like ``plan`` prices it (a
@@ -44,7 +46,8 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, cache=cache, runtime=runtime))
+    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, cache=cache, runtime=runtime,
+                                      seq_len=seq_len))
 
 
 def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):

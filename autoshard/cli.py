@@ -106,7 +106,7 @@ def _add_estimate(sub, common) -> None:
 
 
 PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts",
-             "dp_replicate", "ep")
+             "dp_replicate", "ep", "cp")
 
 
 def _add_plan_arguments(p) -> None:
@@ -115,6 +115,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--nodes", type=int)
     p.add_argument("--devices-per-node", type=int)
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=int, help="tokens per sample, handed to the model file's "
+                   "example_batch(batch_size, seq_len=...) (default: the file's own)")
     p.add_argument("-o", "--output", help="write plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
     for name in ("dp", "tp", "pp", "zero", "microbatch-size"):
@@ -123,6 +125,8 @@ def _add_plan_arguments(p) -> None:
                    "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)")
     p.add_argument("--ep", type=int, help="expert parallelism: split each mixture-of-experts layer's experts over "
                    "this many of the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)")
+    p.add_argument("--cp", type=int, help="context parallelism: split each sample's sequence over this many ranks, "
+                   "attention as a ring (long sequences; estimate: 1 unless given)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
     p.add_argument("--virtual-stages", type=int, metavar="V",
@@ -224,14 +228,15 @@ def cmd_plan(args) -> int:
     from autoshard.passes.front import capture_ahead
 
     _check_plan_output(args)
-    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):  # before other imports
-        from autoshard import api
+    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
+        from autoshard import api  # after the capture started: the imports run while it captures
 
         plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                         devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                         microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, stage_cuts=args.stage_cuts, runtime=args.runtime,
-                        dp_replicate=args.dp_replicate, ep=args.ep, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache)
+                        dp_replicate=args.dp_replicate, ep=args.ep, cp=args.cp, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache,
+                        seq_len=args.seq_len)
     _write_plan(plan, args)
     return 0
 
@@ -253,8 +258,8 @@ def cmd_estimate(args) -> int:
     if args.schedule is None and args.pp == 1:
         args.schedule = "none"
     _check_plan_output(args)
-    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache):  # before other imports
-        from autoshard import api
+    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
+        from autoshard import api  # after the capture started: the imports run while it captures
         from autoshard.passes.strategies import Pins
 
         pins = {name: getattr(args, name) for name in PIN_FLAGS}
@@ -265,7 +270,7 @@ def cmd_estimate(args) -> int:
 
         plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
                             devices_per_node=args.devices_per_node, fold=not args.no_fold, cache=not args.no_cache,
-                            runtime=args.runtime, **pins)
+                            runtime=args.runtime, seq_len=args.seq_len, **pins)
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]
     if plan.predicted.memory_peak_bytes_per_rank > device:
@@ -446,7 +451,7 @@ def cmd_compile(args) -> int:
     inputs = _program_outputs(plan, path, Path(args.plan), also=(sbatch,))
     replaced = _check_sbatch(sbatch, args.force)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
     write_files_atomic({path: emit_program(plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
@@ -493,7 +498,7 @@ def cmd_run(args) -> int:
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([program], inputs, _loaded_modules())
     write_program(plan, program)

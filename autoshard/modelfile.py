@@ -43,6 +43,7 @@ class ModelFile:
     path: Path
     factory_name: str
     module: types.ModuleType
+    seq_len: int | None = None  # --seq-len: example_batch(batch_size, seq_len=...) (None: the file's own)
 
     @property
     def factory(self) -> Callable[[], nn.Module]:
@@ -78,14 +79,22 @@ class ModelFile:
                 f"{self.path}: no example_batch(batch_size) function; add one returning "
                 f"(inputs: tuple, targets) for a batch of that size"
             )
+        kwargs = {} if self.seq_len is None else {"seq_len": self.seq_len}
+        if kwargs:
+            _check_takes_seq_len(self.path, fn)
         try:
-            batch = fn(batch_size)
+            batch = fn(batch_size, **kwargs)
         except USER_CODE_ERRORS as exc:
             raise AutoshardError(
-                f"{self.path}: example_batch({batch_size}) raised {type(exc).__name__}: "
-                f"{_first_line(exc)}; fix the model file"
+                f"{self.path}: example_batch({batch_size}{''.join(f', seq_len={v}' for v in kwargs.values())}) "
+                f"raised {type(exc).__name__}: {_first_line(exc)}; fix the model file"
             ) from exc
-        return _check_batch(self.path, batch, batch_size)
+        inputs, targets = _check_batch(self.path, batch, batch_size)
+        if self.seq_len is not None and (inputs[0].dim() < 2 or inputs[0].shape[1] != self.seq_len):
+            raise AutoshardError(f"{self.path}: example_batch({batch_size}, seq_len={self.seq_len}) returned inputs "
+                                 f"of shape {tuple(inputs[0].shape)}; the first input needs seq_len tokens as its "
+                                 f"second dimension")
+        return inputs, targets
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         fn = getattr(self.module, "loss_fn", None)
@@ -144,8 +153,11 @@ def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(outputs, targets)
 
 
-def load_model_file(spec: str) -> ModelFile:
-    """Import ``file.py:factory``; the file's directory goes on ``sys.path`` for its imports."""
+def load_model_file(spec: str, seq_len: int | None = None) -> ModelFile:
+    """Import ``file.py:factory``; the file's directory goes on ``sys.path`` for its imports. ``seq_len``
+    (``--seq-len``) is handed to ``example_batch``."""
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise AutoshardError(f"--seq-len {seq_len} must be a positive integer")
     if ":" not in spec:
         raise AutoshardError(
             f"model '{spec}' has no factory: write it as path/to/file.py:factory, e.g. examples/gpt.py:build"
@@ -166,7 +178,18 @@ def load_model_file(spec: str) -> ModelFile:
             f"{path}: no function '{factory_name}'; name one of: {', '.join(names[:8]) or 'none defined'}"
         )
     _check_factory_takes_no_arguments(path, factory_name, getattr(module, factory_name))
-    return ModelFile(spec=spec, path=path, factory_name=factory_name, module=module)
+    return ModelFile(spec=spec, path=path, factory_name=factory_name, module=module, seq_len=seq_len)
+
+
+def _check_takes_seq_len(path: Path, fn: Callable) -> None:
+    """--seq-len needs ``example_batch(batch_size, seq_len=...)`` (DESIGN.md's model file contract)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if "seq_len" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise AutoshardError(f"{path}: example_batch takes no seq_len, so --seq-len cannot set the sequence length; "
+                             f"add a parameter: def example_batch(batch_size, seq_len=...)")
 
 
 def _check_factory_takes_no_arguments(path: Path, name: str, factory: Callable) -> None:

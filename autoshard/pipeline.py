@@ -66,6 +66,7 @@ class PlanRequest:
     time_limit_s: float | None = None  # stop the search here, reporting the optimality gap; --time-limit
     cache: bool = True  # read and write the capture cache (passes.capture_cache); --no-cache
     runtime: str = "autoshard"  # what the cost model prices (cost.tables.Runtime.named); --runtime
+    seq_len: int | None = None  # tokens per sample handed to example_batch (None: the model file's); --seq-len
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -82,7 +83,7 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len)
     graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
 
@@ -103,7 +104,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     pins = request.pins.with_defaults()
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len)
     graph = _later_graph_passes(graph, done)
     configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch, pins)
     result = _run("price", done, price_pinned, request, graph, configs)
@@ -137,7 +138,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
     c = best.config
     tp = best.tp_choice
     return Plan(
-        model=model_summary(request.model_spec, model_file, graph),
+        model=model_summary(request.model_spec, model_file, graph, request.seq_len),
         cluster=request.cluster.to_dict(),
         global_batch=request.global_batch,
         mesh=c.mesh,
@@ -174,7 +175,7 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     their sums)."""
     tables = request.cost_tables(graph)
     if best.tp_choice is not None:
-        tables.add_tp_layout(best.tp_choice, best.config.microbatch_size)
+        tables.add_tp_layout(best.tp_choice, best.config.microbatch_size / best.config.mesh.cp)
     parts = price_parts(tables, best.config, best.cuts or None)
     assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, \
         "the parts priced again differ from the search's"
@@ -255,7 +256,7 @@ def check_plan_modules(plan: Plan, model_file: ModelFile) -> None:
 OPS_NAMED = 5  # op targets a plan names in model.ops_estimated (the count covers them all)
 
 
-def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> dict[str, Any]:
+def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph, seq_len: int | None = None) -> dict[str, Any]:
     if graph.model_fingerprint or model_file is None:
         fingerprint = graph.model_fingerprint
     else:
@@ -269,6 +270,8 @@ def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph) -> di
         "layers": len(graph.blocks),
         "tokens_per_sample": graph.tokens_per_sample,
     }
+    if seq_len is not None:  # --seq-len: the programs hand it to example_batch as the plan did
+        summary["seq_len"] = seq_len
     file_sha256 = model_file_sha256(spec)  # checked before compile, run or verify import the file
     if file_sha256 is not None:
         summary["file_sha256"] = file_sha256

@@ -122,7 +122,7 @@ def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) ->
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"])
+    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     notes = run_notes(model_file, plan)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         parallel = run_parallel(plan, Path(tmp), steps, seed, lr)

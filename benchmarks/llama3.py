@@ -59,6 +59,13 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
+def rope(seq: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles of positions 0 .. seq − 1, (seq, head_dim)."""
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=inv_freq.device), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -92,14 +99,17 @@ class Llama3(nn.Module):
         self.output = nn.Linear(dim, vocab, bias=False)
         head_dim = dim // n_heads
         inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        cos, sin = rope(seq, inv_freq)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        if s > self.rope_cos.shape[0]:  # longer than the factory's context (--seq-len): the angles of s positions
+            cos, sin = rope(s, self.inv_freq)
+        else:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -143,9 +153,10 @@ def build() -> Llama3:
     return llama3_tiny()
 
 
-def example_batch(batch_size: int):
-    """``((token ids (batch, seq),), next tokens)``: random ids of the last built factory's shape."""
-    tokens = torch.randint(0, _vocab, (batch_size, _seq_len + 1))
+def example_batch(batch_size: int, seq_len: int | None = None):
+    """``((token ids (batch, seq),), next tokens)``: random ids of the last built factory's shape (``seq_len``
+    tokens when given: ``--seq-len``)."""
+    tokens = torch.randint(0, _vocab, (batch_size, (seq_len or _seq_len) + 1))
     return (tokens[:, :-1],), tokens[:, 1:]
 
 

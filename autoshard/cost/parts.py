@@ -54,6 +54,7 @@ class StepParts:
     memory: Memory
     host_s: float = 0.0  # host overheads not hidden by the device (module doc, "Host")
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed (``cost.experts``)
+    cp_comm_s: float = 0.0  # context parallelism's ring exchange, exposed (``cost.context_parallel``)
 
     @property
     def compute_s(self) -> float:
@@ -62,7 +63,7 @@ class StepParts:
 
     @property
     def comm_exposed_s(self) -> float:
-        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s + self.ep_comm_s
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s + self.ep_comm_s + self.cp_comm_s
 
     @property
     def step_time_s(self) -> float:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost
 from autoshard.cost.dp_comm import CommTime, dp_comm_time
 from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
 from autoshard.cost.parts import (StepParts, dp_host_s, fsdp_host_s, grad_accumulation_s, optimizer_parts,
@@ -57,7 +58,11 @@ def price(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int
 
 
 def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | None = None) -> StepParts:
-    """The step's time by part (``StepParts``) and its peak memory; pipelines need ``cuts``."""
+    """The step's time by part (``StepParts``) and its peak memory; pipelines need ``cuts``. Context
+    parallelism is priced as its data-parallel equivalent plus the ring (``cost.context_parallel``)."""
+    if config.mesh.cp > 1:
+        return with_ring(price_parts(tables, cp_equivalent(config), cuts), ring_cost(tables, config),
+                         config.num_microbatches)
     if config.mesh.pp > 1:
         assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
         return pipeline_parts(tables, config, cuts)
@@ -65,8 +70,16 @@ def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | N
 
 
 def price_spmd(tables: CostTables, config: Decisions, global_batch: int) -> Predicted:
-    """pp = 1: DP (ZeRO 0-3) and TP (module doc)."""
-    return predicted(tables, config, global_batch, spmd_parts(tables, config))
+    """pp = 1: DP (ZeRO 0-3), TP and CP (module doc)."""
+    return predicted(tables, config, global_batch, price_parts(tables, config))
+
+
+def with_ring(parts: StepParts, ring: RingCost, m: int) -> StepParts:
+    """``parts`` of the data-parallel equivalent plus, for each of the m micro-batches, the ring's extra
+    attention compute and its exposed exchange (``cost.context_parallel``)."""
+    return replace(parts, forward_s=parts.forward_s + m * ring.forward_extra_s,
+                   backward_s=parts.backward_s + m * ring.backward_extra_s,
+                   recompute_s=parts.recompute_s + m * ring.recompute_extra_s, cp_comm_s=m * ring.exposed_s)
 
 
 def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:

@@ -41,20 +41,33 @@ from autoshard.ir.plan_schema import bounded_json_int, check_plan_dict
 
 @dataclass(frozen=True)
 class Mesh:
-    """Parallel degrees; ``dp * tp * pp`` ranks in all, TP innermost (inside a node first)."""
+    """Parallel degrees; ``dp * cp * tp * pp`` ranks in all, laid out (pp, dp, cp, tp): TP innermost
+    (inside a node first), then the context-parallel ranks that split each sequence (ring attention)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
+
+    WRITTEN_UNLESS = {"cp": 1}  # plan keys written only when they differ (dense plans read and write as before)
 
     def __post_init__(self):
-        for axis in ("dp", "tp", "pp"):
+        for axis in ("dp", "tp", "pp", "cp"):
             if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
                 raise AutoshardError(f"mesh {axis}={getattr(self, axis)!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that reduce gradients together: dp replicas x the cp ranks of each (torchtitan's dp_shard_cp)."""
+        return self.dp * self.cp
 
     @property
     def dp_enabled(self) -> bool:
@@ -69,7 +82,7 @@ class Mesh:
         return self.pp > 1
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -466,10 +479,10 @@ def _check_file_sha256(model: dict[str, Any]) -> dict[str, Any]:
 def _mesh(d: Any, where: str) -> Mesh:
     if not isinstance(d, dict):
         raise TypeError(f"{where} must be a mapping of dp, tp, pp")
-    unknown = sorted(str(k) for k in d if k not in ("dp", "tp", "pp"))
+    unknown = sorted(str(k) for k in d if k not in ("dp", "tp", "pp", "cp"))
     if unknown:
         raise AutoshardError(f"plan field '{where}' has an unknown key {unknown[0][:40]!r}; a mesh has only dp, "
-                             f"tp and pp; remove it or re-create the plan with `autoshard plan`")
+                             f"tp, pp and cp; remove it or re-create the plan with `autoshard plan`")
     return Mesh(**d)
 
 
@@ -571,7 +584,9 @@ def _copied(value: Any) -> Any:
 def _ordered(obj: Any) -> Any:
     """Dataclasses to dicts in field order (DESIGN.md's key order), tuples to lists."""
     if hasattr(obj, "__dataclass_fields__"):
-        return {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)}
+        unless = getattr(obj, "WRITTEN_UNLESS", {})
+        return {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)
+                if f.name not in unless or getattr(obj, f.name) != unless[f.name]}
     if isinstance(obj, dict):
         return {k: _ordered(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -196,6 +196,8 @@ def _check_model(m: dict[str, Any]) -> None:
     _size(_get(m, "layers", where="model"), "model.layers")
     if "tokens_per_sample" in m:
         _count(m["tokens_per_sample"], "model.tokens_per_sample")
+    if "seq_len" in m:  # written only for plans made with --seq-len
+        _count(m["seq_len"], "model.seq_len")
     if "ops_estimated" in m:  # optional: plans from before it, and plans with none, lack it
         estimated = m["ops_estimated"]
         if not isinstance(estimated, dict):
@@ -206,13 +208,15 @@ def _check_model(m: dict[str, Any]) -> None:
 
 
 def _check_mesh(mesh: dict[str, Any], where: str) -> int:
-    unknown = sorted(str(k) for k in mesh if k not in ("dp", "tp", "pp"))
+    unknown = sorted(str(k) for k in mesh if k not in ("dp", "tp", "pp", "cp"))
     if unknown:
         raise AutoshardError(f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; a mesh has only "
-                             f"dp, tp and pp; remove it or re-create the plan with `autoshard plan`")
+                             f"dp, tp, pp and cp; remove it or re-create the plan with `autoshard plan`")
     world = 1
     for axis in ("dp", "tp", "pp"):
         world *= _count(_get(mesh, axis, where=where), f"{where}.{axis}")
+    if "cp" in mesh:  # written only when > 1
+        world *= _count(_get(mesh, "cp", where=where), f"{where}.cp")
     return world
 
 

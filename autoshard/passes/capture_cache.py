@@ -78,15 +78,15 @@ def cache_dir() -> Path | None:
     return Path(base) / "autoshard" / "capture"
 
 
-def entry_key(model_path: Path, factory: str, batch_size: int, fold: bool) -> str:
+def entry_key(model_path: Path, factory: str, batch_size: int, fold: bool, seq_len: int | None = None) -> str:
     parts = [CACHE_VERSION, str(model_path.resolve()), factory, batch_size, fold, _torch_version(),
-             sys.version, _autoshard_source_hash()]
+             sys.version, _autoshard_source_hash()] + ([seq_len] if seq_len is not None else [])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
-def lookup(spec: str, batch_size: int, fold: bool) -> OpGraph | None:
+def lookup(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -> OpGraph | None:
     """The cached graph of ``spec`` (``file.py:factory``), or None (off, absent, stale, unreadable)."""
-    path = _entry_path(spec, batch_size, fold)
+    path = _entry_path(spec, batch_size, fold, seq_len)
     if path is None or not path.is_file():
         return None
     try:
@@ -98,10 +98,10 @@ def lookup(spec: str, batch_size: int, fold: bool) -> OpGraph | None:
         return None  # a damaged entry is a miss; the capture that follows rewrites it
 
 
-def store(spec: str, batch_size: int, fold: bool, graph: OpGraph, reads: Reads) -> None:
+def store(spec: str, batch_size: int, fold: bool, graph: OpGraph, reads: Reads, seq_len: int | None = None) -> None:
     """Write ``graph`` for ``spec`` with the files and settings it came from (``reads``, from
     ``recording``); quietly skip what cannot be cached."""
-    path = _entry_path(spec, batch_size, fold)
+    path = _entry_path(spec, batch_size, fold, seq_len)
     if path is None or reads.uncacheable:
         return
     try:
@@ -425,14 +425,14 @@ def _decode(x: Any) -> Any:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _entry_path(spec: str, batch_size: int, fold: bool) -> Path | None:
+def _entry_path(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -> Path | None:
     directory = cache_dir()
     if directory is None or ":" not in spec:
         return None
     model_path, factory = _model_path(spec), spec.rsplit(":", 1)[1]
     if not model_path.is_file():
         return None
-    return directory / f"{entry_key(model_path, factory, batch_size, fold)}.json"
+    return directory / f"{entry_key(model_path, factory, batch_size, fold, seq_len)}.json"
 
 
 def _model_path(spec: str) -> Path:

@@ -47,7 +47,7 @@ CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch di
 # Imported by the parent while the child captures: what the passes after the front import anyway.
 PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.tensor_parallel", "autoshard.show")
 
-_Key = tuple[str, bool, bool]  # (model spec, fold, use the capture cache)
+_Key = tuple[str, bool, bool, "int | None"]  # (model spec, fold, use the capture cache, --seq-len)
 _ahead: dict[_Key, "_Child"] = {}
 
 
@@ -67,31 +67,33 @@ def run_pass(name: str, done: list[str], fn: Callable, *args):
     return out
 
 
-def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool) -> tuple[ModelFile | None, OpGraph]:
+def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool,
+                  seq_len: int | None = None) -> tuple[ModelFile | None, OpGraph]:
     """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
     Takes the child's graph when ``capture_ahead`` started one for the same request."""
-    child = _ahead.pop((spec, fold, use_cache), None)
+    child = _ahead.pop((spec, fold, use_cache, seq_len), None)
     if child is not None:
         graph, names = child.result()
         done += names
         return None, graph
-    cached = _from_cache(spec, fold) if use_cache else None
+    cached = _from_cache(spec, fold, seq_len) if use_cache else None
     if cached is not None:
         done += cached[1]
         return None, cached[0]
-    model_file, graph, reads = _capture_and_annotate(spec, done, fold)
+    model_file, graph, reads = _capture_and_annotate(spec, done, fold, seq_len)
     if use_cache:
-        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads)
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads, seq_len)
     return model_file, graph
 
 
-def _from_cache(spec: str, fold: bool) -> tuple[OpGraph, list[str]] | None:
+def _from_cache(spec: str, fold: bool, seq_len: int | None = None) -> tuple[OpGraph, list[str]] | None:
     """The capture cache's graph of ``spec`` and the passes it stands for, or None."""
-    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold)
+    graph = capture_cache.lookup(spec, CAPTURE_BATCH, fold, seq_len)
     return None if graph is None else (graph, ["capture (cached)", "annotate (cached)"])
 
 
-def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
+def _capture_and_annotate(spec: str, done: list[str], fold: bool,
+                          seq_len: int | None = None) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
     """The model file loaded, its annotated graph, and what loading and capturing it read: modules
     imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
     same in this process and in the forked child, which records in itself."""
@@ -101,7 +103,7 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[Model
     from autoshard.passes.tp_proof import prove_tensor_parallel
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
-        model_file = load_model_file(spec)
+        model_file = load_model_file(spec, seq_len)
         graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
         graph = run_pass("annotate", done, annotate, graph)
         graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
@@ -109,14 +111,14 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool) -> tuple[Model
 
 
 @contextlib.contextmanager
-def capture_ahead(spec: str, fold: bool, use_cache: bool) -> Iterator[None]:
+def capture_ahead(spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> Iterator[None]:
     """Within the block, ``capture_front`` for this request takes the graph a forked child captures
     (started here, when ``forking_pays``); a child not taken is stopped when the block ends."""
-    key = (spec, fold, use_cache)
+    key = (spec, fold, use_cache, seq_len)
     if not forking_pays() or key in _ahead:
         yield
         return
-    child = _ahead[key] = _Child.start(spec, fold, use_cache)
+    child = _ahead[key] = _Child.start(spec, fold, use_cache, seq_len)
     try:
         yield
     finally:
@@ -144,12 +146,12 @@ class _Child:
         self.spec, self.process, self.conn, self.answered = spec, process, conn, False
 
     @classmethod
-    def start(cls, spec: str, fold: bool, use_cache: bool) -> _Child:
+    def start(cls, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> _Child:
         # multiprocessing's fork context: its children end with os._exit (no teardown of torch's
         # modules, ~0.7 s), and Pipe uses no named semaphores, so nothing is left to clean up.
         context = multiprocessing.get_context("fork")
         parent_end, child_end = context.Pipe(duplex=False)
-        process = context.Process(target=_capture_in_child, args=(child_end, spec, fold, use_cache),
+        process = context.Process(target=_capture_in_child, args=(child_end, spec, fold, use_cache, seq_len),
                                   name="autoshard-capture", daemon=True)
         process.start()
         child_end.close()
@@ -182,7 +184,7 @@ class _Child:
         self.conn.close()
 
 
-def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
+def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> None:
     """The child: send ``("ok", graph, passes done)`` or ``("error", exception, traceback)``, then write
     the capture cache entry while the parent plans (the parent waits for it before it exits).
 
@@ -190,14 +192,14 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
     objects to run hundreds of collections that find next to nothing (0.4 s of the 2 s those
     imports take on a 2-core machine), and this process ends as soon as its answer is sent."""
     gc.disable()
-    cached = _from_cache(spec, fold) if use_cache else None
+    cached = _from_cache(spec, fold, seq_len) if use_cache else None
     if cached is not None:
         conn.send(("ok", *cached))
         conn.close()
         return
     try:
         done: list[str] = []
-        _, graph, reads = _capture_and_annotate(spec, done, fold)
+        _, graph, reads = _capture_and_annotate(spec, done, fold, seq_len)
     except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
         conn.send(("error", _portable(exc), traceback.format_exc()))
         conn.close()
@@ -205,7 +207,7 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool) -> None:
     conn.send(("ok", graph, done))
     conn.close()
     if use_cache:
-        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads)
+        capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads, seq_len)
 
 
 def _how_it_ended(process: multiprocessing.process.BaseProcess) -> str:

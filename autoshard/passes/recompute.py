@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
+from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, transient_bytes
 from autoshard.cost.tables import CostTables
@@ -50,6 +51,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
 
     if config.mesh.pp > 1 or not tables.graph.blocks:
         return None
+    decided, config = config, cp_equivalent(config)  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
     groups = signature_groups(tables)
     by_mode = {r: tables.units(config.microbatch_size, r) for r in RECOMPUTE_MODES}
     keep = tp_activation_fraction(config.mesh.tp)
@@ -71,7 +73,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
     modes = assign(groups, {key: solver.Value(var) for key, var in count.items()}, len(tables.graph.blocks))
     if len(set(modes)) == 1:
         return None
-    return replace(config, recompute=MIXED, recompute_blocks=modes)  # every other decision kept (HSDP, ep, ...)
+    return replace(decided, recompute=MIXED, recompute_blocks=modes)  # every other decision kept (HSDP, ep, cp, ...)
 
 
 def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k: int) -> float:

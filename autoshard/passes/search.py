@@ -72,6 +72,7 @@ from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
+from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.passes.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
@@ -163,7 +164,7 @@ def mesh_rivals(configs: list[Decisions], unpriced: list[int], priced_meshes: se
 def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     """(m + (p − 1)/v) · Σ_units c(u) / (tp · p): no configuration of this mesh and micro-batch is faster
     (module doc; p = pp, v virtual stages; without pipelining the factor is m)."""
-    units = tables.config_units(config)
+    units = tables.config_units(cp_equivalent(config))  # cp: the ring only adds to a rank's b/cp share
     p = config.mesh.pp
     slots = config.num_microbatches + (p - 1) / config.virtual_stages
     if p > 1 and shared_cores(tables.cluster, config.mesh) is not None:
@@ -179,7 +180,8 @@ def price_config(graph: OpGraph, cluster: Cluster, config: Decisions, global_bat
     fit or not; else the fastest, or the fastest that fits)."""
     tables = tables or CostTables(graph, cluster)
     choice = hand_tp_layout(tables, config)
-    config = replace(config, ddp_bucket_cap_mb=choose_bucket_cap_mb(graph, cluster, config, tables))
+    bucket_mb = choose_bucket_cap_mb(graph, cluster, cp_equivalent(config), tables)  # DDP spans the dp·cp ranks
+    config = replace(config, ddp_bucket_cap_mb=bucket_mb)
     if config.mesh.pp == 1:
         return _priced(tables, config, global_batch, (), choice)
     pinned = pinned_cuts(stage_cuts, config, len(graph.blocks))

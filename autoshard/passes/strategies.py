@@ -43,6 +43,7 @@ from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import Cluster
 from autoshard.cost.units import node_units
+from autoshard.passes.context_parallel import cp_refusal, searched_cp_degrees
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility
 
@@ -77,9 +78,10 @@ class Pins:
     stage_cuts: str | tuple[int, ...] | None = None  # "even", or the first block of stages 1 .. pp·v − 1
     dp_replicate: int | None = None  # HSDP's replicas (1: plain FSDP2 over dp)
     ep: int | None = None  # expert parallelism (1: every rank holds every expert)
+    cp: int | None = None  # context parallelism (1: each rank holds whole sequences)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate", "ep"):
+        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate", "ep", "cp"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise AutoshardError(f"--{name.replace('_', '-')} {value} must be a positive integer")
@@ -129,6 +131,7 @@ PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
     "virtual_stages": lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
     "dp_replicate": lambda p: 1,
     "ep": lambda p: 1,
+    "cp": lambda p: 1,
 }
 # Never asked for by ``estimate``: the planner's cuts (``passes.stage_cuts``), the schedule's virtual stages
 # (the schedule is asked for where it has no default).
@@ -298,7 +301,7 @@ def _check_degrees(pins: Pins, cluster: Cluster) -> None:
 
 def _check_zero(pins: Pins) -> None:
     pipeline = pins.wants_pipeline
-    if pins.zero is not None and pins.zero >= 1 and pins.dp == 1:
+    if pins.zero is not None and pins.zero >= 1 and pins.dp == 1 and (pins.cp or 1) == 1:
         raise AutoshardError(f"--zero {pins.zero} with --dp 1 has nothing to shard over; use --zero 0, or a larger --dp")
     if pins.zero == 2 and pipeline:
         raise AutoshardError("--zero 2 with pipeline stages runs as ZeRO-1 (torch's pipeline schedules keep each "
@@ -416,6 +419,24 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
                              f"--pp {max(1, blocks // v)}")
     _check_pinned_cuts(graph, pins)
     _check_graph_ep(graph, pins)
+    _check_graph_cp(graph, pins)
+
+
+def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
+    """--cp c > 1 needs sequences the ring can split (``passes.context_parallel.cp_refusal``), no pipeline."""
+    c = pins.cp or 1
+    if c == 1:
+        return
+    why = cp_refusal(graph, c)
+    if why:
+        legal = [d for d in divisors(max(1, graph.tokens_per_sample))[1:9] if cp_refusal(graph, d) is None]
+        fix = f"pin --cp in {legal}" if legal else "pin --cp 1"
+        raise AutoshardError(f"--cp {c}: {why}; {fix}")
+    if pins.wants_pipeline:
+        raise AutoshardError(f"--cp {c} with pipeline stages is not emitted yet; pin --pp 1 or --cp 1")
+    if (pins.ep or 1) > 1 or (pins.dp_replicate or 1) > 1:
+        raise AutoshardError(f"--cp {c} is planned without expert parallelism and HSDP; drop --ep / --dp-replicate "
+                             f"or pin --cp 1")
 
 
 def _check_graph_ep(graph: OpGraph, pins: Pins) -> None:
@@ -488,20 +509,31 @@ def pipeline_degrees(graph: OpGraph, world_size: int) -> list[int]:
 
 
 def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> list[Mesh]:
-    """(dp, tp, pp) honouring the pins: pure DP first, then tp ascending, then pp ascending."""
+    """(dp, tp, pp, cp) honouring the pins: pure DP first, then tp ascending, then pp ascending, cp last
+    (``cp_choices``)."""
     world = cluster.world_size
     meshes = []
     for tp in legal_tp_degrees(graph, cluster):
         for pp in [1] + pipeline_degrees(graph, world // tp):
-            dp = world // (tp * pp)
-            if global_batch % dp or not _honours(Mesh(dp, tp, pp), pins):
-                continue
-            meshes.append(Mesh(dp=dp, tp=tp, pp=pp))
+            for cp in cp_choices(graph, world // (tp * pp), pp, pins):
+                dp = world // (tp * pp * cp)
+                mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
+                if global_batch % dp or not _honours(mesh, pins):
+                    continue
+                meshes.append(mesh)
     return meshes
 
 
+def cp_choices(graph: OpGraph, ranks: int, pp: int, pins: Pins) -> list[int]:
+    """cp over ``ranks`` = dp·cp ranks: the pinned one, else 1 and the degrees ``passes.context_parallel``
+    offers for long sequences; none with pipeline stages (cp with pp is not emitted yet)."""
+    if pins.cp is not None:
+        return [pins.cp] if ranks % pins.cp == 0 and (pins.cp == 1 or pp == 1) else []
+    return [1] + (searched_cp_degrees(graph, ranks) if pp == 1 else [])
+
+
 def _honours(mesh: Mesh, pins: Pins) -> bool:
-    degrees = all(getattr(pins, a) in (None, getattr(mesh, a)) for a in ("dp", "tp", "pp"))
+    degrees = all(getattr(pins, a) in (None, getattr(mesh, a)) for a in ("dp", "tp", "pp", "cp"))
     schedule = pins.schedule is None or (pins.schedule == "none") == (mesh.pp == 1)
     staged = mesh.pp > 1 or ((pins.virtual_stages or 1) == 1 and pins.stage_cuts is None)
     return degrees and schedule and staged
@@ -530,7 +562,7 @@ def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster
 def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:
     """ep choices (module doc): 1, and each e > 1 dividing dp and every group's experts, with tp = 1 and
     no HSDP."""
-    if not experts or mesh.tp > 1 or dp_replicate > 1:
+    if not experts or mesh.tp > 1 or dp_replicate > 1 or mesh.cp > 1:
         return (1,)
     common = math.gcd(*experts)
     return (1, *(e for e in divisors(mesh.dp) if e > 1 and common % e == 0))
@@ -554,8 +586,9 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
 
 
 def zero_stages(mesh: Mesh) -> tuple[int, ...]:
-    """ZeRO stages the runtime runs on ``mesh`` (module doc; ``ir.decisions.dp_runtime``)."""
-    if mesh.dp == 1:
+    """ZeRO stages the runtime runs on ``mesh`` (module doc; ``ir.decisions.dp_runtime``); the dp·cp ranks
+    hold the same parameters, so ZeRO shards over them."""
+    if mesh.dp_cp == 1:
         return (0,)
     return (0, 1, 3) if mesh.pp > 1 else ZERO_STAGES
 
@@ -563,7 +596,7 @@ def zero_stages(mesh: Mesh) -> tuple[int, ...]:
 def hsdp_replicas(mesh: Mesh, zero_stage: int, cluster: Cluster) -> tuple[int, ...]:
     """dp_replicate choices: 1, and under ZeRO-2/3 without pipelining the nodes the dp group spans when
     each holds g > 1 of its ranks (shard inside a node, replicate across: torchtitan's HSDP)."""
-    if zero_stage < 2 or mesh.pp > 1 or mesh.dp == 1:
+    if zero_stage < 2 or mesh.pp > 1 or mesh.dp == 1 or mesh.cp > 1:
         return (1,)
     ranks = [d * mesh.tp for d in range(mesh.dp)]  # rank 0's dp group, (pp, dp, tp) with tp innermost
     per_node = sum(cluster.node_of(r) == 0 for r in ranks)

@@ -1,4 +1,4 @@
-"""The TP layout of a search point: solved once per (tp, micro-batch size), handed to the cost tables.
+"""The TP layout of a search point: solved once per (tp, micro-batch size per rank), handed to the cost tables.
 
 The cost model prices decisions with a layout handed to it and never solves one
 (``cost.tables.CostTables.add_tp_layout``). This pass solves the layout model
@@ -16,7 +16,7 @@ from autoshard.passes.tensor_parallel import choose_tp_styles
 
 def hand_tp_layout(tables: CostTables, decisions: Decisions) -> TPChoice | None:
     """The layout ``decisions`` are priced with, in ``tables`` from now on; None without TP."""
-    tp, b = decisions.mesh.tp, decisions.microbatch_size
+    tp, b = decisions.mesh.tp, decisions.microbatch_size / decisions.mesh.cp  # a cp rank: b/cp samples' tokens
     if tp == 1:
         return None
     if not tables.has_tp_layout(tp, b):

@@ -13,9 +13,10 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-def load_model_file(spec: str, expected_hash: str | None = None) -> ModelFile:
-    """Load ``file.py:factory``; with ``expected_hash``, refuse a model the plan was not made for."""
-    model_file = _load(spec)
+def load_model_file(spec: str, expected_hash: str | None = None, seq_len: int | None = None) -> ModelFile:
+    """Load ``file.py:factory``; with ``expected_hash``, refuse a model the plan was not made for;
+    ``seq_len`` (a plan's ``model.seq_len``) is handed to ``example_batch``."""
+    model_file = _load(spec, seq_len)
     if expected_hash is not None:
         actual = model_fingerprint(model_file.build("meta"))
         if actual != expected_hash:

@@ -1,0 +1,128 @@
+"""Context parallelism: each sample's sequence split over cp ranks, attention as a ring.
+
+A cp rank holds s/cp of the tokens of every sample of its micro-batch (contiguous chunks: rank r
+tokens [r·s/cp, (r+1)·s/cp)). Every op but attention works token by token, so a cp rank computes
+what a data-parallel rank computes at a micro-batch of b/cp samples, and its gradients are one
+more share of the same mean: the cost model prices cp as dp·cp data-parallel ranks at micro-batch
+b/cp (``cp_equivalent``). That one substitution gives the compute of the linear ops, the
+activations (÷ cp), the loss's logits (÷ cp), and the gradient reduction and ZeRO sharding over the
+dp·cp ranks holding the same parameters (FSDP2 / DDP span them, as torchtitan's dp_shard_cp).
+Attention is where cp differs (Liu et al., Ring Attention, 2023; torch's context_parallel):
+
+**Causal imbalance** (``attention_extra_s``). Without load balancing, rank r's queries need the
+kv chunks 0 .. r: the diagonal block (half the work under a causal mask) and r full blocks. The
+ring runs in lockstep, one kv chunk per step, so the step takes the slowest rank's block: a half
+block at step 0, a full one at each of the cp − 1 later steps (the last rank)::
+
+    T_attn,cp = T_attn(s)·(cp − ½) / (cp²/2) = T_attn(s)·(2cp − 1)/cp²
+
+against the even share T_attn(s)/cp that ``cp_equivalent`` prices, hence an extra
+T_attn(b/cp)·(cp − 1)/cp per attention (forward, backward and a recompute alike); none without a
+causal mask (every block is full and every rank busy).
+
+**Ring exchange** (``ring_exposed_s``). At each of the cp − 1 later steps every rank sends its
+current k and v chunk to the next rank (P2P over the cp group's link) while it computes on the
+chunk it holds; the backward sends k, v and their gradient accumulators (2× the bytes). Per
+attention and micro-batch, with K the k and v bytes of the chunk (b samples, s/cp tokens) and
+t_blk the full-block compute of one step (forward: T_attn,full(s)/cp² at micro-batch b)::
+
+    exposed = (cp − 1)·[max(0, p2p(K) − t_blk) + max(0, p2p(2K) − 2.5·t_blk)] (+ the forward again
+              under full recompute)
+
+(2.5: FlashAttention's backward over its forward, ``cost.eager``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autoshard.cost import eager
+from autoshard.cost.comm import p2p_s
+from autoshard.cost.compute import SDPA_TARGET
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
+from autoshard.cost.units import node_forward_s
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.plan import Mesh
+from autoshard.ir.topology import Cluster, LinkSpec
+
+
+def cp_equivalent(config: Decisions) -> Decisions:
+    """The data-parallel decisions a cp plan computes like (module doc): dp·cp ranks, micro-batch b/cp."""
+    mesh = config.mesh
+    if mesh.cp == 1:
+        return config
+    return replace(config, mesh=Mesh(dp=mesh.dp * mesh.cp, tp=mesh.tp, pp=mesh.pp),
+                   microbatch_size=config.microbatch_size / mesh.cp)
+
+
+@dataclass(frozen=True)
+class RingCost:
+    """Per micro-batch, summed over the model's attentions: compute the even split leaves out
+    (``attention_extra_s``, forward / backward / recompute) and the exposed ring exchange."""
+
+    forward_extra_s: float
+    backward_extra_s: float
+    recompute_extra_s: float
+    exposed_s: float
+
+
+NO_RING = RingCost(0.0, 0.0, 0.0, 0.0)
+
+
+def attention_nodes(graph: OpGraph) -> list[tuple[int, OpNode]]:
+    """(graph index, node) of every scaled-dot-product attention."""
+    return [(i, n) for i, n in enumerate(graph.nodes) if n.target.startswith(SDPA_TARGET)]
+
+
+def cp_link(cluster: Cluster, mesh: Mesh) -> LinkSpec:
+    """The link of rank 0's cp group: cp ranks tp apart (laid out pp, dp, cp, tp)."""
+    return cluster.group_link([c * mesh.tp for c in range(mesh.cp)])
+
+
+def ring_cost(tables: CostTables, config: Decisions) -> RingCost:
+    """The ring's extra attention compute and exposed exchange of one micro-batch (module doc)."""
+    cp = config.mesh.cp
+    if cp == 1:
+        return NO_RING
+    key = ("cp-ring", cp, config.mesh.tp, config.microbatch_size, config.recompute, config.recompute_blocks)
+    return tables.memo(key, lambda: _ring_cost(tables, config))
+
+
+def _ring_cost(tables: CostTables, config: Decisions) -> RingCost:
+    graph, cluster, runtime = tables.graph, tables.cluster, tables.runtime
+    cp, tp, b = config.mesh.cp, config.mesh.tp, config.microbatch_size
+    share = node_forward_s(graph, b / cp, cluster.device, tables.precision.activation_bytes, CAPTURED_ELEM_BYTES,
+                           runtime.attention, runtime.kernels)
+    link = cp_link(cluster, config.mesh)
+    recomputes = _recompute_full_attention(graph, config)
+    fwd = bwd = rec = exposed = 0.0
+    for i, node in attention_nodes(graph):
+        t_share = share[i] / tp  # heads split over tp (an attention left whole on each TP rank is rare)
+        extra = t_share * (cp - 1) / cp if node.attrs.get("is_causal") else 0.0
+        kv_bytes = _kv_chunk_bytes(node, b / cp, graph.batch_size, tables.precision.activation_bytes) / tp
+        block_s = t_share / cp / (eager.CAUSAL_WORK if node.attrs.get("is_causal") else 1.0)
+        forward_exposed = max(0.0, p2p_s(kv_bytes, link) - block_s)
+        backward_exposed = max(0.0, p2p_s(2 * kv_bytes, link) - eager.FLASH_BACKWARD_TO_FORWARD * block_s)
+        again = i in recomputes
+        fwd, bwd = fwd + extra, bwd + eager.FLASH_BACKWARD_TO_FORWARD * extra
+        rec += extra if again else 0.0
+        exposed += (cp - 1) * (forward_exposed * (2 if again else 1) + backward_exposed)
+    return RingCost(fwd, bwd, rec, exposed)
+
+
+def _kv_chunk_bytes(node: OpNode, samples: float, captured_batch: int, elem_bytes: int) -> float:
+    """Bytes of the k and v chunks a rank holds: ``samples`` = b/cp of the captured batch's. The graph
+    records what the attention reads (q, k, v, a mask) at CAPTURED_ELEM_BYTES; k and v are what is left
+    after q (the output's size), at most twice q's (self-attention; GQA sends fewer heads)."""
+    out_numel = node.output_numel
+    kv_numel = min(2 * out_numel, max(0, node.bytes_read // CAPTURED_ELEM_BYTES - out_numel))
+    return kv_numel * samples / captured_batch * elem_bytes
+
+
+def _recompute_full_attention(graph: OpGraph, config: Decisions) -> set[int]:
+    """Graph indices of the attentions whose block recomputes its forward (full recompute): those run
+    the forward ring again. Selective recompute keeps the attention output."""
+    modes = config.block_modes(len(graph.blocks))
+    names = {name for block, mode in zip(graph.blocks, modes) if mode == "full" for name in block.node_names}
+    return {i for i, n in enumerate(graph.nodes) if n.name in names}

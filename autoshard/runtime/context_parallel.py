@@ -1,0 +1,290 @@
+"""Context parallelism: ring attention along the sequence, on CPU ranks (gloo) and CUDA ranks.
+
+Each of the ``cp`` ranks of a context-parallel group holds one contiguous chunk of every
+sequence: rank ``r`` holds tokens ``[r*c, (r+1)*c)`` with ``c = S / cp`` (``shard_sequence``).
+Everything but attention is per token, so it runs unchanged on the chunk; attention needs
+every key, and gets them by a ring.
+
+The maths (online softmax). Rank ``r`` holds its queries ``q`` and, step by step, the key and
+value chunks ``(k_i, v_i)`` of every rank ``i``. A kernel run on one chunk gives the partial
+output and the log-sum-exp of the scores of each query row::
+
+    out_i = softmax(q k_i^T * scale) v_i,        lse_i = log sum_j exp(q k_ij * scale)
+
+and the attention over all keys is their merge, exactly (up to rounding)::
+
+    lse = log sum_i exp(lse_i),                  out = sum_i exp(lse_i - lse) out_i
+
+(torch merges one chunk at a time, in the stable sigmoid form of the same formula).
+Causal attention with contiguous chunks: chunk ``i == r`` is the diagonal block (causal
+inside), chunks ``i < r`` are wholly in the past (no mask), chunks ``i > r`` wholly in the
+future (skipped). The backward runs the kernel's backward on each chunk with the merged
+``out`` and ``lse`` (so each block's softmax is the global one): ``dq`` accumulates on the
+query's rank, ``dk, dv`` travel the ring back to the rank that owns the chunk.
+
+What it reuses. torch's ``context_parallel`` (``torch.distributed.tensor.experimental``) runs
+this ring only for the CUDA SDPA kernels (flash, efficient, cuDNN), by intercepting them on
+DTensors; a CPU rank runs ``aten._scaled_dot_product_flash_attention_for_cpu``, which it does
+not handle, so the public API has no CPU path. Its generic ring, ``_templated_ring_attention``
+and ``_templated_ring_attention_backward``, takes the kernel as an argument: this module
+calls those PRIVATE functions with the device's kernel (``_KERNELS``). They may change
+between torch releases; tests/e2e/test_context_parallel_runtime.py checks them against one
+process. Entry points:
+
+- ``ring_attention`` / ``RingAttention``: the autograd function on local ``[B, H, S_local, D]``.
+- ``ContextParallelMode``: a TorchFunctionMode entered around the model's forward and backward;
+  it routes ``F.scaled_dot_product_attention`` to the ring (refusing what the ring cannot
+  compute) and turns the local positions a model builds with ``torch.arange`` into global ones.
+- ``shard_sequence``: this rank's chunk of a batch tensor; ``average_gradients``: the gradient
+  mean over the cp (x dp) ranks for a model no dp wrapper reduces.
+
+GPU-only and untested here (no GPU in CI): the CUDA kernel pair (flash attention forward and
+backward, bf16/fp16 only, its extra outputs passed to the backward as torch's own ring does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+# PRIVATE torch API, on purpose: the public ``context_parallel`` has no CPU path (module doc).
+from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
+
+from autoshard.errors import AutoshardError
+
+SEQ_DIM = 2  # [batch, heads, seq, head_dim], as SDPA and torch's ring take it
+aten = torch.ops.aten
+
+__all__ = ["RingAttention", "ring_attention", "ContextParallelMode", "shard_sequence", "average_gradients"]
+
+
+# --------------------------------------------------------------------------- kernels
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One device's attention kernel pair, in the calling convention of torch's ring.
+
+    ``forward(q, k, v, *, is_causal, dropout_p, scale) -> (out, lse [B, H, S], *rest)``;
+    ``backward`` is called with keywords ``grad_out, query, key, value, out, logsumexp,
+    is_causal`` and ``backward_kwargs(rest, scale)``; ``dtypes``: what the kernel computes in.
+    """
+
+    forward: Callable
+    backward: Callable
+    backward_kwargs: Callable[[tuple, float | None], dict]
+    dtypes: tuple[torch.dtype, ...]
+
+
+def _cpu_backward_kwargs(rest: tuple, scale: float | None) -> dict:
+    return {"dropout_p": 0.0, "scale": scale}  # the CPU kernel returns (out, lse) only: no rest
+
+
+def _cuda_flash_backward_kwargs(rest: tuple, scale: float | None) -> dict:
+    # The forward's outputs after (out, lse), named as the flash backward takes them (derivatives.yaml):
+    # rng_state and unused are its philox seed and offset (unread with dropout 0).
+    cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, *_ = rest
+    return {"cum_seq_q": cum_seq_q, "cum_seq_k": cum_seq_k, "max_q": max_q, "max_k": max_k, "dropout_p": 0.0,
+            "philox_seed": rng_state, "philox_offset": unused, "scale": scale}
+
+
+_KERNELS = {
+    "cpu": _Kernel(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                   aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _cpu_backward_kwargs,
+                   (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "cuda": _Kernel(aten._scaled_dot_product_flash_attention.default,  # as torch's own ring (GPU-only, untested)
+                    aten._scaled_dot_product_flash_attention_backward.default, _cuda_flash_backward_kwargs,
+                    (torch.bfloat16, torch.float16)),
+}
+
+
+def _kernel_for(query: torch.Tensor) -> _Kernel:
+    kernel = _KERNELS.get(query.device.type)
+    if kernel is None:
+        raise AutoshardError(f"context parallelism runs on cpu and cuda ranks, not {query.device.type}; "
+                             f"plan without context parallelism (cp=1)")
+    if query.dtype not in kernel.dtypes:
+        raise AutoshardError(f"context parallelism on {query.device.type} attends in {query.dtype}, which its "
+                             f"flash kernel does not take; train under bf16 autocast (or plan cp=1)")
+    return kernel
+
+
+@contextlib.contextmanager
+def _contiguous_chunks():
+    """torch's ring with load balancing off, restored after.
+
+    Load balancing (torch's default) gives rank r the head-tail pair of chunks r and 2cp-1-r, so
+    that causal work is even. Not here: the positions a model computes for its local tokens would
+    jump in the middle (e.g. [0..c) then [3c..4c)), and transformers reads such jumps in the
+    positions as "packed sequences" (masking_utils.find_packed_sequence_indices) and builds an
+    explicit block mask, which the ring cannot take. With contiguous chunks the positions rise by
+    one throughout, transformers keeps ``attn_mask=None, is_causal=True``, and the ring skips the
+    future chunks (rank r computes r+1 of cp blocks: the last rank does most of the work).
+    """
+    options = _torch_cp._cp_options
+    saved = options.enable_load_balance
+    options.enable_load_balance = False
+    try:
+        yield
+    finally:
+        options.enable_load_balance = saved
+
+
+# --------------------------------------------------------------------------- the ring
+
+class RingAttention(torch.autograd.Function):
+    """Attention of local ``query, key, value`` ``[B, H, S_local, D]`` over the whole sequence of
+    the cp group (contiguous chunks, rank order = sequence order); no mask, no dropout; ``key``
+    and ``value`` have the query's head count. Returns the local output ``[B, H, S_local, D]``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, is_causal: bool, scale: float | None, group: dist.ProcessGroup):
+        kernel = _kernel_for(query)
+        with _contiguous_chunks():
+            out, lse, *rest = _torch_cp._templated_ring_attention(
+                group, SEQ_DIM, kernel.forward, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.rest, ctx.is_causal, ctx.scale, ctx.group, ctx.kernel = tuple(rest), is_causal, scale, group, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        with _contiguous_chunks():
+            grad_q, grad_k, grad_v, *_ = _torch_cp._templated_ring_attention_backward(
+                ctx.group, SEQ_DIM, ctx.kernel.backward, grad_out=grad_out.contiguous(), grad_out_name="grad_out",
+                query=query, key=key, value=value, out=out, logsumexp=lse, is_causal=ctx.is_causal,
+                **ctx.kernel.backward_kwargs(ctx.rest, ctx.scale))
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
+                   is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """``RingAttention.apply`` with keywords (see the class)."""
+    return RingAttention.apply(query, key, value, is_causal, scale, group)
+
+
+# --------------------------------------------------------------------------- the mode
+
+class ContextParallelMode(torch.overrides.TorchFunctionMode):
+    """Run a model's forward (and backward) on this rank's sequence chunk as if on the whole sequence.
+
+    Enter it around the forward and the backward on every rank of the cp group (the backward too:
+    activation checkpointing recomputes the forward there). It changes two kinds of call:
+
+    ``F.scaled_dot_product_attention`` becomes ``ring_attention`` over ``cp_group``. Refused with
+    an ``AutoshardError``: an explicit ``attn_mask`` (the ring computes only "causal" or "none"),
+    ``dropout_p > 0``, query and key lengths that differ (cross-attention, a KV cache) or a
+    query that is not this rank's ``local_seq_len`` tokens. ``enable_gqa=True``: the key/value
+    heads are repeated (``repeat_interleave`` on dim 1), as SDPA does.
+
+    ``torch.arange`` with step 1 whose result has exactly ``local_seq_len`` elements returns
+    the global positions: ``cp_rank * local_seq_len`` is added (so ``arange(0, c)`` gives
+    ``[r*c, (r+1)*c)``; transformers' ``arange(c) + past`` likewise). That is how examples/gpt.py
+    (``torch.arange(t)``) and transformers Llama (``position_ids``) number their tokens.
+    SOUNDNESS: it is right only if every such arange in the model's forward numbers the local
+    tokens. An arange of that length for anything else (heads, a hidden axis, a mask built over
+    another axis of equal size) would be shifted wrongly; the planner must check on the captured
+    graph that no other arange has that length, and refuse positions that come from elsewhere (a
+    position buffer sliced ``[:t]``, a cumsum) since those are NOT shifted here. Positions passed
+    as model inputs are sharded with the batch (``shard_sequence``) and need nothing. An arange
+    whose every use ends in an SDPA ``attn_mask`` is harmless: a call with a mask is refused. (The
+    graph torch.export captures of transformers Llama has two such, q_idx and kv_idx of the
+    causal mask it materializes while exporting; run eagerly without padding it builds none and
+    calls SDPA with ``attn_mask=None, is_causal=True``.)
+    """
+
+    def __init__(self, cp_group: dist.ProcessGroup, cp_rank: int, cp_size: int, local_seq_len: int):
+        super().__init__()
+        assert 0 <= cp_rank < cp_size and local_seq_len > 0, (cp_rank, cp_size, local_seq_len)
+        self.cp_group, self.cp_rank, self.cp_size, self.local_seq_len = cp_group, cp_rank, cp_size, local_seq_len
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func is torch.arange:
+            return self._positions(func(*args, **kwargs), args, kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False) -> torch.Tensor:
+        _check_attention(query, key, attn_mask, dropout_p, self.local_seq_len)
+        assert dist.get_world_size(self.cp_group) == self.cp_size, "cp_group is not the cp_size ranks"
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # SDPA would attend in the autocast dtype: so does the ring
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        return ring_attention(query, key, value, self.cp_group, is_causal=bool(is_causal), scale=scale)
+
+    def _positions(self, result: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        step = args[2] if len(args) > 2 else kwargs.get("step", 1)
+        if result.dim() != 1 or result.numel() != self.local_seq_len or step != 1:
+            return result
+        offset = self.cp_rank * self.local_seq_len
+        if kwargs.get("out") is not None:
+            return result.add_(offset)
+        return result + offset
+
+
+def _check_attention(query: torch.Tensor, key: torch.Tensor, attn_mask, dropout_p: float, local_seq_len: int) -> None:
+    """Refuse, in one line with the fix, an attention call the ring cannot compute."""
+    if attn_mask is not None:
+        raise AutoshardError(
+            f"context parallelism: an attention call passes an explicit attn_mask (shape {tuple(attn_mask.shape)}), "
+            f"which the ring cannot split along the sequence; use is_causal=True without a mask (transformers: "
+            f"attn_implementation='sdpa' and no padding attention_mask) or plan without context parallelism (cp=1)")
+    if dropout_p > 0:
+        raise AutoshardError(f"context parallelism: attention dropout (dropout_p={dropout_p}) is not supported by the "
+                             f"ring; set the model's attention dropout to 0 or plan without context parallelism (cp=1)")
+    if query.dim() != 4:
+        raise AutoshardError(f"context parallelism: attention on a {query.dim()}-d query {tuple(query.shape)}, not "
+                             f"[batch, heads, seq, head_dim]; reshape it so or plan without context parallelism (cp=1)")
+    if query.shape[SEQ_DIM] != key.shape[SEQ_DIM]:
+        raise AutoshardError(
+            f"context parallelism: attention with {query.shape[SEQ_DIM]} queries and {key.shape[SEQ_DIM]} keys "
+            f"(cross-attention or a KV cache) cannot be split along the sequence; "
+            f"plan without context parallelism (cp=1)")
+    if query.shape[SEQ_DIM] != local_seq_len:
+        raise AutoshardError(
+            f"context parallelism: attention over {query.shape[SEQ_DIM]} tokens, not this rank's {local_seq_len}-token "
+            f"chunk of the sequence (tokens added or removed inside the model); "
+            f"plan without context parallelism (cp=1)")
+
+
+# --------------------------------------------------------------------------- data and gradients
+
+def shard_sequence(tensor: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This rank's contiguous chunk of ``tensor`` along ``seq_dim``: tokens ``[r*c, (r+1)*c)``."""
+    length = tensor.shape[seq_dim]
+    if length % cp_size:
+        raise AutoshardError(f"context parallelism over {cp_size} ranks needs a sequence length divisible by "
+                             f"{cp_size}, got {length}; pick a --seq-len that is a multiple of {cp_size}")
+    chunk = length // cp_size
+    return tensor.narrow(seq_dim, cp_rank * chunk, chunk)
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Replace each gradient by its mean over ``group`` (all ranks when None): one all-reduce per dtype.
+
+    For a model no dp wrapper reduces. Over the cp ranks (x the dp ranks) this is the gradient of
+    the global mean loss when each rank's loss is the mean over its own tokens and every rank has
+    as many tokens: mean of the means = the global mean. (A dp wrapper in a real plan reduces over
+    the flattened dp x cp ranks instead, as torchtitan does.) Every rank must hold the same
+    gradients (the same parameters, all with or all without a gradient).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    size = dist.get_world_size(group)
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch._utils._flatten_dense_tensors(same)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= size
+        for grad, mean in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            grad.copy_(mean)
