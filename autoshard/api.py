@@ -64,6 +64,9 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     if plan.mesh.pp > 1:
         raise AutoshardError("autoshard.parallelize takes plans without pipeline parallelism (a pipeline replaces "
                              "the model by stages and the loop by a schedule); run `autoshard compile` for this plan")
+    if plan.mesh.cp > 1:
+        raise AutoshardError("autoshard.parallelize takes plans without context parallelism (each rank's loop must cut "
+                             "its tokens and run under runtime.context_parallel); run `autoshard compile` for this plan")
     ctx = runtime.init_distributed(expected_world_size=plan.world_size)
     mesh = init_device_mesh(ctx.device_type, (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
                             mesh_dim_names=("pp", "dp", "tp"))

@@ -154,7 +154,7 @@ MESSAGES = [  # said as what they are
     (["plan", "package.py:build", *LOCAL, "-o", "p.json"], "model file 'package.py' is a folder, not a file"),
     (["plan", "notes.txt:build", *LOCAL, "-o", "p.json"], "model file 'notes.txt' is not a Python file"),
     (["inspect", "mesh_key.json"], "plan field 'decisions.mesh' has an unknown key 'sp'"),
-    (["compile", "mesh_key.json", "-o", "train.py"], "a mesh has only dp, tp and pp"),
+    (["compile", "mesh_key.json", "-o", "train.py"], "a mesh has only dp, tp, pp and cp"),
     (["inspect", "alt_mesh_key.json"], "plan field 'review.alternatives[0].mesh' has an unknown key 'ep'"),
     (["inspect", "memory_key.json"], "plan field 'predicted.memory' has an unknown key 'vram'"),
 ]

@@ -37,6 +37,14 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
                      = k·ring(dp)·P              (ZeRO-2/3 pipeline: the stage's unsharded state)
     memory_peak_bytes = (Σ memory parts)·(1 + allocator slack)
 
+**Context parallelism** (plans with cp > 1 carry the symbol cp; ``cost.context_parallel``): a rank
+holds s/cp of each sample's tokens, so every s above reads s/cp, and the s² terms read s²·q(cp) with
+q = (2cp − 1)/cp² for causal attention (the ring's lockstep waits for its last rank), 1/cp otherwise;
+activations' s² part reads s²/cp; dp reads dp·cp wherever parameters are sharded or gradients
+reduced (ZeRO, the DP collectives, the FSDP transient); and::
+
+    cp_comm_s        = k·m·b·(s/cp)·(cp − 1)/pp        the ring's exposed k, v exchange
+
 (``time_expressions``, ``memory_expressions``; every k, f, g, r, a is a plan's figure over its law.)
 A part that is zero at the plan's point only because of the point (tp = 1: no TP all-reduces;
 pp = 1: no p2p; m = 1: no accumulation; dp = 1: no DP collectives) has no price to scale, so its
@@ -85,17 +93,18 @@ from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.plan import Memory
 from autoshard.ir.topology import Cluster
 
-SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", "tp", "pp", "b", "v")}
-B, S, DP, TP, PP, MB, V = SYMBOLS.values()
+SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", "tp", "pp", "b", "v", "cp")}
+B, S, DP, TP, PP, MB, V, CP = SYMBOLS.values()
 M = B / (DP * MB)  # micro-batches per step
 
 TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "host_s",
-              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s", "ep_comm_s")
+              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s", "ep_comm_s", "cp_comm_s")
 COMPUTE_PARTS = TIME_PARTS[:6]
-COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s")
+COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s", "cp_comm_s")
 MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
-WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp"}
-WHAT_IF_EXAMPLES = {"global_batch": 2048, "seq_len": 4096, "microbatch_size": 2, "dp": 8, "tp": 2, "pp": 2}
+WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp",
+                 "cp": "cp"}
+WHAT_IF_EXAMPLES = {"global_batch": 2048, "seq_len": 4096, "microbatch_size": 2, "dp": 8, "tp": 2, "pp": 2, "cp": 4}
 QUADRATIC_TARGETS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
 SNAP = 1e-9  # a coefficient this close to 1 is 1 (exact identities stay readable)
 
@@ -104,7 +113,7 @@ SNAP = 1e-9  # a coefficient this close to 1 is 1 (exact identities stay readabl
 class PlanPoint:
     """What the expressions need to know about the plan they describe."""
 
-    symbols: dict[str, int]  # B, s, dp, tp, pp, b, v at the plan
+    symbols: dict[str, int]  # B, s, dp, tp, pp, b, v at the plan (and cp, with context parallelism)
     zero_stage: int
     recompute: str
     schedule: str
@@ -112,6 +121,17 @@ class PlanPoint:
     @property
     def pipeline(self) -> bool:
         return self.symbols["pp"] > 1
+
+    @property
+    def cp(self) -> sympy.Expr:
+        """The cp symbol in plans with context parallelism; 1 (no symbol) in the others, whose expressions
+        stay as they were."""
+        return CP if "cp" in self.symbols else sympy.Integer(1)
+
+    @property
+    def dp_cp(self) -> sympy.Expr:
+        """The ranks holding the same parameters: dp, times cp with context parallelism."""
+        return DP * self.cp
 
     def subs(self) -> dict[sympy.Symbol, sympy.Integer]:
         return {SYMBOLS[k]: sympy.Integer(v) for k, v in self.symbols.items()}
@@ -128,6 +148,7 @@ class Shares:
     replicated_params: float  # ψ
     activation_attention: float  # bytes share of saved activations that grow as s²
     outside_blocks: float  # β: share of saved activations that TP does not split
+    causal: bool = False  # every attention is causal: a cp ring's last rank does (2cp − 1)/cp² of its work
 
 
 # ---------------------------------------------------------------------------- build
@@ -139,14 +160,16 @@ def symbolic_cost(tables: CostTables, config: Decisions, global_batch: int, part
     (``cost.parts.StepParts`` of ``config`` on ``tables``) and the plan's own symbol values."""
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     mesh = config.mesh
+    cp = {"cp": mesh.cp} if mesh.cp > 1 else {}  # written only with context parallelism
     point = PlanPoint(symbols={"B": global_batch, "s": graph.tokens_per_sample, "dp": mesh.dp, "tp": mesh.tp,
-                               "pp": mesh.pp, "b": config.microbatch_size, "v": config.virtual_stages},
+                               "pp": mesh.pp, "b": config.microbatch_size, "v": config.virtual_stages, **cp},
                       zero_stage=config.zero_stage, recompute=_law_mode(config), schedule=config.schedule)
     shares = graph_shares(graph, point, tp_choice)
     fallback = _fallbacks(graph, cluster, precision, point, parts, shares)
     times = time_expressions(parts, point, shares, fallback, precision)
     memory = memory_expressions(parts.memory, point, shares, fallback)
-    flops = _split(3.0 * graph.flops_fwd / graph.batch_size, shares.attention, point, sympy.Integer(1))
+    per_sample = 3.0 * graph.flops_fwd / graph.batch_size  # the model's, whatever the plan: s and s² terms apart
+    flops = _anchored(per_sample * (1 - shares.attention), S, point) + _anchored(per_sample * shares.attention, S**2, point)
     return {
         "symbols": dict(point.symbols),
         "step_time_s": _text(sum(times.values(), sympy.Integer(0))),
@@ -171,26 +194,31 @@ def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallbac
     h = _tp_share(shares.replicated)
     per_rank = MB * h / PP
     e = {
-        "forward_s": _split(parts.forward_s, shares.attention, point, M * per_rank),
-        "backward_s": _split(parts.backward_s, shares.attention, point, M * per_rank),
+        "forward_s": _split(parts.forward_s, shares.attention, point, M * per_rank, _ring_work(point, shares)),
+        "backward_s": _split(parts.backward_s, shares.attention, point, M * per_rank, _ring_work(point, shares)),
         "recompute_s": _split(parts.recompute_s, shares.recompute_attention, point,
-                              M * MB * _tp_share(shares.recompute_replicated) / PP),
+                              M * MB * _tp_share(shares.recompute_replicated) / PP, _ring_work(point, shares)),
     }
     param_share = _param_share(shares.replicated_params)
-    accumulate_over = DP if point.zero_stage >= 2 and not point.pipeline else 1  # ZeRO-1 sums whole
+    dp_cp = point.dp_cp
+    accumulate_over = dp_cp if point.zero_stage >= 2 and not point.pipeline else 1  # ZeRO-1 sums whole
     accumulations = sympy.Max(0, M - 1) * param_share / accumulate_over
     e["grad_accumulation_s"] = _anchored(parts.grad_accumulation_s, accumulations, point,
                                          fallback["grad_accumulation_s"])
-    e["optimizer_s"] = _anchored(parts.optimizer_s, param_share / (DP if point.zero_stage >= 1 else 1), point)
+    e["optimizer_s"] = _anchored(parts.optimizer_s, param_share / (dp_cp if point.zero_stage >= 1 else 1), point)
     e["host_s"] = _anchored(parts.host_s, M / PP, point)
-    e["tp_comm_s"] = _anchored(parts.tp_comm_s, M * MB * S * _ring(TP) / PP, point, fallback["tp_comm_s"])
-    e["p2p_s"] = _anchored(parts.p2p_s, M * MB * S * V * _more_than_one(PP), point, fallback["p2p_s"])
-    e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s, _ring(DP) * param_share * _dp_rounds(point, precision),
+    tokens = M * MB * S / point.cp  # a rank's tokens per step
+    e["tp_comm_s"] = _anchored(parts.tp_comm_s, tokens * _ring(TP) / PP, point, fallback["tp_comm_s"])
+    e["p2p_s"] = _anchored(parts.p2p_s, tokens * V * _more_than_one(PP), point, fallback["p2p_s"])
+    e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s,
+                                       _ring(dp_cp) * param_share * _dp_rounds(point, precision),
                                        point, fallback["dp_comm_exposed_s"])
     if parts.ep_comm_s:  # expert parallelism's all-to-alls: the tokens of each micro-batch (absent without)
-        e["ep_comm_s"] = _anchored(parts.ep_comm_s, M * MB * S / PP, point)
+        e["ep_comm_s"] = _anchored(parts.ep_comm_s, tokens / PP, point)
+    if parts.cp_comm_s:  # the ring's exposed exchange: (cp − 1) chunks of k and v per attention (absent without)
+        e["cp_comm_s"] = _anchored(parts.cp_comm_s, tokens * (point.cp - 1) / PP, point)
     per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s",
-                                         "ep_comm_s") if k in e),
+                                         "ep_comm_s", "cp_comm_s") if k in e),
                          sympy.Integer(0)) / M
     e["bubble_s"] = _anchored(parts.bubble_s, (PP - 1) / V * per_microbatch, point, 1.0)
     return e
@@ -201,21 +229,21 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
     z = 2 if point.pipeline and point.zero_stage == 1 else point.zero_stage  # rank_memory.pipeline_zero
     param_share = _param_share(shares.replicated_params)
     e = {
-        "params_bytes": _anchored(memory.params_bytes, param_share / (DP if z >= 3 else 1), point),
-        "grads_bytes": _anchored(memory.grads_bytes, param_share / (DP if z >= 2 else 1), point),
-        "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (DP if z >= 1 else 1), point),
+        "params_bytes": _anchored(memory.params_bytes, param_share / (point.dp_cp if z >= 3 else 1), point),
+        "grads_bytes": _anchored(memory.grads_bytes, param_share / (point.dp_cp if z >= 2 else 1), point),
+        "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (point.dp_cp if z >= 1 else 1), point),
     }
     beta = shares.outside_blocks
     kept = (sympy.Integer(1) if point.recompute == "full"
             else _number(beta) + _number(1 - beta) * tp_activation_fraction(TP))
     e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
-                                    in_flight(point) * MB * kept / PP)
+                                    in_flight(point) * MB * kept / PP, 1 / point.cp)
     if z < 2:
         e["transient_bytes"] = sympy.Integer(0)
     elif point.pipeline:
-        e["transient_bytes"] = _anchored(memory.transient_bytes, _ring(DP) * param_share, point)
+        e["transient_bytes"] = _anchored(memory.transient_bytes, _ring(point.dp_cp) * param_share, point)
     else:
-        largest_unit = _more_than_one(DP) * _tp_share(shares.replicated_params)
+        largest_unit = _more_than_one(point.dp_cp) * _tp_share(shares.replicated_params)
         e["transient_bytes"] = _anchored(memory.transient_bytes, largest_unit, point, fallback["transient_bytes"])
     return e
 
@@ -239,10 +267,20 @@ def _dp_rounds(point: PlanPoint, precision: Precision) -> sympy.Expr:
     return sympy.Integer(1)
 
 
-def _split(value: float, quadratic_share: float, point: PlanPoint, law: sympy.Expr) -> sympy.Expr:
-    """value·(1−α) scaled by law·s plus value·α scaled by law·s²: the s and s² terms apart."""
-    linear = _anchored(value * (1 - quadratic_share), law * S, point)
-    return linear + _anchored(value * quadratic_share, law * S**2, point)
+def _split(value: float, quadratic_share: float, point: PlanPoint, law: sympy.Expr,
+           quadratic_cp: sympy.Expr = sympy.Integer(1)) -> sympy.Expr:
+    """value·(1−α) scaled by law·s/cp plus value·α scaled by law·s²·q: the s and s² terms apart (a cp
+    rank holds s/cp tokens; q its share of the s² work or bytes, 1 without context parallelism)."""
+    linear = _anchored(value * (1 - quadratic_share), law * S / point.cp, point)
+    return linear + _anchored(value * quadratic_share, law * S**2 * quadratic_cp, point)
+
+
+def _ring_work(point: PlanPoint, shares: Shares) -> sympy.Expr:
+    """A cp rank's share of the attention work (``cost.context_parallel``): (2cp − 1)/cp² for causal
+    attention (the ring's lockstep waits for the last rank), 1/cp otherwise; 1 without cp."""
+    if "cp" not in point.symbols:
+        return sympy.Integer(1)
+    return (2 * CP - 1) / CP**2 if shares.causal else 1 / CP
 
 
 def _anchored(value: float, law: sympy.Expr, point: PlanPoint, fallback: float = 0.0) -> sympy.Expr:
@@ -305,7 +343,14 @@ def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice: TPChoice | None = 
         activation_attention=_share(_kept_nodes(graph, point.recompute, in_block), lambda n: n.bytes_written,
                                     lambda n: n.name in quadratic),
         outside_blocks=_outside_share(graph, point.recompute),
+        causal=_all_causal(graph),
     )
+
+
+def _all_causal(graph: OpGraph) -> bool:
+    """Every scaled-dot-product attention has a causal mask (``is_causal``), and there is one."""
+    attentions = [n for n in graph.nodes if n.target.startswith(QUADRATIC_TARGETS)]
+    return bool(attentions) and all(n.attrs.get("is_causal") for n in attentions)
 
 
 def _share(nodes, weight, chosen, default: float = 0.0) -> float:
@@ -379,7 +424,7 @@ def _fallbacks(graph: OpGraph, cluster: Cluster, precision: Precision, point: Pl
     intra = cluster.intra_node.bandwidth_gbps * 1e9
     outer = (cluster.inter_node if cluster.nodes > 1 else cluster.intra_node).bandwidth_gbps * 1e9
     share0 = (shares.replicated_params + (1 - shares.replicated_params) / p["tp"]) / p["pp"]
-    state_dp = p["dp"] if point.zero_stage >= 3 else 1
+    state_dp = p["dp"] * p.get("cp", 1) if point.zero_stage >= 3 else 1
     local = parts.memory.params_bytes * state_dp / w  # the rank's parameters
     per_token = sum(blk.input_bytes for blk in graph.blocks) * a / 4 / (graph.batch_size * max(1, p["s"]))
     recompute_factor = FULL_RECOMPUTE_TP_COMM if point.recompute == "full" else 1.0
@@ -604,6 +649,9 @@ def _symbol_values(symbolic: Mapping[str, Any], values: Mapping[str, float]) -> 
     symbols = symbolic["symbols"]
     if not isinstance(symbols, Mapping):
         raise ValueError("symbols must be a mapping of symbol names to integers")
+    if "cp" in values and "cp" not in symbols:
+        raise ValueError("this plan has no context parallelism (cp=1), so its expressions hold no cp; re-plan "
+                         "with --cp N (or a long --seq-len) to ask what another cp would cost")
     point = {**symbols, **values}
     for name, value in point.items():
         if name not in SYMBOLS:

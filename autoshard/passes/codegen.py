@@ -27,7 +27,9 @@ MIB = 2**20
 def emit_program(plan: Plan) -> str:
     """The whole program as Python source."""
     steps = lower(plan)
-    main = _MAIN_PIPELINE if plan.mesh.pp > 1 else _MAIN_SPMD
+    main = _MAIN_PIPELINE if plan.mesh.pp > 1 else _context_parallel_main(plan) if plan.mesh.cp > 1 else _MAIN_SPMD
+    if plan.model.get("seq_len") is not None:
+        main = main.replace("expected_hash=MODEL_FINGERPRINT)", "expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)")
     body = _build_pipeline(plan, steps) if plan.mesh.pp > 1 else _parallelize(plan, steps)
     parts = [_header(plan), _imports(plan, steps), _constants(plan), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
@@ -137,7 +139,52 @@ MICROBATCH_SIZE = {plan.microbatch_size}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+{pipeline}{_sequence_constants(plan)}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+
+
+def _sequence_constants(plan: Plan) -> str:
+    """--seq-len and context parallelism, only in the programs of plans that have them."""
+    out = ""
+    if plan.model.get("seq_len") is not None:
+        out += f"SEQ_LEN = {plan.model['seq_len']}  # tokens per sample, handed to example_batch (--seq-len)\n"
+    if plan.mesh.cp > 1:
+        out += (f"CP = {plan.mesh.cp}  # context parallel: each sequence split over CP ranks (mesh axis \"cp\", between "
+                f"dp and tp), attention as a ring\n")
+    return out
+
+
+def _context_parallel_main(plan: Plan) -> str:
+    """The SPMD loop with the sequence split over the cp axis: the mesh gets "cp" and the flattened "dp_cp"
+    the dp wrapper reduces over; each rank takes its chunk of every micro-batch's tokens and runs forward
+    and backward in ``runtime.context_parallel`` (ring attention, global positions)."""
+    replacements = (
+        ("expected_world_size=PP * DP * TP", "expected_world_size=PP * DP * CP * TP"),
+        ('''    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+''', '''    mesh = init_device_mesh(ctx.device_type, (PP, DP, CP, TP), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    mesh["dp", "cp"]._flatten("dp_cp")  # the ranks holding the same parameters: gradients reduced over dp x cp
+'''),
+        ("    dp_rank = mesh.get_local_rank(\"dp\")  # the TP ranks of one dp rank see the same data\n",
+         "    dp_rank = mesh.get_local_rank(\"dp\")  # the cp and TP ranks of one dp rank see the same samples\n"),
+        ('''        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
+                with runtime.autocast(PRECISION, ctx.device):
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
+                loss.backward()
+''', '''        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
+            x, y = runtime.take_sequence_shard(x, y, mesh["cp"], TOKENS_PER_SAMPLE)  # this rank's tokens
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \\
+                    runtime.context_parallel(mesh["cp"], TOKENS_PER_SAMPLE):
+                with runtime.autocast(PRECISION, ctx.device):
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
+                loss.backward()
+'''),
+        ('runtime.mean_over(step_loss, mesh.get_group("dp"))', 'runtime.mean_over(step_loss, mesh.get_group("dp_cp"))'),
+    )
+    main = _MAIN_SPMD
+    for old, new in replacements:
+        assert old in main, old
+        main = main.replace(old, new)
+    return main
 
 
 def _expert_constants(plan: Plan) -> str:

@@ -51,9 +51,9 @@ def recompute_modes(plan: Plan) -> dict[str, str]:
 
 def _spmd_steps(plan: Plan) -> list[Step]:
     steps = [*_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
-    if plan.mesh.dp > 1:
-        steps.append(Step("sync_batch_norm", "dp", (), "BatchNorm statistics over every dp rank's samples, as one "
-                                                          "process sees them (no change without BatchNorm)"))
+    if plan.mesh.dp_cp > 1:
+        steps.append(Step("sync_batch_norm", dp_axis(plan), (), "BatchNorm statistics over every dp rank's samples, "
+                                                                "as one process sees them (no change without BatchNorm)"))
         steps.append(_dp_step(plan, plan.blocks))
     steps.append(_optimizer_step(plan))
     return steps
@@ -141,6 +141,18 @@ def _recompute_steps(plan: Plan) -> list[Step]:
                                                          f"{_RECOMPUTE_WHY[plan.recompute]}")]
 
 
+def dp_axis(plan: Plan) -> str:
+    """The mesh axis the dp wrapper and the optimizer reduce over: "dp", or with context parallelism the
+    flattened "dp_cp" (each cp rank holds the same parameters and a share of the tokens: torchtitan's
+    dp_shard_cp), which the program makes with ``mesh["dp", "cp"]._flatten("dp_cp")``."""
+    return "dp_cp" if plan.mesh.cp > 1 else "dp"
+
+
+def _dp_ranks(plan: Plan) -> str:
+    mesh = plan.mesh
+    return f"{mesh.dp} dp ranks" if mesh.cp == 1 else f"{mesh.dp_cp} dp x cp ranks"
+
+
 def _dp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
     """The dp axis's wrapper, by how the plan's ZeRO stage runs on its mesh (``ir.decisions.DP_RUNTIMES``)."""
     runtime = plan.decisions.dp_runtime
@@ -166,7 +178,7 @@ def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
     what = ("weights, gradients and optimizer state; each unit gathered just before use" if reshard else
             "gradients and optimizer state; weights stay gathered from forward to backward")
     arguments: tuple = (("blocks", tuple(blocks)), ("reshard_after_forward", reshard), ("precision", plan.precision))
-    over = f"{plan.mesh.dp} dp ranks"
+    over = _dp_ranks(plan)
     if plan.dp_replicate > 1:
         arguments += (("replicas", plan.dp_replicate),)
         over = (f"the {plan.mesh.dp // plan.dp_replicate} dp ranks of a node (HSDP: all-reduced across "
@@ -177,21 +189,21 @@ def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
                  "(Megatron's distributed optimizer)")
     elif plan.mesh.pp > 1:
         what += "; the schedule sums gradients whole and reduce-scatters them after the last micro-batch"
-    return Step("apply_fsdp", "dp", arguments + _ep_argument(plan),
+    return Step("apply_fsdp", dp_axis(plan), arguments + _ep_argument(plan),
                 f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_ep_why(plan)}"
                 f"{_dtypes(plan)}")
 
 
 def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
-    return Step("apply_replicate", "dp", (("blocks", tuple(blocks)), ("precision", plan.precision),
-                                          *_ep_argument(plan)),
+    return Step("apply_replicate", dp_axis(plan), (("blocks", tuple(blocks)), ("precision", plan.precision),
+                                                   *_ep_argument(plan)),
                 f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
-                f"unit's gradients over {plan.mesh.dp} dp ranks after the last micro-batch's backward "
+                f"unit's gradients over {_dp_ranks(plan)} after the last micro-batch's backward "
                 f"({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}")
 
 
 def _ddp_step(plan: Plan) -> Step:
-    return Step("apply_ddp", "dp", (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
+    return Step("apply_ddp", dp_axis(plan), (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
                 f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets (the cost model's choice), "
                 f"overlapped with backward")
 
@@ -199,12 +211,12 @@ def _ddp_step(plan: Plan) -> Step:
 def _optimizer_step(plan: Plan) -> Step:
     if plan.mesh.pp > 1:
         why = "one AdamW per stage module (each stage's state dict maps through its own module)"
-    elif plan.mesh.dp > 1 and plan.decisions.dp_runtime.name == "ddp-zero-optimizer":
-        why = f"ZeRO-1: ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp} ranks"
-    elif plan.zero_stage >= 1 and plan.mesh.dp > 1:
+    elif plan.mesh.dp_cp > 1 and plan.decisions.dp_runtime.name == "ddp-zero-optimizer":
+        why = f"ZeRO-1: ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp_cp} ranks"
+    elif plan.zero_stage >= 1 and plan.mesh.dp_cp > 1:
         why = "AdamW over the FSDP2-sharded parameters (its state is sharded with them)"
     elif plan.mesh.dp > 1 and plan.mesh.tp > 1:
         why = "AdamW over the replicated DTensor parameters, whole on every dp rank"
     else:
         why = "AdamW, whole on every rank"
-    return Step("build_optimizer", "dp", (("zero_stage", plan.zero_stage),), why)
+    return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage),), why)

@@ -286,12 +286,12 @@ def _check_degrees(pins: Pins, cluster: Cluster) -> None:
     if pins.tp is not None and per_node % pins.tp:
         raise AutoshardError(f"--tp {pins.tp} must divide the {per_node} devices per node (tensor parallelism "
                              f"stays inside a node); use one of {', '.join(map(str, divisors(per_node)))}")
-    pinned = {k: v for k, v in (("dp", pins.dp), ("tp", pins.tp), ("pp", pins.pp)) if v is not None}
+    pinned = {k: v for k, v in (("dp", pins.dp), ("tp", pins.tp), ("pp", pins.pp), ("cp", pins.cp)) if v is not None}
     product = 1
     for v in pinned.values():
         product *= v
     what = " x ".join(f"--{k} {v}" for k, v in pinned.items())
-    if len(pinned) == 3 and product != world:
+    if len(pinned) == 4 - ("cp" not in pinned) and product != world:  # an unpinned cp is 1 unless searched
         raise AutoshardError(f"{what} = {product} ranks, but the cluster has {world} devices; "
                              f"pin degrees whose product is {world}")
     if world % product:

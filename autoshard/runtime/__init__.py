@@ -7,6 +7,7 @@ emitted program calls them in the order ``passes.lower`` gives, with the plan's 
 
 from autoshard.runtime.distributed import DistContext, init_distributed, mean_over, shutdown
 from autoshard.runtime.data import global_batch, split_microbatches, take_shard
+from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
 from autoshard.runtime.parallel import (apply_ac, apply_ddp, apply_fsdp, apply_recompute, apply_steps, apply_tp,
                                         autocast, build_optimizer, build_schedule, grad_sync, split_pipeline,
@@ -17,6 +18,7 @@ from autoshard.runtime import tensor_parallel  # emitted programs name runtime.t
 
 __all__ = [
     "DistContext", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches", "take_shard",
+    "context_parallel", "take_sequence_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
     "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "finish_with_state", "tensor_parallel", "faults",

@@ -59,7 +59,8 @@ from autoshard.errors import AutoshardError
 SEQ_DIM = 2  # [batch, heads, seq, head_dim], as SDPA and torch's ring take it
 aten = torch.ops.aten
 
-__all__ = ["RingAttention", "ring_attention", "ContextParallelMode", "shard_sequence", "average_gradients"]
+__all__ = ["RingAttention", "ring_attention", "ContextParallelMode", "shard_sequence", "average_gradients",
+           "take_sequence_shard", "context_parallel"]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -288,3 +289,20 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
         flat /= size
         for grad, mean in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
             grad.copy_(mean)
+
+
+def take_sequence_shard(inputs: tuple, targets, cp_mesh, seq_len: int):
+    """This cp rank's chunk of a micro-batch: every input and target tensor whose dim 1 is the ``seq_len``
+    tokens is cut along it (``shard_sequence``); the others (a per-sample tensor) stay whole."""
+    rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+
+    def cut(t):
+        is_tokens = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq_len
+        return shard_sequence(t, 1, rank, size) if is_tokens else t
+    return tuple(cut(t) for t in inputs), cut(targets)
+
+
+def context_parallel(cp_mesh, seq_len: int) -> ContextParallelMode:
+    """The mode a forward and backward run under on a cp rank (``ContextParallelMode``), from the cp mesh axis."""
+    size = cp_mesh.size()
+    return ContextParallelMode(cp_mesh.get_group(), cp_mesh.get_local_rank(), size, seq_len // size)
