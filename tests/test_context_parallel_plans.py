@@ -1,0 +1,145 @@
+"""Long sequences: the cp axis planned, priced, written and lowered; --seq-len; what-if with cp.
+
+No processes: plans are made on captured graphs (meta tensors); the programs run in
+tests/e2e/test_context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from autoshard.cost.context_parallel import attention_nodes, cp_equivalent, ring_cost
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.step import price_parts
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
+from autoshard.cost.units import node_forward_s
+from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Decisions
+from autoshard.ir.plan import Mesh, Plan
+from autoshard.modelfile import load_model_file
+from autoshard.passes.codegen import emit_program
+from autoshard.passes.context_parallel import cp_refusal
+from autoshard.passes.strategies import Pins
+from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+from autoshard.show import plan_figures
+
+LLAMA3_8B = "benchmarks/llama3.py:llama3_8b"
+LONG = 131072
+
+
+@pytest.fixture(scope="module")
+def llama_long(in_repo_module):
+    """Llama-3-8B's shape captured at 128k tokens (its rotary angles computed for them)."""
+    return capture_graph(LLAMA3_8B, seq_len=LONG)
+
+
+@pytest.fixture(scope="module")
+def gpt(in_repo_module):
+    return capture_graph("examples/gpt.py:build")
+
+
+def plan(captured, spec, cluster, global_batch, seq_len=None, **pins):
+    model_file, graph = captured
+    return plan_graph(PlanRequest(spec, cluster, global_batch, Pins(**pins), seq_len=seq_len), model_file, graph)
+
+
+def test_at_128k_tokens_only_context_parallelism_fits_one_node(llama_long):
+    cluster = load_cluster("dgx-h100", nodes=1)
+    assert llama_long[1].tokens_per_sample == LONG
+    with pytest.raises(AutoshardError, match="no plan fits"):
+        plan(llama_long, LLAMA3_8B, cluster, 2, seq_len=LONG, cp=1)
+    chosen = plan(llama_long, LLAMA3_8B, cluster, 2, seq_len=LONG)
+    assert chosen.mesh.cp > 1 and chosen.mesh.world_size == 8
+    assert chosen.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
+    assert chosen.model["seq_len"] == LONG
+    doc = json.loads(chosen.to_json())
+    assert doc["decisions"]["mesh"]["cp"] == chosen.mesh.cp and doc["review"]["symbolic"]["symbols"]["cp"] > 1
+    assert Plan.from_json(chosen.to_json()).to_json() == chosen.to_json()
+
+
+def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long):
+    """A cp rank's linear work is a dp rank's at b/cp; its causal attention the ring's lockstep share
+    T·(2cp − 1)/cp² of the whole sequence's (``cost.context_parallel`` module doc), checked against the
+    attention kernels' own times at the whole micro-batch."""
+    _, graph = llama_long
+    tables = CostTables(graph, load_cluster("dgx-h100", nodes=1))
+    cp = 4
+    config = Decisions(mesh=Mesh(dp=2, tp=1, pp=1, cp=cp), zero_stage=3, microbatch_size=1, num_microbatches=1,
+                       recompute="full")
+    parts, equivalent = price_parts(tables, config), price_parts(tables, cp_equivalent(config))
+    assert parts.memory == equivalent.memory and parts.dp_comm_total_s == equivalent.dp_comm_total_s
+    ring = ring_cost(tables, config)
+    assert parts.forward_s == pytest.approx(equivalent.forward_s + ring.forward_extra_s)
+    assert parts.cp_comm_s == ring.exposed_s >= 0
+    whole = node_forward_s(graph, 1, tables.cluster.device, tables.precision.activation_bytes, CAPTURED_ELEM_BYTES,
+                           tables.runtime.attention, tables.runtime.kernels)
+    attention_whole = sum(whole[i] for i, n in attention_nodes(graph))
+    assert all(n.attrs.get("is_causal") for _, n in attention_nodes(graph))
+    share = node_forward_s(graph, 1 / cp, tables.cluster.device, tables.precision.activation_bytes,
+                           CAPTURED_ELEM_BYTES, tables.runtime.attention, tables.runtime.kernels)
+    attention_rank = sum(share[i] for i, n in attention_nodes(graph)) + ring.forward_extra_s
+    assert attention_rank == pytest.approx(attention_whole * (2 * cp - 1) / cp**2, rel=1e-6)
+
+
+def test_what_if_seq_len_and_cp_re_evaluate_with_the_ring(llama_long):
+    chosen = plan(llama_long, LLAMA3_8B, load_cluster("dgx-h100", nodes=1), 2, seq_len=LONG)
+    cp, base = chosen.mesh.cp, plan_figures(chosen)
+    assert base["step_time_s"] == pytest.approx(chosen.predicted.step_time_s, rel=1e-4)
+    longer = plan_figures(chosen, {"s": 2 * LONG})
+    assert longer["activations_bytes"] > 1.9 * base["activations_bytes"]
+    assert longer["forward_s"] > 2 * base["forward_s"]  # the s² attention grows faster than the tokens
+    wider = plan_figures(chosen, {"cp": 2 * cp})
+    assert wider["activations_bytes"] == pytest.approx(base["activations_bytes"] / 2, rel=0.05)
+    assert wider["forward_s"] < base["forward_s"]
+
+
+def test_cp_is_refused_with_the_reason_where_the_ring_cannot_split_the_sequence(in_repo):
+    _, tiny = capture_graph("benchmarks/llama3.py:llama3_tiny")  # rotary angles sliced from a 128-row table
+    assert "slices 128 rows" in cp_refusal(tiny, 2)
+    _, long_tiny = capture_graph("benchmarks/llama3.py:llama3_tiny", seq_len=256)  # computed from positions
+    assert cp_refusal(long_tiny, 2) is None and "not a multiple of cp=3" in cp_refusal(long_tiny, 3)
+    _, gpt2 = capture_graph("tests/models/hf_gpt2.py:build_with_dropout")
+    assert "drops out" in cp_refusal(gpt2, 2)
+    _, mlp = capture_graph("tests/models/mlp.py:build")
+    assert cp_refusal(mlp, 2) is not None
+
+
+def test_pinned_cp_is_checked_against_the_model_and_the_other_pins(gpt):
+    cluster = load_cluster("local-cpu", devices_per_node=4)
+    with pytest.raises(AutoshardError, match=r"--cp 3: the sequence length 64 is not a multiple of cp=3; pin --cp in"):
+        plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=3), 6, cp=3)
+    with pytest.raises(AutoshardError, match="--cp 2 with pipeline stages is not emitted yet"):
+        plan(gpt, "examples/gpt.py:build", cluster, 8, cp=2, pp=2)
+    dense = plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu"), 8, dp=2)
+    assert "cp" not in json.loads(dense.to_json())["decisions"]["mesh"]
+    assert "cp" not in dense.symbolic["symbols"]
+
+
+def test_a_cp_program_splits_the_mesh_and_the_tokens(gpt):
+    chosen = plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=4), 8, cp=2, dp=2, zero=3)
+    assert (chosen.mesh.dp, chosen.mesh.cp) == (2, 2)
+    program = emit_program(chosen)
+    assert 'mesh_dim_names=("pp", "dp", "cp", "tp")' in program and 'mesh["dp", "cp"]._flatten("dp_cp")' in program
+    assert 'apply_fsdp(\n        model,\n        mesh["dp_cp"]' in program or 'mesh["dp_cp"]' in program
+    assert "runtime.take_sequence_shard(x, y, mesh[\"cp\"], TOKENS_PER_SAMPLE)" in program
+    compile(program, "train.py", "exec")
+
+
+def test_seq_len_is_handed_to_example_batch_and_recorded(in_repo, tmp_path):
+    model_file = load_model_file("examples/gpt.py:build", seq_len=32)
+    inputs, targets = model_file.example_batch(2)
+    assert inputs[0].shape == (2, 32) and targets.shape == (2, 32)
+    path = tmp_path / "fixed.py"
+    path.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n\n"
+                    "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n")
+    with pytest.raises(AutoshardError, match="example_batch takes no seq_len"):
+        load_model_file(f"{path}:build", seq_len=8).example_batch(2)
+    with pytest.raises(AutoshardError, match="--seq-len 0 must be a positive integer"):
+        load_model_file("examples/gpt.py:build", seq_len=0)
+    captured = capture_graph("examples/gpt.py:build", seq_len=32)
+    chosen = plan(captured, "examples/gpt.py:build", load_cluster("local-cpu"), 8, seq_len=32, dp=2)
+    assert captured[1].tokens_per_sample == 32 and chosen.model["seq_len"] == 32
+    assert "SEQ_LEN = 32" in emit_program(chosen) and "seq_len=SEQ_LEN" in emit_program(chosen)
