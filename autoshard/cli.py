@@ -106,7 +106,7 @@ def _add_estimate(sub, common) -> None:
 
 
 PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts",
-             "dp_replicate", "ep", "cp")
+             "dp_replicate", "ep", "cp", "sequence_parallel")
 
 
 def _add_plan_arguments(p) -> None:
@@ -127,6 +127,9 @@ def _add_plan_arguments(p) -> None:
                    "this many of the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)")
     p.add_argument("--cp", type=int, help="context parallelism: split each sample's sequence over this many ranks, "
                    "attention as a ring (long sequences; estimate: 1 unless given)")
+    p.add_argument("--sequence-parallel", choices=["on", "off"], type=str.lower,
+                   help="TP's norm and dropout regions on 1/tp of the tokens, a reduce-scatter and an all-gather for "
+                        "each all-reduce (default: searched; estimate: on where tp > 1 without pipeline stages)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
     p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
     p.add_argument("--virtual-stages", type=int, metavar="V",
@@ -235,10 +238,15 @@ def cmd_plan(args) -> int:
                         devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                         microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, stage_cuts=args.stage_cuts, runtime=args.runtime,
-                        dp_replicate=args.dp_replicate, ep=args.ep, cp=args.cp, fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache,
+                        dp_replicate=args.dp_replicate, ep=args.ep, cp=args.cp,
+                        sequence_parallel=_on_off(args.sequence_parallel), fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache,
                         seq_len=args.seq_len)
     _write_plan(plan, args)
     return 0
+
+
+def _on_off(value: str | None) -> bool | None:
+    return None if value is None else value == "on"
 
 
 def _time_limit(value: float | None) -> float | None:
@@ -263,6 +271,7 @@ def cmd_estimate(args) -> int:
         from autoshard.passes.strategies import Pins
 
         pins = {name: getattr(args, name) for name in PIN_FLAGS}
+        pins["sequence_parallel"] = _on_off(pins["sequence_parallel"])
         missing = [f"--{name.replace('_', '-')}" for name in Pins(**pins).missing_for_estimate()]
         if missing:
             raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "

@@ -73,6 +73,9 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("batch", f"global {plan.global_batch} = {plan.mesh.dp} dp x {plan.num_microbatches} micro-batches "
                        f"x {plan.microbatch_size}")
     t.add_row("recompute", _recompute_text(plan))
+    sequence = sequence_text(plan)
+    if sequence:
+        t.add_row("sequence", sequence)
     t.add_row("schedule", plan.schedule)
     t.add_row("precision", plan.precision)
     if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2:
@@ -80,6 +83,20 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("pinned by you", ", ".join(plan.pinned) or "nothing")
     t.add_row("priced for", runtime_text(plan.runtime))
     return t
+
+
+def sequence_text(plan: Plan) -> str:
+    """Which axes bear the sequence: context parallelism (each sample's tokens split over cp ranks) and
+    sequence parallelism (TP's norm and dropout regions on 1/tp of the tokens); "" when neither."""
+    tokens = plan.model.get("tokens_per_sample", 1)
+    parts = []
+    if plan.mesh.cp > 1:
+        parts.append(f"{tokens:,} tokens split over cp={plan.mesh.cp} ranks ({tokens // plan.mesh.cp:,} each; "
+                     f"attention a ring over them)")
+    if plan.sequence_parallel:
+        parts.append(f"sequence parallel with tp={plan.mesh.tp}: the regions between TP's linears on 1/{plan.mesh.tp} "
+                     f"of the tokens (reduce-scatter + all-gather for each all-reduce)")
+    return "; ".join(parts)
 
 
 def runtime_text(runtime: str) -> str:
@@ -177,9 +194,11 @@ _ZERO_HOW = {  # ir.decisions.DP_RUNTIMES row -> what the user reads
 
 
 def _zero_how(plan: Plan) -> str:
-    if plan.mesh.dp == 1:
+    if plan.mesh.dp_cp == 1:
         return "one dp rank: nothing to shard"
     how = _ZERO_HOW[plan.decisions.dp_runtime.name]
+    if plan.mesh.cp > 1:
+        how += f"; over the {plan.mesh.dp_cp} dp x cp ranks, which hold the same parameters"
     if plan.dp_replicate > 1:
         how += (f"; HSDP: sharded over the {plan.mesh.dp // plan.dp_replicate} ranks of a node, "
                 f"{plan.dp_replicate} replicas across nodes")
@@ -201,10 +220,11 @@ TIME_ROWS = (("forward_s", "forward"), ("backward_s", "backward"), ("recompute_s
              ("grad_accumulation_s", "gradient accumulation"), ("optimizer_s", "optimizer step"),
              ("tp_comm_s", "TP collectives"), ("p2p_s", "pipeline p2p"),
              ("dp_comm_exposed_s", "DP collectives, exposed"), ("bubble_s", "pipeline bubble"),
-             ("ep_comm_s", "expert all-to-all"))
+             ("ep_comm_s", "expert all-to-all"), ("cp_comm_s", "context-parallel ring, exposed"))
 MEMORY_ROWS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
                ("activations_bytes", "activations"), ("transient_bytes", "transient"))
-SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "dp": "dp", "tp": "tp", "pp": "pp"}
+SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "dp": "dp", "tp": "tp", "pp": "pp",
+                 "cp": "cp"}
 
 
 def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, float]:
@@ -215,6 +235,9 @@ def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, 
     if not plan.symbolic:
         raise AutoshardError("this plan has no symbolic cost (made before autoshard stored one); "
                              "re-create it with `autoshard plan` to use --what-if")
+    if "cp" in (values or {}) and plan.mesh.cp == 1:
+        raise AutoshardError("--what-if cp=...: this plan has no context parallelism (cp=1), so its cost holds no cp; "
+                             "re-plan with --cp N (or a long --seq-len) to ask what another cp would cost")
     try:
         out = evaluate(plan.symbolic, values or {})
         point = {**plan.symbolic["symbols"], **(values or {})}
@@ -222,7 +245,7 @@ def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, 
         raise AutoshardError(f"the plan's symbolic cost is damaged ({type(exc).__name__}: {exc}); "
                              f"re-create it with `autoshard plan`") from exc
     tokens = point["s"] if plan.model.get("tokens_per_sample", 1) > 1 else 1
-    world = point["dp"] * point["tp"] * point["pp"]
+    world = point["dp"] * point["tp"] * point["pp"] * point.get("cp", 1)
     out["samples_per_s"] = point["B"] / out["step_time_s"]
     out["tokens_per_s"] = out["samples_per_s"] * tokens
     out["mfu"] = point["B"] * out["model_flops_per_sample"] / (
@@ -239,7 +262,7 @@ def what_if_view(plan: Plan, values: dict[str, int]) -> Group:
     """Each part at the plan's point and at the what-if point, with the ratio."""
     base, new = plan_figures(plan), plan_figures(plan, values)
     sym = plan.symbolic["symbols"]
-    where = Text(f"plan: {' '.join(f'{label}={sym[k]}' for k, label in SYMBOL_LABELS.items())}; "
+    where = Text(f"plan: {' '.join(f'{label}={sym[k]}' for k, label in SYMBOL_LABELS.items() if k in sym)}; "
                  f"what-if: {point_label(plan, values)} (re-evaluated, not re-planned)")
     t = Table(title=f"What if {point_label(plan, values)}", title_justify="left")
     for col in ("part", "plan", "what-if", "x"):
@@ -280,7 +303,7 @@ def what_if_warnings(plan: Plan, values: dict[str, int]) -> list[str]:
         lines.append(f"global_batch={point['B']} is not divisible by dp x microbatch_size = {per_step}: "
                      f"{point['B'] / per_step:.3g} micro-batches is not a whole number")
     if any(point[k] != plan.symbolic["symbols"][k] for k in ("dp", "tp", "pp")):
-        world = point["dp"] * point["tp"] * point["pp"]
+        world = point["dp"] * point["tp"] * point["pp"] * point.get("cp", 1)
         devices = plan.cluster["nodes"] * plan.cluster["devices_per_node"]
         ranks = f"; dp x tp x pp = {world} ranks, the plan's cluster has {devices}" if world != devices else ""
         lines.append(f"degrees differ from the plan's: its TP layout, stage cuts, schedule and links are kept, so this "
@@ -318,6 +341,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         else "-",
         "HSDP replicas": str(plan.dp_replicate),
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
+        "sequence": sequence_text(plan) or "whole on every rank",
     }
     return rows
 

@@ -116,7 +116,7 @@ def test_a_child_not_taken_is_stopped(tmp_path):
         import autoshard.passes.front as front
         try:
             with front.capture_ahead("{GPT}", True, False):
-                child = front._ahead[("{GPT}", True, False)]
+                child = front._ahead[("{GPT}", True, False, None)]  # (spec, fold, cache, seq_len)
                 raise ValueError("refused")
         except ValueError:
             pass

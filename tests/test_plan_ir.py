@@ -103,7 +103,9 @@ def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
 
 def test_decisions_and_layout_are_the_flat_fields():
     plan = load_plan(GOLDEN_V1)
-    assert {f.name for f in fields(Decisions)} == set(DECISIONS_EP) and [f.name for f in fields(PlanLayout)] == LAYOUT_EP
+    # sequence_parallel is a decision the plan records in its TP styles (Plan.sequence_parallel reads them)
+    assert {f.name for f in fields(Decisions)} == {*DECISIONS_EP, "sequence_parallel"}
+    assert [f.name for f in fields(PlanLayout)] == LAYOUT_EP
     decisions = plan.decisions
     for name in DECISIONS_EP:
         if name != "recompute_blocks":

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def mixed_plan():
     plan = autoshard.plan(str(ROOT / "tests/models/wide_gpt.py:build"), cluster="dgx-a100-80gb", nodes=2,
-                          global_batch=64)
+                          global_batch=64, sequence_parallel=False)  # SP's smaller activations fit it otherwise
     assert plan.recompute == "mixed"
     return plan
 

@@ -6,7 +6,7 @@ PP: its stages'); activations of one micro-batch times the micro-batches in flig
 (``in_flight``): 1 without pipelining; GPipe m; 1F1B min(m, p − r) on rank r; interleaved
 min(m, p − r + (p−1)/v) (Korthikanti et al.: p·(1 + (p−1)/(p·v)) on the first rank). With TP
 a block keeps (10 + 24/t)/34 of its unsharded activations (Korthikanti et al., TP without
-sequence parallelism); full recompute keeps the unsharded block inputs. FSDP adds transients:
+sequence parallelism), about 1/t with it (``CostTables.activation_keep``); full recompute keeps the unsharded block inputs. FSDP adds transients:
 without pipelining ZeRO-3 holds the unit in use and the prefetched one unsharded, and one
 unit's gradients (ZeRO-2: those only); on a pipeline stage the gradients (and ZeRO-3's gathered
 weights) stay unsharded all step. The caching allocator's fragmentation adds ALLOCATOR_SLACK.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from autoshard.cost.memory import Precision, model_state_bytes
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import tp_activation_fraction
 from autoshard.ir.decisions import Decisions
 from autoshard.ir.plan import Memory
 
@@ -37,13 +36,13 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
 def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert_params: int = 0) -> Memory:
     """``local_params`` sharded by ZeRO over dp (HSDP: a node's shard), ``expert_params`` (ep > 1: the
     rank's expert shards) over the dp / ep ranks holding the same ones."""
-    precision, tp = tables.precision, config.mesh.tp
+    precision = tables.precision
     p, g, o = model_state_bytes(local_params, config.zero_stage, config.dp_shard, precision)  # HSDP: a node's shard
     if expert_params:
         pe, ge, oe = model_state_bytes(expert_params, config.zero_stage, config.expert_dp, precision)
         p, g, o = p + pe, g + ge, o + oe
     units = tables.config_units(config)
-    keep = tp_activation_fraction(tp)
+    keep = tables.activation_keep(config)
     modes = config.block_modes(len(units.saved_bytes) - 2)
     blocks_kept = sum(saved * (1.0 if mode == "full" else keep) for saved, mode in zip(units.saved_bytes[1:-1], modes))
     acts = blocks_kept + units.saved_bytes[0] + units.saved_bytes[-1] + max(units.workspace_bytes) * keep
@@ -66,7 +65,7 @@ def fsdp_unit_params(tables: CostTables, config: Decisions) -> int:
     """Largest FSDP unit (a block) per rank: its weights, TP-sharded where the plan shards them."""
     graph = tables.graph
     if config.mesh.tp > 1:
-        return tables.tp_cost(config.mesh.tp, config.microbatch_size).largest_block_params
+        return tables.layout_cost(config).largest_block_params
     return max((b.param_count for b in graph.blocks), default=graph.param_count)
 
 

@@ -30,7 +30,8 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
     params_bytes     = k·P / dp^[ZeRO = 3]      grads_bytes = k·P / dp^[ZeRO ≥ 2]
     optimizer_bytes  = k·P / dp^[ZeRO ≥ 1]
     activations_bytes = I·b·(a₁·s + a₂·s²)·A(tp)/pp,
-                       A(t) = β + (1−β)·(10 + 24/t)/34 (Korthikanti et al.; 1 under full recompute)
+                       A(t) = β + (1−β)·(10 + 24/t)/34 (Korthikanti et al.; 1 under full recompute);
+                       with sequence parallelism β + (1−β)·κ/t, κ·1/t the layout's share at the plan
                        I in-flight micro-batches: 1 | m (GPipe) | min(m, pp) (1F1B; interleaved-zb and
                        zbv at m a multiple of pp) | min(m, pp + (pp−1)/v) (interleaved) | pp + 1/2 (dualpipev)
     transient_bytes  = k·[dp>1]·(ψ + (1−ψ)/tp)   (ZeRO-2/3 without pipeline: the largest FSDP unit)
@@ -149,6 +150,7 @@ class Shares:
     activation_attention: float  # bytes share of saved activations that grow as s²
     outside_blocks: float  # β: share of saved activations that TP does not split
     causal: bool = False  # every attention is causal: a cp ring's last rank does (2cp − 1)/cp² of its work
+    sequence_keep: float | None = None  # sequence parallelism: t·(a TP rank's share of a block's activations)
 
 
 # ---------------------------------------------------------------------------- build
@@ -234,8 +236,9 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
         "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (point.dp_cp if z >= 1 else 1), point),
     }
     beta = shares.outside_blocks
-    kept = (sympy.Integer(1) if point.recompute == "full"
-            else _number(beta) + _number(1 - beta) * tp_activation_fraction(TP))
+    per_rank = (_number(shares.sequence_keep) / TP if shares.sequence_keep is not None  # ≈ 1/t (sequence parallel)
+                else tp_activation_fraction(TP))
+    kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * per_rank
     e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
                                     in_flight(point) * MB * kept / PP, 1 / point.cp)
     if z < 2:
@@ -344,7 +347,15 @@ def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice: TPChoice | None = 
                                     lambda n: n.name in quadratic),
         outside_blocks=_outside_share(graph, point.recompute),
         causal=_all_causal(graph),
+        sequence_keep=_sequence_keep(tp_choice),
     )
+
+
+def _sequence_keep(tp_choice: TPChoice | None) -> float | None:
+    """t times the layout's share of a block's activations per TP rank, under sequence parallelism."""
+    if tp_choice is None or not tp_choice.sequence_parallel or tp_choice.block_activation_fraction is None:
+        return None
+    return tp_choice.block_activation_fraction * tp_choice.tp
 
 
 def _all_causal(graph: OpGraph) -> bool:

@@ -30,7 +30,7 @@ from autoshard.cost import eager
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
 from autoshard.cost.memory import MEGATRON_MIXED, Precision, precision_for_backend, precision_for_graph
 from autoshard.cost.profile import graph_signature, scaled_to
-from autoshard.cost.tp import TPCost, price_layout
+from autoshard.cost.tp import TPCost, price_layout, tp_activation_fraction
 from autoshard.cost.units import Units, node_forward_s, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
@@ -153,26 +153,43 @@ class CostTables:
         link = self.cluster.group_link(list(range(tp)))
         return LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
 
-    def has_tp_layout(self, tp: int, microbatch_size: int) -> bool:
-        """Whether a layout for (tp, b) was handed in."""
-        return (tp, microbatch_size) in self._tp
+    def has_tp_layout(self, tp: int, microbatch_size: float, sequence_parallel: bool = False) -> bool:
+        """Whether a layout for (tp, b, sequence parallelism asked for) was handed in."""
+        return (tp, microbatch_size, sequence_parallel) in self._tp
 
-    def add_tp_layout(self, choice: TPChoice, microbatch_size: int) -> TPCost:
+    def add_tp_layout(self, choice: TPChoice, microbatch_size: float, sequence_parallel: bool | None = None) -> TPCost:
         """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
-        (tp, b) (``cost.tp.price_layout``)."""
+        (tp, b, sequence parallelism asked for: the choice's own unless given) (``cost.tp.price_layout``)."""
         times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
                                CAPTURED_ELEM_BYTES, self.runtime.attention, self.runtime.kernels)
         cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
-        self._tp[(choice.tp, microbatch_size)] = cost
+        asked = choice.sequence_parallel if sequence_parallel is None else sequence_parallel
+        self._tp[(choice.tp, microbatch_size, asked)] = cost
         return cost
 
-    def tp_cost(self, tp: int, microbatch_size: int) -> TPCost:
-        """The layout handed in for (tp, b), priced (``add_tp_layout``)."""
-        cost = self._tp.get((tp, microbatch_size))
+    def tp_cost(self, tp: int, microbatch_size: float, sequence_parallel: bool = False) -> TPCost:
+        """The layout handed in for (tp, b, sequence parallelism), priced (``add_tp_layout``)."""
+        cost = self._tp.get((tp, microbatch_size, sequence_parallel))
         if cost is None:
-            raise LookupError(f"no TP layout for tp={tp}, micro-batch {microbatch_size} was handed to the cost "
+            raise LookupError(f"no TP layout for tp={tp}, micro-batch {microbatch_size}"
+                              f"{', sequence parallel' if sequence_parallel else ''} was handed to the cost "
                               "tables; hand one with passes.tp_layout.hand_tp_layout first")
         return cost
+
+    def layout_cost(self, config: Decisions) -> TPCost:
+        """The TP layout ``config`` is priced with (its tp, micro-batch and sequence parallelism)."""
+        return self.tp_cost(config.mesh.tp, config.microbatch_size, config.sequence_parallel)
+
+    def activation_keep(self, config: Decisions) -> float:
+        """A TP rank's share of a block's saved activations: (10 + 24/t)/34 (Korthikanti et al. 2022, TP
+        without sequence parallelism), or the sequence-parallel layout's own share (about 1/t, above it by
+        the inputs each gathering module keeps: ``TPChoice.block_activation_fraction``); 1 without TP."""
+        if config.mesh.tp == 1:
+            return 1.0
+        choice = self.layout_cost(config).choice
+        if choice.sequence_parallel and choice.block_activation_fraction is not None:
+            return choice.block_activation_fraction
+        return tp_activation_fraction(config.mesh.tp)
 
 
 def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:

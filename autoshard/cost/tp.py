@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.cost.units import node_units
-from autoshard.ir.decisions import SHARD_OUTPUT_STYLES, SHARDING_STYLES, TPChoice
+from autoshard.ir.decisions import SHARD_OUTPUT_STYLES, SHARDING_STYLES, TP_STYLES, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import block_of, op_name
 
@@ -71,21 +71,43 @@ def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
     """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
     every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
     ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
-    there: ``passes.tensor_parallel``). Norms, residual adds and the rest stay replicated."""
+    there: ``passes.tensor_parallel``). Norms, residual adds and the rest stay replicated.
+
+    With sequence parallelism the tokens are split too: a style that leaves this rank's tokens (a row linear's
+    reduce-scatter, a replicated linear's slice) splits its output, a block taking ``scatter-seq-input`` splits
+    its input, and the ops reading them run on 1/tp up to a module that gathers the tokens back
+    (``gather-seq-input``: its ops run whole)."""
     sharded: set[str] = set()
     split_values: set[str] = set()
+    gathering = tuple(p for p, s in styles.items() if s.startswith("gather-seq-input-dim"))
+    scattered = _scattered_inputs(graph, styles)
     for node in graph.nodes:
         op = op_name(node.target)
         if op in ("linear", "addmm", "embedding") and node.module_path in styles:
             style = styles[node.module_path]
             if style in SHARDING_STYLES:
                 sharded.add(node.name)
-            if style in SHARD_OUTPUT_STYLES:
+            if style in SHARD_OUTPUT_STYLES or (style in TP_STYLES and TP_STYLES[style].leaves_seq_shard):
                 split_values.add(node.name)
-        elif any(name in split_values for name in node.inputs):
+        elif any(node.module_path == p or node.module_path.startswith(p + ".") for p in gathering):
+            continue
+        elif any(name in split_values for name in node.inputs) or (node.name, ) in scattered:
             sharded.add(node.name)
             split_values.add(node.name)
     return sharded
+
+
+def _scattered_inputs(graph: OpGraph, styles: dict[str, str]) -> set[tuple[str]]:
+    """(node,) for the ops of a block with ``scatter-seq-input`` that read its sliced input: the first value
+    its ops read from outside it."""
+    out: set[tuple[str]] = set()
+    for block in (p for p, s in styles.items() if s.startswith("scatter-seq-input-dim")):
+        inside = [n for n in graph.nodes if n.module_path == block or n.module_path.startswith(block + ".")]
+        names = {n.name for n in inside}
+        outer = (x for n in inside for x in n.inputs if x not in names and x not in graph.placeholder_params)
+        first = next(outer, None)
+        out |= {(n.name,) for n in inside if first in n.inputs}
+    return out
 
 
 def unit_tp_fractions(graph: OpGraph, styles: dict[str, str], tp: int,
@@ -118,7 +140,12 @@ def local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> d
 
 def splits_param(style: str | None, param_name: str) -> bool:
     """Whether a parameter of a module in ``style`` (None: replicated) is split over the TP ranks:
-    every one of a sharded module but a row-parallel bias (RowwiseParallel replicates it)."""
+    every one of a sharded module but a row-parallel bias (RowwiseParallel replicates it); for the
+    sequence-parallel styles the ones their ``TP_STYLES`` row shards (gather / scatter hooks on a replicated
+    module shard none)."""
+    row = TP_STYLES.get(style) if style is not None else None
+    if row is not None and row.sequence_parallel:
+        return param_name.rsplit(".", 1)[-1] in row.param_shard_dims
     return style is not None and not (style == "rowwise" and param_name.endswith(".bias"))
 
 

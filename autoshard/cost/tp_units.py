@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import TPCost, local_param_count, local_params_by_block, tp_activation_fraction, tp_comm_factor
+from autoshard.cost.tp import TPCost, local_param_count, local_params_by_block, tp_comm_factor
 from autoshard.cost.units import Units, node_units
 from autoshard.ir.decisions import SHARDING_STYLES, Decisions
 from autoshard.ir.graph import OpGraph
@@ -27,7 +27,7 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
     if config.mesh.tp == 1:
         ones = (1.0,) * len(units.forward_s)
         return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
-    tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
+    tp = tables.layout_cost(config)
     modes = config.block_modes(len(tables.graph.blocks))
     return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes), tp.local_params
 
@@ -65,8 +65,8 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
     tp = config.mesh.tp
     if tp == 1:
         return units, (0.0,) * len(units.forward_s)
-    cost = tables.tp_cost(tp, config.microbatch_size)
-    (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tp_activation_fraction(tp)
+    cost = tables.layout_cost(config)
+    (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tables.activation_keep(config)
     share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
     blocks = [1.0] + [keep] * units.blocks + [1.0]
     # a fully recomputed block keeps only its input, whole on every TP rank (as cost.rank_memory's SPMD peak)
@@ -107,7 +107,7 @@ def tp_host_per_unit_s(tables: CostTables, config: Decisions) -> tuple[float, ..
     count = len(tables.graph.blocks) + 2
     if config.mesh.tp == 1 or not tables.cluster.host.tp_module_us:
         return (0.0,) * count
-    sharded = tables.tp_cost(config.mesh.tp, config.microbatch_size).choice.sharded
+    sharded = tables.layout_cost(config).choice.sharded
     unit_of = {}
     for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
         unit_of.setdefault(node.module_path, u)

@@ -15,6 +15,35 @@ constructor, built). Pure data: no torch here, so plans stay torch-free.
     sharded-input-dim{d}       SequenceParallel(sequence_dim=d,                 none                  local shard
                                  use_local_output=True)
     replicate                  (nothing)                                        none                  replicated
+
+Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022): the residual stream between the
+parallel linears is sharded over tp along the sequence dim d ("Q" in ``passes.tensor_parallel``);
+the reduce-scatter and all-gather that replace each all-reduce sit in these styles' hooks:
+
+    colwise-seq-input-dim{d}          ColwiseParallel(input_layouts=Shard(d))        weight 0, bias 0   local shard
+                                        (all-gathers its input; backward reduce-scatters the input gradient)
+    colwise-gather-seq-input-dim{d}   ColwiseParallel(input_layouts=Shard(d),       weight 0, bias 0   replicated
+                                        output_layouts=Replicate())
+    rowwise-seq-output-dim{d}         RowwiseParallel(output_layouts=Shard(d))       weight 1           seq shard
+                                        (reduce-scatters its partial output; backward all-gathers)
+    vocab-parallel-embedding-         RowwiseParallel(input_layouts=Replicate(),     weight 0           seq shard
+      seq-output-dim{d}                 output_layouts=Shard(d))
+    conv1d-colwise-seq-input-dim{d}   Conv1DColwiseParallel(input_layouts=Shard(d))  weight 1, bias 0   local shard
+    conv1d-rowwise-seq-output-dim{d}  Conv1DRowwiseParallel(output_layouts=Shard(d)) weight 0           seq shard
+    gather-seq-input-dim{d}           PrepareModuleInput(input_layouts=Shard(d),     none               replicated
+                                        desired_input_layouts=Replicate(), use_local_output=True)
+                                        (a replicated linear reading the sequence shard: all-gather)
+    scatter-seq-output-dim{d}         PrepareModuleOutput(output_layouts=Replicate(),  none             seq shard
+                                        desired_output_layouts=Shard(d), use_local_output=True)
+                                        (a replicated linear's output sliced; backward all-gathers)
+    gather-seq-module-input-dim{d}    GatherSequenceInput(sequence_dim=d)            none               (its input)
+                                        (a module holding colwise linears, e.g. attention: its first tensor
+                                        argument all-gathered once into a replicated DTensor, which its code
+                                        reads whole; the linears' partial input gradients reduce-scattered once)
+    scatter-seq-input-dim{d}          ScatterSequenceInput(sequence_dim=d)           none               seq shard
+                                        (a block: its first positional input sliced, backward all-gathered)
+
+d < MAX_SEQ_DIM. The norms between them take ``sharded-input-dim{d}`` (torch's SequenceParallel).
 """
 
 from __future__ import annotations
@@ -30,6 +59,7 @@ if TYPE_CHECKING:  # a type only: plan.py reads this module's tables through pla
 REPLICATE = "replicate"
 SHARDED_INPUT = "sharded-input-dim"
 MAX_SHARDED_INPUT_DIM = 8  # sharded-input-dim0 .. 7
+MAX_SEQ_DIM = 3  # the sequence-parallel styles exist for sequence dims 0 .. 2 (a token dim is 0 or 1)
 
 
 @dataclass(frozen=True)
@@ -40,7 +70,7 @@ class TPStyle:
     constructor: str  # a class of torch.distributed.tensor.parallel, or of autoshard.runtime.tensor_parallel
     arguments: tuple[tuple[str, str], ...]  # keyword -> Python source of the value
     shard_dims: tuple[tuple[str, int], ...]  # parameter -> the dim split over tp
-    output: str  # "shard" (this rank's slice), "replicated" or "all-reduced"
+    output: str  # "shard" (this rank's slice of the features), "seq-shard" (of the tokens), "replicated", "all-reduced"
     from_runtime: bool = False  # constructor is autoshard.runtime.tensor_parallel's, not torch's
 
     @property
@@ -61,11 +91,52 @@ class TPStyle:
         return self.output == "shard"
 
     @property
+    def leaves_seq_shard(self) -> bool:
+        """Its output is this rank's slice of the tokens (sequence parallelism)."""
+        return self.output == "seq-shard"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """One of the sequence-parallel styles (module doc, second table)."""
+        return self.name.endswith(tuple(f"seq-input-dim{d}" for d in range(MAX_SEQ_DIM))
+                                  + tuple(f"seq-output-dim{d}" for d in range(MAX_SEQ_DIM)))
+
+    @property
     def param_shard_dims(self) -> dict[str, int]:
         return dict(self.shard_dims)
 
 
 _COL, _ROW = "ColwiseParallel", "RowwiseParallel"
+
+
+def _sequence_parallel_rows(d: int) -> tuple[TPStyle, ...]:
+    """The sequence-parallel styles for sequence dim d (module doc table): output "seq-shard" is this rank's
+    slice of the tokens, "shard" its slice of the features."""
+    shard, rep = f"Shard({d})", "Replicate()"
+    col_weight, conv_col_weight = (("weight", 0), ("bias", 0)), (("weight", 1), ("bias", 0))
+    return (
+        TPStyle(f"colwise-seq-input-dim{d}", _COL, (("input_layouts", shard),), col_weight, "shard"),
+        TPStyle(f"colwise-gather-seq-input-dim{d}", _COL, (("input_layouts", shard), ("output_layouts", rep)),
+                col_weight, "replicated"),
+        TPStyle(f"rowwise-seq-output-dim{d}", _ROW, (("output_layouts", shard),), (("weight", 1),), "seq-shard"),
+        TPStyle(f"vocab-parallel-embedding-seq-output-dim{d}", _ROW, (("input_layouts", rep), ("output_layouts", shard)),
+                (("weight", 0),), "seq-shard"),
+        TPStyle(f"conv1d-colwise-seq-input-dim{d}", "Conv1DColwiseParallel", (("input_layouts", shard),),
+                conv_col_weight, "shard", from_runtime=True),
+        TPStyle(f"conv1d-rowwise-seq-output-dim{d}", "Conv1DRowwiseParallel", (("output_layouts", shard),),
+                (("weight", 0),), "seq-shard", from_runtime=True),
+        TPStyle(f"gather-seq-input-dim{d}", "PrepareModuleInput",
+                (("input_layouts", shard), ("desired_input_layouts", rep), ("use_local_output", "True")), (),
+                "replicated"),
+        TPStyle(f"scatter-seq-output-dim{d}", "PrepareModuleOutput",
+                (("output_layouts", rep), ("desired_output_layouts", shard), ("use_local_output", "True")), (),
+                "seq-shard"),
+        TPStyle(f"gather-seq-module-input-dim{d}", "GatherSequenceInput", (("sequence_dim", str(d)),), (),
+                "replicated", from_runtime=True),
+        TPStyle(f"scatter-seq-input-dim{d}", "ScatterSequenceInput", (("sequence_dim", str(d)),), (), "seq-shard",
+                from_runtime=True),
+    )
+
 _ROWS = (
     TPStyle("colwise", _COL, (), (("weight", 0), ("bias", 0)), "shard"),
     TPStyle("colwise-gather", _COL, (("output_layouts", "Replicate()"),), (("weight", 0), ("bias", 0)),
@@ -80,6 +151,7 @@ _ROWS = (
     # replicated parameters on an input sharded on dim d (a per-head norm): DTensor sums their gradients
     *(TPStyle(f"{SHARDED_INPUT}{d}", "SequenceParallel", (("sequence_dim", str(d)), ("use_local_output", "True")),
               (), "shard") for d in range(MAX_SHARDED_INPUT_DIM)),
+    *(row for d in range(MAX_SEQ_DIM) for row in _sequence_parallel_rows(d)),
 )
 TP_STYLES: dict[str, TPStyle] = {row.name: row for row in _ROWS}
 SHARDING_STYLES = frozenset(name for name, row in TP_STYLES.items() if row.shards_weight)
@@ -138,10 +210,20 @@ class TPChoice:
     (solved by ``passes.tensor_parallel``, priced by ``cost.tp``)."""
 
     tp: int
-    styles: dict[str, str]  # module path -> colwise | colwise-gather | rowwise | vocab-parallel-embedding |
-    #                         conv1d-colwise | conv1d-rowwise | replicate
+    styles: dict[str, str]  # module path -> a TP_STYLES name (colwise, rowwise-seq-output-dim1, ...) or replicate
     reasons: dict[str, str]  # module path -> why it stays replicated
     segments: list[SegmentCost] = field(default_factory=list)
+    # True when at least one value runs sharded over the sequence (layout Q of passes.tensor_parallel): asked
+    # for with ``choose_tp_styles(..., sequence_parallel=True)`` and possible for the model.
+    sequence_parallel: bool = False
+    # Per-rank bytes of the blocks' activations over the same activations unsharded (None: no blocks, or tp=1),
+    # from the chosen layouts: every block op's output (views and aliases left out) counts 1/tp when sharded (S:
+    # features / heads, Q: tokens) and whole when replicated or partial, plus the whole input that each module
+    # gathering a sequence shard (colwise-seq-input, gather-seq-input: one all-gather per module) keeps for its
+    # backward. Korthikanti et al. 2022 count a Megatron block's saved activations as s·b·h·(10 + 24/t) without
+    # sequence parallelism and 34·s·b·h/t with it; DTensor's per-module gathers keep each gathered input, so
+    # this fraction lies above 1/t (``cost.tp.tp_activation_fraction`` is the formula without it).
+    block_activation_fraction: float | None = None
 
     @property
     def comm_bytes(self) -> int:
@@ -240,6 +322,9 @@ class Decisions:
     # Expert parallelism: each expert group's E experts split over ep ranks borrowed from dp (ep | dp,
     # adjacent dp ranks); tokens reach their experts by all-to-all, expert shards sync over dp / ep ranks.
     ep: int = 1
+    # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
+    # parallel linears on 1/tp of the tokens (``passes.tensor_parallel``, layout Q), where the model allows.
+    sequence_parallel: bool = False
 
     @property
     def num_stages(self) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, tp_style
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -227,6 +227,12 @@ class Plan:
         return self.mesh.world_size
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Its TP layout shards the regions between the parallel linears along the sequence (a style of
+        ``ir.decisions``' sequence-parallel table)."""
+        return any(tp_style(style).sequence_parallel for style in self.tensor_parallel.values())
+
+    @property
     def decisions(self) -> Decisions:
         """The decision fields as one record, the search's own type (a mixed plan's per-block modes in
         ``blocks`` order)."""
@@ -235,7 +241,7 @@ class Plan:
                          num_microbatches=self.num_microbatches, recompute=self.recompute, schedule=self.schedule,
                          virtual_stages=self.virtual_stages, ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
                          recompute_blocks=modes, precision=self.precision, dp_replicate=self.dp_replicate,
-                         ep=self.ep)
+                         ep=self.ep, sequence_parallel=self.sequence_parallel)
 
     @property
     def layout(self) -> PlanLayout:

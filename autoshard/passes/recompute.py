@@ -36,7 +36,7 @@ from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, transient_bytes
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, tp_activation_fraction
+from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM
 from autoshard.cost.tp_units import spmd_microbatch
 from autoshard.ir.decisions import MIXED, Decisions
 from autoshard.ir.plan import RECOMPUTE_MODES
@@ -54,7 +54,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
     decided, config = config, cp_equivalent(config)  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
     groups = signature_groups(tables)
     by_mode = {r: tables.units(config.microbatch_size, r) for r in RECOMPUTE_MODES}
-    keep = tp_activation_fraction(config.mesh.tp)
+    keep = tables.activation_keep(config)
     model = cp_model.CpModel()
     count = {(g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items()
              for r in RECOMPUTE_MODES}
@@ -84,7 +84,7 @@ def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k
     host = units.host_recompute_s[u] if units.host_recompute_s else 0.0
     if config.mesh.tp == 1:
         return units.recompute_s[u] + host
-    tp = tables.tp_cost(config.mesh.tp, config.microbatch_size)
+    tp = tables.layout_cost(config)
     share = tp.light_fraction[u] if mode == "selective" else tp.unit_fraction[u]
     repeated = (FULL_RECOMPUTE_TP_COMM - 1.0) * tp.comm_s / len(tables.graph.blocks) if mode == "full" else 0.0
     return units.recompute_s[u] * share + host + repeated

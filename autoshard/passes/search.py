@@ -115,6 +115,8 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
         if time_limit_s is not None and fastest_s < float("inf") and time.perf_counter() - start > time_limit_s:
             stopped = True
             break
+        if configs[i].sequence_parallel and not hand_tp_layout(tables, configs[i]).sequence_parallel:
+            continue  # the model keeps no region on 1/tp of the tokens: the same plan as without
         for p in price_with_mixed(graph, cluster, configs[i], global_batch, tables, mixed_recompute, stage_cuts):
             priced.append(p)
             if p.fits:

@@ -79,6 +79,7 @@ class Pins:
     dp_replicate: int | None = None  # HSDP's replicas (1: plain FSDP2 over dp)
     ep: int | None = None  # expert parallelism (1: every rank holds every expert)
     cp: int | None = None  # context parallelism (1: each rank holds whole sequences)
+    sequence_parallel: bool | None = None  # TP's regions between the parallel linears on 1/tp of the tokens
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate", "ep", "cp"):
@@ -132,6 +133,7 @@ PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
     "dp_replicate": lambda p: 1,
     "ep": lambda p: 1,
     "cp": lambda p: 1,
+    "sequence_parallel": lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1,  # where it can run: it never costs memory
 }
 # Never asked for by ``estimate``: the planner's cuts (``passes.stage_cuts``), the schedule's virtual stages
 # (the schedule is asked for where it has no default).
@@ -191,6 +193,19 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
     _check_zero(pins)
     _check_ep(pins)
+    _check_sequence_parallel(pins)
+
+
+def _check_sequence_parallel(pins: Pins) -> None:
+    """--sequence-parallel on: TP's layout without pipeline stages (``sequence_parallel_choices``)."""
+    if not pins.sequence_parallel:
+        return
+    if pins.tp == 1:
+        raise AutoshardError("--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
+                             "pin --tp 2 or more, or --sequence-parallel off")
+    if pins.wants_pipeline:
+        raise AutoshardError("--sequence-parallel on with pipeline stages is not emitted yet (stages run TP on local "
+                             "shards); pin --pp 1 or --sequence-parallel off")
 
 
 def check_global_batch(global_batch: int) -> None:
@@ -553,10 +568,17 @@ def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
     group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
-    return [replace(c, dp_replicate=r, ep=e) for c in configs
+    return [replace(c, dp_replicate=r, ep=e, sequence_parallel=sp) for c in configs
             for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
             if pins.dp_replicate in (None, r)
-            for e in ep_degrees(mesh, experts, r) if pins.ep in (None, e)]
+            for e in ep_degrees(mesh, experts, r) if pins.ep in (None, e)
+            for sp in sequence_parallel_choices(mesh) if pins.sequence_parallel in (None, sp)]
+
+
+def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
+    """Sequence parallelism is a choice of the SPMD TP layout (tp > 1, no pipeline: stages run TP on local
+    shards with traced collectives, which have no sequence-parallel form yet)."""
+    return (False, True) if mesh.tp > 1 and mesh.pp == 1 else (False,)
 
 
 def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:

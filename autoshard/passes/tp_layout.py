@@ -15,10 +15,15 @@ from autoshard.passes.tensor_parallel import choose_tp_styles
 
 
 def hand_tp_layout(tables: CostTables, decisions: Decisions) -> TPChoice | None:
-    """The layout ``decisions`` are priced with, in ``tables`` from now on; None without TP."""
+    """The layout ``decisions`` are priced with, in ``tables`` from now on; None without TP. With
+    ``sequence_parallel`` the layout model may put the regions between the parallel linears on 1/tp of
+    the tokens; the choice says whether it did (a model where it cannot keeps them whole)."""
     tp, b = decisions.mesh.tp, decisions.microbatch_size / decisions.mesh.cp  # a cp rank: b/cp samples' tokens
+    sp = decisions.sequence_parallel
     if tp == 1:
         return None
-    if not tables.has_tp_layout(tp, b):
-        tables.add_tp_layout(choose_tp_styles(tables.graph, tp, tables.tp_solve_link(tp, b), tables.cluster.device), b)
-    return tables.tp_cost(tp, b).choice
+    if not tables.has_tp_layout(tp, b, sp):
+        link = tables.tp_solve_link(tp, b)
+        choice = choose_tp_styles(tables.graph, tp, link, tables.cluster.device, sequence_parallel=sp)
+        tables.add_tp_layout(choice, b, sp)
+    return tables.tp_cost(tp, b, sp).choice

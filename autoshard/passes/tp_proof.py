@@ -36,6 +36,33 @@ layouts), so the argument carries over, unless an op's size arguments are read a
 zoo's tp2 programs are verified numerically). Per-head mixing that keeps shapes (a fused q|k|v split) is
 refused by the propagation itself (``fused_split``, splits over the sharded dim). The result is
 ``OpGraph.tp_proofs[str(t)]``: node -> the reason it is refused; degrees not checked refuse all.
+
+**Sequence parallelism** (``prove_sequence_parallel``, ``OpGraph.tp_proofs[f"{t}sp"]``): the same steps
+on the widest layout with the Q layouts of ``passes.tensor_parallel`` (the residual stream sharded over
+the sequence where the boundary fixed point allows it). It starts from degree t's refusals, kept for the
+rules that touch S or P only (``node:kind`` entries: the Q rules are what this run checks). The local
+program also stands in for the sequence-parallel styles of linears (a gather multiplies the sequence
+dim of the module's output by t, a reduce-scatter or a slice divides it), and where a style's hook
+changes a module's input it runs the same change (``_ScatterHook``: a block's first positional input
+sliced; ``_GatherHook``: a module's first tensor argument gathered; custom ops the comparison skips);
+a node with L(n)=Q should give its shape with q(n) divided by t. A refusal names a rule (``node:kind``):
+
+    a node whose shape is wrong, its inputs right:     its own Q rule; if it has none (e.g.
+                                                         ``arange(x.shape[1])`` reading the size of a
+                                                         sequence shard), the nearest split or gather of
+                                                         the tokens before it in graph order
+    an export that raises (``_refuse_raised``):         the first module call that saw a wrong shape
+                                                         decides: entered with a wrong input, the rule
+                                                         of that input's producer as above; returned a
+                                                         wrong output, its gathers, else its splits, else
+                                                         the nearest one before it; none, the running
+                                                         module (``_refuse_module_seq``)
+    nothing to blame                                     sequence parallelism at that degree
+
+Step 4 refuses every Q rule (and every block scatter) the final widest layout did not use: a Q rule is
+a module hook or a per-token op whose neighbours' sizes the code may read, so only what ran is trusted.
+A widest layout without any Q, or ``MAX_ROUNDS`` failed rounds, refuse sequence parallelism at that
+degree (``tensor_parallel.SP_REFUSED``).
 """
 
 from __future__ import annotations
@@ -47,15 +74,17 @@ import torch
 import torch.nn as nn
 from ortools.sat.python import cp_model
 
-from autoshard.ir.decisions import TPChoice
+from autoshard.ir.decisions import MAX_SEQ_DIM, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.capture import _module_of, _user_location, build_on_meta, export_module, target_name
 from autoshard.passes.fold import fold_model, unfold
-from autoshard.passes.tensor_parallel import (LINEAR_OPS, R, S, _default_styles, _record_styles, check_divisibility,
-                                              consumer_map, segment_model, segments, shard_dims)
+from autoshard.passes.tensor_parallel import (LINEAR_OPS, Q, R, S, SEQ_GATHER_KINDS, SEQ_SOURCE_KINDS, SINK_OPS,
+                                              SP_REFUSED, _default_styles, _record_styles, check_divisibility,
+                                              consumer_map, module_gathers, proof_key, representatives, segment_model,
+                                              segments, seq_dims, shard_dims, sp_boundary, uses_seq)
 
 PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = "not run on a shard by the check of the model's code:"
@@ -63,10 +92,15 @@ MAX_ROUNDS = 6
 
 
 def prove_tensor_parallel(model_file: ModelFile, graph: OpGraph) -> OpGraph:
-    """``graph`` (captured, annotated, maybe folded) with ``tp_proofs`` for every degree it can take."""
+    """``graph`` (captured, annotated, maybe folded) with ``tp_proofs`` for every degree it can take, with and
+    without sequence parallelism."""
     full = find_blocks(unfold(replace(graph, blocks=[])))
-    graph.tp_proofs = {str(tp): prove_degree(model_file, graph, full, tp)
-                       for tp in PROOF_DEGREES if not check_divisibility(full, tp)}
+    proofs = {}
+    for tp in PROOF_DEGREES:
+        if not check_divisibility(full, tp):
+            proofs[proof_key(tp)] = prove_degree(model_file, graph, full, tp)
+            proofs[proof_key(tp, True)] = prove_sequence_parallel(model_file, graph, full, tp, proofs[proof_key(tp)])
+    graph.tp_proofs = proofs
     return graph
 
 
@@ -86,15 +120,43 @@ def prove_degree(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: in
                     f"replicated" for n in full.nodes}
 
 
-class Layout:
-    """The widest layout: per representative node its rule, per module its style, per node its s(n)."""
+def prove_sequence_parallel(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int,
+                            base: dict[str, str]) -> dict[str, str]:
+    """Rules refused at degree tp with sequence parallelism (module doc, "Sequence parallelism")."""
+    if full.tokens_per_sample <= 1:
+        return {SP_REFUSED: "not a token model (tokens_per_sample = 1): no sequence to shard"}
+    refused = {f"{name}:{kind}": why for name, why in base.items() for kind in S_KINDS}
+    for _ in range(MAX_ROUNDS):
+        full.tp_proofs = {proof_key(tp, True): dict(refused)}
+        layout = widest_layout(full, tp, sp=True)
+        if not layout.runs_seq:
+            return refused | {SP_REFUSED: f"tp={tp}: no value of the model can be sharded over its sequence"}
+        failures = local_failures(model_file, captured, full, layout, tp)
+        if not failures:
+            return refused | unexercised(full, tp, layout)
+        refused |= failures
+        if SP_REFUSED in failures:
+            return refused
+    return refused | {SP_REFUSED: f"tp={tp}: the model's code did not match a sequence-parallel layout after "
+                                  f"{MAX_ROUNDS} attempts"}
 
-    def __init__(self, full: OpGraph, tp: int):
+
+S_KINDS = ("col", "row", "vocab", "shard", "colq", "rowq")  # rules that make, read or reduce S: degree t's verdict
+
+
+class Layout:
+    """The widest layout: per representative node its rule, per module its style, per node its s(n) and q(n)."""
+
+    def __init__(self, full: OpGraph, tp: int, sp: bool = False):
         self.rules: dict = {}
         self.allowed: dict = {}
         self.dims: dict = {}
         self.choice = TPChoice(tp, *_default_styles(full))
         self.rep_of = representatives(full)
+        self.sp = sp
+        self.qdims = seq_dims(full) if sp else {}
+        self.scatters: dict = {}  # rest value -> (block, seq dim) sliced at that block's input
+        self.boundary = None
 
     def output(self, name: str) -> str:
         rule = self.rules.get(self.rep_of.get(name, name))
@@ -103,38 +165,59 @@ class Layout:
     def dim(self, name: str) -> int | None:
         return self.dims.get(self.rep_of.get(name, name))
 
+    def qdim(self, name: str) -> int | None:
+        return self.qdims.get(self.rep_of.get(name, name))
 
-def widest_layout(full: OpGraph, tp: int) -> Layout:
-    """Step 1: per segment, as many ops on shards as the (refusal-filtered) rules allow."""
-    layout = Layout(full, tp)
+    @property
+    def runs_seq(self) -> bool:
+        return bool(self.scatters) or any(uses_seq(r) for r in self.rules.values())
+
+
+def widest_layout(full: OpGraph, tp: int, sp: bool = False) -> Layout:
+    """Step 1: per segment, as many ops on shards as the (refusal-filtered) rules allow; with ``sp`` on the
+    sequence-parallel boundary (``tensor_parallel.sp_boundary``), preferring any rule to a replicated one."""
+    layout = Layout(full, tp, sp)
     consumers = consumer_map(full)
+    layout.boundary = boundary = sp_boundary(full, tp) if sp else None
     for path, nodes, _ in segments(full):
-        model, rules, pick, _ = segment_model(full, nodes, consumers, tp)
-        model.Minimize(sum(xs[0] for name, xs in pick.items() if len(xs) > 1))
+        built = segment_model(full, nodes, consumers, tp, boundary)
+        model, rules, pick = built.model, built.rules, built.pick
+        if sp:  # replicated rules cost 4; a linear's own gather 1 where its module may gather once instead
+            model.Minimize(sum(_widest_weight(full, n, r) * x for n in nodes
+                               if len(pick[n.name]) > 1 and op_name(n.target) not in SINK_OPS
+                               for x, r in zip(pick[n.name], rules[n.name])))
+        else:
+            model.Minimize(sum(xs[0] for name, xs in pick.items() if len(xs) > 1))
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         status = solver.Solve(model)
         assert status == cp_model.OPTIMAL, f"TP proof layout: {solver.StatusName(status)}"
         chosen = {name: rs[k] for name, rs in rules.items() for k in range(len(rs)) if solver.Value(pick[name][k])}
+        scatters = {v: boundary.scatter[v] for v, t in built.scatters.items() if solver.Value(t)}
         layout.rules |= chosen
         layout.allowed |= rules
         layout.dims |= shard_dims(full, nodes, tp)
-        _record_styles(full, layout.choice, nodes, chosen, path)
+        layout.scatters |= scatters
+        _record_styles(full, layout.choice, nodes, chosen, path, sp, scatters)
     return layout
 
 
-def representatives(full: OpGraph) -> dict[str, str]:
-    """Node of a repeated block -> the same node of its block's representative."""
-    by_path = {b.path: b for b in full.blocks}
-    out = {}
-    for block in full.blocks:
-        rep = by_path[block.representative]
-        out |= dict(zip(block.node_names, rep.node_names))
-    return out
+REPLICATED_KINDS = frozenset({"rep", "repg", "reps"})  # compute on whole tensors
+
+
+def _widest_weight(full: OpGraph, node: OpNode, rule) -> int:
+    """The sequence-parallel widest layout's price of a rule: replicated 4; a per-linear gather 1 where the module
+    above may gather once (``module_gathers``: one collective, and the module's code reads whole shapes); 0."""
+    if rule.kind in REPLICATED_KINDS:
+        return 4
+    return 1 if rule.kind == "colq" and node.name in module_gathers(full) else 0
 
 
 def unexercised(full: OpGraph, tp: int, layout: Layout) -> dict[str, str]:
-    """Step 4: shard rules of non-linear ops that the widest layout left unused."""
+    """Step 4: shard rules of non-linear ops that the widest layout left unused; with sequence parallelism
+    every unused Q rule and block scatter instead (module doc)."""
+    if layout.sp:
+        return _unexercised_seq(full, tp, layout)
     out = {}
     linear_modules = {n.module_path for n in full.nodes if op_name(n.target) in LINEAR_OPS}
     for name, rules in layout.allowed.items():
@@ -144,6 +227,21 @@ def unexercised(full: OpGraph, tp: int, layout: Layout) -> dict[str, str]:
         if node.module_path in linear_modules:  # a styled module's own ops run on DTensors, not checked here
             continue
         out[name] = f"{UNEXERCISED} {op_name(node.target)} in {node.module_path or 'the root'} at tp={tp}; replicated"
+    return out
+
+
+def _unexercised_seq(full: OpGraph, tp: int, layout: Layout) -> dict[str, str]:
+    out = {}
+    for name, rules in layout.allowed.items():
+        node, chosen = full.node(name), layout.rules[name]
+        for rule in rules:
+            if uses_seq(rule) and rule.kind != chosen.kind:
+                where = node.module_path or "the root"
+                out[f"{name}:{rule.kind}"] = (f"{UNEXERCISED} {op_name(node.target)} in {where} by its {rule.kind} "
+                                              f"rule (sequence parallel) at tp={tp}")
+    for value in (layout.boundary.scatter if layout.boundary is not None else {}):
+        if value not in layout.scatters:
+            out[f"{value}:scatter"] = f"{UNEXERCISED} {value} sliced at its block's input at tp={tp}"
     return out
 
 
@@ -159,58 +257,243 @@ def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layo
     stand_in_shards(model, layout.choice.styles, tp)
     inputs = tuple(t.to("meta") for t in model_file.example_batch(captured.batch_size)[0])
     stack: list[str] = []
-    with _module_stack(model, stack):
+    events: list[tuple[str, str, tuple[int, ...]]] = []
+    with _module_stack(model, stack, events):
         try:
             program = export_module(model, inputs, model_file.spec)
         except Exception as exc:  # the code cannot run on shards at all: refuse where it stopped
-            return _refuse_module(full, layout, stack[-1] if stack else "", tp, exc)
-    local = [n for n in program.graph.nodes if n.op == "call_function"]
+            return _refuse_raised(captured, full, layout, stack[-1] if stack else "", events, tp, exc)
+    local = [n for n in program.graph.nodes if n.op == "call_function" and not _is_proof_hook(n)]
     return compare_shapes(captured, full, layout, local, tp)
 
 
+def _refuse_raised(captured: OpGraph, full: OpGraph, layout: Layout, running: str, events: list, tp: int,
+                   exc: BaseException) -> dict[str, str]:
+    """The export raised in module ``running``. Without sequence parallelism: that module's shardable ops. With
+    it, the first module call of the run that already saw a wrong shape places the blame (``_first_wrong``): a
+    module entered with a wrong input blames that input's producer (``_seq_refusal``), a module that returned a
+    wrong output its own splits and gathers; else the running module (``_refuse_module_seq``)."""
+    if not layout.sp:
+        return _refuse_module(full, layout, running, tp, exc)
+    kind, path, producer = _first_wrong(captured, layout, events, tp)
+    if kind == "enter":
+        rep = layout.rep_of.get(producer, producer)
+        return _seq_refusal(full, layout, rep, f"{_raised(exc, path, tp)} (its input {producer} has another shape "
+                                               f"than the layout needs)")
+    if kind == "leave":
+        return _refuse_module(full, layout, path, tp, exc, located=True)
+    finished = [p for k, p, _ in events if k == "leave"]
+    return _refuse_module(full, layout, running, tp, exc, point=_last_finished_inside(running, finished))
+
+
+def _first_wrong(captured: OpGraph, layout: Layout, events: list, tp: int) -> tuple[str, str, str]:
+    """("enter", module, producer of its input) or ("leave", module, "") for the first module call whose input
+    (as it arrived, before the style hooks) or output (stand-ins left out) has no shape the layout expects;
+    ("", "", "") if none."""
+    styled = {p for p, s in layout.choice.styles.items() if s in STAND_INS}
+    readers, by_name = consumer_map(captured), captured._by_name()
+    for kind, path, shape in events:
+        if not path or (kind == "leave" and _inside(path, styled)):
+            continue
+        members = _members(captured, path)
+        names = {n.name for n in members}
+        if kind == "enter":
+            outer = [x for x in dict.fromkeys(x for n in members for x in n.inputs)
+                     if x in by_name and x not in names]
+            expected = {_arriving_shape(by_name[x], path, layout, tp) for x in outer}
+            if outer and shape not in expected:
+                return kind, path, outer[0]
+        else:
+            out = {expected_shape(n, layout, tp) for n in members if n.shape
+                   and (not readers.get(n.name) or any(r not in names for r in readers[n.name]))}
+            if out and shape not in out:
+                return kind, path, ""
+    return "", "", ""
+
+
+def _arriving_shape(producer: OpNode, path: str, layout: Layout, tp: int) -> tuple[int, ...]:
+    """The shape ``producer``'s value has when it reaches module ``path``: its layout's, changed by the hooks of
+    the modules around ``path`` that it enters (a block's scatter divides the tokens, a module's gather
+    multiplies them); ``path``'s own hooks run after the recording one."""
+    shape = list(expected_shape(producer, layout, tp))
+    parts = path.split(".")
+    for k in range(1, len(parts)):
+        outer = ".".join(parts[:k])
+        style = layout.choice.styles.get(outer, "")
+        if _inside(producer.module_path, {outer}) or not style.startswith(SEQ_HOOKS):
+            continue
+        d = int(style.rsplit("dim", 1)[1])
+        if d < len(shape):
+            shape[d] = shape[d] // tp if style.startswith(SCATTER_INPUT) else shape[d] * tp
+    return tuple(shape)
+
+
+def _members(captured: OpGraph, path: str) -> list[OpNode]:
+    by_module = captured.derived("tp_proof_members", lambda: {})
+    if path not in by_module:
+        by_module[path] = [n for n in captured.nodes if _inside(n.module_path, {path})]
+    return by_module[path]
+
+
+def _raised(exc: BaseException, module: str, tp: int) -> str:
+    root = exc.__cause__ or exc
+    first = (str(root).strip().splitlines() or [""])[0][:120]
+    return f"the model's code fails on a tp={tp} shard in {module or 'the root'} ({type(root).__name__}: {first})"
+
+
+def _last_finished_inside(module: str, finished: list[str]) -> str:
+    """The last submodule of ``module`` that returned before the export raised ("" if none)."""
+    inner = [path for path in finished if path != module and (not module or _inside(path, {module}))]
+    return inner[-1] if inner else ""
+
+
 def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> None:
-    """Each styled module replaced (in place) by a ``_ShardStandIn`` giving its tp-rank output shape.
+    """Each styled module replaced (in place) by a ``_ShardStandIn`` giving its tp-rank output shape; each block
+    with ``scatter-seq-input-dim{d}`` slices its first positional input (``_ScatterHook``).
 
     A styled module runs its own code on DTensors (global shapes, DTensor's own sharding rules), so it
     is not what is checked here; what is checked is the code *between* styled modules, which runs on
     plain local tensors."""
     for path, style in styles.items():
-        if style not in STAND_IN_OUT:
+        if style not in STAND_INS and not style.startswith((SCATTER_INPUT, GATHER_MODULE_INPUT, GATHER_INPUT)):
             continue
         try:
             module = model.get_submodule(path)
         except AttributeError:  # a layer that folding removed
             continue
-        features = module.weight.shape[STAND_IN_OUT[style][0]]
+        if style.startswith(SCATTER_INPUT):
+            module.register_forward_pre_hook(_ScatterHook(int(style[len(SCATTER_INPUT):]), tp))
+            continue
+        if style.startswith(GATHER_MODULE_INPUT):
+            module.register_forward_pre_hook(_GatherHook(int(style[len(GATHER_MODULE_INPUT):]), tp), with_kwargs=True)
+            continue
+        if style.startswith(GATHER_INPUT):  # PrepareModuleInput: exactly one positional argument
+            module.register_forward_pre_hook(_GatherHook(int(style[len(GATHER_INPUT):]), tp, positional=True),
+                                             with_kwargs=True)
+            continue
+        shard_features, seq = STAND_INS[style]
+        features = _features(module)
         parent, _, child = path.rpartition(".")
-        local = features // tp if STAND_IN_OUT[style][1] else features
-        (model.get_submodule(parent) if parent else model).register_module(child, _ShardStandIn(local, style))
+        local = _ShardStandIn(features // tp if shard_features else features, style, seq, tp)
+        (model.get_submodule(parent) if parent else model).register_module(child, local)
 
 
-STAND_IN_OUT = {  # style -> (weight dim of the output features, whether the output is a shard)
-    "colwise": (0, True), "colwise-gather": (0, False), "rowwise": (0, False),
-    "conv1d-colwise": (1, True), "conv1d-rowwise": (1, False), "vocab-parallel-embedding": (1, False),
-}
+def _stand_ins() -> dict[str, tuple[bool, tuple[str, int] | None]]:
+    """style -> (whether its output features are a shard, what it does to the sequence dim: ("gather", d) multiplies
+    it by tp, ("split", d) divides it, None keeps it)."""
+    out = {"colwise": (True, None), "colwise-gather": (False, None), "rowwise": (False, None),
+           "conv1d-colwise": (True, None), "conv1d-rowwise": (False, None), "vocab-parallel-embedding": (False, None)}
+    for d in range(MAX_SEQ_DIM):
+        out |= {f"colwise-seq-input-dim{d}": (True, ("gather", d)),
+                f"colwise-gather-seq-input-dim{d}": (False, ("gather", d)),
+                f"conv1d-colwise-seq-input-dim{d}": (True, ("gather", d)),
+                f"rowwise-seq-output-dim{d}": (False, ("split", d)),
+                f"conv1d-rowwise-seq-output-dim{d}": (False, ("split", d)),
+                f"vocab-parallel-embedding-seq-output-dim{d}": (False, ("split", d)),
+                f"scatter-seq-output-dim{d}": (False, ("split", d))}
+    return out
+
+
+STAND_INS = _stand_ins()
+SCATTER_INPUT = "scatter-seq-input-dim"
+GATHER_MODULE_INPUT = "gather-seq-module-input-dim"
+GATHER_INPUT = "gather-seq-input-dim"
+SEQ_HOOKS = (SCATTER_INPUT, GATHER_MODULE_INPUT, GATHER_INPUT)  # styles whose hooks change a module's input
+
+
+def _features(module: nn.Module) -> int:
+    """Output features: a Conv1D's nf, an embedding's dim, an nn.Linear's out_features."""
+    if hasattr(module, "nf"):
+        return module.nf
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    return module.weight.shape[0]
 
 
 class _ShardStandIn(nn.Module):
     """Output of one tp rank's styled module: (*x.shape[:-1], features), or (*ids.shape, features) for an
-    embedding."""
+    embedding, with the sequence dim gathered (× tp) or split (÷ tp) where the style does so."""
 
-    def __init__(self, features: int, style: str):
+    def __init__(self, features: int, style: str, seq: tuple[str, int] | None = None, tp: int = 1):
         super().__init__()
-        self.features, self.embedding = features, style == "vocab-parallel-embedding"
+        self.features, self.seq, self.tp = features, seq, tp
+        self.embedding = style.startswith("vocab-parallel-embedding")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = tuple(x.shape) if self.embedding else tuple(x.shape[:-1])
+        lead = list(x.shape) if self.embedding else list(x.shape[:-1])
+        if self.seq is not None:
+            how, d = self.seq
+            lead[d] = lead[d] * self.tp if how == "gather" else lead[d] // self.tp
         dtype = torch.get_default_dtype() if self.embedding else x.dtype
         return torch.zeros(*lead, self.features, dtype=dtype, device=x.device)
+
+
+@torch.library.custom_op("autoshard::tp_proof_scatter", mutates_args=())
+def _scatter_op(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (the proof's stand-in for ScatterSequenceInput)."""
+    return x.narrow(dim, 0, x.shape[dim] // parts).clone()
+
+
+@_scatter_op.register_fake
+def _(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return x.new_empty(shape)
+
+
+class _ScatterHook:
+    """Forward pre-hook: the block's first positional input sliced to 1/tp along dim d, as
+    ``runtime.tensor_parallel.ScatterSequenceInput`` does (kwargs untouched: the comparison then finds the
+    block reading a whole tensor where the layout has its shard)."""
+
+    def __init__(self, dim: int, tp: int):
+        self.dim, self.tp = dim, tp
+
+    def __call__(self, module: nn.Module, args: tuple):
+        if args and isinstance(args[0], torch.Tensor):
+            return (torch.ops.autoshard.tp_proof_scatter(args[0], self.dim, self.tp), *args[1:])
+        return None
+
+
+@torch.library.custom_op("autoshard::tp_proof_gather", mutates_args=())
+def _gather_op(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """``x`` repeated ``parts`` times along ``dim`` (the proof's stand-in for GatherSequenceInput)."""
+    return torch.cat([x] * parts, dim)
+
+
+@_gather_op.register_fake
+def _(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= parts
+    return x.new_empty(shape)
+
+
+class _GatherHook:
+    """Forward pre-hook (with kwargs): the module's first tensor argument, positional or else keyword, gathered
+    to tp times its tokens along dim d, as ``runtime.tensor_parallel.GatherSequenceInput`` does; with
+    ``positional`` only a sole positional argument, as torch's PrepareModuleInput with one layout takes."""
+
+    def __init__(self, dim: int, tp: int, positional: bool = False):
+        self.dim, self.tp, self.positional = dim, tp, positional
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        grow = partial(torch.ops.autoshard.tp_proof_gather, dim=self.dim, parts=self.tp)
+        if self.positional:
+            return ((grow(args[0]),), kwargs) if len(args) == 1 and isinstance(args[0], torch.Tensor) else None
+        if args and isinstance(args[0], torch.Tensor):
+            return (grow(args[0]), *args[1:]), kwargs
+        key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+        return (args, {**kwargs, key: grow(kwargs[key])}) if key is not None else None
+
+
+def _is_proof_hook(fx_node) -> bool:
+    return "tp_proof_scatter" in str(fx_node.target) or "tp_proof_gather" in str(fx_node.target)
 
 
 def compare_shapes(captured: OpGraph, full: OpGraph, layout: Layout, local: list, tp: int) -> dict[str, str]:
     """Step 3 on the two exports' nodes, in order, outside the styled modules (their stand-ins give the
     expected shape by construction, so their outputs count as matched)."""
-    styled = {p for p, s in layout.choice.styles.items() if s in STAND_IN_OUT}
+    styled = {p for p, s in layout.choice.styles.items() if s in STAND_INS}
     ours = [n for n in captured.nodes if not _inside(n.module_path, styled)]
     matched = {n.name for n in captured.nodes if _inside(n.module_path, styled)}
     theirs = [n for n in local if not _inside(_module_of(n)[0], styled)]
@@ -232,12 +515,15 @@ def _inside(path: str, modules: set[str]) -> bool:
 
 
 def expected_shape(node: OpNode, layout: Layout, tp: int) -> tuple[int, ...]:
-    """The captured shape with s(n) divided by tp where the layout shards n (a gathered col keeps it whole)."""
+    """The captured shape with s(n) divided by tp where the layout shards n (a gathered col keeps it whole), and
+    q(n) divided by tp where it shards n over the sequence."""
     shape = list(node.shape)
-    dim = layout.dim(node.name)
+    dim, out = layout.dim(node.name), layout.output(node.name)
     gathered = layout.choice.styles.get(node.module_path) == "colwise-gather"
-    if layout.output(node.name) == S and dim is not None and not gathered:
+    if out == S and dim is not None and not gathered:
         shape[dim] //= tp
+    elif out == Q and layout.qdim(node.name) is not None:
+        shape[layout.qdim(node.name)] //= tp
     return tuple(shape)
 
 
@@ -248,20 +534,61 @@ def _shape(fx_node) -> tuple[int, ...]:
 
 
 def _refusal(full: OpGraph, layout: Layout, node: OpNode, tp: int, what: str) -> dict[str, str]:
-    """{representative node: reason}, named after the representative (the node the search decides)."""
+    """{representative node: reason}, named after the representative (the node the search decides); with
+    sequence parallelism {rule: reason} (``_seq_refusal``)."""
     rep = layout.rep_of.get(node.name, node.name)
     where = full.node(rep).module_path or "the root"
-    return {rep: f"{op_name(node.target)} in {where} {what} at tp={tp}; its input stays replicated"}
+    why = f"{op_name(node.target)} in {where} {what} at tp={tp}; its input stays replicated"
+    return _seq_refusal(full, layout, rep, why) if layout.sp else {rep: why}
 
 
-def _refuse_module(full: OpGraph, layout: Layout, module: str, tp: int, exc: BaseException) -> dict[str, str]:
-    """Every op that could run on shards inside ``module`` (all of them when no module was running)."""
+def _seq_refusal(full: OpGraph, layout: Layout, rep: str, why: str) -> dict[str, str]:
+    """What a sequence-parallel failure at ``rep`` refuses (module doc table): its own Q rule, else the nearest Q
+    source before it, else its own rule, else sequence parallelism."""
+    rule = layout.rules.get(rep)
+    if rule is not None and uses_seq(rule):
+        return {f"{rep}:{rule.kind}": why}
+    edge = _nearest_edge(full, layout, rep)
+    if edge:
+        return {edge: f"{why} (it reads the size of a tensor whose tokens are split or gathered upstream)"}
+    if rule is not None and rule.kind != "rep":
+        return {f"{rep}:{rule.kind}": why}
+    return {SP_REFUSED: why}
+
+
+def _seq_edges(full: OpGraph, layout: Layout) -> list[tuple[int, str]]:
+    """(graph position, ``node:kind`` or ``value:scatter``) of every place the layout splits the tokens
+    (a reduce-scatter, a slice, a block's scatter) or gathers them, in graph order."""
+    order = _order(full)
+    found = [(order[name], f"{name}:{rule.kind}") for name, rule in layout.rules.items()
+             if rule.kind in SEQ_SOURCE_KINDS | SEQ_GATHER_KINDS and name in order]
+    found += [(order[v], f"{v}:scatter") for v in layout.scatters if v in order]
+    return sorted(found)
+
+
+def _nearest_edge(full: OpGraph, layout: Layout, rep: str) -> str:
+    """The split or gather of the tokens the layout runs closest before ``rep`` ("" if none)."""
+    before = _order(full).get(rep, 0)
+    found = [key for at, key in _seq_edges(full, layout) if at < before]
+    return found[-1] if found else ""
+
+
+def _order(full: OpGraph) -> dict[str, int]:
+    return full.derived("tp_proof_order", lambda: {n.name: i for i, n in enumerate(full.nodes)})
+
+
+def _refuse_module(full: OpGraph, layout: Layout, module: str, tp: int, exc: BaseException,
+                   located: bool = False, point: str = "") -> dict[str, str]:
+    """Every op that could run on shards inside ``module`` (all of them when no module was running); with
+    sequence parallelism one split or gather of the tokens (``_refuse_module_seq``)."""
     root = exc.__cause__ or exc
     first = (str(root).strip().splitlines() or [""])[0][:120]
     where = _user_location(root)
     why = (f"the model's code fails on a tp={tp} shard in {module or 'the root'} ({type(root).__name__}: {first}"
            f"{' at ' + where if where else ''}); replicated")
     inside = [n for n in full.nodes if not module or n.module_path == module or n.module_path.startswith(module + ".")]
+    if layout.sp:
+        return _refuse_module_seq(full, layout, inside, why, located, point)
     out = {layout.rep_of.get(n.name, n.name): why for n in inside
            if _can_shard(layout.allowed.get(layout.rep_of.get(n.name, n.name), ()))}
     if not out:  # the failure is outside every op that can shard: nothing can be trusted at this degree
@@ -269,27 +596,68 @@ def _refuse_module(full: OpGraph, layout: Layout, module: str, tp: int, exc: Bas
     return out
 
 
+def _refuse_module_seq(full: OpGraph, layout: Layout, inside: list[OpNode], why: str, located: bool,
+                       point: str) -> dict[str, str]:
+    """The export raised (module doc, "Sequence parallelism"), in the order tried:
+
+    located (a finished module's output was already wrong; ``inside`` its nodes): its gathers of the tokens
+        (its code read a size on the split side and used it on the gathered one), else its splits, else the
+        nearest split or gather before it;
+    else (``inside`` the raising module, ``point`` its last submodule that returned): the per-token rules of
+        its own code after that point (the ops running when it raised), else its gathers before the point,
+        else its nearest split before the point, else the nearest split or gather before the module.
+    Nothing to blame: sequence parallelism is refused."""
+    order, reps = _order(full), [layout.rep_of.get(n.name, n.name) for n in inside]
+    if not reps:
+        return {SP_REFUSED: why}
+    start = min(order.get(r, 0) for r in reps)
+    stop = max((order.get(layout.rep_of.get(n.name, n.name), 0) for n in full.nodes
+                if point and _inside(n.module_path, {point})), default=start - 1)
+    names = set(reps)
+    edges = [(at, key) for at, key in _seq_edges(full, layout) if key.split(":")[0] in names]
+    gathers = [key for at, key in edges if key.split(":")[1] in SEQ_GATHER_KINDS and (located or at <= stop)]
+    splits = [key for at, key in edges if key.split(":")[1] not in SEQ_GATHER_KINDS and (located or at <= stop)]
+    styled = {p for p, s in layout.choice.styles.items() if s in STAND_INS}
+    running = [f"{r}:seq" for r in dict.fromkeys(reps) if order.get(r, 0) > stop and layout.rules.get(r) is not None
+               and layout.rules[r].kind == "seq" and not _inside(full.node(r).module_path, styled)]
+    upstream = _nearest_edge(full, layout, min(reps, key=lambda r: order.get(r, 0)))
+    tries = [gathers, splits[:1], [upstream]] if located else [running, gathers, splits[-1:], [upstream]]
+    pick = next((keys for keys in tries if any(keys)), [])
+    note = " (a split or gather of the tokens there: sequence parallel)"
+    return {key: why + note for key in pick if key} or {SP_REFUSED: why}
+
+
 def _can_shard(rules) -> bool:
     return any(r.kind != "rep" for r in rules)
 
 
 class _module_stack:
-    """Within the block, ``stack`` holds the paths of the modules whose forward is running."""
+    """Within the block, ``stack`` holds the paths of the modules whose forward is running, and ``events`` each
+    call's ("enter", path, shape of its first tensor argument as it arrived, before other pre-hooks) and
+    ("leave", path, shape of the first tensor of its output), in the order they happened."""
 
-    def __init__(self, model: nn.Module, stack: list[str]):
+    def __init__(self, model: nn.Module, stack: list[str], events: list | None = None):
         self.model, self.stack, self.handles = model, stack, []
+        self.events = events if events is not None else []
 
     def __enter__(self):
         for path, module in self.model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(partial(self._enter, path)))
+            self.handles.append(module.register_forward_pre_hook(partial(self._enter, path), prepend=True,
+                                                                 with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._leave))
         return self
 
-    def _enter(self, path: str, module, args) -> None:
+    def _enter(self, path: str, module, args, kwargs) -> None:
         self.stack.append(path)
+        self._record("enter", path, (args, kwargs))
 
     def _leave(self, module, args, output) -> None:  # None: the output is kept as it is
-        self.stack.pop()
+        self._record("leave", self.stack.pop(), output)
+
+    def _record(self, kind: str, path: str, value) -> None:
+        first = next((t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            self.events.append((kind, path, tuple(int(d) for d in first.shape)))
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:

@@ -28,6 +28,21 @@ makes its parameters Replicate DTensors and its input a Shard(d) DTensor, so eac
 weight gradient is summed over tp by DTensor (Megatron does the same for sequence-parallel norms).
 Every other replicated parameter only meets replicated activations (the planner's layouts keep
 it so), so every TP rank computes the same gradient for it and needs no sync.
+
+Sequence parallelism (``ir.decisions.TP_STYLES``' second table; Megatron-LM's, as torchtitan applies
+it): between the parallel linears the activations are each rank's slice of the tokens, a local
+tensor. ``colwise-seq-input-dim{d}`` (ColwiseParallel(input_layouts=Shard(d))) all-gathers them in
+its input hook and reduce-scatters the input gradient; ``rowwise-seq-output-dim{d}``
+(RowwiseParallel(output_layouts=Shard(d))) reduce-scatters its partial sums and all-gathers the
+output gradient; the norms in between take ``sharded-input-dim{d}`` (SequenceParallel), whose
+replicated weights get their per-rank partial gradients summed. A replicated module reading or
+writing a sequence shard takes torch's PrepareModuleInput / PrepareModuleOutput
+(``gather-seq-input-dim{d}``, ``scatter-seq-output-dim{d}``); a module whose column-parallel
+linears share its input (attention, an MLP) takes ``GatherSequenceInput`` (one all-gather into a
+Replicate DTensor that its code reads whole, one reduce-scatter of the summed input gradients); a
+block whose input comes replicated from outside the blocks takes ``ScatterSequenceInput`` (its first
+positional input sliced, its gradient all-gathered back). The two Conv1D styles take the same
+``input_layouts`` / ``output_layouts`` keywords.
 """
 
 from __future__ import annotations
@@ -39,8 +54,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.errors import AutoshardError
@@ -58,23 +73,33 @@ def parallel_style(style: str) -> ParallelStyle | None:
 
 
 def _argument(source: str):
-    """A style argument's value from its source text: ``Replicate()``, or a Python literal."""
-    return Replicate() if source == "Replicate()" else ast.literal_eval(source)
+    """A style argument's value from its source text: ``Replicate()``, ``Shard(d)``, or a Python literal."""
+    if source == "Replicate()":
+        return Replicate()
+    if source.startswith("Shard(") and source.endswith(")"):
+        return Shard(int(source[len("Shard("):-1]))
+    return ast.literal_eval(source)
 
 
 class Conv1DColwiseParallel(ParallelStyle):
     """Column (output-feature) split of a transformers ``Conv1D``: weight (in, out) Shard(1), bias Shard(0).
 
     Input: a replicated local tensor (made a Replicate DTensor; its gradient is all-reduced in
-    backward, Megatron's f). Output: this rank's slice of the last dim, as a local tensor.
+    backward, Megatron's f), or with ``input_layouts=Shard(d)`` this rank's slice of the tokens,
+    all-gathered (its gradient reduce-scattered in backward). Output: this rank's slice of the last dim,
+    as a local tensor.
     """
+
+    def __init__(self, *, input_layouts: Placement | None = None):
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv1d(module, type(self).__name__)
         return distribute_module(
             module, device_mesh,
             partial(_shard_params, placements={"weight": Shard(1), "bias": Shard(0)}, src=self.src_data_rank),
-            partial(_input_to_dtensor, Replicate()),
+            partial(_input_to_dtensor, self.input_layouts, Replicate()),
             partial(_output_to_local, None))
 
 
@@ -82,16 +107,75 @@ class Conv1DRowwiseParallel(ParallelStyle):
     """Row (input-feature) split of a transformers ``Conv1D``: weight (in, out) Shard(0), bias Replicate.
 
     Input: a local tensor sharded on its last dim (a col-parallel output). Output: the partial
-    sums all-reduced to a replicated local tensor (Megatron's g); the bias is added once.
+    sums all-reduced to a replicated local tensor (Megatron's g), or with ``output_layouts=Shard(d)``
+    reduce-scattered to this rank's slice of the tokens; the bias is added once.
     """
+
+    def __init__(self, *, output_layouts: Placement | None = None):
+        super().__init__()
+        self.output_layouts = output_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv1d(module, type(self).__name__)
         return distribute_module(
             module, device_mesh,
             partial(_shard_params, placements={"weight": Shard(0), "bias": Replicate()}, src=self.src_data_rank),
-            partial(_input_to_dtensor, Shard(-1)),
-            partial(_output_to_local, Replicate()))
+            partial(_input_to_dtensor, Shard(-1), None),
+            partial(_output_to_local, self.output_layouts))
+
+
+class ScatterSequenceInput(ParallelStyle):
+    """A module (a block) whose first positional input arrives replicated, every rank the whole sequence, and
+    is to run on this rank's slice of it along ``sequence_dim``: the forward slices it (no communication),
+    the backward all-gathers its gradient (DTensor's Shard → Replicate), so the replicated code before the
+    block gets the whole gradient on every rank. Other arguments (masks, position embeddings) pass
+    unchanged. torch's PrepareModuleInput would need one layout per positional argument."""
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(_scatter_first_input, self.sequence_dim, device_mesh))
+        return module
+
+
+class GatherSequenceInput(ParallelStyle):
+    """A module holding column-parallel linears (attention, an MLP) whose input arrives as this rank's slice of
+    the tokens along ``sequence_dim``: its first tensor argument (positional, else the first tensor keyword:
+    HF attention takes ``hidden_states=``) is all-gathered once into a Replicate DTensor. The module's code then
+    reads its whole shape, and the ColwiseParallel linears inside take the DTensor as it is, so their input
+    gradients, partial on each rank, add up as DTensors and are reduce-scattered once (the gather's
+    backward) instead of all-reduced per linear (torchtitan's PrepareModuleInput on attention). The planner
+    gives such a module's input no other reader than those linears: nothing else meets the DTensor."""
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(_gather_first_input, self.sequence_dim, device_mesh), with_kwargs=True)
+        return module
+
+
+def _gather_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict):
+    def gather(x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, mesh, (Shard(dim),), run_check=False).redistribute(mesh, (Replicate(),))
+    if args and isinstance(args[0], torch.Tensor):
+        return (gather(args[0]), *args[1:]), kwargs
+    key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    if key is None:
+        raise AutoshardError(f"tensor parallel: GatherSequenceInput on {type(module).__name__} found no tensor "
+                             f"argument to gather; re-plan this model")
+    return args, {**kwargs, key: gather(kwargs[key])}
+
+
+def _scatter_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple):
+    if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+        raise AutoshardError(f"tensor parallel: ScatterSequenceInput on {type(module).__name__} needs the sequence "
+                             f"as a plain tensor in its first positional argument; re-plan this model")
+    whole = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
+    return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
 
 
 def _check_conv1d(module: nn.Module, style: str) -> None:
@@ -117,10 +201,13 @@ def _shard_params(name: str, module: nn.Module, mesh: DeviceMesh, placements: di
         module.register_parameter(pname, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
 
-def _input_to_dtensor(layout: Placement, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> DTensor:
-    """Forward pre-hook: the local input, annotated with the layout it already has."""
+def _input_to_dtensor(layout: Placement, desired: Placement | None, module: nn.Module, inputs: tuple,
+                     mesh: DeviceMesh) -> DTensor:
+    """Forward pre-hook: the local input, annotated with the layout it already has, then redistributed to
+    ``desired`` if given (Shard(d) -> Replicate() is the sequence all-gather)."""
     x = inputs[0]
-    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
+    x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
+    return x if desired is None or x.placements == (desired,) else x.redistribute(placements=(desired,))
 
 
 def _output_to_local(layout: Placement | None, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -154,7 +241,9 @@ def _check_module(model: nn.Module, path: str, style: str) -> None:
                              f"keep it replicated")
 
 
-# The constructors ``ir.decisions.TP_STYLES`` names: torch's, and the two written here.
+# The constructors ``ir.decisions.TP_STYLES`` names: torch's, and the four written here.
 _CONSTRUCTORS = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-                 "SequenceParallel": SequenceParallel, "Conv1DColwiseParallel": Conv1DColwiseParallel,
-                 "Conv1DRowwiseParallel": Conv1DRowwiseParallel}
+                 "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
+                 "PrepareModuleOutput": PrepareModuleOutput, "Conv1DColwiseParallel": Conv1DColwiseParallel,
+                 "Conv1DRowwiseParallel": Conv1DRowwiseParallel, "ScatterSequenceInput": ScatterSequenceInput,
+                 "GatherSequenceInput": GatherSequenceInput}

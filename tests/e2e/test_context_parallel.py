@@ -3,9 +3,11 @@
 Each case is planned with its degrees pinned (``autoshard.plan``), emitted, run on CPU ranks and
 judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off:
 
-    2 ranks    cp 2 (each rank 1/2 of every sequence, attention a ring, ZeRO over the dp x cp ranks)
-    4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 (the TP layout's
-               collectives inside each cp rank)
+    2 ranks    cp 2 (each rank 1/2 of every sequence, attention a ring, ZeRO over the dp x cp ranks);
+               tp 2 with sequence parallelism (the norms between the parallel linears on 1/2 of the
+               tokens, reduce-scatter and all-gather for each all-reduce)
+    4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
+               parallelism (the TP layout's collectives inside each cp rank)
 
 Every case runs two micro-batches per step. One torchrun launch per world size (``zoo_driver.py``).
 """
@@ -22,10 +24,13 @@ pytestmark = pytest.mark.e2e
 
 MODELS = {"gpt": "examples/gpt.py:build", "llama": "tests/models/hf_llama.py:build"}
 MICROBATCHES = 2
-CASES_2 = {f"{m}-cp2": (m, dict(cp=2, dp=1, tp=1, zero=1)) for m in MODELS}
+CASES_2 = {
+    **{f"{m}-cp2": (m, dict(cp=2, dp=1, tp=1, zero=1)) for m in MODELS},
+    **{f"{m}-tp2-sp": (m, dict(cp=1, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
+}
 CASES_4 = {
     **{f"{m}-cp2-dp2-zero3": (m, dict(cp=2, dp=2, tp=1, zero=3)) for m in MODELS},
-    **{f"{m}-cp2-tp2": (m, dict(cp=2, dp=1, tp=2, zero=0)) for m in MODELS},
+    **{f"{m}-cp2-tp2-sp": (m, dict(cp=2, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
 }
 
 
@@ -43,9 +48,10 @@ def _run(cases: dict, ranks: int, tmp_path) -> None:
         assert (plan.mesh.cp, plan.mesh.dp, plan.mesh.tp) == (pins["cp"], pins["dp"], pins["tp"]), name
         if pins["tp"] > 1:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"
+        assert plan.sequence_parallel == pins.get("sequence_parallel", False), name
         program = write_program(plan, tmp_path / name / "train.py").read_text()
-        assert "runtime.context_parallel(mesh[\"cp\"]" in program and 'mesh["dp_cp"]' in program, \
-            f"{name}: the program does not split the sequence"
+        splits = "runtime.context_parallel(mesh[\"cp\"]" in program and 'mesh["dp_cp"]' in program
+        assert splits == (pins["cp"] > 1), f"{name}: the program does not split the sequence as planned"
         plans[name] = plan
     run_and_judge(plans, {n: MODELS[c[0]] for n, c in cases.items()}, ranks, tmp_path)
 

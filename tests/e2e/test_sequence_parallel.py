@@ -1,0 +1,83 @@
+"""Tensor parallelism with sequence parallelism (chosen on the op graph, applied with DTensor) trains like one
+process (gloo, CPU, tp=2, dropout off): the bundled GPT, transformers Llama (rotary embeddings computed outside
+the blocks) and transformers GPT-2 (Conv1D), all in one torchrun launch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard.ir.topology import DeviceSpec, LinkSpec
+from autoshard.passes.tensor_parallel import choose_tp_styles
+from autoshard.pipeline import capture_graph
+from autoshard.runtime import load_model_file
+from autoshard.verify import compare, train_reference
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests" / "e2e" / "sp_driver.py"
+TP, STEPS, BATCH, LR = 2, 2, 4, 1e-3
+# The compute-bound regime, so that the planner shards (see tests/test_tensor_parallel_choice.py).
+SLOW_DEVICE = DeviceSpec("slow-test-device", 0.05, 2**34, 20.0, 1.0, "test")
+FAST_LINK = LinkSpec(100.0, 0.0, "test")
+
+CASES = {  # name: (spec, styles every block must hold, styles outside the blocks)
+    "gpt": ("examples/gpt.py:build",
+            {"h.{i}.attn": "gather-seq-module-input-dim1", "h.{i}.attn.q_proj": "colwise",
+             "h.{i}.attn.c_proj": "rowwise-seq-output-dim1", "h.{i}.ln_1": "sharded-input-dim1"},
+            {"h.0": "scatter-seq-input-dim1", "ln_f": "sharded-input-dim1"}),
+    "llama": ("tests/models/hf_llama.py:build",
+              {"model.layers.{i}.self_attn": "gather-seq-module-input-dim1",
+               "model.layers.{i}.self_attn.o_proj": "rowwise-seq-output-dim1",
+               "model.layers.{i}.mlp.down_proj": "rowwise-seq-output-dim1",
+               "model.layers.{i}.input_layernorm": "sharded-input-dim1"},
+              {"model.layers.0": "scatter-seq-input-dim1", "model.norm": "sharded-input-dim1"}),
+    "gpt2": ("tests/models/hf_gpt2.py:build",
+             {"transformer.h.{i}.mlp.c_fc": "conv1d-colwise-seq-input-dim1",
+              "transformer.h.{i}.mlp.c_proj": "conv1d-rowwise-seq-output-dim1",
+              "transformer.h.{i}.attn.c_attn": "gather-seq-input-dim1",
+              "transformer.h.{i}.attn.c_proj": "scatter-seq-output-dim1"},
+             {"transformer.h.0": "scatter-seq-input-dim1", "transformer.ln_f": "gather-seq-input-dim1"}),
+}
+
+
+def sp_styles(spec: str) -> dict[str, str]:
+    graph = capture_graph(spec)[1]
+    choice = choose_tp_styles(graph, TP, FAST_LINK, SLOW_DEVICE, sequence_parallel=True)
+    assert choice.sequence_parallel, spec
+    return choice.sharded
+
+
+def test_sequence_parallel_matches_one_process(in_repo, tmp_path):
+    cases = []
+    for name, (spec, per_block, rest) in CASES.items():
+        styles = sp_styles(spec)
+        for i in range(2):
+            for module, style in per_block.items():
+                assert styles.get(module.format(i=i)) == style, (name, module.format(i=i), styles)
+        for module, style in rest.items():
+            assert styles.get(module) == style, (name, module, styles)
+        cases.append({"name": name, "spec": spec, "styles": styles})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(TP), str(DRIVER),
+           str(tmp_path / "cases.json"), str(tmp_path / "out"), "--tp", str(TP), "--steps", str(STEPS),
+           "--batch", str(BATCH), "--lr", repr(LR)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for case in cases:
+        out = tmp_path / "out" / case["name"]
+        losses = json.loads((out / "losses.json").read_text())
+        params = torch.load(out / "params.pt", weights_only=True)
+        ref_losses, ref_params = train_reference(load_model_file(case["spec"]), BATCH, STEPS, 0, LR, dropout=False)
+        report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
+        assert report.max_loss_diff < 1e-5, (case["name"], report)
+        assert report.max_param_diff < 1e-5, (case["name"], report)
+        assert report.ok, (case["name"], report.failure)
+        tokens = load_model_file(case["spec"]).example_batch(1)[0][0].shape[1]
+        assert json.loads((out / "norm_tokens.json").read_text()) == [tokens // TP], case["name"]  # split
