@@ -100,16 +100,11 @@ class Llama3(nn.Module):
         head_dim = dim // n_heads
         inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        cos, sin = rope(seq, inv_freq)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        if s > self.rope_cos.shape[0]:  # longer than the factory's context (--seq-len): the angles of s positions
-            cos, sin = rope(s, self.inv_freq)
-        else:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        # the angles of the s positions, computed here for any length (--seq-len) and from torch.arange, which
+        # context parallelism turns into each rank's global positions (a table sliced [:s] it could not)
+        cos, sin = rope(tokens.shape[1], self.inv_freq)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -97,10 +97,11 @@ def test_what_if_seq_len_and_cp_re_evaluate_with_the_ring(llama_long):
 
 
 def test_cp_is_refused_with_the_reason_where_the_ring_cannot_split_the_sequence(in_repo):
-    _, tiny = capture_graph("benchmarks/llama3.py:llama3_tiny")  # rotary angles sliced from a 128-row table
-    assert "slices 128 rows" in cp_refusal(tiny, 2)
-    _, long_tiny = capture_graph("benchmarks/llama3.py:llama3_tiny", seq_len=256)  # computed from positions
-    assert cp_refusal(long_tiny, 2) is None and "not a multiple of cp=3" in cp_refusal(long_tiny, 3)
+    _, tiny = capture_graph("tests/models/cp_cases.py:build_position_table")  # rotary angles sliced from a table
+    assert "slices" in cp_refusal(tiny, 2) and "rows" in cp_refusal(tiny, 2)
+    _, llama = capture_graph("benchmarks/llama3.py:llama3_tiny", seq_len=256)  # angles of arange(s)
+    assert cp_refusal(llama, 2) is None and cp_refusal(llama, 8) is None
+    assert "not a multiple of cp=3" in cp_refusal(llama, 3)
     _, gpt2 = capture_graph("tests/models/hf_gpt2.py:build_with_dropout")
     assert "drops out" in cp_refusal(gpt2, 2)
     _, mlp = capture_graph("tests/models/mlp.py:build")

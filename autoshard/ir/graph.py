@@ -151,6 +151,10 @@ class OpGraph:
     # passes/tp_proof: str(tp) -> {node: why its computation on a tp shard is refused}, for every degree
     # checked against the model's code; None when the graph was never checked (hand-built graphs).
     tp_proofs: dict[str, dict[str, str]] | None = None
+    # passes/cp_proof: str(cp) or "*" (every other degree) -> why a cp rank's program, the model's code on its
+    # s/cp tokens, was not shown to compute its share of the one-process one ("" = proven); None when the graph
+    # was never checked (hand-built graphs).
+    cp_proofs: dict[str, str] | None = None
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]

@@ -57,7 +57,7 @@ from typing import Any, Iterator
 
 from autoshard.ir.graph import Block, OpGraph, OpNode, ParamInfo
 
-CACHE_VERSION = 2  # 2: entries record the environment, opened files and distributions read
+CACHE_VERSION = 3  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs
 # Packages the key already pins (torch's and Python's versions, autoshard's sources): their
 # modules need no entry of their own.
 PINNED_PACKAGES = frozenset({"torch", "autoshard", "torchgen", "functorch"})

@@ -34,7 +34,9 @@ CP_MAX = 64  # the largest cp the search offers (torchtitan's and Llama 3's long
 
 
 def cp_refusal(graph: OpGraph, cp: int) -> str | None:
-    """Why ``cp`` cannot split this model's sequences (module doc), or None."""
+    """Why ``cp`` cannot split this model's sequences (module doc), or None. After the sequence's own
+    conditions, the proof of ``passes.cp_proof`` (``graph.cp_proofs``: whether the model's code on a rank's
+    s/cp tokens computes its share; a hand-built graph has none) decides before the graph checks."""
     if cp == 1:
         return None
     s = graph.tokens_per_sample
@@ -42,6 +44,12 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
         return "the model has no sequence dimension to split"
     if s % cp:
         return f"the sequence length {s} is not a multiple of cp={cp}"
+    if graph.cp_proofs is not None:  # str(cp) -> reason, "*" for every degree without its own; "" = proven
+        unproven = graph.cp_proofs.get(str(cp), graph.cp_proofs.get("*", "")).replace("{cp}", str(cp))
+        if unproven:
+            return unproven
+        if s // cp < 2:
+            return f"a cp={cp} rank would hold {s // cp} of the {s} tokens; the proof covers 2 or more"
     attentions = attention_nodes(graph)
     if not attentions:
         return "the model has no scaled-dot-product attention for a ring to split"

@@ -100,6 +100,7 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool,
     from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture, model_output_to_stderr
+    from autoshard.passes.cp_proof import prove_context_parallel
     from autoshard.passes.tp_proof import prove_tensor_parallel
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
@@ -107,6 +108,7 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool,
         graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
         graph = run_pass("annotate", done, annotate, graph)
         graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
+        graph = run_pass("cp_proof", done, prove_context_parallel, model_file, graph)
     return model_file, graph, reads
 
 

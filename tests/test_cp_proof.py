@@ -1,0 +1,123 @@
+"""Context parallelism is proven on the model's own code (passes/cp_proof): what it computes on a rank's tokens."""
+
+from dataclasses import replace
+
+import pytest
+
+from autoshard.modelfile import load_model_file
+from autoshard.passes.capture import capture
+from autoshard.passes.capture_cache import decode_graph, encode_graph
+from autoshard.passes.context_parallel import cp_refusal
+from autoshard.passes.cp_proof import NO_SEQUENCE, prove_context_parallel
+from autoshard.passes.front import CAPTURE_BATCH, capture_front
+
+CASES = "tests/models/cp_cases.py"
+
+
+def proven(spec: str, seq_len: int | None = None):
+    """capture (folded, as the front does) and the proof, without annotate and the TP proof."""
+    model_file = load_model_file(spec, seq_len)
+    return prove_context_parallel(model_file, capture(model_file, CAPTURE_BATCH, fold=True))
+
+
+@pytest.fixture(scope="module")
+def gpt(in_repo_module):
+    done: list[str] = []
+    _, graph = capture_front("examples/gpt.py:build", done, True, False)
+    return graph, done
+
+
+def test_the_front_proves_the_example_gpt_for_every_degree(gpt):
+    graph, done = gpt
+    assert done[-1] == "cp_proof" and done.index("tp_proof") < done.index("cp_proof")
+    assert graph.cp_proofs == {"*": ""}  # one symbolic export covers every s/cp >= 2
+    assert all(cp_refusal(graph, cp) is None for cp in (2, 4, 8, 16))
+    assert decode_graph(encode_graph(graph)).cp_proofs == graph.cp_proofs  # the capture cache keeps it
+
+
+def test_degrees_read_their_own_entry_then_the_default(gpt):
+    graph, _ = gpt
+    graph = replace(graph, cp_proofs={"*": "why not cp={cp}", "2": ""})
+    assert cp_refusal(graph, 2) is None
+    assert cp_refusal(graph, 4) == "why not cp=4"
+    assert "the sequence length 64 is not a multiple of cp=3" == cp_refusal(graph, 3)
+    ones = replace(graph, cp_proofs={"*": ""})
+    assert cp_refusal(ones, 32) is None and "rank would hold 1 of the 64 tokens" in cp_refusal(ones, 64)
+    assert cp_refusal(replace(graph, cp_proofs=None), 4) is None  # hand-built graphs: the graph checks alone
+
+
+@pytest.mark.parametrize("spec", ["tests/models/hf_llama.py:build", "tests/models/hf_gpt2.py:build", f"{CASES}:build"])
+def test_models_that_work_token_by_token_are_proven(in_repo, spec):
+    """Llama's traced causal mask (aranges, a cumsum over position differences, index ops) only feeds SDPA's
+    attn_mask and is exempt; its rotary angles, computed inside a no-grad wrapper, are checked op by op."""
+    graph = proven(spec)
+    assert graph.cp_proofs == {"*": ""}
+    assert cp_refusal(graph, 2) is None and cp_refusal(graph, 4) is None
+
+
+@pytest.mark.parametrize("factory, reason", [
+    ("build_mean_pool", "mean in the root reduces over the sequence (dim 1 of [2, t, 32])"),
+    ("build_pooler", "select in the root takes some of the tokens (dim 1 of [2, t, 32])"),
+    ("build_causal_conv", "conv1d in conv has a dim of t + 3 where the sequence has t tokens"),
+    ("build_cumsum_positions", "cumsum in the root accumulates along the sequence (dim 1 of [2, t])"),
+])
+def test_ops_that_mix_tokens_are_refused_with_the_op(in_repo, factory, reason):
+    graph = proven(f"{CASES}:{factory}")
+    assert graph.cp_proofs == {"*": reason}
+    assert cp_refusal(graph, 2) == reason and cp_refusal(graph, 8) == reason
+
+
+def test_a_label_shift_inside_the_model_is_refused_at_each_degree(in_repo):
+    """``logits[:, :-1]`` has t − 1 rows, which export specializes at t = 2: the symbolic export fails and
+    each degree is checked on its own length."""
+    graph = proven(f"{CASES}:build_label_shift")
+    assert cp_refusal(graph, 2) == "slice in the root has a dim of 7 on 8 tokens and 15 on 16"
+    assert cp_refusal(graph, 4) == "slice in the root has a dim of 3 on 4 tokens and 15 on 16"
+
+
+def test_a_position_table_sliced_by_length_is_refused(in_repo):
+    """``table[:s]``: each rank would take the first rank's rows."""
+    graph = proven(f"{CASES}:build_position_table")
+    assert graph.cp_proofs["*"].startswith("slice in the root slices 16 rows out of a tensor that does not carry "
+                                           "the sequence ([t, 32] on a cp rank")
+    assert cp_refusal(graph, 2) == graph.cp_proofs["*"]
+
+
+def test_a_table_taken_on_the_local_length_is_refused_at_every_degree(in_repo):
+    """At 16 tokens the model computes its angles (16 > its 8-row table), but a cp rank holds at most 8
+    tokens, and on those the same code slices the table: another path, at every degree."""
+    graph = proven(f"{CASES}:build_position_branch", seq_len=16)
+    why = graph.cp_proofs["*"]
+    assert why.startswith("the model's code takes another path on t tokens: slice in the root where the captured "
+                          "graph has arange")
+    assert cp_refusal(graph, 2) == why and cp_refusal(graph, 4) == why
+
+
+def test_a_branch_on_the_length_is_proven_degree_by_degree(in_repo):
+    """At 64 tokens, cp=2 ranks hold 32 (> 8: the angles of an arange the runtime shifts) and are proven;
+    cp=8 ranks hold 8 and would slice the table. One static export at s/2 would have accepted cp=8 too.
+    cp=4 ranks hold 16 tokens, as many as the frequencies' own arange(0, 32, 2), which the runtime would
+    shift: refused by ``cp_refusal``'s arange check."""
+    graph = proven(f"{CASES}:build_position_branch", seq_len=64)
+    assert "it branches on the local length t: 9 <= t and t <= 32" in graph.cp_proofs["*"]
+    assert graph.cp_proofs["2"] == "" and cp_refusal(graph, 2) is None
+    assert "an arange of 16 elements, which a cp=4 rank would take for its token positions" in cp_refusal(graph, 4)
+    assert cp_refusal(graph, 8) == "the model's code takes another path on 8 tokens than on 64: slice in the root"
+
+
+def test_bert_is_refused_for_its_padding_mask(in_repo):
+    why = cp_refusal(proven("tests/models/hf_bert.py:build"), 2)
+    assert why == ("scaled_dot_product_attention in bert.encoder.layer.0.attention.self takes a mask computed from "
+                   "the model input attention_mask (a padding mask?), which the ring cannot split along the sequence")
+
+
+def test_attention_dropout_is_refused(in_repo):
+    """The code is proven token by token; the graph check on SDPA's dropout_p refuses."""
+    graph = proven("tests/models/hf_gpt2.py:build_with_dropout")
+    assert graph.cp_proofs == {"*": ""}
+    assert "drops out with p=0.1" in cp_refusal(graph, 2)
+
+
+def test_a_model_without_a_sequence_is_not_exported(in_repo):
+    graph = proven("tests/models/mlp.py:build")
+    assert graph.cp_proofs == {"*": NO_SEQUENCE} and cp_refusal(graph, 2) == NO_SEQUENCE
