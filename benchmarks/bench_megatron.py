@@ -95,7 +95,7 @@ class Row:
         args = [f"{MODEL_FILE}:{self.factory}", "--cluster", CLUSTER, "--nodes", str(max(1, self.gpus // GPUS_PER_NODE)),
                 "--global-batch", str(self.global_batch), "--dp", str(self.dp), "--tp", str(self.tp),
                 "--pp", str(self.pp), "--zero", "0", "--microbatch-size", str(self.micro_batch),
-                "--recompute", "full", "--schedule", self.schedule]
+                "--recompute", "full", "--schedule", self.schedule, "--sequence-parallel", "off"]  # SC21: no SP
         if self.virtual_stages > 1:
             args += ["--virtual-stages", str(self.virtual_stages)]
         if self.pp > 1:
