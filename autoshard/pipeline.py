@@ -43,7 +43,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import Mesh, Plan, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
-from autoshard.passes.annotate import estimated_ops
+from autoshard.passes.annotate import estimated_ops, random_ops
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.experts import find_experts
 from autoshard.passes.fold import unfold
@@ -279,6 +279,9 @@ def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph, seq_l
     estimated = estimated_ops(graph)
     if estimated:  # only then: plans of models whose every op has a formula stay as they were
         summary["ops_estimated"] = {"count": len(estimated), "ops": sorted({n.target for n in estimated})[:OPS_NAMED]}
+    drawn = random_ops(graph)
+    if drawn:  # only then: plans of models that draw nothing stay as they were
+        summary["random_ops"] = drawn
     return summary
 
 

@@ -67,6 +67,9 @@ def decision_table(plan: Plan) -> Table:
     estimated = plan.model.get("ops_estimated")
     if estimated and estimated.get("count"):
         t.add_row("estimated ops", Text(_estimated_text(estimated)))  # op names from the plan file: not markup
+    drawn = plan.model.get("random_ops")
+    if drawn:
+        t.add_row("random ops", Text(random_ops_text(drawn)))  # module paths from the plan file: not markup
     t.add_row("cluster", f"{c['name']}: {c['nodes']} node(s) x {c['devices_per_node']} devices ({c['backend']})")
     t.add_row("mesh", f"{plan.mesh}  ({plan.world_size} ranks)")
     t.add_row("ZeRO stage", f"{plan.zero_stage}  ({_zero_how(plan)})")
@@ -113,6 +116,20 @@ def _estimated_text(estimated: dict) -> str:
     count, ops = estimated["count"], estimated.get("ops", [])
     named = f" ({', '.join(ops)})" if ops else ""
     return f"{count} op{'s' if count != 1 else ''} costed by an estimate, their FLOP formula failing{named}"
+
+
+RANDOM_MODULES_SHOWN = 3  # module paths named per random op; the rest counted
+
+
+def random_ops_text(drawn: dict[str, list[str]]) -> str:
+    """"aten.bernoulli.p in encoder.layer.*.drop_path; aten.dropout.default in 3 modules (a, b, c, ...)": where the
+    model draws random numbers, each rank its own in a parallel program (``autoshard verify`` fixes them)."""
+    parts = []
+    for op, modules in sorted(drawn.items()):
+        shown = ", ".join(modules[:RANDOM_MODULES_SHOWN]) + (f", +{len(modules) - RANDOM_MODULES_SHOWN} more"
+                                                             if len(modules) > RANDOM_MODULES_SHOWN else "")
+        parts.append(f"{op} in {shown}")
+    return "; ".join(parts) + " (each rank draws its own; verify runs them at their expectation)"
 
 
 def memory_table(plan: Plan) -> Table:

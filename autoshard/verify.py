@@ -32,8 +32,16 @@ conv weight before BatchNorm, ZeRO-1, 4 micro-batches; 2.1x and 3.4x with seeds 
 A bug is far outside: one layer's update off by 1% of an AdamW step shows as 735x the noise
 of that layer's tensor (excess 15); off by a whole step, ~10⁵x.
 
-Stochastic and stateful layers. Both runs disable dropout (``runtime.model.disable_dropout``):
-with dropout, each rank draws its own masks, and no two programs agree. BatchNorm in the
+Random and stateful layers. Each rank of a parallel program draws its own random numbers, so
+both sides run with every random op at one value (``runtime.randomness``, by op, not by name):
+dropout of any form, stochastic depth's ``bernoulli`` or ``rand``, ``torch.rand`` masks, ``randn``
+noise, ``randint`` and ``randperm`` picks each return their expectation (or, for integers and orders,
+a fixed one), in the program (``--fixed-randomness``) and in both one-process runs, so the noise the
+parallel run is judged against is rounding alone. Before anything runs, ``check_randomness`` refuses,
+naming the op and its module, a random op of the captured graph that has no such value, and a
+model whose two forwards of one batch still differ (randomness from outside torch: Python's
+``random``, NumPy). The plan lists the model's random ops (``model.random_ops``), and ``verify``'s
+notes repeat them. BatchNorm in the
 emitted program takes its statistics over the data-parallel group (``runtime.model.
 sync_batch_norm``); with several micro-batches its statistics are those of each micro-batch
 (the dp ranks' slices of it), so the reference then accumulates gradients over the same
@@ -41,8 +49,7 @@ micro-batches.
 
 On failure the report names the first step whose loss is off, the tensors most off (by
 excess), and a likely cause when the plan or the model suggests one (a loss averaged over a
-data-dependent count, a tensor-parallel module, BatchNorm, a model that is random with
-dropout off).
+data-dependent count, a tensor-parallel module, BatchNorm).
 
 ``compare`` without the float64 run (``exact=None``; the tensor- and pipeline-parallel drivers'
 tests) uses a fixed tolerance: |Δloss| ≤ 1e-6 + 1e-5·|loss|, |Δw| ≤ 0.02·lr + 1e-5·|w| (2% of
@@ -64,12 +71,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.names import op_name
 from autoshard.ir.plan import Plan
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
 from autoshard.runtime.data import global_batch, split_microbatches, take_shard
-from autoshard.runtime.model import (NoDropout, build_model, has_batch_norm, load_model_file,
-                                     zero_dropout_rates)
+from autoshard.runtime.model import build_model, has_batch_norm, load_model_file, zero_dropout_rates
+from autoshard.runtime.randomness import fixable, fixed_randomness
 
 NOISE_FACTOR = 50  # K: how many times the one-process rounding noise a parallel run may show (module doc)
 FLOOR_ULPS = 4  # fp32 spacings at a tensor's scale that always pass
@@ -118,19 +126,21 @@ class VerifyReport:
 
 
 def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) -> VerifyReport:
-    """Run the plan's program (dropout off) and the fp32 and float64 references; compare (module doc)."""
+    """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc)."""
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
+    check_randomness(plan, model_file, seed)
     notes = run_notes(model_file, plan)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         parallel = run_parallel(plan, Path(tmp), steps, seed, lr)
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
-    ref32 = train_reference(model_file, plan.global_batch, steps, seed, lr, dropout=False, microbatches=microbatches)
-    ref64 = train_reference(model_file, plan.global_batch, steps, seed, lr, dropout=False, microbatches=microbatches,
+    ref32 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True,
+                            microbatches=microbatches)
+    ref64 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True, microbatches=microbatches,
                             dtype=torch.float64)
     report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, lr, exact=ref64)
     if report.ok:
@@ -146,9 +156,7 @@ def _with(report: VerifyReport, **changes) -> VerifyReport:
 def run_notes(model_file: ModelFile, plan: Plan) -> tuple[str, ...]:
     """What verify changed or kept about the model, for its output."""
     model = model_file.build("meta")
-    rates = zero_dropout_rates(model)
-    held = f"{rates} dropout rate(s) of the model set to 0" if rates else "the model holds no dropout rate"
-    notes = [f"dropout disabled in both runs ({held}; every dropout call is the identity)"]
+    notes = [random_ops_note(plan.model.get("random_ops"))]
     if has_batch_norm(model):
         notes.append(f"BatchNorm statistics over the {plan.mesh.dp} data-parallel rank(s) (SyncBatchNorm)"
                      + (f"; per micro-batch of {plan.mesh.dp * plan.microbatch_size} samples, in the reference too"
@@ -156,11 +164,35 @@ def run_notes(model_file: ModelFile, plan: Plan) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def random_ops_note(random_ops: dict[str, list[str]] | None) -> str:
+    """Which random ops run at their expectation in both runs (the plan's ``model.random_ops``)."""
+    if random_ops is None:
+        return "every random op at its expectation in both runs (this plan predates the list of the model's random ops)"
+    if not random_ops:
+        return "the captured model has no random op (every random op would run at its expectation in both runs)"
+    where = "; ".join(f"{op} in {', '.join(modules)}" for op, modules in sorted(random_ops.items()))
+    return f"random ops at their expectation in both runs, as every rank would draw its own: {where}"
+
+
+def check_randomness(plan: Plan, model_file: ModelFile, seed: int) -> None:
+    """Refuse, naming the op and its module, a random op with no shared value (``runtime.randomness``), and a
+    model whose two forwards of one batch differ with every torch random op fixed."""
+    for op, modules in sorted((plan.model.get("random_ops") or {}).items()):
+        if not fixable(op_name(op)):
+            raise AutoshardError(f"verify cannot give the random op {op} (in {modules[0]}) a value every rank and "
+                                 f"the one-process run share, so it cannot compare them; remove it from the model "
+                                 f"or set its rate to 0 for verification")
+    if not forward_is_deterministic(model_file, plan.global_batch, seed):
+        raise AutoshardError("two forwards of one batch differ with every torch random op fixed: the model draws "
+                             "randomness verify cannot see (Python's random, NumPy, a generator outside torch) or "
+                             "keeps state between calls; make forward a function of its inputs and weights to verify it")
+
+
 def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float) -> Run | str:
-    """Losses and final weights of the emitted program (dropout off), or the reason it failed."""
+    """Losses and final weights of the emitted program (random ops fixed), or the reason it failed."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "metrics"
-    args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--no-dropout"]
+    args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness"]
     proc = run_torchrun(program, plan.world_size, args, quiet=True)
     if proc.returncode != 0:
         why = proc.crash or _error_line(proc.stdout)
@@ -185,23 +217,23 @@ def reference_microbatches(model_file: ModelFile, plan: Plan) -> tuple[int, int]
 
 
 def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float,
-                    dtype: torch.dtype = torch.float32, dropout: bool = True,
+                    dtype: torch.dtype = torch.float32, fixed_randomness: bool = False,
                     microbatches: tuple[int, int] | None = None) -> Run:
     """One process, the whole global batch per step, plain AdamW: the ground truth.
 
     ``dtype=torch.float64`` casts the fp32 initial weights and the float data, so it is the same
     computation with less rounding (an op with no float64 kernel runs in fp32 there:
-    ``Float64Fallback``). ``dropout=False`` zeroes the model's dropout rates and runs
+    ``Float64Fallback``). ``fixed_randomness=True`` zeroes the model's dropout rates and runs
     under ``NoDropout``. ``microbatches=(dp, m)``: accumulate over the m micro-batches the program
     runs, each the dp ranks' slices of it.
     """
     model = build_model(model_file, seed).to(dtype)
-    if not dropout:
+    if fixed_randomness:
         zero_dropout_rates(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     fallback = Float64Fallback() if dtype == torch.float64 else contextlib.nullcontext()
-    with NoDropout() if not dropout else contextlib.nullcontext(), fallback:
+    with _fixed_randomness() if fixed_randomness else contextlib.nullcontext(), fallback:
         for step in range(steps):
             batch = _cast(global_batch(model_file, batch_size, seed, step), dtype)
             loss = sum(_backward(model_file, model, chunk, len(chunks))
@@ -210,6 +242,9 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss))
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+_fixed_randomness = fixed_randomness  # the context manager, under a name the parameter does not shadow
 
 
 class Float64Fallback(TorchFunctionMode):
@@ -352,9 +387,6 @@ def likely_cause(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: 
                 + (" (pipeline stages normalise each micro-batch alone)" if plan.mesh.pp > 1 else "")
                 + (f" (recompute {plan.recompute} runs a block's forward again in backward, and a BatchNorm "
                    f"there updates its running statistics twice)" if plan.recompute != "none" else ""))
-    if not forward_is_deterministic(model_file, plan.global_batch, seed):
-        return ("the model is random with dropout disabled (two forwards of one batch differ): a random op other "
-                "than dropout draws different numbers on each rank")
     return ""
 
 
@@ -366,7 +398,7 @@ def _loss_is_mean_of_shard_means(report: VerifyReport, plan: Plan, model_file: M
     model = build_model(model_file, seed)
     zero_dropout_rates(model)
     inputs, targets = global_batch(model_file, plan.global_batch, seed, 0)
-    with NoDropout(), torch.no_grad():
+    with _fixed_randomness(), torch.no_grad():
         losses = [model_file.loss(model(*x), y).item()
                   for r in range(dp) for x, y in split_microbatches(*take_shard((inputs, targets), r, dp,
                                                                                  torch.device("cpu")), count)]
@@ -384,11 +416,11 @@ def _tensor_parallel_module(name: str, plan: Plan) -> str:
 
 
 def forward_is_deterministic(model_file: ModelFile, batch_size: int, seed: int) -> bool:
-    """Two forwards of the same batch, dropout off, give the same output."""
+    """Two forwards of the same batch, every random op fixed (``runtime.randomness``), give the same output."""
     model = build_model(model_file, seed)
     zero_dropout_rates(model)
     inputs, _ = global_batch(model_file, batch_size, seed, 0)
-    with NoDropout(), torch.no_grad():
+    with _fixed_randomness(), torch.no_grad():
         first, second = model(*inputs), model(*inputs)
     leaves = lambda out: [t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t)]  # noqa: E731
     return all(torch.equal(a, b) for a, b in zip(leaves(first), leaves(second)))

@@ -205,6 +205,20 @@ def _check_model(m: dict[str, Any]) -> None:
         _count(_get(estimated, "count", where="model.ops_estimated"), "model.ops_estimated.count")
         for i, target in enumerate(_list(estimated, "ops", where="model.ops_estimated")):
             _string(target, f"model.ops_estimated.ops[{i}]")
+    if "random_ops" in m:  # written only for models that draw random numbers
+        _check_random_ops(m["random_ops"])
+
+
+def _check_random_ops(drawn: Any) -> None:
+    """``model.random_ops``: op target -> the module paths calling it (``passes.annotate.random_ops``)."""
+    if not isinstance(drawn, dict):
+        _fail("model.random_ops", "a mapping of op targets to module paths", drawn)
+    for target, modules in drawn.items():
+        _string(target, "model.random_ops")
+        if not isinstance(modules, list) or not modules:
+            _fail(f"model.random_ops.{target}", "a list of module paths", modules)
+        for i, module in enumerate(modules):
+            _string(module, f"model.random_ops.{target}[{i}]")
 
 
 def _check_mesh(mesh: dict[str, Any], where: str) -> int:

@@ -69,10 +69,11 @@ marked ``attrs[ESTIMATED] = True`` and is counted in the plan's ``model.ops_esti
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Callable
 
 from autoshard.ir.graph import OpGraph, OpNode
-from autoshard.ir.names import op_name
+from autoshard.ir.names import is_random, op_name
 
 if TYPE_CHECKING:  # torch is imported where FLOPs are counted; op_name and is_alias serve the
     import torch  # cost model on graphs from the capture cache, where torch is never imported
@@ -157,6 +158,16 @@ def annotate(graph: OpGraph) -> OpGraph:
 def estimated_ops(graph: OpGraph) -> list[OpNode]:
     """The nodes whose cost ``annotate`` estimated, in graph order."""
     return [node for node in graph.nodes if node.attrs.get(ESTIMATED)]
+
+
+def random_ops(graph: OpGraph) -> dict[str, list[str]]:
+    """The graph's random ops (``ir.names.is_random``: a drop-out with p = 0 is not one): op target -> the
+    modules calling it, a run of numbered layers written once with "*" ("encoder.layer.*.drop_path"), sorted."""
+    found: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if is_random(node.target, node.attrs):
+            found.setdefault(node.target, set()).add(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", node.module_path) or "(root)")
+    return {target: sorted(modules) for target, modules in sorted(found.items())}
 
 
 def estimated_flops(graph: OpGraph, node: OpNode) -> int:

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from autoshard.modelfile import ModelFile
+from autoshard.runtime.randomness import drawing_freely
 
 STEP_SEED_STRIDE = 1_000_003  # a prime, so (seed, step) pairs do not collide for small seeds
 
 
 def global_batch(model_file: ModelFile, batch_size: int, seed: int, step: int):
     """``(inputs, targets)`` of the whole step, identical on every rank."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), drawing_freely():  # drawn as usual where random ops are fixed
         torch.manual_seed(seed * STEP_SEED_STRIDE + step)
         return model_file.example_batch(batch_size)
 

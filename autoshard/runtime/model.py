@@ -8,6 +8,7 @@ import torch.nn as nn
 from autoshard.errors import AutoshardError
 from autoshard.modelfile import ModelFile, model_fingerprint
 from autoshard.modelfile import load_model_file as _load
+from autoshard.runtime.randomness import drawing_freely, fix_randomness
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -26,14 +27,15 @@ def load_model_file(spec: str, expected_hash: str | None = None, seq_len: int | 
 
 
 def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu",
-                dropout: bool = True) -> nn.Module:
+                fixed_randomness: bool = False) -> nn.Module:
     """Build with the same seed on every rank (and in the reference), so weights start equal;
-    ``dropout=False`` turns every dropout off (``disable_dropout``), as ``autoshard verify`` runs."""
-    with torch.random.fork_rng(devices=[]):
+    ``fixed_randomness=True`` gives every random op one value every rank shares (``fix_model_randomness``), as
+    ``autoshard verify`` runs."""
+    with torch.random.fork_rng(devices=[]), drawing_freely():
         torch.manual_seed(seed)
         model = model_file.build("cpu")
-    if not dropout:
-        disable_dropout(model)
+    if fixed_randomness:
+        fix_model_randomness(model)
     return model.to(device)
 
 
@@ -54,47 +56,13 @@ def get_block(model: nn.Module, path: str) -> nn.Module:
         raise AutoshardError(f"the model has no module '{path}' named in the plan; re-plan this model") from exc
 
 
-# Dropout as functions: nn.Dropout* call the torch.nn.functional forms, which the mode below sees.
-_DROPOUT_FUNCTIONS = {
-    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
-    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
-}
-_SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
-
-
-class NoDropout(torch.overrides.TorchFunctionMode):
-    """Every dropout call returns its input, and attention runs with ``dropout_p=0``.
-
-    A TorchFunctionMode sees each call of a torch function wherever the model makes it: an
-    ``nn.Dropout`` module, ``F.dropout(x, 0.1, self.training)`` written inline, and the
-    ``dropout_p`` that transformers' attention passes to ``scaled_dot_product_attention``.
-    It does not see calls made inside a torch function it let through (``multi_head_attention_forward``
-    drops out inside); ``disable_dropout`` zeroes those modules' rates as well.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _DROPOUT_FUNCTIONS:
-            return args[0] if args else kwargs["input"]
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            if len(args) > _SDPA_DROPOUT_ARG:
-                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1:])
-            if "dropout_p" in kwargs:
-                kwargs["dropout_p"] = 0.0
-        return func(*args, **kwargs)
-
-
-def disable_dropout(model: nn.Module) -> int:
-    """Turn dropout off for the rest of this process; the model stays in training mode (BatchNorm
-    keeps using batch statistics). Returns how many dropout rates were set to 0.
-
-    Two ways, for two kinds of model code: every dropout rate the model holds becomes 0
-    (``zero_dropout_rates``), and ``NoDropout`` is entered for good, for rates written inline.
-    """
+def fix_model_randomness(model: nn.Module) -> int:
+    """Every random op at a value every rank shares, for the rest of this process (``runtime.randomness``:
+    ``autoshard verify``'s runs); the model stays in training mode (BatchNorm keeps using batch statistics).
+    Its dropout rates are set to 0 as well (``zero_dropout_rates``: a kernel that drops out inside, such as a
+    fused attention's, then never draws). Returns how many rates were set to 0."""
     zeroed = zero_dropout_rates(model)
-    if not any(isinstance(m, NoDropout) for m in torch.overrides._get_current_function_mode_stack()):
-        NoDropout().__enter__()  # left on: the process exists to run this model
+    fix_randomness()
     return zeroed
 
 

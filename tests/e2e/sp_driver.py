@@ -6,7 +6,7 @@ processes costs seconds, so every case shares one launch)::
     sp_driver.py CASES_JSON OUT_DIR --tp 2 [--steps 2] [--batch 4] [--lr 1e-3]
 
 CASES_JSON is a list of ``{"name", "spec", "styles"}``. For each case every rank builds the same weights (seed 0,
-dropout off: ``build_model(dropout=False)``), applies ``styles`` with ``apply_tensor_parallel`` on a tp mesh,
+dropout off: ``build_model(fixed_randomness=True)``), applies ``styles`` with ``apply_tensor_parallel`` on a tp mesh,
 and trains with AdamW on the same global batch; rank 0 writes ``OUT_DIR/<name>/losses.json``,
 ``OUT_DIR/<name>/params.pt`` (full tensors, the original parameter names) and ``norm_tokens.json`` (the
 sequence lengths the sequence-parallel norms received: the tokens really are split).
@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def train(case: dict, mesh, args, ctx) -> tuple[list[float], dict, list[int]]:
     model_file = load_model_file(case["spec"])
-    model = build_model(model_file, seed=0, dropout=False)
+    model = build_model(model_file, seed=0, fixed_randomness=True)
     seen = watch_norm_inputs(model, case["styles"])
     apply_tensor_parallel(model, mesh, case["styles"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -120,7 +120,7 @@ def test_shard_sequence_takes_contiguous_chunks():
 
 @pytest.fixture(scope="module")
 def references(in_repo_module):
-    return {name: train_reference(load_model_file(spec), BATCH, STEPS, 0, LR, dropout=False)
+    return {name: train_reference(load_model_file(spec), BATCH, STEPS, 0, LR, fixed_randomness=True)
             for name, spec in MODELS.items()}
 
 

@@ -89,11 +89,17 @@ def plan_cases(models: dict[str, str], cases: dict[str, tuple], workdir: Path) -
     return out
 
 
+def program_case(name: str, program: Path, out: Path, lr: float = LR, fixed_randomness: bool = True) -> dict:
+    """One case for ``zoo_driver.py``: the program, run for STEPS steps from SEED, its metrics into ``out``;
+    random ops fixed (``--fixed-randomness``) as verify runs them, unless told otherwise."""
+    return {"name": name, "program": str(program), "metrics_out": str(out),
+            "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(lr), "--metrics-out", str(out),
+                     *(["--fixed-randomness"] if fixed_randomness else [])]}
+
+
 def run_programs(outcomes: dict[tuple, Outcome], workdir: Path) -> str:
     """Every planned case in one launch; returns the crash block ("" when none crashed)."""
-    cases = [{"name": f"{m}/{c}", "program": str(workdir / m / c / "train.py"), "metrics_out": str(workdir / m / c / "out"),
-              "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
-                       "--metrics-out", str(workdir / m / c / "out")]}
+    cases = [program_case(f"{m}/{c}", workdir / m / c / "train.py", workdir / m / c / "out")
              for (m, c), o in outcomes.items() if o.plan is not None]
     (workdir / "cases.json").write_text(json.dumps(cases))
     proc = run_torchrun(DRIVER, RANKS, [str(workdir / "cases.json")], quiet=True)
@@ -127,8 +133,8 @@ def _verdict(spec: str, plan, out: Path) -> tuple[str, str]:
     losses = json.loads((out / "metrics.json").read_text())["losses"]
     params = torch.load(out / "params.pt", weights_only=True)
     micro = reference_microbatches(model_file, plan)
-    ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, dropout=False, microbatches=micro)
-    ref64 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, dropout=False, microbatches=micro,
+    ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro)
+    ref64 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,
                             dtype=torch.float64)
     report = compare(STEPS, losses, ref32.losses, params, ref32.params, LR, exact=ref64)
     if report.ok:
@@ -157,9 +163,7 @@ def run_and_judge(plans: dict, models: dict[str, str], ranks: int, folder: Path)
     """Run each plan's program (``folder/<name>/train.py``, already written) in one torchrun launch of
     ``ranks`` (``zoo_driver.py``) and require every one to train like one process (``_verdict``);
     ``models`` names each case's model spec."""
-    cases = [{"name": name, "program": str(folder / name / "train.py"), "metrics_out": str(folder / name / "out"),
-              "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(LR), "--no-dropout",
-                       "--metrics-out", str(folder / name / "out")]} for name in plans]
+    cases = [program_case(name, folder / name / "train.py", folder / name / "out") for name in plans]
     (folder / "cases.json").write_text(json.dumps(cases))
     proc = run_torchrun(DRIVER, ranks, [str(folder / "cases.json")], quiet=True)
     for name, plan in plans.items():

@@ -63,8 +63,9 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
-    parser.add_argument("--no-dropout", action="store_true", help="turn every dropout off (autoshard verify "
-                        "compares runs with dropout off: each rank would draw its own masks)")
+    parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
+                        "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
+                        "draw its own numbers")
     parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
@@ -77,7 +78,7 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
     mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, dropout=not args.no_dropout)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
