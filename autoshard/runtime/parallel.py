@@ -15,6 +15,8 @@ programs call the same functions in the same order (``passes.codegen`` prints th
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
                       False, ZeRO-3: True), or per stage module; HSDP; the plan's precision policy
     apply_replicate   FSDP2's replicate: ZeRO-0 where parameters are DTensors or stages (tp or pp)
+                      (both leave 0-d parameters, which FSDP2 cannot take, whole on every rank and
+                      average their gradients over dp once per step: ``_keep_scalars_whole``)
     apply_ddp         DistributedDataParallel (bucketed all-reduce overlapped with backward)
     build_optimizer   AdamW; ZeRO-1: ZeroRedundancyOptimizer over dp; pipelines: one per stage
     build_schedule    torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV
@@ -27,12 +29,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable.replicate_with_fsdp import replicate  # torch's own; pipelining uses it
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autoshard.ir.decisions import precision_policy
@@ -126,13 +130,15 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] =
     over the other. ``sync_every_microbatch`` False (ZeRO-1) sums gradients whole over a step's
     micro-batches and reduce-scatters them on the last (``grad_sync``). ``ep`` > 1: experts modules
     sharded by ``apply_ep`` are units of their own first, over the dp/ep ranks holding the same experts
-    (``expert_parallel.expert_units``); on stages (dp = ep) FSDP leaves them out."""
+    (``expert_parallel.expert_units``); on stages (dp = ep) FSDP leaves them out. 0-d parameters stay
+    whole on every rank (``_keep_scalars_whole``)."""
     policy = mixed_precision(precision)
     mesh = dp_mesh if replicas == 1 else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas),
                                                             ("dp_replicate", "dp_shard"))
     units = model.modules if isinstance(model, pp.PipelineStages) else [get_block(model, p) for p in blocks] + [model]
     ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: fully_shard(
         unit, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
+    ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     ignored_params=ignored)
@@ -146,17 +152,19 @@ def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[s
     """ZeRO-0 with tp, pp or ep: FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery, which takes
     DTensor parameters and is driven by ``torch.distributed.pipelining``'s stages), each block a unit then
     the root, or each stage module; gradients summed over the micro-batches, all-reduced on the last.
-    ``ep`` > 1: experts modules are units of their own first, as in ``apply_fsdp``."""
+    ``ep`` > 1: experts modules are units of their own first, as in ``apply_fsdp``. 0-d parameters stay
+    out of FSDP2 (``_keep_scalars_whole``)."""
     policy = mixed_precision(precision)
     ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: replicate(
         unit, mesh=unit_mesh, mp_policy=policy))
+    ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     if isinstance(model, pp.PipelineStages):
         for module in model.modules:
             replicate(module, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
         return model
     for path in blocks:
-        replicate(get_block(model, path), mesh=dp_mesh, mp_policy=policy)
-    replicate(model, mesh=dp_mesh, mp_policy=policy)
+        replicate(get_block(model, path), mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+    replicate(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     _ACCUMULATING.add(model)
     return model
 
@@ -176,6 +184,50 @@ def _experts_apart(model, dp_mesh: DeviceMesh, ep: int, wrap: Callable) -> set[n
     for module, unit_mesh in ep_runtime.expert_units(model, dp_mesh, ep):
         wrap(module, unit_mesh)
     return None
+
+
+def _keep_scalars_whole(model, dp_mesh: DeviceMesh, ignored: set[nn.Parameter] | None) -> set[nn.Parameter] | None:
+    """FSDP2 (``fully_shard`` and ``replicate``) refuses 0-d parameters (CLIP's ``logit_scale``): it needs a
+    dim to shard. They are left out of it (``ignored``, returned with them added), whole on every dp rank
+    as DDP keeps every parameter, and their gradients averaged over ``dp_mesh`` once per step, as FSDP2
+    averages the rest: on the last micro-batch's backward (``ScalarGrads``, gated by ``grad_sync``), or on
+    pipeline stages after the schedule (``pipeline_parallel.sync_replicated_grads``). The optimizer steps
+    them alike on every rank, and checkpoints hold them as the plain tensors they are."""
+    modules = model.modules if isinstance(model, pp.PipelineStages) else [model]
+    apart = {id(p) for p in ignored or ()}
+    scalars = {id(p): p for m in modules for p in m.parameters() if p.dim() == 0 and id(p) not in apart}
+    if not scalars:
+        return ignored
+    ordered = tuple(scalars.values())  # module order: the same on every dp rank
+    group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
+    if isinstance(model, pp.PipelineStages):
+        model.dp_replicated = (ordered, group)
+    elif group is not None:
+        _SCALAR_GRADS[model] = ScalarGrads(ordered, group)
+    return set(ignored or ()) | set(ordered)
+
+
+class ScalarGrads:
+    """Averages the gradients of parameters kept whole beside FSDP2 over the dp group, as each backward
+    accumulates them, unless ``grad_sync`` says this micro-batch is not a step's last (``sync`` False):
+    summed locally until then, so each step all-reduces them once."""
+
+    def __init__(self, params: tuple[nn.Parameter, ...], group: dist.ProcessGroup):
+        self.group, self.sync = group, True
+        for param in params:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._average)
+
+    def _average(self, param: nn.Parameter) -> None:
+        if not self.sync or param.grad is None:
+            return
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+        grad /= dist.get_world_size(self.group)
+
+
+# FSDP2-wrapped models -> their whole 0-d parameters' gradient averaging (``_keep_scalars_whole``); weak.
+_SCALAR_GRADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # FSDP2 roots whose gradients are summed whole until a step's last micro-batch (ZeRO-0 ``replicate`` and
@@ -211,12 +263,27 @@ def grad_sync(model: nn.Module, enabled: bool):
     """Gradient synchronisation on this micro-batch or not (the last one: ``enabled``). DDP skips its
     all-reduce on the others (``no_sync``); FSDP2 under ZeRO-0 (``replicate``) and ZeRO-1 keeps weights
     gathered and gradients whole until the last (``set_requires_gradient_sync``,
-    ``set_reshard_after_backward``); ZeRO-2/3 reduce-scatter every micro-batch so gradients stay sharded."""
+    ``set_reshard_after_backward``); ZeRO-2/3 reduce-scatter every micro-batch so gradients stay sharded.
+    0-d parameters kept whole beside FSDP2 (``ScalarGrads``) average theirs on the last only, in every stage."""
     if isinstance(model, DDP) and not enabled:
         return model.no_sync()
+    scalars = _SCALAR_GRADS.get(model)
+    if scalars is not None:
+        return _scalar_sync(model, scalars, enabled)
     if model in _ACCUMULATING:
         return _fsdp_sync(model, enabled)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _scalar_sync(model, scalars: ScalarGrads, enabled: bool):
+    """The 0-d parameters kept whole beside FSDP2 average their gradients on a step's last micro-batch only."""
+    scalars.sync = enabled
+    try:
+        with _fsdp_sync(model, enabled) if model in _ACCUMULATING else contextlib.nullcontext():
+            yield
+    finally:
+        scalars.sync = True
 
 
 @contextlib.contextmanager

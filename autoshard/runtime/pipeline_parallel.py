@@ -97,6 +97,9 @@ class PipelineStages:
     # Expert shards the dp wrapper leaves alone, and the group of the dp / ep ranks holding the same ones,
     # which averages their gradients after the schedule (``sync_expert_grads``; set by the dp wrapper).
     expert_replicas: tuple[tuple[nn.Parameter, ...], dist.ProcessGroup | None] = ((), None)
+    # 0-d parameters the dp wrapper leaves whole (FSDP2 cannot shard them), and the dp group that averages
+    # their gradients after the schedule (``sync_replicated_grads``; set by the dp wrapper).
+    dp_replicated: tuple[tuple[nn.Parameter, ...], dist.ProcessGroup | None] = ((), None)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -383,6 +386,7 @@ def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch
     schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
     sync_tied_grads(parts)
     sync_expert_grads(parts)
+    sync_replicated_grads(parts)
     return global_mean_loss(losses, parts)
 
 
@@ -390,7 +394,17 @@ def sync_expert_grads(parts: PipelineStages) -> None:
     """Expert shards (``expert_parallel``), which the stages' dp wrapper leaves alone: their gradients
     averaged over the dp / ep ranks holding the same experts, as the wrapper averages the rest over dp
     (the dispatch already scaled them by 1/ep). Nothing to do when dp = ep."""
-    params, group = parts.expert_replicas
+    _average_grads(*parts.expert_replicas)
+
+
+def sync_replicated_grads(parts: PipelineStages) -> None:
+    """0-d parameters, which the stages' dp wrapper leaves whole: their gradients averaged over dp, as the
+    wrapper averages the rest. After ``sync_tied_grads``: a tied copy's gradient is its ties' sum."""
+    _average_grads(*parts.dp_replicated)
+
+
+def _average_grads(params: tuple[nn.Parameter, ...], group: dist.ProcessGroup | None) -> None:
+    """Each gradient of ``params`` averaged over ``group``, in one flat all-reduce."""
     if group is None or dist.get_world_size(group) == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
