@@ -159,7 +159,8 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         precision=precision_for_graph(request.cluster.backend, graph).name,  # the parameters' dtype decides
         pinned=request.pins.names,
         runtime=request.runtime,
-        notes=plan_notes(best, request.runtime) + ((why_not(best, best, request.cluster),) if not best.fits else ()),
+        notes=plan_notes(best, request.runtime) + batch_notes(graph, c) +
+        ((why_not(best, best, request.cluster),) if not best.fits else ()),
         symbolic=plan_symbolic(request, graph, best),
         search=dict(result.report),
         recompute_blocks=dict(zip((b.path for b in graph.blocks), c.recompute_blocks)),
@@ -194,6 +195,18 @@ def plan_notes(best: Priced, runtime: str = "autoshard") -> tuple[str, ...]:
     if runtime != "autoshard":
         notes += (RUNTIME_NOTE.format(runtime=runtime),)
     return notes
+
+
+def batch_notes(graph: OpGraph, c: Decisions) -> tuple[str, ...]:
+    """What the plan keeps whole for a loss that couples the samples of a batch (``passes.batch_coupling``), or that
+    it could not check whether the loss does."""
+    if graph.batch_coupling:
+        return (f"the batch stays whole on one rank (dp 1, one micro-batch): {graph.batch_coupling}",)
+    if graph.batch_coupling is None and graph.model_fingerprint and c.mesh.dp * c.mesh.cp * c.num_microbatches > 1:
+        return ("whether the loss of a batch is the mean of its shares' losses (what dp and micro-batches need) was not "
+                "checked (the model is too large to run here, or did not run on the CPU); `autoshard verify` a smaller "
+                "configuration of it",)
+    return ()
 
 
 RUNTIME_NOTE = ("priced as {runtime} runs this configuration (--runtime {runtime}), to compare with its published "

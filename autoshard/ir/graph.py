@@ -155,6 +155,9 @@ class OpGraph:
     # s/cp tokens, was not shown to compute its share of the one-process one ("" = proven); None when the graph
     # was never checked (hand-built graphs).
     cp_proofs: dict[str, str] | None = None
+    # passes/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
+    # checked: a hand-built graph, or a model too large to run for the check).
+    batch_coupling: str | None = None
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]

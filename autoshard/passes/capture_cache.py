@@ -57,7 +57,8 @@ from typing import Any, Iterator
 
 from autoshard.ir.graph import Block, OpGraph, OpNode, ParamInfo
 
-CACHE_VERSION = 3  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs
+CACHE_VERSION = 4  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs;
+# 4: graphs carry batch_coupling
 # Packages the key already pins (torch's and Python's versions, autoshard's sources): their
 # modules need no entry of their own.
 PINNED_PACKAGES = frozenset({"torch", "autoshard", "torchgen", "functorch"})

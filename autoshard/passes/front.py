@@ -99,6 +99,7 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool,
     same in this process and in the forked child, which records in itself."""
     from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
+    from autoshard.passes.batch_coupling import check_batch_coupling
     from autoshard.passes.capture import capture, model_output_to_stderr
     from autoshard.passes.cp_proof import prove_context_parallel
     from autoshard.passes.tp_proof import prove_tensor_parallel
@@ -109,6 +110,7 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool,
         graph = run_pass("annotate", done, annotate, graph)
         graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
         graph = run_pass("cp_proof", done, prove_context_parallel, model_file, graph)
+        graph = run_pass("batch_coupling", done, check_batch_coupling, model_file, graph)
     return model_file, graph, reads
 
 

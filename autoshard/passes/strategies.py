@@ -373,10 +373,26 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
                for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts)
                if _honours_cuts(c, pins, len(graph.blocks), refusals)
-               and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)]
+               and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
+               and (not graph.batch_coupling or keeps_batch_whole(c))]
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
+
+
+def keeps_batch_whole(c: Decisions) -> bool:
+    """One rank computes the loss of the whole batch at once: no dp or cp shares, one micro-batch. What a model
+    whose loss couples the samples of a batch needs (``passes.batch_coupling``)."""
+    return c.mesh.dp == 1 and c.mesh.cp == 1 and c.num_microbatches == 1
+
+
+def batch_coupling_refusal(graph: OpGraph, pins: Pins) -> str:
+    """Why no configuration honouring the pins keeps the batch whole, for a model whose loss couples its samples."""
+    split = [f"--{name.replace('_', '-')} {value}" for name, value in (("dp", pins.dp), ("cp", pins.cp))
+             if (value or 1) > 1]
+    how = f"{' and '.join(split)} splits" if split else "every configuration of this cluster that honours the pins splits"
+    return (f"{how} the batch over ranks or micro-batches, but {graph.batch_coupling}; plan with --dp 1 and one "
+            f"micro-batch (tensor or pipeline parallelism over the devices), or make the loss a mean over samples")
 
 
 def split_backward_graph_refusal(graph: OpGraph) -> str:
@@ -672,6 +688,8 @@ def microbatch_sizes(per_rank_batch: int, pinned: int | None, min_microbatches: 
 
 def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> str:
     """Why the pins leave nothing to plan, with the fix."""
+    if graph.batch_coupling:
+        return batch_coupling_refusal(graph, pins)
     meshes = candidate_meshes(graph, cluster, global_batch, pins)
     if not meshes:
         dps = sorted({cluster.world_size // (t * p) for t in legal_tp_degrees(graph, cluster)

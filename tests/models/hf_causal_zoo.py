@@ -12,6 +12,10 @@ the exported graph). No download: the configs are written here.
     build_gemma     GemmaForCausalLM      tied embeddings, embedding scaled by √width, GeLU-tanh
     build_gpt_neox  GPTNeoXForCausalLM    fused query_key_value, parallel residual, partial rotary
     build_qwen2_moe Qwen2MoeForCausalLM   mixture of 4 experts (top-2) with a shared expert
+    build_mamba     MambaForCausalLM      a state-space model: selective scan, causal conv, no attention
+                                          (transformers' own scan: no CUDA kernels on the CPU)
+    build_jamba     JambaForCausalLM      hybrid: Mamba layers and attention layers (every other one),
+                                          mixture of 4 experts (top-2) every other layer; 4 layers
 
 Model-file contract (DESIGN.md): ``example_batch`` gives examples/gpt.py's synthetic tokens,
 ``loss_fn`` cross-entropy on ``outputs.logits``.
@@ -65,6 +69,17 @@ def build_qwen2_moe():
     return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**SIZES, num_key_value_heads=2, num_experts=4,
                                                     num_experts_per_tok=2, moe_intermediate_size=64,
                                                     shared_expert_intermediate_size=64))
+
+
+def build_mamba():
+    return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+                                              state_size=8, use_cache=False))
+
+
+def build_jamba():
+    return tf.JambaForCausalLM(tf.JambaConfig(
+        **{**SIZES, "num_hidden_layers": 4}, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8))
 
 
 def example_batch(batch_size: int):

@@ -1,0 +1,99 @@
+"""Whether the loss of a batch is the mean of its shares' losses: what data parallelism and micro-batching need.
+
+A data-parallel program gives each of dp ranks 1/dp of the batch, and each micro-batch 1/m of that;
+every share computes the model file's loss on its own samples, and the gradients are averaged (DDP,
+FSDP2) or summed over micro-batches of loss / m. That is one process's gradient exactly when
+
+    L(batch) = mean over equal shares S of L(S)                                  (*)
+
+as it is for a per-sample (or per-token, with as many tokens in every share) loss averaged over the
+batch. (*) fails for a loss that couples the samples of a batch: a contrastive loss over the B x B
+similarities of a batch (CLIP, SimCLR), in-batch negatives, a loss summed instead of averaged (dp
+times one process's gradient), a mean over a count the data decide (ignore_index spread unevenly). Such
+a plan would train wrong, so the planner refuses dp > 1, cp > 1 and more than one micro-batch for it
+(``strategies``), with the reason found here.
+
+How it is checked: on the model file's own example batch of ``CHECK_BATCH`` samples, the model built on
+the CPU from a fixed seed, its random ops at their expectation (``runtime.randomness``) and BatchNorm at
+its running statistics (the programs synchronise BatchNorm's batch statistics over the dp ranks
+themselves: ``runtime.model.sync_batch_norm``), L of the batch against the mean of L of its two halves,
+in float64 (so rounding cannot pass for a difference), relative tolerance ``RTOL`` (fp32 and ``RTOL_FP32`` for a
+model that does not run in float64; a model that runs in neither is not checked). A model whose weights
+would not fit in ``MAX_CHECK_BYTES`` is not run (``graph.batch_coupling`` None, and the plan says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from autoshard.ir.graph import OpGraph
+from autoshard.modelfile import ModelFile
+
+CHECK_BATCH = 4  # samples of the example batch checked; halves of 2
+RTOL = 1e-6  # float64: a mean of shares differs from the whole by rounding of ~1e-15
+RTOL_FP32 = 1e-4  # for a model with an op that has no float64 kernel, checked in fp32
+MAX_CHECK_BYTES = 2**30  # weights (fp32 on the CPU) of the largest model run for the check
+
+
+def check_batch_coupling(model_file: ModelFile, graph: OpGraph) -> OpGraph:
+    """``graph`` with ``batch_coupling``: "" when (*) holds, the reason when not, None when not run (module doc)."""
+    weight_bytes = 4 * sum(p.numel() for p in model_file.build("meta").parameters())  # the whole model, unfolded
+    if weight_bytes > MAX_CHECK_BYTES:
+        graph.batch_coupling = None
+        return graph
+    try:
+        graph.batch_coupling = coupling_reason(model_file)
+    except Exception as exc:  # noqa: BLE001 (a model that does not run in float64 on the CPU: checked in fp32)
+        try:
+            graph.batch_coupling = coupling_reason(model_file, dtype=torch.float32)
+        except Exception:  # noqa: BLE001 (nor in fp32: the plan says it was not checked)
+            graph.batch_coupling = None
+            del exc
+    return graph
+
+
+def coupling_reason(model_file: ModelFile, batch_size: int = CHECK_BATCH, dtype: torch.dtype = torch.float64) -> str:
+    """Why the loss of a batch is not the mean of its halves' losses ("" when it is); in ``dtype``."""
+    from autoshard.runtime.data import global_batch, take_shard
+    from autoshard.runtime.model import build_model, zero_dropout_rates
+    from autoshard.runtime.randomness import fixed_randomness
+
+    model = build_model(model_file, seed=0).to(dtype)
+    zero_dropout_rates(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.eval()
+    batch = _cast(global_batch(model_file, batch_size, 0, 0), dtype)
+    cpu = torch.device("cpu")
+    rtol = RTOL if dtype == torch.float64 else RTOL_FP32
+    with fixed_randomness(), torch.no_grad(), _default_dtype(dtype):
+        whole = float(model_file.loss(model(*batch[0]), batch[1]))
+        halves = [float(model_file.loss(model(*x), y)) for x, y in (take_shard(batch, i, 2, cpu) for i in range(2))]
+    mean = sum(halves) / 2
+    if abs(whole - mean) <= rtol * max(abs(whole), abs(mean), 1e-30):
+        return ""
+    kind = ("the loss is a sum over the batch, not a mean (dp ranks would each add theirs; divide by the batch size)"
+            if abs(whole - sum(halves)) <= rtol * abs(whole) else
+            "the loss couples the samples of a batch (in-batch pairs, as a contrastive loss has, or a mean over a "
+            "count the data decide)")
+    return (f"{kind}: on the example batch of {batch_size}, L(batch) = {whole:.6g} but its halves give "
+            f"{halves[0]:.6g} and {halves[1]:.6g} (mean {mean:.6g})")
+
+
+def _cast(batch, dtype: torch.dtype):
+    inputs, targets = batch
+    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    return tuple(cast(t) for t in inputs), cast(targets)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Tensors the model makes in forward (a mask, a position table) in ``dtype`` too."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
