@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -273,7 +274,7 @@ _PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeou
 
 
 def crash_block(failures: dict) -> str:
-    """The first rank to fail: its exception and the last frame in the model's or autoshard's code.
+    """The first rank to fail: its exception, its last frame and the model file's line (``summarize_crash``).
 
     First by the error file's time; among ranks that failed in the same second, one whose error
     is not a lost connection to another rank (those follow the rank that really failed).
@@ -284,26 +285,37 @@ def crash_block(failures: dict) -> str:
 
     rank, failure = min(failures.items(), key=order)
     others = len(failures) - 1
-    lines = [f"rank {rank} failed: {_failure_message(failure)}"]
-    frame = last_own_frame(_callstack(failure))
-    if frame:
-        lines.append(f"  at {frame}")
+    callstack = _callstack(failure)
+    if _recorded(failure):
+        first, *where = summarize_crash(callstack, _recorded_message(failure), _model_files(failure))
+    else:
+        first, where = _failure_message(failure), []
+    lines = [f"rank {rank} failed: {first}", *(f"  {line}" for line in where)]
     if others:
         lines.append(f"  ({others} other rank(s) stopped after it)")
-    if os.environ.get("AUTOSHARD_DEBUG") and _callstack(failure):  # --debug: the rank's whole traceback
-        lines.append(_callstack(failure).rstrip())
+    if os.environ.get("AUTOSHARD_DEBUG") and callstack:  # --debug: the rank's whole traceback
+        lines.append(callstack.rstrip())
     return "\n".join(lines)
 
 
-def _failure_message(failure) -> str:
+def _recorded(failure) -> bool:
+    """Whether the rank recorded a Python exception (``runtime.faults.record_for_torchrun``)."""
+    message = _recorded_message(failure)
+    return failure.error_file_data != {} and bool(message) and not message.startswith("To enable traceback")
+
+
+def _recorded_message(failure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    if failure.error_file_data == {} or not message or message.startswith("To enable traceback"):
-        if failure.exitcode < 0:
-            return f"killed by signal {failure.signal_name()} (no Python exception)"
-        return f"exited with status {failure.exitcode} (its own message is in the output above)"
-    return str(message).strip().splitlines()[0][:400]
+    return str(message or "")
+
+
+def _failure_message(failure) -> str:
+    """What a rank that recorded no exception died of."""
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()} (no Python exception)"
+    return f"exited with status {failure.exitcode} (its own message is in the output above)"
 
 
 def _callstack(failure) -> str:
@@ -313,17 +325,138 @@ def _callstack(failure) -> str:
     return ""
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?: +(.*))?')
+def _model_files(failure) -> list[str] | None:
+    """The model files the rank had loaded (``runtime.faults`` records them), or None if it did not say."""
+    message = failure.message
+    files = message.get("extraInfo", {}).get("model_files") if isinstance(message, dict) else None
+    return [str(f) for f in files] if isinstance(files, list) else None
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a Python traceback."""
+
+    path: str
+    line: int
+    function: str
+    source: str = ""
+
+    def __str__(self) -> str:
+        return f"{_short(self.path)}:{self.line} in {self.function}" + (f": {self.source[:200]}" if self.source else "")
+
+
+_TRACEBACK_START = "Traceback (most recent call last):"
+_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+?)\s*$')
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::(.*))?$")
+_CARETS = re.compile(r"^[\s~^]+$")  # Python 3.11's markers under a frame's source line
+
+
+def parse_traceback(text: str) -> tuple[list[Frame], str]:
+    """The frames of the last traceback in ``text`` (``traceback.format_exc()``), innermost last, and the
+    exception text after them (its type, message and any lines the message spans)."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK_START)]
+    i = starts[-1] + 1 if starts else 0
+    frames: list[Frame] = []
+    while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
+        match = _FRAME_LINE.match(lines[i])
+        if match:
+            frames.append(Frame(match.group(1), int(match.group(2)), match.group(3)))
+        elif frames and not frames[-1].source and _is_source(lines[i]):
+            frames[-1] = Frame(frames[-1].path, frames[-1].line, frames[-1].function, lines[i].strip())
+        i += 1
+    return frames, "\n".join(lines[i:])
+
+
+def summarize_crash(callstack: str, message: str = "", model_files: list[str] | None = None) -> list[str]:
+    """A crashed rank's summary, from its traceback text (and torch's one-line ``message``, "Type: text").
+
+    1. the exception type, and its message's first line or "(empty message)";
+    2. ``at`` the last frame (file:line in function: source);
+    3. ``model file:`` the innermost frame in the model file, when there is one and it is not the last
+       frame; or else, when the last frame is in a library, ``from`` the innermost one outside libraries.
+
+    The model file is one of ``model_files`` (the files the rank loaded); when none are known, code outside
+    Python's library, installed packages, autoshard and the scripts run (their ``<module>`` frames). When the
+    stack holds no model frame, the model line is the last one the text quotes elsewhere: in an exception
+    chained before it, or in the traceback torch.fx puts in a message ("Original traceback:"; a pipeline
+    stage's graph runs the model's code, not its file).
+    """
+    frames, exception = parse_traceback(callstack)
+    lines = [_exception_line(exception, message) if frames else _exception_line(message, exception)]
+    if not frames:  # no traceback (torch's ``format_exc`` outside an except block reads "NoneType: None")
+        return lines
+    last = frames[-1]
+    lines.append(f"at {last}")
+    quoted = _frames_in(callstack)  # every frame the text names: chained exceptions', torch.fx's quotes
+    programs = {frame.path for frame in quoted if frame.function == "<module>"}
+    model = _model_frame(frames, model_files, programs) or _model_frame(quoted, model_files, programs)
+    if model is not None and model != last:
+        lines.append(f"model file: {model}")
+    elif model is None and _is_library(last.path):
+        own = [frame for frame in frames if not _is_library(frame.path)]
+        if own:
+            lines.append(f"from {own[-1]}")
+    return lines
+
+
+def _exception_line(*texts: str) -> str:
+    """"Type: first line of the message", or "Type (empty message)", from the first of ``texts`` naming a type."""
+    for text in texts:
+        stripped = [line for line in text.splitlines() if line.strip()]
+        match = _EXCEPTION_LINE.match(stripped[0].strip()) if stripped else None
+        if match:
+            first = (match.group(2) or "").strip() or next((line.strip() for line in stripped[1:]), "")
+            return f"{match.group(1)}: {first[:400]}" if first else f"{match.group(1)} (empty message)"
+    named = [text.strip() for text in texts if text.strip()]
+    return named[0].splitlines()[0][:400] if named else "an exception (no type recorded)"
+
+
+def _frames_in(text: str) -> list[Frame]:
+    """Every frame ``text`` names, in order: the tracebacks' and those quoted in messages (torch.fx's)."""
+    frames = []
+    for line in text.splitlines():
+        match = _FRAME_LINE.match(line)
+        if match:
+            frames.append(Frame(match.group(1), int(match.group(2)), match.group(3)))
+        elif frames and not frames[-1].source and _is_source(line):
+            frames[-1] = Frame(frames[-1].path, frames[-1].line, frames[-1].function, line.strip())
+    return frames
+
+
+def _is_source(line: str) -> bool:
+    """An indented line of code under a frame (not Python 3.11's ~^ markers, nor a repetition note)."""
+    return line.startswith(" ") and bool(line.strip()) and not _CARETS.match(line) \
+        and not line.strip().startswith("[Previous line repeated")
+
+
+def _model_frame(frames: list[Frame], model_files: list[str] | None, programs: set[str]) -> Frame | None:
+    """The innermost (last) of ``frames`` in the model file (``summarize_crash``)."""
+    if model_files:
+        wanted = {_resolved(path) for path in model_files}
+        found = [frame for frame in frames if _resolved(frame.path) in wanted]
+    else:
+        found = [frame for frame in frames
+                 if not _is_library(frame.path) and not _in_autoshard(frame.path) and frame.path not in programs]
+    return found[-1] if found else None
+
+
+def _resolved(path: str) -> str:
+    try:
+        return str(Path(path).resolve())
+    except (OSError, RuntimeError):
+        return path
+
+
+def _in_autoshard(path: str) -> bool:
+    return _resolved(path).startswith(str(Path(__file__).resolve().parent) + os.sep)
 
 
 def last_own_frame(callstack: str) -> str:
     """``path:line in function: source`` of the innermost frame outside torch and Python's own
     library (the model file, or autoshard), or ""."""
-    own = [m for m in _FRAME.finditer(callstack) if not _is_library(m.group(1))]
-    if not own:
-        return ""
-    path, line, func, source = own[-1].groups()
-    return f"{_short(path)}:{line} in {func}" + (f": {source.strip()}" if source else "")
+    own = [frame for frame in parse_traceback(callstack)[0] if not _is_library(frame.path)]
+    return str(own[-1]) if own else ""
 
 
 def _is_library(path: str) -> bool:
@@ -334,9 +467,13 @@ def _is_library(path: str) -> bool:
 
 
 def _short(path: str) -> str:
+    """Relative to the working directory; an installed package's file from its package (``torch/...``)."""
+    parts = Path(path).parts
+    if "site-packages" in parts:
+        return str(Path(*parts[len(parts) - parts[::-1].index("site-packages"):]))
     try:
         return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):
         return path
 
 

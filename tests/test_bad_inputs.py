@@ -60,6 +60,7 @@ UNTRACEABLE = [  # torch.export cannot capture the model
     (plan_args(B + "nonzero_shape.py:build"), "depends on tensor values"),
     (plan_args(B + "meta_build.py:build"), "cannot be built on the meta device"),
     (plan_args(B + "shape_mismatch.py:build"), "torch.export failed"),
+    (plan_args(B + "keyword_only_input.py:build"), "keyword-only: scale"),
 ]
 
 UNSUPPORTED_OPS = [

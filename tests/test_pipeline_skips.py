@@ -207,3 +207,61 @@ def test_a_tie_is_one_parameter_inside_each_stage():
     first = pipe.get_stage_module(0)
     assert first.get_parameter("enc_embed.weight") is first.get_parameter("dec_embed.weight")
     assert state_aliases(model) == (("enc_embed.weight", "dec_embed.weight", "head.weight"),)
+
+
+class ReadsLaterInputFirst(nn.Module):
+    """forward(ids, pixels, scale, unused, *, bias=None): the vision tower reads ``pixels`` first, ``scale``
+    is read only by the last layer, ``unused`` by none, and the keyword-only ``bias`` keeps its default."""
+
+    def __init__(self, width: int = 8, layers: int = 3):
+        super().__init__()
+        self.vision = nn.Linear(6, width)
+        self.text = nn.Embedding(10, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, ids, pixels, scale, unused, *, bias=None):
+        h = torch.tanh(self.vision(pixels)) + self.text(ids)
+        for layer in self.layers[:-1]:
+            h = torch.tanh(layer(h))
+        h = self.layers[-1](h) * scale
+        return h if bias is None else h + bias
+
+
+def test_the_first_stage_takes_inputs_in_the_declared_order_not_the_order_it_reads_them():
+    torch.manual_seed(0)
+    model = ReadsLaterInputFirst()
+    inputs = (torch.randint(0, 10, (4, 5)), torch.randn(4, 5, 6), torch.randn(4, 5, 8), torch.randn(4, 3))
+    expected = model(*inputs)
+    for cuts in (["layers.1"], ["layers.1", "layers.2"]):
+        pipe = split_model(model, inputs, cuts)
+        first = stage_nodes(pipe.split_gm.graph)[0]
+        assert [arg.name for arg in first.args] == ["ids", "pixels", "scale", "unused"]
+        assert skipped_transfers(pipe) == [] and misordered_transfers(pipe) == []
+        torch.testing.assert_close(run_by_order(pipe, *inputs)[0], expected)
+
+
+class VisionFirst(nn.Module):
+    """forward(ids, pixels), both read by the first stage, ``pixels`` first (a CLIP-style two-tower model)."""
+
+    def __init__(self, width: int = 8, layers: int = 2):
+        super().__init__()
+        self.vision = nn.Linear(6, width)
+        self.text = nn.Embedding(10, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, ids, pixels):
+        h = torch.tanh(self.vision(pixels)) + self.text(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def test_a_first_stage_reading_every_input_out_of_order_is_reordered():
+    """``pipeline()`` gives stage 0 the placeholders (pixels, ids); the schedule feeds (ids, pixels)."""
+    torch.manual_seed(0)
+    model, ids, pixels = VisionFirst(), torch.randint(0, 10, (4, 5)), torch.randn(4, 5, 6)
+    raw = pipeline(VisionFirst(), mb_args=(ids, pixels), split_spec={"layers.1": SplitPoint.BEGINNING})
+    assert [n.name for n in raw.get_stage_module(0).graph.nodes if n.op == "placeholder"] == ["pixels", "ids"]
+    pipe = split_model(model, (ids, pixels), ["layers.1"])
+    assert [n.name for n in pipe.get_stage_module(0).graph.nodes if n.op == "placeholder"] == ["ids", "pixels"]
+    torch.testing.assert_close(run_by_order(pipe, ids, pixels)[0], model(ids, pixels))

@@ -27,6 +27,7 @@ every ``param_inputs`` name is a ``ParamInfo.name``; nodes are in execution orde
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -157,7 +158,28 @@ def export_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str
         try:
             return torch.export.export(model, inputs, strict=False)
         except Exception as exc:
+            unfit = _inputs_do_not_fit(model, inputs)
+            if unfit:
+                raise AutoshardError(f"{where}: forward() cannot take the example inputs positionally ({unfit}); "
+                                     f"example_batch's inputs are passed as forward(*inputs), so make each "
+                                     f"of them a positional parameter (not keyword-only)") from exc
             raise AutoshardError(describe_export_failure(exc, where)) from exc
+
+
+def _inputs_do_not_fit(model: nn.Module, inputs: tuple) -> str | None:
+    """Why ``model.forward`` cannot be called on ``inputs`` positionally (a keyword-only input, too many
+    inputs), or None when it can or its signature is unknown."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*inputs)
+    except TypeError as exc:
+        keyword_only = [p.name for p in signature.parameters.values()
+                        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty]
+        return f"{exc}" + (f"; keyword-only: {', '.join(keyword_only)}" if keyword_only else "")
+    return None
 
 
 def check_static_shapes(program: torch.export.ExportedProgram, where: str) -> None:

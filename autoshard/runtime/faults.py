@@ -27,11 +27,14 @@ renamed into place). Acted on only in torchrun's first attempt (``TORCHELASTIC_R
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
@@ -104,6 +107,31 @@ def record_for_torchrun(exc: BaseException) -> None:
     handler = get_error_handler()
     handler.initialize()
     handler.record_exception(exc)
+    _add_crash_context(os.environ["TORCHELASTIC_ERROR_FILE"], exc)
+
+
+MODEL_FILES_KEY = "model_files"  # read by autoshard.launch.crash_block
+MODEL_MODULE_PREFIX = "autoshard_user_model_"  # modelfile's module names for model files
+
+
+def _add_crash_context(error_file: str, exc: BaseException) -> None:
+    """Beside torch's record: the model files this rank loaded (so the launcher can name the model file's
+    line among the frames), and the traceback of ``exc`` itself where torch's ``format_exc`` had none."""
+    try:
+        data = json.loads(Path(error_file).read_text())
+        info = data["message"]["extraInfo"]
+    except (OSError, ValueError, KeyError, TypeError):  # not torch's format: leave it as torch wrote it
+        return
+    info[MODEL_FILES_KEY] = loaded_model_files()
+    if not str(info.get("py_callstack", "")).startswith("Traceback"):
+        info["py_callstack"] = "".join(traceback.format_exception(exc))
+    Path(error_file).write_text(json.dumps(data))
+
+
+def loaded_model_files() -> list[str]:
+    """The paths of the model files imported in this process (``modelfile.load_model_file``)."""
+    return sorted({str(Path(module.__file__).resolve()) for name, module in list(sys.modules.items())
+                   if name.startswith(MODEL_MODULE_PREFIX) and getattr(module, "__file__", None)})
 
 
 # What gloo and NCCL say when the other end of a collective went away (its process ended).

@@ -188,6 +188,8 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     they compute only from tensors that need no gradient (rotary tables from buffers and
     positions); a region that reads trainable weights would then pass gradients through.
 
+    The first stage takes the model's inputs in the order they are fed (the order the traced
+    graph's placeholders have: the declared one), whatever order its code reads them in.
     Values read more than one stage after the one making them, and model inputs read after
     the first stage, are passed through the stages in between, and every value crossing a
     boundary is made contiguous (``pipeline_skips``): torch's stages and schedules only send
@@ -200,8 +202,26 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     if _has_grad_mode_region(pipe):
         with torch.no_grad():
             pipe = _pipeline_once(model, example_inputs, split_points)
+    _check_inputs_as_fed(pipe, example_inputs)
     one_parameter_per_tie(pipe, state_aliases(model))
     return make_transfers_contiguous(route_skipped_values(pipe))
+
+
+def _check_inputs_as_fed(pipe, example_inputs: tuple) -> None:
+    """The traced graph's placeholders are the inputs as the schedule feeds them: one per input, in order.
+
+    ``pipeline_skips`` orders the first stage's inputs by these placeholders; a graph whose inputs
+    did not match the positional inputs one to one (shape and dtype) would have them fed to the wrong ones.
+    """
+    roots = [node for node in pipe.split_gm.graph.nodes if node.op == "placeholder"]
+    traced = [(tuple(v.shape), v.dtype) if isinstance(v := node.meta.get("val"), torch.Tensor) else None
+              for node in roots]
+    fed = [(tuple(t.shape), t.dtype) for t in example_inputs]
+    if len(roots) != len(fed) or any(t is not None and t != f for t, f in zip(traced, fed)):
+        raise AutoshardError(f"the pipeline's traced inputs {[node.name for node in roots]} "
+                             f"({', '.join(f'{t[1]} {list(t[0])}' if t else '?' for t in traced)}) are not the "
+                             f"{len(fed)} inputs fed ({', '.join(f'{d} {list(s)}' for s, d in fed)}), in order; "
+                             f"give forward() each example input as a positional argument")
 
 
 def one_parameter_per_tie(pipe, aliases: tuple[tuple[str, ...], ...]) -> None:

@@ -26,10 +26,12 @@ its own use's gradient plus the one stage s + 1 sends back, and by induction sta
 receives ∂L/∂v = Σ_{r ∈ R(v)} ∂L_r/∂v, the sum autograd forms in one process.
 
 Model inputs. The schedule hands the step's inputs to the first stage only, positionally, so
-stage 0 must take every model input x_1 .. x_n in order, and an input read by a later stage
-(nanoGPT's ``forward(idx, targets)``: only the loss in the last stage reads ``targets``) is
-made adjacent like any other value: it counts as made by stage p(x) = −1, and stages
-0 .. last(x) − 1 carry it (``first_stage_takes_every_input``, then ``route_skipped_values``).
+stage 0 must take every model input x_1 .. x_n in the declared order (not the order its code
+reads them: ``pipeline()`` gives it placeholders in first-use order), and an input read by a
+later stage (nanoGPT's ``forward(idx, targets)``: only the loss in the last stage reads
+``targets``) is made adjacent like any other value: it counts as made by stage p(x) = −1, and
+stages 0 .. last(x) − 1 carry it (``first_stage_takes_every_input``, then ``route_skipped_values``).
+An input no stage reads is taken by stage 0 and left unused.
 
 Model outputs. The schedule returns the last stage's outputs only, and the loss rebuilds the
 model's output from them, so the last stage returns every model output leaf in the model's
@@ -141,12 +143,18 @@ def _receive_in_send_order(split_gm: fx.GraphModule, stages: list[fx.Node]) -> b
 def first_stage_takes_every_input(split_gm: fx.GraphModule, stages: list[fx.Node]) -> bool:
     """Give stage 0 a placeholder for each model input it lacks, all in the model's order.
 
-    Returns whether stage 0 changed. A new placeholder is unused inside stage 0 until a later
-    reader's value is carried through it (``_carry``).
+    The model's order is that of the top-level graph's placeholders (the inputs as fed, see
+    ``split_model``); ``pipeline()`` gives stage 0 its placeholders in the order its code first
+    reads them, which differs where ``forward`` reads a later input first (a two-tower model
+    running its vision tower on ``pixel_values`` before embedding ``input_ids``). Each stage
+    placeholder stays bound to the model input it reads (``first.args``), and they are put in
+    the model's order. Returns whether stage 0 changed. A new placeholder is unused inside
+    stage 0 until a later reader's value is carried through it (``_carry``), or for good
+    when no stage reads that input.
     """
     roots = _placeholders(split_gm.graph)
     first = stages[0]
-    if tuple(first.args) == tuple(roots) or set(first.args) == set(roots) and len(first.args) == len(roots):
+    if tuple(first.args) == tuple(roots):
         return False
     assert all(arg in roots for arg in first.args) and not first.kwargs, \
         f"the first stage {first.name} reads values other than the model's inputs"
