@@ -68,6 +68,7 @@ class ModelFile:
                 f"{self.spec}: the factory returned {type(model).__name__}, not a torch.nn.Module; "
                 f"make {self.factory_name}() return the model"
             )
+        model = _uncompiled(self.spec, model)
         _check_parameters(self.spec, model)
         return model
 
@@ -102,6 +103,50 @@ class ModelFile:
             return fn(outputs, targets)
         return default_loss(outputs, targets)
 
+
+
+_COMPILE_NOTED: set[str] = set()
+
+
+def _uncompiled(spec: str, model: nn.Module) -> nn.Module:
+    """``model`` with ``torch.compile`` taken off: the module it compiles (``OptimizedModule._orig_mod``) where the
+    factory returned ``torch.compile(model)``, and each compiled submodule replaced by its own. A compiled module
+    is a wrapper: its parameters are named ``_orig_mod.*``, ``parallelize_module`` and the capture's stand-ins
+    cannot replace its children, and DTensor, FSDP2 and pipeline stages want the eager module. Capture, plans and
+    programs all build the model here, so all of them name the same parameters. Said once per process."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by anything torch.compile returned
+    if eval_frame is None:
+        return model
+    compiled = eval_frame.OptimizedModule
+    outer = isinstance(model, compiled)
+    while isinstance(model, compiled):
+        model = model._orig_mod
+    inner: list[str] = []
+
+    def take_off(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            path = f"{prefix}{name}"
+            if isinstance(child, compiled):
+                while isinstance(child, compiled):
+                    child = child._orig_mod
+                module._modules[name] = child
+                inner.append(path)
+            take_off(child, f"{path}.")
+
+    take_off(model, "")
+    if (outer or inner) and spec not in _COMPILE_NOTED:
+        _COMPILE_NOTED.add(spec)
+        shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+        what = ("returned torch.compile(model); autoshard plans and runs the module it compiles (model._orig_mod)"
+                if outer else f"compiles submodules {shown} (torch.compile); autoshard plans and runs them as they "
+                              f"are (each one's _orig_mod)")
+        if outer and inner:
+            what += f", and its submodules {shown} uncompiled too"
+        print(f"note: {spec}: the factory {what}; its program applies the plan's parallelism to the eager module "
+              f"and does not compile it", file=sys.stderr)
+    return model
 
 
 class _SkipMetaInit(TorchFunctionMode):

@@ -49,6 +49,16 @@ def test_sharded_model_matches_and_export_keeps_the_collectives(group):
     assert {"autoshard.tp_copy.default", "autoshard.tp_reduce.default", "autoshard.tp_gather.default"} <= called
 
 
+def test_local_shards_keep_the_modules_attributes(group):
+    """The model's code may read a sharded module's attributes (Whisper: ``arange(embed_positions.num_embeddings)``):
+    a local shard keeps the whole module's, as parallelize_module does, and the TP proof assumes."""
+    model = Mlp()
+    model.emb.padding_idx = 3
+    shard_for_tracing(model, group, STYLES)
+    assert (model.emb.num_embeddings, model.emb.embedding_dim, model.emb.padding_idx) == (16, 8, 3)
+    assert (model.up.in_features, model.up.out_features, model.head.out_features) == (8, 32, 16)
+
+
 def test_gradients_flow_through_the_custom_ops(group):
     torch.manual_seed(0)
     reference, ids = Mlp(), torch.randint(0, 16, (2, 5))

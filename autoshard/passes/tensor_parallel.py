@@ -901,10 +901,14 @@ def proof_refusals(graph: OpGraph, tp: int, sp: bool = False) -> dict[str, str] 
 
 
 def proof_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
-    """Why the shards a module's output would reach were refused by the proof, nearest module first."""
+    """Why the proof refused the module's own op, or else the shards its output would reach, nearest module
+    first."""
     refused = proof_refusals(graph, tp)
     if refused is None:
         return f"tp={tp} was not checked against the model's code when it was captured; replicated"
+    own = (refused or {}).get(node.name, "")
+    if own and not own.startswith("not run on a shard"):  # its own op (the model's code read its weight)
+        return own
     if not refused or node.module_path not in _col_paths(graph):
         return ""
     parent = node.module_path.rpartition(".")[0]

@@ -13,12 +13,26 @@ For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``
    segment with the objective min Σ_n x[n, rep] over nodes that have another rule, i.e. as many
    ops as possible on shards, without the nodes refused so far.
 2. **The local program** (``local_failures``): the model built on meta as capture builds it (folded
-   likewise), every styled module (col, row, vocab-parallel) replaced by a stand-in that returns
+   likewise), every styled module (col, row, vocab-parallel) given a stand-in forward that returns
    one tp rank's output shape (a col shard of the features, or the whole output where the style
    gathers or all-reduces), exported on the capture batch. A styled module runs its own code on
    DTensors at run time; the code between them runs on plain local tensors, and that is what is
    checked. Under the layout, node n should give its captured shape with dim s(n) divided by t
-   where L(n) = S, and its captured shape elsewhere.
+   where L(n) = S, and its captured shape elsewhere. The stood-in module keeps everything else, as
+   ``parallelize_module`` does (its attributes, ``num_embeddings`` or ``in_features`` whole, its type and
+   methods; its parameters are DTensors of the whole shape there, meta tensors of the whole shape here),
+   and what the model's code does with those parameters outside the module is watched (``_ParamWatch``):
+
+       .device, .dtype, .requires_grad, .ndim, ...     the same on every rank and in both runtimes: allowed
+       .shape, .size(), .numel(), ...                  the whole weight's under DTensor, one rank's slice
+                                                       inside pipeline stages (local shards): refused
+       an op on it (``F.linear(x, self.proj.weight)``,   a DTensor meeting the code's plain tensors, or one
+       ``self.table.weight[:T]``) whose result is used   rank's slice taken for the whole: refused (an op whose
+                                                       result is dropped, e.g. by a fused-kernel wrapper that
+                                                       returns None without its kernel, is not)
+
+   A refusal refuses the module's own op (so it stays replicated) and names the model's file:line and
+   what it read (``_refuse_param_reads``); the round ends there.
 3. **Compare** node by node outside the styled modules (the two exports run the same code, so
    the same ops in the same order): a node whose inputs all had their expected shapes but whose own shape differs is
    refused (its code computes something else on a shard); ops that differ stop the comparison and
@@ -67,8 +81,9 @@ degree (``tensor_parallel.SP_REFUSED``).
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import replace
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import torch.nn as nn
@@ -79,12 +94,14 @@ from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
 from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import _module_of, _user_location, build_on_meta, export_module, target_name
+from autoshard.passes.capture import (_is_user_file, _module_of, _short_path, _user_location, build_on_meta,
+                                      export_module, target_name)
 from autoshard.passes.fold import fold_model, unfold
-from autoshard.passes.tensor_parallel import (LINEAR_OPS, Q, R, S, SEQ_GATHER_KINDS, SEQ_SOURCE_KINDS, SINK_OPS,
-                                              SP_REFUSED, _default_styles, _record_styles, check_divisibility,
-                                              consumer_map, module_gathers, proof_key, representatives, segment_model,
-                                              segments, seq_dims, shard_dims, sp_boundary, uses_seq)
+from autoshard.passes.tensor_parallel import (EMBEDDING_OPS, LINEAR_OPS, Q, R, S, SEQ_GATHER_KINDS, SEQ_SOURCE_KINDS,
+                                              SINK_OPS, SP_REFUSED, _default_styles, _record_styles,
+                                              check_divisibility, consumer_map, module_gathers, proof_key,
+                                              representatives, segment_model, segments, seq_dims, shard_dims,
+                                              sp_boundary, uses_seq)
 
 PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = "not run on a shard by the check of the model's code:"
@@ -254,7 +271,8 @@ def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layo
     model = build_on_meta(model_file)
     if captured.fold is not None:
         fold_model(model)
-    stand_in_shards(model, layout.choice.styles, tp)
+    watch = _ParamWatch(stand_in_shards(model, layout.choice.styles, tp))
+    watch.around_forward(model)
     inputs = tuple(t.to("meta") for t in model_file.example_batch(captured.batch_size)[0])
     stack: list[str] = []
     events: list[tuple[str, str, tuple[int, ...]]] = []
@@ -262,7 +280,11 @@ def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layo
         try:
             program = export_module(model, inputs, model_file.spec)
         except Exception as exc:  # the code cannot run on shards at all: refuse where it stopped
-            return _refuse_raised(captured, full, layout, stack[-1] if stack else "", events, tp, exc)
+            return (_refuse_param_reads(full, layout, watch.reads, tp)
+                    or _refuse_raised(captured, full, layout, stack[-1] if stack else "", events, tp, exc))
+    misused = _refuse_param_reads(full, layout, watch.reads, tp, _live_param_uses(program, watch.params))
+    if misused:  # the shapes after such a read say nothing more: check again without those modules' shards
+        return misused
     local = [n for n in program.graph.nodes if n.op == "call_function" and not _is_proof_hook(n)]
     return compare_shapes(captured, full, layout, local, tp)
 
@@ -347,13 +369,19 @@ def _last_finished_inside(module: str, finished: list[str]) -> str:
     return inner[-1] if inner else ""
 
 
-def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> None:
-    """Each styled module replaced (in place) by a ``_ShardStandIn`` giving its tp-rank output shape; each block
-    with ``scatter-seq-input-dim{d}`` slices its first positional input (``_ScatterHook``).
+def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> dict[str, nn.Module]:
+    """Each styled module's forward replaced (in place) by a ``_ShardStandIn`` giving its tp-rank output shape;
+    each block with ``scatter-seq-input-dim{d}`` slices its first positional input (``_ScatterHook``). Returns the
+    stood-in modules by path.
 
     A styled module runs its own code on DTensors (global shapes, DTensor's own sharding rules), so it
     is not what is checked here; what is checked is the code *between* styled modules, which runs on
-    plain local tensors."""
+    plain local tensors. The module itself stays as ``parallelize_module`` leaves it: its attributes
+    (``in_features``, ``num_embeddings``, ``padding_idx``, ...), its methods and type, and its parameters, which
+    at run time are DTensors of the whole shape on the module's device and dtype; here they are the meta
+    tensors of the whole shape that capture built. What the model's code does with them outside the module is
+    watched (``_ParamWatch``)."""
+    stood: dict[str, nn.Module] = {}
     for path, style in styles.items():
         if style not in STAND_INS and not style.startswith((SCATTER_INPUT, GATHER_MODULE_INPUT, GATHER_INPUT)):
             continue
@@ -373,9 +401,9 @@ def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> None:
             continue
         shard_features, seq = STAND_INS[style]
         features = _features(module)
-        parent, _, child = path.rpartition(".")
-        local = _ShardStandIn(features // tp if shard_features else features, style, seq, tp)
-        (model.get_submodule(parent) if parent else model).register_module(child, local)
+        module.forward = _ShardStandIn(features // tp if shard_features else features, style, seq, tp)
+        stood[path] = module
+    return stood
 
 
 def _stand_ins() -> dict[str, tuple[bool, tuple[str, int] | None]]:
@@ -410,22 +438,151 @@ def _features(module: nn.Module) -> int:
     return module.weight.shape[0]
 
 
-class _ShardStandIn(nn.Module):
-    """Output of one tp rank's styled module: (*x.shape[:-1], features), or (*ids.shape, features) for an
-    embedding, with the sequence dim gathered (× tp) or split (÷ tp) where the style does so."""
+class _ShardStandIn:
+    """The forward of one tp rank's styled module: (*x.shape[:-1], features), or (*ids.shape, features) for an
+    embedding, with the sequence dim gathered (× tp) or split (÷ tp) where the style does so. It is set on the
+    module itself (``stand_in_shards``), which keeps everything else."""
 
     def __init__(self, features: int, style: str, seq: tuple[str, int] | None = None, tp: int = 1):
-        super().__init__()
         self.features, self.seq, self.tp = features, seq, tp
         self.embedding = style.startswith("vocab-parallel-embedding")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = list(x.shape) if self.embedding else list(x.shape[:-1])
         if self.seq is not None:
             how, d = self.seq
             lead[d] = lead[d] * self.tp if how == "gather" else lead[d] // self.tp
         dtype = torch.get_default_dtype() if self.embedding else x.dtype
-        return torch.zeros(*lead, self.features, dtype=dtype, device=x.device)
+        return x.new_zeros((*lead, self.features), dtype=dtype)  # made from x: what fed x is used (_live_param_uses)
+
+
+# What the model's code may read of a sharded parameter outside its module: the same on every rank and in
+# both runtimes (DTensor parameters; the local shards inside pipeline stages, ``runtime.tensor_parallel_stages``).
+SAME_EVERYWHERE = frozenset({
+    "device", "dtype", "layout", "requires_grad", "is_leaf", "grad_fn", "ndim", "dim", "get_device",
+    "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+    "is_floating_point", "is_complex", "is_signed", "element_size", "itemsize", "names"})
+# Reads that differ between them: a DTensor's size is the whole tensor's, a stage's local shard its own slice.
+SIZE_READS = frozenset({"shape", "size", "numel", "nelement", "nbytes", "stride", "__len__", "storage_offset"})
+
+
+class _ParamWatch(torch.overrides.TorchFunctionMode):
+    """While the model's forward runs (``around_forward``), every torch call on a stood-in module's parameter:
+    ``reads`` holds (parameter, what was called, "size" | "compute", the model's file:line) for each call outside
+    ``SAME_EVERYWHERE``. The stand-ins' own forwards never touch their parameters, so every such call is the
+    model's code reading a sharded parameter outside its module."""
+
+    def __init__(self, stood: dict[str, nn.Module]):
+        super().__init__()
+        self.stood = stood
+        self.params = {f"{path}.{name}" for path, m in stood.items() for name, p in m._parameters.items()
+                       if p is not None}
+        self.owners: dict[int, str] = {}
+        self.reads: list[tuple[str, str, str, str]] = []
+
+    def around_forward(self, model: nn.Module) -> None:
+        """``model.forward`` (the instance's, so export reads the same signature) run under this watch, with the
+        parameters as they are then (export swaps in fake ones for the trace)."""
+        if not self.stood:
+            return
+        bound = model.forward
+
+        @wraps(bound)
+        def forward(*args, **kwargs):
+            self.owners = {id(p): f"{path}.{name}" for path, m in self.stood.items()
+                           for name, p in m._parameters.items() if p is not None}
+            with self:
+                return bound(*args, **kwargs)
+
+        model.forward = forward
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = self._watched(args) or (self._watched(kwargs.values()) if kwargs else "")
+        if hit:
+            what = _called(func)
+            if what not in SAME_EVERYWHERE:
+                self.reads.append((hit, what, "size" if what in SIZE_READS else "compute", _model_location()))
+        return func(*args, **kwargs)
+
+    def _watched(self, values) -> str:
+        """The watched parameter among ``values`` (tensors, or lists of them, as torch calls take), or ""."""
+        for v in values:
+            if isinstance(v, (list, tuple)):
+                found = self._watched(v)
+                if found:
+                    return found
+            elif isinstance(v, torch.Tensor) and id(v) in self.owners:
+                return self.owners[id(v)]
+        return ""
+
+
+def _called(func) -> str:
+    """A torch function's name: an attribute's (``shape``, ``device``) for a property read."""
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") == "__get__" and owner is not None:
+        return getattr(owner, "__name__", "__get__")
+    return getattr(func, "__name__", str(func))
+
+
+def _model_location() -> str:
+    """"file.py:7 (`code`)" of the innermost frame of the model's own code on the Python stack."""
+    for frame in reversed(traceback.extract_stack()):
+        if _is_user_file(frame.filename):
+            code = f" (`{frame.line.strip()}`)" if frame.line and frame.line.strip() else ""
+            return f"{_short_path(frame.filename)}:{frame.lineno}{code}"
+    return "the model's code"
+
+
+def _live_param_uses(program: torch.export.ExportedProgram, params: set[str]) -> dict[str, set[str]]:
+    """The watched parameters that an op of the exported program computes with and whose result reaches the
+    program's output, with those ops' names (a call whose result the code drops, or a cast that returns the
+    tensor itself, makes no such op). A stand-in's output is made from its input (``x.new_zeros``), so what
+    reaches a styled module reaches the output too."""
+    nodes = list(program.graph.nodes)
+    live, frontier = set(), [n for n in nodes if n.op == "output"]
+    while frontier:
+        for x in frontier.pop().all_input_nodes:
+            if x not in live:
+                live.add(x)
+                frontier.append(x)
+    fqn_of = program.graph_signature.inputs_to_parameters
+    out: dict[str, set[str]] = {}
+    for n in nodes:
+        if n.op == "placeholder" and fqn_of.get(n.name) in params:
+            ops = {op_name(target_name(u.target)) for u in n.users if u in live and u.op == "call_function"}
+            if ops:
+                out[fqn_of[n.name]] = ops
+    return out
+
+
+def _refuse_param_reads(full: OpGraph, layout: Layout, reads: list, tp: int,
+                        live: dict[str, set[str]] | None = None) -> dict[str, str]:
+    """{the module's own op (its representative): reason} for each stood-in module whose parameter the model's
+    code read outside it in a way the shard does not support: its size (the whole tensor's under DTensor, one
+    rank's slice inside pipeline stages), or a computation (at run time a DTensor meeting the code's plain
+    tensors, or one rank's slice taken for the whole weight) whose result the program uses (``live``: those
+    parameters and the ops that use them; None when the export raised, when every computation counts). The
+    reason names the first size read, else the call that made a live op (by its name), else the first call."""
+    def rank(read) -> int:
+        param, what, kind, _ = read
+        return 0 if kind == "size" else 1 if live and what in live.get(param, ()) else 2
+
+    out: dict[str, str] = {}
+    for param, what, kind, where in sorted(reads, key=rank):
+        if kind == "compute" and live is not None and param not in live:
+            continue
+        module = param.rpartition(".")[0]
+        if kind == "size":
+            why = (f"{where} reads {param}.{what} outside {module}, which tp={tp} shards: its size is the whole "
+                   f"weight's under DTensor but one rank's slice inside pipeline stages; replicated")
+        else:
+            why = (f"{where} computes {what} on {param} outside {module}, which tp={tp} shards: only the module's "
+                   f"own forward runs on the shard (elsewhere a DTensor would meet plain tensors); replicated")
+        for n in full.nodes:
+            if n.module_path == module and op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS:
+                out.setdefault(layout.rep_of.get(n.name, n.name), why)
+    return out
 
 
 @torch.library.custom_op("autoshard::tp_proof_scatter", mutates_args=())

@@ -163,12 +163,12 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.weight.shape[0]
         self.first_id = rank * rows
         pad = embedding.padding_idx
-        self.padding_idx = pad - self.first_id if pad is not None and 0 <= pad - self.first_id < rows else None
+        self.local_padding_idx = pad - self.first_id if pad is not None and 0 <= pad - self.first_id < rows else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.first_id
         mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local * mine, self.weight, self.padding_idx)
+        rows = F.embedding(local * mine, self.weight, self.local_padding_idx)
         return tp_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), self.group_name)
 
 
@@ -192,10 +192,21 @@ def shard_for_tracing(model: nn.Module, tp_group: dist.ProcessGroup, styles: dic
     for path, style in sorted(styles.items()):
         if style == "replicate":
             continue
-        local = _local_module(path, model.get_submodule(path), style, rank, size, name)
+        original = model.get_submodule(path)
+        local = _keep_attributes(_local_module(path, original, style, rank, size, name), original)
         parent, _, child = path.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_module(child, local)
     return shard_dims(model, styles)
+
+
+def _keep_attributes(local: nn.Module, original: nn.Module) -> nn.Module:
+    """``local`` with the original module's own attributes (``in_features``, ``num_embeddings``, ``padding_idx``,
+    ...), as ``parallelize_module`` leaves them on a module of DTensors: the model's code may read them (Whisper's
+    encoder takes ``torch.arange(self.embed_positions.num_embeddings)``), and the TP proof checked it with them."""
+    for name, value in vars(original).items():
+        if not name.startswith("_") and name != "training" and name not in vars(local):
+            setattr(local, name, value)
+    return local
 
 
 def shard_dims(model: nn.Module, styles: dict[str, str]) -> dict[str, int]:
