@@ -38,9 +38,9 @@ from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Mesh, Plan, Stage, model_file_sha256
+from autoshard.ir.plan import Plan, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops, random_ops

@@ -41,7 +41,7 @@ from autoshard.cost.rank_memory import ALLOCATOR_SLACK  # noqa: E402
 from autoshard.cost.step import price_parts  # noqa: E402
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables  # noqa: E402
 from autoshard.cost.units import kernel_fixed_s, loss_logits, node_backward_s, node_forward_s  # noqa: E402
-from autoshard.ir.decisions import Decisions  # noqa: E402
+from autoshard.ir.decisions import Decisions  # noqa: E402, Mesh
 from autoshard.ir.plan import Mesh  # noqa: E402
 from autoshard.pipeline import capture_graph  # noqa: E402
 

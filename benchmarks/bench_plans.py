@@ -46,8 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime.report import slowest_rank_median_step_s
 from autoshard.passes.strategies import Pins, candidate_configs

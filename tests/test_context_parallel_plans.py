@@ -17,8 +17,8 @@ from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh, Plan
+from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.plan import Plan
 from autoshard.modelfile import load_model_file
 from autoshard.passes.codegen import emit_program
 from autoshard.passes.context_parallel import cp_refusal

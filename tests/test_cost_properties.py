@@ -21,8 +21,7 @@ from autoshard.cost.rank_memory import memory_spmd, state_bytes_per_param
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import spmd_microbatch
 from autoshard.cost.units import unit_costs
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 from autoshard.passes.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph

@@ -30,8 +30,7 @@ from autoshard.cost.step import price
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import tp_activation_fraction
 from autoshard.cost.units import unit_costs
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 from autoshard.passes.search import lower_bound_s
 from autoshard.pipeline import capture_graph

@@ -15,8 +15,7 @@ from autoshard.cost.parts import optimizer_step_s
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import EAGER_GPU_HOST, CostTables, Runtime
 from autoshard.cost.units import kernel_fixed_s, loss_logits, node_units, unit_costs
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.pipeline import capture_graph
 
 H100 = PRESETS["dgx-h100"]

@@ -15,8 +15,7 @@ from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.profile import ModelProfile
 from autoshard.ir.topology import Cluster, HostOverheads
 from autoshard.pipeline import capture_graph

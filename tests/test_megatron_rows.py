@@ -20,8 +20,7 @@ from autoshard.cost.hardware import PRESETS
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp import sharded_nodes
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Mesh
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.pipeline import capture_graph
 from benchmarks.bench_megatron import NUMBERS_ROWS, ROWS, error
 

@@ -9,8 +9,8 @@ import pytest
 
 from autoshard.cost.hardware import PRESETS
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Memory, Mesh, Plan, PlanLayout, Predicted, Stage, load_plan
+from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.plan import Memory, Plan, PlanLayout, Predicted, Stage, load_plan
 from autoshard.ir.plan_format import PLAN_VERSION, SECTIONS, TOP_KEYS
 from autoshard.passes.codegen import blocks_expression
 

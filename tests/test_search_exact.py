@@ -76,7 +76,7 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
     from itertools import product
 
     from autoshard.ir.decisions import Decisions
-    from autoshard.ir.plan import Mesh
+    from autoshard.ir.decisions import Mesh
     from autoshard.passes.recompute import assign, choose_recompute, signature_groups
 
     model = "tests/models/wide_gpt.py:build"

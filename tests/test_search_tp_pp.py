@@ -215,7 +215,7 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
     from autoshard.cost.schedule import makespan_s, rank_orders
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions
-    from autoshard.ir.plan import Mesh
+    from autoshard.ir.decisions import Mesh
     tables = CostTables(gpt[1], load_cluster("dgx-h100", devices_per_node=4))
     spans = {}
     for schedule in ("interleaved-1f1b", "interleaved-zb"):
@@ -235,7 +235,7 @@ def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions
-    from autoshard.ir.plan import Mesh
+    from autoshard.ir.decisions import Mesh
     tables = CostTables(gpt[1], local(2))
     looped, vee = (Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4,
                              schedule=s, virtual_stages=2) for s in ("interleaved-zb", "zbv"))

@@ -41,9 +41,8 @@ from autoshard.cost.comm import p2p_s
 from autoshard.cost.compute import SDPA_TARGET
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph, OpNode
-from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 
 

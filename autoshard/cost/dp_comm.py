@@ -51,9 +51,8 @@ from autoshard.cost.memory import Precision
 from autoshard.cost.parts import param_tensors
 from autoshard.cost.tables import CostTables, hides_comm
 from autoshard.cost.tp_units import spmd_microbatch
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 
 BUCKET_CAP_CHOICES_MB = (1.0, 5.0, 25.0, 100.0)  # DDP bucket sizes the cost model picks from

@@ -41,9 +41,8 @@ from dataclasses import dataclass
 
 from autoshard.cost import comm, moe
 from autoshard.cost.tables import CostTables
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
 
 A2A_PER_MICROBATCH = 5  # forward dispatch + combine; backward re-dispatch, gradient out, gradient back

@@ -71,8 +71,8 @@ from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, rank_orders, rank_st
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
 from autoshard.cost.units import stage_ranges, stage_units
-from autoshard.ir.decisions import Decisions
-from autoshard.ir.plan import Memory, Mesh, Predicted
+from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.plan import Memory, Predicted
 from autoshard.ir.topology import Cluster
 
 # W's share of a stage's backward: a linear layer's backward is two matmuls of equal FLOPs, the input's

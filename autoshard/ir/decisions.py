@@ -49,17 +49,59 @@ d < MAX_SEQ_DIM. The norms between them take ``sharded-input-dim{d}`` (torch's S
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from autoshard.errors import AutoshardError
-
-if TYPE_CHECKING:  # a type only: plan.py reads this module's tables through plan_schema
-    from autoshard.ir.plan import Mesh
 
 REPLICATE = "replicate"
 SHARDED_INPUT = "sharded-input-dim"
 MAX_SHARDED_INPUT_DIM = 8  # sharded-input-dim0 .. 7
 MAX_SEQ_DIM = 3  # the sequence-parallel styles exist for sequence dims 0 .. 2 (a token dim is 0 or 1)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Parallel degrees; ``dp * cp * tp * pp`` ranks in all, laid out (pp, dp, cp, tp): TP innermost
+    (inside a node first), then the context-parallel ranks that split each sequence (ring attention)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
+
+    WRITTEN_UNLESS = {"cp": 1}  # plan keys written only when they differ (dense plans read and write as before)
+
+    def __post_init__(self):
+        for axis in ("dp", "tp", "pp", "cp"):
+            if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
+                raise AutoshardError(f"mesh {axis}={getattr(self, axis)!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that reduce gradients together: dp replicas x the cp ranks of each (torchtitan's dp_shard_cp)."""
+        return self.dp * self.cp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, tp_style
+from autoshard.ir.decisions import Decisions, Mesh, tp_style
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -37,52 +37,6 @@ from autoshard.ir.plan_format import (
     sectioned,
 )
 from autoshard.ir.plan_schema import bounded_json_int, check_plan_dict
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Parallel degrees; ``dp * cp * tp * pp`` ranks in all, laid out (pp, dp, cp, tp): TP innermost
-    (inside a node first), then the context-parallel ranks that split each sequence (ring attention)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
-
-    WRITTEN_UNLESS = {"cp": 1}  # plan keys written only when they differ (dense plans read and write as before)
-
-    def __post_init__(self):
-        for axis in ("dp", "tp", "pp", "cp"):
-            if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
-                raise AutoshardError(f"mesh {axis}={getattr(self, axis)!r} must be a positive integer")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def dp_cp(self) -> int:
-        """The ranks that reduce gradients together: dp replicas x the cp ranks of each (torchtitan's dp_shard_cp)."""
-        return self.dp * self.cp
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)

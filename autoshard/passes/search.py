@@ -64,9 +64,9 @@ from autoshard.cost.step import price
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp_units import pipeline_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, TPChoice
+from autoshard.ir.decisions import Decisions, Mesh, TPChoice
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Mesh, Predicted
+from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute

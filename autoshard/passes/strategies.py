@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Mesh
+from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import Cluster
 from autoshard.cost.units import node_units
