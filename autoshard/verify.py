@@ -127,14 +127,26 @@ class VerifyReport:
 
 def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) -> VerifyReport:
     """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc)."""
+    model_file, notes = prepare(plan, steps, seed)
+    with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
+        parallel = run_parallel(plan, Path(tmp), steps, seed, lr)
+    return judge(plan, model_file, parallel, steps, seed, lr, notes)
+
+
+def prepare(plan: Plan, steps: int, seed: int) -> tuple[ModelFile, tuple[str, ...]]:
+    """What ``verify`` checks before it launches anything: the steps, that the plan runs here, the model file
+    (its hash), the model's randomness; the model file and the notes for the report."""
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_randomness(plan, model_file, seed)
-    notes = run_notes(model_file, plan)
-    with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
-        parallel = run_parallel(plan, Path(tmp), steps, seed, lr)
+    return model_file, run_notes(model_file, plan)
+
+
+def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, seed: int, lr: float,
+          notes: tuple[str, ...] = ()) -> VerifyReport:
+    """The parallel run (or why it failed) against the fp32 and float64 one-process runs, with a likely cause."""
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
@@ -192,11 +204,20 @@ def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float) ->
     """Losses and final weights of the emitted program (random ops fixed), or the reason it failed."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "metrics"
-    args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness"]
-    proc = run_torchrun(program, plan.world_size, args, quiet=True)
+    proc = run_torchrun(program, plan.world_size, program_args(steps, seed, lr, out), quiet=True)
     if proc.returncode != 0:
         why = proc.crash or _error_line(proc.stdout)
         return f"the emitted program failed (exit {proc.returncode}):\n{why}"
+    return read_run(out)
+
+
+def program_args(steps: int, seed: int, lr: float, out: Path) -> list[str]:
+    """The emitted program's command line as verify runs it: random ops fixed, metrics into ``out``."""
+    return ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness"]
+
+
+def read_run(out: Path) -> Run:
+    """The losses and final weights a program wrote with ``--metrics-out out``."""
     metrics = json.loads((out / "metrics.json").read_text())
     return Run(metrics["losses"], torch.load(out / "params.pt", weights_only=True))
 
