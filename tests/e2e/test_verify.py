@@ -1,9 +1,15 @@
-"""Every DP/ZeRO configuration the planner can emit trains like one process (gloo, CPU ranks)."""
+"""Every DP/ZeRO configuration the planner can emit trains like one process (gloo, CPU ranks).
+
+Each case is ``autoshard.verify`` of one plan; the programs of one world size run in one torchrun
+launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement).
+"""
+
+from functools import lru_cache
 
 import pytest
 
 import autoshard
-from autoshard.verify import verify
+from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -11,43 +17,77 @@ MODELS = {
     "gpt": "examples/gpt.py:build",
     "llama": "tests/models/hf_llama.py:build",
 }
+DP_ZERO = {f"{model}-zero{zero}-{ranks}": (model, zero, ranks)
+           for model in sorted(MODELS) for zero in (0, 1, 2, 3) for ranks in (2, 4)}
+CASES = {  # name: (ranks, steps)
+    **{name: (ranks, 3) for name, (_, _, ranks) in DP_ZERO.items()},
+    "eight-ranks-zero3": (8, 2),
+    "mixed-recompute": (2, 3),
+}
+MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_verify_dp_and_zero(in_repo, model, zero, ranks):
-    plan = autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
-                          dp=ranks, tp=1, pp=1, zero=zero, microbatch_size=1 if zero % 2 else None,
-                          recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero])
-    assert plan.mesh.dp == ranks and plan.zero_stage == zero
-    report = verify(plan, steps=3)
-    assert report.ok, report.failure
-    assert len(report.parallel_losses) == 3
-    assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
-
-
-def test_verify_eight_ranks_zero3(in_repo):
-    plan = autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
-    assert plan.mesh.dp == 8
-    report = verify(plan, steps=2)
-    assert report.ok, report.failure
-
-
-def test_verify_mixed_recompute_chosen_under_memory_pressure(in_repo):
-    """With device memory between what full recompute and no recompute need, the planner recomputes
-    some blocks only (passes.recompute); that program trains like one process too."""
+@lru_cache(maxsize=None)
+def _tight_cluster():
+    """local-cpu with device memory between what full recompute and no recompute need."""
     from dataclasses import replace
 
     from autoshard.cost.hardware import load_cluster
 
     cluster = load_cluster("local-cpu", devices_per_node=2)
-    pins = dict(dp=2, zero=0, microbatch_size=4)
-    need = {mode: autoshard.plan(MODELS["gpt"], cluster=cluster, global_batch=8, recompute=mode, **pins)
+    need = {mode: autoshard.plan(MODELS["gpt"], cluster=cluster, global_batch=8, recompute=mode, **MIXED_PINS)
             .predicted.memory_peak_bytes_per_rank for mode in ("none", "full")}
-    tight = replace(cluster, device=replace(cluster.device, memory_bytes=(need["none"] + need["full"]) // 2))
-    plan = autoshard.plan(MODELS["gpt"], cluster=tight, global_batch=8, **pins)
+    return replace(cluster, device=replace(cluster.device, memory_bytes=(need["none"] + need["full"]) // 2))
+
+
+def _plan(name):
+    if name in DP_ZERO:
+        model, zero, ranks = DP_ZERO[name]
+        return autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
+                              dp=ranks, tp=1, pp=1, zero=zero, microbatch_size=1 if zero % 2 else None,
+                              recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero])
+    if name == "eight-ranks-zero3":
+        return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
+    return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
+
+
+def _case_of(test, params):
+    if test == "test_verify_dp_and_zero":
+        return f"{params['model']}-zero{params['zero']}-{params['ranks']}"
+    return {"test_verify_eight_ranks_zero3": "eight-ranks-zero3",
+            "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute"}.get(test)
+
+
+@pytest.fixture(scope="module")
+def verified(request, in_repo_module, tmp_path_factory):
+    """name -> (plan, verify report); the plans of one world size verified in one launch."""
+    def make(names, ranks):
+        return plan_and_verify(names, _plan, lambda name: CASES[name][1], tmp_path_factory.mktemp(f"ranks{ranks}"))
+    return PerWorldSize({name: ranks for name, (ranks, _) in CASES.items()}, make, selected_cases(request, _case_of))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_dp_and_zero(verified, model, zero, ranks):
+    plan, report = verified(f"{model}-zero{zero}-{ranks}")
+    assert plan.mesh.dp == ranks and plan.zero_stage == zero
+    assert report.ok, report.failure
+    assert len(report.parallel_losses) == 3
+    assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+
+
+def test_verify_eight_ranks_zero3(verified):
+    plan, report = verified("eight-ranks-zero3")
+    assert plan.mesh.dp == 8
+    assert report.ok, report.failure
+
+
+def test_verify_mixed_recompute_chosen_under_memory_pressure(verified):
+    """With device memory between what full recompute and no recompute need, the planner recomputes
+    some blocks only (passes.recompute); that program trains like one process too."""
+    plan, report = verified("mixed-recompute")
+    tight = _tight_cluster()
     assert plan.recompute == "mixed" and len(set(plan.recompute_blocks.values())) > 1  # blocks differ
     assert plan.predicted.memory_peak_bytes_per_rank <= tight.device.memory_bytes
-    report = verify(plan, steps=3)
     assert report.ok, report.failure

@@ -2,13 +2,17 @@
 
 tests/models/tiny_attention.py: a key bias (true gradient zero) and dropout 0.1;
 tests/models/bn_cnn.py: BatchNorm after conv biases (their gradient is zero too).
+
+Each case but the crashing one is ``autoshard.verify`` of one plan, every program in one torchrun
+launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement); the
+crashing rank goes through the CLI's ``verify`` and ``run``, each its own launch.
 """
 
 import pytest
 
 import autoshard
 from autoshard.cli import main
-from autoshard.verify import verify
+from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -20,35 +24,61 @@ def _plan(spec, **pins):
     return autoshard.plan(spec, cluster="local-cpu", devices_per_node=2, global_batch=8, **pins)
 
 
-def test_zero_gradient_parameters_and_dropout_pass(in_repo):
+CASES = {  # name: (model spec, pins, steps), all on 2 ranks
+    "zero-gradients-and-dropout": (f"{TINY}:build", dict(dp=2, zero=0), 3),
+    "tensor-parallel-dropout": (f"{TINY}:build", dict(tp=2), 2),
+    "batch-norm-zero0": ("tests/models/bn_cnn.py:build", dict(dp=2, zero=0), 3),
+    "batch-norm-zero3": ("tests/models/bn_cnn.py:build", dict(dp=2, zero=3), 3),
+    "broken-program": (f"{TINY}:build_perturbed", dict(dp=2, zero=0), 3),
+    "data-dependent-count": ("tests/models/tiny_attention_padded.py:build", dict(dp=2, zero=0), 1),
+}
+TEST_CASES = {
+    "test_zero_gradient_parameters_and_dropout_pass": "zero-gradients-and-dropout",
+    "test_tensor_parallel_with_dropout_passes": "tensor-parallel-dropout",
+    "test_broken_program_fails_naming_step_and_tensor": "broken-program",
+    "test_a_loss_averaged_over_a_data_dependent_count_is_named": "data-dependent-count",
+}
+
+
+@pytest.fixture(scope="module")
+def verified(request, in_repo_module, tmp_path_factory):
+    """name -> (plan, verify report); every plan verified in one launch."""
+    def make(names, ranks):
+        return plan_and_verify(names, lambda name: _plan(CASES[name][0], **CASES[name][1]),
+                               lambda name: CASES[name][2], tmp_path_factory.mktemp("diagnostics"))
+
+    def case_of(test, params):
+        return f"batch-norm-zero{params['zero']}" if "zero" in params else TEST_CASES.get(test)
+    return PerWorldSize(dict.fromkeys(CASES, 2), make, selected_cases(request, case_of))
+
+
+def test_zero_gradient_parameters_and_dropout_pass(verified):
     """dp=2: dropout is off in both runs, and the key bias's rounding noise is judged against the
     one-process run's own."""
-    report = verify(_plan(f"{TINY}:build", dp=2, zero=0), steps=3)
+    _, report = verified("zero-gradients-and-dropout")
     assert report.ok, report.failure
     assert any("dropout disabled in both runs (4 dropout rate(s) of the model set to 0" in note for note in report.notes)
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 
 
-def test_tensor_parallel_with_dropout_passes(in_repo):
-    plan = _plan(f"{TINY}:build", tp=2)
+def test_tensor_parallel_with_dropout_passes(verified):
+    plan, report = verified("tensor-parallel-dropout")
     assert plan.mesh.tp == 2
-    report = verify(plan, steps=2)
     assert report.ok, report.failure
 
 
 @pytest.mark.parametrize("zero", [0, 3])
-def test_batch_norm_cnn_verifies_at_dp2(in_repo, zero):
+def test_batch_norm_cnn_verifies_at_dp2(verified, zero):
     """BatchNorm statistics over both dp ranks (GlooSyncBatchNorm); ZeRO-3 also recomputes each block,
     whose BatchNorm must update its running statistics once per step, not twice."""
-    plan = _plan("tests/models/bn_cnn.py:build", dp=2, zero=zero)
-    report = verify(plan, steps=3)
+    _, report = verified(f"batch-norm-zero{zero}")
     assert report.ok, report.failure
     assert any("BatchNorm statistics over the 2 data-parallel rank(s)" in note for note in report.notes)
 
 
-def test_broken_program_fails_naming_step_and_tensor(in_repo):
+def test_broken_program_fails_naming_step_and_tensor(verified):
     """The parallel run adds one AdamW step to h.1.mlp.bias before every forward from step 1 on."""
-    report = verify(_plan(f"{TINY}:build_perturbed", dp=2, zero=0), steps=3)
+    _, report = verified("broken-program")
     assert not report.ok
     assert report.first_diverging_step == 1
     assert report.most_off[0].name == "h.1.mlp.bias"
@@ -70,7 +100,7 @@ def test_crashing_rank_is_named_in_verify_and_run(in_repo, tmp_path, capfd):
     assert MODEL_LINE in captured.err and "ChildFailedError" not in captured.out + captured.err
 
 
-def test_a_loss_averaged_over_a_data_dependent_count_is_named(in_repo):
-    report = verify(_plan("tests/models/tiny_attention_padded.py:build", dp=2, zero=0), steps=1)
+def test_a_loss_averaged_over_a_data_dependent_count_is_named(verified):
+    _, report = verified("data-dependent-count")
     assert report.first_diverging_step == 0
     assert "likely cause: the loss is not a mean over equal shares" in report.failure

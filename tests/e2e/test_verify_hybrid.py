@@ -1,9 +1,13 @@
-"""Tensor, pipeline and hybrid plans, pinned through the planner, train like one process."""
+"""Tensor, pipeline and hybrid plans, pinned through the planner, train like one process.
+
+Each case is ``autoshard.verify`` of one plan; the programs of one world size run in one torchrun
+launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement).
+"""
 
 import pytest
 
 import autoshard
-from autoshard.verify import verify
+from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -38,11 +42,25 @@ CASES = {  # name: (model, ranks, pins)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_hybrid_plan_trains_like_one_process(in_repo, case):
+def _plan(case):
     model, ranks, pins = CASES[case]
     cluster = "tests/clusters/fast_link_cpu.yaml" if pins.get("tp", 1) > 1 else "local-cpu"
-    plan = autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+    return autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
+
+
+@pytest.fixture(scope="module")
+def verified(request, in_repo_module, tmp_path_factory):
+    """case -> (plan, verify report); the plans of one world size verified in one launch."""
+    def make(names, ranks):
+        return plan_and_verify(names, _plan, lambda case: 3, tmp_path_factory.mktemp(f"ranks{ranks}"))
+    return PerWorldSize({case: ranks for case, (_, ranks, _) in CASES.items()}, make,
+                        selected_cases(request, lambda test, params: params.get("case")))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hybrid_plan_trains_like_one_process(verified, case):
+    model, ranks, pins = CASES[case]
+    plan, report = verified(case)
     for axis in ("dp", "tp", "pp"):
         assert getattr(plan.mesh, axis) == pins.get(axis, 1)
     if "schedule" in pins:
@@ -51,5 +69,4 @@ def test_hybrid_plan_trains_like_one_process(in_repo, case):
         assert plan.tensor_parallel, "a tp plan shards something"
     if model == QWEN3:
         assert plan.tensor_parallel["model.layers.0.self_attn.q_norm"] == "sharded-input-dim2"
-    report = verify(plan, steps=3)
     assert report.ok, report.failure
