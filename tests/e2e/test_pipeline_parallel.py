@@ -1,16 +1,14 @@
 """Pipeline parallelism (torch.distributed.pipelining) trains exactly like one process (gloo, CPU ranks).
 
-Each case launches tests/e2e/pp_driver.py under torchrun for 3 AdamW steps on the global batch
-of 8 and checks the step losses (mean over the global batch) and the final weights with
-``autoshard.verify.compare`` against ``train_reference``.
+Each case runs tests/e2e/pp_driver.py for 3 AdamW steps on the global batch of 8 and checks the
+step losses (mean over the global batch) and the final weights with ``autoshard.verify.compare``
+against ``train_reference``. The cases of one world size run one after another in one torchrun
+launch (``one_launch.run_jobs``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from autoshard.runtime import load_model_file
 from autoshard.runtime.pipeline_parallel import stage_indices
 from autoshard.verify import compare, train_reference
+from e2e.one_launch import PerWorldSize, job, run_jobs, selected_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -52,24 +51,30 @@ CASES = {  # id: (model spec, split points, dp, pp, virtual stages, schedule, mi
 }
 
 
-def run_driver(tmp_path: Path, spec: str, splits: str, dp: int, pp: int, virtual: int, schedule: str,
-               microbatches: int) -> tuple[list[float], dict]:
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * pp),
-           str(DRIVER), "--model", spec, "--splits", splits, "--dp", str(dp), "--pp", str(pp),
-           "--virtual-stages", str(virtual), "--schedule", schedule, "--microbatches", str(microbatches),
-           "--steps", str(STEPS), "--lr", repr(LR), "--seed", str(SEED), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(DRIVER.parents[2])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    losses = json.loads((out / "metrics.json").read_text())["losses"]
-    return losses, torch.load(out / "params.pt", weights_only=True)
+def driver_job(out: Path, spec: str, splits: str, dp: int, pp: int, virtual: int, schedule: str,
+               microbatches: int) -> dict:
+    return job(DRIVER, ["--model", spec, "--splits", splits, "--dp", dp, "--pp", pp, "--virtual-stages", virtual,
+                        "--schedule", schedule, "--microbatches", microbatches, "--steps", STEPS, "--lr", repr(LR),
+                        "--seed", SEED, "--out", out], out)
+
+
+@pytest.fixture(scope="module")
+def runs(request, in_repo_module, tmp_path_factory):
+    """case -> the folder of its metrics; the cases of one world size in one launch."""
+    def make(names, ranks):
+        root = tmp_path_factory.mktemp(f"ranks{ranks}")
+        failures = run_jobs({name: driver_job(root / name, *CASES[name]) for name in names}, ranks, root)
+        return {name: AssertionError(failures[name][-4000:]) if failures[name] else root / name for name in names}
+    return PerWorldSize({name: c[2] * c[3] for name, c in CASES.items()}, make,
+                        selected_cases(request, lambda test, params: params.get("case")))
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_trains_like_one_process(in_repo, tmp_path, case):
-    spec, splits, dp, pp, virtual, schedule, microbatches = CASES[case]
-    losses, params = run_driver(tmp_path, spec, splits, dp, pp, virtual, schedule, microbatches)
+def test_pipeline_trains_like_one_process(runs, case):
+    spec = CASES[case][0]
+    out = runs(case)
+    losses = json.loads((out / "metrics.json").read_text())["losses"]
+    params = torch.load(out / "params.pt", weights_only=True)
     ref_losses, ref_params = train_reference(load_model_file(spec), GLOBAL_BATCH, STEPS, SEED, LR)
     report = compare(STEPS, losses, ref_losses, params, ref_params)
     assert report.ok, report.failure

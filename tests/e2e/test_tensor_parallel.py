@@ -1,9 +1,11 @@
-"""Tensor parallelism (chosen by the planner, applied with DTensor) trains like one process (gloo, CPU)."""
+"""Tensor parallelism (chosen by the planner, applied with DTensor) trains like one process (gloo, CPU).
+
+Each case runs tests/e2e/tp_driver.py with the styles ``choose_tp_styles`` picks; the cases of one world
+size run one after another in one torchrun launch (``one_launch.run_jobs``).
+"""
 
 import json
-import os
-import subprocess
-import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from autoshard.passes.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
 from autoshard.verify import compare, train_reference
+from e2e.one_launch import PerWorldSize, attempt, job, run_jobs, selected_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -31,18 +34,42 @@ CASES = {  # name: (spec, dp, tp, expected sharded-module count or None for "any
 }
 
 
-def run_driver(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> subprocess.CompletedProcess:
+GPT2 = "tests/models/hf_gpt2.py:build"  # transformers' Conv1D
+
+
+@lru_cache(maxsize=None)
+def tp_choice(spec: str, tp: int):
+    return choose_tp_styles(capture_graph(spec)[1], tp, FAST_LINK, SLOW_DEVICE)
+
+
+def driver_job(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "styles.json").write_text(json.dumps(styles))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * tp),
-           str(DRIVER), spec, str(tmp / "styles.json"), str(tmp / "out"), "--tp", str(tp), "--dp", str(dp),
-           "--steps", str(STEPS), "--batch", str(BATCH), "--lr", repr(LR)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return job(DRIVER, [spec, tmp / "styles.json", tmp / "out", "--tp", tp, "--dp", dp, "--steps", STEPS,
+                        "--batch", BATCH, "--lr", repr(LR)], tmp / "out")
 
 
-def check_against_one_process(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> None:
-    proc = run_driver(spec, styles, dp, tp, tmp)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+ALL_CASES = {**{name: (spec, dp, tp) for name, (spec, dp, tp, _) in CASES.items()}, "gpt2-conv1d-tp2": (GPT2, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def runs(request, in_repo_module, tmp_path_factory):
+    """case -> the folder of its driver run; the cases of one world size in one launch."""
+    def make(names, ranks):
+        root = tmp_path_factory.mktemp(f"ranks{ranks}")
+        jobs = {name: attempt(lambda: driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, root / name))
+                for name in names for spec, dp, tp in [ALL_CASES[name]]}
+        failures = run_jobs({n: j for n, j in jobs.items() if not isinstance(j, Exception)}, ranks, root)
+        return {name: jobs[name] if isinstance(jobs[name], Exception) else
+                AssertionError(failures[name][-3000:]) if failures[name] else root / name for name in names}
+
+    def case_of(test, params):
+        return params.get("case") or ("gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None)
+    return PerWorldSize({name: dp * tp for name, (_, dp, tp) in ALL_CASES.items()}, make,
+                        selected_cases(request, case_of))
+
+
+def check_against_one_process(spec: str, tmp: Path) -> None:
     losses = json.loads((tmp / "out" / "losses.json").read_text())
     params = torch.load(tmp / "out" / "params.pt", weights_only=True)
     ref_losses, ref_params = train_reference(load_model_file(spec), BATCH, STEPS, 0, LR)
@@ -52,17 +79,16 @@ def check_against_one_process(spec: str, styles: dict, dp: int, tp: int, tmp: Pa
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tensor_parallel_matches_one_process(in_repo, tmp_path, case):
+def test_tensor_parallel_matches_one_process(runs, case):
     spec, dp, tp, sharded = CASES[case]
-    choice = choose_tp_styles(capture_graph(spec)[1], tp, FAST_LINK, SLOW_DEVICE)
+    choice = tp_choice(spec, tp)
     assert len(choice.sharded) - ("lm_head" in choice.sharded) == sharded
-    check_against_one_process(spec, choice.sharded, dp, tp, tmp_path)
+    check_against_one_process(spec, runs(case))
 
 
-def test_gpt2_conv1d_tp2_matches_one_process(in_repo, tmp_path):
+def test_gpt2_conv1d_tp2_matches_one_process(runs):
     """transformers' Conv1D MLP split by the conv1d-colwise / conv1d-rowwise styles (c_attn, fused, replicated)."""
-    spec = "tests/models/hf_gpt2.py:build"
-    choice = choose_tp_styles(capture_graph(spec)[1], 2, FAST_LINK, SLOW_DEVICE)
+    choice = tp_choice(GPT2, 2)
     assert choice.sharded == {f"transformer.h.{i}.mlp.{m}": style for i in range(2)
                               for m, style in (("c_fc", "conv1d-colwise"), ("c_proj", "conv1d-rowwise"))}
-    check_against_one_process(spec, choice.sharded, 1, 2, tmp_path)
+    check_against_one_process(GPT2, runs("gpt2-conv1d-tp2"))
