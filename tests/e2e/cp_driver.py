@@ -1,6 +1,6 @@
 """Train models with context parallelism (optionally dp x cp) on CPU ranks and save the results.
 
-Launched by tests/e2e/test_context_parallel_runtime.py with ``python -m torch.distributed.run``::
+Run by tests/e2e/test_context_parallel.py in the launches of its emitted programs (``zoo_driver.py``), or alone under torchrun::
 
     cp_driver.py OUT_DIR --cp 2 [--dp 2] [--steps 2] [--batch 4] [--lr 1e-3] [--check-op] [--model NAME=SPEC ...]
 
