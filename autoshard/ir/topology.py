@@ -39,12 +39,13 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.profile import ModelProfile
+
+if TYPE_CHECKING:
+    import networkx as nx  # imported where a graph is built: every process that loads a plan imports this module
 
 BACKENDS = ("nccl", "gloo")
 MAX_DEVICES = 2**18  # 262,144: the largest clusters today have ~10^5 devices; plans in ~2 s of CPU on 2 cores (8.6 s at 2^20)
@@ -333,6 +334,8 @@ class Cluster:
                                  "fix: use ranks below nodes × devices_per_node, or a bigger cluster")
 
     def _build_graph(self) -> nx.Graph:
+        import networkx as nx
+
         g = nx.Graph(name=self.name)
         intra = _edge_attrs(self.intra_node, "intra_node", 1)
         inter = _edge_attrs(self.inter_node, "inter_node", self.devices_per_node)  # the node's NICs together
@@ -369,6 +372,8 @@ def _edge_attrs(link: LinkSpec, kind: str, devices: int) -> dict[str, Any]:
 
 def _tree_edges(graph: nx.Graph, vertices: list[str]) -> list[dict[str, Any]]:
     """Attributes of the edges on the shortest paths from the first vertex to the others."""
+    import networkx as nx
+
     paths = nx.single_source_shortest_path(graph, vertices[0])
     pairs = {tuple(sorted(p)) for v in vertices[1:] for p in zip(paths[v], paths[v][1:])}
     return [graph.edges[a, b] for a, b in sorted(pairs)]

@@ -3,18 +3,32 @@
 Each apply function does one step of a plan with PyTorch's own parts (``runtime.parallel``: DTensor
 TP, ``checkpoint_wrapper``, FSDP2 ``fully_shard``, DDP, ZeroRedundancyOptimizer, pipelining); the
 emitted program calls them in the order ``passes.lower`` gives, with the plan's decisions as constants.
+
+Importing this package imports torch and torch.distributed only; the names of the modules that bring
+more of torch (DTensor, FSDP2, DCP, pipelining: seconds of CPU per process) are imported on first use
+(``__getattr__``): ``runtime.apply_fsdp``, ``runtime.finish``, ``runtime.tensor_parallel``, as a program
+or ``from autoshard.runtime import ...`` names them.
 """
+
+import importlib
 
 from autoshard.runtime.distributed import DistContext, init_distributed, mean_over, shutdown
 from autoshard.runtime.data import global_batch, split_microbatches, take_shard
+# the function shadows its module's name here, so it is bound now, as the module is imported
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
-from autoshard.runtime.parallel import (apply_ac, apply_ddp, apply_fsdp, apply_recompute, apply_steps, apply_tp,
-                                        autocast, build_optimizer, build_schedule, grad_sync, split_pipeline,
-                                        sync_batch_norm)
-from autoshard.runtime.report import StepLog, finish, finish_with_state
 from autoshard.runtime import faults  # emitted programs run main under runtime.faults.guard
-from autoshard.runtime import tensor_parallel  # emitted programs name runtime.tensor_parallel.Conv1D*Parallel
+
+_LAZY = {  # name: the module that defines it, imported on first use
+    **dict.fromkeys(("apply_ac", "apply_ddp", "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast",
+                     "build_optimizer", "build_schedule", "grad_sync", "split_pipeline", "sync_batch_norm"),
+                    "autoshard.runtime.parallel"),
+    **dict.fromkeys(("StepLog", "finish", "finish_with_state"), "autoshard.runtime.report"),
+}
+# emitted programs name runtime.tensor_parallel.Conv1D*Parallel; any submodule is imported as it is named
+_SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_parallel", "faults", "model",
+               "parallel", "pipeline_parallel", "pipeline_skips", "randomness", "report", "safe_load", "selective",
+               "stage_recompute", "tensor_parallel", "tensor_parallel_stages")
 
 __all__ = [
     "DistContext", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches", "take_shard",
@@ -23,3 +37,18 @@ __all__ = [
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
     "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "finish_with_state", "tensor_parallel", "faults",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -43,7 +43,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -240,13 +239,20 @@ def _state(model, optimizer, mesh) -> tuple[dict, dict, Callable[[], None]]:
     """(model state, optimizer state, a function that puts loaded values back into the run)."""
     if isinstance(optimizer, StageOptimizers):
         return _pipeline_state(model, optimizer, mesh)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero_redundancy(optimizer):
         optimizer = optimizer.optim  # the local AdamW over the parameters this rank owns
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
 
     def restore() -> None:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=OPTIONS)
     return model_state, optim_state, restore
+
+
+def _is_zero_redundancy(optimizer) -> bool:
+    """``optimizer`` is a ZeroRedundancyOptimizer, without importing torch.distributed.optim (its functional
+    optimizers take a second per rank to import; ``runtime.parallel`` imports it for ZeRO-1 over DDP only)."""
+    optim = sys.modules.get("torch.distributed.optim")
+    return optim is not None and isinstance(optimizer, optim.ZeroRedundancyOptimizer)
 
 
 def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dict, Callable[[], None]]:

@@ -51,13 +51,21 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-# PRIVATE torch API, on purpose: the public ``context_parallel`` has no CPU path (module doc).
-from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
 
 from autoshard.errors import AutoshardError
 
 SEQ_DIM = 2  # [batch, heads, seq, head_dim], as SDPA and torch's ring take it
 aten = torch.ops.aten
+
+
+def _torch_ring():
+    """torch's ring attention templates: a PRIVATE torch API, on purpose (the public ``context_parallel`` has
+    no CPU path, module doc). Imported on first use: ``autoshard.runtime`` imports this module, and this one
+    brings DTensor, which a process that only loads a model or a batch does not need."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
 
 __all__ = ["RingAttention", "ring_attention", "ContextParallelMode", "shard_sequence", "average_gradients",
            "take_sequence_shard", "context_parallel"]
@@ -125,7 +133,7 @@ def _contiguous_chunks():
     one throughout, transformers keeps ``attn_mask=None, is_causal=True``, and the ring skips the
     future chunks (rank r computes r+1 of cp blocks: the last rank does most of the work).
     """
-    options = _torch_cp._cp_options
+    options = _torch_ring()._cp_options
     saved = options.enable_load_balance
     options.enable_load_balance = False
     try:
@@ -145,7 +153,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, is_causal: bool, scale: float | None, group: dist.ProcessGroup):
         kernel = _kernel_for(query)
         with _contiguous_chunks():
-            out, lse, *rest = _torch_cp._templated_ring_attention(
+            out, lse, *rest = _torch_ring()._templated_ring_attention(
                 group, SEQ_DIM, kernel.forward, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.rest, ctx.is_causal, ctx.scale, ctx.group, ctx.kernel = tuple(rest), is_causal, scale, group, kernel
@@ -155,7 +163,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         with _contiguous_chunks():
-            grad_q, grad_k, grad_v, *_ = _torch_cp._templated_ring_attention_backward(
+            grad_q, grad_k, grad_v, *_ = _torch_ring()._templated_ring_attention_backward(
                 ctx.group, SEQ_DIM, ctx.kernel.backward, grad_out=grad_out.contiguous(), grad_out_name="grad_out",
                 query=query, key=key, value=value, out=out, logsumexp=lse, is_causal=ctx.is_causal,
                 **ctx.kernel.backward_kwargs(ctx.rest, ctx.scale))

@@ -25,8 +25,9 @@ programs call the same functions in the same order (``passes.codegen`` prints th
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable.replicate_with_fsdp import replicate  # torch's own; pipelining uses it
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,7 +43,6 @@ from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
-from autoshard.runtime import pipeline_parallel as pp
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.expert_parallel import apply_ep  # noqa: F401  (an apply step, looked up by name)
 from autoshard.runtime.model import get_block
@@ -51,6 +50,26 @@ from autoshard.runtime.selective import selective_kwargs
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 from autoshard.runtime.tensor_parallel_stages import shard_dims, shard_for_tracing
+
+if TYPE_CHECKING:
+    from autoshard.runtime import pipeline_parallel as pp
+
+# ``pipeline_parallel`` and ZeroRedundancyOptimizer are imported by the steps that use them: every emitted
+# program imports this module, and they bring torch's pipelining (with torch._dynamo) and
+# torch.distributed.optim's functional optimizers, seconds of CPU per rank a program may not need.
+
+
+def _pipeline_parallel():
+    from autoshard.runtime import pipeline_parallel
+
+    return pipeline_parallel
+
+
+def _is_stages(model) -> bool:
+    """``model`` is a pipeline's ``PipelineStages`` (there is none before ``pipeline_parallel`` is imported)."""
+    module = sys.modules.get("autoshard.runtime.pipeline_parallel")
+    return module is not None and isinstance(model, module.PipelineStages)
+
 
 def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **run_inputs: Any) -> dict[str, Any]:
     """Run ``steps`` on ``model`` in order; returns {"model" (or the stages), "optimizer", "schedule"}.
@@ -83,7 +102,7 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, 
     """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
     "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
     tp = tp_styles and mesh["tp"].size() > 1
-    return pp.build_pipeline_stages(
+    return _pipeline_parallel().build_pipeline_stages(
         model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
         device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
         tp_group=mesh.get_group("tp") if tp else None, placement=placement)
@@ -92,7 +111,7 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, 
 def apply_ac(model, modes: dict[str, str]):
     """Recompute each block in ``modes`` (path -> "selective" | "full"), in place; returns the model.
     On pipeline stages, each stage recomputes the blocks it holds."""
-    if isinstance(model, pp.PipelineStages):
+    if _is_stages(model):
         for module in model.modules:
             apply_recompute_to_stage(module, modes)
         return model
@@ -135,14 +154,14 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] =
     policy = mixed_precision(precision)
     mesh = dp_mesh if replicas == 1 else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas),
                                                             ("dp_replicate", "dp_shard"))
-    units = model.modules if isinstance(model, pp.PipelineStages) else [get_block(model, p) for p in blocks] + [model]
+    units = model.modules if _is_stages(model) else [get_block(model, p) for p in blocks] + [model]
     ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: fully_shard(
         unit, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
     ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     ignored_params=ignored)
-    if not sync_every_microbatch and not isinstance(model, pp.PipelineStages):
+    if not sync_every_microbatch and not _is_stages(model):
         _ACCUMULATING.add(model)
     return model
 
@@ -158,7 +177,7 @@ def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[s
     ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: replicate(
         unit, mesh=unit_mesh, mp_policy=policy))
     ignored = _keep_scalars_whole(model, dp_mesh, ignored)
-    if isinstance(model, pp.PipelineStages):
+    if _is_stages(model):
         for module in model.modules:
             replicate(module, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
         return model
@@ -174,7 +193,7 @@ def _experts_apart(model, dp_mesh: DeviceMesh, ep: int, wrap: Callable) -> set[n
     SPMD, ``wrap(module, mesh)`` makes each experts module a unit over those ranks; on pipeline stages
     returns the shards for the dp wrapper to ignore (None without any), their gradients averaged over
     those ranks after the schedule."""
-    if isinstance(model, pp.PipelineStages):
+    if _is_stages(model):
         shards = ep_runtime.pipeline_expert_params(model.modules, dp_mesh, ep)
         if shards:  # averaged over their replicas after each schedule step (pipeline_parallel.sync_expert_grads)
             ids = {id(p) for p in shards}  # in module order: the same on every replica, for one flat all-reduce
@@ -193,14 +212,14 @@ def _keep_scalars_whole(model, dp_mesh: DeviceMesh, ignored: set[nn.Parameter] |
     averages the rest: on the last micro-batch's backward (``ScalarGrads``, gated by ``grad_sync``), or on
     pipeline stages after the schedule (``pipeline_parallel.sync_replicated_grads``). The optimizer steps
     them alike on every rank, and checkpoints hold them as the plain tensors they are."""
-    modules = model.modules if isinstance(model, pp.PipelineStages) else [model]
+    modules = model.modules if _is_stages(model) else [model]
     apart = {id(p) for p in ignored or ()}
     scalars = {id(p): p for m in modules for p in m.parameters() if p.dim() == 0 and id(p) not in apart}
     if not scalars:
         return ignored
     ordered = tuple(scalars.values())  # module order: the same on every dp rank
     group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
-    if isinstance(model, pp.PipelineStages):
+    if _is_stages(model):
         model.dp_replicated = (ordered, group)
     elif group is not None:
         _SCALAR_GRADS[model] = ScalarGrads(ordered, group)
@@ -247,16 +266,18 @@ def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 
     """AdamW; ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with
     tp or pp, and for 2 and 3);
     pipeline stages get one AdamW each (``checkpoint.StageOptimizers``)."""
-    if isinstance(model, pp.PipelineStages):
+    if _is_stages(model):
         return StageOptimizers(model.modules, torch.optim.AdamW, lr=lr)
     if zero_stage == 1 and isinstance(model, DDP) and dp_mesh is not None and dp_mesh.size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
                                        process_group=dp_mesh.get_group())
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: int, loss_fn: Callable):
-    return pp.build_schedule(stages, num_microbatches, loss_fn, schedule)
+    return _pipeline_parallel().build_schedule(stages, num_microbatches, loss_fn, schedule)
 
 
 def grad_sync(model: nn.Module, enabled: bool):
