@@ -48,6 +48,12 @@ MODELS = {  # name: model spec
     "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe",
     "nanogpt": "tests/models/nanogpt_upstream.py:build",
     "bn-cnn": "tests/models/bn_cnn.py:build",
+    "swin": "tests/models/hf_vision_zoo.py:build_swin",
+    "resnet": "tests/models/hf_vision_zoo.py:build_resnet",
+    "clip": "tests/models/hf_clip.py:build",
+    "whisper": "tests/models/hf_whisper.py:build",
+    "mamba": "tests/models/hf_causal_zoo.py:build_mamba",
+    "jamba": "tests/models/hf_causal_zoo.py:build_jamba",
 }
 CASES = {  # name: (cluster, pins)
     "chosen": ("local-cpu", {}),
