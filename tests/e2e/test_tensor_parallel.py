@@ -54,14 +54,15 @@ ALL_CASES = {**{name: (spec, dp, tp) for name, (spec, dp, tp, _) in CASES.items(
 
 @pytest.fixture(scope="module")
 def runs(request, in_repo_module, tmp_path_factory):
-    """case -> the folder of its driver run; the cases of one world size in one launch."""
+    """case -> (the folder of its driver run, its failure: "" when it ran to its end); the cases of one world
+    size in one launch."""
     def make(names, ranks):
         root = tmp_path_factory.mktemp(f"ranks{ranks}")
         jobs = {name: attempt(lambda: driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, root / name))
                 for name in names for spec, dp, tp in [ALL_CASES[name]]}
         failures = run_jobs({n: j for n, j in jobs.items() if not isinstance(j, Exception)}, ranks, root)
-        return {name: jobs[name] if isinstance(jobs[name], Exception) else
-                AssertionError(failures[name][-3000:]) if failures[name] else root / name for name in names}
+        return {name: jobs[name] if isinstance(jobs[name], Exception) else (root / name, failures[name])
+                for name in names}
 
     def case_of(test, params):
         return params.get("case") or ("gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None)
@@ -69,7 +70,9 @@ def runs(request, in_repo_module, tmp_path_factory):
                         selected_cases(request, case_of))
 
 
-def check_against_one_process(spec: str, tmp: Path) -> None:
+def check_against_one_process(spec: str, run: tuple[Path, str]) -> None:
+    tmp, failure = run
+    assert not failure, failure[-3000:]
     losses = json.loads((tmp / "out" / "losses.json").read_text())
     params = torch.load(tmp / "out" / "params.pt", weights_only=True)
     ref_losses, ref_params = train_reference(load_model_file(spec), BATCH, STEPS, 0, LR)
