@@ -1,6 +1,7 @@
 """Train models with context parallelism (optionally dp x cp) on CPU ranks and save the results.
 
-Run by tests/e2e/test_context_parallel.py in the launches of its emitted programs (``zoo_driver.py``), or alone under torchrun::
+Run by tests/e2e/test_context_parallel.py, a job of the session's torchrun launches (``one_launch.py``),
+or alone under torchrun::
 
     cp_driver.py OUT_DIR --cp 2 [--dp 2] [--steps 2] [--batch 4] [--lr 1e-3] [--check-op] [--model NAME=SPEC ...]
 

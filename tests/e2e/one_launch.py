@@ -1,104 +1,214 @@
-"""A test file's multi-process cases, one torchrun launch per world size.
+"""Multi-process test cases that share torchrun launches: one launch per world size for the whole session.
 
-A launch costs a process start, torch and ``autoshard.runtime`` imported in every rank, and a
-process group: several seconds per rank on a small machine, more than a small case's training.
-``zoo_driver.py`` runs files with a ``main()`` one after another in one launch, each with its own
+A launch costs a process start, torch and the runtime imported in every rank and a process group:
+about 4 s of CPU per rank, 30 s for 8 ranks on 2 cores, more than a small case's training.
+``jobs_driver.py`` runs files with a ``main()`` one after another in one launch, each with its own
 command line: emitted programs, and the tests' own drivers (``pp_driver.py``, ``tp_driver.py``,
-``cp_driver.py``), whose ``runtime.init_distributed`` then returns the launch's process group and
-whose ``runtime.shutdown`` waits for the last job.
+``cp_driver.py``, ``sp_driver.py``), whose ``runtime.init_distributed`` then returns the launch's
+process group and whose ``runtime.shutdown`` waits for the last job.
 
-    run_jobs(jobs, ranks, folder)          every job in one launch; {name: "" or why it did not finish}
-    verify_in_one_launch(cases, folder)    ``autoshard.verify`` for several plans of one world size: the
-                                           same checks, program command line and judgement
-                                           (``verify.prepare``, ``program_args``, ``judge``), one launch
-    plan_and_verify(names, ...)            planned, then verified in one launch; (plan, report) each
-    PerWorldSize(ranks_of, make)           a module fixture's value: the cases of one world size made
-                                           together, the first time a test asks for one of them
+    Cases(ranks_of, prepare, finish, case_of)   a test module's cases (module-level ``LAUNCHES``):
+                                       ``prepare(names, ranks, folder)`` -> name: (jobs, state) or an
+                                       exception; ``finish(name, state, failures)`` -> the result its
+                                       test asserts on
+    SharedLaunches (fixture ``launches`` of tests/e2e/conftest.py)
+                                       the first time a test asks for a case of a world size, the cases
+                                       of that size of every selected test module are prepared, run in
+                                       one launch and finished; ``launches.result(LAUNCHES, name)``
+    run_jobs(jobs, ranks, folder)      jobs in one launch; {name: "" or why it did not finish}
+    verify_cases(make_plan, steps_of)  prepare / finish that are ``autoshard.verify`` of each case's plan:
+                                       its checks, its program command line, its judgement
+                                       (``verify.prepare``, ``program_args``, ``judge``)
+    program_cases(make_plan)           prepare / finish for emitted programs run as the zoo runs them,
+                                       judged by ``assert_trains_like_one_process`` (``zoo.run_and_judge``'s
+                                       checks, one program at a time)
 
-A job that raises ends the launch (a rank left inside a collective could not go on): its own test
-fails with the traceback, and each later job's test with the launch's end.
+Jobs that draw random numbers (``job(..., draws=True)``: programs run without ``--fixed-randomness``,
+drivers that do not fix it) run first in a launch: the first job that fixes randomness leaves it fixed
+for the rest of the process (``runtime.randomness``). A job that raises ends the launch (a rank left
+inside a collective could not go on): it fails its own test with its traceback, and the jobs after it
+run in a new launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-
-from autoshard.errors import AutoshardError
 from autoshard.launch import run_torchrun, write_program
 from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run
 
-DRIVER = Path(__file__).with_name("zoo_driver.py")
+DRIVER = Path(__file__).with_name("jobs_driver.py")
+ROOT = DRIVER.parents[2]
+MAX_LAUNCHES = 4  # per world size: the first, and again after each of up to 3 jobs that ended theirs
 
 
-def job(program: str | Path, args: list, out: str | Path) -> dict:
-    """One run of ``program`` (a file with a ``main()``) with ``args`` as its command line; a traceback it
-    raises goes to ``out/error-rank{r}.txt``."""
-    return {"program": str(program), "args": [str(a) for a in args], "metrics_out": str(out)}
+def job(program: str | Path, args: list, out: str | Path, copy: tuple | None = None, draws: bool = False) -> dict:
+    """One run of ``program`` (a file with a ``main()``) with ``args`` as its command line; a traceback it raises
+    goes to ``out/error-rank{r}.txt``; ``copy`` (src, dst) is copied before it starts; ``draws``: it draws random
+    numbers (runs before every job that fixes them)."""
+    return {"program": str(program), "args": [str(a) for a in args], "out": str(out),
+            "copy": [str(p) for p in copy] if copy else None, "draws": draws}
 
 
 def run_jobs(jobs: dict[str, dict], ranks: int, folder: Path) -> dict[str, str]:
-    """``jobs`` (name: ``job(...)``) in their order in one torchrun launch of ``ranks`` ranks; each job's failure:
-    "" when it ran to its end, else the traceback it raised or why the launch ended before it."""
-    if not jobs:
-        return {}
+    """``jobs`` (name: ``job(...)``) in their order in one torchrun launch of ``ranks`` ranks, and the jobs after
+    one that ended it in another; each job's failure: "" when it ran to its end on every rank, else the
+    traceback it raised or why its launch ended before it."""
+    failures, left, launches = {}, list(jobs), 0
     folder.mkdir(parents=True, exist_ok=True)
-    listing = folder / f"launch-{ranks}-ranks.json"
-    listing.write_text(json.dumps([{"name": name, **j} for name, j in jobs.items()], indent=1))
-    proc = run_torchrun(DRIVER, ranks, [str(listing)], quiet=True)
-    raised = {name: _traceback(Path(j["metrics_out"])) for name, j in jobs.items()}
-    first = next((i for i, name in enumerate(jobs) if raised[name]), None)
-    ended = f"the launch ended before it (exit {proc.returncode}): {proc.crash or proc.stdout[-3000:]}"
-    return {name: raised[name] or (ended if proc.returncode != 0 and (first is None or i > first) else "")
-            for i, name in enumerate(jobs)}
+    while left:
+        launches += 1
+        listing = folder / f"launch-{ranks}-ranks-{launches}.json"
+        listing.write_text(json.dumps([{"name": name, **jobs[name]} for name in left], indent=1))
+        proc = run_torchrun(DRIVER, ranks, [str(listing)], quiet=True)
+        done = [set(_lines(listing.with_name(f"{listing.name}.done-rank{r}"))) for r in range(ranks)]
+        finished = [name for name in left if all(name in d for d in done)]
+        failures |= dict.fromkeys(finished, "")
+        if proc.returncode == 0 and len(finished) == len(left):
+            break
+        why = f"its launch ended (exit {proc.returncode}): {proc.crash or proc.stdout[-3000:]}"
+        ended = next((name for name in left if name not in finished), left[-1])  # all finished: the exit is the last's
+        failures[ended] = _traceback(Path(jobs[ended]["out"])) or why
+        left = left[left.index(ended) + 1:]
+        if launches == MAX_LAUNCHES:
+            failures |= dict.fromkeys(left, f"not run: {MAX_LAUNCHES} launches ended early; the last: {why}")
+            break
+    return {name: failures[name] for name in jobs}
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def _traceback(out: Path) -> str:
-    errors = sorted(out.glob("error-rank*.txt"))
-    return f"{errors[0].stem.removeprefix('error-')} raised:\n{errors[0].read_text()}" if errors else ""
+    """What each rank that raised wrote (the first to fail may not be the first rank)."""
+    return "\n".join(f"{error.stem.removeprefix('error-')} raised:\n" + "\n".join(error.read_text().splitlines()[-40:])
+                     for error in sorted(out.glob("error-rank*.txt")))
 
 
-def verify_in_one_launch(cases: dict[str, tuple], folder: Path, seed: int = 0, lr: float = DEFAULT_LR) -> dict:
-    """``autoshard.verify.verify(plan, steps, seed, lr)`` for each case (name: (plan, steps)), every program in one
-    launch; name: its ``VerifyReport``, or the ``AutoshardError`` verify raised before launching."""
-    results, prepared, jobs = {}, {}, {}
-    for name, (plan, steps) in cases.items():
-        try:
-            prepared[name] = prepare(plan, steps, seed)
-        except AutoshardError as exc:
-            results[name] = exc
-            continue
-        program = write_program(plan, folder / name / "train.py")
-        jobs[name] = job(program, program_args(steps, seed, lr, folder / name / "metrics"), folder / name / "metrics")
-    if jobs:
-        (ranks,) = {cases[name][0].world_size for name in jobs}
-        failures = run_jobs(jobs, ranks, folder)
-        for name in jobs:
-            plan, steps = cases[name]
-            model_file, notes = prepared[name]
-            parallel = f"the emitted program failed:\n{failures[name]}" if failures[name] else \
-                read_run(folder / name / "metrics")
-            results[name] = judge(plan, model_file, parallel, steps, seed, lr, notes)
-    return results
+def attempt(make: Callable[[], Any]) -> Any:
+    """``make()``, or the exception it raised (raised later, in the test that asks for it)."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001
+        return exc
 
 
-def plan_and_verify(names: list[str], make_plan: Callable[[str], Any], steps_of: Callable[[str], int],
-                    folder: Path) -> dict[str, Any]:
-    """Each name's plan (``make_plan(name)``) verified for ``steps_of(name)`` steps, every program in one launch;
-    name: (plan, report), or the exception planning or verify raised."""
-    plans = {name: attempt(lambda: make_plan(name)) for name in names}
-    good = {name: (plan, steps_of(name)) for name, plan in plans.items() if not isinstance(plan, Exception)}
-    reports = verify_in_one_launch(good, folder)
-    return {name: (plan, reports[name]) if name in good and not isinstance(reports[name], Exception)
-            else reports.get(name, plan) for name, plan in plans.items()}
+@dataclass
+class Cases:
+    """A test module's cases in the session's shared launches (module doc). ``case_of(test function name, its
+    parameters)`` names the case or cases a selected test asks for (None: none); without it every case of a
+    world size is made when one is asked for."""
+    ranks_of: dict[str, int]
+    prepare: Callable[[list[str], int, Path], dict[str, Any]]
+    finish: Callable[[str, Any, list[str]], Any]
+    case_of: Callable[[str, dict], str | list[str] | None] | None = None
+
+
+class SharedLaunches:
+    """One launch per world size for the cases of every selected test module that has ``LAUNCHES``, made the
+    first time a test asks for a case of that size (module doc)."""
+
+    def __init__(self, items: list, folder: Path):
+        self.folder, self.made = folder, {}
+        self.modules: dict[str, Cases] = {}
+        self.selected: dict[str, set[str] | None] = {}
+        for item in items:
+            module = getattr(item, "module", None)
+            cases = getattr(module, "LAUNCHES", None)
+            if not isinstance(cases, Cases):
+                continue
+            name = module.__name__.rsplit(".", 1)[-1]
+            self.modules[name] = cases
+            if cases.case_of is None:
+                self.selected[name] = None  # every case
+                continue
+            asked = cases.case_of(item.originalname, getattr(getattr(item, "callspec", None), "params", {}))
+            self.selected.setdefault(name, set()).update([asked] if isinstance(asked, str) else asked or [])
+
+    def result(self, cases: Cases, name: str) -> Any:
+        """The result of case ``name`` of the module whose ``LAUNCHES`` is ``cases``; an exception is raised."""
+        module = next(m for m, c in self.modules.items() if c is cases)
+        ranks = cases.ranks_of[name]
+        if ranks not in self.made:
+            self.made[ranks] = self._launch(ranks, (module, name))
+        if (module, name) not in self.made[ranks]:  # a case no selected test named: made on its own
+            self.made[ranks] |= self._launch(ranks, (module, name), only=True)
+        result = self.made[ranks][module, name]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _launch(self, ranks: int, asked: tuple[str, str], only: bool = False) -> dict[tuple[str, str], Any]:
+        folder = self.folder / f"ranks{ranks}{'-' + '-'.join(asked) if only else ''}"
+        made, prepared, jobs = {}, {}, {}
+        with _in_repo():
+            for module, cases in self.modules.items():
+                chosen = self.selected[module]
+                names = [n for n, r in cases.ranks_of.items() if r == ranks and
+                         ((module, n) == asked if only else chosen is None or n in chosen or (module, n) == asked)]
+                if not names:
+                    continue
+                out = attempt(lambda: cases.prepare(names, ranks, folder / module))
+                for name in names:
+                    case = out if isinstance(out, Exception) else out[name]
+                    if isinstance(case, Exception):
+                        made[module, name] = case
+                        continue
+                    prepared[module, name] = case
+                    jobs |= {f"{module}/{name}/{i}": j for i, j in enumerate(case[0])}
+            order = sorted(jobs, key=lambda key: not jobs[key]["draws"])  # stable: drawing jobs first
+            failures = run_jobs({key: jobs[key] for key in order}, ranks, folder)
+            for (module, name), (case_jobs, state) in prepared.items():
+                runs = [failures[f"{module}/{name}/{i}"] for i in range(len(case_jobs))]
+                made[module, name] = attempt(lambda: self.modules[module].finish(name, state, runs))
+        return made
+
+
+@contextlib.contextmanager
+def _in_repo():
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+# --------------------------------------------------------------------------- verify
+
+def verify_cases(make_plan: Callable[[str], Any], steps_of: Callable[[str], int], seed: int = 0,
+                 lr: float = DEFAULT_LR) -> tuple[Callable, Callable]:
+    """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, lr)`` of each case's plan
+    (``make_plan(name)``, ``steps_of(name)``): the result is (plan, its ``VerifyReport``), or the exception
+    planning or verify raised before launching."""
+    def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
+        return {name: attempt(lambda: _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, lr))
+                for name in names}
+
+    def finish(name: str, state: tuple, failures: list[str]) -> tuple:
+        plan, steps, model_file, notes, out = state
+        parallel = f"the emitted program failed:\n{failures[0]}" if failures[0] else read_run(out)
+        return plan, judge(plan, model_file, parallel, steps, seed, lr, notes)
+    return prepare_all, finish
+
+
+def _prepare_verify(plan, steps: int, folder: Path, seed: int, lr: float) -> tuple[list[dict], tuple]:
+    model_file, notes = prepare(plan, steps, seed)  # raises AutoshardError as verify would
+    out = folder / "metrics"
+    program = write_program(plan, folder / "train.py")
+    return [job(program, program_args(steps, seed, lr, out), out)], (plan, steps, model_file, notes, out)
 
 
 def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failure: str) -> None:
-    """``zoo.run_and_judge``'s checks of one program run (``zoo.program_case``, metrics in ``out``): it did not
-    crash, it ran, and it trains like one process (``zoo._verdict``: fp32 and float64 one-process runs)."""
+    """``zoo.run_and_judge``'s checks of one program run (``zoo.program_case``'s command line, metrics in ``out``):
+    it did not crash, it ran, and it trains like one process (``zoo._verdict``: fp32 and float64 one-process
+    runs)."""
     from e2e.zoo import _last_lines, _verdict
 
     errors = sorted(out.glob("error-rank*.txt"))
@@ -108,37 +218,22 @@ def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failur
     assert status == "verified", f"{name}: {detail}"
 
 
-class PerWorldSize:
-    """A test file's cases (name: world size), made one world size at a time by ``make(names, ranks)`` (name:
-    result), the first time a test asks for a case of that size. Only the cases of the tests pytest selected
-    are made when ``selected`` names them; a result that is an exception is raised in the test that asks."""
-
-    def __init__(self, ranks_of: dict[str, int], make: Callable[[list[str], int], dict[str, Any]],
-                 selected: set[str] | None = None):
-        self.ranks_of, self.make, self.selected, self.made = ranks_of, make, selected, {}
-
-    def __call__(self, name: str) -> Any:
-        ranks = self.ranks_of[name]
-        if ranks not in self.made:
-            names = [n for n, r in self.ranks_of.items()
-                     if r == ranks and (self.selected is None or n in self.selected or n == name)]
-            self.made[ranks] = self.make(names, ranks)
-        result = self.made[ranks][name]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+def program_cases(make_plan: Callable[[str], Any]) -> tuple[Callable, Callable]:
+    """``Cases``' prepare and finish for emitted programs run as the zoo runs them (``program_job``): each case's
+    plan (``make_plan(name)``) written to ``folder/name/train.py``, its metrics in ``folder/name/out``; the result is
+    (plan, ``folder/name``, failure: "" when it ran to its end), or the exception planning raised."""
+    def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
+        def one(name):
+            plan = make_plan(name)
+            program = write_program(plan, folder / name / "train.py")
+            return [program_job(program, folder / name / "out")], (plan, folder / name)
+        return {name: attempt(lambda: one(name)) for name in names}
+    return prepare_all, lambda name, state, failures: (*state, failures[0])
 
 
-def selected_cases(request: pytest.FixtureRequest, case_of: Callable[[str, dict], str | None]) -> set[str]:
-    """The cases of this module's tests that pytest will run: ``case_of(test function name, its parameters)``
-    names a test's case (None: it has none)."""
-    return {case for item in request.session.items if getattr(item, "module", None) is request.module
-            and (case := case_of(item.originalname, getattr(getattr(item, "callspec", None), "params", {})))}
+def program_job(program: Path, out: Path, **how) -> dict:
+    """``zoo.program_case`` (the zoo's steps, seed, lr and ``--fixed-randomness``) as a job."""
+    from e2e.zoo import program_case
 
-
-def attempt(make: Callable[[], Any]) -> Any:
-    """``make()``, or the exception it raised (raised later, in the test that asks for it)."""
-    try:
-        return make()
-    except Exception as exc:  # noqa: BLE001
-        return exc
+    case = program_case(str(program), program, out, **how)
+    return job(case["program"], case["args"], case["metrics_out"], draws="--fixed-randomness" not in case["args"])

@@ -1,7 +1,7 @@
 """Train a model with pipeline parallelism (optionally × FSDP2 data parallelism) for a few steps.
 
-Run by tests/e2e/test_pipeline_parallel.py, every case of one world size in one torchrun launch
-(``zoo_driver.py``), or alone under torchrun; rank 0 writes the step losses
+Run by tests/e2e/test_pipeline_parallel.py, a job of the session's torchrun launch of its
+world size (``one_launch.py``), or alone under torchrun; rank 0 writes the step losses
 (``metrics.json``) and the full final weights (``params.pt``, original names) to ``--out``.
 """
 

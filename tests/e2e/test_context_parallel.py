@@ -9,11 +9,11 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank)
 
-Every case runs two micro-batches per step. The same launches also run ``cp_driver.py`` (the
-runtime's ring attention under a hand-written training loop, cp 2 and dp 2 x cp 2: the kernel pair
-against one-process SDPA, and both models against one process; ``test_context_parallel_runtime.py``
-holds the one-process tests of the same runtime). One torchrun launch per world size
-(``zoo_driver.py``, ``one_launch.run_jobs``).
+Every case runs two micro-batches per step. ``cp_driver.py`` runs too (the runtime's ring attention
+under a hand-written training loop, cp 2 and dp 2 x cp 2: the kernel pair against one-process SDPA,
+and both models against one process; ``test_context_parallel_runtime.py`` holds the one-process tests
+of the same runtime). Every run is a job of the session's one torchrun launch per world size
+(``one_launch.Cases``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import autoshard
 from autoshard.launch import write_program
 from autoshard.runtime import load_model_file
 from autoshard.verify import compare, train_reference
-from e2e.one_launch import PerWorldSize, assert_trains_like_one_process, attempt, job, run_jobs
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH, program_case
+from e2e.one_launch import Cases, assert_trains_like_one_process, attempt, job, program_job
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -63,31 +63,36 @@ def _driver_job(out: Path, dp: int, cp: int) -> dict:
                         *[arg for name, spec in MODELS.items() for arg in ("--model", f"{name}={spec}")]], out)
 
 
-@pytest.fixture(scope="module")
-def launches(in_repo_module, tmp_path_factory):
-    """name -> (plan, its folder, failure) for a program, (None, the driver's folder, failure) for cp_driver.py;
-    every case of one world size in one launch, the driver last."""
-    cases = {**CASES_2, **CASES_4}
+CASES = {**CASES_2, **CASES_4}
 
-    def make(names, ranks):
-        root = tmp_path_factory.mktemp(f"ranks{ranks}")
-        plans = {name: attempt(lambda: _plan(cases[name][0], ranks, dict(cases[name][1])))
-                 for name in names if name in cases}
-        jobs = {name: program_case(name, write_program(plan, root / name / "train.py"), root / name / "out")
-                for name, plan in plans.items() if not isinstance(plan, Exception)}
-        jobs |= {name: _driver_job(root / name, *DRIVER_MESHES[name]) for name in names if name in DRIVER_MESHES}
-        failures = run_jobs(jobs, ranks, root)
-        return {name: plans.get(name) if isinstance(plans.get(name), Exception) else
-                (plans.get(name), root / name, failures[name]) for name in names}
 
-    return PerWorldSize({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4),
-                         **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()}}, make)
+def _prepare(names, ranks, folder):
+    """Each program case: (its job, (plan, folder)); each driver mesh: (its job, (None, folder))."""
+    def one(name):
+        if name in DRIVER_MESHES:
+            return [_driver_job(folder / name, *DRIVER_MESHES[name])], (None, folder / name)
+        plan = _plan(CASES[name][0], ranks, dict(CASES[name][1]))
+        program = write_program(plan, folder / name / "train.py")
+        return [program_job(program, folder / name / "out")], (plan, folder / name)
+    return {name: attempt(lambda: one(name)) for name in names}
+
+
+# name -> (plan or None for cp_driver, its folder, its failure: "" when it ran to its end)
+LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4),
+                  **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()}}, _prepare,
+                 finish=lambda name, state, failures: (*state, failures[0]),
+                 case_of=lambda test, params: {
+                     "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
+                     "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
+                     "test_context_parallel_matches_one_process": [name for name, mesh in DRIVER_MESHES.items()
+                                                                   if mesh == (params.get("dp"), params.get("cp"))],
+                 }.get(test))
 
 
 def _run(cases: dict, launches) -> None:
     runs = {}
     for name, (model, pins) in cases.items():
-        plan, folder, failure = launches(name)
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.cp, plan.mesh.dp, plan.mesh.tp) == (pins["cp"], pins["dp"], pins["tp"]), name
         if pins["tp"] > 1:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"
@@ -100,11 +105,11 @@ def _run(cases: dict, launches) -> None:
         assert_trains_like_one_process(name, MODELS[cases[name][0]], plan, folder / "out", failure)
 
 
-def test_sequences_split_over_two_ranks_train_like_one_process(launches):
+def test_sequences_split_over_two_ranks_train_like_one_process(in_repo, launches):
     _run(CASES_2, launches)
 
 
-def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(launches):
+def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(in_repo, launches):
     _run(CASES_4, launches)
 
 
@@ -118,7 +123,7 @@ def references(in_repo_module):
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)], ids=["cp2", "dp2-cp2"])
 def test_context_parallel_matches_one_process(launches, references, dp, cp):
     """cp_driver.py: runtime.context_parallel's ring attention (gloo, CPU ranks) trains like one process."""
-    _, out, failure = launches({(1, 2): "cp2", (2, 2): "dp2-cp2"}[dp, cp])
+    _, out, failure = launches.result(LAUNCHES, {(1, 2): "cp2", (2, 2): "dp2-cp2"}[dp, cp])
     assert not failure, failure[-3000:]
     op = json.loads((out / "op_check.json").read_text())
     assert max(d for case in op.values() for d in case.values()) < TOL, op

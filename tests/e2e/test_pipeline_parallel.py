@@ -2,8 +2,8 @@
 
 Each case runs tests/e2e/pp_driver.py for 3 AdamW steps on the global batch of 8 and checks the
 step losses (mean over the global batch) and the final weights with ``autoshard.verify.compare``
-against ``train_reference``. The cases of one world size run one after another in one torchrun
-launch (``one_launch.run_jobs``).
+against ``train_reference``. The cases run in the session's one torchrun launch per world size
+(``one_launch.Cases``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from autoshard.runtime import load_model_file
 from autoshard.runtime.pipeline_parallel import stage_indices
 from autoshard.verify import compare, train_reference
-from e2e.one_launch import PerWorldSize, job, run_jobs, selected_cases
+from e2e.one_launch import Cases, job
 
 pytestmark = pytest.mark.e2e
 
@@ -55,25 +55,21 @@ def driver_job(out: Path, spec: str, splits: str, dp: int, pp: int, virtual: int
                microbatches: int) -> dict:
     return job(DRIVER, ["--model", spec, "--splits", splits, "--dp", dp, "--pp", pp, "--virtual-stages", virtual,
                         "--schedule", schedule, "--microbatches", microbatches, "--steps", STEPS, "--lr", repr(LR),
-                        "--seed", SEED, "--out", out], out)
+                        "--seed", SEED, "--out", out], out, draws=True)
 
 
-@pytest.fixture(scope="module")
-def runs(request, in_repo_module, tmp_path_factory):
-    """case -> (the folder of its metrics, its failure: "" when it ran to its end); the cases of one world size
-    in one launch."""
-    def make(names, ranks):
-        root = tmp_path_factory.mktemp(f"ranks{ranks}")
-        failures = run_jobs({name: driver_job(root / name, *CASES[name]) for name in names}, ranks, root)
-        return {name: (root / name, failures[name]) for name in names}
-    return PerWorldSize({name: c[2] * c[3] for name, c in CASES.items()}, make,
-                        selected_cases(request, lambda test, params: params.get("case")))
+# case -> (the folder of its metrics, its failure: "" when it ran to its end)
+LAUNCHES = Cases({name: c[2] * c[3] for name, c in CASES.items()},
+                 prepare=lambda names, ranks, folder: {name: ([driver_job(folder / name, *CASES[name])], folder / name)
+                                                       for name in names},
+                 finish=lambda name, out, failures: (out, failures[0]),
+                 case_of=lambda test, params: params.get("case"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_trains_like_one_process(runs, case):
+def test_pipeline_trains_like_one_process(in_repo, launches, case):
     spec = CASES[case][0]
-    out, failure = runs(case)
+    out, failure = launches.result(LAUNCHES, case)
     assert not failure, failure[-4000:]
     losses = json.loads((out / "metrics.json").read_text())["losses"]
     params = torch.load(out / "params.pt", weights_only=True)

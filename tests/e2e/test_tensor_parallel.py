@@ -1,7 +1,7 @@
 """Tensor parallelism (chosen by the planner, applied with DTensor) trains like one process (gloo, CPU).
 
-Each case runs tests/e2e/tp_driver.py with the styles ``choose_tp_styles`` picks; the cases of one world
-size run one after another in one torchrun launch (``one_launch.run_jobs``).
+Each case runs tests/e2e/tp_driver.py with the styles ``choose_tp_styles`` picks, in the session's one
+torchrun launch per world size (``one_launch.Cases``).
 """
 
 import json
@@ -16,7 +16,7 @@ from autoshard.passes.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
 from autoshard.verify import compare, train_reference
-from e2e.one_launch import PerWorldSize, attempt, job, run_jobs, selected_cases
+from e2e.one_launch import Cases, attempt, job
 
 pytestmark = pytest.mark.e2e
 
@@ -46,28 +46,22 @@ def driver_job(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "styles.json").write_text(json.dumps(styles))
     return job(DRIVER, [spec, tmp / "styles.json", tmp / "out", "--tp", tp, "--dp", dp, "--steps", STEPS,
-                        "--batch", BATCH, "--lr", repr(LR)], tmp / "out")
+                        "--batch", BATCH, "--lr", repr(LR)], tmp / "out", draws=True)
 
 
 ALL_CASES = {**{name: (spec, dp, tp) for name, (spec, dp, tp, _) in CASES.items()}, "gpt2-conv1d-tp2": (GPT2, 1, 2)}
 
 
-@pytest.fixture(scope="module")
-def runs(request, in_repo_module, tmp_path_factory):
-    """case -> (the folder of its driver run, its failure: "" when it ran to its end); the cases of one world
-    size in one launch."""
-    def make(names, ranks):
-        root = tmp_path_factory.mktemp(f"ranks{ranks}")
-        jobs = {name: attempt(lambda: driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, root / name))
-                for name in names for spec, dp, tp in [ALL_CASES[name]]}
-        failures = run_jobs({n: j for n, j in jobs.items() if not isinstance(j, Exception)}, ranks, root)
-        return {name: jobs[name] if isinstance(jobs[name], Exception) else (root / name, failures[name])
-                for name in names}
+def _prepare(names, ranks, folder):
+    return {name: attempt(lambda: ([driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, folder / name)], folder / name))
+            for name in names for spec, dp, tp in [ALL_CASES[name]]}
 
-    def case_of(test, params):
-        return params.get("case") or ("gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None)
-    return PerWorldSize({name: dp * tp for name, (_, dp, tp) in ALL_CASES.items()}, make,
-                        selected_cases(request, case_of))
+
+# case -> (the folder of its driver run, its failure: "" when it ran to its end)
+LAUNCHES = Cases({name: dp * tp for name, (_, dp, tp) in ALL_CASES.items()}, _prepare,
+                 finish=lambda name, folder, failures: (folder, failures[0]),
+                 case_of=lambda test, params: params.get("case") or (
+                     "gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None))
 
 
 def check_against_one_process(spec: str, run: tuple[Path, str]) -> None:
@@ -82,16 +76,16 @@ def check_against_one_process(spec: str, run: tuple[Path, str]) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tensor_parallel_matches_one_process(runs, case):
+def test_tensor_parallel_matches_one_process(in_repo, launches, case):
     spec, dp, tp, sharded = CASES[case]
     choice = tp_choice(spec, tp)
     assert len(choice.sharded) - ("lm_head" in choice.sharded) == sharded
-    check_against_one_process(spec, runs(case))
+    check_against_one_process(spec, launches.result(LAUNCHES, case))
 
 
-def test_gpt2_conv1d_tp2_matches_one_process(runs):
+def test_gpt2_conv1d_tp2_matches_one_process(in_repo, launches):
     """transformers' Conv1D MLP split by the conv1d-colwise / conv1d-rowwise styles (c_attn, fused, replicated)."""
     choice = tp_choice(GPT2, 2)
     assert choice.sharded == {f"transformer.h.{i}.mlp.{m}": style for i in range(2)
                               for m, style in (("c_fc", "conv1d-colwise"), ("c_proj", "conv1d-rowwise"))}
-    check_against_one_process(GPT2, runs("gpt2-conv1d-tp2"))
+    check_against_one_process(GPT2, launches.result(LAUNCHES, "gpt2-conv1d-tp2"))

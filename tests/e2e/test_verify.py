@@ -1,7 +1,7 @@
 """Every DP/ZeRO configuration the planner can emit trains like one process (gloo, CPU ranks).
 
-Each case is ``autoshard.verify`` of one plan; the programs of one world size run in one torchrun
-launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement).
+Each case is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: verify's own checks, command
+line and judgement); the programs run in the session's one torchrun launch per world size.
 """
 
 from functools import lru_cache
@@ -9,7 +9,7 @@ from functools import lru_cache
 import pytest
 
 import autoshard
-from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
+from e2e.one_launch import Cases, verify_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -58,12 +58,14 @@ def _case_of(test, params):
             "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute"}.get(test)
 
 
+LAUNCHES = Cases({name: ranks for name, (ranks, _) in CASES.items()}, *verify_cases(_plan, lambda name: CASES[name][1]),
+                 case_of=_case_of)
+
+
 @pytest.fixture(scope="module")
-def verified(request, in_repo_module, tmp_path_factory):
-    """name -> (plan, verify report); the plans of one world size verified in one launch."""
-    def make(names, ranks):
-        return plan_and_verify(names, _plan, lambda name: CASES[name][1], tmp_path_factory.mktemp(f"ranks{ranks}"))
-    return PerWorldSize({name: ranks for name, (ranks, _) in CASES.items()}, make, selected_cases(request, _case_of))
+def verified(launches):
+    """name -> (plan, verify report)."""
+    return lambda name: launches.result(LAUNCHES, name)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -3,16 +3,16 @@
 tests/models/tiny_attention.py: a key bias (true gradient zero) and dropout 0.1;
 tests/models/bn_cnn.py: BatchNorm after conv biases (their gradient is zero too).
 
-Each case but the crashing one is ``autoshard.verify`` of one plan, every program in one torchrun
-launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement); the
-crashing rank goes through the CLI's ``verify`` and ``run``, each its own launch.
+Each case but the crashing one is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: verify's
+own checks, command line and judgement), in the session's 2-rank launch; the crashing rank goes
+through the CLI's ``verify`` and ``run``, each its own launch.
 """
 
 import pytest
 
 import autoshard
 from autoshard.cli import main
-from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
+from e2e.one_launch import Cases, verify_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -40,16 +40,16 @@ TEST_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def verified(request, in_repo_module, tmp_path_factory):
-    """name -> (plan, verify report); every plan verified in one launch."""
-    def make(names, ranks):
-        return plan_and_verify(names, lambda name: _plan(CASES[name][0], **CASES[name][1]),
-                               lambda name: CASES[name][2], tmp_path_factory.mktemp("diagnostics"))
+LAUNCHES = Cases(dict.fromkeys(CASES, 2), *verify_cases(lambda name: _plan(CASES[name][0], **CASES[name][1]),
+                                                         lambda name: CASES[name][2]),
+                 case_of=lambda test, params: f"batch-norm-zero{params['zero']}" if "zero" in params
+                 else TEST_CASES.get(test))
 
-    def case_of(test, params):
-        return f"batch-norm-zero{params['zero']}" if "zero" in params else TEST_CASES.get(test)
-    return PerWorldSize(dict.fromkeys(CASES, 2), make, selected_cases(request, case_of))
+
+@pytest.fixture(scope="module")
+def verified(launches):
+    """name -> (plan, verify report)."""
+    return lambda name: launches.result(LAUNCHES, name)
 
 
 def test_zero_gradient_parameters_and_dropout_pass(verified):

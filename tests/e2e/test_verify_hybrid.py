@@ -1,13 +1,13 @@
 """Tensor, pipeline and hybrid plans, pinned through the planner, train like one process.
 
-Each case is ``autoshard.verify`` of one plan; the programs of one world size run in one torchrun
-launch (``one_launch.plan_and_verify``: verify's own checks, command line and judgement).
+Each case is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: verify's own checks, command
+line and judgement); the programs run in the session's one torchrun launch per world size.
 """
 
 import pytest
 
 import autoshard
-from e2e.one_launch import PerWorldSize, plan_and_verify, selected_cases
+from e2e.one_launch import Cases, verify_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -48,13 +48,14 @@ def _plan(case):
     return autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
 
 
+LAUNCHES = Cases({case: ranks for case, (_, ranks, _) in CASES.items()}, *verify_cases(_plan, lambda case: 3),
+                 case_of=lambda test, params: params.get("case"))
+
+
 @pytest.fixture(scope="module")
-def verified(request, in_repo_module, tmp_path_factory):
-    """case -> (plan, verify report); the plans of one world size verified in one launch."""
-    def make(names, ranks):
-        return plan_and_verify(names, _plan, lambda case: 3, tmp_path_factory.mktemp(f"ranks{ranks}"))
-    return PerWorldSize({case: ranks for case, (_, ranks, _) in CASES.items()}, make,
-                        selected_cases(request, lambda test, params: params.get("case")))
+def verified(launches):
+    """case -> (plan, verify report)."""
+    return lambda case: launches.result(LAUNCHES, case)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

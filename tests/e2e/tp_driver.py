@@ -1,7 +1,7 @@
 """Train a model with tensor parallelism (optionally DP × TP) on CPU ranks and save the result.
 
-Run by tests/e2e/test_tensor_parallel.py, every case of one world size in one torchrun launch
-(``zoo_driver.py``), or alone with ``python -m torch.distributed.run``::
+Run by tests/e2e/test_tensor_parallel.py, a job of the session's torchrun launch of its
+world size (``one_launch.py``), or alone with ``python -m torch.distributed.run``::
 
     tp_driver.py SPEC STYLES_JSON OUT_DIR --tp 2 [--dp 2] [--steps 3] [--batch 8] [--lr 1e-3]
 

@@ -1,0 +1,11 @@
+"""The session's shared torchrun launches (``one_launch.SharedLaunches``): one per world size for the cases of
+every selected test module that declares ``LAUNCHES``."""
+
+import pytest
+
+from e2e.one_launch import SharedLaunches
+
+
+@pytest.fixture(scope="session")
+def launches(request, tmp_path_factory):
+    return SharedLaunches(request.session.items, tmp_path_factory.mktemp("launches"))
