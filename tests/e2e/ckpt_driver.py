@@ -1,4 +1,4 @@
-"""Run several emitted programs, one after another, in one torchrun launch (checkpoint tests' driver).
+"""Run several emitted programs, one after another, in one torchrun launch (test_determinism's driver).
 
     torchrun --nproc-per-node N ckpt_driver.py JOBS_JSON
 

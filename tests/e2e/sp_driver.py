@@ -1,7 +1,8 @@
 """Train several models with tensor + sequence parallelism on CPU ranks, one after another, and save each result.
 
-Launched once by tests/e2e/test_sequence_parallel.py with ``python -m torch.distributed.run`` (starting
-processes costs seconds, so every case shares one launch)::
+Run once by tests/e2e/test_sequence_parallel.py, a job of the session's 2-rank torchrun launch
+(``one_launch.py``), or alone with ``python -m torch.distributed.run`` (starting processes costs seconds,
+so every case shares one run)::
 
     sp_driver.py CASES_JSON OUT_DIR --tp 2 [--steps 2] [--batch 4] [--lr 1e-3]
 

@@ -1,4 +1,7 @@
-"""DCP checkpoints: a run stopped and resumed matches an uninterrupted run bit for bit."""
+"""DCP checkpoints: a run stopped and resumed matches an uninterrupted run bit for bit.
+
+Each case's runs are jobs of the session's one torchrun launch per world size (``one_launch.Cases``),
+each a fresh program, model and optimizer, before every job that fixes randomness."""
 
 import json
 
@@ -8,7 +11,7 @@ import torch
 import autoshard
 from autoshard.launch import write_program
 from autoshard.runtime.checkpoint import latest
-from e2e.ckpt_driver import ROOT, job, run_jobs
+from e2e.one_launch import Cases, attempt, job
 
 pytestmark = pytest.mark.e2e
 
@@ -31,41 +34,31 @@ CASES = {  # name: (model, cluster, ranks, pins)
 NODES = {"dp4-hsdp2x2-zero3": 2}  # cases planned on several nodes (HSDP), their ranks split evenly
 
 
-def stop_and_resume(cases, root, ranks):
-    """Per case, an uninterrupted run of 4 steps with checkpoints at steps 2 and 4, and a run of 4 steps
-    that finds only a copy of the step-2 checkpoint (as if the job had stopped after step 2): two runs,
-    not three, as the uninterrupted one keeps its step-2 checkpoint. Every case's runs in one launch,
-    the uninterrupted ones first; each run is a fresh program, model and optimizer."""
-    plans, full, resumed = {}, [], []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
-        for case in cases:
-            model, cluster, _, pins = CASES[case]
-            nodes = NODES.get(case, 1)
-            plans[case] = autoshard.plan(model, cluster=cluster, nodes=nodes, devices_per_node=ranks // nodes,
-                                         global_batch=8, **pins)
-            program = write_program(plans[case], root / case / "train.py")
-            ckpt, stopped = root / case / "ckpt", root / case / "stopped"
-            full.append(job(program, "--steps", 4, "--metrics-out", root / case / "full", "--checkpoint-dir", ckpt,
-                            "--checkpoint-every", 2))
-            resumed.append(job(program, "--steps", 4, "--metrics-out", root / case / "resumed", "--checkpoint-dir",
-                               stopped, "--checkpoint-every", 2,
-                               copy=(ckpt / "step-00000002", stopped / "step-00000002")))
-        run_jobs(ranks, full + resumed, root)
-    return {case: (plans[case], root / case) for case in cases}
+def stop_and_resume(case, root, ranks):
+    """An uninterrupted run of 4 steps with checkpoints at steps 2 and 4, and a run of 4 steps that finds only
+    a copy of the step-2 checkpoint (as if the job had stopped after step 2): two runs, not three, as the
+    uninterrupted one keeps its step-2 checkpoint, in this order; state: (plan, the case's folder)."""
+    model, cluster, _, pins = CASES[case]
+    nodes = NODES.get(case, 1)
+    plan = autoshard.plan(model, cluster=cluster, nodes=nodes, devices_per_node=ranks // nodes, global_batch=8, **pins)
+    program = write_program(plan, root / case / "train.py")
+    ckpt, stopped = root / case / "ckpt", root / case / "stopped"
+    full = train(program, root / case / "full", "--steps", 4, "--checkpoint-dir", ckpt, "--checkpoint-every", 2)
+    resumed = train(program, root / case / "resumed", "--steps", 4, "--checkpoint-dir", stopped,
+                    "--checkpoint-every", 2, copy=(ckpt / "step-00000002", stopped / "step-00000002"))
+    return [full, resumed], (plan, root / case)
 
 
-@pytest.fixture(scope="module")
-def runs_by_ranks(tmp_path_factory):
-    """Every case of one world size in one launch, made the first time a case of that size asks."""
-    made = {}
+def train(program, out, *args, copy=None):
+    return job(program, [*args, "--metrics-out", out], out, copy=copy, draws=True)
 
-    def runs(ranks):
-        if ranks not in made:
-            cases = sorted(c for c in CASES if CASES[c][2] == ranks)
-            made[ranks] = stop_and_resume(cases, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks)
-        return made[ranks]
-    return runs
+
+# case -> (plan, its folder, each run's failure: "" when it ran to its end)
+LAUNCHES = Cases({case: c[2] for case, c in CASES.items()},
+                 prepare=lambda names, ranks, root: {case: attempt(lambda: stop_and_resume(case, root, ranks))
+                                                     for case in names},
+                 finish=lambda case, state, failures: (*state, failures),
+                 case_of=lambda test, params: params.get("case"))
 
 
 def metrics(out):
@@ -73,9 +66,10 @@ def metrics(out):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_is_bit_exact(runs_by_ranks, case):
-    _, _, ranks, pins = CASES[case]
-    plan, folder = runs_by_ranks(ranks)[case]
+def test_resume_is_bit_exact(launches, case):
+    _, _, _, pins = CASES[case]
+    plan, folder, failures = launches.result(LAUNCHES, case)
+    assert not any(failures), "\n".join(failures)[-4000:]  # both runs ran to their end
     assert all(getattr(plan.mesh, a) == pins.get(a, getattr(plan.mesh, a)) for a in ("dp", "tp", "pp"))
     full_losses, full_params = metrics(folder / "full")
     assert [p.name for p in sorted((folder / "ckpt").glob("step-*"))] == ["step-00000002", "step-00000004"]

@@ -5,8 +5,8 @@ TP (FSDP2's ``replicate``), Megatron's distributed optimizer beside TP and PP (Z
 gradients summed whole over the micro-batches), and HSDP (FSDP2 sharding inside a node and
 replicating across nodes), each planned with its decisions pinned, emitted, run on CPU ranks and
 judged against fp32 and float64 one-process runs (``zoo._verdict``). Every case runs two
-micro-batches per step, so gradient accumulation without synchronisation is exercised. One
-torchrun launch per world size (``zoo_driver.py``).
+micro-batches per step, so gradient accumulation without synchronisation is exercised. The
+programs run in the session's one torchrun launch per world size (``one_launch.Cases``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 import autoshard
-from autoshard.launch import write_program
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH, run_and_judge
+from e2e.one_launch import Cases, assert_trains_like_one_process, program_cases
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -49,24 +49,30 @@ def _plan(model, cluster, nodes, per_node, pins):
                           microbatch_size=microbatch, recompute="none", **pins)
 
 
-def _run(cases: dict, ranks: int, tmp_path) -> None:
-    plans = {}
+LAUNCHES = Cases({**dict.fromkeys(CASES_4, 4), **dict.fromkeys(CASES_8, 8)},
+                 *program_cases(lambda name: _plan(*{**CASES_4, **CASES_8}[name][:5])),
+                 case_of=lambda test, params: list(CASES_8 if "8_ranks" in test else CASES_4))
+
+
+def _run(cases: dict, launches) -> None:
+    runs = {}
     for name, (model, cluster, nodes, per_node, pins, step) in cases.items():
-        plan = _plan(model, cluster, nodes, per_node, pins)
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == \
             (pins["dp"], pins["tp"], pins["pp"], pins["zero"], pins.get("dp_replicate", 1)), name
         assert plan.num_microbatches == MICROBATCHES, name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
-        program = write_program(plan, tmp_path / name / "train.py")
+        program = folder / "train.py"
         assert step in program.read_text(), f"{name}: the program does not call {step}"
-        plans[name] = plan
-    run_and_judge(plans, {n: c[0] for n, c in cases.items()}, ranks, tmp_path)
+        runs[name] = plan, folder, failure
+    for name, (plan, folder, failure) in runs.items():
+        assert_trains_like_one_process(name, cases[name][0], plan, folder / "out", failure)
 
 
-def test_zero0_zero1_beside_tp_and_pp_and_hsdp_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_4, 4, tmp_path)
+def test_zero0_zero1_beside_tp_and_pp_and_hsdp_train_like_one_process(in_repo, launches):
+    _run(CASES_4, launches)
 
 
-def test_zero1_with_tp_and_pp_and_hsdp_with_tp_on_8_ranks(in_repo, tmp_path):
-    _run(CASES_8, 8, tmp_path)
+def test_zero1_with_tp_and_pp_and_hsdp_with_tp_on_8_ranks(in_repo, launches):
+    _run(CASES_8, launches)

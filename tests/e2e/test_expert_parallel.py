@@ -12,7 +12,8 @@ Mixtral, OLMoE and Qwen2-MoE (4 experts, top-2; Qwen2-MoE with a shared expert),
     8 ranks    pp 2 x dp 4, ep 2 (Mixtral): each stage's expert shards averaged over their 2 replicas
                after the schedule
 
-Every case runs two micro-batches per step. One torchrun launch per world size (``zoo_driver.py``).
+Every case runs two micro-batches per step. The programs run in the session's one torchrun launch per
+world size (``one_launch.Cases``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import pytest
 
 import autoshard
-from autoshard.launch import write_program
-from e2e.zoo import GLOBAL_BATCH, run_and_judge
+from e2e.one_launch import Cases, assert_trains_like_one_process, program_cases
+from e2e.zoo import GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -48,25 +49,33 @@ def _plan(model: str, ranks: int, pins: dict):
                           microbatch_size=microbatch, recompute="none", tp=1, pp=pins.pop("pp", 1), **pins)
 
 
-def _run(cases: dict, ranks: int, tmp_path) -> None:
-    plans = {}
+ALL_CASES = {**CASES_2, **CASES_4, **CASES_8}
+RANKS = {**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4), **dict.fromkeys(CASES_8, 8)}
+LAUNCHES = Cases(RANKS, *program_cases(lambda name: _plan(ALL_CASES[name][0], RANKS[name], dict(ALL_CASES[name][1]))),
+                 case_of=lambda test, params: list(CASES_2 if "two_ranks" in test else
+                                                   CASES_4 if "sharded_replicas" in test else CASES_8))
+
+
+def _run(cases: dict, launches) -> None:
+    runs = {}
     for name, (model, pins) in cases.items():
-        plan = _plan(model, ranks, dict(pins))
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.ep, plan.mesh.dp, plan.zero_stage) == (2, pins["dp"], pins["zero"]), name
         assert plan.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"), name
-        program = write_program(plan, tmp_path / name / "train.py").read_text()
+        program = (folder / "train.py").read_text()
         assert "apply_ep(" in program and "ep=EP" in program, f"{name}: the program does not shard the experts"
-        plans[name] = plan
-    run_and_judge(plans, {n: MODELS[c[0]] for n, c in cases.items()}, ranks, tmp_path)
+        runs[name] = plan, folder, failure
+    for name, (plan, folder, failure) in runs.items():
+        assert_trains_like_one_process(name, MODELS[cases[name][0]], plan, folder / "out", failure)
 
 
-def test_experts_split_over_two_ranks_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_2, 2, tmp_path)
+def test_experts_split_over_two_ranks_train_like_one_process(in_repo, launches):
+    _run(CASES_2, launches)
 
 
-def test_experts_with_sharded_replicas_and_in_pipeline_stages_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_4, 4, tmp_path)
+def test_experts_with_sharded_replicas_and_in_pipeline_stages_train_like_one_process(in_repo, launches):
+    _run(CASES_4, launches)
 
 
-def test_expert_replicas_in_pipeline_stages_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_8, 8, tmp_path)
+def test_expert_replicas_in_pipeline_stages_train_like_one_process(in_repo, launches):
+    _run(CASES_8, launches)

@@ -1,9 +1,9 @@
-"""Pipeline plans with recompute inside the stages train like one process (4 ranks, one torchrun launch).
+"""Pipeline plans with recompute inside the stages train like one process (4 ranks).
 
 Each plan is pinned to pp = 2 with recompute full or selective, beside dp = 2 (FSDP2 on each stage
 module) or tp = 2 (local shards whose collectives are custom ops, repeated by full recompute). The
-emitted programs run one after another in a single launch (``zoo_driver.py``), and each is judged
-against fp32 and float64 one-process runs (``zoo._verdict``: ``verify.compare``).
+emitted programs run in the session's 4-rank torchrun launch (``one_launch.Cases``), and each is
+judged against fp32 and float64 one-process runs (``zoo._verdict``: ``verify.compare``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 import autoshard
-from autoshard.launch import write_program
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH, run_and_judge
+from e2e.one_launch import Cases, assert_trains_like_one_process, program_cases
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -27,15 +27,24 @@ CASES = {  # name: (model, cluster, pins); each model meets both modes and both 
 }
 
 
-def test_pipeline_recompute_trains_like_one_process(in_repo, tmp_path):
-    plans = {}
+def _plan(name):
+    model, cluster, pins = CASES[name]
+    return autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
+
+
+LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), *program_cases(_plan), case_of=lambda test, params: list(CASES))
+
+
+def test_pipeline_recompute_trains_like_one_process(in_repo, launches):
+    runs = {}
     for name, (model, cluster, pins) in CASES.items():
-        plan = autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.recompute) == \
             (pins["dp"], pins["tp"], 2, pins["recompute"]), name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
-        program = write_program(plan, tmp_path / name / "train.py")
+        program = folder / "train.py"
         assert "apply_ac" in program.read_text(), f"{name}: the program recomputes nothing"
-        plans[name] = plan
-    run_and_judge(plans, {n: c[0] for n, c in CASES.items()}, RANKS, tmp_path)
+        runs[name] = plan, folder, failure
+    for name, (plan, folder, failure) in runs.items():
+        assert_trains_like_one_process(name, CASES[name][0], plan, folder / "out", failure)

@@ -1,4 +1,4 @@
-"""The zero-bubble pipeline schedules train like one process (4 ranks, one torchrun launch).
+"""The zero-bubble pipeline schedules train like one process (4 ranks).
 
 torch's ``ScheduleInterleavedZeroBubble`` (interleaved-zb), ``ScheduleZBVZeroBubble`` (zbv) and
 ``ScheduleDualPipeV`` (dualpipev) split each stage's backward into the input's gradient and the
@@ -10,9 +10,9 @@ on the bundled GPT and on transformers' Llama with 4 layers (``build_4_layers``:
 rank need 4 blocks; the 2-layer ``build`` is refused in one line; with 8 layers at pp = 4, the V over
 4 ranks, dp = tp = 1), and on transformers' GPT-2, whose
 tied embedding and head both sit on rank 0 in a V (their gradients are summed there, no peer to
-wait for). The emitted programs run one
-after another in a single launch (``zoo_driver.py``), and each is judged against fp32 and float64
-one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3, selective recompute, and full
+wait for). The emitted programs run in
+the session's 4-rank torchrun launch (``one_launch.Cases``), and each is judged against fp32 and
+float64 one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3, selective recompute, and full
 recompute beside tp > 1 do not train like one process with the split backward (wrong weights, or
 checkpoint errors) and are refused by the planner (``strategies.split_backward_refusal``;
 ``tests/test_search_tp_pp.py``).
@@ -24,8 +24,8 @@ import pytest
 
 import autoshard
 from autoshard.errors import AutoshardError
-from autoshard.launch import write_program
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH, run_and_judge
+from e2e.one_launch import Cases, assert_trains_like_one_process, program_cases
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -57,19 +57,30 @@ def test_two_layer_llama_is_refused_two_stages_per_rank():
                        dp=2, tp=1, pp=2, schedule="zbv")
 
 
-def test_zero_bubble_schedules_train_like_one_process(in_repo, tmp_path):
-    plans = {}
+def _plan(name):
+    model, cluster, pins = CASES[name]
+    return autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
+
+
+LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), *program_cases(_plan),
+                 case_of=lambda test, params: list(CASES) if test == "test_zero_bubble_schedules_train_like_one_process"
+                 else None)
+
+
+def test_zero_bubble_schedules_train_like_one_process(in_repo, launches):
+    runs = {}
     for name, (model, cluster, pins) in CASES.items():
-        plan = autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.virtual_stages) == \
             (pins["dp"], pins["tp"], pins["pp"], pins["schedule"], 2), name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
-        text = write_program(plan, tmp_path / name / "train.py").read_text()
+        text = (folder / "train.py").read_text()
         v_placed = plan.schedule in ("zbv", "dualpipev")
         assert ("placement=PLACEMENT" in text) == v_placed, f"{name}: the split names its placement"
         if v_placed:
             held = ", ".join(f"rank {r}: {r} and {2 * plan.mesh.pp - 1 - r}" for r in range(plan.mesh.pp))
             assert held in text and f"rank r keeps stages r and {2 * plan.mesh.pp - 1} - r" in text, name
-        plans[name] = plan
-    run_and_judge(plans, {n: c[0] for n, c in CASES.items()}, RANKS, tmp_path)
+        runs[name] = plan, folder, failure
+    for name, (plan, folder, failure) in runs.items():
+        assert_trains_like_one_process(name, CASES[name][0], plan, folder / "out", failure)

@@ -1,4 +1,7 @@
-"""A checkpoint saved under one plan resumes under another (DCP reshards by parameter name)."""
+"""A checkpoint saved under one plan resumes under another (DCP reshards by parameter name).
+
+Each case's runs are jobs of the session's one torchrun launch per world size (``one_launch.Cases``),
+each a fresh program, model and optimizer, before every job that fixes randomness."""
 
 import pytest
 import torch
@@ -6,7 +9,7 @@ import torch
 import autoshard
 from autoshard.launch import write_program
 from autoshard.verify import WEIGHT_RTOL, weight_atol
-from e2e.ckpt_driver import ROOT, job, run_jobs
+from e2e.one_launch import Cases, attempt, job
 
 pytestmark = pytest.mark.e2e
 
@@ -20,34 +23,29 @@ CASES = {  # name: (cluster, ranks, pins saved under), (cluster, ranks, pins res
 }
 
 
-def reshard_runs(cases, root, ranks):
-    """Per case: plan a trains 2 steps (checkpoint at step 2); plan b loads a copy of that checkpoint and
-    runs no step; then each plan runs step 3 from its own copy. Every case's runs in one launch, each a
-    fresh program, model and optimizer."""
-    first, then = [], []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
-        for case in cases:
-            folder = root / case
-            a, b = (write_program(autoshard.plan(GPT, cluster=cluster, devices_per_node=n, global_batch=8, **pins),
-                                  folder / f"{name}.py") for name, (cluster, n, pins) in zip("ab", CASES[case]))
-            assert all(n == ranks for _, n, _ in CASES[case])
-            first.append(train(a, folder / "a2", 2, folder / "ckpt"))
-            then += [train(b, folder / "b2", 2, folder / "ckpt_b", copy=(folder / "ckpt", folder / "ckpt_b")),
-                     # b2 resumes at step 2 and runs nothing
-                     train(a, folder / "a3", 3, folder / "ckpt"), train(b, folder / "b3", 3, folder / "ckpt_b")]
-        run_jobs(ranks, first + then, root)
-    return {case: root / case for case in cases}
+def reshard_runs(case, folder, ranks):
+    """Plan a trains 2 steps (checkpoint at step 2); plan b loads a copy of that checkpoint and runs no step;
+    then each plan runs step 3 from its own copy. Each run a fresh program, model and optimizer."""
+    a, b = (write_program(autoshard.plan(GPT, cluster=cluster, devices_per_node=n, global_batch=8, **pins),
+                          folder / f"{name}.py") for name, (cluster, n, pins) in zip("ab", CASES[case]))
+    assert all(n == ranks for _, n, _ in CASES[case])
+    return [train(a, folder / "a2", 2, folder / "ckpt"),
+            # b2 resumes at step 2 and runs nothing
+            train(b, folder / "b2", 2, folder / "ckpt_b", copy=(folder / "ckpt", folder / "ckpt_b")),
+            train(a, folder / "a3", 3, folder / "ckpt"), train(b, folder / "b3", 3, folder / "ckpt_b")], folder
 
 
 def train(program, out, steps, ckpt, copy=None):
-    return job(program, "--steps", steps, "--lr", LR, "--metrics-out", out, "--checkpoint-dir", ckpt,
-               "--checkpoint-every", 2, copy=copy)
+    return job(program, ["--steps", steps, "--lr", LR, "--metrics-out", out, "--checkpoint-dir", ckpt,
+                         "--checkpoint-every", 2], out, copy=copy, draws=True)
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    return reshard_runs(sorted(c for c in CASES if CASES[c][0][1] == 2), tmp_path_factory.mktemp("ranks2"), 2)
+# case -> (its folder, each run's failure: "" when it ran to its end)
+LAUNCHES = Cases({case: CASES[case][0][1] for case in CASES},
+                 prepare=lambda names, ranks, root: {case: attempt(lambda: reshard_runs(case, root / case, ranks))
+                                                     for case in names},
+                 finish=lambda case, folder, failures: (folder, failures),
+                 case_of=lambda test, params: params.get("case"))
 
 
 def params(out):
@@ -55,12 +53,9 @@ def params(out):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_checkpoint_resumes_under_another_plan(request, tmp_path, case):
-    ranks = CASES[case][0][1]
-    if ranks == 2:
-        folder = request.getfixturevalue("two_rank_runs")[case]
-    else:
-        folder = reshard_runs([case], tmp_path, ranks)[case]
+def test_checkpoint_resumes_under_another_plan(launches, case):
+    folder, failures = launches.result(LAUNCHES, case)
+    assert not any(failures), "\n".join(failures)[-4000:]  # every run ran to its end
     after_two, loaded = params(folder / "a2"), params(folder / "b2")
     assert loaded.keys() == after_two.keys()
     for name, value in after_two.items():

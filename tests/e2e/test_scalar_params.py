@@ -13,7 +13,7 @@ decisions pinned, emitted, run on CPU ranks and judged against fp32 and float64 
                ZeRO-0 (replicate) and ZeRO-3; pp 2 x tp 2 (local shards inside the stages); HSDP
                2 x 2 with ZeRO-3
 
-One torchrun launch per world size (``zoo_driver.py``).
+The programs run in the session's one torchrun launch per world size (``one_launch.Cases``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 
 import autoshard
-from autoshard.launch import write_program
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH, run_and_judge
+from e2e.one_launch import Cases, assert_trains_like_one_process, program_cases
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
@@ -53,23 +53,28 @@ def _plan(cluster, nodes, per_node, pins):
                           microbatch_size=microbatch, recompute="none", **pins)
 
 
-def _run(cases: dict, ranks: int, tmp_path) -> None:
-    plans = {}
+LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4)},
+                 *program_cases(lambda name: _plan(*{**CASES_2, **CASES_4}[name])),
+                 case_of=lambda test, params: list(CASES_2 if "two_ranks" in test else CASES_4))
+
+
+def _run(cases: dict, launches) -> None:
+    runs = {}
     for name, (cluster, nodes, per_node, pins) in cases.items():
-        plan = _plan(cluster, nodes, per_node, pins)
+        plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == \
             (pins["dp"], pins["tp"], pins["pp"], pins["zero"], pins.get("dp_replicate", 1)), name
         assert plan.num_microbatches == MICROBATCHES, name
         if plan.mesh.tp > 1:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"
-        write_program(plan, tmp_path / name / "train.py")
-        plans[name] = plan
-    run_and_judge(plans, {name: MODEL for name in plans}, ranks, tmp_path)
+        runs[name] = plan, folder, failure
+    for name, (plan, folder, failure) in runs.items():
+        assert_trains_like_one_process(name, MODEL, plan, folder / "out", failure)
 
 
-def test_scalar_parameters_on_two_ranks_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_2, 2, tmp_path)
+def test_scalar_parameters_on_two_ranks_train_like_one_process(in_repo, launches):
+    _run(CASES_2, launches)
 
 
-def test_scalar_parameters_beside_pipeline_tensor_parallel_and_hsdp_train_like_one_process(in_repo, tmp_path):
-    _run(CASES_4, 4, tmp_path)
+def test_scalar_parameters_beside_pipeline_tensor_parallel_and_hsdp_train_like_one_process(in_repo, launches):
+    _run(CASES_4, launches)

@@ -1,11 +1,9 @@
 """Tensor parallelism with sequence parallelism (chosen on the op graph, applied with DTensor) trains like one
 process (gloo, CPU, tp=2, dropout off): the bundled GPT, transformers Llama (rotary embeddings computed outside
-the blocks) and transformers GPT-2 (Conv1D), all in one torchrun launch."""
+the blocks) and transformers GPT-2 (Conv1D), all in one run of sp_driver.py, a job of the session's 2-rank
+torchrun launch (``one_launch.Cases``)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from autoshard.passes.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
 from autoshard.verify import compare, train_reference
+from e2e.one_launch import Cases, job
 
 pytestmark = pytest.mark.e2e
 
@@ -53,25 +52,35 @@ def sp_styles(spec: str) -> dict[str, str]:
     return choice.sharded
 
 
-def test_sequence_parallel_matches_one_process(in_repo, tmp_path):
-    cases = []
-    for name, (spec, per_block, rest) in CASES.items():
-        styles = sp_styles(spec)
+def _prepare(names, ranks, folder):
+    """The one case "all": sp_driver.py over every model, with the styles the planner picks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        cases = [{"name": name, "spec": spec, "styles": sp_styles(spec)} for name, (spec, _, _) in CASES.items()]
+    except Exception as exc:  # noqa: BLE001  (raised in the test)
+        return {"all": exc}
+    (folder / "cases.json").write_text(json.dumps(cases))
+    return {"all": ([job(DRIVER, [folder / "cases.json", folder / "out", "--tp", TP, "--steps", STEPS, "--batch", BATCH,
+                                  "--lr", repr(LR)], folder / "out")], (cases, folder / "out"))}
+
+
+# "all" -> (the driver's cases, its folder, its failure: "" when it ran to its end)
+LAUNCHES = Cases({"all": TP}, _prepare, finish=lambda name, state, failures: (*state, failures[0]),
+                 case_of=lambda test, params: "all")
+
+
+def test_sequence_parallel_matches_one_process(in_repo, launches):
+    cases, out_dir, failure = launches.result(LAUNCHES, "all")
+    for (name, (spec, per_block, rest)), case in zip(CASES.items(), cases):
+        styles = case["styles"]
         for i in range(2):
             for module, style in per_block.items():
                 assert styles.get(module.format(i=i)) == style, (name, module.format(i=i), styles)
         for module, style in rest.items():
             assert styles.get(module) == style, (name, module, styles)
-        cases.append({"name": name, "spec": spec, "styles": styles})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(TP), str(DRIVER),
-           str(tmp_path / "cases.json"), str(tmp_path / "out"), "--tp", str(TP), "--steps", str(STEPS),
-           "--batch", str(BATCH), "--lr", repr(LR)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not failure, failure[-4000:]
     for case in cases:
-        out = tmp_path / "out" / case["name"]
+        out = out_dir / case["name"]
         losses = json.loads((out / "losses.json").read_text())
         params = torch.load(out / "params.pt", weights_only=True)
         ref_losses, ref_params = train_reference(load_model_file(case["spec"]), BATCH, STEPS, 0, LR, fixed_randomness=True)
