@@ -7,8 +7,8 @@ test driver) is run as it is, a fresh module each time, with ``args`` as its com
 optional ``copy`` ``[src, dst]`` is copied by rank 0 before it starts (a checkpoint folder to resume
 from), behind a barrier. The process group is made once: the programs' own
 ``runtime.init_distributed`` returns it, and their ``runtime.shutdown`` (which ends the process)
-does nothing until the last job. Each rank appends the name of every job it finished to
-``JOBS_JSON.done-rank{r}``. A job that raises writes its traceback to ``out/error-rank{r}.txt`` and
+does nothing until the last job. Each rank appends the name of every job it finished and its seconds
+to ``JOBS_JSON.done-rank{r}``. A job that raises writes its traceback to ``out/error-rank{r}.txt`` and
 ends the launch (a rank left inside a collective could not go on); ``run_jobs`` launches the jobs
 after it again.
 """
@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def main() -> None:
     runtime.shutdown = lambda: None
     done = listing.with_name(f"{listing.name}.done-rank{ctx.rank}")
     for index, job in enumerate(jobs):
+        start = time.monotonic()
         try:
             run_job(job, index)
         except BaseException:  # noqa: BLE001  (recorded for the test, then the launch ends)
@@ -57,7 +59,7 @@ def main() -> None:
             (out / f"error-rank{ctx.rank}.txt").write_text(traceback.format_exc())
             os._exit(1)
         with done.open("a") as f:
-            f.write(job["name"] + "\n")
+            f.write(f"{job['name']}\t{time.monotonic() - start:.1f}\n")
     shutdown()
 
 

@@ -1,7 +1,8 @@
 """Multi-process test cases that share torchrun launches: one launch per world size for the whole session.
 
 A launch costs a process start, torch and the runtime imported in every rank and a process group:
-about 4 s of CPU per rank, 30 s for 8 ranks on 2 cores, more than a small case's training.
+about 3 s of CPU per rank (4 to 5 once a program imports FSDP2 and DCP), 13 s of wall for 8 ranks on
+2 idle cores, more than a small case's training.
 ``jobs_driver.py`` runs files with a ``main()`` one after another in one launch, each with its own
 command line: emitted programs, and the tests' own drivers (``pp_driver.py``, ``tp_driver.py``,
 ``cp_driver.py``, ``sp_driver.py``), whose ``runtime.init_distributed`` then returns the launch's
@@ -22,6 +23,8 @@ process group and whose ``runtime.shutdown`` waits for the last job.
     program_cases(make_plan)           prepare / finish for emitted programs run as the zoo runs them,
                                        judged by ``assert_trains_like_one_process`` (``zoo.run_and_judge``'s
                                        checks, one program at a time)
+    timing_lines()                     seconds per world size and module: prepare, jobs, finish (printed
+                                       at the end of the session; a test's duration holds its whole launch)
 
 Jobs that draw random numbers (``job(..., draws=True)``: programs run without ``--fixed-randomness``,
 drivers that do not fix it) run first in a launch: the first job that fixes randomness leaves it fixed
@@ -35,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +48,7 @@ from autoshard.launch import run_torchrun, write_program
 from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run
 
 DRIVER = Path(__file__).with_name("jobs_driver.py")
+JOB_SECONDS: dict[str, float] = {}  # job name -> seconds on rank 0, of every shared launch (``timing_lines``)
 ROOT = DRIVER.parents[2]
 MAX_LAUNCHES = 4  # per world size: the first, and again after each of up to 3 jobs that ended theirs
 
@@ -66,7 +72,10 @@ def run_jobs(jobs: dict[str, dict], ranks: int, folder: Path) -> dict[str, str]:
         listing = folder / f"launch-{ranks}-ranks-{launches}.json"
         listing.write_text(json.dumps([{"name": name, **jobs[name]} for name in left], indent=1))
         proc = run_torchrun(DRIVER, ranks, [str(listing)], quiet=True)
-        done = [set(_lines(listing.with_name(f"{listing.name}.done-rank{r}"))) for r in range(ranks)]
+        done = [dict(line.split("\t") for line in _lines(listing.with_name(f"{listing.name}.done-rank{r}")))
+                for r in range(ranks)]
+        for name, seconds in done[0].items():
+            JOB_SECONDS[name] = float(seconds)
         finished = [name for name in left if all(name in d for d in done)]
         failures |= dict.fromkeys(finished, "")
         if proc.returncode == 0 and len(finished) == len(left):
@@ -114,8 +123,12 @@ class SharedLaunches:
     """One launch per world size for the cases of every selected test module that has ``LAUNCHES``, made the
     first time a test asks for a case of that size (module doc)."""
 
+    made_here: list[SharedLaunches] = []  # every instance, for ``timing_lines``
+
     def __init__(self, items: list, folder: Path):
         self.folder, self.made = folder, {}
+        self.seconds: dict[tuple[int, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        SharedLaunches.made_here.append(self)
         self.modules: dict[str, Cases] = {}
         self.selected: dict[str, set[str] | None] = {}
         for item in items:
@@ -154,7 +167,9 @@ class SharedLaunches:
                          ((module, n) == asked if only else chosen is None or n in chosen or (module, n) == asked)]
                 if not names:
                     continue
+                start = time.monotonic()
                 out = attempt(lambda: cases.prepare(names, ranks, folder / module))
+                self.seconds[ranks, module]["prepare"] += time.monotonic() - start
                 for name in names:
                     case = out if isinstance(out, Exception) else out[name]
                     if isinstance(case, Exception):
@@ -163,11 +178,32 @@ class SharedLaunches:
                     prepared[module, name] = case
                     jobs |= {f"{module}/{name}/{i}": j for i, j in enumerate(case[0])}
             order = sorted(jobs, key=lambda key: not jobs[key]["draws"])  # stable: drawing jobs first
+            start = time.monotonic()
             failures = run_jobs({key: jobs[key] for key in order}, ranks, folder)
+            self.seconds[ranks, "(the launch, wall)"]["jobs"] += time.monotonic() - start
             for (module, name), (case_jobs, state) in prepared.items():
                 runs = [failures[f"{module}/{name}/{i}"] for i in range(len(case_jobs))]
+                self.seconds[ranks, module]["jobs"] += sum(JOB_SECONDS.get(f"{module}/{name}/{i}", 0.0)
+                                                           for i in range(len(case_jobs)))
+                start = time.monotonic()
                 made[module, name] = attempt(lambda: self.modules[module].finish(name, state, runs))
+                self.seconds[ranks, module]["finish"] += time.monotonic() - start
         return made
+
+
+def timing_lines() -> list[str]:
+    """Where the shared launches' time went, per world size and test module: preparing the cases (planning,
+    writing programs), their jobs (rank 0's seconds inside the launch), finishing them (one-process references,
+    judging); for the session's summary (tests/e2e/conftest.py)."""
+    rows = [(ranks, module, parts) for launches in SharedLaunches.made_here
+            for (ranks, module), parts in sorted(launches.seconds.items())]
+    if not rows:
+        return []
+    lines = ["shared torchrun launches (tests/e2e/one_launch.py), seconds:",
+             f"{'ranks':>5}  {'module':<34}{'prepare':>9}{'jobs':>9}{'finish':>9}"]
+    lines += [f"{ranks:>5}  {module:<34}{parts.get('prepare', 0):>9.1f}{parts.get('jobs', 0):>9.1f}"
+              f"{parts.get('finish', 0):>9.1f}" for ranks, module, parts in rows]
+    return lines
 
 
 @contextlib.contextmanager
