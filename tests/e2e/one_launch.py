@@ -25,6 +25,10 @@ process group and whose ``runtime.shutdown`` waits for the last job.
                                        checks, one program at a time)
     timing_lines()                     seconds per world size and module: prepare, jobs, finish (printed
                                        at the end of the session; a test's duration holds its whole launch)
+    once_per_arguments(train_reference)
+                                       the one-process reference runs with random ops fixed, each computed
+                                       once per session (tests/e2e/conftest.py): many cases train the same
+                                       model on the same batches for the same steps
 
 Jobs that draw random numbers (``job(..., draws=True)``: programs run without ``--fixed-randomness``,
 drivers that do not fix it) run first in a launch: the first job that fixes randomness leaves it fixed
@@ -36,11 +40,14 @@ run in a new launch.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import inspect
 import json
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -204,6 +211,30 @@ def timing_lines() -> list[str]:
     lines += [f"{ranks:>5}  {module:<34}{parts.get('prepare', 0):>9.1f}{parts.get('jobs', 0):>9.1f}"
               f"{parts.get('finish', 0):>9.1f}" for ranks, module, parts in rows]
     return lines
+
+
+def once_per_arguments(train_reference: Callable) -> Callable:
+    """``verify.train_reference`` that computes a run with every random op fixed once per distinct arguments (the
+    model file's path, contents, factory and sequence length, batch size, steps, seed, lr, dtype, micro-batches)
+    and hands each caller its own copy: such a run is a function of those (weights and data drawn from the seed,
+    no random op left, one thread). Runs that draw random numbers are computed each time."""
+    signature, made = inspect.signature(train_reference), {}
+
+    @functools.wraps(train_reference)
+    def once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if not arguments["fixed_randomness"]:
+            return train_reference(*args, **kwargs)
+        model_file = arguments.pop("model_file")
+        key = (str(model_file.path.resolve()), hashlib.sha256(model_file.path.read_bytes()).hexdigest(),
+               model_file.factory_name, model_file.seq_len, *(repr(v) for v in arguments.values()))
+        if key not in made:
+            made[key] = train_reference(*args, **kwargs)
+        run = made[key]
+        return replace(run, losses=list(run.losses), params={k: v.clone() for k, v in run.params.items()})
+    return once
 
 
 @contextlib.contextmanager
