@@ -148,7 +148,7 @@ def test_a_rank_records_its_model_files_and_the_launcher_names_the_model_line(mo
         faults.record_for_torchrun(exc)
         stack = traceback.format_exc()
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
-    assert failure.message["extraInfo"][faults.MODEL_FILES_KEY] == [str(model_path.resolve())]
+    assert str(model_path.resolve()) in failure.message["extraInfo"][faults.MODEL_FILES_KEY]  # (and any this process loaded before)
     block = crash_block({0: failure}).splitlines()
     assert block == ["rank 0 failed: RuntimeError (empty message)",
                      f"  at {model_path}:12 in forward: raise RuntimeError()"]
