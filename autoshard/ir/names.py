@@ -31,22 +31,27 @@ def block_of(module_path: str) -> str | None:
 # (feature dropout, attention, rrelu). ``runtime.randomness`` gives each a value every rank shares.
 RANDOM_OPS = frozenset({
     "bernoulli", "uniform", "rand", "rand_like", "normal", "normal_functional", "randn", "randn_like", "randint", "randint_like",
-    "random", "randperm", "multinomial", "exponential", "geometric", "cauchy", "log_normal", "poisson",
+    "random", "randperm", "multinomial", "exponential", "geometric", "cauchy", "log_normal", "poisson", "binomial",
     "_standard_gamma", "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
     "_fused_dropout", "rrelu", "rrelu_with_noise", "rrelu_with_noise_functional", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
     "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+    "_scaled_dot_product_attention_math",
     "_flash_attention_forward", "_flash_attention_forward_no_dropout_inplace", "_efficient_attention_forward",
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn",
+    "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention", "_fused_sdp_choice",
+    "_fill_mem_eff_dropout_mask", "_sample_dirichlet", "_nested_tensor_softmax_with_shape",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps", "_cudnn_init_dropout_state",
 })
 # Ops random only when an argument turns their randomness on: op_name -> that argument (its schema name).
 RANDOM_SWITCHES = {
     **dict.fromkeys(["dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"], "p"),
     **dict.fromkeys(["rrelu", "rrelu_with_noise", "rrelu_with_noise_functional"], "training"),
     **dict.fromkeys([op for op in RANDOM_OPS if "attention" in op], "dropout_p"),
-    **dict.fromkeys(["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn"], "dropout"),
+    **dict.fromkeys(["_fused_sdp_choice", "_fill_mem_eff_dropout_mask"], "dropout_p"),
+    **dict.fromkeys(["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps",
+                     "_cudnn_init_dropout_state"], "dropout"),
 }
 
 

@@ -12,7 +12,8 @@ with every random op fixed at one value, found by op, not by module or attribute
   autograd, inside every function that calls it, in traced pipeline stages and on DTensors alike) and
   returns its **expectation**: ``bernoulli(p)`` → p, ``rand`` → 0.5, ``uniform_(a, b)`` → (a + b) / 2,
   ``randn`` / ``normal_(μ, σ)`` → μ, ``exponential_(λ)`` → 1/λ, ``cauchy_`` → its median,
-  ``log_normal_(μ, σ)`` → exp(μ + σ²/2), ``poisson(r)`` → r, ``_standard_gamma(α)`` → α; where the result
+  ``log_normal_(μ, σ)`` → exp(μ + σ²/2), ``poisson(r)`` → r, ``binomial(n, p)`` → n·p, ``_standard_gamma(α)`` → α,
+  ``_sample_dirichlet(α)`` → α / Σα; where the result
   must be an integer, its nearest integer (``randint(a, b)`` → ⌊(a + b − 1)/2⌋, a bool ``bernoulli`` →
   p ≥ 1/2, ``geometric_(p)`` → round(1/p)); where it is an order, a fixed one (``randperm(n)`` → 0..n−1,
   ``multinomial`` → the most likely classes). Autograd is above this mode and sees the value as any
@@ -60,7 +61,9 @@ EXPECTED = {  # op -> the expectation of its result, from its arguments by schem
     "cauchy": lambda a: a.get("median", 0.0),
     "log_normal": lambda a: math.exp(a.get("mean", 1.0) + a.get("std", 2.0) ** 2 / 2),
     "poisson": lambda a: a["self"],
+    "binomial": lambda a: a["count"] * a["prob"],
     "_standard_gamma": lambda a: a["self"],
+    "_sample_dirichlet": lambda a: a["self"] / a["self"].sum(-1, keepdim=True),
 }
 ORDERS = {  # op -> a fixed result where the op returns indices
     "randperm": lambda a, out: torch.arange(out.numel(), dtype=out.dtype, device=out.device),
