@@ -1,4 +1,4 @@
-"""Load a model file: ``path/to/file.py:factory`` (the model-file contract in DESIGN.md).
+"""Load a model file: ``path/to/file.py:factory`` (the model-file contract in docs/design.md).
 
 A model file defines a factory returning an ``nn.Module`` (it must also work under
 ``with torch.device("meta")``), ``example_batch(batch_size) -> (inputs: tuple, targets)``
@@ -227,7 +227,7 @@ def load_model_file(spec: str, seq_len: int | None = None) -> ModelFile:
 
 
 def _check_takes_seq_len(path: Path, fn: Callable) -> None:
-    """--seq-len needs ``example_batch(batch_size, seq_len=...)`` (DESIGN.md's model file contract)."""
+    """--seq-len needs ``example_batch(batch_size, seq_len=...)`` (docs/design.md's model file contract)."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -1,8 +1,8 @@
 """Price the published Megatron-LM configurations through ``autoshard estimate`` and compare iteration times.
 
-    python benchmarks/bench_megatron.py              # SC21 Table 1: the 3 NUMBERS.md rows and 7 more
+    python benchmarks/bench_megatron.py              # SC21 Table 1: the 3 docs/reference-numbers.md rows and 7 more
     python benchmarks/bench_megatron.py --all        # and the 4 Korthikanti et al. 2022 rows
-    python benchmarks/bench_megatron.py --numbers    # the 3 NUMBERS.md rows only
+    python benchmarks/bench_megatron.py --numbers    # the 3 docs/reference-numbers.md rows only
 
 Every row is one command, printed with its result, run as a user runs it (a subprocess of the
 ``autoshard`` CLI; the capture cache makes a repeat a second or two)::
@@ -19,12 +19,12 @@ that), layers split evenly over the pp·v stages (``--stage-cuts even``), DDP wi
 ``cost.tables.Runtime.named``). The model is ``benchmarks/megatron_gpt.py`` (captured on meta at the
 published shape). Nothing is fitted per row; nothing here calls the cost model but the CLI.
 
-Published iteration time: SC21 rows report TFLOP/s per GPU counted with NUMBERS.md's
+Published iteration time: SC21 rows report TFLOP/s per GPU counted with docs/reference-numbers.md's
 F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), so t = F / (GPUs · TFLOP/s); Korthikanti et al. 2022
 report seconds per iteration directly.
 
 Sources of the rows:
-    numbers  /work/shared/reference/NUMBERS.md (Narayanan et al. SC21, Table 1): 1.7B, 18.4B, 145.6B
+    numbers  docs/reference-numbers.md (Narayanan et al. SC21, Table 1): 1.7B, 18.4B, 145.6B
     sc21     the other rows of SC21 Table 1 (TFLOP/s per GPU as the paper prints them); the
              configurations of all SC21 rows from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh
     k22      Korthikanti et al. 2022 (arXiv 2205.05198), full-recompute iteration times, as quoted
@@ -78,7 +78,7 @@ class Row:
 
     @property
     def flops(self) -> float:
-        """F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (NUMBERS.md; full recompute counted)."""
+        """F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (docs/reference-numbers.md; full recompute counted)."""
         b, l, h = self.global_batch, self.layers, self.hidden
         return 96 * b * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
 

@@ -1,4 +1,4 @@
-"""Alpha-beta collective costs against the NUMBERS.md worked examples, and their properties."""
+"""Alpha-beta collective costs against the docs/reference-numbers.md worked examples, and their properties."""
 
 import pytest
 from hypothesis import given

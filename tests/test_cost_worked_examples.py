@@ -1,4 +1,4 @@
-"""The worked examples and published figures of /work/shared/reference/NUMBERS.md, computed
+"""The worked examples and published figures of docs/reference-numbers.md, computed
 with autoshard's own cost functions (ring all-reduce traffic and times, ZeRO memory per stage,
 pipeline bubbles, and the activation figures the memory model uses).
 
@@ -42,7 +42,7 @@ A100 = PRESETS["dgx-a100-80gb"]
 
 
 def busbw_gbps(size_bytes: float, ranks: int, seconds: float) -> float:
-    """nccl-tests' bus bandwidth of an all-reduce: algbw · 2(n−1)/n (NUMBERS.md, Hardware)."""
+    """nccl-tests' bus bandwidth of an all-reduce: algbw · 2(n−1)/n (docs/reference-numbers.md, Hardware)."""
     return size_bytes / seconds * 2 * (ranks - 1) / ranks / 1e9
 
 
@@ -50,7 +50,7 @@ def busbw_gbps(size_bytes: float, ranks: int, seconds: float) -> float:
 
 
 def test_busbw_of_the_64mib_worked_example_is_the_link_bandwidth():
-    """NUMBERS.md, Formulas / Ring all-reduce and Hardware ("busbw = algbw · 2(n−1)/n"): 64 MiB over
+    """docs/reference-numbers.md, Formulas / Ring all-reduce and Hardware ("busbw = algbw · 2(n−1)/n"): 64 MiB over
     8 ranks at 900 GB/s takes ≈ 0.13 ms, and with α = 0 its bus bandwidth is the link's 900 GB/s,
     which is why comm.py's B is comparable to a measured busbw."""
     link = LinkSpec(900.0, 0.0, "NUMBERS.md worked example")
@@ -61,7 +61,7 @@ def test_busbw_of_the_64mib_worked_example_is_the_link_bandwidth():
 
 
 def test_2gb_is_1b_bf16_params():
-    """NUMBERS.md, Formulas / Ring all-reduce: "2 GB (1B params, bf16) at 900 GB/s ≈ 3.9 ms; at
+    """docs/reference-numbers.md, Formulas / Ring all-reduce: "2 GB (1B params, bf16) at 900 GB/s ≈ 3.9 ms; at
     50 GB/s ≈ 70 ms" — the gradient bytes of 1B parameters in autoshard's bf16 precision."""
     grads = model_state_bytes(10**9, 0, 8, MEGATRON_MIXED)[1]
     assert grads == 2e9
@@ -73,7 +73,7 @@ def test_2gb_is_1b_bf16_params():
     (1 * MiB, 72.0), (128 * MiB, 411.0), (1 * GiB, 464.0), (16 * GiB, 481.0),
 ])
 def test_nccl_tests_8xh200_busbw_on_the_nvlink4_preset(size_bytes, measured_gbps):
-    """NUMBERS.md, Hardware: nccl-tests all-reduce on 8×H200 in one node (NVLink 4, as the dgx-h100
+    """docs/reference-numbers.md, Hardware: nccl-tests all-reduce on 8×H200 in one node (NVLink 4, as the dgx-h100
     preset's intra-node link): busbw 1 MiB 72, 128 MiB 411, 1 GiB 464, 16 GiB 481 GB/s; the model
     is within 20 % (1 MiB +15 %, the large sizes within 7 %)."""
     t = comm.allreduce_s(size_bytes, 8, H100.intra_node)
@@ -83,13 +83,13 @@ def test_nccl_tests_8xh200_busbw_on_the_nvlink4_preset(size_bytes, measured_gbps
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="alpha-beta gap: at 16 MiB the model's busbw is 353 GB/s against the "
                    "measured 242 (+46 %); NCCL's protocol and channel ramp-up is not in α + S/B")
 def test_nccl_tests_8xh200_busbw_16mib():
-    """NUMBERS.md, Hardware: 8×H200 all-reduce busbw at 16 MiB is 242 GB/s."""
+    """docs/reference-numbers.md, Hardware: 8×H200 all-reduce busbw at 16 MiB is 242 GB/s."""
     t = comm.allreduce_s(16 * MiB, 8, H100.intra_node)
     assert busbw_gbps(16 * MiB, 8, t) == pytest.approx(242.0, rel=0.2)
 
 
 def test_nccl_8xa100_large_message_busbw():
-    """NUMBERS.md, Hardware: NCCL all-reduce on 8×A100 in one node ≈ 235 GB/s busbw for large messages
+    """docs/reference-numbers.md, Hardware: NCCL all-reduce on 8×A100 in one node ≈ 235 GB/s busbw for large messages
     (the dgx-a100-80gb preset's NVLink 3 link is that measured busbw, not the 300 GB/s spec)."""
     t = comm.allreduce_s(1 * GiB, 8, A100.intra_node)
     assert busbw_gbps(1 * GiB, 8, t) == pytest.approx(235.0, rel=0.2)
@@ -101,7 +101,7 @@ def a100_dp32_allreduce_s(size_bytes: float) -> float:
 
 
 def test_nccl_tests_32_a100_8_byte_latency_as_the_planner_prices_it():
-    """NUMBERS.md, Hardware: all-reduce of 8 B over 32 A100 ranks on HDR IB takes 55-58 µs; the
+    """docs/reference-numbers.md, Hardware: all-reduce of 8 B over 32 A100 ranks on HDR IB takes 55-58 µs; the
     planner's DP collective (``dp_comm.dp_collective_s`` on dgx-a100-80gb × 4 nodes) says ≈ 60 µs."""
     assert a100_dp32_allreduce_s(8) == pytest.approx(56.5e-6, rel=0.1)
 
@@ -110,12 +110,12 @@ def test_nccl_tests_32_a100_8_byte_latency_as_the_planner_prices_it():
                    "nodes, 82 µs for 1 MiB against the measured 143 µs (−43 %; the flat fit gives 141 µs); "
                    "cost/dp_comm.py's choice or the latency terms would need to change")
 def test_nccl_tests_32_a100_1mib_as_the_planner_prices_it():
-    """NUMBERS.md, Hardware: all-reduce of 1 MiB over 32 A100 ranks on HDR IB takes 143 µs."""
+    """docs/reference-numbers.md, Hardware: all-reduce of 1 MiB over 32 A100 ranks on HDR IB takes 143 µs."""
     assert a100_dp32_allreduce_s(MiB) == pytest.approx(143e-6, rel=0.2)
 
 
 def test_nccl_tests_32_a100_8gib_busbw_as_the_planner_prices_it():
-    """NUMBERS.md, Hardware: all-reduce of 8 GiB over 32 A100 ranks on HDR IB: busbw 116 GB/s; the
+    """docs/reference-numbers.md, Hardware: all-reduce of 8 GiB over 32 A100 ranks on HDR IB: busbw 116 GB/s; the
     planner's two-level form (NVLink 3 at its measured 235 GB/s busbw) gives ≈ 130 (+12 %)."""
     assert busbw_gbps(8 * GiB, 32, a100_dp32_allreduce_s(8 * GiB)) == pytest.approx(116.0, rel=0.2)
 
@@ -124,7 +124,7 @@ def test_nccl_tests_32_a100_8gib_busbw_as_the_planner_prices_it():
                    "against the measured 99 (+27 %); the flat ring on the 25 GB/s NIC share gives 25, far below: "
                    "neither form matches NCCL's multi-channel rings over 8 NICs at mid sizes")
 def test_nccl_tests_32_a100_128mib_busbw_as_the_planner_prices_it():
-    """NUMBERS.md, Hardware: all-reduce of 128 MiB over 32 A100 ranks on HDR IB: busbw 99 GB/s."""
+    """docs/reference-numbers.md, Hardware: all-reduce of 128 MiB over 32 A100 ranks on HDR IB: busbw 99 GB/s."""
     assert busbw_gbps(128 * MiB, 32, a100_dp32_allreduce_s(128 * MiB)) == pytest.approx(99.0, rel=0.2)
 
 
@@ -137,7 +137,7 @@ def state_gb(params: float, stage: int, dp: int, precision=MEGATRON_MIXED) -> fl
 
 @pytest.mark.parametrize("params, dp", [(7.5e9, 64), (12e9, 8), (1e9, 16), (175e9, 1024), (3e9, 1)])
 def test_zero_formulas_every_stage(params, dp):
-    """NUMBERS.md, Formulas / Model state per rank (K = 12): DP 16Ψ; ZeRO-1 4Ψ + 12Ψ/N_d;
+    """docs/reference-numbers.md, Formulas / Model state per rank (K = 12): DP 16Ψ; ZeRO-1 4Ψ + 12Ψ/N_d;
     ZeRO-2 2Ψ + 14Ψ/N_d; ZeRO-3 16Ψ/N_d."""
     psi = params / GB
     assert state_gb(params, 0, dp) == pytest.approx(16 * psi)
@@ -147,13 +147,13 @@ def test_zero_formulas_every_stage(params, dp):
 
 
 def test_zero_paper_7_5b_on_64_ranks_every_stage():
-    """NUMBERS.md, Formulas / Model state per rank, the 7.5B, N_d = 64 example (ZeRO paper, Figure 1):
+    """docs/reference-numbers.md, Formulas / Model state per rank, the 7.5B, N_d = 64 example (ZeRO paper, Figure 1):
     DP 120 GB, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB."""
     assert [round(state_gb(7.5e9, stage, 64), 1) for stage in range(4)] == [120.0, 31.4, 16.6, 1.9]
 
 
 def test_12b_on_8_ranks_zero1_and_zero2():
-    """NUMBERS.md, Formulas / Model state per rank, the 12B, N_d = 8 example between its two given
+    """docs/reference-numbers.md, Formulas / Model state per rank, the 12B, N_d = 8 example between its two given
     ends (DP 192 GB, ZeRO-3 24 GB): ZeRO-1 48 + 18 = 66 GB, ZeRO-2 24 + 21 = 45 GB."""
     assert state_gb(12e9, 1, 8) == pytest.approx(66.0)
     assert state_gb(12e9, 2, 8) == pytest.approx(45.0)
@@ -161,7 +161,7 @@ def test_12b_on_8_ranks_zero1_and_zero2():
 
 @pytest.mark.parametrize("precision", [FP32, BF16_AUTOCAST, MEGATRON_MIXED])
 def test_every_precision_keeps_16_bytes_per_param(precision):
-    """NUMBERS.md, Formulas / Model state per rank (16Ψ for DP, 16Ψ/N_d for ZeRO-3), in all three of
+    """docs/reference-numbers.md, Formulas / Model state per rank (16Ψ for DP, 16Ψ/N_d for ZeRO-3), in all three of
     autoshard's precisions (memory.py: the emitted programs' (4, 4, 8) is the same 16Ψ split differently)."""
     assert state_gb(12e9, 0, 8, precision) == pytest.approx(192.0)
     assert state_gb(12e9, 3, 8, precision) == pytest.approx(24.0)
@@ -173,7 +173,7 @@ def mlp_graph():
 
 
 def test_zero3_communicates_1_5x_dp(mlp_graph):
-    """NUMBERS.md, Formulas / Model state per rank: "ZeRO-3 communication is 1.5× DP's (3Ψ vs 2Ψ)",
+    """docs/reference-numbers.md, Formulas / Model state per rank: "ZeRO-3 communication is 1.5× DP's (3Ψ vs 2Ψ)",
     from ``dp_comm.dp_comm_time`` in Megatron's bf16 precision on a latency-free node; ZeRO-2 moves the
     same 2Ψ as DP (reduce-scatter + all-gather)."""
     link = LinkSpec(900.0, 0.0, "t")
@@ -201,7 +201,7 @@ def gpt_graph():
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_tp_activation_fraction_is_korthikanti_without_the_attention_matrix(t):
-    """NUMBERS.md, Formulas / Activation memory per transformer layer: TP keeps sbh(10 + 24/t) of the
+    """docs/reference-numbers.md, Formulas / Activation memory per transformer layer: TP keeps sbh(10 + 24/t) of the
     unparallelised sbh·34 (the 5as/h score term is absent: SDPA keeps no s×s matrix)."""
     s, b, h = 2048, 1, 12288
     assert tp_activation_fraction(t) == pytest.approx(s * b * h * (10 + 24 / t) / (s * b * h * 34))
@@ -209,7 +209,7 @@ def test_tp_activation_fraction_is_korthikanti_without_the_attention_matrix(t):
 
 @pytest.mark.parametrize("b", [1, 2, 8])
 def test_full_recompute_keeps_2sbh_per_layer_and_the_boundary_is_bsh2(gpt_graph, b):
-    """NUMBERS.md, Formulas: full recompute keeps 2sbh per layer (its input, 16-bit), and a pipeline
+    """docs/reference-numbers.md, Formulas: full recompute keeps 2sbh per layer (its input, 16-bit), and a pipeline
     boundary sends b·s·h·2 bytes (bf16) per micro-batch each way (``units.unit_costs``)."""
     units = unit_costs(gpt_graph, b, "full", H100.device, activation_elem_bytes=2)
     assert units.blocks == GPT_LAYERS
@@ -219,7 +219,7 @@ def test_full_recompute_keeps_2sbh_per_layer_and_the_boundary_is_bsh2(gpt_graph,
 
 @pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (8, 2), (8, 4)])
 def test_first_stage_holds_p_microbatches_more_when_interleaved(p, v):
-    """NUMBERS.md, Formulas / Activation memory: the first pipeline stage holds p micro-batches in
+    """docs/reference-numbers.md, Formulas / Activation memory: the first pipeline stage holds p micro-batches in
     1F1B, × (1 + (p−1)/(p·v)) with interleaving (``rank_memory.in_flight``, m large)."""
     assert in_flight("1f1b", 64, p, 1, 0) == p
     assert in_flight("interleaved-1f1b", 64, p, v, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
@@ -235,9 +235,9 @@ def idle_over_busy(grid) -> float:
 
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)])
 def test_megatron_145b_row_bubble(schedule, v):
-    """NUMBERS.md, Pipeline bubble, on Published configurations row 145.6B (PP 8, 1536 GPUs, TP 8 → DP 24,
-    global batch 2304, micro-batch 2 → m = 48): the simulated grid's overhead is (p−1)/m = 7/48 for
-    GPipe / 1F1B and (p−1)/(v·m) interleaved; its idle share (p−1)/(v·m + p−1)."""
+    """docs/reference-numbers.md, Pipeline bubble, on Published configurations row 145.6B (PP 8, 1536 GPUs,
+    TP 8 → DP 24, global batch 2304, micro-batch 2 → m = 48): the simulated grid's overhead is (p−1)/m = 7/48
+    for GPipe / 1F1B and (p−1)/(v·m) interleaved; its idle share (p−1)/(v·m + p−1)."""
     p, m = 8, 2304 // (1536 // (8 * 8) * 2)
     assert m == 48
     grid = simulate(rank_orders(schedule, p, m, v), p * v)
@@ -247,7 +247,7 @@ def test_megatron_145b_row_bubble(schedule, v):
 
 @pytest.mark.parametrize("p, m", [(2, 1), (4, 4), (4, 8), (8, 3)])
 def test_forward_only_utilization(p, m):
-    """NUMBERS.md, Pipeline bubble: forward-only utilization m/(m + p − 1) — the forward half of the
+    """docs/reference-numbers.md, Pipeline bubble: forward-only utilization m/(m + p − 1) — the forward half of the
     simulated GPipe grid (all forwards, then all backwards) ends after m + p − 1 slots."""
     grid = simulate(rank_orders("gpipe", p, m), p)
     forward_slots = 1 + max(t for row in grid for t, a in enumerate(row) if a is not None and a.kind == "F")
@@ -262,7 +262,7 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
     """The priced pipeline (``step.price``, pp = 2 on the 4-block MLP, unequal ranks: the second
     also receives the boundary) against the schedule run with each rank's priced time per
     micro-batch (backward twice forward; ``schedule.makespan_s``): GPipe exactly; 1F1B never
-    below it and within 25 %; interleaved between NUMBERS.md's m + (p−1)/v slots at the mean
+    below it and within 25 %; interleaved between docs/reference-numbers.md's m + (p−1)/v slots at the mean
     rank's pace (the search's lower bound) and at the slowest rank's."""
     p = 2
     cluster = load_cluster("local-cpu", devices_per_node=p)
@@ -288,7 +288,7 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
 def test_fill_and_drain_bubble_bounds_timed_schedules(schedule, p, m):
     """``cost.pipeline_step``'s m·T_max + (Σ_r T_r − T_max) against the timed schedule over random unequal
     stage times (up to 3× apart): exact for GPipe, never below 1F1B and within 25 % of it, where
-    NUMBERS.md's (m + p − 1)·T_max overestimates by up to 77 %."""
+    docs/reference-numbers.md's (m + p − 1)·T_max overestimates by up to 77 %."""
     rng = random.Random(p * 100 + m)
     for _ in range(50):
         times = [rng.uniform(1.0, 3.0) for _ in range(p)]

@@ -3,7 +3,7 @@
 Rows and their commands are ``benchmarks/bench_megatron.py``'s (one source for the benchmark and
 this test): each row is priced by ``autoshard estimate ... --runtime megatron-lm --json``, run here
 in-process through the CLI's ``main`` (the benchmark runs the same arguments as a subprocess). The
-tolerance is NUMBERS.md's: ±15 % of the published iteration time, nothing fitted per row. Then the
+tolerance is docs/reference-numbers.md's: ±15 % of the published iteration time, nothing fitted per row. Then the
 mechanisms those predictions rest on.
 """
 
@@ -24,7 +24,7 @@ from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.pipeline import capture_graph
 from benchmarks.bench_megatron import NUMBERS_ROWS, ROWS, error
 
-TOLERANCE = 0.15  # NUMBERS.md: "within ±15% without a constant fitted per row"
+TOLERANCE = 0.15  # docs/reference-numbers.md: "within ±15% without a constant fitted per row"
 HELD_OUT = next(r for r in ROWS if r.name == "22B" and r.source == "k22")  # Korthikanti et al. 2022, 1.42 s
 A100 = PRESETS["dgx-a100-80gb"]
 MEGATRON_LM = Runtime.named("megatron-lm", A100)
@@ -44,7 +44,7 @@ def estimated(in_repo_module):
 
 @pytest.mark.parametrize("row", NUMBERS_ROWS, ids=lambda r: r.name)
 def test_numbers_md_rows_within_15_percent(estimated, row):
-    """NUMBERS.md, Published configurations: 1.7B (dp 32), 18.4B (tp 8 × dp 32), 145.6B (tp 8 × pp 8
+    """docs/reference-numbers.md, Published configurations: 1.7B (dp 32), 18.4B (tp 8 × dp 32), 145.6B (tp 8 × pp 8
     interleaved, v = 2, even cuts × dp 24); t = F / (GPUs · TFLOP/s)."""
     plan = estimated[row.name]
     assert abs(error(row, plan)) <= TOLERANCE, f"{row.name}: {plan['predicted']['step_time_s']:.2f} s vs " \

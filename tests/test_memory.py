@@ -1,4 +1,4 @@
-"""ZeRO model-state memory: the worked examples in NUMBERS.md and monotonicity."""
+"""ZeRO model-state memory: the worked examples in docs/reference-numbers.md and monotonicity."""
 
 import pytest
 from hypothesis import given, strategies as st

@@ -1,5 +1,5 @@
 """Safe loading: a plan is JSON only and never executes code; a model file runs only when the
-user names it; checkpoints load weights only (DESIGN.md, the bad-input corpus's companion)."""
+user names it; checkpoints load weights only (docs/design.md, the bad-input corpus's companion)."""
 
 from __future__ import annotations
 

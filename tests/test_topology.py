@@ -40,7 +40,8 @@ def test_h100_preset_figures():
     c = load_cluster("dgx-h100", nodes=4)
     assert (c.world_size, c.backend, c.device.peak_tflops) == (32, "nccl", 989.0)
     assert (c.intra_node.bandwidth_gbps, c.inter_node.bandwidth_gbps) == (450.0, 50.0)
-    assert load_cluster("dgx-a100-80gb").intra_node.bandwidth_gbps == 235.0  # measured NCCL busbw (NUMBERS.md)
+    # measured NCCL busbw (docs/reference-numbers.md)
+    assert load_cluster("dgx-a100-80gb").intra_node.bandwidth_gbps == 235.0
 
 
 def test_local_cpu_memory_is_a_share_of_the_host():

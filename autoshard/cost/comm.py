@@ -3,7 +3,7 @@
 A message of S bytes over a link of latency α (``latency_us``) and per-direction bandwidth
 B (``bandwidth_gbps``, GB/s) takes α + S/B. A link calibrated per collective
 (``LinkSpec.collectives``) gives each collective its own α and B (``LinkSpec.for_collective``).
-For p ranks (NUMBERS.md, "Formulas"):
+For p ranks (docs/reference-numbers.md, "Formulas"):
 
     ring all-reduce     2(p−1)·α       + 2(p−1)/p · S/B      ``ring_allreduce_s``
     tree all-reduce     2⌈log2 p⌉·α    + 2(p−1)/p · S/B      ``tree_allreduce_s``
@@ -19,10 +19,10 @@ the all-gather output. A rank of a ring all-reduce sends (and receives) 2(p−1)
 so B here is comparable to a measured busbw. Send and receive overlap on full-duplex links,
 hence B is per direction. One rank communicates nothing: p = 1 costs 0.
 
-Worked (NUMBERS.md, α = 0): 64 MiB over 8 ranks → 112 MiB per rank, ≈ 0.13 ms at 900 GB/s
+Worked (docs/reference-numbers.md, α = 0): 64 MiB over 8 ranks → 112 MiB per rank, ≈ 0.13 ms at 900 GB/s
 and ≈ 2.35 ms at 50 GB/s; a 25 MiB bucket ≈ 0.051 ms / ≈ 0.92 ms; 2 GB ≈ 3.9 ms / ≈ 70 ms.
 
-Hierarchical all-reduce over n nodes of g ranks (NUMBERS.md; ``hierarchical_allreduce_s``):
+Hierarchical all-reduce over n nodes of g ranks (docs/reference-numbers.md; ``hierarchical_allreduce_s``):
 reduce-scatter inside each node, all-reduce of the S/g shard across nodes (the g shards go
 in g concurrent groups, one per device, each on its device's NIC share), all-gather inside:
 

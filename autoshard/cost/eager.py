@@ -28,7 +28,7 @@ M×N; backward the input gradient (M×K) and the weight gradient (N×K): ``matmu
 From PyTorch's own ``maximum`` (fp16, binary) on one H200 (tile-ai/TileOPs#512, PyTorch 2.9.1, CUDA
 12.8): 25.2 MB in 13.8 µs (1.83 TB/s), 62.9 MB in 22.5 µs (2.79 TB/s), 125.8 MB in 37.3 µs (3.37 TB/s):
 the line t = 7.9 µs + bytes / 4.27 TB/s passes through all three (within 0.1 µs). 4.27 TB/s is 0.89
-of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s, NUMBERS.md, the
+of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s, docs/reference-numbers.md, the
 preset's W), so W is the asymptote and T_KERNEL = 7.9 µs the fixed time of one kernel as timed.
 Timed with CUDA events, that includes the GPU's launch latency (meta-pytorch/tritonbench#50), which
 back-to-back kernels partly overlap: T_KERNEL is an upper bound on a kernel's fixed device time. With

@@ -4,7 +4,7 @@
 (``PRESETS``) or a path to a YAML file; ``nodes`` / ``devices_per_node`` (the CLI's
 ``--nodes`` / ``--devices-per-node``) override the preset or file. All ``*_gbps`` are GB/s.
 
-Presets (figures from /work/shared/reference/NUMBERS.md, each marked in ``source``):
+Presets (figures from docs/reference-numbers.md, each marked in ``source``):
 
     dgx-a100-80gb  A100 SXM 80GB: 312 TFLOP/s bf16, 1.83 TB/s achieved (2.04 TB/s datasheet),
                    80 GiB; NVLink 3 at the measured all-reduce busbw 235 GB/s, 3 µs; HDR IB
@@ -16,10 +16,10 @@ Presets (figures from /work/shared/reference/NUMBERS.md, each marked in ``source
 
 Device figures are what kernels achieve, as ``autoshard calibrate`` measures them: matmul
 efficiency from a large bf16 matmul, memory bandwidth from a device-to-device copy (read +
-write bytes over time). Where only H100 was measured (NUMBERS.md: 790-800 of 989 TFLOP/s;
+write bytes over time). Where only H100 was measured (docs/reference-numbers.md: 790-800 of 989 TFLOP/s;
 3.0 of 3.35 TB/s), the A100 preset takes the same ratios of its datasheet figures.
 
-Latencies are fitted to nccl-tests small messages (NUMBERS.md) with the tree all-reduce of
+Latencies are fitted to nccl-tests small messages (docs/reference-numbers.md) with the tree all-reduce of
 ``autoshard.cost.comm`` (2⌈log2 p⌉·α): 32 KiB over 8×H200 in one node ≈ 18 µs → α ≈ 3 µs;
 8 B over 32 A100 ranks on HDR IB ≈ 55-58 µs → α ≈ 5.7 µs, rounded to 6 (which also gives
 1 MiB ≈ 141 µs against the measured 143 µs).

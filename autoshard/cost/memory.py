@@ -9,7 +9,7 @@ p, g, o bytes per parameter of weights, gradients and optimizer state)::
     stage 3         p·Ψ/N_d  + g·Ψ/N_d  + o·Ψ/N_d
 
 With Megatron's mixed precision (p, g, o) = (2, 2, 12): 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d,
-16Ψ/N_d, as in NUMBERS.md. The emitted programs keep fp32 weights and use bf16 autocast
+16Ψ/N_d, as in docs/reference-numbers.md. The emitted programs keep fp32 weights and use bf16 autocast
 on GPUs, so their (p, g, o) is (4, 4, 8): the same 16Ψ, split differently.
 
 Activations of one micro-batch of b samples, per block, from the captured graph (captured at
@@ -23,7 +23,7 @@ plus, under recompute, the workspace of one block while it is recomputed in back
 the recomputed forward regenerates (``block_workspace_bytes``), all of A_block under full
 recompute, A_block less the matmul-class outputs under selective (those are kept, already
 counted in A_saved, and reused by the recomputation, not made again).
-Korthikanti et al.'s per-layer formulas (NUMBERS.md) are a check on these figures.
+Korthikanti et al.'s per-layer formulas (docs/reference-numbers.md) are a check on these figures.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ With pp > 1 (``pipeline_parts``), stage s holds a run of units
 (``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
 micro-batch, rank r spends T_r = C_r + P_r + X_r: C_r the compute of its stages, X_r their TP
 collectives, P_r two transfers (activation forward, gradient backward) of the boundary
-activation entering each of its stages but the first (NUMBERS.md: b·s·h·bytes each way;
+activation entering each of its stages but the first (docs/reference-numbers.md: b·s·h·bytes each way;
 ``boundary_transfer_s``)::
 
     step_time    = m · T_max + (Σ_r T_r − T_max)/v + grad_accumulation + optimizer + DP_exposed
@@ -15,7 +15,7 @@ activation entering each of its stages but the first (NUMBERS.md: b·s·h·bytes
 
 The bubble is the fill and the drain: the first micro-batch's forward and the last one's
 backward pass through every other rank once (1/v of its work per chunk), while the slowest
-rank's m slots set the steady state. With equal ranks it is NUMBERS.md's (p−1)/v · T; with
+rank's m slots set the steady state. With equal ranks it is docs/reference-numbers.md's (p−1)/v · T; with
 unequal ones (the embedding and the head make the end stages heavier) (p−1)/v · T_max would
 charge every fill slot at the slowest rank's pace. The pipelined part m·T_max + bubble is at
 least (m + (p−1)/v) · mean_r T_r, as the search's lower bound assumes: it is

@@ -5,7 +5,7 @@ object (which needs stages and process groups), so the orders are restated here,
 way, and run on a unit-time simulator: each slot, each rank runs its next action if its
 inputs are ready (F of micro-batch i on stage s after F on stage s−1; B on stage s after B on
 stage s+1, and after its own F), else idles. With F and B one slot each, the idle fraction
-of the grid is the bubble (p − 1)/(v·m + p − 1) of NUMBERS.md's (p − 1)/(v·m) overhead.
+of the grid is the bubble (p − 1)/(v·m + p − 1) of docs/reference-numbers.md's (p − 1)/(v·m) overhead.
 
     GPipe        all forwards, then all backwards
     1F1B         p − r − 1 warm-up forwards on rank r, then one forward one backward, then the rest

@@ -542,7 +542,7 @@ def _copied(value: Any) -> Any:
 
 
 def _ordered(obj: Any) -> Any:
-    """Dataclasses to dicts in field order (DESIGN.md's key order), tuples to lists."""
+    """Dataclasses to dicts in field order (docs/design.md's key order), tuples to lists."""
     if hasattr(obj, "__dataclass_fields__"):
         unless = getattr(obj, "WRITTEN_UNLESS", {})
         return {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)

@@ -1,7 +1,7 @@
 """Small causal transformers that each mix tokens along the sequence one way besides attention, for the CP
 proof (passes/cp_proof): a cp rank running their code on its s/cp tokens would compute something else.
 
-Factories (model-file contract, DESIGN.md), each 2 blocks of width 32 with 4 heads over 16 tokens:
+Factories (model-file contract, docs/design.md), each 2 blocks of width 32 with 4 heads over 16 tokens:
 
     build                 the plain model: embeddings, causal attention, per-token MLP and head (proven)
     build_mean_pool       the head reads the mean over the sequence (a sequence classifier)

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``BertForMaskedLM`` fed padded batches: 2 layers, hidden 64, 4 heads, vocab 256.
 
-Model-file contract (DESIGN.md): ``build()`` (dropout 0, so parallel runs match one process),
+Model-file contract (docs/design.md): ``build()`` (dropout 0, so parallel runs match one process),
 ``build_with_dropout()`` (BERT's default 0.1, for runs that must only not crash),
 ``example_batch(batch_size)`` and ``loss_fn``. The inputs are ``(input_ids, attention_mask)``
 with rows padded after 32, 28, 24 or 20 tokens, so BERT expands the mask into a 4-D attention mask

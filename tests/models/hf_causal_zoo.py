@@ -17,7 +17,7 @@ the exported graph). No download: the configs are written here.
     build_jamba     JambaForCausalLM      hybrid: Mamba layers and attention layers (every other one),
                                           mixture of 4 experts (top-2) every other layer; 4 layers
 
-Model-file contract (DESIGN.md): ``example_batch`` gives examples/gpt.py's synthetic tokens,
+Model-file contract (docs/design.md): ``example_batch`` gives examples/gpt.py's synthetic tokens,
 ``loss_fn`` cross-entropy on ``outputs.logits``.
 """
 

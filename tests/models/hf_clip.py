@@ -6,7 +6,7 @@ CLIP's: cross-entropy over the B x B image-text similarities of the batch, both 
 samples of a batch. ``forward(input_ids, pixel_values)`` declares the text first; CLIPModel runs its
 vision tower first. No download: the config is written here.
 
-Model-file contract (DESIGN.md): ``example_batch`` gives pairs of captions and images, each pair drawn
+Model-file contract (docs/design.md): ``example_batch`` gives pairs of captions and images, each pair drawn
 from one of 4 classes (a fixed token pattern and a fixed image, seen through noise); ``loss_fn`` the
 symmetric contrastive loss on ``logits_per_image``.
 """

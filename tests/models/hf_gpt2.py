@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``GPT2LMHeadModel``: 2 layers, n_embd 64, 4 heads, vocab 256.
 
-Model-file contract (DESIGN.md): ``build()`` (works under ``torch.device("meta")``),
+Model-file contract (docs/design.md): ``build()`` (works under ``torch.device("meta")``),
 ``example_batch(batch_size)`` with examples/gpt.py's synthetic tokens, ``loss_fn`` on
 ``outputs.logits``. GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``.
 

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``LlamaForCausalLM`` (GQA: 4 query heads, 2 key/value heads).
 
-Model-file contract (DESIGN.md): ``build()`` (works under ``torch.device("meta")``; its
+Model-file contract (docs/design.md): ``build()`` (works under ``torch.device("meta")``; its
 weights depend only on torch's seed), ``example_batch(batch_size)`` with examples/gpt.py's
 synthetic arithmetic-progression tokens, and ``loss_fn`` on ``outputs.logits``.
 

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``MambaForCausalLM``: 2 layers, width 32, inner width 64, state 4, vocab 64.
 
-Model-file contract (DESIGN.md): ``build()``, ``example_batch(batch_size)`` (examples/gpt.py's synthetic tokens)
+Model-file contract (docs/design.md): ``build()``, ``example_batch(batch_size)`` (examples/gpt.py's synthetic tokens)
 and ``loss_fn``. Mamba's mixer hands ``self.x_proj.weight``, ``self.dt_proj.weight`` and
 ``self.out_proj.weight`` to ``mamba_inner_fn``, which returns None without its CUDA kernel, so the TP proof
 meets reads of sharded modules' weights that compute nothing. No download: the config is written here.

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``MixtralForCausalLM``: 2 layers, hidden 64, 4 experts, top-2 routing.
 
-Model-file contract (DESIGN.md): ``build()`` (works under ``torch.device("meta")``; its
+Model-file contract (docs/design.md): ``build()`` (works under ``torch.device("meta")``; its
 weights depend only on torch's seed), ``example_batch(batch_size)`` with examples/gpt.py's
 synthetic tokens, and ``loss_fn`` on ``outputs.logits``. The experts run with transformers'
 default experts implementation (``grouped_mm`` where torch has it), routing each token to

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``OlmoeForCausalLM``: 2 layers, hidden 64, 4 experts top-2, QK-norm.
 
-Model-file contract (DESIGN.md): ``build()`` (works under ``torch.device("meta")``),
+Model-file contract (docs/design.md): ``build()`` (works under ``torch.device("meta")``),
 ``example_batch(batch_size)`` with examples/gpt.py's synthetic tokens, ``loss_fn`` on
 ``outputs.logits``. The experts use transformers' default experts implementation
 (``grouped_mm`` where torch has it).

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``Qwen2MoeForCausalLM``: 2 layers, hidden 64, 4 experts top-2 plus a gated shared expert.
 
-Model-file contract (DESIGN.md): ``build()`` (works under ``torch.device("meta")``),
+Model-file contract (docs/design.md): ``build()`` (works under ``torch.device("meta")``),
 ``example_batch(batch_size)`` with examples/gpt.py's synthetic tokens, ``loss_fn`` on
 ``outputs.logits``. The routed experts use transformers' default experts implementation
 (``grouped_mm`` where torch has it); every token also goes through the shared expert.

@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``T5ForConditionalGeneration``: 2 encoder and 2 decoder layers, d_model 64.
 
-Model-file contract (DESIGN.md): ``build()`` (dropout 0, so parallel runs match one process),
+Model-file contract (docs/design.md): ``build()`` (dropout 0, so parallel runs match one process),
 ``build_with_dropout()`` (T5's default 0.1, for runs that must only not crash),
 ``example_batch(batch_size)`` and ``loss_fn``. Values read by several blocks: the relative
 position bias made by each stack's first block, the extended attention masks, and the

@@ -8,7 +8,7 @@ images, 2 stages, width 32). No download: the configs are written here.
                                                   drop_path_rate 0.1 (timm's drop_path: torch.rand)
     build_resnet    ResNetForImageClassification  a CNN: convolutions, BatchNorm, residual stages
 
-Model-file contract (DESIGN.md): ``example_batch`` gives hf_vit.py's images (4 classes, each a fixed random
+Model-file contract (docs/design.md): ``example_batch`` gives hf_vit.py's images (4 classes, each a fixed random
 image seen through noise), ``loss_fn`` cross-entropy on ``outputs.logits``.
 """
 

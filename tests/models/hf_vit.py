@@ -1,6 +1,6 @@
 """A tiny Hugging Face ``ViTForImageClassification``: 16×16 images, 4×4 patches, 2 layers, hidden 64.
 
-Model-file contract (DESIGN.md): ``build()`` (dropout 0, so parallel runs match one process),
+Model-file contract (docs/design.md): ``build()`` (dropout 0, so parallel runs match one process),
 ``build_with_dropout()`` (dropout 0.1, for runs that must only not crash),
 ``example_batch(batch_size)`` and ``loss_fn``. The task: 4 classes, each a fixed random
 image, seen through noise; the data depend only on torch's global seed.

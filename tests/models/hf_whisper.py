@@ -6,7 +6,7 @@ vocabulary, decoder sequences of 8 tokens. Every other setting is the library's 
 positions it reads by ``embed_positions.weight``, learned decoder positions, GELU, pre-LN). No download:
 the config is written here.
 
-Model-file contract (DESIGN.md): ``example_batch`` gives noisy spectrograms of 4 "words" (fixed random
+Model-file contract (docs/design.md): ``example_batch`` gives noisy spectrograms of 4 "words" (fixed random
 patterns) with their 8-token transcripts as decoder inputs and labels shifted by one; ``loss_fn``
 cross-entropy on the decoder's logits.
 """

@@ -1,6 +1,6 @@
 """A tiny Hugging Face Whisper encoder under a linear head: 2 layers, width 32, 2 heads, 16 positions.
 
-Model-file contract (DESIGN.md): ``build()``, ``example_batch(batch_size)`` (log-mel features (batch, 8, 32) and a
+Model-file contract (docs/design.md): ``build()``, ``example_batch(batch_size)`` (log-mel features (batch, 8, 32) and a
 class per position) and ``loss_fn``. Whisper's encoder looks its positions up as
 ``self.embed_positions(torch.arange(self.embed_positions.num_embeddings))``, so the TP proof meets a read of
 a sharded module's attribute. No download: the config is written here.

@@ -3,7 +3,7 @@ Transformer or ALBERT): ``for _ in range(2): for block in h: x = block(x)``.
 
 A pipeline stage cannot begin at such a block: torch's split begins a stage at every call of
 the module, so each cut would be crossed twice. The planner keeps such models in one stage.
-Model-file contract (DESIGN.md) as examples/gpt.py, whose blocks and data it uses.
+Model-file contract (docs/design.md) as examples/gpt.py, whose blocks and data it uses.
 """
 
 from __future__ import annotations

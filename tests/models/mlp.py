@@ -1,6 +1,6 @@
 """A residual MLP: ``nn.Sequential`` of 4 identical blocks on float vectors.
 
-Model-file contract (DESIGN.md) without ``loss_fn``: the targets are floats, so the default
+Model-file contract (docs/design.md) without ``loss_fn``: the targets are floats, so the default
 loss is mean squared error. The task is a fixed random smooth map, ``tanh(x @ M)`` with M
 drawn from its own seeded generator, so the data depend only on torch's global seed.
 """

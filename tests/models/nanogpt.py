@@ -6,7 +6,7 @@ ln_f)``, ``lm_head`` tied to ``wte`` (weight tying), GPT-2 init with the residua
 scaled by 1/√(2·n_layer). The loss is computed inside the model from ``targets``, a model
 input that only the last pipeline stage reads.
 
-Model-file contract (DESIGN.md): ``build()`` (dropout 0, so parallel runs match one process),
+Model-file contract (docs/design.md): ``build()`` (dropout 0, so parallel runs match one process),
 ``build_with_dropout()`` (nanoGPT's 0.1 for runs that must only not crash), ``example_batch``
 gives ``((idx, targets), targets)`` with examples/gpt.py's synthetic tokens, ``loss_fn`` returns
 the model's own loss.

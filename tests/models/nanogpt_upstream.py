@@ -5,7 +5,7 @@ and dropout 0.1 (nanoGPT's Shakespeare config uses 0.2; its default 0.0 would hi
 ``forward(idx, targets)`` returns ``(logits, loss)``: the loss is computed inside the model from
 ``targets``, a model input only the last pipeline stage reads. ``lm_head`` is tied to ``wte``.
 
-Model-file contract (DESIGN.md): ``build``, ``example_batch`` -> ``((idx, targets), targets)`` with
+Model-file contract (docs/design.md): ``build``, ``example_batch`` -> ``((idx, targets), targets)`` with
 examples/gpt.py's synthetic tokens, ``loss_fn`` -> the model's own loss.
 """
 

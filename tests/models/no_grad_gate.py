@@ -2,7 +2,7 @@
 
 ``h + lin(h) * sigmoid(gate(h))`` with the gate computed without gradients (a stop-gradient gate).
 torch's ``pipeline()`` cannot split a model around such a region, so the planner keeps it in one
-stage. Model-file contract (DESIGN.md); the default loss (mean squared error) on float targets.
+stage. Model-file contract (docs/design.md); the default loss (mean squared error) on float targets.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Linear), then embeds ``input_ids``, adds the two and runs 4 residual blocks and 
 classifier (a CLIP-style model that starts with its image encoder). The traced graph meets
 ``pixel_values`` before ``input_ids``: a pipeline's first stage must still take them in the declared
 order, which is the order the inputs are fed. The two inputs differ in dtype (int token ids, float
-pixels), so a swap fails loudly. Model-file contract (DESIGN.md): integer targets, so the default
+pixels), so a swap fails loudly. Model-file contract (docs/design.md): integer targets, so the default
 loss is cross-entropy over the classes.
 """
 

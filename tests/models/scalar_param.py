@@ -1,6 +1,6 @@
 """A residual MLP with 0-d (scalar) parameters, as CLIP's ``logit_scale``.
 
-Model-file contract (DESIGN.md) without ``loss_fn``: float targets, so the default loss is mean
+Model-file contract (docs/design.md) without ``loss_fn``: float targets, so the default loss is mean
 squared error. Each of the 4 repeated blocks scales its branch by a scalar gate, and the head's
 output is multiplied by ``logit_scale.exp()``: FSDP2 cannot shard 0-d parameters, so the runtime
 keeps them whole on every rank and averages their gradients over dp.

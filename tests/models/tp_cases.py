@@ -1,6 +1,6 @@
 """Small transformers whose attention code is written the ways real model files write it, for the TP proof.
 
-Factories (model-file contract, DESIGN.md), each 2 blocks of width 32 with 4 heads:
+Factories (model-file contract, docs/design.md), each 2 blocks of width 32 with 4 heads:
 
     build                  heads from the tensor: ``view(b, s, -1, head_dim)`` (Llama's way)
     build_constant_heads   a head count written as a constant: ``view(b, -1, num_heads, head_dim)``
