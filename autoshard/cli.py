@@ -154,8 +154,8 @@ def _add_inspect(sub, common) -> None:
     p = sub.add_parser("inspect", parents=[common], help="show a plan as tables")
     p.add_argument("plan")
     p.add_argument("--what-if", action="append", default=[], metavar="NAME=VALUE",
-                   help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp) "
-                        "changed, without re-planning; repeat for several")
+                   help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp, "
+                        "cp: cost.symbolic.WHAT_IF_NAMES) changed, without re-planning; repeat for several")
     p.set_defaults(func=cmd_inspect)
 
 

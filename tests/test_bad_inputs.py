@@ -3,8 +3,7 @@
 docs/design.md's quality bar: bad input gets a one-line error that names the problem and the fix,
 exit code 2, no traceback; nothing half-written is left behind and nothing is lost. The input
 files are in tests/bad_inputs/ (model files, cluster files); tampered plans are made here from
-a real plan. Each case is (argv, a substring of the expected message). Counts per category are
-in tests/README.md.
+a real plan. Each case is (argv, a substring of the expected message).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 imported), temporaries are unique and never followed, no output is an input, flags are checked before launch.
 
 Every bad case exits 2 with one line on stderr and no traceback, and leaves every file of the working
-folder as it was (bytes and modification time) with nothing added. Counts are in tests/README.md.
+folder as it was (bytes and modification time) with nothing added.
 """
 
 from __future__ import annotations
