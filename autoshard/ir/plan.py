@@ -128,7 +128,7 @@ class Plan:
     split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
     tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
     ddp_bucket_cap_mb: float = 25.0
-    precision: str = "fp32"  # "bf16-mixed" on GPUs, "fp32" on CPU
+    precision: str = "fp32"  # a name of ir.decisions.PRECISIONS: "bf16-autocast" on GPUs, "fp32" on CPU
     pinned: tuple[str, ...] = ()  # decisions the user fixed by hand
     runtime: str = "autoshard"  # what the prediction priced (ir.plan_format); the program is autoshard's
     notes: tuple[str, ...] = ()

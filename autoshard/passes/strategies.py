@@ -19,8 +19,8 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
             m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds) | interleaved-zb (the same, zero
             bubble) | zbv (v = 2 in a V, L ≥ 2·pp) | dualpipev (v = 2 in a V, L ≥ 2·pp, m ≥ 2·pp)
-            (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3 or selective
-            recompute (``split_backward_refusal``)
+            (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3, selective
+            recompute, or full recompute beside tp > 1 (``split_backward_refusal``)
     pp = 1: schedule none
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.stage_cuts`` chooses them
