@@ -21,8 +21,9 @@
 ``price`` in place of ``search``: the one configuration is priced the same way and kept even
 when it does not fit, so the user still sees what it would cost.
 
-A pass that fails on a bug is re-raised as "while running pass X after [A, B]"; a user error
-(AutoshardError) passes through unchanged, as its message already names the fix.
+Each pass is called directly inside ``with running(name, done)`` (``passes.front.running``): it records
+the passes done, and a pass that fails on a bug is re-raised as "while running pass X after [A, B]"; a
+user error (AutoshardError) passes through unchanged, as its message already names the fix.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from autoshard.passes.blocks import find_blocks
 from autoshard.passes.experts import find_experts
 from autoshard.passes.fold import unfold
 from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
-from autoshard.passes.front import run_pass as _run
+from autoshard.passes.front import running
 from autoshard.passes.search import Priced, SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 
@@ -91,11 +92,13 @@ def plan_model(request: PlanRequest) -> Plan:
 def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, done: list[str] | None = None) -> Plan:
     """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
     done = done if done is not None else ["capture", "annotate", "blocks", "experts"]
-    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch,
-                   request.pins)
-    result = _run("search", done, search, graph, request.cluster, configs, request.global_batch,
-                  request.time_limit_s, request.pins.recompute is None, request.runtime, request.pins.stage_cuts)
-    return _run("assemble", done, assemble_plan, request, model_file, graph, result)
+    with running("strategies", done):
+        configs = candidate_configs(graph, request.cluster, request.global_batch, request.pins)
+    with running("search", done):
+        result = search(graph, request.cluster, configs, request.global_batch, request.time_limit_s,
+                        request.pins.recompute is None, request.runtime, request.pins.stage_cuts)
+    with running("assemble", done):
+        return assemble_plan(request, model_file, graph, result)
 
 
 def estimate_model(request: PlanRequest) -> Plan:
@@ -106,9 +109,12 @@ def estimate_model(request: PlanRequest) -> Plan:
     done: list[str] = []
     model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len)
     graph = _later_graph_passes(graph, done)
-    configs = _run("strategies", done, candidate_configs, graph, request.cluster, request.global_batch, pins)
-    result = _run("price", done, price_pinned, request, graph, configs)
-    return _run("assemble", done, assemble_plan, request, model_file, graph, result)
+    with running("strategies", done):
+        configs = candidate_configs(graph, request.cluster, request.global_batch, pins)
+    with running("price", done):
+        result = price_pinned(request, graph, configs)
+    with running("assemble", done):
+        return assemble_plan(request, model_file, graph, result)
 
 
 def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions]) -> SearchResult:
@@ -128,9 +134,12 @@ def capture_graph(model_spec: str, fold: bool = True, seq_len: int | None = None
 
 
 def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
-    graph = _run("unfold", done, unfold, graph)
-    graph = _run("blocks", done, find_blocks, graph)
-    return _run("experts", done, find_experts, graph)
+    with running("unfold", done):
+        graph = unfold(graph)
+    with running("blocks", done):
+        graph = find_blocks(graph)
+    with running("experts", done):
+        return find_experts(graph)
 
 
 def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult) -> Plan:

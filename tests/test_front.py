@@ -123,3 +123,22 @@ def test_a_child_not_taken_is_stopped(tmp_path):
         print(child.process.exitcode, "torch" in sys.modules, file=sys.stderr)
     """, tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == f"{-signal.SIGKILL} False", proc.stderr
+
+
+def test_a_pass_is_recorded_when_its_block_ends_and_a_bug_in_it_names_it():
+    """``running``: the passes are called directly inside it; it keeps the list of passes done and turns a bug
+    into a PassError naming the pass and those before it; a user error passes through unchanged."""
+    from autoshard.errors import AutoshardError
+    from autoshard.passes.front import PassError, running
+
+    done: list[str] = []
+    with running("blocks", done):
+        blocks = ("h.0", "h.1")
+    assert blocks and done == ["blocks"]
+    with pytest.raises(PassError, match=r"while running pass search after \['blocks'\]: ZeroDivisionError"):
+        with running("search", done):
+            1 / 0
+    with pytest.raises(AutoshardError, match="^no plan fits$"):
+        with running("search", done):
+            raise AutoshardError("no plan fits")
+    assert done == ["blocks"]

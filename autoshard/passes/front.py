@@ -34,7 +34,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
@@ -55,16 +55,18 @@ class PassError(RuntimeError):
     """A pass failed on a bug (not a user error): "while running pass X after [A, B]: ..."."""
 
 
-def run_pass(name: str, done: list[str], fn: Callable, *args):
-    """``fn(*args)``, appending ``name`` to ``done``; a bug becomes a PassError naming the pass."""
+@contextlib.contextmanager
+def running(name: str, done: list[str]) -> Iterator[None]:
+    """The block is pass ``name``, called directly inside it: ``name`` is appended to ``done`` when the block
+    ends; a bug raised in it becomes a PassError naming the pass and those done before it (a user error,
+    AutoshardError, passes through: its message names the fix)."""
     try:
-        out = fn(*args)
+        yield
     except AutoshardError:
         raise
     except Exception as exc:
         raise PassError(f"while running pass {name} after {done}: {type(exc).__name__}: {exc}") from exc
     done.append(name)
-    return out
 
 
 def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool,
@@ -106,11 +108,16 @@ def _capture_and_annotate(spec: str, done: list[str], fold: bool,
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
         model_file = load_model_file(spec, seq_len)
-        graph = run_pass("capture", done, capture, model_file, CAPTURE_BATCH, fold)
-        graph = run_pass("annotate", done, annotate, graph)
-        graph = run_pass("tp_proof", done, prove_tensor_parallel, model_file, graph)
-        graph = run_pass("cp_proof", done, prove_context_parallel, model_file, graph)
-        graph = run_pass("batch_coupling", done, check_batch_coupling, model_file, graph)
+        with running("capture", done):
+            graph = capture(model_file, CAPTURE_BATCH, fold)
+        with running("annotate", done):
+            graph = annotate(graph)
+        with running("tp_proof", done):
+            graph = prove_tensor_parallel(model_file, graph)
+        with running("cp_proof", done):
+            graph = prove_context_parallel(model_file, graph)
+        with running("batch_coupling", done):
+            graph = check_batch_coupling(model_file, graph)
     return model_file, graph, reads
 
 
