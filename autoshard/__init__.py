@@ -8,7 +8,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
 
 __version__ = "0.1.0"
-__all__ = ["plan", "parallelize", "load_plan", "Plan", "AutoshardError", "__version__"]
+__all__ = ["plan", "parallelize", "layout", "load_plan", "Plan", "AutoshardError", "__version__"]
 
 
 def plan(*args, **kwargs):
@@ -21,5 +21,11 @@ def parallelize(*args, **kwargs):
     return _parallelize(*args, **kwargs)
 
 
+def layout(*args, **kwargs):
+    from autoshard.api import layout as _layout
+    return _layout(*args, **kwargs)
+
+
 plan.__doc__ = "Plan a model on a cluster; see autoshard.api.plan."
 parallelize.__doc__ = "Apply a plan inside a torchrun-launched script; see autoshard.api.parallelize."
+layout.__doc__ = "A plan's mesh and the axes its training loop reads; see autoshard.api.layout."

@@ -9,6 +9,8 @@ from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.topology import Cluster
+from autoshard.ir.steps import Layout
+from autoshard.passes.lower import layout as lower_layout
 from autoshard.passes.lower import lower
 from autoshard.passes.strategies import Pins
 from autoshard.pipeline import PlanRequest, estimate_model, plan_model
@@ -50,13 +52,29 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
                                       seq_len=seq_len))
 
 
-def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
-    """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every
-    rank) and return ``(model, optimizer, mesh)``. Micro-batching and data sharding stay in the
-    caller's loop: take the ``mesh.get_local_rank("dp")``-th of ``plan.mesh.dp`` slices of each
-    global batch, in ``plan.num_microbatches`` micro-batches."""
-    from torch.distributed.device_mesh import init_device_mesh
+def layout(plan: Plan | str | Path) -> Layout:
+    """The plan's mesh and batch shares (``passes.lower.layout``): what a training loop reads to take its
+    samples (``data_axis``), its tokens (``sequence_axis``, None without context parallelism) and to average
+    its loss (``loss_axis``)."""
+    return lower_layout(plan if isinstance(plan, Plan) else load_plan(plan))
 
+
+def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
+    """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank) and
+    return ``(model, optimizer, mesh)``: the mesh and the steps are the emitted program's
+    (``passes.lower``: ``layout`` and ``lower``, applied by ``runtime.build_mesh`` and ``runtime.apply_steps``).
+
+    The data stays in the caller's loop, as the emitted program's SPMD loop takes it, with
+    ``spec = autoshard.layout(plan)``: each global batch's samples ``runtime.take_samples(batch, mesh,
+    spec.data_axis, device)``, in ``plan.num_microbatches`` micro-batches; each micro-batch's tokens
+    ``runtime.take_sequence_shard(x, y, mesh, spec.sequence_axis, spec.tokens_per_sample)``, its forward and
+    backward under ``runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample)`` (both do
+    nothing without context parallelism) and ``runtime.grad_sync``; the loss averaged over
+    ``mesh.get_group(spec.loss_axis)``.
+
+    Pipeline plans are refused: their steps replace the model by this rank's stages and need an example
+    micro-batch and the loss function to trace them, and their loop is a schedule's, which this call's
+    ``(model, optimizer, mesh)`` cannot carry."""
     from autoshard import runtime  # torch
 
     if not isinstance(plan, Plan):
@@ -64,12 +82,9 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     if plan.mesh.pp > 1:
         raise AutoshardError("autoshard.parallelize takes plans without pipeline parallelism (a pipeline replaces "
                              "the model by stages and the loop by a schedule); run `autoshard compile` for this plan")
-    if plan.mesh.cp > 1:
-        raise AutoshardError("autoshard.parallelize takes plans without context parallelism (each rank's loop must cut "
-                             "its tokens and run under runtime.context_parallel); run `autoshard compile` for this plan")
-    ctx = runtime.init_distributed(expected_world_size=plan.world_size)
-    mesh = init_device_mesh(ctx.device_type, (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    spec = lower_layout(plan)
+    ctx = runtime.init_distributed(expected_world_size=spec.world_size)
+    mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
     model = model.to(ctx.device)
     applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, lr=lr)  # as the emitted program
     return applied["model"], applied["optimizer"], mesh

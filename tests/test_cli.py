@@ -61,7 +61,7 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     source = program.read_text()
     compile(source, str(program), "exec")
     assert 'build_optimizer(model, mesh["dp"], zero_stage=1, lr=lr)' in source and "ZeroRedundancyOptimizer" in source
-    assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and "PP, DP, TP = 1, 2, 1" in source
+    assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and 'MESH = {"pp": 1, "dp": 2, "tp": 1}' in source
 
 
 BAD = [

@@ -123,9 +123,10 @@ def test_a_cp_program_splits_the_mesh_and_the_tokens(gpt):
     chosen = plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=4), 8, cp=2, dp=2, zero=3)
     assert (chosen.mesh.dp, chosen.mesh.cp) == (2, 2)
     program = emit_program(chosen)
-    assert 'mesh_dim_names=("pp", "dp", "cp", "tp")' in program and 'mesh["dp", "cp"]._flatten("dp_cp")' in program
-    assert 'apply_fsdp(\n        model,\n        mesh["dp_cp"]' in program or 'mesh["dp_cp"]' in program
-    assert "runtime.take_sequence_shard(x, y, mesh[\"cp\"], TOKENS_PER_SAMPLE)" in program
+    assert 'MESH = {"pp": 1, "dp": 2, "cp": 2, "tp": 1}' in program and 'FLATTEN = {"dp_cp": ("dp", "cp")}' in program
+    assert 'SEQUENCE_AXIS = "cp"' in program and 'LOSS_AXIS = "dp_cp"' in program
+    assert 'apply_fsdp(model, mesh["dp_cp"]' in program
+    assert "runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)" in program
     compile(program, "train.py", "exec")
 
 

@@ -7,11 +7,14 @@ it, byte for byte. After a deliberate change to the programs, rewrite them with
 The second test runs, in one process, the steps the Python API applies (``runtime.parallel.apply_steps``
 on ``passes.lower``'s steps) and the emitted program's ``parallelize`` / ``build_pipeline``, each with the
 applier's functions replaced by recorders, and requires the same calls with the same arguments in the
-same order: the program and ``autoshard.parallelize`` cannot drift apart.
+same order: the program and ``autoshard.parallelize`` cannot drift apart. The program's layout constants
+(the mesh, the axes its loop reads, the sequence length) are ``passes.lower.layout``'s fields, which
+``autoshard.parallelize`` reads, and the applier's table holds a function for every op the lowering emits.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import pytest
 from autoshard.ir.plan import load_plan
 from autoshard.ir.steps import OPS, RESULTS
 from autoshard.passes.codegen import emit_program
-from autoshard.passes.lower import lower
+from autoshard.passes.lower import layout, lower
 from autoshard.runtime import parallel
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -40,6 +43,7 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.recompute != "none" and p.mesh.pp > 1 for p in plans)
     assert {p.zero_stage for p in plans if p.mesh.tp > 1 and p.mesh.dp > 1} >= {0, 1}  # replicate; distributed optimizer
     assert any(p.dp_replicate > 1 for p in plans)  # HSDP
+    assert any(p.mesh.cp > 1 and p.mesh.dp > 1 and p.model.get("seq_len") for p in plans)  # context parallel, --seq-len
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -57,7 +61,7 @@ def test_applier_and_program_make_the_same_calls(kind, monkeypatch):
     plan = load_plan(GOLDEN / f"{kind}.plan.json")
     applied: list = []
     for op in OPS:
-        monkeypatch.setattr(parallel, op, _recorder(applied, op))
+        monkeypatch.setitem(parallel.APPLIERS, op, _recorder(applied, op))
     parallel.apply_steps("MODEL", lower(plan), FakeMesh(), **RUN_INPUTS)
 
     printed: list = []
@@ -73,6 +77,33 @@ def test_applier_and_program_make_the_same_calls(kind, monkeypatch):
 
     assert printed == applied
     assert [call[0] for call in applied] == [step.op for step in lower(plan)]
+
+
+def test_every_op_the_lowering_emits_has_its_applier():
+    """``apply_steps`` finds each op's function in ``runtime.parallel.APPLIERS``: one for every op of ``ir.steps``
+    (a Step refuses any other op), each the function the emitted programs import under the op's name."""
+    emitted = {step.op for kind in KINDS for step in lower(load_plan(GOLDEN / f"{kind}.plan.json"))}
+    assert set(parallel.APPLIERS) == set(OPS) >= emitted
+    for op, function in parallel.APPLIERS.items():
+        assert getattr(parallel, op) is function, op
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_program_constants_are_the_plans_layout(kind):
+    """The constants the emitted loop hands to the runtime are the layout ``autoshard.parallelize`` applies."""
+    plan = load_plan(GOLDEN / f"{kind}.plan.json")
+    spec = layout(plan)
+    constants = {t.id: ast.literal_eval(n.value) for n in ast.parse(emit_program(plan)).body
+                 if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+                 and t.id in ("MESH", "FLATTEN", "DATA_AXIS", "SEQUENCE_AXIS", "LOSS_AXIS", "SEQ_LEN",
+                              "TOKENS_PER_SAMPLE")}
+    expected = {"MESH": dict(spec.mesh), "FLATTEN": dict(spec.flatten), "DATA_AXIS": spec.data_axis,
+                "SEQ_LEN": spec.seq_len, "TOKENS_PER_SAMPLE": spec.tokens_per_sample}
+    if plan.mesh.pp == 1:  # a pipeline's schedule averages the loss itself; cp is not emitted with pp
+        expected |= {"SEQUENCE_AXIS": spec.sequence_axis, "LOSS_AXIS": spec.loss_axis}
+    assert constants == expected
+    assert list(constants["MESH"]) == [d for d in ("pp", "dp", "cp", "tp") if d != "cp" or plan.mesh.cp > 1]
+    assert spec.world_size == plan.world_size
 
 
 class FakeMesh:

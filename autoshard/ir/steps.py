@@ -5,6 +5,14 @@ runs over, its arguments (plain data: names, numbers, dicts of module paths) and
 executes the list (``runtime.parallel.apply_steps``); the code generator prints the same list as
 calls (``passes.codegen``). Both take their order from the lowering alone.
 
+Beside the steps, a ``Layout`` (``passes.lower.layout``) says where each rank sits and what share of
+each global batch it trains on: the device mesh's dims, the dims joined into one, the axis that splits
+the samples, the axis that splits each sample's tokens (context parallelism), the axis the logged loss
+is averaged over, and the sequence length handed to the model file. The emitted program prints its
+fields as constants and hands them to the runtime (``runtime.build_mesh``, ``runtime.take_samples``,
+``runtime.take_sequence_shard``, ``runtime.context_parallel``); ``autoshard.parallelize`` reads the same
+record.
+
     op                  SPMD plans                          pipeline plans
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
@@ -32,6 +40,7 @@ RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "apply_ddp": (
 # What each op returns; the others return the (wrapped) model, or the stages after split_pipeline.
 RESULTS = {"build_optimizer": "optimizer", "build_schedule": "schedule"}
 WHOLE_MESH = "*"
+MESH_ORDER = ("pp", "dp", "cp", "tp")  # the mesh's dims outermost first: tp innermost (inside a node)
 
 
 @dataclass(frozen=True)
@@ -50,3 +59,32 @@ class Step:
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.arguments)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The mesh and the shares of each global batch, as data (``passes.lower.layout``; module doc)."""
+
+    mesh: tuple[tuple[str, int], ...]  # (dim, ranks along it), outermost first (MESH_ORDER)
+    flatten: tuple[tuple[str, tuple[str, ...]], ...]  # (name, the dims joined into it)
+    data_axis: str  # the ranks along it train on different samples of the global batch
+    sequence_axis: str | None  # the ranks along it train on different tokens of the same samples; None: whole samples
+    loss_axis: str  # the step's logged loss is the mean over the ranks along it
+    tokens_per_sample: int
+    seq_len: int | None  # handed to the model file's example_batch (--seq-len); None: the file's own
+
+    def __post_init__(self):
+        dims = [name for name, _ in self.mesh]
+        if tuple(d for d in MESH_ORDER if d in dims) != tuple(dims):
+            raise ValueError(f"mesh dims {dims} are not in the order {MESH_ORDER}")
+        known = set(dims) | {name for name, _ in self.flatten}
+        for axis in (self.data_axis, self.sequence_axis, self.loss_axis):
+            if axis is not None and axis not in known:
+                raise ValueError(f"axis {axis!r} is neither a mesh dim nor a flattened one ({sorted(known)})")
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for _, ranks in self.mesh:
+            size *= ranks
+        return size

@@ -3,9 +3,13 @@
 The program states the plan in its header and the decisions as constants, then prints the plan's
 apply steps (``passes.lower``) as calls of the runtime's applier (``runtime.parallel``: apply_tp,
 apply_ac, apply_fsdp, apply_ddp, build_optimizer, ...) in one ``parallelize`` (or ``build_pipeline``)
-function, each with its reason as a comment; per-block decisions are folded over ``BLOCKS``. No
-decision is made here: ``autoshard.parallelize`` runs the same steps through ``apply_steps``. The
-output depends only on the plan, so it is byte-stable.
+function, each with its reason as a comment; per-block decisions are folded over ``BLOCKS``. The
+plan's layout (``passes.lower.layout``: the mesh, the axes that split the samples and the tokens, the
+loss's axis, the sequence length) is printed as constants the training loop hands to the runtime.
+The loop is one of two fixed texts, picked by the plan: SPMD (context parallelism included: its
+runtime calls do nothing without a sequence axis) or a pipeline schedule. No decision is made here:
+``autoshard.parallelize`` runs the same steps through ``apply_steps`` on the same layout. The output
+depends only on the plan, so it is byte-stable.
 """
 
 from __future__ import annotations
@@ -18,20 +22,18 @@ from pathlib import Path
 from autoshard.ir.decisions import TP_STYLES, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES
-from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
-from autoshard.passes.lower import lower, recompute_modes
+from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Layout, Step
+from autoshard.passes.lower import dp_ranks, layout, lower, recompute_modes
 
 MIB = 2**20
 
 
 def emit_program(plan: Plan) -> str:
     """The whole program as Python source."""
-    steps = lower(plan)
-    main = _MAIN_PIPELINE if plan.mesh.pp > 1 else _context_parallel_main(plan) if plan.mesh.cp > 1 else _MAIN_SPMD
-    if plan.model.get("seq_len") is not None:
-        main = main.replace("expected_hash=MODEL_FINGERPRINT)", "expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)")
-    body = _build_pipeline(plan, steps) if plan.mesh.pp > 1 else _parallelize(plan, steps)
-    parts = [_header(plan), _imports(plan, steps), _constants(plan), body, _ARGS, main]
+    steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
+    body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
+    main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
+    parts = [_header(plan), _imports(plan, steps), _constants(plan, spec), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
@@ -106,7 +108,7 @@ def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
-    return (f"import argparse\n\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n\n"
+    return (f"import argparse\nimport math\n\nimport torch\n\n"
             f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n")
 
 
@@ -122,7 +124,7 @@ def _placement_constant(plan: Plan) -> str:
 STYLE_SOURCE = {name: row.source for name, row in TP_STYLES.items()}
 
 
-def _constants(plan: Plan) -> str:
+def _constants(plan: Plan, spec: Layout) -> str:
     pipeline = ""
     if plan.mesh.pp > 1:
         pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
@@ -132,59 +134,45 @@ def _constants(plan: Plan) -> str:
     return f'''
 MODEL = {plan.model["spec"]!r}
 MODEL_FINGERPRINT = {plan.model["hash"]!r}  # the program refuses a different model
-TOKENS_PER_SAMPLE = {plan.model.get("tokens_per_sample", 1)}
+SEQ_LEN = {spec.seq_len!r}  # {_seq_len_comment(spec)}
+TOKENS_PER_SAMPLE = {spec.tokens_per_sample}
 GLOBAL_BATCH = {plan.global_batch}
-PP, DP, TP = {plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp}  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
-MICROBATCH_SIZE = {plan.microbatch_size}
-NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+{_layout_constants(spec, pipeline=plan.mesh.pp > 1)}MICROBATCH_SIZE = {plan.microbatch_size}
+NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_sequence_constants(plan)}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
 
 
-def _sequence_constants(plan: Plan) -> str:
-    """--seq-len and context parallelism, only in the programs of plans that have them."""
-    out = ""
-    if plan.model.get("seq_len") is not None:
-        out += f"SEQ_LEN = {plan.model['seq_len']}  # tokens per sample, handed to example_batch (--seq-len)\n"
-    if plan.mesh.cp > 1:
-        out += (f"CP = {plan.mesh.cp}  # context parallel: each sequence split over CP ranks (mesh axis \"cp\", between "
-                f"dp and tp), attention as a ring\n")
-    return out
+def _seq_len_comment(spec: Layout) -> str:
+    if spec.seq_len is None:
+        return "handed to example_batch; None: the model file's own sequence length (no --seq-len)"
+    return "tokens per sample, handed to example_batch (--seq-len)"
 
 
-def _context_parallel_main(plan: Plan) -> str:
-    """The SPMD loop with the sequence split over the cp axis: the mesh gets "cp" and the flattened "dp_cp"
-    the dp wrapper reduces over; each rank takes its chunk of every micro-batch's tokens and runs forward
-    and backward in ``runtime.context_parallel`` (ring attention, global positions)."""
-    replacements = (
-        ("expected_world_size=PP * DP * TP", "expected_world_size=PP * DP * CP * TP"),
-        ('''    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
-''', '''    mesh = init_device_mesh(ctx.device_type, (PP, DP, CP, TP), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    mesh["dp", "cp"]._flatten("dp_cp")  # the ranks holding the same parameters: gradients reduced over dp x cp
-'''),
-        ("    dp_rank = mesh.get_local_rank(\"dp\")  # the TP ranks of one dp rank see the same data\n",
-         "    dp_rank = mesh.get_local_rank(\"dp\")  # the cp and TP ranks of one dp rank see the same samples\n"),
-        ('''        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
-                with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
-                loss.backward()
-''', '''        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            x, y = runtime.take_sequence_shard(x, y, mesh["cp"], TOKENS_PER_SAMPLE)  # this rank's tokens
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \\
-                    runtime.context_parallel(mesh["cp"], TOKENS_PER_SAMPLE):
-                with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
-                loss.backward()
-'''),
-        ('runtime.mean_over(step_loss, mesh.get_group("dp"))', 'runtime.mean_over(step_loss, mesh.get_group("dp_cp"))'),
-    )
-    main = _MAIN_SPMD
-    for old, new in replacements:
-        assert old in main, old
-        main = main.replace(old, new)
-    return main
+def _layout_constants(spec: Layout, pipeline: bool) -> str:
+    """The layout's fields (``passes.lower.layout``) as the constants the loop hands to the runtime; a pipeline's
+    loop reads the mesh and the data axis only."""
+    sizes = dict(spec.mesh)
+    mesh = "{" + ", ".join(f'"{name}": {ranks}' for name, ranks in spec.mesh) + "}"
+    innermost = spec.mesh[-1][0]
+    flatten = "{" + ", ".join(f'"{name}": (' + ", ".join(f'"{d}"' for d in dims) + ")" for name, dims in spec.flatten) + "}"
+    joined = "; ".join(f"{' x '.join(dims)} joined: the ranks holding the same parameters, gradients and the loss "
+                       f"averaged over them" for _, dims in spec.flatten) or "no dims joined"
+    others = [name for name, ranks in spec.mesh if name != spec.data_axis and ranks > 1]
+    same = f"; the {' and '.join(others)} ranks of one {spec.data_axis} rank take the same ones" if others else ""
+    text = ("# The device mesh and each rank's share of a global batch (passes.lower.layout)\n"
+            f"MESH = {mesh}  # ranks along each dim, outermost first: {innermost} innermost (inside a node)\n"
+            f"FLATTEN = {flatten}  # {joined}\n"
+            f'DATA_AXIS = "{spec.data_axis}"  # its ranks take different samples{same}\n')
+    if pipeline:
+        return text
+    if spec.sequence_axis is None:
+        sequence = "None  # no context parallelism: each rank takes whole samples"
+    else:
+        sequence = (f'"{spec.sequence_axis}"  # context parallel: each sample\'s tokens split over its '
+                    f"{sizes[spec.sequence_axis]} ranks, attention as a ring")
+    return text + f"SEQUENCE_AXIS = {sequence}\n" + f'LOSS_AXIS = "{spec.loss_axis}"  # the logged loss: the mean of its ranks\' losses\n'
 
 
 def _expert_constants(plan: Plan) -> str:
@@ -305,9 +293,9 @@ def _parallelize_doc(plan: Plan) -> str:
         parts.append(f"tensor parallel over {plan.mesh.tp} ranks")
     if plan.recompute != "none":
         parts.append(f"recompute {plan.recompute}")
-    if plan.mesh.dp > 1:
+    if plan.mesh.dp_cp > 1:
         wrapper = plan.decisions.dp_runtime.wrapper
-        parts.append(f"ZeRO-{plan.zero_stage} over {plan.mesh.dp} dp ranks"
+        parts.append(f"ZeRO-{plan.zero_stage} over {dp_ranks(plan)}"
                      + {"DistributedDataParallel": " (DDP)", "replicate": " (FSDP2's replicate)"}.get(wrapper, " (FSDP2)")
                      + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else "")
                      + (f", experts split over {plan.ep} of them" if plan.ep > 1 else ""))
@@ -350,30 +338,33 @@ def parse_args():
 _MAIN_SPMD = '''
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
-    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
-    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
 
-    dp_rank = mesh.get_local_rank("dp")  # the TP ranks of one dp rank see the same data
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
-        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
         step_loss = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
+            # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
+            # runs as a ring over the axis's ranks with global positions; without one, both calls do nothing.
+            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \\
+                    runtime.context_parallel(mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE):
                 with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
                 loss.backward()
             step_loss += loss.detach()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, runtime.mean_over(step_loss, mesh.get_group("dp")))
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
@@ -389,9 +380,9 @@ if __name__ == "__main__":
 _MAIN_PIPELINE = '''
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
-    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
-    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
@@ -400,12 +391,11 @@ def main():
 
     start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh)  # 0 without a checkpoint
 
-    dp_rank = mesh.get_local_rank("dp")
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
-        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
         with runtime.autocast(PRECISION, ctx.device):
             loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
         optimizer.step()

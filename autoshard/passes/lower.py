@@ -22,6 +22,12 @@ recompute and FSDP act on the traced stage modules, so they follow the split. Ex
 keeps each rank's experts before anything wraps them (FSDP2 must see the local shards, and a
 pipeline's trace must see the dispatch as one op), and the dp wrapper then syncs the expert shards
 over the dp / ep ranks holding the same ones only.
+
+``layout`` lowers what the training loop reads rather than what it applies to the model (``ir.steps.Layout``):
+the mesh (pp, dp, tp, and cp between dp and tp when the plan splits sequences, with dp x cp flattened into
+the "dp_cp" the dp wrapper and the logged loss reduce over), the axis whose ranks take different samples
+(dp), the axis whose ranks take different tokens of each sample (cp, or none) and the sequence length the
+plan was made for.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from autoshard.ir.steps import Step
+from autoshard.ir.steps import MESH_ORDER, Layout, Step
 
 
 def lower(plan: Plan) -> tuple[Step, ...]:
@@ -37,6 +43,19 @@ def lower(plan: Plan) -> tuple[Step, ...]:
     if plan.mesh.pp > 1:
         return tuple(_pipeline_steps(plan))
     return tuple(_spmd_steps(plan))
+
+
+def layout(plan: Plan) -> Layout:
+    """The plan's mesh and batch shares (module doc). A dim of one rank is kept (every step and the loop name
+    pp, dp and tp), except cp, which exists only where the plan splits sequences. A pipeline's loop reads the
+    mesh and the data axis only: its schedule averages the loss over the global batch itself."""
+    mesh = plan.mesh
+    sizes = {"pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp}
+    dims = tuple((name, sizes[name]) for name in MESH_ORDER if name != "cp" or mesh.cp > 1)
+    flatten = (("dp_cp", ("dp", "cp")),) if mesh.cp > 1 else ()
+    return Layout(mesh=dims, flatten=flatten, data_axis="dp", sequence_axis="cp" if mesh.cp > 1 else None,
+                  loss_axis=dp_axis(plan), tokens_per_sample=plan.model.get("tokens_per_sample", 1),
+                  seq_len=plan.model.get("seq_len"))
 
 
 def recompute_modes(plan: Plan) -> dict[str, str]:
@@ -144,11 +163,12 @@ def _recompute_steps(plan: Plan) -> list[Step]:
 def dp_axis(plan: Plan) -> str:
     """The mesh axis the dp wrapper and the optimizer reduce over: "dp", or with context parallelism the
     flattened "dp_cp" (each cp rank holds the same parameters and a share of the tokens: torchtitan's
-    dp_shard_cp), which the program makes with ``mesh["dp", "cp"]._flatten("dp_cp")``."""
+    dp_shard_cp), which ``layout`` joins (``runtime.build_mesh`` flattens it)."""
     return "dp_cp" if plan.mesh.cp > 1 else "dp"
 
 
-def _dp_ranks(plan: Plan) -> str:
+def dp_ranks(plan: Plan) -> str:
+    """The ranks the dp wrapper reduces over, in words."""
     mesh = plan.mesh
     return f"{mesh.dp} dp ranks" if mesh.cp == 1 else f"{mesh.dp_cp} dp x cp ranks"
 
@@ -178,7 +198,7 @@ def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
     what = ("weights, gradients and optimizer state; each unit gathered just before use" if reshard else
             "gradients and optimizer state; weights stay gathered from forward to backward")
     arguments: tuple = (("blocks", tuple(blocks)), ("reshard_after_forward", reshard), ("precision", plan.precision))
-    over = _dp_ranks(plan)
+    over = dp_ranks(plan)
     if plan.dp_replicate > 1:
         arguments += (("replicas", plan.dp_replicate),)
         over = (f"the {plan.mesh.dp // plan.dp_replicate} dp ranks of a node (HSDP: all-reduced across "
@@ -198,7 +218,7 @@ def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
     return Step("apply_replicate", dp_axis(plan), (("blocks", tuple(blocks)), ("precision", plan.precision),
                                                    *_ep_argument(plan)),
                 f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
-                f"unit's gradients over {_dp_ranks(plan)} after the last micro-batch's backward "
+                f"unit's gradients over {dp_ranks(plan)} after the last micro-batch's backward "
                 f"({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}")
 
 

@@ -12,8 +12,8 @@ or ``from autoshard.runtime import ...`` names them.
 
 import importlib
 
-from autoshard.runtime.distributed import DistContext, init_distributed, mean_over, shutdown
-from autoshard.runtime.data import global_batch, split_microbatches, take_shard
+from autoshard.runtime.distributed import DistContext, build_mesh, init_distributed, mean_over, shutdown
+from autoshard.runtime.data import global_batch, split_microbatches, take_samples, take_shard
 # the function shadows its module's name here, so it is bound now, as the module is imported
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
@@ -31,7 +31,8 @@ _SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_
                "stage_recompute", "tensor_parallel", "tensor_parallel_stages")
 
 __all__ = [
-    "DistContext", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches", "take_shard",
+    "DistContext", "build_mesh", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches",
+    "take_samples", "take_shard",
     "context_parallel", "take_sequence_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",

@@ -299,9 +299,14 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
             grad.copy_(mean)
 
 
-def take_sequence_shard(inputs: tuple, targets, cp_mesh, seq_len: int):
-    """This cp rank's chunk of a micro-batch: every input and target tensor whose dim 1 is the ``seq_len``
-    tokens is cut along it (``shard_sequence``); the others (a per-sample tensor) stay whole."""
+def take_sequence_shard(inputs: tuple, targets, mesh, axis: str | None, seq_len: int):
+    """This rank's chunk of a micro-batch along the mesh dim ``axis`` (the plan's sequence axis, "cp"):
+    every input and target tensor whose dim 1 is the ``seq_len`` tokens is cut along it
+    (``shard_sequence``); the others (a per-sample tensor) stay whole. ``axis`` None (no context
+    parallelism): the micro-batch unchanged."""
+    if axis is None:
+        return inputs, targets
+    cp_mesh = mesh[axis]
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
 
     def cut(t):
@@ -310,7 +315,11 @@ def take_sequence_shard(inputs: tuple, targets, cp_mesh, seq_len: int):
     return tuple(cut(t) for t in inputs), cut(targets)
 
 
-def context_parallel(cp_mesh, seq_len: int) -> ContextParallelMode:
-    """The mode a forward and backward run under on a cp rank (``ContextParallelMode``), from the cp mesh axis."""
+def context_parallel(mesh, axis: str | None, seq_len: int) -> ContextParallelMode | contextlib.nullcontext:
+    """The mode a forward and backward run under on a rank of the mesh dim ``axis`` (``ContextParallelMode``:
+    attention as a ring over its ranks, positions made global); ``axis`` None: nothing."""
+    if axis is None:
+        return contextlib.nullcontext()
+    cp_mesh = mesh[axis]
     size = cp_mesh.size()
     return ContextParallelMode(cp_mesh.get_group(), cp_mesh.get_local_rank(), size, seq_len // size)

@@ -24,6 +24,12 @@ def global_batch(model_file: ModelFile, batch_size: int, seed: int, step: int):
         return model_file.example_batch(batch_size)
 
 
+def take_samples(batch, mesh, axis: str, device: torch.device):
+    """This rank's share of the samples: the slice of the batch dimension of its place along the mesh dim
+    ``axis`` (the plan's data axis, "dp"); the ranks along the other dims take the same samples."""
+    return take_shard(batch, mesh.get_local_rank(axis), mesh[axis].size(), device)
+
+
 def take_shard(batch, index: int, count: int, device: torch.device):
     """Rank ``index`` of ``count`` takes its contiguous slice of the batch dimension."""
     inputs, targets = batch

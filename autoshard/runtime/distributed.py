@@ -102,6 +102,18 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
             "world_size": world_size}
 
 
+def build_mesh(device_type: str, dims: dict[str, int], flatten: dict[str, tuple[str, ...]]):
+    """The device mesh: ``dims`` (name -> ranks along it, outermost first), then each of ``flatten``
+    (name -> the dims it joins) flattened into one dim of that name (``DeviceMesh._flatten``), which
+    ``mesh[name]`` and ``mesh.get_group(name)`` then give."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    for name, joined in flatten.items():
+        mesh[tuple(joined)]._flatten(name)
+    return mesh
+
+
 def shutdown() -> None:
     """End this rank once its work is done: destroy the process groups, flush, exit 0.
 

@@ -1,7 +1,8 @@
 """The applier: executes a plan's apply steps (``ir.steps``, made by ``passes.lower``) with PyTorch's parts.
 
-One function per step, torchtitan-shaped; ``apply_steps`` runs a list of them, and the emitted
-programs call the same functions in the same order (``passes.codegen`` prints the steps):
+One function per step, torchtitan-shaped, each found by its op in ``APPLIERS``; ``apply_steps`` runs
+a list of them, and the emitted programs call the same functions in the same order (``passes.codegen``
+prints the steps):
 
     apply_tp          DTensor ``parallelize_module`` (styles: ``ir.decisions.TP_STYLES``); before a
                       pipeline split, local shards with traceable collectives (``tensor_parallel_stages``)
@@ -44,7 +45,7 @@ from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime.checkpoint import StageOptimizers
-from autoshard.runtime.expert_parallel import apply_ep  # noqa: F401  (an apply step, looked up by name)
+from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.model import get_block
 from autoshard.runtime.selective import selective_kwargs
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
@@ -75,11 +76,11 @@ def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **r
     """Run ``steps`` on ``model`` in order; returns {"model" (or the stages), "optimizer", "schedule"}.
 
     ``run_inputs`` are the values of the run each op may need (``ir.steps.RUN_INPUTS``: device, lr,
-    example_microbatch, loss_fn). Each op is looked up here by name at call time, as the emitted
-    program's calls are."""
+    example_microbatch, loss_fn). Each op's function is ``APPLIERS[op]``, the function the emitted program
+    imports under the op's name."""
     results: dict[str, Any] = {"model": model}
     for step in steps:
-        function: Callable = globals()[step.op]
+        function: Callable = APPLIERS[step.op]
         args = [results["model"]] + ([] if step.mesh_dim is None else
                                      [mesh if step.mesh_dim == WHOLE_MESH else mesh[step.mesh_dim]])
         inputs = {name: run_inputs[name] for name in RUN_INPUTS.get(step.op, ())}
@@ -278,6 +279,21 @@ def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 
 
 def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: int, loss_fn: Callable):
     return _pipeline_parallel().build_schedule(stages, num_microbatches, loss_fn, schedule)
+
+
+# Each apply step's function, by its op (``ir.steps.OPS``; tests/test_golden_programs.py checks the two agree).
+APPLIERS: dict[str, Callable] = {
+    "apply_tp": apply_tp,
+    "apply_ep": apply_ep,
+    "split_pipeline": split_pipeline,
+    "apply_ac": apply_ac,
+    "sync_batch_norm": sync_batch_norm,
+    "apply_fsdp": apply_fsdp,
+    "apply_replicate": apply_replicate,
+    "apply_ddp": apply_ddp,
+    "build_optimizer": build_optimizer,
+    "build_schedule": build_schedule,
+}
 
 
 def grad_sync(model: nn.Module, enabled: bool):

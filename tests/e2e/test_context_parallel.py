@@ -9,7 +9,9 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank)
 
-Every case runs two micro-batches per step. ``cp_driver.py`` runs too (the runtime's ring attention
+Every case runs two micro-batches per step. The Python API takes the 2-rank cp plan of the GPT too:
+``api_driver.py`` applies it with ``autoshard.parallelize`` and trains it in a loop of its own that reads
+``autoshard.layout(plan)``, judged the same way. ``cp_driver.py`` runs too (the runtime's ring attention
 under a hand-written training loop, cp 2 and dp 2 x cp 2: the kernel pair against one-process SDPA,
 and both models against one process; ``test_context_parallel_runtime.py`` holds the one-process tests
 of the same runtime). Every run is a job of the session's one torchrun launch per world size
@@ -29,7 +31,7 @@ from autoshard.launch import write_program
 from autoshard.runtime import load_model_file
 from autoshard.verify import compare, train_reference
 from e2e.one_launch import Cases, assert_trains_like_one_process, attempt, job, program_job
-from e2e.zoo import FAST_LINK, GLOBAL_BATCH
+from e2e.zoo import FAST_LINK, GLOBAL_BATCH, program_case
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +45,9 @@ CASES_4 = {
     **{f"{m}-cp2-dp2-zero3": (m, dict(cp=2, dp=2, tp=1, zero=3)) for m in MODELS},
     **{f"{m}-cp2-tp2-sp": (m, dict(cp=2, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
 }
+# api_driver.py: the Python API on a case of CASES_2's plan
+API_CASES = {"gpt-cp2-api": "gpt-cp2"}
+API_DRIVER = Path(__file__).with_name("api_driver.py")
 # cp_driver.py: (dp, cp) meshes, every model of MODELS, 2 AdamW steps on a batch of 4
 DRIVER = Path(__file__).with_name("cp_driver.py")
 DRIVER_MESHES = {"cp2": (1, 2), "dp2-cp2": (2, 2)}
@@ -71,6 +76,12 @@ def _prepare(names, ranks, folder):
     def one(name):
         if name in DRIVER_MESHES:
             return [_driver_job(folder / name, *DRIVER_MESHES[name])], (None, folder / name)
+        if name in API_CASES:
+            plan = _plan(CASES[API_CASES[name]][0], ranks, dict(CASES[API_CASES[name]][1]))
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            (folder / name / "plan.json").write_text(plan.to_json())
+            case = program_case(name, API_DRIVER, folder / name / "out")
+            return [job(API_DRIVER, [folder / name / "plan.json", *case["args"]], case["metrics_out"])], (plan, folder / name)
         plan = _plan(CASES[name][0], ranks, dict(CASES[name][1]))
         program = write_program(plan, folder / name / "train.py")
         return [program_job(program, folder / name / "out")], (plan, folder / name)
@@ -78,12 +89,13 @@ def _prepare(names, ranks, folder):
 
 
 # name -> (plan or None for cp_driver, its folder, its failure: "" when it ran to its end)
-LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4),
+LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4), **dict.fromkeys(API_CASES, 2),
                   **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()}}, _prepare,
                  finish=lambda name, state, failures: (*state, failures[0]),
                  case_of=lambda test, params: {
                      "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
                      "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
+                     "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
                      "test_context_parallel_matches_one_process": [name for name, mesh in DRIVER_MESHES.items()
                                                                    if mesh == (params.get("dp"), params.get("cp"))],
                  }.get(test))
@@ -98,7 +110,7 @@ def _run(cases: dict, launches) -> None:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"
         assert plan.sequence_parallel == pins.get("sequence_parallel", False), name
         program = (folder / "train.py").read_text()
-        splits = "runtime.context_parallel(mesh[\"cp\"]" in program and 'mesh["dp_cp"]' in program
+        splits = 'SEQUENCE_AXIS = "cp"' in program and 'mesh["dp_cp"]' in program
         assert splits == (pins["cp"] > 1), f"{name}: the program does not split the sequence as planned"
         runs[name] = plan, folder, failure
     for name, (plan, folder, failure) in runs.items():
@@ -111,6 +123,15 @@ def test_sequences_split_over_two_ranks_train_like_one_process(in_repo, launches
 
 def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(in_repo, launches):
     _run(CASES_4, launches)
+
+
+def test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop(in_repo, launches):
+    """``autoshard.parallelize`` builds the cp plan's mesh (dp x cp flattened) and applies its steps; the script's
+    loop cuts the tokens and runs the ring from ``autoshard.layout(plan)``: it trains like one process."""
+    for name, program_name in API_CASES.items():
+        plan, folder, failure = launches.result(LAUNCHES, name)
+        assert plan.mesh.cp == 2 and autoshard.layout(plan).sequence_axis == "cp", name
+        assert_trains_like_one_process(name, MODELS[CASES[program_name][0]], plan, folder / "out", failure)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
 
 
 import argparse
+import math
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import runtime
 from autoshard.runtime import checkpoint
@@ -25,11 +25,17 @@ from autoshard.runtime.parallel import apply_fsdp, apply_tp, build_optimizer, sy
 
 MODEL = 'examples/gpt.py:build'
 MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 8
-PP, DP, TP = 1, 2, 2  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
+# The device mesh and each rank's share of a global batch (passes.lower.layout)
+MESH = {"pp": 1, "dp": 2, "tp": 2}  # ranks along each dim, outermost first: tp innermost (inside a node)
+FLATTEN = {}  # no dims joined
+DATA_AXIS = "dp"  # its ranks take different samples; the tp ranks of one dp rank take the same ones
+SEQUENCE_AXIS = None  # no context parallelism: each rank takes whole samples
+LOSS_AXIS = "dp"  # the logged loss: the mean of its ranks' losses
 MICROBATCH_SIZE = 4
-NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 # Tensor-parallel styles, chosen and proven on the op graph (style: its torch ParallelStyle)
@@ -77,30 +83,33 @@ def parse_args():
 
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
-    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
-    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
 
-    dp_rank = mesh.get_local_rank("dp")  # the TP ranks of one dp rank see the same data
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
-        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
         step_loss = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1):
+            # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
+            # runs as a ring over the axis's ranks with global positions; without one, both calls do nothing.
+            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \
+                    runtime.context_parallel(mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE):
                 with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
                 loss.backward()
             step_loss += loss.detach()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, runtime.mean_over(step_loss, mesh.get_group("dp")))
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 

@@ -14,9 +14,9 @@ Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
 
 
 import argparse
+import math
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import runtime
 from autoshard.runtime import checkpoint
@@ -26,11 +26,15 @@ from autoshard.runtime.parallel import apply_fsdp, build_optimizer, build_schedu
 
 MODEL = 'examples/gpt.py:build'
 MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 16
-PP, DP, TP = 2, 2, 1  # mesh ("pp", "dp", "tp"), tp innermost (inside a node)
+# The device mesh and each rank's share of a global batch (passes.lower.layout)
+MESH = {"pp": 2, "dp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
+FLATTEN = {}  # no dims joined
+DATA_AXIS = "dp"  # its ranks take different samples; the pp ranks of one dp rank take the same ones
 MICROBATCH_SIZE = 2
-NUM_MICROBATCHES = 4  # GLOBAL_BATCH // (DP * MICROBATCH_SIZE)
+NUM_MICROBATCHES = 4  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 SCHEDULE = 'interleaved-1f1b'
@@ -76,9 +80,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    ctx = runtime.init_distributed(expected_world_size=PP * DP * TP, timeout_s=args.timeout_s)
-    mesh = init_device_mesh(ctx.device_type, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
-    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT)
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
@@ -87,12 +91,11 @@ def main():
 
     start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh)  # 0 without a checkpoint
 
-    dp_rank = mesh.get_local_rank("dp")
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
         batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
-        inputs, targets = runtime.take_shard(batch, dp_rank, DP, ctx.device)
+        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
         with runtime.autocast(PRECISION, ctx.device):
             loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
         optimizer.step()
