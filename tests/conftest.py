@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 import tempfile
@@ -26,3 +27,47 @@ def in_repo(monkeypatch):
     """Run in the repo root so model specs like examples/gpt.py:build resolve."""
     monkeypatch.chdir(ROOT)
     return ROOT
+
+
+def pytest_itemcollected(item):
+    """Under pytest-xdist (``scripts/test.sh``: ``-n auto --dist loadgroup``) the tests that ask for the session's
+    shared torchrun launch of one world size (tests/e2e/one_launch.py) run on one worker, so that launch is made
+    once; the launches of other sizes, and every other test, spread over the workers. (Marked as each test is
+    collected: pytest-xdist reads the groups in its own ``pytest_collection_modifyitems``.)"""
+    if "launches" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group(f"launch-{_launch_size(item)}"))
+
+
+def _launch_size(item) -> str:
+    """The world size of the shared launch ``item`` asks for (the largest, if several)."""
+    cases = getattr(item.module, "LAUNCHES", None)
+    if cases is None:
+        return "any"
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    asked = cases.case_of(item.originalname, params) if cases.case_of else list(cases.ranks_of)
+    asked = [asked] if isinstance(asked, str) else list(asked or [])
+    sizes = [cases.ranks_of[name] for name in asked if name in cases.ranks_of]
+    return str(max(sizes)) if sizes else "any"
+
+
+def pytest_configure(config):
+    """A folder where each pytest-xdist worker leaves its shared launches' timing lines for the summary."""
+    if not hasattr(config, "workerinput"):
+        os.environ["AUTOSHARD_LAUNCH_TIMINGS"] = tempfile.mkdtemp(prefix="autoshard-launch-timings-")
+
+
+def pytest_sessionfinish(session):
+    folder = os.environ.get("AUTOSHARD_LAUNCH_TIMINGS")
+    launches = sys.modules.get("e2e.one_launch")
+    if folder and launches is not None:
+        worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+        (Path(folder) / f"{worker}.json").write_text(json.dumps(launches.timing_lines()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the shared launches' time went (tests/e2e/one_launch.py), per worker."""
+    folder = os.environ.get("AUTOSHARD_LAUNCH_TIMINGS")
+    for worker in sorted(Path(folder).glob("*.json")) if folder else []:
+        lines = json.loads(worker.read_text())
+        for line in ([f"{worker.stem}:"] if worker.stem != "main" else []) + lines:
+            terminalreporter.write_line(line)

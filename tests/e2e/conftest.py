@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import autoshard.verify
-from e2e.one_launch import SharedLaunches, once_per_arguments, timing_lines
+from e2e.one_launch import SharedLaunches, once_per_arguments
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +26,3 @@ def one_reference_run_per_arguments():
             if getattr(module, "train_reference", None) is original:
                 mp.setattr(module, "train_reference", once)
         yield
-
-
-def pytest_terminal_summary(terminalreporter):
-    for line in timing_lines():
-        terminalreporter.write_line(line)
