@@ -22,8 +22,10 @@ if TYPE_CHECKING:  # planning never imports torch when the capture cache has the
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
          devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, cache: bool = True,
          runtime: str = "autoshard", seq_len: int | None = None, **pins) -> Plan:
-    """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions
-    (dp, tp, pp, zero, microbatch_size, recompute, schedule, virtual_stages, stage_cuts); ``fold=False``
+    """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions, one keyword per row of
+    ``ir.decisions.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
+    schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel; each also by its
+    ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
     exports every repeated layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's
     ``search`` gives the gap); ``cache=False`` captures the model even when the capture cache has it
     (``passes.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted
@@ -31,25 +33,25 @@ def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8
     ``example_batch`` (its own sequence length when None)."""
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, time_limit_s, cache, runtime,
-                                  seq_len))
+    return plan_model(PlanRequest(model_spec=model, cluster=cluster, global_batch=global_batch, pins=Pins(**pins),
+                                  fold=fold, time_limit_s=time_limit_s, cache=cache, runtime=runtime, seq_len=seq_len))
 
 
 def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
              devices_per_node: int | None = None, fold: bool = True, cache: bool = True, runtime: str = "autoshard",
              seq_len: int | None = None, **pins) -> Plan:
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
-    microbatch_size, recompute, schedule), or left to its default (``Pins.with_defaults``: virtual
-    stages follow the schedule, the planner's stage cuts). It is priced like ``plan`` prices it (a
-    fitting one is the same plan) and returned even when it does not fit (its ``notes`` say by how
-    much); ``runtime`` as for ``plan``."""
+    microbatch_size, recompute, schedule: keywords as for ``plan``), or left to its default
+    (``Pins.with_defaults``: virtual stages follow the schedule, the planner's stage cuts). It is
+    priced like ``plan`` prices it (a fitting one is the same plan) and returned even when it does not
+    fit (its ``notes`` say by how much); ``runtime`` as for ``plan``."""
     missing = Pins(**pins).missing_for_estimate()
     if missing:
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return estimate_model(PlanRequest(model, cluster, global_batch, Pins(**pins), fold, cache=cache, runtime=runtime,
-                                      seq_len=seq_len))
+    return estimate_model(PlanRequest(model_spec=model, cluster=cluster, global_batch=global_batch,
+                                      pins=Pins(**pins), fold=fold, cache=cache, runtime=runtime, seq_len=seq_len))
 
 
 def layout(plan: Plan | str | Path) -> Layout:

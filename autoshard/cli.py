@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import PIN_OF, PINS, Pins
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 
 EXIT_USER_ERROR = 2
@@ -105,10 +106,6 @@ def _add_estimate(sub, common) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-PIN_FLAGS = ("dp", "tp", "pp", "zero", "microbatch_size", "recompute", "schedule", "virtual_stages", "stage_cuts",
-             "dp_replicate", "ep", "cp", "sequence_parallel")
-
-
 def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="path/to/model.py:factory")
     p.add_argument("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or cluster YAML")
@@ -119,25 +116,7 @@ def _add_plan_arguments(p) -> None:
                    "example_batch(batch_size, seq_len=...) (default: the file's own)")
     p.add_argument("-o", "--output", help="write plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
-    for name in ("dp", "tp", "pp", "zero", "microbatch-size"):
-        p.add_argument(f"--{name}", type=int, help="pin this decision")
-    p.add_argument("--dp-replicate", type=int, help="HSDP: FSDP2 shards over dp / N ranks (inside a node) and "
-                   "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)")
-    p.add_argument("--ep", type=int, help="expert parallelism: split each mixture-of-experts layer's experts over "
-                   "this many of the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)")
-    p.add_argument("--cp", type=int, help="context parallelism: split each sample's sequence over this many ranks, "
-                   "attention as a ring (long sequences; estimate: 1 unless given)")
-    p.add_argument("--sequence-parallel", choices=["on", "off"], type=str.lower,
-                   help="TP's norm and dropout regions on 1/tp of the tokens, a reduce-scatter and an all-gather for "
-                        "each all-reduce (default: searched; estimate: on where tp > 1 without pipeline stages)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], type=str.lower, help="pin recompute")
-    p.add_argument("--schedule", type=str.lower, help="pin the pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, metavar="V",
-                   help="pin the pipeline stages per pp rank (V > 1: interleaved-1f1b, Megatron-LM's interleaving; "
-                        "default: the schedule's, 1 for gpipe and 1f1b)")
-    p.add_argument("--stage-cuts", metavar="even|K1,K2,...",
-                   help="pin where pipeline stages begin: 'even' (L / (pp x V) blocks each, as Megatron-LM splits "
-                        "layers) or the first block of stages 1 .. pp x V - 1 (default: the planner's cuts)")
+    _add_pin_arguments(p)
     p.add_argument("--runtime", choices=PLAN_RUNTIMES, default="autoshard", type=str.lower,
                    help="price the configuration as this runtime runs it: autoshard (the emitted program, default) "
                         "or megatron-lm (to compare with Megatron-LM's published runs; the plan still compiles "
@@ -148,6 +127,19 @@ def _add_plan_arguments(p) -> None:
                    "(AUTOSHARD_CACHE=0 turns the cache off; AUTOSHARD_CACHE_DIR moves it)")
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="stop searching after this long and report the optimality gap (default: search to the optimum)")
+
+
+def _add_pin_arguments(p) -> None:
+    """One flag per row of ``ir.decisions.PINS``, stored under its ``Pins`` field (``args.zero_stage`` for
+    --zero): ``pins_of`` hands them to ``Pins`` as they are, which checks them."""
+    for row in PINS:
+        p.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help,
+                       metavar=row.metavar or (None if row.choices else row.keyword.upper()))
+
+
+def pins_of(args) -> dict[str, object]:
+    """The pin flags of a ``plan`` / ``estimate`` command line, by ``Pins`` field (None: not given)."""
+    return {row.name: getattr(args, row.name) for row in PINS}
 
 
 def _add_inspect(sub, common) -> None:
@@ -235,18 +227,11 @@ def cmd_plan(args) -> int:
         from autoshard import api  # after the capture started: the imports run while it captures
 
         plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
-                        devices_per_node=args.devices_per_node, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                        microbatch_size=args.microbatch_size, recompute=args.recompute, schedule=args.schedule,
-                        virtual_stages=args.virtual_stages, stage_cuts=args.stage_cuts, runtime=args.runtime,
-                        dp_replicate=args.dp_replicate, ep=args.ep, cp=args.cp,
-                        sequence_parallel=_on_off(args.sequence_parallel), fold=not args.no_fold, time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache,
-                        seq_len=args.seq_len)
+                        devices_per_node=args.devices_per_node, runtime=args.runtime, fold=not args.no_fold,
+                        time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache, seq_len=args.seq_len,
+                        **pins_of(args))
     _write_plan(plan, args)
     return 0
-
-
-def _on_off(value: str | None) -> bool | None:
-    return None if value is None else value == "on"
 
 
 def _time_limit(value: float | None) -> float | None:
@@ -268,11 +253,9 @@ def cmd_estimate(args) -> int:
     _check_plan_output(args)
     with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
         from autoshard import api  # after the capture started: the imports run while it captures
-        from autoshard.passes.strategies import Pins
 
-        pins = {name: getattr(args, name) for name in PIN_FLAGS}
-        pins["sequence_parallel"] = _on_off(pins["sequence_parallel"])
-        missing = [f"--{name.replace('_', '-')}" for name in Pins(**pins).missing_for_estimate()]
+        pins = pins_of(args)
+        missing = [PIN_OF[name].flag for name in Pins(**pins).missing_for_estimate()]
         if missing:
             raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
                                  f"(or let `autoshard plan` choose)")

@@ -28,7 +28,7 @@ user error (AutoshardError) passes through unchanged, as its message already nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.dp_comm import stage_ranks
@@ -41,7 +41,7 @@ from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Plan, Stage, model_file_sha256
+from autoshard.ir.plan import Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops, random_ops
@@ -146,36 +146,30 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
     best = result.best
     c = best.config
     tp = best.tp_choice
+    blocks = tuple(b.path for b in graph.blocks)
     return Plan(
         model=model_summary(request.model_spec, model_file, graph, request.seq_len),
         cluster=request.cluster.to_dict(),
         global_batch=request.global_batch,
-        mesh=c.mesh,
-        zero_stage=c.zero_stage,
-        microbatch_size=c.microbatch_size,
-        num_microbatches=c.num_microbatches,
-        schedule=c.schedule,
-        recompute=c.recompute,
-        stages=pipeline_stages(graph, c.mesh, best.cuts, c.schedule, c.virtual_stages),
-        tensor_parallel=dict(tp.sharded) if tp is not None else {},
-        tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
-        virtual_stages=c.virtual_stages,
-        split_points=tuple(graph.blocks[k].path for k in best.cuts),
+        # the chosen decisions, at the parameters' precision (the search priced the cluster's)
+        decisions=replace(c, precision=precision_for_graph(request.cluster.backend, graph).name),
+        layout=PlanLayout(
+            blocks=blocks,
+            tensor_parallel=dict(tp.sharded) if tp is not None else {},
+            split_points=tuple(blocks[k] for k in best.cuts),
+            stages=pipeline_stages(graph, c.mesh, best.cuts, c.schedule, c.virtual_stages),
+            experts=tuple(g.path for g in graph.experts) if c.ep > 1 else (),
+        ),
         predicted=result.best.predicted,
-        alternatives=result.alternatives,
-        blocks=tuple(b.path for b in graph.blocks),
-        ddp_bucket_cap_mb=c.ddp_bucket_cap_mb,
-        precision=precision_for_graph(request.cluster.backend, graph).name,  # the parameters' dtype decides
-        pinned=request.pins.names,
-        runtime=request.runtime,
-        notes=plan_notes(best, request.runtime) + batch_notes(graph, c) +
-        ((why_not(best, best, request.cluster),) if not best.fits else ()),
-        symbolic=plan_symbolic(request, graph, best),
-        search=dict(result.report),
-        recompute_blocks=dict(zip((b.path for b in graph.blocks), c.recompute_blocks)),
-        dp_replicate=c.dp_replicate,
-        ep=c.ep,
-        experts=tuple(g.path for g in graph.experts) if c.ep > 1 else (),
+        review=PlanReview(
+            alternatives=result.alternatives,
+            tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
+            notes=plan_notes(best, request.runtime) + batch_notes(graph, c) +
+            ((why_not(best, best, request.cluster),) if not best.fits else ()),
+            symbolic=plan_symbolic(request, graph, best),
+            search=dict(result.report),
+        ),
+        provenance=PlanProvenance(pinned=request.pins.names, runtime=request.runtime),
     )
 
 

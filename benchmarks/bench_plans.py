@@ -57,7 +57,7 @@ RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2
 
 def pins_of(config: Decisions) -> Pins:
     m = config.mesh
-    return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero=config.zero_stage, microbatch_size=config.microbatch_size,
+    return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero_stage=config.zero_stage, microbatch_size=config.microbatch_size,
                 recompute=config.recompute, schedule=config.schedule, ep=config.ep)
 
 
@@ -86,8 +86,8 @@ def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
 
 def plan_key(plan) -> str:
     return config_key(Decisions(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
-                             plan.microbatch_size, plan.num_microbatches, plan.recompute, plan.schedule,
-                             plan.virtual_stages, ep=plan.ep))
+                                plan.microbatch_size, plan.num_microbatches, recompute=plan.recompute,
+                                schedule=plan.schedule, virtual_stages=plan.virtual_stages, ep=plan.ep))
 
 
 def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
@@ -169,7 +169,7 @@ def run(args) -> dict:
 
 
 def pins_of_plan(plan) -> Pins:
-    return Pins(dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp, zero=plan.zero_stage,
+    return Pins(dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp, zero_stage=plan.zero_stage,
                 microbatch_size=plan.microbatch_size, recompute=plan.recompute, schedule=plan.schedule, ep=plan.ep)
 
 

@@ -11,7 +11,7 @@ from autoshard.cost.hardware import PRESETS
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Memory, Plan, PlanLayout, Predicted, Stage, load_plan
-from autoshard.ir.plan_format import PLAN_VERSION, SECTIONS, TOP_KEYS
+from autoshard.ir.plan_format import PLAN_VERSION, SECTION_RECORDS, SECTIONS, TOP_KEYS
 from autoshard.passes.codegen import blocks_expression
 
 REQUIRED_KEYS = ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
@@ -39,7 +39,7 @@ def make_plan(**overrides):
                   global_batch=8, mesh=Mesh(dp=2), zero_stage=1, microbatch_size=2, num_microbatches=2,
                   schedule="none", recompute="none", stages=(Stage(0, ("a",), (0, 1)),), tensor_parallel={},
                   predicted=predicted)
-    return Plan(**{**fields, **overrides})
+    return Plan.of(**{**fields, **overrides})
 
 
 def test_round_trip_is_byte_identical(tmp_path):
@@ -76,9 +76,26 @@ def test_the_runtime_that_priced_a_plan_round_trips_and_older_files_read_as_auto
         make_plan(runtime="deepspeed")
 
 
-def test_every_plan_field_has_its_place_in_the_json():
-    placed = {k for k in TOP_KEYS if k not in SECTIONS} | {k for keys in SECTIONS.values() for k in keys}
-    assert {f.name for f in fields(Plan)} == placed
+def test_the_plan_is_one_record_per_section_of_its_json():
+    """Plan's fields are the JSON's top keys; each section's keys are its record's fields in their order (less
+    sequence_parallel, which the TP styles record); every field of a section reads flat and read-only."""
+    assert [f.name for f in fields(Plan)] == [*TOP_KEYS[1:], "version"]
+    assert list(SECTION_RECORDS) == list(SECTIONS) and [f.name for f in fields(Decisions)] == \
+        [*SECTIONS["decisions"], "sequence_parallel"]
+    for section in ("layout", "review", "provenance"):
+        assert [f.name for f in fields(SECTION_RECORDS[section])] == list(SECTIONS[section])
+    plan = make_plan(recompute="mixed", recompute_blocks={"h.0": "full", "h.1": "none"}, blocks=("h.0", "h.1"),
+                     notes=("a note",), pinned=("dp",))
+    for section, record in SECTION_RECORDS.items():
+        for f in fields(record):
+            if f.name != "recompute_blocks":
+                assert getattr(plan, f.name) is getattr(getattr(plan, section), f.name), f.name
+            with pytest.raises(AttributeError):
+                setattr(plan, f.name, None)
+    assert plan.recompute_blocks == {"h.0": "full", "h.1": "none"} and plan.decisions.recompute_blocks == ("full", "none")
+    assert Plan.of(**{f.name: getattr(plan, f.name) for f in fields(Plan)}) == plan
+    with pytest.raises(TypeError, match="unknown field 'colour'"):
+        make_plan(colour="blue")
 
 
 def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
@@ -115,10 +132,11 @@ def test_decisions_and_layout_are_the_flat_fields():
     mixed = load_plan(GOLDEN_V1.with_name("mixed_recompute.plan.json")).decisions
     assert mixed.recompute == "mixed" and mixed.recompute_blocks == ("full", "selective", "none", "full")
     assert mixed.block_modes(4) == mixed.recompute_blocks
-    plan.layout.tensor_parallel["h.0"] = "colwise"  # a copy: the plan is unchanged
-    assert plan.tensor_parallel == {}
+    assert plan.layout.tensor_parallel is plan.tensor_parallel  # the plan's own record
     with pytest.raises(AttributeError):
         plan.decisions.zero_stage = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        plan.layout = plan.layout  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("section", ["decisions", "layout", "review", "provenance"])

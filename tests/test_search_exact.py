@@ -97,8 +97,8 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
             continue
         counts = {(group, "full"): full, (group, "selective"): selective, (group, "none"): blocks - full - selective}
         modes = assign(groups, counts, blocks)
-        config = Decisions(base.mesh, 3, 8, 2, "mixed", recompute_blocks=modes) if len(set(modes)) > 1 else \
-            Decisions(base.mesh, 3, 8, 2, modes[0])
+        config = Decisions(base.mesh, 3, 8, 2, recompute="mixed", recompute_blocks=modes) if len(set(modes)) > 1 \
+            else Decisions(base.mesh, 3, 8, 2, recompute=modes[0])
         p = price_config(graph, cluster, config, 64, tables)
         if p.fits:
             fitting.append(p.predicted.step_time_s)

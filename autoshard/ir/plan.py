@@ -5,9 +5,13 @@ A plan is a review artifact: ``plan.json`` is versioned, self-describing, determ
 predicted figure is a sum of named parts (``Predicted``); alternatives carry the same
 breakdown and the reason they lost.
 
-``Plan`` is flat (``plan.mesh``, ``plan.zero_stage``, ...); its JSON groups the fields into
-decisions, layout, predicted, review and provenance (``ir.plan_format``, version 2). Plans of
-version 1 (one flat object) are read as the same ``Plan`` and saved as version 2.
+``Plan`` holds one record per section of its JSON (``ir.plan_format``, version 2): ``decisions``
+(``ir.decisions.Decisions``, the search's own record), ``layout``, ``predicted``, ``review`` and
+``provenance``, beside the model, the cluster and the global batch. Every field of a section's
+record is also read flat (``plan.mesh``, ``plan.zero_stage``, ``plan.tensor_parallel``, ``plan.notes``):
+read-only accessors made from the records' fields (``_flat_accessors``). ``Plan.of`` builds a plan from
+those flat names. Plans of version 1 (one flat object) are read as the same ``Plan`` and saved as
+version 2.
 """
 
 from __future__ import annotations
@@ -20,193 +24,152 @@ import os
 import re
 import stat
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, IO
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh, tp_style
-from autoshard.ir.plan_format import (
+from autoshard.ir.plan_format import (  # noqa: F401 (the records and names are re-exported)
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
     PLAN_VERSION,
     READ_VERSIONS,
     RECOMPUTE_MODES,
     SCHEDULES,
+    SECTION_OF,
+    SECTION_RECORDS,
+    SECTIONS,
+    Alternative,
+    Memory,
+    PlanLayout,
+    PlanProvenance,
+    PlanReview,
+    Predicted,
+    Stage,
     flatten,
-    sectioned,
 )
 from autoshard.ir.plan_schema import bounded_json_int, check_plan_dict
 
 
-@dataclass(frozen=True)
-class Memory:
-    """Predicted bytes per rank at the peak of a step, by part."""
-
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    transient_bytes: int  # unsharded FSDP units, communication buffers, recompute workspace
-    peak_bytes: int  # sum of the above, plus allocator slack
-
-    @classmethod
-    def from_parts(cls, slack_fraction: float = 0.0, **parts: int) -> "Memory":
-        total = sum(parts.values())
-        return cls(**parts, peak_bytes=int(total * (1.0 + slack_fraction)))
+def _flat_accessors(cls: type) -> type:
+    """A read-only property on ``cls`` for every field of every section record (``SECTION_RECORDS``):
+    ``plan.zero_stage`` is ``plan.decisions.zero_stage``. A name ``cls`` defines itself keeps its own."""
+    for section, record in SECTION_RECORDS.items():
+        for f in fields(record):
+            if f.name in cls.__dict__:
+                continue
+            assert f.name not in {g.name for g in fields(cls)}, f"{section}.{f.name} shadows a field of {cls.__name__}"
+            setattr(cls, f.name, property(attrgetter(f"{section}.{f.name}"), doc=f"``{section}.{f.name}``"))
+    return cls
 
 
-@dataclass(frozen=True)
-class Predicted:
-    """Predicted step time by part (seconds) and what it buys."""
-
-    step_time_s: float
-    compute_s: float  # forward + backward + recompute + optimizer
-    comm_exposed_s: float  # communication not hidden behind compute
-    bubble_s: float  # pipeline idle time
-    memory_peak_bytes_per_rank: int
-    memory: Memory
-    tokens_per_s: float
-    samples_per_s: float
-    mfu: float  # model FLOPs (no recompute) / (step time * devices * peak)
-    comm_total_s: float = 0.0  # all communication, hidden or not
-
-
-@dataclass(frozen=True)
-class Stage:
-    index: int
-    modules: tuple[str, ...]
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """A configuration the planner priced and did not choose, and why."""
-
-    mesh: Mesh
-    zero_stage: int
-    microbatch_size: int
-    recompute: str
-    schedule: str
-    predicted: Predicted | None  # None where it does not fit
-    why_not: str
-
-
-@dataclass(frozen=True)
-class PlanLayout:
-    """Where the decisions land on the model (``plan.json``'s ``layout`` section): the FSDP / recompute
-    units, each module's tensor-parallel style, and the pipeline's cuts and stages: ``Plan.layout``."""
-
-    blocks: tuple[str, ...]
-    tensor_parallel: dict[str, str]
-    split_points: tuple[str, ...]
-    stages: tuple[Stage, ...]
-    experts: tuple[str, ...] = ()  # the expert groups an ep > 1 plan splits
-
-
+@_flat_accessors
 @dataclass(frozen=True)
 class Plan:
-    """The plan, field by field. ``plan.json`` groups the fields into sections (``ir.plan_format``);
-    ``decisions`` (``ir.decisions.Decisions``, the search's record) and ``layout`` give two of them as
-    one record each."""
+    """The plan: what it is for (model, cluster, global batch), and one record per section of ``plan.json``
+    (``ir.plan_format``). Its checks (``__post_init__``) are the ones no section can make alone.
+    ``decisions.sequence_parallel`` is what the TP styles run (a sequence-parallel style of ``ir.decisions``'
+    second table in ``layout.tensor_parallel``): the plan records it there only."""
 
     model: dict[str, Any]  # spec, hash, params, layers
     cluster: dict[str, Any]  # Cluster.to_dict()
     global_batch: int
-    mesh: Mesh
-    zero_stage: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    recompute: str
-    stages: tuple[Stage, ...]
-    tensor_parallel: dict[str, str]
+    decisions: Decisions
+    layout: PlanLayout
     predicted: Predicted
-    alternatives: tuple[Alternative, ...] = ()
-    blocks: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, recompute units)
-    virtual_stages: int = 1  # pipeline stages per pp rank (interleaved and V schedules: 2)
-    split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
-    tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
-    ddp_bucket_cap_mb: float = 25.0
-    precision: str = "fp32"  # a name of ir.decisions.PRECISIONS: "bf16-autocast" on GPUs, "fp32" on CPU
-    pinned: tuple[str, ...] = ()  # decisions the user fixed by hand
-    runtime: str = "autoshard"  # what the prediction priced (ir.plan_format); the program is autoshard's
-    notes: tuple[str, ...] = ()
-    # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
-    # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
-    symbolic: dict[str, Any] = field(default_factory=dict)
-    # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
-    search: dict[str, Any] = field(default_factory=dict)
-    recompute_blocks: dict[str, str] = field(default_factory=dict)  # recompute "mixed": block path -> its mode
-    dp_replicate: int = 1  # HSDP: FSDP2 shards over dp / dp_replicate ranks and replicates across the rest
-    ep: int = 1  # expert parallelism: each expert group split over ep of the dp ranks (Decisions.ep)
-    experts: tuple[str, ...] = ()  # the expert groups (passes.experts) the ep axis shards, when ep > 1
+    review: PlanReview = field(default_factory=PlanReview)
+    provenance: PlanProvenance = field(default_factory=PlanProvenance)
     version: int = PLAN_VERSION  # the format it is written in: a plan read from an older version has this one
 
     def __post_init__(self):
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise AutoshardError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.recompute not in PLAN_RECOMPUTE:
-            raise AutoshardError(f"recompute={self.recompute!r} must be one of {', '.join(PLAN_RECOMPUTE)}")
-        if (self.recompute == "mixed") != bool(self.recompute_blocks) or \
-                any(m not in RECOMPUTE_MODES for m in self.recompute_blocks.values()):
-            raise AutoshardError(f"recompute={self.recompute!r} with recompute_blocks {self.recompute_blocks!r}: a "
+        d, layout = self.decisions, self.layout
+        sequence_parallel = any(tp_style(style).sequence_parallel for style in layout.tensor_parallel.values())
+        if d.sequence_parallel != sequence_parallel:
+            object.__setattr__(self, "decisions", replace(d, sequence_parallel=sequence_parallel))
+        if d.zero_stage not in (0, 1, 2, 3):
+            raise AutoshardError(f"zero_stage={d.zero_stage} must be 0, 1, 2 or 3")
+        if d.recompute not in PLAN_RECOMPUTE:
+            raise AutoshardError(f"recompute={d.recompute!r} must be one of {', '.join(PLAN_RECOMPUTE)}")
+        mixed = d.recompute == "mixed"
+        if (len(d.recompute_blocks) != (len(layout.blocks) if mixed else 0) or not layout.blocks and mixed
+                or any(m not in RECOMPUTE_MODES for m in d.recompute_blocks)):
+            raise AutoshardError(f"recompute={d.recompute!r} with recompute_blocks {d.recompute_blocks!r}: a "
                                  f"mixed plan gives every block one of {', '.join(RECOMPUTE_MODES)}, others none")
-        if self.schedule not in SCHEDULES:
-            raise AutoshardError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
-        if self.runtime not in PLAN_RUNTIMES:
-            raise AutoshardError(f"runtime={self.runtime!r} must be one of {', '.join(PLAN_RUNTIMES)}")
-        if self.mesh.pp > 1 and len(self.split_points) != self.mesh.pp * self.virtual_stages - 1:
-            raise AutoshardError(f"pp={self.mesh.pp} x {self.virtual_stages} virtual stages needs "
-                                 f"{self.mesh.pp * self.virtual_stages - 1} split points, got {len(self.split_points)}")
-        if (self.mesh.pp > 1) != (self.schedule != "none"):
-            raise AutoshardError(f"schedule {self.schedule!r} does not fit pp={self.mesh.pp}: pipelines need "
+        if d.schedule not in SCHEDULES:
+            raise AutoshardError(f"schedule={d.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.provenance.runtime not in PLAN_RUNTIMES:
+            raise AutoshardError(f"runtime={self.provenance.runtime!r} must be one of {', '.join(PLAN_RUNTIMES)}")
+        mesh = d.mesh
+        if mesh.pp > 1 and len(layout.split_points) != mesh.pp * d.virtual_stages - 1:
+            raise AutoshardError(f"pp={mesh.pp} x {d.virtual_stages} virtual stages needs "
+                                 f"{mesh.pp * d.virtual_stages - 1} split points, got {len(layout.split_points)}")
+        if (mesh.pp > 1) != (d.schedule != "none"):
+            raise AutoshardError(f"schedule {d.schedule!r} does not fit pp={mesh.pp}: pipelines need "
                                  f"one of {', '.join(SCHEDULES[1:])}, and pp=1 needs none")
-        if self.dp_replicate < 1 or self.mesh.dp % self.dp_replicate or \
-                (self.dp_replicate > 1 and (self.zero_stage < 2 or self.mesh.pp > 1)):
-            raise AutoshardError(f"dp_replicate={self.dp_replicate} must divide dp={self.mesh.dp}, and HSDP "
+        if d.dp_replicate < 1 or mesh.dp % d.dp_replicate or \
+                (d.dp_replicate > 1 and (d.zero_stage < 2 or mesh.pp > 1)):
+            raise AutoshardError(f"dp_replicate={d.dp_replicate} must divide dp={mesh.dp}, and HSDP "
                                  f"(dp_replicate > 1) needs ZeRO-2 or 3 without pipeline stages")
-        if self.ep < 1 or self.mesh.dp % self.ep or (self.ep > 1 and not self.experts):
-            raise AutoshardError(f"ep={self.ep} must divide dp={self.mesh.dp}, and ep > 1 needs the expert groups "
+        if d.ep < 1 or mesh.dp % d.ep or (d.ep > 1 and not layout.experts):
+            raise AutoshardError(f"ep={d.ep} must divide dp={mesh.dp}, and ep > 1 needs the expert groups "
                                  f"it shards (layout.experts)")
-        per_step = self.mesh.dp * self.microbatch_size * self.num_microbatches
+        per_step = mesh.dp * d.microbatch_size * d.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
-                f"dp {self.mesh.dp} x micro-batch {self.microbatch_size} x {self.num_microbatches} "
+                f"dp {mesh.dp} x micro-batch {d.microbatch_size} x {d.num_microbatches} "
                 f"micro-batches = {per_step}, not the global batch {self.global_batch}"
             )
+
+    @classmethod
+    def of(cls, **flat: Any) -> "Plan":
+        """The plan of flat keywords: ``Plan``'s own fields, and each section record's fields by name
+        (``zero_stage=3``, ``tensor_parallel={...}``, ``notes=(...)``), ``recompute_blocks`` by block path as the
+        flat accessor gives it. A section given whole (``decisions=...``) takes the flat names of its fields
+        on top of it."""
+        own = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in flat if k not in own and k not in SECTION_OF and k != "sequence_parallel")
+        if unknown:
+            raise TypeError(f"Plan.of() got an unknown field {unknown[0]!r}")
+        top = {k: v for k, v in flat.items() if k in own}
+        blocks = tuple(flat.get("blocks", top["layout"].blocks if "layout" in top else ()))
+        if isinstance(flat.get("recompute_blocks"), dict):
+            flat = {**flat, "recompute_blocks": tuple(flat["recompute_blocks"].get(b, "none") for b in blocks)
+                    if flat["recompute_blocks"] else ()}
+        for section, record in SECTION_RECORDS.items():
+            names = {f.name for f in fields(record)}
+            values = {k: v for k, v in flat.items() if k in names}
+            top[section] = replace(top[section], **values) if section in top else record(**values)
+        return cls(**top)
 
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
 
     @property
-    def sequence_parallel(self) -> bool:
-        """Its TP layout shards the regions between the parallel linears along the sequence (a style of
-        ``ir.decisions``' sequence-parallel table)."""
-        return any(tp_style(style).sequence_parallel for style in self.tensor_parallel.values())
-
-    @property
-    def decisions(self) -> Decisions:
-        """The decision fields as one record, the search's own type (a mixed plan's per-block modes in
-        ``blocks`` order)."""
-        modes = tuple(self.recompute_blocks.get(b, "none") for b in self.blocks) if self.recompute == "mixed" else ()
-        return Decisions(mesh=self.mesh, zero_stage=self.zero_stage, microbatch_size=self.microbatch_size,
-                         num_microbatches=self.num_microbatches, recompute=self.recompute, schedule=self.schedule,
-                         virtual_stages=self.virtual_stages, ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
-                         recompute_blocks=modes, precision=self.precision, dp_replicate=self.dp_replicate,
-                         ep=self.ep, sequence_parallel=self.sequence_parallel)
-
-    @property
-    def layout(self) -> PlanLayout:
-        """The layout fields as one record (a copy: changing it leaves the plan as it is)."""
-        return PlanLayout(**{f.name: _copied(getattr(self, f.name)) for f in fields(PlanLayout)})
+    def recompute_blocks(self) -> dict[str, str]:
+        """A mixed plan's mode of each block, by block path (``plan.json``'s ``decisions.recompute_blocks``;
+        ``decisions.recompute_blocks`` holds them in ``blocks`` order); {} for the others."""
+        return dict(zip(self.layout.blocks, self.decisions.recompute_blocks))
 
     def to_json(self) -> str:
         """Deterministic JSON of version ``PLAN_VERSION``: fixed sections and key order (``ir.plan_format``),
         floats rounded to 6 significant digits."""
-        flat = {f.name: _ordered(getattr(self, f.name)) for f in fields(self) if f.name != "version"}
-        return json.dumps(_rounded(sectioned(flat)), indent=2) + "\n"
+        doc: dict[str, Any] = {"version": PLAN_VERSION}
+        for f in fields(self):
+            if f.name != "version":
+                doc[f.name] = self._decisions_section() if f.name == "decisions" else _ordered(getattr(self, f.name))
+        return json.dumps(_rounded(doc), indent=2) + "\n"
+
+    def _decisions_section(self) -> dict[str, Any]:
+        """``decisions`` as ``plan.json`` holds it: the written fields (``plan_format.SECTIONS``), recompute_blocks
+        by block path."""
+        d, unless = self.decisions, Decisions.WRITTEN_UNLESS
+        values = {name: self.recompute_blocks if name == "recompute_blocks" else getattr(d, name)
+                  for name in SECTIONS["decisions"]}
+        return {name: _ordered(value) for name, value in values.items()
+                if name not in unless or value != unless[name]}
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan."""
@@ -458,37 +421,61 @@ def _memory(d: Any) -> Memory:
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
+    """The plan of a flat (version 1 shaped) document that ``check_plan_dict`` passed; an absent optional key
+    reads as its field's default."""
+    layout = PlanLayout(
+        blocks=tuple(d.get("blocks", ())),
+        tensor_parallel=dict(d["tensor_parallel"]),
+        split_points=tuple(d.get("split_points", ())),
+        stages=tuple(Stage(s["index"], tuple(s["modules"]), tuple(s["ranks"])) for s in d["stages"]),
+        experts=tuple(d.get("experts", ())),
+    )
     return Plan(
         model=_check_file_sha256(dict(_require_keys(d["model"], ("spec", "hash", "params", "layers"), "model"))),
         cluster=dict(d["cluster"]),
         global_batch=_int(d["global_batch"]),
-        mesh=_mesh(d["mesh"], "mesh"),
-        zero_stage=_int(d["zero_stage"]),
-        microbatch_size=_int(d["microbatch_size"]),
-        num_microbatches=_int(d["num_microbatches"]),
-        schedule=d["schedule"],
-        recompute=d["recompute"],
-        stages=tuple(Stage(s["index"], tuple(s["modules"]), tuple(s["ranks"])) for s in d["stages"]),
-        tensor_parallel=dict(d["tensor_parallel"]),
+        decisions=_decisions(d, layout.blocks),
+        layout=layout,
         predicted=_predicted(d["predicted"]),
-        alternatives=tuple(_alternative(a) for a in d["alternatives"]),
-        blocks=tuple(d.get("blocks", ())),
-        virtual_stages=_int(d.get("virtual_stages", 1)),
-        split_points=tuple(d.get("split_points", ())),
-        tensor_parallel_reasons=dict(d.get("tensor_parallel_reasons", {})),
-        ddp_bucket_cap_mb=float(d.get("ddp_bucket_cap_mb", 25.0)),
-        precision=d.get("precision", "fp32"),
-        pinned=tuple(d.get("pinned", ())),
-        runtime=d.get("runtime", "autoshard"),  # plans written before the field: priced for autoshard's program
-        notes=tuple(d.get("notes", ())),
-        symbolic=_symbolic(d.get("symbolic", {})),
-        search=_search(d.get("search", {})),
-        recompute_blocks=dict(d.get("recompute_blocks", {})),
-        dp_replicate=_int(d.get("dp_replicate", 1)),
-        ep=_int(d.get("ep", 1)),
-        experts=tuple(d.get("experts", ())),
+        review=PlanReview(
+            alternatives=tuple(_alternative(a) for a in d["alternatives"]),
+            tensor_parallel_reasons=dict(d.get("tensor_parallel_reasons", {})),
+            notes=tuple(d.get("notes", ())),
+            symbolic=_symbolic(d.get("symbolic", {})),
+            search=_search(d.get("search", {})),
+        ),
+        provenance=PlanProvenance(
+            pinned=tuple(d.get("pinned", ())),
+            runtime=d.get("runtime", "autoshard"),  # plans written before the field: priced for autoshard's program
+        ),
         version=PLAN_VERSION,
     )
+
+
+_READ_RULE: dict[str, Callable[[Any], Any]] = {"count": lambda v: _int(v), "positive": float,
+                                               "choice": lambda v: v, "mesh": lambda v: _mesh(v, "mesh")}
+
+
+def _decisions(d: dict[str, Any], blocks: tuple[str, ...]) -> Decisions:
+    """``Decisions`` of a plan's fields, each read by its ``in_plan`` rule; an absent one is its default."""
+    values = {}
+    for f in fields(Decisions):
+        rule = f.metadata.get("plan")
+        if rule is not None and f.name in d:
+            value = d[f.name]
+            values[f.name] = _block_modes(value, blocks) if rule == "recompute_blocks" else _READ_RULE[rule](value)
+    return Decisions(**values)
+
+
+def _block_modes(modes: dict[str, str], blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """``recompute_blocks`` by block path -> each block's mode in ``blocks`` order (a block not named: none)."""
+    if not modes:
+        return ()
+    unknown = [b for b in modes if b not in blocks]
+    if unknown:
+        raise AutoshardError(f"plan field 'recompute_blocks' names {unknown[0][:80]!r}, which is not one of the "
+                             f"plan's blocks (layout.blocks); re-create the plan with `autoshard plan`")
+    return tuple(modes.get(b, "none") for b in blocks)
 
 
 def _search(d: Any) -> dict[str, Any]:
@@ -535,10 +522,6 @@ def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"expected an integer, got {v!r}")
     return v
-
-
-def _copied(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else value
 
 
 def _ordered(obj: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The layout of ``plan.json``: its version, its sections and the names its choices may take.
+"""The layout of ``plan.json``: its version, its sections as records and the names its choices may take.
 
 Pure data and dict reshaping, imported by both ``ir.plan`` (which writes and reads plans) and
 ``ir.plan_schema`` (which checks them): ``ir.plan`` imports the schema, and the schema never
@@ -7,63 +7,149 @@ imports ``ir.plan`` back.
 Version 2 (written) groups the plan's fields into sections, in this order::
 
     version, model, cluster, global_batch
-    decisions    mesh, zero_stage, microbatch_size, num_microbatches, schedule, virtual_stages,
-                 recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate (HSDP; absent: 1),
-                 ep (expert parallelism; written only when > 1)
-    layout       blocks, tensor_parallel, split_points, stages, experts (the expert groups ep shards;
-                 written only with ep > 1)
-    predicted    step time and memory by part (``ir.plan.Predicted``)
-    review       alternatives, tensor_parallel_reasons, notes, symbolic, search
-    provenance   pinned, runtime
+    decisions    ir.decisions.Decisions: mesh, zero_stage, microbatch_size, num_microbatches, schedule,
+                 virtual_stages, recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate
+                 (HSDP; absent: 1), ep (expert parallelism; written only when > 1)
+    layout       PlanLayout: blocks, tensor_parallel, split_points, stages, experts (the expert groups ep
+                 shards; written only with ep > 1)
+    predicted    Predicted: step time and memory by part
+    review       PlanReview: alternatives, tensor_parallel_reasons, notes, symbolic, search
+    provenance   PlanProvenance: pinned, runtime
+
+Each section is one record (``SECTION_RECORDS``) and ``ir.plan.Plan`` holds one of each; a section's
+keys are its record's fields in their order (``SECTIONS``), less those the record does not write:
+a ``Decisions`` field without ``in_plan`` metadata (``sequence_parallel``, which the TP styles record),
+and a field equal to its value in the record's ``WRITTEN_UNLESS`` (``ep`` 1, ``experts`` none), so plans
+made before the field read and write as before.
 
 ``runtime`` names what the prediction priced (``PLAN_RUNTIMES``; ``cost.tables.Runtime.named``):
 "autoshard", the emitted program, or "megatron-lm", to compare with Megatron-LM's published runs.
 The program is autoshard's either way. Plans written before the field read as "autoshard".
 
 Version 1 (read, never written) is the same fields in one flat object: ``flatten`` turns a
-version 2 document into that flat form, ``sectioned`` the flat form into version 2.
+version 2 document into that flat form.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from autoshard.ir.decisions import (PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES,  # noqa: F401 (re-exported)
+                                    ZERO_BUBBLE_SCHEDULES, Decisions, Mesh)
 
 PLAN_VERSION = 2
 READ_VERSIONS = (1, 2)  # versions from_json reads; only PLAN_VERSION is written
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-PLAN_RECOMPUTE = (*RECOMPUTE_MODES, "mixed")  # mixed: each block's own mode in Plan.recompute_blocks
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
-ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input and weight gradients
-V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank in a V: rank r holds stages r and 2·pp − 1 − r
 PLAN_RUNTIMES = ("autoshard", "megatron-lm")  # cost.tables.RUNTIME_NAMES: what priced the plan
 
-DECISIONS_KEYS = ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages",
-                  "recompute", "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate", "ep")
-LAYOUT_KEYS = ("blocks", "tensor_parallel", "split_points", "stages", "experts")
-# Keys written only when they differ from these values, so plans without them read and write as before.
-WRITTEN_UNLESS = {"ep": 1, "experts": []}
-REVIEW_KEYS = ("alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search")
-PROVENANCE_KEYS = ("pinned", "runtime")
-SECTIONS: dict[str, tuple[str, ...]] = {  # section -> its keys, in the order they are written
-    "decisions": DECISIONS_KEYS,
-    "layout": LAYOUT_KEYS,
-    "review": REVIEW_KEYS,
-    "provenance": PROVENANCE_KEYS,
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted bytes per rank at the peak of a step, by part."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    transient_bytes: int  # unsharded FSDP units, communication buffers, recompute workspace
+    peak_bytes: int  # sum of the above, plus allocator slack
+
+    @classmethod
+    def from_parts(cls, slack_fraction: float = 0.0, **parts: int) -> "Memory":
+        total = sum(parts.values())
+        return cls(**parts, peak_bytes=int(total * (1.0 + slack_fraction)))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """Predicted step time by part (seconds) and what it buys (``plan.json``'s ``predicted`` section)."""
+
+    step_time_s: float
+    compute_s: float  # forward + backward + recompute + optimizer
+    comm_exposed_s: float  # communication not hidden behind compute
+    bubble_s: float  # pipeline idle time
+    memory_peak_bytes_per_rank: int
+    memory: Memory
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float  # model FLOPs (no recompute) / (step time * devices * peak)
+    comm_total_s: float = 0.0  # all communication, hidden or not
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    modules: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A configuration the planner priced and did not choose, and why."""
+
+    mesh: Mesh
+    zero_stage: int
+    microbatch_size: int
+    recompute: str
+    schedule: str
+    predicted: Predicted | None  # None where it does not fit
+    why_not: str
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where the decisions land on the model (``plan.json``'s ``layout`` section): the FSDP / recompute
+    units, each module's tensor-parallel style, and the pipeline's cuts and stages: ``Plan.layout``."""
+
+    blocks: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, recompute units)
+    # module path -> a style of ir.decisions.TP_STYLES (the sharded ones: a module not named stays replicated)
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
+    stages: tuple[Stage, ...] = ()
+    experts: tuple[str, ...] = ()  # the expert groups (passes.experts) the ep axis shards, when ep > 1
+
+    WRITTEN_UNLESS = {"experts": ()}
+
+
+@dataclass(frozen=True)
+class PlanReview:
+    """What a reviewer reads beside the decisions (``plan.json``'s ``review`` section): ``Plan.review``."""
+
+    alternatives: tuple[Alternative, ...] = ()
+    tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
+    notes: tuple[str, ...] = ()
+    # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
+    # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
+    symbolic: dict[str, Any] = field(default_factory=dict)
+    # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
+    search: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlanProvenance:
+    """How the plan was asked for (``plan.json``'s ``provenance`` section): ``Plan.provenance``."""
+
+    pinned: tuple[str, ...] = ()  # the decisions the user fixed by hand, by their API keyword (ir.decisions.PINS)
+    runtime: str = "autoshard"  # what the prediction priced (PLAN_RUNTIMES); the program is autoshard's
+
+
+def written_fields(record: type) -> tuple[str, ...]:
+    """The keys a section record writes, in its field order: every field, less a ``Decisions`` field without
+    ``in_plan`` metadata (module doc)."""
+    return tuple(f.name for f in fields(record) if record is not Decisions or "plan" in f.metadata)
+
+
+SECTION_RECORDS: dict[str, type] = {  # section -> its record, in the order they are written
+    "decisions": Decisions,
+    "layout": PlanLayout,
+    "review": PlanReview,
+    "provenance": PlanProvenance,
 }
+SECTIONS: dict[str, tuple[str, ...]] = {section: written_fields(r) for section, r in SECTION_RECORDS.items()}
+DECISIONS_KEYS, LAYOUT_KEYS, REVIEW_KEYS, PROVENANCE_KEYS = SECTIONS.values()
 TOP_KEYS = ("version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
-            "provenance")
+            "provenance")  # ir.plan.Plan's fields, version first
 SECTION_OF = {key: section for section, keys in SECTIONS.items() for key in keys}  # flat key -> its section
-
-
-def sectioned(flat: dict[str, Any]) -> dict[str, Any]:
-    """The version 2 document of a plan's flat fields (every key of ``SECTION_OF`` and of ``TOP_KEYS``
-    that is not a section), in the written order; ``version`` is ``PLAN_VERSION``."""
-    out: dict[str, Any] = {"version": PLAN_VERSION}
-    for key in TOP_KEYS[1:]:
-        out[key] = {k: flat[k] for k in SECTIONS[key] if k not in WRITTEN_UNLESS or flat[k] != WRITTEN_UNLESS[k]} \
-            if key in SECTIONS else flat[key]
-    return out
 
 
 def flatten(doc: dict[str, Any]) -> dict[str, Any]:

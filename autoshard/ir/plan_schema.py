@@ -26,6 +26,10 @@ never code in the emitted program:
     ranks          mesh dp·tp·pp <= the cluster's devices; stage ranks in 0 .. dp·tp·pp − 1
     prose          alternatives[].why_not, reasons, notes      strings
 
+The decisions section is checked by its record: each field of ``ir.decisions.Decisions`` that the
+plan writes, by the rule of its ``in_plan`` metadata (a count, a choice, a number > 0, the mesh,
+recompute_blocks), required where it has no default or says so.
+
 In version 2 every section is a mapping and an unknown key at the top or in ``decisions``,
 ``layout``, ``review`` or ``provenance`` is refused (a key edited into the wrong place would
 otherwise change nothing), as is one in a mesh or in ``predicted.memory``; in a version 1 file an
@@ -42,10 +46,11 @@ from __future__ import annotations
 import math
 import re
 import reprlib
+from dataclasses import MISSING, fields
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import PRECISIONS, TP_STYLES
+from autoshard.ir.decisions import TP_STYLES, Decisions
 from autoshard.ir.plan_format import (PLAN_RECOMPUTE, PLAN_RUNTIMES, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS,
                                       TOP_KEYS)
 from autoshard.ir.topology import Cluster
@@ -86,15 +91,8 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     _check_model(_mapping(d, "model"))
     cluster = Cluster.from_dict(_mapping(d, "cluster"), where="plan field 'cluster'")
     _name(cluster.name, "cluster.name")
-    for key in ("global_batch", "microbatch_size", "num_microbatches"):
-        _count(f.get(key), f.path(key))
-    _choice(f.get("zero_stage"), f.path("zero_stage"), (0, 1, 2, 3))
-    _choice(f.get("recompute"), f.path("recompute"), PLAN_RECOMPUTE)
-    for key, mode in f.get_mapping("recompute_blocks", {}).items():
-        _path(key, f.path("recompute_blocks"))
-        _choice(mode, f"{f.path('recompute_blocks')}.{key}", RECOMPUTE_MODES)
-    _choice(f.get("schedule"), f.path("schedule"), SCHEDULES)
-    world = _check_mesh(f.get_mapping("mesh"), f.path("mesh"))
+    _count(f.get("global_batch"), f.path("global_batch"))
+    world = _check_decisions(f)
     if world > cluster.world_size:
         raise AutoshardError(f"plan field '{f.path('mesh')}' needs {world} ranks but the plan's cluster has "
                              f"{cluster.world_size} devices; {FIX}")
@@ -161,6 +159,35 @@ def _unknown_keys(d: dict[str, Any], known: tuple[str, ...], what: str, holds: s
                          f"plan with `autoshard plan`")
 
 
+def _check_decisions(f: _Fields) -> int:
+    """Every written field of ``Decisions`` by the rule of its ``in_plan`` metadata (``ir.decisions``), in its
+    order; an optional one absent reads as its default. Returns the mesh's ranks."""
+    world = 0
+    for field in fields(Decisions):
+        rule = field.metadata.get("plan")
+        if rule is None:
+            continue
+        key, path = field.name, f.path(field.name)
+        default = _MISSING if field.metadata["required"] or field.default is MISSING else field.default
+        if rule == "mesh":
+            world = _check_mesh(f.get_mapping(key), path)
+        elif rule == "recompute_blocks":
+            for block, mode in f.get_mapping(key, {}).items():
+                _path(block, path)
+                _choice(mode, f"{path}.{block}", RECOMPUTE_MODES)
+        elif rule == "count":
+            _count(f.get(key, default), path)
+        elif rule == "choice":
+            _choice(f.get(key, default), path, field.metadata["choices"])
+        elif rule == "positive":
+            value = _number(f.get(key, default), path)
+            if value <= 0:
+                _fail(path, "a number > 0", value)
+        else:
+            raise AssertionError(f"Decisions.{key}: no check for the plan rule {rule!r}")
+    return world
+
+
 def _check_optional(f: _Fields) -> None:
     for key in ("blocks", "split_points", "experts"):
         for i, path in enumerate(f.get_list(key, [])):
@@ -168,13 +195,6 @@ def _check_optional(f: _Fields) -> None:
     for key, reason in f.get_mapping("tensor_parallel_reasons", {}).items():
         _path(key, f.path("tensor_parallel_reasons"))
         _string(reason, f"{f.path('tensor_parallel_reasons')}.{key}")
-    _count(f.get("virtual_stages", 1), f.path("virtual_stages"))
-    _count(f.get("dp_replicate", 1), f.path("dp_replicate"))
-    _count(f.get("ep", 1), f.path("ep"))
-    bucket = _number(f.get("ddp_bucket_cap_mb", 25.0), f.path("ddp_bucket_cap_mb"))
-    if bucket <= 0:
-        _fail(f.path("ddp_bucket_cap_mb"), "a number > 0", bucket)
-    _choice(f.get("precision", "fp32"), f.path("precision"), tuple(PRECISIONS))
     for i, name in enumerate(f.get_list("pinned", [])):
         _name(name, f"{f.path('pinned')}[{i}]")
     _choice(f.get("runtime", "autoshard"), f.path("runtime"), PLAN_RUNTIMES)

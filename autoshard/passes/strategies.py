@@ -25,143 +25,39 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.stage_cuts`` chooses them
 
-Pins that fall outside it are refused with one line naming the fix; ``check_pins`` does the
-checks that need no graph before capture (seconds on large models). ``Pins.with_defaults`` fills
-the decisions with a natural default (virtual stages follow the schedule), for ``estimate``.
+The pins are ``ir.decisions.Pins`` (one field per row of ``ir.decisions.PINS``, each row's check run
+when they are made). Pins that fall outside the space are refused with one line naming the fix;
+``check_pins`` does the checks that need no graph before capture (seconds on large models).
+``Pins.with_defaults`` fills the decisions with a natural default (virtual stages follow the
+schedule), for ``estimate``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.decisions import (PIPELINE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, STAGE_CUTS_EVEN, V_SCHEDULES,
+                                    ZERO_BUBBLE_SCHEDULES, ZERO_STAGES, Decisions, Mesh, Pins)
+from autoshard.ir.decisions import parse_stage_cuts  # noqa: F401 (re-exported: --stage-cuts' parser)
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES
-from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import Cluster
 from autoshard.cost.units import node_units
 from autoshard.passes.context_parallel import cp_refusal, searched_cp_degrees
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility
 
-ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
 # The largest global batch planned: 2^30 samples per step, ~10^5 times the largest in use (a few
 # thousand sequences); divisors are found by trial division up to its square root (32,768 steps).
 MAX_GLOBAL_BATCH = 2**30
-# (schedule, virtual stages): torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (ZB1P), ZBV, DualPipeV
-PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
-                      ("dualpipev", 2))
 # Zero-bubble schedules are priced by running their orders (pp·m·v·3 actions, once per (pp, m, v): see
 # cost.schedule.schedule_makespan_s); unpinned, the search tries them up to this pp, which keeps a 1T-model
 # search on thousands of GPUs within 20 s (at pp 64 one shape is ~10^5 actions); --schedule zbv (or another
 # zero-bubble schedule) prices any pp.
 MAX_SEARCHED_ZERO_BUBBLE_PP = 8
 LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")  # v > 1 stages per rank, r, r + pp, ...; any v > 1
-
-
-@dataclass(frozen=True)
-class Pins:
-    """Decisions the user fixed by hand; None means "choose"."""
-
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    zero: int | None = None
-    microbatch_size: int | None = None
-    recompute: str | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None  # pipeline stages per pp rank (> 1: interleaved 1F1B)
-    stage_cuts: str | tuple[int, ...] | None = None  # "even", or the first block of stages 1 .. pp·v − 1
-    dp_replicate: int | None = None  # HSDP's replicas (1: plain FSDP2 over dp)
-    ep: int | None = None  # expert parallelism (1: every rank holds every expert)
-    cp: int | None = None  # context parallelism (1: each rank holds whole sequences)
-    sequence_parallel: bool | None = None  # TP's regions between the parallel linears on 1/tp of the tokens
-
-    def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "dp_replicate", "ep", "cp"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise AutoshardError(f"--{name.replace('_', '-')} {value} must be a positive integer")
-        if self.stage_cuts is not None:
-            object.__setattr__(self, "stage_cuts", parse_stage_cuts(self.stage_cuts))
-        if self.zero is not None and self.zero not in ZERO_STAGES:
-            raise AutoshardError(f"--zero {self.zero} must be 0, 1, 2 or 3")
-        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
-            raise AutoshardError(f"--recompute {self.recompute} must be one of {', '.join(RECOMPUTE_MODES)}")
-        if self.schedule is not None:
-            object.__setattr__(self, "schedule", self.schedule.lower())
-            if self.schedule not in SCHEDULES:
-                raise AutoshardError(f"--schedule {self.schedule} must be one of {', '.join(SCHEDULES[1:])} "
-                                     f"(or none, without pipeline stages)")
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(k for k, v in self.__dict__.items() if v is not None)
-
-    @property
-    def wants_pipeline(self) -> bool:
-        return ((self.pp or 1) > 1 or self.schedule not in (None, "none") or (self.virtual_stages or 1) > 1
-                or self.stage_cuts is not None)
-
-    def with_defaults(self) -> Pins:
-        """These pins with every unpinned decision that has a natural default set to it (``PIN_DEFAULTS``):
-        what ``estimate`` prices, which needs every other decision pinned (``missing_for_estimate``)."""
-        pins = self
-        for name, default in PIN_DEFAULTS.items():
-            if name in self.__dataclass_fields__ and getattr(pins, name) is None:
-                pins = replace(pins, **{name: default(pins)})
-        return pins
-
-    def missing_for_estimate(self) -> tuple[str, ...]:
-        """The decisions ``estimate`` needs pinned that are neither pinned nor defaulted (``with_defaults``)."""
-        pins = self.with_defaults()
-        return tuple(name for name in self.__dataclass_fields__
-                     if getattr(pins, name) is None and name not in ESTIMATE_OPTIONAL)
-
-
-STAGE_CUTS_EVEN = "even"  # Megatron-LM's split: ⌊k·L / S⌋ for k = 1 .. S − 1, L blocks over S = pp·v stages
-# Unpinned decisions with a natural default, in the order they are set: the schedule (none without pipeline
-# stages, interleaved 1F1B with several stages per rank), the virtual stages the schedule runs (1 for gpipe
-# and 1f1b), one replica group for HSDP's replicate axis.
-PIN_DEFAULTS: dict[str, Callable[[Pins], object]] = {
-    "schedule": lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None,
-    "virtual_stages": lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
-    "dp_replicate": lambda p: 1,
-    "ep": lambda p: 1,
-    "cp": lambda p: 1,
-    "sequence_parallel": lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1,  # where it can run: it never costs memory
-}
-# Never asked for by ``estimate``: the planner's cuts (``passes.stage_cuts``), the schedule's virtual stages
-# (the schedule is asked for where it has no default).
-ESTIMATE_OPTIONAL = ("stage_cuts", "virtual_stages")
-
-
-def parse_stage_cuts(value: object) -> str | tuple[int, ...]:
-    """``--stage-cuts``: "even", or increasing block indices ≥ 1 ("12,24,36" or a sequence of ints)."""
-    if isinstance(value, str) and value.strip().lower() == STAGE_CUTS_EVEN:
-        return STAGE_CUTS_EVEN
-    parts = value.split(",") if isinstance(value, str) else value
-    try:
-        cuts = tuple(_cut_index(part) for part in parts)
-    except (TypeError, ValueError):
-        cuts = ()
-    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])):
-        shown = value if isinstance(value, str) else ",".join(map(str, value)) if isinstance(value, (list, tuple)) \
-            else repr(value)
-        raise AutoshardError(f"--stage-cuts {shown[:80]} must be 'even' or increasing block indices >= 1, the "
-                             f"first block of each stage after the first; e.g. --stage-cuts even or --stage-cuts 12,24,36")
-    return cuts
-
-
-def _cut_index(part: object) -> int:
-    value = int(part.strip()) if isinstance(part, str) else part
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(part)
-    return value
 
 
 def pinned_cuts(stage_cuts: str | tuple[int, ...] | None, config: Decisions, blocks: int) -> tuple[int, ...] | None:
@@ -228,7 +124,7 @@ def _check_schedule(pins: Pins) -> None:
         raise AutoshardError(f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
                              f"drop --schedule or pin --pp 2 or more")
     if pins.schedule in ZERO_BUBBLE_SCHEDULES:
-        why = split_backward_refusal(pins.zero, pins.recompute, pins.tp)
+        why = split_backward_refusal(pins.zero_stage, pins.recompute, pins.tp)
         if why:
             raise AutoshardError(f"--schedule {pins.schedule} with {why}")
 
@@ -316,9 +212,10 @@ def _check_degrees(pins: Pins, cluster: Cluster) -> None:
 
 def _check_zero(pins: Pins) -> None:
     pipeline = pins.wants_pipeline
-    if pins.zero is not None and pins.zero >= 1 and pins.dp == 1 and (pins.cp or 1) == 1:
-        raise AutoshardError(f"--zero {pins.zero} with --dp 1 has nothing to shard over; use --zero 0, or a larger --dp")
-    if pins.zero == 2 and pipeline:
+    if pins.zero_stage is not None and pins.zero_stage >= 1 and pins.dp == 1 and (pins.cp or 1) == 1:
+        raise AutoshardError(f"--zero {pins.zero_stage} with --dp 1 has nothing to shard over; use --zero 0, or a "
+                             f"larger --dp")
+    if pins.zero_stage == 2 and pipeline:
         raise AutoshardError("--zero 2 with pipeline stages runs as ZeRO-1 (torch's pipeline schedules keep each "
                              "stage's gradients whole until the last micro-batch); pin --zero 1 (the same "
                              "program) or --zero 3")
@@ -332,8 +229,8 @@ def _check_hsdp(pins: Pins, pipeline: bool) -> None:
     if pipeline:
         raise AutoshardError(f"--dp-replicate {r} (HSDP) is planned without pipeline stages; drop --dp-replicate "
                              f"or pin --pp 1")
-    if pins.zero is not None and pins.zero < 2:
-        raise AutoshardError(f"--dp-replicate {r} (HSDP) shards with FSDP2: pin --zero 2 or 3, not {pins.zero}")
+    if pins.zero_stage is not None and pins.zero_stage < 2:
+        raise AutoshardError(f"--dp-replicate {r} (HSDP) shards with FSDP2: pin --zero 2 or 3, not {pins.zero_stage}")
     if pins.dp is not None and (pins.dp % r or pins.dp == r):
         raise AutoshardError(f"--dp-replicate {r} must divide --dp {pins.dp} and leave at least 2 ranks per shard "
                              f"group; use a divisor of {pins.dp} below it")
@@ -608,7 +505,7 @@ def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> t
 
 def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:
     per_rank = global_batch // mesh.dp
-    zeros = [z for z in zero_stages(mesh) if pins.zero in (None, z)]
+    zeros = [z for z in zero_stages(mesh) if pins.zero_stage in (None, z)]
     recomputes = [r for r in RECOMPUTE_MODES if pins.recompute in (None, r)]
     out = []
     for schedule, v in schedule_choices(mesh, blocks, pins):
@@ -728,4 +625,4 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
                 f"{global_batch // mesh.dp} (dp={mesh.dp}) gives at most {global_batch // mesh.dp}; use --global-batch "
                 f"{2 * mesh.pp * mesh.dp} or more, or --schedule zbv")
     return (f"the pins {', '.join(pins.names)} leave no configuration the runtime supports "
-            f"(e.g. ZeRO-{pins.zero} with mesh {meshes[0]}); unpin one of them")
+            f"(e.g. ZeRO-{pins.zero_stage} with mesh {meshes[0]}); unpin one of them")
