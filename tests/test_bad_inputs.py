@@ -104,6 +104,7 @@ INFEASIBLE = [
     (cluster_args(B + "tiny_memory.yaml"), "but devices have 1000 bytes"),
     (plan_args(GPT, "--tp", "3"), "--tp 3 must divide the 2 devices per node"),
     (plan_args(GPT, "--global-batch", "7", "--dp", "2"), "not divisible by dp=2"),
+    (plan_args(MLP, "--tp", "2", "--sequence-parallel", "on"), "--sequence-parallel on: this model's tensor-parallel"),
 ]
 
 OUTPUTS = [  # where results would be written

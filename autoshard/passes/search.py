@@ -124,6 +124,11 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
     else:
         n = len(order)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
+    if not priced and configs and all(c.sequence_parallel for c in configs):
+        raise AutoshardError(f"--sequence-parallel on: this model's tensor-parallel layout at tp="
+                             f"{configs[0].mesh.tp} keeps no region between its sharded linears that sequence "
+                             f"parallelism could hold on 1/tp of the tokens; "
+                             f"leave --sequence-parallel off, or let the planner choose")
     if not feasible:
         raise AutoshardError(explain_infeasible(graph, cluster, priced))
     best = feasible[0]
