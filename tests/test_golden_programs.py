@@ -4,6 +4,11 @@
 it, byte for byte. After a deliberate change to the programs, rewrite them with
 ``AUTOSHARD_UPDATE_GOLDEN=1 pytest tests/test_golden_programs.py`` and review the diff.
 
+Each plan is the planner's own: ``PLAN_COMMANDS`` holds the ``autoshard plan`` command that made it, every
+decision its kind is about pinned, so its decisions are ones the planner gives. After a change to the
+planner or the plan format, remake them with ``python tests/test_golden_programs.py [KIND ...]`` (from the
+repository root), then the programs as above.
+
 The second test runs, in one process, the steps the Python API applies (``runtime.parallel.apply_steps``
 on ``passes.lower``'s steps) and the emitted program's ``parallelize`` / ``build_pipeline``, each with the
 applier's functions replaced by recorders, and requires the same calls with the same arguments in the
@@ -15,7 +20,11 @@ same order: the program and ``autoshard.parallelize`` cannot drift apart. The pr
 from __future__ import annotations
 
 import ast
+import json
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,24 +35,101 @@ from autoshard.passes.codegen import emit_program
 from autoshard.passes.lower import layout, lower
 from autoshard.runtime import parallel
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
 KINDS = sorted(p.name.removesuffix(".plan.json") for p in GOLDEN.glob("*.plan.json"))
 RUN_INPUTS = {"device": "DEVICE", "lr": 0.5, "example_microbatch": "EXAMPLE", "loss_fn": "LOSS"}
+
+GPT = "examples/gpt.py:build"
+CPU4 = "--cluster local-cpu --devices-per-node 4"
+FAST_LINK = "--cluster tests/clusters/fast_link_cpu.yaml"  # TP pays off: the layout shards attention too
+# kind -> the `autoshard plan` arguments that made tests/golden/<kind>.plan.json (run from the repository root)
+PLAN_COMMANDS = {
+    # data parallel: DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-3 (FSDP2), HSDP (FSDP2 inside a node, replicas across)
+    "dp_zero0": f"{GPT} {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --zero 0 --microbatch-size 2 --recompute none",
+    "dp_zero1": f"{GPT} {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --zero 1 --microbatch-size 2 --recompute none",
+    "dp_zero3": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 --zero 3 "
+                "--microbatch-size 4 --recompute none",
+    "hsdp_zero3": f"{GPT} --cluster local-cpu --nodes 2 --devices-per-node 2 --global-batch 8 --dp 4 --tp 1 --pp 1 "
+                  "--zero 3 --microbatch-size 2 --recompute none --dp-replicate 2",
+    # dp x tp: FSDP2's replicate, the distributed optimizer, ZeRO-2; sequence parallel
+    "dp_tp_zero0": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 0 "
+                   "--microbatch-size 2 --recompute none --sequence-parallel off",
+    "dp_tp_zero1": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 1 "
+                   "--microbatch-size 2 --recompute none --sequence-parallel off",
+    "dp_tp_zero2": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 2 "
+                   "--microbatch-size 4 --recompute none --sequence-parallel off",
+    "dp_tp_sequence_parallel": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 "
+                               "--zero 1 --microbatch-size 2 --recompute none --sequence-parallel on",
+    # context parallel (each sample's tokens over 2 ranks), expert parallel (a mixture-of-experts model)
+    "dp_cp_zero3": f"{GPT} {CPU4} --global-batch 8 --seq-len 32 --dp 2 --tp 1 --pp 1 --cp 2 --zero 3 "
+                   "--microbatch-size 4 --recompute none",
+    "dp_ep_zero3": f"tests/models/hf_mixtral.py:build {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --ep 2 --zero 3 "
+                   "--microbatch-size 2 --recompute none",
+    # bf16: a GPU cluster (NCCL) trains fp32 parameters under bf16 autocast, FSDP2 gathering bf16 weights
+    "bf16_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
+                     "--microbatch-size 8 --recompute none",
+    # per-block recompute: recompute is left to the planner, which mixes modes to fit 2.5 MiB ranks
+    "mixed_recompute": f"{GPT} --cluster tests/clusters/cpu4_tight_memory.yaml --global-batch 8 --dp 4 --tp 1 --pp 1 "
+                       "--zero 3 --microbatch-size 1",
+    # pipelines: 1F1B with recompute in the stages, interleaved, zero-bubble in a V, and dp x tp x pp
+    "pipeline_recompute": f"{GPT} {CPU4} --global-batch 8 --dp 2 --tp 1 --pp 2 --zero 1 --microbatch-size 2 "
+                          "--schedule 1f1b --recompute selective",
+    "interleaved_pipeline": f"{GPT} {CPU4} --global-batch 16 --dp 2 --tp 1 --pp 2 --zero 3 --microbatch-size 2 "
+                            "--schedule interleaved-1f1b --virtual-stages 2 --recompute none",
+    "zbv_pipeline": f"{GPT} {CPU4} --global-batch 16 --dp 2 --tp 1 --pp 2 --zero 1 --schedule zbv",
+    "tp_pp": f"{GPT} {FAST_LINK} --devices-per-node 8 --global-batch 16 --dp 2 --tp 2 --pp 2 --zero 0 "
+             "--microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none",
+}
+REQUEST_FLAGS = ("--cluster", "--nodes", "--devices-per-node", "--global-batch", "--seq-len")  # not decisions
 
 
 def test_the_kinds_cover_every_plan_shape():
     plans = [load_plan(GOLDEN / f"{kind}.plan.json") for kind in KINDS]
-    assert len(KINDS) >= 6
-    assert {p.zero_stage for p in plans if p.mesh.pp == 1 and p.mesh.dp > 1} >= {1, 2, 3}
-    assert any(p.mesh.tp > 1 and p.mesh.dp > 1 and p.mesh.pp == 1 for p in plans)
-    assert any(p.schedule == "interleaved-1f1b" for p in plans)
-    assert any(p.schedule == "zbv" for p in plans)  # stages in a V, backward split
-    assert any(p.mesh.tp > 1 and p.mesh.pp > 1 for p in plans)
-    assert any(p.recompute == "mixed" for p in plans)
-    assert any(p.recompute != "none" and p.mesh.pp > 1 for p in plans)
-    assert {p.zero_stage for p in plans if p.mesh.tp > 1 and p.mesh.dp > 1} >= {0, 1}  # replicate; distributed optimizer
+    assert len(KINDS) >= 12
+    spmd = [p for p in plans if p.mesh.pp == 1]
+    pipelines = [p for p in plans if p.mesh.pp > 1]
+    assert {p.zero_stage for p in spmd if p.mesh.dp > 1 and p.mesh.tp == 1} >= {0, 1, 3}  # DDP, ZeRO-1, FSDP2
+    assert {p.zero_stage for p in spmd if p.mesh.tp > 1 and p.mesh.dp > 1} >= {0, 1, 2}  # replicate; distributed optimizer
     assert any(p.dp_replicate > 1 for p in plans)  # HSDP
+    assert any(p.sequence_parallel for p in plans)
     assert any(p.mesh.cp > 1 and p.mesh.dp > 1 and p.model.get("seq_len") for p in plans)  # context parallel, --seq-len
+    assert any(p.ep > 1 for p in plans)  # expert parallel
+    assert any(p.precision == "bf16-autocast" for p in plans)
+    assert any(p.recompute == "mixed" and len(set(p.recompute_blocks.values())) > 1 for p in plans)
+    assert {p.schedule for p in pipelines} >= {"1f1b", "interleaved-1f1b", "zbv"}  # zbv: stages in a V, backward split
+    assert {p.zero_stage for p in pipelines} >= {0, 1, 3}
+    assert any(p.recompute != "none" for p in pipelines)
+    assert any(p.mesh.tp > 1 and p.mesh.dp > 1 for p in pipelines)
+
+
+def test_every_plan_is_the_planners_for_its_command():
+    """Each golden plan is a version 2 file ``PLAN_COMMANDS`` made: its model, request and pins are the command's."""
+    assert set(PLAN_COMMANDS) == set(KINDS)
+    for kind, command in PLAN_COMMANDS.items():
+        path = GOLDEN / f"{kind}.plan.json"
+        assert json.loads(path.read_text())["version"] == 2, kind
+        plan = load_plan(path)
+        model, *options = shlex.split(command)
+        flags = dict(zip(options[::2], options[1::2], strict=True))
+        assert model == plan.model["spec"], kind
+        assert int(flags["--global-batch"]) == plan.global_batch, kind
+        assert flags.get("--seq-len") == (str(plan.model["seq_len"]) if plan.model.get("seq_len") else None), kind
+        for flag, field in (("--nodes", "nodes"), ("--devices-per-node", "devices_per_node")):
+            assert flag not in flags or int(flags[flag]) == plan.cluster[field], (kind, flag)
+        pins = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()
+                if flag not in REQUEST_FLAGS}
+        assert set(plan.pinned) == set(pins), kind
+        assert {name: _pin_text(plan, name) for name in pins} == pins, kind
+
+
+def _pin_text(plan, name: str) -> str:
+    """The value of the decision a pin fixes, as its flag writes it."""
+    values = {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "cp": plan.mesh.cp, "ep": plan.ep,
+              "zero": plan.zero_stage, "microbatch_size": plan.microbatch_size, "recompute": plan.recompute,
+              "schedule": plan.schedule, "virtual_stages": plan.virtual_stages, "dp_replicate": plan.dp_replicate,
+              "sequence_parallel": "on" if plan.sequence_parallel else "off"}
+    return str(values[name])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -132,3 +218,12 @@ def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+if __name__ == "__main__":  # remake the golden plans: python tests/test_golden_programs.py [KIND ...]
+    for kind in sys.argv[1:] or PLAN_COMMANDS:
+        out = GOLDEN / f"{kind}.plan.json"
+        subprocess.run([sys.executable, "-m", "autoshard", "plan", *shlex.split(PLAN_COMMANDS[kind]), "-o", str(out)],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        print(f"{out.relative_to(ROOT)}: autoshard plan {PLAN_COMMANDS[kind]}")
+    print("now rewrite the programs: AUTOSHARD_UPDATE_GOLDEN=1 pytest tests/test_golden_programs.py; review the diff")

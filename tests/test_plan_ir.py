@@ -23,7 +23,7 @@ REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "searc
 PROVENANCE = ["pinned", "runtime"]
 # written only when the plan has them (expert parallelism): a dense plan's sections are the lists above
 DECISIONS_EP, LAYOUT_EP = DECISIONS + ["ep"], LAYOUT + ["experts"]
-GOLDEN_V1 = Path(__file__).resolve().parent / "golden" / "dp_zero1.plan.json"  # a version 1 file, kept as is
+GOLDEN_V1 = Path(__file__).resolve().parent / "plan_v1" / "dp_zero1.plan.json"  # version 1 files, kept as is
 
 
 CLUSTER = PRESETS["dgx-h100"].to_dict()  # a loaded plan's cluster is checked like a cluster file

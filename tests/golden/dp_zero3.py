@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 934652716936.
+"""Training program emitted by autoshard from plan d2cc94895d4b.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 2 devices, gloo
 Plan       dp=2 tp=1 pp=1 | ZeRO-3 | global batch 8 = 2 dp ranks x 1 micro-batches x 4 | recompute none
-Predicted  step 10 ms = compute 9.44 ms + exposed comm 0.574 ms + bubble 0 ms
-           peak 8.1 MiB per rank (weights 0.9, grads 0.5, optimizer 0.9, activations 5.2, transient 0.2)
-           51,118 tokens/s, MFU 77.3%
+Predicted  step 10.3 ms = compute 9.44 ms + exposed comm 0.811 ms + bubble 0 ms
+           peak 8.0 MiB per rank (weights 0.5, grads 0.5, optimizer 0.9, activations 5.2, transient 0.6)
+           49,937 tokens/s, MFU 75.6%
 
 Run:  torchrun --standalone --nproc-per-node 2 train.py [--steps 20]
   or: autoshard run plan.json

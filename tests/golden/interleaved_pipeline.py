@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 661e3180452f.
+"""Training program emitted by autoshard from plan 324a50dc00ae.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
-Plan       dp=2 tp=1 pp=2 | ZeRO-2 | global batch 16 = 2 dp ranks x 4 micro-batches x 2 | recompute none
-Predicted  step 12.7 ms = compute 10.2 ms + exposed comm 1.4 ms + bubble 1.16 ms
-           peak 4.6 MiB per rank (weights 0.5, grads 0.2, optimizer 0.5, activations 3.0, transient 0.2)
-           80,552 tokens/s, MFU 60.9%
+Plan       dp=2 tp=1 pp=2 | ZeRO-3 | global batch 16 = 2 dp ranks x 4 micro-batches x 2 | recompute none
+Predicted  step 13.9 ms = compute 10.2 ms + exposed comm 2.6 ms + bubble 1.16 ms
+           peak 4.6 MiB per rank (weights 0.2, grads 0.2, optimizer 0.5, activations 3.0, transient 0.5)
+           73,640 tokens/s, MFU 55.7%
 
 Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
   or: autoshard run plan.json
@@ -50,12 +50,12 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     # each) and drops the rest of the model.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},
                             example_microbatch=example_microbatch, device=device)
-    # ZeRO-2: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
-    # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
-    # micro-batch (each stage module a unit).
-    stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
+    # ZeRO-3: FSDP2 over 2 dp ranks shards weights, gradients and optimizer state; each unit gathered just
+    # before use; the schedule sums gradients whole and reduce-scatters them after the last micro-batch
+    # (each stage module a unit).
+    stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=True, precision=PRECISION)
     # One AdamW per stage module (each stage's state dict maps through its own module).
-    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=2, lr=lr)
+    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=3, lr=lr)
     # Schedule interleaved-1f1b over 4 micro-batches; gradients are their mean.
     schedule = build_schedule(stages, schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
     return stages, schedule, optimizer

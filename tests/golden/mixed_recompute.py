@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 24e04deb6833.
+"""Training program emitted by autoshard from plan 7109d9fd7460.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
-Cluster    local-cpu: 1 node(s) x 2 devices, gloo
-Plan       dp=2 tp=1 pp=1 | ZeRO-2 | global batch 8 = 2 dp ranks x 1 micro-batches x 4 | recompute mixed
-Predicted  step 10 ms = compute 9.44 ms + exposed comm 0.574 ms + bubble 0 ms
-           peak 8.1 MiB per rank (weights 0.9, grads 0.5, optimizer 0.9, activations 5.2, transient 0.2)
-           51,118 tokens/s, MFU 77.3%
+Cluster    local-cpu: 1 node(s) x 4 devices, gloo
+Plan       dp=4 tp=1 pp=1 | ZeRO-3 | global batch 8 = 4 dp ranks x 2 micro-batches x 1 | recompute mixed
+Predicted  step 8.39 ms = compute 5.66 ms + exposed comm 2.73 ms + bubble 0 ms
+           peak 2.4 MiB per rank (weights 0.2, grads 0.2, optimizer 0.5, activations 0.8, transient 0.6)
+           61,044 tokens/s, MFU 46.2%
 
-Run:  torchrun --standalone --nproc-per-node 2 train.py [--steps 20]
+Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
   or: autoshard run plan.json
 """
 
@@ -29,36 +29,36 @@ SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence l
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 8
 # The device mesh and each rank's share of a global batch (passes.lower.layout)
-MESH = {"pp": 1, "dp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
+MESH = {"pp": 1, "dp": 4, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {}  # no dims joined
 DATA_AXIS = "dp"  # its ranks take different samples
 SEQUENCE_AXIS = None  # no context parallelism: each rank takes whole samples
 LOSS_AXIS = "dp"  # the logged loss: the mean of its ranks' losses
-MICROBATCH_SIZE = 4
-NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
+MICROBATCH_SIZE = 1
+NUM_MICROBATCHES = 2  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 RECOMPUTE = {  # block -> recompute mode (none: keeps its activations)
     'h.0': 'full',
-    'h.1': 'selective',
-    'h.2': 'none',
-    'h.3': 'full',
+    'h.1': 'full',
+    'h.2': 'selective',
+    'h.3': 'selective',
 }
 
 
 def parallelize(model, mesh, device, lr):
-    """Apply the plan's steps in order (passes.lower): recompute mixed, ZeRO-2 over 2 dp ranks (FSDP2)."""
+    """Apply the plan's steps in order (passes.lower): recompute mixed, ZeRO-3 over 4 dp ranks (FSDP2)."""
     # Recompute (mixed): each block its own mode, the least recompute that fits (full: keep only the
     # input; selective: keep matmul and attention outputs).
     model = apply_ac(model, modes=RECOMPUTE)
     # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
     # BatchNorm).
     model = sync_batch_norm(model, mesh["dp"])
-    # ZeRO-2: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
-    # forward to backward (each block a unit, then the root).
-    model = apply_fsdp(model, mesh["dp"], blocks=BLOCKS, reshard_after_forward=False, precision=PRECISION)
+    # ZeRO-3: FSDP2 over 4 dp ranks shards weights, gradients and optimizer state; each unit gathered just
+    # before use (each block a unit, then the root).
+    model = apply_fsdp(model, mesh["dp"], blocks=BLOCKS, reshard_after_forward=True, precision=PRECISION)
     # AdamW over the FSDP2-sharded parameters (its state is sharded with them).
-    optimizer = build_optimizer(model, mesh["dp"], zero_stage=2, lr=lr)
+    optimizer = build_optimizer(model, mesh["dp"], zero_stage=3, lr=lr)
     return model, optimizer
 
 

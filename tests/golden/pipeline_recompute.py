@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 748c9a8465a6.
+"""Training program emitted by autoshard from plan f9c021a3810b.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
-Plan       dp=2 tp=1 pp=2 | ZeRO-2 | global batch 8 = 2 dp ranks x 2 micro-batches x 2 | recompute selective
-Predicted  step 7.12 ms = compute 5.09 ms + exposed comm 0.872 ms + bubble 1.16 ms
-           peak 4.0 MiB per rank (weights 0.5, grads 0.2, optimizer 0.5, activations 2.4, transient 0.2)
-           71,940 tokens/s, MFU 54.4%
+Plan       dp=2 tp=1 pp=2 | ZeRO-1 | global batch 8 = 2 dp ranks x 2 micro-batches x 2 | recompute selective
+Predicted  step 8.23 ms = compute 5.32 ms + exposed comm 0.606 ms + bubble 2.3 ms
+           peak 3.3 MiB per rank (weights 0.5, grads 0.2, optimizer 0.5, activations 1.8, transient 0.2)
+           62,212 tokens/s, MFU 47.1%
 
 Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
   or: autoshard run plan.json
@@ -37,30 +37,30 @@ MICROBATCH_SIZE = 2
 NUM_MICROBATCHES = 2  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
-SCHEDULE = 'interleaved-1f1b'
-VIRTUAL_STAGES = 2  # pipeline stages per pp rank
-SPLIT_POINTS = ('h.1', 'h.2', 'h.3')  # modules where stages 1.. begin
+SCHEDULE = '1f1b'
+VIRTUAL_STAGES = 1  # pipeline stages per pp rank
+SPLIT_POINTS = ('h.2',)  # modules where stages 1.. begin
 RECOMPUTE = {block: "selective" for block in BLOCKS}  # block -> recompute mode
 
 
 def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
-    """interleaved-1f1b pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
+    """1f1b pipeline over 2 ranks, 2 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
     order (passes.lower)."""
-    # 4 stages cut at the split points by tracing one micro-batch; rank r keeps stages r, r + 2, ... (2
-    # each) and drops the rest of the model.
+    # 2 stages cut at the split points by tracing one micro-batch; rank r keeps stage r and drops the rest
+    # of the model.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},
                             example_microbatch=example_microbatch, device=device)
     # Recompute (selective) inside the pipeline stages: keep matmul and attention outputs; recompute the
     # cheap ops.
     stages = apply_ac(stages, modes=RECOMPUTE)
-    # ZeRO-2: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
+    # ZeRO-1: FSDP2 over 2 dp ranks shards gradients and optimizer state; weights stay gathered from
     # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
     # micro-batch (each stage module a unit).
     stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
     # One AdamW per stage module (each stage's state dict maps through its own module).
-    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=2, lr=lr)
-    # Schedule interleaved-1f1b over 2 micro-batches; gradients are their mean.
+    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=1, lr=lr)
+    # Schedule 1f1b over 2 micro-batches; gradients are their mean.
     schedule = build_schedule(stages, schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
     return stages, schedule, optimizer
 

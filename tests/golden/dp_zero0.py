@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Training program emitted by autoshard from plan ba35c85dc255.
+
+Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
+Cluster    local-cpu: 1 node(s) x 4 devices, gloo
+Plan       dp=4 tp=1 pp=1 | ZeRO-0 | global batch 8 = 4 dp ranks x 1 micro-batches x 2 | recompute none
+Predicted  step 6.14 ms = compute 5.23 ms + exposed comm 0.911 ms + bubble 0 ms
+           peak 6.5 MiB per rank (weights 0.9, grads 0.9, optimizer 1.8, activations 2.6, transient 0.0)
+           83,355 tokens/s, MFU 63.1%
+
+Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
+  or: autoshard run plan.json
+"""
+
+
+import argparse
+import math
+
+import torch
+
+from autoshard import runtime
+from autoshard.runtime import checkpoint
+from autoshard.runtime.parallel import apply_ddp, build_optimizer, sync_batch_norm
+
+
+MODEL = 'examples/gpt.py:build'
+MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
+TOKENS_PER_SAMPLE = 64
+GLOBAL_BATCH = 8
+# The device mesh and each rank's share of a global batch (passes.lower.layout)
+MESH = {"pp": 1, "dp": 4, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
+FLATTEN = {}  # no dims joined
+DATA_AXIS = "dp"  # its ranks take different samples
+SEQUENCE_AXIS = None  # no context parallelism: each rank takes whole samples
+LOSS_AXIS = "dp"  # the logged loss: the mean of its ranks' losses
+MICROBATCH_SIZE = 2
+NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
+PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
+BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
+
+
+def parallelize(model, mesh, device, lr):
+    """Apply the plan's steps in order (passes.lower): ZeRO-0 over 4 dp ranks (DDP)."""
+    # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
+    # BatchNorm).
+    model = sync_batch_norm(model, mesh["dp"])
+    # DDP all-reduces gradients in 1 MiB buckets (the cost model's choice), overlapped with backward.
+    model = apply_ddp(model, mesh["dp"], bucket_cap_mb=1.0, device=device)
+    # AdamW, whole on every rank.
+    optimizer = build_optimizer(model, mesh["dp"], zero_stage=0, lr=lr)
+    return model, optimizer
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
+                        "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
+                        "draw its own numbers")
+    parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
+                        "naming the ranks that never joined it")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
+    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
+
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
+
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    for step in range(start, args.steps):
+        log.start()
+        batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
+        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
+        step_loss = torch.zeros((), device=ctx.device)
+        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
+            # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
+            # runs as a ring over the axis's ranks with global positions; without one, both calls do nothing.
+            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)
+            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \
+                    runtime.context_parallel(mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE):
+                with runtime.autocast(PRECISION, ctx.device):
+                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
+                loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
+
+    runtime.finish(model, log, args.metrics_out)
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
+
+
+if __name__ == "__main__":
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
