@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
-from autoshard.ir.topology import Cluster
 from autoshard.ir.steps import Layout
+from autoshard.ir.topology import Cluster
 from autoshard.passes.lower import layout as lower_layout
 from autoshard.passes.lower import lower
 from autoshard.passes.strategies import Pins

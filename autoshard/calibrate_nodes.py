@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from autoshard.calibrate import MIB, KIB, Settings, _Bench, _fit_or_none, _round, _sizes
+from autoshard.calibrate import KIB, MIB, Settings, _Bench, _fit_or_none, _round, _sizes
 from autoshard.cost.calibrate import COLLECTIVES, Sample, fit_link
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError

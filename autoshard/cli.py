@@ -524,8 +524,14 @@ def cmd_calibrate(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from autoshard.calibrate import (calibrate, check_output, microbatch_sizes_flag, render, resolve_ranks,
-                                     write_cluster_file)
+    from autoshard.calibrate import (
+        calibrate,
+        check_output,
+        microbatch_sizes_flag,
+        render,
+        resolve_ranks,
+        write_cluster_file,
+    )
     from autoshard.model_probes import profile_request
 
     output = check_output(args.output)

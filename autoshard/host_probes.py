@@ -35,8 +35,9 @@ Every figure is clamped at 0: a negative one means the part is within the noise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from autoshard.cost import comm
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
@@ -213,7 +214,10 @@ def _pipeline_probe(time_op, microbatches: int, ranks: int) -> float:
                                      torch.device("cpu"), mesh.get_group("pp"))
     schedule = pp.build_schedule(parts, microbatches, lambda out, target: out.sum(), "1f1b")
     target = torch.zeros(microbatches)
-    step = (lambda: pp.pipeline_step(schedule, parts, (x,), target))
+
+    def step():
+        return pp.pipeline_step(schedule, parts, (x,), target)
+
     t = time_op(step)
     dist.barrier()
     return t

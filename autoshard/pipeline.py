@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.dp_comm import stage_ranks
-from autoshard.cost.schedule import stage_ranks as schedule_stage_ranks
 from autoshard.cost.memory import precision_for_graph
+from autoshard.cost.schedule import stage_ranks as schedule_stage_ranks
 from autoshard.cost.step import price_parts
 from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.tables import CostTables, Runtime
@@ -48,8 +48,7 @@ from autoshard.passes.annotate import estimated_ops, random_ops
 from autoshard.passes.blocks import find_blocks
 from autoshard.passes.experts import find_experts
 from autoshard.passes.fold import unfold
-from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front  # noqa: F401 (re-exported)
-from autoshard.passes.front import running
+from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front, running  # noqa: F401 (re-exported)
 from autoshard.passes.search import Priced, SearchResult, price_config, search, search_report, why_not
 from autoshard.passes.strategies import Pins, candidate_configs, check_pins
 

@@ -79,7 +79,7 @@ class Row:
     @property
     def flops(self) -> float:
         """F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (docs/reference-numbers.md; full recompute counted)."""
-        b, l, h = self.global_batch, self.layers, self.hidden
+        b, l, h = self.global_batch, self.layers, self.hidden  # noqa: E741 (the formula's l)
         return 96 * b * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
 
     @property

@@ -48,9 +48,9 @@ if str(ROOT) not in sys.path:
 from autoshard.cost.hardware import load_cluster
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.launch import run_torchrun, write_program
-from autoshard.runtime.report import slowest_rank_median_step_s
 from autoshard.passes.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+from autoshard.runtime.report import slowest_rank_median_step_s
 
 RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2-core machine) is run again
 

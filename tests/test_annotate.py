@@ -185,14 +185,14 @@ def test_conditional_aliases():
 def test_creation_reads_nothing_and_inplace_ops_use_their_table():
     ones = node("ones", "aten.ones.default", (), (4, 8))
     add_ = node("add_", "aten.add_.Tensor", ("x", "x"), (4, 8))
-    graph = annotate(tiny_graph(ones, add_))
+    annotate(tiny_graph(ones, add_))
     assert (ones.flops, ones.bytes_read, ones.bytes_written) == (0, 0, 4 * 32)
     assert add_.flops == 32 and add_.bytes_read == 4 * 32  # x read once
 
 
 def test_unknown_ops_are_charged_for_memory_only():
     odd = node("odd", "mylib.frobnicate.default", ("x",), (4, 8))
-    graph = annotate(tiny_graph(odd))
+    annotate(tiny_graph(odd))
     assert (odd.flops, odd.bytes_read, odd.bytes_written) == (0, 128, 128)
 
 

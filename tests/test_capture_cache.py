@@ -121,9 +121,9 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(model):
 
 
 def test_the_json_form_carries_a_folded_graph_exactly(model):
+    from autoshard.modelfile import load_model_file
     from autoshard.passes.annotate import annotate
     from autoshard.passes.capture import capture
-    from autoshard.modelfile import load_model_file
 
     graph = annotate(capture(load_model_file(str(ROOT / "examples/gpt.py:build")), CAPTURE_BATCH, True))
     assert graph.fold is not None

@@ -7,7 +7,6 @@ tests/e2e/test_context_parallel.py.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 

@@ -16,8 +16,8 @@ from autoshard.cost import comm
 from autoshard.cost.compute import microbatch_compute
 from autoshard.cost.hardware import PRESETS
 from autoshard.cost.memory import BF16_AUTOCAST, FP32, MEGATRON_MIXED, activation_bytes, model_state_bytes
-from autoshard.cost.schedule import bubble_fraction, rank_orders, simulate
 from autoshard.cost.rank_memory import memory_spmd, state_bytes_per_param
+from autoshard.cost.schedule import bubble_fraction, rank_orders, simulate
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import spmd_microbatch
 from autoshard.cost.units import unit_costs

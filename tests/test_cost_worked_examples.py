@@ -20,12 +20,12 @@ import pytest
 
 from autoshard.cost import comm
 from autoshard.cost.compute import ComputeTime
+from autoshard.cost.dp_comm import dp_collective_s, dp_comm_time
 from autoshard.cost.hardware import PRESETS, load_cluster
 from autoshard.cost.memory import BF16_AUTOCAST, FP32, MEGATRON_MIXED, model_state_bytes
-from autoshard.cost.schedule import bubble_fraction, makespan_s, rank_orders, shared_makespan_s, simulate
-from autoshard.cost.dp_comm import dp_collective_s, dp_comm_time
 from autoshard.cost.pipeline_step import rank_loads, stage_action_times
 from autoshard.cost.rank_memory import in_flight
+from autoshard.cost.schedule import bubble_fraction, makespan_s, rank_orders, shared_makespan_s, simulate
 from autoshard.cost.step import price
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import tp_activation_fraction

@@ -10,8 +10,8 @@ import yaml
 from autoshard import host_probes
 from autoshard.cost import comm
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.profile import graph_signature
 from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
+from autoshard.cost.profile import graph_signature
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError

@@ -1,7 +1,8 @@
 """ZeRO model-state memory: the worked examples in docs/reference-numbers.md and monotonicity."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autoshard.cost.memory import FP32, MEGATRON_MIXED, model_state_bytes
 

@@ -13,7 +13,7 @@ from autoshard.ir.names import RANDOM_OPS, is_random
 from autoshard.passes.annotate import random_ops
 from autoshard.pipeline import capture_graph
 from autoshard.runtime.model import load_model_file, zero_dropout_rates
-from autoshard.runtime.randomness import (RandomOpNotFixed, base_name, drawing_freely, fixable, fixed_randomness)
+from autoshard.runtime.randomness import RandomOpNotFixed, base_name, drawing_freely, fixable, fixed_randomness
 from autoshard.show import random_ops_text
 from autoshard.verify import check_randomness, forward_is_deterministic, random_ops_note
 

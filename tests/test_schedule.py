@@ -5,8 +5,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoshard.cost.rank_memory import in_flight
-from autoshard.cost.schedule import (Action, bubble_fraction, draw, format_grid, idle_slots, makespan_s, peak_in_flight,
-                                     rank_orders, rank_stages, shared_makespan_s, simulate, stage_ranks)
+from autoshard.cost.schedule import (
+    Action,
+    bubble_fraction,
+    draw,
+    format_grid,
+    idle_slots,
+    makespan_s,
+    peak_in_flight,
+    rank_orders,
+    rank_stages,
+    shared_makespan_s,
+    simulate,
+    stage_ranks,
+)
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", [

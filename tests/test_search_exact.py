@@ -75,8 +75,7 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
     modes, each priced by the cost model: none that fits is faster."""
     from itertools import product
 
-    from autoshard.ir.decisions import Decisions
-    from autoshard.ir.decisions import Mesh
+    from autoshard.ir.decisions import Decisions, Mesh
     from autoshard.passes.recompute import assign, choose_recompute, signature_groups
 
     model = "tests/models/wide_gpt.py:build"

@@ -10,19 +10,20 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoshard.cli import main
-from autoshard.cost.hardware import load_cluster
-from autoshard.cost.memory import activation_bytes, precision_for_backend
 from autoshard.cost.compute import microbatch_compute
 from autoshard.cost.dp_comm import stage_ranks
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.memory import activation_bytes, precision_for_backend
 from autoshard.cost.rank_memory import in_flight
 from autoshard.cost.units import stage_ranges, stage_units, unit_costs
 from autoshard.errors import AutoshardError
+from autoshard.passes.lower import lower
 from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps
 from autoshard.passes.strategies import Pins
-from autoshard.passes.lower import lower
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 GPT = "examples/gpt.py:build"
@@ -214,8 +215,7 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
     from autoshard.cost.pipeline_step import WEIGHT_GRAD_SHARE, pipeline_span_s, rank_loads, stage_action_times
     from autoshard.cost.schedule import makespan_s, rank_orders
     from autoshard.cost.tables import CostTables
-    from autoshard.ir.decisions import Decisions
-    from autoshard.ir.decisions import Mesh
+    from autoshard.ir.decisions import Decisions, Mesh
     tables = CostTables(gpt[1], load_cluster("dgx-h100", devices_per_node=4))
     spans = {}
     for schedule in ("interleaved-1f1b", "interleaved-zb"):
@@ -234,8 +234,7 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
-    from autoshard.ir.decisions import Decisions
-    from autoshard.ir.decisions import Mesh
+    from autoshard.ir.decisions import Decisions, Mesh
     tables = CostTables(gpt[1], local(2))
     looped, vee = (Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4,
                              schedule=s, virtual_stages=2) for s in ("interleaved-zb", "zbv"))

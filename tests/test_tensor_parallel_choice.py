@@ -19,6 +19,7 @@ SLOW_LINK = LinkSpec(0.001, 1000.0, "test")
 @pytest.fixture(scope="module")
 def gpt_graph():
     import os
+
     from tests.conftest import ROOT
     os.chdir(ROOT)
     return capture_graph("examples/gpt.py:build")[1]

@@ -62,12 +62,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost import comm
-from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
+from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
-from autoshard.cost.schedule import (ZERO_BUBBLE_SCHEDULES, rank_orders, rank_stages, schedule_makespan_s,
-                                     schedule_peak_in_flight, shared_makespan_s, stage_ranks)
+from autoshard.cost.schedule import (
+    ZERO_BUBBLE_SCHEDULES,
+    rank_orders,
+    rank_stages,
+    schedule_makespan_s,
+    schedule_peak_in_flight,
+    shared_makespan_s,
+    stage_ranks,
+)
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
 from autoshard.cost.units import stage_ranges, stage_units
@@ -115,7 +122,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     cluster, precision = tables.cluster, tables.precision
     loads = rank_loads(tables, config, cuts)
     slowest = max(loads, key=lambda r: r.time_s)
-    m, v = config.num_microbatches, config.virtual_stages
+    m = config.num_microbatches
     params = max(r.params for r in loads)
     dp = pipeline_dp_comm(cluster, config, max(r.params - r.expert_params for r in loads), precision)
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)

@@ -46,7 +46,6 @@ on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES

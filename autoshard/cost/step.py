@@ -38,8 +38,15 @@ from dataclasses import replace
 from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost
 from autoshard.cost.dp_comm import CommTime, dp_comm_time
 from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
-from autoshard.cost.parts import (StepParts, dp_host_s, fsdp_host_s, grad_accumulation_s, optimizer_parts,
-                                  param_tensors, predicted)
+from autoshard.cost.parts import (
+    StepParts,
+    dp_host_s,
+    fsdp_host_s,
+    grad_accumulation_s,
+    optimizer_parts,
+    param_tensors,
+    predicted,
+)
 from autoshard.cost.pipeline_step import pipeline_parts
 from autoshard.cost.rank_memory import memory_spmd
 from autoshard.cost.tables import CostTables

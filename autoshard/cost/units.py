@@ -48,12 +48,17 @@ max(0, host − device) per unit and pass (forward, backward, recompute).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 from autoshard.cost import eager
-from autoshard.cost.compute import (BACKWARD_TO_FORWARD, CONVOLUTION_TARGETS, SDPA_TARGET, _weight_bytes_per_node,
-                                    op_backward_s, op_forward_s)
+from autoshard.cost.compute import (
+    BACKWARD_TO_FORWARD,
+    CONVOLUTION_TARGETS,
+    SDPA_TARGET,
+    _weight_bytes_per_node,
+    op_backward_s,
+    op_forward_s,
+)
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads

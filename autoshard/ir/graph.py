@@ -7,8 +7,9 @@ object, never the ``nn.Module``, so plans are made from meta tensors alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 # Bytes per element of the dtypes a captured graph can name (``str(torch.dtype)`` minus "torch.").
 DTYPE_BYTES = {

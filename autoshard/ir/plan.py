@@ -24,10 +24,11 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, IO
+from typing import IO, Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh, tp_style
@@ -123,7 +124,7 @@ class Plan:
             )
 
     @classmethod
-    def of(cls, **flat: Any) -> "Plan":
+    def of(cls, **flat: Any) -> Plan:
         """The plan of flat keywords: ``Plan``'s own fields, and each section record's fields by name
         (``zero_stage=3``, ``tensor_parallel={...}``, ``notes=(...)``), ``recompute_blocks`` by block path as the
         flat accessor gives it. A section given whole (``decisions=...``) takes the flat names of its fields
@@ -176,7 +177,7 @@ class Plan:
         write_text_atomic(Path(path), self.to_json())
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+    def from_json(cls, text: str, source: str = "plan") -> Plan:
         try:
             data = json.loads(text, parse_int=bounded_json_int)  # ints of 30+ digits: named by the schema
         except json.JSONDecodeError as exc:
@@ -188,7 +189,7 @@ class Plan:
         return cls.from_dict(data, source)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> "Plan":
+    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
         """The plan of a version 2 document, or of a version 1 (flat) one: the same ``Plan``, which
         ``to_json`` then writes as version 2."""
         version = data.get("version")
@@ -358,7 +359,7 @@ def model_file_sha256(spec: str) -> str | None:
         return None
 
 
-def check_model_file(plan: "Plan") -> Path:
+def check_model_file(plan: Plan) -> Path:
     """The plan's model file, checked before anything imports it: a plan is data, and its ``model.spec``
     names a file that ``compile``, ``run`` and ``verify`` import (run). That file must be a Python file
     whose bytes are the ones planned (``model.file_sha256``). A plan without the hash (made before plans

@@ -35,8 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from autoshard.ir.decisions import (PLAN_RECOMPUTE, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES,  # noqa: F401 (re-exported)
-                                    ZERO_BUBBLE_SCHEDULES, Decisions, Mesh)
+from autoshard.ir.decisions import (  # noqa: F401 (re-exported)
+    PLAN_RECOMPUTE,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    Decisions,
+    Mesh,
+)
 
 PLAN_VERSION = 2
 READ_VERSIONS = (1, 2)  # versions from_json reads; only PLAN_VERSION is written
@@ -55,7 +62,7 @@ class Memory:
     peak_bytes: int  # sum of the above, plus allocator slack
 
     @classmethod
-    def from_parts(cls, slack_fraction: float = 0.0, **parts: int) -> "Memory":
+    def from_parts(cls, slack_fraction: float = 0.0, **parts: int) -> Memory:
         total = sum(parts.values())
         return cls(**parts, peak_bytes=int(total * (1.0 + slack_fraction)))
 

@@ -51,8 +51,15 @@ from typing import Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import TP_STYLES, Decisions
-from autoshard.ir.plan_format import (PLAN_RECOMPUTE, PLAN_RUNTIMES, RECOMPUTE_MODES, SCHEDULES, SECTION_OF, SECTIONS,
-                                      TOP_KEYS)
+from autoshard.ir.plan_format import (
+    PLAN_RECOMPUTE,
+    PLAN_RUNTIMES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    SECTION_OF,
+    SECTIONS,
+    TOP_KEYS,
+)
 from autoshard.ir.topology import Cluster
 
 _PATH = re.compile(r"[\w\-]+(\.[\w\-]+)*")

@@ -70,7 +70,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.names import is_random, op_name

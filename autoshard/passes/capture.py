@@ -35,8 +35,9 @@ import re
 import sys
 import sysconfig
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx

@@ -51,9 +51,10 @@ import os
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from autoshard.ir.graph import Block, OpGraph, OpNode, ParamInfo
 

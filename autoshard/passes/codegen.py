@@ -195,7 +195,9 @@ def _tp_constants(plan: Plan) -> str:
     if not plan.tensor_parallel or plan.mesh.tp == 1:
         return ""
     per_block, rest = _split_styles(plan)
-    rows = lambda styles, indent: "".join(f'{indent}"{k}": "{v}",  # {STYLE_SOURCE[v]}\n' for k, v in styles.items())
+    def rows(styles: dict[str, str], indent: str) -> str:
+        return "".join(f'{indent}"{k}": "{v}",  # {STYLE_SOURCE[v]}\n' for k, v in styles.items())
+
     head = "# Tensor-parallel styles, chosen and proven on the op graph (style: its torch ParallelStyle)\n"
     if not per_block:
         return head + "TP_STYLES = {\n" + rows(rest, "    ") + "}\n"

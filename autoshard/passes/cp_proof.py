@@ -64,7 +64,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import sympy
 import torch

@@ -34,7 +34,8 @@ import os
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
@@ -48,7 +49,7 @@ CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch di
 PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.tensor_parallel", "autoshard.show")
 
 _Key = tuple[str, bool, bool, "int | None"]  # (model spec, fold, use the capture cache, --seq-len)
-_ahead: dict[_Key, "_Child"] = {}
+_ahead: dict[_Key, _Child] = {}
 
 
 class PassError(RuntimeError):

@@ -56,6 +56,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.dp_comm import choose_bucket_cap_mb
 from autoshard.cost.memory import precision_for_backend
 from autoshard.cost.pipeline_step import shared_cores, stage_in_flight
@@ -72,7 +73,6 @@ from autoshard.ir.topology import MAX_DEVICES, Cluster
 from autoshard.passes.recompute import choose_recompute
 from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
-from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.passes.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
@@ -109,7 +109,7 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
     order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
     priced: list[Priced] = []
     fastest_s, stopped = float("inf"), False
-    for n, i in enumerate(order):
+    for n, i in enumerate(order):  # noqa: B007 (n, where the loop stopped, is read after it)
         if bounds[i] > fastest_s:
             break  # in bound order: no configuration left can be faster
         if time_limit_s is not None and fastest_s < float("inf") and time.perf_counter() - start > time_limit_s:

@@ -37,13 +37,23 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from autoshard.cost.units import node_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import (PIPELINE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, STAGE_CUTS_EVEN, V_SCHEDULES,
-                                    ZERO_BUBBLE_SCHEDULES, ZERO_STAGES, Decisions, Mesh, Pins)
-from autoshard.ir.decisions import parse_stage_cuts  # noqa: F401 (re-exported: --stage-cuts' parser)
+from autoshard.ir.decisions import (
+    PIPELINE_SCHEDULES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    STAGE_CUTS_EVEN,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    ZERO_STAGES,
+    Decisions,
+    Mesh,
+    Pins,
+    parse_stage_cuts,  # noqa: F401 (re-exported: --stage-cuts' parser)
+)
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import Cluster
-from autoshard.cost.units import node_units
 from autoshard.passes.context_parallel import cp_refusal, searched_cp_degrees
 from autoshard.passes.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.tensor_parallel import check_divisibility

@@ -94,14 +94,40 @@ from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
 from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import (_is_user_file, _module_of, _short_path, _user_location, build_on_meta,
-                                      export_module, target_name)
+from autoshard.passes.capture import (
+    _is_user_file,
+    _module_of,
+    _short_path,
+    _user_location,
+    build_on_meta,
+    export_module,
+    target_name,
+)
 from autoshard.passes.fold import fold_model, unfold
-from autoshard.passes.tensor_parallel import (EMBEDDING_OPS, LINEAR_OPS, Q, R, S, SEQ_GATHER_KINDS, SEQ_SOURCE_KINDS,
-                                              SINK_OPS, SP_REFUSED, _default_styles, _record_styles,
-                                              check_divisibility, consumer_map, module_gathers, proof_key,
-                                              representatives, segment_model, segments, seq_dims, shard_dims,
-                                              sp_boundary, uses_seq)
+from autoshard.passes.tensor_parallel import (
+    EMBEDDING_OPS,
+    LINEAR_OPS,
+    SEQ_GATHER_KINDS,
+    SEQ_SOURCE_KINDS,
+    SINK_OPS,
+    SP_REFUSED,
+    Q,
+    R,
+    S,
+    _default_styles,
+    _record_styles,
+    check_divisibility,
+    consumer_map,
+    module_gathers,
+    proof_key,
+    representatives,
+    segment_model,
+    segments,
+    seq_dims,
+    shard_dims,
+    sp_boundary,
+    uses_seq,
+)
 
 PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = "not run on a shard by the check of the model's code:"

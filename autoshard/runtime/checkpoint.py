@@ -35,8 +35,8 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
 
 LOCK_FILE = ".autoshard.lock"
 LOCK_HELD_ENV = "AUTOSHARD_CHECKPOINT_LOCK"  # the folder whose lock this job's launcher holds
-_held: dict[str, "CheckpointLock"] = {}  # locks this process took for its job (kept until it ends)
+_held: dict[str, CheckpointLock] = {}  # locks this process took for its job (kept until it ends)
 
 
 class CheckpointLock:

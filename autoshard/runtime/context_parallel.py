@@ -45,8 +45,8 @@ backward, bf16/fp16 only, its extra outputs passed to the backward as torch's ow
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

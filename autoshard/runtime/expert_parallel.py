@@ -43,8 +43,8 @@ from __future__ import annotations
 import copy
 import itertools
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

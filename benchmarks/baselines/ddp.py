@@ -1,9 +1,8 @@
 """Hand-written data parallel training of the example GPT: DDP, AdamW, gradient accumulation."""
 
+import common
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import common
 
 a = common.args()
 rank, world = common.init()

@@ -1,10 +1,9 @@
 """Hand-written ZeRO-3 training of the example GPT: FSDP2 fully_shard on each block, then the root."""
 
+import common
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-
-import common
 
 a = common.args()
 rank, world = common.init()

@@ -1,10 +1,9 @@
 """Hand-written pipeline training of the example GPT: torch.distributed.pipelining, 1F1B, even split."""
 
+import common
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
-
-import common
 
 a = common.args()
 rank, world = common.init()

@@ -3,12 +3,11 @@ given by ``--tp-styles`` (module -> colwise / rowwise / colwise-gather), e.g. Me
 
 import json
 
+import common
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-import common
 
 a = common.args()
 rank, world = common.init()

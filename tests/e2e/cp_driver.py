@@ -26,8 +26,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoshard.runtime import (build_model, global_batch, init_distributed, load_model_file, mean_over, shutdown,
-                               take_shard)
+from autoshard.runtime import (
+    build_model,
+    global_batch,
+    init_distributed,
+    load_model_file,
+    mean_over,
+    shutdown,
+    take_shard,
+)
 from autoshard.runtime.context_parallel import ContextParallelMode, average_gradients, shard_sequence
 
 

@@ -47,9 +47,10 @@ import json
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autoshard.launch import run_torchrun, write_program
 from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run

@@ -5,7 +5,7 @@ torchrun launch per world size (``one_launch.Cases``).
 """
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,7 @@ CASES = {  # name: (spec, dp, tp, expected sharded-module count or None for "any
 GPT2 = "tests/models/hf_gpt2.py:build"  # transformers' Conv1D
 
 
-@lru_cache(maxsize=None)
+@cache
 def tp_choice(spec: str, tp: int):
     return choose_tp_styles(capture_graph(spec)[1], tp, FAST_LINK, SLOW_DEVICE)
 

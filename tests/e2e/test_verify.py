@@ -4,7 +4,7 @@ Each case is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: veri
 line and judgement); the programs run in the session's one torchrun launch per world size.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -27,7 +27,7 @@ CASES = {  # name: (ranks, steps)
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tight_cluster():
     """local-cpu with device memory between what full recompute and no recompute need."""
     from dataclasses import replace

@@ -20,14 +20,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from autoshard.passes.blocks import block_of
-from autoshard.runtime import (build_model, global_batch, init_distributed, load_model_file, mean_over, shutdown,
-                               take_shard)
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+from autoshard.runtime import (
+    build_model,
+    global_batch,
+    init_distributed,
+    load_model_file,
+    mean_over,
+    shutdown,
+    take_shard,
+)
 from autoshard.runtime.model import strip_wrapper_names
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
