@@ -187,10 +187,5 @@ def loss_backward_s(logits: float, device: DeviceSpec) -> float:
     return elementwise_s(LOSS_BACKWARD_BYTES_PER_LOGIT * logits, device, LOSS_BACKWARD_KERNELS)
 
 
-def adamw_step_s(params: float, device: DeviceSpec) -> float:
-    """84 bytes per fp32 parameter over W (module doc, "Optimizer")."""
-    return params * ADAMW_FOREACH_BYTES_PER_PARAM / bytes_per_s(device)
-
-
 def bytes_per_s(device: DeviceSpec) -> float:
     return device.memory_bandwidth_gbps * 1e9

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from autoshard.cost import comm
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
-from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, predicted
+from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts
 from autoshard.cost.rank_memory import in_flight, memory_pipeline
 from autoshard.cost.schedule import (
     ZERO_BUBBLE_SCHEDULES,
@@ -79,7 +79,7 @@ from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
 from autoshard.cost.units import stage_ranges, stage_units
 from autoshard.ir.decisions import Decisions, Mesh
-from autoshard.ir.plan import Memory, Predicted
+from autoshard.ir.plan import Memory
 from autoshard.ir.topology import Cluster
 
 # W's share of a stage's backward: a linear layer's backward is two matmuls of equal FLOPs, the input's
@@ -111,11 +111,6 @@ class RankLoad:
     @property
     def time_s(self) -> float:
         return self.compute_s + self.p2p_s + self.tp_comm_s + self.ep_comm_s
-
-
-def price_pipeline(tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...]) -> Predicted:
-    """pp > 1 (module doc): the slowest rank sets the pace; the worst rank's memory is the peak."""
-    return predicted(tables, config, global_batch, pipeline_parts(tables, config, cuts))
 
 
 def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> StepParts:

@@ -76,11 +76,6 @@ def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | N
     return spmd_parts(tables, config)
 
 
-def price_spmd(tables: CostTables, config: Decisions, global_batch: int) -> Predicted:
-    """pp = 1: DP (ZeRO 0-3), TP and CP (module doc)."""
-    return predicted(tables, config, global_batch, price_parts(tables, config))
-
-
 def with_ring(parts: StepParts, ring: RingCost, m: int) -> StepParts:
     """``parts`` of the data-parallel equivalent plus, for each of the m micro-batches, the ring's extra
     attention compute and its exposed exchange (``cost.context_parallel``)."""
