@@ -212,7 +212,7 @@ def _pipeline_probe(time_op, microbatches: int, ranks: int) -> float:
     x = probe_input(microbatches)
     parts = pp.build_pipeline_stages(model, (x[:1],), [f"h.{BLOCKS // 2}"], mesh.get_local_rank("pp"), 2, 1,
                                      torch.device("cpu"), mesh.get_group("pp"))
-    schedule = pp.build_schedule(parts, microbatches, lambda out, target: out.sum(), "1f1b")
+    schedule = pp.make_torch_schedule(parts, microbatches, lambda out, target: out.sum(), "1f1b")
     target = torch.zeros(microbatches)
 
     def step():

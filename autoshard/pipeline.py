@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from autoshard.cost.dp_comm import stage_ranks
+from autoshard.cost.dp_comm import ranks_of_stage
 from autoshard.cost.memory import precision_for_graph
-from autoshard.cost.schedule import stage_ranks as schedule_stage_ranks
+from autoshard.cost.schedule import stage_owners
 from autoshard.cost.step import price_parts
 from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.tables import CostTables, Runtime
@@ -219,13 +219,13 @@ def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...], schedule:
                     virtual_stages: int = 1) -> tuple[Stage, ...]:
     """One Stage per pipeline stage (one in all without pipelining): its top-level / block modules
     in run order and the ranks holding it (all of its pp rank's dp × tp; pp rank s mod pp, or in a V
-    ``cost.schedule.stage_ranks``'s)."""
+    ``cost.schedule.stage_owners``'s)."""
     if mesh.pp == 1:
         return (Stage(index=0, modules=top_level_modules(graph), ranks=tuple(range(mesh.world_size))),)
     names = unit_modules(graph)
-    owner = schedule_stage_ranks(schedule, mesh.pp, virtual_stages)
+    owner = stage_owners(schedule, mesh.pp, virtual_stages)
     return tuple(Stage(index=s, modules=tuple(m for u in stage_units(rng, len(graph.blocks)) for m in names[u]),
-                       ranks=stage_ranks(mesh, owner[s]))
+                       ranks=ranks_of_stage(mesh, owner[s]))
                  for s, rng in enumerate(stage_ranges(cuts, len(graph.blocks))))
 
 

@@ -17,7 +17,7 @@ from autoshard.cost.schedule import (
     rank_stages,
     shared_makespan_s,
     simulate,
-    stage_ranks,
+    stage_owners,
 )
 
 
@@ -224,8 +224,8 @@ def test_v_placement_is_the_runtimes():
     """Pricing and the runtime agree on which stages each rank holds: a V for zbv and dualpipev."""
     from autoshard.runtime.pipeline_parallel import stage_indices
     assert rank_stages("zbv", 4, 2, 0) == [0, 7] == stage_indices(0, 4, 2, "v")
-    assert stage_ranks("dualpipev", 2, 2) == [0, 1, 1, 0]
-    assert stage_ranks("interleaved-zb", 2, 2) == [0, 1, 0, 1]
+    assert stage_owners("dualpipev", 2, 2) == [0, 1, 1, 0]
+    assert stage_owners("interleaved-zb", 2, 2) == [0, 1, 0, 1]
     for schedule, placement in (("zbv", "v"), ("interleaved-zb", "loop"), ("interleaved-1f1b", "loop")):
         for r in range(4):
             assert rank_stages(schedule, 4, 2, r) == stage_indices(r, 4, 2, placement)

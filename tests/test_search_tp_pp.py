@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from autoshard.cli import main
 from autoshard.cost.compute import microbatch_compute
-from autoshard.cost.dp_comm import stage_ranks
+from autoshard.cost.dp_comm import ranks_of_stage
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.memory import activation_bytes, precision_for_backend
 from autoshard.cost.rank_memory import in_flight
@@ -142,7 +142,7 @@ def check_pipeline(p, graph):
     assert held == blocks  # every block once, in order
     assert p.stages[0].modules[:2] == ("wte", "wpe") and p.stages[-1].modules[-2:] == ("ln_f", "lm_head")
     for s in p.stages:
-        assert s.ranks == stage_ranks(p.mesh, s.index % p.mesh.pp if p.schedule not in ("zbv", "dualpipev")
+        assert s.ranks == ranks_of_stage(p.mesh, s.index % p.mesh.pp if p.schedule not in ("zbv", "dualpipev")
                                       else (s.index if s.index < p.mesh.pp else 2 * p.mesh.pp - 1 - s.index))
     assert p.num_microbatches >= p.mesh.pp and p.recompute == "none"
     assert p.zero_stage in ((0, 1, 3) if p.mesh.dp > 1 else (0,))  # ZeRO-2 runs as ZeRO-1 in a pipeline

@@ -76,7 +76,7 @@ def pp_group_ranks(mesh: Mesh) -> list[int]:
     return [k * mesh.dp * mesh.tp for k in range(mesh.pp)]
 
 
-def stage_ranks(mesh: Mesh, stage: int) -> tuple[int, ...]:
+def ranks_of_stage(mesh: Mesh, stage: int) -> tuple[int, ...]:
     """Global ranks holding pipeline stage ``stage``: pp rank r = stage mod pp, all its dp × tp."""
     r = stage % mesh.pp
     return tuple(r * mesh.dp * mesh.tp + i for i in range(mesh.dp * mesh.tp))

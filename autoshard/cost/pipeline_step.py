@@ -73,7 +73,7 @@ from autoshard.cost.schedule import (
     schedule_makespan_s,
     schedule_peak_in_flight,
     shared_makespan_s,
-    stage_ranks,
+    stage_owners,
 )
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
@@ -187,7 +187,7 @@ def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, .
         idx = stage_units(rng, units.blocks)
         parts.append((sum(units.forward_s[u] for u in idx),
                       sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
-    pp, owner = config.mesh.pp, stage_ranks(config.schedule, config.mesh.pp, config.virtual_stages)
+    pp, owner = config.mesh.pp, stage_owners(config.schedule, config.mesh.pp, config.virtual_stages)
     rank_compute = [sum(f + b for s, (f, b) in enumerate(parts) if owner[s] == r) for r in range(pp)]
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
@@ -204,7 +204,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     tp_host = tp_host_per_unit_s(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
     pp, v = config.mesh.pp, config.virtual_stages
-    owner = stage_ranks(config.schedule, pp, v)
+    owner = stage_owners(config.schedule, pp, v)
     experts = unit_expert_costs(tables, config)
     loads = []
     for r in range(pp):
@@ -239,7 +239,7 @@ def stage_in_flight(config: Decisions) -> tuple[float, ...]:
     pp, m, v = config.mesh.pp, config.num_microbatches, config.virtual_stages
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return tuple(in_flight(config.schedule, m, pp, v, s % pp) for s in range(config.num_stages))
-    owner = stage_ranks(config.schedule, pp, v)
+    owner = stage_owners(config.schedule, pp, v)
     per_rank = [split_backward_in_flight_bytes(config, r, {s: 1 / v for s in rank_stages(config.schedule, pp, v, r)})
                 for r in range(pp)]
     return tuple(per_rank[owner[s]] for s in range(config.num_stages))

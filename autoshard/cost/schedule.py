@@ -98,7 +98,7 @@ def rank_stages(schedule: str, pp: int, virtual_stages: int, pp_rank: int) -> li
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
-def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+def stage_owners(schedule: str, pp: int, virtual_stages: int) -> list[int]:
     """The rank of each stage (the inverse of ``rank_stages``)."""
     owner = {s: r for r in range(pp) for s in rank_stages(schedule, pp, virtual_stages, r)}
     return [owner[s] for s in range(pp * virtual_stages)]

@@ -139,7 +139,7 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.lerp_(var * count / max(count - 1, 1.0), momentum)
 
 
-def sync_batch_norm(model: nn.Module, group) -> nn.Module:
+def convert_sync_batch_norm(model: nn.Module, group) -> nn.Module:
     """BatchNorm layers take their statistics over the data-parallel group, as one process over the
     global batch would: ``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPUs, ``GlooSyncBatchNorm``
     on CPUs (the same layers, their class changed). A model without BatchNorm is returned as it is."""

@@ -137,7 +137,7 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
 
 def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """BatchNorm over all dp ranks' samples; the model unchanged without BatchNorm."""
-    return model_utils.sync_batch_norm(model, dp_mesh.get_group())
+    return model_utils.convert_sync_batch_norm(model, dp_mesh.get_group())
 
 
 def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
@@ -279,7 +279,7 @@ def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 
 
 
 def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: int, loss_fn: Callable):
-    return _pipeline_parallel().build_schedule(stages, num_microbatches, loss_fn, schedule)
+    return _pipeline_parallel().make_torch_schedule(stages, num_microbatches, loss_fn, schedule)
 
 
 # Each apply step's function, by its op (``ir.steps.OPS``; tests/test_golden_programs.py checks the two agree).

@@ -354,7 +354,7 @@ def _holders_group(holders: list[int], pp_size: int, pp_group):
     return dist.new_group([pp_ranks[r] for r in holders], use_local_synchronization=True)
 
 
-def build_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable, schedule: str):
+def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Callable, schedule: str):
     """torch's schedule named ``schedule`` (``SCHEDULES``) over the local stages; gradients are the mean
     over micro-batches. The zero-bubble ones (interleaved-zb, zbv, dualpipev) split each stage's backward
     into the input's gradient and the weights' (``stage_backward_input`` / ``stage_backward_weight``);

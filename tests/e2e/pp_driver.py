@@ -54,7 +54,7 @@ def main() -> None:
     if args.dp > 1:
         runtime.apply_fsdp(parts, mesh["dp"])  # each stage module one FSDP2 unit
     optimizer = torch.optim.AdamW(parts.parameters(), lr=args.lr)
-    schedule = pp.build_schedule(parts, args.microbatches, model_file.loss, args.schedule)
+    schedule = pp.make_torch_schedule(parts, args.microbatches, model_file.loss, args.schedule)
 
     losses = []
     for step in range(args.steps):
