@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.launch import crash_block, last_own_frame
-from autoshard.runtime.model import GlooSyncBatchNorm, sync_batch_norm
+from autoshard.runtime.model import GlooSyncBatchNorm, convert_sync_batch_norm
 from autoshard.verify import Run, _tensor_parallel_module, compare
 
 NOISY = "h.0.k.bias"  # a parameter whose fp32 update is mostly rounding noise
@@ -88,7 +88,7 @@ def one_rank_group(tmp_path):
 def test_gloo_sync_batch_norm_equals_batch_norm_on_one_rank(one_rank_group):
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
-    synced = sync_batch_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), one_rank_group)
+    synced = convert_sync_batch_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), one_rank_group)
     synced.load_state_dict(plain.state_dict())
     assert isinstance(synced[1], GlooSyncBatchNorm)
     x = torch.randn(6, 3, 7, 7)
