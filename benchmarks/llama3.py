@@ -14,6 +14,9 @@ Factories (``path:factory`` model specs)::
     llama3_70b  80 layers, d = 8192, 64 heads, 8 KV heads, FFN 28672 (the same vocab and seq;
                 the same Table 3)
     llama3_405b 126 layers, d = 16384, 128 heads, 8 KV heads, FFN 53248 (the same Table 3)
+    llama3_1b   16 layers, d = 2048, 32 heads, 8 KV heads, FFN 8192, vocab 128256, seq 2048
+                (Llama-3.2-1B's block shape, meta-llama/Llama-3.2-1B config.json, with an untied
+                output projection: 1.50B parameters; a one-GPU run of benchmarks/gpu_session.sh)
     llama3_tiny  2 layers, d = 256, 4 heads, 2 KV heads, FFN 512, vocab 1024, seq 128 (tests)
 
 ``example_batch(batch_size)`` gives random token ids of the factory's sequence length;
@@ -115,6 +118,7 @@ SHAPES = {  # layers, dim, heads, kv heads, ffn, vocab, seq
     "llama3_8b": (32, 4096, 32, 8, 14336, VOCAB_SIZE, SEQ_LEN),
     "llama3_70b": (80, 8192, 64, 8, 28672, VOCAB_SIZE, SEQ_LEN),
     "llama3_405b": (126, 16384, 128, 8, 53248, VOCAB_SIZE, SEQ_LEN),
+    "llama3_1b": (16, 2048, 32, 8, 8192, VOCAB_SIZE, 2048),
     "llama3_tiny": (2, 256, 4, 2, 512, 1024, 128),
 }
 _seq_len = SEQ_LEN
@@ -138,6 +142,10 @@ def llama3_70b() -> Llama3:
 
 def llama3_405b() -> Llama3:
     return _build("llama3_405b")
+
+
+def llama3_1b() -> Llama3:
+    return _build("llama3_1b")
 
 
 def llama3_tiny() -> Llama3:

@@ -50,8 +50,18 @@ class StepLog:
 
     def summary(self) -> str:
         first, last = self.losses[0], self.losses[-1]
+        peak = peak_device_bytes()
         return (f"done: loss {first:.4f} -> {last:.4f} over {len(self.losses)} steps; median step "
-                f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s")
+                f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s"
+                + (f"; peak {peak / 2**30:.2f} GiB allocated" if peak is not None else ""))
+
+
+def peak_device_bytes() -> int | None:
+    """This rank's peak GPU memory so far (``torch.cuda.max_memory_allocated``: what the cost model's
+    ``memory_peak_bytes_per_rank`` predicts); None on CPU ranks, which have no such counter."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated()
 
 
 def finish(model: nn.Module, log: StepLog, metrics_out: str | None) -> None:
@@ -81,7 +91,8 @@ def _write_rank_median(out: Path, log: StepLog) -> None:
     more for the ranks to agree on at shutdown."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None
-    write_atomic(out / f"rank-{dist.get_rank()}.json", json.dumps({"median_step_s": median}).encode())
+    record = {"median_step_s": median, "peak_device_bytes": peak_device_bytes()}
+    write_atomic(out / f"rank-{dist.get_rank()}.json", json.dumps(record).encode())
 
 
 def slowest_rank_median_step_s(out: str | Path) -> float | None:

@@ -1,0 +1,308 @@
+"""What one lent GPU measures: the cost model's step time and peak memory against the emitted programs.
+
+``bash benchmarks/gpu_session.sh OUT`` (this file does the work; ``--cpu`` is its CPU path, which
+tests/test_gpu_session.py runs). In order, each step's result written to ``OUT`` as soon as it exists,
+so a run cut short still returns what it measured:
+
+1. ``facts.json``: torch, CUDA and the device.
+2. ``autoshard calibrate --quick --devices-per-node 1 -o OUT/cluster.yaml``: the device's measured
+   matmul peak and memory bandwidth (one rank: no links to measure on one GPU).
+3. One plan per case (``GPU_CASES``: micro-batch sizes and recompute modes at world size 1; the
+   planner refuses ZeRO-3 at dp 1, which has nothing to shard) on that cluster, planned in
+   parallel, each priced by the planner.
+4. Each plan's program run with ``autoshard run`` (bf16 on a GPU): its median step (the first
+   step skipped) and ``torch.cuda.max_memory_allocated`` from the program's summary line.
+5. A plain hand-written loop on the same model, micro-batches and optimizer (``hand_loop``:
+   autocast bf16, ``torch.optim.AdamW``, gradient accumulation, nothing else), so the program's
+   overhead is measured against what a user would write by hand.
+6. DCP save and resume: the example GPT saved at step 4, then resumed to step 8.
+
+``OUT/results.json`` holds every row; ``OUT/results.md`` the table RESULTS.md takes. MFU here is
+model FLOPs (the plan's, ``predicted.mfu × peak × predicted step``) over the measured step and the
+calibrated peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    pins: dict  # pin flags of `autoshard plan`, by flag stem (zero, microbatch_size, recompute)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a session runs on: the model, its global batch, steps per run and a time limit per command."""
+
+    model: str
+    global_batch: int
+    steps: int
+    limit_s: float
+    cases: tuple[Case, ...]
+    hand_microbatches: tuple[int, ...]
+
+
+GPU_CASES = (
+    Case("ddp-mb1", {"zero": 0, "microbatch_size": 1, "recompute": "none"}),
+    Case("ddp-mb2", {"zero": 0, "microbatch_size": 2, "recompute": "none"}),
+    Case("ddp-mb4", {"zero": 0, "microbatch_size": 4, "recompute": "none"}),
+    Case("ddp-mb4-selective", {"zero": 0, "microbatch_size": 4, "recompute": "selective"}),
+    Case("ddp-mb4-full", {"zero": 0, "microbatch_size": 4, "recompute": "full"}),
+    Case("ddp-mb8-full", {"zero": 0, "microbatch_size": 8, "recompute": "full"}),
+)
+GPU = Setting("benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES,
+              hand_microbatches=(1, 2, 4))
+CPU = Setting("examples/gpt.py:build", global_batch=4, steps=4, limit_s=240,
+              cases=(Case("ddp-mb2", {"zero": 0, "microbatch_size": 2, "recompute": "none"}),
+                     Case("ddp-mb1-full", {"zero": 0, "microbatch_size": 1, "recompute": "full"})),
+              hand_microbatches=(2,))
+DCP_MODEL = "examples/gpt.py:build"
+
+
+@dataclass
+class Row:
+    case: str
+    pins: dict
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_mfu: float | None = None
+    predicted_parts: dict = field(default_factory=dict)
+    measured_step_s: float | None = None
+    measured_peak_bytes: int | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    error: str | None = None
+
+
+def autoshard(args: list[str], limit_s: float, log: Path) -> subprocess.CompletedProcess:
+    """``python -m autoshard ARGS`` from the repository root; its output appended to ``log``."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "autoshard", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=limit_s)
+    except subprocess.TimeoutExpired as exc:
+        done = subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", (exc.stderr or "") + "\ntimed out")
+        done.stdout = done.stdout.decode() if isinstance(done.stdout, bytes) else done.stdout
+        done.stderr = done.stderr.decode() if isinstance(done.stderr, bytes) else done.stderr
+    with log.open("a") as f:
+        f.write(f"$ autoshard {' '.join(args)}  # exit {done.returncode}, {time.perf_counter() - started:.1f} s\n"
+                f"{done.stdout}{done.stderr}\n")
+    return done
+
+
+def facts() -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else platform.machine(),
+            "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+            "python": platform.python_version(), "cpus": os.cpu_count()}
+
+
+def pin_flags(pins: dict) -> list[str]:
+    return [part for key, value in pins.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def plan_case(setting: Setting, case: Case, cluster: Path, out: Path) -> Row:
+    row = Row(case.name, case.pins)
+    plan = out / f"{case.name}.plan.json"
+    done = autoshard(["plan", setting.model, "--cluster", str(cluster), "--devices-per-node", "1",
+                      "--global-batch", str(setting.global_batch), "--dp", "1", *pin_flags(case.pins),
+                      "-o", str(plan)], setting.limit_s, out / f"{case.name}.log")
+    if done.returncode != 0:
+        row.error = f"plan: {last_line(done)}"
+        return row
+    predicted = json.loads(plan.read_text())["predicted"]
+    row.predicted_step_s, row.predicted_mfu = predicted["step_time_s"], predicted["mfu"]
+    row.predicted_peak_bytes = predicted["memory_peak_bytes_per_rank"]
+    row.predicted_parts = predicted["memory"]
+    return row
+
+
+SUMMARY = re.compile(r"done: loss (?P<first>[-\d.naninf]+) -> (?P<last>[-\d.naninf]+) over \d+ steps; median step "
+                     r"(?P<ms>[\d.]+) ms.*?(?:; peak (?P<gib>[\d.]+) GiB allocated)?$", re.M)
+
+
+def run_case(setting: Setting, row: Row, out: Path) -> None:
+    plan = out / f"{row.case}.plan.json"
+    done = autoshard(["run", str(plan), "--steps", str(setting.steps), "--program", str(out / f"{row.case}.py")],
+                     setting.limit_s, out / f"{row.case}.log")
+    match = SUMMARY.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        row.error = f"run: {last_line(done)}"
+        return
+    row.measured_step_s = float(match["ms"]) / 1e3
+    row.first_loss, row.last_loss = float(match["first"]), float(match["last"])
+    row.measured_peak_bytes = int(float(match["gib"]) * 2**30) if match["gib"] else None
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else f"exit {done.returncode}"
+
+
+def hand_loop(setting: Setting, microbatch: int, steps: int) -> dict:
+    """The same model, micro-batches and AdamW written by hand: one process, no autoshard runtime.
+    bf16 autocast on a GPU, fp32 on CPU; the first step skipped, as the program's summary does."""
+    import torch
+
+    from autoshard.modelfile import load_model_file
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model_file = load_model_file(setting.model)
+    model = model_file.factory().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    accumulate = setting.global_batch // microbatch
+    batches = [model_file.module.example_batch(microbatch) for _ in range(accumulate)]
+    batches = [(tuple(x.to(device) for x in inputs), target.to(device)) for inputs, target in batches]
+    times_s = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        started = time.perf_counter()
+        for inputs, target in batches:
+            with autocast:
+                loss = model_file.module.loss_fn(model(*inputs), target) / accumulate
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times_s.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    del model, optimizer, batches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"microbatch_size": microbatch, "median_step_s": statistics.median(times_s[1:] or times_s),
+            "peak_bytes": peak}
+
+
+def dcp_resume(out: Path, limit_s: float) -> dict:
+    """Save at step 4, then a second run of 8 steps resumes from it: it must train steps 4..7 only (steps count from 0)."""
+    plan, ckpt, log = out / "dcp.plan.json", out / "dcp-checkpoints", out / "dcp.log"
+    cluster = out / "cluster.yaml"
+    done = autoshard(["plan", DCP_MODEL, "--cluster", str(cluster), "--devices-per-node", "1", "--global-batch", "8",
+                      "--dp", "1", "--zero", "0", "-o", str(plan)], limit_s, log)
+    if done.returncode != 0:
+        return {"error": f"plan: {last_line(done)}"}
+    runs = []
+    for steps in (4, 8):
+        done = autoshard(["run", str(plan), "--steps", str(steps), "--checkpoint-dir", str(ckpt),
+                          "--checkpoint-every", "4", "--program", str(out / "dcp.py")], limit_s, log)
+        runs.append({"steps": steps, "exit": done.returncode,
+                     "steps_logged": [int(s) for s in re.findall(r"^step\s+(\d+)", done.stdout, re.M)]})
+    return {"runs": runs, "resumed": runs[1]["exit"] == 0 and runs[1]["steps_logged"][:1] == [runs[0]["steps"]]}
+
+
+def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | None) -> str:
+    """The markdown table: predicted vs measured step and peak, measured MFU, hand-written loop."""
+    hand_by_mb = {h["microbatch_size"]: h["median_step_s"] for h in hand if "median_step_s" in h}
+    lines = [f"{facts_['device']}, torch {facts_['torch']} (CUDA {facts_['cuda']}), {facts_['date']}; "
+             f"calibrated peak {peak_tflops} TFLOP/s" if peak_tflops else f"{facts_['device']}, {facts_['date']}", "",
+             "| case | predicted step | measured step | error | predicted peak | measured peak | error | "
+             "measured MFU | hand-written loop step | program / hand |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | failed: {r.error} |||||||")
+            continue
+        if r.measured_step_s is None:
+            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | not run yet |||||||")
+            continue
+        mfu = r.predicted_mfu * r.predicted_step_s / r.measured_step_s
+        same_work = r.pins.get("recompute") == "none" and r.pins.get("zero") == 0  # what the hand loop does
+        hand_s = hand_by_mb.get(r.pins.get("microbatch_size")) if same_work else None
+        lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | {ms(r.measured_step_s)} | "
+                     f"{pct(r.predicted_step_s, r.measured_step_s)} | {gib(r.predicted_peak_bytes)} | "
+                     f"{gib(r.measured_peak_bytes)} | {pct(r.predicted_peak_bytes, r.measured_peak_bytes)} | "
+                     f"{f'{mfu:.1%}' if mfu is not None else '-'} | {ms(hand_s)} | "
+                     f"{f'{r.measured_step_s / hand_s:.3f}' if hand_s else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def ms(s: float | None) -> str:
+    return f"{s * 1e3:.1f} ms" if s is not None else "-"
+
+
+def gib(b: int | None) -> str:
+    return f"{b / 2**30:.2f} GiB" if b is not None else "-"
+
+
+def pct(predicted: float | None, measured: float | None) -> str:
+    return f"{(predicted - measured) / measured:+.1%}" if predicted is not None and measured else "-"
+
+
+def calibrated_peak(cluster: Path) -> float | None:
+    import yaml
+
+    return yaml.safe_load(cluster.read_text())["device"]["peak_tflops"] if cluster.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cpu", action="store_true", help="the CPU path: the example GPT, two cases, few steps")
+    args = parser.parse_args(argv)
+    setting = CPU if args.cpu else GPU
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    info = facts()
+    (out / "facts.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info), flush=True)
+    cluster = out / "cluster.yaml"
+    done = autoshard(["calibrate", "--quick", "--devices-per-node", "1", "-o", str(cluster)], setting.limit_s,
+                     out / "calibrate.log")
+    print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
+    if done.returncode != 0:
+        return 1
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        rows = list(pool.map(lambda c: plan_case(setting, c, cluster, out), setting.cases))
+    hand: list[dict] = []
+
+    def save() -> None:
+        results = {"facts": info, "rows": [asdict(r) for r in rows], "hand_loop": hand}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(table(info, rows, hand, calibrated_peak(cluster)))
+
+    for row in rows:
+        if row.error is None:
+            run_case(setting, row, out)
+        print(f"{row.case}: predicted {ms(row.predicted_step_s)} {gib(row.predicted_peak_bytes)}, measured "
+              f"{ms(row.measured_step_s)} {gib(row.measured_peak_bytes)} {row.error or ''}", flush=True)
+        save()
+    for microbatch in setting.hand_microbatches:
+        try:
+            hand.append(hand_loop(setting, microbatch, setting.steps))
+        except Exception as exc:  # a loop that does not fit is a row, not the end of the session
+            hand.append({"microbatch_size": microbatch, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        print(f"hand-written loop: {hand[-1]}", flush=True)
+        save()
+    dcp = dcp_resume(out, setting.limit_s)
+    (out / "dcp.json").write_text(json.dumps(dcp, indent=1))
+    print(f"dcp save and resume: {dcp}", flush=True)
+    save()
+    print((out / "results.md").read_text(), flush=True)
+    return 0 if all(r.error is None for r in rows) and dcp.get("resumed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
