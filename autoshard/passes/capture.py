@@ -480,16 +480,20 @@ def _quiet_export() -> Iterator[None]:
     torch._logging.trace_structured("autoshard_capture", suppress_context=True)
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
-    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
+    # torch < 2.13 (a GPU machine's own build) has no such switch: its traces are kept there, nothing else differs
+    has_switch = hasattr(torch.fx.config, "do_not_emit_stack_traces")
+    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces if has_switch else None
     stderr = io.StringIO()
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
-    torch.fx.config.do_not_emit_stack_traces = True
+    if has_switch:
+        torch.fx.config.do_not_emit_stack_traces = True
     try:
         with contextlib.redirect_stderr(stderr):
             yield
         sys.stderr.write(stderr.getvalue())
     finally:
-        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
+        if has_switch:
+            torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
