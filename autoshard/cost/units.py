@@ -41,8 +41,12 @@ with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
     host_recompute(u) = n(u)·h_f + h_ckpt (full) | l(u)·h_f + (n(u) + l(u))·h_sel (selective) | 0
 
 On CPU ranks (gloo) the host is the device: these add to the roofline. On GPUs the host runs
-ahead of the kernels it launches, so only what it does not hide counts:
-max(0, host − device) per unit and pass (forward, backward, recompute).
+ahead of the kernels it launches, so only what it does not hide counts, per unit: in the forward
+max(0, host_fwd − fwd); in the backward, where the recompute's ops are queued among the backward's
+(autograd reruns a checkpointed region as its gradient is reached), the two together:
+max(0, host_bwd + host_recompute − bwd − recompute), reported as host_bwd's part first. (Hidden per
+pass alone, a selective recompute whose light ops take little device time paid its whole policy
+cost: +19 % on a 1.5B Llama on one H200, benchmarks/RESULTS.md "GPU".)
 """
 
 from __future__ import annotations
@@ -172,8 +176,7 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
     if host_overlaps:
         host_f = _not_hidden(host_f, forward)
-        host_b = _not_hidden(host_b, backward)
-        host_r = _not_hidden(host_r, recompute_s)
+        host_b, host_r = _backward_not_hidden(host_b, host_r, backward, recompute_s)
     return Units(
         forward_s=tuple(forward),
         backward_s=tuple(backward),
@@ -234,6 +237,15 @@ def host_times(graph: OpGraph, units: list[int], recompute: str,
 
 def _not_hidden(host: list[float], device: list[float]) -> list[float]:
     return [max(0.0, h - d) for h, d in zip(host, device)]
+
+
+def _backward_not_hidden(host_b: list[float], host_r: list[float], backward: list[float],
+                         recompute: list[float]) -> tuple[list[float], list[float]]:
+    """The backward pass's host time that its device time (backward and recompute together) does not
+    hide, split as (backward's part, recompute's part): backward's first, up to what it alone exposes."""
+    exposed = _not_hidden([b + r for b, r in zip(host_b, host_r)], [b + r for b, r in zip(backward, recompute)])
+    backward_part = [min(e, max(0.0, h - d)) for e, h, d in zip(exposed, host_b, backward)]
+    return backward_part, [e - b for e, b in zip(exposed, backward_part)]
 
 
 def unit_tensors(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
