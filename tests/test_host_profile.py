@@ -107,6 +107,34 @@ def test_gpu_hides_host_time_behind_the_device(gpt):
     assert sum(units["large"].host_forward_s) > device  # a host slower than the kernels sets the pace
 
 
+def test_gpu_hides_the_recompute_policy_under_the_backward(gpt):
+    """Selective recompute's per-op host cost on a GPU hides under the backward's kernels, among which autograd
+    queues the recomputed ops: a policy costing less than the backward's device time adds nothing exposed, one
+    costing more exposes only its excess over backward and recompute together."""
+    h100 = load_cluster("dgx-h100")
+    units = {}
+    for name, sel_us in (("cheap", 1.0), ("dear", 1e5)):
+        host = HostOverheads(**{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": sel_us},
+                             source="t")
+        units[name] = CostTables(gpt, replace(h100, host=host)).units(1024, "selective")
+    cheap, dear = units["cheap"], units["dear"]
+    assert sum(cheap.host_recompute_s) == 0.0 < sum(cheap.recompute_s) < sum(cheap.backward_s)
+    block = 1  # unit 1: the first block
+    exposed = dear.host_backward_s[block] + dear.host_recompute_s[block]
+    device = dear.backward_s[block] + dear.recompute_s[block]
+    policy_s = host_times_of(gpt, "selective", 1e5)[block]
+    assert exposed == pytest.approx(policy_s - device)
+
+
+def host_times_of(graph, recompute: str, selective_op_us: float) -> list[float]:
+    """The recompute host seconds per unit before any hiding (``cost.units.host_times``)."""
+    from autoshard.cost.units import host_times, node_units
+
+    host = HostOverheads(**{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": selective_op_us},
+                         source="t")
+    return host_times(graph, node_units(graph), recompute, host)[2]
+
+
 def profile_of(graph, times, optimizer_s=0.01) -> ModelProfile:
     return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s)
 

@@ -1,0 +1,27 @@
+"""benchmarks/gpu_session.sh's CPU path: the same steps a lent GPU runs (calibrate, plan, run, a hand-written loop,
+DCP save and resume), on the example GPT and one world-size-1 CPU rank."""
+
+import json
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_gpu_session_runs_its_cpu_path(in_repo, tmp_path):
+    out = tmp_path / "session"
+    proc = subprocess.run(["bash", "benchmarks/gpu_session.sh", str(out), "--cpu"], cwd=in_repo, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    [row] = results["rows"]
+    assert row["error"] is None and row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+    assert row["predicted_parts"]["peak_bytes"] == row["predicted_peak_bytes"] > 0
+    assert row["measured_peak_bytes"] is None  # a CPU rank has no device memory counter
+    [hand] = results["hand_loop"]
+    assert hand["microbatch_size"] == 2 and hand["median_step_s"] > 0
+    dcp = json.loads((out / "dcp.json").read_text())
+    assert dcp["resumed"] and [r["steps_logged"] for r in dcp["runs"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    table = (out / "results.md").read_text()
+    assert "| ddp-mb2-full |" in table and "failed" not in table
