@@ -119,10 +119,10 @@ def pin_flags(pins: dict) -> list[str]:
     return [part for key, value in pins.items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
-def plan_case(setting: Setting, case: Case, cluster: Path, out: Path) -> Row:
+def plan_case(setting: Setting, case: Case, cluster: str, out: Path) -> Row:
     row = Row(case.name, case.pins)
     plan = out / f"{case.name}.plan.json"
-    done = autoshard(["plan", setting.model, "--cluster", str(cluster), "--devices-per-node", "1",
+    done = autoshard(["plan", setting.model, "--cluster", cluster, "--devices-per-node", "1",
                       "--global-batch", str(setting.global_batch), "--dp", "1", *pin_flags(case.pins),
                       "-o", str(plan)], setting.limit_s, out / f"{case.name}.log")
     if done.returncode != 0:
@@ -195,11 +195,10 @@ def hand_loop(setting: Setting, microbatch: int, steps: int) -> dict:
             "peak_bytes": peak}
 
 
-def dcp_resume(out: Path, limit_s: float) -> dict:
+def dcp_resume(out: Path, cluster: str, limit_s: float) -> dict:
     """Save at step 4, then a second run of 8 steps resumes from it: it must train steps 4..7 only (steps count from 0)."""
     plan, ckpt, log = out / "dcp.plan.json", out / "dcp-checkpoints", out / "dcp.log"
-    cluster = out / "cluster.yaml"
-    done = autoshard(["plan", DCP_MODEL, "--cluster", str(cluster), "--devices-per-node", "1", "--global-batch", "8",
+    done = autoshard(["plan", DCP_MODEL, "--cluster", cluster, "--devices-per-node", "1", "--global-batch", "8",
                       "--dp", "1", "--zero", "0", "-o", str(plan)], limit_s, log)
     if done.returncode != 0:
         return {"error": f"plan: {last_line(done)}"}
@@ -216,7 +215,7 @@ def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | 
     """The markdown table: predicted vs measured step and peak, measured MFU, hand-written loop."""
     hand_by_mb = {h["microbatch_size"]: h["median_step_s"] for h in hand if "median_step_s" in h}
     lines = [f"{facts_['device']}, torch {facts_['torch']} (CUDA {facts_['cuda']}), {facts_['date']}; "
-             f"calibrated peak {peak_tflops} TFLOP/s" if peak_tflops else f"{facts_['device']}, {facts_['date']}", "",
+             f"the cluster file's peak {peak_tflops} TFLOP/s" if peak_tflops else f"{facts_['device']}, {facts_['date']}", "",
              "| case | predicted step | measured step | error | predicted peak | measured peak | error | "
              "measured MFU | hand-written loop step | program / hand |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -250,16 +249,18 @@ def pct(predicted: float | None, measured: float | None) -> str:
     return f"{(predicted - measured) / measured:+.1%}" if predicted is not None and measured else "-"
 
 
-def calibrated_peak(cluster: Path) -> float | None:
-    import yaml
+def calibrated_peak(cluster: str) -> float | None:
+    from autoshard.cost.hardware import load_cluster
 
-    return yaml.safe_load(cluster.read_text())["device"]["peak_tflops"] if cluster.exists() else None
+    return load_cluster(cluster).device.peak_tflops
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--cpu", action="store_true", help="the CPU path: the example GPT, two cases, few steps")
+    parser.add_argument("--cpu", action="store_true", help="the CPU path: the example GPT, one case, few steps")
+    parser.add_argument("--cluster", help="plan on this preset or cluster file instead of calibrating (the test of "
+                        "the CPU path: calibrate has its own)")
     args = parser.parse_args(argv)
     setting = CPU if args.cpu else GPU
     out: Path = args.out
@@ -267,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     info = facts()
     (out / "facts.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info), flush=True)
-    cluster = out / "cluster.yaml"
-    done = autoshard(["calibrate", "--quick", "--devices-per-node", "1", "-o", str(cluster)], setting.limit_s,
-                     out / "calibrate.log")
-    print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
-    if done.returncode != 0:
-        return 1
+    cluster = args.cluster or str(out / "cluster.yaml")
+    if args.cluster is None:
+        done = autoshard(["calibrate", "--quick", "--devices-per-node", "1", "-o", cluster], setting.limit_s,
+                         out / "calibrate.log")
+        print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
+        if done.returncode != 0:
+            return 1
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         rows = list(pool.map(lambda c: plan_case(setting, c, cluster, out), setting.cases))
     hand: list[dict] = []
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             hand.append({"microbatch_size": microbatch, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
         print(f"hand-written loop: {hand[-1]}", flush=True)
         save()
-    dcp = dcp_resume(out, setting.limit_s)
+    dcp = dcp_resume(out, cluster, setting.limit_s)
     (out / "dcp.json").write_text(json.dumps(dcp, indent=1))
     print(f"dcp save and resume: {dcp}", flush=True)
     save()
