@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,6 +65,9 @@ GPU_CASES = (
     Case("ddp-mb4-selective", {"zero": 0, "microbatch_size": 4, "recompute": "selective"}),
     Case("ddp-mb4-full", {"zero": 0, "microbatch_size": 4, "recompute": "full"}),
     Case("ddp-mb8-full", {"zero": 0, "microbatch_size": 8, "recompute": "full"}),
+    Case("ddp-mb2-selective", {"zero": 0, "microbatch_size": 2, "recompute": "selective"}),
+    Case("ddp-mb8-selective", {"zero": 0, "microbatch_size": 8, "recompute": "selective"}),
+    Case("ddp-mb8", {"zero": 0, "microbatch_size": 8, "recompute": "none"}),
 )
 GPU = Setting("benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES,
               hand_microbatches=(1, 2, 4))
@@ -261,8 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the CPU path: the example GPT, one case, few steps")
     parser.add_argument("--cluster", help="plan on this preset or cluster file instead of calibrating (the test of "
                         "the CPU path: calibrate has its own)")
+    parser.add_argument("--cases", help="only these cases, comma-separated (default: every case)")
+    parser.add_argument("--hand-microbatches", help="micro-batch sizes of the hand-written loop, comma-separated")
+    parser.add_argument("--no-dcp", action="store_true", help="skip DCP save and resume")
     args = parser.parse_args(argv)
     setting = CPU if args.cpu else GPU
+    if args.cases:
+        wanted = args.cases.split(",")
+        setting = replace(setting, cases=tuple(c for c in setting.cases if c.name in wanted))
+    if args.hand_microbatches is not None:
+        sizes = tuple(int(m) for m in args.hand_microbatches.split(",") if m)
+        setting = replace(setting, hand_microbatches=sizes)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     info = facts()
@@ -297,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             hand.append({"microbatch_size": microbatch, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
         print(f"hand-written loop: {hand[-1]}", flush=True)
         save()
-    dcp = dcp_resume(out, cluster, setting.limit_s)
+    dcp = {"resumed": "not run (--no-dcp)"} if args.no_dcp else dcp_resume(out, cluster, setting.limit_s)
     (out / "dcp.json").write_text(json.dumps(dcp, indent=1))
     print(f"dcp save and resume: {dcp}", flush=True)
     save()
