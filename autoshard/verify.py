@@ -78,6 +78,7 @@ from autoshard.modelfile import ModelFile
 from autoshard.runtime.data import global_batch, split_microbatches, take_shard
 from autoshard.runtime.model import build_model, has_batch_norm, load_model_file, zero_dropout_rates
 from autoshard.runtime.randomness import fixable, fixed_randomness
+from autoshard.runtime.report import read_weights
 
 NOISE_FACTOR = 50  # K: how many times the one-process rounding noise a parallel run may show (module doc)
 FLOOR_ULPS = 4  # fp32 spacings at a tensor's scale that always pass
@@ -219,7 +220,7 @@ def program_args(steps: int, seed: int, lr: float, out: Path) -> list[str]:
 def read_run(out: Path) -> Run:
     """The losses and final weights a program wrote with ``--metrics-out out``."""
     metrics = json.loads((out / "metrics.json").read_text())
-    return Run(metrics["losses"], torch.load(out / "params.pt", weights_only=True))
+    return Run(metrics["losses"], read_weights(out))
 
 
 def _error_line(output: str) -> str:

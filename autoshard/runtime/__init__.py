@@ -24,7 +24,7 @@ _LAZY = {  # name: the module that defines it, imported on first use
     **dict.fromkeys(("apply_ac", "apply_ddp", "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast",
                      "build_optimizer", "build_schedule", "grad_sync", "split_pipeline", "sync_batch_norm"),
                     "autoshard.runtime.parallel"),
-    **dict.fromkeys(("StepLog", "finish", "finish_with_state"), "autoshard.runtime.report"),
+    **dict.fromkeys(("StepLog", "finish", "read_weights"), "autoshard.runtime.report"),
 }
 # emitted programs name runtime.tensor_parallel.Conv1D*Parallel; any submodule is imported as it is named
 _SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_parallel", "faults", "model",
@@ -37,7 +37,7 @@ __all__ = [
     "context_parallel", "take_sequence_shard",
     "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
-    "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "finish_with_state", "tensor_parallel", "faults",
+    "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "read_weights", "tensor_parallel", "faults",
 ]
 
 

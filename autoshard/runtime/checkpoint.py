@@ -79,16 +79,36 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
     ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages.
     """
-    root = Path(checkpoint_dir)
-    final = root / f"step-{steps_done:08d}"
-    partial = root / f".step-{steps_done:08d}.partial"
+    model_state, optim_state, _ = _state(model, optimizer, mesh)
+    state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
+    return _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
+                  lambda: faults.inject("kill-in-checkpoint", steps_done))
+
+
+def save_weights(folder: str | Path, model, optimizer, mesh=None) -> Path:
+    """The model's weights alone, as a DCP checkpoint in ``folder``: each rank writes the shards it holds
+    (DCP keeps one copy of what ranks hold alike), so no rank ever holds the whole model (``read_weights``
+    puts them together in one process, for a model small enough to check). Arguments as ``save``'s."""
+    model_state, _, _ = _state(model, optimizer, mesh)
+    names = getattr(model, "state_names", None)
+    if names is not None:  # pipeline stages: the model's own names, each name of a tied tensor (as state_dict())
+        model_state = {name: value for name, value in model_state.items() if name in names}
+        for group in model.aliases:
+            held = next((name for name in group if name in model_state), None)
+            for name in group if held is not None else ():
+                model_state.setdefault(name, model_state[held])
+    return _write(Path(folder), {"model": model_state})
+
+
+def _write(final: Path, state: dict, after_write: Callable[[], None] = lambda: None) -> Path:
+    """``dcp.save`` of ``state`` into ``.NAME.partial`` beside ``final``, renamed to ``final`` by rank 0 once
+    every rank has written its shards: ``final`` is complete or absent, never half-written."""
+    partial = final.with_name(f".{final.name}.partial")
     if dist.get_rank() == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
-    model_state, optim_state, _ = _state(model, optimizer, mesh)
-    dcp.save({"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)},
-             checkpoint_id=partial)
-    faults.inject("kill-in-checkpoint", steps_done)
+    dcp.save(state, checkpoint_id=partial)
+    after_write()
     dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
         if final.exists():  # an earlier write of this step that never finished (no .metadata) or a re-run
@@ -96,6 +116,22 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
         partial.replace(final)
     dist.barrier()
     return final
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``save_weights``' checkpoint, by the model's names, read in this process alone (no
+    process group): what ``autoshard verify`` compares with one process's training. DCP's own reader of every
+    tensor a checkpoint holds (``_load_state_dict_from_keys``, torch's ``_EmptyStateDictLoadPlanner``)."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from autoshard.runtime.model import strip_wrapper_names
+
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(checkpoint_id=str(folder))
+    return {strip_wrapper_names(name): tensor for name, tensor in state["model"].items()}
 
 
 LOCK_FILE = ".autoshard.lock"
@@ -260,10 +296,14 @@ def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dic
     model_state = {k: v for m, _ in per_stage for k, v in m.items()}
     optim_state = {k: v for _, o in per_stage for k, v in o.items()}
     dims = getattr(parts, "tp_shard_dims", {})
+    experts = _expert_shards(optimizers.modules)
     originals = {**{("model", k): v for k, v in model_state.items()},
                  **{("optim", k): v for k, v in optim_state.items()}}
     wrapped = {key: _as_global(value, dims[name], mesh) for key, value in originals.items()
                if (name := _param_name(*key)) in dims and isinstance(value, torch.Tensor) and value.dim() > 0}
+    wrapped |= {key: _expert_as_global(value, experts[name]) for key, value in originals.items()
+                if (name := _param_name(*key)) in experts and name not in dims and isinstance(value, torch.Tensor)
+                and value.dim() > 0}
     model_state.update({k: v for (kind, k), v in wrapped.items() if kind == "model"})
     optim_state.update({k: v for (kind, k), v in wrapped.items() if kind == "optim"})
 
@@ -298,6 +338,30 @@ def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
     shape = list(value.shape)
     shape[dim] *= tp
     return DTensor.from_local(value, mesh["tp"], (Shard(dim),), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def _expert_shards(modules: list[nn.Module]) -> dict:
+    """Name -> ``ExpertShard`` of every plain expert shard in the stage modules (``expert_parallel``)."""
+    from autoshard.runtime.expert_parallel import expert_shard_of
+
+    return {name: shard for module in modules for name, param in module.named_parameters()
+            if (shard := expert_shard_of(param)) is not None}
+
+
+_EP_MESHES: dict = {}  # ep process group -> its 1-D DeviceMesh (one per group, made once)
+
+
+def _expert_as_global(value: torch.Tensor, shard) -> DTensor:
+    """A plain expert shard (its E/ep experts along dim 0) as the DTensor of all E experts: Shard(0) over its
+    ep group, whose ranks hold the shards in rank order; the ranks that hold the same shard (its dp / ep
+    replicas) write one copy between them (DCP's dedup of equal chunks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if shard.group not in _EP_MESHES:
+        _EP_MESHES[shard.group] = DeviceMesh.from_group(shard.group, value.device.type)
+    shape = [value.shape[0] * shard.ep, *value.shape[1:]]
+    return DTensor.from_local(value, _EP_MESHES[shard.group], (Shard(0),), run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
 
 

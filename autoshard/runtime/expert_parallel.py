@@ -34,8 +34,9 @@ Two representations of a shard:
     SPMD            a DTensor, Shard(0) over the "ep" mesh dimension: FSDP2 shards it further over
                     "dp_mod_ep" (its EP path), and ``get_model_state_dict`` / DCP see the full [E, ...]
     before a split  plain local tensors (``torch.export`` traces the patched forward for the pipeline
-                    split; a DTensor would not trace): ``pipeline_parallel.full_state_dict`` gathers
-                    them over ep (``gather_expert_shard``); stages with them refuse DCP state dicts
+                    split; a DTensor would not trace): DCP state dicts (checkpoints, final weights)
+                    see them as the DTensor of all E experts, Shard(0) over their ep group
+                    (``checkpoint._expert_as_global``)
 """
 
 from __future__ import annotations
@@ -273,25 +274,9 @@ def _check_ep(ep: int, sharded_ep: int, dp_mesh: DeviceMesh) -> None:
         raise AutoshardError(f"expert parallelism ep={ep} must divide the data-parallel degree {dp_mesh.size()}")
 
 
-def gather_expert_shard(param: torch.Tensor) -> torch.Tensor | None:
-    """The full [E, ...] tensor of a plain expert shard, concatenated over its ep group in rank order
-    (collective over that group); None for any other tensor."""
-    shard = getattr(param, _SHARD_ATTR, None)
-    if shard is None:
-        return None
-    local = param.detach().contiguous()
-    parts = [torch.empty_like(local) for _ in range(shard.ep)]
-    dist.all_gather(parts, local, group=shard.group)
-    return torch.cat(parts)
-
-
-def refuse_state_dict(module: nn.Module) -> None:
-    """Make ``module.state_dict()`` raise: its plain expert shards would be saved under the full tensors'
-    names with a shard's shape, and DCP keeps one copy of a plain tensor (one rank's experts)."""
-    def refuse(*_args, **_kwargs):
-        raise AutoshardError("DCP checkpoints of pipeline stages with expert-parallel shards are not supported; "
-                             "run without --checkpoint-dir or without expert parallelism")
-    module._register_state_dict_hook(refuse)
+def expert_shard_of(param: torch.Tensor) -> ExpertShard | None:
+    """The ``ExpertShard`` a plain expert shard belongs to; None for any other tensor."""
+    return getattr(param, _SHARD_ATTR, None)
 
 
 # ---------------------------------------------------------------------------- the dispatch op

@@ -32,10 +32,11 @@ over the pp ranks holding a copy (all of pp when pp = 2), and AdamW then moves e
 the same.
 Inside one stage every name of a tied weight is made one parameter again (``one_parameter_per_tie``:
 ``pipeline()`` may copy it under one name and keep the original under another, T5's encoder and
-decoder embeddings), and ``full_state_dict`` lists every alias the model's ``state_dict()`` does.
+decoder embeddings), and the final weights (``checkpoint.save_weights``) list every alias the model's
+``state_dict()`` does.
 ``pipeline()`` also leaves the original, now unused, alias on stage 0 (``lm_head.weight`` on the
 embedding stage); ``drop_unused_state`` removes such leftovers so no stale copy is trained or
-gathered.
+saved.
 
 DP × PP. ``runtime.parallel.apply_fsdp`` puts FSDP2 ``fully_shard`` on each stage module over the dp
 sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselves
@@ -68,9 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.expert_parallel import expert_params, gather_expert_shard, refuse_state_dict
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
-from autoshard.runtime.tensor_parallel_stages import gather_shards
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
@@ -152,7 +151,7 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     stages' send/receive buffers are sized from it). Non-tied stages share ``model``'s
     parameter objects; drop ``model`` afterwards and train the stages. With tensor parallelism
     the model is already sharded (``tensor_parallel_stages.shard_for_tracing``, which returns
-    ``tp_shard_dims``); ``tp_group`` lets ``full_state_dict`` put the shards back together.
+    ``tp_shard_dims``), by which checkpoints save each shard as part of its whole tensor.
     ``placement`` is "loop" or "v" (module doc, ``stage_indices``).
     """
     num_stages = pp_size * virtual_stages
@@ -169,9 +168,6 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
-    for stage in stages:
-        if expert_params(stage.submod):  # plain expert shards (expert_parallel): DCP would keep one rank's
-            refuse_state_dict(stage.submod)
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
@@ -468,41 +464,3 @@ def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float
                                                                      device=device)])
     dist.all_reduce(sum_and_count, op=dist.ReduceOp.SUM)
     return (sum_and_count[0] / sum_and_count[1]).item()
-
-
-def full_state_dict(parts: PipelineStages) -> dict[str, torch.Tensor]:
-    """The whole model's state with its original names, on global rank 0 ({} elsewhere).
-
-    Collective: every rank must call it (FSDP shards are gathered over dp first, expert shards over
-    their ep group; TP shards are concatenated in tp-rank order along ``tp_shard_dims``).
-    """
-    local = {}
-    for module in parts.modules:
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            if name in parts.state_names:
-                full = gather_expert_shard(tensor)
-                if full is None:
-                    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                local[name] = full.detach().cpu().clone()
-    tp_rank = dist.get_rank(parts.tp_group) if parts.tp_group is not None else 0
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((tp_rank, local), gathered, dst=0)
-    if dist.get_rank() != 0:
-        return {}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for rank_in_tp, part in gathered:
-        for name, tensor in part.items():
-            shards.setdefault(name, {}).setdefault(rank_in_tp, tensor)
-    full = {name: gather_shards([by_rank[k] for k in sorted(by_rank)], parts.tp_shard_dims.get(name))
-            for name, by_rank in shards.items()}
-    return with_aliases(full, parts.aliases)
-
-
-def with_aliases(state: dict[str, torch.Tensor], aliases: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:
-    """Every name of each aliased tensor, as the model's own ``state_dict()`` lists them."""
-    for group in aliases:
-        held = next((name for name in group if name in state), None)
-        for name in group:
-            if held is not None:
-                state.setdefault(name, state[held])
-    return state

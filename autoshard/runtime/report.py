@@ -10,12 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from autoshard.ir.plan import write_atomic
 from autoshard.runtime import faults
-from autoshard.runtime.model import strip_wrapper_names
 
 WARMUP_STEPS = 1  # the first step pays for allocation and lazy initialisation; throughput skips it
 
@@ -64,24 +61,33 @@ def peak_device_bytes() -> int | None:
     return torch.cuda.max_memory_allocated()
 
 
-def finish(model: nn.Module, log: StepLog, metrics_out: str | None) -> None:
-    """Print the summary; with ``metrics_out``, rank 0 writes losses, times and full weights."""
-    state = None
-    if metrics_out:  # a collective: every rank takes part in gathering the full weights
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    finish_with_state(state, log, metrics_out)
+WEIGHTS = "weights"  # the folder in ``--metrics-out`` holding the final weights (a DCP checkpoint)
 
 
-def finish_with_state(state: dict[str, torch.Tensor] | None, log: StepLog, metrics_out: str | None) -> None:
-    """As ``finish``, with the full weights already gathered on rank 0 (pipeline stages)."""
+def finish(model, optimizer, log: StepLog, metrics_out: str | None, mesh=None) -> None:
+    """Print the summary; with ``metrics_out``, rank 0 writes the losses and step times (``metrics.json``), every
+    rank its median step (``rank-R.json``), and every rank its shards of the final weights (``weights/``, a DCP
+    checkpoint: ``checkpoint.save_weights``, a collective; nothing is gathered). ``model``, ``optimizer`` and
+    ``mesh`` as ``checkpoint.save`` takes them (a pipeline's stages and ``StageOptimizers``)."""
     if log.is_main and log.losses:
         print(log.summary(), flush=True)
     if not metrics_out:
         return
+    from autoshard.runtime import checkpoint  # DCP: imported by programs that write metrics or checkpoints only
+
+    checkpoint.save_weights(Path(metrics_out) / WEIGHTS, model, optimizer, mesh)
     if dist.get_rank() == 0:
-        _write_metrics(Path(metrics_out), log, {strip_wrapper_names(k): v for k, v in state.items()})
+        _write_metrics(Path(metrics_out), log)
     _write_rank_median(Path(metrics_out), log)
     dist.barrier()
+
+
+def read_weights(metrics_out: str | Path) -> dict[str, torch.Tensor]:
+    """The final weights a program wrote with ``--metrics-out``, whole, by the model's names, read in this
+    process (``checkpoint.read_weights``)."""
+    from autoshard.runtime import checkpoint
+
+    return checkpoint.read_weights(Path(metrics_out) / WEIGHTS)
 
 
 def _write_rank_median(out: Path, log: StepLog) -> None:
@@ -101,10 +107,9 @@ def slowest_rank_median_step_s(out: str | Path) -> float | None:
     return max((m for m in medians if m is not None), default=None)
 
 
-def _write_metrics(out: Path, log: StepLog, state: dict[str, torch.Tensor]) -> None:
-    """Each file through a fresh temporary (``write_atomic``): never a name another file could stand at."""
+def _write_metrics(out: Path, log: StepLog) -> None:
+    """Through a fresh temporary (``write_atomic``): never a name another file could stand at."""
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "params.pt", lambda f: torch.save(state, f))
     median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
     metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median}
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=1).encode())

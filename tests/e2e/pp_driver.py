@@ -2,7 +2,7 @@
 
 Run by tests/e2e/test_pipeline_parallel.py, a job of the session's torchrun launch of its
 world size (``one_launch.py``), or alone under torchrun; rank 0 writes the step losses
-(``metrics.json``) and the full final weights (``params.pt``, original names) to ``--out``.
+(``metrics.json``) and the final weights (``weights/``, a DCP checkpoint, each rank its shards) to ``--out``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import runtime
 from autoshard.runtime import pipeline_parallel as pp
+from autoshard.runtime.checkpoint import StageOptimizers, save_weights
 
 GLOBAL_BATCH = 8
 
@@ -53,7 +53,7 @@ def main() -> None:
     del model  # the stages hold what this rank needs
     if args.dp > 1:
         runtime.apply_fsdp(parts, mesh["dp"])  # each stage module one FSDP2 unit
-    optimizer = torch.optim.AdamW(parts.parameters(), lr=args.lr)
+    optimizer = StageOptimizers(parts.modules, lr=args.lr)  # one AdamW per stage module, as programs have
     schedule = pp.make_torch_schedule(parts, args.microbatches, model_file.loss, args.schedule)
 
     losses = []
@@ -64,11 +64,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    state = pp.full_state_dict(parts)
+    out = Path(args.out)
+    save_weights(out / "weights", parts, optimizer)  # each rank its stages' shards, as programs write them
     if ctx.is_main:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps({"losses": losses}))
     dist.barrier()
     runtime.shutdown()  # as emitted programs end

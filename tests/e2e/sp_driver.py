@@ -9,7 +9,7 @@ so every case shares one run)::
 CASES_JSON is a list of ``{"name", "spec", "styles"}``. For each case every rank builds the same weights (seed 0,
 dropout off: ``build_model(fixed_randomness=True)``), applies ``styles`` with ``apply_tensor_parallel`` on a tp mesh,
 and trains with AdamW on the same global batch; rank 0 writes ``OUT_DIR/<name>/losses.json``,
-``OUT_DIR/<name>/params.pt`` (full tensors, the original parameter names) and ``norm_tokens.json`` (the
+``OUT_DIR/<name>/weights/`` (a DCP checkpoint of the final weights, each rank its shards) and ``norm_tokens.json`` (the
 sequence lengths the sequence-parallel norms received: the tokens really are split).
 """
 
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.runtime import build_model, global_batch, init_distributed, load_model_file, shutdown, take_shard
-from autoshard.runtime.model import strip_wrapper_names
+from autoshard.runtime.checkpoint import save_weights
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 
@@ -54,8 +53,7 @@ def train(case: dict, mesh, args, ctx) -> tuple[list[float], dict, list[int]]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return losses, {strip_wrapper_names(k): v for k, v in full.items()}, seen
+    return losses, (model, optimizer), seen
 
 
 def watch_norm_inputs(model: torch.nn.Module, styles: dict) -> list[int]:
@@ -74,13 +72,12 @@ def main() -> None:
     ctx = init_distributed(expected_world_size=args.tp)
     mesh = init_device_mesh("cpu", (args.tp,), mesh_dim_names=("tp",))
     for case in json.loads(Path(args.cases_json).read_text()):
-        losses, params, seen = train(case, mesh, args, ctx)
+        losses, (model, optimizer), seen = train(case, mesh, args, ctx)
+        out = Path(args.out_dir) / case["name"]
+        save_weights(out / "weights", model, optimizer)  # each rank its shards, as programs write them
         if ctx.is_main:
-            out = Path(args.out_dir) / case["name"]
-            out.mkdir(parents=True, exist_ok=True)
             (out / "losses.json").write_text(json.dumps(losses))
             (out / "norm_tokens.json").write_text(json.dumps(sorted(set(seen))))
-            torch.save(params, out / "params.pt")
         dist.barrier()
     shutdown()
 

@@ -11,6 +11,7 @@ import torch
 import autoshard
 from autoshard.launch import write_program
 from autoshard.runtime.checkpoint import latest
+from autoshard.runtime.report import read_weights
 from e2e.one_launch import Cases, attempt, job
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +63,7 @@ LAUNCHES = Cases({case: c[2] for case, c in CASES.items()},
 
 
 def metrics(out):
-    return json.loads((out / "metrics.json").read_text())["losses"], torch.load(out / "params.pt", weights_only=True)
+    return json.loads((out / "metrics.json").read_text())["losses"], read_weights(out)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

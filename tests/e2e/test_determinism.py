@@ -7,6 +7,7 @@ import torch
 
 import autoshard
 from autoshard.launch import write_program
+from autoshard.runtime.report import read_weights
 from e2e.ckpt_driver import ROOT, job, run_jobs
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +46,7 @@ def train(program, out, seed):
 
 def metrics(out):
     losses = json.loads((out / "metrics.json").read_text())["losses"]
-    return losses, torch.load(out / "params.pt", weights_only=True)
+    return losses, read_weights(out)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

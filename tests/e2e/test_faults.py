@@ -11,6 +11,7 @@ import autoshard
 from autoshard.cli import main
 from autoshard.runtime.checkpoint import latest
 from autoshard.runtime.faults import INJECT_ENV
+from autoshard.runtime.report import read_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +33,7 @@ def run(plan_file, out, *extra):
 
 
 def params(out):
-    return torch.load(out / "params.pt", weights_only=True)
+    return read_weights(out)
 
 
 @pytest.fixture(scope="module")

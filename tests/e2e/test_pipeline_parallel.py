@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from autoshard.runtime import load_model_file
 from autoshard.runtime.pipeline_parallel import stage_indices
+from autoshard.runtime.report import read_weights
 from autoshard.verify import compare, train_reference
 from e2e.one_launch import Cases, job
 
@@ -72,7 +72,7 @@ def test_pipeline_trains_like_one_process(in_repo, launches, case):
     out, failure = launches.result(LAUNCHES, case)
     assert not failure, failure[-4000:]
     losses = json.loads((out / "metrics.json").read_text())["losses"]
-    params = torch.load(out / "params.pt", weights_only=True)
+    params = read_weights(out)
     ref_losses, ref_params = train_reference(load_model_file(spec), GLOBAL_BATCH, STEPS, SEED, LR)
     report = compare(STEPS, losses, ref_losses, params, ref_params)
     assert report.ok, report.failure

@@ -8,6 +8,7 @@ import torch
 
 import autoshard
 from autoshard.launch import write_program
+from autoshard.runtime.report import read_weights
 from autoshard.verify import WEIGHT_RTOL, weight_atol
 from e2e.one_launch import Cases, attempt, job
 
@@ -49,7 +50,7 @@ LAUNCHES = Cases({case: CASES[case][0][1] for case in CASES},
 
 
 def params(out):
-    return torch.load(out / "params.pt", weights_only=True)
+    return read_weights(out)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
 from autoshard.passes.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
+from autoshard.runtime.report import read_weights
 from autoshard.verify import compare, train_reference
 from e2e.one_launch import Cases, job
 
@@ -82,7 +82,7 @@ def test_sequence_parallel_matches_one_process(in_repo, launches):
     for case in cases:
         out = out_dir / case["name"]
         losses = json.loads((out / "losses.json").read_text())
-        params = torch.load(out / "params.pt", weights_only=True)
+        params = read_weights(out)
         ref_losses, ref_params = train_reference(load_model_file(case["spec"]), BATCH, STEPS, 0, LR, fixed_randomness=True)
         report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
         assert report.max_loss_diff < 1e-5, (case["name"], report)

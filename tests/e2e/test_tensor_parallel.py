@@ -9,12 +9,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
 from autoshard.passes.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
+from autoshard.runtime.report import read_weights
 from autoshard.verify import compare, train_reference
 from e2e.one_launch import Cases, attempt, job
 
@@ -68,7 +68,7 @@ def check_against_one_process(spec: str, run: tuple[Path, str]) -> None:
     tmp, failure = run
     assert not failure, failure[-3000:]
     losses = json.loads((tmp / "out" / "losses.json").read_text())
-    params = torch.load(tmp / "out" / "params.pt", weights_only=True)
+    params = read_weights(tmp / "out")
     ref_losses, ref_params = train_reference(load_model_file(spec), BATCH, STEPS, 0, LR)
     report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
     assert report.max_loss_diff < 1e-5, report

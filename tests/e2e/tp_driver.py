@@ -9,7 +9,8 @@ Every rank builds the same weights (seed 0); TP is applied on the "tp" axis of a
 mesh with ``apply_tensor_parallel``; with dp > 1 FSDP2 ``fully_shard`` then shards each block
 and the root over the "dp" axis (TP first, then FSDP, as torchtitan does). Each step every TP
 rank sees its DP shard of the same global batch. Rank 0 writes ``losses.json`` (the global
-mean loss per step) and ``params.pt`` (full tensors, the original parameter names).
+mean loss per step) and ``weights/`` (a DCP checkpoint of the final weights, each rank its shards, as
+programs write them: ``runtime.read_weights`` reads them whole).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -34,7 +34,7 @@ from autoshard.runtime import (
     shutdown,
     take_shard,
 )
-from autoshard.runtime.model import strip_wrapper_names
+from autoshard.runtime.checkpoint import save_weights
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 
@@ -78,13 +78,10 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(mean_over(loss, mesh["dp"].get_group()))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    params = {strip_wrapper_names(k): v for k, v in full.items()}
+    out = Path(args.out_dir)
+    save_weights(out / "weights", model, optimizer)  # each rank its shards, as programs write them
     if ctx.is_main:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "losses.json").write_text(json.dumps(losses))
-        torch.save(params, out / "params.pt")
     dist.barrier()
     shutdown()  # as emitted programs end (runtime.distributed.shutdown)
 

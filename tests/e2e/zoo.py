@@ -24,6 +24,7 @@ import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime import load_model_file
+from autoshard.runtime.report import read_weights
 from autoshard.verify import compare, likely_cause, reference_microbatches, train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +138,7 @@ def _last_lines(traceback_text: str) -> str:
 def _verdict(spec: str, plan, out: Path) -> tuple[str, str]:
     model_file = load_model_file(spec)
     losses = json.loads((out / "metrics.json").read_text())["losses"]
-    params = torch.load(out / "params.pt", weights_only=True)
+    params = read_weights(out)
     micro = reference_microbatches(model_file, plan)
     ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro)
     ref64 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,

@@ -111,7 +111,7 @@ def main():
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
-    runtime.finish(model, log, args.metrics_out)
+    runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 

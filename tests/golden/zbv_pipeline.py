@@ -106,7 +106,7 @@ def main():
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh)
 
-    runtime.finish_with_state(pp.full_state_dict(stages), log, args.metrics_out)
+    runtime.finish(stages, optimizer, log, args.metrics_out, mesh)  # final weights: each rank writes its shards
     runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 
