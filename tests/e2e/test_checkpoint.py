@@ -4,6 +4,7 @@ Each case's runs are jobs of the session's one torchrun launch per world size (`
 each a fresh program, model and optimizer, before every job that fixes randomness."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +80,20 @@ def test_resume_is_bit_exact(launches, case):
     for name, value in full_params.items():
         assert torch.equal(resumed_params[name], value), name
     assert latest(folder / "stopped").name == "step-00000004"
+    shards = sorted((folder / "full" / "weights").glob("*.distcp"))  # the final weights: every rank its own part
+    sizes = [shard.stat().st_size for shard in shards]
+    assert 2 <= len(shards) <= plan.world_size and max(sizes) < (0.5 if plan.world_size >= 4 else 1.0) * sum(sizes)
+
+
+def test_no_code_path_gathers_a_whole_model():
+    """Final weights, checkpoints and metrics are written shard by shard (DCP); nothing in the package gathers
+    tensors to one rank (the e2e cases above check the shards each rank wrote at 4 and 8 ranks)."""
+    import autoshard as package
+
+    gathers = ("gather_object(", "full_state_dict=True", ".full_tensor()", "all_gather_object(")
+    found = [f"{path.name}: {g}" for path in Path(package.__file__).parent.rglob("*.py") for g in gathers
+             if g in path.read_text()]
+    assert not found, found
 
 
 def test_partial_checkpoint_is_ignored(tmp_path):
