@@ -61,7 +61,7 @@ def layout(plan: Plan | str | Path) -> Layout:
     return lower_layout(plan if isinstance(plan, Plan) else load_plan(plan))
 
 
-def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
+def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3, init_from: str | Path | None = None):
     """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank) and
     return ``(model, optimizer, mesh)``: the mesh and the steps are the emitted program's
     (``passes.lower``: ``layout`` and ``lower``, applied by ``runtime.build_mesh`` and ``runtime.apply_steps``).
@@ -73,6 +73,10 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     backward under ``runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample)`` (both do
     nothing without context parallelism) and ``runtime.grad_sync``; the loss averaged over
     ``mesh.get_group(spec.loss_axis)``.
+
+    ``init_from``: pretrained weights loaded once the plan is applied, each rank reading only its shards, as the
+    program's ``--init-from`` (``runtime.checkpoint.load_weights``: a Hugging Face folder of ``*.safetensors`` or
+    a DCP checkpoint).
 
     Pipeline plans are refused: their steps replace the model by this rank's stages and need an example
     micro-batch and the loss function to trace them, and their loop is a schedule's, which this call's
@@ -89,4 +93,8 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3):
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
     model = model.to(ctx.device)
     applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, lr=lr)  # as the emitted program
+    if init_from is not None:
+        from autoshard.runtime.checkpoint import load_weights
+
+        load_weights(init_from, applied["model"], applied["optimizer"])
     return applied["model"], applied["optimizer"], mesh

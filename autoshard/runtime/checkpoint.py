@@ -89,15 +89,86 @@ def save_weights(folder: str | Path, model, optimizer, mesh=None) -> Path:
     """The model's weights alone, as a DCP checkpoint in ``folder``: each rank writes the shards it holds
     (DCP keeps one copy of what ranks hold alike), so no rank ever holds the whole model (``read_weights``
     puts them together in one process, for a model small enough to check). Arguments as ``save``'s."""
-    model_state, _, _ = _state(model, optimizer, mesh)
+    model_state, _ = _model_weights(model, optimizer, mesh)
+    return _write(Path(folder), {"model": model_state})
+
+
+def load_weights(source: str | Path, model, optimizer, mesh=None) -> None:
+    """Start from pretrained weights (``--init-from``): a Hugging Face folder of ``*.safetensors``
+    (``save_pretrained``'s, read by DCP's ``HuggingFaceStorageReader``) or a DCP checkpoint (a ``--metrics-out``
+    ``weights/`` folder, a checkpoint's ``step-N``), by the model's own names. Each rank reads only its shards.
+    A name the source lacks is loaded from a name tied to it (``save_pretrained`` writes one of ``lm_head.weight``
+    and ``model.embed_tokens.weight`` when they are tied); any other is refused in one line."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageReader
+
+    path = Path(source)
+    if (path / ".metadata").is_file():
+        reader, prefix = FileSystemReader(str(path)), "model."
+    elif path.is_dir() and any(path.glob("*.safetensors")):
+        reader, prefix = HuggingFaceStorageReader(str(path)), ""
+    else:
+        raise AutoshardError(f"--init-from {source}: neither a Hugging Face folder of *.safetensors nor a DCP "
+                             f"checkpoint (.metadata); pass the folder save_pretrained wrote, or a checkpoint step-N")
+    model_state, restore = _model_weights(model, optimizer, mesh)
+    present = {key.removeprefix(prefix) for key in reader.read_metadata().state_dict_metadata}
+    ties = _tied_names(model)
+    wanted = {name: next((t for t in ties.get(name, ()) if t in present), None) if name not in present else name
+              for name in model_state}
+    missing = sorted(name for name, found in wanted.items() if found is None)
+    if missing:
+        raise AutoshardError(f"--init-from {source} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])}"
+                             f"{', ...' if len(missing) > 4 else ''}); pass weights saved from this model")
+    by_source: dict[str, list[str]] = {}
+    for name, found in wanted.items():
+        by_source.setdefault(found, []).append(name)
+    for round_ in range(max(len(names) for names in by_source.values())):  # a source key once per load
+        state = {prefix + found: model_state[names[round_]] for found, names in by_source.items()
+                 if round_ < len(names)}
+        dcp.load(_nested(state, prefix), storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+    restore()
+
+
+def export_hf(folder: str | Path, model, optimizer, mesh=None) -> Path:
+    """The final weights as a Hugging Face folder of ``.safetensors`` (``--export-hf``), by the model's names:
+    each rank writes its shards, then they are joined file by file (DCP's ``HuggingFaceStorageWriter`` with
+    consolidation: one tensor at a time, never the whole model on one rank)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model_state, _ = _model_weights(model, optimizer, mesh)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    dcp.save(model_state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True,
+                                                                   enable_consolidation=True))
+    return Path(folder)
+
+
+def _model_weights(model, optimizer, mesh) -> tuple[dict, Callable[[], None]]:
+    """The model's state as checkpoints hold it (``_state``) and its restore function; for pipeline stages, the
+    model's own names only, with every name of a tied tensor (as ``state_dict()`` lists them)."""
+    model_state, _, restore = _state(model, optimizer, mesh)
     names = getattr(model, "state_names", None)
-    if names is not None:  # pipeline stages: the model's own names, each name of a tied tensor (as state_dict())
+    if names is not None:
         model_state = {name: value for name, value in model_state.items() if name in names}
         for group in model.aliases:
             held = next((name for name in group if name in model_state), None)
             for name in group if held is not None else ():
                 model_state.setdefault(name, model_state[held])
-    return _write(Path(folder), {"model": model_state})
+    return model_state, restore
+
+
+def _tied_names(model) -> dict[str, tuple[str, ...]]:
+    """Name -> the other names of the same tensor in the model (pipeline stages: across stages too)."""
+    groups = getattr(model, "aliases", None)
+    if groups is None:
+        from autoshard.runtime.model import strip_wrapper_names
+        from autoshard.runtime.pipeline_parallel import state_aliases
+
+        groups = [tuple(strip_wrapper_names(name) for name in group) for group in state_aliases(model)]
+    return {name: tuple(n for n in group if n != name) for group in groups for name in group}
+
+
+def _nested(state: dict, prefix: str) -> dict:
+    """``{"model": {...}}`` for a DCP checkpoint's keys (``model.NAME``), the flat dict for a Hugging Face one."""
+    return {"model": {k.removeprefix(prefix): v for k, v in state.items()}} if prefix else state
 
 
 def _write(final: Path, state: dict, after_write: Callable[[], None] = lambda: None) -> Path:

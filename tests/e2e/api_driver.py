@@ -4,6 +4,7 @@ Run by tests/e2e/test_context_parallel.py, a job of the session's torchrun launc
 or alone under torchrun::
 
     api_driver.py PLAN_JSON [--steps 2] [--seed 0] [--lr 1e-3] [--metrics-out DIR] [--fixed-randomness]
+                            [--init-from DIR] [--export-hf DIR]
 
 The command line is an emitted program's (``zoo.program_case``), so ``verify``'s judge reads its metrics.
 The loop is the one ``autoshard.parallelize``'s docstring describes: the samples of this rank's place
@@ -30,6 +31,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--metrics-out")
     p.add_argument("--fixed-randomness", action="store_true")
+    p.add_argument("--init-from")
+    p.add_argument("--export-hf")
     return p.parse_args()
 
 
@@ -40,7 +43,7 @@ def main() -> None:
     ctx = runtime.init_distributed(expected_world_size=plan.world_size)
     model_file = runtime.load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=spec.seq_len)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
-    model, optimizer, mesh = autoshard.parallelize(model, plan, lr=args.lr)
+    model, optimizer, mesh = autoshard.parallelize(model, plan, lr=args.lr, init_from=args.init_from)
 
     micro = plan.num_microbatches
     log = runtime.StepLog(plan.global_batch * spec.tokens_per_sample, is_main=ctx.is_main, log_every=1)
@@ -60,7 +63,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.end(step, runtime.mean_over(step_loss, mesh.get_group(spec.loss_axis)))
-    runtime.finish(model, log, args.metrics_out)
+    runtime.finish(model, optimizer, log, args.metrics_out)
+    if args.export_hf:
+        runtime.checkpoint.export_hf(args.export_hf, model, optimizer)
     runtime.shutdown()
 
 

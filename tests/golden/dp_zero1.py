@@ -62,6 +62,10 @@ def parse_args():
     parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
                         "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
                         "draw its own numbers")
+    parser.add_argument("--init-from", help="start from these weights: a Hugging Face folder of *.safetensors "
+                        "(save_pretrained's) or a DCP checkpoint, each rank reading its shards (a checkpoint in "
+                        "--checkpoint-dir comes first)")
+    parser.add_argument("--export-hf", help="at the end, write the weights here as Hugging Face safetensors")
     parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
@@ -78,6 +82,8 @@ def main():
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
+    if start == 0 and args.init_from:
+        checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
@@ -102,6 +108,8 @@ def main():
             checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
+    if args.export_hf:
+        checkpoint.export_hf(args.export_hf, model, optimizer)
     runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 
