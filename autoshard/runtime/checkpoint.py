@@ -96,14 +96,15 @@ def save_weights(folder: str | Path, model, optimizer, mesh=None) -> Path:
 def load_weights(source: str | Path, model, optimizer, mesh=None) -> None:
     """Start from pretrained weights (``--init-from``): a Hugging Face folder of ``*.safetensors``
     (``save_pretrained``'s, read by DCP's ``HuggingFaceStorageReader``) or a DCP checkpoint (a ``--metrics-out``
-    ``weights/`` folder, a checkpoint's ``step-N``), by the model's own names. Each rank reads only its shards.
-    A name the source lacks is loaded from a name tied to it (``save_pretrained`` writes one of ``lm_head.weight``
-    and ``model.embed_tokens.weight`` when they are tied); any other is refused in one line."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageReader
+    ``weights/`` folder, a checkpoint's ``step-N``), by the model's own names. Each rank reads only its shards,
+    and nothing is unpickled (``safe_load``). A name the source lacks is loaded from a name tied to it
+    (``save_pretrained`` writes one of ``lm_head.weight`` and ``model.embed_tokens.weight`` when they are tied);
+    any other is refused in one line."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = Path(source)
     if (path / ".metadata").is_file():
-        reader, prefix = FileSystemReader(str(path)), "model."
+        reader, prefix = safe_load.SafeFileSystemReader(path), "model."
     elif path.is_dir() and any(path.glob("*.safetensors")):
         reader, prefix = HuggingFaceStorageReader(str(path)), ""
     else:
@@ -122,9 +123,8 @@ def load_weights(source: str | Path, model, optimizer, mesh=None) -> None:
     for name, found in wanted.items():
         by_source.setdefault(found, []).append(name)
     for round_ in range(max(len(names) for names in by_source.values())):  # a source key once per load
-        state = {prefix + found: model_state[names[round_]] for found, names in by_source.items()
-                 if round_ < len(names)}
-        dcp.load(_nested(state, prefix), storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+        state = {found: model_state[names[round_]] for found, names in by_source.items() if round_ < len(names)}
+        safe_load.dcp_load({"model": state} if prefix else state, path, allow_partial_load=True, reader=reader)
     restore()
 
 
@@ -166,11 +166,6 @@ def _tied_names(model) -> dict[str, tuple[str, ...]]:
     return {name: tuple(n for n in group if n != name) for group in groups for name in group}
 
 
-def _nested(state: dict, prefix: str) -> dict:
-    """``{"model": {...}}`` for a DCP checkpoint's keys (``model.NAME``), the flat dict for a Hugging Face one."""
-    return {"model": {k.removeprefix(prefix): v for k, v in state.items()}} if prefix else state
-
-
 def _write(final: Path, state: dict, after_write: Callable[[], None] = lambda: None) -> Path:
     """``dcp.save`` of ``state`` into ``.NAME.partial`` beside ``final``, renamed to ``final`` by rank 0 once
     every rank has written its shards: ``final`` is complete or absent, never half-written."""
@@ -191,18 +186,23 @@ def _write(final: Path, state: dict, after_write: Callable[[], None] = lambda: N
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """The whole tensors of ``save_weights``' checkpoint, by the model's names, read in this process alone (no
-    process group): what ``autoshard verify`` compares with one process's training. DCP's own reader of every
-    tensor a checkpoint holds (``_load_state_dict_from_keys``, torch's ``_EmptyStateDictLoadPlanner``)."""
+    process group): what ``autoshard verify`` compares with one process's training. Every tensor the metadata
+    lists, allocated whole here and filled by DCP's reader (``safe_load``: nothing is unpickled)."""
     import warnings
 
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from autoshard.runtime.model import strip_wrapper_names
 
+    path = Path(folder)
+    metadata = safe_load.SafeFileSystemReader(path).read_metadata()
+    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(checkpoint_id=str(folder))
-    return {strip_wrapper_names(name): tensor for name, tensor in state["model"].items()}
+        safe_load.dcp_load({"model": model}, path)
+    return {strip_wrapper_names(name): tensor for name, tensor in model.items()}
 
 
 LOCK_FILE = ".autoshard.lock"

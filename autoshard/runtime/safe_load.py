@@ -99,16 +99,18 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def dcp_load(state: dict[str, Any], path: Path) -> None:
+def dcp_load(state: dict[str, Any], path: Path, allow_partial_load: bool = False, reader=None) -> None:
     """``dcp.load(state, checkpoint_id=path)`` that runs no code from the checkpoint.
 
     The metadata is checked here first, because DCP turns a failure inside its reader into an
-    exception whose message is a multi-line traceback; ours is one line.
+    exception whose message is a multi-line traceback; ours is one line. ``allow_partial_load``: names of
+    ``state`` the checkpoint lacks are left as they are (the caller checked which). ``reader``: another
+    storage reader that unpickles nothing (DCP's ``HuggingFaceStorageReader``: safetensors headers are JSON).
     """
-    reader = SafeFileSystemReader(path)
+    reader = reader if reader is not None else SafeFileSystemReader(path)
     reader.read_metadata()
     try:
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(allow_partial_load=allow_partial_load))
     except CheckpointException as exc:
         mine = [e for e, _ in exc.failures.values() if isinstance(e, AutoshardError)]
         if mine:
