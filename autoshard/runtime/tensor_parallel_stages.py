@@ -250,8 +250,3 @@ def _local_module(path: str, module: nn.Module, style: str, rank: int, size: int
         return ShardedLinear(module, style, rank, size, group_name)
     raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, which style {style!r} does not fit; "
                          f"re-plan this model")
-
-
-def gather_shards(shards_by_tp_rank: list[torch.Tensor], dim: int | None) -> torch.Tensor:
-    """The full tensor from the tp ranks' shards (rank order); ``dim`` None: already whole."""
-    return shards_by_tp_rank[0] if dim is None else torch.cat(shards_by_tp_rank, dim=dim)
