@@ -50,10 +50,12 @@ class ModelFile:
     def factory(self) -> Callable[[], nn.Module]:
         return getattr(self.module, self.factory_name)
 
-    def build(self, device: str | torch.device = "cpu") -> nn.Module:
-        """Call the factory under ``torch.device(device)``; errors name the file and factory."""
+    def build(self, device: str | torch.device | None = "cpu") -> nn.Module:
+        """Call the factory under ``torch.device(device)`` (None: under no device context, as
+        ``runtime.init_replay`` records it); errors name the file and factory."""
         try:
-            with torch.device(device), _skip_init_on_meta(device), warnings.catch_warnings():
+            context = contextlib.nullcontext() if device is None else torch.device(device)
+            with context, _skip_init_on_meta(device), warnings.catch_warnings():
                 # torch's init warns on zero-size weights; _check_parameters then names the layer
                 warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
                 model = self.factory()
@@ -172,7 +174,7 @@ class _SkipMetaInit(TorchFunctionMode):
 
 
 def _skip_init_on_meta(device: str | torch.device):
-    return _SkipMetaInit() if torch.device(device).type == "meta" else contextlib.nullcontext()
+    return _SkipMetaInit() if device is not None and torch.device(device).type == "meta" else contextlib.nullcontext()
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -21,6 +21,8 @@ record.
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
     apply_replicate     FSDP2's replicate per block, root   replicate per stage module (ZeRO-0 with tp or pp)
+    init_weights        this rank's shards made on its device and filled with one process's initial weights
+                        (the model so far is on the meta device; ``runtime.init_replay``)
     apply_ddp           DDP with the plan's bucket size     -
     build_optimizer     AdamW / ZeroRedundancyOptimizer     one AdamW per stage
     build_schedule      -                                   torch's schedule (GPipe, 1F1B, interleaved, zero bubble)
@@ -31,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OPS = ("apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate", "apply_ddp",
-       "build_optimizer", "build_schedule")
+OPS = ("apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate",
+       "init_weights", "apply_ddp", "build_optimizer", "build_schedule")
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).
-RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "apply_ddp": ("device",),
+RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "init_weights": ("device",), "apply_ddp": ("device",),
               "build_optimizer": ("lr",), "build_schedule": ("loss_fn",)}
 # What each op returns; the others return the (wrapped) model, or the stages after split_pipeline.
 RESULTS = {"build_optimizer": "optimizer", "build_schedule": "schedule"}

@@ -347,7 +347,9 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
     mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
@@ -393,7 +395,9 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
     mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
     stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)

@@ -9,10 +9,11 @@ the same order. The order, and why:
     2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
     4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
-    5 apply_fsdp | apply_replicate |         5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
-      apply_ddp   (ir.decisions.DP_RUNTIMES)
-    6 build_optimizer                        6 build_optimizer one AdamW per stage
-                                             7 build_schedule
+    5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
+      (ir.decisions.DP_RUNTIMES)
+    6 init_weights    this rank's shards     6 init_weights    this rank's shards
+    7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one AdamW per stage
+    8 build_optimizer                        8 build_schedule
 
 TP comes first because it replaces parameters with DTensors (or local shards) that everything
 after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
@@ -21,7 +22,10 @@ parameters the wrappers leave. In a pipeline the stages are traced from the shar
 recompute and FSDP act on the traced stage modules, so they follow the split. Expert parallelism
 keeps each rank's experts before anything wraps them (FSDP2 must see the local shards, and a
 pipeline's trace must see the dispatch as one op), and the dp wrapper then syncs the expert shards
-over the dp / ep ranks holding the same ones only.
+over the dp / ep ranks holding the same ones only. Every step before ``init_weights`` acts on the
+meta device (the program builds the model there, ``runtime.build_meta_model``): only the shards
+each rank keeps are ever made, by ``init_weights``; DDP broadcasts values and optimizers
+hold them, so they follow it.
 
 ``layout`` lowers what the training loop reads rather than what it applies to the model (``ir.steps.Layout``):
 the mesh (pp, dp, tp, and cp between dp and tp when the plan splits sequences, with dp x cp flattened into
@@ -35,7 +39,7 @@ from __future__ import annotations
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from autoshard.ir.steps import MESH_ORDER, Layout, Step
+from autoshard.ir.steps import MESH_ORDER, WHOLE_MESH, Layout, Step
 
 
 def lower(plan: Plan) -> tuple[Step, ...]:
@@ -70,12 +74,23 @@ def recompute_modes(plan: Plan) -> dict[str, str]:
 
 def _spmd_steps(plan: Plan) -> list[Step]:
     steps = [*_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
-    if plan.mesh.dp_cp > 1:
+    dp_step = _dp_step(plan, plan.blocks) if plan.mesh.dp_cp > 1 else None
+    if dp_step is not None:
         steps.append(Step("sync_batch_norm", dp_axis(plan), (), "BatchNorm statistics over every dp rank's samples, "
                                                                 "as one process sees them (no change without BatchNorm)"))
-        steps.append(_dp_step(plan, plan.blocks))
+    if dp_step is not None and dp_step.op != "apply_ddp":
+        steps.append(dp_step)
+    steps.append(_init_step())
+    if dp_step is not None and dp_step.op == "apply_ddp":
+        steps.append(dp_step)
     steps.append(_optimizer_step(plan))
     return steps
+
+
+def _init_step() -> Step:
+    return Step("init_weights", WHOLE_MESH, (), "this rank's shards made on its device and filled with the initial "
+                "weights one process draws from the same seed (the model file's initialisation replayed, "
+                "runtime.init_replay); nothing whole is made")
 
 
 def _pipeline_steps(plan: Plan) -> list[Step]:
@@ -90,6 +105,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
              *_recompute_steps(plan)]
     if plan.mesh.dp > 1:
         steps.append(_dp_step(plan, ()))
+    steps.append(_init_step())
     steps.append(_optimizer_step(plan))
     steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
                                                ("num_microbatches", plan.num_microbatches)),

@@ -18,7 +18,7 @@ from autoshard.runtime import faults  # emitted programs run main under runtime.
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.data import global_batch, split_microbatches, take_samples, take_shard
 from autoshard.runtime.distributed import DistContext, build_mesh, init_distributed, mean_over, shutdown
-from autoshard.runtime.model import build_model, load_model_file, model_fingerprint, strip_wrapper_names
+from autoshard.runtime.model import build_meta_model, build_model, load_model_file, model_fingerprint, strip_wrapper_names
 
 _LAZY = {  # name: the module that defines it, imported on first use
     **dict.fromkeys(("apply_ac", "apply_ddp", "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast",
@@ -35,7 +35,7 @@ __all__ = [
     "DistContext", "build_mesh", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches",
     "take_samples", "take_shard",
     "context_parallel", "take_sequence_shard",
-    "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
+    "build_meta_model", "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
     "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "read_weights", "tensor_parallel", "faults",
 ]

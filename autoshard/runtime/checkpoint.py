@@ -362,19 +362,47 @@ def _is_zero_redundancy(optimizer) -> bool:
     return optim is not None and isinstance(optimizer, optim.ZeroRedundancyOptimizer)
 
 
-def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dict, Callable[[], None]]:
-    per_stage = [get_state_dict(m, o, options=OPTIONS) for m, o in zip(optimizers.modules, optimizers.optimizers)]
-    model_state = {k: v for m, _ in per_stage for k, v in m.items()}
-    optim_state = {k: v for _, o in per_stage for k, v in o.items()}
+def model_state(model, mesh=None) -> tuple[dict, Callable[[], None]]:
+    """The model's weights alone, as checkpoints hold them (``_state``'s model part: the original names, a
+    sharded tensor as the DTensor of its whole), before any optimizer exists (``init_replay.materialize``),
+    and the function that puts loaded values back."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    modules = getattr(model, "modules", None)
+    if not isinstance(modules, list):  # a module, not pipeline stages
+        state = get_model_state_dict(model, options=OPTIONS)
+        return state, lambda: set_model_state_dict(model, state, options=OPTIONS)
+    per_stage = [get_model_state_dict(m, options=OPTIONS) for m in modules]
+    originals = {("model", k): v for stage in per_stage for k, v in stage.items()}
+    wrapped = _as_globals(originals, model, modules, mesh)
+    state = {k: wrapped.get(("model", k), v) for (_, k), v in originals.items()}
+
+    def restore() -> None:
+        for key, value in wrapped.items():
+            _local(originals[key]).copy_(value.to_local())
+    return state, restore
+
+
+def _as_globals(originals: dict, parts, modules: list[nn.Module], mesh) -> dict:
+    """The stage-local shards among ``originals`` ((kind, key) -> tensor) as DTensors of their wholes: TP
+    shards (``_as_global``) and expert shards (``_expert_as_global``)."""
     dims = getattr(parts, "tp_shard_dims", {})
-    experts = _expert_shards(optimizers.modules)
-    originals = {**{("model", k): v for k, v in model_state.items()},
-                 **{("optim", k): v for k, v in optim_state.items()}}
+    experts = _expert_shards(modules)
     wrapped = {key: _as_global(value, dims[name], mesh) for key, value in originals.items()
                if (name := _param_name(*key)) in dims and isinstance(value, torch.Tensor) and value.dim() > 0}
     wrapped |= {key: _expert_as_global(value, experts[name]) for key, value in originals.items()
                 if (name := _param_name(*key)) in experts and name not in dims and isinstance(value, torch.Tensor)
                 and value.dim() > 0}
+    return wrapped
+
+
+def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dict, Callable[[], None]]:
+    per_stage = [get_state_dict(m, o, options=OPTIONS) for m, o in zip(optimizers.modules, optimizers.optimizers)]
+    model_state = {k: v for m, _ in per_stage for k, v in m.items()}
+    optim_state = {k: v for _, o in per_stage for k, v in o.items()}
+    originals = {**{("model", k): v for k, v in model_state.items()},
+                 **{("optim", k): v for k, v in optim_state.items()}}
+    wrapped = _as_globals(originals, parts, optimizers.modules, mesh)
     model_state.update({k: v for (kind, k), v in wrapped.items() if kind == "model"})
     optim_state.update({k: v for (kind, k), v in wrapped.items() if kind == "optim"})
 

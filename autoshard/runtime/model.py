@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -37,6 +40,27 @@ def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "
     if fixed_randomness:
         fix_model_randomness(model)
     return model.to(device)
+
+
+def build_meta_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu",
+                     fixed_randomness: bool = False) -> nn.Module:
+    """The model on the meta device, waiting for the plan's ``init_weights`` step to make this rank's shards
+    with the values ``build_model(model_file, seed)`` would give (``runtime.init_replay``). A factory whose
+    initialisation cannot be replayed is built whole on CPU and moved to ``device`` instead (``build_model``),
+    and rank 0 says why in one line. ``fixed_randomness`` as ``build_model``'s."""
+    from autoshard.runtime import init_replay
+
+    try:
+        with torch.random.fork_rng(devices=[]), drawing_freely():
+            model, record = init_replay.record_build(lambda: model_file.build(None))
+    except AutoshardError as exc:  # NotReplayable, or a factory that runs only on real tensors
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {model_file.spec}: built whole on each rank's CPU, then sharded ({exc})", file=sys.stderr)
+        return build_model(model_file, seed, device, fixed_randomness)
+    init_replay.attach(model, record, seed)
+    if fixed_randomness:
+        fix_model_randomness(model)
+    return model
 
 
 def strip_wrapper_names(name: str) -> str:
@@ -139,13 +163,14 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.lerp_(var * count / max(count - 1, 1.0), momentum)
 
 
-def convert_sync_batch_norm(model: nn.Module, group) -> nn.Module:
+def convert_sync_batch_norm(model: nn.Module, group, on_cpu: bool | None = None) -> nn.Module:
     """BatchNorm layers take their statistics over the data-parallel group, as one process over the
     global batch would: ``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPUs, ``GlooSyncBatchNorm``
-    on CPUs (the same layers, their class changed). A model without BatchNorm is returned as it is."""
+    on CPUs (the same layers, their class changed). A model without BatchNorm is returned as it is.
+    ``on_cpu``: where the model runs (default: where its tensors are; a meta model's are nowhere yet)."""
     if not has_batch_norm(model):
         return model
-    if not _on_cpu(model):
+    if not (_on_cpu(model) if on_cpu is None else on_cpu):
         return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm):

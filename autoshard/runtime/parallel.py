@@ -18,6 +18,8 @@ prints the steps):
     apply_replicate   FSDP2's replicate: ZeRO-0 where parameters are DTensors or stages (tp or pp)
                       (both leave 0-d parameters, which FSDP2 cannot take, whole on every rank and
                       average their gradients over dp once per step: ``_keep_scalars_whole``)
+    init_weights      this rank's shards made on its device, filled with one process's initial weights
+                      (every step before it acts on the meta device: ``runtime.init_replay``)
     apply_ddp         DistributedDataParallel (bucketed all-reduce overlapped with backward)
     build_optimizer   AdamW; ZeRO-1: ZeroRedundancyOptimizer over dp; pipelines: one per stage
     build_schedule    torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV
@@ -44,7 +46,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import expert_parallel as ep_runtime
+from autoshard.runtime import init_replay
 from autoshard.runtime import model as model_utils
+from autoshard.runtime import checkpoint
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.model import get_block
@@ -104,10 +108,14 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, 
     """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
     "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
     tp = tp_styles and mesh["tp"].size() > 1
-    return _pipeline_parallel().build_pipeline_stages(
-        model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
+    on_meta = init_replay.is_pending(model)  # traced on meta too; the stages move their ops' devices to device
+    traced = tuple(t.to("meta") for t in example_microbatch) if on_meta else example_microbatch
+    stages = _pipeline_parallel().build_pipeline_stages(
+        model, traced, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
         device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
         tp_group=mesh.get_group("tp") if tp else None, placement=placement)
+    init_replay.carry(model, stages)
+    return stages
 
 
 def apply_ac(model, modes: dict[str, str]):
@@ -137,7 +145,7 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
 
 def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """BatchNorm over all dp ranks' samples; the model unchanged without BatchNorm."""
-    return model_utils.convert_sync_batch_norm(model, dp_mesh.get_group())
+    return model_utils.convert_sync_batch_norm(model, dp_mesh.get_group(), on_cpu=dp_mesh.device_type == "cpu")
 
 
 def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
@@ -256,6 +264,24 @@ _SCALAR_GRADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ACCUMULATING: weakref.WeakSet = weakref.WeakSet()
 
 
+def init_weights(model, mesh: DeviceMesh, device: torch.device):
+    """Make this rank's shards on ``device`` and fill them with the weights one process builds from the same
+    seed (``runtime.init_replay``: the model file's initialisation recorded on the meta device and replayed,
+    each rank copying out only the parts it holds); returns the model. A model that is not on the meta device
+    (built whole, as the Python API's caller builds it) is left as it is."""
+    if not init_replay.is_pending(model):
+        return model
+    modules = model.modules if _is_stages(model) else [model]
+    for module in modules:
+        init_replay.to_empty(module, device)
+    if init_replay.on_fake_tensors(modules):  # a setup run on fake tensors (no values to fill): nothing to read
+        init_replay.forget(model)
+        return model
+    state, restore = checkpoint.model_state(model, mesh)
+    init_replay.materialize(model, modules, state, restore, device)
+    return model
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
               device: torch.device | None = None) -> nn.Module:
     ep_runtime.refuse_expert_shards(model, "DDP")  # it would average different experts; apply_replicate does not
@@ -291,6 +317,7 @@ APPLIERS: dict[str, Callable] = {
     "sync_batch_norm": sync_batch_norm,
     "apply_fsdp": apply_fsdp,
     "apply_replicate": apply_replicate,
+    "init_weights": init_weights,
     "apply_ddp": apply_ddp,
     "build_optimizer": build_optimizer,
     "build_schedule": build_schedule,

@@ -46,6 +46,7 @@ same way over dp).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -167,11 +168,35 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     local = stage_indices(pp_rank, pp_size, virtual_stages, placement)
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
+        if any(t.is_meta for t in example_microbatch_inputs):
+            run_on(pipe.get_stage_module(index), device)
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
                           tp_group, state_aliases(model), placement)
+
+
+def run_on(stage_module: nn.Module, device: torch.device) -> None:
+    """A stage traced on the meta device runs its ops on ``device``: every device the trace burnt into an op's
+    arguments (``x.to(device=x.device)``, ``torch.arange(..., device=x.device)``, an autocast region's device
+    type), positional or keyword, nested graphs too. ``Pipe.build_stage`` rewrites only keyword ``device``
+    arguments of the top graph's calls."""
+    def moved(value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        return device.type if isinstance(value, str) and value == "meta" else value
+
+    for module in stage_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module"):
+                node.args = pytree.tree_map(moved, node.args)
+                node.kwargs = pytree.tree_map(moved, node.kwargs)
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()  # an unflattened InterpreterModule interprets its graph as it is
 
 
 def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -208,7 +233,31 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
             pipe = _pipeline_once(model, example_inputs, split_points)
     _check_inputs_as_fed(pipe, example_inputs)
     one_parameter_per_tie(pipe, state_aliases(model))
-    return make_transfers_contiguous(route_skipped_values(pipe))
+    pipe = make_transfers_contiguous(route_skipped_values(pipe))
+    _forget_traced_tensors(pipe)
+    return pipe
+
+
+def _forget_traced_tensors(pipe) -> None:
+    """Drop the trace's weak references to the model's tensors.
+
+    The stage graphs' fake values keep their fake-tensor mode alive, whose describer holds a weak reference to
+    every tensor the trace read (``describer.lookup_tensor``, a cache of ids). A tensor with a weak reference
+    cannot have its contents swapped (``torch.utils.swap_tensors``), which is how a stage built on the meta
+    device gets its parameters made in place (``init_replay.to_empty``). The trace is over; its cache goes."""
+    modes = set()
+    for module in pipe.split_gm.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            mode = getattr(node.meta.get("val"), "fake_mode", None)
+            if mode is not None:
+                modes.add(mode)
+    for mode in modes:
+        describer = getattr(getattr(mode.fake_tensor_converter, "meta_converter", None), "describer", None)
+        lookup = getattr(describer, "lookup_tensor", None)
+        if lookup is not None:
+            lookup.clear()
+    gc.collect()  # the first trace of a model with a no_grad region is dropped with its own mode
 
 
 def _check_inputs_as_fed(pipe, example_inputs: tuple) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from autoshard import runtime
 from autoshard.runtime import checkpoint
-from autoshard.runtime.parallel import apply_ddp, build_optimizer, sync_batch_norm
+from autoshard.runtime.parallel import apply_ddp, build_optimizer, init_weights, sync_batch_norm
 
 
 MODEL = 'examples/gpt.py:build'
@@ -45,6 +45,9 @@ def parallelize(model, mesh, device, lr):
     # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
     # BatchNorm).
     model = sync_batch_norm(model, mesh["dp"])
+    # This rank's shards made on its device and filled with the initial weights one process draws from the
+    # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
+    model = init_weights(model, mesh, device=device)
     # DDP all-reduces gradients in 1 MiB buckets (the cost model's choice), overlapped with backward.
     model = apply_ddp(model, mesh["dp"], bucket_cap_mb=1.0, device=device)
     # AdamW, whole on every rank.
@@ -78,7 +81,9 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
     mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint

@@ -20,7 +20,7 @@ import torch
 
 from autoshard import runtime
 from autoshard.runtime import checkpoint
-from autoshard.runtime.parallel import apply_ac, apply_fsdp, build_optimizer, sync_batch_norm
+from autoshard.runtime.parallel import apply_ac, apply_fsdp, build_optimizer, init_weights, sync_batch_norm
 
 
 MODEL = 'examples/gpt.py:build'
@@ -57,6 +57,9 @@ def parallelize(model, mesh, device, lr):
     # ZeRO-3: FSDP2 over 4 dp ranks shards weights, gradients and optimizer state; each unit gathered just
     # before use (each block a unit, then the root).
     model = apply_fsdp(model, mesh["dp"], blocks=BLOCKS, reshard_after_forward=True, precision=PRECISION)
+    # This rank's shards made on its device and filled with the initial weights one process draws from the
+    # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
+    model = init_weights(model, mesh, device=device)
     # AdamW over the FSDP2-sharded parameters (its state is sharded with them).
     optimizer = build_optimizer(model, mesh["dp"], zero_stage=3, lr=lr)
     return model, optimizer
@@ -88,7 +91,9 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
     mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint

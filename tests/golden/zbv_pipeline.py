@@ -21,7 +21,7 @@ import torch
 from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime import pipeline_parallel as pp
-from autoshard.runtime.parallel import apply_fsdp, build_optimizer, build_schedule, split_pipeline
+from autoshard.runtime.parallel import apply_fsdp, build_optimizer, build_schedule, init_weights, split_pipeline
 
 
 MODEL = 'examples/gpt.py:build'
@@ -55,6 +55,9 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     # forward to backward; the schedule sums gradients whole and reduce-scatters them after the last
     # micro-batch (each stage module a unit).
     stages = apply_fsdp(stages, mesh["dp"], blocks=(), reshard_after_forward=False, precision=PRECISION)
+    # This rank's shards made on its device and filled with the initial weights one process draws from the
+    # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
+    stages = init_weights(stages, mesh, device=device)
     # One AdamW per stage module (each stage's state dict maps through its own module).
     optimizer = build_optimizer(stages, mesh["dp"], zero_stage=1, lr=lr)
     # Schedule zbv over 4 micro-batches; gradients are their mean; each backward is split into the inputs'
@@ -89,7 +92,9 @@ def main():
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
     mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
     model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
-    model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
     stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)
