@@ -18,7 +18,13 @@ from autoshard.runtime import faults  # emitted programs run main under runtime.
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.data import global_batch, split_microbatches, take_samples, take_shard
 from autoshard.runtime.distributed import DistContext, build_mesh, init_distributed, mean_over, shutdown
-from autoshard.runtime.model import build_meta_model, build_model, load_model_file, model_fingerprint, strip_wrapper_names
+from autoshard.runtime.model import (
+    build_meta_model,
+    build_model,
+    load_model_file,
+    model_fingerprint,
+    strip_wrapper_names,
+)
 
 _LAZY = {  # name: the module that defines it, imported on first use
     **dict.fromkeys(("apply_ac", "apply_ddp", "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast",

@@ -46,7 +46,7 @@ from torch.futures import Future
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoshard.errors import AutoshardError
 
@@ -465,22 +465,24 @@ def on_fake_tensors(modules: list[nn.Module]) -> bool:
 
 
 def materialize(model, modules: list[nn.Module], state: dict, restore: Callable[[], None],
-                device: torch.device) -> None:
+                original_name: Callable[[str], str]) -> None:
     """Allocate ``modules``' tensors on ``device`` and fill them with the factory's initial values.
 
     ``state`` is the model's state as checkpoints hold it (``runtime.checkpoint.model_state``: by the original
     names, DTensors where sharded), made after ``to_empty``; DCP's planner reads from the replay only the parts
     this rank holds, and ``restore`` puts them back. Buffers no state dict lists (non-persistent: rotary tables)
-    are filled whole. Parameters keep their objects and attributes (``_to_empty``)."""
+    are filled whole, found by ``original_name`` (a module's tensor name without wrappers' parts)."""
     record, seed = getattr(model, _PENDING)
-    unknown = sorted(set(state) - set(record.state))
+    held = {original_name(name) for module in modules
+            for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+    unknown = sorted((set(state) | held) - set(record.state))
     if unknown:
         raise AutoshardError(f"the sharded model has state the factory did not make ({', '.join(unknown[:3])}); "
                              f"this plan's program cannot initialise it on meta")
     extra: dict[str, list[torch.Tensor]] = {}
     for module in modules:
         for name, buffer in module.named_buffers(remove_duplicate=False):
-            name = _original_name(name)
+            name = original_name(name)
             if name not in state and name in record.state:
                 extra.setdefault(name, []).append(buffer)
     from torch.distributed.checkpoint import load
@@ -540,12 +542,6 @@ def _is_meta(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or (local is not None and local.is_meta)
 
 
-def _original_name(name: str) -> str:
-    from autoshard.runtime.model import strip_wrapper_names
-
-    return strip_wrapper_names(name)
-
-
 class ReplayReader:
     """A ``torch.distributed.checkpoint`` storage reader whose checkpoint is the factory's replay: every state
     tensor as one whole chunk; ``read_data`` replays the record once and copies each requested part as soon as
@@ -562,8 +558,13 @@ class ReplayReader:
         return True
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, StorageMeta,
-                                                           TensorProperties, TensorStorageMetadata)
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            Metadata,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
 
         entries = {}
         for name, ref in self.record.state.items():

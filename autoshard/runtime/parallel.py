@@ -45,10 +45,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
+from autoshard.runtime import checkpoint, init_replay
 from autoshard.runtime import expert_parallel as ep_runtime
-from autoshard.runtime import init_replay
 from autoshard.runtime import model as model_utils
-from autoshard.runtime import checkpoint
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.model import get_block
@@ -108,10 +107,8 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, 
     """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
     "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
     tp = tp_styles and mesh["tp"].size() > 1
-    on_meta = init_replay.is_pending(model)  # traced on meta too; the stages move their ops' devices to device
-    traced = tuple(t.to("meta") for t in example_microbatch) if on_meta else example_microbatch
     stages = _pipeline_parallel().build_pipeline_stages(
-        model, traced, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
+        model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
         device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
         tp_group=mesh.get_group("tp") if tp else None, placement=placement)
     init_replay.carry(model, stages)
@@ -278,7 +275,7 @@ def init_weights(model, mesh: DeviceMesh, device: torch.device):
         init_replay.forget(model)
         return model
     state, restore = checkpoint.model_state(model, mesh)
-    init_replay.materialize(model, modules, state, restore, device)
+    init_replay.materialize(model, modules, state, restore, model_utils.strip_wrapper_names)
     return model
 
 

@@ -46,7 +46,6 @@ same way over dp).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -168,35 +167,11 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     local = stage_indices(pp_rank, pp_size, virtual_stages, placement)
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
-        if any(t.is_meta for t in example_microbatch_inputs):
-            run_on(pipe.get_stage_module(index), device)
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
                           tp_group, state_aliases(model), placement)
-
-
-def run_on(stage_module: nn.Module, device: torch.device) -> None:
-    """A stage traced on the meta device runs its ops on ``device``: every device the trace burnt into an op's
-    arguments (``x.to(device=x.device)``, ``torch.arange(..., device=x.device)``, an autocast region's device
-    type), positional or keyword, nested graphs too. ``Pipe.build_stage`` rewrites only keyword ``device``
-    arguments of the top graph's calls."""
-    def moved(value):
-        if isinstance(value, torch.device) and value.type == "meta":
-            return device
-        return device.type if isinstance(value, str) and value == "meta" else value
-
-    for module in stage_module.modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            if node.op in ("call_function", "call_method", "call_module"):
-                node.args = pytree.tree_map(moved, node.args)
-                node.kwargs = pytree.tree_map(moved, node.kwargs)
-        if isinstance(module, torch.fx.GraphModule):
-            module.recompile()  # an unflattened InterpreterModule interprets its graph as it is
 
 
 def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -227,37 +202,75 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     The pipe's ``model_output_spec`` is the pytree structure of the model's output as the
     export saw it: the last stage returns exactly its leaves.
     """
-    pipe = _pipeline_once(model, example_inputs, split_points)
-    if _has_grad_mode_region(pipe):
-        with torch.no_grad():
-            pipe = _pipeline_once(model, example_inputs, split_points)
+    with _traced_on_device(model, example_inputs) as (inputs, meta_of):
+        pipe = _pipeline_once(model, inputs, split_points)
+        if _has_grad_mode_region(pipe):
+            with torch.no_grad():
+                pipe = _pipeline_once(model, inputs, split_points)
+    _back_to_meta(pipe, meta_of)
     _check_inputs_as_fed(pipe, example_inputs)
     one_parameter_per_tie(pipe, state_aliases(model))
-    pipe = make_transfers_contiguous(route_skipped_values(pipe))
-    _forget_traced_tensors(pipe)
-    return pipe
+    return make_transfers_contiguous(route_skipped_values(pipe))
 
 
-def _forget_traced_tensors(pipe) -> None:
-    """Drop the trace's weak references to the model's tensors.
+@contextmanager
+def _traced_on_device(model: nn.Module, example_inputs: tuple):
+    """A model on the meta device is traced as if on the inputs' device: its meta tensors stand in as fake
+    tensors there (``FakeTensorMode``, the mode export then traces in, the inputs made fake in it too).
 
-    The stage graphs' fake values keep their fake-tensor mode alive, whose describer holds a weak reference to
-    every tensor the trace read (``describer.lookup_tensor``, a cache of ids). A tensor with a weak reference
-    cannot have its contents swapped (``torch.utils.swap_tensors``), which is how a stage built on the meta
-    device gets its parameters made in place (``init_replay.to_empty``). The trace is over; its cache goes."""
-    modes = set()
+    A trace on meta would record the code paths models take for the meta device: transformers' experts pick
+    ``histc`` on integers for any device but CPU, which CPU then cannot run. Yields the fake inputs and, for
+    each stand-in, the meta tensor it stands for (``_back_to_meta``); the model gets its own tensors back.
+    A model with no meta tensor is traced as it is."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        yield example_inputs, {}
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = example_inputs[0].device
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    stand_in: dict[int, torch.Tensor] = {}
+    meta_of: dict[int, torch.Tensor] = {}
+    swapped = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in stand_in:
+                    with mode:
+                        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                    if isinstance(tensor, nn.Parameter):
+                        fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                    stand_in[id(tensor)], meta_of[id(fake)] = fake, tensor
+                swapped.append((table, name, tensor))
+                table[name] = stand_in[id(tensor)]
+    try:
+        yield tuple(mode.from_tensor(t) for t in example_inputs), meta_of
+    finally:
+        for table, name, tensor in swapped:
+            table[name] = tensor
+
+
+def _back_to_meta(pipe, meta_of: dict[int, torch.Tensor]) -> None:
+    """Each stage holds the model's meta tensors again where the trace held their stand-ins; a copy the split
+    made of one (a weight tied across stages) becomes a meta tensor of its own, one per copy."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made: dict[int, torch.Tensor] = {}
     for module in pipe.split_gm.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
-            mode = getattr(node.meta.get("val"), "fake_mode", None)
-            if mode is not None:
-                modes.add(mode)
-    for mode in modes:
-        describer = getattr(getattr(mode.fake_tensor_converter, "meta_converter", None), "describer", None)
-        lookup = getattr(describer, "lookup_tensor", None)
-        if lookup is not None:
-            lookup.clear()
-    gc.collect()  # the first trace of a model with a no_grad region is dropped with its own mode
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if not isinstance(tensor, FakeTensor) and not isinstance(getattr(tensor, "data", None), FakeTensor):
+                    continue
+                if id(tensor) not in made:
+                    meta = meta_of.get(id(tensor))
+                    if meta is None:
+                        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+                        if isinstance(tensor, nn.Parameter):
+                            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                    made[id(tensor)] = meta
+                table[name] = made[id(tensor)]
 
 
 def _check_inputs_as_fed(pipe, example_inputs: tuple) -> None:
