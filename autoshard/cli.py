@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub, common)
     _add_run(sub, common)
     _add_verify(sub, common)
+    _add_dryrun(sub, common)
     _add_calibrate(sub, common)
     return parser
 
@@ -190,6 +192,18 @@ def _add_verify(sub, common) -> None:
     p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5)
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0)
     p.set_defaults(func=cmd_verify)
+
+
+def _add_dryrun(sub, common) -> None:
+    p = sub.add_parser("dryrun", parents=[common], help="run one rank's setup and two steps on fake tensors and "
+                       "compare its peak memory by part with the plan's prediction")
+    p.add_argument("plan")
+    p.add_argument("--rank", type=_int_flag("--rank", 0, MAX, 0), action="append", dest="ranks",
+                   help="a rank of the plan's world to run (repeatable; default 0)")
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2)
+    p.add_argument("--json", action="store_true", help='print {"ranks": [{"rank", "peak_bytes", '
+                   '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}]}')
+    p.set_defaults(func=cmd_dryrun)
 
 
 def _add_calibrate(sub, common) -> None:
@@ -517,6 +531,20 @@ def cmd_verify(args) -> int:
         print(f"FAILED: {report.failure}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     print("OK: the parallel program trains like one process")
+    return 0
+
+
+def cmd_dryrun(args) -> int:
+    from autoshard.dryrun import dryrun, summary_lines
+    from autoshard.ir.plan import check_model_file, load_plan
+
+    plan = load_plan(args.plan)
+    check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
+    results = dryrun(plan, ranks=args.ranks, steps=args.steps)
+    if args.json:
+        print(json.dumps({"ranks": [result.as_json() for result in results]}, indent=1))
+    else:
+        print("\n".join(summary_lines(plan, results)))
     return 0
 
 

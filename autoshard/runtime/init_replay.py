@@ -502,6 +502,7 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
     checks refuse a traced stage's parameters), and FSDP2 re-pads its sharded parameters as its
     ``_apply`` would (``reset_sharded_param``)."""
     done: set[int] = set()
+    replaced: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for tensor in table.values():
@@ -512,8 +513,17 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
                 if isinstance(tensor, nn.Parameter):
                     empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
                 attributes = dict(tensor.__dict__)
-                torch.utils.swap_tensors(tensor, empty)
-                tensor.__dict__.update(attributes)
+                try:
+                    torch.utils.swap_tensors(tensor, empty)
+                    tensor.__dict__.update(attributes)
+                except RuntimeError:  # a fake tensor (its mode holds a weak reference to it): put in its place
+                    empty.__dict__.update(attributes)
+                    replaced[id(tensor)] = empty
+    for sub in module.modules() if replaced else ():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None and id(tensor) in replaced:
+                    table[name] = replaced[id(tensor)]
     from torch.distributed.fsdp import FSDPModule
 
     for sub in module.modules():
