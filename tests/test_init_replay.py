@@ -74,6 +74,18 @@ def test_replay_serves_a_subset_and_leaves_the_generator_alone():
     assert all(torch.equal(got[name], want[name].detach()) for name in names)
 
 
+def test_draws_after_the_last_kept_one_are_skipped():
+    """A rank holding the first layer only (a first pipeline stage) replays no draw after the last it keeps."""
+    model_file = load_model_file("examples/gpt.py:build")
+    _, record = record_build(lambda: model_file.build(None))
+    first = [name for name in record.state if name.startswith("h.0.")]
+    plan = init_replay._plan(record, {record.state[name].storage for name in first})
+    draws = [i for i, op in enumerate(record.ops) if op.random]
+    kept = [i for i in draws if plan.run[i] == "real"]
+    assert kept and all(plan.run[i] == "skip" for i in draws if i > max(kept))
+    assert sum(plan.run[i] != "skip" for i in draws) < len(draws)
+
+
 class _SeedsItself(nn.Module):
     def __init__(self):
         super().__init__()

@@ -20,7 +20,9 @@ Exactness. The CPU generator (mt19937) draws sequentially and cannot skip ahead,
 random op of the model, in order, and draws exactly the numbers one process draws in
 ``torch.manual_seed(seed); factory()``: the weights are bitwise those of the one-process build
 (``tests/test_init_replay.py`` compares them on models nobody here wrote), so ``autoshard verify``'s
-reference is unchanged. The cost is one CPU build's arithmetic per rank, not its memory.
+reference is unchanged. The cost is at most one CPU build's arithmetic per rank, not its memory: draws after the
+last one the rank keeps are skipped (a first pipeline stage skips the later layers' draws after its own last one;
+a factory that initialises every module again at its end, as transformers' ``post_init`` does, keeps most).
 
 Memory. A value is kept only while a later op reads it, or while it is a state tensor whose parts are not yet
 taken: an op whose result is never read (a weight's first fill, overwritten by ``post_init``) runs on scratch
@@ -330,7 +332,11 @@ def _plan(record: Record, wanted: set[int]) -> _Plan:
     missing = [s for s in live if s not in record.constants]
     if missing:
         raise NotReplayable(f"{len(missing)} value(s) the weights depend on were not made by the factory's ops")
-    run = ["real" if n else ("scratch" if op.random else "skip") for n, op in zip(needed, record.ops)]
+    # A draw nobody keeps still runs (on scratch) when a kept draw follows it: the generator's state at that
+    # draw depends on every draw before. After the last kept draw, no draw matters.
+    last_kept_draw = max((i for i, op in enumerate(record.ops) if needed[i] and op.random), default=-1)
+    run = ["real" if n else ("scratch" if op.random and i < last_kept_draw else "skip")
+           for i, (n, op) in enumerate(zip(needed, record.ops))]
     fresh_next: dict[int, bool] = {}  # storage -> its next use (in order) fully replaces it, or there is none
     final = set()
     free_after: list[list[int]] = [[] for _ in record.ops]
