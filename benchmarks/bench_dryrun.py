@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = "benchmarks/llama3.py:llama3_8b"
-PINNED = ["--microbatch-size", "1", "--schedule", "1f1b", "--pp", "1"]
+PINNED = ["--microbatch-size", "1", "--pp", "1"]
 CASES = {  # name: (model, cluster arguments, pins)
     "8b-fsdp": (LLAMA_8B, ["--cluster", "dgx-h100"], ["--dp", "8", "--tp", "1", "--zero", "3", "--recompute", "none"]),
     "8b-fsdp-full": (LLAMA_8B, ["--cluster", "dgx-h100"], ["--dp", "8", "--tp", "1", "--zero", "3", "--recompute", "full"]),

@@ -301,6 +301,7 @@ def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, Record]:
         if record.nbytes[ref.storage] < 0:
             raise NotReplayable(f"'{name}' holds values made outside the factory's ops")
         record.state[name] = ref
+    _plan(record, {ref.storage for ref in record.state.values()} - set(record.constants))  # refuses now, not later
     return model, record
 
 
