@@ -28,8 +28,6 @@ CASES = {  # name: (model, cluster arguments, pins)
                           ["--dp", "8", "--tp", "1", "--zero", "3", "--recompute", "selective"]),
     "8b-dp4-tp2-zero1": (LLAMA_8B, ["--cluster", "dgx-h100"], ["--dp", "4", "--tp", "2", "--zero", "1",
                                                                 "--recompute", "full"]),
-    "8b-dp2-tp4-zero3": (LLAMA_8B, ["--cluster", "dgx-h100"], ["--dp", "2", "--tp", "4", "--zero", "3",
-                                                                "--recompute", "full"]),
 }
 
 
