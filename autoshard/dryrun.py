@@ -71,12 +71,8 @@ def refusal_reason(plan: Plan) -> str | None:
     return None
 
 
-def default_ranks(plan: Plan) -> list[int]:
-    return [0]
-
-
 def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[RankMemory]:
-    """Each rank of ``ranks`` (default ``default_ranks``) through setup and ``steps`` steps (module doc)."""
+    """Each rank of ``ranks`` (default: rank 0) through setup and ``steps`` steps (module doc)."""
     refusal = refusal_reason(plan)
     if refusal:
         raise AutoshardError(f"autoshard dryrun cannot run this plan yet: {refusal}; `autoshard estimate` prices "
@@ -87,7 +83,7 @@ def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[R
     for rank in ranks or ():
         if not 0 <= rank < world:
             raise AutoshardError(f"--rank {rank} is not a rank of this plan's {world}; give 0 to {world - 1}")
-    return [_one_rank(plan, rank, steps) for rank in ranks or default_ranks(plan)]
+    return [_one_rank(plan, rank, steps) for rank in ranks or [0]]
 
 
 def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:

@@ -71,20 +71,12 @@ class NotReplayable(AutoshardError):
 class TensorRef:
     """A tensor argument by its storage and its view of it."""
 
-    storage: int  # index into Record.storages
+    storage: int  # index into Record.nbytes
     dtype: torch.dtype
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-
-    def covers_storage(self, nbytes: int) -> bool:
-        """The view is the whole storage, each byte once (contiguous from offset 0)."""
-        numel = 1
-        for s in self.size:
-            numel *= s
-        contiguous = _contiguous_stride(self.size)
-        strided_ok = all(st == c for s, st, c in zip(self.size, self.stride, contiguous) if s > 1)
-        return self.offset == 0 and strided_ok and numel * self.dtype.itemsize == nbytes
+    whole: bool  # the view is its whole storage, each byte once (contiguous from offset 0)
 
 
 @dataclass
@@ -192,7 +184,10 @@ class _Recording(TorchDispatchMode):
                 else:
                     base = torch.empty(0, dtype=torch.uint8).set_(storage.clone())
                     self.record.constants[index] = base
-        return TensorRef(self.ids[key], tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        whole = (tensor.storage_offset() == 0 and tensor.is_contiguous()
+                 and tensor.numel() * tensor.element_size() == storage.nbytes())
+        return TensorRef(self.ids[key], tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+                         tuple(tensor.stride()), whole)
 
     def record_init(self, func: Callable, target: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """One ``torch.nn.init`` call on a meta tensor, as one op that overwrites it (skipped here)."""
@@ -200,7 +195,7 @@ class _Recording(TorchDispatchMode):
             raise NotReplayable(f"the factory passes its own torch.Generator to torch.nn.init.{func.__name__}")
         args_refs, kwargs_refs = tree_map(lambda x: self.ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         ref = self.ref(target)
-        covers = ref.covers_storage(self.record.nbytes[ref.storage])
+        covers = ref.whole
         self.record.ops.append(Op(
             func, args_refs, kwargs_refs, (ref,), reads=frozenset() if covers else frozenset({ref.storage}),
             writes=frozenset({ref.storage}), overwrites=frozenset({ref.storage}) if covers else frozenset(),
@@ -248,7 +243,7 @@ def _op(func, name: str, mutated: list[int], in_refs, outputs, creates, record: 
     for value in tree_flatten((args, kwargs))[0]:
         if isinstance(value, TensorRef):
             reads.add(value.storage)
-    if name in _OVERWRITES and len(written_refs) == 1 and written_refs[0].covers_storage(record.nbytes[written_refs[0].storage]):
+    if name in _OVERWRITES and len(written_refs) == 1 and written_refs[0].whole:
         target = written_refs[0].storage
         overwrites.add(target)
         self_arg = args[0] if args else None
@@ -428,14 +423,6 @@ def replay(record: Record, seed: int, names: Iterable[str] | None = None,
 
 def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
     return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
-
-
-def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 # ---------------------------------------------------------------------------- a rank's shards from the replay

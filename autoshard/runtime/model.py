@@ -51,7 +51,7 @@ def build_meta_model(model_file: ModelFile, seed: int, device: torch.device | st
     from autoshard.runtime import init_replay
 
     try:
-        with torch.random.fork_rng(devices=[]), drawing_freely():
+        with drawing_freely():  # record_build leaves the generator as it found it
             model, record = init_replay.record_build(lambda: model_file.build(None))
     except AutoshardError as exc:  # NotReplayable, or a factory that runs only on real tensors
         if os.environ.get("RANK", "0") == "0":
