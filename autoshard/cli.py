@@ -199,7 +199,8 @@ def _add_dryrun(sub, common) -> None:
                        "compare its peak memory by part with the plan's prediction")
     p.add_argument("plan")
     p.add_argument("--rank", type=_int_flag("--rank", 0, MAX, 0), action="append", dest="ranks",
-                   help="a rank of the plan's world to run (repeatable; default 0)")
+                   help="a rank of the plan's world to run (repeatable; default: one of each distinct role, rank 0 "
+                   "and a pipeline's last stage)")
     p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2)
     p.add_argument("--json", action="store_true", help='print {"ranks": [{"rank", "peak_bytes", '
                    '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}]}')

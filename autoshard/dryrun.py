@@ -1,37 +1,51 @@
 """``autoshard dryrun plan.json``: one rank of the plan's world runs the program's setup and two training steps on
 fake tensors, and torch's memory tracker says what it held at its peak, by part, beside the plan's prediction.
 
-For each rank asked for (default: rank 0), in this one process:
+For each rank asked for (default: one of each distinct role, ``default_ranks``: rank 0, and the rank holding a
+pipeline's last stage), in this one process:
 
-1. a fake process group of the plan's world size (torch's ``FakeStore`` and "fake" backend: collectives
-   return at once) and the program's mesh on it (``runtime.build_mesh``, device type "cpu");
+1. a fake process group of the plan's world size (torch's ``FakeStore`` and "fake" backend: collectives,
+   sends and receives return at once and move nothing) and the program's mesh on it (``runtime.build_mesh``,
+   device type "cpu");
 2. the program's setup: ``runtime.build_meta_model``, then the plan's steps (``passes.lower``) as its
-   ``parallelize`` calls them, those before ``init_weights`` on the meta device, the rest under
+   ``parallelize`` (or ``build_pipeline``) calls them, with the same run inputs (a pipeline's example
+   micro-batch and loss), those before ``init_weights`` on the meta device, the rest under
    ``FakeTensorMode``: the rank's shards, optimizer and every activation are fake tensors (shapes, no memory);
-3. the program's SPMD loop (``runtime.take_samples``, ``split_microbatches``, ``take_sequence_shard``,
-   ``grad_sync``, ``context_parallel``, ``autocast`` at the plan's precision) for ``steps`` steps under
-   ``torch.distributed._tools.mem_tracker.MemTracker``, which counts every live tensor by what it is.
+3. the program's loop for ``steps`` steps under ``torch.distributed._tools.mem_tracker.MemTracker``, which
+   counts every live tensor by what it is: the SPMD loop (``runtime.take_samples``, ``split_microbatches``,
+   ``take_sequence_shard``, ``grad_sync``, ``context_parallel``, ``autocast`` at the plan's precision), or
+   the pipeline loop (``take_samples``, ``pipeline_parallel.pipeline_step`` under ``autocast``: the
+   schedule runs this rank's stages over every micro-batch, and its receive buffers are made at the
+   micro-batch's shapes as on a real run; they hold no values, which fake tensors never do).
 
 The tracker's parts map to the plan's (``cost.rank_memory``): parameters and buffers -> weights, gradients
 -> grads, optimizer state -> optimizer, activations -> activations, temporaries -> transient. Nothing real is
 allocated beyond the meta model's record, so an 8B or 70B plan's rank runs here.
+
+Where the fake group differs from a real one, the program runs unchanged and the dry run stands in:
+DDP's construction skips comparing and broadcasting parameter values (``apply_ddp``: ``init_sync`` off on
+fake tensors, which have none); its reducer reads each bucket's all-reduce from the work's result, which the
+fake backend leaves empty, so the same all-reduce runs in a hook that hands the bucket back, and the buckets
+keep the layout they were built with (``_ddp_on_the_fake_group``); a pipeline's mean loss is not read
+(``pipeline_parallel.global_mean_loss``: nan on fake tensors).
 
 What it does not see: kernels' workspaces and the caching allocator's fragmentation; fake tensors are CPU
 tensors, so where a kernel saves other tensors on CUDA than on CPU (SDPA's flash backend keeps its logsumexp,
 the CPU math path its attention weights), the activations follow the CPU kernels. The tracker's parts are
 those alive at the moment of the peak: gradients still being reduced count as temporaries there.
 
-Refused for now, with the reason (``refusal_reason``): pipeline plans (their schedule's sends over a fake
-group move nothing), DDP (it compares parameter values across ranks at construction) and expert parallelism
-(its all-to-all is sized by the routing's values).
+Refused for now, with the reason (``refusal_reason``): expert parallelism (its all-to-all is sized by the
+routing's values).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
+from autoshard.ir.plan_format import V_SCHEDULES
 
 PARTS = ("weights", "grads", "optimizer", "activations", "transient")
 # MemTracker's reference types -> the plan's memory parts
@@ -62,17 +76,22 @@ class RankMemory:
 
 def refusal_reason(plan: Plan) -> str | None:
     """Why a plan's rank cannot run on fake tensors over a fake group; None when it can."""
-    if plan.mesh.pp > 1:
-        return "a pipeline's schedule would send nothing between stages over a fake group"
-    if plan.mesh.dp_cp > 1 and plan.decisions.dp_runtime.wrapper == "DistributedDataParallel":
-        return "DDP checks every rank's parameters' values at construction, which fake tensors do not have"
     if plan.ep > 1:
         return "expert parallelism sizes its all-to-all from the routing's values, which fake tensors do not have"
     return None
 
 
+def default_ranks(plan: Plan) -> list[int]:
+    """One rank of each distinct role: rank 0, and with pipeline stages the rank holding the last stage when
+    that is another (the first pp rank's neighbour across the pipeline: pp rank pp − 1, its dp, cp and tp
+    ranks 0; in a V, rank 0 holds the first and the last stage)."""
+    if plan.mesh.pp == 1 or plan.schedule in V_SCHEDULES:
+        return [0]
+    return [0, (plan.mesh.pp - 1) * (plan.world_size // plan.mesh.pp)]
+
+
 def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[RankMemory]:
-    """Each rank of ``ranks`` (default: rank 0) through setup and ``steps`` steps (module doc)."""
+    """Each rank of ``ranks`` (default: ``default_ranks``) through setup and ``steps`` steps (module doc)."""
     refusal = refusal_reason(plan)
     if refusal:
         raise AutoshardError(f"autoshard dryrun cannot run this plan yet: {refusal}; `autoshard estimate` prices "
@@ -83,7 +102,7 @@ def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[R
     for rank in ranks or ():
         if not 0 <= rank < world:
             raise AutoshardError(f"--rank {rank} is not a rank of this plan's {world}; give 0 to {world - 1}")
-    return [_one_rank(plan, rank, steps) for rank in ranks or [0]]
+    return [_one_rank(plan, rank, steps) for rank in ranks or default_ranks(plan)]
 
 
 def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:
@@ -115,18 +134,98 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     mesh = runtime.build_mesh("cpu", dict(spec.mesh), dict(spec.flatten))
     model_file = runtime.load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=spec.seq_len)
     model = runtime.build_meta_model(model_file, seed=0, device=device)
+    pipeline = plan.mesh.pp > 1
+    run_inputs = {"device": device, "lr": 1e-3}
+    if pipeline:  # as the emitted pipeline program: the stages' buffers are sized from one micro-batch
+        first_inputs = runtime.global_batch(model_file, plan.global_batch, 0, 0)[0]
+        run_inputs |= {"example_microbatch": tuple(t[:plan.microbatch_size].to(device) for t in first_inputs),
+                       "loss_fn": model_file.loss}
     lowered = lower(plan)
     first_made = next(i for i, step in enumerate(lowered) if step.op == "init_weights")
-    model = runtime.apply_steps(model, lowered[:first_made], mesh, device=device, lr=1e-3)["model"]
+    model = runtime.apply_steps(model, lowered[:first_made], mesh, **run_inputs)["model"]
     tracker = MemTracker()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        applied = runtime.apply_steps(model, lowered[first_made:], mesh, device=device, lr=1e-3)
+        applied = runtime.apply_steps(model, lowered[first_made:], mesh, **run_inputs)
         model, optimizer = applied["model"], applied["optimizer"]
-        tracker.track_external(model, optimizer)
-        with tracker:
+        modules = model.modules if pipeline else [model]
+        optimizers = optimizer.optimizers if pipeline else [optimizer]
+        tracker.track_external(*modules, *optimizers)
+        _ddp_on_the_fake_group(model, tracker)
+        with _one_forward_per_record(tracker, modules if pipeline else []), tracker:
             for step in range(steps):
-                _train_step(plan, spec, model_file, model, optimizer, mesh, device, step, tracker)
+                if pipeline:
+                    _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)
+                else:
+                    _train_step(plan, spec, model_file, model, optimizer, mesh, device, step, tracker)
     return _parts(tracker.get_tracker_snapshot("peak"))
+
+
+@contextlib.contextmanager
+def _one_forward_per_record(tracker, stage_modules: list):
+    """MemTracker keeps one forward's record per module and refuses a module's second forward (the SPMD
+    loop clears the records before each micro-batch). A pipeline schedule runs each stage once per
+    micro-batch, interleaved with other micro-batches' backwards: each stage's records are dropped as the
+    stage begins a forward (a global hook, so it runs before the tracker's); the peak stays."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    roots = {id(module) for module in stage_modules}
+
+    def drop_records(module, args) -> None:
+        if id(module) in roots:
+            for sub in module.modules():
+                tracker.memory_tracking.pop(sub, None)
+
+    handle = register_module_forward_pre_hook(drop_records) if roots else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _ddp_on_the_fake_group(model, tracker) -> None:
+    """DDP's reducer takes each bucket's all-reduced gradients from the work's future; the fake backend's
+    works complete with no value, which the reducer refuses. The same all-reduce (averaged in place, as
+    DDP's own hook does) runs through a hook whose future holds the bucket: a no-op on the fake group, and
+    the gradients stay in the bucket they are views of (``gradient_as_bucket_view``). The buckets were made
+    at construction, outside the tracker, which first sees them written in the backward and would count
+    them as temporaries: once the last bucket is ready, every gradient (a view of its bucket) is known to
+    the tracker as the gradient it is (``track_external``), so the second step counts the buckets as grads."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+
+    def all_reduce(group, bucket):
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(group))
+        dist.all_reduce(buffer, group=group)
+        if bucket.is_last():
+            tracker.track_external(model)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    model.register_comm_hook(model.process_group, all_reduce)
+    model.reducer = _BucketsAsBuilt(model.reducer)
+
+
+class _BucketsAsBuilt:
+    """DDP's reducer keeping the buckets it was built with. After the first backward DDP rebuilds them in
+    the order the gradients came, agreeing the order with rank 0 in a broadcast whose tensor it reads:
+    on fake tensors there is nothing to read. The buckets hold the same gradients either way (the first
+    one capped smaller until the rebuild), so the bytes are the same."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
 
 
 def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, step: int, tracker) -> None:
@@ -150,6 +249,24 @@ def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, st
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del loss
+    torch.distributed.barrier()
+
+
+def _pipeline_step(plan: Plan, spec, model_file, stages, schedule, optimizer, mesh, device, step: int) -> None:
+    """The emitted pipeline loop's body (``passes.codegen``), one step: the schedule runs this rank's stages
+    over every micro-batch, its sends and receives over the fake group (they move nothing: the received
+    buffers, sized from the micro-batch, stay as made, which is all a fake tensor is)."""
+    import torch
+
+    from autoshard import runtime
+    from autoshard.runtime import pipeline_parallel as pp
+
+    batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
+    inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
+    with runtime.autocast(plan.precision, device):
+        pp.pipeline_step(schedule, stages, inputs, targets)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     torch.distributed.barrier()
 
 

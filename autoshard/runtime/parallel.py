@@ -283,8 +283,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb
               device: torch.device | None = None) -> nn.Module:
     ep_runtime.refuse_expert_shards(model, "DDP")  # it would average different experts; apply_replicate does not
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
+    # DDP's construction checks every rank's parameter shapes and broadcasts rank 0's values (``init_sync``):
+    # fake tensors (a setup run for its memory only, ``autoshard.dryrun``) have no values to check or send
+    init_sync = not init_replay.on_fake_tensors([model])
     return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
-               process_group=dp_mesh.get_group() if dp_mesh is not None else None)
+               process_group=dp_mesh.get_group() if dp_mesh is not None else None, init_sync=init_sync)
 
 
 def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3):

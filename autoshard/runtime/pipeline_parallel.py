@@ -46,6 +46,7 @@ same way over dp).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -525,4 +527,7 @@ def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float
     sum_and_count = torch.stack([local_sum.to(device), torch.tensor(float(len(losses)), dtype=torch.float64,
                                                                      device=device)])
     dist.all_reduce(sum_and_count, op=dist.ReduceOp.SUM)
-    return (sum_and_count[0] / sum_and_count[1]).item()
+    mean = sum_and_count[0] / sum_and_count[1]
+    if is_fake(mean):  # a run on fake tensors for its memory (``autoshard.dryrun``): no value to read
+        return math.nan
+    return mean.item()
