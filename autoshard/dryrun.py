@@ -18,8 +18,12 @@ pipeline's last stage), in this one process:
    schedule runs this rank's stages over every micro-batch, and its receive buffers are made at the
    micro-batch's shapes as on a real run; they hold no values, which fake tensors never do).
 
-The tracker's parts map to the plan's (``cost.rank_memory``): parameters and buffers -> weights, gradients
--> grads, optimizer state -> optimizer, activations -> activations, temporaries -> transient. Nothing real is
+The tracker's parts map to the plan's (``cost.rank_memory.spmd_moments``): parameters and buffers -> weights
+(FSDP2's gathered bf16 weights too: the tracker tags a unit's parameters when it runs), gradients -> grads
+(FSDP2's unsharded gradients too, tagged at the unit's backward), optimizer state -> optimizer (AdamW's step
+temporaries too), activations -> activations (a recomputed block's too), temporaries -> transient (the
+loss's and the activations' gradients, FSDP2's reduce-scatter copies). The predicted peak compared is the sum
+of the predicted parts: the plan's own adds the allocator's slack, which no tracker sees. Nothing real is
 allocated beyond the meta model's record, so an 8B or 70B plan's rank runs here.
 
 Where the fake group differs from a real one, the program runs unchanged and the dry run stands in:
@@ -27,20 +31,25 @@ DDP's construction skips comparing and broadcasting parameter values (``apply_dd
 fake tensors, which have none); its reducer reads each bucket's all-reduce from the work's result, which the
 fake backend leaves empty, so the same all-reduce runs in a hook that hands the bucket back, and the buckets
 keep the layout they were built with (``_ddp_on_the_fake_group``); a pipeline's mean loss is not read
-(``pipeline_parallel.global_mean_loss``: nan on fake tensors).
+(``pipeline_parallel.global_mean_loss``: nan on fake tensors); transformers' experts' ``grouped_mm`` is
+shaped without its fake kernel's bf16-only check (``_grouped_mm_shapes_in_any_dtype``).
 
 What it does not see: kernels' workspaces and the caching allocator's fragmentation; fake tensors are CPU
 tensors, so where a kernel saves other tensors on CUDA than on CPU (SDPA's flash backend keeps its logsumexp,
 the CPU math path its attention weights), the activations follow the CPU kernels. The tracker's parts are
 those alive at the moment of the peak: gradients still being reduced count as temporaries there.
 
-Refused for now, with the reason (``refusal_reason``): expert parallelism (its all-to-all is sized by the
-routing's values).
+Expert parallelism sizes each all-to-all from the routing's values, which fake tensors do not have: on fake
+tensors the dispatch takes the balanced split, every rank sending its token-expert pairs evenly over the ep
+ranks and receiving as many (``expert_parallel._balanced_route``), the mean load; the report says so
+(``notes``). The dispatch is one op whose fake kernel makes only its output, so its forward's exchange
+buffers are not seen; its backward, which routes and exchanges again and recomputes the experts, is seen whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from autoshard.errors import AutoshardError
@@ -74,11 +83,13 @@ class RankMemory:
         return max(self.parts, key=lambda part: abs(self.parts[part][0] - self.parts[part][1]))
 
 
-def refusal_reason(plan: Plan) -> str | None:
-    """Why a plan's rank cannot run on fake tensors over a fake group; None when it can."""
-    if plan.ep > 1:
-        return "expert parallelism sizes its all-to-all from the routing's values, which fake tensors do not have"
-    return None
+def notes(plan: Plan) -> list[str]:
+    """What the dry run assumes where fake tensors have no values, for the printed report."""
+    if plan.ep == 1:
+        return []
+    return [f"expert parallelism: each all-to-all's splits assumed balanced (each rank sends its token-expert "
+            f"pairs evenly to the {plan.ep} ep ranks and receives as many, its mean load): fake tensors have no "
+            f"routing to count; the cost model prices the time of the most loaded rank"]
 
 
 def default_ranks(plan: Plan) -> list[int]:
@@ -92,10 +103,6 @@ def default_ranks(plan: Plan) -> list[int]:
 
 def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[RankMemory]:
     """Each rank of ``ranks`` (default: ``default_ranks``) through setup and ``steps`` steps (module doc)."""
-    refusal = refusal_reason(plan)
-    if refusal:
-        raise AutoshardError(f"autoshard dryrun cannot run this plan yet: {refusal}; `autoshard estimate` prices "
-                             f"its memory from the cost model")
     if plan.predicted is None:
         raise AutoshardError("the plan has no prediction to compare with (it does not fit); re-plan it")
     world = plan.world_size
@@ -119,7 +126,8 @@ def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:
         dist.destroy_process_group()
     predicted = plan.predicted.memory
     parts = {part: (peak.get(part, 0), int(getattr(predicted, _PREDICTED_KEY[part]))) for part in PARTS}
-    return RankMemory(rank, sum(peak.values()), int(predicted.peak_bytes), parts)
+    # the parts' sum: the plan's peak adds the allocator's slack (cost.rank_memory), which no tracker sees
+    return RankMemory(rank, sum(peak.values()), sum(pair[1] for pair in parts.values()), parts)
 
 
 def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
@@ -144,14 +152,14 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     first_made = next(i for i, step in enumerate(lowered) if step.op == "init_weights")
     model = runtime.apply_steps(model, lowered[:first_made], mesh, **run_inputs)["model"]
     tracker = MemTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_shapes_in_any_dtype():
         applied = runtime.apply_steps(model, lowered[first_made:], mesh, **run_inputs)
         model, optimizer = applied["model"], applied["optimizer"]
         modules = model.modules if pipeline else [model]
         optimizers = optimizer.optimizers if pipeline else [optimizer]
         tracker.track_external(*modules, *optimizers)
         _ddp_on_the_fake_group(model, tracker)
-        with _one_forward_per_record(tracker, modules if pipeline else []), tracker:
+        with _tracked_stages(tracker, modules if pipeline else []), tracker:
             for step in range(steps):
                 if pipeline:
                     _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)
@@ -161,21 +169,57 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _one_forward_per_record(tracker, stage_modules: list):
-    """MemTracker keeps one forward's record per module and refuses a module's second forward (the SPMD
-    loop clears the records before each micro-batch). A pipeline schedule runs each stage once per
-    micro-batch, interleaved with other micro-batches' backwards: each stage's records are dropped as the
-    stage begins a forward (a global hook, so it runs before the tracker's); the peak stays."""
+def _grouped_mm_shapes_in_any_dtype():
+    """``aten._grouped_mm`` on fake tensors in the dtype the program runs it in. Its fake kernel (torch's meta
+    function) checks first that the inputs are bf16, CUDA's kernel's limit, where the CPU kernel, which a
+    CPU plan's program runs (transformers' experts in fp32), takes any float: for the dry run's duration the
+    output is made from torch's own shape function alone (``_create_grouped_mm_output_tensor``)."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor
+    import torch
+
+    op = torch.ops.aten._grouped_mm.default
+
+    def grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        with fake_impls.in_kernel_invocation_manager(fake_mode):
+            out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return FakeTensor(fake_mode, out, mat_a.device)
+
+    if op in fake_impls.op_implementations_dict:  # torch has its own now: nothing to stand in for
+        yield
+        return
+    fake_impls.op_implementations_dict[op] = grouped_mm
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_dict.pop(op, None)
+
+
+@contextlib.contextmanager
+def _tracked_stages(tracker, stage_modules: list):
+    """Two hooks on each pipeline stage's forward, run before the tracker's (global hooks, registered first):
+
+    - MemTracker keeps one forward's record per module and refuses a module's second forward (the SPMD loop
+      clears the records before each micro-batch); a schedule runs each stage once per micro-batch,
+      interleaved with other micro-batches' backwards: a stage's records are dropped as it begins a forward
+      (the peak stays);
+    - the tracker's module hooks wait on the gradients of a module's inputs with a multi-grad hook, which
+      autograd cannot evaluate for a leaf inside ``autograd.grad``, and the zero-bubble schedules take a
+      stage's input gradients with ``autograd.grad`` on its received inputs, leaves: the stage takes a view of
+      each (no memory; the gradient flows through it to the leaf as before)."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     roots = {id(module) for module in stage_modules}
 
-    def drop_records(module, args) -> None:
-        if id(module) in roots:
-            for sub in module.modules():
-                tracker.memory_tracking.pop(sub, None)
+    def before_forward(module, args):
+        if id(module) not in roots:
+            return None
+        for sub in module.modules():
+            tracker.memory_tracking.pop(sub, None)
+        return tuple(a.view_as(a) if getattr(a, "is_leaf", False) and a.requires_grad else a for a in args)
 
-    handle = register_module_forward_pre_hook(drop_records) if roots else None
+    handle = register_module_forward_pre_hook(before_forward) if roots else None
     try:
         yield
     finally:
@@ -228,6 +272,28 @@ class _BucketsAsBuilt:
         return False
 
 
+@contextmanager
+def _propagation_apart():
+    """DTensor's sharding propagation makes tensors of the global shapes to learn an op's output metadata
+    (``_op_schema._rebuild_tensor_from_dtensor_meta``), on the mesh's device: under the dry run's fake mode
+    the tracker counted them as the rank's memory (three whole fp32 embeddings in a 70B's optimizer step).
+    Here they are made on the meta device, which the tracker counts apart from the rank's (``_parts``
+    reads the rank's device only)."""
+    import torch
+    from torch.distributed.tensor import _op_schema
+
+    def on_meta(arg):
+        meta = arg.tensor_meta
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+    original = _op_schema._rebuild_tensor_from_dtensor_meta
+    _op_schema._rebuild_tensor_from_dtensor_meta = on_meta
+    try:
+        yield
+    finally:
+        _op_schema._rebuild_tensor_from_dtensor_meta = original
+
+
 def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, step: int, tracker) -> None:
     """The emitted SPMD loop's body (``passes.codegen``), one step. The tracker's per-module records are
     cleared before each forward (it takes one forward per module; its peak stays)."""
@@ -273,7 +339,9 @@ def _pipeline_step(plan: Plan, spec, model_file, stages, schedule, optimizer, me
 def _parts(snapshot: dict) -> dict[str, int]:
     """MemTracker's peak snapshot ({device: {reference type: bytes, "Total": bytes}}) by the plan's parts."""
     parts = dict.fromkeys(PARTS, 0)
-    for by_type in snapshot.values():
+    for device, by_type in snapshot.items():
+        if getattr(device, "type", device) == "meta":  # DTensor's propagation (``_propagation_apart``)
+            continue
         for kind, nbytes in by_type.items():
             name = getattr(kind, "value", kind)
             if name in _PART_OF:
@@ -283,7 +351,7 @@ def _parts(snapshot: dict) -> dict[str, int]:
 
 def summary_lines(plan: Plan, results: list[RankMemory]) -> list[str]:
     """A table per rank: each part measured and predicted, and the part that differs most."""
-    lines = []
+    lines = [f"note: {note}" for note in notes(plan)]
     for result in results:
         lines.append(f"rank {result.rank}: peak {_gib(result.peak_bytes)} measured on fake tensors, "
                      f"{_gib(result.predicted_peak_bytes)} predicted ({_ratio(result.peak_bytes, result.predicted_peak_bytes)})")

@@ -4,7 +4,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pathlib import Path
+
 from autoshard.cost.memory import FP32, MEGATRON_MIXED, model_state_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 
@@ -33,3 +37,86 @@ def test_memory_never_rises_with_stage_or_dp(params, dp, stage):
         here = sum(model_state_bytes(params, stage, dp, precision))
         assert sum(model_state_bytes(params, stage + 1, dp, precision)) <= here
         assert sum(model_state_bytes(params, stage, dp + 1, precision)) <= here
+
+
+# ---------------------------------------------------------------------------- saved tensors, op by op
+
+
+def _llama_tiny():
+    from autoshard.pipeline import capture_graph
+
+    return capture_graph(str(ROOT / "benchmarks" / "llama3.py") + ":llama3_tiny")[1]
+
+
+def test_a_block_keeps_what_its_ops_backward_formulas_read_not_every_output():
+    """Llama's block at bf16 (ratio 2/4): the two norms' fp32 upcast and x·rstd (8 B each), the norms'
+    bf16 outputs (read by the projections), q after rotary, k and v repeated, attention's output and
+    log-sum-exp, w1's and w3's outputs, silu's and the product: not the projections' q/k/v outputs, the
+    rotary intermediates or the residual sums (no backward formula reads them)."""
+    from autoshard.cost.memory import block_saved_bytes
+
+    graph = _llama_tiny()
+    block, b, s, d, ffn, heads = graph.blocks[0], graph.batch_size, 128, 256, 512, 4
+    tokens = b * s
+    bf16 = 2
+    expected = (2 * (tokens * d * (4 + 4 + bf16) + tokens * 4)  # norms: upcast, x·rstd, output, rstd
+                + 3 * tokens * d * bf16 + tokens * d * bf16 + b * heads * s * 4  # q, k, v, attention out, lse
+                + 4 * tokens * ffn * bf16)  # w1, w3, silu, the product
+    assert block_saved_bytes(graph, block, "none", ratio=0.5) == expected
+
+
+def test_selective_keeps_the_runtime_policys_outputs_and_full_the_block_input():
+    """selective: the block input and the outputs of the ops ``runtime.selective`` saves (matmuls,
+    attention and its log-sum-exp); full: the block input; the recompute workspace is what the block keeps
+    without recompute less what selective kept."""
+    from autoshard.cost.memory import block_saved_bytes, block_workspace_bytes
+
+    graph = _llama_tiny()
+    block, b, s, d, ffn, kv = graph.blocks[0], graph.batch_size, 128, 256, 512, 128
+    tokens = b * s
+    matmuls = tokens * (d + 2 * kv + d + 2 * ffn + d) * 2  # wq, wk, wv, wo, w1, w3, w2 at bf16
+    attention = tokens * d * 2 + b * 4 * s * 4
+    assert block_saved_bytes(graph, block, "full", 0.5) == tokens * d * 2
+    assert block_saved_bytes(graph, block, "selective", 0.5) == tokens * d * 2 + matmuls + attention
+    none = block_saved_bytes(graph, block, "none", 0.5)
+    assert block_workspace_bytes(graph, block, "full", 0.5) == none
+    assert block_workspace_bytes(graph, block, "selective", 0.5) < none
+
+
+def test_the_peak_is_the_largest_moment_and_the_loss_workspace_is_transient():
+    """ZeRO-3 over 8 with one micro-batch: at the loss's backward no gradient exists yet (zero_grad sets
+    them to None) and the loss's two fp32 gradients (8 bytes per logit) are transient, not activations;
+    the plan's parts are those of its largest moment."""
+    from autoshard.cost.rank_memory import memory_spmd, spmd_moments
+    from autoshard.cost.tables import CostTables
+    from autoshard.ir.decisions import Decisions, Mesh
+    from autoshard.cost.hardware import load_cluster
+
+    graph = _llama_tiny()
+    tables = CostTables(graph, load_cluster("dgx-h100"))
+    config = Decisions(Mesh(8, 1, 1), 3, 1, 1)
+    local = graph.param_count
+    state = (local * 4 // 8, local * 4 // 8, local * 8 // 8)
+    moments = spmd_moments(tables, config, local, state)
+    logits = 128 * 1024
+    assert moments["loss"]["grads_bytes"] == 0
+    assert moments["loss"]["transient_bytes"] == 8 * logits
+    memory = memory_spmd(tables, config, local)
+    worst = max(moments.values(), key=lambda parts: sum(parts.values()))
+    assert memory.activations_bytes == int(worst["activations_bytes"])
+    assert memory.transient_bytes == int(worst["transient_bytes"])
+
+
+def test_fsdp2_gathers_weights_in_the_policys_bf16():
+    """ZeRO-1 beside tp keeps every unit gathered from forward to backward, in bf16 (2 B per parameter),
+    beside the fp32 shard."""
+    from autoshard.cost.rank_memory import gathered_param_bytes, keeps_gathered
+    from autoshard.cost.tables import CostTables
+    from autoshard.ir.decisions import Decisions, Mesh
+    from autoshard.cost.hardware import load_cluster
+
+    graph = _llama_tiny()
+    assert gathered_param_bytes(CostTables(graph, load_cluster("dgx-h100"))) == 2
+    assert gathered_param_bytes(CostTables(graph, load_cluster("local-cpu"))) == 4
+    assert keeps_gathered(Decisions(Mesh(4, 2, 1), 1, 1, 2))
+    assert not keeps_gathered(Decisions(Mesh(4, 2, 1), 3, 1, 2))

@@ -82,7 +82,7 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
     graphs.setdefault(model, capture_graph(str(ROOT / model))[1])
     graph, cluster = graphs[model], load_cluster("dgx-a100-80gb", nodes=2)
     tables = CostTables(graph, cluster)
-    base = Decisions(Mesh(4, 4, 1), 3, 8, 2)
+    base = Decisions(Mesh(4, 4, 1), 3, 16, 1)
     assert not price_config(graph, cluster, base, 64, tables).fits  # every activation kept does not fit
     chosen = choose_recompute(tables, base)
     assert chosen is not None and chosen.recompute == "mixed"
@@ -96,8 +96,8 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
             continue
         counts = {(group, "full"): full, (group, "selective"): selective, (group, "none"): blocks - full - selective}
         modes = assign(groups, counts, blocks)
-        config = Decisions(base.mesh, 3, 8, 2, recompute="mixed", recompute_blocks=modes) if len(set(modes)) > 1 \
-            else Decisions(base.mesh, 3, 8, 2, recompute=modes[0])
+        config = Decisions(base.mesh, 3, 16, 1, recompute="mixed", recompute_blocks=modes) if len(set(modes)) > 1 \
+            else Decisions(base.mesh, 3, 16, 1, recompute=modes[0])
         p = price_config(graph, cluster, config, 64, tables)
         if p.fits:
             fitting.append(p.predicted.step_time_s)

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.cost.saved import FP32_BYTES, MATMUL_OPS, SDPA_OPS, VIEW_OPS, needs_grad, saved_set, storage_of, value_bytes
 from autoshard.ir.graph import Block, OpGraph
+from autoshard.ir.names import op_name
 
 # Ops whose outputs selective recompute keeps (the expensive ones); the rest are recomputed.
 COMPUTE_HEAVY_TARGETS = (
@@ -102,48 +104,103 @@ def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precisio
     return int(p), int(g), int(o)
 
 
-def block_saved_bytes(graph: OpGraph, block: Block, recompute: str) -> int:
-    """Bytes one block keeps for backward at the captured batch, per recompute mode."""
+def block_saved_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0) -> int:
+    """Bytes one block keeps for backward at the captured batch, per recompute mode (module doc),
+    its activations at ``ratio`` (trained over captured bytes per element)."""
     if recompute == "full":
-        return block.input_bytes
+        return int(block.input_bytes * ratio)
     if recompute == "selective":
-        return block.input_bytes + _heavy_bytes(graph, block)
-    return block.activation_bytes
+        return int(block.input_bytes * ratio) + sum(_selective_kept(graph, block, ratio).values())
+    return sum(_block_saved(graph, block, ratio).values())
 
 
-def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str) -> int:
-    """Bytes the recomputed forward of one block makes again in backward, at the captured batch."""
-    if recompute == "full":
-        return block.activation_bytes
-    if recompute == "selective":
-        return max(0, block.activation_bytes - _heavy_bytes(graph, block))
-    return 0
+def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0) -> int:
+    """Bytes the recomputed forward of one block keeps again for its backward, at the captured batch:
+    all it keeps without recompute (full), that less what selective recompute kept (selective)."""
+    if recompute == "none":
+        return 0
+    saved = _block_saved(graph, block, ratio)
+    kept = _selective_kept(graph, block, ratio) if recompute == "selective" else {}
+    return sum(nbytes for key, nbytes in saved.items() if key not in kept)
 
 
-def non_block_saved_bytes(graph: OpGraph) -> int:
-    """Bytes kept by nodes outside any block (embeddings, final norm, head), plus the loss's copy.
+def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0) -> int:
+    """The activation gradients one block's backward holds at once, at the captured batch: the gradient
+    of the block's output (the residual stream's, I_block), and at its largest op the gradient of its
+    output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|)."""
+    grads = _grads(graph)
 
-    Cross-entropy keeps its log-softmax, as large as the model output, hence one more output.
-    """
+    def op_bytes(name: str) -> int:
+        node = graph.node(name)
+        if name not in grads or op_name(node.target) in VIEW_OPS:
+            return 0
+        ins = {storage_of(graph, i) for i in node.inputs if i in grads and i not in graph.placeholder_params}
+        return value_bytes(graph, name, ratio) + sum(value_bytes(graph, i, ratio) for i in ins)
+
+    return int(block.input_bytes * ratio) + max((op_bytes(n) for n in block.node_names), default=0)
+
+
+def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0) -> int:
+    """Bytes kept by nodes outside any block (embeddings, final norm, head) and the tables the blocks
+    share (rotary angles), plus the loss's copy of the output (cross-entropy keeps its log-softmax, as
+    large as the model output)."""
     in_block = {n for b in graph.blocks for n in b.node_names}
-    outside = sum(n.bytes_written for n in graph.nodes if n.name not in in_block)
-    output_bytes = graph.nodes[-1].bytes_written if graph.nodes else 0
-    return outside + output_bytes
+    kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph))
+    for block in graph.blocks:
+        kept.update((key, nbytes) for key, nbytes in _block_saved(graph, block, ratio, own=False).items()
+                    if key in _shared_values(graph))
+    output = int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
+    return sum(kept.values()) + output
 
 
 def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, precision: Precision,
                      captured_bytes: int = 4) -> int:
     """Activation bytes per rank for one micro-batch in flight (see module docstring)."""
-    scale = (microbatch_size / graph.batch_size) * (precision.activation_bytes / captured_bytes)
-    kept = sum(block_saved_bytes(graph, b, recompute) for b in graph.blocks) + non_block_saved_bytes(graph)
-    workspace = max((block_workspace_bytes(graph, b, recompute) for b in graph.blocks), default=0)
-    return int((kept + workspace) * scale)
+    ratio = precision.activation_bytes / captured_bytes
+    kept = sum(block_saved_bytes(graph, b, recompute, ratio) for b in graph.blocks) + \
+        non_block_saved_bytes(graph, ratio)
+    workspace = max((block_workspace_bytes(graph, b, recompute, ratio) for b in graph.blocks), default=0)
+    return int((kept + workspace) * microbatch_size / graph.batch_size)
 
 
-def _heavy_bytes(graph: OpGraph, block: Block) -> int:
-    """Outputs of the block's matmul-class ops: what selective recompute keeps besides the input."""
-    return sum(graph.node(n).bytes_written for n in block.node_names if _is_heavy(graph.node(n).target))
+def _block_saved(graph: OpGraph, block: Block, ratio: float, own: bool = True) -> dict[str, int]:
+    """What the block's ops keep without recompute (``cost.saved``): key -> bytes; ``own`` leaves out
+    the tables several blocks read (counted once, outside the blocks)."""
+    def compute() -> dict[str, int]:
+        return saved_set(graph, (graph.node(n) for n in block.node_names), ratio, _grads(graph))
+    kept = graph.derived(("block_saved", block.path, ratio), compute)
+    if not own:
+        return kept
+    shared = _shared_values(graph)
+    return {key: nbytes for key, nbytes in kept.items() if key not in shared}
 
 
-def _is_heavy(target: str) -> bool:
-    return target.startswith(COMPUTE_HEAVY_TARGETS)
+def _selective_kept(graph: OpGraph, block: Block, ratio: float) -> dict[str, int]:
+    """What selective recompute keeps besides the block's input: the outputs of the ops the runtime's
+    policy saves (``runtime.selective.SAVE_IN_SELECTIVE``: matmuls and attention, its log-sum-exp too)."""
+    kept: dict[str, int] = {}
+    for name in block.node_names:
+        node = graph.node(name)
+        if op_name(node.target) in MATMUL_OPS:
+            kept[name] = value_bytes(graph, name, ratio)
+        elif op_name(node.target) in SDPA_OPS:
+            kept[name] = value_bytes(graph, name, ratio)
+            kept[f"{name}:lse"] = node.output_numel // max(1, node.shape[-1]) * FP32_BYTES
+    return kept
+
+
+def _grads(graph: OpGraph) -> set[str]:
+    return graph.derived(("needs_grad",), lambda: needs_grad(graph))
+
+
+def _shared_values(graph: OpGraph) -> frozenset[str]:
+    """Values made outside the blocks and read by more than one block (rotary tables, masks)."""
+    def compute() -> frozenset[str]:
+        in_block = {n: b.path for b in graph.blocks for n in b.node_names}
+        readers: dict[str, set[str]] = {}
+        for node in graph.nodes:
+            for name in node.inputs:
+                if node.name in in_block and name not in in_block:
+                    readers.setdefault(storage_of(graph, name), set()).add(in_block[node.name])
+        return frozenset(name for name, blocks in readers.items() if len(blocks) > 1)
+    return graph.derived(("shared_values",), compute)

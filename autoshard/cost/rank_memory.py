@@ -14,9 +14,9 @@ weights) stay unsharded all step. The caching allocator's fragmentation adds ALL
 
 from __future__ import annotations
 
-from autoshard.cost.memory import Precision, model_state_bytes
+from autoshard.cost.memory import DTYPE_BYTES, Precision, model_state_bytes
 from autoshard.cost.tables import CostTables
-from autoshard.ir.decisions import Decisions
+from autoshard.ir.decisions import PRECISIONS, Decisions
 from autoshard.ir.plan import Memory
 
 ALLOCATOR_SLACK = 0.05  # caching-allocator fragmentation, a few % in practice (torch.cuda.memory_stats)
@@ -35,19 +35,95 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
 
 def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert_params: int = 0) -> Memory:
     """``local_params`` sharded by ZeRO over dp (HSDP: a node's shard), ``expert_params`` (ep > 1: the
-    rank's expert shards) over the dp / ep ranks holding the same ones."""
+    rank's expert shards) over the dp / ep ranks holding the same ones; the largest of the step's
+    moments (``spmd_moments``)."""
     precision = tables.precision
     p, g, o = model_state_bytes(local_params, config.zero_stage, config.dp_shard, precision)  # HSDP: a node's shard
     if expert_params:
         pe, ge, oe = model_state_bytes(expert_params, config.zero_stage, config.expert_dp, precision)
         p, g, o = p + pe, g + ge, o + oe
+    moments = spmd_moments(tables, config, local_params + expert_params, (p, g, o))
+    worst = max(moments.values(), key=lambda parts: sum(parts.values()))
+    return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
+
+
+def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
+                 state: tuple[int, int, int]) -> dict[str, dict[str, float]]:
+    """A rank's memory by part at each moment of an SPMD step that can be its peak (without pipelining
+    one micro-batch is in flight; the last micro-batch's moments are the largest). With W, G, O the
+    state (``memory.model_state_bytes``), S_u unit u's saved activations, L the loss's backward
+    workspace, R_k block k's recompute workspace and T_k its backward's activation gradients (``cost.memory``), p_c the
+    bytes of a gathered parameter (the policy's param dtype: bf16 under FSDP2's mixed precision), Ψ_u a
+    unit's parameters on the rank, G_a the gradients summed over the earlier micro-batches (G, once
+    m > 1) and K = p_c·Ψ the weights FSDP2 keeps gathered from forward to backward (ZeRO-1 beside tp,
+    ZeRO-2, replicate; 0 under ZeRO-3, whose units, the root too, reshard after forward)::
+
+        loss       W + K + G_a + O + Σ_u S_u + L                  the loss's two fp32 gradients
+        backward   W + K + G_a + O + Σ_{u ≤ L} S_u + max_k (R_k) + max_k (T_k)    a block's backward (the
+                   last block's, with a recompute workspace as large as any block's); ZeRO-3 adds
+                   + p_c·(Ψ_root + 2·Ψ_block) gathered            (the root, the block, the next prefetched)
+                   + p_c·(Ψ_head + Ψ_block) unsharded gradients   (the head's, the block's: bf16 until reduced)
+        reduce     W + K + G + O + p_c·Ψ_root (ZeRO-3) + p_c·Ψ_root + 4·Ψ_root    the root's gradients
+                   reduced last: unsharded, and their fp32 copy that FSDP2 reduce-scatters
+        optimizer  W + G + O + 4·Ψ_opt                            foreach AdamW's sqrt(v) (eager kernels)
+
+    Parts: weights = W + the gathered ones, grads = G_a (or G) + the unsharded gradients, activations =
+    the saved ones and a recomputed block's, transient = the loss's workspace, the activation gradients
+    and the reduce-scatter copy (``autoshard.dryrun`` maps the tracker's parts alike)."""
+    p, g, o = state
     units = tables.config_units(config)
     keep = tables.activation_keep(config)
     modes = config.block_modes(len(units.saved_bytes) - 2)
-    blocks_kept = sum(saved * (1.0 if mode == "full" else keep) for saved, mode in zip(units.saved_bytes[1:-1], modes))
-    acts = blocks_kept + units.saved_bytes[0] + units.saved_bytes[-1] + max(units.workspace_bytes) * keep
-    return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
-                             activations_bytes=int(acts), transient_bytes=transient_bytes(tables, config))
+    block_saved = [saved * (1.0 if mode == "full" else keep) for saved, mode in zip(units.saved_bytes[1:-1], modes)]
+    saved = units.saved_bytes[0] + sum(block_saved)
+    gathered = gathered_param_bytes(tables)
+    kept = gathered * local_params if keeps_gathered(config) else 0
+    held = g if config.num_microbatches > 1 else 0
+    fsdp = config.mesh.dp > 1 and config.dp_runtime.fsdp2
+    block = fsdp_unit_params(tables, config) if units.blocks else 0
+    root = max(0, local_params - block * units.blocks)
+    head = root * units.params[-1] / max(1, units.params[0] + units.params[-1])
+    z3 = fsdp and config.zero_stage == 3
+    moments = {
+        "loss": dict(params_bytes=p + kept, grads_bytes=held, optimizer_bytes=o,
+                     activations_bytes=saved + units.saved_bytes[-1], transient_bytes=units.workspace_bytes[-1]),
+        "optimizer": dict(params_bytes=p, grads_bytes=g, optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
+                          activations_bytes=0, transient_bytes=0),
+    }
+    if units.blocks:
+        moments["backward"] = dict(
+            params_bytes=p + kept + (gathered * (root + 2 * block) if z3 else 0),
+            grads_bytes=held + (gathered * (head + block) if fsdp else 0), optimizer_bytes=o,
+            activations_bytes=saved + max(units.workspace_bytes[1:-1]) * keep,
+            transient_bytes=max(units.backward_bytes[1:-1]) * keep if units.backward_bytes else 0)
+    if fsdp:
+        moments["reduce"] = dict(params_bytes=p + kept + (gathered * root if z3 else 0),
+                                 grads_bytes=g + gathered * root, optimizer_bytes=o,
+                                 activations_bytes=units.saved_bytes[0], transient_bytes=REDUCE_BYTES * root)
+    return moments
+
+
+REDUCE_BYTES = 4  # FSDP2 reduce-scatters gradients in the policy's reduce dtype, fp32 (ir.decisions.PRECISIONS)
+
+
+def gathered_param_bytes(tables: CostTables) -> int:
+    """Bytes of a parameter as FSDP2 gathers it: the mixed-precision policy's param dtype (bf16 under
+    "bf16-autocast"), else the parameter's own."""
+    policy = PRECISIONS.get(tables.precision.name)  # the precision the tables price (a search's own)
+    return DTYPE_BYTES[policy.param_dtype] if policy and policy.param_dtype else tables.precision.param_bytes
+
+
+def keeps_gathered(config: Decisions) -> bool:
+    """FSDP2 wrappers that keep every unit's weights gathered from forward to its backward: those that do
+    not reshard after forward (ZeRO-1 beside tp, ZeRO-2, replicate), over more than one rank."""
+    runtime = config.dp_runtime
+    return config.mesh.dp > 1 and runtime.fsdp2 and not runtime.reshard_after_forward
+
+
+def optimizer_step_bytes(tables: CostTables, config: Decisions, optimizer_bytes: int) -> int:
+    """torch's foreach AdamW (eager kernels) makes sqrt(v) for every parameter it steps: one fp32 per
+    element, half of m and v's bytes."""
+    return optimizer_bytes // 2 if tables.runtime.kernels == "eager" else 0
 
 
 def transient_bytes(tables: CostTables, config: Decisions) -> int:

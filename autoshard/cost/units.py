@@ -63,7 +63,14 @@ from autoshard.cost.compute import (
     op_backward_s,
     op_forward_s,
 )
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, block_saved_bytes, block_workspace_bytes
+from autoshard.cost.memory import (
+    COMPUTE_HEAVY_TARGETS,
+    block_backward_bytes,
+    block_saved_bytes,
+    block_workspace_bytes,
+    non_block_saved_bytes,
+)
+from autoshard.cost.saved import needs_grad, saved_by
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads
 
@@ -83,6 +90,7 @@ class Units:
     host_forward_s: tuple[float, ...] = ()  # host time not hidden by the device, per unit (module doc)
     host_backward_s: tuple[float, ...] = ()
     host_recompute_s: tuple[float, ...] = ()
+    backward_bytes: tuple[int, ...] = ()  # activation gradients a unit's backward holds at once (blocks)
 
     @functools.cached_property
     def host_s(self) -> tuple[float, ...]:
@@ -169,8 +177,8 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
     recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
     byte_scale = scale * ratio
-    saved = [int(b * byte_scale) for b in _saved_bytes(graph, recompute, units)]
-    workspace = [int(b * byte_scale) for b in _workspace_bytes(graph, recompute)]
+    saved = [int(b * scale) for b in _saved_bytes(graph, recompute, units, ratio)]
+    workspace = [int(b * scale) for b in _workspace_bytes(graph, recompute, ratio)]
     if kernels == "eager" and graph.nodes:
         _add_fp32_loss(graph, microbatch_size, device, byte_scale, forward, backward, saved, workspace)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
@@ -187,6 +195,7 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
         boundary_bytes=tuple(int(b.input_bytes * byte_scale) for b in graph.blocks),
         tensors=unit_tensors(graph, units),
         host_forward_s=tuple(host_f), host_backward_s=tuple(host_b), host_recompute_s=tuple(host_r),
+        backward_bytes=(0, *(int(block_backward_bytes(graph, b, ratio) * scale) for b in graph.blocks), 0),
     )
 
 
@@ -212,7 +221,7 @@ def _add_fp32_loss(graph: OpGraph, microbatch_size: int, device: DeviceSpec, byt
     forward[-1] += eager.loss_forward_s(n, device)
     backward[-1] += eager.loss_backward_s(n, device)
     logits = int(graph.nodes[-1].bytes_written * byte_scale)
-    saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - 2 * logits  # _saved_bytes counted the logits twice
+    saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - logits  # in place of the loss's copy _saved_bytes counted
     workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
 
 
@@ -281,17 +290,30 @@ def _param_names_by_unit(graph: OpGraph, units: list[int]) -> list[set[str]]:
     return seen
 
 
-def _saved_bytes(graph: OpGraph, recompute: str, units: list[int]) -> list[int]:
+def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float) -> list[int]:
+    """Per unit, what it keeps for backward at the captured batch (``memory``, ``cost.saved``): the ops
+    outside blocks in the prefix or suffix, each block by its mode, the tables blocks share in the
+    prefix, the loss's copy of the output in the suffix."""
     saved = [0] * (len(graph.blocks) + 2)
     in_block = {n for b in graph.blocks for n in b.node_names}
+    grads, seen = needs_grad(graph), set()
     for node, u in zip(graph.nodes, units):
         if node.name not in in_block:
-            saved[u] += node.bytes_written
+            for key, nbytes in saved_by(graph, node, grads, ratio):
+                if key not in seen:
+                    seen.add(key)
+                    saved[u] += nbytes
+    outside, output = sum(saved), _output_bytes(graph, ratio)
+    saved[0] += non_block_saved_bytes(graph, ratio) - outside - output  # the tables the blocks share
     for k, block in enumerate(graph.blocks):
-        saved[k + 1] += block_saved_bytes(graph, block, recompute)
-    saved[-1] += graph.nodes[-1].bytes_written if graph.nodes else 0  # the loss's copy of the output
+        saved[k + 1] += block_saved_bytes(graph, block, recompute, ratio)
+    saved[-1] += output  # the loss's copy of the output
     return saved
 
 
-def _workspace_bytes(graph: OpGraph, recompute: str) -> list[int]:
-    return [0] + [block_workspace_bytes(graph, b, recompute) for b in graph.blocks] + [0]
+def _output_bytes(graph: OpGraph, ratio: float) -> int:
+    return int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
+
+
+def _workspace_bytes(graph: OpGraph, recompute: str, ratio: float) -> list[int]:
+    return [0] + [block_workspace_bytes(graph, b, recompute, ratio) for b in graph.blocks] + [0]

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.memory import model_state_bytes
-from autoshard.cost.rank_memory import ALLOCATOR_SLACK, transient_bytes
+from autoshard.cost.rank_memory import ALLOCATOR_SLACK, spmd_moments
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM
 from autoshard.cost.tp_units import spmd_microbatch
@@ -100,12 +100,16 @@ def signature_groups(tables: CostTables) -> dict[int, list[int]]:
 
 def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, by_mode, count, used,
                           keep: float) -> None:
-    """Σ n·a·k_r + W·κ ≤ A (module doc), in bytes."""
-    none = by_mode["none"]
+    """Σ n·a·k_r + W·κ ≤ A (module doc), in bytes, at each moment whose activations the modes change
+    (``cost.rank_memory.spmd_moments``: the loss's, without W·κ, and the last block's backward)."""
     _, _, local = spmd_microbatch(tables, config)
-    p, g, o = model_state_bytes(local, config.zero_stage, config.mesh.dp, tables.precision)
-    fixed = p + g + o + transient_bytes(tables, config) + none.saved_bytes[0] + none.saved_bytes[-1]
-    room = int(tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) - fixed)
+    state = model_state_bytes(local, config.zero_stage, config.dp_shard, tables.precision)
+    none = replace(config, recompute="none", recompute_blocks=())
+    moments = spmd_moments(tables, none, local, state)
+    blocks_none = sum(by_mode["none"].saved_bytes[1:-1]) * keep
+    capacity = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK)
+    room = {name: int(capacity - sum(moments[name].values()) + blocks_none) for name in ("loss", "backward")
+            if name in moments}
     largest = max(by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values()
                   for k in blocks)
     workspace = model.NewIntVar(0, int(largest * keep) + 1, "workspace")
@@ -113,7 +117,9 @@ def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, 
         model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1] * keep) * var)
     saved = sum(count[gi, r] * int(by_mode[r].saved_bytes[groups[gi][0] + 1] * (1.0 if r == "full" else keep))
                 for (gi, r) in count)
-    model.Add(saved + workspace <= room)
+    model.Add(saved <= room["loss"])
+    if "backward" in room:
+        model.Add(saved + workspace <= room["backward"])
 
 
 def assign(groups: dict[int, list[int]], counts: dict[tuple[int, str], int], blocks: int) -> tuple[str, ...]:

@@ -1,0 +1,183 @@
+"""What autograd keeps for backward, op by op, in the dtypes the emitted program runs.
+
+A captured op n keeps for its backward the tensors its derivative formula reads (torch's
+``derivatives.yaml``, or the ops a composite decomposes into), and only where an input needs a
+gradient; its output only where the formula reads it. Per op (x, y activations; W a parameter;
+c a tensor that needs no gradient, such as rotary tables; r(x) whether x needs a gradient)::
+
+    linear / mm / addmm / matmul / bmm     its activation inputs (W's gradient reads x; x's reads W)
+    scaled_dot_product_attention           q, k, v, the output and the log-sum-exp (fp32, b·h·s):
+                                           the flash kernels' saved set, CPU (``_for_cpu``) and CUDA alike
+    mul(x, y)                              y if r(x), x if r(y)       (mul(q, cos) keeps only cos)
+    div(x, c)                              c                          (as mul; x / y keeps y and the output)
+    silu, gelu, sigmoid', pow, log ...     its input                  (``_INPUT_SAVERS``)
+    relu, tanh, sigmoid, softmax, exp      its output                 (``_OUTPUT_SAVERS``)
+    dropout (p > 0)                        its mask, 1 byte per element
+    rms_norm(x, W)                         torch's composite: x upcast to fp32 (4 B per element; x itself
+                                           when x is already fp32) and x·rstd in fp32 (W's gradient), rstd
+    layer_norm(x, W, b)                    x, mean and rstd (native_layer_norm)
+    embedding(W, ids)                      the ids (int64)
+    add, sub, neg, cat, views, repeat_interleave, to, arange ...   nothing (``_SAVES_NOTHING``)
+    any other op                           its outputs (the conservative rule)
+
+Bytes: a graph value of e elements in the captured dtype weighs e·a bytes as trained (a the
+precision's activation bytes: bf16 under autocast and FSDP2's bf16 parameters); the fp32
+statistics above weigh 4 bytes per element whatever a. A view counts as the tensor it views, and
+a tensor kept by several ops once (``saved_set``): the union over a block's ops is what the
+block keeps.
+
+Where CUDA differs from these kernels (the dry run's fake tensors are CPU tensors): torch ≥ 2.8
+runs ``rms_norm`` on CUDA as ``_fused_rms_norm``, which keeps the 16-bit input and rstd (2 B per
+element) where the composite keeps two fp32 tensors (8 B): a CUDA rank keeps 6 B per norm element
+less than priced here (benchmarks/RESULTS.md, "Dry run").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from autoshard.ir.graph import OpGraph, OpNode, dtype_bytes
+from autoshard.ir.names import op_name
+
+FP32_BYTES = 4
+INDEX_BYTES = 8  # int64 token ids
+MASK_BYTES = 1  # a dropout mask is a bool tensor
+
+# views and no-ops: their output is their input's storage (passes.annotate ALIAS_OPS, as the cost model sees them)
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "transpose", "t", "permute", "expand",
+    "expand_as", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
+    "narrow", "alias", "detach", "as_strided", "unflatten", "flatten", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "diagonal", "view_as_real", "view_as_complex", "real", "imag", "lift_fresh", "numpy_T", "mT",
+    "adjoint", "operator.getitem", "contiguous", "clone", "to", "type_as", "_to_copy",
+})
+MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum"})
+SDPA_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu"})
+_SAVES_NOTHING = frozenset({
+    "add", "sub", "neg", "cat", "stack", "repeat_interleave", "repeat", "arange", "zeros", "ones", "full",
+    "zeros_like", "ones_like", "full_like", "empty", "sum", "mean", "outer", "cos", "sin", "triu", "tril",
+    "masked_fill", "where", "index_select", "gather", "rsub", "copy", "fill", "scalar_tensor", "pad",
+    "constant_pad_nd",
+})
+_INPUT_SAVERS = frozenset({"silu", "gelu", "pow", "log", "square", "abs", "hardswish", "mish", "softplus", "elu",
+                           "leaky_relu"})
+_OUTPUT_SAVERS = frozenset({"relu", "tanh", "sigmoid", "softmax", "_softmax", "exp", "log_softmax",
+                            "_log_softmax", "rsqrt"})
+_DROPOUT_OPS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "native_dropout"})
+
+
+def storage_of(graph: OpGraph, name: str) -> str:
+    """The value whose storage ``name`` is: follow views (``VIEW_OPS``) back to a materialised tensor."""
+    node = graph._by_name().get(name)
+    while node is not None and node.inputs and _is_view(graph, node):
+        name = node.inputs[0]
+        node = graph._by_name().get(name)
+    return name
+
+
+def _is_view(graph: OpGraph, node: OpNode) -> bool:
+    op = op_name(node.target)
+    if op in ("to", "type_as", "_to_copy", "clone", "contiguous"):
+        return graph.value_meta(node.inputs[0]) == (node.shape, node.dtype)  # a cast that changes nothing
+    if op in _DROPOUT_OPS:
+        return node.attrs.get("p") == 0 or node.attrs.get("train") is False
+    return op in VIEW_OPS
+
+
+def needs_grad(graph: OpGraph) -> set[str]:
+    """Values whose gradient backward computes: parameters (not buffers) and what is computed from them."""
+    params = {name for name, path in graph.placeholder_params.items() if not graph.param(path).is_buffer}
+    out = set(params)
+    for node in graph.nodes:
+        if node.param_inputs and any(not graph.param(p).is_buffer for p in node.param_inputs) or \
+                any(i in out for i in node.inputs):
+            out.add(node.name)
+    return out
+
+
+def saved_by(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
+    """(key, bytes as trained at the captured batch) of what ``node``'s backward keeps (module doc).
+    ``grads``: ``needs_grad(graph)``; ``ratio``: trained activation bytes over captured bytes."""
+    if node.name not in grads or _is_view(graph, node):
+        return []
+    op = op_name(node.target)
+    acts = [i for i in node.inputs if i not in graph.placeholder_params]
+    if op in MATMUL_OPS:
+        return _values(graph, acts, ratio)
+    if op in SDPA_OPS:
+        return _values(graph, acts[:3] + [node.name], ratio) + [(f"{node.name}:lse", _lse_bytes(node))]
+    if op == "mul" or op == "div":
+        return _mul_saved(graph, node, grads, ratio)
+    if op == "rms_norm":
+        return _rms_norm_saved(graph, node, ratio)
+    if op in ("layer_norm", "native_layer_norm", "group_norm"):
+        return _values(graph, acts[:1], ratio) + [(f"{node.name}:stats", 2 * _rows(node) * FP32_BYTES)]
+    if op in ("embedding", "embedding_bag"):
+        return [(f"{node.name}:ids", _numel(graph.value_meta(node.inputs[-1])[0]) * INDEX_BYTES)]
+    if op in _DROPOUT_OPS:
+        return [(f"{node.name}:mask", node.output_numel * MASK_BYTES)]
+    if op in _SAVES_NOTHING:
+        return []
+    if op in _INPUT_SAVERS:
+        return _values(graph, acts[:1], ratio)
+    if op in _OUTPUT_SAVERS:
+        return _values(graph, [node.name], ratio)
+    return [(node.name, int(node.output_bytes * ratio))]
+
+
+def saved_set(graph: OpGraph, nodes: Iterable[OpNode], ratio: float,
+              grads: set[str] | None = None) -> dict[str, int]:
+    """The union of what ``nodes`` keep: storage key -> bytes (a tensor kept by several ops once)."""
+    grads = needs_grad(graph) if grads is None else grads
+    kept: dict[str, int] = {}
+    for node in nodes:
+        kept.update(saved_by(graph, node, grads, ratio))
+    return kept
+
+
+def value_bytes(graph: OpGraph, name: str, ratio: float) -> int:
+    """Bytes of a graph value as trained: activations at ``ratio`` of their captured bytes, integers whole."""
+    shape, dtype = graph.value_meta(name)
+    nbytes = _numel(shape) * dtype_bytes(dtype) if dtype else 0
+    return int(nbytes * ratio) if dtype.startswith(("float", "bfloat")) else nbytes
+
+
+def _values(graph: OpGraph, names: list[str], ratio: float) -> list[tuple[str, int]]:
+    return [(key, value_bytes(graph, key, ratio)) for key in (storage_of(graph, n) for n in names)]
+
+
+def _mul_saved(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
+    """mul(x, y): y if x needs a gradient, x if y does; div(x, y) keeps y, and x if y needs one."""
+    if len(node.inputs) < 2:  # times a scalar
+        return []
+    x, y = node.inputs[:2]
+    keep = ([y] if x in grads else []) + ([x] if y in grads else [])
+    return _values(graph, [n for n in keep if n not in graph.placeholder_params], ratio)  # weights are state
+
+
+def _rms_norm_saved(graph: OpGraph, node: OpNode, ratio: float) -> list[tuple[str, int]]:
+    """torch's composite rms_norm: x upcast to fp32 (x itself when fp32 already), x·rstd in fp32, rstd."""
+    x = node.inputs[0]
+    elements = _numel(graph.value_meta(x)[0])
+    trained = value_bytes(graph, x, ratio)
+    upcast = [(storage_of(graph, x), trained)] if trained >= elements * FP32_BYTES else \
+        [(f"{node.name}:upcast", elements * FP32_BYTES)]
+    return upcast + [(f"{node.name}:normed", elements * FP32_BYTES), (f"{node.name}:rstd", _rows(node) * FP32_BYTES)]
+
+
+def _lse_bytes(node: OpNode) -> int:
+    """The log-sum-exp of attention: one fp32 per (batch, head, query)."""
+    return _numel(node.shape[:-1]) * FP32_BYTES
+
+
+def _rows(node: OpNode) -> int:
+    return _numel(node.shape[:-1])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
