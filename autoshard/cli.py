@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan(sub, common) -> None:
     p = sub.add_parser("plan", parents=[common], help="choose how to parallelize a model on a cluster")
     _add_plan_arguments(p)
+    p.add_argument("--dryrun", action="store_true", help="then run the chosen plan's ranks of each role on fake "
+                   "tensors, as `autoshard dryrun` does, and print their peak memory by part beside the "
+                   "prediction (on stderr with --json)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -203,7 +206,7 @@ def _add_dryrun(sub, common) -> None:
                    "and a pipeline's last stage)")
     p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2)
     p.add_argument("--json", action="store_true", help='print {"ranks": [{"rank", "peak_bytes", '
-                   '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}]}')
+                   '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}], "notes": [what it assumed]}')
     p.set_defaults(func=cmd_dryrun)
 
 
@@ -246,7 +249,18 @@ def cmd_plan(args) -> int:
                         time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache, seq_len=args.seq_len,
                         **pins_of(args))
     _write_plan(plan, args)
+    if args.dryrun:
+        _print_dryrun(plan, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _print_dryrun(plan, file) -> None:
+    """``autoshard dryrun``'s report of ``plan`` (its default ranks)."""
+    from autoshard.dryrun import dryrun, summary_lines
+
+    print(f"dry run: {plan.mesh}, ZeRO-{plan.zero_stage}, on fake tensors over a fake group of "
+          f"{plan.world_size} ranks", file=file, flush=True)
+    print("\n".join(summary_lines(plan, dryrun(plan))), file=file)
 
 
 def _time_limit(value: float | None) -> float | None:
@@ -536,14 +550,14 @@ def cmd_verify(args) -> int:
 
 
 def cmd_dryrun(args) -> int:
-    from autoshard.dryrun import dryrun, summary_lines
+    from autoshard.dryrun import dryrun, notes, summary_lines
     from autoshard.ir.plan import check_model_file, load_plan
 
     plan = load_plan(args.plan)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     results = dryrun(plan, ranks=args.ranks, steps=args.steps)
     if args.json:
-        print(json.dumps({"ranks": [result.as_json() for result in results]}, indent=1))
+        print(json.dumps({"ranks": [result.as_json() for result in results], "notes": notes(plan)}, indent=1))
     else:
         print("\n".join(summary_lines(plan, results)))
     return 0

@@ -32,7 +32,9 @@ fake tensors, which have none); its reducer reads each bucket's all-reduce from 
 fake backend leaves empty, so the same all-reduce runs in a hook that hands the bucket back, and the buckets
 keep the layout they were built with (``_ddp_on_the_fake_group``); a pipeline's mean loss is not read
 (``pipeline_parallel.global_mean_loss``: nan on fake tensors); transformers' experts' ``grouped_mm`` is
-shaped without its fake kernel's bf16-only check (``_grouped_mm_shapes_in_any_dtype``).
+shaped without its fake kernel's bf16-only check (``_grouped_mm_shapes_in_any_dtype``). The tracker's module
+hooks take a pipeline stage's received inputs through a view (``_tracked_stages``: they cannot wait on a
+leaf's gradient inside the zero-bubble schedules' ``autograd.grad``).
 
 What it does not see: kernels' workspaces and the caching allocator's fragmentation; fake tensors are CPU
 tensors, so where a kernel saves other tensors on CUDA than on CPU (SDPA's flash backend keeps its logsumexp,
@@ -174,10 +176,10 @@ def _grouped_mm_shapes_in_any_dtype():
     function) checks first that the inputs are bf16, CUDA's kernel's limit, where the CPU kernel, which a
     CPU plan's program runs (transformers' experts in fp32), takes any float: for the dry run's duration the
     output is made from torch's own shape function alone (``_create_grouped_mm_output_tensor``)."""
+    import torch
     from torch._meta_registrations import _create_grouped_mm_output_tensor
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensor
-    import torch
 
     op = torch.ops.aten._grouped_mm.default
 

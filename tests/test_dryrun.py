@@ -4,13 +4,14 @@ part beside the plan's prediction; plans it cannot run are refused in one line."
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from autoshard.dryrun import PARTS, dryrun
+from autoshard.dryrun import PARTS, dryrun, summary_lines
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import load_plan
 
@@ -35,11 +36,6 @@ def test_dryrun_json_gives_each_rank_its_measured_and_predicted_parts():
     # AdamW's two fp32 moments of this rank's FSDP shard: the one part both sides count the same way
     assert measured_optimizer == pytest.approx(predicted_optimizer, rel=0.02)
     assert report["parts"]["activations"][0] > 0
-
-
-def test_plans_it_cannot_run_are_refused_with_the_reason():
-    with pytest.raises(AutoshardError, match="expert"):
-        dryrun(load_plan(GOLDEN / "dp_ep_zero3.plan.json"))
 
 
 def _held(plan, names: tuple[str, ...] | None = None) -> tuple[int, int]:
@@ -85,6 +81,45 @@ def test_ddp_runs_holding_the_whole_model_and_its_gradient_buckets(in_repo):
     elements, tensors = _held(plan)
     _assert_holds(report, elements, tensors)
     assert report.parts["grads"][0] == 4 * elements  # the buckets, every gradient a view of one
+
+
+def test_expert_parallelism_runs_on_the_balanced_split_holding_its_expert_shards(in_repo):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    import hf_mixtral
+
+    plan = load_plan(GOLDEN / "dp_ep_zero3.plan.json")
+    [report] = dryrun(plan)  # rank 0 holds experts 0 and 1 of each layer's 4
+    assert any("balanced" in line for line in summary_lines(plan, [report]))
+    dp, ep = plan.mesh.dp, plan.ep
+    with torch.device("meta"):
+        params = dict(hf_mixtral.build().named_parameters())
+
+    def first_chunk(shape, ways: int) -> int:  # FSDP2's shard on dp rank 0
+        return math.ceil(shape[0] / ways) * math.prod(shape[1:])
+
+    elements = sum(first_chunk((p.shape[0] // ep, *p.shape[1:]), dp // ep)
+                   if any(name.startswith(e + ".") for e in plan.experts) else first_chunk(p.shape, dp)
+                   for name, p in params.items())
+    assert report.parts["optimizer"][0] == 8 * elements + 4 * len(params)
+
+
+def test_plan_dryrun_prints_the_chosen_plans_dry_run(pipeline_plan, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/gpt.py:build", "--cluster",
+                          "tests/clusters/fast_link_cpu.yaml", "--devices-per-node", "2", "--global-batch", "4",
+                          "--tp", "1", "--pp", "1", "--zero", "0", "-o", str(tmp_path / "plan.json"), "--dryrun"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert load_plan(tmp_path / "plan.json").decisions.dp_runtime.wrapper == "DistributedDataParallel"
+    report = out.stdout[out.stdout.index("dry run: dp=2"):]
+    assert "rank 0: peak" in report and "optimizer" in report
+
+
+def test_bad_input_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "autoshard", "dryrun", "no-such-plan.json"], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1, out.stderr
 
 
 def test_a_rank_outside_the_world_is_refused():

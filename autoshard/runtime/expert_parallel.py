@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._C._distributed_c10d import _resolve_process_group
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -299,12 +300,26 @@ def _route(top_k_index: torch.Tensor, num_local: int, group: dist.ProcessGroup) 
     ep = dist.get_world_size(group)
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)
+    if is_fake(expert_ids):
+        return _balanced_route(order, top_k_index.shape[-1], num_local, ep, dist.get_rank(group))
     counts = torch.bincount(expert_ids, minlength=num_local * ep)
     counts_in = torch.empty_like(counts)
     dist.all_to_all_single(counts_in, counts, group=group)
     local_ids = torch.arange(num_local, device=counts.device).repeat(ep).repeat_interleave(counts_in)
     return _Route(order, order // top_k_index.shape[-1], counts.view(ep, num_local).sum(1).tolist(),
                   counts_in.view(ep, num_local).sum(1).tolist(), local_ids)
+
+
+def _balanced_route(order: torch.Tensor, k: int, num_local: int, ep: int, rank: int) -> _Route:
+    """The route on fake tensors (a run for its memory, ``autoshard.dryrun``), whose routing has no values to
+    count: the balanced split, every rank sending an equal share of its S pairs to each ep rank (the first
+    S mod ep one more) and receiving as much from each, spread evenly over its local experts. That is the
+    mean load; the cost model prices the time of the most loaded rank (``cost.moe``), whose buffers hold more."""
+    pairs = order.numel()
+    send = [pairs // ep + (r < pairs % ep) for r in range(ep)]
+    received = send[rank] * ep
+    local_ids = torch.arange(received, device=order.device) * num_local // max(received, 1)
+    return _Route(order, order // k, send, [send[rank]] * ep, local_ids)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
