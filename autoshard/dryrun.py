@@ -135,7 +135,6 @@ def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:
 def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from autoshard import runtime
     from autoshard.passes.lower import lower
@@ -153,7 +152,7 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     lowered = lower(plan)
     first_made = next(i for i, step in enumerate(lowered) if step.op == "init_weights")
     model = runtime.apply_steps(model, lowered[:first_made], mesh, **run_inputs)["model"]
-    tracker = MemTracker()
+    tracker = _peak_tracker()
     with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_shapes_in_any_dtype():
         applied = runtime.apply_steps(model, lowered[first_made:], mesh, **run_inputs)
         model, optimizer = applied["model"], applied["optimizer"]
@@ -168,6 +167,26 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
                 else:
                     _train_step(plan, spec, model_file, model, optimizer, mesh, device, step, tracker)
     return _parts(tracker.get_tracker_snapshot("peak"))
+
+
+def _peak_tracker():
+    """torch's ``MemTracker``, keeping the rank's peak only. After every op the tracker also raises the peak
+    of each module then running, iterating over every module it has seen (a deep model's hundreds, on each of
+    a step's ten thousands of ops) and copying the snapshot for each new module peak: per-module records the
+    dry run never reads, and the most of the tracker's own time on a deep model. The rank's peak is kept as
+    the tracker keeps it (``_peak_mem``, ``_peak_mem_snap``)."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                    self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
+
+    return PeakTracker()
 
 
 @contextlib.contextmanager
