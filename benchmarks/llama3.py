@@ -18,6 +18,9 @@ Factories (``path:factory`` model specs)::
                 (Llama-3.2-1B's block shape, meta-llama/Llama-3.2-1B config.json, with an untied
                 output projection: 1.50B parameters; a one-GPU run of benchmarks/gpu_session.sh)
     llama3_tiny  2 layers, d = 256, 4 heads, 2 KV heads, FFN 512, vocab 1024, seq 128 (tests)
+    llama3_8b_2l, llama3_8b_4l, llama3_70b_2l, llama3_70b_4l   the 8B and 70B shapes at 2 or 4 layers
+                (benchmarks/bench_dryrun.py: a deep model's per-layer figures at a depth a dry run
+                on a CPU finishes quickly)
 
 ``example_batch(batch_size)`` gives random token ids of the factory's sequence length;
 ``loss_fn`` is cross-entropy over the vocabulary (under autocast it runs in fp32).
@@ -125,9 +128,11 @@ _seq_len = SEQ_LEN
 _vocab = VOCAB_SIZE
 
 
-def _build(name: str) -> Llama3:
+def _build(name: str, depth: int | None = None) -> Llama3:
+    """The shape called ``name``, at ``depth`` layers when given (else its own)."""
     global _seq_len, _vocab
     layers, dim, heads, kv, ffn, vocab, seq = SHAPES[name]
+    layers = depth or layers
     _seq_len, _vocab = seq, vocab
     return Llama3(layers, dim, heads, kv, ffn, vocab, seq)
 
@@ -138,6 +143,22 @@ def llama3_8b() -> Llama3:
 
 def llama3_70b() -> Llama3:
     return _build("llama3_70b")
+
+
+def llama3_8b_2l() -> Llama3:
+    return _build("llama3_8b", depth=2)
+
+
+def llama3_8b_4l() -> Llama3:
+    return _build("llama3_8b", depth=4)
+
+
+def llama3_70b_2l() -> Llama3:
+    return _build("llama3_70b", depth=2)
+
+
+def llama3_70b_4l() -> Llama3:
+    return _build("llama3_70b", depth=4)
 
 
 def llama3_405b() -> Llama3:
