@@ -38,8 +38,9 @@ def test_dryrun_json_gives_each_rank_its_measured_and_predicted_parts():
     assert report["parts"]["activations"][0] > 0
 
 
-def _held(plan, names: tuple[str, ...] | None = None) -> tuple[int, int]:
-    """(elements, tensors) of examples/gpt.py's parameters under ``names`` (all without), built on meta."""
+def _held(plan, names: tuple[str, ...] | None = None) -> tuple[int, int, int]:
+    """(elements, elements of FSDP2's shard on dp rank 0, tensors) of examples/gpt.py's parameters under
+    ``names`` (all without), built on meta."""
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -48,39 +49,31 @@ def _held(plan, names: tuple[str, ...] | None = None) -> tuple[int, int]:
     with torch.device("meta"):
         params = dict(gpt.build().named_parameters())
     held = [p for name, p in params.items() if names is None or any(name.startswith(m + ".") for m in names)]
-    return sum(p.numel() for p in held), len(held)
+    shard = sum(math.ceil(p.shape[0] / plan.mesh.dp) * math.prod(p.shape[1:]) for p in held)
+    return sum(p.numel() for p in held), shard, len(held)
 
 
-def _assert_holds(report, elements: int, tensors: int) -> None:
-    """fp32 weights, and AdamW's two fp32 moments and 4-byte step count per parameter tensor."""
-    assert report.parts["weights"][0] == 4 * elements
-    assert report.parts["optimizer"][0] == 8 * elements + 4 * tensors
-
-
-@pytest.fixture(scope="module")
-def pipeline_plan(in_repo_module):
-    from autoshard.api import estimate
-
-    return estimate("examples/gpt.py:build", cluster=str(ROOT / "tests" / "clusters" / "fast_link_cpu.yaml"),
-                    devices_per_node=2, global_batch=4, dp=1, tp=1, pp=2, zero=0, microbatch_size=1,
-                    recompute="none", schedule="1f1b")
-
-
-def test_a_pipeline_runs_its_first_and_last_stage_holding_their_stages_weights(pipeline_plan):
-    reports = dryrun(pipeline_plan)
-    assert [r.rank for r in reports] == [0, 1]  # the first stage's rank and the last's, by default
-    for report, stage in zip(reports, pipeline_plan.stages):
-        assert stage.ranks == (report.rank,)
-        _assert_holds(report, *_held(pipeline_plan, stage.modules))
+def test_a_pipeline_runs_its_first_and_last_stage_holding_their_stages_shards(in_repo):
+    plan = load_plan(GOLDEN / "pipeline_recompute.plan.json")  # 1f1b over pp 2 x dp 2, ZeRO-1
+    reports = dryrun(plan)
+    assert [r.rank for r in reports] == [0, 2]  # the first stage's dp rank 0 and the last's, by default
+    for report, stage in zip(reports, plan.stages):
+        assert report.rank == stage.ranks[0]
+        elements, shard, tensors = _held(plan, stage.modules)
+        # FSDP2's shard, and the stage gathered whole from its forward to its backward (ZeRO-1)
+        assert report.parts["weights"][0] == 4 * (shard + elements)
+        # AdamW's two fp32 moments of the shard and a 4-byte step count per parameter tensor
+        assert report.parts["optimizer"][0] == 8 * shard + 4 * tensors
         assert report.parts["activations"][0] > 0
 
 
 def test_ddp_runs_holding_the_whole_model_and_its_gradient_buckets(in_repo):
     plan = load_plan(GOLDEN / "dp_zero0.plan.json")
     [report] = dryrun(plan, ranks=[2])
-    elements, tensors = _held(plan)
-    _assert_holds(report, elements, tensors)
+    elements, _, tensors = _held(plan)
+    assert report.parts["weights"][0] == 4 * elements
     assert report.parts["grads"][0] == 4 * elements  # the buckets, every gradient a view of one
+    assert report.parts["optimizer"][0] == 8 * elements + 4 * tensors
 
 
 def test_expert_parallelism_runs_on_the_balanced_split_holding_its_expert_shards(in_repo):
@@ -105,14 +98,16 @@ def test_expert_parallelism_runs_on_the_balanced_split_holding_its_expert_shards
     assert report.parts["optimizer"][0] == 8 * elements + 4 * len(params)
 
 
-def test_plan_dryrun_prints_the_chosen_plans_dry_run(pipeline_plan, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/gpt.py:build", "--cluster",
-                          "tests/clusters/fast_link_cpu.yaml", "--devices-per-node", "2", "--global-batch", "4",
-                          "--tp", "1", "--pp", "1", "--zero", "0", "-o", str(tmp_path / "plan.json"), "--dryrun"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_plan_dryrun_prints_the_chosen_plans_dry_run(in_repo, tmp_path, capsys):
+    from autoshard.cli import main
+
+    code = main(["plan", "tests/models/mlp.py:build", "--cluster", "tests/clusters/fast_link_cpu.yaml",
+                 "--devices-per-node", "2", "--global-batch", "4", "--tp", "1", "--pp", "1", "--zero", "0",
+                 "-o", str(tmp_path / "plan.json"), "--dryrun"])
+    out = capsys.readouterr().out
+    assert code == 0, out
     assert load_plan(tmp_path / "plan.json").decisions.dp_runtime.wrapper == "DistributedDataParallel"
-    report = out.stdout[out.stdout.index("dry run: dp=2"):]
+    report = out[out.index("dry run: dp=2"):]
     assert "rank 0: peak" in report and "optimizer" in report
 
 
