@@ -82,20 +82,22 @@ def test_expert_parallelism_runs_on_the_balanced_split_holding_its_expert_shards
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     import hf_mixtral
 
-    plan = load_plan(GOLDEN / "dp_ep_zero3.plan.json")
-    [report] = dryrun(plan)  # rank 0 holds experts 0 and 1 of each layer's 4
-    assert any("balanced" in line for line in summary_lines(plan, [report]))
+    plan = load_plan(GOLDEN / "dp_ep_zero3.plan.json")  # dp 4, ep 2: ranks (dp_mod_ep, ep) = (rank // 2, rank % 2)
+    reports = dryrun(plan, ranks=[0, 3])  # two worlds in one process: each its own expert groups
+    assert any("balanced" in line for line in summary_lines(plan, reports))
     dp, ep = plan.mesh.dp, plan.ep
     with torch.device("meta"):
         params = dict(hf_mixtral.build().named_parameters())
 
-    def first_chunk(shape, ways: int) -> int:  # FSDP2's shard on dp rank 0
-        return math.ceil(shape[0] / ways) * math.prod(shape[1:])
+    def chunk(shape, ways: int, index: int) -> int:  # FSDP2's shard on the index-th of ``ways`` ranks
+        size = math.ceil(shape[0] / ways)
+        return max(0, min(size, shape[0] - index * size)) * math.prod(shape[1:])
 
-    elements = sum(first_chunk((p.shape[0] // ep, *p.shape[1:]), dp // ep)
-                   if any(name.startswith(e + ".") for e in plan.experts) else first_chunk(p.shape, dp)
-                   for name, p in params.items())
-    assert report.parts["optimizer"][0] == 8 * elements + 4 * len(params)
+    for report in reports:  # each rank's ep-th E/ep experts, sharded over dp/ep; the rest sharded over dp
+        elements = sum(chunk((p.shape[0] // ep, *p.shape[1:]), dp // ep, report.rank // ep)
+                       if any(name.startswith(e + ".") for e in plan.experts) else chunk(p.shape, dp, report.rank)
+                       for name, p in params.items())
+        assert report.parts["optimizer"][0] == 8 * elements + 4 * len(params), report.rank
 
 
 def test_plan_dryrun_prints_the_chosen_plans_dry_run(in_repo, tmp_path, capsys):

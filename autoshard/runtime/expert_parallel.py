@@ -98,16 +98,18 @@ _KEYS = itertools.count()
 # ---------------------------------------------------------------------------- meshes
 
 
-_MESHES: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
+_MESHES: dict[tuple[DeviceMesh, int, dist.ProcessGroup], DeviceMesh] = {}
 
 
 def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The dp mesh as ("dp_mod_ep", "ep"), ep innermost: ``mesh["ep"]`` shares experts, ``mesh["dp_mod_ep"]``
-    holds the replicas of one shard. Made once per (dp mesh, ep): every caller gets the same groups, so
-    FSDP2 sees the two dimensions as parts of one mesh."""
+    holds the replicas of one shard. Made once per (dp mesh, ep) in a process group world: every caller gets
+    the same groups, so FSDP2 sees the two dimensions as parts of one mesh. A mesh equals another of the same
+    layout whichever rank made it, so the key holds the world too: a process that runs several worlds in
+    turn (``autoshard dryrun``'s ranks) gets each world's own groups."""
     if ep < 1 or dp_mesh.size() % ep:
         raise AutoshardError(f"expert parallelism ep={ep} must divide the data-parallel degree {dp_mesh.size()}")
-    key = (dp_mesh, ep)
+    key = (dp_mesh, ep, dist.group.WORLD)
     if key not in _MESHES:
         _MESHES[key] = dp_mesh._unflatten(0, (dp_mesh.size() // ep, ep), EP_DIMS)
     return _MESHES[key]
