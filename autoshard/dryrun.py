@@ -95,9 +95,9 @@ def notes(plan: Plan) -> list[str]:
 
 
 def default_ranks(plan: Plan) -> list[int]:
-    """One rank of each distinct role: rank 0, and with pipeline stages the rank holding the last stage when
-    that is another (the first pp rank's neighbour across the pipeline: pp rank pp − 1, its dp, cp and tp
-    ranks 0; in a V, rank 0 holds the first and the last stage)."""
+    """One rank of each distinct role: rank 0 (the first pipeline stage; under expert parallelism every rank
+    holds experts), and with pipeline stages the rank holding the last stage when that is another one: pp
+    rank pp − 1 with dp, cp and tp rank 0 (in a V, rank 0 holds the first and the last stage)."""
     if plan.mesh.pp == 1 or plan.schedule in V_SCHEDULES:
         return [0]
     return [0, (plan.mesh.pp - 1) * (plan.world_size // plan.mesh.pp)]
