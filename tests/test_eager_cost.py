@@ -75,15 +75,16 @@ def test_host_and_device_overlap_per_unit_and_pass(tiny):
 
 def test_fp32_logits_memory_is_b_s_v_4_bytes_per_copy(llama8b):
     """Llama-3-8B, b = 2, s = 8192, V = 128256: n = b·s·V logits; the saved fp32 log-softmax is 4·n
-    (≈ 8.4 GB) in place of the two bf16 copies the fused model counts, and the loss's backward holds
-    two more fp32 copies (8·n) as the suffix's workspace."""
+    (≈ 8.4 GB) in place of the one bf16 copy the fused model counts (the loss's: the head linear keeps its
+    input, not its output, ``cost.saved``), and the loss's backward holds two more fp32 copies (8·n) as the
+    suffix's workspace."""
     n = loss_logits(llama8b, 2)
     assert n == 2 * 8192 * 128256
     assert 4 * n == pytest.approx(8.4e9, rel=0.01)
     args = (llama8b, 2, "selective", H100.device, 2)
     fused, eager_units = unit_costs(*args), unit_costs(*args, kernels="eager")
     bf16_logits = 2 * n
-    assert eager_units.saved_bytes[-1] == pytest.approx(fused.saved_bytes[-1] - 2 * bf16_logits + 4 * n, abs=2)
+    assert eager_units.saved_bytes[-1] == pytest.approx(fused.saved_bytes[-1] - bf16_logits + 4 * n, abs=2)
     assert eager_units.workspace_bytes[-1] == 8 * n
     assert max(eager_units.workspace_bytes) == 8 * n  # larger than any block's recompute workspace
 

@@ -120,3 +120,85 @@ def test_fsdp2_gathers_weights_in_the_policys_bf16():
     assert gathered_param_bytes(CostTables(graph, load_cluster("local-cpu"))) == 4
     assert keeps_gathered(Decisions(Mesh(4, 2, 1), 1, 1, 2))
     assert not keeps_gathered(Decisions(Mesh(4, 2, 1), 3, 1, 2))
+
+
+# ---------------------------------------------------------------------------- a tensor-parallel rank's shapes
+
+
+def _tp_styles(sequence_parallel: bool) -> dict[str, str]:
+    """Megatron's layout of llama3_tiny over tp ranks: q, k, v, w1, w3 column-parallel, wo and w2 row-parallel;
+    with sequence parallelism the norms on 1/tp of the tokens and each attention and MLP gathering its input."""
+    styles = {}
+    for k in range(2):
+        p = f"layers.{k}"
+        styles |= {f"{p}.attention.{w}": "colwise" for w in ("wq", "wk", "wv")}
+        styles |= {f"{p}.feed_forward.{w}": "colwise" for w in ("w1", "w3")}
+        row = "rowwise-seq-output-dim1" if sequence_parallel else "rowwise"
+        styles |= {f"{p}.attention.wo": row, f"{p}.feed_forward.w2": row}
+        if sequence_parallel:
+            styles |= {f"{p}.attention_norm": "sharded-input-dim1", f"{p}.ffn_norm": "sharded-input-dim1",
+                       f"{p}.attention": "gather-seq-module-input-dim1",
+                       f"{p}.feed_forward": "gather-seq-module-input-dim1"}
+    if sequence_parallel:
+        styles |= {"tok_embeddings": "vocab-parallel-embedding-seq-output-dim1", "norm": "sharded-input-dim1",
+                   "output": "colwise-gather-seq-input-dim1"}
+    return styles
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tp_rank_keeps_its_shards_of_what_the_ops_keep(sequence_parallel):
+    """tp = 2, bf16: q, k, v, attention's output and log-sum-exp, w1, w3, silu and the product are split (half);
+    the two norm outputs the column-parallel linears read are kept whole (gathered once per module under
+    sequence parallelism); the norms' fp32 upcast, x·rstd and rstd are whole without sequence parallelism and
+    half with it, and so is the block input full recompute keeps."""
+    from autoshard.cost.memory import block_saved_bytes
+    from autoshard.cost.tp import _rank_share
+
+    graph = _llama_tiny()
+    block, b, s, d, ffn, heads, tp = graph.blocks[0], graph.batch_size, 128, 256, 512, 4, 2
+    tokens = b * s
+    share = _rank_share(graph, _tp_styles(sequence_parallel), tp)
+    norms = 2 * (tokens * d * (4 + 4) + tokens * 4) // (tp if sequence_parallel else 1)
+    split = (3 * tokens * d * 2 + tokens * d * 2 + b * heads * s * 4 + 4 * tokens * ffn * 2) // tp
+    assert block_saved_bytes(graph, block, "none", 0.5, share) == norms + 2 * tokens * d * 2 + split
+    block_input = tokens * d * 2 // (tp if sequence_parallel else 1)
+    assert block_saved_bytes(graph, block, "full", 0.5, share) == block_input
+
+
+def test_a_gathered_input_is_one_copy_per_gathering_module_or_per_linear():
+    """The matmuls reading a split value through a module's gather share one whole copy (``value:gathered``);
+    a linear gathering its own input (``colwise-gather-seq-input``) keeps its own; a row-parallel one never
+    gathers."""
+    from autoshard.cost.saved import RankShare
+
+    graph = _llama_tiny()
+    node = graph.nodes[0]
+    share = RankShare(2, frozenset({"x", "y"}), frozenset({"op"}), frozenset({node.name}), frozenset())
+    assert share.entry(graph, node, "x", 100) == ("x:gathered", 100)
+    assert share.entry(graph, node, "z", 100) == ("z", 100)
+    own = RankShare(2, frozenset({"x"}), frozenset(), frozenset({node.name}), frozenset({node.name}))
+    assert own.entry(graph, node, "x", 100) == (f"{node.name}:gathered", 100)
+    other = graph.nodes[1]
+    assert share.entry(graph, other, "y", 100) == ("y", 50)
+    assert share.entry(graph, other, "op:lse", 100) == ("op:lse", 50)
+    assert share.entry(graph, other, "op:ids", 100) == ("op:ids", 100)
+
+
+def test_fsdp2_shards_weights_at_every_stage_and_zero1_sums_gradients_whole_in_fp32():
+    """fully_shard holds every parameter as its dp shard (ZeRO-1 beside tp too: what it keeps between forward
+    and backward is the bf16 copy); ZeRO-1 sums the gradients whole in fp32 until the last micro-batch and
+    holds its shard after the reduce; ZeRO-3 holds its synchronised shard between micro-batches."""
+    from autoshard.cost.memory import BF16_AUTOCAST
+    from autoshard.cost.rank_memory import accumulated_grad_bytes, rank_state_bytes
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    psi = 1_000_000
+    zero1 = Decisions(Mesh(4, 2, 1), 1, 1, 2)
+    assert rank_state_bytes(BF16_AUTOCAST, zero1, psi, 4) == (psi, psi, 2 * psi)
+    assert accumulated_grad_bytes(BF16_AUTOCAST, zero1, psi, psi) == 4 * psi
+    zero3 = Decisions(Mesh(4, 2, 1), 3, 1, 2)
+    assert rank_state_bytes(BF16_AUTOCAST, zero3, psi, 4) == (psi, psi, 2 * psi)
+    assert accumulated_grad_bytes(BF16_AUTOCAST, zero3, psi, psi) == psi
+    assert accumulated_grad_bytes(BF16_AUTOCAST, Decisions(Mesh(4, 2, 1), 1, 1, 1), psi, psi) == 0
+    ddp = Decisions(Mesh(8, 1, 1), 0, 1, 2)
+    assert rank_state_bytes(BF16_AUTOCAST, ddp, psi, 8) == (4 * psi, 4 * psi, 8 * psi)

@@ -24,13 +24,25 @@ the recomputed forward regenerates (``block_workspace_bytes``), all of A_block u
 recompute, A_block less the matmul-class outputs under selective (those are kept, already
 counted in A_saved, and reused by the recomputation, not made again).
 Korthikanti et al.'s per-layer formulas (docs/reference-numbers.md) are a check on these figures.
+Each function takes a ``share`` (``cost.saved.RankShare``): the same rules on one tensor-parallel rank's
+shapes (its split values 1/tp; a fully recomputed block's input 1/tp where sequence parallelism splits it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.saved import FP32_BYTES, MATMUL_OPS, SDPA_OPS, VIEW_OPS, needs_grad, saved_set, storage_of, value_bytes
+from autoshard.cost.saved import (
+    FP32_BYTES,
+    MATMUL_OPS,
+    SDPA_OPS,
+    VIEW_OPS,
+    WHOLE,
+    RankShare,
+    needs_grad,
+    saved_set,
+    storage_of,
+)
 from autoshard.ir.graph import Block, OpGraph
 from autoshard.ir.names import op_name
 
@@ -104,30 +116,40 @@ def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precisio
     return int(p), int(g), int(o)
 
 
-def block_saved_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0) -> int:
+def block_saved_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0,
+                      share: RankShare = WHOLE) -> int:
     """Bytes one block keeps for backward at the captured batch, per recompute mode (module doc),
-    its activations at ``ratio`` (trained over captured bytes per element)."""
+    its activations at ``ratio`` (trained over captured bytes per element), on a TP rank of ``share``."""
     if recompute == "full":
-        return int(block.input_bytes * ratio)
+        return block_input_bytes(graph, block, ratio, share)
     if recompute == "selective":
-        return int(block.input_bytes * ratio) + sum(_selective_kept(graph, block, ratio).values())
-    return sum(_block_saved(graph, block, ratio).values())
+        return block_input_bytes(graph, block, ratio, share) + sum(_selective_kept(graph, block, ratio, share).values())
+    return sum(_block_saved(graph, block, ratio, share=share).values())
 
 
-def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0) -> int:
+def block_input_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
+    """I_block at ``ratio``: the block's input, 1/tp of it where the layout splits it (sequence parallelism
+    splits the residual stream a block reads)."""
+    whole = int(block.input_bytes * ratio)
+    return whole // share.tp if share.tp > 1 and _input_split(graph, block, share) else whole
+
+
+def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0,
+                          share: RankShare = WHOLE) -> int:
     """Bytes the recomputed forward of one block keeps again for its backward, at the captured batch:
     all it keeps without recompute (full), that less what selective recompute kept (selective)."""
     if recompute == "none":
         return 0
-    saved = _block_saved(graph, block, ratio)
-    kept = _selective_kept(graph, block, ratio) if recompute == "selective" else {}
+    saved = _block_saved(graph, block, ratio, share=share)
+    kept = _selective_kept(graph, block, ratio, share) if recompute == "selective" else {}
     return sum(nbytes for key, nbytes in saved.items() if key not in kept)
 
 
-def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0) -> int:
+def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
     """The activation gradients one block's backward holds at once, at the captured batch: the gradient
     of the block's output (the residual stream's, I_block), and at its largest op the gradient of its
-    output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|)."""
+    output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|),
+    each on the TP rank's shapes."""
     grads = _grads(graph)
 
     def op_bytes(name: str) -> int:
@@ -135,22 +157,26 @@ def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0) -> in
         if name not in grads or op_name(node.target) in VIEW_OPS:
             return 0
         ins = {storage_of(graph, i) for i in node.inputs if i in grads and i not in graph.placeholder_params}
-        return value_bytes(graph, name, ratio) + sum(value_bytes(graph, i, ratio) for i in ins)
+        return share.value_bytes(graph, name, ratio) + sum(share.value_bytes(graph, i, ratio) for i in ins)
 
-    return int(block.input_bytes * ratio) + max((op_bytes(n) for n in block.node_names), default=0)
+    return block_input_bytes(graph, block, ratio, share) + max((op_bytes(n) for n in block.node_names), default=0)
 
 
-def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0) -> int:
+def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
     """Bytes kept by nodes outside any block (embeddings, final norm, head) and the tables the blocks
     share (rotary angles), plus the loss's copy of the output (cross-entropy keeps its log-softmax, as
-    large as the model output)."""
+    large as the model output), on a TP rank of ``share`` (the loss reads the output whole)."""
     in_block = {n for b in graph.blocks for n in b.node_names}
-    kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph))
+    kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph), share)
     for block in graph.blocks:
-        kept.update((key, nbytes) for key, nbytes in _block_saved(graph, block, ratio, own=False).items()
+        kept.update((key, nbytes) for key, nbytes in _block_saved(graph, block, ratio, own=False, share=share).items()
                     if key in _shared_values(graph))
-    output = int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
-    return sum(kept.values()) + output
+    return sum(kept.values()) + output_bytes(graph, ratio)
+
+
+def output_bytes(graph: OpGraph, ratio: float = 1.0) -> int:
+    """The model's output at ``ratio``: what the loss keeps a copy of."""
+    return int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
 
 
 def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, precision: Precision,
@@ -163,30 +189,40 @@ def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, preci
     return int((kept + workspace) * microbatch_size / graph.batch_size)
 
 
-def _block_saved(graph: OpGraph, block: Block, ratio: float, own: bool = True) -> dict[str, int]:
+def _block_saved(graph: OpGraph, block: Block, ratio: float, own: bool = True,
+                 share: RankShare = WHOLE) -> dict[str, int]:
     """What the block's ops keep without recompute (``cost.saved``): key -> bytes; ``own`` leaves out
     the tables several blocks read (counted once, outside the blocks)."""
     def compute() -> dict[str, int]:
-        return saved_set(graph, (graph.node(n) for n in block.node_names), ratio, _grads(graph))
-    kept = graph.derived(("block_saved", block.path, ratio), compute)
+        return saved_set(graph, (graph.node(n) for n in block.node_names), ratio, _grads(graph), share)
+    kept = graph.derived(("block_saved", block.path, ratio, share), compute)
     if not own:
         return kept
     shared = _shared_values(graph)
     return {key: nbytes for key, nbytes in kept.items() if key not in shared}
 
 
-def _selective_kept(graph: OpGraph, block: Block, ratio: float) -> dict[str, int]:
+def _selective_kept(graph: OpGraph, block: Block, ratio: float, share: RankShare = WHOLE) -> dict[str, int]:
     """What selective recompute keeps besides the block's input: the outputs of the ops the runtime's
     policy saves (``runtime.selective.SAVE_IN_SELECTIVE``: matmuls and attention, its log-sum-exp too)."""
     kept: dict[str, int] = {}
     for name in block.node_names:
         node = graph.node(name)
         if op_name(node.target) in MATMUL_OPS:
-            kept[name] = value_bytes(graph, name, ratio)
+            kept[name] = share.value_bytes(graph, name, ratio)
         elif op_name(node.target) in SDPA_OPS:
-            kept[name] = value_bytes(graph, name, ratio)
-            kept[f"{name}:lse"] = node.output_numel // max(1, node.shape[-1]) * FP32_BYTES
+            kept[name] = share.value_bytes(graph, name, ratio)
+            kept.update([share.entry(graph, node, f"{name}:lse", node.output_numel // max(1, node.shape[-1]) * FP32_BYTES)])
     return kept
+
+
+def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
+    """Whether the block's largest input from outside it (the residual stream) is split over the TP ranks."""
+    inside = set(block.node_names)
+    outer = {storage_of(graph, i) for n in block.node_names for i in graph.node(n).inputs
+             if i not in inside and i not in graph.placeholder_params and i in graph._by_name()}
+    largest = max(outer, key=lambda name: graph.node(name).output_numel, default=None)
+    return largest in share.split
 
 
 def _grads(graph: OpGraph) -> set[str]:

@@ -5,8 +5,8 @@
 PP: its stages'); activations of one micro-batch times the micro-batches in flight
 (``in_flight``): 1 without pipelining; GPipe m; 1F1B min(m, p − r) on rank r; interleaved
 min(m, p − r + (p−1)/v) (Korthikanti et al.: p·(1 + (p−1)/(p·v)) on the first rank). With TP
-a block keeps (10 + 24/t)/34 of its unsharded activations (Korthikanti et al., TP without
-sequence parallelism), about 1/t with it (``CostTables.activation_keep``); full recompute keeps the unsharded block inputs. FSDP adds transients:
+each op keeps what ``cost.saved`` says on the rank's shards' shapes (``CostTables.activation_units``).
+FSDP adds transients:
 without pipelining ZeRO-3 holds the unit in use and the prefetched one unsharded, and one
 unit's gradients (ZeRO-2: those only); on a pipeline stage the gradients (and ZeRO-3's gathered
 weights) stay unsharded all step. The caching allocator's fragmentation adds ALLOCATOR_SLACK.
@@ -37,25 +37,49 @@ def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert
     """``local_params`` sharded by ZeRO over dp (HSDP: a node's shard), ``expert_params`` (ep > 1: the
     rank's expert shards) over the dp / ep ranks holding the same ones; the largest of the step's
     moments (``spmd_moments``)."""
-    precision = tables.precision
-    p, g, o = model_state_bytes(local_params, config.zero_stage, config.dp_shard, precision)  # HSDP: a node's shard
+    p, g, o = rank_state_bytes(tables.precision, config, local_params, config.dp_shard)  # HSDP: a node's shard
     if expert_params:
-        pe, ge, oe = model_state_bytes(expert_params, config.zero_stage, config.expert_dp, precision)
+        pe, ge, oe = rank_state_bytes(tables.precision, config, expert_params, config.expert_dp)
         p, g, o = p + pe, g + ge, o + oe
     moments = spmd_moments(tables, config, local_params + expert_params, (p, g, o))
     worst = max(moments.values(), key=lambda parts: sum(parts.values()))
     return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
 
 
+def rank_state_bytes(precision: Precision, config: Decisions, params: int, shards: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of ``params`` on a rank after the optimizer step, sharded
+    over ``shards`` ranks: ``memory.model_state_bytes`` by ZeRO stage, but FSDP2's ``fully_shard`` (ZeRO-1
+    beside tp or pp, ZeRO-2, ZeRO-3) holds every parameter as its dp shard at every stage (p·Ψ/N_d: what
+    ZeRO-1 and 2 keep gathered between forward and backward is the bf16 copy, ``spmd_moments``' K), and
+    its ZeRO-1 reduce-scatters the summed gradients once, on the last micro-batch: g·Ψ/N_d after it."""
+    p, g, o = model_state_bytes(params, config.zero_stage, shards, precision)
+    if shards > 1 and config.dp_runtime.wrapper == "fully_shard":
+        p, g = params * precision.param_bytes // shards, params * precision.grad_bytes // shards
+    return p, g, o
+
+
+def accumulated_grad_bytes(precision: Precision, config: Decisions, params: int, grads_bytes: int) -> int:
+    """G_a: the gradients a rank holds between micro-batches: the synchronised ones (``grads_bytes``), or
+    summed whole where the runtime reduces them only on the last micro-batch (DDP, replicate and FSDP2's
+    ZeRO-1, which sums them in its reduce dtype, fp32: ``ir.decisions.PRECISIONS``); none with one
+    micro-batch."""
+    if config.num_microbatches == 1:
+        return 0
+    if config.mesh.dp > 1 and not config.dp_runtime.sync_every_microbatch:
+        return params * max(precision.grad_bytes, REDUCE_BYTES if config.dp_runtime.fsdp2 else 0)
+    return grads_bytes
+
+
 def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
                  state: tuple[int, int, int]) -> dict[str, dict[str, float]]:
     """A rank's memory by part at each moment of an SPMD step that can be its peak (without pipelining
     one micro-batch is in flight; the last micro-batch's moments are the largest). With W, G, O the
-    state (``memory.model_state_bytes``), S_u unit u's saved activations, L the loss's backward
-    workspace, R_k block k's recompute workspace and T_k its backward's activation gradients (``cost.memory``), p_c the
+    state after the step (``rank_state_bytes``), S_u unit u's saved activations, L the loss's backward
+    workspace, R_k block k's recompute workspace and T_k its backward's activation gradients, all on one TP
+    rank's shapes (``CostTables.activation_units``), p_c the
     bytes of a gathered parameter (the policy's param dtype: bf16 under FSDP2's mixed precision), Ψ_u a
-    unit's parameters on the rank, G_a the gradients summed over the earlier micro-batches (G, once
-    m > 1) and K = p_c·Ψ the weights FSDP2 keeps gathered from forward to backward (ZeRO-1 beside tp,
+    unit's parameters on the rank, G_a the gradients summed over the earlier micro-batches
+    (``accumulated_grad_bytes``) and K = p_c·Ψ the weights FSDP2 keeps gathered from forward to backward (ZeRO-1 beside tp,
     ZeRO-2, replicate; 0 under ZeRO-3, whose units, the root too, reshard after forward)::
 
         loss       W + K + G_a + O + Σ_u S_u + L                  the loss's two fp32 gradients
@@ -71,14 +95,11 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
     the saved ones and a recomputed block's, transient = the loss's workspace, the activation gradients
     and the reduce-scatter copy (``autoshard.dryrun`` maps the tracker's parts alike)."""
     p, g, o = state
-    units = tables.config_units(config)
-    keep = tables.activation_keep(config)
-    modes = config.block_modes(len(units.saved_bytes) - 2)
-    block_saved = [saved * (1.0 if mode == "full" else keep) for saved, mode in zip(units.saved_bytes[1:-1], modes)]
-    saved = units.saved_bytes[0] + sum(block_saved)
+    units = tables.activation_units(config)  # a TP rank's shapes (cost.saved.RankShare)
+    saved = units.saved_bytes[0] + sum(units.saved_bytes[1:-1])
     gathered = gathered_param_bytes(tables)
     kept = gathered * local_params if keeps_gathered(config) else 0
-    held = g if config.num_microbatches > 1 else 0
+    held = accumulated_grad_bytes(tables.precision, config, local_params, g)
     fsdp = config.mesh.dp > 1 and config.dp_runtime.fsdp2
     block = fsdp_unit_params(tables, config) if units.blocks else 0
     root = max(0, local_params - block * units.blocks)
@@ -94,8 +115,8 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
         moments["backward"] = dict(
             params_bytes=p + kept + (gathered * (root + 2 * block) if z3 else 0),
             grads_bytes=held + (gathered * (head + block) if fsdp else 0), optimizer_bytes=o,
-            activations_bytes=saved + max(units.workspace_bytes[1:-1]) * keep,
-            transient_bytes=max(units.backward_bytes[1:-1]) * keep if units.backward_bytes else 0)
+            activations_bytes=saved + max(units.workspace_bytes[1:-1]),
+            transient_bytes=max(units.backward_bytes[1:-1]) if units.backward_bytes else 0)
     if fsdp:
         moments["reduce"] = dict(params_bytes=p + kept + (gathered * root if z3 else 0),
                                  grads_bytes=g + gathered * root, optimizer_bytes=o,

@@ -26,6 +26,15 @@ statistics above weigh 4 bytes per element whatever a. A view counts as the tens
 a tensor kept by several ops once (``saved_set``): the union over a block's ops is what the
 block keeps.
 
+A tensor-parallel rank (``RankShare``, made from the layout by ``cost.tp.rank_share``) keeps the same
+tensors on its shards' shapes: a value the layout splits over the t TP ranks (a column-parallel linear's
+output and what is computed from it up to the row-parallel linear; with sequence parallelism also the
+residual stream between a row linear's reduce-scatter and the next gather) weighs 1/t, and so do the
+statistics of an op that runs on split data (attention's log-sum-exp, a sequence-parallel norm's rstd);
+the rest weighs whole. A matmul of a replicated or column-parallel weight reading a split value keeps its
+input gathered whole (the all-gather's output, not the split value): once per module that gathers its
+input (``GatherSequenceInput``, the key ``value:gathered``), once per linear that gathers its own.
+
 Where CUDA differs from these kernels (the dry run's fake tensors are CPU tensors): torch ≥ 2.8
 runs ``rms_norm`` on CUDA as ``_fused_rms_norm``, which keeps the 16-bit input and rstd (2 B per
 element) where the composite keeps two fp32 tensors (8 B): a CUDA rank keeps 6 B per norm element
@@ -35,6 +44,7 @@ less than priced here (benchmarks/RESULTS.md, "Dry run").
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from autoshard.ir.graph import OpGraph, OpNode, dtype_bytes
 from autoshard.ir.names import op_name
@@ -68,6 +78,37 @@ _OUTPUT_SAVERS = frozenset({"relu", "tanh", "sigmoid", "softmax", "_softmax", "e
 _DROPOUT_OPS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "native_dropout"})
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """What one tensor-parallel rank keeps of each saved tensor (module doc): ``split`` values (storage
+    names) weigh 1/tp, as do the statistics of ``split_ops``; ``gathers`` are the matmuls that keep their
+    split input gathered whole, ``gathers_own`` those of them that gather it themselves (one copy each)."""
+
+    tp: int = 1
+    split: frozenset[str] = frozenset()
+    split_ops: frozenset[str] = frozenset()
+    gathers: frozenset[str] = frozenset()
+    gathers_own: frozenset[str] = frozenset()
+
+    def entry(self, graph: OpGraph, node: OpNode, key: str, nbytes: int) -> tuple[str, int]:
+        """(key, bytes on this rank) of what ``node`` keeps as (``key``, ``nbytes`` whole)."""
+        if self.tp == 1:
+            return key, nbytes
+        if key in self.split and node.name in self.gathers:
+            return (f"{node.name}:gathered" if node.name in self.gathers_own else f"{key}:gathered"), nbytes
+        base, _, stat = key.partition(":")
+        split = base in self.split_ops and stat not in ("ids", "gathered") if stat else key in self.split
+        return key, nbytes // self.tp if split else nbytes
+
+    def value_bytes(self, graph: OpGraph, name: str, ratio: float) -> int:
+        """``value_bytes`` of one TP rank's part of ``name``."""
+        nbytes = value_bytes(graph, name, ratio)
+        return nbytes // self.tp if self.tp > 1 and storage_of(graph, name) in self.split else nbytes
+
+
+WHOLE = RankShare()  # no tensor parallelism: every tensor whole
+
+
 def storage_of(graph: OpGraph, name: str) -> str:
     """The value whose storage ``name`` is: follow views (``VIEW_OPS``) back to a materialised tensor."""
     node = graph._by_name().get(name)
@@ -97,9 +138,15 @@ def needs_grad(graph: OpGraph) -> set[str]:
     return out
 
 
-def saved_by(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
-    """(key, bytes as trained at the captured batch) of what ``node``'s backward keeps (module doc).
-    ``grads``: ``needs_grad(graph)``; ``ratio``: trained activation bytes over captured bytes."""
+def saved_by(graph: OpGraph, node: OpNode, grads: set[str], ratio: float,
+             share: RankShare = WHOLE) -> list[tuple[str, int]]:
+    """(key, bytes as trained at the captured batch) of what ``node``'s backward keeps (module doc), on one
+    TP rank of ``share``. ``grads``: ``needs_grad(graph)``; ``ratio``: trained activation bytes over captured."""
+    kept = _saved_whole(graph, node, grads, ratio)
+    return kept if share.tp == 1 else [share.entry(graph, node, key, nbytes) for key, nbytes in kept]
+
+
+def _saved_whole(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
     if node.name not in grads or _is_view(graph, node):
         return []
     op = op_name(node.target)
@@ -128,12 +175,12 @@ def saved_by(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> lis
 
 
 def saved_set(graph: OpGraph, nodes: Iterable[OpNode], ratio: float,
-              grads: set[str] | None = None) -> dict[str, int]:
+              grads: set[str] | None = None, share: RankShare = WHOLE) -> dict[str, int]:
     """The union of what ``nodes`` keep: storage key -> bytes (a tensor kept by several ops once)."""
     grads = needs_grad(graph) if grads is None else grads
     kept: dict[str, int] = {}
     for node in nodes:
-        kept.update(saved_by(graph, node, grads, ratio))
+        kept.update(saved_by(graph, node, grads, ratio, share))
     return kept
 
 

@@ -30,8 +30,9 @@ from autoshard.cost import eager
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
 from autoshard.cost.memory import MEGATRON_MIXED, Precision, precision_for_backend, precision_for_graph
 from autoshard.cost.profile import graph_signature, scaled_to
-from autoshard.cost.tp import TPCost, price_layout, tp_activation_fraction
-from autoshard.cost.units import Units, node_forward_s, unit_costs
+from autoshard.cost.saved import WHOLE, RankShare
+from autoshard.cost.tp import TPCost, price_layout, rank_share
+from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
@@ -180,16 +181,25 @@ class CostTables:
         """The TP layout ``config`` is priced with (its tp, micro-batch and sequence parallelism)."""
         return self.tp_cost(config.mesh.tp, config.microbatch_size, config.sequence_parallel)
 
-    def activation_keep(self, config: Decisions) -> float:
-        """A TP rank's share of a block's saved activations: (10 + 24/t)/34 (Korthikanti et al. 2022, TP
-        without sequence parallelism), or the sequence-parallel layout's own share (about 1/t, above it by
-        the inputs each gathering module keeps: ``TPChoice.block_activation_fraction``); 1 without TP."""
+    def rank_share(self, config: Decisions) -> RankShare:
+        """What one TP rank of ``config``'s layout keeps of each saved tensor (``cost.tp.rank_share``)."""
+        return WHOLE if config.mesh.tp == 1 else rank_share(self.graph, self.layout_cost(config).choice)
+
+    def activation_units(self, config: Decisions, recompute: str | None = None) -> Units:
+        """``config_units`` (or ``units`` in ``recompute`` for every block) with the saved, workspace and
+        backward bytes of one TP rank: ``cost.saved``'s per-op rules on the layout's shards' shapes
+        (``rank_share``); the units themselves without TP."""
+        if recompute is None and config.recompute == MIXED:
+            modes = config.recompute_blocks
+            return mixed_units({m: self.activation_units(config, m) for m in set(modes)}, modes)
+        recompute = recompute or config.recompute
+        units = self.units(config.microbatch_size, recompute)
         if config.mesh.tp == 1:
-            return 1.0
-        choice = self.layout_cost(config).choice
-        if choice.sequence_parallel and choice.block_activation_fraction is not None:
-            return choice.block_activation_fraction
-        return tp_activation_fraction(config.mesh.tp)
+            return units
+        saved, workspace, backward = unit_activation_bytes(
+            self.graph, config.microbatch_size, recompute, self.precision.activation_bytes, CAPTURED_ELEM_BYTES,
+            self.runtime.kernels, self.rank_share(config))
+        return replace(units, saved_bytes=saved, workspace_bytes=workspace, backward_bytes=backward)
 
 
 def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
@@ -204,7 +214,8 @@ def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
         return tuple(values)
 
     return replace(base, recompute_s=pick("recompute_s"), saved_bytes=pick("saved_bytes"),
-                   workspace_bytes=pick("workspace_bytes"), host_recompute_s=pick("host_recompute_s"))
+                   workspace_bytes=pick("workspace_bytes"), host_recompute_s=pick("host_recompute_s"),
+                   backward_bytes=pick("backward_bytes") if base.backward_bytes else ())
 
 
 def hides_comm(cluster: Cluster) -> bool:

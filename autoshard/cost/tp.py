@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
+from autoshard.cost.saved import MATMUL_OPS, RankShare, storage_of
 from autoshard.cost.units import node_units
 from autoshard.ir.decisions import SHARD_OUTPUT_STYLES, SHARDING_STYLES, TP_STYLES, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import block_of, op_name
 
+ROW_CONSTRUCTORS = ("RowwiseParallel", "Conv1DRowwiseParallel")  # weights split on the input features
 FULL_RECOMPUTE_TP_COMM = 1.5  # full recompute repeats the forward TP all-reduces (half of them)
 
 
@@ -68,6 +70,11 @@ def tp_comm_factor(modes: tuple[str, ...]) -> float:
 
 
 def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
+    """The ops a TP layout runs on 1/tp of their data (``shard_flow``)."""
+    return shard_flow(graph, styles)[0]
+
+
+def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[str]]:
     """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
     every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
     ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
@@ -76,7 +83,10 @@ def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
     With sequence parallelism the tokens are split too: a style that leaves this rank's tokens (a row linear's
     reduce-scatter, a replicated linear's slice) splits its output, a block taking ``scatter-seq-input`` splits
     its input, and the ops reading them run on 1/tp up to a module that gathers the tokens back
-    (``gather-seq-input``: its ops run whole)."""
+    (``gather-seq-input``: its ops run whole).
+
+    Returns (the ops run on 1/tp, the values each rank holds 1/tp of: a sharded op's output but that of
+    a linear whose style leaves its output whole: all-reduced, or gathered)."""
     sharded: set[str] = set()
     split_values: set[str] = set()
     gathering = tuple(p for p, s in styles.items() if s.startswith("gather-seq-input-dim"))
@@ -94,7 +104,32 @@ def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
         elif any(name in split_values for name in node.inputs) or (node.name, ) in scattered:
             sharded.add(node.name)
             split_values.add(node.name)
-    return sharded
+    return sharded, split_values
+
+
+def rank_share(graph: OpGraph, choice: TPChoice) -> RankShare:
+    """What one TP rank of ``choice`` keeps of each saved tensor (``cost.saved.RankShare``): the values the
+    layout splits (``shard_flow``), and the matmuls of a replicated or column-parallel weight that read a
+    split value, which keep it gathered whole (sequence parallelism); computed once per layout."""
+    key = ("rank_share", choice.tp, tuple(sorted(choice.styles.items())))
+    return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp))
+
+
+def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int) -> RankShare:
+    sharded, split = shard_flow(graph, styles)
+    storage = {storage_of(graph, name) for name in split}
+    gathers, own = set(), set()
+    for node in graph.nodes:
+        if op_name(node.target) not in MATMUL_OPS or not node.param_inputs:
+            continue
+        style = TP_STYLES.get(styles.get(node.module_path, ""))
+        if style is not None and style.constructor in ROW_CONSTRUCTORS:
+            continue  # a row-parallel weight reads its split input as it is
+        if any(storage_of(graph, i) in storage for i in node.inputs if i not in graph.placeholder_params):
+            gathers.add(node.name)
+            if style is not None and any(k == "input_layouts" and v.startswith("Shard") for k, v in style.arguments):
+                own.add(node.name)
+    return RankShare(tp, frozenset(storage | split), frozenset(sharded), frozenset(gathers), frozenset(own))
 
 
 def _scattered_inputs(graph: OpGraph, styles: dict[str, str]) -> set[tuple[str]]:

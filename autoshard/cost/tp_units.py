@@ -3,7 +3,8 @@
 Without TP every rank runs every unit whole. With tp = t > 1 and the layout's shares
 (``cost.tp``: f(u) over all of unit u's ops, over its light ops for selective recompute), per
 unit u: forward, backward and recompute × their shares left per rank, parameters × local(u)/params(u)
-(sharded weights / t), a block's saved activations and workspace × (10 + 24/t)/34, and the unit's
+(sharded weights / t), the saved activations, workspace and activation gradients of one TP rank
+(``CostTables.activation_units``: ``cost.saved``'s per-op rules on its shards' shapes), and the unit's
 own TP collectives (a block's are its segment's; those of the ops outside blocks are split evenly
 over prefix and suffix). DTensor's host time adds ``tp_module_us`` per sharded module and
 micro-batch in the unit that runs it.
@@ -56,29 +57,25 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
 
     With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
     recompute × their shares left per rank (``unit_tp_fractions``; selective recompute: of the
-    light ops), parameters × local(u)/params(u) (sharded weights / t), a block's
-    saved activations (but a fully recomputed block's input, whole) and workspace × (10 + 24/t)/34; TP collectives of a block are its
-    segment's, those of the ops outside blocks are split evenly over prefix and suffix. They
-    sit between dependent matmuls, so they count with the compute of the unit (exposed).
+    light ops), parameters × local(u)/params(u) (sharded weights / t), saved activations,
+    workspace and activation gradients on the rank's shapes (``CostTables.activation_units``); TP
+    collectives of a block are its segment's, those of the ops outside blocks are split evenly over
+    prefix and suffix. They sit between dependent matmuls, so they count with the compute of the
+    unit (exposed).
     """
-    units = tables.units(config.microbatch_size, config.recompute)
+    units = tables.activation_units(config, config.recompute)
     tp = config.mesh.tp
     if tp == 1:
         return units, (0.0,) * len(units.forward_s)
     cost = tables.layout_cost(config)
-    (f, f_recompute), keep = _fractions(cost, config.block_modes(units.blocks)), tables.activation_keep(config)
+    f, f_recompute = _fractions(cost, config.block_modes(units.blocks))
     share = _unit_param_share(tables.graph, cost.choice.sharded, tp)
-    blocks = [1.0] + [keep] * units.blocks + [1.0]
-    # a fully recomputed block keeps only its input, whole on every TP rank (as cost.rank_memory's SPMD peak)
-    saved = [1.0] + [1.0 if mode == "full" else keep for mode in config.block_modes(units.blocks)] + [1.0]
     sharded = replace(
         units,
         forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
         backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
         recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
-        params=tuple(round(n * k) for n, k in zip(units.params, share)),
-        saved_bytes=tuple(round(x * k) for x, k in zip(units.saved_bytes, saved)),
-        workspace_bytes=tuple(round(x * k) for x, k in zip(units.workspace_bytes, blocks)))
+        params=tuple(round(n * k) for n, k in zip(units.params, share)))
     return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
 
 

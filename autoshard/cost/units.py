@@ -69,8 +69,9 @@ from autoshard.cost.memory import (
     block_saved_bytes,
     block_workspace_bytes,
     non_block_saved_bytes,
+    output_bytes,
 )
-from autoshard.cost.saved import needs_grad, saved_by
+from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads
 
@@ -176,11 +177,10 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
             light[u] += t
     recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
-    byte_scale = scale * ratio
-    saved = [int(b * scale) for b in _saved_bytes(graph, recompute, units, ratio)]
-    workspace = [int(b * scale) for b in _workspace_bytes(graph, recompute, ratio)]
+    saved, workspace, backward_bytes = unit_activation_bytes(graph, microbatch_size, recompute,
+                                                             activation_elem_bytes, captured_bytes, kernels)
     if kernels == "eager" and graph.nodes:
-        _add_fp32_loss(graph, microbatch_size, device, byte_scale, forward, backward, saved, workspace)
+        _add_fp32_loss_time(graph, microbatch_size, device, forward, backward)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
     if host_overlaps:
         host_f = _not_hidden(host_f, forward)
@@ -192,11 +192,30 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
         params=unit_params(graph, units),
         saved_bytes=tuple(saved),
         workspace_bytes=tuple(workspace),
-        boundary_bytes=tuple(int(b.input_bytes * byte_scale) for b in graph.blocks),
+        boundary_bytes=tuple(int(b.input_bytes * scale * ratio) for b in graph.blocks),
         tensors=unit_tensors(graph, units),
         host_forward_s=tuple(host_f), host_backward_s=tuple(host_b), host_recompute_s=tuple(host_r),
-        backward_bytes=(0, *(int(block_backward_bytes(graph, b, ratio) * scale) for b in graph.blocks), 0),
+        backward_bytes=backward_bytes,
     )
+
+
+def unit_activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, activation_elem_bytes: int,
+                          captured_bytes: int = 4, kernels: str = "fused", share: RankShare = WHOLE
+                          ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(saved, workspace, backward) bytes per unit of one micro-batch (module doc), on one TP rank of
+    ``share`` (``cost.saved.RankShare``: the per-op rules on its shards' shapes); with eager kernels the
+    fp32 loss's (``_add_fp32_loss_bytes``: the loss reads the model's output whole on every TP rank)."""
+    def compute():
+        scale = microbatch_size / graph.batch_size
+        ratio = activation_elem_bytes / captured_bytes
+        saved = [int(b * scale) for b in _saved_bytes(graph, recompute, node_units(graph), ratio, share)]
+        workspace = [int(b * scale) for b in _workspace_bytes(graph, recompute, ratio, share)]
+        if kernels == "eager" and graph.nodes:
+            _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace)
+        backward = (0, *(int(block_backward_bytes(graph, b, ratio, share) * scale) for b in graph.blocks), 0)
+        return tuple(saved), tuple(workspace), backward
+    key = ("unit_activation_bytes", microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, share)
+    return graph.derived(key, compute)
 
 
 def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
@@ -213,13 +232,19 @@ def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
     return count * eager.KERNEL_FIXED_US * 1e-6
 
 
-def _add_fp32_loss(graph: OpGraph, microbatch_size: int, device: DeviceSpec, byte_scale: float,
-                   forward: list[float], backward: list[float], saved: list[int], workspace: list[int]) -> None:
-    """The eager fp32 loss in the suffix (module doc, "Eager kernels"): its time, the fp32 log-softmax
-    kept in place of the logits and the loss's copy, and its two fp32 gradients as workspace."""
+def _add_fp32_loss_time(graph: OpGraph, microbatch_size: int, device: DeviceSpec,
+                        forward: list[float], backward: list[float]) -> None:
+    """The eager fp32 loss's time in the suffix (module doc, "Eager kernels")."""
     n = loss_logits(graph, microbatch_size)
     forward[-1] += eager.loss_forward_s(n, device)
     backward[-1] += eager.loss_backward_s(n, device)
+
+
+def _add_fp32_loss_bytes(graph: OpGraph, microbatch_size: int, byte_scale: float, saved: list[int],
+                         workspace: list[int]) -> None:
+    """The eager fp32 loss's bytes in the suffix (module doc, "Eager kernels"): the fp32 log-softmax kept in
+    place of the logits and the loss's copy, and its two fp32 gradients as workspace."""
+    n = loss_logits(graph, microbatch_size)
     logits = int(graph.nodes[-1].bytes_written * byte_scale)
     saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - logits  # in place of the loss's copy _saved_bytes counted
     workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
@@ -290,7 +315,8 @@ def _param_names_by_unit(graph: OpGraph, units: list[int]) -> list[set[str]]:
     return seen
 
 
-def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float) -> list[int]:
+def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float,
+                 share: RankShare = WHOLE) -> list[int]:
     """Per unit, what it keeps for backward at the captured batch (``memory``, ``cost.saved``): the ops
     outside blocks in the prefix or suffix, each block by its mode, the tables blocks share in the
     prefix, the loss's copy of the output in the suffix."""
@@ -299,21 +325,17 @@ def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float)
     grads, seen = needs_grad(graph), set()
     for node, u in zip(graph.nodes, units):
         if node.name not in in_block:
-            for key, nbytes in saved_by(graph, node, grads, ratio):
+            for key, nbytes in saved_by(graph, node, grads, ratio, share):
                 if key not in seen:
                     seen.add(key)
                     saved[u] += nbytes
-    outside, output = sum(saved), _output_bytes(graph, ratio)
-    saved[0] += non_block_saved_bytes(graph, ratio) - outside - output  # the tables the blocks share
+    outside, output = sum(saved), output_bytes(graph, ratio)
+    saved[0] += non_block_saved_bytes(graph, ratio, share) - outside - output  # the tables the blocks share
     for k, block in enumerate(graph.blocks):
-        saved[k + 1] += block_saved_bytes(graph, block, recompute, ratio)
+        saved[k + 1] += block_saved_bytes(graph, block, recompute, ratio, share)
     saved[-1] += output  # the loss's copy of the output
     return saved
 
 
-def _output_bytes(graph: OpGraph, ratio: float) -> int:
-    return int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
-
-
-def _workspace_bytes(graph: OpGraph, recompute: str, ratio: float) -> list[int]:
-    return [0] + [block_workspace_bytes(graph, b, recompute, ratio) for b in graph.blocks] + [0]
+def _workspace_bytes(graph: OpGraph, recompute: str, ratio: float, share: RankShare = WHOLE) -> list[int]:
+    return [0] + [block_workspace_bytes(graph, b, recompute, ratio, share) for b in graph.blocks] + [0]

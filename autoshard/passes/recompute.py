@@ -10,12 +10,12 @@ per signature group g (repeated blocks share them)::
     W ≥ w[g,r]·u[g,r]                                (the largest recompute workspace in use)
 
     minimise    Σ_{g,r} n[g,r]·t[g,r]                recompute time of one micro-batch, ps
-    subject to  Σ_{g,r} n[g,r]·a[g,r]·k_r + W·κ ≤ A  (``add_memory_constraint``)
+    subject to  Σ_{g,r} n[g,r]·a[g,r] + W ≤ A        (``add_memory_constraint``)
 
 with, from the cost model (``cost.rank_memory.memory_spmd``, ``cost.units``) at c's micro-batch: t the
-recompute time of one block of g in mode r (device and host), a its saved activation bytes, w
-its workspace, κ = (10 + 24/tp)/34 the TP share of activations, k_r = 1 for full and κ otherwise,
-and A the memory left for block activations: C / (1 + slack) − weights, gradients, optimizer
+recompute time of one block of g in mode r (device and host), a its saved activation bytes and w
+its workspace, both on one TP rank's shapes (``CostTables.activation_units``), and A the memory
+left for block activations: C / (1 + slack) − weights, gradients, optimizer
 state, transients and the prefix's and suffix's activations. The model is solved to optimality
 by CP-SAT (one worker, so the answer is deterministic); a group's blocks take their modes in
 block order (full first, then selective, then none: for one stage the order changes nothing).
@@ -53,8 +53,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
         return None
     decided, config = config, cp_equivalent(config)  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
     groups = signature_groups(tables)
-    by_mode = {r: tables.units(config.microbatch_size, r) for r in RECOMPUTE_MODES}
-    keep = tables.activation_keep(config)
+    by_mode = {r: tables.activation_units(config, r) for r in RECOMPUTE_MODES}  # a TP rank's bytes
     model = cp_model.CpModel()
     count = {(g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items()
              for r in RECOMPUTE_MODES}
@@ -63,7 +62,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
         model.Add(sum(count[g, r] for r in RECOMPUTE_MODES) == len(blocks))
         for r in RECOMPUTE_MODES:
             model.Add(count[g, r] <= len(blocks) * used[g, r])
-    add_memory_constraint(model, tables, config, groups, by_mode, count, used, keep)
+    add_memory_constraint(model, tables, config, groups, by_mode, count, used)
     model.Minimize(sum(count[g, r] * _ps(block_recompute_s(tables, config, by_mode[r], r, groups[g][0]))
                        for g, r in count))
     solver = cp_model.CpSolver()
@@ -98,25 +97,23 @@ def signature_groups(tables: CostTables) -> dict[int, list[int]]:
     return dict(enumerate(by_signature.values()))
 
 
-def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, by_mode, count, used,
-                          keep: float) -> None:
-    """Σ n·a·k_r + W·κ ≤ A (module doc), in bytes, at each moment whose activations the modes change
-    (``cost.rank_memory.spmd_moments``: the loss's, without W·κ, and the last block's backward)."""
+def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, by_mode, count, used) -> None:
+    """Σ n·a + W ≤ A (module doc), in bytes, at each moment whose activations the modes change
+    (``cost.rank_memory.spmd_moments``: the loss's, without W, and the last block's backward)."""
     _, _, local = spmd_microbatch(tables, config)
     state = model_state_bytes(local, config.zero_stage, config.dp_shard, tables.precision)
     none = replace(config, recompute="none", recompute_blocks=())
     moments = spmd_moments(tables, none, local, state)
-    blocks_none = sum(by_mode["none"].saved_bytes[1:-1]) * keep
+    blocks_none = sum(by_mode["none"].saved_bytes[1:-1])
     capacity = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK)
     room = {name: int(capacity - sum(moments[name].values()) + blocks_none) for name in ("loss", "backward")
             if name in moments}
     largest = max(by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values()
                   for k in blocks)
-    workspace = model.NewIntVar(0, int(largest * keep) + 1, "workspace")
+    workspace = model.NewIntVar(0, int(largest) + 1, "workspace")
     for (gi, r), var in used.items():
-        model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1] * keep) * var)
-    saved = sum(count[gi, r] * int(by_mode[r].saved_bytes[groups[gi][0] + 1] * (1.0 if r == "full" else keep))
-                for (gi, r) in count)
+        model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1]) * var)
+    saved = sum(count[gi, r] * int(by_mode[r].saved_bytes[groups[gi][0] + 1]) for (gi, r) in count)
     model.Add(saved <= room["loss"])
     if "backward" in room:
         model.Add(saved + workspace <= room["backward"])
