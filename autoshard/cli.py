@@ -13,6 +13,7 @@ from autoshard.ir.decisions import PIN_OF, PINS, Pins
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 
 EXIT_USER_ERROR = 2
+EXIT_DOES_NOT_FIT = 1  # estimate: priced, printed and written, but over the device's memory
 EXIT_VERIFY_FAILED = 1
 # Commands that only read and write files, run in this process. ``entry`` ends them without Python's
 # own teardown: once torch and torch.export are imported, finalizing their ~10^4 modules and objects
@@ -77,6 +78,10 @@ def entry() -> None:
     sys.exit(code)
 
 
+PLAN_HELP = "a plan JSON written by `autoshard plan` or `estimate`"
+SEED_HELP = "seed of the initial weights, the data and dropout (default: 0)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -114,8 +119,9 @@ def _add_estimate(sub, common) -> None:
 def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="path/to/model.py:factory")
     p.add_argument("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or cluster YAML")
-    p.add_argument("--nodes", type=int)
-    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--nodes", type=int, help="nodes to plan for (default: the cluster file's or preset's)")
+    p.add_argument("--devices-per-node", type=int,
+                   help="GPUs (or CPU ranks) per node to plan for (default: the cluster file's or preset's)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sample, handed to the model file's "
                    "example_batch(batch_size, seq_len=...) (default: the file's own)")
@@ -149,7 +155,10 @@ def pins_of(args) -> dict[str, object]:
 
 def _add_inspect(sub, common) -> None:
     p = sub.add_parser("inspect", parents=[common], help="show a plan as tables")
-    p.add_argument("plan")
+    p.add_argument("plan", help=PLAN_HELP)
+    p.add_argument("--all", action="store_true", dest="every_module",
+                   help="one tensor-parallel row per module (default: one per module of the repeated layers, "
+                        "with their count)")
     p.add_argument("--what-if", action="append", default=[], metavar="NAME=VALUE",
                    help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp, "
                         "cp: cost.symbolic.WHAT_IF_NAMES) changed, without re-planning; repeat for several")
@@ -165,8 +174,8 @@ def _add_diff(sub, common) -> None:
 
 def _add_compile(sub, common) -> None:
     p = sub.add_parser("compile", parents=[common], help="emit the training program of a plan")
-    p.add_argument("plan")
-    p.add_argument("-o", "--output", default="train.py")
+    p.add_argument("plan", help=PLAN_HELP)
+    p.add_argument("-o", "--output", default="train.py", help="the program to write (default: train.py)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing SLURM script beside the program (NAME.sbatch) that autoshard did not write")
     p.set_defaults(func=cmd_compile)
@@ -174,9 +183,10 @@ def _add_compile(sub, common) -> None:
 
 def _add_run(sub, common) -> None:
     p = sub.add_parser("run", parents=[common], help="emit a plan's program and run it here with torchrun")
-    p.add_argument("plan")
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20)
-    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0)
+    p.add_argument("plan", help=PLAN_HELP)
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20,
+                   help="optimizer steps to train (default: 20)")
+    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
     p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
     p.add_argument("--checkpoint-every", type=_int_flag("--checkpoint-every", 1, 10**9, 100), default=100,
@@ -191,20 +201,22 @@ def _add_run(sub, common) -> None:
 
 def _add_verify(sub, common) -> None:
     p = sub.add_parser("verify", parents=[common], help="check the emitted program trains like one process")
-    p.add_argument("plan")
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5)
-    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0)
+    p.add_argument("plan", help=PLAN_HELP)
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5,
+                   help="steps to train both ways and compare (default: 5)")
+    p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
     p.set_defaults(func=cmd_verify)
 
 
 def _add_dryrun(sub, common) -> None:
     p = sub.add_parser("dryrun", parents=[common], help="run one rank's setup and two steps on fake tensors and "
                        "compare its peak memory by part with the plan's prediction")
-    p.add_argument("plan")
+    p.add_argument("plan", help=PLAN_HELP)
     p.add_argument("--rank", type=_int_flag("--rank", 0, MAX, 0), action="append", dest="ranks",
                    help="a rank of the plan's world to run (repeatable; default: one of each distinct role, rank 0 "
                    "and a pipeline's last stage)")
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2)
+    p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2,
+                   help="training steps to run after setup (default: 2; the peak is the largest over them)")
     p.add_argument("--json", action="store_true", help='print {"ranks": [{"rank", "peak_bytes", '
                    '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}], "notes": [what it assumed]}')
     p.set_defaults(func=cmd_dryrun)
@@ -272,9 +284,10 @@ def _time_limit(value: float | None) -> float | None:
 def cmd_estimate(args) -> int:
     """Every decision pinned (--schedule none implied for --pp 1; pins with a default, such as
     --virtual-stages, may be left out: ``Pins.with_defaults``). A configuration that does not fit is
-    still priced, printed and written, with one "warning: does not fit" line on stderr, and exits 0: the
-    user asked what it costs, and "it needs 3 GiB more than the device has" is that answer (the plan's
-    notes carry it too). Exit 2 stays for bad input, as everywhere."""
+    still priced, printed and written (the user asked what it costs, and "it needs 3 GiB more than the device
+    has" is part of that answer; the plan's notes carry it too), with one "does not fit" line on stderr, and
+    exits 1 (``EXIT_DOES_NOT_FIT``) so that a script cannot take it for a configuration that runs. Exit 2
+    stays for bad input, as everywhere."""
     from autoshard.passes.front import capture_ahead
 
     if args.schedule is None and args.pp == 1:
@@ -296,8 +309,10 @@ def cmd_estimate(args) -> int:
     device = plan.cluster["device"]["memory_bytes"]
     if plan.predicted.memory_peak_bytes_per_rank > device:
         over = plan.predicted.memory_peak_bytes_per_rank - device
-        print(f"warning: does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
-              f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device", file=sys.stderr)
+        print(f"does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
+              f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device (exit {EXIT_DOES_NOT_FIT})",
+              file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     return 0
 
 
@@ -404,7 +419,7 @@ def cmd_inspect(args) -> int:
 
     plan = load_plan(args.plan)
     if not args.what_if:
-        render_plan(plan)
+        render_plan(plan, every_module=args.every_module)
         return 0
     values = what_if_values(args.what_if, plan.model.get("tokens_per_sample", 1))
     view = what_if_view(plan, values)  # checks the plan's symbolic cost before anything is printed
@@ -475,7 +490,7 @@ def cmd_compile(args) -> int:
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
-    write_files_atomic({path: emit_program(plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
+    write_files_atomic({path: emit_program(plan, str(path), args.plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
     print(f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
           f"{torchrun_command(plan, str(path))} (or on SLURM: sbatch {sbatch})")
     return 0
@@ -522,7 +537,7 @@ def cmd_run(args) -> int:
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([program], inputs, _loaded_modules())
-    write_program(plan, program)
+    write_program(plan, program, plan_file=args.plan)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []

@@ -21,9 +21,10 @@ from autoshard.passes.codegen import emit_program, emit_sbatch
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
 
 
-def write_program(plan: Plan, path: str | Path, sbatch: bool = False) -> Path:
+def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file: str = "plan.json") -> Path:
     """Emit the plan's program to ``path`` atomically (no half-written file on failure); with
-    ``sbatch``, also its SLURM batch script beside it (``train.py`` -> ``train.sbatch``)."""
+    ``sbatch``, also its SLURM batch script beside it (``train.py`` -> ``train.sbatch``). The header's run
+    commands name ``path`` and ``plan_file``."""
     path = Path(path)
     if path.suffix != ".py":
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
@@ -31,7 +32,7 @@ def write_program(plan: Plan, path: str | Path, sbatch: bool = False) -> Path:
     if path.exists() and model_path.exists() and path.resolve() == model_path.resolve():
         raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
                              f"your model; fix: choose another name, e.g. -o train.py")
-    write_text_atomic(path, emit_program(plan))
+    write_text_atomic(path, emit_program(plan, str(path), plan_file))
     if sbatch:
         write_text_atomic(path.with_suffix(".sbatch"), emit_sbatch(plan, path.name))
     return path

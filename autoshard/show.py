@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -18,7 +20,9 @@ GIB = 2**30
 WIDTH_WHEN_PIPED = 120  # rich's 80-column default for non-terminals wraps the alternatives table
 
 
-def render_plan(plan: Plan, console: Console | None = None) -> None:
+def render_plan(plan: Plan, console: Console | None = None, every_module: bool = False) -> None:
+    """The plan's tables; tensor parallelism one row per module with ``every_module``, else one row per module
+    of the repeated layers with their count ("x32")."""
     console = console or Console()
     if not console.is_terminal:
         console.width = max(console.width, WIDTH_WHEN_PIPED)
@@ -26,7 +30,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.mesh.pp > 1:
         parts.append(schedule_panel(plan))
     if plan.tensor_parallel or plan.tensor_parallel_reasons:
-        parts.append(tensor_parallel_table(plan))
+        parts.append(tensor_parallel_table(plan, every_module))
     console.print(Group(*parts, alternatives_table(plan)))
 
 
@@ -46,16 +50,32 @@ def schedule_panel(plan: Plan) -> Panel:
     return Panel(Text(format_grid(grid), no_wrap=True, overflow="ellipsis"), title=title, title_align="left")
 
 
-def tensor_parallel_table(plan: Plan) -> Table:
+def tensor_parallel_table(plan: Plan, every_module: bool = False) -> Table:
     t = Table(title=f"Tensor parallelism over {plan.mesh.tp} ranks", title_justify="left")
     t.add_column("module")
     t.add_column("style")
     t.add_column("why")
-    for path, style in sorted(plan.tensor_parallel.items()):
-        t.add_row(path, style, "chosen on the op graph")
-    for path, reason in sorted(plan.tensor_parallel_reasons.items()):
-        t.add_row(path, "replicate", Text(reason))  # prose from the plan file: not rich markup
+    rows = [(path, style, "chosen on the op graph") for path, style in sorted(plan.tensor_parallel.items())]
+    rows += [(path, "replicate", reason) for path, reason in sorted(plan.tensor_parallel_reasons.items())]
+    if not every_module:
+        t.caption = f"{len(rows)} modules, layer numbers written *; every module: inspect --all"
+        rows = [(f"{pattern}  x{count}" if count > 1 else pattern, style, why)
+                for pattern, style, why, count in fold_layer_rows(rows)]
+    for path, style, why in rows:
+        t.add_row(path, style, Text(why))  # prose from the plan file: not rich markup
     return t
+
+
+def fold_layer_rows(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str, int]]:
+    """Rows (module path, style, why) that differ only by layer numbers, as one (path with each number written
+    "*", style, the first one's why, how many modules it stands for), in the order of their first row; a module
+    whose style (or reason, numbers aside) differs from its layer's neighbours keeps a row of its own."""
+    folded: dict[tuple[str, str, str], list] = {}
+    for path, style, why in rows:
+        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
+        key = (pattern, style, re.sub(r"\d+", "N", why))
+        folded.setdefault(key, [pattern, style, why, 0])[3] += 1
+    return [tuple(row) for row in folded.values()]
 
 
 def decision_table(plan: Plan) -> Table:
@@ -142,8 +162,23 @@ def memory_table(plan: Plan) -> Table:
                         ("activations", m.activations_bytes), ("transient", m.transient_bytes)):
         t.add_row(name, f"{value / MIB:,.1f}")
     t.add_row("[bold]peak[/bold] (+ allocator slack)", f"[bold]{m.peak_bytes / MIB:,.1f}[/bold]")
-    t.add_row("device memory", f"{device / MIB:,.0f}  ({m.peak_bytes / device:.1%} used)")
+    t.add_row("device memory", device_memory_text(m.peak_bytes, device))
     return t
+
+
+def device_memory_text(peak_bytes: int, device_bytes: int) -> str:
+    """"81,920  (52.3% used)", or, over it, "81,920  (does not fit: 2.07x it)"."""
+    if peak_bytes > device_bytes:
+        return f"{device_bytes / MIB:,.0f}  [red](does not fit: {peak_bytes / device_bytes:.2f}x it)[/red]"
+    return f"{device_bytes / MIB:,.0f}  ({peak_bytes / device_bytes:.1%} used)"
+
+
+def chosen_row_text(plan: Plan) -> str:
+    """What the alternatives table says of the plan itself: "chosen" among others, "pinned" for a configuration
+    fixed by hand (``estimate``: nothing else was priced), "does not fit" when over the device's memory."""
+    if plan.predicted.memory_peak_bytes_per_rank > plan.cluster["device"]["memory_bytes"]:
+        return "[red]does not fit[/red]"
+    return "[green]chosen[/green]" if plan.alternatives else "[green]pinned: nothing else priced[/green]"
 
 
 def time_table(plan: Plan) -> Table:
@@ -158,7 +193,22 @@ def time_table(plan: Plan) -> Table:
     t.add_row("[bold]step[/bold]", f"[bold]{p.step_time_s * 1e3:,.3f}[/bold]")
     t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:,.1f} samples/s")
     t.add_row("MFU", f"{p.mfu:.1%}")
+    t.caption = preset_caveat(plan.cluster)
     return t
+
+
+def preset_caveat(cluster: dict) -> str | None:
+    """For a plan priced on a preset's figures (not a cluster file from ``autoshard calibrate``), what they are
+    and how to get measured ones; None for any other cluster."""
+    from autoshard.cost.hardware import PRESETS
+
+    preset = PRESETS.get(cluster["name"])
+    if preset is None or cluster["device"].get("source") != preset.device.source:
+        return None
+    what = ("rough defaults, not measurements of this machine (a CPU run may reach a tenth of this throughput)"
+            if cluster["backend"] == "gloo" else "from datasheets and published runs, not measurements of your cluster")
+    return (f"{cluster['name']} is an uncalibrated preset: its figures are {what}; for predictions to hold a run to, "
+            f"`autoshard calibrate -o cluster.yaml` there and plan with --cluster cluster.yaml")
 
 
 def stages_table(plan: Plan) -> Table:
@@ -178,7 +228,7 @@ def alternatives_table(plan: Plan) -> Table:
     for col in ("dp x tp x pp", "schedule", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
         t.add_column(col, justify="right" if col in ("step ms", "peak MiB", "micro-batch") else "left")
     t.add_row(_mesh(plan.mesh), _schedule(plan.schedule, plan.virtual_stages), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
-              *_time_mem(plan.predicted), "[green]chosen[/green]")
+              *_time_mem(plan.predicted), chosen_row_text(plan))
     for a in plan.alternatives:
         t.add_row(_mesh(a.mesh), _schedule(a.schedule, 1), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
                   Text(a.why_not))  # prose from the plan file: not rich markup

@@ -92,7 +92,9 @@ def cli_command(gpus: int) -> list[str]:
 
 def run_cli(gpus: int) -> tuple[dict, str]:
     """The plan JSON of ``autoshard estimate`` and its warnings (stderr)."""
-    done = subprocess.run(cli_command(gpus), cwd=ROOT, capture_output=True, text=True, check=True)
+    done = subprocess.run(cli_command(gpus), cwd=ROOT, capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 1: priced, but over the device's memory (the row says so)
+        raise RuntimeError(f"{' '.join(cli_command(gpus))}: {done.stderr.strip()}")
     return json.loads(done.stdout), done.stderr.strip()
 
 

@@ -55,13 +55,24 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--global-batch", "8", "--zero", "1", "-o", str(plan_path))
     code, out, _ = run_cli(capsys, "inspect", str(plan_path))
     assert code == 0
-    for text in ("Memory per rank", "optimizer state", "Time per step", "exposed communication", "Alternatives"):
-        assert text in out
+    for text in ("Memory per rank", "optimizer state", "Time per step", "exposed communication", "Alternatives",
+                 "uncalibrated preset"):
+        assert text in " ".join(out.split())
     code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
     source = program.read_text()
     compile(source, str(program), "exec")
     assert 'build_optimizer(model, mesh["dp"], zero_stage=1, lr=lr)' in source and "ZeroRedundancyOptimizer" in source
     assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and 'MESH = {"pp": 1, "dp": 2, "tp": 1}' in source
+    header = source.split('"""')[1]  # its run commands name the files the user has, not train.py and plan.json
+    assert f"nproc-per-node 2 {program}" in header and f"autoshard run {plan_path}" in header
+    assert "e+0" not in header and "plan.json" not in header
+
+
+def test_milliseconds_are_written_without_exponents():
+    from autoshard.passes.codegen import ms_text
+
+    assert [ms_text(s) for s in (13.1, 0.1234, 0.00158, 4.26e-5, 1e-9, 0.0)] == \
+        ["13,100", "123", "1.58", "0.0426", "0", "0"]
 
 
 BAD = [
@@ -187,3 +198,52 @@ def test_runtime_megatron_lm_prices_megatron_and_says_the_program_is_autoshard(i
     code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
                            "--global-batch", "8", "--runtime", "megatron-lm", "--json")
     assert code == 0 and json.loads(out)["provenance"]["runtime"] == "megatron-lm"
+
+
+def test_no_zero_3_advice_where_one_dp_rank_has_nothing_to_shard(in_repo, capsys):
+    base = ["plan", "tests/bad_models/huge.py:build", "--cluster", "local-cpu", "--global-batch", "8"]
+    code, _, err = run_cli(capsys, *base, "--devices-per-node", "1")
+    assert code == 2 and "no plan fits in memory" in err and "--zero 3" not in err
+    code, _, err = run_cli(capsys, *base, "--devices-per-node", "2", "--dp", "2", "--pp", "1", "--zero", "0")
+    assert code == 2 and "allow --zero 3" in err  # two dp ranks: sharding is the advice
+
+
+def test_every_flag_of_every_command_has_help_text():
+    import argparse
+
+    from autoshard.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bare = [f"{name} {action.option_strings or action.dest}" for name, sub in commands.items()
+            for action in sub._actions if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not bare, f"no --help text: {bare}"
+    schedule = next(a for a in commands["plan"]._actions if "--schedule" in a.option_strings)
+    assert "1f1b" in schedule.choices and "zbv" in schedule.choices
+
+
+def test_a_calibrated_cluster_gets_no_preset_caveat(in_repo, capsys):
+    """The caveat follows the device's figures: a cluster file that only changes a preset's links keeps it."""
+    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "tests/clusters/cpu4_shared_cores.yaml",
+                           "--global-batch", "8")
+    assert code == 0 and "Time per step" in out and "uncalibrated" not in out
+    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "tests/clusters/fast_link_cpu.yaml", "--global-batch", "8")
+    assert code == 0 and "uncalibrated preset" in " ".join(out.split())
+
+
+def test_inspect_folds_the_repeated_layers_tensor_parallel_rows(in_repo, capsys, tmp_path):
+    plan = tmp_path / "tp.json"
+    code, _, _ = run_cli(capsys, "estimate", "tests/models/hf_llama.py:build_4_layers", "--cluster",
+                         "tests/clusters/fast_link_cpu.yaml", "--devices-per-node", "2", "--global-batch", "8",
+                         "--dp", "1", "--tp", "2", "--pp", "1", "--zero", "0", "--microbatch-size", "8",
+                         "--recompute", "none", "-o", str(plan))
+    assert code == 0
+    tables = {}
+    for flags in ((), ("--all",)):
+        code, out, _ = run_cli(capsys, "inspect", str(plan), *flags)
+        tables[flags] = [line for line in out.split("Tensor parallelism over")[1].split("Alternatives")[0].splitlines()
+                         if line.startswith("│ ")]
+    every, folded = tables[("--all",)], tables[()]
+    assert any("layers.3.self_attn.q_proj" in row for row in every)
+    assert any("layers.*.self_attn.q_proj  x4" in row for row in folded)
+    assert not any("layers.3." in row for row in folded) and 4 * len(folded) < 2 * len(every)

@@ -68,14 +68,18 @@ def test_estimate_of_a_pipeline_needs_its_schedule(in_repo, capsys):
 
 
 def test_estimate_that_does_not_fit_still_reports(in_repo, capsys, tmp_path):
-    """A user pricing a configuration gets its price even when it does not fit: the tables, the JSON
-    (whose notes say so), one warning line, exit 0."""
+    """A user pricing a configuration gets its price even when it does not fit: the tables (which say "does not
+    fit", never "% used" past 100 % or "chosen"), the JSON (whose notes say so), one line on stderr, and exit 1, so
+    that a script cannot take it for a configuration that runs."""
     out_file = tmp_path / "huge.json"
     code, out, err = run_cli(capsys, "estimate", "tests/bad_models/huge.py:build", "--cluster", "local-cpu",
                              "--devices-per-node", "2", "--global-batch", "8", "--dp", "2", "--tp", "1", "--pp", "1",
                              "--zero", "3", "--microbatch-size", "1", "--recompute", "full", "-o", str(out_file))
-    assert code == 0 and "Memory per rank" in out
-    assert err.startswith("warning: does not fit:") and "GiB over the" in err and err.count("\n") == 1
+    assert code == 1 and "Memory per rank" in out
+    assert "does not fit:" in out.split("Time per step")[0] and "used)" not in out
+    rows = [line for line in out.split("Alternatives considered")[1].splitlines() if line.startswith("│ 2x1x1")]
+    assert rows and "does not fit" in rows[0] and "chosen" not in rows[0]
+    assert err.startswith("does not fit:") and "GiB over the" in err and err.count("\n") == 1
     plan = json.loads(out_file.read_text())
     assert any(n.startswith("does not fit:") for n in plan["review"]["notes"])
     assert plan["predicted"]["memory_peak_bytes_per_rank"] > plan["cluster"]["device"]["memory_bytes"]
@@ -104,3 +108,11 @@ def test_diff_bad_files_are_one_line(in_repo, capsys, two_plans, tmp_path, which
         path.write_text("{not json")
     code, out, err = run_cli(capsys, "diff", two_plans[0], str(path))
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ") and out == ""
+
+
+def test_estimate_that_fits_is_pinned_not_chosen(in_repo, capsys):
+    code, out, _ = run_cli(capsys, "estimate", GPT, *CLUSTER, "--dp", "4", "--tp", "1", "--pp", "1", "--zero", "0",
+                           "--microbatch-size", "4", "--recompute", "none")
+    assert code == 0 and "% used)" in out
+    rows = [line for line in out.split("Alternatives considered")[1].splitlines() if line.startswith("│ 4x1x1")]
+    assert rows and "pinned: nothing else priced" in rows[0] and "chosen" not in rows[0]

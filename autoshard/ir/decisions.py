@@ -499,7 +499,7 @@ PINS: tuple[PinRow, ...] = (
     PinRow("microbatch_size", "--microbatch-size", int, "pin the samples per rank in each micro-batch", _positive),
     PinRow("recompute", "--recompute", str.lower, "pin recompute", _recompute, choices=RECOMPUTE_MODES),
     PinRow("schedule", "--schedule", str.lower, f"pin the pipeline schedule: {', '.join(SCHEDULES[1:])} (none "
-           f"without pipeline stages)", _schedule,
+           f"without pipeline stages)", _schedule, choices=SCHEDULES,
            default=lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None),
     PinRow("virtual_stages", "--virtual-stages", int, "pin the pipeline stages per pp rank (V > 1: interleaved-1f1b, "
            "Megatron-LM's interleaving; default: the schedule's, 1 for gpipe and 1f1b)", _positive, metavar="V",

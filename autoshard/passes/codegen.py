@@ -28,12 +28,13 @@ from autoshard.passes.lower import dp_ranks, layout, lower, recompute_modes
 MIB = 2**20
 
 
-def emit_program(plan: Plan) -> str:
-    """The whole program as Python source."""
+def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.json") -> str:
+    """The whole program as Python source; its header's run commands name ``program`` (the file it is written
+    to) and ``plan_file`` (the plan it comes from), as the user would type them."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
     main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
-    parts = [_header(plan), _imports(plan, steps), _constants(plan, spec), body, _ARGS, main]
+    parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
@@ -85,7 +86,16 @@ def blocks_expression(blocks: tuple[str, ...]) -> str:
     return "[" + ", ".join(repr(b) for b in blocks) + "]"
 
 
-def _header(plan: Plan) -> str:
+def ms_text(seconds: float) -> str:
+    """Milliseconds as a reader wants them: three significant digits below 100 ms ("1.58", "0.0426"), whole
+    milliseconds with thousands separators from there ("13,100", never "1.31e+04"), "0" below a microsecond."""
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:,.0f}"
+    return f"{ms:.3g}" if ms >= 1e-3 else "0"
+
+
+def _header(plan: Plan, program: str, plan_file: str) -> str:
     p, c, m = plan.predicted, plan.cluster, plan.model
     mem = p.memory
     return f'''#!/usr/bin/env python3
@@ -94,12 +104,12 @@ def _header(plan: Plan) -> str:
 Model      {m["spec"]}  ({m["params"]:,} parameters, {m["layers"]} blocks, fingerprint {m["hash"]})
 Cluster    {c["name"]}: {c["nodes"]} node(s) x {c["devices_per_node"]} devices, {c["backend"]}
 Plan       {plan.mesh} | ZeRO-{plan.zero_stage} | global batch {plan.global_batch} = {plan.mesh.dp} dp ranks x {plan.num_microbatches} micro-batches x {plan.microbatch_size} | recompute {plan.recompute}
-Predicted  step {p.step_time_s * 1e3:.3g} ms = compute {p.compute_s * 1e3:.3g} ms + exposed comm {p.comm_exposed_s * 1e3:.3g} ms + bubble {p.bubble_s * 1e3:.3g} ms
+Predicted  step {ms_text(p.step_time_s)} ms = compute {ms_text(p.compute_s)} ms + exposed comm {ms_text(p.comm_exposed_s)} ms + bubble {ms_text(p.bubble_s)} ms
            peak {mem.peak_bytes / MIB:,.1f} MiB per rank (weights {mem.params_bytes / MIB:,.1f}, grads {mem.grads_bytes / MIB:,.1f}, optimizer {mem.optimizer_bytes / MIB:,.1f}, activations {mem.activations_bytes / MIB:,.1f}, transient {mem.transient_bytes / MIB:,.1f})
            {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}
 
-Run:  {torchrun_command(plan)} [--steps 20]
-  or: autoshard run plan.json
+Run:  {torchrun_command(plan, program)} [--steps 20]
+  or: autoshard run {plan_file}
 """'''
 
 

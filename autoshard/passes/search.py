@@ -295,7 +295,7 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     c = least.config
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
-    if c.zero_stage < 3 and c.mesh.pp == 1 and (c.mesh.dp > 1 or c.mesh.tp == 1) and 3 not in {z for z, _ in tried}:
+    if c.zero_stage < 3 and c.mesh.pp == 1 and c.mesh.dp > 1 and 3 not in {z for z, _ in tried}:  # dp 1: nothing to shard
         hints.append("allow --zero 3")
     if c.recompute != "full" and "full" not in {r for _, r in tried}:
         hints.append("allow --recompute full")
