@@ -315,7 +315,7 @@ def one_parameter_per_tie(pipe, aliases: tuple[tuple[str, ...], ...]) -> None:
 def _pipeline_once(model: nn.Module, example_inputs: tuple, split_points: list[str]):
     exported = []
     try:
-        with _recording_exports(exported):
+        with _recording_exports(exported), _no_stack_traces():
             pipe = pipeline(model, mb_args=example_inputs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
         pipe.model_output_spec = exported[-1].call_spec.out_spec
         return pipe
@@ -324,6 +324,22 @@ def _pipeline_once(model: nn.Module, example_inputs: tuple, split_points: list[s
             module = model.get_submodule(path)
             if "_orig_forward" in module.__dict__:
                 module.forward = module.__dict__.pop("_orig_forward")
+
+
+@contextmanager
+def _no_stack_traces():
+    """Export records no source stack trace per node (``torch.fx.config.do_not_emit_stack_traces``, torch >=
+    2.13; a GPU machine's older build keeps them): the stages never read them, and recording them
+    took about a quarter of the CPU time of splitting examples/gpt.py, on every rank of every pipeline program."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 @contextmanager
