@@ -242,3 +242,23 @@ def test_factory_pinned_to_cpu_is_moved_to_meta(tmp_path):
 ])
 def test_module_paths_are_normalised(raw, clean):
     assert _clean_path(raw) == clean
+
+
+@pytest.mark.parametrize("seq, refused", [(16, False), (17, True)])
+def test_positions_past_a_learned_position_table_are_refused(seq, refused):
+    """HF GPT-2 numbers its positions ``arange(seq) + past``: at 17 tokens its 16-row ``wpe`` would be read out of
+    range when the program runs; capture (on meta, without values) refuses it with the limit."""
+    import transformers
+
+    from autoshard.passes.capture import capture_module
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    if not refused:
+        assert capture_module(model, (ids,), "gpt2").nodes
+        return
+    with pytest.raises(AutoshardError, match=r"'transformer\.wpe' looks up positions up to 16 in a table of 16 "
+                                             r"rows.*--seq-len 16 or less"):
+        capture_module(model, (ids,), "gpt2")

@@ -88,6 +88,7 @@ BAD = [
     (["plan", GPT, "--cluster", "dgx-z9000"], "dgx-z9000"),
     (["plan", GPT, "--zero", "5"], "--zero 5"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
+    (["plan", GPT, "--seq-len", "128"], "'wpe' looks up positions up to 127 in a table of 64 rows"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),
     (["inspect", "missing.json"], "not found"),
     (["inspect", "tests/bad_models/broken.py"], "not valid JSON"),

@@ -126,6 +126,7 @@ def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: st
     program = export_module(model, inputs, where)
     check_output(program, where)
     check_static_shapes(program, where)
+    check_position_tables(program, where)
     return graph_from_export(model, program, inputs)
 
 
@@ -193,6 +194,58 @@ def check_static_shapes(program: torch.export.ExportedProgram, where: str) -> No
                 f"{where}: the output shape of {target_name(node.target)} in module '{path or 'the root'}' "
                 f"depends on tensor values (boolean-mask indexing, nonzero, unique); planning needs fixed "
                 f"shapes: use torch.where or multiply by the mask instead")
+
+
+# ops that carry their input's values unchanged (a position index through them is the index it was)
+_SAME_VALUES = frozenset({"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default", "aten.expand.default",
+                          "aten._unsafe_view.default", "aten.clone.default", "aten.contiguous.default",
+                          "aten.alias.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.device",
+                          "aten.detach.default", "aten.lift_fresh_copy.default"})
+
+
+def check_position_tables(program: torch.export.ExportedProgram, where: str) -> None:
+    """No embedding table is indexed past its rows by positions the model counts itself.
+
+    Meta tensors have no values, so a lookup out of range cannot fail during capture; it would fail only once
+    the program runs. The positions a model numbers itself, ``arange(start, end)`` plus a constant (after
+    shape-only ops) looked up in a table of learned positions (GPT-2's ``wpe``), are known without values:
+    their largest must be below the table's rows. A sequence longer than the model's positions (``--seq-len``
+    past ``block_size`` / ``n_positions``) is refused here, with the limit."""
+    for node in program.graph.nodes:
+        if target_name(node.target) != "aten.embedding.default" or len(node.args) < 2:
+            continue
+        weight = node.args[0]
+        rows = weight.meta["val"].shape[0] if isinstance(getattr(weight, "meta", {}).get("val"), torch.Tensor) else None
+        last = _largest_position(node.args[1])
+        if rows is None or last is None or last < rows:
+            continue
+        path, _ = _module_of(node)
+        raise AutoshardError(
+            f"{where}: module '{path or 'the root'}' looks up positions up to {last} in a table of {rows} rows: "
+            f"the sequence is longer than the model's positions; plan with --seq-len {rows} or less, or give the "
+            f"model more positions")
+
+
+def _largest_position(node: Any) -> int | None:
+    """The largest value of ``node`` when it is ``aten.arange`` of numbers, plus numbers, through ops that keep
+    values (``_SAME_VALUES``); None when it is anything else."""
+    offset = 0
+    while isinstance(node, torch.fx.Node) and node.args:
+        target = target_name(node.target)
+        if target in _SAME_VALUES:
+            node = node.args[0]
+        elif target in ("aten.add.Tensor", "aten.add.Scalar") and len(node.args) == 2 and \
+                isinstance(node.args[1], int) and not isinstance(node.args[1], bool):
+            offset, node = offset + node.args[1], node.args[0]
+        elif target.startswith("aten.arange.") and all(isinstance(a, int) for a in node.args):
+            start, end, step = (0, node.args[0], 1) if len(node.args) == 1 else \
+                (node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 1)
+            if step <= 0 or end <= start:
+                return None
+            return offset + start + (end - 1 - start) // step * step
+        else:
+            return None
+    return None
 
 
 def graph_from_export(model: nn.Module, program: torch.export.ExportedProgram,
