@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,19 @@ def _int_flag(flag: str, low: int, high: int, example: int):
         if not low <= value <= high:
             bound = f">= {low}" if high >= 10**15 else f"from {low} to {high:,}"
             raise argparse.ArgumentTypeError(f"{flag} {text} must be an integer {bound}; e.g. {flag} {example}")
+        return value
+    return parse
+
+
+def _positive_float(flag: str):
+    """argparse ``type=`` for a finite number > 0 (a learning rate): anything else is one line."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; e.g. {flag} 3e-4") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{flag} {text} must be a finite number > 0; e.g. {flag} 3e-4")
         return value
     return parse
 
@@ -187,6 +201,7 @@ def _add_run(sub, common) -> None:
     p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20,
                    help="optimizer steps to train (default: 20)")
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
+    p.add_argument("--lr", type=_positive_float("--lr"), help="AdamW's learning rate (default: the program's, 1e-3)")
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
     p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
     p.add_argument("--checkpoint-every", type=_int_flag("--checkpoint-every", 1, 10**9, 100), default=100,
@@ -540,6 +555,7 @@ def cmd_run(args) -> int:
     write_program(plan, program, plan_file=args.plan)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
+    extra += ["--lr", repr(args.lr)] if args.lr is not None else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
     proc = run_torchrun(program, plan.world_size,
                         ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),

@@ -248,3 +248,18 @@ def test_inspect_folds_the_repeated_layers_tensor_parallel_rows(in_repo, capsys,
     assert any("layers.3.self_attn.q_proj" in row for row in every)
     assert any("layers.*.self_attn.q_proj  x4" in row for row in folded)
     assert not any("layers.3." in row for row in folded) and 4 * len(folded) < 2 * len(every)
+
+
+def test_run_hands_lr_to_the_program_and_refuses_a_bad_one(in_repo, capsys, tmp_path, monkeypatch):
+    import autoshard.launch
+
+    plan = tmp_path / "p.json"
+    run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8",
+            "-o", str(plan))
+    started = []
+    monkeypatch.setattr(autoshard.launch, "run_torchrun",
+                        lambda program, ranks, args, **kw: started.append(args) or subprocess.CompletedProcess([], 0))
+    code, _, _ = run_cli(capsys, "run", str(plan), "--steps", "1", "--lr", "3e-4", "--program", str(tmp_path / "t.py"))
+    assert code == 0 and started[0][started[0].index("--lr") + 1] == "0.0003"
+    code, _, err = run_cli(capsys, "run", str(plan), "--lr", "-1")
+    assert code == 2 and "--lr -1 must be a finite number > 0" in err and err.count("\n") == 1

@@ -213,3 +213,15 @@ def test_checkpoint_value_that_would_run_code_is_refused(one_rank_group, tmp_pat
     with pytest.raises(AutoshardError, match=r"refused \(it names posix\.system"):
         checkpoint.load(path, *_fresh())
     assert not marker.exists()
+
+
+def test_a_save_and_a_resume_each_say_so_in_one_line(one_rank_group, tmp_path, capsys):
+    from autoshard.runtime import checkpoint
+
+    path, _ = _saved(tmp_path)
+    saved = capsys.readouterr().out.splitlines()
+    assert len(saved) == 1 and saved[0].startswith(f"saved checkpoint {path} after step 3 (")
+    fresh, optimizer = _fresh()
+    assert checkpoint.resume(tmp_path / "ckpt", fresh, optimizer) == 3
+    assert capsys.readouterr().out.splitlines() == [
+        f"resumed from checkpoint {path} (3 steps done): training goes on at step 3"]

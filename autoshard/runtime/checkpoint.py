@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,10 +80,19 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
     ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages.
     """
+    start = time.perf_counter()
     model_state, optim_state, _ = _state(model, optimizer, mesh)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
-    return _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
-                  lambda: faults.inject("kill-in-checkpoint", steps_done))
+    final = _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
+                   lambda: faults.inject("kill-in-checkpoint", steps_done))
+    _say(f"saved checkpoint {final} after step {steps_done} ({time.perf_counter() - start:.1f} s)")
+    return final
+
+
+def _say(line: str) -> None:
+    """One line on rank 0's stdout, between the step lines."""
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        print(line, flush=True)
 
 
 def save_weights(folder: str | Path, model, optimizer, mesh=None) -> Path:
@@ -322,6 +332,8 @@ def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> in
     _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
     steps_done = load(found, model, optimizer, mesh) if found else 0
+    if found and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restart says it itself
+        _say(f"resumed from checkpoint {found} ({steps_done} steps done): training goes on at step {steps_done}")
     _announce_restart(found, steps_done)
     return steps_done
 
