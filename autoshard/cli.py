@@ -11,6 +11,7 @@ from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import PIN_OF, PINS, Pins
+from autoshard.ir.plan import model_source
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 
 EXIT_USER_ERROR = 2
@@ -333,7 +334,7 @@ def cmd_estimate(args) -> int:
 
 def _plan_inputs(args) -> dict[str, Path]:
     """The files a plan or estimate command reads, by what they are: -o never names one of them."""
-    inputs = {"model file": Path(args.model.rsplit(":", 1)[0])}
+    inputs = {"model file": model_source(args.model)[0]}
     if Path(args.cluster).exists():
         inputs["cluster file"] = Path(args.cluster)
     return inputs
@@ -463,7 +464,7 @@ def _program_outputs(plan, program: Path, plan_file: Path, also: tuple[Path, ...
     """Checks what needs no import: the program's name and that no output is an input."""
     if program.suffix != ".py":
         raise AutoshardError(f"output '{program}' must end in .py; e.g. -o train.py")
-    model = Path(plan.model["spec"].rsplit(":", 1)[0])
+    model = model_source(plan.model["spec"])[0]
     if _same_file(program, model):
         raise AutoshardError(f"output '{program}' is this plan's model file; writing the program there would "
                              f"replace your model; fix: choose another name, e.g. -o train.py")
@@ -610,7 +611,7 @@ def cmd_calibrate(args) -> int:
 
     output = check_output(args.output)
     inputs = {"--across-nodes file": Path(args.across_nodes)} if args.across_nodes else {}
-    check_outputs([output], {**inputs, **{f"--model file {m}": Path(m.rsplit(":", 1)[0]) for m in args.model}})
+    check_outputs([output], {**inputs, **{f"--model file {m}": model_source(m)[0] for m in args.model}})
     if args.across_nodes:
         return _calibrate_across_nodes(args, output)
     ranks, _ = resolve_ranks(args.devices_per_node)

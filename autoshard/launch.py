@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import Plan, write_text_atomic
+from autoshard.ir.plan import Plan, model_source, write_text_atomic
 from autoshard.passes.codegen import emit_program, emit_sbatch
 
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
@@ -28,7 +28,7 @@ def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file:
     path = Path(path)
     if path.suffix != ".py":
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
-    model_path = Path(plan.model["spec"].rsplit(":", 1)[0])
+    model_path = model_source(plan.model["spec"])[0]
     if path.exists() and model_path.exists() and path.resolve() == model_path.resolve():
         raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
                              f"your model; fix: choose another name, e.g. -o train.py")

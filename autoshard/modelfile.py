@@ -8,6 +8,11 @@ cross-entropy when the targets are integer class ids (outputs ``(..., classes)``
 (Hugging Face models) is reduced to its logits first.
 
 The file runs only when the user names it; nothing else executes user code.
+
+``hf:DIR`` names a transformers causal LM by its folder (``config.json``, as ``save_pretrained`` writes it)
+without a model file: ``hf_causal_lm`` makes the contract (``AutoModelForCausalLM.from_config``, fp32 weights,
+SDPA attention, no cache; examples/gpt.py's learnable synthetic tokens; cross-entropy on the logits). Only the
+JSON is read: a config that asks for code of its own (``auto_map``) is refused by transformers.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.plan import HF_PREFIX
 
 # What the user's code may raise that becomes a one-line error: any exception, and exit()
 # (a script's argparse or sys.exit must not end autoshard silently with its own status).
@@ -206,6 +212,8 @@ def load_model_file(spec: str, seq_len: int | None = None) -> ModelFile:
     (``--seq-len``) is handed to ``example_batch``."""
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise AutoshardError(f"--seq-len {seq_len} must be a positive integer")
+    if spec.startswith(HF_PREFIX):
+        return hf_causal_lm(spec, seq_len)
     if ":" not in spec:
         raise AutoshardError(
             f"model '{spec}' has no factory: write it as path/to/file.py:factory, e.g. examples/gpt.py:build"
@@ -227,6 +235,59 @@ def load_model_file(spec: str, seq_len: int | None = None) -> ModelFile:
         )
     _check_factory_takes_no_arguments(path, factory_name, getattr(module, factory_name))
     return ModelFile(spec=spec, path=path, factory_name=factory_name, module=module, seq_len=seq_len)
+
+
+HF_DEFAULT_SEQ_LEN = 2048  # hf:DIR's tokens per sample without --seq-len (at most the model's positions)
+
+
+def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
+    """The model-file contract for ``hf:DIR`` (module doc): ``build``, ``example_batch(batch_size, seq_len)``;
+    the default loss (cross-entropy on ``outputs.logits`` against the next tokens)."""
+    folder = Path(spec[len(HF_PREFIX):])
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise AutoshardError(f"'{folder}' has no config.json; hf:DIR names a transformers model's folder (as "
+                             f"save_pretrained writes it), e.g. hf:models/llama")
+    config = _hf_config(folder)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    default_seq = min(positions or HF_DEFAULT_SEQ_LEN, HF_DEFAULT_SEQ_LEN)
+
+    def build() -> nn.Module:
+        import transformers
+
+        fresh = _hf_config(folder)
+        fresh.use_cache = False  # no cache object in the traced graph
+        try:
+            return transformers.AutoModelForCausalLM.from_config(fresh, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError:  # an architecture without SDPA: its own attention
+            return transformers.AutoModelForCausalLM.from_config(fresh, dtype=torch.float32)
+
+    def example_batch(batch_size: int, seq_len: int | None = None):
+        """examples/gpt.py's sequences: arithmetic progressions modulo the vocabulary, the next token the target."""
+        seq = seq_len or default_seq
+        start = torch.randint(0, config.vocab_size, (batch_size, 1))
+        step = torch.randint(1, 8, (batch_size, 1))
+        tokens = (start + step * torch.arange(seq + 1)) % config.vocab_size
+        return (tokens[:, :-1],), tokens[:, 1:]
+
+    module = types.ModuleType(f"autoshard_hf_{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]}")
+    module.build, module.example_batch = build, example_batch
+    return ModelFile(spec=spec, path=config_path, factory_name="build", module=module, seq_len=seq_len)
+
+
+def _hf_config(folder: Path):
+    """transformers' config of ``folder``, a causal LM's, or one line saying why not."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except USER_CODE_ERRORS as exc:
+        raise AutoshardError(f"{folder / 'config.json'}: transformers cannot read it ({type(exc).__name__}: "
+                             f"{_first_line(exc)}); give the folder save_pretrained wrote") from exc
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise AutoshardError(f"{folder / 'config.json'}: a {type(config).__name__} has no causal LM in transformers "
+                             f"(hf:DIR plans causal LMs); write a model file for it (docs/design.md's contract)")
+    return config
 
 
 def _check_takes_seq_len(path: Path, fn: Callable) -> None:

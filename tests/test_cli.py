@@ -89,6 +89,7 @@ BAD = [
     (["plan", GPT, "--zero", "5"], "--zero 5"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", GPT, "--seq-len", "128"], "'wpe' looks up positions up to 127 in a table of 64 rows"),
+    (["plan", "hf:tests/bad_models"], "'tests/bad_models' has no config.json; hf:DIR names a transformers model"),
     (["plan", "tests/bad_models/huge.py:build"], "no plan fits in memory"),
     (["inspect", "missing.json"], "not found"),
     (["inspect", "tests/bad_models/broken.py"], "not valid JSON"),
@@ -263,3 +264,31 @@ def test_run_hands_lr_to_the_program_and_refuses_a_bad_one(in_repo, capsys, tmp_
     assert code == 0 and started[0][started[0].index("--lr") + 1] == "0.0003"
     code, _, err = run_cli(capsys, "run", str(plan), "--lr", "-1")
     assert code == 2 and "--lr -1 must be a finite number > 0" in err and err.count("\n") == 1
+
+
+def test_hf_folder_of_a_model_that_is_no_causal_lm_is_refused_in_one_line(in_repo, capsys, tmp_path):
+    import transformers
+
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    code, _, err = run_cli(capsys, "plan", f"hf:{tmp_path}", "--cluster", "local-cpu", "--global-batch", "8")
+    assert code == 2 and "a ViTConfig has no causal LM in transformers" in err and err.count("\n") == 1
+
+
+def test_hf_folder_plans_compiles_and_names_its_folder(in_repo, capsys, tmp_path):
+    import transformers
+
+    transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16
+                             ).save_pretrained(tmp_path / "qwen")
+    plan = tmp_path / "p.json"
+    code, out, _ = run_cli(capsys, "plan", f"hf:{tmp_path / 'qwen'}", "--cluster", "local-cpu", "--devices-per-node",
+                           "2", "--global-batch", "8", "-o", str(plan))
+    assert code == 0 and "2 blocks" in out
+    saved = json.loads(plan.read_text())["model"]
+    assert saved["tokens_per_sample"] == 16  # the model's positions, below the default 2048
+    code, _, _ = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "train.py"))
+    assert code == 0 and f"MODEL = 'hf:{tmp_path / 'qwen'}'" in (tmp_path / "train.py").read_text()
+    (tmp_path / "qwen" / "config.json").write_text((tmp_path / "qwen" / "config.json").read_text().replace(
+        '"num_hidden_layers": 2', '"num_hidden_layers": 3'))
+    code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "train.py"))
+    assert code == 2 and "is not the model this plan was made for" in err  # the config's bytes are checked

@@ -351,10 +351,22 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+HF_PREFIX = "hf:"  # hf:DIR, a transformers folder (config.json) planned without a model file
+
+
+def model_source(spec: str) -> tuple[Path, str]:
+    """The file whose bytes identify the model of ``spec``, and its factory: ``path/to/file.py:factory`` ->
+    (file.py, factory); ``hf:DIR`` -> (DIR/config.json, "hf")."""
+    if spec.startswith(HF_PREFIX):
+        return Path(spec[len(HF_PREFIX):]) / "config.json", "hf"
+    parts = spec.rsplit(":", 1)
+    return Path(parts[0]), parts[1] if len(parts) == 2 else ""
+
+
 def model_file_sha256(spec: str) -> str | None:
     """``model.file_sha256`` of a plan of ``spec``: its model file's content hash (None when unreadable)."""
     try:
-        return file_sha256(spec.rsplit(":", 1)[0])
+        return file_sha256(model_source(spec)[0])
     except OSError:
         return None
 
@@ -365,14 +377,14 @@ def check_model_file(plan: Plan) -> Path:
     whose bytes are the ones planned (``model.file_sha256``). A plan without the hash (made before plans
     recorded it) is refused too: nothing could tell its file from another one."""
     spec = plan.model["spec"]
-    file_part = spec.rsplit(":", 1)[0]
-    path = Path(file_part)
+    path = model_source(spec)[0]
+    file_part = str(path)
     if path.is_dir():
         raise AutoshardError(f"model file '{file_part}' is a folder; the plan's model.spec must name a Python "
                              f"file (path/to/file.py:factory); re-plan it with `autoshard plan`")
     if not path.is_file():
         raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
-    if path.suffix != ".py":
+    if path.suffix != ".py" and not spec.startswith(HF_PREFIX):  # hf:DIR's config.json is read as JSON only
         raise AutoshardError(f"model file '{file_part}' is not a Python file (.py); a plan's model.spec names "
                              f"the model file it was made for; re-plan it with `autoshard plan`")
     expected = plan.model.get("file_sha256")

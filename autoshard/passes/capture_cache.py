@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.ir.graph import Block, OpGraph, OpNode, ParamInfo
+from autoshard.ir.plan import model_source
 
 CACHE_VERSION = 4  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs;
 # 4: graphs carry batch_coupling
@@ -431,14 +432,14 @@ def _entry_path(spec: str, batch_size: int, fold: bool, seq_len: int | None = No
     directory = cache_dir()
     if directory is None or ":" not in spec:
         return None
-    model_path, factory = _model_path(spec), spec.rsplit(":", 1)[1]
+    model_path, factory = model_source(spec)
     if not model_path.is_file():
         return None
     return directory / f"{entry_key(model_path, factory, batch_size, fold, seq_len)}.json"
 
 
 def _model_path(spec: str) -> Path:
-    return Path(spec.rsplit(":", 1)[0])
+    return model_source(spec)[0]
 
 
 def _stat(file: str) -> tuple[int, int]:

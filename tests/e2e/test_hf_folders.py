@@ -1,0 +1,60 @@
+"""``hf:DIR``: transformers causal LMs planned and verified from a saved ``config.json``, with no model file.
+
+Three architectures at their library defaults but for the sizes (``save_pretrained`` of a config, no weights):
+Llama (rotary, GQA, SiLU MLP), Qwen2 (biased q/k/v) and GPT-2 (learned positions, tied embeddings, Conv1D),
+each planned by ``autoshard.plan("hf:DIR", ...)`` on 2 CPU ranks as a user would, and verified in the session's
+2-rank launch (``one_launch.verify_cases``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import autoshard
+from e2e.one_launch import Cases, verify_cases
+
+pytestmark = pytest.mark.e2e
+
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=32)
+RANKS = 2
+
+
+def _config(name: str):
+    import transformers as tf
+
+    return {"llama": lambda: tf.LlamaConfig(**SIZES, num_key_value_heads=2),
+            "qwen2": lambda: tf.Qwen2Config(**SIZES, num_key_value_heads=2),
+            "gpt2": lambda: tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32)}[name]()
+
+
+CASES = ("llama", "qwen2", "gpt2")
+
+
+@cache
+def folder(name: str) -> Path:
+    """The config saved as save_pretrained writes it, in a folder of its own for the session."""
+    path = Path(tempfile.mkdtemp(prefix=f"autoshard-hf-{name}-"))
+    _config(name).save_pretrained(path)
+    return path
+
+
+def _plan(name: str):
+    return autoshard.plan(f"hf:{folder(name)}", cluster="local-cpu", devices_per_node=RANKS, global_batch=8)
+
+
+LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), *verify_cases(_plan, lambda name: 3),
+                 case_of=lambda test, params: params.get("name"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_saved_config_plans_and_trains_like_one_process(launches, name):
+    plan, report = launches.result(LAUNCHES, name)
+    assert plan.model["spec"] == f"hf:{folder(name)}" and plan.model.get("seq_len") is None
+    assert plan.model["layers"] == 2 and plan.world_size == RANKS
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
