@@ -1,10 +1,10 @@
 """ZeRO model-state memory: the worked examples in docs/reference-numbers.md and monotonicity."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from pathlib import Path
 
 from autoshard.cost.memory import FP32, MEGATRON_MIXED, model_state_bytes
 
@@ -87,10 +87,10 @@ def test_the_peak_is_the_largest_moment_and_the_loss_workspace_is_transient():
     """ZeRO-3 over 8 with one micro-batch: at the loss's backward no gradient exists yet (zero_grad sets
     them to None) and the loss's two fp32 gradients (8 bytes per logit) are transient, not activations;
     the plan's parts are those of its largest moment."""
+    from autoshard.cost.hardware import load_cluster
     from autoshard.cost.rank_memory import memory_spmd, spmd_moments
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
-    from autoshard.cost.hardware import load_cluster
 
     graph = _llama_tiny()
     tables = CostTables(graph, load_cluster("dgx-h100"))
@@ -110,10 +110,10 @@ def test_the_peak_is_the_largest_moment_and_the_loss_workspace_is_transient():
 def test_fsdp2_gathers_weights_in_the_policys_bf16():
     """ZeRO-1 beside tp keeps every unit gathered from forward to backward, in bf16 (2 B per parameter),
     beside the fp32 shard."""
+    from autoshard.cost.hardware import load_cluster
     from autoshard.cost.rank_memory import gathered_param_bytes, keeps_gathered
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
-    from autoshard.cost.hardware import load_cluster
 
     graph = _llama_tiny()
     assert gathered_param_bytes(CostTables(graph, load_cluster("dgx-h100"))) == 2
