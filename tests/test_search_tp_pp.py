@@ -28,6 +28,7 @@ from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 GPT = "examples/gpt.py:build"
 WIDE = "tests/models/wide_gpt.py:build"
+DEEP = "tests/models/wide_gpt.py:build_deep"  # twice the blocks: data parallelism alone cannot hold it
 FAST_LINK = "tests/clusters/fast_link_cpu.yaml"  # TP pays off here
 
 
@@ -385,9 +386,14 @@ def test_cli_plans_gpt_on_two_local_devices(in_repo, capsys):
 # ---------------------------------------------------------------------------- a model DP alone cannot hold
 
 
-def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(wide):
+@pytest.fixture(scope="module")
+def deep(in_repo_module):
+    return capture_graph(DEEP)
+
+
+def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(deep):
     cluster = load_cluster("dgx-a100-80gb", nodes=2)
-    p = plan(wide, WIDE, cluster, 64)
+    p = plan(deep, DEEP, cluster, 64)
     assert p.mesh.tp > 1 or p.mesh.pp > 1
     assert p.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
     for mesh in [p.mesh] + [a.mesh for a in p.alternatives]:
@@ -396,10 +402,10 @@ def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(wide):
     assert dp_only and all("does not fit" in a.why_not for a in dp_only)
 
 
-def test_wide_gpt_with_dp_only_pinned_suggests_tp_and_pp(wide):
+def test_wide_gpt_with_dp_only_pinned_suggests_tp_and_pp(wide, deep):
     cluster = load_cluster("dgx-a100-80gb", nodes=2)
     with pytest.raises(AutoshardError, match=r"no plan fits in memory.*--tp 8.*--pp 8"):
-        plan(wide, WIDE, cluster, 64, tp=1, pp=1)
+        plan(deep, DEEP, cluster, 64, tp=1, pp=1)
     with pytest.raises(AutoshardError, match="stays inside a node"):
         plan(wide, WIDE, cluster, 64, tp=16)
 
