@@ -34,7 +34,8 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
                        with sequence parallelism β + (1−β)·κ/t, κ·1/t the layout's share at the plan
                        I in-flight micro-batches: 1 | m (GPipe) | min(m, pp) (1F1B; interleaved-zb and
                        zbv at m a multiple of pp) | min(m, pp + (pp−1)/v) (interleaved) | pp + 1/2 (dualpipev)
-    transient_bytes  = k·[dp>1]·(ψ + (1−ψ)/tp)   (ZeRO-2/3 without pipeline: the largest FSDP unit)
+    transient_bytes  = k·b·s/tp                   (ZeRO-0/1: the loss's or a block's backward workspace)
+                     = k·[dp>1]·(ψ + (1−ψ)/tp)   (ZeRO-2/3 without pipeline: the largest FSDP unit)
                      = k·ring(dp)·P              (ZeRO-2/3 pipeline: the stage's unsharded state)
     memory_peak_bytes = (Σ memory parts)·(1 + allocator slack)
 
@@ -241,8 +242,8 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
     kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * per_rank
     e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
                                     in_flight(point) * MB * kept / PP, 1 / point.cp)
-    if z < 2:
-        e["transient_bytes"] = sympy.Integer(0)
+    if z < 2:  # the loss's fp32 gradients or a block's activation gradients (cost.rank_memory.spmd_moments)
+        e["transient_bytes"] = _anchored(memory.transient_bytes, MB * S / (TP * point.cp), point)
     elif point.pipeline:
         e["transient_bytes"] = _anchored(memory.transient_bytes, _ring(point.dp_cp) * param_share, point)
     else:
