@@ -179,8 +179,9 @@ def run_notes(model_file: ModelFile, plan: Plan) -> tuple[str, ...]:
 
 def random_ops_note(random_ops: dict[str, list[str]] | None) -> str:
     """Which random ops run at their expectation in both runs (the plan's ``model.random_ops``)."""
-    if random_ops is None:
-        return "every random op at its expectation in both runs (this plan predates the list of the model's random ops)"
+    if random_ops is None:  # plans list random ops only where the model has some (older plans list none at all)
+        return ("the plan lists no random op (the captured model draws none); any would run at its expectation in "
+                "both runs")
     if not random_ops:
         return "the captured model has no random op (every random op would run at its expectation in both runs)"
     where = "; ".join(f"{op} in {', '.join(modules)}" for op, modules in sorted(random_ops.items()))

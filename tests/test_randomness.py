@@ -121,3 +121,8 @@ def test_verify_refuses_randomness_it_cannot_fix_naming_the_op_and_module(in_rep
 def test_forwards_agree_once_random_ops_are_fixed(in_repo):
     for spec in (DROP_PATH, RAND_MASK):
         assert forward_is_deterministic(load_model_file(spec), 8, 0)
+
+
+def test_the_note_for_a_plan_without_random_ops_does_not_call_it_old():
+    note = random_ops_note(None)
+    assert "lists no random op" in note and "predates" not in note
