@@ -257,10 +257,12 @@ def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
 
         fresh = _hf_config(folder)
         fresh.use_cache = False  # no cache object in the traced graph
+        # fp32 whatever dtype the config names (fp32 master weights); transformers < 5 calls the keyword torch_dtype
+        fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
         try:
-            return transformers.AutoModelForCausalLM.from_config(fresh, attn_implementation="sdpa", dtype=torch.float32)
+            return transformers.AutoModelForCausalLM.from_config(fresh, attn_implementation="sdpa", **fp32)
         except ValueError:  # an architecture without SDPA: its own attention
-            return transformers.AutoModelForCausalLM.from_config(fresh, dtype=torch.float32)
+            return transformers.AutoModelForCausalLM.from_config(fresh, **fp32)
 
     def example_batch(batch_size: int, seq_len: int | None = None):
         """examples/gpt.py's sequences: arithmetic progressions modulo the vocabulary, the next token the target."""

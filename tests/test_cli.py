@@ -292,3 +292,18 @@ def test_hf_folder_plans_compiles_and_names_its_folder(in_repo, capsys, tmp_path
         '"num_hidden_layers": 2', '"num_hidden_layers": 3'))
     code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "train.py"))
     assert code == 2 and "is not the model this plan was made for" in err  # the config's bytes are checked
+
+
+def test_hf_folder_of_a_bf16_config_builds_fp32_weights(tmp_path):
+    """fp32 master weights whatever dtype the config names (bf16 autocast is the program's, per backend)."""
+    import torch
+    import transformers
+
+    from autoshard.modelfile import load_model_file
+
+    transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, max_position_embeddings=8, dtype="bfloat16").save_pretrained(tmp_path)
+    assert '"bfloat16"' in (tmp_path / "config.json").read_text()
+    model = load_model_file(f"hf:{tmp_path}").build("meta")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.config._attn_implementation == "sdpa"
