@@ -18,6 +18,7 @@ JSON is read: a config that asks for code of its own (``auto_map``) is refused b
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import inspect
@@ -255,7 +256,7 @@ def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
     def build() -> nn.Module:
         import transformers
 
-        fresh = _hf_config(folder)
+        fresh = copy.deepcopy(config)  # each build its own config (transformers writes into it)
         fresh.use_cache = False  # no cache object in the traced graph
         # fp32 whatever dtype the config names (fp32 master weights); transformers < 5 calls the keyword torch_dtype
         fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
