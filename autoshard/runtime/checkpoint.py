@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,13 @@ class StageOptimizers:
     rank holding several stages (interleaved) keeps one optimizer per stage (as torchtitan does).
     """
 
-    def __init__(self, modules: list[nn.Module], optimizer_class=torch.optim.AdamW, **kwargs):
+    def __init__(self, modules: list[nn.Module], optimizer_class=torch.optim.AdamW,
+                 params_of: Callable[[nn.Module], Any] | None = None, **kwargs):
+        """``optimizer_class(params_of(module), **kwargs)`` per stage module; ``params_of`` defaults to
+        ``module.parameters()`` (``recipe.build_optimizer`` passes its weight-decay groups)."""
         self.modules = list(modules)
-        self.optimizers = [optimizer_class(m.parameters(), **kwargs) for m in self.modules]
+        params_of = params_of or (lambda module: module.parameters())
+        self.optimizers = [optimizer_class(params_of(m), **kwargs) for m in self.modules]
 
     def step(self) -> None:
         for optimizer in self.optimizers:
@@ -74,8 +79,9 @@ class StageOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None) -> Path:
-    """Write the state after ``steps_done`` steps; returns the final folder.
+def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, scheduler=None) -> Path:
+    """Write the state after ``steps_done`` steps (and ``scheduler``'s position, given one: a
+    ``recipe.build_scheduler``); returns the final folder.
 
     ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
     ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages.
@@ -83,6 +89,8 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     start = time.perf_counter()
     model_state, optim_state, _ = _state(model, optimizer, mesh)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
+    if scheduler is not None:
+        state["scheduler"] = scheduler_state(scheduler)
     final = _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
                    lambda: faults.inject("kill-in-checkpoint", steps_done))
     _say(f"saved checkpoint {final} after step {steps_done} ({time.perf_counter() - start:.1f} s)")
@@ -286,14 +294,58 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(path: str | Path, model, optimizer, mesh=None) -> int:
-    """Restore model and optimizer in place from ``path``; returns the steps already done."""
+def load(path: str | Path, model, optimizer, mesh=None, scheduler=None) -> int:
+    """Restore model and optimizer (and ``scheduler``, given one) in place from ``path``; returns the steps
+    already done."""
     model_state, optim_state, restore = _state(model, optimizer, mesh)
     check_same_model(path, model_state, this_rank_has_all=not isinstance(optimizer, StageOptimizers))
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
+    if scheduler is not None and _has_scheduler(path):
+        state["scheduler"] = scheduler_state(scheduler)
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
     restore()
-    return int(state["steps_done"])
+    steps_done = int(state["steps_done"])
+    if scheduler is not None:  # saved without one: the position of the steps done
+        load_scheduler_state(scheduler, state.get("scheduler") or scheduler_position(steps_done))
+    return steps_done
+
+
+def _has_scheduler(path: str | Path) -> bool:
+    """The checkpoint keeps a learning-rate scheduler's position (older ones do not)."""
+    metadata = safe_load.SafeFileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("scheduler.") for key in metadata)
+
+
+def _lr_schedulers(scheduler) -> list:
+    """The torch LR schedulers of ``scheduler``: itself, or each stage's (``recipe.StageSchedulers``)."""
+    return list(getattr(scheduler, "schedulers", [scheduler]))
+
+
+def scheduler_position(steps_done: int) -> dict[str, torch.Tensor]:
+    """A scheduler's position after ``steps_done`` steps (``scheduler_state``), one scheduler step per optimizer step
+    (LambdaLR counts its own first step at construction)."""
+    return {"last_epoch": torch.tensor(steps_done), "step_count": torch.tensor(steps_done + 1)}
+
+
+def scheduler_state(scheduler) -> dict[str, torch.Tensor]:
+    """A learning-rate scheduler's position as checkpoints hold it: tensors only, the same on every rank and
+    every stage. The rates are a function of the recipe and the position (``recipe.lr_factor``), so nothing else
+    is saved, and nothing is unpickled on load."""
+    first = _lr_schedulers(scheduler)[0]
+    return {"last_epoch": torch.tensor(first.last_epoch), "step_count": torch.tensor(first._step_count)}
+
+
+def load_scheduler_state(scheduler, state: dict[str, torch.Tensor]) -> None:
+    """Put ``scheduler_state``'s position back, and each param group's rate with it: lr = base_lr·factor(position)
+    (ZeRO-1's optimizer copies its groups' rates into its local optimizer's at each step, so the rate is set on
+    the groups, not only read back with the optimizer's state)."""
+    for one in _lr_schedulers(scheduler):
+        one.load_state_dict({**one.state_dict(), "last_epoch": int(state["last_epoch"]),
+                             "_step_count": int(state["step_count"])})
+        rates = [base * factor(one.last_epoch) for base, factor in zip(one.base_lrs, one.lr_lambdas)]
+        for group, rate in zip(one.optimizer.param_groups, rates):
+            group["lr"] = rate
+        one._last_lr = rates
 
 
 def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: bool = True) -> None:
@@ -325,13 +377,14 @@ def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: boo
     raise exc
 
 
-def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None) -> int:
-    """Load the newest complete checkpoint in ``checkpoint_dir`` if any; the step to start at."""
+def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, scheduler=None) -> int:
+    """Load the newest complete checkpoint in ``checkpoint_dir`` if any (``scheduler``
+    too, given one); the step to start at."""
     if not checkpoint_dir:
         return 0
     _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
-    steps_done = load(found, model, optimizer, mesh) if found else 0
+    steps_done = load(found, model, optimizer, mesh, scheduler=scheduler) if found else 0
     if found and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restart says it itself
         _say(f"resumed from checkpoint {found} ({steps_done} steps done): training goes on at step {steps_done}")
     _announce_restart(found, steps_done)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -183,3 +184,47 @@ def _on_cpu(module: nn.Module) -> bool:
     if tensor is None:
         tensor = next(iter(module.buffers()), None)
     return tensor is None or tensor.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------- weight decay
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer, by its type: torch's (LayerNorm, RMSNorm, GroupNorm, LocalResponseNorm, BatchNorm*,
+    InstanceNorm*, SyncBatchNorm) or a class named like one (``LlamaRMSNorm``, ``T5LayerNorm``)."""
+    return (isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
+                                nn.modules.batchnorm._NormBase))
+            or _NORM_CLASS.search(type(module).__name__) is not None)
+
+
+_NORM_CLASS = re.compile(r"Norm(\dd)?$")
+
+
+def is_embedding(module: nn.Module) -> bool:
+    """An embedding table, by its type: ``nn.Embedding`` / ``nn.EmbeddingBag`` or a class named like one
+    (tensor_parallel_stages' ``VocabParallelEmbedding``, transformers' scaled word embeddings)."""
+    return (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            or _EMBEDDING_CLASS.search(type(module).__name__) is not None)
+
+
+_EMBEDDING_CLASS = re.compile(r"Embedding(Bag)?$")
+
+
+def no_decay_names(model: nn.Module) -> frozenset[str]:
+    """Every name (each alias of a tied tensor, wrapper names stripped) of a parameter that takes no weight
+    decay: held by a normalisation layer (``is_norm``) or an embedding (``is_embedding``), or a bias (``bias``,
+    ``*_bias``). A tensor tied between an embedding and a head is an embedding's."""
+    undecayed = no_decay_params(model)
+    return frozenset(strip_wrapper_names(name) for name, param in model.named_parameters(remove_duplicate=False)
+                     if id(param) in undecayed)
+
+
+def no_decay_params(model: nn.Module) -> dict[int, nn.Parameter]:
+    """``no_decay_names``' parameters, by id."""
+    found = {}
+    for module in model.modules():
+        kind = is_norm(module) or is_embedding(module)
+        for name, param in module.named_parameters(recurse=False):
+            if kind or name == "bias" or name.endswith("_bias"):
+                found[id(param)] = param
+    return found

@@ -21,7 +21,8 @@ prints the steps):
     init_weights      this rank's shards made on its device, filled with one process's initial weights
                       (every step before it acts on the meta device: ``runtime.init_replay``)
     apply_ddp         DistributedDataParallel (bucketed all-reduce overlapped with backward)
-    build_optimizer   AdamW; ZeRO-1: ZeroRedundancyOptimizer over dp; pipelines: one per stage
+    build_optimizer   AdamW, or a recipe's optimizer (``runtime.recipe``); ZeRO-1: ZeroRedundancyOptimizer
+                      over dp; pipelines: one per stage
     build_schedule    torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV
 """
 
@@ -48,9 +49,11 @@ from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import checkpoint, init_replay
 from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
+from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.model import get_block
+from autoshard.runtime.recipe import Recipe
 from autoshard.runtime.selective import selective_kwargs
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
@@ -290,18 +293,38 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb
                process_group=dp_mesh.get_group() if dp_mesh is not None else None, init_sync=init_sync)
 
 
-def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3):
-    """AdamW; ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with
-    tp or pp, and for 2 and 3);
-    pipeline stages get one AdamW each (``checkpoint.StageOptimizers``)."""
-    if _is_stages(model):
-        return StageOptimizers(model.modules, torch.optim.AdamW, lr=lr)
-    if zero_stage == 1 and isinstance(model, DDP) and dp_mesh is not None and dp_mesh.size() > 1:
+def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3,
+                    recipe: Recipe | None = None):
+    """AdamW at ``lr`` with torch's settings (``recipe`` None: what programs without a recipe train with), or
+    ``recipe``'s optimizer, settings and weight-decay groups at its own lr, fused on CUDA (``runtime.recipe``).
+    ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with tp or pp, and
+    for 2 and 3); pipeline stages get one optimizer each (``checkpoint.StageOptimizers``)."""
+    zero_redundancy = zero_stage == 1 and isinstance(model, DDP) and dp_mesh is not None and dp_mesh.size() > 1
+    if recipe is None:
+        if _is_stages(model):
+            return StageOptimizers(model.modules, torch.optim.AdamW, lr=lr)
+        if zero_redundancy:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
+                                           process_group=dp_mesh.get_group())
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    device_type = _device_type(model)
+    if zero_redundancy:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
-                                       process_group=dp_mesh.get_group())
-    return torch.optim.AdamW(model.parameters(), lr=lr)
+        return ZeroRedundancyOptimizer(
+            training_recipe.recipe_params(model, recipe), optimizer_class=training_recipe.OPTIMIZERS[recipe.optimizer],
+            process_group=dp_mesh.get_group(), **recipe.optimizer_kwargs(),
+            **training_recipe.optimizer_kernel(recipe.optimizer, model.parameters(), device_type))
+    return training_recipe.build_optimizer(model, recipe, device_type)
+
+
+def _device_type(model) -> str:
+    """The device type of the model's (or its stages') parameters: "cpu" without any."""
+    modules = model.modules if _is_stages(model) else [model]
+    param = next((p for m in modules for p in m.parameters()), None)
+    return "cpu" if param is None else param.device.type
 
 
 def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: int, loss_fn: Callable):

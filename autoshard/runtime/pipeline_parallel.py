@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -109,6 +110,9 @@ class PipelineStages:
     # 0-d parameters the dp wrapper leaves whole (FSDP2 cannot shard them), and the dp group that averages
     # their gradients after the schedule (``sync_replicated_grads``; set by the dp wrapper).
     dp_replicated: tuple[tuple[nn.Parameter, ...], dist.ProcessGroup | None] = ((), None)
+    # The names of the parameters that take no weight decay (norms', biases, embeddings'), found by module type
+    # on the whole model: a stage's graph module has lost the types (``model.no_decay_names``)
+    no_decay: frozenset[str] = frozenset()
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -161,6 +165,7 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
         raise AutoshardError(f"pp={pp_size} x {virtual_stages} virtual stages needs {num_stages - 1} split points, "
                              f"got {len(split_points)}: {split_points}")
     state_names = frozenset(model.state_dict())
+    no_decay = no_decay_names(model)
     pipe = split_model(model, example_microbatch_inputs, split_points)
     output_spec = pipe.model_output_spec
     if pipe.num_stages != num_stages:
@@ -173,7 +178,7 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
     return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
-                          tp_group, state_aliases(model), placement)
+                          tp_group, state_aliases(model), placement, no_decay=no_decay)
 
 
 def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:

@@ -1,0 +1,440 @@
+"""The training recipe: optimizer, learning-rate schedule, weight decay and gradient clipping.
+
+A ``Recipe`` is plain data (a frozen dataclass): its defaults are what programs did before it existed
+(AdamW at lr 1e-3 with torch's betas, eps and weight_decay 0.01 on every parameter, a constant rate, no
+clipping), so a program given ``Recipe()`` trains exactly as before. ``Recipe.from_file`` reads the
+``[training]`` table of a TOML or YAML file; ``as_dict`` is what a program prints as a constant.
+
+    param_groups(model, weight_decay)       decay on weights; none on norms, biases and embeddings
+    build_optimizer(model, recipe, device)  torch's AdamW / Adam / SGD, fused on CUDA, foreach elsewhere
+    build_scheduler(optimizer, recipe)      LambdaLR: linear warmup, then cosine / linear decay or constant
+    clip_grad_norm(model, max_norm)         the whole model's gradient norm over every mesh axis, clipped
+
+In a training step::
+
+    grad_norm = clip_grad_norm(model, recipe.max_grad_norm)   # after backward (and the pipeline's step)
+    optimizer.step()
+    scheduler.step()                                           # the rate of the next step
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime.checkpoint import StageOptimizers
+from autoshard.runtime.model import no_decay_params, strip_wrapper_names
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+SCHEDULES = ("constant", "linear", "cosine")
+TABLE = "training"  # the recipe's table in a TOML or YAML file
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to train: the optimizer and its settings, the learning-rate schedule, clipping.
+
+    ``decay_all`` True puts weight decay on every parameter (torch's one group, as programs did before);
+    False leaves normalisation layers, biases and embeddings without it (``param_groups``).
+    ``steps`` is the length of the decay (None: the run's own ``--steps``, ``for_run``)."""
+
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)  # adam, adamw
+    eps: float = 1e-8  # adam, adamw
+    momentum: float = 0.0  # sgd
+    weight_decay: float = 0.01
+    decay_all: bool = True
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the decay's floor, a fraction of lr
+    max_grad_norm: float | None = None  # None: no clipping
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Recipe:
+        """The ``[training]`` table of a ``.toml`` (tomllib) or ``.yaml`` / ``.yml`` file (``training:``);
+        a key it lacks keeps its default. Unknown keys and bad values are refused in one line."""
+        path = Path(path)
+        table = _read_table(path)
+        unknown = sorted(set(table) - {f.name for f in fields(cls)})
+        if unknown:
+            raise AutoshardError(f"{path}: unknown key '{unknown[0]}' in [{TABLE}]; fix: use only "
+                                 f"{', '.join(f.name for f in fields(cls))}")
+        values = {name: _coerce(name, value, path) for name, value in table.items()}
+        try:
+            return cls(**values)
+        except AutoshardError as exc:
+            raise AutoshardError(f"{path}: {exc}") from None
+
+    def for_run(self, steps: int, lr: float | None = None) -> Recipe:
+        """This recipe with ``steps`` filled in where it has none (the run's ``--steps``), and ``lr`` if given."""
+        return dataclasses.replace(self, steps=self.steps if self.steps is not None else steps,
+                                   lr=self.lr if lr is None else lr)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (``betas`` a list), for a program's constants: ``Recipe(**RECIPE)`` rebuilds it."""
+        values = dataclasses.asdict(self)
+        values["betas"] = list(self.betas)
+        return values
+
+    to_constants = as_dict
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the optimizer's class (``OPTIMIZERS``) other than params and the kernel."""
+        if self.optimizer == "sgd":
+            return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+
+def _check(recipe: Recipe) -> None:
+    """Every field's value is one the recipe can train with (a one-line ``AutoshardError`` naming it)."""
+    def bad(name: str, want: str) -> AutoshardError:
+        return AutoshardError(f"{name} = {getattr(recipe, name)!r} is not valid; fix: {want}")
+
+    if recipe.optimizer not in OPTIMIZERS:
+        raise bad("optimizer", f"use one of {', '.join(OPTIMIZERS)}")
+    if recipe.schedule not in SCHEDULES:
+        raise bad("schedule", f"use one of {', '.join(SCHEDULES)}")
+    if not recipe.lr > 0:
+        raise bad("lr", "a learning rate above 0, e.g. 3e-4")
+    if len(recipe.betas) != 2 or not all(0 <= b < 1 for b in recipe.betas):
+        raise bad("betas", "two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for name in ("eps", "weight_decay", "momentum"):
+        if getattr(recipe, name) < 0:
+            raise bad(name, "a number >= 0")
+    if not 0 <= recipe.min_lr_ratio <= 1:
+        raise bad("min_lr_ratio", "a fraction of lr in [0, 1], e.g. 0.1")
+    if recipe.warmup_steps < 0:
+        raise bad("warmup_steps", "a number of steps >= 0")
+    if recipe.steps is not None and recipe.steps < 1:
+        raise bad("steps", "a number of steps >= 1, or leave it out to decay over the run's --steps")
+    if recipe.max_grad_norm is not None and not recipe.max_grad_norm > 0:
+        raise bad("max_grad_norm", "a norm above 0, e.g. 1.0, or leave it out for no clipping")
+
+
+_TYPES = {"optimizer": str, "schedule": str, "lr": float, "eps": float, "momentum": float, "weight_decay": float,
+          "min_lr_ratio": float, "max_grad_norm": float, "warmup_steps": int, "steps": int, "decay_all": bool}
+
+
+def _coerce(name: str, value: Any, path: Path) -> Any:
+    """``value`` as the field's type: an int where a float is wanted is taken, anything else of the wrong type
+    is refused (YAML reads ``1e-3`` as a string: taken as a float when it reads as one)."""
+    def refuse(want: str) -> AutoshardError:
+        return AutoshardError(f"{path}: {name} = {value!r} in [{TABLE}] is not {want}; fix: e.g. "
+                              f"{name} = {_EXAMPLES[name]}")
+
+    if name == "betas":
+        if not (isinstance(value, list) and len(value) == 2):
+            raise refuse("a list of two numbers")
+        return tuple(_coerce("lr", v, path) if not isinstance(v, bool) else _raise(refuse("a list of two numbers"))
+                     for v in value)
+    want = _TYPES[name]
+    if value is None and name in ("max_grad_norm", "steps"):
+        return None
+    if want is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise refuse("a number") from None
+    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, want) and (want is bool or not isinstance(value, bool)):
+        return value
+    raise refuse({str: "a string", int: "a whole number", bool: "true or false", float: "a number"}[want])
+
+
+def _raise(exc: Exception):
+    raise exc
+
+
+_EXAMPLES = {"optimizer": '"adamw"', "schedule": '"cosine"', "lr": "3e-4", "betas": "[0.9, 0.95]", "eps": "1e-8",
+             "momentum": "0.9", "weight_decay": "0.1", "decay_all": "false", "warmup_steps": "100",
+             "min_lr_ratio": "0.1", "max_grad_norm": "1.0", "steps": "1000"}
+
+
+def _read_table(path: Path) -> dict[str, Any]:
+    """The ``[training]`` table of ``path`` as a dict."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise AutoshardError(f"cannot read recipe file {path}: {exc.strerror}; fix: give an existing "
+                             f".toml or .yaml file") from None
+    if path.suffix == ".toml":
+        try:
+            document = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise AutoshardError(f"{path}: not valid TOML ({exc}); fix: the file's syntax") from None
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise AutoshardError(f"{path}: not valid YAML{at}; fix: the file's syntax") from None
+    else:
+        raise AutoshardError(f"recipe file {path} must end in .toml, .yaml or .yml; fix: rename it")
+    table = document.get(TABLE) if isinstance(document, dict) else None
+    if not isinstance(table, dict):
+        raise AutoshardError(f"{path} has no [{TABLE}] table; fix: put the recipe's keys under [{TABLE}] "
+                             f"(TOML) or '{TABLE}:' (YAML)")
+    return table
+
+
+# ---------------------------------------------------------------------------- weight decay groups
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: frozenset[str] | None = None) -> list[dict]:
+    """torch param groups: ``weight_decay`` on every parameter but norms', biases and embeddings', which get 0
+    (``model.no_decay_names``); each parameter once (a tied one is one tensor), empty groups left out.
+
+    ``no_decay``: the names to leave undecayed when ``model`` no longer has the module types (a pipeline stage's
+    graph module: ``PipelineStages.no_decay``, found on the whole model before the split); else found here by
+    type, which works on DTensor (TP), FSDP2 and DDP-wrapped models."""
+    params = dict(_unique_params(model))
+    if no_decay is None:
+        undecayed = set(no_decay_params(model))
+    else:
+        undecayed = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
+                     if strip_wrapper_names(name) in no_decay}
+    decay = [p for key, p in params.items() if key not in undecayed]
+    plain = [p for key, p in params.items() if key in undecayed]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def _unique_params(model: nn.Module) -> Iterator[tuple[int, nn.Parameter]]:
+    for param in model.parameters():  # named_parameters' own dedup: a tied tensor once
+        yield id(param), param
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+
+def optimizer_kernel(optimizer: str, params: Iterable[torch.Tensor], device_type: str) -> dict[str, bool]:
+    """Which of torch's implementations steps ``params``: ``{"fused": True}`` on CUDA (one kernel per step;
+    DTensor dispatches torch's fused Adam/AdamW to its shards, but has no fused SGD, which then runs foreach),
+    else ``{"foreach": True}`` (on CPU the per-tensor loop of torch's foreach ops, which gives the same numbers
+    as torch's default for-loop, so a CPU run matches one process's plain AdamW bit for bit; torch 2.13 has a
+    fused CPU kernel too, but it rounds differently from that reference, so it is not taken)."""
+    params = list(params)
+    on_cuda = device_type == "cuda" and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    dtensor_sgd = optimizer == "sgd" and any(isinstance(p, DTensor) for p in params)
+    return {"fused": True} if on_cuda and not dtensor_sgd else {"foreach": True}
+
+
+def optimizer_for(params, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
+    """``recipe``'s optimizer over ``params`` (tensors or param groups), with ``optimizer_kernel``'s kernel."""
+    params = list(params)
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    return OPTIMIZERS[recipe.optimizer](params, **recipe.optimizer_kwargs(),
+                                        **optimizer_kernel(recipe.optimizer, tensors, device_type))
+
+
+def recipe_params(module: nn.Module, recipe: Recipe, no_decay: frozenset[str] | None = None) -> list:
+    """What the optimizer steps: every parameter in one group (``decay_all``), or ``param_groups``."""
+    if recipe.decay_all:
+        return list(module.parameters())
+    return param_groups(module, recipe.weight_decay, no_decay)
+
+
+def build_optimizer(model_or_params, recipe: Recipe, device_type: str):
+    """``recipe``'s optimizer: over a module (or pipeline stages: one per stage module, ``StageOptimizers``,
+    their no-decay names read from the whole model, ``PipelineStages.no_decay``) or over given parameters or
+    groups. Kernel: fused on CUDA, foreach elsewhere (``optimizer_kernel``). ZeRO-1 over DDP:
+    ``runtime.parallel.build_optimizer(..., recipe=...)``."""
+    modules = getattr(model_or_params, "modules", None)
+    if isinstance(modules, list):  # pipeline stages
+        no_decay = getattr(model_or_params, "no_decay", frozenset())
+        return StageOptimizers(modules, lambda params, **_: optimizer_for(params, recipe, device_type),
+                               params_of=lambda module: recipe_params(module, recipe, no_decay))
+    if isinstance(model_or_params, nn.Module):
+        return optimizer_for(recipe_params(model_or_params, recipe), recipe, device_type)
+    return optimizer_for(model_or_params, recipe, device_type)
+
+
+# ---------------------------------------------------------------------------- learning-rate schedule
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """The learning rate of step ``step`` (0-based) as a fraction of ``recipe.lr``. With W = warmup_steps,
+    S = steps, m = min_lr_ratio::
+
+        t < W        (t + 1) / W                                  linear warmup, reaching lr at t = W − 1
+        t ≥ W        p = min(1, (t + 1 − W) / (S − W))            the decay's progress, 1 at t = S − 1
+          constant   1
+          linear     m + (1 − m)·(1 − p)
+          cosine     m + (1 − m)·(1 + cos(π·p)) / 2
+
+    and m (the floor) once p = 1, for every step after S too (S ≤ W: the floor right after warmup)."""
+    warmup, steps, floor = recipe.warmup_steps, recipe.steps, recipe.min_lr_ratio
+    if step < warmup:
+        return (step + 1) / warmup
+    if recipe.schedule == "constant":
+        return 1.0
+    assert steps is not None, "a decaying schedule needs steps (Recipe.for_run)"
+    progress = min(1.0, (step + 1 - warmup) / (steps - warmup)) if steps > warmup else 1.0
+    if recipe.schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
+
+
+class LRFactor:
+    """``lr_factor`` of one recipe, as LambdaLR's function (a class, so the scheduler's state never pickles code)."""
+
+    def __init__(self, recipe: Recipe):
+        if recipe.schedule != "constant" and recipe.steps is None:
+            raise AutoshardError(f"schedule '{recipe.schedule}' decays over steps, and the recipe has none; fix: "
+                                 f"set steps in [{TABLE}], or pass the run's steps (Recipe.for_run)")
+        self.recipe = recipe
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.recipe)
+
+
+class StageSchedulers:
+    """One LambdaLR per pipeline stage optimizer (``StageOptimizers``), stepped together; one state (they count
+    the same steps)."""
+
+    def __init__(self, schedulers: list[LambdaLR]):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    @property
+    def last_epoch(self) -> int:
+        return self.schedulers[0].last_epoch
+
+
+def build_scheduler(optimizer, recipe: Recipe):
+    """``recipe``'s schedule (``lr_factor``) as torch's LambdaLR on ``optimizer`` (each stage's for
+    ``StageOptimizers``: ``StageSchedulers``). Step it after each ``optimizer.step()``: it sets the rate of the
+    next step. Checkpoints hold its position (``checkpoint.save`` / ``resume`` with ``scheduler=``)."""
+    if isinstance(optimizer, StageOptimizers):
+        return StageSchedulers([build_scheduler(o, recipe) for o in optimizer.optimizers])
+    return LambdaLR(optimizer, LRFactor(recipe))
+
+
+# ---------------------------------------------------------------------------- gradient clipping
+
+
+def clip_grad_norm(model, max_norm: float | None) -> float:
+    """Scale every gradient by min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ the 2-norm of the WHOLE model's gradient as
+    one process computes it (torch's ``clip_grad_norm_`` formula); returns ‖g‖ (for logging; NaN on fake
+    tensors). ``max_norm`` None: nothing is clipped, the norm is still computed.
+
+        ‖g‖² = Σ_buckets ‖g_bucket‖²  (+ over the pp ranks for pipeline stages)
+
+    with this rank's gradients bucketed by how their pieces lie over the ranks (``_norm_buckets``):
+    DTensors (TP, FSDP2 shards, HSDP, expert DTensors) by their mesh, each bucket's norm from torch's
+    ``get_total_norm`` made whole with ``full_tensor()`` (a Replicate dim counts once, a Shard dim sums);
+    plain tensors (DDP, parameters kept whole beside FSDP2: every rank holds the same gradient) count once.
+    Pipeline stages hold plain TP shards and plain expert shards that torch knows nothing of: their squares
+    are summed over the tp group and the expert group by hand, then every stage's over the pp group; a weight
+    tied across stages is counted at one copy (after ``sync_tied_grads`` every copy holds the sum)."""
+    buckets = _norm_buckets(model)
+    squares = [_bucket_square(bucket) for bucket in buckets]
+    device = _device_of(model)
+    total_square = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    pp_group = getattr(model, "pp_group", None)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # torch has no pipeline-wide norm (torchtitan
+        dist.all_reduce(total_square, op=dist.ReduceOp.SUM, group=pp_group)  # reduces it over pp the same way)
+    total = total_square.sqrt()
+    if max_norm is not None:
+        for bucket in buckets:
+            torch.nn.utils.clip_grads_with_norm_(bucket.params, max_norm, total, foreach=None)
+    return math.nan if is_fake(total) else total.item()
+
+
+@dataclass
+class _Bucket:
+    """Gradients whose 2-norm is made whole the same way: over ``mesh`` (DTensors), then summed in squares over
+    each of ``groups`` (plain shards pipelining keeps: TP's, experts')."""
+
+    mesh: Any
+    groups: tuple
+    params: list[nn.Parameter]
+
+
+def _norm_buckets(model) -> list[_Bucket]:
+    """This rank's parameters with a gradient, each once, bucketed (``clip_grad_norm``), in parameter order (the
+    same on every rank that holds the same modules, so each bucket's collectives line up)."""
+    from autoshard.runtime.expert_parallel import expert_shard_of
+
+    modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
+    tp_shards = getattr(model, "tp_shard_dims", {})
+    tp_group = getattr(model, "tp_group", None)
+    skipped = _extra_tied_copies(model)
+    buckets: dict[tuple, _Bucket] = {}
+    seen: set[int] = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) in seen or id(param) in skipped or param.grad is None:
+                continue
+            seen.add(id(param))
+            grad = param.grad
+            mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+            groups = []
+            if tp_group is not None and strip_wrapper_names(name) in tp_shards and param.dim() > 0:
+                groups.append(tp_group)
+            if (shard := expert_shard_of(param)) is not None:
+                groups.append(shard.group)
+            key = (id(mesh), tuple(id(g) for g in groups))
+            buckets.setdefault(key, _Bucket(mesh, tuple(groups), [])).params.append(param)
+    return list(buckets.values())
+
+
+def _extra_tied_copies(model) -> set[int]:
+    """The ids of the copies of weights tied across pipeline stages that the norm leaves out: every copy but the
+    first on the lowest pp rank holding one (``pipeline_parallel.TiedCopies``; its group ranks are the holders
+    in pp order)."""
+    skipped = set()
+    for tie in getattr(model, "tied", ()):
+        first_holder = tie.group is None or dist.get_rank(tie.group) == 0
+        for index, (position, name) in enumerate(tie.copies):
+            if index > 0 or not first_holder:
+                skipped.add(id(model.stages[position].submod.get_parameter(name)))
+    return skipped
+
+
+def _bucket_square(bucket: _Bucket) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm([p.grad for p in bucket.params], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # torch's own reduction of the norm over the mesh's dims
+    square = norm.float() ** 2
+    for group in bucket.groups:  # shards torch sees as plain tensors: summed over their group by hand
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
+    return square
+
+
+def _device_of(model) -> torch.device:
+    modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
+    param = next((p for m in modules for p in m.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
