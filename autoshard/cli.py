@@ -212,7 +212,19 @@ def _add_run(sub, common) -> None:
     p.add_argument("--timeout-s", type=_int_flag("--timeout-s", 1, 10**7, 300), default=300,
                    help="a collective waiting longer ends the job, naming the ranks that never joined it")
     p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
+    _add_data_arguments(p)
+    p.add_argument("--data-workers", type=_int_flag("--data-workers", 0, 64, 1), default=1,
+                   help="DataLoader processes per rank reading the dataset ahead (default: 1; 0: in the training "
+                   "process)")
     p.set_defaults(func=cmd_run)
+
+
+def _add_data_arguments(p) -> None:
+    p.add_argument("--data", help="train on this flat token file (nanoGPT's .bin: tokens back to back, no header), "
+                   "in windows of the plan's tokens per sample (default: the model file's dataset(seq_len), else "
+                   "example_batch draws)")
+    p.add_argument("--data-dtype", choices=["uint16", "int32"], default="uint16",
+                   help="the token type of --data's file (default: uint16)")
 
 
 def _add_verify(sub, common) -> None:
@@ -221,6 +233,7 @@ def _add_verify(sub, common) -> None:
     p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5,
                    help="steps to train both ways and compare (default: 5)")
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
+    _add_data_arguments(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -534,7 +547,9 @@ def _check_output_folder(flag: str, folder: str | None) -> None:
 def cmd_run(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.launch import check_runs_here, run_torchrun, write_program
+    from autoshard.passes.lower import layout
     from autoshard.pipeline import check_plan_modules
+    from autoshard.runtime.data import DataSource, open_dataset
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
@@ -552,12 +567,15 @@ def cmd_run(args) -> int:
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
+    data = DataSource(args.data, args.data_dtype)
+    open_dataset(model_file, data, layout(plan).tokens_per_sample)  # its samples match example_batch's rows
     check_outputs([program], inputs, _loaded_modules())
     write_program(plan, program, plan_file=args.plan)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
     extra += ["--lr", repr(args.lr)] if args.lr is not None else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
+    extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
     proc = run_torchrun(program, plan.world_size,
                         ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),
                          "--checkpoint-every", str(args.checkpoint_every), *extra], max_restarts=args.max_restarts)
@@ -566,13 +584,14 @@ def cmd_run(args) -> int:
 
 def cmd_verify(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan
+    from autoshard.runtime.data import DataSource
     from autoshard.verify import summary_lines, verify
 
     plan = load_plan(args.plan)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
           f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
-    report = verify(plan, steps=args.steps, seed=args.seed)
+    report = verify(plan, steps=args.steps, seed=args.seed, data=DataSource(args.data, args.data_dtype))
     print("\n".join(summary_lines(report)))
     if not report.ok:
         print(f"FAILED: {report.failure}", file=sys.stderr)

@@ -2,7 +2,9 @@
 
 A model file defines a factory returning an ``nn.Module`` (it must also work under
 ``with torch.device("meta")``), ``example_batch(batch_size) -> (inputs: tuple, targets)``
-and optionally ``loss_fn(outputs, targets)``. Without ``loss_fn`` the default is
+and optionally ``loss_fn(outputs, targets)`` and ``dataset(seq_len)`` (what programs train on: a map-style
+``torch.utils.data.Dataset`` of ``(inputs, target)`` samples, each one row of ``example_batch``: ``inputs`` a tuple
+of tensors without the batch dimension; ``seq_len`` None means the file's own length). Without ``loss_fn`` the default is
 cross-entropy when the targets are integer class ids (outputs ``(..., classes)``, targets
 ``(...)``) and mean squared error otherwise; an output object with a ``logits`` attribute
 (Hugging Face models) is reduced to its logits first.
@@ -106,6 +108,21 @@ class ModelFile:
                                  f"of shape {tuple(inputs[0].shape)}; the first input needs seq_len tokens as its "
                                  f"second dimension")
         return inputs, targets
+
+    @property
+    def has_dataset(self) -> bool:
+        """The file defines ``dataset(seq_len)``: programs train on it rather than on ``example_batch`` draws."""
+        return callable(getattr(self.module, "dataset", None))
+
+    def dataset(self):
+        """The file's ``dataset(seq_len)`` (``seq_len`` None: the file's own length), errors naming the file: a
+        ``torch.utils.data.Dataset`` of ``(inputs, target)`` samples shaped like one row of ``example_batch``
+        (``runtime.data.check_samples`` checks it)."""
+        try:
+            return self.module.dataset(self.seq_len)
+        except USER_CODE_ERRORS as exc:
+            raise AutoshardError(f"{self.path}: dataset(seq_len={self.seq_len}) raised {type(exc).__name__}: "
+                                 f"{_first_line(exc)}; fix the model file") from exc
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         fn = getattr(self.module, "loss_fn", None)

@@ -75,7 +75,15 @@ from autoshard.ir.names import op_name
 from autoshard.ir.plan import Plan
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
-from autoshard.runtime.data import global_batch, split_microbatches, take_shard
+from autoshard.passes.lower import layout
+from autoshard.runtime.data import (
+    DataSource,
+    global_batch,
+    global_batches,
+    open_dataset,
+    split_microbatches,
+    take_shard,
+)
 from autoshard.runtime.model import build_model, has_batch_norm, load_model_file, zero_dropout_rates
 from autoshard.runtime.randomness import fixable, fixed_randomness
 from autoshard.runtime.report import read_weights
@@ -126,35 +134,52 @@ class VerifyReport:
         return not self.failure
 
 
-def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR) -> VerifyReport:
-    """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc)."""
-    model_file, notes = prepare(plan, steps, seed)
+def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR,
+           data: DataSource = DataSource()) -> VerifyReport:
+    """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc).
+    ``data``: what both train on (``--data``; by default the model file's dataset, else example_batch draws)."""
+    model_file, notes = prepare(plan, steps, seed, data)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
-        parallel = run_parallel(plan, Path(tmp), steps, seed, lr)
-    return judge(plan, model_file, parallel, steps, seed, lr, notes)
+        parallel = run_parallel(plan, Path(tmp), steps, seed, lr, data)
+    return judge(plan, model_file, parallel, steps, seed, lr, notes, data)
 
 
-def prepare(plan: Plan, steps: int, seed: int) -> tuple[ModelFile, tuple[str, ...]]:
+def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) -> tuple[ModelFile, tuple[str, ...]]:
     """What ``verify`` checks before it launches anything: the steps, that the plan runs here, the model file
-    (its hash), the model's randomness; the model file and the notes for the report."""
+    (its hash), the model's randomness, the dataset's samples (``runtime.data.open_dataset``); the model file
+    and the notes for the report."""
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_randomness(plan, model_file, seed)
-    return model_file, run_notes(model_file, plan)
+    dataset = open_dataset(model_file, data, layout(plan).tokens_per_sample)
+    notes = run_notes(model_file, plan)
+    if dataset is not None:
+        notes += (f"both train on {data.name(model_file)} ({len(dataset)} samples), in the order the program's "
+                  f"{plan.mesh.dp} data-parallel rank(s) read it",)
+    return model_file, notes
+
+
+def reference_data(plan: Plan, model_file: ModelFile, data: DataSource) -> dict:
+    """``train_reference``'s data arguments: a dataset's source, tokens per sample and dp (its order depends on
+    dp), or nothing for example_batch draws (whose order does not)."""
+    if not (data.path or model_file.has_dataset):
+        return {}
+    return {"data": data, "tokens_per_sample": layout(plan).tokens_per_sample, "dp": plan.mesh.dp}
 
 
 def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, seed: int, lr: float,
-          notes: tuple[str, ...] = ()) -> VerifyReport:
+          notes: tuple[str, ...] = (), data: DataSource = DataSource()) -> VerifyReport:
     """The parallel run (or why it failed) against the fp32 and float64 one-process runs, with a likely cause."""
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
+    source = reference_data(plan, model_file, data)
     ref32 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True,
-                            microbatches=microbatches)
+                            microbatches=microbatches, **source)
     ref64 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True, microbatches=microbatches,
-                            dtype=torch.float64)
+                            dtype=torch.float64, **source)
     report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, lr, exact=ref64)
     if report.ok:
         return _with(report, notes=notes)
@@ -202,20 +227,23 @@ def check_randomness(plan: Plan, model_file: ModelFile, seed: int) -> None:
                              "keeps state between calls; make forward a function of its inputs and weights to verify it")
 
 
-def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float) -> Run | str:
+def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float,
+                 data: DataSource = DataSource()) -> Run | str:
     """Losses and final weights of the emitted program (random ops fixed), or the reason it failed."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "metrics"
-    proc = run_torchrun(program, plan.world_size, program_args(steps, seed, lr, out), quiet=True)
+    proc = run_torchrun(program, plan.world_size, program_args(steps, seed, lr, out, data), quiet=True)
     if proc.returncode != 0:
         why = proc.crash or _error_line(proc.stdout)
         return f"the emitted program failed (exit {proc.returncode}):\n{why}"
     return read_run(out)
 
 
-def program_args(steps: int, seed: int, lr: float, out: Path) -> list[str]:
-    """The emitted program's command line as verify runs it: random ops fixed, metrics into ``out``."""
-    return ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness"]
+def program_args(steps: int, seed: int, lr: float, out: Path, data: DataSource = DataSource()) -> list[str]:
+    """The emitted program's command line as verify runs it: random ops fixed, metrics into ``out``, ``data``'s
+    flags, a dataset read in the training process (no DataLoader workers)."""
+    return ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness",
+            *data.program_args(), "--data-workers", "0"]
 
 
 def read_run(out: Path) -> Run:
@@ -241,14 +269,16 @@ def reference_microbatches(model_file: ModelFile, plan: Plan) -> tuple[int, int]
 
 def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float,
                     dtype: torch.dtype = torch.float32, fixed_randomness: bool = False,
-                    microbatches: tuple[int, int] | None = None) -> Run:
+                    microbatches: tuple[int, int] | None = None, data: DataSource | None = None,
+                    tokens_per_sample: int | None = None, dp: int = 1) -> Run:
     """One process, the whole global batch per step, plain AdamW: the ground truth.
 
     ``dtype=torch.float64`` casts the fp32 initial weights and the float data, so it is the same
     computation with less rounding (an op with no float64 kernel runs in fp32 there:
     ``Float64Fallback``). ``fixed_randomness=True`` zeroes the model's dropout rates and runs
     under ``NoDropout``. ``microbatches=(dp, m)``: accumulate over the m micro-batches the program
-    runs, each the dp ranks' slices of it.
+    runs, each the dp ranks' slices of it. ``data``: train on that source's dataset (``runtime.data.global_batches``:
+    samples of ``tokens_per_sample``, in the order ``dp`` ranks read them), None: on example_batch draws.
     """
     model = build_model(model_file, seed).to(dtype)
     if fixed_randomness:
@@ -256,9 +286,10 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     fallback = Float64Fallback() if dtype == torch.float64 else contextlib.nullcontext()
+    batch_of = global_batches(model_file, data, batch_size, seed, tokens_per_sample, dp)
     with _fixed_randomness() if fixed_randomness else contextlib.nullcontext(), fallback:
         for step in range(steps):
-            batch = _cast(global_batch(model_file, batch_size, seed, step), dtype)
+            batch = _cast(batch_of(step), dtype)
             loss = sum(_backward(model_file, model, chunk, len(chunks))
                        for chunks in [_reference_chunks(batch, microbatches)] for chunk in chunks)
             optimizer.step()

@@ -16,7 +16,7 @@ from autoshard.runtime import faults  # emitted programs run main under runtime.
 
 # the function shadows its module's name here, so it is bound now, as the module is imported
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
-from autoshard.runtime.data import global_batch, split_microbatches, take_samples, take_shard
+from autoshard.runtime.data import DataSource, RankBatches, global_batch, split_microbatches, take_samples, take_shard
 from autoshard.runtime.distributed import DistContext, build_mesh, init_distributed, mean_over, shutdown
 from autoshard.runtime.model import (
     build_meta_model,
@@ -39,7 +39,7 @@ _SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_
 
 __all__ = [
     "DistContext", "build_mesh", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches",
-    "take_samples", "take_shard",
+    "take_samples", "take_shard", "DataSource", "RankBatches",
     "context_parallel", "take_sequence_shard",
     "build_meta_model", "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",

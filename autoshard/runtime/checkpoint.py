@@ -11,8 +11,11 @@ inherits it; a program started by torchrun directly takes it on rank 0 (``resume
 on the folder is refused in one line naming the holder's pid. The lock's holder removes the
 ``.partial`` folders it finds on start: their writers are dead.
 
-Resuming is exact because the data of step t depends only on (seed, t) (runtime.data) and
-weights and optimizer state are restored in full.
+Resuming is exact because the data of step t depends only on (seed, t) (runtime.data: a dataset's
+position is epoch ⌊t / E⌋, batch t mod E) and weights and optimizer state are restored in full. Each
+checkpoint keeps the data position too (``data.epoch``, ``data.epoch_samples``, ``data.samples_consumed``,
+``data.dataset_length``, ``data.seed``; ``RankBatches.position``), and a resume on another dataset length
+or seed is refused in one line (``RankBatches.check_position``).
 
 State is keyed by the original model's names (``h.0.attn.q_proj.weight``,
 ``state.h.0.attn.q_proj.weight.exp_avg``: DCP's flattened optimizer state), whatever the plan:
@@ -79,18 +82,21 @@ class StageOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, scheduler=None) -> Path:
+def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, data=None, scheduler=None) -> Path:
     """Write the state after ``steps_done`` steps (and ``scheduler``'s position, given one: a
     ``recipe.build_scheduler``); returns the final folder.
 
     ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
-    ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages.
+    ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages; ``data``
+    (``runtime.data.RankBatches``) gives the data position to keep.
     """
     start = time.perf_counter()
     model_state, optim_state, _ = _state(model, optimizer, mesh)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
     if scheduler is not None:
         state["scheduler"] = scheduler_state(scheduler)
+    if data is not None:
+        state["data"] = {key: torch.tensor(value) for key, value in data.position(steps_done).items()}
     final = _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
                    lambda: faults.inject("kill-in-checkpoint", steps_done))
     _say(f"saved checkpoint {final} after step {steps_done} ({time.perf_counter() - start:.1f} s)")
@@ -294,20 +300,33 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(path: str | Path, model, optimizer, mesh=None, scheduler=None) -> int:
+def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=None) -> int:
     """Restore model and optimizer (and ``scheduler``, given one) in place from ``path``; returns the steps
-    already done."""
+    already done. With ``data``
+    (``runtime.data.RankBatches``), a checkpoint that keeps a data position must have been written on the same
+    data (``check_position``); older checkpoints keep none."""
     model_state, optim_state, restore = _state(model, optimizer, mesh)
     check_same_model(path, model_state, this_rank_has_all=not isinstance(optimizer, StageOptimizers))
+    kept = saved_data_keys(path)
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
     if scheduler is not None and _has_scheduler(path):
         state["scheduler"] = scheduler_state(scheduler)
+    if data is not None and kept:
+        state["data"] = {key: torch.tensor(0) for key in kept}
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
+    if "data" in state:
+        data.check_position({key: int(value) for key, value in state["data"].items()}, str(path))
     restore()
     steps_done = int(state["steps_done"])
     if scheduler is not None:  # saved without one: the position of the steps done
         load_scheduler_state(scheduler, state.get("scheduler") or scheduler_position(steps_done))
     return steps_done
+
+
+def saved_data_keys(path: str | Path) -> list[str]:
+    """The data position's keys a checkpoint keeps (none before checkpoints kept it)."""
+    metadata = safe_load.SafeFileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    return sorted(key.removeprefix("data.") for key in metadata if key.startswith("data."))
 
 
 def _has_scheduler(path: str | Path) -> bool:
@@ -377,14 +396,15 @@ def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: boo
     raise exc
 
 
-def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, scheduler=None) -> int:
+def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, data=None, scheduler=None) -> int:
     """Load the newest complete checkpoint in ``checkpoint_dir`` if any (``scheduler``
-    too, given one); the step to start at."""
+    too, given one); the step to start at (``data``, the
+    run's ``RankBatches``, then reads from that step's position)."""
     if not checkpoint_dir:
         return 0
     _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
-    steps_done = load(found, model, optimizer, mesh, scheduler=scheduler) if found else 0
+    steps_done = load(found, model, optimizer, mesh, data, scheduler=scheduler) if found else 0
     if found and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restart says it itself
         _say(f"resumed from checkpoint {found} ({steps_done} steps done): training goes on at step {steps_done}")
     _announce_restart(found, steps_done)

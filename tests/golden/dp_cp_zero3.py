@@ -74,6 +74,11 @@ def parse_args():
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
                         "naming the ranks that never joined it")
+    parser.add_argument("--data", help="train on this flat token file (nanoGPT's .bin: tokens back to back, no "
+                        "header) instead of the model file's dataset or, without one, example_batch draws")
+    parser.add_argument("--data-dtype", choices=["uint16", "int32"], default="uint16", help="--data's token type")
+    parser.add_argument("--data-workers", type=int, default=1, help="DataLoader processes per rank reading the "
+                        "dataset ahead (0: read in the training process)")
     return parser.parse_args()
 
 
@@ -86,16 +91,19 @@ def main():
     model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
                                      fixed_randomness=args.fixed_randomness)
     model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
+    # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
+    # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
+    batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
+                                  TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
-    start = checkpoint.resume(args.checkpoint_dir, model, optimizer)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches)  # 0 without a checkpoint
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
     log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
     for step in range(start, args.steps):
         log.start()
-        batch = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, step)
-        inputs, targets = runtime.take_samples(batch, mesh, DATA_AXIS, ctx.device)  # this rank's samples
+        inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
             # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
@@ -111,7 +119,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer)
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     if args.export_hf:
