@@ -67,6 +67,7 @@ class Recipe:
     steps: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))  # a program's constant writes them as a list
         _check(self)
 
     @classmethod
