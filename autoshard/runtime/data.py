@@ -296,7 +296,8 @@ class RankBatches:
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // self.dp, sampler=self.sampler,
                                  drop_last=True, collate_fn=collate, num_workers=workers,
                                  pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                 prefetch_factor=2 if workers > 0 else None)
+                                 prefetch_factor=2 if workers > 0 else None,
+                                 generator=torch.Generator().manual_seed(seed))  # torch's global RNG untouched
 
     def take(self, step: int):
         """``(inputs, targets)`` of this rank at ``step`` on its device: ``take_shard`` of the step's global batch."""
@@ -307,7 +308,8 @@ class RankBatches:
         if step != self._next_step or batch == 0:  # a new epoch, or a start or resume mid-epoch
             self.sampler.set_epoch(epoch)
             self.sampler.start = batch * self.loader.batch_size
-            self._batches = iter(self.loader)
+            with drawing_freely():  # the loader draws its workers' base seed from its own generator
+                self._batches = iter(self.loader)
         inputs, targets = next(self._batches)
         self._next_step = step + 1
         return (tuple(t.to(self.device, non_blocking=True) for t in inputs),

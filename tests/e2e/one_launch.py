@@ -17,9 +17,11 @@ process group and whose ``runtime.shutdown`` waits for the last job.
                                        of that size of every selected test module are prepared, run in
                                        one launch and finished; ``launches.result(LAUNCHES, name)``
     run_jobs(jobs, ranks, folder)      jobs in one launch; {name: "" or why it did not finish}
-    verify_cases(make_plan, steps_of)  prepare / finish that are ``autoshard.verify`` of each case's plan:
+    verify_cases(make_plan, steps_of, data_of=None)
+                                       prepare / finish that are ``autoshard.verify`` of each case's plan:
                                        its checks, its program command line, its judgement
-                                       (``verify.prepare``, ``program_args``, ``judge``)
+                                       (``verify.prepare``, ``program_args``, ``judge``), on the data
+                                       ``data_of(name, folder)`` names (``verify --data``)
     program_cases(make_plan)           prepare / finish for emitted programs run as the zoo runs them,
                                        judged by ``assert_trains_like_one_process`` (``zoo.run_and_judge``'s
                                        checks, one program at a time)
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.launch import run_torchrun, write_program
+from autoshard.runtime.data import DataSource
 from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run
 
 DRIVER = Path(__file__).with_name("jobs_driver.py")
@@ -251,26 +254,30 @@ def _in_repo():
 # --------------------------------------------------------------------------- verify
 
 def verify_cases(make_plan: Callable[[str], Any], steps_of: Callable[[str], int], seed: int = 0,
-                 lr: float = DEFAULT_LR) -> tuple[Callable, Callable]:
-    """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, lr)`` of each case's plan
-    (``make_plan(name)``, ``steps_of(name)``): the result is (plan, its ``VerifyReport``), or the exception
-    planning or verify raised before launching."""
+                 lr: float = DEFAULT_LR, data_of: Callable[[str, Path], DataSource] | None = None
+                 ) -> tuple[Callable, Callable]:
+    """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, lr, data)`` of each case's plan
+    (``make_plan(name)``, ``steps_of(name)``, ``data_of(name, its folder)``, by default the model file's dataset or
+    example_batch draws): the result is (plan, its ``VerifyReport``), or the exception planning or verify raised
+    before launching. The verify run is the case's first job."""
     def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
-        return {name: attempt(lambda: _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, lr))
-                for name in names}
+        def one(name):
+            data = data_of(name, folder / name) if data_of else DataSource()
+            return _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, lr, data)
+        return {name: attempt(lambda: one(name)) for name in names}
 
     def finish(name: str, state: tuple, failures: list[str]) -> tuple:
-        plan, steps, model_file, notes, out = state
+        plan, steps, model_file, notes, out, data = state
         parallel = f"the emitted program failed:\n{failures[0]}" if failures[0] else read_run(out)
-        return plan, judge(plan, model_file, parallel, steps, seed, lr, notes)
+        return plan, judge(plan, model_file, parallel, steps, seed, lr, notes, data)
     return prepare_all, finish
 
 
-def _prepare_verify(plan, steps: int, folder: Path, seed: int, lr: float) -> tuple[list[dict], tuple]:
-    model_file, notes = prepare(plan, steps, seed)  # raises AutoshardError as verify would
+def _prepare_verify(plan, steps: int, folder: Path, seed: int, lr: float, data: DataSource) -> tuple[list[dict], tuple]:
+    model_file, notes = prepare(plan, steps, seed, data)  # raises AutoshardError as verify would
     out = folder / "metrics"
     program = write_program(plan, folder / "train.py")
-    return [job(program, program_args(steps, seed, lr, out), out)], (plan, steps, model_file, notes, out)
+    return [job(program, program_args(steps, seed, lr, out, data), out)], (plan, steps, model_file, notes, out, data)
 
 
 def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failure: str) -> None:
