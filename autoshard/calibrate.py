@@ -14,7 +14,8 @@ what all of them measured:
 - **elementwise**: ``torch.add(a, b, out=c)`` on large tensors, all ranks at once;
   bandwidth 3·bytes(a) / t, the bytes the annotate pass counts for it (two reads, a write).
 
-Every figure is timed like this (``_time_op``): a warm-up call, then a timed one; the ranks
+Every figure is timed like this (``_time_op``; on a GPU a matmul or elementwise "call" is a batch of
+launches about 2 ms long, ``_time_kernel``): a warm-up call, then a timed one; the ranks
 agree (slowest rank) on k calls that take about ``Settings.point_s`` in all; after a
 barrier each rank times each of its k calls back to back; a call's time is the slowest
 rank's (a synchronous step waits for it); the figure is the median over the k calls, so a
@@ -30,8 +31,9 @@ What is written (``build_cluster``):
   collectives differ in efficiency (gloo's reduce-scatter and all-gather move fewer bytes
   per second than its all-reduce and broadcast) no single link fits all of them, so the
   fit error is reported, and each collective's own fit beside it, in the table and the file.
-- ``device.peak_tflops`` = the median over the matmul sizes (512-2048 on CPU, 2048-8192 on
-  GPU: large enough for steady state) of the measured throughput, and ``matmul_efficiency``
+- ``device.peak_tflops`` = on CPU the median over the matmul sizes (512-2048) of the measured
+  throughput; on a GPU the throughput at 8192³ (steady state: the eager cost model's η_large,
+  which it scales down by tile and wave quantization for smaller shapes), and ``matmul_efficiency``
   = 1. compute.py's roofline t = max(F / (η·P), M / W) uses only the product η·P, and a
   CPU's theoretical peak is not portably knowable, so η·P = measured makes the roofline
   predict the measured matmul times (the file's header shows how close, size by size).
@@ -87,9 +89,9 @@ class Settings:
 
     @classmethod
     def for_backend(cls, backend: str, quick: bool) -> Settings:
-        if backend == "nccl":  # GPUs: bf16 matmuls of 2048-8192 reach steady state, up to 256 MiB messages
+        if backend == "nccl":  # GPUs: bf16 matmuls to 8192 (the peak's size, _device), up to 256 MiB messages
             return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
-                       matmul_sizes=(2048, 4096) if quick else (2048, 4096, 8192), elementwise_numel=2**28,
+                       matmul_sizes=(2048, 4096, 8192), elementwise_numel=2**28,
                        point_s=0.05 if quick else 0.2, min_calls=5, max_calls=200 if quick else 1000)
         if quick:
             return cls(sizes_bytes=_sizes(4 * KIB, 4 * MIB), matmul_sizes=(512, 1024), elementwise_numel=2**23,
@@ -318,13 +320,20 @@ def _host(m: Measurements, cluster: Cluster, origin: str) -> HostOverheads:
 
 
 def _device(m: Measurements, origin: str) -> DeviceSpec:
-    tflops = statistics.median(2 * n**3 / t / 1e12 for n, t in m.matmul_s.items())
+    """On GPUs the peak is the largest matmul's throughput (8192³): the eager cost model's η_large, which
+    its tile and wave quantization scale down for smaller shapes (``cost.eager``); on CPU ranks (the fused
+    roofline, one η for every matmul) the median over the sizes."""
+    by_n = {n: 2 * n**3 / t / 1e12 for n, t in m.matmul_s.items()}
+    gpu = m.backend == "nccl"
+    tflops = by_n[max(by_n)] if gpu else statistics.median(by_n.values())
+    rule = f"bf16 matmul throughput at n = {max(by_n)}" if gpu else f"median {m.dtype} matmul throughput over n = " \
+        f"{', '.join(map(str, m.matmul_s))}"
     who = f"{m.ranks} {m.backend} ranks" + (f" of {m.threads} thread(s)" if m.backend == "gloo" else "")
     return DeviceSpec(
         name=m.device_name, peak_tflops=_round(tflops), memory_bytes=m.memory_bytes,
         memory_bandwidth_gbps=_round(m.elementwise_bytes / m.elementwise_s / 1e9), matmul_efficiency=1.0,
-        source=f"{origin}, {who} at once: peak_tflops = median {m.dtype} matmul throughput over n = "
-               f"{', '.join(map(str, m.matmul_s))} (matmul_efficiency 1, so the roofline predicts measured matmuls), "
+        source=f"{origin}, {who} at once: peak_tflops = {rule} (matmul_efficiency 1, so the roofline predicts "
+               f"measured matmuls), "
                f"memory_bandwidth_gbps = torch.add of {_size(m.elementwise_bytes // 3)} tensors (3 × bytes / time)"
                + (", memory_bytes = host MemTotal / devices_per_node" if m.backend == "gloo" else ""))
 
@@ -457,6 +466,9 @@ def _worker(rank: int, ranks: int, backend: str, settings: Settings, models: lis
         dist.destroy_process_group()
 
 
+KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (_Bench._time_kernel)
+
+
 class _Bench:
     """The measurements of one rank (the timing scheme is in the module doc)."""
 
@@ -532,16 +544,38 @@ class _Bench:
         torch = self.torch
         a, b = (torch.randn(n, n, device=self.device).to(self.dtype) for _ in range(2))
         c = torch.empty(n, n, dtype=self.dtype, device=self.device)
-        t = self._time_op(lambda: torch.mm(a, b, out=c))
+        t = self._time_kernel(lambda: torch.mm(a, b, out=c))
         self.report(f"matmul {n}")
         return t
 
     def elementwise(self) -> tuple[int, float]:
         torch = self.torch
         a, b, c = (torch.ones(self.s.elementwise_numel, dtype=self.dtype, device=self.device) for _ in range(3))
-        t = self._time_op(lambda: torch.add(a, b, out=c))
+        t = self._time_kernel(lambda: torch.add(a, b, out=c))
         self.report("elementwise add")
         return 3 * a.numel() * a.element_size(), t
+
+    def _time_kernel(self, op: Callable[[], None]) -> float:
+        """``_time_op`` for one device kernel (matmul, elementwise). On a GPU a call is
+        r = ⌈KERNEL_BATCH_S / t_warm⌉ launches back to back and its time / r: a training step
+        queues its kernels ahead of the device, so a kernel's cost there is its device time, not
+        launch + synchronise (measured on an H200: a 2048³ bf16 matmul timed alone ran at 383
+        TFLOP/s, 664 in batches; 4096³ 648 vs 789). On CPU a call is one launch, as before."""
+        if not self.gpu:
+            return self._time_op(op)
+        op()
+        self._sync()
+        t0 = time.perf_counter()
+        op()
+        self._sync()
+        repeat = max(1, math.ceil(KERNEL_BATCH_S / max(time.perf_counter() - t0, 1e-9)))
+        repeat = int(self._max_over_ranks([float(repeat)])[0])  # every rank runs the same calls
+
+        def batch() -> None:
+            for _ in range(repeat):
+                op()
+
+        return self._time_op(batch) / repeat
 
     def _time_probe(self, op: Callable[[], None]) -> float:
         """``_time_op`` for the host probes and models: their figures are differences of times, so

@@ -16,6 +16,12 @@ so a run cut short still returns what it measured:
    autocast bf16, ``torch.optim.AdamW``, gradient accumulation, nothing else), so the program's
    overhead is measured against what a user would write by hand.
 6. DCP save and resume: the example GPT saved at step 4, then resumed to step 8.
+7. ``autoshard dryrun`` of each plan (fake tensors on the CPU, CPU kernels), after the GPU runs so it
+   does not disturb their timings: its peak beside the prediction and ``max_memory_allocated``.
+
+Memory is compared like with like: ``torch.cuda.max_memory_allocated`` counts the tensors alive at the
+peak, so beside it stands the plan's sum of parts (the peak before ``ALLOCATOR_SLACK``, which models the
+caching allocator's reserve, not its allocations).
 
 ``OUT/results.json`` holds every row; ``OUT/results.md`` the table RESULTS.md takes. MFU here is
 model FLOPs (the plan's, ``predicted.mfu × peak × predicted step``) over the measured step and the
@@ -87,6 +93,7 @@ class Row:
     predicted_parts: dict = field(default_factory=dict)
     measured_step_s: float | None = None
     measured_peak_bytes: int | None = None
+    dryrun_peak_bytes: int | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     error: str | None = None
@@ -155,6 +162,22 @@ def run_case(setting: Setting, row: Row, out: Path) -> None:
     row.measured_peak_bytes = int(float(match["gib"]) * 2**30) if match["gib"] else None
 
 
+def dryrun_case(setting: Setting, row: Row, out: Path) -> None:
+    """The plan's dry run (one rank on fake tensors): its peak, for the table's dry-run column."""
+    done = autoshard(["dryrun", str(out / f"{row.case}.plan.json"), "--json"], setting.limit_s,
+                     out / f"{row.case}.dryrun.log")
+    try:
+        row.dryrun_peak_bytes = json.loads(done.stdout)["ranks"][0]["peak_bytes"]
+    except (ValueError, KeyError, IndexError):
+        row.dryrun_peak_bytes = None  # the table says "-"; the log says why
+
+
+def allocated_bytes(row: Row) -> int | None:
+    """The plan's predicted live bytes at the peak: the parts' sum, before the allocator slack."""
+    parts = [v for k, v in row.predicted_parts.items() if k != "peak_bytes"]
+    return sum(parts) if parts else None
+
+
 def last_line(done: subprocess.CompletedProcess) -> str:
     lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
     return lines[-1][:300] if lines else f"exit {done.returncode}"
@@ -219,22 +242,23 @@ def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | 
     hand_by_mb = {h["microbatch_size"]: h["median_step_s"] for h in hand if "median_step_s" in h}
     lines = [f"{facts_['device']}, torch {facts_['torch']} (CUDA {facts_['cuda']}), {facts_['date']}; "
              f"the cluster file's peak {peak_tflops} TFLOP/s" if peak_tflops else f"{facts_['device']}, {facts_['date']}", "",
-             "| case | predicted step | measured step | error | predicted peak | measured peak | error | "
-             "measured MFU | hand-written loop step | program / hand |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | predicted step | measured step | error | predicted allocated (Σ parts) | dry run | "
+             "measured max allocated | error | measured MFU | hand-written loop step | program / hand |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | failed: {r.error} |||||||")
+            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | failed: {r.error} ||||||||")
             continue
         if r.measured_step_s is None:
-            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | not run yet |||||||")
+            lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | not run yet ||||||||")
             continue
         mfu = r.predicted_mfu * r.predicted_step_s / r.measured_step_s
         same_work = r.pins.get("recompute") == "none" and r.pins.get("zero") == 0  # what the hand loop does
         hand_s = hand_by_mb.get(r.pins.get("microbatch_size")) if same_work else None
         lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | {ms(r.measured_step_s)} | "
-                     f"{pct(r.predicted_step_s, r.measured_step_s)} | {gib(r.predicted_peak_bytes)} | "
-                     f"{gib(r.measured_peak_bytes)} | {pct(r.predicted_peak_bytes, r.measured_peak_bytes)} | "
+                     f"{pct(r.predicted_step_s, r.measured_step_s)} | {gib(allocated_bytes(r))} | "
+                     f"{gib(r.dryrun_peak_bytes)} | {gib(r.measured_peak_bytes)} | "
+                     f"{pct(allocated_bytes(r), r.measured_peak_bytes)} | "
                      f"{f'{mfu:.1%}' if mfu is not None else '-'} | {ms(hand_s)} | "
                      f"{f'{r.measured_step_s / hand_s:.3f}' if hand_s else '-'} |")
     return "\n".join(lines) + "\n"
@@ -267,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", help="only these cases, comma-separated (default: every case)")
     parser.add_argument("--hand-microbatches", help="micro-batch sizes of the hand-written loop, comma-separated")
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP save and resume")
+    parser.add_argument("--no-dryrun", action="store_true", help="skip the plans' dry runs")
     args = parser.parse_args(argv)
     setting = CPU if args.cpu else GPU
     if args.cases:
@@ -313,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "dcp.json").write_text(json.dumps(dcp, indent=1))
     print(f"dcp save and resume: {dcp}", flush=True)
     save()
+    if not args.no_dryrun:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1) // 4))) as pool:
+            list(pool.map(lambda r: dryrun_case(setting, r, out), [r for r in rows if r.error is None]))
+        print("dry runs: " + ", ".join(f"{r.case} {gib(r.dryrun_peak_bytes)}" for r in rows), flush=True)
+        save()
     print((out / "results.md").read_text(), flush=True)
     return 0 if all(r.error is None for r in rows) and dcp.get("resumed") else 1
 

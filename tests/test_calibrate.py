@@ -124,3 +124,41 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
     out, _ = capsys.readouterr()
     assert code == 0 and f'"name": "{cluster.name}"' in out
+
+
+def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
+    """On a GPU a kernel's figure is its time per launch in back-to-back batches (a step queues its kernels),
+    not launch + synchronise per call: the op runs in batches of ⌈KERNEL_BATCH_S / t_warm⌉, and the figure
+    divides the batch's time by its size."""
+    import time
+    import types
+
+    import torch
+
+    from autoshard import calibrate
+
+    launch_s, sync_s = 5e-4, 2e-3  # each launch's own time; what a synchronise costs after a call
+    monkeypatch.setattr(calibrate, "KERNEL_BATCH_S", 0.02)  # batches of ~8 launches: sleep's jitter stays small
+    launches = []
+    bench = calibrate._Bench.__new__(calibrate._Bench)
+    bench.gpu, bench.torch = True, torch
+    bench.s = calibrate.Settings.for_backend("nccl", quick=True)
+    bench.dist = types.SimpleNamespace(barrier=lambda: None)
+    bench._max_over_ranks = lambda values: values
+    bench._sync = lambda: time.sleep(sync_s)
+    t = bench._time_kernel(lambda: (launches.append(1), time.sleep(launch_s)))
+    assert len(launches) > 2 * (2 + bench.s.min_calls)  # batches, not one launch per call
+    assert launch_s <= t < launch_s + sync_s / 2, t  # per launch; a lone launch would read launch + sync
+
+
+def test_gpu_peak_is_the_largest_matmul_cpu_peak_the_median():
+    """GPUs: the 8192³ matmul's throughput (the eager model's η_large; smaller shapes it scales down itself);
+    CPU ranks: the median over the sizes (the fused roofline's one η)."""
+    from dataclasses import replace
+
+    tflops = {2048: 660e12, 4096: 790e12, 8192: 795e12}
+    gpu = replace(fake_measurements(ranks=1), backend="nccl", dtype="bfloat16", device_name="NVIDIA H200",
+                  matmul_s={n: 2 * n**3 / f for n, f in tflops.items()})
+    assert build_cluster(gpu, None, quick=True).device.peak_tflops == pytest.approx(795, rel=1e-3)
+    cpu = replace(gpu, backend="gloo", dtype="float32")
+    assert build_cluster(cpu, None, quick=True).device.peak_tflops == pytest.approx(790, rel=1e-3)

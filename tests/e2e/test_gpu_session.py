@@ -1,5 +1,5 @@
 """benchmarks/gpu_session.sh's CPU path: the same steps a lent GPU runs (calibrate, plan, run, a hand-written loop,
-DCP save and resume), on the example GPT and one world-size-1 CPU rank."""
+DCP save and resume, the plans' dry runs), on the example GPT and one world-size-1 CPU rank."""
 
 import json
 import subprocess
@@ -19,6 +19,7 @@ def test_the_gpu_session_runs_its_cpu_path(in_repo, tmp_path):
     assert row["error"] is None and row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
     assert row["predicted_parts"]["peak_bytes"] == row["predicted_peak_bytes"] > 0
     assert row["measured_peak_bytes"] is None  # a CPU rank has no device memory counter
+    assert row["dryrun_peak_bytes"] > 0  # the plan's dry run ran after the runs
     [hand] = results["hand_loop"]
     assert hand["microbatch_size"] == 2 and hand["median_step_s"] > 0
     dcp = json.loads((out / "dcp.json").read_text())
