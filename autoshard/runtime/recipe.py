@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -212,7 +212,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: frozenset[str]
     ``no_decay``: the names to leave undecayed when ``model`` no longer has the module types (a pipeline stage's
     graph module: ``PipelineStages.no_decay``, found on the whole model before the split); else found here by
     type, which works on DTensor (TP), FSDP2 and DDP-wrapped models."""
-    params = dict(_unique_params(model))
+    params = {id(p): p for p in model.parameters()}  # parameters()' own dedup: a tied tensor once
     if no_decay is None:
         undecayed = set(no_decay_params(model))
     else:
@@ -222,11 +222,6 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: frozenset[str]
     plain = [p for key, p in params.items() if key in undecayed]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
-
-
-def _unique_params(model: nn.Module) -> Iterator[tuple[int, nn.Parameter]]:
-    for param in model.parameters():  # named_parameters' own dedup: a tied tensor once
-        yield id(param), param
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -357,7 +352,9 @@ def clip_grad_norm(model, max_norm: float | None) -> float:
     plain tensors (DDP, parameters kept whole beside FSDP2: every rank holds the same gradient) count once.
     Pipeline stages hold plain TP shards and plain expert shards that torch knows nothing of: their squares
     are summed over the tp group and the expert group by hand, then every stage's over the pp group; a weight
-    tied across stages is counted at one copy (after ``sync_tied_grads`` every copy holds the sum)."""
+    tied across stages is counted at one copy (after ``sync_tied_grads`` every copy holds the sum). Only the
+    2-norm. Call it where the recipe clips (``max_grad_norm`` set) or the norm is logged: it runs collectives
+    on every rank, after the backward (and a pipeline's step), before ``optimizer.step()``."""
     buckets = _norm_buckets(model)
     squares = [_bucket_square(bucket) for bucket in buckets]
     device = _device_of(model)
