@@ -125,10 +125,12 @@ def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions])
     return SearchResult(best=best, alternatives=(), report=search_report(1, 1, best, None))
 
 
-def capture_graph(model_spec: str, fold: bool = True, seq_len: int | None = None) -> tuple[ModelFile, OpGraph]:
-    """capture -> annotate -> unfold -> blocks, for tools that need only the graph (never cached)."""
+def capture_graph(model_spec: str, fold: bool = True, seq_len: int | None = None,
+                  use_cache: bool = False) -> tuple[ModelFile, OpGraph]:
+    """capture -> annotate -> unfold -> blocks, for tools that need only the graph (the capture cache
+    only where asked: its entries are what ``plan`` would capture)."""
     done: list[str] = []
-    model_file, graph = capture_front(model_spec, done, fold, use_cache=False, seq_len=seq_len)
+    model_file, graph = capture_front(model_spec, done, fold, use_cache=use_cache, seq_len=seq_len)
     return model_file, _later_graph_passes(graph, done)
 
 
