@@ -100,11 +100,13 @@ def test_a_resumed_rank_reads_what_an_uninterrupted_one_reads(gpt, tmp_path):
         assert all(torch.equal(resumed.take(step)[1], run[step]) for step in range(start, 2 * epoch)), start
     position = straight.position(epoch + 4)
     assert position == {"epoch": 1, "epoch_samples": 16, "samples_consumed": 40, "dataset_length": 24, "seed": 5}
-    straight.check_position(position, "ckpt/step-00000010")
+    straight.check_position(position, "ckpt/step-00000010", epoch + 4)
     with pytest.raises(AutoshardError, match="--seed 6, this run has --seed 5"):
-        straight.check_position({**position, "seed": 6}, "ckpt/step-00000010")
+        straight.check_position({**position, "seed": 6}, "ckpt/step-00000010", epoch + 4)
     with pytest.raises(AutoshardError, match="a dataset of 30 samples, this run reads a dataset of 24"):
-        straight.check_position({**position, "dataset_length": 30}, "ckpt/step-00000010")
+        straight.check_position({**position, "dataset_length": 30}, "ckpt/step-00000010", epoch + 4)
+    with pytest.raises(AutoshardError, match="a global batch of 8, this plan's is 4"):
+        straight.check_position({**position, "samples_consumed": 80}, "ckpt/step-00000010", epoch + 4)
 
 
 def test_without_a_dataset_each_rank_draws_example_batch_as_before(gpt):

@@ -315,7 +315,8 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
         state["data"] = {key: torch.tensor(0) for key in kept}
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
     if "data" in state:
-        data.check_position({key: int(value) for key, value in state["data"].items()}, str(path))
+        data.check_position({key: int(value) for key, value in state["data"].items()}, str(path),
+                            int(state["steps_done"]))
     restore()
     steps_done = int(state["steps_done"])
     if scheduler is not None:  # saved without one: the position of the steps done

@@ -296,7 +296,7 @@ class RankBatches:
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // self.dp, sampler=self.sampler,
                                  drop_last=True, collate_fn=collate, num_workers=workers,
                                  pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                 prefetch_factor=2 if workers > 0 else None,
+                                 prefetch_factor=2 if workers > 0 else None, multiprocessing_context=_fork(workers),
                                  generator=torch.Generator().manual_seed(seed))  # torch's global RNG untouched
 
     def take(self, step: int):
@@ -322,8 +322,9 @@ class RankBatches:
         return {"epoch": epoch, "epoch_samples": batch * self.global_batch_size,
                 "samples_consumed": steps_done * self.global_batch_size, "dataset_length": length, "seed": self.seed}
 
-    def check_position(self, saved: dict[str, int], checkpoint: str) -> None:
-        """Refuse to resume from a checkpoint written on other data: another dataset length or seed."""
+    def check_position(self, saved: dict[str, int], checkpoint: str, steps_done: int) -> None:
+        """Refuse to resume from a checkpoint written on other data: another dataset length or seed, or (on a
+        dataset, whose position is counted in steps of the global batch) another global batch."""
         here = self.position(0)
         if saved["dataset_length"] != here["dataset_length"]:
             def what(n: int) -> str:
@@ -335,6 +336,20 @@ class RankBatches:
             raise _same_everywhere(f"checkpoint {checkpoint} was written with --seed {saved['seed']}, this run has "
                                    f"--seed {here['seed']}, which orders the samples differently; fix: resume with "
                                    f"--seed {saved['seed']}, or give this run another --checkpoint-dir")
+        written = saved["samples_consumed"] // max(steps_done, 1)
+        if self.dataset is not None and steps_done and written != self.global_batch_size:
+            raise _same_everywhere(f"checkpoint {checkpoint} was written with a global batch of {written}, this plan's "
+                                   f"is {self.global_batch_size}, so step {steps_done} is elsewhere in the dataset; "
+                                   f"fix: resume with a plan of global batch {written}, or give this run another "
+                                   f"--checkpoint-dir")
+
+
+def _fork(workers: int) -> str | None:
+    """Workers forked where the platform can: a model file's dataset lives in a module imported under a name
+    of autoshard's (``modelfile``), which a spawned or forkserver worker could not import to unpickle it."""
+    import multiprocessing
+
+    return "fork" if workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
 
 
 def _same_everywhere(message: str) -> AutoshardError:
