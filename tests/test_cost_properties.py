@@ -197,7 +197,7 @@ def graphs(tmp_path_factory):
         path.write_text(MODEL_FILE.format(examples=str(ROOT / "examples"), config=config,
                                           seq=config["block_size"], vocab=config["vocab_size"]))
         specs[name] = f"{path}:build"
-    return {name: capture_graph(spec)[1] for name, spec in specs.items()}
+    return {name: capture_graph(spec, use_cache=True)[1] for name, spec in specs.items()}
 
 
 @pytest.fixture(scope="module")
