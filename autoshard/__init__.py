@@ -6,9 +6,10 @@
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
+from autoshard.ir.recipe import Recipe
 
 __version__ = "0.1.0"
-__all__ = ["plan", "parallelize", "layout", "load_plan", "Plan", "AutoshardError", "__version__"]
+__all__ = ["plan", "parallelize", "layout", "load_plan", "Plan", "Recipe", "AutoshardError", "__version__"]
 
 
 def plan(*args, **kwargs):

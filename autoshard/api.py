@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
+from autoshard.ir.recipe import Recipe
 from autoshard.ir.steps import Layout
 from autoshard.ir.topology import Cluster
 from autoshard.passes.lower import layout as lower_layout
@@ -61,7 +63,8 @@ def layout(plan: Plan | str | Path) -> Layout:
     return lower_layout(plan if isinstance(plan, Plan) else load_plan(plan))
 
 
-def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3, init_from: str | Path | None = None):
+def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = None, init_from: str | Path | None = None,
+                recipe: Recipe | None = None):
     """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank) and
     return ``(model, optimizer, mesh)``: the mesh and the steps are the emitted program's
     (``passes.lower``: ``layout`` and ``lower``, applied by ``runtime.build_mesh`` and ``runtime.apply_steps``).
@@ -73,6 +76,13 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3, ini
     backward under ``runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample)`` (both do
     nothing without context parallelism) and ``runtime.grad_sync``; the loss averaged over
     ``mesh.get_group(spec.loss_axis)``.
+
+    ``recipe`` (``autoshard.Recipe``, or ``Recipe.from_file(path)``): the optimizer, its settings and weight-decay
+    groups, as an emitted program's ``RECIPE`` (None: ``Recipe()``, AdamW at 1e-3, no decay on norms, biases and
+    embeddings); ``lr`` replaces its lr. Its schedule and clipping belong to the caller's loop, as the program's:
+    ``scheduler = runtime.recipe.build_scheduler(optimizer, recipe.for_run(steps))``, and after the backward
+    ``runtime.recipe.clip_grad_norm(model, recipe.max_grad_norm)`` when it clips, then ``optimizer.step()``,
+    ``scheduler.step()``.
 
     ``init_from``: pretrained weights loaded once the plan is applied, each rank reading only its shards, as the
     program's ``--init-from`` (``runtime.checkpoint.load_weights``: a Hugging Face folder of ``*.safetensors`` or
@@ -92,7 +102,9 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float = 1e-3, ini
     ctx = runtime.init_distributed(expected_world_size=spec.world_size)
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
     model = model.to(ctx.device)
-    applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, lr=lr)  # as the emitted program
+    recipe = recipe or Recipe()
+    recipe = recipe if lr is None else replace(recipe, lr=lr)
+    applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, recipe=recipe)  # as the emitted program
     if init_from is not None:
         from autoshard.runtime.checkpoint import load_weights
 

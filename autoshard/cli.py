@@ -13,6 +13,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import PIN_OF, PINS, Pins
 from autoshard.ir.plan import model_source
 from autoshard.ir.plan_format import PLAN_RUNTIMES
+from autoshard.ir.recipe import RECIPE_FILE_HELP, RECIPE_FLAGS, recipe_of
 
 EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = 1  # estimate: priced, printed and written, but over the device's memory
@@ -193,6 +194,7 @@ def _add_compile(sub, common) -> None:
     p.add_argument("-o", "--output", default="train.py", help="the program to write (default: train.py)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing SLURM script beside the program (NAME.sbatch) that autoshard did not write")
+    _add_recipe_arguments(p)
     p.set_defaults(func=cmd_compile)
 
 
@@ -202,7 +204,6 @@ def _add_run(sub, common) -> None:
     p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20,
                    help="optimizer steps to train (default: 20)")
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
-    p.add_argument("--lr", type=_positive_float("--lr"), help="AdamW's learning rate (default: the program's, 1e-3)")
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
     p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
     p.add_argument("--checkpoint-every", type=_int_flag("--checkpoint-every", 1, 10**9, 100), default=100,
@@ -216,6 +217,7 @@ def _add_run(sub, common) -> None:
     p.add_argument("--data-workers", type=_int_flag("--data-workers", 0, 64, 1), default=1,
                    help="DataLoader processes per rank reading the dataset ahead (default: 1; 0: in the training "
                    "process)")
+    _add_recipe_arguments(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -227,6 +229,20 @@ def _add_data_arguments(p) -> None:
                    help="the token type of --data's file (default: uint16)")
 
 
+def _add_recipe_arguments(p, what: str = "the program's RECIPE constants") -> None:
+    """``--recipe FILE`` and one flag per row of ``ir.recipe.RECIPE_FLAGS`` (stored under the Recipe field's name;
+    ``recipe_of_args`` reads them)."""
+    group = p.add_argument_group("training recipe", f"optimizer, schedule and clipping ({what})")
+    group.add_argument("--recipe", metavar="FILE", help=RECIPE_FILE_HELP)
+    for row in RECIPE_FLAGS:
+        group.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help)
+
+
+def recipe_of_args(args):
+    """The recipe of a ``compile`` / ``run`` / ``verify`` command line: ``--recipe FILE``, its flags over it."""
+    return recipe_of(args.recipe, **{row.name: getattr(args, row.name) for row in RECIPE_FLAGS})
+
+
 def _add_verify(sub, common) -> None:
     p = sub.add_parser("verify", parents=[common], help="check the emitted program trains like one process")
     p.add_argument("plan", help=PLAN_HELP)
@@ -234,6 +250,7 @@ def _add_verify(sub, common) -> None:
                    help="steps to train both ways and compare (default: 5)")
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
     _add_data_arguments(p)
+    _add_recipe_arguments(p, "both train with it")
     p.set_defaults(func=cmd_verify)
 
 
@@ -511,6 +528,7 @@ def cmd_compile(args) -> int:
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
+    recipe = recipe_of_args(args)  # a bad file or flag before anything is checked or written
     path = Path(args.output)
     sbatch = path.with_suffix(".sbatch")
     inputs = _program_outputs(plan, path, Path(args.plan), also=(sbatch,))
@@ -519,7 +537,8 @@ def cmd_compile(args) -> int:
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
-    write_files_atomic({path: emit_program(plan, str(path), args.plan).encode(), sbatch: emit_sbatch(plan, path.name).encode()})
+    write_files_atomic({path: emit_program(plan, str(path), args.plan, recipe).encode(),
+                        sbatch: emit_sbatch(plan, path.name).encode()})
     print(f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
           f"{torchrun_command(plan, str(path))} (or on SLURM: sbatch {sbatch})")
     return 0
@@ -553,6 +572,7 @@ def cmd_run(args) -> int:
     from autoshard.runtime.model import load_model_file
 
     plan = load_plan(args.plan)
+    recipe = recipe_of_args(args)
     check_runs_here(plan)
     if args.max_restarts and not args.checkpoint_dir:
         raise AutoshardError(f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
@@ -570,10 +590,9 @@ def cmd_run(args) -> int:
     data = DataSource(args.data, args.data_dtype)
     open_dataset(model_file, data, layout(plan).tokens_per_sample)  # its samples match example_batch's rows
     check_outputs([program], inputs, _loaded_modules())
-    write_program(plan, program, plan_file=args.plan)
+    write_program(plan, program, plan_file=args.plan, recipe=recipe)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
-    extra += ["--lr", repr(args.lr)] if args.lr is not None else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
     extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
     proc = run_torchrun(program, plan.world_size,
@@ -588,10 +607,11 @@ def cmd_verify(args) -> int:
     from autoshard.verify import summary_lines, verify
 
     plan = load_plan(args.plan)
+    recipe = recipe_of_args(args)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
           f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
-    report = verify(plan, steps=args.steps, seed=args.seed, data=DataSource(args.data, args.data_dtype))
+    report = verify(plan, steps=args.steps, seed=args.seed, recipe=recipe, data=DataSource(args.data, args.data_dtype))
     print("\n".join(summary_lines(report)))
     if not report.ok:
         print(f"FAILED: {report.failure}", file=sys.stderr)

@@ -138,13 +138,14 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
 
     from autoshard import runtime
     from autoshard.passes.lower import lower
+    from autoshard.runtime.recipe import Recipe
 
     device = torch.device("cpu")
     mesh = runtime.build_mesh("cpu", dict(spec.mesh), dict(spec.flatten))
     model_file = runtime.load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=spec.seq_len)
     model = runtime.build_meta_model(model_file, seed=0, device=device)
     pipeline = plan.mesh.pp > 1
-    run_inputs = {"device": device, "lr": 1e-3}
+    run_inputs = {"device": device, "recipe": Recipe()}  # the optimizer's state is the same size whatever its settings
     if pipeline:  # as the emitted pipeline program: the stages' buffers are sized from one micro-batch
         first_inputs = runtime.global_batch(model_file, plan.global_batch, 0, 0)[0]
         run_inputs |= {"example_microbatch": tuple(t[:plan.microbatch_size].to(device) for t in first_inputs),

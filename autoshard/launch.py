@@ -16,15 +16,17 @@ from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, model_source, write_text_atomic
+from autoshard.ir.recipe import Recipe
 from autoshard.passes.codegen import emit_program, emit_sbatch
 
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
 
 
-def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file: str = "plan.json") -> Path:
+def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file: str = "plan.json",
+                  recipe: Recipe | None = None) -> Path:
     """Emit the plan's program to ``path`` atomically (no half-written file on failure); with
     ``sbatch``, also its SLURM batch script beside it (``train.py`` -> ``train.sbatch``). The header's run
-    commands name ``path`` and ``plan_file``."""
+    commands name ``path`` and ``plan_file``; ``recipe`` is its ``RECIPE`` (None: the defaults)."""
     path = Path(path)
     if path.suffix != ".py":
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
@@ -32,7 +34,7 @@ def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file:
     if path.exists() and model_path.exists() and path.resolve() == model_path.resolve():
         raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
                              f"your model; fix: choose another name, e.g. -o train.py")
-    write_text_atomic(path, emit_program(plan, str(path), plan_file))
+    write_text_atomic(path, emit_program(plan, str(path), plan_file, recipe))
     if sbatch:
         write_text_atomic(path.with_suffix(".sbatch"), emit_sbatch(plan, path.name))
     return path

@@ -4,6 +4,11 @@ The program runs on local CPU ranks (gloo, fp32) for a few steps; a single proce
 same model from the same seed on the same global batches with the same optimizer, twice:
 in fp32 (the reference) and in float64 (the same fp32 initial weights and data, cast).
 
+Both train with the program's recipe (``ir.recipe.Recipe``: ``autoshard verify --recipe FILE`` and its flags,
+written into the program as its ``RECIPE``): the same optimizer over the same weight-decay groups (found by
+module type on the one process's whole model), the same learning-rate schedule, and clipping by the whole
+model's gradient norm (``runtime.recipe.clip_grad_norm``, which in one process is torch's ``clip_grad_norm_``).
+
 Tolerance: each run is judged against the reference's own rounding noise. Only the order of
 fp32 sums differs between one process and several, so a correct parallel run is off the
 exact (float64) run by about as much as the one-process fp32 run is. For every tensor W of
@@ -73,6 +78,7 @@ from torch.utils._pytree import tree_map
 from autoshard.errors import AutoshardError
 from autoshard.ir.names import op_name
 from autoshard.ir.plan import Plan
+from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
 from autoshard.passes.lower import layout
@@ -86,6 +92,7 @@ from autoshard.runtime.data import (
 )
 from autoshard.runtime.model import build_model, has_batch_norm, load_model_file, zero_dropout_rates
 from autoshard.runtime.randomness import fixable, fixed_randomness
+from autoshard.runtime.recipe import build_optimizer, build_scheduler, clip_grad_norm
 from autoshard.runtime.report import read_weights
 
 NOISE_FACTOR = 50  # K: how many times the one-process rounding noise a parallel run may show (module doc)
@@ -104,6 +111,7 @@ class Run:
     """One training run: the loss of every step and the final state (weights and buffers)."""
     losses: list[float]
     params: dict[str, torch.Tensor]
+    grad_norms: tuple[float | None, ...] = ()  # each step's, before clipping (None: the recipe does not clip)
 
     def __iter__(self):  # losses, params = train_reference(...)
         return iter((self.losses, self.params))
@@ -128,20 +136,23 @@ class VerifyReport:
     first_diverging_step: int | None = None
     most_off: tuple[TensorExcess, ...] = ()
     notes: tuple[str, ...] = ()  # what verify changed or kept about the model
+    grad_norms: tuple[float | None, ...] = ()  # the program's, each step's before clipping (None: no clipping)
 
     @property
     def ok(self) -> bool:
         return not self.failure
 
 
-def verify(plan: Plan, steps: int = 5, seed: int = 0, lr: float = DEFAULT_LR,
+def verify(plan: Plan, steps: int = 5, seed: int = 0, recipe: Recipe | None = None,
            data: DataSource = DataSource()) -> VerifyReport:
     """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc).
-    ``data``: what both train on (``--data``; by default the model file's dataset, else example_batch draws)."""
+    ``recipe``: what both train with (None: ``Recipe()``, the programs' default); ``data``: what both train on
+    (``--data``; by default the model file's dataset, else example_batch draws)."""
+    recipe = recipe or Recipe()
     model_file, notes = prepare(plan, steps, seed, data)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
-        parallel = run_parallel(plan, Path(tmp), steps, seed, lr, data)
-    return judge(plan, model_file, parallel, steps, seed, lr, notes, data)
+        parallel = run_parallel(plan, Path(tmp), steps, seed, recipe, data)
+    return judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
 
 
 def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) -> tuple[ModelFile, tuple[str, ...]]:
@@ -169,18 +180,20 @@ def reference_data(plan: Plan, model_file: ModelFile, data: DataSource) -> dict:
     return {"data": data, "tokens_per_sample": layout(plan).tokens_per_sample, "dp": plan.mesh.dp}
 
 
-def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, seed: int, lr: float,
+def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, seed: int, recipe: Recipe,
           notes: tuple[str, ...] = (), data: DataSource = DataSource()) -> VerifyReport:
-    """The parallel run (or why it failed) against the fp32 and float64 one-process runs, with a likely cause."""
+    """The parallel run (or why it failed) against the fp32 and float64 one-process runs with ``recipe`` (the
+    program's), with a likely cause."""
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
     source = reference_data(plan, model_file, data)
-    ref32 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True,
-                            microbatches=microbatches, **source)
-    ref64 = train_reference(model_file, plan.global_batch, steps, seed, lr, fixed_randomness=True, microbatches=microbatches,
-                            dtype=torch.float64, **source)
-    report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, lr, exact=ref64)
+    ref32 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
+                            microbatches=microbatches, recipe=recipe, **source)
+    ref64 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
+                            microbatches=microbatches, dtype=torch.float64, recipe=recipe, **source)
+    report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, recipe.lr, exact=ref64)
+    report = _with(report, grad_norms=parallel.grad_norms)
     if report.ok:
         return _with(report, notes=notes)
     cause = likely_cause(report, plan, model_file, seed)
@@ -227,12 +240,13 @@ def check_randomness(plan: Plan, model_file: ModelFile, seed: int) -> None:
                              "keeps state between calls; make forward a function of its inputs and weights to verify it")
 
 
-def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, lr: float,
+def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, recipe: Recipe,
                  data: DataSource = DataSource()) -> Run | str:
-    """Losses and final weights of the emitted program (random ops fixed), or the reason it failed."""
-    program = write_program(plan, workdir / "train.py")
+    """Losses and final weights of the emitted program (random ops fixed; ``recipe`` its ``RECIPE``), or the reason
+    it failed."""
+    program = write_program(plan, workdir / "train.py", recipe=recipe)
     out = workdir / "metrics"
-    proc = run_torchrun(program, plan.world_size, program_args(steps, seed, lr, out, data), quiet=True)
+    proc = run_torchrun(program, plan.world_size, program_args(steps, seed, recipe.lr, out, data), quiet=True)
     if proc.returncode != 0:
         why = proc.crash or _error_line(proc.stdout)
         return f"the emitted program failed (exit {proc.returncode}):\n{why}"
@@ -249,7 +263,7 @@ def program_args(steps: int, seed: int, lr: float, out: Path, data: DataSource =
 def read_run(out: Path) -> Run:
     """The losses and final weights a program wrote with ``--metrics-out out``."""
     metrics = json.loads((out / "metrics.json").read_text())
-    return Run(metrics["losses"], read_weights(out))
+    return Run(metrics["losses"], read_weights(out), tuple(metrics.get("grad_norms", ())))
 
 
 def _error_line(output: str) -> str:
@@ -270,8 +284,14 @@ def reference_microbatches(model_file: ModelFile, plan: Plan) -> tuple[int, int]
 def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float,
                     dtype: torch.dtype = torch.float32, fixed_randomness: bool = False,
                     microbatches: tuple[int, int] | None = None, data: DataSource | None = None,
-                    tokens_per_sample: int | None = None, dp: int = 1) -> Run:
-    """One process, the whole global batch per step, plain AdamW: the ground truth.
+                    tokens_per_sample: int | None = None, dp: int = 1, recipe: Recipe | None = None) -> Run:
+    """One process, the whole global batch per step: the ground truth.
+
+    ``recipe``: the program's (``Recipe.for_run(steps, lr)``: ``lr`` replaces its own, as the program's ``--lr``):
+    its optimizer over ``param_groups`` of the whole model (``runtime.recipe.build_optimizer``), its scheduler,
+    and after each step's backward the whole model's gradient clipped (``clip_grad_norm``, torch's
+    ``clip_grad_norm_`` in one process) when it clips. None: torch's AdamW at ``lr`` on every parameter, no
+    schedule, no clipping (what the tests' own drivers train with).
 
     ``dtype=torch.float64`` casts the fp32 initial weights and the float data, so it is the same
     computation with less rounding (an op with no float64 kernel runs in fp32 there:
@@ -283,7 +303,12 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     model = build_model(model_file, seed).to(dtype)
     if fixed_randomness:
         zero_dropout_rates(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if recipe is None:
+        optimizer, scheduler, max_norm = torch.optim.AdamW(model.parameters(), lr=lr), None, None
+    else:
+        recipe = recipe.for_run(steps, lr=lr)
+        optimizer = build_optimizer(model, recipe, "cpu")
+        scheduler, max_norm = build_scheduler(optimizer, recipe), recipe.max_grad_norm
     losses = []
     fallback = Float64Fallback() if dtype == torch.float64 else contextlib.nullcontext()
     batch_of = global_batches(model_file, data, batch_size, seed, tokens_per_sample, dp)
@@ -292,7 +317,11 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
             batch = _cast(batch_of(step), dtype)
             loss = sum(_backward(model_file, model, chunk, len(chunks))
                        for chunks in [_reference_chunks(batch, microbatches)] for chunk in chunks)
+            if max_norm is not None:
+                clip_grad_norm(model, max_norm)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss))
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})

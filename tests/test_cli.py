@@ -1,8 +1,10 @@
 """The CLI as a user meets it: plans, byte-identical re-plans, and one-line errors with exit 2."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -251,19 +253,46 @@ def test_inspect_folds_the_repeated_layers_tensor_parallel_rows(in_repo, capsys,
     assert not any("layers.3." in row for row in folded) and 4 * len(folded) < 2 * len(every)
 
 
-def test_run_hands_lr_to_the_program_and_refuses_a_bad_one(in_repo, capsys, tmp_path, monkeypatch):
+def test_a_recipe_file_and_flags_become_the_programs_constants(in_repo, capsys, tmp_path, monkeypatch):
+    """compile and run write the recipe into the program (``RECIPE``): the file's keys, each flag over its key; a
+    bad value is one line naming its flag or file."""
     import autoshard.launch
+    from autoshard.ir.recipe import Recipe
 
     plan = tmp_path / "p.json"
     run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8",
             "-o", str(plan))
+    (tmp_path / "r.toml").write_text('[training]\noptimizer = "sgd"\nlr = 0.1\nmomentum = 0.9\ndecay_all = true\n'
+                                     'schedule = "linear"\nmin_lr_ratio = 0.1\n')
+    code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "c.py"), "--recipe", str(tmp_path / "r.toml"),
+                           "--schedule", "cosine", "--warmup-steps", "10", "--max-grad-norm", "1", "--weight-decay", "0.1")
+    assert code == 0, err
+    assert recipe_constant(tmp_path / "c.py") == Recipe(optimizer="sgd", lr=0.1, momentum=0.9, decay_all=True,
+                                                        schedule="cosine", min_lr_ratio=0.1, warmup_steps=10,
+                                                        max_grad_norm=1.0, weight_decay=0.1)
     started = []
     monkeypatch.setattr(autoshard.launch, "run_torchrun",
                         lambda program, ranks, args, **kw: started.append(args) or subprocess.CompletedProcess([], 0))
     code, _, _ = run_cli(capsys, "run", str(plan), "--steps", "1", "--lr", "3e-4", "--program", str(tmp_path / "t.py"))
-    assert code == 0 and started[0][started[0].index("--lr") + 1] == "0.0003"
-    code, _, err = run_cli(capsys, "run", str(plan), "--lr", "-1")
-    assert code == 2 and "--lr -1 must be a finite number > 0" in err and err.count("\n") == 1
+    assert code == 0 and "--lr" not in started[0]  # the constant is the record
+    assert recipe_constant(tmp_path / "t.py") == Recipe(lr=3e-4) and not Recipe().decay_all
+    (tmp_path / "bad.yaml").write_text("training:\n  schedule: step\n")
+    for flags, says in [(["--lr", "-1"], "--lr -1.0: lr = -1.0 is not valid"),
+                        (["--max-grad-norm", "0"], "--max-grad-norm 0.0: max_grad_norm = 0.0 is not valid"),
+                        (["--schedule", "step"], "argument --schedule: invalid choice: 'step'"),
+                        (["--recipe", str(tmp_path / "bad.yaml")], "schedule = 'step' is not valid")]:
+        code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "x.py"), *flags)
+        assert code == 2 and says in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x.py").exists()
+
+
+def recipe_constant(program: Path):
+    """The ``RECIPE`` a program trains with, read from its text."""
+    from autoshard.ir.recipe import Recipe
+
+    tree = ast.parse(program.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "RECIPE")
+    return Recipe(**ast.literal_eval(node.value))
 
 
 def test_hf_folder_of_a_model_that_is_no_causal_lm_is_refused_in_one_line(in_repo, capsys, tmp_path):

@@ -38,7 +38,7 @@ from autoshard.runtime import parallel
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 KINDS = sorted(p.name.removesuffix(".plan.json") for p in GOLDEN.glob("*.plan.json"))
-RUN_INPUTS = {"device": "DEVICE", "lr": 0.5, "example_microbatch": "EXAMPLE", "loss_fn": "LOSS"}
+RUN_INPUTS = {"device": "DEVICE", "recipe": "RECIPE", "example_microbatch": "EXAMPLE", "loss_fn": "LOSS"}
 
 GPT = "examples/gpt.py:build"
 CPU4 = "--cluster local-cpu --devices-per-node 4"
@@ -157,9 +157,9 @@ def test_applier_and_program_make_the_same_calls(kind, monkeypatch):
         if op in namespace:
             namespace[op] = _recorder(printed, op)
     if plan.mesh.pp > 1:
-        namespace["build_pipeline"]("MODEL", FakeMesh(), "DEVICE", 0.5, "EXAMPLE", "LOSS")
+        namespace["build_pipeline"]("MODEL", FakeMesh(), "DEVICE", "RECIPE", "EXAMPLE", "LOSS")
     else:
-        namespace["parallelize"]("MODEL", FakeMesh(), "DEVICE", 0.5)
+        namespace["parallelize"]("MODEL", FakeMesh(), "DEVICE", "RECIPE")
 
     assert printed == applied
     assert [call[0] for call in applied] == [step.op for step in lower(plan)]

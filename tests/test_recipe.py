@@ -102,15 +102,18 @@ def one_rank():
 # ---------------------------------------------------------------------------- the recipe and its file
 
 
-def test_the_default_recipe_trains_as_programs_did_before_it():
-    """Recipe() is AdamW at 1e-3 with torch's settings on every parameter: bit for bit, through build_optimizer,
-    a constant scheduler and clipping left off; parallel.build_optimizer without a recipe is unchanged."""
+def test_the_default_recipe_trains_as_programs_did_before_it_but_for_the_no_decay_groups():
+    """Recipe(decay_all=True) is AdamW at 1e-3 with torch's settings on every parameter: bit for bit, through
+    build_optimizer, a constant scheduler and clipping left off; Recipe() differs only in its no-decay group;
+    parallel.build_optimizer without a recipe is unchanged."""
     torch.manual_seed(0)
     before, now = Zoo(), Zoo()
     now.load_state_dict(before.state_dict())
     train(before, torch.optim.AdamW(before.parameters(), lr=1e-3))
-    optimizer = build_optimizer(now, Recipe(), "cpu")
-    train(now, optimizer, build_scheduler(optimizer, Recipe()))
+    optimizer = build_optimizer(now, Recipe(decay_all=True), "cpu")
+    train(now, optimizer, build_scheduler(optimizer, Recipe(decay_all=True)))
+    grouped = build_optimizer(Zoo(), Recipe(), "cpu").param_groups
+    assert [g["weight_decay"] for g in grouped] == [0.01, 0.0] and not Recipe().decay_all
     assert all(torch.equal(a, b) for a, b in zip(weights(before).values(), weights(now).values()))
     old = parallel.build_optimizer(Zoo(), lr=1e-3)
     assert type(old) is torch.optim.AdamW and len(old.param_groups) == 1 and old.defaults["foreach"] is None

@@ -24,7 +24,8 @@ record.
     init_weights        this rank's shards made on its device and filled with one process's initial weights
                         (the model so far is on the meta device; ``runtime.init_replay``)
     apply_ddp           DDP with the plan's bucket size     -
-    build_optimizer     AdamW / ZeroRedundancyOptimizer     one AdamW per stage
+    build_optimizer     the recipe's optimizer (runtime.recipe), ZeroRedundancyOptimizer for ZeRO-1 over DDP;
+                        pipeline plans: one per stage
     build_schedule      -                                   torch's schedule (GPipe, 1F1B, interleaved, zero bubble)
 """
 
@@ -38,7 +39,7 @@ OPS = ("apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", 
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).
 RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "init_weights": ("device",), "apply_ddp": ("device",),
-              "build_optimizer": ("lr",), "build_schedule": ("loss_fn",)}
+              "build_optimizer": ("recipe",), "build_schedule": ("loss_fn",)}
 # What each op returns; the others return the (wrapped) model, or the stages after split_pipeline.
 RESULTS = {"build_optimizer": "optimizer", "build_schedule": "schedule"}
 WHOLE_MESH = "*"

@@ -6,10 +6,14 @@ apply_ac, apply_fsdp, apply_ddp, build_optimizer, ...) in one ``parallelize`` (o
 function, each with its reason as a comment; per-block decisions are folded over ``BLOCKS``. The
 plan's layout (``passes.lower.layout``: the mesh, the axes that split the samples and the tokens, the
 loss's axis, the sequence length) is printed as constants the training loop hands to the runtime.
-The loop is one of two fixed texts, picked by the plan: SPMD (context parallelism included: its
-runtime calls do nothing without a sequence axis) or a pipeline schedule. No decision is made here:
+The training recipe (``ir.recipe.Recipe``: optimizer, weight-decay groups, learning-rate schedule,
+clipping) is printed as the ``RECIPE`` constant, one key a line: ``autoshard compile --recipe FILE`` and
+its flags choose it, the program's ``--lr`` alone overrides it at run time. The loop is one of two fixed
+texts, picked by the plan: SPMD (context parallelism included: its runtime calls do nothing without a
+sequence axis) or a pipeline schedule; both clip after the backward (the pipeline's step) and step the
+scheduler after the optimizer (``runtime.recipe``). No decision is made here:
 ``autoshard.parallelize`` runs the same steps through ``apply_steps`` on the same layout. The output
-depends only on the plan, so it is byte-stable.
+depends only on the plan and the recipe, so it is byte-stable.
 """
 
 from __future__ import annotations
@@ -22,19 +26,23 @@ from pathlib import Path
 from autoshard.ir.decisions import TP_STYLES, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES
+from autoshard.ir.recipe import Recipe
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Layout, Step
 from autoshard.passes.lower import dp_ranks, layout, lower, recompute_modes
 
 MIB = 2**20
 
 
-def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.json") -> str:
+def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.json",
+                 recipe: Recipe | None = None) -> str:
     """The whole program as Python source; its header's run commands name ``program`` (the file it is written
-    to) and ``plan_file`` (the plan it comes from), as the user would type them."""
+    to) and ``plan_file`` (the plan it comes from), as the user would type them; it trains with ``recipe``
+    (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
     main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
-    parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec), body, _ARGS, main]
+    parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec),
+             recipe_constant(recipe or Recipe()), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
@@ -119,7 +127,8 @@ def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
     if plan.mesh.pp > 1:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
     return (f"import argparse\nimport math\n\nimport torch\n\n"
-            f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n")
+            f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n"
+            f"from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm\n")
 
 
 def _placement_constant(plan: Plan) -> str:
@@ -152,6 +161,33 @@ NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (dp * MICROBATCH_S
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
 {pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+
+
+# A word on the recipe's keys that need one (``ir.recipe.Recipe``'s fields, in their order).
+RECIPE_COMMENTS = {
+    "lr": "the peak learning rate; the program's --lr overrides it",
+    "betas": "adam, adamw",
+    "eps": "adam, adamw",
+    "momentum": "sgd",
+    "decay_all": "False: no weight decay on norms, biases, embeddings; True: on all",
+    "schedule": "constant, linear or cosine decay to min_lr_ratio * lr",
+    "warmup_steps": "linear warmup from lr / warmup_steps to lr",
+    "min_lr_ratio": "the decay's floor, a fraction of lr",
+    "max_grad_norm": "the whole model's gradient 2-norm clipped to this; None: no clipping",
+    "steps": "the decay's length; None: the run's --steps",
+}
+
+
+def recipe_constant(recipe: Recipe) -> str:
+    """``RECIPE = {...}``, one key a line (``Recipe.as_dict``: ``Recipe(**RECIPE)`` rebuilds it)."""
+    lines = []
+    for key, value in recipe.as_dict().items():
+        comment = f"  # {RECIPE_COMMENTS[key]}" if key in RECIPE_COMMENTS else ""
+        text = f'"{value}"' if isinstance(value, str) else repr(value)
+        lines.append(f'    "{key}": {text},{comment}')
+    return ("# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit\n"
+            "# here is lost at the next compile)\n"
+            "RECIPE = {\n" + "\n".join(lines) + "\n}\n")
 
 
 def _seq_len_comment(spec: Layout) -> str:
@@ -292,7 +328,7 @@ def _comment(text: str) -> list[str]:
 
 def _parallelize(plan: Plan, steps: tuple[Step, ...]) -> str:
     return f'''
-def parallelize(model, mesh, device, lr):
+def parallelize(model, mesh, device, recipe):
     """{_parallelize_doc(plan)}"""
 {textwrap.indent(step_lines(steps, "model").rstrip(), "    ")}
     return model, optimizer
@@ -319,7 +355,7 @@ def _parallelize_doc(plan: Plan) -> str:
 def _build_pipeline(plan: Plan, steps: tuple[Step, ...]) -> str:
     stages = plan.mesh.pp * plan.virtual_stages
     return f'''
-def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
+def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """{plan.schedule} pipeline over {plan.mesh.pp} ranks, {stages} stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
     order (passes.lower)."""
@@ -332,7 +368,7 @@ _ARGS = '''
 def parse_args():
     parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
@@ -365,13 +401,16 @@ def main():
     # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
     model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
                                      fixed_randomness=args.fixed_randomness)
-    model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
+    recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
+    model, optimizer = parallelize(model, mesh, ctx.device, recipe)
+    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
-    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches,  # 0 without a checkpoint
+                              scheduler=scheduler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
@@ -390,11 +429,15 @@ def main():
                     loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
                 loss.backward()
             step_loss += loss.detach()
+        # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
+        grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(model, recipe.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # this step's
         optimizer.step()
+        scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)), lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches)
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     if args.export_hf:
@@ -418,14 +461,17 @@ def main():
                                      fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
-    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)
+    recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
+    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, recipe, example_microbatch, model_file.loss)
+    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     del model  # the stages hold what this rank needs
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
-    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh, data=batches)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh, data=batches,  # 0 without a checkpoint
+                              scheduler=scheduler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, stages, optimizer, mesh)  # pretrained: each rank reads its shards
 
@@ -435,11 +481,15 @@ def main():
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
         with runtime.autocast(PRECISION, ctx.device):
             loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
+        # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
+        grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(stages, recipe.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # this step's
         optimizer.step()
+        scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, loss)
+        log.end(step, loss, lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh, data=batches)
+            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh, data=batches, scheduler=scheduler)
 
     runtime.finish(stages, optimizer, log, args.metrics_out, mesh)  # final weights: each rank writes its shards
     if args.export_hf:

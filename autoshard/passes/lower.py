@@ -12,7 +12,7 @@ the same order. The order, and why:
     5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
       (ir.decisions.DP_RUNTIMES)
     6 init_weights    this rank's shards     6 init_weights    this rank's shards
-    7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one AdamW per stage
+    7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one per stage
     8 build_optimizer                        8 build_schedule
 
 TP comes first because it replaces parameters with DTensors (or local shards) that everything
@@ -246,13 +246,13 @@ def _ddp_step(plan: Plan) -> Step:
 
 def _optimizer_step(plan: Plan) -> Step:
     if plan.mesh.pp > 1:
-        why = "one AdamW per stage module (each stage's state dict maps through its own module)"
+        why = "the recipe's optimizer, one per stage module (each stage's state dict maps through its own module)"
     elif plan.mesh.dp_cp > 1 and plan.decisions.dp_runtime.name == "ddp-zero-optimizer":
-        why = f"ZeRO-1: ZeroRedundancyOptimizer shards AdamW's state over {plan.mesh.dp_cp} ranks"
+        why = f"ZeRO-1: ZeroRedundancyOptimizer shards the recipe's optimizer state over {plan.mesh.dp_cp} ranks"
     elif plan.zero_stage >= 1 and plan.mesh.dp_cp > 1:
-        why = "AdamW over the FSDP2-sharded parameters (its state is sharded with them)"
+        why = "the recipe's optimizer over the FSDP2-sharded parameters (its state is sharded with them)"
     elif plan.mesh.dp > 1 and plan.mesh.tp > 1:
-        why = "AdamW over the replicated DTensor parameters, whole on every dp rank"
+        why = "the recipe's optimizer over the replicated DTensor parameters, whole on every dp rank"
     else:
-        why = "AdamW, whole on every rank"
+        why = "the recipe's optimizer, whole on every rank"
     return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage),), why)

@@ -82,7 +82,7 @@ def _is_stages(model) -> bool:
 def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **run_inputs: Any) -> dict[str, Any]:
     """Run ``steps`` on ``model`` in order; returns {"model" (or the stages), "optimizer", "schedule"}.
 
-    ``run_inputs`` are the values of the run each op may need (``ir.steps.RUN_INPUTS``: device, lr,
+    ``run_inputs`` are the values of the run each op may need (``ir.steps.RUN_INPUTS``: device, recipe,
     example_microbatch, loss_fn). Each op's function is ``APPLIERS[op]``, the function the emitted program
     imports under the op's name."""
     results: dict[str, Any] = {"model": model}

@@ -24,18 +24,26 @@ class StepLog:
     log_every: int = 1
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)  # each step's learning rate (the scheduler's)
+    grad_norms: list[float | None] = field(default_factory=list)  # before clipping; None: the recipe does not clip
     _t0: float = 0.0
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
-    def end(self, step: int, loss: float) -> None:
+    def end(self, step: int, loss: float, lr: float | None = None, grad_norm: float | None = None) -> None:
+        """Step ``step`` is done: its loss, its learning rate and its gradient norm before clipping (None: not
+        computed, the recipe does not clip)."""
         elapsed_s = time.perf_counter() - self._t0
         self.losses.append(loss)
         self.step_times_s.append(elapsed_s)
+        if lr is not None:
+            self.lrs.append(lr)
+            self.grad_norms.append(grad_norm)
         if self.is_main and (step % self.log_every == 0):
             print(f"step {step:4d} | loss {loss:.4f} | {self.tokens_per_step / elapsed_s:10,.0f} tokens/s | "
-                  f"{elapsed_s * 1e3:8.1f} ms", flush=True)
+                  f"{elapsed_s * 1e3:8.1f} ms" + (f" | lr {lr:.3e}" if lr is not None else "")
+                  + (f" | grad norm {grad_norm:.4f}" if grad_norm is not None else ""), flush=True)
         faults.note_step(step)
         faults.inject("kill", step)
         faults.inject("hang", step)
@@ -111,5 +119,6 @@ def _write_metrics(out: Path, log: StepLog) -> None:
     """Through a fresh temporary (``write_atomic``): never a name another file could stand at."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
-    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median}
+    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median, "lrs": log.lrs,
+               "grad_norms": log.grad_norms}
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=1).encode())

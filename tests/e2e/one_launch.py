@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from autoshard.ir.recipe import Recipe
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime.data import DataSource
 from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run
@@ -219,8 +220,8 @@ def timing_lines() -> list[str]:
 
 def once_per_arguments(train_reference: Callable) -> Callable:
     """``verify.train_reference`` that computes a run with every random op fixed once per distinct arguments (the
-    model file's path, contents, factory and sequence length, batch size, steps, seed, lr, dtype, micro-batches)
-    and hands each caller its own copy: such a run is a function of those (weights and data drawn from the seed,
+    model file's path, contents, factory and sequence length, batch size, steps, seed, lr, dtype, micro-batches,
+    data, recipe: each argument's repr, a Recipe's every field) and hands each caller its own copy: such a run is a function of those (weights and data drawn from the seed,
     no random op left, one thread). Runs that draw random numbers are computed each time."""
     signature, made = inspect.signature(train_reference), {}
 
@@ -254,30 +255,34 @@ def _in_repo():
 # --------------------------------------------------------------------------- verify
 
 def verify_cases(make_plan: Callable[[str], Any], steps_of: Callable[[str], int], seed: int = 0,
-                 lr: float = DEFAULT_LR, data_of: Callable[[str, Path], DataSource] | None = None
-                 ) -> tuple[Callable, Callable]:
-    """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, lr, data)`` of each case's plan
-    (``make_plan(name)``, ``steps_of(name)``, ``data_of(name, its folder)``, by default the model file's dataset or
-    example_batch draws): the result is (plan, its ``VerifyReport``), or the exception planning or verify raised
-    before launching. The verify run is the case's first job."""
+                 lr: float = DEFAULT_LR, data_of: Callable[[str, Path], DataSource] | None = None,
+                 recipe_of: Callable[[str], Recipe | None] | None = None) -> tuple[Callable, Callable]:
+    """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, recipe, data)`` of each case's
+    plan (``make_plan(name)``, ``steps_of(name)``, ``data_of(name, its folder)``, by default the model file's dataset
+    or example_batch draws; ``recipe_of(name)``, by default or None ``Recipe(lr=lr)``): the result is (plan, its
+    ``VerifyReport``), or the exception planning or verify raised before launching. The verify run is the case's
+    first job."""
     def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
         def one(name):
             data = data_of(name, folder / name) if data_of else DataSource()
-            return _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, lr, data)
+            recipe = (recipe_of(name) if recipe_of else None) or Recipe(lr=lr)
+            return _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, recipe, data)
         return {name: attempt(lambda: one(name)) for name in names}
 
     def finish(name: str, state: tuple, failures: list[str]) -> tuple:
-        plan, steps, model_file, notes, out, data = state
+        plan, steps, model_file, notes, out, data, recipe = state
         parallel = f"the emitted program failed:\n{failures[0]}" if failures[0] else read_run(out)
-        return plan, judge(plan, model_file, parallel, steps, seed, lr, notes, data)
+        return plan, judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
     return prepare_all, finish
 
 
-def _prepare_verify(plan, steps: int, folder: Path, seed: int, lr: float, data: DataSource) -> tuple[list[dict], tuple]:
+def _prepare_verify(plan, steps: int, folder: Path, seed: int, recipe: Recipe,
+                    data: DataSource) -> tuple[list[dict], tuple]:
     model_file, notes = prepare(plan, steps, seed, data)  # raises AutoshardError as verify would
     out = folder / "metrics"
-    program = write_program(plan, folder / "train.py")
-    return [job(program, program_args(steps, seed, lr, out, data), out)], (plan, steps, model_file, notes, out, data)
+    program = write_program(plan, folder / "train.py", recipe=recipe)
+    return ([job(program, program_args(steps, seed, recipe.lr, out, data), out)],
+            (plan, steps, model_file, notes, out, data, recipe))
 
 
 def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failure: str) -> None:

@@ -6,7 +6,8 @@ dp 2 x pp 2, where both pipeline ranks of a dp index read its samples, and a ``-
 same bytes at dp 2 x cp 2, where both cp ranks of a dp index read its samples and cut their tokens. The
 one-process reference trains on the global batches ``runtime.data.dataset_global_batch`` rebuilds from the
 DistributedSampler's order. The pipeline case's verify run also saves a checkpoint after step 2, and a
-second run resumes from a copy of it: its last step and final weights are the uninterrupted run's.
+second run resumes from a copy of it: its last step, its learning rate (a warmup-cosine recipe: the schedule
+goes on from the checkpoint's position) and final weights are the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.ir.recipe import Recipe
 from autoshard.runtime.checkpoint import saved_data_keys
 from autoshard.runtime.data import DataSource
 from autoshard.runtime.report import read_weights
@@ -35,6 +37,8 @@ CASES = {  # name: (model, pins)
     "tokens-dp2-cp2": ("examples/gpt.py:build", dict(dp=2, cp=2, tp=1, pp=1, zero=3, microbatch_size=2)),
 }
 RESUMED = "austen-dp2-pp2"  # its verify run saves a checkpoint after step 2; another run resumes a copy
+# the resumed case's recipe: rates lr/2, lr, 0.1 lr; a schedule restarted on resume would give step 2 lr/2
+RECIPES = {RESUMED: Recipe(schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)}
 
 
 def _plan(name):
@@ -50,7 +54,7 @@ def _data(name, folder: Path) -> DataSource:
     return DataSource(str(folder / "book.bin"))
 
 
-prepare_verify, finish_verify = verify_cases(_plan, lambda name: STEPS, data_of=_data)
+prepare_verify, finish_verify = verify_cases(_plan, lambda name: STEPS, data_of=_data, recipe_of=RECIPES.get)
 
 
 def _prepare(names, ranks, folder):
@@ -91,7 +95,8 @@ def test_a_run_resumed_mid_epoch_reads_what_an_uninterrupted_one_reads(launches)
     assert not failure, failure[-4000:]
     assert saved_data_keys(folder / "ckpt" / "step-00000002") == [
         "dataset_length", "epoch", "epoch_samples", "samples_consumed", "seed"]
-    resumed_losses = json.loads((folder / "resumed" / "metrics.json").read_text())["losses"]
-    assert resumed_losses == report.parallel_losses[2:]  # step 3 only, on step 3's samples
+    resumed, uninterrupted = (json.loads((folder / run / "metrics.json").read_text()) for run in ("resumed", "metrics"))
+    assert resumed["losses"] == report.parallel_losses[2:]  # step 3 only, on step 3's samples
+    assert uninterrupted["lrs"] == pytest.approx([5e-4, 1e-3, 1e-4]) and resumed["lrs"] == uninterrupted["lrs"][2:]
     full, resumed = read_weights(folder / "metrics"), read_weights(folder / "resumed")
     assert all(torch.equal(resumed[name], value) for name, value in full.items())

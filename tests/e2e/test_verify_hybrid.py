@@ -1,12 +1,16 @@
 """Tensor, pipeline and hybrid plans, pinned through the planner, train like one process.
 
 Each case is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: verify's own checks, command
-line and judgement); the programs run in the session's one torchrun launch per world size.
+line and judgement); the programs run in the session's one torchrun launch per world size. Two cases train
+with a recipe of their own (``RECIPES``: written into the program's ``RECIPE``, and the reference's), warmup
+then cosine decay, clipped by the whole model's gradient norm at every step: tp 2 x pp 2 with SGD (its step
+is the clipped gradient's, so a norm off by a rank's share shows at once) and dp 2 x tp 2 ZeRO-3 with AdamW.
 """
 
 import pytest
 
 import autoshard
+from autoshard.ir.recipe import Recipe
 from e2e.one_launch import Cases, verify_cases
 
 pytestmark = pytest.mark.e2e
@@ -42,13 +46,23 @@ CASES = {  # name: (model, ranks, pins)
 }
 
 
+MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
+RECIPES = {
+    "gpt-tp2-pp2": Recipe(optimizer="sgd", lr=0.5, momentum=0.9, weight_decay=0.1, schedule="cosine",
+                          warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
+    "gpt-dp2-tp2-zero3": Recipe(lr=0.01, eps=1e-3, weight_decay=0.1, schedule="cosine", warmup_steps=2,
+                                min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
+}
+
+
 def _plan(case):
     model, ranks, pins = CASES[case]
     cluster = "tests/clusters/fast_link_cpu.yaml" if pins.get("tp", 1) > 1 else "local-cpu"
     return autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
 
 
-LAUNCHES = Cases({case: ranks for case, (_, ranks, _) in CASES.items()}, *verify_cases(_plan, lambda case: 3),
+LAUNCHES = Cases({case: ranks for case, (_, ranks, _) in CASES.items()},
+                 *verify_cases(_plan, lambda case: 3, recipe_of=RECIPES.get),
                  case_of=lambda test, params: params.get("case"))
 
 
@@ -71,3 +85,7 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
     if model == QWEN3:
         assert plan.tensor_parallel["model.layers.0.self_attn.q_norm"] == "sharded-input-dim2"
     assert report.ok, report.failure
+    if case in RECIPES:  # the program clipped every step (the norm it logged is the one before clipping)
+        assert len(report.grad_norms) == 3 and min(report.grad_norms) > 5 * MAX_NORM, report.grad_norms
+    else:
+        assert report.grad_norms == (None,) * 3

@@ -22,6 +22,7 @@ import torch
 
 import autoshard
 from autoshard.errors import AutoshardError
+from autoshard.ir.recipe import Recipe
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime import load_model_file
 from autoshard.runtime.report import read_weights
@@ -140,9 +141,11 @@ def _verdict(spec: str, plan, out: Path) -> tuple[str, str]:
     losses = json.loads((out / "metrics.json").read_text())["losses"]
     params = read_weights(out)
     micro = reference_microbatches(model_file, plan)
-    ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro)
+    recipe = Recipe()  # the programs' (and autoshard.parallelize's) default, at their --lr
+    ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,
+                            recipe=recipe)
     ref64 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,
-                            dtype=torch.float64)
+                            dtype=torch.float64, recipe=recipe)
     report = compare(STEPS, losses, ref32.losses, params, ref32.params, LR, exact=ref64)
     if report.ok:
         return "verified", ""

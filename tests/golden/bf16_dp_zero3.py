@@ -21,6 +21,7 @@ import torch
 from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime.parallel import apply_fsdp, build_optimizer, init_weights, sync_batch_norm
+from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
 
 
 MODEL = 'examples/gpt.py:build'
@@ -40,7 +41,25 @@ PRECISION = 'bf16-autocast'  # bfloat16 compute (FSDP2 gathers bfloat16 weights;
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 
 
-def parallelize(model, mesh, device, lr):
+# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
+# here is lost at the next compile)
+RECIPE = {
+    "optimizer": "adamw",
+    "lr": 0.001,  # the peak learning rate; the program's --lr overrides it
+    "betas": [0.9, 0.999],  # adam, adamw
+    "eps": 1e-08,  # adam, adamw
+    "momentum": 0.0,  # sgd
+    "weight_decay": 0.01,
+    "decay_all": False,  # False: no weight decay on norms, biases, embeddings; True: on all
+    "schedule": "constant",  # constant, linear or cosine decay to min_lr_ratio * lr
+    "warmup_steps": 0,  # linear warmup from lr / warmup_steps to lr
+    "min_lr_ratio": 0.0,  # the decay's floor, a fraction of lr
+    "max_grad_norm": None,  # the whole model's gradient 2-norm clipped to this; None: no clipping
+    "steps": None,  # the decay's length; None: the run's --steps
+}
+
+
+def parallelize(model, mesh, device, recipe):
     """Apply the plan's steps in order (passes.lower): ZeRO-3 over 8 dp ranks (FSDP2)."""
     # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
     # BatchNorm).
@@ -51,15 +70,15 @@ def parallelize(model, mesh, device, lr):
     # This rank's shards made on its device and filled with the initial weights one process draws from the
     # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
     model = init_weights(model, mesh, device=device)
-    # AdamW over the FSDP2-sharded parameters (its state is sharded with them).
-    optimizer = build_optimizer(model, mesh["dp"], zero_stage=3, lr=lr)
+    # The recipe's optimizer over the FSDP2-sharded parameters (its state is sharded with them).
+    optimizer = build_optimizer(model, mesh["dp"], zero_stage=3, recipe=recipe)
     return model, optimizer
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
@@ -90,13 +109,16 @@ def main():
     # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
     model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
                                      fixed_randomness=args.fixed_randomness)
-    model, optimizer = parallelize(model, mesh, ctx.device, args.lr)
+    recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
+    model, optimizer = parallelize(model, mesh, ctx.device, recipe)
+    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
-    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches,  # 0 without a checkpoint
+                              scheduler=scheduler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
@@ -115,11 +137,15 @@ def main():
                     loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
                 loss.backward()
             step_loss += loss.detach()
+        # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
+        grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(model, recipe.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # this step's
         optimizer.step()
+        scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)))
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)), lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches)
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     if args.export_hf:

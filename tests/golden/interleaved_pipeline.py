@@ -22,6 +22,7 @@ from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime import pipeline_parallel as pp
 from autoshard.runtime.parallel import apply_fsdp, build_optimizer, build_schedule, init_weights, split_pipeline
+from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
 
 
 MODEL = 'examples/gpt.py:build'
@@ -42,7 +43,25 @@ VIRTUAL_STAGES = 2  # pipeline stages per pp rank
 SPLIT_POINTS = ('h.1', 'h.2', 'h.3')  # modules where stages 1.. begin
 
 
-def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
+# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
+# here is lost at the next compile)
+RECIPE = {
+    "optimizer": "adamw",
+    "lr": 0.001,  # the peak learning rate; the program's --lr overrides it
+    "betas": [0.9, 0.999],  # adam, adamw
+    "eps": 1e-08,  # adam, adamw
+    "momentum": 0.0,  # sgd
+    "weight_decay": 0.01,
+    "decay_all": False,  # False: no weight decay on norms, biases, embeddings; True: on all
+    "schedule": "constant",  # constant, linear or cosine decay to min_lr_ratio * lr
+    "warmup_steps": 0,  # linear warmup from lr / warmup_steps to lr
+    "min_lr_ratio": 0.0,  # the decay's floor, a fraction of lr
+    "max_grad_norm": None,  # the whole model's gradient 2-norm clipped to this; None: no clipping
+    "steps": None,  # the decay's length; None: the run's --steps
+}
+
+
+def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """interleaved-1f1b pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
     order (passes.lower)."""
@@ -57,8 +76,8 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
     # This rank's shards made on its device and filled with the initial weights one process draws from the
     # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
     stages = init_weights(stages, mesh, device=device)
-    # One AdamW per stage module (each stage's state dict maps through its own module).
-    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=3, lr=lr)
+    # The recipe's optimizer, one per stage module (each stage's state dict maps through its own module).
+    optimizer = build_optimizer(stages, mesh["dp"], zero_stage=3, recipe=recipe)
     # Schedule interleaved-1f1b over 4 micro-batches; gradients are their mean.
     schedule = build_schedule(stages, schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
     return stages, schedule, optimizer
@@ -67,7 +86,7 @@ def build_pipeline(model, mesh, device, lr, example_microbatch, loss_fn):
 def parse_args():
     parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
@@ -100,14 +119,17 @@ def main():
                                      fixed_randomness=args.fixed_randomness)
     first_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example_microbatch = tuple(t[:MICROBATCH_SIZE].to(ctx.device) for t in first_inputs)
-    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, args.lr, example_microbatch, model_file.loss)
+    recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
+    stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, recipe, example_microbatch, model_file.loss)
+    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     del model  # the stages hold what this rank needs
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
-    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh, data=batches)  # 0 without a checkpoint
+    start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh, data=batches,  # 0 without a checkpoint
+                              scheduler=scheduler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, stages, optimizer, mesh)  # pretrained: each rank reads its shards
 
@@ -117,11 +139,15 @@ def main():
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
         with runtime.autocast(PRECISION, ctx.device):
             loss = pp.pipeline_step(schedule, stages, inputs, targets)  # all micro-batches; mean over the global batch
+        # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
+        grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(stages, recipe.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # this step's
         optimizer.step()
+        scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, loss)
+        log.end(step, loss, lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh, data=batches)
+            checkpoint.save(args.checkpoint_dir, step + 1, stages, optimizer, mesh, data=batches, scheduler=scheduler)
 
     runtime.finish(stages, optimizer, log, args.metrics_out, mesh)  # final weights: each rank writes its shards
     if args.export_hf:
