@@ -1,12 +1,27 @@
-"""Per-step log lines on rank 0, and the metrics file ``autoshard verify`` reads."""
+"""Per-step log lines on rank 0, a JSONL / TensorBoard stream, the run against the plan's prediction at the
+end, and the metrics file ``autoshard verify`` reads.
+
+Each step's line: loss, tokens/s, step time, learning rate and gradient norm (where the recipe clips), MFU
+and memory. MFU is the plan's model FLOPs per step over what the job's devices could do in the step::
+
+    MFU = F_step / (t_step · N · P)      F_step = mfu_pred · t_pred · N · P   (the plan's ``Prediction``)
+
+so F_step is the model's 6·params·tokens-style count the cost model used (``cost.step``), N the plan's
+world size, P the cluster's peak FLOP/s per device. Memory is ``torch.cuda.max_memory_allocated`` on a GPU
+(what the plan's sum of parts predicts: the peak before the allocator's slack) and the process's peak
+resident set on a CPU rank (``resource.getrusage``: the host memory the step held, no plan counts it).
+"""
 
 from __future__ import annotations
 
 import json
+import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +30,26 @@ from autoshard.ir.plan import write_atomic
 from autoshard.runtime import faults
 
 WARMUP_STEPS = 1  # the first step pays for allocation and lazy initialisation; throughput skips it
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the plan predicted for one step (an emitted program's ``PREDICTED`` constant)."""
+
+    step_time_s: float
+    mfu: float  # model FLOPs over the devices' peak in the predicted step
+    peak_flops_per_s: float  # one device's peak, the cluster's (P above)
+    devices: int  # the plan's world size (N)
+    allocated_bytes: int  # per rank: the plan's memory parts summed (no allocator slack)
+    memory_peak_bytes: int  # per rank, with the allocator's slack: what must fit
+
+    @property
+    def model_flops_per_step(self) -> float:
+        """F_step = mfu · t · N · P (module doc)."""
+        return self.mfu * self.step_time_s * self.devices * self.peak_flops_per_s
+
+    def mfu_of(self, step_s: float) -> float:
+        return self.model_flops_per_step / (step_s * self.devices * self.peak_flops_per_s)
 
 
 @dataclass
@@ -26,7 +61,20 @@ class StepLog:
     step_times_s: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)  # each step's learning rate (the scheduler's)
     grad_norms: list[float | None] = field(default_factory=list)  # before clipping; None: the recipe does not clip
+    prediction: Prediction | dict | None = None  # the plan's (MFU per step, the end's comparison); a dict: its fields
+    jsonl: str | None = None  # rank 0 appends one JSON object per step here
+    tensorboard: str | None = None  # rank 0 writes scalars here (torch.utils.tensorboard; needs tensorboard)
+    last_step: int | None = None  # the run's last step (--steps - 1): each line's ETA
     _t0: float = 0.0
+    _writer: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prediction, dict):
+            self.prediction = Prediction(**self.prediction)
+        if self.is_main and self.tensorboard:
+            self._writer = tensorboard_writer(self.tensorboard)
+        if self.is_main and self.jsonl:
+            Path(self.jsonl).parent.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -40,13 +88,26 @@ class StepLog:
         if lr is not None:
             self.lrs.append(lr)
             self.grad_norms.append(grad_norm)
-        if self.is_main and (step % self.log_every == 0):
-            print(f"step {step:4d} | loss {loss:.4f} | {self.tokens_per_step / elapsed_s:10,.0f} tokens/s | "
-                  f"{elapsed_s * 1e3:8.1f} ms" + (f" | lr {lr:.3e}" if lr is not None else "")
-                  + (f" | grad norm {grad_norm:.4f}" if grad_norm is not None else ""), flush=True)
+        if self.is_main:
+            self._report(step, loss, elapsed_s, lr, grad_norm)
         faults.note_step(step)
         faults.inject("kill", step)
         faults.inject("hang", step)
+
+    def _report(self, step: int, loss: float, elapsed_s: float, lr: float | None, grad_norm: float | None) -> None:
+        record = step_record(step, loss, elapsed_s, self.tokens_per_step, lr, grad_norm, self.prediction)
+        if self.last_step is not None:
+            record["eta_s"] = (self.last_step - step) * self.median_step_s  # the median so far: steady state
+        if step % self.log_every == 0:
+            print(step_line(record), flush=True)
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
 
     @property
     def median_step_s(self) -> float:
@@ -59,6 +120,87 @@ class StepLog:
         return (f"done: loss {first:.4f} -> {last:.4f} over {len(self.losses)} steps; median step "
                 f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s"
                 + (f"; peak {peak / 2**30:.2f} GiB allocated" if peak is not None else ""))
+
+
+    def against_prediction(self) -> str:
+        """The run beside the plan: median step, tokens/s, MFU and memory, measured / predicted (rank 0's)."""
+        pred = self.prediction
+        if pred is None or not self.step_times_s:
+            return ""
+        step_s = self.median_step_s
+        rows = [("median step", f"{step_s * 1e3:.1f} ms", f"{pred.step_time_s * 1e3:.1f} ms",
+                 _ratio(step_s, pred.step_time_s)),
+                ("tokens/s", f"{self.tokens_per_step / step_s:,.0f}", f"{self.tokens_per_step / pred.step_time_s:,.0f}",
+                 _ratio(pred.step_time_s, step_s)),
+                ("MFU", f"{pred.mfu_of(step_s):.1%}", f"{pred.mfu:.1%}", "")]
+        peak = peak_device_bytes()
+        if peak is not None:
+            rows.append(("peak memory (allocated)", _gib(peak), _gib(pred.allocated_bytes),
+                         _ratio(peak, pred.allocated_bytes)))
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{'':{width}}  {'measured':>14}  {'predicted':>14}  measured / predicted"]
+        lines += [f"{name:{width}}  {m:>14}  {p:>14}  {r}" for name, m, p, r in rows]
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def step_record(step: int, loss: float, elapsed_s: float, tokens_per_step: int, lr: float | None,
+                grad_norm: float | None, prediction: Prediction | None) -> dict[str, Any]:
+    """One step's figures (the JSONL line; the printed line shows them)."""
+    return {"step": step, "loss": loss, "step_s": elapsed_s, "tokens_per_s": tokens_per_step / elapsed_s,
+            "lr": lr, "grad_norm": grad_norm,
+            "mfu": prediction.mfu_of(elapsed_s) if prediction is not None else None,
+            "memory_bytes": memory_bytes()}
+
+
+def step_line(r: dict[str, Any]) -> str:
+    """``step    3 | loss 2.8123 | 12,345 tokens/s |   41.2 ms | lr ... | grad norm ... | MFU ... | mem ...``"""
+    return (f"step {r['step']:4d} | loss {r['loss']:.4f} | {r['tokens_per_s']:10,.0f} tokens/s | "
+            f"{r['step_s'] * 1e3:8.1f} ms" + (f" | lr {r['lr']:.3e}" if r["lr"] is not None else "")
+            + (f" | grad norm {r['grad_norm']:.4f}" if r["grad_norm"] is not None else "")
+            + (f" | MFU {r['mfu']:5.1%}" if r["mfu"] is not None else "")
+            + (f" | mem {r['memory_bytes'] / 2**30:.2f} GiB" if r["memory_bytes"] is not None else "")
+            + (f" | ETA {_clock(r['eta_s'])}" if r.get("eta_s") is not None else ""))
+
+
+def _clock(seconds: float) -> str:
+    """``1h02m03s``, ``2m05s``, ``7s``."""
+    s = round(seconds)
+    h, m = divmod(s, 3600)
+    m, s = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def memory_bytes() -> int | None:
+    """This rank's peak memory so far: the GPU's allocated bytes, or the CPU process's peak resident set."""
+    device = peak_device_bytes()
+    if device is not None:
+        return device
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def tensorboard_writer(folder: str):
+    """``torch.utils.tensorboard.SummaryWriter`` on ``folder``; one line naming the fix without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from autoshard.errors import AutoshardError
+
+        raise AutoshardError("--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
+                             "--tensorboard out (--log-jsonl writes the same figures as JSON lines)") from None
+    return SummaryWriter(folder)
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    return f"{measured / predicted:.3f}" if predicted else "-"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def peak_device_bytes() -> int | None:
@@ -79,6 +221,10 @@ def finish(model, optimizer, log: StepLog, metrics_out: str | None, mesh=None) -
     ``mesh`` as ``checkpoint.save`` takes them (a pipeline's stages and ``StageOptimizers``)."""
     if log.is_main and log.losses:
         print(log.summary(), flush=True)
+        table = log.against_prediction()
+        if table:
+            print(table, flush=True)
+    log.close()
     if not metrics_out:
         return
     from autoshard.runtime import checkpoint  # DCP: imported by programs that write metrics or checkpoints only

@@ -1,0 +1,90 @@
+"""runtime/report: each step's figures (MFU against the plan's model FLOPs, memory, lr, gradient norm, ETA) on
+stdout, as JSON lines and in TensorBoard, and the run against the plan's prediction at the end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime import report
+from autoshard.runtime.report import Prediction, StepLog
+
+PREDICTED = dict(step_time_s=2.0, mfu=0.5, peak_flops_per_s=1e12, devices=4, allocated_bytes=3 * 2**30,
+                 memory_peak_bytes=int(3.15 * 2**30))
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """time.perf_counter as the test sets it: each step takes ``clock.step_s``."""
+    class Clock:
+        now, step_s = 0.0, 4.0
+
+        def __call__(self):
+            self.now += self.step_s  # from one call to the next: start() to end() is one step
+            return self.now
+
+    fake = Clock()
+    monkeypatch.setattr(report.time, "perf_counter", fake)
+    return fake
+
+
+def run_steps(log: StepLog, losses, lr=1e-3, grad_norm=None):
+    for step, loss in enumerate(losses):
+        log.start()
+        log.end(step, loss, lr=lr, grad_norm=grad_norm)
+
+
+def test_mfu_is_the_plans_model_flops_over_the_measured_step(clock):
+    """F_step = mfu · t · N · P = 0.5 · 2 s · 4 · 1e12; a 4 s step: F / (4 s · 4 · 1e12) = 25 %."""
+    prediction = Prediction(**PREDICTED)
+    assert prediction.model_flops_per_step == pytest.approx(4e12)
+    assert prediction.mfu_of(4.0) == pytest.approx(0.25)
+    assert prediction.mfu_of(1.0) == pytest.approx(1.0)
+
+
+def test_each_step_goes_to_stdout_and_json_lines_on_rank_0_only(tmp_path, clock, capsys):
+    stream = tmp_path / "logs" / "steps.jsonl"
+    log = StepLog(tokens_per_step=1000, is_main=True, prediction=dict(PREDICTED), jsonl=str(stream), last_step=2)
+    run_steps(log, [3.0, 2.5, 2.0], grad_norm=0.75)
+    records = [json.loads(line) for line in stream.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and [r["loss"] for r in records] == [3.0, 2.5, 2.0]
+    first = records[0]
+    assert first["step_s"] == pytest.approx(4.0) and first["tokens_per_s"] == pytest.approx(250.0)
+    assert first["mfu"] == pytest.approx(0.25) and first["lr"] == 1e-3 and first["grad_norm"] == 0.75
+    assert first["memory_bytes"] > 2**20  # a CPU rank: the process's peak resident set
+    assert first["eta_s"] == pytest.approx(8.0) and records[-1]["eta_s"] == 0  # two steps of 4 s left, then none
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step    0 | loss 3.0000 |") and "| MFU 25.0% |" in out[0] and "| ETA 8s" in out[0]
+    assert "grad norm 0.7500" in out[0] and " GiB" in out[0]
+    other = tmp_path / "other.jsonl"
+    run_steps(StepLog(tokens_per_step=1000, is_main=False, prediction=dict(PREDICTED), jsonl=str(other)), [1.0])
+    assert not other.exists() and capsys.readouterr().out == ""  # only rank 0 reports
+
+
+def test_the_end_compares_the_run_with_the_plan(clock):
+    log = StepLog(tokens_per_step=1000, is_main=True, prediction=dict(PREDICTED))
+    run_steps(log, [3.0, 2.5, 2.0])
+    table = log.against_prediction()
+    step_row = next(line for line in table.splitlines() if line.startswith("median step"))
+    assert "4000.0 ms" in step_row and "2000.0 ms" in step_row and step_row.endswith("2.000")
+    mfu_row = next(line for line in table.splitlines() if line.startswith("MFU"))
+    assert "25.0%" in mfu_row and "50.0%" in mfu_row
+    assert StepLog(tokens_per_step=1000, is_main=True).against_prediction() == ""  # no plan, no comparison
+
+
+def test_tensorboard_writes_scalars_or_names_the_missing_package(tmp_path, clock):
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(AutoshardError, match="pip install tensorboard"):
+            StepLog(tokens_per_step=1000, is_main=True, tensorboard=str(tmp_path / "tb"))
+        return
+    log = StepLog(tokens_per_step=1000, is_main=True, prediction=dict(PREDICTED), tensorboard=str(tmp_path / "tb"))
+    run_steps(log, [3.0, 2.0])
+    log.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_eta_reads_as_a_clock():
+    assert [report._clock(s) for s in (7, 125, 3723)] == ["7s", "2m05s", "1h02m03s"]
