@@ -235,7 +235,8 @@ def _add_recipe_arguments(p, what: str = "the program's RECIPE constants") -> No
     group = p.add_argument_group("training recipe", f"optimizer, schedule and clipping ({what})")
     group.add_argument("--recipe", metavar="FILE", help=RECIPE_FILE_HELP)
     for row in RECIPE_FLAGS:
-        group.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help)
+        group.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help,
+                           metavar=row.metavar)
 
 
 def recipe_of_args(args):

@@ -199,18 +199,19 @@ class RecipeFlag:
     parse: Callable[[str], Any]  # argparse's type=
     help: str
     choices: tuple[str, ...] | None = None
+    metavar: str | None = None  # the flag's value in --help (default: the choices)
 
 
 RECIPE_FLAGS: tuple[RecipeFlag, ...] = (
     RecipeFlag("optimizer", "--optimizer", str.lower, "the optimizer (default: adamw)", OPTIMIZERS),
-    RecipeFlag("lr", "--lr", float, "the peak learning rate (default: 1e-3)"),
+    RecipeFlag("lr", "--lr", float, "the peak learning rate (default: 1e-3)", metavar="LR"),
     RecipeFlag("weight_decay", "--weight-decay", float, "weight decay; norms, biases and embeddings take none "
-               "unless the recipe file sets decay_all = true (default: 0.01)"),
+               "unless the recipe file sets decay_all = true (default: 0.01)", metavar="WD"),
     RecipeFlag("schedule", "--schedule", str.lower, "the learning rate after warmup: constant, or a linear or "
                "cosine decay to min_lr_ratio * lr over the run's steps (default: constant)", SCHEDULES),
-    RecipeFlag("warmup_steps", "--warmup-steps", int, "steps of linear warmup to lr (default: 0)"),
+    RecipeFlag("warmup_steps", "--warmup-steps", int, "steps of linear warmup to lr (default: 0)", metavar="N"),
     RecipeFlag("max_grad_norm", "--max-grad-norm", float, "clip the whole model's gradient to this 2-norm, taken "
-               "over every mesh axis (default: no clipping)"),
+               "over every mesh axis (default: no clipping)", metavar="NORM"),
 )
 RECIPE_FILE_HELP = (f"a TOML or YAML file whose [{TABLE}] table is the training recipe (optimizer, lr, betas, eps, "
                     f"momentum, weight_decay, decay_all, schedule, warmup_steps, min_lr_ratio, max_grad_norm, steps); "
