@@ -160,7 +160,20 @@ GLOBAL_BATCH = {plan.global_batch}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}'''
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}{_predicted_constant(plan)}'''
+
+
+def _predicted_constant(plan: Plan) -> str:
+    """The plan's prediction, which each step's MFU and the run's closing table are measured against
+    (``runtime.report.Prediction``)."""
+    p = plan.predicted
+    m = p.memory
+    allocated = m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.transient_bytes
+    peak_flops = float(plan.cluster["device"]["peak_tflops"]) * 1e12
+    return (f"PREDICTED = dict(step_time_s={p.step_time_s!r}, mfu={p.mfu!r}, peak_flops_per_s={peak_flops!r}, "
+            f"devices={plan.world_size},\n"
+            f"                 allocated_bytes={allocated}, memory_peak_bytes={p.memory_peak_bytes_per_rank})"
+            f"  # the plan's step, per rank\n")
 
 
 # A word on the recipe's keys that need one (``ir.recipe.Recipe``'s fields, in their order).
@@ -370,7 +383,10 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=1, help="print every n-th step's line")
+    parser.add_argument("--log-jsonl", help="append each step's figures here as one JSON object per line (rank 0)")
+    parser.add_argument("--tensorboard", help="write each step's figures as TensorBoard scalars to this folder "
+                        "(needs the tensorboard package)")
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
                         "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
@@ -414,7 +430,9 @@ def main():
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
-    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
@@ -475,7 +493,9 @@ def main():
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, stages, optimizer, mesh)  # pretrained: each rank reads its shards
 
-    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch

@@ -37,6 +37,7 @@ tensor whose values came from outside the record.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -482,8 +483,11 @@ def materialize(model, modules: list[nn.Module], state: dict, restore: Callable[
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    # Each rank reads its own parts from its own replay: no plan to agree on, so no collective (no_dist)
-    load(state, storage_reader=ReplayReader(record, seed, extra), planner=DefaultLoadPlanner(), no_dist=True)
+    # Each rank reads its own parts from its own replay: no plan to agree on, so no collective (no_dist); DCP
+    # warns that it "assumes the intent is to load in a single process", which is this intent exactly
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        load(state, storage_reader=ReplayReader(record, seed, extra), planner=DefaultLoadPlanner(), no_dist=True)
     restore()
     forget(model)
 

@@ -39,6 +39,8 @@ MICROBATCH_SIZE = 4
 NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
+PREDICTED = dict(step_time_s=0.00422649, mfu=0.428431, peak_flops_per_s=50000000000.0, devices=4,
+                 allocated_bytes=2915840, memory_peak_bytes=3061632)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
@@ -80,7 +82,10 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=1, help="print every n-th step's line")
+    parser.add_argument("--log-jsonl", help="append each step's figures here as one JSON object per line (rank 0)")
+    parser.add_argument("--tensorboard", help="write each step's figures as TensorBoard scalars to this folder "
+                        "(needs the tensorboard package)")
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
                         "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
@@ -122,7 +127,9 @@ def main():
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
-    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch

@@ -41,6 +41,8 @@ PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtyp
 BLOCKS = [f"model.layers.{i}" for i in range(2)]  # repeated blocks: recompute and FSDP units
 EP = 2  # expert parallel over EP adjacent dp ranks
 EXPERTS = ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']  # mixture-of-experts groups split over EP ranks
+PREDICTED = dict(step_time_s=0.00327837, mfu=0.23674, peak_flops_per_s=50000000000.0, devices=4,
+                 allocated_bytes=2819881, memory_peak_bytes=2960875)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
@@ -85,7 +87,10 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=1, help="print every n-th step's line")
+    parser.add_argument("--log-jsonl", help="append each step's figures here as one JSON object per line (rank 0)")
+    parser.add_argument("--tensorboard", help="write each step's figures as TensorBoard scalars to this folder "
+                        "(needs the tensorboard package)")
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
                         "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
@@ -127,7 +132,9 @@ def main():
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
-    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch

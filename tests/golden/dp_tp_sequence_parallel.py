@@ -57,6 +57,8 @@ TP_STYLES = {f"{block}.{name}": style for block in BLOCKS for name, style in BLO
     "lm_head": "colwise-gather-seq-input-dim1",  # ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     "ln_f": "sharded-input-dim1",  # SequenceParallel(sequence_dim=1, use_local_output=True)
 }
+PREDICTED = dict(step_time_s=0.0049867, mfu=0.776701, peak_flops_per_s=50000000000.0, devices=4,
+                 allocated_bytes=3366656, memory_peak_bytes=3534988)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
@@ -103,7 +105,10 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=1, help="print every n-th step's line")
+    parser.add_argument("--log-jsonl", help="append each step's figures here as one JSON object per line (rank 0)")
+    parser.add_argument("--tensorboard", help="write each step's figures as TensorBoard scalars to this folder "
+                        "(needs the tensorboard package)")
     parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
     parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
                         "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
@@ -145,7 +150,9 @@ def main():
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
-    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every)
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
