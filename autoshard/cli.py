@@ -213,6 +213,10 @@ def _add_run(sub, common) -> None:
     p.add_argument("--timeout-s", type=_int_flag("--timeout-s", 1, 10**7, 300), default=300,
                    help="a collective waiting longer ends the job, naming the ranks that never joined it")
     p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
+    p.add_argument("--log-jsonl", metavar="FILE", help="append each step's figures (loss, step time, tokens/s, lr, "
+                   "grad norm, MFU, memory) here as JSON lines")
+    p.add_argument("--tensorboard", metavar="DIR", help="write each step's figures as TensorBoard scalars here "
+                   "(needs the tensorboard package)")
     _add_data_arguments(p)
     p.add_argument("--data-workers", type=_int_flag("--data-workers", 0, 64, 1), default=1,
                    help="DataLoader processes per rank reading the dataset ahead (default: 1; 0: in the training "
@@ -545,6 +549,15 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def tensorboard_available() -> None:
+    """--tensorboard's package is importable, or one line naming the fix (before anything starts)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise AutoshardError("--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
+                             "--tensorboard out (--log-jsonl writes the same figures as JSON lines)")
+
+
 def _check_output_folder(flag: str, folder: str | None) -> None:
     """A folder the ranks will create or write into: not a file, and under a folder (not a file) that exists."""
     if not folder:
@@ -585,6 +598,11 @@ def cmd_run(args) -> int:
                              f"plan; fix: name another file with --program, or move that one")
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
+    _check_output_folder("--tensorboard", args.tensorboard)
+    if args.tensorboard:
+        tensorboard_available()
+    if args.log_jsonl and Path(args.log_jsonl).is_dir():
+        raise AutoshardError(f"--log-jsonl {args.log_jsonl!r} is a folder; fix: name a file (lines are appended)")
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
@@ -595,6 +613,8 @@ def cmd_run(args) -> int:
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
+    extra += ["--log-jsonl", args.log_jsonl] if args.log_jsonl else []
+    extra += ["--tensorboard", args.tensorboard] if args.tensorboard else []
     extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
     proc = run_torchrun(program, plan.world_size,
                         ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),

@@ -116,6 +116,7 @@ OUTPUTS = [  # where results would be written
     (["compile", "{plan}", "-o", "tests/models/mlp.py"], "is this plan's model file"),
     (["run", "{plan}", "--program", "tests/models/mlp.py"], "is this plan's model file"),
     (["calibrate", "-o", "{tmp}/no_such_folder/cluster.yaml"], "does not exist"),
+    (["run", "{plan}", "--log-jsonl", "{tmp}"], "is a folder; fix: name a file"),
 ]
 
 PIPELINE_PINS = [  # --virtual-stages, --stage-cuts, --runtime: one line, before capture where no graph is needed

@@ -88,3 +88,19 @@ def test_tensorboard_writes_scalars_or_names_the_missing_package(tmp_path, clock
 
 def test_eta_reads_as_a_clock():
     assert [report._clock(s) for s in (7, 125, 3723)] == ["7s", "2m05s", "1h02m03s"]
+
+
+def test_run_refuses_tensorboard_without_its_package_before_anything_starts(in_repo, tmp_path, capsys, monkeypatch):
+    import importlib.util as util
+
+    from autoshard.cli import main
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "4", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    code = main(["run", str(plan), "--steps", "1", "--tensorboard", str(tmp_path / "tb")])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install tensorboard" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no program written, nothing launched
