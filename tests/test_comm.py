@@ -8,8 +8,8 @@ from autoshard.cost import comm
 from autoshard.ir.topology import LinkSpec
 
 MiB = 2**20
-NVLINK_BOTH_WAYS = LinkSpec(900.0, 0.0, "NUMBERS.md worked example")
-NIC = LinkSpec(50.0, 0.0, "NUMBERS.md worked example")
+NVLINK_BOTH_WAYS = LinkSpec(900.0, 0.0, "docs/reference-numbers.md worked example")
+NIC = LinkSpec(50.0, 0.0, "docs/reference-numbers.md worked example")
 
 
 def test_ring_traffic_64mib_over_8():

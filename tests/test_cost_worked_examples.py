@@ -53,7 +53,7 @@ def test_busbw_of_the_64mib_worked_example_is_the_link_bandwidth():
     """docs/reference-numbers.md, Formulas / Ring all-reduce and Hardware ("busbw = algbw · 2(n−1)/n"): 64 MiB over
     8 ranks at 900 GB/s takes ≈ 0.13 ms, and with α = 0 its bus bandwidth is the link's 900 GB/s,
     which is why comm.py's B is comparable to a measured busbw."""
-    link = LinkSpec(900.0, 0.0, "NUMBERS.md worked example")
+    link = LinkSpec(900.0, 0.0, "docs/reference-numbers.md worked example")
     t = comm.ring_allreduce_s(64 * MiB, 8, link)
     assert t == pytest.approx(0.13e-3, rel=0.03)
     assert busbw_gbps(64 * MiB, 8, t) == pytest.approx(900.0)

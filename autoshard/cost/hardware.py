@@ -67,10 +67,10 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.topology import CLUSTER_KEYS, Cluster, DeviceSpec, LinkSpec
 
 GIB = 2**30
-_NUMBERS = "NUMBERS.md"
+_NUMBERS = "docs/reference-numbers.md"
 
-_NVLINK_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 32 KiB ≈ 18 µs on 8×H200 = 2·log2(8)·α (NUMBERS.md)"
-_IB_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (NUMBERS.md)"
+_NVLINK_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 32 KiB ≈ 18 µs on 8×H200 = 2·log2(8)·α (docs/reference-numbers.md)"
+_IB_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (docs/reference-numbers.md)"
 
 A100_SXM_80GB = DeviceSpec(
     name="A100-SXM-80GB",
@@ -90,13 +90,13 @@ H100_SXM_80GB = DeviceSpec(
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (~989 TFLOP/s bf16, ~3.35 TB/s, 80 GB); matmul_efficiency "
            "from 8192³ bf16 matmul measured 790-800 TFLOP/s and memory_bandwidth_gbps from a device-to-device "
-           "copy measured ≈ 3.0 TB/s (read + write) on one H100 (NUMBERS.md)",
+           "copy measured ≈ 3.0 TB/s (read + write) on one H100 (docs/reference-numbers.md)",
 )
 NVLINK3 = LinkSpec(
     bandwidth_gbps=235.0,
     latency_us=3.0,
     source="NCCL all-reduce busbw ≈ 235 GB/s for large messages on 8×A100 in one node (ml-engineering, "
-           "NUMBERS.md), ≈ 80% of NVLink 3's 300 GB/s per GPU per direction (Narayanan et al. SC21 §5); "
+           "docs/reference-numbers.md), ≈ 80% of NVLink 3's 300 GB/s per GPU per direction (Narayanan et al. SC21 §5); "
            f"{_NVLINK_LATENCY_SOURCE}",
 )
 NVLINK4 = LinkSpec(
