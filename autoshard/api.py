@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
 if TYPE_CHECKING:  # planning never imports torch when the capture cache has the model
     import torch.nn as nn
+
+    from autoshard.modelfile import ModelFile
 
 
 def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
@@ -64,49 +67,95 @@ def layout(plan: Plan | str | Path) -> Layout:
 
 
 def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = None, init_from: str | Path | None = None,
-                recipe: Recipe | None = None):
-    """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank) and
-    return ``(model, optimizer, mesh)``: the mesh and the steps are the emitted program's
-    (``passes.lower``: ``layout`` and ``lower``, applied by ``runtime.build_mesh`` and ``runtime.apply_steps``).
+                recipe: Recipe | None = None, loss_fn: Callable | None = None, example_inputs: tuple | None = None):
+    """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank, the model the
+    plan was made for) and return a ``runtime.parallelized.Parallelized`` ``p`` that trains it as the emitted
+    program does, for every plan (pipelines and context parallelism included)::
 
-    The data stays in the caller's loop, as the emitted program's SPMD loop takes it, with
-    ``spec = autoshard.layout(plan)``: each global batch's samples ``runtime.take_samples(batch, mesh,
-    spec.data_axis, device)``, in ``plan.num_microbatches`` micro-batches; each micro-batch's tokens
-    ``runtime.take_sequence_shard(x, y, mesh, spec.sequence_axis, spec.tokens_per_sample)``, its forward and
-    backward under ``runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample)`` (both do
-    nothing without context parallelism) and ``runtime.grad_sync``; the loss averaged over
-    ``mesh.get_group(spec.loss_axis)``.
+        loss = p.train_step(inputs, targets)   # one global batch: dp slice, micro-batches, cp tokens, schedule
+        p.clip_grad_norm(1.0)                  # optional: the whole model's norm over every mesh axis
+        optimizer.step(); optimizer.zero_grad()
 
-    ``recipe`` (``autoshard.Recipe``, or ``Recipe.from_file(path)``): the optimizer, its settings and weight-decay
-    groups, as an emitted program's ``RECIPE`` (None: ``Recipe()``, AdamW at 1e-3, no decay on norms, biases and
-    embeddings); ``lr`` replaces its lr. Its schedule and clipping belong to the caller's loop, as the program's:
-    ``scheduler = runtime.recipe.build_scheduler(optimizer, recipe.for_run(steps))``, and after the backward
-    ``runtime.recipe.clip_grad_norm(model, recipe.max_grad_norm)`` when it clips, then ``optimizer.step()``,
-    ``scheduler.step()``.
+    The mesh and the steps are the emitted program's (``passes.lower``: ``layout`` and ``lower``, applied by
+    ``runtime.build_mesh`` and ``runtime.apply_steps``); ``p.model`` is the wrapped model, or this rank's pipeline
+    stages, ``p.mesh`` the mesh, ``p.parameters()`` this rank's parameters for an optimizer of one's own.
+
+    ``recipe`` (``autoshard.Recipe``, or ``Recipe.from_file(path)``): ``p.optimizer``, the optimizer, its settings
+    and weight-decay groups, as an emitted program's ``RECIPE`` (None: ``Recipe()``, AdamW at 1e-3, no decay on
+    norms, biases and embeddings); ``lr`` replaces its lr; ``p.lr_scheduler(steps)`` its schedule.
+
+    ``loss_fn(outputs, targets)``: None, the plan's model file's (its ``loss_fn``, or the default loss).
+    ``example_inputs``: for a pipeline plan, inputs of one micro-batch (or more rows: the first
+    ``plan.microbatch_size`` are kept) that the split traces; None, drawn from the model file's ``example_batch``.
 
     ``init_from``: pretrained weights loaded once the plan is applied, each rank reading only its shards, as the
     program's ``--init-from`` (``runtime.checkpoint.load_weights``: a Hugging Face folder of ``*.safetensors`` or
-    a DCP checkpoint).
+    a DCP checkpoint)."""
+    import os
 
-    Pipeline plans are refused: their steps replace the model by this rank's stages and need an example
-    micro-batch and the loss function to trace them, and their loop is a schedule's, which this call's
-    ``(model, optimizer, mesh)`` cannot carry."""
+    import torch.nn as nn
+
     from autoshard import runtime  # torch
+    from autoshard.runtime.parallelized import Parallelized
 
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
-    if plan.mesh.pp > 1:
-        raise AutoshardError("autoshard.parallelize takes plans without pipeline parallelism (a pipeline replaces "
-                             "the model by stages and the loop by a schedule); run `autoshard compile` for this plan")
+    if not isinstance(model, nn.Module):
+        raise AutoshardError(f"autoshard.parallelize takes a torch.nn.Module, not a {type(model).__name__}; fix: "
+                             f"build the model first (the plan's {plan.model['spec']})")
+    check_model_for_plan(model, plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.world_size:
+        raise AutoshardError(f"this plan is for {plan.world_size} ranks, and this process is one of {world}; fix: "
+                             f"launch the script with torchrun --nproc-per-node {plan.world_size} (or re-plan for "
+                             f"{world})")
     spec = lower_layout(plan)
     ctx = runtime.init_distributed(expected_world_size=spec.world_size)
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
-    model = model.to(ctx.device)
+    model_file = _model_file_once(plan, spec.seq_len)
+    loss_fn = loss_fn or model_file().loss
     recipe = recipe or Recipe()
     recipe = recipe if lr is None else replace(recipe, lr=lr)
-    applied = runtime.apply_steps(model, lower(plan), mesh, device=ctx.device, recipe=recipe)  # as the emitted program
+    run_inputs = dict(device=ctx.device, recipe=recipe)
+    if plan.mesh.pp > 1:  # the split traces one micro-batch; the schedule computes the loss
+        if example_inputs is None:
+            example_inputs = runtime.global_batch(model_file(), plan.microbatch_size, seed=0, step=0)[0]
+        example_inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        run_inputs |= dict(loss_fn=loss_fn,
+                           example_microbatch=tuple(t[:plan.microbatch_size].to(ctx.device) for t in example_inputs))
+    applied = runtime.apply_steps(model.to(ctx.device), lower(plan), mesh, **run_inputs)  # as the emitted program
     if init_from is not None:
         from autoshard.runtime.checkpoint import load_weights
 
-        load_weights(init_from, applied["model"], applied["optimizer"])
-    return applied["model"], applied["optimizer"], mesh
+        load_weights(init_from, applied["model"], applied["optimizer"], mesh if plan.mesh.pp > 1 else None)  # as the program
+    return Parallelized(plan, spec, mesh, ctx.device, applied["model"], applied["optimizer"], recipe, loss_fn,
+                        applied.get("schedule"), model_file)
+
+
+def check_model_for_plan(model: nn.Module, plan: Plan) -> None:
+    """Refuse, in one line, a model that is not the one ``plan`` was made for: its structure's fingerprint
+    (``modelfile.model_fingerprint``: module types, parameter and buffer names, shapes, dtypes) differs."""
+    from autoshard.modelfile import model_fingerprint
+
+    want = plan.model.get("hash")
+    if want is None or model_fingerprint(model) == want:
+        return
+    spec, planned = plan.model["spec"], plan.model.get("params")
+    params = sum(p.numel() for p in model.parameters())
+    how = (f"it has {params:,} parameters, the plan's {planned:,}" if planned is not None and params != planned else
+           "its module types, parameter names, shapes or dtypes differ")
+    raise AutoshardError(f"this model is not the one the plan was made for ({spec}): {how}; fix: build the model "
+                         f"as {spec} does, or plan this one")
+
+
+def _model_file_once(plan: Plan, seq_len: int | None) -> Callable[[], ModelFile]:
+    """The plan's model file, loaded the first time it is asked for (default loss, example inputs, data)."""
+    loaded: list[ModelFile] = []
+
+    def model_file() -> ModelFile:
+        if not loaded:
+            from autoshard.runtime import load_model_file
+
+            loaded.append(load_model_file(plan.model["spec"], seq_len=seq_len))
+        return loaded[0]
+    return model_file

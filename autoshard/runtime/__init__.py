@@ -34,7 +34,7 @@ _LAZY = {  # name: the module that defines it, imported on first use
 }
 # emitted programs name runtime.tensor_parallel.Conv1D*Parallel; any submodule is imported as it is named
 _SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_parallel", "faults", "model",
-               "parallel", "pipeline_parallel", "pipeline_skips", "randomness", "recipe", "report", "safe_load", "selective",
+               "parallel", "parallelized", "pipeline_parallel", "pipeline_skips", "randomness", "recipe", "report", "safe_load", "selective",
                "stage_recompute", "tensor_parallel", "tensor_parallel_stages")
 
 __all__ = [

@@ -166,14 +166,16 @@ def open_dataset(model_file: ModelFile, source: DataSource, tokens_per_sample: i
     return dataset
 
 
-def check_samples(dataset, model_file: ModelFile, source: DataSource) -> None:
+def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str | None = None) -> None:
     """Refuse, in one line naming the difference and the fix, a dataset whose samples are not one row of
     ``example_batch``: a map-style dataset (``len``, indexing) of ``(inputs: tuple, target)`` with the same number
-    of inputs, dtypes and shapes (without the batch dimension)."""
-    what = source.name(model_file)
-    fix = ("fix: pass --data only for a model that takes token ids and predicts the next ones, or define "
+    of inputs, dtypes and shapes (without the batch dimension). ``what`` names the dataset (default: the source's
+    name)."""
+    fix = ("fix: make its samples shaped like one row of example_batch" if what else
+           "fix: pass --data only for a model that takes token ids and predicts the next ones, or define "
            "dataset(seq_len) in the model file" if source.path else
            "fix: make dataset(seq_len) return samples shaped like one row of example_batch")
+    what = what or source.name(model_file)
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise AutoshardError(f"{what} is a {type(dataset).__name__}, not a map-style Dataset (len and indexing, "
                              f"which DistributedSampler needs); fix: return a torch.utils.data.Dataset")
@@ -280,13 +282,19 @@ def global_batches(model_file: ModelFile, source: DataSource | None, global_batc
 class RankBatches:
     """This rank's samples of each step (``take``), from the source ``DataSource`` names: a dataset through
     ``DataLoader`` + ``ResumableSampler`` over the dp ranks (``workers`` processes, prefetching, pinned on CUDA),
-    or ``example_batch`` draws; ``position`` and ``check_position`` for checkpoints (module doc)."""
+    or ``example_batch`` draws; ``position`` and ``check_position`` for checkpoints (module doc). ``dataset``: a
+    map-style dataset of ``(inputs, target)`` samples read in place of the source's (the Python API's
+    ``Parallelized.data_loader``), checked the same way. Iterating gives ``take(0)``, ``take(1)``, ..."""
 
     def __init__(self, model_file: ModelFile, source: DataSource, global_batch_size: int, tokens_per_sample: int,
-                 mesh, axis: str, device: torch.device, seed: int, workers: int = 1):
+                 mesh, axis: str, device: torch.device, seed: int, workers: int = 1, dataset: Dataset | None = None):
         self.model_file, self.global_batch_size, self.device, self.seed = model_file, global_batch_size, device, seed
         self.dp, self.dp_index = mesh[axis].size(), mesh.get_local_rank(axis)
-        self.dataset = open_dataset(model_file, source, tokens_per_sample)
+        if dataset is None:
+            self.dataset = open_dataset(model_file, source, tokens_per_sample)
+        else:
+            check_samples(dataset, model_file, source, what="the dataset given")
+            self.dataset = dataset
         self.loader, self._next_step, self._batches = None, None, None
         if self.dataset is None:
             return
@@ -314,6 +322,10 @@ class RankBatches:
         self._next_step = step + 1
         return (tuple(t.to(self.device, non_blocking=True) for t in inputs),
                 targets.to(self.device, non_blocking=True))
+
+    def __iter__(self):
+        """Each step's batch of this rank, from step 0 on, without end (a dataset's epochs follow one another)."""
+        return (self.take(step) for step in itertools.count())
 
     def position(self, steps_done: int) -> dict[str, int]:
         """Where the data stands after ``steps_done`` steps, as a checkpoint keeps it."""

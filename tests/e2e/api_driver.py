@@ -1,23 +1,21 @@
-"""Train a plan through the Python API: ``autoshard.parallelize`` and a training loop of the script's own.
+"""Train a plan through the Python API: ``autoshard.parallelize`` and ``Parallelized.train_step`` in a loop of
+the script's own.
 
-Run by tests/e2e/test_context_parallel.py, a job of the session's torchrun launches (``one_launch.py``),
-or alone under torchrun::
+Run by tests/e2e/test_context_parallel.py and test_pretrained.py, jobs of the session's torchrun launches
+(``one_launch.py``), or alone under torchrun::
 
     api_driver.py PLAN_JSON [--steps 2] [--seed 0] [--lr 1e-3] [--metrics-out DIR] [--fixed-randomness]
-                            [--init-from DIR] [--export-hf DIR]
+                            [--init-from DIR] [--export-hf DIR] [--data-loader]
 
 The command line is an emitted program's (``zoo.program_case``), so ``verify``'s judge reads its metrics.
-The loop is the one ``autoshard.parallelize``'s docstring describes: the samples of this rank's place
-on the data axis, each micro-batch's tokens of its place on the sequence axis, forward and backward
-under ``runtime.context_parallel`` (both nothing without context parallelism), the loss averaged over
-the loss axis, all read from ``autoshard.layout(plan)``.
+Each step hands ``train_step`` the step's global batch, which it slices as the plan says (dp samples,
+micro-batches, cp tokens, or the pipeline's schedule); ``--data-loader`` reads this rank's share with
+``Parallelized.data_loader`` instead (``train_step(..., local=True)``). The optimizer is the plan's recipe's.
 """
 
 from __future__ import annotations
 
 import argparse
-
-import torch
 
 import autoshard
 from autoshard import runtime
@@ -33,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fixed-randomness", action="store_true")
     p.add_argument("--init-from")
     p.add_argument("--export-hf")
+    p.add_argument("--data-loader", action="store_true")
     return p.parse_args()
 
 
@@ -43,29 +42,24 @@ def main() -> None:
     ctx = runtime.init_distributed(expected_world_size=plan.world_size)
     model_file = runtime.load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=spec.seq_len)
     model = runtime.build_model(model_file, seed=args.seed, device=ctx.device, fixed_randomness=args.fixed_randomness)
-    model, optimizer, mesh = autoshard.parallelize(model, plan, lr=args.lr, init_from=args.init_from)
+    p = autoshard.parallelize(model, plan, lr=args.lr, init_from=args.init_from)
+    del model  # p holds what this rank trains (a pipeline: its stages)
+    mesh = p.mesh if plan.mesh.pp > 1 else None  # weights out of pipeline stages map through the mesh
+    shares = p.data_loader(seed=args.seed) if args.data_loader else None
 
-    micro = plan.num_microbatches
     log = runtime.StepLog(plan.global_batch * spec.tokens_per_sample, is_main=ctx.is_main, log_every=1)
     for step in range(args.steps):
         log.start()
-        batch = runtime.global_batch(model_file, plan.global_batch, args.seed, step)
-        inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, ctx.device)
-        step_loss = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, micro)):
-            x, y = runtime.take_sequence_shard(x, y, mesh, spec.sequence_axis, spec.tokens_per_sample)
-            with runtime.grad_sync(model, enabled=i == micro - 1), \
-                    runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample):
-                with runtime.autocast(plan.precision, ctx.device):
-                    loss = model_file.loss(model(*x), y) / micro
-                loss.backward()
-            step_loss += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.end(step, runtime.mean_over(step_loss, mesh.get_group(spec.loss_axis)))
-    runtime.finish(model, optimizer, log, args.metrics_out)
+        if shares is not None:
+            loss = p.train_step(*shares.take(step), local=True)  # this rank's samples
+        else:
+            loss = p.train_step(*runtime.global_batch(model_file, plan.global_batch, args.seed, step))
+        p.optimizer.step()
+        p.optimizer.zero_grad(set_to_none=True)
+        log.end(step, loss)
+    runtime.finish(p.model, p.optimizer, log, args.metrics_out, mesh)
     if args.export_hf:
-        runtime.checkpoint.export_hf(args.export_hf, model, optimizer)
+        runtime.checkpoint.export_hf(args.export_hf, p.model, p.optimizer, mesh)
     runtime.shutdown()
 
 

@@ -1,0 +1,151 @@
+"""What ``autoshard.parallelize`` returns: a model (or this rank's pipeline stages) with the plan applied, and
+the emitted program's training step for it.
+
+``Parallelized.train_step(inputs, targets)`` is one step of a program's loop on a global batch of B samples
+(``passes.codegen`` writes the same calls into every program), for every plan:
+
+    SPMD plans (dp, tp, ZeRO, cp, ep)            pipeline plans (pp > 1)
+    x, y = take_samples(batch, data axis)        x, y = take_samples(batch, data axis)
+    for each of m micro-batches j:               under autocast:
+        x_j, y_j = take_sequence_shard(...)          loss = pipeline_step(schedule, stages, x, y)
+        with grad_sync(last j), context_parallel,
+             autocast:
+            ℓ_j = loss_fn(model(*x_j), y_j) / m
+            ℓ_j.backward()
+    loss = mean over the loss axis of Σ_j ℓ_j
+
+so the gradients left for the optimizer are the one-process gradient of the global batch's mean loss, and the
+returned loss is that mean (the value a program logs). The step leaves the optimizer to its caller: the
+plan's recipe optimizer (``optimizer``, ZeRO-1's sharded state included), or one of the caller's own over
+``parameters()``; ``clip_grad_norm`` clips the whole model's gradient over every mesh axis in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Plan
+from autoshard.ir.recipe import Recipe
+from autoshard.ir.steps import Layout
+from autoshard.modelfile import ModelFile
+from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
+from autoshard.runtime.data import DataSource, RankBatches, split_microbatches, take_samples
+from autoshard.runtime.distributed import mean_over
+from autoshard.runtime.parallel import autocast, grad_sync
+
+
+@dataclass
+class Parallelized:
+    """The plan applied on this rank (``autoshard.parallelize``): ``model`` (or this rank's ``PipelineStages``),
+    the recipe's ``optimizer``, the ``mesh``, and the pipeline ``schedule`` (None without pp)."""
+
+    plan: Plan
+    layout: Layout
+    mesh: Any  # DeviceMesh
+    device: torch.device
+    model: Any  # nn.Module, or runtime.pipeline_parallel.PipelineStages for a pipeline plan
+    optimizer: torch.optim.Optimizer
+    recipe: Recipe
+    loss_fn: Callable
+    schedule: Any = None  # torch.distributed.pipelining's schedule for a pipeline plan
+    model_file: Callable[[], ModelFile] | None = field(default=None, repr=False)  # the plan's model file, on demand
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.schedule is not None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (its shards; a pipeline's: its stages'), for an optimizer of one's own."""
+        return list(self.model.parameters())
+
+    def train_step(self, inputs, targets, loss_fn: Callable | None = None, *, local: bool = False) -> float:
+        """Forward and backward of one global batch (``inputs``: a tensor or a tuple of them, batch first;
+        ``targets``: one tensor) as the plan runs it (module doc); returns its mean loss, the same on every rank.
+        Gradients are left for ``optimizer.step()``. ``local=True``: the batch is this rank's share already
+        (B / dp samples, what ``data_loader`` gives). ``loss_fn(outputs, targets)``: None, the one given to
+        ``autoshard.parallelize`` (default: the model file's)."""
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        self._check_batch(tuple(inputs), targets, local)
+        loss_fn = self._loss_fn(loss_fn)
+        if local:
+            inputs, targets = tuple(t.to(self.device) for t in inputs), targets.to(self.device)
+        else:
+            inputs, targets = take_samples((tuple(inputs), targets), self.mesh, self.layout.data_axis, self.device)
+        if self.is_pipeline:
+            from autoshard.runtime.pipeline_parallel import pipeline_step
+
+            with autocast(self.plan.precision, self.device):
+                return pipeline_step(self.schedule, self.model, inputs, targets)  # the global batch's mean
+        spec, micro = self.layout, self.plan.num_microbatches
+        step_loss = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(split_microbatches(inputs, targets, micro)):
+            x, y = take_sequence_shard(x, y, self.mesh, spec.sequence_axis, spec.tokens_per_sample)
+            with grad_sync(self.model, enabled=i == micro - 1), \
+                    context_parallel(self.mesh, spec.sequence_axis, spec.tokens_per_sample):
+                with autocast(self.plan.precision, self.device):
+                    loss = loss_fn(self.model(*x), y) / micro  # the mean over this rank's tokens
+                loss.backward()
+            step_loss += loss.detach()
+        return mean_over(step_loss, self.mesh.get_group(spec.loss_axis))
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Clip the whole model's gradient to 2-norm ``max_norm`` (None: only measure it), the norm taken over
+        every mesh axis as one process takes it (``runtime.recipe.clip_grad_norm``); returns the norm. Call it on
+        every rank after ``train_step``, before ``optimizer.step()``."""
+        from autoshard.runtime.recipe import clip_grad_norm
+
+        return clip_grad_norm(self.model, max_norm)
+
+    def lr_scheduler(self, steps: int | None = None):
+        """The recipe's learning-rate schedule on ``optimizer`` (warmup, then its decay over ``steps``, or the
+        recipe's own steps); ``scheduler.step()`` after each ``optimizer.step()``."""
+        from autoshard.runtime.recipe import build_scheduler
+
+        return build_scheduler(self.optimizer, self.recipe if steps is None else self.recipe.for_run(steps))
+
+    def data_loader(self, dataset=None, seed: int = 0, workers: int = 1) -> RankBatches:
+        """This rank's share of each step's global batch, in step order (iterate it, or ``take(step)``), for
+        ``train_step(..., local=True)``: ``dataset`` (a map-style dataset of ``(inputs, target)`` samples, each one
+        row of the model file's ``example_batch``; None: the model file's ``dataset`` if it has one, else
+        ``example_batch`` draws) read through a ``DataLoader`` over a ``DistributedSampler`` on the data axis,
+        shuffled with ``seed``, ``workers`` processes ahead (``runtime.data``). The global batch of step k is the
+        one ``autoshard verify``'s one-process run reads (``runtime.data.dataset_global_batch``)."""
+        if self.model_file is None:
+            raise AutoshardError("data_loader needs the plan's model file (its example_batch checks the samples); "
+                                 "fix: parallelize a plan made from a model file")
+        return RankBatches(self.model_file(), DataSource(), self.plan.global_batch, self.layout.tokens_per_sample,
+                           self.mesh, self.layout.data_axis, self.device, seed, workers, dataset=dataset)
+
+    def __iter__(self):
+        raise AutoshardError("autoshard.parallelize returns one object, not (model, optimizer, mesh); fix: "
+                             "p = autoshard.parallelize(...), then p.model, p.optimizer, p.mesh and p.train_step")
+
+    def _check_batch(self, inputs: tuple, targets, local: bool) -> None:
+        dp = self.mesh[self.layout.data_axis].size() if local else 1
+        want = self.plan.global_batch // dp
+        tensors = [*inputs, targets]
+        if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors):
+            raise AutoshardError(f"train_step takes inputs (a tensor or a tuple of them) and targets (a tensor), "
+                                 f"batch first; got {', '.join(type(t).__name__ for t in tensors)}")
+        sizes = sorted({t.shape[0] for t in tensors})
+        if sizes != [want]:
+            what = f"this rank's share of {want} samples (global batch {self.plan.global_batch} / dp {dp})" \
+                if local else f"the plan's global batch of {want} samples"
+            fix = "pass exactly that many" + ("" if local else ", or local=True for this rank's share "
+                                              "(data_loader's batches)")
+            raise AutoshardError(f"train_step takes {what}, got a batch of {' and '.join(map(str, sizes))}; "
+                                 f"fix: {fix}")
+
+    def _loss_fn(self, loss_fn: Callable | None) -> Callable:
+        if loss_fn is None or loss_fn is self.loss_fn:
+            return self.loss_fn
+        if self.is_pipeline:
+            raise AutoshardError("a pipeline's schedule computes the loss it was built with; fix: pass loss_fn to "
+                                 "autoshard.parallelize, not to train_step")
+        return loss_fn
