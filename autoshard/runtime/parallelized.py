@@ -132,7 +132,8 @@ class Parallelized:
         tensors = [*inputs, targets]
         if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors):
             raise AutoshardError(f"train_step takes inputs (a tensor or a tuple of them) and targets (a tensor), "
-                                 f"batch first; got {', '.join(type(t).__name__ for t in tensors)}")
+                                 f"batch first; got {', '.join(type(t).__name__ for t in tensors)}; fix: pass tensors "
+                                 f"(example_batch's, a DataLoader's)")
         sizes = sorted({t.shape[0] for t in tensors})
         if sizes != [want]:
             what = f"this rank's share of {want} samples (global batch {self.plan.global_batch} / dp {dp})" \
