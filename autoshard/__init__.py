@@ -1,7 +1,8 @@
 """autoshard: a compiler for distributed training.
 
     plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", global_batch=16)
-    model, optimizer, mesh = autoshard.parallelize(model, plan)   # inside torchrun
+    p = autoshard.parallelize(model, plan)   # inside torchrun
+    loss = p.train_step(inputs, targets)     # then optimizer.step()
 """
 
 from autoshard.errors import AutoshardError
