@@ -126,10 +126,26 @@ def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:
         peak = _setup_and_train(plan, spec, steps)
     finally:
         dist.destroy_process_group()
-    predicted = plan.predicted.memory
+    predicted = rank_prediction(plan, rank)
     parts = {part: (peak.get(part, 0), int(getattr(predicted, _PREDICTED_KEY[part]))) for part in PARTS}
     # the parts' sum: the plan's peak adds the allocator's slack (cost.rank_memory), which no tracker sees
     return RankMemory(rank, sum(peak.values()), sum(pair[1] for pair in parts.values()), parts)
+
+
+def rank_prediction(plan: Plan, rank: int):
+    """The plan's predicted memory of ``rank``: its pipeline rank's own (``Predicted.pp_rank_memory``, the pp
+    rank of the stages holding it), else the plan's one figure (every SPMD rank alike; older pipeline plans)."""
+    by_pp_rank = plan.predicted.pp_rank_memory
+    stage = next((stage.index for stage in plan.stages if rank in stage.ranks), None)
+    if stage is None or len(by_pp_rank) != plan.mesh.pp:
+        return plan.predicted.memory
+    return by_pp_rank[_pp_rank_of_stage(plan, stage)]
+
+
+def _pp_rank_of_stage(plan: Plan, stage: int) -> int:
+    """The pp rank holding stage ``stage``: s mod pp looped, min(s, 2·pp − 1 − s) in a V."""
+    pp = plan.mesh.pp
+    return min(stage, 2 * pp - 1 - stage) if plan.schedule in V_SCHEDULES else stage % pp
 
 
 def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
@@ -161,7 +177,7 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
         optimizers = optimizer.optimizers if pipeline else [optimizer]
         tracker.track_external(*modules, *optimizers)
         _ddp_on_the_fake_group(model, tracker)
-        with _tracked_stages(tracker, modules if pipeline else []), tracker:
+        with _tracked_stages(tracker, modules if pipeline else []), _propagation_apart(), tracker:
             for step in range(steps):
                 if pipeline:
                     _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)

@@ -42,6 +42,7 @@ from autoshard.cost.saved import (
     needs_grad,
     saved_set,
     storage_of,
+    value_bytes,
 )
 from autoshard.ir.graph import Block, OpGraph
 from autoshard.ir.names import op_name
@@ -223,6 +224,12 @@ def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
              if i not in inside and i not in graph.placeholder_params and i in graph._by_name()}
     largest = max(outer, key=lambda name: graph.node(name).output_numel, default=None)
     return largest in share.split
+
+
+def shared_value_bytes(graph: OpGraph) -> int:
+    """Bytes of the values made outside the blocks and read by several of them (rotary tables, masks), as
+    captured: what every pipeline stage receives beside the residual stream."""
+    return sum(value_bytes(graph, name, 1.0) for name in _shared_values(graph))
 
 
 def _grads(graph: OpGraph) -> set[str]:

@@ -55,6 +55,7 @@ class StepParts:
     host_s: float = 0.0  # host overheads not hidden by the device (module doc, "Host")
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed (``cost.experts``)
     cp_comm_s: float = 0.0  # context parallelism's ring exchange, exposed (``cost.context_parallel``)
+    pp_rank_memory: tuple[Memory, ...] = ()  # pipelines: each pp rank's (``memory`` is the largest)
 
     @property
     def compute_s(self) -> float:
@@ -86,6 +87,7 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
         samples_per_s=global_batch / step_s,
         mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
         comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s + parts.ep_comm_s,
+        pp_rank_memory=parts.pp_rank_memory,
     )
 
 

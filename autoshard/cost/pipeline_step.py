@@ -64,8 +64,9 @@ from dataclasses import dataclass
 from autoshard.cost import comm
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
+from autoshard.cost.memory import shared_value_bytes
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts
-from autoshard.cost.rank_memory import in_flight, memory_pipeline
+from autoshard.cost.rank_memory import StageLoad, in_flight, memory_pipeline
 from autoshard.cost.schedule import (
     ZERO_BUBBLE_SCHEDULES,
     rank_orders,
@@ -75,9 +76,9 @@ from autoshard.cost.schedule import (
     shared_makespan_s,
     stage_owners,
 )
-from autoshard.cost.tables import CostTables
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
-from autoshard.cost.units import stage_ranges, stage_units
+from autoshard.cost.units import Units, stage_ranges, stage_units
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Memory
 from autoshard.ir.topology import Cluster
@@ -131,7 +132,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
         p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s,
         bubble_s=span_s - m * slowest.time_s,
         dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
-        host_s=host_s, ep_comm_s=m * slowest.ep_comm_s)
+        host_s=host_s, ep_comm_s=m * slowest.ep_comm_s, pp_rank_memory=tuple(r.memory for r in loads))
 
 
 def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, expert_params: int,
@@ -214,12 +215,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
                   if s > 0 and owner[s - 1] != r)  # adjacent stages on one rank (the V's tip) send nothing
         whole_experts = sum(experts[u].params for u in idx)
         params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
-        if config.schedule in ZERO_BUBBLE_SCHEDULES:
-            saved = {s: sum(units.saved_bytes[u] for u in stage_units(rng, units.blocks)) for s, rng in mine}
-            acts = split_backward_in_flight_bytes(config, r, saved)
-        else:
-            acts = in_flight(config.schedule, config.num_microbatches, pp, v, r) * sum(units.saved_bytes[u] for u in idx)
-        acts += max(units.workspace_bytes[u] for u in idx)
+        stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
         host_s = sum(units.host_s[u] + tp_host[u] + experts[u].host_s for u in idx) + \
             len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
@@ -227,9 +223,58 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
                               sum(units.backward_s[u] + experts[u].backward_s for u in idx),
                               sum(units.recompute_s[u] + experts[u].recompute_s for u in idx), p2p,
                               sum(tp_comm[u] for u in idx), params + expert_shards,
-                              memory_pipeline(tables.precision, config, params, acts, expert_shards), host_s,
+                              memory_pipeline(tables, config, r, stages), host_s,
                               sum(units.tensors[u] for u in idx), a2a_microbatch_s(experts, idx), expert_shards))
     return loads
+
+
+def stage_load(tables: CostTables, config: Decisions, units: Units, experts, index: int, block_range: tuple[int, int],
+               owner: list[int]) -> StageLoad:
+    """What stage ``index`` (blocks ``block_range``) puts on its rank (``rank_memory.StageLoad``): its units'
+    parameters, saved activations, workspaces and activation gradients on one TP rank, the output the
+    schedule keeps for its backward (the next stage's input, or the model's output) and its receive buffers
+    (``stage_buffer_bytes``)."""
+    blocks, last = units.blocks, index == len(owner) - 1
+    idx = stage_units(block_range, blocks)
+    params, expert_shards = expert_state_params(sum(units.params[u] for u in idx),
+                                                sum(experts[u].params for u in idx), config)
+    output = model_output_bytes(tables, config) if last else units.boundary_bytes[block_range[1]]
+    in_blocks = [u for u in idx if 0 < u <= blocks]
+    return StageLoad(index, params, expert_shards,
+                     saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
+                     workspace_bytes=max((units.workspace_bytes[u] for u in in_blocks), default=0),
+                     backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0)
+                     if units.backward_bytes else 0,
+                     loss_bytes=units.workspace_bytes[-1] if last else 0,
+                     buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner))
+
+
+def model_output_bytes(tables: CostTables, config: Decisions) -> int:
+    """The model's output of one micro-batch on a TP rank, as trained: the last stage's output, which the
+    schedule keeps until the loss's backward."""
+    graph = tables.graph
+    if not graph.nodes:
+        return 0
+    ratio = tables.precision.activation_bytes / CAPTURED_ELEM_BYTES
+    nbytes = tables.rank_share(config).value_bytes(graph, graph.nodes[-1].name, ratio)
+    return int(nbytes * config.microbatch_size / graph.batch_size)
+
+
+def stage_buffer_bytes(tables: CostTables, config: Decisions, index: int, block_range: tuple[int, int],
+                       owner: list[int]) -> int:
+    """Receive buffers of one micro-batch on stage ``index``: torch's stage makes one per micro-batch for each
+    input (but the first stage's) and for the gradient of each output (but the last stage's), in the dtype
+    the split traced (the model's: ``CAPTURED_ELEM_BYTES``), and keeps them; a boundary is the residual
+    stream entering a block and the tables the blocks share (``memory.shared_value_bytes``); none between two
+    stages of one rank (the V's tip)."""
+    graph = tables.graph
+    scale = config.microbatch_size / graph.batch_size
+    boundary = [int((b.input_bytes + shared_value_bytes(graph)) * scale) for b in graph.blocks]
+    first, end = block_range
+    receives = boundary[first] if index > 0 and owner[index - 1] != owner[index] else 0
+    if index < len(owner) - 1 and owner[index + 1] != owner[index]:
+        receives += boundary[end]
+    return receives
 
 
 def stage_in_flight(config: Decisions) -> tuple[float, ...]:

@@ -1,20 +1,26 @@
 """Memory per rank at its peak: model state by ZeRO stage, activations in flight, transients.
 
-``memory_spmd`` / ``memory_pipeline``: model state by ZeRO stage over dp
-(``memory.model_state_bytes``) of the rank's parameters (TP: sharded modules' weights / tp;
-PP: its stages'); activations of one micro-batch times the micro-batches in flight
-(``in_flight``): 1 without pipelining; GPipe m; 1F1B min(m, p − r) on rank r; interleaved
-min(m, p − r + (p−1)/v) (Korthikanti et al.: p·(1 + (p−1)/(p·v)) on the first rank). With TP
-each op keeps what ``cost.saved`` says on the rank's shards' shapes (``CostTables.activation_units``).
-FSDP adds transients:
-without pipelining ZeRO-3 holds the unit in use and the prefetched one unsharded, and one
-unit's gradients (ZeRO-2: those only); on a pipeline stage the gradients (and ZeRO-3's gathered
-weights) stay unsharded all step. The caching allocator's fragmentation adds ALLOCATOR_SLACK.
+``memory_spmd``: model state by ZeRO stage over dp (``memory.model_state_bytes``; FSDP2's
+``rank_state_bytes``) of the rank's parameters (TP: sharded modules' weights / tp), one micro-batch's
+activations, and the largest of the step's moments (``spmd_moments``). With TP each op keeps what
+``cost.saved`` says on the rank's shards' shapes (``CostTables.activation_units``).
+
+``memory_pipeline``: each pp rank's own peak, the largest of its moments (``pipeline_moments``): its
+stages' state as the stage's dp wrapper holds it, the micro-batches each of its stages holds as one of
+its backwards begins, counted on the schedule's order (``schedule.backward_held``), the receive buffers
+torch's stages keep, the last stage's loss; the plan's figure is the worst rank's, and each rank's is
+written beside it (``Predicted.pp_rank_memory``, which ``autoshard dryrun`` compares with).
+``in_flight`` (GPipe m; 1F1B min(m, p − r) on rank r; interleaved min(m, p − r + (p−1)/v),
+Korthikanti et al.) prices the stage-cut search's memory constraint (``passes.search``), with
+``state_bytes_per_param``. The caching allocator's fragmentation adds ALLOCATOR_SLACK.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autoshard.cost.memory import DTYPE_BYTES, Precision, model_state_bytes
+from autoshard.cost.schedule import backward_held
 from autoshard.cost.tables import CostTables
 from autoshard.ir.decisions import PRECISIONS, Decisions
 from autoshard.ir.plan import Memory
@@ -38,10 +44,10 @@ def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert
     rank's expert shards) over the dp / ep ranks holding the same ones; the largest of the step's
     moments (``spmd_moments``)."""
     p, g, o = rank_state_bytes(tables.precision, config, local_params, config.dp_shard)  # HSDP: a node's shard
+    pe = ge = oe = 0
     if expert_params:
         pe, ge, oe = rank_state_bytes(tables.precision, config, expert_params, config.expert_dp)
-        p, g, o = p + pe, g + ge, o + oe
-    moments = spmd_moments(tables, config, local_params + expert_params, (p, g, o))
+    moments = spmd_moments(tables, config, local_params, (p + pe, g + ge, o + oe), expert_params, ge)
     worst = max(moments.values(), key=lambda parts: sum(parts.values()))
     return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
 
@@ -70,8 +76,8 @@ def accumulated_grad_bytes(precision: Precision, config: Decisions, params: int,
     return grads_bytes
 
 
-def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
-                 state: tuple[int, int, int]) -> dict[str, dict[str, float]]:
+def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state: tuple[int, int, int],
+                 expert_params: int = 0, expert_grads_bytes: int = 0) -> dict[str, dict[str, float]]:
     """A rank's memory by part at each moment of an SPMD step that can be its peak (without pipelining
     one micro-batch is in flight; the last micro-batch's moments are the largest). With W, G, O the
     state after the step (``rank_state_bytes``), S_u unit u's saved activations, L the loss's backward
@@ -91,6 +97,13 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
                    reduced last: unsharded, and their fp32 copy that FSDP2 reduce-scatters
         optimizer  W + G + O + 4·Ψ_opt                            foreach AdamW's sqrt(v) (eager kernels)
 
+    Expert shards (ep > 1: ``expert_params`` of the rank's, whole where ep = dp) stay outside the FSDP units
+    (``runtime.parallel``'s experts apart): units of their own over the ranks holding them, a block's gathered
+    beside it (Ψ_block: the dense ones, ``fsdp_unit_params``, and its expert shards where dp / ep > 1: over one
+    rank FSDP2 gathers nothing), and
+    with one micro-batch a block's backward holds the expert shards' gradients G_E (``expert_grads_bytes``),
+    made whole as each layer's backward ends, in place of G_a.
+
     Parts: weights = W + the gathered ones, grads = G_a (or G) + the unsharded gradients, activations =
     the saved ones and a recomputed block's, transient = the loss's workspace, the activation gradients
     and the reduce-scatter copy (``autoshard.dryrun`` maps the tracker's parts alike)."""
@@ -98,11 +111,14 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
     units = tables.activation_units(config)  # a TP rank's shapes (cost.saved.RankShare)
     saved = units.saved_bytes[0] + sum(units.saved_bytes[1:-1])
     gathered = gathered_param_bytes(tables)
-    kept = gathered * local_params if keeps_gathered(config) else 0
-    held = accumulated_grad_bytes(tables.precision, config, local_params, g)
+    sharded_experts = expert_params if config.expert_dp > 1 else 0  # FSDP2 over one rank gathers nothing
+    kept = gathered * (local_params + sharded_experts) if keeps_gathered(config) else 0
+    held = accumulated_grad_bytes(tables.precision, config, local_params + expert_params, g)
     fsdp = config.mesh.dp > 1 and config.dp_runtime.fsdp2
     block = fsdp_unit_params(tables, config) if units.blocks else 0
-    root = max(0, local_params - block * units.blocks)
+    if sharded_experts and units.blocks:  # a block's expert shards: a unit of their own, gathered with it
+        block += max(block_expert_params(tables.graph, b.path) for b in tables.graph.blocks) // config.ep
+    root = max(0, local_params + sharded_experts - block * units.blocks)
     head = root * units.params[-1] / max(1, units.params[0] + units.params[-1])
     z3 = fsdp and config.zero_stage == 3
     moments = {
@@ -114,7 +130,7 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int,
     if units.blocks:
         moments["backward"] = dict(
             params_bytes=p + kept + (gathered * (root + 2 * block) if z3 else 0),
-            grads_bytes=held + (gathered * (head + block) if fsdp else 0), optimizer_bytes=o,
+            grads_bytes=(held or expert_grads_bytes) + (gathered * (head + block) if fsdp else 0), optimizer_bytes=o,
             activations_bytes=saved + max(units.workspace_bytes[1:-1]),
             transient_bytes=max(units.backward_bytes[1:-1]) if units.backward_bytes else 0)
     if fsdp:
@@ -159,23 +175,95 @@ def transient_bytes(tables: CostTables, config: Decisions) -> int:
 
 
 def fsdp_unit_params(tables: CostTables, config: Decisions) -> int:
-    """Largest FSDP unit (a block) per rank: its weights, TP-sharded where the plan shards them."""
+    """Largest FSDP unit (a block) per rank: its weights, TP-sharded where the plan shards them; with ep > 1
+    less its expert groups, which the runtime keeps out of the units (``runtime.parallel``)."""
     graph = tables.graph
     if config.mesh.tp > 1:
         return tables.layout_cost(config).largest_block_params
+    if config.ep > 1:
+        return max((b.param_count - block_expert_params(graph, b.path) for b in graph.blocks), default=0)
     return max((b.param_count for b in graph.blocks), default=graph.param_count)
 
 
-def memory_pipeline(precision: Precision, config: Decisions, params: int, activations: float,
-                    expert_params: int = 0) -> Memory:
-    """``params`` sharded by the stage's ZeRO over dp; ``expert_params`` (ep = dp: the rank's expert shards,
-    which no other rank holds) whole."""
-    p, g, o = model_state_bytes(params, pipeline_zero(config), config.mesh.dp, precision)
-    p, g, o = p + expert_params * precision.param_bytes, g + expert_params * precision.grad_bytes, \
-        o + expert_params * precision.optimizer_bytes
-    return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
-                             activations_bytes=int(activations),
-                             transient_bytes=int(pipeline_transient_per_param(precision, config) * params))
+def block_expert_params(graph, block_path: str) -> int:
+    """Parameters of the expert groups inside the block at ``block_path`` (all experts)."""
+    return sum(g.param_count for g in graph.experts if g.path.startswith(block_path + "."))
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """What one pipeline stage puts on its rank, for ``pipeline_moments`` (bytes; parameters on one TP rank)."""
+
+    index: int
+    params: int  # its dense parameters, which the stage's dp wrapper shards
+    expert_params: int = 0  # its expert shards (ep = dp: no other rank holds them; left out of the dp wrapper)
+    saved_bytes: int = 0  # one micro-batch's saved activations and the output the schedule keeps for backward
+    workspace_bytes: int = 0  # a recomputed block's workspace (the largest of its blocks')
+    backward_bytes: int = 0  # a block's backward's activation gradients (the largest)
+    loss_bytes: int = 0  # the loss's backward workspace (the last stage)
+    buffer_bytes: int = 0  # its receive buffers of one micro-batch: inputs (but the first) and output gradients
+
+
+def memory_pipeline(tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad]) -> Memory:
+    """The largest of ``pipeline_moments`` of pp rank ``pp_rank`` holding ``stages``."""
+    moments = pipeline_moments(tables, config, pp_rank, stages)
+    worst = max(moments.values(), key=lambda parts: sum(parts.values()))
+    return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
+
+
+def pipeline_moments(tables: CostTables, config: Decisions, pp_rank: int,
+                     stages: list[StageLoad]) -> dict[str, dict[str, float]]:
+    """A pipeline rank's memory by part at each moment of its step that can be its peak: a backward of each of
+    its stages, with the micro-batches the schedule holds then (``schedule.backward_held``), and the
+    optimizer step. With W, G, O the state of its stages after the step (``rank_state_bytes`` of the dense
+    parameters over dp, the expert shards whole), K the bf16 weights FSDP2 keeps gathered (``keeps_gathered``),
+    G_a the gradients summed whole over micro-batches (``pipeline_accumulated_grad_bytes``), h_s(t) the
+    micro-batches stage s holds, A_s one's saved activations and kept output, B the receive buffers, m per
+    stage boundary (torch's stages make one per micro-batch, in the traced dtype, and keep them)::
+
+        backward of s    W + K + O + G_a + Σ_s' h_s'(t)·A_s' + B + R_s + max(T_s, L_s)
+                         (ZeRO-3: + p_c·Ψ_s, the stage gathered for its backward)
+        optimizer        W + G + O + 4·Ψ_opt + B        foreach AdamW's sqrt(v) (eager kernels)
+
+    R_s, T_s a block's recompute workspace and activation gradients, L_s the loss's two fp32 gradients (the
+    last stage). Parts as ``spmd_moments``' (``autoshard.dryrun`` maps the tracker's alike; the tracker files
+    G_a, which FSDP2 sums in fp32 outside the parameters' .grad, under temporaries)."""
+    precision, dp = tables.precision, config.dp_shard
+    dense = sum(s.params for s in stages)
+    experts = sum(s.expert_params for s in stages)
+    p, g, o = rank_state_bytes(precision, config, dense, dp)
+    if experts:
+        pe, ge, oe = rank_state_bytes(precision, config, experts, config.expert_dp)
+        p, g, o = p + pe, g + ge, o + oe
+    gathered = gathered_param_bytes(tables)
+    kept = gathered * dense if keeps_gathered(config) else 0
+    z3 = config.mesh.dp > 1 and config.dp_runtime.fsdp2 and config.dp_runtime.reshard_after_forward
+    held = pipeline_accumulated_grad_bytes(precision, config, dense, experts)
+    m = config.num_microbatches
+    buffers = m * sum(s.buffer_bytes for s in stages)
+    order, held_at = backward_held(config.schedule, config.mesh.pp, m, config.virtual_stages, pp_rank)
+    by_index = {s.index: s for s in stages}
+    moments = {"optimizer": dict(params_bytes=p, grads_bytes=g,
+                                 optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
+                                 activations_bytes=buffers, transient_bytes=0)}
+    for stage in stages:
+        for counts in held_at.get(stage.index, ()):
+            acts = sum(c * by_index[s].saved_bytes for s, c in zip(order, counts) if s in by_index)
+            moments[f"backward {stage.index} {counts}"] = dict(
+                params_bytes=p + kept + (gathered * stage.params if z3 else 0), grads_bytes=held, optimizer_bytes=o,
+                activations_bytes=acts + buffers + stage.workspace_bytes,
+                transient_bytes=max(stage.backward_bytes, stage.loss_bytes))
+    return moments
+
+
+def pipeline_accumulated_grad_bytes(precision: Precision, config: Decisions, dense: int, experts: int) -> int:
+    """G_a on a pipeline rank: the schedule sums each stage's gradients whole until the last micro-batch whatever
+    the dp wrapper (``ir.decisions.DPRuntime``); FSDP2 sums the dense ones in its reduce dtype (fp32), the
+    expert shards (outside the wrapper) and a plain module's in their own; none with one micro-batch."""
+    if config.num_microbatches == 1:
+        return 0
+    wrapped = config.mesh.dp > 1 and config.dp_runtime.fsdp2
+    return dense * max(precision.grad_bytes, REDUCE_BYTES if wrapped else 0) + experts * precision.grad_bytes
 
 
 def pipeline_transient_per_param(precision: Precision, config: Decisions) -> float:

@@ -34,6 +34,9 @@ statistics of an op that runs on split data (attention's log-sum-exp, a sequence
 the rest weighs whole. A matmul of a replicated or column-parallel weight reading a split value keeps its
 input gathered whole (the all-gather's output, not the split value): once per module that gathers its
 input (``GatherSequenceInput``, the key ``value:gathered``), once per linear that gathers its own.
+Inside a pipeline stage the column-parallel linears read their input through Megatron's f
+(``runtime.tensor_parallel_stages.tp_copy``, a clone that survives tracing): each keeps its own copy
+(``RankShare.copies``, the key ``linear:copy``), where a DTensor layout keeps the one input they share.
 
 Where CUDA differs from these kernels (the dry run's fake tensors are CPU tensors): torch ≥ 2.8
 runs ``rms_norm`` on CUDA as ``_fused_rms_norm``, which keeps the 16-bit input and rstd (2 B per
@@ -82,18 +85,22 @@ _DROPOUT_OPS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "native
 class RankShare:
     """What one tensor-parallel rank keeps of each saved tensor (module doc): ``split`` values (storage
     names) weigh 1/tp, as do the statistics of ``split_ops``; ``gathers`` are the matmuls that keep their
-    split input gathered whole, ``gathers_own`` those of them that gather it themselves (one copy each)."""
+    split input gathered whole, ``gathers_own`` those of them that gather it themselves (one copy each);
+    ``copies`` the matmuls that keep a copy of their own input (a pipeline stage's column-parallel linears)."""
 
     tp: int = 1
     split: frozenset[str] = frozenset()
     split_ops: frozenset[str] = frozenset()
     gathers: frozenset[str] = frozenset()
     gathers_own: frozenset[str] = frozenset()
+    copies: frozenset[str] = frozenset()
 
     def entry(self, graph: OpGraph, node: OpNode, key: str, nbytes: int) -> tuple[str, int]:
         """(key, bytes on this rank) of what ``node`` keeps as (``key``, ``nbytes`` whole)."""
         if self.tp == 1:
             return key, nbytes
+        if node.name in self.copies:
+            return f"{node.name}:copy", nbytes // self.tp if key in self.split else nbytes
         if key in self.split and node.name in self.gathers:
             return (f"{node.name}:gathered" if node.name in self.gathers_own else f"{key}:gathered"), nbytes
         base, _, stat = key.partition(":")

@@ -347,6 +347,30 @@ def _held_counts(schedule: str, pp: int, microbatches: int, virtual_stages: int,
     return stages, _undominated(vectors)
 
 
+def backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int
+                  ) -> tuple[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]]:
+    """(the stages of ``pp_rank``, for each of them the micro-batches held on each stage as one of its
+    backwards begins: B or I, its own micro-batch still held; the undominated vectors). A stage holds a
+    micro-batch from its F until its B or W (``peak_in_flight``)."""
+    return _backward_held(schedule, pp, microbatches, virtual_stages, pp_rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int) -> tuple:
+    order = _rank_orders(schedule, pp, microbatches, virtual_stages)[pp_rank]
+    stages = tuple(sorted({a.stage for a in order}))
+    held = dict.fromkeys(stages, 0)
+    at: dict[int, set[tuple[int, ...]]] = {s: set() for s in stages}
+    for a in order:
+        if a.kind in "BI":
+            at[a.stage].add(tuple(held[s] for s in stages))
+        if a.kind == "F":
+            held[a.stage] += 1
+        elif a.kind in "BW":
+            held[a.stage] -= 1
+    return stages, {s: _undominated(vectors) for s, vectors in at.items() if vectors}
+
+
 def _undominated(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     """The vectors no other one exceeds in every entry: bytes are ≥ 0, so the peak is at one of them."""
     kept: list[tuple[int, ...]] = []

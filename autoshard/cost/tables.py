@@ -183,7 +183,8 @@ class CostTables:
 
     def rank_share(self, config: Decisions) -> RankShare:
         """What one TP rank of ``config``'s layout keeps of each saved tensor (``cost.tp.rank_share``)."""
-        return WHOLE if config.mesh.tp == 1 else rank_share(self.graph, self.layout_cost(config).choice)
+        return WHOLE if config.mesh.tp == 1 else \
+            rank_share(self.graph, self.layout_cost(config).choice, in_stages=config.mesh.pp > 1)
 
     def activation_units(self, config: Decisions, recompute: str | None = None) -> Units:
         """``config_units`` (or ``units`` in ``recompute`` for every block) with the saved, workspace and

@@ -107,15 +107,22 @@ def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[st
     return sharded, split_values
 
 
-def rank_share(graph: OpGraph, choice: TPChoice) -> RankShare:
+def rank_share(graph: OpGraph, choice: TPChoice, in_stages: bool = False) -> RankShare:
     """What one TP rank of ``choice`` keeps of each saved tensor (``cost.saved.RankShare``): the values the
     layout splits (``shard_flow``), and the matmuls of a replicated or column-parallel weight that read a
-    split value, which keep it gathered whole (sequence parallelism); computed once per layout."""
-    key = ("rank_share", choice.tp, tuple(sorted(choice.styles.items())))
-    return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp))
+    split value, which keep it gathered whole (sequence parallelism); ``in_stages`` (pipeline stages,
+    ``runtime.tensor_parallel_stages``): the linears of ``STAGE_COPYING_STYLES`` each keep their own copy of
+    their input; computed once per layout."""
+    key = ("rank_share", choice.tp, tuple(sorted(choice.styles.items())), in_stages)
+    return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp, in_stages))
 
 
-def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int) -> RankShare:
+# Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage
+# (runtime.tensor_parallel_stages: Megatron's f before a column split)
+STAGE_COPYING_STYLES = frozenset({"colwise", "colwise-gather", "conv1d-colwise"})
+
+
+def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int, in_stages: bool = False) -> RankShare:
     sharded, split = shard_flow(graph, styles)
     storage = {storage_of(graph, name) for name in split}
     gathers, own = set(), set()
@@ -129,7 +136,9 @@ def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int) -> RankShare:
             gathers.add(node.name)
             if style is not None and any(k == "input_layouts" and v.startswith("Shard") for k, v in style.arguments):
                 own.add(node.name)
-    return RankShare(tp, frozenset(storage | split), frozenset(sharded), frozenset(gathers), frozenset(own))
+    copies = frozenset(node.name for node in graph.nodes if in_stages and op_name(node.target) in MATMUL_OPS
+                       and node.param_inputs and styles.get(node.module_path) in STAGE_COPYING_STYLES)
+    return RankShare(tp, frozenset(storage | split), frozenset(sharded), frozenset(gathers), frozenset(own), copies)
 
 
 def _scattered_inputs(graph: OpGraph, styles: dict[str, str]) -> set[tuple[str]]:

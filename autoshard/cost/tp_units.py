@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import TPCost, local_param_count, local_params_by_block, tp_comm_factor
-from autoshard.cost.units import Units, node_units
+from autoshard.cost.tp import TPCost, local_params_by_block, splits_param, tp_comm_factor
+from autoshard.cost.units import Units, node_units, unit_param_names
 from autoshard.ir.decisions import SHARDING_STYLES, Decisions
 from autoshard.ir.graph import OpGraph
 
@@ -80,14 +80,20 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
 
 
 def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:
-    """Per unit: parameters left per TP rank over all its parameters (blocks each; the rest pooled)."""
+    """Per unit: parameters left per TP rank over all its parameters (each block; the prefix and the suffix
+    each of their own parameters: an embedding left whole beside a split head differ)."""
     local = local_params_by_block(graph, sharded, tp)
     per_block = [local.get(b.path, 0) / max(1, b.param_count) for b in graph.blocks]
-    in_blocks = sum(b.param_count for b in graph.blocks)
-    local_blocks = sum(local.get(b.path, 0) for b in graph.blocks)
-    rest = graph.param_count - in_blocks
-    rest_share = (local_param_count(graph, sharded, tp) - local_blocks) / rest if rest else 1.0
-    return (rest_share, *per_block, rest_share)
+    ends = [_rest_share(graph, names, sharded, tp) for names in unit_param_names(graph)[::len(graph.blocks) + 1]]
+    return (ends[0], *per_block, ends[-1])
+
+
+def _rest_share(graph: OpGraph, names: set[str], sharded: dict[str, str], tp: int) -> float:
+    """Parameters per TP rank over all of ``names`` (a unit's outside the blocks); 1 without any."""
+    params = [p for p in graph.params if p.name in names and not p.is_buffer]
+    whole = sum(p.numel for p in params)
+    local = sum(p.numel // tp if splits_param(sharded.get(p.module_path), p.name) else p.numel for p in params)
+    return local / whole if whole else 1.0
 
 
 def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, ...]:

@@ -304,6 +304,11 @@ def unit_params(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
     return tuple(sum(graph.param(n).numel for n in names) for names in _unit_param_names(graph, units))
 
 
+def unit_param_names(graph: OpGraph) -> list[set[str]]:
+    """The names of the parameters (and buffers) each unit reads, in unit order."""
+    return _unit_param_names(graph, node_units(graph))
+
+
 def _unit_param_names(graph: OpGraph, units: list[int]) -> list[set[str]]:
     return graph.derived(("unit_param_names", tuple(units)), lambda: _param_names_by_unit(graph, units))
 

@@ -509,6 +509,7 @@ def _predicted(d: dict[str, Any] | None) -> Predicted | None:
     known = {f.name for f in fields(Predicted)}
     values = {k: v for k, v in d.items() if k in known}
     values["memory"] = _memory(d["memory"])
+    values["pp_rank_memory"] = tuple(_memory(m) for m in d.get("pp_rank_memory", ()))
     return Predicted(**values)
 
 

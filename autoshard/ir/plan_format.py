@@ -12,7 +12,7 @@ Version 2 (written) groups the plan's fields into sections, in this order::
                  (HSDP; absent: 1), ep (expert parallelism; written only when > 1)
     layout       PlanLayout: blocks, tensor_parallel, split_points, stages, experts (the expert groups ep
                  shards; written only with ep > 1)
-    predicted    Predicted: step time and memory by part
+    predicted    Predicted: step time and memory by part (pipelines: each pp rank's, pp_rank_memory)
     review       PlanReview: alternatives, tensor_parallel_reasons, notes, symbolic, search
     provenance   PlanProvenance: pinned, runtime
 
@@ -81,6 +81,11 @@ class Predicted:
     samples_per_s: float
     mfu: float  # model FLOPs (no recompute) / (step time * devices * peak)
     comm_total_s: float = 0.0  # all communication, hidden or not
+    # Pipelines: each pp rank's own peak by part, rank r at index r (``memory`` is the largest of them); written
+    # only with pp > 1, so plans without pipeline stages, and those made before the field, read and write as before
+    pp_rank_memory: tuple[Memory, ...] = ()
+
+    WRITTEN_UNLESS = {"pp_rank_memory": ()}
 
 
 @dataclass(frozen=True)

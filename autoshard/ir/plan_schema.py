@@ -286,13 +286,21 @@ def _check_predicted(p: dict[str, Any], where: str) -> None:
     if "comm_total_s" in p:
         _amount(p["comm_total_s"], f"{where}.comm_total_s")
     _size(_get(p, "memory_peak_bytes_per_rank", where=where), f"{where}.memory_peak_bytes_per_rank")
-    memory = _mapping(p, "memory", where=where)
+    _check_memory(_mapping(p, "memory", where=where), f"{where}.memory")
+    if "pp_rank_memory" in p:
+        for i, memory in enumerate(_list(p, "pp_rank_memory", where=where)):
+            if not isinstance(memory, dict):
+                _fail(f"{where}.pp_rank_memory[{i}]", "a mapping of memory parts", memory)
+            _check_memory(memory, f"{where}.pp_rank_memory[{i}]")
+
+
+def _check_memory(memory: dict[str, Any], where: str) -> None:
     unknown = sorted(str(k) for k in memory if k not in _MEMORY_PARTS)
     if unknown:
-        raise AutoshardError(f"plan field '{where}.memory' has an unknown key {_SHORT.repr(unknown[0])}; "
+        raise AutoshardError(f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; "
                              f"re-create the plan with `autoshard plan`")
     for key in _MEMORY_PARTS:
-        _size(_get(memory, key, where=f"{where}.memory"), f"{where}.memory.{key}")
+        _size(_get(memory, key, where=where), f"{where}.{key}")
 
 
 def _check_alternative(a: Any, where: str, recompute_modes: tuple[str, ...], schedules: tuple[str, ...]) -> None:

@@ -351,7 +351,8 @@ def _devices_needed(graph: OpGraph, cluster: Cluster, least: Priced) -> int:
 def _alternative(p: Priced, best: Priced, cluster: Cluster) -> Alternative:
     c = p.config
     return Alternative(mesh=c.mesh, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
-                       recompute=c.recompute, schedule=c.schedule, predicted=p.predicted,
+                       recompute=c.recompute, schedule=c.schedule,
+                       predicted=p.predicted and replace(p.predicted, pp_rank_memory=()),  # the plan keeps its own
                        why_not=why_not(p, best, cluster))
 
 
