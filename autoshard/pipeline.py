@@ -83,7 +83,8 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len,
+                                      prove_cp=(request.pins.cp or 1) > 1)
     graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
 
@@ -106,7 +107,8 @@ def estimate_model(request: PlanRequest) -> Plan:
     pins = request.pins.with_defaults()
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len)
+    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len,
+                                      prove_cp=(request.pins.cp or 1) > 1)
     graph = _later_graph_passes(graph, done)
     with running("strategies", done):
         configs = candidate_configs(graph, request.cluster, request.global_batch, pins)
@@ -130,7 +132,7 @@ def capture_graph(model_spec: str, fold: bool = True, seq_len: int | None = None
     """capture -> annotate -> unfold -> blocks, for tools that need only the graph (the capture cache
     only where asked: its entries are what ``plan`` would capture)."""
     done: list[str] = []
-    model_file, graph = capture_front(model_spec, done, fold, use_cache=use_cache, seq_len=seq_len)
+    model_file, graph = capture_front(model_spec, done, fold, use_cache=use_cache, seq_len=seq_len, prove_cp=True)
     return model_file, _later_graph_passes(graph, done)
 
 

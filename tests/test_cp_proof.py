@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 
+import autoshard
 from autoshard.modelfile import load_model_file
 from autoshard.passes.capture import capture
 from autoshard.passes.capture_cache import decode_graph, encode_graph
@@ -17,22 +18,36 @@ CASES = "tests/models/cp_cases.py"
 def proven(spec: str, seq_len: int | None = None):
     """capture (folded, as the front does) and the proof, without annotate and the TP proof."""
     model_file = load_model_file(spec, seq_len)
-    return prove_context_parallel(model_file, capture(model_file, CAPTURE_BATCH, fold=True))
+    return prove_context_parallel(model_file, capture(model_file, CAPTURE_BATCH, fold=True), prove=True)
 
 
 @pytest.fixture(scope="module")
 def gpt(in_repo_module):
     done: list[str] = []
-    _, graph = capture_front("examples/gpt.py:build", done, True, False)
+    _, graph = capture_front("examples/gpt.py:build", done, True, False, prove_cp=True)
     return graph, done
 
 
 def test_the_front_proves_the_example_gpt_for_every_degree(gpt):
     graph, done = gpt
-    assert done[-2:] == ["cp_proof", "batch_coupling"] and done.index("tp_proof") < done.index("cp_proof")
+    # a 64-token model defers the proof in the capture; asked for (prove_cp), it runs last
+    assert done[-1] == "cp_proof" and done.index("tp_proof") < done.index("cp_proof")
     assert graph.cp_proofs == {"*": ""}  # one symbolic export covers every s/cp >= 2
     assert all(cp_refusal(graph, cp) is None for cp in (2, 4, 8, 16))
     assert decode_graph(encode_graph(graph)).cp_proofs == graph.cp_proofs  # the capture cache keeps it
+
+
+def test_a_capture_below_the_searched_length_defers_the_proof_and_refuses_every_cp(in_repo):
+    """Below CP_SEARCH_MIN_TOKENS the search never offers cp, so the capture skips the symbolic export; cp is
+    then refused with the fix (pin --cp), never assumed, and a request pinning cp gets the proof run."""
+    from autoshard.passes.context_parallel import DEFERRED, proof_deferred
+
+    _, graph = capture_front("examples/gpt.py:build", [], True, False)
+    assert proof_deferred(graph) and graph.cp_proofs == {"*": DEFERRED}
+    assert "fix: pin --cp N" in cp_refusal(graph, 2)
+    plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", devices_per_node=2, global_batch=4, cp=2,
+                          cache=False)
+    assert plan.mesh.cp == 2  # pinned: proven, then planned
 
 
 def test_degrees_read_their_own_entry_then_the_default(gpt):

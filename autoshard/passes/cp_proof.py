@@ -58,6 +58,13 @@ sequence's own conditions (s > 1, s mod cp = 0) and before its graph checks: {"*
 from the symbolic export (every degree with s/cp >= 2), or {"*": why the symbolic export failed, str(cp):
 reason, ...} per degree; "" is proven; models without a sequence or without attention get {"*": that reason}
 without an export (the cheap skip). None: never checked (hand-built graphs).
+
+**Deferred.** The symbolic export is the costliest part of a capture (3-6 s of a small transformers
+model's 8-18 s on 2 cores), and most plans never consider cp: the search offers it only from
+``CP_SEARCH_MIN_TOKENS`` tokens per sample, or where ``--cp`` is pinned. Below that length the capture
+records ``{"*": DEFERRED}`` (``prove_context_parallel(..., prove=False)``): every cp is refused with a
+reason that names the fix, never assumed; a request that pins cp > 1 (``needs_proof``) runs the proof
+on the graph it gets, cached or not (``passes.front.capture_front``).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
 from autoshard.passes.capture import _module_of, _quiet_export, build_on_meta, target_name
-from autoshard.passes.context_parallel import CP_MAX
+from autoshard.passes.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
 from autoshard.passes.fold import fold_model
 
 ALL = "*"  # the cp_proofs key of every degree without its own entry
@@ -86,10 +93,14 @@ NO_ATTENTION = "the model has no scaled-dot-product attention for a ring to spli
 WRAPPERS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")  # subgraphs checked op by op
 
 
-def prove_context_parallel(model_file: ModelFile, graph: OpGraph) -> OpGraph:
-    """``graph`` (captured, annotated, maybe folded) with ``cp_proofs`` (module doc)."""
-    graph.cp_proofs = cp_proofs(model_file, graph)
+def prove_context_parallel(model_file: ModelFile, graph: OpGraph, prove: bool | None = None) -> OpGraph:
+    """``graph`` (captured, annotated, maybe folded) with ``cp_proofs`` (module doc). ``prove``: True runs the
+    proof, False defers it, None (the default) runs it where the search would offer cp ("Deferred")."""
+    if prove is None:
+        prove = graph.tokens_per_sample >= CP_SEARCH_MIN_TOKENS
+    graph.cp_proofs = cp_proofs(model_file, graph) if prove else {ALL: DEFERRED}
     return graph
+
 
 
 def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.passes import capture_cache
+from autoshard.passes.context_parallel import proof_deferred
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
@@ -71,9 +72,24 @@ def running(name: str, done: list[str]) -> Iterator[None]:
 
 
 def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool,
-                  seq_len: int | None = None) -> tuple[ModelFile | None, OpGraph]:
+                  seq_len: int | None = None, prove_cp: bool = False) -> tuple[ModelFile | None, OpGraph]:
     """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
-    Takes the child's graph when ``capture_ahead`` started one for the same request."""
+    Takes the child's graph when ``capture_ahead`` started one for the same request. The context-parallel
+    proof runs where the search offers cp, or everywhere with ``prove_cp`` (a request pinning cp > 1, tools
+    that read the proofs): on a graph that deferred it, here (``passes.cp_proof``, "Deferred")."""
+    model_file, graph = _front(spec, done, fold, use_cache, seq_len)
+    if prove_cp and proof_deferred(graph):
+        from autoshard.modelfile import load_model_file
+        from autoshard.passes.cp_proof import prove_context_parallel
+
+        model_file = model_file or load_model_file(spec, seq_len)
+        with running("cp_proof", done):
+            graph = prove_context_parallel(model_file, graph, prove=True)
+    return model_file, graph
+
+
+def _front(spec: str, done: list[str], fold: bool, use_cache: bool,
+           seq_len: int | None = None) -> tuple[ModelFile | None, OpGraph]:
     child = _ahead.pop((spec, fold, use_cache, seq_len), None)
     if child is not None:
         graph, names = child.result()
