@@ -63,7 +63,7 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
     source = program.read_text()
     compile(source, str(program), "exec")
-    assert 'build_optimizer(model, mesh["dp"], zero_stage=1, lr=lr)' in source and "ZeroRedundancyOptimizer" in source
+    assert 'build_optimizer(model, mesh["dp"], zero_stage=1, recipe=recipe)' in source and "ZeroRedundancyOptimizer" in source
     assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and 'MESH = {"pp": 1, "dp": 2, "tp": 1}' in source
     header = source.split('"""')[1]  # its run commands name the files the user has, not train.py and plan.json
     assert f"nproc-per-node 2 {program}" in header and f"autoshard run {plan_path}" in header
