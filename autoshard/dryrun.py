@@ -24,7 +24,8 @@ The tracker's parts map to the plan's (``cost.rank_memory.spmd_moments``): param
 temporaries too), activations -> activations (a recomputed block's too), temporaries -> transient (the
 loss's and the activations' gradients, FSDP2's reduce-scatter copies). A pipeline rank is compared with its own
 pp rank's prediction (``rank_prediction``). The predicted peak compared is the sum of the predicted parts: the
-plan's own adds the allocator's slack, which no tracker sees. Nothing real is allocated beyond the meta model's record, so an 8B or 70B plan's rank runs here.
+plan's own adds the allocator's slack, which no tracker sees. Nothing real is allocated beyond the meta model's
+record, so an 8B or 70B plan's rank runs here.
 
 Where the fake group differs from a real one, the program runs unchanged and the dry run stands in:
 DDP's construction skips comparing and broadcasting parameter values (``apply_ddp``: ``init_sync`` off on
