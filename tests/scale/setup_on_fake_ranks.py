@@ -27,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoshard import runtime
 from autoshard.ir.plan import load_plan
+from autoshard.ir.recipe import Recipe
 from autoshard.passes.lower import layout, lower
 
 
@@ -54,9 +55,9 @@ def main() -> None:
     device = torch.device("cpu")
     # The steps before init_weights act on the meta device as in the program; from init_weights on, tensors
     # that would be made on the device are fake (FakeTensorMode: shapes, no memory, no values)
-    model = runtime.apply_steps(model, steps[:first_real], mesh, device=device, lr=1e-3)["model"]
+    model = runtime.apply_steps(model, steps[:first_real], mesh, device=device, recipe=Recipe())["model"]
     with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True):
-        applied = runtime.apply_steps(model, steps[first_real:], mesh, device=device, lr=1e-3)
+        applied = runtime.apply_steps(model, steps[first_real:], mesh, device=device, recipe=Recipe())
     seconds = time.perf_counter() - start
     params = list(applied["model"].parameters())
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
