@@ -104,6 +104,10 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = No
         raise AutoshardError(f"autoshard.parallelize takes a torch.nn.Module, not a {type(model).__name__}; fix: "
                              f"build the model first (the plan's {plan.model['spec']})")
     check_model_for_plan(model, plan)
+    if plan.precision == "fp16-autocast":
+        raise AutoshardError(f"plan precision {plan.precision} scales the loss (a GradScaler), which "
+                             f"Parallelized.train_step does not; fix: train it with its emitted program "
+                             f"(autoshard compile), or plan with --precision bf16")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.world_size:
         raise AutoshardError(f"this plan is for {plan.world_size} ranks, and this process is one of {world}; fix: "

@@ -28,7 +28,9 @@ user error (AutoshardError) passes through unchanged, as its message already nam
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.dp_comm import ranks_of_stage
@@ -41,7 +43,7 @@ from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.plan import Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
+from autoshard.ir.plan import HF_PREFIX, Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
 from autoshard.passes.annotate import estimated_ops, random_ops
@@ -73,10 +75,13 @@ class PlanRequest:
             raise AutoshardError(f"--global-batch {self.global_batch} must be a positive integer")
         if self.runtime not in PLAN_RUNTIMES:
             raise AutoshardError(f"--runtime {self.runtime} must be one of {', '.join(PLAN_RUNTIMES)}")
+        if self.pins.precision is not None and self.runtime != "autoshard":
+            raise AutoshardError(f"--precision {self.pins.precision} with --runtime {self.runtime}: that runtime is "
+                                 f"priced in its own precision (Megatron-LM's bf16 mixed precision); drop --precision")
 
     def cost_tables(self, graph: OpGraph) -> CostTables:
-        """The cost tables of ``graph`` priced for this request's runtime."""
-        return CostTables(graph, self.cluster, Runtime.named(self.runtime, self.cluster, graph))
+        """The cost tables of ``graph`` priced for this request's runtime (in the pinned precision, if any)."""
+        return CostTables(graph, self.cluster, Runtime.named(self.runtime, self.cluster, graph, self.pins.precision))
 
 
 def plan_model(request: PlanRequest) -> Plan:
@@ -96,7 +101,8 @@ def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGrap
         configs = candidate_configs(graph, request.cluster, request.global_batch, request.pins)
     with running("search", done):
         result = search(graph, request.cluster, configs, request.global_batch, request.time_limit_s,
-                        request.pins.recompute is None, request.runtime, request.pins.stage_cuts)
+                        request.pins.recompute is None, request.runtime, request.pins.stage_cuts,
+                        request.pins.precision)
     with running("assemble", done):
         return assemble_plan(request, model_file, graph, result)
 
@@ -154,8 +160,8 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         model=model_summary(request.model_spec, model_file, graph, request.seq_len),
         cluster=request.cluster.to_dict(),
         global_batch=request.global_batch,
-        # the chosen decisions, at the parameters' precision (the search priced the cluster's)
-        decisions=replace(c, precision=precision_for_graph(request.cluster.backend, graph).name),
+        # the chosen decisions, at the pinned precision, else the parameters' (the search priced the cluster's)
+        decisions=replace(c, precision=precision_for_graph(request.cluster.backend, graph, request.pins.precision).name),
         layout=PlanLayout(
             blocks=blocks,
             tensor_parallel=dict(tp.sharded) if tp is not None else {},
@@ -167,7 +173,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         review=PlanReview(
             alternatives=result.alternatives,
             tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
-            notes=plan_notes(best, request.runtime) + batch_notes(graph, c) +
+            notes=plan_notes(best, request.runtime) + batch_notes(graph, c) + precision_notes(request) +
             ((why_not(best, best, request.cluster),) if not best.fits else ()),
             symbolic=plan_symbolic(request, graph, best),
             search=dict(result.report),
@@ -188,6 +194,32 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, \
         "the parts priced again differ from the search's"
     return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
+
+
+def precision_notes(request: PlanRequest) -> tuple[str, ...]:
+    """A transformers config naming a 16-bit torch_dtype: ``hf:DIR`` builds fp32 weights (master weights) unless
+    --precision bf16-pure is pinned; the plan says which."""
+    if not request.model_spec.startswith(HF_PREFIX):
+        return ()
+    try:
+        config = json.loads((Path(request.model_spec[len(HF_PREFIX):]) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    named = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    if named not in ("bfloat16", "float16"):
+        return ()
+    if request.pins.precision == "bf16-pure":
+        return (f"config.json names torch_dtype {named}: --precision bf16-pure trains in bf16 (the fp32 initial "
+                f"weights cast to bf16; weights, gradients and optimizer state in bf16)",)
+    return (f"config.json names torch_dtype {named}: the program keeps fp32 master weights (precision "
+            f"{precision_shown(request)}); pin --precision bf16-pure to train the weights in bf16",)
+
+
+def precision_shown(request: PlanRequest) -> str:
+    """The precision the plan trains in, as --precision names it where pinned, else the backend's default."""
+    if request.pins.precision is not None:
+        return request.pins.precision
+    return "bf16 autocast" if request.cluster.backend == "nccl" else "fp32"
 
 
 def plan_notes(best: Priced, runtime: str = "autoshard") -> tuple[str, ...]:

@@ -68,6 +68,7 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -76,12 +77,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import PrecisionPolicy, precision_policy
 from autoshard.ir.names import op_name
 from autoshard.ir.plan import Plan
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
-from autoshard.passes.lower import layout
+from autoshard.passes.lower import layout, lower
 from autoshard.runtime.data import (
     DataSource,
     global_batch,
@@ -189,7 +191,8 @@ def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, se
     microbatches = reference_microbatches(model_file, plan)
     source = reference_data(plan, model_file, data)
     ref32 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
-                            microbatches=microbatches, recipe=recipe, **source)
+                            microbatches=microbatches, recipe=recipe, precision=plan.precision,
+                            gathers_params=gathers_params(plan), **source)
     ref64 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
                             microbatches=microbatches, dtype=torch.float64, recipe=recipe, **source)
     report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, recipe.lr, exact=ref64)
@@ -284,7 +287,8 @@ def reference_microbatches(model_file: ModelFile, plan: Plan) -> tuple[int, int]
 def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float,
                     dtype: torch.dtype = torch.float32, fixed_randomness: bool = False,
                     microbatches: tuple[int, int] | None = None, data: DataSource | None = None,
-                    tokens_per_sample: int | None = None, dp: int = 1, recipe: Recipe | None = None) -> Run:
+                    tokens_per_sample: int | None = None, dp: int = 1, recipe: Recipe | None = None,
+                    precision: str = "fp32", gathers_params: bool = False) -> Run:
     """One process, the whole global batch per step: the ground truth.
 
     ``recipe``: the program's (``Recipe.for_run(steps, lr)``: ``lr`` replaces its own, as the program's ``--lr``):
@@ -299,8 +303,21 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     under ``NoDropout``. ``microbatches=(dp, m)``: accumulate over the m micro-batches the program
     runs, each the dp ranks' slices of it. ``data``: train on that source's dataset (``runtime.data.global_batches``:
     samples of ``tokens_per_sample``, in the order ``dp`` ranks read them), None: on example_batch draws.
+    ``precision``: the plan's (``ir.decisions.PRECISIONS``), run as its program runs it in one process: the
+    model cast after its fp32 initialisation (bf16-pure, floating inputs too), the forward under autocast
+    (bf16-autocast, fp16-autocast), the loss scaled by torch's GradScaler (fp16-autocast); ignored at float64.
+    ``gathers_params``: the program's FSDP2 gathers the weights in the policy's param dtype (``gathers_params``), so
+    the forward reads every parameter rounded to it (and floating inputs cast to it, as FSDP2 casts its root's),
+    the gradients flowing back to the fp32 weights through the cast.
     """
+    policy = precision_policy(precision if dtype != torch.float64 else "fp32")
     model = build_model(model_file, seed).to(dtype)
+    if policy.cast_dtype is not None:
+        model = model.to(getattr(torch, policy.cast_dtype))
+    forward = _forward_precision(policy)
+    gathered = getattr(torch, policy.param_dtype) if gathers_params and policy.param_dtype and dtype != torch.float64 \
+        else None
+    scaler = torch.amp.GradScaler("cpu") if policy.grad_scaler else None
     if fixed_randomness:
         zero_dropout_rates(model)
     if recipe is None:
@@ -315,11 +332,21 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     with _fixed_randomness() if fixed_randomness else contextlib.nullcontext(), fallback:
         for step in range(steps):
             batch = _cast(batch_of(step), dtype)
-            loss = sum(_backward(model_file, model, chunk, len(chunks))
+            if policy.cast_dtype is not None:
+                batch = _cast_inputs(batch, getattr(torch, policy.cast_dtype))
+            if gathered is not None:
+                batch = _cast_inputs(batch, gathered)
+            loss = sum(_backward(model_file, model, chunk, len(chunks), forward, scaler, gathered)
                        for chunks in [_reference_chunks(batch, microbatches)] for chunk in chunks)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             if max_norm is not None:
                 clip_grad_norm(model, max_norm)
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -353,11 +380,38 @@ def _to(src: torch.dtype, dst: torch.dtype):
     return lambda t: t.to(dst) if isinstance(t, torch.Tensor) and t.dtype == src else t
 
 
-def _backward(model_file: ModelFile, model, chunk, count: int) -> float:
+def gathers_params(plan: Plan) -> bool:
+    """Whether the plan's program gathers its weights through FSDP2 (``apply_fsdp``, ``apply_replicate``), whose
+    mixed-precision policy rounds every parameter to its param dtype for the forward (autocast alone rounds only
+    what its listed ops read)."""
+    return any(step.op in ("apply_fsdp", "apply_replicate") for step in lower(plan))
+
+
+def _forward_precision(policy: PrecisionPolicy) -> Callable[[], contextlib.AbstractContextManager]:
+    """The forward's context in one process: CPU autocast in the policy's dtype, or nothing."""
+    if policy.autocast_dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast("cpu", dtype=getattr(torch, policy.autocast_dtype))
+
+
+def _backward(model_file: ModelFile, model, chunk, count: int,
+              forward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+              scaler: torch.amp.GradScaler | None = None, gathered: torch.dtype | None = None) -> float:
     inputs, targets = chunk
-    loss = model_file.loss(model(*inputs), targets) / count
-    loss.backward()
+    with forward():
+        if gathered is None:
+            outputs = model(*inputs)
+        else:  # FSDP2's mixed precision: the forward on a copy of the weights in its param dtype
+            cast = {name: p.to(gathered) if p.is_floating_point() else p for name, p in model.named_parameters()}
+            outputs = torch.func.functional_call(model, cast, inputs)
+        loss = model_file.loss(outputs, targets) / count
+    (scaler.scale(loss) if scaler is not None else loss).backward()
     return loss.item()
+
+
+def _cast_inputs(batch, dtype: torch.dtype):
+    inputs, targets = batch
+    return tuple(t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs), targets
 
 
 def _reference_chunks(batch, microbatches: tuple[int, int] | None) -> list:

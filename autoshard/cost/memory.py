@@ -44,6 +44,7 @@ from autoshard.cost.saved import (
     storage_of,
     value_bytes,
 )
+from autoshard.errors import AutoshardError
 from autoshard.ir.graph import Block, OpGraph
 from autoshard.ir.names import op_name
 
@@ -70,6 +71,10 @@ class Precision:
 FP32 = Precision("fp32", param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
 BF16_AUTOCAST = Precision("bf16-autocast", param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2)
 MEGATRON_MIXED = Precision("bf16-mixed", param_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2)
+# --precision bf16-pure on fp32 parameters (cast to bf16): AdamW's m and v made like the bf16 parameter
+BF16_PURE = Precision("bf16-pure", param_bytes=2, grad_bytes=2, optimizer_bytes=4, activation_bytes=2)
+# --precision fp16: fp32 master weights and gradients, fp16 autocast (the loss scale is one number)
+FP16_AUTOCAST = Precision("fp16-autocast", param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2)
 
 
 # Bytes per element of parameter dtypes (ParamInfo.dtype: torch's name without "torch.").
@@ -100,9 +105,27 @@ def precision_for_backend(backend: str, dtype: str = "float32") -> Precision:
     return BF16_AUTOCAST if backend == "nccl" else FP32
 
 
-def precision_for_graph(backend: str, graph: OpGraph) -> Precision:
-    """``precision_for_backend`` for this model's parameter dtype (``param_dtype``)."""
+def precision_for_graph(backend: str, graph: OpGraph, pinned: str | None = None) -> Precision:
+    """``precision_for_backend`` for this model's parameter dtype (``param_dtype``), or the ``--precision`` pinned
+    (``pinned_precision``)."""
+    if pinned is not None:
+        return pinned_precision(pinned, param_dtype(graph))
     return precision_for_backend(backend, param_dtype(graph))
+
+
+def pinned_precision(pinned: str, dtype: str = "float32") -> Precision:
+    """``--precision`` (``ir.decisions.PIN_PRECISIONS``) on a model whose parameters are ``dtype``; the Precision's
+    name is the plan's (``ir.decisions.PRECISIONS``): fp32 -> "fp32"; bf16 -> "bf16-autocast"; fp16 ->
+    "fp16-autocast"; bf16-pure -> "bf16-params" on bf16 parameters (as unpinned), "bf16-pure" on fp32 ones (the
+    program casts them). fp32, bf16 and fp16 keep fp32 master weights, so they need fp32 parameters: any other
+    dtype is one line naming the fix."""
+    if pinned == "bf16-pure" and dtype == "bfloat16":
+        return precision_for_backend("nccl", dtype)
+    if dtype != "float32":
+        raise AutoshardError(f"--precision {pinned}: the model's parameters are {dtype}, and the program keeps the "
+                             f"dtype a model is built in; build it in float32 (master weights) or pin "
+                             f"--precision bf16-pure on bfloat16 parameters")
+    return {"fp32": FP32, "bf16": BF16_AUTOCAST, "bf16-pure": BF16_PURE, "fp16": FP16_AUTOCAST}[pinned]
 
 
 def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precision) -> tuple[int, int, int]:

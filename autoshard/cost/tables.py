@@ -28,7 +28,13 @@ from typing import Any
 
 from autoshard.cost import eager
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
-from autoshard.cost.memory import MEGATRON_MIXED, Precision, precision_for_backend, precision_for_graph
+from autoshard.cost.memory import (
+    MEGATRON_MIXED,
+    Precision,
+    pinned_precision,
+    precision_for_backend,
+    precision_for_graph,
+)
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
@@ -71,22 +77,27 @@ class Runtime:
         return EAGER_GPU_HOST
 
     @classmethod
-    def for_cluster(cls, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
+    def for_cluster(cls, cluster: Cluster, graph: OpGraph | None = None, precision: str | None = None) -> Runtime:
         """autoshard's programs: bf16 autocast (nccl) or fp32 (gloo), torch SDPA, one copy per TP rank;
-        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``); eager
-        kernels on GPUs, the fused roofline on CPU ranks (module doc)."""
-        precision = (precision_for_graph(cluster.backend, graph) if graph is not None
-                     else precision_for_backend(cluster.backend))
+        a model with 16-bit parameters trains in their dtype (``memory.precision_for_backend``); ``precision``:
+        the one ``--precision`` pins (``memory.pinned_precision``); eager kernels on GPUs, the fused roofline on
+        CPU ranks (module doc)."""
+        if precision is not None:
+            precision = precision_for_graph(cluster.backend, graph, precision) if graph is not None \
+                else pinned_precision(precision)
+        else:
+            precision = (precision_for_graph(cluster.backend, graph) if graph is not None
+                         else precision_for_backend(cluster.backend))
         return cls(precision, kernels="fused" if cluster.backend == "gloo" else "eager")
 
     @classmethod
-    def named(cls, name: str, cluster: Cluster, graph: OpGraph | None = None) -> Runtime:
+    def named(cls, name: str, cluster: Cluster, graph: OpGraph | None = None, precision: str | None = None) -> Runtime:
         """The runtime called ``name`` (``RUNTIME_NAMES``): "autoshard" (the emitted programs,
         ``for_cluster``) or "megatron-lm" (Megatron-LM as its SC21 / 2022 papers ran: fp16 weights
         and gradients with fp32 Adam state, attention scores through HBM, pipeline boundaries
         scatter-gathered over the TP ranks), to price published configurations as they were run."""
         if name == "autoshard":
-            return cls.for_cluster(cluster, graph)
+            return cls.for_cluster(cluster, graph, precision)
         if name == "megatron-lm":
             return cls(MEGATRON_MIXED, attention="materialized", p2p_scatter_gather=True, kernels="fused")
         raise AutoshardError(f"unknown runtime {name!r}; use one of {', '.join(RUNTIME_NAMES)}")

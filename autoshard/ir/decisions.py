@@ -230,6 +230,8 @@ class PrecisionPolicy:
     param_dtype: str | None  # FSDP2 gathers weights in this dtype (None: as stored)
     reduce_dtype: str | None  # gradients are reduced in this dtype (None: as computed)
     autocast_dtype: str | None  # forward runs under torch.autocast in this dtype (None: no autocast)
+    cast_dtype: str | None = None  # the model's parameters cast to this dtype before anything (None: as built)
+    grad_scaler: bool = False  # the loss scaled for backward and the step skipped on inf gradients (fp16)
 
 
 PRECISIONS: dict[str, PrecisionPolicy] = {
@@ -238,7 +240,17 @@ PRECISIONS: dict[str, PrecisionPolicy] = {
     "bf16-autocast": PrecisionPolicy("bf16-autocast", "bfloat16", "float32", "bfloat16"),
     # 16-bit (or fp64) parameters train in their own dtype (cost.memory.precision_for_backend)
     **{f"{short}-params": PrecisionPolicy(f"{short}-params", None, None, None) for short in ("bf16", "fp16", "fp64")},
+    # --precision bf16-pure on fp32 parameters: the model cast to bf16 first (on the meta device, so each shard
+    # is the fp32 initial weight rounded to bf16); weights, gradients, optimizer state and compute in bf16
+    "bf16-pure": PrecisionPolicy("bf16-pure", None, None, None, cast_dtype="bfloat16"),
+    # --precision fp16: fp32 master weights, fp16 compute, fp32 reductions, the loss scaled (GradScaler)
+    "fp16-autocast": PrecisionPolicy("fp16-autocast", "float16", "float32", "float16", grad_scaler=True),
 }
+
+# --precision's choices -> the plan's precision (``PRECISIONS``; the plan format keeps its older names, so old plans
+# read as before): fp32 -> "fp32"; bf16 -> "bf16-autocast"; bf16-pure -> "bf16-params" on a model whose parameters
+# are bf16 already, else "bf16-pure" (cast); fp16 -> "fp16-autocast". ``cost.memory.pinned_precision`` maps them.
+PIN_PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
 
 
 def precision_policy(name: str) -> PrecisionPolicy:
@@ -481,6 +493,13 @@ def _stage_cuts(value: Any, flag: str) -> str | tuple[int, ...]:
     return parse_stage_cuts(value)
 
 
+def _precision(value: Any, flag: str) -> str:
+    value = value.lower() if isinstance(value, str) else value
+    if value not in PIN_PRECISIONS:
+        raise AutoshardError(f"{flag} {value} must be one of {', '.join(PIN_PRECISIONS)}")
+    return value
+
+
 def _on_off(value: Any, flag: str) -> bool:
     """True / False, or the flag's on / off."""
     if isinstance(value, bool):
@@ -520,6 +539,10 @@ PINS: tuple[PinRow, ...] = (
            "tp > 1 without pipeline stages)", _on_off, choices=("on", "off"),
            # where it can run: it never costs memory
            default=lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1),
+    PinRow("precision", "--precision", str.lower, "training precision: fp32; bf16 (bf16 autocast, fp32 master "
+           "weights and gradient reduction); bf16-pure (weights, gradients and optimizer state in bf16); fp16 "
+           "(fp16 autocast, fp32 master weights, loss scaling) (default: bf16 on GPUs, fp32 on CPU ranks, a model's "
+           "16-bit parameters in their own dtype)", _precision, choices=PIN_PRECISIONS, estimate_optional=True),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}
 

@@ -14,6 +14,7 @@ fields as constants and hands them to the runtime (``runtime.build_mesh``, ``run
 record.
 
     op                  SPMD plans                          pipeline plans
+    cast_params         the meta model's parameters in bf16 (--precision bf16-pure on fp32 parameters), first
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
@@ -34,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OPS = ("apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate",
+OPS = ("cast_params", "apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate",
        "init_weights", "apply_ddp", "build_optimizer", "build_schedule")
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).

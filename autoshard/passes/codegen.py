@@ -40,7 +40,7 @@ def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.j
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
+    main = _MAIN_PIPELINE if pipeline else _spmd_main(plan)
     parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec),
              recipe_constant(recipe or Recipe()), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
@@ -243,10 +243,42 @@ def _expert_constants(plan: Plan) -> str:
 
 def _precision_comment(precision: str) -> str:
     policy = precision_policy(precision)
+    if policy.cast_dtype is not None:
+        return (f"weights, gradients, optimizer state and compute in {policy.cast_dtype} (the model cast before "
+                f"its fp32 initial weights are made: cast_params)")
     if policy.autocast_dtype is None:
         return "weights, gradients and compute in the parameters' own dtype"
     return (f"{policy.param_dtype} compute (FSDP2 gathers {policy.param_dtype} weights; autocast elsewhere), "
-            f"{policy.reduce_dtype} gradient reduction")
+            f"{policy.reduce_dtype} gradient reduction" + ", the loss scaled (GradScaler)" * policy.grad_scaler)
+
+
+# The SPMD loop's lines that a precision changes: (the line as unpinned plans print it, its replacement).
+_CAST_LINES = (
+    ("            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)\n",
+     "            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)\n"
+     "            x = runtime.cast_inputs(x, PRECISION)  # floating inputs in the weights' dtype\n"),
+)
+_SCALER_LINES = (
+    ("    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule\n",
+     "    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule\n"
+     "    # fp16: the loss scaled before backward, the gradients unscaled before clipping, a step with an inf or nan\n"
+     "    # gradient skipped and the scale lowered (every rank agrees: ShardedGradScaler over sharded gradients)\n"
+     "    scaler = runtime.grad_scaler(PRECISION, model, ctx.device)\n"),
+    ("                loss.backward()\n", "                scaler.scale(loss).backward()\n"),
+    ("        grad_norm = None if recipe.max_grad_norm",
+     "        scaler.unscale_(optimizer)\n        grad_norm = None if recipe.max_grad_norm"),
+    ("        optimizer.step()\n", "        scaler.step(optimizer)\n        scaler.update()\n"),
+)
+
+
+def _spmd_main(plan: Plan) -> str:
+    """The SPMD loop; a bf16-pure plan casts each micro-batch's floating inputs, an fp16 plan scales its loss
+    (``ir.decisions.PrecisionPolicy``); the others print it as it is."""
+    policy, main = precision_policy(plan.precision), _MAIN_SPMD
+    for old, new in (_CAST_LINES if policy.cast_dtype else ()) + (_SCALER_LINES if policy.grad_scaler else ()):
+        assert main.count(old) == 1, old
+        main = main.replace(old, new)
+    return main
 
 
 def _tp_constants(plan: Plan) -> str:

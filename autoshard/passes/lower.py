@@ -5,6 +5,7 @@ The one place that orders the decisions. ``runtime.parallel.apply_steps`` execut
 the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)
+    0 cast_params     bf16-pure on fp32 parameters only: the meta model in bf16, first, both kinds
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
     2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
@@ -72,8 +73,19 @@ def recompute_modes(plan: Plan) -> dict[str, str]:
     return {path: plan.recompute for path in plan.blocks}
 
 
+def _cast_steps(plan: Plan) -> list[Step]:
+    """bf16-pure on fp32 parameters: the meta model cast first (``init_weights`` then rounds one process's fp32
+    initial weights into each shard)."""
+    dtype = precision_policy(plan.precision).cast_dtype
+    if dtype is None:
+        return []
+    return [Step("cast_params", None, (("precision", plan.precision),),
+                 f"--precision {plan.precision}: parameters, gradients and optimizer state in {dtype}; each rank's "
+                 f"shards are one process's fp32 initial weights rounded to {dtype}")]
+
+
 def _spmd_steps(plan: Plan) -> list[Step]:
-    steps = [*_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
+    steps = [*_cast_steps(plan), *_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
     dp_step = _dp_step(plan, plan.blocks) if plan.mesh.dp_cp > 1 else None
     if dp_step is not None:
         steps.append(Step("sync_batch_norm", dp_axis(plan), (), "BatchNorm statistics over every dp rank's samples, "
@@ -96,7 +108,7 @@ def _init_step() -> Step:
 def _pipeline_steps(plan: Plan) -> list[Step]:
     stages = plan.mesh.pp * plan.virtual_stages
     placement = (("placement", "v"),) if plan.schedule in V_SCHEDULES else ()
-    steps = [*_tp_steps(plan, before_split=True), *_ep_steps(plan),
+    steps = [*_cast_steps(plan), *_tp_steps(plan, before_split=True), *_ep_steps(plan),
              Step("split_pipeline", "*", (("split_points", tuple(plan.split_points)),
                                           ("virtual_stages", plan.virtual_stages),
                                           ("tp_styles", dict(sorted(plan.tensor_parallel.items()))), *placement),

@@ -100,11 +100,12 @@ class SearchResult:
 
 def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int,
            time_limit_s: float | None = None, mixed_recompute: bool = True, runtime: str = "autoshard",
-           stage_cuts: StageCutsPin = None) -> SearchResult:
+           stage_cuts: StageCutsPin = None, precision: str | None = None) -> SearchResult:
     """The fastest configuration that fits (module doc), and the best rivals priced on the way; priced
-    for ``runtime`` (``cost.tables.Runtime.named``), with ``--stage-cuts`` where pinned (``pinned_cuts``)."""
+    for ``runtime`` (``cost.tables.Runtime.named``) in the ``--precision`` pinned (None: the runtime's), with
+    ``--stage-cuts`` where pinned (``pinned_cuts``)."""
     start = time.perf_counter()
-    tables = CostTables(graph, cluster, Runtime.named(runtime, cluster, graph))
+    tables = CostTables(graph, cluster, Runtime.named(runtime, cluster, graph, precision))
     bounds = [lower_bound_s(tables, config) for config in configs]
     order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
     priced: list[Priced] = []

@@ -28,7 +28,7 @@ from autoshard.runtime.model import (
 
 _LAZY = {  # name: the module that defines it, imported on first use
     **dict.fromkeys(("apply_ac", "apply_ddp", "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast",
-                     "build_optimizer", "build_schedule", "grad_sync", "split_pipeline", "sync_batch_norm"),
+                     "build_optimizer", "cast_inputs", "cast_params", "grad_scaler", "build_schedule", "grad_sync", "split_pipeline", "sync_batch_norm"),
                     "autoshard.runtime.parallel"),
     **dict.fromkeys(("StepLog", "finish", "read_weights"), "autoshard.runtime.report"),
 }
@@ -43,7 +43,7 @@ __all__ = [
     "context_parallel", "take_sequence_shard",
     "build_meta_model", "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
-    "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "read_weights", "tensor_parallel", "faults",
+    "cast_inputs", "cast_params", "grad_scaler", "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "read_weights", "tensor_parallel", "faults",
 ]
 
 

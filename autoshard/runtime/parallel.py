@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import checkpoint, init_replay
@@ -332,7 +333,16 @@ def build_schedule(stages: pp.PipelineStages, schedule: str, num_microbatches: i
 
 
 # Each apply step's function, by its op (``ir.steps.OPS``; tests/test_golden_programs.py checks the two agree).
+def cast_params(model: nn.Module, precision: str) -> nn.Module:
+    """The model's floating parameters and buffers cast to the precision's cast dtype (``--precision bf16-pure``
+    on fp32 parameters), in place, first of all steps: on the meta device, so ``init_weights`` then rounds each
+    shard of one process's fp32 initial weights to it; returns the model."""
+    dtype = precision_policy(precision).cast_dtype
+    return model.to(getattr(torch, dtype)) if dtype is not None else model
+
+
 APPLIERS: dict[str, Callable] = {
+    "cast_params": cast_params,
     "apply_tp": apply_tp,
     "apply_ep": apply_ep,
     "split_pipeline": split_pipeline,
@@ -391,6 +401,32 @@ def autocast(precision: str, device: torch.device):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def cast_inputs(inputs: tuple, precision: str) -> tuple:
+    """A micro-batch's floating inputs in the precision's cast dtype (bf16-pure: the weights are bf16, so is what
+    they multiply); the inputs as they are otherwise."""
+    dtype = precision_policy(precision).cast_dtype
+    if dtype is None:
+        return inputs
+    return tuple(t.to(getattr(torch, dtype)) if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
+
+
+def grad_scaler(precision: str, model, device: torch.device):
+    """The loss scaler of an fp16 plan (``PrecisionPolicy.grad_scaler``), None otherwise: torch's ``GradScaler``,
+    or FSDP2's ``ShardedGradScaler`` where gradients are DTensors (FSDP2, TP), which agrees on an inf gradient over
+    every rank; a torch without it is refused in one line."""
+    if not precision_policy(precision).grad_scaler:
+        return None
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        try:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        except ImportError as exc:
+            raise AutoshardError(f"precision {precision} with sharded (DTensor) parameters needs "
+                                 f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which torch "
+                                 f"{torch.__version__} lacks; plan with --precision bf16 or --zero 0 --tp 1") from exc
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

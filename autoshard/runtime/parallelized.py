@@ -37,7 +37,7 @@ from autoshard.modelfile import ModelFile
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.data import DataSource, RankBatches, split_microbatches, take_samples
 from autoshard.runtime.distributed import mean_over
-from autoshard.runtime.parallel import autocast, grad_sync
+from autoshard.runtime.parallel import autocast, cast_inputs, grad_sync
 
 
 @dataclass
@@ -86,6 +86,7 @@ class Parallelized:
         step_loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(split_microbatches(inputs, targets, micro)):
             x, y = take_sequence_shard(x, y, self.mesh, spec.sequence_axis, spec.tokens_per_sample)
+            x = cast_inputs(x, self.plan.precision)  # bf16-pure: floating inputs in bf16, as the program
             with grad_sync(self.model, enabled=i == micro - 1), \
                     context_parallel(self.mesh, spec.sequence_axis, spec.tokens_per_sample):
                 with autocast(self.plan.precision, self.device):
