@@ -64,9 +64,9 @@ from dataclasses import dataclass
 from autoshard.cost import comm
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
-from autoshard.cost.memory import shared_value_bytes
+from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
 from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts
-from autoshard.cost.rank_memory import StageLoad, in_flight, memory_pipeline
+from autoshard.cost.rank_memory import StageLoad, in_flight, megatron_pipeline_memory, memory_pipeline
 from autoshard.cost.schedule import (
     ZERO_BUBBLE_SCHEDULES,
     rank_orders,
@@ -223,9 +223,27 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
                               sum(units.backward_s[u] + experts[u].backward_s for u in idx),
                               sum(units.recompute_s[u] + experts[u].recompute_s for u in idx), p2p,
                               sum(tp_comm[u] for u in idx), params + expert_shards,
-                              memory_pipeline(tables, config, r, stages), host_s,
+                              rank_memory(tables, config, r, stages, units, mine), host_s,
                               sum(units.tensors[u] for u in idx), a2a_microbatch_s(experts, idx), expert_shards))
     return loads
+
+
+def rank_memory(tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad], units: Units,
+                mine: list[tuple[int, tuple[int, int]]]) -> Memory:
+    """Pipeline rank ``pp_rank``'s peak: the moments of autoshard's programs (``rank_memory.memory_pipeline``),
+    or, priced for Megatron-LM, its in-flight micro-batches over its own state (``megatron_pipeline_memory``)."""
+    if tables.precision != MEGATRON_MIXED:
+        return memory_pipeline(tables, config, pp_rank, stages)
+    pp, v = config.mesh.pp, config.virtual_stages
+    idx = [u for _, rng in mine for u in stage_units(rng, units.blocks)]
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        saved = {s: sum(units.saved_bytes[u] for u in stage_units(rng, units.blocks)) for s, rng in mine}
+        acts = split_backward_in_flight_bytes(config, pp_rank, saved)
+    else:
+        acts = in_flight(config.schedule, config.num_microbatches, pp, v, pp_rank) * sum(units.saved_bytes[u] for u in idx)
+    acts += max(units.workspace_bytes[u] for u in idx)
+    return megatron_pipeline_memory(tables.precision, config, sum(s.params for s in stages), acts,
+                                    sum(s.expert_params for s in stages))
 
 
 def stage_load(tables: CostTables, config: Decisions, units: Units, experts, index: int, block_range: tuple[int, int],

@@ -276,6 +276,21 @@ def pipeline_transient_per_param(precision: Precision, config: Decisions) -> flo
     return precision.grad_bytes * spread + (precision.param_bytes * spread if config.zero_stage == 3 else 0.0)
 
 
+def megatron_pipeline_memory(precision: Precision, config: Decisions, params: int, activations: float,
+                             expert_params: int = 0) -> Memory:
+    """A pipeline rank as Megatron-LM runs it (``Runtime.named("megatron-lm")``, the published rows it is priced
+    against): its own mixed-precision state (``memory.MEGATRON_MIXED``, p + g + o bytes per parameter, its
+    optimizer, no FSDP2 holding a gathered copy or fp32 sums), and ``activations``: the in-flight micro-batches'
+    saved bytes plus a block's workspace (its receive buffers are freed as the stage consumes them). Not the
+    moments of ``pipeline_moments``, which are what torch's pipelining stages and FSDP2 hold in autoshard's
+    programs (measured by ``autoshard dryrun``)."""
+    p, g, o = model_state_bytes(params, pipeline_zero(config), config.mesh.dp, precision)
+    p, g, o = p + expert_params * precision.param_bytes, g + expert_params * precision.grad_bytes, \
+        o + expert_params * precision.optimizer_bytes
+    return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
+                             activations_bytes=int(activations), transient_bytes=0)
+
+
 def pipeline_zero(config: Decisions) -> int:
     """The ZeRO stage whose state a pipeline stage holds: 1 holds 2's (FSDP2, sharded after the step)."""
     return 2 if config.zero_stage == 1 and config.mesh.dp > 1 else config.zero_stage
