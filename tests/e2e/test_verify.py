@@ -4,6 +4,7 @@ Each case is ``autoshard.verify`` of one plan (``one_launch.verify_cases``: veri
 line and judgement); the programs run in the session's one torchrun launch per world size.
 """
 
+import math
 from functools import cache
 
 import pytest
@@ -23,7 +24,12 @@ CASES = {  # name: (ranks, steps)
     **{name: (ranks, 3) for name, (_, _, ranks) in DP_ZERO.items()},
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
+    **{name: (2, 3) for name in ("gpt-bf16-zero3-2", "gpt-bf16-pure-zero0-2", "gpt-fp16-zero1-2")},
 }
+# --precision cases: the pin, its ZeRO stage and micro-batch size (FSDP2's bf16 gathers; DDP's bf16 gradients of
+# bf16 weights; ZeroRedundancyOptimizer stepped through a GradScaler)
+PRECISION_CASES = {"gpt-bf16-zero3-2": ("bf16", 3, 4), "gpt-bf16-pure-zero0-2": ("bf16-pure", 0, 4),
+                   "gpt-fp16-zero1-2": ("fp16", 1, 2)}
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 
 
@@ -41,6 +47,10 @@ def _tight_cluster():
 
 
 def _plan(name):
+    if name in PRECISION_CASES:
+        precision, zero, micro = PRECISION_CASES[name]
+        return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, tp=1,
+                              pp=1, zero=zero, microbatch_size=micro, recompute="none", precision=precision)
     if name in DP_ZERO:
         model, zero, ranks = DP_ZERO[name]
         return autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
@@ -54,6 +64,8 @@ def _plan(name):
 def _case_of(test, params):
     if test == "test_verify_dp_and_zero":
         return f"{params['model']}-zero{params['zero']}-{params['ranks']}"
+    if test == "test_verify_pinned_precision":
+        return params["name"]
     return {"test_verify_eight_ranks_zero3": "eight-ranks-zero3",
             "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute"}.get(test)
 
@@ -93,3 +105,26 @@ def test_verify_mixed_recompute_chosen_under_memory_pressure(verified):
     assert plan.recompute == "mixed" and len(set(plan.recompute_blocks.values())) > 1  # blocks differ
     assert plan.predicted.memory_peak_bytes_per_rank <= tight.device.memory_bytes
     assert report.ok, report.failure
+
+
+@pytest.mark.parametrize("name", sorted(PRECISION_CASES))
+def test_verify_pinned_precision(verified, name):
+    """Each --precision trains like one process in that precision (verify's reference: autocast, the bf16 cast,
+    the GradScaler; FSDP2's bf16 gathers). The program did run the precision: bf16-pure's losses are bf16
+    numbers (their mean over the dp ranks), and an autocast run's first loss is the same-precision one-process loss, not the fp32 one."""
+    from autoshard.modelfile import load_model_file
+    from autoshard.verify import train_reference
+
+    plan, report = verified(name)
+    assert plan.precision == {"bf16": "bf16-autocast", "bf16-pure": "bf16-pure", "fp16": "fp16-autocast"}[
+        PRECISION_CASES[name][0]]
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+    if plan.precision == "bf16-pure":
+        # each rank's loss is a bf16 number (8 significant bits), the logged one their mean over the 2 dp ranks
+        spacing = [2.0 ** (math.floor(math.log2(loss)) - 7) for loss in report.parallel_losses]
+        assert all((loss * 2 / ulp).is_integer() for loss, ulp in zip(report.parallel_losses, spacing))
+        return
+    fp32 = train_reference(load_model_file(MODELS["gpt"]), 8, 1, 0, 1e-3, fixed_randomness=True).losses[0]
+    first = report.parallel_losses[0]
+    assert abs(first - report.reference_losses[0]) < abs(first - fp32)
