@@ -141,6 +141,7 @@ def test_fp16_program_scales_the_loss(estimates):
                                      "clip_grad_norm(model", "scaler.step(optimizer)", "scaler.update()")]
     assert order == sorted(order)
     assert "optimizer.step()" not in body
+    assert body.count("scaler=scaler") == 2  # checkpoints keep the loss scale (resume and save)
     pure = emit_program(estimates["bf16-pure"])
     compile(pure, "train.py", "exec")
     assert "model = cast_params(model, precision=PRECISION)" in pure and "runtime.cast_inputs(x, PRECISION)" in pure
@@ -200,3 +201,37 @@ def test_hf_config_in_bf16_is_noted(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
     assert precision_notes(request) == ()
     assert precision_notes(PlanRequest(model_spec=GPT, cluster=cluster, global_batch=8)) == ()
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group (DCP needs one), made here unless a test before made one."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def test_checkpoints_keep_the_loss_scale(tmp_path, one_rank):
+    """A resumed fp16 run scales its loss as the uninterrupted one: the scale and growth count are saved and
+    loaded; a checkpoint without them leaves a fresh scaler as it is."""
+    from autoshard.runtime import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update(new_scale=1024.0)
+    saved = checkpoint.save(tmp_path / "with", 1, model, optimizer, scaler=scaler)
+    fresh = torch.amp.GradScaler("cpu")
+    assert checkpoint.load(saved, model, optimizer, scaler=fresh) == 1
+    assert fresh.get_scale() == 1024.0
+    plain = checkpoint.save(tmp_path / "without", 1, model, optimizer)
+    other = torch.amp.GradScaler("cpu")
+    checkpoint.load(plain, model, optimizer, scaler=other)
+    assert other.get_scale() == 65536.0

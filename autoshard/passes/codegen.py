@@ -268,6 +268,10 @@ _SCALER_LINES = (
     ("        grad_norm = None if recipe.max_grad_norm",
      "        scaler.unscale_(optimizer)\n        grad_norm = None if recipe.max_grad_norm"),
     ("        optimizer.step()\n", "        scaler.step(optimizer)\n        scaler.update()\n"),
+    ("                              scheduler=scheduler)\n",
+     "                              scheduler=scheduler, scaler=scaler)  # the loss scale with the rest\n"),
+    ("data=batches, scheduler=scheduler)\n", "data=batches, scheduler=scheduler,\n"
+     "                            scaler=scaler)\n"),
 )
 
 

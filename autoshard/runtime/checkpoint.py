@@ -82,9 +82,11 @@ class StageOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, data=None, scheduler=None) -> Path:
+def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, data=None, scheduler=None,
+         scaler=None) -> Path:
     """Write the state after ``steps_done`` steps (and ``scheduler``'s position, given one: a
-    ``recipe.build_scheduler``); returns the final folder.
+    ``recipe.build_scheduler``; and an fp16 plan's loss ``scaler``, its scale and growth count); returns the
+    final folder.
 
     ``model`` is the (wrapped) module, or a pipeline's ``PipelineStages`` with its
     ``StageOptimizers``; ``mesh`` (pp, dp, tp) is needed for TP inside pipeline stages; ``data``
@@ -95,6 +97,8 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
     if scheduler is not None:
         state["scheduler"] = scheduler_state(scheduler)
+    if scaler is not None:
+        state["scaler"] = scaler_state(scaler)
     if data is not None:
         state["data"] = {key: torch.tensor(value) for key, value in data.position(steps_done).items()}
     final = _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
@@ -300,8 +304,8 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=None) -> int:
-    """Restore model and optimizer (and ``scheduler``, given one) in place from ``path``; returns the steps
+def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=None, scaler=None) -> int:
+    """Restore model and optimizer (and ``scheduler``, ``scaler``, given them) in place from ``path``; returns the steps
     already done. With ``data``
     (``runtime.data.RankBatches``), a checkpoint that keeps a data position must have been written on the same
     data (``check_position``); older checkpoints keep none."""
@@ -311,6 +315,8 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
     if scheduler is not None and _has_scheduler(path):
         state["scheduler"] = scheduler_state(scheduler)
+    if scaler is not None and _has_key(path, "scaler."):
+        state["scaler"] = scaler_state(scaler)
     if data is not None and kept:
         state["data"] = {key: torch.tensor(0) for key in kept}
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
@@ -321,7 +327,27 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
     steps_done = int(state["steps_done"])
     if scheduler is not None:  # saved without one: the position of the steps done
         load_scheduler_state(scheduler, state.get("scheduler") or scheduler_position(steps_done))
+    if "scaler" in state:
+        load_scaler_state(scaler, state["scaler"])
     return steps_done
+
+
+def scaler_state(scaler) -> dict[str, torch.Tensor]:
+    """A loss scaler's (``runtime.grad_scaler``) scale and steps since it last grew, as checkpoints hold them."""
+    return {"scale": torch.tensor(float(scaler.get_scale()), dtype=torch.float64),
+            "growth_tracker": torch.tensor(int(scaler._get_growth_tracker()))}
+
+
+def load_scaler_state(scaler, state: dict[str, torch.Tensor]) -> None:
+    """Put ``scaler_state``'s scale and growth count back: a resumed fp16 run scales as the uninterrupted one."""
+    kept = scaler.state_dict()
+    if kept:  # an enabled scaler
+        scaler.load_state_dict({**kept, "scale": float(state["scale"]), "_growth_tracker": int(state["growth_tracker"])})
+
+
+def _has_key(path: str | Path, prefix: str) -> bool:
+    metadata = safe_load.SafeFileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    return any(key.startswith(prefix) for key in metadata)
 
 
 def saved_data_keys(path: str | Path) -> list[str]:
@@ -397,15 +423,16 @@ def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: boo
     raise exc
 
 
-def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, data=None, scheduler=None) -> int:
-    """Load the newest complete checkpoint in ``checkpoint_dir`` if any (``scheduler``
-    too, given one); the step to start at (``data``, the
+def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, data=None, scheduler=None,
+           scaler=None) -> int:
+    """Load the newest complete checkpoint in ``checkpoint_dir`` if any (``scheduler`` and ``scaler``
+    too, given them); the step to start at (``data``, the
     run's ``RankBatches``, then reads from that step's position)."""
     if not checkpoint_dir:
         return 0
     _lock_for_job(checkpoint_dir)
     found = latest(checkpoint_dir)
-    steps_done = load(found, model, optimizer, mesh, data, scheduler=scheduler) if found else 0
+    steps_done = load(found, model, optimizer, mesh, data, scheduler=scheduler, scaler=scaler) if found else 0
     if found and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restart says it itself
         _say(f"resumed from checkpoint {found} ({steps_done} steps done): training goes on at step {steps_done}")
     _announce_restart(found, steps_done)
