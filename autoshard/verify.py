@@ -2,7 +2,10 @@
 
 The program runs on local CPU ranks (gloo, fp32) for a few steps; a single process trains the
 same model from the same seed on the same global batches with the same optimizer, twice:
-in fp32 (the reference) and in float64 (the same fp32 initial weights and data, cast).
+in fp32 (the reference) and in float64 (the same fp32 initial weights and data, cast). A plan in
+another precision (``--precision``) is judged against a reference in that precision
+(``train_reference``'s ``precision`` and ``gathers_params``; docs/verify.md, Precision): "fp32" below
+is then that precision.
 
 Both train with the program's recipe (``ir.recipe.Recipe``: ``autoshard verify --recipe FILE`` and its flags,
 written into the program as its ``RECIPE``): the same optimizer over the same weight-decay groups (found by
@@ -104,8 +107,8 @@ LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # fixed tolerance, without a float64 run
 WEIGHT_RTOL, WEIGHT_ATOL_PER_LR = 1e-5, 0.02
 DEFAULT_LR = 1e-3
 TOP_TENSORS = 3
-TOLERANCE_TEXT = (f"each loss and tensor within {NOISE_FACTOR}x the one-process fp32 run's own rounding "
-                  f"(its distance from a float64 run) + {FLOOR_ULPS} fp32 spacings")
+TOLERANCE_TEXT = (f"each loss and tensor within {NOISE_FACTOR}x the one-process run's own rounding in the plan's "
+                  f"precision (its distance from a float64 run) + {FLOOR_ULPS} fp32 spacings")
 
 
 @dataclass(frozen=True)
