@@ -196,6 +196,9 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
 
 
+DTYPE_NOTE = "config.json names torch_dtype"  # how precision_notes begins (show.py's precision row repeats it)
+
+
 def precision_notes(request: PlanRequest) -> tuple[str, ...]:
     """A transformers config naming a 16-bit torch_dtype: ``hf:DIR`` builds fp32 weights (master weights) unless
     --precision bf16-pure is pinned; the plan says which."""
@@ -209,9 +212,9 @@ def precision_notes(request: PlanRequest) -> tuple[str, ...]:
     if named not in ("bfloat16", "float16"):
         return ()
     if request.pins.precision == "bf16-pure":
-        return (f"config.json names torch_dtype {named}: --precision bf16-pure trains in bf16 (the fp32 initial "
+        return (f"{DTYPE_NOTE} {named}: --precision bf16-pure trains in bf16 (the fp32 initial "
                 f"weights cast to bf16; weights, gradients and optimizer state in bf16)",)
-    return (f"config.json names torch_dtype {named}: the program keeps fp32 master weights (precision "
+    return (f"{DTYPE_NOTE} {named}: the program keeps fp32 master weights (precision "
             f"{precision_shown(request)}); pin --precision bf16-pure to train the weights in bf16",)
 
 

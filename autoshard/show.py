@@ -12,6 +12,7 @@ from rich.text import Text
 from autoshard.cost.schedule import bubble_fraction, draw, format_grid
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, Predicted
+from autoshard.pipeline import DTYPE_NOTE
 
 MIB = 2**20
 GIB = 2**30
@@ -100,7 +101,8 @@ def decision_table(plan: Plan) -> Table:
     if sequence:
         t.add_row("sequence", sequence)
     t.add_row("schedule", plan.schedule)
-    t.add_row("precision", plan.precision)
+    dtype_note = next((note for note in plan.notes if note.startswith(DTYPE_NOTE)), None)
+    t.add_row("precision", plan.precision + (f"\n{dtype_note}" if dtype_note else ""))  # hf:DIR in 16 bits
     if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2:
         t.add_row("DDP buckets", f"{plan.ddp_bucket_cap_mb:g} MiB")
     t.add_row("pinned by you", ", ".join(plan.pinned) or "nothing")

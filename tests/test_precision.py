@@ -235,3 +235,22 @@ def test_checkpoints_keep_the_loss_scale(tmp_path, one_rank):
     other = torch.amp.GradScaler("cpu")
     checkpoint.load(plain, model, optimizer, scaler=other)
     assert other.get_scale() == 65536.0
+
+
+def test_inspect_shows_the_dtype_note(estimates):
+    """The decisions table's precision row carries the hf:DIR dtype note where the plan has one."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from autoshard.show import decision_table
+
+    plan = estimates["bf16"]
+    note = "config.json names torch_dtype bfloat16: the program keeps fp32 master weights (precision bf16)"
+    noted = replace(plan, review=replace(plan.review, notes=plan.review.notes + (note,)))
+
+    def shown(p):
+        console = Console(record=True, width=300)
+        console.print(decision_table(p))
+        return console.export_text()
+    assert "torch_dtype bfloat16" in shown(noted) and "torch_dtype" not in shown(plan)
