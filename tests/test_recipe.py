@@ -220,17 +220,32 @@ def test_each_optimizer_is_torchs_own_with_the_recipes_settings(name):
     optimizer = build_optimizer(model, recipe, "cpu")
     assert type(optimizer) is {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
-    assert optimizer.defaults["foreach"] is True and not optimizer.defaults.get("fused")
+    assert optimizer.defaults["foreach"] is False and not optimizer.defaults.get("fused")  # one process's loop
     settings = {"momentum": 0.9} if name == "sgd" else {"betas": (0.8, 0.9), "eps": 1e-6}
     assert all(optimizer.defaults[k] == v for k, v in settings.items())
     zero = parallel.build_optimizer(model, recipe=recipe)  # the applier passes it through
     assert type(zero) is type(optimizer) and len(zero.param_groups) == 2
 
 
-def test_the_kernel_is_fused_on_cuda_only():
+def test_the_kernel_is_fused_on_cuda_only_and_the_loop_where_dtensors_and_tensors_mix(monkeypatch):
     cpu = [torch.zeros(2)]
-    assert optimizer_kernel("adamw", cpu, "cpu") == {"foreach": True}
-    assert optimizer_kernel("adamw", cpu, "cuda") == {"foreach": True}  # parameters not on CUDA (yet)
+    assert optimizer_kernel("adamw", cpu, "cpu") == {"foreach": False}
+    assert optimizer_kernel("adamw", cpu, "cuda") == {"foreach": False}  # parameters not on CUDA (yet)
+    import autoshard.runtime.recipe as recipe_module
+
+    class FakeCuda(torch.Tensor):  # stands for a CUDA parameter on this CPU machine
+        device = torch.device("cuda")
+
+    class FakeDTensor(FakeCuda):
+        pass
+
+    monkeypatch.setattr(recipe_module, "DTensor", FakeDTensor)
+    plain, sharded = torch.zeros(2).as_subclass(FakeCuda), torch.zeros(2).as_subclass(FakeDTensor)
+    assert optimizer_kernel("adamw", [plain], "cuda") == {"fused": True}
+    assert optimizer_kernel("adamw", [sharded], "cuda") == {"fused": True}
+    assert optimizer_kernel("sgd", [sharded], "cuda") == {"foreach": True}  # DTensor has no fused SGD
+    # tensor parallelism without FSDP2 leaves replicated modules plain: torch's list kernels refuse the mix
+    assert optimizer_kernel("adamw", [plain, sharded], "cuda") == {"foreach": False}
 
 
 # ---------------------------------------------------------------------------- schedule

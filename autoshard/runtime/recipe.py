@@ -73,13 +73,18 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: frozenset[str]
 def optimizer_kernel(optimizer: str, params: Iterable[torch.Tensor], device_type: str) -> dict[str, bool]:
     """Which of torch's implementations steps ``params``: ``{"fused": True}`` on CUDA (one kernel per step;
     DTensor dispatches torch's fused Adam/AdamW to its shards, but has no fused SGD, which then runs foreach),
-    else ``{"foreach": True}`` (on CPU the per-tensor loop of torch's foreach ops, which gives the same numbers
-    as torch's default for-loop, so a CPU run matches one process's plain AdamW bit for bit; torch 2.13 has a
-    fused CPU kernel too, but it rounds differently from that reference, so it is not taken)."""
+    else torch's per-tensor for-loop (``{"foreach": False}``: on CPU what one process's plain optimizer runs,
+    so a CPU run matches it bit for bit; torch 2.13's fused CPU kernel rounds differently). Parameters that mix
+    DTensors and plain tensors (tensor parallelism without FSDP2: the replicated modules stay plain) take the
+    for-loop everywhere: torch's foreach and fused kernels refuse a list of both ("mixed torch.Tensor and
+    DTensor")."""
     params = list(params)
     on_cuda = device_type == "cuda" and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    if not on_cuda or mixed:
+        return {"foreach": False}
     dtensor_sgd = optimizer == "sgd" and any(isinstance(p, DTensor) for p in params)
-    return {"fused": True} if on_cuda and not dtensor_sgd else {"foreach": True}
+    return {"foreach": True} if dtensor_sgd else {"fused": True}
 
 
 def optimizer_for(params, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
