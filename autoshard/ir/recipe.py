@@ -71,8 +71,10 @@ class Recipe:
             raise AutoshardError(f"{path}: {exc}") from None
 
     def for_run(self, steps: int, lr: float | None = None) -> Recipe:
-        """This recipe with ``steps`` filled in where it has none (the run's ``--steps``), and ``lr`` if given."""
-        return dataclasses.replace(self, steps=self.steps if self.steps is not None else steps,
+        """This recipe with ``steps`` filled in where it has none (the run's ``--steps``; a run of no steps, which
+        only loads and exports, leaves it None: no schedule runs), and ``lr`` if given."""
+        own = steps if steps >= 1 else None
+        return dataclasses.replace(self, steps=self.steps if self.steps is not None else own,
                                    lr=self.lr if lr is None else lr)
 
     def as_dict(self) -> dict[str, Any]:

@@ -271,7 +271,7 @@ def _extra_tied_copies(model) -> set[int]:
 def _bucket_square(bucket: _Bucket) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm([p.grad for p in bucket.params], 2.0)
     if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # torch's own reduction of the norm over the mesh's dims
+        norm = norm.full_tensor()  # one number: torch's reduction of the norm over the mesh's dims (gathers: scalar)
     square = norm.to(torch.promote_types(norm.dtype, torch.float32)) ** 2  # fp32 at least; float64 stays
     for group in bucket.groups:  # shards torch sees as plain tensors: summed over their group by hand
         if dist.get_world_size(group) > 1:
