@@ -80,3 +80,24 @@ def pytest_terminal_summary(terminalreporter):
         lines = json.loads(worker.read_text())
         for line in ([f"{worker.stem}:"] if worker.stem != "main" else []) + lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _no_torch_mode_left_behind():
+    """Every test starts with torch's function and dispatch mode stacks empty. A mode a test leaves pushed (the
+    fixed-randomness modes of ``runtime.randomness``: every ``torch.rand`` 0.5 after it) would change the tests
+    that run after it on the same worker; it is popped here, and the test that left it is named on stderr."""
+    yield
+    if "torch" not in sys.modules:
+        return
+    import torch
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode
+
+    left = torch._C._len_torch_function_stack() + _len_torch_dispatch_stack()
+    while _len_torch_dispatch_stack():
+        _pop_mode()
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    if left:
+        print(f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')} left {left} torch mode(s) pushed; popped",
+              file=sys.stderr)
