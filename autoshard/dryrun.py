@@ -12,8 +12,9 @@ pipeline's last stage), in this one process:
    micro-batch and loss), those before ``init_weights`` on the meta device, the rest under
    ``FakeTensorMode``: the rank's shards, optimizer and every activation are fake tensors (shapes, no memory);
 3. the program's loop for ``steps`` steps under ``torch.distributed._tools.mem_tracker.MemTracker``, which
-   counts every live tensor by what it is: the SPMD loop (``runtime.take_samples``, ``split_microbatches``,
-   ``take_sequence_shard``, ``grad_sync``, ``context_parallel``, ``autocast`` at the plan's precision), or
+   counts every live tensor by what it is: the SPMD loop (``runtime.take_samples``, then the program's own
+   ``runtime.forward_backward``: micro-batches, sequence shards, gradient sync, ring attention, the plan's
+   precision), or
    the pipeline loop (``take_samples``, ``pipeline_parallel.pipeline_step`` under ``autocast``: the
    schedule runs this rank's stages over every micro-batch, and its receive buffers are made at the
    micro-batch's shapes as on a real run; they hold no values, which fake tensors never do).
@@ -342,18 +343,11 @@ def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, st
 
     batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
     inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
-    count = plan.num_microbatches
-    for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, count)):
-        x, y = runtime.take_sequence_shard(x, y, mesh, spec.sequence_axis, spec.tokens_per_sample)
-        tracker.reset_mod_stats()
-        with runtime.grad_sync(model, enabled=i == count - 1), \
-                runtime.context_parallel(mesh, spec.sequence_axis, spec.tokens_per_sample):
-            with runtime.autocast(plan.precision, device):
-                loss = model_file.loss(model(*x), y) / count
-            loss.backward()
+    runtime.forward_backward(model, inputs, targets, model_file.loss, mesh, plan.num_microbatches,
+                             spec.sequence_axis, spec.tokens_per_sample, plan.precision,
+                             before_each=tracker.reset_mod_stats)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    del loss
     torch.distributed.barrier()
 
 

@@ -1,6 +1,6 @@
 """A small nanoGPT-style GPT: the bundled example model for autoshard.
 
-Model-file contract (see DESIGN.md): ``build()`` returns the module and works under
+Model-file contract (docs/design.md, "The model file contract"): ``build()`` returns the module and works under
 ``with torch.device("meta")``; ``example_batch(batch_size)`` returns ``(inputs, targets)``;
 ``loss_fn(outputs, targets)`` is the training loss.
 

@@ -129,31 +129,57 @@ def test_master_weight_precisions_need_fp32_parameters():
     assert pinned_precision("bf16-pure").name == "bf16-pure"
 
 
-def test_fp16_program_scales_the_loss(estimates):
-    """fp16: the program's loop scales the loss, unscales before clipping and steps through the scaler; the
-    PRECISION comment says so. bf16-pure: the meta model cast first and floating inputs cast; bf16: neither."""
+def test_one_loop_serves_every_precision(estimates):
+    """Every precision prints the same SPMD loop: the scaler (fp16's GradScaler, a pass-through otherwise) scales
+    the loss inside runtime.forward_backward, unscales before clipping and steps; checkpoints keep it. The
+    PRECISION comment says what fp16 does; bf16-pure casts the meta model first. No template is patched."""
     fp16 = emit_program(estimates["fp16"])
     compile(fp16, "train.py", "exec")
     assert "PRECISION = 'fp16-autocast'  # float16 compute" in fp16 and "the loss scaled (GradScaler)" in fp16
     body = fp16[fp16.index("def main"):]
     order = [body.index(s) for s in ("scaler = runtime.grad_scaler(PRECISION, model, ctx.device)",
-                                     "scaler.scale(loss).backward()", "scaler.unscale_(optimizer)",
+                                     "runtime.forward_backward(", "PRECISION, scaler)", "scaler.unscale_(optimizer)",
                                      "clip_grad_norm(model", "scaler.step(optimizer)", "scaler.update()")]
     assert order == sorted(order)
-    assert "optimizer.step()" not in body
+    assert "optimizer.step()" not in body.replace("# optimizer.step()", "")
     assert body.count("scaler=scaler") == 2  # checkpoints keep the loss scale (resume and save)
-    pure = emit_program(estimates["bf16-pure"])
+    pure, bf16 = emit_program(estimates["bf16-pure"]), emit_program(estimates["bf16"])
     compile(pure, "train.py", "exec")
-    assert "model = cast_params(model, precision=PRECISION)" in pure and "runtime.cast_inputs(x, PRECISION)" in pure
+    assert "model = cast_params(model, precision=PRECISION)" in pure
     assert [s.op for s in lower(estimates["bf16-pure"])][0] == "cast_params"
-    bf16 = emit_program(estimates["bf16"])
-    assert "cast_params" not in bf16 and "scaler" not in bf16 and "cast_inputs" not in bf16
-    assert all(s.op != "cast_params" for s in lower(estimates["bf16"]))
+    assert "cast_params" not in bf16 and all(s.op != "cast_params" for s in lower(estimates["bf16"]))
+    assert {p[p.index("def main"):] for p in (fp16, pure, bf16)} == {body}
+
+
+def test_forward_backward_scales_and_casts():
+    """runtime.forward_backward: the loss summed over micro-batches (each / m), gradients those of the batch's
+    mean; fp16's enabled scaler multiplies them by its scale, a disabled one leaves them; bf16-pure casts the
+    floating inputs to the weights' dtype."""
+    from autoshard.runtime.train_step import forward_backward
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    def grads(precision="fp32", scaler=None, dtype=torch.float32):
+        model = torch.nn.Linear(4, 2).to(dtype)
+        with torch.no_grad():
+            model.weight.fill_(0.5), model.bias.zero_()
+        loss = forward_backward(model, (x,), y, lambda out, t: ((out.float() - t) ** 2).mean(), None, 4, None, 8,
+                                precision, scaler)
+        return loss, model.weight.grad.float()
+
+    plain_loss, plain = grads()
+    whole = torch.nn.functional.mse_loss(x @ torch.full((2, 4), 0.5).T, y)
+    assert torch.allclose(plain_loss, whole, rtol=1e-5)
+    assert torch.equal(grads(scaler=torch.amp.GradScaler("cpu", enabled=False))[1], plain)
+    scaled = grads(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))[1]
+    assert torch.allclose(scaled, plain * 1024, rtol=1e-5)
+    pure_loss, pure = grads("bf16-pure", dtype=torch.bfloat16)  # float inputs cast, else the matmul would refuse
+    assert torch.allclose(pure, plain, rtol=0.05, atol=1e-2)
 
 
 def test_runtime_cast_and_scaler():
     """cast_params rounds a meta model to bf16 (bf16-pure only); grad_scaler is torch's GradScaler for fp16 on
-    plain parameters, None otherwise."""
+    plain parameters, a disabled one otherwise."""
     from autoshard.runtime.parallel import cast_inputs, cast_params, grad_scaler
 
     with torch.device("meta"):
@@ -163,7 +189,7 @@ def test_runtime_cast_and_scaler():
     x, ids = cast_inputs((torch.ones(2), torch.ones(2, dtype=torch.long)), "bf16-pure")
     assert x.dtype == torch.bfloat16 and ids.dtype == torch.long
     cpu = torch.device("cpu")
-    assert grad_scaler("bf16-autocast", torch.nn.Linear(2, 2), cpu) is None
+    assert not grad_scaler("bf16-autocast", torch.nn.Linear(2, 2), cpu).is_enabled()  # a pass-through
     assert isinstance(grad_scaler("fp16-autocast", torch.nn.Linear(2, 2), cpu), torch.amp.GradScaler)
     assert precision_policy("fp16-autocast").grad_scaler and precision_policy("bf16-pure").cast_dtype == "bfloat16"
 

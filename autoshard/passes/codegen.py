@@ -40,7 +40,7 @@ def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.j
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _spmd_main(plan)
+    main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
     parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec),
              recipe_constant(recipe or Recipe()), body, _ARGS, main]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
@@ -252,39 +252,6 @@ def _precision_comment(precision: str) -> str:
             f"{policy.reduce_dtype} gradient reduction" + ", the loss scaled (GradScaler)" * policy.grad_scaler)
 
 
-# The SPMD loop's lines that a precision changes: (the line as unpinned plans print it, its replacement).
-_CAST_LINES = (
-    ("            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)\n",
-     "            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)\n"
-     "            x = runtime.cast_inputs(x, PRECISION)  # floating inputs in the weights' dtype\n"),
-)
-_SCALER_LINES = (
-    ("    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule\n",
-     "    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule\n"
-     "    # fp16: the loss scaled before backward, the gradients unscaled before clipping, a step with an inf or nan\n"
-     "    # gradient skipped and the scale lowered (every rank agrees: ShardedGradScaler over sharded gradients)\n"
-     "    scaler = runtime.grad_scaler(PRECISION, model, ctx.device)\n"),
-    ("                loss.backward()\n", "                scaler.scale(loss).backward()\n"),
-    ("        grad_norm = None if recipe.max_grad_norm",
-     "        scaler.unscale_(optimizer)\n        grad_norm = None if recipe.max_grad_norm"),
-    ("        optimizer.step()\n", "        scaler.step(optimizer)\n        scaler.update()\n"),
-    ("                              scheduler=scheduler)\n",
-     "                              scheduler=scheduler, scaler=scaler)  # the loss scale with the rest\n"),
-    ("data=batches, scheduler=scheduler)\n", "data=batches, scheduler=scheduler,\n"
-     "                            scaler=scaler)\n"),
-)
-
-
-def _spmd_main(plan: Plan) -> str:
-    """The SPMD loop; a bf16-pure plan casts each micro-batch's floating inputs, an fp16 plan scales its loss
-    (``ir.decisions.PrecisionPolicy``); the others print it as it is."""
-    policy, main = precision_policy(plan.precision), _MAIN_SPMD
-    for old, new in (_CAST_LINES if policy.cast_dtype else ()) + (_SCALER_LINES if policy.grad_scaler else ()):
-        assert main.count(old) == 1, old
-        main = main.replace(old, new)
-    return main
-
-
 def _tp_constants(plan: Plan) -> str:
     """TP_STYLES (module path -> style, ``ir.decisions.TP_STYLES``), folded over BLOCKS when the blocks agree."""
     if not plan.tensor_parallel or plan.mesh.tp == 1:
@@ -456,13 +423,17 @@ def main():
     recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
     model, optimizer = parallelize(model, mesh, ctx.device, recipe)
     scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
+    # fp16's loss scaler: the loss scaled before backward, the gradients unscaled before clipping, a step with an
+    # inf or nan gradient skipped (ShardedGradScaler agrees over sharded gradients); every other PRECISION's
+    # passes the loss through and steps the optimizer as it is
+    scaler = runtime.grad_scaler(PRECISION, model, ctx.device)
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches,  # 0 without a checkpoint
-                              scheduler=scheduler)
+                              scheduler=scheduler, scaler=scaler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
@@ -472,26 +443,23 @@ def main():
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
-        step_loss = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
-            # runs as a ring over the axis's ranks with global positions; without one, both calls do nothing.
-            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \\
-                    runtime.context_parallel(mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE):
-                with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
-                loss.backward()
-            step_loss += loss.detach()
+        # Forward and backward of each of NUM_MICROBATCHES micro-batches (runtime.forward_backward): along
+        # SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence and attention runs as a
+        # ring over the axis's ranks; gradients synchronised on the last micro-batch only; PRECISION's autocast
+        step_loss = runtime.forward_backward(model, inputs, targets, model_file.loss, mesh, NUM_MICROBATCHES,
+                                             SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler)
+        scaler.unscale_(optimizer)  # fp16: the gradients unscaled before clipping
         # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
         grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(model, recipe.max_grad_norm)
         lr = scheduler.get_last_lr()[0]  # this step's
-        optimizer.step()
+        scaler.step(optimizer)  # optimizer.step(), unless fp16 found an inf or nan gradient
+        scaler.update()
         scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
         log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)), lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler)
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler,
+                            scaler=scaler)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     if args.export_hf:

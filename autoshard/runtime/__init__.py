@@ -31,11 +31,12 @@ _LAZY = {  # name: the module that defines it, imported on first use
                      "build_optimizer", "cast_inputs", "cast_params", "grad_scaler", "build_schedule", "grad_sync", "split_pipeline", "sync_batch_norm"),
                     "autoshard.runtime.parallel"),
     **dict.fromkeys(("StepLog", "finish", "read_weights"), "autoshard.runtime.report"),
+    "forward_backward": "autoshard.runtime.train_step",
 }
 # emitted programs name runtime.tensor_parallel.Conv1D*Parallel; any submodule is imported as it is named
 _SUBMODULES = ("checkpoint", "context_parallel", "data", "distributed", "expert_parallel", "faults", "model",
                "parallel", "parallelized", "pipeline_parallel", "pipeline_skips", "randomness", "recipe", "report", "safe_load", "selective",
-               "stage_recompute", "tensor_parallel", "tensor_parallel_stages")
+               "stage_recompute", "tensor_parallel", "tensor_parallel_stages", "train_step")
 
 __all__ = [
     "DistContext", "build_mesh", "init_distributed", "mean_over", "shutdown", "global_batch", "split_microbatches",
@@ -44,6 +45,7 @@ __all__ = [
     "build_meta_model", "build_model", "load_model_file", "model_fingerprint", "strip_wrapper_names", "apply_ac", "apply_ddp",
     "apply_fsdp", "apply_recompute", "apply_steps", "apply_tp", "autocast", "build_optimizer", "build_schedule",
     "cast_inputs", "cast_params", "grad_scaler", "grad_sync", "split_pipeline", "sync_batch_norm", "StepLog", "finish", "read_weights", "tensor_parallel", "faults",
+    "forward_backward",
 ]
 
 

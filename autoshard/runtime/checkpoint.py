@@ -97,7 +97,7 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(steps_done)}
     if scheduler is not None:
         state["scheduler"] = scheduler_state(scheduler)
-    if scaler is not None:
+    if scaler is not None and scaler.is_enabled():  # a disabled scaler (every precision but fp16) has no state
         state["scaler"] = scaler_state(scaler)
     if data is not None:
         state["data"] = {key: torch.tensor(value) for key, value in data.position(steps_done).items()}
@@ -315,7 +315,7 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
     state = {"model": model_state, "optim": optim_state, "steps_done": torch.tensor(0)}
     if scheduler is not None and _has_scheduler(path):
         state["scheduler"] = scheduler_state(scheduler)
-    if scaler is not None and _has_key(path, "scaler."):
+    if scaler is not None and scaler.is_enabled() and _has_key(path, "scaler."):
         state["scaler"] = scaler_state(scaler)
     if data is not None and kept:
         state["data"] = {key: torch.tensor(0) for key in kept}

@@ -413,11 +413,12 @@ def cast_inputs(inputs: tuple, precision: str) -> tuple:
 
 
 def grad_scaler(precision: str, model, device: torch.device):
-    """The loss scaler of an fp16 plan (``PrecisionPolicy.grad_scaler``), None otherwise: torch's ``GradScaler``,
-    or FSDP2's ``ShardedGradScaler`` where gradients are DTensors (FSDP2, TP), which agrees on an inf gradient over
-    every rank; a torch without it is refused in one line."""
+    """The loss scaler of an fp16 plan (``PrecisionPolicy.grad_scaler``): torch's ``GradScaler``, or FSDP2's
+    ``ShardedGradScaler`` where gradients are DTensors (FSDP2, TP), which agrees on an inf gradient over every rank;
+    a torch without it is refused in one line. Every other precision gets a disabled ``GradScaler``, which passes
+    the loss through and steps the optimizer as it is, so one loop serves every precision."""
     if not precision_policy(precision).grad_scaler:
-        return None
+        return torch.amp.GradScaler(device.type, enabled=False)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         try:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -1,17 +1,13 @@
 """What ``autoshard.parallelize`` returns: a model (or this rank's pipeline stages) with the plan applied, and
 the emitted program's training step for it.
 
-``Parallelized.train_step(inputs, targets)`` is one step of a program's loop on a global batch of B samples
-(``passes.codegen`` writes the same calls into every program), for every plan:
+``Parallelized.train_step(inputs, targets)`` is one step of a program's loop on a global batch of B samples,
+for every plan, with the functions the emitted program's loop calls (``passes.codegen``):
 
-    SPMD plans (dp, tp, ZeRO, cp, ep)            pipeline plans (pp > 1)
-    x, y = take_samples(batch, data axis)        x, y = take_samples(batch, data axis)
-    for each of m micro-batches j:               under autocast:
-        x_j, y_j = take_sequence_shard(...)          loss = pipeline_step(schedule, stages, x, y)
-        with grad_sync(last j), context_parallel,
-             autocast:
-            ℓ_j = loss_fn(model(*x_j), y_j) / m
-            ℓ_j.backward()
+    SPMD plans (dp, tp, ZeRO, cp, ep)                  pipeline plans (pp > 1)
+    x, y = take_samples(batch, data axis)              x, y = take_samples(batch, data axis)
+    Σ_j ℓ_j = runtime.forward_backward(model, x, y,    under autocast:
+        m micro-batches, sequence axis, precision)         loss = pipeline_step(schedule, stages, x, y)
     loss = mean over the loss axis of Σ_j ℓ_j
 
 so the gradients left for the optimizer are the one-process gradient of the global batch's mean loss, and the
@@ -34,10 +30,10 @@ from autoshard.ir.plan import Plan
 from autoshard.ir.recipe import Recipe
 from autoshard.ir.steps import Layout
 from autoshard.modelfile import ModelFile
-from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
-from autoshard.runtime.data import DataSource, RankBatches, split_microbatches, take_samples
+from autoshard.runtime.data import DataSource, RankBatches, take_samples
 from autoshard.runtime.distributed import mean_over
-from autoshard.runtime.parallel import autocast, cast_inputs, grad_sync
+from autoshard.runtime.parallel import autocast
+from autoshard.runtime.train_step import forward_backward
 
 
 @dataclass
@@ -82,17 +78,9 @@ class Parallelized:
 
             with autocast(self.plan.precision, self.device):
                 return pipeline_step(self.schedule, self.model, inputs, targets)  # the global batch's mean
-        spec, micro = self.layout, self.plan.num_microbatches
-        step_loss = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(split_microbatches(inputs, targets, micro)):
-            x, y = take_sequence_shard(x, y, self.mesh, spec.sequence_axis, spec.tokens_per_sample)
-            x = cast_inputs(x, self.plan.precision)  # bf16-pure: floating inputs in bf16, as the program
-            with grad_sync(self.model, enabled=i == micro - 1), \
-                    context_parallel(self.mesh, spec.sequence_axis, spec.tokens_per_sample):
-                with autocast(self.plan.precision, self.device):
-                    loss = loss_fn(self.model(*x), y) / micro  # the mean over this rank's tokens
-                loss.backward()
-            step_loss += loss.detach()
+        spec = self.layout
+        step_loss = forward_backward(self.model, inputs, targets, loss_fn, self.mesh, self.plan.num_microbatches,
+                                     spec.sequence_axis, spec.tokens_per_sample, self.plan.precision)
         return mean_over(step_loss, self.mesh.get_group(spec.loss_axis))
 
     def clip_grad_norm(self, max_norm: float | None) -> float:

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan b8b164c84ab6.
+"""Training program emitted by autoshard from plan e58869f6bde2.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
 Plan       dp=2 tp=1 pp=1 cp=2 | ZeRO-3 | global batch 8 = 2 dp ranks x 1 micro-batches x 4 | recompute none
 Predicted  step 4.23 ms = compute 2.41 ms + exposed comm 1.82 ms + bubble 0 ms
-           peak 2.9 MiB per rank (weights 0.2, grads 0.2, optimizer 0.5, activations 1.3, transient 0.6)
+           peak 2.7 MiB per rank (weights 0.7, grads 0.3, optimizer 0.5, activations 1.0, transient 0.1)
            60,570 tokens/s, MFU 42.8%
 
 Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
@@ -40,7 +40,7 @@ NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 PREDICTED = dict(step_time_s=0.00422649, mfu=0.428431, peak_flops_per_s=50000000000.0, devices=4,
-                 allocated_bytes=2915840, memory_peak_bytes=3061632)  # the plan's step, per rank
+                 allocated_bytes=2729600, memory_peak_bytes=2866080)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
@@ -117,13 +117,17 @@ def main():
     recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
     model, optimizer = parallelize(model, mesh, ctx.device, recipe)
     scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
+    # fp16's loss scaler: the loss scaled before backward, the gradients unscaled before clipping, a step with an
+    # inf or nan gradient skipped (ShardedGradScaler agrees over sharded gradients); every other PRECISION's
+    # passes the loss through and steps the optimizer as it is
+    scaler = runtime.grad_scaler(PRECISION, model, ctx.device)
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
     start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches,  # 0 without a checkpoint
-                              scheduler=scheduler)
+                              scheduler=scheduler, scaler=scaler)
     if start == 0 and args.init_from:
         checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
 
@@ -133,26 +137,23 @@ def main():
     for step in range(start, args.steps):
         log.start()
         inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
-        step_loss = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(runtime.split_microbatches(inputs, targets, NUM_MICROBATCHES)):
-            # Along SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence, and attention
-            # runs as a ring over the axis's ranks with global positions; without one, both calls do nothing.
-            x, y = runtime.take_sequence_shard(x, y, mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE)
-            with runtime.grad_sync(model, enabled=i == NUM_MICROBATCHES - 1), \
-                    runtime.context_parallel(mesh, SEQUENCE_AXIS, TOKENS_PER_SAMPLE):
-                with runtime.autocast(PRECISION, ctx.device):
-                    loss = model_file.loss(model(*x), y) / NUM_MICROBATCHES  # the mean over this rank's tokens
-                loss.backward()
-            step_loss += loss.detach()
+        # Forward and backward of each of NUM_MICROBATCHES micro-batches (runtime.forward_backward): along
+        # SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence and attention runs as a
+        # ring over the axis's ranks; gradients synchronised on the last micro-batch only; PRECISION's autocast
+        step_loss = runtime.forward_backward(model, inputs, targets, model_file.loss, mesh, NUM_MICROBATCHES,
+                                             SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler)
+        scaler.unscale_(optimizer)  # fp16: the gradients unscaled before clipping
         # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
         grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(model, recipe.max_grad_norm)
         lr = scheduler.get_last_lr()[0]  # this step's
-        optimizer.step()
+        scaler.step(optimizer)  # optimizer.step(), unless fp16 found an inf or nan gradient
+        scaler.update()
         scheduler.step()  # the next step's learning rate
         optimizer.zero_grad(set_to_none=True)
         log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)), lr=lr, grad_norm=grad_norm)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler)
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler,
+                            scaler=scaler)
 
     runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
     if args.export_hf:
