@@ -119,6 +119,27 @@ def test_without_a_dataset_each_rank_draws_example_batch_as_before(gpt):
     assert torch.equal(x, want) and torch.equal(y, want_y)
 
 
+def test_a_pipeline_rank_with_neither_end_reads_nothing(gpt, tmp_path, monkeypatch):
+    """A rank holding neither the first nor the last pipeline stage (reads=False) makes no loader and reads no
+    sample, draws nothing, and keeps the position a reading rank keeps (its checkpoints agree)."""
+    import autoshard.runtime.data as data
+
+    path = token_file(tmp_path, np.arange(64 * 12 + 1) % 256)
+    reading = RankBatches(gpt, DataSource(str(path)), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=1, workers=0)
+    reads = []
+    original = TokenFile.__getitem__
+    monkeypatch.setattr(TokenFile, "__getitem__", lambda self, i: reads.append(i) or original(self, i))
+    middle = RankBatches(gpt, DataSource(str(path)), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=1, workers=0,
+                         reads=False)
+    assert middle.loader is None and middle.take(0) == ((), None) and middle.take(7) == ((), None)
+    assert middle.position(7) == reading.position(7) and reads == [0]  # sample 0: the check of its layout only
+    monkeypatch.setattr(data, "global_batch", lambda *args: pytest.fail("a middle rank drew example_batch"))
+    drawn = RankBatches(gpt, DataSource(), 8, 64, OneAxisMesh(2, 1), "dp", CPU, seed=0, reads=False)
+    assert drawn.take(3) == ((), None) and drawn.position(3) == {**reading.position(0), "dataset_length": 0,
+                                                                 "samples_consumed": 24, "epoch_samples": 24,
+                                                                 "seed": 0}
+
+
 def test_the_example_model_file_dataset_is_the_book_in_byte_windows():
     austen = load_model_file("examples/gpt_austen.py:build")
     dataset = open_dataset(austen, DataSource(), 64)  # checked against example_batch(1)

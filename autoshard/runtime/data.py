@@ -284,11 +284,17 @@ class RankBatches:
     ``DataLoader`` + ``ResumableSampler`` over the dp ranks (``workers`` processes, prefetching, pinned on CUDA),
     or ``example_batch`` draws; ``position`` and ``check_position`` for checkpoints (module doc). ``dataset``: a
     map-style dataset of ``(inputs, target)`` samples read in place of the source's (the Python API's
-    ``Parallelized.data_loader``), checked the same way. Iterating gives ``take(0)``, ``take(1)``, ..."""
+    ``Parallelized.data_loader``), checked the same way. Iterating gives ``take(0)``, ``take(1)``, ...
+
+    ``reads=False``: a pipeline rank holding neither the first stage (which takes the inputs) nor the last (the
+    targets) reads nothing: no loader, no workers, no draws; ``take`` gives ``((), None)``. It still opens the
+    dataset (its length fixes the position its checkpoints keep)."""
 
     def __init__(self, model_file: ModelFile, source: DataSource, global_batch_size: int, tokens_per_sample: int,
-                 mesh, axis: str, device: torch.device, seed: int, workers: int = 1, dataset: Dataset | None = None):
+                 mesh, axis: str, device: torch.device, seed: int, workers: int = 1, dataset: Dataset | None = None,
+                 reads: bool = True):
         self.model_file, self.global_batch_size, self.device, self.seed = model_file, global_batch_size, device, seed
+        self.reads = reads
         self.dp, self.dp_index = mesh[axis].size(), mesh.get_local_rank(axis)
         if dataset is None:
             self.dataset = open_dataset(model_file, source, tokens_per_sample)
@@ -299,6 +305,8 @@ class RankBatches:
         if self.dataset is None:
             return
         self.epoch_steps = steps_per_epoch(len(self.dataset), global_batch_size, self.dp)
+        if not reads:
+            return
         self.sampler = ResumableSampler(self.dataset, num_replicas=self.dp, rank=self.dp_index, shuffle=True,
                                         seed=seed, drop_last=True)
         self.loader = DataLoader(self.dataset, batch_size=global_batch_size // self.dp, sampler=self.sampler,
@@ -308,7 +316,10 @@ class RankBatches:
                                  generator=torch.Generator().manual_seed(seed))  # torch's global RNG untouched
 
     def take(self, step: int):
-        """``(inputs, targets)`` of this rank at ``step`` on its device: ``take_shard`` of the step's global batch."""
+        """``(inputs, targets)`` of this rank at ``step`` on its device: ``take_shard`` of the step's global batch
+        (``((), None)`` on a rank that reads nothing)."""
+        if not self.reads:
+            return (), None
         if self.loader is None:
             batch = global_batch(self.model_file, self.global_batch_size, self.seed, step)
             return take_shard(batch, self.dp_index, self.dp, self.device)

@@ -56,6 +56,12 @@ class Parallelized:
     def is_pipeline(self) -> bool:
         return self.schedule is not None
 
+    @property
+    def reads(self) -> bool:
+        """Whether this rank reads batches: every rank but a pipeline's middle ones (neither the first stage, which
+        takes the inputs, nor the last, which takes the targets)."""
+        return not self.is_pipeline or self.model.has_first or self.model.has_last
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once (its shards; a pipeline's: its stages'), for an optimizer of one's own."""
         return list(self.model.parameters())
@@ -63,9 +69,12 @@ class Parallelized:
     def train_step(self, inputs, targets, loss_fn: Callable | None = None, *, local: bool = False) -> float:
         """Forward and backward of one global batch (``inputs``: a tensor or a tuple of them, batch first;
         ``targets``: one tensor) as the plan runs it (module doc); returns its mean loss, the same on every rank.
+        A pipeline's middle ranks (``reads`` False) ignore the batch: ``data_loader`` gives them ``((), None)``.
         Gradients are left for ``optimizer.step()``. ``local=True``: the batch is this rank's share already
         (B / dp samples, what ``data_loader`` gives). ``loss_fn(outputs, targets)``: None, the one given to
         ``autoshard.parallelize`` (default: the model file's)."""
+        if self.is_pipeline and not self.reads:  # a middle stage: the schedule feeds it, whatever was passed
+            return self._pipeline_step((), None)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         self._check_batch(tuple(inputs), targets, local)
         loss_fn = self._loss_fn(loss_fn)
@@ -74,14 +83,17 @@ class Parallelized:
         else:
             inputs, targets = take_samples((tuple(inputs), targets), self.mesh, self.layout.data_axis, self.device)
         if self.is_pipeline:
-            from autoshard.runtime.pipeline_parallel import pipeline_step
-
-            with autocast(self.plan.precision, self.device):
-                return pipeline_step(self.schedule, self.model, inputs, targets)  # the global batch's mean
+            return self._pipeline_step(inputs, targets)  # the global batch's mean
         spec = self.layout
         step_loss = forward_backward(self.model, inputs, targets, loss_fn, self.mesh, self.plan.num_microbatches,
                                      spec.sequence_axis, spec.tokens_per_sample, self.plan.precision)
         return mean_over(step_loss, self.mesh.get_group(spec.loss_axis))
+
+    def _pipeline_step(self, inputs: tuple, targets) -> float:
+        from autoshard.runtime.pipeline_parallel import pipeline_step  # pipelining: imported by pipeline plans only
+
+        with autocast(self.plan.precision, self.device):
+            return pipeline_step(self.schedule, self.model, inputs, targets)
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Clip the whole model's gradient to 2-norm ``max_norm`` (None: only measure it), the norm taken over
@@ -109,7 +121,8 @@ class Parallelized:
             raise AutoshardError("data_loader needs the plan's model file (its example_batch checks the samples); "
                                  "fix: parallelize a plan made from a model file")
         return RankBatches(self.model_file(), DataSource(), self.plan.global_batch, self.layout.tokens_per_sample,
-                           self.mesh, self.layout.data_axis, self.device, seed, workers, dataset=dataset)
+                           self.mesh, self.layout.data_axis, self.device, seed, workers, dataset=dataset,
+                           reads=self.reads)
 
     def __iter__(self):
         raise AutoshardError("autoshard.parallelize returns one object, not (model, optimizer, mesh); fix: "
