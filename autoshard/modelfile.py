@@ -3,7 +3,7 @@
 A model file defines a factory returning an ``nn.Module`` (it must also work under
 ``with torch.device("meta")``), ``example_batch(batch_size) -> (inputs: tuple, targets)``
 and optionally ``loss_fn(outputs, targets)`` and ``dataset(seq_len)`` (what programs train on: a map-style
-``torch.utils.data.Dataset`` of ``(inputs, target)`` samples, each one row of ``example_batch``: ``inputs`` a tuple
+``torch.utils.data.Dataset``, or an ``IterableDataset``, of ``(inputs, target)`` samples, each one row of ``example_batch``: ``inputs`` a tuple
 of tensors without the batch dimension; ``seq_len`` None means the file's own length). Without ``loss_fn`` the default is
 cross-entropy when the targets are integer class ids (outputs ``(..., classes)``, targets
 ``(...)``) and mean squared error otherwise; an output object with a ``logits`` attribute

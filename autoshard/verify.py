@@ -91,6 +91,7 @@ from autoshard.runtime.data import (
     DataSource,
     global_batch,
     global_batches,
+    is_stream,
     open_dataset,
     split_microbatches,
     take_shard,
@@ -172,7 +173,8 @@ def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) 
     dataset = open_dataset(model_file, data, layout(plan).tokens_per_sample)
     notes = run_notes(model_file, plan)
     if dataset is not None:
-        notes += (f"both train on {data.name(model_file)} ({len(dataset)} samples), in the order the program's "
+        size = "a stream" if is_stream(dataset) else f"{len(dataset)} samples"
+        notes += (f"both train on {data.name(model_file)} ({size}), in the order the program's "
                   f"{plan.mesh.dp} data-parallel rank(s) read it",)
     return model_file, notes
 

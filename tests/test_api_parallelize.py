@@ -7,6 +7,7 @@ the old ``model, optimizer, mesh = parallelize(...)`` unpacking. The training it
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -73,9 +74,11 @@ class OneAxis:
 
 
 def parallelized(plan_name: str, schedule=None) -> Parallelized:
-    """A ``Parallelized`` whose step never gets past its checks (no process group, model or optimizer)."""
+    """A ``Parallelized`` whose step never gets past its checks (no process group, model or optimizer; a pipeline's
+    stand-in stages hold the first stage, so the rank reads batches)."""
     plan = autoshard.load_plan(GOLDEN.format(plan_name))
-    return Parallelized(plan, layout(plan), OneAxis(plan.mesh.dp), torch.device("cpu"), model=None, optimizer=None,
+    stages = None if schedule is None else types.SimpleNamespace(has_first=True, has_last=False)
+    return Parallelized(plan, layout(plan), OneAxis(plan.mesh.dp), torch.device("cpu"), model=stages, optimizer=None,
                         recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=schedule)
 
 

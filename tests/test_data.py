@@ -140,6 +140,51 @@ def test_a_pipeline_rank_with_neither_end_reads_nothing(gpt, tmp_path, monkeypat
                                                                  "seed": 0}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """A stream of n samples of example_batch's layout (64 token ids), sample i holding i everywhere."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return (((torch.full((64,), i),), torch.full((64,), i)) for i in range(self.n))
+
+
+def test_a_stream_is_read_as_consecutive_global_batches_in_every_rank(gpt, tmp_path):
+    """An iterable dataset: step k's global batch is the stream's samples kB..(k+1)B within its pass, the tail of a
+    pass dropped and the next epoch iterated anew; each dp rank's batch is its slice, a resumed rank reads what an
+    uninterrupted one reads, and the one-process reference (global_batches, what verify trains on) is the same."""
+    from autoshard.runtime.data import SampleStream, collate
+
+    stream = Stream(10)  # 2 global batches of 4 per pass, 2 samples dropped
+    ids = lambda batch: [int(row[0]) for row in batch[1]]  # noqa: E731
+    reference = SampleStream(stream, 4)
+    assert [ids(collate(reference.batch(k))) for k in range(5)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3],
+                                                                     [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert reference.epoch == 2 and ids(collate(reference.batch(1))) == [4, 5, 6, 7]  # back: a fresh first pass
+    ranks = [RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, r), "dp", CPU, seed=0, dataset=stream)
+             for r in range(2)]
+    for step in range(4):
+        together = [ids(rank.take(step)) for rank in ranks]
+        assert together[0] + together[1] == ids(collate(SampleStream(stream, 4).batch(step)))
+    resumed = RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 1), "dp", CPU, seed=0, dataset=stream)
+    assert ids(resumed.take(3)) == [6, 7]
+    assert ranks[1].position(3) == {"epoch": 0, "epoch_samples": 12, "samples_consumed": 12, "dataset_length": -1,
+                                    "seed": 0}
+    with pytest.raises(AutoshardError, match="gave 3 samples in a pass, fewer than one global batch of 4"):
+        RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(3)).take(0)
+    with pytest.raises(AutoshardError, match="an iterator that runs once"):
+        RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=iter(Stream(8)))
+    with pytest.raises(AutoshardError, match="yields no sample"):
+        RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(0))
+    model_file = tmp_path / "streamed.py"
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+                          f"from gpt import build, example_batch, loss_fn\n"
+                          f"from tests.test_data import Stream\n\ndef dataset(seq_len):\n    return Stream(10)\n")
+    batch_of = global_batches(load_model_file(f"{model_file}:build"), DataSource(), 4, 0, 64, dp=2)
+    assert [ids(batch_of(k)) for k in (0, 1, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+
+
 def test_the_example_model_file_dataset_is_the_book_in_byte_windows():
     austen = load_model_file("examples/gpt_austen.py:build")
     dataset = open_dataset(austen, DataSource(), 64)  # checked against example_batch(1)

@@ -6,7 +6,8 @@ Three sources, the first that is there (``DataSource``):
    ``--data-dtype`` uint16 or int32), read through ``numpy.memmap`` (``TokenFile``) as non-overlapping
    windows of s = the plan's tokens per sample: sample i is ``((t[i·s : i·s+s],), t[i·s+1 : i·s+s+1])``, int64,
    so there are ⌊(N − 1) / s⌋ samples in N tokens;
-2. the model file's ``dataset(seq_len)``: a map-style ``torch.utils.data.Dataset`` of ``(inputs, target)``;
+2. the model file's ``dataset(seq_len)``: a map-style ``torch.utils.data.Dataset`` of ``(inputs, target)``, or an
+   iterable of them (an ``IterableDataset``, a generator's iterable: a stream, ``SampleStream``);
 3. neither: ``example_batch`` drawn under a seed derived from (seed, step), torch's RNG state saved and
    restored around it, so every rank and the one-process reference draw the very same global batch
    (``global_batch``); each rank takes its contiguous slice (``take_samples``).
@@ -22,6 +23,13 @@ the other mesh dims (tp, pp, cp) read what their dp index reads (cp ranks then c
 
 whose contiguous slice r (``take_shard``, as with ``example_batch``) is rank r's loader batch: one process
 rebuilds it (``dataset_global_batch``, what ``autoshard verify``'s reference trains on).
+
+A stream (an iterable dataset) has no length and no indexing, so no sampler: step k's global batch is its
+samples [k·B, (k+1)·B) counted within the pass, a pass that ends inside a batch drops the rest and the next
+pass (epoch) iterates the dataset again. Every rank and the one-process reference iterate it themselves and
+rank r keeps slice r (``take_shard``), so the stream must give the same samples in every process (seed any
+shuffling it does); it is read in the training process (DataLoader workers would each get a copy of it), and
+reaching step k, a resume included, reads the samples before it.
 
 Resuming (``runtime.checkpoint``): the position is a function of the step, so a run resumed after k steps
 starts the sampler at epoch ⌊k / E⌋, ``j·b`` samples into its share (``ResumableSampler``) and reads exactly
@@ -40,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, default_collate
 
 from autoshard.errors import AutoshardError
 from autoshard.modelfile import ModelFile
@@ -50,6 +58,7 @@ STEP_SEED_STRIDE = 1_000_003  # a prime, so (seed, step) pairs do not collide fo
 TOKEN_DTYPES = {"uint16": np.uint16, "int32": np.int32}  # --data-dtype
 MAX_CHUNK_TOKENS = 1 << 24  # TokenFile.max_token reads the file in chunks of this many tokens
 EXAMPLE_DRAWS = 0  # a checkpoint's dataset_length for a run on example_batch draws
+STREAM = -1  # a checkpoint's dataset_length for a run on a stream (an iterable dataset: no length)
 
 
 def global_batch(model_file: ModelFile, batch_size: int, seed: int, step: int):
@@ -176,16 +185,22 @@ def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str 
            "dataset(seq_len) in the model file" if source.path else
            "fix: make dataset(seq_len) return samples shaped like one row of example_batch")
     what = what or source.name(model_file)
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise AutoshardError(f"{what} is a {type(dataset).__name__}, not a map-style Dataset (len and indexing, "
-                             f"which DistributedSampler needs); fix: return a torch.utils.data.Dataset")
-    if len(dataset) == 0:
+    if is_stream(dataset) and not hasattr(dataset, "__iter__"):
+        raise AutoshardError(f"{what} is a {type(dataset).__name__}, neither a map-style Dataset (len and indexing) "
+                             f"nor an iterable of samples; fix: return a torch.utils.data.Dataset or IterableDataset")
+    if is_stream(dataset) and iter(dataset) is dataset:
+        raise AutoshardError(f"{what} is a {type(dataset).__name__}, an iterator that runs once (each epoch, each "
+                             f"rank and the one-process check iterate the data anew); fix: return an IterableDataset "
+                             f"whose __iter__ starts the stream again")
+    if not is_stream(dataset) and len(dataset) == 0:
         raise AutoshardError(f"{what} is empty; fix: give it samples")
     try:
-        sample = dataset[0]
+        sample = next(iter(dataset), None) if is_stream(dataset) else dataset[0]
     except Exception as exc:  # noqa: BLE001  (the user's dataset failed)
         raise AutoshardError(f"{what}: reading sample 0 raised {type(exc).__name__}: {str(exc)[:200]}; "
                              f"fix the dataset") from exc
+    if sample is None and is_stream(dataset):
+        raise AutoshardError(f"{what} yields no sample; fix: give it samples")
     inputs, targets = global_batch(model_file, 1, 0, 0)
     want = _layout(tuple(t[0] for t in inputs), targets[0])
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], (tuple, list))):
@@ -215,6 +230,45 @@ def check_token_ids(dataset: TokenFile, model_file: ModelFile) -> None:
         raise AutoshardError(f"--data {dataset.path}: token id {largest} is past the model's vocabulary of "
                              f"{max(sizes)} (its largest embedding); fix: tokenize with the model's vocabulary, "
                              f"or pass the --data-dtype the file was written in")
+
+
+def is_stream(dataset) -> bool:
+    """An iterable dataset: an ``IterableDataset``, or anything without both a length and indexing."""
+    return isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+
+
+class SampleStream:
+    """An iterable dataset as a sequence of global batches of B samples (module doc): ``batch(k)`` is step k's,
+    the samples [j·B, (j+1)·B) of pass e (k = the steps of the passes before e, plus j). Asking for an earlier
+    step than the last starts from the first pass again."""
+
+    def __init__(self, dataset, global_batch_size: int):
+        self.dataset, self.global_batch_size = dataset, global_batch_size
+        self._restart()
+
+    def _restart(self) -> None:
+        self._samples, self.steps_read, self.epoch, self.epoch_steps_read = iter(self.dataset), 0, 0, 0
+
+    def batch(self, step: int) -> list:
+        """Step ``step``'s B samples, reading (and dropping) those of the steps between the last one asked and it."""
+        if step < self.steps_read:
+            self._restart()
+        while True:
+            samples = self._next_batch()
+            if self.steps_read == step + 1:
+                return samples
+
+    def _next_batch(self) -> list:
+        samples = list(itertools.islice(self._samples, self.global_batch_size))
+        if len(samples) < self.global_batch_size:  # the pass ended: drop its tail, iterate the dataset again
+            if self.epoch_steps_read == 0:
+                raise _same_everywhere(f"the dataset's stream gave {len(samples)} samples in a pass, fewer than one "
+                                       f"global batch of {self.global_batch_size}; fix: more data, or a plan with "
+                                       f"a smaller --global-batch")
+            self._samples, self.epoch, self.epoch_steps_read = iter(self.dataset), self.epoch + 1, 0
+            return self._next_batch()
+        self.steps_read, self.epoch_steps_read = self.steps_read + 1, self.epoch_steps_read + 1
+        return samples
 
 
 def collate(samples: list) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -276,6 +330,9 @@ def global_batches(model_file: ModelFile, source: DataSource | None, global_batc
     dataset = None if source is None else open_dataset(model_file, source, tokens_per_sample)
     if dataset is None:
         return lambda step: global_batch(model_file, global_batch_size, seed, step)
+    if is_stream(dataset):
+        stream = SampleStream(dataset, global_batch_size)
+        return lambda step: collate(stream.batch(step))
     return lambda step: dataset_global_batch(dataset, global_batch_size, dp, seed, step)
 
 
@@ -301,8 +358,11 @@ class RankBatches:
         else:
             check_samples(dataset, model_file, source, what="the dataset given")
             self.dataset = dataset
-        self.loader, self._next_step, self._batches = None, None, None
+        self.loader, self._next_step, self._batches, self.stream = None, None, None, None
         if self.dataset is None:
+            return
+        if is_stream(self.dataset):  # read in this process, every rank the whole stream (module doc)
+            self.stream = SampleStream(self.dataset, global_batch_size) if reads else None
             return
         self.epoch_steps = steps_per_epoch(len(self.dataset), global_batch_size, self.dp)
         if not reads:
@@ -320,6 +380,8 @@ class RankBatches:
         (``((), None)`` on a rank that reads nothing)."""
         if not self.reads:
             return (), None
+        if self.stream is not None:
+            return take_shard(collate(self.stream.batch(step)), self.dp_index, self.dp, self.device)
         if self.loader is None:
             batch = global_batch(self.model_file, self.global_batch_size, self.seed, step)
             return take_shard(batch, self.dp_index, self.dp, self.device)
@@ -340,8 +402,11 @@ class RankBatches:
 
     def position(self, steps_done: int) -> dict[str, int]:
         """Where the data stands after ``steps_done`` steps, as a checkpoint keeps it."""
-        length = len(self.dataset) if self.dataset is not None else EXAMPLE_DRAWS
-        epoch, batch = position(steps_done, self.epoch_steps) if self.dataset is not None else (0, steps_done)
+        if self.dataset is not None and is_stream(self.dataset):  # its passes' lengths are unknown: steps count
+            length, epoch, batch = STREAM, 0, steps_done
+        else:
+            length = len(self.dataset) if self.dataset is not None else EXAMPLE_DRAWS
+            epoch, batch = position(steps_done, self.epoch_steps) if self.dataset is not None else (0, steps_done)
         return {"epoch": epoch, "epoch_samples": batch * self.global_batch_size,
                 "samples_consumed": steps_done * self.global_batch_size, "dataset_length": length, "seed": self.seed}
 
@@ -351,7 +416,8 @@ class RankBatches:
         here = self.position(0)
         if saved["dataset_length"] != here["dataset_length"]:
             def what(n: int) -> str:
-                return "example_batch draws" if n == EXAMPLE_DRAWS else f"a dataset of {n} samples"
+                return {EXAMPLE_DRAWS: "example_batch draws", STREAM: "a stream (an iterable dataset)"}.get(
+                    n, f"a dataset of {n} samples")
             raise _same_everywhere(f"checkpoint {checkpoint} was written training on {what(saved['dataset_length'])}, "
                                    f"this run reads {what(here['dataset_length'])}; fix: resume with the data it "
                                    f"was written with, or give this run another --checkpoint-dir")

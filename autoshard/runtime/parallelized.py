@@ -112,8 +112,8 @@ class Parallelized:
 
     def data_loader(self, dataset=None, seed: int = 0, workers: int = 1) -> RankBatches:
         """This rank's share of each step's global batch, in step order (iterate it, or ``take(step)``), for
-        ``train_step(..., local=True)``: ``dataset`` (a map-style dataset of ``(inputs, target)`` samples, each one
-        row of the model file's ``example_batch``; None: the model file's ``dataset`` if it has one, else
+        ``train_step(..., local=True)``: ``dataset`` (a map-style dataset, or an iterable one, of ``(inputs, target)``
+        samples, each one row of the model file's ``example_batch``; None: the model file's ``dataset`` if it has one, else
         ``example_batch`` draws) read through a ``DataLoader`` over a ``DistributedSampler`` on the data axis,
         shuffled with ``seed``, ``workers`` processes ahead (``runtime.data``). The global batch of step k is the
         one ``autoshard verify``'s one-process run reads (``runtime.data.dataset_global_batch``)."""
