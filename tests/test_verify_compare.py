@@ -97,3 +97,28 @@ def test_gloo_sync_batch_norm_equals_batch_norm_on_one_rank(one_rank_group):
         model(x)
     torch.testing.assert_close(synced[0].weight.grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(synced.state_dict(), plain.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_in_16_bits_is_judged_with_its_extra_roundings():
+    """K is 50, and 50 · (1 + ⌈log₂ tp⌉) where tensor parallelism sums 16-bit partial results: a deviation
+    of 80x the one-process noise fails an fp32 plan and passes a bf16 tp 2 one; 160x fails both."""
+    from pathlib import Path
+
+    from autoshard.ir.plan import load_plan
+    from autoshard.verify import noise_factor
+
+    golden = Path(__file__).resolve().parent / "golden"
+    tp2 = load_plan(golden / "dp_tp_zero0.plan.json")
+    assert tp2.precision == "fp32" and noise_factor(tp2) == 50
+    def in_precision(precision):  # the three fields noise_factor reads
+        return SimpleNamespace(precision=precision, mesh=tp2.mesh, tensor_parallel=tp2.tensor_parallel)
+    bf16_tp2 = in_precision("bf16-autocast")
+    assert noise_factor(bf16_tp2) == 100 and noise_factor(in_precision("bf16-pure")) == 100
+    assert noise_factor(load_plan(golden / "bf16_dp_zero3.plan.json")) == 50  # no tensor parallelism
+    par_losses, par, ref32, ref64 = _runs({NOISY: 80e-5 - 1e-5})  # 80x NOISY's 1e-5
+    assert not compare(3, par_losses, ref32.losses, par, ref32.params, exact=ref64).ok
+    judged = compare(3, par_losses, ref32.losses, par, ref32.params, exact=ref64, noise_factor=noise_factor(bf16_tp2))
+    assert judged.ok and judged.noise_factor == 100
+    par_losses, par, ref32, ref64 = _runs({NOISY: 160e-5 - 1e-5})
+    failed = compare(3, par_losses, ref32.losses, par, ref32.params, exact=ref64, noise_factor=100)
+    assert not failed.ok and "160x the rounding noise" in failed.failure

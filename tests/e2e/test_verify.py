@@ -24,12 +24,15 @@ CASES = {  # name: (ranks, steps)
     **{name: (ranks, 3) for name, (_, _, ranks) in DP_ZERO.items()},
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
-    **{name: (2, 3) for name in ("gpt-bf16-zero3-2", "gpt-bf16-pure-zero0-2", "gpt-fp16-zero1-2")},
+    **{name: (2, 3) for name in ("gpt-bf16-zero3-2", "gpt-bf16-pure-zero0-2", "gpt-fp16-zero1-2", "gpt-bf16-tp2",
+                                 "gpt-bf16-pure-tp2")},
 }
-# --precision cases: the pin, its ZeRO stage and micro-batch size (FSDP2's bf16 gathers; DDP's bf16 gradients of
-# bf16 weights; ZeroRedundancyOptimizer stepped through a GradScaler)
-PRECISION_CASES = {"gpt-bf16-zero3-2": ("bf16", 3, 4), "gpt-bf16-pure-zero0-2": ("bf16-pure", 0, 4),
-                   "gpt-fp16-zero1-2": ("fp16", 1, 2)}
+# --precision cases: the pin, its ZeRO stage, micro-batch size and tp degree (FSDP2's bf16 gathers; DDP's bf16
+# gradients of bf16 weights; ZeroRedundancyOptimizer stepped through a GradScaler; DTensor TP under autocast, whose
+# row-parallel partial sums are reduced in bf16, and over bf16 weights)
+PRECISION_CASES = {"gpt-bf16-zero3-2": ("bf16", 3, 4, 1), "gpt-bf16-pure-zero0-2": ("bf16-pure", 0, 4, 1),
+                   "gpt-fp16-zero1-2": ("fp16", 1, 2, 1), "gpt-bf16-tp2": ("bf16", 0, 8, 2),
+                   "gpt-bf16-pure-tp2": ("bf16-pure", 0, 8, 2)}
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 
 
@@ -48,8 +51,9 @@ def _tight_cluster():
 
 def _plan(name):
     if name in PRECISION_CASES:
-        precision, zero, micro = PRECISION_CASES[name]
-        return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, tp=1,
+        precision, zero, micro, tp = PRECISION_CASES[name]
+        cluster = "local-cpu" if tp == 1 else "tests/clusters/fast_link_cpu.yaml"  # where TP pays: attention shards
+        return autoshard.plan(MODELS["gpt"], cluster=cluster, devices_per_node=2, global_batch=8, dp=2 // tp, tp=tp,
                               pp=1, zero=zero, microbatch_size=micro, recompute="none", precision=precision)
     if name in DP_ZERO:
         model, zero, ranks = DP_ZERO[name]
@@ -120,10 +124,11 @@ def test_verify_pinned_precision(verified, name):
         PRECISION_CASES[name][0]]
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+    assert plan.mesh.tp == PRECISION_CASES[name][3]
     if plan.precision == "bf16-pure":
-        # each rank's loss is a bf16 number (8 significant bits), the logged one their mean over the 2 dp ranks
+        # each rank's loss is a bf16 number (8 significant bits), the logged one their mean over the dp ranks
         spacing = [2.0 ** (math.floor(math.log2(loss)) - 7) for loss in report.parallel_losses]
-        assert all((loss * 2 / ulp).is_integer() for loss, ulp in zip(report.parallel_losses, spacing))
+        assert all((loss * plan.mesh.dp / ulp).is_integer() for loss, ulp in zip(report.parallel_losses, spacing))
         return
     fp32 = train_reference(load_model_file(MODELS["gpt"]), 8, 1, 0, 1e-3, fixed_randomness=True).losses[0]
     first = report.parallel_losses[0]
