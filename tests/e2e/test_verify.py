@@ -115,7 +115,8 @@ def test_verify_mixed_recompute_chosen_under_memory_pressure(verified):
 def test_verify_pinned_precision(verified, name):
     """Each --precision trains like one process in that precision (verify's reference: autocast, the bf16 cast,
     the GradScaler; FSDP2's bf16 gathers). The program did run the precision: bf16-pure's losses are bf16
-    numbers (their mean over the dp ranks), and an autocast run's first loss is the same-precision one-process loss, not the fp32 one."""
+    numbers (their mean over the dp ranks), and an autocast run's first loss is the same-precision one-process loss, not the
+    fp32 one (with tensor parallelism, whose 16-bit partial sums round otherwise: far from the fp32 one)."""
     from autoshard.modelfile import load_model_file
     from autoshard.verify import train_reference
 
@@ -131,5 +132,8 @@ def test_verify_pinned_precision(verified, name):
         assert all((loss * plan.mesh.dp / ulp).is_integer() for loss, ulp in zip(report.parallel_losses, spacing))
         return
     fp32 = train_reference(load_model_file(MODELS["gpt"]), 8, 1, 0, 1e-3, fixed_randomness=True).losses[0]
-    first = report.parallel_losses[0]
-    assert abs(first - report.reference_losses[0]) < abs(first - fp32)
+    first, same_precision = report.parallel_losses[0], report.reference_losses[0]
+    if plan.mesh.tp == 1:
+        assert abs(first - same_precision) < abs(first - fp32)
+    else:  # its 16-bit partial sums round otherwise than one process; an fp32 run would sit on fp32's loss (~1e-7)
+        assert abs(first - fp32) > abs(same_precision - fp32) / 4
