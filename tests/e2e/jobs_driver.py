@@ -10,11 +10,12 @@ from), behind a barrier. The process group is made once: the programs' own
 does nothing until the last job. Each rank appends the name of every job it finished and its seconds
 to ``JOBS_JSON.done-rank{r}``. A job that raises writes its traceback to ``out/error-rank{r}.txt`` and
 ends the launch (a rank left inside a collective could not go on); ``run_jobs`` launches the jobs
-after it again.
+after it again. ``AUTOSHARD_PROFILE_JOBS=DIR`` profiles each job on rank 0 (``_profiled``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -39,6 +40,25 @@ def run_job(job: dict, index: int) -> None:
     module.main()
 
 
+@contextlib.contextmanager
+def _profiled(job: dict, index: int, rank: int):
+    """With ``AUTOSHARD_PROFILE_JOBS=DIR``, rank 0's cProfile of the job in ``DIR/<index>-<name>.prof`` (where a
+    launch's time goes: tests/README.md)."""
+    folder = os.environ.get("AUTOSHARD_PROFILE_JOBS")
+    if not folder or rank != 0:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        profile.dump_stats(Path(folder) / f"{index:03d}-{job['name'].replace('/', '_')}.prof")
+
+
 def main() -> None:
     from autoshard import runtime
 
@@ -52,7 +72,8 @@ def main() -> None:
     for index, job in enumerate(jobs):
         start = time.monotonic()
         try:
-            run_job(job, index)
+            with _profiled(job, index, ctx.rank):
+                run_job(job, index)
         except BaseException:  # noqa: BLE001  (recorded for the test, then the launch ends)
             out = Path(job["out"])
             out.mkdir(parents=True, exist_ok=True)
