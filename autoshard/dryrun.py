@@ -360,8 +360,10 @@ def _pipeline_step(plan: Plan, spec, model_file, stages, schedule, optimizer, me
     from autoshard import runtime
     from autoshard.runtime import pipeline_parallel as pp
 
-    batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
-    inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
+    inputs, targets = (), None  # a rank holding neither the first nor the last stage reads nothing
+    if stages.has_first or stages.has_last:
+        batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
+        inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
     with runtime.autocast(plan.precision, device):
         pp.pipeline_step(schedule, stages, inputs, targets)
     optimizer.step()

@@ -21,7 +21,8 @@ the final state (weights and buffers) and every step's loss L::
     excess(W) = max |W_par − W_ref64| / (K·noise(W) + FLOOR_ULPS·ε₃₂·max |W_ref64|)
     excess(L) = |L_par − L_ref64| / (K·|L_ref32 − L_ref64| + FLOOR_ULPS·ε₃₂·|L_ref64|)
 
-and the run passes when every excess is at most 1 (K = NOISE_FACTOR, ε₃₂ = 2⁻²³). Why per
+and the run passes when every excess is at most 1 (K = NOISE_FACTOR, or more for tensor parallelism in 16
+bits: ``noise_factor``; ε₃₂ = 2⁻²³). Why per
 tensor, in the max norm: rounding noise is not spread evenly over a tensor's elements;
 an element whose true gradient is about zero (a key projection's bias under softmax, a conv
 bias before BatchNorm) gets rounding noise n as its whole gradient, and AdamW moves it by
@@ -123,7 +124,8 @@ def noise_factor(plan: Plan) -> float:
     process's output has one, an error one process does not make and its noise cannot show. Measured, dp 1 x tp 2
     bf16 autocast on the example GPT, 3 steps, seeds 0, 1, 2: worst tensor 53.5x, 49.7x and 13.6x the one-process
     noise (an fp32 run's worst is 12.3x, module doc); a bug stays far outside (735x for 1 % of a step)."""
-    sixteen_bit = precision_policy(plan.precision).autocast_dtype or precision_policy(plan.precision).cast_dtype
+    policy = precision_policy(plan.precision)
+    sixteen_bit = policy.autocast_dtype or policy.cast_dtype or policy.name in ("bf16-params", "fp16-params")
     if plan.mesh.tp > 1 and plan.tensor_parallel and sixteen_bit:
         return NOISE_FACTOR * (1 + math.ceil(math.log2(plan.mesh.tp)))
     return NOISE_FACTOR

@@ -120,3 +120,29 @@ def test_unpacking_it_as_the_old_tuple_says_what_it_is_now(in_repo):
     with pytest.raises(AutoshardError) as exc:
         model, optimizer, mesh = parallelized("dp_zero3")
     assert "p.model, p.optimizer, p.mesh" in one_line(exc)
+
+
+def test_a_middle_pipeline_rank_refuses_with_the_others_and_reads_nothing(in_repo, monkeypatch):
+    """A rank holding neither the first nor the last stage: a bad call is refused there too (not left waiting in
+    the schedule for ranks that refused), data_loader gives it ((), None), and train_step runs its stages on
+    nothing."""
+    plan = autoshard.load_plan(GOLDEN.format("tp_pp"))
+    mesh = OneAxis(plan.mesh.dp)
+    mesh.get_local_rank = lambda axis: 0
+    middle = Parallelized(plan, layout(plan), mesh, torch.device("cpu"),
+                          model=types.SimpleNamespace(has_first=False, has_last=False), optimizer=None,
+                          recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=object(),
+                          model_file=lambda: load_model_file("examples/gpt.py:build"))
+    assert not middle.reads
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(AutoshardError) as exc:
+        middle.train_step(tokens, tokens)
+    assert "the plan's global batch of 16 samples, got a batch of 4" in one_line(exc)
+    with pytest.raises(AutoshardError):
+        middle.train_step(torch.zeros(16, 8, dtype=torch.long), tokens[:1].expand(16, 8),
+                          loss_fn=torch.nn.functional.mse_loss)
+    ran = []
+    monkeypatch.setattr(middle, "_pipeline_step", lambda inputs, targets: ran.append((inputs, targets)) or 1.5)
+    batches = middle.data_loader(workers=0)
+    assert batches.take(3) == ((), None)
+    assert middle.train_step(*batches.take(3), local=True) == 1.5 and ran == [((), None)]

@@ -173,7 +173,7 @@ def test_a_stream_is_read_as_consecutive_global_batches_in_every_rank(gpt, tmp_p
                                     "seed": 0}
     with pytest.raises(AutoshardError, match="gave 3 samples in a pass, fewer than one global batch of 4"):
         RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(3)).take(0)
-    with pytest.raises(AutoshardError, match="an iterator that runs once"):
+    with pytest.raises(AutoshardError, match=r"a generator, an iterator \(its __iter__ returns itself"):
         RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=iter(Stream(8)))
     with pytest.raises(AutoshardError, match="yields no sample"):
         RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(0))
@@ -222,3 +222,27 @@ def test_a_model_that_takes_no_token_ids_refuses_a_token_file(tmp_path, capsys, 
     with pytest.raises(AutoshardError, match=r"a sample is \(inputs \(int64 \[64\],\), target int64 \[64\]\) but one "
                                              r"row of example_batch is \(inputs \(float32"):
         open_dataset(mlp, DataSource(str(token_file(tmp_path, np.arange(200)))), 64)
+
+
+def test_a_stream_is_told_its_epoch_and_leaves_torchs_draws_alone(gpt):
+    """A shuffling stream (set_epoch, drawing from torch's RNG) is told each pass's epoch, and reading it leaves
+    torch's RNG state as it was (the training's dropout draws do not depend on the data, resumed or not)."""
+    from autoshard.runtime.data import SampleStream
+
+    class Shuffling(Stream):
+        epochs: list = []
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epochs.append(epoch)
+
+        def __iter__(self):
+            torch.rand(3)  # a stream that draws
+            return super().__iter__()
+
+    stream = Shuffling(9)  # 2 batches of 4 per pass
+    before = torch.random.get_rng_state()
+    reader = SampleStream(stream, 4)
+    reader.batch(4)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert stream.epochs == [0, 1, 2] and reader.epoch == 2
+    assert reader.batch(4) is reader.batch(4)  # the step just read is not read again

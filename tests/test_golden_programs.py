@@ -165,6 +165,14 @@ def test_applier_and_program_make_the_same_calls(kind, monkeypatch):
     assert [call[0] for call in applied] == [step.op for step in lower(plan)]
 
 
+def test_programs_have_no_unused_or_undefined_names():
+    """Every golden program passes pyflakes' checks (ruff's F rules, on their own): no unused import, no name
+    used before it is bound, whatever the plan's kind."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "F",
+                           *sorted(str(GOLDEN / f"{kind}.py") for kind in KINDS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_every_op_the_lowering_emits_has_its_applier():
     """``apply_steps`` finds each op's function in ``runtime.parallel.APPLIERS``: one for every op of ``ir.steps``
     (a Step refuses any other op), each the function the emitted programs import under the op's name."""

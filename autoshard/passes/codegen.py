@@ -126,7 +126,7 @@ def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
-    return (f"import argparse\nimport math\n\nimport torch\n\n"
+    return (f"import argparse\nimport math\n\n"
             f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n"
             f"from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm\n")
 
@@ -428,7 +428,8 @@ def main():
     # passes the loss through and steps the optimizer as it is
     scaler = runtime.grad_scaler(PRECISION, model, ctx.device)
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
-    # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
+    # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
+    # one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 
@@ -488,7 +489,8 @@ def main():
     scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     del model  # the stages hold what this rank needs
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
-    # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step.
+    # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
+    # one process sees per step.
     # Only the first stage takes inputs and only the last takes targets: a rank holding neither reads nothing
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers,

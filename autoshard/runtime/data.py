@@ -177,7 +177,8 @@ def open_dataset(model_file: ModelFile, source: DataSource, tokens_per_sample: i
 
 def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str | None = None) -> None:
     """Refuse, in one line naming the difference and the fix, a dataset whose samples are not one row of
-    ``example_batch``: a map-style dataset (``len``, indexing) of ``(inputs: tuple, target)`` with the same number
+    ``example_batch``: a map-style dataset (``len``, indexing), or an iterable one that can be iterated again,
+    of ``(inputs: tuple, target)`` with the same number
     of inputs, dtypes and shapes (without the batch dimension). ``what`` names the dataset (default: the source's
     name)."""
     fix = ("fix: make its samples shaped like one row of example_batch" if what else
@@ -188,10 +189,10 @@ def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str 
     if is_stream(dataset) and not hasattr(dataset, "__iter__"):
         raise AutoshardError(f"{what} is a {type(dataset).__name__}, neither a map-style Dataset (len and indexing) "
                              f"nor an iterable of samples; fix: return a torch.utils.data.Dataset or IterableDataset")
-    if is_stream(dataset) and iter(dataset) is dataset:
-        raise AutoshardError(f"{what} is a {type(dataset).__name__}, an iterator that runs once (each epoch, each "
-                             f"rank and the one-process check iterate the data anew); fix: return an IterableDataset "
-                             f"whose __iter__ starts the stream again")
+    if is_stream(dataset) and not isinstance(dataset, IterableDataset) and iter(dataset) is dataset:
+        raise AutoshardError(f"{what} is a {type(dataset).__name__}, an iterator (its __iter__ returns itself, so it "
+                             f"may run once; each epoch, each rank and the one-process check iterate the data anew); "
+                             f"fix: return an IterableDataset whose __iter__ starts the stream again")
     if not is_stream(dataset) and len(dataset) == 0:
         raise AutoshardError(f"{what} is empty; fix: give it samples")
     try:
@@ -240,32 +241,47 @@ def is_stream(dataset) -> bool:
 class SampleStream:
     """An iterable dataset as a sequence of global batches of B samples (module doc): ``batch(k)`` is step k's,
     the samples [j·B, (j+1)·B) of pass e (k = the steps of the passes before e, plus j). Asking for an earlier
-    step than the last starts from the first pass again."""
+    step than the last starts from the first pass again. A dataset with ``set_epoch`` (a shuffling stream) is told
+    each pass's epoch. The stream is read with torch's RNG state saved and restored around it, so a stream that
+    draws leaves the training's draws (dropout) as they were, whether a run resumed or not."""
 
     def __init__(self, dataset, global_batch_size: int):
         self.dataset, self.global_batch_size = dataset, global_batch_size
         self._restart()
 
     def _restart(self) -> None:
-        self._samples, self.steps_read, self.epoch, self.epoch_steps_read = iter(self.dataset), 0, 0, 0
+        self.steps_read, self.epoch, self.epoch_steps_read, self._last = 0, 0, 0, None
+        self._samples = None  # the first pass begins when read (inside batch's saved RNG state)
+
+    def _pass(self, epoch: int):
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+        return iter(self.dataset)
 
     def batch(self, step: int) -> list:
         """Step ``step``'s B samples, reading (and dropping) those of the steps between the last one asked and it."""
+        if step == self.steps_read - 1 and self._last is not None:
+            return self._last
         if step < self.steps_read:
             self._restart()
-        while True:
-            samples = self._next_batch()
-            if self.steps_read == step + 1:
-                return samples
+        with torch.random.fork_rng(devices=[]), drawing_freely():
+            while True:
+                samples = self._next_batch()
+                if self.steps_read == step + 1:
+                    self._last = samples
+                    return samples
 
     def _next_batch(self) -> list:
+        if self._samples is None:
+            self._samples = self._pass(self.epoch)
         samples = list(itertools.islice(self._samples, self.global_batch_size))
         if len(samples) < self.global_batch_size:  # the pass ended: drop its tail, iterate the dataset again
             if self.epoch_steps_read == 0:
                 raise _same_everywhere(f"the dataset's stream gave {len(samples)} samples in a pass, fewer than one "
                                        f"global batch of {self.global_batch_size}; fix: more data, or a plan with "
                                        f"a smaller --global-batch")
-            self._samples, self.epoch, self.epoch_steps_read = iter(self.dataset), self.epoch + 1, 0
+            self.epoch, self.epoch_steps_read = self.epoch + 1, 0
+            self._samples = self._pass(self.epoch)
             return self._next_batch()
         self.steps_read, self.epoch_steps_read = self.steps_read + 1, self.epoch_steps_read + 1
         return samples
@@ -339,8 +355,9 @@ def global_batches(model_file: ModelFile, source: DataSource | None, global_batc
 class RankBatches:
     """This rank's samples of each step (``take``), from the source ``DataSource`` names: a dataset through
     ``DataLoader`` + ``ResumableSampler`` over the dp ranks (``workers`` processes, prefetching, pinned on CUDA),
-    or ``example_batch`` draws; ``position`` and ``check_position`` for checkpoints (module doc). ``dataset``: a
-    map-style dataset of ``(inputs, target)`` samples read in place of the source's (the Python API's
+    or ``example_batch`` draws, or a stream read in this process (``SampleStream``); ``position`` and
+    ``check_position`` for checkpoints (module doc). ``dataset``: a map-style or iterable dataset of
+    ``(inputs, target)`` samples read in place of the source's (the Python API's
     ``Parallelized.data_loader``), checked the same way. Iterating gives ``take(0)``, ``take(1)``, ...
 
     ``reads=False``: a pipeline rank holding neither the first stage (which takes the inputs) nor the last (the

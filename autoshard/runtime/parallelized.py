@@ -73,11 +73,13 @@ class Parallelized:
         Gradients are left for ``optimizer.step()``. ``local=True``: the batch is this rank's share already
         (B / dp samples, what ``data_loader`` gives). ``loss_fn(outputs, targets)``: None, the one given to
         ``autoshard.parallelize`` (default: the model file's)."""
-        if self.is_pipeline and not self.reads:  # a middle stage: the schedule feeds it, whatever was passed
-            return self._pipeline_step((), None)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        self._check_batch(tuple(inputs), targets, local)
+        nothing = not inputs and targets is None  # data_loader's batch on a rank that reads none
+        if not (nothing and self.is_pipeline and not self.reads):  # every rank refuses a bad call, together
+            self._check_batch(tuple(inputs), targets, local)
         loss_fn = self._loss_fn(loss_fn)
+        if self.is_pipeline and not self.reads:  # a middle stage: the schedule feeds it
+            return self._pipeline_step((), None)
         if local:
             inputs, targets = tuple(t.to(self.device) for t in inputs), targets.to(self.device)
         else:
@@ -115,7 +117,8 @@ class Parallelized:
         ``train_step(..., local=True)``: ``dataset`` (a map-style dataset, or an iterable one, of ``(inputs, target)``
         samples, each one row of the model file's ``example_batch``; None: the model file's ``dataset`` if it has one, else
         ``example_batch`` draws) read through a ``DataLoader`` over a ``DistributedSampler`` on the data axis,
-        shuffled with ``seed``, ``workers`` processes ahead (``runtime.data``). The global batch of step k is the
+        shuffled with ``seed``, ``workers`` processes ahead (a stream: read in this process, ``runtime.data``); a
+        pipeline rank holding neither the first nor the last stage gets ``((), None)`` (``reads``). The global batch of step k is the
         one ``autoshard verify``'s one-process run reads (``runtime.data.dataset_global_batch``)."""
         if self.model_file is None:
             raise AutoshardError("data_loader needs the plan's model file (its example_batch checks the samples); "

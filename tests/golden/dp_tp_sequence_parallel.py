@@ -16,8 +16,6 @@ Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
 import argparse
 import math
 
-import torch
-
 from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime.parallel import apply_fsdp, apply_tp, build_optimizer, init_weights, sync_batch_norm
@@ -145,7 +143,8 @@ def main():
     # passes the loss through and steps the optimizer as it is
     scaler = runtime.grad_scaler(PRECISION, model, ctx.device)
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
-    # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step
+    # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
+    # one process sees per step
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
 

@@ -16,8 +16,6 @@ Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
 import argparse
 import math
 
-import torch
-
 from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime import pipeline_parallel as pp
@@ -133,7 +131,8 @@ def main():
     scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
     del model  # the stages hold what this rank needs
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
-    # DistributedSampler on DATA_AXIS), else example_batch draws; the same samples one process sees per step.
+    # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
+    # one process sees per step.
     # Only the first stage takes inputs and only the last takes targets: a rank holding neither reads nothing
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers,
