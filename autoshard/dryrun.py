@@ -361,7 +361,7 @@ def _pipeline_step(plan: Plan, spec, model_file, stages, schedule, optimizer, me
     from autoshard.runtime import pipeline_parallel as pp
 
     inputs, targets = (), None  # a rank holding neither the first nor the last stage reads nothing
-    if stages.has_first or stages.has_last:
+    if stages.reads:
         batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
         inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
     with runtime.autocast(plan.precision, device):

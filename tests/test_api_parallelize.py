@@ -77,7 +77,7 @@ def parallelized(plan_name: str, schedule=None) -> Parallelized:
     """A ``Parallelized`` whose step never gets past its checks (no process group, model or optimizer; a pipeline's
     stand-in stages hold the first stage, so the rank reads batches)."""
     plan = autoshard.load_plan(GOLDEN.format(plan_name))
-    stages = None if schedule is None else types.SimpleNamespace(has_first=True, has_last=False)
+    stages = None if schedule is None else types.SimpleNamespace(reads=True)
     return Parallelized(plan, layout(plan), OneAxis(plan.mesh.dp), torch.device("cpu"), model=stages, optimizer=None,
                         recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=schedule)
 
@@ -130,7 +130,7 @@ def test_a_middle_pipeline_rank_refuses_with_the_others_and_reads_nothing(in_rep
     mesh = OneAxis(plan.mesh.dp)
     mesh.get_local_rank = lambda axis: 0
     middle = Parallelized(plan, layout(plan), mesh, torch.device("cpu"),
-                          model=types.SimpleNamespace(has_first=False, has_last=False), optimizer=None,
+                          model=types.SimpleNamespace(reads=False), optimizer=None,
                           recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=object(),
                           model_file=lambda: load_model_file("examples/gpt.py:build"))
     assert not middle.reads

@@ -60,7 +60,7 @@ class Parallelized:
     def reads(self) -> bool:
         """Whether this rank reads batches: every rank but a pipeline's middle ones (neither the first stage, which
         takes the inputs, nor the last, which takes the targets)."""
-        return not self.is_pipeline or self.model.has_first or self.model.has_last
+        return not self.is_pipeline or self.model.reads
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once (its shards; a pipeline's: its stages'), for an optimizer of one's own."""
@@ -75,10 +75,10 @@ class Parallelized:
         ``autoshard.parallelize`` (default: the model file's)."""
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         nothing = not inputs and targets is None  # data_loader's batch on a rank that reads none
-        if not (nothing and self.is_pipeline and not self.reads):  # every rank refuses a bad call, together
+        if not (nothing and not self.reads):  # every rank refuses a bad call, together
             self._check_batch(tuple(inputs), targets, local)
         loss_fn = self._loss_fn(loss_fn)
-        if self.is_pipeline and not self.reads:  # a middle stage: the schedule feeds it
+        if not self.reads:  # a pipeline's middle stage: the schedule feeds it
             return self._pipeline_step((), None)
         if local:
             inputs, targets = tuple(t.to(self.device) for t in inputs), targets.to(self.device)

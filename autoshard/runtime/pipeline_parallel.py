@@ -126,6 +126,11 @@ class PipelineStages:
     def has_last(self) -> bool:
         return any(stage.is_last for stage in self.stages)
 
+    @property
+    def reads(self) -> bool:
+        """This rank reads batches: its stages take the inputs (the first) or the targets (the last)."""
+        return self.has_first or self.has_last
+
     def parameters(self) -> list[nn.Parameter]:
         """Every local parameter once (for the optimizer)."""
         seen: dict[int, nn.Parameter] = {}

@@ -136,7 +136,7 @@ def main():
     # Only the first stage takes inputs and only the last takes targets: a rank holding neither reads nothing
     batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
                                   TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers,
-                                  reads=stages.has_first or stages.has_last)
+                                  reads=stages.reads)
 
     start = checkpoint.resume(args.checkpoint_dir, stages, optimizer, mesh, data=batches,  # 0 without a checkpoint
                               scheduler=scheduler)
