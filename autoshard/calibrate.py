@@ -32,7 +32,8 @@ What is written (``build_cluster``):
   per second than its all-reduce and broadcast) no single link fits all of them, so the
   fit error is reported, and each collective's own fit beside it, in the table and the file.
 - ``device.peak_tflops`` = on CPU the median over the matmul sizes (512-2048) of the measured
-  throughput; on a GPU the throughput at 8192³ (steady state: the eager cost model's η_large,
+  throughput; on a GPU the throughput at 8192³ after GPU_WARMUP_S of back-to-back calls (steady
+  state, clocks up, as in a training step: the eager cost model's η_large,
   which it scales down by tile and wave quantization for smaller shapes), and ``matmul_efficiency``
   = 1. compute.py's roofline t = max(F / (η·P), M / W) uses only the product η·P, and a
   CPU's theoretical peak is not portably knowable, so η·P = measured makes the roofline
@@ -467,6 +468,9 @@ def _worker(rank: int, ranks: int, backend: str, settings: Settings, models: lis
 
 
 KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (_Bench._time_kernel)
+# ... after this long of back-to-back launches: on one H200 the quick calibration's 8192³ matmul read 700 TFLOP/s
+# timed from cold (2026-11-26 20:03 UTC) where the same shapes ran 795-828 inside a training step
+GPU_WARMUP_S = 0.5
 
 
 class _Bench:
@@ -563,8 +567,7 @@ class _Bench:
         TFLOP/s, 664 in batches; 4096³ 648 vs 789). On CPU a call is one launch, as before."""
         if not self.gpu:
             return self._time_op(op)
-        op()
-        self._sync()
+        self._spin(op, GPU_WARMUP_S)
         t0 = time.perf_counter()
         op()
         self._sync()
@@ -576,6 +579,15 @@ class _Bench:
                 op()
 
         return self._time_op(batch) / repeat
+
+    def _spin(self, op: Callable[[], None], seconds: float) -> None:
+        """Run ``op`` back to back for about ``seconds``, then synchronise: the GPU's clocks rise under
+        sustained load, as they are through a training step (module doc)."""
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            for _ in range(8):
+                op()
+            self._sync()
 
     def _time_probe(self, op: Callable[[], None]) -> float:
         """``_time_op`` for the host probes and models: their figures are differences of times, so

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost import eager
+from autoshard.cost.autocast import NodeTraffic
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec
@@ -66,39 +67,66 @@ class ComputeTime:
 
 
 def op_forward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
-                 attention: str = "flash", captured_bytes: int = 4, kernels: str = "fused") -> float:
+                 attention: str = "flash", captured_bytes: int = 4, kernels: str = "fused",
+                 traffic: NodeTraffic | None = None) -> float:
     """Time of one op at ``scale`` times the captured batch: attention by its kernel, the rest by
-    ``kernels`` (module doc)."""
+    ``kernels`` (module doc); ``traffic``: its bytes and casts under autocast (``cost.autocast``, eager only)."""
     assert attention in ATTENTION_KERNELS, attention
     assert kernels in KERNELS, kernels
     if attention == "materialized" and node.target.startswith(SDPA_TARGET):
         return materialized_attention_s(node, scale, device, elem_ratio, captured_bytes)
-    flops, moved = node.flops * scale, _moved_bytes(node, weight_bytes, scale, elem_ratio)
+    flops, moved = node.flops * scale, _moved_bytes(node, weight_bytes, scale, elem_ratio, traffic)
     if kernels == "eager":
-        return _eager_forward_s(node, flops, moved, device)
+        return _eager_forward_s(node, flops, moved, device) + _casts_s(traffic, scale, device, backward=False)
     return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
 
 
 def op_backward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
-                  forward_s: float, kernels: str = "fused") -> float:
+                  forward_s: float, kernels: str = "fused", traffic: NodeTraffic | None = None) -> float:
     """Backward time of one op whose forward takes ``forward_s``: 2·forward (fused); eager: a matmul's
-    input and weight gradients priced apart, FlashAttention 2.5·forward, other ops 2·forward."""
+    input and weight gradients priced apart, FlashAttention 2.5·forward, other ops 2·forward, each with
+    its autocast casts undone on the gradients (``traffic``)."""
     if kernels != "eager":
         return BACKWARD_TO_FORWARD * forward_s
+    casts = _casts_s(traffic, scale, device, backward=True)
+    own_s = forward_s - _casts_s(traffic, scale, device, backward=False)
     if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS):
-        moved = _moved_bytes(node, weight_bytes, scale, elem_ratio)
-        return eager.matmul_backward_s(node.target, node.shape, node.flops * scale, moved, device)
+        moved = _moved_bytes(node, weight_bytes, scale, elem_ratio, traffic)
+        return eager.matmul_backward_s(node.target, node.shape, node.flops * scale, moved, device) + casts
     if node.target.startswith(SDPA_TARGET):
-        return eager.FLASH_BACKWARD_TO_FORWARD * forward_s
-    return BACKWARD_TO_FORWARD * forward_s
+        return eager.FLASH_BACKWARD_TO_FORWARD * own_s + casts
+    return BACKWARD_TO_FORWARD * own_s + casts
 
 
-def _moved_bytes(node: OpNode, weight_bytes: int, scale: float, elem_ratio: float) -> float:
-    """Activation bytes × (b/b₀)·(a/captured), weights once, a dropout's keep mask (module doc)."""
-    moved = (node.bytes_read - weight_bytes) * scale * elem_ratio + weight_bytes + node.bytes_written * scale * elem_ratio
+def _moved_bytes(node: OpNode, weight_bytes: int, scale: float, elem_ratio: float,
+                 traffic: NodeTraffic | None = None) -> float:
+    """Activation bytes × (b/b₀)·(a/captured), weights once, a dropout's keep mask (module doc); under
+    autocast (``traffic``) activations in the dtypes the op reads and writes, weights as it reads them."""
+    if traffic is None:
+        moved = (node.bytes_read - weight_bytes) * scale * elem_ratio + weight_bytes + \
+            node.bytes_written * scale * elem_ratio
+    elif node.bytes_read == 0 and node.bytes_written == 0:  # a view moves nothing
+        return 0.0
+    else:
+        moved = (node.bytes_read - weight_bytes) * scale * traffic.read_ratio + traffic.weight_read_bytes + \
+            node.bytes_written * scale * traffic.write_ratio
     if node.target.startswith(DROPOUT_TARGET) and node.attrs.get("p") and node.attrs.get("train", True):
         moved += MASK_BYTES * node.output_numel * scale
     return moved
+
+
+def _casts_s(traffic: NodeTraffic | None, scale: float, device: DeviceSpec, backward: bool) -> float:
+    """The autocast casts around one op (``cost.autocast``): its activations' (× b/b₀) and, on a
+    parameter's first read of the micro-batch, the parameter's; one copy kernel each."""
+    if traffic is None:
+        return 0.0
+    if backward:
+        acts, kernels = traffic.backward_cast_bytes, traffic.backward_cast_kernels
+        weights, weight_kernels = traffic.weight_backward_cast_bytes, traffic.weight_grad_casts
+    else:
+        acts, kernels = traffic.forward_cast_bytes, traffic.forward_cast_kernels
+        weights, weight_kernels = traffic.weight_forward_cast_bytes, traffic.weight_casts
+    return eager.cast_s(acts * scale, device, kernels) + eager.cast_s(weights, device, weight_kernels)
 
 
 def _eager_forward_s(node: OpNode, flops: float, moved: float, device: DeviceSpec) -> float:

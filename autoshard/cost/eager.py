@@ -29,17 +29,32 @@ From PyTorch's own ``maximum`` (fp16, binary) on one H200 (tile-ai/TileOPs#512, 
 12.8): 25.2 MB in 13.8 µs (1.83 TB/s), 62.9 MB in 22.5 µs (2.79 TB/s), 125.8 MB in 37.3 µs (3.37 TB/s):
 the line t = 7.9 µs + bytes / 4.27 TB/s passes through all three (within 0.1 µs). 4.27 TB/s is 0.89
 of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s, docs/reference-numbers.md, the
-preset's W), so W is the asymptote and T_KERNEL = 7.9 µs the fixed time of one kernel as timed.
-Timed with CUDA events, that includes the GPU's launch latency (meta-pytorch/tritonbench#50), which
-back-to-back kernels partly overlap: T_KERNEL is an upper bound on a kernel's fixed device time. With
+preset's W), so W is the asymptote. Those were timed one launch at a time with CUDA events, which includes
+the GPU's launch latency (meta-pytorch/tritonbench#50); in a training step the kernels run back to back
+and hide it. Measured so, in a step (``benchmarks/gpu_kernels.py``: torch.profiler's kernel times, one
+H200, torch 2.11, Llama-3.2-1B's shape; RESULTS.md "Where a GPU step goes"): the smallest kernels (``add_``
+on 2,048 fp32 elements, 231 calls; ``fill_`` of one element; a 2,048 × 32 ``mul``) took 1.25-1.26 µs each,
+and large ones bytes / W within 1 µs (a bf16 ``mul`` of 3 × 33.6 MB: 24.6 µs measured, 23.4 µs at W):
+T_KERNEL = 1.3 µs, the fixed device time of one kernel in a stream. With
 the host's dispatch it makes the "kernel-launch overhead" of a step (``units.kernel_fixed_s``).
 
-**FlashAttention** (torch SDPA's flash backend is FlashAttention-2): forward time F·c / (u·P) with
-c = ½ for a causal mask (FA2 skips the masked blocks; the graph counts the full 4·n·E FLOPs) and u
-the fraction of peak FA2 reaches: 0.35 on H100 (Shah et al., FlashAttention-3, 2024, abstract:
-"FlashAttention-2 achieving only 35% utilization on the H100 GPU"), 0.50 on A100 (Dao,
+**FlashAttention** (torch SDPA's flash backend is FlashAttention-2): forward time F·c / (u/η_ref · η·P)
+with c = ½ for a causal mask (FA2 skips the masked blocks; the graph counts the full 4·n·E FLOPs) and u
+the fraction of the datasheet peak FA2 reaches: 0.35 on H100 (Shah et al., FlashAttention-3, 2024,
+abstract: "FlashAttention-2 achieving only 35% utilization on the H100 GPU"), 0.50 on A100 (Dao,
 FlashAttention-2, 2023, abstract: "50-73% of the theoretical maximum FLOPs/s on A100"; the low end).
-Backward: 2.5× the forward (FA2 §3.1.2: five matmuls against the forward's two), at the same u.
+u is taken relative to what a large matmul reaches on the same card (η_ref = 0.80, the presets' η_large:
+8192³ bf16 at 790-800 TFLOP/s on an H100, docs/reference-numbers.md), so a cluster file whose P is a
+measured matmul throughput (``autoshard calibrate``: η = 1) prices attention like a preset whose P is
+the datasheet's (η = 0.8): the same 346 TFLOP/s on an H100 either way. Backward: 2.5× the forward (FA2
+§3.1.2: five matmuls against the forward's two), at the same u. Checked on one H200 (torch 2.11, whose
+SDPA ran cuDNN's attention; RESULTS.md "Where a GPU step goes"): priced 0.224 ms forward and 0.56 ms
+backward for a causal (4, 32, 2048, 64) call, measured 0.191 and 0.590.
+
+**Casts** (autocast's, ``cost.autocast``): a copy that converts dtypes runs torch's non-vectorized
+``direct_copy_kernel`` at CAST_BANDWIDTH_FRACTION = 0.62 of W (measured in the same H200 step: fp32 to
+bf16 copies of 16.8 M elements, 2.55 TB/s for weights (128 calls) and 2.78 TB/s for activations (388
+calls), against W = 4.30 TB/s calibrated on ``torch.add``).
 
 **Host** (per op, eager dispatch + launch; overlapped with the device per unit and pass in
 ``cost.units``: t = max(Σ device, Σ host))::
@@ -81,14 +96,16 @@ from autoshard.ir.topology import DeviceSpec
 # Matmul tiling (NVIDIA Matrix Multiplication Background User's Guide §2.3: cuBLAS tiles from 64×64 to
 # 256×128; 128×128 taken); SMs per device (NVIDIA H100 / A100 datasheets and architecture whitepapers)
 MATMUL_TILE = 128
-SMS_BY_DEVICE = {"H100-SXM-80GB": 132, "A100-SXM-80GB": 108}
+SMS_BY_DEVICE = {"H100": 132, "H200": 132, "A100": 108}  # by the model in the device's name (presets, torch's names)
 # FlashAttention-2's fraction of dense peak (module doc): FA3 paper (H100), FA2 paper (A100)
-FLASH_UTILIZATION_BY_DEVICE = {"H100-SXM-80GB": 0.35, "A100-SXM-80GB": 0.50}
+FLASH_UTILIZATION_BY_DEVICE = {"H100": 0.35, "A100": 0.50}  # by the model in the device's name
 FLASH_UTILIZATION_DEFAULT = 0.35
+FLASH_REFERENCE_MATMUL_EFFICIENCY = 0.80  # η_large of the cards those fractions were measured on (module doc)
+CAST_BANDWIDTH_FRACTION = 0.62  # dtype-converting copies vs W (module doc, "Casts": one H200, torch 2.11)
 FLASH_BACKWARD_TO_FORWARD = 2.5  # FA2 §3.1.2: 5 matmuls in backward, 2 in forward
 CAUSAL_WORK = 0.5  # a causal mask skips half of the score blocks
-# Elementwise kernel: fixed time per kernel (module doc: PyTorch maximum on H200, tile-ai/TileOPs#512)
-KERNEL_FIXED_US = 7.9
+# Elementwise kernel: fixed device time per kernel in a stream (module doc: measured on one H200 in a step)
+KERNEL_FIXED_US = 1.3
 # Host per op (module doc): pytorch/pytorch#41383 (7 µs Python op with autograd, 1 µs from C++);
 # NVIDIA "Getting Started with CUDA Graphs" (3.8 µs per back-to-back 2.9 µs kernel)
 DISPATCH_PY_US = 7.0
@@ -114,7 +131,7 @@ MATMUL_BATCHED_TARGETS = ("aten.bmm", "aten.baddbmm", "aten.matmul")
 
 def matmul_shape_efficiency(m: int, n: int, batch: int, device: DeviceSpec) -> float:
     """tile_q · wave_q of an m×n output in ``batch`` entries (module doc); 1 on a device of unknown SMs."""
-    sms = SMS_BY_DEVICE.get(device.name)
+    sms = next((n for model, n in SMS_BY_DEVICE.items() if model in device.name), None)
     if sms is None or m <= 0 or n <= 0:
         return 1.0
     rows, cols = math.ceil(m / MATMUL_TILE), math.ceil(n / MATMUL_TILE)
@@ -161,13 +178,27 @@ def matmul_backward_s(target: str, shape: tuple[int, ...], flops: float, moved_b
 
 
 def flash_utilization(device: DeviceSpec) -> float:
-    return FLASH_UTILIZATION_BY_DEVICE.get(device.name, FLASH_UTILIZATION_DEFAULT)
+    return next((u for model, u in FLASH_UTILIZATION_BY_DEVICE.items() if model in device.name),
+                FLASH_UTILIZATION_DEFAULT)
+
+
+def flash_flops_per_s(device: DeviceSpec) -> float:
+    """u / η_ref · η·P: FlashAttention's throughput beside a large matmul's on the same card (module doc)."""
+    relative = flash_utilization(device) / FLASH_REFERENCE_MATMUL_EFFICIENCY
+    return relative * device.matmul_efficiency * device.peak_tflops * 1e12
 
 
 def flash_forward_s(flops: float, moved_bytes: float, causal: bool, device: DeviceSpec) -> float:
-    """max(F·c / (u·P), bytes / W) (module doc)."""
+    """max(F·c / (u/η_ref · η·P), bytes / W) (module doc)."""
     work = flops * (CAUSAL_WORK if causal else 1.0)
-    return max(work / (flash_utilization(device) * device.peak_tflops * 1e12), moved_bytes / bytes_per_s(device))
+    return max(work / flash_flops_per_s(device), moved_bytes / bytes_per_s(device))
+
+
+def cast_s(moved_bytes: float, device: DeviceSpec, kernels: int = 1) -> float:
+    """kernels · T_KERNEL + bytes / (CAST_BANDWIDTH_FRACTION · W): dtype-converting copies (module doc, "Casts")."""
+    if moved_bytes <= 0:
+        return 0.0
+    return kernels * KERNEL_FIXED_US * 1e-6 + moved_bytes / (CAST_BANDWIDTH_FRACTION * bytes_per_s(device))
 
 
 def elementwise_s(moved_bytes: float, device: DeviceSpec, kernels: int = 1) -> float:

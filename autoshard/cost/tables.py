@@ -38,6 +38,7 @@ from autoshard.cost.memory import (
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
+from autoshard.cost.autocast import Autocast
 from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
@@ -69,6 +70,16 @@ class Runtime:
     def optimizer_bytes_per_param(self) -> int:
         """Bytes AdamW moves per parameter it steps: torch's foreach step (eager), a fused step (fused)."""
         return eager.ADAMW_FOREACH_BYTES_PER_PARAM if self.kernels == "eager" else ADAM_FUSED_BYTES_PER_PARAM
+
+    def autocast_for(self, fsdp2: bool) -> Autocast | None:
+        """(autocast dtype, the dtype parameters are read in) where eager kernels run under autocast
+        (``cost.autocast``), else None: fp32 weights under DDP (autocast casts them), the 16-bit
+        param_dtype of FSDP2's MixedPrecisionPolicy where FSDP2's wrappers run (``fsdp2``: every tp or pp
+        plan, ZeRO-2 and 3; ``ir.decisions.DPRuntime.fsdp2``)."""
+        low = {"bf16-autocast": "bfloat16", "fp16-autocast": "float16"}.get(self.precision.name)
+        if self.kernels != "eager" or low is None:
+            return None
+        return (low, low if fsdp2 else None)
 
     def host_for(self, cluster: Cluster) -> HostOverheads:
         """The cluster's measured host figures; unmeasured, eager kernels on GPUs take ``EAGER_GPU_HOST``."""
@@ -132,21 +143,24 @@ class CostTables:
 
     def config_units(self, config: Decisions) -> Units:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
+        autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
         if config.recompute != MIXED:
-            return self.units(config.microbatch_size, config.recompute)
-        key = (config.microbatch_size, config.recompute_blocks)
+            return self.units(config.microbatch_size, config.recompute, autocast)
+        key = (config.microbatch_size, config.recompute_blocks, autocast)
         if key not in self._units:
-            self._units[key] = mixed_units({m: self.units(config.microbatch_size, m) for m in set(key[1])}, key[1])
+            self._units[key] = mixed_units({m: self.units(config.microbatch_size, m, autocast) for m in set(key[1])},
+                                           key[1])
         return self._units[key]
 
-    def units(self, microbatch_size: int, recompute: str) -> Units:
-        """Per-unit costs of one micro-batch; scaled to the model's measured profile when the cluster
-        has one for this graph (``cost.profile``)."""
-        key = (microbatch_size, recompute)
+    def units(self, microbatch_size: int, recompute: str, autocast: Autocast | None = None) -> Units:
+        """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan); scaled to
+        the model's measured profile when the cluster has one for this graph (``cost.profile``)."""
+        key = (microbatch_size, recompute, autocast)
         if key not in self._units:
             units = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
                                self.precision.activation_bytes, CAPTURED_ELEM_BYTES, self.runtime.attention,
-                               self.runtime.host_for(self.cluster), hides_comm(self.cluster), self.runtime.kernels)
+                               self.runtime.host_for(self.cluster), hides_comm(self.cluster), self.runtime.kernels,
+                               autocast)
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
         return self._units[key]
@@ -173,7 +187,8 @@ class CostTables:
         """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
         (tp, b, sequence parallelism asked for: the choice's own unless given) (``cost.tp.price_layout``)."""
         times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
-                               CAPTURED_ELEM_BYTES, self.runtime.attention, self.runtime.kernels)
+                               CAPTURED_ELEM_BYTES, self.runtime.attention, self.runtime.kernels,
+                               self.runtime.autocast_for(fsdp2=True))  # tp runs on FSDP2's wrappers
         cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
         asked = choice.sequence_parallel if sequence_parallel is None else sequence_parallel
         self._tp[(choice.tp, microbatch_size, asked)] = cost
@@ -205,7 +220,7 @@ class CostTables:
             modes = config.recompute_blocks
             return mixed_units({m: self.activation_units(config, m) for m in set(modes)}, modes)
         recompute = recompute or config.recompute
-        units = self.units(config.microbatch_size, recompute)
+        units = self.units(config.microbatch_size, recompute, self.runtime.autocast_for(config.dp_runtime.fsdp2))
         if config.mesh.tp == 1:
             return units
         saved, workspace, backward = unit_activation_bytes(

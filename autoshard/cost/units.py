@@ -55,6 +55,7 @@ import functools
 from dataclasses import dataclass
 
 from autoshard.cost import eager
+from autoshard.cost.autocast import Autocast, NodeTraffic, autocast_traffic
 from autoshard.cost.compute import (
     BACKWARD_TO_FORWARD,
     CONVOLUTION_TARGETS,
@@ -125,34 +126,48 @@ def node_units(graph: OpGraph) -> list[int]:
 
 
 def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                   captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused") -> list[float]:
+                   captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused",
+                   autocast: Autocast | None = None) -> list[float]:
     """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
-    per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode)."""
-    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
+    per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode).
+    ``autocast``: (autocast dtype, the dtype parameters are read in or None) where eager kernels run under
+    autocast: each op's bytes in its own dtypes, with the casts autocast adds (``cost.autocast``)."""
+    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels,
+           autocast)
     return graph.derived(key, lambda: _node_forward_s(graph, microbatch_size, device, activation_elem_bytes,
-                                                      captured_bytes, attention, kernels))
+                                                      captured_bytes, attention, kernels, autocast))
 
 
 def _node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                    captured_bytes: int, attention: str, kernels: str) -> list[float]:
+                    captured_bytes: int, attention: str, kernels: str, autocast: Autocast | None) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels)
-            for node in graph.nodes]
+    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels,
+                         traffic)
+            for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast))]
 
 
 def node_backward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                    captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused") -> list[float]:
+                    captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused",
+                    autocast: Autocast | None = None) -> list[float]:
     """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``)."""
-    forward = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
+    forward = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels,
+                             autocast)
     if kernels != "eager":
         return [BACKWARD_TO_FORWARD * t for t in forward]
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels)
-            for node, t in zip(graph.nodes, forward)]
+    return [op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic)
+            for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast))]
+
+
+def _traffic(graph: OpGraph, kernels: str, autocast: Autocast | None) -> tuple[NodeTraffic | None, ...]:
+    """Each node's bytes and casts under autocast (eager kernels only), else None for each."""
+    if autocast is None or kernels != "eager":
+        return (None,) * len(graph.nodes)
+    return autocast_traffic(graph, *autocast)
 
 
 def loss_logits(graph: OpGraph, microbatch_size: int) -> float:
@@ -162,14 +177,16 @@ def loss_logits(graph: OpGraph, microbatch_size: int) -> float:
 
 def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
                activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash",
-               host: HostOverheads | None = None, host_overlaps: bool = False, kernels: str = "fused") -> Units:
-    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc)."""
+               host: HostOverheads | None = None, host_overlaps: bool = False, kernels: str = "fused",
+               autocast: Autocast | None = None) -> Units:
+    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast`` as
+    ``node_forward_s`` takes it."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     units = node_units(graph)
     forward, backward, light = [0.0] * count, [0.0] * count, [0.0] * count
-    args = (graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels)
+    args = (graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast)
     for node, u, t, b in zip(graph.nodes, units, node_forward_s(*args), node_backward_s(*args)):
         forward[u] += t
         backward[u] += b
