@@ -15,8 +15,10 @@ so a run cut short still returns what it measured:
 5. A plain hand-written loop on the same model, micro-batches and optimizer (``hand_loop``:
    autocast bf16, ``torch.optim.AdamW``, gradient accumulation, nothing else), so the program's
    overhead is measured against what a user would write by hand.
-6. DCP save and resume: the example GPT saved at step 4, then resumed to step 8.
-7. ``autoshard dryrun`` of each plan (fake tensors on the CPU, CPU kernels), after the GPU runs so it
+6. ``--profile B,...``: the hand-written loop profiled by op class at those micro-batch sizes
+   (``benchmarks/gpu_kernels.py``; ``OUT/kernels-mbB.json``), which ``gpu_kernels.py --predict`` prices.
+7. DCP save and resume: the example GPT saved at step 4, then resumed to step 8.
+8. ``autoshard dryrun`` of each plan (fake tensors on the CPU, CPU kernels), after the GPU runs so it
    does not disturb their timings: its peak beside the prediction and ``max_memory_allocated``.
 
 Memory is compared like with like: ``torch.cuda.max_memory_allocated`` counts the tensors alive at the
@@ -221,6 +223,22 @@ def hand_loop(setting: Setting, microbatch: int, steps: int) -> dict:
             "peak_bytes": peak}
 
 
+def profile(setting: Setting, microbatch: int, out: Path) -> None:
+    """``benchmarks/gpu_kernels.py``'s profile of the hand-written loop at ``microbatch``: each op class's own
+    kernel time per step, for ``gpu_kernels.py OUT/kernels-mbB.json --predict OUT/cluster.yaml`` to price."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_kernels
+
+    try:
+        result = gpu_kernels.measure(setting.model, microbatch, setting.global_batch)
+    except Exception as exc:  # a profile that does not fit is a line, not the end of the session
+        print(f"profile micro-batch {microbatch}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return
+    (out / f"kernels-mb{microbatch}.json").write_text(json.dumps(result, indent=1))
+    print(f"profile micro-batch {microbatch}: step {result['step_s'] * 1e3:.1f} ms, busy {result['busy_s'] * 1e3:.1f} ms",
+          flush=True)
+
+
 def dcp_resume(out: Path, cluster: str, limit_s: float) -> dict:
     """Save at step 4, then a second run of 8 steps resumes from it: it must train steps 4..7 only (steps count from 0)."""
     plan, ckpt, log = out / "dcp.plan.json", out / "dcp-checkpoints", out / "dcp.log"
@@ -292,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hand-microbatches", help="micro-batch sizes of the hand-written loop, comma-separated")
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP save and resume")
     parser.add_argument("--no-dryrun", action="store_true", help="skip the plans' dry runs")
+    parser.add_argument("--profile", help="micro-batch sizes whose hand-written loop is profiled by op class, "
+                        "comma-separated (benchmarks/gpu_kernels.py; OUT/kernels-mbB.json)")
     args = parser.parse_args(argv)
     setting = CPU if args.cpu else GPU
     if args.cases:
@@ -334,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             hand.append({"microbatch_size": microbatch, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
         print(f"hand-written loop: {hand[-1]}", flush=True)
         save()
+    for microbatch in [int(m) for m in (args.profile or "").split(",") if m]:
+        profile(setting, microbatch, out)
     dcp = {"resumed": "not run (--no-dcp)"} if args.no_dcp else dcp_resume(out, cluster, setting.limit_s)
     (out / "dcp.json").write_text(json.dumps(dcp, indent=1))
     print(f"dcp save and resume: {dcp}", flush=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.cost import eager
+from autoshard.cost.autocast import Autocast
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
 from autoshard.cost.memory import (
     MEGATRON_MIXED,
@@ -38,7 +39,6 @@ from autoshard.cost.memory import (
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
-from autoshard.cost.autocast import Autocast
 from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
