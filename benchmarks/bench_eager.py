@@ -62,14 +62,17 @@ CONSTANTS = (
     ("W (memory bandwidth)", "3000 GB/s", "device-to-device copy measured ≈ 3.0 TB/s on one H100 (NUMBERS.md)"),
     ("matmul tile, SMs", f"{eager.MATMUL_TILE}×{eager.MATMUL_TILE}, 132",
      "NVIDIA Matrix Multiplication Background User's Guide §2.3, §3 (tile/wave quantization); H100 SXM 132 SMs"),
-    ("FlashAttention-2 utilization", "0.35 of peak (H100)",
-     "Shah et al. 2024 (FlashAttention-3) abstract: FA2 reaches 35% on H100"),
+    ("FlashAttention-2 utilization", "0.35 of peak (H100), taken as 0.35 / 0.80 of η·P",
+     "Shah et al. 2024 (FlashAttention-3) abstract: FA2 reaches 35% on H100; beside η_large so a calibrated P prices alike"),
     ("attention backward / forward", f"{eager.FLASH_BACKWARD_TO_FORWARD}", "Dao 2023 (FlashAttention-2) §3.1.2: 5 vs 2 matmuls"),
     ("causal work", f"{eager.CAUSAL_WORK}", "FA2 skips masked blocks; the graph counts full 4·n·E FLOPs"),
     ("T_KERNEL (elementwise fixed time)", f"{eager.KERNEL_FIXED_US} µs",
-     "fit t = 7.9 µs + bytes/4.27 TB/s to PyTorch `maximum` on H200 at 25/63/126 MB (tile-ai/TileOPs#512); "
-     "CUDA-event timed, an upper bound (meta-pytorch/tritonbench#50)"),
-    ("elementwise asymptote", "W (0.89 of HBM peak)", "the same fit: 4.27 of 4.8 TB/s on H200"),
+     "the smallest kernels of a profiled H200 step (add_ on 2,048 elements: 1.25 µs each; benchmarks/gpu_kernels.py); "
+     "launch latency, timed alone with CUDA events (7.9 µs, tile-ai/TileOPs#512), is hidden in a stream"),
+    ("elementwise asymptote", "W (0.89 of HBM peak)", "t = 7.9 µs + bytes/4.27 TB/s fits PyTorch `maximum` on H200 at "
+     "25/63/126 MB (tile-ai/TileOPs#512): 4.27 of 4.8 TB/s"),
+    ("autocast casts", f"{eager.CAST_BANDWIDTH_FRACTION} of W",
+     "fp32 to bf16 copies in a profiled H200 step: 2.55-2.78 of 4.30 TB/s (cost/autocast.py: which tensors are cast)"),
     ("host per forward op", f"{eager.HOST_FORWARD_OP_US} µs",
      "7 µs Python op with autograd (pytorch/pytorch#41383) + 3 µs launch (NVIDIA 'Getting Started with CUDA Graphs')"),
     ("host per backward op", f"{eager.HOST_BACKWARD_OP_US} µs", "1 µs C++ op (#41383) + 2 launches × 3 µs"),
