@@ -32,6 +32,24 @@ and each expert group is a unit of its own for the dp wrapper (FSDP2's per-unit 
 **Expert state.** Each rank holds Ψ_e / ep of every group; its gradients are reduced over the
 dp / ep ranks holding the same shard, so ZeRO shards it dp / ep ways (``expert_state_params``),
 while the rest of the model is sharded dp ways as before.
+
+**Memory of the dispatch** (``dispatch_memory``, per block; S = T·k pairs of the micro-batch, P = S·H·a).
+The captured graph runs each group's module on the rank (its gathers, grouped GEMMs, activation, un-sort),
+and ``cost.saved`` prices what those ops keep for backward, X (the largest part: the gate/up GEMM's output
+and the activation, 4·I·a per pair), and the largest op of its backward, D. Under ep > 1 the module is one
+op (``runtime.expert_parallel.expert_ffn``) that keeps only its inputs, which the block keeps anyway, and
+whose output P the routing weights' product keeps; its backward routes again and recomputes the module on
+the pairs it receives. So, on the most loaded rank (λ, ``moe.rank_load_factor``)::
+
+    kept      X − P                       the block keeps this much less (its saved activations without
+                                          recompute, its recompute workspace with it)
+    backward  2·P + λ·(2·P + X + D)       the op's backward, beside the block's activations: the output
+                                          gradient sorted and the tokens gathered (sent), the tokens and
+                                          the gradient received, the module's recomputed activations and
+                                          its backward's largest op
+
+and each group's shard is an FSDP2 unit of its own, unsharded into the gathered dtype while it runs (over
+one rank too: FSDP2 casts it into its all-gather buffer), ``params`` = Ψ_e / ep per block.
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ import functools
 from dataclasses import dataclass
 
 from autoshard.cost import comm, moe
+from autoshard.cost.memory import module_bytes
 from autoshard.cost.tables import CostTables
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph
@@ -134,6 +153,38 @@ def expert_state_params(params_on_rank: int, experts_on_rank: int, config: Decis
     the expert groups' share is cut to 1/ep (module doc)."""
     dense = params_on_rank - experts_on_rank
     return dense, experts_on_rank // config.ep
+
+
+@dataclass(frozen=True)
+class DispatchMemory:
+    """One block's expert groups under ep > 1, one micro-batch (bytes; module doc, "Memory of the dispatch")."""
+
+    kept: int = 0  # what the captured module keeps for backward that the dispatch op does not (X − P)
+    backward: int = 0  # what the op's backward holds at once (2·P + λ·(2·P + X + D))
+    params: int = 0  # the block's expert parameters on the rank (Ψ_e / ep)
+
+
+def dispatch_memory(tables: CostTables, config: Decisions, captured_bytes: int = 4) -> tuple[DispatchMemory, ...]:
+    """Per block (``graph.blocks`` order), what the dispatch op changes in its memory (module doc); all zero at
+    ep = 1, where the module runs as captured."""
+    graph = tables.graph
+    if config.ep == 1 or not graph.experts:
+        return (DispatchMemory(),) * len(graph.blocks)
+    scale = config.microbatch_size / graph.batch_size
+    ratio = tables.precision.activation_bytes / captured_bytes
+    share = tables.rank_share(config)
+    out = []
+    for block in graph.blocks:
+        kept = backward = params = 0
+        for g in (g for g in graph.experts if g.block == block.path):
+            saved, grads = (int(b * scale) for b in module_bytes(graph, g.path, ratio, share))
+            pairs = int(g.pairs * scale * g.hidden * tables.precision.activation_bytes)
+            load = moe.rank_load_factor(g.pairs * scale / g.top_k, g.top_k, g.experts, config.ep)
+            kept += max(0, saved - pairs)
+            backward = max(backward, int(2 * pairs + load * (2 * pairs + saved + grads)))
+            params += g.param_count // config.ep
+        out.append(DispatchMemory(kept, backward, params))
+    return tuple(out)
 
 
 def a2a_microbatch_s(costs: tuple[ExpertUnitCost, ...], units: list[int] | None = None) -> float:

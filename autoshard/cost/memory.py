@@ -174,16 +174,31 @@ def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share
     of the block's output (the residual stream's, I_block), and at its largest op the gradient of its
     output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|),
     each on the TP rank's shapes."""
+    return block_input_bytes(graph, block, ratio, share) + \
+        max((_op_grad_bytes(graph, n, ratio, share) for n in block.node_names), default=0)
+
+
+def _op_grad_bytes(graph: OpGraph, name: str, ratio: float, share: RankShare) -> int:
+    """The gradient of ``name``'s output beside those of its inputs that need one (``block_backward_bytes``)."""
     grads = _grads(graph)
+    node = graph.node(name)
+    if name not in grads or op_name(node.target) in VIEW_OPS:
+        return 0
+    # a parameter's gradient (read directly or through a view: an experts module's transposed weights) is
+    # the rank's gradient state, priced as grads
+    ins = {storage_of(graph, i) for i in node.inputs if i in grads} - set(graph.placeholder_params)
+    return share.value_bytes(graph, name, ratio) + sum(share.value_bytes(graph, i, ratio) for i in ins)
 
-    def op_bytes(name: str) -> int:
-        node = graph.node(name)
-        if name not in grads or op_name(node.target) in VIEW_OPS:
-            return 0
-        ins = {storage_of(graph, i) for i in node.inputs if i in grads and i not in graph.placeholder_params}
-        return share.value_bytes(graph, name, ratio) + sum(share.value_bytes(graph, i, ratio) for i in ins)
 
-    return block_input_bytes(graph, block, ratio, share) + max((op_bytes(n) for n in block.node_names), default=0)
+def module_bytes(graph: OpGraph, path: str, ratio: float = 1.0, share: RankShare = WHOLE) -> tuple[int, int]:
+    """(saved, backward) of the module at ``path`` alone, at the captured batch: what its ops keep for their
+    backward (``cost.saved``), and its backward's largest op's gradients (output and inputs, as
+    ``block_backward_bytes``): what a module recomputed inside its own backward holds at once."""
+    def compute() -> tuple[int, int]:
+        names = [n.name for n in graph.nodes if n.module_path == path or n.module_path.startswith(path + ".")]
+        saved = saved_set(graph, (graph.node(n) for n in names), ratio, _grads(graph), share)
+        return sum(saved.values()), max((_op_grad_bytes(graph, n, ratio, share) for n in names), default=0)
+    return graph.derived(("module_bytes", path, ratio, share), compute)
 
 
 def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare = WHOLE) -> int:

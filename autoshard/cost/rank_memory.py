@@ -17,12 +17,13 @@ Korthikanti et al.) prices the stage-cut search's memory constraint (``passes.se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from autoshard.cost.experts import dispatch_memory
 from autoshard.cost.memory import DTYPE_BYTES, Precision, model_state_bytes
 from autoshard.cost.schedule import backward_held
-from autoshard.cost.tables import CostTables
-from autoshard.ir.decisions import PRECISIONS, Decisions
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
+from autoshard.ir.decisions import MIXED, PRECISIONS, Decisions
 from autoshard.ir.plan import Memory
 
 ALLOCATOR_SLACK = 0.05  # caching-allocator fragmentation, a few % in practice (torch.cuda.memory_stats)
@@ -102,16 +103,23 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
     beside it (Ψ_block: the dense ones, ``fsdp_unit_params``, and its expert shards where dp / ep > 1: over one
     rank FSDP2 gathers nothing), and
     with one micro-batch a block's backward holds the expert shards' gradients G_E (``expert_grads_bytes``),
-    made whole as each layer's backward ends, in place of G_a.
+    made whole as each layer's backward ends, in place of G_a: less the last block's, made after its largest
+    moment. Each block's expert groups run as the dispatch op (``cost.experts.dispatch_memory``): what the
+    captured module keeps leaves the block's saved activations or recompute workspace, the op's backward (the
+    module recomputed, the exchanged tokens and gradients) is a candidate for T_k, and over one rank FSDP2
+    still casts the running block's expert unit into its all-gather buffer (weights).
 
     Parts: weights = W + the gathered ones, grads = G_a (or G) + the unsharded gradients, activations =
     the saved ones and a recomputed block's, transient = the loss's workspace, the activation gradients
     and the reduce-scatter copy (``autoshard.dryrun`` maps the tracker's parts alike)."""
     p, g, o = state
     units = tables.activation_units(config)  # a TP rank's shapes (cost.saved.RankShare)
+    dispatch = dispatch_memory(tables, config, CAPTURED_ELEM_BYTES) if expert_params else ()
+    if dispatch:
+        units = _with_dispatch(units, config, dispatch)
     saved = units.saved_bytes[0] + sum(units.saved_bytes[1:-1])
     gathered = gathered_param_bytes(tables)
-    sharded_experts = expert_params if config.expert_dp > 1 else 0  # FSDP2 over one rank gathers nothing
+    sharded_experts = expert_params if config.expert_dp > 1 else 0  # gathered with its block, below
     kept = gathered * (local_params + sharded_experts) if keeps_gathered(config) else 0
     held = accumulated_grad_bytes(tables.precision, config, local_params + expert_params, g)
     fsdp = config.mesh.dp > 1 and config.dp_runtime.fsdp2
@@ -121,6 +129,11 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
     root = max(0, local_params + sharded_experts - block * units.blocks)
     head = root * units.params[-1] / max(1, units.params[0] + units.params[-1])
     z3 = fsdp and config.zero_stage == 3
+    # over one rank FSDP2 still unshards an expert unit into its all-gather buffer, cast: the running block's
+    running_experts = gathered * max((d.params for d in dispatch), default=0) if fsdp and not sharded_experts else 0
+    # the last block's expert gradients are made as its dispatch's backward ends, after its largest moment
+    block_expert_grads = expert_grads_bytes * dispatch[0].params // max(1, sum(d.params for d in dispatch)) \
+        if dispatch else 0
     moments = {
         "loss": dict(params_bytes=p + kept, grads_bytes=held, optimizer_bytes=o,
                      activations_bytes=saved + units.saved_bytes[-1], transient_bytes=units.workspace_bytes[-1]),
@@ -129,8 +142,9 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
     }
     if units.blocks:
         moments["backward"] = dict(
-            params_bytes=p + kept + (gathered * (root + 2 * block) if z3 else 0),
-            grads_bytes=(held or expert_grads_bytes) + (gathered * (head + block) if fsdp else 0), optimizer_bytes=o,
+            params_bytes=p + kept + (gathered * (root + 2 * block) if z3 else 0) + running_experts,
+            grads_bytes=(held or expert_grads_bytes - block_expert_grads) + (gathered * (head + block) if fsdp else 0),
+            optimizer_bytes=o,
             activations_bytes=saved + max(units.workspace_bytes[1:-1]),
             transient_bytes=max(units.backward_bytes[1:-1]) if units.backward_bytes else 0)
     if fsdp:
@@ -138,6 +152,23 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
                                  grads_bytes=g + gathered * root, optimizer_bytes=o,
                                  activations_bytes=units.saved_bytes[0], transient_bytes=REDUCE_BYTES * root)
     return moments
+
+
+def _with_dispatch(units, config: Decisions, dispatch: tuple) -> object:
+    """``units`` with each block's expert groups as the dispatch op runs them (``cost.experts.dispatch_memory``):
+    what the captured module keeps, less its output, leaves the block's saved activations (no recompute) or its
+    recompute workspace (the op keeps none of it in either); the op's backward, beside the block's input
+    gradient, is a candidate for the block's largest backward moment."""
+    modes = config.recompute_blocks if config.recompute == MIXED else (config.recompute,) * len(dispatch)
+    saved, workspace = list(units.saved_bytes), list(units.workspace_bytes)
+    backward = list(units.backward_bytes) if units.backward_bytes else [0] * len(saved)
+    for k, (d, mode) in enumerate(zip(dispatch, modes), start=1):
+        if mode == "none":
+            saved[k] = max(0, saved[k] - d.kept)
+        else:
+            workspace[k] = max(0, workspace[k] - d.kept)
+        backward[k] = max(backward[k], units.boundary_bytes[k - 1] + d.backward)
+    return replace(units, saved_bytes=tuple(saved), workspace_bytes=tuple(workspace), backward_bytes=tuple(backward))
 
 
 REDUCE_BYTES = 4  # FSDP2 reduce-scatters gradients in the policy's reduce dtype, fp32 (ir.decisions.PRECISIONS)
