@@ -1,8 +1,8 @@
 """autoshard: a compiler for distributed training.
 
-    plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", global_batch=16)
-    p = autoshard.parallelize(model, plan)   # inside torchrun
-    loss = p.train_step(inputs, targets)     # then optimizer.step()
+plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", global_batch=16)
+p = autoshard.parallelize(model, plan)   # inside torchrun
+loss = p.train_step(inputs, targets)     # then optimizer.step()
 """
 
 from autoshard.errors import AutoshardError
@@ -15,16 +15,19 @@ __all__ = ["plan", "parallelize", "layout", "load_plan", "Plan", "Recipe", "Auto
 
 def plan(*args, **kwargs):
     from autoshard.api import plan as _plan
+
     return _plan(*args, **kwargs)
 
 
 def parallelize(*args, **kwargs):
     from autoshard.api import parallelize as _parallelize
+
     return _parallelize(*args, **kwargs)
 
 
 def layout(*args, **kwargs):
     from autoshard.api import layout as _layout
+
     return _layout(*args, **kwargs)
 
 

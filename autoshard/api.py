@@ -24,9 +24,19 @@ if TYPE_CHECKING:  # planning never imports torch when the capture cache has the
     from autoshard.modelfile import ModelFile
 
 
-def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-         devices_per_node: int | None = None, fold: bool = True, time_limit_s: float | None = None, cache: bool = True,
-         runtime: str = "autoshard", seq_len: int | None = None, **pins) -> Plan:
+def plan(
+    model: str,
+    cluster: str | Cluster = "local-cpu",
+    global_batch: int = 8,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
+    fold: bool = True,
+    time_limit_s: float | None = None,
+    cache: bool = True,
+    runtime: str = "autoshard",
+    seq_len: int | None = None,
+    **pins,
+) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions, one keyword per row of
     ``ir.decisions.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
     schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel; each also by its
@@ -38,13 +48,33 @@ def plan(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8
     ``example_batch`` (its own sequence length when None)."""
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return plan_model(PlanRequest(model_spec=model, cluster=cluster, global_batch=global_batch, pins=Pins(**pins),
-                                  fold=fold, time_limit_s=time_limit_s, cache=cache, runtime=runtime, seq_len=seq_len))
+    return plan_model(
+        PlanRequest(
+            model_spec=model,
+            cluster=cluster,
+            global_batch=global_batch,
+            pins=Pins(**pins),
+            fold=fold,
+            time_limit_s=time_limit_s,
+            cache=cache,
+            runtime=runtime,
+            seq_len=seq_len,
+        )
+    )
 
 
-def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int = 8, nodes: int | None = None,
-             devices_per_node: int | None = None, fold: bool = True, cache: bool = True, runtime: str = "autoshard",
-             seq_len: int | None = None, **pins) -> Plan:
+def estimate(
+    model: str,
+    cluster: str | Cluster = "local-cpu",
+    global_batch: int = 8,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
+    fold: bool = True,
+    cache: bool = True,
+    runtime: str = "autoshard",
+    seq_len: int | None = None,
+    **pins,
+) -> Plan:
     """The plan of a configuration fixed by hand: every decision pinned (dp, tp, pp, zero,
     microbatch_size, recompute, schedule: keywords as for ``plan``), or left to its default
     (``Pins.with_defaults``: virtual stages follow the schedule, the planner's stage cuts). It is
@@ -55,8 +85,18 @@ def estimate(model: str, cluster: str | Cluster = "local-cpu", global_batch: int
         raise AutoshardError(f"estimate needs every decision pinned; missing: {', '.join(missing)}")
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, nodes=nodes, devices_per_node=devices_per_node)
-    return estimate_model(PlanRequest(model_spec=model, cluster=cluster, global_batch=global_batch,
-                                      pins=Pins(**pins), fold=fold, cache=cache, runtime=runtime, seq_len=seq_len))
+    return estimate_model(
+        PlanRequest(
+            model_spec=model,
+            cluster=cluster,
+            global_batch=global_batch,
+            pins=Pins(**pins),
+            fold=fold,
+            cache=cache,
+            runtime=runtime,
+            seq_len=seq_len,
+        )
+    )
 
 
 def layout(plan: Plan | str | Path) -> Layout:
@@ -66,8 +106,15 @@ def layout(plan: Plan | str | Path) -> Layout:
     return lower_layout(plan if isinstance(plan, Plan) else load_plan(plan))
 
 
-def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = None, init_from: str | Path | None = None,
-                recipe: Recipe | None = None, loss_fn: Callable | None = None, example_inputs: tuple | None = None):
+def parallelize(
+    model: nn.Module,
+    plan: Plan | str | Path,
+    lr: float | None = None,
+    init_from: str | Path | None = None,
+    recipe: Recipe | None = None,
+    loss_fn: Callable | None = None,
+    example_inputs: tuple | None = None,
+):
     """Inside a torchrun-launched script: apply ``plan`` to ``model`` (built the same on every rank, the model the
     plan was made for) and return a ``runtime.parallelized.Parallelized`` ``p`` that trains it as the emitted
     program does, for every plan (pipelines and context parallelism included)::
@@ -101,18 +148,24 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = No
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
     if not isinstance(model, nn.Module):
-        raise AutoshardError(f"autoshard.parallelize takes a torch.nn.Module, not a {type(model).__name__}; fix: "
-                             f"build the model first (the plan's {plan.model['spec']})")
+        raise AutoshardError(
+            f"autoshard.parallelize takes a torch.nn.Module, not a {type(model).__name__}; fix: "
+            f"build the model first (the plan's {plan.model['spec']})"
+        )
     check_model_for_plan(model, plan)
     if plan.precision == "fp16-autocast":
-        raise AutoshardError(f"plan precision {plan.precision} scales the loss (a GradScaler), which "
-                             f"Parallelized.train_step does not; fix: train it with its emitted program "
-                             f"(autoshard compile), or plan with --precision bf16")
+        raise AutoshardError(
+            f"plan precision {plan.precision} scales the loss (a GradScaler), which "
+            f"Parallelized.train_step does not; fix: train it with its emitted program "
+            f"(autoshard compile), or plan with --precision bf16"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.world_size:
-        raise AutoshardError(f"this plan is for {plan.world_size} ranks, and this process is one of {world}; fix: "
-                             f"launch the script with torchrun --nproc-per-node {plan.world_size} (or re-plan for "
-                             f"{world})")
+        raise AutoshardError(
+            f"this plan is for {plan.world_size} ranks, and this process is one of {world}; fix: "
+            f"launch the script with torchrun --nproc-per-node {plan.world_size} (or re-plan for "
+            f"{world})"
+        )
     spec = lower_layout(plan)
     ctx = runtime.init_distributed(expected_world_size=spec.world_size)
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
@@ -125,15 +178,28 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, lr: float | None = No
         if example_inputs is None:
             example_inputs = runtime.global_batch(model_file(), plan.microbatch_size, seed=0, step=0)[0]
         example_inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        run_inputs |= dict(loss_fn=loss_fn,
-                           example_microbatch=tuple(t[:plan.microbatch_size].to(ctx.device) for t in example_inputs))
+        run_inputs |= dict(
+            loss_fn=loss_fn, example_microbatch=tuple(t[: plan.microbatch_size].to(ctx.device) for t in example_inputs)
+        )
     applied = runtime.apply_steps(model.to(ctx.device), lower(plan), mesh, **run_inputs)  # as the emitted program
     if init_from is not None:
         from autoshard.runtime.checkpoint import load_weights
 
-        load_weights(init_from, applied["model"], applied["optimizer"], mesh if plan.mesh.pp > 1 else None)  # as the program
-    return Parallelized(plan, spec, mesh, ctx.device, applied["model"], applied["optimizer"], recipe, loss_fn,
-                        applied.get("schedule"), model_file)
+        load_weights(
+            init_from, applied["model"], applied["optimizer"], mesh if plan.mesh.pp > 1 else None
+        )  # as the program
+    return Parallelized(
+        plan,
+        spec,
+        mesh,
+        ctx.device,
+        applied["model"],
+        applied["optimizer"],
+        recipe,
+        loss_fn,
+        applied.get("schedule"),
+        model_file,
+    )
 
 
 def check_model_for_plan(model: nn.Module, plan: Plan) -> None:
@@ -146,10 +212,15 @@ def check_model_for_plan(model: nn.Module, plan: Plan) -> None:
         return
     spec, planned = plan.model["spec"], plan.model.get("params")
     params = sum(p.numel() for p in model.parameters())
-    how = (f"it has {params:,} parameters, the plan's {planned:,}" if planned is not None and params != planned else
-           "its module types, parameter names, shapes or dtypes differ")
-    raise AutoshardError(f"this model is not the one the plan was made for ({spec}): {how}; fix: build the model "
-                         f"as {spec} does, or plan this one")
+    how = (
+        f"it has {params:,} parameters, the plan's {planned:,}"
+        if planned is not None and params != planned
+        else "its module types, parameter names, shapes or dtypes differ"
+    )
+    raise AutoshardError(
+        f"this model is not the one the plan was made for ({spec}): {how}; fix: build the model "
+        f"as {spec} does, or plan this one"
+    )
 
 
 def _model_file_once(plan: Plan, seq_len: int | None) -> Callable[[], ModelFile]:
@@ -162,4 +233,5 @@ def _model_file_once(plan: Plan, seq_len: int | None) -> Callable[[], ModelFile]
 
             loaded.append(load_model_file(plan.model["spec"], seq_len=seq_len))
         return loaded[0]
+
     return model_file

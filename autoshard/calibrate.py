@@ -91,20 +91,41 @@ class Settings:
     @classmethod
     def for_backend(cls, backend: str, quick: bool) -> Settings:
         if backend == "nccl":  # GPUs: bf16 matmuls to 8192 (the peak's size, _device), up to 256 MiB messages
-            return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
-                       matmul_sizes=(2048, 4096, 8192), elementwise_numel=2**28,
-                       point_s=0.05 if quick else 0.2, min_calls=5, max_calls=200 if quick else 1000)
+            return cls(
+                sizes_bytes=_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
+                matmul_sizes=(2048, 4096, 8192),
+                elementwise_numel=2**28,
+                point_s=0.05 if quick else 0.2,
+                min_calls=5,
+                max_calls=200 if quick else 1000,
+            )
         if quick:
-            return cls(sizes_bytes=_sizes(4 * KIB, 4 * MIB), matmul_sizes=(512, 1024), elementwise_numel=2**23,
-                       point_s=0.08, min_calls=3, max_calls=40)
-        return cls(sizes_bytes=_sizes(4 * KIB, 64 * MIB), matmul_sizes=(512, 1024, 2048), elementwise_numel=2**24,
-                   point_s=0.3, min_calls=7, max_calls=200)
+            return cls(
+                sizes_bytes=_sizes(4 * KIB, 4 * MIB),
+                matmul_sizes=(512, 1024),
+                elementwise_numel=2**23,
+                point_s=0.08,
+                min_calls=3,
+                max_calls=40,
+            )
+        return cls(
+            sizes_bytes=_sizes(4 * KIB, 64 * MIB),
+            matmul_sizes=(512, 1024, 2048),
+            elementwise_numel=2**24,
+            point_s=0.3,
+            min_calls=7,
+            max_calls=200,
+        )
 
     def steps(self, ranks: int, models: list[ProfileRequest] = ()) -> list[str]:
         """The progress-bar steps, in the order the workers run them."""
         comm = [f"{c} {_size(s)}" for c in COLLECTIVES for s in self.sizes_bytes] if ranks > 1 else []
-        return comm + [f"matmul {n}" for n in self.matmul_sizes] + ["elementwise add", "host overheads"] + \
-            [f"model {m.spec}" for m in models]
+        return (
+            comm
+            + [f"matmul {n}" for n in self.matmul_sizes]
+            + ["elementwise add", "host overheads"]
+            + [f"model {m.spec}" for m in models]
+        )
 
 
 @dataclass
@@ -149,8 +170,10 @@ class Calibration:
         d, out = self.cluster.device, {}
         for n, t in self.measurements.matmul_s.items():
             elem = 2 if self.measurements.dtype == "bfloat16" else 4
-            predicted = max(2 * n**3 / (d.peak_tflops * 1e12 * d.matmul_efficiency),
-                            3 * n * n * elem / (d.memory_bandwidth_gbps * 1e9))
+            predicted = max(
+                2 * n**3 / (d.peak_tflops * 1e12 * d.matmul_efficiency),
+                3 * n * n * elem / (d.memory_bandwidth_gbps * 1e9),
+            )
             out[n] = predicted / t - 1
         return out
 
@@ -161,16 +184,21 @@ def check_output(path: str | Path) -> Path:
     if path.suffix not in (".yaml", ".yml"):
         raise AutoshardError(f"output '{path}' must end in .yaml or .yml; fix: e.g. -o cluster.yaml")
     if not path.parent.is_dir():
-        raise AutoshardError(f"output directory '{path.parent}' does not exist; fix: create it, or write "
-                             f"-o {path.name} in the current directory")
+        raise AutoshardError(
+            f"output directory '{path.parent}' does not exist; fix: create it, or write "
+            f"-o {path.name} in the current directory"
+        )
     if path.is_dir():
         raise AutoshardError(f"output '{path}' is a directory; fix: give a file name, e.g. -o {path}/cluster.yaml")
     return path
 
 
-def calibrate(devices_per_node: int | None = None, quick: bool = False,
-              on_step: Callable[[int, int, str], None] | None = None,
-              models: list[ProfileRequest] = ()) -> Calibration:
+def calibrate(
+    devices_per_node: int | None = None,
+    quick: bool = False,
+    on_step: Callable[[int, int, str], None] | None = None,
+    models: list[ProfileRequest] = (),
+) -> Calibration:
     """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``model_probes``);
     ``on_step(done, total, name)`` reports progress."""
     start, load_1min = time.perf_counter(), os.getloadavg()[0]
@@ -180,8 +208,7 @@ def calibrate(devices_per_node: int | None = None, quick: bool = False,
     progress = on_step or (lambda done, total, name: None)
     progress(0, len(steps), f"starting {ranks} {backend} ranks")
     done = itertools.count(1)
-    measured = _run_workers(ranks, backend, settings, list(models),
-                            lambda name: progress(next(done), len(steps), name))
+    measured = _run_workers(ranks, backend, settings, list(models), lambda name: progress(next(done), len(steps), name))
     measured.load_1min, measured.cpus = load_1min, os.cpu_count() or 1
     return _calibration(measured, quick, time.perf_counter() - start, list(models))
 
@@ -193,8 +220,10 @@ def microbatch_sizes_flag(text: str) -> tuple[int, ...]:
     except ValueError:
         sizes = ()
     if not sizes or sizes[0] < 1 or len(sizes) > 16:
-        raise AutoshardError(f"--microbatch-sizes {text!r} must be up to 16 positive integers separated by commas; "
-                             "fix: e.g. --microbatch-sizes 1,2,4,8")
+        raise AutoshardError(
+            f"--microbatch-sizes {text!r} must be up to 16 positive integers separated by commas; "
+            "fix: e.g. --microbatch-sizes 1,2,4,8"
+        )
     return sizes
 
 
@@ -215,18 +244,23 @@ def _check_ranks(ranks: int, backend: str) -> None:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise AutoshardError(f"--devices-per-node {ranks!r} must be a positive integer; fix: pass e.g. 2")
     if backend == "nccl" and ranks > torch.cuda.device_count():
-        raise AutoshardError(f"--devices-per-node {ranks} but this machine has {torch.cuda.device_count()} GPU(s); "
-                             f"fix: pass --devices-per-node {torch.cuda.device_count()} or fewer")
+        raise AutoshardError(
+            f"--devices-per-node {ranks} but this machine has {torch.cuda.device_count()} GPU(s); "
+            f"fix: pass --devices-per-node {torch.cuda.device_count()} or fewer"
+        )
     if backend == "gloo" and ranks > MAX_LOCAL_CPU_RANKS:
-        raise AutoshardError(f"--devices-per-node {ranks} CPU processes is more than this machine should run; "
-                             "fix: pass the number of ranks a node will run, e.g. 2")
+        raise AutoshardError(
+            f"--devices-per-node {ranks} CPU processes is more than this machine should run; "
+            "fix: pass the number of ranks a node will run, e.g. 2"
+        )
 
 
 # --------------------------------------------------------------------------- parent side
 
 
-def _run_workers(ranks: int, backend: str, settings: Settings, models: list[ProfileRequest],
-                 on_step: Callable[[str], None]) -> Measurements:
+def _run_workers(
+    ranks: int, backend: str, settings: Settings, models: list[ProfileRequest], on_step: Callable[[str], None]
+) -> Measurements:
     """Spawn the workers, relay rank 0's progress, and read its result file."""
     import torch.multiprocessing as mp
 
@@ -238,11 +272,13 @@ def _run_workers(ranks: int, backend: str, settings: Settings, models: list[Prof
             while not ctx.join(timeout=0.1):
                 _relay(queue, on_step)
         except mp.ProcessRaisedException as exc:
-            raise AutoshardError(f"a calibration worker failed: {_last_line(str(exc))}; "
-                                 "fix: rerun with --debug for the traceback") from exc
+            raise AutoshardError(
+                f"a calibration worker failed: {_last_line(str(exc))}; fix: rerun with --debug for the traceback"
+            ) from exc
         except mp.ProcessExitedException as exc:
-            raise AutoshardError(f"a calibration worker died ({exc}); fix: check memory, rerun with "
-                                 "fewer --devices-per-node") from exc
+            raise AutoshardError(
+                f"a calibration worker died ({exc}); fix: check memory, rerun with fewer --devices-per-node"
+            ) from exc
         finally:
             for proc in ctx.processes:
                 if proc.is_alive():
@@ -281,8 +317,10 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
     link_fit = fit_link(m.comm) if m.comm else None
     cluster = build_cluster(m, link_fit, quick, per_collective)
     if models:
-        origin = f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} " \
-                 f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
+        origin = (
+            f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} "
+            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
+        )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
         cluster = replace(cluster, profiles=profiles)
     return Calibration(m, link_fit, per_collective, cluster, wall_s)
@@ -296,15 +334,19 @@ def _fit_or_none(samples: list[Sample]) -> LinkFit | None:
         return None
 
 
-def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool,
-                  per_collective: dict[str, LinkFit | None] | None = None) -> Cluster:
+def build_cluster(
+    m: Measurements, fit: LinkFit | None, quick: bool, per_collective: dict[str, LinkFit | None] | None = None
+) -> Cluster:
     """The measured cluster: one node of ``m.ranks`` devices (what is written and how: module doc)."""
     host = socket.gethostname()
     day = datetime.date.today().isoformat()
     origin = f"measured by autoshard calibrate{' --quick' if quick else ''} on {host} {day} ({m.busy})"
     default = PRESETS["local-cpu" if m.backend == "gloo" else "dgx-h100"]
-    inter = LinkSpec(default.inter_node.bandwidth_gbps, default.inter_node.latency_us,
-                     f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}")
+    inter = LinkSpec(
+        default.inter_node.bandwidth_gbps,
+        default.inter_node.latency_us,
+        f"not measured (calibrate sees one node); {default.name} preset: {default.inter_node.source}",
+    )
     intra = _intra_link(m, fit, origin, default, per_collective)
     cluster = Cluster(f"calibrated-{host}", 1, m.ranks, _device(m, origin), intra, inter, m.backend)
     overheads = _host(m, cluster, origin) if m.host else HostOverheads.none()
@@ -315,9 +357,14 @@ def build_cluster(m: Measurements, fit: LinkFit | None, quick: bool,
 
 def _host(m: Measurements, cluster: Cluster, origin: str) -> HostOverheads:
     """Host overheads from the probes (``host_probes``), priced against the device and link just fitted."""
-    return host_probes.fit_host(m.host, host_probes.probe_counts(cluster), cluster, m.ranks,
-                                f"{origin}, {m.ranks} {m.backend} ranks at once: autoshard.host_probes on "
-                                f"{host_probes.BLOCKS} blocks of width {host_probes.WIDTH}")
+    return host_probes.fit_host(
+        m.host,
+        host_probes.probe_counts(cluster),
+        cluster,
+        m.ranks,
+        f"{origin}, {m.ranks} {m.backend} ranks at once: autoshard.host_probes on "
+        f"{host_probes.BLOCKS} blocks of width {host_probes.WIDTH}",
+    )
 
 
 def _device(m: Measurements, origin: str) -> DeviceSpec:
@@ -327,30 +374,51 @@ def _device(m: Measurements, origin: str) -> DeviceSpec:
     by_n = {n: 2 * n**3 / t / 1e12 for n, t in m.matmul_s.items()}
     gpu = m.backend == "nccl"
     tflops = by_n[max(by_n)] if gpu else statistics.median(by_n.values())
-    rule = f"bf16 matmul throughput at n = {max(by_n)}" if gpu else f"median {m.dtype} matmul throughput over n = " \
-        f"{', '.join(map(str, m.matmul_s))}"
+    rule = (
+        f"bf16 matmul throughput at n = {max(by_n)}"
+        if gpu
+        else f"median {m.dtype} matmul throughput over n = {', '.join(map(str, m.matmul_s))}"
+    )
     who = f"{m.ranks} {m.backend} ranks" + (f" of {m.threads} thread(s)" if m.backend == "gloo" else "")
     return DeviceSpec(
-        name=m.device_name, peak_tflops=_round(tflops), memory_bytes=m.memory_bytes,
-        memory_bandwidth_gbps=_round(m.elementwise_bytes / m.elementwise_s / 1e9), matmul_efficiency=1.0,
+        name=m.device_name,
+        peak_tflops=_round(tflops),
+        memory_bytes=m.memory_bytes,
+        memory_bandwidth_gbps=_round(m.elementwise_bytes / m.elementwise_s / 1e9),
+        matmul_efficiency=1.0,
         source=f"{origin}, {who} at once: peak_tflops = {rule} (matmul_efficiency 1, so the roofline predicts "
-               f"measured matmuls), "
-               f"memory_bandwidth_gbps = torch.add of {_size(m.elementwise_bytes // 3)} tensors (3 × bytes / time)"
-               + (", memory_bytes = host MemTotal / devices_per_node" if m.backend == "gloo" else ""))
+        f"measured matmuls), "
+        f"memory_bandwidth_gbps = torch.add of {_size(m.elementwise_bytes // 3)} tensors (3 × bytes / time)"
+        + (", memory_bytes = host MemTotal / devices_per_node" if m.backend == "gloo" else ""),
+    )
 
 
-def _intra_link(m: Measurements, fit: LinkFit | None, origin: str, default: Cluster,
-                per_collective: dict[str, LinkFit | None] | None = None) -> LinkSpec:
+def _intra_link(
+    m: Measurements,
+    fit: LinkFit | None,
+    origin: str,
+    default: Cluster,
+    per_collective: dict[str, LinkFit | None] | None = None,
+) -> LinkSpec:
     if fit is None:
-        return LinkSpec(default.intra_node.bandwidth_gbps, default.intra_node.latency_us,
-                        f"not measured (one rank); {default.name} preset: {default.intra_node.source}")
+        return LinkSpec(
+            default.intra_node.bandwidth_gbps,
+            default.intra_node.latency_us,
+            f"not measured (one rank); {default.name} preset: {default.intra_node.source}",
+        )
     sizes = sorted(s.size_bytes for s in m.comm)
-    own = tuple((name, _round(f.latency_us), _round(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f)
-    return LinkSpec(_round(fit.bandwidth_gbps), _round(fit.latency_us),
-                    f"{origin}, {m.backend} with {m.ranks} ranks: α and B fitted by least squares of relative error "
-                    f"to comm.py's formulas over {', '.join(COLLECTIVES)} at {_size(sizes[0])}-{_size(sizes[-1])} "
-                    f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}; "
-                    f"collectives: each one's own fit, which the cost model prices it with", own)
+    own = tuple(
+        (name, _round(f.latency_us), _round(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f
+    )
+    return LinkSpec(
+        _round(fit.bandwidth_gbps),
+        _round(fit.latency_us),
+        f"{origin}, {m.backend} with {m.ranks} ranks: α and B fitted by least squares of relative error "
+        f"to comm.py's formulas over {', '.join(COLLECTIVES)} at {_size(sizes[0])}-{_size(sizes[-1])} "
+        f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}; "
+        f"collectives: each one's own fit, which the cost model prices it with",
+        own,
+    )
 
 
 def _round(x: float) -> float:
@@ -380,28 +448,44 @@ def write_cluster_file(path: str | Path, cal: Calibration, command: str) -> Path
 
 def _header(cal: Calibration, command: str, path: Path) -> str:
     m = cal.measurements
-    lines = [f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
-             f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
-             f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank.",
-             f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.", ""]
+    lines = [
+        f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
+        f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
+        f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank.",
+        f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.",
+        "",
+    ]
     if cal.link_fit is not None:
-        lines += ["alpha-beta fits (autoshard.cost.calibrate), relative error of the fitted model:",
-                  f"  {'collective':<15} {'latency_us':>10} {'GB/s':>8} {'max err':>8} {'rms err':>8}"]
+        lines += [
+            "alpha-beta fits (autoshard.cost.calibrate), relative error of the fitted model:",
+            f"  {'collective':<15} {'latency_us':>10} {'GB/s':>8} {'max err':>8} {'rms err':>8}",
+        ]
         for name, fit in [("all (written)", cal.link_fit), *cal.per_collective.items()]:
-            figures = (f"{fit.latency_us:>10.1f} {fit.bandwidth_gbps:>8.3g} {fit.max_rel_error:>8.1%} "
-                       f"{fit.rms_rel_error:>8.1%}" if fit else "no fit: times do not grow with size")
+            figures = (
+                f"{fit.latency_us:>10.1f} {fit.bandwidth_gbps:>8.3g} {fit.max_rel_error:>8.1%} "
+                f"{fit.rms_rel_error:>8.1%}"
+                if fit
+                else "no fit: times do not grow with size"
+            )
             lines.append(f"  {name:<15} {figures}")
-        lines += ["", "measured / predicted with the written intra_node, microseconds:",
-                  "  " + f"{'size':>8}" + "".join(f" {c:>21}" for c in COLLECTIVES)]
+        lines += [
+            "",
+            "measured / predicted with the written intra_node, microseconds:",
+            "  " + f"{'size':>8}" + "".join(f" {c:>21}" for c in COLLECTIVES),
+        ]
         link = cal.cluster.intra_node
         columns = [sorted((s for s in m.comm if s.collective == c), key=lambda s: s.size_bytes) for c in COLLECTIVES]
         for row in zip(*columns):  # the same nominal size in each (rounded to whole elements per rank)
-            cells = [f"{s.time_s * 1e6:>10.0f} / {predict_s(s.collective, s.ranks, s.size_bytes, link) * 1e6:<8.0f}"
-                     for s in row]
+            cells = [
+                f"{s.time_s * 1e6:>10.0f} / {predict_s(s.collective, s.ranks, s.size_bytes, link) * 1e6:<8.0f}"
+                for s in row
+            ]
             lines.append(f"  {_size(row[-1].size_bytes):>8} " + " ".join(cells))
         lines.append("")
-    lines.append("matmul n: TFLOP/s (roofline error) " + ", ".join(
-        f"{n}: {t:.3g} ({cal.roofline_errors()[n]:+.0%})" for n, t in cal.matmul_tflops.items()))
+    lines.append(
+        "matmul n: TFLOP/s (roofline error) "
+        + ", ".join(f"{n}: {t:.3g} ({cal.roofline_errors()[n]:+.0%})" for n, t in cal.matmul_tflops.items())
+    )
     return "".join(f"# {line}".rstrip() + "\n" for line in lines) + "\n"
 
 
@@ -414,15 +498,19 @@ def render(cal: Calibration, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"Calibrated {cal.cluster.name}: {cal.measurements.ranks} {cal.cluster.backend} ranks "
-                        f"({cal.wall_s:.0f} s, {cal.measurements.busy})",
-                  caption="error: |model − measured| / measured over the sizes; '… alone': one collective's own fit, "
-                          "for comparison (the file has the joint fit)")
+    table = Table(
+        title=f"Calibrated {cal.cluster.name}: {cal.measurements.ranks} {cal.cluster.backend} ranks "
+        f"({cal.wall_s:.0f} s, {cal.measurements.busy})",
+        caption="error: |model − measured| / measured over the sizes; '… alone': one collective's own fit, "
+        "for comparison (the file has the joint fit)",
+    )
     for col in ("figure", "value", "error max / rms"):
         table.add_column(col, justify="left" if col == "figure" else "right")
     link, device = cal.cluster.intra_node, cal.cluster.device
     if cal.link_fit is not None:
-        table.add_row("intra_node α, B", f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s", _err(cal.link_fit))
+        table.add_row(
+            "intra_node α, B", f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s", _err(cal.link_fit)
+        )
         for name, fit in cal.per_collective.items():
             figures = f"{fit.latency_us:.3g} µs, {fit.bandwidth_gbps:.3g} GB/s" if fit else "no fit (noisy)"
             table.add_row(f"  {name} alone", figures, _err(fit) if fit else "")
@@ -431,8 +519,11 @@ def render(cal: Calibration, console=None) -> None:
     errors = cal.roofline_errors()
     worst = max(errors.values(), key=abs)
     rms = math.sqrt(statistics.mean(e * e for e in errors.values()))
-    table.add_row(f"peak_tflops ({cal.measurements.dtype} matmul)", f"{device.peak_tflops:.3g} TFLOP/s",
-                  f"{abs(worst):.0%} / {rms:.0%}")
+    table.add_row(
+        f"peak_tflops ({cal.measurements.dtype} matmul)",
+        f"{device.peak_tflops:.3g} TFLOP/s",
+        f"{abs(worst):.0%} / {rms:.0%}",
+    )
     table.add_row("memory_bandwidth_gbps", f"{device.memory_bandwidth_gbps:.3g} GB/s", "")
     table.add_row("memory_bytes per rank", f"{device.memory_bytes / 2**30:.1f} GiB", "")
     console.print(table)
@@ -445,8 +536,9 @@ def _err(fit: LinkFit) -> str:
 # --------------------------------------------------------------------------- worker side
 
 
-def _worker(rank: int, ranks: int, backend: str, settings: Settings, models: list[ProfileRequest], tmp: str, queue,
-            threads: int) -> None:
+def _worker(
+    rank: int, ranks: int, backend: str, settings: Settings, models: list[ProfileRequest], tmp: str, queue, threads: int
+) -> None:
     """One rank: join the group, measure everything, rank 0 writes ``result.json``."""
     import torch
     import torch.distributed as dist
@@ -456,8 +548,13 @@ def _worker(rank: int, ranks: int, backend: str, settings: Settings, models: lis
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S),
+    )
     try:
         bench = _Bench(device, settings, (lambda name: queue.put(name)) if rank == 0 else (lambda name: None))
         result = bench.run(models)
@@ -496,10 +593,20 @@ class _Bench:
         for request in models:
             profiles.append(measure_model(self._time_probe, request, self.device))
             self.report(f"model {request.spec}")
-        return {"host": host, "models": profiles, "backend": self.dist.get_backend(), "ranks": self.ranks, "threads": self.torch.get_num_threads(),
-                "device_name": self.device_name(), "memory_bytes": self.memory_bytes(),
-                "dtype": str(self.dtype).removeprefix("torch."), "comm": comm, "matmul_s": matmul_s,
-                "elementwise_bytes": elem_bytes, "elementwise_s": elem_s}
+        return {
+            "host": host,
+            "models": profiles,
+            "backend": self.dist.get_backend(),
+            "ranks": self.ranks,
+            "threads": self.torch.get_num_threads(),
+            "device_name": self.device_name(),
+            "memory_bytes": self.memory_bytes(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "comm": comm,
+            "matmul_s": matmul_s,
+            "elementwise_bytes": elem_bytes,
+            "elementwise_s": elem_s,
+        }
 
     def collectives(self) -> list[list]:
         rows = []
@@ -519,11 +626,13 @@ class _Bench:
         shard = torch.ones(numel // p, dtype=self.dtype, device=self.device)
         received = torch.empty_like(full)  # all_to_all: each rank sends S = numel elements, 1/p to each
         g = self.group
-        ops = {"all_reduce": lambda: dist.all_reduce(full, group=g),
-               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=g),
-               "all_gather": lambda: dist.all_gather_single(full, shard, group=g),
-               "broadcast": lambda: dist.broadcast(full, src=self.broadcast_src, group=g),
-               "all_to_all": lambda: dist.all_to_all_single(received, full, group=g)}
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(full, group=g),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=g),
+            "all_gather": lambda: dist.all_gather_single(full, shard, group=g),
+            "broadcast": lambda: dist.broadcast(full, src=self.broadcast_src, group=g),
+            "all_to_all": lambda: dist.all_to_all_single(received, full, group=g),
+        }
         return ops[name], numel * elem
 
     def p2p(self) -> list[list]:

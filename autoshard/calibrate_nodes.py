@@ -45,9 +45,11 @@ def calibrate_across_nodes(node_file: str, output: str, command: str) -> Cluster
     import torch.distributed as dist
 
     if not launched_across_nodes():
-        raise AutoshardError("--across-nodes runs under torchrun on every node; fix: torchrun --nnodes N "
-                             "--nproc-per-node L --rdzv-backend c10d --rdzv-endpoint HEAD:29500 -m autoshard.cli "
-                             "calibrate --across-nodes node.yaml -o cluster.yaml")
+        raise AutoshardError(
+            "--across-nodes runs under torchrun on every node; fix: torchrun --nnodes N "
+            "--nproc-per-node L --rdzv-backend c10d --rdzv-endpoint HEAD:29500 -m autoshard.cli "
+            "calibrate --across-nodes node.yaml -o cluster.yaml"
+        )
     node = load_cluster(node_file)  # checked before the group forms: a bad file is one line on every rank
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
@@ -97,23 +99,29 @@ def _cluster(node: Cluster, samples: list[Sample]) -> Cluster:
     import torch.distributed as dist
 
     fit = fit_link(samples)
-    own = tuple((c, _round(f.latency_us), _round(f.bandwidth_gbps))
-                for c in COLLECTIVES if (f := _fit_or_none([s for s in samples if s.collective == c])))
-    origin = (f"measured by autoshard calibrate --across-nodes on {socket.gethostname()} "
-              f"{datetime.date.today().isoformat()}: {dist.get_world_size() // int(os.environ['LOCAL_WORLD_SIZE'])} "
-              f"nodes, {os.environ['LOCAL_WORLD_SIZE']} groups across them at once; α and B fitted to comm.py's "
-              f"formulas (fit error max {fit.max_rel_error:.0%}); collectives: each one's own fit")
+    own = tuple(
+        (c, _round(f.latency_us), _round(f.bandwidth_gbps))
+        for c in COLLECTIVES
+        if (f := _fit_or_none([s for s in samples if s.collective == c]))
+    )
+    origin = (
+        f"measured by autoshard calibrate --across-nodes on {socket.gethostname()} "
+        f"{datetime.date.today().isoformat()}: {dist.get_world_size() // int(os.environ['LOCAL_WORLD_SIZE'])} "
+        f"nodes, {os.environ['LOCAL_WORLD_SIZE']} groups across them at once; α and B fitted to comm.py's "
+        f"formulas (fit error max {fit.max_rel_error:.0%}); collectives: each one's own fit"
+    )
     inter = LinkSpec(_round(fit.bandwidth_gbps), _round(fit.latency_us), origin, own)
     nodes = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
     return replace(node, name=f"{node.name}-x{nodes}", nodes=nodes, inter_node=inter)
 
 
 def write_cluster(path: str, cluster: Cluster, samples: list[Sample], command: str) -> None:
-    lines = [f"Cluster file written by `{command}`.", "inter_node measured across nodes; the rest from the node "
-             "file. Measured one-way times, microseconds:"]
+    lines = [
+        f"Cluster file written by `{command}`.",
+        "inter_node measured across nodes; the rest from the node file. Measured one-way times, microseconds:",
+    ]
     for s in samples:
         lines.append(f"  {s.collective:<15} {int(s.size_bytes):>10} B  {s.time_s * 1e6:10.0f}")
     header = "".join(f"# {line}\n" for line in lines) + "\n"
     body = yaml.safe_dump(cluster.to_dict(), sort_keys=False, allow_unicode=True, width=10_000)
     write_text_atomic(Path(path), header + body)
-

@@ -35,6 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _int_flag(flag: str, low: int, high: int, example: int):
     """argparse ``type=`` for an integer flag in [low, high]: anything else is one line before anything starts."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -44,11 +45,13 @@ def _int_flag(flag: str, low: int, high: int, example: int):
             bound = f">= {low}" if high >= 10**15 else f"from {low} to {high:,}"
             raise argparse.ArgumentTypeError(f"{flag} {text} must be an integer {bound}; e.g. {flag} {example}")
         return value
+
     return parse
 
 
 def _positive_float(flag: str):
     """argparse ``type=`` for a finite number > 0 (a learning rate): anything else is one line."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -57,6 +60,7 @@ def _positive_float(flag: str):
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"{flag} {text} must be a finite number > 0; e.g. {flag} 3e-4")
         return value
+
     return parse
 
 
@@ -118,16 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan(sub, common) -> None:
     p = sub.add_parser("plan", parents=[common], help="choose how to parallelize a model on a cluster")
     _add_plan_arguments(p)
-    p.add_argument("--dryrun", action="store_true", help="then run the chosen plan's ranks of each role on fake "
-                   "tensors, as `autoshard dryrun` does, and print their peak memory by part beside the "
-                   "prediction (on stderr with --json)")
+    p.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="then run the chosen plan's ranks of each role on fake "
+        "tensors, as `autoshard dryrun` does, and print their peak memory by part beside the "
+        "prediction (on stderr with --json)",
+    )
     p.set_defaults(func=cmd_plan)
 
 
 def _add_estimate(sub, common) -> None:
-    p = sub.add_parser("estimate", parents=[common],
-                       help="price a configuration fixed by hand (--dp --tp --pp --zero --microbatch-size "
-                            "--recompute --schedule all pinned; --virtual-stages follows the schedule)")
+    p = sub.add_parser(
+        "estimate",
+        parents=[common],
+        help="price a configuration fixed by hand (--dp --tp --pp --zero --microbatch-size "
+        "--recompute --schedule all pinned; --virtual-stages follows the schedule)",
+    )
     _add_plan_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
@@ -136,32 +147,62 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="path/to/model.py:factory")
     p.add_argument("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or cluster YAML")
     p.add_argument("--nodes", type=int, help="nodes to plan for (default: the cluster file's or preset's)")
-    p.add_argument("--devices-per-node", type=int,
-                   help="GPUs (or CPU ranks) per node to plan for (default: the cluster file's or preset's)")
+    p.add_argument(
+        "--devices-per-node",
+        type=int,
+        help="GPUs (or CPU ranks) per node to plan for (default: the cluster file's or preset's)",
+    )
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--seq-len", type=int, help="tokens per sample, handed to the model file's "
-                   "example_batch(batch_size, seq_len=...) (default: the file's own)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sample, handed to the model file's "
+        "example_batch(batch_size, seq_len=...) (default: the file's own)",
+    )
     p.add_argument("-o", "--output", help="write plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
     _add_pin_arguments(p)
-    p.add_argument("--runtime", choices=PLAN_RUNTIMES, default="autoshard", type=str.lower,
-                   help="price the configuration as this runtime runs it: autoshard (the emitted program, default) "
-                        "or megatron-lm (to compare with Megatron-LM's published runs; the plan still compiles "
-                        "to autoshard's program)")
-    p.add_argument("--no-fold", action="store_true", help="export every repeated layer instead of three and copies "
-                   "(slower on deep models; for a model whose layers differ by their index)")
-    p.add_argument("--no-cache", action="store_true", help="capture the model even if the capture cache has it "
-                   "(AUTOSHARD_CACHE=0 turns the cache off; AUTOSHARD_CACHE_DIR moves it)")
-    p.add_argument("--time-limit", type=float, metavar="SECONDS",
-                   help="stop searching after this long and report the optimality gap (default: search to the optimum)")
+    p.add_argument(
+        "--runtime",
+        choices=PLAN_RUNTIMES,
+        default="autoshard",
+        type=str.lower,
+        help="price the configuration as this runtime runs it: autoshard (the emitted program, default) "
+        "or megatron-lm (to compare with Megatron-LM's published runs; the plan still compiles "
+        "to autoshard's program)",
+    )
+    p.add_argument(
+        "--no-fold",
+        action="store_true",
+        help="export every repeated layer instead of three and copies "
+        "(slower on deep models; for a model whose layers differ by their index)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="capture the model even if the capture cache has it "
+        "(AUTOSHARD_CACHE=0 turns the cache off; AUTOSHARD_CACHE_DIR moves it)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="stop searching after this long and report the optimality gap (default: search to the optimum)",
+    )
 
 
 def _add_pin_arguments(p) -> None:
     """One flag per row of ``ir.decisions.PINS``, stored under its ``Pins`` field (``args.zero_stage`` for
     --zero): ``pins_of`` hands them to ``Pins`` as they are, which checks them."""
     for row in PINS:
-        p.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help,
-                       metavar=row.metavar or (None if row.choices else row.keyword.upper()))
+        p.add_argument(
+            row.flag,
+            dest=row.name,
+            type=row.parse,
+            choices=row.choices,
+            help=row.help,
+            metavar=row.metavar or (None if row.choices else row.keyword.upper()),
+        )
 
 
 def pins_of(args) -> dict[str, object]:
@@ -172,12 +213,20 @@ def pins_of(args) -> dict[str, object]:
 def _add_inspect(sub, common) -> None:
     p = sub.add_parser("inspect", parents=[common], help="show a plan as tables")
     p.add_argument("plan", help=PLAN_HELP)
-    p.add_argument("--all", action="store_true", dest="every_module",
-                   help="one tensor-parallel row per module (default: one per module of the repeated layers, "
-                        "with their count)")
-    p.add_argument("--what-if", action="append", default=[], metavar="NAME=VALUE",
-                   help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp, "
-                        "cp: cost.symbolic.WHAT_IF_NAMES) changed, without re-planning; repeat for several")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="every_module",
+        help="one tensor-parallel row per module (default: one per module of the repeated layers, with their count)",
+    )
+    p.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="re-evaluate the plan's cost with NAME (global_batch, seq_len, microbatch_size, dp, tp, pp, "
+        "cp: cost.symbolic.WHAT_IF_NAMES) changed, without re-planning; repeat for several",
+    )
     p.set_defaults(func=cmd_inspect)
 
 
@@ -192,8 +241,11 @@ def _add_compile(sub, common) -> None:
     p = sub.add_parser("compile", parents=[common], help="emit the training program of a plan")
     p.add_argument("plan", help=PLAN_HELP)
     p.add_argument("-o", "--output", default="train.py", help="the program to write (default: train.py)")
-    p.add_argument("--force", action="store_true",
-                   help="replace an existing SLURM script beside the program (NAME.sbatch) that autoshard did not write")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing SLURM script beside the program (NAME.sbatch) that autoshard did not write",
+    )
     _add_recipe_arguments(p)
     p.set_defaults(func=cmd_compile)
 
@@ -201,36 +253,65 @@ def _add_compile(sub, common) -> None:
 def _add_run(sub, common) -> None:
     p = sub.add_parser("run", parents=[common], help="emit a plan's program and run it here with torchrun")
     p.add_argument("plan", help=PLAN_HELP)
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20,
-                   help="optimizer steps to train (default: 20)")
+    p.add_argument(
+        "--steps", type=_int_flag("--steps", 1, 10**9, 20), default=20, help="optimizer steps to train (default: 20)"
+    )
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
     p.add_argument("--program", help="keep the emitted program here (default: next to the plan)")
     p.add_argument("--checkpoint-dir", help="save DCP checkpoints here and resume from the newest one")
-    p.add_argument("--checkpoint-every", type=_int_flag("--checkpoint-every", 1, 10**9, 100), default=100,
-                   help="steps between checkpoints")
-    p.add_argument("--max-restarts", type=_int_flag("--max-restarts", 0, 100, 1), default=0,
-                   help="restart every rank this many times when one fails (resumes from --checkpoint-dir)")
-    p.add_argument("--timeout-s", type=_int_flag("--timeout-s", 1, 10**7, 300), default=300,
-                   help="a collective waiting longer ends the job, naming the ranks that never joined it")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_int_flag("--checkpoint-every", 1, 10**9, 100),
+        default=100,
+        help="steps between checkpoints",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_int_flag("--max-restarts", 0, 100, 1),
+        default=0,
+        help="restart every rank this many times when one fails (resumes from --checkpoint-dir)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=_int_flag("--timeout-s", 1, 10**7, 300),
+        default=300,
+        help="a collective waiting longer ends the job, naming the ranks that never joined it",
+    )
     p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
-    p.add_argument("--log-jsonl", metavar="FILE", help="append each step's figures (loss, step time, tokens/s, lr, "
-                   "grad norm, MFU, memory) here as JSON lines")
-    p.add_argument("--tensorboard", metavar="DIR", help="write each step's figures as TensorBoard scalars here "
-                   "(needs the tensorboard package)")
+    p.add_argument(
+        "--log-jsonl",
+        metavar="FILE",
+        help="append each step's figures (loss, step time, tokens/s, lr, grad norm, MFU, memory) here as JSON lines",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write each step's figures as TensorBoard scalars here (needs the tensorboard package)",
+    )
     _add_data_arguments(p)
-    p.add_argument("--data-workers", type=_int_flag("--data-workers", 0, 64, 1), default=1,
-                   help="DataLoader processes per rank reading the dataset ahead (default: 1; 0: in the training "
-                   "process)")
+    p.add_argument(
+        "--data-workers",
+        type=_int_flag("--data-workers", 0, 64, 1),
+        default=1,
+        help="DataLoader processes per rank reading the dataset ahead (default: 1; 0: in the training process)",
+    )
     _add_recipe_arguments(p)
     p.set_defaults(func=cmd_run)
 
 
 def _add_data_arguments(p) -> None:
-    p.add_argument("--data", help="train on this flat token file (nanoGPT's .bin: tokens back to back, no header), "
-                   "in windows of the plan's tokens per sample (default: the model file's dataset(seq_len), else "
-                   "example_batch draws)")
-    p.add_argument("--data-dtype", choices=["uint16", "int32"], default="uint16",
-                   help="the token type of --data's file (default: uint16)")
+    p.add_argument(
+        "--data",
+        help="train on this flat token file (nanoGPT's .bin: tokens back to back, no header), "
+        "in windows of the plan's tokens per sample (default: the model file's dataset(seq_len), else "
+        "example_batch draws)",
+    )
+    p.add_argument(
+        "--data-dtype",
+        choices=["uint16", "int32"],
+        default="uint16",
+        help="the token type of --data's file (default: uint16)",
+    )
 
 
 def _add_recipe_arguments(p, what: str = "the program's RECIPE constants") -> None:
@@ -239,8 +320,9 @@ def _add_recipe_arguments(p, what: str = "the program's RECIPE constants") -> No
     group = p.add_argument_group("training recipe", f"optimizer, schedule and clipping ({what})")
     group.add_argument("--recipe", metavar="FILE", help=RECIPE_FILE_HELP)
     for row in RECIPE_FLAGS:
-        group.add_argument(row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help,
-                           metavar=row.metavar)
+        group.add_argument(
+            row.flag, dest=row.name, type=row.parse, choices=row.choices, help=row.help, metavar=row.metavar
+        )
 
 
 def recipe_of_args(args):
@@ -251,8 +333,12 @@ def recipe_of_args(args):
 def _add_verify(sub, common) -> None:
     p = sub.add_parser("verify", parents=[common], help="check the emitted program trains like one process")
     p.add_argument("plan", help=PLAN_HELP)
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 10**6, 5), default=5,
-                   help="steps to train both ways and compare (default: 5)")
+    p.add_argument(
+        "--steps",
+        type=_int_flag("--steps", 1, 10**6, 5),
+        default=5,
+        help="steps to train both ways and compare (default: 5)",
+    )
     p.add_argument("--seed", type=_int_flag("--seed", 0, MAX, 0), default=0, help=SEED_HELP)
     _add_data_arguments(p)
     _add_recipe_arguments(p, "both train with it")
@@ -260,16 +346,33 @@ def _add_verify(sub, common) -> None:
 
 
 def _add_dryrun(sub, common) -> None:
-    p = sub.add_parser("dryrun", parents=[common], help="run one rank's setup and two steps on fake tensors and "
-                       "compare its peak memory by part with the plan's prediction")
+    p = sub.add_parser(
+        "dryrun",
+        parents=[common],
+        help="run one rank's setup and two steps on fake tensors and "
+        "compare its peak memory by part with the plan's prediction",
+    )
     p.add_argument("plan", help=PLAN_HELP)
-    p.add_argument("--rank", type=_int_flag("--rank", 0, MAX, 0), action="append", dest="ranks",
-                   help="a rank of the plan's world to run (repeatable; default: one of each distinct role, rank 0 "
-                   "and a pipeline's last stage)")
-    p.add_argument("--steps", type=_int_flag("--steps", 1, 100, 2), default=2,
-                   help="training steps to run after setup (default: 2; the peak is the largest over them)")
-    p.add_argument("--json", action="store_true", help='print {"ranks": [{"rank", "peak_bytes", '
-                   '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}], "notes": [what it assumed]}')
+    p.add_argument(
+        "--rank",
+        type=_int_flag("--rank", 0, MAX, 0),
+        action="append",
+        dest="ranks",
+        help="a rank of the plan's world to run (repeatable; default: one of each distinct role, rank 0 "
+        "and a pipeline's last stage)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_int_flag("--steps", 1, 100, 2),
+        default=2,
+        help="training steps to run after setup (default: 2; the peak is the largest over them)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ranks": [{"rank", "peak_bytes", '
+        '"predicted_peak_bytes", "parts": {part: [measured, predicted]}}], "notes": [what it assumed]}',
+    )
     p.set_defaults(func=cmd_dryrun)
 
 
@@ -278,13 +381,21 @@ def _add_calibrate(sub, common) -> None:
     p.add_argument("-o", "--output", required=True, help="the cluster YAML to write, e.g. cluster.yaml")
     p.add_argument("--devices-per-node", type=int, help="ranks to measure with (default: 2 on CPU, every GPU)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 30 s)")
-    p.add_argument("--model", action="append", default=[], metavar="MODEL",
-                   help="also measure this model (file.py:factory): its forward and backward per micro-batch size "
-                        "and recompute mode, kept in the cluster file for plans of it (repeatable)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="also measure this model (file.py:factory): its forward and backward per micro-batch size "
+        "and recompute mode, kept in the cluster file for plans of it (repeatable)",
+    )
     p.add_argument("--microbatch-sizes", default="1,2,4,8", help="micro-batch sizes to measure --model at")
-    p.add_argument("--across-nodes", metavar="NODE_FILE",
-                   help="under torchrun on every node: measure the links between nodes and write NODE_FILE's "
-                        "cluster (from calibrate on one node) with them")
+    p.add_argument(
+        "--across-nodes",
+        metavar="NODE_FILE",
+        help="under torchrun on every node: measure the links between nodes and write NODE_FILE's "
+        "cluster (from calibrate on one node) with them",
+    )
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -295,8 +406,10 @@ def _calibrate_across_nodes(args, output) -> int:
     cluster = calibrate_across_nodes(args.across_nodes, str(output), command)
     if cluster is not None:
         link = cluster.inter_node
-        print(f"wrote {output}: {cluster.nodes} nodes x {cluster.devices_per_node}, inter_node "
-              f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s per device")
+        print(
+            f"wrote {output}: {cluster.nodes} nodes x {cluster.devices_per_node}, inter_node "
+            f"{link.latency_us:.3g} µs, {link.bandwidth_gbps:.3g} GB/s per device"
+        )
     return 0
 
 
@@ -307,10 +420,19 @@ def cmd_plan(args) -> int:
     with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
         from autoshard import api  # after the capture started: the imports run while it captures
 
-        plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
-                        devices_per_node=args.devices_per_node, runtime=args.runtime, fold=not args.no_fold,
-                        time_limit_s=_time_limit(args.time_limit), cache=not args.no_cache, seq_len=args.seq_len,
-                        **pins_of(args))
+        plan = api.plan(
+            args.model,
+            cluster=args.cluster,
+            global_batch=args.global_batch,
+            nodes=args.nodes,
+            devices_per_node=args.devices_per_node,
+            runtime=args.runtime,
+            fold=not args.no_fold,
+            time_limit_s=_time_limit(args.time_limit),
+            cache=not args.no_cache,
+            seq_len=args.seq_len,
+            **pins_of(args),
+        )
     _write_plan(plan, args)
     if args.dryrun:
         _print_dryrun(plan, file=sys.stderr if args.json else sys.stdout)
@@ -321,8 +443,11 @@ def _print_dryrun(plan, file) -> None:
     """``autoshard dryrun``'s report of ``plan`` (its default ranks)."""
     from autoshard.dryrun import dryrun, summary_lines
 
-    print(f"dry run: {plan.mesh}, ZeRO-{plan.zero_stage}, on fake tensors over a fake group of "
-          f"{plan.world_size} ranks", file=file, flush=True)
+    print(
+        f"dry run: {plan.mesh}, ZeRO-{plan.zero_stage}, on fake tensors over a fake group of {plan.world_size} ranks",
+        file=file,
+        flush=True,
+    )
     print("\n".join(summary_lines(plan, dryrun(plan))), file=file)
 
 
@@ -350,19 +475,32 @@ def cmd_estimate(args) -> int:
         pins = pins_of(args)
         missing = [PIN_OF[name].flag for name in Pins(**pins).missing_for_estimate()]
         if missing:
-            raise AutoshardError(f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
-                                 f"(or let `autoshard plan` choose)")
+            raise AutoshardError(
+                f"estimate prices a configuration fixed by hand: pin {', '.join(missing)} too "
+                f"(or let `autoshard plan` choose)"
+            )
 
-        plan = api.estimate(args.model, cluster=args.cluster, global_batch=args.global_batch, nodes=args.nodes,
-                            devices_per_node=args.devices_per_node, fold=not args.no_fold, cache=not args.no_cache,
-                            runtime=args.runtime, seq_len=args.seq_len, **pins)
+        plan = api.estimate(
+            args.model,
+            cluster=args.cluster,
+            global_batch=args.global_batch,
+            nodes=args.nodes,
+            devices_per_node=args.devices_per_node,
+            fold=not args.no_fold,
+            cache=not args.no_cache,
+            runtime=args.runtime,
+            seq_len=args.seq_len,
+            **pins,
+        )
     _write_plan(plan, args)
     device = plan.cluster["device"]["memory_bytes"]
     if plan.predicted.memory_peak_bytes_per_rank > device:
         over = plan.predicted.memory_peak_bytes_per_rank - device
-        print(f"does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
-              f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device (exit {EXIT_DOES_NOT_FIT})",
-              file=sys.stderr)
+        print(
+            f"does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
+            f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device (exit {EXIT_DOES_NOT_FIT})",
+            file=sys.stderr,
+        )
         return EXIT_DOES_NOT_FIT
     return 0
 
@@ -382,8 +520,10 @@ def _check_plan_output(args) -> None:
     output = Path(args.output)
     check_outputs([output], _plan_inputs(args))
     if output.suffix == ".py" and output.exists():
-        raise AutoshardError(f"output '{output}' is an existing Python file and a plan is JSON; writing it there "
-                             f"would replace that code; fix: choose another name, e.g. -o plan.json")
+        raise AutoshardError(
+            f"output '{output}' is an existing Python file and a plan is JSON; writing it there "
+            f"would replace that code; fix: choose another name, e.g. -o plan.json"
+        )
 
 
 def check_outputs(outputs: list[Path], inputs: dict[str, Path], loaded: dict[Path, str] | None = None) -> None:
@@ -391,16 +531,21 @@ def check_outputs(outputs: list[Path], inputs: dict[str, Path], loaded: dict[Pat
     is -> path) or a file the model loaded (``loaded``: resolved path -> what it is)."""
     for output in outputs:
         if output.is_dir():
-            raise AutoshardError(f"output '{output}' is a folder; fix: name a file in it, e.g. "
-                                 f"{output / ('plan.json' if output.suffix != '.py' else 'train.py')}")
+            raise AutoshardError(
+                f"output '{output}' is a folder; fix: name a file in it, e.g. "
+                f"{output / ('plan.json' if output.suffix != '.py' else 'train.py')}"
+            )
         for what, path in inputs.items():
             if _same_file(output, path):
-                raise AutoshardError(f"output '{output}' is this command's {what} ('{path}'); writing there would "
-                                     f"replace it; fix: choose another name for the output")
+                raise AutoshardError(
+                    f"output '{output}' is this command's {what} ('{path}'); writing there would "
+                    f"replace it; fix: choose another name for the output"
+                )
         what = (loaded or {}).get(_resolved(output))
         if what is not None and output.exists():
-            raise AutoshardError(f"output '{output}' is {what}; writing there would replace it; fix: choose another "
-                                 f"name for the output")
+            raise AutoshardError(
+                f"output '{output}' is {what}; writing there would replace it; fix: choose another name for the output"
+            )
     named = [_resolved(o) for o in outputs]
     if len(set(named)) != len(named):
         raise AutoshardError(f"outputs {', '.join(map(str, outputs))} name one file twice; fix: give each its own name")
@@ -441,8 +586,11 @@ def _model_reads(args) -> dict[Path, str]:
 
         entry = _entry_path(args.model, CAPTURE_BATCH, not args.no_fold)
         rows = json.loads(entry.read_text())["dependencies"] if entry is not None and entry.is_file() else []
-        return {_resolved(Path(row[0])): f"a file the model read while it was built ('{row[0]}')"
-                for row in rows if isinstance(row, list) and row and isinstance(row[0], str)}
+        return {
+            _resolved(Path(row[0])): f"a file the model read while it was built ('{row[0]}')"
+            for row in rows
+            if isinstance(row, list) and row and isinstance(row[0], str)
+        }
     except (ImportError, OSError, ValueError, KeyError, TypeError):
         return {}
 
@@ -501,8 +649,10 @@ def _program_outputs(plan, program: Path, plan_file: Path, also: tuple[Path, ...
         raise AutoshardError(f"output '{program}' must end in .py; e.g. -o train.py")
     model = model_source(plan.model["spec"])[0]
     if _same_file(program, model):
-        raise AutoshardError(f"output '{program}' is this plan's model file; writing the program there would "
-                             f"replace your model; fix: choose another name, e.g. -o train.py")
+        raise AutoshardError(
+            f"output '{program}' is this plan's model file; writing the program there would "
+            f"replace your model; fix: choose another name, e.g. -o train.py"
+        )
     inputs = {"plan file": plan_file, "model file": model}
     check_outputs([program, *also], inputs)
     return inputs
@@ -521,8 +671,10 @@ def _check_sbatch(sbatch: Path, force: bool) -> bool:
     if not sbatch.exists() or sbatch.is_dir():
         return False
     if not force and not _written_by_autoshard(sbatch):
-        raise AutoshardError(f"'{sbatch}' exists and autoshard did not write it; compile writes the SLURM script "
-                             f"beside the program; fix: add --force to replace it, or choose another -o name")
+        raise AutoshardError(
+            f"'{sbatch}' exists and autoshard did not write it; compile writes the SLURM script "
+            f"beside the program; fix: add --force to replace it, or choose another -o name"
+        )
     return True
 
 
@@ -539,13 +691,18 @@ def cmd_compile(args) -> int:
     inputs = _program_outputs(plan, path, Path(args.plan), also=(sbatch,))
     replaced = _check_sbatch(sbatch, args.force)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
+    model_file = load_model_file(
+        plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len")
+    )
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
-    write_files_atomic({path: emit_program(plan, str(path), args.plan, recipe).encode(),
-                        sbatch: emit_sbatch(plan, path.name).encode()})
-    print(f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
-          f"{torchrun_command(plan, str(path))} (or on SLURM: sbatch {sbatch})")
+    write_files_atomic(
+        {path: emit_program(plan, str(path), args.plan, recipe).encode(), sbatch: emit_sbatch(plan, path.name).encode()}
+    )
+    print(
+        f"wrote {path} and {sbatch}{' (replaced)' if replaced else ''}; run it with: "
+        f"{torchrun_command(plan, str(path))} (or on SLURM: sbatch {sbatch})"
+    )
     return 0
 
 
@@ -554,8 +711,10 @@ def tensorboard_available() -> None:
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is None:
-        raise AutoshardError("--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
-                             "--tensorboard out (--log-jsonl writes the same figures as JSON lines)")
+        raise AutoshardError(
+            "--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
+            "--tensorboard out (--log-jsonl writes the same figures as JSON lines)"
+        )
 
 
 def _check_output_folder(flag: str, folder: str | None) -> None:
@@ -564,17 +723,21 @@ def _check_output_folder(flag: str, folder: str | None) -> None:
         return
     path = Path(folder)
     if path.exists() and not path.is_dir():
-        raise AutoshardError(f"{flag} '{folder}' is an existing file, not a folder; fix: name a folder (it is "
-                             f"created if missing)")
+        raise AutoshardError(
+            f"{flag} '{folder}' is an existing file, not a folder; fix: name a folder (it is created if missing)"
+        )
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise AutoshardError(f"{flag} '{folder}' cannot be created: '{parent}' is a file; fix: name a folder "
-                             f"under an existing folder")
+        raise AutoshardError(
+            f"{flag} '{folder}' cannot be created: '{parent}' is a file; fix: name a folder under an existing folder"
+        )
     if not os.access(parent if not path.exists() else path, os.W_OK | os.X_OK):
-        raise AutoshardError(f"{flag} '{folder}': '{parent if not path.exists() else path}' is not writable; "
-                             f"fix: choose a folder you can write")
+        raise AutoshardError(
+            f"{flag} '{folder}': '{parent if not path.exists() else path}' is not writable; "
+            f"fix: choose a folder you can write"
+        )
 
 
 def cmd_run(args) -> int:
@@ -589,13 +752,17 @@ def cmd_run(args) -> int:
     recipe = recipe_of_args(args)
     check_runs_here(plan)
     if args.max_restarts and not args.checkpoint_dir:
-        raise AutoshardError(f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
-                             f"step 0; add --checkpoint-dir DIR (and --checkpoint-every N)")
+        raise AutoshardError(
+            f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
+            f"step 0; add --checkpoint-dir DIR (and --checkpoint-every N)"
+        )
     program = Path(args.program) if args.program else Path(args.plan).with_suffix(".train.py")
     inputs = _program_outputs(plan, program, Path(args.plan))
     if not args.program and program.is_file() and not _written_by_autoshard(program):
-        raise AutoshardError(f"'{program}' exists and autoshard did not write it; run keeps the program next to the "
-                             f"plan; fix: name another file with --program, or move that one")
+        raise AutoshardError(
+            f"'{program}' exists and autoshard did not write it; run keeps the program next to the "
+            f"plan; fix: name another file with --program, or move that one"
+        )
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
     _check_output_folder("--tensorboard", args.tensorboard)
@@ -604,7 +771,9 @@ def cmd_run(args) -> int:
     if args.log_jsonl and Path(args.log_jsonl).is_dir():
         raise AutoshardError(f"--log-jsonl {args.log_jsonl!r} is a folder; fix: name a file (lines are appended)")
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
+    model_file = load_model_file(
+        plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len")
+    )
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     data = DataSource(args.data, args.data_dtype)
     open_dataset(model_file, data, layout(plan).tokens_per_sample)  # its samples match example_batch's rows
@@ -616,9 +785,22 @@ def cmd_run(args) -> int:
     extra += ["--log-jsonl", args.log_jsonl] if args.log_jsonl else []
     extra += ["--tensorboard", args.tensorboard] if args.tensorboard else []
     extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
-    proc = run_torchrun(program, plan.world_size,
-                        ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),
-                         "--checkpoint-every", str(args.checkpoint_every), *extra], max_restarts=args.max_restarts)
+    proc = run_torchrun(
+        program,
+        plan.world_size,
+        [
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+            "--timeout-s",
+            str(args.timeout_s),
+            "--checkpoint-every",
+            str(args.checkpoint_every),
+            *extra,
+        ],
+        max_restarts=args.max_restarts,
+    )
     return proc.returncode
 
 
@@ -630,8 +812,11 @@ def cmd_verify(args) -> int:
     plan = load_plan(args.plan)
     recipe = recipe_of_args(args)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
-    print(f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
-          f"{plan.world_size} CPU ranks vs one process, {args.steps} steps", flush=True)
+    print(
+        f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
+        f"{plan.world_size} CPU ranks vs one process, {args.steps} steps",
+        flush=True,
+    )
     report = verify(plan, steps=args.steps, seed=args.seed, recipe=recipe, data=DataSource(args.data, args.data_dtype))
     print("\n".join(summary_lines(report)))
     if not report.ok:
@@ -679,11 +864,22 @@ def cmd_calibrate(args) -> int:
     models = [profile_request(spec, sizes) for spec in args.model]  # captured before minutes of measuring
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("calibrating", total=None)
-        result = calibrate(ranks, quick=args.quick, models=models, on_step=lambda done, total, name: progress.update(
-            task, completed=done, total=total, description=f"calibrating: {name}"))
-    command = "autoshard calibrate" + (" --quick" if args.quick else "") + f" --devices-per-node {ranks}" + \
-        "".join(f" --model {m}" for m in args.model) + \
-        (f" --microbatch-sizes {args.microbatch_sizes}" if args.model else "") + f" -o {output}"
+        result = calibrate(
+            ranks,
+            quick=args.quick,
+            models=models,
+            on_step=lambda done, total, name: progress.update(
+                task, completed=done, total=total, description=f"calibrating: {name}"
+            ),
+        )
+    command = (
+        "autoshard calibrate"
+        + (" --quick" if args.quick else "")
+        + f" --devices-per-node {ranks}"
+        + "".join(f" --model {m}" for m in args.model)
+        + (f" --microbatch-sizes {args.microbatch_sizes}" if args.model else "")
+        + f" -o {output}"
+    )
     write_cluster_file(output, result, command)
     render(result)
     print(f"wrote {output}; use it with: autoshard plan MODEL --cluster {output} --global-batch N")

@@ -62,10 +62,22 @@ from autoshard.ir.plan_format import V_SCHEDULES
 
 PARTS = ("weights", "grads", "optimizer", "activations", "transient")
 # MemTracker's reference types -> the plan's memory parts
-_PART_OF = {"Parameter": "weights", "Buffer": "weights", "Gradient": "grads", "Optstate": "optimizer",
-            "Activation": "activations", "Temp": "transient", "Other": "transient"}
-_PREDICTED_KEY = {"weights": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
-                  "activations": "activations_bytes", "transient": "transient_bytes"}
+_PART_OF = {
+    "Parameter": "weights",
+    "Buffer": "weights",
+    "Gradient": "grads",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "transient",
+    "Other": "transient",
+}
+_PREDICTED_KEY = {
+    "weights": "params_bytes",
+    "grads": "grads_bytes",
+    "optimizer": "optimizer_bytes",
+    "activations": "activations_bytes",
+    "transient": "transient_bytes",
+}
 
 
 @dataclass
@@ -78,8 +90,12 @@ class RankMemory:
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # part -> (measured, predicted)
 
     def as_json(self) -> dict:
-        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
-                "parts": {part: list(pair) for part, pair in self.parts.items()}}
+        return {
+            "rank": self.rank,
+            "peak_bytes": self.peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "parts": {part: list(pair) for part, pair in self.parts.items()},
+        }
 
     @property
     def most_off(self) -> str:
@@ -91,9 +107,11 @@ def notes(plan: Plan) -> list[str]:
     """What the dry run assumes where fake tensors have no values, for the printed report."""
     if plan.ep == 1:
         return []
-    return [f"expert parallelism: each all-to-all's splits assumed balanced (each rank sends its token-expert "
-            f"pairs evenly to the {plan.ep} ep ranks and receives as many, its mean load): fake tensors have no "
-            f"routing to count; the cost model prices the time of the most loaded rank"]
+    return [
+        f"expert parallelism: each all-to-all's splits assumed balanced (each rank sends its token-expert "
+        f"pairs evenly to the {plan.ep} ep ranks and receives as many, its mean load): fake tensors have no "
+        f"routing to count; the cost model prices the time of the most loaded rank"
+    ]
 
 
 def default_ranks(plan: Plan) -> list[int]:
@@ -166,8 +184,10 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     run_inputs = {"device": device, "recipe": Recipe()}  # the optimizer's state is the same size whatever its settings
     if pipeline:  # as the emitted pipeline program: the stages' buffers are sized from one micro-batch
         first_inputs = runtime.global_batch(model_file, plan.global_batch, 0, 0)[0]
-        run_inputs |= {"example_microbatch": tuple(t[:plan.microbatch_size].to(device) for t in first_inputs),
-                       "loss_fn": model_file.loss}
+        run_inputs |= {
+            "example_microbatch": tuple(t[: plan.microbatch_size].to(device) for t in first_inputs),
+            "loss_fn": model_file.loss,
+        }
     lowered = lower(plan)
     first_made = next(i for i, step in enumerate(lowered) if step.op == "init_weights")
     model = runtime.apply_steps(model, lowered[:first_made], mesh, **run_inputs)["model"]
@@ -343,9 +363,18 @@ def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, st
 
     batch = runtime.global_batch(model_file, plan.global_batch, 0, step)
     inputs, targets = runtime.take_samples(batch, mesh, spec.data_axis, device)
-    runtime.forward_backward(model, inputs, targets, model_file.loss, mesh, plan.num_microbatches,
-                             spec.sequence_axis, spec.tokens_per_sample, plan.precision,
-                             before_each=tracker.reset_mod_stats)
+    runtime.forward_backward(
+        model,
+        inputs,
+        targets,
+        model_file.loss,
+        mesh,
+        plan.num_microbatches,
+        spec.sequence_axis,
+        spec.tokens_per_sample,
+        plan.precision,
+        before_each=tracker.reset_mod_stats,
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     torch.distributed.barrier()
@@ -388,12 +417,16 @@ def summary_lines(plan: Plan, results: list[RankMemory]) -> list[str]:
     """A table per rank: each part measured and predicted, and the part that differs most."""
     lines = [f"note: {note}" for note in notes(plan)]
     for result in results:
-        lines.append(f"rank {result.rank}: peak {_gib(result.peak_bytes)} measured on fake tensors, "
-                     f"{_gib(result.predicted_peak_bytes)} predicted ({_ratio(result.peak_bytes, result.predicted_peak_bytes)})")
+        lines.append(
+            f"rank {result.rank}: peak {_gib(result.peak_bytes)} measured on fake tensors, "
+            f"{_gib(result.predicted_peak_bytes)} predicted ({_ratio(result.peak_bytes, result.predicted_peak_bytes)})"
+        )
         for part in PARTS:
             measured, predicted = result.parts[part]
-            lines.append(f"  {part:<12} {_gib(measured):>11} measured  {_gib(predicted):>11} predicted  "
-                         f"{_ratio(measured, predicted)}")
+            lines.append(
+                f"  {part:<12} {_gib(measured):>11} measured  {_gib(predicted):>11} predicted  "
+                f"{_ratio(measured, predicted)}"
+            )
         lines.append(f"  most off: {result.most_off}")
     return lines
 
@@ -406,4 +439,3 @@ def _ratio(measured: int, predicted: int) -> str:
     if predicted == 0:
         return "(none predicted)" if measured else ""
     return f"{(measured - predicted) / predicted:+.1%}"
-

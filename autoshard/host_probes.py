@@ -131,6 +131,7 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
 def _fwd_bwd(model, x) -> Callable[[], None]:
     def step():
         model(x).sum().backward()
+
     return step
 
 
@@ -167,8 +168,14 @@ def _fsdp_probes(time_op, blocks: list[str]) -> dict[str, Any]:
     return out
 
 
-TP_STYLES = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
-             "fc": "colwise", "proj": "rowwise"}  # Megatron's layout of the probe's blocks
+TP_STYLES = {
+    "attn.q": "colwise",
+    "attn.k": "colwise",
+    "attn.v": "colwise",
+    "attn.o": "rowwise",
+    "fc": "colwise",
+    "proj": "rowwise",
+}  # Megatron's layout of the probe's blocks
 
 
 def _tp_probe(time_op, x) -> float:
@@ -210,8 +217,16 @@ def _pipeline_probe(time_op, microbatches: int, ranks: int) -> float:
     mesh = init_device_mesh("cpu", (2, ranks // 2), mesh_dim_names=("pp", "dp"))
     model = probe_model()
     x = probe_input(microbatches)
-    parts = pp.build_pipeline_stages(model, (x[:1],), [f"h.{BLOCKS // 2}"], mesh.get_local_rank("pp"), 2, 1,
-                                     torch.device("cpu"), mesh.get_group("pp"))
+    parts = pp.build_pipeline_stages(
+        model,
+        (x[:1],),
+        [f"h.{BLOCKS // 2}"],
+        mesh.get_local_rank("pp"),
+        2,
+        1,
+        torch.device("cpu"),
+        mesh.get_group("pp"),
+    )
     schedule = pp.make_torch_schedule(parts, microbatches, lambda out, target: out.sum(), "1f1b")
     target = torch.zeros(microbatches)
 
@@ -255,12 +270,16 @@ def probe_counts(cluster: Cluster) -> ProbeCounts:
     light = [b and not n.target.startswith(COMPUTE_HEAVY_TARGETS) for n, b in zip(graph.nodes, in_block)]
     first = [n.module_path.startswith(tuple(f"h.{k}." for k in range(BLOCKS // 2))) for n in graph.nodes]
     return ProbeCounts(
-        ops=len(graph.nodes), block_ops=sum(in_block), light_block_ops=sum(light), roofline_s=sum(times),
+        ops=len(graph.nodes),
+        block_ops=sum(in_block),
+        light_block_ops=sum(light),
+        roofline_s=sum(times),
         block_roofline_s=sum(t for t, b in zip(times, in_block) if b),
         light_roofline_s=sum(t for t, b in zip(times, light) if b),
         stage_ops=(sum(first), len(first) - sum(first)),
         stage_roofline_s=(sum(t for t, f in zip(times, first) if f), sum(t for t, f in zip(times, first) if not f)),
-        boundary_bytes=4 * TOKENS * WIDTH)
+        boundary_bytes=4 * TOKENS * WIDTH,
+    )
 
 
 def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: int, source: str) -> HostOverheads:
@@ -268,22 +287,31 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
     c = counts
     h_f = _at_least_0((t["fwd"] - c.roofline_s) / c.ops)
     h_b = _at_least_0((t["fwd_bwd"] - t["fwd"] - 2 * c.roofline_s) / c.ops)
-    selective = (t["selective"] - t["fwd_bwd"] - c.light_block_ops * h_f - c.light_roofline_s) / \
-        (c.block_ops + c.light_block_ops)
+    selective = (t["selective"] - t["fwd_bwd"] - c.light_block_ops * h_f - c.light_roofline_s) / (
+        c.block_ops + c.light_block_ops
+    )
     full = (t["full"] - t["fwd_bwd"] - c.block_ops * h_f - c.block_roofline_s) / BLOCKS
     bandwidth = cluster.device.memory_bandwidth_gbps * 1e9
     adamw = (t["adamw"] - ADAM_BYTES_PER_PARAM * t["params"] / bandwidth) / t["tensors"]
-    figures = {"op_forward_us": h_f, "op_backward_us": h_b, "selective_op_us": selective,
-               "checkpoint_block_us": full, "optimizer_tensor_us": adamw}
+    figures = {
+        "op_forward_us": h_f,
+        "op_backward_us": h_b,
+        "selective_op_us": selective,
+        "checkpoint_block_us": full,
+        "optimizer_tensor_us": adamw,
+    }
     if "fsdp2" in t:
         for stage in (2, 3):
-            figures[f"fsdp_unit_zero{stage}_us"], figures[f"fsdp_zero{stage}_us_per_mib"] = \
-                _fsdp_fit(t, cluster, ranks, stage)
-        figures["sharded_optimizer_tensor_us"] = \
-            (t["sharded_adamw"] - ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth) / t["tensors"]
+            figures[f"fsdp_unit_zero{stage}_us"], figures[f"fsdp_zero{stage}_us_per_mib"] = _fsdp_fit(
+                t, cluster, ranks, stage
+            )
+        figures["sharded_optimizer_tensor_us"] = (
+            t["sharded_adamw"] - ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
+        ) / t["tensors"]
         gradient_bytes = 4 * t["params"]
-        figures["ddp_tensor_us"] = (t["ddp"] - t["fwd_bwd"] - comm.allreduce_s(gradient_bytes, ranks,
-                                                                                cluster.intra_node)) / t["tensors"]
+        figures["ddp_tensor_us"] = (
+            t["ddp"] - t["fwd_bwd"] - comm.allreduce_s(gradient_bytes, ranks, cluster.intra_node)
+        ) / t["tensors"]
         local_adamw = adamw * t["tensors"] / ranks + ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
         gathered = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node)
         figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - gathered) / t["tensors"]
@@ -291,8 +319,9 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
     if "pipeline" in t:
-        figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = \
-            _pipeline_residual_s(t["pipeline"], c, cluster, h_f, h_b)
+        figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = _pipeline_residual_s(
+            t["pipeline"], c, cluster, h_f, h_b
+        )
     return HostOverheads(**{k: _us(v) for k, v in figures.items()} | _zeros_for_missing(figures), source=source)
 
 
@@ -301,7 +330,7 @@ def _fsdp_fit(t: dict[str, Any], cluster: Cluster, ranks: int, stage: int) -> tu
     points = []
     for width, suffix in ((WIDTH, ""), (WIDE, "_wide")):
         sizes = unit_param_bytes(width)
-        residual = (t[f"fsdp{stage}{suffix}"] - t[f"fwd_bwd{suffix}"] - _fsdp_comm_s(sizes, cluster, ranks, stage))
+        residual = t[f"fsdp{stage}{suffix}"] - t[f"fwd_bwd{suffix}"] - _fsdp_comm_s(sizes, cluster, ranks, stage)
         points.append((sum(sizes) / len(sizes) / 2**20, residual / len(sizes)))
     (s0, r0), (s1, r1) = points
     per_mib = max(0.0, (r1 - r0) / (s1 - s0))
@@ -313,12 +342,10 @@ def _fsdp_comm_s(unit_bytes: tuple[int, ...], cluster: Cluster, ranks: int, stag
     forward (and again before backward for ZeRO-3) and a reduce-scatter after backward."""
     link = cluster.intra_node
     gathers = 2 if stage == 3 else 1
-    return sum(gathers * comm.all_gather_s(b, ranks, link) + comm.reduce_scatter_s(b, ranks, link)
-               for b in unit_bytes)
+    return sum(gathers * comm.all_gather_s(b, ranks, link) + comm.reduce_scatter_s(b, ranks, link) for b in unit_bytes)
 
 
-def _pipeline_residual_s(times: dict, c: ProbeCounts, cluster: Cluster, h_f: float,
-                         h_b: float) -> tuple[float, float]:
+def _pipeline_residual_s(times: dict, c: ProbeCounts, cluster: Cluster, h_f: float, h_b: float) -> tuple[float, float]:
     """Per micro-batch and stage: the step's slope over micro-batches (in 1F1B's steady state each
     micro-batch adds one slowest stage), less what the cost model already prices there (that
     stage's ops, forward and backward, and its two boundary transfers)."""
@@ -339,4 +366,3 @@ def _at_least_0(x: float) -> float:
 
 def _us(seconds: float) -> float:
     return float(f"{max(0.0, seconds) * 1e6:.4g}")
-

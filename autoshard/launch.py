@@ -22,8 +22,9 @@ from autoshard.passes.codegen import emit_program, emit_sbatch
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
 
 
-def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file: str = "plan.json",
-                  recipe: Recipe | None = None) -> Path:
+def write_program(
+    plan: Plan, path: str | Path, sbatch: bool = False, plan_file: str = "plan.json", recipe: Recipe | None = None
+) -> Path:
     """Emit the plan's program to ``path`` atomically (no half-written file on failure); with
     ``sbatch``, also its SLURM batch script beside it (``train.py`` -> ``train.sbatch``). The header's run
     commands name ``path`` and ``plan_file``; ``recipe`` is its ``RECIPE`` (None: the defaults)."""
@@ -32,8 +33,10 @@ def write_program(plan: Plan, path: str | Path, sbatch: bool = False, plan_file:
         raise AutoshardError(f"output '{path}' must end in .py; e.g. -o train.py")
     model_path = model_source(plan.model["spec"])[0]
     if path.exists() and model_path.exists() and path.resolve() == model_path.resolve():
-        raise AutoshardError(f"output '{path}' is this plan's model file; writing the program there would replace "
-                             f"your model; fix: choose another name, e.g. -o train.py")
+        raise AutoshardError(
+            f"output '{path}' is this plan's model file; writing the program there would replace "
+            f"your model; fix: choose another name, e.g. -o train.py"
+        )
     write_text_atomic(path, emit_program(plan, str(path), plan_file, recipe))
     if sbatch:
         write_text_atomic(path.with_suffix(".sbatch"), emit_sbatch(plan, path.name))
@@ -46,11 +49,13 @@ def check_runs_here(plan: Plan) -> None:
     if nodes > 1 or plan.world_size > MAX_LOCAL_CPU_RANKS:
         raise AutoshardError(
             f"this plan needs {plan.world_size} ranks on {nodes} node(s); run its program on the cluster with "
-            f"the torchrun command in its header, or re-plan with --cluster local-cpu --devices-per-node 4 to try it here")
+            f"the torchrun command in its header, or re-plan with --cluster local-cpu --devices-per-node 4 to try it here"
+        )
 
 
 class TorchrunResult(subprocess.CompletedProcess):
     """A finished torchrun job; ``crash`` is the block that names the failed rank ("" when none)."""
+
     crash: str = ""
 
 
@@ -74,8 +79,14 @@ class _Stop(Exception):
         self.signum = signum
 
 
-def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False, max_restarts: int = 0,
-                 extra_env: dict[str, str] | None = None) -> TorchrunResult:
+def run_torchrun(
+    program: Path,
+    nproc: int,
+    args: list[str],
+    quiet: bool = False,
+    max_restarts: int = 0,
+    extra_env: dict[str, str] | None = None,
+) -> TorchrunResult:
     """``python -m torch.distributed.run --standalone`` with ``nproc`` ranks on this machine.
 
     ``max_restarts``: torchrun starts every rank again this many times when one fails (the
@@ -98,9 +109,15 @@ def run_torchrun(program: Path, nproc: int, args: list[str], quiet: bool = False
         with tempfile.TemporaryDirectory(prefix="autoshard-torchrun-") as tmp:
             crash_file = Path(tmp) / "crash.txt"
             token = uuid.uuid4().hex
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                   "PYTHONPATH": _pythonpath_with_autoshard(), CRASH_FILE_ENV: str(crash_file), JOB_ENV: token,
-                   LAUNCHER_PID_ENV: str(os.getpid()), **(extra_env or {})}
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "PYTHONPATH": _pythonpath_with_autoshard(),
+                CRASH_FILE_ENV: str(crash_file),
+                JOB_ENV: token,
+                LAUNCHER_PID_ENV: str(os.getpid()),
+                **(extra_env or {}),
+            }
             if lock is not None:
                 env[_checkpoint().LOCK_HELD_ENV] = lock.folder
             result = _run_owned([sys.executable, "-c", _AGENT, *torchrun_args], env, token, lock, kwargs)
@@ -151,8 +168,9 @@ def _run_owned(cmd: list[str], env: dict, token: str, lock, kwargs: dict) -> Tor
             previous[sig] = signal.signal(sig, on_signal)
     proc = None
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                pass_fds=(lock.fd,) if lock is not None else (), **kwargs)
+        proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, pass_fds=(lock.fd,) if lock is not None else (), **kwargs
+        )
         if lock is not None:
             lock.note(f"autoshard run pid {os.getpid()}, torchrun pid {proc.pid}")
         stdout, stderr = proc.communicate()
@@ -163,8 +181,12 @@ def _run_owned(cmd: list[str], env: dict, token: str, lock, kwargs: dict) -> Tor
         if proc is not None:
             _stop_job(proc, token)
         name = signal.Signals(stop.signum).name
-        print(f"error: stopped by {name}: torchrun and every rank of the job were stopped; the newest complete "
-              f"checkpoint (if any) is kept and a new run resumes from it", file=sys.stderr, flush=True)
+        print(
+            f"error: stopped by {name}: torchrun and every rank of the job were stopped; the newest complete "
+            f"checkpoint (if any) is kept and a new run resumes from it",
+            file=sys.stderr,
+            flush=True,
+        )
         output = proc.stdout.read() if proc is not None and proc.stdout else None
         return TorchrunResult(cmd, 128 + stop.signum, output, None)
     finally:
@@ -282,6 +304,7 @@ def crash_block(failures: dict) -> str:
     First by the error file's time; among ranks that failed in the same second, one whose error
     is not a lost connection to another rank (those follow the rank that really failed).
     """
+
     def order(item):
         rank, failure = item
         return failure.timestamp, bool(_PEER_GONE.search(str(failure.message))), rank
@@ -404,7 +427,7 @@ def summarize_crash(callstack: str, message: str = "", model_files: list[str] | 
 
 
 def _exception_line(*texts: str) -> str:
-    """"Type: first line of the message", or "Type (empty message)", from the first of ``texts`` naming a type."""
+    """ "Type: first line of the message", or "Type (empty message)", from the first of ``texts`` naming a type."""
     for text in texts:
         stripped = [line for line in text.splitlines() if line.strip()]
         match = _EXCEPTION_LINE.match(stripped[0].strip()) if stripped else None
@@ -429,8 +452,12 @@ def _frames_in(text: str) -> list[Frame]:
 
 def _is_source(line: str) -> bool:
     """An indented line of code under a frame (not Python 3.11's ~^ markers, nor a repetition note)."""
-    return line.startswith(" ") and bool(line.strip()) and not _CARETS.match(line) \
+    return (
+        line.startswith(" ")
+        and bool(line.strip())
+        and not _CARETS.match(line)
         and not line.strip().startswith("[Previous line repeated")
+    )
 
 
 def _model_frame(frames: list[Frame], model_files: list[str] | None, programs: set[str]) -> Frame | None:
@@ -439,8 +466,11 @@ def _model_frame(frames: list[Frame], model_files: list[str] | None, programs: s
         wanted = {_resolved(path) for path in model_files}
         found = [frame for frame in frames if _resolved(frame.path) in wanted]
     else:
-        found = [frame for frame in frames
-                 if not _is_library(frame.path) and not _in_autoshard(frame.path) and frame.path not in programs]
+        found = [
+            frame
+            for frame in frames
+            if not _is_library(frame.path) and not _in_autoshard(frame.path) and frame.path not in programs
+        ]
     return found[-1] if found else None
 
 
@@ -465,15 +495,19 @@ def last_own_frame(callstack: str) -> str:
 def _is_library(path: str) -> bool:
     parts = Path(path).parts
     stdlib = str(Path(os.__file__).parent)
-    return path.startswith("<") or path.startswith(stdlib) or "torch" in parts \
+    return (
+        path.startswith("<")
+        or path.startswith(stdlib)
+        or "torch" in parts
         or ("site-packages" in parts and "autoshard" not in parts)
+    )
 
 
 def _short(path: str) -> str:
     """Relative to the working directory; an installed package's file from its package (``torch/...``)."""
     parts = Path(path).parts
     if "site-packages" in parts:
-        return str(Path(*parts[len(parts) - parts[::-1].index("site-packages"):]))
+        return str(Path(*parts[len(parts) - parts[::-1].index("site-packages") :]))
     try:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except (ValueError, OSError, RuntimeError):

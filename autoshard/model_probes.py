@@ -46,8 +46,10 @@ def measure_model(time_op, request: ProfileRequest, device) -> dict[str, Any]:
     from autoshard.runtime.parallel import apply_recompute
 
     model_file = load_model_file(request.spec)
-    models = {mode: apply_recompute(build_model(model_file, seed=0, device=device), list(request.blocks), mode)
-              for mode in MODES}
+    models = {
+        mode: apply_recompute(build_model(model_file, seed=0, device=device), list(request.blocks), mode)
+        for mode in MODES
+    }
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     out: dict[int, dict[str, list[float]]] = {}
     for b in request.microbatch_sizes:
@@ -60,16 +62,19 @@ def measure_model(time_op, request: ProfileRequest, device) -> dict[str, Any]:
             with autocast:  # as the emitted program runs on GPUs (bf16), a no-op on CPUs
                 return model_file.loss(model(*inputs), targets)
 
-        out[b] = {mode: [time_op(lambda m=model: forward(m)), time_op(lambda m=model: forward(m).backward())]
-                  for mode, model in models.items()}
+        out[b] = {
+            mode: [time_op(lambda m=model: forward(m)), time_op(lambda m=model: forward(m).backward())]
+            for mode, model in models.items()
+        }
     optimizer = torch.optim.AdamW(models["none"].parameters(), lr=1e-3)  # the gradients are there
     return {"times": out, "optimizer_s": time_op(optimizer.step)}
 
 
 def model_profile(request: ProfileRequest, measured: Mapping, ranks: int, source: str) -> ModelProfile:
     """The worker's ``measure_model`` result as a profile, figures to 4 significant digits."""
-    rounded = {int(b): {m: tuple(_sig(x) for x in v) for m, v in modes.items()}
-               for b, modes in measured["times"].items()}
+    rounded = {
+        int(b): {m: tuple(_sig(x) for x in v) for m, v in modes.items()} for b, modes in measured["times"].items()
+    }
     return ModelProfile(request.spec, request.signature, ranks, rounded, source, _sig(measured["optimizer_s"]))
 
 

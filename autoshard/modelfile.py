@@ -104,9 +104,11 @@ class ModelFile:
             ) from exc
         inputs, targets = _check_batch(self.path, batch, batch_size)
         if self.seq_len is not None and (inputs[0].dim() < 2 or inputs[0].shape[1] != self.seq_len):
-            raise AutoshardError(f"{self.path}: example_batch({batch_size}, seq_len={self.seq_len}) returned inputs "
-                                 f"of shape {tuple(inputs[0].shape)}; the first input needs seq_len tokens as its "
-                                 f"second dimension")
+            raise AutoshardError(
+                f"{self.path}: example_batch({batch_size}, seq_len={self.seq_len}) returned inputs "
+                f"of shape {tuple(inputs[0].shape)}; the first input needs seq_len tokens as its "
+                f"second dimension"
+            )
         return inputs, targets
 
     @property
@@ -121,15 +123,16 @@ class ModelFile:
         try:
             return self.module.dataset(self.seq_len)
         except USER_CODE_ERRORS as exc:
-            raise AutoshardError(f"{self.path}: dataset(seq_len={self.seq_len}) raised {type(exc).__name__}: "
-                                 f"{_first_line(exc)}; fix the model file") from exc
+            raise AutoshardError(
+                f"{self.path}: dataset(seq_len={self.seq_len}) raised {type(exc).__name__}: "
+                f"{_first_line(exc)}; fix the model file"
+            ) from exc
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         fn = getattr(self.module, "loss_fn", None)
         if fn is not None:
             return fn(outputs, targets)
         return default_loss(outputs, targets)
-
 
 
 _COMPILE_NOTED: set[str] = set()
@@ -166,13 +169,19 @@ def _uncompiled(spec: str, model: nn.Module) -> nn.Module:
     if (outer or inner) and spec not in _COMPILE_NOTED:
         _COMPILE_NOTED.add(spec)
         shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
-        what = ("returned torch.compile(model); autoshard plans and runs the module it compiles (model._orig_mod)"
-                if outer else f"compiles submodules {shown} (torch.compile); autoshard plans and runs them as they "
-                              f"are (each one's _orig_mod)")
+        what = (
+            "returned torch.compile(model); autoshard plans and runs the module it compiles (model._orig_mod)"
+            if outer
+            else f"compiles submodules {shown} (torch.compile); autoshard plans and runs them as they "
+            f"are (each one's _orig_mod)"
+        )
         if outer and inner:
             what += f", and its submodules {shown} uncompiled too"
-        print(f"note: {spec}: the factory {what}; its program applies the plan's parallelism to the eager module "
-              f"and does not compile it", file=sys.stderr)
+        print(
+            f"note: {spec}: the factory {what}; its program applies the plan's parallelism to the eager module "
+            f"and does not compile it",
+            file=sys.stderr,
+        )
     return model
 
 
@@ -181,12 +190,25 @@ class _SkipMetaInit(TorchFunctionMode):
     yet each ``normal_`` / ``uniform_`` costs ~2 ms of Python decompositions, 0.5-1.5 s per model build
     (torch has no switch for this: ``skip_init`` needs the module's constructor)."""
 
-    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.bernoulli_,
-                       torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
-                       torch.Tensor.cauchy_, torch.Tensor.erfinv_}
-                      # nn.init's initialisers reach modes as themselves (handle_torch_function)
-                      | {getattr(nn.init, name) for name in dir(nn.init)
-                         if name.endswith("_") and not name.startswith("_") and callable(getattr(nn.init, name))})
+    FILLS = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.Tensor.random_,
+            torch.Tensor.bernoulli_,
+            torch.Tensor.exponential_,
+            torch.Tensor.geometric_,
+            torch.Tensor.log_normal_,
+            torch.Tensor.cauchy_,
+            torch.Tensor.erfinv_,
+        }
+        # nn.init's initialisers reach modes as themselves (handle_torch_function)
+        | {
+            getattr(nn.init, name)
+            for name in dir(nn.init)
+            if name.endswith("_") and not name.startswith("_") and callable(getattr(nn.init, name))
+        }
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -239,8 +261,10 @@ def load_model_file(spec: str, seq_len: int | None = None) -> ModelFile:
     file_part, factory_name = spec.rsplit(":", 1)
     path = Path(file_part)
     if path.is_dir():
-        raise AutoshardError(f"model file '{file_part}' is a folder, not a file; name the Python file that "
-                             f"defines the factory, e.g. {file_part.rstrip('/')}/model.py:{factory_name or 'build'}")
+        raise AutoshardError(
+            f"model file '{file_part}' is a folder, not a file; name the Python file that "
+            f"defines the factory, e.g. {file_part.rstrip('/')}/model.py:{factory_name or 'build'}"
+        )
     if not path.is_file():
         raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
     if path.suffix != ".py":
@@ -261,11 +285,13 @@ HF_DEFAULT_SEQ_LEN = 2048  # hf:DIR's tokens per sample without --seq-len (at mo
 def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
     """The model-file contract for ``hf:DIR`` (module doc): ``build``, ``example_batch(batch_size, seq_len)``;
     the default loss (cross-entropy on ``outputs.logits`` against the next tokens)."""
-    folder = Path(spec[len(HF_PREFIX):])
+    folder = Path(spec[len(HF_PREFIX) :])
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise AutoshardError(f"'{folder}' has no config.json; hf:DIR names a transformers model's folder (as "
-                             f"save_pretrained writes it), e.g. hf:models/llama")
+        raise AutoshardError(
+            f"'{folder}' has no config.json; hf:DIR names a transformers model's folder (as "
+            f"save_pretrained writes it), e.g. hf:models/llama"
+        )
     config = _hf_config(folder)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     default_seq = min(positions or HF_DEFAULT_SEQ_LEN, HF_DEFAULT_SEQ_LEN)
@@ -302,11 +328,15 @@ def _hf_config(folder: Path):
     try:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except USER_CODE_ERRORS as exc:
-        raise AutoshardError(f"{folder / 'config.json'}: transformers cannot read it ({type(exc).__name__}: "
-                             f"{_first_line(exc)}); give the folder save_pretrained wrote") from exc
+        raise AutoshardError(
+            f"{folder / 'config.json'}: transformers cannot read it ({type(exc).__name__}: "
+            f"{_first_line(exc)}); give the folder save_pretrained wrote"
+        ) from exc
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise AutoshardError(f"{folder / 'config.json'}: a {type(config).__name__} has no causal LM in transformers "
-                             f"(hf:DIR plans causal LMs); write a model file for it (docs/design.md's contract)")
+        raise AutoshardError(
+            f"{folder / 'config.json'}: a {type(config).__name__} has no causal LM in transformers "
+            f"(hf:DIR plans causal LMs); write a model file for it (docs/design.md's contract)"
+        )
     return config
 
 
@@ -317,8 +347,10 @@ def _check_takes_seq_len(path: Path, fn: Callable) -> None:
     except (TypeError, ValueError):
         return
     if "seq_len" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-        raise AutoshardError(f"{path}: example_batch takes no seq_len, so --seq-len cannot set the sequence length; "
-                             f"add a parameter: def example_batch(batch_size, seq_len=...)")
+        raise AutoshardError(
+            f"{path}: example_batch takes no seq_len, so --seq-len cannot set the sequence length; "
+            f"add a parameter: def example_batch(batch_size, seq_len=...)"
+        )
 
 
 def _check_factory_takes_no_arguments(path: Path, name: str, factory: Callable) -> None:
@@ -328,11 +360,16 @@ def _check_factory_takes_no_arguments(path: Path, name: str, factory: Callable) 
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin or a class without a signature: calling it will tell
         return
-    needed = [p.name for p in signature.parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    needed = [
+        p.name
+        for p in signature.parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if needed:
-        raise AutoshardError(f"{path}: the factory {name}() needs the argument(s) {', '.join(needed[:4])}; autoshard "
-                             f"calls it with none: give them defaults, or add a factory that takes no arguments")
+        raise AutoshardError(
+            f"{path}: the factory {name}() needs the argument(s) {', '.join(needed[:4])}; autoshard "
+            f"calls it with none: give them defaults, or add a factory that takes no arguments"
+        )
 
 
 def _import_file(path: Path, spec: str) -> types.ModuleType:
@@ -360,9 +397,7 @@ def _import_file(path: Path, spec: str) -> types.ModuleType:
 
 def _check_batch(path: Path, batch: Any, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise AutoshardError(
-            f"{path}: example_batch must return (inputs: tuple, targets), got {type(batch).__name__}"
-        )
+        raise AutoshardError(f"{path}: example_batch must return (inputs: tuple, targets), got {type(batch).__name__}")
     inputs, targets = batch
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
@@ -387,8 +422,10 @@ def _check_parameters(spec: str, model: nn.Module) -> None:
     """No weight of zero elements: a width of 0 is a typo, not a layer (capture checks there are weights)."""
     for name, p in model.named_parameters():
         if p.numel() == 0:
-            raise AutoshardError(f"{spec}: parameter '{name}' has shape {tuple(p.shape)}, a zero-size dimension; "
-                                 f"give every layer a width of at least 1")
+            raise AutoshardError(
+                f"{spec}: parameter '{name}' has shape {tuple(p.shape)}, a zero-size dimension; "
+                f"give every layer a width of at least 1"
+            )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -76,8 +76,10 @@ class PlanRequest:
         if self.runtime not in PLAN_RUNTIMES:
             raise AutoshardError(f"--runtime {self.runtime} must be one of {', '.join(PLAN_RUNTIMES)}")
         if self.pins.precision is not None and self.runtime != "autoshard":
-            raise AutoshardError(f"--precision {self.pins.precision} with --runtime {self.runtime}: that runtime is "
-                                 f"priced in its own precision (Megatron-LM's bf16 mixed precision); drop --precision")
+            raise AutoshardError(
+                f"--precision {self.pins.precision} with --runtime {self.runtime}: that runtime is "
+                f"priced in its own precision (Megatron-LM's bf16 mixed precision); drop --precision"
+            )
 
     def cost_tables(self, graph: OpGraph) -> CostTables:
         """The cost tables of ``graph`` priced for this request's runtime (in the pinned precision, if any)."""
@@ -88,21 +90,32 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len,
-                                      prove_cp=(request.pins.cp or 1) > 1)
+    model_file, graph = capture_front(
+        request.model_spec, done, request.fold, request.cache, request.seq_len, prove_cp=(request.pins.cp or 1) > 1
+    )
     graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
 
 
-def plan_graph(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, done: list[str] | None = None) -> Plan:
+def plan_graph(
+    request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, done: list[str] | None = None
+) -> Plan:
     """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
     done = done if done is not None else ["capture", "annotate", "blocks", "experts"]
     with running("strategies", done):
         configs = candidate_configs(graph, request.cluster, request.global_batch, request.pins)
     with running("search", done):
-        result = search(graph, request.cluster, configs, request.global_batch, request.time_limit_s,
-                        request.pins.recompute is None, request.runtime, request.pins.stage_cuts,
-                        request.pins.precision)
+        result = search(
+            graph,
+            request.cluster,
+            configs,
+            request.global_batch,
+            request.time_limit_s,
+            request.pins.recompute is None,
+            request.runtime,
+            request.pins.stage_cuts,
+            request.pins.precision,
+        )
     with running("assemble", done):
         return assemble_plan(request, model_file, graph, result)
 
@@ -113,8 +126,9 @@ def estimate_model(request: PlanRequest) -> Plan:
     pins = request.pins.with_defaults()
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = capture_front(request.model_spec, done, request.fold, request.cache, request.seq_len,
-                                      prove_cp=(request.pins.cp or 1) > 1)
+    model_file, graph = capture_front(
+        request.model_spec, done, request.fold, request.cache, request.seq_len, prove_cp=(request.pins.cp or 1) > 1
+    )
     graph = _later_graph_passes(graph, done)
     with running("strategies", done):
         configs = candidate_configs(graph, request.cluster, request.global_batch, pins)
@@ -128,13 +142,15 @@ def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions])
     """Every decision pinned leaves one configuration: priced as ``search`` prices it (so a plan with the
     same pins that fits is the same plan), and kept when it does not fit."""
     assert len(configs) == 1, f"every decision pinned, yet {len(configs)} configurations"
-    best = price_config(graph, request.cluster, configs[0], request.global_batch, request.cost_tables(graph),
-                        request.pins.stage_cuts)
+    best = price_config(
+        graph, request.cluster, configs[0], request.global_batch, request.cost_tables(graph), request.pins.stage_cuts
+    )
     return SearchResult(best=best, alternatives=(), report=search_report(1, 1, best, None))
 
 
-def capture_graph(model_spec: str, fold: bool = True, seq_len: int | None = None,
-                  use_cache: bool = False) -> tuple[ModelFile, OpGraph]:
+def capture_graph(
+    model_spec: str, fold: bool = True, seq_len: int | None = None, use_cache: bool = False
+) -> tuple[ModelFile, OpGraph]:
     """capture -> annotate -> unfold -> blocks, for tools that need only the graph (the capture cache
     only where asked: its entries are what ``plan`` would capture)."""
     done: list[str] = []
@@ -161,7 +177,9 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         cluster=request.cluster.to_dict(),
         global_batch=request.global_batch,
         # the chosen decisions, at the pinned precision, else the parameters' (the search priced the cluster's)
-        decisions=replace(c, precision=precision_for_graph(request.cluster.backend, graph, request.pins.precision).name),
+        decisions=replace(
+            c, precision=precision_for_graph(request.cluster.backend, graph, request.pins.precision).name
+        ),
         layout=PlanLayout(
             blocks=blocks,
             tensor_parallel=dict(tp.sharded) if tp is not None else {},
@@ -173,8 +191,10 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         review=PlanReview(
             alternatives=result.alternatives,
             tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
-            notes=plan_notes(best, request.runtime) + batch_notes(graph, c) + precision_notes(request) +
-            ((why_not(best, best, request.cluster),) if not best.fits else ()),
+            notes=plan_notes(best, request.runtime)
+            + batch_notes(graph, c)
+            + precision_notes(request)
+            + ((why_not(best, best, request.cluster),) if not best.fits else ()),
             symbolic=plan_symbolic(request, graph, best),
             search=dict(result.report),
         ),
@@ -188,11 +208,13 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     their sums)."""
     tables = request.cost_tables(graph)
     if best.tp_choice is not None:
-        tables.add_tp_layout(best.tp_choice, best.config.microbatch_size / best.config.mesh.cp,
-                             best.config.sequence_parallel)
+        tables.add_tp_layout(
+            best.tp_choice, best.config.microbatch_size / best.config.mesh.cp, best.config.sequence_parallel
+        )
     parts = price_parts(tables, best.config, best.cuts or None)
-    assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, \
+    assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, (
         "the parts priced again differ from the search's"
+    )
     return symbolic_cost(tables, best.config, request.global_batch, parts, best.tp_choice)
 
 
@@ -205,17 +227,21 @@ def precision_notes(request: PlanRequest) -> tuple[str, ...]:
     if not request.model_spec.startswith(HF_PREFIX):
         return ()
     try:
-        config = json.loads((Path(request.model_spec[len(HF_PREFIX):]) / "config.json").read_text())
+        config = json.loads((Path(request.model_spec[len(HF_PREFIX) :]) / "config.json").read_text())
     except (OSError, ValueError):
         return ()
     named = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
     if named not in ("bfloat16", "float16"):
         return ()
     if request.pins.precision == "bf16-pure":
-        return (f"{DTYPE_NOTE} {named}: --precision bf16-pure trains in bf16 (the fp32 initial "
-                f"weights cast to bf16; weights, gradients and optimizer state in bf16)",)
-    return (f"{DTYPE_NOTE} {named}: the program keeps fp32 master weights (precision "
-            f"{precision_shown(request)}); pin --precision bf16-pure to train the weights in bf16",)
+        return (
+            f"{DTYPE_NOTE} {named}: --precision bf16-pure trains in bf16 (the fp32 initial "
+            f"weights cast to bf16; weights, gradients and optimizer state in bf16)",
+        )
+    return (
+        f"{DTYPE_NOTE} {named}: the program keeps fp32 master weights (precision "
+        f"{precision_shown(request)}); pin --precision bf16-pure to train the weights in bf16",
+    )
 
 
 def precision_shown(request: PlanRequest) -> str:
@@ -230,9 +256,11 @@ def plan_notes(best: Priced, runtime: str = "autoshard") -> tuple[str, ...]:
     mesh, tp = best.config.mesh, best.tp_choice
     notes = ()
     if tp is not None and not tp.sharded:
-        notes += (f"tp={mesh.tp}: the layout model keeps every module replicated on this cluster (resharding would "
-                  f"cost more than it saves), so the {mesh.tp} tp ranks compute the same thing; pin --tp 1 or use "
-                  f"a cluster with a faster link",)
+        notes += (
+            f"tp={mesh.tp}: the layout model keeps every module replicated on this cluster (resharding would "
+            f"cost more than it saves), so the {mesh.tp} tp ranks compute the same thing; pin --tp 1 or use "
+            f"a cluster with a faster link",
+        )
     if runtime != "autoshard":
         notes += (RUNTIME_NOTE.format(runtime=runtime),)
     return notes
@@ -244,18 +272,23 @@ def batch_notes(graph: OpGraph, c: Decisions) -> tuple[str, ...]:
     if graph.batch_coupling:
         return (f"the batch stays whole on one rank (dp 1, one micro-batch): {graph.batch_coupling}",)
     if graph.batch_coupling is None and graph.model_fingerprint and c.mesh.dp * c.mesh.cp * c.num_microbatches > 1:
-        return ("whether the loss of a batch is the mean of its shares' losses (what dp and micro-batches need) was not "
-                "checked (the model is too large to run here, or did not run on the CPU); `autoshard verify` a smaller "
-                "configuration of it",)
+        return (
+            "whether the loss of a batch is the mean of its shares' losses (what dp and micro-batches need) was not "
+            "checked (the model is too large to run here, or did not run on the CPU); `autoshard verify` a smaller "
+            "configuration of it",
+        )
     return ()
 
 
-RUNTIME_NOTE = ("priced as {runtime} runs this configuration (--runtime {runtime}), to compare with its published "
-                "runs; `autoshard compile` still emits autoshard's program, which `--runtime autoshard` prices")
+RUNTIME_NOTE = (
+    "priced as {runtime} runs this configuration (--runtime {runtime}), to compare with its published "
+    "runs; `autoshard compile` still emits autoshard's program, which `--runtime autoshard` prices"
+)
 
 
-def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...], schedule: str = "1f1b",
-                    virtual_stages: int = 1) -> tuple[Stage, ...]:
+def pipeline_stages(
+    graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...], schedule: str = "1f1b", virtual_stages: int = 1
+) -> tuple[Stage, ...]:
     """One Stage per pipeline stage (one in all without pipelining): its top-level / block modules
     in run order and the ranks holding it (all of its pp rank's dp × tp; pp rank s mod pp, or in a V
     ``cost.schedule.stage_owners``'s)."""
@@ -263,9 +296,14 @@ def pipeline_stages(graph: OpGraph, mesh: Mesh, cuts: tuple[int, ...], schedule:
         return (Stage(index=0, modules=top_level_modules(graph), ranks=tuple(range(mesh.world_size))),)
     names = unit_modules(graph)
     owner = stage_owners(schedule, mesh.pp, virtual_stages)
-    return tuple(Stage(index=s, modules=tuple(m for u in stage_units(rng, len(graph.blocks)) for m in names[u]),
-                       ranks=ranks_of_stage(mesh, owner[s]))
-                 for s, rng in enumerate(stage_ranges(cuts, len(graph.blocks))))
+    return tuple(
+        Stage(
+            index=s,
+            modules=tuple(m for u in stage_units(rng, len(graph.blocks)) for m in names[u]),
+            ranks=ranks_of_stage(mesh, owner[s]),
+        )
+        for s, rng in enumerate(stage_ranges(cuts, len(graph.blocks)))
+    )
 
 
 def unit_modules(graph: OpGraph) -> list[tuple[str, ...]]:
@@ -283,8 +321,9 @@ def unit_modules(graph: OpGraph) -> list[tuple[str, ...]]:
 
 def _outermost_outside(module_path: str, ancestors: set[str]) -> str:
     parts = module_path.split(".")
-    return next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in ancestors),
-                module_path)
+    return next(
+        (".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in ancestors), module_path
+    )
 
 
 def check_plan_modules(plan: Plan, model_file: ModelFile) -> None:
@@ -294,24 +333,30 @@ def check_plan_modules(plan: Plan, model_file: ModelFile) -> None:
     from autoshard.passes.capture import build_on_meta
 
     have = {name for name, _ in build_on_meta(model_file).named_modules()}
-    named = [*(("tensor_parallel", path) for path in plan.tensor_parallel),
-             *((f"stage {s.index}", path) for s in plan.stages for path in s.modules),
-             *(("split_points", path) for path in plan.split_points),
-             *(("blocks", path) for path in plan.blocks),
-             *(("recompute_blocks", path) for path in plan.recompute_blocks)]
+    named = [
+        *(("tensor_parallel", path) for path in plan.tensor_parallel),
+        *((f"stage {s.index}", path) for s in plan.stages for path in s.modules),
+        *(("split_points", path) for path in plan.split_points),
+        *(("blocks", path) for path in plan.blocks),
+        *(("recompute_blocks", path) for path in plan.recompute_blocks),
+    ]
     missing = [(where, path) for where, path in named if path not in have]
     if missing:
         where, path = missing[0]
         more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
-        raise AutoshardError(f"the plan names module '{path}' in {where}, which {plan.model['spec']} does not have"
-                             f"{more}; fix: re-plan with `autoshard plan {plan.model['spec']} ...` instead of "
-                             f"editing the plan")
+        raise AutoshardError(
+            f"the plan names module '{path}' in {where}, which {plan.model['spec']} does not have"
+            f"{more}; fix: re-plan with `autoshard plan {plan.model['spec']} ...` instead of "
+            f"editing the plan"
+        )
 
 
 OPS_NAMED = 5  # op targets a plan names in model.ops_estimated (the count covers them all)
 
 
-def model_summary(spec: str, model_file: ModelFile | None, graph: OpGraph, seq_len: int | None = None) -> dict[str, Any]:
+def model_summary(
+    spec: str, model_file: ModelFile | None, graph: OpGraph, seq_len: int | None = None
+) -> dict[str, Any]:
     if graph.model_fingerprint or model_file is None:
         fingerprint = graph.model_fingerprint
     else:

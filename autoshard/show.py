@@ -46,8 +46,10 @@ def schedule_panel(plan: Plan) -> Panel:
     m -= m % plan.mesh.pp if plan.virtual_stages > 1 and m >= plan.mesh.pp else 0
     grid = draw(plan.schedule, plan.mesh.pp, m, plan.virtual_stages)
     shown = f"first {m} of {plan.num_microbatches} micro-batches" if m < plan.num_microbatches else f"{m} micro-batches"
-    title = (f"Pipeline schedule {plan.schedule}, {plan.mesh.pp} ranks x {plan.virtual_stages} stages each, {shown}; "
-             f"idle {bubble_fraction(grid):.0%}")
+    title = (
+        f"Pipeline schedule {plan.schedule}, {plan.mesh.pp} ranks x {plan.virtual_stages} stages each, {shown}; "
+        f"idle {bubble_fraction(grid):.0%}"
+    )
     return Panel(Text(format_grid(grid), no_wrap=True, overflow="ellipsis"), title=title, title_align="left")
 
 
@@ -60,8 +62,10 @@ def tensor_parallel_table(plan: Plan, every_module: bool = False) -> Table:
     rows += [(path, "replicate", reason) for path, reason in sorted(plan.tensor_parallel_reasons.items())]
     if not every_module:
         t.caption = f"{len(rows)} modules, layer numbers written *; every module: inspect --all"
-        rows = [(f"{pattern}  x{count}" if count > 1 else pattern, style, why)
-                for pattern, style, why, count in fold_layer_rows(rows)]
+        rows = [
+            (f"{pattern}  x{count}" if count > 1 else pattern, style, why)
+            for pattern, style, why, count in fold_layer_rows(rows)
+        ]
     for path, style, why in rows:
         t.add_row(path, style, Text(why))  # prose from the plan file: not rich markup
     return t
@@ -94,8 +98,11 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("cluster", f"{c['name']}: {c['nodes']} node(s) x {c['devices_per_node']} devices ({c['backend']})")
     t.add_row("mesh", f"{plan.mesh}  ({plan.world_size} ranks)")
     t.add_row("ZeRO stage", f"{plan.zero_stage}  ({_zero_how(plan)})")
-    t.add_row("batch", f"global {plan.global_batch} = {plan.mesh.dp} dp x {plan.num_microbatches} micro-batches "
-                       f"x {plan.microbatch_size}")
+    t.add_row(
+        "batch",
+        f"global {plan.global_batch} = {plan.mesh.dp} dp x {plan.num_microbatches} micro-batches "
+        f"x {plan.microbatch_size}",
+    )
     t.add_row("recompute", _recompute_text(plan))
     sequence = sequence_text(plan)
     if sequence:
@@ -116,11 +123,15 @@ def sequence_text(plan: Plan) -> str:
     tokens = plan.model.get("tokens_per_sample", 1)
     parts = []
     if plan.mesh.cp > 1:
-        parts.append(f"{tokens:,} tokens split over cp={plan.mesh.cp} ranks ({tokens // plan.mesh.cp:,} each; "
-                     f"attention a ring over them)")
+        parts.append(
+            f"{tokens:,} tokens split over cp={plan.mesh.cp} ranks ({tokens // plan.mesh.cp:,} each; "
+            f"attention a ring over them)"
+        )
     if plan.sequence_parallel:
-        parts.append(f"sequence parallel with tp={plan.mesh.tp}: the regions between TP's linears on 1/{plan.mesh.tp} "
-                     f"of the tokens (reduce-scatter + all-gather for each all-reduce)")
+        parts.append(
+            f"sequence parallel with tp={plan.mesh.tp}: the regions between TP's linears on 1/{plan.mesh.tp} "
+            f"of the tokens (reduce-scatter + all-gather for each all-reduce)"
+        )
     return "; ".join(parts)
 
 
@@ -128,12 +139,14 @@ def runtime_text(runtime: str) -> str:
     """What priced the plan (``Plan.runtime``); a runtime other than autoshard's says the program is still ours."""
     if runtime == "autoshard":
         return "autoshard (the program `autoshard compile` emits)"
-    return (f"{runtime}: the time and memory are {runtime}'s for this configuration; `autoshard compile` still "
-            f"emits autoshard's program (price it with --runtime autoshard)")
+    return (
+        f"{runtime}: the time and memory are {runtime}'s for this configuration; `autoshard compile` still "
+        f"emits autoshard's program (price it with --runtime autoshard)"
+    )
 
 
 def _estimated_text(estimated: dict) -> str:
-    """"3 ops costed by an estimate, their FLOP formula failing (aten.addmm.default)": the count of
+    """ "3 ops costed by an estimate, their FLOP formula failing (aten.addmm.default)": the count of
     nodes, then the plan's few op targets."""
     count, ops = estimated["count"], estimated.get("ops", [])
     named = f" ({', '.join(ops)})" if ops else ""
@@ -144,12 +157,13 @@ RANDOM_MODULES_SHOWN = 3  # module paths named per random op; the rest counted
 
 
 def random_ops_text(drawn: dict[str, list[str]]) -> str:
-    """"aten.bernoulli.p in encoder.layer.*.drop_path; aten.dropout.default in 3 modules (a, b, c, ...)": where the
+    """ "aten.bernoulli.p in encoder.layer.*.drop_path; aten.dropout.default in 3 modules (a, b, c, ...)": where the
     model draws random numbers, each rank its own in a parallel program (``autoshard verify`` fixes them)."""
     parts = []
     for op, modules in sorted(drawn.items()):
-        shown = ", ".join(modules[:RANDOM_MODULES_SHOWN]) + (f", +{len(modules) - RANDOM_MODULES_SHOWN} more"
-                                                             if len(modules) > RANDOM_MODULES_SHOWN else "")
+        shown = ", ".join(modules[:RANDOM_MODULES_SHOWN]) + (
+            f", +{len(modules) - RANDOM_MODULES_SHOWN} more" if len(modules) > RANDOM_MODULES_SHOWN else ""
+        )
         parts.append(f"{op} in {shown}")
     return "; ".join(parts) + " (each rank draws its own; verify runs them at their expectation)"
 
@@ -160,8 +174,13 @@ def memory_table(plan: Plan) -> Table:
     t = Table(title="Memory per rank (predicted peak)", title_justify="left")
     t.add_column("part")
     t.add_column("MiB", justify="right")
-    for name, value in (("weights", m.params_bytes), ("gradients", m.grads_bytes), ("optimizer state", m.optimizer_bytes),
-                        ("activations", m.activations_bytes), ("transient", m.transient_bytes)):
+    for name, value in (
+        ("weights", m.params_bytes),
+        ("gradients", m.grads_bytes),
+        ("optimizer state", m.optimizer_bytes),
+        ("activations", m.activations_bytes),
+        ("transient", m.transient_bytes),
+    ):
         t.add_row(name, f"{value / MIB:,.1f}")
     t.add_row("[bold]peak[/bold] (+ allocator slack)", f"[bold]{m.peak_bytes / MIB:,.1f}[/bold]")
     t.add_row("device memory", device_memory_text(m.peak_bytes, device))
@@ -169,7 +188,7 @@ def memory_table(plan: Plan) -> Table:
 
 
 def device_memory_text(peak_bytes: int, device_bytes: int) -> str:
-    """"81,920  (52.3% used)", or, over it, "81,920  (does not fit: 2.07x it)"."""
+    """ "81,920  (52.3% used)", or, over it, "81,920  (does not fit: 2.07x it)"."""
     if peak_bytes > device_bytes:
         return f"{device_bytes / MIB:,.0f}  [red](does not fit: {peak_bytes / device_bytes:.2f}x it)[/red]"
     return f"{device_bytes / MIB:,.0f}  ({peak_bytes / device_bytes:.1%} used)"
@@ -207,10 +226,15 @@ def preset_caveat(cluster: dict) -> str | None:
     preset = PRESETS.get(cluster["name"])
     if preset is None or cluster["device"].get("source") != preset.device.source:
         return None
-    what = ("rough defaults, not measurements of this machine (a CPU run may reach a tenth of this throughput)"
-            if cluster["backend"] == "gloo" else "from datasheets and published runs, not measurements of your cluster")
-    return (f"{cluster['name']} is an uncalibrated preset: its figures are {what}; for predictions to hold a run to, "
-            f"`autoshard calibrate -o cluster.yaml` there and plan with --cluster cluster.yaml")
+    what = (
+        "rough defaults, not measurements of this machine (a CPU run may reach a tenth of this throughput)"
+        if cluster["backend"] == "gloo"
+        else "from datasheets and published runs, not measurements of your cluster"
+    )
+    return (
+        f"{cluster['name']} is an uncalibrated preset: its figures are {what}; for predictions to hold a run to, "
+        f"`autoshard calibrate -o cluster.yaml` there and plan with --cluster cluster.yaml"
+    )
 
 
 def stages_table(plan: Plan) -> Table:
@@ -227,13 +251,36 @@ def stages_table(plan: Plan) -> Table:
 
 def alternatives_table(plan: Plan) -> Table:
     t = Table(title="Alternatives considered", title_justify="left")
-    for col in ("dp x tp x pp", "schedule", "ZeRO", "micro-batch", "recompute", "step ms", "peak MiB", "why not chosen"):
+    for col in (
+        "dp x tp x pp",
+        "schedule",
+        "ZeRO",
+        "micro-batch",
+        "recompute",
+        "step ms",
+        "peak MiB",
+        "why not chosen",
+    ):
         t.add_column(col, justify="right" if col in ("step ms", "peak MiB", "micro-batch") else "left")
-    t.add_row(_mesh(plan.mesh), _schedule(plan.schedule, plan.virtual_stages), str(plan.zero_stage), str(plan.microbatch_size), plan.recompute,
-              *_time_mem(plan.predicted), chosen_row_text(plan))
+    t.add_row(
+        _mesh(plan.mesh),
+        _schedule(plan.schedule, plan.virtual_stages),
+        str(plan.zero_stage),
+        str(plan.microbatch_size),
+        plan.recompute,
+        *_time_mem(plan.predicted),
+        chosen_row_text(plan),
+    )
     for a in plan.alternatives:
-        t.add_row(_mesh(a.mesh), _schedule(a.schedule, 1), str(a.zero_stage), str(a.microbatch_size), a.recompute, *_time_mem(a.predicted),
-                  Text(a.why_not))  # prose from the plan file: not rich markup
+        t.add_row(
+            _mesh(a.mesh),
+            _schedule(a.schedule, 1),
+            str(a.zero_stage),
+            str(a.microbatch_size),
+            a.recompute,
+            *_time_mem(a.predicted),
+            Text(a.why_not),
+        )  # prose from the plan file: not rich markup
     return t
 
 
@@ -256,7 +303,7 @@ _ZERO_HOW = {  # ir.decisions.DP_RUNTIMES row -> what the user reads
     "ddp-zero-optimizer": "optimizer state sharded (DDP + ZeroRedundancyOptimizer)",
     "replicate": "nothing sharded (FSDP2's replicate: DDP on DTensor parameters or stages)",
     "fsdp-accumulate": "optimizer state sharded, gradients summed whole and reduce-scattered once a step (FSDP2; "
-                       "Megatron's distributed optimizer)",
+    "Megatron's distributed optimizer)",
     "fsdp": "gradients + optimizer state sharded (FSDP2)",
     "fsdp-reshard": "weights, gradients, optimizer state sharded (FSDP2)",
 }
@@ -269,11 +316,15 @@ def _zero_how(plan: Plan) -> str:
     if plan.mesh.cp > 1:
         how += f"; over the {plan.mesh.dp_cp} dp x cp ranks, which hold the same parameters"
     if plan.dp_replicate > 1:
-        how += (f"; HSDP: sharded over the {plan.mesh.dp // plan.dp_replicate} ranks of a node, "
-                f"{plan.dp_replicate} replicas across nodes")
+        how += (
+            f"; HSDP: sharded over the {plan.mesh.dp // plan.dp_replicate} ranks of a node, "
+            f"{plan.dp_replicate} replicas across nodes"
+        )
     if plan.ep > 1:
-        how += (f"; experts split over ep={plan.ep} adjacent dp ranks (all-to-all dispatch), each shard synced "
-                f"over the {plan.mesh.dp // plan.ep} rank(s) holding it")
+        how += (
+            f"; experts split over ep={plan.ep} adjacent dp ranks (all-to-all dispatch), each shard synced "
+            f"over the {plan.mesh.dp // plan.ep} rank(s) holding it"
+        )
     return how
 
 
@@ -285,15 +336,35 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 
 # ---------------------------------------------------------------------------- what-if (inspect --what-if)
 
-TIME_ROWS = (("forward_s", "forward"), ("backward_s", "backward"), ("recompute_s", "recompute"),
-             ("grad_accumulation_s", "gradient accumulation"), ("optimizer_s", "optimizer step"),
-             ("tp_comm_s", "TP collectives"), ("p2p_s", "pipeline p2p"),
-             ("dp_comm_exposed_s", "DP collectives, exposed"), ("bubble_s", "pipeline bubble"),
-             ("ep_comm_s", "expert all-to-all"), ("cp_comm_s", "context-parallel ring, exposed"))
-MEMORY_ROWS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
-               ("activations_bytes", "activations"), ("transient_bytes", "transient"))
-SYMBOL_LABELS = {"B": "global_batch", "s": "seq_len", "b": "microbatch_size", "dp": "dp", "tp": "tp", "pp": "pp",
-                 "cp": "cp"}
+TIME_ROWS = (
+    ("forward_s", "forward"),
+    ("backward_s", "backward"),
+    ("recompute_s", "recompute"),
+    ("grad_accumulation_s", "gradient accumulation"),
+    ("optimizer_s", "optimizer step"),
+    ("tp_comm_s", "TP collectives"),
+    ("p2p_s", "pipeline p2p"),
+    ("dp_comm_exposed_s", "DP collectives, exposed"),
+    ("bubble_s", "pipeline bubble"),
+    ("ep_comm_s", "expert all-to-all"),
+    ("cp_comm_s", "context-parallel ring, exposed"),
+)
+MEMORY_ROWS = (
+    ("params_bytes", "weights"),
+    ("grads_bytes", "gradients"),
+    ("optimizer_bytes", "optimizer state"),
+    ("activations_bytes", "activations"),
+    ("transient_bytes", "transient"),
+)
+SYMBOL_LABELS = {
+    "B": "global_batch",
+    "s": "seq_len",
+    "b": "microbatch_size",
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "cp": "cp",
+}
 
 
 def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, float]:
@@ -302,23 +373,31 @@ def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, 
     from autoshard.cost.symbolic import evaluate  # sympy: loaded when a plan's figures are asked for
 
     if not plan.symbolic:
-        raise AutoshardError("this plan has no symbolic cost (made before autoshard stored one); "
-                             "re-create it with `autoshard plan` to use --what-if")
+        raise AutoshardError(
+            "this plan has no symbolic cost (made before autoshard stored one); "
+            "re-create it with `autoshard plan` to use --what-if"
+        )
     if "cp" in (values or {}) and plan.mesh.cp == 1:
-        raise AutoshardError("--what-if cp=...: this plan has no context parallelism (cp=1), so its cost holds no cp; "
-                             "re-plan with --cp N (or a long --seq-len) to ask what another cp would cost")
+        raise AutoshardError(
+            "--what-if cp=...: this plan has no context parallelism (cp=1), so its cost holds no cp; "
+            "re-plan with --cp N (or a long --seq-len) to ask what another cp would cost"
+        )
     try:
         out = evaluate(plan.symbolic, values or {})
         point = {**plan.symbolic["symbols"], **(values or {})}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise AutoshardError(f"the plan's symbolic cost is damaged ({type(exc).__name__}: {exc}); "
-                             f"re-create it with `autoshard plan`") from exc
+        raise AutoshardError(
+            f"the plan's symbolic cost is damaged ({type(exc).__name__}: {exc}); re-create it with `autoshard plan`"
+        ) from exc
     tokens = point["s"] if plan.model.get("tokens_per_sample", 1) > 1 else 1
     world = point["dp"] * point["tp"] * point["pp"] * point.get("cp", 1)
     out["samples_per_s"] = point["B"] / out["step_time_s"]
     out["tokens_per_s"] = out["samples_per_s"] * tokens
-    out["mfu"] = point["B"] * out["model_flops_per_sample"] / (
-        out["step_time_s"] * world * plan.cluster["device"]["peak_tflops"] * 1e12)
+    out["mfu"] = (
+        point["B"]
+        * out["model_flops_per_sample"]
+        / (out["step_time_s"] * world * plan.cluster["device"]["peak_tflops"] * 1e12)
+    )
     return out
 
 
@@ -331,8 +410,10 @@ def what_if_view(plan: Plan, values: dict[str, int]) -> Group:
     """Each part at the plan's point and at the what-if point, with the ratio."""
     base, new = plan_figures(plan), plan_figures(plan, values)
     sym = plan.symbolic["symbols"]
-    where = Text(f"plan: {' '.join(f'{label}={sym[k]}' for k, label in SYMBOL_LABELS.items() if k in sym)}; "
-                 f"what-if: {point_label(plan, values)} (re-evaluated, not re-planned)")
+    where = Text(
+        f"plan: {' '.join(f'{label}={sym[k]}' for k, label in SYMBOL_LABELS.items() if k in sym)}; "
+        f"what-if: {point_label(plan, values)} (re-evaluated, not re-planned)"
+    )
     t = Table(title=f"What if {point_label(plan, values)}", title_justify="left")
     for col in ("part", "plan", "what-if", "x"):
         t.add_column(col, justify="left" if col == "part" else "right")
@@ -365,19 +446,25 @@ def what_if_warnings(plan: Plan, values: dict[str, int]) -> list[str]:
     lines = []
     device = plan.cluster["device"]["memory_bytes"]
     if new["memory_peak_bytes"] > device:
-        lines.append(f"does not fit: {new['memory_peak_bytes'] / GIB:.2f} GiB per rank, "
-                     f"{(new['memory_peak_bytes'] - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device")
+        lines.append(
+            f"does not fit: {new['memory_peak_bytes'] / GIB:.2f} GiB per rank, "
+            f"{(new['memory_peak_bytes'] - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device"
+        )
     per_step = point["dp"] * point["b"]
     if point["B"] % per_step:
-        lines.append(f"global_batch={point['B']} is not divisible by dp x microbatch_size = {per_step}: "
-                     f"{point['B'] / per_step:.3g} micro-batches is not a whole number")
+        lines.append(
+            f"global_batch={point['B']} is not divisible by dp x microbatch_size = {per_step}: "
+            f"{point['B'] / per_step:.3g} micro-batches is not a whole number"
+        )
     if any(point[k] != plan.symbolic["symbols"][k] for k in ("dp", "tp", "pp")):
         world = point["dp"] * point["tp"] * point["pp"] * point.get("cp", 1)
         devices = plan.cluster["nodes"] * plan.cluster["devices_per_node"]
         ranks = f"; dp x tp x pp = {world} ranks, the plan's cluster has {devices}" if world != devices else ""
-        lines.append(f"degrees differ from the plan's: its TP layout, stage cuts, schedule and links are kept, so this "
-                     f"is an estimate{ranks}; re-plan with --dp {point['dp']} --tp {point['tp']} --pp {point['pp']} "
-                     f"to decide")
+        lines.append(
+            f"degrees differ from the plan's: its TP layout, stage cuts, schedule and links are kept, so this "
+            f"is an estimate{ranks}; re-plan with --dp {point['dp']} --tp {point['tp']} --pp {point['pp']} "
+            f"to decide"
+        )
     return lines
 
 
@@ -406,7 +493,8 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "split points": ", ".join(plan.split_points) or "none",
         "precision": plan.precision,
         "priced for": plan.runtime,
-        "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}" if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2
+        "DDP buckets (MiB)": f"{plan.ddp_bucket_cap_mb:g}"
+        if plan.mesh.dp > 1 and not plan.decisions.dp_runtime.fsdp2
         else "-",
         "HSDP replicas": str(plan.dp_replicate),
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
@@ -479,12 +567,14 @@ def _fine_parts(a: Plan, b: Plan) -> list[tuple[tuple[float, float], str]]:
 
 
 def _recompute_text(plan) -> str:
-    """"full", or for a mixed plan the blocks per mode: "mixed: full h.0-h.1, none h.2-h.3"."""
+    """ "full", or for a mixed plan the blocks per mode: "mixed: full h.0-h.1, none h.2-h.3"."""
     if plan.recompute != "mixed":
         return plan.recompute
     by_mode: dict[str, list[str]] = {}
     for path, mode in plan.recompute_blocks.items():
         by_mode.setdefault(mode, []).append(path)
-    parts = [f"{mode} {paths[0]}" + (f"-{paths[-1]} ({len(paths)})" if len(paths) > 1 else "")
-             for mode, paths in by_mode.items()]
+    parts = [
+        f"{mode} {paths[0]}" + (f"-{paths[-1]} ({len(paths)})" if len(paths) > 1 else "")
+        for mode, paths in by_mode.items()
+    ]
     return "mixed: " + ", ".join(parts)

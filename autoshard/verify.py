@@ -113,8 +113,10 @@ TOP_TENSORS = 3
 
 
 def tolerance_text(noise_factor: float = NOISE_FACTOR) -> str:
-    return (f"each loss and tensor within {noise_factor:g}x the one-process run's own rounding in the plan's "
-            f"precision (its distance from a float64 run) + {FLOOR_ULPS} fp32 spacings")
+    return (
+        f"each loss and tensor within {noise_factor:g}x the one-process run's own rounding in the plan's "
+        f"precision (its distance from a float64 run) + {FLOOR_ULPS} fp32 spacings"
+    )
 
 
 def noise_factor(plan: Plan) -> float:
@@ -134,6 +136,7 @@ def noise_factor(plan: Plan) -> float:
 @dataclass(frozen=True)
 class Run:
     """One training run: the loss of every step and the final state (weights and buffers)."""
+
     losses: list[float]
     params: dict[str, torch.Tensor]
     grad_norms: tuple[float | None, ...] = ()  # each step's, before clipping (None: the recipe does not clip)
@@ -169,8 +172,9 @@ class VerifyReport:
         return not self.failure
 
 
-def verify(plan: Plan, steps: int = 5, seed: int = 0, recipe: Recipe | None = None,
-           data: DataSource = DataSource()) -> VerifyReport:
+def verify(
+    plan: Plan, steps: int = 5, seed: int = 0, recipe: Recipe | None = None, data: DataSource = DataSource()
+) -> VerifyReport:
     """Run the plan's program (random ops fixed) and the fp32 and float64 references; compare (module doc).
     ``recipe``: what both train with (None: ``Recipe()``, the programs' default); ``data``: what both train on
     (``--data``; by default the model file's dataset, else example_batch draws)."""
@@ -188,14 +192,18 @@ def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) 
     if steps < 1:
         raise AutoshardError(f"--steps {steps} must be at least 1")
     check_runs_here(plan)
-    model_file = load_model_file(plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len"))
+    model_file = load_model_file(
+        plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len")
+    )
     check_randomness(plan, model_file, seed)
     dataset = open_dataset(model_file, data, layout(plan).tokens_per_sample)
     notes = run_notes(model_file, plan)
     if dataset is not None:
         size = "a stream" if is_stream(dataset) else f"{len(dataset)} samples"
-        notes += (f"both train on {data.name(model_file)} ({size}), in the order the program's "
-                  f"{plan.mesh.dp} data-parallel rank(s) read it",)
+        notes += (
+            f"both train on {data.name(model_file)} ({size}), in the order the program's "
+            f"{plan.mesh.dp} data-parallel rank(s) read it",
+        )
     return model_file, notes
 
 
@@ -207,21 +215,57 @@ def reference_data(plan: Plan, model_file: ModelFile, data: DataSource) -> dict:
     return {"data": data, "tokens_per_sample": layout(plan).tokens_per_sample, "dp": plan.mesh.dp}
 
 
-def judge(plan: Plan, model_file: ModelFile, parallel: Run | str, steps: int, seed: int, recipe: Recipe,
-          notes: tuple[str, ...] = (), data: DataSource = DataSource()) -> VerifyReport:
+def judge(
+    plan: Plan,
+    model_file: ModelFile,
+    parallel: Run | str,
+    steps: int,
+    seed: int,
+    recipe: Recipe,
+    notes: tuple[str, ...] = (),
+    data: DataSource = DataSource(),
+) -> VerifyReport:
     """The parallel run (or why it failed) against the fp32 and float64 one-process runs with ``recipe`` (the
     program's), with a likely cause."""
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
     source = reference_data(plan, model_file, data)
-    ref32 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
-                            microbatches=microbatches, recipe=recipe, precision=plan.precision,
-                            gathers_params=gathers_params(plan), **source)
-    ref64 = train_reference(model_file, plan.global_batch, steps, seed, recipe.lr, fixed_randomness=True,
-                            microbatches=microbatches, dtype=torch.float64, recipe=recipe, **source)
-    report = compare(steps, parallel.losses, ref32.losses, parallel.params, ref32.params, recipe.lr, exact=ref64,
-                     noise_factor=noise_factor(plan))
+    ref32 = train_reference(
+        model_file,
+        plan.global_batch,
+        steps,
+        seed,
+        recipe.lr,
+        fixed_randomness=True,
+        microbatches=microbatches,
+        recipe=recipe,
+        precision=plan.precision,
+        gathers_params=gathers_params(plan),
+        **source,
+    )
+    ref64 = train_reference(
+        model_file,
+        plan.global_batch,
+        steps,
+        seed,
+        recipe.lr,
+        fixed_randomness=True,
+        microbatches=microbatches,
+        dtype=torch.float64,
+        recipe=recipe,
+        **source,
+    )
+    report = compare(
+        steps,
+        parallel.losses,
+        ref32.losses,
+        parallel.params,
+        ref32.params,
+        recipe.lr,
+        exact=ref64,
+        noise_factor=noise_factor(plan),
+    )
     report = _with(report, grad_norms=parallel.grad_norms)
     if report.ok:
         return _with(report, notes=notes)
@@ -238,17 +282,23 @@ def run_notes(model_file: ModelFile, plan: Plan) -> tuple[str, ...]:
     model = model_file.build("meta")
     notes = [random_ops_note(plan.model.get("random_ops"))]
     if has_batch_norm(model):
-        notes.append(f"BatchNorm statistics over the {plan.mesh.dp} data-parallel rank(s) (SyncBatchNorm)"
-                     + (f"; per micro-batch of {plan.mesh.dp * plan.microbatch_size} samples, in the reference too"
-                        if plan.num_microbatches > 1 else ""))
+        notes.append(
+            f"BatchNorm statistics over the {plan.mesh.dp} data-parallel rank(s) (SyncBatchNorm)"
+            + (
+                f"; per micro-batch of {plan.mesh.dp * plan.microbatch_size} samples, in the reference too"
+                if plan.num_microbatches > 1
+                else ""
+            )
+        )
     return tuple(notes)
 
 
 def random_ops_note(random_ops: dict[str, list[str]] | None) -> str:
     """Which random ops run at their expectation in both runs (the plan's ``model.random_ops``)."""
     if random_ops is None:  # plans list random ops only where the model has some (older plans list none at all)
-        return ("the plan lists no random op (the captured model draws none); any would run at its expectation in "
-                "both runs")
+        return (
+            "the plan lists no random op (the captured model draws none); any would run at its expectation in both runs"
+        )
     if not random_ops:
         return "the captured model has no random op (every random op would run at its expectation in both runs)"
     where = "; ".join(f"{op} in {', '.join(modules)}" for op, modules in sorted(random_ops.items()))
@@ -260,17 +310,22 @@ def check_randomness(plan: Plan, model_file: ModelFile, seed: int) -> None:
     model whose two forwards of one batch differ with every torch random op fixed."""
     for op, modules in sorted((plan.model.get("random_ops") or {}).items()):
         if not fixable(op_name(op)):
-            raise AutoshardError(f"verify cannot give the random op {op} (in {modules[0]}) a value every rank and "
-                                 f"the one-process run share, so it cannot compare them; remove it from the model "
-                                 f"or set its rate to 0 for verification")
+            raise AutoshardError(
+                f"verify cannot give the random op {op} (in {modules[0]}) a value every rank and "
+                f"the one-process run share, so it cannot compare them; remove it from the model "
+                f"or set its rate to 0 for verification"
+            )
     if not forward_is_deterministic(model_file, plan.global_batch, seed):
-        raise AutoshardError("two forwards of one batch differ with every torch random op fixed: the model draws "
-                             "randomness verify cannot see (Python's random, NumPy, a generator outside torch) or "
-                             "keeps state between calls; make forward a function of its inputs and weights to verify it")
+        raise AutoshardError(
+            "two forwards of one batch differ with every torch random op fixed: the model draws "
+            "randomness verify cannot see (Python's random, NumPy, a generator outside torch) or "
+            "keeps state between calls; make forward a function of its inputs and weights to verify it"
+        )
 
 
-def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, recipe: Recipe,
-                 data: DataSource = DataSource()) -> Run | str:
+def run_parallel(
+    plan: Plan, workdir: Path, steps: int, seed: int, recipe: Recipe, data: DataSource = DataSource()
+) -> Run | str:
     """Losses and final weights of the emitted program (random ops fixed; ``recipe`` its ``RECIPE``), or the reason
     it failed."""
     program = write_program(plan, workdir / "train.py", recipe=recipe)
@@ -285,8 +340,20 @@ def run_parallel(plan: Plan, workdir: Path, steps: int, seed: int, recipe: Recip
 def program_args(steps: int, seed: int, lr: float, out: Path, data: DataSource = DataSource()) -> list[str]:
     """The emitted program's command line as verify runs it: random ops fixed, metrics into ``out``, ``data``'s
     flags, a dataset read in the training process (no DataLoader workers)."""
-    return ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr), "--metrics-out", str(out), "--fixed-randomness",
-            *data.program_args(), "--data-workers", "0"]
+    return [
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--lr",
+        repr(lr),
+        "--metrics-out",
+        str(out),
+        "--fixed-randomness",
+        *data.program_args(),
+        "--data-workers",
+        "0",
+    ]
 
 
 def read_run(out: Path) -> Run:
@@ -310,11 +377,22 @@ def reference_microbatches(model_file: ModelFile, plan: Plan) -> tuple[int, int]
     return None
 
 
-def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: int, lr: float,
-                    dtype: torch.dtype = torch.float32, fixed_randomness: bool = False,
-                    microbatches: tuple[int, int] | None = None, data: DataSource | None = None,
-                    tokens_per_sample: int | None = None, dp: int = 1, recipe: Recipe | None = None,
-                    precision: str = "fp32", gathers_params: bool = False) -> Run:
+def train_reference(
+    model_file: ModelFile,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    lr: float,
+    dtype: torch.dtype = torch.float32,
+    fixed_randomness: bool = False,
+    microbatches: tuple[int, int] | None = None,
+    data: DataSource | None = None,
+    tokens_per_sample: int | None = None,
+    dp: int = 1,
+    recipe: Recipe | None = None,
+    precision: str = "fp32",
+    gathers_params: bool = False,
+) -> Run:
     """One process, the whole global batch per step: the ground truth.
 
     ``recipe``: the program's (``Recipe.for_run(steps, lr)``: ``lr`` replaces its own, as the program's ``--lr``):
@@ -341,8 +419,9 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
     if policy.cast_dtype is not None:
         model = model.to(getattr(torch, policy.cast_dtype))
     forward = _forward_precision(policy)
-    gathered = getattr(torch, policy.param_dtype) if gathers_params and policy.param_dtype and dtype != torch.float64 \
-        else None
+    gathered = (
+        getattr(torch, policy.param_dtype) if gathers_params and policy.param_dtype and dtype != torch.float64 else None
+    )
     scaler = torch.amp.GradScaler("cpu") if policy.grad_scaler else None
     if fixed_randomness:
         zero_dropout_rates(model)
@@ -362,8 +441,11 @@ def train_reference(model_file: ModelFile, batch_size: int, steps: int, seed: in
                 batch = _cast_inputs(batch, getattr(torch, policy.cast_dtype))
             if gathered is not None:
                 batch = _cast_inputs(batch, gathered)
-            loss = sum(_backward(model_file, model, chunk, len(chunks), forward, scaler, gathered)
-                       for chunks in [_reference_chunks(batch, microbatches)] for chunk in chunks)
+            loss = sum(
+                _backward(model_file, model, chunk, len(chunks), forward, scaler, gathered)
+                for chunks in [_reference_chunks(batch, microbatches)]
+                for chunk in chunks
+            )
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if max_norm is not None:
@@ -420,9 +502,15 @@ def _forward_precision(policy: PrecisionPolicy) -> Callable[[], contextlib.Abstr
     return lambda: torch.autocast("cpu", dtype=getattr(torch, policy.autocast_dtype))
 
 
-def _backward(model_file: ModelFile, model, chunk, count: int,
-              forward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-              scaler: torch.amp.GradScaler | None = None, gathered: torch.dtype | None = None) -> float:
+def _backward(
+    model_file: ModelFile,
+    model,
+    chunk,
+    count: int,
+    forward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    scaler: torch.amp.GradScaler | None = None,
+    gathered: torch.dtype | None = None,
+) -> float:
     inputs, targets = chunk
     with forward():
         if gathered is None:
@@ -445,8 +533,13 @@ def _reference_chunks(batch, microbatches: tuple[int, int] | None) -> list:
         return [batch]
     dp, count = microbatches
     per_rank = [split_microbatches(*take_shard(batch, r, dp, torch.device("cpu")), count) for r in range(dp)]
-    return [(tuple(torch.cat(parts) for parts in zip(*(per_rank[r][i][0] for r in range(dp)))),
-             torch.cat([per_rank[r][i][1] for r in range(dp)])) for i in range(count)]
+    return [
+        (
+            tuple(torch.cat(parts) for parts in zip(*(per_rank[r][i][0] for r in range(dp)))),
+            torch.cat([per_rank[r][i][1] for r in range(dp)]),
+        )
+        for i in range(count)
+    ]
 
 
 def _cast(batch, dtype: torch.dtype):
@@ -459,23 +552,46 @@ def weight_atol(lr: float) -> float:
     return WEIGHT_ATOL_PER_LR * lr
 
 
-def compare(steps: int, par_losses: list[float], ref_losses: list[float], par_params: dict, ref_params: dict,
-            lr: float = DEFAULT_LR, exact: Run | None = None, noise_factor: float = NOISE_FACTOR) -> VerifyReport:
+def compare(
+    steps: int,
+    par_losses: list[float],
+    ref_losses: list[float],
+    par_params: dict,
+    ref_params: dict,
+    lr: float = DEFAULT_LR,
+    exact: Run | None = None,
+    noise_factor: float = NOISE_FACTOR,
+) -> VerifyReport:
     """Judge the parallel run against the reference; ``exact`` is the float64 run, ``noise_factor`` K (module
     doc)."""
     exact_losses = exact.losses if exact else None
-    loss_excess = [_loss_excess(a, b, exact_losses[i] if exact_losses else None, noise_factor)
-                   for i, (a, b) in enumerate(zip(par_losses, ref_losses))]
-    tensors = sorted((_tensor_excess(name, par_params[name], ref, exact.params[name] if exact else None, lr,
-                                     noise_factor)
-                      for name, ref in ref_params.items() if name in par_params), key=lambda t: -t.excess)
+    loss_excess = [
+        _loss_excess(a, b, exact_losses[i] if exact_losses else None, noise_factor)
+        for i, (a, b) in enumerate(zip(par_losses, ref_losses))
+    ]
+    tensors = sorted(
+        (
+            _tensor_excess(name, par_params[name], ref, exact.params[name] if exact else None, lr, noise_factor)
+            for name, ref in ref_params.items()
+            if name in par_params
+        ),
+        key=lambda t: -t.excess,
+    )
     first = next((i for i, e in enumerate(loss_excess) if e > 1), None)
     failure = _failure(steps, par_losses, ref_losses, par_params, ref_params, first, tensors, noise_factor)
     worst = tensors[0] if tensors else TensorExcess("", 0.0, 0.0)
-    return VerifyReport(steps, par_losses, ref_losses,
-                        max((abs(a - b) for a, b in zip(par_losses, ref_losses)), default=0.0),
-                        max((t.max_diff for t in tensors), default=0.0), worst.name, failure, first,
-                        tuple(tensors[:TOP_TENSORS]), noise_factor=noise_factor)
+    return VerifyReport(
+        steps,
+        par_losses,
+        ref_losses,
+        max((abs(a - b) for a, b in zip(par_losses, ref_losses)), default=0.0),
+        max((t.max_diff for t in tensors), default=0.0),
+        worst.name,
+        failure,
+        first,
+        tuple(tensors[:TOP_TENSORS]),
+        noise_factor=noise_factor,
+    )
 
 
 def _loss_excess(par: float, ref32: float, ref64: float | None, noise_factor: float = NOISE_FACTOR) -> float:
@@ -484,8 +600,14 @@ def _loss_excess(par: float, ref32: float, ref64: float | None, noise_factor: fl
     return _ratio(abs(par - ref64), noise_factor * abs(ref32 - ref64) + FLOOR_ULPS * FP32_EPS * abs(ref64))
 
 
-def _tensor_excess(name: str, par: torch.Tensor, ref32: torch.Tensor, ref64: torch.Tensor | None,
-                   lr: float, noise_factor: float = NOISE_FACTOR) -> TensorExcess:
+def _tensor_excess(
+    name: str,
+    par: torch.Tensor,
+    ref32: torch.Tensor,
+    ref64: torch.Tensor | None,
+    lr: float,
+    noise_factor: float = NOISE_FACTOR,
+) -> TensorExcess:
     if ref32.numel() == 0:
         return TensorExcess(name, 0.0, 0.0)
     if not ref32.is_floating_point():
@@ -509,8 +631,9 @@ def _ratio(diff: float, bound: float) -> float:
     return diff / bound if bound > 0 else math.inf
 
 
-def _failure(steps, par_losses, ref_losses, par_params, ref_params, first, tensors,
-             noise_factor: float = NOISE_FACTOR) -> str:
+def _failure(
+    steps, par_losses, ref_losses, par_params, ref_params, first, tensors, noise_factor: float = NOISE_FACTOR
+) -> str:
     if len(par_losses) != len(ref_losses):
         return f"the program logged {len(par_losses)} losses for {steps} steps"
     missing = sorted(set(ref_params) - set(par_params))
@@ -522,11 +645,14 @@ def _failure(steps, par_losses, ref_losses, par_params, ref_params, first, tenso
     if first is None:
         where = "losses agree at every step; the final weights do not"
     else:
-        where = (f"losses first differ at step {first}: {par_losses[first]:.8g} parallel vs "
-                 f"{ref_losses[first]:.8g} one process")
+        where = (
+            f"losses first differ at step {first}: {par_losses[first]:.8g} parallel vs "
+            f"{ref_losses[first]:.8g} one process"
+        )
     shown = (off or tensors)[:TOP_TENSORS]
-    top = ", ".join(f"{t.name} ({_times(t.excess, noise_factor)} the rounding noise, |diff| up to {t.max_diff:.3g})"
-                    for t in shown)
+    top = ", ".join(
+        f"{t.name} ({_times(t.excess, noise_factor)} the rounding noise, |diff| up to {t.max_diff:.3g})" for t in shown
+    )
     return f"{where}\ntensors most off: {top}"
 
 
@@ -537,22 +663,32 @@ def _times(excess: float, noise_factor: float = NOISE_FACTOR) -> str:
 def likely_cause(report: VerifyReport, plan: Plan, model_file: ModelFile, seed: int) -> str:
     """What in the plan or the model most likely explains a failed comparison, or ""."""
     if report.first_diverging_step == 0 and _loss_is_mean_of_shard_means(report, plan, model_file, seed):
-        return ("the loss is not a mean over equal shares: each rank averages its own micro-batch over a count "
-                "that depends on the data (ignore_index, padding, masks), and the mean of those means is not the "
-                "global batch's loss; make loss_fn a sum over the batch divided by a fixed count")
+        return (
+            "the loss is not a mean over equal shares: each rank averages its own micro-batch over a count "
+            "that depends on the data (ignore_index, padding, masks), and the mean of those means is not the "
+            "global batch's loss; make loss_fn a sum over the batch divided by a fixed count"
+        )
     names = [t.name for t in report.most_off if t.excess > 1] or [t.name for t in report.most_off]
     for name in names:
         module = _tensor_parallel_module(name, plan)
         if module:
-            return (f"{module} is tensor parallel in this plan ({plan.tensor_parallel[module]}): its sharding "
-                    f"(the layout of its weight, input or output) does not compute what the module does")
+            return (
+                f"{module} is tensor parallel in this plan ({plan.tensor_parallel[module]}): its sharding "
+                f"(the layout of its weight, input or output) does not compute what the module does"
+            )
     model = model_file.build("meta")
     bn = {path for path, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
     if any(name.rsplit(".", 1)[0] in bn for name in names):
-        return ("BatchNorm: its statistics in the program are not those of one process over the same samples"
-                + (" (pipeline stages normalise each micro-batch alone)" if plan.mesh.pp > 1 else "")
-                + (f" (recompute {plan.recompute} runs a block's forward again in backward, and a BatchNorm "
-                   f"there updates its running statistics twice)" if plan.recompute != "none" else ""))
+        return (
+            "BatchNorm: its statistics in the program are not those of one process over the same samples"
+            + (" (pipeline stages normalise each micro-batch alone)" if plan.mesh.pp > 1 else "")
+            + (
+                f" (recompute {plan.recompute} runs a block's forward again in backward, and a BatchNorm "
+                f"there updates its running statistics twice)"
+                if plan.recompute != "none"
+                else ""
+            )
+        )
     return ""
 
 
@@ -565,9 +701,11 @@ def _loss_is_mean_of_shard_means(report: VerifyReport, plan: Plan, model_file: M
     zero_dropout_rates(model)
     inputs, targets = global_batch(model_file, plan.global_batch, seed, 0)
     with _fixed_randomness(), torch.no_grad():
-        losses = [model_file.loss(model(*x), y).item()
-                  for r in range(dp) for x, y in split_microbatches(*take_shard((inputs, targets), r, dp,
-                                                                                 torch.device("cpu")), count)]
+        losses = [
+            model_file.loss(model(*x), y).item()
+            for r in range(dp)
+            for x, y in split_microbatches(*take_shard((inputs, targets), r, dp, torch.device("cpu")), count)
+        ]
     par, ref = report.parallel_losses[0], report.reference_losses[0]
     return abs(par - sum(losses) / len(losses)) < abs(par - ref) / 10
 
@@ -595,12 +733,19 @@ def forward_is_deterministic(model_file: ModelFile, batch_size: int, seed: int) 
 def summary_lines(report: VerifyReport) -> list[str]:
     """The per-step losses, the largest differences and the tolerance, for the CLI."""
     lines = [f"note: {note}" for note in report.notes]
-    lines += [f"step {step}: loss {a:.8f} parallel, {b:.8f} one process"
-              for step, (a, b) in enumerate(zip(report.parallel_losses, report.reference_losses))]
+    lines += [
+        f"step {step}: loss {a:.8f} parallel, {b:.8f} one process"
+        for step, (a, b) in enumerate(zip(report.parallel_losses, report.reference_losses))
+    ]
     if report.parallel_losses:
         worst = report.most_off[0] if report.most_off else None
-        lines.append(f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g}"
-                     + (f"; most off for its rounding noise: {worst.name} ({_times(worst.excess, report.noise_factor)} that noise)"
-                        if worst else ""))
+        lines.append(
+            f"largest difference: loss {report.max_loss_diff:.3g}, weights {report.max_param_diff:.3g}"
+            + (
+                f"; most off for its rounding noise: {worst.name} ({_times(worst.excess, report.noise_factor)} that noise)"
+                if worst
+                else ""
+            )
+        )
         lines.append(f"tolerance: {tolerance_text(report.noise_factor)}")
     return lines

@@ -21,8 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-L8, L8_4, L70 = ("benchmarks/llama3.py:llama3_8b", "benchmarks/llama3.py:llama3_8b_4l",
-                 "benchmarks/llama3.py:llama3_70b_2l")
+L8, L8_4, L70 = (
+    "benchmarks/llama3.py:llama3_8b",
+    "benchmarks/llama3.py:llama3_8b_4l",
+    "benchmarks/llama3.py:llama3_70b_2l",
+)
 L8_2 = "benchmarks/llama3.py:llama3_8b_2l"
 MOE = "benchmarks/mixtral.py:build_2l"
 H100, TWO_NODES = ["--cluster", "dgx-h100"], ["--cluster", "dgx-h100", "--nodes", "2"]
@@ -35,34 +38,73 @@ CASES = {  # name: (model, layers run of the model's, cluster arguments, pins)
     "8b-fsdp": (L8, "32 of 32", H100, [*FSDP, "--recompute", "none"]),
     "8b-fsdp-selective": (L8_2, "2 of 32", H100, [*FSDP, "--recompute", "selective"]),
     "8b-fsdp-full": (L8_2, "2 of 32", H100, [*FSDP, "--recompute", "full"]),
-    "8b-hsdp": (L8_2, "2 of 32", TWO_NODES, [*SPMD, "--dp", "16", "--tp", "1", "--zero", "3", "--dp-replicate", "2",
-                                            "--recompute", "none", "--global-batch", "16"]),
+    "8b-hsdp": (
+        L8_2,
+        "2 of 32",
+        TWO_NODES,
+        [
+            *SPMD,
+            "--dp",
+            "16",
+            "--tp",
+            "1",
+            "--zero",
+            "3",
+            "--dp-replicate",
+            "2",
+            "--recompute",
+            "none",
+            "--global-batch",
+            "16",
+        ],
+    ),
     "8b-dp4-tp2": (L8_2, "2 of 32", H100, [*TP, "--zero", "3", "--sequence-parallel", "off"]),
     "8b-dp4-tp2-sp": (L8_2, "2 of 32", H100, [*TP, "--zero", "3", "--sequence-parallel", "on"]),
     "8b-dp4-tp2-zero1": (L8_2, "2 of 32", H100, [*TP, "--zero", "1", "--sequence-parallel", "off"]),
     "8b-tp2-pp2-1f1b": (L8_4, "4 of 32", H100, [*PP, "--schedule", "1f1b"]),
     "8b-tp2-pp2-interleaved": (L8_4, "4 of 32", H100, [*PP, "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]),
-    "8b-cp2-32k": (L8_2, "2 of 32", H100, [*SPMD, "--dp", "4", "--tp", "1", "--cp", "2", "--zero", "3",
-                                          "--recompute", "none", "--seq-len", "32768"]),
-    "8b-cp4-64k": (L8_2, "2 of 32", H100, [*SPMD, "--dp", "2", "--tp", "1", "--cp", "4", "--zero", "3",
-                                          "--recompute", "none", "--seq-len", "65536"]),
-    "mixtral-ep8": (MOE, "2 of 32", H100, [*SPMD, "--dp", "8", "--tp", "1", "--ep", "8", "--zero", "3",
-                                           "--recompute", "full"]),
-    "70b-fsdp-2nodes": (L70, "2 of 80", TWO_NODES, [*SPMD, "--dp", "16", "--tp", "1", "--zero", "3",
-                                                   "--recompute", "full", "--global-batch", "16"]),
+    "8b-cp2-32k": (
+        L8_2,
+        "2 of 32",
+        H100,
+        [*SPMD, "--dp", "4", "--tp", "1", "--cp", "2", "--zero", "3", "--recompute", "none", "--seq-len", "32768"],
+    ),
+    "8b-cp4-64k": (
+        L8_2,
+        "2 of 32",
+        H100,
+        [*SPMD, "--dp", "2", "--tp", "1", "--cp", "4", "--zero", "3", "--recompute", "none", "--seq-len", "65536"],
+    ),
+    "mixtral-ep8": (
+        MOE,
+        "2 of 32",
+        H100,
+        [*SPMD, "--dp", "8", "--tp", "1", "--ep", "8", "--zero", "3", "--recompute", "full"],
+    ),
+    "70b-fsdp-2nodes": (
+        L70,
+        "2 of 80",
+        TWO_NODES,
+        [*SPMD, "--dp", "16", "--tp", "1", "--zero", "3", "--recompute", "full", "--global-batch", "16"],
+    ),
 }
 
 
 def run_case(name: str, folder: Path) -> dict:
     model, layers, cluster, pins = CASES[name]
     plan = folder / f"{name}.plan.json"
-    estimate = subprocess.run([sys.executable, "-m", "autoshard", "estimate", model, *cluster, *BASE, *pins, "-o",
-                               str(plan)], cwd=ROOT, capture_output=True, text=True)  # a later --global-batch wins
+    estimate = subprocess.run(
+        [sys.executable, "-m", "autoshard", "estimate", model, *cluster, *BASE, *pins, "-o", str(plan)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )  # a later --global-batch wins
     if not plan.exists():  # written, and exit 1, where it does not fit in the device's memory
         return {"name": name, "layers": layers, "error": estimate.stderr.strip().splitlines()[-1]}
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "autoshard", "dryrun", str(plan), "--json"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "dryrun", str(plan), "--json"], cwd=ROOT, capture_output=True, text=True
+    )
     if out.returncode != 0:
         return {"name": name, "error": out.stderr.strip().splitlines()[-1]}
     ranks = json.loads(out.stdout)["ranks"]
@@ -72,8 +114,11 @@ def run_case(name: str, folder: Path) -> dict:
 def table(rows: list[dict]) -> str:
     """One line per rank dry-run (a pipeline's first and last stage): peaks, each part measured / predicted."""
     gib = 2**30
-    lines = ["| plan | layers run | rank | measured peak | predicted peak | weights | grads | optimizer | activations | "
-             "transient | dry run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| plan | layers run | rank | measured peak | predicted peak | weights | grads | optimizer | activations | "
+        "transient | dry run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['name']} | {row.get('layers', '')} | | {row['error']} | | | | | | | |")
@@ -81,9 +126,11 @@ def table(rows: list[dict]) -> str:
         for rank in row["ranks"]:
             cells = [f"{m / gib:.2f} / {p / gib:.2f}" for m, p in rank["parts"].values()]
             off = (rank["peak_bytes"] - rank["predicted_peak_bytes"]) / rank["predicted_peak_bytes"]
-            lines.append(f"| {row['name']} | {row['layers']} | {rank['rank']} | {rank['peak_bytes'] / gib:.2f} GiB | "
-                         f"{rank['predicted_peak_bytes'] / gib:.2f} GiB ({off:+.1%}) | {' | '.join(cells)} | "
-                         f"{row['seconds']} s |")
+            lines.append(
+                f"| {row['name']} | {row['layers']} | {rank['rank']} | {rank['peak_bytes'] / gib:.2f} GiB | "
+                f"{rank['predicted_peak_bytes'] / gib:.2f} GiB ({off:+.1%}) | {' | '.join(cells)} | "
+                f"{row['seconds']} s |"
+            )
     return "\n".join(lines)
 
 

@@ -42,14 +42,30 @@ LLAMA3 = ROOT / "benchmarks" / "llama3.py"
 # name, factory, dgx-h100 nodes, global batch, the configuration's pins
 TORCHTITAN = (
     ("8B FSDP 8 GPUs", "llama3_8b", 1, 16, "--dp 8 --tp 1 --pp 1 --zero 3 --microbatch-size 2 --recompute selective"),
-    ("8B FSDP 128 GPUs", "llama3_8b", 16, 256, "--dp 128 --tp 1 --pp 1 --zero 3 --microbatch-size 2 "
-                                                 "--recompute selective"),
+    (
+        "8B FSDP 128 GPUs",
+        "llama3_8b",
+        16,
+        256,
+        "--dp 128 --tp 1 --pp 1 --zero 3 --microbatch-size 2 --recompute selective",
+    ),
     ("70B FSDP32 TP8", "llama3_70b", 32, 512, "--dp 32 --tp 8 --pp 1 --zero 3 --microbatch-size 16 --recompute full"),
-    ("405B FSDP8 TP8 PP8 1F1B", "llama3_405b", 64, 256, "--dp 8 --tp 8 --pp 8 --zero 3 --microbatch-size 1 "
-                                                        "--recompute full --schedule 1f1b --stage-cuts even"),
-    ("405B FSDP8 TP8 PP8 interleaved", "llama3_405b", 64, 256, "--dp 8 --tp 8 --pp 8 --zero 3 --microbatch-size 1 "
-                                                               "--recompute full --schedule interleaved-1f1b "
-                                                               "--virtual-stages 2 --stage-cuts even"),
+    (
+        "405B FSDP8 TP8 PP8 1F1B",
+        "llama3_405b",
+        64,
+        256,
+        "--dp 8 --tp 8 --pp 8 --zero 3 --microbatch-size 1 --recompute full --schedule 1f1b --stage-cuts even",
+    ),
+    (
+        "405B FSDP8 TP8 PP8 interleaved",
+        "llama3_405b",
+        64,
+        256,
+        "--dp 8 --tp 8 --pp 8 --zero 3 --microbatch-size 1 "
+        "--recompute full --schedule interleaved-1f1b "
+        "--virtual-stages 2 --stage-cuts even",
+    ),
 )
 AUTOSHARD = [sys.executable, "-m", "autoshard.cli"]
 
@@ -63,15 +79,36 @@ def autoshard(*args: str) -> subprocess.CompletedProcess:
 
 
 def common_args(row) -> list[str]:
-    return [f"{MODEL_FILE}:{row.factory}", "--cluster", CLUSTER, "--nodes", str(max(1, row.gpus // 8)),
-            "--global-batch", str(row.global_batch)]
+    return [
+        f"{MODEL_FILE}:{row.factory}",
+        "--cluster",
+        CLUSTER,
+        "--nodes",
+        str(max(1, row.gpus // 8)),
+        "--global-batch",
+        str(row.global_batch),
+    ]
 
 
 def published_args(row) -> list[str]:
     """The row exactly as Megatron-LM ran it (module doc)."""
     schedule = "none" if row.pp == 1 else "interleaved-1f1b" if row.virtual_stages > 1 else "1f1b"
-    args = ["--dp", str(row.dp), "--tp", str(row.tp), "--pp", str(row.pp), "--zero", "0",
-            "--microbatch-size", str(row.micro_batch), "--recompute", "full", "--schedule", schedule]
+    args = [
+        "--dp",
+        str(row.dp),
+        "--tp",
+        str(row.tp),
+        "--pp",
+        str(row.pp),
+        "--zero",
+        "0",
+        "--microbatch-size",
+        str(row.micro_batch),
+        "--recompute",
+        "full",
+        "--schedule",
+        schedule,
+    ]
     if row.pp > 1:
         args += ["--virtual-stages", str(row.virtual_stages), "--stage-cuts", "even"]
     return args
@@ -84,7 +121,7 @@ def plan_and_emit(command: str, args: list[str], folder: Path) -> tuple[dict, fl
     autoshard(command, *args, "-o", str(plan_file))
     wall_s = time.perf_counter() - start
     autoshard("compile", str(plan_file), "-o", str(program))
-    assert 'Training program emitted by autoshard' in program.read_text()[:200], program
+    assert "Training program emitted by autoshard" in program.read_text()[:200], program
     return json.loads(plan_file.read_text()), wall_s
 
 
@@ -92,8 +129,11 @@ def describe(plan: dict) -> str:
     d = plan["decisions"]
     m = d["mesh"]
     hsdp = f" hsdp{d['dp_replicate']}" if d.get("dp_replicate", 1) > 1 else ""
-    sched = "" if d["schedule"] == "none" else f" {d['schedule']}" + (f" v{d['virtual_stages']}"
-                                                                      if d["virtual_stages"] > 1 else "")
+    sched = (
+        ""
+        if d["schedule"] == "none"
+        else f" {d['schedule']}" + (f" v{d['virtual_stages']}" if d["virtual_stages"] > 1 else "")
+    )
     return f"{m['tp']}·{m['pp']}·{m['dp']} z{d['zero_stage']}{hsdp} b{d['microbatch_size']} {d['recompute']}{sched}"
 
 
@@ -103,7 +143,9 @@ def fits(plan: dict) -> bool:
 
 def torchtitan_rows(names: list[str] | None) -> None:
     """The same comparison against torchtitan's runs on ``dgx-h100`` (module doc of RESULTS' section)."""
-    print("| torchtitan run | GPUs | published (estimate) | s | fits | planner (plan) | s | fits | planner / published |")
+    print(
+        "| torchtitan run | GPUs | published (estimate) | s | fits | planner (plan) | s | fits | planner / published |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, factory, nodes, batch, pins in TORCHTITAN:
@@ -111,13 +153,23 @@ def torchtitan_rows(names: list[str] | None) -> None:
                 continue
             folder = Path(tmp) / name.replace(" ", "_")
             folder.mkdir()
-            common = [f"{LLAMA3}:{factory}", "--cluster", "dgx-h100", "--nodes", str(nodes), "--global-batch", str(batch)]
+            common = [
+                f"{LLAMA3}:{factory}",
+                "--cluster",
+                "dgx-h100",
+                "--nodes",
+                str(nodes),
+                "--global-batch",
+                str(batch),
+            ]
             theirs, _ = plan_and_emit("estimate", common + pins.split(), folder)
             ours, _ = plan_and_emit("plan", common, folder)
             t_theirs, t_ours = theirs["predicted"]["step_time_s"], ours["predicted"]["step_time_s"]
-            print(f"| {name} | {nodes * 8} | {describe(theirs)} | {t_theirs:.2f} | {'yes' if fits(theirs) else 'NO'} | "
-                  f"{describe(ours)} | {t_ours:.2f} | {'yes' if fits(ours) else 'NO'} | {t_ours / t_theirs:.3f} |",
-                  flush=True)
+            print(
+                f"| {name} | {nodes * 8} | {describe(theirs)} | {t_theirs:.2f} | {'yes' if fits(theirs) else 'NO'} | "
+                f"{describe(ours)} | {t_ours:.2f} | {'yes' if fits(ours) else 'NO'} | {t_ours / t_theirs:.3f} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -129,8 +181,10 @@ def main() -> None:
         torchtitan_rows(args.torchtitan)
         return
     rows = [r for r in TABLE_1 if not args.rows or r.name in args.rows]
-    print("| row | GPUs | published (estimate) | s | fits | planner (plan) | s | fits | planner / published "
-          "| plan wall s |")
+    print(
+        "| row | GPUs | published (estimate) | s | fits | planner (plan) | s | fits | planner / published "
+        "| plan wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,9 +196,11 @@ def main() -> None:
             t_theirs, t_ours = theirs["predicted"]["step_time_s"], ours["predicted"]["step_time_s"]
             ratio = t_ours / t_theirs
             worst = max(worst, ratio)
-            print(f"| {row.name} | {row.gpus} | {describe(theirs)} | {t_theirs:.2f} | {'yes' if fits(theirs) else 'NO'} "
-                  f"| {describe(ours)} | {t_ours:.2f} | {'yes' if fits(ours) else 'NO'} | {ratio:.3f} | {wall_s:.1f} |",
-                  flush=True)
+            print(
+                f"| {row.name} | {row.gpus} | {describe(theirs)} | {t_theirs:.2f} | {'yes' if fits(theirs) else 'NO'} "
+                f"| {describe(ours)} | {t_ours:.2f} | {'yes' if fits(ours) else 'NO'} | {ratio:.3f} | {wall_s:.1f} |",
+                flush=True,
+            )
     print(f"worst planner / published: {worst:.3f} over {len(rows)} rows (both emitted)")
 
 

@@ -92,10 +92,31 @@ class Row:
 
     def estimate_args(self) -> list[str]:
         """The ``autoshard estimate`` arguments that price this row as it was run (module doc)."""
-        args = [f"{MODEL_FILE}:{self.factory}", "--cluster", CLUSTER, "--nodes", str(max(1, self.gpus // GPUS_PER_NODE)),
-                "--global-batch", str(self.global_batch), "--dp", str(self.dp), "--tp", str(self.tp),
-                "--pp", str(self.pp), "--zero", "0", "--microbatch-size", str(self.micro_batch),
-                "--recompute", "full", "--schedule", self.schedule, "--sequence-parallel", "off"]  # SC21: no SP
+        args = [
+            f"{MODEL_FILE}:{self.factory}",
+            "--cluster",
+            CLUSTER,
+            "--nodes",
+            str(max(1, self.gpus // GPUS_PER_NODE)),
+            "--global-batch",
+            str(self.global_batch),
+            "--dp",
+            str(self.dp),
+            "--tp",
+            str(self.tp),
+            "--pp",
+            str(self.pp),
+            "--zero",
+            "0",
+            "--microbatch-size",
+            str(self.micro_batch),
+            "--recompute",
+            "full",
+            "--schedule",
+            self.schedule,
+            "--sequence-parallel",
+            "off",
+        ]  # SC21: no SP
         if self.virtual_stages > 1:
             args += ["--virtual-stages", str(self.virtual_stages)]
         if self.pp > 1:
@@ -157,15 +178,37 @@ def table(results: list[tuple[Row, dict]]):
     from rich.table import Table
 
     t = Table(title=f"Megatron-LM iterations on {CLUSTER}: published vs `autoshard estimate --runtime megatron-lm` (s)")
-    for col in ("row", "src", "tp·pp·dp", "m", "v", "published", "predicted", "error", "compute", "exposed comm",
-                "bubble", "GiB/rank"):
+    for col in (
+        "row",
+        "src",
+        "tp·pp·dp",
+        "m",
+        "v",
+        "published",
+        "predicted",
+        "error",
+        "compute",
+        "exposed comm",
+        "bubble",
+        "GiB/rank",
+    ):
         t.add_column(col, justify="left" if col in ("row", "src") else "right")
     for row, plan in results:
         p = plan["predicted"]
-        t.add_row(row.name, row.source, f"{row.tp}·{row.pp}·{row.dp}", str(row.microbatches), str(row.virtual_stages),
-                  f"{row.published_s:.2f}", f"{p['step_time_s']:.2f}", f"{error(row, plan):+.1%}",
-                  f"{p['compute_s']:.2f}", f"{p['comm_exposed_s']:.2f}", f"{p['bubble_s']:.2f}",
-                  f"{p['memory_peak_bytes_per_rank'] / 2**30:.1f}")
+        t.add_row(
+            row.name,
+            row.source,
+            f"{row.tp}·{row.pp}·{row.dp}",
+            str(row.microbatches),
+            str(row.virtual_stages),
+            f"{row.published_s:.2f}",
+            f"{p['step_time_s']:.2f}",
+            f"{error(row, plan):+.1%}",
+            f"{p['compute_s']:.2f}",
+            f"{p['comm_exposed_s']:.2f}",
+            f"{p['bubble_s']:.2f}",
+            f"{p['memory_peak_bytes_per_rank'] / 2**30:.1f}",
+        )
     return t
 
 

@@ -36,8 +36,22 @@ PER_NODE = 8
 
 def plan(model: str, nodes: int, batch: int, env: dict, out: Path, *extra: str) -> tuple[float, dict | None]:
     """(wall seconds, the plan JSON or None when nothing fits) of one ``autoshard plan``."""
-    command = [sys.executable, "-m", "autoshard.cli", "plan", model, "--cluster", "dgx-h100", "--nodes", str(nodes),
-               "--global-batch", str(batch), "-o", str(out), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "autoshard.cli",
+        "plan",
+        model,
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        str(nodes),
+        "--global-batch",
+        str(batch),
+        "-o",
+        str(out),
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - start
@@ -54,10 +68,20 @@ def describe(doc: dict | None) -> dict:
     d, p = doc["decisions"], doc["predicted"]
     mesh, ep = d["mesh"], d.get("ep", 1)
     span = (ep - 1) * mesh["tp"] // PER_NODE + 1  # nodes rank 0's ep group touches (adjacent dp ranks)
-    return {"fits": True, "mesh": mesh, "ep": ep, "zero": d["zero_stage"], "schedule": d["schedule"],
-            "microbatch": d["microbatch_size"], "recompute": d["recompute"], "ep_nodes": span,
-            "step_s": p["step_time_s"], "peak_gib": p["memory_peak_bytes_per_rank"] / 2**30,
-            "tokens_per_s": p["tokens_per_s"], "mfu": p["mfu"]}
+    return {
+        "fits": True,
+        "mesh": mesh,
+        "ep": ep,
+        "zero": d["zero_stage"],
+        "schedule": d["schedule"],
+        "microbatch": d["microbatch_size"],
+        "recompute": d["recompute"],
+        "ep_nodes": span,
+        "step_s": p["step_time_s"],
+        "peak_gib": p["memory_peak_bytes_per_rank"] / 2**30,
+        "tokens_per_s": p["tokens_per_s"],
+        "mfu": p["mfu"],
+    }
 
 
 def run_case(model: str, nodes: int, batch: int, repeats: int) -> dict:
@@ -68,10 +92,20 @@ def run_case(model: str, nodes: int, batch: int, repeats: int) -> dict:
         plan(model, nodes, batch, env, out)  # fills the capture cache
         warm = [plan(model, nodes, batch, env, out) for _ in range(repeats)]
         chosen = describe(warm[-1][1])
-        in_node = {ep: describe(plan(model, nodes, batch, env, out, "--ep", str(ep))[1]) for ep in (1, 2, 4, 8)
-                   if chosen.get("ep") != ep}
-    return {"model": model, "gpus": nodes * PER_NODE, "global_batch": batch, "cold_s": statistics.median(cold),
-            "warm_s": statistics.median(w for w, _ in warm), "chosen": chosen, "ep_pinned_in_node": in_node}
+        in_node = {
+            ep: describe(plan(model, nodes, batch, env, out, "--ep", str(ep))[1])
+            for ep in (1, 2, 4, 8)
+            if chosen.get("ep") != ep
+        }
+    return {
+        "model": model,
+        "gpus": nodes * PER_NODE,
+        "global_batch": batch,
+        "cold_s": statistics.median(cold),
+        "warm_s": statistics.median(w for w, _ in warm),
+        "chosen": chosen,
+        "ep_pinned_in_node": in_node,
+    }
 
 
 def main() -> None:

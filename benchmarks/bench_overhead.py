@@ -55,14 +55,23 @@ def torchrun(script: Path, ranks: int, args: list[str], figure: Path) -> float:
     (SIGABRT after training; ``runtime.distributed.shutdown`` says why): its figure, written
     before, is kept. A run with no figure is tried once more."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(script),
+        *args,
+    ]
     for _ in range(2):
         figure.unlink(missing_ok=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if figure.is_file():
             if proc.returncode != 0:
-                print(f"  ({script.name} died after writing its figure, exit {proc.returncode}: figure kept)", flush=True)
+                print(
+                    f"  ({script.name} died after writing its figure, exit {proc.returncode}: figure kept)", flush=True
+                )
             return json.loads(figure.read_text())["median_step_s"]
     raise RuntimeError(f"{script.name} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
@@ -74,8 +83,18 @@ def emitted_s(program: Path, ranks: int, steps: int, tmp: Path) -> float:
 
 def baseline_s(name: str, plan, ranks: int, steps: int, tmp: Path) -> float:
     out = tmp / "baseline.json"
-    args = ["--steps", str(steps), "--global-batch", str(GLOBAL_BATCH), "--microbatches", str(plan.num_microbatches),
-            "--bucket-cap-mb", str(plan.ddp_bucket_cap_mb), "--out", str(out)]
+    args = [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--microbatches",
+        str(plan.num_microbatches),
+        "--bucket-cap-mb",
+        str(plan.ddp_bucket_cap_mb),
+        "--out",
+        str(out),
+    ]
     if plan.split_points:
         args += ["--splits", ",".join(plan.split_points)]
     if plan.tensor_parallel:
@@ -97,8 +116,9 @@ def main() -> None:
         for name, (cluster, pins) in cases(ranks).items():
             if name not in a.cases:
                 continue
-            plans[name, ranks] = autoshard.plan(GPT, cluster=cluster, devices_per_node=ranks,
-                                                global_batch=GLOBAL_BATCH, **pins)
+            plans[name, ranks] = autoshard.plan(
+                GPT, cluster=cluster, devices_per_node=ranks, global_batch=GLOBAL_BATCH, **pins
+            )
     times = {key: {"emitted": [], "baseline": []} for key in plans}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,25 +128,47 @@ def main() -> None:
             for key, plan in plans.items():
                 order = ("emitted", "baseline") if r % 2 == 0 else ("baseline", "emitted")
                 for who in order:
-                    t = emitted_s(programs[key], key[1], a.steps, tmp) if who == "emitted" else \
-                        baseline_s(key[0], plan, key[1], a.steps, tmp)
+                    t = (
+                        emitted_s(programs[key], key[1], a.steps, tmp)
+                        if who == "emitted"
+                        else baseline_s(key[0], plan, key[1], a.steps, tmp)
+                    )
                     times[key][who].append(t)
                 e, b = times[key]["emitted"][-1], times[key]["baseline"][-1]
-                print(f"round {r + 1} {key[0]:>4} x{key[1]}: emitted {e * 1e3:7.1f} ms  baseline {b * 1e3:7.1f} ms  "
-                      f"{e / b:.3f}", flush=True)
+                print(
+                    f"round {r + 1} {key[0]:>4} x{key[1]}: emitted {e * 1e3:7.1f} ms  baseline {b * 1e3:7.1f} ms  "
+                    f"{e / b:.3f}",
+                    flush=True,
+                )
     rows = []
     for key, t in times.items():
         ratios = [e / b for e, b in zip(t["emitted"], t["baseline"])]
         plan = plans[key]
         emitted, baseline = statistics.median(t["emitted"]), statistics.median(t["baseline"])
-        rows.append({"case": key[0], "ranks": key[1], "emitted_ms": emitted * 1e3, "baseline_ms": baseline * 1e3,
-                     "ratio": emitted / baseline, "median_of_round_ratios": statistics.median(ratios),
-                     "rounds": t, "tensor_parallel": plan.tensor_parallel, "split_points": list(plan.split_points)})
-        print(f"{key[0]:>4} x{key[1]}: emitted {rows[-1]['emitted_ms']:.1f} ms, baseline {rows[-1]['baseline_ms']:.1f} ms,"
-              f" ratio of medians {rows[-1]['ratio']:.3f}" + (f"  TP styles {plan.tensor_parallel}" if key[0] == "tp" else ""))
+        rows.append(
+            {
+                "case": key[0],
+                "ranks": key[1],
+                "emitted_ms": emitted * 1e3,
+                "baseline_ms": baseline * 1e3,
+                "ratio": emitted / baseline,
+                "median_of_round_ratios": statistics.median(ratios),
+                "rounds": t,
+                "tensor_parallel": plan.tensor_parallel,
+                "split_points": list(plan.split_points),
+            }
+        )
+        print(
+            f"{key[0]:>4} x{key[1]}: emitted {rows[-1]['emitted_ms']:.1f} ms, baseline {rows[-1]['baseline_ms']:.1f} ms,"
+            f" ratio of medians {rows[-1]['ratio']:.3f}"
+            + (f"  TP styles {plan.tensor_parallel}" if key[0] == "tp" else "")
+        )
     if a.output:
-        Path(a.output).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - start,
-                                              "rows": rows}, indent=1))
+        Path(a.output).write_text(
+            json.dumps(
+                {"date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - start, "rows": rows}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,21 @@ def plan_s(model: str, gpus: int, batch: int, repeats: int, warm: bool = False) 
     times = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{tmp}/cache")
-        command = [sys.executable, "-m", "autoshard.cli", "plan", f"{MODELS}:{model}", "--cluster", "dgx-a100-80gb",
-                   "--nodes", str(max(1, gpus // 8)), "--global-batch", str(batch), "-o", f"{tmp}/p.json"]
+        command = [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "plan",
+            f"{MODELS}:{model}",
+            "--cluster",
+            "dgx-a100-80gb",
+            "--nodes",
+            str(max(1, gpus // 8)),
+            "--global-batch",
+            str(batch),
+            "-o",
+            f"{tmp}/p.json",
+        ]
         if warm:
             _plan(command, env)
         else:
@@ -70,14 +83,20 @@ def main() -> None:
     depth = {L: plan_s(f"gpt_l{L}_d4096", 64, 512, a.repeats) for L in DEPTHS}
     for L, s in depth.items():
         print(f"depth {L:>4} layers, 64 GPUs: {s:6.2f} s", flush=True)
-    size = {name: {g: plan_s(name, g, max(512, 2 * g), a.repeats) for g in GPUS} for name in ("llama3_8b_shape",
-                                                                                                "gpt3_175b")}
+    size = {
+        name: {g: plan_s(name, g, max(512, 2 * g), a.repeats) for g in GPUS}
+        for name in ("llama3_8b_shape", "gpt3_175b")
+    }
     for name, row in size.items():
         for g, s in row.items():
             print(f"{name:>16} on {g:>5} GPUs: {s:6.2f} s", flush=True)
-    headline = {f"{name} on {g}": {"cold_s": plan_s(name, g, batch, a.repeats),
-                                    "warm_s": plan_s(name, g, batch, a.repeats, warm=True)}
-                for name, g, batch in HEADLINE}
+    headline = {
+        f"{name} on {g}": {
+            "cold_s": plan_s(name, g, batch, a.repeats),
+            "warm_s": plan_s(name, g, batch, a.repeats, warm=True),
+        }
+        for name, g, batch in HEADLINE
+    }
     for key, row in headline.items():
         print(f"{key:>26} GPUs: cold {row['cold_s']:6.2f} s, capture cached {row['warm_s']:6.2f} s", flush=True)
     if a.output:
@@ -94,8 +113,9 @@ def plot(depth: dict, size: dict, path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(list(depth), list(depth.values()), "o-")
-    left.set(xlabel="layers (width 4096, 64 A100s)", ylabel="autoshard plan, whole command (s)", xscale="log",
-             ylim=(0, None))
+    left.set(
+        xlabel="layers (width 4096, 64 A100s)", ylabel="autoshard plan, whole command (s)", xscale="log", ylim=(0, None)
+    )
     for name, row in size.items():
         right.plot(list(row), list(row.values()), "o-", label=name)
     right.set(xlabel="A100 GPUs", ylabel="autoshard plan, whole command (s)", xscale="log", ylim=(0, None))

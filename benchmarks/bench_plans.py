@@ -57,16 +57,25 @@ RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2
 
 def pins_of(config: Decisions) -> Pins:
     m = config.mesh
-    return Pins(dp=m.dp, tp=m.tp, pp=m.pp, zero_stage=config.zero_stage, microbatch_size=config.microbatch_size,
-                recompute=config.recompute, schedule=config.schedule, ep=config.ep)
+    return Pins(
+        dp=m.dp,
+        tp=m.tp,
+        pp=m.pp,
+        zero_stage=config.zero_stage,
+        microbatch_size=config.microbatch_size,
+        recompute=config.recompute,
+        schedule=config.schedule,
+        ep=config.ep,
+    )
 
 
 def config_key(config: Decisions) -> str:
     m = config.mesh
     sched = "" if config.schedule == "none" else f" {config.schedule}"
     experts = f" ep{config.ep}" if config.ep > 1 else ""
-    return (f"dp{m.dp} tp{m.tp} pp{m.pp}{experts} z{config.zero_stage} b{config.microbatch_size} "
-            f"{config.recompute}{sched}")
+    return (
+        f"dp{m.dp} tp{m.tp} pp{m.pp}{experts} z{config.zero_stage} b{config.microbatch_size} {config.recompute}{sched}"
+    )
 
 
 def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
@@ -85,9 +94,18 @@ def plan_all(model: str, cluster_path: str, ranks: int, global_batch: int):
 
 
 def plan_key(plan) -> str:
-    return config_key(Decisions(Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}), plan.zero_stage,
-                                plan.microbatch_size, plan.num_microbatches, recompute=plan.recompute,
-                                schedule=plan.schedule, virtual_stages=plan.virtual_stages, ep=plan.ep))
+    return config_key(
+        Decisions(
+            Mesh(**{k: plan.mesh.__dict__[k] for k in ("dp", "tp", "pp")}),
+            plan.zero_stage,
+            plan.microbatch_size,
+            plan.num_microbatches,
+            recompute=plan.recompute,
+            schedule=plan.schedule,
+            virtual_stages=plan.virtual_stages,
+            ep=plan.ep,
+        )
+    )
 
 
 def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
@@ -96,8 +114,9 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)  # no rank's figure from the plan before
     for attempt in range(RETRIES + 1):
-        proc = run_torchrun(program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"],
-                            quiet=True)
+        proc = run_torchrun(
+            program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"], quiet=True
+        )
         if proc.returncode == 0:
             return slowest_rank_median_step_s(out)
         print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -132,8 +151,23 @@ def summary(rows: list[dict], pick: str) -> dict:
 
 def calibrate(ranks: int, model: str, path: Path) -> str:
     """``autoshard calibrate`` of this machine and ``model`` at ``ranks`` ranks; the cluster file's path."""
-    subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--devices-per-node", str(ranks), "--model",
-                    model, "-o", str(path)], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "calibrate",
+            "--devices-per-node",
+            str(ranks),
+            "--model",
+            model,
+            "-o",
+            str(path),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     return str(path)
 
 
@@ -150,27 +184,58 @@ def run(args) -> dict:
         for rnd in range(args.rounds):
             for i, (key, plan) in enumerate(plans):
                 times[key].append(measure(plan, args.ranks, args.steps, Path(tmp)))
-                print(f"round {rnd + 1}/{args.rounds} {i + 1}/{len(plans)} {key}: "
-                      f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})", flush=True)
-    rows = [{"key": key, "pins": asdict(pins_of_plan(plan)), "predicted_s": plan.predicted.step_time_s,
-             "measured_s": statistics.median(times[key]), "measured_rounds_s": times[key]} for key, plan in plans]
+                print(
+                    f"round {rnd + 1}/{args.rounds} {i + 1}/{len(plans)} {key}: "
+                    f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})",
+                    flush=True,
+                )
+    rows = [
+        {
+            "key": key,
+            "pins": asdict(pins_of_plan(plan)),
+            "predicted_s": plan.predicted.step_time_s,
+            "measured_s": statistics.median(times[key]),
+            "measured_rounds_s": times[key],
+        }
+        for key, plan in plans
+    ]
     drift = {}
     if args.calibrate:  # again after the runs: how far the machine moved while they ran
         after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))
         again, again_pick = plan_all(args.model, after, args.ranks, args.global_batch)
         predicted = {key: plan.predicted.step_time_s for key, plan in again}
-        drift = summary([dict(r, predicted_s=predicted[r["key"]]) for r in rows if r["key"] in predicted],
-                        plan_key(again_pick))
-    return {"model": args.model, "cluster": args.cluster, "cluster_file": Path(args.cluster).read_text(),
-            "summary_calibrated_after": drift,
-            "ranks": args.ranks, "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds,
-            "date": time.strftime("%Y-%m-%d"), "torch": _torch_version(), "wall_s": time.perf_counter() - start,
-            "load_1min_at_end": os.getloadavg()[0], "rows": rows, "summary": summary(rows, plan_key(pick))}
+        drift = summary(
+            [dict(r, predicted_s=predicted[r["key"]]) for r in rows if r["key"] in predicted], plan_key(again_pick)
+        )
+    return {
+        "model": args.model,
+        "cluster": args.cluster,
+        "cluster_file": Path(args.cluster).read_text(),
+        "summary_calibrated_after": drift,
+        "ranks": args.ranks,
+        "global_batch": args.global_batch,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": _torch_version(),
+        "wall_s": time.perf_counter() - start,
+        "load_1min_at_end": os.getloadavg()[0],
+        "rows": rows,
+        "summary": summary(rows, plan_key(pick)),
+    }
 
 
 def pins_of_plan(plan) -> Pins:
-    return Pins(dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp, zero_stage=plan.zero_stage,
-                microbatch_size=plan.microbatch_size, recompute=plan.recompute, schedule=plan.schedule, ep=plan.ep)
+    return Pins(
+        dp=plan.mesh.dp,
+        tp=plan.mesh.tp,
+        pp=plan.mesh.pp,
+        zero_stage=plan.zero_stage,
+        microbatch_size=plan.microbatch_size,
+        recompute=plan.recompute,
+        schedule=plan.schedule,
+        ep=plan.ep,
+    )
 
 
 def reprice(path: Path, cluster: str | None = None) -> dict:
@@ -191,11 +256,15 @@ def reprice(path: Path, cluster: str | None = None) -> dict:
 def print_table(result: dict) -> None:
     for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
         err = r["predicted_s"] / r["measured_s"] - 1
-        print(f"{r['key']:<45} measured {r['measured_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms"
-              f"  {err:+7.1%}")
+        print(
+            f"{r['key']:<45} measured {r['measured_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms"
+            f"  {err:+7.1%}"
+        )
     s = result["summary"]
-    print(f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
-          f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})")
+    print(
+        f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
+        f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})"
+    )
     if result.get("summary_calibrated_after"):
         a = result["summary_calibrated_after"]
         print(f"priced with the calibration after the runs: MAPE {a['mape']:.1%}, Spearman {a['spearman']:.3f}")
@@ -218,9 +287,12 @@ def main() -> None:
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
     parser.add_argument("--only", metavar="REGEX", help="run only the configurations whose key matches (and the pick)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
-    parser.add_argument("--calibrate", metavar="CLUSTER_YAML",
-                        help="run autoshard calibrate (with --model) right before the runs, write its file here and "
-                             "price with it (instead of --cluster)")
+    parser.add_argument(
+        "--calibrate",
+        metavar="CLUSTER_YAML",
+        help="run autoshard calibrate (with --model) right before the runs, write its file here and "
+        "price with it (instead of --cluster)",
+    )
     args = parser.parse_args()
     result = reprice(args.reprice, args.cluster) if args.reprice else run(args)
     if args.output:

@@ -77,16 +77,37 @@ class Hardware:
     cluster: str | None  # the --cluster that describes it, None where autoshard has none
 
 
-GRAND_TETON_HW = Hardware("H100 (HBM2e variant, Grand Teton)", "96 GB HBM2e, 2.4 TB/s", "500 W (default limit)",
-                          "8 per host, NVLink all-to-all; RDMA 400 Gb/s per GPU", GRAND_TETON)
-H100_UNSTATED_HW = Hardware("H100 (variant not stated)", "not stated (preset: 80 GB HBM3, 3.35 TB/s)", "not stated",
-                            "8 GPUs, one node (torchao README)", "dgx-h100")
-H200_HW = Hardware("H200", "141 GB HBM3e, 4.8 TB/s (datasheet; the file does not say)", "not stated",
-                   "8 per host, NVLink; RDMA 400 Gb/s (Mellanox CX-7) per GPU", None)
-MI300X_HW = Hardware("AMD MI300X", "192 GB HBM3 (datasheet; the README does not say)", "not stated",
-                     "8 GPUs, one node", None)
-SELENE_HW = Hardware("A100 SXM 80GB (Selene, DGX A100)", "80 GB HBM2e, 2.0 TB/s", "not stated (A100 SXM TDP 400 W)",
-                     "NVSwitch, NVLink 3 300 GB/s per GPU; 8 x 200 Gb/s HDR IB per node", "dgx-a100-80gb")
+GRAND_TETON_HW = Hardware(
+    "H100 (HBM2e variant, Grand Teton)",
+    "96 GB HBM2e, 2.4 TB/s",
+    "500 W (default limit)",
+    "8 per host, NVLink all-to-all; RDMA 400 Gb/s per GPU",
+    GRAND_TETON,
+)
+H100_UNSTATED_HW = Hardware(
+    "H100 (variant not stated)",
+    "not stated (preset: 80 GB HBM3, 3.35 TB/s)",
+    "not stated",
+    "8 GPUs, one node (torchao README)",
+    "dgx-h100",
+)
+H200_HW = Hardware(
+    "H200",
+    "141 GB HBM3e, 4.8 TB/s (datasheet; the file does not say)",
+    "not stated",
+    "8 per host, NVLink; RDMA 400 Gb/s (Mellanox CX-7) per GPU",
+    None,
+)
+MI300X_HW = Hardware(
+    "AMD MI300X", "192 GB HBM3 (datasheet; the README does not say)", "not stated", "8 GPUs, one node", None
+)
+SELENE_HW = Hardware(
+    "A100 SXM 80GB (Selene, DGX A100)",
+    "80 GB HBM2e, 2.0 TB/s",
+    "not stated (A100 SXM TDP 400 W)",
+    "NVSwitch, NVLink 3 300 GB/s per GPU; 8 x 200 Gb/s HDR IB per node",
+    "dgx-a100-80gb",
+)
 
 
 @dataclass(frozen=True)
@@ -139,15 +160,52 @@ class Run:
         return shlex.join(["autoshard", *self.args]) if self.args else ""
 
 
-def llama_args(factory: str, cluster: str, gpus: int, global_batch: int, seq: int, dp: int, tp: int, pp: int,
-               cp: int, micro_batch: int, recompute: str, schedule: str = "none", cuts: tuple[int, ...] = (),
-               virtual_stages: int = 1) -> tuple[str, ...]:
+def llama_args(
+    factory: str,
+    cluster: str,
+    gpus: int,
+    global_batch: int,
+    seq: int,
+    dp: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    micro_batch: int,
+    recompute: str,
+    schedule: str = "none",
+    cuts: tuple[int, ...] = (),
+    virtual_stages: int = 1,
+) -> tuple[str, ...]:
     """A torchtitan configuration as ``autoshard estimate`` arguments: FSDP = ZeRO-3 over dp (·cp), sequence
     parallelism with TP (torchtitan's TP plan shards the norms' sequence), layers cut where torchtitan cut."""
-    args = ["estimate", f"{LLAMA}:{factory}", "--cluster", cluster, "--nodes", str(max(1, gpus // 8)),
-            "--global-batch", str(global_batch), "--seq-len", str(seq), "--dp", str(dp), "--tp", str(tp),
-            "--pp", str(pp), "--cp", str(cp), "--zero", "3", "--microbatch-size", str(micro_batch),
-            "--recompute", recompute, "--schedule", schedule]
+    args = [
+        "estimate",
+        f"{LLAMA}:{factory}",
+        "--cluster",
+        cluster,
+        "--nodes",
+        str(max(1, gpus // 8)),
+        "--global-batch",
+        str(global_batch),
+        "--seq-len",
+        str(seq),
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--cp",
+        str(cp),
+        "--zero",
+        "3",
+        "--microbatch-size",
+        str(micro_batch),
+        "--recompute",
+        recompute,
+        "--schedule",
+        schedule,
+    ]
     if tp > 1:  # autoshard emits sequence parallelism only without pipeline stages (the CLI refuses it with them)
         args += ["--sequence-parallel", "on" if pp == 1 else "off"]
     if virtual_stages > 1:
@@ -170,6 +228,7 @@ def torchtitan_cuts(layers: int, stages: int) -> tuple[int, ...]:
         cuts.append(at)
     return tuple(cuts)
 
+
 SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
     "llama3_8b": "Llama 3.1 8B: 32 layers, d 4096, 32 / 8 KV heads, FFN 14336, vocab 128256",
     "llama3_70b": "Llama 3.1 70B: 80 layers, d 8192, 64 / 8 KV heads, FFN 28672, vocab 128256",
@@ -177,97 +236,304 @@ SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
 }
 LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
-EAGER_8B_REASON = ("as run but for the recompute policy: torchtitan's 'op' selective AC saves every other matmul "
-                   "output, autoshard's selective all of them (more memory, no matmul recompute)")
-FLOAT8_REASON = ("float8 matmuls (torchao Float8Linear) are not in autoshard's cost model or programs; the "
-                 "same layout in bf16 is priced for reference")
-CP_WITH_PP = ("not priced", "context parallelism with pipeline stages: `autoshard estimate` refuses --cp > 1 with "
-              "--pp > 1 (not emitted yet); and float8")
+EAGER_8B_REASON = (
+    "as run but for the recompute policy: torchtitan's 'op' selective AC saves every other matmul "
+    "output, autoshard's selective all of them (more memory, no matmul recompute)"
+)
+FLOAT8_REASON = (
+    "float8 matmuls (torchao Float8Linear) are not in autoshard's cost model or programs; the "
+    "same layout in bf16 is priced for reference"
+)
+CP_WITH_PP = (
+    "not priced",
+    "context parallelism with pipeline stages: `autoshard estimate` refuses --cp > 1 with "
+    "--pp > 1 (not emitted yet); and float8",
+)
 COMPILE_REASON = "torch.compile: autoshard's programs and its GPU cost model are eager"
 FSDP = "FSDP2 (ZeRO-3)"
 
 
-def _tt(name, source, factory, gpus, dp, tp, pp, cp, micro, global_batch, seq, recompute, schedule, techniques,
-        tps, mem, status, reason="", *, hardware=GRAND_TETON_HW, cluster=GRAND_TETON, cuts=(), v=1,
-        extra_needs=()) -> Run:
+def _tt(
+    name,
+    source,
+    factory,
+    gpus,
+    dp,
+    tp,
+    pp,
+    cp,
+    micro,
+    global_batch,
+    seq,
+    recompute,
+    schedule,
+    techniques,
+    tps,
+    mem,
+    status,
+    reason="",
+    *,
+    hardware=GRAND_TETON_HW,
+    cluster=GRAND_TETON,
+    cuts=(),
+    v=1,
+    extra_needs=(),
+) -> Run:
     needs = tuple(techniques) + tuple(extra_needs) + (("sequence parallel with PP",) if tp > 1 and pp > 1 else ())
     priced = status != "not priced"
     ar = "selective" if recompute.startswith("selective") else "full"
     sched = schedule if pp > 1 else "none"
-    args = llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v) \
-        if priced else ()
+    args = (
+        llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
+        if priced
+        else ()
+    )
     missing = [t for t in needs if t not in ("FSDP2", "TP", "PP", "CP", "eager bf16")]
     emits = "yes" if not missing else "no: " + ", ".join(missing)
-    return Run(name, source, SHAPE[factory], gpus, dp, tp, pp, cp, FSDP, micro, global_batch, seq, recompute,
-               sched if pp > 1 else "none", hardware, needs, emits, status, reason, tokens_per_gpu_s=tps,
-               memory_gib=mem, args=args)
+    return Run(
+        name,
+        source,
+        SHAPE[factory],
+        gpus,
+        dp,
+        tp,
+        pp,
+        cp,
+        FSDP,
+        micro,
+        global_batch,
+        seq,
+        recompute,
+        sched if pp > 1 else "none",
+        hardware,
+        needs,
+        emits,
+        status,
+        reason,
+        tokens_per_gpu_s=tps,
+        memory_gib=mem,
+        args=args,
+    )
 
 
 def torchtitan_rows() -> list[Run]:
     rows = []
     # Tables 1 and 3: 8B, FSDP, local batch 2, selective AC ('op'), seq 8192 (train_configs/llama3_8b.toml)
-    for table, gpus, figures in (("Table 1", 8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
-                                 ("Table 3", 128, ((5605, 67.0), (6514, 62.0), (8380, 61.8)))):
+    for table, gpus, figures in (
+        ("Table 1", 8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
+        ("Table 3", 128, ((5605, 67.0), (6514, 62.0), (8380, 61.8))),
+    ):
         (e_tps, e_mem), (c_tps, c_mem), (f_tps, f_mem) = figures
         common = (f"{TT_2412}, {table}", "llama3_8b", gpus, gpus, 1, 1, 1, 2, 2 * gpus, 8192, SAC, "none")
         rows += [
             _tt(f"tt-8b-{gpus}g-eager", *common, ("FSDP2", "eager bf16"), e_tps, e_mem, "as run", EAGER_8B_REASON),
-            _tt(f"tt-8b-{gpus}g-compile", *common, ("FSDP2", "torch.compile"), c_tps, c_mem, "compile",
-                COMPILE_REASON),
-            _tt(f"tt-8b-{gpus}g-fp8", *common, ("FSDP2", "torch.compile", "float8 (tensorwise)"), f_tps, f_mem,
-                "float8", FLOAT8_REASON),
+            _tt(f"tt-8b-{gpus}g-compile", *common, ("FSDP2", "torch.compile"), c_tps, c_mem, "compile", COMPILE_REASON),
+            _tt(
+                f"tt-8b-{gpus}g-fp8",
+                *common,
+                ("FSDP2", "torch.compile", "float8 (tensorwise)"),
+                f_tps,
+                f_mem,
+                "float8",
+                FLOAT8_REASON,
+            ),
         ]
     # Table 2: 8B, FSDP + CP, compile + Float8, local batch 1, full AC
-    for dp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
-                                  (1, 8, 262144, 548, 84.5)):
-        rows.append(_tt(f"tt-8b-cp{cp}-{seq // 1024}k", f"{TT_2412}, Table 2", "llama3_8b", 8, dp, 1, 1, cp, 1, dp,
-                        seq, "full", "none", ("FSDP2", "CP", "torch.compile", "float8 (tensorwise)"), tps, mem,
-                        "float8", FLOAT8_REASON + "; the CP ring's causal load balancing is not modelled"))
+    for dp, cp, seq, tps, mem in (
+        (8, 1, 32768, 3890, 83.9),
+        (4, 2, 65536, 2540, 84.2),
+        (2, 4, 131072, 1071, 84.0),
+        (1, 8, 262144, 548, 84.5),
+    ):
+        rows.append(
+            _tt(
+                f"tt-8b-cp{cp}-{seq // 1024}k",
+                f"{TT_2412}, Table 2",
+                "llama3_8b",
+                8,
+                dp,
+                1,
+                1,
+                cp,
+                1,
+                dp,
+                seq,
+                "full",
+                "none",
+                ("FSDP2", "CP", "torch.compile", "float8 (tensorwise)"),
+                tps,
+                mem,
+                "float8",
+                FLOAT8_REASON + "; the CP ring's causal load balancing is not modelled",
+            )
+        )
     # Table 4: 70B, FSDP 32 x TP 8, local batch 16, full AC, compile + Float8 (+ async TP)
     for async_tp, tps, mem in ((False, 829, 71.9), (True, 876, 67.6)):
         tech = ("FSDP2", "TP", "torch.compile", "float8 (tensorwise)", "loss parallel") + (("async TP",) * async_tp)
-        rows.append(_tt(f"tt-70b-256g-fp8{'-asynctp' * async_tp}", f"{TT_2412}, Table 4", "llama3_70b", 256, 32, 8, 1,
-                        1, 16, 512, 8192, "full", "none", tech, tps, mem, "float8", FLOAT8_REASON))
+        rows.append(
+            _tt(
+                f"tt-70b-256g-fp8{'-asynctp' * async_tp}",
+                f"{TT_2412}, Table 4",
+                "llama3_70b",
+                256,
+                32,
+                8,
+                1,
+                1,
+                16,
+                512,
+                8192,
+                "full",
+                "none",
+                tech,
+                tps,
+                mem,
+                "float8",
+                FLOAT8_REASON,
+            )
+        )
     # Table 5: 405B, FSDP 8 x TP 8 x PP 8, local batch 32 = 8 micro-batches of 4 (9dec370: microbatches default
     # to the pp degree), layers split by torchtitan's generate_split_points (1 stage per rank for 1F1B, 2 for
     # interleaved), full AC, compile + Float8 + async TP
     for sched, v, tps, mem in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
-        rows.append(_tt(f"tt-405b-512g-{sched}", f"{TT_2412}, Table 5", "llama3_405b", 512, 8, 8, 8, 1, 4, 256, 8192,
-                        "full", sched, ("FSDP2", "TP", "PP", "torch.compile", "float8 (tensorwise)", "async TP",
-                                        "loss parallel"), tps, mem, "float8", FLOAT8_REASON,
-                        cuts=torchtitan_cuts(126, 8 * v), v=v))
+        rows.append(
+            _tt(
+                f"tt-405b-512g-{sched}",
+                f"{TT_2412}, Table 5",
+                "llama3_405b",
+                512,
+                8,
+                8,
+                8,
+                1,
+                4,
+                256,
+                8192,
+                "full",
+                sched,
+                ("FSDP2", "TP", "PP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
+                tps,
+                mem,
+                "float8",
+                FLOAT8_REASON,
+                cuts=torchtitan_cuts(126, 8 * v),
+                v=v,
+            )
+        )
     # Table 6: 405B, TP 8 x PP 8 (1F1B) x FSDP x CP, local batch 8 = 8 micro-batches of 1, full AC
-    for dp, cp, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1),
-                                  (1, 8, 262144, 16, 84.9)):
-        rows.append(_tt(f"tt-405b-cp{cp}-{seq // 1024}k", f"{TT_2412}, Table 6", "llama3_405b", 512, dp, 8, 8, cp, 1,
-                        8 * dp, seq, "full", "1f1b", ("FSDP2", "TP", "PP", "CP", "torch.compile",
-                                                       "float8 (tensorwise)", "async TP", "loss parallel"),
-                        tps, mem, *(("float8", FLOAT8_REASON) if cp == 1 else CP_WITH_PP), cuts=torchtitan_cuts(126, 8)))
+    for dp, cp, seq, tps, mem in (
+        (8, 1, 32768, 76, 75.3),
+        (4, 2, 65536, 47, 75.9),
+        (2, 4, 131072, 31, 77.1),
+        (1, 8, 262144, 16, 84.9),
+    ):
+        rows.append(
+            _tt(
+                f"tt-405b-cp{cp}-{seq // 1024}k",
+                f"{TT_2412}, Table 6",
+                "llama3_405b",
+                512,
+                dp,
+                8,
+                8,
+                cp,
+                1,
+                8 * dp,
+                seq,
+                "full",
+                "1f1b",
+                ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
+                tps,
+                mem,
+                *(("float8", FLOAT8_REASON) if cp == 1 else CP_WITH_PP),
+                cuts=torchtitan_cuts(126, 8),
+            )
+        )
     # async TP benchmark (June 2025): tokens/s per GPU, no memory published; compile + full AC (70B) / per-op SAC (8B)
     for model, gpus, dp, tp, local, ac, figures in (
-            ("llama3_70b", 256, 32, 8, 16, "full", {"bf16": (597.3, 652.4), "float8 tensorwise": (809.8, 942.4),
-                                                     "float8 rowwise": (599.6, 624.8)}),
-            ("llama3_8b", 64, 8, 8, 12, SAC, {"bf16": (4378, 4809.4), "float8 tensorwise": (5078.1, 5570.1),
-                                               "float8 rowwise": (3708.5, 3914.9)})):
+        (
+            "llama3_70b",
+            256,
+            32,
+            8,
+            16,
+            "full",
+            {"bf16": (597.3, 652.4), "float8 tensorwise": (809.8, 942.4), "float8 rowwise": (599.6, 624.8)},
+        ),
+        (
+            "llama3_8b",
+            64,
+            8,
+            8,
+            12,
+            SAC,
+            {"bf16": (4378, 4809.4), "float8 tensorwise": (5078.1, 5570.1), "float8 rowwise": (3708.5, 3914.9)},
+        ),
+    ):
         size = model.split("_")[1]
         for quant, pair in figures.items():
             for async_tp, tps in zip((False, True), pair):
-                tech = ("FSDP2", "TP", "torch.compile", "loss parallel") + ((quant,) if quant != "bf16" else ()) \
+                tech = (
+                    ("FSDP2", "TP", "torch.compile", "loss parallel")
+                    + ((quant,) if quant != "bf16" else ())
                     + (("async TP",) * async_tp)
+                )
                 status = "float8" if quant != "bf16" else "compile"
-                reason = FLOAT8_REASON if quant != "bf16" else COMPILE_REASON + (
-                    "; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
+                reason = (
+                    FLOAT8_REASON
+                    if quant != "bf16"
+                    else COMPILE_REASON
+                    + ("; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
+                )
                 q = {"bf16": "bf16", "float8 tensorwise": "fp8tw", "float8 rowwise": "fp8rw"}[quant]
-                rows.append(_tt(f"tt-async-{size}-{gpus}g-{q}{'-asynctp' if async_tp else '-tp'}", TT_ASYNC, model,
-                                gpus, dp, tp, 1, 1, local, dp * local, 8192, ac, "none", tech, tps, None, status,
-                                reason))
+                rows.append(
+                    _tt(
+                        f"tt-async-{size}-{gpus}g-{q}{'-asynctp' if async_tp else '-tp'}",
+                        TT_ASYNC,
+                        model,
+                        gpus,
+                        dp,
+                        tp,
+                        1,
+                        1,
+                        local,
+                        dp * local,
+                        8192,
+                        ac,
+                        "none",
+                        tech,
+                        tps,
+                        None,
+                        status,
+                        reason,
+                    )
+                )
     # H200 (Trainy on WhiteFiber, June 2025): 8B FSDP, local batch 2, compile + float8 with float8 all-gather
     for nodes, tps, mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
         gpus = 8 * nodes
-        rows.append(_tt(f"h200-8b-{gpus}g-fp8", TT_H200, "llama3_8b", gpus, gpus, 1, 1, 1, 2, 2 * gpus, 8192, SAC,
-                        "none", ("FSDP2", "torch.compile", "float8 (tensorwise)", "float8 all-gather"), tps, mem,
-                        "not priced", "float8 with float8 FSDP all-gathers, on H200s no cluster file here describes",
-                        hardware=H200_HW))
+        rows.append(
+            _tt(
+                f"h200-8b-{gpus}g-fp8",
+                TT_H200,
+                "llama3_8b",
+                gpus,
+                gpus,
+                1,
+                1,
+                1,
+                2,
+                2 * gpus,
+                8192,
+                SAC,
+                "none",
+                ("FSDP2", "torch.compile", "float8 (tensorwise)", "float8 all-gather"),
+                tps,
+                mem,
+                "not priced",
+                "float8 with float8 FSDP all-gathers, on H200s no cluster file here describes",
+                hardware=H200_HW,
+            )
+        )
     return rows
 
 
@@ -275,22 +541,59 @@ def torchao_rows() -> list[Run]:
     """torchao's float8 training table: torchtitan Llama3-8b, FSDP2, batch 1, seq 8192, compile, per-op SAC."""
     rows = []
     for gpu, hw, cluster, table in (
-            ("h100", H100_UNSTATED_HW, "dgx-h100", (("bf16", 6150, 47.65), ("fp8 tensorwise + fp8 all-gather", 7689.5,
-                                                                           47.77), ("fp8 rowwise", 6768, 47.79))),
-            ("mi300x", MI300X_HW, None, (("bf16", 5376.5, 39.09), ("fp8 tensorwise + fp8 all-gather", 6166.0, 39.07),
-                                         ("fp8 rowwise_with_gw_hp", 6100.0, 39.32), ("fp8 rowwise", 5891.0, 39.32)))):
+        (
+            "h100",
+            H100_UNSTATED_HW,
+            "dgx-h100",
+            (("bf16", 6150, 47.65), ("fp8 tensorwise + fp8 all-gather", 7689.5, 47.77), ("fp8 rowwise", 6768, 47.79)),
+        ),
+        (
+            "mi300x",
+            MI300X_HW,
+            None,
+            (
+                ("bf16", 5376.5, 39.09),
+                ("fp8 tensorwise + fp8 all-gather", 6166.0, 39.07),
+                ("fp8 rowwise_with_gw_hp", 6100.0, 39.32),
+                ("fp8 rowwise", 5891.0, 39.32),
+            ),
+        ),
+    ):
         for quant, tps, mem in table:
             q = quant.split(" +")[0].replace(" ", "-")
             fp8 = quant != "bf16"
             tech = ("FSDP2", "torch.compile") + ((f"float8 ({quant.removeprefix('fp8 ')})",) if fp8 else ())
             if cluster is None:
-                status, reason = "not priced", "AMD MI300X (ROCm): no cluster file here describes it" + (
-                    "; and float8" if fp8 else "")
+                status, reason = (
+                    "not priced",
+                    "AMD MI300X (ROCm): no cluster file here describes it" + ("; and float8" if fp8 else ""),
+                )
             else:
                 status, reason = ("float8", FLOAT8_REASON) if fp8 else ("compile", COMPILE_REASON)
-            rows.append(_tt(f"ao-8b-{gpu}-{q}", f"{TORCHAO} ({'NVIDIA H100' if gpu == 'h100' else 'AMD MI300x'})",
-                            "llama3_8b", 8, 8, 1, 1, 1, 1, 8, 8192, "selective (per-op SAC)", "none", tech, tps, mem,
-                            status, reason, hardware=hw, cluster=cluster or "-"))
+            rows.append(
+                _tt(
+                    f"ao-8b-{gpu}-{q}",
+                    f"{TORCHAO} ({'NVIDIA H100' if gpu == 'h100' else 'AMD MI300x'})",
+                    "llama3_8b",
+                    8,
+                    8,
+                    1,
+                    1,
+                    1,
+                    1,
+                    8,
+                    8192,
+                    "selective (per-op SAC)",
+                    "none",
+                    tech,
+                    tps,
+                    mem,
+                    status,
+                    reason,
+                    hardware=hw,
+                    cluster=cluster or "-",
+                )
+            )
     return rows
 
 
@@ -298,20 +601,35 @@ MEGATRON_SOURCES = {
     "numbers": "Narayanan et al. SC21, Table 1 (NUMBERS.md); configuration: NVIDIA/Megatron-LM examples/sc21/run_table_1.sh",
     "sc21": "Narayanan et al. SC21, Table 1; configuration: NVIDIA/Megatron-LM examples/sc21/run_table_1.sh",
     "k22": "Korthikanti et al. 2022 (arXiv 2205.05198), full recompute, as quoted by calculon-ai/calculon "
-           "calculon/megatron/validation.py",
+    "calculon/megatron/validation.py",
 }
 
 
 def megatron_run(row: MegatronRow) -> Run:
     """A ``benchmarks/bench_megatron.py`` row as a corpus row: its own ``estimate_args`` and published time."""
-    return Run(f"megatron-{row.name}", MEGATRON_SOURCES[row.source],
-               f"GPT ({row.factory}): {row.layers} layers, h {row.hidden}, vocab 51200", row.gpus, row.dp, row.tp,
-               row.pp, 1, "DDP (ZeRO-0)", row.micro_batch, row.global_batch, MEGATRON_SEQ, "full", row.schedule
-               + (f" (v = {row.virtual_stages})" if row.virtual_stages > 1 else ""), SELENE_HW,
-               ("Megatron-LM runtime: fp16 weights and gradients, fused kernels, attention scores through HBM",),
-               "the layout yes (autoshard's eager bf16 program); Megatron-LM's runtime no", "as run",
-               "priced with --runtime megatron-lm (the runtime that ran)", step_s=row.published_s,
-               args=tuple(row.estimate_args()))
+    return Run(
+        f"megatron-{row.name}",
+        MEGATRON_SOURCES[row.source],
+        f"GPT ({row.factory}): {row.layers} layers, h {row.hidden}, vocab 51200",
+        row.gpus,
+        row.dp,
+        row.tp,
+        row.pp,
+        1,
+        "DDP (ZeRO-0)",
+        row.micro_batch,
+        row.global_batch,
+        MEGATRON_SEQ,
+        "full",
+        row.schedule + (f" (v = {row.virtual_stages})" if row.virtual_stages > 1 else ""),
+        SELENE_HW,
+        ("Megatron-LM runtime: fp16 weights and gradients, fused kernels, attention scores through HBM",),
+        "the layout yes (autoshard's eager bf16 program); Megatron-LM's runtime no",
+        "as run",
+        "priced with --runtime megatron-lm (the runtime that ran)",
+        step_s=row.published_s,
+        args=tuple(row.estimate_args()),
+    )
 
 
 def all_rows() -> tuple[Run, ...]:
@@ -324,8 +642,16 @@ HELD_OUT_ALWAYS = ("tt-8b-8g-eager", "tt-8b-128g-eager")
 # Rows a future fit may use (none is used now): the three Megatron-LM rows NUMBERS.md gave to calibrate
 # the A100 preset (already used to build it), and the bf16 torch.compile runs, from which a compiled-
 # runtime description could be fitted. Everything else is held out.
-FIT = ("megatron-1.7B", "megatron-18.4B", "megatron-145.6B", "tt-8b-8g-compile", "tt-8b-128g-compile",
-       "ao-8b-h100-bf16", "tt-async-70b-256g-bf16-tp", "tt-async-8b-64g-bf16-tp")
+FIT = (
+    "megatron-1.7B",
+    "megatron-18.4B",
+    "megatron-145.6B",
+    "tt-8b-8g-compile",
+    "tt-8b-128g-compile",
+    "ao-8b-h100-bf16",
+    "tt-async-70b-256g-bf16-tp",
+    "tt-async-8b-64g-bf16-tp",
+)
 
 
 def run_estimate(args: list[str]) -> tuple[dict, float]:
@@ -344,17 +670,26 @@ def run_estimate(args: list[str]) -> tuple[dict, float]:
 def result(run: Run, plan: dict | None, wall: float | None) -> dict:
     """The row's record, its prediction and errors (predicted / published − 1)."""
     out = {k: v for k, v in asdict(run).items() if k != "args"}
-    out |= {"command": run.command_line(), "published_step_s": run.published_step_s, "fit": run.name in FIT,
-            "estimate_wall_s": wall}
+    out |= {
+        "command": run.command_line(),
+        "published_step_s": run.published_step_s,
+        "fit": run.name in FIT,
+        "estimate_wall_s": wall,
+    }
     if plan is None:
         return out
     p = plan["predicted"]
     step = p["step_time_s"]
-    out |= {"predicted_step_s": step, "predicted_tokens_per_gpu_s": run.global_batch * run.seq / (run.gpus * step),
-            "predicted_memory_gib": p["memory_peak_bytes_per_rank"] / 2**30,
-            "predicted_parts_s": {k: p[k] for k in ("compute_s", "comm_exposed_s", "bubble_s")},
-            "decisions": plan["decisions"], "fits": plan["fits"], "fit_note": plan.get("fit_note", ""),
-            "step_error": step / run.published_step_s - 1}
+    out |= {
+        "predicted_step_s": step,
+        "predicted_tokens_per_gpu_s": run.global_batch * run.seq / (run.gpus * step),
+        "predicted_memory_gib": p["memory_peak_bytes_per_rank"] / 2**30,
+        "predicted_parts_s": {k: p[k] for k in ("compute_s", "comm_exposed_s", "bubble_s")},
+        "decisions": plan["decisions"],
+        "fits": plan["fits"],
+        "fit_note": plan.get("fit_note", ""),
+        "step_error": step / run.published_step_s - 1,
+    }
     if run.memory_gib is not None:
         out["memory_error"] = out["predicted_memory_gib"] / run.memory_gib - 1
     return out
@@ -367,12 +702,18 @@ def summary(results: list[dict], status: str) -> dict:
         return {"rows": 0}
     mem = [r for r in rows if "memory_error" in r]
     worst = max(rows, key=lambda r: abs(r["step_error"]))
-    out = {"rows": len(rows), "step_mape": sum(abs(r["step_error"]) for r in rows) / len(rows),
-           "worst_step": {"name": worst["name"], "error": worst["step_error"]}, "memory_rows": len(mem)}
+    out = {
+        "rows": len(rows),
+        "step_mape": sum(abs(r["step_error"]) for r in rows) / len(rows),
+        "worst_step": {"name": worst["name"], "error": worst["step_error"]},
+        "memory_rows": len(mem),
+    }
     if mem:
         worst_mem = max(mem, key=lambda r: abs(r["memory_error"]))
-        out |= {"memory_mape": sum(abs(r["memory_error"]) for r in mem) / len(mem),
-                "worst_memory": {"name": worst_mem["name"], "error": worst_mem["memory_error"]}}
+        out |= {
+            "memory_mape": sum(abs(r["memory_error"]) for r in mem) / len(mem),
+            "worst_memory": {"name": worst_mem["name"], "error": worst_mem["memory_error"]},
+        }
     return out
 
 
@@ -381,18 +722,35 @@ def _f(x, fmt):
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| row | status | GPUs | dp·tp·pp·cp | mb / global × seq | AC | published tok/s/GPU | step s | GiB "
-             "| predicted tok/s/GPU | step s | GiB | step error | memory error | fit |",
-             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| row | status | GPUs | dp·tp·pp·cp | mb / global × seq | AC | published tok/s/GPU | step s | GiB "
+        "| predicted tok/s/GPU | step s | GiB | step error | memory error | fit |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         tps = r["tokens_per_gpu_s"] or r["global_batch"] * r["seq"] / (r["gpus"] * r["published_step_s"])
-        lines.append(" | ".join([
-            f"| {r['name']}", r["status"], str(r["gpus"]), f"{r['dp']}·{r['tp']}·{r['pp']}·{r['cp']}",
-            f"{r['micro_batch']} / {r['global_batch']} × {r['seq']}", r["recompute"].split(" ")[0],
-            f"{tps:,.0f}", f"{r['published_step_s']:.2f}", _f(r["memory_gib"], ".1f"),
-            _f(r.get("predicted_tokens_per_gpu_s"), ",.0f"), _f(r.get("predicted_step_s"), ".2f"),
-            _f(r.get("predicted_memory_gib"), ".1f"), _f(r.get("step_error"), "+.1%"),
-            _f(r.get("memory_error"), "+.1%"), "fit" if r["fit"] else ""]) + " |")
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['name']}",
+                    r["status"],
+                    str(r["gpus"]),
+                    f"{r['dp']}·{r['tp']}·{r['pp']}·{r['cp']}",
+                    f"{r['micro_batch']} / {r['global_batch']} × {r['seq']}",
+                    r["recompute"].split(" ")[0],
+                    f"{tps:,.0f}",
+                    f"{r['published_step_s']:.2f}",
+                    _f(r["memory_gib"], ".1f"),
+                    _f(r.get("predicted_tokens_per_gpu_s"), ",.0f"),
+                    _f(r.get("predicted_step_s"), ".2f"),
+                    _f(r.get("predicted_memory_gib"), ".1f"),
+                    _f(r.get("step_error"), "+.1%"),
+                    _f(r.get("memory_error"), "+.1%"),
+                    "fit" if r["fit"] else "",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -401,11 +759,15 @@ def summary_lines(sums: dict) -> list[str]:
     for status, s in sums.items():
         if not s["rows"]:
             continue
-        line = (f"{status} (held out, {s['rows']} rows): step-time MAPE {s['step_mape']:.1%}, worst "
-                f"{s['worst_step']['name']} {s['worst_step']['error']:+.1%}")
+        line = (
+            f"{status} (held out, {s['rows']} rows): step-time MAPE {s['step_mape']:.1%}, worst "
+            f"{s['worst_step']['name']} {s['worst_step']['error']:+.1%}"
+        )
         if s.get("memory_rows"):
-            line += (f"; peak-memory MAPE {s['memory_mape']:.1%} over {s['memory_rows']} rows, worst "
-                     f"{s['worst_memory']['name']} {s['worst_memory']['error']:+.1%}")
+            line += (
+                f"; peak-memory MAPE {s['memory_mape']:.1%} over {s['memory_rows']} rows, worst "
+                f"{s['worst_memory']['name']} {s['worst_memory']['error']:+.1%}"
+            )
         out.append(line)
     return out
 
@@ -413,20 +775,32 @@ def summary_lines(sums: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of markdown")
-    parser.add_argument("--no-float8-layouts", action="store_true",
-                        help="do not price the bf16 layouts of float8 runs (the 405B ones take a minute each)")
+    parser.add_argument(
+        "--no-float8-layouts",
+        action="store_true",
+        help="do not price the bf16 layouts of float8 runs (the 405B ones take a minute each)",
+    )
     parser.add_argument("-o", "--output", type=Path, default=RESULTS, help="raw results (default: %(default)s)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep the output file's predictions of rows whose command is unchanged; price the rest")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the output file's predictions of rows whose command is unchanged; price the rest",
+    )
     args = parser.parse_args(argv)
     plans: dict[tuple[str, ...], tuple[dict, float]] = {}  # one estimate per distinct command
     if args.reuse and args.output.exists():
         for old in json.loads(args.output.read_text())["rows"]:
             if old.get("command") and "predicted_step_s" in old:
-                plan = {"predicted": {"step_time_s": old["predicted_step_s"],
-                                      "memory_peak_bytes_per_rank": old["predicted_memory_gib"] * 2**30,
-                                      **old["predicted_parts_s"]},
-                        "decisions": old["decisions"], "fits": old["fits"], "fit_note": old["fit_note"]}
+                plan = {
+                    "predicted": {
+                        "step_time_s": old["predicted_step_s"],
+                        "memory_peak_bytes_per_rank": old["predicted_memory_gib"] * 2**30,
+                        **old["predicted_parts_s"],
+                    },
+                    "decisions": old["decisions"],
+                    "fits": old["fits"],
+                    "fit_note": old["fit_note"],
+                }
                 plans[tuple(shlex.split(old["command"])[1:])] = (plan, old["estimate_wall_s"])
     results = []
     for run in ROWS:
@@ -437,8 +811,9 @@ def main(argv: list[str] | None = None) -> None:
                     plans[run.args] = run_estimate(run.estimate_args())
                 except RuntimeError as e:  # recorded with the row; the benchmark exits 1 at the end
                     plans[run.args] = ({"error": str(e)}, None)
-                print(f"{run.name} ({_f(plans[run.args][1], '.1f')} s): {run.command_line()}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"{run.name} ({_f(plans[run.args][1], '.1f')} s): {run.command_line()}", file=sys.stderr, flush=True
+                )
             plan, wall = plans[run.args]
         if plan is not None and "error" in plan:
             results.append(result(run, None, None) | {"error": plan["error"]})
@@ -447,10 +822,17 @@ def main(argv: list[str] | None = None) -> None:
     sums = {status: summary(results, status) for status in ("as run", "compile")}
     import torch
 
-    doc = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-           "python": sys.version.split()[0], "command": shlex.join(["python", "benchmarks/bench_published.py",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
-           "fit": list(FIT), "summary": sums, "rows": results}
+    doc = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "command": shlex.join(
+            ["python", "benchmarks/bench_published.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "fit": list(FIT),
+        "summary": sums,
+        "rows": results,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(doc, indent=1) + "\n")
     if args.json:

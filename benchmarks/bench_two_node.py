@@ -66,8 +66,25 @@ def two_nodes(rate: str):
             sh("ip", "-n", name, "addr", "add", f"{ADDRESSES[k]}/24", "dev", f"as-veth{k}")
             sh("ip", "-n", name, "link", "set", f"as-veth{k}", "up")
             sh("ip", "-n", name, "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", f"as-veth{k}", "root", "tbf", "rate", rate,
-               "burst", "64kb", "latency", "200ms")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"as-veth{k}",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "200ms",
+            )
         yield names
     finally:
         for name in names:
@@ -81,16 +98,31 @@ def in_node(k: int, cmd: list[str], env: dict[str, str] | None = None) -> list[s
     # namespace's address, so torchrun can neither tell that node 0 hosts the c10d store nor give
     # node 1's workers a MASTER_ADDR that reaches it. Saying so here keeps the command itself
     # exactly the one `compile` emits (on a real cluster the host names resolve).
-    base = {"GLOO_SOCKET_IFNAME": f"as-veth{k}", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-            "MASTER_ADDR": ADDRESSES[0], "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            "PET_RDZV_CONF": f"is_host={int(k == 0)}", "PET_LOCAL_ADDR": ADDRESSES[k], **(env or {})}
+    base = {
+        "GLOO_SOCKET_IFNAME": f"as-veth{k}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": ADDRESSES[0],
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "PET_RDZV_CONF": f"is_host={int(k == 0)}",
+        "PET_LOCAL_ADDR": ADDRESSES[k],
+        **(env or {}),
+    }
     return ["ip", "netns", "exec", f"as-node{k}", "env", *(f"{a}={b}" for a, b in base.items()), *cmd]
 
 
 def on_both(cmd: list[str], env: dict[str, str] | None = None, timeout_s: int = 900) -> None:
     """Run ``cmd`` in both namespaces at once ("{NODE}" in an argument becomes the node's index)."""
-    procs = [subprocess.Popen(in_node(k, [a.replace("{NODE}", str(k)) for a in cmd], env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for k in range(NODES)]
+    procs = [
+        subprocess.Popen(
+            in_node(k, [a.replace("{NODE}", str(k)) for a in cmd], env),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in range(NODES)
+    ]
     outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("\n".join(o[-2000:] for o in outs))
@@ -101,13 +133,43 @@ def calibrate(tmp: Path) -> Path:
     (node 0's is used): the two emulated nodes share this machine's cores, so a node measured
     alone would see twice the compute the training runs get."""
     node, cluster = tmp / "node.yaml", tmp / "two.yaml"
-    on_both([sys.executable, "-m", "autoshard.cli", "calibrate", "--devices-per-node", str(PER_NODE), "--model", GPT,
-             "-o", str(tmp / "node{NODE}.yaml")])
+    on_both(
+        [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "calibrate",
+            "--devices-per-node",
+            str(PER_NODE),
+            "--model",
+            GPT,
+            "-o",
+            str(tmp / "node{NODE}.yaml"),
+        ]
+    )
     (tmp / "node0.yaml").replace(node)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node",
-                str(PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:29511", "--rdzv-id",
-                f"cal{time.time_ns()}", "-m", "autoshard.cli", "calibrate", "--across-nodes", str(node), "-o",
-                str(cluster)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(NODES),
+        "--nproc-per-node",
+        str(PER_NODE),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{ADDRESSES[0]}:29511",
+        "--rdzv-id",
+        f"cal{time.time_ns()}",
+        "-m",
+        "autoshard.cli",
+        "calibrate",
+        "--across-nodes",
+        str(node),
+        "-o",
+        str(cluster),
+    ]
     on_both(torchrun)
     return cluster
 
@@ -123,8 +185,9 @@ def plans(cluster_file: Path) -> dict[str, object]:
     out = {"pick": autoshard.plan(GPT, cluster=cluster, global_batch=GLOBAL_BATCH)}
     for mesh in candidate_meshes(capture_graph(GPT)[1], cluster, GLOBAL_BATCH, Pins()):
         with contextlib.suppress(Exception):
-            out[str(mesh)] = autoshard.plan(GPT, cluster=cluster, global_batch=GLOBAL_BATCH, dp=mesh.dp, tp=mesh.tp,
-                                            pp=mesh.pp)
+            out[str(mesh)] = autoshard.plan(
+                GPT, cluster=cluster, global_batch=GLOBAL_BATCH, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp
+            )
     return out
 
 
@@ -152,14 +215,25 @@ def one_rate(rate: str, steps: int, rounds: int) -> dict:
         rows = {}
         for name, plan in chosen.items():
             times = [measure(plan, tmp, steps) for _ in range(rounds)]
-            rows[name] = {"mesh": str(plan.mesh), "zero": plan.zero_stage, "microbatch": plan.microbatch_size,
-                          "schedule": plan.schedule, "predicted_s": plan.predicted.step_time_s,
-                          "measured_s": sorted(times)[len(times) // 2]}
-            print(f"{rate}: {name:>22} {rows[name]['mesh']:<18} z{plan.zero_stage} b{plan.microbatch_size} "
-                  f"predicted {plan.predicted.step_time_s * 1e3:7.1f} ms  measured {rows[name]['measured_s'] * 1e3:7.1f} ms",
-                  flush=True)
-        return {"rate": rate, "inter_node": {"latency_us": link.latency_us, "bandwidth_gbps": link.bandwidth_gbps},
-                "cluster_file": cluster_file.read_text(), "plans": rows}
+            rows[name] = {
+                "mesh": str(plan.mesh),
+                "zero": plan.zero_stage,
+                "microbatch": plan.microbatch_size,
+                "schedule": plan.schedule,
+                "predicted_s": plan.predicted.step_time_s,
+                "measured_s": sorted(times)[len(times) // 2],
+            }
+            print(
+                f"{rate}: {name:>22} {rows[name]['mesh']:<18} z{plan.zero_stage} b{plan.microbatch_size} "
+                f"predicted {plan.predicted.step_time_s * 1e3:7.1f} ms  measured {rows[name]['measured_s'] * 1e3:7.1f} ms",
+                flush=True,
+            )
+        return {
+            "rate": rate,
+            "inter_node": {"latency_us": link.latency_us, "bandwidth_gbps": link.bandwidth_gbps},
+            "cluster_file": cluster_file.read_text(),
+            "plans": rows,
+        }
 
 
 def main() -> None:
@@ -174,9 +248,11 @@ def main() -> None:
     results = [one_rate(rate, a.steps, a.rounds) for rate in a.rates]
     for r in results:
         best = min(r["plans"].items(), key=lambda kv: kv[1]["measured_s"])
-        print(f"{r['rate']}: inter-node {r['inter_node']['bandwidth_gbps']:.3g} GB/s, "
-              f"{r['inter_node']['latency_us']:.3g} µs; pick {r['plans']['pick']['mesh']}; best measured {best[0]} "
-              f"({best[1]['mesh']})")
+        print(
+            f"{r['rate']}: inter-node {r['inter_node']['bandwidth_gbps']:.3g} GB/s, "
+            f"{r['inter_node']['latency_us']:.3g} µs; pick {r['plans']['pick']['mesh']}; best measured {best[0]} "
+            f"({best[1]['mesh']})"
+        )
     if a.output:
         Path(a.output).write_text(json.dumps(results, indent=1))
 

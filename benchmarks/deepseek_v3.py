@@ -56,31 +56,86 @@ TINY_SEQ_LEN, TINY_VOCAB_SIZE = 32, 256
 
 # DeepSeek-V3's config.json, the fields that set the shape (module doc)
 DEEPSEEK_V3 = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
-    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-    routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
-    max_position_embeddings=163840, tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
-                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    vocab_size=VOCAB_SIZE,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
 )
 # The same architecture at DeepSeek-V2-Lite's size (deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers, the
 # first dense, hidden 2048, 64 routed experts of FFN 1408 top-6, 2 shared, 16 heads, kv_lora_rank 512, no
 # q_lora): ~16B parameters, ~2.7B active. A model whose expert state fits at small ep (bench_moe.py).
 DEEPSEEK_16B = dict(
-    DEEPSEEK_V3, vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
-    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
-    routed_scaling_factor=1.0, norm_topk_prob=False, q_lora_rank=None,
+    DEEPSEEK_V3,
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    first_k_dense_replace=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    q_lora_rank=None,
 )
 TINY = dict(
-    vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
-    routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6,
-    max_position_embeddings=64, tie_word_embeddings=False,
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
 )
 _shape = {"seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE}  # of the factory built last (module doc)
 
@@ -142,8 +197,10 @@ def main() -> None:
             model = factory()
         built_s = time.perf_counter() - start
         total, activated = parameter_counts(model)
-        print(f"{name}: {_count(total)} parameters, {_count(activated)} activated per token "
-              f"(built on meta in {built_s:.1f} s)")
+        print(
+            f"{name}: {_count(total)} parameters, {_count(activated)} activated per token "
+            f"(built on meta in {built_s:.1f} s)"
+        )
 
 
 def _count(n: int) -> str:

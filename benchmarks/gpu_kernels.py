@@ -33,8 +33,14 @@ if str(REPO) not in sys.path:
 MODEL = "benchmarks/llama3.py:llama3_1b"
 # aten ops (the profiler's names) by the class the cost model prices them as
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")
-ATTENTION_OPS = ("aten::_flash_attention", "aten::_efficient_attention", "aten::_scaled_dot_product_flash",
-                 "aten::_scaled_dot_product_efficient", "aten::_scaled_dot_product_cudnn", "aten::_cudnn_attention")
+ATTENTION_OPS = (
+    "aten::_flash_attention",
+    "aten::_efficient_attention",
+    "aten::_scaled_dot_product_flash",
+    "aten::_scaled_dot_product_efficient",
+    "aten::_scaled_dot_product_cudnn",
+    "aten::_cudnn_attention",
+)
 LOSS_OPS = ("aten::_log_softmax", "aten::nll_loss", "aten::log_softmax", "aten::cross_entropy")
 OPTIMIZER_OPS = ("aten::_foreach", "aten::_fused_adam")
 COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone")  # autocast's casts, layout copies
@@ -42,16 +48,20 @@ COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone")  # autocast's casts,
 
 def op_class(name: str) -> str:
     """matmul, attention, loss, optimizer, copy or other: how the cost model prices an aten op of this name."""
-    for cls, prefixes in (("matmul", MATMUL_OPS), ("attention", ATTENTION_OPS), ("loss", LOSS_OPS),
-                          ("optimizer", OPTIMIZER_OPS), ("copy", COPY_OPS)):
+    for cls, prefixes in (
+        ("matmul", MATMUL_OPS),
+        ("attention", ATTENTION_OPS),
+        ("loss", LOSS_OPS),
+        ("optimizer", OPTIMIZER_OPS),
+        ("copy", COPY_OPS),
+    ):
         if name.startswith(prefixes):
             return cls
     return "other"
 
 
 def _device_us(event, own: bool) -> float:
-    for attr in (("self_device_time_total", "self_cuda_time_total") if own else
-                 ("device_time_total", "cuda_time_total")):
+    for attr in ("self_device_time_total", "self_cuda_time_total") if own else ("device_time_total", "cuda_time_total"):
         if hasattr(event, attr):
             return float(getattr(event, attr))
     return 0.0
@@ -105,18 +115,34 @@ def measure(model_spec: str, microbatch: int, global_batch: int, steps: int = 2)
             step()
         step_s = (time.perf_counter() - started) / steps
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    ops = [{"op": e.key, "shapes": str(e.input_shapes), "device_ms": _device_us(e, own=True) / 1e3 / steps,
-            "calls": e.count / steps}
-           for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    ops = [
+        {
+            "op": e.key,
+            "shapes": str(e.input_shapes),
+            "device_ms": _device_us(e, own=True) / 1e3 / steps,
+            "calls": e.count / steps,
+        }
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key.startswith("aten::")
+    ]
     ops = sorted((o for o in ops if o["device_ms"] > 0), key=lambda o: -o["device_ms"])
     by_kernel: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kernel[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / steps
-    return {"model": model_spec, "microbatch_size": microbatch, "global_batch": global_batch,
-            "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "step_s": step_s, "busy_s": _busy_us(kernels) / 1e6 / steps, "kernel_count": len(kernels) / steps,
-            "ops": ops, "kernels": sorted(({"kernel": k, "device_ms": v} for k, v in by_kernel.items()),
-                                          key=lambda k: -k["device_ms"])[:60]}
+    return {
+        "model": model_spec,
+        "microbatch_size": microbatch,
+        "global_batch": global_batch,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "step_s": step_s,
+        "busy_s": _busy_us(kernels) / 1e6 / steps,
+        "kernel_count": len(kernels) / steps,
+        "ops": ops,
+        "kernels": sorted(({"kernel": k, "device_ms": v} for k, v in by_kernel.items()), key=lambda k: -k["device_ms"])[
+            :60
+        ],
+    }
 
 
 def measured_by_class(measured: dict) -> dict[str, float]:
@@ -148,8 +174,13 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
         forward = op_forward_s(node, w, scale, device, 0.5, "flash", 4, "eager", traffic)
         backward = op_backward_s(node, w, scale, device, 0.5, forward, "eager", traffic)
         casts = _casts_s(traffic, scale, device, backward=False) + _casts_s(traffic, scale, device, backward=True)
-        cls = ("matmul" if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS) else
-               "attention" if node.target.startswith(SDPA_TARGET) else "other")
+        cls = (
+            "matmul"
+            if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS)
+            else "attention"
+            if node.target.startswith(SDPA_TARGET)
+            else "other"
+        )
         out[cls] += (forward + backward - casts) * accumulate
         out["copy"] += casts * accumulate
     logits = loss_logits(graph, microbatch)
@@ -168,25 +199,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--predict", metavar="CLUSTER", help="price OUT's measured run on this cluster file and "
-                        "print measured beside predicted, by op class")
+    parser.add_argument(
+        "--predict",
+        metavar="CLUSTER",
+        help="price OUT's measured run on this cluster file and print measured beside predicted, by op class",
+    )
     args = parser.parse_args(argv)
     if args.predict:
         measured = json.loads(args.out.read_text())
-        predicted = predicted_by_class(measured["model"], measured["microbatch_size"], measured["global_batch"],
-                                       args.predict)
+        predicted = predicted_by_class(
+            measured["model"], measured["microbatch_size"], measured["global_batch"], args.predict
+        )
         got = measured_by_class(measured)
         print(f"step {measured['step_s'] * 1e3:.1f} ms, kernels busy {measured['busy_s'] * 1e3:.1f} ms")
         for cls in sorted(set(got) | set(predicted)) + ["total"]:
-            m, p = (got.get(cls, 0.0), predicted.get(cls, 0.0)) if cls != "total" else \
-                (sum(got.values()), sum(predicted.values()))
-            print(f"| {cls} | {m * 1e3:.1f} ms | {p * 1e3:.1f} ms | {(p - m) / m:+.1%} |" if m else
-                  f"| {cls} | - | {p * 1e3:.1f} ms | - |")
+            m, p = (
+                (got.get(cls, 0.0), predicted.get(cls, 0.0))
+                if cls != "total"
+                else (sum(got.values()), sum(predicted.values()))
+            )
+            print(
+                f"| {cls} | {m * 1e3:.1f} ms | {p * 1e3:.1f} ms | {(p - m) / m:+.1%} |"
+                if m
+                else f"| {cls} | - | {p * 1e3:.1f} ms | - |"
+            )
         return 0
     result = measure(args.model, args.microbatch, args.global_batch)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"step {result['step_s'] * 1e3:.1f} ms, busy {result['busy_s'] * 1e3:.1f} ms, "
-          f"{result['kernel_count']:.0f} kernels/step", flush=True)
+    print(
+        f"step {result['step_s'] * 1e3:.1f} ms, busy {result['busy_s'] * 1e3:.1f} ms, "
+        f"{result['kernel_count']:.0f} kernels/step",
+        flush=True,
+    )
     for op in result["ops"][:25]:
         print(f"{op['device_ms']:9.2f} ms {op['calls']:6.0f}x {op['op']} {op['shapes'][:120]}", flush=True)
     return 0

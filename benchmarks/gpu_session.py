@@ -77,11 +77,17 @@ GPU_CASES = (
     Case("ddp-mb8-selective", {"zero": 0, "microbatch_size": 8, "recompute": "selective"}),
     Case("ddp-mb8", {"zero": 0, "microbatch_size": 8, "recompute": "none"}),
 )
-GPU = Setting("benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES,
-              hand_microbatches=(1, 2, 4))
-CPU = Setting("examples/gpt.py:build", global_batch=4, steps=3, limit_s=240,
-              cases=(Case("ddp-mb2-full", {"zero": 0, "microbatch_size": 2, "recompute": "full"}),),
-              hand_microbatches=(2,))
+GPU = Setting(
+    "benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES, hand_microbatches=(1, 2, 4)
+)
+CPU = Setting(
+    "examples/gpt.py:build",
+    global_batch=4,
+    steps=3,
+    limit_s=240,
+    cases=(Case("ddp-mb2-full", {"zero": 0, "microbatch_size": 2, "recompute": "full"}),),
+    hand_microbatches=(2,),
+)
 DCP_MODEL = "examples/gpt.py:build"
 
 
@@ -105,15 +111,18 @@ def autoshard(args: list[str], limit_s: float, log: Path) -> subprocess.Complete
     """``python -m autoshard ARGS`` from the repository root; its output appended to ``log``."""
     started = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "autoshard", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=limit_s)
+        done = subprocess.run(
+            [sys.executable, "-m", "autoshard", *args], cwd=REPO, capture_output=True, text=True, timeout=limit_s
+        )
     except subprocess.TimeoutExpired as exc:
         done = subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", (exc.stderr or "") + "\ntimed out")
         done.stdout = done.stdout.decode() if isinstance(done.stdout, bytes) else done.stdout
         done.stderr = done.stderr.decode() if isinstance(done.stderr, bytes) else done.stderr
     with log.open("a") as f:
-        f.write(f"$ autoshard {' '.join(args)}  # exit {done.returncode}, {time.perf_counter() - started:.1f} s\n"
-                f"{done.stdout}{done.stderr}\n")
+        f.write(
+            f"$ autoshard {' '.join(args)}  # exit {done.returncode}, {time.perf_counter() - started:.1f} s\n"
+            f"{done.stdout}{done.stderr}\n"
+        )
     return done
 
 
@@ -121,10 +130,15 @@ def facts() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else platform.machine(),
-            "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-            "python": platform.python_version(), "cpus": os.cpu_count()}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if cuda else platform.machine(),
+        "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def pin_flags(pins: dict) -> list[str]:
@@ -134,9 +148,25 @@ def pin_flags(pins: dict) -> list[str]:
 def plan_case(setting: Setting, case: Case, cluster: str, out: Path) -> Row:
     row = Row(case.name, case.pins)
     plan = out / f"{case.name}.plan.json"
-    done = autoshard(["plan", setting.model, "--cluster", cluster, "--devices-per-node", "1",
-                      "--global-batch", str(setting.global_batch), "--dp", "1", *pin_flags(case.pins),
-                      "-o", str(plan)], setting.limit_s, out / f"{case.name}.log")
+    done = autoshard(
+        [
+            "plan",
+            setting.model,
+            "--cluster",
+            cluster,
+            "--devices-per-node",
+            "1",
+            "--global-batch",
+            str(setting.global_batch),
+            "--dp",
+            "1",
+            *pin_flags(case.pins),
+            "-o",
+            str(plan),
+        ],
+        setting.limit_s,
+        out / f"{case.name}.log",
+    )
     if done.returncode != 0:
         row.error = f"plan: {last_line(done)}"
         return row
@@ -147,14 +177,20 @@ def plan_case(setting: Setting, case: Case, cluster: str, out: Path) -> Row:
     return row
 
 
-SUMMARY = re.compile(r"done: loss (?P<first>[-\d.naninf]+) -> (?P<last>[-\d.naninf]+) over \d+ steps; median step "
-                     r"(?P<ms>[\d.]+) ms.*?(?:; peak (?P<gib>[\d.]+) GiB allocated)?$", re.M)
+SUMMARY = re.compile(
+    r"done: loss (?P<first>[-\d.naninf]+) -> (?P<last>[-\d.naninf]+) over \d+ steps; median step "
+    r"(?P<ms>[\d.]+) ms.*?(?:; peak (?P<gib>[\d.]+) GiB allocated)?$",
+    re.M,
+)
 
 
 def run_case(setting: Setting, row: Row, out: Path) -> None:
     plan = out / f"{row.case}.plan.json"
-    done = autoshard(["run", str(plan), "--steps", str(setting.steps), "--program", str(out / f"{row.case}.py")],
-                     setting.limit_s, out / f"{row.case}.log")
+    done = autoshard(
+        ["run", str(plan), "--steps", str(setting.steps), "--program", str(out / f"{row.case}.py")],
+        setting.limit_s,
+        out / f"{row.case}.log",
+    )
     match = SUMMARY.search(done.stdout)
     if done.returncode != 0 or match is None:
         row.error = f"run: {last_line(done)}"
@@ -166,8 +202,9 @@ def run_case(setting: Setting, row: Row, out: Path) -> None:
 
 def dryrun_case(setting: Setting, row: Row, out: Path) -> None:
     """The plan's dry run (one rank on fake tensors): its peak, for the table's dry-run column."""
-    done = autoshard(["dryrun", str(out / f"{row.case}.plan.json"), "--json"], setting.limit_s,
-                     out / f"{row.case}.dryrun.log")
+    done = autoshard(
+        ["dryrun", str(out / f"{row.case}.plan.json"), "--json"], setting.limit_s, out / f"{row.case}.dryrun.log"
+    )
     try:
         row.dryrun_peak_bytes = json.loads(done.stdout)["ranks"][0]["peak_bytes"]
     except (ValueError, KeyError, IndexError):
@@ -219,8 +256,11 @@ def hand_loop(setting: Setting, microbatch: int, steps: int) -> dict:
     del model, optimizer, batches
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"microbatch_size": microbatch, "median_step_s": statistics.median(times_s[1:] or times_s),
-            "peak_bytes": peak}
+    return {
+        "microbatch_size": microbatch,
+        "median_step_s": statistics.median(times_s[1:] or times_s),
+        "peak_bytes": peak,
+    }
 
 
 def profile(setting: Setting, microbatch: int, out: Path) -> None:
@@ -235,34 +275,78 @@ def profile(setting: Setting, microbatch: int, out: Path) -> None:
         print(f"profile micro-batch {microbatch}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         return
     (out / f"kernels-mb{microbatch}.json").write_text(json.dumps(result, indent=1))
-    print(f"profile micro-batch {microbatch}: step {result['step_s'] * 1e3:.1f} ms, busy {result['busy_s'] * 1e3:.1f} ms",
-          flush=True)
+    print(
+        f"profile micro-batch {microbatch}: step {result['step_s'] * 1e3:.1f} ms, busy {result['busy_s'] * 1e3:.1f} ms",
+        flush=True,
+    )
 
 
 def dcp_resume(out: Path, cluster: str, limit_s: float) -> dict:
     """Save at step 4, then a second run of 8 steps resumes from it: it must train steps 4..7 only (steps count from 0)."""
     plan, ckpt, log = out / "dcp.plan.json", out / "dcp-checkpoints", out / "dcp.log"
-    done = autoshard(["plan", DCP_MODEL, "--cluster", cluster, "--devices-per-node", "1", "--global-batch", "8",
-                      "--dp", "1", "--zero", "0", "-o", str(plan)], limit_s, log)
+    done = autoshard(
+        [
+            "plan",
+            DCP_MODEL,
+            "--cluster",
+            cluster,
+            "--devices-per-node",
+            "1",
+            "--global-batch",
+            "8",
+            "--dp",
+            "1",
+            "--zero",
+            "0",
+            "-o",
+            str(plan),
+        ],
+        limit_s,
+        log,
+    )
     if done.returncode != 0:
         return {"error": f"plan: {last_line(done)}"}
     runs = []
     for steps in (4, 8):
-        done = autoshard(["run", str(plan), "--steps", str(steps), "--checkpoint-dir", str(ckpt),
-                          "--checkpoint-every", "4", "--program", str(out / "dcp.py")], limit_s, log)
-        runs.append({"steps": steps, "exit": done.returncode,
-                     "steps_logged": [int(s) for s in re.findall(r"^step\s+(\d+)", done.stdout, re.M)]})
+        done = autoshard(
+            [
+                "run",
+                str(plan),
+                "--steps",
+                str(steps),
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "4",
+                "--program",
+                str(out / "dcp.py"),
+            ],
+            limit_s,
+            log,
+        )
+        runs.append(
+            {
+                "steps": steps,
+                "exit": done.returncode,
+                "steps_logged": [int(s) for s in re.findall(r"^step\s+(\d+)", done.stdout, re.M)],
+            }
+        )
     return {"runs": runs, "resumed": runs[1]["exit"] == 0 and runs[1]["steps_logged"][:1] == [runs[0]["steps"]]}
 
 
 def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | None) -> str:
     """The markdown table: predicted vs measured step and peak, measured MFU, hand-written loop."""
     hand_by_mb = {h["microbatch_size"]: h["median_step_s"] for h in hand if "median_step_s" in h}
-    lines = [f"{facts_['device']}, torch {facts_['torch']} (CUDA {facts_['cuda']}), {facts_['date']}; "
-             f"the cluster file's peak {peak_tflops} TFLOP/s" if peak_tflops else f"{facts_['device']}, {facts_['date']}", "",
-             "| case | predicted step | measured step | error | predicted allocated (Σ parts) | dry run | "
-             "measured max allocated | error | measured MFU | hand-written loop step | program / hand |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{facts_['device']}, torch {facts_['torch']} (CUDA {facts_['cuda']}), {facts_['date']}; "
+        f"the cluster file's peak {peak_tflops} TFLOP/s"
+        if peak_tflops
+        else f"{facts_['device']}, {facts_['date']}",
+        "",
+        "| case | predicted step | measured step | error | predicted allocated (Σ parts) | dry run | "
+        "measured max allocated | error | measured MFU | hand-written loop step | program / hand |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.error:
             lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | failed: {r.error} ||||||||")
@@ -273,12 +357,14 @@ def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | 
         mfu = r.predicted_mfu * r.predicted_step_s / r.measured_step_s
         same_work = r.pins.get("recompute") == "none" and r.pins.get("zero") == 0  # what the hand loop does
         hand_s = hand_by_mb.get(r.pins.get("microbatch_size")) if same_work else None
-        lines.append(f"| {r.case} | {ms(r.predicted_step_s)} | {ms(r.measured_step_s)} | "
-                     f"{pct(r.predicted_step_s, r.measured_step_s)} | {gib(allocated_bytes(r))} | "
-                     f"{gib(r.dryrun_peak_bytes)} | {gib(r.measured_peak_bytes)} | "
-                     f"{pct(allocated_bytes(r), r.measured_peak_bytes)} | "
-                     f"{f'{mfu:.1%}' if mfu is not None else '-'} | {ms(hand_s)} | "
-                     f"{f'{r.measured_step_s / hand_s:.3f}' if hand_s else '-'} |")
+        lines.append(
+            f"| {r.case} | {ms(r.predicted_step_s)} | {ms(r.measured_step_s)} | "
+            f"{pct(r.predicted_step_s, r.measured_step_s)} | {gib(allocated_bytes(r))} | "
+            f"{gib(r.dryrun_peak_bytes)} | {gib(r.measured_peak_bytes)} | "
+            f"{pct(allocated_bytes(r), r.measured_peak_bytes)} | "
+            f"{f'{mfu:.1%}' if mfu is not None else '-'} | {ms(hand_s)} | "
+            f"{f'{r.measured_step_s / hand_s:.3f}' if hand_s else '-'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -304,14 +390,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--cpu", action="store_true", help="the CPU path: the example GPT, one case, few steps")
-    parser.add_argument("--cluster", help="plan on this preset or cluster file instead of calibrating (the test of "
-                        "the CPU path: calibrate has its own)")
+    parser.add_argument(
+        "--cluster",
+        help="plan on this preset or cluster file instead of calibrating (the test of "
+        "the CPU path: calibrate has its own)",
+    )
     parser.add_argument("--cases", help="only these cases, comma-separated (default: every case)")
     parser.add_argument("--hand-microbatches", help="micro-batch sizes of the hand-written loop, comma-separated")
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP save and resume")
     parser.add_argument("--no-dryrun", action="store_true", help="skip the plans' dry runs")
-    parser.add_argument("--profile", help="micro-batch sizes whose hand-written loop is profiled by op class, "
-                        "comma-separated (benchmarks/gpu_kernels.py; OUT/kernels-mbB.json)")
+    parser.add_argument(
+        "--profile",
+        help="micro-batch sizes whose hand-written loop is profiled by op class, "
+        "comma-separated (benchmarks/gpu_kernels.py; OUT/kernels-mbB.json)",
+    )
     args = parser.parse_args(argv)
     setting = CPU if args.cpu else GPU
     if args.cases:
@@ -327,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(info), flush=True)
     cluster = args.cluster or str(out / "cluster.yaml")
     if args.cluster is None:
-        done = autoshard(["calibrate", "--quick", "--devices-per-node", "1", "-o", cluster], setting.limit_s,
-                         out / "calibrate.log")
+        done = autoshard(
+            ["calibrate", "--quick", "--devices-per-node", "1", "-o", cluster], setting.limit_s, out / "calibrate.log"
+        )
         print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
         if done.returncode != 0:
             return 1
@@ -344,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row.error is None:
             run_case(setting, row, out)
-        print(f"{row.case}: predicted {ms(row.predicted_step_s)} {gib(row.predicted_peak_bytes)}, measured "
-              f"{ms(row.measured_step_s)} {gib(row.measured_peak_bytes)} {row.error or ''}", flush=True)
+        print(
+            f"{row.case}: predicted {ms(row.predicted_step_s)} {gib(row.predicted_peak_bytes)}, measured "
+            f"{ms(row.measured_step_s)} {gib(row.measured_peak_bytes)} {row.error or ''}",
+            flush=True,
+        )
         save()
     for microbatch in setting.hand_microbatches:
         try:

@@ -70,8 +70,15 @@ class Block(nn.Module):
 
 
 class MegatronGPT(nn.Module):
-    def __init__(self, n_layer: int, n_head: int, n_embd: int, dropout: float = DROPOUT,
-                 seq_len: int = SEQ_LEN, vocab_size: int = VOCAB_SIZE):
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float = DROPOUT,
+        seq_len: int = SEQ_LEN,
+        vocab_size: int = VOCAB_SIZE,
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(seq_len, n_embd)
@@ -104,11 +111,19 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 # (layers, heads, hidden) of each published model
 SHAPES = {
-    "sc21_1_7b": (24, 24, 2304), "sc21_3_6b": (30, 32, 3072), "sc21_7_5b": (36, 32, 4096),
-    "sc21_18_4b": (40, 48, 6144), "sc21_39_1b": (48, 64, 8192), "sc21_76_1b": (60, 80, 10240),
-    "sc21_145_6b": (80, 96, 12288), "sc21_310_1b": (96, 128, 16384), "sc21_529_6b": (105, 128, 20480),
+    "sc21_1_7b": (24, 24, 2304),
+    "sc21_3_6b": (30, 32, 3072),
+    "sc21_7_5b": (36, 32, 4096),
+    "sc21_18_4b": (40, 48, 6144),
+    "sc21_39_1b": (48, 64, 8192),
+    "sc21_76_1b": (60, 80, 10240),
+    "sc21_145_6b": (80, 96, 12288),
+    "sc21_310_1b": (96, 128, 16384),
+    "sc21_529_6b": (105, 128, 20480),
     "sc21_1008b": (128, 160, 25600),
-    "k22_22b": (48, 64, 6144), "k22_175b": (96, 96, 12288), "k22_530b": (105, 128, 20480),
+    "k22_22b": (48, 64, 6144),
+    "k22_175b": (96, 96, 12288),
+    "k22_530b": (105, 128, 20480),
     "k22_1t": (128, 160, 25600),
 }
 

@@ -24,10 +24,22 @@ SEQ_LEN, VOCAB_SIZE = 4096, 32000
 
 
 def build(layers: int = 32) -> MixtralForCausalLM:
-    return MixtralForCausalLM(MixtralConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=32768, rope_theta=1e6, use_cache=False, attn_implementation="sdpa"))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def build_2l() -> MixtralForCausalLM:

@@ -54,5 +54,6 @@ def __getattr__(name: str):
     if match is None:
         raise AttributeError(name)
     layers, width = int(match.group(1)), int(match.group(2))
-    return lambda: gpt.build(n_layer=layers, n_head=max(1, width // 128), n_embd=width, block_size=SEQ_LEN,
-                             vocab_size=VOCAB_SIZE)
+    return lambda: gpt.build(
+        n_layer=layers, n_head=max(1, width // 128), n_embd=width, block_size=SEQ_LEN, vocab_size=VOCAB_SIZE
+    )

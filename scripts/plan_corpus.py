@@ -50,8 +50,7 @@ PIN_SETS: dict[str, tuple[dict, dict]] = {
     "bf16": ({"cluster": "dgx-h100", "devices_per_node": 8, "global_batch": 16}, {}),
 }
 ESTIMATE = dict(dp=2, tp=2, pp=1, zero=1, microbatch_size=2, recompute="none")
-ESTIMATE_FLAGS = ["--dp", "2", "--tp", "2", "--pp", "1", "--zero", "1", "--microbatch-size", "2", "--recompute",
-                  "none"]
+ESTIMATE_FLAGS = ["--dp", "2", "--tp", "2", "--pp", "1", "--zero", "1", "--microbatch-size", "2", "--recompute", "none"]
 
 
 def model_specs() -> list[str]:
@@ -71,14 +70,32 @@ def golden_commands() -> list[tuple[str, list[str]]]:
     out = []
     for path in sorted((ROOT / "tests" / "golden").glob("*.plan.json")):
         plan = load_plan(path)
-        values = {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "cp": plan.mesh.cp,
-                  "zero": plan.zero_stage, "microbatch_size": plan.microbatch_size, "recompute": plan.recompute,
-                  "schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
-                  "dp_replicate": plan.dp_replicate, "ep": plan.ep,
-                  "sequence_parallel": "on" if plan.sequence_parallel else "off"}
-        argv = ["plan", plan.model["spec"], "--cluster", plan.cluster["name"], "--nodes", str(plan.cluster["nodes"]),
-                "--devices-per-node", str(plan.cluster["devices_per_node"]),
-                "--global-batch", str(plan.global_batch)]
+        values = {
+            "dp": plan.mesh.dp,
+            "tp": plan.mesh.tp,
+            "pp": plan.mesh.pp,
+            "cp": plan.mesh.cp,
+            "zero": plan.zero_stage,
+            "microbatch_size": plan.microbatch_size,
+            "recompute": plan.recompute,
+            "schedule": plan.schedule,
+            "virtual_stages": plan.virtual_stages,
+            "dp_replicate": plan.dp_replicate,
+            "ep": plan.ep,
+            "sequence_parallel": "on" if plan.sequence_parallel else "off",
+        }
+        argv = [
+            "plan",
+            plan.model["spec"],
+            "--cluster",
+            plan.cluster["name"],
+            "--nodes",
+            str(plan.cluster["nodes"]),
+            "--devices-per-node",
+            str(plan.cluster["devices_per_node"]),
+            "--global-batch",
+            str(plan.global_batch),
+        ]
         if plan.model.get("seq_len"):
             argv += ["--seq-len", str(plan.model["seq_len"])]
         for name in plan.pinned:
@@ -152,10 +169,26 @@ def main() -> int:
             kw = {"cluster": "local-cpu", "devices_per_node": 4, "global_batch": 8, **extra}
             run_api(lambda: api.plan(spec, **kw, **pins), out, name)
         if args.only in f"{stem}--estimate":
-            run_api(lambda: api.estimate(spec, cluster="local-cpu", devices_per_node=4, global_batch=8, **ESTIMATE),
-                    out, f"{stem}--estimate")
-            run_cli(["estimate", spec, "--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "8",
-                     *ESTIMATE_FLAGS], out, f"{stem}--estimate-cli")
+            run_api(
+                lambda: api.estimate(spec, cluster="local-cpu", devices_per_node=4, global_batch=8, **ESTIMATE),
+                out,
+                f"{stem}--estimate",
+            )
+            run_cli(
+                [
+                    "estimate",
+                    spec,
+                    "--cluster",
+                    "local-cpu",
+                    "--devices-per-node",
+                    "4",
+                    "--global-batch",
+                    "8",
+                    *ESTIMATE_FLAGS,
+                ],
+                out,
+                f"{stem}--estimate-cli",
+            )
         print(f"{time.time() - start:7.1f}s {spec}", flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     plans, errors = len(list(out.glob("*.plan.json"))), len(list(out.glob("*.err")))

@@ -99,5 +99,7 @@ def _no_torch_mode_left_behind():
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
     if left:
-        print(f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')} left {left} torch mode(s) pushed; popped",
-              file=sys.stderr)
+        print(
+            f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')} left {left} torch mode(s) pushed; popped",
+            file=sys.stderr,
+        )

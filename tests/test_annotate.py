@@ -98,7 +98,12 @@ def test_grouped_matmuls_of_a_captured_moe_count_every_expert_row():
     graph = annotate(capture(model_file, batch_size=B))
     hf_mixtral = model_file.module
     cfg = hf_mixtral.config()
-    hidden, inter, top_k, experts = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok, cfg.num_local_experts
+    hidden, inter, top_k, experts = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_experts_per_tok,
+        cfg.num_local_experts,
+    )
     pairs = B * hf_mixtral.SEQ_LEN * top_k
     grouped = [n for n in graph.nodes if n.target.startswith(GROUPED_MM_TARGETS)]
     assert len(grouped) == 2 * cfg.num_hidden_layers
@@ -135,13 +140,21 @@ def test_aten_grouped_mm_is_2_s_k_n():
 
 def tiny_graph(*nodes: OpNode, placeholders=None) -> OpGraph:
     placeholders = placeholders or {"x": ((4, 8), "float32"), "y": ((8, 16), "float32")}
-    return OpGraph(nodes=list(nodes), params=[], input_shapes=[], batch_size=4, tokens_per_sample=1,
-                   input_names=list(placeholders), placeholders=placeholders)
+    return OpGraph(
+        nodes=list(nodes),
+        params=[],
+        input_shapes=[],
+        batch_size=4,
+        tokens_per_sample=1,
+        input_names=list(placeholders),
+        placeholders=placeholders,
+    )
 
 
 def node(name, target, inputs, shape, dtype="float32", **attrs) -> OpNode:
-    return OpNode(name=name, target=target, module_path="", module_type="", inputs=inputs,
-                  shape=shape, dtype=dtype, attrs=attrs)
+    return OpNode(
+        name=name, target=target, module_path="", module_type="", inputs=inputs, shape=shape, dtype=dtype, attrs=attrs
+    )
 
 
 def test_matmul_and_einsum():
@@ -153,8 +166,13 @@ def test_matmul_and_einsum():
 
 def test_grouped_mm_shapes_torch_allows():
     """a[S,K]·b[E,K,N], a[E,M,K]·b[E,K,N], a[E,M,K]·b[K,N]: 2·numel(out)·K; a[M,K]·b[K,N] split on K: 2·M·K·N."""
-    shapes = {"a2": ((12, 16), "bfloat16"), "b3": ((4, 16, 24), "bfloat16"), "a3": ((4, 3, 16), "bfloat16"),
-              "b2": ((16, 24), "bfloat16"), "offs": ((4,), "int32")}
+    shapes = {
+        "a2": ((12, 16), "bfloat16"),
+        "b3": ((4, 16, 24), "bfloat16"),
+        "a3": ((4, 3, 16), "bfloat16"),
+        "b2": ((16, 24), "bfloat16"),
+        "offs": ((4,), "int32"),
+    }
     rows = node("rows", "aten._grouped_mm.default", ("a2", "b3", "offs"), (12, 24), "bfloat16")
     batched = node("bmm", "aten._grouped_mm.default", ("a3", "b3"), (4, 3, 24), "bfloat16")
     cols = node("cols", "aten._grouped_mm.default", ("a3", "b2", "offs"), (3, 24), "bfloat16")
@@ -162,7 +180,12 @@ def test_grouped_mm_shapes_torch_allows():
     fallback = node("fb", "transformers.grouped_mm_fallback.default", ("a2", "b3", "offs"), (12, 24), "bfloat16")
     graph = tiny_graph(rows, batched, cols, k_split, fallback, placeholders=shapes)
     assert [node_flops(graph, n) for n in (rows, batched, cols, k_split, fallback)] == [
-        2 * 12 * 16 * 24, 2 * 4 * 3 * 16 * 24, 2 * 3 * 16 * 24, 2 * 12 * 16 * 24, 2 * 12 * 16 * 24]
+        2 * 12 * 16 * 24,
+        2 * 4 * 3 * 16 * 24,
+        2 * 3 * 16 * 24,
+        2 * 12 * 16 * 24,
+        2 * 12 * 16 * 24,
+    ]
 
 
 def test_reductions_count_input_elements():
@@ -255,7 +278,7 @@ def test_a_formula_that_raises_gives_an_estimate_not_a_traceback(monkeypatch):
     assert baddbmm.flops == 2 * 2 * 4 * 4 * 12 and ESTIMATED not in baddbmm.attrs  # the others keep theirs
 
 
-KW_MODEL = '''
+KW_MODEL = """
 import torch
 import torch.nn as nn
 
@@ -276,7 +299,7 @@ def build():
 
 def example_batch(batch_size):
     return (torch.randn(batch_size, 16),), torch.randn(batch_size, 16)
-'''
+"""
 
 
 def test_a_plan_reports_and_inspect_shows_the_estimated_ops(tmp_path, monkeypatch, capsys):
@@ -314,8 +337,9 @@ def test_a_plan_file_with_a_malformed_ops_estimated_is_refused_in_one_line(tmp_p
     from autoshard.pipeline import PlanRequest, plan_model
 
     (tmp_path / "kw.py").write_text(KW_MODEL)
-    plan = plan_model(PlanRequest(f"{tmp_path}/kw.py:build", load_cluster("local-cpu", devices_per_node=2), 8,
-                                  cache=False))
+    plan = plan_model(
+        PlanRequest(f"{tmp_path}/kw.py:build", load_cluster("local-cpu", devices_per_node=2), 8, cache=False)
+    )
     d = json.loads(plan.to_json())
     d["model"]["ops_estimated"] = {"count": 0, "ops": []}
     (tmp_path / "bad.json").write_text(json.dumps(d))

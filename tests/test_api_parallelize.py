@@ -78,8 +78,17 @@ def parallelized(plan_name: str, schedule=None) -> Parallelized:
     stand-in stages hold the first stage, so the rank reads batches)."""
     plan = autoshard.load_plan(GOLDEN.format(plan_name))
     stages = None if schedule is None else types.SimpleNamespace(reads=True)
-    return Parallelized(plan, layout(plan), OneAxis(plan.mesh.dp), torch.device("cpu"), model=stages, optimizer=None,
-                        recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=schedule)
+    return Parallelized(
+        plan,
+        layout(plan),
+        OneAxis(plan.mesh.dp),
+        torch.device("cpu"),
+        model=stages,
+        optimizer=None,
+        recipe=Recipe(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        schedule=schedule,
+    )
 
 
 def test_train_step_takes_the_global_batch(in_repo):
@@ -129,18 +138,27 @@ def test_a_middle_pipeline_rank_refuses_with_the_others_and_reads_nothing(in_rep
     plan = autoshard.load_plan(GOLDEN.format("tp_pp"))
     mesh = OneAxis(plan.mesh.dp)
     mesh.get_local_rank = lambda axis: 0
-    middle = Parallelized(plan, layout(plan), mesh, torch.device("cpu"),
-                          model=types.SimpleNamespace(reads=False), optimizer=None,
-                          recipe=Recipe(), loss_fn=torch.nn.functional.cross_entropy, schedule=object(),
-                          model_file=lambda: load_model_file("examples/gpt.py:build"))
+    middle = Parallelized(
+        plan,
+        layout(plan),
+        mesh,
+        torch.device("cpu"),
+        model=types.SimpleNamespace(reads=False),
+        optimizer=None,
+        recipe=Recipe(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        schedule=object(),
+        model_file=lambda: load_model_file("examples/gpt.py:build"),
+    )
     assert not middle.reads
     tokens = torch.zeros(4, 8, dtype=torch.long)
     with pytest.raises(AutoshardError) as exc:
         middle.train_step(tokens, tokens)
     assert "the plan's global batch of 16 samples, got a batch of 4" in one_line(exc)
     with pytest.raises(AutoshardError):
-        middle.train_step(torch.zeros(16, 8, dtype=torch.long), tokens[:1].expand(16, 8),
-                          loss_fn=torch.nn.functional.mse_loss)
+        middle.train_step(
+            torch.zeros(16, 8, dtype=torch.long), tokens[:1].expand(16, 8), loss_fn=torch.nn.functional.mse_loss
+        )
     ran = []
     monkeypatch.setattr(middle, "_pipeline_step", lambda inputs, targets: ran.append((inputs, targets)) or 1.5)
     batches = middle.data_loader(workers=0)

@@ -65,8 +65,12 @@ def test_dtypes_follow_autocast_lists_and_promotion(tiny):
     assert traffic[linear.name].write_ratio == 0.5
     assert traffic[linear.name].forward_cast_kernels == 1  # its input, the fp32 norm output
     assert traffic[linear.name].forward_cast_bytes == nodes[linear.inputs[0]].output_numel * 6
-    adds = [n for n in tiny.nodes if n.target.startswith("aten.add") and any(
-        nodes.get(i) is not None and nodes[i].target.startswith("aten.linear") for i in n.inputs)]
+    adds = [
+        n
+        for n in tiny.nodes
+        if n.target.startswith("aten.add")
+        and any(nodes.get(i) is not None and nodes[i].target.startswith("aten.linear") for i in n.inputs)
+    ]
     assert adds and all(traffic[a.name].write_ratio == 1.0 for a in adds)
     assert all(traffic[a.name].backward_cast_kernels == 1 for a in adds)  # the gradient to the bf16 projection
     rope = next(n for n in tiny.nodes if n.target.startswith("aten.mul") and "cos" in n.inputs)

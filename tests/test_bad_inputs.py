@@ -55,7 +55,10 @@ MODEL_FILES = [  # broken model files
 
 UNTRACEABLE = [  # torch.export cannot capture the model
     (plan_args("tests/bad_models/data_dependent.py:build"), "data-dependent control flow"),
-    (plan_args(B + "item_in_forward.py:build"), "data-dependent control flow at tests/bad_inputs/item_in_forward.py:12"),
+    (
+        plan_args(B + "item_in_forward.py:build"),
+        "data-dependent control flow at tests/bad_inputs/item_in_forward.py:12",
+    ),
     (plan_args(B + "nonzero_shape.py:build"), "depends on tensor values"),
     (plan_args(B + "meta_build.py:build"), "cannot be built on the meta device"),
     (plan_args(B + "shape_mismatch.py:build"), "torch.export failed"),
@@ -83,7 +86,10 @@ CLUSTER_FILES = [
     (cluster_args(B + "negative_latency.yaml"), "intra_node.latency_us must be >= 0, got -3"),
     (cluster_args(B + "missing_field.yaml"), "missing field 'inter_node'"),
     (cluster_args(B + "missing_device_field.yaml"), "missing field 'device.memory_bytes'"),
-    (cluster_args(B + "unknown_preset.yaml"), "preset must be one of dgx-a100-80gb, dgx-h100, local-cpu, got 'dgx-b300'"),
+    (
+        cluster_args(B + "unknown_preset.yaml"),
+        "preset must be one of dgx-a100-80gb, dgx-h100, local-cpu, got 'dgx-b300'",
+    ),
     (cluster_args("dgx-z9000"), "unknown cluster 'dgx-z9000'"),
     (cluster_args(B + "unknown_field.yaml"), "unknown field 'node'"),
     (cluster_args(B + "syntax_error.yaml"), "YAML syntax error at line"),
@@ -132,8 +138,26 @@ PIPELINE_PINS = [  # --virtual-stages, --stage-cuts, --runtime: one line, before
     (plan_args(GPT, "--stage-cuts", "1,2", "--pp", "2", "--schedule", "1f1b"), "gives 3 stages, but --pp 2 x 1"),
     (plan_args(GPT, "--stage-cuts", "9", "--pp", "2", "--schedule", "1f1b"), "names block 9, but the model's blocks"),
     (plan_args(GPT, "--runtime", "deepspeed"), "invalid choice: 'deepspeed'"),
-    (["estimate", GPT, *LOCAL, "--dp", "1", "--tp", "1", "--pp", "2", "--zero", "0", "--microbatch-size", "2",
-      "--recompute", "none"], "pin --schedule too"),
+    (
+        [
+            "estimate",
+            GPT,
+            *LOCAL,
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--zero",
+            "0",
+            "--microbatch-size",
+            "2",
+            "--recompute",
+            "none",
+        ],
+        "pin --schedule too",
+    ),
 ]
 
 USAGE = [
@@ -143,8 +167,17 @@ USAGE = [
     (["plan", GPT, *LOCAL, "--recompute", "sometimes"], "invalid choice: 'sometimes'"),
 ]
 
-CASES = MODEL_FILES + UNTRACEABLE + UNSUPPORTED_OPS + DIMENSIONS + CLUSTER_FILES + INFEASIBLE + PIPELINE_PINS + OUTPUTS + \
-    USAGE
+CASES = (
+    MODEL_FILES
+    + UNTRACEABLE
+    + UNSUPPORTED_OPS
+    + DIMENSIONS
+    + CLUSTER_FILES
+    + INFEASIBLE
+    + PIPELINE_PINS
+    + OUTPUTS
+    + USAGE
+)
 
 
 def _id(argv: list[str]) -> str:
@@ -208,10 +241,12 @@ def test_failed_command_leaves_an_existing_output_untouched(in_repo, capsys, tmp
     data = json.loads(good_plan.read_text())
     data["decisions"]["mesh"]["dp"] = "two"
     tampered.write_text(json.dumps(data))
-    for argv in (plan_args(B + "syntax_error.py:build", "-o", str(kept_plan)),
-                 cluster_args(B + "negative_bandwidth.yaml", "-o", str(kept_plan)),
-                 plan_args("tests/bad_models/huge.py:build", "-o", str(kept_plan)),
-                 ["compile", str(tampered), "-o", str(kept_program)]):
+    for argv in (
+        plan_args(B + "syntax_error.py:build", "-o", str(kept_plan)),
+        cluster_args(B + "negative_bandwidth.yaml", "-o", str(kept_plan)),
+        plan_args("tests/bad_models/huge.py:build", "-o", str(kept_plan)),
+        ["compile", str(tampered), "-o", str(kept_program)],
+    ):
         code, _, err = run_cli(capsys, argv)
         assert code == 2 and err.count("\n") == 1
     assert kept_plan.read_text() == "my earlier plan\n"
@@ -221,11 +256,13 @@ def test_failed_command_leaves_an_existing_output_untouched(in_repo, capsys, tmp
 
 # ---------------------------------------------------------------------------- tampered plans
 
+
 def _set(path, value):
     def edit(d):
         for key in path[:-1]:
             d = d[key]
         d[path[-1]] = value
+
     return edit
 
 
@@ -234,6 +271,7 @@ def _delete(path):
         for key in path[:-1]:
             d = d[key]
         del d[path[-1]]
+
     return edit
 
 
@@ -258,11 +296,17 @@ TAMPERED = [  # (what is done to a real plan's JSON, message)
     (_set(["model", "params"], "many"), "plan field 'model.params' must be an integer >= 0"),
     (_set(["model", "file_sha256"], "0" * 63), "plan field 'model.file_sha256' must be 64 lowercase hexadecimal"),
     (_set(["model", "tokens_per_sample"], "1; import os"), "model.tokens_per_sample' must be an integer >= 1"),
-    (_set(["layout", "blocks"], ["h.0{__import__('os').getpid()}"]), "plan field 'layout.blocks[0]' must be a module path"),
+    (
+        _set(["layout", "blocks"], ["h.0{__import__('os').getpid()}"]),
+        "plan field 'layout.blocks[0]' must be a module path",
+    ),
     (_set(["cluster", "name"], 'x"""\nimport os\n"""'), "plan field 'cluster.name' must be a printable name"),
     (_set(["cluster", "nodes"], 0), "nodes must be > 0, got 0"),
     (_set(["cluster"], []), "plan field 'cluster' must be a mapping"),
-    (_set(["layout", "tensor_parallel"], {"0.fc1": "diagonal"}), "layout.tensor_parallel.0.fc1' must be one of colwise"),
+    (
+        _set(["layout", "tensor_parallel"], {"0.fc1": "diagonal"}),
+        "layout.tensor_parallel.0.fc1' must be one of colwise",
+    ),
     (_set(["layout", "stages"], [{"index": 0, "modules": ["0"], "ranks": [0, 5]}]), "a rank below the mesh's 2"),
     (_set(["predicted"], None), "plan field 'predicted' must be a mapping, got None"),
     (_set(["predicted", "step_time_s"], -1.0), "predicted.step_time_s' must be a number >= 0"),
@@ -298,14 +342,19 @@ def test_tampered_plan_is_refused(in_repo, capsys, tmp_path, good_plan, edit, me
     """inspect, compile and run refuse it in one line; compile writes no program."""
     plan = write_tampered(good_plan, edit, tmp_path / "tampered.json")
     program = tmp_path / "train.py"
-    for argv in (["inspect", str(plan)], ["compile", str(plan), "-o", str(program)],
-                 ["run", str(plan), "--steps", "1"], ["verify", str(plan), "--steps", "1"]):
+    for argv in (
+        ["inspect", str(plan)],
+        ["compile", str(plan), "-o", str(program)],
+        ["run", str(plan), "--steps", "1"],
+        ["verify", str(plan), "--steps", "1"],
+    ):
         code, out, err = run_cli(capsys, argv)
         assert_one_line_exit_2(code, out, err, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tampered.json"]
 
 
 # ---------------------------------------------------------------------------- plan and model mismatch
+
 
 @pytest.fixture
 def planned_model_copy(in_repo, capsys, tmp_path):
@@ -339,13 +388,18 @@ def test_compile_refuses_a_plan_whose_model_file_is_gone(capsys, tmp_path, plann
 
 def test_run_refuses_a_plan_for_a_cluster(in_repo, capsys, tmp_path):
     plan = tmp_path / "plan.json"
-    assert run_cli(capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "16",
-                            "-o", str(plan)])[0] == 0
+    assert (
+        run_cli(
+            capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "16", "-o", str(plan)]
+        )[0]
+        == 0
+    )
     code, out, err = run_cli(capsys, ["run", str(plan), "--steps", "1"])
     assert_one_line_exit_2(code, out, err, "this plan needs 16 ranks on 2 node(s)")
 
 
 # ---------------------------------------------------------------------------- launching the program
+
 
 def _compile(capsys, plan: Path, program: Path) -> Path:
     code, _, err = run_cli(capsys, ["compile", str(plan), "-o", str(program)])
@@ -362,11 +416,20 @@ def _program_env() -> dict[str, str]:
 def test_program_started_without_torchrun_names_the_world_size(in_repo, capsys, tmp_path, good_plan):
     """`python train.py` is one rank; the 2-rank program says how to launch it, exit 2, one line."""
     program = _compile(capsys, good_plan, tmp_path / "train.py")
-    proc = subprocess.run([sys.executable, str(program), "--steps", "1"], capture_output=True, text=True,
-                          env=_program_env(), cwd=in_repo, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(program), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=_program_env(),
+        cwd=in_repo,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == ("error: this program was planned for 2 ranks but was launched with 1; "
-                           "launch it with torchrun --nproc-per-node 2 (or re-plan)\n")
+    assert proc.stderr == (
+        "error: this program was planned for 2 ranks but was launched with 1; "
+        "launch it with torchrun --nproc-per-node 2 (or re-plan)\n"
+    )
     assert "Traceback" not in proc.stdout
 
 
@@ -379,8 +442,12 @@ def test_torchrun_with_the_wrong_world_size(in_repo, capsys, tmp_path, good_plan
     proc = run_torchrun(program, 1, ["--steps", "1"], quiet=True)
     assert proc.returncode != 0
     ours = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
-    assert ours == [("error: this program was planned for 2 ranks but was launched with 1; "
-                     "launch it with torchrun --nproc-per-node 2 (or re-plan)")]
+    assert ours == [
+        (
+            "error: this program was planned for 2 ranks but was launched with 1; "
+            "launch it with torchrun --nproc-per-node 2 (or re-plan)"
+        )
+    ]
 
 
 @pytest.mark.e2e
@@ -401,5 +468,16 @@ def test_program_refuses_a_model_changed_after_compile(capsys, tmp_path, planned
 
 def test_corpus_covers_every_category():
     assert len(CASES) + len(TAMPERED) >= 30  # and 6 scenarios above: model mismatch, launch, cluster plans
-    assert all(len(group) >= 2 for group in (MODEL_FILES, UNTRACEABLE, UNSUPPORTED_OPS, DIMENSIONS, CLUSTER_FILES,
-                                              INFEASIBLE, PIPELINE_PINS, TAMPERED))
+    assert all(
+        len(group) >= 2
+        for group in (
+            MODEL_FILES,
+            UNTRACEABLE,
+            UNSUPPORTED_OPS,
+            DIMENSIONS,
+            CLUSTER_FILES,
+            INFEASIBLE,
+            PIPELINE_PINS,
+            TAMPERED,
+        )
+    )

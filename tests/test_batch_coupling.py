@@ -28,5 +28,7 @@ def test_the_planner_keeps_a_coupled_batch_whole_or_refuses_in_one_line(in_repo)
         with pytest.raises(AutoshardError, match="couples the samples of a batch") as refused:
             autoshard.plan(CONTRASTIVE, cluster="local-cpu", global_batch=8, devices_per_node=2, **pins)
         assert "\n" not in str(refused.value) and "--dp 1" in str(refused.value)
-    mean_loss = autoshard.plan("tests/models/mlp.py:build", cluster="local-cpu", global_batch=8, devices_per_node=2, dp=2)
+    mean_loss = autoshard.plan(
+        "tests/models/mlp.py:build", cluster="local-cpu", global_batch=8, devices_per_node=2, dp=2
+    )
     assert mean_loss.mesh.dp == 2 and not any("batch stays whole" in note for note in mean_loss.notes)

@@ -54,10 +54,11 @@ def test_nodes_outside_blocks_stay_out(gpt_graph):
 
 def test_a_different_layer_gets_its_own_signature(tmp_path):
     path = tmp_path / "odd_gpt.py"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         import sys
         import torch.nn as nn
-        sys.path.insert(0, {str(ROOT / 'examples')!r})
+        sys.path.insert(0, {str(ROOT / "examples")!r})
         from gpt import build as gpt_build, example_batch
 
         def build():
@@ -65,7 +66,8 @@ def test_a_different_layer_gets_its_own_signature(tmp_path):
             model.h[2].mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
             model.h[3].ln_1.eps = 1e-3  # same shapes, different attrs
             return model
-    """))
+    """)
+    )
     graph = pipeline(f"{path}:build")
     assert graph.block_paths == ["h.0", "h.1", "h.2", "h.3"]  # "h.2.mlp.0" is inside "h.2"
     sig = {b.path: b.signature for b in graph.blocks}
@@ -100,9 +102,16 @@ def test_top_level_sequential_blocks():
     assert sum(b.param_count for b in graph.blocks) == graph.param_count
 
 
-@pytest.mark.parametrize("path, block", [
-    ("h.3.attn.q_proj", "h.3"), ("model.layers.11", "model.layers.11"), ("h.3.mlp.0", "h.3"),
-    ("2.fc1", "2"), ("lm_head", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "path, block",
+    [
+        ("h.3.attn.q_proj", "h.3"),
+        ("model.layers.11", "model.layers.11"),
+        ("h.3.mlp.0", "h.3"),
+        ("2.fc1", "2"),
+        ("lm_head", None),
+        ("", None),
+    ],
+)
 def test_block_of(path, block):
     assert block_of(path) == block

@@ -43,8 +43,10 @@ def test_fit_recovers_alpha_and_bandwidth_within_1_percent(collectives):
 
 
 def test_fit_with_noise_and_no_latency():
-    noisy = [Sample(s.collective, s.ranks, s.size_bytes, s.time_s * (1.02 if i % 2 else 0.98))
-             for i, s in enumerate(synthetic(LinkSpec(10.0, 0.0, "test")))]
+    noisy = [
+        Sample(s.collective, s.ranks, s.size_bytes, s.time_s * (1.02 if i % 2 else 0.98))
+        for i, s in enumerate(synthetic(LinkSpec(10.0, 0.0, "test")))
+    ]
     fit = fit_link(noisy)
     assert fit.latency_us >= 0 and fit.bandwidth_gbps == pytest.approx(10.0, rel=0.03)
     assert 0.015 < fit.max_rel_error < 0.06
@@ -57,11 +59,18 @@ def test_times_that_do_not_grow_cannot_be_fitted():
 
 
 def fake_measurements(ranks=2):
-    return Measurements(backend="gloo", ranks=ranks, threads=1, device_name="cpu-process",
-                        memory_bytes=host_memory_bytes() // ranks, dtype="float32",
-                        comm=synthetic(LINK, ranks=(ranks,)) if ranks > 1 else [],
-                        matmul_s={512: 2 * 512**3 / 50e9, 1024: 2 * 1024**3 / 60e9},
-                        elementwise_bytes=3 * 2**26, elementwise_s=3 * 2**26 / 12e9)
+    return Measurements(
+        backend="gloo",
+        ranks=ranks,
+        threads=1,
+        device_name="cpu-process",
+        memory_bytes=host_memory_bytes() // ranks,
+        dtype="float32",
+        comm=synthetic(LINK, ranks=(ranks,)) if ranks > 1 else [],
+        matmul_s={512: 2 * 512**3 / 50e9, 1024: 2 * 1024**3 / 60e9},
+        elementwise_bytes=3 * 2**26,
+        elementwise_s=3 * 2**26 / 12e9,
+    )
 
 
 def test_cluster_file_round_trips_through_load_cluster(tmp_path):
@@ -88,12 +97,15 @@ def test_one_rank_keeps_the_preset_link():
     assert cluster.intra_node.source.startswith("not measured (one rank)") and cluster.devices_per_node == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-o", "no/such/dir/cluster.yaml"], "output directory 'no/such/dir' does not exist"),
-    (["-o", "cluster.json"], "must end in .yaml or .yml"),
-    (["-o", "c.yaml", "--devices-per-node", "0"], "--devices-per-node 0 must be a positive integer"),
-    ([], "the following arguments are required: -o/--output"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-o", "no/such/dir/cluster.yaml"], "output directory 'no/such/dir' does not exist"),
+        (["-o", "cluster.json"], "must end in .yaml or .yml"),
+        (["-o", "c.yaml", "--devices-per-node", "0"], "--devices-per-node 0 must be a positive integer"),
+        ([], "the following arguments are required: -o/--output"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     code = main(["calibrate", *argv])
@@ -106,9 +118,26 @@ def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, argv, messa
 @pytest.mark.e2e
 def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--quick", "-o", str(path),
-                           "--model", "examples/gpt.py:build", "--microbatch-sizes", "1,2"],
-                          capture_output=True, text=True, timeout=300, cwd=in_repo, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "calibrate",
+            "--quick",
+            "-o",
+            str(path),
+            "--model",
+            "examples/gpt.py:build",
+            "--microbatch-sizes",
+            "1,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=in_repo,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "intra_node α, B" in proc.stdout and f"wrote {path}" in proc.stdout
     cluster = load_cluster(str(path))
@@ -157,8 +186,13 @@ def test_gpu_peak_is_the_largest_matmul_cpu_peak_the_median():
     from dataclasses import replace
 
     tflops = {2048: 660e12, 4096: 790e12, 8192: 795e12}
-    gpu = replace(fake_measurements(ranks=1), backend="nccl", dtype="bfloat16", device_name="NVIDIA H200",
-                  matmul_s={n: 2 * n**3 / f for n, f in tflops.items()})
+    gpu = replace(
+        fake_measurements(ranks=1),
+        backend="nccl",
+        dtype="bfloat16",
+        device_name="NVIDIA H200",
+        matmul_s={n: 2 * n**3 / f for n, f in tflops.items()},
+    )
     assert build_cluster(gpu, None, quick=True).device.peak_tflops == pytest.approx(795, rel=1e-3)
     cpu = replace(gpu, backend="gloo", dtype="float32")
     assert build_cluster(cpu, None, quick=True).device.peak_tflops == pytest.approx(790, rel=1e-3)

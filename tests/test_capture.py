@@ -114,7 +114,9 @@ def test_float_inputs_are_one_token_per_sample():
 
 
 def test_data_dependent_control_flow_is_one_line_with_the_fix(tmp_path, capsys):
-    model_spec = write_model(tmp_path, """
+    model_spec = write_model(
+        tmp_path,
+        """
         class Model(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -131,7 +133,8 @@ def test_data_dependent_control_flow_is_one_line_with_the_fix(tmp_path, capsys):
 
         def example_batch(batch_size):
             return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-    """)
+    """,
+    )
     with pytest.raises(AutoshardError) as info:
         capture(load_model_file(model_spec))
     message = str(info.value)
@@ -144,7 +147,9 @@ def test_data_dependent_control_flow_is_one_line_with_the_fix(tmp_path, capsys):
 
 
 def test_factory_that_fails_on_meta_says_so(tmp_path):
-    model_spec = write_model(tmp_path, """
+    model_spec = write_model(
+        tmp_path,
+        """
         def build():
             lin = nn.Linear(4, 4)
             lin.scale = float(lin.weight.abs().max())  # reads a value: impossible on meta
@@ -152,7 +157,8 @@ def test_factory_that_fails_on_meta_says_so(tmp_path):
 
         def example_batch(batch_size):
             return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-    """)
+    """,
+    )
     with pytest.raises(AutoshardError) as info:
         capture(load_model_file(model_spec))
     message = str(info.value)
@@ -162,7 +168,9 @@ def test_factory_that_fails_on_meta_says_so(tmp_path):
 
 
 def test_unflattenable_output_names_the_class_and_use_cache(tmp_path):
-    model_spec = write_model(tmp_path, """
+    model_spec = write_model(
+        tmp_path,
+        """
         class Cache:
             def __init__(self, t):
                 self.t = t
@@ -180,13 +188,16 @@ def test_unflattenable_output_names_the_class_and_use_cache(tmp_path):
 
         def example_batch(batch_size):
             return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-    """)
+    """,
+    )
     with pytest.raises(AutoshardError, match="returns a Cache.*use_cache=False"):
         capture(load_model_file(model_spec))
 
 
 def test_op_without_meta_kernel_is_named(tmp_path):
-    model_spec = write_model(tmp_path, """
+    model_spec = write_model(
+        tmp_path,
+        """
         lib = torch.library.Library("autoshard_test_capture", "DEF")
         lib.define("frob(Tensor x) -> Tensor")
         lib.impl("frob", lambda x: x * 2, "CPU")
@@ -200,7 +211,8 @@ def test_op_without_meta_kernel_is_named(tmp_path):
 
         def example_batch(batch_size):
             return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-    """)
+    """,
+    )
     with pytest.raises(AutoshardError) as info:
         capture(load_model_file(model_spec))
     message = str(info.value)
@@ -210,7 +222,9 @@ def test_op_without_meta_kernel_is_named(tmp_path):
 
 
 def test_factory_pinned_to_cpu_is_moved_to_meta(tmp_path):
-    model_spec = write_model(tmp_path, """
+    model_spec = write_model(
+        tmp_path,
+        """
         class Model(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -225,7 +239,8 @@ def test_factory_pinned_to_cpu_is_moved_to_meta(tmp_path):
 
         def example_batch(batch_size):
             return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-    """)
+    """,
+    )
     graph = capture(load_model_file(model_spec))
     assert graph.param_count == 20
     assert [p.name for p in graph.params if p.is_buffer] == ["scale"]
@@ -233,13 +248,16 @@ def test_factory_pinned_to_cpu_is_moved_to_meta(tmp_path):
     assert mul.param_inputs == ("scale",)
 
 
-@pytest.mark.parametrize("raw, clean", [
-    ("h.0.attn", "h.0.attn"),
-    ("_orig_mod.h.0", "h.0"),
-    ("L['self'].h[0].attn", "h.0.attn"),
-    ("model.layers.3@1", "model.layers.3"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    "raw, clean",
+    [
+        ("h.0.attn", "h.0.attn"),
+        ("_orig_mod.h.0", "h.0"),
+        ("L['self'].h[0].attn", "h.0.attn"),
+        ("model.layers.3@1", "model.layers.3"),
+        ("", ""),
+    ],
+)
 def test_module_paths_are_normalised(raw, clean):
     assert _clean_path(raw) == clean
 
@@ -259,6 +277,9 @@ def test_positions_past_a_learned_position_table_are_refused(seq, refused):
     if not refused:
         assert capture_module(model, (ids,), "gpt2").nodes
         return
-    with pytest.raises(AutoshardError, match=r"'transformer\.wpe' looks up positions up to 16 in a table of 16 "
-                                             r"rows.*--seq-len 16 or less"):
+    with pytest.raises(
+        AutoshardError,
+        match=r"'transformer\.wpe' looks up positions up to 16 in a table of 16 "
+        r"rows.*--seq-len 16 or less",
+    ):
         capture_module(model, (ids,), "gpt2")

@@ -141,8 +141,12 @@ def test_a_cached_plan_never_imports_torch(tmp_path):
         autoshard.plan({spec!r}, cluster="local-cpu", global_batch=8)
         print("torch" in sys.modules)
     """)
-    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                           cwd=ROOT).stdout.split() for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.split()
+        for _ in range(2)
+    ]
     assert runs == [["True"], ["False"]]
 
 
@@ -216,13 +220,15 @@ def test_nothing_the_model_reads_changed_reads_the_cache(reads_model, monkeypatc
 
 def test_a_model_that_opens_a_device_or_a_vanished_file_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
-    opens_device = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
-                                       'open(os.devnull).read()\nCONFIG = {"extra_layers": 0}')
+    opens_device = READS_MODEL.replace(
+        'CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+        'open(os.devnull).read()\nCONFIG = {"extra_layers": 0}',
+    )
     (tmp_path / "device.py").write_text(opens_device)
     plan(f"{tmp_path}/device.py:build")
     assert entries(tmp_path) == []
     (tmp_path / "config.json").write_text('{"extra_layers": 0}')
-    vanishes = READS_MODEL.replace('read_text())', 'read_text())\n(Path(__file__).parent / "config.json").unlink()')
+    vanishes = READS_MODEL.replace("read_text())", 'read_text())\n(Path(__file__).parent / "config.json").unlink()')
     (tmp_path / "vanish.py").write_text(vanishes)
     plan(f"{tmp_path}/vanish.py:build")
     assert entries(tmp_path) == []
@@ -232,8 +238,10 @@ def test_a_directory_the_model_lists_is_part_of_the_entry(tmp_path, monkeypatch)
     monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "a").write_text("")
-    lists = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
-                                'CONFIG = {"extra_layers": len(os.listdir(Path(__file__).parent / "shards"))}')
+    lists = READS_MODEL.replace(
+        'CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+        'CONFIG = {"extra_layers": len(os.listdir(Path(__file__).parent / "shards"))}',
+    )
     (tmp_path / "lists.py").write_text(lists)
     spec = f"{tmp_path}/lists.py:build"
     one = plan(spec)
@@ -242,8 +250,12 @@ def test_a_directory_the_model_lists_is_part_of_the_entry(tmp_path, monkeypatch)
 
 
 def test_an_other_version_of_an_imported_distribution_is_a_miss():
-    entry = {"environment": {}, "whole_environment": None, "listings": [],
-             "distributions": {"torch": capture_cache._installed_version("torch")}}
+    entry = {
+        "environment": {},
+        "whole_environment": None,
+        "listings": [],
+        "distributions": {"torch": capture_cache._installed_version("torch")},
+    }
     assert capture_cache.reads_unchanged(entry)
     entry["distributions"]["torch"] = "0.0.1"
     assert not capture_cache.reads_unchanged(entry)
@@ -269,9 +281,25 @@ def test_the_forked_capture_records_what_the_model_reads(tmp_path):
 
     def cli_plan(layers: str) -> int:
         out = tmp_path / f"plan{layers}.json"
-        subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", f"{tmp_path}/model.py:build", "--cluster",
-                        "local-cpu", "--global-batch", "8", "-o", str(out)],
-                       env=dict(env, AUTOSHARD_TEST_LAYERS=layers), cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "autoshard.cli",
+                "plan",
+                f"{tmp_path}/model.py:build",
+                "--cluster",
+                "local-cpu",
+                "--global-batch",
+                "8",
+                "-o",
+                str(out),
+            ],
+            env=dict(env, AUTOSHARD_TEST_LAYERS=layers),
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         return json.loads(out.read_text())["model"]["params"]
 
     two = cli_plan("2")
@@ -284,10 +312,12 @@ def test_the_forked_capture_records_what_the_model_reads(tmp_path):
 
 def test_a_model_that_runs_another_program_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
-    runs = READS_MODEL.replace('CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
-                               'import subprocess, sys\n'
-                               'CONFIG = {"extra_layers": int(subprocess.run([sys.executable, "-c", "print(1)"], '
-                               'capture_output=True, text=True).stdout)}')
+    runs = READS_MODEL.replace(
+        'CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())',
+        "import subprocess, sys\n"
+        'CONFIG = {"extra_layers": int(subprocess.run([sys.executable, "-c", "print(1)"], '
+        "capture_output=True, text=True).stdout)}",
+    )
     (tmp_path / "runs.py").write_text(runs)
     assert plan(f"{tmp_path}/runs.py:build").model["params"] == 3 * (16 * 16 + 16)
     assert entries(tmp_path) == []

@@ -24,15 +24,31 @@ def test_plan_json_has_design_keys_and_is_deterministic(in_repo, capsys, tmp_pat
     code, out, _ = run_cli(capsys, *args, "--json")
     assert code == 0
     plan = json.loads(out)
-    assert list(plan) == ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
-                          "provenance"]
+    assert list(plan) == [
+        "version",
+        "model",
+        "cluster",
+        "global_batch",
+        "decisions",
+        "layout",
+        "predicted",
+        "review",
+        "provenance",
+    ]
     for key in ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "recompute"):
         assert key in plan["decisions"]
     assert "stages" in plan["layout"] and "tensor_parallel" in plan["layout"] and "alternatives" in plan["review"]
     for key in ("spec", "hash", "params", "layers"):
         assert key in plan["model"]
-    for key in ("step_time_s", "compute_s", "comm_exposed_s", "bubble_s", "memory_peak_bytes_per_rank",
-                "tokens_per_s", "mfu"):
+    for key in (
+        "step_time_s",
+        "compute_s",
+        "comm_exposed_s",
+        "bubble_s",
+        "memory_peak_bytes_per_rank",
+        "tokens_per_s",
+        "mfu",
+    ):
         assert key in plan["predicted"]
     assert plan["model"]["layers"] == 4 and plan["decisions"]["mesh"]["dp"] == 2
     run_cli(capsys, *args, "-o", str(tmp_path / "a.json"))
@@ -42,13 +58,32 @@ def test_plan_json_has_design_keys_and_is_deterministic(in_repo, capsys, tmp_pat
 
 
 def test_pins_are_honoured(in_repo, capsys):
-    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
-                           "--global-batch", "8", "--zero", "3", "--microbatch-size", "2", "--recompute", "full",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "plan",
+        GPT,
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--zero",
+        "3",
+        "--microbatch-size",
+        "2",
+        "--recompute",
+        "full",
+        "--json",
+    )
     plan = json.loads(out)
     decisions = plan["decisions"]
-    assert (decisions["zero_stage"], decisions["microbatch_size"], decisions["num_microbatches"],
-            decisions["recompute"]) == (3, 2, 2, "full")
+    assert (
+        decisions["zero_stage"],
+        decisions["microbatch_size"],
+        decisions["num_microbatches"],
+        decisions["recompute"],
+    ) == (3, 2, 2, "full")
     assert sorted(plan["provenance"]["pinned"]) == ["microbatch_size", "recompute", "zero"]
 
 
@@ -57,14 +92,23 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
     run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--global-batch", "8", "--zero", "1", "-o", str(plan_path))
     code, out, _ = run_cli(capsys, "inspect", str(plan_path))
     assert code == 0
-    for text in ("Memory per rank", "optimizer state", "Time per step", "exposed communication", "Alternatives",
-                 "uncalibrated preset"):
+    for text in (
+        "Memory per rank",
+        "optimizer state",
+        "Time per step",
+        "exposed communication",
+        "Alternatives",
+        "uncalibrated preset",
+    ):
         assert text in " ".join(out.split())
     code, out, _ = run_cli(capsys, "compile", str(plan_path), "-o", str(program))
     source = program.read_text()
     compile(source, str(program), "exec")
-    assert 'build_optimizer(model, mesh["dp"], zero_stage=1, recipe=recipe)' in source and "ZeroRedundancyOptimizer" in source
-    assert "apply_ddp(model, mesh[\"dp\"], bucket_cap_mb=" in source and 'MESH = {"pp": 1, "dp": 2, "tp": 1}' in source
+    assert (
+        'build_optimizer(model, mesh["dp"], zero_stage=1, recipe=recipe)' in source
+        and "ZeroRedundancyOptimizer" in source
+    )
+    assert 'apply_ddp(model, mesh["dp"], bucket_cap_mb=' in source and 'MESH = {"pp": 1, "dp": 2, "tp": 1}' in source
     header = source.split('"""')[1]  # its run commands name the files the user has, not train.py and plan.json
     assert f"nproc-per-node 2 {program}" in header and f"autoshard run {plan_path}" in header
     assert "e+0" not in header and "plan.json" not in header
@@ -73,8 +117,14 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
 def test_milliseconds_are_written_without_exponents():
     from autoshard.passes.codegen import ms_text
 
-    assert [ms_text(s) for s in (13.1, 0.1234, 0.00158, 4.26e-5, 1e-9, 0.0)] == \
-        ["13,100", "123", "1.58", "0.0426", "0", "0"]
+    assert [ms_text(s) for s in (13.1, 0.1234, 0.00158, 4.26e-5, 1e-9, 0.0)] == [
+        "13,100",
+        "123",
+        "1.58",
+        "0.0426",
+        "0",
+        "0",
+    ]
 
 
 BAD = [
@@ -116,8 +166,17 @@ def test_bad_input_is_one_line_exit_2(in_repo, capsys, tmp_path, argv, message):
 
 
 def test_infeasible_names_memory_and_fix(in_repo, capsys):
-    code, _, err = run_cli(capsys, "plan", "tests/bad_models/huge.py:build", "--cluster", "local-cpu",
-                           "--devices-per-node", "2", "--global-batch", "8")
+    code, _, err = run_cli(
+        capsys,
+        "plan",
+        "tests/bad_models/huge.py:build",
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+    )
     assert code == 2 and "GiB short" in err and "--nodes" in err
 
 
@@ -133,8 +192,22 @@ def test_plan_for_another_model_is_refused(in_repo, capsys, tmp_path):
 
 
 def test_debug_shows_traceback(in_repo):
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", "nope.py:build", "--cluster", "local-cpu",
-                           "--global-batch", "8", "--debug"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "plan",
+            "nope.py:build",
+            "--cluster",
+            "local-cpu",
+            "--global-batch",
+            "8",
+            "--debug",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
@@ -142,29 +215,67 @@ def test_compile_writes_a_slurm_script_with_the_multi_node_torchrun(in_repo, tmp
     import subprocess
 
     plan_path, program = tmp_path / "plan.json", tmp_path / "train.py"
-    assert main(["plan", "examples/gpt.py:build", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "32",
-                 "-o", str(plan_path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "examples/gpt.py:build",
+                "--cluster",
+                "dgx-h100",
+                "--nodes",
+                "2",
+                "--global-batch",
+                "32",
+                "-o",
+                str(plan_path),
+            ]
+        )
+        == 0
+    )
     assert main(["compile", str(plan_path), "-o", str(program)]) == 0
     out = capsys.readouterr().out
     script = (tmp_path / "train.sbatch").read_text()
     assert "sbatch" in out and program.exists()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
-    assert ("srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
-            "--rdzv-id $JOB_ID train.py") in script
+    assert (
+        "srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
+        "--rdzv-id $JOB_ID train.py"
+    ) in script
     assert subprocess.run(["bash", "-n", str(tmp_path / "train.sbatch")], check=False).returncode == 0
 
 
-PIPELINE = ["--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--dp", "1", "--tp", "1",
-            "--pp", "2", "--zero", "0", "--microbatch-size", "2", "--recompute", "none"]
+PIPELINE = [
+    "--cluster",
+    "local-cpu",
+    "--devices-per-node",
+    "2",
+    "--global-batch",
+    "8",
+    "--dp",
+    "1",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--zero",
+    "0",
+    "--microbatch-size",
+    "2",
+    "--recompute",
+    "none",
+]
 
 
 def test_virtual_stages_and_even_cuts_are_pinned(in_repo, capsys):
     """--virtual-stages 2 implies interleaved 1F1B (estimate needs no --schedule); --stage-cuts even puts
     L / (pp·v) blocks in each stage, Megatron-LM's split; a pin left out is not recorded as pinned."""
-    code, out, _ = run_cli(capsys, "estimate", GPT, *PIPELINE, "--virtual-stages", "2", "--stage-cuts", "even",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys, "estimate", GPT, *PIPELINE, "--virtual-stages", "2", "--stage-cuts", "even", "--json"
+    )
     plan = json.loads(out)
-    assert code == 0 and plan["decisions"]["schedule"] == "interleaved-1f1b" and plan["decisions"]["virtual_stages"] == 2
+    assert (
+        code == 0 and plan["decisions"]["schedule"] == "interleaved-1f1b" and plan["decisions"]["virtual_stages"] == 2
+    )
     assert plan["layout"]["split_points"] == ["h.1", "h.2", "h.3"]
     assert "schedule" not in plan["provenance"]["pinned"] and "stage_cuts" in plan["provenance"]["pinned"]
     code, out, _ = run_cli(capsys, "estimate", GPT, *PIPELINE, "--schedule", "1f1b", "--stage-cuts", "3", "--json")
@@ -175,8 +286,20 @@ def test_virtual_stages_and_even_cuts_are_pinned(in_repo, capsys):
 def test_plan_honours_virtual_stages(in_repo, capsys):
     from autoshard.passes.strategies import runs_virtual_stages
 
-    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
-                           "--global-batch", "8", "--virtual-stages", "2", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "plan",
+        GPT,
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--virtual-stages",
+        "2",
+        "--json",
+    )
     decisions = json.loads(out)["decisions"]
     assert code == 0 and decisions["mesh"]["pp"] == 2 and decisions["virtual_stages"] == 2
     assert runs_virtual_stages(decisions["schedule"], 2) and not runs_virtual_stages(decisions["schedule"], 1)
@@ -199,8 +322,20 @@ def test_runtime_megatron_lm_prices_megatron_and_says_the_program_is_autoshard(i
     run_cli(capsys, "estimate", GPT, *pins, "--runtime", "megatron-lm", "-o", str(path))
     code, out, _ = run_cli(capsys, "inspect", str(path))
     assert code == 0 and "priced for" in out and "megatron-lm" in out
-    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
-                           "--global-batch", "8", "--runtime", "megatron-lm", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "plan",
+        GPT,
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--runtime",
+        "megatron-lm",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["provenance"]["runtime"] == "megatron-lm"
 
 
@@ -219,8 +354,12 @@ def test_every_flag_of_every_command_has_help_text():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    bare = [f"{name} {action.option_strings or action.dest}" for name, sub in commands.items()
-            for action in sub._actions if not isinstance(action, argparse._HelpAction) and not action.help]
+    bare = [
+        f"{name} {action.option_strings or action.dest}"
+        for name, sub in commands.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
     assert not bare, f"no --help text: {bare}"
     schedule = next(a for a in commands["plan"]._actions if "--schedule" in a.option_strings)
     assert "1f1b" in schedule.choices and "zbv" in schedule.choices
@@ -228,8 +367,9 @@ def test_every_flag_of_every_command_has_help_text():
 
 def test_a_calibrated_cluster_gets_no_preset_caveat(in_repo, capsys):
     """The caveat follows the device's figures: a cluster file that only changes a preset's links keeps it."""
-    code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "tests/clusters/cpu4_shared_cores.yaml",
-                           "--global-batch", "8")
+    code, out, _ = run_cli(
+        capsys, "plan", GPT, "--cluster", "tests/clusters/cpu4_shared_cores.yaml", "--global-batch", "8"
+    )
     assert code == 0 and "Time per step" in out and "uncalibrated" not in out
     code, out, _ = run_cli(capsys, "plan", GPT, "--cluster", "tests/clusters/fast_link_cpu.yaml", "--global-batch", "8")
     assert code == 0 and "uncalibrated preset" in " ".join(out.split())
@@ -237,16 +377,40 @@ def test_a_calibrated_cluster_gets_no_preset_caveat(in_repo, capsys):
 
 def test_inspect_folds_the_repeated_layers_tensor_parallel_rows(in_repo, capsys, tmp_path):
     plan = tmp_path / "tp.json"
-    code, _, _ = run_cli(capsys, "estimate", "tests/models/hf_llama.py:build_4_layers", "--cluster",
-                         "tests/clusters/fast_link_cpu.yaml", "--devices-per-node", "2", "--global-batch", "8",
-                         "--dp", "1", "--tp", "2", "--pp", "1", "--zero", "0", "--microbatch-size", "8",
-                         "--recompute", "none", "-o", str(plan))
+    code, _, _ = run_cli(
+        capsys,
+        "estimate",
+        "tests/models/hf_llama.py:build_4_layers",
+        "--cluster",
+        "tests/clusters/fast_link_cpu.yaml",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--dp",
+        "1",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--zero",
+        "0",
+        "--microbatch-size",
+        "8",
+        "--recompute",
+        "none",
+        "-o",
+        str(plan),
+    )
     assert code == 0
     tables = {}
     for flags in ((), ("--all",)):
         code, out, _ = run_cli(capsys, "inspect", str(plan), *flags)
-        tables[flags] = [line for line in out.split("Tensor parallelism over")[1].split("Alternatives")[0].splitlines()
-                         if line.startswith("│ ")]
+        tables[flags] = [
+            line
+            for line in out.split("Tensor parallelism over")[1].split("Alternatives")[0].splitlines()
+            if line.startswith("│ ")
+        ]
     every, folded = tables[("--all",)], tables[()]
     assert any("layers.3.self_attn.q_proj" in row for row in every)
     assert any("layers.*.self_attn.q_proj  x4" in row for row in folded)
@@ -260,27 +424,58 @@ def test_a_recipe_file_and_flags_become_the_programs_constants(in_repo, capsys, 
     from autoshard.ir.recipe import Recipe
 
     plan = tmp_path / "p.json"
-    run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8",
-            "-o", str(plan))
-    (tmp_path / "r.toml").write_text('[training]\noptimizer = "sgd"\nlr = 0.1\nmomentum = 0.9\ndecay_all = true\n'
-                                     'schedule = "linear"\nmin_lr_ratio = 0.1\n')
-    code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "c.py"), "--recipe", str(tmp_path / "r.toml"),
-                           "--schedule", "cosine", "--warmup-steps", "10", "--max-grad-norm", "1", "--weight-decay", "0.1")
+    run_cli(
+        capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "-o", str(plan)
+    )
+    (tmp_path / "r.toml").write_text(
+        '[training]\noptimizer = "sgd"\nlr = 0.1\nmomentum = 0.9\ndecay_all = true\n'
+        'schedule = "linear"\nmin_lr_ratio = 0.1\n'
+    )
+    code, _, err = run_cli(
+        capsys,
+        "compile",
+        str(plan),
+        "-o",
+        str(tmp_path / "c.py"),
+        "--recipe",
+        str(tmp_path / "r.toml"),
+        "--schedule",
+        "cosine",
+        "--warmup-steps",
+        "10",
+        "--max-grad-norm",
+        "1",
+        "--weight-decay",
+        "0.1",
+    )
     assert code == 0, err
-    assert recipe_constant(tmp_path / "c.py") == Recipe(optimizer="sgd", lr=0.1, momentum=0.9, decay_all=True,
-                                                        schedule="cosine", min_lr_ratio=0.1, warmup_steps=10,
-                                                        max_grad_norm=1.0, weight_decay=0.1)
+    assert recipe_constant(tmp_path / "c.py") == Recipe(
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.9,
+        decay_all=True,
+        schedule="cosine",
+        min_lr_ratio=0.1,
+        warmup_steps=10,
+        max_grad_norm=1.0,
+        weight_decay=0.1,
+    )
     started = []
-    monkeypatch.setattr(autoshard.launch, "run_torchrun",
-                        lambda program, ranks, args, **kw: started.append(args) or subprocess.CompletedProcess([], 0))
+    monkeypatch.setattr(
+        autoshard.launch,
+        "run_torchrun",
+        lambda program, ranks, args, **kw: started.append(args) or subprocess.CompletedProcess([], 0),
+    )
     code, _, _ = run_cli(capsys, "run", str(plan), "--steps", "1", "--lr", "3e-4", "--program", str(tmp_path / "t.py"))
     assert code == 0 and "--lr" not in started[0]  # the constant is the record
     assert recipe_constant(tmp_path / "t.py") == Recipe(lr=3e-4) and not Recipe().decay_all
     (tmp_path / "bad.yaml").write_text("training:\n  schedule: step\n")
-    for flags, says in [(["--lr", "-1"], "--lr -1.0: lr = -1.0 is not valid"),
-                        (["--max-grad-norm", "0"], "--max-grad-norm 0.0: max_grad_norm = 0.0 is not valid"),
-                        (["--schedule", "step"], "argument --schedule: invalid choice: 'step'"),
-                        (["--recipe", str(tmp_path / "bad.yaml")], "schedule = 'step' is not valid")]:
+    for flags, says in [
+        (["--lr", "-1"], "--lr -1.0: lr = -1.0 is not valid"),
+        (["--max-grad-norm", "0"], "--max-grad-norm 0.0: max_grad_norm = 0.0 is not valid"),
+        (["--schedule", "step"], "argument --schedule: invalid choice: 'step'"),
+        (["--recipe", str(tmp_path / "bad.yaml")], "schedule = 'step' is not valid"),
+    ]:
         code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "x.py"), *flags)
         assert code == 2 and says in err and err.count("\n") == 1, err
         assert not (tmp_path / "x.py").exists()
@@ -306,19 +501,37 @@ def test_hf_folder_of_a_model_that_is_no_causal_lm_is_refused_in_one_line(in_rep
 def test_hf_folder_plans_compiles_and_names_its_folder(in_repo, capsys, tmp_path):
     import transformers
 
-    transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16
-                             ).save_pretrained(tmp_path / "qwen")
+    transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    ).save_pretrained(tmp_path / "qwen")
     plan = tmp_path / "p.json"
-    code, out, _ = run_cli(capsys, "plan", f"hf:{tmp_path / 'qwen'}", "--cluster", "local-cpu", "--devices-per-node",
-                           "2", "--global-batch", "8", "-o", str(plan))
+    code, out, _ = run_cli(
+        capsys,
+        "plan",
+        f"hf:{tmp_path / 'qwen'}",
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "-o",
+        str(plan),
+    )
     assert code == 0 and "2 blocks" in out
     saved = json.loads(plan.read_text())["model"]
     assert saved["tokens_per_sample"] == 16  # the model's positions, below the default 2048
     code, _, _ = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "train.py"))
     assert code == 0 and f"MODEL = 'hf:{tmp_path / 'qwen'}'" in (tmp_path / "train.py").read_text()
-    (tmp_path / "qwen" / "config.json").write_text((tmp_path / "qwen" / "config.json").read_text().replace(
-        '"num_hidden_layers": 2', '"num_hidden_layers": 3'))
+    (tmp_path / "qwen" / "config.json").write_text(
+        (tmp_path / "qwen" / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
+    )
     code, _, err = run_cli(capsys, "compile", str(plan), "-o", str(tmp_path / "train.py"))
     assert code == 2 and "is not the model this plan was made for" in err  # the config's bytes are checked
 
@@ -330,8 +543,15 @@ def test_hf_folder_of_a_bf16_config_builds_fp32_weights(tmp_path):
 
     from autoshard.modelfile import load_model_file
 
-    transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, max_position_embeddings=8, dtype="bfloat16").save_pretrained(tmp_path)
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        dtype="bfloat16",
+    ).save_pretrained(tmp_path)
     assert '"bfloat16"' in (tmp_path / "config.json").read_text()
     model = load_model_file(f"hf:{tmp_path}").build("meta")
     assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -16,14 +16,17 @@ def test_ring_traffic_64mib_over_8():
     assert comm.ring_allreduce_bytes_per_rank(64 * MiB, 8) == 112 * MiB
 
 
-@pytest.mark.parametrize("size_bytes, link, expected_s", [
-    (64 * MiB, NVLINK_BOTH_WAYS, 0.13e-3),
-    (64 * MiB, NIC, 2.35e-3),
-    (25 * MiB, NVLINK_BOTH_WAYS, 0.051e-3),
-    (25 * MiB, NIC, 0.92e-3),
-    (2e9, NVLINK_BOTH_WAYS, 3.9e-3),
-    (2e9, NIC, 70e-3),
-])
+@pytest.mark.parametrize(
+    "size_bytes, link, expected_s",
+    [
+        (64 * MiB, NVLINK_BOTH_WAYS, 0.13e-3),
+        (64 * MiB, NIC, 2.35e-3),
+        (25 * MiB, NVLINK_BOTH_WAYS, 0.051e-3),
+        (25 * MiB, NIC, 0.92e-3),
+        (2e9, NVLINK_BOTH_WAYS, 3.9e-3),
+        (2e9, NIC, 70e-3),
+    ],
+)
 def test_worked_examples(size_bytes, link, expected_s):
     for f in (comm.ring_allreduce_s, comm.tree_allreduce_s, comm.allreduce_s):
         assert f(size_bytes, 8, link) == pytest.approx(expected_s, rel=0.03)
@@ -33,8 +36,14 @@ def test_worked_examples(size_bytes, link, expected_s):
 
 def test_one_rank_is_free():
     link = LinkSpec(1.0, 10.0, "t")
-    for f in (comm.ring_allreduce_s, comm.tree_allreduce_s, comm.allreduce_s, comm.reduce_scatter_s,
-              comm.all_gather_s, comm.broadcast_s):
+    for f in (
+        comm.ring_allreduce_s,
+        comm.tree_allreduce_s,
+        comm.allreduce_s,
+        comm.reduce_scatter_s,
+        comm.all_gather_s,
+        comm.broadcast_s,
+    ):
         assert f(1e9, 1, link) == 0.0
     assert comm.hierarchical_allreduce_s(1e9, 1, 1, link, link) == 0.0
 
@@ -97,9 +106,11 @@ def test_bad_collective_entries_are_one_line():
     from autoshard.ir.topology import Cluster
 
     d = __import__("autoshard.cost.hardware", fromlist=["x"]).load_cluster("local-cpu").to_dict()
-    for bad, message in [({"all_to_none": {"latency_us": 1, "bandwidth_gbps": 1}}, "unknown collective"),
-                         ({"p2p": {"latency_us": -1, "bandwidth_gbps": 1}}, "latency_us must be >= 0"),
-                         ({"p2p": {"latency_us": 1}}, "must be {latency_us, bandwidth_gbps}")]:
+    for bad, message in [
+        ({"all_to_none": {"latency_us": 1, "bandwidth_gbps": 1}}, "unknown collective"),
+        ({"p2p": {"latency_us": -1, "bandwidth_gbps": 1}}, "latency_us must be >= 0"),
+        ({"p2p": {"latency_us": 1}}, "must be {latency_us, bandwidth_gbps}"),
+    ]:
         d["intra_node"] = {**d["intra_node"], "collectives": bad}
         with pytest.raises(AutoshardError, match=message) as info:
             Cluster.from_dict(d)

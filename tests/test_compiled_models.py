@@ -25,8 +25,10 @@ def test_a_compiled_model_plans_as_the_module_it_compiles(in_repo, fresh_notes, 
     assert main(["plan", f"{SPEC}:build", *PLAN, "--tp", "2", "--json"]) == 0
     out, err = capfd.readouterr()
     assert "Traceback" not in err and "error" not in err
-    assert (f"note: {SPEC}:build: the factory returned torch.compile(model); autoshard plans and runs the module "
-            f"it compiles (model._orig_mod)") in err
+    assert (
+        f"note: {SPEC}:build: the factory returned torch.compile(model); autoshard plans and runs the module "
+        f"it compiles (model._orig_mod)"
+    ) in err
     assert err.count("note:") == 1
     plan = json.loads(out)
     assert plan["decisions"]["mesh"]["tp"] == 2 and "_orig_mod" not in out

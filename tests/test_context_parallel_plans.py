@@ -66,19 +66,34 @@ def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long):
     _, graph = llama_long
     tables = CostTables(graph, load_cluster("dgx-h100", nodes=1))
     cp = 4
-    config = Decisions(mesh=Mesh(dp=2, tp=1, pp=1, cp=cp), zero_stage=3, microbatch_size=1, num_microbatches=1,
-                       recompute="full")
+    config = Decisions(
+        mesh=Mesh(dp=2, tp=1, pp=1, cp=cp), zero_stage=3, microbatch_size=1, num_microbatches=1, recompute="full"
+    )
     parts, equivalent = price_parts(tables, config), price_parts(tables, cp_equivalent(config))
     assert parts.memory == equivalent.memory and parts.dp_comm_total_s == equivalent.dp_comm_total_s
     ring = ring_cost(tables, config)
     assert parts.forward_s == pytest.approx(equivalent.forward_s + ring.forward_extra_s)
     assert parts.cp_comm_s == ring.exposed_s >= 0
-    whole = node_forward_s(graph, 1, tables.cluster.device, tables.precision.activation_bytes, CAPTURED_ELEM_BYTES,
-                           tables.runtime.attention, tables.runtime.kernels)
+    whole = node_forward_s(
+        graph,
+        1,
+        tables.cluster.device,
+        tables.precision.activation_bytes,
+        CAPTURED_ELEM_BYTES,
+        tables.runtime.attention,
+        tables.runtime.kernels,
+    )
     attention_whole = sum(whole[i] for i, n in attention_nodes(graph))
     assert all(n.attrs.get("is_causal") for _, n in attention_nodes(graph))
-    share = node_forward_s(graph, 1 / cp, tables.cluster.device, tables.precision.activation_bytes,
-                           CAPTURED_ELEM_BYTES, tables.runtime.attention, tables.runtime.kernels)
+    share = node_forward_s(
+        graph,
+        1 / cp,
+        tables.cluster.device,
+        tables.precision.activation_bytes,
+        CAPTURED_ELEM_BYTES,
+        tables.runtime.attention,
+        tables.runtime.kernels,
+    )
     attention_rank = sum(share[i] for i, n in attention_nodes(graph)) + ring.forward_extra_s
     assert attention_rank == pytest.approx(attention_whole * (2 * cp - 1) / cp**2, rel=1e-6)
 
@@ -135,8 +150,10 @@ def test_seq_len_is_handed_to_example_batch_and_recorded(in_repo, tmp_path):
     inputs, targets = model_file.example_batch(2)
     assert inputs[0].shape == (2, 32) and targets.shape == (2, 32)
     path = tmp_path / "fixed.py"
-    path.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n\n"
-                    "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n")
+    path.write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n\n"
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n"
+    )
     with pytest.raises(AutoshardError, match="example_batch takes no seq_len"):
         load_model_file(f"{path}:build", seq_len=8).example_batch(2)
     with pytest.raises(AutoshardError, match="--seq-len 0 must be a positive integer"):

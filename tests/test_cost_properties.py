@@ -43,14 +43,21 @@ degrees = st.integers(1, 4096)
 
 
 @fast(150)
-@given(params=st.integers(1, 10**13), s=st.tuples(stages, stages), d=st.tuples(degrees, degrees),
-       precision=st.sampled_from(PRECISIONS))
+@given(
+    params=st.integers(1, 10**13),
+    s=st.tuples(stages, stages),
+    d=st.tuples(degrees, degrees),
+    precision=st.sampled_from(PRECISIONS),
+)
 def test_zero_state_never_rises_with_stage_or_dp(params, s, d, precision):
     """Any higher stage, any larger dp: weights, gradients and optimizer state each no larger."""
     (lo_s, hi_s), (lo_d, hi_d) = sorted(s), sorted(d)
     here = model_state_bytes(params, lo_s, lo_d, precision)
-    for there in (model_state_bytes(params, hi_s, lo_d, precision), model_state_bytes(params, lo_s, hi_d, precision),
-                  model_state_bytes(params, hi_s, hi_d, precision)):
+    for there in (
+        model_state_bytes(params, hi_s, lo_d, precision),
+        model_state_bytes(params, lo_s, hi_d, precision),
+        model_state_bytes(params, hi_s, hi_d, precision),
+    ):
         assert all(a <= b for a, b in zip(there, here))
 
 
@@ -64,15 +71,23 @@ def test_zero_ends(params, dp, precision):
 
 
 @fast(200)
-@given(s=st.tuples(stages, stages), d=st.tuples(degrees, degrees), pp=st.integers(2, 8),
-       precision=st.sampled_from(PRECISIONS))
+@given(
+    s=st.tuples(stages, stages),
+    d=st.tuples(degrees, degrees),
+    pp=st.integers(2, 8),
+    precision=st.sampled_from(PRECISIONS),
+)
 def test_pipeline_stage_state_per_param_never_rises_with_stage_or_dp(s, d, pp, precision):
     """``rank_memory.state_bytes_per_param`` (FSDP on a stage: unsharded gradients and ZeRO-3 weights all step)."""
     (lo_s, hi_s), (lo_d, hi_d) = sorted(s), sorted(d)
 
     def per_param(zero, dp):
-        return state_bytes_per_param(precision, Decisions(mesh=Mesh(dp=dp, pp=pp), zero_stage=zero, microbatch_size=1,
-                                                       num_microbatches=pp, schedule="1f1b"))
+        return state_bytes_per_param(
+            precision,
+            Decisions(
+                mesh=Mesh(dp=dp, pp=pp), zero_stage=zero, microbatch_size=1, num_microbatches=pp, schedule="1f1b"
+            ),
+        )
 
     here = per_param(lo_s, lo_d)
     assert per_param(hi_s, lo_d) <= here * (1 + 1e-12)
@@ -170,7 +185,7 @@ GPT_CONFIGS = {  # small examples/gpt.py configurations; 4 heads so that tp ∈ 
     "gpt_2x32": dict(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64),
     "gpt_3x48": dict(n_layer=3, n_embd=48, n_head=4, block_size=24, vocab_size=96),
 }
-MODEL_FILE = '''\
+MODEL_FILE = """\
 import sys
 sys.path.insert(0, {examples!r})
 import gpt
@@ -184,7 +199,7 @@ def build():
 
 def example_batch(batch_size):
     return gpt.example_batch(batch_size, seq_len={seq}, vocab_size={vocab})
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +209,11 @@ def graphs(tmp_path_factory):
     specs = {"mlp": f"{ROOT / 'tests/models/mlp.py'}:build", "gpt": f"{ROOT / 'examples/gpt.py'}:build"}
     for name, config in GPT_CONFIGS.items():
         path = folder / f"{name}.py"
-        path.write_text(MODEL_FILE.format(examples=str(ROOT / "examples"), config=config,
-                                          seq=config["block_size"], vocab=config["vocab_size"]))
+        path.write_text(
+            MODEL_FILE.format(
+                examples=str(ROOT / "examples"), config=config, seq=config["block_size"], vocab=config["vocab_size"]
+            )
+        )
         specs[name] = f"{path}:build"
     return {name: capture_graph(spec, use_cache=True)[1] for name, spec in specs.items()}
 
@@ -211,8 +229,11 @@ def non_increasing(values) -> bool:
 
 
 @fast(60)
-@given(name=st.sampled_from(["mlp", "gpt", "gpt_2x32", "gpt_3x48"]), b=st.integers(1, 256),
-       precision=st.sampled_from(PRECISIONS))
+@given(
+    name=st.sampled_from(["mlp", "gpt", "gpt_2x32", "gpt_3x48"]),
+    b=st.integers(1, 256),
+    precision=st.sampled_from(PRECISIONS),
+)
 def test_more_recompute_never_raises_activation_memory(graphs, name, b, precision):
     """none ≥ selective ≥ full (``memory.activation_bytes``) on real captured graphs, and the per-unit
     split (``units.unit_costs``) adds up to the same figure in every mode."""
@@ -221,7 +242,9 @@ def test_more_recompute_never_raises_activation_memory(graphs, name, b, precisio
     assert non_increasing(acts), dict(zip(RECOMPUTE, acts))
     for r, whole in zip(RECOMPUTE, acts):
         units = unit_costs(graph, b, r, H100.device, precision.activation_bytes)
-        assert sum(units.saved_bytes) + max(units.workspace_bytes) == pytest.approx(whole, abs=len(units.saved_bytes) + 1)
+        assert sum(units.saved_bytes) + max(units.workspace_bytes) == pytest.approx(
+            whole, abs=len(units.saved_bytes) + 1
+        )
 
 
 @fast(60)
@@ -233,8 +256,12 @@ def test_more_recompute_never_saves_time(graphs, name, b):
 
 
 @fast(25)
-@given(name=st.sampled_from(["gpt", "gpt_2x32", "gpt_3x48"]), b=st.integers(1, 8), tp=st.sampled_from([1, 2, 4]),
-       zero=st.sampled_from([0, 2, 3]))
+@given(
+    name=st.sampled_from(["gpt", "gpt_2x32", "gpt_3x48"]),
+    b=st.integers(1, 8),
+    tp=st.sampled_from([1, 2, 4]),
+    zero=st.sampled_from([0, 2, 3]),
+)
 def test_more_recompute_never_raises_priced_activations(tables, name, b, tp, zero):
     """The planner's per-rank activations and peak (``rank_memory.memory_spmd``) with TP over 1, 2, 4 ranks of
     a dgx-h100 node: none ≥ selective ≥ full; the optimizer state does not depend on recompute (the gradients

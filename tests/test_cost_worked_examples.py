@@ -69,9 +69,15 @@ def test_2gb_is_1b_bf16_params():
     assert comm.allreduce_s(grads, 8, LinkSpec(50.0, 0.0, "t")) == pytest.approx(70e-3, rel=0.03)
 
 
-@pytest.mark.parametrize("size_bytes, measured_gbps", [
-    (1 * MiB, 72.0), (128 * MiB, 411.0), (1 * GiB, 464.0), (16 * GiB, 481.0),
-])
+@pytest.mark.parametrize(
+    "size_bytes, measured_gbps",
+    [
+        (1 * MiB, 72.0),
+        (128 * MiB, 411.0),
+        (1 * GiB, 464.0),
+        (16 * GiB, 481.0),
+    ],
+)
 def test_nccl_tests_8xh200_busbw_on_the_nvlink4_preset(size_bytes, measured_gbps):
     """docs/reference-numbers.md, Hardware: nccl-tests all-reduce on 8×H200 in one node (NVLink 4, as the dgx-h100
     preset's intra-node link): busbw 1 MiB 72, 128 MiB 411, 1 GiB 464, 16 GiB 481 GB/s; the model
@@ -80,8 +86,12 @@ def test_nccl_tests_8xh200_busbw_on_the_nvlink4_preset(size_bytes, measured_gbps
     assert busbw_gbps(size_bytes, 8, t) == pytest.approx(measured_gbps, rel=0.2)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="alpha-beta gap: at 16 MiB the model's busbw is 353 GB/s against the "
-                   "measured 242 (+46 %); NCCL's protocol and channel ramp-up is not in α + S/B")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="alpha-beta gap: at 16 MiB the model's busbw is 353 GB/s against the "
+    "measured 242 (+46 %); NCCL's protocol and channel ramp-up is not in α + S/B",
+)
 def test_nccl_tests_8xh200_busbw_16mib():
     """docs/reference-numbers.md, Hardware: 8×H200 all-reduce busbw at 16 MiB is 242 GB/s."""
     t = comm.allreduce_s(16 * MiB, 8, H100.intra_node)
@@ -106,9 +116,13 @@ def test_nccl_tests_32_a100_8_byte_latency_as_the_planner_prices_it():
     assert a100_dp32_allreduce_s(8) == pytest.approx(56.5e-6, rel=0.1)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="two-level gap: dp_collective_s picks the hierarchical form on 4 DGX A100 "
-                   "nodes, 82 µs for 1 MiB against the measured 143 µs (−43 %; the flat fit gives 141 µs); "
-                   "cost/dp_comm.py's choice or the latency terms would need to change")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="two-level gap: dp_collective_s picks the hierarchical form on 4 DGX A100 "
+    "nodes, 82 µs for 1 MiB against the measured 143 µs (−43 %; the flat fit gives 141 µs); "
+    "cost/dp_comm.py's choice or the latency terms would need to change",
+)
 def test_nccl_tests_32_a100_1mib_as_the_planner_prices_it():
     """docs/reference-numbers.md, Hardware: all-reduce of 1 MiB over 32 A100 ranks on HDR IB takes 143 µs."""
     assert a100_dp32_allreduce_s(MiB) == pytest.approx(143e-6, rel=0.2)
@@ -120,9 +134,13 @@ def test_nccl_tests_32_a100_8gib_busbw_as_the_planner_prices_it():
     assert busbw_gbps(8 * GiB, 32, a100_dp32_allreduce_s(8 * GiB)) == pytest.approx(116.0, rel=0.2)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="two-level gap: dp_collective_s gives busbw 125 GB/s at 128 MiB "
-                   "against the measured 99 (+27 %); the flat ring on the 25 GB/s NIC share gives 25, far below: "
-                   "neither form matches NCCL's multi-channel rings over 8 NICs at mid sizes")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="two-level gap: dp_collective_s gives busbw 125 GB/s at 128 MiB "
+    "against the measured 99 (+27 %); the flat ring on the 25 GB/s NIC share gives 25, far below: "
+    "neither form matches NCCL's multi-channel rings over 8 NICs at mid sizes",
+)
 def test_nccl_tests_32_a100_128mib_busbw_as_the_planner_prices_it():
     """docs/reference-numbers.md, Hardware: all-reduce of 128 MiB over 32 A100 ranks on HDR IB: busbw 99 GB/s."""
     assert busbw_gbps(128 * MiB, 32, a100_dp32_allreduce_s(128 * MiB)) == pytest.approx(99.0, rel=0.2)
@@ -256,8 +274,18 @@ def test_forward_only_utilization(p, m):
     assert busy / (p * forward_slots) == pytest.approx(m / (m + p - 1))
 
 
-@pytest.mark.parametrize("schedule, v, m", [("1f1b", 1, 1), ("1f1b", 1, 2), ("1f1b", 1, 8), ("gpipe", 1, 1),
-                                            ("gpipe", 1, 4), ("interleaved-1f1b", 2, 4), ("interleaved-1f1b", 2, 8)])
+@pytest.mark.parametrize(
+    "schedule, v, m",
+    [
+        ("1f1b", 1, 1),
+        ("1f1b", 1, 2),
+        ("1f1b", 1, 8),
+        ("gpipe", 1, 1),
+        ("gpipe", 1, 4),
+        ("interleaved-1f1b", 2, 4),
+        ("interleaved-1f1b", 2, 8),
+    ],
+)
 def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m):
     """The priced pipeline (``step.price``, pp = 2 on the 4-block MLP, unequal ranks: the second
     also receives the boundary) against the schedule run with each rank's priced time per
@@ -266,8 +294,9 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
     rank's pace (the search's lower bound) and at the slowest rank's."""
     p = 2
     cluster = load_cluster("local-cpu", devices_per_node=p)
-    config = Decisions(mesh=Mesh(pp=p), zero_stage=0, microbatch_size=1, num_microbatches=m, schedule=schedule,
-                    virtual_stages=v)
+    config = Decisions(
+        mesh=Mesh(pp=p), zero_stage=0, microbatch_size=1, num_microbatches=m, schedule=schedule, virtual_stages=v
+    )
     cuts = (2,) if v == 1 else (1, 2, 3)
     tables = CostTables(mlp_graph, cluster)
     predicted = price(mlp_graph, cluster, config, global_batch=m, tables=tables, cuts=cuts)
@@ -276,8 +305,11 @@ def test_priced_pipeline_step_against_a_timed_schedule(mlp_graph, schedule, v, m
     pipelined_s = m * max(times) + predicted.bubble_s
     if v == 1:
         timed_s = makespan_s(rank_orders(schedule, p, m), p, [t / 3 for t in times], [2 * t / 3 for t in times])
-        assert pipelined_s == pytest.approx(timed_s) if schedule == "gpipe" else \
-            timed_s * (1 - 1e-9) <= pipelined_s <= 1.25 * timed_s
+        assert (
+            pipelined_s == pytest.approx(timed_s)
+            if schedule == "gpipe"
+            else timed_s * (1 - 1e-9) <= pipelined_s <= 1.25 * timed_s
+        )
     else:
         mean = sum(times) / p
         assert (m + (p - 1) / v) * mean <= pipelined_s <= (m + (p - 1) / v) * max(times)
@@ -303,8 +335,9 @@ def test_fill_and_drain_bubble_bounds_timed_schedules(schedule, p, m):
 SHARED = str(ROOT / "tests/clusters/cpu4_shared_cores.yaml")  # 4 gloo ranks calibrated on 2 cores
 
 
-@pytest.mark.parametrize("schedule, pp, v, m", [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 4),
-                                                 ("interleaved-1f1b", 2, 2, 4)])
+@pytest.mark.parametrize(
+    "schedule, pp, v, m", [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 4), ("interleaved-1f1b", 2, 2, 4)]
+)
 def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(gpt_graph, schedule, pp, v, m):
     """4 ranks calibrated on 2 cores (``host.shared_cores`` 2): the pipelined part of the step is the
     schedule run with processor sharing on the stages' priced work and waits, shorter than the same
@@ -312,8 +345,14 @@ def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(g
     shared = load_cluster(SHARED)
     alone = replace(shared, host=replace(shared.host, shared_cores=0.0))
     dp = 4 // pp
-    config = Decisions(mesh=Mesh(dp=dp, pp=pp), zero_stage=0, microbatch_size=8 // dp // m, num_microbatches=m,
-                    schedule=schedule, virtual_stages=v)
+    config = Decisions(
+        mesh=Mesh(dp=dp, pp=pp),
+        zero_stage=0,
+        microbatch_size=8 // dp // m,
+        num_microbatches=m,
+        schedule=schedule,
+        virtual_stages=v,
+    )
     cuts = tuple(round(len(gpt_graph.blocks) * k / (pp * v)) for k in range(1, pp * v))
     tables = CostTables(gpt_graph, shared)
     loads = rank_loads(tables, config, cuts)
@@ -322,8 +361,9 @@ def test_pipelines_on_shared_cores_are_the_schedule_run_with_processor_sharing(g
         mine = range(r, pp * v, pp)
         assert sum(forward[s] + backward[s] for s in mine) == pytest.approx(load.compute_s)
         assert sum(forward_wait[s] + backward_wait[s] for s in mine) == pytest.approx(load.p2p_s + load.tp_comm_s)
-    span = shared_makespan_s(rank_orders(schedule, pp, m, v), pp * v, forward, backward, dp, 2.0,
-                             forward_wait, backward_wait)
+    span = shared_makespan_s(
+        rank_orders(schedule, pp, m, v), pp * v, forward, backward, dp, 2.0, forward_wait, backward_wait
+    )
     sharing = price(gpt_graph, shared, config, global_batch=8, tables=tables, cuts=cuts)
     assert sharing.bubble_s == pytest.approx(span - m * max(load.time_s for load in loads), rel=1e-12)
     unshared = price(gpt_graph, alone, config, global_batch=8, cuts=cuts)

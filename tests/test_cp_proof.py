@@ -45,8 +45,9 @@ def test_a_capture_below_the_searched_length_defers_the_proof_and_refuses_every_
     _, graph = capture_front("examples/gpt.py:build", [], True, False)
     assert proof_deferred(graph) and graph.cp_proofs == {"*": DEFERRED}
     assert "fix: pin --cp N" in cp_refusal(graph, 2)
-    plan = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", devices_per_node=2, global_batch=4, cp=2,
-                          cache=False)
+    plan = autoshard.plan(
+        "examples/gpt.py:build", cluster="local-cpu", devices_per_node=2, global_batch=4, cp=2, cache=False
+    )
     assert plan.mesh.cp == 2  # pinned: proven, then planned
 
 
@@ -70,12 +71,15 @@ def test_models_that_work_token_by_token_are_proven(in_repo, spec):
     assert cp_refusal(graph, 2) is None and cp_refusal(graph, 4) is None
 
 
-@pytest.mark.parametrize("factory, reason", [
-    ("build_mean_pool", "mean in the root reduces over the sequence (dim 1 of [2, t, 32])"),
-    ("build_pooler", "select in the root takes some of the tokens (dim 1 of [2, t, 32])"),
-    ("build_causal_conv", "conv1d in conv has a dim of t + 3 where the sequence has t tokens"),
-    ("build_cumsum_positions", "cumsum in the root accumulates along the sequence (dim 1 of [2, t])"),
-])
+@pytest.mark.parametrize(
+    "factory, reason",
+    [
+        ("build_mean_pool", "mean in the root reduces over the sequence (dim 1 of [2, t, 32])"),
+        ("build_pooler", "select in the root takes some of the tokens (dim 1 of [2, t, 32])"),
+        ("build_causal_conv", "conv1d in conv has a dim of t + 3 where the sequence has t tokens"),
+        ("build_cumsum_positions", "cumsum in the root accumulates along the sequence (dim 1 of [2, t])"),
+    ],
+)
 def test_ops_that_mix_tokens_are_refused_with_the_op(in_repo, factory, reason):
     graph = proven(f"{CASES}:{factory}")
     assert graph.cp_proofs == {"*": reason}
@@ -93,8 +97,9 @@ def test_a_label_shift_inside_the_model_is_refused_at_each_degree(in_repo):
 def test_a_position_table_sliced_by_length_is_refused(in_repo):
     """``table[:s]``: each rank would take the first rank's rows."""
     graph = proven(f"{CASES}:build_position_table")
-    assert graph.cp_proofs["*"].startswith("slice in the root slices 16 rows out of a tensor that does not carry "
-                                           "the sequence ([t, 32] on a cp rank")
+    assert graph.cp_proofs["*"].startswith(
+        "slice in the root slices 16 rows out of a tensor that does not carry the sequence ([t, 32] on a cp rank"
+    )
     assert cp_refusal(graph, 2) == graph.cp_proofs["*"]
 
 
@@ -103,8 +108,9 @@ def test_a_table_taken_on_the_local_length_is_refused_at_every_degree(in_repo):
     tokens, and on those the same code slices the table: another path, at every degree."""
     graph = proven(f"{CASES}:build_position_branch", seq_len=16)
     why = graph.cp_proofs["*"]
-    assert why.startswith("the model's code takes another path on t tokens: slice in the root where the captured "
-                          "graph has arange")
+    assert why.startswith(
+        "the model's code takes another path on t tokens: slice in the root where the captured graph has arange"
+    )
     assert cp_refusal(graph, 2) == why and cp_refusal(graph, 4) == why
 
 
@@ -122,8 +128,10 @@ def test_a_branch_on_the_length_is_proven_degree_by_degree(in_repo):
 
 def test_bert_is_refused_for_its_padding_mask(in_repo):
     why = cp_refusal(proven("tests/models/hf_bert.py:build"), 2)
-    assert why == ("scaled_dot_product_attention in bert.encoder.layer.0.attention.self takes a mask computed from "
-                   "the model input attention_mask (a padding mask?), which the ring cannot split along the sequence")
+    assert why == (
+        "scaled_dot_product_attention in bert.encoder.layer.0.attention.self takes a mask computed from "
+        "the model input attention_mask (a padding mask?), which the ring cannot split along the sequence"
+    )
 
 
 def test_attention_dropout_is_refused(in_repo):

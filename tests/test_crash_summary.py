@@ -37,8 +37,11 @@ LINEAR = (TORCH, 3, "linear", "return op()")
 def test_an_empty_message_still_names_the_type_the_last_frame_and_the_model_line():
     stack = _stack(PROGRAM, MAIN, APPLY, MODEL, LINEAR)
     lines = summarize_crash(stack, "RuntimeError: ", ["/job/my_model.py"])
-    assert lines == ["RuntimeError (empty message)", "at torch/nn/functional.py:3 in linear: return op()",
-                     "model file: /job/my_model.py:12 in forward: h = F.linear(x, self.w)"]
+    assert lines == [
+        "RuntimeError (empty message)",
+        "at torch/nn/functional.py:3 in linear: return op()",
+        "model file: /job/my_model.py:12 in forward: h = F.linear(x, self.w)",
+    ]
 
 
 def test_the_model_file_is_found_without_the_ranks_list():
@@ -49,25 +52,33 @@ def test_the_model_file_is_found_without_the_ranks_list():
     no_model = _stack(PROGRAM, MAIN, APPLY, LINEAR)
     lines = summarize_crash(no_model, model_files=["/job/my_model.py"])  # no model frame: the last one of autoshard
     assert lines[:2] == ["RuntimeError (empty message)", "at torch/nn/functional.py:3 in linear: return op()"]
-    assert lines[2].startswith("from ") and lines[2].endswith("autoshard/runtime/parallel.py:40 in apply: return module(x)")
+    assert lines[2].startswith("from ") and lines[2].endswith(
+        "autoshard/runtime/parallel.py:40 in apply: return module(x)"
+    )
 
 
 def test_a_frame_in_the_model_file_that_raised_is_the_last_frame_once():
     stack = _stack(PROGRAM, MAIN, ("/job/my_model.py", 12, "forward", "raise RuntimeError()"))
     assert summarize_crash(stack, "RuntimeError: ", ["/job/my_model.py"]) == [
-        "RuntimeError (empty message)", "at /job/my_model.py:12 in forward: raise RuntimeError()"]
+        "RuntimeError (empty message)",
+        "at /job/my_model.py:12 in forward: raise RuntimeError()",
+    ]
 
 
 def test_the_model_line_inside_a_pipeline_stage_comes_from_fx_original_traceback():
     """A stage's GraphModule runs the model's code, not its file: torch.fx quotes the model's line in the message."""
-    exception = ("RuntimeError: \n\nWhile executing %linear : call_function[target=aten.linear]\nOriginal traceback:\n"
-                 'File "/job/my_model.py", line 48, in forward\n    image = self.vision(pixel_values)\n'
-                 f'  File "{TORCH}", line 134, in forward\n    return F.linear(input, self.weight, self.bias)\n')
+    exception = (
+        "RuntimeError: \n\nWhile executing %linear : call_function[target=aten.linear]\nOriginal traceback:\n"
+        'File "/job/my_model.py", line 48, in forward\n    image = self.vision(pixel_values)\n'
+        f'  File "{TORCH}", line 134, in forward\n    return F.linear(input, self.weight, self.bias)\n'
+    )
     stack = _stack(PROGRAM, MAIN, APPLY, LINEAR, exception=exception)
     lines = summarize_crash(stack, "RuntimeError: ", ["/job/my_model.py"])
     assert lines[0] == "RuntimeError: While executing %linear : call_function[target=aten.linear]"
-    assert lines[1:] == ["at torch/nn/functional.py:3 in linear: return op()",
-                         "model file: /job/my_model.py:48 in forward: image = self.vision(pixel_values)"]
+    assert lines[1:] == [
+        "at torch/nn/functional.py:3 in linear: return op()",
+        "model file: /job/my_model.py:48 in forward: image = self.vision(pixel_values)",
+    ]
 
 
 def test_chained_exceptions_and_carets_summarise_the_last():
@@ -77,7 +88,10 @@ def test_chained_exceptions_and_carets_summarise_the_last():
     text = first + "\nDuring handling of the above exception, another exception occurred:\n\n" + second
     frames, _ = parse_traceback(text)
     assert [f.line for f in frames] == [90, 7] and frames[-1].source == "raise AssertionError"
-    assert summarize_crash(text) == ["AssertionError (empty message)", "at /job/my_model.py:7 in forward: raise AssertionError"]
+    assert summarize_crash(text) == [
+        "AssertionError (empty message)",
+        "at /job/my_model.py:7 in forward: raise AssertionError",
+    ]
 
 
 def test_without_a_traceback_the_type_comes_from_the_message():
@@ -87,22 +101,33 @@ def test_without_a_traceback_the_type_comes_from_the_message():
 
 
 def _failure(message: str, stack: str, **extra) -> SimpleNamespace:
-    return SimpleNamespace(timestamp=1, message={"message": message, "extraInfo": {"py_callstack": stack, **extra}},
-                           error_file_data={"message": 1}, exitcode=1)
+    return SimpleNamespace(
+        timestamp=1,
+        message={"message": message, "extraInfo": {"py_callstack": stack, **extra}},
+        error_file_data={"message": 1},
+        exitcode=1,
+    )
 
 
 def test_crash_block_of_an_empty_message():
     stack = _stack(PROGRAM, MAIN, MODEL, LINEAR)
     block = crash_block({0: _failure("RuntimeError: ", stack, model_files=["/job/my_model.py"])})
-    assert block.splitlines() == ["rank 0 failed: RuntimeError (empty message)",
-                                  "  at torch/nn/functional.py:3 in linear: return op()",
-                                  "  model file: /job/my_model.py:12 in forward: h = F.linear(x, self.w)"]
-    killed = SimpleNamespace(timestamp=1, message="Signal 9 (SIGKILL) received by PID 7", error_file_data={},
-                             exitcode=-9, signal_name=lambda: "SIGKILL")
+    assert block.splitlines() == [
+        "rank 0 failed: RuntimeError (empty message)",
+        "  at torch/nn/functional.py:3 in linear: return op()",
+        "  model file: /job/my_model.py:12 in forward: h = F.linear(x, self.w)",
+    ]
+    killed = SimpleNamespace(
+        timestamp=1,
+        message="Signal 9 (SIGKILL) received by PID 7",
+        error_file_data={},
+        exitcode=-9,
+        signal_name=lambda: "SIGKILL",
+    )
     assert crash_block({1: killed}) == "rank 1 failed: killed by signal SIGKILL (no Python exception)"
 
 
-MODEL_FILE = '''import torch
+MODEL_FILE = """import torch
 import torch.nn as nn
 
 
@@ -122,7 +147,7 @@ def build():
 
 def example_batch(batch_size):
     return (torch.randn(batch_size, 2),), torch.randn(batch_size, 2)
-'''
+"""
 
 
 @pytest.fixture
@@ -148,8 +173,12 @@ def test_a_rank_records_its_model_files_and_the_launcher_names_the_model_line(mo
         faults.record_for_torchrun(exc)
         stack = traceback.format_exc()
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
-    assert str(model_path.resolve()) in failure.message["extraInfo"][faults.MODEL_FILES_KEY]  # (and any this process loaded before)
+    assert (
+        str(model_path.resolve()) in failure.message["extraInfo"][faults.MODEL_FILES_KEY]
+    )  # (and any this process loaded before)
     block = crash_block({0: failure}).splitlines()
-    assert block == ["rank 0 failed: RuntimeError (empty message)",
-                     f"  at {model_path}:12 in forward: raise RuntimeError()"]
+    assert block == [
+        "rank 0 failed: RuntimeError (empty message)",
+        f"  at {model_path}:12 in forward: raise RuntimeError()",
+    ]
     assert parse_traceback(stack)[0][-1].line == 12

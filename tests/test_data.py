@@ -129,15 +129,20 @@ def test_a_pipeline_rank_with_neither_end_reads_nothing(gpt, tmp_path, monkeypat
     reads = []
     original = TokenFile.__getitem__
     monkeypatch.setattr(TokenFile, "__getitem__", lambda self, i: reads.append(i) or original(self, i))
-    middle = RankBatches(gpt, DataSource(str(path)), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=1, workers=0,
-                         reads=False)
+    middle = RankBatches(
+        gpt, DataSource(str(path)), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=1, workers=0, reads=False
+    )
     assert middle.loader is None and middle.take(0) == ((), None) and middle.take(7) == ((), None)
     assert middle.position(7) == reading.position(7) and reads == [0]  # sample 0: the check of its layout only
     monkeypatch.setattr(data, "global_batch", lambda *args: pytest.fail("a middle rank drew example_batch"))
     drawn = RankBatches(gpt, DataSource(), 8, 64, OneAxisMesh(2, 1), "dp", CPU, seed=0, reads=False)
-    assert drawn.take(3) == ((), None) and drawn.position(3) == {**reading.position(0), "dataset_length": 0,
-                                                                 "samples_consumed": 24, "epoch_samples": 24,
-                                                                 "seed": 0}
+    assert drawn.take(3) == ((), None) and drawn.position(3) == {
+        **reading.position(0),
+        "dataset_length": 0,
+        "samples_consumed": 24,
+        "epoch_samples": 24,
+        "seed": 0,
+    }
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -159,18 +164,29 @@ def test_a_stream_is_read_as_consecutive_global_batches_in_every_rank(gpt, tmp_p
     stream = Stream(10)  # 2 global batches of 4 per pass, 2 samples dropped
     ids = lambda batch: [int(row[0]) for row in batch[1]]  # noqa: E731
     reference = SampleStream(stream, 4)
-    assert [ids(collate(reference.batch(k))) for k in range(5)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3],
-                                                                     [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert [ids(collate(reference.batch(k))) for k in range(5)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [0, 1, 2, 3],
+    ]
     assert reference.epoch == 2 and ids(collate(reference.batch(1))) == [4, 5, 6, 7]  # back: a fresh first pass
-    ranks = [RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, r), "dp", CPU, seed=0, dataset=stream)
-             for r in range(2)]
+    ranks = [
+        RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, r), "dp", CPU, seed=0, dataset=stream) for r in range(2)
+    ]
     for step in range(4):
         together = [ids(rank.take(step)) for rank in ranks]
         assert together[0] + together[1] == ids(collate(SampleStream(stream, 4).batch(step)))
     resumed = RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 1), "dp", CPU, seed=0, dataset=stream)
     assert ids(resumed.take(3)) == [6, 7]
-    assert ranks[1].position(3) == {"epoch": 0, "epoch_samples": 12, "samples_consumed": 12, "dataset_length": -1,
-                                    "seed": 0}
+    assert ranks[1].position(3) == {
+        "epoch": 0,
+        "epoch_samples": 12,
+        "samples_consumed": 12,
+        "dataset_length": -1,
+        "seed": 0,
+    }
     with pytest.raises(AutoshardError, match="gave 3 samples in a pass, fewer than one global batch of 4"):
         RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(3)).take(0)
     with pytest.raises(AutoshardError, match=r"a generator, an iterator \(its __iter__ returns itself"):
@@ -178,9 +194,11 @@ def test_a_stream_is_read_as_consecutive_global_batches_in_every_rank(gpt, tmp_p
     with pytest.raises(AutoshardError, match="yields no sample"):
         RankBatches(gpt, DataSource(), 4, 64, OneAxisMesh(2, 0), "dp", CPU, seed=0, dataset=Stream(0))
     model_file = tmp_path / "streamed.py"
-    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-                          f"from gpt import build, example_batch, loss_fn\n"
-                          f"from tests.test_data import Stream\n\ndef dataset(seq_len):\n    return Stream(10)\n")
+    model_file.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        f"from gpt import build, example_batch, loss_fn\n"
+        f"from tests.test_data import Stream\n\ndef dataset(seq_len):\n    return Stream(10)\n"
+    )
     batch_of = global_batches(load_model_file(f"{model_file}:build"), DataSource(), 4, 0, 64, dp=2)
     assert [ids(batch_of(k)) for k in (0, 1, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
 
@@ -200,13 +218,16 @@ def plan_here(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: token_file(d, np.arange(300) % 280), "token id 279 is past the model's vocabulary of 256"),
-    (lambda d: token_file(d, np.arange(301) + 70_000, np.int32), "token id 4764 is past"),  # int32 read as uint16
-    (lambda d: token_file(d, np.arange(30), np.uint16), "fewer than one sample needs (64 + 1)"),
-    (lambda d: (d / "odd.bin").write_bytes(b"\0" * 301) and d / "odd.bin", "not a whole number of uint16 tokens"),
-    (lambda d: d / "missing.bin", "no such file"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: token_file(d, np.arange(300) % 280), "token id 279 is past the model's vocabulary of 256"),
+        (lambda d: token_file(d, np.arange(301) + 70_000, np.int32), "token id 4764 is past"),  # int32 read as uint16
+        (lambda d: token_file(d, np.arange(30), np.uint16), "fewer than one sample needs (64 + 1)"),
+        (lambda d: (d / "odd.bin").write_bytes(b"\0" * 301) and d / "odd.bin", "not a whole number of uint16 tokens"),
+        (lambda d: d / "missing.bin", "no such file"),
+    ],
+)
 def test_a_token_file_the_model_cannot_read_is_refused_before_launch(plan_here, capsys, monkeypatch, make, message):
     monkeypatch.chdir(ROOT)
     path = make(plan_here)
@@ -219,8 +240,11 @@ def test_a_token_file_the_model_cannot_read_is_refused_before_launch(plan_here, 
 def test_a_model_that_takes_no_token_ids_refuses_a_token_file(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     mlp = load_model_file("tests/models/mlp.py:build")
-    with pytest.raises(AutoshardError, match=r"a sample is \(inputs \(int64 \[64\],\), target int64 \[64\]\) but one "
-                                             r"row of example_batch is \(inputs \(float32"):
+    with pytest.raises(
+        AutoshardError,
+        match=r"a sample is \(inputs \(int64 \[64\],\), target int64 \[64\]\) but one "
+        r"row of example_batch is \(inputs \(float32",
+    ):
         open_dataset(mlp, DataSource(str(token_file(tmp_path, np.arange(200)))), 64)
 
 

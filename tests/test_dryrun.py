@@ -20,8 +20,13 @@ GOLDEN = ROOT / "tests" / "golden"
 
 
 def test_dryrun_json_gives_each_rank_its_measured_and_predicted_parts():
-    out = subprocess.run([sys.executable, "-m", "autoshard", "dryrun", str(GOLDEN / "hsdp_zero3.plan.json"),
-                          "--rank", "3", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "dryrun", str(GOLDEN / "hsdp_zero3.plan.json"), "--rank", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = json.loads(out.stdout)["ranks"]
     assert [r["rank"] for r in ranks] == [3]
@@ -94,28 +99,54 @@ def test_expert_parallelism_runs_on_the_balanced_split_holding_its_expert_shards
         return max(0, min(size, shape[0] - index * size)) * math.prod(shape[1:])
 
     for report in reports:  # each rank's ep-th E/ep experts, sharded over dp/ep; the rest sharded over dp
-        elements = sum(chunk((p.shape[0] // ep, *p.shape[1:]), dp // ep, report.rank // ep)
-                       if any(name.startswith(e + ".") for e in plan.experts) else chunk(p.shape, dp, report.rank)
-                       for name, p in params.items())
+        elements = sum(
+            chunk((p.shape[0] // ep, *p.shape[1:]), dp // ep, report.rank // ep)
+            if any(name.startswith(e + ".") for e in plan.experts)
+            else chunk(p.shape, dp, report.rank)
+            for name, p in params.items()
+        )
         assert report.parts["optimizer"][0] == 8 * elements + 4 * len(params), report.rank
 
 
 def test_plan_dryrun_prints_the_chosen_plans_dry_run(in_repo, tmp_path, capsys):
     from autoshard.cli import main
 
-    code = main(["plan", "tests/models/mlp.py:build", "--cluster", "tests/clusters/fast_link_cpu.yaml",
-                 "--devices-per-node", "2", "--global-batch", "4", "--tp", "1", "--pp", "1", "--zero", "0",
-                 "-o", str(tmp_path / "plan.json"), "--dryrun"])
+    code = main(
+        [
+            "plan",
+            "tests/models/mlp.py:build",
+            "--cluster",
+            "tests/clusters/fast_link_cpu.yaml",
+            "--devices-per-node",
+            "2",
+            "--global-batch",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--zero",
+            "0",
+            "-o",
+            str(tmp_path / "plan.json"),
+            "--dryrun",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert load_plan(tmp_path / "plan.json").decisions.dp_runtime.wrapper == "DistributedDataParallel"
-    report = out[out.index("dry run: dp=2"):]
+    report = out[out.index("dry run: dp=2") :]
     assert "rank 0: peak" in report and "optimizer" in report
 
 
 def test_bad_input_is_one_line():
-    out = subprocess.run([sys.executable, "-m", "autoshard", "dryrun", "no-such-plan.json"], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "dryrun", "no-such-plan.json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1, out.stderr
 
 
@@ -130,8 +161,18 @@ def test_each_pipeline_rank_is_compared_with_its_own_stages_prediction(in_repo):
     of each stage is within 5 % of its own stage's prediction, its state as FSDP2 holds it to the byte."""
     from autoshard.api import estimate
 
-    plan = estimate("benchmarks/llama3.py:llama3_tiny", "dgx-h100", global_batch=8, dp=2, tp=2, pp=2, zero=1,
-                    microbatch_size=1, recompute="none", schedule="1f1b")
+    plan = estimate(
+        "benchmarks/llama3.py:llama3_tiny",
+        "dgx-h100",
+        global_batch=8,
+        dp=2,
+        tp=2,
+        pp=2,
+        zero=1,
+        microbatch_size=1,
+        recompute="none",
+        schedule="1f1b",
+    )
     by_rank = plan.predicted.pp_rank_memory
     assert len(by_rank) == 2 and by_rank[0] != by_rank[1]
     assert plan.predicted.memory == max(by_rank, key=lambda memory: memory.peak_bytes)

@@ -35,8 +35,9 @@ def llama8b():
 
 def _parts(graph, cluster, dp=1, b=2, runtime=None):
     tables = CostTables(graph, cluster, runtime)
-    config = Decisions(mesh=Mesh(dp=dp), zero_stage=3 if dp > 1 else 0, microbatch_size=b, num_microbatches=1,
-                       recompute="selective")
+    config = Decisions(
+        mesh=Mesh(dp=dp), zero_stage=3 if dp > 1 else 0, microbatch_size=b, num_microbatches=1, recompute="selective"
+    )
     return tables, config, price_parts(tables, config)
 
 
@@ -91,7 +92,9 @@ def test_fp32_logits_memory_is_b_s_v_4_bytes_per_copy(llama8b):
 
 def test_elementwise_ops_run_at_the_achieved_bandwidth(llama8b):
     """One kernel per op: T_KERNEL + bytes / W, W the copy-measured bandwidth (3.0 TB/s on H100)."""
-    add = next(n for n in llama8b.nodes if n.target.startswith("aten.add.Tensor") and n.module_path.startswith("layers."))
+    add = next(
+        n for n in llama8b.nodes if n.target.startswith("aten.add.Tensor") and n.module_path.startswith("layers.")
+    )
     moved = (add.bytes_read + add.bytes_written) * 0.5  # captured fp32, trained bf16
     t = op_forward_s(add, 0, 1.0, H100.device, 0.5, kernels="eager")
     assert t == pytest.approx(eager.KERNEL_FIXED_US * 1e-6 + moved / W)
@@ -119,8 +122,10 @@ def test_matmul_backward_prices_input_and_weight_gradients_by_their_own_shapes()
     in forward than its wgrad of N×K tiles."""
     dev, f = H100.device, 2 * 16384 * 1024 * 4096
     bwd = eager.matmul_backward_s("aten.linear.default", (16384, 1024), f, 0, dev)
-    expected = sum(f / (dev.peak_tflops * 1e12 * dev.matmul_efficiency * eager.matmul_shape_efficiency(a, b, 1, dev))
-                   for a, b in ((16384, 4096), (1024, 4096)))
+    expected = sum(
+        f / (dev.peak_tflops * 1e12 * dev.matmul_efficiency * eager.matmul_shape_efficiency(a, b, 1, dev))
+        for a, b in ((16384, 4096), (1024, 4096))
+    )
     assert bwd == pytest.approx(expected)
 
 
@@ -147,8 +152,16 @@ def test_megatron_runtime_keeps_the_fused_roofline(tiny):
     runtime = Runtime.named("megatron-lm", H100)
     tables = CostTables(tiny, H100, runtime)
     units = tables.units(2, "selective")
-    plain = unit_costs(tiny, 2, "selective", H100.device, runtime.precision.activation_bytes, attention="materialized",
-                       host=H100.host, host_overlaps=True)
+    plain = unit_costs(
+        tiny,
+        2,
+        "selective",
+        H100.device,
+        runtime.precision.activation_bytes,
+        attention="materialized",
+        host=H100.host,
+        host_overlaps=True,
+    )
     assert units == plain
     assert units.backward_s == tuple(BACKWARD_TO_FORWARD * f for f in units.forward_s)
     assert sum(units.host_s) == 0.0

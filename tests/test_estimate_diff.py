@@ -10,8 +10,22 @@ from autoshard.cli import main
 GPT = "examples/gpt.py:build"
 CLUSTER = ["--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16"]
 PINS = ["--dp", "4", "--tp", "1", "--pp", "1", "--zero", "1", "--microbatch-size", "2", "--recompute", "selective"]
-PIPELINE = ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--microbatch-size", "2", "--recompute", "none",
-            "--schedule", "1f1b"]
+PIPELINE = [
+    "--dp",
+    "2",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--zero",
+    "1",
+    "--microbatch-size",
+    "2",
+    "--recompute",
+    "none",
+    "--schedule",
+    "1f1b",
+]
 
 
 def run_cli(capsys, *argv):
@@ -39,8 +53,12 @@ def test_estimate_is_plan_with_everything_pinned(in_repo, capsys):
     assert code == 0 and estimated == planned
     plan = json.loads(estimated)
     decisions = plan["decisions"]
-    assert (decisions["mesh"], decisions["zero_stage"], decisions["recompute"], decisions["schedule"]) == \
-        ({"dp": 4, "tp": 1, "pp": 1}, 1, "selective", "none")
+    assert (decisions["mesh"], decisions["zero_stage"], decisions["recompute"], decisions["schedule"]) == (
+        {"dp": 4, "tp": 1, "pp": 1},
+        1,
+        "selective",
+        "none",
+    )
     assert plan["review"]["alternatives"] == [] and len(plan["provenance"]["pinned"]) == 7
 
 
@@ -50,10 +68,13 @@ def test_estimate_prints_tables_and_writes(in_repo, capsys, two_plans, tmp_path)
     assert json.loads((tmp_path / "e.json").read_text())["review"]["symbolic"]["symbols"]["dp"] == 4
 
 
-@pytest.mark.parametrize("drop, named", [
-    (["--zero"], "--zero"),
-    (["--microbatch-size", "--recompute"], "--microbatch-size, --recompute"),
-])
+@pytest.mark.parametrize(
+    "drop, named",
+    [
+        (["--zero"], "--zero"),
+        (["--microbatch-size", "--recompute"], "--microbatch-size, --recompute"),
+    ],
+)
 def test_estimate_needs_every_pin(in_repo, capsys, tmp_path, drop, named):
     argv = [a for i, a in enumerate(PINS) if a not in drop and (i == 0 or PINS[i - 1] not in drop)]
     code, _, err = run_cli(capsys, "estimate", GPT, *CLUSTER, *argv, "-o", str(tmp_path / "e.json"))
@@ -72,9 +93,31 @@ def test_estimate_that_does_not_fit_still_reports(in_repo, capsys, tmp_path):
     fit", never "% used" past 100 % or "chosen"), the JSON (whose notes say so), one line on stderr, and exit 1, so
     that a script cannot take it for a configuration that runs."""
     out_file = tmp_path / "huge.json"
-    code, out, err = run_cli(capsys, "estimate", "tests/bad_models/huge.py:build", "--cluster", "local-cpu",
-                             "--devices-per-node", "2", "--global-batch", "8", "--dp", "2", "--tp", "1", "--pp", "1",
-                             "--zero", "3", "--microbatch-size", "1", "--recompute", "full", "-o", str(out_file))
+    code, out, err = run_cli(
+        capsys,
+        "estimate",
+        "tests/bad_models/huge.py:build",
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "3",
+        "--microbatch-size",
+        "1",
+        "--recompute",
+        "full",
+        "-o",
+        str(out_file),
+    )
     assert code == 1 and "Memory per rank" in out
     assert "does not fit:" in out.split("Time per step")[0] and "used)" not in out
     rows = [line for line in out.split("Alternatives considered")[1].splitlines() if line.startswith("│ 2x1x1")]
@@ -89,9 +132,24 @@ def test_diff_shows_differing_decisions_and_parts(in_repo, capsys, two_plans):
     a, b = two_plans
     code, out, err = run_cli(capsys, "diff", a, b)
     assert code == 0 and err == ""
-    for text in ("Decisions that differ", "mesh", "dp=4 tp=1 pp=1", "dp=2 tp=1 pp=2", "schedule", "1f1b",
-                 "split points", "Predicted", "step (ms)", "pipeline bubble", "peak memory per rank", "MFU",
-                 "tokens/s", "delta %", "forward (ms)", "new"):
+    for text in (
+        "Decisions that differ",
+        "mesh",
+        "dp=4 tp=1 pp=1",
+        "dp=2 tp=1 pp=2",
+        "schedule",
+        "1f1b",
+        "split points",
+        "Predicted",
+        "step (ms)",
+        "pipeline bubble",
+        "peak memory per rank",
+        "MFU",
+        "tokens/s",
+        "delta %",
+        "forward (ms)",
+        "new",
+    ):
         assert text in out, text
     assert "recompute" not in out.split("Predicted")[0]  # the same in both: not listed
 
@@ -111,8 +169,24 @@ def test_diff_bad_files_are_one_line(in_repo, capsys, two_plans, tmp_path, which
 
 
 def test_estimate_that_fits_is_pinned_not_chosen(in_repo, capsys):
-    code, out, _ = run_cli(capsys, "estimate", GPT, *CLUSTER, "--dp", "4", "--tp", "1", "--pp", "1", "--zero", "0",
-                           "--microbatch-size", "4", "--recompute", "none")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        GPT,
+        *CLUSTER,
+        "--dp",
+        "4",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "0",
+        "--microbatch-size",
+        "4",
+        "--recompute",
+        "none",
+    )
     assert code == 0 and "% used)" in out
     rows = [line for line in out.split("Alternatives considered")[1].splitlines() if line.startswith("│ 4x1x1")]
     assert rows and "pinned: nothing else priced" in rows[0] and "chosen" not in rows[0]

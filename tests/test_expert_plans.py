@@ -26,8 +26,11 @@ from autoshard.passes.lower import lower
 from autoshard.passes.strategies import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
-MOE = {"mixtral": "tests/models/hf_mixtral.py:build", "olmoe": "tests/models/hf_olmoe.py:build",
-       "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe"}
+MOE = {
+    "mixtral": "tests/models/hf_mixtral.py:build",
+    "olmoe": "tests/models/hf_olmoe.py:build",
+    "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe",
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +96,22 @@ def test_pinned_ep_plans_lowers_and_round_trips(graphs, zero):
 
 def test_pinned_ep_in_a_pipeline_shards_before_the_split(graphs):
     for dp in (2, 4):  # ep = dp, and ep < dp (expert shards averaged over their replicas after the schedule)
-        p = plan(graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=2 * dp), 8, ep=2, pp=2,
-                 dp=dp)
+        p = plan(
+            graphs["olmoe"], MOE["olmoe"], load_cluster("local-cpu", devices_per_node=2 * dp), 8, ep=2, pp=2, dp=dp
+        )
         ops = [s.op for s in lower(p)]
         assert ops.index("apply_ep") < ops.index("split_pipeline")
         assert next(s for s in lower(p) if s.op == "apply_ep").kwargs["before_split"] is True
 
 
-@pytest.mark.parametrize("pins, message", [
-    ({"ep": 3, "dp": 2}, "must divide it"),
-    ({"ep": 2, "tp": 2}, "without tensor parallelism"),
-    ({"ep": 8}, "must divide every expert group's experts"),
-])
+@pytest.mark.parametrize(
+    "pins, message",
+    [
+        ({"ep": 3, "dp": 2}, "must divide it"),
+        ({"ep": 2, "tp": 2}, "without tensor parallelism"),
+        ({"ep": 8}, "must divide every expert group's experts"),
+    ],
+)
 def test_impossible_ep_pins_are_refused_with_the_fix(graphs, pins, message):
     cluster = load_cluster("local-cpu", devices_per_node=8)
     with pytest.raises(AutoshardError, match=message):
@@ -127,8 +134,17 @@ def test_ep_splits_expert_state_and_adds_all_to_all(graphs):
     gathered, which differs between DDP at ep 1 and FSDP2's replicate beside expert shards.)"""
     _, graph = graphs["mixtral"]
     tables = CostTables(graph, load_cluster("local-cpu", devices_per_node=4))
-    p = plan(graphs["mixtral"], MOE["mixtral"], load_cluster("local-cpu", devices_per_node=4), 8, ep=1, zero=0, dp=4,
-             microbatch_size=2, recompute="none")
+    p = plan(
+        graphs["mixtral"],
+        MOE["mixtral"],
+        load_cluster("local-cpu", devices_per_node=4),
+        8,
+        ep=1,
+        zero=0,
+        dp=4,
+        microbatch_size=2,
+        recompute="none",
+    )
     base = p.decisions
     one, four = price_parts(tables, base), price_parts(tables, replace(base, ep=4))
     experts = sum(g.param_count for g in graph.experts)
@@ -149,8 +165,12 @@ def test_the_expert_all_to_all_stays_inside_a_node_where_the_topology_favours_it
     clusters = {name: load_cluster(f"tests/clusters/{name}.yaml", nodes=2) for name in ("h100_40g", "h100_40g_flat")}
     nvlink = plan(captured, spec, clusters["h100_40g"], 64, **pins)
     assert nvlink.ep == 8
-    all_to_all_s = {name: [price_parts(CostTables(captured[1], cluster), replace(nvlink.decisions, ep=ep)).ep_comm_s
-                           for ep in (8, 16)] for name, cluster in clusters.items()}
+    all_to_all_s = {
+        name: [
+            price_parts(CostTables(captured[1], cluster), replace(nvlink.decisions, ep=ep)).ep_comm_s for ep in (8, 16)
+        ]
+        for name, cluster in clusters.items()
+    }
     assert all_to_all_s["h100_40g"][1] > 5 * all_to_all_s["h100_40g"][0]
     assert all_to_all_s["h100_40g_flat"][1] < 1.5 * all_to_all_s["h100_40g_flat"][0]
     with pytest.raises(AutoshardError, match="no plan fits|does not fit"):  # below 8 nothing fits
@@ -170,10 +190,19 @@ def test_the_dispatch_keeps_none_of_the_experts_activations_and_recomputes_them_
     _, graph = graphs["mixtral"]
     cluster = load_cluster("local-cpu", devices_per_node=4)
     tables = CostTables(graph, cluster)
-    base = plan(graphs["mixtral"], MOE["mixtral"], cluster, 8, ep=1, zero=3, dp=4, microbatch_size=2,
-                recompute="full").decisions
-    moments = {ep: spmd_moments(tables, replace(base, ep=ep), graph.param_count, (0, 0, 0),
-                                expert_params=graph.param_count // 4 if ep > 1 else 0)["backward"] for ep in (1, 4)}
+    base = plan(
+        graphs["mixtral"], MOE["mixtral"], cluster, 8, ep=1, zero=3, dp=4, microbatch_size=2, recompute="full"
+    ).decisions
+    moments = {
+        ep: spmd_moments(
+            tables,
+            replace(base, ep=ep),
+            graph.param_count,
+            (0, 0, 0),
+            expert_params=graph.param_count // 4 if ep > 1 else 0,
+        )["backward"]
+        for ep in (1, 4)
+    }
     dispatch = dispatch_memory(tables, replace(base, ep=4))
     group = graph.experts[0]
     ratio, scale = tables.precision.activation_bytes / 4, base.microbatch_size / graph.batch_size

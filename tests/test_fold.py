@@ -14,7 +14,11 @@ from autoshard.pipeline import PlanRequest, capture_graph, plan_model
 ROOT = Path(__file__).resolve().parent.parent
 FAST = str(ROOT / "tests/clusters/fast_link_cpu.yaml")
 # the last: DeepSeek-V3's shape in small, 2 dense layers before 5 mixture-of-experts ones (kept whole, then 3)
-MODELS = ["examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", "benchmarks/deepseek_v3.py:build_tiny_deep"]
+MODELS = [
+    "examples/gpt.py:build",
+    "tests/models/hf_llama.py:build_4_layers",
+    "benchmarks/deepseek_v3.py:build_tiny_deep",
+]
 
 
 def node_facts(graph):
@@ -26,8 +30,19 @@ def node_facts(graph):
             return ("node", index[name])
         return ("param", graph.placeholder_params[name]) if name in graph.placeholder_params else ("in", name)
 
-    return [(n.target, n.module_path, n.shape, n.flops, n.bytes_read, n.bytes_written, n.param_inputs,
-             tuple(ref(i) for i in n.inputs)) for n in graph.nodes]
+    return [
+        (
+            n.target,
+            n.module_path,
+            n.shape,
+            n.flops,
+            n.bytes_read,
+            n.bytes_written,
+            n.param_inputs,
+            tuple(ref(i) for i in n.inputs),
+        )
+        for n in graph.nodes
+    ]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -41,8 +56,9 @@ def test_folded_capture_is_the_whole_graph_node_for_node(both):
     whole, folded = both
     assert node_facts(folded) == node_facts(whole)  # same ops, wiring, parameters, FLOPs and bytes
     assert [(p.name, p.shape) for p in folded.params] == [(p.name, p.shape) for p in whole.params]
-    assert [(b.path, b.signature, b.param_count, b.input_bytes, b.activation_bytes) for b in folded.blocks] == \
-        [(b.path, b.signature, b.param_count, b.input_bytes, b.activation_bytes) for b in whole.blocks]
+    assert [(b.path, b.signature, b.param_count, b.input_bytes, b.activation_bytes) for b in folded.blocks] == [
+        (b.path, b.signature, b.param_count, b.input_bytes, b.activation_bytes) for b in whole.blocks
+    ]
     assert folded.model_fingerprint == whole.model_fingerprint
 
 
@@ -77,7 +93,8 @@ def test_layers_that_differ_by_index_are_captured_whole(tmp_path, in_repo):
     """A forward that branches on the layer's index: the two captured layers differ, so capture
     exports the whole model, and the graph is the unfolded one."""
     path = tmp_path / "by_index.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import torch, torch.nn as nn
 
         class M(nn.Module):
@@ -97,7 +114,8 @@ def test_layers_that_differ_by_index_are_captured_whole(tmp_path, in_repo):
 
         def example_batch(n):
             return (torch.randn(n, 8),), torch.randn(n, 8)
-    """))
+    """)
+    )
     whole = capture_graph(f"{path}:build", fold=False)[1]
     folded = capture_graph(f"{path}:build", fold=True)[1]
     assert node_facts(folded) == node_facts(whole)

@@ -27,20 +27,30 @@ def autoshard(*argv: str, cache: Path, ahead: bool = True) -> subprocess.Complet
     must be flushed by hand; buffered here, as on a terminal that is not a tty)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env.update(AUTOSHARD_CACHE_DIR=str(cache), AUTOSHARD_CAPTURE_AHEAD="1" if ahead else "0")
-    return subprocess.run([sys.executable, "-m", "autoshard.cli", *argv], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
 
 
 def python(code: str, cache: Path, ahead: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, AUTOSHARD_CACHE_DIR=str(cache), AUTOSHARD_CAPTURE_AHEAD="1" if ahead else "0")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
 
 
 def test_the_childs_plan_is_byte_identical_to_one_captured_in_process(tmp_path):
     for ahead in (True, False):
-        proc = autoshard("plan", GPT, *LOCAL, "--no-cache", "-o", str(tmp_path / f"{ahead}.json"),
-                         cache=tmp_path / "cache", ahead=ahead)
+        proc = autoshard(
+            "plan",
+            GPT,
+            *LOCAL,
+            "--no-cache",
+            "-o",
+            str(tmp_path / f"{ahead}.json"),
+            cache=tmp_path / "cache",
+            ahead=ahead,
+        )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.endswith(f"plan written to {tmp_path / f'{ahead}.json'}\n"), proc.stdout[-500:]
     assert (tmp_path / "True.json").read_bytes() == (tmp_path / "False.json").read_bytes()
@@ -48,12 +58,16 @@ def test_the_childs_plan_is_byte_identical_to_one_captured_in_process(tmp_path):
 
 @pytest.mark.parametrize("ahead", [True, False])
 def test_the_planning_process_imports_torch_only_when_it_captures_itself(tmp_path, ahead):
-    proc = python(f"""
+    proc = python(
+        f"""
         import sys
         from autoshard.cli import main
         code = main(["plan", "{GPT}", *{LOCAL!r}, "--no-cache", "--json"])
         print("torch" in sys.modules, code, file=sys.stderr)
-    """, tmp_path, ahead)
+    """,
+        tmp_path,
+        ahead,
+    )
     assert proc.stderr.strip().splitlines()[-1] == f"{not ahead} 0", proc.stderr
     assert json.loads(proc.stdout)["decisions"]["mesh"]["dp"] == 2
 
@@ -63,7 +77,8 @@ def test_the_child_fills_the_capture_cache_and_answers_from_it(tmp_path):
     first = autoshard("plan", GPT, *LOCAL, "-o", str(tmp_path / "first.json"), cache=cache)
     assert first.returncode == 0, first.stderr
     assert len(list(cache.rglob("*.json"))) == 1, "the child wrote the capture cache entry before exiting"
-    second = python(f"""
+    second = python(
+        f"""
         import sys
         import autoshard.passes.front as front
         from autoshard.cli import main
@@ -75,15 +90,21 @@ def test_the_child_fills_the_capture_cache_and_answers_from_it(tmp_path):
             return graph, passes
 
         front._Child.result = result
-        code = main(["plan", "{GPT}", *{LOCAL!r}, "-o", "{tmp_path / 'second.json'}"])
+        code = main(["plan", "{GPT}", *{LOCAL!r}, "-o", "{tmp_path / "second.json"}"])
         print(code, file=sys.stderr)
-    """, cache)
+    """,
+        cache,
+    )
     assert second.stderr.strip().splitlines()[-2:] == ["['capture (cached)', 'annotate (cached)']", "0"], second.stderr
     assert (tmp_path / "first.json").read_bytes() == (tmp_path / "second.json").read_bytes()
 
 
-BAD_MODELS = ["tests/bad_models/data_dependent.py:build", "tests/bad_inputs/syntax_error.py:build",
-              "tests/bad_models/wrong_batch.py:build", "tests/bad_models/broken.py:not_a_module"]
+BAD_MODELS = [
+    "tests/bad_models/data_dependent.py:build",
+    "tests/bad_inputs/syntax_error.py:build",
+    "tests/bad_models/wrong_batch.py:build",
+    "tests/bad_models/broken.py:not_a_module",
+]
 
 
 @pytest.mark.parametrize("model", BAD_MODELS)
@@ -95,15 +116,17 @@ def test_a_capture_error_in_the_child_is_the_same_one_line_exit_2(tmp_path, mode
 
 
 def test_debug_shows_the_childs_traceback(tmp_path):
-    proc = autoshard("plan", "tests/bad_models/data_dependent.py:build", *LOCAL, "--no-cache", "--debug",
-                     cache=tmp_path)
+    proc = autoshard(
+        "plan", "tests/bad_models/data_dependent.py:build", *LOCAL, "--no-cache", "--debug", cache=tmp_path
+    )
     assert proc.returncode != 0
     assert "RemoteTraceback" in proc.stderr and "autoshard/passes/capture.py" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_child_that_exits_is_one_line_naming_its_exit_code(tmp_path):
-    proc = autoshard("plan", "tests/bad_models/exits.py:build", *LOCAL, "--no-cache", "-o", str(tmp_path / "p.json"),
-                     cache=tmp_path)
+    proc = autoshard(
+        "plan", "tests/bad_models/exits.py:build", *LOCAL, "--no-cache", "-o", str(tmp_path / "p.json"), cache=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "exit code 3" in proc.stderr, proc.stderr
     assert not (tmp_path / "p.json").exists()
@@ -111,7 +134,8 @@ def test_a_child_that_exits_is_one_line_naming_its_exit_code(tmp_path):
 
 def test_a_child_not_taken_is_stopped(tmp_path):
     """A request refused after the child started (bad pins) leaves no capture running."""
-    proc = python(f"""
+    proc = python(
+        f"""
         import sys
         import autoshard.passes.front as front
         try:
@@ -121,7 +145,9 @@ def test_a_child_not_taken_is_stopped(tmp_path):
         except ValueError:
             pass
         print(child.process.exitcode, "torch" in sys.modules, file=sys.stderr)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert proc.stderr.strip().splitlines()[-1] == f"{-signal.SIGKILL} False", proc.stderr
 
 

@@ -49,37 +49,37 @@ PLAN_COMMANDS = {
     "dp_zero0": f"{GPT} {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --zero 0 --microbatch-size 2 --recompute none",
     "dp_zero1": f"{GPT} {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --zero 1 --microbatch-size 2 --recompute none",
     "dp_zero3": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 --zero 3 "
-                "--microbatch-size 4 --recompute none",
+    "--microbatch-size 4 --recompute none",
     "hsdp_zero3": f"{GPT} --cluster local-cpu --nodes 2 --devices-per-node 2 --global-batch 8 --dp 4 --tp 1 --pp 1 "
-                  "--zero 3 --microbatch-size 2 --recompute none --dp-replicate 2",
+    "--zero 3 --microbatch-size 2 --recompute none --dp-replicate 2",
     # dp x tp: FSDP2's replicate, the distributed optimizer, ZeRO-2; sequence parallel
     "dp_tp_zero0": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 0 "
-                   "--microbatch-size 2 --recompute none --sequence-parallel off",
+    "--microbatch-size 2 --recompute none --sequence-parallel off",
     "dp_tp_zero1": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 1 "
-                   "--microbatch-size 2 --recompute none --sequence-parallel off",
+    "--microbatch-size 2 --recompute none --sequence-parallel off",
     "dp_tp_zero2": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 --zero 2 "
-                   "--microbatch-size 4 --recompute none --sequence-parallel off",
+    "--microbatch-size 4 --recompute none --sequence-parallel off",
     "dp_tp_sequence_parallel": f"{GPT} {FAST_LINK} --devices-per-node 4 --global-batch 8 --dp 2 --tp 2 --pp 1 "
-                               "--zero 1 --microbatch-size 2 --recompute none --sequence-parallel on",
+    "--zero 1 --microbatch-size 2 --recompute none --sequence-parallel on",
     # context parallel (each sample's tokens over 2 ranks), expert parallel (a mixture-of-experts model)
     "dp_cp_zero3": f"{GPT} {CPU4} --global-batch 8 --seq-len 32 --dp 2 --tp 1 --pp 1 --cp 2 --zero 3 "
-                   "--microbatch-size 4 --recompute none",
+    "--microbatch-size 4 --recompute none",
     "dp_ep_zero3": f"tests/models/hf_mixtral.py:build {CPU4} --global-batch 8 --dp 4 --tp 1 --pp 1 --ep 2 --zero 3 "
-                   "--microbatch-size 2 --recompute none",
+    "--microbatch-size 2 --recompute none",
     # bf16: a GPU cluster (NCCL) trains fp32 parameters under bf16 autocast, FSDP2 gathering bf16 weights
     "bf16_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
-                     "--microbatch-size 8 --recompute none",
+    "--microbatch-size 8 --recompute none",
     # per-block recompute: recompute is left to the planner, which mixes modes to fit 2.5 MiB ranks
     "mixed_recompute": f"{GPT} --cluster tests/clusters/cpu4_tight_memory.yaml --global-batch 8 --dp 4 --tp 1 --pp 1 "
-                       "--zero 3 --microbatch-size 1",
+    "--zero 3 --microbatch-size 1",
     # pipelines: 1F1B with recompute in the stages, interleaved, zero-bubble in a V, and dp x tp x pp
     "pipeline_recompute": f"{GPT} {CPU4} --global-batch 8 --dp 2 --tp 1 --pp 2 --zero 1 --microbatch-size 2 "
-                          "--schedule 1f1b --recompute selective",
+    "--schedule 1f1b --recompute selective",
     "interleaved_pipeline": f"{GPT} {CPU4} --global-batch 16 --dp 2 --tp 1 --pp 2 --zero 3 --microbatch-size 2 "
-                            "--schedule interleaved-1f1b --virtual-stages 2 --recompute none",
+    "--schedule interleaved-1f1b --virtual-stages 2 --recompute none",
     "zbv_pipeline": f"{GPT} {CPU4} --global-batch 16 --dp 2 --tp 1 --pp 2 --zero 1 --schedule zbv",
     "tp_pp": f"{GPT} {FAST_LINK} --devices-per-node 8 --global-batch 16 --dp 2 --tp 2 --pp 2 --zero 0 "
-             "--microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none",
+    "--microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none",
 }
 REQUEST_FLAGS = ("--cluster", "--nodes", "--devices-per-node", "--global-batch", "--seq-len")  # not decisions
 
@@ -90,7 +90,11 @@ def test_the_kinds_cover_every_plan_shape():
     spmd = [p for p in plans if p.mesh.pp == 1]
     pipelines = [p for p in plans if p.mesh.pp > 1]
     assert {p.zero_stage for p in spmd if p.mesh.dp > 1 and p.mesh.tp == 1} >= {0, 1, 3}  # DDP, ZeRO-1, FSDP2
-    assert {p.zero_stage for p in spmd if p.mesh.tp > 1 and p.mesh.dp > 1} >= {0, 1, 2}  # replicate; distributed optimizer
+    assert {p.zero_stage for p in spmd if p.mesh.tp > 1 and p.mesh.dp > 1} >= {
+        0,
+        1,
+        2,
+    }  # replicate; distributed optimizer
     assert any(p.dp_replicate > 1 for p in plans)  # HSDP
     assert any(p.sequence_parallel for p in plans)
     assert any(p.mesh.cp > 1 and p.mesh.dp > 1 and p.model.get("seq_len") for p in plans)  # context parallel, --seq-len
@@ -117,18 +121,31 @@ def test_every_plan_is_the_planners_for_its_command():
         assert flags.get("--seq-len") == (str(plan.model["seq_len"]) if plan.model.get("seq_len") else None), kind
         for flag, field in (("--nodes", "nodes"), ("--devices-per-node", "devices_per_node")):
             assert flag not in flags or int(flags[flag]) == plan.cluster[field], (kind, flag)
-        pins = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()
-                if flag not in REQUEST_FLAGS}
+        pins = {
+            flag.removeprefix("--").replace("-", "_"): value
+            for flag, value in flags.items()
+            if flag not in REQUEST_FLAGS
+        }
         assert set(plan.pinned) == set(pins), kind
         assert {name: _pin_text(plan, name) for name in pins} == pins, kind
 
 
 def _pin_text(plan, name: str) -> str:
     """The value of the decision a pin fixes, as its flag writes it."""
-    values = {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "cp": plan.mesh.cp, "ep": plan.ep,
-              "zero": plan.zero_stage, "microbatch_size": plan.microbatch_size, "recompute": plan.recompute,
-              "schedule": plan.schedule, "virtual_stages": plan.virtual_stages, "dp_replicate": plan.dp_replicate,
-              "sequence_parallel": "on" if plan.sequence_parallel else "off"}
+    values = {
+        "dp": plan.mesh.dp,
+        "tp": plan.mesh.tp,
+        "pp": plan.mesh.pp,
+        "cp": plan.mesh.cp,
+        "ep": plan.ep,
+        "zero": plan.zero_stage,
+        "microbatch_size": plan.microbatch_size,
+        "recompute": plan.recompute,
+        "schedule": plan.schedule,
+        "virtual_stages": plan.virtual_stages,
+        "dp_replicate": plan.dp_replicate,
+        "sequence_parallel": "on" if plan.sequence_parallel else "off",
+    }
     return str(values[name])
 
 
@@ -168,8 +185,21 @@ def test_applier_and_program_make_the_same_calls(kind, monkeypatch):
 def test_programs_have_no_unused_or_undefined_names():
     """Every golden program passes pyflakes' checks (ruff's F rules, on their own): no unused import, no name
     used before it is bound, whatever the plan's kind."""
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "F",
-                           *sorted(str(GOLDEN / f"{kind}.py") for kind in KINDS)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--isolated",
+            "--select",
+            "F",
+            *sorted(str(GOLDEN / f"{kind}.py") for kind in KINDS),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
@@ -187,12 +217,21 @@ def test_program_constants_are_the_plans_layout(kind):
     """The constants the emitted loop hands to the runtime are the layout ``autoshard.parallelize`` applies."""
     plan = load_plan(GOLDEN / f"{kind}.plan.json")
     spec = layout(plan)
-    constants = {t.id: ast.literal_eval(n.value) for n in ast.parse(emit_program(plan)).body
-                 if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
-                 and t.id in ("MESH", "FLATTEN", "DATA_AXIS", "SEQUENCE_AXIS", "LOSS_AXIS", "SEQ_LEN",
-                              "TOKENS_PER_SAMPLE")}
-    expected = {"MESH": dict(spec.mesh), "FLATTEN": dict(spec.flatten), "DATA_AXIS": spec.data_axis,
-                "SEQ_LEN": spec.seq_len, "TOKENS_PER_SAMPLE": spec.tokens_per_sample}
+    constants = {
+        t.id: ast.literal_eval(n.value)
+        for n in ast.parse(emit_program(plan)).body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+        and t.id in ("MESH", "FLATTEN", "DATA_AXIS", "SEQUENCE_AXIS", "LOSS_AXIS", "SEQ_LEN", "TOKENS_PER_SAMPLE")
+    }
+    expected = {
+        "MESH": dict(spec.mesh),
+        "FLATTEN": dict(spec.flatten),
+        "DATA_AXIS": spec.data_axis,
+        "SEQ_LEN": spec.seq_len,
+        "TOKENS_PER_SAMPLE": spec.tokens_per_sample,
+    }
     if plan.mesh.pp == 1:  # a pipeline's schedule averages the loss itself; cp is not emitted with pp
         expected |= {"SEQUENCE_AXIS": spec.sequence_axis, "LOSS_AXIS": spec.loss_axis}
     assert constants == expected
@@ -216,6 +255,7 @@ def _recorder(calls: list, op: str):
         if op == "split_pipeline":
             return "STAGES"
         return RESULTS.get(op, target).upper() if op in RESULTS else target
+
     return record
 
 
@@ -231,7 +271,11 @@ def _plain(value):
 if __name__ == "__main__":  # remake the golden plans: python tests/test_golden_programs.py [KIND ...]
     for kind in sys.argv[1:] or PLAN_COMMANDS:
         out = GOLDEN / f"{kind}.plan.json"
-        subprocess.run([sys.executable, "-m", "autoshard", "plan", *shlex.split(PLAN_COMMANDS[kind]), "-o", str(out)],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "autoshard", "plan", *shlex.split(PLAN_COMMANDS[kind]), "-o", str(out)],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         print(f"{out.relative_to(ROOT)}: autoshard plan {PLAN_COMMANDS[kind]}")
     print("now rewrite the programs: AUTOSHARD_UPDATE_GOLDEN=1 pytest tests/test_golden_programs.py; review the diff")

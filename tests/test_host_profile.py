@@ -21,11 +21,23 @@ from autoshard.ir.topology import Cluster, HostOverheads
 from autoshard.pipeline import capture_graph
 
 GPT = "examples/gpt.py:build"
-TRUE = dict(op_forward_us=12.0, op_backward_us=25.0, selective_op_us=60.0, checkpoint_block_us=700.0,
-            fsdp_unit_zero2_us=4000.0, fsdp_unit_zero3_us=6000.0, fsdp_zero2_us_per_mib=3000.0,
-            fsdp_zero3_us_per_mib=5000.0, ddp_tensor_us=50.0, zero1_tensor_us=200.0, optimizer_tensor_us=30.0,
-            sharded_optimizer_tensor_us=250.0, pipeline_microbatch_us=3000.0, pipeline_step_us=1500.0,
-            tp_module_us=400.0)
+TRUE = dict(
+    op_forward_us=12.0,
+    op_backward_us=25.0,
+    selective_op_us=60.0,
+    checkpoint_block_us=700.0,
+    fsdp_unit_zero2_us=4000.0,
+    fsdp_unit_zero3_us=6000.0,
+    fsdp_zero2_us_per_mib=3000.0,
+    fsdp_zero3_us_per_mib=5000.0,
+    ddp_tensor_us=50.0,
+    zero1_tensor_us=200.0,
+    optimizer_tensor_us=30.0,
+    sharded_optimizer_tensor_us=250.0,
+    pipeline_microbatch_us=3000.0,
+    pipeline_step_us=1500.0,
+    tp_module_us=400.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +55,18 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
     us = 1e-6
     fwd = c.roofline_s + c.ops * h.op_forward_us * us
     fwd_bwd = fwd + 2 * c.roofline_s + c.ops * h.op_backward_us * us
-    t = {"fwd": fwd, "fwd_bwd": fwd_bwd,
-         "selective": fwd_bwd + c.light_block_ops * h.op_forward_us * us + c.light_roofline_s
-         + (c.block_ops + c.light_block_ops) * h.selective_op_us * us,
-         "full": fwd_bwd + c.block_ops * h.op_forward_us * us + c.block_roofline_s
-         + host_probes.BLOCKS * h.checkpoint_block_us * us}
+    t = {
+        "fwd": fwd,
+        "fwd_bwd": fwd_bwd,
+        "selective": fwd_bwd
+        + c.light_block_ops * h.op_forward_us * us
+        + c.light_roofline_s
+        + (c.block_ops + c.light_block_ops) * h.selective_op_us * us,
+        "full": fwd_bwd
+        + c.block_ops * h.op_forward_us * us
+        + c.block_roofline_s
+        + host_probes.BLOCKS * h.checkpoint_block_us * us,
+    }
     tensors, params = 6 * host_probes.BLOCKS + 6 + 2, 12345
     bandwidth = cluster.device.memory_bandwidth_gbps * 1e9
     adamw = tensors * h.optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / bandwidth
@@ -57,16 +76,24 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
         sizes = host_probes.unit_param_bytes(width)
         for stage in (2, 3):
             a, c_mib = (getattr(h, f"fsdp_unit_zero{stage}_us"), getattr(h, f"fsdp_zero{stage}_us_per_mib"))
-            t[f"fsdp{stage}{suffix}"] = base + host_probes._fsdp_comm_s(sizes, cluster, ranks, stage) + \
-                sum(a * us + c_mib * us * b / 2**20 for b in sizes)
+            t[f"fsdp{stage}{suffix}"] = (
+                base
+                + host_probes._fsdp_comm_s(sizes, cluster, ranks, stage)
+                + sum(a * us + c_mib * us * b / 2**20 for b in sizes)
+            )
     link = cluster.intra_node
-    t["sharded_adamw"] = tensors * h.sharded_optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
+    t["sharded_adamw"] = (
+        tensors * h.sharded_optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
+    )
     t["ddp"] = fwd_bwd + comm.allreduce_s(4 * params, ranks, link) + tensors * h.ddp_tensor_us * us
     local = h.optimizer_tensor_us * us * tensors / ranks + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
     t["zero1"] = local + comm.all_gather_s(4 * params, ranks, link) + tensors * h.zero1_tensor_us * us
     tp_modules = len(host_probes.TP_STYLES) * host_probes.BLOCKS
-    t["tp"] = fwd_bwd + 4 * host_probes.BLOCKS * comm.allreduce_s(4 * host_probes.TOKENS * host_probes.WIDTH,
-                                                                   ranks, link) + tp_modules * h.tp_module_us * us
+    t["tp"] = (
+        fwd_bwd
+        + 4 * host_probes.BLOCKS * comm.allreduce_s(4 * host_probes.TOKENS * host_probes.WIDTH, ranks, link)
+        + tp_modules * h.tp_module_us * us
+    )
     stage = max(n * (h.op_forward_us + h.op_backward_us) * us + 3 * r for n, r in zip(c.stage_ops, c.stage_roofline_s))
     slope = stage + 2 * comm.p2p_s(c.boundary_bytes, link) + h.pipeline_microbatch_us * us
     t["pipeline"] = {m: (m + 1) * slope + h.pipeline_step_us * us for m in host_probes.PIPELINE_MICROBATCHES}
@@ -84,15 +111,22 @@ def test_the_probes_maths_recovers_known_overheads(cluster):
 
 def test_host_overheads_are_a_named_part_and_grow_with_micro_batches(cluster, gpt):
     host = replace(cluster, host=HostOverheads(**TRUE, source="test"))
-    for config in (Decisions(Mesh(2, 1, 1), 3, 4, 1), Decisions(Mesh(2, 1, 1), 3, 1, 4), Decisions(Mesh(1, 1, 2), 0, 2, 2,
-                                                                                        schedule="1f1b")):
+    for config in (
+        Decisions(Mesh(2, 1, 1), 3, 4, 1),
+        Decisions(Mesh(2, 1, 1), 3, 1, 4),
+        Decisions(Mesh(1, 1, 2), 0, 2, 2, schedule="1f1b"),
+    ):
         cuts = (2,) if config.mesh.pp > 1 else None
-        bare, with_host = price_parts(CostTables(gpt, cluster), config, cuts), price_parts(CostTables(gpt, host), config,
-                                                                                           cuts)
+        bare, with_host = (
+            price_parts(CostTables(gpt, cluster), config, cuts),
+            price_parts(CostTables(gpt, host), config, cuts),
+        )
         assert bare.host_s == 0 and with_host.host_s > 0
         assert with_host.step_time_s > bare.step_time_s
         assert with_host.compute_s == pytest.approx(bare.compute_s + with_host.host_s, rel=1e-9) or config.mesh.pp > 1
-    one, four = (price_parts(CostTables(gpt, host), Decisions(Mesh(2, 1, 1), 3, b, m)).host_s for b, m in ((4, 1), (1, 4)))
+    one, four = (
+        price_parts(CostTables(gpt, host), Decisions(Mesh(2, 1, 1), 3, b, m)).host_s for b, m in ((4, 1), (1, 4))
+    )
     assert four > 3 * one * 0.9  # per micro-batch: ops, FSDP units
 
 
@@ -114,8 +148,9 @@ def test_gpu_hides_the_recompute_policy_under_the_backward(gpt):
     h100 = load_cluster("dgx-h100")
     units = {}
     for name, sel_us in (("cheap", 1.0), ("dear", 1e5)):
-        host = HostOverheads(**{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": sel_us},
-                             source="t")
+        host = HostOverheads(
+            **{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": sel_us}, source="t"
+        )
         units[name] = CostTables(gpt, replace(h100, host=host)).units(1024, "selective")
     cheap, dear = units["cheap"], units["dear"]
     assert sum(cheap.host_recompute_s) == 0.0 < sum(cheap.recompute_s) < sum(cheap.backward_s)
@@ -130,8 +165,9 @@ def host_times_of(graph, recompute: str, selective_op_us: float) -> list[float]:
     """The recompute host seconds per unit before any hiding (``cost.units.host_times``)."""
     from autoshard.cost.units import host_times, node_units
 
-    host = HostOverheads(**{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": selective_op_us},
-                         source="t")
+    host = HostOverheads(
+        **{**TRUE, "op_forward_us": 0.0, "op_backward_us": 0.0, "selective_op_us": selective_op_us}, source="t"
+    )
     return host_times(graph, node_units(graph), recompute, host)[2]
 
 
@@ -140,8 +176,10 @@ def profile_of(graph, times, optimizer_s=0.01) -> ModelProfile:
 
 
 def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
-    times = {1: {"none": (0.002, 0.006), "selective": (0.004, 0.011), "full": (0.003, 0.009)},
-             4: {"none": (0.005, 0.015), "selective": (0.009, 0.027), "full": (0.006, 0.021)}}
+    times = {
+        1: {"none": (0.002, 0.006), "selective": (0.004, 0.011), "full": (0.003, 0.009)},
+        4: {"none": (0.005, 0.015), "selective": (0.009, 0.027), "full": (0.006, 0.021)},
+    }
     profiled = replace(cluster, profiles=(profile_of(gpt, times),))
     tables = CostTables(gpt, profiled)
     assert tables.profile is not None
@@ -162,8 +200,11 @@ def test_a_profile_of_another_model_is_not_used(cluster, gpt):
 
 
 def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
-    full = replace(cluster, host=HostOverheads(**TRUE, source="t"),
-                   profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}),))
+    full = replace(
+        cluster,
+        host=HostOverheads(**TRUE, source="t"),
+        profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}),),
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(full.to_dict(), sort_keys=False))
     assert load_cluster(str(path)) == full
@@ -171,16 +212,25 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     assert "host" not in cluster.to_dict() and "profiles" not in cluster.to_dict()  # presets: as before
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"times": {0: {"none": [1, 2]}}}, "positive micro-batch size"),
-    ({"times": {1: {"none": [1, -2]}}}, "two seconds >= 0"),
-    ({"times": {1: {"sometimes": [1, 2]}}}, "positive micro-batch size"),
-    ({"ranks": 0}, "malformed"),
-    ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"times": {0: {"none": [1, 2]}}}, "positive micro-batch size"),
+        ({"times": {1: {"none": [1, -2]}}}, "two seconds >= 0"),
+        ({"times": {1: {"sometimes": [1, 2]}}}, "positive micro-batch size"),
+        ({"ranks": 0}, "malformed"),
+        ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
+    ],
+)
 def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
-    good = {"model": GPT, "signature": "ab" * 8, "ranks": 2, "times": {1: {"none": [0.1, 0.3]}},
-            "optimizer_s": 0.0, "source": "t"}
+    good = {
+        "model": GPT,
+        "signature": "ab" * 8,
+        "ranks": 2,
+        "times": {1: {"none": [0.1, 0.3]}},
+        "optimizer_s": 0.0,
+        "source": "t",
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**cluster.to_dict(), "profiles": [{**good, **bad}]}))
     with pytest.raises(AutoshardError, match=message) as info:

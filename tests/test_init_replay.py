@@ -108,9 +108,11 @@ def test_what_cannot_be_replayed_is_refused_with_the_reason(factory, why):
 
 def test_build_meta_model_falls_back_to_the_whole_cpu_build_and_says_why(tmp_path, capsys):
     path = tmp_path / "seeds.py"
-    path.write_text("import torch\nimport torch.nn as nn\n\n\ndef build():\n    torch.manual_seed(1)\n"
-                    "    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n\n\n"
-                    "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 2)\n")
+    path.write_text(
+        "import torch\nimport torch.nn as nn\n\n\ndef build():\n    torch.manual_seed(1)\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n\n\n"
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 2)\n"
+    )
     model_file = load_model_file(f"{path}:build")
     model = build_meta_model(model_file, seed=0)
     assert not init_replay.is_pending(model)

@@ -36,8 +36,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
 
 WORK = Path(tempfile.mkdtemp(prefix="autoshard-fuzz-"))
 atexit.register(shutil.rmtree, WORK, True)
@@ -70,15 +76,37 @@ def base_cluster() -> dict:
 # ---------------------------------------------------------------------------- mutations
 
 SCALARS = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(-3, 70), st.integers(10**7, 10**30), st.integers(-(10**30), -(10**7)),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 70),
+    st.integers(10**7, 10**30),
+    st.integers(-(10**30), -(10**7)),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
-    st.sampled_from(["", "h.0", "colwise", "1f1b", "none", "gloo", "[/]", '"""', "x\ny", "{__import__('os')}",
-                     "a:b", "examples/gpt.py:build", "0" * 16, "dgx-h100"]),
+    st.sampled_from(
+        [
+            "",
+            "h.0",
+            "colwise",
+            "1f1b",
+            "none",
+            "gloo",
+            "[/]",
+            '"""',
+            "x\ny",
+            "{__import__('os')}",
+            "a:b",
+            "examples/gpt.py:build",
+            "0" * 16,
+            "dgx-h100",
+        ]
+    ),
 )
-JSON_VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6,
+)
 
 
 def paths(doc, prefix=()) -> list[tuple]:
@@ -121,8 +149,12 @@ def same_kind(value):
     if isinstance(value, float):
         return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.just(-value), st.just(0.0))
     if isinstance(value, str):
-        return st.one_of(st.text(max_size=10), st.just(value + "x"), st.just(value.upper()),
-                         st.sampled_from(["h.0", "h.0.attn.c_attn", "rowwise", "gpipe", "full", "fp32"]))
+        return st.one_of(
+            st.text(max_size=10),
+            st.just(value + "x"),
+            st.just(value.upper()),
+            st.sampled_from(["h.0", "h.0.attn.c_attn", "rowwise", "gpipe", "full", "fp32"]),
+        )
     if isinstance(value, list):
         return st.just(value[:-1]) | st.just(value + value[:1]) | st.just(value[::-1])
     return st.just(value)
@@ -133,8 +165,9 @@ def mutated(draw, make_base, max_edits: int = 3):
     doc = make_base()
     for _ in range(draw(st.integers(1, max_edits))):
         path = draw(st.sampled_from(paths(doc)))
-        action = draw(st.sampled_from(["same-kind", "same-kind", "same-kind", "replace", "delete", "wrap",
-                                       "stringify"]))
+        action = draw(
+            st.sampled_from(["same-kind", "same-kind", "same-kind", "replace", "delete", "wrap", "stringify"])
+        )
         if action == "same-kind":
             current = doc
             for key in path:
@@ -159,13 +192,20 @@ def cluster_documents():
     return st.one_of(
         mutated(base_cluster).map(lambda d: yaml.safe_dump(d)),
         st.text(max_size=200),
-        st.builds(yaml.safe_dump, st.dictionaries(st.sampled_from(["preset", "name", "nodes", "devices_per_node",
-                                                                   "backend", "device", "intra_node", "inter_node"]),
-                                                  JSON_VALUES)),
+        st.builds(
+            yaml.safe_dump,
+            st.dictionaries(
+                st.sampled_from(
+                    ["preset", "name", "nodes", "devices_per_node", "backend", "device", "intra_node", "inter_node"]
+                ),
+                JSON_VALUES,
+            ),
+        ),
     )
 
 
 # ---------------------------------------------------------------------------- plan loader
+
 
 def check_plan_text(text: str) -> Plan | None:
     try:
@@ -195,13 +235,16 @@ def _edited(path: tuple, value) -> str:
     return json.dumps(mutate(json.loads(json.dumps(base_plan())), path, "replace", value))
 
 
-@pytest.mark.parametrize("path, value", [
-    (("review", "alternatives", 0, "why_not"), "[/]"),  # rich markup in prose: shown as text, not parsed
-    (("review", "tensor_parallel_reasons"), {"h.0": "[/x] [bold]"}),
-    (("review", "notes"), ["[red]x"]),
-    (("model", "spec"), "examples/gpt.py:build x"),
-    (("decisions", "ddp_bucket_cap_mb"), 1e-300),
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("review", "alternatives", 0, "why_not"), "[/]"),  # rich markup in prose: shown as text, not parsed
+        (("review", "tensor_parallel_reasons"), {"h.0": "[/x] [bold]"}),
+        (("review", "notes"), ["[red]x"]),
+        (("model", "spec"), "examples/gpt.py:build x"),
+        (("decisions", "ddp_bucket_cap_mb"), 1e-300),
+    ],
+)
 def test_plan_edits_that_load_still_render_and_compile(path, value):
     assert check_plan_text(_edited(path, value)) is not None
 
@@ -220,6 +263,7 @@ def test_inspect_fuzzed_plan_is_a_table_or_one_line(capsys, text):
 
 
 # ---------------------------------------------------------------------------- cluster loader
+
 
 def check_cluster_text(text: str) -> None:
     path = WORK / "cluster.yaml"
@@ -271,15 +315,61 @@ def test_plan_with_fuzzed_cluster_file_is_a_plan_or_one_line(in_repo, capsys, te
 # ---------------------------------------------------------------------------- symbolic expressions
 
 EXPRESSION_TOKENS = st.sampled_from(
-    ["B", "s", "dp", "tp", "pp", "b", "v", "x", "0", "1", "16", "17", "9", "2.5e-7", "1e308", "1e-308",
-     "9" * 40, "+", "-", "*", "/", "**", "(", ")", ",", " ", "Max(", "Min(", "Eq(", "Piecewise((", "True",
-     "False", "__import__", ".", "[", "'", "lambda", "(-1)", "**16", "**-16", "**0.5"])
+    [
+        "B",
+        "s",
+        "dp",
+        "tp",
+        "pp",
+        "b",
+        "v",
+        "x",
+        "0",
+        "1",
+        "16",
+        "17",
+        "9",
+        "2.5e-7",
+        "1e308",
+        "1e-308",
+        "9" * 40,
+        "+",
+        "-",
+        "*",
+        "/",
+        "**",
+        "(",
+        ")",
+        ",",
+        " ",
+        "Max(",
+        "Min(",
+        "Eq(",
+        "Piecewise((",
+        "True",
+        "False",
+        "__import__",
+        ".",
+        "[",
+        "'",
+        "lambda",
+        "(-1)",
+        "**16",
+        "**-16",
+        "**0.5",
+    ]
+)
 
 
 def plan_expressions() -> list[str]:
     symbolic = base_plan()["review"]["symbolic"]
-    return [symbolic["step_time_s"], symbolic["memory_peak_bytes"], symbolic["model_flops_per_sample"],
-            *symbolic["parts"].values(), *symbolic["memory"].values()]
+    return [
+        symbolic["step_time_s"],
+        symbolic["memory_peak_bytes"],
+        symbolic["model_flops_per_sample"],
+        *symbolic["parts"].values(),
+        *symbolic["memory"].values(),
+    ]
 
 
 @st.composite
@@ -306,8 +396,18 @@ def mutated_expression(draw) -> str:
 
 @pytest.mark.timeout(300)
 @fuzz(400)
-@given(mutated_expression(), st.fixed_dictionaries({}, optional={
-    "B": st.integers(1, 2**40), "s": st.integers(1, 2**20), "dp": st.integers(1, 4096), "b": st.integers(1, 64)}))
+@given(
+    mutated_expression(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "B": st.integers(1, 2**40),
+            "s": st.integers(1, 2**20),
+            "dp": st.integers(1, 4096),
+            "b": st.integers(1, 64),
+        },
+    ),
+)
 def test_expressions_evaluate_or_raise_value_error(text, values):
     """Whatever the string: a finite float or a ValueError naming the problem, never anything else."""
     from autoshard.cost.symbolic import evaluate_expression
@@ -323,9 +423,11 @@ def test_expressions_evaluate_or_raise_value_error(text, values):
 
 @pytest.mark.timeout(600)
 @fuzz(40)
-@given(mutated_expression(), st.sampled_from(["step_time_s", "memory_peak_bytes", "parts.forward_s",
-                                               "memory.activations_bytes"]),
-       st.sampled_from(["global_batch=16", "seq_len=4096", "dp=1", "global_batch=1099511627776"]))
+@given(
+    mutated_expression(),
+    st.sampled_from(["step_time_s", "memory_peak_bytes", "parts.forward_s", "memory.activations_bytes"]),
+    st.sampled_from(["global_batch=16", "seq_len=4096", "dp=1", "global_batch=1099511627776"]),
+)
 def test_inspect_what_if_with_fuzzed_expression_is_a_table_or_one_line(capsys, text, where, what_if):
     data = json.loads(json.dumps(base_plan()))
     target = data["review"]["symbolic"]
@@ -348,13 +450,34 @@ def test_inspect_what_if_with_fuzzed_expression_is_a_table_or_one_line(capsys, t
 
 # ---------------------------------------------------------------------------- file outputs
 
-OUTPUT_KINDS = ["new", "new-in-missing-folder", "existing-file", "directory", "link-to-file", "dangling-link",
-                "link-to-model", "link-to-cluster", "model", "cluster", "helper", "inside-a-file", "trailing-slash",
-                "dot"]
+OUTPUT_KINDS = [
+    "new",
+    "new-in-missing-folder",
+    "existing-file",
+    "directory",
+    "link-to-file",
+    "dangling-link",
+    "link-to-model",
+    "link-to-cluster",
+    "model",
+    "cluster",
+    "helper",
+    "inside-a-file",
+    "trailing-slash",
+    "dot",
+]
 
 
-REFUSED_OUTPUTS = ("directory", "dot", "model", "cluster", "helper", "link-to-model", "link-to-cluster",
-                   "inside-a-file")  # an input, or no file at all
+REFUSED_OUTPUTS = (
+    "directory",
+    "dot",
+    "model",
+    "cluster",
+    "helper",
+    "link-to-model",
+    "link-to-cluster",
+    "inside-a-file",
+)  # an input, or no file at all
 
 
 def _output_folder() -> Path:
@@ -408,15 +531,30 @@ def _snapshot(folder: Path) -> dict[str, bytes | str]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
 @fuzz(2)
-@given(name=st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=12)
-       .map(lambda t: t + ".json"))
+@given(
+    name=st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=12).map(
+        lambda t: t + ".json"
+    )
+)
 def test_plan_output_never_replaces_an_input_nor_leaves_a_temporary(capsys, kind, name):
     folder = _output_folder()
     output = _output_path(folder, kind, name)
     before = _snapshot(folder)
     inputs = {p: before[p] for p in ("model.py", "helper.py", "cluster.yaml")}
-    code = main(["plan", f"{folder}/model.py:build", "--cluster", str(folder / "cluster.yaml"),
-                 "--devices-per-node", "2", "--global-batch", "8", "-o", output])
+    code = main(
+        [
+            "plan",
+            f"{folder}/model.py:build",
+            "--cluster",
+            str(folder / "cluster.yaml"),
+            "--devices-per-node",
+            "2",
+            "--global-batch",
+            "8",
+            "-o",
+            output,
+        ]
+    )
     out, err = capsys.readouterr()
     after = _snapshot(folder)
     assert code in (0, 2), err
@@ -437,8 +575,7 @@ def test_plan_output_never_replaces_an_input_nor_leaves_a_temporary(capsys, kind
 
 @pytest.mark.timeout(120)
 @fuzz(40)
-@given(st.integers(1, 12), st.integers(1, 12), st.sampled_from(["name", "device", "nodes", "preset"]),
-       st.booleans())
+@given(st.integers(1, 12), st.integers(1, 12), st.sampled_from(["name", "device", "nodes", "preset"]), st.booleans())
 def test_alias_bombs_of_any_shape_are_refused_by_their_expanded_size(branching, depth, key, flow):
     """Level k holds ``branching`` aliases of level k − 1: branching^depth values once expanded. Over
     the bound it is refused by size, before anything is built; under it the loader says what is wrong."""
@@ -456,5 +593,5 @@ def test_alias_bombs_of_any_shape_are_refused_by_their_expanded_size(branching, 
         load_cluster(str(path))
     message = str(info.value)
     assert "\n" not in message and len(message) < 400
-    if branching ** depth > MAX_YAML_NODES:  # the last level alone expands to at least branching^depth values
+    if branching**depth > MAX_YAML_NODES:  # the last level alone expands to at least branching^depth values
         assert "aliases expand to more than" in message

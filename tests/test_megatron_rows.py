@@ -47,8 +47,9 @@ def test_numbers_md_rows_within_15_percent(estimated, row):
     """docs/reference-numbers.md, Published configurations: 1.7B (dp 32), 18.4B (tp 8 × dp 32), 145.6B (tp 8 × pp 8
     interleaved, v = 2, even cuts × dp 24); t = F / (GPUs · TFLOP/s)."""
     plan = estimated[row.name]
-    assert abs(error(row, plan)) <= TOLERANCE, f"{row.name}: {plan['predicted']['step_time_s']:.2f} s vs " \
-                                               f"{row.published_s:.2f} s"
+    assert abs(error(row, plan)) <= TOLERANCE, (
+        f"{row.name}: {plan['predicted']['step_time_s']:.2f} s vs {row.published_s:.2f} s"
+    )
 
 
 def test_a_held_out_row_within_15_percent(estimated):
@@ -105,8 +106,12 @@ def test_tp_runs_matmuls_attention_and_gelu_on_shards_and_keeps_norms_and_residu
     graph = small_megatron
     styles = {p.module_path: "replicate" for p in graph.params}
     for block in ("h.0", "h.1"):
-        styles |= {f"{block}.attn.qkv": "colwise", f"{block}.attn.c_proj": "rowwise", f"{block}.c_fc": "colwise",
-                   f"{block}.c_proj": "rowwise"}
+        styles |= {
+            f"{block}.attn.qkv": "colwise",
+            f"{block}.attn.c_proj": "rowwise",
+            f"{block}.c_fc": "colwise",
+            f"{block}.c_proj": "rowwise",
+        }
     sharded = sharded_nodes(graph, styles)
     kinds = {n.target.split(".")[1] for n in graph.nodes if n.name in sharded}
     whole = {n.target.split(".")[1] for n in graph.nodes if n.name not in sharded and n.module_path.startswith("h.")}

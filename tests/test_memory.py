@@ -59,9 +59,13 @@ def test_a_block_keeps_what_its_ops_backward_formulas_read_not_every_output():
     block, b, s, d, ffn, heads = graph.blocks[0], graph.batch_size, 128, 256, 512, 4
     tokens = b * s
     bf16 = 2
-    expected = (2 * (tokens * d * (4 + 4 + bf16) + tokens * 4)  # norms: upcast, x·rstd, output, rstd
-                + 3 * tokens * d * bf16 + tokens * d * bf16 + b * heads * s * 4  # q, k, v, attention out, lse
-                + 4 * tokens * ffn * bf16)  # w1, w3, silu, the product
+    expected = (
+        2 * (tokens * d * (4 + 4 + bf16) + tokens * 4)  # norms: upcast, x·rstd, output, rstd
+        + 3 * tokens * d * bf16
+        + tokens * d * bf16
+        + b * heads * s * 4  # q, k, v, attention out, lse
+        + 4 * tokens * ffn * bf16
+    )  # w1, w3, silu, the product
     assert block_saved_bytes(graph, block, "none", ratio=0.5) == expected
 
 
@@ -136,12 +140,18 @@ def _tp_styles(sequence_parallel: bool) -> dict[str, str]:
         row = "rowwise-seq-output-dim1" if sequence_parallel else "rowwise"
         styles |= {f"{p}.attention.wo": row, f"{p}.feed_forward.w2": row}
         if sequence_parallel:
-            styles |= {f"{p}.attention_norm": "sharded-input-dim1", f"{p}.ffn_norm": "sharded-input-dim1",
-                       f"{p}.attention": "gather-seq-module-input-dim1",
-                       f"{p}.feed_forward": "gather-seq-module-input-dim1"}
+            styles |= {
+                f"{p}.attention_norm": "sharded-input-dim1",
+                f"{p}.ffn_norm": "sharded-input-dim1",
+                f"{p}.attention": "gather-seq-module-input-dim1",
+                f"{p}.feed_forward": "gather-seq-module-input-dim1",
+            }
     if sequence_parallel:
-        styles |= {"tok_embeddings": "vocab-parallel-embedding-seq-output-dim1", "norm": "sharded-input-dim1",
-                   "output": "colwise-gather-seq-input-dim1"}
+        styles |= {
+            "tok_embeddings": "vocab-parallel-embedding-seq-output-dim1",
+            "norm": "sharded-input-dim1",
+            "output": "colwise-gather-seq-input-dim1",
+        }
     return styles
 
 

@@ -12,7 +12,7 @@ from autoshard.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MLP = '''
+MLP = """
 import torch
 import torch.nn as nn
 
@@ -46,14 +46,26 @@ def build():
 def example_batch(batch_size):
     x = torch.randn(batch_size, 16)
     return (x,), {targets}
-'''
+"""
 
 
-def model_file(tmp_path, name="m.py", top="", forward="pass", ret="x + self.fc2(torch.relu(self.fc1(x)))",
-               net_forward="return self.blocks(x)", build="pass", dtype="", targets="torch.randn(batch_size, 16)"):
+def model_file(
+    tmp_path,
+    name="m.py",
+    top="",
+    forward="pass",
+    ret="x + self.fc2(torch.relu(self.fc1(x)))",
+    net_forward="return self.blocks(x)",
+    build="pass",
+    dtype="",
+    targets="torch.randn(batch_size, 16)",
+):
     path = tmp_path / name
-    path.write_text(MLP.format(top=top, forward=forward, ret=ret, net_forward=net_forward, build=build, dtype=dtype,
-                               targets=targets))
+    path.write_text(
+        MLP.format(
+            top=top, forward=forward, ret=ret, net_forward=net_forward, build=build, dtype=dtype, targets=targets
+        )
+    )
     return f"{path}:build"
 
 
@@ -61,8 +73,12 @@ PLAN = ["--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "
 
 
 def test_json_stays_pure_when_the_model_prints(tmp_path, capfd):
-    spec = model_file(tmp_path, top='print("hello from import")', build='print("hello from build")',
-                      forward='print("hello from forward")')
+    spec = model_file(
+        tmp_path,
+        top='print("hello from import")',
+        build='print("hello from build")',
+        forward='print("hello from forward")',
+    )
     assert main(["plan", spec, *PLAN, "--json"]) == 0
     out, err = capfd.readouterr()
     plan = json.loads(out)  # nothing but the JSON
@@ -73,11 +89,19 @@ def test_json_stays_pure_when_the_model_prints(tmp_path, capfd):
 
 def test_json_stays_pure_from_the_forked_capture(tmp_path):
     """A fresh ``autoshard plan`` captures in a forked child (passes.front); its prints go to stderr too."""
-    spec = model_file(tmp_path, top='import os; print("hello from import"); os.system("echo hello from a shell")',
-                      forward='print("hello from forward")')
+    spec = model_file(
+        tmp_path,
+        top='import os; print("hello from import"); os.system("echo hello from a shell")',
+        forward='print("hello from forward")',
+    )
     env = {**os.environ, "AUTOSHARD_CAPTURE_AHEAD": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", spec, *PLAN, "--json"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "plan", spec, *PLAN, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     json.loads(proc.stdout)
     assert "hello from import" in proc.stderr and "hello from a shell" in proc.stderr
@@ -114,8 +138,13 @@ def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("plans")
     out = {}
     for name, pins in (("tp", dict(tp=2)), ("pp", dict(pp=2))):
-        plan = autoshard.plan(os.path.join(ROOT, "examples/gpt.py") + ":build", cluster="local-cpu",
-                              devices_per_node=2, global_batch=8, **pins)
+        plan = autoshard.plan(
+            os.path.join(ROOT, "examples/gpt.py") + ":build",
+            cluster="local-cpu",
+            devices_per_node=2,
+            global_batch=8,
+            **pins,
+        )
         plan.save(folder / f"{name}.json")
         out[name] = json.loads((folder / f"{name}.json").read_text())
     return out
@@ -137,8 +166,9 @@ def _rename_split_point(doc):
     return "blocks.3", "split_points"
 
 
-@pytest.mark.parametrize("kind, edit", [("tp", _rename_first_tp), ("pp", _rename_stage_module),
-                                        ("pp", _rename_split_point)])
+@pytest.mark.parametrize(
+    "kind, edit", [("tp", _rename_first_tp), ("pp", _rename_stage_module), ("pp", _rename_split_point)]
+)
 def test_compile_refuses_a_plan_naming_a_module_the_model_lacks(plans, tmp_path, capfd, kind, edit):
     doc = json.loads(json.dumps(plans[kind]))
     name, where = edit(doc)
@@ -157,16 +187,21 @@ def test_compile_accepts_the_untouched_plans(plans, tmp_path, capfd):
         assert main(["compile", str(tmp_path / f"{kind}.json"), "-o", str(tmp_path / f"{kind}.py")]) == 0
 
 
-@pytest.mark.parametrize("dtype, short, nbytes", [("bfloat16", "bf16", 2), ("float16", "fp16", 2),
-                                                  ("float32", "fp32", 4)])
+@pytest.mark.parametrize(
+    "dtype, short, nbytes", [("bfloat16", "bf16", 2), ("float16", "fp16", 2), ("float32", "fp32", 4)]
+)
 def test_parameters_are_priced_by_their_dtype(tmp_path, dtype, short, nbytes):
     import autoshard
 
-    spec = model_file(tmp_path, dtype=f".to(torch.{dtype})",
-                      targets=f"torch.randn(batch_size, 16, dtype=torch.{dtype})")
+    spec = model_file(
+        tmp_path, dtype=f".to(torch.{dtype})", targets=f"torch.randn(batch_size, 16, dtype=torch.{dtype})"
+    )
     spec_path = spec.rsplit(":", 1)[0]
-    text = open(spec_path).read().replace("x = torch.randn(batch_size, 16)",
-                                          f"x = torch.randn(batch_size, 16, dtype=torch.{dtype})")
+    text = (
+        open(spec_path)
+        .read()
+        .replace("x = torch.randn(batch_size, 16)", f"x = torch.randn(batch_size, 16, dtype=torch.{dtype})")
+    )
     open(spec_path, "w").write(text)
     plan = autoshard.plan(spec, cluster="local-cpu", devices_per_node=1, global_batch=4, cache=False)
     params = plan.model["params"]
@@ -176,12 +211,17 @@ def test_parameters_are_priced_by_their_dtype(tmp_path, dtype, short, nbytes):
     assert plan.precision == ("fp32" if dtype == "float32" else f"{short}-params")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (dict(net_forward="self.blocks(x)"), "the model's forward returns None"),
-    (dict(top="import numpy", targets="numpy.zeros((batch_size, 16), dtype='float32')"),
-     "example_batch returns targets of type numpy.ndarray, not a torch tensor; every rank slices"),
-    (dict(targets="[0.0] * batch_size"), "targets of type list, not a torch tensor"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(net_forward="self.blocks(x)"), "the model's forward returns None"),
+        (
+            dict(top="import numpy", targets="numpy.zeros((batch_size, 16), dtype='float32')"),
+            "example_batch returns targets of type numpy.ndarray, not a torch tensor; every rank slices",
+        ),
+        (dict(targets="[0.0] * batch_size"), "targets of type list, not a torch tensor"),
+    ],
+)
 def test_plan_refuses_a_model_that_cannot_train(tmp_path, capfd, edit, message):
     spec = model_file(tmp_path, **edit)
     out_file = tmp_path / "plan.json"

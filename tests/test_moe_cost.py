@@ -86,7 +86,8 @@ def test_rank_load_factor_limits():
     assert moe.rank_load_factor(0, 8, 256, 8) == 1
     # the closed form: 1 + e_p·sqrt((E − k)/((E − 1)·T·k))
     assert moe.rank_load_factor(4096, 8, 256, 8) == pytest.approx(
-        1 + moe.expected_max_of_normals(8) * math.sqrt(248 / (255 * 4096 * 8)))
+        1 + moe.expected_max_of_normals(8) * math.sqrt(248 / (255 * 4096 * 8))
+    )
 
 
 def test_rank_load_factor_grows_with_ep_and_shrinks_with_tokens():
@@ -96,11 +97,14 @@ def test_rank_load_factor_grows_with_ep_and_shrinks_with_tokens():
     assert by_tokens == sorted(by_tokens, reverse=True)
 
 
-@pytest.mark.parametrize("top_k, experts, ep, message", [
-    (8, 256, 3, "ep must divide the experts: 256 experts over ep=3"),
-    (9, 8, 2, "top_k must be in"),
-    (0, 8, 2, "top_k must be in"),
-])
+@pytest.mark.parametrize(
+    "top_k, experts, ep, message",
+    [
+        (8, 256, 3, "ep must divide the experts: 256 experts over ep=3"),
+        (9, 8, 2, "top_k must be in"),
+        (0, 8, 2, "top_k must be in"),
+    ],
+)
 def test_rank_load_factor_refuses_impossible_routing(top_k, experts, ep, message):
     with pytest.raises(ValueError, match=message):
         moe.rank_load_factor(128, top_k, experts, ep)

@@ -38,8 +38,9 @@ def planned(tmp_path_factory):
     (folder / "model.py").write_text(_model_source())
     (folder / "helper.py").write_text("SCALE = 1.0\n")
     shutil.copy(ROOT / "examples/cluster.yaml", folder / "cluster.yaml")
-    (folder / "evil.py").write_text(f"open({MARKER!r}, 'w').write('code in a plan ran')\n"
-                                    "def build():\n    raise SystemExit('never')\n")
+    (folder / "evil.py").write_text(
+        f"open({MARKER!r}, 'w').write('code in a plan ran')\ndef build():\n    raise SystemExit('never')\n"
+    )
     (folder / "notes.txt").write_text("not python\n")
     (folder / "package.py").mkdir()
     (folder / "package.py" / "model.py").write_text("")
@@ -50,9 +51,13 @@ def planned(tmp_path_factory):
     finally:
         os.chdir(cwd)
     data = json.loads((folder / "plan.json").read_text())
-    for name, edit in (("evil", {"spec": "evil.py:build"}), ("text", {"spec": "notes.txt:build"}),
-                       ("folder", {"spec": "package.py:build"}), ("old", {"file_sha256": None}),
-                       ("badsha", {"file_sha256": "12ab"})):
+    for name, edit in (
+        ("evil", {"spec": "evil.py:build"}),
+        ("text", {"spec": "notes.txt:build"}),
+        ("folder", {"spec": "package.py:build"}),
+        ("old", {"file_sha256": None}),
+        ("badsha", {"file_sha256": "12ab"}),
+    ):
         changed = json.loads(json.dumps(data))
         changed["model"].update(edit)
         if changed["model"]["file_sha256"] is None:
@@ -72,8 +77,11 @@ def work(planned, tmp_path, monkeypatch):
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def run_cli(capsys, argv):
@@ -114,20 +122,47 @@ SECURITY = [  # a plan is data: the file its model.spec names is checked before 
 
 FILES = [  # no output is one of the command's inputs or a module the model imports
     (["plan", "model.py:build", *LOCAL, "-o", "model.py"], "is this command's model file"),
-    (["plan", "model.py:build", "--cluster", "cluster.yaml", "--global-batch", "8", "-o", "cluster.yaml"],
-     "is this command's cluster file"),
+    (
+        ["plan", "model.py:build", "--cluster", "cluster.yaml", "--global-batch", "8", "-o", "cluster.yaml"],
+        "is this command's cluster file",
+    ),
     (["plan", "model.py:build", *LOCAL, "-o", "helper.py"], "is an existing Python file and a plan is JSON"),
-    (["estimate", "model.py:build", *LOCAL, "--dp", "2", "--tp", "1", "--pp", "1", "--zero", "0",
-      "--microbatch-size", "4", "--recompute", "none", "-o", "model.py"], "is this command's model file"),
+    (
+        [
+            "estimate",
+            "model.py:build",
+            *LOCAL,
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--zero",
+            "0",
+            "--microbatch-size",
+            "4",
+            "--recompute",
+            "none",
+            "-o",
+            "model.py",
+        ],
+        "is this command's model file",
+    ),
     (["plan", "model.py:build", *LOCAL, "-o", "package.py"], "output 'package.py' is a folder"),
     (["compile", "plan.json", "-o", "helper.py"], "is the module 'helper' that the model imports"),
     (["run", "plan.json", "--program", "helper.py", "--steps", "1"], "is the module 'helper' that the model imports"),
     (["compile", "plan.json", "-o", "package.py"], "output 'package.py' is a folder"),
     (["compile", "plan.json", "-o", "notes.py"], "'notes.sbatch' exists and autoshard did not write it"),
     (["compile", "plan.json", "-o", "job.py"], "output 'job.sbatch' is a folder"),
-    (["run", "plan.json", "--metrics-out", "notes.txt", "--steps", "1"], "--metrics-out 'notes.txt' is an existing file"),
-    (["run", "plan.json", "--checkpoint-dir", "notes.txt", "--steps", "1"],
-     "--checkpoint-dir 'notes.txt' is an existing file"),
+    (
+        ["run", "plan.json", "--metrics-out", "notes.txt", "--steps", "1"],
+        "--metrics-out 'notes.txt' is an existing file",
+    ),
+    (
+        ["run", "plan.json", "--checkpoint-dir", "notes.txt", "--steps", "1"],
+        "--checkpoint-dir 'notes.txt' is an existing file",
+    ),
     (["run", "plan.json", "--metrics-out", "notes.txt/out", "--steps", "1"], "cannot be created"),
     (["run", "plan.json", "--max-restarts", "1"], "without --checkpoint-dir would restart from step 0"),
     (["run", "notes.json", "--steps", "1"], "'notes.train.py' exists and autoshard did not write it"),
@@ -174,14 +209,18 @@ def _prepare(folder: Path) -> None:
         "import json\nfrom pathlib import Path\n\nimport torch\nimport torch.nn as nn\n\n\ndef build():\n"
         "    width = json.loads(Path(__file__).with_name('config.json').read_text())['width']\n"
         "    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)])\n\n\n"
-        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)\n")
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)\n"
+    )
     (folder / "needs_argument.py").write_text(
         "import torch\n\ndef build(width):\n    return torch.nn.Linear(width, width)\n\n"
-        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n")
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)\n"
+    )
     data = json.loads((folder / "plan.json").read_text())
-    for name, edit in (("mesh_key", lambda d: d["decisions"]["mesh"].update(sp=2)),
-                       ("alt_mesh_key", lambda d: [a["mesh"].update(ep=2) for a in d["review"]["alternatives"]]),
-                       ("memory_key", lambda d: d["predicted"]["memory"].update(vram=1))):
+    for name, edit in (
+        ("mesh_key", lambda d: d["decisions"]["mesh"].update(sp=2)),
+        ("alt_mesh_key", lambda d: [a["mesh"].update(ep=2) for a in d["review"]["alternatives"]]),
+        ("memory_key", lambda d: d["predicted"]["memory"].update(vram=1)),
+    ):
         changed = json.loads(json.dumps(data))
         edit(changed)
         (folder / f"{name}.json").write_text(json.dumps(changed))
@@ -204,6 +243,7 @@ def test_the_plan_has_alternatives_to_tamper_with(planned):
 
 # ---------------------------------------------------------------------------- the plan's model file
 
+
 def test_plan_records_the_model_file_hash(planned):
     data = json.loads((planned / "plan.json").read_text())
     assert data["model"]["file_sha256"] == plan_io.file_sha256(planned / "model.py")
@@ -219,11 +259,16 @@ def test_an_edited_model_file_is_refused_before_it_is_imported(capsys, work):
     """A byte added to the model file: refused on its hash, so code added to it never runs."""
     model = work / "model.py"
     model.write_text(model.read_text() + f"\nopen({MARKER!r}, 'w').write('ran')\n")
-    assert_refused(capsys, work, ["compile", "plan.json", "-o", "train.py"],
-                   "model file 'model.py' is not the model this plan was made for")
+    assert_refused(
+        capsys,
+        work,
+        ["compile", "plan.json", "-o", "train.py"],
+        "model file 'model.py' is not the model this plan was made for",
+    )
 
 
 # ---------------------------------------------------------------------------- temporaries
+
 
 def test_a_symlink_at_the_old_temporary_name_is_not_followed(capsys, work, tmp_path):
     """plan -o, compile (program and SLURM script) and the metrics writer each go through a fresh
@@ -305,6 +350,7 @@ def test_a_new_file_gets_the_usual_mode_and_a_replaced_one_keeps_its_own(tmp_pat
 
 
 # ---------------------------------------------------------------------------- compile's two files
+
 
 def test_compile_replaces_its_own_slurm_script_and_others_only_with_force(capsys, work):
     assert run_cli(capsys, ["compile", "plan.json", "-o", "train.py"])[0] == 0

@@ -14,10 +14,30 @@ from autoshard.ir.plan import Memory, Plan, PlanLayout, Predicted, Stage, load_p
 from autoshard.ir.plan_format import PLAN_VERSION, SECTION_RECORDS, SECTIONS, TOP_KEYS
 from autoshard.passes.codegen import blocks_expression
 
-REQUIRED_KEYS = ["version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
-                 "provenance"]
-DECISIONS = ["mesh", "zero_stage", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
-             "recompute_blocks", "ddp_bucket_cap_mb", "precision", "dp_replicate"]
+REQUIRED_KEYS = [
+    "version",
+    "model",
+    "cluster",
+    "global_batch",
+    "decisions",
+    "layout",
+    "predicted",
+    "review",
+    "provenance",
+]
+DECISIONS = [
+    "mesh",
+    "zero_stage",
+    "microbatch_size",
+    "num_microbatches",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "recompute_blocks",
+    "ddp_bucket_cap_mb",
+    "precision",
+    "dp_replicate",
+]
 LAYOUT = ["blocks", "tensor_parallel", "split_points", "stages"]
 REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search"]
 PROVENANCE = ["pinned", "runtime"]
@@ -30,15 +50,34 @@ CLUSTER = PRESETS["dgx-h100"].to_dict()  # a loaded plan's cluster is checked li
 
 
 def make_plan(**overrides):
-    memory = Memory.from_parts(0.05, params_bytes=100, grads_bytes=100, optimizer_bytes=200, activations_bytes=50,
-                               transient_bytes=0)
-    predicted = Predicted(step_time_s=0.1234567891, compute_s=0.1, comm_exposed_s=0.0234567891, bubble_s=0.0,
-                          memory_peak_bytes_per_rank=memory.peak_bytes, memory=memory, tokens_per_s=1000.0,
-                          samples_per_s=10.0, mfu=0.5)
-    fields = dict(model={"spec": "m.py:build", "hash": "abc", "params": 10, "layers": 2}, cluster=CLUSTER,
-                  global_batch=8, mesh=Mesh(dp=2), zero_stage=1, microbatch_size=2, num_microbatches=2,
-                  schedule="none", recompute="none", stages=(Stage(0, ("a",), (0, 1)),), tensor_parallel={},
-                  predicted=predicted)
+    memory = Memory.from_parts(
+        0.05, params_bytes=100, grads_bytes=100, optimizer_bytes=200, activations_bytes=50, transient_bytes=0
+    )
+    predicted = Predicted(
+        step_time_s=0.1234567891,
+        compute_s=0.1,
+        comm_exposed_s=0.0234567891,
+        bubble_s=0.0,
+        memory_peak_bytes_per_rank=memory.peak_bytes,
+        memory=memory,
+        tokens_per_s=1000.0,
+        samples_per_s=10.0,
+        mfu=0.5,
+    )
+    fields = dict(
+        model={"spec": "m.py:build", "hash": "abc", "params": 10, "layers": 2},
+        cluster=CLUSTER,
+        global_batch=8,
+        mesh=Mesh(dp=2),
+        zero_stage=1,
+        microbatch_size=2,
+        num_microbatches=2,
+        schedule="none",
+        recompute="none",
+        stages=(Stage(0, ("a",), (0, 1)),),
+        tensor_parallel={},
+        predicted=predicted,
+    )
     return Plan.of(**{**fields, **overrides})
 
 
@@ -49,10 +88,18 @@ def test_round_trip_is_byte_identical(tmp_path):
     assert again.to_json() == plan.to_json() == (tmp_path / "p.json").read_text()
     doc = json.loads(plan.to_json())
     assert list(doc) == REQUIRED_KEYS == list(TOP_KEYS) and doc["version"] == PLAN_VERSION == 2
-    assert (list(doc["decisions"]), list(doc["layout"]), list(doc["review"]), list(doc["provenance"])) == \
-        (DECISIONS, LAYOUT, REVIEW, PROVENANCE)
-    assert {k: list(v) for k, v in SECTIONS.items()} == \
-        {"decisions": DECISIONS_EP, "layout": LAYOUT_EP, "review": REVIEW, "provenance": PROVENANCE}
+    assert (list(doc["decisions"]), list(doc["layout"]), list(doc["review"]), list(doc["provenance"])) == (
+        DECISIONS,
+        LAYOUT,
+        REVIEW,
+        PROVENANCE,
+    )
+    assert {k: list(v) for k, v in SECTIONS.items()} == {
+        "decisions": DECISIONS_EP,
+        "layout": LAYOUT_EP,
+        "review": REVIEW,
+        "provenance": PROVENANCE,
+    }
 
 
 def test_the_runtime_that_priced_a_plan_round_trips_and_older_files_read_as_autoshard(tmp_path):
@@ -80,19 +127,29 @@ def test_the_plan_is_one_record_per_section_of_its_json():
     """Plan's fields are the JSON's top keys; each section's keys are its record's fields in their order (less
     sequence_parallel, which the TP styles record); every field of a section reads flat and read-only."""
     assert [f.name for f in fields(Plan)] == [*TOP_KEYS[1:], "version"]
-    assert list(SECTION_RECORDS) == list(SECTIONS) and [f.name for f in fields(Decisions)] == \
-        [*SECTIONS["decisions"], "sequence_parallel"]
+    assert list(SECTION_RECORDS) == list(SECTIONS) and [f.name for f in fields(Decisions)] == [
+        *SECTIONS["decisions"],
+        "sequence_parallel",
+    ]
     for section in ("layout", "review", "provenance"):
         assert [f.name for f in fields(SECTION_RECORDS[section])] == list(SECTIONS[section])
-    plan = make_plan(recompute="mixed", recompute_blocks={"h.0": "full", "h.1": "none"}, blocks=("h.0", "h.1"),
-                     notes=("a note",), pinned=("dp",))
+    plan = make_plan(
+        recompute="mixed",
+        recompute_blocks={"h.0": "full", "h.1": "none"},
+        blocks=("h.0", "h.1"),
+        notes=("a note",),
+        pinned=("dp",),
+    )
     for section, record in SECTION_RECORDS.items():
         for f in fields(record):
             if f.name != "recompute_blocks":
                 assert getattr(plan, f.name) is getattr(getattr(plan, section), f.name), f.name
             with pytest.raises(AttributeError):
                 setattr(plan, f.name, None)
-    assert plan.recompute_blocks == {"h.0": "full", "h.1": "none"} and plan.decisions.recompute_blocks == ("full", "none")
+    assert plan.recompute_blocks == {"h.0": "full", "h.1": "none"} and plan.decisions.recompute_blocks == (
+        "full",
+        "none",
+    )
     assert Plan.of(**{f.name: getattr(plan, f.name) for f in fields(Plan)}) == plan
     with pytest.raises(TypeError, match="unknown field 'colour'"):
         make_plan(colour="blue")
@@ -150,25 +207,43 @@ def test_unknown_keys_in_a_section_refused_in_one_line(tmp_path, section):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(colour=1), "plan has an unknown key 'colour'"),
-    (lambda d: d.update(zero_stage=3), "unknown key 'zero_stage', which belongs in 'decisions' in version 2"),
-    (lambda d: d["layout"].update(mesh={"dp": 2}), "'layout' has an unknown key 'mesh', which belongs in 'decisions'"),
-    (lambda d: d["review"].update(global_batch=8), "'review' has an unknown key 'global_batch', which belongs in the "
-                                                   "top of the plan"),
-    (lambda d: d.pop("layout"), "plan field 'layout' is missing"),
-    (lambda d: d.update(decisions=[1]), "plan field 'decisions' must be a mapping, got \\[1\\]"),
-    (lambda d: d["decisions"].pop("zero_stage"), "plan field 'decisions.zero_stage' is missing"),
-    (lambda d: d["decisions"]["mesh"].update(sp=2), "plan field 'decisions.mesh' has an unknown key 'sp'"),
-    (lambda d: d["layout"]["tensor_parallel"].update({"h.0.attn.q": "diagonal"}),
-     "plan field 'layout.tensor_parallel.h.0.attn.q' must be one of colwise"),
-    (lambda d: d["layout"]["stages"][0]["ranks"].append(9), "plan field 'layout.stages\\[0\\].ranks\\[2\\]' must be a rank"),
-    (lambda d: d["review"]["notes"].append(3), "plan field 'review.notes\\[0\\]' must be a string"),
-    (lambda d: d["provenance"]["pinned"].append("a'b"), "plan field 'provenance.pinned\\[0\\]' must be a printable"),
-    (lambda d: d["provenance"].update(runtime="deepspeed"), "plan field 'provenance.runtime' must be one of autoshard, "
-                                                            "megatron-lm, got 'deepspeed'"),
-    (lambda d: d["predicted"]["memory"].update(vram=1), "plan field 'predicted.memory' has an unknown key 'vram'"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(colour=1), "plan has an unknown key 'colour'"),
+        (lambda d: d.update(zero_stage=3), "unknown key 'zero_stage', which belongs in 'decisions' in version 2"),
+        (
+            lambda d: d["layout"].update(mesh={"dp": 2}),
+            "'layout' has an unknown key 'mesh', which belongs in 'decisions'",
+        ),
+        (
+            lambda d: d["review"].update(global_batch=8),
+            "'review' has an unknown key 'global_batch', which belongs in the top of the plan",
+        ),
+        (lambda d: d.pop("layout"), "plan field 'layout' is missing"),
+        (lambda d: d.update(decisions=[1]), "plan field 'decisions' must be a mapping, got \\[1\\]"),
+        (lambda d: d["decisions"].pop("zero_stage"), "plan field 'decisions.zero_stage' is missing"),
+        (lambda d: d["decisions"]["mesh"].update(sp=2), "plan field 'decisions.mesh' has an unknown key 'sp'"),
+        (
+            lambda d: d["layout"]["tensor_parallel"].update({"h.0.attn.q": "diagonal"}),
+            "plan field 'layout.tensor_parallel.h.0.attn.q' must be one of colwise",
+        ),
+        (
+            lambda d: d["layout"]["stages"][0]["ranks"].append(9),
+            "plan field 'layout.stages\\[0\\].ranks\\[2\\]' must be a rank",
+        ),
+        (lambda d: d["review"]["notes"].append(3), "plan field 'review.notes\\[0\\]' must be a string"),
+        (
+            lambda d: d["provenance"]["pinned"].append("a'b"),
+            "plan field 'provenance.pinned\\[0\\]' must be a printable",
+        ),
+        (
+            lambda d: d["provenance"].update(runtime="deepspeed"),
+            "plan field 'provenance.runtime' must be one of autoshard, megatron-lm, got 'deepspeed'",
+        ),
+        (lambda d: d["predicted"]["memory"].update(vram=1), "plan field 'predicted.memory' has an unknown key 'vram'"),
+    ],
+)
 def test_version_2_fields_named_by_their_path(tmp_path, edit, message):
     data = json.loads(make_plan().to_json())
     edit(data)
@@ -188,14 +263,17 @@ def test_batch_arithmetic_checked():
         make_plan(num_microbatches=3)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "a plan is a JSON object"),
-    ('{"version": 99}', "plan version 99, this autoshard reads versions 1 and 2"),
-    ('{"version": 3}', "plan version 3, this autoshard reads versions 1 and 2"),
-    ('{"version": 1, "model": {}}', "plan field 'model.spec' is missing"),
-    ('{"version": 2, "model": {}}', "plan field 'decisions' is missing"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "a plan is a JSON object"),
+        ('{"version": 99}', "plan version 99, this autoshard reads versions 1 and 2"),
+        ('{"version": 3}', "plan version 3, this autoshard reads versions 1 and 2"),
+        ('{"version": 1, "model": {}}', "plan field 'model.spec' is missing"),
+        ('{"version": 2, "model": {}}', "plan field 'decisions' is missing"),
+    ],
+)
 def test_bad_plan_files(tmp_path, text, message):
     path = tmp_path / "p.json"
     path.write_text(text)
@@ -224,4 +302,6 @@ def test_tampered_version_1_field_named_by_its_flat_path(tmp_path):
 def test_blocks_expression_compresses_numbered_runs():
     assert blocks_expression(("h.0", "h.1", "h.2")) == '[f"h.{i}" for i in range(3)]'
     assert blocks_expression(("a", "b.1")) == "['a', 'b.1']"
-    assert eval(blocks_expression(tuple(f"model.layers.{i}" for i in range(5)))) == [f"model.layers.{i}" for i in range(5)]
+    assert eval(blocks_expression(tuple(f"model.layers.{i}" for i in range(5)))) == [
+        f"model.layers.{i}" for i in range(5)
+    ]

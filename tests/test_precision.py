@@ -42,8 +42,12 @@ def test_each_pin_is_the_plans_precision(estimates):
     """fp32, bf16 -> bf16-autocast (the plan format's older name), bf16-pure (fp32 weights: cast), fp16 ->
     fp16-autocast; unpinned on NCCL: bf16-autocast, as before; provenance names the pin."""
     assert {p: plan.precision for p, plan in estimates.items()} == {
-        "fp32": "fp32", "bf16": "bf16-autocast", "bf16-pure": "bf16-pure", "fp16": "fp16-autocast",
-        None: "bf16-autocast"}
+        "fp32": "fp32",
+        "bf16": "bf16-autocast",
+        "bf16-pure": "bf16-pure",
+        "fp16": "fp16-autocast",
+        None: "bf16-autocast",
+    }
     assert "precision" in estimates["bf16-pure"].pinned and "precision" not in estimates[None].pinned
     assert estimates[None].predicted.memory == estimates["bf16"].predicted.memory  # unpinned NCCL is bf16
 
@@ -53,50 +57,98 @@ def test_state_bytes_follow_the_formulas(estimates):
     (fp32 master weights) and (2, 4) for bf16-pure;
     activations in 2 bytes under every 16-bit precision, 4 in fp32."""
     params = estimates["fp32"].model["params"]
-    state = {p: m.params_bytes + m.grads_bytes + m.optimizer_bytes
-             for p, m in ((p, plan.predicted.memory) for p, plan in estimates.items())}
+    state = {
+        p: m.params_bytes + m.grads_bytes + m.optimizer_bytes
+        for p, m in ((p, plan.predicted.memory) for p, plan in estimates.items())
+    }
     for pin, precision in (("fp32", FP32), ("bf16", BF16_AUTOCAST), ("fp16", FP16_AUTOCAST), ("bf16-pure", BF16_PURE)):
         m = estimates[pin].predicted.memory
-        assert (m.params_bytes, m.optimizer_bytes) == (params * precision.param_bytes,
-                                                       params * precision.optimizer_bytes), pin
+        assert (m.params_bytes, m.optimizer_bytes) == (
+            params * precision.param_bytes,
+            params * precision.optimizer_bytes,
+        ), pin
     assert state["bf16-pure"] * 2 == state["bf16"] == state["fp16"] == state["fp32"]
     acts = {p: plan.predicted.memory.activations_bytes for p, plan in estimates.items()}
     assert acts["bf16-pure"] == acts["bf16"] == acts["fp16"] < acts["fp32"]
-    assert estimates["bf16-pure"].predicted.memory_peak_bytes_per_rank < \
-        estimates["bf16"].predicted.memory_peak_bytes_per_rank < estimates["fp32"].predicted.memory_peak_bytes_per_rank
+    assert (
+        estimates["bf16-pure"].predicted.memory_peak_bytes_per_rank
+        < estimates["bf16"].predicted.memory_peak_bytes_per_rank
+        < estimates["fp32"].predicted.memory_peak_bytes_per_rank
+    )
 
 
 def test_the_search_prices_the_pinned_precision(in_repo):
     """A searched plan (only --precision pinned) on CPU ranks records and prices it: bf16-pure's state is half
     of the unpinned fp32 plan's for the same decisions."""
-    pure = autoshard.plan(GPT, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=0,
-                          precision="bf16-pure")
-    fp32 = estimate(GPT, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, tp=1, pp=1, zero=0,
-                              microbatch_size=pure.microbatch_size, recompute=pure.recompute)
+    pure = autoshard.plan(
+        GPT, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=0, precision="bf16-pure"
+    )
+    fp32 = estimate(
+        GPT,
+        cluster="local-cpu",
+        devices_per_node=2,
+        global_batch=8,
+        dp=2,
+        tp=1,
+        pp=1,
+        zero=0,
+        microbatch_size=pure.microbatch_size,
+        recompute=pure.recompute,
+    )
     assert pure.precision == "bf16-pure" and fp32.precision == "fp32"
     m, f = pure.predicted.memory, fp32.predicted.memory
-    assert (m.params_bytes + m.grads_bytes + m.optimizer_bytes) * 2 == f.params_bytes + f.grads_bytes + f.optimizer_bytes
+    assert (
+        m.params_bytes + m.grads_bytes + m.optimizer_bytes
+    ) * 2 == f.params_bytes + f.grads_bytes + f.optimizer_bytes
 
 
 def test_cli_flag_writes_the_plan(in_repo, capsys, tmp_path):
     out = tmp_path / "p.json"
-    code, _, err = run_cli(capsys, "estimate", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
-                           "--global-batch", "8", "--dp", "2", "--tp", "1", "--pp", "1", "--zero", "3",
-                           "--microbatch-size", "4", "--recompute", "none", "--precision", "FP16", "-o", str(out))
+    code, _, err = run_cli(
+        capsys,
+        "estimate",
+        GPT,
+        "--cluster",
+        "local-cpu",
+        "--devices-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "3",
+        "--microbatch-size",
+        "4",
+        "--recompute",
+        "none",
+        "--precision",
+        "FP16",
+        "-o",
+        str(out),
+    )
     assert code == 0, err
     plan = json.loads(out.read_text())
     assert plan["decisions"]["precision"] == "fp16-autocast"
     assert "precision" in plan["provenance"]["pinned"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--pp", "2", "--precision", "fp16"], "--precision fp16 with pipeline stages is not emitted yet"),
-    (["--precision", "bf16", "--runtime", "megatron-lm"], "--precision bf16 with --runtime megatron-lm"),
-    (["--tp", "2", "--precision", "fp16"], "--precision fp16 with --tp 2 is not emitted yet"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pp", "2", "--precision", "fp16"], "--precision fp16 with pipeline stages is not emitted yet"),
+        (["--precision", "bf16", "--runtime", "megatron-lm"], "--precision bf16 with --runtime megatron-lm"),
+        (["--tp", "2", "--precision", "fp16"], "--precision fp16 with --tp 2 is not emitted yet"),
+    ],
+)
 def test_refusals_are_one_line(in_repo, capsys, argv, message):
-    code, out, err = run_cli(capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2",
-                             "--global-batch", "8", *argv)
+    code, out, err = run_cli(
+        capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", *argv
+    )
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
@@ -136,10 +188,19 @@ def test_one_loop_serves_every_precision(estimates):
     fp16 = emit_program(estimates["fp16"])
     compile(fp16, "train.py", "exec")
     assert "PRECISION = 'fp16-autocast'  # float16 compute" in fp16 and "the loss scaled (GradScaler)" in fp16
-    body = fp16[fp16.index("def main"):]
-    order = [body.index(s) for s in ("scaler = runtime.grad_scaler(PRECISION, model, ctx.device)",
-                                     "runtime.forward_backward(", "PRECISION, scaler)", "scaler.unscale_(optimizer)",
-                                     "clip_grad_norm(model", "scaler.step(optimizer)", "scaler.update()")]
+    body = fp16[fp16.index("def main") :]
+    order = [
+        body.index(s)
+        for s in (
+            "scaler = runtime.grad_scaler(PRECISION, model, ctx.device)",
+            "runtime.forward_backward(",
+            "PRECISION, scaler)",
+            "scaler.unscale_(optimizer)",
+            "clip_grad_norm(model",
+            "scaler.step(optimizer)",
+            "scaler.update()",
+        )
+    ]
     assert order == sorted(order)
     assert "optimizer.step()" not in body.replace("# optimizer.step()", "")
     assert body.count("scaler=scaler") == 2  # checkpoints keep the loss scale (resume and save)
@@ -148,7 +209,7 @@ def test_one_loop_serves_every_precision(estimates):
     assert "model = cast_params(model, precision=PRECISION)" in pure
     assert [s.op for s in lower(estimates["bf16-pure"])][0] == "cast_params"
     assert "cast_params" not in bf16 and all(s.op != "cast_params" for s in lower(estimates["bf16"]))
-    assert {p[p.index("def main"):] for p in (fp16, pure, bf16)} == {body}
+    assert {p[p.index("def main") :] for p in (fp16, pure, bf16)} == {body}
 
 
 def test_forward_backward_scales_and_casts():
@@ -159,12 +220,14 @@ def test_forward_backward_scales_and_casts():
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 4), torch.randn(8, 2)
+
     def grads(precision="fp32", scaler=None, dtype=torch.float32):
         model = torch.nn.Linear(4, 2).to(dtype)
         with torch.no_grad():
             model.weight.fill_(0.5), model.bias.zero_()
-        loss = forward_backward(model, (x,), y, lambda out, t: ((out.float() - t) ** 2).mean(), None, 4, None, 8,
-                                precision, scaler)
+        loss = forward_backward(
+            model, (x,), y, lambda out, t: ((out.float() - t) ** 2).mean(), None, 4, None, 8, precision, scaler
+        )
         return loss, model.weight.grad.float()
 
     plain_loss, plain = grads()
@@ -201,8 +264,10 @@ def test_one_process_reference_runs_the_precision(in_repo):
     from autoshard.verify import train_reference
 
     model_file = load_model_file(GPT)
-    runs = {p: train_reference(model_file, 4, 2, 0, 1e-3, fixed_randomness=True, precision=p)
-            for p in ("fp32", "bf16-pure", "bf16-autocast", "fp16-autocast")}
+    runs = {
+        p: train_reference(model_file, 4, 2, 0, 1e-3, fixed_randomness=True, precision=p)
+        for p in ("fp32", "bf16-pure", "bf16-autocast", "fp16-autocast")
+    }
     assert all(t.dtype == torch.bfloat16 for t in runs["bf16-pure"].params.values() if t.is_floating_point())
     assert all(float(torch.tensor(loss).bfloat16()) == loss for loss in runs["bf16-pure"].losses)
     for p in ("bf16-autocast", "fp16-autocast"):
@@ -221,8 +286,7 @@ def test_hf_config_in_bf16_is_noted(tmp_path):
     request = PlanRequest(model_spec=f"hf:{tmp_path}", cluster=cluster, global_batch=8)
     (note,) = precision_notes(request)
     assert "fp32 master weights (precision bf16 autocast)" in note and "--precision bf16-pure" in note
-    pinned = PlanRequest(model_spec=f"hf:{tmp_path}", cluster=cluster, global_batch=8,
-                         pins=Pins(precision="bf16-pure"))
+    pinned = PlanRequest(model_spec=f"hf:{tmp_path}", cluster=cluster, global_batch=8, pins=Pins(precision="bf16-pure"))
     assert "trains in bf16" in precision_notes(pinned)[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
     assert precision_notes(request) == ()
@@ -279,4 +343,5 @@ def test_inspect_shows_the_dtype_note(estimates):
         console = Console(record=True, width=300)
         console.print(decision_table(p))
         return console.export_text()
+
     assert "torch_dtype bfloat16" in shown(noted) and "torch_dtype" not in shown(plan)

@@ -52,8 +52,9 @@ def test_pipeline_cuts_are_torchtitans():
     cuts = torchtitan_cuts(126, 8)
     sizes = [b - a for a, b in zip((0, *cuts), (*cuts, 126))]
     assert sizes == [15, 16, 16, 16, 16, 16, 16, 15]
-    assert [b - a for a, b in zip((0, *torchtitan_cuts(126, 16)), (*torchtitan_cuts(126, 16), 126))] == \
-        [7] + [8] * 14 + [7]
+    assert [b - a for a, b in zip((0, *torchtitan_cuts(126, 16)), (*torchtitan_cuts(126, 16), 126))] == [7] + [
+        8
+    ] * 14 + [7]
 
 
 def test_the_fitting_set_is_at_most_a_third_and_holds_out_torchtitans_eager_rows():

@@ -53,7 +53,9 @@ def test_each_random_op_returns_its_expectation():
         assert torch.equal(torch.randperm(4), torch.arange(4))
         assert torch.equal(torch.multinomial(torch.tensor([0.1, 0.6, 0.3]), 2), torch.tensor([1, 2]))
         assert torch.allclose(torch.empty(2).exponential_(4.0), torch.full((2,), 0.25))
-        assert torch.equal(torch.binomial(torch.tensor([10.0, 4.0]), torch.tensor([0.3, 0.5])), torch.tensor([3.0, 2.0]))
+        assert torch.equal(
+            torch.binomial(torch.tensor([10.0, 4.0]), torch.tensor([0.3, 0.5])), torch.tensor([3.0, 2.0])
+        )
         assert torch.allclose(torch._sample_dirichlet(torch.tensor([1.0, 3.0])), torch.tensor([0.25, 0.75]))
         with pytest.raises(RandomOpNotFixed, match="random_ without bounds"):
             torch.empty(2).random_()
@@ -71,8 +73,9 @@ def test_dropout_of_every_form_is_the_identity_with_the_identity_gradient():
     with fixed_randomness():
         assert torch.equal(nn.Dropout(0.5)(x), x) and torch.equal(F.dropout(x, 0.5, True), x)
         assert torch.equal(torch.ops.aten.dropout.default(x, 0.5, True), x)  # a traced pipeline stage's call
-        torch.ops.aten.mul.Tensor(x, torch.ops.aten.bernoulli_.float(torch.empty_like(x), 0.6).div_(0.6)) \
-            .sum().backward()  # dropout as the CPU runs it, below the functions
+        torch.ops.aten.mul.Tensor(
+            x, torch.ops.aten.bernoulli_.float(torch.empty_like(x), 0.6).div_(0.6)
+        ).sum().backward()  # dropout as the CPU runs it, below the functions
         assert torch.allclose(x.grad, torch.ones_like(x))
         a = F.scaled_dot_product_attention(x, x, x, None, 0.9)
         b = F.scaled_dot_product_attention(x, x, x, dropout_p=0.9)
@@ -110,8 +113,7 @@ def _plan(spec: str, random_ops: dict | None):
 def test_verify_refuses_randomness_it_cannot_fix_naming_the_op_and_module(in_repo):
     check_randomness(_plan(DROP_PATH, {"aten.bernoulli_.float": ["blocks.*"]}), load_model_file(DROP_PATH), 0)
     with pytest.raises(AutoshardError, match=r"aten._fused_dropout.default \(in blocks.\*\)"):
-        check_randomness(_plan(DROP_PATH, {"aten._fused_dropout.default": ["blocks.*"]}),
-                         load_model_file(DROP_PATH), 0)
+        check_randomness(_plan(DROP_PATH, {"aten._fused_dropout.default": ["blocks.*"]}), load_model_file(DROP_PATH), 0)
     spec = "tests/bad_models/python_random.py:build"
     assert not forward_is_deterministic(load_model_file(spec), 4, 0)
     with pytest.raises(AutoshardError, match="Python's random"):

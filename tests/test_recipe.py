@@ -59,8 +59,18 @@ class Zoo(nn.Module):
 
 
 DECAYED = {"up.weight", "down.weight"}
-UNDECAYED = {"wte.weight", "ln.weight", "ln.bias", "up.bias", "rms.weight", "mine.weight", "gn.weight", "gn.bias",
-             "bn.weight", "bn.bias"}
+UNDECAYED = {
+    "wte.weight",
+    "ln.weight",
+    "ln.bias",
+    "up.bias",
+    "rms.weight",
+    "mine.weight",
+    "gn.weight",
+    "gn.bias",
+    "bn.weight",
+    "bn.bias",
+}
 
 
 def group_names(model: nn.Module, groups: list[dict]) -> dict[float, set[str]]:
@@ -120,35 +130,55 @@ def test_the_default_recipe_trains_as_programs_did_before_it_but_for_the_no_deca
 
 
 def test_a_toml_and_a_yaml_file_give_the_same_recipe(tmp_path):
-    (tmp_path / "r.toml").write_text('[training]\noptimizer = "adamw"\nlr = 3e-4\nbetas = [0.9, 0.95]\n'
-                                     'weight_decay = 0.1\ndecay_all = false\nschedule = "cosine"\nwarmup_steps = 100\n'
-                                     'min_lr_ratio = 0.1\nmax_grad_norm = 1\nsteps = 1000\n[other]\nx = 1\n')
-    (tmp_path / "r.yaml").write_text("training:\n  optimizer: adamw\n  lr: 3e-4\n  betas: [0.9, 0.95]\n"
-                                     "  weight_decay: 0.1\n  decay_all: false\n  schedule: cosine\n"
-                                     "  warmup_steps: 100\n  min_lr_ratio: 0.1\n  max_grad_norm: 1.0\n  steps: 1000\n")
+    (tmp_path / "r.toml").write_text(
+        '[training]\noptimizer = "adamw"\nlr = 3e-4\nbetas = [0.9, 0.95]\n'
+        'weight_decay = 0.1\ndecay_all = false\nschedule = "cosine"\nwarmup_steps = 100\n'
+        "min_lr_ratio = 0.1\nmax_grad_norm = 1\nsteps = 1000\n[other]\nx = 1\n"
+    )
+    (tmp_path / "r.yaml").write_text(
+        "training:\n  optimizer: adamw\n  lr: 3e-4\n  betas: [0.9, 0.95]\n"
+        "  weight_decay: 0.1\n  decay_all: false\n  schedule: cosine\n"
+        "  warmup_steps: 100\n  min_lr_ratio: 0.1\n  max_grad_norm: 1.0\n  steps: 1000\n"
+    )
     toml, yaml = Recipe.from_file(tmp_path / "r.toml"), Recipe.from_file(tmp_path / "r.yaml")
-    assert toml == yaml == Recipe(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, decay_all=False, schedule="cosine",
-                                  warmup_steps=100, min_lr_ratio=0.1, max_grad_norm=1.0, steps=1000)
+    assert (
+        toml
+        == yaml
+        == Recipe(
+            lr=3e-4,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            decay_all=False,
+            schedule="cosine",
+            warmup_steps=100,
+            min_lr_ratio=0.1,
+            max_grad_norm=1.0,
+            steps=1000,
+        )
+    )
     assert Recipe(**toml.as_dict()) == toml and toml.to_constants()["betas"] == [0.9, 0.95]
     (tmp_path / "partial.toml").write_text('[training]\nschedule = "linear"\n')
     assert Recipe.from_file(tmp_path / "partial.toml") == Recipe(schedule="linear")
 
 
-@pytest.mark.parametrize("name, text, says", [
-    ("r.toml", '[training]\nlearning_rate = 1e-3\n', "unknown key 'learning_rate'"),
-    ("r.toml", '[training]\noptimizer = "lion"\n', "optimizer = 'lion'"),
-    ("r.toml", '[training]\nlr = -1.0\n', "lr = -1.0"),
-    ("r.toml", '[training]\nsteps = "many"\n', "steps = 'many'"),
-    ("r.toml", '[training]\nbetas = [0.9]\n', "betas = [0.9]"),
-    ("r.toml", '[training]\nmin_lr_ratio = 2.0\n', "min_lr_ratio = 2.0"),
-    ("r.toml", '[training]\nmax_grad_norm = 0.0\n', "max_grad_norm = 0.0"),
-    ("r.toml", '[training]\ndecay_all = "no"\n', "decay_all = 'no'"),
-    ("r.toml", '[optimizer]\nlr = 1e-3\n', "no [training] table"),
-    ("r.toml", '[training\n', "not valid TOML"),
-    ("r.yaml", 'training: [1, 2\n', "not valid YAML"),
-    ("r.yaml", 'training:\n  lr: fast\n', "lr = 'fast'"),
-    ("r.json", '{}', "must end in .toml, .yaml or .yml"),
-])
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        ("r.toml", "[training]\nlearning_rate = 1e-3\n", "unknown key 'learning_rate'"),
+        ("r.toml", '[training]\noptimizer = "lion"\n', "optimizer = 'lion'"),
+        ("r.toml", "[training]\nlr = -1.0\n", "lr = -1.0"),
+        ("r.toml", '[training]\nsteps = "many"\n', "steps = 'many'"),
+        ("r.toml", "[training]\nbetas = [0.9]\n", "betas = [0.9]"),
+        ("r.toml", "[training]\nmin_lr_ratio = 2.0\n", "min_lr_ratio = 2.0"),
+        ("r.toml", "[training]\nmax_grad_norm = 0.0\n", "max_grad_norm = 0.0"),
+        ("r.toml", '[training]\ndecay_all = "no"\n', "decay_all = 'no'"),
+        ("r.toml", "[optimizer]\nlr = 1e-3\n", "no [training] table"),
+        ("r.toml", "[training\n", "not valid TOML"),
+        ("r.yaml", "training: [1, 2\n", "not valid YAML"),
+        ("r.yaml", "training:\n  lr: fast\n", "lr = 'fast'"),
+        ("r.json", "{}", "must end in .toml, .yaml or .yml"),
+    ],
+)
 def test_a_bad_recipe_file_is_refused_in_one_line(tmp_path, name, text, says):
     (tmp_path / name).write_text(text)
     with pytest.raises(AutoshardError) as caught:
@@ -214,8 +244,9 @@ def test_pipeline_stages_take_the_whole_models_groups_by_name(one_rank):
 
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
 def test_each_optimizer_is_torchs_own_with_the_recipes_settings(name):
-    recipe = Recipe(optimizer=name, lr=0.05, betas=(0.8, 0.9), eps=1e-6, momentum=0.9, weight_decay=0.1,
-                    decay_all=False)
+    recipe = Recipe(
+        optimizer=name, lr=0.05, betas=(0.8, 0.9), eps=1e-6, momentum=0.9, weight_decay=0.1, decay_all=False
+    )
     model = Zoo()
     optimizer = build_optimizer(model, recipe, "cpu")
     assert type(optimizer) is {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
@@ -303,7 +334,9 @@ def test_the_scheduler_resumes_from_a_checkpoint_exactly(one_rank, tmp_path):
     for folder in ("with", "without"):
         model, optimizer, scheduler = fresh()
         assert checkpoint.resume(tmp_path / folder, model, optimizer, scheduler=scheduler) == 2
-        assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * lr_factor(2, recipe))
+        assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(
+            0.01 * lr_factor(2, recipe)
+        )
         train(model, optimizer, scheduler, steps=3, max_norm=recipe.max_grad_norm, first=2)
         assert optimizer.param_groups[0]["lr"] == straight_lr
         assert all(torch.equal(a, b) for a, b in zip(straight.values(), weights(model).values())), folder

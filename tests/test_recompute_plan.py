@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def mixed_plan():
-    plan = autoshard.plan(str(ROOT / "tests/models/wide_gpt.py:build_deep"), cluster="dgx-a100-80gb", nodes=2,
-                          global_batch=64, sequence_parallel=False)  # 60B on 16 A100s: some blocks recompute
+    plan = autoshard.plan(
+        str(ROOT / "tests/models/wide_gpt.py:build_deep"),
+        cluster="dgx-a100-80gb",
+        nodes=2,
+        global_batch=64,
+        sequence_parallel=False,
+    )  # 60B on 16 A100s: some blocks recompute
     assert plan.recompute == "mixed"
     return plan
 
@@ -41,11 +46,14 @@ def test_inspect_names_the_blocks_per_mode(mixed_plan, tmp_path, capsys):
     assert "mixed: " in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d["decisions"].update(recompute_blocks={}), "mixed plan gives every block"),
-    (lambda d: d["decisions"]["recompute_blocks"].update({"h.0": "sometimes"}), "decisions.recompute_blocks.h.0"),
-    (lambda d: d["decisions"].update(recompute="none"), "mixed plan gives every block"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["decisions"].update(recompute_blocks={}), "mixed plan gives every block"),
+        (lambda d: d["decisions"]["recompute_blocks"].update({"h.0": "sometimes"}), "decisions.recompute_blocks.h.0"),
+        (lambda d: d["decisions"].update(recompute="none"), "mixed plan gives every block"),
+    ],
+)
 def test_tampered_mixed_plans_are_refused(mixed_plan, change, message):
     import json
 

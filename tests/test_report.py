@@ -12,13 +12,20 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime import report
 from autoshard.runtime.report import Prediction, StepLog
 
-PREDICTED = dict(step_time_s=2.0, mfu=0.5, peak_flops_per_s=1e12, devices=4, allocated_bytes=3 * 2**30,
-                 memory_peak_bytes=int(3.15 * 2**30))
+PREDICTED = dict(
+    step_time_s=2.0,
+    mfu=0.5,
+    peak_flops_per_s=1e12,
+    devices=4,
+    allocated_bytes=3 * 2**30,
+    memory_peak_bytes=int(3.15 * 2**30),
+)
 
 
 @pytest.fixture
 def clock(monkeypatch):
     """time.perf_counter as the test sets it: each step takes ``clock.step_s``."""
+
     class Clock:
         now, step_s = 0.0, 4.0
 
@@ -98,7 +105,9 @@ def test_run_refuses_tensorboard_without_its_package_before_anything_starts(in_r
     find_spec = util.find_spec
     monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
     plan = tmp_path / "plan.json"
-    assert main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "4", "-o", str(plan)]) == 0
+    assert (
+        main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "4", "-o", str(plan)]) == 0
+    )
     capsys.readouterr()
     code = main(["run", str(plan), "--steps", "1", "--tensorboard", str(tmp_path / "tb")])
     err = capsys.readouterr().err

@@ -62,7 +62,10 @@ CLUSTER_FILES = [
     (B + "res_duplicate_nested_key.yaml", "duplicate key 'bandwidth_gbps' at line 3"),
     (B + "res_huge_integer.yaml", "a number with 5000 digits at line 3"),
     (B + "res_long_float.yaml", "a number with 401 digits at line 3"),
-    (B + "res_latency_1e300.yaml", "intra_node.latency_us must be between 0 and 1e+07 µs (physical bounds), got 1e+300"),
+    (
+        B + "res_latency_1e300.yaml",
+        "intra_node.latency_us must be between 0 and 1e+07 µs (physical bounds), got 1e+300",
+    ),
     (B + "res_peak_1e-300.yaml", "device.peak_tflops must be between 0.001 and 1e+06 TFLOP/s"),
     (B + "res_bandwidth_above_bound.yaml", "inter_node.bandwidth_gbps must be between 0.001 and 1e+06 GB/s"),
     (B + "res_memory_above_bound.yaml", "device.memory_bytes must be between 1 and 1,125,899,906,842,624 bytes"),
@@ -109,12 +112,15 @@ def test_aliases_within_the_bound_still_load(tmp_path):
     assert cluster.intra_node.bandwidth_gbps == cluster.inter_node.bandwidth_gbps == 100
 
 
-@pytest.mark.parametrize("section, field, low, high", [
-    ("intra_node", "bandwidth_gbps", *BOUNDS["bandwidth"][:2]),
-    ("inter_node", "latency_us", *BOUNDS["latency"][:2]),
-    ("device", "peak_tflops", *BOUNDS["tflops"][:2]),
-    ("device", "memory_bytes", *BOUNDS["memory"][:2]),
-])
+@pytest.mark.parametrize(
+    "section, field, low, high",
+    [
+        ("intra_node", "bandwidth_gbps", *BOUNDS["bandwidth"][:2]),
+        ("inter_node", "latency_us", *BOUNDS["latency"][:2]),
+        ("device", "peak_tflops", *BOUNDS["tflops"][:2]),
+        ("device", "memory_bytes", *BOUNDS["memory"][:2]),
+    ],
+)
 def test_physical_bounds_are_inclusive(tmp_path, section, field, low, high):
     path = tmp_path / "cluster.yaml"
     for value, loads in ((low, True), (high, True), (high * 10, False)):
@@ -129,17 +135,24 @@ def test_physical_bounds_are_inclusive(tmp_path, section, field, low, high):
 @pytest.mark.timeout(300)
 def test_extreme_clusters_within_bounds_plan_or_say_why(in_repo, capsys, tmp_path):
     """The bounds' corners (slowest device and links, fastest, mixed) plan, or end in one line."""
-    corners = {"slow": (1e-3, 2**50, 1e-3, 1e-3, 1e-3, 1e7), "fast": (1e6, 2**50, 1e6, 1.0, 1e6, 0.0),
-               "mixed": (1e-3, 1, 1e6, 1e-3, 1e-3, 0.0)}
+    corners = {
+        "slow": (1e-3, 2**50, 1e-3, 1e-3, 1e-3, 1e7),
+        "fast": (1e6, 2**50, 1e6, 1.0, 1e6, 0.0),
+        "mixed": (1e-3, 1, 1e6, 1e-3, 1e-3, 0.0),
+    }
     for name, (peak, memory, hbm, efficiency, link, latency) in corners.items():
         path = tmp_path / f"{name}.yaml"
-        path.write_text(f"preset: dgx-h100\nnodes: 2\ndevice: {{peak_tflops: {peak!r}, memory_bytes: {memory}, "
-                        f"memory_bandwidth_gbps: {hbm!r}, matmul_efficiency: {efficiency!r}}}\n"
-                        f"intra_node: {{bandwidth_gbps: {link!r}, latency_us: {latency!r}}}\n"
-                        f"inter_node: {{bandwidth_gbps: {link!r}, latency_us: {latency!r}}}\n")
+        path.write_text(
+            f"preset: dgx-h100\nnodes: 2\ndevice: {{peak_tflops: {peak!r}, memory_bytes: {memory}, "
+            f"memory_bandwidth_gbps: {hbm!r}, matmul_efficiency: {efficiency!r}}}\n"
+            f"intra_node: {{bandwidth_gbps: {link!r}, latency_us: {latency!r}}}\n"
+            f"inter_node: {{bandwidth_gbps: {link!r}, latency_us: {latency!r}}}\n"
+        )
         for extra in ([], ["--tp", "2"], ["--pp", "2"]):
-            code, out, err = run_cli(capsys, ["plan", "examples/gpt.py:build", "--cluster", str(path),
-                                              "--global-batch", "4096", "--json", *extra])
+            code, out, err = run_cli(
+                capsys,
+                ["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "4096", "--json", *extra],
+            )
             assert "Traceback" not in out + err
             if code == 0:
                 assert math.isfinite(json.loads(out)["predicted"]["step_time_s"])
@@ -156,6 +169,7 @@ def test_stage_cut_times_are_scaled_under_int64():
 
 # ---------------------------------------------------------------------------- cluster size
 
+
 @pytest.mark.timeout(120)
 def test_group_link_never_walks_the_graph_of_a_cluster_at_the_limit():
     cluster = load_cluster("dgx-h100", nodes=MAX_DEVICES // 8)
@@ -167,9 +181,13 @@ def test_group_link_never_walks_the_graph_of_a_cluster_at_the_limit():
 
 
 @settings(max_examples=150, derandomize=True, deadline=None, database=None)
-@given(nodes=st.integers(1, 5), per_node=st.integers(1, 6), picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=6),
-       bandwidths=st.tuples(st.sampled_from([0.5, 50.0, 450.0]), st.sampled_from([0.5, 50.0, 450.0])),
-       latencies=st.tuples(st.sampled_from([0.0, 3.0, 8.0]), st.sampled_from([0.0, 3.0, 8.0])))
+@given(
+    nodes=st.integers(1, 5),
+    per_node=st.integers(1, 6),
+    picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=6),
+    bandwidths=st.tuples(st.sampled_from([0.5, 50.0, 450.0]), st.sampled_from([0.5, 50.0, 450.0])),
+    latencies=st.tuples(st.sampled_from([0.0, 3.0, 8.0]), st.sampled_from([0.0, 3.0, 8.0])),
+)
 def test_group_link_is_the_graphs_bottleneck(nodes, per_node, picks, bandwidths, latencies):
     d = load_cluster("dgx-h100").to_dict()
     d.update(nodes=nodes, devices_per_node=per_node)
@@ -183,13 +201,39 @@ def test_group_link_is_the_graphs_bottleneck(nodes, per_node, picks, bandwidths,
 @pytest.mark.timeout(300)
 def test_a_cluster_at_the_device_limit_plans(in_repo, capsys, tmp_path):
     out = tmp_path / "plan.json"
-    code, _, err = run_cli(capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", str(MAX_DEVICES // 8),
-                                    "--global-batch", str(MAX_DEVICES), "-o", str(out)])
+    code, _, err = run_cli(
+        capsys,
+        [
+            "plan",
+            MLP,
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            str(MAX_DEVICES // 8),
+            "--global-batch",
+            str(MAX_DEVICES),
+            "-o",
+            str(out),
+        ],
+    )
     assert code == 0, err
     mesh = json.loads(out.read_text())["decisions"]["mesh"]
     assert mesh["dp"] * mesh["tp"] * mesh["pp"] == MAX_DEVICES
-    code, _, err = run_cli(capsys, ["plan", MLP, "--cluster", "dgx-h100", "--nodes", str(MAX_DEVICES // 8 + 1),
-                                    "--global-batch", "8", "-o", str(tmp_path / "other.json")])
+    code, _, err = run_cli(
+        capsys,
+        [
+            "plan",
+            MLP,
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            str(MAX_DEVICES // 8 + 1),
+            "--global-batch",
+            "8",
+            "-o",
+            str(tmp_path / "other.json"),
+        ],
+    )
     assert_one_line_exit_2(code, "", err, f"more than autoshard plans for ({MAX_DEVICES:,})")
     assert not (tmp_path / "other.json").exists()
 
@@ -228,6 +272,7 @@ def test_divisors_at_the_bound_take_square_root_steps():
 
 # ---------------------------------------------------------------------------- plans
 
+
 @pytest.fixture(scope="module")
 def good_plan(tmp_path_factory):
     cwd = os.getcwd()
@@ -246,18 +291,24 @@ def _set(path, value):
         for key in path[:-1]:
             d = d[key]
         d[path[-1]] = value
+
     return edit
 
 
 PLAN_NUMBERS = [  # (edit of the plan's JSON text or dict, message)
-    (_set(["predicted", "memory", "peak_bytes"], 10**400),
-     "'predicted.memory.peak_bytes' must be an integer >= 0, got <a number of 401 digits>"),
+    (
+        _set(["predicted", "memory", "peak_bytes"], 10**400),
+        "'predicted.memory.peak_bytes' must be an integer >= 0, got <a number of 401 digits>",
+    ),
     (("global_batch", "7" * 5000), "'global_batch' must be an integer >= 1, got <a number of 5000 digits>"),
     (("step_time_s", "1" * 400 + ".5"), "'predicted.step_time_s' must be a finite number, got inf"),
     (_set(["model", "params"], 2**61), "'model.params' must be an integer of at most 2^60"),
     (_set(["decisions", "num_microbatches"], 2**41), "'decisions.num_microbatches' must be an integer of at most 2^40"),
     (_set(["predicted", "tokens_per_s"], 1e300), "'predicted.tokens_per_s' must be a number of at most 1e30"),
-    (_set(["review", "search", "candidates"], 10**40), "'review.search.candidates' must be a finite number, got <a number of 41"),
+    (
+        _set(["review", "search", "candidates"], 10**40),
+        "'review.search.candidates' must be a finite number, got <a number of 41",
+    ),
     (_set(["cluster", "intra_node", "latency_us"], 1e300), "intra_node.latency_us must be between 0 and 1e+07"),
     (_set(["cluster", "device", "peak_tflops"], 1e-300), "device.peak_tflops must be between 0.001 and 1e+06"),
 ]
@@ -278,12 +329,16 @@ def _write(good_plan, edit, path: Path) -> Path:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("edit, message", PLAN_NUMBERS, ids=[m.split("'")[1] if "'" in m else m[:30]
-                                                             for _, m in PLAN_NUMBERS])
+@pytest.mark.parametrize(
+    "edit, message", PLAN_NUMBERS, ids=[m.split("'")[1] if "'" in m else m[:30] for _, m in PLAN_NUMBERS]
+)
 def test_plan_numbers_beyond_bounds_are_one_line(in_repo, capsys, tmp_path, good_plan, edit, message):
     plan = _write(good_plan, edit, tmp_path / "tampered.json")
-    for argv in (["inspect", str(plan)], ["inspect", str(plan), "--what-if", "global_batch=16"],
-                 ["compile", str(plan), "-o", str(tmp_path / "train.py")]):
+    for argv in (
+        ["inspect", str(plan)],
+        ["inspect", str(plan), "--what-if", "global_batch=16"],
+        ["compile", str(plan), "-o", str(tmp_path / "train.py")],
+    ):
         code, out, err = run_cli(capsys, argv)
         assert_one_line_exit_2(code, out, err, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tampered.json"]
@@ -325,12 +380,15 @@ def test_hostile_expression_is_one_line(in_repo, capsys, tmp_path, good_plan, ex
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("symbols, message", [
-    ({"B": 10**25}, "symbol B must be an integer in 1 .. 1,099,511,627,776"),
-    ({"dp": 0}, "symbol dp must be an integer"),
-    ({"B": 2.5}, "symbol B must be an integer"),
-    ({"q": 1}, "unknown symbol 'q'"),
-])
+@pytest.mark.parametrize(
+    "symbols, message",
+    [
+        ({"B": 10**25}, "symbol B must be an integer in 1 .. 1,099,511,627,776"),
+        ({"dp": 0}, "symbol dp must be an integer"),
+        ({"B": 2.5}, "symbol B must be an integer"),
+        ({"q": 1}, "unknown symbol 'q'"),
+    ],
+)
 def test_damaged_symbols_are_one_line(in_repo, capsys, tmp_path, good_plan, symbols, message):
     data = copy.deepcopy(good_plan)
     data["review"]["symbolic"]["symbols"].update(symbols)
@@ -341,11 +399,14 @@ def test_damaged_symbols_are_one_line(in_repo, capsys, tmp_path, good_plan, symb
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("what_if, message", [
-    ("global_batch=" + "9" * 5000, "global_batch must be at most 1,099,511,627,776 (2^40)"),
-    ("dp=1099511627777", "dp must be at most 1,099,511,627,776"),
-    ("seq_len=-4", "seq_len must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "what_if, message",
+    [
+        ("global_batch=" + "9" * 5000, "global_batch must be at most 1,099,511,627,776 (2^40)"),
+        ("dp=1099511627777", "dp must be at most 1,099,511,627,776"),
+        ("seq_len=-4", "seq_len must be a positive integer"),
+    ],
+)
 def test_what_if_values_beyond_the_bound_are_one_line(in_repo, capsys, tmp_path, good_plan, what_if, message):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(good_plan))
@@ -356,8 +417,13 @@ def test_what_if_values_beyond_the_bound_are_one_line(in_repo, capsys, tmp_path,
 def test_float_evaluation_agrees_with_sympy(good_plan):
     """The bounded evaluator gives sympy's figures (to rounding) on every expression of a real plan."""
     symbolic = good_plan["review"]["symbolic"]
-    texts = [symbolic["step_time_s"], symbolic["memory_peak_bytes"], symbolic["model_flops_per_sample"],
-             *symbolic["parts"].values(), *symbolic["memory"].values()]
+    texts = [
+        symbolic["step_time_s"],
+        symbolic["memory_peak_bytes"],
+        symbolic["model_flops_per_sample"],
+        *symbolic["parts"].values(),
+        *symbolic["memory"].values(),
+    ]
     for point in ({}, {"B": 64, "s": 32}, {"dp": 1, "tp": 2, "pp": 2, "b": 2}):
         values = {**symbolic["symbols"], **point}
         subs = {SYMBOLS[k]: v for k, v in values.items()}
@@ -371,8 +437,9 @@ def test_float_evaluation_agrees_with_sympy(good_plan):
 def test_infeasible_hint_never_suggests_a_cluster_beyond_the_limit(in_repo, capsys, tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text("preset: dgx-h100\ndevice: {memory_bytes: 1}\n")
-    code, out, err = run_cli(capsys, ["plan", MLP, "--cluster", str(path), "--global-batch", "8",
-                                      "-o", str(tmp_path / "plan.json")])
+    code, out, err = run_cli(
+        capsys, ["plan", MLP, "--cluster", str(path), "--global-batch", "8", "-o", str(tmp_path / "plan.json")]
+    )
     assert_one_line_exit_2(code, out, err, f"more than the {MAX_DEVICES:,} autoshard plans for")
     assert "--nodes" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml"]

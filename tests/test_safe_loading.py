@@ -27,7 +27,7 @@ from autoshard.passes.codegen import emit_program
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autoshard"
 
-MARKER_MODEL = '''
+MARKER_MODEL = """
 from pathlib import Path
 Path({marker!r}).write_text("imported")  # importing this file leaves a mark
 import torch.nn as nn
@@ -40,7 +40,7 @@ def build():
 
 def example_batch(batch_size):
     return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
-'''
+"""
 
 
 @pytest.fixture
@@ -86,9 +86,12 @@ def test_plan_json_with_code_in_it_is_only_data(tmp_path):
         with pytest.raises(AutoshardError, match="unknown key '__reduce__'") as refused:
             Plan.from_json(json.dumps(tampered))
         assert "\n" not in str(refused.value)
-    for field, value in ((("model", "spec"), f"x.py:build'); {code}; ('"), (("layout", "blocks"), [f"h.{{{code}}}.0"]),
-                         (("model", "tokens_per_sample"), f"1; {code}"),
-                         (("layout", "tensor_parallel"), {f'h"; {code}; "': "colwise"})):
+    for field, value in (
+        (("model", "spec"), f"x.py:build'); {code}; ('"),
+        (("layout", "blocks"), [f"h.{{{code}}}.0"]),
+        (("model", "tokens_per_sample"), f"1; {code}"),
+        (("layout", "tensor_parallel"), {f'h"; {code}; "': "colwise"}),
+    ):
         tampered = json.loads(json.dumps(plan))
         target = tampered
         for key in field[:-1]:
@@ -102,8 +105,9 @@ def test_plan_json_with_code_in_it_is_only_data(tmp_path):
 def test_emitted_program_holds_plan_strings_as_literals():
     plan = Plan.from_json(json.dumps(_real_plan_dict()))
     tree = ast.parse(emit_program(plan))
-    constants = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-                 if isinstance(t, ast.Name)}
+    constants = {
+        t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+    }
     assert ast.literal_eval(constants["MODEL"]) == plan.model["spec"]
     assert ast.literal_eval(constants["MODEL_FINGERPRINT"]) == plan.model["hash"]
     assert ast.literal_eval(constants["TOKENS_PER_SAMPLE"]) == plan.model["tokens_per_sample"]
@@ -141,6 +145,7 @@ def test_nothing_else_unpickles_evals_or_loads_yaml_unsafely():
 
 
 # ---------------------------------------------------------------------------- checkpoints
+
 
 @pytest.fixture
 def one_rank_group():
@@ -224,4 +229,5 @@ def test_a_save_and_a_resume_each_say_so_in_one_line(one_rank_group, tmp_path, c
     fresh, optimizer = _fresh()
     assert checkpoint.resume(tmp_path / "ckpt", fresh, optimizer) == 3
     assert capsys.readouterr().out.splitlines() == [
-        f"resumed from checkpoint {path} (3 steps done): training goes on at step 3"]
+        f"resumed from checkpoint {path} (3 steps done): training goes on at step 3"
+    ]

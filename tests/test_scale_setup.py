@@ -16,8 +16,14 @@ PLAN = ROOT / "tests" / "scale" / "llama3_70b_fsdp64.plan.json"  # autoshard pla
 
 
 def test_a_70b_plan_sets_up_one_rank_of_64_without_making_the_model():
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "scale" / "setup_on_fake_ranks.py"), str(PLAN), "5"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scale" / "setup_on_fake_ranks.py"), str(PLAN), "5"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=True,
+    )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert report["world_size"] == 64

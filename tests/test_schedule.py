@@ -21,10 +21,19 @@ from autoshard.cost.schedule import (
 )
 
 
-@pytest.mark.parametrize("schedule, pp, m, v", [
-    ("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
-    ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 8, 4),
-])
+@pytest.mark.parametrize(
+    "schedule, pp, m, v",
+    [
+        ("gpipe", 2, 4, 1),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 4, 16, 1),
+        ("interleaved-1f1b", 2, 4, 2),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("interleaved-1f1b", 4, 8, 4),
+    ],
+)
 def test_bubble_matches_formula(schedule, pp, m, v):
     grid = simulate(rank_orders(schedule, pp, m, v), pp * v)
     actions = [a for row in grid for a in row if a is not None]
@@ -35,8 +44,7 @@ def test_bubble_matches_formula(schedule, pp, m, v):
 
 def test_1f1b_grid_text_golden():
     text = format_grid(simulate(rank_orders("1f1b", 2, 3), 2))
-    assert text == ("rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\n"
-                    "rank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   .")
+    assert text == ("rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\nrank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   .")
 
 
 def test_interleaved_has_smaller_bubble_than_1f1b():
@@ -49,8 +57,14 @@ def test_interleaved_has_smaller_bubble_than_1f1b():
 
 ZERO_BUBBLE = ["interleaved-zb", "zbv", "dualpipev"]
 
-SHARED_CASES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
-                ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2)]
+SHARED_CASES = [
+    ("gpipe", 4, 4, 1),
+    ("1f1b", 4, 4, 1),
+    ("1f1b", 4, 8, 1),
+    ("1f1b", 2, 4, 1),
+    ("interleaved-1f1b", 2, 4, 2),
+    ("interleaved-1f1b", 4, 8, 2),
+]
 
 
 @pytest.mark.parametrize("schedule, pp, m, v", SHARED_CASES)
@@ -70,24 +84,31 @@ def test_shared_cores_with_equal_actions_is_the_grid_at_each_slots_speed(schedul
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(SHARED_CASES + [("interleaved-zb", 2, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 4, 8, 2)]),
-       replicas=st.integers(1, 3), cores=st.integers(1, 12),
-       times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16),
-       waits=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16))
+@given(
+    case=st.sampled_from(SHARED_CASES + [("interleaved-zb", 2, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 4, 8, 2)]),
+    replicas=st.integers(1, 3),
+    cores=st.integers(1, 12),
+    times=st.lists(st.floats(0.1, 3.0), min_size=16, max_size=16),
+    waits=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16),
+)
 def test_shared_cores_between_the_work_and_the_unshared_span(case, replicas, cores, times, waits):
     """Never slower than every rank at its calibrated pace (``makespan_s`` of work + wait; equal
     when the node runs every rank at once), never faster than the node allows: it does at most R
     rank-seconds of calibrated work per second, so the span is at least the mean pp rank's work."""
     schedule, pp, m, v = case
     stages = pp * v
-    forward, backward = times[:stages], times[8:8 + stages]
-    forward_wait, backward_wait = waits[:stages], waits[8:8 + stages]
+    forward, backward = times[:stages], times[8 : 8 + stages]
+    forward_wait, backward_wait = waits[:stages], waits[8 : 8 + stages]
     orders = rank_orders(schedule, pp, m, v)
     weight = [b / 2 for b in backward] if schedule in ZERO_BUBBLE else None  # W: half the backward's work
-    unshared = makespan_s(orders, stages, [f + w for f, w in zip(forward, forward_wait)],
-                          [b + w for b, w in zip(backward, backward_wait)], weight)
-    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores, forward_wait, backward_wait,
-                               weight)
+    unshared = makespan_s(
+        orders,
+        stages,
+        [f + w for f, w in zip(forward, forward_wait)],
+        [b + w for b, w in zip(backward, backward_wait)],
+        weight,
+    )
+    shared = shared_makespan_s(orders, stages, forward, backward, replicas, cores, forward_wait, backward_wait, weight)
     assert shared <= unshared * (1 + 1e-12)
     if cores >= replicas * pp:
         assert shared == pytest.approx(unshared, rel=1e-12)
@@ -123,9 +144,13 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int = 2) -> list[list[Actio
     """torch's own ``_calculate_single_rank_operations`` per rank, on an object with only the fields it
     reads (a live schedule needs stages and process groups); an overlapped F + B is its F, then its B."""
     from torch.distributed.pipelining import schedules as S
+
     kinds = {S.FORWARD: "F", S.FULL_BACKWARD: "B", S.BACKWARD_INPUT: "I", S.BACKWARD_WEIGHT: "W"}
-    cls = {"interleaved-zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
-           "dualpipev": S.ScheduleDualPipeV}[schedule]
+    cls = {
+        "interleaved-zb": S.ScheduleInterleavedZeroBubble,
+        "zbv": S.ScheduleZBVZeroBubble,
+        "dualpipev": S.ScheduleDualPipeV,
+    }[schedule]
     obj = object.__new__(cls)
     obj.pp_group_size, obj._n_microbatches, obj.n_local_stages = pp, m, v
     obj.num_stages = obj._num_stages = v * pp
@@ -167,8 +192,9 @@ def test_zero_bubble_runs_every_backward_once_in_order(schedule, pp, m):
                 assert kinds in (["F", "B"], ["F", "I", "W"]), (stage, mb, kinds)
 
 
-@pytest.mark.parametrize("schedule, pp, m", [(s, pp, m) for s in ZERO_BUBBLE for pp in (2, 3, 4, 8)
-                                             for m in (2 * pp, 4 * pp, 8 * pp)])
+@pytest.mark.parametrize(
+    "schedule, pp, m", [(s, pp, m) for s in ZERO_BUBBLE for pp in (2, 3, 4, 8) for m in (2 * pp, 4 * pp, 8 * pp)]
+)
 def test_zero_bubble_idles_a_third_of_1f1b(schedule, pp, m):
     """F, I, W one slot each, B two: each rank idles p − 1 slots, 1F1B and interleaved 1F1B 3(p − 1);
     the bubble is (p − 1)·T/(3v) with T = 3v slots of work per micro-batch (``cost.schedule`` doc)."""
@@ -184,16 +210,26 @@ def test_zbv_below_2p_micro_batches_idles_more():
     assert idle_slots(draw("zbv", 4, 4, 2)) == [6] * 4
 
 
-@pytest.mark.parametrize("schedule, pp, m, v", [
-    ("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("interleaved-zb", 4, 8, 2),
-    ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2), ("zbv", 3, 4, 2)])
+@pytest.mark.parametrize(
+    "schedule, pp, m, v",
+    [
+        ("gpipe", 2, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("interleaved-zb", 4, 8, 2),
+        ("zbv", 4, 8, 2),
+        ("dualpipev", 4, 8, 2),
+        ("zbv", 3, 4, 2),
+    ],
+)
 def test_makespan_with_unit_actions_is_the_grid(schedule, pp, m, v):
     """F = I = W = 1 s and B = 2 s: the timed run is the unit grid (B two slots)."""
     stages = pp * v
     span = makespan_s(rank_orders(schedule, pp, m, v), stages, [1.0] * stages, [2.0] * stages, [1.0] * stages)
     assert span == len(simulate(rank_orders(schedule, pp, m, v), stages, backward_slots=2)[0])
-    shared = shared_makespan_s(rank_orders(schedule, pp, m, v), stages, [1.0] * stages, [2.0] * stages, 1, 64.0,
-                               weight_s=[1.0] * stages)
+    shared = shared_makespan_s(
+        rank_orders(schedule, pp, m, v), stages, [1.0] * stages, [2.0] * stages, 1, 64.0, weight_s=[1.0] * stages
+    )
     assert shared == pytest.approx(span, rel=1e-12)  # every rank its own core: no sharing
 
 
@@ -204,13 +240,23 @@ def test_weight_gradients_fill_the_bubble_only_when_split():
     assert makespan_s(orders, 8, ones, twos, [1.0] * 8) < makespan_s(orders, 8, ones, twos, [0.0] * 8)
 
 
-@pytest.mark.parametrize("schedule, pp, m, v", [
-    ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 16, 1), ("interleaved-1f1b", 2, 4, 2),
-    ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 16, 2)])
+@pytest.mark.parametrize(
+    "schedule, pp, m, v",
+    [
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 16, 1),
+        ("interleaved-1f1b", 2, 4, 2),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("interleaved-1f1b", 4, 16, 2),
+    ],
+)
 def test_peak_in_flight_from_the_order_is_the_formula(schedule, pp, m, v):
     """Counting F until B action by action gives ``rank_memory.in_flight``'s micro-batches."""
     for r, order in enumerate(rank_orders(schedule, pp, m, v)):
-        assert peak_in_flight(order, {s: 1 / v for s in range(pp * v)}) == pytest.approx(in_flight(schedule, m, pp, v, r))
+        assert peak_in_flight(order, {s: 1 / v for s in range(pp * v)}) == pytest.approx(
+            in_flight(schedule, m, pp, v, r)
+        )
 
 
 @pytest.mark.parametrize("schedule, peak", [("interleaved-zb", 4.0), ("zbv", 4.0), ("dualpipev", 4.5)])
@@ -223,6 +269,7 @@ def test_zero_bubble_holds_p_micro_batches_on_every_rank(schedule, peak):
 def test_v_placement_is_the_runtimes():
     """Pricing and the runtime agree on which stages each rank holds: a V for zbv and dualpipev."""
     from autoshard.runtime.pipeline_parallel import stage_indices
+
     assert rank_stages("zbv", 4, 2, 0) == [0, 7] == stage_indices(0, 4, 2, "v")
     assert stage_owners("dualpipev", 2, 2) == [0, 1, 1, 0]
     assert stage_owners("interleaved-zb", 2, 2) == [0, 1, 0, 1]
@@ -234,4 +281,5 @@ def test_v_placement_is_the_runtimes():
 def test_zbv_grid_text_golden():
     assert format_grid(draw("zbv", 2, 4, 2)) == (
         "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .\n"
-        "rank 1 |   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3")
+        "rank 1 |   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"
+    )

@@ -64,8 +64,10 @@ def test_a_time_limit_stops_early_and_reports_the_gap(graphs):
 def test_bad_time_limit_is_one_line(in_repo, capsys):
     from autoshard.cli import main
 
-    assert main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "8",
-                 "--time-limit", "-1"]) == 2
+    assert (
+        main(["plan", "examples/gpt.py:build", "--cluster", "local-cpu", "--global-batch", "8", "--time-limit", "-1"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--time-limit -1.0 must be a number of seconds > 0" in err and err.count("\n") == 1
 
@@ -96,8 +98,11 @@ def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
             continue
         counts = {(group, "full"): full, (group, "selective"): selective, (group, "none"): blocks - full - selective}
         modes = assign(groups, counts, blocks)
-        config = Decisions(base.mesh, 3, 16, 1, recompute="mixed", recompute_blocks=modes) if len(set(modes)) > 1 \
+        config = (
+            Decisions(base.mesh, 3, 16, 1, recompute="mixed", recompute_blocks=modes)
+            if len(set(modes)) > 1
             else Decisions(base.mesh, 3, 16, 1, recompute=modes[0])
+        )
         p = price_config(graph, cluster, config, 64, tables)
         if p.fits:
             fitting.append(p.predicted.step_time_s)

@@ -74,11 +74,14 @@ def problems(draw):
     sizes = st.floats(0, 20, allow_nan=False)
     problem = PartitionProblem(
         block_time_ps=tuple(draw(st.lists(times, min_size=n, max_size=n))),
-        prefix_time_ps=draw(times), suffix_time_ps=draw(times),
+        prefix_time_ps=draw(times),
+        suffix_time_ps=draw(times),
         block_fixed_bytes=tuple(draw(st.lists(sizes, min_size=n, max_size=n))),
-        prefix_fixed_bytes=draw(sizes), suffix_fixed_bytes=draw(sizes),
+        prefix_fixed_bytes=draw(sizes),
+        suffix_fixed_bytes=draw(sizes),
         block_act_bytes=tuple(draw(st.lists(sizes, min_size=n, max_size=n))),
-        prefix_act_bytes=draw(sizes), suffix_act_bytes=draw(sizes),
+        prefix_act_bytes=draw(sizes),
+        suffix_act_bytes=draw(sizes),
         in_flight=tuple(draw(st.lists(st.integers(1, 4), min_size=stages, max_size=stages))),
         cap_bytes=draw(st.floats(5, 120, allow_nan=False)),
     )
@@ -97,8 +100,9 @@ def test_stage_cuts_are_exact_against_brute_force(case):
     assert cuts is not None and len(cuts) == stages - 1 and list(cuts) == sorted(set(cuts))
     assert all(0 < c < problem.blocks for c in cuts)
     assert bottleneck_ps(problem, cuts) == expected
-    assert all(problem.stage_bytes(s, i, j) <= problem.cap_bytes
-               for s, (i, j) in enumerate(stage_ranges(cuts, problem.blocks)))
+    assert all(
+        problem.stage_bytes(s, i, j) <= problem.cap_bytes for s, (i, j) in enumerate(stage_ranges(cuts, problem.blocks))
+    )
 
 
 def test_equal_blocks_split_evenly_and_a_heavy_head_gets_its_own_room():
@@ -143,8 +147,12 @@ def check_pipeline(p, graph):
     assert held == blocks  # every block once, in order
     assert p.stages[0].modules[:2] == ("wte", "wpe") and p.stages[-1].modules[-2:] == ("ln_f", "lm_head")
     for s in p.stages:
-        assert s.ranks == ranks_of_stage(p.mesh, s.index % p.mesh.pp if p.schedule not in ("zbv", "dualpipev")
-                                      else (s.index if s.index < p.mesh.pp else 2 * p.mesh.pp - 1 - s.index))
+        assert s.ranks == ranks_of_stage(
+            p.mesh,
+            s.index % p.mesh.pp
+            if p.schedule not in ("zbv", "dualpipev")
+            else (s.index if s.index < p.mesh.pp else 2 * p.mesh.pp - 1 - s.index),
+        )
     assert p.num_microbatches >= p.mesh.pp and p.recompute == "none"
     assert p.zero_stage in ((0, 1, 3) if p.mesh.dp > 1 else (0,))  # ZeRO-2 runs as ZeRO-1 in a pipeline
 
@@ -164,8 +172,9 @@ def test_pin_pp_2_with_a_schedule(gpt, schedule, virtual):
     assert (p.mesh.pp, p.mesh.tp, p.mesh.dp, p.schedule, p.virtual_stages) == (2, 1, 2, schedule, virtual)
     check_pipeline(p, gpt[1])
     assert p.tensor_parallel == {} and p.predicted.bubble_s > 0
-    assert p.predicted.step_time_s == pytest.approx(p.predicted.compute_s + p.predicted.comm_exposed_s
-                                                    + p.predicted.bubble_s)
+    assert p.predicted.step_time_s == pytest.approx(
+        p.predicted.compute_s + p.predicted.comm_exposed_s + p.predicted.bubble_s
+    )
     if schedule == "interleaved-1f1b":
         assert p.split_points == ("h.1", "h.2", "h.3")
         assert [s.ranks for s in p.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
@@ -186,11 +195,13 @@ def test_zero_bubble_schedules_are_planned_with_their_placement(gpt, schedule):
 
 def test_the_space_has_no_split_backward_that_does_not_train_like_one_process(gpt):
     from autoshard.passes.strategies import candidate_configs
+
     configs = candidate_configs(gpt[1], local(4), 16, Pins())
     split = [c for c in configs if c.schedule in ("interleaved-zb", "zbv", "dualpipev")]
     assert {c.schedule for c in split} == {"interleaved-zb", "zbv", "dualpipev"}
-    assert not [c for c in split if c.zero_stage == 3 or c.recompute == "selective"
-                or (c.mesh.tp > 1 and c.recompute == "full")]
+    assert not [
+        c for c in split if c.zero_stage == 3 or c.recompute == "selective" or (c.mesh.tp > 1 and c.recompute == "full")
+    ]
     assert all(c.num_microbatches >= 2 * c.mesh.pp for c in split if c.schedule == "dualpipev")
     assert {c.zero_stage for c in split if c.mesh.dp > 1} == {0, 1}
 
@@ -205,8 +216,9 @@ def test_zero_bubble_prices_a_smaller_bubble_and_more_activations(gpt):
     assert 0 <= zbv.predicted.bubble_s < 0.5 * one_f_one_b.predicted.bubble_s
     assert 0 <= izb.predicted.bubble_s < one_f_one_b.predicted.bubble_s
     for p in (zbv, izb):
-        assert p.predicted.step_time_s == pytest.approx(p.predicted.compute_s + p.predicted.comm_exposed_s
-                                                        + p.predicted.bubble_s)
+        assert p.predicted.step_time_s == pytest.approx(
+            p.predicted.compute_s + p.predicted.comm_exposed_s + p.predicted.bubble_s
+        )
     assert zbv.predicted.memory.activations_bytes > one_f_one_b.predicted.memory.activations_bytes
 
 
@@ -217,16 +229,19 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
     from autoshard.cost.schedule import makespan_s, rank_orders
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
+
     tables = CostTables(gpt[1], load_cluster("dgx-h100", devices_per_node=4))
     spans = {}
     for schedule in ("interleaved-1f1b", "interleaved-zb"):
-        config = Decisions(mesh=Mesh(2, 1, 2), zero_stage=1, microbatch_size=4, num_microbatches=8,
-                           schedule=schedule, virtual_stages=2)
+        config = Decisions(
+            mesh=Mesh(2, 1, 2), zero_stage=1, microbatch_size=4, num_microbatches=8, schedule=schedule, virtual_stages=2
+        )
         loads = rank_loads(tables, config, (1, 2, 3))
         f, b, fw, bw = stage_action_times(tables, config, (1, 2, 3), loads)
         weight = [WEIGHT_GRAD_SHARE * x for x in b] if schedule == "interleaved-zb" else None
-        spans[schedule] = makespan_s(rank_orders(schedule, 2, 8, 2), 4, [x + y for x, y in zip(f, fw)],
-                                     [x + y for x, y in zip(b, bw)], weight)
+        spans[schedule] = makespan_s(
+            rank_orders(schedule, 2, 8, 2), 4, [x + y for x, y in zip(f, fw)], [x + y for x, y in zip(b, bw)], weight
+        )
         if weight:
             assert pipeline_span_s(tables, config, (1, 2, 3), loads) == pytest.approx(spans[schedule])
     assert spans["interleaved-zb"] < spans["interleaved-1f1b"]
@@ -236,9 +251,12 @@ def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
+
     tables = CostTables(gpt[1], local(2))
-    looped, vee = (Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4,
-                             schedule=s, virtual_stages=2) for s in ("interleaved-zb", "zbv"))
+    looped, vee = (
+        Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule=s, virtual_stages=2)
+        for s in ("interleaved-zb", "zbv")
+    )
     units = tables.config_units(looped)
     ranges = stage_ranges((1, 2, 3), units.blocks)
     params = [sum(units.params[u] for u in stage_units(r, units.blocks)) for r in ranges]
@@ -295,18 +313,29 @@ REFUSED = [
     ({"dp": 2, "pp": 2, "dp_replicate": 2}, "(HSDP) is planned without pipeline stages"),
     ({"dp": 4, "zero": 1, "dp_replicate": 2}, "shards with FSDP2: pin --zero 2 or 3"),
     ({"schedule": "zigzag"}, "--schedule zigzag must be one of"),
-    ({"dp": 2, "pp": 2, "schedule": "zbv", "zero": 3}, "--schedule zbv with --zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input"),
-    ({"pp": 2, "schedule": "interleaved-zb", "recompute": "selective"},
-     "--schedule interleaved-zb with --recompute selective: its policy lets a recomputed region run backward once"),
-    ({"tp": 2, "pp": 2, "schedule": "dualpipev", "recompute": "full"},
-     "--schedule dualpipev with --recompute full and --tp 2"),
-    ({"dp": 2, "pp": 2, "schedule": "dualpipev", "microbatch_size": 4},
-     "--microbatch-size 4 leaves 2 micro-batches per rank: dualpipev needs at least 2·pp = 4 micro-batches"),
+    (
+        {"dp": 2, "pp": 2, "schedule": "zbv", "zero": 3},
+        "--schedule zbv with --zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input",
+    ),
+    (
+        {"pp": 2, "schedule": "interleaved-zb", "recompute": "selective"},
+        "--schedule interleaved-zb with --recompute selective: its policy lets a recomputed region run backward once",
+    ),
+    (
+        {"tp": 2, "pp": 2, "schedule": "dualpipev", "recompute": "full"},
+        "--schedule dualpipev with --recompute full and --tp 2",
+    ),
+    (
+        {"dp": 2, "pp": 2, "schedule": "dualpipev", "microbatch_size": 4},
+        "--microbatch-size 4 leaves 2 micro-batches per rank: dualpipev needs at least 2·pp = 4 micro-batches",
+    ),
     ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, "it puts exactly 2 stages on each rank, in a V"),
     ({"pp": 4, "schedule": "zbv"}, "--schedule zbv puts 2 stages on each of --pp 4 ranks: needs 8 blocks"),
-    ({"dp": 2, "pp": 2, "schedule": "dualpipev", "global_batch": 6},
-     "dualpipev needs at least 2·pp = 4 micro-batches, and the per-rank batch 3 (dp=2) gives at most 3; "
-     "use --global-batch 8 or more"),
+    (
+        {"dp": 2, "pp": 2, "schedule": "dualpipev", "global_batch": 6},
+        "dualpipev needs at least 2·pp = 4 micro-batches, and the per-rank batch 3 (dp=2) gives at most 3; "
+        "use --global-batch 8 or more",
+    ),
     ({"dp": 2, "tp": 1, "pp": 1}, "pin degrees whose product is 4"),
     ({"pp": 8}, "pin degrees whose product divides 4"),
 ]
@@ -322,11 +351,12 @@ def test_pins_outside_the_runtime_are_refused(gpt, pins, message):
 
 def test_zero0_and_zero1_beside_tp_and_pp_are_planned_and_lowered(gpt):
     """ZeRO-0 / ZeRO-1 with tp or pp run on FSDP2's machinery (ir.decisions.DP_RUNTIMES), never DDP."""
-    for pins, op, arguments in (({"dp": 2, "tp": 2, "zero": 0}, "apply_replicate", {}),
-                                ({"dp": 2, "tp": 2, "zero": 1}, "apply_fsdp", {"sync_every_microbatch": False}),
-                                ({"dp": 2, "pp": 2, "zero": 0, "schedule": "1f1b"}, "apply_replicate", {}),
-                                ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, "apply_fsdp",
-                                 {"reshard_after_forward": False})):
+    for pins, op, arguments in (
+        ({"dp": 2, "tp": 2, "zero": 0}, "apply_replicate", {}),
+        ({"dp": 2, "tp": 2, "zero": 1}, "apply_fsdp", {"sync_every_microbatch": False}),
+        ({"dp": 2, "pp": 2, "zero": 0, "schedule": "1f1b"}, "apply_replicate", {}),
+        ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, "apply_fsdp", {"reshard_after_forward": False}),
+    ):
         p = plan(gpt, GPT, local(4), 16, microbatch_size=2, **pins)
         steps = {s.op: s for s in lower(p)}
         assert op in steps and "apply_ddp" not in steps, pins
@@ -351,7 +381,9 @@ def test_hsdp_is_searched_where_dp_spans_nodes_and_shards_inside_a_node(gpt):
     flat = plan(gpt, GPT, cluster, 16, dp=4, zero=3, dp_replicate=1)
     assert (hsdp.dp_replicate, flat.dp_replicate) == (2, 1)
     fsdp = next(s for s in lower(hsdp) if s.op == "apply_fsdp")
-    assert fsdp.kwargs["replicas"] == 2 and "replicas" not in next(s for s in lower(flat) if s.op == "apply_fsdp").kwargs
+    assert (
+        fsdp.kwargs["replicas"] == 2 and "replicas" not in next(s for s in lower(flat) if s.op == "apply_fsdp").kwargs
+    )
     assert hsdp.predicted.memory.optimizer_bytes == pytest.approx(2 * flat.predicted.memory.optimizer_bytes, rel=0.01)
     unpinned = plan(gpt, GPT, cluster, 16, dp=4, zero=3)
     assert unpinned.dp_replicate in (1, 2)
@@ -369,8 +401,25 @@ def test_pins_that_need_the_graph(gpt):
 
 
 def test_cli_plans_recompute_inside_pipeline_stages(in_repo, capsys):
-    code = main(["plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16",
-                 "--tp", "2", "--pp", "2", "--recompute", "full", "--json"])
+    code = main(
+        [
+            "plan",
+            GPT,
+            "--cluster",
+            "local-cpu",
+            "--devices-per-node",
+            "4",
+            "--global-batch",
+            "16",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--recompute",
+            "full",
+            "--json",
+        ]
+    )
     out, _ = capsys.readouterr()
     decisions = json.loads(out)["decisions"]
     assert code == 0 and decisions["recompute"] == "full" and decisions["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
@@ -427,9 +476,28 @@ def test_tp_plans_do_not_depend_on_the_hash_seed(in_repo, tmp_path):
     outputs = set()
     for seed in ("0", "1", "7", "42", "1234"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "AUTOSHARD_CACHE_DIR": str(tmp_path)}
-        proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", GPT, "--cluster", FAST_LINK,
-                               "--devices-per-node", "2", "--global-batch", "8", "--tp", "2", "--json"],
-                              capture_output=True, text=True, env=env, check=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "autoshard.cli",
+                "plan",
+                GPT,
+                "--cluster",
+                FAST_LINK,
+                "--devices-per-node",
+                "2",
+                "--global-batch",
+                "8",
+                "--tp",
+                "2",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
         assert json.loads(proc.stdout)["review"]["tensor_parallel_reasons"]
         outputs.add(proc.stdout)
     assert len(outputs) == 1
@@ -441,11 +509,15 @@ def test_split_backward_is_refused_where_it_would_drop_part_of_a_gradient(in_rep
     stage's inputs, and the part coming back from the next stage would be dropped (it crashed with
     "a tied copy got no gradient" on 2 CPU ranks). GPT's weights all meet the residual stream."""
     from autoshard.passes.strategies import candidate_configs, split_backward_graph_refusal
+
     t5 = capture_graph("tests/models/hf_t5.py:build")
     assert "relative_attention_bias.weight reaches" in split_backward_graph_refusal(t5[1])
     with pytest.raises(AutoshardError, match="--schedule zbv splits backward, but encoder.block.0"):
         plan(t5, "tests/models/hf_t5.py:build", local(2), 8, pp=2, schedule="zbv")
-    assert not [c for c in candidate_configs(t5[1], local(2), 8, Pins(pp=2))
-                if c.schedule in ("interleaved-zb", "zbv", "dualpipev")]
+    assert not [
+        c
+        for c in candidate_configs(t5[1], local(2), 8, Pins(pp=2))
+        if c.schedule in ("interleaved-zb", "zbv", "dualpipev")
+    ]
     assert plan(t5, "tests/models/hf_t5.py:build", local(2), 8, pp=2).schedule in ("gpipe", "1f1b", "interleaved-1f1b")
     assert split_backward_graph_refusal(capture_graph(GPT)[1]) == ""

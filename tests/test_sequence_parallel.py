@@ -29,8 +29,10 @@ def llama_graph(in_repo_module):
 
 def choices(graph, tp=2):
     """(without, with) sequence parallelism."""
-    return (choose_tp_styles(graph, tp, FAST_LINK, SLOW_DEVICE),
-            choose_tp_styles(graph, tp, FAST_LINK, SLOW_DEVICE, sequence_parallel=True))
+    return (
+        choose_tp_styles(graph, tp, FAST_LINK, SLOW_DEVICE),
+        choose_tp_styles(graph, tp, FAST_LINK, SLOW_DEVICE, sequence_parallel=True),
+    )
 
 
 def test_gpt_layers_reduce_scatter_gather_and_norms_run_on_sequence_shards(gpt_graph):
@@ -118,7 +120,7 @@ def test_not_a_token_model_is_refused(in_repo):
     assert not sp.sequence_parallel and sp.styles == plain.styles
 
 
-MODEL = '''
+MODEL = """
 import sys
 from pathlib import Path
 import torch
@@ -174,7 +176,7 @@ def build_table():
 
 def example_batch(batch_size):
     return gpt.example_batch(batch_size, seq_len=SEQ, vocab_size=64)
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,10 @@ from autoshard.launch import _flag_value, _run_owned
 from autoshard.runtime import checkpoint
 from autoshard.runtime.checkpoint import latest, lock, remove_partials
 
-HOLD = "import sys, time; from autoshard.runtime.checkpoint import lock; lock(sys.argv[1], 'test pid 4242'); " \
-       "print('held', flush=True); time.sleep(60)"
+HOLD = (
+    "import sys, time; from autoshard.runtime.checkpoint import lock; lock(sys.argv[1], 'test pid 4242'); "
+    "print('held', flush=True); time.sleep(60)"
+)
 
 
 def test_a_second_job_on_a_locked_folder_is_refused_naming_the_holder(tmp_path):
@@ -59,10 +61,12 @@ def test_a_signal_stops_the_whole_job_and_exits_128_plus_it(tmp_path, capfd, sig
     """A stand-in job (a parent and a child in its own session, as torchrun starts ranks) that ignores
     SIGTERM: the launcher escalates to SIGKILL after the grace period, and nothing of it survives."""
     pids = tmp_path / "pids"
-    job = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-           "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], start_new_session=True); "
-           f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(60)")
+    job = (
+        "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], start_new_session=True); "
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(60)"
+    )
     token = "t" + str(os.getpid())
     env = {**os.environ, "AUTOSHARD_JOB": token}
 

@@ -54,8 +54,15 @@ def build_gpt():
 
 
 def build_llama():
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -156,8 +163,9 @@ def blocks_of(case: str) -> list[str]:
 @pytest.mark.parametrize("mode", ["full", "selective", "mixed"])
 def test_recompute_matches_bit_for_bit(case, baseline, mode):
     blocks = blocks_of(case)
-    modes = dict(zip(blocks, ["full", "selective", "none", "full"])) if mode == "mixed" else \
-        {path: mode for path in blocks}
+    modes = (
+        dict(zip(blocks, ["full", "selective", "none", "full"])) if mode == "mixed" else {path: mode for path in blocks}
+    )
     result = run(case, modes)
     assert_same(baseline, result)
     assert result[2] == [[p for p in blocks[:2] if modes[p] != "none"], [p for p in blocks[2:] if modes[p] != "none"]]
@@ -221,11 +229,13 @@ def test_flat_graph_is_outlined_without_moving_state():
 
 def test_non_contiguous_block_is_refused():
     module, _, _ = flat_gpt()
-    run_nodes = [n for n in module.graph.nodes
-                 if any(v[0] == "h.1" for v in (n.meta.get("nn_module_stack") or {}).values())]
+    run_nodes = [
+        n for n in module.graph.nodes if any(v[0] == "h.1" for v in (n.meta.get("nn_module_stack") or {}).values())
+    ]
     middle = run_nodes[len(run_nodes) // 2]
-    middle.meta["nn_module_stack"] = {k: v for k, v in middle.meta["nn_module_stack"].items() if v[0] != "h.1"
-                                      and not v[0].startswith("h.1.")}
+    middle.meta["nn_module_stack"] = {
+        k: v for k, v in middle.meta["nn_module_stack"].items() if v[0] != "h.1" and not v[0].startswith("h.1.")
+    }
     with pytest.raises(AutoshardError, match="not one contiguous run"):
         apply_recompute_to_stage(module, {"h.1": "full"})
 
@@ -338,9 +348,19 @@ def test_pipeline_configurations_enumerate_uniform_recompute():
 def _estimate(cluster, plan, recompute, **kwargs):
     from autoshard.api import estimate
 
-    return estimate(GPT_FILE, cluster=cluster, global_batch=8, dp=plan.mesh.dp, tp=plan.mesh.tp, pp=plan.mesh.pp,
-                    zero=plan.zero_stage, microbatch_size=plan.microbatch_size, recompute=recompute,
-                    schedule=plan.schedule, **kwargs)
+    return estimate(
+        GPT_FILE,
+        cluster=cluster,
+        global_batch=8,
+        dp=plan.mesh.dp,
+        tp=plan.mesh.tp,
+        pp=plan.mesh.pp,
+        zero=plan.zero_stage,
+        microbatch_size=plan.microbatch_size,
+        recompute=recompute,
+        schedule=plan.schedule,
+        **kwargs,
+    )
 
 
 def test_pinned_pipeline_recompute_is_planned_and_priced():

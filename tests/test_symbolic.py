@@ -31,8 +31,11 @@ CONFIGS = {  # name -> (devices per node, global batch, pins)
     "ddp": (2, 8, {"dp": 2, "tp": 1, "pp": 1, "zero": 0, "microbatch_size": 2, "recompute": "none"}),
     "tp": (4, 16, {"dp": 2, "tp": 2, "pp": 1, "zero": 2, "microbatch_size": 2, "recompute": "full"}),
     "pipeline": (4, 16, {"dp": 2, "tp": 1, "pp": 2, "zero": 1, "microbatch_size": 2, "schedule": "1f1b"}),
-    "tp-interleaved": (4, 16, {"dp": 1, "tp": 2, "pp": 2, "zero": 0, "microbatch_size": 2,
-                               "schedule": "interleaved-1f1b"}),
+    "tp-interleaved": (
+        4,
+        16,
+        {"dp": 1, "tp": 2, "pp": 2, "zero": 0, "microbatch_size": 2, "schedule": "interleaved-1f1b"},
+    ),
 }
 
 
@@ -40,8 +43,10 @@ CONFIGS = {  # name -> (devices per node, global batch, pins)
 def plans() -> dict[str, Plan]:
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
-        return {name: api.plan(GPT, global_batch=batch, devices_per_node=devices, **LOCAL, **pins)
-                for name, (devices, batch, pins) in CONFIGS.items()}
+        return {
+            name: api.plan(GPT, global_batch=batch, devices_per_node=devices, **LOCAL, **pins)
+            for name, (devices, batch, pins) in CONFIGS.items()
+        }
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +81,15 @@ def _assert_reproduces(plan: Plan, rel: float) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_expressions_give_the_plans_own_figures(plans, name):
     plan = plans[name]
-    assert plan.symbolic["symbols"] == {"B": plan.global_batch, "s": 64, "dp": plan.mesh.dp, "tp": plan.mesh.tp,
-                                        "pp": plan.mesh.pp, "b": plan.microbatch_size, "v": plan.virtual_stages}
+    assert plan.symbolic["symbols"] == {
+        "B": plan.global_batch,
+        "s": 64,
+        "dp": plan.mesh.dp,
+        "tp": plan.mesh.tp,
+        "pp": plan.mesh.pp,
+        "b": plan.microbatch_size,
+        "v": plan.virtual_stages,
+    }
     _assert_reproduces(plan, rel=1e-9)
 
 
@@ -96,9 +108,27 @@ def test_expressions_are_in_the_seven_symbols_only(plans):
 def test_same_inputs_give_byte_identical_plans_in_a_fresh_process(in_repo, plans):
     """sympy's printing must not depend on hash order: a process with another hash seed agrees."""
     env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", GPT, "--cluster", "local-cpu",
-                           "--devices-per-node", "4", "--global-batch", "16", "--json"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoshard.cli",
+            "plan",
+            GPT,
+            "--cluster",
+            "local-cpu",
+            "--devices-per-node",
+            "4",
+            "--global-batch",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=True,
+    )
     assert proc.stdout == plans["fsdp"].to_json()
 
 
@@ -158,8 +188,9 @@ def test_bubble_is_the_schedules_share_of_a_micro_batch(plans):
         e = evaluate(plan.symbolic, values)
         point = {**plan.symbolic["symbols"], **values}
         m = point["B"] / (point["dp"] * point["b"])
-        per_microbatch = sum(e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s",
-                                            "p2p_s")) / m
+        per_microbatch = (
+            sum(e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s")) / m
+        )
         shares.append(e["bubble_s"] / ((point["pp"] - 1) / point["v"] * per_microbatch))
     assert 0 < shares[0] <= 1
     assert shares == pytest.approx([shares[0]] * len(shares))
@@ -170,8 +201,9 @@ def test_bubble_is_the_schedules_share_of_a_micro_batch(plans):
 
 def test_round_trip_and_no_code_runs():
     x = parse_expression("Piecewise((0, Eq(pp, 1)), (1, True))*B*s**2/(dp*b) + 2.5e-7*Min(B/(b*dp), pp)")
-    assert float(x.xreplace({SYMBOLS["pp"]: 2, SYMBOLS["B"]: 8, SYMBOLS["s"]: 2, SYMBOLS["dp"]: 2,
-                             SYMBOLS["b"]: 2})) == pytest.approx(8 + 5e-7)
+    assert float(
+        x.xreplace({SYMBOLS["pp"]: 2, SYMBOLS["B"]: 8, SYMBOLS["s"]: 2, SYMBOLS["dp"]: 2, SYMBOLS["b"]: 2})
+    ) == pytest.approx(8 + 5e-7)
     for text in ("__import__('os').system('true')", "B.__class__", "9**9**9", "lambda: 0", "x + 1", "open('f')"):
         with pytest.raises(ValueError):
             parse_expression(text)
@@ -204,8 +236,9 @@ def test_tampered_expression_is_one_line(in_repo, capsys, saved, tmp_path):
 
 
 def test_what_if_table(in_repo, capsys, saved):
-    code, out, err = run_cli(capsys, "inspect", saved["fsdp"], "--what-if", "global_batch=2048", "--what-if",
-                             "seq_len=128")
+    code, out, err = run_cli(
+        capsys, "inspect", saved["fsdp"], "--what-if", "global_batch=2048", "--what-if", "seq_len=128"
+    )
     assert code == 0 and err == ""
     assert "What if global_batch=2048 seq_len=128" in out
     for text in ("forward (ms)", "step (ms)", "tokens/s", "MFU", "activations (MiB)", "peak per rank (MiB)"):
@@ -215,23 +248,29 @@ def test_what_if_table(in_repo, capsys, saved):
     assert f"{step_ms:,.3f}" in out
 
 
-@pytest.mark.parametrize("what_if, message", [
-    (["seq_len=1048576"], "does not fit"),
-    (["global_batch=20"], "not divisible by dp x microbatch_size = 16"),
-    (["dp=8"], "degrees differ from the plan's"),
-])
+@pytest.mark.parametrize(
+    "what_if, message",
+    [
+        (["seq_len=1048576"], "does not fit"),
+        (["global_batch=20"], "not divisible by dp x microbatch_size = 16"),
+        (["dp=8"], "degrees differ from the plan's"),
+    ],
+)
 def test_what_if_warnings(in_repo, capsys, saved, what_if, message):
     code, out, err = run_cli(capsys, "inspect", saved["fsdp"], *(a for w in what_if for a in ("--what-if", w)))
     assert code == 0 and "What if" in out
     assert message in err and err.startswith("warning: ")
 
 
-@pytest.mark.parametrize("what_if, message", [
-    ("batch=32", "global_batch, seq_len, microbatch_size, dp, tp, pp"),
-    ("dp", "expected NAME=VALUE"),
-    ("tp=two", "tp must be a positive integer"),
-    ("global_batch=0", "global_batch must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "what_if, message",
+    [
+        ("batch=32", "global_batch, seq_len, microbatch_size, dp, tp, pp"),
+        ("dp", "expected NAME=VALUE"),
+        ("tp=two", "tp must be a positive integer"),
+        ("global_batch=0", "global_batch must be a positive integer"),
+    ],
+)
 def test_bad_what_if_is_one_line_exit_2(in_repo, capsys, saved, what_if, message):
     code, out, err = run_cli(capsys, "inspect", saved["ddp"], "--what-if", what_if)
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ") and out == ""

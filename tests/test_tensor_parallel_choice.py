@@ -21,6 +21,7 @@ def gpt_graph():
     import os
 
     from tests.conftest import ROOT
+
     os.chdir(ROOT)
     return capture_graph("examples/gpt.py:build")[1]
 
@@ -62,14 +63,16 @@ def test_llama_megatron_pattern_with_gqa(llama_graph):
 def test_tp_not_dividing_kv_heads_is_refused(llama_graph):
     assert check_divisibility(llama_graph, 4) == [
         "model.layers.0.self_attn: 2 KV heads are not divisible by tp=4",
-        "model.layers.1.self_attn: 2 KV heads are not divisible by tp=4"]
+        "model.layers.1.self_attn: 2 KV heads are not divisible by tp=4",
+    ]
     with pytest.raises(AutoshardError, match=r"2 KV heads are not divisible by tp=4.*tp in \[1, 2\]"):
         choose_tp_styles(llama_graph, 4, FAST_LINK, SLOW_DEVICE)
 
 
 def test_fast_device_slow_link_replicates(gpt_graph):
-    choice = choose_tp_styles(gpt_graph, 2, LinkSpec(450.0, 3.0, "NVLink-like"),
-                              DeviceSpec("H100-like", 989.0, 2**36, 3350.0, 0.8, "test"))
+    choice = choose_tp_styles(
+        gpt_graph, 2, LinkSpec(450.0, 3.0, "NVLink-like"), DeviceSpec("H100-like", 989.0, 2**36, 3350.0, 0.8, "test")
+    )
     assert choice.sharded == {}  # a tiny model on a fast GPU: all-reduces cost more than they save
     assert "cheapest layout" in choice.reasons["h.0.mlp.c_fc"]
 
@@ -83,8 +86,11 @@ def test_gpt2_conv1d_mlp_is_column_then_row_parallel(gpt2_choice):
     for i in range(2):
         assert gpt2_choice.styles[f"transformer.h.{i}.mlp.c_fc"] == "conv1d-colwise"
         assert gpt2_choice.styles[f"transformer.h.{i}.mlp.c_proj"] == "conv1d-rowwise"
-    assert gpt2_choice.sharded == {f"transformer.h.{i}.mlp.{m}": f"conv1d-{s}"
-                                   for i in range(2) for m, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
+    assert gpt2_choice.sharded == {
+        f"transformer.h.{i}.mlp.{m}": f"conv1d-{s}"
+        for i in range(2)
+        for m, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))
+    }
     # per block: the all-reduce of c_proj's (2, 32, 64) fp32 output, and of c_fc's input gradient
     assert gpt2_choice.segments[0].comm_bytes == 2 * 2 * 32 * 64 * 4
 
@@ -109,11 +115,22 @@ def synthetic_mlp(hidden: int) -> OpGraph:
         OpNode("add", "aten.add.Tensor", "", "", ("x", "fc2"), shape, "float32"),
     ]
     params = [ParamInfo(f"{m}.weight", (hidden, hidden), "float32", m) for m in ("fc1", "fc2")]
-    return annotate(OpGraph(
-        nodes=nodes, params=params, input_shapes=[shape], batch_size=2, tokens_per_sample=1,
-        input_names=["x"], placeholder_params={"p_fc1_w": "fc1.weight", "p_fc2_w": "fc2.weight"},
-        placeholders={"x": (shape, "float32"), "p_fc1_w": ((hidden, hidden), "float32"),
-                      "p_fc2_w": ((hidden, hidden), "float32")}))
+    return annotate(
+        OpGraph(
+            nodes=nodes,
+            params=params,
+            input_shapes=[shape],
+            batch_size=2,
+            tokens_per_sample=1,
+            input_names=["x"],
+            placeholder_params={"p_fc1_w": "fc1.weight", "p_fc2_w": "fc2.weight"},
+            placeholders={
+                "x": (shape, "float32"),
+                "p_fc1_w": ((hidden, hidden), "float32"),
+                "p_fc2_w": ((hidden, hidden), "float32"),
+            },
+        )
+    )
 
 
 def test_synthetic_replicate_when_link_is_slow():

@@ -14,8 +14,13 @@ H100_FILE = {
     "nodes": 2,
     "devices_per_node": 8,
     "backend": "nccl",
-    "device": {"name": "H100-SXM-80GB", "peak_tflops": 989, "memory_bytes": 85899345920,
-               "memory_bandwidth_gbps": 3350, "matmul_efficiency": 0.8},
+    "device": {
+        "name": "H100-SXM-80GB",
+        "peak_tflops": 989,
+        "memory_bytes": 85899345920,
+        "memory_bandwidth_gbps": 3350,
+        "matmul_efficiency": 0.8,
+    },
     "intra_node": {"bandwidth_gbps": 450, "latency_us": 3},
     "inter_node": {"bandwidth_gbps": 50, "latency_us": 8},
 }
@@ -136,8 +141,10 @@ def test_yaml_preset_with_overrides(tmp_path):
 
 
 def test_yaml_local_cpu_preset_recomputes_memory(tmp_path):
-    assert load_cluster(write(tmp_path, "preset: local-cpu\ndevices_per_node: 4\n")).device.memory_bytes \
+    assert (
+        load_cluster(write(tmp_path, "preset: local-cpu\ndevices_per_node: 4\n")).device.memory_bytes
         == host_memory_bytes() // 4
+    )
     pinned = write(tmp_path, "preset: local-cpu\ndevice: {memory_bytes: 1000}\n", "pinned.yaml")
     assert load_cluster(pinned, devices_per_node=4).device.memory_bytes == 1000
 
@@ -160,21 +167,24 @@ def _with(**changes):
     return doc
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"device__peak_tflops": _DELETE}, "device.peak_tflops"),
-    ({"nodes": _DELETE}, "nodes"),
-    ({"device__peak_tflops": "fast"}, "device.peak_tflops"),
-    ({"nodes": 1.5}, "nodes"),
-    ({"nodes": True}, "nodes"),
-    ({"devices_per_node": 0}, "devices_per_node"),
-    ({"intra_node__bandwidth_gbps": -5}, "intra_node.bandwidth_gbps"),
-    ({"inter_node__bandwidth_gbps": 0}, "inter_node.bandwidth_gbps"),
-    ({"device__memory_bytes": "80e9"}, "device.memory_bytes"),
-    ({"intra_node__color": "green"}, "intra_node.color"),
-    ({"gpus": 8}, "gpus"),
-    ({"backend": "mpi"}, "backend"),
-    ({"device": [1, 2]}, "device"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"device__peak_tflops": _DELETE}, "device.peak_tflops"),
+        ({"nodes": _DELETE}, "nodes"),
+        ({"device__peak_tflops": "fast"}, "device.peak_tflops"),
+        ({"nodes": 1.5}, "nodes"),
+        ({"nodes": True}, "nodes"),
+        ({"devices_per_node": 0}, "devices_per_node"),
+        ({"intra_node__bandwidth_gbps": -5}, "intra_node.bandwidth_gbps"),
+        ({"inter_node__bandwidth_gbps": 0}, "inter_node.bandwidth_gbps"),
+        ({"device__memory_bytes": "80e9"}, "device.memory_bytes"),
+        ({"intra_node__color": "green"}, "intra_node.color"),
+        ({"gpus": 8}, "gpus"),
+        ({"backend": "mpi"}, "backend"),
+        ({"device": [1, 2]}, "device"),
+    ],
+)
 def test_invalid_yaml_fields(tmp_path, changes, field):
     path = write(tmp_path, _with(**changes))
     with pytest.raises(AutoshardError) as info:
@@ -183,14 +193,17 @@ def test_invalid_yaml_fields(tmp_path, changes, field):
     assert "\n" not in message and path in message and field in message and "fix:" in message
 
 
-@pytest.mark.parametrize("text, words", [
-    ("name: [unclosed\n", "YAML syntax error at line"),
-    ("- a\n- b\n", "must be a mapping"),
-    ("", "must be a mapping"),
-    ("preset: dgx-z\n", "preset must be one of"),
-    ("preset: dgx-h100\ndevice: 3\n", "device must be a mapping"),
-    ("preset: dgx-h100\ndevice: {flops: 3}\n", "unknown field 'device.flops'"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("name: [unclosed\n", "YAML syntax error at line"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("", "must be a mapping"),
+        ("preset: dgx-z\n", "preset must be one of"),
+        ("preset: dgx-h100\ndevice: 3\n", "device must be a mapping"),
+        ("preset: dgx-h100\ndevice: {flops: 3}\n", "unknown field 'device.flops'"),
+    ],
+)
 def test_invalid_yaml_documents(tmp_path, text, words):
     path = write(tmp_path, text)
     with pytest.raises(AutoshardError, match=words) as info:

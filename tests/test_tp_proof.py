@@ -32,8 +32,9 @@ def test_a_constant_head_count_is_refused_with_its_reason(in_repo):
     view in the representative block and the two shapes."""
     graph, choice = styles("build_constant_heads")
     refused = graph.tp_proofs["2"]
-    assert "view in h.0.attn gives shape [2, 8, 4, 8] on a shard where the layout needs [2, 16, 2, 8]" in \
-        refused["view"]
+    assert (
+        "view in h.0.attn gives shape [2, 8, 4, 8] on a shard where the layout needs [2, 16, 2, 8]" in refused["view"]
+    )
     for i in range(2):
         assert all(choice.styles[f"h.{i}.attn.{m}"] in ("colwise-gather", "replicate") for m in ATTN)
         assert choice.styles[f"h.{i}.attn.o_proj"] != "rowwise"  # its input, the attention output, is whole

@@ -22,7 +22,7 @@ def refusals(graph, tp: int = 2) -> dict[str, str]:
 
 
 def line_of(code: str) -> str:
-    """"tests/models/tp_attribute_cases.py:N" of the line holding ``code``."""
+    """ "tests/models/tp_attribute_cases.py:N" of the line holding ``code``."""
     lines = Path(CASES).read_text().splitlines()
     return f"{CASES}:{next(i for i, line in enumerate(lines, 1) if code in line)}"
 

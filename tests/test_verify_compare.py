@@ -18,7 +18,9 @@ CLEAN = "h.0.q.weight"
 
 def _runs(par_shift: dict[str, float], loss_shift: float = 0.0):
     """ref64 exact; ref32 off by 1e-5 on NOISY and 1e-9 on CLEAN; the parallel run as ref32, shifted."""
-    ref64 = Run([2.0, 1.9, 1.8], {NOISY: torch.zeros(4, dtype=torch.float64), CLEAN: torch.ones(4, 4, dtype=torch.float64)})
+    ref64 = Run(
+        [2.0, 1.9, 1.8], {NOISY: torch.zeros(4, dtype=torch.float64), CLEAN: torch.ones(4, 4, dtype=torch.float64)}
+    )
     ref32 = Run([2.0 + 1e-7, 1.9 + 1e-7, 1.8 - 1e-7], {NOISY: torch.full((4,), 1e-5), CLEAN: torch.ones(4, 4) + 1e-9})
     par = {k: v.clone() + par_shift.get(k, 0.0) for k, v in ref32.params.items()}
     par_losses = [x + (loss_shift if i == 2 else 0.0) for i, x in enumerate(ref32.losses)]
@@ -61,17 +63,25 @@ def test_tensor_parallel_module_of_a_tensor():
 
 
 def test_crash_block_names_the_first_rank_and_the_model_line():
-    stack = ('Traceback (most recent call last):\n'
-             '  File "/work/x/train.py", line 80, in main\n    loss = model(x)\n'
-             '  File "/work/x/my_model.py", line 12, in forward\n    raise RuntimeError("bad shape")\n'
-             '  File "/usr/lib/python3/site-packages/torch/nn/functional.py", line 3, in linear\n    return op()\n'
-             'RuntimeError: bad shape\n')
-    first = SimpleNamespace(timestamp=100, message={"message": "RuntimeError: bad shape",
-                                                    "extraInfo": {"py_callstack": stack}},
-                            error_file_data={"message": 1}, exitcode=1)
-    peer = SimpleNamespace(timestamp=100, message={"message": "RuntimeError: Connection closed by peer",
-                                                   "extraInfo": {"py_callstack": ""}},
-                           error_file_data={"message": 1}, exitcode=1)
+    stack = (
+        "Traceback (most recent call last):\n"
+        '  File "/work/x/train.py", line 80, in main\n    loss = model(x)\n'
+        '  File "/work/x/my_model.py", line 12, in forward\n    raise RuntimeError("bad shape")\n'
+        '  File "/usr/lib/python3/site-packages/torch/nn/functional.py", line 3, in linear\n    return op()\n'
+        "RuntimeError: bad shape\n"
+    )
+    first = SimpleNamespace(
+        timestamp=100,
+        message={"message": "RuntimeError: bad shape", "extraInfo": {"py_callstack": stack}},
+        error_file_data={"message": 1},
+        exitcode=1,
+    )
+    peer = SimpleNamespace(
+        timestamp=100,
+        message={"message": "RuntimeError: Connection closed by peer", "extraInfo": {"py_callstack": ""}},
+        error_file_data={"message": 1},
+        exitcode=1,
+    )
     block = crash_block({0: peer, 1: first})
     assert block.splitlines()[0] == "rank 1 failed: RuntimeError: bad shape"
     assert "my_model.py:12 in forward: raise RuntimeError" in block and "1 other rank(s)" in block
@@ -110,8 +120,10 @@ def test_tensor_parallel_in_16_bits_is_judged_with_its_extra_roundings():
     golden = Path(__file__).resolve().parent / "golden"
     tp2 = load_plan(golden / "dp_tp_zero0.plan.json")
     assert tp2.precision == "fp32" and noise_factor(tp2) == 50
+
     def in_precision(precision):  # the three fields noise_factor reads
         return SimpleNamespace(precision=precision, mesh=tp2.mesh, tensor_parallel=tp2.tensor_parallel)
+
     bf16_tp2 = in_precision("bf16-autocast")
     assert noise_factor(bf16_tp2) == 100 and noise_factor(in_precision("bf16-pure")) == 100
     assert noise_factor(load_plan(golden / "bf16_dp_zero3.plan.json")) == 50  # no tensor parallelism

@@ -35,19 +35,71 @@ from dataclasses import dataclass
 from autoshard.cost import eager
 from autoshard.ir.graph import OpGraph, OpNode, dtype_bytes
 
-LOWER_PRECISION_TARGETS = eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS + (
-    "aten.scaled_dot_product_attention", "aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d",
-    "aten.conv_transpose", "aten.prelu", "aten.addmv", "aten.mv", "aten.addr", "aten.addbmm", "aten.chain_matmul",
-    "aten.linalg_multi_dot")
+LOWER_PRECISION_TARGETS = (
+    eager.MATMUL_2D_TARGETS
+    + eager.MATMUL_BATCHED_TARGETS
+    + (
+        "aten.scaled_dot_product_attention",
+        "aten.convolution",
+        "aten.conv1d",
+        "aten.conv2d",
+        "aten.conv3d",
+        "aten.conv_transpose",
+        "aten.prelu",
+        "aten.addmv",
+        "aten.mv",
+        "aten.addr",
+        "aten.addbmm",
+        "aten.chain_matmul",
+        "aten.linalg_multi_dot",
+    )
+)
 FP32_TARGETS = (
-    "aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax", "aten.layer_norm",
-    "aten.native_layer_norm", "aten.group_norm", "aten.native_group_norm", "aten.exp", "aten.expm1", "aten.log",
-    "aten.log10", "aten.log2", "aten.log1p", "aten.pow", "aten.reciprocal", "aten.rsqrt", "aten.acos", "aten.asin",
-    "aten.cosh", "aten.sinh", "aten.tan", "aten.erfinv", "aten.softplus", "aten.sum", "aten.prod", "aten.cumsum",
-    "aten.cumprod", "aten.logsumexp", "aten.cross_entropy", "aten.nll_loss", "aten.mse_loss", "aten.l1_loss",
-    "aten.smooth_l1_loss", "aten.huber_loss", "aten.kl_div", "aten.binary_cross_entropy_with_logits",
-    "aten.cosine_similarity", "aten.norm", "aten.linalg_vector_norm", "aten.frobenius_norm", "aten.cdist",
-    "aten.dist", "aten.renorm")
+    "aten.softmax",
+    "aten._softmax",
+    "aten.log_softmax",
+    "aten._log_softmax",
+    "aten.layer_norm",
+    "aten.native_layer_norm",
+    "aten.group_norm",
+    "aten.native_group_norm",
+    "aten.exp",
+    "aten.expm1",
+    "aten.log",
+    "aten.log10",
+    "aten.log2",
+    "aten.log1p",
+    "aten.pow",
+    "aten.reciprocal",
+    "aten.rsqrt",
+    "aten.acos",
+    "aten.asin",
+    "aten.cosh",
+    "aten.sinh",
+    "aten.tan",
+    "aten.erfinv",
+    "aten.softplus",
+    "aten.sum",
+    "aten.prod",
+    "aten.cumsum",
+    "aten.cumprod",
+    "aten.logsumexp",
+    "aten.cross_entropy",
+    "aten.nll_loss",
+    "aten.mse_loss",
+    "aten.l1_loss",
+    "aten.smooth_l1_loss",
+    "aten.huber_loss",
+    "aten.kl_div",
+    "aten.binary_cross_entropy_with_logits",
+    "aten.cosine_similarity",
+    "aten.norm",
+    "aten.linalg_vector_norm",
+    "aten.frobenius_norm",
+    "aten.cdist",
+    "aten.dist",
+    "aten.renorm",
+)
 FLOATING = ("float32", "float16", "bfloat16", "float64")
 Autocast = tuple[str, "str | None"]  # (autocast dtype, the dtype parameters are read in; None: as stored)
 
@@ -73,8 +125,9 @@ class NodeTraffic:
     weight_grad_casts: int = 0
 
 
-def autocast_traffic(graph: OpGraph, autocast_dtype: str = "bfloat16", weight_dtype: str | None = None
-                     ) -> tuple[NodeTraffic, ...]:
+def autocast_traffic(
+    graph: OpGraph, autocast_dtype: str = "bfloat16", weight_dtype: str | None = None
+) -> tuple[NodeTraffic, ...]:
     """``NodeTraffic`` of every node, in graph order (module doc); ``weight_dtype``: the dtype parameters are
     read in (None: as stored). Computed once per graph and arguments."""
     key = ("autocast_traffic", autocast_dtype, weight_dtype)
@@ -115,8 +168,15 @@ def _node_traffic(graph: OpGraph, node: OpNode, low: str, dtype: dict[str, str],
     act_run = sum(numel * dtype_bytes(kernel_reads(held)) for _, numel, held, _ in acts)
     act_casts = [(numel, held) for _, numel, held, _ in acts if kernel_reads(held) != held]
     # a promoted op's gradient w.r.t. a narrower input is cast to that input's dtype
-    narrower = [] if casting or not op_dtype else [(numel, held) for _, numel, held, _ in acts
-                                                   if held in FLOATING and dtype_bytes(held) < dtype_bytes(op_dtype)]
+    narrower = (
+        []
+        if casting or not op_dtype
+        else [
+            (numel, held)
+            for _, numel, held, _ in acts
+            if held in FLOATING and dtype_bytes(held) < dtype_bytes(op_dtype)
+        ]
+    )
     weight_read = weight_fwd = weight_bwd = weight_casts = weight_grad_casts = 0
     for name, numel, held, _ in inputs:
         if name not in params or held not in FLOATING:
@@ -141,8 +201,11 @@ def _node_traffic(graph: OpGraph, node: OpNode, low: str, dtype: dict[str, str],
         forward_cast_kernels=len(act_casts),
         backward_cast_bytes=sum(numel * (dtype_bytes(held) + dtype_bytes(op_dtype)) for numel, held in back),
         backward_cast_kernels=len(back),
-        weight_forward_cast_bytes=weight_fwd, weight_backward_cast_bytes=weight_bwd, weight_casts=weight_casts,
-        weight_grad_casts=weight_grad_casts)
+        weight_forward_cast_bytes=weight_fwd,
+        weight_backward_cast_bytes=weight_bwd,
+        weight_casts=weight_casts,
+        weight_grad_casts=weight_grad_casts,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -107,12 +107,18 @@ def fit_link(samples: Sequence[Sample]) -> LinkFit:
     times = np.array([s.time_s for s in samples])
     alpha_s, beta_s_per_byte = _weighted_fit(rows, times)
     if beta_s_per_byte <= 0:
-        raise AutoshardError("the measured collective times do not grow with the message size, so no bandwidth "
-                             "can be fitted; fix: rerun `autoshard calibrate` on a less loaded machine")
+        raise AutoshardError(
+            "the measured collective times do not grow with the message size, so no bandwidth "
+            "can be fitted; fix: rerun `autoshard calibrate` on a less loaded machine"
+        )
     errors = np.abs(rows @ np.array([alpha_s, beta_s_per_byte]) - times) / times
-    return LinkFit(latency_us=alpha_s * 1e6, bandwidth_gbps=1.0 / (beta_s_per_byte * GB),
-                   max_rel_error=float(errors.max()), rms_rel_error=float(math.sqrt(np.mean(errors**2))),
-                   samples=len(samples))
+    return LinkFit(
+        latency_us=alpha_s * 1e6,
+        bandwidth_gbps=1.0 / (beta_s_per_byte * GB),
+        max_rel_error=float(errors.max()),
+        rms_rel_error=float(math.sqrt(np.mean(errors**2))),
+        samples=len(samples),
+    )
 
 
 def _row(sample: Sample) -> tuple[float, float]:

@@ -122,9 +122,13 @@ def p2p_s(size_bytes: float, link: LinkSpec) -> float:
     return _alpha_s(link) + size_bytes * _beta_s_per_byte(link)
 
 
-def hierarchical_allreduce_s(size_bytes: float, ranks_per_node: int, nodes: int,
-                             intra: LinkSpec, inter: LinkSpec) -> float:
+def hierarchical_allreduce_s(
+    size_bytes: float, ranks_per_node: int, nodes: int, intra: LinkSpec, inter: LinkSpec
+) -> float:
     """RS(S, g, intra) + AR(S/g, n, inter) + AG(S, g, intra); see the module doc."""
     g, n = ranks_per_node, nodes
-    return (reduce_scatter_s(size_bytes, g, intra) + allreduce_s(size_bytes / g, n, inter)
-            + all_gather_s(size_bytes, g, intra))
+    return (
+        reduce_scatter_s(size_bytes, g, intra)
+        + allreduce_s(size_bytes / g, n, inter)
+        + all_gather_s(size_bytes, g, intra)
+    )

@@ -66,9 +66,17 @@ class ComputeTime:
         return self.forward_s + self.backward_s + self.recompute_s
 
 
-def op_forward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
-                 attention: str = "flash", captured_bytes: int = 4, kernels: str = "fused",
-                 traffic: NodeTraffic | None = None) -> float:
+def op_forward_s(
+    node: OpNode,
+    weight_bytes: int,
+    scale: float,
+    device: DeviceSpec,
+    elem_ratio: float,
+    attention: str = "flash",
+    captured_bytes: int = 4,
+    kernels: str = "fused",
+    traffic: NodeTraffic | None = None,
+) -> float:
     """Time of one op at ``scale`` times the captured batch: attention by its kernel, the rest by
     ``kernels`` (module doc); ``traffic``: its bytes and casts under autocast (``cost.autocast``, eager only)."""
     assert attention in ATTENTION_KERNELS, attention
@@ -81,8 +89,16 @@ def op_forward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSp
     return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
 
 
-def op_backward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceSpec, elem_ratio: float,
-                  forward_s: float, kernels: str = "fused", traffic: NodeTraffic | None = None) -> float:
+def op_backward_s(
+    node: OpNode,
+    weight_bytes: int,
+    scale: float,
+    device: DeviceSpec,
+    elem_ratio: float,
+    forward_s: float,
+    kernels: str = "fused",
+    traffic: NodeTraffic | None = None,
+) -> float:
     """Backward time of one op whose forward takes ``forward_s``: 2·forward (fused); eager: a matmul's
     input and weight gradients priced apart, FlashAttention 2.5·forward, other ops 2·forward, each with
     its autocast casts undone on the gradients (``traffic``)."""
@@ -98,18 +114,25 @@ def op_backward_s(node: OpNode, weight_bytes: int, scale: float, device: DeviceS
     return BACKWARD_TO_FORWARD * own_s + casts
 
 
-def _moved_bytes(node: OpNode, weight_bytes: int, scale: float, elem_ratio: float,
-                 traffic: NodeTraffic | None = None) -> float:
+def _moved_bytes(
+    node: OpNode, weight_bytes: int, scale: float, elem_ratio: float, traffic: NodeTraffic | None = None
+) -> float:
     """Activation bytes × (b/b₀)·(a/captured), weights once, a dropout's keep mask (module doc); under
     autocast (``traffic``) activations in the dtypes the op reads and writes, weights as it reads them."""
     if traffic is None:
-        moved = (node.bytes_read - weight_bytes) * scale * elem_ratio + weight_bytes + \
-            node.bytes_written * scale * elem_ratio
+        moved = (
+            (node.bytes_read - weight_bytes) * scale * elem_ratio
+            + weight_bytes
+            + node.bytes_written * scale * elem_ratio
+        )
     elif node.bytes_read == 0 and node.bytes_written == 0:  # a view moves nothing
         return 0.0
     else:
-        moved = (node.bytes_read - weight_bytes) * scale * traffic.read_ratio + traffic.weight_read_bytes + \
-            node.bytes_written * scale * traffic.write_ratio
+        moved = (
+            (node.bytes_read - weight_bytes) * scale * traffic.read_ratio
+            + traffic.weight_read_bytes
+            + node.bytes_written * scale * traffic.write_ratio
+        )
     if node.target.startswith(DROPOUT_TARGET) and node.attrs.get("p") and node.attrs.get("train", True):
         moved += MASK_BYTES * node.output_numel * scale
     return moved
@@ -139,8 +162,9 @@ def _eager_forward_s(node: OpNode, flops: float, moved: float, device: DeviceSpe
     return eager.elementwise_s(moved, device)
 
 
-def materialized_attention_s(node: OpNode, scale: float, device: DeviceSpec, elem_ratio: float,
-                             captured_bytes: int = 4) -> float:
+def materialized_attention_s(
+    node: OpNode, scale: float, device: DeviceSpec, elem_ratio: float, captured_bytes: int = 4
+) -> float:
     """QKᵀ, softmax, dropout and PV through HBM (module doc): n = F / (4·E) scores, E the output's
     head size; q, k and v taken as equal thirds of the bytes read (self-attention, no mask)."""
     flops, a = node.flops * scale, elem_ratio * captured_bytes
@@ -162,14 +186,23 @@ def _bytes_per_s(device: DeviceSpec) -> float:
     return device.memory_bandwidth_gbps * 1e9
 
 
-def microbatch_compute(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
-                       activation_elem_bytes: int = 4, captured_bytes: int = 4, attention: str = "flash") -> ComputeTime:
+def microbatch_compute(
+    graph: OpGraph,
+    microbatch_size: int,
+    recompute: str,
+    device: DeviceSpec,
+    activation_elem_bytes: int = 4,
+    captured_bytes: int = 4,
+    attention: str = "flash",
+) -> ComputeTime:
     """Forward, backward and recompute seconds of one micro-batch on one device."""
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    fwd = {n.name: op_forward_s(n, weights.get(n.name, 0), scale, device, ratio, attention, captured_bytes)
-           for n in graph.nodes}
+    fwd = {
+        n.name: op_forward_s(n, weights.get(n.name, 0), scale, device, ratio, attention, captured_bytes)
+        for n in graph.nodes
+    }
     forward_s = sum(fwd.values())
     return ComputeTime(forward_s, BACKWARD_TO_FORWARD * forward_s, _recompute_s(graph, fwd, recompute))
 
@@ -200,8 +233,9 @@ def _weight_bytes(graph: OpGraph) -> dict[str, int]:
     direct = {n.name: sum(size.get(p, 0) for p in n.param_inputs) for n in graph.nodes if n.param_inputs}
     # A view of a weight (annotate gives views no bytes: the transposed expert stack a grouped matmul reads)
     # moves nothing itself; the op reading the view reads the weight, once per micro-batch like any weight.
-    views = {n.name: direct[n.name] for n in graph.nodes
-             if n.name in direct and n.bytes_read == 0 and n.bytes_written == 0}
+    views = {
+        n.name: direct[n.name] for n in graph.nodes if n.name in direct and n.bytes_read == 0 and n.bytes_written == 0
+    }
     out = {}
     for n in graph.nodes:
         weight = (0 if n.name in views else direct.get(n.name, 0)) + sum(views.get(i, 0) for i in n.inputs)

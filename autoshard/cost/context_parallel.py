@@ -51,8 +51,11 @@ def cp_equivalent(config: Decisions) -> Decisions:
     mesh = config.mesh
     if mesh.cp == 1:
         return config
-    return replace(config, mesh=Mesh(dp=mesh.dp * mesh.cp, tp=mesh.tp, pp=mesh.pp),
-                   microbatch_size=config.microbatch_size / mesh.cp)
+    return replace(
+        config,
+        mesh=Mesh(dp=mesh.dp * mesh.cp, tp=mesh.tp, pp=mesh.pp),
+        microbatch_size=config.microbatch_size / mesh.cp,
+    )
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,15 @@ def ring_cost(tables: CostTables, config: Decisions) -> RingCost:
 def _ring_cost(tables: CostTables, config: Decisions) -> RingCost:
     graph, cluster, runtime = tables.graph, tables.cluster, tables.runtime
     cp, tp, b = config.mesh.cp, config.mesh.tp, config.microbatch_size
-    share = node_forward_s(graph, b / cp, cluster.device, tables.precision.activation_bytes, CAPTURED_ELEM_BYTES,
-                           runtime.attention, runtime.kernels)
+    share = node_forward_s(
+        graph,
+        b / cp,
+        cluster.device,
+        tables.precision.activation_bytes,
+        CAPTURED_ELEM_BYTES,
+        runtime.attention,
+        runtime.kernels,
+    )
     link = cp_link(cluster, config.mesh)
     recomputes = _recompute_full_attention(graph, config)
     fwd = bwd = rec = exposed = 0.0

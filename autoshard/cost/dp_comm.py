@@ -82,8 +82,14 @@ def ranks_of_stage(mesh: Mesh, stage: int) -> tuple[int, ...]:
     return tuple(r * mesh.dp * mesh.tp + i for i in range(mesh.dp * mesh.tp))
 
 
-def dp_comm_time(graph: OpGraph, cluster: Cluster, config: Decisions, micro: ComputeTime, precision: Precision,
-                 params: float | None = None) -> CommTime:
+def dp_comm_time(
+    graph: OpGraph,
+    cluster: Cluster,
+    config: Decisions,
+    micro: ComputeTime,
+    precision: Precision,
+    params: float | None = None,
+) -> CommTime:
     """DP collectives of one step (module doc); ``params`` per rank, default Ψ/(tp·pp)."""
     if config.mesh.dp == 1:
         return CommTime(0.0, 0.0)
@@ -114,8 +120,9 @@ def dp_collective_s(kind: str, size_bytes: float, mesh: Mesh, cluster: Cluster) 
     """``kind`` ∈ {allreduce, reduce_scatter, all_gather} over the dp group: flat ring on the
     group's link, or the two-level form when that is cheaper (module doc)."""
     link, g = dp_group_shape(cluster, mesh)
-    flat = {"allreduce": comm.allreduce_s, "reduce_scatter": comm.reduce_scatter_s,
-            "all_gather": comm.all_gather_s}[kind](size_bytes, mesh.dp, link)
+    flat = {"allreduce": comm.allreduce_s, "reduce_scatter": comm.reduce_scatter_s, "all_gather": comm.all_gather_s}[
+        kind
+    ](size_bytes, mesh.dp, link)
     n = mesh.dp // g
     if n == 1 or g == 1 or mesh.dp % g:
         return flat
@@ -148,7 +155,9 @@ def tp_link(cluster: Cluster, tp: int) -> LinkSpec:
     return cluster.group_link(list(range(tp)))
 
 
-def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Decisions, tables: CostTables | None = None) -> float:
+def choose_bucket_cap_mb(
+    graph: OpGraph, cluster: Cluster, config: Decisions, tables: CostTables | None = None
+) -> float:
     """The DDP bucket size (from BUCKET_CAP_CHOICES_MB) with the least exposed communication."""
     if config.dp_runtime.fsdp2 or config.mesh.dp == 1 or config.mesh.pp > 1:
         return config.ddp_bucket_cap_mb
@@ -162,8 +171,9 @@ def choose_bucket_cap_mb(graph: OpGraph, cluster: Cluster, config: Decisions, ta
     return min(BUCKET_CAP_CHOICES_MB, key=lambda cap: (exposed(cap), cap))
 
 
-def _ddp_comm(cluster: Cluster, params: float, config: Decisions, micro: ComputeTime, precision: Precision,
-              tensors: int = 1) -> CommTime:
+def _ddp_comm(
+    cluster: Cluster, params: float, config: Decisions, micro: ComputeTime, precision: Precision, tensors: int = 1
+) -> CommTime:
     mesh = config.mesh
     grad_bytes = params * precision.grad_bytes
     buckets = max(1, math.ceil(grad_bytes / (config.ddp_bucket_cap_mb * 2**20)))
@@ -197,8 +207,9 @@ def per_unit_collectives_s(kind: str, total_bytes: float, units: int, mesh: Mesh
     return units * dp_collective_s(kind, total_bytes / units, mesh, cluster)
 
 
-def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime,
-               precision: Precision) -> CommTime:
+def _fsdp_comm(
+    graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime, precision: Precision
+) -> CommTime:
     """FSDP2's per-unit collectives (module doc): every micro-batch (ZeRO-2/3), or once per step
     (ZeRO-1, gradients summed whole); HSDP over a node's dp_shard ranks plus the replicas' all-reduce."""
     mesh, units = shard_mesh(config), max(1, len(graph.blocks)) + 1
@@ -215,14 +226,20 @@ def _fsdp_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decision
         scatter_wait = per_unit_collectives_s("reduce_scatter", 0.0, units, mesh, cluster)
         regather_wait = gather_wait if config.zero_stage == 3 else 0.0
         fwd_exposed = gather_s - gather_wait + max(gather_wait - fwd_s, gather_wait / units)
-        bwd_exposed = regather_s + scatter_s - regather_wait - scatter_wait + \
-            max(regather_wait + scatter_wait - bwd_s, scatter_wait / units)
+        bwd_exposed = (
+            regather_s
+            + scatter_s
+            - regather_wait
+            - scatter_wait
+            + max(regather_wait + scatter_wait - bwd_s, scatter_wait / units)
+        )
     times = config.num_microbatches if config.dp_runtime.sync_every_microbatch else 1
     return CommTime(times * (gather_s + regather_s + scatter_s), times * (fwd_exposed + bwd_exposed))
 
 
-def _replicate_comm(graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime,
-                    precision: Precision) -> CommTime:
+def _replicate_comm(
+    graph: OpGraph, cluster: Cluster, params: float, config: Decisions, micro: ComputeTime, precision: Precision
+) -> CommTime:
     """FSDP2's ``replicate`` (ZeRO-0 with tp or pp): one all-reduce per unit in the last micro-batch's
     backward, behind the units still to run (GPUs); on CPU ranks only their waiting hides."""
     units = max(1, len(graph.blocks)) + 1

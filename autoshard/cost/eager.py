@@ -124,8 +124,14 @@ LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 8  # the fp32 nll gradient and log-sof
 ADAMW_FOREACH_BYTES_PER_PARAM = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
 
 # inputs flattened to 2-D: M = numel / N; a grouped matmul's [S, N] output as one (its groups share the tiles' waves)
-MATMUL_2D_TARGETS = ("aten.linear", "aten.mm", "aten.addmm", "aten._grouped_mm", "aten._scaled_grouped_mm",
-                     "transformers.grouped_mm_fallback")
+MATMUL_2D_TARGETS = (
+    "aten.linear",
+    "aten.mm",
+    "aten.addmm",
+    "aten._grouped_mm",
+    "aten._scaled_grouped_mm",
+    "transformers.grouped_mm_fallback",
+)
 MATMUL_BATCHED_TARGETS = ("aten.bmm", "aten.baddbmm", "aten.matmul")
 
 
@@ -158,16 +164,18 @@ def matmul_flops_per_s(device: DeviceSpec, shape_efficiency: float) -> float:
     return device.peak_tflops * 1e12 * device.matmul_efficiency * shape_efficiency
 
 
-def matmul_forward_s(target: str, shape: tuple[int, ...], flops: float, moved_bytes: float,
-                     device: DeviceSpec) -> float:
+def matmul_forward_s(
+    target: str, shape: tuple[int, ...], flops: float, moved_bytes: float, device: DeviceSpec
+) -> float:
     """max(F / (η(M, N)·P), bytes / W): the output's tiles set η."""
     batch, m, n, _ = matmul_dims(target, shape, flops)
     compute = flops / matmul_flops_per_s(device, matmul_shape_efficiency(m, n, batch, device))
     return max(compute, moved_bytes / bytes_per_s(device))
 
 
-def matmul_backward_s(target: str, shape: tuple[int, ...], flops: float, moved_bytes: float,
-                      device: DeviceSpec) -> float:
+def matmul_backward_s(
+    target: str, shape: tuple[int, ...], flops: float, moved_bytes: float, device: DeviceSpec
+) -> float:
     """Input gradient (M×K output) + weight gradient (N×K output, batch entries of a batched matmul),
     each max(F / (η·P), bytes / W)."""
     batch, m, n, k = matmul_dims(target, shape, flops)
@@ -178,8 +186,9 @@ def matmul_backward_s(target: str, shape: tuple[int, ...], flops: float, moved_b
 
 
 def flash_utilization(device: DeviceSpec) -> float:
-    return next((u for model, u in FLASH_UTILIZATION_BY_DEVICE.items() if model in device.name),
-                FLASH_UTILIZATION_DEFAULT)
+    return next(
+        (u for model, u in FLASH_UTILIZATION_BY_DEVICE.items() if model in device.name), FLASH_UTILIZATION_DEFAULT
+    )
 
 
 def flash_flops_per_s(device: DeviceSpec) -> float:

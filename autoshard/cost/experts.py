@@ -113,8 +113,10 @@ def unit_expert_costs(tables: CostTables, config: Decisions) -> tuple[ExpertUnit
     units = len(graph.blocks) + 2
     if config.ep == 1 or not graph.experts:
         return tables.memo(("expert-units", 1), lambda: (ExpertUnitCost(),) * units)
-    return tables.memo(("expert-units", config.ep, config.microbatch_size, config.mesh),
-                       lambda: _unit_expert_costs(tables, config, units))
+    return tables.memo(
+        ("expert-units", config.ep, config.microbatch_size, config.mesh),
+        lambda: _unit_expert_costs(tables, config, units),
+    )
 
 
 def _unit_expert_costs(tables: CostTables, config: Decisions, units: int) -> tuple[ExpertUnitCost, ...]:
@@ -136,7 +138,9 @@ def _unit_expert_costs(tables: CostTables, config: Decisions, units: int) -> tup
         row[0] += (load - 1) * fwd_s
         row[1] += (load - 1) * 2 * fwd_s
         row[2] += load * fwd_s
-        row[3] += a2a_s / 2 * A2A_PER_MICROBATCH + COUNT_EXCHANGES_PER_MICROBATCH * comm.all_to_all_s(0, config.ep, link)
+        row[3] += a2a_s / 2 * A2A_PER_MICROBATCH + COUNT_EXCHANGES_PER_MICROBATCH * comm.all_to_all_s(
+            0, config.ep, link
+        )
         row[4] += (2 * DISPATCH_OPS + module_ops.get(g.path, 0)) * host_op_s
         row[5] += g.param_count
     return tuple(ExpertUnitCost(*row) for row in parts)

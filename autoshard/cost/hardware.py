@@ -69,8 +69,12 @@ from autoshard.ir.topology import CLUSTER_KEYS, Cluster, DeviceSpec, LinkSpec
 GIB = 2**30
 _NUMBERS = "docs/reference-numbers.md"
 
-_NVLINK_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 32 KiB ≈ 18 µs on 8×H200 = 2·log2(8)·α (docs/reference-numbers.md)"
-_IB_LATENCY_SOURCE = "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (docs/reference-numbers.md)"
+_NVLINK_LATENCY_SOURCE = (
+    "α fitted to nccl-tests all-reduce 32 KiB ≈ 18 µs on 8×H200 = 2·log2(8)·α (docs/reference-numbers.md)"
+)
+_IB_LATENCY_SOURCE = (
+    "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (docs/reference-numbers.md)"
+)
 
 A100_SXM_80GB = DeviceSpec(
     name="A100-SXM-80GB",
@@ -79,8 +83,8 @@ A100_SXM_80GB = DeviceSpec(
     memory_bandwidth_gbps=1830.0,
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (312 TFLOP/s bf16, ~2.0 TB/s (2039 GB/s), 80 GB); matmul_efficiency "
-           "and memory_bandwidth_gbps assumed at the measured H100 ratios (790-800/989 TFLOP/s; copy 3.0/3.35 "
-           "TB/s: 0.896 × 2039 ≈ 1830 GB/s); calibrate",
+    "and memory_bandwidth_gbps assumed at the measured H100 ratios (790-800/989 TFLOP/s; copy 3.0/3.35 "
+    "TB/s: 0.896 × 2039 ≈ 1830 GB/s); calibrate",
 )
 H100_SXM_80GB = DeviceSpec(
     name="H100-SXM-80GB",
@@ -89,21 +93,21 @@ H100_SXM_80GB = DeviceSpec(
     memory_bandwidth_gbps=3000.0,
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (~989 TFLOP/s bf16, ~3.35 TB/s, 80 GB); matmul_efficiency "
-           "from 8192³ bf16 matmul measured 790-800 TFLOP/s and memory_bandwidth_gbps from a device-to-device "
-           "copy measured ≈ 3.0 TB/s (read + write) on one H100 (docs/reference-numbers.md)",
+    "from 8192³ bf16 matmul measured 790-800 TFLOP/s and memory_bandwidth_gbps from a device-to-device "
+    "copy measured ≈ 3.0 TB/s (read + write) on one H100 (docs/reference-numbers.md)",
 )
 NVLINK3 = LinkSpec(
     bandwidth_gbps=235.0,
     latency_us=3.0,
     source="NCCL all-reduce busbw ≈ 235 GB/s for large messages on 8×A100 in one node (ml-engineering, "
-           "docs/reference-numbers.md), ≈ 80% of NVLink 3's 300 GB/s per GPU per direction (Narayanan et al. SC21 §5); "
-           f"{_NVLINK_LATENCY_SOURCE}",
+    "docs/reference-numbers.md), ≈ 80% of NVLink 3's 300 GB/s per GPU per direction (Narayanan et al. SC21 §5); "
+    f"{_NVLINK_LATENCY_SOURCE}",
 )
 NVLINK4 = LinkSpec(
     bandwidth_gbps=450.0,
     latency_us=3.0,
     source="NVLink 4 450 GB/s per GPU per direction, NVIDIA DGX H100 datasheet (measured all-reduce busbw "
-           f"464-481 GB/s for 1-16 GiB on 8×H200, nccl-tests); {_NVLINK_LATENCY_SOURCE}",
+    f"464-481 GB/s for 1-16 GiB on 8×H200, nccl-tests); {_NVLINK_LATENCY_SOURCE}",
 )
 HDR_IB_PER_GPU = LinkSpec(
     bandwidth_gbps=25.0,
@@ -114,7 +118,7 @@ NDR_PER_GPU = LinkSpec(
     bandwidth_gbps=50.0,
     latency_us=6.0,
     source=f"8 × 400 Gb/s NICs per DGX H100 ≈ 50 GB/s per GPU, NVIDIA datasheet; latency assumed as HDR: "
-           f"{_IB_LATENCY_SOURCE}",
+    f"{_IB_LATENCY_SOURCE}",
 )
 
 _ROUGH = "rough default; run `autoshard calibrate`"
@@ -140,7 +144,7 @@ def _local_cpu(devices_per_node: int = 2) -> Cluster:
         memory_bandwidth_gbps=10.0,
         matmul_efficiency=1.0,
         source=f"fp32, one process; peak_tflops and memory_bandwidth_gbps are a {_ROUGH}; "
-               "memory_bytes = host MemTotal / devices_per_node",
+        "memory_bytes = host MemTotal / devices_per_node",
     )
     intra = LinkSpec(2.0, 50.0, f"gloo over loopback / shared memory, {_ROUGH}")
     inter = LinkSpec(1.0, 100.0, f"gloo over TCP between hosts (~10 GbE), {_ROUGH}")
@@ -167,8 +171,10 @@ def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: 
         d, host_share = read_cluster_file(Path(name_or_path))
         where = default_source = f"cluster file {name_or_path}"
     else:
-        raise AutoshardError(f"unknown cluster {name_or_path!r}; fix: use a preset ({', '.join(PRESETS)}) "
-                             "or a path to a cluster YAML file (see examples/cluster.yaml)")
+        raise AutoshardError(
+            f"unknown cluster {name_or_path!r}; fix: use a preset ({', '.join(PRESETS)}) "
+            "or a path to a cluster YAML file (see examples/cluster.yaml)"
+        )
     if nodes is not None:
         d["nodes"] = nodes
     if devices_per_node is not None:
@@ -186,8 +192,10 @@ def read_cluster_file(path: Path) -> tuple[dict[str, Any], bool]:
     if preset is None:
         return raw, False
     if not isinstance(preset, str) or preset not in PRESETS:
-        raise AutoshardError(f"{where}: preset must be one of {', '.join(PRESETS)}, got {preset!r}; "
-                             "fix: name a preset, or drop 'preset' and give every field")
+        raise AutoshardError(
+            f"{where}: preset must be one of {', '.join(PRESETS)}, got {preset!r}; "
+            "fix: name a preset, or drop 'preset' and give every field"
+        )
     merged = _merge_preset(PRESETS[preset].to_dict(), raw, where, f"{where} over preset {preset}")
     memory_given = isinstance(raw.get("device"), dict) and "memory_bytes" in raw["device"]
     return merged, preset in HOST_MEMORY_PRESETS and not memory_given
@@ -302,27 +310,38 @@ def _read_text(path: Path, where: str) -> str:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise AutoshardError(f"{where} does not exist; fix: check the path, or use a preset "
-                             f"({', '.join(PRESETS)})") from None
+        raise AutoshardError(
+            f"{where} does not exist; fix: check the path, or use a preset ({', '.join(PRESETS)})"
+        ) from None
     except OSError as e:
-        raise AutoshardError(f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file") from None
+        raise AutoshardError(
+            f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file"
+        ) from None
     if stat.S_ISDIR(info.st_mode):
         raise AutoshardError(f"{where} cannot be read (IsADirectoryError); fix: give a readable UTF-8 YAML file")
     if not stat.S_ISREG(info.st_mode):
-        raise AutoshardError(f"{where} is not a regular file (a device, pipe or socket); fix: give a YAML file "
-                             "(see examples/cluster.yaml)")
+        raise AutoshardError(
+            f"{where} is not a regular file (a device, pipe or socket); fix: give a YAML file "
+            "(see examples/cluster.yaml)"
+        )
     if info.st_size > MAX_CLUSTER_FILE_BYTES:
-        raise AutoshardError(f"{where} is {info.st_size:,} bytes, more than a cluster file holds "
-                             f"({MAX_CLUSTER_FILE_BYTES:,}); fix: give the cluster's YAML file (see examples/cluster.yaml)")
+        raise AutoshardError(
+            f"{where} is {info.st_size:,} bytes, more than a cluster file holds "
+            f"({MAX_CLUSTER_FILE_BYTES:,}); fix: give the cluster's YAML file (see examples/cluster.yaml)"
+        )
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CLUSTER_FILE_BYTES + 1)  # the file may grow after stat
         if len(data) > MAX_CLUSTER_FILE_BYTES:
-            raise AutoshardError(f"{where} is more than {MAX_CLUSTER_FILE_BYTES:,} bytes, more than a cluster "
-                                 "file holds; fix: give the cluster's YAML file (see examples/cluster.yaml)")
+            raise AutoshardError(
+                f"{where} is more than {MAX_CLUSTER_FILE_BYTES:,} bytes, more than a cluster "
+                "file holds; fix: give the cluster's YAML file (see examples/cluster.yaml)"
+            )
         return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise AutoshardError(f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file") from None
+        raise AutoshardError(
+            f"{where} cannot be read ({type(e).__name__}); fix: give a readable UTF-8 YAML file"
+        ) from None
 
 
 def _read_yaml(path: Path, where: str) -> dict[str, Any]:
@@ -330,24 +349,35 @@ def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     try:
         raw = _load_document(text)
     except _DuplicateKey as e:
-        raise AutoshardError(f"{where}: duplicate key {_short_key(e.key)}{_yaml_position(e)}; "
-                             "fix: give each field once") from None
+        raise AutoshardError(
+            f"{where}: duplicate key {_short_key(e.key)}{_yaml_position(e)}; fix: give each field once"
+        ) from None
     except _HugeNumber as e:
-        raise AutoshardError(f"{where}: a number with {e.digits} digits{_yaml_position(e)}; fix: give every "
-                             f"number in at most {MAX_NUMBER_DIGITS} digits (e.g. 85899345920 or 4.5e+11)") from None
+        raise AutoshardError(
+            f"{where}: a number with {e.digits} digits{_yaml_position(e)}; fix: give every "
+            f"number in at most {MAX_NUMBER_DIGITS} digits (e.g. 85899345920 or 4.5e+11)"
+        ) from None
     except _TooManyNodes:
-        raise AutoshardError(f"{where}: not a cluster file (its aliases expand to more than {MAX_YAML_NODES:,} "
-                             "values); fix: write the fields out as in examples/cluster.yaml, without * aliases") from None
+        raise AutoshardError(
+            f"{where}: not a cluster file (its aliases expand to more than {MAX_YAML_NODES:,} "
+            "values); fix: write the fields out as in examples/cluster.yaml, without * aliases"
+        ) from None
     except yaml.YAMLError as e:
-        raise AutoshardError(f"{where}: YAML syntax error{_yaml_position(e)}: {_yaml_problem(e)}; "
-                             "fix: correct the YAML (see examples/cluster.yaml)") from None
+        raise AutoshardError(
+            f"{where}: YAML syntax error{_yaml_position(e)}: {_yaml_problem(e)}; "
+            "fix: correct the YAML (see examples/cluster.yaml)"
+        ) from None
     except RecursionError:
-        raise AutoshardError(f"{where}: not a cluster file (YAML nested too deeply); "
-                             "fix: write a flat mapping as in examples/cluster.yaml") from None
+        raise AutoshardError(
+            f"{where}: not a cluster file (YAML nested too deeply); "
+            "fix: write a flat mapping as in examples/cluster.yaml"
+        ) from None
     if not isinstance(raw, dict):
-        raise AutoshardError(f"{where}: the document must be a mapping of cluster fields, got "
-                             f"{type(raw).__name__}; fix: write 'name: ...', 'nodes: ...' etc. "
-                             "as in examples/cluster.yaml")
+        raise AutoshardError(
+            f"{where}: the document must be a mapping of cluster fields, got "
+            f"{type(raw).__name__}; fix: write 'name: ...', 'nodes: ...' etc. "
+            "as in examples/cluster.yaml"
+        )
     known = ("preset",) + CLUSTER_KEYS
     unknown = sorted(str(k) for k in raw if k not in known)
     if unknown:
@@ -362,8 +392,10 @@ def _merge_preset(base: dict[str, Any], raw: dict[str, Any], where: str, source:
         if key not in raw:
             continue
         if not isinstance(raw[key], dict):
-            raise AutoshardError(f"{where}: {key} must be a mapping, got {type(raw[key]).__name__}; "
-                                 f"fix: write {key}: {{field: value, ...}}")
+            raise AutoshardError(
+                f"{where}: {key} must be a mapping, got {type(raw[key]).__name__}; "
+                f"fix: write {key}: {{field: value, ...}}"
+            )
         merged[key] = {**base.get(key, {}), "source": source, **raw[key]}
     return merged
 

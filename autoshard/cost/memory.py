@@ -50,10 +50,21 @@ from autoshard.ir.names import op_name
 
 # Ops whose outputs selective recompute keeps (the expensive ones); the rest are recomputed.
 COMPUTE_HEAVY_TARGETS = (
-    "aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul",
-    "aten.scaled_dot_product_attention", "aten._scaled_dot_product", "aten.convolution",
-    "aten.conv1d", "aten.conv2d", "aten.embedding",
-    "aten._grouped_mm", "aten._scaled_grouped_mm", "transformers.grouped_mm_fallback",  # mixture-of-experts GEMMs
+    "aten.linear",
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.matmul",
+    "aten.scaled_dot_product_attention",
+    "aten._scaled_dot_product",
+    "aten.convolution",
+    "aten.conv1d",
+    "aten.conv2d",
+    "aten.embedding",
+    "aten._grouped_mm",
+    "aten._scaled_grouped_mm",
+    "transformers.grouped_mm_fallback",  # mixture-of-experts GEMMs
 )
 
 
@@ -100,8 +111,9 @@ def precision_for_backend(backend: str, dtype: str = "float32") -> Precision:
         d = DTYPE_BYTES[dtype]
         # activations: 4, as the step model scales captured bytes by activation_bytes / 4 and the graph
         # was captured in the model's dtype, so its bytes are already the trained ones
-        return Precision(f"{_SHORT[dtype]}-params", param_bytes=d, grad_bytes=d, optimizer_bytes=2 * d,
-                         activation_bytes=4)
+        return Precision(
+            f"{_SHORT[dtype]}-params", param_bytes=d, grad_bytes=d, optimizer_bytes=2 * d, activation_bytes=4
+        )
     return BF16_AUTOCAST if backend == "nccl" else FP32
 
 
@@ -122,9 +134,11 @@ def pinned_precision(pinned: str, dtype: str = "float32") -> Precision:
     if pinned == "bf16-pure" and dtype == "bfloat16":
         return precision_for_backend("nccl", dtype)
     if dtype != "float32":
-        raise AutoshardError(f"--precision {pinned}: the model's parameters are {dtype}, and the program keeps the "
-                             f"dtype a model is built in; build it in float32 (master weights) or pin "
-                             f"--precision bf16-pure on bfloat16 parameters")
+        raise AutoshardError(
+            f"--precision {pinned}: the model's parameters are {dtype}, and the program keeps the "
+            f"dtype a model is built in; build it in float32 (master weights) or pin "
+            f"--precision bf16-pure on bfloat16 parameters"
+        )
     return {"fp32": FP32, "bf16": BF16_AUTOCAST, "bf16-pure": BF16_PURE, "fp16": FP16_AUTOCAST}[pinned]
 
 
@@ -140,8 +154,9 @@ def model_state_bytes(params: int, zero_stage: int, dp: int, precision: Precisio
     return int(p), int(g), int(o)
 
 
-def block_saved_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0,
-                      share: RankShare = WHOLE) -> int:
+def block_saved_bytes(
+    graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0, share: RankShare = WHOLE
+) -> int:
     """Bytes one block keeps for backward at the captured batch, per recompute mode (module doc),
     its activations at ``ratio`` (trained over captured bytes per element), on a TP rank of ``share``."""
     if recompute == "full":
@@ -158,8 +173,9 @@ def block_input_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share: R
     return whole // share.tp if share.tp > 1 and _input_split(graph, block, share) else whole
 
 
-def block_workspace_bytes(graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0,
-                          share: RankShare = WHOLE) -> int:
+def block_workspace_bytes(
+    graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0, share: RankShare = WHOLE
+) -> int:
     """Bytes the recomputed forward of one block keeps again for its backward, at the captured batch:
     all it keeps without recompute (full), that less what selective recompute kept (selective)."""
     if recompute == "none":
@@ -174,8 +190,9 @@ def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share
     of the block's output (the residual stream's, I_block), and at its largest op the gradient of its
     output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|),
     each on the TP rank's shapes."""
-    return block_input_bytes(graph, block, ratio, share) + \
-        max((_op_grad_bytes(graph, n, ratio, share) for n in block.node_names), default=0)
+    return block_input_bytes(graph, block, ratio, share) + max(
+        (_op_grad_bytes(graph, n, ratio, share) for n in block.node_names), default=0
+    )
 
 
 def _op_grad_bytes(graph: OpGraph, name: str, ratio: float, share: RankShare) -> int:
@@ -194,10 +211,12 @@ def module_bytes(graph: OpGraph, path: str, ratio: float = 1.0, share: RankShare
     """(saved, backward) of the module at ``path`` alone, at the captured batch: what its ops keep for their
     backward (``cost.saved``), and its backward's largest op's gradients (output and inputs, as
     ``block_backward_bytes``): what a module recomputed inside its own backward holds at once."""
+
     def compute() -> tuple[int, int]:
         names = [n.name for n in graph.nodes if n.module_path == path or n.module_path.startswith(path + ".")]
         saved = saved_set(graph, (graph.node(n) for n in names), ratio, _grads(graph), share)
         return sum(saved.values()), max((_op_grad_bytes(graph, n, ratio, share) for n in names), default=0)
+
     return graph.derived(("module_bytes", path, ratio, share), compute)
 
 
@@ -208,8 +227,11 @@ def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare =
     in_block = {n for b in graph.blocks for n in b.node_names}
     kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph), share)
     for block in graph.blocks:
-        kept.update((key, nbytes) for key, nbytes in _block_saved(graph, block, ratio, own=False, share=share).items()
-                    if key in _shared_values(graph))
+        kept.update(
+            (key, nbytes)
+            for key, nbytes in _block_saved(graph, block, ratio, own=False, share=share).items()
+            if key in _shared_values(graph)
+        )
     return sum(kept.values()) + output_bytes(graph, ratio)
 
 
@@ -218,22 +240,27 @@ def output_bytes(graph: OpGraph, ratio: float = 1.0) -> int:
     return int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
 
 
-def activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, precision: Precision,
-                     captured_bytes: int = 4) -> int:
+def activation_bytes(
+    graph: OpGraph, microbatch_size: int, recompute: str, precision: Precision, captured_bytes: int = 4
+) -> int:
     """Activation bytes per rank for one micro-batch in flight (see module docstring)."""
     ratio = precision.activation_bytes / captured_bytes
-    kept = sum(block_saved_bytes(graph, b, recompute, ratio) for b in graph.blocks) + \
-        non_block_saved_bytes(graph, ratio)
+    kept = sum(block_saved_bytes(graph, b, recompute, ratio) for b in graph.blocks) + non_block_saved_bytes(
+        graph, ratio
+    )
     workspace = max((block_workspace_bytes(graph, b, recompute, ratio) for b in graph.blocks), default=0)
     return int((kept + workspace) * microbatch_size / graph.batch_size)
 
 
-def _block_saved(graph: OpGraph, block: Block, ratio: float, own: bool = True,
-                 share: RankShare = WHOLE) -> dict[str, int]:
+def _block_saved(
+    graph: OpGraph, block: Block, ratio: float, own: bool = True, share: RankShare = WHOLE
+) -> dict[str, int]:
     """What the block's ops keep without recompute (``cost.saved``): key -> bytes; ``own`` leaves out
     the tables several blocks read (counted once, outside the blocks)."""
+
     def compute() -> dict[str, int]:
         return saved_set(graph, (graph.node(n) for n in block.node_names), ratio, _grads(graph), share)
+
     kept = graph.derived(("block_saved", block.path, ratio, share), compute)
     if not own:
         return kept
@@ -251,15 +278,21 @@ def _selective_kept(graph: OpGraph, block: Block, ratio: float, share: RankShare
             kept[name] = share.value_bytes(graph, name, ratio)
         elif op_name(node.target) in SDPA_OPS:
             kept[name] = share.value_bytes(graph, name, ratio)
-            kept.update([share.entry(graph, node, f"{name}:lse", node.output_numel // max(1, node.shape[-1]) * FP32_BYTES)])
+            kept.update(
+                [share.entry(graph, node, f"{name}:lse", node.output_numel // max(1, node.shape[-1]) * FP32_BYTES)]
+            )
     return kept
 
 
 def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
     """Whether the block's largest input from outside it (the residual stream) is split over the TP ranks."""
     inside = set(block.node_names)
-    outer = {storage_of(graph, i) for n in block.node_names for i in graph.node(n).inputs
-             if i not in inside and i not in graph.placeholder_params and i in graph._by_name()}
+    outer = {
+        storage_of(graph, i)
+        for n in block.node_names
+        for i in graph.node(n).inputs
+        if i not in inside and i not in graph.placeholder_params and i in graph._by_name()
+    }
     largest = max(outer, key=lambda name: graph.node(name).output_numel, default=None)
     return largest in share.split
 
@@ -276,6 +309,7 @@ def _grads(graph: OpGraph) -> set[str]:
 
 def _shared_values(graph: OpGraph) -> frozenset[str]:
     """Values made outside the blocks and read by more than one block (rotary tables, masks)."""
+
     def compute() -> frozenset[str]:
         in_block = {n: b.path for b in graph.blocks for n in b.node_names}
         readers: dict[str, set[str]] = {}
@@ -284,4 +318,5 @@ def _shared_values(graph: OpGraph) -> frozenset[str]:
                 if node.name in in_block and name not in in_block:
                     readers.setdefault(storage_of(graph, name), set()).add(in_block[node.name])
         return frozenset(name for name, blocks in readers.items() if len(blocks) > 1)
+
     return graph.derived(("shared_values",), compute)

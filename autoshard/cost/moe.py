@@ -91,8 +91,9 @@ def expected_max_load(assignments: float, bins: int) -> float:
     uniformly at random: n/m + sqrt(n/m)·e_m (module doc; → Raab & Steger's n/m + sqrt(2·(n/m)·ln m)),
     clamped to [⌈n/m⌉, n]; exactly n for one bin."""
     if bins < 1 or assignments < 0:
-        raise ValueError(f"balls into bins needs bins >= 1 and assignments >= 0, got bins={bins}, "
-                         f"assignments={assignments}")
+        raise ValueError(
+            f"balls into bins needs bins >= 1 and assignments >= 0, got bins={bins}, assignments={assignments}"
+        )
     if bins == 1:
         return float(assignments)
     mean = assignments / bins
@@ -127,12 +128,14 @@ def _check_routing(top_k: int, experts: int, ep: int) -> None:
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts], got top_k={top_k} with {experts} experts")
     if ep < 1 or experts % ep:
-        raise ValueError(f"ep must divide the experts: {experts} experts over ep={ep} ranks; "
-                         f"pick ep among the divisors of {experts}")
+        raise ValueError(
+            f"ep must divide the experts: {experts} experts over ep={ep} ranks; pick ep among the divisors of {experts}"
+        )
 
 
-def moe_layer_a2a_s(tokens: int, hidden: int, top_k: int, dtype_bytes: int, ep: int, experts: int,
-                    link: LinkSpec) -> float:
+def moe_layer_a2a_s(
+    tokens: int, hidden: int, top_k: int, dtype_bytes: int, ep: int, experts: int, link: LinkSpec
+) -> float:
     """Dispatch + combine of one MoE layer's forward, ``tokens`` per rank: 2 · T_a2a(λ·T·k·h·bytes, ep)
     (module doc; backward adds 2 more, recompute of the dispatch 1). 0 for ep = 1."""
     sent_bytes = tokens * top_k * hidden * dtype_bytes

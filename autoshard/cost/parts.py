@@ -59,8 +59,14 @@ class StepParts:
 
     @property
     def compute_s(self) -> float:
-        return (self.forward_s + self.backward_s + self.recompute_s + self.grad_accumulation_s + self.optimizer_s
-                + self.host_s)
+        return (
+            self.forward_s
+            + self.backward_s
+            + self.recompute_s
+            + self.grad_accumulation_s
+            + self.optimizer_s
+            + self.host_s
+        )
 
     @property
     def comm_exposed_s(self) -> float:
@@ -91,8 +97,9 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
     )
 
 
-def optimizer_step_s(local_params: float, config: Decisions, cluster: Cluster,
-                     bytes_per_param: int = ADAM_BYTES_PER_PARAM) -> float:
+def optimizer_step_s(
+    local_params: float, config: Decisions, cluster: Cluster, bytes_per_param: int = ADAM_BYTES_PER_PARAM
+) -> float:
     """Adam is memory-bound: bytes of the local shard of state over memory bandwidth."""
     shards = config.dp_shard if config.zero_stage >= 1 else 1
     return local_params / shards * bytes_per_param / (cluster.device.memory_bandwidth_gbps * 1e9)
@@ -131,8 +138,10 @@ def optimizer_parts(tables: CostTables, config: Decisions, local_params: float, 
     if profile is not None and profile.optimizer_s and not sharded:
         shards = config.mesh.dp if config.zero_stage == 1 else 1
         return profile.optimizer_s * local_params / tables.graph.param_count / shards, 0.0
-    return (optimizer_step_s(local_params, config, cluster, tables.runtime.optimizer_bytes_per_param),
-            optimizer_host_s(cluster, config, tensors))
+    return (
+        optimizer_step_s(local_params, config, cluster, tables.runtime.optimizer_bytes_per_param),
+        optimizer_host_s(cluster, config, tensors),
+    )
 
 
 def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:

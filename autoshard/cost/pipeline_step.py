@@ -126,17 +126,24 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6
     span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
-        forward_s=m * slowest.forward_s, backward_s=m * slowest.backward_s,
-        recompute_s=m * slowest.recompute_s, grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
-        optimizer_s=optimizer_s, tp_comm_s=m * slowest.tp_comm_s,
-        p2p_s=m * slowest.p2p_s, dp_comm_exposed_s=dp.exposed_s,
+        forward_s=m * slowest.forward_s,
+        backward_s=m * slowest.backward_s,
+        recompute_s=m * slowest.recompute_s,
+        grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
+        optimizer_s=optimizer_s,
+        tp_comm_s=m * slowest.tp_comm_s,
+        p2p_s=m * slowest.p2p_s,
+        dp_comm_exposed_s=dp.exposed_s,
         bubble_s=span_s - m * slowest.time_s,
-        dp_comm_total_s=dp.total_s, memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
-        host_s=host_s, ep_comm_s=m * slowest.ep_comm_s, pp_rank_memory=tuple(r.memory for r in loads))
+        dp_comm_total_s=dp.total_s,
+        memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
+        host_s=host_s,
+        ep_comm_s=m * slowest.ep_comm_s,
+        pp_rank_memory=tuple(r.memory for r in loads),
+    )
 
 
-def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, expert_params: int,
-                          precision) -> CommTime:
+def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, expert_params: int, precision) -> CommTime:
     """The stages' expert shards, left out of the dp wrapper, have their gradients all-reduced over the
     dp / ep ranks holding them once the schedule is done (``pipeline_parallel.sync_expert_grads``): exposed."""
     if config.expert_dp == 1 or not expert_params:
@@ -159,12 +166,30 @@ def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...]
     forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
     weight = [WEIGHT_GRAD_SHARE * b for b in backward] if split else None
     if cores is None:  # every rank runs its m·T_r of actions: at least m·T_max (max() drops float rounding)
-        return max(m * max(times), schedule_makespan_s(config.schedule, config.mesh.pp, m, v,
-                                                       [f + w for f, w in zip(forward, forward_wait)],
-                                                       [b + w for b, w in zip(backward, backward_wait)], weight))
+        return max(
+            m * max(times),
+            schedule_makespan_s(
+                config.schedule,
+                config.mesh.pp,
+                m,
+                v,
+                [f + w for f, w in zip(forward, forward_wait)],
+                [b + w for b, w in zip(backward, backward_wait)],
+                weight,
+            ),
+        )
     orders = rank_orders(config.schedule, config.mesh.pp, m, v)
-    return shared_makespan_s(orders, len(forward), forward, backward, config.mesh.dp * config.mesh.tp, cores,
-                             forward_wait, backward_wait, weight)
+    return shared_makespan_s(
+        orders,
+        len(forward),
+        forward,
+        backward,
+        config.mesh.dp * config.mesh.tp,
+        cores,
+        forward_wait,
+        backward_wait,
+        weight,
+    )
 
 
 def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
@@ -176,8 +201,9 @@ def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
     return cores
 
 
-def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]
-                       ) -> tuple[list[float], list[float], list[float], list[float]]:
+def stage_action_times(
+    tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]
+) -> tuple[list[float], list[float], list[float], list[float]]:
     """(F work, B work, F wait, B wait) seconds of one micro-batch on each stage: its rank's compute
     (with host time) and its transfers and TP collectives (``RankLoad``) shared among the rank's
     stages by their compute, and within a stage between forward and backward + recompute the same way."""
@@ -186,15 +212,17 @@ def stage_action_times(tables: CostTables, config: Decisions, cuts: tuple[int, .
     parts = []
     for rng in ranges:
         idx = stage_units(rng, units.blocks)
-        parts.append((sum(units.forward_s[u] for u in idx),
-                      sum(units.backward_s[u] + units.recompute_s[u] for u in idx)))
+        parts.append(
+            (sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] + units.recompute_s[u] for u in idx))
+        )
     pp, owner = config.mesh.pp, stage_owners(config.schedule, config.mesh.pp, config.virtual_stages)
     rank_compute = [sum(f + b for s, (f, b) in enumerate(parts) if owner[s] == r) for r in range(pp)]
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
         load, total = loads[owner[s]], rank_compute[owner[s]]
-        work, wait = (load.compute_s / total, (load.p2p_s + load.tp_comm_s + load.ep_comm_s) / total) if total \
-            else (0.0, 0.0)
+        work, wait = (
+            (load.compute_s / total, (load.p2p_s + load.tp_comm_s + load.ep_comm_s) / total) if total else (0.0, 0.0)
+        )
         for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
             column.append(value)
     return out
@@ -211,25 +239,45 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     for r in range(pp):
         mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
-        p2p = sum(2 * boundary_transfer_s(tables, config, units.boundary_bytes[i]) for s, (i, _) in mine
-                  if s > 0 and owner[s - 1] != r)  # adjacent stages on one rank (the V's tip) send nothing
+        p2p = sum(
+            2 * boundary_transfer_s(tables, config, units.boundary_bytes[i])
+            for s, (i, _) in mine
+            if s > 0 and owner[s - 1] != r
+        )  # adjacent stages on one rank (the V's tip) send nothing
         whole_experts = sum(experts[u].params for u in idx)
         params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
         stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
-        host_s = sum(units.host_s[u] + tp_host[u] + experts[u].host_s for u in idx) + \
-            len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6 \
-            + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)  # FSDP2: a unit per stage
-        loads.append(RankLoad(sum(units.forward_s[u] + experts[u].forward_s for u in idx),
-                              sum(units.backward_s[u] + experts[u].backward_s for u in idx),
-                              sum(units.recompute_s[u] + experts[u].recompute_s for u in idx), p2p,
-                              sum(tp_comm[u] for u in idx), params + expert_shards,
-                              rank_memory(tables, config, r, stages, units, mine), host_s,
-                              sum(units.tensors[u] for u in idx), a2a_microbatch_s(experts, idx), expert_shards))
+        host_s = (
+            sum(units.host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
+            + len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6
+            + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)
+        )  # FSDP2: a unit per stage
+        loads.append(
+            RankLoad(
+                sum(units.forward_s[u] + experts[u].forward_s for u in idx),
+                sum(units.backward_s[u] + experts[u].backward_s for u in idx),
+                sum(units.recompute_s[u] + experts[u].recompute_s for u in idx),
+                p2p,
+                sum(tp_comm[u] for u in idx),
+                params + expert_shards,
+                rank_memory(tables, config, r, stages, units, mine),
+                host_s,
+                sum(units.tensors[u] for u in idx),
+                a2a_microbatch_s(experts, idx),
+                expert_shards,
+            )
+        )
     return loads
 
 
-def rank_memory(tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad], units: Units,
-                mine: list[tuple[int, tuple[int, int]]]) -> Memory:
+def rank_memory(
+    tables: CostTables,
+    config: Decisions,
+    pp_rank: int,
+    stages: list[StageLoad],
+    units: Units,
+    mine: list[tuple[int, tuple[int, int]]],
+) -> Memory:
     """Pipeline rank ``pp_rank``'s peak: the moments of autoshard's programs (``rank_memory.memory_pipeline``),
     or, priced for Megatron-LM, its in-flight micro-batches over its own state (``megatron_pipeline_memory``)."""
     if tables.precision != MEGATRON_MIXED:
@@ -240,31 +288,45 @@ def rank_memory(tables: CostTables, config: Decisions, pp_rank: int, stages: lis
         saved = {s: sum(units.saved_bytes[u] for u in stage_units(rng, units.blocks)) for s, rng in mine}
         acts = split_backward_in_flight_bytes(config, pp_rank, saved)
     else:
-        acts = in_flight(config.schedule, config.num_microbatches, pp, v, pp_rank) * sum(units.saved_bytes[u] for u in idx)
+        acts = in_flight(config.schedule, config.num_microbatches, pp, v, pp_rank) * sum(
+            units.saved_bytes[u] for u in idx
+        )
     acts += max(units.workspace_bytes[u] for u in idx)
-    return megatron_pipeline_memory(tables.precision, config, sum(s.params for s in stages), acts,
-                                    sum(s.expert_params for s in stages))
+    return megatron_pipeline_memory(
+        tables.precision, config, sum(s.params for s in stages), acts, sum(s.expert_params for s in stages)
+    )
 
 
-def stage_load(tables: CostTables, config: Decisions, units: Units, experts, index: int, block_range: tuple[int, int],
-               owner: list[int]) -> StageLoad:
+def stage_load(
+    tables: CostTables,
+    config: Decisions,
+    units: Units,
+    experts,
+    index: int,
+    block_range: tuple[int, int],
+    owner: list[int],
+) -> StageLoad:
     """What stage ``index`` (blocks ``block_range``) puts on its rank (``rank_memory.StageLoad``): its units'
     parameters, saved activations, workspaces and activation gradients on one TP rank, the output the
     schedule keeps for its backward (the next stage's input, or the model's output) and its receive buffers
     (``stage_buffer_bytes``)."""
     blocks, last = units.blocks, index == len(owner) - 1
     idx = stage_units(block_range, blocks)
-    params, expert_shards = expert_state_params(sum(units.params[u] for u in idx),
-                                                sum(experts[u].params for u in idx), config)
+    params, expert_shards = expert_state_params(
+        sum(units.params[u] for u in idx), sum(experts[u].params for u in idx), config
+    )
     output = model_output_bytes(tables, config) if last else units.boundary_bytes[block_range[1]]
     in_blocks = [u for u in idx if 0 < u <= blocks]
-    return StageLoad(index, params, expert_shards,
-                     saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
-                     workspace_bytes=max((units.workspace_bytes[u] for u in in_blocks), default=0),
-                     backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0)
-                     if units.backward_bytes else 0,
-                     loss_bytes=units.workspace_bytes[-1] if last else 0,
-                     buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner))
+    return StageLoad(
+        index,
+        params,
+        expert_shards,
+        saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
+        workspace_bytes=max((units.workspace_bytes[u] for u in in_blocks), default=0),
+        backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
+        loss_bytes=units.workspace_bytes[-1] if last else 0,
+        buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner),
+    )
 
 
 def model_output_bytes(tables: CostTables, config: Decisions) -> int:
@@ -278,8 +340,9 @@ def model_output_bytes(tables: CostTables, config: Decisions) -> int:
     return int(nbytes * config.microbatch_size / graph.batch_size)
 
 
-def stage_buffer_bytes(tables: CostTables, config: Decisions, index: int, block_range: tuple[int, int],
-                       owner: list[int]) -> int:
+def stage_buffer_bytes(
+    tables: CostTables, config: Decisions, index: int, block_range: tuple[int, int], owner: list[int]
+) -> int:
     """Receive buffers of one micro-batch on stage ``index``: torch's stage makes one per micro-batch for each
     input (but the first stage's) and for the gradient of each output (but the last stage's), in the dtype
     the split traced (the model's: ``CAPTURED_ELEM_BYTES``), and keeps them; a boundary is the residual
@@ -303,8 +366,10 @@ def stage_in_flight(config: Decisions) -> tuple[float, ...]:
     if config.schedule not in ZERO_BUBBLE_SCHEDULES:
         return tuple(in_flight(config.schedule, m, pp, v, s % pp) for s in range(config.num_stages))
     owner = stage_owners(config.schedule, pp, v)
-    per_rank = [split_backward_in_flight_bytes(config, r, {s: 1 / v for s in rank_stages(config.schedule, pp, v, r)})
-                for r in range(pp)]
+    per_rank = [
+        split_backward_in_flight_bytes(config, r, {s: 1 / v for s in rank_stages(config.schedule, pp, v, r)})
+        for r in range(pp)
+    ]
     return tuple(per_rank[owner[s]] for s in range(config.num_stages))
 
 
@@ -313,8 +378,9 @@ def split_backward_in_flight_bytes(config: Decisions, pp_rank: int, stage_bytes:
     action by action (``schedule.peak_in_flight``: each stage's bytes from its F until its W or full B;
     the other schedules take ``rank_memory.in_flight``). With equal stages and m ≥ 2p: p micro-batches
     on every rank for interleaved-zb and zbv, p + 1/2 for dualpipev, against 1F1B's p − r on rank r."""
-    return schedule_peak_in_flight(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages,
-                                   pp_rank, stage_bytes)
+    return schedule_peak_in_flight(
+        config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages, pp_rank, stage_bytes
+    )
 
 
 def boundary_transfer_s(tables: CostTables, config: Decisions, size_bytes: float) -> float:

@@ -51,9 +51,15 @@ def scaled_to(units: Units, measured: tuple[float, float, float]) -> Units:
     weights_b = [d + h for d, h in zip(units.backward_s, units.host_backward_s or (0.0,) * len(units.forward_s))]
     weights_r = [d + h for d, h in zip(units.recompute_s, units.host_recompute_s or (0.0,) * len(units.forward_s))]
     zeros = (0.0,) * len(units.forward_s)
-    return replace(units, forward_s=_share(fwd, weights_f), backward_s=_share(bwd, weights_b),
-                   recompute_s=_share(rerun, weights_r), host_forward_s=zeros, host_backward_s=zeros,
-                   host_recompute_s=zeros)
+    return replace(
+        units,
+        forward_s=_share(fwd, weights_f),
+        backward_s=_share(bwd, weights_b),
+        recompute_s=_share(rerun, weights_r),
+        host_forward_s=zeros,
+        host_backward_s=zeros,
+        host_recompute_s=zeros,
+    )
 
 
 def _share(total: float, weights: list[float]) -> tuple[float, ...]:

@@ -77,8 +77,14 @@ def accumulated_grad_bytes(precision: Precision, config: Decisions, params: int,
     return grads_bytes
 
 
-def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state: tuple[int, int, int],
-                 expert_params: int = 0, expert_grads_bytes: int = 0) -> dict[str, dict[str, float]]:
+def spmd_moments(
+    tables: CostTables,
+    config: Decisions,
+    local_params: int,
+    state: tuple[int, int, int],
+    expert_params: int = 0,
+    expert_grads_bytes: int = 0,
+) -> dict[str, dict[str, float]]:
     """A rank's memory by part at each moment of an SPMD step that can be its peak (without pipelining
     one micro-batch is in flight; the last micro-batch's moments are the largest). With W, G, O the
     state after the step (``rank_state_bytes``), S_u unit u's saved activations, L the loss's backward
@@ -132,13 +138,24 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
     # over one rank FSDP2 still unshards an expert unit into its all-gather buffer, cast: the running block's
     running_experts = gathered * max((d.params for d in dispatch), default=0) if fsdp and not sharded_experts else 0
     # the last block's expert gradients are made as its dispatch's backward ends, after its largest moment
-    block_expert_grads = expert_grads_bytes * dispatch[0].params // max(1, sum(d.params for d in dispatch)) \
-        if dispatch else 0
+    block_expert_grads = (
+        expert_grads_bytes * dispatch[0].params // max(1, sum(d.params for d in dispatch)) if dispatch else 0
+    )
     moments = {
-        "loss": dict(params_bytes=p + kept, grads_bytes=held, optimizer_bytes=o,
-                     activations_bytes=saved + units.saved_bytes[-1], transient_bytes=units.workspace_bytes[-1]),
-        "optimizer": dict(params_bytes=p, grads_bytes=g, optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
-                          activations_bytes=0, transient_bytes=0),
+        "loss": dict(
+            params_bytes=p + kept,
+            grads_bytes=held,
+            optimizer_bytes=o,
+            activations_bytes=saved + units.saved_bytes[-1],
+            transient_bytes=units.workspace_bytes[-1],
+        ),
+        "optimizer": dict(
+            params_bytes=p,
+            grads_bytes=g,
+            optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
+            activations_bytes=0,
+            transient_bytes=0,
+        ),
     }
     if units.blocks:
         moments["backward"] = dict(
@@ -146,11 +163,16 @@ def spmd_moments(tables: CostTables, config: Decisions, local_params: int, state
             grads_bytes=(held or expert_grads_bytes - block_expert_grads) + (gathered * (head + block) if fsdp else 0),
             optimizer_bytes=o,
             activations_bytes=saved + max(units.workspace_bytes[1:-1]),
-            transient_bytes=max(units.backward_bytes[1:-1]) if units.backward_bytes else 0)
+            transient_bytes=max(units.backward_bytes[1:-1]) if units.backward_bytes else 0,
+        )
     if fsdp:
-        moments["reduce"] = dict(params_bytes=p + kept + (gathered * root if z3 else 0),
-                                 grads_bytes=g + gathered * root, optimizer_bytes=o,
-                                 activations_bytes=units.saved_bytes[0], transient_bytes=REDUCE_BYTES * root)
+        moments["reduce"] = dict(
+            params_bytes=p + kept + (gathered * root if z3 else 0),
+            grads_bytes=g + gathered * root,
+            optimizer_bytes=o,
+            activations_bytes=units.saved_bytes[0],
+            transient_bytes=REDUCE_BYTES * root,
+        )
     return moments
 
 
@@ -242,8 +264,9 @@ def memory_pipeline(tables: CostTables, config: Decisions, pp_rank: int, stages:
     return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
 
 
-def pipeline_moments(tables: CostTables, config: Decisions, pp_rank: int,
-                     stages: list[StageLoad]) -> dict[str, dict[str, float]]:
+def pipeline_moments(
+    tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad]
+) -> dict[str, dict[str, float]]:
     """A pipeline rank's memory by part at each moment of its step that can be its peak: a backward of each of
     its stages, with the micro-batches the schedule holds then (``schedule.backward_held``), and the
     optimizer step. With W, G, O the state of its stages after the step (``rank_state_bytes`` of the dense
@@ -274,16 +297,25 @@ def pipeline_moments(tables: CostTables, config: Decisions, pp_rank: int,
     buffers = m * sum(s.buffer_bytes for s in stages)
     order, held_at = backward_held(config.schedule, config.mesh.pp, m, config.virtual_stages, pp_rank)
     by_index = {s.index: s for s in stages}
-    moments = {"optimizer": dict(params_bytes=p, grads_bytes=g,
-                                 optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
-                                 activations_bytes=buffers, transient_bytes=0)}
+    moments = {
+        "optimizer": dict(
+            params_bytes=p,
+            grads_bytes=g,
+            optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
+            activations_bytes=buffers,
+            transient_bytes=0,
+        )
+    }
     for stage in stages:
         for counts in held_at.get(stage.index, ()):
             acts = sum(c * by_index[s].saved_bytes for s, c in zip(order, counts) if s in by_index)
             moments[f"backward {stage.index} {counts}"] = dict(
-                params_bytes=p + kept + (gathered * stage.params if z3 else 0), grads_bytes=held, optimizer_bytes=o,
+                params_bytes=p + kept + (gathered * stage.params if z3 else 0),
+                grads_bytes=held,
+                optimizer_bytes=o,
                 activations_bytes=acts + buffers + stage.workspace_bytes,
-                transient_bytes=max(stage.backward_bytes, stage.loss_bytes))
+                transient_bytes=max(stage.backward_bytes, stage.loss_bytes),
+            )
     return moments
 
 
@@ -307,8 +339,9 @@ def pipeline_transient_per_param(precision: Precision, config: Decisions) -> flo
     return precision.grad_bytes * spread + (precision.param_bytes * spread if config.zero_stage == 3 else 0.0)
 
 
-def megatron_pipeline_memory(precision: Precision, config: Decisions, params: int, activations: float,
-                             expert_params: int = 0) -> Memory:
+def megatron_pipeline_memory(
+    precision: Precision, config: Decisions, params: int, activations: float, expert_params: int = 0
+) -> Memory:
     """A pipeline rank as Megatron-LM runs it (``Runtime.named("megatron-lm")``, the published rows it is priced
     against): its own mixed-precision state (``memory.MEGATRON_MIXED``, p + g + o bytes per parameter, its
     optimizer, no FSDP2 holding a gathered copy or fp32 sums), and ``activations``: the in-flight micro-batches'
@@ -316,10 +349,19 @@ def megatron_pipeline_memory(precision: Precision, config: Decisions, params: in
     moments of ``pipeline_moments``, which are what torch's pipelining stages and FSDP2 hold in autoshard's
     programs (measured by ``autoshard dryrun``)."""
     p, g, o = model_state_bytes(params, pipeline_zero(config), config.mesh.dp, precision)
-    p, g, o = p + expert_params * precision.param_bytes, g + expert_params * precision.grad_bytes, \
-        o + expert_params * precision.optimizer_bytes
-    return Memory.from_parts(ALLOCATOR_SLACK, params_bytes=p, grads_bytes=g, optimizer_bytes=o,
-                             activations_bytes=int(activations), transient_bytes=0)
+    p, g, o = (
+        p + expert_params * precision.param_bytes,
+        g + expert_params * precision.grad_bytes,
+        o + expert_params * precision.optimizer_bytes,
+    )
+    return Memory.from_parts(
+        ALLOCATOR_SLACK,
+        params_bytes=p,
+        grads_bytes=g,
+        optimizer_bytes=o,
+        activations_bytes=int(activations),
+        transient_bytes=0,
+    )
 
 
 def pipeline_zero(config: Decisions) -> int:

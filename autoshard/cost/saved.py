@@ -57,27 +57,105 @@ INDEX_BYTES = 8  # int64 token ids
 MASK_BYTES = 1  # a dropout mask is a bool tensor
 
 # views and no-ops: their output is their input's storage (passes.annotate ALIAS_OPS, as the cost model sees them)
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "transpose", "t", "permute", "expand",
-    "expand_as", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
-    "narrow", "alias", "detach", "as_strided", "unflatten", "flatten", "movedim", "moveaxis", "swapaxes",
-    "swapdims", "diagonal", "view_as_real", "view_as_complex", "real", "imag", "lift_fresh", "numpy_T", "mT",
-    "adjoint", "operator.getitem", "contiguous", "clone", "to", "type_as", "_to_copy",
-})
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "expand_as",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "narrow",
+        "alias",
+        "detach",
+        "as_strided",
+        "unflatten",
+        "flatten",
+        "movedim",
+        "moveaxis",
+        "swapaxes",
+        "swapdims",
+        "diagonal",
+        "view_as_real",
+        "view_as_complex",
+        "real",
+        "imag",
+        "lift_fresh",
+        "numpy_T",
+        "mT",
+        "adjoint",
+        "operator.getitem",
+        "contiguous",
+        "clone",
+        "to",
+        "type_as",
+        "_to_copy",
+    }
+)
 MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum"})
-SDPA_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu"})
-_SAVES_NOTHING = frozenset({
-    "add", "sub", "neg", "cat", "stack", "repeat_interleave", "repeat", "arange", "zeros", "ones", "full",
-    "zeros_like", "ones_like", "full_like", "empty", "sum", "mean", "outer", "cos", "sin", "triu", "tril",
-    "masked_fill", "where", "index_select", "gather", "rsub", "copy", "fill", "scalar_tensor", "pad",
-    "constant_pad_nd",
-})
-_INPUT_SAVERS = frozenset({"silu", "gelu", "pow", "log", "square", "abs", "hardswish", "mish", "softplus", "elu",
-                           "leaky_relu"})
-_OUTPUT_SAVERS = frozenset({"relu", "tanh", "sigmoid", "softmax", "_softmax", "exp", "log_softmax",
-                            "_log_softmax", "rsqrt"})
+SDPA_OPS = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    }
+)
+_SAVES_NOTHING = frozenset(
+    {
+        "add",
+        "sub",
+        "neg",
+        "cat",
+        "stack",
+        "repeat_interleave",
+        "repeat",
+        "arange",
+        "zeros",
+        "ones",
+        "full",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty",
+        "sum",
+        "mean",
+        "outer",
+        "cos",
+        "sin",
+        "triu",
+        "tril",
+        "masked_fill",
+        "where",
+        "index_select",
+        "gather",
+        "rsub",
+        "copy",
+        "fill",
+        "scalar_tensor",
+        "pad",
+        "constant_pad_nd",
+    }
+)
+_INPUT_SAVERS = frozenset(
+    {"silu", "gelu", "pow", "log", "square", "abs", "hardswish", "mish", "softplus", "elu", "leaky_relu"}
+)
+_OUTPUT_SAVERS = frozenset(
+    {"relu", "tanh", "sigmoid", "softmax", "_softmax", "exp", "log_softmax", "_log_softmax", "rsqrt"}
+)
 _DROPOUT_OPS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "native_dropout"})
 
 
@@ -139,14 +217,18 @@ def needs_grad(graph: OpGraph) -> set[str]:
     params = {name for name, path in graph.placeholder_params.items() if not graph.param(path).is_buffer}
     out = set(params)
     for node in graph.nodes:
-        if node.param_inputs and any(not graph.param(p).is_buffer for p in node.param_inputs) or \
-                any(i in out for i in node.inputs):
+        if (
+            node.param_inputs
+            and any(not graph.param(p).is_buffer for p in node.param_inputs)
+            or any(i in out for i in node.inputs)
+        ):
             out.add(node.name)
     return out
 
 
-def saved_by(graph: OpGraph, node: OpNode, grads: set[str], ratio: float,
-             share: RankShare = WHOLE) -> list[tuple[str, int]]:
+def saved_by(
+    graph: OpGraph, node: OpNode, grads: set[str], ratio: float, share: RankShare = WHOLE
+) -> list[tuple[str, int]]:
     """(key, bytes as trained at the captured batch) of what ``node``'s backward keeps (module doc), on one
     TP rank of ``share``. ``grads``: ``needs_grad(graph)``; ``ratio``: trained activation bytes over captured."""
     kept = _saved_whole(graph, node, grads, ratio)
@@ -181,8 +263,9 @@ def _saved_whole(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) ->
     return [(node.name, int(node.output_bytes * ratio))]
 
 
-def saved_set(graph: OpGraph, nodes: Iterable[OpNode], ratio: float,
-              grads: set[str] | None = None, share: RankShare = WHOLE) -> dict[str, int]:
+def saved_set(
+    graph: OpGraph, nodes: Iterable[OpNode], ratio: float, grads: set[str] | None = None, share: RankShare = WHOLE
+) -> dict[str, int]:
     """The union of what ``nodes`` keep: storage key -> bytes (a tensor kept by several ops once)."""
     grads = needs_grad(graph) if grads is None else grads
     kept: dict[str, int] = {}
@@ -216,8 +299,11 @@ def _rms_norm_saved(graph: OpGraph, node: OpNode, ratio: float) -> list[tuple[st
     x = node.inputs[0]
     elements = _numel(graph.value_meta(x)[0])
     trained = value_bytes(graph, x, ratio)
-    upcast = [(storage_of(graph, x), trained)] if trained >= elements * FP32_BYTES else \
-        [(f"{node.name}:upcast", elements * FP32_BYTES)]
+    upcast = (
+        [(storage_of(graph, x), trained)]
+        if trained >= elements * FP32_BYTES
+        else [(f"{node.name}:upcast", elements * FP32_BYTES)]
+    )
     return upcast + [(f"{node.name}:normed", elements * FP32_BYTES), (f"{node.name}:rstd", _rows(node) * FP32_BYTES)]
 
 

@@ -76,8 +76,10 @@ def _rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int)
 
 def _build_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
     if schedule == "gpipe":
-        return [[Action(r, "F", i) for i in range(microbatches)] + [Action(r, "B", i) for i in range(microbatches)]
-                for r in range(pp)]
+        return [
+            [Action(r, "F", i) for i in range(microbatches)] + [Action(r, "B", i) for i in range(microbatches)]
+            for r in range(pp)
+        ]
     if schedule == "1f1b":
         return [_one_f_one_b(r, pp, microbatches) for r in range(pp)]
     if schedule == "interleaved-1f1b":
@@ -111,8 +113,9 @@ def backward_slots(schedule: str) -> int:
 
 def draw(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action | None]]:
     """The schedule's unit-time grid (``simulate`` with its ``backward_slots``)."""
-    return simulate(rank_orders(schedule, pp, microbatches, virtual_stages), pp * virtual_stages,
-                    backward_slots(schedule))
+    return simulate(
+        rank_orders(schedule, pp, microbatches, virtual_stages), pp * virtual_stages, backward_slots(schedule)
+    )
 
 
 def simulate(orders: list[list[Action]], num_stages: int, backward_slots: int = 1) -> list[list[Action | None]]:
@@ -129,8 +132,11 @@ def simulate(orders: list[list[Action]], num_stages: int, backward_slots: int = 
         assert len(grid[0]) < limit, "schedule cannot make progress"
         finished = []
         for r, order in enumerate(orders):
-            if running[r] is None and position[r] < len(order) and \
-                    all(n in done for n in _inputs(order[position[r]], num_stages)):
+            if (
+                running[r] is None
+                and position[r] < len(order)
+                and all(n in done for n in _inputs(order[position[r]], num_stages))
+            ):
                 running[r] = [order[position[r]], slots[order[position[r]].kind]]
                 position[r] += 1
             grid[r].append(running[r][0] if running[r] else None)
@@ -151,8 +157,13 @@ def _action_seconds(a: Action, forward_s: list[float], backward_s: list[float], 
     return {"B": backward_s[a.stage], "I": backward_s[a.stage] - weight, "W": weight}[a.kind]
 
 
-def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
-               weight_s: list[float] | None = None) -> float:
+def makespan_s(
+    orders: list[list[Action]],
+    num_stages: int,
+    forward_s: list[float],
+    backward_s: list[float],
+    weight_s: list[float] | None = None,
+) -> float:
     """The step of a schedule whose stages take unequal times: each rank runs its order one
     action after another, an action starting when its rank is free and its inputs are done
     (the dependencies of ``simulate``); F on stage s takes ``forward_s[s]``, B ``backward_s[s]``,
@@ -162,8 +173,15 @@ def makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[floa
     return _run(_compile(orders, num_stages), len(orders), forward_s, backward_s, weight_s)
 
 
-def schedule_makespan_s(schedule: str, pp: int, microbatches: int, virtual_stages: int, forward_s: list[float],
-                        backward_s: list[float], weight_s: list[float] | None = None) -> float:
+def schedule_makespan_s(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int,
+    forward_s: list[float],
+    backward_s: list[float],
+    weight_s: list[float] | None = None,
+) -> float:
     """``makespan_s`` of a named schedule's orders, their dependency walk worked out once per
     (schedule, pp, m, v): the search prices many configurations of one schedule shape."""
     compiled = _compiled_orders(schedule, pp, microbatches, virtual_stages, len(forward_s))
@@ -220,12 +238,12 @@ def _compile(orders: list[list[Action]], num_stages: int) -> tuple:
     return tuple(walk)
 
 
-def _run(compiled: tuple, ranks: int, forward_s: list[float], backward_s: list[float],
-         weight_s: list[float] | None) -> float:
+def _run(
+    compiled: tuple, ranks: int, forward_s: list[float], backward_s: list[float], weight_s: list[float] | None
+) -> float:
     """Finish times along a compiled walk: each action starts when its rank is free and its inputs are done."""
     weight = weight_s if weight_s is not None else [0.0] * len(backward_s)
-    seconds = {"F": forward_s, "B": backward_s, "W": weight,
-               "I": [b - w for b, w in zip(backward_s, weight)]}
+    seconds = {"F": forward_s, "B": backward_s, "W": weight, "I": [b - w for b, w in zip(backward_s, weight)]}
     finish = [0.0] * len(compiled)
     free_at = [0.0] * ranks
     for r, kind, stage, out, needs in compiled:
@@ -237,9 +255,17 @@ def _run(compiled: tuple, ranks: int, forward_s: list[float], backward_s: list[f
     return max(free_at)
 
 
-def shared_makespan_s(orders: list[list[Action]], num_stages: int, forward_s: list[float], backward_s: list[float],
-                      replicas: int, cores: float, forward_wait_s: list[float] | None = None,
-                      backward_wait_s: list[float] | None = None, weight_s: list[float] | None = None) -> float:
+def shared_makespan_s(
+    orders: list[list[Action]],
+    num_stages: int,
+    forward_s: list[float],
+    backward_s: list[float],
+    replicas: int,
+    cores: float,
+    forward_wait_s: list[float] | None = None,
+    backward_wait_s: list[float] | None = None,
+    weight_s: list[float] | None = None,
+) -> float:
     """``makespan_s`` on one host whose ranks share ``cores`` cores (processor sharing).
 
     Each pp rank stands for ``replicas`` ranks running in lockstep (its dp × tp group), so
@@ -319,12 +345,15 @@ def idle_slots(grid: list[list[Action | None]]) -> list[int]:
 def format_grid(grid: list[list[Action | None]]) -> str:
     """``rank 0 | 0F0 0F1 ... 0B1`` lines; idle slots are dots (a two-slot B is printed twice)."""
     width = max(len(str(a)) for row in grid for a in row if a is not None)
-    return "\n".join(f"rank {r} | " + " ".join(str(a).rjust(width) if a else ".".rjust(width) for a in row)
-                     for r, row in enumerate(grid))
+    return "\n".join(
+        f"rank {r} | " + " ".join(str(a).rjust(width) if a else ".".rjust(width) for a in row)
+        for r, row in enumerate(grid)
+    )
 
 
-def schedule_peak_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int,
-                            stage_bytes: dict[int, float]) -> float:
+def schedule_peak_in_flight(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int, stage_bytes: dict[int, float]
+) -> float:
     """``peak_in_flight`` of a named schedule's order on ``pp_rank``: the most of Σ_s bytes_s · held_s(t)
     over the order's held-count vectors after each forward that no other one exceeds in every stage
     (bytes are ≥ 0), worked out once per schedule shape and rank."""
@@ -347,8 +376,9 @@ def _held_counts(schedule: str, pp: int, microbatches: int, virtual_stages: int,
     return stages, _undominated(vectors)
 
 
-def backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int
-                  ) -> tuple[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]]:
+def backward_held(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int
+) -> tuple[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]]:
     """(the stages of ``pp_rank``, for each of them the micro-batches held on each stage as one of its
     backwards begins: B or I, its own micro-batch still held; the undominated vectors). A stage holds a
     micro-batch from its F until its B or W (``peak_in_flight``)."""
@@ -403,21 +433,22 @@ def interleaved_round_size(pp: int, m: int) -> int:
     """G: micro-batches per round of torch's interleaved 1F1B (module doc); p when m mod p = 0."""
     rounds = max(1, m // pp)
     if m % rounds:
-        raise ValueError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of the "
-                         f"{rounds} rounds (max(1, m // pp) with pp = {pp}), as torch's ScheduleInterleaved1F1B")
+        raise ValueError(
+            f"interleaved 1F1B needs the {m} micro-batches to be a multiple of the "
+            f"{rounds} rounds (max(1, m // pp) with pp = {pp}), as torch's ScheduleInterleaved1F1B"
+        )
     return m // rounds
 
 
 def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
     total, group = m * v, interleaved_round_size(pp, m)
     forwards = [Action(_chunk(k, group, v) * pp + rank, "F", _microbatch(k, group, v)) for k in range(total)]
-    backwards = [Action((v - 1 - _chunk(k, group, v)) * pp + rank, "B", _microbatch(k, group, v))
-                 for k in range(total)]
+    backwards = [Action((v - 1 - _chunk(k, group, v)) * pp + rank, "B", _microbatch(k, group, v)) for k in range(total)]
     warmup = min((pp - rank - 1) * 2 + (v - 1) * group, total)
     order = forwards[:warmup]
     for i in range(total - warmup):
         order += [forwards[warmup + i], backwards[i]]
-    return order + backwards[total - warmup:]
+    return order + backwards[total - warmup :]
 
 
 def _chunk(k: int, group: int, v: int) -> int:
@@ -457,7 +488,7 @@ def _interleaved_zero_bubble(rank: int, pp: int, m: int, v: int) -> list[Action]
             backwards.append(step)
             if step - warmup >= rank:
                 add(stage_b(backwards[len(backwards) - 1 - rank]), "W")
-    for step in backwards[len(backwards) - rank:] if rank else []:
+    for step in backwards[len(backwards) - rank :] if rank else []:
         add(stage_b(step), "W")
     return order
 

@@ -57,8 +57,14 @@ from autoshard.ir.plan import Predicted
 from autoshard.ir.topology import Cluster
 
 
-def price(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int, tables: CostTables | None = None,
-          cuts: tuple[int, ...] | None = None) -> Predicted:
+def price(
+    graph: OpGraph,
+    cluster: Cluster,
+    config: Decisions,
+    global_batch: int,
+    tables: CostTables | None = None,
+    cuts: tuple[int, ...] | None = None,
+) -> Predicted:
     """Predicted step time, memory and throughput of ``config`` (module doc); pipelines need ``cuts``."""
     tables = tables or CostTables(graph, cluster)
     return predicted(tables, config, global_batch, price_parts(tables, config, cuts))
@@ -68,8 +74,9 @@ def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | N
     """The step's time by part (``StepParts``) and its peak memory; pipelines need ``cuts``. Context
     parallelism is priced as its data-parallel equivalent plus the ring (``cost.context_parallel``)."""
     if config.mesh.cp > 1:
-        return with_ring(price_parts(tables, cp_equivalent(config), cuts), ring_cost(tables, config),
-                         config.num_microbatches)
+        return with_ring(
+            price_parts(tables, cp_equivalent(config), cuts), ring_cost(tables, config), config.num_microbatches
+        )
     if config.mesh.pp > 1:
         assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
         return pipeline_parts(tables, config, cuts)
@@ -79,9 +86,13 @@ def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | N
 def with_ring(parts: StepParts, ring: RingCost, m: int) -> StepParts:
     """``parts`` of the data-parallel equivalent plus, for each of the m micro-batches, the ring's extra
     attention compute and its exposed exchange (``cost.context_parallel``)."""
-    return replace(parts, forward_s=parts.forward_s + m * ring.forward_extra_s,
-                   backward_s=parts.backward_s + m * ring.backward_extra_s,
-                   recompute_s=parts.recompute_s + m * ring.recompute_extra_s, cp_comm_s=m * ring.exposed_s)
+    return replace(
+        parts,
+        forward_s=parts.forward_s + m * ring.forward_extra_s,
+        backward_s=parts.backward_s + m * ring.backward_extra_s,
+        recompute_s=parts.recompute_s + m * ring.recompute_extra_s,
+        cp_comm_s=m * ring.exposed_s,
+    )
 
 
 def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
@@ -101,15 +112,24 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     optimizer_s, optimizer_host = optimizer_parts(tables, config, local, tensors)
     tp_host_s = sum(tp_host_per_unit_s(tables, config))
     expert_units = len(graph.experts) if config.ep > 1 else 0  # each expert group its own dp unit
-    host_s = m * (sum(units.host_s) + tp_host_s + sum(e.host_s for e in experts)) + \
-        m * fsdp_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision) + \
-        optimizer_host + dp_host_s(cluster, config, tensors)
+    host_s = (
+        m * (sum(units.host_s) + tp_host_s + sum(e.host_s for e in experts))
+        + m * fsdp_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
+        + optimizer_host
+        + dp_host_s(cluster, config, tensors)
+    )
     return StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),
         backward_s=m * (micro.backward_s + sum(e.backward_s for e in experts)),
         recompute_s=m * (micro.recompute_s + sum(e.recompute_s for e in experts)),
         grad_accumulation_s=grad_accumulation_s(local, config, precision, cluster),
-        optimizer_s=optimizer_s, tp_comm_s=m * tp_comm_s, p2p_s=0.0,
-        dp_comm_exposed_s=dp.exposed_s, bubble_s=0.0, dp_comm_total_s=dp.total_s,
-        memory=memory_spmd(tables, config, dense, expert_local), host_s=host_s,
-        ep_comm_s=m * a2a_microbatch_s(experts))
+        optimizer_s=optimizer_s,
+        tp_comm_s=m * tp_comm_s,
+        p2p_s=0.0,
+        dp_comm_exposed_s=dp.exposed_s,
+        bubble_s=0.0,
+        dp_comm_total_s=dp.total_s,
+        memory=memory_spmd(tables, config, dense, expert_local),
+        host_s=host_s,
+        ep_comm_s=m * a2a_microbatch_s(experts),
+    )

@@ -99,13 +99,32 @@ SYMBOLS = {name: sympy.Symbol(name, positive=True) for name in ("B", "s", "dp", 
 B, S, DP, TP, PP, MB, V, CP = SYMBOLS.values()
 M = B / (DP * MB)  # micro-batches per step
 
-TIME_PARTS = ("forward_s", "backward_s", "recompute_s", "grad_accumulation_s", "optimizer_s", "host_s",
-              "tp_comm_s", "p2p_s", "dp_comm_exposed_s", "bubble_s", "ep_comm_s", "cp_comm_s")
+TIME_PARTS = (
+    "forward_s",
+    "backward_s",
+    "recompute_s",
+    "grad_accumulation_s",
+    "optimizer_s",
+    "host_s",
+    "tp_comm_s",
+    "p2p_s",
+    "dp_comm_exposed_s",
+    "bubble_s",
+    "ep_comm_s",
+    "cp_comm_s",
+)
 COMPUTE_PARTS = TIME_PARTS[:6]
 COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s", "cp_comm_s")
 MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
-WHAT_IF_NAMES = {"global_batch": "B", "seq_len": "s", "microbatch_size": "b", "dp": "dp", "tp": "tp", "pp": "pp",
-                 "cp": "cp"}
+WHAT_IF_NAMES = {
+    "global_batch": "B",
+    "seq_len": "s",
+    "microbatch_size": "b",
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "cp": "cp",
+}
 WHAT_IF_EXAMPLES = {"global_batch": 2048, "seq_len": 4096, "microbatch_size": 2, "dp": 8, "tp": 2, "pp": 2, "cp": 4}
 QUADRATIC_TARGETS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product")
 SNAP = 1e-9  # a coefficient this close to 1 is 1 (exact identities stay readable)
@@ -157,22 +176,37 @@ class Shares:
 # ---------------------------------------------------------------------------- build
 
 
-def symbolic_cost(tables: CostTables, config: Decisions, global_batch: int, parts: StepParts,
-                  tp_choice: TPChoice | None = None) -> dict[str, Any]:
+def symbolic_cost(
+    tables: CostTables, config: Decisions, global_batch: int, parts: StepParts, tp_choice: TPChoice | None = None
+) -> dict[str, Any]:
     """The plan's ``symbolic`` field: expressions (as strings) of every part, anchored at ``parts``
     (``cost.parts.StepParts`` of ``config`` on ``tables``) and the plan's own symbol values."""
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     mesh = config.mesh
     cp = {"cp": mesh.cp} if mesh.cp > 1 else {}  # written only with context parallelism
-    point = PlanPoint(symbols={"B": global_batch, "s": graph.tokens_per_sample, "dp": mesh.dp, "tp": mesh.tp,
-                               "pp": mesh.pp, "b": config.microbatch_size, "v": config.virtual_stages, **cp},
-                      zero_stage=config.zero_stage, recompute=_law_mode(config), schedule=config.schedule)
+    point = PlanPoint(
+        symbols={
+            "B": global_batch,
+            "s": graph.tokens_per_sample,
+            "dp": mesh.dp,
+            "tp": mesh.tp,
+            "pp": mesh.pp,
+            "b": config.microbatch_size,
+            "v": config.virtual_stages,
+            **cp,
+        },
+        zero_stage=config.zero_stage,
+        recompute=_law_mode(config),
+        schedule=config.schedule,
+    )
     shares = graph_shares(graph, point, tp_choice)
     fallback = _fallbacks(graph, cluster, precision, point, parts, shares)
     times = time_expressions(parts, point, shares, fallback, precision)
     memory = memory_expressions(parts.memory, point, shares, fallback)
     per_sample = 3.0 * graph.flops_fwd / graph.batch_size  # the model's, whatever the plan: s and s² terms apart
-    flops = _anchored(per_sample * (1 - shares.attention), S, point) + _anchored(per_sample * shares.attention, S**2, point)
+    flops = _anchored(per_sample * (1 - shares.attention), S, point) + _anchored(
+        per_sample * shares.attention, S**2, point
+    )
     return {
         "symbols": dict(point.symbols),
         "step_time_s": _text(sum(times.values(), sympy.Integer(0))),
@@ -191,43 +225,72 @@ def _law_mode(config: Decisions) -> str:
     return next(m for m in ("full", "selective") if m in config.recompute_blocks)
 
 
-def time_expressions(parts: StepParts, point: PlanPoint, shares: Shares, fallback: dict[str, float],
-                     precision: Precision) -> dict[str, sympy.Expr]:
+def time_expressions(
+    parts: StepParts, point: PlanPoint, shares: Shares, fallback: dict[str, float], precision: Precision
+) -> dict[str, sympy.Expr]:
     """Every time part (module doc), anchored at ``parts``."""
     h = _tp_share(shares.replicated)
     per_rank = MB * h / PP
     e = {
         "forward_s": _split(parts.forward_s, shares.attention, point, M * per_rank, _ring_work(point, shares)),
         "backward_s": _split(parts.backward_s, shares.attention, point, M * per_rank, _ring_work(point, shares)),
-        "recompute_s": _split(parts.recompute_s, shares.recompute_attention, point,
-                              M * MB * _tp_share(shares.recompute_replicated) / PP, _ring_work(point, shares)),
+        "recompute_s": _split(
+            parts.recompute_s,
+            shares.recompute_attention,
+            point,
+            M * MB * _tp_share(shares.recompute_replicated) / PP,
+            _ring_work(point, shares),
+        ),
     }
     param_share = _param_share(shares.replicated_params)
     dp_cp = point.dp_cp
     accumulate_over = dp_cp if point.zero_stage >= 2 and not point.pipeline else 1  # ZeRO-1 sums whole
     accumulations = sympy.Max(0, M - 1) * param_share / accumulate_over
-    e["grad_accumulation_s"] = _anchored(parts.grad_accumulation_s, accumulations, point,
-                                         fallback["grad_accumulation_s"])
+    e["grad_accumulation_s"] = _anchored(
+        parts.grad_accumulation_s, accumulations, point, fallback["grad_accumulation_s"]
+    )
     e["optimizer_s"] = _anchored(parts.optimizer_s, param_share / (dp_cp if point.zero_stage >= 1 else 1), point)
     e["host_s"] = _anchored(parts.host_s, M / PP, point)
     tokens = M * MB * S / point.cp  # a rank's tokens per step
     e["tp_comm_s"] = _anchored(parts.tp_comm_s, tokens * _ring(TP) / PP, point, fallback["tp_comm_s"])
     e["p2p_s"] = _anchored(parts.p2p_s, tokens * V * _more_than_one(PP), point, fallback["p2p_s"])
-    e["dp_comm_exposed_s"] = _anchored(parts.dp_comm_exposed_s,
-                                       _ring(dp_cp) * param_share * _dp_rounds(point, precision),
-                                       point, fallback["dp_comm_exposed_s"])
+    e["dp_comm_exposed_s"] = _anchored(
+        parts.dp_comm_exposed_s,
+        _ring(dp_cp) * param_share * _dp_rounds(point, precision),
+        point,
+        fallback["dp_comm_exposed_s"],
+    )
     if parts.ep_comm_s:  # expert parallelism's all-to-alls: the tokens of each micro-batch (absent without)
         e["ep_comm_s"] = _anchored(parts.ep_comm_s, tokens / PP, point)
     if parts.cp_comm_s:  # the ring's exposed exchange: (cp − 1) chunks of k and v per attention (absent without)
         e["cp_comm_s"] = _anchored(parts.cp_comm_s, tokens * (point.cp - 1) / PP, point)
-    per_microbatch = sum((e[k] for k in ("forward_s", "backward_s", "recompute_s", "host_s", "tp_comm_s", "p2p_s",
-                                         "ep_comm_s", "cp_comm_s") if k in e),
-                         sympy.Integer(0)) / M
+    per_microbatch = (
+        sum(
+            (
+                e[k]
+                for k in (
+                    "forward_s",
+                    "backward_s",
+                    "recompute_s",
+                    "host_s",
+                    "tp_comm_s",
+                    "p2p_s",
+                    "ep_comm_s",
+                    "cp_comm_s",
+                )
+                if k in e
+            ),
+            sympy.Integer(0),
+        )
+        / M
+    )
     e["bubble_s"] = _anchored(parts.bubble_s, (PP - 1) / V * per_microbatch, point, 1.0)
     return e
 
 
-def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]) -> dict[str, sympy.Expr]:
+def memory_expressions(
+    memory: Memory, point: PlanPoint, shares: Shares, fallback: dict[str, float]
+) -> dict[str, sympy.Expr]:
     """Every memory part per rank (module doc), anchored at the plan's ``Memory``."""
     z = 2 if point.pipeline and point.zero_stage == 1 else point.zero_stage  # rank_memory.pipeline_zero
     param_share = _param_share(shares.replicated_params)
@@ -237,11 +300,15 @@ def memory_expressions(memory: Memory, point: PlanPoint, shares: Shares, fallbac
         "optimizer_bytes": _anchored(memory.optimizer_bytes, param_share / (point.dp_cp if z >= 1 else 1), point),
     }
     beta = shares.outside_blocks
-    per_rank = (_number(shares.sequence_keep) / TP if shares.sequence_keep is not None  # ≈ 1/t (sequence parallel)
-                else tp_activation_fraction(TP))
+    per_rank = (
+        _number(shares.sequence_keep) / TP
+        if shares.sequence_keep is not None  # ≈ 1/t (sequence parallel)
+        else tp_activation_fraction(TP)
+    )
     kept = sympy.Integer(1) if point.recompute == "full" else _number(beta) + _number(1 - beta) * per_rank
-    e["activations_bytes"] = _split(memory.activations_bytes, shares.activation_attention, point,
-                                    in_flight(point) * MB * kept / PP, 1 / point.cp)
+    e["activations_bytes"] = _split(
+        memory.activations_bytes, shares.activation_attention, point, in_flight(point) * MB * kept / PP, 1 / point.cp
+    )
     if z < 2:  # the loss's fp32 gradients or a block's activation gradients (cost.rank_memory.spmd_moments)
         e["transient_bytes"] = _anchored(memory.transient_bytes, MB * S / (TP * point.cp), point)
     elif point.pipeline:
@@ -256,8 +323,13 @@ def in_flight(point: PlanPoint) -> sympy.Expr:
     """Micro-batches whose activations the first pp rank holds at its peak (``cost.rank_memory.in_flight``)."""
     if not point.pipeline:
         return sympy.Integer(1)
-    return {"gpipe": M, "1f1b": sympy.Min(M, PP), "interleaved-zb": sympy.Min(M, PP), "zbv": sympy.Min(M, PP),
-            "dualpipev": PP + sympy.Rational(1, 2)}.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
+    return {
+        "gpipe": M,
+        "1f1b": sympy.Min(M, PP),
+        "interleaved-zb": sympy.Min(M, PP),
+        "zbv": sympy.Min(M, PP),
+        "dualpipev": PP + sympy.Rational(1, 2),
+    }.get(point.schedule, sympy.Min(M, PP + (PP - 1) / V))
 
 
 def _dp_rounds(point: PlanPoint, precision: Precision) -> sympy.Expr:
@@ -271,8 +343,9 @@ def _dp_rounds(point: PlanPoint, precision: Precision) -> sympy.Expr:
     return sympy.Integer(1)
 
 
-def _split(value: float, quadratic_share: float, point: PlanPoint, law: sympy.Expr,
-           quadratic_cp: sympy.Expr = sympy.Integer(1)) -> sympy.Expr:
+def _split(
+    value: float, quadratic_share: float, point: PlanPoint, law: sympy.Expr, quadratic_cp: sympy.Expr = sympy.Integer(1)
+) -> sympy.Expr:
     """value·(1−α) scaled by law·s/cp plus value·α scaled by law·s²·q: the s and s² terms apart (a cp
     rank holds s/cp tokens; q its share of the s² work or bytes, 1 without context parallelism)."""
     linear = _anchored(value * (1 - quadratic_share), law * S / point.cp, point)
@@ -334,8 +407,11 @@ def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice: TPChoice | None = 
     s0 = point.symbols["s"]
     quadratic = {n.name for n in graph.nodes if _is_quadratic(graph, n, s0)}
     in_block = {n for blk in graph.blocks for n in blk.node_names}
-    rerun = [n for n in graph.nodes if n.name in in_block and
-             (point.recompute == "full" or not n.target.startswith(COMPUTE_HEAVY_TARGETS))]
+    rerun = [
+        n
+        for n in graph.nodes
+        if n.name in in_block and (point.recompute == "full" or not n.target.startswith(COMPUTE_HEAVY_TARGETS))
+    ]
     sharded = _sharded_nodes(graph, tp_choice)
     rerun_weight = (lambda n: n.flops) if point.recompute == "full" else (lambda n: n.bytes_written)
     return Shares(
@@ -344,8 +420,9 @@ def graph_shares(graph: OpGraph, point: PlanPoint, tp_choice: TPChoice | None = 
         replicated=_share(graph.nodes, lambda n: n.flops, lambda n: n.name not in sharded, default=1.0),
         recompute_replicated=_share(rerun, rerun_weight, lambda n: n.name not in sharded, default=1.0),
         replicated_params=_replicated_params(graph, tp_choice),
-        activation_attention=_share(_kept_nodes(graph, point.recompute, in_block), lambda n: n.bytes_written,
-                                    lambda n: n.name in quadratic),
+        activation_attention=_share(
+            _kept_nodes(graph, point.recompute, in_block), lambda n: n.bytes_written, lambda n: n.name in quadratic
+        ),
         outside_blocks=_outside_share(graph, point.recompute),
         causal=_all_causal(graph),
         sequence_keep=_sequence_keep(tp_choice),
@@ -427,8 +504,9 @@ def _outside_share(graph: OpGraph, recompute: str) -> float:
 # ---------------------------------------------------------------------------- fallbacks
 
 
-def _fallbacks(graph: OpGraph, cluster: Cluster, precision: Precision, point: PlanPoint, parts: StepParts,
-               shares: Shares) -> dict[str, float]:
+def _fallbacks(
+    graph: OpGraph, cluster: Cluster, precision: Precision, point: PlanPoint, parts: StepParts, shares: Shares
+) -> dict[str, float]:
     """Coefficients of the parts whose law vanishes at the plan's point (module doc)."""
     p = point.symbols
     a, g, w = precision.activation_bytes, precision.grad_bytes, precision.param_bytes
@@ -461,8 +539,13 @@ def _fallbacks(graph: OpGraph, cluster: Cluster, precision: Precision, point: Pl
 
 
 _FUNCTIONS = {"Piecewise": sympy.Piecewise, "Eq": sympy.Eq, "Min": sympy.Min, "Max": sympy.Max}
-_BINARY = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y, ast.Mult: lambda x, y: x * y,
-           ast.Div: lambda x, y: x / y, ast.Pow: lambda x, y: x**y}
+_BINARY = {
+    ast.Add: lambda x, y: x + y,
+    ast.Sub: lambda x, y: x - y,
+    ast.Mult: lambda x, y: x * y,
+    ast.Div: lambda x, y: x / y,
+    ast.Pow: lambda x, y: x**y,
+}
 # What a plan's expression may be (a plan writes < 5,000 characters, nesting < 30, coefficients
 # < 10^16, exponents 1 and 2): anything beyond is a damaged or hostile file, refused before any
 # arithmetic, so that reading one takes bounded time and memory.
@@ -504,8 +587,11 @@ def _checked_tree(text: str) -> ast.AST:
             raise ValueError(f"an expression nested more than {MAX_DEPTH} levels deep")
         _check_node(node)
         children = node.args if isinstance(node, ast.Call) else ast.iter_child_nodes(node)  # func: checked
-        stack.extend((child, depth + 1) for child in children
-                     if not isinstance(child, (ast.expr_context, ast.operator, ast.unaryop)))
+        stack.extend(
+            (child, depth + 1)
+            for child in children
+            if not isinstance(child, (ast.expr_context, ast.operator, ast.unaryop))
+        )
     return tree
 
 
@@ -571,8 +657,12 @@ def _convert(node: ast.AST):
         return _BINARY[type(node.op)](_convert(node.left), _convert(node.right))
     if isinstance(node, ast.Tuple):
         return tuple(_convert(e) for e in node.elts)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS \
-            and not node.keywords:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _FUNCTIONS
+        and not node.keywords
+    ):
         return _FUNCTIONS[node.func.id](*(_convert(a) for a in node.args))
     raise ValueError(f"unexpected {_short(node)!r} in an expression")
 
@@ -662,8 +752,10 @@ def _symbol_values(symbolic: Mapping[str, Any], values: Mapping[str, float]) -> 
     if not isinstance(symbols, Mapping):
         raise ValueError("symbols must be a mapping of symbol names to integers")
     if "cp" in values and "cp" not in symbols:
-        raise ValueError("this plan has no context parallelism (cp=1), so its expressions hold no cp; re-plan "
-                         "with --cp N (or a long --seq-len) to ask what another cp would cost")
+        raise ValueError(
+            "this plan has no context parallelism (cp=1), so its expressions hold no cp; re-plan "
+            "with --cp N (or a long --seq-len) to ask what another cp would cost"
+        )
     point = {**symbols, **values}
     for name, value in point.items():
         if name not in SYMBOLS:
@@ -713,13 +805,18 @@ def what_if_values(items: list[str], tokens_per_sample: int) -> dict[str, int]:
         number = digits.isascii() and digits.isdigit()
         value = (int(digits) if len(digits) <= 20 else None) if number else 0  # None: too many digits
         if value is None or value > MAX_SYMBOL_VALUE:
-            raise AutoshardError(f"--what-if {shown}: {name} must be at most {MAX_SYMBOL_VALUE:,} (2^40), "
-                                 f"e.g. {name}={WHAT_IF_EXAMPLES[name]}")
+            raise AutoshardError(
+                f"--what-if {shown}: {name} must be at most {MAX_SYMBOL_VALUE:,} (2^40), "
+                f"e.g. {name}={WHAT_IF_EXAMPLES[name]}"
+            )
         if value < 1:
-            raise AutoshardError(f"--what-if {shown}: {name} must be a positive integer, "
-                                 f"e.g. {name}={WHAT_IF_EXAMPLES[name]}")
+            raise AutoshardError(
+                f"--what-if {shown}: {name} must be a positive integer, e.g. {name}={WHAT_IF_EXAMPLES[name]}"
+            )
         if name == "seq_len" and tokens_per_sample <= 1:
-            raise AutoshardError(f"--what-if {shown}: this model has no sequence dimension; use one of "
-                                 f"{', '.join(n for n in WHAT_IF_NAMES if n != 'seq_len')}")
+            raise AutoshardError(
+                f"--what-if {shown}: this model has no sequence dimension; use one of "
+                f"{', '.join(n for n in WHAT_IF_NAMES if n != 'seq_len')}"
+            )
         out[WHAT_IF_NAMES[name]] = value
     return out

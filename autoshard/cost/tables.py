@@ -94,11 +94,17 @@ class Runtime:
         the one ``--precision`` pins (``memory.pinned_precision``); eager kernels on GPUs, the fused roofline on
         CPU ranks (module doc)."""
         if precision is not None:
-            precision = precision_for_graph(cluster.backend, graph, precision) if graph is not None \
+            precision = (
+                precision_for_graph(cluster.backend, graph, precision)
+                if graph is not None
                 else pinned_precision(precision)
+            )
         else:
-            precision = (precision_for_graph(cluster.backend, graph) if graph is not None
-                         else precision_for_backend(cluster.backend))
+            precision = (
+                precision_for_graph(cluster.backend, graph)
+                if graph is not None
+                else precision_for_backend(cluster.backend)
+            )
         return cls(precision, kernels="fused" if cluster.backend == "gloo" else "eager")
 
     @classmethod
@@ -118,9 +124,12 @@ RUNTIME_NAMES = ("autoshard", "megatron-lm")  # Runtime.named
 ADAM_FUSED_BYTES_PER_PARAM = 28  # fp32 Adam step in one kernel: read w, g, m, v (16 B), write w, m, v (12 B)
 # eager PyTorch's host time per op on a GPU (cost.eager module doc, "Host": pytorch/pytorch#41383 and
 # NVIDIA's "Getting Started with CUDA Graphs"); the rest not measured (0)
-EAGER_GPU_HOST = replace(HostOverheads.none(), op_forward_us=eager.HOST_FORWARD_OP_US,
-                         op_backward_us=eager.HOST_BACKWARD_OP_US,
-                         source="published per-op dispatch and launch figures (cost.eager); not measured")
+EAGER_GPU_HOST = replace(
+    HostOverheads.none(),
+    op_forward_us=eager.HOST_FORWARD_OP_US,
+    op_backward_us=eager.HOST_BACKWARD_OP_US,
+    source="published per-op dispatch and launch figures (cost.eager); not measured",
+)
 
 
 class CostTables:
@@ -148,8 +157,9 @@ class CostTables:
             return self.units(config.microbatch_size, config.recompute, autocast)
         key = (config.microbatch_size, config.recompute_blocks, autocast)
         if key not in self._units:
-            self._units[key] = mixed_units({m: self.units(config.microbatch_size, m, autocast) for m in set(key[1])},
-                                           key[1])
+            self._units[key] = mixed_units(
+                {m: self.units(config.microbatch_size, m, autocast) for m in set(key[1])}, key[1]
+            )
         return self._units[key]
 
     def units(self, microbatch_size: int, recompute: str, autocast: Autocast | None = None) -> Units:
@@ -157,10 +167,19 @@ class CostTables:
         the model's measured profile when the cluster has one for this graph (``cost.profile``)."""
         key = (microbatch_size, recompute, autocast)
         if key not in self._units:
-            units = unit_costs(self.graph, microbatch_size, recompute, self.cluster.device,
-                               self.precision.activation_bytes, CAPTURED_ELEM_BYTES, self.runtime.attention,
-                               self.runtime.host_for(self.cluster), hides_comm(self.cluster), self.runtime.kernels,
-                               autocast)
+            units = unit_costs(
+                self.graph,
+                microbatch_size,
+                recompute,
+                self.cluster.device,
+                self.precision.activation_bytes,
+                CAPTURED_ELEM_BYTES,
+                self.runtime.attention,
+                self.runtime.host_for(self.cluster),
+                hides_comm(self.cluster),
+                self.runtime.kernels,
+                autocast,
+            )
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
         return self._units[key]
@@ -186,9 +205,16 @@ class CostTables:
     def add_tp_layout(self, choice: TPChoice, microbatch_size: float, sequence_parallel: bool | None = None) -> TPCost:
         """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
         (tp, b, sequence parallelism asked for: the choice's own unless given) (``cost.tp.price_layout``)."""
-        times = node_forward_s(self.graph, microbatch_size, self.cluster.device, self.precision.activation_bytes,
-                               CAPTURED_ELEM_BYTES, self.runtime.attention, self.runtime.kernels,
-                               self.runtime.autocast_for(fsdp2=True))  # tp runs on FSDP2's wrappers
+        times = node_forward_s(
+            self.graph,
+            microbatch_size,
+            self.cluster.device,
+            self.precision.activation_bytes,
+            CAPTURED_ELEM_BYTES,
+            self.runtime.attention,
+            self.runtime.kernels,
+            self.runtime.autocast_for(fsdp2=True),
+        )  # tp runs on FSDP2's wrappers
         cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
         asked = choice.sequence_parallel if sequence_parallel is None else sequence_parallel
         self._tp[(choice.tp, microbatch_size, asked)] = cost
@@ -198,9 +224,11 @@ class CostTables:
         """The layout handed in for (tp, b, sequence parallelism), priced (``add_tp_layout``)."""
         cost = self._tp.get((tp, microbatch_size, sequence_parallel))
         if cost is None:
-            raise LookupError(f"no TP layout for tp={tp}, micro-batch {microbatch_size}"
-                              f"{', sequence parallel' if sequence_parallel else ''} was handed to the cost "
-                              "tables; hand one with passes.tp_layout.hand_tp_layout first")
+            raise LookupError(
+                f"no TP layout for tp={tp}, micro-batch {microbatch_size}"
+                f"{', sequence parallel' if sequence_parallel else ''} was handed to the cost "
+                "tables; hand one with passes.tp_layout.hand_tp_layout first"
+            )
         return cost
 
     def layout_cost(self, config: Decisions) -> TPCost:
@@ -209,8 +237,11 @@ class CostTables:
 
     def rank_share(self, config: Decisions) -> RankShare:
         """What one TP rank of ``config``'s layout keeps of each saved tensor (``cost.tp.rank_share``)."""
-        return WHOLE if config.mesh.tp == 1 else \
-            rank_share(self.graph, self.layout_cost(config).choice, in_stages=config.mesh.pp > 1)
+        return (
+            WHOLE
+            if config.mesh.tp == 1
+            else rank_share(self.graph, self.layout_cost(config).choice, in_stages=config.mesh.pp > 1)
+        )
 
     def activation_units(self, config: Decisions, recompute: str | None = None) -> Units:
         """``config_units`` (or ``units`` in ``recompute`` for every block) with the saved, workspace and
@@ -224,8 +255,14 @@ class CostTables:
         if config.mesh.tp == 1:
             return units
         saved, workspace, backward = unit_activation_bytes(
-            self.graph, config.microbatch_size, recompute, self.precision.activation_bytes, CAPTURED_ELEM_BYTES,
-            self.runtime.kernels, self.rank_share(config))
+            self.graph,
+            config.microbatch_size,
+            recompute,
+            self.precision.activation_bytes,
+            CAPTURED_ELEM_BYTES,
+            self.runtime.kernels,
+            self.rank_share(config),
+        )
         return replace(units, saved_bytes=saved, workspace_bytes=workspace, backward_bytes=backward)
 
 
@@ -240,9 +277,14 @@ def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
             values[k + 1] = getattr(by_mode[mode], field_name)[k + 1]
         return tuple(values)
 
-    return replace(base, recompute_s=pick("recompute_s"), saved_bytes=pick("saved_bytes"),
-                   workspace_bytes=pick("workspace_bytes"), host_recompute_s=pick("host_recompute_s"),
-                   backward_bytes=pick("backward_bytes") if base.backward_bytes else ())
+    return replace(
+        base,
+        recompute_s=pick("recompute_s"),
+        saved_bytes=pick("saved_bytes"),
+        workspace_bytes=pick("workspace_bytes"),
+        host_recompute_s=pick("host_recompute_s"),
+        backward_bytes=pick("backward_bytes") if base.backward_bytes else (),
+    )
 
 
 def hides_comm(cluster: Cluster) -> bool:

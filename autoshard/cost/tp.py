@@ -101,7 +101,7 @@ def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[st
                 split_values.add(node.name)
         elif any(node.module_path == p or node.module_path.startswith(p + ".") for p in gathering):
             continue
-        elif any(name in split_values for name in node.inputs) or (node.name, ) in scattered:
+        elif any(name in split_values for name in node.inputs) or (node.name,) in scattered:
             sharded.add(node.name)
             split_values.add(node.name)
     return sharded, split_values
@@ -136,8 +136,14 @@ def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int, in_stages: bool
             gathers.add(node.name)
             if style is not None and any(k == "input_layouts" and v.startswith("Shard") for k, v in style.arguments):
                 own.add(node.name)
-    copies = frozenset(node.name for node in graph.nodes if in_stages and op_name(node.target) in MATMUL_OPS
-                       and node.param_inputs and styles.get(node.module_path) in STAGE_COPYING_STYLES)
+    copies = frozenset(
+        node.name
+        for node in graph.nodes
+        if in_stages
+        and op_name(node.target) in MATMUL_OPS
+        and node.param_inputs
+        and styles.get(node.module_path) in STAGE_COPYING_STYLES
+    )
     return RankShare(tp, frozenset(storage | split), frozenset(sharded), frozenset(gathers), frozenset(own), copies)
 
 
@@ -154,8 +160,9 @@ def _scattered_inputs(graph: OpGraph, styles: dict[str, str]) -> set[tuple[str]]
     return out
 
 
-def unit_tp_fractions(graph: OpGraph, styles: dict[str, str], tp: int,
-                      times: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def unit_tp_fractions(
+    graph: OpGraph, styles: dict[str, str], tp: int, times: list[float]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per unit u: Σ_{n∈u} s(n)·t(n) / Σ_{n∈u} t(n), s(n) = 1/tp for ``sharded_nodes`` and 1 for the
     others (module doc); over all of u's ops, then over its non-matmul ops only."""
     sharded = sharded_nodes(graph, styles)

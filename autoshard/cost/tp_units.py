@@ -35,8 +35,10 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
 
 def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(forward, recompute) share per unit left per TP rank: a selective block reruns its light ops."""
-    rerun = [tp.light_fraction[u] if 0 < u <= len(modes) and modes[u - 1] == "selective" else tp.unit_fraction[u]
-             for u in range(len(tp.unit_fraction))]
+    rerun = [
+        tp.light_fraction[u] if 0 < u <= len(modes) and modes[u - 1] == "selective" else tp.unit_fraction[u]
+        for u in range(len(tp.unit_fraction))
+    ]
     return tp.unit_fraction, tuple(rerun)
 
 
@@ -75,7 +77,8 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
         forward_s=tuple(x * k for x, k in zip(units.forward_s, f)),
         backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
         recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
-        params=tuple(round(n * k) for n, k in zip(units.params, share)))
+        params=tuple(round(n * k) for n, k in zip(units.params, share)),
+    )
     return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
 
 
@@ -84,7 +87,7 @@ def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple
     each of their own parameters: an embedding left whole beside a split head differ)."""
     local = local_params_by_block(graph, sharded, tp)
     per_block = [local.get(b.path, 0) / max(1, b.param_count) for b in graph.blocks]
-    ends = [_rest_share(graph, names, sharded, tp) for names in unit_param_names(graph)[::len(graph.blocks) + 1]]
+    ends = [_rest_share(graph, names, sharded, tp) for names in unit_param_names(graph)[:: len(graph.blocks) + 1]]
     return (ends[0], *per_block, ends[-1])
 
 

@@ -121,46 +121,84 @@ def node_units(graph: OpGraph) -> list[int]:
         units.append(current)
     if graph.blocks:  # nodes after the last block's last node form the suffix
         last = max(i for i, n in enumerate(graph.nodes) if n.name in block_index)
-        units[last + 1:] = [len(graph.blocks) + 1] * (len(units) - last - 1)
+        units[last + 1 :] = [len(graph.blocks) + 1] * (len(units) - last - 1)
     return units
 
 
-def node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                   captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused",
-                   autocast: Autocast | None = None) -> list[float]:
+def node_forward_s(
+    graph: OpGraph,
+    microbatch_size: int,
+    device: DeviceSpec,
+    activation_elem_bytes: int,
+    captured_bytes: int = 4,
+    attention: str = "flash",
+    kernels: str = "fused",
+    autocast: Autocast | None = None,
+) -> list[float]:
     """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
     per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode).
     ``autocast``: (autocast dtype, the dtype parameters are read in or None) where eager kernels run under
     autocast: each op's bytes in its own dtypes, with the casts autocast adds (``cost.autocast``)."""
-    key = ("node_forward_s", microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels,
-           autocast)
-    return graph.derived(key, lambda: _node_forward_s(graph, microbatch_size, device, activation_elem_bytes,
-                                                      captured_bytes, attention, kernels, autocast))
+    key = (
+        "node_forward_s",
+        microbatch_size,
+        device,
+        activation_elem_bytes,
+        captured_bytes,
+        attention,
+        kernels,
+        autocast,
+    )
+    return graph.derived(
+        key,
+        lambda: _node_forward_s(
+            graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast
+        ),
+    )
 
 
-def _node_forward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                    captured_bytes: int, attention: str, kernels: str, autocast: Autocast | None) -> list[float]:
+def _node_forward_s(
+    graph: OpGraph,
+    microbatch_size: int,
+    device: DeviceSpec,
+    activation_elem_bytes: int,
+    captured_bytes: int,
+    attention: str,
+    kernels: str,
+    autocast: Autocast | None,
+) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels,
-                         traffic)
-            for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast))]
+    return [
+        op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels, traffic)
+        for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast))
+    ]
 
 
-def node_backward_s(graph: OpGraph, microbatch_size: int, device: DeviceSpec, activation_elem_bytes: int,
-                    captured_bytes: int = 4, attention: str = "flash", kernels: str = "fused",
-                    autocast: Autocast | None = None) -> list[float]:
+def node_backward_s(
+    graph: OpGraph,
+    microbatch_size: int,
+    device: DeviceSpec,
+    activation_elem_bytes: int,
+    captured_bytes: int = 4,
+    attention: str = "flash",
+    kernels: str = "fused",
+    autocast: Autocast | None = None,
+) -> list[float]:
     """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``)."""
-    forward = node_forward_s(graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels,
-                             autocast)
+    forward = node_forward_s(
+        graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast
+    )
     if kernels != "eager":
         return [BACKWARD_TO_FORWARD * t for t in forward]
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic)
-            for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast))]
+    return [
+        op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic)
+        for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast))
+    ]
 
 
 def _traffic(graph: OpGraph, kernels: str, autocast: Autocast | None) -> tuple[NodeTraffic | None, ...]:
@@ -175,10 +213,19 @@ def loss_logits(graph: OpGraph, microbatch_size: int) -> float:
     return graph.nodes[-1].output_numel * microbatch_size / graph.batch_size if graph.nodes else 0.0
 
 
-def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: DeviceSpec,
-               activation_elem_bytes: int, captured_bytes: int = 4, attention: str = "flash",
-               host: HostOverheads | None = None, host_overlaps: bool = False, kernels: str = "fused",
-               autocast: Autocast | None = None) -> Units:
+def unit_costs(
+    graph: OpGraph,
+    microbatch_size: int,
+    recompute: str,
+    device: DeviceSpec,
+    activation_elem_bytes: int,
+    captured_bytes: int = 4,
+    attention: str = "flash",
+    host: HostOverheads | None = None,
+    host_overlaps: bool = False,
+    kernels: str = "fused",
+    autocast: Autocast | None = None,
+) -> Units:
     """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast`` as
     ``node_forward_s`` takes it."""
     count = len(graph.blocks) + 2
@@ -194,8 +241,9 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
             light[u] += t
     recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
-    saved, workspace, backward_bytes = unit_activation_bytes(graph, microbatch_size, recompute,
-                                                             activation_elem_bytes, captured_bytes, kernels)
+    saved, workspace, backward_bytes = unit_activation_bytes(
+        graph, microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels
+    )
     if kernels == "eager" and graph.nodes:
         _add_fp32_loss_time(graph, microbatch_size, device, forward, backward)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
@@ -211,17 +259,26 @@ def unit_costs(graph: OpGraph, microbatch_size: int, recompute: str, device: Dev
         workspace_bytes=tuple(workspace),
         boundary_bytes=tuple(int(b.input_bytes * scale * ratio) for b in graph.blocks),
         tensors=unit_tensors(graph, units),
-        host_forward_s=tuple(host_f), host_backward_s=tuple(host_b), host_recompute_s=tuple(host_r),
+        host_forward_s=tuple(host_f),
+        host_backward_s=tuple(host_b),
+        host_recompute_s=tuple(host_r),
         backward_bytes=backward_bytes,
     )
 
 
-def unit_activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, activation_elem_bytes: int,
-                          captured_bytes: int = 4, kernels: str = "fused", share: RankShare = WHOLE
-                          ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def unit_activation_bytes(
+    graph: OpGraph,
+    microbatch_size: int,
+    recompute: str,
+    activation_elem_bytes: int,
+    captured_bytes: int = 4,
+    kernels: str = "fused",
+    share: RankShare = WHOLE,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(saved, workspace, backward) bytes per unit of one micro-batch (module doc), on one TP rank of
     ``share`` (``cost.saved.RankShare``: the per-op rules on its shards' shapes); with eager kernels the
     fp32 loss's (``_add_fp32_loss_bytes``: the loss reads the model's output whole on every TP rank)."""
+
     def compute():
         scale = microbatch_size / graph.batch_size
         ratio = activation_elem_bytes / captured_bytes
@@ -231,6 +288,7 @@ def unit_activation_bytes(graph: OpGraph, microbatch_size: int, recompute: str, 
             _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace)
         backward = (0, *(int(block_backward_bytes(graph, b, ratio, share) * scale) for b in graph.blocks), 0)
         return tuple(saved), tuple(workspace), backward
+
     key = ("unit_activation_bytes", microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, share)
     return graph.derived(key, compute)
 
@@ -244,21 +302,24 @@ def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
     in_block = {n for b in graph.blocks for n in b.node_names}
     kernels = [n for n in graph.nodes if (n.bytes_read or n.bytes_written) and not n.target.startswith(matmuls)]
     rerun = [n for n in kernels if n.name in in_block] if recompute != "none" else []
-    count = (1 + BACKWARD_TO_FORWARD) * len(kernels) + len(rerun) + eager.LOSS_FORWARD_KERNELS + \
-        eager.LOSS_BACKWARD_KERNELS
+    count = (
+        (1 + BACKWARD_TO_FORWARD) * len(kernels) + len(rerun) + eager.LOSS_FORWARD_KERNELS + eager.LOSS_BACKWARD_KERNELS
+    )
     return count * eager.KERNEL_FIXED_US * 1e-6
 
 
-def _add_fp32_loss_time(graph: OpGraph, microbatch_size: int, device: DeviceSpec,
-                        forward: list[float], backward: list[float]) -> None:
+def _add_fp32_loss_time(
+    graph: OpGraph, microbatch_size: int, device: DeviceSpec, forward: list[float], backward: list[float]
+) -> None:
     """The eager fp32 loss's time in the suffix (module doc, "Eager kernels")."""
     n = loss_logits(graph, microbatch_size)
     forward[-1] += eager.loss_forward_s(n, device)
     backward[-1] += eager.loss_backward_s(n, device)
 
 
-def _add_fp32_loss_bytes(graph: OpGraph, microbatch_size: int, byte_scale: float, saved: list[int],
-                         workspace: list[int]) -> None:
+def _add_fp32_loss_bytes(
+    graph: OpGraph, microbatch_size: int, byte_scale: float, saved: list[int], workspace: list[int]
+) -> None:
     """The eager fp32 loss's bytes in the suffix (module doc, "Eager kernels"): the fp32 log-softmax kept in
     place of the logits and the loss's copy, and its two fp32 gradients as workspace."""
     n = loss_logits(graph, microbatch_size)
@@ -267,8 +328,9 @@ def _add_fp32_loss_bytes(graph: OpGraph, microbatch_size: int, byte_scale: float
     workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
 
 
-def host_times(graph: OpGraph, units: list[int], recompute: str,
-               host: HostOverheads) -> tuple[list[float], list[float], list[float]]:
+def host_times(
+    graph: OpGraph, units: list[int], recompute: str, host: HostOverheads
+) -> tuple[list[float], list[float], list[float]]:
     """Host seconds per unit of one micro-batch: forward, backward, recompute (module doc)."""
     count = len(graph.blocks) + 2
     ops, light = [0] * count, [0] * count
@@ -290,8 +352,9 @@ def _not_hidden(host: list[float], device: list[float]) -> list[float]:
     return [max(0.0, h - d) for h, d in zip(host, device)]
 
 
-def _backward_not_hidden(host_b: list[float], host_r: list[float], backward: list[float],
-                         recompute: list[float]) -> tuple[list[float], list[float]]:
+def _backward_not_hidden(
+    host_b: list[float], host_r: list[float], backward: list[float], recompute: list[float]
+) -> tuple[list[float], list[float]]:
     """The backward pass's host time that its device time (backward and recompute together) does not
     hide, split as (backward's part, recompute's part): backward's first, up to what it alone exposes."""
     exposed = _not_hidden([b + r for b, r in zip(host_b, host_r)], [b + r for b, r in zip(backward, recompute)])
@@ -337,8 +400,7 @@ def _param_names_by_unit(graph: OpGraph, units: list[int]) -> list[set[str]]:
     return seen
 
 
-def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float,
-                 share: RankShare = WHOLE) -> list[int]:
+def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float, share: RankShare = WHOLE) -> list[int]:
     """Per unit, what it keeps for backward at the captured batch (``memory``, ``cost.saved``): the ops
     outside blocks in the prefix or suffix, each block by its mode, the tables blocks share in the
     prefix, the loss's copy of the output in the suffix."""

@@ -62,8 +62,14 @@ SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input and weight gradients
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank in a V: rank r holds stages r and 2·pp − 1 − r
 # (schedule, virtual stages): torch's GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (ZB1P), ZBV, DualPipeV
-PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
-                      ("dualpipev", 2))
+PIPELINE_SCHEDULES = (
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("interleaved-zb", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+)
 
 REPLICATE = "replicate"
 SHARDED_INPUT = "sharded-input-dim"
@@ -153,8 +159,10 @@ class TPStyle:
     @property
     def sequence_parallel(self) -> bool:
         """One of the sequence-parallel styles (module doc, second table)."""
-        return self.name.endswith(tuple(f"seq-input-dim{d}" for d in range(MAX_SEQ_DIM))
-                                  + tuple(f"seq-output-dim{d}" for d in range(MAX_SEQ_DIM)))
+        return self.name.endswith(
+            tuple(f"seq-input-dim{d}" for d in range(MAX_SEQ_DIM))
+            + tuple(f"seq-output-dim{d}" for d in range(MAX_SEQ_DIM))
+        )
 
     @property
     def param_shard_dims(self) -> dict[str, int]:
@@ -171,41 +179,89 @@ def _sequence_parallel_rows(d: int) -> tuple[TPStyle, ...]:
     col_weight, conv_col_weight = (("weight", 0), ("bias", 0)), (("weight", 1), ("bias", 0))
     return (
         TPStyle(f"colwise-seq-input-dim{d}", _COL, (("input_layouts", shard),), col_weight, "shard"),
-        TPStyle(f"colwise-gather-seq-input-dim{d}", _COL, (("input_layouts", shard), ("output_layouts", rep)),
-                col_weight, "replicated"),
+        TPStyle(
+            f"colwise-gather-seq-input-dim{d}",
+            _COL,
+            (("input_layouts", shard), ("output_layouts", rep)),
+            col_weight,
+            "replicated",
+        ),
         TPStyle(f"rowwise-seq-output-dim{d}", _ROW, (("output_layouts", shard),), (("weight", 1),), "seq-shard"),
-        TPStyle(f"vocab-parallel-embedding-seq-output-dim{d}", _ROW, (("input_layouts", rep), ("output_layouts", shard)),
-                (("weight", 0),), "seq-shard"),
-        TPStyle(f"conv1d-colwise-seq-input-dim{d}", "Conv1DColwiseParallel", (("input_layouts", shard),),
-                conv_col_weight, "shard", from_runtime=True),
-        TPStyle(f"conv1d-rowwise-seq-output-dim{d}", "Conv1DRowwiseParallel", (("output_layouts", shard),),
-                (("weight", 0),), "seq-shard", from_runtime=True),
-        TPStyle(f"gather-seq-input-dim{d}", "PrepareModuleInput",
-                (("input_layouts", shard), ("desired_input_layouts", rep), ("use_local_output", "True")), (),
-                "replicated"),
-        TPStyle(f"scatter-seq-output-dim{d}", "PrepareModuleOutput",
-                (("output_layouts", rep), ("desired_output_layouts", shard), ("use_local_output", "True")), (),
-                "seq-shard"),
-        TPStyle(f"gather-seq-module-input-dim{d}", "GatherSequenceInput", (("sequence_dim", str(d)),), (),
-                "replicated", from_runtime=True),
-        TPStyle(f"scatter-seq-input-dim{d}", "ScatterSequenceInput", (("sequence_dim", str(d)),), (), "seq-shard",
-                from_runtime=True),
+        TPStyle(
+            f"vocab-parallel-embedding-seq-output-dim{d}",
+            _ROW,
+            (("input_layouts", rep), ("output_layouts", shard)),
+            (("weight", 0),),
+            "seq-shard",
+        ),
+        TPStyle(
+            f"conv1d-colwise-seq-input-dim{d}",
+            "Conv1DColwiseParallel",
+            (("input_layouts", shard),),
+            conv_col_weight,
+            "shard",
+            from_runtime=True,
+        ),
+        TPStyle(
+            f"conv1d-rowwise-seq-output-dim{d}",
+            "Conv1DRowwiseParallel",
+            (("output_layouts", shard),),
+            (("weight", 0),),
+            "seq-shard",
+            from_runtime=True,
+        ),
+        TPStyle(
+            f"gather-seq-input-dim{d}",
+            "PrepareModuleInput",
+            (("input_layouts", shard), ("desired_input_layouts", rep), ("use_local_output", "True")),
+            (),
+            "replicated",
+        ),
+        TPStyle(
+            f"scatter-seq-output-dim{d}",
+            "PrepareModuleOutput",
+            (("output_layouts", rep), ("desired_output_layouts", shard), ("use_local_output", "True")),
+            (),
+            "seq-shard",
+        ),
+        TPStyle(
+            f"gather-seq-module-input-dim{d}",
+            "GatherSequenceInput",
+            (("sequence_dim", str(d)),),
+            (),
+            "replicated",
+            from_runtime=True,
+        ),
+        TPStyle(
+            f"scatter-seq-input-dim{d}",
+            "ScatterSequenceInput",
+            (("sequence_dim", str(d)),),
+            (),
+            "seq-shard",
+            from_runtime=True,
+        ),
     )
+
 
 _ROWS = (
     TPStyle("colwise", _COL, (), (("weight", 0), ("bias", 0)), "shard"),
-    TPStyle("colwise-gather", _COL, (("output_layouts", "Replicate()"),), (("weight", 0), ("bias", 0)),
-            "replicated"),
+    TPStyle("colwise-gather", _COL, (("output_layouts", "Replicate()"),), (("weight", 0), ("bias", 0)), "replicated"),
     TPStyle("rowwise", _ROW, (), (("weight", 1),), "all-reduced"),
-    TPStyle("vocab-parallel-embedding", _ROW, (("input_layouts", "Replicate()"),), (("weight", 0),),
-            "all-reduced"),
+    TPStyle("vocab-parallel-embedding", _ROW, (("input_layouts", "Replicate()"),), (("weight", 0),), "all-reduced"),
     # transformers' Conv1D (GPT-2): weight (in, out), y = x @ W + b, the transpose of nn.Linear
-    TPStyle("conv1d-colwise", "Conv1DColwiseParallel", (), (("weight", 1), ("bias", 0)), "shard",
-            from_runtime=True),
+    TPStyle("conv1d-colwise", "Conv1DColwiseParallel", (), (("weight", 1), ("bias", 0)), "shard", from_runtime=True),
     TPStyle("conv1d-rowwise", "Conv1DRowwiseParallel", (), (("weight", 0),), "all-reduced", from_runtime=True),
     # replicated parameters on an input sharded on dim d (a per-head norm): DTensor sums their gradients
-    *(TPStyle(f"{SHARDED_INPUT}{d}", "SequenceParallel", (("sequence_dim", str(d)), ("use_local_output", "True")),
-              (), "shard") for d in range(MAX_SHARDED_INPUT_DIM)),
+    *(
+        TPStyle(
+            f"{SHARDED_INPUT}{d}",
+            "SequenceParallel",
+            (("sequence_dim", str(d)), ("use_local_output", "True")),
+            (),
+            "shard",
+        )
+        for d in range(MAX_SHARDED_INPUT_DIM)
+    ),
     *(row for d in range(MAX_SEQ_DIM) for row in _sequence_parallel_rows(d)),
 )
 TP_STYLES: dict[str, TPStyle] = {row.name: row for row in _ROWS}
@@ -217,8 +273,10 @@ def tp_style(name: str) -> TPStyle:
     """The row of a style name; one line naming the choices for an unknown one."""
     row = TP_STYLES.get(name)
     if row is None:
-        raise AutoshardError(f"unknown tensor-parallel style {name!r}; use one of {', '.join(list(TP_STYLES)[:6])}, "
-                             f"{SHARDED_INPUT}N (N < {MAX_SHARDED_INPUT_DIM}) or {REPLICATE}")
+        raise AutoshardError(
+            f"unknown tensor-parallel style {name!r}; use one of {', '.join(list(TP_STYLES)[:6])}, "
+            f"{SHARDED_INPUT}N (N < {MAX_SHARDED_INPUT_DIM}) or {REPLICATE}"
+        )
     return row
 
 
@@ -348,14 +406,17 @@ class DPRuntime:
         return self.wrapper != "DistributedDataParallel"
 
 
-DP_RUNTIMES: dict[str, DPRuntime] = {row.name: row for row in (
-    DPRuntime("ddp", 0, "DistributedDataParallel"),
-    DPRuntime("ddp-zero-optimizer", 1, "DistributedDataParallel"),
-    DPRuntime("replicate", 0, "replicate", sync_every_microbatch=False),
-    DPRuntime("fsdp-accumulate", 1, "fully_shard", sync_every_microbatch=False),
-    DPRuntime("fsdp", 2, "fully_shard"),
-    DPRuntime("fsdp-reshard", 3, "fully_shard", reshard_after_forward=True),
-)}
+DP_RUNTIMES: dict[str, DPRuntime] = {
+    row.name: row
+    for row in (
+        DPRuntime("ddp", 0, "DistributedDataParallel"),
+        DPRuntime("ddp-zero-optimizer", 1, "DistributedDataParallel"),
+        DPRuntime("replicate", 0, "replicate", sync_every_microbatch=False),
+        DPRuntime("fsdp-accumulate", 1, "fully_shard", sync_every_microbatch=False),
+        DPRuntime("fsdp", 2, "fully_shard"),
+        DPRuntime("fsdp-reshard", 3, "fully_shard", reshard_after_forward=True),
+    )
+}
 
 
 def dp_runtime(zero_stage: int, mesh: Mesh, ep: int = 1) -> DPRuntime:
@@ -393,8 +454,10 @@ class Decisions:
     _: KW_ONLY
     schedule: str = field(default="none", metadata=in_plan("choice", SCHEDULES, required=True))
     virtual_stages: int = field(default=1, metadata=in_plan("count"))  # pipeline stages per pp rank
-    recompute: str = field(default="none",  # none | selective | full | mixed (then ``recompute_blocks``)
-                           metadata=in_plan("choice", PLAN_RECOMPUTE, required=True))
+    recompute: str = field(
+        default="none",  # none | selective | full | mixed (then ``recompute_blocks``)
+        metadata=in_plan("choice", PLAN_RECOMPUTE, required=True),
+    )
     # mixed: each block's mode, in block order (passes.recompute); plan.json keys them by block path
     recompute_blocks: tuple[str, ...] = field(default=(), metadata=in_plan("recompute_blocks"))
     ddp_bucket_cap_mb: float = field(default=25.0, metadata=in_plan("positive"))
@@ -484,8 +547,9 @@ def _recompute(value: Any, flag: str) -> str:
 def _schedule(value: Any, flag: str) -> str:
     value = value.lower()
     if value not in SCHEDULES:
-        raise AutoshardError(f"{flag} {value} must be one of {', '.join(SCHEDULES[1:])} (or none, without pipeline "
-                             f"stages)")
+        raise AutoshardError(
+            f"{flag} {value} must be one of {', '.join(SCHEDULES[1:])} (or none, without pipeline stages)"
+        )
     return value
 
 
@@ -513,36 +577,96 @@ PINS: tuple[PinRow, ...] = (
     PinRow("dp", "--dp", int, "pin the data-parallel degree", _positive),
     PinRow("tp", "--tp", int, "pin the tensor-parallel degree (it divides the devices per node)", _positive),
     PinRow("pp", "--pp", int, "pin the pipeline-parallel degree (pipeline stages)", _positive),
-    PinRow("zero_stage", "--zero", int, "pin the ZeRO stage: 0 (DDP), 1 (optimizer state sharded over dp), 2 (and "
-           "gradients), 3 (and parameters: FSDP)", _zero_stage),
+    PinRow(
+        "zero_stage",
+        "--zero",
+        int,
+        "pin the ZeRO stage: 0 (DDP), 1 (optimizer state sharded over dp), 2 (and gradients), 3 (and parameters: FSDP)",
+        _zero_stage,
+    ),
     PinRow("microbatch_size", "--microbatch-size", int, "pin the samples per rank in each micro-batch", _positive),
     PinRow("recompute", "--recompute", str.lower, "pin recompute", _recompute, choices=RECOMPUTE_MODES),
-    PinRow("schedule", "--schedule", str.lower, f"pin the pipeline schedule: {', '.join(SCHEDULES[1:])} (none "
-           f"without pipeline stages)", _schedule, choices=SCHEDULES,
-           default=lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None),
-    PinRow("virtual_stages", "--virtual-stages", int, "pin the pipeline stages per pp rank (V > 1: interleaved-1f1b, "
-           "Megatron-LM's interleaving; default: the schedule's, 1 for gpipe and 1f1b)", _positive, metavar="V",
-           default=lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
-           estimate_optional=True),
-    PinRow("stage_cuts", "--stage-cuts", str, "pin where pipeline stages begin: 'even' (L / (pp x V) blocks each, as "
-           "Megatron-LM splits layers) or the first block of stages 1 .. pp x V - 1 (default: the planner's cuts)",
-           _stage_cuts, metavar="even|K1,K2,...", estimate_optional=True),
-    PinRow("dp_replicate", "--dp-replicate", int, "HSDP: FSDP2 shards over dp / N ranks (inside a node) and "
-           "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)", _positive, default=lambda p: 1),
-    PinRow("ep", "--ep", int, "expert parallelism: split each mixture-of-experts layer's experts over this many of "
-           "the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)", _positive,
-           default=lambda p: 1),
-    PinRow("cp", "--cp", int, "context parallelism: split each sample's sequence over this many ranks, attention as "
-           "a ring (long sequences; estimate: 1 unless given)", _positive, default=lambda p: 1),
-    PinRow("sequence_parallel", "--sequence-parallel", str.lower, "TP's norm and dropout regions on 1/tp of the "
-           "tokens, a reduce-scatter and an all-gather for each all-reduce (default: searched; estimate: on where "
-           "tp > 1 without pipeline stages)", _on_off, choices=("on", "off"),
-           # where it can run: it never costs memory
-           default=lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1),
-    PinRow("precision", "--precision", str.lower, "training precision: fp32; bf16 (bf16 autocast, fp32 master "
-           "weights and gradient reduction); bf16-pure (weights, gradients and optimizer state in bf16); fp16 "
-           "(fp16 autocast, fp32 master weights, loss scaling) (default: bf16 on GPUs, fp32 on CPU ranks, a model's "
-           "16-bit parameters in their own dtype)", _precision, choices=PIN_PRECISIONS, estimate_optional=True),
+    PinRow(
+        "schedule",
+        "--schedule",
+        str.lower,
+        f"pin the pipeline schedule: {', '.join(SCHEDULES[1:])} (none without pipeline stages)",
+        _schedule,
+        choices=SCHEDULES,
+        default=lambda p: "none" if p.pp == 1 else "interleaved-1f1b" if (p.virtual_stages or 1) > 1 else None,
+    ),
+    PinRow(
+        "virtual_stages",
+        "--virtual-stages",
+        int,
+        "pin the pipeline stages per pp rank (V > 1: interleaved-1f1b, "
+        "Megatron-LM's interleaving; default: the schedule's, 1 for gpipe and 1f1b)",
+        _positive,
+        metavar="V",
+        default=lambda p: dict(PIPELINE_SCHEDULES).get(p.schedule, 1) if p.schedule is not None else None,
+        estimate_optional=True,
+    ),
+    PinRow(
+        "stage_cuts",
+        "--stage-cuts",
+        str,
+        "pin where pipeline stages begin: 'even' (L / (pp x V) blocks each, as "
+        "Megatron-LM splits layers) or the first block of stages 1 .. pp x V - 1 (default: the planner's cuts)",
+        _stage_cuts,
+        metavar="even|K1,K2,...",
+        estimate_optional=True,
+    ),
+    PinRow(
+        "dp_replicate",
+        "--dp-replicate",
+        int,
+        "HSDP: FSDP2 shards over dp / N ranks (inside a node) and "
+        "replicates across N; 1 for plain FSDP2 (estimate: 1 unless given)",
+        _positive,
+        default=lambda p: 1,
+    ),
+    PinRow(
+        "ep",
+        "--ep",
+        int,
+        "expert parallelism: split each mixture-of-experts layer's experts over this many of "
+        "the dp ranks, tokens sent to them by all-to-all (estimate: 1 unless given)",
+        _positive,
+        default=lambda p: 1,
+    ),
+    PinRow(
+        "cp",
+        "--cp",
+        int,
+        "context parallelism: split each sample's sequence over this many ranks, attention as "
+        "a ring (long sequences; estimate: 1 unless given)",
+        _positive,
+        default=lambda p: 1,
+    ),
+    PinRow(
+        "sequence_parallel",
+        "--sequence-parallel",
+        str.lower,
+        "TP's norm and dropout regions on 1/tp of the "
+        "tokens, a reduce-scatter and an all-gather for each all-reduce (default: searched; estimate: on where "
+        "tp > 1 without pipeline stages)",
+        _on_off,
+        choices=("on", "off"),
+        # where it can run: it never costs memory
+        default=lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1,
+    ),
+    PinRow(
+        "precision",
+        "--precision",
+        str.lower,
+        "training precision: fp32; bf16 (bf16 autocast, fp32 master "
+        "weights and gradient reduction); bf16-pure (weights, gradients and optimizer state in bf16); fp16 "
+        "(fp16 autocast, fp32 master weights, loss scaling) (default: bf16 on GPUs, fp32 on CPU ranks, a model's "
+        "16-bit parameters in their own dtype)",
+        _precision,
+        choices=PIN_PRECISIONS,
+        estimate_optional=True,
+    ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}
 
@@ -583,8 +707,12 @@ class Pins:
 
     @property
     def wants_pipeline(self) -> bool:
-        return ((self.pp or 1) > 1 or self.schedule not in (None, "none") or (self.virtual_stages or 1) > 1
-                or self.stage_cuts is not None)
+        return (
+            (self.pp or 1) > 1
+            or self.schedule not in (None, "none")
+            or (self.virtual_stages or 1) > 1
+            or self.stage_cuts is not None
+        )
 
     def with_defaults(self) -> Pins:
         """These pins with every unpinned decision that has a natural default (its row's ``default``) set to it,
@@ -617,10 +745,17 @@ def parse_stage_cuts(value: object) -> str | tuple[int, ...]:
     except (TypeError, ValueError):
         cuts = ()
     if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])):
-        shown = value if isinstance(value, str) else ",".join(map(str, value)) if isinstance(value, (list, tuple)) \
+        shown = (
+            value
+            if isinstance(value, str)
+            else ",".join(map(str, value))
+            if isinstance(value, (list, tuple))
             else repr(value)
-        raise AutoshardError(f"--stage-cuts {shown[:80]} must be 'even' or increasing block indices >= 1, the "
-                             f"first block of each stage after the first; e.g. --stage-cuts even or --stage-cuts 12,24,36")
+        )
+        raise AutoshardError(
+            f"--stage-cuts {shown[:80]} must be 'even' or increasing block indices >= 1, the "
+            f"first block of each stage after the first; e.g. --stage-cuts even or --stage-cuts 12,24,36"
+        )
     return cuts
 
 

@@ -94,28 +94,40 @@ class Plan:
         if d.recompute not in PLAN_RECOMPUTE:
             raise AutoshardError(f"recompute={d.recompute!r} must be one of {', '.join(PLAN_RECOMPUTE)}")
         mixed = d.recompute == "mixed"
-        if (len(d.recompute_blocks) != (len(layout.blocks) if mixed else 0) or not layout.blocks and mixed
-                or any(m not in RECOMPUTE_MODES for m in d.recompute_blocks)):
-            raise AutoshardError(f"recompute={d.recompute!r} with recompute_blocks {d.recompute_blocks!r}: a "
-                                 f"mixed plan gives every block one of {', '.join(RECOMPUTE_MODES)}, others none")
+        if (
+            len(d.recompute_blocks) != (len(layout.blocks) if mixed else 0)
+            or not layout.blocks
+            and mixed
+            or any(m not in RECOMPUTE_MODES for m in d.recompute_blocks)
+        ):
+            raise AutoshardError(
+                f"recompute={d.recompute!r} with recompute_blocks {d.recompute_blocks!r}: a "
+                f"mixed plan gives every block one of {', '.join(RECOMPUTE_MODES)}, others none"
+            )
         if d.schedule not in SCHEDULES:
             raise AutoshardError(f"schedule={d.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.provenance.runtime not in PLAN_RUNTIMES:
             raise AutoshardError(f"runtime={self.provenance.runtime!r} must be one of {', '.join(PLAN_RUNTIMES)}")
         mesh = d.mesh
         if mesh.pp > 1 and len(layout.split_points) != mesh.pp * d.virtual_stages - 1:
-            raise AutoshardError(f"pp={mesh.pp} x {d.virtual_stages} virtual stages needs "
-                                 f"{mesh.pp * d.virtual_stages - 1} split points, got {len(layout.split_points)}")
+            raise AutoshardError(
+                f"pp={mesh.pp} x {d.virtual_stages} virtual stages needs "
+                f"{mesh.pp * d.virtual_stages - 1} split points, got {len(layout.split_points)}"
+            )
         if (mesh.pp > 1) != (d.schedule != "none"):
-            raise AutoshardError(f"schedule {d.schedule!r} does not fit pp={mesh.pp}: pipelines need "
-                                 f"one of {', '.join(SCHEDULES[1:])}, and pp=1 needs none")
-        if d.dp_replicate < 1 or mesh.dp % d.dp_replicate or \
-                (d.dp_replicate > 1 and (d.zero_stage < 2 or mesh.pp > 1)):
-            raise AutoshardError(f"dp_replicate={d.dp_replicate} must divide dp={mesh.dp}, and HSDP "
-                                 f"(dp_replicate > 1) needs ZeRO-2 or 3 without pipeline stages")
+            raise AutoshardError(
+                f"schedule {d.schedule!r} does not fit pp={mesh.pp}: pipelines need "
+                f"one of {', '.join(SCHEDULES[1:])}, and pp=1 needs none"
+            )
+        if d.dp_replicate < 1 or mesh.dp % d.dp_replicate or (d.dp_replicate > 1 and (d.zero_stage < 2 or mesh.pp > 1)):
+            raise AutoshardError(
+                f"dp_replicate={d.dp_replicate} must divide dp={mesh.dp}, and HSDP "
+                f"(dp_replicate > 1) needs ZeRO-2 or 3 without pipeline stages"
+            )
         if d.ep < 1 or mesh.dp % d.ep or (d.ep > 1 and not layout.experts):
-            raise AutoshardError(f"ep={d.ep} must divide dp={mesh.dp}, and ep > 1 needs the expert groups "
-                                 f"it shards (layout.experts)")
+            raise AutoshardError(
+                f"ep={d.ep} must divide dp={mesh.dp}, and ep > 1 needs the expert groups it shards (layout.experts)"
+            )
         per_step = mesh.dp * d.microbatch_size * d.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
@@ -136,8 +148,12 @@ class Plan:
         top = {k: v for k, v in flat.items() if k in own}
         blocks = tuple(flat.get("blocks", top["layout"].blocks if "layout" in top else ()))
         if isinstance(flat.get("recompute_blocks"), dict):
-            flat = {**flat, "recompute_blocks": tuple(flat["recompute_blocks"].get(b, "none") for b in blocks)
-                    if flat["recompute_blocks"] else ()}
+            flat = {
+                **flat,
+                "recompute_blocks": tuple(flat["recompute_blocks"].get(b, "none") for b in blocks)
+                if flat["recompute_blocks"]
+                else (),
+            }
         for section, record in SECTION_RECORDS.items():
             names = {f.name for f in fields(record)}
             values = {k: v for k, v in flat.items() if k in names}
@@ -167,10 +183,11 @@ class Plan:
         """``decisions`` as ``plan.json`` holds it: the written fields (``plan_format.SECTIONS``), recompute_blocks
         by block path."""
         d, unless = self.decisions, Decisions.WRITTEN_UNLESS
-        values = {name: self.recompute_blocks if name == "recompute_blocks" else getattr(d, name)
-                  for name in SECTIONS["decisions"]}
-        return {name: _ordered(value) for name, value in values.items()
-                if name not in unless or value != unless[name]}
+        values = {
+            name: self.recompute_blocks if name == "recompute_blocks" else getattr(d, name)
+            for name in SECTIONS["decisions"]
+        }
+        return {name: _ordered(value) for name, value in values.items() if name not in unless or value != unless[name]}
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan."""
@@ -181,9 +198,13 @@ class Plan:
         try:
             data = json.loads(text, parse_int=bounded_json_int)  # ints of 30+ digits: named by the schema
         except json.JSONDecodeError as exc:
-            raise AutoshardError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); re-create it with `autoshard plan`") from exc
+            raise AutoshardError(
+                f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); re-create it with `autoshard plan`"
+            ) from exc
         except RecursionError:
-            raise AutoshardError(f"{source}: not a plan (JSON nested too deeply); re-create it with `autoshard plan`") from None
+            raise AutoshardError(
+                f"{source}: not a plan (JSON nested too deeply); re-create it with `autoshard plan`"
+            ) from None
         if not isinstance(data, dict):
             raise AutoshardError(f"{source}: a plan is a JSON object; re-create it with `autoshard plan`")
         return cls.from_dict(data, source)
@@ -216,13 +237,17 @@ def load_plan(path: str | Path) -> Plan:
     """The plan in a regular file of at most ``MAX_PLAN_BYTES`` (a device or a pipe is refused unread)."""
     path = Path(path)
     if path.exists() and not path.is_file():
-        raise AutoshardError(f"plan file '{path}' is not a regular file (a folder, device or pipe); name a plan "
-                             f"file that `autoshard plan -o` wrote")
+        raise AutoshardError(
+            f"plan file '{path}' is not a regular file (a folder, device or pipe); name a plan "
+            f"file that `autoshard plan -o` wrote"
+        )
     if not path.is_file():
         raise AutoshardError(f"plan file '{path}' not found; create one with `autoshard plan MODEL -o {path}`")
     if path.stat().st_size > MAX_PLAN_BYTES:
-        raise AutoshardError(f"plan file '{path}' is {path.stat().st_size / 2**20:.0f} MiB, more than a plan can be "
-                             f"({MAX_PLAN_BYTES // 2**20} MiB); re-create it with `autoshard plan`")
+        raise AutoshardError(
+            f"plan file '{path}' is {path.stat().st_size / 2**20:.0f} MiB, more than a plan can be "
+            f"({MAX_PLAN_BYTES // 2**20} MiB); re-create it with `autoshard plan`"
+        )
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -270,8 +295,10 @@ def write_files_atomic(outputs: dict[Path, bytes | Callable[[IO[bytes]], None]])
         _undo(done)
         _remove(temps.values())
         failed = next((p for p in outputs if p not in {d[0] for d in done}), next(iter(outputs)))
-        raise AutoshardError(f"cannot write {failed} ({exc.strerror or type(exc).__name__}); "
-                             f"fix: choose a writable file in an existing folder") from exc
+        raise AutoshardError(
+            f"cannot write {failed} ({exc.strerror or type(exc).__name__}); "
+            f"fix: choose a writable file in an existing folder"
+        ) from exc
     except BaseException:
         _undo(done)
         _remove(temps.values())
@@ -358,7 +385,7 @@ def model_source(spec: str) -> tuple[Path, str]:
     """The file whose bytes identify the model of ``spec``, and its factory: ``path/to/file.py:factory`` ->
     (file.py, factory); ``hf:DIR`` -> (DIR/config.json, "hf")."""
     if spec.startswith(HF_PREFIX):
-        return Path(spec[len(HF_PREFIX):]) / "config.json", "hf"
+        return Path(spec[len(HF_PREFIX) :]) / "config.json", "hf"
     parts = spec.rsplit(":", 1)
     return Path(parts[0]), parts[1] if len(parts) == 2 else ""
 
@@ -380,35 +407,46 @@ def check_model_file(plan: Plan) -> Path:
     path = model_source(spec)[0]
     file_part = str(path)
     if path.is_dir():
-        raise AutoshardError(f"model file '{file_part}' is a folder; the plan's model.spec must name a Python "
-                             f"file (path/to/file.py:factory); re-plan it with `autoshard plan`")
+        raise AutoshardError(
+            f"model file '{file_part}' is a folder; the plan's model.spec must name a Python "
+            f"file (path/to/file.py:factory); re-plan it with `autoshard plan`"
+        )
     if not path.is_file():
         raise AutoshardError(f"model file '{file_part}' not found; check the path (relative to {Path.cwd()})")
     if path.suffix != ".py" and not spec.startswith(HF_PREFIX):  # hf:DIR's config.json is read as JSON only
-        raise AutoshardError(f"model file '{file_part}' is not a Python file (.py); a plan's model.spec names "
-                             f"the model file it was made for; re-plan it with `autoshard plan`")
+        raise AutoshardError(
+            f"model file '{file_part}' is not a Python file (.py); a plan's model.spec names "
+            f"the model file it was made for; re-plan it with `autoshard plan`"
+        )
     expected = plan.model.get("file_sha256")
     if expected is None:
-        raise AutoshardError(f"the plan does not record the content hash of its model file '{file_part}' (made by "
-                             f"an older autoshard), so the file cannot be checked before it is imported; "
-                             f"re-plan it with `autoshard plan {spec} ...`")
+        raise AutoshardError(
+            f"the plan does not record the content hash of its model file '{file_part}' (made by "
+            f"an older autoshard), so the file cannot be checked before it is imported; "
+            f"re-plan it with `autoshard plan {spec} ...`"
+        )
     try:
         actual = file_sha256(path)
     except OSError as exc:
-        raise AutoshardError(f"model file '{file_part}' cannot be read ({exc.strerror}); check its permissions") \
-            from exc
+        raise AutoshardError(
+            f"model file '{file_part}' cannot be read ({exc.strerror}); check its permissions"
+        ) from exc
     if actual != expected:
-        raise AutoshardError(f"model file '{file_part}' is not the model this plan was made for: its sha256 is "
-                             f"{actual[:16]}..., the plan's model.file_sha256 {expected[:16]}...; nothing was "
-                             f"imported; re-plan it with `autoshard plan {spec} ...`")
+        raise AutoshardError(
+            f"model file '{file_part}' is not the model this plan was made for: its sha256 is "
+            f"{actual[:16]}..., the plan's model.file_sha256 {expected[:16]}...; nothing was "
+            f"imported; re-plan it with `autoshard plan {spec} ...`"
+        )
     return path
 
 
 def _check_file_sha256(model: dict[str, Any]) -> dict[str, Any]:
     digest = model.get("file_sha256")
     if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-        raise AutoshardError(f"plan field 'model.file_sha256' must be 64 lowercase hexadecimal digits, got "
-                             f"{str(digest)[:80]!r}; re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field 'model.file_sha256' must be 64 lowercase hexadecimal digits, got "
+            f"{str(digest)[:80]!r}; re-create the plan with `autoshard plan`"
+        )
     return model
 
 
@@ -417,8 +455,10 @@ def _mesh(d: Any, where: str) -> Mesh:
         raise TypeError(f"{where} must be a mapping of dp, tp, pp")
     unknown = sorted(str(k) for k in d if k not in ("dp", "tp", "pp", "cp"))
     if unknown:
-        raise AutoshardError(f"plan field '{where}' has an unknown key {unknown[0][:40]!r}; a mesh has only dp, "
-                             f"tp, pp and cp; remove it or re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field '{where}' has an unknown key {unknown[0][:40]!r}; a mesh has only dp, "
+            f"tp, pp and cp; remove it or re-create the plan with `autoshard plan`"
+        )
     return Mesh(**d)
 
 
@@ -428,8 +468,10 @@ def _memory(d: Any) -> Memory:
     known = {f.name for f in fields(Memory)}
     unknown = sorted(str(k) for k in d if k not in known)
     if unknown:
-        raise AutoshardError(f"plan field 'predicted.memory' has an unknown key {unknown[0][:40]!r}; "
-                             f"re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field 'predicted.memory' has an unknown key {unknown[0][:40]!r}; "
+            f"re-create the plan with `autoshard plan`"
+        )
     return Memory(**d)
 
 
@@ -465,8 +507,12 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
     )
 
 
-_READ_RULE: dict[str, Callable[[Any], Any]] = {"count": lambda v: _int(v), "positive": float,
-                                               "choice": lambda v: v, "mesh": lambda v: _mesh(v, "mesh")}
+_READ_RULE: dict[str, Callable[[Any], Any]] = {
+    "count": lambda v: _int(v),
+    "positive": float,
+    "choice": lambda v: v,
+    "mesh": lambda v: _mesh(v, "mesh"),
+}
 
 
 def _decisions(d: dict[str, Any], blocks: tuple[str, ...]) -> Decisions:
@@ -486,8 +532,10 @@ def _block_modes(modes: dict[str, str], blocks: tuple[str, ...]) -> tuple[str, .
         return ()
     unknown = [b for b in modes if b not in blocks]
     if unknown:
-        raise AutoshardError(f"plan field 'recompute_blocks' names {unknown[0][:80]!r}, which is not one of the "
-                             f"plan's blocks (layout.blocks); re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field 'recompute_blocks' names {unknown[0][:80]!r}, which is not one of the "
+            f"plan's blocks (layout.blocks); re-create the plan with `autoshard plan`"
+        )
     return tuple(modes.get(b, "none") for b in blocks)
 
 
@@ -542,8 +590,11 @@ def _ordered(obj: Any) -> Any:
     """Dataclasses to dicts in field order (docs/design.md's key order), tuples to lists."""
     if hasattr(obj, "__dataclass_fields__"):
         unless = getattr(obj, "WRITTEN_UNLESS", {})
-        return {f.name: _ordered(getattr(obj, f.name)) for f in fields(obj)
-                if f.name not in unless or getattr(obj, f.name) != unless[f.name]}
+        return {
+            f.name: _ordered(getattr(obj, f.name))
+            for f in fields(obj)
+            if f.name not in unless or getattr(obj, f.name) != unless[f.name]
+        }
     if isinstance(obj, dict):
         return {k: _ordered(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -159,8 +159,17 @@ SECTION_RECORDS: dict[str, type] = {  # section -> its record, in the order they
 }
 SECTIONS: dict[str, tuple[str, ...]] = {section: written_fields(r) for section, r in SECTION_RECORDS.items()}
 DECISIONS_KEYS, LAYOUT_KEYS, REVIEW_KEYS, PROVENANCE_KEYS = SECTIONS.values()
-TOP_KEYS = ("version", "model", "cluster", "global_batch", "decisions", "layout", "predicted", "review",
-            "provenance")  # ir.plan.Plan's fields, version first
+TOP_KEYS = (
+    "version",
+    "model",
+    "cluster",
+    "global_batch",
+    "decisions",
+    "layout",
+    "predicted",
+    "review",
+    "provenance",
+)  # ir.plan.Plan's fields, version first
 SECTION_OF = {key: section for section, keys in SECTIONS.items() for key in keys}  # flat key -> its section
 
 

@@ -101,8 +101,10 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     _count(f.get("global_batch"), f.path("global_batch"))
     world = _check_decisions(f)
     if world > cluster.world_size:
-        raise AutoshardError(f"plan field '{f.path('mesh')}' needs {world} ranks but the plan's cluster has "
-                             f"{cluster.world_size} devices; {FIX}")
+        raise AutoshardError(
+            f"plan field '{f.path('mesh')}' needs {world} ranks but the plan's cluster has "
+            f"{cluster.world_size} devices; {FIX}"
+        )
     _check_stages(f.get_list("stages"), world, f.path("stages"))
     for key, value in f.get_mapping("tensor_parallel").items():
         _path(key, f.path("tensor_parallel"))
@@ -149,8 +151,7 @@ def _check_sections(d: dict[str, Any]) -> None:
     """Version 2's structure: known top-level keys only, every section present, a mapping of its own keys."""
     _unknown_keys(d, TOP_KEYS, "plan", "a version 2 plan holds " + ", ".join(TOP_KEYS))
     for section, keys in SECTIONS.items():
-        _unknown_keys(_mapping(d, section), keys, f"plan field '{section}'",
-                      f"'{section}' holds " + ", ".join(keys))
+        _unknown_keys(_mapping(d, section), keys, f"plan field '{section}'", f"'{section}' holds " + ", ".join(keys))
 
 
 def _unknown_keys(d: dict[str, Any], known: tuple[str, ...], what: str, holds: str) -> None:
@@ -160,10 +161,13 @@ def _unknown_keys(d: dict[str, Any], known: tuple[str, ...], what: str, holds: s
     key = unknown[0]
     if key in SECTION_OF or key in TOP_KEYS:  # a field of another section, or a version 1 key
         home = f"'{SECTION_OF[key]}'" if key in SECTION_OF else "the top of the plan"
-        raise AutoshardError(f"{what} has an unknown key {_SHORT.repr(key)}, which belongs in {home} in version 2; "
-                             f"move it there or re-create the plan with `autoshard plan`")
-    raise AutoshardError(f"{what} has an unknown key {_SHORT.repr(key)} ({holds}); remove it or re-create the "
-                         f"plan with `autoshard plan`")
+        raise AutoshardError(
+            f"{what} has an unknown key {_SHORT.repr(key)}, which belongs in {home} in version 2; "
+            f"move it there or re-create the plan with `autoshard plan`"
+        )
+    raise AutoshardError(
+        f"{what} has an unknown key {_SHORT.repr(key)} ({holds}); remove it or re-create the plan with `autoshard plan`"
+    )
 
 
 def _check_decisions(f: _Fields) -> int:
@@ -251,8 +255,10 @@ def _check_random_ops(drawn: Any) -> None:
 def _check_mesh(mesh: dict[str, Any], where: str) -> int:
     unknown = sorted(str(k) for k in mesh if k not in ("dp", "tp", "pp", "cp"))
     if unknown:
-        raise AutoshardError(f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; a mesh has only "
-                             f"dp, tp, pp and cp; remove it or re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; a mesh has only "
+            f"dp, tp, pp and cp; remove it or re-create the plan with `autoshard plan`"
+        )
     world = 1
     for axis in ("dp", "tp", "pp"):
         world *= _count(_get(mesh, axis, where=where), f"{where}.{axis}")
@@ -276,8 +282,7 @@ def _check_stages(stages: list[Any], world: int, field: str) -> None:
 
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_exposed_s", "bubble_s")
 _PREDICTED_RATES = ("tokens_per_s", "samples_per_s", "mfu")
-_MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes",
-                 "peak_bytes")
+_MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes", "peak_bytes")
 
 
 def _check_predicted(p: dict[str, Any], where: str) -> None:
@@ -297,8 +302,10 @@ def _check_predicted(p: dict[str, Any], where: str) -> None:
 def _check_memory(memory: dict[str, Any], where: str) -> None:
     unknown = sorted(str(k) for k in memory if k not in _MEMORY_PARTS)
     if unknown:
-        raise AutoshardError(f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; "
-                             f"re-create the plan with `autoshard plan`")
+        raise AutoshardError(
+            f"plan field '{where}' has an unknown key {_SHORT.repr(unknown[0])}; "
+            f"re-create the plan with `autoshard plan`"
+        )
     for key in _MEMORY_PARTS:
         _size(_get(memory, key, where=where), f"{where}.{key}")
 
@@ -317,7 +324,6 @@ def _check_alternative(a: Any, where: str, recompute_modes: tuple[str, ...], sch
 
 
 # ---------------------------------------------------------------------------- one field
-
 
 
 def _get(d: dict[str, Any], key: str, default: Any = _MISSING, where: str = "") -> Any:
@@ -390,8 +396,7 @@ def _string(value: Any, field: str) -> str:
 
 def _name(value: Any, field: str) -> str:
     """One printable line with no character that would end a string in the emitted program."""
-    if (not isinstance(value, str) or not value or not value.isprintable()
-            or _UNSAFE_NAME_CHARS.intersection(value)):
+    if not isinstance(value, str) or not value or not value.isprintable() or _UNSAFE_NAME_CHARS.intersection(value):
         _fail(field, "a printable name without quotes, backslashes or brackets", value)
     return value
 

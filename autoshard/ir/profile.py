@@ -52,26 +52,43 @@ class ModelProfile:
         return y0 + (y1 - y0) * (b - lo) / (hi - lo)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "signature": self.signature, "ranks": self.ranks,
-                "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
-                "optimizer_s": self.optimizer_s, "source": self.source}
+        return {
+            "model": self.model,
+            "signature": self.signature,
+            "ranks": self.ranks,
+            "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
+            "optimizer_s": self.optimizer_s,
+            "source": self.source,
+        }
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         if not isinstance(d, Mapping) or set(d) != {"model", "signature", "ranks", "times", "optimizer_s", "source"}:
-            raise AutoshardError(f"{where}: a profile must have model, signature, ranks, times, optimizer_s and "
-                                 f"source; {fix}")
+            raise AutoshardError(
+                f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source; {fix}"
+            )
         optimizer = d["optimizer_s"]
         if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < 1e6:
             raise AutoshardError(f"{where}: profile {d.get('model')!r}: optimizer_s must be seconds >= 0; {fix}")
-        if not all(isinstance(d[k], str) for k in ("model", "signature", "source")) or \
-                not isinstance(d["ranks"], int) or isinstance(d["ranks"], bool) or d["ranks"] < 1:
-            raise AutoshardError(f"{where}: profile {d.get('model')!r} has a malformed model, signature, ranks or "
-                                 f"source; {fix}")
-        return cls(d["model"], d["signature"], d["ranks"], _times(d["times"], f"{where}: profile {d['model']!r}", fix),
-                   d["source"], float(optimizer))
+        if (
+            not all(isinstance(d[k], str) for k in ("model", "signature", "source"))
+            or not isinstance(d["ranks"], int)
+            or isinstance(d["ranks"], bool)
+            or d["ranks"] < 1
+        ):
+            raise AutoshardError(
+                f"{where}: profile {d.get('model')!r} has a malformed model, signature, ranks or source; {fix}"
+            )
+        return cls(
+            d["model"],
+            d["signature"],
+            d["ranks"],
+            _times(d["times"], f"{where}: profile {d['model']!r}", fix),
+            d["source"],
+            float(optimizer),
+        )
 
 
 def _times(raw: Any, where: str, fix: str) -> dict[int, dict[str, tuple[float, float]]]:
@@ -80,17 +97,29 @@ def _times(raw: Any, where: str, fix: str) -> dict[int, dict[str, tuple[float, f
     out: dict[int, dict[str, tuple[float, float]]] = {}
     for b, modes in raw.items():
         b = int(b) if isinstance(b, str) and b.isdigit() else b  # JSON (plan.json) keys are strings
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or not isinstance(modes, Mapping) or \
-                not modes or not set(modes) <= set(MODES) or "none" not in modes:
-            raise AutoshardError(f"{where}: times[{b!r}] must be a positive micro-batch size mapping none (and "
-                                 f"selective, full) to [forward_s, forward_backward_s]; {fix}")
+        if (
+            isinstance(b, bool)
+            or not isinstance(b, int)
+            or b < 1
+            or not isinstance(modes, Mapping)
+            or not modes
+            or not set(modes) <= set(MODES)
+            or "none" not in modes
+        ):
+            raise AutoshardError(
+                f"{where}: times[{b!r}] must be a positive micro-batch size mapping none (and "
+                f"selective, full) to [forward_s, forward_backward_s]; {fix}"
+            )
         out[b] = {m: _pair(v, f"{where}: times[{b}][{m}]", fix) for m, v in modes.items()}
     return out
 
 
 def _pair(v: Any, where: str, fix: str) -> tuple[float, float]:
-    ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e6 for x in v)
+    ok = (
+        isinstance(v, (list, tuple))
+        and len(v) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e6 for x in v)
+    )
     if not ok:
         raise AutoshardError(f"{where} must be [forward_s, forward_backward_s], two seconds >= 0; {fix}")
     return float(v[0]), float(v[1])

@@ -62,8 +62,10 @@ class Recipe:
         table = _read_table(path)
         unknown = sorted(set(table) - {f.name for f in fields(cls)})
         if unknown:
-            raise AutoshardError(f"{path}: unknown key '{unknown[0]}' in [{TABLE}]; fix: use only "
-                                 f"{', '.join(f.name for f in fields(cls))}")
+            raise AutoshardError(
+                f"{path}: unknown key '{unknown[0]}' in [{TABLE}]; fix: use only "
+                f"{', '.join(f.name for f in fields(cls))}"
+            )
         values = {name: _coerce(name, value, path) for name, value in table.items()}
         try:
             return cls(**values)
@@ -74,8 +76,9 @@ class Recipe:
         """This recipe with ``steps`` filled in where it has none (the run's ``--steps``; a run of no steps, which
         only loads and exports, leaves it None: no schedule runs), and ``lr`` if given."""
         own = steps if steps >= 1 else None
-        return dataclasses.replace(self, steps=self.steps if self.steps is not None else own,
-                                   lr=self.lr if lr is None else lr)
+        return dataclasses.replace(
+            self, steps=self.steps if self.steps is not None else own, lr=self.lr if lr is None else lr
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (``betas`` a list), for a program's constants: ``Recipe(**RECIPE)`` rebuilds it."""
@@ -94,6 +97,7 @@ class Recipe:
 
 def _check(recipe: Recipe) -> None:
     """Every field's value is one the recipe can train with (a one-line ``AutoshardError`` naming it)."""
+
     def bad(name: str, want: str) -> AutoshardError:
         return AutoshardError(f"{name} = {getattr(recipe, name)!r} is not valid; fix: {want}")
 
@@ -118,22 +122,37 @@ def _check(recipe: Recipe) -> None:
         raise bad("max_grad_norm", "a norm above 0, e.g. 1.0, or leave it out for no clipping")
 
 
-_TYPES = {"optimizer": str, "schedule": str, "lr": float, "eps": float, "momentum": float, "weight_decay": float,
-          "min_lr_ratio": float, "max_grad_norm": float, "warmup_steps": int, "steps": int, "decay_all": bool}
+_TYPES = {
+    "optimizer": str,
+    "schedule": str,
+    "lr": float,
+    "eps": float,
+    "momentum": float,
+    "weight_decay": float,
+    "min_lr_ratio": float,
+    "max_grad_norm": float,
+    "warmup_steps": int,
+    "steps": int,
+    "decay_all": bool,
+}
 
 
 def _coerce(name: str, value: Any, path: Path) -> Any:
     """``value`` as the field's type: an int where a float is wanted is taken, anything else of the wrong type
     is refused (YAML reads ``1e-3`` as a string: taken as a float when it reads as one)."""
+
     def refuse(want: str) -> AutoshardError:
-        return AutoshardError(f"{path}: {name} = {value!r} in [{TABLE}] is not {want}; fix: e.g. "
-                              f"{name} = {_EXAMPLES[name]}")
+        return AutoshardError(
+            f"{path}: {name} = {value!r} in [{TABLE}] is not {want}; fix: e.g. {name} = {_EXAMPLES[name]}"
+        )
 
     if name == "betas":
         if not (isinstance(value, list) and len(value) == 2):
             raise refuse("a list of two numbers")
-        return tuple(_coerce("lr", v, path) if not isinstance(v, bool) else _raise(refuse("a list of two numbers"))
-                     for v in value)
+        return tuple(
+            _coerce("lr", v, path) if not isinstance(v, bool) else _raise(refuse("a list of two numbers"))
+            for v in value
+        )
     want = _TYPES[name]
     if value is None and name in ("max_grad_norm", "steps"):
         return None
@@ -153,9 +172,20 @@ def _raise(exc: Exception):
     raise exc
 
 
-_EXAMPLES = {"optimizer": '"adamw"', "schedule": '"cosine"', "lr": "3e-4", "betas": "[0.9, 0.95]", "eps": "1e-8",
-             "momentum": "0.9", "weight_decay": "0.1", "decay_all": "false", "warmup_steps": "100",
-             "min_lr_ratio": "0.1", "max_grad_norm": "1.0", "steps": "1000"}
+_EXAMPLES = {
+    "optimizer": '"adamw"',
+    "schedule": '"cosine"',
+    "lr": "3e-4",
+    "betas": "[0.9, 0.95]",
+    "eps": "1e-8",
+    "momentum": "0.9",
+    "weight_decay": "0.1",
+    "decay_all": "false",
+    "warmup_steps": "100",
+    "min_lr_ratio": "0.1",
+    "max_grad_norm": "1.0",
+    "steps": "1000",
+}
 
 
 def _read_table(path: Path) -> dict[str, Any]:
@@ -163,8 +193,9 @@ def _read_table(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise AutoshardError(f"cannot read recipe file {path}: {exc.strerror}; fix: give an existing "
-                             f".toml or .yaml file") from None
+        raise AutoshardError(
+            f"cannot read recipe file {path}: {exc.strerror}; fix: give an existing .toml or .yaml file"
+        ) from None
     if path.suffix == ".toml":
         try:
             document = tomllib.loads(text)
@@ -183,8 +214,9 @@ def _read_table(path: Path) -> dict[str, Any]:
         raise AutoshardError(f"recipe file {path} must end in .toml, .yaml or .yml; fix: rename it")
     table = document.get(TABLE) if isinstance(document, dict) else None
     if not isinstance(table, dict):
-        raise AutoshardError(f"{path} has no [{TABLE}] table; fix: put the recipe's keys under [{TABLE}] "
-                             f"(TOML) or '{TABLE}:' (YAML)")
+        raise AutoshardError(
+            f"{path} has no [{TABLE}] table; fix: put the recipe's keys under [{TABLE}] (TOML) or '{TABLE}:' (YAML)"
+        )
     return table
 
 
@@ -207,17 +239,36 @@ class RecipeFlag:
 RECIPE_FLAGS: tuple[RecipeFlag, ...] = (
     RecipeFlag("optimizer", "--optimizer", str.lower, "the optimizer (default: adamw)", OPTIMIZERS),
     RecipeFlag("lr", "--lr", float, "the peak learning rate (default: 1e-3)", metavar="LR"),
-    RecipeFlag("weight_decay", "--weight-decay", float, "weight decay; norms, biases and embeddings take none "
-               "unless the recipe file sets decay_all = true (default: 0.01)", metavar="WD"),
-    RecipeFlag("schedule", "--schedule", str.lower, "the learning rate after warmup: constant, or a linear or "
-               "cosine decay to min_lr_ratio * lr over the run's steps (default: constant)", SCHEDULES),
+    RecipeFlag(
+        "weight_decay",
+        "--weight-decay",
+        float,
+        "weight decay; norms, biases and embeddings take none "
+        "unless the recipe file sets decay_all = true (default: 0.01)",
+        metavar="WD",
+    ),
+    RecipeFlag(
+        "schedule",
+        "--schedule",
+        str.lower,
+        "the learning rate after warmup: constant, or a linear or "
+        "cosine decay to min_lr_ratio * lr over the run's steps (default: constant)",
+        SCHEDULES,
+    ),
     RecipeFlag("warmup_steps", "--warmup-steps", int, "steps of linear warmup to lr (default: 0)", metavar="N"),
-    RecipeFlag("max_grad_norm", "--max-grad-norm", float, "clip the whole model's gradient to this 2-norm, taken "
-               "over every mesh axis (default: no clipping)", metavar="NORM"),
+    RecipeFlag(
+        "max_grad_norm",
+        "--max-grad-norm",
+        float,
+        "clip the whole model's gradient to this 2-norm, taken over every mesh axis (default: no clipping)",
+        metavar="NORM",
+    ),
 )
-RECIPE_FILE_HELP = (f"a TOML or YAML file whose [{TABLE}] table is the training recipe (optimizer, lr, betas, eps, "
-                    f"momentum, weight_decay, decay_all, schedule, warmup_steps, min_lr_ratio, max_grad_norm, steps); "
-                    f"the flags below replace its keys")
+RECIPE_FILE_HELP = (
+    f"a TOML or YAML file whose [{TABLE}] table is the training recipe (optimizer, lr, betas, eps, "
+    f"momentum, weight_decay, decay_all, schedule, warmup_steps, min_lr_ratio, max_grad_norm, steps); "
+    f"the flags below replace its keys"
+)
 
 
 def recipe_of(path: str | Path | None = None, **flags: Any) -> Recipe:

@@ -35,12 +35,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OPS = ("cast_params", "apply_tp", "apply_ep", "split_pipeline", "apply_ac", "sync_batch_norm", "apply_fsdp", "apply_replicate",
-       "init_weights", "apply_ddp", "build_optimizer", "build_schedule")
+OPS = (
+    "cast_params",
+    "apply_tp",
+    "apply_ep",
+    "split_pipeline",
+    "apply_ac",
+    "sync_batch_norm",
+    "apply_fsdp",
+    "apply_replicate",
+    "init_weights",
+    "apply_ddp",
+    "build_optimizer",
+    "build_schedule",
+)
 # What each op needs besides the plan's data: values of the run (the applier's keyword inputs, the
 # emitted function's parameters of the same names).
-RUN_INPUTS = {"split_pipeline": ("example_microbatch", "device"), "init_weights": ("device",), "apply_ddp": ("device",),
-              "build_optimizer": ("recipe",), "build_schedule": ("loss_fn",)}
+RUN_INPUTS = {
+    "split_pipeline": ("example_microbatch", "device"),
+    "init_weights": ("device",),
+    "apply_ddp": ("device",),
+    "build_optimizer": ("recipe",),
+    "build_schedule": ("loss_fn",),
+}
 # What each op returns; the others return the (wrapped) model, or the stages after split_pipeline.
 RESULTS = {"build_optimizer": "optimizer", "build_schedule": "schedule"}
 WHOLE_MESH = "*"

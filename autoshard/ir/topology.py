@@ -48,7 +48,9 @@ if TYPE_CHECKING:
     import networkx as nx  # imported where a graph is built: every process that loads a plan imports this module
 
 BACKENDS = ("nccl", "gloo")
-MAX_DEVICES = 2**18  # 262,144: the largest clusters today have ~10^5 devices; plans in ~2 s of CPU on 2 cores (8.6 s at 2^20)
+MAX_DEVICES = (
+    2**18
+)  # 262,144: the largest clusters today have ~10^5 devices; plans in ~2 s of CPU on 2 cores (8.6 s at 2^20)
 
 _POSITIVE = ("> 0", lambda v: v > 0)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
@@ -115,8 +117,13 @@ class LinkSpec:
     latency_us: float = _spec("the small-message latency in microseconds, e.g. 3", _LATENCY)
     source: str = _spec("where the figures come from (datasheet, measurement)")
     collectives: tuple[tuple[str, float, float], ...] = field(
-        default=(), metadata={"doc": "optional: per collective {latency_us, bandwidth_gbps}, as calibrate fits them",
-                              "rule": None, "composite": True})
+        default=(),
+        metadata={
+            "doc": "optional: per collective {latency_us, bandwidth_gbps}, as calibrate fits them",
+            "rule": None,
+            "composite": True,
+        },
+    )
 
     def __post_init__(self):
         _check_dataclass(self)
@@ -138,37 +145,57 @@ class HostOverheads:
 
     op_forward_us: float = _spec("host time per op of the forward (one OpGraph node), e.g. 12", _HOST_US)
     op_backward_us: float = _spec("host time per op in the backward, e.g. 30", _HOST_US)
-    selective_op_us: float = _spec("extra per block op under selective recompute (its policy runs at every op "
-                                   "of the forward and of the recompute), e.g. 40", _HOST_US)
-    checkpoint_block_us: float = _spec("extra per block and micro-batch under full recompute, e.g. 100",
-                                       _HOST_US)
-    fsdp_unit_zero2_us: float = _spec("FSDP2 (ZeRO-2) host time per unit and micro-batch beyond its "
-                                      "collectives, e.g. 2000", _HOST_US)
+    selective_op_us: float = _spec(
+        "extra per block op under selective recompute (its policy runs at every op "
+        "of the forward and of the recompute), e.g. 40",
+        _HOST_US,
+    )
+    checkpoint_block_us: float = _spec("extra per block and micro-batch under full recompute, e.g. 100", _HOST_US)
+    fsdp_unit_zero2_us: float = _spec(
+        "FSDP2 (ZeRO-2) host time per unit and micro-batch beyond its collectives, e.g. 2000", _HOST_US
+    )
     fsdp_unit_zero3_us: float = _spec("the same for ZeRO-3 (resharded after forward), e.g. 3000", _HOST_US)
-    fsdp_zero2_us_per_mib: float = _spec("FSDP2 (ZeRO-2) host time per MiB of a unit's parameters and micro-batch "
-                                         "beyond its collectives (copies in and out), e.g. 500", _HOST_US)
+    fsdp_zero2_us_per_mib: float = _spec(
+        "FSDP2 (ZeRO-2) host time per MiB of a unit's parameters and micro-batch "
+        "beyond its collectives (copies in and out), e.g. 500",
+        _HOST_US,
+    )
     fsdp_zero3_us_per_mib: float = _spec("the same for ZeRO-3, e.g. 800", _HOST_US)
-    ddp_tensor_us: float = _spec("DDP's hooks per parameter tensor and micro-batch beyond the all-reduce, e.g. 50",
-                                 _HOST_US)
-    zero1_tensor_us: float = _spec("ZeroRedundancyOptimizer's step per parameter tensor beyond AdamW and the "
-                                   "weights' all-gather bytes: its broadcast's latency as issued (async) and its "
-                                   "loop, e.g. 300", _HOST_US)
-    optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60",
-                                       _HOST_US)
-    sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300",
-                                               _HOST_US)
-    pipeline_microbatch_us: float = _spec("pipeline schedule time per stage and micro-batch beyond its ops and "
-                                          "transfers, e.g. 1500", _HOST_US)
-    pipeline_step_us: float = _spec("pipeline schedule time per step beyond its micro-batches and bubble (loss "
-                                    "and tied-weight bookkeeping), e.g. 5000", _HOST_US)
-    tp_module_us: float = _spec("DTensor's host time per tensor-parallel module and micro-batch (forward and "
-                                "backward) beyond its collectives, e.g. 400", _HOST_US)
+    ddp_tensor_us: float = _spec(
+        "DDP's hooks per parameter tensor and micro-batch beyond the all-reduce, e.g. 50", _HOST_US
+    )
+    zero1_tensor_us: float = _spec(
+        "ZeroRedundancyOptimizer's step per parameter tensor beyond AdamW and the "
+        "weights' all-gather bytes: its broadcast's latency as issued (async) and its "
+        "loop, e.g. 300",
+        _HOST_US,
+    )
+    optimizer_tensor_us: float = _spec("AdamW step time per parameter tensor beyond its bytes, e.g. 60", _HOST_US)
+    sharded_optimizer_tensor_us: float = _spec("the same for FSDP2's sharded (DTensor) parameters, e.g. 300", _HOST_US)
+    pipeline_microbatch_us: float = _spec(
+        "pipeline schedule time per stage and micro-batch beyond its ops and transfers, e.g. 1500", _HOST_US
+    )
+    pipeline_step_us: float = _spec(
+        "pipeline schedule time per step beyond its micro-batches and bubble (loss "
+        "and tied-weight bookkeeping), e.g. 5000",
+        _HOST_US,
+    )
+    tp_module_us: float = _spec(
+        "DTensor's host time per tensor-parallel module and micro-batch (forward and "
+        "backward) beyond its collectives, e.g. 400",
+        _HOST_US,
+    )
     source: str = _spec("where the figures come from (autoshard calibrate)")
     # Written by calibrate since it was added; a file without it shares nothing (the default).
-    shared_cores: float = field(default=0.0, metadata={
-        "doc": "how many of the node's ranks run at full speed at once when they share its CPU cores: "
-               "the cores / threads per rank, e.g. 2 (0: every rank has its own device, as GPUs)",
-        "rule": (*_NON_NEGATIVE, BOUNDS["cores"]), "optional": True})
+    shared_cores: float = field(
+        default=0.0,
+        metadata={
+            "doc": "how many of the node's ranks run at full speed at once when they share its CPU cores: "
+            "the cores / threads per rank, e.g. 2 (0: every rank has its own device, as GPUs)",
+            "rule": (*_NON_NEGATIVE, BOUNDS["cores"]),
+            "optional": True,
+        },
+    )
 
     def __post_init__(self):
         _check_dataclass(self)
@@ -222,14 +249,18 @@ class Cluster:
         for key, (doc, rule) in _COUNTS.items():
             _check_value(getattr(self, key), int, rule, where, key, doc)
         if self.world_size > MAX_DEVICES:  # its graph would not fit in memory; no cluster is this big
-            raise AutoshardError(f"{where}: {self.nodes} nodes x {self.devices_per_node} devices = {self.world_size:,} "
-                                 f"devices, more than autoshard plans for ({MAX_DEVICES:,}); fix: check nodes "
-                                 f"and devices_per_node (--nodes, --devices-per-node)")
+            raise AutoshardError(
+                f"{where}: {self.nodes} nodes x {self.devices_per_node} devices = {self.world_size:,} "
+                f"devices, more than autoshard plans for ({MAX_DEVICES:,}); fix: check nodes "
+                f"and devices_per_node (--nodes, --devices-per-node)"
+            )
         _check_backend(self.backend, where)
         for key, kind in {**_SECTIONS, **_OPTIONAL_SECTIONS}.items():
             if not isinstance(getattr(self, key), kind):
-                raise AutoshardError(f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
-                                     f"fix: build it with {kind.__name__}(...)")
+                raise AutoshardError(
+                    f"{where}: {key} must be a {kind.__name__}, got {getattr(self, key)!r}; "
+                    f"fix: build it with {kind.__name__}(...)"
+                )
             _check_bounds(getattr(self, key), where, key)
 
     @property
@@ -260,7 +291,9 @@ class Cluster:
         edge and the first rank's, plus each involved node's uplink when the ranks span nodes. So
         this is O(len(ranks)) and never O(world size) per call."""
         if not ranks:
-            raise AutoshardError(f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks")
+            raise AutoshardError(
+                f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks"
+            )
         if not (all(type(r) is int for r in ranks) and 0 <= min(ranks) and max(ranks) < self.world_size):
             for r in ranks:
                 self._check_rank(r)
@@ -272,22 +305,32 @@ class Cluster:
         edges = [intra] if inside else [intra, _edge_attrs(self.inter_node, "inter_node", self.devices_per_node)]
         bottleneck = min(edges, key=self._share_gbps)  # ties: the intra-node edge, first in the graph's edge order
         latency_us = max(e["latency_us"] for e in edges)
-        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"],
-                        self.intra_node.collectives if inside else ())
+        return LinkSpec(
+            self._share_gbps(bottleneck),
+            latency_us,
+            bottleneck["source"],
+            self.intra_node.collectives if inside else (),
+        )
 
     def group_link_by_graph(self, ranks: Sequence[int]) -> LinkSpec:
         """``group_link`` by shortest paths on ``graph`` (the reference it is tested against)."""
         vertices = [self.device_vertex(r) for r in ranks]
         if not vertices:
-            raise AutoshardError(f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks")
+            raise AutoshardError(
+                f"cluster {self.name!r}: group_link needs at least one rank; fix: pass the group's ranks"
+            )
         edges = _tree_edges(self.graph, vertices)
         if not edges:
             return self.intra_node
         bottleneck = min(edges, key=self._share_gbps)
         latency_us = max(e["latency_us"] for e in edges)
         inside = all(e["kind"] == "intra_node" for e in edges)  # measured per collective: one node's link
-        return LinkSpec(self._share_gbps(bottleneck), latency_us, bottleneck["source"],
-                        self.intra_node.collectives if inside else ())
+        return LinkSpec(
+            self._share_gbps(bottleneck),
+            latency_us,
+            bottleneck["source"],
+            self.intra_node.collectives if inside else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, in a fixed key order (plan.json's ``cluster``)."""
@@ -316,13 +359,23 @@ class Cluster:
         """
         _check_mapping(d, where, "the cluster", "a mapping with keys " + ", ".join(CLUSTER_KEYS))
         _check_keys(d, _CLUSTER_DOCS, where, "", optional=(*_OPTIONAL_SECTIONS, "profiles"))
-        sections = {key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()}
-        sections |= {key: _spec_from_mapping(kind, d[key], where, key, default_source)
-                     for key, kind in _OPTIONAL_SECTIONS.items() if key in d}
+        sections = {
+            key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()
+        }
+        sections |= {
+            key: _spec_from_mapping(kind, d[key], where, key, default_source)
+            for key, kind in _OPTIONAL_SECTIONS.items()
+            if key in d
+        }
         name = _check_value(d["name"], str, _NON_EMPTY, where, "name", "a cluster name")
         counts = {key: _check_value(d[key], int, rule, where, key, doc) for key, (doc, rule) in _COUNTS.items()}
-        return cls(name=name, backend=_check_backend(d["backend"], where), **counts, **sections,
-                   profiles=_profiles(d.get("profiles", []), where))
+        return cls(
+            name=name,
+            backend=_check_backend(d["backend"], where),
+            **counts,
+            **sections,
+            profiles=_profiles(d.get("profiles", []), where),
+        )
 
     def _share_gbps(self, edge: Mapping[str, Any]) -> float:
         users = self.devices_per_node if edge["kind"] == "inter_node" else 1
@@ -330,8 +383,10 @@ class Cluster:
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise AutoshardError(f"rank {rank!r} is not in cluster {self.name!r} (ranks 0..{self.world_size - 1}); "
-                                 "fix: use ranks below nodes × devices_per_node, or a bigger cluster")
+            raise AutoshardError(
+                f"rank {rank!r} is not in cluster {self.name!r} (ranks 0..{self.world_size - 1}); "
+                "fix: use ranks below nodes × devices_per_node, or a bigger cluster"
+            )
 
     def _build_graph(self) -> nx.Graph:
         import networkx as nx
@@ -354,20 +409,28 @@ class Cluster:
 
 def _profiles(raw: Any, where: str) -> tuple[ModelProfile, ...]:
     if not isinstance(raw, list):
-        raise AutoshardError(f"{where}: profiles must be a list, got {_short(raw)}; fix: run `autoshard calibrate "
-                             f"--model MODEL` again, or delete the profiles section")
+        raise AutoshardError(
+            f"{where}: profiles must be a list, got {_short(raw)}; fix: run `autoshard calibrate "
+            f"--model MODEL` again, or delete the profiles section"
+        )
     try:
         return tuple(ModelProfile.from_dict(p, where) for p in raw)
     except AutoshardError:
         raise
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a micro-batch size of 4,300+ digits
-        raise AutoshardError(f"{where}: profiles hold a value that is not a measured figure ({type(exc).__name__}); "
-                             "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section") from None
+        raise AutoshardError(
+            f"{where}: profiles hold a value that is not a measured figure ({type(exc).__name__}); "
+            "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
+        ) from None
 
 
 def _edge_attrs(link: LinkSpec, kind: str, devices: int) -> dict[str, Any]:
-    return {"kind": kind, "bandwidth_gbps": link.bandwidth_gbps * devices, "latency_us": link.latency_us,
-            "source": link.source}
+    return {
+        "kind": kind,
+        "bandwidth_gbps": link.bandwidth_gbps * devices,
+        "latency_us": link.latency_us,
+        "source": link.source,
+    }
 
 
 def _tree_edges(graph: nx.Graph, vertices: list[str]) -> list[dict[str, Any]]:
@@ -401,10 +464,12 @@ def _check_collectives(value: Any, where: str, bounded: bool = False) -> tuple[t
         name, latency_us, bandwidth_gbps = item
         if name not in COLLECTIVE_NAMES:
             raise AutoshardError(f"{where}: unknown collective {name!r}; {fix}")
-        lat = _check_value(latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds",
-                           bounded=bounded)
-        bw = _check_value(bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s",
-                          bounded=bounded)
+        lat = _check_value(
+            latency_us, float, _LATENCY, where, f"collectives.{name}.latency_us", "microseconds", bounded=bounded
+        )
+        bw = _check_value(
+            bandwidth_gbps, float, _BANDWIDTH, where, f"collectives.{name}.bandwidth_gbps", "GB/s", bounded=bounded
+        )
         out.append((name, lat, bw))
     return tuple(sorted(out))
 
@@ -419,26 +484,35 @@ def _spec_from_mapping(kind: type, values: Any, where: str, section: str, defaul
         values = {**values, "source": default_source}
     optional = composite + tuple(f.name for f in plain if f.metadata.get("optional"))  # optional: the default
     _check_keys(values, names, where, section + ".", optional=optional)
-    checked = {f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}") for f in plain
-               if f.name in values or f.name not in optional}
-    extra = {name: _check_collectives(values[name], f"{where}: {section}", bounded=True)
-             for name in composite if name in values}
+    checked = {
+        f.name: _check_field(values[f.name], f, where, f"{section}.{f.name}")
+        for f in plain
+        if f.name in values or f.name not in optional
+    }
+    extra = {
+        name: _check_collectives(values[name], f"{where}: {section}", bounded=True)
+        for name in composite
+        if name in values
+    }
     return kind(**checked, **extra)
 
 
 def _check_mapping(value: Any, where: str, what: str, fix: str) -> None:
     if not isinstance(value, Mapping):
-        raise AutoshardError(f"{where}: {what} must be a mapping, got {_short(value)} ({type(value).__name__}); "
-                             f"fix: write {fix}")
+        raise AutoshardError(
+            f"{where}: {what} must be a mapping, got {_short(value)} ({type(value).__name__}); fix: write {fix}"
+        )
 
 
-def _check_keys(values: Mapping[str, Any], known: Mapping[str, str], where: str, prefix: str,
-                optional: tuple[str, ...] = ()) -> None:
+def _check_keys(
+    values: Mapping[str, Any], known: Mapping[str, str], where: str, prefix: str, optional: tuple[str, ...] = ()
+) -> None:
     """No unknown keys, no missing ones but ``optional``; ``known`` maps each key to what it holds."""
     unknown = sorted(str(k) for k in values if k not in known)
     if unknown:
-        raise AutoshardError(f"{where}: unknown field '{prefix}{unknown[0]}'; "
-                             f"fix: remove it, or use one of {', '.join(known)}")
+        raise AutoshardError(
+            f"{where}: unknown field '{prefix}{unknown[0]}'; fix: remove it, or use one of {', '.join(known)}"
+        )
     missing = [k for k in known if k not in values and k not in optional]
     if missing:
         raise AutoshardError(f"{where}: missing field '{prefix}{missing[0]}'; fix: add it: {known[missing[0]]}")
@@ -446,8 +520,10 @@ def _check_keys(values: Mapping[str, Any], known: Mapping[str, str], where: str,
 
 def _check_backend(backend: Any, where: str) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise AutoshardError(f"{where}: backend must be one of {', '.join(BACKENDS)}, got {_short(backend)}; "
-                             "fix: use nccl for GPUs, gloo for CPUs")
+        raise AutoshardError(
+            f"{where}: backend must be one of {', '.join(BACKENDS)}, got {_short(backend)}; "
+            "fix: use nccl for GPUs, gloo for CPUs"
+        )
     return backend
 
 
@@ -476,23 +552,28 @@ def _check_field(value: Any, f: Field, where: str, dotted: str, bounded: bool = 
     return _check_value(value, _TYPES[f.type], f.metadata["rule"], where, dotted, f.metadata["doc"], bounded)
 
 
-def _check_value(value: Any, kind: type, rule: tuple | None, where: str, dotted: str, doc: str,
-                 bounded: bool = True) -> Any:
+def _check_value(
+    value: Any, kind: type, rule: tuple | None, where: str, dotted: str, doc: str, bounded: bool = True
+) -> Any:
     """``value`` as ``kind`` (ints widen to floats, whole floats narrow to ints), or an error."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, kind) or (kind is float and not math.isfinite(value)):
-        raise AutoshardError(f"{where}: {dotted} must be {_TYPE_WORDS[kind]}, got {_short(value)} "
-                             f"({type(value).__name__}); fix: give {doc}")
+        raise AutoshardError(
+            f"{where}: {dotted} must be {_TYPE_WORDS[kind]}, got {_short(value)} "
+            f"({type(value).__name__}); fix: give {doc}"
+        )
     if rule is not None and not rule[1](value):
         raise AutoshardError(f"{where}: {dotted} must be {rule[0]}, got {_short(value)}; fix: give {doc}")
     if bounded and rule is not None and len(rule) > 2 and not rule[2][0] <= value <= rule[2][1]:
         low, high, unit = rule[2]
         high_text = f"{high:,}" if isinstance(high, int) else f"{high:g}"
-        raise AutoshardError(f"{where}: {dotted} must be between {low:g} and {high_text}{' ' + unit if unit else ''} "
-                             f"(physical bounds), got {_short(value)}; fix: give {doc}")
+        raise AutoshardError(
+            f"{where}: {dotted} must be between {low:g} and {high_text}{' ' + unit if unit else ''} "
+            f"(physical bounds), got {_short(value)}; fix: give {doc}"
+        )
     return value
 
 

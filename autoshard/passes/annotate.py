@@ -81,61 +81,254 @@ if TYPE_CHECKING:  # torch is imported where FLOPs are counted; op_name and is_a
 
 # Ops that return a view or alias of an input: no FLOPs, no bytes. Names are aten op names
 # without overload (in-place variants "add_" are looked up as "add"), or full targets.
-ALIAS_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "transpose", "t", "permute",
-    "expand", "expand_as", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
-    "chunk", "unbind", "narrow", "alias", "detach", "as_strided", "unflatten", "flatten", "movedim",
-    "moveaxis", "swapaxes", "swapdims", "diagonal", "view_as_real", "view_as_complex", "real", "imag",
-    "lift_fresh", "numpy_T", "mT", "adjoint",
-    "_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_size", "sym_numel",
-    "sym_stride", "sym_storage_offset", "sym_constrain_range", "sym_constrain_range_for_size",
-    "operator.getitem",
-})
+ALIAS_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "expand_as",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "narrow",
+        "alias",
+        "detach",
+        "as_strided",
+        "unflatten",
+        "flatten",
+        "movedim",
+        "moveaxis",
+        "swapaxes",
+        "swapdims",
+        "diagonal",
+        "view_as_real",
+        "view_as_complex",
+        "real",
+        "imag",
+        "lift_fresh",
+        "numpy_T",
+        "mT",
+        "adjoint",
+        "_assert_tensor_metadata",
+        "_assert_scalar",
+        "_assert_async",
+        "sym_size",
+        "sym_numel",
+        "sym_stride",
+        "sym_storage_offset",
+        "sym_constrain_range",
+        "sym_constrain_range_for_size",
+        "operator.getitem",
+    }
+)
 
 # Pointwise, normalisation and softmax-like ops: FLOPs per output element.
 POINTWISE_FLOPS = {
     # one operation per element
-    **dict.fromkeys([
-        "add", "sub", "rsub", "mul", "div", "neg", "abs", "sign", "square", "reciprocal", "sqrt",
-        "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh",
-        "erf", "erfc", "pow", "floor", "ceil", "round", "trunc", "frac", "remainder", "fmod",
-        "maximum", "minimum", "clamp", "clamp_min", "clamp_max",
-        "relu", "relu6", "threshold", "hardtanh", "where", "masked_fill", "fill",
-        "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-        "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "__and__", "__or__", "__xor__",
-        "__invert__", "isnan", "isinf", "isfinite", "nan_to_num", "tril", "triu", "diff",
-    ], 1),
+    **dict.fromkeys(
+        [
+            "add",
+            "sub",
+            "rsub",
+            "mul",
+            "div",
+            "neg",
+            "abs",
+            "sign",
+            "square",
+            "reciprocal",
+            "sqrt",
+            "rsqrt",
+            "exp",
+            "exp2",
+            "expm1",
+            "log",
+            "log2",
+            "log10",
+            "log1p",
+            "sin",
+            "cos",
+            "tan",
+            "tanh",
+            "erf",
+            "erfc",
+            "pow",
+            "floor",
+            "ceil",
+            "round",
+            "trunc",
+            "frac",
+            "remainder",
+            "fmod",
+            "maximum",
+            "minimum",
+            "clamp",
+            "clamp_min",
+            "clamp_max",
+            "relu",
+            "relu6",
+            "threshold",
+            "hardtanh",
+            "where",
+            "masked_fill",
+            "fill",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+            "ge",
+            "logical_and",
+            "logical_or",
+            "logical_not",
+            "logical_xor",
+            "bitwise_and",
+            "bitwise_or",
+            "bitwise_xor",
+            "bitwise_not",
+            "__and__",
+            "__or__",
+            "__xor__",
+            "__invert__",
+            "isnan",
+            "isinf",
+            "isfinite",
+            "nan_to_num",
+            "tril",
+            "triu",
+            "diff",
+        ],
+        1,
+    ),
     # two operations: fused multiply-add forms and dropout (mask compare, scale)
-    **dict.fromkeys(["addcmul", "addcdiv", "lerp", "leaky_relu", "hardsigmoid", "dropout", "feature_dropout",
-                     "alpha_dropout", "native_dropout"], 2),
+    **dict.fromkeys(
+        [
+            "addcmul",
+            "addcdiv",
+            "lerp",
+            "leaky_relu",
+            "hardsigmoid",
+            "dropout",
+            "feature_dropout",
+            "alpha_dropout",
+            "native_dropout",
+        ],
+        2,
+    ),
     # activations, as the count of their primitive operations
-    "elu": 3, "celu": 3, "selu": 4, "softplus": 3, "hardswish": 4, "sigmoid": 4, "logsigmoid": 5,
-    "silu": 5, "mish": 7, "gelu": 8, "glu": 5,
+    "elu": 3,
+    "celu": 3,
+    "selu": 4,
+    "softplus": 3,
+    "hardswish": 4,
+    "sigmoid": 4,
+    "logsigmoid": 5,
+    "silu": 5,
+    "mish": 7,
+    "gelu": 8,
+    "glu": 5,
     # normalisations over the last dims: mean, subtract, square, mean, rsqrt·x, scale, shift
-    "layer_norm": 7, "native_layer_norm": 7, "group_norm": 7, "native_group_norm": 7,
-    "batch_norm": 7, "native_batch_norm": 7, "_native_batch_norm_legit": 7,
-    "_native_batch_norm_legit_no_training": 5, "instance_norm": 7,
-    "rms_norm": 4, "_fused_rms_norm": 4,  # square, mean, rsqrt·x, scale
+    "layer_norm": 7,
+    "native_layer_norm": 7,
+    "group_norm": 7,
+    "native_group_norm": 7,
+    "batch_norm": 7,
+    "native_batch_norm": 7,
+    "_native_batch_norm_legit": 7,
+    "_native_batch_norm_legit_no_training": 5,
+    "instance_norm": 7,
+    "rms_norm": 4,
+    "_fused_rms_norm": 4,  # square, mean, rsqrt·x, scale
     # softmax: max, subtract, exp, sum, divide (log-softmax: log and subtract instead of divide)
-    "softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "safe_softmax": 5, "_safe_softmax": 5,
+    "softmax": 5,
+    "_softmax": 5,
+    "log_softmax": 5,
+    "_log_softmax": 5,
+    "safe_softmax": 5,
+    "_safe_softmax": 5,
 }
 
 # Reductions: FLOPs per *input* element.
 REDUCTION_FLOPS = {
-    **dict.fromkeys(["sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod",
-                     "cumsum", "cumprod", "all", "any", "nansum", "count_nonzero"], 1),
-    "norm": 2, "linalg_vector_norm": 2, "var": 3, "std": 3, "var_mean": 3, "std_mean": 3,
-    "logsumexp": 3, "cross_entropy_loss": 6, "nll_loss": 1, "nll_loss_forward": 1, "mse_loss": 3,
-    "l1_loss": 2, "smooth_l1_loss": 3, "binary_cross_entropy_with_logits": 6,
+    **dict.fromkeys(
+        [
+            "sum",
+            "mean",
+            "amax",
+            "amin",
+            "max",
+            "min",
+            "argmax",
+            "argmin",
+            "prod",
+            "cumsum",
+            "cumprod",
+            "all",
+            "any",
+            "nansum",
+            "count_nonzero",
+        ],
+        1,
+    ),
+    "norm": 2,
+    "linalg_vector_norm": 2,
+    "var": 3,
+    "std": 3,
+    "var_mean": 3,
+    "std_mean": 3,
+    "logsumexp": 3,
+    "cross_entropy_loss": 6,
+    "nll_loss": 1,
+    "nll_loss_forward": 1,
+    "mse_loss": 3,
+    "l1_loss": 2,
+    "smooth_l1_loss": 3,
+    "binary_cross_entropy_with_logits": 6,
 }
 
 # Ops that make a tensor from nothing: they write their output and read nothing.
-CREATION_OPS = frozenset({
-    "arange", "zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones", "new_full",
-    "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand", "randn", "randint",
-    "rand_like", "randn_like", "randint_like", "randperm", "scalar_tensor", "linspace", "logspace",
-    "eye", "tensor", "lift_fresh_copy",
-})
+CREATION_OPS = frozenset(
+    {
+        "arange",
+        "zeros",
+        "ones",
+        "full",
+        "empty",
+        "empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_like",
+        "rand",
+        "randn",
+        "randint",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "randperm",
+        "scalar_tensor",
+        "linspace",
+        "logspace",
+        "eye",
+        "tensor",
+        "lift_fresh_copy",
+    }
+)
 
 
 ESTIMATED = "flops_estimated"  # key of OpNode.attrs marking a node whose cost is estimated (module doc)
@@ -267,7 +460,7 @@ def einsum_flops(graph: OpGraph, node: OpNode) -> int:
     for operand, name in zip(lhs.split(","), node.inputs):
         letters = operand.replace("...", "")
         shape = _shape(graph, name)
-        tail = shape[len(shape) - len(letters):] if "..." in operand else shape[:len(letters)]
+        tail = shape[len(shape) - len(letters) :] if "..." in operand else shape[: len(letters)]
         sizes.update(zip(letters, tail))
     contracted = [size for letter, size in sizes.items() if letter not in rhs]
     return 2 * node.output_numel * math.prod(contracted)
@@ -315,8 +508,9 @@ MATMUL_FORMULAS: dict[str, Callable[[OpGraph, OpNode], int]] = {
     "matmul": matmul_flops,
     "einsum": einsum_flops,
     "scaled_dot_product_attention": sdpa_flops,
-    **dict.fromkeys(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                     "conv_transpose3d"], conv_flops),
+    **dict.fromkeys(
+        ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"], conv_flops
+    ),
 }
 
 
@@ -339,10 +533,14 @@ def _registry_flops(graph: OpGraph, node: OpNode) -> int | None:
     shapes = iter(_shape(graph, name) for name in node.inputs)
     values = [node.attrs[a.name] if a.name in node.attrs else next(shapes) for a in schema_args]
     args = [v for a, v in zip(schema_args, values) if not a.kwarg_only]
-    kwargs = {a.name: v for a, v in zip(schema_args, values)
-              if a.kwarg_only and not (a.has_default_value() and v == a.default_value)}
-    while args and schema_args[len(args) - 1].has_default_value() \
-            and args[-1] == schema_args[len(args) - 1].default_value:
+    kwargs = {
+        a.name: v
+        for a, v in zip(schema_args, values)
+        if a.kwarg_only and not (a.has_default_value() and v == a.default_value)
+    }
+    while (
+        args and schema_args[len(args) - 1].has_default_value() and args[-1] == schema_args[len(args) - 1].default_value
+    ):
         args.pop()
     return int(formula(*args, out_val=node.shape, **kwargs))
 

@@ -74,12 +74,16 @@ def coupling_reason(model_file: ModelFile, batch_size: int = CHECK_BATCH, dtype:
     mean = sum(halves) / 2
     if abs(whole - mean) <= rtol * max(abs(whole), abs(mean), 1e-30):
         return ""
-    kind = ("the loss is a sum over the batch, not a mean (dp ranks would each add theirs; divide by the batch size)"
-            if abs(whole - sum(halves)) <= rtol * abs(whole) else
-            "the loss couples the samples of a batch (in-batch pairs, as a contrastive loss has, or a mean over a "
-            "count the data decide)")
-    return (f"{kind}: on the example batch of {batch_size}, L(batch) = {whole:.6g} but its halves give "
-            f"{halves[0]:.6g} and {halves[1]:.6g} (mean {mean:.6g})")
+    kind = (
+        "the loss is a sum over the batch, not a mean (dp ranks would each add theirs; divide by the batch size)"
+        if abs(whole - sum(halves)) <= rtol * abs(whole)
+        else "the loss couples the samples of a batch (in-batch pairs, as a contrastive loss has, or a mean over a "
+        "count the data decide)"
+    )
+    return (
+        f"{kind}: on the example batch of {batch_size}, L(batch) = {whole:.6g} but its halves give "
+        f"{halves[0]:.6g} and {halves[1]:.6g} (mean {mean:.6g})"
+    )
 
 
 def _cast(batch, dtype: torch.dtype):

@@ -46,13 +46,18 @@ def find_blocks(graph: OpGraph) -> OpGraph:
     for path, nodes in members.items():
         signature = block_signature(graph, path, nodes)
         first_with.setdefault(signature, path)
-        blocks.append(Block(
-            path=path, signature=signature, representative=first_with[signature],
-            node_names=tuple(n.name for n in nodes), param_count=_param_count(graph, path),
-            flops_fwd=sum(n.flops for n in nodes),
-            activation_bytes=sum(n.output_bytes for n in nodes if not is_alias(graph, n)),
-            input_bytes=_input_bytes(graph, path, nodes, readers),
-        ))
+        blocks.append(
+            Block(
+                path=path,
+                signature=signature,
+                representative=first_with[signature],
+                node_names=tuple(n.name for n in nodes),
+                param_count=_param_count(graph, path),
+                flops_fwd=sum(n.flops for n in nodes),
+                activation_bytes=sum(n.output_bytes for n in nodes if not is_alias(graph, n)),
+                input_bytes=_input_bytes(graph, path, nodes, readers),
+            )
+        )
     graph.blocks = blocks
     return graph
 
@@ -71,8 +76,15 @@ def block_signature(graph: OpGraph, path: str, nodes: list[OpNode]) -> str:
     """Short sha256 of the block's op sequence, wiring, shapes and parameter shapes (module doc)."""
     index = {n.name: i for i, n in enumerate(nodes)}
     items = [
-        (n.target, _relative(n.module_path, path), n.shape, n.dtype, n.extra_outputs,
-         sorted(n.attrs.items()), [_input_key(graph, name, index, path) for name in n.inputs])
+        (
+            n.target,
+            _relative(n.module_path, path),
+            n.shape,
+            n.dtype,
+            n.extra_outputs,
+            sorted(n.attrs.items()),
+            [_input_key(graph, name, index, path) for name in n.inputs],
+        )
         for n in nodes
     ]
     return hashlib.sha256(repr(items).encode()).hexdigest()[:SIGNATURE_HEX_CHARS]
@@ -88,9 +100,9 @@ def _input_key(graph: OpGraph, name: str, index: dict[str, int], path: str) -> t
 
 
 def _relative(name: str, path: str) -> str:
-    """"h.3.attn.q_proj" relative to "h.3" is ".attn.q_proj"; names outside the block stay whole."""
+    """ "h.3.attn.q_proj" relative to "h.3" is ".attn.q_proj"; names outside the block stay whole."""
     if name == path or name.startswith(path + "."):
-        return name[len(path):]
+        return name[len(path) :]
     return name
 
 

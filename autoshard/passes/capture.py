@@ -52,8 +52,12 @@ from autoshard.passes.fold import fold_model, layers_match
 _USER_MODULE_PREFIX = "autoshard_user_model_"
 # Loggers that print whole graphs on an export failure; the user gets one line instead.
 _NOISY_LOGGERS = (
-    "torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
-    "torch._dynamo", "torch.fx.experimental.proxy_tensor", "torch._subclasses.fake_tensor",
+    "torch.fx.experimental.symbolic_shapes",
+    "torch._export",
+    "torch.export",
+    "torch._dynamo",
+    "torch.fx.experimental.proxy_tensor",
+    "torch._subclasses.fake_tensor",
 )
 
 
@@ -73,8 +77,10 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
         graph, folded = capture_module(model, meta_inputs, where=model_file.spec), None
     graph.fold, graph.model_fingerprint = folded, fingerprint
     if not any(p.requires_grad for p in model.parameters()):
-        raise AutoshardError(f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
-                             f"train or shard; return the model with its layers from the factory")
+        raise AutoshardError(
+            f"{model_file.spec}: the model has no trainable parameters, so there is nothing to "
+            f"train or shard; return the model with its layers from the factory"
+        )
     return graph
 
 
@@ -86,17 +92,21 @@ def check_targets(model_file: ModelFile, targets: Any) -> None:
     cls = type(targets)
     kind = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__name__}"
     fix = "torch.from_numpy(targets)" if cls.__module__.split(".")[0] == "numpy" else "torch.tensor(targets)"
-    raise AutoshardError(f"{model_file.path}: example_batch returns targets of type {kind}, not a torch tensor; "
-                         f"every rank slices the targets by the batch and moves them to its device; fix: "
-                         f"return {fix}")
+    raise AutoshardError(
+        f"{model_file.path}: example_batch returns targets of type {kind}, not a torch tensor; "
+        f"every rank slices the targets by the batch and moves them to its device; fix: "
+        f"return {fix}"
+    )
 
 
 def check_output(program: torch.export.ExportedProgram, where: str) -> None:
     """The model's forward returns something the loss can use (a tensor, or a structure holding some)."""
     outputs = program.graph_signature.user_outputs
     if not outputs or all(name is None for name in outputs):
-        raise AutoshardError(f"{where}: the model's forward returns None (or no tensor), so there is no output "
-                             f"for the loss; fix: end forward with `return` of its output (e.g. the logits)")
+        raise AutoshardError(
+            f"{where}: the model's forward returns None (or no tensor), so there is no output "
+            f"for the loss; fix: end forward with `return` of its output (e.g. the logits)"
+        )
 
 
 @contextlib.contextmanager
@@ -142,7 +152,8 @@ def build_on_meta(model_file: ModelFile) -> nn.Module:
         if "overflow" in str(cause).lower():  # a size beyond int64: the dimensions are wrong, not meta
             raise AutoshardError(
                 f"{model_file.spec}: a tensor is too large to exist ({type(cause).__name__}: {_first_line(cause)}"
-                f"{' at ' + where if where else ''}); check the model's dimensions") from cause
+                f"{' at ' + where if where else ''}); check the model's dimensions"
+            ) from cause
         raise AutoshardError(
             f"{model_file.spec}: the model cannot be built on the meta device "
             f"({type(cause).__name__}: {_first_line(cause)}{' at ' + where if where else ''}); "
@@ -162,9 +173,11 @@ def export_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str
         except Exception as exc:
             unfit = _inputs_do_not_fit(model, inputs)
             if unfit:
-                raise AutoshardError(f"{where}: forward() cannot take the example inputs positionally ({unfit}); "
-                                     f"example_batch's inputs are passed as forward(*inputs), so make each "
-                                     f"of them a positional parameter (not keyword-only)") from exc
+                raise AutoshardError(
+                    f"{where}: forward() cannot take the example inputs positionally ({unfit}); "
+                    f"example_batch's inputs are passed as forward(*inputs), so make each "
+                    f"of them a positional parameter (not keyword-only)"
+                ) from exc
             raise AutoshardError(describe_export_failure(exc, where)) from exc
 
 
@@ -178,8 +191,11 @@ def _inputs_do_not_fit(model: nn.Module, inputs: tuple) -> str | None:
     try:
         signature.bind(*inputs)
     except TypeError as exc:
-        keyword_only = [p.name for p in signature.parameters.values()
-                        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty]
+        keyword_only = [
+            p.name
+            for p in signature.parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+        ]
         return f"{exc}" + (f"; keyword-only: {', '.join(keyword_only)}" if keyword_only else "")
     return None
 
@@ -193,14 +209,28 @@ def check_static_shapes(program: torch.export.ExportedProgram, where: str) -> No
             raise AutoshardError(
                 f"{where}: the output shape of {target_name(node.target)} in module '{path or 'the root'}' "
                 f"depends on tensor values (boolean-mask indexing, nonzero, unique); planning needs fixed "
-                f"shapes: use torch.where or multiply by the mask instead")
+                f"shapes: use torch.where or multiply by the mask instead"
+            )
 
 
 # ops that carry their input's values unchanged (a position index through them is the index it was)
-_SAME_VALUES = frozenset({"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default", "aten.expand.default",
-                          "aten._unsafe_view.default", "aten.clone.default", "aten.contiguous.default",
-                          "aten.alias.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.device",
-                          "aten.detach.default", "aten.lift_fresh_copy.default"})
+_SAME_VALUES = frozenset(
+    {
+        "aten.unsqueeze.default",
+        "aten.view.default",
+        "aten.reshape.default",
+        "aten.expand.default",
+        "aten._unsafe_view.default",
+        "aten.clone.default",
+        "aten.contiguous.default",
+        "aten.alias.default",
+        "aten._to_copy.default",
+        "aten.to.dtype",
+        "aten.to.device",
+        "aten.detach.default",
+        "aten.lift_fresh_copy.default",
+    }
+)
 
 
 def check_position_tables(program: torch.export.ExportedProgram, where: str) -> None:
@@ -223,7 +253,8 @@ def check_position_tables(program: torch.export.ExportedProgram, where: str) -> 
         raise AutoshardError(
             f"{where}: module '{path or 'the root'}' looks up positions up to {last} in a table of {rows} rows: "
             f"the sequence is longer than the model's positions; plan with --seq-len {rows} or less, or give the "
-            f"model more positions")
+            f"model more positions"
+        )
 
 
 def _largest_position(node: Any) -> int | None:
@@ -234,12 +265,19 @@ def _largest_position(node: Any) -> int | None:
         target = target_name(node.target)
         if target in _SAME_VALUES:
             node = node.args[0]
-        elif target in ("aten.add.Tensor", "aten.add.Scalar") and len(node.args) == 2 and \
-                isinstance(node.args[1], int) and not isinstance(node.args[1], bool):
+        elif (
+            target in ("aten.add.Tensor", "aten.add.Scalar")
+            and len(node.args) == 2
+            and isinstance(node.args[1], int)
+            and not isinstance(node.args[1], bool)
+        ):
             offset, node = offset + node.args[1], node.args[0]
         elif target.startswith("aten.arange.") and all(isinstance(a, int) for a in node.args):
-            start, end, step = (0, node.args[0], 1) if len(node.args) == 1 else \
-                (node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 1)
+            start, end, step = (
+                (0, node.args[0], 1)
+                if len(node.args) == 1
+                else (node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 1)
+            )
             if step <= 0 or end <= start:
                 return None
             return offset + start + (end - 1 - start) // step * step
@@ -248,15 +286,18 @@ def _largest_position(node: Any) -> int | None:
     return None
 
 
-def graph_from_export(model: nn.Module, program: torch.export.ExportedProgram,
-                      inputs: tuple[torch.Tensor, ...]) -> OpGraph:
+def graph_from_export(
+    model: nn.Module, program: torch.export.ExportedProgram, inputs: tuple[torch.Tensor, ...]
+) -> OpGraph:
     """The OpGraph of an exported program (see the module docstring for the mapping)."""
     sig = program.graph_signature
     params = param_infos(model)
     canonical = {alias: p.name for p in params for alias in (p.name, *p.tied_to)}
     # export may name a tied tensor by any of its names; the OpGraph uses ParamInfo.name
-    placeholder_params = {ph: canonical.get(_clean_path(fqn), _clean_path(fqn)) for ph, fqn in
-                          {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+    placeholder_params = {
+        ph: canonical.get(_clean_path(fqn), _clean_path(fqn))
+        for ph, fqn in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()
+    }
     module_types = module_types_of(model)
     graph_nodes = list(program.graph.nodes)
     first = inputs[0] if inputs else None
@@ -283,14 +324,21 @@ def op_node(node: torch.fx.Node, placeholder_params: dict[str, str], module_type
     shape, dtype, extra = _outputs(node.meta.get("val"))
     params = tuple(dict.fromkeys(placeholder_params[i] for i in inputs if i in placeholder_params))
     return OpNode(
-        name=node.name, target=target_name(node.target), module_path=path,
-        module_type=module_types.get(path, stack_type), inputs=inputs, shape=shape, dtype=dtype,
-        param_inputs=params, attrs=_attrs(node), extra_outputs=extra,
+        name=node.name,
+        target=target_name(node.target),
+        module_path=path,
+        module_type=module_types.get(path, stack_type),
+        inputs=inputs,
+        shape=shape,
+        dtype=dtype,
+        param_inputs=params,
+        attrs=_attrs(node),
+        extra_outputs=extra,
     )
 
 
 def target_name(target: Any) -> str:
-    """"aten.linear.default" for aten ops, "higher_order.cond", "operator.getitem" otherwise."""
+    """ "aten.linear.default" for aten ops, "higher_order.cond", "operator.getitem" otherwise."""
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     if isinstance(target, torch._ops.HigherOrderOperator):
@@ -369,15 +417,16 @@ def _module_of(node: torch.fx.Node) -> tuple[str, str]:
 def _clean_path(path: str) -> str:
     """Dotted module path: "L['self'].h[0]" -> "h.0", "_orig_mod.h.0" -> "h.0", "h.0@1" -> "h.0"."""
     path = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", path)
-    path = re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]",
-                  lambda m: "." + next(g for g in m.groups() if g), path)
+    path = re.sub(
+        r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]", lambda m: "." + next(g for g in m.groups() if g), path
+    )
     path = re.sub(r"@\d+$", "", path)
     path = re.sub(r"(^|\.)_orig_mod(?=\.|$)", "", path)
     return path.strip(".")
 
 
 def qualified_class_name(cls: type) -> str:
-    """"torch.nn.modules.linear.Linear"; classes of user model files use the file's stem ("gpt.Block")."""
+    """ "torch.nn.modules.linear.Linear"; classes of user model files use the file's stem ("gpt.Block")."""
     module = cls.__module__
     if module.startswith(_USER_MODULE_PREFIX):
         file = getattr(sys.modules.get(module), "__file__", None)
@@ -403,16 +452,23 @@ def _group_tied(named: Iterator[tuple[str, torch.Tensor]], is_buffer: bool) -> l
         names.setdefault(id(tensor), []).append(_clean_path(name))
         tensors[id(tensor)] = tensor
     return [
-        ParamInfo(name=ns[0], shape=tuple(tensors[key].shape), dtype=_dtype_name(tensors[key].dtype),
-                  module_path=ns[0].rpartition(".")[0], is_buffer=is_buffer, tied_to=tuple(ns[1:]))
+        ParamInfo(
+            name=ns[0],
+            shape=tuple(tensors[key].shape),
+            dtype=_dtype_name(tensors[key].dtype),
+            module_path=ns[0].rpartition(".")[0],
+            is_buffer=is_buffer,
+            tied_to=tuple(ns[1:]),
+        )
         for key, ns in names.items()
     ]
 
 
 def _tokens_per_sample(first: torch.Tensor | None) -> int:
     """Sequence length when the first input is token ids (integer, rank 2), else 1."""
-    integer = not (first is None or first.dtype.is_floating_point or first.dtype.is_complex
-                   or first.dtype == torch.bool)
+    integer = not (
+        first is None or first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool
+    )
     if not integer or first.dim() != 2:
         return 1
     return int(first.shape[1])
@@ -426,21 +482,29 @@ def describe_export_failure(exc: BaseException, where: str) -> str:
     location = _user_location(exc)
     at = f" at {location}" if location else ""
     if _is_data_dependent(exc):
-        return (f"{where}: data-dependent control flow{at}; replace the Python `if` on a tensor value "
-                f"with torch.where / torch.cond (shapes and branches must not depend on tensor values)")
+        return (
+            f"{where}: data-dependent control flow{at}; replace the Python `if` on a tensor value "
+            f"with torch.where / torch.cond (shapes and branches must not depend on tensor values)"
+        )
     unflattenable = _unflattenable_output(exc)
     if unflattenable:
-        return (f"{where}: the model returns a {unflattenable}, which torch.export cannot flatten; return "
-                f"tensors (or tuples / dicts / dataclasses of them) from forward(); for a Hugging Face "
-                f"model set use_cache=False in its config")
+        return (
+            f"{where}: the model returns a {unflattenable}, which torch.export cannot flatten; return "
+            f"tensors (or tuples / dicts / dataclasses of them) from forward(); for a Hugging Face "
+            f"model set use_cache=False in its config"
+        )
     op = _failing_op(exc)
     if op:
-        return (f"{where}: torch.export cannot trace op {op}{at} on meta tensors "
-                f"({type(exc).__name__}: {_first_line(exc)}); use standard torch ops there "
-                f"or register a fake (meta) kernel for {op}")
-    return (f"{where}: torch.export failed{at}: {type(exc).__name__}: {_first_line(exc)}; make forward() "
-            f"traceable (no .item()/.tolist()/.numpy(), no Python branches on tensor values); "
-            f"--debug shows the traceback")
+        return (
+            f"{where}: torch.export cannot trace op {op}{at} on meta tensors "
+            f"({type(exc).__name__}: {_first_line(exc)}); use standard torch ops there "
+            f"or register a fake (meta) kernel for {op}"
+        )
+    return (
+        f"{where}: torch.export failed{at}: {type(exc).__name__}: {_first_line(exc)}; make forward() "
+        f"traceable (no .item()/.tolist()/.numpy(), no Python branches on tensor values); "
+        f"--debug shows the traceback"
+    )
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -479,7 +543,7 @@ def _failing_op(exc: BaseException) -> str:
 
 
 def _user_location(exc: BaseException) -> str:
-    """"file.py:7 (`code`)" for the innermost frame outside torch, the stdlib and autoshard."""
+    """ "file.py:7 (`code`)" for the innermost frame outside torch, the stdlib and autoshard."""
     for e in reversed(_chain(exc)):
         frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_tb(e.__traceback__)]
         frames += re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', str(e))

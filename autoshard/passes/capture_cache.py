@@ -82,8 +82,16 @@ def cache_dir() -> Path | None:
 
 
 def entry_key(model_path: Path, factory: str, batch_size: int, fold: bool, seq_len: int | None = None) -> str:
-    parts = [CACHE_VERSION, str(model_path.resolve()), factory, batch_size, fold, _torch_version(),
-             sys.version, _autoshard_source_hash()] + ([seq_len] if seq_len is not None else [])
+    parts = [
+        CACHE_VERSION,
+        str(model_path.resolve()),
+        factory,
+        batch_size,
+        fold,
+        _torch_version(),
+        sys.version,
+        _autoshard_source_hash(),
+    ] + ([seq_len] if seq_len is not None else [])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
@@ -136,8 +144,9 @@ def dependencies(model_path: Path, modules_before: set[str]) -> list[list]:
         resolved = Path(file).resolve()
         if name not in modules_before or resolved.is_relative_to(root):
             files.add(str(resolved))
-    return [[f, *_stat(f), _digest(f) if Path(f).is_relative_to(root) else None]
-            for f in sorted(files) if Path(f).is_file()]
+    return [
+        [f, *_stat(f), _digest(f) if Path(f).is_relative_to(root) else None] for f in sorted(files) if Path(f).is_file()
+    ]
 
 
 # ---------------------------------------------------------------------------- what a capture reads
@@ -211,8 +220,19 @@ def _install_audit_hook() -> None:
 
 
 # Audit events after which nothing on disk says what the capture saw: the network, other programs.
-OUTSIDE_EVENTS = frozenset({"socket.connect", "socket.sendto", "urllib.Request", "subprocess.Popen", "os.system",
-                            "os.posix_spawn", "os.exec", "os.fork", "os.spawn"})
+OUTSIDE_EVENTS = frozenset(
+    {
+        "socket.connect",
+        "socket.sendto",
+        "urllib.Request",
+        "subprocess.Popen",
+        "os.system",
+        "os.posix_spawn",
+        "os.exec",
+        "os.fork",
+        "os.spawn",
+    }
+)
 
 
 def _audit(event: str, args: tuple) -> None:

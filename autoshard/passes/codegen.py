@@ -33,16 +33,24 @@ from autoshard.passes.lower import dp_ranks, layout, lower, recompute_modes
 MIB = 2**20
 
 
-def emit_program(plan: Plan, program: str = "train.py", plan_file: str = "plan.json",
-                 recipe: Recipe | None = None) -> str:
+def emit_program(
+    plan: Plan, program: str = "train.py", plan_file: str = "plan.json", recipe: Recipe | None = None
+) -> str:
     """The whole program as Python source; its header's run commands name ``program`` (the file it is written
     to) and ``plan_file`` (the plan it comes from), as the user would type them; it trains with ``recipe``
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
     main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
-    parts = [_header(plan, program, plan_file), _imports(plan, steps), _constants(plan, spec),
-             recipe_constant(recipe or Recipe()), body, _ARGS, main]
+    parts = [
+        _header(plan, program, plan_file),
+        _imports(plan, steps),
+        _constants(plan, spec),
+        recipe_constant(recipe or Recipe()),
+        body,
+        _ARGS,
+        main,
+    ]
     return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
@@ -51,8 +59,10 @@ def torchrun_command(plan: Plan, program: str = "train.py") -> str:
     per_node = plan.world_size // nodes
     if nodes == 1:
         return f"torchrun --standalone --nproc-per-node {per_node} {program}"
-    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID {program}")
+    return (
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+        f"--rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID {program}"
+    )
 
 
 def emit_sbatch(plan: Plan, program: str = "train.py") -> str:
@@ -63,7 +73,7 @@ def emit_sbatch(plan: Plan, program: str = "train.py") -> str:
     gpus = f"#SBATCH --gpus-per-node={per_node}\n" if plan.cluster.get("backend") == "nccl" else ""
     return f"""#!/bin/bash
 # SLURM batch script emitted by autoshard for plan {plan_digest(plan)}: {nodes} node(s) x {per_node} ranks.
-# Submit: sbatch {Path(program).with_suffix('.sbatch').name} [--steps 1000 --checkpoint-dir ckpt]
+# Submit: sbatch {Path(program).with_suffix(".sbatch").name} [--steps 1000 --checkpoint-dir ckpt]
 #SBATCH --job-name=autoshard-{plan_digest(plan)}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
@@ -126,9 +136,11 @@ def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
     local = "from autoshard.runtime import checkpoint"
     if plan.mesh.pp > 1:
         local += "\nfrom autoshard.runtime import pipeline_parallel as pp"
-    return (f"import argparse\nimport math\n\n"
-            f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n"
-            f"from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm\n")
+    return (
+        f"import argparse\nimport math\n\n"
+        f"from autoshard import runtime\n{local}\nfrom autoshard.runtime.parallel import {ops}\n"
+        f"from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm\n"
+    )
 
 
 def _placement_constant(plan: Plan) -> str:
@@ -146,11 +158,13 @@ STYLE_SOURCE = {name: row.source for name, row in TP_STYLES.items()}
 def _constants(plan: Plan, spec: Layout) -> str:
     pipeline = ""
     if plan.mesh.pp > 1:
-        pipeline = (f"SCHEDULE = {plan.schedule!r}\n"
-                    f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
-                    f"{_placement_constant(plan)}"
-                    f"SPLIT_POINTS = {tuple(plan.split_points)!r}  # modules where stages 1.. begin\n")
-    return f'''
+        pipeline = (
+            f"SCHEDULE = {plan.schedule!r}\n"
+            f"VIRTUAL_STAGES = {plan.virtual_stages}  # pipeline stages per pp rank\n"
+            f"{_placement_constant(plan)}"
+            f"SPLIT_POINTS = {tuple(plan.split_points)!r}  # modules where stages 1.. begin\n"
+        )
+    return f"""
 MODEL = {plan.model["spec"]!r}
 MODEL_FINGERPRINT = {plan.model["hash"]!r}  # the program refuses a different model
 SEQ_LEN = {spec.seq_len!r}  # {_seq_len_comment(spec)}
@@ -160,7 +174,7 @@ GLOBAL_BATCH = {plan.global_batch}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}{_predicted_constant(plan)}'''
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}{_predicted_constant(plan)}"""
 
 
 def _predicted_constant(plan: Plan) -> str:
@@ -170,10 +184,12 @@ def _predicted_constant(plan: Plan) -> str:
     m = p.memory
     allocated = m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.transient_bytes
     peak_flops = float(plan.cluster["device"]["peak_tflops"]) * 1e12
-    return (f"PREDICTED = dict(step_time_s={p.step_time_s!r}, mfu={p.mfu!r}, peak_flops_per_s={peak_flops!r}, "
-            f"devices={plan.world_size},\n"
-            f"                 allocated_bytes={allocated}, memory_peak_bytes={p.memory_peak_bytes_per_rank})"
-            f"  # the plan's step, per rank\n")
+    return (
+        f"PREDICTED = dict(step_time_s={p.step_time_s!r}, mfu={p.mfu!r}, peak_flops_per_s={peak_flops!r}, "
+        f"devices={plan.world_size},\n"
+        f"                 allocated_bytes={allocated}, memory_peak_bytes={p.memory_peak_bytes_per_rank})"
+        f"  # the plan's step, per rank\n"
+    )
 
 
 # A word on the recipe's keys that need one (``ir.recipe.Recipe``'s fields, in their order).
@@ -198,9 +214,11 @@ def recipe_constant(recipe: Recipe) -> str:
         comment = f"  # {RECIPE_COMMENTS[key]}" if key in RECIPE_COMMENTS else ""
         text = f'"{value}"' if isinstance(value, str) else repr(value)
         lines.append(f'    "{key}": {text},{comment}')
-    return ("# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit\n"
-            "# here is lost at the next compile)\n"
-            "RECIPE = {\n" + "\n".join(lines) + "\n}\n")
+    return (
+        "# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit\n"
+        "# here is lost at the next compile)\n"
+        "RECIPE = {\n" + "\n".join(lines) + "\n}\n"
+    )
 
 
 def _seq_len_comment(spec: Layout) -> str:
@@ -215,41 +233,63 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
     sizes = dict(spec.mesh)
     mesh = "{" + ", ".join(f'"{name}": {ranks}' for name, ranks in spec.mesh) + "}"
     innermost = spec.mesh[-1][0]
-    flatten = "{" + ", ".join(f'"{name}": (' + ", ".join(f'"{d}"' for d in dims) + ")" for name, dims in spec.flatten) + "}"
-    joined = "; ".join(f"{' x '.join(dims)} joined: the ranks holding the same parameters, gradients and the loss "
-                       f"averaged over them" for _, dims in spec.flatten) or "no dims joined"
+    flatten = (
+        "{" + ", ".join(f'"{name}": (' + ", ".join(f'"{d}"' for d in dims) + ")" for name, dims in spec.flatten) + "}"
+    )
+    joined = (
+        "; ".join(
+            f"{' x '.join(dims)} joined: the ranks holding the same parameters, gradients and the loss "
+            f"averaged over them"
+            for _, dims in spec.flatten
+        )
+        or "no dims joined"
+    )
     others = [name for name, ranks in spec.mesh if name != spec.data_axis and ranks > 1]
     same = f"; the {' and '.join(others)} ranks of one {spec.data_axis} rank take the same ones" if others else ""
-    text = ("# The device mesh and each rank's share of a global batch (passes.lower.layout)\n"
-            f"MESH = {mesh}  # ranks along each dim, outermost first: {innermost} innermost (inside a node)\n"
-            f"FLATTEN = {flatten}  # {joined}\n"
-            f'DATA_AXIS = "{spec.data_axis}"  # its ranks take different samples{same}\n')
+    text = (
+        "# The device mesh and each rank's share of a global batch (passes.lower.layout)\n"
+        f"MESH = {mesh}  # ranks along each dim, outermost first: {innermost} innermost (inside a node)\n"
+        f"FLATTEN = {flatten}  # {joined}\n"
+        f'DATA_AXIS = "{spec.data_axis}"  # its ranks take different samples{same}\n'
+    )
     if pipeline:
         return text
     if spec.sequence_axis is None:
         sequence = "None  # no context parallelism: each rank takes whole samples"
     else:
-        sequence = (f'"{spec.sequence_axis}"  # context parallel: each sample\'s tokens split over its '
-                    f"{sizes[spec.sequence_axis]} ranks, attention as a ring")
-    return text + f"SEQUENCE_AXIS = {sequence}\n" + f'LOSS_AXIS = "{spec.loss_axis}"  # the logged loss: the mean of its ranks\' losses\n'
+        sequence = (
+            f'"{spec.sequence_axis}"  # context parallel: each sample\'s tokens split over its '
+            f"{sizes[spec.sequence_axis]} ranks, attention as a ring"
+        )
+    return (
+        text
+        + f"SEQUENCE_AXIS = {sequence}\n"
+        + f'LOSS_AXIS = "{spec.loss_axis}"  # the logged loss: the mean of its ranks\' losses\n'
+    )
 
 
 def _expert_constants(plan: Plan) -> str:
     if plan.ep == 1:
         return ""
-    return (f"EP = {plan.ep}  # expert parallel over EP adjacent dp ranks\n"
-            f"EXPERTS = {blocks_expression(plan.experts)}  # mixture-of-experts groups split over EP ranks\n")
+    return (
+        f"EP = {plan.ep}  # expert parallel over EP adjacent dp ranks\n"
+        f"EXPERTS = {blocks_expression(plan.experts)}  # mixture-of-experts groups split over EP ranks\n"
+    )
 
 
 def _precision_comment(precision: str) -> str:
     policy = precision_policy(precision)
     if policy.cast_dtype is not None:
-        return (f"weights, gradients, optimizer state and compute in {policy.cast_dtype} (the model cast before "
-                f"its fp32 initial weights are made: cast_params)")
+        return (
+            f"weights, gradients, optimizer state and compute in {policy.cast_dtype} (the model cast before "
+            f"its fp32 initial weights are made: cast_params)"
+        )
     if policy.autocast_dtype is None:
         return "weights, gradients and compute in the parameters' own dtype"
-    return (f"{policy.param_dtype} compute (FSDP2 gathers {policy.param_dtype} weights; autocast elsewhere), "
-            f"{policy.reduce_dtype} gradient reduction" + ", the loss scaled (GradScaler)" * policy.grad_scaler)
+    return (
+        f"{policy.param_dtype} compute (FSDP2 gathers {policy.param_dtype} weights; autocast elsewhere), "
+        f"{policy.reduce_dtype} gradient reduction" + ", the loss scaled (GradScaler)" * policy.grad_scaler
+    )
 
 
 def _tp_constants(plan: Plan) -> str:
@@ -257,6 +297,7 @@ def _tp_constants(plan: Plan) -> str:
     if not plan.tensor_parallel or plan.mesh.tp == 1:
         return ""
     per_block, rest = _split_styles(plan)
+
     def rows(styles: dict[str, str], indent: str) -> str:
         return "".join(f'{indent}"{k}": "{v}",  # {STYLE_SOURCE[v]}\n' for k, v in styles.items())
 
@@ -289,17 +330,27 @@ def _split_styles(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
         if owner is None:
             rest[path] = style
         else:
-            relative[owner][path[len(plan.blocks[owner]) + 1:]] = style
+            relative[owner][path[len(plan.blocks[owner]) + 1 :]] = style
     if relative and relative[0] and all(r == relative[0] for r in relative):
         return relative[0], rest
     return {}, dict(sorted(plan.tensor_parallel.items()))
 
 
 # Step arguments printed as the program's constants (the rest are printed as literals).
-CONSTANT_OF_ARGUMENT = {"styles": "TP_STYLES", "tp_styles": "TP_STYLES", "modes": "RECOMPUTE", "blocks": "BLOCKS",
-                        "split_points": "SPLIT_POINTS", "virtual_stages": "VIRTUAL_STAGES", "schedule": "SCHEDULE",
-                        "num_microbatches": "NUM_MICROBATCHES", "precision": "PRECISION", "placement": "PLACEMENT",
-                        "experts": "EXPERTS", "ep": "EP"}
+CONSTANT_OF_ARGUMENT = {
+    "styles": "TP_STYLES",
+    "tp_styles": "TP_STYLES",
+    "modes": "RECOMPUTE",
+    "blocks": "BLOCKS",
+    "split_points": "SPLIT_POINTS",
+    "virtual_stages": "VIRTUAL_STAGES",
+    "schedule": "SCHEDULE",
+    "num_microbatches": "NUM_MICROBATCHES",
+    "precision": "PRECISION",
+    "placement": "PLACEMENT",
+    "experts": "EXPERTS",
+    "ep": "EP",
+}
 
 
 def step_lines(steps: tuple[Step, ...], model: str) -> str:
@@ -359,13 +410,15 @@ def _parallelize_doc(plan: Plan) -> str:
         parts.append(f"recompute {plan.recompute}")
     if plan.mesh.dp_cp > 1:
         wrapper = plan.decisions.dp_runtime.wrapper
-        parts.append(f"ZeRO-{plan.zero_stage} over {dp_ranks(plan)}"
-                     + {"DistributedDataParallel": " (DDP)", "replicate": " (FSDP2's replicate)"}.get(wrapper, " (FSDP2)")
-                     + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else "")
-                     + (f", experts split over {plan.ep} of them" if plan.ep > 1 else ""))
+        parts.append(
+            f"ZeRO-{plan.zero_stage} over {dp_ranks(plan)}"
+            + {"DistributedDataParallel": " (DDP)", "replicate": " (FSDP2's replicate)"}.get(wrapper, " (FSDP2)")
+            + (f", HSDP with {plan.dp_replicate} replicas" if plan.dp_replicate > 1 else "")
+            + (f", experts split over {plan.ep} of them" if plan.ep > 1 else "")
+        )
     else:
         parts.append("one data-parallel rank: no gradient synchronisation")
-    return ("Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + ".")
+    return "Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + "."
 
 
 def _build_pipeline(plan: Plan, steps: tuple[Step, ...]) -> str:
@@ -380,7 +433,7 @@ def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
 '''
 
 
-_ARGS = '''
+_ARGS = """
 def parse_args():
     parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
     parser.add_argument("--steps", type=int, default=20)
@@ -408,10 +461,10 @@ def parse_args():
     parser.add_argument("--data-workers", type=int, default=1, help="DataLoader processes per rank reading the "
                         "dataset ahead (0: read in the training process)")
     return parser.parse_args()
-'''
+"""
 
 
-_MAIN_SPMD = '''
+_MAIN_SPMD = """
 def main():
     args = parse_args()
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
@@ -470,10 +523,10 @@ def main():
 
 if __name__ == "__main__":
     runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
-'''
+"""
 
 
-_MAIN_PIPELINE = '''
+_MAIN_PIPELINE = """
 def main():
     args = parse_args()
     ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
@@ -527,4 +580,4 @@ def main():
 
 if __name__ == "__main__":
     runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
-'''
+"""

@@ -32,8 +32,10 @@ CP_SEARCH_MIN_TOKENS = 16_384  # shorter sequences search cp only when pinned (o
 #                               a device with TP, SP and recompute below this; cp then only adds the ring)
 CP_MAX = 64  # the largest cp the search offers (torchtitan's and Llama 3's long-context runs use 8 to 32)
 # cp_proofs of a capture that left the proof for later (passes.cp_proof, "Deferred"): every cp refused
-DEFERRED = (f"the context-parallel proof runs where the search offers cp (sequences of {CP_SEARCH_MIN_TOKENS:,} "
-            f"tokens or more) or --cp is pinned; fix: pin --cp N")
+DEFERRED = (
+    f"the context-parallel proof runs where the search offers cp (sequences of {CP_SEARCH_MIN_TOKENS:,} "
+    f"tokens or more) or --cp is pinned; fix: pin --cp N"
+)
 
 
 def proof_deferred(graph: OpGraph) -> bool:
@@ -66,17 +68,20 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
         return f"attention {cross[0]} does not run over the {s} tokens of the sequence"
     dropping = [n for _, n in attentions if n.attrs.get("dropout_p")]
     if dropping:
-        return (f"attention {dropping[0].name} drops out with p={dropping[0].attrs['dropout_p']}, which the ring's "
-                f"kernels do not (set the model's attention dropout to 0)")
+        return (
+            f"attention {dropping[0].name} drops out with p={dropping[0].attrs['dropout_p']}, which the ring's "
+            f"kernels do not (set the model's attention dropout to 0)"
+        )
     tables = table_slices(graph)
     if tables:
-        return (f"{tables[0]} slices {s} rows out of a table the tokens do not flow into (precomputed positions?); "
-                f"a cp rank would take the first rank's rows")
+        return (
+            f"{tables[0]} slices {s} rows out of a table the tokens do not flow into (precomputed positions?); "
+            f"a cp rank would take the first rank's rows"
+        )
     local = s // cp
     clash = [n.name for n in graph.nodes if n.target.startswith(ARANGE_TARGET) and n.shape == (local,)]
     if clash:
-        return (f"{clash[0]} is an arange of {local} elements, which a cp={cp} rank would take for its token "
-                f"positions")
+        return f"{clash[0]} is an arange of {local} elements, which a cp={cp} rank would take for its token positions"
     return None
 
 
@@ -89,11 +94,15 @@ def table_slices(graph: OpGraph) -> list[str]:
     s, token_derived = graph.tokens_per_sample, set(graph.input_names)
     found = []
     for node in graph.nodes:
-        if any(i in token_derived for i in node.inputs) or \
-                (node.target.startswith(ARANGE_TARGET) and node.shape == (s,)):
+        if any(i in token_derived for i in node.inputs) or (
+            node.target.startswith(ARANGE_TARGET) and node.shape == (s,)
+        ):
             token_derived.add(node.name)
-        elif node.target.startswith(SLICE_TARGETS) and node.shape and \
-                node.shape[node.attrs.get("dim", 0) % len(node.shape)] == s:
+        elif (
+            node.target.startswith(SLICE_TARGETS)
+            and node.shape
+            and node.shape[node.attrs.get("dim", 0) % len(node.shape)] == s
+        ):
             found.append(node.name)
     return found
 

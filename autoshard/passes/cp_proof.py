@@ -102,7 +102,6 @@ def prove_context_parallel(model_file: ModelFile, graph: OpGraph, prove: bool | 
     return graph
 
 
-
 def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
     s = graph.tokens_per_sample
     if s <= 1:
@@ -114,8 +113,11 @@ def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
     try:
         program = export_local(model_file, graph, s // 2, symbolic=True)
     except Exception as exc:  # the path depends on the length, or an op has no symbolic rule: per degree
-        return per_degree(model_file, graph, f"the model's code on s/cp tokens could not be traced for every "
-                                             f"cp at once ({_why_not(exc)})")
+        return per_degree(
+            model_file,
+            graph,
+            f"the model's code on s/cp tokens could not be traced for every cp at once ({_why_not(exc)})",
+        )
     return {ALL: refusal(graph, Local(program, SymbolicSizes(program, s)), "t") or ""}
 
 
@@ -264,8 +266,9 @@ def _first_difference(local: list, reference: list) -> torch.fx.Node | None:
     for a, b in zip(local, reference):
         if a.op != b.op or target_name(a.target) != target_name(b.target):
             return a
-    return None if len(local) == len(reference) else (local[len(reference)] if len(local) > len(reference)
-                                                       else local[-1])
+    return (
+        None if len(local) == len(reference) else (local[len(reference)] if len(local) > len(reference) else local[-1])
+    )
 
 
 class Local:
@@ -284,8 +287,9 @@ class Local:
         self.path_difference = None
         diff = getattr(sizes, "difference", None)
         if diff is not None:
-            self.path_difference = (f"the model's code takes another path on {sizes.n} tokens than on {sizes.s}: "
-                                    f"{_where(diff)}")
+            self.path_difference = (
+                f"the model's code takes another path on {sizes.n} tokens than on {sizes.s}: {_where(diff)}"
+            )
 
     def top(self) -> list[torch.fx.Node]:
         """Top-level calls with a tensor output, as the captured graph lists them."""
@@ -322,14 +326,18 @@ def compare_with_capture(graph: OpGraph, local: Local, tokens: str) -> str | Non
     for i, node in enumerate(captured):
         if i >= len(ours) or target_name(ours[i].target) != node.target:
             found = _where(ours[i]) if i < len(ours) else "nothing"
-            return (f"the model's code takes another path on {tokens} tokens: {found} where the captured "
-                    f"graph has {op_name(node.target)} in {node.module_path or 'the root'}")
+            return (
+                f"the model's code takes another path on {tokens} tokens: {found} where the captured "
+                f"graph has {op_name(node.target)} in {node.module_path or 'the root'}"
+            )
         mine = _tensors(ours[i])[0]
         if isinstance(sizes, SymbolicSizes) and ours[i] not in local.exempt:
             at_s = tuple(sizes.at_s(d) for d in mine.shape)
             if at_s != tuple(node.shape):
-                return (f"{_where(ours[i])} gives shape {_show(ours[i], local)} on t tokens, which is not the "
-                        f"captured {list(node.shape)} at t = {s} (the model's code takes another path)")
+                return (
+                    f"{_where(ours[i])} gives shape {_show(ours[i], local)} on t tokens, which is not the "
+                    f"captured {list(node.shape)} at t = {s} (the model's code takes another path)"
+                )
     if len(ours) > len(captured):
         return f"the model's code takes another path on {tokens} tokens: {_where(ours[len(captured)])}"
     return None
@@ -371,8 +379,10 @@ def mask_from_inputs(local: Local) -> str | None:
                 continue
             seen.add(x)
             if x.op == "placeholder" and x.name in inputs:
-                return (f"{_where(node)} takes a mask computed from the model input {x.name} (a padding mask?), "
-                        f"which the ring cannot split along the sequence")
+                return (
+                    f"{_where(node)} takes a mask computed from the model input {x.name} (a padding mask?), "
+                    f"which the ring cannot split along the sequence"
+                )
             todo += [a for a in x.all_input_nodes if _tensors(a)]  # data, not sizes read (sym_size)
     return None
 
@@ -447,8 +457,7 @@ def mixing(node: torch.fx.Node, local: Local) -> str | None:
         return None  # the wrapped ops were checked one by one; getitem picks an output
     pairs = [x for x in [node, *call.inputs] if len(call.seq(x)) > 1]
     if pairs:
-        return (f"makes a tensor of token pairs {call.shape(pairs[0])}: a cp rank would pair only its own "
-                f"tokens")
+        return f"makes a tensor of token pairs {call.shape(pairs[0])}: a cp rank would pair only its own tokens"
     rule = RULES.get(op_name(name))
     if rule is None:
         return f"is not known to act token by token, and it reads or writes the sequence ({call.shape(node)})"
@@ -476,8 +485,10 @@ def _no_source(call: Call) -> str | None:
     of constants."""
     if call.out and not any(call.seq(x) for x in call.inputs):
         rows = call.local.sizes.at_s(_tensors(call.node)[0].shape[call.out[0]])
-        return (f"slices {rows} rows out of a tensor that does not carry the sequence ({call.shape(call.node)} on "
-                f"a cp rank; a precomputed position table?): every cp rank would take the first rank's rows")
+        return (
+            f"slices {rows} rows out of a tensor that does not carry the sequence ({call.shape(call.node)} on "
+            f"a cp rank; a precomputed position table?): every cp rank would take the first rank's rows"
+        )
     return None
 
 
@@ -541,8 +552,8 @@ def _view(call: Call) -> str | None:
         return _no_source(call)
     if len(after) != 1:
         return f"reshapes {call.shape(x)} to {call.shape(call.node)}, losing the sequence dim"
-    inner_in = math.prod(int(d) for d in _tensors(x)[0].shape[before[0] + 1:])
-    inner_out = math.prod(int(d) for d in _tensors(call.node)[0].shape[after[0] + 1:])
+    inner_in = math.prod(int(d) for d in _tensors(x)[0].shape[before[0] + 1 :])
+    inner_out = math.prod(int(d) for d in _tensors(call.node)[0].shape[after[0] + 1 :])
     if inner_in != inner_out:
         return f"reshapes {call.shape(x)} to {call.shape(call.node)}, which moves tokens into other dims"
     return None
@@ -660,11 +671,14 @@ def _no_sequence(what: str) -> Callable[[Call], str | None]:
 def _arange(call: Call) -> str | None:
     size = _tensors(call.node)[0].shape[0]
     tokens = call.local.sizes
-    one_length = (isinstance(tokens, SymbolicSizes) and tokens.show(size) == "t") or \
-        (isinstance(tokens, StaticSizes) and size == tokens.n)
+    one_length = (isinstance(tokens, SymbolicSizes) and tokens.show(size) == "t") or (
+        isinstance(tokens, StaticSizes) and size == tokens.n
+    )
     if not one_length or call.args.get("step", 1) != 1:
-        return (f"numbers {tokens.show(size)} elements with step {call.args.get('step', 1)}, which the runtime "
-                f"does not shift to a rank's global positions (only step-1 aranges of the local length)")
+        return (
+            f"numbers {tokens.show(size)} elements with step {call.args.get('step', 1)}, which the runtime "
+            f"does not shift to a rank's global positions (only step-1 aranges of the local length)"
+        )
     return None
 
 
@@ -689,7 +703,7 @@ def _pad(call: Call) -> str | None:
     n = call.rank(x)
     for d in call.seq(x):
         at = 2 * (n - 1 - d)
-        if at < len(pad) and any(int(p) for p in pad[at:at + 2]):
+        if at < len(pad) and any(int(p) for p in pad[at : at + 2]):
             return f"pads the sequence ({call.shape(x)} by {pad})"
     return None
 
@@ -708,8 +722,10 @@ def _attention(call: Call) -> str | None:
     for arg in ("query", "key", "value"):
         x = call.args.get(arg)
         if call.seq(x) != (2,) or call.rank(x) != 4:
-            return (f"attends with {arg} {call.shape(x)}: the ring splits q, k and v [batch, heads, t, head_dim] "
-                    f"along dim 2 only")
+            return (
+                f"attends with {arg} {call.shape(x)}: the ring splits q, k and v [batch, heads, t, head_dim] "
+                f"along dim 2 only"
+            )
     return None
 
 
@@ -726,8 +742,10 @@ POINTWISE = (
 ).split()
 LAYOUT = "transpose permute t movedim swapaxes swapdims unsqueeze squeeze".split()
 VIEWS = "view _unsafe_view reshape flatten unflatten view_as".split()
-CONSTANTS = ("full zeros ones empty empty_strided empty_permuted scalar_tensor rand randn randint new_zeros "
-             "new_ones new_full new_empty").split()
+CONSTANTS = (
+    "full zeros ones empty empty_strided empty_permuted scalar_tensor rand randn randint new_zeros "
+    "new_ones new_full new_empty"
+).split()
 _REDUCE = "reduces over the sequence"
 _TAKE = "takes some of the tokens"
 RULES: dict[str, Callable[[Call], str | None]] = {
@@ -735,19 +753,32 @@ RULES: dict[str, Callable[[Call], str | None]] = {
     **{op: _layout for op in LAYOUT},
     **{op: _view for op in VIEWS},
     **{op: _constant for op in CONSTANTS},
-    "expand": _expand, "expand_as": _expand,
-    "view_as_real": _leading, "view_as_complex": _leading,
+    "expand": _expand,
+    "expand_as": _expand,
+    "view_as_real": _leading,
+    "view_as_complex": _leading,
     "stack": _stack,
-    **{op: _along(_REDUCE) for op in ("sum nansum mean nanmean amax amin max min argmax argmin var std var_mean "
-                                      "std_mean logsumexp prod norm linalg_vector_norm any all count_nonzero "
-                                      "median nanmedian mode kthvalue").split()},
-    **{op: _along("normalizes over the sequence", whole_if_none=False)
-       for op in ("softmax _softmax log_softmax _log_softmax _safe_softmax").split()},
-    **{op: _along("accumulates along the sequence", whole_if_none=False)
-       for op in "cumsum cumprod cummax cummin logcumsumexp diff".split()},
+    **{
+        op: _along(_REDUCE)
+        for op in (
+            "sum nansum mean nanmean amax amin max min argmax argmin var std var_mean "
+            "std_mean logsumexp prod norm linalg_vector_norm any all count_nonzero "
+            "median nanmedian mode kthvalue"
+        ).split()
+    },
+    **{
+        op: _along("normalizes over the sequence", whole_if_none=False)
+        for op in ("softmax _softmax log_softmax _log_softmax _safe_softmax").split()
+    },
+    **{
+        op: _along("accumulates along the sequence", whole_if_none=False)
+        for op in "cumsum cumprod cummax cummin logcumsumexp diff".split()
+    },
     **{op: _along("orders along the sequence", whole_if_none=False) for op in "sort argsort topk".split()},
-    **{op: _along(_TAKE, whole_if_none=False) for op in "select narrow index_select split split_with_sizes "
-                                                      "unsafe_split chunk unbind glu".split()},
+    **{
+        op: _along(_TAKE, whole_if_none=False)
+        for op in "select narrow index_select split split_with_sizes unsafe_split chunk unbind glu".split()
+    },
     "flip": _along("reverses the sequence", name="dims"),
     "roll": _along("rolls the sequence", name="dims"),
     "unfold": _along("makes windows along the sequence", name="dimension"),
@@ -755,9 +786,12 @@ RULES: dict[str, Callable[[Call], str | None]] = {
     "triu": _no_sequence("masks by position within the rank's tokens"),
     "linspace": _no_sequence("spaces points over the local length"),
     "slice": _slice,
-    "cat": _cat, "concat": _cat, "concatenate": _cat,
+    "cat": _cat,
+    "concat": _cat,
+    "concatenate": _cat,
     "index": _index,
-    "gather": _gather, "take_along_dim": _gather,
+    "gather": _gather,
+    "take_along_dim": _gather,
     "embedding": _embedding,
     "linear": _linear,
     "mm": _contract(lambda n: {1}, lambda n: {0}, "self", "mat2"),
@@ -769,23 +803,38 @@ RULES: dict[str, Callable[[Call], str | None]] = {
     "dot": _contract(lambda n: {0}, lambda n: {0}, "self", "tensor"),
     "outer": _contract(lambda n: set(), lambda n: set(), "self", "vec2"),
     "einsum": _einsum,
-    "layer_norm": _norm_last, "native_layer_norm": _norm_last, "rms_norm": _norm_last, "_fused_rms_norm": _norm_last,
-    **{op: _batch_only("convolves or pools over the sequence")
-       for op in ("convolution _convolution conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
-                  "max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices avg_pool1d "
-                  "avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d "
-                  "adaptive_max_pool1d adaptive_max_pool2d _adaptive_avg_pool2d upsample_nearest1d "
-                  "upsample_linear1d upsample_nearest2d upsample_bilinear2d reflection_pad1d reflection_pad2d "
-                  "replication_pad1d replication_pad2d").split()},
-    **{op: _batch_only("normalizes over the sequence")
-       for op in "group_norm native_group_norm instance_norm".split()},
-    **{op: _no_sequence("normalizes over the batch and the sequence")
-       for op in ("batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training "
-                  "_native_batch_norm_legit_functional").split()},
+    "layer_norm": _norm_last,
+    "native_layer_norm": _norm_last,
+    "rms_norm": _norm_last,
+    "_fused_rms_norm": _norm_last,
+    **{
+        op: _batch_only("convolves or pools over the sequence")
+        for op in (
+            "convolution _convolution conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
+            "max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices avg_pool1d "
+            "avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d "
+            "adaptive_max_pool1d adaptive_max_pool2d _adaptive_avg_pool2d upsample_nearest1d "
+            "upsample_linear1d upsample_nearest2d upsample_bilinear2d reflection_pad1d reflection_pad2d "
+            "replication_pad1d replication_pad2d"
+        ).split()
+    },
+    **{op: _batch_only("normalizes over the sequence") for op in "group_norm native_group_norm instance_norm".split()},
+    **{
+        op: _no_sequence("normalizes over the batch and the sequence")
+        for op in (
+            "batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training "
+            "_native_batch_norm_legit_functional"
+        ).split()
+    },
     "arange": _arange,
     "repeat": _repeat,
     "repeat_interleave": _repeat_interleave,
     "constant_pad_nd": _pad,
-    **{op: _loss for op in ("cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss "
-                            "huber_loss binary_cross_entropy binary_cross_entropy_with_logits kl_div").split()},
+    **{
+        op: _loss
+        for op in (
+            "cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss "
+            "huber_loss binary_cross_entropy binary_cross_entropy_with_logits kl_div"
+        ).split()
+    },
 }

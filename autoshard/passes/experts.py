@@ -25,10 +25,12 @@ from __future__ import annotations
 from autoshard.ir.graph import ExpertGroup, OpGraph, OpNode
 from autoshard.ir.names import block_of
 
-GROUPED_MATMULS = frozenset({
-    "aten._grouped_mm.default",  # torch's grouped GEMM (torch.nn.functional.grouped_mm lowers to it)
-    "transformers.grouped_mm_fallback.default",  # transformers' loop over the groups where torch has none
-})
+GROUPED_MATMULS = frozenset(
+    {
+        "aten._grouped_mm.default",  # torch's grouped GEMM (torch.nn.functional.grouped_mm lowers to it)
+        "transformers.grouped_mm_fallback.default",  # transformers' loop over the groups where torch has none
+    }
+)
 ROW_GATHERS = frozenset({"aten.index.Tensor"})
 # Views that keep dim 0 where it is when dim 0 is not among their dims (attrs checked by ``_keeps_dim0``).
 DIM0_VIEWS = frozenset({"aten.transpose.int", "aten.permute.default"})
@@ -53,13 +55,16 @@ def _stacked_modules(graph: OpGraph) -> dict[str, list]:
     for p in graph.params:
         if not p.is_buffer:
             by_module.setdefault(p.module_path, []).append(p)
-    return {path: params for path, params in by_module.items()
-            if all(len(p.shape) >= 2 for p in params) and len({p.shape[0] for p in params}) == 1
-            and params[0].shape[0] >= 2}
+    return {
+        path: params
+        for path, params in by_module.items()
+        if all(len(p.shape) >= 2 for p in params) and len({p.shape[0] for p in params}) == 1 and params[0].shape[0] >= 2
+    }
 
 
-def _expert_group(graph: OpGraph, path: str, params: list, readers: dict[str, list[OpNode]],
-                  tokens: int) -> ExpertGroup | None:
+def _expert_group(
+    graph: OpGraph, path: str, params: list, readers: dict[str, list[OpNode]], tokens: int
+) -> ExpertGroup | None:
     matmuls: list[OpNode] = []
     for p in params:
         uses = _param_uses(graph, p.name, readers)
@@ -72,10 +77,17 @@ def _expert_group(graph: OpGraph, path: str, params: list, readers: dict[str, li
     pairs = graph.value_meta(matmuls[0].inputs[0])[0][0]
     if pairs % tokens or any(graph.value_meta(n.inputs[0])[0][0] != pairs for n in matmuls):
         return None
-    return ExpertGroup(path=path, experts=params[0].shape[0], top_k=pairs // tokens,
-                       hidden=graph.value_meta(matmuls[0].inputs[0])[0][-1], pairs=pairs,
-                       params=tuple(p.name for p in params), param_count=sum(p.numel for p in params),
-                       flops_fwd=sum(n.flops for n in matmuls), block=block_of(path) or "")
+    return ExpertGroup(
+        path=path,
+        experts=params[0].shape[0],
+        top_k=pairs // tokens,
+        hidden=graph.value_meta(matmuls[0].inputs[0])[0][-1],
+        pairs=pairs,
+        params=tuple(p.name for p in params),
+        param_count=sum(p.numel for p in params),
+        flops_fwd=sum(n.flops for n in matmuls),
+        block=block_of(path) or "",
+    )
 
 
 def _param_uses(graph: OpGraph, name: str, readers: dict[str, list[OpNode]]) -> list[OpNode] | None:
@@ -88,8 +100,12 @@ def _param_uses(graph: OpGraph, name: str, readers: dict[str, list[OpNode]]) -> 
     uses: list[OpNode] = []
     while frontier:
         node, value = frontier.pop()
-        if node.target in GROUPED_MATMULS and len(node.inputs) > 1 and node.inputs[1] == value \
-                and value not in node.inputs[:1]:
+        if (
+            node.target in GROUPED_MATMULS
+            and len(node.inputs) > 1
+            and node.inputs[1] == value
+            and value not in node.inputs[:1]
+        ):
             uses.append(node)
         elif node.target in ROW_GATHERS and node.inputs and node.inputs[0] == value:
             uses.append(node)

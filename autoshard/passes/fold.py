@@ -101,7 +101,7 @@ def fold_model(model: nn.Module) -> Fold | None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     stack = getattr(parent, name)
-    parent.register_module(name, stack[:first + KEPT])  # ModuleList / Sequential slices keep their class
+    parent.register_module(name, stack[: first + KEPT])  # ModuleList / Sequential slices keep their class
     return Fold(path, len(stack), first)
 
 
@@ -110,13 +110,17 @@ def layers_match(graph: OpGraph, fold: Fold) -> bool:
     and so does the glue after each of the first two (module doc)."""
     members = block_members(graph)
     layers = [members.get(f"{fold.path}.{i}") for i in fold.kept]
-    if not all(layers) or len({block_signature(graph, f"{fold.path}.{i}", nodes)
-                               for i, nodes in zip(fold.kept, layers)}) != 1:
+    if (
+        not all(layers)
+        or len({block_signature(graph, f"{fold.path}.{i}", nodes) for i, nodes in zip(fold.kept, layers)}) != 1
+    ):
         return False
     ends = [graph.nodes.index(nodes[-1]) for nodes in layers]
     starts = [graph.nodes.index(nodes[0]) for nodes in layers]
-    glue = [[(n.target, n.shape, n.dtype, sorted(n.attrs.items())) for n in graph.nodes[ends[i] + 1:starts[i + 1]]]
-            for i in range(KEPT - 1)]
+    glue = [
+        [(n.target, n.shape, n.dtype, sorted(n.attrs.items())) for n in graph.nodes[ends[i] + 1 : starts[i + 1]]]
+        for i in range(KEPT - 1)
+    ]
     return glue[0] == glue[1]
 
 
@@ -131,7 +135,7 @@ def unfold(graph: OpGraph) -> OpGraph:
     first, second = (members[f"{fold.path}.{i}"] for i in (source - 1, source))
     end0 = graph.nodes.index(first[-1])
     end1 = graph.nodes.index(second[-1])
-    pattern = graph.nodes[end0 + 1:end1 + 1]
+    pattern = graph.nodes[end0 + 1 : end1 + 1]
     previous = {a.name: b.name for a, b in zip(first, second)}  # layer K−2 node -> same node of layer K−1
     copies, params, placeholders = [], [], {}
     last = {n.name: n.name for n in pattern}  # pattern node -> its name in the latest copy
@@ -142,16 +146,21 @@ def unfold(graph: OpGraph) -> OpGraph:
         copies += [_copy(n, names, prev_of, renamer, graph, placeholders) for n in pattern]
         params += [renamer.param(p) for p in graph.params if p.name.startswith(f"{fold.path}.{source}.")]
         last = {n.name: names[n.name] for n in pattern}
-    after = [_rewired(n, last) for n in graph.nodes[end1 + 1:]]
+    after = [_rewired(n, last) for n in graph.nodes[end1 + 1 :]]
     module_types = dict(graph.module_types)
     for k in range(source + 1, fold.layers):
         module_types |= _Renamer(f"{fold.path}.{source}", f"{fold.path}.{k}").module_types(graph.module_types)
     placeholder_params = {**graph.placeholder_params, **{new: p for new, (_, p) in placeholders.items()}}
-    return replace(graph, nodes=graph.nodes[:end1 + 1] + copies + after,
-                   params=_with_copies(graph.params, params, f"{fold.path}.{source}."),
-                   module_types=module_types, placeholder_params=placeholder_params,
-                   placeholders={**graph.placeholders, **{new: meta for new, (meta, _) in placeholders.items()}},
-                   blocks=[], fold=None)
+    return replace(
+        graph,
+        nodes=graph.nodes[: end1 + 1] + copies + after,
+        params=_with_copies(graph.params, params, f"{fold.path}.{source}."),
+        module_types=module_types,
+        placeholder_params=placeholder_params,
+        placeholders={**graph.placeholders, **{new: meta for new, (meta, _) in placeholders.items()}},
+        blocks=[],
+        fold=None,
+    )
 
 
 def _with_copies(params: list[ParamInfo], copies: list[ParamInfo], source: str) -> list[ParamInfo]:
@@ -173,34 +182,52 @@ class _Renamer:
 
     def path(self, name: str) -> str:
         if name == self.old or name.startswith(self.old + "."):
-            return self.new + name[len(self.old):]
+            return self.new + name[len(self.old) :]
         return name
 
     def param(self, p: ParamInfo) -> ParamInfo:
-        return replace(p, name=self.path(p.name), module_path=self.path(p.module_path),
-                       tied_to=tuple(self.path(t) for t in p.tied_to))
+        return replace(
+            p,
+            name=self.path(p.name),
+            module_path=self.path(p.module_path),
+            tied_to=tuple(self.path(t) for t in p.tied_to),
+        )
 
     def module_types(self, types: dict[str, str]) -> dict[str, str]:
         return {self.path(k): v for k, v in types.items() if self.path(k) != k}
 
 
-def _copy(node: OpNode, names: dict[str, str], prev_of: dict[str, str], renamer: _Renamer, graph: OpGraph,
-          placeholders: dict[str, tuple]) -> OpNode:
+def _copy(
+    node: OpNode,
+    names: dict[str, str],
+    prev_of: dict[str, str],
+    renamer: _Renamer,
+    graph: OpGraph,
+    placeholders: dict[str, tuple],
+) -> OpNode:
     inputs = []
     for name in node.inputs:
         if name in names:
             inputs.append(names[name])
         elif name in prev_of:
             inputs.append(prev_of[name])
-        elif name in graph.placeholder_params and renamer.path(graph.placeholder_params[name]) != \
-                graph.placeholder_params[name]:
+        elif (
+            name in graph.placeholder_params
+            and renamer.path(graph.placeholder_params[name]) != graph.placeholder_params[name]
+        ):
             new = f"{name}_{renamer.new.replace('.', '_')}"
             placeholders[new] = (graph.placeholders[name], renamer.path(graph.placeholder_params[name]))
             inputs.append(new)
         else:
             inputs.append(name)
-    return replace(node, name=names[node.name], module_path=renamer.path(node.module_path), inputs=tuple(inputs),
-                   param_inputs=tuple(renamer.path(p) for p in node.param_inputs), attrs=dict(node.attrs))
+    return replace(
+        node,
+        name=names[node.name],
+        module_path=renamer.path(node.module_path),
+        inputs=tuple(inputs),
+        param_inputs=tuple(renamer.path(p) for p in node.param_inputs),
+        attrs=dict(node.attrs),
+    )
 
 
 def _rewired(node: OpNode, last: dict[str, str]) -> OpNode:

@@ -71,8 +71,9 @@ def running(name: str, done: list[str]) -> Iterator[None]:
     done.append(name)
 
 
-def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool,
-                  seq_len: int | None = None, prove_cp: bool = False) -> tuple[ModelFile | None, OpGraph]:
+def capture_front(
+    spec: str, done: list[str], fold: bool, use_cache: bool, seq_len: int | None = None, prove_cp: bool = False
+) -> tuple[ModelFile | None, OpGraph]:
     """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
     Takes the child's graph when ``capture_ahead`` started one for the same request. The context-parallel
     proof runs where the search offers cp, or everywhere with ``prove_cp`` (a request pinning cp > 1, tools
@@ -88,8 +89,9 @@ def capture_front(spec: str, done: list[str], fold: bool, use_cache: bool,
     return model_file, graph
 
 
-def _front(spec: str, done: list[str], fold: bool, use_cache: bool,
-           seq_len: int | None = None) -> tuple[ModelFile | None, OpGraph]:
+def _front(
+    spec: str, done: list[str], fold: bool, use_cache: bool, seq_len: int | None = None
+) -> tuple[ModelFile | None, OpGraph]:
     child = _ahead.pop((spec, fold, use_cache, seq_len), None)
     if child is not None:
         graph, names = child.result()
@@ -111,8 +113,9 @@ def _from_cache(spec: str, fold: bool, seq_len: int | None = None) -> tuple[OpGr
     return None if graph is None else (graph, ["capture (cached)", "annotate (cached)"])
 
 
-def _capture_and_annotate(spec: str, done: list[str], fold: bool,
-                          seq_len: int | None = None) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
+def _capture_and_annotate(
+    spec: str, done: list[str], fold: bool, seq_len: int | None = None
+) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
     """The model file loaded, its annotated graph, and what loading and capturing it read: modules
     imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
     same in this process and in the forked child, which records in itself."""
@@ -156,8 +159,12 @@ def capture_ahead(spec: str, fold: bool, use_cache: bool, seq_len: int | None = 
 
 def forking_pays() -> bool:
     """Fork exists, torch is not imported and one thread runs (a fresh process), and not turned off."""
-    return (hasattr(os, "fork") and "torch" not in sys.modules and threading.active_count() == 1
-            and os.environ.get("AUTOSHARD_CAPTURE_AHEAD", "1") != "0")
+    return (
+        hasattr(os, "fork")
+        and "torch" not in sys.modules
+        and threading.active_count() == 1
+        and os.environ.get("AUTOSHARD_CAPTURE_AHEAD", "1") != "0"
+    )
 
 
 class RemoteTraceback(Exception):
@@ -179,8 +186,12 @@ class _Child:
         # modules, ~0.7 s), and Pipe uses no named semaphores, so nothing is left to clean up.
         context = multiprocessing.get_context("fork")
         parent_end, child_end = context.Pipe(duplex=False)
-        process = context.Process(target=_capture_in_child, args=(child_end, spec, fold, use_cache, seq_len),
-                                  name="autoshard-capture", daemon=True)
+        process = context.Process(
+            target=_capture_in_child,
+            args=(child_end, spec, fold, use_cache, seq_len),
+            name="autoshard-capture",
+            daemon=True,
+        )
         process.start()
         child_end.close()
         return cls(spec, process, parent_end)
@@ -197,7 +208,8 @@ class _Child:
             raise AutoshardError(
                 f"{self.spec}: capturing the model ended its process without an answer ({ended}): the model "
                 f"file or what it calls exited or was killed; AUTOSHARD_CAPTURE_AHEAD=0 with --debug captures "
-                f"in the main process, to see where") from None
+                f"in the main process, to see where"
+            ) from None
         self.answered = True
         if status == "error":
             self.process.join()

@@ -58,9 +58,15 @@ def layout(plan: Plan) -> Layout:
     sizes = {"pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp}
     dims = tuple((name, sizes[name]) for name in MESH_ORDER if name != "cp" or mesh.cp > 1)
     flatten = (("dp_cp", ("dp", "cp")),) if mesh.cp > 1 else ()
-    return Layout(mesh=dims, flatten=flatten, data_axis="dp", sequence_axis="cp" if mesh.cp > 1 else None,
-                  loss_axis=dp_axis(plan), tokens_per_sample=plan.model.get("tokens_per_sample", 1),
-                  seq_len=plan.model.get("seq_len"))
+    return Layout(
+        mesh=dims,
+        flatten=flatten,
+        data_axis="dp",
+        sequence_axis="cp" if mesh.cp > 1 else None,
+        loss_axis=dp_axis(plan),
+        tokens_per_sample=plan.model.get("tokens_per_sample", 1),
+        seq_len=plan.model.get("seq_len"),
+    )
 
 
 def recompute_modes(plan: Plan) -> dict[str, str]:
@@ -79,17 +85,30 @@ def _cast_steps(plan: Plan) -> list[Step]:
     dtype = precision_policy(plan.precision).cast_dtype
     if dtype is None:
         return []
-    return [Step("cast_params", None, (("precision", plan.precision),),
-                 f"--precision {plan.precision}: parameters, gradients and optimizer state in {dtype}; each rank's "
-                 f"shards are one process's fp32 initial weights rounded to {dtype}")]
+    return [
+        Step(
+            "cast_params",
+            None,
+            (("precision", plan.precision),),
+            f"--precision {plan.precision}: parameters, gradients and optimizer state in {dtype}; each rank's "
+            f"shards are one process's fp32 initial weights rounded to {dtype}",
+        )
+    ]
 
 
 def _spmd_steps(plan: Plan) -> list[Step]:
     steps = [*_cast_steps(plan), *_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
     dp_step = _dp_step(plan, plan.blocks) if plan.mesh.dp_cp > 1 else None
     if dp_step is not None:
-        steps.append(Step("sync_batch_norm", dp_axis(plan), (), "BatchNorm statistics over every dp rank's samples, "
-                                                                "as one process sees them (no change without BatchNorm)"))
+        steps.append(
+            Step(
+                "sync_batch_norm",
+                dp_axis(plan),
+                (),
+                "BatchNorm statistics over every dp rank's samples, "
+                "as one process sees them (no change without BatchNorm)",
+            )
+        )
     if dp_step is not None and dp_step.op != "apply_ddp":
         steps.append(dp_step)
     steps.append(_init_step())
@@ -100,42 +119,67 @@ def _spmd_steps(plan: Plan) -> list[Step]:
 
 
 def _init_step() -> Step:
-    return Step("init_weights", WHOLE_MESH, (), "this rank's shards made on its device and filled with the initial "
-                "weights one process draws from the same seed (the model file's initialisation replayed, "
-                "runtime.init_replay); nothing whole is made")
+    return Step(
+        "init_weights",
+        WHOLE_MESH,
+        (),
+        "this rank's shards made on its device and filled with the initial "
+        "weights one process draws from the same seed (the model file's initialisation replayed, "
+        "runtime.init_replay); nothing whole is made",
+    )
 
 
 def _pipeline_steps(plan: Plan) -> list[Step]:
     stages = plan.mesh.pp * plan.virtual_stages
     placement = (("placement", "v"),) if plan.schedule in V_SCHEDULES else ()
-    steps = [*_cast_steps(plan), *_tp_steps(plan, before_split=True), *_ep_steps(plan),
-             Step("split_pipeline", "*", (("split_points", tuple(plan.split_points)),
-                                          ("virtual_stages", plan.virtual_stages),
-                                          ("tp_styles", dict(sorted(plan.tensor_parallel.items()))), *placement),
-                  f"{stages} stages cut at the split points by tracing one micro-batch; {_stages_held(plan)} "
-                  f"and drops the rest of the model"),
-             *_recompute_steps(plan)]
+    steps = [
+        *_cast_steps(plan),
+        *_tp_steps(plan, before_split=True),
+        *_ep_steps(plan),
+        Step(
+            "split_pipeline",
+            "*",
+            (
+                ("split_points", tuple(plan.split_points)),
+                ("virtual_stages", plan.virtual_stages),
+                ("tp_styles", dict(sorted(plan.tensor_parallel.items()))),
+                *placement,
+            ),
+            f"{stages} stages cut at the split points by tracing one micro-batch; {_stages_held(plan)} "
+            f"and drops the rest of the model",
+        ),
+        *_recompute_steps(plan),
+    ]
     if plan.mesh.dp > 1:
         steps.append(_dp_step(plan, ()))
     steps.append(_init_step())
     steps.append(_optimizer_step(plan))
-    steps.append(Step("build_schedule", None, (("schedule", plan.schedule),
-                                               ("num_microbatches", plan.num_microbatches)),
-                      f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"
-                      + _SPLIT_BACKWARD_WHY * (plan.schedule in ZERO_BUBBLE_SCHEDULES)))
+    steps.append(
+        Step(
+            "build_schedule",
+            None,
+            (("schedule", plan.schedule), ("num_microbatches", plan.num_microbatches)),
+            f"schedule {plan.schedule} over {plan.num_microbatches} micro-batches; gradients are their mean"
+            + _SPLIT_BACKWARD_WHY * (plan.schedule in ZERO_BUBBLE_SCHEDULES),
+        )
+    )
     return steps
 
 
-_SPLIT_BACKWARD_WHY = ("; each backward is split into the inputs' gradient, sent on at once, and the weights', "
-                       "run later in slots the pipeline would idle")
+_SPLIT_BACKWARD_WHY = (
+    "; each backward is split into the inputs' gradient, sent on at once, and the weights', "
+    "run later in slots the pipeline would idle"
+)
 
 
 def _stages_held(plan: Plan) -> str:
     """Which stages each pp rank keeps: r, r + pp, ... (looped), or r and 2·pp − 1 − r (a V)."""
     pp = plan.mesh.pp
     if plan.schedule in V_SCHEDULES:
-        return (f"in a V, rank r keeps stages r and {2 * pp - 1} - r (rank 0 the first and the last, "
-                f"rank {pp - 1} stages {pp - 1} and {pp})")
+        return (
+            f"in a V, rank r keeps stages r and {2 * pp - 1} - r (rank 0 the first and the last, "
+            f"rank {pp - 1} stages {pp - 1} and {pp})"
+        )
     if plan.virtual_stages > 1:
         return f"rank r keeps stages r, r + {pp}, ... ({plan.virtual_stages} each)"
     return "rank r keeps stage r"
@@ -144,12 +188,20 @@ def _stages_held(plan: Plan) -> str:
 def _tp_steps(plan: Plan, before_split: bool) -> list[Step]:
     if not plan.tensor_parallel or plan.mesh.tp == 1:
         return []
-    why = (f"tensor parallel over {plan.mesh.tp} ranks: column-parallel then row-parallel, styles chosen and "
-           f"proven on the op graph")
+    why = (
+        f"tensor parallel over {plan.mesh.tp} ranks: column-parallel then row-parallel, styles chosen and "
+        f"proven on the op graph"
+    )
     if before_split:
         why += "; each rank keeps its shard and the collectives are custom ops, so the split traces them"
-    return [Step("apply_tp", "tp", (("styles", dict(sorted(plan.tensor_parallel.items()))),
-                                    ("before_split", before_split)), why)]
+    return [
+        Step(
+            "apply_tp",
+            "tp",
+            (("styles", dict(sorted(plan.tensor_parallel.items()))), ("before_split", before_split)),
+            why,
+        )
+    ]
 
 
 def _ep_steps(plan: Plan) -> list[Step]:
@@ -157,9 +209,15 @@ def _ep_steps(plan: Plan) -> list[Step]:
         return []
     where = "; local shards and the dispatch as one op, so the split traces it" if plan.mesh.pp > 1 else ""
     before_split = (("before_split", True),) if plan.mesh.pp > 1 else ()
-    return [Step("apply_ep", "dp", (("experts", tuple(plan.experts)), ("ep", plan.ep), *before_split),
-                 f"expert parallel over {plan.ep} adjacent dp ranks: each keeps 1/{plan.ep} of every expert group's "
-                 f"experts and sends each token to its experts' rank by all-to-all, and back{where}")]
+    return [
+        Step(
+            "apply_ep",
+            "dp",
+            (("experts", tuple(plan.experts)), ("ep", plan.ep), *before_split),
+            f"expert parallel over {plan.ep} adjacent dp ranks: each keeps 1/{plan.ep} of every expert group's "
+            f"experts and sends each token to its experts' rank by all-to-all, and back{where}",
+        )
+    ]
 
 
 def _ep_argument(plan: Plan) -> tuple:
@@ -173,10 +231,12 @@ def _ep_why(plan: Plan) -> str:
     return f"; each expert shard over the {plan.mesh.dp // plan.ep} dp rank(s) holding it"
 
 
-_RECOMPUTE_WHY = {"full": "keep only each block's input; recompute the block in backward",
-                  "selective": "keep matmul and attention outputs; recompute the cheap ops",
-                  "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
-                           "selective: keep matmul and attention outputs)"}
+_RECOMPUTE_WHY = {
+    "full": "keep only each block's input; recompute the block in backward",
+    "selective": "keep matmul and attention outputs; recompute the cheap ops",
+    "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
+    "selective: keep matmul and attention outputs)",
+}
 
 
 def _recompute_steps(plan: Plan) -> list[Step]:
@@ -184,8 +244,14 @@ def _recompute_steps(plan: Plan) -> list[Step]:
     if not modes:
         return []
     where = " inside the pipeline stages" if plan.mesh.pp > 1 else ""
-    return [Step("apply_ac", None, (("modes", modes),), f"recompute ({plan.recompute}){where}: "
-                                                         f"{_RECOMPUTE_WHY[plan.recompute]}")]
+    return [
+        Step(
+            "apply_ac",
+            None,
+            (("modes", modes),),
+            f"recompute ({plan.recompute}){where}: {_RECOMPUTE_WHY[plan.recompute]}",
+        )
+    ]
 
 
 def dp_axis(plan: Plan) -> str:
@@ -223,37 +289,54 @@ def _dtypes(plan: Plan) -> str:
 def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
     runtime = plan.decisions.dp_runtime
     reshard = runtime.reshard_after_forward
-    what = ("weights, gradients and optimizer state; each unit gathered just before use" if reshard else
-            "gradients and optimizer state; weights stay gathered from forward to backward")
+    what = (
+        "weights, gradients and optimizer state; each unit gathered just before use"
+        if reshard
+        else "gradients and optimizer state; weights stay gathered from forward to backward"
+    )
     arguments: tuple = (("blocks", tuple(blocks)), ("reshard_after_forward", reshard), ("precision", plan.precision))
     over = dp_ranks(plan)
     if plan.dp_replicate > 1:
         arguments += (("replicas", plan.dp_replicate),)
-        over = (f"the {plan.mesh.dp // plan.dp_replicate} dp ranks of a node (HSDP: all-reduced across "
-                f"{plan.dp_replicate} replicas)")
+        over = (
+            f"the {plan.mesh.dp // plan.dp_replicate} dp ranks of a node (HSDP: all-reduced across "
+            f"{plan.dp_replicate} replicas)"
+        )
     if plan.mesh.pp == 1 and not runtime.sync_every_microbatch:
         arguments += (("sync_every_microbatch", False),)
-        what += ("; gradients summed whole over the micro-batches and reduce-scattered once, on the last "
-                 "(Megatron's distributed optimizer)")
+        what += (
+            "; gradients summed whole over the micro-batches and reduce-scattered once, on the last "
+            "(Megatron's distributed optimizer)"
+        )
     elif plan.mesh.pp > 1:
         what += "; the schedule sums gradients whole and reduce-scatters them after the last micro-batch"
-    return Step("apply_fsdp", dp_axis(plan), arguments + _ep_argument(plan),
-                f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_ep_why(plan)}"
-                f"{_dtypes(plan)}")
+    return Step(
+        "apply_fsdp",
+        dp_axis(plan),
+        arguments + _ep_argument(plan),
+        f"ZeRO-{plan.zero_stage}: FSDP2 over {over} shards {what} ({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}",
+    )
 
 
 def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
-    return Step("apply_replicate", dp_axis(plan), (("blocks", tuple(blocks)), ("precision", plan.precision),
-                                                   *_ep_argument(plan)),
-                f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
-                f"unit's gradients over {dp_ranks(plan)} after the last micro-batch's backward "
-                f"({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}")
+    return Step(
+        "apply_replicate",
+        dp_axis(plan),
+        (("blocks", tuple(blocks)), ("precision", plan.precision), *_ep_argument(plan)),
+        f"ZeRO-0: FSDP2's replicate (DDP on DTensor parameters and pipeline stages) all-reduces each "
+        f"unit's gradients over {dp_ranks(plan)} after the last micro-batch's backward "
+        f"({_units(blocks)}){_ep_why(plan)}{_dtypes(plan)}",
+    )
 
 
 def _ddp_step(plan: Plan) -> Step:
-    return Step("apply_ddp", dp_axis(plan), (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
-                f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets (the cost model's choice), "
-                f"overlapped with backward")
+    return Step(
+        "apply_ddp",
+        dp_axis(plan),
+        (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
+        f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets (the cost model's choice), "
+        f"overlapped with backward",
+    )
 
 
 def _optimizer_step(plan: Plan) -> Step:

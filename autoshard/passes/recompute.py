@@ -51,20 +51,25 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
 
     if config.mesh.pp > 1 or not tables.graph.blocks:
         return None
-    decided, config = config, cp_equivalent(config)  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
+    decided, config = (
+        config,
+        cp_equivalent(config),
+    )  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
     groups = signature_groups(tables)
     by_mode = {r: tables.activation_units(config, r) for r in RECOMPUTE_MODES}  # a TP rank's bytes
     model = cp_model.CpModel()
-    count = {(g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items()
-             for r in RECOMPUTE_MODES}
+    count = {
+        (g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items() for r in RECOMPUTE_MODES
+    }
     used = {key: model.NewBoolVar(f"u_{key[0]}_{key[1]}") for key in count}
     for g, blocks in groups.items():
         model.Add(sum(count[g, r] for r in RECOMPUTE_MODES) == len(blocks))
         for r in RECOMPUTE_MODES:
             model.Add(count[g, r] <= len(blocks) * used[g, r])
     add_memory_constraint(model, tables, config, groups, by_mode, count, used)
-    model.Minimize(sum(count[g, r] * _ps(block_recompute_s(tables, config, by_mode[r], r, groups[g][0]))
-                       for g, r in count))
+    model.Minimize(
+        sum(count[g, r] * _ps(block_recompute_s(tables, config, by_mode[r], r, groups[g][0])) for g, r in count)
+    )
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     if solver.Solve(model) != cp_model.OPTIMAL:
@@ -106,10 +111,14 @@ def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, 
     moments = spmd_moments(tables, none, local, state)
     blocks_none = sum(by_mode["none"].saved_bytes[1:-1])
     capacity = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK)
-    room = {name: int(capacity - sum(moments[name].values()) + blocks_none) for name in ("loss", "backward")
-            if name in moments}
-    largest = max(by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values()
-                  for k in blocks)
+    room = {
+        name: int(capacity - sum(moments[name].values()) + blocks_none)
+        for name in ("loss", "backward")
+        if name in moments
+    }
+    largest = max(
+        by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values() for k in blocks
+    )
     workspace = model.NewIntVar(0, int(largest) + 1, "workspace")
     for (gi, r), var in used.items():
         model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1]) * var)

@@ -98,9 +98,17 @@ class SearchResult:
     report: dict = field(default_factory=dict)  # the plan's ``search``: candidates, priced, optimal, gap
 
 
-def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_batch: int,
-           time_limit_s: float | None = None, mixed_recompute: bool = True, runtime: str = "autoshard",
-           stage_cuts: StageCutsPin = None, precision: str | None = None) -> SearchResult:
+def search(
+    graph: OpGraph,
+    cluster: Cluster,
+    configs: list[Decisions],
+    global_batch: int,
+    time_limit_s: float | None = None,
+    mixed_recompute: bool = True,
+    runtime: str = "autoshard",
+    stage_cuts: StageCutsPin = None,
+    precision: str | None = None,
+) -> SearchResult:
     """The fastest configuration that fits (module doc), and the best rivals priced on the way; priced
     for ``runtime`` (``cost.tables.Runtime.named``) in the ``--precision`` pinned (None: the runtime's), with
     ``--stage-cuts`` where pinned (``pinned_cuts``)."""
@@ -126,10 +134,12 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
         n = len(order)
     feasible = sorted((p for p in priced if p.fits), key=_rank)
     if not priced and configs and all(c.sequence_parallel for c in configs):
-        raise AutoshardError(f"--sequence-parallel on: this model's tensor-parallel layout at tp="
-                             f"{configs[0].mesh.tp} keeps no region between its sharded linears that sequence "
-                             f"parallelism could hold on 1/tp of the tokens; "
-                             f"leave --sequence-parallel off, or let the planner choose")
+        raise AutoshardError(
+            f"--sequence-parallel on: this model's tensor-parallel layout at tp="
+            f"{configs[0].mesh.tp} keeps no region between its sharded linears that sequence "
+            f"parallelism could hold on 1/tp of the tokens; "
+            f"leave --sequence-parallel off, or let the planner choose"
+        )
     if not feasible:
         raise AutoshardError(explain_infeasible(graph, cluster, priced))
     best = feasible[0]
@@ -139,8 +149,15 @@ def search(graph: OpGraph, cluster: Cluster, configs: list[Decisions], global_ba
     return SearchResult(best, alternatives(best, priced + rivals, cluster), report)
 
 
-def price_with_mixed(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int, tables: CostTables,
-                     mixed_recompute: bool = True, stage_cuts: StageCutsPin = None) -> list[Priced]:
+def price_with_mixed(
+    graph: OpGraph,
+    cluster: Cluster,
+    config: Decisions,
+    global_batch: int,
+    tables: CostTables,
+    mixed_recompute: bool = True,
+    stage_cuts: StageCutsPin = None,
+) -> list[Priced]:
     """``config`` priced; when it keeps every block's activations and does not fit, also the per-block
     recompute that fits at the least cost (``passes.recompute``), unless recompute is pinned."""
     p = price_config(graph, cluster, config, global_batch, tables, stage_cuts)
@@ -182,8 +199,14 @@ def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     return slots * sum(units.compute_s) / (config.mesh.tp * p)
 
 
-def price_config(graph: OpGraph, cluster: Cluster, config: Decisions, global_batch: int,
-                 tables: CostTables | None = None, stage_cuts: StageCutsPin = None) -> Priced:
+def price_config(
+    graph: OpGraph,
+    cluster: Cluster,
+    config: Decisions,
+    global_batch: int,
+    tables: CostTables | None = None,
+    stage_cuts: StageCutsPin = None,
+) -> Priced:
     """``config`` priced on ``tables``: its TP layout, DDP bucket and stage cuts (pinned ones as given,
     fit or not; else the fastest, or the fastest that fits)."""
     tables = tables or CostTables(graph, cluster)
@@ -202,8 +225,9 @@ def price_config(graph: OpGraph, cluster: Cluster, config: Decisions, global_bat
     return _priced(tables, config, global_batch, cuts, choice) if cuts is not None else fastest
 
 
-def _priced(tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...],
-            choice: TPChoice | None) -> Priced:
+def _priced(
+    tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...], choice: TPChoice | None
+) -> Priced:
     predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
     fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
     return Priced(config, predicted, fits, cuts, choice)
@@ -215,8 +239,7 @@ def _priced(tables: CostTables, config: Decisions, global_batch: int, cuts: tupl
 def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
     """Cuts minimising the slowest stage, memory aside (cached per micro-batch and stage count)."""
     key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, config.mesh.tp)
-    cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False),
-                                              config.num_stages))
+    cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False), config.num_stages))
     assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
     return cuts
 
@@ -242,9 +265,17 @@ def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) 
     v = config.virtual_stages
     flights = stage_in_flight(config)
     cap = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) / v
-    return replace(problem, block_fixed_bytes=tuple(fixed[1:-1]), prefix_fixed_bytes=fixed[0],
-                   suffix_fixed_bytes=fixed[-1], block_act_bytes=tuple(acts[1:-1]), prefix_act_bytes=acts[0],
-                   suffix_act_bytes=acts[-1], in_flight=flights, cap_bytes=cap)
+    return replace(
+        problem,
+        block_fixed_bytes=tuple(fixed[1:-1]),
+        prefix_fixed_bytes=fixed[0],
+        suffix_fixed_bytes=fixed[-1],
+        block_act_bytes=tuple(acts[1:-1]),
+        prefix_act_bytes=acts[0],
+        suffix_act_bytes=acts[-1],
+        in_flight=flights,
+        cap_bytes=cap,
+    )
 
 
 MAX_TOTAL_PS = 2**52  # the stage-cut tables sum unit times in int64: a step above ~75 minutes is scaled down
@@ -296,7 +327,9 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     c = least.config
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
-    if c.zero_stage < 3 and c.mesh.pp == 1 and c.mesh.dp > 1 and 3 not in {z for z, _ in tried}:  # dp 1: nothing to shard
+    if (
+        c.zero_stage < 3 and c.mesh.pp == 1 and c.mesh.dp > 1 and 3 not in {z for z, _ in tried}
+    ):  # dp 1: nothing to shard
         hints.append("allow --zero 3")
     if c.recompute != "full" and "full" not in {r for _, r in tried}:
         hints.append("allow --recompute full")
@@ -306,15 +339,19 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     if devices_needed <= MAX_DEVICES:
         hints.append(f"about {devices_needed} devices (--nodes {-(-devices_needed // cluster.devices_per_node)})")
     else:  # clamped: no cluster autoshard plans for is that big
-        hints.append(f"devices with more memory (it would take about {devices_needed:,} of these, more than the "
-                     f"{MAX_DEVICES:,} autoshard plans for)")
-    return (f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, micro-batch {c.microbatch_size}, "
-            f"recompute {c.recompute}) needs {_bytes_text(need)} per rank but devices have {_bytes_text(have)} "
-            f"({_bytes_text(need - have)} short); try {', '.join(hints)}")
+        hints.append(
+            f"devices with more memory (it would take about {devices_needed:,} of these, more than the "
+            f"{MAX_DEVICES:,} autoshard plans for)"
+        )
+    return (
+        f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, micro-batch {c.microbatch_size}, "
+        f"recompute {c.recompute}) needs {_bytes_text(need)} per rank but devices have {_bytes_text(have)} "
+        f"({_bytes_text(need - have)} short); try {', '.join(hints)}"
+    )
 
 
 def _bytes_text(n: int) -> str:
-    """"172.27 GiB", "5.23 MiB", "1000 bytes": the unit that shows the figure."""
+    """ "172.27 GiB", "5.23 MiB", "1000 bytes": the unit that shows the figure."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
@@ -351,10 +388,15 @@ def _devices_needed(graph: OpGraph, cluster: Cluster, least: Priced) -> int:
 
 def _alternative(p: Priced, best: Priced, cluster: Cluster) -> Alternative:
     c = p.config
-    return Alternative(mesh=c.mesh, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
-                       recompute=c.recompute, schedule=c.schedule,
-                       predicted=p.predicted and replace(p.predicted, pp_rank_memory=()),  # the plan keeps its own
-                       why_not=why_not(p, best, cluster))
+    return Alternative(
+        mesh=c.mesh,
+        zero_stage=c.zero_stage,
+        microbatch_size=c.microbatch_size,
+        recompute=c.recompute,
+        schedule=c.schedule,
+        predicted=p.predicted and replace(p.predicted, pp_rank_memory=()),  # the plan keeps its own
+        why_not=why_not(p, best, cluster),
+    )
 
 
 def _largest_gap(worse: Predicted, best: Predicted) -> str:
@@ -369,11 +411,24 @@ def _largest_gap(worse: Predicted, best: Predicted) -> str:
 
 def _rank(p: Priced) -> tuple:
     c = p.config
-    return (not p.fits, round(p.predicted.step_time_s, 12), p.predicted.memory_peak_bytes_per_rank,
-            c.zero_stage, -c.microbatch_size, RECOMPUTE_ORDER.index(c.recompute), c.mesh.tp, c.mesh.pp,
-            SCHEDULES.index(c.schedule), c.virtual_stages)
+    return (
+        not p.fits,
+        round(p.predicted.step_time_s, 12),
+        p.predicted.memory_peak_bytes_per_rank,
+        c.zero_stage,
+        -c.microbatch_size,
+        RECOMPUTE_ORDER.index(c.recompute),
+        c.mesh.tp,
+        c.mesh.pp,
+        SCHEDULES.index(c.schedule),
+        c.virtual_stages,
+    )
 
 
 def _attr(p: Priced, key: str):
-    return {"mesh": p.config.mesh, "schedule": p.config.schedule, "zero": p.config.zero_stage,
-            "recompute": p.config.recompute}[key]
+    return {
+        "mesh": p.config.mesh,
+        "schedule": p.config.schedule,
+        "zero": p.config.zero_stage,
+        "recompute": p.config.recompute,
+    }[key]

@@ -69,8 +69,7 @@ class PartitionProblem:
         return len(self.block_time_ps)
 
     def stage_time_ps(self, i: int, j: int) -> int:
-        return (sum(self.block_time_ps[i:j]) + self.prefix_time_ps * (i == 0)
-                + self.suffix_time_ps * (j == self.blocks))
+        return sum(self.block_time_ps[i:j]) + self.prefix_time_ps * (i == 0) + self.suffix_time_ps * (j == self.blocks)
 
     def stage_bytes(self, s: int, i: int, j: int) -> float:
         if not self.in_flight:
@@ -127,8 +126,7 @@ def _fits(problem: PartitionProblem):
         upper = upper & ~np.isin(np.arange(problem.blocks + 1), sorted(problem.forbidden_starts))[:, None]
     if not problem.in_flight:
         return lambda s: upper
-    fixed = _range_matrix(problem.block_fixed_bytes, problem.prefix_fixed_bytes, problem.suffix_fixed_bytes,
-                          np.float64)
+    fixed = _range_matrix(problem.block_fixed_bytes, problem.prefix_fixed_bytes, problem.suffix_fixed_bytes, np.float64)
     act = _range_matrix(problem.block_act_bytes, problem.prefix_act_bytes, problem.suffix_act_bytes, np.float64)
     return lambda s: upper & (fixed + problem.in_flight[s] * act <= problem.cap_bytes)
 
@@ -139,7 +137,6 @@ def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:
         j = int(arg[j])
         cuts.append(j)
     return tuple(reversed(cuts))
-
 
 
 def cut_refusals(graph: OpGraph) -> dict[int, str]:
@@ -155,16 +152,20 @@ def _cut_refusals(graph: OpGraph) -> dict[int, str]:
     last = {path: len(runs) - 1 - runs[::-1].index(path) for path in paths}
     regions = gradient_stopping_regions(graph)
     if regions:
-        why = (f"a torch.no_grad() region in {regions[0]} reads values that need gradients, and torch's "
-               f"pipeline() cannot split a model around it")
+        why = (
+            f"a torch.no_grad() region in {regions[0]} reads values that need gradients, and torch's "
+            f"pipeline() cannot split a model around it"
+        )
         return {k: why for k in range(1, len(paths))}
     refusals = {}
     for k in range(1, len(paths)):
         path = paths[k]
         late = [p for p in paths[:k] if last[p] > first[path]]
         if calls[path] > 1:
-            refusals[k] = (f"{path} runs {calls[path]} times per forward (one module, shared weights) and torch's "
-                           f"split would begin a stage at each call")
+            refusals[k] = (
+                f"{path} runs {calls[path]} times per forward (one module, shared weights) and torch's "
+                f"split would begin a stage at each call"
+            )
         elif late:
             refusals[k] = f"{late[0]} runs again after {path} begins, so the stage boundary would be crossed twice"
     return refusals

@@ -115,12 +115,16 @@ def _check_precision(pins: Pins) -> None:
     if pins.precision != "fp16":
         return
     if pins.wants_pipeline:
-        raise AutoshardError("--precision fp16 with pipeline stages is not emitted yet (the pipeline schedule runs "
-                             "the backward, so the loss cannot be scaled); pin --pp 1 or --precision bf16")
+        raise AutoshardError(
+            "--precision fp16 with pipeline stages is not emitted yet (the pipeline schedule runs "
+            "the backward, so the loss cannot be scaled); pin --pp 1 or --precision bf16"
+        )
     for flag, value in (("--tp", pins.tp), ("--cp", pins.cp), ("--ep", pins.ep)):
         if (value or 1) > 1:
-            raise AutoshardError(f"--precision fp16 with {flag} {value} is not emitted yet (the loss scaler is "
-                                 f"verified over data parallelism only); pin {flag} 1 or --precision bf16")
+            raise AutoshardError(
+                f"--precision fp16 with {flag} {value} is not emitted yet (the loss scaler is "
+                f"verified over data parallelism only); pin {flag} 1 or --precision bf16"
+            )
 
 
 def _check_sequence_parallel(pins: Pins) -> None:
@@ -128,32 +132,43 @@ def _check_sequence_parallel(pins: Pins) -> None:
     if not pins.sequence_parallel:
         return
     if pins.tp == 1:
-        raise AutoshardError("--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
-                             "pin --tp 2 or more, or --sequence-parallel off")
+        raise AutoshardError(
+            "--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
+            "pin --tp 2 or more, or --sequence-parallel off"
+        )
     if pins.wants_pipeline:
-        raise AutoshardError("--sequence-parallel on with pipeline stages is not emitted yet (stages run TP on local "
-                             "shards); pin --pp 1 or --sequence-parallel off")
+        raise AutoshardError(
+            "--sequence-parallel on with pipeline stages is not emitted yet (stages run TP on local "
+            "shards); pin --pp 1 or --sequence-parallel off"
+        )
 
 
 def check_global_batch(global_batch: int) -> None:
     """A positive integer of at most ``MAX_GLOBAL_BATCH`` samples."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise AutoshardError(f"--global-batch {global_batch!r} must be a positive integer; fix: pass e.g. "
-                             "--global-batch 256")
+        raise AutoshardError(
+            f"--global-batch {global_batch!r} must be a positive integer; fix: pass e.g. --global-batch 256"
+        )
     if global_batch > MAX_GLOBAL_BATCH:
         digits = int(global_batch.bit_length() * math.log10(2)) + 1  # str() of 4300+ digits raises
         shown = f"{global_batch:,}" if digits <= 30 else f"(a number of {digits} digits)"
-        raise AutoshardError(f"--global-batch {shown} is more than autoshard plans for ({MAX_GLOBAL_BATCH:,} = 2^30 "
-                             "samples per step); fix: give the samples per optimizer step, e.g. --global-batch 2048")
+        raise AutoshardError(
+            f"--global-batch {shown} is more than autoshard plans for ({MAX_GLOBAL_BATCH:,} = 2^30 "
+            "samples per step); fix: give the samples per optimizer step, e.g. --global-batch 2048"
+        )
 
 
 def _check_schedule(pins: Pins) -> None:
     if pins.schedule == "none" and (pins.pp or 1) > 1:
-        raise AutoshardError(f"--schedule none with --pp {pins.pp}: pipelines need one of "
-                             f"{', '.join(SCHEDULES[1:])}; drop --schedule or pin one of those")
+        raise AutoshardError(
+            f"--schedule none with --pp {pins.pp}: pipelines need one of "
+            f"{', '.join(SCHEDULES[1:])}; drop --schedule or pin one of those"
+        )
     if pins.schedule not in (None, "none") and pins.pp == 1:
-        raise AutoshardError(f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
-                             f"drop --schedule or pin --pp 2 or more")
+        raise AutoshardError(
+            f"--schedule {pins.schedule} needs pipeline stages but --pp 1 is pinned; "
+            f"drop --schedule or pin --pp 2 or more"
+        )
     if pins.schedule in ZERO_BUBBLE_SCHEDULES:
         why = split_backward_refusal(pins.zero_stage, pins.recompute, pins.tp)
         if why:
@@ -170,15 +185,21 @@ def split_backward_refusal(zero: int | None, recompute: str | None, tp: int | No
     once, not twice; full recompute of TP local shards recomputes another number of tensors than
     the forward saved (transformers' Llama)."""
     if zero == 3:
-        return ("--zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input gradient "
-                "is done, before the split backward's weight gradients; pin --zero 1, or a schedule without "
-                "split backward (1f1b, interleaved-1f1b)")
+        return (
+            "--zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input gradient "
+            "is done, before the split backward's weight gradients; pin --zero 1, or a schedule without "
+            "split backward (1f1b, interleaved-1f1b)"
+        )
     if recompute == "selective":
-        return ("--recompute selective: its policy lets a recomputed region run backward once, and the split "
-                "backward runs it twice; pin --recompute full or none, or --schedule 1f1b")
+        return (
+            "--recompute selective: its policy lets a recomputed region run backward once, and the split "
+            "backward runs it twice; pin --recompute full or none, or --schedule 1f1b"
+        )
     if recompute == "full" and (tp or 1) > 1:
-        return (f"--recompute full and --tp {tp}: recomputing tensor-parallel shards under the split backward "
-                f"saves other tensors than the forward did; pin --recompute none, or --schedule 1f1b")
+        return (
+            f"--recompute full and --tp {tp}: recomputing tensor-parallel shards under the split backward "
+            f"saves other tensors than the forward did; pin --recompute none, or --schedule 1f1b"
+        )
     return ""
 
 
@@ -188,18 +209,26 @@ def _check_virtual_stages(pins: Pins) -> None:
     if v is None:
         return
     if v > 1 and pins.pp == 1:
-        raise AutoshardError(f"--virtual-stages {v} puts {v} stages on each pipeline rank but --pp 1 is pinned; "
-                             f"drop --virtual-stages or pin --pp 2 or more")
+        raise AutoshardError(
+            f"--virtual-stages {v} puts {v} stages on each pipeline rank but --pp 1 is pinned; "
+            f"drop --virtual-stages or pin --pp 2 or more"
+        )
     if v > 1 and pins.schedule in V_SCHEDULES and v != 2:
-        raise AutoshardError(f"--virtual-stages {v} with --schedule {pins.schedule}: it puts exactly 2 stages on each "
-                             f"rank, in a V; pin --virtual-stages 2, or --schedule interleaved-zb for {v}")
+        raise AutoshardError(
+            f"--virtual-stages {v} with --schedule {pins.schedule}: it puts exactly 2 stages on each "
+            f"rank, in a V; pin --virtual-stages 2, or --schedule interleaved-zb for {v}"
+        )
     if v > 1 and pins.schedule is not None and not runs_virtual_stages(pins.schedule, v):
-        raise AutoshardError(f"--virtual-stages {v} needs --schedule interleaved-1f1b ({pins.schedule} runs "
-                             f"{dict(PIPELINE_SCHEDULES).get(pins.schedule, 1)} stage(s) per rank); pin that "
-                             f"schedule or drop --virtual-stages")
+        raise AutoshardError(
+            f"--virtual-stages {v} needs --schedule interleaved-1f1b ({pins.schedule} runs "
+            f"{dict(PIPELINE_SCHEDULES).get(pins.schedule, 1)} stage(s) per rank); pin that "
+            f"schedule or drop --virtual-stages"
+        )
     if v == 1 and dict(PIPELINE_SCHEDULES).get(pins.schedule, 1) > 1:
-        raise AutoshardError(f"--schedule {pins.schedule} runs 2 or more stages per rank, but --virtual-stages 1 "
-                             "is pinned; pin --virtual-stages 2, or --schedule 1f1b")
+        raise AutoshardError(
+            f"--schedule {pins.schedule} runs 2 or more stages per rank, but --virtual-stages 1 "
+            "is pinned; pin --virtual-stages 2, or --schedule 1f1b"
+        )
 
 
 def _pinned_stages(pins: Pins) -> int | None:
@@ -214,42 +243,54 @@ def _check_stage_cuts(pins: Pins) -> None:
         return
     shown = pins.stage_cuts if isinstance(pins.stage_cuts, str) else ",".join(map(str, pins.stage_cuts))
     if pins.pp == 1 or pins.schedule == "none":
-        raise AutoshardError(f"--stage-cuts {shown} splits pipeline stages but --pp 1 (no pipeline) is pinned; "
-                             f"drop --stage-cuts or pin --pp 2 or more")
+        raise AutoshardError(
+            f"--stage-cuts {shown} splits pipeline stages but --pp 1 (no pipeline) is pinned; "
+            f"drop --stage-cuts or pin --pp 2 or more"
+        )
     stages = _pinned_stages(pins)
     if isinstance(pins.stage_cuts, tuple) and stages is not None and len(pins.stage_cuts) != stages - 1:
-        raise AutoshardError(f"--stage-cuts {shown} gives {len(pins.stage_cuts) + 1} stages, but --pp {pins.pp} x "
-                             f"{stages // pins.pp} virtual stages is {stages}; give {stages - 1} block indices, "
-                             f"or --stage-cuts even")
+        raise AutoshardError(
+            f"--stage-cuts {shown} gives {len(pins.stage_cuts) + 1} stages, but --pp {pins.pp} x "
+            f"{stages // pins.pp} virtual stages is {stages}; give {stages - 1} block indices, "
+            f"or --stage-cuts even"
+        )
 
 
 def _check_degrees(pins: Pins, cluster: Cluster) -> None:
     world, per_node = cluster.world_size, cluster.devices_per_node
     if pins.tp is not None and per_node % pins.tp:
-        raise AutoshardError(f"--tp {pins.tp} must divide the {per_node} devices per node (tensor parallelism "
-                             f"stays inside a node); use one of {', '.join(map(str, divisors(per_node)))}")
+        raise AutoshardError(
+            f"--tp {pins.tp} must divide the {per_node} devices per node (tensor parallelism "
+            f"stays inside a node); use one of {', '.join(map(str, divisors(per_node)))}"
+        )
     pinned = {k: v for k, v in (("dp", pins.dp), ("tp", pins.tp), ("pp", pins.pp), ("cp", pins.cp)) if v is not None}
     product = 1
     for v in pinned.values():
         product *= v
     what = " x ".join(f"--{k} {v}" for k, v in pinned.items())
     if len(pinned) == 4 - ("cp" not in pinned) and product != world:  # an unpinned cp is 1 unless searched
-        raise AutoshardError(f"{what} = {product} ranks, but the cluster has {world} devices; "
-                             f"pin degrees whose product is {world}")
+        raise AutoshardError(
+            f"{what} = {product} ranks, but the cluster has {world} devices; pin degrees whose product is {world}"
+        )
     if world % product:
-        raise AutoshardError(f"{what} = {product} ranks does not divide the cluster's {world} devices; "
-                             f"pin degrees whose product divides {world}")
+        raise AutoshardError(
+            f"{what} = {product} ranks does not divide the cluster's {world} devices; "
+            f"pin degrees whose product divides {world}"
+        )
 
 
 def _check_zero(pins: Pins) -> None:
     pipeline = pins.wants_pipeline
     if pins.zero_stage is not None and pins.zero_stage >= 1 and pins.dp == 1 and (pins.cp or 1) == 1:
-        raise AutoshardError(f"--zero {pins.zero_stage} with --dp 1 has nothing to shard over; use --zero 0, or a "
-                             f"larger --dp")
+        raise AutoshardError(
+            f"--zero {pins.zero_stage} with --dp 1 has nothing to shard over; use --zero 0, or a larger --dp"
+        )
     if pins.zero_stage == 2 and pipeline:
-        raise AutoshardError("--zero 2 with pipeline stages runs as ZeRO-1 (torch's pipeline schedules keep each "
-                             "stage's gradients whole until the last micro-batch); pin --zero 1 (the same "
-                             "program) or --zero 3")
+        raise AutoshardError(
+            "--zero 2 with pipeline stages runs as ZeRO-1 (torch's pipeline schedules keep each "
+            "stage's gradients whole until the last micro-batch); pin --zero 1 (the same "
+            "program) or --zero 3"
+        )
     _check_hsdp(pins, pipeline)
 
 
@@ -258,13 +299,16 @@ def _check_hsdp(pins: Pins, pipeline: bool) -> None:
     if r is None or r == 1:
         return
     if pipeline:
-        raise AutoshardError(f"--dp-replicate {r} (HSDP) is planned without pipeline stages; drop --dp-replicate "
-                             f"or pin --pp 1")
+        raise AutoshardError(
+            f"--dp-replicate {r} (HSDP) is planned without pipeline stages; drop --dp-replicate or pin --pp 1"
+        )
     if pins.zero_stage is not None and pins.zero_stage < 2:
         raise AutoshardError(f"--dp-replicate {r} (HSDP) shards with FSDP2: pin --zero 2 or 3, not {pins.zero_stage}")
     if pins.dp is not None and (pins.dp % r or pins.dp == r):
-        raise AutoshardError(f"--dp-replicate {r} must divide --dp {pins.dp} and leave at least 2 ranks per shard "
-                             f"group; use a divisor of {pins.dp} below it")
+        raise AutoshardError(
+            f"--dp-replicate {r} must divide --dp {pins.dp} and leave at least 2 ranks per shard "
+            f"group; use a divisor of {pins.dp} below it"
+        )
 
 
 def _check_ep(pins: Pins) -> None:
@@ -273,14 +317,20 @@ def _check_ep(pins: Pins) -> None:
     if e is None or e == 1:
         return
     if pins.dp is not None and pins.dp % e:
-        raise AutoshardError(f"--ep {e} splits the experts over {e} of the --dp {pins.dp} ranks and must divide "
-                             f"it; pin an --ep that divides {pins.dp}")
+        raise AutoshardError(
+            f"--ep {e} splits the experts over {e} of the --dp {pins.dp} ranks and must divide "
+            f"it; pin an --ep that divides {pins.dp}"
+        )
     if (pins.tp or 1) > 1:
-        raise AutoshardError(f"--ep {e} with --tp {pins.tp}: expert parallelism is planned without tensor "
-                             f"parallelism; pin --tp 1 or --ep 1")
+        raise AutoshardError(
+            f"--ep {e} with --tp {pins.tp}: expert parallelism is planned without tensor "
+            f"parallelism; pin --tp 1 or --ep 1"
+        )
     if (pins.dp_replicate or 1) > 1:
-        raise AutoshardError(f"--ep {e} with --dp-replicate {pins.dp_replicate}: expert parallelism is planned "
-                             f"without HSDP; drop one of them")
+        raise AutoshardError(
+            f"--ep {e} with --dp-replicate {pins.dp_replicate}: expert parallelism is planned "
+            f"without HSDP; drop one of them"
+        )
 
 
 def _batch_message(global_batch: int, dp: int) -> str:
@@ -298,12 +348,15 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     blocks, refusals = max_stages(graph), cut_refusals(graph)  # blocks a stage may begin at, and why not
     split_backward = not split_backward_graph_refusal(graph)  # zero-bubble schedules train this model right
     experts = tuple(g.experts for g in graph.experts)
-    configs = [c for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-               for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts)
-               if _honours_cuts(c, pins, len(graph.blocks), refusals)
-               and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
-               and (not graph.batch_coupling or keeps_batch_whole(c))
-               and (pins.precision != "fp16" or fp16_runs(c))]  # loss scaling: _check_precision
+    configs = [
+        c
+        for mesh in candidate_meshes(graph, cluster, global_batch, pins)
+        for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts)
+        if _honours_cuts(c, pins, len(graph.blocks), refusals)
+        and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
+        and (not graph.batch_coupling or keeps_batch_whole(c))
+        and (pins.precision != "fp16" or fp16_runs(c))
+    ]  # loss scaling: _check_precision
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
@@ -317,11 +370,16 @@ def keeps_batch_whole(c: Decisions) -> bool:
 
 def batch_coupling_refusal(graph: OpGraph, pins: Pins) -> str:
     """Why no configuration honouring the pins keeps the batch whole, for a model whose loss couples its samples."""
-    split = [f"--{name.replace('_', '-')} {value}" for name, value in (("dp", pins.dp), ("cp", pins.cp))
-             if (value or 1) > 1]
-    how = f"{' and '.join(split)} splits" if split else "every configuration of this cluster that honours the pins splits"
-    return (f"{how} the batch over ranks or micro-batches, but {graph.batch_coupling}; plan with --dp 1 and one "
-            f"micro-batch (tensor or pipeline parallelism over the devices), or make the loss a mean over samples")
+    split = [
+        f"--{name.replace('_', '-')} {value}" for name, value in (("dp", pins.dp), ("cp", pins.cp)) if (value or 1) > 1
+    ]
+    how = (
+        f"{' and '.join(split)} splits" if split else "every configuration of this cluster that honours the pins splits"
+    )
+    return (
+        f"{how} the batch over ranks or micro-batches, but {graph.batch_coupling}; plan with --dp 1 and one "
+        f"micro-batch (tensor or pipeline parallelism over the devices), or make the loss a mean over samples"
+    )
 
 
 def split_backward_graph_refusal(graph: OpGraph) -> str:
@@ -341,12 +399,15 @@ def split_backward_graph_refusal(graph: OpGraph) -> str:
     from_first: set[str] = set()  # values made from a first-unit value that needs gradients (in D at every cut)
     loose: dict[str, tuple[int, str]] = {}  # needs gradients, not from_first -> (its unit, the weight behind it)
     for node, unit in zip(graph.nodes, node_units(graph)):
-        weights = [w for w in (*node.param_inputs, *(graph.placeholder_params.get(i) for i in node.inputs))
-                   if w in trainable]
+        weights = [
+            w for w in (*node.param_inputs, *(graph.placeholder_params.get(i) for i in node.inputs)) if w in trainable
+        ]
         crossing = [loose[i][1] for i in node.inputs if i in loose and loose[i][0] != unit]
         if crossing:
-            return (f"{crossing[0]} reaches {node.module_path or 'the forward'} through values made from no "
-                    f"input that needs gradients, and torch's split backward would drop that part of its gradient")
+            return (
+                f"{crossing[0]} reaches {node.module_path or 'the forward'} through values made from no "
+                f"input that needs gradients, and torch's split backward would drop that part of its gradient"
+            )
         if weights or any(i in needs_grad for i in node.inputs):
             needs_grad.add(node.name)
         if (unit == 0 and node.name in needs_grad) or any(i in from_first for i in node.inputs):
@@ -360,23 +421,30 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
     """The pins that need the captured graph: heads divisible by tp, at most one stage per block."""
     if pins.tp is not None and pins.tp not in legal_tp_degrees(graph, cluster):
         legal = ", ".join(map(str, legal_tp_degrees(graph, cluster)))
-        raise AutoshardError(f"--tp {pins.tp} cannot split this model: {'; '.join(check_divisibility(graph, pins.tp))}; "
-                             f"use --tp in {legal}")
+        raise AutoshardError(
+            f"--tp {pins.tp} cannot split this model: {'; '.join(check_divisibility(graph, pins.tp))}; "
+            f"use --tp in {legal}"
+        )
     blocks = len(graph.blocks)
     if pins.pp is not None and pins.pp > max(1, blocks):
-        raise AutoshardError(f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; "
-                             f"pin --pp {max(1, blocks)} or less")
+        raise AutoshardError(
+            f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; pin --pp {max(1, blocks)} or less"
+        )
     _check_cuts(graph, pins)
     if pins.schedule in ZERO_BUBBLE_SCHEDULES and split_backward_graph_refusal(graph):
-        raise AutoshardError(f"--schedule {pins.schedule} splits backward, but "
-                             f"{split_backward_graph_refusal(graph)}; pin --schedule 1f1b or interleaved-1f1b")
+        raise AutoshardError(
+            f"--schedule {pins.schedule} splits backward, but "
+            f"{split_backward_graph_refusal(graph)}; pin --schedule 1f1b or interleaved-1f1b"
+        )
     v = _interleaved_v(pins)
     if v > 1 and pins.pp is not None and max_stages(graph) < v * pins.pp:
         schedule = pins.schedule or "interleaved-1f1b"
         fewer = "" if schedule in V_SCHEDULES else ", fewer --virtual-stages"
-        raise AutoshardError(f"--schedule {schedule} puts {v} stages on each of --pp {pins.pp} ranks: needs "
-                             f"{v * pins.pp} blocks, the model has {blocks}; use 1f1b{fewer} or "
-                             f"--pp {max(1, blocks // v)}")
+        raise AutoshardError(
+            f"--schedule {schedule} puts {v} stages on each of --pp {pins.pp} ranks: needs "
+            f"{v * pins.pp} blocks, the model has {blocks}; use 1f1b{fewer} or "
+            f"--pp {max(1, blocks // v)}"
+        )
     _check_pinned_cuts(graph, pins)
     _check_graph_ep(graph, pins)
     _check_graph_cp(graph, pins)
@@ -395,8 +463,9 @@ def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
     if pins.wants_pipeline:
         raise AutoshardError(f"--cp {c} with pipeline stages is not emitted yet; pin --pp 1 or --cp 1")
     if (pins.ep or 1) > 1 or (pins.dp_replicate or 1) > 1:
-        raise AutoshardError(f"--cp {c} is planned without expert parallelism and HSDP; drop --ep / --dp-replicate "
-                             f"or pin --cp 1")
+        raise AutoshardError(
+            f"--cp {c} is planned without expert parallelism and HSDP; drop --ep / --dp-replicate or pin --cp 1"
+        )
 
 
 def _check_graph_ep(graph: OpGraph, pins: Pins) -> None:
@@ -405,13 +474,17 @@ def _check_graph_ep(graph: OpGraph, pins: Pins) -> None:
     if e == 1:
         return
     if not graph.experts:
-        raise AutoshardError(f"--ep {e}: the model has no expert group whose experts can live on other ranks "
-                             f"(stacked per-expert weights read only by grouped matmuls); pin --ep 1")
+        raise AutoshardError(
+            f"--ep {e}: the model has no expert group whose experts can live on other ranks "
+            f"(stacked per-expert weights read only by grouped matmuls); pin --ep 1"
+        )
     uneven = sorted({g.experts for g in graph.experts if g.experts % e})
     if uneven:
         legal = [d for d in divisors(math.gcd(*(g.experts for g in graph.experts))) if d > 1]
-        raise AutoshardError(f"--ep {e} must divide every expert group's experts ({uneven[0]} do not split "
-                             f"{e} ways); use --ep in {', '.join(map(str, legal)) or '1'}")
+        raise AutoshardError(
+            f"--ep {e} must divide every expert group's experts ({uneven[0]} do not split "
+            f"{e} ways); use --ep in {', '.join(map(str, legal)) or '1'}"
+        )
 
 
 def _interleaved_v(pins: Pins) -> int:
@@ -431,12 +504,16 @@ def _check_pinned_cuts(graph: OpGraph, pins: Pins) -> None:
     if not cuts:
         return
     if cuts[-1] >= blocks:
-        raise AutoshardError(f"--stage-cuts names block {cuts[-1]}, but the model's blocks are 0 .. {blocks - 1} "
-                             f"(a stage begins at block 1 .. {blocks - 1}); fix the indices or use --stage-cuts even")
+        raise AutoshardError(
+            f"--stage-cuts names block {cuts[-1]}, but the model's blocks are 0 .. {blocks - 1} "
+            f"(a stage begins at block 1 .. {blocks - 1}); fix the indices or use --stage-cuts even"
+        )
     refused = [k for k in cuts if k in cut_refusals(graph)]
     if refused:
-        raise AutoshardError(f"--stage-cuts: no stage can begin at block {refused[0]}: "
-                             f"{cut_refusals(graph)[refused[0]]}; choose other indices or drop --stage-cuts")
+        raise AutoshardError(
+            f"--stage-cuts: no stage can begin at block {refused[0]}: "
+            f"{cut_refusals(graph)[refused[0]]}; choose other indices or drop --stage-cuts"
+        )
 
 
 def _check_cuts(graph: OpGraph, pins: Pins) -> None:
@@ -447,8 +524,10 @@ def _check_cuts(graph: OpGraph, pins: Pins) -> None:
     if refusals and stages > max(1, most):
         why = "; ".join(refusals[k] for k in sorted(refusals)[:2]) + ("; ..." if len(refusals) > 2 else "")
         fix = f"pin --pp {most} or less" if most > 1 else "pin --pp 1"
-        raise AutoshardError(f"--pp {pins.pp} needs {stages} pipeline stages, but a stage can begin at only "
-                             f"{max(1, most)} of this model's {len(graph.blocks)} blocks: {why}; {fix}")
+        raise AutoshardError(
+            f"--pp {pins.pp} needs {stages} pipeline stages, but a stage can begin at only "
+            f"{max(1, most)} of this model's {len(graph.blocks)} blocks: {why}; {fix}"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -459,8 +538,11 @@ def divisors(n: int) -> list[int]:
 
 def legal_tp_degrees(graph: OpGraph, cluster: Cluster) -> list[int]:
     """tp that divides devices_per_node and the world, and splits every attention's heads."""
-    return [t for t in divisors(cluster.devices_per_node)
-            if cluster.world_size % t == 0 and not check_divisibility(graph, t)]
+    return [
+        t
+        for t in divisors(cluster.devices_per_node)
+        if cluster.world_size % t == 0 and not check_divisibility(graph, t)
+    ]
 
 
 def pipeline_degrees(graph: OpGraph, world_size: int) -> list[int]:
@@ -508,16 +590,27 @@ def _honours_cuts(config: Decisions, pins: Pins, blocks: int, refusals: dict[int
     return cuts is None or not refusals.keys() & set(cuts)
 
 
-def mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int, cluster: Cluster | None = None,
-                 experts: tuple[int, ...] = ()) -> list[Decisions]:
+def mesh_configs(
+    mesh: Mesh,
+    global_batch: int,
+    pins: Pins,
+    blocks: int,
+    cluster: Cluster | None = None,
+    experts: tuple[int, ...] = (),
+) -> list[Decisions]:
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
     group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
-    return [replace(c, dp_replicate=r, ep=e, sequence_parallel=sp) for c in configs
-            for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
-            if pins.dp_replicate in (None, r)
-            for e in ep_degrees(mesh, experts, r) if pins.ep in (None, e)
-            for sp in sequence_parallel_choices(mesh) if pins.sequence_parallel in (None, sp)]
+    return [
+        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp)
+        for c in configs
+        for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
+        if pins.dp_replicate in (None, r)
+        for e in ep_degrees(mesh, experts, r)
+        if pins.ep in (None, e)
+        for sp in sequence_parallel_choices(mesh)
+        if pins.sequence_parallel in (None, sp)
+    ]
 
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
@@ -545,11 +638,29 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
             m = per_rank // b
             if microbatch_refusal(schedule, mesh.pp, m):
                 continue
-            out += [Decisions(mesh=mesh, zero_stage=z, microbatch_size=b, num_microbatches=m, recompute=r,
-                              schedule=schedule, virtual_stages=v) for z in zeros for r in recomputes
-                    if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r, mesh.tp)]
-    return sorted(out, key=lambda c: (SCHEDULES.index(c.schedule), c.zero_stage,
-                                      -c.microbatch_size, RECOMPUTE_MODES.index(c.recompute)))
+            out += [
+                Decisions(
+                    mesh=mesh,
+                    zero_stage=z,
+                    microbatch_size=b,
+                    num_microbatches=m,
+                    recompute=r,
+                    schedule=schedule,
+                    virtual_stages=v,
+                )
+                for z in zeros
+                for r in recomputes
+                if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r, mesh.tp)
+            ]
+    return sorted(
+        out,
+        key=lambda c: (
+            SCHEDULES.index(c.schedule),
+            c.zero_stage,
+            -c.microbatch_size,
+            RECOMPUTE_MODES.index(c.recompute),
+        ),
+    )
 
 
 def zero_stages(mesh: Mesh) -> tuple[int, ...]:
@@ -575,9 +686,13 @@ def schedule_choices(mesh: Mesh, blocks: int, pins: Pins) -> list[tuple[str, int
     """The schedules of a pp > 1 mesh; unpinned zero-bubble schedules up to ``MAX_SEARCHED_ZERO_BUBBLE_PP``."""
     if mesh.pp == 1:
         return [("none", 1)]
-    return [(s, v) for s, v in _schedules_of(pins)
-            if pins.schedule in (None, s) and blocks >= v * mesh.pp
-            and (s not in ZERO_BUBBLE_SCHEDULES or pins.schedule == s or mesh.pp <= MAX_SEARCHED_ZERO_BUBBLE_PP)]
+    return [
+        (s, v)
+        for s, v in _schedules_of(pins)
+        if pins.schedule in (None, s)
+        and blocks >= v * mesh.pp
+        and (s not in ZERO_BUBBLE_SCHEDULES or pins.schedule == s or mesh.pp <= MAX_SEARCHED_ZERO_BUBBLE_PP)
+    ]
 
 
 def _schedules_of(pins: Pins) -> tuple[tuple[str, int], ...]:
@@ -593,11 +708,15 @@ def microbatch_refusal(schedule: str, pp: int, m: int) -> str:
     schedules run them in max(1, ⌊m/pp⌋) rounds that must divide m; DualPipeV needs m ≥ 2·pp (its stages)."""
     rounds = max(1, m // pp)
     if schedule in LOOPED_SCHEDULES and m % rounds:
-        return (f"{schedule} runs the {m} micro-batches in rounds of {m // rounds}, and the {rounds} rounds must "
-                f"divide {m}; pick a micro-batch size that leaves a multiple of pp={pp} micro-batches")
+        return (
+            f"{schedule} runs the {m} micro-batches in rounds of {m // rounds}, and the {rounds} rounds must "
+            f"divide {m}; pick a micro-batch size that leaves a multiple of pp={pp} micro-batches"
+        )
     if schedule == "dualpipev" and m < 2 * pp:
-        return (f"dualpipev needs at least 2·pp = {2 * pp} micro-batches (one per stage), got {m}; pick a smaller "
-                f"micro-batch size or a larger --global-batch")
+        return (
+            f"dualpipev needs at least 2·pp = {2 * pp} micro-batches (one per stage), got {m}; pick a smaller "
+            f"micro-batch size or a larger --global-batch"
+        )
     return ""
 
 
@@ -621,16 +740,27 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return batch_coupling_refusal(graph, pins)
     meshes = candidate_meshes(graph, cluster, global_batch, pins)
     if not meshes:
-        dps = sorted({cluster.world_size // (t * p) for t in legal_tp_degrees(graph, cluster)
-                      for p in [1] + pipeline_degrees(graph, cluster.world_size // t)})
+        dps = sorted(
+            {
+                cluster.world_size // (t * p)
+                for t in legal_tp_degrees(graph, cluster)
+                for p in [1] + pipeline_degrees(graph, cluster.world_size // t)
+            }
+        )
         if pins.dp is None and all(global_batch % dp for dp in dps):
             return _batch_message(global_batch, min(dps))
-        return (f"no mesh (dp, tp, pp) of {cluster.world_size} devices honours the pins "
-                f"{', '.join(pins.names)}; unpin --dp, --tp or --pp")
-    if isinstance(pins.stage_cuts, tuple) and any(mesh_configs(m, global_batch, pins, max_stages(graph)) for m in meshes):
+        return (
+            f"no mesh (dp, tp, pp) of {cluster.world_size} devices honours the pins "
+            f"{', '.join(pins.names)}; unpin --dp, --tp or --pp"
+        )
+    if isinstance(pins.stage_cuts, tuple) and any(
+        mesh_configs(m, global_batch, pins, max_stages(graph)) for m in meshes
+    ):
         n = len(pins.stage_cuts) + 1
-        return (f"--stage-cuts gives {n} stages, but no configuration honouring the other pins has pp x virtual "
-                f"stages = {n}; pin --pp and --virtual-stages whose product is {n}, or use --stage-cuts even")
+        return (
+            f"--stage-cuts gives {n} stages, but no configuration honouring the other pins has pp x virtual "
+            f"stages = {n}; pin --pp and --virtual-stages whose product is {n}, or use --stage-cuts even"
+        )
     if pins.microbatch_size is not None:
         mesh = meshes[0]
         per_rank = global_batch // mesh.dp
@@ -640,21 +770,31 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
             return f"--microbatch-size {pins.microbatch_size} leaves {m} micro-batches per rank: {why}"
         need = f" and leave at least {mesh.pp} micro-batches for pp={mesh.pp}" if mesh.pp > 1 else ""
         near = max(d for d in divisors(per_rank) if d <= max(1, min(pins.microbatch_size, per_rank // mesh.pp)))
-        return (f"--microbatch-size {pins.microbatch_size} does not divide the per-rank batch {per_rank}{need}; "
-                f"pick a divisor such as {near}")
+        return (
+            f"--microbatch-size {pins.microbatch_size} does not divide the per-rank batch {per_rank}{need}; "
+            f"pick a divisor such as {near}"
+        )
     if (pins.dp_replicate or 1) > 1:
-        return (f"--dp-replicate {pins.dp_replicate} (HSDP) needs the dp group to span {pins.dp_replicate} nodes with "
-                f"at least 2 of its ranks on each (shard inside a node, replicate across); this cluster's meshes "
-                f"have none such: drop --dp-replicate or pin --dp-replicate 1")
+        return (
+            f"--dp-replicate {pins.dp_replicate} (HSDP) needs the dp group to span {pins.dp_replicate} nodes with "
+            f"at least 2 of its ranks on each (shard inside a node, replicate across); this cluster's meshes "
+            f"have none such: drop --dp-replicate or pin --dp-replicate 1"
+        )
     if (pins.ep or 1) > 1 and all(m.dp % pins.ep or m.tp > 1 for m in meshes):
         dps = ", ".join(str(d) for d in sorted({m.dp for m in meshes if m.tp == 1})) or "none without tp"
-        return (f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
-                f"pin an --ep that divides one of them, or plan for more devices")
+        return (
+            f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
+            f"pin an --ep that divides one of them, or plan for more devices"
+        )
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):
         mesh = piped[0]
-        return (f"dualpipev needs at least 2·pp = {2 * mesh.pp} micro-batches, and the per-rank batch "
-                f"{global_batch // mesh.dp} (dp={mesh.dp}) gives at most {global_batch // mesh.dp}; use --global-batch "
-                f"{2 * mesh.pp * mesh.dp} or more, or --schedule zbv")
-    return (f"the pins {', '.join(pins.names)} leave no configuration the runtime supports "
-            f"(e.g. ZeRO-{pins.zero_stage} with mesh {meshes[0]}); unpin one of them")
+        return (
+            f"dualpipev needs at least 2·pp = {2 * mesh.pp} micro-batches, and the per-rank batch "
+            f"{global_batch // mesh.dp} (dp={mesh.dp}) gives at most {global_batch // mesh.dp}; use --global-batch "
+            f"{2 * mesh.pp * mesh.dp} or more, or --schedule zbv"
+        )
+    return (
+        f"the pins {', '.join(pins.names)} leave no configuration the runtime supports "
+        f"(e.g. ZeRO-{pins.zero_stage} with mesh {meshes[0]}); unpin one of them"
+    )

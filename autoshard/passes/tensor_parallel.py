@@ -150,10 +150,38 @@ LINEAR_OPS = {"linear", "addmm"}
 EMBEDDING_OPS = {"embedding"}
 SDPA_OPS = {"scaled_dot_product_attention"}
 VIEW_OPS = {"view", "reshape", "_unsafe_view"}
-PASS_OPS = {"contiguous", "clone", "to", "dropout", "alias", "detach", "type_as", "operator.getitem",
-            "lift_fresh", "lift_fresh_copy"}
-ELEMENTWISE_OPS = {"add", "sub", "mul", "div", "gelu", "silu", "relu", "tanh", "neg", "pow", "rsqrt", "sigmoid",
-                   "exp", "sqrt", "where", "masked_fill", "erf", "square"}
+PASS_OPS = {
+    "contiguous",
+    "clone",
+    "to",
+    "dropout",
+    "alias",
+    "detach",
+    "type_as",
+    "operator.getitem",
+    "lift_fresh",
+    "lift_fresh_copy",
+}
+ELEMENTWISE_OPS = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "gelu",
+    "silu",
+    "relu",
+    "tanh",
+    "neg",
+    "pow",
+    "rsqrt",
+    "sigmoid",
+    "exp",
+    "sqrt",
+    "where",
+    "masked_fill",
+    "erf",
+    "square",
+}
 REDUCE_OPS = {"mean", "sum", "amax", "amin", "softmax", "_softmax", "log_softmax", "_log_softmax"}
 DIM_OPS = {"split", "split_with_sizes", "slice", "cat", "chunk", "narrow", "select"}
 SINK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async"}
@@ -166,8 +194,10 @@ SEQ_GATHER_KINDS = frozenset({"colq", "colm", "repg", "gath"})  # make whole tok
 CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
 LINEAR_TYPES = frozenset({"torch.nn.modules.linear.Linear", "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"})
 EMBEDDING_TYPES = frozenset({"torch.nn.modules.sparse.Embedding"})
-FUSED_REASON = ("fused q, k, v (its output is split along the sharded dim by {op}): a column shard would give each "
-                "rank a contiguous block of the [q | k | v] columns, not its slice of q, k and v; replicated")
+FUSED_REASON = (
+    "fused q, k, v (its output is split along the sharded dim by {op}): a column shard would give each "
+    "rank a contiguous block of the [q | k | v] columns, not its slice of q, k and v; replicated"
+)
 
 STYLE_OF_RULE = {"col": "colwise", "row": "rowwise", "vocab": "vocab-parallel-embedding", "rep": "replicate"}
 CONV1D_STYLE_OF_RULE = {"col": "conv1d-colwise", "row": "conv1d-rowwise", "rep": "replicate"}
@@ -185,8 +215,9 @@ class Rule:
 # ---------------------------------------------------------------------------- entry point
 
 
-def choose_tp_styles(graph: OpGraph, tp: int, link: LinkSpec, device: DeviceSpec,
-                     sequence_parallel: bool = False) -> TPChoice:
+def choose_tp_styles(
+    graph: OpGraph, tp: int, link: LinkSpec, device: DeviceSpec, sequence_parallel: bool = False
+) -> TPChoice:
     """Solve the layout model (module doc) per block signature and for the ops outside blocks; with
     ``sequence_parallel`` the residual stream between blocks is sharded over the sequence (Q) where the
     model allows (module doc, "Sequence parallelism"), replicated elsewhere."""
@@ -194,8 +225,10 @@ def choose_tp_styles(graph: OpGraph, tp: int, link: LinkSpec, device: DeviceSpec
         raise AutoshardError(f"tp={tp} must be a positive integer")
     violations = check_divisibility(graph, tp)
     if violations:
-        raise AutoshardError(f"tp={tp} cannot split this model: {'; '.join(violations)}; "
-                             f"fix: use tp in {valid_degrees(graph, up_to=max(tp, 8))}")
+        raise AutoshardError(
+            f"tp={tp} cannot split this model: {'; '.join(violations)}; "
+            f"fix: use tp in {valid_degrees(graph, up_to=max(tp, 8))}"
+        )
     styles, reasons = _default_styles(graph)
     choice = TPChoice(tp, styles, reasons)
     if tp == 1:
@@ -375,8 +408,9 @@ def style_module_refusal(node: OpNode, types: frozenset[str], kind: str) -> str:
     subclass may override ``forward`` (OPT's positional embedding adds an offset)."""
     if node.module_type not in types:
         short = node.module_type.rsplit(".", 1)[-1] or "the root module"
-        return (f"the op runs in a {short}, not an {kind}: DTensor's parallel styles take only {kind} modules; "
-                f"replicated")
+        return (
+            f"the op runs in a {short}, not an {kind}: DTensor's parallel styles take only {kind} modules; replicated"
+        )
     if f"{node.module_path}.weight" not in node.param_inputs:
         return f"the op does not use {node.module_path}.weight (its module calls it on another tensor); replicated"
     return ""
@@ -388,8 +422,10 @@ def tied_reason(graph: OpGraph, node: OpNode) -> str:
     if not tied:
         return ""
     p = graph.param(tied[0])
-    return (f"weight tied to {', '.join((p.name, *p.tied_to))}: one parameter, two uses (the embedding looks up "
-            f"rows, the head multiplies by it), so a shard that suits one is the wrong one for the other; replicated")
+    return (
+        f"weight tied to {', '.join((p.name, *p.tied_to))}: one parameter, two uses (the embedding looks up "
+        f"rows, the head multiplies by it), so a shard that suits one is the wrong one for the other; replicated"
+    )
 
 
 def is_conv1d(node: OpNode) -> bool:
@@ -630,8 +666,11 @@ def row_can_split(graph: OpGraph, node: OpNode, dims: dict) -> bool:
 def embedding_can_split(graph: OpGraph, node: OpNode, tp: int) -> bool:
     """Vocab-parallel: tp divides the rows, the table is its own (untied), and an nn.Embedding looks it up."""
     table = graph.param(node.param_inputs[0])
-    return (table.shape[0] % tp == 0 and not table.tied_to
-            and not style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding"))
+    return (
+        table.shape[0] % tp == 0
+        and not table.tied_to
+        and not style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding")
+    )
 
 
 def seq_rules(graph: OpGraph, node: OpNode, dims: dict, qdims: dict, tp: int) -> list[Rule]:
@@ -642,8 +681,11 @@ def seq_rules(graph: OpGraph, node: OpNode, dims: dict, qdims: dict, tp: int) ->
     if op in LINEAR_OPS:
         return linear_seq_rules(graph, node, dims, qdims, tp)
     if op in EMBEDDING_OPS:
-        return [Rule("vocabq", (R,) * len(ins), Q)] if embedding_can_split(graph, node, tp) \
-            and seq_ok(graph, node.name, qdims, tp) else []
+        return (
+            [Rule("vocabq", (R,) * len(ins), Q)]
+            if embedding_can_split(graph, node, tp) and seq_ok(graph, node.name, qdims, tp)
+            else []
+        )
     around = conv1d_views(graph).get(node.name)
     if around is not None:
         return conv1d_view_rules(graph, node, around, dims, qdims, tp)
@@ -675,8 +717,9 @@ def _module_input_gathers(graph: OpGraph) -> dict[str, str]:
         if module in blocks or any(op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS for n in nodes):
             continue
         outer = module_inputs(graph, nodes)
-        readers = [n for n in nodes if outer and outer[0] in activation_inputs(graph, n)
-                   and op_name(n.target) not in SINK_OPS]  # a shape assertion reads any layout
+        readers = [
+            n for n in nodes if outer and outer[0] in activation_inputs(graph, n) and op_name(n.target) not in SINK_OPS
+        ]  # a shape assertion reads any layout
         if len(outer) == 1 and len(readers) == 1:
             out[readers[0].name] = outer[0]
     return out
@@ -701,20 +744,30 @@ def linear_seq_rules(graph: OpGraph, node: OpNode, dims: dict, qdims: dict, tp: 
     if not ins:
         return []
     can = not linear_refusal(graph, node, tp)
-    col, row, hook = can and dims.get(node.name) is not None, can and row_can_split(graph, node, dims), \
-        hookable(graph, node)
+    col, row, hook = (
+        can and dims.get(node.name) is not None,
+        can and row_can_split(graph, node, dims),
+        hookable(graph, node),
+    )
     if is_conv1d(node):
         entry, exit_ = conv1d_views(graph).get(node.name, (None, None))
         if entry is None or exit_ is None:
             return []
         gathers = hook and seq_ok(graph, activation_inputs(graph, graph.node(entry))[0], qdims, tp)
-        return ([Rule("colq", (G,), S)] if gathers and col else []) + ([Rule("repg", (G,), R)] if gathers else []) \
+        return (
+            ([Rule("colq", (G,), S)] if gathers and col else [])
+            + ([Rule("repg", (G,), R)] if gathers else [])
             + ([Rule("rowq", (S,), H)] if hook and row and seq_ok(graph, exit_, qdims, tp) else [])
+        )
     in_ok, out_ok = seq_ok(graph, ins[0], qdims, tp), seq_ok(graph, node.name, qdims, tp)
     grouped = node.name in module_gathers(graph)
-    candidates = ((col and in_ok, Rule("colq", (Q,), S)), (col and in_ok and grouped, Rule("colm", (Q,), S)),
-                  (row and out_ok, Rule("rowq", (S,), Q)),
-                  (hook and in_ok, Rule("repg", (Q,), R)), (hook and out_ok, Rule("reps", (R,), Q)))
+    candidates = (
+        (col and in_ok, Rule("colq", (Q,), S)),
+        (col and in_ok and grouped, Rule("colm", (Q,), S)),
+        (row and out_ok, Rule("rowq", (S,), Q)),
+        (hook and in_ok, Rule("repg", (Q,), R)),
+        (hook and out_ok, Rule("reps", (R,), Q)),
+    )
     return [rule for ok, rule in candidates if ok]
 
 
@@ -733,8 +786,13 @@ def _module_gathers(graph: OpGraph) -> dict[str, tuple[str, str, tuple[str, ...]
     blocks = set(graph.block_paths)
     for value, readers in consumer_map(graph).items():
         nodes = [graph.node(r) for r in readers]
-        if not nodes or any(op_name(n.target) != "linear" or not hookable(graph, n) or is_conv1d(n)
-                            or activation_inputs(graph, n)[:1] != [value] for n in nodes):
+        if not nodes or any(
+            op_name(n.target) != "linear"
+            or not hookable(graph, n)
+            or is_conv1d(n)
+            or activation_inputs(graph, n)[:1] != [value]
+            for n in nodes
+        ):
             continue
         owner = _common_module([n.module_path.rpartition(".")[0] for n in nodes])
         if owner and owner not in blocks:
@@ -767,6 +825,7 @@ def _linear_calls(graph: OpGraph) -> dict[str, int]:
             if op_name(n.target) in LINEAR_OPS and n.module_path:
                 calls[n.module_path] = calls.get(n.module_path, 0) + 1
         return calls
+
     return graph.derived("tp_linear_calls", compute)
 
 
@@ -790,8 +849,11 @@ def _conv1d_views(graph: OpGraph) -> dict[str, tuple]:
         if not (_module_view(entry, node) and _module_view(exit_, node)):
             continue
         outer = activation_inputs(graph, entry)
-        if len(outer) != 1 or graph._by_name().get(outer[0]) is not None \
-                and graph.node(outer[0]).module_path == node.module_path:
+        if (
+            len(outer) != 1
+            or graph._by_name().get(outer[0]) is not None
+            and graph.node(outer[0]).module_path == node.module_path
+        ):
             continue
         out[node.name] = (entry.name, exit_.name)
         out[entry.name], out[exit_.name] = ("entry", node.name), ("exit", node.name)
@@ -835,8 +897,7 @@ def _full_at(graph: OpGraph, node: OpNode, name: str, dims: dict) -> bool:
     return at >= 0 and shape[at] == node.shape[dims[node.name]]
 
 
-def segment_rules(graph: OpGraph, nodes: list[OpNode], tp: int,
-                  sp: bool = False) -> tuple[dict, dict[str, list[Rule]]]:
+def segment_rules(graph: OpGraph, nodes: list[OpNode], tp: int, sp: bool = False) -> tuple[dict, dict[str, list[Rule]]]:
     """(s(v) per node, ``allowed_rules``) of a segment, once per graph, tp, sequence parallelism and proof:
     the search prices many micro-batch sizes, and each solve's styles read them again."""
     key = ("tp_rules", tp, tuple(n.name for n in nodes), _refusal_key(graph, tp, sp)) + (("sp",) if sp else ())
@@ -844,6 +905,7 @@ def segment_rules(graph: OpGraph, nodes: list[OpNode], tp: int,
     def compute():
         dims = shard_dims(graph, nodes, tp)
         return dims, allowed_rules(graph, nodes, dims, tp, sp)
+
     return graph.derived(key, compute)
 
 
@@ -854,18 +916,20 @@ def _refusal_key(graph: OpGraph, tp: int, sp: bool) -> tuple | None:
 
 def param_readers(graph: OpGraph) -> dict[str, tuple[str, ...]]:
     """Module path -> the nodes that read one of its parameters (not buffers), once per graph."""
+
     def compute():
         out: dict[str, list[str]] = {}
         for n in graph.nodes:
-            for module in dict.fromkeys(graph.param(p).module_path for p in n.param_inputs
-                                        if not graph.param(p).is_buffer):
+            for module in dict.fromkeys(
+                graph.param(p).module_path for p in n.param_inputs if not graph.param(p).is_buffer
+            ):
                 out.setdefault(module, []).append(n.name)
         return {m: tuple(names) for m, names in out.items()}
+
     return graph.derived("tp_param_readers", compute)
 
 
-def allowed_rules(graph: OpGraph, nodes: list[OpNode], dims: dict, tp: int,
-                  sp: bool = False) -> dict[str, list[Rule]]:
+def allowed_rules(graph: OpGraph, nodes: list[OpNode], dims: dict, tp: int, sp: bool = False) -> dict[str, list[Rule]]:
     """``op_rules`` less what the model's code was not proven to compute on shards (``proof_refusals``: a node
     refused whole keeps its replicated rule only, ``node:kind`` drops that kind of rule) and less shard rules
     on replicated parameters that cannot be made DTensors (``param_module``)."""
@@ -912,14 +976,18 @@ def proof_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
     if not refused or node.module_path not in _col_paths(graph):
         return ""
     parent = node.module_path.rpartition(".")[0]
-    near = [r for name, r in refused.items() if graph.node(name).module_path.startswith(parent)
-            and not r.startswith("not run on a shard")]
+    near = [
+        r
+        for name, r in refused.items()
+        if graph.node(name).module_path.startswith(parent) and not r.startswith("not run on a shard")
+    ]
     return near[0] if near else ""
 
 
 def _col_paths(graph: OpGraph) -> set[str]:
-    return graph.derived("tp_linear_paths", lambda: {n.module_path for n in graph.nodes
-                                                    if op_name(n.target) in LINEAR_OPS})
+    return graph.derived(
+        "tp_linear_paths", lambda: {n.module_path for n in graph.nodes if op_name(n.target) in LINEAR_OPS}
+    )
 
 
 def param_modules(graph: OpGraph, nodes: list[OpNode]) -> dict[str, list[OpNode]]:
@@ -972,8 +1040,9 @@ def add_same_module_rules(model, graph: OpGraph, nodes: list[OpNode], rules: dic
         _same_kind(model, group, rules, pick)
 
 
-def add_replicated_param_modules(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict,
-                                 dims: dict) -> None:
+def add_replicated_param_modules(
+    model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, dims: dict
+) -> None:
     """A module with replicated parameters runs wholly on shards (its SequenceParallel style) or wholly
     replicated: every op inside it picks the same kind."""
     for module, members in param_modules(graph, nodes).items():
@@ -1008,16 +1077,24 @@ class SegmentModel(NamedTuple):
     soft: dict = {}
 
 
-def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int, link: LinkSpec,
-                  device: DeviceSpec, boundary: Boundary | None = None) -> tuple[dict[str, Rule], SegmentCost, dict]:
+def solve_segment(
+    graph: OpGraph,
+    nodes: list[OpNode],
+    consumers: dict,
+    tp: int,
+    link: LinkSpec,
+    device: DeviceSpec,
+    boundary: Boundary | None = None,
+) -> tuple[dict[str, Rule], SegmentCost, dict]:
     """Solve the CP-SAT model of one segment on ``link``; the chosen rule per node, its cost and the values it
     hands to a block through ``scatter-seq-input`` (value -> (block, seq dim)). The variables and constraints
     depend on the graph, the segment, tp and the boundary only: they are built once (``segment_model``; a
     search solves each for several micro-batch sizes, i.e. scaled links) and solved again with each link's
     prices as the objective. ``boundary`` (``sp_boundary``) turns sequence parallelism on."""
     sp = boundary is not None
-    key = ("tp_segment_model", tp, tuple(n.name for n in nodes), _refusal_key(graph, tp, sp)) \
-        + ((("sp",) + boundary.key,) if sp else ())
+    key = ("tp_segment_model", tp, tuple(n.name for n in nodes), _refusal_key(graph, tp, sp)) + (
+        (("sp",) + boundary.key,) if sp else ()
+    )
     built = graph.derived(key, lambda: segment_model(graph, nodes, consumers, tp, boundary))
     costs = priced(built.terms, tp, link, device)
     add_objective(built.model, costs)
@@ -1031,8 +1108,14 @@ def solve_segment(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
     return chosen, _segment_cost(solver, costs), scatters
 
 
-def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int, boundary: Boundary | None = None,
-                  soft: dict[str, int] | None = None) -> SegmentModel:
+def segment_model(
+    graph: OpGraph,
+    nodes: list[OpNode],
+    consumers: dict,
+    tp: int,
+    boundary: Boundary | None = None,
+    soft: dict[str, int] | None = None,
+) -> SegmentModel:
     """The segment's model (``SegmentModel``). ``soft`` (value -> class) makes those boundary values' layouts
     variables (``sp_boundary``'s fixed point) instead of ``boundary``'s."""
     sp = boundary is not None
@@ -1040,8 +1123,9 @@ def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
     model = cp_model.CpModel()
     pick = add_op_choice(model, rules)
     layout = add_layouts(model, nodes, rules, pick, SP_LAYOUTS if sp else LAYOUTS)
-    terms, scatters, soft_vars = add_edge_transitions(model, graph, nodes, rules, pick, layout, consumers,
-                                                      boundary, soft)
+    terms, scatters, soft_vars = add_edge_transitions(
+        model, graph, nodes, rules, pick, layout, consumers, boundary, soft
+    )
     add_same_module_rules(model, graph, nodes, rules, pick)
     add_replicated_param_modules(model, graph, nodes, rules, pick, dims)
     if sp:
@@ -1053,9 +1137,12 @@ def segment_model(graph: OpGraph, nodes: list[OpNode], consumers: dict, tp: int,
 def priced(terms: list[tuple], tp: int, link: LinkSpec, device: DeviceSpec) -> list[tuple]:
     """(var, compute_s, comm_s, comm_bytes) of every term: 3·T_c(flops) on the device, the collective on the link."""
     flops_per_s = device.peak_tflops * 1e12 * device.matmul_efficiency
-    comm = {None: lambda size: 0.0, "all_reduce": lambda size: allreduce_s(size, tp, link),
-            "all_gather": lambda size: all_gather_s(size, tp, link),
-            "reduce_scatter": lambda size: reduce_scatter_s(size, tp, link)}
+    comm = {
+        None: lambda size: 0.0,
+        "all_reduce": lambda size: allreduce_s(size, tp, link),
+        "all_gather": lambda size: all_gather_s(size, tp, link),
+        "reduce_scatter": lambda size: reduce_scatter_s(size, tp, link),
+    }
     return [(var, FWD_BWD_FACTOR * flops / flops_per_s, comm[kind](size), size) for var, flops, kind, size in terms]
 
 
@@ -1067,11 +1154,14 @@ def add_op_choice(model: cp_model.CpModel, rules: dict[str, list[Rule]]) -> dict
     return pick
 
 
-def add_layouts(model, nodes: list[OpNode], rules: dict, pick: dict,
-                layouts: tuple[str, ...] = LAYOUTS) -> dict[str, dict[str, object]]:
+def add_layouts(
+    model, nodes: list[OpNode], rules: dict, pick: dict, layouts: tuple[str, ...] = LAYOUTS
+) -> dict[str, dict[str, object]]:
     """L(v)=a as a linear expression of the x of v's producer: Σ_{k: out(k)=a} x[v,k]."""
-    return {n.name: {a: sum(x for x, r in zip(pick[n.name], rules[n.name]) if r.output == a) for a in layouts}
-            for n in nodes}
+    return {
+        n.name: {a: sum(x for x, r in zip(pick[n.name], rules[n.name]) if r.output == a) for a in layouts}
+        for n in nodes
+    }
 
 
 TRANSITIONS = {(R, R), (S, S), (P, P), (P, R), (S, R)}
@@ -1079,9 +1169,17 @@ SP_TRANSITIONS = TRANSITIONS | {(Q, Q), (G, G), (H, H)}  # gathers and reduce-sc
 SCATTER = (R, Q)  # a value of the rest sliced at a block's input (scatter-seq-input); only on a boundary
 
 
-def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict, pick: dict, layout: dict,
-                         consumers: dict, boundary: Boundary | None = None,
-                         soft: dict[str, int] | None = None) -> tuple[list[tuple], dict, dict]:
+def add_edge_transitions(
+    model,
+    graph: OpGraph,
+    nodes: list[OpNode],
+    rules: dict,
+    pick: dict,
+    layout: dict,
+    consumers: dict,
+    boundary: Boundary | None = None,
+    soft: dict[str, int] | None = None,
+) -> tuple[list[tuple], dict, dict]:
     """t[e,a,b] per edge into the segment's nodes and per value leaving it; returns (cost terms, scatter
     transitions, soft boundary variables). A col linear's output is gathered for every reader or for none
     (``add_gather_all_or_none``). Without ``boundary`` everything entering or leaving is R."""
@@ -1101,8 +1199,9 @@ def add_edge_transitions(model, graph: OpGraph, nodes: list[OpNode], rules: dict
         if node.shape and (outside or not consumers.get(node.name) or node.name in crossing):
             need = _boundary_layout(model, boundary, soft, soft_vars, node.name)
             scatter = (SCATTER,) if boundary is not None and node.name in boundary.scatter else ()
-            edge_terms, t = _link_edge(model, graph, f"{node.name}->out", node.name, layout[node.name], need, lays,
-                                       scatter)
+            edge_terms, t = _link_edge(
+                model, graph, f"{node.name}->out", node.name, layout[node.name], need, lays, scatter
+            )
             terms += edge_terms
             edges_of.setdefault(node.name, []).append(t)
             if scatter:
@@ -1134,8 +1233,16 @@ def add_gather_all_or_none(model, edges_of: dict[str, list[dict]]) -> None:
                 model.Add(a + b <= 1)
 
 
-def _link_edge(model, graph: OpGraph, key: str, producer: str, have: dict, need: dict,
-               layouts: tuple[str, ...] = LAYOUTS, extra: tuple = ()) -> tuple[list[tuple], dict]:
+def _link_edge(
+    model,
+    graph: OpGraph,
+    key: str,
+    producer: str,
+    have: dict,
+    need: dict,
+    layouts: tuple[str, ...] = LAYOUTS,
+    extra: tuple = (),
+) -> tuple[list[tuple], dict]:
     size = graph.value_bytes(producer)
     node = graph._by_name().get(producer)
     after_linear = node is not None and op_name(node.target) in LINEAR_OPS and not is_conv1d(node)
@@ -1260,8 +1367,9 @@ def _solve_boundary(graph: OpGraph, tp: int) -> Boundary:
     members: dict[int, list[str]] = {}
     for value, c in class_of.items():
         members.setdefault(c, []).append(value)
-    candidates = {c for c, values in members.items()
-                  if c not in fixed and all(seq_ok(graph, v, qdims, tp) for v in values)}
+    candidates = {
+        c for c, values in members.items() if c not in fixed and all(seq_ok(graph, v, qdims, tp) for v in values)
+    }
     scatter = scatter_candidates(graph, tp, {v for v, c in class_of.items() if c in candidates})
     crossing = frozenset(class_of)
     while candidates:
@@ -1363,8 +1471,15 @@ def _default_styles(graph: OpGraph) -> tuple[dict[str, str], dict[str, str]]:
     return styles, {}
 
 
-def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules: dict[str, Rule], path: str,
-                   sp: bool = False, scatters: dict | None = None) -> None:
+def _record_styles(
+    graph: OpGraph,
+    choice: TPChoice,
+    nodes: list[OpNode],
+    rules: dict[str, Rule],
+    path: str,
+    sp: bool = False,
+    scatters: dict | None = None,
+) -> None:
     """Write the representative's styles (and reasons) for it and every block sharing its signature, and
     ``scatter-seq-input`` on each block that slices a value of the rest (``scatters``: value -> (block, dim))."""
     local: dict[str, tuple[str, str]] = {}
@@ -1385,7 +1500,7 @@ def _record_styles(graph: OpGraph, choice: TPChoice, nodes: list[OpNode], rules:
             local[node.module_path] = (f"gather-seq-input-dim{seq_dims(graph)[value]}", "")
     for target in _repeats(graph, path):
         for module, (style, reason) in local.items():
-            name = target + module[len(path):] if path else module
+            name = target + module[len(path) :] if path else module
             choice.styles[name] = style
             if reason:
                 choice.reasons[name] = reason
@@ -1411,19 +1526,22 @@ def module_style(graph: OpGraph, node: OpNode, rules: dict[str, Rule], gathered:
         if kind == "rep" and exit_ in rules and rules[exit_].kind == "slice":
             return f"scatter-seq-output-dim{q[exit_]}"
         return CONV1D_STYLE_OF_RULE[kind]
-    by_kind = {"colq": lambda: f"colwise{'-gather' if node.name in gathered else ''}-seq-input-dim{q[x]}",
-               "rowq": lambda: f"rowwise-seq-output-dim{q[node.name]}",
-               "repg": lambda: f"gather-seq-input-dim{q[x]}",
-               "reps": lambda: f"scatter-seq-output-dim{q[node.name]}",
-               "vocabq": lambda: f"vocab-parallel-embedding-seq-output-dim{q[node.name]}"}
+    by_kind = {
+        "colq": lambda: f"colwise{'-gather' if node.name in gathered else ''}-seq-input-dim{q[x]}",
+        "rowq": lambda: f"rowwise-seq-output-dim{q[node.name]}",
+        "repg": lambda: f"gather-seq-input-dim{q[x]}",
+        "reps": lambda: f"scatter-seq-output-dim{q[node.name]}",
+        "vocabq": lambda: f"vocab-parallel-embedding-seq-output-dim{q[node.name]}",
+    }
     if kind in by_kind:
         return by_kind[kind]()
     style = STYLE_OF_RULE.get("col" if kind == "colm" else kind, "replicate")
     return "colwise-gather" if style == "colwise" and node.name in gathered else style
 
 
-def _param_module_styles(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule], tp: int,
-                         sp: bool = False) -> dict:
+def _param_module_styles(
+    graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule], tp: int, sp: bool = False
+) -> dict:
     """Style and reason of each module with replicated parameters (norms, per-head norms, scales):
     ``sharded-input-dim{d}`` when its ops run on shards (d: the dim its input is sharded on: s(v) for S,
     q(v) for Q)."""
@@ -1442,8 +1560,10 @@ def _param_module_styles(graph: OpGraph, nodes: list[OpNode], rules: dict[str, R
     return out
 
 
-REPLICATED_PARAMS_REASON = ("its computation needs whole tensors where its input would be sharded (a norm, softmax or "
-                            "reduction over that dim, or an op with no sharding rule); replicated")
+REPLICATED_PARAMS_REASON = (
+    "its computation needs whole tensors where its input would be sharded (a norm, softmax or "
+    "reduction over that dim, or an op with no sharding rule); replicated"
+)
 
 
 def _gathered_outputs(graph: OpGraph, nodes: list[OpNode], rules: dict[str, Rule]) -> set[str]:
@@ -1486,12 +1606,18 @@ def block_activation_fraction(graph: OpGraph, tp: int, chosen: dict[str, dict[st
 
 def _replicate_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
     op = op_name(node.target)
-    refusal = (linear_refusal(graph, node, tp) if op in LINEAR_OPS
-               else tied_reason(graph, node) or style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding")
-               if op in EMBEDDING_OPS else "")
+    refusal = (
+        linear_refusal(graph, node, tp)
+        if op in LINEAR_OPS
+        else tied_reason(graph, node) or style_module_refusal(node, EMBEDDING_TYPES, "nn.Embedding")
+        if op in EMBEDDING_OPS
+        else ""
+    )
     refusal = refusal or proof_reason(graph, node, tp)
-    return refusal or ("the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
-                       "resharding communication it adds")
+    return refusal or (
+        "the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
+        "resharding communication it adds"
+    )
 
 
 def _repeats(graph: OpGraph, path: str) -> list[str]:

@@ -159,12 +159,15 @@ def prove_degree(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: in
         if not failures:
             return refused | unexercised(full, tp, layout)
         refused |= failures
-    return {n.name: f"tp={tp}: the model's code did not match a sharded layout after {MAX_ROUNDS} attempts; "
-                    f"replicated" for n in full.nodes}
+    return {
+        n.name: f"tp={tp}: the model's code did not match a sharded layout after {MAX_ROUNDS} attempts; replicated"
+        for n in full.nodes
+    }
 
 
-def prove_sequence_parallel(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int,
-                            base: dict[str, str]) -> dict[str, str]:
+def prove_sequence_parallel(
+    model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int, base: dict[str, str]
+) -> dict[str, str]:
     """Rules refused at degree tp with sequence parallelism (module doc, "Sequence parallelism")."""
     if full.tokens_per_sample <= 1:
         return {SP_REFUSED: "not a token model (tokens_per_sample = 1): no sequence to shard"}
@@ -180,8 +183,9 @@ def prove_sequence_parallel(model_file: ModelFile, captured: OpGraph, full: OpGr
         refused |= failures
         if SP_REFUSED in failures:
             return refused
-    return refused | {SP_REFUSED: f"tp={tp}: the model's code did not match a sequence-parallel layout after "
-                                  f"{MAX_ROUNDS} attempts"}
+    return refused | {
+        SP_REFUSED: f"tp={tp}: the model's code did not match a sequence-parallel layout after {MAX_ROUNDS} attempts"
+    }
 
 
 S_KINDS = ("col", "row", "vocab", "shard", "colq", "rowq")  # rules that make, read or reduce S: degree t's verdict
@@ -226,9 +230,14 @@ def widest_layout(full: OpGraph, tp: int, sp: bool = False) -> Layout:
         built = segment_model(full, nodes, consumers, tp, boundary)
         model, rules, pick = built.model, built.rules, built.pick
         if sp:  # replicated rules cost 4; a linear's own gather 1 where its module may gather once instead
-            model.Minimize(sum(_widest_weight(full, n, r) * x for n in nodes
-                               if len(pick[n.name]) > 1 and op_name(n.target) not in SINK_OPS
-                               for x, r in zip(pick[n.name], rules[n.name])))
+            model.Minimize(
+                sum(
+                    _widest_weight(full, n, r) * x
+                    for n in nodes
+                    if len(pick[n.name]) > 1 and op_name(n.target) not in SINK_OPS
+                    for x, r in zip(pick[n.name], rules[n.name])
+                )
+            )
         else:
             model.Minimize(sum(xs[0] for name, xs in pick.items() if len(xs) > 1))
         solver = cp_model.CpSolver()
@@ -280,9 +289,11 @@ def _unexercised_seq(full: OpGraph, tp: int, layout: Layout) -> dict[str, str]:
         for rule in rules:
             if uses_seq(rule) and rule.kind != chosen.kind:
                 where = node.module_path or "the root"
-                out[f"{name}:{rule.kind}"] = (f"{UNEXERCISED} {op_name(node.target)} in {where} by its {rule.kind} "
-                                              f"rule (sequence parallel) at tp={tp}")
-    for value in (layout.boundary.scatter if layout.boundary is not None else {}):
+                out[f"{name}:{rule.kind}"] = (
+                    f"{UNEXERCISED} {op_name(node.target)} in {where} by its {rule.kind} "
+                    f"rule (sequence parallel) at tp={tp}"
+                )
+    for value in layout.boundary.scatter if layout.boundary is not None else {}:
         if value not in layout.scatters:
             out[f"{value}:scatter"] = f"{UNEXERCISED} {value} sliced at its block's input at tp={tp}"
     return out
@@ -291,8 +302,7 @@ def _unexercised_seq(full: OpGraph, tp: int, layout: Layout) -> dict[str, str]:
 # ---------------------------------------------------------------------------- the local program
 
 
-def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layout: Layout,
-                   tp: int) -> dict[str, str]:
+def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layout: Layout, tp: int) -> dict[str, str]:
     """Steps 2-3: representative nodes whose code gives another shape on shards, with reasons."""
     model = build_on_meta(model_file)
     if captured.fold is not None:
@@ -306,8 +316,9 @@ def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layo
         try:
             program = export_module(model, inputs, model_file.spec)
         except Exception as exc:  # the code cannot run on shards at all: refuse where it stopped
-            return (_refuse_param_reads(full, layout, watch.reads, tp)
-                    or _refuse_raised(captured, full, layout, stack[-1] if stack else "", events, tp, exc))
+            return _refuse_param_reads(full, layout, watch.reads, tp) or _refuse_raised(
+                captured, full, layout, stack[-1] if stack else "", events, tp, exc
+            )
     misused = _refuse_param_reads(full, layout, watch.reads, tp, _live_param_uses(program, watch.params))
     if misused:  # the shapes after such a read say nothing more: check again without those modules' shards
         return misused
@@ -315,8 +326,9 @@ def local_failures(model_file: ModelFile, captured: OpGraph, full: OpGraph, layo
     return compare_shapes(captured, full, layout, local, tp)
 
 
-def _refuse_raised(captured: OpGraph, full: OpGraph, layout: Layout, running: str, events: list, tp: int,
-                   exc: BaseException) -> dict[str, str]:
+def _refuse_raised(
+    captured: OpGraph, full: OpGraph, layout: Layout, running: str, events: list, tp: int, exc: BaseException
+) -> dict[str, str]:
     """The export raised in module ``running``. Without sequence parallelism: that module's shardable ops. With
     it, the first module call of the run that already saw a wrong shape places the blame (``_first_wrong``): a
     module entered with a wrong input blames that input's producer (``_seq_refusal``), a module that returned a
@@ -326,8 +338,12 @@ def _refuse_raised(captured: OpGraph, full: OpGraph, layout: Layout, running: st
     kind, path, producer = _first_wrong(captured, layout, events, tp)
     if kind == "enter":
         rep = layout.rep_of.get(producer, producer)
-        return _seq_refusal(full, layout, rep, f"{_raised(exc, path, tp)} (its input {producer} has another shape "
-                                               f"than the layout needs)")
+        return _seq_refusal(
+            full,
+            layout,
+            rep,
+            f"{_raised(exc, path, tp)} (its input {producer} has another shape than the layout needs)",
+        )
     if kind == "leave":
         return _refuse_module(full, layout, path, tp, exc, located=True)
     finished = [p for k, p, _ in events if k == "leave"]
@@ -346,14 +362,16 @@ def _first_wrong(captured: OpGraph, layout: Layout, events: list, tp: int) -> tu
         members = _members(captured, path)
         names = {n.name for n in members}
         if kind == "enter":
-            outer = [x for x in dict.fromkeys(x for n in members for x in n.inputs)
-                     if x in by_name and x not in names]
+            outer = [x for x in dict.fromkeys(x for n in members for x in n.inputs) if x in by_name and x not in names]
             expected = {_arriving_shape(by_name[x], path, layout, tp) for x in outer}
             if outer and shape not in expected:
                 return kind, path, outer[0]
         else:
-            out = {expected_shape(n, layout, tp) for n in members if n.shape
-                   and (not readers.get(n.name) or any(r not in names for r in readers[n.name]))}
+            out = {
+                expected_shape(n, layout, tp)
+                for n in members
+                if n.shape and (not readers.get(n.name) or any(r not in names for r in readers[n.name]))
+            }
             if out and shape not in out:
                 return kind, path, ""
     return "", "", ""
@@ -416,14 +434,15 @@ def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> dict[s
         except AttributeError:  # a layer that folding removed
             continue
         if style.startswith(SCATTER_INPUT):
-            module.register_forward_pre_hook(_ScatterHook(int(style[len(SCATTER_INPUT):]), tp))
+            module.register_forward_pre_hook(_ScatterHook(int(style[len(SCATTER_INPUT) :]), tp))
             continue
         if style.startswith(GATHER_MODULE_INPUT):
-            module.register_forward_pre_hook(_GatherHook(int(style[len(GATHER_MODULE_INPUT):]), tp), with_kwargs=True)
+            module.register_forward_pre_hook(_GatherHook(int(style[len(GATHER_MODULE_INPUT) :]), tp), with_kwargs=True)
             continue
         if style.startswith(GATHER_INPUT):  # PrepareModuleInput: exactly one positional argument
-            module.register_forward_pre_hook(_GatherHook(int(style[len(GATHER_INPUT):]), tp, positional=True),
-                                             with_kwargs=True)
+            module.register_forward_pre_hook(
+                _GatherHook(int(style[len(GATHER_INPUT) :]), tp, positional=True), with_kwargs=True
+            )
             continue
         shard_features, seq = STAND_INS[style]
         features = _features(module)
@@ -435,16 +454,24 @@ def stand_in_shards(model: nn.Module, styles: dict[str, str], tp: int) -> dict[s
 def _stand_ins() -> dict[str, tuple[bool, tuple[str, int] | None]]:
     """style -> (whether its output features are a shard, what it does to the sequence dim: ("gather", d) multiplies
     it by tp, ("split", d) divides it, None keeps it)."""
-    out = {"colwise": (True, None), "colwise-gather": (False, None), "rowwise": (False, None),
-           "conv1d-colwise": (True, None), "conv1d-rowwise": (False, None), "vocab-parallel-embedding": (False, None)}
+    out = {
+        "colwise": (True, None),
+        "colwise-gather": (False, None),
+        "rowwise": (False, None),
+        "conv1d-colwise": (True, None),
+        "conv1d-rowwise": (False, None),
+        "vocab-parallel-embedding": (False, None),
+    }
     for d in range(MAX_SEQ_DIM):
-        out |= {f"colwise-seq-input-dim{d}": (True, ("gather", d)),
-                f"colwise-gather-seq-input-dim{d}": (False, ("gather", d)),
-                f"conv1d-colwise-seq-input-dim{d}": (True, ("gather", d)),
-                f"rowwise-seq-output-dim{d}": (False, ("split", d)),
-                f"conv1d-rowwise-seq-output-dim{d}": (False, ("split", d)),
-                f"vocab-parallel-embedding-seq-output-dim{d}": (False, ("split", d)),
-                f"scatter-seq-output-dim{d}": (False, ("split", d))}
+        out |= {
+            f"colwise-seq-input-dim{d}": (True, ("gather", d)),
+            f"colwise-gather-seq-input-dim{d}": (False, ("gather", d)),
+            f"conv1d-colwise-seq-input-dim{d}": (True, ("gather", d)),
+            f"rowwise-seq-output-dim{d}": (False, ("split", d)),
+            f"conv1d-rowwise-seq-output-dim{d}": (False, ("split", d)),
+            f"vocab-parallel-embedding-seq-output-dim{d}": (False, ("split", d)),
+            f"scatter-seq-output-dim{d}": (False, ("split", d)),
+        }
     return out
 
 
@@ -484,10 +511,34 @@ class _ShardStandIn:
 
 # What the model's code may read of a sharded parameter outside its module: the same on every rank and in
 # both runtimes (DTensor parameters; the local shards inside pipeline stages, ``runtime.tensor_parallel_stages``).
-SAME_EVERYWHERE = frozenset({
-    "device", "dtype", "layout", "requires_grad", "is_leaf", "grad_fn", "ndim", "dim", "get_device",
-    "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
-    "is_floating_point", "is_complex", "is_signed", "element_size", "itemsize", "names"})
+SAME_EVERYWHERE = frozenset(
+    {
+        "device",
+        "dtype",
+        "layout",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "ndim",
+        "dim",
+        "get_device",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_mps",
+        "is_xpu",
+        "is_sparse",
+        "is_quantized",
+        "is_mkldnn",
+        "is_nested",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "element_size",
+        "itemsize",
+        "names",
+    }
+)
 # Reads that differ between them: a DTensor's size is the whole tensor's, a stage's local shard its own slice.
 SIZE_READS = frozenset({"shape", "size", "numel", "nelement", "nbytes", "stride", "__len__", "storage_offset"})
 
@@ -501,8 +552,9 @@ class _ParamWatch(torch.overrides.TorchFunctionMode):
     def __init__(self, stood: dict[str, nn.Module]):
         super().__init__()
         self.stood = stood
-        self.params = {f"{path}.{name}" for path, m in stood.items() for name, p in m._parameters.items()
-                       if p is not None}
+        self.params = {
+            f"{path}.{name}" for path, m in stood.items() for name, p in m._parameters.items() if p is not None
+        }
         self.owners: dict[int, str] = {}
         self.reads: list[tuple[str, str, str, str]] = []
 
@@ -515,8 +567,12 @@ class _ParamWatch(torch.overrides.TorchFunctionMode):
 
         @wraps(bound)
         def forward(*args, **kwargs):
-            self.owners = {id(p): f"{path}.{name}" for path, m in self.stood.items()
-                           for name, p in m._parameters.items() if p is not None}
+            self.owners = {
+                id(p): f"{path}.{name}"
+                for path, m in self.stood.items()
+                for name, p in m._parameters.items()
+                if p is not None
+            }
             with self:
                 return bound(*args, **kwargs)
 
@@ -552,7 +608,7 @@ def _called(func) -> str:
 
 
 def _model_location() -> str:
-    """"file.py:7 (`code`)" of the innermost frame of the model's own code on the Python stack."""
+    """ "file.py:7 (`code`)" of the innermost frame of the model's own code on the Python stack."""
     for frame in reversed(traceback.extract_stack()):
         if _is_user_file(frame.filename):
             code = f" (`{frame.line.strip()}`)" if frame.line and frame.line.strip() else ""
@@ -582,14 +638,16 @@ def _live_param_uses(program: torch.export.ExportedProgram, params: set[str]) ->
     return out
 
 
-def _refuse_param_reads(full: OpGraph, layout: Layout, reads: list, tp: int,
-                        live: dict[str, set[str]] | None = None) -> dict[str, str]:
+def _refuse_param_reads(
+    full: OpGraph, layout: Layout, reads: list, tp: int, live: dict[str, set[str]] | None = None
+) -> dict[str, str]:
     """{the module's own op (its representative): reason} for each stood-in module whose parameter the model's
     code read outside it in a way the shard does not support: its size (the whole tensor's under DTensor, one
     rank's slice inside pipeline stages), or a computation (at run time a DTensor meeting the code's plain
     tensors, or one rank's slice taken for the whole weight) whose result the program uses (``live``: those
     parameters and the ops that use them; None when the export raised, when every computation counts). The
     reason names the first size read, else the call that made a live op (by its name), else the first call."""
+
     def rank(read) -> int:
         param, what, kind, _ = read
         return 0 if kind == "size" else 1 if live and what in live.get(param, ()) else 2
@@ -600,11 +658,15 @@ def _refuse_param_reads(full: OpGraph, layout: Layout, reads: list, tp: int,
             continue
         module = param.rpartition(".")[0]
         if kind == "size":
-            why = (f"{where} reads {param}.{what} outside {module}, which tp={tp} shards: its size is the whole "
-                   f"weight's under DTensor but one rank's slice inside pipeline stages; replicated")
+            why = (
+                f"{where} reads {param}.{what} outside {module}, which tp={tp} shards: its size is the whole "
+                f"weight's under DTensor but one rank's slice inside pipeline stages; replicated"
+            )
         else:
-            why = (f"{where} computes {what} on {param} outside {module}, which tp={tp} shards: only the module's "
-                   f"own forward runs on the shard (elsewhere a DTensor would meet plain tensors); replicated")
+            why = (
+                f"{where} computes {what} on {param} outside {module}, which tp={tp} shards: only the module's "
+                f"own forward runs on the shard (elsewhere a DTensor would meet plain tensors); replicated"
+            )
         for n in full.nodes:
             if n.module_path == module and op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS:
                 out.setdefault(layout.rep_of.get(n.name, n.name), why)
@@ -743,8 +805,11 @@ def _seq_edges(full: OpGraph, layout: Layout) -> list[tuple[int, str]]:
     """(graph position, ``node:kind`` or ``value:scatter``) of every place the layout splits the tokens
     (a reduce-scatter, a slice, a block's scatter) or gathers them, in graph order."""
     order = _order(full)
-    found = [(order[name], f"{name}:{rule.kind}") for name, rule in layout.rules.items()
-             if rule.kind in SEQ_SOURCE_KINDS | SEQ_GATHER_KINDS and name in order]
+    found = [
+        (order[name], f"{name}:{rule.kind}")
+        for name, rule in layout.rules.items()
+        if rule.kind in SEQ_SOURCE_KINDS | SEQ_GATHER_KINDS and name in order
+    ]
     found += [(order[v], f"{v}:scatter") for v in layout.scatters if v in order]
     return sorted(found)
 
@@ -760,27 +825,34 @@ def _order(full: OpGraph) -> dict[str, int]:
     return full.derived("tp_proof_order", lambda: {n.name: i for i, n in enumerate(full.nodes)})
 
 
-def _refuse_module(full: OpGraph, layout: Layout, module: str, tp: int, exc: BaseException,
-                   located: bool = False, point: str = "") -> dict[str, str]:
+def _refuse_module(
+    full: OpGraph, layout: Layout, module: str, tp: int, exc: BaseException, located: bool = False, point: str = ""
+) -> dict[str, str]:
     """Every op that could run on shards inside ``module`` (all of them when no module was running); with
     sequence parallelism one split or gather of the tokens (``_refuse_module_seq``)."""
     root = exc.__cause__ or exc
     first = (str(root).strip().splitlines() or [""])[0][:120]
     where = _user_location(root)
-    why = (f"the model's code fails on a tp={tp} shard in {module or 'the root'} ({type(root).__name__}: {first}"
-           f"{' at ' + where if where else ''}); replicated")
+    why = (
+        f"the model's code fails on a tp={tp} shard in {module or 'the root'} ({type(root).__name__}: {first}"
+        f"{' at ' + where if where else ''}); replicated"
+    )
     inside = [n for n in full.nodes if not module or n.module_path == module or n.module_path.startswith(module + ".")]
     if layout.sp:
         return _refuse_module_seq(full, layout, inside, why, located, point)
-    out = {layout.rep_of.get(n.name, n.name): why for n in inside
-           if _can_shard(layout.allowed.get(layout.rep_of.get(n.name, n.name), ()))}
+    out = {
+        layout.rep_of.get(n.name, n.name): why
+        for n in inside
+        if _can_shard(layout.allowed.get(layout.rep_of.get(n.name, n.name), ()))
+    }
     if not out:  # the failure is outside every op that can shard: nothing can be trusted at this degree
         out = {name: why for name, rules in layout.allowed.items() if _can_shard(rules)}
     return out
 
 
-def _refuse_module_seq(full: OpGraph, layout: Layout, inside: list[OpNode], why: str, located: bool,
-                       point: str) -> dict[str, str]:
+def _refuse_module_seq(
+    full: OpGraph, layout: Layout, inside: list[OpNode], why: str, located: bool, point: str
+) -> dict[str, str]:
     """The export raised (module doc, "Sequence parallelism"), in the order tried:
 
     located (a finished module's output was already wrong; ``inside`` its nodes): its gathers of the tokens
@@ -794,15 +866,27 @@ def _refuse_module_seq(full: OpGraph, layout: Layout, inside: list[OpNode], why:
     if not reps:
         return {SP_REFUSED: why}
     start = min(order.get(r, 0) for r in reps)
-    stop = max((order.get(layout.rep_of.get(n.name, n.name), 0) for n in full.nodes
-                if point and _inside(n.module_path, {point})), default=start - 1)
+    stop = max(
+        (
+            order.get(layout.rep_of.get(n.name, n.name), 0)
+            for n in full.nodes
+            if point and _inside(n.module_path, {point})
+        ),
+        default=start - 1,
+    )
     names = set(reps)
     edges = [(at, key) for at, key in _seq_edges(full, layout) if key.split(":")[0] in names]
     gathers = [key for at, key in edges if key.split(":")[1] in SEQ_GATHER_KINDS and (located or at <= stop)]
     splits = [key for at, key in edges if key.split(":")[1] not in SEQ_GATHER_KINDS and (located or at <= stop)]
     styled = {p for p, s in layout.choice.styles.items() if s in STAND_INS}
-    running = [f"{r}:seq" for r in dict.fromkeys(reps) if order.get(r, 0) > stop and layout.rules.get(r) is not None
-               and layout.rules[r].kind == "seq" and not _inside(full.node(r).module_path, styled)]
+    running = [
+        f"{r}:seq"
+        for r in dict.fromkeys(reps)
+        if order.get(r, 0) > stop
+        and layout.rules.get(r) is not None
+        and layout.rules[r].kind == "seq"
+        and not _inside(full.node(r).module_path, styled)
+    ]
     upstream = _nearest_edge(full, layout, min(reps, key=lambda r: order.get(r, 0)))
     tries = [gathers, splits[:1], [upstream]] if located else [running, gathers, splits[-1:], [upstream]]
     pick = next((keys for keys in tries if any(keys)), [])
@@ -825,8 +909,9 @@ class _module_stack:
 
     def __enter__(self):
         for path, module in self.model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(partial(self._enter, path), prepend=True,
-                                                                 with_kwargs=True))
+            self.handles.append(
+                module.register_forward_pre_hook(partial(self._enter, path), prepend=True, with_kwargs=True)
+            )
             self.handles.append(module.register_forward_hook(self._leave))
         return self
 

@@ -65,8 +65,13 @@ class StageOptimizers:
     rank holding several stages (interleaved) keeps one optimizer per stage (as torchtitan does).
     """
 
-    def __init__(self, modules: list[nn.Module], optimizer_class=torch.optim.AdamW,
-                 params_of: Callable[[nn.Module], Any] | None = None, **kwargs):
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        optimizer_class=torch.optim.AdamW,
+        params_of: Callable[[nn.Module], Any] | None = None,
+        **kwargs,
+    ):
         """``optimizer_class(params_of(module), **kwargs)`` per stage module; ``params_of`` defaults to
         ``module.parameters()`` (``recipe.build_optimizer`` passes its weight-decay groups)."""
         self.modules = list(modules)
@@ -82,8 +87,9 @@ class StageOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, data=None, scheduler=None,
-         scaler=None) -> Path:
+def save(
+    checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=None, data=None, scheduler=None, scaler=None
+) -> Path:
     """Write the state after ``steps_done`` steps (and ``scheduler``'s position, given one: a
     ``recipe.build_scheduler``; and an fp16 plan's loss ``scaler``, its scale and growth count); returns the
     final folder.
@@ -101,8 +107,9 @@ def save(checkpoint_dir: str | Path, steps_done: int, model, optimizer, mesh=Non
         state["scaler"] = scaler_state(scaler)
     if data is not None:
         state["data"] = {key: torch.tensor(value) for key, value in data.position(steps_done).items()}
-    final = _write(Path(checkpoint_dir) / f"step-{steps_done:08d}", state,
-                   lambda: faults.inject("kill-in-checkpoint", steps_done))
+    final = _write(
+        Path(checkpoint_dir) / f"step-{steps_done:08d}", state, lambda: faults.inject("kill-in-checkpoint", steps_done)
+    )
     _say(f"saved checkpoint {final} after step {steps_done} ({time.perf_counter() - start:.1f} s)")
     return final
 
@@ -136,17 +143,23 @@ def load_weights(source: str | Path, model, optimizer, mesh=None) -> None:
     elif path.is_dir() and any(path.glob("*.safetensors")):
         reader, prefix = HuggingFaceStorageReader(str(path)), ""
     else:
-        raise AutoshardError(f"--init-from {source}: neither a Hugging Face folder of *.safetensors nor a DCP "
-                             f"checkpoint (.metadata); pass the folder save_pretrained wrote, or a checkpoint step-N")
+        raise AutoshardError(
+            f"--init-from {source}: neither a Hugging Face folder of *.safetensors nor a DCP "
+            f"checkpoint (.metadata); pass the folder save_pretrained wrote, or a checkpoint step-N"
+        )
     model_state, restore = _model_weights(model, optimizer, mesh)
     present = {key.removeprefix(prefix) for key in reader.read_metadata().state_dict_metadata}
     ties = _tied_names(model)
-    wanted = {name: next((t for t in ties.get(name, ()) if t in present), None) if name not in present else name
-              for name in model_state}
+    wanted = {
+        name: next((t for t in ties.get(name, ()) if t in present), None) if name not in present else name
+        for name in model_state
+    }
     missing = sorted(name for name, found in wanted.items() if found is None)
     if missing:
-        raise AutoshardError(f"--init-from {source} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])}"
-                             f"{', ...' if len(missing) > 4 else ''}); pass weights saved from this model")
+        raise AutoshardError(
+            f"--init-from {source} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}); pass weights saved from this model"
+        )
     by_source: dict[str, list[str]] = {}
     for name, found in wanted.items():
         by_source.setdefault(found, []).append(name)
@@ -164,8 +177,10 @@ def export_hf(folder: str | Path, model, optimizer, mesh=None) -> Path:
 
     model_state, _ = _model_weights(model, optimizer, mesh)
     Path(folder).mkdir(parents=True, exist_ok=True)
-    dcp.save(model_state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True,
-                                                                   enable_consolidation=True))
+    dcp.save(
+        model_state,
+        storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True),
+    )
     return Path(folder)
 
 
@@ -224,9 +239,11 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
     path = Path(folder)
     metadata = safe_load.SafeFileSystemReader(path).read_metadata()
-    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    model = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         safe_load.dcp_load({"model": model}, path)
@@ -261,15 +278,19 @@ def lock(checkpoint_dir: str | Path, holder: str) -> CheckpointLock:
         root.mkdir(parents=True, exist_ok=True)
         fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise AutoshardError(f"cannot use checkpoint folder {root}: {exc.strerror}; fix: choose a folder you "
-                             f"can write, e.g. --checkpoint-dir ckpt") from None
+        raise AutoshardError(
+            f"cannot use checkpoint folder {root}: {exc.strerror}; fix: choose a folder you "
+            f"can write, e.g. --checkpoint-dir ckpt"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
         os.close(fd)
-        raise AutoshardError(f"checkpoint folder {root} is in use by another job ({who}); wait for it to end "
-                             f"or stop it, or give this run another --checkpoint-dir") from None
+        raise AutoshardError(
+            f"checkpoint folder {root} is in use by another job ({who}); wait for it to end "
+            f"or stop it, or give this run another --checkpoint-dir"
+        ) from None
     held = CheckpointLock(str(root.resolve()), fd)
     held.note(holder)
     return held
@@ -321,8 +342,9 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
         state["data"] = {key: torch.tensor(0) for key in kept}
     safe_load.dcp_load(state, Path(path))  # dcp.load that runs no code from the checkpoint (safe_load)
     if "data" in state:
-        data.check_position({key: int(value) for key, value in state["data"].items()}, str(path),
-                            int(state["steps_done"]))
+        data.check_position(
+            {key: int(value) for key, value in state["data"].items()}, str(path), int(state["steps_done"])
+        )
     restore()
     steps_done = int(state["steps_done"])
     if scheduler is not None:  # saved without one: the position of the steps done
@@ -334,15 +356,19 @@ def load(path: str | Path, model, optimizer, mesh=None, data=None, scheduler=Non
 
 def scaler_state(scaler) -> dict[str, torch.Tensor]:
     """A loss scaler's (``runtime.grad_scaler``) scale and steps since it last grew, as checkpoints hold them."""
-    return {"scale": torch.tensor(float(scaler.get_scale()), dtype=torch.float64),
-            "growth_tracker": torch.tensor(int(scaler._get_growth_tracker()))}
+    return {
+        "scale": torch.tensor(float(scaler.get_scale()), dtype=torch.float64),
+        "growth_tracker": torch.tensor(int(scaler._get_growth_tracker())),
+    }
 
 
 def load_scaler_state(scaler, state: dict[str, torch.Tensor]) -> None:
     """Put ``scaler_state``'s scale and growth count back: a resumed fp16 run scales as the uninterrupted one."""
     kept = scaler.state_dict()
     if kept:  # an enabled scaler
-        scaler.load_state_dict({**kept, "scale": float(state["scale"]), "_growth_tracker": int(state["growth_tracker"])})
+        scaler.load_state_dict(
+            {**kept, "scale": float(state["scale"]), "_growth_tracker": int(state["growth_tracker"])}
+        )
 
 
 def _has_key(path: str | Path, prefix: str) -> bool:
@@ -386,8 +412,9 @@ def load_scheduler_state(scheduler, state: dict[str, torch.Tensor]) -> None:
     (ZeRO-1's optimizer copies its groups' rates into its local optimizer's at each step, so the rate is set on
     the groups, not only read back with the optimizer's state)."""
     for one in _lr_schedulers(scheduler):
-        one.load_state_dict({**one.state_dict(), "last_epoch": int(state["last_epoch"]),
-                             "_step_count": int(state["step_count"])})
+        one.load_state_dict(
+            {**one.state_dict(), "last_epoch": int(state["last_epoch"]), "_step_count": int(state["step_count"])}
+        )
         rates = [base * factor(one.last_epoch) for base, factor in zip(one.base_lrs, one.lr_lambdas)]
         for group, rate in zip(one.optimizer.param_groups, rates):
             group["lr"] = rate
@@ -401,8 +428,11 @@ def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: boo
     (``this_rank_has_all`` False): then the checkpoint may have more. Every rank finds the same
     mismatch, so only rank 0 prints it (``same_on_every_rank``; ``faults.guard``)."""
     metadata = safe_load.SafeFileSystemReader(Path(path)).read_metadata().state_dict_metadata
-    saved = {key[len("model."):]: tuple(getattr(meta, "size", ())) for key, meta in metadata.items()
-             if key.startswith("model.")}
+    saved = {
+        key[len("model.") :]: tuple(getattr(meta, "size", ()))
+        for key, meta in metadata.items()
+        if key.startswith("model.")
+    }
     here = {name: tuple(value.shape) for name, value in model_state.items() if isinstance(value, torch.Tensor)}
     missing = sorted(set(here) - set(saved))
     extra = sorted(set(saved) - set(here)) if this_rank_has_all else []
@@ -411,20 +441,24 @@ def check_same_model(path: str | Path, model_state: dict, this_rank_has_all: boo
         return
     if reshaped:
         name = reshaped[0]
-        what = (f"'{name}' is {list(saved[name])} there and {list(here[name])} here"
-                + (f" ({len(reshaped) - 1} more differ)" if len(reshaped) > 1 else ""))
+        what = f"'{name}' is {list(saved[name])} there and {list(here[name])} here" + (
+            f" ({len(reshaped) - 1} more differ)" if len(reshaped) > 1 else ""
+        )
     elif missing:
         what = f"it has no '{missing[0]}'" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
     else:
         what = f"it has '{extra[0]}', which this model lacks" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
-    exc = AutoshardError(f"checkpoint {path} was written for another model: {what}; fix: give this run another "
-                         f"--checkpoint-dir, or resume it with the model that wrote it")
+    exc = AutoshardError(
+        f"checkpoint {path} was written for another model: {what}; fix: give this run another "
+        f"--checkpoint-dir, or resume it with the model that wrote it"
+    )
     exc.same_on_every_rank = True
     raise exc
 
 
-def resume(checkpoint_dir: str | Path | None, model, optimizer, mesh=None, data=None, scheduler=None,
-           scaler=None) -> int:
+def resume(
+    checkpoint_dir: str | Path | None, model, optimizer, mesh=None, data=None, scheduler=None, scaler=None
+) -> int:
     """Load the newest complete checkpoint in ``checkpoint_dir`` if any (``scheduler`` and ``scaler``
     too, given them); the step to start at (``data``, the
     run's ``RankBatches``, then reads from that step's position)."""
@@ -465,6 +499,7 @@ def _state(model, optimizer, mesh) -> tuple[dict, dict, Callable[[], None]]:
 
     def restore() -> None:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=OPTIONS)
+
     return model_state, optim_state, restore
 
 
@@ -493,6 +528,7 @@ def model_state(model, mesh=None) -> tuple[dict, Callable[[], None]]:
     def restore() -> None:
         for key, value in wrapped.items():
             _local(originals[key]).copy_(value.to_local())
+
     return state, restore
 
 
@@ -501,11 +537,19 @@ def _as_globals(originals: dict, parts, modules: list[nn.Module], mesh) -> dict:
     shards (``_as_global``) and expert shards (``_expert_as_global``)."""
     dims = getattr(parts, "tp_shard_dims", {})
     experts = _expert_shards(modules)
-    wrapped = {key: _as_global(value, dims[name], mesh) for key, value in originals.items()
-               if (name := _param_name(*key)) in dims and isinstance(value, torch.Tensor) and value.dim() > 0}
-    wrapped |= {key: _expert_as_global(value, experts[name]) for key, value in originals.items()
-                if (name := _param_name(*key)) in experts and name not in dims and isinstance(value, torch.Tensor)
-                and value.dim() > 0}
+    wrapped = {
+        key: _as_global(value, dims[name], mesh)
+        for key, value in originals.items()
+        if (name := _param_name(*key)) in dims and isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+    wrapped |= {
+        key: _expert_as_global(value, experts[name])
+        for key, value in originals.items()
+        if (name := _param_name(*key)) in experts
+        and name not in dims
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+    }
     return wrapped
 
 
@@ -513,8 +557,10 @@ def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dic
     per_stage = [get_state_dict(m, o, options=OPTIONS) for m, o in zip(optimizers.modules, optimizers.optimizers)]
     model_state = {k: v for m, _ in per_stage for k, v in m.items()}
     optim_state = {k: v for _, o in per_stage for k, v in o.items()}
-    originals = {**{("model", k): v for k, v in model_state.items()},
-                 **{("optim", k): v for k, v in optim_state.items()}}
+    originals = {
+        **{("model", k): v for k, v in model_state.items()},
+        **{("optim", k): v for k, v in optim_state.items()},
+    }
     wrapped = _as_globals(originals, parts, optimizers.modules, mesh)
     model_state.update({k: v for (kind, k), v in wrapped.items() if kind == "model"})
     optim_state.update({k: v for (kind, k), v in wrapped.items() if kind == "optim"})
@@ -523,9 +569,14 @@ def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dic
         for key, value in wrapped.items():
             _local(originals[key]).copy_(value.to_local())
         for (module, optimizer), (m, o) in zip(zip(optimizers.modules, optimizers.optimizers), per_stage):
-            set_state_dict(module, optimizer, options=OPTIONS,
-                           model_state_dict={k: originals[("model", k)] for k in m},
-                           optim_state_dict={k: originals[("optim", k)] for k in o})
+            set_state_dict(
+                module,
+                optimizer,
+                options=OPTIONS,
+                model_state_dict={k: originals[("model", k)] for k in m},
+                optim_state_dict={k: originals[("optim", k)] for k in o},
+            )
+
     return model_state, optim_state, restore
 
 
@@ -545,20 +596,31 @@ def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
         dp_placement = _StridedShard(0, split_factor=tp) if dim == 0 else Shard(0)
         if value.placements[0].is_replicate():  # FSDP2's replicate (ZeRO-0): whole on every dp rank
             dp_placement = Replicate()
-        return DTensor.from_local(value.to_local(), mesh["dp", "tp"], (dp_placement, Shard(dim)), run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        return DTensor.from_local(
+            value.to_local(),
+            mesh["dp", "tp"],
+            (dp_placement, Shard(dim)),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_contiguous_stride(shape),
+        )
     shape = list(value.shape)
     shape[dim] *= tp
-    return DTensor.from_local(value, mesh["tp"], (Shard(dim),), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    return DTensor.from_local(
+        value, mesh["tp"], (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
+    )
 
 
 def _expert_shards(modules: list[nn.Module]) -> dict:
     """Name -> ``ExpertShard`` of every plain expert shard in the stage modules (``expert_parallel``)."""
     from autoshard.runtime.expert_parallel import expert_shard_of
 
-    return {name: shard for module in modules for name, param in module.named_parameters()
-            if (shard := expert_shard_of(param)) is not None}
+    return {
+        name: shard
+        for module in modules
+        for name, param in module.named_parameters()
+        if (shard := expert_shard_of(param)) is not None
+    }
 
 
 _EP_MESHES: dict = {}  # ep process group -> its 1-D DeviceMesh (one per group, made once)
@@ -573,8 +635,14 @@ def _expert_as_global(value: torch.Tensor, shard) -> DTensor:
     if shard.group not in _EP_MESHES:
         _EP_MESHES[shard.group] = DeviceMesh.from_group(shard.group, value.device.type)
     shape = [value.shape[0] * shard.ep, *value.shape[1:]]
-    return DTensor.from_local(value, _EP_MESHES[shard.group], (Shard(0),), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    return DTensor.from_local(
+        value,
+        _EP_MESHES[shard.group],
+        (Shard(0),),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:

@@ -67,11 +67,19 @@ def _torch_ring():
     return _attention
 
 
-__all__ = ["RingAttention", "ring_attention", "ContextParallelMode", "shard_sequence", "average_gradients",
-           "take_sequence_shard", "context_parallel"]
+__all__ = [
+    "RingAttention",
+    "ring_attention",
+    "ContextParallelMode",
+    "shard_sequence",
+    "average_gradients",
+    "take_sequence_shard",
+    "context_parallel",
+]
 
 
 # --------------------------------------------------------------------------- kernels
+
 
 @dataclass(frozen=True)
 class _Kernel:
@@ -96,28 +104,46 @@ def _cuda_flash_backward_kwargs(rest: tuple, scale: float | None) -> dict:
     # The forward's outputs after (out, lse), named as the flash backward takes them (derivatives.yaml):
     # rng_state and unused are its philox seed and offset (unread with dropout 0).
     cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, *_ = rest
-    return {"cum_seq_q": cum_seq_q, "cum_seq_k": cum_seq_k, "max_q": max_q, "max_k": max_k, "dropout_p": 0.0,
-            "philox_seed": rng_state, "philox_offset": unused, "scale": scale}
+    return {
+        "cum_seq_q": cum_seq_q,
+        "cum_seq_k": cum_seq_k,
+        "max_q": max_q,
+        "max_k": max_k,
+        "dropout_p": 0.0,
+        "philox_seed": rng_state,
+        "philox_offset": unused,
+        "scale": scale,
+    }
 
 
 _KERNELS = {
-    "cpu": _Kernel(aten._scaled_dot_product_flash_attention_for_cpu.default,
-                   aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _cpu_backward_kwargs,
-                   (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
-    "cuda": _Kernel(aten._scaled_dot_product_flash_attention.default,  # as torch's own ring (GPU-only, untested)
-                    aten._scaled_dot_product_flash_attention_backward.default, _cuda_flash_backward_kwargs,
-                    (torch.bfloat16, torch.float16)),
+    "cpu": _Kernel(
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        _cpu_backward_kwargs,
+        (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    ),
+    "cuda": _Kernel(
+        aten._scaled_dot_product_flash_attention.default,  # as torch's own ring (GPU-only, untested)
+        aten._scaled_dot_product_flash_attention_backward.default,
+        _cuda_flash_backward_kwargs,
+        (torch.bfloat16, torch.float16),
+    ),
 }
 
 
 def _kernel_for(query: torch.Tensor) -> _Kernel:
     kernel = _KERNELS.get(query.device.type)
     if kernel is None:
-        raise AutoshardError(f"context parallelism runs on cpu and cuda ranks, not {query.device.type}; "
-                             f"plan without context parallelism (cp=1)")
+        raise AutoshardError(
+            f"context parallelism runs on cpu and cuda ranks, not {query.device.type}; "
+            f"plan without context parallelism (cp=1)"
+        )
     if query.dtype not in kernel.dtypes:
-        raise AutoshardError(f"context parallelism on {query.device.type} attends in {query.dtype}, which its "
-                             f"flash kernel does not take; train under bf16 autocast (or plan cp=1)")
+        raise AutoshardError(
+            f"context parallelism on {query.device.type} attends in {query.dtype}, which its "
+            f"flash kernel does not take; train under bf16 autocast (or plan cp=1)"
+        )
     return kernel
 
 
@@ -144,6 +170,7 @@ def _contiguous_chunks():
 
 # --------------------------------------------------------------------------- the ring
 
+
 class RingAttention(torch.autograd.Function):
     """Attention of local ``query, key, value`` ``[B, H, S_local, D]`` over the whole sequence of
     the cp group (contiguous chunks, rank order = sequence order); no mask, no dropout; ``key``
@@ -154,7 +181,8 @@ class RingAttention(torch.autograd.Function):
         kernel = _kernel_for(query)
         with _contiguous_chunks():
             out, lse, *rest = _torch_ring()._templated_ring_attention(
-                group, SEQ_DIM, kernel.forward, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale)
+                group, SEQ_DIM, kernel.forward, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale
+            )
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.rest, ctx.is_causal, ctx.scale, ctx.group, ctx.kernel = tuple(rest), is_causal, scale, group, kernel
         return out
@@ -164,19 +192,36 @@ class RingAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         with _contiguous_chunks():
             grad_q, grad_k, grad_v, *_ = _torch_ring()._templated_ring_attention_backward(
-                ctx.group, SEQ_DIM, ctx.kernel.backward, grad_out=grad_out.contiguous(), grad_out_name="grad_out",
-                query=query, key=key, value=value, out=out, logsumexp=lse, is_causal=ctx.is_causal,
-                **ctx.kernel.backward_kwargs(ctx.rest, ctx.scale))
+                ctx.group,
+                SEQ_DIM,
+                ctx.kernel.backward,
+                grad_out=grad_out.contiguous(),
+                grad_out_name="grad_out",
+                query=query,
+                key=key,
+                value=value,
+                out=out,
+                logsumexp=lse,
+                is_causal=ctx.is_causal,
+                **ctx.kernel.backward_kwargs(ctx.rest, ctx.scale),
+            )
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
-                   is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: dist.ProcessGroup,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``RingAttention.apply`` with keywords (see the class)."""
     return RingAttention.apply(query, key, value, is_causal, scale, group)
 
 
 # --------------------------------------------------------------------------- the mode
+
 
 class ContextParallelMode(torch.overrides.TorchFunctionMode):
     """Run a model's forward (and backward) on this rank's sequence chunk as if on the whole sequence.
@@ -219,8 +264,9 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
             return self._positions(func(*args, **kwargs), args, kwargs)
         return func(*args, **kwargs)
 
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False) -> torch.Tensor:
+    def _attention(
+        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ) -> torch.Tensor:
         _check_attention(query, key, attn_mask, dropout_p, self.local_seq_len)
         assert dist.get_world_size(self.cp_group) == self.cp_size, "cp_group is not the cp_size ranks"
         device = query.device.type
@@ -248,33 +294,43 @@ def _check_attention(query: torch.Tensor, key: torch.Tensor, attn_mask, dropout_
         raise AutoshardError(
             f"context parallelism: an attention call passes an explicit attn_mask (shape {tuple(attn_mask.shape)}), "
             f"which the ring cannot split along the sequence; use is_causal=True without a mask (transformers: "
-            f"attn_implementation='sdpa' and no padding attention_mask) or plan without context parallelism (cp=1)")
+            f"attn_implementation='sdpa' and no padding attention_mask) or plan without context parallelism (cp=1)"
+        )
     if dropout_p > 0:
-        raise AutoshardError(f"context parallelism: attention dropout (dropout_p={dropout_p}) is not supported by the "
-                             f"ring; set the model's attention dropout to 0 or plan without context parallelism (cp=1)")
+        raise AutoshardError(
+            f"context parallelism: attention dropout (dropout_p={dropout_p}) is not supported by the "
+            f"ring; set the model's attention dropout to 0 or plan without context parallelism (cp=1)"
+        )
     if query.dim() != 4:
-        raise AutoshardError(f"context parallelism: attention on a {query.dim()}-d query {tuple(query.shape)}, not "
-                             f"[batch, heads, seq, head_dim]; reshape it so or plan without context parallelism (cp=1)")
+        raise AutoshardError(
+            f"context parallelism: attention on a {query.dim()}-d query {tuple(query.shape)}, not "
+            f"[batch, heads, seq, head_dim]; reshape it so or plan without context parallelism (cp=1)"
+        )
     if query.shape[SEQ_DIM] != key.shape[SEQ_DIM]:
         raise AutoshardError(
             f"context parallelism: attention with {query.shape[SEQ_DIM]} queries and {key.shape[SEQ_DIM]} keys "
             f"(cross-attention or a KV cache) cannot be split along the sequence; "
-            f"plan without context parallelism (cp=1)")
+            f"plan without context parallelism (cp=1)"
+        )
     if query.shape[SEQ_DIM] != local_seq_len:
         raise AutoshardError(
             f"context parallelism: attention over {query.shape[SEQ_DIM]} tokens, not this rank's {local_seq_len}-token "
             f"chunk of the sequence (tokens added or removed inside the model); "
-            f"plan without context parallelism (cp=1)")
+            f"plan without context parallelism (cp=1)"
+        )
 
 
 # --------------------------------------------------------------------------- data and gradients
+
 
 def shard_sequence(tensor: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """This rank's contiguous chunk of ``tensor`` along ``seq_dim``: tokens ``[r*c, (r+1)*c)``."""
     length = tensor.shape[seq_dim]
     if length % cp_size:
-        raise AutoshardError(f"context parallelism over {cp_size} ranks needs a sequence length divisible by "
-                             f"{cp_size}, got {length}; pick a --seq-len that is a multiple of {cp_size}")
+        raise AutoshardError(
+            f"context parallelism over {cp_size} ranks needs a sequence length divisible by "
+            f"{cp_size}, got {length}; pick a --seq-len that is a multiple of {cp_size}"
+        )
     chunk = length // cp_size
     return tensor.narrow(seq_dim, cp_rank * chunk, chunk)
 
@@ -312,6 +368,7 @@ def take_sequence_shard(inputs: tuple, targets, mesh, axis: str | None, seq_len:
     def cut(t):
         is_tokens = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq_len
         return shard_sequence(t, 1, rank, size) if is_tokens else t
+
     return tuple(cut(t) for t in inputs), cut(targets)
 
 

@@ -89,7 +89,7 @@ def split_microbatches(inputs: tuple, targets: Any, count: int):
 
 def _slice(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
     size = t.shape[0] // count
-    return t[index * size:(index + 1) * size]
+    return t[index * size : (index + 1) * size]
 
 
 # ---------------------------------------------------------------------------- datasets
@@ -99,13 +99,16 @@ def _slice(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
 class DataSource:
     """What a program trains on: ``--data`` (a token file of ``--data-dtype``), else the model file's
     ``dataset``, else ``example_batch`` draws."""
+
     path: str | None = None
     dtype: str = "uint16"
 
     def __post_init__(self):
         if self.dtype not in TOKEN_DTYPES:
-            raise AutoshardError(f"--data-dtype {self.dtype} is not one of {', '.join(TOKEN_DTYPES)}; pass the "
-                                 f"type the token file was written with")
+            raise AutoshardError(
+                f"--data-dtype {self.dtype} is not one of {', '.join(TOKEN_DTYPES)}; pass the "
+                f"type the token file was written with"
+            )
 
     def program_args(self) -> list[str]:
         """The emitted program's flags for this source."""
@@ -129,12 +132,16 @@ class TokenFile(Dataset):
         itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
         size = self.path.stat().st_size
         if size % itemsize:
-            raise AutoshardError(f"{flag}: {size} bytes is not a whole number of {dtype} tokens; fix: pass "
-                                 f"--data-dtype with the type the file was written in")
+            raise AutoshardError(
+                f"{flag}: {size} bytes is not a whole number of {dtype} tokens; fix: pass "
+                f"--data-dtype with the type the file was written in"
+            )
         self.num_tokens = size // itemsize
         if self.num_tokens < tokens_per_sample + 1:
-            raise AutoshardError(f"{flag}: {self.num_tokens} tokens, fewer than one sample needs "
-                                 f"({tokens_per_sample} + 1); fix: pass a longer token file")
+            raise AutoshardError(
+                f"{flag}: {self.num_tokens} tokens, fewer than one sample needs "
+                f"({tokens_per_sample} + 1); fix: pass a longer token file"
+            )
         self._tokens: np.ndarray | None = None
 
     @property
@@ -151,13 +158,13 @@ class TokenFile(Dataset):
 
     def __getitem__(self, index: int):
         s = self.tokens_per_sample
-        window = torch.from_numpy(self.tokens[index * s:index * s + s + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens[index * s : index * s + s + 1].astype(np.int64))
         return (window[:-1],), window[1:]
 
     def max_token(self) -> int:
         """The largest token id in the file (read once, in chunks)."""
         tokens = self.tokens
-        return max(int(tokens[i:i + MAX_CHUNK_TOKENS].max()) for i in range(0, len(tokens), MAX_CHUNK_TOKENS))
+        return max(int(tokens[i : i + MAX_CHUNK_TOKENS].max()) for i in range(0, len(tokens), MAX_CHUNK_TOKENS))
 
 
 def open_dataset(model_file: ModelFile, source: DataSource, tokens_per_sample: int) -> Dataset | None:
@@ -181,32 +188,43 @@ def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str 
     of ``(inputs: tuple, target)`` with the same number
     of inputs, dtypes and shapes (without the batch dimension). ``what`` names the dataset (default: the source's
     name)."""
-    fix = ("fix: make its samples shaped like one row of example_batch" if what else
-           "fix: pass --data only for a model that takes token ids and predicts the next ones, or define "
-           "dataset(seq_len) in the model file" if source.path else
-           "fix: make dataset(seq_len) return samples shaped like one row of example_batch")
+    fix = (
+        "fix: make its samples shaped like one row of example_batch"
+        if what
+        else "fix: pass --data only for a model that takes token ids and predicts the next ones, or define "
+        "dataset(seq_len) in the model file"
+        if source.path
+        else "fix: make dataset(seq_len) return samples shaped like one row of example_batch"
+    )
     what = what or source.name(model_file)
     if is_stream(dataset) and not hasattr(dataset, "__iter__"):
-        raise AutoshardError(f"{what} is a {type(dataset).__name__}, neither a map-style Dataset (len and indexing) "
-                             f"nor an iterable of samples; fix: return a torch.utils.data.Dataset or IterableDataset")
+        raise AutoshardError(
+            f"{what} is a {type(dataset).__name__}, neither a map-style Dataset (len and indexing) "
+            f"nor an iterable of samples; fix: return a torch.utils.data.Dataset or IterableDataset"
+        )
     if is_stream(dataset) and not isinstance(dataset, IterableDataset) and iter(dataset) is dataset:
-        raise AutoshardError(f"{what} is a {type(dataset).__name__}, an iterator (its __iter__ returns itself, so it "
-                             f"may run once; each epoch, each rank and the one-process check iterate the data anew); "
-                             f"fix: return an IterableDataset whose __iter__ starts the stream again")
+        raise AutoshardError(
+            f"{what} is a {type(dataset).__name__}, an iterator (its __iter__ returns itself, so it "
+            f"may run once; each epoch, each rank and the one-process check iterate the data anew); "
+            f"fix: return an IterableDataset whose __iter__ starts the stream again"
+        )
     if not is_stream(dataset) and len(dataset) == 0:
         raise AutoshardError(f"{what} is empty; fix: give it samples")
     try:
         sample = next(iter(dataset), None) if is_stream(dataset) else dataset[0]
     except Exception as exc:  # noqa: BLE001  (the user's dataset failed)
-        raise AutoshardError(f"{what}: reading sample 0 raised {type(exc).__name__}: {str(exc)[:200]}; "
-                             f"fix the dataset") from exc
+        raise AutoshardError(
+            f"{what}: reading sample 0 raised {type(exc).__name__}: {str(exc)[:200]}; fix the dataset"
+        ) from exc
     if sample is None and is_stream(dataset):
         raise AutoshardError(f"{what} yields no sample; fix: give it samples")
     inputs, targets = global_batch(model_file, 1, 0, 0)
     want = _layout(tuple(t[0] for t in inputs), targets[0])
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], (tuple, list))):
-        raise AutoshardError(f"{what}: a sample is a {type(sample).__name__}, not (inputs: tuple, target) "
-                             f"like one row of example_batch {want}; {fix}")
+        raise AutoshardError(
+            f"{what}: a sample is a {type(sample).__name__}, not (inputs: tuple, target) "
+            f"like one row of example_batch {want}; {fix}"
+        )
     got = _layout(tuple(sample[0]), sample[1])
     if got != want:
         raise AutoshardError(f"{what}: a sample is {got} but one row of example_batch is {want}; {fix}")
@@ -214,9 +232,14 @@ def check_samples(dataset, model_file: ModelFile, source: DataSource, what: str 
 
 def _layout(inputs: tuple, target) -> str:
     """``(inputs (int64 [64],), target int64 [64])``: what a sample's structure is compared by."""
+
     def one(t) -> str:
-        return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" if isinstance(t, torch.Tensor) \
+        return (
+            f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+            if isinstance(t, torch.Tensor)
             else type(t).__name__
+        )
+
     return f"(inputs ({', '.join(one(t) for t in inputs)},), target {one(target)})"
 
 
@@ -228,9 +251,11 @@ def check_token_ids(dataset: TokenFile, model_file: ModelFile) -> None:
         return
     largest = dataset.max_token()
     if largest >= max(sizes):
-        raise AutoshardError(f"--data {dataset.path}: token id {largest} is past the model's vocabulary of "
-                             f"{max(sizes)} (its largest embedding); fix: tokenize with the model's vocabulary, "
-                             f"or pass the --data-dtype the file was written in")
+        raise AutoshardError(
+            f"--data {dataset.path}: token id {largest} is past the model's vocabulary of "
+            f"{max(sizes)} (its largest embedding); fix: tokenize with the model's vocabulary, "
+            f"or pass the --data-dtype the file was written in"
+        )
 
 
 def is_stream(dataset) -> bool:
@@ -277,9 +302,11 @@ class SampleStream:
         samples = list(itertools.islice(self._samples, self.global_batch_size))
         if len(samples) < self.global_batch_size:  # the pass ended: drop its tail, iterate the dataset again
             if self.epoch_steps_read == 0:
-                raise _same_everywhere(f"the dataset's stream gave {len(samples)} samples in a pass, fewer than one "
-                                       f"global batch of {self.global_batch_size}; fix: more data, or a plan with "
-                                       f"a smaller --global-batch")
+                raise _same_everywhere(
+                    f"the dataset's stream gave {len(samples)} samples in a pass, fewer than one "
+                    f"global batch of {self.global_batch_size}; fix: more data, or a plan with "
+                    f"a smaller --global-batch"
+                )
             self.epoch, self.epoch_steps_read = self.epoch + 1, 0
             self._samples = self._pass(self.epoch)
             return self._next_batch()
@@ -298,9 +325,11 @@ def steps_per_epoch(dataset_length: int, global_batch_size: int, dp: int) -> int
     rest), refused when not even one fits."""
     steps = (dataset_length // dp) // (global_batch_size // dp)
     if steps == 0:
-        raise AutoshardError(f"the dataset has {dataset_length} samples, fewer than one global batch of "
-                             f"{global_batch_size} over {dp} data-parallel ranks; fix: more data, or a plan with a "
-                             f"smaller --global-batch")
+        raise AutoshardError(
+            f"the dataset has {dataset_length} samples, fewer than one global batch of "
+            f"{global_batch_size} over {dp} data-parallel ranks; fix: more data, or a plan with a "
+            f"smaller --global-batch"
+        )
     return steps
 
 
@@ -323,8 +352,9 @@ class ResumableSampler(DistributedSampler):
 
 def rank_indices(dataset_length: int, dp: int, rank: int, seed: int, epoch: int) -> list[int]:
     """π_e[r::dp]: the sample indices ``DistributedSampler`` gives dp rank ``rank`` in ``epoch``."""
-    sampler = DistributedSampler(range(dataset_length), num_replicas=dp, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        range(dataset_length), num_replicas=dp, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     sampler.set_epoch(epoch)
     return list(sampler)
 
@@ -334,13 +364,22 @@ def dataset_global_batch(dataset, global_batch_size: int, dp: int, seed: int, st
     (module doc), so its ``take_shard`` slice r is rank r's batch."""
     per_rank = global_batch_size // dp
     epoch, batch = position(step, steps_per_epoch(len(dataset), global_batch_size, dp))
-    indices = [i for r in range(dp)
-               for i in rank_indices(len(dataset), dp, r, seed, epoch)[batch * per_rank:(batch + 1) * per_rank]]
+    indices = [
+        i
+        for r in range(dp)
+        for i in rank_indices(len(dataset), dp, r, seed, epoch)[batch * per_rank : (batch + 1) * per_rank]
+    ]
     return collate([dataset[i] for i in indices])
 
 
-def global_batches(model_file: ModelFile, source: DataSource | None, global_batch_size: int, seed: int,
-                   tokens_per_sample: int | None = None, dp: int = 1):
+def global_batches(
+    model_file: ModelFile,
+    source: DataSource | None,
+    global_batch_size: int,
+    seed: int,
+    tokens_per_sample: int | None = None,
+    dp: int = 1,
+):
     """``step -> (inputs, targets)`` of the whole step, as one process trains on it: the dataset's
     (``dataset_global_batch``) or, with ``source`` None or naming no dataset, ``example_batch``'s (``global_batch``)."""
     dataset = None if source is None else open_dataset(model_file, source, tokens_per_sample)
@@ -364,9 +403,20 @@ class RankBatches:
     targets) reads nothing: no loader, no workers, no draws; ``take`` gives ``((), None)``. It still opens the
     dataset (its length fixes the position its checkpoints keep)."""
 
-    def __init__(self, model_file: ModelFile, source: DataSource, global_batch_size: int, tokens_per_sample: int,
-                 mesh, axis: str, device: torch.device, seed: int, workers: int = 1, dataset: Dataset | None = None,
-                 reads: bool = True):
+    def __init__(
+        self,
+        model_file: ModelFile,
+        source: DataSource,
+        global_batch_size: int,
+        tokens_per_sample: int,
+        mesh,
+        axis: str,
+        device: torch.device,
+        seed: int,
+        workers: int = 1,
+        dataset: Dataset | None = None,
+        reads: bool = True,
+    ):
         self.model_file, self.global_batch_size, self.device, self.seed = model_file, global_batch_size, device, seed
         self.reads = reads
         self.dp, self.dp_index = mesh[axis].size(), mesh.get_local_rank(axis)
@@ -384,13 +434,22 @@ class RankBatches:
         self.epoch_steps = steps_per_epoch(len(self.dataset), global_batch_size, self.dp)
         if not reads:
             return
-        self.sampler = ResumableSampler(self.dataset, num_replicas=self.dp, rank=self.dp_index, shuffle=True,
-                                        seed=seed, drop_last=True)
-        self.loader = DataLoader(self.dataset, batch_size=global_batch_size // self.dp, sampler=self.sampler,
-                                 drop_last=True, collate_fn=collate, num_workers=workers,
-                                 pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                 prefetch_factor=2 if workers > 0 else None, multiprocessing_context=_fork(workers),
-                                 generator=torch.Generator().manual_seed(seed))  # torch's global RNG untouched
+        self.sampler = ResumableSampler(
+            self.dataset, num_replicas=self.dp, rank=self.dp_index, shuffle=True, seed=seed, drop_last=True
+        )
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=global_batch_size // self.dp,
+            sampler=self.sampler,
+            drop_last=True,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            prefetch_factor=2 if workers > 0 else None,
+            multiprocessing_context=_fork(workers),
+            generator=torch.Generator().manual_seed(seed),
+        )  # torch's global RNG untouched
 
     def take(self, step: int):
         """``(inputs, targets)`` of this rank at ``step`` on its device: ``take_shard`` of the step's global batch
@@ -410,8 +469,7 @@ class RankBatches:
                 self._batches = iter(self.loader)
         inputs, targets = next(self._batches)
         self._next_step = step + 1
-        return (tuple(t.to(self.device, non_blocking=True) for t in inputs),
-                targets.to(self.device, non_blocking=True))
+        return (tuple(t.to(self.device, non_blocking=True) for t in inputs), targets.to(self.device, non_blocking=True))
 
     def __iter__(self):
         """Each step's batch of this rank, from step 0 on, without end (a dataset's epochs follow one another)."""
@@ -424,30 +482,44 @@ class RankBatches:
         else:
             length = len(self.dataset) if self.dataset is not None else EXAMPLE_DRAWS
             epoch, batch = position(steps_done, self.epoch_steps) if self.dataset is not None else (0, steps_done)
-        return {"epoch": epoch, "epoch_samples": batch * self.global_batch_size,
-                "samples_consumed": steps_done * self.global_batch_size, "dataset_length": length, "seed": self.seed}
+        return {
+            "epoch": epoch,
+            "epoch_samples": batch * self.global_batch_size,
+            "samples_consumed": steps_done * self.global_batch_size,
+            "dataset_length": length,
+            "seed": self.seed,
+        }
 
     def check_position(self, saved: dict[str, int], checkpoint: str, steps_done: int) -> None:
         """Refuse to resume from a checkpoint written on other data: another dataset length or seed, or (on a
         dataset, whose position is counted in steps of the global batch) another global batch."""
         here = self.position(0)
         if saved["dataset_length"] != here["dataset_length"]:
+
             def what(n: int) -> str:
                 return {EXAMPLE_DRAWS: "example_batch draws", STREAM: "a stream (an iterable dataset)"}.get(
-                    n, f"a dataset of {n} samples")
-            raise _same_everywhere(f"checkpoint {checkpoint} was written training on {what(saved['dataset_length'])}, "
-                                   f"this run reads {what(here['dataset_length'])}; fix: resume with the data it "
-                                   f"was written with, or give this run another --checkpoint-dir")
+                    n, f"a dataset of {n} samples"
+                )
+
+            raise _same_everywhere(
+                f"checkpoint {checkpoint} was written training on {what(saved['dataset_length'])}, "
+                f"this run reads {what(here['dataset_length'])}; fix: resume with the data it "
+                f"was written with, or give this run another --checkpoint-dir"
+            )
         if saved["seed"] != here["seed"]:
-            raise _same_everywhere(f"checkpoint {checkpoint} was written with --seed {saved['seed']}, this run has "
-                                   f"--seed {here['seed']}, which orders the samples differently; fix: resume with "
-                                   f"--seed {saved['seed']}, or give this run another --checkpoint-dir")
+            raise _same_everywhere(
+                f"checkpoint {checkpoint} was written with --seed {saved['seed']}, this run has "
+                f"--seed {here['seed']}, which orders the samples differently; fix: resume with "
+                f"--seed {saved['seed']}, or give this run another --checkpoint-dir"
+            )
         written = saved["samples_consumed"] // max(steps_done, 1)
         if self.dataset is not None and steps_done and written != self.global_batch_size:
-            raise _same_everywhere(f"checkpoint {checkpoint} was written with a global batch of {written}, this plan's "
-                                   f"is {self.global_batch_size}, so step {steps_done} is elsewhere in the dataset; "
-                                   f"fix: resume with a plan of global batch {written}, or give this run another "
-                                   f"--checkpoint-dir")
+            raise _same_everywhere(
+                f"checkpoint {checkpoint} was written with a global batch of {written}, this plan's "
+                f"is {self.global_batch_size}, so step {steps_done} is elsewhere in the dataset; "
+                f"fix: resume with a plan of global batch {written}, or give this run another "
+                f"--checkpoint-dir"
+            )
 
 
 def _fork(workers: int) -> str | None:

@@ -43,8 +43,12 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
     """Join the job torchrun started; check its size against the plan's."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if expected_world_size is not None and world_size != expected_world_size:
-        print(f"error: this program was planned for {expected_world_size} ranks but was launched with {world_size}; "
-              f"launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)", file=sys.stderr, flush=True)
+        print(
+            f"error: this program was planned for {expected_world_size} ranks but was launched with {world_size}; "
+            f"launch it with torchrun --nproc-per-node {expected_world_size} (or re-plan)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(2)  # a user error, as in the CLI
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
@@ -58,8 +62,12 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, timeout=timeout, **_attempt_store(world_size, timeout),
-                                **({"device_id": device} if backend == "nccl" else {}))
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            **_attempt_store(world_size, timeout),
+            **({"device_id": device} if backend == "nccl" else {}),
+        )
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -96,10 +104,15 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dict:
         return {}
     rank = int(os.environ["RANK"])
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                         is_master=not agent_hosts and rank == 0, timeout=timeout, multi_tenant=True)
-    return {"store": dist.PrefixStore(f"autoshard/attempt-{attempt}", base), "rank": rank,
-            "world_size": world_size}
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return {"store": dist.PrefixStore(f"autoshard/attempt-{attempt}", base), "rank": rank, "world_size": world_size}
 
 
 def build_mesh(device_type: str, dims: dict[str, int], flatten: dict[str, tuple[str, ...]]):

@@ -124,20 +124,27 @@ def find_experts(model: nn.Module) -> list[str]:
     found = []
     for path, module in model.named_modules():
         total, params = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
-        if (isinstance(total, int) and params and len(params) == len(list(module.parameters()))
-                and all(p.dim() >= 1 and p.shape[0] == total for p in params) and any(p.dim() >= 3 for p in params)):
+        if (
+            isinstance(total, int)
+            and params
+            and len(params) == len(list(module.parameters()))
+            and all(p.dim() >= 1 and p.shape[0] == total for p in params)
+            and any(p.dim() >= 3 for p in params)
+        ):
             found.append(path)
     return found
 
 
-def apply_ep(model: nn.Module, dp_mesh: DeviceMesh, experts: Sequence[str], ep: int,
-             before_split: bool = False) -> nn.Module:
+def apply_ep(
+    model: nn.Module, dp_mesh: DeviceMesh, experts: Sequence[str], ep: int, before_split: bool = False
+) -> nn.Module:
     """The apply step: shard ``experts`` over the "ep" dimension of ``expert_meshes(dp_mesh, ep)``."""
     return shard_experts(model, expert_meshes(dp_mesh, ep)["ep"], experts, before_split)
 
 
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, experts: Sequence[str],
-                  before_split: bool = False) -> nn.Module:
+def shard_experts(
+    model: nn.Module, ep_mesh: DeviceMesh, experts: Sequence[str], before_split: bool = False
+) -> nn.Module:
     """Keep this rank's E/ep experts of each module in ``experts`` (paths), in place; returns the model.
 
     Each keeps rank r's slice [r·L, (r+1)·L) of every parameter (dim 0 = expert), as a DTensor Shard(0)
@@ -155,7 +162,7 @@ def _shard_module(module: nn.Module, path: str, ep_mesh: DeviceMesh, before_spli
     key = f"{path}#{next(_KEYS)}"
     _REGISTRY[key] = _Experts(type(module).forward, _template(module), shard.names)
     for name in shard.names:
-        local = getattr(module, name).detach()[rank * shard.num_local:(rank + 1) * shard.num_local].clone()
+        local = getattr(module, name).detach()[rank * shard.num_local : (rank + 1) * shard.num_local].clone()
         if not before_split:
             local = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         param = nn.Parameter(local)
@@ -169,8 +176,10 @@ def _shard_module(module: nn.Module, path: str, ep_mesh: DeviceMesh, before_spli
 def _num_experts(module: nn.Module, path: str, ep: int) -> int:
     total = getattr(module, "num_experts", None)
     if not isinstance(total, int):
-        raise AutoshardError(f"{path} has no integer num_experts: it is not a transformers experts module; "
-                             f"name the module holding the [experts, ...] weights")
+        raise AutoshardError(
+            f"{path} has no integer num_experts: it is not a transformers experts module; "
+            f"name the module holding the [experts, ...] weights"
+        )
     if module in _SHARDED_MODULES:
         raise AutoshardError(f"{path} is already expert-parallel; shard each experts module once")
     if total % ep:
@@ -182,11 +191,16 @@ def _expert_names(module: nn.Module, path: str) -> tuple[str, ...]:
     """The module's own parameters, each [E, ...]; refused when any parameter is something else (it would
     need a gradient the op does not give)."""
     names = tuple(name for name, _ in module.named_parameters(recurse=False))
-    others = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters()
-              if "." in name or p.dim() == 0 or p.shape[0] != module.num_experts]
+    others = [
+        f"{name} {tuple(p.shape)}"
+        for name, p in module.named_parameters()
+        if "." in name or p.dim() == 0 or p.shape[0] != module.num_experts
+    ]
     if others or not names:
-        raise AutoshardError(f"{path}: expert parallelism shards modules whose parameters are all [experts, ...]; "
-                             f"it also holds {', '.join(others) or 'no parameters'}")
+        raise AutoshardError(
+            f"{path}: expert parallelism shards modules whose parameters are all [experts, ...]; "
+            f"it also holds {', '.join(others) or 'no parameters'}"
+        )
     return names
 
 
@@ -263,16 +277,20 @@ def refuse_expert_shards(model: nn.Module, wrapper: str) -> None:
     """For dp wrappers that synchronise every parameter over all dp ranks."""
     ep = expert_ep(model)
     if ep > 1:
-        raise AutoshardError(f"{wrapper} would average the different experts the ranks hold (ep={ep}); "
-                             f"wrap with apply_fsdp or apply_replicate and ep={ep}")
+        raise AutoshardError(
+            f"{wrapper} would average the different experts the ranks hold (ep={ep}); "
+            f"wrap with apply_fsdp or apply_replicate and ep={ep}"
+        )
 
 
 def _check_ep(ep: int, sharded_ep: int, dp_mesh: DeviceMesh) -> None:
     """The dp wrapper's ep must be the model's: with experts sharded, a wrapper over all dp ranks would
     average different experts together."""
     if ep != sharded_ep:
-        raise AutoshardError(f"the model's experts are sharded over ep={sharded_ep}, but the data-parallel "
-                             f"wrapper was given ep={ep}; pass ep={sharded_ep}")
+        raise AutoshardError(
+            f"the model's experts are sharded over ep={sharded_ep}, but the data-parallel "
+            f"wrapper was given ep={ep}; pass ep={sharded_ep}"
+        )
     if dp_mesh.size() % ep:
         raise AutoshardError(f"expert parallelism ep={ep} must divide the data-parallel degree {dp_mesh.size()}")
 
@@ -308,8 +326,13 @@ def _route(top_k_index: torch.Tensor, num_local: int, group: dist.ProcessGroup) 
     counts_in = torch.empty_like(counts)
     dist.all_to_all_single(counts_in, counts, group=group)
     local_ids = torch.arange(num_local, device=counts.device).repeat(ep).repeat_interleave(counts_in)
-    return _Route(order, order // top_k_index.shape[-1], counts.view(ep, num_local).sum(1).tolist(),
-                  counts_in.view(ep, num_local).sum(1).tolist(), local_ids)
+    return _Route(
+        order,
+        order // top_k_index.shape[-1],
+        counts.view(ep, num_local).sum(1).tolist(),
+        counts_in.view(ep, num_local).sum(1).tolist(),
+        local_ids,
+    )
 
 
 def _balanced_route(order: torch.Tensor, k: int, num_local: int, ep: int, rank: int) -> _Route:
@@ -327,8 +350,7 @@ def _balanced_route(order: torch.Tensor, k: int, num_local: int, ep: int, rank: 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """all_to_all_single with uneven splits along dim 0."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
     return out
 
 
@@ -350,8 +372,14 @@ def _dispatch(hidden, top_k_index, params, group_name):
 
 
 @torch.library.custom_op("autoshard::expert_ffn", mutates_args=())
-def expert_ffn(hidden: torch.Tensor, top_k_index: torch.Tensor, params: list[torch.Tensor], key: str,
-               group_name: str, grad_scale: float) -> torch.Tensor:
+def expert_ffn(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    params: list[torch.Tensor],
+    key: str,
+    group_name: str,
+    grad_scale: float,
+) -> torch.Tensor:
     """y[(t, j)] = expert_{top_k_index[t, j]}(hidden[t]), [T·k, H], the experts spread over the ep group."""
     route, received, group = _dispatch(hidden, top_k_index, params, group_name)
     out = _run_experts(key, params, received, route.local_ids) if received.shape[0] else received

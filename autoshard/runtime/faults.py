@@ -70,8 +70,9 @@ def inject(kind: str, step: int) -> None:
 def _parse(spec: str) -> tuple[str, int, int]:
     parts = spec.split(":")
     if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
-        raise SystemExit(f"error: {INJECT_ENV}={spec!r} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)}; "
-                         f"e.g. kill:1:5")
+        raise SystemExit(
+            f"error: {INJECT_ENV}={spec!r} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)}; e.g. kill:1:5"
+        )
     return parts[0], int(parts[1]), int(parts[2])
 
 
@@ -130,13 +131,24 @@ def _add_crash_context(error_file: str, exc: BaseException) -> None:
 
 def loaded_model_files() -> list[str]:
     """The paths of the model files imported in this process (``modelfile.load_model_file``)."""
-    return sorted({str(Path(module.__file__).resolve()) for name, module in list(sys.modules.items())
-                   if name.startswith(MODEL_MODULE_PREFIX) and getattr(module, "__file__", None)})
+    return sorted(
+        {
+            str(Path(module.__file__).resolve())
+            for name, module in list(sys.modules.items())
+            if name.startswith(MODEL_MODULE_PREFIX) and getattr(module, "__file__", None)
+        }
+    )
 
 
 # What gloo and NCCL say when the other end of a collective went away (its process ended).
-_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
-              "socket closed", "remote process exited")
+_PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "remote process exited",
+)
 
 
 def _is_peer_gone(exc: BaseException) -> bool:
@@ -151,8 +163,10 @@ def peer_gone_message() -> str:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts < allowed:
-        then = (f"torchrun restarts every rank (restart {restarts + 1} of {allowed}) and the job resumes from "
-                f"its newest checkpoint")
+        then = (
+            f"torchrun restarts every rank (restart {restarts + 1} of {allowed}) and the job resumes from "
+            f"its newest checkpoint"
+        )
     else:
         then = "the job stops; the rank that failed first is named below"
     return f"another rank ended during a collective {where}; {then}"
@@ -168,10 +182,15 @@ def hang_message(exc: BaseException) -> str:
     stuck = _ranks_not_timed_out(rank, world)
     step = _progress["step"]
     where = f" after step {step}" if step is not None else " before the first step ended"
-    who = (f"rank(s) {', '.join(map(str, stuck))} never joined it (stuck in their own code, or gone)" if stuck
-           else "every rank was waiting in it (a lost message or a dead link)")
-    return (f"rank {rank}: a collective{where} timed out; {who}; look at those ranks' logs, "
-            f"or raise --timeout-s if a step can really take that long")
+    who = (
+        f"rank(s) {', '.join(map(str, stuck))} never joined it (stuck in their own code, or gone)"
+        if stuck
+        else "every rank was waiting in it (a lost message or a dead link)"
+    )
+    return (
+        f"rank {rank}: a collective{where} timed out; {who}; look at those ranks' logs, "
+        f"or raise --timeout-s if a step can really take that long"
+    )
 
 
 def _ranks_not_timed_out(rank: int, world: int) -> list[int]:

@@ -57,11 +57,36 @@ _META = torch.device("meta")
 _SENTINEL_SEED = 0x5EED_1DEA_C0FFEE
 _REPLAY_DEVICE = torch.device("cpu")
 # In-place ops that change a tensor's shape or storage: run them on meta, never skip them
-_RESHAPING_IN_PLACE = frozenset({"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
-                                 "transpose_", "swapdims_", "swapaxes_", "detach_"})
+_RESHAPING_IN_PLACE = frozenset(
+    {
+        "resize_",
+        "resize_as_",
+        "set_",
+        "as_strided_",
+        "squeeze_",
+        "unsqueeze_",
+        "t_",
+        "transpose_",
+        "swapdims_",
+        "swapaxes_",
+        "detach_",
+    }
+)
 # In-place ops that write every element of their first argument without reading it
-_OVERWRITES = frozenset({"normal_", "uniform_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_",
-                         "fill_", "zero_", "copy_"})
+_OVERWRITES = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "random_",
+        "exponential_",
+        "geometric_",
+        "log_normal_",
+        "cauchy_",
+        "fill_",
+        "zero_",
+        "copy_",
+    }
+)
 
 
 class NotReplayable(AutoshardError):
@@ -105,9 +130,25 @@ class Record:
 
 # torch.nn.init's initialisers are recorded as themselves (they reach torch-function modes as themselves):
 # trunc_normal_ draws until its values fall in range, which a meta tensor cannot show; each overwrites its tensor
-_INIT_FUNCTIONS = frozenset(getattr(nn.init, name) for name in (
-    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"))
+_INIT_FUNCTIONS = frozenset(
+    getattr(nn.init, name)
+    for name in (
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "constant_",
+        "ones_",
+        "zeros_",
+        "eye_",
+        "dirac_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
+    )
+)
 _DETERMINISTIC_INITS = frozenset(getattr(nn.init, name) for name in ("constant_", "ones_", "zeros_", "eye_", "dirac_"))
 
 
@@ -146,8 +187,7 @@ def _recording_trunc_normal(recording: _Recording):
     def recorded(tensor, mean, std, a, b, generator=None):
         if not tensor.is_meta:
             return original(tensor, mean, std, a, b, generator=generator)
-        return recording.record_init(nn.init.trunc_normal_, tensor, (tensor, mean, std, a, b),
-                                     {"generator": generator})
+        return recording.record_init(nn.init.trunc_normal_, tensor, (tensor, mean, std, a, b), {"generator": generator})
 
     nn.init._no_grad_trunc_normal_ = recorded
     try:
@@ -185,10 +225,14 @@ class _Recording(TorchDispatchMode):
                 else:
                     base = torch.empty(0, dtype=torch.uint8).set_(storage.clone())
                     self.record.constants[index] = base
-        whole = (tensor.storage_offset() == 0 and tensor.is_contiguous()
-                 and tensor.numel() * tensor.element_size() == storage.nbytes())
-        return TensorRef(self.ids[key], tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
-                         tuple(tensor.stride()), whole)
+        whole = (
+            tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() == storage.nbytes()
+        )
+        return TensorRef(
+            self.ids[key], tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), whole
+        )
 
     def record_init(self, func: Callable, target: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """One ``torch.nn.init`` call on a meta tensor, as one op that overwrites it (skipped here)."""
@@ -197,10 +241,19 @@ class _Recording(TorchDispatchMode):
         args_refs, kwargs_refs = tree_map(lambda x: self.ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         ref = self.ref(target)
         covers = ref.whole
-        self.record.ops.append(Op(
-            func, args_refs, kwargs_refs, (ref,), reads=frozenset() if covers else frozenset({ref.storage}),
-            writes=frozenset({ref.storage}), overwrites=frozenset({ref.storage}) if covers else frozenset(),
-            creates=frozenset(), random=func not in _DETERMINISTIC_INITS))
+        self.record.ops.append(
+            Op(
+                func,
+                args_refs,
+                kwargs_refs,
+                (ref,),
+                reads=frozenset() if covers else frozenset({ref.storage}),
+                writes=frozenset({ref.storage}),
+                overwrites=frozenset({ref.storage}) if covers else frozenset(),
+                creates=frozenset(),
+                random=func not in _DETERMINISTIC_INITS,
+            )
+        )
         return target
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -211,9 +264,17 @@ class _Recording(TorchDispatchMode):
         in_refs = tree_map(lambda x: self.ref(x) if isinstance(x, torch.Tensor) else _device_token(x), (args, kwargs))
         known = set(self.ids)
         name = func.overloadpacket.__name__
-        mutated = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        skip = bool(mutated) and name.endswith("_") and name not in _RESHAPING_IN_PLACE and args \
-            and isinstance(args[0], torch.Tensor) and args[0].is_meta
+        mutated = [
+            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        skip = (
+            bool(mutated)
+            and name.endswith("_")
+            and name not in _RESHAPING_IN_PLACE
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta
+        )
         out = args[0] if skip else func(*args, **kwargs)
         out_flat, _ = tree_flatten(out)
         outputs = []
@@ -332,8 +393,10 @@ def _plan(record: Record, wanted: set[int]) -> _Plan:
     # A draw nobody keeps still runs (on scratch) when a kept draw follows it: the generator's state at that
     # draw depends on every draw before. After the last kept draw, no draw matters.
     last_kept_draw = max((i for i, op in enumerate(record.ops) if needed[i] and op.random), default=-1)
-    run = ["real" if n else ("scratch" if op.random and i < last_kept_draw else "skip")
-           for i, (n, op) in enumerate(zip(needed, record.ops))]
+    run = [
+        "real" if n else ("scratch" if op.random and i < last_kept_draw else "skip")
+        for i, (n, op) in enumerate(zip(needed, record.ops))
+    ]
     fresh_next: dict[int, bool] = {}  # storage -> its next use (in order) fully replaces it, or there is none
     final = set()
     free_after: list[list[int]] = [[] for _ in record.ops]
@@ -388,8 +451,12 @@ class _Values:
                 self.real[ref.storage] = value.untyped_storage()
 
 
-def replay(record: Record, seed: int, names: Iterable[str] | None = None,
-           take: Callable[[str, torch.Tensor], None] = lambda name, value: None) -> int:
+def replay(
+    record: Record,
+    seed: int,
+    names: Iterable[str] | None = None,
+    take: Callable[[str, torch.Tensor], None] = lambda name, value: None,
+) -> int:
     """Run ``record`` on CPU from ``torch.manual_seed(seed)``, calling ``take(name, value)`` once for each state
     tensor in ``names`` (default: all) as soon as its value is final; ``value`` is freed after the call unless
     ``take`` keeps it. The process's generator state is left as it was. Returns the most bytes the replay held
@@ -459,8 +526,9 @@ def on_fake_tensors(modules: list[nn.Module]) -> bool:
     return any(is_fake(t) for m in modules for t in [*m.parameters(), *m.buffers()])
 
 
-def materialize(model, modules: list[nn.Module], state: dict, restore: Callable[[], None],
-                original_name: Callable[[str], str]) -> None:
+def materialize(
+    model, modules: list[nn.Module], state: dict, restore: Callable[[], None], original_name: Callable[[str], str]
+) -> None:
     """Allocate ``modules``' tensors on ``device`` and fill them with the factory's initial values.
 
     ``state`` is the model's state as checkpoints hold it (``runtime.checkpoint.model_state``: by the original
@@ -468,12 +536,17 @@ def materialize(model, modules: list[nn.Module], state: dict, restore: Callable[
     this rank holds, and ``restore`` puts them back. Buffers no state dict lists (non-persistent: rotary tables)
     are filled whole, found by ``original_name`` (a module's tensor name without wrappers' parts)."""
     record, seed = getattr(model, _PENDING)
-    held = {original_name(name) for module in modules
-            for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+    held = {
+        original_name(name)
+        for module in modules
+        for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    }
     unknown = sorted((set(state) | held) - set(record.state))
     if unknown:
-        raise AutoshardError(f"the sharded model has state the factory did not make ({', '.join(unknown[:3])}); "
-                             f"this plan's program cannot initialise it on meta")
+        raise AutoshardError(
+            f"the sharded model has state the factory did not make ({', '.join(unknown[:3])}); "
+            f"this plan's program cannot initialise it on meta"
+        )
     extra: dict[str, list[torch.Tensor]] = {}
     for module in modules:
         for name, buffer in module.named_buffers(remove_duplicate=False):
@@ -540,8 +613,9 @@ def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor
         local = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                  shape=tensor.shape, stride=tensor.stride())
+        return DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
 
@@ -577,8 +651,9 @@ class ReplayReader:
         entries = {}
         for name, ref in self.record.state.items():
             size = torch.Size(ref.size)
-            entries[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype), size,
-                                                  [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+            entries[name] = TensorStorageMetadata(
+                TensorProperties(dtype=ref.dtype), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)]
+            )
         return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta())
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:

@@ -25,13 +25,16 @@ def load_model_file(spec: str, expected_hash: str | None = None, seq_len: int | 
     if expected_hash is not None:
         actual = model_fingerprint(model_file.build("meta"))
         if actual != expected_hash:
-            raise AutoshardError(f"{spec} is not the model this plan was made for (fingerprint {actual}, plan "
-                                 f"{expected_hash}); re-plan it with `autoshard plan {spec} ...`")
+            raise AutoshardError(
+                f"{spec} is not the model this plan was made for (fingerprint {actual}, plan "
+                f"{expected_hash}); re-plan it with `autoshard plan {spec} ...`"
+            )
     return model_file
 
 
-def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu",
-                fixed_randomness: bool = False) -> nn.Module:
+def build_model(
+    model_file: ModelFile, seed: int, device: torch.device | str = "cpu", fixed_randomness: bool = False
+) -> nn.Module:
     """Build with the same seed on every rank (and in the reference), so weights start equal;
     ``fixed_randomness=True`` gives every random op one value every rank shares (``fix_model_randomness``), as
     ``autoshard verify`` runs."""
@@ -43,8 +46,9 @@ def build_model(model_file: ModelFile, seed: int, device: torch.device | str = "
     return model.to(device)
 
 
-def build_meta_model(model_file: ModelFile, seed: int, device: torch.device | str = "cpu",
-                     fixed_randomness: bool = False) -> nn.Module:
+def build_meta_model(
+    model_file: ModelFile, seed: int, device: torch.device | str = "cpu", fixed_randomness: bool = False
+) -> nn.Module:
     """The model on the meta device, waiting for the plan's ``init_weights`` step to make this rank's shards
     with the values ``build_model(model_file, seed)`` would give (``runtime.init_replay``). A factory whose
     initialisation cannot be replayed is built whole on CPU and moved to ``device`` instead (``build_model``),
@@ -68,7 +72,7 @@ def strip_wrapper_names(name: str) -> str:
     """A parameter's name in the user's model, without DDP / checkpoint-wrapper parts."""
     for prefix in WRAPPER_PREFIXES:
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     for segment in WRAPPER_SEGMENTS:
         name = name.replace(segment, "")
     return name
@@ -136,6 +140,7 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
+
         if not (self.training and dist.is_initialized()):
             return super().forward(input)
         from torch.distributed.nn.functional import all_reduce
@@ -192,9 +197,12 @@ def _on_cpu(module: nn.Module) -> bool:
 def is_norm(module: nn.Module) -> bool:
     """A normalisation layer, by its type: torch's (LayerNorm, RMSNorm, GroupNorm, LocalResponseNorm, BatchNorm*,
     InstanceNorm*, SyncBatchNorm) or a class named like one (``LlamaRMSNorm``, ``T5LayerNorm``)."""
-    return (isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
-                                nn.modules.batchnorm._NormBase))
-            or _NORM_CLASS.search(type(module).__name__) is not None)
+    return (
+        isinstance(
+            module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+        )
+        or _NORM_CLASS.search(type(module).__name__) is not None
+    )
 
 
 _NORM_CLASS = re.compile(r"Norm(\dd)?$")
@@ -203,8 +211,10 @@ _NORM_CLASS = re.compile(r"Norm(\dd)?$")
 def is_embedding(module: nn.Module) -> bool:
     """An embedding table, by its type: ``nn.Embedding`` / ``nn.EmbeddingBag`` or a class named like one
     (tensor_parallel_stages' ``VocabParallelEmbedding``, transformers' scaled word embeddings)."""
-    return (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-            or _EMBEDDING_CLASS.search(type(module).__name__) is not None)
+    return (
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        or _EMBEDDING_CLASS.search(type(module).__name__) is not None
+    )
 
 
 _EMBEDDING_CLASS = re.compile(r"Embedding(Bag)?$")
@@ -215,8 +225,11 @@ def no_decay_names(model: nn.Module) -> frozenset[str]:
     decay: held by a normalisation layer (``is_norm``) or an embedding (``is_embedding``), or a bias (``bias``,
     ``*_bias``). A tensor tied between an embedding and a head is an embedding's."""
     undecayed = no_decay_params(model)
-    return frozenset(strip_wrapper_names(name) for name, param in model.named_parameters(remove_duplicate=False)
-                     if id(param) in undecayed)
+    return frozenset(
+        strip_wrapper_names(name)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if id(param) in undecayed
+    )
 
 
 def no_decay_params(model: nn.Module) -> dict[int, nn.Parameter]:

@@ -89,8 +89,9 @@ def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **r
     results: dict[str, Any] = {"model": model}
     for step in steps:
         function: Callable = APPLIERS[step.op]
-        args = [results["model"]] + ([] if step.mesh_dim is None else
-                                     [mesh if step.mesh_dim == WHOLE_MESH else mesh[step.mesh_dim]])
+        args = [results["model"]] + (
+            [] if step.mesh_dim is None else [mesh if step.mesh_dim == WHOLE_MESH else mesh[step.mesh_dim]]
+        )
         inputs = {name: run_inputs[name] for name in RUN_INPUTS.get(step.op, ())}
         results[RESULTS.get(step.op, "model")] = function(*args, **step.kwargs, **inputs)
     return results
@@ -105,16 +106,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], befo
     return apply_tensor_parallel(model, tp_mesh, styles)
 
 
-def split_pipeline(model: nn.Module, mesh: DeviceMesh, split_points: tuple[str, ...], virtual_stages: int,
-                   tp_styles: dict[str, str], example_microbatch: tuple, device: torch.device,
-                   placement: str = "loop") -> pp.PipelineStages:
+def split_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    split_points: tuple[str, ...],
+    virtual_stages: int,
+    tp_styles: dict[str, str],
+    example_microbatch: tuple,
+    device: torch.device,
+    placement: str = "loop",
+) -> pp.PipelineStages:
     """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
     "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
     tp = tp_styles and mesh["tp"].size() > 1
     stages = _pipeline_parallel().build_pipeline_stages(
-        model, example_microbatch, list(split_points), mesh.get_local_rank("pp"), mesh["pp"].size(), virtual_stages,
-        device, mesh.get_group("pp"), tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
-        tp_group=mesh.get_group("tp") if tp else None, placement=placement)
+        model,
+        example_microbatch,
+        list(split_points),
+        mesh.get_local_rank("pp"),
+        mesh["pp"].size(),
+        virtual_stages,
+        device,
+        mesh.get_group("pp"),
+        tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
+        tp_group=mesh.get_group("tp") if tp else None,
+        placement=placement,
+    )
     init_replay.carry(model, stages)
     return stages
 
@@ -138,8 +155,9 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
             continue
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        wrapped = checkpoint_wrapper(get_block(model, path), checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     **selective_kwargs(modes[path]))
+        wrapped = checkpoint_wrapper(
+            get_block(model, path), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective_kwargs(modes[path])
+        )
         parent.register_module(child, wrapped)
     return model
 
@@ -149,9 +167,16 @@ def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return model_utils.convert_sync_batch_norm(model, dp_mesh.get_group(), on_cpu=dp_mesh.device_type == "cpu")
 
 
-def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (),
-               reshard_after_forward: bool = True, precision: str = "fp32", replicas: int = 1,
-               sync_every_microbatch: bool = True, ep: int = 1):
+def apply_fsdp(
+    model,
+    dp_mesh: DeviceMesh,
+    blocks: tuple[str, ...] | list[str] = (),
+    reshard_after_forward: bool = True,
+    precision: str = "fp32",
+    replicas: int = 1,
+    sync_every_microbatch: bool = True,
+    ep: int = 1,
+):
     """FSDP2 with each block a unit, then the root (embeddings, head); on pipeline stages, each stage
     module a unit (torchtitan's way; the schedule drives the post-backward reduce-scatter).
     Weights are gathered in the precision's param dtype and gradients reduced in its reduce dtype.
@@ -163,30 +188,42 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] =
     (``expert_parallel.expert_units``); on stages (dp = ep) FSDP leaves them out. 0-d parameters stay
     whole on every rank (``_keep_scalars_whole``)."""
     policy = mixed_precision(precision)
-    mesh = dp_mesh if replicas == 1 else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas),
-                                                            ("dp_replicate", "dp_shard"))
+    mesh = (
+        dp_mesh
+        if replicas == 1
+        else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas), ("dp_replicate", "dp_shard"))
+    )
     units = model.modules if _is_stages(model) else [get_block(model, p) for p in blocks] + [model]
-    ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: fully_shard(
-        unit, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
+    ignored = _experts_apart(
+        model,
+        dp_mesh,
+        ep,
+        lambda unit, unit_mesh: fully_shard(
+            unit, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+        ),
+    )
     ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    ignored_params=ignored)
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored
+        )
     if not sync_every_microbatch and not _is_stages(model):
         _ACCUMULATING.add(model)
     return model
 
 
-def apply_replicate(model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (), precision: str = "fp32",
-                    ep: int = 1):
+def apply_replicate(
+    model, dp_mesh: DeviceMesh, blocks: tuple[str, ...] | list[str] = (), precision: str = "fp32", ep: int = 1
+):
     """ZeRO-0 with tp, pp or ep: FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery, which takes
     DTensor parameters and is driven by ``torch.distributed.pipelining``'s stages), each block a unit then
     the root, or each stage module; gradients summed over the micro-batches, all-reduced on the last.
     ``ep`` > 1: experts modules are units of their own first, as in ``apply_fsdp``. 0-d parameters stay
     out of FSDP2 (``_keep_scalars_whole``)."""
     policy = mixed_precision(precision)
-    ignored = _experts_apart(model, dp_mesh, ep, lambda unit, unit_mesh: replicate(
-        unit, mesh=unit_mesh, mp_policy=policy))
+    ignored = _experts_apart(
+        model, dp_mesh, ep, lambda unit, unit_mesh: replicate(unit, mesh=unit_mesh, mp_policy=policy)
+    )
     ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     if _is_stages(model):
         for module in model.modules:
@@ -283,19 +320,27 @@ def init_weights(model, mesh: DeviceMesh, device: torch.device):
     return model
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
-              device: torch.device | None = None) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0, device: torch.device | None = None
+) -> nn.Module:
     ep_runtime.refuse_expert_shards(model, "DDP")  # it would average different experts; apply_replicate does not
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
     # DDP's construction checks every rank's parameter shapes and broadcasts rank 0's values (``init_sync``):
     # fake tensors (a setup run for its memory only, ``autoshard.dryrun``) have no values to check or send
     init_sync = not init_replay.on_fake_tensors([model])
-    return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
-               process_group=dp_mesh.get_group() if dp_mesh is not None else None, init_sync=init_sync)
+    return DDP(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,
+        process_group=dp_mesh.get_group() if dp_mesh is not None else None,
+        init_sync=init_sync,
+    )
 
 
-def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3,
-                    recipe: Recipe | None = None):
+def build_optimizer(
+    model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3, recipe: Recipe | None = None
+):
     """AdamW at ``lr`` with torch's settings (``recipe`` None: what programs without a recipe train with), or
     ``recipe``'s optimizer, settings and weight-decay groups at its own lr, fused on CUDA (``runtime.recipe``).
     ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with tp or pp, and
@@ -307,17 +352,21 @@ def build_optimizer(model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 
         if zero_redundancy:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
-                                           process_group=dp_mesh.get_group())
+            return ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr, process_group=dp_mesh.get_group()
+            )
         return torch.optim.AdamW(model.parameters(), lr=lr)
     device_type = _device_type(model)
     if zero_redundancy:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(
-            training_recipe.recipe_params(model, recipe), optimizer_class=training_recipe.OPTIMIZERS[recipe.optimizer],
-            process_group=dp_mesh.get_group(), **recipe.optimizer_kwargs(),
-            **training_recipe.optimizer_kernel(recipe.optimizer, model.parameters(), device_type))
+            training_recipe.recipe_params(model, recipe),
+            optimizer_class=training_recipe.OPTIMIZERS[recipe.optimizer],
+            process_group=dp_mesh.get_group(),
+            **recipe.optimizer_kwargs(),
+            **training_recipe.optimizer_kernel(recipe.optimizer, model.parameters(), device_type),
+        )
     return training_recipe.build_optimizer(model, recipe, device_type)
 
 
@@ -423,9 +472,11 @@ def grad_scaler(precision: str, model, device: torch.device):
         try:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         except ImportError as exc:
-            raise AutoshardError(f"precision {precision} with sharded (DTensor) parameters needs "
-                                 f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which torch "
-                                 f"{torch.__version__} lacks; plan with --precision bf16 or --zero 0 --tp 1") from exc
+            raise AutoshardError(
+                f"precision {precision} with sharded (DTensor) parameters needs "
+                f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which torch "
+                f"{torch.__version__} lacks; plan with --precision bf16 or --zero 0 --tp 1"
+            ) from exc
         return ShardedGradScaler(device=device.type)
     return torch.amp.GradScaler(device.type)
 
@@ -433,5 +484,7 @@ def grad_scaler(precision: str, model, device: torch.device):
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy for the plan's precision."""
     policy = precision_policy(precision)
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, policy.param_dtype) if policy.param_dtype else None,
-                                reduce_dtype=getattr(torch, policy.reduce_dtype) if policy.reduce_dtype else None)
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, policy.param_dtype) if policy.param_dtype else None,
+        reduce_dtype=getattr(torch, policy.reduce_dtype) if policy.reduce_dtype else None,
+    )

@@ -87,8 +87,17 @@ class Parallelized:
         if self.is_pipeline:
             return self._pipeline_step(inputs, targets)  # the global batch's mean
         spec = self.layout
-        step_loss = forward_backward(self.model, inputs, targets, loss_fn, self.mesh, self.plan.num_microbatches,
-                                     spec.sequence_axis, spec.tokens_per_sample, self.plan.precision)
+        step_loss = forward_backward(
+            self.model,
+            inputs,
+            targets,
+            loss_fn,
+            self.mesh,
+            self.plan.num_microbatches,
+            spec.sequence_axis,
+            spec.tokens_per_sample,
+            self.plan.precision,
+        )
         return mean_over(step_loss, self.mesh.get_group(spec.loss_axis))
 
     def _pipeline_step(self, inputs: tuple, targets) -> float:
@@ -121,37 +130,58 @@ class Parallelized:
         pipeline rank holding neither the first nor the last stage gets ``((), None)`` (``reads``). The global batch of step k is the
         one ``autoshard verify``'s one-process run reads (``runtime.data.dataset_global_batch``)."""
         if self.model_file is None:
-            raise AutoshardError("data_loader needs the plan's model file (its example_batch checks the samples); "
-                                 "fix: parallelize a plan made from a model file")
-        return RankBatches(self.model_file(), DataSource(), self.plan.global_batch, self.layout.tokens_per_sample,
-                           self.mesh, self.layout.data_axis, self.device, seed, workers, dataset=dataset,
-                           reads=self.reads)
+            raise AutoshardError(
+                "data_loader needs the plan's model file (its example_batch checks the samples); "
+                "fix: parallelize a plan made from a model file"
+            )
+        return RankBatches(
+            self.model_file(),
+            DataSource(),
+            self.plan.global_batch,
+            self.layout.tokens_per_sample,
+            self.mesh,
+            self.layout.data_axis,
+            self.device,
+            seed,
+            workers,
+            dataset=dataset,
+            reads=self.reads,
+        )
 
     def __iter__(self):
-        raise AutoshardError("autoshard.parallelize returns one object, not (model, optimizer, mesh); fix: "
-                             "p = autoshard.parallelize(...), then p.model, p.optimizer, p.mesh and p.train_step")
+        raise AutoshardError(
+            "autoshard.parallelize returns one object, not (model, optimizer, mesh); fix: "
+            "p = autoshard.parallelize(...), then p.model, p.optimizer, p.mesh and p.train_step"
+        )
 
     def _check_batch(self, inputs: tuple, targets, local: bool) -> None:
         dp = self.mesh[self.layout.data_axis].size() if local else 1
         want = self.plan.global_batch // dp
         tensors = [*inputs, targets]
         if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors):
-            raise AutoshardError(f"train_step takes inputs (a tensor or a tuple of them) and targets (a tensor), "
-                                 f"batch first; got {', '.join(type(t).__name__ for t in tensors)}; fix: pass tensors "
-                                 f"(example_batch's, a DataLoader's)")
+            raise AutoshardError(
+                f"train_step takes inputs (a tensor or a tuple of them) and targets (a tensor), "
+                f"batch first; got {', '.join(type(t).__name__ for t in tensors)}; fix: pass tensors "
+                f"(example_batch's, a DataLoader's)"
+            )
         sizes = sorted({t.shape[0] for t in tensors})
         if sizes != [want]:
-            what = f"this rank's share of {want} samples (global batch {self.plan.global_batch} / dp {dp})" \
-                if local else f"the plan's global batch of {want} samples"
-            fix = "pass exactly that many" + ("" if local else ", or local=True for this rank's share "
-                                              "(data_loader's batches)")
-            raise AutoshardError(f"train_step takes {what}, got a batch of {' and '.join(map(str, sizes))}; "
-                                 f"fix: {fix}")
+            what = (
+                f"this rank's share of {want} samples (global batch {self.plan.global_batch} / dp {dp})"
+                if local
+                else f"the plan's global batch of {want} samples"
+            )
+            fix = "pass exactly that many" + (
+                "" if local else ", or local=True for this rank's share (data_loader's batches)"
+            )
+            raise AutoshardError(f"train_step takes {what}, got a batch of {' and '.join(map(str, sizes))}; fix: {fix}")
 
     def _loss_fn(self, loss_fn: Callable | None) -> Callable:
         if loss_fn is None or loss_fn is self.loss_fn:
             return self.loss_fn
         if self.is_pipeline:
-            raise AutoshardError("a pipeline's schedule computes the loss it was built with; fix: pass loss_fn to "
-                                 "autoshard.parallelize, not to train_step")
+            raise AutoshardError(
+                "a pipeline's schedule computes the loss it was built with; fix: pass loss_fn to "
+                "autoshard.parallelize, not to train_step"
+            )
         return loss_fn

@@ -74,9 +74,14 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
-             "dualpipev": ScheduleDualPipeV}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 PLACEMENTS = ("loop", "v")  # stage_indices
 V_PLACED_SCHEDULES = {"zbv", "dualpipev"}  # torch's V schedules: stages r and 2·pp − 1 − r on rank r
@@ -146,16 +151,27 @@ def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, placement: st
         raise AutoshardError(f"unknown stage placement {placement!r}; use one of {', '.join(PLACEMENTS)}")
     if placement == "v":
         if virtual_stages != 2:
-            raise AutoshardError(f"the V placement puts exactly 2 stages on each rank, not {virtual_stages}; "
-                                 f"use virtual_stages 2 or the loop placement")
+            raise AutoshardError(
+                f"the V placement puts exactly 2 stages on each rank, not {virtual_stages}; "
+                f"use virtual_stages 2 or the loop placement"
+            )
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(virtual_stages)]
 
 
-def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, split_points: list[str],
-                          pp_rank: int, pp_size: int, virtual_stages: int, device: torch.device,
-                          pp_group: dist.ProcessGroup | None = None, tp_shard_dims: dict[str, int] | None = None,
-                          tp_group: dist.ProcessGroup | None = None, placement: str = "loop") -> PipelineStages:
+def build_pipeline_stages(
+    model: nn.Module,
+    example_microbatch_inputs: tuple,
+    split_points: list[str],
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None = None,
+    tp_shard_dims: dict[str, int] | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    placement: str = "loop",
+) -> PipelineStages:
     """Split ``model`` before each of ``split_points`` and build this rank's stages.
 
     ``example_microbatch_inputs`` must have the micro-batch shape used at run time (the
@@ -167,23 +183,38 @@ def build_pipeline_stages(model: nn.Module, example_microbatch_inputs: tuple, sp
     """
     num_stages = pp_size * virtual_stages
     if len(split_points) != num_stages - 1:
-        raise AutoshardError(f"pp={pp_size} x {virtual_stages} virtual stages needs {num_stages - 1} split points, "
-                             f"got {len(split_points)}: {split_points}")
+        raise AutoshardError(
+            f"pp={pp_size} x {virtual_stages} virtual stages needs {num_stages - 1} split points, "
+            f"got {len(split_points)}: {split_points}"
+        )
     state_names = frozenset(model.state_dict())
     no_decay = no_decay_names(model)
     pipe = split_model(model, example_microbatch_inputs, split_points)
     output_spec = pipe.model_output_spec
     if pipe.num_stages != num_stages:
-        raise AutoshardError(f"splitting at {split_points} gave {pipe.num_stages} stages, not {num_stages}; "
-                             f"name modules that run in order, each once")
+        raise AutoshardError(
+            f"splitting at {split_points} gave {pipe.num_stages} stages, not {num_stages}; "
+            f"name modules that run in order, each once"
+        )
     local = stage_indices(pp_rank, pp_size, virtual_stages, placement)
     for index in local:
         drop_unused_state(pipe.get_stage_module(index))
     stages = [pipe.build_stage(index, device, pp_group) for index in local]
     owner = {index: r for r in range(pp_size) for index in stage_indices(r, pp_size, virtual_stages, placement)}
     tied = _local_tied_copies(pipe, local, owner, pp_size, pp_group)
-    return PipelineStages(stages, pp_size, pp_group, output_spec, state_names, tied, dict(tp_shard_dims or {}),
-                          tp_group, state_aliases(model), placement, no_decay=no_decay)
+    return PipelineStages(
+        stages,
+        pp_size,
+        pp_group,
+        output_spec,
+        state_names,
+        tied,
+        dict(tp_shard_dims or {}),
+        tp_group,
+        state_aliases(model),
+        placement,
+        no_decay=no_decay,
+    )
 
 
 def state_aliases(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -292,14 +323,17 @@ def _check_inputs_as_fed(pipe, example_inputs: tuple) -> None:
     did not match the positional inputs one to one (shape and dtype) would have them fed to the wrong ones.
     """
     roots = [node for node in pipe.split_gm.graph.nodes if node.op == "placeholder"]
-    traced = [(tuple(v.shape), v.dtype) if isinstance(v := node.meta.get("val"), torch.Tensor) else None
-              for node in roots]
+    traced = [
+        (tuple(v.shape), v.dtype) if isinstance(v := node.meta.get("val"), torch.Tensor) else None for node in roots
+    ]
     fed = [(tuple(t.shape), t.dtype) for t in example_inputs]
     if len(roots) != len(fed) or any(t is not None and t != f for t, f in zip(traced, fed)):
-        raise AutoshardError(f"the pipeline's traced inputs {[node.name for node in roots]} "
-                             f"({', '.join(f'{t[1]} {list(t[0])}' if t else '?' for t in traced)}) are not the "
-                             f"{len(fed)} inputs fed ({', '.join(f'{d} {list(s)}' for s, d in fed)}), in order; "
-                             f"give forward() each example input as a positional argument")
+        raise AutoshardError(
+            f"the pipeline's traced inputs {[node.name for node in roots]} "
+            f"({', '.join(f'{t[1]} {list(t[0])}' if t else '?' for t in traced)}) are not the "
+            f"{len(fed)} inputs fed ({', '.join(f'{d} {list(s)}' for s, d in fed)}), in order; "
+            f"give forward() each example input as a positional argument"
+        )
 
 
 def one_parameter_per_tie(pipe, aliases: tuple[tuple[str, ...], ...]) -> None:
@@ -379,8 +413,9 @@ def _has_grad_mode_region(pipe) -> bool:
     for module in pipe.split_gm.modules():
         graph = getattr(module, "graph", None)
         if isinstance(graph, torch.fx.Graph) and any(
-                node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled
-                for node in graph.nodes):
+            node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled
+            for node in graph.nodes
+        ):
             return True
     return False
 
@@ -401,8 +436,9 @@ def _used_state_names(module: nn.Module, scope: str = "") -> set[str]:
     """Names read by ``get_attr`` in the (nested) graphs, plus all state of graph-less called modules."""
     graph = getattr(module, "graph", None)
     if not isinstance(graph, torch.fx.Graph):
-        return {_join(scope, name) for name, _ in module.named_parameters(remove_duplicate=False)} | \
-               {_join(scope, name) for name, _ in module.named_buffers(remove_duplicate=False)}
+        return {_join(scope, name) for name, _ in module.named_parameters(remove_duplicate=False)} | {
+            _join(scope, name) for name, _ in module.named_buffers(remove_duplicate=False)
+        }
     used = {_join(scope, n.target) for n in graph.nodes if n.op == "get_attr"}
     called = {n.target for n in graph.nodes if n.op == "call_module"}
     for name, child in module.named_children():
@@ -453,13 +489,17 @@ def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Cal
         raise AutoshardError(f"unknown pipeline schedule '{schedule}'; use one of {', '.join(SCHEDULES)}")
     multi = schedule in MULTI_STAGE_SCHEDULES
     if multi != (len(parts.stages) > 1):
-        raise AutoshardError(f"schedule '{schedule}' with {len(parts.stages)} stage(s) per rank: "
-                             f"{', '.join(sorted(MULTI_STAGE_SCHEDULES))} need virtual_stages > 1, gpipe and 1f1b "
-                             f"need exactly 1")
+        raise AutoshardError(
+            f"schedule '{schedule}' with {len(parts.stages)} stage(s) per rank: "
+            f"{', '.join(sorted(MULTI_STAGE_SCHEDULES))} need virtual_stages > 1, gpipe and 1f1b "
+            f"need exactly 1"
+        )
     if (schedule in V_PLACED_SCHEDULES) != (parts.placement == "v"):
         want = "v" if schedule in V_PLACED_SCHEDULES else "loop"
-        raise AutoshardError(f"schedule '{schedule}' runs stages placed '{want}', but this rank's were placed "
-                             f"'{parts.placement}'; split with placement='{want}'")
+        raise AutoshardError(
+            f"schedule '{schedule}' runs stages placed '{want}', but this rank's were placed "
+            f"'{parts.placement}'; split with placement='{want}'"
+        )
     stage_loss = _structured_loss(loss_fn, parts.output_spec)
     stages = parts.stages if multi else parts.stages[0]
     if parts.placement == "v":
@@ -484,6 +524,7 @@ def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec) -> Callabl
     def stage_loss(stage_output, targets):
         flat = list(stage_output) if isinstance(stage_output, (tuple, list)) else [stage_output]
         return loss_fn(pytree.tree_unflatten(flat, output_spec), targets)
+
     return stage_loss
 
 
@@ -550,8 +591,9 @@ def global_mean_loss(losses: list[torch.Tensor], parts: PipelineStages) -> float
     """(Σ ℓ_j) / (dp·m) over every replica's micro-batches; only last-stage ranks hold ℓ_j."""
     device = parts.stages[0].device
     local_sum = sum((loss.detach().double() for loss in losses), torch.zeros((), dtype=torch.float64))
-    sum_and_count = torch.stack([local_sum.to(device), torch.tensor(float(len(losses)), dtype=torch.float64,
-                                                                     device=device)])
+    sum_and_count = torch.stack(
+        [local_sum.to(device), torch.tensor(float(len(losses)), dtype=torch.float64, device=device)]
+    )
     dist.all_reduce(sum_and_count, op=dist.ReduceOp.SUM)
     mean = sum_and_count[0] / sum_and_count[1]
     if is_fake(mean):  # a run on fake tensors for its memory (``autoshard.dryrun``): no value to read

@@ -156,8 +156,9 @@ def first_stage_takes_every_input(split_gm: fx.GraphModule, stages: list[fx.Node
     first = stages[0]
     if tuple(first.args) == tuple(roots):
         return False
-    assert all(arg in roots for arg in first.args) and not first.kwargs, \
+    assert all(arg in roots for arg in first.args) and not first.kwargs, (
         f"the first stage {first.name} reads values other than the model's inputs"
+    )
     module = split_gm.get_submodule(first.target)
     inner = dict(zip(first.args, _placeholders(module.graph)))
     for root in roots:
@@ -292,7 +293,7 @@ def _carry(split_gm: fx.GraphModule, stages: list[fx.Node], value: fx.Node, prod
         module = split_gm.get_submodule(node.target)
         inner = _input_for(node, module, carried, _value_meta(split_gm, value))
         passed = _add_output(split_gm.graph, node, module, inner)
-        for reader in stages[s + 1:last + 1]:
+        for reader in stages[s + 1 : last + 1]:
             reader.replace_input_with(carried, passed)
         carried = passed
 

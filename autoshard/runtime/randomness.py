@@ -123,8 +123,9 @@ class ExpectedRandomness(TorchDispatchMode):
 def _is_random(func, cache: dict = {}) -> bool:  # noqa: B006 (a per-process memo)
     known = cache.get(func)
     if known is None:
-        known = cache[func] = torch.Tag.nondeterministic_seeded in func.tags or \
-            base_name(func.overloadpacket.__name__) in RANDOM_OPS
+        known = cache[func] = (
+            torch.Tag.nondeterministic_seeded in func.tags or base_name(func.overloadpacket.__name__) in RANDOM_OPS
+        )
     return known
 
 
@@ -158,8 +159,10 @@ def _fill(result: torch.Tensor, value) -> None:
 
 
 def _unbounded():
-    raise RandomOpNotFixed("the random op aten.random_ without bounds draws from the whole range of its dtype, which "
-                           "has no expectation to fix it at; give it bounds (random_(from, to)) or use torch.randint")
+    raise RandomOpNotFixed(
+        "the random op aten.random_ without bounds draws from the whole range of its dtype, which "
+        "has no expectation to fix it at; give it bounds (random_(from, to)) or use torch.randint"
+    )
 
 
 def _most_likely(probs: torch.Tensor, samples: int, replacement: bool) -> torch.Tensor:
@@ -177,24 +180,37 @@ def _switched(func, name: str, args: tuple, kwargs: dict, bound: dict):
         on = bound.get("p", 0.0) < 1.0  # its p is the probability of keeping
     if on:
         what = f"{switch}={bound.get(switch)}" if switch else "its own random draw"
-        raise RandomOpNotFixed(f"the random op aten.{name} ({what}) draws inside a kernel autograd differentiates, "
-                               f"so it cannot run at a value every rank shares; call it through "
-                               f"torch.nn.functional (dropout, scaled_dot_product_attention, rrelu) or set its "
-                               f"rate to 0")
+        raise RandomOpNotFixed(
+            f"the random op aten.{name} ({what}) draws inside a kernel autograd differentiates, "
+            f"so it cannot run at a value every rank shares; call it through "
+            f"torch.nn.functional (dropout, scaled_dot_product_attention, rrelu) or set its "
+            f"rate to 0"
+        )
     return func(*args, **kwargs)
 
 
 # Dropout as functions: nn.Dropout* call the torch.nn.functional forms, which FixedFunctions sees.
 _DROPOUT_FUNCTIONS = {
-    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
-    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
-    torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
+    torch.nn.functional.dropout,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d,
+    torch.nn.functional.alpha_dropout,
+    torch.nn.functional.feature_alpha_dropout,
+    torch.dropout,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+    torch.ops.aten.dropout.default,
+    torch.ops.aten.feature_dropout.default,
+    torch.ops.aten.alpha_dropout.default,
     torch.ops.aten.feature_alpha_dropout.default,
 }
 _RRELU_FUNCTIONS = {torch.nn.functional.rrelu, torch.rrelu, torch.ops.aten.rrelu.default}
-_SDPA_FUNCTIONS = {torch.nn.functional.scaled_dot_product_attention,
-                   torch.ops.aten.scaled_dot_product_attention.default}
+_SDPA_FUNCTIONS = {
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+}
 _SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
 
@@ -223,7 +239,7 @@ class FixedFunctions(torch.overrides.TorchFunctionMode):
             return _mean_slope_rrelu(*args, **kwargs)
         if func in _SDPA_FUNCTIONS:
             if len(args) > _SDPA_DROPOUT_ARG:
-                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1:])
+                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1 :])
             if "dropout_p" in kwargs:
                 kwargs["dropout_p"] = 0.0
         return func(*args, **kwargs)

@@ -35,13 +35,29 @@ from autoshard.ir.recipe import SCHEDULES, TABLE, Recipe
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.model import no_decay_params, strip_wrapper_names
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "TABLE", "Recipe", "param_groups", "optimizer_kernel", "optimizer_for",
-           "recipe_params", "build_optimizer", "lr_factor", "LRFactor", "StageSchedulers", "build_scheduler",
-           "clip_grad_norm"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "TABLE",
+    "Recipe",
+    "param_groups",
+    "optimizer_kernel",
+    "optimizer_for",
+    "recipe_params",
+    "build_optimizer",
+    "lr_factor",
+    "LRFactor",
+    "StageSchedulers",
+    "build_scheduler",
+    "clip_grad_norm",
+]
 
 # The recipe's optimizer names (``ir.recipe.OPTIMIZERS``) -> torch's classes
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
 assert tuple(OPTIMIZERS) == RECIPE_OPTIMIZERS
 
 
@@ -59,8 +75,9 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: frozenset[str]
     if no_decay is None:
         undecayed = set(no_decay_params(model))
     else:
-        undecayed = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
-                     if strip_wrapper_names(name) in no_decay}
+        undecayed = {
+            id(p) for name, p in model.named_parameters(remove_duplicate=False) if strip_wrapper_names(name) in no_decay
+        }
     decay = [p for key, p in params.items() if key not in undecayed]
     plain = [p for key, p in params.items() if key in undecayed]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
@@ -91,8 +108,9 @@ def optimizer_for(params, recipe: Recipe, device_type: str) -> torch.optim.Optim
     """``recipe``'s optimizer over ``params`` (tensors or param groups), with ``optimizer_kernel``'s kernel."""
     params = list(params)
     tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-    return OPTIMIZERS[recipe.optimizer](params, **recipe.optimizer_kwargs(),
-                                        **optimizer_kernel(recipe.optimizer, tensors, device_type))
+    return OPTIMIZERS[recipe.optimizer](
+        params, **recipe.optimizer_kwargs(), **optimizer_kernel(recipe.optimizer, tensors, device_type)
+    )
 
 
 def recipe_params(module: nn.Module, recipe: Recipe, no_decay: frozenset[str] | None = None) -> list:
@@ -110,8 +128,11 @@ def build_optimizer(model_or_params, recipe: Recipe, device_type: str):
     modules = getattr(model_or_params, "modules", None)
     if isinstance(modules, list):  # pipeline stages
         no_decay = getattr(model_or_params, "no_decay", frozenset())
-        return StageOptimizers(modules, lambda params, **_: optimizer_for(params, recipe, device_type),
-                               params_of=lambda module: recipe_params(module, recipe, no_decay))
+        return StageOptimizers(
+            modules,
+            lambda params, **_: optimizer_for(params, recipe, device_type),
+            params_of=lambda module: recipe_params(module, recipe, no_decay),
+        )
     if isinstance(model_or_params, nn.Module):
         return optimizer_for(recipe_params(model_or_params, recipe), recipe, device_type)
     return optimizer_for(model_or_params, recipe, device_type)
@@ -148,8 +169,10 @@ class LRFactor:
 
     def __init__(self, recipe: Recipe):
         if recipe.schedule != "constant" and recipe.steps is None:
-            raise AutoshardError(f"schedule '{recipe.schedule}' decays over steps, and the recipe has none; fix: "
-                                 f"set steps in [{TABLE}], or pass the run's steps (Recipe.for_run)")
+            raise AutoshardError(
+                f"schedule '{recipe.schedule}' decays over steps, and the recipe has none; fix: "
+                f"set steps in [{TABLE}], or pass the run's steps (Recipe.for_run)"
+            )
         self.recipe = recipe
 
     def __call__(self, step: int) -> float:
@@ -283,4 +306,3 @@ def _device_of(model) -> torch.device:
     modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
     param = next((p for m in modules for p in m.parameters()), None)
     return param.device if param is not None else torch.device("cpu")
-

@@ -117,10 +117,11 @@ class StepLog:
     def summary(self) -> str:
         first, last = self.losses[0], self.losses[-1]
         peak = peak_device_bytes()
-        return (f"done: loss {first:.4f} -> {last:.4f} over {len(self.losses)} steps; median step "
-                f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s"
-                + (f"; peak {peak / 2**30:.2f} GiB allocated" if peak is not None else ""))
-
+        return (
+            f"done: loss {first:.4f} -> {last:.4f} over {len(self.losses)} steps; median step "
+            f"{self.median_step_s * 1e3:.1f} ms, {self.tokens_per_step / self.median_step_s:,.0f} tokens/s"
+            + (f"; peak {peak / 2**30:.2f} GiB allocated" if peak is not None else "")
+        )
 
     def against_prediction(self) -> str:
         """The run beside the plan: median step, tokens/s, MFU and memory, measured / predicted (rank 0's)."""
@@ -128,15 +129,26 @@ class StepLog:
         if pred is None or not self.step_times_s:
             return ""
         step_s = self.median_step_s
-        rows = [("median step", f"{step_s * 1e3:.1f} ms", f"{pred.step_time_s * 1e3:.1f} ms",
-                 _ratio(step_s, pred.step_time_s)),
-                ("tokens/s", f"{self.tokens_per_step / step_s:,.0f}", f"{self.tokens_per_step / pred.step_time_s:,.0f}",
-                 _ratio(pred.step_time_s, step_s)),
-                ("MFU", f"{pred.mfu_of(step_s):.1%}", f"{pred.mfu:.1%}", "")]
+        rows = [
+            (
+                "median step",
+                f"{step_s * 1e3:.1f} ms",
+                f"{pred.step_time_s * 1e3:.1f} ms",
+                _ratio(step_s, pred.step_time_s),
+            ),
+            (
+                "tokens/s",
+                f"{self.tokens_per_step / step_s:,.0f}",
+                f"{self.tokens_per_step / pred.step_time_s:,.0f}",
+                _ratio(pred.step_time_s, step_s),
+            ),
+            ("MFU", f"{pred.mfu_of(step_s):.1%}", f"{pred.mfu:.1%}", ""),
+        ]
         peak = peak_device_bytes()
         if peak is not None:
-            rows.append(("peak memory (allocated)", _gib(peak), _gib(pred.allocated_bytes),
-                         _ratio(peak, pred.allocated_bytes)))
+            rows.append(
+                ("peak memory (allocated)", _gib(peak), _gib(pred.allocated_bytes), _ratio(peak, pred.allocated_bytes))
+            )
         width = max(len(r[0]) for r in rows)
         lines = [f"{'':{width}}  {'measured':>14}  {'predicted':>14}  measured / predicted"]
         lines += [f"{name:{width}}  {m:>14}  {p:>14}  {r}" for name, m, p, r in rows]
@@ -147,23 +159,39 @@ class StepLog:
             self._writer.close()
 
 
-def step_record(step: int, loss: float, elapsed_s: float, tokens_per_step: int, lr: float | None,
-                grad_norm: float | None, prediction: Prediction | None) -> dict[str, Any]:
+def step_record(
+    step: int,
+    loss: float,
+    elapsed_s: float,
+    tokens_per_step: int,
+    lr: float | None,
+    grad_norm: float | None,
+    prediction: Prediction | None,
+) -> dict[str, Any]:
     """One step's figures (the JSONL line; the printed line shows them)."""
-    return {"step": step, "loss": loss, "step_s": elapsed_s, "tokens_per_s": tokens_per_step / elapsed_s,
-            "lr": lr, "grad_norm": grad_norm,
-            "mfu": prediction.mfu_of(elapsed_s) if prediction is not None else None,
-            "memory_bytes": memory_bytes()}
+    return {
+        "step": step,
+        "loss": loss,
+        "step_s": elapsed_s,
+        "tokens_per_s": tokens_per_step / elapsed_s,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "mfu": prediction.mfu_of(elapsed_s) if prediction is not None else None,
+        "memory_bytes": memory_bytes(),
+    }
 
 
 def step_line(r: dict[str, Any]) -> str:
     """``step    3 | loss 2.8123 | 12,345 tokens/s |   41.2 ms | lr ... | grad norm ... | MFU ... | mem ...``"""
-    return (f"step {r['step']:4d} | loss {r['loss']:.4f} | {r['tokens_per_s']:10,.0f} tokens/s | "
-            f"{r['step_s'] * 1e3:8.1f} ms" + (f" | lr {r['lr']:.3e}" if r["lr"] is not None else "")
-            + (f" | grad norm {r['grad_norm']:.4f}" if r["grad_norm"] is not None else "")
-            + (f" | MFU {r['mfu']:5.1%}" if r["mfu"] is not None else "")
-            + (f" | mem {r['memory_bytes'] / 2**30:.2f} GiB" if r["memory_bytes"] is not None else "")
-            + (f" | ETA {_clock(r['eta_s'])}" if r.get("eta_s") is not None else ""))
+    return (
+        f"step {r['step']:4d} | loss {r['loss']:.4f} | {r['tokens_per_s']:10,.0f} tokens/s | "
+        f"{r['step_s'] * 1e3:8.1f} ms"
+        + (f" | lr {r['lr']:.3e}" if r["lr"] is not None else "")
+        + (f" | grad norm {r['grad_norm']:.4f}" if r["grad_norm"] is not None else "")
+        + (f" | MFU {r['mfu']:5.1%}" if r["mfu"] is not None else "")
+        + (f" | mem {r['memory_bytes'] / 2**30:.2f} GiB" if r["memory_bytes"] is not None else "")
+        + (f" | ETA {_clock(r['eta_s'])}" if r.get("eta_s") is not None else "")
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -190,8 +218,10 @@ def tensorboard_writer(folder: str):
     except ImportError:
         from autoshard.errors import AutoshardError
 
-        raise AutoshardError("--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
-                             "--tensorboard out (--log-jsonl writes the same figures as JSON lines)") from None
+        raise AutoshardError(
+            "--tensorboard needs the tensorboard package; fix: pip install tensorboard, or leave "
+            "--tensorboard out (--log-jsonl writes the same figures as JSON lines)"
+        ) from None
     return SummaryWriter(folder)
 
 
@@ -265,6 +295,11 @@ def _write_metrics(out: Path, log: StepLog) -> None:
     """Through a fresh temporary (``write_atomic``): never a name another file could stand at."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None  # a resumed run may have no steps left
-    metrics = {"losses": log.losses, "step_times_s": log.step_times_s, "median_step_s": median, "lrs": log.lrs,
-               "grad_norms": log.grad_norms}
+    metrics = {
+        "losses": log.losses,
+        "step_times_s": log.step_times_s,
+        "median_step_s": median,
+        "lrs": log.lrs,
+        "grad_norms": log.grad_norms,
+    }
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=1).encode())

@@ -35,9 +35,16 @@ from autoshard.errors import AutoshardError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -59,8 +66,11 @@ def _is_dcp_record(module: str, name: str) -> bool:
     if module not in _DCP_MODULES:
         return False
     obj = getattr(importlib.import_module(module), name, None)
-    return isinstance(obj, type) and obj.__module__ == module and (
-        hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum))
+    return (
+        isinstance(obj, type)
+        and obj.__module__ == module
+        and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum))
+    )
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -72,9 +82,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             try:
                 metadata = MetadataUnpickler(metadata_file).load()
             except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-                raise AutoshardError(f"{path}: not a checkpoint autoshard wrote ({exc}); its metadata would run "
-                                     f"code or is damaged, so it is not loaded; fix: delete that checkpoint "
-                                     f"folder or use another --checkpoint-dir") from None
+                raise AutoshardError(
+                    f"{path}: not a checkpoint autoshard wrote ({exc}); its metadata would run "
+                    f"code or is damaged, so it is not loaded; fix: delete that checkpoint "
+                    f"folder or use another --checkpoint-dir"
+                ) from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -90,9 +102,11 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as exc:
             found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", str(exc))
             what = f"it names {found.group(1)}" if found else "it is not plain data"
-            raise AutoshardError(f"checkpoint value {read_item.dest_index.fqn} is refused ({what}, which loading "
-                                 f"would run); fix: delete that checkpoint folder or use another "
-                                 f"--checkpoint-dir") from None
+            raise AutoshardError(
+                f"checkpoint value {read_item.dest_index.fqn} is refused ({what}, which loading "
+                f"would run); fix: delete that checkpoint folder or use another "
+                f"--checkpoint-dir"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

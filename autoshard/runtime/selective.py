@@ -17,14 +17,18 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noqa: F401  (registers the ops)
 
 SAVE_IN_SELECTIVE = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     # the forward TP collectives of pipeline stages (tensor_parallel_stages): rerunning them would repeat
     # communication, which the cost model charges to full recompute only
-    torch.ops.autoshard.tp_reduce.default, torch.ops.autoshard.tp_gather.default,
+    torch.ops.autoshard.tp_reduce.default,
+    torch.ops.autoshard.tp_gather.default,
 }
 
 

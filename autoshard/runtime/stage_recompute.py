@@ -66,8 +66,15 @@ OUTLINED_PREFIX = "_recompute_"  # the child holding an outlined region: _recomp
 OUTLINED_META = "autoshard_recompute_block"  # on the get_attr of an outlined region: the block's path
 # (input, weight, bias, running_mean, running_var, training | use_input_stats, ...): they write the running
 # statistics in training mode though their schemas mark no argument as written.
-RUNNING_STATS_OPS = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
-                     "cudnn_batch_norm", "miopen_batch_norm", "_native_batch_norm_legit"}
+RUNNING_STATS_OPS = {
+    "batch_norm",
+    "native_batch_norm",
+    "instance_norm",
+    "_batch_norm_impl_index",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+    "_native_batch_norm_legit",
+}
 
 
 def apply_recompute_to_stage(stage_module: nn.Module, modes: dict[str, str]) -> list[str]:
@@ -97,20 +104,30 @@ def checkpointed_call(fn: nn.Module, mode: str, *args, **kwargs):
 
 def _graph_owners(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(prefix, module) of every module in the stage that runs an fx graph (the stage, unflattened children)."""
-    return [(prefix, module) for prefix, module in stage_module.named_modules(remove_duplicate=False)
-            if isinstance(getattr(module, "graph", None), torch.fx.Graph)]
+    return [
+        (prefix, module)
+        for prefix, module in stage_module.named_modules(remove_duplicate=False)
+        if isinstance(getattr(module, "graph", None), torch.fx.Graph)
+    ]
 
 
 def _wrap_block(stage_module: nn.Module, path: str, mode: str) -> bool:
     owners = _graph_owners(stage_module)
     if any(_wrapped_path(prefix, node) == path for prefix, owner in owners for node in owner.graph.nodes):
-        raise AutoshardError(f"recompute: block {path} is already recomputed in this pipeline stage; "
-                             f"apply recompute to a stage once")
-    calls = [(owner, node) for prefix, owner in owners for node in owner.graph.nodes
-             if node.op == "call_module" and _block_target(prefix, node.target, path)]
+        raise AutoshardError(
+            f"recompute: block {path} is already recomputed in this pipeline stage; apply recompute to a stage once"
+        )
+    calls = [
+        (owner, node)
+        for prefix, owner in owners
+        for node in owner.graph.nodes
+        if node.op == "call_module" and _block_target(prefix, node.target, path)
+    ]
     if len(calls) > 1 or any("@" in node.target for _, node in calls):
-        raise AutoshardError(f"recompute: block {path} is called more than once in its pipeline stage; "
-                             f"recompute cannot wrap it, plan recompute none for it")
+        raise AutoshardError(
+            f"recompute: block {path} is called more than once in its pipeline stage; "
+            f"recompute cannot wrap it, plan recompute none for it"
+        )
     if calls:
         owner, node = calls[0]
         _check_pure(owner.get_submodule(node.target).modules(), path)
@@ -118,14 +135,17 @@ def _wrap_block(stage_module: nn.Module, path: str, mode: str) -> bool:
         return True
     flat = [(owner, nodes) for _, owner in owners if (nodes := _nodes_of(owner.graph, path))]
     if len(flat) > 1:
-        raise AutoshardError(f"recompute: block {path} runs in {len(flat)} graphs of its pipeline stage; "
-                             f"plan recompute none for it")
+        raise AutoshardError(
+            f"recompute: block {path} runs in {len(flat)} graphs of its pipeline stage; plan recompute none for it"
+        )
     if flat:
         _outline(flat[0][0], flat[0][1], path, mode)
         return True
     if any(name.startswith(path + ".") for name, _ in _state(stage_module)):
-        raise AutoshardError(f"recompute: block {path} holds state in this pipeline stage but no graph node "
-                             f"names it; plan recompute none for it")
+        raise AutoshardError(
+            f"recompute: block {path} holds state in this pipeline stage but no graph node "
+            f"names it; plan recompute none for it"
+        )
     return False  # another stage's block
 
 
@@ -149,8 +169,12 @@ def _join(prefix: str, name: str) -> str:
 def _nodes_of(graph: torch.fx.Graph, path: str) -> list[torch.fx.Node]:
     """The nodes export recorded as running inside module ``path`` (a placeholder carries the meta of the
     value it receives, so it is an input, never part of a region)."""
-    return [node for node in graph.nodes if node.op != "placeholder"
-            and any(entry[0] == path for entry in (node.meta.get("nn_module_stack") or {}).values())]
+    return [
+        node
+        for node in graph.nodes
+        if node.op != "placeholder"
+        and any(entry[0] == path for entry in (node.meta.get("nn_module_stack") or {}).values())
+    ]
 
 
 def _state(module: nn.Module):
@@ -168,8 +192,10 @@ def _check_pure(modules, path: str) -> None:
 def _check_nodes_pure(nodes, path: str) -> None:
     for node in nodes:
         if _mutates(node):
-            raise AutoshardError(f"recompute: block {path} mutates a tensor in place ({node.name}: {node.target}), "
-                                 f"which recompute would repeat; plan recompute none for it")
+            raise AutoshardError(
+                f"recompute: block {path} mutates a tensor in place ({node.name}: {node.target}), "
+                f"which recompute would repeat; plan recompute none for it"
+            )
 
 
 def _mutates(node: torch.fx.Node) -> bool:
@@ -243,14 +269,18 @@ def _check_run(graph: torch.fx.Graph, region: list[torch.fx.Node], path: str) ->
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, last = order[region[0]], order[region[-1]]
     inside = set(region)
-    strays = [n for n in list(graph.nodes)[first:last + 1] if n not in inside and n.op != "get_attr"]
+    strays = [n for n in list(graph.nodes)[first : last + 1] if n not in inside and n.op != "get_attr"]
     if strays:
-        raise AutoshardError(f"recompute: block {path}'s nodes are not one contiguous run of its stage's graph "
-                             f"({strays[0].name} runs between them); plan recompute none for it")
+        raise AutoshardError(
+            f"recompute: block {path}'s nodes are not one contiguous run of its stage's graph "
+            f"({strays[0].name} runs between them); plan recompute none for it"
+        )
     bad = next((n for n in region if n.op in ("placeholder", "output", "call_module")), None)
     if bad is not None:
-        raise AutoshardError(f"recompute: block {path}'s region holds a {bad.op} node ({bad.name}), which cannot "
-                             f"be outlined; plan recompute none for it")
+        raise AutoshardError(
+            f"recompute: block {path}'s region holds a {bad.op} node ({bad.name}), which cannot "
+            f"be outlined; plan recompute none for it"
+        )
     _check_nodes_pure(region, path)
 
 

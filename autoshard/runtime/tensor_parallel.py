@@ -84,7 +84,7 @@ def _argument(source: str):
     if source == "Replicate()":
         return Replicate()
     if source.startswith("Shard(") and source.endswith(")"):
-        return Shard(int(source[len("Shard("):-1]))
+        return Shard(int(source[len("Shard(") : -1]))
     return ast.literal_eval(source)
 
 
@@ -104,10 +104,12 @@ class Conv1DColwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv1d(module, type(self).__name__)
         return distribute_module(
-            module, device_mesh,
+            module,
+            device_mesh,
             partial(_shard_params, placements={"weight": Shard(1), "bias": Shard(0)}, src=self.src_data_rank),
             partial(_input_to_dtensor, self.input_layouts, Replicate()),
-            partial(_output_to_local, None))
+            partial(_output_to_local, None),
+        )
 
 
 class Conv1DRowwiseParallel(ParallelStyle):
@@ -125,10 +127,12 @@ class Conv1DRowwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv1d(module, type(self).__name__)
         return distribute_module(
-            module, device_mesh,
+            module,
+            device_mesh,
             partial(_shard_params, placements={"weight": Shard(0), "bias": Replicate()}, src=self.src_data_rank),
             partial(_input_to_dtensor, Shard(-1), None),
-            partial(_output_to_local, self.output_layouts))
+            partial(_output_to_local, self.output_layouts),
+        )
 
 
 class ScatterSequenceInput(ParallelStyle):
@@ -168,19 +172,24 @@ class GatherSequenceInput(ParallelStyle):
 def _gather_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict):
     def gather(x: torch.Tensor) -> DTensor:
         return DTensor.from_local(x, mesh, (Shard(dim),), run_check=False).redistribute(mesh, (Replicate(),))
+
     if args and isinstance(args[0], torch.Tensor):
         return (gather(args[0]), *args[1:]), kwargs
     key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
     if key is None:
-        raise AutoshardError(f"tensor parallel: GatherSequenceInput on {type(module).__name__} found no tensor "
-                             f"argument to gather; re-plan this model")
+        raise AutoshardError(
+            f"tensor parallel: GatherSequenceInput on {type(module).__name__} found no tensor "
+            f"argument to gather; re-plan this model"
+        )
     return args, {**kwargs, key: gather(kwargs[key])}
 
 
 def _scatter_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple):
     if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
-        raise AutoshardError(f"tensor parallel: ScatterSequenceInput on {type(module).__name__} needs the sequence "
-                             f"as a plain tensor in its first positional argument; re-plan this model")
+        raise AutoshardError(
+            f"tensor parallel: ScatterSequenceInput on {type(module).__name__} needs the sequence "
+            f"as a plain tensor in its first positional argument; re-plan this model"
+        )
     whole = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
     return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
 
@@ -188,8 +197,10 @@ def _scatter_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tu
 def _check_conv1d(module: nn.Module, style: str) -> None:
     weight = getattr(module, "weight", None)
     if not (_is_conv1d(module) and weight is not None and tuple(weight.shape) == (module.nx, module.nf)):
-        raise AutoshardError(f"{style} needs a transformers Conv1D (weight (in, out)), got {type(module).__name__}; "
-                             f"use colwise / rowwise for nn.Linear")
+        raise AutoshardError(
+            f"{style} needs a transformers Conv1D (weight (in, out)), got {type(module).__name__}; "
+            f"use colwise / rowwise for nn.Linear"
+        )
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -197,8 +208,9 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
-def _shard_params(name: str, module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
-                  src: int | None) -> None:
+def _shard_params(
+    name: str, module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None
+) -> None:
     """Replace ``module``'s own weight / bias with DTensors placed as ``placements`` says."""
     for pname, placement in placements.items():
         param = getattr(module, pname, None)
@@ -208,8 +220,9 @@ def _shard_params(name: str, module: nn.Module, mesh: DeviceMesh, placements: di
         module.register_parameter(pname, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
 
-def _input_to_dtensor(layout: Placement, desired: Placement | None, module: nn.Module, inputs: tuple,
-                     mesh: DeviceMesh) -> DTensor:
+def _input_to_dtensor(
+    layout: Placement, desired: Placement | None, module: nn.Module, inputs: tuple, mesh: DeviceMesh
+) -> DTensor:
     """Forward pre-hook: the local input, annotated with the layout it already has, then redistributed to
     ``desired`` if given (Shard(d) -> Replicate() is the sequence all-gather)."""
     x = inputs[0]
@@ -241,16 +254,25 @@ def _check_module(model: nn.Module, path: str, style: str) -> None:
         raise AutoshardError(f"tensor parallel: the model has no module {path!r}; re-plan this model") from exc
     if style.startswith("conv1d-"):
         if not _is_conv1d(module):
-            raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, not a transformers Conv1D; "
-                                 f"{style} does not fit it; re-plan this model")
+            raise AutoshardError(
+                f"tensor parallel: {path} is a {type(module).__name__}, not a transformers Conv1D; "
+                f"{style} does not fit it; re-plan this model"
+            )
     elif tp_style(style).shards_weight and not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, not nn.Linear / nn.Embedding; "
-                             f"keep it replicated")
+        raise AutoshardError(
+            f"tensor parallel: {path} is a {type(module).__name__}, not nn.Linear / nn.Embedding; keep it replicated"
+        )
 
 
 # The constructors ``ir.decisions.TP_STYLES`` names: torch's, and the four written here.
-_CONSTRUCTORS = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-                 "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
-                 "PrepareModuleOutput": PrepareModuleOutput, "Conv1DColwiseParallel": Conv1DColwiseParallel,
-                 "Conv1DRowwiseParallel": Conv1DRowwiseParallel, "ScatterSequenceInput": ScatterSequenceInput,
-                 "GatherSequenceInput": GatherSequenceInput}
+_CONSTRUCTORS = {
+    "ColwiseParallel": ColwiseParallel,
+    "RowwiseParallel": RowwiseParallel,
+    "SequenceParallel": SequenceParallel,
+    "PrepareModuleInput": PrepareModuleInput,
+    "PrepareModuleOutput": PrepareModuleOutput,
+    "Conv1DColwiseParallel": Conv1DColwiseParallel,
+    "Conv1DRowwiseParallel": Conv1DRowwiseParallel,
+    "ScatterSequenceInput": ScatterSequenceInput,
+    "GatherSequenceInput": GatherSequenceInput,
+}

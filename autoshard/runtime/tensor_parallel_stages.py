@@ -156,8 +156,10 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, rank: int, size: int, group_name: str):
         super().__init__()
         if embedding.max_norm is not None or embedding.sparse:
-            raise AutoshardError("tensor parallel: an nn.Embedding with max_norm or sparse=True cannot be split "
-                                 "by vocabulary; keep it replicated")
+            raise AutoshardError(
+                "tensor parallel: an nn.Embedding with max_norm or sparse=True cannot be split "
+                "by vocabulary; keep it replicated"
+            )
         self.group_name = group_name
         self.weight = nn.Parameter(_shard(embedding.weight, 0, rank, size))
         rows = self.weight.shape[0]
@@ -174,8 +176,10 @@ class VocabParallelEmbedding(nn.Module):
 
 def _shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     if tensor.shape[dim] % size:
-        raise AutoshardError(f"tensor parallel: dimension {dim} of a {tuple(tensor.shape)} weight does not split "
-                             f"into {size}; re-plan with a tp that divides it")
+        raise AutoshardError(
+            f"tensor parallel: dimension {dim} of a {tuple(tensor.shape)} weight does not split "
+            f"into {size}; re-plan with a tp that divides it"
+        )
     return tensor.detach().chunk(size, dim=dim)[rank].clone()
 
 
@@ -212,8 +216,13 @@ def _keep_attributes(local: nn.Module, original: nn.Module) -> nn.Module:
 def shard_dims(model: nn.Module, styles: dict[str, str]) -> dict[str, int]:
     """Parameter name -> the dimension split over tp, for the modules ``styles`` shards (a missing bias is
     left out)."""
-    return {f"{path}.{p}": d for path, style in sorted(styles.items()) if style != "replicate"
-            for p, d in param_shard_dims(style).items() if getattr(model.get_submodule(path), p, None) is not None}
+    return {
+        f"{path}.{p}": d
+        for path, style in sorted(styles.items())
+        if style != "replicate"
+        for p, d in param_shard_dims(style).items()
+        if getattr(model.get_submodule(path), p, None) is not None
+    }
 
 
 def _params_through_copy(module: nn.Module, group_name: str) -> nn.Module:
@@ -248,5 +257,6 @@ def _local_module(path: str, module: nn.Module, style: str, rank: int, size: int
         return VocabParallelEmbedding(module, rank, size, group_name)
     if style in ("colwise", "colwise-gather", "rowwise") and isinstance(module, nn.Linear):
         return ShardedLinear(module, style, rank, size, group_name)
-    raise AutoshardError(f"tensor parallel: {path} is a {type(module).__name__}, which style {style!r} does not fit; "
-                         f"re-plan this model")
+    raise AutoshardError(
+        f"tensor parallel: {path} is a {type(module).__name__}, which style {style!r} does not fit; re-plan this model"
+    )

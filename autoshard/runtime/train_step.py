@@ -27,9 +27,19 @@ from autoshard.runtime.data import split_microbatches
 from autoshard.runtime.parallel import autocast, cast_inputs, grad_sync
 
 
-def forward_backward(model: nn.Module, inputs: tuple, targets: torch.Tensor, loss_fn: Callable, mesh,
-                     num_microbatches: int, sequence_axis: str | None, tokens_per_sample: int, precision: str,
-                     scaler=None, before_each: Callable[[], None] | None = None) -> torch.Tensor:
+def forward_backward(
+    model: nn.Module,
+    inputs: tuple,
+    targets: torch.Tensor,
+    loss_fn: Callable,
+    mesh,
+    num_microbatches: int,
+    sequence_axis: str | None,
+    tokens_per_sample: int,
+    precision: str,
+    scaler=None,
+    before_each: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Forward and backward of each of ``num_microbatches`` micro-batches of this rank's samples (module doc);
     returns the sum of their losses, each divided by ``num_microbatches``. ``scaler``: ``runtime.grad_scaler``'s
     (fp16 scales the loss before backward; a disabled scaler, or None, passes it through). ``before_each`` is
@@ -40,8 +50,10 @@ def forward_backward(model: nn.Module, inputs: tuple, targets: torch.Tensor, los
         x = cast_inputs(x, precision)  # bf16-pure: floating inputs in the weights' dtype
         if before_each is not None:
             before_each()
-        with grad_sync(model, enabled=j == num_microbatches - 1), \
-                context_parallel(mesh, sequence_axis, tokens_per_sample):
+        with (
+            grad_sync(model, enabled=j == num_microbatches - 1),
+            context_parallel(mesh, sequence_axis, tokens_per_sample),
+        ):
             with autocast(precision, targets.device):
                 loss = loss_fn(model(*x), y) / num_microbatches  # the mean over this rank's tokens
             (loss if scaler is None else scaler.scale(loss)).backward()

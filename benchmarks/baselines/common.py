@@ -61,7 +61,7 @@ def batch(gpt, size: int, step: int, index: int, count: int):
         torch.manual_seed(step)
         (x,), y = gpt.example_batch(size)
     n = size // count
-    return x[index * n:(index + 1) * n], y[index * n:(index + 1) * n]
+    return x[index * n : (index + 1) * n], y[index * n : (index + 1) * n]
 
 
 def train_step(model, opt, gpt, x, y, microbatches: int, no_sync=None) -> torch.Tensor:

@@ -14,8 +14,11 @@ rank, world = common.init()
 gpt = common.load_gpt()
 model = common.build(gpt)
 mesh = init_device_mesh("cpu", (world,))
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-          "colwise-gather": lambda: ColwiseParallel(output_layouts=Replicate())}  # logits gathered for the loss
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise-gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+}  # logits gathered for the loss
 parallelize_module(model, mesh, {name: STYLES[style]() for name, style in json.loads(a.tp_styles).items()})
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -30,8 +30,7 @@ ROOT = DRIVER.parents[2]
 
 def job(program, *args, copy=None) -> dict:
     """One program run: ``program`` with ``args`` (strings or paths); ``copy`` (src, dst) before it."""
-    return {"program": str(program), "args": [str(a) for a in args],
-            "copy": [str(p) for p in copy] if copy else None}
+    return {"program": str(program), "args": [str(a) for a in args], "copy": [str(p) for p in copy] if copy else None}
 
 
 def run_jobs(ranks: int, jobs: list[dict], folder: Path) -> None:
@@ -71,8 +70,12 @@ def main() -> None:
         try:
             _run_job(job, index)
         except BaseException:  # noqa: BLE001  (reported, then the launch ends)
-            print(f"rank {ctx.rank}: job {index} ({job['program']} {' '.join(job['args'])}) failed:\n"
-                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+            print(
+                f"rank {ctx.rank}: job {index} ({job['program']} {' '.join(job['args'])}) failed:\n"
+                f"{traceback.format_exc()}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
     shutdown()
 

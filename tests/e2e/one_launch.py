@@ -69,8 +69,13 @@ def job(program: str | Path, args: list, out: str | Path, copy: tuple | None = N
     """One run of ``program`` (a file with a ``main()``) with ``args`` as its command line; a traceback it raises
     goes to ``out/error-rank{r}.txt``; ``copy`` (src, dst) is copied before it starts; ``draws``: it draws random
     numbers (runs before every job that fixes them)."""
-    return {"program": str(program), "args": [str(a) for a in args], "out": str(out),
-            "copy": [str(p) for p in copy] if copy else None, "draws": draws}
+    return {
+        "program": str(program),
+        "args": [str(a) for a in args],
+        "out": str(out),
+        "copy": [str(p) for p in copy] if copy else None,
+        "draws": draws,
+    }
 
 
 def run_jobs(jobs: dict[str, dict], ranks: int, folder: Path) -> dict[str, str]:
@@ -84,8 +89,10 @@ def run_jobs(jobs: dict[str, dict], ranks: int, folder: Path) -> dict[str, str]:
         listing = folder / f"launch-{ranks}-ranks-{launches}.json"
         listing.write_text(json.dumps([{"name": name, **jobs[name]} for name in left], indent=1))
         proc = run_torchrun(DRIVER, ranks, [str(listing)], quiet=True)
-        done = [dict(line.split("\t") for line in _lines(listing.with_name(f"{listing.name}.done-rank{r}")))
-                for r in range(ranks)]
+        done = [
+            dict(line.split("\t") for line in _lines(listing.with_name(f"{listing.name}.done-rank{r}")))
+            for r in range(ranks)
+        ]
         for name, seconds in done[0].items():
             JOB_SECONDS[name] = float(seconds)
         finished = [name for name in left if all(name in d for d in done)]
@@ -95,7 +102,7 @@ def run_jobs(jobs: dict[str, dict], ranks: int, folder: Path) -> dict[str, str]:
         why = f"its launch ended (exit {proc.returncode}): {proc.crash or proc.stdout[-3000:]}"
         ended = next((name for name in left if name not in finished), left[-1])  # all finished: the exit is the last's
         failures[ended] = _traceback(Path(jobs[ended]["out"])) or why
-        left = left[left.index(ended) + 1:]
+        left = left[left.index(ended) + 1 :]
         if launches == MAX_LAUNCHES:
             failures |= dict.fromkeys(left, f"not run: {MAX_LAUNCHES} launches ended early; the last: {why}")
             break
@@ -108,8 +115,10 @@ def _lines(path: Path) -> list[str]:
 
 def _traceback(out: Path) -> str:
     """What each rank that raised wrote (the first to fail may not be the first rank)."""
-    return "\n".join(f"{error.stem.removeprefix('error-')} raised:\n" + "\n".join(error.read_text().splitlines()[-40:])
-                     for error in sorted(out.glob("error-rank*.txt")))
+    return "\n".join(
+        f"{error.stem.removeprefix('error-')} raised:\n" + "\n".join(error.read_text().splitlines()[-40:])
+        for error in sorted(out.glob("error-rank*.txt"))
+    )
 
 
 def attempt(make: Callable[[], Any]) -> Any:
@@ -125,6 +134,7 @@ class Cases:
     """A test module's cases in the session's shared launches (module doc). ``case_of(test function name, its
     parameters)`` names the case or cases a selected test asks for (None: none); without it every case of a
     world size is made when one is asked for."""
+
     ranks_of: dict[str, int]
     prepare: Callable[[list[str], int, Path], dict[str, Any]]
     finish: Callable[[str, Any, list[str]], Any]
@@ -175,8 +185,12 @@ class SharedLaunches:
         with _in_repo():
             for module, cases in self.modules.items():
                 chosen = self.selected[module]
-                names = [n for n, r in cases.ranks_of.items() if r == ranks and
-                         ((module, n) == asked if only else chosen is None or n in chosen or (module, n) == asked)]
+                names = [
+                    n
+                    for n, r in cases.ranks_of.items()
+                    if r == ranks
+                    and ((module, n) == asked if only else chosen is None or n in chosen or (module, n) == asked)
+                ]
                 if not names:
                     continue
                 start = time.monotonic()
@@ -195,8 +209,9 @@ class SharedLaunches:
             self.seconds[ranks, "(the launch, wall)"]["jobs"] += time.monotonic() - start
             for (module, name), (case_jobs, state) in prepared.items():
                 runs = [failures[f"{module}/{name}/{i}"] for i in range(len(case_jobs))]
-                self.seconds[ranks, module]["jobs"] += sum(JOB_SECONDS.get(f"{module}/{name}/{i}", 0.0)
-                                                           for i in range(len(case_jobs)))
+                self.seconds[ranks, module]["jobs"] += sum(
+                    JOB_SECONDS.get(f"{module}/{name}/{i}", 0.0) for i in range(len(case_jobs))
+                )
                 start = time.monotonic()
                 made[module, name] = attempt(lambda: self.modules[module].finish(name, state, runs))
                 self.seconds[ranks, module]["finish"] += time.monotonic() - start
@@ -207,14 +222,22 @@ def timing_lines() -> list[str]:
     """Where the shared launches' time went, per world size and test module: preparing the cases (planning,
     writing programs), their jobs (rank 0's seconds inside the launch), finishing them (one-process references,
     judging); for the session's summary (tests/e2e/conftest.py)."""
-    rows = [(ranks, module, parts) for launches in SharedLaunches.made_here
-            for (ranks, module), parts in sorted(launches.seconds.items())]
+    rows = [
+        (ranks, module, parts)
+        for launches in SharedLaunches.made_here
+        for (ranks, module), parts in sorted(launches.seconds.items())
+    ]
     if not rows:
         return []
-    lines = ["shared torchrun launches (tests/e2e/one_launch.py), seconds:",
-             f"{'ranks':>5}  {'module':<34}{'prepare':>9}{'jobs':>9}{'finish':>9}"]
-    lines += [f"{ranks:>5}  {module:<34}{parts.get('prepare', 0):>9.1f}{parts.get('jobs', 0):>9.1f}"
-              f"{parts.get('finish', 0):>9.1f}" for ranks, module, parts in rows]
+    lines = [
+        "shared torchrun launches (tests/e2e/one_launch.py), seconds:",
+        f"{'ranks':>5}  {'module':<34}{'prepare':>9}{'jobs':>9}{'finish':>9}",
+    ]
+    lines += [
+        f"{ranks:>5}  {module:<34}{parts.get('prepare', 0):>9.1f}{parts.get('jobs', 0):>9.1f}"
+        f"{parts.get('finish', 0):>9.1f}"
+        for ranks, module, parts in rows
+    ]
     return lines
 
 
@@ -233,12 +256,18 @@ def once_per_arguments(train_reference: Callable) -> Callable:
         if not arguments["fixed_randomness"]:
             return train_reference(*args, **kwargs)
         model_file = arguments.pop("model_file")
-        key = (str(model_file.path.resolve()), hashlib.sha256(model_file.path.read_bytes()).hexdigest(),
-               model_file.factory_name, model_file.seq_len, *(repr(v) for v in arguments.values()))
+        key = (
+            str(model_file.path.resolve()),
+            hashlib.sha256(model_file.path.read_bytes()).hexdigest(),
+            model_file.factory_name,
+            model_file.seq_len,
+            *(repr(v) for v in arguments.values()),
+        )
         if key not in made:
             made[key] = train_reference(*args, **kwargs)
         run = made[key]
         return replace(run, losses=list(run.losses), params={k: v.clone() for k, v in run.params.items()})
+
     return once
 
 
@@ -254,35 +283,47 @@ def _in_repo():
 
 # --------------------------------------------------------------------------- verify
 
-def verify_cases(make_plan: Callable[[str], Any], steps_of: Callable[[str], int], seed: int = 0,
-                 lr: float = DEFAULT_LR, data_of: Callable[[str, Path], DataSource] | None = None,
-                 recipe_of: Callable[[str], Recipe | None] | None = None) -> tuple[Callable, Callable]:
+
+def verify_cases(
+    make_plan: Callable[[str], Any],
+    steps_of: Callable[[str], int],
+    seed: int = 0,
+    lr: float = DEFAULT_LR,
+    data_of: Callable[[str, Path], DataSource] | None = None,
+    recipe_of: Callable[[str], Recipe | None] | None = None,
+) -> tuple[Callable, Callable]:
     """``Cases``' prepare and finish for ``autoshard.verify.verify(plan, steps, seed, recipe, data)`` of each case's
     plan (``make_plan(name)``, ``steps_of(name)``, ``data_of(name, its folder)``, by default the model file's dataset
     or example_batch draws; ``recipe_of(name)``, by default or None ``Recipe(lr=lr)``): the result is (plan, its
     ``VerifyReport``), or the exception planning or verify raised before launching. The verify run is the case's
     first job."""
+
     def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
         def one(name):
             data = data_of(name, folder / name) if data_of else DataSource()
             recipe = (recipe_of(name) if recipe_of else None) or Recipe(lr=lr)
             return _prepare_verify(make_plan(name), steps_of(name), folder / name, seed, recipe, data)
+
         return {name: attempt(lambda: one(name)) for name in names}
 
     def finish(name: str, state: tuple, failures: list[str]) -> tuple:
         plan, steps, model_file, notes, out, data, recipe = state
         parallel = f"the emitted program failed:\n{failures[0]}" if failures[0] else read_run(out)
         return plan, judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
+
     return prepare_all, finish
 
 
-def _prepare_verify(plan, steps: int, folder: Path, seed: int, recipe: Recipe,
-                    data: DataSource) -> tuple[list[dict], tuple]:
+def _prepare_verify(
+    plan, steps: int, folder: Path, seed: int, recipe: Recipe, data: DataSource
+) -> tuple[list[dict], tuple]:
     model_file, notes = prepare(plan, steps, seed, data)  # raises AutoshardError as verify would
     out = folder / "metrics"
     program = write_program(plan, folder / "train.py", recipe=recipe)
-    return ([job(program, program_args(steps, seed, recipe.lr, out, data), out)],
-            (plan, steps, model_file, notes, out, data, recipe))
+    return (
+        [job(program, program_args(steps, seed, recipe.lr, out, data), out)],
+        (plan, steps, model_file, notes, out, data, recipe),
+    )
 
 
 def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failure: str) -> None:
@@ -302,12 +343,15 @@ def program_cases(make_plan: Callable[[str], Any]) -> tuple[Callable, Callable]:
     """``Cases``' prepare and finish for emitted programs run as the zoo runs them (``program_job``): each case's
     plan (``make_plan(name)``) written to ``folder/name/train.py``, its metrics in ``folder/name/out``; the result is
     (plan, ``folder/name``, failure: "" when it ran to its end), or the exception planning raised."""
+
     def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
         def one(name):
             plan = make_plan(name)
             program = write_program(plan, folder / name / "train.py")
             return [program_job(program, folder / name / "out")], (plan, folder / name)
+
         return {name: attempt(lambda: one(name)) for name in names}
+
     return prepare_all, lambda name, state, failures: (*state, failures[0])
 
 

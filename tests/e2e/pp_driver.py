@@ -48,8 +48,9 @@ def main() -> None:
     microbatch_size = GLOBAL_BATCH // (args.dp * args.microbatches)
     example_inputs = runtime.global_batch(model_file, GLOBAL_BATCH, args.seed, 0)[0]
     example = tuple(t[:microbatch_size].to(ctx.device) for t in example_inputs)
-    parts = pp.build_pipeline_stages(model, example, args.splits.split(","), pp_rank, args.pp,
-                                     args.virtual_stages, ctx.device, mesh.get_group("pp"))
+    parts = pp.build_pipeline_stages(
+        model, example, args.splits.split(","), pp_rank, args.pp, args.virtual_stages, ctx.device, mesh.get_group("pp")
+    )
     del model  # the stages hold what this rank needs
     if args.dp > 1:
         runtime.apply_fsdp(parts, mesh["dp"])  # each stage module one FSDP2 unit

@@ -37,9 +37,18 @@ from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
 MODEL = "examples/gpt.py:build"
 GLOBAL_BATCH, MICROBATCHES = 8, 2
 BLOCKS = [f"h.{i}" for i in range(4)]
-TP_STYLES = {f"{block}.{name}": style for block in BLOCKS for name, style in {
-    "attn.c_proj": "rowwise", "attn.k_proj": "colwise", "attn.q_proj": "colwise", "attn.v_proj": "colwise",
-    "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}.items()} | {"lm_head": "colwise-gather"}  # tests/golden/tp_pp.py's
+TP_STYLES = {
+    f"{block}.{name}": style
+    for block in BLOCKS
+    for name, style in {
+        "attn.c_proj": "rowwise",
+        "attn.k_proj": "colwise",
+        "attn.q_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "mlp.c_fc": "colwise",
+        "mlp.c_proj": "rowwise",
+    }.items()
+} | {"lm_head": "colwise-gather"}  # tests/golden/tp_pp.py's
 LAYOUTS = {"tp-pp": {"pp": 2, "dp": 1, "tp": 2}, "dp-tp-zero3": {"pp": 1, "dp": 2, "tp": 2}}
 
 
@@ -54,11 +63,19 @@ def parse_args() -> argparse.Namespace:
 
 def pipeline(model, mesh, recipe: Recipe, device, model_file):
     """tp 2 x pp 2: TP shards traced into 2 stages cut before h.2 (tests/golden/tp_pp.py's steps)."""
-    example = tuple(t[:GLOBAL_BATCH // MICROBATCHES].to(device)
-                    for t in runtime.global_batch(model_file, GLOBAL_BATCH, 0, 0)[0])
+    example = tuple(
+        t[: GLOBAL_BATCH // MICROBATCHES].to(device) for t in runtime.global_batch(model_file, GLOBAL_BATCH, 0, 0)[0]
+    )
     model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=True)
-    stages = split_pipeline(model, mesh, split_points=("h.2",), virtual_stages=1, tp_styles=TP_STYLES,
-                            example_microbatch=example, device=device)
+    stages = split_pipeline(
+        model,
+        mesh,
+        split_points=("h.2",),
+        virtual_stages=1,
+        tp_styles=TP_STYLES,
+        example_microbatch=example,
+        device=device,
+    )
     stages = init_weights(stages, mesh, device=device)
     optimizer = build_optimizer(stages, mesh["dp"], zero_stage=0, recipe=recipe)
     schedule = build_schedule(stages, schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=model_file.loss)
@@ -76,6 +93,7 @@ def spmd(model, mesh, recipe: Recipe, device, model_file):
         loss = model_file.loss(model(*inputs), targets)
         loss.backward()
         return runtime.mean_over(loss.detach(), mesh.get_group("dp"))
+
     return model, optimizer, step
 
 

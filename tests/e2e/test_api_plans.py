@@ -36,19 +36,27 @@ CASES = {  # name: (pins, the driver's own flags)
 def _prepare(names: list[str], ranks: int, folder: Path) -> dict:
     def one(name):
         pins, flags = CASES[name]
-        plan = autoshard.plan(GPT, cluster="local-cpu", devices_per_node=ranks, global_batch=GLOBAL_BATCH,
-                              recompute="none", **pins)
+        plan = autoshard.plan(
+            GPT, cluster="local-cpu", devices_per_node=ranks, global_batch=GLOBAL_BATCH, recompute="none", **pins
+        )
         (folder / name).mkdir(parents=True, exist_ok=True)
         plan.save(folder / name / "plan.json")
         case = program_case(name, API_DRIVER, folder / name / "out")
-        return [job(API_DRIVER, [folder / name / "plan.json", *case["args"], *flags], case["metrics_out"])], \
-            (plan, folder / name)
+        return [job(API_DRIVER, [folder / name / "plan.json", *case["args"], *flags], case["metrics_out"])], (
+            plan,
+            folder / name,
+        )
+
     return {name: attempt(lambda: one(name)) for name in names}
 
 
 # name -> (plan, its folder, its failure: "" when it ran to its end)
-LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), _prepare, finish=lambda name, state, failures: (*state, failures[0]),
-                 case_of=lambda test, params: params.get("case"))
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, RANKS),
+    _prepare,
+    finish=lambda name, state, failures: (*state, failures[0]),
+    case_of=lambda test, params: params.get("case"),
+)
 
 
 @pytest.mark.parametrize("case", list(CASES))

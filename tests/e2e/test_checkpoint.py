@@ -23,12 +23,10 @@ CASES = {  # name: (model, cluster, ranks, pins)
     "zero1": (GPT, "local-cpu", 2, dict(zero=1, dp=2)),
     "zero3": (GPT, "local-cpu", 2, dict(zero=3)),
     "gpt2-pp2-tied": (GPT2, "local-cpu", 2, dict(pp=2, schedule="1f1b")),
-    "dp2-tp2-pp2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 8,
-                          dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+    "dp2-tp2-pp2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
     # Megatron's distributed optimizer (FSDP2, gradients whole until the last micro-batch) and FSDP2's
     # replicate (ZeRO-0) on DTensor parameters, TP-local stage shards, and HSDP
-    "dp2-tp2-pp2-zero1": (GPT, "tests/clusters/fast_link_cpu.yaml", 8,
-                          dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b")),
+    "dp2-tp2-pp2-zero1": (GPT, "tests/clusters/fast_link_cpu.yaml", 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b")),
     "dp2-tp2-zero0": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=2, tp=2, zero=0)),
     "dp2-tp2-zero1": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=2, tp=2, zero=1)),
     "dp4-hsdp2x2-zero3": (GPT, "tests/clusters/fast_link_cpu.yaml", 4, dict(dp=4, tp=1, zero=3, dp_replicate=2)),
@@ -46,8 +44,17 @@ def stop_and_resume(case, root, ranks):
     program = write_program(plan, root / case / "train.py")
     ckpt, stopped = root / case / "ckpt", root / case / "stopped"
     full = train(program, root / case / "full", "--steps", 4, "--checkpoint-dir", ckpt, "--checkpoint-every", 2)
-    resumed = train(program, root / case / "resumed", "--steps", 4, "--checkpoint-dir", stopped,
-                    "--checkpoint-every", 2, copy=(ckpt / "step-00000002", stopped / "step-00000002"))
+    resumed = train(
+        program,
+        root / case / "resumed",
+        "--steps",
+        4,
+        "--checkpoint-dir",
+        stopped,
+        "--checkpoint-every",
+        2,
+        copy=(ckpt / "step-00000002", stopped / "step-00000002"),
+    )
     return [full, resumed], (plan, root / case)
 
 
@@ -56,11 +63,12 @@ def train(program, out, *args, copy=None):
 
 
 # case -> (plan, its folder, each run's failure: "" when it ran to its end)
-LAUNCHES = Cases({case: c[2] for case, c in CASES.items()},
-                 prepare=lambda names, ranks, root: {case: attempt(lambda: stop_and_resume(case, root, ranks))
-                                                     for case in names},
-                 finish=lambda case, state, failures: (*state, failures),
-                 case_of=lambda test, params: params.get("case"))
+LAUNCHES = Cases(
+    {case: c[2] for case, c in CASES.items()},
+    prepare=lambda names, ranks, root: {case: attempt(lambda: stop_and_resume(case, root, ranks)) for case in names},
+    finish=lambda case, state, failures: (*state, failures),
+    case_of=lambda test, params: params.get("case"),
+)
 
 
 def metrics(out):
@@ -92,8 +100,12 @@ def test_no_code_path_gathers_a_whole_model():
 
     gathers = ("gather_object(", "full_state_dict=True", ".full_tensor()", "all_gather_object(")
     scalar = "(gathers: scalar)"  # a line that makes one number whole (a gradient norm) says so
-    found = [f"{path.name}: {line.strip()}" for path in Path(package.__file__).parent.rglob("*.py")
-             for line in path.read_text().splitlines() if any(g in line for g in gathers) and scalar not in line]
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in Path(package.__file__).parent.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if any(g in line for g in gathers) and scalar not in line
+    ]
     assert not found, found
 
 
@@ -111,8 +123,10 @@ def write_foreign_checkpoint(folder, step=2):
     import torch.distributed.checkpoint as dcp
 
     other = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
-    dcp.save({"model": other.state_dict(), "optim": {}, "steps_done": torch.tensor(step)},
-             checkpoint_id=folder / f"step-{step:08d}")
+    dcp.save(
+        {"model": other.state_dict(), "optim": {}, "steps_done": torch.tensor(step)},
+        checkpoint_id=folder / f"step-{step:08d}",
+    )
 
 
 def test_checkpoint_of_another_model_is_refused_in_one_line(in_repo, tmp_path, capfd):

@@ -58,14 +58,38 @@ TOL = 1e-5  # fp32: the ring merges partial softmaxes in another order than one 
 def _plan(model: str, ranks: int, pins: dict):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
     cluster = FAST_LINK if pins["tp"] > 1 else "local-cpu"  # a link where TP pays, so the layout shards
-    return autoshard.plan(MODELS[model], cluster=cluster, devices_per_node=ranks, global_batch=GLOBAL_BATCH,
-                          microbatch_size=microbatch, recompute="none", pp=1, **pins)
+    return autoshard.plan(
+        MODELS[model],
+        cluster=cluster,
+        devices_per_node=ranks,
+        global_batch=GLOBAL_BATCH,
+        microbatch_size=microbatch,
+        recompute="none",
+        pp=1,
+        **pins,
+    )
 
 
 def _driver_job(out: Path, dp: int, cp: int) -> dict:
-    return job(DRIVER, [out, "--cp", cp, "--dp", dp, "--steps", DRIVER_STEPS, "--batch", DRIVER_BATCH,
-                        "--lr", repr(DRIVER_LR), "--check-op",
-                        *[arg for name, spec in MODELS.items() for arg in ("--model", f"{name}={spec}")]], out)
+    return job(
+        DRIVER,
+        [
+            out,
+            "--cp",
+            cp,
+            "--dp",
+            dp,
+            "--steps",
+            DRIVER_STEPS,
+            "--batch",
+            DRIVER_BATCH,
+            "--lr",
+            repr(DRIVER_LR),
+            "--check-op",
+            *[arg for name, spec in MODELS.items() for arg in ("--model", f"{name}={spec}")],
+        ],
+        out,
+    )
 
 
 CASES = {**CASES_2, **CASES_4}
@@ -73,6 +97,7 @@ CASES = {**CASES_2, **CASES_4}
 
 def _prepare(names, ranks, folder):
     """Each program case: (its job, (plan, folder)); each driver mesh: (its job, (None, folder))."""
+
     def one(name):
         if name in DRIVER_MESHES:
             return [_driver_job(folder / name, *DRIVER_MESHES[name])], (None, folder / name)
@@ -81,24 +106,36 @@ def _prepare(names, ranks, folder):
             (folder / name).mkdir(parents=True, exist_ok=True)
             (folder / name / "plan.json").write_text(plan.to_json())
             case = program_case(name, API_DRIVER, folder / name / "out")
-            return [job(API_DRIVER, [folder / name / "plan.json", *case["args"]], case["metrics_out"])], (plan, folder / name)
+            return [job(API_DRIVER, [folder / name / "plan.json", *case["args"]], case["metrics_out"])], (
+                plan,
+                folder / name,
+            )
         plan = _plan(CASES[name][0], ranks, dict(CASES[name][1]))
         program = write_program(plan, folder / name / "train.py")
         return [program_job(program, folder / name / "out")], (plan, folder / name)
+
     return {name: attempt(lambda: one(name)) for name in names}
 
 
 # name -> (plan or None for cp_driver, its folder, its failure: "" when it ran to its end)
-LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4), **dict.fromkeys(API_CASES, 2),
-                  **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()}}, _prepare,
-                 finish=lambda name, state, failures: (*state, failures[0]),
-                 case_of=lambda test, params: {
-                     "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
-                     "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
-                     "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
-                     "test_context_parallel_matches_one_process": [name for name, mesh in DRIVER_MESHES.items()
-                                                                   if mesh == (params.get("dp"), params.get("cp"))],
-                 }.get(test))
+LAUNCHES = Cases(
+    {
+        **dict.fromkeys(CASES_2, 2),
+        **dict.fromkeys(CASES_4, 4),
+        **dict.fromkeys(API_CASES, 2),
+        **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()},
+    },
+    _prepare,
+    finish=lambda name, state, failures: (*state, failures[0]),
+    case_of=lambda test, params: {
+        "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
+        "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
+        "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
+        "test_context_parallel_matches_one_process": [
+            name for name, mesh in DRIVER_MESHES.items() if mesh == (params.get("dp"), params.get("cp"))
+        ],
+    }.get(test),
+)
 
 
 def _run(cases: dict, launches) -> None:
@@ -136,9 +173,10 @@ def test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop(in_repo, launches):
 
 @pytest.fixture(scope="module")
 def references(in_repo_module):
-    return {name: train_reference(load_model_file(spec), DRIVER_BATCH, DRIVER_STEPS, 0, DRIVER_LR,
-                                  fixed_randomness=True)
-            for name, spec in MODELS.items()}
+    return {
+        name: train_reference(load_model_file(spec), DRIVER_BATCH, DRIVER_STEPS, 0, DRIVER_LR, fixed_randomness=True)
+        for name, spec in MODELS.items()
+    }
 
 
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)], ids=["cp2", "dp2-cp2"])

@@ -21,6 +21,7 @@ MODELS = {"gpt": "examples/gpt.py:build", "llama": "tests/models/hf_llama.py:bui
 
 # --------------------------------------------------------------------------- one process
 
+
 @pytest.fixture(scope="module")
 def group():
     """A one-rank gloo group in this process (the ring's collectives need one)."""
@@ -46,6 +47,7 @@ def test_one_rank_ring_is_sdpa_forward_and_backward(group, is_causal):
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a.grad, b.grad)
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
     assert _cp_options.enable_load_balance  # torch's default, restored after the ring
 
 

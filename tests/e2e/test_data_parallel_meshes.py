@@ -26,40 +26,57 @@ CASES_4 = {
     "gpt-dp2-tp2-zero0": (GPT, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=0), "apply_replicate("),
     "llama-dp2-tp2-zero0": (LLAMA, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=0), "apply_replicate("),
     "gpt-dp2-tp2-zero1": (GPT, FAST_LINK, 1, 4, dict(dp=2, tp=2, pp=1, zero=1), "sync_every_microbatch=False"),
-    "llama-dp2-pp2-zero1": (LLAMA, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=1, schedule="1f1b"),
-                            "apply_fsdp("),
-    "gpt-dp2-pp2-zero0": (GPT, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=0, schedule="gpipe"),
-                          "apply_replicate("),
+    "llama-dp2-pp2-zero1": (LLAMA, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=1, schedule="1f1b"), "apply_fsdp("),
+    "gpt-dp2-pp2-zero0": (GPT, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=0, schedule="gpipe"), "apply_replicate("),
     "gpt-hsdp2x2-zero3": (GPT, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=3, dp_replicate=2), "replicas=2"),
-    "llama-hsdp2x2-zero2": (LLAMA, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=2, dp_replicate=2),
-                            "replicas=2"),
+    "llama-hsdp2x2-zero2": (LLAMA, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=2, dp_replicate=2), "replicas=2"),
 }
 CASES_8 = {
     "gpt-dp2-tp2-pp2-zero1": (GPT, FAST_LINK, 1, 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b"), "apply_fsdp("),
-    "llama-dp2-tp2-pp2-zero1": (LLAMA, FAST_LINK, 1, 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="gpipe"),
-                                "apply_fsdp("),
-    "llama-hsdp2x2-tp2-zero3": (LLAMA, FAST_LINK, 2, 4, dict(dp=4, tp=2, pp=1, zero=3, dp_replicate=2),
-                                "replicas=2"),
+    "llama-dp2-tp2-pp2-zero1": (
+        LLAMA,
+        FAST_LINK,
+        1,
+        8,
+        dict(dp=2, tp=2, pp=2, zero=1, schedule="gpipe"),
+        "apply_fsdp(",
+    ),
+    "llama-hsdp2x2-tp2-zero3": (LLAMA, FAST_LINK, 2, 4, dict(dp=4, tp=2, pp=1, zero=3, dp_replicate=2), "replicas=2"),
 }
 
 
 def _plan(model, cluster, nodes, per_node, pins):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
-    return autoshard.plan(model, cluster=cluster, nodes=nodes, devices_per_node=per_node, global_batch=GLOBAL_BATCH,
-                          microbatch_size=microbatch, recompute="none", **pins)
+    return autoshard.plan(
+        model,
+        cluster=cluster,
+        nodes=nodes,
+        devices_per_node=per_node,
+        global_batch=GLOBAL_BATCH,
+        microbatch_size=microbatch,
+        recompute="none",
+        **pins,
+    )
 
 
-LAUNCHES = Cases({**dict.fromkeys(CASES_4, 4), **dict.fromkeys(CASES_8, 8)},
-                 *program_cases(lambda name: _plan(*{**CASES_4, **CASES_8}[name][:5])),
-                 case_of=lambda test, params: list(CASES_8 if "8_ranks" in test else CASES_4))
+LAUNCHES = Cases(
+    {**dict.fromkeys(CASES_4, 4), **dict.fromkeys(CASES_8, 8)},
+    *program_cases(lambda name: _plan(*{**CASES_4, **CASES_8}[name][:5])),
+    case_of=lambda test, params: list(CASES_8 if "8_ranks" in test else CASES_4),
+)
 
 
 def _run(cases: dict, launches) -> None:
     runs = {}
     for name, (model, cluster, nodes, per_node, pins, step) in cases.items():
         plan, folder, failure = launches.result(LAUNCHES, name)
-        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == \
-            (pins["dp"], pins["tp"], pins["pp"], pins["zero"], pins.get("dp_replicate", 1)), name
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == (
+            pins["dp"],
+            pins["tp"],
+            pins["pp"],
+            pins["zero"],
+            pins.get("dp_replicate", 1),
+        ), name
         assert plan.num_microbatches == MICROBATCHES, name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"

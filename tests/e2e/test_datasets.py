@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "examples" / "data" / "northanger_abbey.txt"
 STEPS = 3
 CASES = {  # name: (model, pins)
-    "austen-dp2-pp2": ("examples/gpt_austen.py:build", dict(dp=2, pp=2, tp=1, zero=0, schedule="1f1b",
-                                                            microbatch_size=2)),
+    "austen-dp2-pp2": (
+        "examples/gpt_austen.py:build",
+        dict(dp=2, pp=2, tp=1, zero=0, schedule="1f1b", microbatch_size=2),
+    ),
     "tokens-dp2-cp2": ("examples/gpt.py:build", dict(dp=2, cp=2, tp=1, pp=1, zero=3, microbatch_size=2)),
 }
 RESUMED = "austen-dp2-pp2"  # its verify run saves a checkpoint after step 2; another run resumes a copy
@@ -66,8 +68,10 @@ def _prepare(names, ranks, folder):
         full["args"] += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
         swap = {full["out"]: str(out), str(ckpt): str(stopped)}  # the same command line, another folder each
         resumed_args = [swap.get(arg, arg) for arg in full["args"]]
-        made[RESUMED] = ([full, job(full["program"], resumed_args, out,
-                                    copy=(ckpt / "step-00000002", stopped / "step-00000002"))], (state, folder / RESUMED))
+        made[RESUMED] = (
+            [full, job(full["program"], resumed_args, out, copy=(ckpt / "step-00000002", stopped / "step-00000002"))],
+            (state, folder / RESUMED),
+        )
     return made
 
 
@@ -84,7 +88,9 @@ LAUNCHES = Cases(dict.fromkeys(CASES, 4), _prepare, _finish, case_of=lambda test
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_dataset_run_trains_like_one_process_on_the_same_samples(launches, name):
     (plan, report), _ = launches.result(LAUNCHES, name)
-    assert (plan.mesh.dp, plan.mesh.pp, plan.mesh.cp) == {"austen-dp2-pp2": (2, 2, 1), "tokens-dp2-cp2": (2, 1, 2)}[name]
+    assert (plan.mesh.dp, plan.mesh.pp, plan.mesh.cp) == {"austen-dp2-pp2": (2, 2, 1), "tokens-dp2-cp2": (2, 1, 2)}[
+        name
+    ]
     assert report.ok, report.failure
     assert any("both train on" in note for note in report.notes), report.notes
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
@@ -94,7 +100,12 @@ def test_a_run_resumed_mid_epoch_reads_what_an_uninterrupted_one_reads(launches)
     (plan, report), (folder, failure) = launches.result(LAUNCHES, RESUMED)
     assert not failure, failure[-4000:]
     assert saved_data_keys(folder / "ckpt" / "step-00000002") == [
-        "dataset_length", "epoch", "epoch_samples", "samples_consumed", "seed"]
+        "dataset_length",
+        "epoch",
+        "epoch_samples",
+        "samples_consumed",
+        "seed",
+    ]
     resumed, uninterrupted = (json.loads((folder / run / "metrics.json").read_text()) for run in ("resumed", "metrics"))
     assert resumed["losses"] == report.parallel_losses[2:]  # step 3 only, on step 3's samples
     assert uninterrupted["lrs"] == pytest.approx([5e-4, 1e-3, 1e-4]) and resumed["lrs"] == uninterrupted["lrs"][2:]

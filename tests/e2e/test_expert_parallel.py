@@ -26,8 +26,11 @@ from e2e.zoo import GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
-MODELS = {"mixtral": "tests/models/hf_mixtral.py:build", "olmoe": "tests/models/hf_olmoe.py:build",
-          "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe"}
+MODELS = {
+    "mixtral": "tests/models/hf_mixtral.py:build",
+    "olmoe": "tests/models/hf_olmoe.py:build",
+    "qwen2-moe": "tests/models/hf_causal_zoo.py:build_qwen2_moe",
+}
 MICROBATCHES = 2
 # name: (model, pins)
 CASES_2 = {
@@ -45,15 +48,28 @@ CASES_8 = {"mixtral-pp2-dp4-ep2": ("mixtral", dict(dp=4, ep=2, pp=2, zero=1, sch
 
 def _plan(model: str, ranks: int, pins: dict):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
-    return autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=GLOBAL_BATCH,
-                          microbatch_size=microbatch, recompute="none", tp=1, pp=pins.pop("pp", 1), **pins)
+    return autoshard.plan(
+        MODELS[model],
+        cluster="local-cpu",
+        devices_per_node=ranks,
+        global_batch=GLOBAL_BATCH,
+        microbatch_size=microbatch,
+        recompute="none",
+        tp=1,
+        pp=pins.pop("pp", 1),
+        **pins,
+    )
 
 
 ALL_CASES = {**CASES_2, **CASES_4, **CASES_8}
 RANKS = {**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4), **dict.fromkeys(CASES_8, 8)}
-LAUNCHES = Cases(RANKS, *program_cases(lambda name: _plan(ALL_CASES[name][0], RANKS[name], dict(ALL_CASES[name][1]))),
-                 case_of=lambda test, params: list(CASES_2 if "two_ranks" in test else
-                                                   CASES_4 if "sharded_replicas" in test else CASES_8))
+LAUNCHES = Cases(
+    RANKS,
+    *program_cases(lambda name: _plan(ALL_CASES[name][0], RANKS[name], dict(ALL_CASES[name][1]))),
+    case_of=lambda test, params: list(
+        CASES_2 if "two_ranks" in test else CASES_4 if "sharded_replicas" in test else CASES_8
+    ),
+)
 
 
 def _run(cases: dict, launches) -> None:

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
-    plan = autoshard.plan(str(ROOT / "examples/gpt.py") + ":build", cluster="local-cpu", devices_per_node=2,
-                          global_batch=8, dp=2, zero=3)
+    plan = autoshard.plan(
+        str(ROOT / "examples/gpt.py") + ":build", cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=3
+    )
     path = tmp_path_factory.mktemp("faults") / "plan.json"
     plan.save(path)
     return path
@@ -44,21 +45,33 @@ def no_fault(plan_file, tmp_path_factory):
 
 
 @pytest.mark.parametrize("fault, resumed_from", [("kill:1:4", 4), ("kill-in-checkpoint:0:4", 2)])
-def test_job_survives_a_dead_rank_with_the_same_parameters(in_repo, plan_file, no_fault, tmp_path, monkeypatch,
-                                                           capfd, fault, resumed_from):
+def test_job_survives_a_dead_rank_with_the_same_parameters(
+    in_repo, plan_file, no_fault, tmp_path, monkeypatch, capfd, fault, resumed_from
+):
     """SIGKILL one rank mid-run (or while it writes checkpoint 4): torchrun restarts the job, it resumes
     from the newest complete checkpoint and ends with the parameters of a run without the fault."""
     monkeypatch.setenv(INJECT_ENV, fault)
     ckpt = tmp_path / "ckpt"
-    code = run(plan_file, tmp_path / "out", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-               "--max-restarts", "1", "--timeout-s", "60")
+    code = run(
+        plan_file,
+        tmp_path / "out",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--max-restarts",
+        "1",
+        "--timeout-s",
+        "60",
+    )
     captured = capfd.readouterr()
     assert code == 0, captured.out[-3000:] + captured.err[-3000:]
     assert f"fault injected: {fault.split(':')[0]}" in captured.err
     # the restarted attempt says where it resumes from, in one line; the surviving rank may say the restart
     # is coming (when it sees the broken collective before torchrun stops it), and then in one line too
-    assert f"restart 1 of 1: every rank resumes from checkpoint step-{resumed_from:08d}" in captured.err, \
-        captured.err[-3000:]
+    assert f"restart 1 of 1: every rank resumes from checkpoint step-{resumed_from:08d}" in captured.err, captured.err[
+        -3000:
+    ]
     survivor = [line for line in captured.err.splitlines() if "another rank ended during a collective" in line]
     assert all("restart 1 of 1" in line for line in survivor), survivor
     assert "Traceback" not in captured.err and "Connection reset" not in captured.err, captured.err[-3000:]

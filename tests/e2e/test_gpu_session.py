@@ -11,8 +11,16 @@ pytestmark = pytest.mark.e2e
 
 def test_the_gpu_session_runs_its_cpu_path(in_repo, tmp_path):
     out = tmp_path / "session"
-    command = ["bash", "benchmarks/gpu_session.sh", str(out), "--cpu", "--cluster", "local-cpu",  # calibrate: its own test
-               "--profile", "2"]
+    command = [
+        "bash",
+        "benchmarks/gpu_session.sh",
+        str(out),
+        "--cpu",
+        "--cluster",
+        "local-cpu",  # calibrate: its own test
+        "--profile",
+        "2",
+    ]
     proc = subprocess.run(command, cwd=in_repo, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -19,17 +19,25 @@ from e2e.one_launch import Cases, verify_cases
 
 pytestmark = pytest.mark.e2e
 
-SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=32)
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=32,
+)
 RANKS = 2
 
 
 def _config(name: str):
     import transformers as tf
 
-    return {"llama": lambda: tf.LlamaConfig(**SIZES, num_key_value_heads=2),
-            "qwen2": lambda: tf.Qwen2Config(**SIZES, num_key_value_heads=2),
-            "gpt2": lambda: tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32)}[name]()
+    return {
+        "llama": lambda: tf.LlamaConfig(**SIZES, num_key_value_heads=2),
+        "qwen2": lambda: tf.Qwen2Config(**SIZES, num_key_value_heads=2),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32),
+    }[name]()
 
 
 CASES = ("llama", "qwen2", "gpt2")
@@ -47,8 +55,9 @@ def _plan(name: str):
     return autoshard.plan(f"hf:{folder(name)}", cluster="local-cpu", devices_per_node=RANKS, global_batch=8)
 
 
-LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), *verify_cases(_plan, lambda name: 3),
-                 case_of=lambda test, params: params.get("name"))
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, RANKS), *verify_cases(_plan, lambda name: 3), case_of=lambda test, params: params.get("name")
+)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -19,13 +19,25 @@ from e2e.zoo import GLOBAL_BATCH
 pytestmark = pytest.mark.e2e
 
 MODEL = "tests/models/out_of_order_inputs.py:build"
-CASES = {"pp2-1f1b": dict(schedule="1f1b"), "pp2-gpipe": dict(schedule="gpipe"),
-         "pp2-interleaved": dict(schedule="interleaved-1f1b", virtual_stages=2)}
+CASES = {
+    "pp2-1f1b": dict(schedule="1f1b"),
+    "pp2-gpipe": dict(schedule="gpipe"),
+    "pp2-interleaved": dict(schedule="interleaved-1f1b", virtual_stages=2),
+}
 
 
 def _plan(name):
-    return autoshard.plan(MODEL, cluster="local-cpu", global_batch=GLOBAL_BATCH, devices_per_node=2, pp=2, dp=1,
-                          tp=1, microbatch_size=2, **CASES[name])
+    return autoshard.plan(
+        MODEL,
+        cluster="local-cpu",
+        global_batch=GLOBAL_BATCH,
+        devices_per_node=2,
+        pp=2,
+        dp=1,
+        tp=1,
+        microbatch_size=2,
+        **CASES[name],
+    )
 
 
 LAUNCHES = Cases(dict.fromkeys(CASES, 2), *program_cases(_plan), case_of=lambda test, params: list(CASES))

@@ -31,12 +31,26 @@ CASES = {  # id: (model spec, split points, dp, pp, virtual stages, schedule, mi
     "llama-pp2-1f1b": ("tests/models/hf_llama.py:build", "model.layers.1", 1, 2, 1, "1f1b", 4),
     # the rotary tables made in stage 0 reach stages 2 and 3 through the stages between (8 micro-batches:
     # with 4, even one process drifts 7.5e-5 from the full batch, an embedding gradient near AdamW's eps)
-    "llama-pp4-1f1b": ("tests/models/hf_llama.py:build_4_layers", "model.layers.1,model.layers.2,model.layers.3",
-                       1, 4, 1, "1f1b", 8),
+    "llama-pp4-1f1b": (
+        "tests/models/hf_llama.py:build_4_layers",
+        "model.layers.1,model.layers.2,model.layers.3",
+        1,
+        4,
+        1,
+        "1f1b",
+        8,
+    ),
     "gpt2-tied-pp2-1f1b": ("tests/models/hf_gpt2.py:build", "transformer.h.1", 1, 2, 1, "1f1b", 4),
     # the tie spans pp ranks 0 and 3 only: summed in a 2-rank subgroup
-    "gpt2-tied-pp4-1f1b": ("tests/models/hf_gpt2.py:build", "transformer.h.0,transformer.h.1,transformer.ln_f",
-                           1, 4, 1, "1f1b", 4),
+    "gpt2-tied-pp4-1f1b": (
+        "tests/models/hf_gpt2.py:build",
+        "transformer.h.0,transformer.h.1,transformer.ln_f",
+        1,
+        4,
+        1,
+        "1f1b",
+        4,
+    ),
     "gpt-dp2-pp2-1f1b": ("examples/gpt.py:build", "h.2", 2, 2, 1, "1f1b", 2),
     "gpt2-tied-dp2-pp2-gpipe": ("tests/models/hf_gpt2.py:build", "transformer.h.1", 2, 2, 1, "gpipe", 2),
     # BERT's padded attention mask, expanded to 4-D (a view) in stage 0, crosses to stage 1
@@ -51,19 +65,49 @@ CASES = {  # id: (model spec, split points, dp, pp, virtual stages, schedule, mi
 }
 
 
-def driver_job(out: Path, spec: str, splits: str, dp: int, pp: int, virtual: int, schedule: str,
-               microbatches: int) -> dict:
-    return job(DRIVER, ["--model", spec, "--splits", splits, "--dp", dp, "--pp", pp, "--virtual-stages", virtual,
-                        "--schedule", schedule, "--microbatches", microbatches, "--steps", STEPS, "--lr", repr(LR),
-                        "--seed", SEED, "--out", out], out, draws=True)
+def driver_job(
+    out: Path, spec: str, splits: str, dp: int, pp: int, virtual: int, schedule: str, microbatches: int
+) -> dict:
+    return job(
+        DRIVER,
+        [
+            "--model",
+            spec,
+            "--splits",
+            splits,
+            "--dp",
+            dp,
+            "--pp",
+            pp,
+            "--virtual-stages",
+            virtual,
+            "--schedule",
+            schedule,
+            "--microbatches",
+            microbatches,
+            "--steps",
+            STEPS,
+            "--lr",
+            repr(LR),
+            "--seed",
+            SEED,
+            "--out",
+            out,
+        ],
+        out,
+        draws=True,
+    )
 
 
 # case -> (the folder of its metrics, its failure: "" when it ran to its end)
-LAUNCHES = Cases({name: c[2] * c[3] for name, c in CASES.items()},
-                 prepare=lambda names, ranks, folder: {name: ([driver_job(folder / name, *CASES[name])], folder / name)
-                                                       for name in names},
-                 finish=lambda name, out, failures: (out, failures[0]),
-                 case_of=lambda test, params: params.get("case"))
+LAUNCHES = Cases(
+    {name: c[2] * c[3] for name, c in CASES.items()},
+    prepare=lambda names, ranks, folder: {
+        name: ([driver_job(folder / name, *CASES[name])], folder / name) for name in names
+    },
+    finish=lambda name, out, failures: (out, failures[0]),
+    case_of=lambda test, params: params.get("case"),
+)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -21,8 +21,11 @@ RANKS = 4
 CASES = {  # name: (model, cluster, pins); each model meets both modes and both meshes
     "gpt-dp2-pp2-full": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="1f1b", recompute="full")),
     "gpt-tp2-pp2-selective": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="1f1b", recompute="selective")),
-    "llama-dp2-pp2-selective": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=3, schedule="gpipe",
-                                                         recompute="selective")),
+    "llama-dp2-pp2-selective": (
+        LLAMA,
+        "local-cpu",
+        dict(dp=2, tp=1, pp=2, zero=3, schedule="gpipe", recompute="selective"),
+    ),
     "llama-tp2-pp2-full": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="gpipe", recompute="full")),
 }
 
@@ -39,8 +42,12 @@ def test_pipeline_recompute_trains_like_one_process(in_repo, launches):
     runs = {}
     for name, (model, cluster, pins) in CASES.items():
         plan, folder, failure = launches.result(LAUNCHES, name)
-        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.recompute) == \
-            (pins["dp"], pins["tp"], 2, pins["recompute"]), name
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.recompute) == (
+            pins["dp"],
+            pins["tp"],
+            2,
+            pins["recompute"],
+        ), name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
         program = folder / "train.py"

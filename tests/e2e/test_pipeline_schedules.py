@@ -29,23 +29,34 @@ from e2e.zoo import FAST_LINK, GLOBAL_BATCH
 
 pytestmark = pytest.mark.e2e
 
-GPT, LLAMA, LLAMA_2_LAYERS = "examples/gpt.py:build", "tests/models/hf_llama.py:build_4_layers", \
-    "tests/models/hf_llama.py:build"
+GPT, LLAMA, LLAMA_2_LAYERS = (
+    "examples/gpt.py:build",
+    "tests/models/hf_llama.py:build_4_layers",
+    "tests/models/hf_llama.py:build",
+)
 LLAMA_8 = "tests/models/hf_llama.py:build_8_layers"  # pp = 4 in a V: rank r holds stages r and 7 − r
 GPT2_TIED = "tests/models/hf_gpt2.py:build_4_layers"  # embedding and head tied: both copies on rank 0 in a V
 RANKS = 4
 CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2, each model all three
     "gpt-dp2-pp2-zbv": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
     "gpt-tp2-pp2-dualpipev": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="dualpipev", recompute="none")),
-    "gpt-dp2-pp2-interleaved-zb-full": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb",
-                                                               recompute="full")),
-    "llama-dp2-pp2-dualpipev": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=0, schedule="dualpipev",
-                                                         recompute="none")),
+    "gpt-dp2-pp2-interleaved-zb-full": (
+        GPT,
+        "local-cpu",
+        dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb", recompute="full"),
+    ),
+    "llama-dp2-pp2-dualpipev": (
+        LLAMA,
+        "local-cpu",
+        dict(dp=2, tp=1, pp=2, zero=0, schedule="dualpipev", recompute="none"),
+    ),
     "llama-tp2-pp2-zbv": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="zbv", recompute="none")),
-    "llama-dp2-pp2-interleaved-zb": (LLAMA, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb",
-                                                              recompute="none")),
-    "gpt2-tied-dp2-pp2-zbv": (GPT2_TIED, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv",
-                                                           recompute="none")),
+    "llama-dp2-pp2-interleaved-zb": (
+        LLAMA,
+        "local-cpu",
+        dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb", recompute="none"),
+    ),
+    "gpt2-tied-dp2-pp2-zbv": (GPT2_TIED, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
     "llama8-pp4-zbv": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="zbv", recompute="none")),
     "llama8-pp4-dualpipev": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="dualpipev", recompute="none")),
 }
@@ -53,8 +64,16 @@ CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2
 
 def test_two_layer_llama_is_refused_two_stages_per_rank():
     with pytest.raises(AutoshardError, match="--schedule zbv puts 2 stages on each of --pp 2 ranks: needs 4 blocks"):
-        autoshard.plan(LLAMA_2_LAYERS, cluster="local-cpu", devices_per_node=RANKS, global_batch=GLOBAL_BATCH,
-                       dp=2, tp=1, pp=2, schedule="zbv")
+        autoshard.plan(
+            LLAMA_2_LAYERS,
+            cluster="local-cpu",
+            devices_per_node=RANKS,
+            global_batch=GLOBAL_BATCH,
+            dp=2,
+            tp=1,
+            pp=2,
+            schedule="zbv",
+        )
 
 
 def _plan(name):
@@ -62,17 +81,24 @@ def _plan(name):
     return autoshard.plan(model, cluster=cluster, devices_per_node=RANKS, global_batch=GLOBAL_BATCH, **pins)
 
 
-LAUNCHES = Cases(dict.fromkeys(CASES, RANKS), *program_cases(_plan),
-                 case_of=lambda test, params: list(CASES) if test == "test_zero_bubble_schedules_train_like_one_process"
-                 else None)
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, RANKS),
+    *program_cases(_plan),
+    case_of=lambda test, params: list(CASES) if test == "test_zero_bubble_schedules_train_like_one_process" else None,
+)
 
 
 def test_zero_bubble_schedules_train_like_one_process(in_repo, launches):
     runs = {}
     for name, (model, cluster, pins) in CASES.items():
         plan, folder, failure = launches.result(LAUNCHES, name)
-        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.virtual_stages) == \
-            (pins["dp"], pins["tp"], pins["pp"], pins["schedule"], 2), name
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.virtual_stages) == (
+            pins["dp"],
+            pins["tp"],
+            pins["pp"],
+            pins["schedule"],
+            2,
+        ), name
         if plan.mesh.tp > 1:
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
         text = (folder / "train.py").read_text()

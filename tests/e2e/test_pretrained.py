@@ -50,11 +50,12 @@ def round_trip(case, folder):
     return [run], (folder / "pretrained", folder / "exported")
 
 
-LAUNCHES = Cases({case: ranks for case, (ranks, _) in CASES.items()},
-                 prepare=lambda names, ranks, root: {case: attempt(lambda: round_trip(case, root / case))
-                                                     for case in names},
-                 finish=lambda case, state, failures: (*state, failures[0]),
-                 case_of=lambda test, params: params.get("case"))
+LAUNCHES = Cases(
+    {case: ranks for case, (ranks, _) in CASES.items()},
+    prepare=lambda names, ranks, root: {case: attempt(lambda: round_trip(case, root / case)) for case in names},
+    finish=lambda case, state, failures: (*state, failures[0]),
+    case_of=lambda test, params: params.get("case"),
+)
 
 
 def safetensors_of(folder):

@@ -23,8 +23,10 @@ from e2e.zoo import GLOBAL_BATCH, LR, RANKS, _verdict
 
 pytestmark = pytest.mark.e2e
 
-MODELS = {"drop-path": "tests/models/random_layers.py:build_drop_path",
-          "rand-mask": "tests/models/random_layers.py:build_rand_mask"}
+MODELS = {
+    "drop-path": "tests/models/random_layers.py:build_drop_path",
+    "rand-mask": "tests/models/random_layers.py:build_rand_mask",
+}
 PINS = {"dp2-zero3": dict(dp=2, zero=3, tp=1, pp=1), "pp2": dict(pp=2, dp=1, tp=1, schedule="1f1b")}
 # "drawn" first: a launch runs every case in one process, and the first fixed one fixes randomness for good
 # (one_launch runs every job that draws before every job that fixes).
@@ -35,18 +37,30 @@ PLANS = {f"{m}/{p}": (m, p) for m in MODELS for p in PINS}
 
 def _prepare(names, ranks, folder):
     """Per (model, pins): its three runs; state: (plan, {run: its metrics folder})."""
+
     def one(name):
         m, p = PLANS[name]
-        plan = autoshard.plan(MODELS[m], cluster="local-cpu", global_batch=GLOBAL_BATCH, devices_per_node=RANKS,
-                              recompute="none", **PINS[p])
+        plan = autoshard.plan(
+            MODELS[m],
+            cluster="local-cpu",
+            global_batch=GLOBAL_BATCH,
+            devices_per_node=RANKS,
+            recompute="none",
+            **PINS[p],
+        )
         program = write_program(plan, folder / m / p / "train.py")
         where = {run: folder / m / p / run for run in RUNS}
         return [program_job(program, where[run], **how) for run, how in RUNS.items()], (plan, where)
+
     return {name: attempt(lambda: one(name)) for name in names}
 
 
-LAUNCHES = Cases(dict.fromkeys(PLANS, RANKS), _prepare, finish=lambda name, state, failures: (*state, failures),
-                 case_of=lambda test, params: list(PLANS))
+LAUNCHES = Cases(
+    dict.fromkeys(PLANS, RANKS),
+    _prepare,
+    finish=lambda name, state, failures: (*state, failures),
+    case_of=lambda test, params: list(PLANS),
+)
 
 
 def test_random_ops_are_fixed_in_both_runs_and_a_wrong_run_still_fails(in_repo, launches):

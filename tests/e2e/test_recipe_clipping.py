@@ -32,21 +32,63 @@ DRIVER = ROOT / "tests" / "e2e" / "recipe_driver.py"
 MODEL, GLOBAL_BATCH, STEPS = "examples/gpt.py:build", 8, 4
 MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
 CASES = {
-    "tp-pp": Recipe(optimizer="sgd", lr=0.5, momentum=0.9, weight_decay=0.1, decay_all=False, schedule="cosine",
-                    warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
-    "dp-tp-zero3": Recipe(optimizer="adamw", lr=0.01, eps=1e-3, weight_decay=0.1, decay_all=False,
-                          schedule="cosine", warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
+    "tp-pp": Recipe(
+        optimizer="sgd",
+        lr=0.5,
+        momentum=0.9,
+        weight_decay=0.1,
+        decay_all=False,
+        schedule="cosine",
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        max_grad_norm=MAX_NORM,
+    ),
+    "dp-tp-zero3": Recipe(
+        optimizer="adamw",
+        lr=0.01,
+        eps=1e-3,
+        weight_decay=0.1,
+        decay_all=False,
+        schedule="cosine",
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        max_grad_norm=MAX_NORM,
+    ),
 }
 
 
 def _prepare(names, ranks, folder):
-    return {name: ([job(DRIVER, ["--layout", name, "--recipe", json.dumps(CASES[name].as_dict()), "--steps", STEPS,
-                                 "--out", folder / name], folder / name)], folder / name) for name in names}
+    return {
+        name: (
+            [
+                job(
+                    DRIVER,
+                    [
+                        "--layout",
+                        name,
+                        "--recipe",
+                        json.dumps(CASES[name].as_dict()),
+                        "--steps",
+                        STEPS,
+                        "--out",
+                        folder / name,
+                    ],
+                    folder / name,
+                )
+            ],
+            folder / name,
+        )
+        for name in names
+    }
 
 
 # case -> (the folder of its driver run, its failure: "" when it ran to its end)
-LAUNCHES = Cases(dict.fromkeys(CASES, 4), _prepare, finish=lambda name, folder, failures: (folder, failures[0]),
-                 case_of=lambda test, params: params.get("layout"))
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, 4),
+    _prepare,
+    finish=lambda name, folder, failures: (folder, failures[0]),
+    case_of=lambda test, params: params.get("layout"),
+)
 
 
 @cache
@@ -68,8 +110,12 @@ def one_process(layout: str) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"initial": initial, "final": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "norms": norms, "losses": losses}
+    return {
+        "initial": initial,
+        "final": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "norms": norms,
+        "losses": losses,
+    }
 
 
 @pytest.mark.parametrize("layout", list(CASES))

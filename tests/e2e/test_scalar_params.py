@@ -49,21 +49,36 @@ CASES_4 = {
 
 def _plan(cluster, nodes, per_node, pins):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
-    return autoshard.plan(MODEL, cluster=cluster, nodes=nodes, devices_per_node=per_node, global_batch=GLOBAL_BATCH,
-                          microbatch_size=microbatch, recompute="none", **pins)
+    return autoshard.plan(
+        MODEL,
+        cluster=cluster,
+        nodes=nodes,
+        devices_per_node=per_node,
+        global_batch=GLOBAL_BATCH,
+        microbatch_size=microbatch,
+        recompute="none",
+        **pins,
+    )
 
 
-LAUNCHES = Cases({**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4)},
-                 *program_cases(lambda name: _plan(*{**CASES_2, **CASES_4}[name])),
-                 case_of=lambda test, params: list(CASES_2 if "two_ranks" in test else CASES_4))
+LAUNCHES = Cases(
+    {**dict.fromkeys(CASES_2, 2), **dict.fromkeys(CASES_4, 4)},
+    *program_cases(lambda name: _plan(*{**CASES_2, **CASES_4}[name])),
+    case_of=lambda test, params: list(CASES_2 if "two_ranks" in test else CASES_4),
+)
 
 
 def _run(cases: dict, launches) -> None:
     runs = {}
     for name, (cluster, nodes, per_node, pins) in cases.items():
         plan, folder, failure = launches.result(LAUNCHES, name)
-        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == \
-            (pins["dp"], pins["tp"], pins["pp"], pins["zero"], pins.get("dp_replicate", 1)), name
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.zero_stage, plan.dp_replicate) == (
+            pins["dp"],
+            pins["tp"],
+            pins["pp"],
+            pins["zero"],
+            pins.get("dp_replicate", 1),
+        ), name
         assert plan.num_microbatches == MICROBATCHES, name
         if plan.mesh.tp > 1:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"

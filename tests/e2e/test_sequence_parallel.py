@@ -26,22 +26,36 @@ SLOW_DEVICE = DeviceSpec("slow-test-device", 0.05, 2**34, 20.0, 1.0, "test")
 FAST_LINK = LinkSpec(100.0, 0.0, "test")
 
 CASES = {  # name: (spec, styles every block must hold, styles outside the blocks)
-    "gpt": ("examples/gpt.py:build",
-            {"h.{i}.attn": "gather-seq-module-input-dim1", "h.{i}.attn.q_proj": "colwise",
-             "h.{i}.attn.c_proj": "rowwise-seq-output-dim1", "h.{i}.ln_1": "sharded-input-dim1"},
-            {"h.0": "scatter-seq-input-dim1", "ln_f": "sharded-input-dim1"}),
-    "llama": ("tests/models/hf_llama.py:build",
-              {"model.layers.{i}.self_attn": "gather-seq-module-input-dim1",
-               "model.layers.{i}.self_attn.o_proj": "rowwise-seq-output-dim1",
-               "model.layers.{i}.mlp.down_proj": "rowwise-seq-output-dim1",
-               "model.layers.{i}.input_layernorm": "sharded-input-dim1"},
-              {"model.layers.0": "scatter-seq-input-dim1", "model.norm": "sharded-input-dim1"}),
-    "gpt2": ("tests/models/hf_gpt2.py:build",
-             {"transformer.h.{i}.mlp.c_fc": "conv1d-colwise-seq-input-dim1",
-              "transformer.h.{i}.mlp.c_proj": "conv1d-rowwise-seq-output-dim1",
-              "transformer.h.{i}.attn.c_attn": "gather-seq-input-dim1",
-              "transformer.h.{i}.attn.c_proj": "scatter-seq-output-dim1"},
-             {"transformer.h.0": "scatter-seq-input-dim1", "transformer.ln_f": "gather-seq-input-dim1"}),
+    "gpt": (
+        "examples/gpt.py:build",
+        {
+            "h.{i}.attn": "gather-seq-module-input-dim1",
+            "h.{i}.attn.q_proj": "colwise",
+            "h.{i}.attn.c_proj": "rowwise-seq-output-dim1",
+            "h.{i}.ln_1": "sharded-input-dim1",
+        },
+        {"h.0": "scatter-seq-input-dim1", "ln_f": "sharded-input-dim1"},
+    ),
+    "llama": (
+        "tests/models/hf_llama.py:build",
+        {
+            "model.layers.{i}.self_attn": "gather-seq-module-input-dim1",
+            "model.layers.{i}.self_attn.o_proj": "rowwise-seq-output-dim1",
+            "model.layers.{i}.mlp.down_proj": "rowwise-seq-output-dim1",
+            "model.layers.{i}.input_layernorm": "sharded-input-dim1",
+        },
+        {"model.layers.0": "scatter-seq-input-dim1", "model.norm": "sharded-input-dim1"},
+    ),
+    "gpt2": (
+        "tests/models/hf_gpt2.py:build",
+        {
+            "transformer.h.{i}.mlp.c_fc": "conv1d-colwise-seq-input-dim1",
+            "transformer.h.{i}.mlp.c_proj": "conv1d-rowwise-seq-output-dim1",
+            "transformer.h.{i}.attn.c_attn": "gather-seq-input-dim1",
+            "transformer.h.{i}.attn.c_proj": "scatter-seq-output-dim1",
+        },
+        {"transformer.h.0": "scatter-seq-input-dim1", "transformer.ln_f": "gather-seq-input-dim1"},
+    ),
 }
 
 
@@ -60,13 +74,38 @@ def _prepare(names, ranks, folder):
     except Exception as exc:  # noqa: BLE001  (raised in the test)
         return {"all": exc}
     (folder / "cases.json").write_text(json.dumps(cases))
-    return {"all": ([job(DRIVER, [folder / "cases.json", folder / "out", "--tp", TP, "--steps", STEPS, "--batch", BATCH,
-                                  "--lr", repr(LR)], folder / "out")], (cases, folder / "out"))}
+    return {
+        "all": (
+            [
+                job(
+                    DRIVER,
+                    [
+                        folder / "cases.json",
+                        folder / "out",
+                        "--tp",
+                        TP,
+                        "--steps",
+                        STEPS,
+                        "--batch",
+                        BATCH,
+                        "--lr",
+                        repr(LR),
+                    ],
+                    folder / "out",
+                )
+            ],
+            (cases, folder / "out"),
+        )
+    }
 
 
 # "all" -> (the driver's cases, its folder, its failure: "" when it ran to its end)
-LAUNCHES = Cases({"all": TP}, _prepare, finish=lambda name, state, failures: (*state, failures[0]),
-                 case_of=lambda test, params: "all")
+LAUNCHES = Cases(
+    {"all": TP},
+    _prepare,
+    finish=lambda name, state, failures: (*state, failures[0]),
+    case_of=lambda test, params: "all",
+)
 
 
 def test_sequence_parallel_matches_one_process(in_repo, launches):
@@ -83,7 +122,9 @@ def test_sequence_parallel_matches_one_process(in_repo, launches):
         out = out_dir / case["name"]
         losses = json.loads((out / "losses.json").read_text())
         params = read_weights(out)
-        ref_losses, ref_params = train_reference(load_model_file(case["spec"]), BATCH, STEPS, 0, LR, fixed_randomness=True)
+        ref_losses, ref_params = train_reference(
+            load_model_file(case["spec"]), BATCH, STEPS, 0, LR, fixed_randomness=True
+        )
         report = compare(STEPS, losses, ref_losses, params, ref_params, LR)
         assert report.max_loss_diff < 1e-5, (case["name"], report)
         assert report.max_param_diff < 1e-5, (case["name"], report)

@@ -20,19 +20,47 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
-    plan = autoshard.plan(str(ROOT / "tests/models/mlp.py") + ":build", cluster="local-cpu", devices_per_node=2,
-                          global_batch=8, dp=2, zero=0)
+    plan = autoshard.plan(
+        str(ROOT / "tests/models/mlp.py") + ":build",
+        cluster="local-cpu",
+        devices_per_node=2,
+        global_batch=8,
+        dp=2,
+        zero=0,
+    )
     path = tmp_path_factory.mktemp("signals") / "plan.json"
     plan.save(path)
     return path
 
 
 def autoshard_run(plan_file, ckpt, steps, *extra, **kwargs):
-    cmd = [sys.executable, "-m", "autoshard.cli", "run", str(plan_file), "--steps", str(steps),
-           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeout-s", "60", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoshard.cli",
+        "run",
+        str(plan_file),
+        "--steps",
+        str(steps),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--timeout-s",
+        "60",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
 
 
 def job_pids(launcher_pid: int) -> set[int]:

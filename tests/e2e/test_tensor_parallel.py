@@ -45,23 +45,48 @@ def tp_choice(spec: str, tp: int):
 def driver_job(spec: str, styles: dict, dp: int, tp: int, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "styles.json").write_text(json.dumps(styles))
-    return job(DRIVER, [spec, tmp / "styles.json", tmp / "out", "--tp", tp, "--dp", dp, "--steps", STEPS,
-                        "--batch", BATCH, "--lr", repr(LR)], tmp / "out", draws=True)
+    return job(
+        DRIVER,
+        [
+            spec,
+            tmp / "styles.json",
+            tmp / "out",
+            "--tp",
+            tp,
+            "--dp",
+            dp,
+            "--steps",
+            STEPS,
+            "--batch",
+            BATCH,
+            "--lr",
+            repr(LR),
+        ],
+        tmp / "out",
+        draws=True,
+    )
 
 
 ALL_CASES = {**{name: (spec, dp, tp) for name, (spec, dp, tp, _) in CASES.items()}, "gpt2-conv1d-tp2": (GPT2, 1, 2)}
 
 
 def _prepare(names, ranks, folder):
-    return {name: attempt(lambda: ([driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, folder / name)], folder / name))
-            for name in names for spec, dp, tp in [ALL_CASES[name]]}
+    return {
+        name: attempt(lambda: ([driver_job(spec, tp_choice(spec, tp).sharded, dp, tp, folder / name)], folder / name))
+        for name in names
+        for spec, dp, tp in [ALL_CASES[name]]
+    }
 
 
 # case -> (the folder of its driver run, its failure: "" when it ran to its end)
-LAUNCHES = Cases({name: dp * tp for name, (_, dp, tp) in ALL_CASES.items()}, _prepare,
-                 finish=lambda name, folder, failures: (folder, failures[0]),
-                 case_of=lambda test, params: params.get("case") or (
-                     "gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None))
+LAUNCHES = Cases(
+    {name: dp * tp for name, (_, dp, tp) in ALL_CASES.items()},
+    _prepare,
+    finish=lambda name, folder, failures: (folder, failures[0]),
+    case_of=lambda test, params: (
+        params.get("case") or ("gpt2-conv1d-tp2" if test == "test_gpt2_conv1d_tp2_matches_one_process" else None)
+    ),
+)
 
 
 def check_against_one_process(spec: str, run: tuple[Path, str]) -> None:
@@ -86,6 +111,9 @@ def test_tensor_parallel_matches_one_process(in_repo, launches, case):
 def test_gpt2_conv1d_tp2_matches_one_process(in_repo, launches):
     """transformers' Conv1D MLP split by the conv1d-colwise / conv1d-rowwise styles (c_attn, fused, replicated)."""
     choice = tp_choice(GPT2, 2)
-    assert choice.sharded == {f"transformer.h.{i}.mlp.{m}": style for i in range(2)
-                              for m, style in (("c_fc", "conv1d-colwise"), ("c_proj", "conv1d-rowwise"))}
+    assert choice.sharded == {
+        f"transformer.h.{i}.mlp.{m}": style
+        for i in range(2)
+        for m, style in (("c_fc", "conv1d-colwise"), ("c_proj", "conv1d-rowwise"))
+    }
     check_against_one_process(GPT2, launches.result(LAUNCHES, "gpt2-conv1d-tp2"))

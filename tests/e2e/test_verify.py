@@ -18,21 +18,37 @@ MODELS = {
     "gpt": "examples/gpt.py:build",
     "llama": "tests/models/hf_llama.py:build",
 }
-DP_ZERO = {f"{model}-zero{zero}-{ranks}": (model, zero, ranks)
-           for model in sorted(MODELS) for zero in (0, 1, 2, 3) for ranks in (2, 4)}
+DP_ZERO = {
+    f"{model}-zero{zero}-{ranks}": (model, zero, ranks)
+    for model in sorted(MODELS)
+    for zero in (0, 1, 2, 3)
+    for ranks in (2, 4)
+}
 CASES = {  # name: (ranks, steps)
     **{name: (ranks, 3) for name, (_, _, ranks) in DP_ZERO.items()},
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
-    **{name: (2, 3) for name in ("gpt-bf16-zero3-2", "gpt-bf16-pure-zero0-2", "gpt-fp16-zero1-2", "gpt-bf16-tp2",
-                                 "gpt-bf16-pure-tp2")},
+    **{
+        name: (2, 3)
+        for name in (
+            "gpt-bf16-zero3-2",
+            "gpt-bf16-pure-zero0-2",
+            "gpt-fp16-zero1-2",
+            "gpt-bf16-tp2",
+            "gpt-bf16-pure-tp2",
+        )
+    },
 }
 # --precision cases: the pin, its ZeRO stage, micro-batch size and tp degree (FSDP2's bf16 gathers; DDP's bf16
 # gradients of bf16 weights; ZeroRedundancyOptimizer stepped through a GradScaler; DTensor TP under autocast, whose
 # row-parallel partial sums are reduced in bf16, and over bf16 weights)
-PRECISION_CASES = {"gpt-bf16-zero3-2": ("bf16", 3, 4, 1), "gpt-bf16-pure-zero0-2": ("bf16-pure", 0, 4, 1),
-                   "gpt-fp16-zero1-2": ("fp16", 1, 2, 1), "gpt-bf16-tp2": ("bf16", 0, 8, 2),
-                   "gpt-bf16-pure-tp2": ("bf16-pure", 0, 8, 2)}
+PRECISION_CASES = {
+    "gpt-bf16-zero3-2": ("bf16", 3, 4, 1),
+    "gpt-bf16-pure-zero0-2": ("bf16-pure", 0, 4, 1),
+    "gpt-fp16-zero1-2": ("fp16", 1, 2, 1),
+    "gpt-bf16-tp2": ("bf16", 0, 8, 2),
+    "gpt-bf16-pure-tp2": ("bf16-pure", 0, 8, 2),
+}
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 
 
@@ -44,8 +60,12 @@ def _tight_cluster():
     from autoshard.cost.hardware import load_cluster
 
     cluster = load_cluster("local-cpu", devices_per_node=2)
-    need = {mode: autoshard.plan(MODELS["gpt"], cluster=cluster, global_batch=8, recompute=mode, **MIXED_PINS)
-            .predicted.memory_peak_bytes_per_rank for mode in ("none", "full")}
+    need = {
+        mode: autoshard.plan(
+            MODELS["gpt"], cluster=cluster, global_batch=8, recompute=mode, **MIXED_PINS
+        ).predicted.memory_peak_bytes_per_rank
+        for mode in ("none", "full")
+    }
     return replace(cluster, device=replace(cluster.device, memory_bytes=(need["none"] + need["full"]) // 2))
 
 
@@ -53,13 +73,33 @@ def _plan(name):
     if name in PRECISION_CASES:
         precision, zero, micro, tp = PRECISION_CASES[name]
         cluster = "local-cpu" if tp == 1 else "tests/clusters/fast_link_cpu.yaml"  # where TP pays: attention shards
-        return autoshard.plan(MODELS["gpt"], cluster=cluster, devices_per_node=2, global_batch=8, dp=2 // tp, tp=tp,
-                              pp=1, zero=zero, microbatch_size=micro, recompute="none", precision=precision)
+        return autoshard.plan(
+            MODELS["gpt"],
+            cluster=cluster,
+            devices_per_node=2,
+            global_batch=8,
+            dp=2 // tp,
+            tp=tp,
+            pp=1,
+            zero=zero,
+            microbatch_size=micro,
+            recompute="none",
+            precision=precision,
+        )
     if name in DP_ZERO:
         model, zero, ranks = DP_ZERO[name]
-        return autoshard.plan(MODELS[model], cluster="local-cpu", devices_per_node=ranks, global_batch=8,
-                              dp=ranks, tp=1, pp=1, zero=zero, microbatch_size=1 if zero % 2 else None,
-                              recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero])
+        return autoshard.plan(
+            MODELS[model],
+            cluster="local-cpu",
+            devices_per_node=ranks,
+            global_batch=8,
+            dp=ranks,
+            tp=1,
+            pp=1,
+            zero=zero,
+            microbatch_size=1 if zero % 2 else None,
+            recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero],
+        )
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -70,12 +110,17 @@ def _case_of(test, params):
         return f"{params['model']}-zero{params['zero']}-{params['ranks']}"
     if test == "test_verify_pinned_precision":
         return params["name"]
-    return {"test_verify_eight_ranks_zero3": "eight-ranks-zero3",
-            "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute"}.get(test)
+    return {
+        "test_verify_eight_ranks_zero3": "eight-ranks-zero3",
+        "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute",
+    }.get(test)
 
 
-LAUNCHES = Cases({name: ranks for name, (ranks, _) in CASES.items()}, *verify_cases(_plan, lambda name: CASES[name][1]),
-                 case_of=_case_of)
+LAUNCHES = Cases(
+    {name: ranks for name, (ranks, _) in CASES.items()},
+    *verify_cases(_plan, lambda name: CASES[name][1]),
+    case_of=_case_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +166,10 @@ def test_verify_pinned_precision(verified, name):
     from autoshard.verify import train_reference
 
     plan, report = verified(name)
-    assert plan.precision == {"bf16": "bf16-autocast", "bf16-pure": "bf16-pure", "fp16": "fp16-autocast"}[
-        PRECISION_CASES[name][0]]
+    assert (
+        plan.precision
+        == {"bf16": "bf16-autocast", "bf16-pure": "bf16-pure", "fp16": "fp16-autocast"}[PRECISION_CASES[name][0]]
+    )
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
     assert plan.mesh.tp == PRECISION_CASES[name][3]

@@ -46,10 +46,11 @@ TEST_CASES = {
 }
 
 
-LAUNCHES = Cases(dict.fromkeys(CASES, 2), *verify_cases(lambda name: _plan(CASES[name][0], **CASES[name][1]),
-                                                         lambda name: CASES[name][2]),
-                 case_of=lambda test, params: f"batch-norm-zero{params['zero']}" if "zero" in params
-                 else TEST_CASES.get(test))
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, 2),
+    *verify_cases(lambda name: _plan(CASES[name][0], **CASES[name][1]), lambda name: CASES[name][2]),
+    case_of=lambda test, params: f"batch-norm-zero{params['zero']}" if "zero" in params else TEST_CASES.get(test),
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,9 @@ def test_zero_gradient_parameters_and_dropout_pass(verified):
     one-process run's own."""
     _, report = verified("zero-gradients-and-dropout")
     assert report.ok, report.failure
-    assert any(note.startswith("random ops at their expectation in both runs") and "dropout" in note
-               for note in report.notes), report.notes
+    assert any(
+        note.startswith("random ops at their expectation in both runs") and "dropout" in note for note in report.notes
+    ), report.notes
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 
 
@@ -122,11 +124,15 @@ def test_verify_names_a_data_dependent_count_when_the_plan_could_not_check_it(in
     inputs, targets = global_batch(padded, plan.global_batch, SEED, 0)
     with fixed_randomness(), torch.no_grad():
         whole = padded.loss(model(*inputs), targets).item()
-        halves = [padded.loss(model(*x), y).item()
-                  for r in range(2) for x, y in [take_shard((inputs, targets), r, 2, torch.device("cpu"))]]
+        halves = [
+            padded.loss(model(*x), y).item()
+            for r in range(2)
+            for x, y in [take_shard((inputs, targets), r, 2, torch.device("cpu"))]
+        ]
     assert abs(whole - sum(halves) / 2) > 1e-4  # the padding makes the two differ
-    report = VerifyReport(1, [sum(halves) / 2], [whole], abs(whole - sum(halves) / 2), 0.0, "", "differs",
-                          first_diverging_step=0)
+    report = VerifyReport(
+        1, [sum(halves) / 2], [whole], abs(whole - sum(halves) / 2), 0.0, "", "differs", first_diverging_step=0
+    )
     assert "the loss is not a mean over equal shares" in likely_cause(report, plan, padded, SEED)
     fair = VerifyReport(1, [whole + 1e-3], [whole], 1e-3, 0.0, "", "differs", first_diverging_step=0)
     assert "mean over equal shares" not in likely_cause(fair, plan, padded, SEED)

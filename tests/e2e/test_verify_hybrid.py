@@ -48,10 +48,19 @@ CASES = {  # name: (model, ranks, pins)
 
 MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
 RECIPES = {
-    "gpt-tp2-pp2": Recipe(optimizer="sgd", lr=0.5, momentum=0.9, weight_decay=0.1, schedule="cosine",
-                          warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
-    "gpt-dp2-tp2-zero3": Recipe(lr=0.01, eps=1e-3, weight_decay=0.1, schedule="cosine", warmup_steps=2,
-                                min_lr_ratio=0.1, max_grad_norm=MAX_NORM),
+    "gpt-tp2-pp2": Recipe(
+        optimizer="sgd",
+        lr=0.5,
+        momentum=0.9,
+        weight_decay=0.1,
+        schedule="cosine",
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        max_grad_norm=MAX_NORM,
+    ),
+    "gpt-dp2-tp2-zero3": Recipe(
+        lr=0.01, eps=1e-3, weight_decay=0.1, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1, max_grad_norm=MAX_NORM
+    ),
 }
 
 
@@ -61,9 +70,11 @@ def _plan(case):
     return autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
 
 
-LAUNCHES = Cases({case: ranks for case, (_, ranks, _) in CASES.items()},
-                 *verify_cases(_plan, lambda case: 3, recipe_of=RECIPES.get),
-                 case_of=lambda test, params: params.get("case"))
+LAUNCHES = Cases(
+    {case: ranks for case, (_, ranks, _) in CASES.items()},
+    *verify_cases(_plan, lambda case: 3, recipe_of=RECIPES.get),
+    case_of=lambda test, params: params.get("case"),
+)
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,11 @@ def expected_of(outcomes: dict) -> dict[str, dict]:
 
 def sharded_styles(styles: dict[str, str]) -> dict[str, str]:
     """Module path (layer numbers as "*") -> style, for every module that does not stay replicated."""
-    return {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path): style for path, style in sorted(styles.items())
-            if style != "replicate"}
+    return {
+        re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path): style
+        for path, style in sorted(styles.items())
+        if style != "replicate"
+    }
 
 
 def test_the_pins_name_every_case_of_every_model():

@@ -53,8 +53,10 @@ def parse_args() -> argparse.Namespace:
 
 def apply_fsdp_over_dp(model: torch.nn.Module, dp_mesh) -> None:
     """fully_shard every block ("h.3", "model.layers.1") and then the root, over the dp mesh."""
-    blocks = sorted({b for name, _ in model.named_modules() if (b := block_of(name)) == name},
-                    key=lambda b: [int(x) if x.isdigit() else 0 for x in b.split(".")])
+    blocks = sorted(
+        {b for name, _ in model.named_modules() if (b := block_of(name)) == name},
+        key=lambda b: [int(x) if x.isdigit() else 0 for x in b.split(".")],
+    )
     for path in blocks:
         fully_shard(model.get_submodule(path), mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

@@ -76,8 +76,9 @@ class Outcome:
         if self.status == "verified":
             mesh = self.plan.mesh
             sharded = sum(s != "replicate" for s in self.plan.tensor_parallel.values())
-            what = f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} z{self.plan.zero_stage}" + \
-                (f" ep{self.plan.ep}" if self.plan.ep > 1 else "")
+            what = f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} z{self.plan.zero_stage}" + (
+                f" ep{self.plan.ep}" if self.plan.ep > 1 else ""
+            )
             return f"ok ({what}{f', {sharded} TP modules' if mesh.tp > 1 else ''})"
         return f"{self.status}: {self.detail.splitlines()[0] if self.detail else ''}"
 
@@ -100,15 +101,31 @@ def plan_cases(models: dict[str, str], cases: dict[str, tuple], workdir: Path) -
 def program_case(name: str, program: Path, out: Path, lr: float = LR, fixed_randomness: bool = True) -> dict:
     """One case for ``zoo_driver.py``: the program, run for STEPS steps from SEED, its metrics into ``out``;
     random ops fixed (``--fixed-randomness``) as verify runs them, unless told otherwise."""
-    return {"name": name, "program": str(program), "metrics_out": str(out),
-            "args": ["--steps", str(STEPS), "--seed", str(SEED), "--lr", repr(lr), "--metrics-out", str(out),
-                     *(["--fixed-randomness"] if fixed_randomness else [])]}
+    return {
+        "name": name,
+        "program": str(program),
+        "metrics_out": str(out),
+        "args": [
+            "--steps",
+            str(STEPS),
+            "--seed",
+            str(SEED),
+            "--lr",
+            repr(lr),
+            "--metrics-out",
+            str(out),
+            *(["--fixed-randomness"] if fixed_randomness else []),
+        ],
+    }
 
 
 def run_programs(outcomes: dict[tuple, Outcome], workdir: Path) -> str:
     """Every planned case in one launch; returns the crash block ("" when none crashed)."""
-    cases = [program_case(f"{m}/{c}", workdir / m / c / "train.py", workdir / m / c / "out")
-             for (m, c), o in outcomes.items() if o.plan is not None]
+    cases = [
+        program_case(f"{m}/{c}", workdir / m / c / "train.py", workdir / m / c / "out")
+        for (m, c), o in outcomes.items()
+        if o.plan is not None
+    ]
     (workdir / "cases.json").write_text(json.dumps(cases))
     proc = run_torchrun(DRIVER, RANKS, [str(workdir / "cases.json")], quiet=True)
     return "" if proc.returncode == 0 else (proc.crash or proc.stdout[-2000:])
@@ -142,10 +159,20 @@ def _verdict(spec: str, plan, out: Path) -> tuple[str, str]:
     params = read_weights(out)
     micro = reference_microbatches(model_file, plan)
     recipe = Recipe()  # the programs' (and autoshard.parallelize's) default, at their --lr
-    ref32 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,
-                            recipe=recipe)
-    ref64 = train_reference(model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro,
-                            dtype=torch.float64, recipe=recipe)
+    ref32 = train_reference(
+        model_file, plan.global_batch, STEPS, SEED, LR, fixed_randomness=True, microbatches=micro, recipe=recipe
+    )
+    ref64 = train_reference(
+        model_file,
+        plan.global_batch,
+        STEPS,
+        SEED,
+        LR,
+        fixed_randomness=True,
+        microbatches=micro,
+        dtype=torch.float64,
+        recipe=recipe,
+    )
     report = compare(STEPS, losses, ref32.losses, params, ref32.params, LR, exact=ref64)
     if report.ok:
         return "verified", ""

@@ -61,14 +61,24 @@ def main() -> None:
     seconds = time.perf_counter() - start
     params = list(applied["model"].parameters())
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    print(json.dumps({
-        "world_size": spec.world_size, "rank": rank, "whole_model_bytes": whole_bytes,
-        "rank_param_bytes": sum(t.numel() * t.element_size() for t in local),
-        "all_dtensors": all(isinstance(p, DTensor) for p in params),
-        "any_meta": any(t.is_meta for t in local),
-        "max_rss_before_bytes": before, "max_rss_after_bytes": max_rss_bytes(),
-        "optimizer": type(applied["optimizer"]).__name__, "setup_s": round(seconds, 1), "real": real, "whole": whole,
-    }))
+    print(
+        json.dumps(
+            {
+                "world_size": spec.world_size,
+                "rank": rank,
+                "whole_model_bytes": whole_bytes,
+                "rank_param_bytes": sum(t.numel() * t.element_size() for t in local),
+                "all_dtensors": all(isinstance(p, DTensor) for p in params),
+                "any_meta": any(t.is_meta for t in local),
+                "max_rss_before_bytes": before,
+                "max_rss_after_bytes": max_rss_bytes(),
+                "optimizer": type(applied["optimizer"]).__name__,
+                "setup_s": round(seconds, 1),
+                "real": real,
+                "whole": whole,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
