@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan ac45d432dd34.
+"""Training program emitted by autoshard from plan 0f458fba87b2.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    dgx-h100: 1 node(s) x 8 devices, nccl
 Plan       dp=8 tp=1 pp=1 | ZeRO-3 | global batch 64 = 8 dp ranks x 1 micro-batches x 8 | recompute none
-Predicted  step 1.58 ms = compute 1.53 ms + exposed comm 0.0426 ms + bubble 0 ms
+Predicted  step 1.51 ms = compute 1.46 ms + exposed comm 0.0426 ms + bubble 0 ms
            peak 6.3 MiB per rank (weights 0.1, grads 0.0, optimizer 0.2, activations 4.7, transient 1.0)
-           2,600,280 tokens/s, MFU 0.0%
+           2,720,900 tokens/s, MFU 0.1%
 
 Run:  torchrun --standalone --nproc-per-node 8 train.py [--steps 20]
   or: autoshard run plan.json
@@ -37,7 +37,7 @@ MICROBATCH_SIZE = 8
 NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'bf16-autocast'  # bfloat16 compute (FSDP2 gathers bfloat16 weights; autocast elsewhere), float32 gradient reduction
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
-PREDICTED = dict(step_time_s=0.00157522, mfu=0.000497234, peak_flops_per_s=989000000000000.0, devices=8,
+PREDICTED = dict(step_time_s=0.00150538, mfu=0.000520301, peak_flops_per_s=989000000000000.0, devices=8,
                  allocated_bytes=6329408, memory_peak_bytes=6645878)  # the plan's step, per rank
 
 

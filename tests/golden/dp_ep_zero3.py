@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 06793edc8e76.
+"""Training program emitted by autoshard from plan 43f7e4795b45.
 
 Model      tests/models/hf_mixtral.py:build  (156,480 parameters, 2 blocks, fingerprint 6758fc3d68b88947)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
 Plan       dp=4 tp=1 pp=1 | ZeRO-3 | global batch 8 = 4 dp ranks x 1 micro-batches x 2 | recompute none
 Predicted  step 3.28 ms = compute 1.68 ms + exposed comm 1.59 ms + bubble 0 ms
-           peak 2.2 MiB per rank (weights 0.6, grads 0.3, optimizer 0.3, activations 0.7, transient 0.2)
+           peak 2.0 MiB per rank (weights 0.6, grads 0.3, optimizer 0.3, activations 0.4, transient 0.5)
            78,088 tokens/s, MFU 23.7%
 
 Run:  torchrun --standalone --nproc-per-node 4 train.py [--steps 20]
@@ -40,7 +40,7 @@ BLOCKS = [f"model.layers.{i}" for i in range(2)]  # repeated blocks: recompute a
 EP = 2  # expert parallel over EP adjacent dp ranks
 EXPERTS = ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']  # mixture-of-experts groups split over EP ranks
 PREDICTED = dict(step_time_s=0.00327837, mfu=0.23674, peak_flops_per_s=50000000000.0, devices=4,
-                 allocated_bytes=2169360, memory_peak_bytes=2277828)  # the plan's step, per rank
+                 allocated_bytes=2032702, memory_peak_bytes=2134337)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit

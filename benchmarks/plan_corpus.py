@@ -1,0 +1,61 @@
+"""Plans byte-identical before and after a change: every golden plan re-planned from its command and compared.
+
+``python benchmarks/plan_corpus.py [KIND ...]`` runs each ``tests/test_golden_programs.py`` ``PLAN_COMMANDS``
+entry (16 plan kinds: DDP, ZeRO-1/3, HSDP, dp x tp at ZeRO-0/1/2 with and without sequence parallelism, cp, ep,
+bf16 on a GPU cluster, per-block recompute, four pipeline schedules, tp x pp) with ``autoshard plan``, in
+parallel, and compares the bytes with the committed ``tests/golden/<kind>.plan.json``. A refactor that must not
+change plans shows "identical" on every row; a change to the planner or the cost model names the plan sections
+that moved, so the golden plans are remade (``python tests/test_golden_programs.py KIND``) knowingly.
+Exit 1 when a plan differs. The CPU clusters' ``local-cpu`` preset sizes a rank's memory from this machine's,
+so compare on one machine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_golden_programs import GOLDEN, PLAN_COMMANDS  # noqa: E402
+
+
+def replan(kind: str, out_dir: Path) -> tuple[str, str]:
+    """(kind, "identical" | the top-level plan sections whose bytes moved | the planner's error)."""
+    out = out_dir / f"{kind}.plan.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", *shlex.split(PLAN_COMMANDS[kind]), "-o", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return kind, f"plan failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}"
+    golden = (GOLDEN / f"{kind}.plan.json").read_bytes()
+    if out.read_bytes() == golden:
+        return kind, "identical"
+    old, new = json.loads(golden), json.loads(out.read_text())
+    moved = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+    return kind, "differs in " + ", ".join(moved)
+
+
+def main(argv: list[str]) -> int:
+    kinds = argv or sorted(PLAN_COMMANDS)
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        rows = list(pool.map(lambda k: replan(k, Path(tmp)), kinds))
+    print("| plan kind | re-planned from its command |\n|---|---|")
+    for kind, verdict in rows:
+        print(f"| {kind} | {verdict} |")
+    same = sum(verdict == "identical" for _, verdict in rows)
+    print(f"\n{same} of {len(rows)} byte-identical")
+    return 0 if same == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
