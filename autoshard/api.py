@@ -13,9 +13,9 @@ from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.recipe import Recipe
 from autoshard.ir.steps import Layout
 from autoshard.ir.topology import Cluster
-from autoshard.passes.lower import layout as lower_layout
-from autoshard.passes.lower import lower
-from autoshard.passes.strategies import Pins
+from autoshard.passes.lowering.lower import layout as lower_layout
+from autoshard.passes.lowering.lower import lower
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import PlanRequest, estimate_model, plan_model
 
 if TYPE_CHECKING:  # planning never imports torch when the capture cache has the model
@@ -41,9 +41,9 @@ def plan(
     ``ir.decisions.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
     schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel; each also by its
     ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
-    exports every repeated layer (``passes.fold``); ``time_limit_s`` stops the search early (the plan's
+    exports every repeated layer (``passes.capturing.fold``); ``time_limit_s`` stops the search early (the plan's
     ``search`` gives the gap); ``cache=False`` captures the model even when the capture cache has it
-    (``passes.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted
+    (``passes.capturing.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted
     program, or "megatron-lm": ``cost.tables.Runtime.named``); ``seq_len`` is handed to the model file's
     ``example_batch`` (its own sequence length when None)."""
     if not isinstance(cluster, Cluster):
@@ -100,7 +100,7 @@ def estimate(
 
 
 def layout(plan: Plan | str | Path) -> Layout:
-    """The plan's mesh and batch shares (``passes.lower.layout``): what a training loop reads to take its
+    """The plan's mesh and batch shares (``passes.lowering.lower.layout``): what a training loop reads to take its
     samples (``data_axis``), its tokens (``sequence_axis``, None without context parallelism) and to average
     its loss (``loss_axis``)."""
     return lower_layout(plan if isinstance(plan, Plan) else load_plan(plan))
@@ -123,7 +123,7 @@ def parallelize(
         p.clip_grad_norm(1.0)                  # optional: the whole model's norm over every mesh axis
         optimizer.step(); optimizer.zero_grad()
 
-    The mesh and the steps are the emitted program's (``passes.lower``: ``layout`` and ``lower``, applied by
+    The mesh and the steps are the emitted program's (``passes.lowering.lower``: ``layout`` and ``lower``, applied by
     ``runtime.build_mesh`` and ``runtime.apply_steps``); ``p.model`` is the wrapped model, or this rank's pipeline
     stages, ``p.mesh`` the mesh, ``p.parameters()`` this rank's parameters for an optimizer of one's own.
 

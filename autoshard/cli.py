@@ -414,7 +414,7 @@ def _calibrate_across_nodes(args, output) -> int:
 
 
 def cmd_plan(args) -> int:
-    from autoshard.passes.front import capture_ahead
+    from autoshard.passes.capturing.front import capture_ahead
 
     _check_plan_output(args)
     with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
@@ -464,7 +464,7 @@ def cmd_estimate(args) -> int:
     has" is part of that answer; the plan's notes carry it too), with one "does not fit" line on stderr, and
     exits 1 (``EXIT_DOES_NOT_FIT``) so that a script cannot take it for a configuration that runs. Exit 2
     stays for bad input, as everywhere."""
-    from autoshard.passes.front import capture_ahead
+    from autoshard.passes.capturing.front import capture_ahead
 
     if args.schedule is None and args.pp == 1:
         args.schedule = "none"
@@ -581,8 +581,8 @@ def _model_reads(args) -> dict[Path, str]:
     import json
 
     try:
-        from autoshard.passes.capture_cache import _entry_path
-        from autoshard.passes.front import CAPTURE_BATCH
+        from autoshard.passes.capturing.capture_cache import _entry_path
+        from autoshard.passes.capturing.front import CAPTURE_BATCH
 
         entry = _entry_path(args.model, CAPTURE_BATCH, not args.no_fold)
         rows = json.loads(entry.read_text())["dependencies"] if entry is not None and entry.is_file() else []
@@ -680,7 +680,7 @@ def _check_sbatch(sbatch: Path, force: bool) -> bool:
 
 def cmd_compile(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan, write_files_atomic
-    from autoshard.passes.codegen import emit_program, emit_sbatch, torchrun_command
+    from autoshard.passes.lowering.codegen import emit_program, emit_sbatch, torchrun_command
     from autoshard.pipeline import check_plan_modules
     from autoshard.runtime.model import load_model_file
 
@@ -743,7 +743,7 @@ def _check_output_folder(flag: str, folder: str | None) -> None:
 def cmd_run(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.launch import check_runs_here, run_torchrun, write_program
-    from autoshard.passes.lower import layout
+    from autoshard.passes.lowering.lower import layout
     from autoshard.pipeline import check_plan_modules
     from autoshard.runtime.data import DataSource, open_dataset
     from autoshard.runtime.model import load_model_file

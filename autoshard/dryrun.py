@@ -7,7 +7,7 @@ pipeline's last stage), in this one process:
 1. a fake process group of the plan's world size (torch's ``FakeStore`` and "fake" backend: collectives,
    sends and receives return at once and move nothing) and the program's mesh on it (``runtime.build_mesh``,
    device type "cpu");
-2. the program's setup: ``runtime.build_meta_model``, then the plan's steps (``passes.lower``) as its
+2. the program's setup: ``runtime.build_meta_model``, then the plan's steps (``passes.lowering.lower``) as its
    ``parallelize`` (or ``build_pipeline``) calls them, with the same run inputs (a pipeline's example
    micro-batch and loss), those before ``init_weights`` on the meta device, the rest under
    ``FakeTensorMode``: the rank's shards, optimizer and every activation are fake tensors (shapes, no memory);
@@ -138,7 +138,7 @@ def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoshard.passes.lower import layout
+    from autoshard.passes.lowering.lower import layout
 
     spec = layout(plan)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
@@ -173,7 +173,7 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autoshard import runtime
-    from autoshard.passes.lower import lower
+    from autoshard.passes.lowering.lower import lower
     from autoshard.runtime.recipe import Recipe
 
     device = torch.device("cpu")
@@ -355,7 +355,7 @@ def _propagation_apart():
 
 
 def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, step: int, tracker) -> None:
-    """The emitted SPMD loop's body (``passes.codegen``), one step. The tracker's per-module records are
+    """The emitted SPMD loop's body (``passes.lowering.codegen``), one step. The tracker's per-module records are
     cleared before each forward (it takes one forward per module; its peak stays)."""
     import torch
 
@@ -381,7 +381,7 @@ def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, st
 
 
 def _pipeline_step(plan: Plan, spec, model_file, stages, schedule, optimizer, mesh, device, step: int) -> None:
-    """The emitted pipeline loop's body (``passes.codegen``), one step: the schedule runs this rank's stages
+    """The emitted pipeline loop's body (``passes.lowering.codegen``), one step: the schedule runs this rank's stages
     over every micro-batch, its sends and receives over the fake group (they move nothing: the received
     buffers, sized from the micro-batch, stay as made, which is all a fake tensor is)."""
     import torch

@@ -44,7 +44,7 @@ from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
 from autoshard.cost.units import node_forward_s
 from autoshard.ir.topology import Cluster, HostOverheads
-from autoshard.passes.annotate import annotate
+from autoshard.passes.capturing.annotate import annotate
 
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
@@ -260,7 +260,7 @@ def probe_counts(cluster: Cluster) -> ProbeCounts:
     """Capture the probe like a user's model and count its ops (module doc)."""
     import torch
 
-    from autoshard.passes.capture import capture_module  # torch
+    from autoshard.passes.capturing.capture import capture_module  # torch
 
     with torch.device("meta"):
         model = probe_model()

@@ -17,7 +17,7 @@ from pathlib import Path
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, model_source, write_text_atomic
 from autoshard.ir.recipe import Recipe
-from autoshard.passes.codegen import emit_program, emit_sbatch
+from autoshard.passes.lowering.codegen import emit_program, emit_sbatch
 
 MAX_LOCAL_CPU_RANKS = 16  # more CPU processes than this on one machine is a mistake, not a test
 

@@ -1,10 +1,10 @@
 """The pass pipeline, in one flat list: model file + cluster -> Plan.
 
     capture     torch.export on meta tensors, two    ModelFile -> OpGraph
-                of L repeated layers (passes.fold)
+                of L repeated layers (passes.capturing.fold)
     annotate    FLOPs and bytes per op               OpGraph -> OpGraph
-                (both read from passes.capture_cache instead when it has the model unchanged;
-                both run in a forked child while this process imports the rest: passes.front)
+                (both read from passes.capturing.capture_cache instead when it has the model unchanged;
+                both run in a forked child while this process imports the rest: passes.capturing.front)
     unfold      the L layers, copied from the two    OpGraph -> OpGraph   (after annotate: copies
                                                                            carry their FLOPs)
     blocks      repeated blocks, units of planning   OpGraph -> OpGraph   (needs annotate)
@@ -21,7 +21,7 @@
 ``price`` in place of ``search``: the one configuration is priced the same way and kept even
 when it does not fit, so the user still sees what it would cost.
 
-Each pass is called directly inside ``with running(name, done)`` (``passes.front.running``): it records
+Each pass is called directly inside ``with running(name, done)`` (``passes.capturing.front.running``): it records
 the passes done, and a pass that fails on a bug is re-raised as "while running pass X after [A, B]"; a
 user error (AutoshardError) passes through unchanged, as its message already names the fix.
 """
@@ -46,13 +46,13 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import HF_PREFIX, Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
-from autoshard.passes.annotate import estimated_ops, random_ops
-from autoshard.passes.blocks import find_blocks
-from autoshard.passes.experts import find_experts
-from autoshard.passes.fold import unfold
-from autoshard.passes.front import CAPTURE_BATCH, PassError, capture_front, running  # noqa: F401 (re-exported)
-from autoshard.passes.search import Priced, SearchResult, price_config, search, search_report, why_not
-from autoshard.passes.strategies import Pins, candidate_configs, check_pins
+from autoshard.passes.capturing.annotate import estimated_ops, random_ops
+from autoshard.passes.capturing.blocks import find_blocks
+from autoshard.passes.capturing.experts import find_experts
+from autoshard.passes.capturing.fold import unfold
+from autoshard.passes.capturing.front import CAPTURE_BATCH, PassError, capture_front, running  # noqa: F401 (re-exported)
+from autoshard.passes.planning.search import Priced, SearchResult, price_config, search, search_report, why_not
+from autoshard.passes.planning.strategies import Pins, candidate_configs, check_pins
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
@@ -64,9 +64,9 @@ class PlanRequest:
     cluster: Cluster
     global_batch: int
     pins: Pins = field(default_factory=Pins)
-    fold: bool = True  # capture three of the repeated layers and copy them (passes.fold); --no-fold
+    fold: bool = True  # capture three of the repeated layers and copy them (passes.capturing.fold); --no-fold
     time_limit_s: float | None = None  # stop the search here, reporting the optimality gap; --time-limit
-    cache: bool = True  # read and write the capture cache (passes.capture_cache); --no-cache
+    cache: bool = True  # read and write the capture cache (passes.capturing.capture_cache); --no-cache
     runtime: str = "autoshard"  # what the cost model prices (cost.tables.Runtime.named); --runtime
     seq_len: int | None = None  # tokens per sample handed to example_batch (None: the model file's); --seq-len
 
@@ -267,7 +267,7 @@ def plan_notes(best: Priced, runtime: str = "autoshard") -> tuple[str, ...]:
 
 
 def batch_notes(graph: OpGraph, c: Decisions) -> tuple[str, ...]:
-    """What the plan keeps whole for a loss that couples the samples of a batch (``passes.batch_coupling``), or that
+    """What the plan keeps whole for a loss that couples the samples of a batch (``passes.capturing.batch_coupling``), or that
     it could not check whether the loss does."""
     if graph.batch_coupling:
         return (f"the batch stays whole on one rank (dp 1, one micro-batch): {graph.batch_coupling}",)
@@ -330,7 +330,7 @@ def check_plan_modules(plan: Plan, model_file: ModelFile) -> None:
     """Every module the plan names exists in the model (built on meta): tensor-parallel modules, stage
     modules, split points, blocks and recompute blocks. A plan edited by hand, or made for another
     version of the model, otherwise compiles into a program that fails on every rank."""
-    from autoshard.passes.capture import build_on_meta
+    from autoshard.passes.capturing.capture import build_on_meta
 
     have = {name for name, _ in build_on_meta(model_file).named_modules()}
     named = [

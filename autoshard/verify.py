@@ -88,7 +88,7 @@ from autoshard.ir.plan import Plan
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
-from autoshard.passes.lower import layout, lower
+from autoshard.passes.lowering.lower import layout, lower
 from autoshard.runtime.data import (
     DataSource,
     global_batch,

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autoshard.modelfile import load_model_file  # noqa: E402
-from autoshard.passes.annotate import annotate  # noqa: E402
-from autoshard.passes.blocks import find_blocks  # noqa: E402
-from autoshard.passes.capture import capture  # noqa: E402
+from autoshard.passes.capturing.annotate import annotate  # noqa: E402
+from autoshard.passes.capturing.blocks import find_blocks  # noqa: E402
+from autoshard.passes.capturing.capture import capture  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 Each figure is the wall time of one `autoshard plan` process (Python start, imports, capture on
 meta, search, plan written), the median of ``--repeats``: cold (``--no-cache``, the model captured
 every time) and, for the three headline models, warm (planned again with the capture cache filled,
-``passes.capture_cache``). Depth: the GPT block at width 4096
+``passes.capturing.capture_cache``). Depth: the GPT block at width 4096
 (``benchmarks/models.py:gpt_l{L}_d4096``) on 64 A100s. Size: GPT-3 175B and the Llama-3-8B shape
 on 8 … 4096 A100s (``dgx-a100-80gb``, 8 per node).
 """

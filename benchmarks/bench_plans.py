@@ -4,7 +4,7 @@
     python benchmarks/bench_plans.py --reprice runs/plans2.json     # the same runs, priced again
 
 For one model, cluster file (from ``autoshard calibrate``) and global batch: every configuration
-``passes.strategies`` offers (every mesh, ZeRO stage, micro-batch, recompute mode and schedule
+``passes.planning.strategies`` offers (every mesh, ZeRO stage, micro-batch, recompute mode and schedule
 the runtime supports) is planned with all its decisions pinned, emitted, and run with torchrun
 on this machine's CPU ranks for ``--steps`` steps; the measured step time is the slowest rank's
 median over the steps after the first (``runtime.report.WARMUP_STEPS``): ranks that share no
@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 from autoshard.cost.hardware import load_cluster
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.launch import run_torchrun, write_program
-from autoshard.passes.strategies import Pins, candidate_configs
+from autoshard.passes.planning.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 from autoshard.runtime.report import slowest_rank_median_step_s
 

@@ -178,7 +178,7 @@ def plans(cluster_file: Path) -> dict[str, object]:
     """The planner's pick, and the best plan of every other mesh (pinned)."""
     import autoshard
     from autoshard.cost.hardware import load_cluster
-    from autoshard.passes.strategies import Pins, candidate_meshes
+    from autoshard.passes.planning.strategies import Pins, candidate_meshes
     from autoshard.pipeline import capture_graph
 
     cluster = load_cluster(str(cluster_file))
@@ -194,7 +194,7 @@ def plans(cluster_file: Path) -> dict[str, object]:
 def measure(plan, tmp: Path, steps: int) -> float:
     """Run the plan's program with the emitted multi-node torchrun command on both nodes."""
     from autoshard.launch import write_program
-    from autoshard.passes.codegen import torchrun_command
+    from autoshard.passes.lowering.codegen import torchrun_command
     from autoshard.runtime.report import slowest_rank_median_step_s
 
     program = write_program(plan, tmp / "train.py", sbatch=True)

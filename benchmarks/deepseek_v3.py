@@ -165,7 +165,7 @@ def build_tiny() -> DeepseekV3ForCausalLM:
 
 
 def build_tiny_deep() -> DeepseekV3ForCausalLM:
-    """7 small layers, the first 2 dense: a stack that opens with distinct layers (``passes.fold``)."""
+    """7 small layers, the first 2 dense: a stack that opens with distinct layers (``passes.capturing.fold``)."""
     return _build(dict(TINY, num_hidden_layers=7, first_k_dense_replace=2), TINY_SEQ_LEN)
 
 

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The capture cache (passes.capture_cache) of this test session, not the user's; CLI subprocesses inherit it.
+# The capture cache (passes.capturing.capture_cache) of this test session, not the user's; CLI subprocesses inherit it.
 os.environ.setdefault("AUTOSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="autoshard-test-cache-"))
 
 

@@ -1,4 +1,4 @@
-"""passes/annotate: FLOPs and bytes per node from shapes."""
+"""passes/capturing/annotate: FLOPs and bytes per node from shapes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from autoshard.ir.graph import OpGraph, OpNode, tensor_bytes
 from autoshard.modelfile import load_model_file
-from autoshard.passes.annotate import annotate, is_alias, node_bytes, node_flops
-from autoshard.passes.capture import capture, capture_module
+from autoshard.passes.capturing.annotate import annotate, is_alias, node_bytes, node_flops
+from autoshard.passes.capturing.capture import capture, capture_module
 
 ROOT = Path(__file__).resolve().parent.parent
 B, S, D, L, V = 2, 64, 64, 4, 256  # examples/gpt.py's default config at batch 2
@@ -92,7 +92,7 @@ def test_conv2d_flops_from_shapes():
 
 def test_grouped_matmuls_of_a_captured_moe_count_every_expert_row():
     """Mixtral (tests/models/hf_mixtral.py): per layer S = tokens·top_k rows, gate_up K=H N=2I, down K=I N=H."""
-    from autoshard.passes.annotate import ESTIMATED, GROUPED_MM_TARGETS
+    from autoshard.passes.capturing.annotate import ESTIMATED, GROUPED_MM_TARGETS
 
     model_file = load_model_file(f"{ROOT / 'tests/models/hf_mixtral.py'}:build")
     graph = annotate(capture(model_file, batch_size=B))
@@ -252,7 +252,7 @@ def _raise(*args, **kwargs):
 
 
 def test_addmm_and_baddbmm_with_beta_and_alpha_are_counted_exactly():
-    from autoshard.passes.annotate import ESTIMATED
+    from autoshard.passes.capturing.annotate import ESTIMATED
 
     graph = annotate(_kw_graph())
     addmm = next(n for n in graph.nodes if n.target == "aten.addmm.default")
@@ -265,7 +265,7 @@ def test_addmm_and_baddbmm_with_beta_and_alpha_are_counted_exactly():
 def test_a_formula_that_raises_gives_an_estimate_not_a_traceback(monkeypatch):
     import torch.utils.flop_counter as flop_counter
 
-    from autoshard.passes.annotate import ESTIMATED, estimated_ops
+    from autoshard.passes.capturing.annotate import ESTIMATED, estimated_ops
 
     monkeypatch.setitem(flop_counter.flop_registry, torch.ops.aten.addmm, _raise)
     graph = annotate(_kw_graph())

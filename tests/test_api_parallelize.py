@@ -16,7 +16,7 @@ import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.ir.recipe import Recipe
 from autoshard.modelfile import load_model_file
-from autoshard.passes.lower import layout
+from autoshard.passes.lowering.lower import layout
 from autoshard.runtime.parallelized import Parallelized
 
 GOLDEN = "tests/golden/{}.plan.json"

@@ -1,11 +1,11 @@
-"""A loss that couples the samples of a batch is found at plan time (passes/batch_coupling.py), and the planner
+"""A loss that couples the samples of a batch is found at plan time (passes/capturing/batch_coupling.py), and the planner
 keeps such a batch whole on one rank or refuses in one line."""
 
 import pytest
 
 import autoshard
 from autoshard.errors import AutoshardError
-from autoshard.passes.batch_coupling import coupling_reason
+from autoshard.passes.capturing.batch_coupling import coupling_reason
 from autoshard.runtime.model import load_model_file
 
 CONTRASTIVE = "tests/models/contrastive.py:build"

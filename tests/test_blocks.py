@@ -1,4 +1,4 @@
-"""passes/blocks: repeated layers found from module paths, with signatures and sizes."""
+"""passes/capturing/blocks: repeated layers found from module paths, with signatures and sizes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from autoshard.ir.names import block_of
 from autoshard.modelfile import load_model_file
-from autoshard.passes.annotate import annotate
-from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import capture
+from autoshard.passes.capturing.annotate import annotate
+from autoshard.passes.capturing.blocks import find_blocks
+from autoshard.passes.capturing.capture import capture
 
 ROOT = Path(__file__).resolve().parent.parent
 B, S, D = 2, 64, 64

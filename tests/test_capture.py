@@ -1,4 +1,4 @@
-"""passes/capture: torch.export on meta tensors -> OpGraph, and its one-line errors."""
+"""passes/capturing/capture: torch.export on meta tensors -> OpGraph, and its one-line errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.modelfile import load_model_file
-from autoshard.passes.capture import _clean_path, capture
+from autoshard.passes.capturing.capture import _clean_path, capture
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,7 +268,7 @@ def test_positions_past_a_learned_position_table_are_refused(seq, refused):
     range when the program runs; capture (on meta, without values) refuses it with the limit."""
     import transformers
 
-    from autoshard.passes.capture import capture_module
+    from autoshard.passes.capturing.capture import capture_module
 
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False)
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""passes/capture_cache: a second plan of an unchanged model skips capture and gives the same plan;
+"""passes/capturing/capture_cache: a second plan of an unchanged model skips capture and gives the same plan;
 any change to the model's files, a damaged entry or the cache turned off means capturing again."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.passes import capture_cache
+from autoshard.passes.capturing import capture_cache
 from autoshard.pipeline import CAPTURE_BATCH, PlanRequest, plan_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def forbid_capture(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("captured although the cache has the model")
 
-    monkeypatch.setattr("autoshard.passes.capture.capture", fail)
+    monkeypatch.setattr("autoshard.passes.capturing.capture.capture", fail)
 
 
 def entries(tmp_path: Path) -> list[Path]:
@@ -122,8 +122,8 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(model):
 
 def test_the_json_form_carries_a_folded_graph_exactly(model):
     from autoshard.modelfile import load_model_file
-    from autoshard.passes.annotate import annotate
-    from autoshard.passes.capture import capture
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
 
     graph = annotate(capture(load_model_file(str(ROOT / "examples/gpt.py:build")), CAPTURE_BATCH, True))
     assert graph.fold is not None

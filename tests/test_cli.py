@@ -115,7 +115,7 @@ def test_inspect_and_compile(in_repo, capsys, tmp_path):
 
 
 def test_milliseconds_are_written_without_exponents():
-    from autoshard.passes.codegen import ms_text
+    from autoshard.passes.lowering.codegen import ms_text
 
     assert [ms_text(s) for s in (13.1, 0.1234, 0.00158, 4.26e-5, 1e-9, 0.0)] == [
         "13,100",
@@ -284,7 +284,7 @@ def test_virtual_stages_and_even_cuts_are_pinned(in_repo, capsys):
 
 
 def test_plan_honours_virtual_stages(in_repo, capsys):
-    from autoshard.passes.strategies import runs_virtual_stages
+    from autoshard.passes.planning.strategies import runs_virtual_stages
 
     code, out, _ = run_cli(
         capsys,

@@ -19,9 +19,9 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Plan
 from autoshard.modelfile import load_model_file
-from autoshard.passes.codegen import emit_program
-from autoshard.passes.context_parallel import cp_refusal
-from autoshard.passes.strategies import Pins
+from autoshard.passes.lowering.codegen import emit_program
+from autoshard.passes.planning.context_parallel import cp_refusal
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 from autoshard.show import plan_figures
 

@@ -23,7 +23,7 @@ from autoshard.cost.tp_units import spmd_microbatch
 from autoshard.cost.units import unit_costs
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
-from autoshard.passes.tp_layout import hand_tp_layout
+from autoshard.passes.planning.tp_layout import hand_tp_layout
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent

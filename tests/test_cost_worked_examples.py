@@ -32,7 +32,7 @@ from autoshard.cost.tp import tp_activation_fraction
 from autoshard.cost.units import unit_costs
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.topology import Cluster, LinkSpec
-from autoshard.passes.search import lower_bound_s
+from autoshard.passes.planning.search import lower_bound_s
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent

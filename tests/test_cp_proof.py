@@ -1,4 +1,4 @@
-"""Context parallelism is proven on the model's own code (passes/cp_proof): what it computes on a rank's tokens."""
+"""Context parallelism is proven on the model's own code (passes/capturing/cp_proof): what it computes on a rank's tokens."""
 
 from dataclasses import replace
 
@@ -6,11 +6,11 @@ import pytest
 
 import autoshard
 from autoshard.modelfile import load_model_file
-from autoshard.passes.capture import capture
-from autoshard.passes.capture_cache import decode_graph, encode_graph
-from autoshard.passes.context_parallel import cp_refusal
-from autoshard.passes.cp_proof import NO_SEQUENCE, prove_context_parallel
-from autoshard.passes.front import CAPTURE_BATCH, capture_front
+from autoshard.passes.capturing.capture import capture
+from autoshard.passes.capturing.capture_cache import decode_graph, encode_graph
+from autoshard.passes.capturing.cp_proof import NO_SEQUENCE, prove_context_parallel
+from autoshard.passes.capturing.front import CAPTURE_BATCH, capture_front
+from autoshard.passes.planning.context_parallel import cp_refusal
 
 CASES = "tests/models/cp_cases.py"
 
@@ -40,7 +40,7 @@ def test_the_front_proves_the_example_gpt_for_every_degree(gpt):
 def test_a_capture_below_the_searched_length_defers_the_proof_and_refuses_every_cp(in_repo):
     """Below CP_SEARCH_MIN_TOKENS the search never offers cp, so the capture skips the symbolic export; cp is
     then refused with the fix (pin --cp), never assumed, and a request pinning cp gets the proof run."""
-    from autoshard.passes.context_parallel import DEFERRED, proof_deferred
+    from autoshard.passes.planning.context_parallel import DEFERRED, proof_deferred
 
     _, graph = capture_front("examples/gpt.py:build", [], True, False)
     assert proof_deferred(graph) and graph.cp_proofs == {"*": DEFERRED}

@@ -18,12 +18,12 @@ from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
-from autoshard.passes.annotate import annotate
-from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import capture_module
-from autoshard.passes.experts import find_experts
-from autoshard.passes.lower import lower
-from autoshard.passes.strategies import Pins
+from autoshard.passes.capturing.annotate import annotate
+from autoshard.passes.capturing.blocks import find_blocks
+from autoshard.passes.capturing.capture import capture_module
+from autoshard.passes.capturing.experts import find_experts
+from autoshard.passes.lowering.lower import lower
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 MOE = {

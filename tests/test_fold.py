@@ -1,4 +1,4 @@
-"""passes/fold: two of L repeated layers captured and copied give the graph, and the plan, of all L."""
+"""passes/capturing/fold: two of L repeated layers captured and copied give the graph, and the plan, of all L."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.passes.fold import fold_model, repeated_stack
+from autoshard.passes.capturing.fold import fold_model, repeated_stack
 from autoshard.pipeline import PlanRequest, capture_graph, plan_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Capture ahead (``passes.front``): a fresh ``autoshard plan`` captures the model in a forked child.
+"""Capture ahead (``passes.capturing.front``): a fresh ``autoshard plan`` captures the model in a forked child.
 
 The test process has torch imported, so the child is never used in-process here; every case runs
 the command in a fresh interpreter, as a user does, and compares it with the same command where
@@ -80,7 +80,7 @@ def test_the_child_fills_the_capture_cache_and_answers_from_it(tmp_path):
     second = python(
         f"""
         import sys
-        import autoshard.passes.front as front
+        import autoshard.passes.capturing.front as front
         from autoshard.cli import main
         answer = front._Child.result
 
@@ -120,7 +120,9 @@ def test_debug_shows_the_childs_traceback(tmp_path):
         "plan", "tests/bad_models/data_dependent.py:build", *LOCAL, "--no-cache", "--debug", cache=tmp_path
     )
     assert proc.returncode != 0
-    assert "RemoteTraceback" in proc.stderr and "autoshard/passes/capture.py" in proc.stderr, proc.stderr[-3000:]
+    assert "RemoteTraceback" in proc.stderr and "autoshard/passes/capturing/capture.py" in proc.stderr, proc.stderr[
+        -3000:
+    ]
 
 
 def test_a_child_that_exits_is_one_line_naming_its_exit_code(tmp_path):
@@ -137,7 +139,7 @@ def test_a_child_not_taken_is_stopped(tmp_path):
     proc = python(
         f"""
         import sys
-        import autoshard.passes.front as front
+        import autoshard.passes.capturing.front as front
         try:
             with front.capture_ahead("{GPT}", True, False):
                 child = front._ahead[("{GPT}", True, False, None)]  # (spec, fold, cache, seq_len)
@@ -155,7 +157,7 @@ def test_a_pass_is_recorded_when_its_block_ends_and_a_bug_in_it_names_it():
     """``running``: the passes are called directly inside it; it keeps the list of passes done and turns a bug
     into a PassError naming the pass and those before it; a user error passes through unchanged."""
     from autoshard.errors import AutoshardError
-    from autoshard.passes.front import PassError, running
+    from autoshard.passes.capturing.front import PassError, running
 
     done: list[str] = []
     with running("blocks", done):

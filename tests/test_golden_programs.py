@@ -10,10 +10,10 @@ planner or the plan format, remake them with ``python tests/test_golden_programs
 repository root), then the programs as above.
 
 The second test runs, in one process, the steps the Python API applies (``runtime.parallel.apply_steps``
-on ``passes.lower``'s steps) and the emitted program's ``parallelize`` / ``build_pipeline``, each with the
+on ``passes.lowering.lower``'s steps) and the emitted program's ``parallelize`` / ``build_pipeline``, each with the
 applier's functions replaced by recorders, and requires the same calls with the same arguments in the
 same order: the program and ``autoshard.parallelize`` cannot drift apart. The program's layout constants
-(the mesh, the axes its loop reads, the sequence length) are ``passes.lower.layout``'s fields, which
+(the mesh, the axes its loop reads, the sequence length) are ``passes.lowering.lower.layout``'s fields, which
 ``autoshard.parallelize`` reads, and the applier's table holds a function for every op the lowering emits.
 """
 
@@ -31,8 +31,8 @@ import pytest
 
 from autoshard.ir.plan import load_plan
 from autoshard.ir.steps import OPS, RESULTS
-from autoshard.passes.codegen import emit_program
-from autoshard.passes.lower import layout, lower
+from autoshard.passes.lowering.codegen import emit_program
+from autoshard.passes.lowering.lower import layout, lower
 from autoshard.runtime import parallel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import flatten
-from autoshard.passes.codegen import emit_program
+from autoshard.passes.lowering.codegen import emit_program
 from autoshard.show import render_plan
 
 ROOT = Path(__file__).resolve().parent.parent

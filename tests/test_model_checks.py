@@ -88,7 +88,7 @@ def test_json_stays_pure_when_the_model_prints(tmp_path, capfd):
 
 
 def test_json_stays_pure_from_the_forked_capture(tmp_path):
-    """A fresh ``autoshard plan`` captures in a forked child (passes.front); its prints go to stderr too."""
+    """A fresh ``autoshard plan`` captures in a forked child (passes.capturing.front); its prints go to stderr too."""
     spec = model_file(
         tmp_path,
         top='import os; print("hello from import"); os.system("echo hello from a shell")',

@@ -9,7 +9,7 @@ import pytest
 from autoshard.cli import build_parser, pins_of
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import PIN_OF, PINS, Decisions, Mesh, Pins
-from autoshard.passes import strategies
+from autoshard.passes.planning import strategies
 
 GPT = "examples/gpt.py:build"
 

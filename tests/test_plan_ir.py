@@ -12,7 +12,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Memory, Plan, PlanLayout, Predicted, Stage, load_plan
 from autoshard.ir.plan_format import PLAN_VERSION, SECTION_RECORDS, SECTIONS, TOP_KEYS
-from autoshard.passes.codegen import blocks_expression
+from autoshard.passes.lowering.codegen import blocks_expression
 
 REQUIRED_KEYS = [
     "version",

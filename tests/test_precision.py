@@ -15,8 +15,8 @@ from autoshard.cli import main
 from autoshard.cost.memory import BF16_AUTOCAST, BF16_PURE, FP16_AUTOCAST, FP32, pinned_precision
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import PIN_PRECISIONS, Pins, precision_policy
-from autoshard.passes.codegen import emit_program
-from autoshard.passes.lower import lower
+from autoshard.passes.lowering.codegen import emit_program
+from autoshard.passes.lowering.lower import lower
 from autoshard.pipeline import PlanRequest, precision_notes
 
 GPT = "examples/gpt.py:build"
@@ -155,7 +155,7 @@ def test_refusals_are_one_line(in_repo, capsys, argv, message):
 def test_searched_fp16_plans_stay_on_data_parallelism(in_repo):
     """Unpinned tp and pp with --precision fp16: the search offers only what its loss scaling runs on."""
     from autoshard.cost.hardware import load_cluster
-    from autoshard.passes.strategies import candidate_configs, fp16_runs
+    from autoshard.passes.planning.strategies import candidate_configs, fp16_runs
     from autoshard.pipeline import capture_graph
 
     _, graph = capture_graph(GPT, use_cache=True)

@@ -1,4 +1,4 @@
-"""Random ops at values every rank shares (runtime/randomness.py), found on the graph (passes.annotate.random_ops),
+"""Random ops at values every rank shares (runtime/randomness.py), found on the graph (passes.capturing.annotate.random_ops),
 and verify's refusals of randomness it cannot fix (verify.check_randomness)."""
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.names import RANDOM_OPS, is_random
-from autoshard.passes.annotate import random_ops
+from autoshard.passes.capturing.annotate import random_ops
 from autoshard.pipeline import capture_graph
 from autoshard.runtime.model import load_model_file, zero_dropout_rates
 from autoshard.runtime.randomness import RandomOpNotFixed, base_name, drawing_freely, fixable, fixed_randomness

@@ -9,7 +9,7 @@ import pytest
 import autoshard
 from autoshard.cli import main
 from autoshard.ir.plan import Plan, load_plan
-from autoshard.passes.codegen import emit_program
+from autoshard.passes.lowering.codegen import emit_program
 
 ROOT = Path(__file__).resolve().parent.parent
 

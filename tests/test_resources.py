@@ -25,9 +25,9 @@ from autoshard.cost.hardware import MAX_CLUSTER_FILE_BYTES, load_cluster
 from autoshard.cost.symbolic import SYMBOLS, evaluate, evaluate_expression, parse_expression
 from autoshard.errors import AutoshardError
 from autoshard.ir.topology import BOUNDS, MAX_DEVICES, Cluster
-from autoshard.passes.search import MAX_TOTAL_PS, _time_scale
-from autoshard.passes.stage_cuts import PS_PER_S
-from autoshard.passes.strategies import MAX_GLOBAL_BATCH, divisors, microbatch_sizes
+from autoshard.passes.planning.search import MAX_TOTAL_PS, _time_scale
+from autoshard.passes.planning.stage_cuts import PS_PER_S
+from autoshard.passes.planning.strategies import MAX_GLOBAL_BATCH, divisors, microbatch_sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 B = "tests/bad_inputs/"

@@ -22,7 +22,7 @@ from autoshard.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.ir.plan_format import flatten
-from autoshard.passes.codegen import emit_program
+from autoshard.passes.lowering.codegen import emit_program
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autoshard"

@@ -1,4 +1,4 @@
-"""passes/search is exact: the plan it returns costs what brute-force enumeration of the same space finds."""
+"""passes/planning/search is exact: the plan it returns costs what brute-force enumeration of the same space finds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.tables import CostTables
-from autoshard.passes.search import _rank, price_config, price_with_mixed, search
-from autoshard.passes.strategies import Pins, candidate_configs
+from autoshard.passes.planning.search import _rank, price_config, price_with_mixed, search
+from autoshard.passes.planning.strategies import Pins, candidate_configs
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,12 +73,12 @@ def test_bad_time_limit_is_one_line(in_repo, capsys):
 
 
 def test_per_block_recompute_is_the_best_assignment_that_fits(graphs):
-    """CP-SAT's per-block modes (``passes.recompute``) against every split of the blocks over the three
+    """CP-SAT's per-block modes (``passes.planning.recompute``) against every split of the blocks over the three
     modes, each priced by the cost model: none that fits is faster."""
     from itertools import product
 
     from autoshard.ir.decisions import Decisions, Mesh
-    from autoshard.passes.recompute import assign, choose_recompute, signature_groups
+    from autoshard.passes.planning.recompute import assign, choose_recompute, signature_groups
 
     model = "tests/models/wide_gpt.py:build"
     graphs.setdefault(model, capture_graph(str(ROOT / model))[1])

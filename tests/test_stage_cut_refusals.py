@@ -1,4 +1,4 @@
-"""No pipeline stage begins where torch's split cannot begin one (passes.stage_cuts.cut_refusals).
+"""No pipeline stage begins where torch's split cannot begin one (passes.planning.stage_cuts.cut_refusals).
 
 tests/models/looped_gpt.py runs its two blocks twice per forward (shared weights): a stage
 beginning at h.1 would begin at each of its calls, so the planner never cuts there, and a
@@ -10,7 +10,13 @@ no stage boundary at all.
 import json
 
 from autoshard.cli import main
-from autoshard.passes.stage_cuts import PartitionProblem, best_cuts, cut_refusals, gradient_stopping_regions, max_stages
+from autoshard.passes.planning.stage_cuts import (
+    PartitionProblem,
+    best_cuts,
+    cut_refusals,
+    gradient_stopping_regions,
+    max_stages,
+)
 from autoshard.pipeline import capture_graph
 
 LOOPED = "tests/models/looped_gpt.py:build"

@@ -1,9 +1,9 @@
-"""TP layouts are proven on the model's own code (passes/tp_proof): what the code computes on a shard."""
+"""TP layouts are proven on the model's own code (passes/capturing/tp_proof): what the code computes on a shard."""
 
 import pytest
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.tensor_parallel import choose_tp_styles
+from autoshard.passes.planning.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 
 SPEC = "tests/models/tp_cases.py"

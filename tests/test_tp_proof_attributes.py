@@ -1,4 +1,4 @@
-"""The TP proof's stood-in modules keep what tensor parallelism keeps (passes/tp_proof, step 2): attributes and
+"""The TP proof's stood-in modules keep what tensor parallelism keeps (passes/capturing/tp_proof, step 2): attributes and
 parameters of the whole module, as ``parallelize_module`` leaves them. Reads that are the same on a shard keep the
 layout (Llama-4's ``embed_tokens.weight.device``, Whisper's ``embed_positions.num_embeddings``, Mamba's
 ``x_proj.weight`` handed to a kernel wrapper); a size read or a computation with a sharded weight outside its
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.passes.tensor_parallel import choose_tp_styles
-from autoshard.passes.tp_proof import UNEXERCISED
+from autoshard.passes.capturing.tp_proof import UNEXERCISED
+from autoshard.passes.planning.tensor_parallel import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from tests.test_tp_proof import ATTN, FAST_LINK, SLOW_DEVICE
 

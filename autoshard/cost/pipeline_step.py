@@ -1,7 +1,7 @@
 """A pipelined step (pp > 1): per-rank loads, the slowest rank's pace, fill and drain.
 
 With pp > 1 (``pipeline_parts``), stage s holds a run of units
-(``cost.units``; cuts from ``passes.stage_cuts``) and lives on pp rank s mod pp. Per
+(``cost.units``; cuts from ``passes.planning.stage_cuts``) and lives on pp rank s mod pp. Per
 micro-batch, rank r spends T_r = C_r + P_r + X_r: C_r the compute of its stages, X_r their TP
 collectives, P_r two transfers (activation forward, gradient backward) of the boundary
 activation entering each of its stages but the first (docs/reference-numbers.md: b·s·h·bytes each way;

@@ -11,7 +11,7 @@ its backwards begins, counted on the schedule's order (``schedule.backward_held`
 torch's stages keep, the last stage's loss; the plan's figure is the worst rank's, and each rank's is
 written beside it (``Predicted.pp_rank_memory``, which ``autoshard dryrun`` compares with).
 ``in_flight`` (GPipe m; 1F1B min(m, p − r) on rank r; interleaved min(m, p − r + (p−1)/v),
-Korthikanti et al.) prices the stage-cut search's memory constraint (``passes.search``), with
+Korthikanti et al.) prices the stage-cut search's memory constraint (``passes.planning.search``), with
 ``state_bytes_per_param``. The caching allocator's fragmentation adds ALLOCATOR_SLACK.
 """
 

@@ -56,7 +56,7 @@ FP32_BYTES = 4
 INDEX_BYTES = 8  # int64 token ids
 MASK_BYTES = 1  # a dropout mask is a bool tensor
 
-# views and no-ops: their output is their input's storage (passes.annotate ALIAS_OPS, as the cost model sees them)
+# views and no-ops: their output is their input's storage (passes.capturing.annotate ALIAS_OPS, as the cost model sees them)
 VIEW_OPS = frozenset(
     {
         "view",

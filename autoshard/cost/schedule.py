@@ -13,7 +13,7 @@ of the grid is the bubble (p − 1)/(v·m + p − 1) of docs/reference-numbers.m
                  rounds of G micro-batches; warm-up (p − r − 1)·2 + (v − 1)·G (Narayanan et al. 2021)
 
 Megatron's interleaved schedule has G = p and needs m mod p = 0. torch's
-``ScheduleInterleaved1F1B`` (what the runtime runs, and what ``passes.strategies`` admits) relaxes
+``ScheduleInterleaved1F1B`` (what the runtime runs, and what ``passes.planning.strategies`` admits) relaxes
 that: max(1, ⌊m/p⌋) rounds of G = m / rounds micro-batches, m a multiple of the rounds; with
 m mod p = 0 it is Megatron's. The orders here follow torch's, so every schedule the planner can
 choose can be drawn. With m ≥ p the idle share is the formula's; with m < p (one round of

@@ -227,7 +227,7 @@ class CostTables:
             raise LookupError(
                 f"no TP layout for tp={tp}, micro-batch {microbatch_size}"
                 f"{', sequence parallel' if sequence_parallel else ''} was handed to the cost "
-                "tables; hand one with passes.tp_layout.hand_tp_layout first"
+                "tables; hand one with passes.planning.tp_layout.hand_tp_layout first"
             )
         return cost
 

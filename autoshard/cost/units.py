@@ -1,6 +1,6 @@
 """Pipeline units: the model as [prefix, block_0, ..., block_{L-1}, suffix], each priced alone.
 
-A pipeline stage is a contiguous run of units (``autoshard.passes.stage_cuts``). Node n
+A pipeline stage is a contiguous run of units (``autoshard.passes.planning.stage_cuts``). Node n
 belongs to (``node_units``)::
 
     prefix (unit 0)        nodes before the first block's first node (embeddings)

@@ -17,7 +17,7 @@ constructor, built). Pure data: no torch here, so plans stay torch-free.
     replicate                  (nothing)                                        none                  replicated
 
 Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022): the residual stream between the
-parallel linears is sharded over tp along the sequence dim d ("Q" in ``passes.tensor_parallel``);
+parallel linears is sharded over tp along the sequence dim d ("Q" in ``passes.planning.tensor_parallel``);
 the reduce-scatter and all-gather that replace each all-reduce sit in these styles' hooks:
 
     colwise-seq-input-dim{d}          ColwiseParallel(input_layouts=Shard(d))        weight 0, bias 0   local shard
@@ -332,13 +332,13 @@ class SegmentCost:
 @dataclass
 class TPChoice:
     """A tensor-parallel layout of a graph over tp ranks: each module's style and what it costs
-    (solved by ``passes.tensor_parallel``, priced by ``cost.tp``)."""
+    (solved by ``passes.planning.tensor_parallel``, priced by ``cost.tp``)."""
 
     tp: int
     styles: dict[str, str]  # module path -> a TP_STYLES name (colwise, rowwise-seq-output-dim1, ...) or replicate
     reasons: dict[str, str]  # module path -> why it stays replicated
     segments: list[SegmentCost] = field(default_factory=list)
-    # True when at least one value runs sharded over the sequence (layout Q of passes.tensor_parallel): asked
+    # True when at least one value runs sharded over the sequence (layout Q of passes.planning.tensor_parallel): asked
     # for with ``choose_tp_styles(..., sequence_parallel=True)`` and possible for the model.
     sequence_parallel: bool = False
     # Per-rank bytes of the blocks' activations over the same activations unsharded (None: no blocks, or tp=1),
@@ -458,7 +458,7 @@ class Decisions:
         default="none",  # none | selective | full | mixed (then ``recompute_blocks``)
         metadata=in_plan("choice", PLAN_RECOMPUTE, required=True),
     )
-    # mixed: each block's mode, in block order (passes.recompute); plan.json keys them by block path
+    # mixed: each block's mode, in block order (passes.planning.recompute); plan.json keys them by block path
     recompute_blocks: tuple[str, ...] = field(default=(), metadata=in_plan("recompute_blocks"))
     ddp_bucket_cap_mb: float = field(default=25.0, metadata=in_plan("positive"))
     # a plan's (PRECISIONS); the search prices the cluster's (cost.tables.Runtime)
@@ -469,7 +469,7 @@ class Decisions:
     # adjacent dp ranks); tokens reach their experts by all-to-all, expert shards sync over dp / ep ranks.
     ep: int = field(default=1, metadata=in_plan("count"))
     # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
-    # parallel linears on 1/tp of the tokens (``passes.tensor_parallel``, layout Q), where the model allows.
+    # parallel linears on 1/tp of the tokens (``passes.planning.tensor_parallel``, layout Q), where the model allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 

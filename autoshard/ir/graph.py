@@ -1,7 +1,7 @@
 """OpGraph: the captured model as a flat list of operators with shapes and costs.
 
-``passes/capture`` fills nodes and params from ``torch.export``; ``passes/annotate`` fills
-``flops``/``bytes_*``; ``passes/blocks`` fills ``blocks``, ``passes/experts`` ``experts``. Every later pass reads only this
+``passes/capturing/capture`` fills nodes and params from ``torch.export``; ``passes/capturing/annotate`` fills
+``flops``/``bytes_*``; ``passes/capturing/blocks`` fills ``blocks``, ``passes/capturing/experts`` ``experts``. Every later pass reads only this
 object, never the ``nn.Module``, so plans are made from meta tensors alone.
 """
 
@@ -128,7 +128,7 @@ class Block:
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """A mixture-of-experts layer's experts (``passes.experts``): one module whose parameters are
+    """A mixture-of-experts layer's experts (``passes.capturing.experts``): one module whose parameters are
     stacked along dim 0, one slice per expert, read only by grouped matmuls (each token-expert pair
     multiplies its own expert's slice), so the experts can live on different ranks.
 
@@ -156,22 +156,22 @@ class OpGraph:
     batch_size: int
     tokens_per_sample: int  # sequence length for token models, 1 otherwise
     module_types: dict[str, str] = field(default_factory=dict)  # module path -> class name
-    blocks: list[Block] = field(default_factory=list)  # filled by passes/blocks
-    experts: list[ExpertGroup] = field(default_factory=list)  # filled by passes/experts
-    # Graph inputs that OpNode.inputs may name besides other nodes (filled by passes/capture):
+    blocks: list[Block] = field(default_factory=list)  # filled by passes/capturing/blocks
+    experts: list[ExpertGroup] = field(default_factory=list)  # filled by passes/capturing/experts
+    # Graph inputs that OpNode.inputs may name besides other nodes (filled by passes/capturing/capture):
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, as input_shapes
     placeholder_params: dict[str, str] = field(default_factory=dict)  # placeholder -> param/buffer name
     placeholders: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # -> (shape, dtype)
-    fold: Any = None  # passes.fold.Fold while the repeated layers are captured two of L (until unfold)
+    fold: Any = None  # passes.capturing.fold.Fold while the repeated layers are captured two of L (until unfold)
     model_fingerprint: str = ""  # runtime.model.model_fingerprint of the captured model (filled by capture)
-    # passes/tp_proof: str(tp) -> {node: why its computation on a tp shard is refused}, for every degree
+    # passes/capturing/tp_proof: str(tp) -> {node: why its computation on a tp shard is refused}, for every degree
     # checked against the model's code; None when the graph was never checked (hand-built graphs).
     tp_proofs: dict[str, dict[str, str]] | None = None
-    # passes/cp_proof: str(cp) or "*" (every other degree) -> why a cp rank's program, the model's code on its
+    # passes/capturing/cp_proof: str(cp) or "*" (every other degree) -> why a cp rank's program, the model's code on its
     # s/cp tokens, was not shown to compute its share of the one-process one ("" = proven); None when the graph
     # was never checked (hand-built graphs).
     cp_proofs: dict[str, str] | None = None
-    # passes/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
+    # passes/capturing/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
     # checked: a hand-built graph, or a model too large to run for the check).
     batch_coupling: str | None = None
 

@@ -118,7 +118,7 @@ class PlanLayout:
     tensor_parallel: dict[str, str] = field(default_factory=dict)
     split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
     stages: tuple[Stage, ...] = ()
-    experts: tuple[str, ...] = ()  # the expert groups (passes.experts) the ep axis shards, when ep > 1
+    experts: tuple[str, ...] = ()  # the expert groups (passes.capturing.experts) the ep axis shards, when ep > 1
 
     WRITTEN_UNLESS = {"experts": ()}
 
@@ -133,7 +133,7 @@ class PlanReview:
     # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
     # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.
     symbolic: dict[str, Any] = field(default_factory=dict)
-    # How the plan was found (passes.search.search_report): candidates, priced, optimal, gap.
+    # How the plan was found (passes.planning.search.search_report): candidates, priced, optimal, gap.
     search: dict[str, Any] = field(default_factory=dict)
 
 

@@ -241,7 +241,7 @@ def _check_model(m: dict[str, Any]) -> None:
 
 
 def _check_random_ops(drawn: Any) -> None:
-    """``model.random_ops``: op target -> the module paths calling it (``passes.annotate.random_ops``)."""
+    """``model.random_ops``: op target -> the module paths calling it (``passes.capturing.annotate.random_ops``)."""
     if not isinstance(drawn, dict):
         _fail("model.random_ops", "a mapping of op targets to module paths", drawn)
     for target, modules in drawn.items():

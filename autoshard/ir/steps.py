@@ -1,11 +1,11 @@
-"""Apply steps: a plan lowered to the ordered calls that parallelize a model (``passes.lower``).
+"""Apply steps: a plan lowered to the ordered calls that parallelize a model (``passes.lowering.lower``).
 
 A step names one function of the runtime's applier (``runtime.parallel``), the mesh dimension it
 runs over, its arguments (plain data: names, numbers, dicts of module paths) and why. The applier
 executes the list (``runtime.parallel.apply_steps``); the code generator prints the same list as
-calls (``passes.codegen``). Both take their order from the lowering alone.
+calls (``passes.lowering.codegen``). Both take their order from the lowering alone.
 
-Beside the steps, a ``Layout`` (``passes.lower.layout``) says where each rank sits and what share of
+Beside the steps, a ``Layout`` (``passes.lowering.lower.layout``) says where each rank sits and what share of
 each global batch it trains on: the device mesh's dims, the dims joined into one, the axis that splits
 the samples, the axis that splits each sample's tokens (context parallelism), the axis the logged loss
 is averaged over, and the sequence length handed to the model file. The emitted program prints its
@@ -84,7 +84,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Layout:
-    """The mesh and the shares of each global batch, as data (``passes.lower.layout``; module doc)."""
+    """The mesh and the shares of each global batch, as data (``passes.lowering.lower.layout``; module doc)."""
 
     mesh: tuple[tuple[str, int], ...]  # (dim, ranks along it), outermost first (MESH_ORDER)
     flatten: tuple[tuple[str, tuple[str, ...]], ...]  # (name, the dims joined into it)

@@ -2,7 +2,7 @@
 
 Each apply function does one step of a plan with PyTorch's own parts (``runtime.parallel``: DTensor
 TP, ``checkpoint_wrapper``, FSDP2 ``fully_shard``, DDP, ZeroRedundancyOptimizer, pipelining); the
-emitted program calls them in the order ``passes.lower`` gives, with the plan's decisions as constants.
+emitted program calls them in the order ``passes.lowering.lower`` gives, with the plan's decisions as constants.
 
 Importing this package imports torch and torch.distributed only; the names of the modules that bring
 more of torch (DTensor, FSDP2, DCP, pipelining: seconds of CPU per process) are imported on first use

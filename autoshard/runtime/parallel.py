@@ -1,7 +1,7 @@
-"""The applier: executes a plan's apply steps (``ir.steps``, made by ``passes.lower``) with PyTorch's parts.
+"""The applier: executes a plan's apply steps (``ir.steps``, made by ``passes.lowering.lower``) with PyTorch's parts.
 
 One function per step, torchtitan-shaped, each found by its op in ``APPLIERS``; ``apply_steps`` runs
-a list of them, and the emitted programs call the same functions in the same order (``passes.codegen``
+a list of them, and the emitted programs call the same functions in the same order (``passes.lowering.codegen``
 prints the steps):
 
     apply_tp          DTensor ``parallelize_module`` (styles: ``ir.decisions.TP_STYLES``); before a

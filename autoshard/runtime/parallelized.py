@@ -2,7 +2,7 @@
 the emitted program's training step for it.
 
 ``Parallelized.train_step(inputs, targets)`` is one step of a program's loop on a global batch of B samples,
-for every plan, with the functions the emitted program's loop calls (``passes.codegen``):
+for every plan, with the functions the emitted program's loop calls (``passes.lowering.codegen``):
 
     SPMD plans (dp, tp, ZeRO, cp, ep)                  pipeline plans (pp > 1)
     x, y = take_samples(batch, data axis)              x, y = take_samples(batch, data axis)

@@ -1,5 +1,5 @@
 """A factory that ends its process (``os._exit``) while the model is built: a fresh ``autoshard plan``
-captures in a child (``passes.front``) and must say so in one line instead of vanishing."""
+captures in a child (``passes.capturing.front``) and must say so in one line instead of vanishing."""
 
 import os
 

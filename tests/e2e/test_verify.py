@@ -148,7 +148,7 @@ def test_verify_eight_ranks_zero3(verified):
 
 def test_verify_mixed_recompute_chosen_under_memory_pressure(verified):
     """With device memory between what full recompute and no recompute need, the planner recomputes
-    some blocks only (passes.recompute); that program trains like one process too."""
+    some blocks only (passes.planning.recompute); that program trains like one process too."""
     plan, report = verified("mixed-recompute")
     tight = _tight_cluster()
     assert plan.recompute == "mixed" and len(set(plan.recompute_blocks.values())) > 1  # blocks differ

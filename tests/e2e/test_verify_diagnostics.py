@@ -110,7 +110,7 @@ def test_crashing_rank_is_named_in_verify_and_run(in_repo, tmp_path, capfd):
 
 
 def test_a_loss_averaged_over_a_data_dependent_count_is_refused_at_plan_time():
-    """The capture's batch-coupling check sees the padded loss's count (passes.batch_coupling)."""
+    """The capture's batch-coupling check sees the padded loss's count (passes.capturing.batch_coupling)."""
     with pytest.raises(AutoshardError, match="a mean over a count the data decide.*plan with --dp 1"):
         _plan(PADDED, dp=2, zero=0)
 

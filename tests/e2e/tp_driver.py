@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from autoshard.passes.blocks import block_of
+from autoshard.passes.capturing.blocks import block_of
 from autoshard.runtime import (
     build_model,
     global_batch,

@@ -27,7 +27,7 @@ MODEL_FINGERPRINT = '6758fc3d68b88947'  # the program refuses a different model
 SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 32
 GLOBAL_BATCH = 8
-# The device mesh and each rank's share of a global batch (passes.lower.layout)
+# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)
 MESH = {"pp": 1, "dp": 4, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {}  # no dims joined
 DATA_AXIS = "dp"  # its ranks take different samples
@@ -62,7 +62,7 @@ RECIPE = {
 
 
 def parallelize(model, mesh, device, recipe):
-    """Apply the plan's steps in order (passes.lower): ZeRO-3 over 4 dp ranks (FSDP2), experts split over 2 of them."""
+    """Apply the plan's steps in order (passes.lowering.lower): ZeRO-3 over 4 dp ranks (FSDP2), experts split over 2 of them."""
     # Expert parallel over 2 adjacent dp ranks: each keeps 1/2 of every expert group's experts and sends
     # each token to its experts' rank by all-to-all, and back.
     model = apply_ep(model, mesh["dp"], experts=EXPERTS, ep=EP)

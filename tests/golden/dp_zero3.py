@@ -27,7 +27,7 @@ MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
 SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 8
-# The device mesh and each rank's share of a global batch (passes.lower.layout)
+# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)
 MESH = {"pp": 1, "dp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {}  # no dims joined
 DATA_AXIS = "dp"  # its ranks take different samples
@@ -60,7 +60,7 @@ RECIPE = {
 
 
 def parallelize(model, mesh, device, recipe):
-    """Apply the plan's steps in order (passes.lower): ZeRO-3 over 2 dp ranks (FSDP2)."""
+    """Apply the plan's steps in order (passes.lowering.lower): ZeRO-3 over 2 dp ranks (FSDP2)."""
     # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
     # BatchNorm).
     model = sync_batch_norm(model, mesh["dp"])

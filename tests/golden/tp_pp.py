@@ -28,7 +28,7 @@ MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
 SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 16
-# The device mesh and each rank's share of a global batch (passes.lower.layout)
+# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)
 MESH = {"pp": 2, "dp": 2, "tp": 2}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {}  # no dims joined
 DATA_AXIS = "dp"  # its ranks take different samples; the pp and tp ranks of one dp rank take the same ones
@@ -76,7 +76,7 @@ RECIPE = {
 def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """interleaved-1f1b pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
-    order (passes.lower)."""
+    order (passes.lowering.lower)."""
     # Tensor parallel over 2 ranks: column-parallel then row-parallel, styles chosen and proven on the op
     # graph; each rank keeps its shard and the collectives are custom ops, so the split traces them.
     model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=True)

@@ -28,7 +28,7 @@ MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
 SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
 TOKENS_PER_SAMPLE = 64
 GLOBAL_BATCH = 16
-# The device mesh and each rank's share of a global batch (passes.lower.layout)
+# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)
 MESH = {"pp": 2, "dp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {}  # no dims joined
 DATA_AXIS = "dp"  # its ranks take different samples; the pp ranks of one dp rank take the same ones
@@ -65,7 +65,7 @@ RECIPE = {
 def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """zbv pipeline over 2 ranks, 4 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
-    order (passes.lower)."""
+    order (passes.lowering.lower)."""
     # 4 stages cut at the split points by tracing one micro-batch; in a V, rank r keeps stages r and 3 - r
     # (rank 0 the first and the last, rank 1 stages 1 and 2) and drops the rest of the model.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},

@@ -1,5 +1,5 @@
 """Small causal transformers that each mix tokens along the sequence one way besides attention, for the CP
-proof (passes/cp_proof): a cp rank running their code on its s/cp tokens would compute something else.
+proof (passes/capturing/cp_proof): a cp rank running their code on its s/cp tokens would compute something else.
 
 Factories (model-file contract, docs/design.md), each 2 blocks of width 32 with 4 heads over 16 tokens:
 

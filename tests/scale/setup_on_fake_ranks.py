@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autoshard import runtime
 from autoshard.ir.plan import load_plan
 from autoshard.ir.recipe import Recipe
-from autoshard.passes.lower import layout, lower
+from autoshard.passes.lowering.lower import layout, lower
 
 
 def max_rss_bytes() -> int:

@@ -31,7 +31,7 @@ ARANGE_TARGET = "aten.arange"
 CP_SEARCH_MIN_TOKENS = 16_384  # shorter sequences search cp only when pinned (one sample's activations fit
 #                               a device with TP, SP and recompute below this; cp then only adds the ring)
 CP_MAX = 64  # the largest cp the search offers (torchtitan's and Llama 3's long-context runs use 8 to 32)
-# cp_proofs of a capture that left the proof for later (passes.cp_proof, "Deferred"): every cp refused
+# cp_proofs of a capture that left the proof for later (passes.capturing.cp_proof, "Deferred"): every cp refused
 DEFERRED = (
     f"the context-parallel proof runs where the search offers cp (sequences of {CP_SEARCH_MIN_TOKENS:,} "
     f"tokens or more) or --cp is pinned; fix: pin --cp N"
@@ -45,7 +45,7 @@ def proof_deferred(graph: OpGraph) -> bool:
 
 def cp_refusal(graph: OpGraph, cp: int) -> str | None:
     """Why ``cp`` cannot split this model's sequences (module doc), or None. After the sequence's own
-    conditions, the proof of ``passes.cp_proof`` (``graph.cp_proofs``: whether the model's code on a rank's
+    conditions, the proof of ``passes.capturing.cp_proof`` (``graph.cp_proofs``: whether the model's code on a rank's
     s/cp tokens computes its share; a hand-built graph has none) decides before the graph checks."""
     if cp == 1:
         return None

@@ -119,7 +119,7 @@ residual stream is Q wherever the model allows). Model inputs and outputs stay R
 that is R but must enter a block as Q takes R→Q at that block's input (``scatter-seq-input-dim{q}``,
 a slice; backward AG) when all its outside readers are in that one block, and one value per block.
 
-The TP proof (``passes.tp_proof``) checks the Q rules on the model's own code as it checks S
+The TP proof (``passes.capturing.tp_proof``) checks the Q rules on the model's own code as it checks S
 (``OpGraph.tp_proofs[f"{tp}sp"]``); a model whose code does not compute on sequence shards comes
 out with R segments, ``TPChoice.sequence_parallel`` False.
 """
@@ -255,7 +255,7 @@ def uses_seq(rule: Rule) -> bool:
 
 def sp_available(graph: OpGraph, tp: int) -> bool:
     """Sequence parallelism can be considered: a token model, and the TP proof checked it at tp (module doc of
-    ``passes.tp_proof``) without refusing it outright; a hand-built graph (never checked) may."""
+    ``passes.capturing.tp_proof``) without refusing it outright; a hand-built graph (never checked) may."""
     if graph.tokens_per_sample <= 1:
         return False
     refused = proof_refusals(graph, tp, sp=True)
@@ -956,7 +956,7 @@ def proof_key(tp: int, sp: bool = False) -> str:
 
 
 def proof_refusals(graph: OpGraph, tp: int, sp: bool = False) -> dict[str, str] | None:
-    """Nodes whose computation on a tp shard the model's code was not shown to give (passes/tp_proof); {} for
+    """Nodes whose computation on a tp shard the model's code was not shown to give (passes/capturing/tp_proof); {} for
     a graph never checked (hand-built); None when tp was not among the degrees checked: nothing shards.
     With ``sp`` the entry that checked sequence-parallel layouts too."""
     if graph.tp_proofs is None:

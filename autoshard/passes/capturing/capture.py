@@ -46,7 +46,7 @@ import torch.nn as nn
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
 from autoshard.modelfile import ModelFile, model_fingerprint
-from autoshard.passes.fold import fold_model, layers_match
+from autoshard.passes.capturing.fold import fold_model, layers_match
 
 # modelfile imports user files under this module-name prefix; class names use the file stem.
 _USER_MODULE_PREFIX = "autoshard_user_model_"
@@ -63,7 +63,7 @@ _NOISY_LOGGERS = (
 
 def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> OpGraph:
     """Build the model on meta, export it on a meta copy of ``example_batch(batch_size)``. With
-    ``fold``, only two of its repeated layers are exported (``passes.fold``; ``unfold`` restores
+    ``fold``, only two of its repeated layers are exported (``passes.capturing.fold``; ``unfold`` restores
     the rest after ``annotate``), unless the two turn out different: then the whole model is."""
     model = build_on_meta(model_file)
     fingerprint = model_fingerprint(model)  # of the whole model: plans name it (fold shortens it next)
@@ -556,7 +556,7 @@ def _user_location(exc: BaseException) -> str:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [Path(torch.__file__).parent, Path(__file__).parents[1], Path(sysconfig.get_paths()["stdlib"])]
+    dirs = [Path(torch.__file__).parent, Path(__file__).parents[2], Path(sysconfig.get_paths()["stdlib"])]
     return tuple(str(d.resolve()) for d in dirs)
 
 

@@ -1,13 +1,13 @@
 """Search: the fastest configuration that fits, over the joint space, exactly on the cost model.
 
 **Variables.** A configuration c = (mesh (dp, tp, pp), ZeRO stage z, micro-batch b, recompute r,
-schedule σ with v virtual stages) from ``passes.strategies`` (every combination the runtime
+schedule σ with v virtual stages) from ``passes.planning.strategies`` (every combination the runtime
 supports, pins applied), and inside it three decisions solved exactly for that c:
 
     TP layout  L(v) ∈ {R, S, P} on every value of a block      CP-SAT, once per (tp, b) and block
-               signature (repeated blocks share one model)      (``passes.tensor_parallel``)
+               signature (repeated blocks share one model)      (``passes.planning.tensor_parallel``)
     stage cuts 0 = c_0 < c_1 < … < c_{pp·v} = L                 dynamic programming, once per
-                                                                 (b, r, stages, tp) (``passes.stage_cuts``)
+                                                                 (b, r, stages, tp) (``passes.planning.stage_cuts``)
     DDP bucket B ∈ BUCKET_CAP_CHOICES_MB                         least exposed all-reduce (``cost.dp_comm``)
 
 **Objective and constraints.** With T(c) the cost model's step time (``cost.step``: compute,
@@ -41,7 +41,7 @@ a bound on how far the plan can be from the optimum.
 Ties on T break on lower peak memory, then lower ZeRO stage, larger micro-batch, less
 recompute, the simpler mesh (smaller tp, then smaller pp) and schedule (``_rank``), so the same
 inputs always give the same plan. Per-(b, r) unit costs, TP layouts (solved once per (tp, b) by
-``passes.tp_layout`` and handed to the cost tables) and stage cuts are cached in ``CostTables``
+``passes.planning.tp_layout`` and handed to the cost tables) and stage cuts are cached in ``CostTables``
 and shared by every candidate that needs them.
 
 **Review.** Besides the candidates priced on the way, the lowest-bound candidate of up to
@@ -70,10 +70,10 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import MAX_DEVICES, Cluster
-from autoshard.passes.recompute import choose_recompute
-from autoshard.passes.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
-from autoshard.passes.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
-from autoshard.passes.tp_layout import hand_tp_layout
+from autoshard.passes.planning.recompute import choose_recompute
+from autoshard.passes.planning.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
+from autoshard.passes.planning.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
+from autoshard.passes.planning.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
 RECOMPUTE_ORDER = ("none", "mixed", "selective", "full")  # ties go to less recompute
@@ -159,7 +159,7 @@ def price_with_mixed(
     stage_cuts: StageCutsPin = None,
 ) -> list[Priced]:
     """``config`` priced; when it keeps every block's activations and does not fit, also the per-block
-    recompute that fits at the least cost (``passes.recompute``), unless recompute is pinned."""
+    recompute that fits at the least cost (``passes.planning.recompute``), unless recompute is pinned."""
     p = price_config(graph, cluster, config, global_batch, tables, stage_cuts)
     if p.fits or not mixed_recompute or config.recompute != "none":
         return [p]
@@ -250,7 +250,7 @@ def memory_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...] | None
 
 
 def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) -> PartitionProblem:
-    """The stage-cut problem of ``config`` (``passes.stage_cuts``): unit times in ps, and per stage
+    """The stage-cut problem of ``config`` (``passes.planning.stage_cuts``): unit times in ps, and per stage
     state bytes per parameter × parameters + in-flight micro-batches × saved activations."""
     units, tp_comm = pipeline_units(tables, config)
     scale = PS_PER_S * _time_scale(units.compute_s, tp_comm)

@@ -5,7 +5,7 @@ and runs the model's own Python code on them; ``ContextParallelMode`` makes atte
 ranks and shifts every ``torch.arange`` of the local length to the rank's global positions. That is the
 one-process computation only if every other op works token by token: a cumsum or a mean over the
 sequence, a pooler that takes token 0, a label shift ``x[:, :-1]``, a conv over the tokens or a slice of a
-precomputed position table would each train silently wrong. ``passes.context_parallel.cp_refusal`` reads
+precomputed position table would each train silently wrong. ``passes.planning.context_parallel.cp_refusal`` reads
 the captured graph; this pass runs the model's code on a rank's share and reads what it computes.
 
 1. **The local program** (``export_local``): the model built on meta as capture builds it (folded
@@ -53,7 +53,7 @@ proven here, and checked by ``cp_refusal`` per degree on the captured graph: tha
 s/cp elements exists (the runtime would shift it too), attention dropout, and by the runtime as it runs:
 no explicit mask, the ring's shapes. Random ops (dropout) draw per rank, as under data parallelism.
 
-The result is ``OpGraph.cp_proofs``, which ``passes.context_parallel.cp_refusal`` reads right after the
+The result is ``OpGraph.cp_proofs``, which ``passes.planning.context_parallel.cp_refusal`` reads right after the
 sequence's own conditions (s > 1, s mod cp = 0) and before its graph checks: {"*": reason}
 from the symbolic export (every degree with s/cp >= 2), or {"*": why the symbolic export failed, str(cp):
 reason, ...} per degree; "" is proven; models without a sequence or without attention get {"*": that reason}
@@ -64,7 +64,7 @@ model's 8-18 s on 2 cores), and most plans never consider cp: the search offers 
 ``CP_SEARCH_MIN_TOKENS`` tokens per sample, or where ``--cp`` is pinned. Below that length the capture
 records ``{"*": DEFERRED}`` (``prove_context_parallel(..., prove=False)``): every cp is refused with a
 reason that names the fix, never assumed; a request that pins cp > 1 (``needs_proof``) runs the proof
-on the graph it gets, cached or not (``passes.front.capture_front``).
+on the graph it gets, cached or not (``passes.capturing.front.capture_front``).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ from autoshard.cost.compute import SDPA_TARGET
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
-from autoshard.passes.capture import _module_of, _quiet_export, build_on_meta, target_name
-from autoshard.passes.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
-from autoshard.passes.fold import fold_model
+from autoshard.passes.capturing.capture import _module_of, _quiet_export, build_on_meta, target_name
+from autoshard.passes.capturing.fold import fold_model
+from autoshard.passes.planning.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
 
 ALL = "*"  # the cp_proofs key of every degree without its own entry
 MIN_LOCAL = 2  # the shortest local length proven (export specializes lengths 0 and 1)

@@ -1,7 +1,7 @@
 """Lowering: a plan -> the ordered apply steps that parallelize its model (``ir.steps``).
 
 The one place that orders the decisions. ``runtime.parallel.apply_steps`` executes the list and
-``passes.codegen`` prints it, so the Python API and every emitted program do the same calls in
+``passes.lowering.codegen`` prints it, so the Python API and every emitted program do the same calls in
 the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)

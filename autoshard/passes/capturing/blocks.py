@@ -32,7 +32,7 @@ import hashlib
 
 from autoshard.ir.graph import Block, OpGraph, OpNode
 from autoshard.ir.names import block_of
-from autoshard.passes.annotate import is_alias
+from autoshard.passes.capturing.annotate import is_alias
 
 SIGNATURE_HEX_CHARS = 16
 

@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
-from autoshard.passes import capture_cache
-from autoshard.passes.context_parallel import proof_deferred
+from autoshard.passes.capturing import capture_cache
+from autoshard.passes.planning.context_parallel import proof_deferred
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
 # Imported by the parent while the child captures: what the passes after the front import anyway.
-PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.tensor_parallel", "autoshard.show")
+PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.planning.tensor_parallel", "autoshard.show")
 
 _Key = tuple[str, bool, bool, "int | None"]  # (model spec, fold, use the capture cache, --seq-len)
 _ahead: dict[_Key, _Child] = {}
@@ -77,11 +77,11 @@ def capture_front(
     """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
     Takes the child's graph when ``capture_ahead`` started one for the same request. The context-parallel
     proof runs where the search offers cp, or everywhere with ``prove_cp`` (a request pinning cp > 1, tools
-    that read the proofs): on a graph that deferred it, here (``passes.cp_proof``, "Deferred")."""
+    that read the proofs): on a graph that deferred it, here (``passes.capturing.cp_proof``, "Deferred")."""
     model_file, graph = _front(spec, done, fold, use_cache, seq_len)
     if prove_cp and proof_deferred(graph):
         from autoshard.modelfile import load_model_file
-        from autoshard.passes.cp_proof import prove_context_parallel
+        from autoshard.passes.capturing.cp_proof import prove_context_parallel
 
         model_file = model_file or load_model_file(spec, seq_len)
         with running("cp_proof", done):
@@ -120,11 +120,11 @@ def _capture_and_annotate(
     imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
     same in this process and in the forked child, which records in itself."""
     from autoshard.modelfile import load_model_file
-    from autoshard.passes.annotate import annotate
-    from autoshard.passes.batch_coupling import check_batch_coupling
-    from autoshard.passes.capture import capture, model_output_to_stderr
-    from autoshard.passes.cp_proof import prove_context_parallel
-    from autoshard.passes.tp_proof import prove_tensor_parallel
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.batch_coupling import check_batch_coupling
+    from autoshard.passes.capturing.capture import capture, model_output_to_stderr
+    from autoshard.passes.capturing.cp_proof import prove_context_parallel
+    from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
         model_file = load_model_file(spec, seq_len)

@@ -20,7 +20,7 @@ state, transients and the prefix's and suffix's activations. The model is solved
 by CP-SAT (one worker, so the answer is deterministic); a group's blocks take their modes in
 block order (full first, then selective, then none: for one stage the order changes nothing).
 
-Pipelines (pp > 1) take one mode for every block (``passes.strategies``; the stages run it through
+Pipelines (pp > 1) take one mode for every block (``passes.planning.strategies``; the stages run it through
 ``runtime.stage_recompute``), never a mix: pp rank r keeps in_flight(r) micro-batches of its own
 stages' blocks, so a mix would need one memory constraint per rank over the blocks the stage cuts
 give it, while the cuts are chosen after the modes; and the pipeline pricing takes one recompute

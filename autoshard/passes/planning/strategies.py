@@ -12,10 +12,10 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
           (a pipeline schedule sums gradients whole until the last micro-batch, so ZeRO-2 would be ZeRO-1)
     HSDP (ZeRO-2/3, pp = 1, dp over n > 1 nodes, g > 1 of its ranks per node): dp_replicate = n,
           FSDP2 shards over the g ranks of a node and all-reduces across nodes; also dp_replicate = 1
-    EP (models with expert groups, ``passes.experts``): ep | dp and ep | E of every group, tp = 1,
+    EP (models with expert groups, ``passes.capturing.experts``): ep | dp and ep | E of every group, tp = 1,
           dp_replicate = 1; also ep = 1 (``ep_degrees``)
     pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
-            per-block mixed stays pp = 1's, ``passes.recompute``); m ≥ pp; schedule gpipe |
+            per-block mixed stays pp = 1's, ``passes.planning.recompute``); m ≥ pp; schedule gpipe |
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
             m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds) | interleaved-zb (the same, zero
             bubble) | zbv (v = 2 in a V, L ≥ 2·pp) | dualpipev (v = 2 in a V, L ≥ 2·pp, m ≥ 2·pp)
@@ -23,7 +23,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             recompute, or full recompute beside tp > 1 (``split_backward_refusal``)
     pp = 1: schedule none
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
-            blocks per stage), else ``passes.stage_cuts`` chooses them
+            blocks per stage), else ``passes.planning.stage_cuts`` chooses them
 
 The pins are ``ir.decisions.Pins`` (one field per row of ``ir.decisions.PINS``, each row's check run
 when they are made). Pins that fall outside the space are refused with one line naming the fix;
@@ -54,9 +54,9 @@ from autoshard.ir.decisions import (
 )
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import Cluster
-from autoshard.passes.context_parallel import cp_refusal, searched_cp_degrees
-from autoshard.passes.stage_cuts import cut_refusals, max_stages
-from autoshard.passes.tensor_parallel import check_divisibility
+from autoshard.passes.planning.context_parallel import cp_refusal, searched_cp_degrees
+from autoshard.passes.planning.stage_cuts import cut_refusals, max_stages
+from autoshard.passes.planning.tensor_parallel import check_divisibility
 
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
 # The largest global batch planned: 2^30 samples per step, ~10^5 times the largest in use (a few
@@ -364,7 +364,7 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
 
 def keeps_batch_whole(c: Decisions) -> bool:
     """One rank computes the loss of the whole batch at once: no dp or cp shares, one micro-batch. What a model
-    whose loss couples the samples of a batch needs (``passes.batch_coupling``)."""
+    whose loss couples the samples of a batch needs (``passes.capturing.batch_coupling``)."""
     return c.mesh.dp == 1 and c.mesh.cp == 1 and c.num_microbatches == 1
 
 
@@ -451,7 +451,7 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
 
 
 def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
-    """--cp c > 1 needs sequences the ring can split (``passes.context_parallel.cp_refusal``), no pipeline."""
+    """--cp c > 1 needs sequences the ring can split (``passes.planning.context_parallel.cp_refusal``), no pipeline."""
     c = pins.cp or 1
     if c == 1:
         return
@@ -469,7 +469,7 @@ def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
 
 
 def _check_graph_ep(graph: OpGraph, pins: Pins) -> None:
-    """--ep e > 1 needs expert groups (``passes.experts``), each with a multiple of e experts."""
+    """--ep e > 1 needs expert groups (``passes.capturing.experts``), each with a multiple of e experts."""
     e = pins.ep or 1
     if e == 1:
         return
@@ -567,7 +567,7 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
 
 
 def cp_choices(graph: OpGraph, ranks: int, pp: int, pins: Pins) -> list[int]:
-    """cp over ``ranks`` = dp·cp ranks: the pinned one, else 1 and the degrees ``passes.context_parallel``
+    """cp over ``ranks`` = dp·cp ranks: the pinned one, else 1 and the degrees ``passes.planning.context_parallel``
     offers for long sequences; none with pipeline stages (cp with pp is not emitted yet)."""
     if pins.cp is not None:
         return [pins.cp] if ranks % pins.cp == 0 and (pins.cp == 1 or pp == 1) else []

@@ -1,6 +1,6 @@
 """TP proof: a sharded layout is accepted only where the model's own code computes it on a shard.
 
-``passes.tensor_parallel`` propagates a sharded dim through the captured graph, whose sizes are
+``passes.planning.tensor_parallel`` propagates a sharded dim through the captured graph, whose sizes are
 constants. The program does not run that graph: it runs the model's Python code on each rank's
 local shards (``use_local_output=True``), and that code may have written a size as a constant
 (OPT's ``q.view(bsz, -1, num_heads, head_dim)`` keeps all heads and folds the shard into the
@@ -9,7 +9,7 @@ The graph alone cannot tell the two apart; running the code on shard-shaped tens
 
 For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``prove_degree``):
 
-1. **The widest layout** (``widest_layout``): the layout model of ``passes.tensor_parallel`` per
+1. **The widest layout** (``widest_layout``): the layout model of ``passes.planning.tensor_parallel`` per
    segment with the objective min Σ_n x[n, rep] over nodes that have another rule, i.e. as many
    ops as possible on shards, without the nodes refused so far.
 2. **The local program** (``local_failures``): the model built on meta as capture builds it (folded
@@ -52,7 +52,7 @@ refused by the propagation itself (``fused_split``, splits over the sharded dim)
 ``OpGraph.tp_proofs[str(t)]``: node -> the reason it is refused; degrees not checked refuse all.
 
 **Sequence parallelism** (``prove_sequence_parallel``, ``OpGraph.tp_proofs[f"{t}sp"]``): the same steps
-on the widest layout with the Q layouts of ``passes.tensor_parallel`` (the residual stream sharded over
+on the widest layout with the Q layouts of ``passes.planning.tensor_parallel`` (the residual stream sharded over
 the sequence where the boundary fixed point allows it). It starts from degree t's refusals, kept for the
 rules that touch S or P only (``node:kind`` entries: the Q rules are what this run checks). The local
 program also stands in for the sequence-parallel styles of linears (a gather multiplies the sequence
@@ -93,8 +93,8 @@ from autoshard.ir.decisions import MAX_SEQ_DIM, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
-from autoshard.passes.blocks import find_blocks
-from autoshard.passes.capture import (
+from autoshard.passes.capturing.blocks import find_blocks
+from autoshard.passes.capturing.capture import (
     _is_user_file,
     _module_of,
     _short_path,
@@ -103,8 +103,8 @@ from autoshard.passes.capture import (
     export_module,
     target_name,
 )
-from autoshard.passes.fold import fold_model, unfold
-from autoshard.passes.tensor_parallel import (
+from autoshard.passes.capturing.fold import fold_model, unfold
+from autoshard.passes.planning.tensor_parallel import (
     EMBEDDING_OPS,
     LINEAR_OPS,
     SEQ_GATHER_KINDS,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
-from autoshard.passes.blocks import block_members, block_signature
+from autoshard.passes.capturing.blocks import block_members, block_signature
 
 if TYPE_CHECKING:  # unfold runs on cached graphs, where torch is not imported at all
     import torch.nn as nn

@@ -1,10 +1,10 @@
 """Codegen: Plan -> a readable training program, launchable with torchrun.
 
 The program states the plan in its header and the decisions as constants, then prints the plan's
-apply steps (``passes.lower``) as calls of the runtime's applier (``runtime.parallel``: apply_tp,
+apply steps (``passes.lowering.lower``) as calls of the runtime's applier (``runtime.parallel``: apply_tp,
 apply_ac, apply_fsdp, apply_ddp, build_optimizer, ...) in one ``parallelize`` (or ``build_pipeline``)
 function, each with its reason as a comment; per-block decisions are folded over ``BLOCKS``. The
-plan's layout (``passes.lower.layout``: the mesh, the axes that split the samples and the tokens, the
+plan's layout (``passes.lowering.lower.layout``: the mesh, the axes that split the samples and the tokens, the
 loss's axis, the sequence length) is printed as constants the training loop hands to the runtime.
 The training recipe (``ir.recipe.Recipe``: optimizer, weight-decay groups, learning-rate schedule,
 clipping) is printed as the ``RECIPE`` constant, one key a line: ``autoshard compile --recipe FILE`` and
@@ -28,7 +28,7 @@ from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES
 from autoshard.ir.recipe import Recipe
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Layout, Step
-from autoshard.passes.lower import dp_ranks, layout, lower, recompute_modes
+from autoshard.passes.lowering.lower import dp_ranks, layout, lower, recompute_modes
 
 MIB = 2**20
 
@@ -228,7 +228,7 @@ def _seq_len_comment(spec: Layout) -> str:
 
 
 def _layout_constants(spec: Layout, pipeline: bool) -> str:
-    """The layout's fields (``passes.lower.layout``) as the constants the loop hands to the runtime; a pipeline's
+    """The layout's fields (``passes.lowering.lower.layout``) as the constants the loop hands to the runtime; a pipeline's
     loop reads the mesh and the data axis only."""
     sizes = dict(spec.mesh)
     mesh = "{" + ", ".join(f'"{name}": {ranks}' for name, ranks in spec.mesh) + "}"
@@ -247,7 +247,7 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
     others = [name for name, ranks in spec.mesh if name != spec.data_axis and ranks > 1]
     same = f"; the {' and '.join(others)} ranks of one {spec.data_axis} rank take the same ones" if others else ""
     text = (
-        "# The device mesh and each rank's share of a global batch (passes.lower.layout)\n"
+        "# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)\n"
         f"MESH = {mesh}  # ranks along each dim, outermost first: {innermost} innermost (inside a node)\n"
         f"FLATTEN = {flatten}  # {joined}\n"
         f'DATA_AXIS = "{spec.data_axis}"  # its ranks take different samples{same}\n'
@@ -418,7 +418,7 @@ def _parallelize_doc(plan: Plan) -> str:
         )
     else:
         parts.append("one data-parallel rank: no gradient synchronisation")
-    return "Apply the plan's steps in order (passes.lower): " + ", ".join(parts) + "."
+    return "Apply the plan's steps in order (passes.lowering.lower): " + ", ".join(parts) + "."
 
 
 def _build_pipeline(plan: Plan, steps: tuple[Step, ...]) -> str:
@@ -427,7 +427,7 @@ def _build_pipeline(plan: Plan, steps: tuple[Step, ...]) -> str:
 def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """{plan.schedule} pipeline over {plan.mesh.pp} ranks, {stages} stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
-    order (passes.lower)."""
+    order (passes.lowering.lower)."""
 {textwrap.indent(step_lines(steps, "model").rstrip(), "    ")}
     return stages, schedule, optimizer
 '''

@@ -65,7 +65,7 @@ CACHE_VERSION = 4  # 2: entries record the environment, opened files and distrib
 # modules need no entry of their own.
 PINNED_PACKAGES = frozenset({"torch", "autoshard", "torchgen", "functorch"})
 KEYED_PACKAGES = frozenset(sys.stdlib_module_names) | PINNED_PACKAGES
-AUTOSHARD_ROOT = Path(__file__).resolve().parent.parent
+AUTOSHARD_ROOT = Path(__file__).resolve().parents[2]  # autoshard/
 DIGEST_LIMIT_BYTES = 16 * 2**20  # opened files up to this size are compared by content, larger by stat
 SPECIAL_ROOTS = ("/proc/", "/sys/", "/dev/")  # files whose content no stat or hash pins down
 USER_MODEL_PREFIX = "autoshard_user_model_"  # modelfile's module names for model files
@@ -412,7 +412,7 @@ def decode_graph(d: dict) -> OpGraph:
     values["blocks"] = [Block(**b) for b in values["blocks"]]
     graph = OpGraph(**values)
     if d["fold"] is not None:
-        from autoshard.passes.fold import Fold
+        from autoshard.passes.capturing.fold import Fold
 
         graph.fold = Fold(*d["fold"])
     return graph
