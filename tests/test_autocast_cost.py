@@ -103,3 +103,15 @@ def test_ddp_pays_the_weight_casts_fsdp2_does_not(tiny):
     fp32_weights = tables.units(2, "none", ("bfloat16", None))
     assert forward_ddp == pytest.approx(2 * sum(fp32_weights.forward_s))
     assert sum(fp32_weights.forward_s) > sum(bf16_weights.forward_s)
+
+
+def test_a_convolutional_model_runs_its_convolutions_in_bf16_and_the_rest_as_promoted():
+    """A model with no transformer in it (convolutions, BatchNorm, pooling): every node gets a traffic record,
+    convolutions write bf16 (autocast's lower-precision list), and each fp32 weight a convolution reads is cast
+    once; ops outside both lists keep their widest input's dtype."""
+    graph = capture_graph("tests/models/bn_cnn.py:build", use_cache=True)[1]
+    traffic = autocast_traffic(graph, "bfloat16", None)
+    assert len(traffic) == len(graph.nodes)
+    convs = [i for i, n in enumerate(graph.nodes) if n.target.startswith("aten.conv")]
+    assert convs and all(traffic[i].write_ratio == 0.5 for i in convs)
+    assert sum(t.weight_casts for t in traffic) == len(_matmul_weights(graph))

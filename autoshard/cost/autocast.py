@@ -147,7 +147,10 @@ def _node_traffic(graph: OpGraph, node: OpNode, low: str, dtype: dict[str, str],
     """The op's dtype by autocast's lists, what its kernel reads and writes, and the casts around it."""
     inputs = []  # (name, numel, dtype held, captured dtype)
     for name in dict.fromkeys(node.inputs):
-        shape, captured = graph.value_meta(name)
+        try:
+            shape, captured = graph.value_meta(name)
+        except KeyError:  # an input capture left without metadata (annotate's estimated_bytes skips it too)
+            continue
         inputs.append((name, _numel(shape), dtype.get(name, captured), captured))
     floating = [held for _, _, held, _ in inputs if held in FLOATING]
     casting = node.target.startswith(LOWER_PRECISION_TARGETS + FP32_TARGETS)
