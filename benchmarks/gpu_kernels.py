@@ -161,7 +161,10 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
     from autoshard.cost.autocast import autocast_traffic
     from autoshard.cost.compute import SDPA_TARGET, _casts_s, _weight_bytes_per_node, op_backward_s, op_forward_s
     from autoshard.cost.hardware import load_cluster
+    from autoshard.cost.step import price_parts
+    from autoshard.cost.tables import CostTables
     from autoshard.cost.units import loss_logits
+    from autoshard.ir.decisions import Decisions, Mesh
     from autoshard.pipeline import capture_graph
 
     _, graph = capture_graph(model_spec)
@@ -184,12 +187,16 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
         out[cls] += (forward + backward - casts) * accumulate
         out["copy"] += casts * accumulate
     logits = loss_logits(graph, microbatch)
-    upcast = eager.elementwise_s(6 * logits, device)
+    upcast = eager.elementwise_s(eager.LOSS_UPCAST_BYTES_PER_LOGIT * logits, device)
     out["loss"] += (eager.loss_forward_s(logits, device) + eager.loss_backward_s(logits, device) - upcast) * accumulate
     out["copy"] += upcast * accumulate
-    params = sum(p.numel for p in graph.params if not p.is_buffer)
-    out["optimizer"] += eager.ADAMW_FOREACH_BYTES_PER_PARAM * params / eager.bytes_per_s(device)
-    out["other"] += (accumulate - 1) * 12 * params / eager.bytes_per_s(device)  # gradient accumulation (add_)
+    # AdamW's step and the gradient accumulation as the planner prices them for this one-rank DDP point
+    config = Decisions(
+        mesh=Mesh(dp=1), zero_stage=0, microbatch_size=microbatch, num_microbatches=accumulate, recompute="none"
+    )
+    parts = price_parts(CostTables(graph, load_cluster(cluster)), config)
+    out["optimizer"] += parts.optimizer_s
+    out["other"] += parts.grad_accumulation_s
     return dict(out)
 
 

@@ -30,6 +30,7 @@ bf16 q and k) moved twice the bytes a uniform 2-byte activation prices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autoshard.cost import eager
@@ -151,7 +152,7 @@ def _node_traffic(graph: OpGraph, node: OpNode, low: str, dtype: dict[str, str],
             shape, captured = graph.value_meta(name)
         except KeyError:  # an input capture left without metadata (annotate's estimated_bytes skips it too)
             continue
-        inputs.append((name, _numel(shape), dtype.get(name, captured), captured))
+        inputs.append((name, math.prod(shape), dtype.get(name, captured), captured))
     floating = [held for _, _, held, _ in inputs if held in FLOATING]
     casting = node.target.startswith(LOWER_PRECISION_TARGETS + FP32_TARGETS)
     if node.target.startswith(LOWER_PRECISION_TARGETS):
@@ -209,13 +210,6 @@ def _node_traffic(graph: OpGraph, node: OpNode, low: str, dtype: dict[str, str],
         weight_casts=weight_casts,
         weight_grad_casts=weight_grad_casts,
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _ratio(run_dtype: str, captured_dtype: str) -> float:

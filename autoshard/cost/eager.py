@@ -115,7 +115,8 @@ KERNELS_PER_BACKWARD_OP = 2
 HOST_FORWARD_OP_US = DISPATCH_PY_US + LAUNCH_US
 HOST_BACKWARD_OP_US = DISPATCH_CPP_US + KERNELS_PER_BACKWARD_OP * LAUNCH_US
 # Loss in fp32 (module doc): bytes per logit element and kernels
-LOSS_FORWARD_BYTES_PER_LOGIT = 2 + 4 + 4 + 4  # upcast (read bf16, write fp32), log-softmax (read, write)
+LOSS_UPCAST_BYTES_PER_LOGIT = 2 + 4  # the logits cast to fp32 (read bf16, write fp32)
+LOSS_FORWARD_BYTES_PER_LOGIT = LOSS_UPCAST_BYTES_PER_LOGIT + 4 + 4  # the upcast, log-softmax (read, write)
 LOSS_BACKWARD_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 2  # nll grad, log-softmax grad (2 reads, 1 write), downcast
 LOSS_FORWARD_KERNELS, LOSS_BACKWARD_KERNELS = 2, 3
 LOSS_SAVED_BYTES_PER_LOGIT = 4  # the fp32 log-softmax kept for backward
