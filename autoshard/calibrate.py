@@ -32,8 +32,9 @@ What is written (``build_cluster``):
   per second than its all-reduce and broadcast) no single link fits all of them, so the
   fit error is reported, and each collective's own fit beside it, in the table and the file.
 - ``device.peak_tflops`` = on CPU the median over the matmul sizes (512-2048) of the measured
-  throughput; on a GPU the throughput at 8192³ after GPU_WARMUP_S of back-to-back calls (steady
-  state, clocks up, as in a training step: the eager cost model's η_large,
+  throughput; on a GPU the throughput at 8192³ with memory-bound kernels between the calls, the
+  matmuls taking GPU_MATMUL_DUTY of device time as in a training step (back to back a GPU's power cap lowers
+  its clock; in a step it does not as much), after GPU_WARMUP_S of the same pattern: the eager cost model's η_large,
   which it scales down by tile and wave quantization for smaller shapes), and ``matmul_efficiency``
   = 1. compute.py's roofline t = max(F / (η·P), M / W) uses only the product η·P, and a
   CPU's theoretical peak is not portably knowable, so η·P = measured makes the roofline
@@ -375,7 +376,8 @@ def _device(m: Measurements, origin: str) -> DeviceSpec:
     gpu = m.backend == "nccl"
     tflops = by_n[max(by_n)] if gpu else statistics.median(by_n.values())
     rule = (
-        f"bf16 matmul throughput at n = {max(by_n)}"
+        f"bf16 matmul throughput at n = {max(by_n)} between memory-bound kernels (matmuls {GPU_MATMUL_DUTY:.0%} of "
+        "device time, as in a training step)"
         if gpu
         else f"median {m.dtype} matmul throughput over n = {', '.join(map(str, m.matmul_s))}"
     )
@@ -568,6 +570,14 @@ KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (_B
 # ... after this long of back-to-back launches: on one H200 the quick calibration's 8192³ matmul read 700 TFLOP/s
 # timed from cold (2026-11-26 20:03 UTC) where the same shapes ran 795-828 inside a training step
 GPU_WARMUP_S = 0.5
+# A GPU matmul is timed with memory-bound kernels between its calls, the matmuls taking this share of device
+# time, because its throughput depends on it: back to back, bf16 GEMMs hold an H200 at its 700 W power cap
+# (nvidia-smi's throttle reason "SW power cap") and its SM clock falls to 1.5 GHz (644-690 TFLOP/s); between
+# memory-bound kernels the clock stays at 1.9-1.98 GHz (757-808). The Llama-3.2-1B step spent 46 % of its device
+# time in matmuls and 53 % in matmuls and attention, whose GEMMs ran 743-828 (benchmarks/gpu_matmul_probe.py,
+# benchmarks/results/gpu-h200-2026-11-26/probe.json: an (8192, 8192) x (8192, 2048) GEMM read 690 back to back,
+# 742 at duty 0.77, 799 at 0.52, 808 at 0.32; the step's 800).
+GPU_MATMUL_DUTY = 0.5
 
 
 class _Bench:
@@ -657,9 +667,47 @@ class _Bench:
         torch = self.torch
         a, b = (torch.randn(n, n, device=self.device).to(self.dtype) for _ in range(2))
         c = torch.empty(n, n, dtype=self.dtype, device=self.device)
-        t = self._time_kernel(lambda: torch.mm(a, b, out=c))
+        op = lambda: torch.mm(a, b, out=c)  # noqa: E731
+        t = self._time_matmul_in_step(op) if self.gpu else self._time_kernel(op)
         self.report(f"matmul {n}")
         return t
+
+    def _time_matmul_in_step(self, op: Callable[[], None], calls_per_window: int = 16) -> float:
+        """A GPU matmul's device time between memory-bound kernels (GPU_MATMUL_DUTY: why). Each call is
+        followed by ⌈f / t_add⌉ ``torch.add`` calls over one slice, sized so the adds take f = (1 − d)/d of the
+        matmul's time; CUDA events around each call time the matmuls alone. The figure is the median over windows of
+        ``calls_per_window`` calls, after GPU_WARMUP_S of the same pattern, and the slowest rank's."""
+        torch = self.torch
+        matmul_s = self._time_kernel(op)
+        x, y, z = (torch.ones(self.s.elementwise_numel, dtype=self.dtype, device=self.device) for _ in range(3))
+        add_s = self._time_kernel(lambda: torch.add(x, y, out=z))
+        filler_s = matmul_s * (1 - GPU_MATMUL_DUTY) / GPU_MATMUL_DUTY
+        adds = math.ceil(filler_s / add_s)  # whole adds of one slice, so a long matmul gets its share too
+        numel = int(min(x.numel(), max(1, x.numel() * filler_s / adds / add_s)))
+        xs, ys, zs = x[:numel], y[:numel], z[:numel]
+
+        def window() -> float:
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(calls_per_window)
+            ]
+            for start, end in events:
+                start.record()
+                op()
+                end.record()
+                for _ in range(adds):
+                    torch.add(xs, ys, out=zs)
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in events) / 1e3 / calls_per_window
+
+        started = time.perf_counter()
+        while time.perf_counter() - started < GPU_WARMUP_S:
+            window()
+        windows = max(
+            self.s.min_calls, min(self.s.max_calls, math.floor(self.s.point_s / (2 * matmul_s * calls_per_window)))
+        )
+        times = [window() for _ in range(windows)]
+        return statistics.median(self._max_over_ranks(times))
 
     def elementwise(self) -> tuple[int, float]:
         torch = self.torch
