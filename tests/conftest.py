@@ -1,5 +1,6 @@
 import json
 import os
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -65,21 +66,51 @@ def pytest_configure(config):
         os.environ["AUTOSHARD_LAUNCH_TIMINGS"] = tempfile.mkdtemp(prefix="autoshard-launch-timings-")
 
 
+CPU_SECONDS: dict[str, float] = {}  # test id -> CPU seconds of its setup, call and teardown, its subprocesses included
+CPU_LINES = 30  # the tests that used the most CPU, in the summary
+
+
+def _cpu_s() -> float:
+    """User + system seconds of this process and of its children that ended (torchrun launches, CLI runs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's CPU seconds (``CPU_SECONDS``): on 2 cores the suite's wall is its CPU over 2, so this, not
+    ``--durations``, says what a test costs (a test's wall is shared with what the other worker runs)."""
+    started = _cpu_s()
+    yield
+    CPU_SECONDS[item.nodeid] = _cpu_s() - started
+
+
 def pytest_sessionfinish(session):
     folder = os.environ.get("AUTOSHARD_LAUNCH_TIMINGS")
     launches = sys.modules.get("e2e.one_launch")
-    if folder and launches is not None:
-        worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
-        (Path(folder) / f"{worker}.json").write_text(json.dumps(launches.timing_lines()))
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+    if folder:
+        lines = launches.timing_lines() if launches is not None else []
+        (Path(folder) / f"{worker}.json").write_text(json.dumps({"launches": lines, "cpu": CPU_SECONDS}))
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Where the shared launches' time went (tests/e2e/one_launch.py), per worker."""
+    """Where the shared launches' time went (tests/e2e/one_launch.py), per worker; the tests that used the most
+    CPU, and the suite's CPU in all."""
     folder = os.environ.get("AUTOSHARD_LAUNCH_TIMINGS")
+    cpu: dict[str, float] = {}
     for worker in sorted(Path(folder).glob("*.json")) if folder else []:
-        lines = json.loads(worker.read_text())
-        for line in ([f"{worker.stem}:"] if worker.stem != "main" else []) + lines:
-            terminalreporter.write_line(line)
+        record = json.loads(worker.read_text())
+        cpu.update(record["cpu"])
+        if record["launches"]:
+            for line in ([f"{worker.stem}:"] if worker.stem != "main" else []) + record["launches"]:
+                terminalreporter.write_line(line)
+    if cpu:
+        terminalreporter.write_line(
+            f"CPU seconds of the tests (subprocesses included): {sum(cpu.values()):.0f} in all; the largest:"
+        )
+        for nodeid, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:CPU_LINES]:
+            terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
 
 
 @pytest.fixture(autouse=True)
