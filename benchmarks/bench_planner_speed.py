@@ -27,11 +27,21 @@ MODELS = ROOT / "benchmarks" / "models.py"
 DEPTHS = (8, 16, 32, 64, 128)
 GPUS = (8, 64, 512, 4096)
 HEADLINE = (("llama3_8b_shape", 64, 512), ("gpt3_175b", 1024, 2048), ("gpt_1t", 3072, 3072))  # model, GPUs, batch
+# ``--targets``: the whole ``plan`` command, cold, against its target (spec, cluster preset, GPUs, batch, seconds)
+TARGETS = (
+    ("benchmarks/models.py:llama3_8b_shape", "dgx-a100-80gb", 64, 512, 3.0),
+    ("benchmarks/models.py:gpt3_175b", "dgx-a100-80gb", 1024, 2048, 5.0),
+    ("benchmarks/llama3.py:llama3_405b", "dgx-h100", 16384, 2048, 10.0),
+    ("benchmarks/deepseek_v3.py:build", "dgx-h100", 2048, 4096, 15.0),
+)
 
 
-def plan_s(model: str, gpus: int, batch: int, repeats: int, warm: bool = False) -> float:
+def plan_s(
+    model: str, gpus: int, batch: int, repeats: int, warm: bool = False, cluster: str = "dgx-a100-80gb"
+) -> float:
     """Median wall time of ``autoshard plan``: cold (``--no-cache``: capture every time) or warm (the
-    capture cache filled by one run before the timed ones, as when a user plans the model again)."""
+    capture cache filled by one run before the timed ones, as when a user plans the model again). ``model``
+    is a builder of benchmarks/models.py or a whole spec."""
     times = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{tmp}/cache")
@@ -40,9 +50,9 @@ def plan_s(model: str, gpus: int, batch: int, repeats: int, warm: bool = False) 
             "-m",
             "autoshard.cli",
             "plan",
-            f"{MODELS}:{model}",
+            model if ":" in model else f"{MODELS}:{model}",
             "--cluster",
-            "dgx-a100-80gb",
+            cluster,
             "--nodes",
             str(max(1, gpus // 8)),
             "--global-batch",
@@ -74,7 +84,19 @@ def main() -> None:
     parser.add_argument("-o", "--output")
     parser.add_argument("--plot", help="write a PNG (needs matplotlib: pip install -e .[bench])")
     parser.add_argument("--replot", metavar="JSON", help="only plot the figures of an earlier -o file")
+    parser.add_argument("--targets", action="store_true", help="only the four targets (TARGETS), cold and cached")
     a = parser.parse_args()
+    if a.targets:
+        rows = {}
+        for spec, cluster, gpus, batch, target_s in TARGETS:
+            cold = plan_s(spec, gpus, batch, a.repeats, cluster=cluster)
+            warm = plan_s(spec, gpus, batch, a.repeats, warm=True, cluster=cluster)
+            rows[f"{spec} on {gpus}"] = {"cold_s": cold, "warm_s": warm, "target_s": target_s}
+            met = "met" if cold <= target_s else "NOT met"
+            print(f"{spec} on {gpus} {cluster}: cold {cold:6.2f} s, cached {warm:6.2f} s (target {target_s} s, {met})")
+        if a.output:
+            Path(a.output).write_text(json.dumps({"targets": rows}, indent=1))
+        return
     if a.replot:
         data = json.loads(Path(a.replot).read_text())
         as_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)

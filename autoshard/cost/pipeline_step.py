@@ -350,7 +350,8 @@ def stage_buffer_bytes(
     stages of one rank (the V's tip)."""
     graph = tables.graph
     scale = config.microbatch_size / graph.batch_size
-    boundary = [int((b.input_bytes + shared_value_bytes(graph)) * scale) for b in graph.blocks]
+    shared = shared_value_bytes(graph)
+    boundary = [int((b.input_bytes + shared) * scale) for b in graph.blocks]
     first, end = block_range
     receives = boundary[first] if index > 0 and owner[index - 1] != owner[index] else 0
     if index < len(owner) - 1 and owner[index + 1] != owner[index]:

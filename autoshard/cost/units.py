@@ -282,15 +282,36 @@ def unit_activation_bytes(
     def compute():
         scale = microbatch_size / graph.batch_size
         ratio = activation_elem_bytes / captured_bytes
-        saved = [int(b * scale) for b in _saved_bytes(graph, recompute, node_units(graph), ratio, share)]
-        workspace = [int(b * scale) for b in _workspace_bytes(graph, recompute, ratio, share)]
+        captured_saved, captured_workspace, captured_backward = _unit_bytes_at_capture(graph, recompute, ratio, share)
+        saved = [int(b * scale) for b in captured_saved]
+        workspace = [int(b * scale) for b in captured_workspace]
         if kernels == "eager" and graph.nodes:
             _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace)
-        backward = (0, *(int(block_backward_bytes(graph, b, ratio, share) * scale) for b in graph.blocks), 0)
+        backward = (0, *(int(b * scale) for b in captured_backward), 0)
         return tuple(saved), tuple(workspace), backward
 
     key = ("unit_activation_bytes", microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, share)
     return graph.derived(key, compute)
+
+
+def _unit_bytes_at_capture(
+    graph: OpGraph, recompute: str, ratio: float, share: RankShare
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``unit_activation_bytes``'s saved and workspace bytes per unit and backward bytes per block at the captured
+    batch, before the micro-batch's scale: one walk of the graph per (recompute, ratio, share), however many
+    micro-batch sizes the search prices (each scales these)."""
+
+    def compute():
+        return (
+            tuple(_saved_bytes(graph, recompute, node_units(graph), ratio, share)),
+            tuple(_workspace_bytes(graph, recompute, ratio, share)),
+            graph.derived(
+                ("block_backward_bytes", ratio, share),  # the same under every recompute mode
+                lambda: tuple(block_backward_bytes(graph, b, ratio, share) for b in graph.blocks),
+            ),
+        )
+
+    return graph.derived(("unit_bytes_at_capture", recompute, ratio, share), compute)
 
 
 def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
