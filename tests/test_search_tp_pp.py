@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -245,6 +246,43 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
         if weight:
             assert pipeline_span_s(tables, config, (1, 2, 3), loads) == pytest.approx(spans[schedule])
     assert spans["interleaved-zb"] < spans["interleaved-1f1b"]
+
+
+def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
+    """Under a zero-bubble schedule's split backward a fully recomputed block reruns its forward once for the
+    inputs' gradient and once per op that reads a parameter for the weights' (torch's ``stage_backward_weight``,
+    ``benchmarks/split_backward_recompute.py``): its recompute is priced 1 + g times, and the step is slower
+    than the same plan would be with one recompute."""
+    from autoshard.cost.pipeline_step import rank_loads
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import pipeline_units, weight_groups
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    graph = gpt[1]
+    tables = CostTables(graph, local(2))
+    configs = {
+        s: Decisions(
+            mesh=Mesh(1, 1, 2),
+            zero_stage=0,
+            microbatch_size=2,
+            num_microbatches=4,
+            schedule=s,
+            virtual_stages=2,
+            recompute="full",
+        )
+        for s in ("interleaved-1f1b", "interleaved-zb")
+    }
+    once, split = (pipeline_units(tables, c)[0] for c in configs.values())
+    groups = [weight_groups(graph, b.node_names) for b in graph.blocks]
+    assert min(groups) == 8  # each GPT block: two LayerNorms and six linears (q, k, v, out, fc, proj)
+    for k, g in enumerate(groups):
+        assert once.recompute_s[k + 1] > 0
+        assert split.recompute_s[k + 1] == pytest.approx((1 + g) * once.recompute_s[k + 1])
+    assert split.forward_s == once.forward_s and split.backward_s == once.backward_s
+    none = replace(configs["interleaved-zb"], recompute="none")
+    assert pipeline_units(tables, none)[0].recompute_s == tables.config_units(none).recompute_s  # nothing to rerun
+    loads = {s: rank_loads(tables, c, (1, 2, 3)) for s, c in configs.items()}
+    assert all(z.recompute_s > o.recompute_s for z, o in zip(loads["interleaved-zb"], loads["interleaved-1f1b"]))
 
 
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):

@@ -18,7 +18,7 @@ from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import TPCost, local_params_by_block, splits_param, tp_comm_factor
 from autoshard.cost.units import Units, node_units, unit_param_names
-from autoshard.ir.decisions import SHARDING_STYLES, Decisions
+from autoshard.ir.decisions import SHARDING_STYLES, ZERO_BUBBLE_SCHEDULES, Decisions
 from autoshard.ir.graph import OpGraph
 
 
@@ -49,9 +49,41 @@ def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction:
 
 
 def pipeline_units(tables: CostTables, config: Decisions) -> tuple[Units, tuple[float, ...]]:
-    """``tp_sharded_units``, once per (micro-batch, recompute, tp) in a search."""
-    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp)
-    return tables.memo(key, lambda: tp_sharded_units(tables, config))
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp, split backward) in a search; with a zero-bubble
+    schedule's split backward, full recompute rerun as often as it runs (``split_backward_recomputes``)."""
+    split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full"
+    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp, split)
+
+    def compute() -> tuple[Units, tuple[float, ...]]:
+        units, comm = tp_sharded_units(tables, config)
+        return (split_backward_recomputes(tables.graph, units) if split else units), comm
+
+    return tables.memo(key, compute)
+
+
+def split_backward_recomputes(graph: OpGraph, units: Units) -> Units:
+    """``units`` with each block's recompute run 1 + g_b times, g_b the ops of block b that read a parameter.
+
+    torch's zero-bubble schedules split a stage's backward into the inputs' gradient (``stage_backward_input``)
+    and the weights' (``stage_backward_weight``: one ``autograd`` call per parameter group, a group being the
+    parameters one op reads). A block under non-reentrant activation checkpointing reruns its forward in
+    each of those calls: once for the inputs' gradient and once per group for the weights'
+    (``benchmarks/split_backward_recompute.py`` counts them: 1 + 7 for a block of 7 linears; a LayerNorm's
+    weight and bias are one group more). Host time of the recompute is multiplied alike."""
+    groups = [0] + [weight_groups(graph, b.node_names) for b in graph.blocks] + [0]
+    if len(groups) != len(units.recompute_s):
+        raise ValueError(f"{len(units.recompute_s)} units for {len(graph.blocks)} blocks")
+    reruns = [1 + g for g in groups]
+    return replace(
+        units,
+        recompute_s=tuple(t * n for t, n in zip(units.recompute_s, reruns)),
+        host_recompute_s=tuple(t * n for t, n in zip(units.host_recompute_s, reruns)),
+    )
+
+
+def weight_groups(graph: OpGraph, node_names) -> int:
+    """The ops among ``node_names`` that read a parameter, not only buffers (g_b of ``split_backward_recomputes``)."""
+    return sum(1 for name in node_names if any(not graph.param(p).is_buffer for p in graph.node(name).param_inputs))
 
 
 def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tuple[float, ...]]:
