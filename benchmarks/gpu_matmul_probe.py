@@ -84,25 +84,25 @@ def back_to_back(shape, seconds: float, scale: float = 1.0) -> list[float]:
     return per_window
 
 
+def mean_ms(op, calls: int, warmup: int = 0) -> float:
+    """Device milliseconds per call of ``op``, ``calls`` queued back to back after ``warmup`` (CUDA events)."""
+    for _ in range(warmup):
+        op()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        op()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def interleaved(shape, duty: float, seconds: float, scale: float = 1.0) -> dict:
     """Each GEMM followed by memory-bound adds worth (1 - duty)/duty of its time; GEMMs timed by events."""
     a, b, c = operands(shape, scale)
     x, y, z = (torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # 1 GiB each
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        torch.mm(a, b, out=c)
-    e0.record()
-    for _ in range(20):
-        torch.mm(a, b, out=c)
-    e1.record()
-    torch.cuda.synchronize()
-    gemm_ms = e0.elapsed_time(e1) / 20
-    e0.record()
-    for _ in range(5):
-        torch.add(x, y, out=z)
-    e1.record()
-    torch.cuda.synchronize()
-    add_ms = e0.elapsed_time(e1) / 5
+    gemm_ms = mean_ms(lambda: torch.mm(a, b, out=c), calls=20, warmup=5)
+    add_ms = mean_ms(lambda: torch.add(x, y, out=z), calls=5)
     adds = 0 if duty >= 1 else max(1, round(gemm_ms * (1 - duty) / duty / add_ms))
     # partial adds: slice the buffer to hit the duty closely
     filler_ms = gemm_ms * (1 - duty) / duty if duty < 1 else 0.0
