@@ -58,8 +58,14 @@ def tensor_parallel_table(plan: Plan, every_module: bool = False) -> Table:
     t.add_column("module")
     t.add_column("style")
     t.add_column("why")
-    rows = [(path, style, "chosen on the op graph") for path, style in sorted(plan.tensor_parallel.items())]
-    rows += [(path, "replicate", reason) for path, reason in sorted(plan.tensor_parallel_reasons.items())]
+    reasons = plan.tensor_parallel_reasons
+    rows = [
+        (path, style, reasons.get(path, "chosen on the op graph"))
+        for path, style in sorted(plan.tensor_parallel.items())
+    ]
+    rows += [
+        (path, "replicate", reason) for path, reason in sorted(reasons.items()) if path not in plan.tensor_parallel
+    ]
     if not every_module:
         t.caption = f"{len(rows)} modules, layer numbers written *; every module: inspect --all"
         rows = [

@@ -3,6 +3,7 @@
     python benchmarks/bench_megatron.py              # SC21 Table 1: the 3 docs/reference-numbers.md rows and 7 more
     python benchmarks/bench_megatron.py --all        # and the 4 Korthikanti et al. 2022 rows
     python benchmarks/bench_megatron.py --numbers    # the 3 docs/reference-numbers.md rows only
+    python benchmarks/bench_megatron.py --attention written   # the model's attention written out, not SDPA
 
 Every row is one command, printed with its result, run as a user runs it (a subprocess of the
 ``autoshard`` CLI; the capture cache makes a repeat a second or two)::
@@ -39,7 +40,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,7 @@ class Row:
     virtual_stages: int = 1  # layers per pp rank / --num-layers-per-virtual-pipeline-stage
     tflops: float | None = None
     seconds: float | None = None
+    attention: str = "sdpa"  # sdpa | written (megatron_gpt.WrittenOutAttention: q @ kᵀ, masked_fill, softmax, @ v)
 
     @property
     def dp(self) -> int:
@@ -93,7 +95,7 @@ class Row:
     def estimate_args(self) -> list[str]:
         """The ``autoshard estimate`` arguments that price this row as it was run (module doc)."""
         args = [
-            f"{MODEL_FILE}:{self.factory}",
+            f"{MODEL_FILE}:{self.factory}" + ("" if self.attention == "sdpa" else f"_{self.attention}"),
             "--cluster",
             CLUSTER,
             "--nodes",
@@ -217,11 +219,18 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="also the Korthikanti et al. 2022 rows (k22)")
     which.add_argument("--numbers", action="store_true", help="only the three NUMBERS.md rows")
+    parser.add_argument(
+        "--attention",
+        choices=("sdpa", "written"),
+        default="sdpa",
+        help="the model's attention: F.scaled_dot_product_attention, or written out as Megatron-LM's 2021 CoreAttention",
+    )
     args = parser.parse_args()
     from rich.console import Console
 
     console = Console(width=200)
     rows = ROWS if args.all else NUMBERS_ROWS if args.numbers else TABLE_1_ROWS
+    rows = [replace(row, attention=args.attention) for row in rows]
     results = []
     for row in rows:
         start = time.perf_counter()

@@ -20,11 +20,15 @@ four models of Korthikanti et al. 2022 (arXiv 2205.05198, Table 3)::
     sc21_1_7b  sc21_3_6b  sc21_7_5b  sc21_18_4b  sc21_39_1b  sc21_76_1b  sc21_145_6b
     sc21_310_1b  sc21_529_6b  sc21_1008b          k22_22b  k22_175b  k22_530b  k22_1t
 
+each also as ``<factory>_written``, its attention written out as Megatron-LM's 2021 ``CoreAttention`` computes
+it (``WrittenOutAttention``: ``q @ kᵀ``, ``masked_fill``, softmax, dropout, ``@ v``) instead of SDPA.
 ``build(n_layer=..., n_head=..., n_embd=...)`` builds any other shape; every factory works
 under ``with torch.device("meta")``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +57,31 @@ class Attention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class WrittenOutAttention(Attention):
+    """``Attention`` with the scores written out as Megatron-LM's ``CoreAttention`` (2021) computes them:
+    ``q @ kᵀ / √hd``, the causal mask by ``masked_fill`` (Megatron: -10000), softmax, dropout on the
+    probabilities, ``@ v``; the same parameters, FLOPs and outputs as the SDPA form (up to dropout's
+    draws), the scores held in memory (b · heads · s² per block)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        hd = h // self.n_head
+        q, k, v = self.qkv(x).view(b, s, -1, 3 * hd).split(hd, dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = F.dropout(scores.masked_fill(causal, -10000.0).softmax(dim=-1), self.dropout, self.training)
+        return self.c_proj((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+ATTENTIONS = {"sdpa": Attention, "written": WrittenOutAttention}
+
+
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, attention: str = "sdpa"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = Attention(n_embd, n_head, dropout)
+        self.attn = ATTENTIONS[attention](n_embd, n_head, dropout)
         self.drop_1 = nn.Dropout(dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
@@ -78,12 +102,13 @@ class MegatronGPT(nn.Module):
         dropout: float = DROPOUT,
         seq_len: int = SEQ_LEN,
         vocab_size: int = VOCAB_SIZE,
+        attention: str = "sdpa",
     ):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.h = nn.ModuleList(Block(n_embd, n_head, dropout, attention) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
 
@@ -95,13 +120,18 @@ class MegatronGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build(n_layer: int = 2, n_head: int = 4, n_embd: int = 64) -> MegatronGPT:
-    return MegatronGPT(n_layer, n_head, n_embd)
+def build(n_layer: int = 2, n_head: int = 4, n_embd: int = 64, attention: str = "sdpa") -> MegatronGPT:
+    return MegatronGPT(n_layer, n_head, n_embd, attention=attention)
 
 
-def example_batch(batch_size: int):
-    """``((token ids (batch, 2048),), next tokens)``: random ids, for shapes only."""
-    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, SEQ_LEN + 1))
+def build_written(n_layer: int = 2, n_head: int = 4, n_embd: int = 64) -> MegatronGPT:
+    """``build`` with the attention written out (``WrittenOutAttention``)."""
+    return build(n_layer, n_head, n_embd, attention="written")
+
+
+def example_batch(batch_size: int, seq_len: int = SEQ_LEN):
+    """``((token ids (batch, seq_len),), next tokens)``: random ids, for shapes only (2048 tokens, as trained)."""
+    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len + 1))
     return (tokens[:, :-1],), tokens[:, 1:]
 
 
@@ -128,16 +158,19 @@ SHAPES = {
 }
 
 
-def _factory(name: str):
+def _factory(name: str, attention: str = "sdpa"):
     layers, heads, hidden = SHAPES[name]
 
     def factory() -> MegatronGPT:
-        return MegatronGPT(layers, heads, hidden)
+        return MegatronGPT(layers, heads, hidden, attention=attention)
 
-    factory.__name__ = name
-    factory.__doc__ = f"{layers} layers, {heads} heads, hidden {hidden} (Megatron-LM's GPT, module doc)."
+    factory.__name__ = name if attention == "sdpa" else f"{name}_{attention}"
+    factory.__doc__ = (
+        f"{layers} layers, {heads} heads, hidden {hidden} (Megatron-LM's GPT, module doc), {attention} attention."
+    )
     return factory
 
 
 for _name in SHAPES:
     globals()[_name] = _factory(_name)
+    globals()[f"{_name}_written"] = _factory(_name, "written")  # the attention written out (WrittenOutAttention)

@@ -336,7 +336,7 @@ class TPChoice:
 
     tp: int
     styles: dict[str, str]  # module path -> a TP_STYLES name (colwise, rowwise-seq-output-dim1, ...) or replicate
-    reasons: dict[str, str]  # module path -> why it stays replicated
+    reasons: dict[str, str]  # module path -> why it stays replicated (or, colwise-gather, which op keeps heads whole)
     segments: list[SegmentCost] = field(default_factory=list)
     # True when at least one value runs sharded over the sequence (layout Q of passes.planning.tensor_parallel): asked
     # for with ``choose_tp_styles(..., sequence_parallel=True)`` and possible for the model.

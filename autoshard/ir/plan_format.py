@@ -128,7 +128,9 @@ class PlanReview:
     """What a reviewer reads beside the decisions (``plan.json``'s ``review`` section): ``Plan.review``."""
 
     alternatives: tuple[Alternative, ...] = ()
-    tensor_parallel_reasons: dict[str, str] = field(default_factory=dict)  # why a module stays replicated
+    tensor_parallel_reasons: dict[str, str] = field(
+        default_factory=dict
+    )  # why a module stays replicated, or gathers whole heads
     notes: tuple[str, ...] = ()
     # Step time and memory as sympy expressions (strings) in B, s, dp, tp, pp, b, v with the plan's own
     # values under "symbols" (``cost.symbolic``); empty in plans made before it existed.

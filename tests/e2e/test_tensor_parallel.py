@@ -31,6 +31,9 @@ CASES = {  # name: (spec, dp, tp, expected sharded-module count or None for "any
     "gpt-tp2": ("examples/gpt.py:build", 1, 2, 24),
     "llama-tp2": ("tests/models/hf_llama.py:build", 1, 2, 14),
     "llama-dp2-tp2": ("tests/models/hf_llama.py:build", 2, 2, 14),
+    # attention written out (transformers' "eager": q @ kᵀ, the sliding-window mask added, softmax, @ v; GQA's
+    # repeat_kv), sharded by heads; Gemma-3's per-head q/k norms (1 + weight) on the sharded heads
+    "gemma3-eager-tp2": ("tests/models/hf_attention_forms.py:gemma3_eager", 1, 2, 18),
 }
 
 

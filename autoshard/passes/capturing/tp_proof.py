@@ -111,6 +111,7 @@ from autoshard.passes.planning.tensor_parallel import (
     SEQ_SOURCE_KINDS,
     SINK_OPS,
     SP_REFUSED,
+    UNEXERCISED_PREFIX,
     Q,
     R,
     S,
@@ -130,7 +131,7 @@ from autoshard.passes.planning.tensor_parallel import (
 )
 
 PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
-UNEXERCISED = "not run on a shard by the check of the model's code:"
+UNEXERCISED = UNEXERCISED_PREFIX + " of the model's code:"
 MAX_ROUNDS = 6
 
 

@@ -21,6 +21,8 @@ output layout. Boolean x[n,k], Σ_k x[n,k] = 1 (``add_op_choice``):
     embedding                          replicate R→R | vocab-parallel R→P
     sdpa                               (R,R,R,[R])→R | (S,S,S,[R])→S   (heads split; GQA: the
                                        KV heads too)
+    matmul / bmm of two activations    (R,R)→R | (S,S)→S on a batch dim   (attention written out:
+                                       q @ kᵀ and probs @ v per head; ``_batched_matmul_dim``)
     elementwise / views                all R → R    | S (with broadcast inputs R) → S
     norms, softmax / mean over s(v),   R → R only
     anything unknown
@@ -63,8 +65,8 @@ A fourth layout Q: sharded over tp ranks along the sequence (token) dim q(v) of 
 shape propagation (``seq_dims``) from the model inputs' token dim (the dim of size
 ``graph.tokens_per_sample``): an embedding keeps its ids' dims, a linear keeps every dim but the
 last, views keep q where its size survives whole, transpose / unsqueeze / expand move it,
-elementwise ops align from the right, sdpa keeps its query's, a reduction / norm / split over q
-ends it. Q is allowed on v only where q(v) exists, size(v, q(v)) mod tp = 0 and q(v) < MAX_SEQ_DIM.
+elementwise ops align from the right, sdpa keeps its query's, a batched matmul its first factor's rows
+(the query's tokens), a reduction / norm / split over q ends it. Q is allowed on v only where q(v) exists, size(v, q(v)) mod tp = 0 and q(v) < MAX_SEQ_DIM.
 The rules it adds (``seq_rules``; layouts G and H only live inside a transformers Conv1D, whose
 ``addmm`` sits between two views that fold the tokens into one dim):
 
@@ -149,6 +151,7 @@ FWD_BWD_FACTOR = 3  # forward matmul + two backward matmuls (input and weight gr
 LINEAR_OPS = {"linear", "addmm"}
 EMBEDDING_OPS = {"embedding"}
 SDPA_OPS = {"scaled_dot_product_attention"}
+BATCHED_MATMUL_OPS = {"matmul", "bmm"}  # two activations multiplied: attention written out (q @ kᵀ, probs @ v)
 VIEW_OPS = {"view", "reshape", "_unsafe_view"}
 PASS_OPS = {
     "contiguous",
@@ -162,6 +165,7 @@ PASS_OPS = {
     "lift_fresh",
     "lift_fresh_copy",
 }
+DTYPE_ONLY_OPS = {"type_as"}  # the second tensor gives only a dtype (``activation_inputs``)
 ELEMENTWISE_OPS = {
     "add",
     "sub",
@@ -194,6 +198,7 @@ SEQ_GATHER_KINDS = frozenset({"colq", "colm", "repg", "gath"})  # make whole tok
 CONV1D_TYPE = "transformers.pytorch_utils.Conv1D"
 LINEAR_TYPES = frozenset({"torch.nn.modules.linear.Linear", "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"})
 EMBEDDING_TYPES = frozenset({"torch.nn.modules.sparse.Embedding"})
+UNEXERCISED_PREFIX = "not run on a shard by the check"  # passes.capturing.tp_proof.UNEXERCISED
 FUSED_REASON = (
     "fused q, k, v (its output is split along the sharded dim by {op}): a column shard would give each "
     "rank a contiguous block of the [q | k | v] columns, not its slice of q, k and v; replicated"
@@ -331,8 +336,10 @@ def _readers(graph: OpGraph) -> dict[str, list[str]]:
 
 
 def activation_inputs(graph: OpGraph, node: OpNode) -> list[str]:
-    """The inputs that are activations (not parameters or buffers), in argument order."""
-    return [name for name in node.inputs if name not in graph.placeholder_params]
+    """The inputs that are activations (not parameters or buffers), in argument order; of ``x.type_as(y)``
+    only x (y gives a dtype, the same on every rank whatever its layout: RMSNorms' ``output.type_as(x)``)."""
+    names = [name for name in node.inputs if name not in graph.placeholder_params]
+    return names[:1] if op_name(node.target) in DTYPE_ONLY_OPS else names
 
 
 # ---------------------------------------------------------------------------- shard dims
@@ -370,6 +377,8 @@ def _shard_dim(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> int | None:
         out = first
     elif op in SDPA_OPS:
         out = _sdpa_dim(graph, node, dims)
+    elif op in BATCHED_MATMUL_OPS:
+        out = _batched_matmul_dim(graph, node, dims)
     elif op in DIM_OPS:
         out = None if _dim_attr(node, len(in_shape)) == first else first
     elif op in ELEMENTWISE_OPS:
@@ -480,6 +489,23 @@ def _sdpa_dim(graph: OpGraph, node: OpNode, dims: dict) -> int | None:
     return 1
 
 
+def _batched_matmul_dim(graph: OpGraph, node: OpNode, dims: dict) -> int | None:
+    """A batch dim (not one of the last two) on which both factors are sharded, aligned from the right:
+    ``(…, n, k) @ (…, k, m)`` multiplies matrix by matrix independently along the batch dims, so each rank
+    multiplies its own heads (attention written out: ``q @ kᵀ``, ``probs @ v``). A factor broadcast
+    along that dim (size 1 there, or missing) would have to be whole on every rank: not sharded here."""
+    ins, rank = activation_inputs(graph, node), len(node.shape)
+    if len(ins) != 2 or rank < 3:
+        return None
+    aligned = set()
+    for name in ins:
+        d, shape = dims.get(name), graph.value_meta(name)[0]
+        if d is None or len(shape) < 3 or d >= len(shape) - 2 or shape[d] != node.shape[d + rank - len(shape)]:
+            return None
+        aligned.add(d + rank - len(shape))
+    return aligned.pop() if len(aligned) == 1 else None
+
+
 def _elementwise_dim(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> int | None:
     """The common S dim, aligned from the right; inputs broadcast along it must be size 1 there."""
     rank, found = len(node.shape), None
@@ -547,6 +573,9 @@ def _seq_dim(graph: OpGraph, node: OpNode, dims: dict) -> int | None:
         out = first  # ids' dims then the features; pass-through; the query's tokens
     elif op in LINEAR_OPS:
         out = first if first < len(shape) - 1 else None
+    elif op in BATCHED_MATMUL_OPS:  # (…, n, k) @ (…, k, m): the rows are the first factor's (the query's tokens)
+        in_rank = len(graph.value_meta(ins[0])[0])
+        out = first + len(shape) - in_rank if first == in_rank - 2 else None
     else:
         out = _moved_seq_dim(graph, node, ins[0], first)
     return out if out is not None and out < len(shape) else None
@@ -885,7 +914,7 @@ def shard_rule_inputs(graph: OpGraph, node: OpNode, dims: dict) -> tuple[str, ..
         return tuple(S if dims.get(x) is not None and _full_at(graph, node, x, dims) else R for x in ins)
     if op in SDPA_OPS:
         return (S, S, S) + (R,) * (len(ins) - 3)
-    if op == "cat":
+    if op == "cat" or op in BATCHED_MATMUL_OPS:
         return (S,) * len(ins)
     return (S,) + (R,) * (len(ins) - 1)
 
@@ -1012,15 +1041,31 @@ def param_module_fits(graph: OpGraph, module: str, members: list[OpNode], rules:
     """Whether ``module`` can run on shards with its parameters replicated DTensors (torch's
     SequenceParallel on the sharded dim: the parameters' gradients, partial on each rank, are summed
     over tp by DTensor): no linear or embedding inside it, every op of it in this segment with a shard
-    rule, its parameters read nowhere else, one activation input from outside it."""
+    rule (but those computing on its parameters alone, e.g. Gemma's ``1 + weight``: replicated DTensors),
+    its parameters read nowhere else, one activation input from outside it."""
     if not module or any(op_name(n.target) in LINEAR_OPS | EMBEDDING_OPS for n in members):
         return False
-    if any(n.shape and not any(r.kind in ("shard", "seq") for r in rules[n.name]) for n in members):
+    of_params = _params_only(graph, members)
+    if any(
+        n.shape and n.name not in of_params and not any(r.kind in ("shard", "seq") for r in rules[n.name])
+        for n in members
+    ):
         return False
     names = {n.name for n in members}
     if any(n not in names for n in param_readers(graph).get(module, ())):
         return False
     return len(module_inputs(graph, members)) == 1
+
+
+def _params_only(graph: OpGraph, members: list[OpNode]) -> set[str]:
+    """The members computed from parameters and constants alone (no activation reaches them)."""
+    out: set[str] = set()
+    for n in members:  # graph order: an op's inputs come before it
+        if n.param_inputs and all(x in out for x in activation_inputs(graph, n)):
+            out.add(n.name)
+        elif not n.param_inputs and activation_inputs(graph, n) and all(x in out for x in activation_inputs(graph, n)):
+            out.add(n.name)
+    return out
 
 
 def module_inputs(graph: OpGraph, members: list[OpNode]) -> list[str]:
@@ -1047,7 +1092,8 @@ def add_replicated_param_modules(
     replicated: every op inside it picks the same kind."""
     for module, members in param_modules(graph, nodes).items():
         if param_module_fits(graph, module, members, rules, dims):
-            _same_kind(model, [n for n in members if n.shape], rules, pick)
+            of_params = _params_only(graph, members)  # replicated in either case
+            _same_kind(model, [n for n in members if n.shape and n.name not in of_params], rules, pick)
 
 
 def _same_kind(model, group: list[OpNode], rules: dict, pick: dict) -> None:
@@ -1489,7 +1535,8 @@ def _record_styles(
         if op not in LINEAR_OPS | EMBEDDING_OPS or not node.module_path:
             continue
         style = module_style(graph, node, rules, gathered)
-        local[node.module_path] = (style, "" if style != "replicate" else _replicate_reason(graph, node, choice.tp))
+        reason = _replicate_reason(graph, node, choice.tp) if style == "replicate" else ""
+        local[node.module_path] = (style, reason or _whole_heads_reason(graph, node, nodes, style, choice.tp))
     local |= _param_module_styles(graph, nodes, rules, choice.tp, sp)
     for node in nodes:
         if rules[node.name].kind == "colm":
@@ -1618,6 +1665,80 @@ def _replicate_reason(graph: OpGraph, node: OpNode, tp: int) -> str:
         "the cheapest layout assignment keeps it replicated: sharding saves less compute than the "
         "resharding communication it adds"
     )
+
+
+def _whole_heads_reason(graph: OpGraph, node: OpNode, nodes: list[OpNode], style: str, tp: int) -> str:
+    """Why a column-parallel linear's output is gathered whole ("" where nothing in the model's graph stops
+    a shard: the prices chose it). The op that stopped the shard (``_shard_blocker``): before the linear,
+    where its input stopped being shardable (why it is not row-parallel: attention's output projection
+    after heads kept whole), else after it, the first op that cannot take its column shard."""
+    if op_name(node.target) not in LINEAR_OPS or not style.startswith("colwise-gather"):
+        return ""
+    dims, allowed = segment_rules(graph, nodes, tp)
+    inside, x = {n.name for n in nodes}, activation_inputs(graph, node)[:1]
+    blocker = _shard_blocker(graph, x, dims, allowed, inside, tp, forward=False) or _shard_blocker(
+        graph, [node.name], dims, allowed, inside, tp, forward=True
+    )
+    return f"its output is gathered whole: {blocker}" if blocker else ""
+
+
+def _shard_blocker(
+    graph: OpGraph, start: list[str], dims: dict, allowed: dict, inside: set[str], tp: int, forward: bool
+) -> str:
+    """The nearest op of the segment where a sharded value meets an op that cannot take the shard: forward
+    from ``start`` through ops that take it (or were left unchecked only because nothing fed them a shard),
+    or backward from ``start`` through values that have no shard (stopping at norms, reductions and linears,
+    whose inputs are whole in any layout) to the op that ended one. Described with its module and why."""
+    by_name = graph._by_name()
+    readers, seen, frontier = consumer_map(graph), set(start), [x for x in start if x in by_name]
+    stops = NORM_OPS | REDUCE_OPS | LINEAR_OPS | EMBEDDING_OPS
+    while frontier:
+        node = by_name[frontier.pop(0)]
+        if forward:
+            nexts = [r for r in readers.get(node.name, []) if r in inside]
+        elif dims.get(node.name) is not None or op_name(node.target) in stops:
+            nexts = []
+        else:
+            nexts = [x for x in activation_inputs(graph, node) if x in inside and x in by_name]
+        for other in (n for n in nexts if n not in seen):
+            seen.add(other)
+            candidate, shard_in = (graph.node(other), node.name) if forward else (node, other)
+            if dims.get(shard_in) is not None and not _takes_shard(graph, candidate, allowed, tp):
+                return _blocker_text(graph, candidate, shard_in, dims, tp)
+            frontier.append(other)
+    return ""
+
+
+def _takes_shard(graph: OpGraph, node: OpNode, allowed: dict, tp: int) -> bool:
+    """``node`` has a rule on shards, or lost it only because the model's check never fed it one."""
+    unexercised = (proof_refusals(graph, tp) or {}).get(node.name, "").startswith(UNEXERCISED_PREFIX)
+    kinds = {rule.kind for rule in allowed.get(node.name, ())}
+    return bool(kinds & {"shard", "row", "col"}) or unexercised or op_name(node.target) in SINK_OPS
+
+
+def _blocker_text(graph: OpGraph, node: OpNode, shard_in: str, dims: dict, tp: int) -> str:
+    """``op`` in ``module`` and why it cannot run on a shard of ``shard_in`` (sharded on dims[shard_in])."""
+    op, where = op_name(node.target), f"`{op_name(node.target)}` in {node.module_path or 'the root module'}"
+    refused = (proof_refusals(graph, tp) or {}).get(node.name, "")
+    in_shape = graph.value_meta(shard_in)[0]
+    if dims.get(node.name) is not None and refused:
+        return f"{where}: {refused}"
+    if op in DIM_OPS:
+        return (
+            f"{where} splits it along the sharded dim (one linear computing several projections, e.g. "
+            f"[q | k | v]: a column shard would hold a block of the columns, not each part's heads); replicated"
+        )
+    if op in VIEW_OPS:
+        return f"{where} folds the sharded dim into another ({tuple(in_shape)} → {tuple(node.shape)}); replicated"
+    if op in REDUCE_OPS | NORM_OPS:
+        return f"{where} reduces over the sharded dim; replicated"
+    if op in ELEMENTWISE_OPS:
+        others = [graph.value_meta(x)[0] for x in node.inputs if x != shard_in]
+        return (
+            f"{where} combines it with a tensor whole along the sharded dim ({', '.join(map(str, others))}: e.g. "
+            f"a per-head bias computed outside the projections); replicated"
+        )
+    return f"{where} has no rule to compute on a shard; replicated"
 
 
 def _repeats(graph: OpGraph, path: str) -> list[str]:
