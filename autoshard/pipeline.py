@@ -81,6 +81,17 @@ class PlanRequest:
                 f"priced in its own precision (Megatron-LM's bf16 mixed precision); drop --precision"
             )
 
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees this request's search may take (``strategies.legal_tp_degrees`` before the
+        heads are known: tp divides the devices per node and the world; the pinned one only), the degrees
+        whose proof of the model's code capture runs."""
+        c, pinned = self.cluster, self.pins.tp
+        return tuple(
+            t
+            for t in range(2, c.devices_per_node + 1)
+            if c.devices_per_node % t == 0 and c.world_size % t == 0 and pinned in (None, t)
+        )
+
     def cost_tables(self, graph: OpGraph) -> CostTables:
         """The cost tables of ``graph`` priced for this request's runtime (in the pinned precision, if any)."""
         return CostTables(graph, self.cluster, Runtime.named(self.runtime, self.cluster, graph, self.pins.precision))
@@ -91,7 +102,13 @@ def plan_model(request: PlanRequest) -> Plan:
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
     model_file, graph = capture_front(
-        request.model_spec, done, request.fold, request.cache, request.seq_len, prove_cp=(request.pins.cp or 1) > 1
+        request.model_spec,
+        done,
+        request.fold,
+        request.cache,
+        request.seq_len,
+        prove_cp=(request.pins.cp or 1) > 1,
+        tp_degrees=request.tp_degrees(),
     )
     graph = _later_graph_passes(graph, done)
     return plan_graph(request, model_file, graph, done)
@@ -127,7 +144,13 @@ def estimate_model(request: PlanRequest) -> Plan:
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
     model_file, graph = capture_front(
-        request.model_spec, done, request.fold, request.cache, request.seq_len, prove_cp=(request.pins.cp or 1) > 1
+        request.model_spec,
+        done,
+        request.fold,
+        request.cache,
+        request.seq_len,
+        prove_cp=(request.pins.cp or 1) > 1,
+        tp_degrees=request.tp_degrees(),
     )
     graph = _later_graph_passes(graph, done)
     with running("strategies", done):

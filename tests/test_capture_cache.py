@@ -321,3 +321,34 @@ def test_a_model_that_runs_another_program_is_not_cached(tmp_path, monkeypatch):
     (tmp_path / "runs.py").write_text(runs)
     assert plan(f"{tmp_path}/runs.py:build").model["params"] == 3 * (16 * 16 + 16)
     assert entries(tmp_path) == []
+
+
+def test_a_plan_proves_only_the_tp_degrees_its_cluster_offers_and_a_later_one_adds_its_own(tmp_path, monkeypatch):
+    """The tensor-parallel proof (passes/capturing/tp_proof) runs at the degrees the request's search may take: a
+    plan on 2 devices proves tp 2 only; a plan on 4 proves tp 4 from the cached graph (no capture) and writes it
+    into the entry; the plans are byte-identical to plans made from a graph proved at every degree."""
+    from autoshard.pipeline import capture_graph
+
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(ROOT)
+    spec, fast = "examples/gpt.py:build", "tests/clusters/fast_link_cpu.yaml"  # 4 heads: tp 2 and 4
+    on = {n: load_cluster(fast, devices_per_node=n) for n in (2, 4)}
+    two = plan_model(PlanRequest(spec, on[2], 8, cache=True))
+    [entry] = entries(tmp_path)
+    assert sorted(capture_cache.decode_graph(json.loads(entry.read_text())["graph"]).tp_proofs) == ["2", "2sp"]
+    forbid_capture(monkeypatch)
+    four = plan_model(PlanRequest(spec, on[4], 8, cache=True))
+    assert sorted(capture_cache.decode_graph(json.loads(entry.read_text())["graph"]).tp_proofs) == [
+        "2",
+        "2sp",
+        "4",
+        "4sp",
+    ]
+    monkeypatch.undo()
+    monkeypatch.chdir(ROOT)
+    graph = capture_graph(spec)[1]  # every degree, no cache
+    assert sorted(graph.tp_proofs) == ["2", "2sp", "4", "4sp"]
+    from autoshard.pipeline import plan_graph
+
+    assert plan_graph(PlanRequest(spec, on[2], 8), None, graph).to_json() == two.to_json()
+    assert plan_graph(PlanRequest(spec, on[4], 8), None, graph).to_json() == four.to_json()

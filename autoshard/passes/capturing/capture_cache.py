@@ -132,6 +132,25 @@ def store(spec: str, batch_size: int, fold: bool, graph: OpGraph, reads: Reads, 
         return  # a device, a vanished file: capture again next time
 
 
+def update_graph(spec: str, batch_size: int, fold: bool, graph: OpGraph, seq_len: int | None = None) -> None:
+    """Replace the graph of ``spec``'s entry, keeping what it was captured from (the tensor-parallel proofs of
+    more degrees, made later from the same model file: ``passes.capturing.front.capture_front``)."""
+    path = _entry_path(spec, batch_size, fold, seq_len)
+    if path is None or not path.is_file():
+        return
+    try:
+        entry = json.loads(path.read_text())
+        encoded = encode_graph(graph)
+        if entry.get("spec") != spec or decode_graph(json.loads(json.dumps(encoded))) != graph:
+            return
+        entry["graph"] = encoded
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(entry, f, separators=(",", ":"))
+        os.replace(f.name, path)
+    except (OSError, TypeError, ValueError):
+        return  # the next plan proves those degrees again
+
+
 def dependencies(model_path: Path, modules_before: set[str]) -> list[list]:
     """[path, size, mtime_ns, sha256 or None] of the model file, of modules imported since ``modules_before`` and of
     loaded modules under the model file's directory (module doc)."""

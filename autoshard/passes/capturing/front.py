@@ -72,13 +72,35 @@ def running(name: str, done: list[str]) -> Iterator[None]:
 
 
 def capture_front(
-    spec: str, done: list[str], fold: bool, use_cache: bool, seq_len: int | None = None, prove_cp: bool = False
+    spec: str,
+    done: list[str],
+    fold: bool,
+    use_cache: bool,
+    seq_len: int | None = None,
+    prove_cp: bool = False,
+    tp_degrees=None,
 ) -> tuple[ModelFile | None, OpGraph]:
     """capture -> annotate, or their graph from the capture cache (then no model file is loaded: None).
-    Takes the child's graph when ``capture_ahead`` started one for the same request. The context-parallel
-    proof runs where the search offers cp, or everywhere with ``prove_cp`` (a request pinning cp > 1, tools
-    that read the proofs): on a graph that deferred it, here (``passes.capturing.cp_proof``, "Deferred")."""
-    model_file, graph = _front(spec, done, fold, use_cache, seq_len)
+    Takes the child's graph when ``capture_ahead`` started one for the same request. The tensor-parallel
+    proof checks ``tp_degrees`` (every degree when None: tools that read the proofs; a plan, the degrees its
+    cluster offers): a degree a cached graph was not proved at is proved here and written into its cache
+    entry. The context-parallel proof runs where the search offers cp, or everywhere with ``prove_cp`` (a
+    request pinning cp > 1, tools that read the proofs): on a graph that deferred it, here
+    (``passes.capturing.cp_proof``, "Deferred")."""
+    from autoshard.passes.planning.tensor_parallel import PROOF_DEGREES, unproven_degrees
+
+    degrees = tuple(PROOF_DEGREES if tp_degrees is None else tp_degrees)
+    model_file, graph = _front(spec, done, fold, use_cache, seq_len, degrees)
+    missing = unproven_degrees(graph, degrees)
+    if missing:
+        from autoshard.modelfile import load_model_file
+        from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
+
+        model_file = model_file or load_model_file(spec, seq_len)
+        with running("tp_proof", done):
+            graph = prove_tensor_parallel(model_file, graph, missing)
+        if use_cache:
+            capture_cache.update_graph(spec, CAPTURE_BATCH, fold, graph, seq_len)
     if prove_cp and proof_deferred(graph):
         from autoshard.modelfile import load_model_file
         from autoshard.passes.capturing.cp_proof import prove_context_parallel
@@ -90,7 +112,7 @@ def capture_front(
 
 
 def _front(
-    spec: str, done: list[str], fold: bool, use_cache: bool, seq_len: int | None = None
+    spec: str, done: list[str], fold: bool, use_cache: bool, seq_len: int | None = None, tp_degrees=None
 ) -> tuple[ModelFile | None, OpGraph]:
     child = _ahead.pop((spec, fold, use_cache, seq_len), None)
     if child is not None:
@@ -101,7 +123,7 @@ def _front(
     if cached is not None:
         done += cached[1]
         return None, cached[0]
-    model_file, graph, reads = _capture_and_annotate(spec, done, fold, seq_len)
+    model_file, graph, reads = _capture_and_annotate(spec, done, fold, seq_len, tp_degrees)
     if use_cache:
         capture_cache.store(spec, CAPTURE_BATCH, fold, graph, reads, seq_len)
     return model_file, graph
@@ -114,11 +136,12 @@ def _from_cache(spec: str, fold: bool, seq_len: int | None = None) -> tuple[OpGr
 
 
 def _capture_and_annotate(
-    spec: str, done: list[str], fold: bool, seq_len: int | None = None
+    spec: str, done: list[str], fold: bool, seq_len: int | None = None, tp_degrees=None
 ) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
     """The model file loaded, its annotated graph, and what loading and capturing it read: modules
     imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
-    same in this process and in the forked child, which records in itself."""
+    same in this process and in the forked child, which records in itself. The tensor-parallel proof
+    checks ``tp_degrees`` (every degree when None)."""
     from autoshard.modelfile import load_model_file
     from autoshard.passes.capturing.annotate import annotate
     from autoshard.passes.capturing.batch_coupling import check_batch_coupling
@@ -133,7 +156,7 @@ def _capture_and_annotate(
         with running("annotate", done):
             graph = annotate(graph)
         with running("tp_proof", done):
-            graph = prove_tensor_parallel(model_file, graph)
+            graph = prove_tensor_parallel(model_file, graph, *(() if tp_degrees is None else (tp_degrees,)))
         with running("cp_proof", done):
             graph = prove_context_parallel(model_file, graph)
         with running("batch_coupling", done):

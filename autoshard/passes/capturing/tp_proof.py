@@ -7,7 +7,9 @@ local shards (``use_local_output=True``), and that code may have written a size 
 sequence, silently) or read it from the tensor (Llama's ``view(*input_shape, -1, head_dim)``).
 The graph alone cannot tell the two apart; running the code on shard-shaped tensors can.
 
-For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``prove_degree``):
+For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``prove_degree``), or only those a
+plan's cluster offers (``PlanRequest.tp_degrees``: t divides the devices per node; a degree a cached graph lacks
+is proved when a later plan needs it and added to the cache entry, ``passes.capturing.front.capture_front``):
 
 1. **The widest layout** (``widest_layout``): the layout model of ``passes.planning.tensor_parallel`` per
    segment with the objective min Σ_n x[n, rep] over nodes that have another rule, i.e. as many
@@ -107,6 +109,7 @@ from autoshard.passes.capturing.fold import fold_model, unfold
 from autoshard.passes.planning.tensor_parallel import (
     EMBEDDING_OPS,
     LINEAR_OPS,
+    PROOF_DEGREES,
     SEQ_GATHER_KINDS,
     SEQ_SOURCE_KINDS,
     SINK_OPS,
@@ -130,22 +133,28 @@ from autoshard.passes.planning.tensor_parallel import (
     uses_seq,
 )
 
-PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 UNEXERCISED = UNEXERCISED_PREFIX + " of the model's code:"
 MAX_ROUNDS = 6
 
 
-def prove_tensor_parallel(model_file: ModelFile, graph: OpGraph) -> OpGraph:
-    """``graph`` (captured, annotated, maybe folded) with ``tp_proofs`` for every degree it can take, with and
-    without sequence parallelism."""
+def prove_tensor_parallel(model_file: ModelFile, graph: OpGraph, degrees=PROOF_DEGREES) -> OpGraph:
+    """``graph`` (captured, annotated, maybe folded) with ``tp_proofs`` for each of ``degrees`` it can take (every
+    degree by default; a plan proves the ones its cluster offers, ``unproven_degrees``), with and without
+    sequence parallelism, beside those it already has. Each degree's proof is its own: the order and the
+    other degrees proved change none of them."""
     full = find_blocks(unfold(replace(graph, blocks=[])))
-    proofs = {}
-    for tp in PROOF_DEGREES:
-        if not check_divisibility(full, tp):
+    proofs = dict(graph.tp_proofs or {})
+    for tp in degrees:
+        if tp in PROOF_DEGREES and not check_divisibility(full, tp):
             proofs[proof_key(tp)] = prove_degree(model_file, graph, full, tp)
             proofs[proof_key(tp, True)] = prove_sequence_parallel(model_file, graph, full, tp, proofs[proof_key(tp)])
-    graph.tp_proofs = proofs
+    graph.tp_proofs = dict(sorted(proofs.items(), key=lambda kv: _proof_order(kv[0])))
     return graph
+
+
+def _proof_order(key: str) -> tuple[int, bool]:
+    """Degrees ascending, each without then with sequence parallelism (the order a whole proof writes)."""
+    return int(key.removesuffix("sp")), key.endswith("sp")
 
 
 def prove_degree(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int) -> dict[str, str]:

@@ -267,6 +267,7 @@ def sp_available(graph: OpGraph, tp: int) -> bool:
     return refused is not None and SP_REFUSED not in refused
 
 
+PROOF_DEGREES = range(2, 9)  # tp inside a node of up to 8 devices; each that divides the heads is checked
 SP_REFUSED = "*sequence-parallel"  # a tp_proofs entry: the model's code refused every sequence-parallel layout
 
 
@@ -977,6 +978,18 @@ def allowed_rules(graph: OpGraph, nodes: list[OpNode], dims: dict, tp: int, sp: 
                 if _reads_own_params(graph, n, module):  # replicated (a gather at its input stays possible)
                     rules[n.name] = rules[n.name][:1] + [r for r in rules[n.name][1:] if r.kind == "repg"]
     return rules
+
+
+def unproven_degrees(graph: OpGraph, degrees) -> list[int]:
+    """The degrees of ``degrees`` that the proof would check (``PROOF_DEGREES``, dividing the heads) and that
+    ``graph`` has no proof for yet; none for a graph never proved (hand-built: ``proof_refusals``)."""
+    if graph.tp_proofs is None:
+        return []
+    return [
+        tp
+        for tp in degrees
+        if tp in PROOF_DEGREES and proof_key(tp) not in graph.tp_proofs and not check_divisibility(graph, tp)
+    ]
 
 
 def proof_key(tp: int, sp: bool = False) -> str:
