@@ -96,3 +96,12 @@ def test_heads_kept_whole_name_the_op_that_kept_them(in_repo):
     console.print(shown)
     rows = [line for line in console.export_text().splitlines() if "attn.Wqkv" in line]
     assert len(rows) == 2 and all("colwise-gather" in r and "`chunk` in" in r for r in rows)
+
+
+def test_a_per_head_bias_computed_whole_is_named_as_what_keeps_heads_whole(in_repo):
+    """T5 adds a relative-position bias, made once for all heads outside the projections, to every attention's
+    scores (its cross-attention's too): heads stay whole, and the reason says the bias spans them."""
+    t5 = choice("tests/models/hf_t5.py:build_with_dropout", sp=False)
+    for attention in ("encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention"):
+        assert t5.styles[f"{attention}.q"] == "colwise-gather"
+        assert "its mask or bias ((2, 4, 16, 16)) spans the heads" in t5.reasons[f"{attention}.q"]

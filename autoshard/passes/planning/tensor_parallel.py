@@ -1684,11 +1684,14 @@ def _whole_heads_reason(graph: OpGraph, node: OpNode, nodes: list[OpNode], style
     """Why a column-parallel linear's output is gathered whole ("" where nothing in the model's graph stops
     a shard: the prices chose it). The op that stopped the shard (``_shard_blocker``): before the linear,
     where its input stopped being shardable (why it is not row-parallel: attention's output projection
-    after heads kept whole), else after it, the first op that cannot take its column shard."""
+    after heads kept whole), else after it, the first op that cannot take its column shard; inside the module
+    that calls the linear (its attention), where a block's own layout is decided."""
     if op_name(node.target) not in LINEAR_OPS or not style.startswith("colwise-gather"):
         return ""
     dims, allowed = segment_rules(graph, nodes, tp)
-    inside, x = {n.name for n in nodes}, activation_inputs(graph, node)[:1]
+    scope = node.module_path.rpartition(".")[0]  # the module calling the linear (attention): the search stays in it
+    inside = {n.name for n in nodes if n.module_path == scope or n.module_path.startswith(f"{scope}.")}
+    x = activation_inputs(graph, node)[:1]
     blocker = _shard_blocker(graph, x, dims, allowed, inside, tp, forward=False) or _shard_blocker(
         graph, [node.name], dims, allowed, inside, tp, forward=True
     )
@@ -1745,6 +1748,14 @@ def _blocker_text(graph: OpGraph, node: OpNode, shard_in: str, dims: dict, tp: i
         return f"{where} folds the sharded dim into another ({tuple(in_shape)} → {tuple(node.shape)}); replicated"
     if op in REDUCE_OPS | NORM_OPS:
         return f"{where} reduces over the sharded dim; replicated"
+    if op in SDPA_OPS and any(
+        len(graph.value_meta(m)[0]) == 4 and graph.value_meta(m)[0][1] != 1 for m in _masks(graph, node)
+    ):
+        shapes = ", ".join(str(graph.value_meta(m)[0]) for m in _masks(graph, node))
+        return (
+            f"{where}: its mask or bias ({shapes}) spans the heads, whole on every rank (a per-head bias such as "
+            f"relative positions or ALiBi, computed outside the projections); replicated"
+        )
     if op in ELEMENTWISE_OPS:
         others = [graph.value_meta(x)[0] for x in node.inputs if x != shard_in]
         return (
@@ -1752,6 +1763,11 @@ def _blocker_text(graph: OpGraph, node: OpNode, shard_in: str, dims: dict, tp: i
             f"a per-head bias computed outside the projections); replicated"
         )
     return f"{where} has no rule to compute on a shard; replicated"
+
+
+def _masks(graph: OpGraph, node: OpNode) -> list[str]:
+    """SDPA's inputs after q, k and v (its attention mask or bias)."""
+    return activation_inputs(graph, node)[3:]
 
 
 def _repeats(graph: OpGraph, path: str) -> list[str]:
