@@ -417,7 +417,13 @@ def cmd_plan(args) -> int:
     from autoshard.passes.capturing.front import capture_ahead
 
     _check_plan_output(args)
-    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
+    with capture_ahead(
+        args.model,
+        fold=not args.no_fold,
+        use_cache=not args.no_cache,
+        seq_len=args.seq_len,
+        tp_degrees=_tp_degrees(args),
+    ):
         from autoshard import api  # after the capture started: the imports run while it captures
 
         plan = api.plan(
@@ -437,6 +443,19 @@ def cmd_plan(args) -> int:
     if args.dryrun:
         _print_dryrun(plan, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _tp_degrees(args) -> list[int] | None:
+    """The tensor-parallel degrees the command's plan may take (``Cluster.tp_degrees``, as ``PlanRequest.tp_degrees``
+    gives them), for the forked capture to prove; None (every degree) when the cluster or the pin cannot be read
+    here: the plan reports that itself."""
+    from autoshard.cost.hardware import load_cluster
+
+    try:
+        cluster = load_cluster(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    except AutoshardError:
+        return None
+    return cluster.tp_degrees(args.tp) if args.tp is None or isinstance(args.tp, int) else None
 
 
 def _print_dryrun(plan, file) -> None:
@@ -469,7 +488,13 @@ def cmd_estimate(args) -> int:
     if args.schedule is None and args.pp == 1:
         args.schedule = "none"
     _check_plan_output(args)
-    with capture_ahead(args.model, fold=not args.no_fold, use_cache=not args.no_cache, seq_len=args.seq_len):
+    with capture_ahead(
+        args.model,
+        fold=not args.no_fold,
+        use_cache=not args.no_cache,
+        seq_len=args.seq_len,
+        tp_degrees=_tp_degrees(args),
+    ):
         from autoshard import api  # after the capture started: the imports run while it captures
 
         pins = pins_of(args)

@@ -82,15 +82,9 @@ class PlanRequest:
             )
 
     def tp_degrees(self) -> tuple[int, ...]:
-        """The tensor-parallel degrees this request's search may take (``strategies.legal_tp_degrees`` before the
-        heads are known: tp divides the devices per node and the world; the pinned one only), the degrees
-        whose proof of the model's code capture runs."""
-        c, pinned = self.cluster, self.pins.tp
-        return tuple(
-            t
-            for t in range(2, c.devices_per_node + 1)
-            if c.devices_per_node % t == 0 and c.world_size % t == 0 and pinned in (None, t)
-        )
+        """The tensor-parallel degrees this request's search may take before the heads are known
+        (``Cluster.tp_degrees``, the pinned one only): the degrees whose proof of the model's code capture runs."""
+        return tuple(self.cluster.tp_degrees(self.pins.tp))
 
     def cost_tables(self, graph: OpGraph) -> CostTables:
         """The cost tables of ``graph`` priced for this request's runtime (in the pinned precision, if any)."""

@@ -352,3 +352,14 @@ def test_a_plan_proves_only_the_tp_degrees_its_cluster_offers_and_a_later_one_ad
 
     assert plan_graph(PlanRequest(spec, on[2], 8), None, graph).to_json() == two.to_json()
     assert plan_graph(PlanRequest(spec, on[4], 8), None, graph).to_json() == four.to_json()
+
+
+def test_the_commands_forked_capture_proves_the_degrees_of_the_commands_cluster(tmp_path):
+    """``autoshard plan``'s capture starts in a forked child before the planner is imported; it proves the TP
+    degrees the command's cluster offers (here pinned tp 2 on 4 devices: tp 2 only), as the plan in-process would."""
+    env = dict(os.environ, AUTOSHARD_CACHE_DIR=str(tmp_path / "cache"), AUTOSHARD_CAPTURE_AHEAD="1")
+    command = [sys.executable, "-m", "autoshard.cli", "plan", "examples/gpt.py:build", "--cluster", "local-cpu"]
+    command += ["--devices-per-node", "4", "--tp", "2", "--global-batch", "8", "-o", str(tmp_path / "p.json")]
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    [entry] = entries(tmp_path)
+    assert sorted(capture_cache.decode_graph(json.loads(entry.read_text())["graph"]).tp_proofs) == ["2", "2sp"]

@@ -267,6 +267,13 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
+    def tp_degrees(self, pinned: int | None = None) -> list[int]:
+        """The tensor-parallel degrees above 1 this cluster offers: t divides the devices per node and the
+        world (inside a node, over whole nodes), or only ``pinned`` when it does; the heads decide the rest
+        (``passes.planning.strategies.legal_tp_degrees``). Ascending."""
+        n = self.devices_per_node
+        return [t for t in range(2, n + 1) if n % t == 0 and self.world_size % t == 0 and pinned in (None, t)]
+
     @functools.cached_property
     def graph(self) -> nx.Graph:
         """The topology as a networkx graph (module doc), built on first use: 10⁶ devices take seconds

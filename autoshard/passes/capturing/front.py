@@ -165,14 +165,18 @@ def _capture_and_annotate(
 
 
 @contextlib.contextmanager
-def capture_ahead(spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> Iterator[None]:
+def capture_ahead(
+    spec: str, fold: bool, use_cache: bool, seq_len: int | None = None, tp_degrees=None
+) -> Iterator[None]:
     """Within the block, ``capture_front`` for this request takes the graph a forked child captures
-    (started here, when ``forking_pays``); a child not taken is stopped when the block ends."""
+    (started here, when ``forking_pays``), its tensor-parallel proof at ``tp_degrees`` (every degree when
+    None; ``capture_front`` proves any other its request needs); a child not taken is stopped when the block
+    ends."""
     key = (spec, fold, use_cache, seq_len)
     if not forking_pays() or key in _ahead:
         yield
         return
-    child = _ahead[key] = _Child.start(spec, fold, use_cache, seq_len)
+    child = _ahead[key] = _Child.start(spec, fold, use_cache, seq_len, tp_degrees)
     try:
         yield
     finally:
@@ -204,14 +208,14 @@ class _Child:
         self.spec, self.process, self.conn, self.answered = spec, process, conn, False
 
     @classmethod
-    def start(cls, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> _Child:
+    def start(cls, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None, tp_degrees=None) -> _Child:
         # multiprocessing's fork context: its children end with os._exit (no teardown of torch's
         # modules, ~0.7 s), and Pipe uses no named semaphores, so nothing is left to clean up.
         context = multiprocessing.get_context("fork")
         parent_end, child_end = context.Pipe(duplex=False)
         process = context.Process(
             target=_capture_in_child,
-            args=(child_end, spec, fold, use_cache, seq_len),
+            args=(child_end, spec, fold, use_cache, seq_len, tp_degrees),
             name="autoshard-capture",
             daemon=True,
         )
@@ -247,7 +251,9 @@ class _Child:
         self.conn.close()
 
 
-def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None) -> None:
+def _capture_in_child(
+    conn, spec: str, fold: bool, use_cache: bool, seq_len: int | None = None, tp_degrees=None
+) -> None:
     """The child: send ``("ok", graph, passes done)`` or ``("error", exception, traceback)``, then write
     the capture cache entry while the parent plans (the parent waits for it before it exits).
 
@@ -262,7 +268,7 @@ def _capture_in_child(conn, spec: str, fold: bool, use_cache: bool, seq_len: int
         return
     try:
         done: list[str] = []
-        _, graph, reads = _capture_and_annotate(spec, done, fold, seq_len)
+        _, graph, reads = _capture_and_annotate(spec, done, fold, seq_len, tp_degrees)
     except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
         conn.send(("error", _portable(exc), traceback.format_exc()))
         conn.close()

@@ -538,11 +538,7 @@ def divisors(n: int) -> list[int]:
 
 def legal_tp_degrees(graph: OpGraph, cluster: Cluster) -> list[int]:
     """tp that divides devices_per_node and the world, and splits every attention's heads."""
-    return [
-        t
-        for t in divisors(cluster.devices_per_node)
-        if cluster.world_size % t == 0 and not check_divisibility(graph, t)
-    ]
+    return [t for t in [1, *cluster.tp_degrees()] if not check_divisibility(graph, t)]
 
 
 def pipeline_degrees(graph: OpGraph, world_size: int) -> list[int]:
