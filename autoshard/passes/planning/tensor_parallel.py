@@ -66,7 +66,8 @@ shape propagation (``seq_dims``) from the model inputs' token dim (the dim of si
 ``graph.tokens_per_sample``): an embedding keeps its ids' dims, a linear keeps every dim but the
 last, views keep q where its size survives whole, transpose / unsqueeze / expand move it,
 elementwise ops align from the right, sdpa keeps its query's, a batched matmul its first factor's rows
-(the query's tokens), a reduction / norm / split over q ends it. Q is allowed on v only where q(v) exists, size(v, q(v)) mod tp = 0 and q(v) < MAX_SEQ_DIM.
+(the query's tokens), a reduction / norm / split over q ends it. Q is allowed on v only where q(v)
+exists, size(v, q(v)) mod tp = 0 and q(v) < MAX_SEQ_DIM.
 The rules it adds (``seq_rules``; layouts G and H only live inside a transformers Conv1D, whose
 ``addmm`` sits between two views that fold the tokens into one dim):
 
