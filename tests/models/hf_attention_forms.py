@@ -7,6 +7,9 @@ otherwise; tensor parallelism must shard heads the same way in both (``tests/tes
     mistral_eager / mistral_sdpa    MistralForCausalLM    GQA, sliding window (window 16 of 32 tokens)
     gemma3_eager / gemma3_sdpa      Gemma3ForCausalLM     sliding-window and global layers, q/k norms,
                                                           attention softcapping off (its default)
+    mpt_eager                       MptForCausalLM        ALiBi, fused Wqkv ``chunk``ed into q, k, v (no SDPA
+                                                          form in transformers: ``mpt_sdpa`` cannot be built)
+    modernbert_eager / _sdpa        ModernBertForMaskedLM an encoder: fused Wqkv, global and local layers
 
 Sizes as ``hf_causal_zoo``'s (2 layers, width 64, 4 heads, 2 key/value heads, vocabulary 256); no download.
 """
