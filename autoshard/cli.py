@@ -414,16 +414,8 @@ def _calibrate_across_nodes(args, output) -> int:
 
 
 def cmd_plan(args) -> int:
-    from autoshard.passes.capturing.front import capture_ahead
-
     _check_plan_output(args)
-    with capture_ahead(
-        args.model,
-        fold=not args.no_fold,
-        use_cache=not args.no_cache,
-        seq_len=args.seq_len,
-        tp_degrees=_tp_degrees(args),
-    ):
+    with _capture_ahead(args):
         from autoshard import api  # after the capture started: the imports run while it captures
 
         plan = api.plan(
@@ -443,6 +435,20 @@ def cmd_plan(args) -> int:
     if args.dryrun:
         _print_dryrun(plan, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _capture_ahead(args):
+    """``passes.capturing.front.capture_ahead`` for a plan / estimate command line (the capture starts in a
+    forked child while the planner is imported)."""
+    from autoshard.passes.capturing.front import capture_ahead
+
+    return capture_ahead(
+        args.model,
+        fold=not args.no_fold,
+        use_cache=not args.no_cache,
+        seq_len=args.seq_len,
+        tp_degrees=_tp_degrees(args),
+    )
 
 
 def _tp_degrees(args) -> list[int] | None:
@@ -483,18 +489,10 @@ def cmd_estimate(args) -> int:
     has" is part of that answer; the plan's notes carry it too), with one "does not fit" line on stderr, and
     exits 1 (``EXIT_DOES_NOT_FIT``) so that a script cannot take it for a configuration that runs. Exit 2
     stays for bad input, as everywhere."""
-    from autoshard.passes.capturing.front import capture_ahead
-
     if args.schedule is None and args.pp == 1:
         args.schedule = "none"
     _check_plan_output(args)
-    with capture_ahead(
-        args.model,
-        fold=not args.no_fold,
-        use_cache=not args.no_cache,
-        seq_len=args.seq_len,
-        tp_degrees=_tp_degrees(args),
-    ):
+    with _capture_ahead(args):
         from autoshard import api  # after the capture started: the imports run while it captures
 
         pins = pins_of(args)
