@@ -41,8 +41,9 @@ DECISIONS = [
 LAYOUT = ["blocks", "tensor_parallel", "split_points", "stages"]
 REVIEW = ["alternatives", "tensor_parallel_reasons", "notes", "symbolic", "search"]
 PROVENANCE = ["pinned", "runtime"]
-# written only when the plan has them (expert parallelism): a dense plan's sections are the lists above
-DECISIONS_EP, LAYOUT_EP = DECISIONS + ["ep"], LAYOUT + ["experts"]
+# written only when the plan has them (expert parallelism, compiled blocks): a dense eager plan's sections are the
+# lists above
+DECISIONS_EP, LAYOUT_EP = DECISIONS + ["ep", "compile"], LAYOUT + ["experts"]
 GOLDEN_V1 = Path(__file__).resolve().parent / "plan_v1" / "dp_zero1.plan.json"  # version 1 files, kept as is
 
 

@@ -154,18 +154,21 @@ class CostTables:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
         autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
         if config.recompute != MIXED:
-            return self.units(config.microbatch_size, config.recompute, autocast)
-        key = (config.microbatch_size, config.recompute_blocks, autocast)
+            return self.units(config.microbatch_size, config.recompute, autocast, config.compile)
+        key = (config.microbatch_size, config.recompute_blocks, autocast, config.compile)
         if key not in self._units:
             self._units[key] = mixed_units(
-                {m: self.units(config.microbatch_size, m, autocast) for m in set(key[1])}, key[1]
+                {m: self.units(config.microbatch_size, m, autocast, config.compile) for m in set(key[1])}, key[1]
             )
         return self._units[key]
 
-    def units(self, microbatch_size: int, recompute: str, autocast: Autocast | None = None) -> Units:
-        """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan); scaled to
-        the model's measured profile when the cluster has one for this graph (``cost.profile``)."""
-        key = (microbatch_size, recompute, autocast)
+    def units(
+        self, microbatch_size: int, recompute: str, autocast: Autocast | None = None, compiled: bool = False
+    ) -> Units:
+        """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan; ``compiled``: its
+        blocks compiled, ``cost.compiled``); scaled to the model's measured profile when the cluster has one for
+        this graph (``cost.profile``)."""
+        key = (microbatch_size, recompute, autocast) + ((True,) if compiled else ())
         if key not in self._units:
             units = unit_costs(
                 self.graph,
@@ -179,6 +182,7 @@ class CostTables:
                 hides_comm(self.cluster),
                 self.runtime.kernels,
                 autocast,
+                compiled,
             )
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
@@ -251,7 +255,9 @@ class CostTables:
             modes = config.recompute_blocks
             return mixed_units({m: self.activation_units(config, m) for m in set(modes)}, modes)
         recompute = recompute or config.recompute
-        units = self.units(config.microbatch_size, recompute, self.runtime.autocast_for(config.dp_runtime.fsdp2))
+        units = self.units(
+            config.microbatch_size, recompute, self.runtime.autocast_for(config.dp_runtime.fsdp2), config.compile
+        )
         if config.mesh.tp == 1:
             return units
         saved, workspace, backward = unit_activation_bytes(

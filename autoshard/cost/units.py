@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from autoshard.cost import eager
 from autoshard.cost.autocast import Autocast, NodeTraffic, autocast_traffic
+from autoshard.cost.compiled import FusedOp, block_kernels, compiled_traffic, fused_ops
 from autoshard.cost.compute import (
     BACKWARD_TO_FORWARD,
     CONVOLUTION_TARGETS,
@@ -134,11 +135,14 @@ def node_forward_s(
     attention: str = "flash",
     kernels: str = "fused",
     autocast: Autocast | None = None,
+    compiled: bool = False,
 ) -> list[float]:
     """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
     per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode).
     ``autocast``: (autocast dtype, the dtype parameters are read in or None) where eager kernels run under
-    autocast: each op's bytes in its own dtypes, with the casts autocast adds (``cost.autocast``)."""
+    autocast: each op's bytes in its own dtypes, with the casts autocast adds (``cost.autocast``).
+    ``compiled``: eager kernels with each block compiled (``cost.compiled``)."""
+    compiled = compiled and kernels == "eager"  # the fused roofline already prices fused kernels
     key = (
         "node_forward_s",
         microbatch_size,
@@ -148,11 +152,20 @@ def node_forward_s(
         attention,
         kernels,
         autocast,
+        compiled,
     )
     return graph.derived(
         key,
         lambda: _node_forward_s(
-            graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast
+            graph,
+            microbatch_size,
+            device,
+            activation_elem_bytes,
+            captured_bytes,
+            attention,
+            kernels,
+            autocast,
+            compiled,
         ),
     )
 
@@ -166,14 +179,33 @@ def _node_forward_s(
     attention: str,
     kernels: str,
     autocast: Autocast | None,
+    compiled: bool = False,
 ) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [
-        op_forward_s(node, weights.get(node.name, 0), scale, device, ratio, attention, captured_bytes, kernels, traffic)
-        for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast))
-    ]
+    fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
+    times = []
+    for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast)):
+        weight = weights.get(node.name, 0)
+        if node.name in fused:
+            times.append(_fused_forward_s(fused[node.name], weight, scale * ratio, device))
+            continue
+        if node.name in in_block:
+            traffic = compiled_traffic(traffic)
+        times.append(op_forward_s(node, weight, scale, device, ratio, attention, captured_bytes, kernels, traffic))
+    return times
+
+
+def _fused_forward_s(op: FusedOp, weight_bytes: int, byte_scale: float, device: DeviceSpec) -> float:
+    """One fused op's share of its group's kernel (``cost.compiled`` module doc)."""
+    moved = (op.read_bytes + op.written_bytes) * byte_scale + weight_bytes
+    fixed = eager.KERNEL_FIXED_US * 1e-6 if op.starts_kernel else 0.0
+    return fixed + moved / eager.bytes_per_s(device)
+
+
+def _block_nodes(graph: OpGraph) -> frozenset[str]:
+    return graph.derived("block_node_names", lambda: frozenset(n for b in graph.blocks for n in b.node_names))
 
 
 def node_backward_s(
@@ -185,20 +217,28 @@ def node_backward_s(
     attention: str = "flash",
     kernels: str = "fused",
     autocast: Autocast | None = None,
+    compiled: bool = False,
 ) -> list[float]:
-    """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``)."""
+    """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``); a fused op of a
+    compiled block 2·t_fwd (``cost.compiled``)."""
     forward = node_forward_s(
-        graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast
+        graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast, compiled
     )
     if kernels != "eager":
         return [BACKWARD_TO_FORWARD * t for t in forward]
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = _weight_bytes_per_node(graph)
-    return [
-        op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic)
-        for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast))
-    ]
+    fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
+    times = []
+    for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast)):
+        if node.name in fused:
+            times.append(BACKWARD_TO_FORWARD * t)
+            continue
+        if node.name in in_block:
+            traffic = compiled_traffic(traffic)
+        times.append(op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic))
+    return times
 
 
 def _traffic(graph: OpGraph, kernels: str, autocast: Autocast | None) -> tuple[NodeTraffic | None, ...]:
@@ -225,15 +265,27 @@ def unit_costs(
     host_overlaps: bool = False,
     kernels: str = "fused",
     autocast: Autocast | None = None,
+    compiled: bool = False,
 ) -> Units:
-    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast`` as
-    ``node_forward_s`` takes it."""
+    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast`` and
+    ``compiled`` as ``node_forward_s`` takes them."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     units = node_units(graph)
     forward, backward, light = [0.0] * count, [0.0] * count, [0.0] * count
-    args = (graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast)
+    compiled = compiled and kernels == "eager"
+    args = (
+        graph,
+        microbatch_size,
+        device,
+        activation_elem_bytes,
+        captured_bytes,
+        attention,
+        kernels,
+        autocast,
+        compiled,
+    )
     for node, u, t, b in zip(graph.nodes, units, node_forward_s(*args), node_backward_s(*args)):
         forward[u] += t
         backward[u] += b
@@ -247,6 +299,8 @@ def unit_costs(
     if kernels == "eager" and graph.nodes:
         _add_fp32_loss_time(graph, microbatch_size, device, forward, backward)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
+    if compiled:
+        host_f, host_b = compiled_host_times(graph, host_f, host_b)
     if host_overlaps:
         host_f = _not_hidden(host_f, forward)
         host_b, host_r = _backward_not_hidden(host_b, host_r, backward, recompute_s)
@@ -367,6 +421,16 @@ def host_times(
         rerun = [0.0] * count
     rerun = [0.0] + rerun[1:-1] + [0.0] if graph.blocks else [0.0] * count  # blocks only, as recompute_s
     return [n * h_f for n in ops], [n * h_b for n in ops], rerun
+
+
+def compiled_host_times(graph: OpGraph, host_f: list[float], host_b: list[float]) -> tuple[list[float], list[float]]:
+    """Host seconds per unit with each block compiled: a block unit's kernels × ``eager.LAUNCH_US``, forward and
+    backward (``cost.compiled`` module doc); the prefix and suffix as eager."""
+    launch_s = [k * eager.LAUNCH_US * 1e-6 for k in block_kernels(graph).values()]
+    return (
+        [host_f[0], *launch_s, host_f[-1]] if graph.blocks else host_f,
+        [host_b[0], *launch_s, host_b[-1]] if graph.blocks else host_b,
+    )
 
 
 def _not_hidden(host: list[float], device: list[float]) -> list[float]:

@@ -433,10 +433,22 @@ def dp_runtime(zero_stage: int, mesh: Mesh, ep: int = 1) -> DPRuntime:
 def in_plan(rule: str, choices: tuple = (), required: bool = False) -> dict[str, Any]:
     """A ``Decisions`` field's metadata: how ``plan.json``'s decisions section holds it, which ``ir.plan_schema``
     checks and ``ir.plan`` reads. ``rule``: "count" (an integer >= 1), "choice" (one of ``choices``), "positive"
-    (a number > 0), or "mesh" / "recompute_blocks" (their own checks). A field with a default may be absent
+    (a number > 0), "flag" (true or false), or "mesh" / "recompute_blocks" (their own checks). A field with a default may be absent
     from older plans (it reads as the default) unless ``required``; a field without the metadata is not
     written (it is recorded elsewhere in the plan)."""
     return {"plan": rule, "choices": choices, "required": required}
+
+
+def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> bool:
+    """Where compiled blocks are emitted and verified: SPMD plans (a pipeline's stages are traced graphs whose
+    blocks are regions, not modules) without context parallelism (its ring patches attention at the function
+    level, outside the compiled graph) or expert parallelism (its all-to-all dispatch is not traced); with tensor
+    parallelism, no recompute but selective without sequence parallelism. In torch 2.13 dynamo's trace of a
+    checkpointed block fails on TP's parameters under full recompute (AOT autograd's saved-tensor check meets
+    the DTensor parameters) and on sequence parallelism's gathered input under any recompute (wrong shapes)."""
+    if mesh.pp > 1 or mesh.cp > 1 or ep > 1:
+        return False
+    return mesh.tp == 1 or recompute == "none" or (recompute == "selective" and not sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -468,12 +480,16 @@ class Decisions:
     # Expert parallelism: each expert group's E experts split over ep ranks borrowed from dp (ep | dp,
     # adjacent dp ranks); tokens reach their experts by all-to-all, expert shards sync over dp / ep ranks.
     ep: int = field(default=1, metadata=in_plan("count"))
+    # torch.compile of each block (inductor): its elementwise chains fused between the matmuls and attention
+    # (``runtime.compiled``, priced by ``cost.compiled``); SPMD plans without cp or ep (``compile_runs``)
+    compile: bool = field(default=False, metadata=in_plan("flag"))
     # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
     # parallel linears on 1/tp of the tokens (``passes.planning.tensor_parallel``, layout Q), where the model allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 
-    WRITTEN_UNLESS = {"ep": 1}  # plan keys written only when they differ (dense plans read and write as before)
+    # plan keys written only when they differ (plans without them read and write as before)
+    WRITTEN_UNLESS = {"ep": 1, "compile": False}
 
     @property
     def num_stages(self) -> int:
@@ -666,6 +682,16 @@ PINS: tuple[PinRow, ...] = (
         _precision,
         choices=PIN_PRECISIONS,
         estimate_optional=True,
+    ),
+    PinRow(
+        "compile",
+        "--compile",
+        str.lower,
+        "torch.compile each block (inductor fuses its elementwise ops between the matmuls; the first steps "
+        "compile); pipelines, --cp and --ep run eager (default: off)",
+        _on_off,
+        choices=("on", "off"),
+        default=lambda p: False,
     ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}

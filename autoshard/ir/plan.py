@@ -511,6 +511,7 @@ _READ_RULE: dict[str, Callable[[Any], Any]] = {
     "count": lambda v: _int(v),
     "positive": float,
     "choice": lambda v: v,
+    "flag": bool,
     "mesh": lambda v: _mesh(v, "mesh"),
 }
 

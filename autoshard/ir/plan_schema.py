@@ -27,7 +27,7 @@ never code in the emitted program:
     prose          alternatives[].why_not, reasons, notes      strings
 
 The decisions section is checked by its record: each field of ``ir.decisions.Decisions`` that the
-plan writes, by the rule of its ``in_plan`` metadata (a count, a choice, a number > 0, the mesh,
+plan writes, by the rule of its ``in_plan`` metadata (a count, a choice, a flag, a number > 0, the mesh,
 recompute_blocks), required where it has no default or says so.
 
 In version 2 every section is a mapping and an unknown key at the top or in ``decisions``,
@@ -190,6 +190,8 @@ def _check_decisions(f: _Fields) -> int:
             _count(f.get(key, default), path)
         elif rule == "choice":
             _choice(f.get(key, default), path, field.metadata["choices"])
+        elif rule == "flag":
+            _flag(f.get(key, default), path)
         elif rule == "positive":
             value = _number(f.get(key, default), path)
             if value <= 0:
@@ -385,6 +387,12 @@ def _amount(value: Any, field: str) -> float:
 def _choice(value: Any, field: str, choices: tuple) -> Any:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value not in choices:
         _fail(field, "one of " + ", ".join(map(str, choices)), value)
+    return value
+
+
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(field, "true or false", value)
     return value
 
 

@@ -12,6 +12,7 @@ prints the steps):
     apply_ac          recompute per block: "full" recomputes the block in backward, "selective" keeps
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
                       stages the block's region of its stage graph (``stage_recompute``)
+    apply_compile     torch.compile of each block's forward, its recompute inside, hooks outside (``compiled``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
                       False, ZeRO-3: True), or per stage module; HSDP; the plan's precision policy
@@ -52,6 +53,7 @@ from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
+from autoshard.runtime.compiled import apply_compile
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.model import get_block
 from autoshard.runtime.recipe import Recipe
@@ -396,6 +398,7 @@ APPLIERS: dict[str, Callable] = {
     "apply_ep": apply_ep,
     "split_pipeline": split_pipeline,
     "apply_ac": apply_ac,
+    "apply_compile": apply_compile,
     "sync_batch_norm": sync_batch_norm,
     "apply_fsdp": apply_fsdp,
     "apply_replicate": apply_replicate,

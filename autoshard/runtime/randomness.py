@@ -101,11 +101,15 @@ def drawing_freely():
 
 
 class ExpectedRandomness(TorchDispatchMode):
-    """Every random aten op returns its expectation (module doc); others run as they are."""
+    """Every random aten op returns its expectation (module doc); others run as they are. Higher-order ops pass
+    through to the ops they call (a compiled block's recomputation replays its ops with ``run_with_rng_state``,
+    which this mode then sees op by op: ``runtime.compiled``)."""
+
+    supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _paused or not _is_random(func):
+        if _paused or isinstance(func, torch._ops.HigherOrderOperator) or not _is_random(func):
             return func(*args, **kwargs)
         name = base_name(func.overloadpacket.__name__)
         bound = _bind(func, args, kwargs)

@@ -9,6 +9,7 @@ the same order. The order, and why:
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
     2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
+      apply_compile   each block compiled
     4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
     5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
       (ir.decisions.DP_RUNTIMES)
@@ -18,7 +19,8 @@ the same order. The order, and why:
 
 TP comes first because it replaces parameters with DTensors (or local shards) that everything
 after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
-(torchtitan's order: TP, activation checkpointing, FSDP); the optimizer is built last, over the
+(torchtitan's order: TP, activation checkpointing, compile, FSDP: each block is compiled with its
+recompute inside, and FSDP's hooks stay outside the compiled code); the optimizer is built last, over the
 parameters the wrappers leave. In a pipeline the stages are traced from the sharded model, and
 recompute and FSDP act on the traced stage modules, so they follow the split. Expert parallelism
 keeps each rank's experts before anything wraps them (FSDP2 must see the local shards, and a
@@ -97,7 +99,13 @@ def _cast_steps(plan: Plan) -> list[Step]:
 
 
 def _spmd_steps(plan: Plan) -> list[Step]:
-    steps = [*_cast_steps(plan), *_tp_steps(plan, before_split=False), *_ep_steps(plan), *_recompute_steps(plan)]
+    steps = [
+        *_cast_steps(plan),
+        *_tp_steps(plan, before_split=False),
+        *_ep_steps(plan),
+        *_recompute_steps(plan),
+        *_compile_steps(plan),
+    ]
     dp_step = _dp_step(plan, plan.blocks) if plan.mesh.dp_cp > 1 else None
     if dp_step is not None:
         steps.append(
@@ -250,6 +258,21 @@ def _recompute_steps(plan: Plan) -> list[Step]:
             None,
             (("modes", modes),),
             f"recompute ({plan.recompute}){where}: {_RECOMPUTE_WHY[plan.recompute]}",
+        )
+    ]
+
+
+def _compile_steps(plan: Plan) -> list[Step]:
+    if not plan.decisions.compile:
+        return []
+    what = "each block (with its recompute)" if plan.blocks else "the model (it has no blocks)"
+    return [
+        Step(
+            "apply_compile",
+            None,
+            (("blocks", tuple(plan.blocks)),),
+            f"torch.compile {what}: inductor fuses the elementwise ops between the matmuls and attention into a "
+            "few kernels; repeated blocks share one compiled graph",
         )
     ]
 

@@ -22,6 +22,9 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3, selective
             recompute, or full recompute beside tp > 1 (``split_backward_refusal``)
     pp = 1: schedule none
+    compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
+            (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
+            its start-up (tens of seconds per block kind on CPU ranks, minutes on large models)
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.planning.stage_cuts`` chooses them
 
@@ -50,6 +53,7 @@ from autoshard.ir.decisions import (
     Decisions,
     Mesh,
     Pins,
+    compile_runs,
     parse_stage_cuts,  # noqa: F401 (re-exported: --stage-cuts' parser)
 )
 from autoshard.ir.graph import OpGraph
@@ -101,6 +105,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_ep(pins)
     _check_sequence_parallel(pins)
     _check_precision(pins)
+    _check_compile(pins)
 
 
 def fp16_runs(c: Decisions) -> bool:
@@ -125,6 +130,33 @@ def _check_precision(pins: Pins) -> None:
                 f"--precision fp16 with {flag} {value} is not emitted yet (the loss scaler is "
                 f"verified over data parallelism only); pin {flag} 1 or --precision bf16"
             )
+
+
+def _check_compile(pins: Pins) -> None:
+    """--compile on where compiled blocks are not emitted (``ir.decisions.compile_runs``): one line each."""
+    if not pins.compile:
+        return
+    if pins.wants_pipeline:
+        raise AutoshardError(
+            "--compile on with pipeline stages is not emitted yet (each stage is a traced graph whose blocks are "
+            "regions, not modules); pin --pp 1 or --compile off"
+        )
+    for flag, value, why in (
+        ("--cp", pins.cp, "its ring replaces attention outside the compiled graph"),
+        ("--ep", pins.ep, "its all-to-all dispatch is not traced"),
+    ):
+        if (value or 1) > 1:
+            raise AutoshardError(
+                f"--compile on with {flag} {value} is not emitted yet ({why}); pin {flag} 1 or --compile off"
+            )
+    tp = Mesh(tp=pins.tp) if (pins.tp or 1) > 1 else None
+    if tp and pins.recompute and not compile_runs(tp, 1, bool(pins.sequence_parallel), pins.recompute):
+        sp = " and --sequence-parallel on" if pins.sequence_parallel else ""
+        raise AutoshardError(
+            f"--compile on with --tp {pins.tp}{sp} and --recompute {pins.recompute} is not emitted yet (dynamo cannot "
+            f"trace that checkpointed block); pin --recompute none (or selective without sequence parallelism), or "
+            f"--compile off"
+        )
 
 
 def _check_sequence_parallel(pins: Pins) -> None:
@@ -597,8 +629,9 @@ def mesh_configs(
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
     group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
+    compiled = bool(pins.compile)  # off unless pinned: compiling costs each launch minutes of start-up
     return [
-        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp)
+        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, compile=compiled)
         for c in configs
         for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
         if pins.dp_replicate in (None, r)
@@ -606,6 +639,7 @@ def mesh_configs(
         if pins.ep in (None, e)
         for sp in sequence_parallel_choices(mesh)
         if pins.sequence_parallel in (None, sp)
+        if not compiled or compile_runs(mesh, e, sp, c.recompute)
     ]
 
 
@@ -781,6 +815,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
             f"pin an --ep that divides one of them, or plan for more devices"
+        )
+    if pins.compile and not any(compile_runs(m) for m in meshes):
+        return (
+            "--compile on compiles the blocks of plans without pipeline stages or context parallelism, and this "
+            "cluster's meshes that honour the pins have one of them; pin --pp 1 --cp 1, or --compile off"
         )
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):

@@ -1,0 +1,93 @@
+"""Compiled blocks: ``torch.compile`` (inductor) of each block's forward, as torchtitan compiles them.
+
+``apply_compile`` replaces each block's ``forward`` with its compiled form, in place: the module, its name and
+its parameters' names stay as they were (``nn.Module.compile`` would compile ``_call_impl``, hooks included;
+``torch.compile(module)`` would wrap it and rename every parameter ``_orig_mod.*``), and the hooks that the
+steps after it register on the block (FSDP2's gathers and reduce-scatters, DDP's) run outside the compiled
+code, as they do in torchtitan (TP, recompute, compile, then FSDP). The block's recompute wrapper, when it has
+one, is what is compiled, so dynamo traces the checkpoint with the block inside it. Blocks with the same code
+share one compiled graph (dynamo caches by code and guards on shapes, not on the module).
+
+Verified like every plan (``autoshard verify``): verify runs with every random op fixed
+(``runtime.randomness``). Its function mode (``FixedFunctions``: dropout the identity, attention's
+``dropout_p`` 0) is traced into the compiled graph like any other code. Its dispatch mode
+(``ExpectedRandomness``) cannot be: dynamo compiles nothing while a dispatch mode is on, so the block would
+silently run eager. A compiled block is therefore called with that mode set aside, and its graph is refused
+(``RandomOpNotFixed``, naming the op) if it still draws random numbers: inductor's random kernels are not the
+ones verify can fix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+
+from autoshard.ir.names import RANDOM_OPS, RANDOM_SWITCHES
+from autoshard.runtime.model import get_block
+from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name
+
+_SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+
+
+def apply_compile(model: nn.Module, blocks: tuple[str, ...] | list[str] = ()) -> nn.Module:
+    """Compile each block's forward in place (module doc); the whole model's where there are no blocks."""
+    for path in blocks or ("",):
+        module = get_block(model, path) if path else model
+        module.forward = _compiled_forward(module.forward, path or "the model")
+    return model
+
+
+def _compiled_forward(forward, where: str):
+    compiled = torch.compile(forward, backend=_inductor)  # one backend for all: dynamo reuses a graph only with it
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        global _fixed
+        stack = _get_current_dispatch_mode_stack()
+        if not (stack and isinstance(stack[-1], ExpectedRandomness)):
+            return compiled(*args, **kwargs)
+        _fixed = where  # read by _inductor: dynamo sets the mode stacks aside while it compiles
+        try:
+            with _pop_mode_temporarily():  # module doc: dynamo compiles nothing under a dispatch mode
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            if isinstance(exc.inner_exception, RandomOpNotFixed):
+                raise exc.inner_exception from None
+            raise
+        finally:
+            _fixed = ""
+
+    return run
+
+
+_fixed = ""  # the block being called with verify's random ops fixed, or ""
+
+
+def _inductor(graph: torch.fx.GraphModule, example_inputs):
+    """Inductor, after refusing a graph that draws random numbers while randomness is fixed (module doc)."""
+    if _fixed:
+        drawn = [node for node in graph.graph.nodes if _random_op(node)]
+        if drawn:
+            raise RandomOpNotFixed(
+                f"{_random_op(drawn[0])} in {_fixed} draws random numbers inside a compiled block, which verify "
+                f"cannot fix; verify the plan with --compile off (the same model, run eager)"
+            )
+    return torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
+
+
+def _random_op(node: torch.fx.Node) -> str:
+    """The name of a random torch function or method a dynamo graph node calls with its randomness on, or ""."""
+    if node.op not in ("call_function", "call_method"):
+        return ""
+    name = base_name(node.target if isinstance(node.target, str) else getattr(node.target, "__name__", ""))
+    if name not in RANDOM_OPS:
+        return ""
+    switch = RANDOM_SWITCHES.get(name)
+    if switch == "dropout_p":
+        args = node.args
+        value = node.kwargs.get(switch, args[_SDPA_DROPOUT_ARG] if len(args) > _SDPA_DROPOUT_ARG else 0.0)
+        return name if value else ""
+    return name

@@ -1,0 +1,49 @@
+"""Plans with ``--compile on`` (each block compiled by inductor, ``runtime.compiled``) train like one process.
+
+Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch: FSDP2 over compiled blocks that
+recompute in full (the checkpoint traced inside the compiled block, FSDP2's hooks outside it), and DTensor tensor
+parallelism inside compiled blocks with selective recompute, on a transformers Llama with its default dropout.
+The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
+"""
+
+import pytest
+
+import autoshard
+from e2e.one_launch import Cases, verify_cases
+
+pytestmark = pytest.mark.e2e
+
+CASES = {  # name: (model, cluster, pins)
+    "gpt-zero2-full": (
+        "examples/gpt.py:build",
+        "local-cpu",
+        dict(dp=2, tp=1, zero=2, microbatch_size=2, recompute="full"),
+    ),
+    "llama-tp2-selective": (
+        "tests/models/hf_llama.py:build",
+        "tests/clusters/fast_link_cpu.yaml",  # where TP pays
+        dict(dp=1, tp=2, zero=0, recompute="selective"),
+    ),
+}
+STEPS = 3
+
+
+def _plan(name):
+    model, cluster, pins = CASES[name]
+    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, pp=1, compile=True, **pins)
+
+
+LAUNCHES = Cases(
+    dict.fromkeys(CASES, 2),
+    *verify_cases(_plan, lambda name: STEPS),
+    case_of=lambda test, params: params.get("name"),
+)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_blocks_train_like_one_process(launches, name):
+    plan, report = launches.result(LAUNCHES, name)
+    assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
+    assert plan.mesh.tp == CASES[name][2]["tp"]
+    assert report.ok, report.failure
+    assert len(report.parallel_losses) == STEPS and report.parallel_losses[-1] < report.parallel_losses[0]

@@ -1,0 +1,158 @@
+"""--compile on: the decision in the plan, its lowering, the applier under verify's fixed randomness, its price."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.cost.compiled import block_kernels, fused_ops
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.tables import CostTables, Runtime
+from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Pins
+from autoshard.ir.plan import Plan
+from autoshard.passes.lowering.lower import lower
+from autoshard.passes.planning import strategies
+from autoshard.pipeline import capture_graph
+from autoshard.runtime.compiled import apply_compile
+from autoshard.runtime.randomness import RandomOpNotFixed, fixed_randomness
+
+GPT = "examples/gpt.py:build"
+
+
+class Block(nn.Module):
+    def __init__(self, width=16, stochastic_depth=False):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.drop, self.stochastic_depth = nn.Dropout(0.5), stochastic_depth
+
+    def forward(self, x):
+        y = self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+        if self.stochastic_depth:
+            y = y * (torch.rand(x.shape[0], 1, 1) > 0.2)
+        return x + y
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks=3, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(**kw) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_compile_once_keep_their_names_and_run_with_dropout_fixed():
+    """Under verify's fixed randomness the compiled blocks are the eager ones with dropout the identity; the three
+    blocks share one compiled graph (no recompilation), and parameter names are unchanged."""
+    torch.manual_seed(0)
+    eager, compiled = Stack(), Stack()
+    compiled.load_state_dict(eager.state_dict())
+    names = [n for n, _ in compiled.named_parameters()]
+    apply_compile(compiled, ("layers.0", "layers.1", "layers.2"))
+    assert [n for n, _ in compiled.named_parameters()] == names
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(2, 4, 16, requires_grad=True)  # as a block's input is in a model (the embeddings' output)
+    with fixed_randomness():
+        want, got = eager(x), compiled(x)
+        got.sum().backward()
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["ok"] >= 1  # compiled, once
+    torch.testing.assert_close(got, want)
+    assert all(p.grad is not None for p in compiled.parameters())
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), compiled(x))  # outside verify dropout still draws
+
+
+def test_a_block_that_draws_random_numbers_is_refused_under_fixed_randomness():
+    torch._dynamo.reset()
+    model = apply_compile(Stack(blocks=1, stochastic_depth=True), ("layers.0",))
+    with fixed_randomness(), pytest.raises(RandomOpNotFixed, match="rand in layers.0 draws random numbers"):
+        model(torch.randn(2, 4, 16))
+
+
+@pytest.fixture(scope="module")
+def compiled_plan():
+    return autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3, recompute="full", compile=True)
+
+
+def test_the_plan_records_compile_and_lowers_it_between_recompute_and_fsdp(compiled_plan):
+    plan = compiled_plan
+    assert plan.decisions.compile and '"compile": true' in plan.to_json()
+    ops = [s.op for s in lower(plan)]
+    assert ops.index("apply_ac") < ops.index("apply_compile") < ops.index("apply_fsdp")
+    assert dict(lower(plan)[ops.index("apply_compile")].arguments)["blocks"] == plan.blocks
+    eager = autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3, recompute="full")
+    assert '"compile"' not in eager.to_json() and "apply_compile" not in [s.op for s in lower(eager)]
+    assert Plan.from_json(plan.to_json()).decisions.compile
+
+
+def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
+    text = compiled_plan.to_json().replace('"compile": true', '"compile": 1')
+    with pytest.raises(AutoshardError, match="decisions.compile"):
+        Plan.from_json(text)
+
+
+@pytest.mark.parametrize(
+    "pins, words",
+    [
+        (dict(pp=2), "--compile on with pipeline stages is not emitted yet"),
+        (dict(cp=2), "--compile on with --cp 2 is not emitted yet"),
+        (dict(ep=2), "--compile on with --ep 2 is not emitted yet"),
+        (dict(tp=2, recompute="full"), "--compile on with --tp 2 and --recompute full is not emitted yet"),
+        (
+            dict(tp=2, recompute="selective", sequence_parallel=True),
+            "--tp 2 and --sequence-parallel on and --recompute selective",
+        ),
+    ],
+)
+def test_compile_where_it_is_not_emitted_is_one_line(pins, words):
+    cluster = load_cluster("local-cpu", devices_per_node=4)
+    with pytest.raises(AutoshardError, match=words):
+        strategies.check_pins(Pins(compile=True, **pins), cluster, 8)
+
+
+def test_the_search_never_turns_compile_on_and_keeps_it_off_tp_with_full_recompute():
+    plan = autoshard.plan(GPT, devices_per_node=2, global_batch=8)
+    assert not plan.decisions.compile
+    tp = autoshard.plan(
+        GPT, cluster="tests/clusters/fast_link_cpu.yaml", devices_per_node=2, global_batch=8, tp=2, compile=True
+    )
+    assert tp.decisions.compile and tp.recompute in ("none", "selective")
+    assert not (tp.recompute == "selective" and any("seq" in s for s in tp.tensor_parallel.values()))
+
+
+def test_compiled_blocks_are_priced_with_fused_kernels_on_gpus_only(compiled_plan):
+    """On a GPU a compiled plan moves fewer bytes and launches fewer kernels than eager (cost.compiled); on CPU ranks
+    the fused roofline prices both the same. Fusion: a block's elementwise run (norm, gelu, dropout, residual add)
+    becomes few kernels, each reading only what enters it."""
+    graph = capture_graph(GPT, use_cache=True)[1]
+    fused = fused_ops(graph)
+    block = graph.blocks[0]
+    ops = [graph.node(n) for n in block.node_names]
+    eager_kernels = sum(1 for n in ops if n.bytes_read or n.bytes_written)
+    assert 0 < block_kernels(graph)[block.path] < eager_kernels
+    fused_bytes = sum(fused[n.name].read_bytes + fused[n.name].written_bytes for n in ops if n.name in fused)
+    assert 0 < fused_bytes < sum(n.bytes_read + n.bytes_written for n in ops if n.name in fused)
+    gpu = load_cluster("dgx-h100")
+    tables = CostTables(graph, gpu, Runtime.for_cluster(gpu, graph))
+    eager_units, compiled_units = tables.units(4, "none", None, False), tables.units(4, "none", None, True)
+    assert sum(compiled_units.compute_s) < sum(eager_units.compute_s)
+    assert compiled_units.saved_bytes == eager_units.saved_bytes  # memory priced as eager
+    cpu = load_cluster("local-cpu", devices_per_node=2)
+    cpu_tables = CostTables(graph, cpu)
+    assert cpu_tables.units(4, "none", None, True) == cpu_tables.units(4, "none", None, False)
+
+
+def test_the_compile_flag_is_on_plan_and_estimate():
+    for command in ("plan", "estimate"):
+        out = subprocess.run(
+            [sys.executable, "-m", "autoshard", command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "--compile {on,off}" in out
