@@ -3,6 +3,7 @@
     python benchmarks/bench_published.py            # every row: markdown table, writes benchmarks/results/published.json
     python benchmarks/bench_published.py --json     # the same results as JSON on stdout
     python benchmarks/bench_published.py --no-float8-layouts   # skip the bf16 layouts of float8 runs (the slow 405B ones)
+    python benchmarks/bench_published.py --fit      # the Grand Teton matmul efficiency the fitting rows imply
 
 A row is one published measurement: where it is published, the configuration that ran (model shape,
 GPUs, dp / tp / pp / cp, ZeRO or FSDP, micro-batch, global batch, sequence length, recompute, pipeline
@@ -12,15 +13,18 @@ that program today. A row autoshard can write down carries its ``autoshard estim
 (``Run.estimate_args``, the pattern of ``benchmarks/bench_megatron.py``, whose ``Row`` records the
 Megatron-LM rows here are built from); one it cannot carries the reason. Each command runs as a user
 runs it: a subprocess of the ``autoshard`` CLI reading its ``--json`` (the same arguments go through
-``autoshard.cli.main`` in-process in tests/test_published_rows.py). Nothing is fitted here.
+``autoshard.cli.main`` in-process in tests/test_published_rows.py). One constant is fitted, on the declared
+fitting rows only (``FIT``, ``fit_matmul_efficiency``): the matmul efficiency of torchtitan's 500 W Grand Teton
+H100s, which no measurement here can reach (the power cap sets a GEMM's clock; ``--fit`` re-derives it).
 
 What a row's prediction means (``Run.status``):
 
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
-                 eager bf16 program for torchtitan's eager FSDP rows; ``--runtime megatron-lm`` for
-                 Megatron-LM's). Only these rows make the headline error.
-    compile      the configuration in bf16, but the run used torch.compile (and, where it says, async
-                 TP), which autoshard's programs do not; priced as autoshard's eager program.
+                 eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
+                 the bf16 torch.compile FSDP rows; ``--runtime megatron-lm`` for Megatron-LM's). Only these
+                 rows make the headline error.
+    compile      the configuration in bf16 under torch.compile, with what autoshard's programs do not have
+                 (loss parallelism, async TP); priced as autoshard's eager program.
     float8       the run used float8 matmuls (torchao), which the cost model cannot express; the bf16
                  layout is priced for reference (memory is close: torchao's table moves 0.1 GiB between
                  bf16 and float8), its time is not a prediction of the run.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -249,7 +254,11 @@ CP_WITH_PP = (
     "context parallelism with pipeline stages: `autoshard estimate` refuses --cp > 1 with "
     "--pp > 1 (not emitted yet); and float8",
 )
-COMPILE_REASON = "torch.compile: autoshard's programs and its GPU cost model are eager"
+COMPILE_REASON = "loss parallelism (and, where named, async TP): not in autoshard's programs; priced eager"
+COMPILED_8B_REASON = (
+    "as run (--compile on: each block compiled) but for the recompute policy: torchtitan's 'op' selective AC "
+    "saves every other matmul output, autoshard's selective all of them"
+)
 FSDP = "FSDP2 (ZeRO-3)"
 
 
@@ -278,6 +287,7 @@ def _tt(
     cuts=(),
     v=1,
     extra_needs=(),
+    compiled=False,
 ) -> Run:
     needs = tuple(techniques) + tuple(extra_needs) + (("sequence parallel with PP",) if tp > 1 and pp > 1 else ())
     priced = status != "not priced"
@@ -285,10 +295,11 @@ def _tt(
     sched = schedule if pp > 1 else "none"
     args = (
         llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
+        + (("--compile", "on") if compiled else ())
         if priced
         else ()
     )
-    missing = [t for t in needs if t not in ("FSDP2", "TP", "PP", "CP", "eager bf16")]
+    missing = [t for t in needs if t not in ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")]
     emits = "yes" if not missing else "no: " + ", ".join(missing)
     return Run(
         name,
@@ -327,7 +338,16 @@ def torchtitan_rows() -> list[Run]:
         common = (f"{TT_2412}, {table}", "llama3_8b", gpus, gpus, 1, 1, 1, 2, 2 * gpus, 8192, SAC, "none")
         rows += [
             _tt(f"tt-8b-{gpus}g-eager", *common, ("FSDP2", "eager bf16"), e_tps, e_mem, "as run", EAGER_8B_REASON),
-            _tt(f"tt-8b-{gpus}g-compile", *common, ("FSDP2", "torch.compile"), c_tps, c_mem, "compile", COMPILE_REASON),
+            _tt(
+                f"tt-8b-{gpus}g-compile",
+                *common,
+                ("FSDP2", "torch.compile"),
+                c_tps,
+                c_mem,
+                "as run",
+                COMPILED_8B_REASON,
+                compiled=True,
+            ),
             _tt(
                 f"tt-8b-{gpus}g-fp8",
                 *common,
@@ -569,7 +589,7 @@ def torchao_rows() -> list[Run]:
                     "AMD MI300X (ROCm): no cluster file here describes it" + ("; and float8" if fp8 else ""),
                 )
             else:
-                status, reason = ("float8", FLOAT8_REASON) if fp8 else ("compile", COMPILE_REASON)
+                status, reason = ("float8", FLOAT8_REASON) if fp8 else ("as run", COMPILED_8B_REASON)
             rows.append(
                 _tt(
                     f"ao-8b-{gpu}-{q}",
@@ -592,6 +612,7 @@ def torchao_rows() -> list[Run]:
                     reason,
                     hardware=hw,
                     cluster=cluster or "-",
+                    compiled=not fp8 and cluster is not None,
                 )
             )
     return rows
@@ -639,9 +660,9 @@ def all_rows() -> tuple[Run, ...]:
 ROWS = all_rows()
 BY_NAME = {r.name: r for r in ROWS}
 HELD_OUT_ALWAYS = ("tt-8b-8g-eager", "tt-8b-128g-eager")
-# Rows a future fit may use (none is used now): the three Megatron-LM rows NUMBERS.md gave to calibrate
-# the A100 preset (already used to build it), and the bf16 torch.compile runs, from which a compiled-
-# runtime description could be fitted. Everything else is held out.
+# The fitting set: the three Megatron-LM rows NUMBERS.md gave to calibrate the A100 preset (already used to
+# build it) and the bf16 torch.compile runs. One constant is fitted on it (``fit_matmul_efficiency``): the Grand
+# Teton cluster file's matmul efficiency, on GRAND_TETON_FIT. Everything else is held out.
 FIT = (
     "megatron-1.7B",
     "megatron-18.4B",
@@ -652,6 +673,37 @@ FIT = (
     "tt-async-70b-256g-bf16-tp",
     "tt-async-8b-64g-bf16-tp",
 )
+
+
+GRAND_TETON_FIT = ("tt-8b-8g-compile", "tt-8b-128g-compile")  # the as-run fitting rows on the Grand Teton file
+FIT_PROBES = (0.8, 0.5)  # two matmul efficiencies each fitting row is priced at
+
+
+def fit_matmul_efficiency(rows: tuple[str, ...] = GRAND_TETON_FIT) -> tuple[float, dict[str, float]]:
+    """The Grand Teton file's matmul efficiency η that the fitting rows' published steps imply, and each row's.
+
+    A step priced at η is t(η) = a + b/η (matmuls and attention scale with 1/η; the memory-bound kernels,
+    the host and exposed communication do not), so two prices at η₁, η₂ give a and b, and the row's
+    η = b / (t_published − a). The file takes their mean, rounded to 3 digits."""
+    import tempfile
+
+    text = (ROOT / GRAND_TETON).read_text()
+    implied = {}
+    with tempfile.TemporaryDirectory() as folder:
+        clusters = []
+        for eta in FIT_PROBES:
+            path = Path(folder) / f"eta{eta}.yaml"
+            path.write_text(re.sub(r"(?m)^  matmul_efficiency: .*$", f"  matmul_efficiency: {eta}", text))
+            clusters.append(str(path))
+        for name in rows:
+            run = BY_NAME[name]
+            args = run.estimate_args()
+            at = args.index("--cluster") + 1
+            t1, t2 = (run_estimate([*args[:at], c, *args[at + 1 :]])[0]["predicted"]["step_time_s"] for c in clusters)
+            b = (t2 - t1) / (1 / FIT_PROBES[1] - 1 / FIT_PROBES[0])
+            a = t1 - b / FIT_PROBES[0]
+            implied[name] = b / (run.published_step_s - a)
+    return round(sum(implied.values()) / len(implied), 3), implied
 
 
 def run_estimate(args: list[str]) -> tuple[dict, float]:
@@ -786,7 +838,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="keep the output file's predictions of rows whose command is unchanged; price the rest",
     )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="print the Grand Teton file's matmul efficiency the fitting rows imply (fit_matmul_efficiency) and stop",
+    )
     args = parser.parse_args(argv)
+    if args.fit:
+        eta, implied = fit_matmul_efficiency()
+        print(json.dumps({"matmul_efficiency": eta, "implied_by_row": implied}, indent=2))
+        return
     plans: dict[tuple[str, ...], tuple[dict, float]] = {}  # one estimate per distinct command
     if args.reuse and args.output.exists():
         for old in json.loads(args.output.read_text())["rows"]:
