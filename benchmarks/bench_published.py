@@ -294,8 +294,9 @@ def _tt(
     ar = "selective" if recompute.startswith("selective") else "full"
     sched = schedule if pp > 1 else "none"
     args = (
-        llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
-        + (("--compile", "on") if compiled else ())
+        _with_compile(llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v))
+        if priced and compiled
+        else llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
         if priced
         else ()
     )
@@ -325,6 +326,11 @@ def _tt(
         memory_gib=mem,
         args=args,
     )
+
+
+def _with_compile(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``autoshard estimate`` arguments with ``--compile on`` before the closing ``--json``."""
+    return (*args[:-1], "--compile", "on", args[-1])
 
 
 def torchtitan_rows() -> list[Run]:

@@ -91,3 +91,21 @@ def test_torchtitans_8b_row_runs_through_the_cli_as_published(in_repo_module):
     assert plan["cluster"]["name"] == "grand-teton-h100" and plan["cluster"]["device"]["memory_bytes"] == 96 * 2**30
     assert plan["cluster"]["device"]["memory_bandwidth_gbps"] == 2150
     assert p["step_time_s"] > 0 and p["memory_peak_bytes_per_rank"] > 0
+
+
+def test_the_compiled_fsdp_rows_are_priced_as_run_with_compile_and_the_fitted_constant_comes_from_the_fit_rows():
+    """The bf16 torch.compile FSDP rows are priced with --compile on; the Grand Teton file's matmul efficiency is
+    what its declared fitting rows imply (``fit_matmul_efficiency``), and those rows are in the fitting set, never
+    the held-out eager ones."""
+    import re
+
+    from benchmarks.bench_published import GRAND_TETON, GRAND_TETON_FIT, ROOT, fit_matmul_efficiency
+
+    for name in ("tt-8b-8g-compile", "tt-8b-128g-compile", "ao-8b-h100-bf16"):
+        args = BY_NAME[name].estimate_args()
+        assert BY_NAME[name].status == "as run" and args[-3:] == ["--compile", "on", "--json"], name
+    assert set(GRAND_TETON_FIT) <= set(FIT) and not set(GRAND_TETON_FIT) & set(HELD_OUT_ALWAYS)
+    eta, implied = fit_matmul_efficiency()
+    assert set(implied) == set(GRAND_TETON_FIT) and all(0.3 < v < 0.8 for v in implied.values())
+    written = re.search(r"(?m)^  matmul_efficiency: (\S+)$", (ROOT / GRAND_TETON).read_text()).group(1)
+    assert float(written) == eta
