@@ -241,10 +241,7 @@ SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
 }
 LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
-EAGER_8B_REASON = (
-    "as run but for the recompute policy: torchtitan's 'op' selective AC saves every other matmul "
-    "output, autoshard's selective all of them (more memory, no matmul recompute)"
-)
+EAGER_8B_REASON = "as run: eager bf16 FSDP2, torchtitan's 'op' selective AC as --recompute alternate"
 FLOAT8_REASON = (
     "float8 matmuls (torchao Float8Linear) are not in autoshard's cost model or programs; the "
     "same layout in bf16 is priced for reference"
@@ -256,8 +253,8 @@ CP_WITH_PP = (
 )
 COMPILE_REASON = "loss parallelism (and, where named, async TP): not in autoshard's programs; priced eager"
 COMPILED_8B_REASON = (
-    "as run (--compile on: each block compiled) but for the recompute policy: torchtitan's 'op' selective AC "
-    "saves every other matmul output, autoshard's selective all of them"
+    "as run: bf16 FSDP2 with each block compiled (--compile on), torchtitan's 'op' selective AC as --recompute "
+    "alternate"
 )
 FSDP = "FSDP2 (ZeRO-3)"
 
@@ -291,7 +288,8 @@ def _tt(
 ) -> Run:
     needs = tuple(techniques) + tuple(extra_needs) + (("sequence parallel with PP",) if tp > 1 and pp > 1 else ())
     priced = status != "not priced"
-    ar = "selective" if recompute.startswith("selective") else "full"
+    # torchtitan's 'op' selective AC is autoshard's --recompute alternate (runtime.selective: the same policy)
+    ar = "alternate" if recompute.startswith("selective") else "full"
     sched = schedule if pp > 1 else "none"
     args = (
         _with_compile(llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v))
@@ -748,8 +746,31 @@ def result(run: Run, plan: dict | None, wall: float | None) -> dict:
         "fit_note": plan.get("fit_note", ""),
         "step_error": step / run.published_step_s - 1,
     }
-    if run.memory_gib is not None:
-        out["memory_error"] = out["predicted_memory_gib"] / run.memory_gib - 1
+    return out
+
+
+def fit_reserve(results: list[dict]) -> float:
+    """max_reserved over the plan's peak: the mean of published / predicted memory over the fitting rows priced as
+    run that publish memory (torchtitan logs ``max_reserved``, the caching allocator's reserve; a plan's peak is
+    what is allocated, plus ``rank_memory.ALLOCATOR_SLACK``). Rounded to 3 digits; fitted on ``FIT`` rows only."""
+    ratios = [
+        r["memory_gib"] / r["predicted_memory_gib"]
+        for r in results
+        if r["fit"] and r["status"] == "as run" and r.get("memory_gib") and r.get("predicted_memory_gib")
+    ]
+    return round(sum(ratios) / len(ratios), 3) if ratios else 1.0
+
+
+def with_reserve(results: list[dict], reserve: float) -> list[dict]:
+    """Each row's predicted reserve (its peak × ``reserve``) and the memory error against the published reserve."""
+    out = []
+    for r in results:
+        r = dict(r)
+        if r.get("predicted_memory_gib") is not None:
+            r["predicted_reserved_gib"] = r["predicted_memory_gib"] * reserve
+            if r.get("memory_gib") is not None:
+                r["memory_error"] = r["predicted_reserved_gib"] / r["memory_gib"] - 1
+        out.append(r)
     return out
 
 
@@ -782,8 +803,8 @@ def _f(x, fmt):
 def markdown(results: list[dict]) -> str:
     lines = [
         "| row | status | GPUs | dp·tp·pp·cp | mb / global × seq | AC | published tok/s/GPU | step s | GiB "
-        "| predicted tok/s/GPU | step s | GiB | step error | memory error | fit |",
-        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| predicted tok/s/GPU | step s | GiB (peak) | GiB (reserve) | step error | memory error | fit |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         tps = r["tokens_per_gpu_s"] or r["global_batch"] * r["seq"] / (r["gpus"] * r["published_step_s"])
@@ -802,6 +823,7 @@ def markdown(results: list[dict]) -> str:
                     _f(r.get("predicted_tokens_per_gpu_s"), ",.0f"),
                     _f(r.get("predicted_step_s"), ".2f"),
                     _f(r.get("predicted_memory_gib"), ".1f"),
+                    _f(r.get("predicted_reserved_gib"), ".1f"),
                     _f(r.get("step_error"), "+.1%"),
                     _f(r.get("memory_error"), "+.1%"),
                     "fit" if r["fit"] else "",
@@ -823,7 +845,7 @@ def summary_lines(sums: dict) -> list[str]:
         )
         if s.get("memory_rows"):
             line += (
-                f"; peak-memory MAPE {s['memory_mape']:.1%} over {s['memory_rows']} rows, worst "
+                f"; reserved-memory MAPE {s['memory_mape']:.1%} over {s['memory_rows']} rows, worst "
                 f"{s['worst_memory']['name']} {s['worst_memory']['error']:+.1%}"
             )
         out.append(line)
@@ -886,6 +908,8 @@ def main(argv: list[str] | None = None) -> None:
             results.append(result(run, None, None) | {"error": plan["error"]})
         else:
             results.append(result(run, plan, wall))
+    reserve = fit_reserve(results)
+    results = with_reserve(results, reserve)
     sums = {status: summary(results, status) for status in ("as run", "compile")}
     import torch
 
@@ -897,6 +921,7 @@ def main(argv: list[str] | None = None) -> None:
             ["python", "benchmarks/bench_published.py", *(argv if argv is not None else sys.argv[1:])]
         ),
         "fit": list(FIT),
+        "reserved_over_peak": reserve,
         "summary": sums,
         "rows": results,
     }
@@ -907,6 +932,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(markdown(results))
         print()
+        print(f"reserve: max_reserved / plan peak = {reserve} (fitted on the fitting rows that publish memory)")
         for line in summary_lines(sums):
             print(line)
     failed = [r for r in results if "error" in r]

@@ -17,6 +17,8 @@ batch b₀ in ``captured_bytes`` per element, trained with ``a`` bytes per eleme
 
     none       A_block · (b/b₀) · (a/captured)        every non-alias output kept
     selective  A_saved · (b/b₀) · (a/captured)        the block input and outputs of matmul-class ops kept
+    alternate  the same less the outputs of every other weight matmul (the 2nd, 4th, ... in block order) and of
+               the batched matmuls (torchtitan's op-level policy, ``runtime.selective``)
     full       I_block · (b/b₀) · (a/captured)        only the block input kept
 
 plus, under recompute, the workspace of one block while it is recomputed in backward: what
@@ -161,9 +163,31 @@ def block_saved_bytes(
     its activations at ``ratio`` (trained over captured bytes per element), on a TP rank of ``share``."""
     if recompute == "full":
         return block_input_bytes(graph, block, ratio, share)
-    if recompute == "selective":
-        return block_input_bytes(graph, block, ratio, share) + sum(_selective_kept(graph, block, ratio, share).values())
+    if recompute in ("selective", "alternate"):
+        kept = _kept_by_policy(graph, block, recompute, ratio, share)
+        return block_input_bytes(graph, block, ratio, share) + sum(kept.values())
     return sum(_block_saved(graph, block, ratio, share=share).values())
+
+
+def alternate_recomputed(graph: OpGraph, block: Block) -> frozenset[str]:
+    """The matmul-class ops of ``block`` whose outputs "alternate" recomputes and "selective" keeps: every other
+    weight matmul in block order (the 2nd, 4th, ...; ``runtime.selective`` counts ``mm`` / ``addmm`` as they run),
+    and the matmuls of two activations (``bmm``; kept by neither torchtitan's policy nor this one)."""
+
+    def compute():
+        matmuls = [graph.node(n) for n in block.node_names if op_name(graph.node(n).target) in MATMUL_OPS]
+        weights = [n.name for n in matmuls if n.param_inputs]
+        return frozenset(weights[1::2] + [n.name for n in matmuls if not n.param_inputs])
+
+    return graph.derived(("alternate_recomputed", block.path), compute)
+
+
+def _kept_by_policy(graph: OpGraph, block: Block, recompute: str, ratio: float, share: RankShare) -> dict[str, int]:
+    kept = _selective_kept(graph, block, ratio, share)
+    if recompute == "alternate":
+        dropped = alternate_recomputed(graph, block)
+        kept = {key: nbytes for key, nbytes in kept.items() if key not in dropped}
+    return kept
 
 
 def block_input_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
@@ -177,11 +201,11 @@ def block_workspace_bytes(
     graph: OpGraph, block: Block, recompute: str, ratio: float = 1.0, share: RankShare = WHOLE
 ) -> int:
     """Bytes the recomputed forward of one block keeps again for its backward, at the captured batch:
-    all it keeps without recompute (full), that less what selective recompute kept (selective)."""
+    all it keeps without recompute (full), that less what selective (or alternate) recompute kept."""
     if recompute == "none":
         return 0
     saved = _block_saved(graph, block, ratio, share=share)
-    kept = _selective_kept(graph, block, ratio, share) if recompute == "selective" else {}
+    kept = _kept_by_policy(graph, block, recompute, ratio, share) if recompute in ("selective", "alternate") else {}
     return sum(nbytes for key, nbytes in saved.items() if key not in kept)
 
 

@@ -84,7 +84,13 @@ from typing import Any
 
 import sympy
 
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, Precision, block_saved_bytes, non_block_saved_bytes
+from autoshard.cost.memory import (
+    COMPUTE_HEAVY_TARGETS,
+    Precision,
+    alternate_recomputed,
+    block_saved_bytes,
+    non_block_saved_bytes,
+)
 from autoshard.cost.parts import StepParts
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK
 from autoshard.cost.tables import CostTables
@@ -491,6 +497,13 @@ def _kept_nodes(graph: OpGraph, recompute: str, in_block: set[str]) -> list[OpNo
         return list(graph.nodes)
     if recompute == "selective":
         return [n for n in graph.nodes if n.name not in in_block or n.target.startswith(COMPUTE_HEAVY_TARGETS)]
+    if recompute == "alternate":
+        again = {n for b in graph.blocks for n in alternate_recomputed(graph, b)}
+        return [
+            n
+            for n in graph.nodes
+            if n.name not in in_block or (n.target.startswith(COMPUTE_HEAVY_TARGETS) and n.name not in again)
+        ]
     return [n for n in graph.nodes if n.name not in in_block]
 
 

@@ -13,7 +13,8 @@ Per unit u, for a micro-batch of b samples (captured at b₀; t_fwd from
 by the given kernel; ``node_forward_s``)::
 
     fwd(u) = Σ_{n∈u} t_fwd(n)          bwd(u) = 2·fwd(u)
-    recompute(u) = fwd(u) (full) | Σ_{n∈u, not matmul-class} t_fwd(n) (selective) | 0   (blocks only)
+    recompute(u) = fwd(u) (full) | Σ_{n∈u, not matmul-class} t_fwd(n) (selective; alternate adds the matmuls
+                   it recomputes, ``memory.alternate_recomputed``) | 0   (blocks only)
     params(u) = Σ numel of the distinct parameters u's nodes read (a tied weight counts in every
                 unit that reads it: ``pipeline()`` gives each stage its own copy)
     saved(u)  = block_saved_bytes(block, recompute) for blocks, the outputs of the prefix / suffix
@@ -67,6 +68,7 @@ from autoshard.cost.compute import (
 )
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
+    alternate_recomputed,
     block_backward_bytes,
     block_saved_bytes,
     block_workspace_bytes,
@@ -286,12 +288,13 @@ def unit_costs(
         autocast,
         compiled,
     )
+    rerun = alternate_reruns(graph) if recompute == "alternate" else frozenset()
     for node, u, t, b in zip(graph.nodes, units, node_forward_s(*args), node_backward_s(*args)):
         forward[u] += t
         backward[u] += b
-        if not node.target.startswith(COMPUTE_HEAVY_TARGETS):
+        if not node.target.startswith(COMPUTE_HEAVY_TARGETS) or node.name in rerun:
             light[u] += t
-    recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light}[recompute]
+    recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light, "alternate": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
     saved, workspace, backward_bytes = unit_activation_bytes(
         graph, microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels
@@ -409,18 +412,26 @@ def host_times(
     """Host seconds per unit of one micro-batch: forward, backward, recompute (module doc)."""
     count = len(graph.blocks) + 2
     ops, light = [0] * count, [0] * count
+    again = alternate_reruns(graph) if recompute == "alternate" else frozenset()
     for node, u in zip(graph.nodes, units):
         ops[u] += 1
-        light[u] += not node.target.startswith(COMPUTE_HEAVY_TARGETS)
+        light[u] += not node.target.startswith(COMPUTE_HEAVY_TARGETS) or node.name in again
     h_f, h_b = host.op_forward_us * 1e-6, host.op_backward_us * 1e-6
     if recompute == "full":
         rerun = [n * h_f + host.checkpoint_block_us * 1e-6 for n in ops]
-    elif recompute == "selective":
+    elif recompute in ("selective", "alternate"):
         rerun = [l_ * h_f + (n + l_) * host.selective_op_us * 1e-6 for n, l_ in zip(ops, light)]
     else:
         rerun = [0.0] * count
     rerun = [0.0] + rerun[1:-1] + [0.0] if graph.blocks else [0.0] * count  # blocks only, as recompute_s
     return [n * h_f for n in ops], [n * h_b for n in ops], rerun
+
+
+def alternate_reruns(graph: OpGraph) -> frozenset[str]:
+    """The matmul-class ops that "alternate" recomputes, over every block (``memory.alternate_recomputed``)."""
+    return graph.derived(
+        "alternate_reruns", lambda: frozenset().union(*(alternate_recomputed(graph, b) for b in graph.blocks))
+    )
 
 
 def compiled_host_times(graph: OpGraph, host_f: list[float], host_b: list[float]) -> tuple[list[float], list[float]]:

@@ -56,8 +56,12 @@ from autoshard.errors import AutoshardError
 
 # The names the decisions take (``plan.json`` holds them; ``ir.plan_format`` re-exports them).
 ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE_MODES = ("none", "selective", "full")
-PLAN_RECOMPUTE = (*RECOMPUTE_MODES, "mixed")  # mixed: each block's own mode (Decisions.recompute_blocks)
+RECOMPUTE_MODES = ("none", "selective", "full")  # the modes the search chooses among (and per block, mixed)
+# alternate: torchtitan's op-level selective AC (its "op" option): attention kept and every other weight matmul's
+# output, the rest recomputed; priced and emitted where pinned (``--recompute alternate``), SPMD plans only
+ALTERNATE = "alternate"
+PIN_RECOMPUTE = (*RECOMPUTE_MODES, ALTERNATE)
+PLAN_RECOMPUTE = (*PIN_RECOMPUTE, "mixed")  # mixed: each block's own mode (Decisions.recompute_blocks)
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # backward split into input and weight gradients
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank in a V: rank r holds stages r and 2·pp − 1 − r
@@ -448,7 +452,7 @@ def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recom
     the DTensor parameters) and on sequence parallelism's gathered input under any recompute (wrong shapes)."""
     if mesh.pp > 1 or mesh.cp > 1 or ep > 1:
         return False
-    return mesh.tp == 1 or recompute == "none" or (recompute == "selective" and not sequence_parallel)
+    return mesh.tp == 1 or recompute == "none" or (recompute in ("selective", ALTERNATE) and not sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -555,8 +559,8 @@ def _zero_stage(value: Any, flag: str) -> int:
 
 
 def _recompute(value: Any, flag: str) -> str:
-    if value not in RECOMPUTE_MODES:
-        raise AutoshardError(f"{flag} {value} must be one of {', '.join(RECOMPUTE_MODES)}")
+    if value not in PIN_RECOMPUTE:
+        raise AutoshardError(f"{flag} {value} must be one of {', '.join(PIN_RECOMPUTE)}")
     return value
 
 
@@ -601,7 +605,16 @@ PINS: tuple[PinRow, ...] = (
         _zero_stage,
     ),
     PinRow("microbatch_size", "--microbatch-size", int, "pin the samples per rank in each micro-batch", _positive),
-    PinRow("recompute", "--recompute", str.lower, "pin recompute", _recompute, choices=RECOMPUTE_MODES),
+    PinRow(
+        "recompute",
+        "--recompute",
+        str.lower,
+        "pin recompute: none; selective (keep every matmul and attention output, recompute the rest); alternate "
+        "(torchtitan's op-level policy: keep attention and every other weight matmul's output); full (keep each "
+        "block's input)",
+        _recompute,
+        choices=PIN_RECOMPUTE,
+    ),
     PinRow(
         "schedule",
         "--schedule",

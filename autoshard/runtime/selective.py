@@ -2,8 +2,11 @@
 
 "selective" keeps the outputs of the ops that cost FLOPs (matmuls, attention) or communication (the
 traced TP collectives of pipeline stages) and recomputes the
-cheap ones (norms, activations, dropout, reshapes) in backward; "full" keeps only the region's
-inputs. Shared by block recompute (``runtime.parallel.apply_recompute``) and recompute inside
+cheap ones (norms, activations, dropout, reshapes) in backward; "alternate" is torchtitan's op-level policy
+(its ``selective_ac_option = "op"``, ``torchtitan/models/llama3/infra/parallelize.py``): it keeps attention and
+every other weight matmul (``mm`` / ``addmm`` as they run: the 1st, 3rd, ... of each region, counted apart in
+the forward and in the recomputation) and recomputes the rest, batched matmuls included; "full" keeps only the
+region's inputs. Shared by block recompute (``runtime.parallel.apply_recompute``) and recompute inside
 pipeline stages (``runtime.stage_recompute``).
 """
 
@@ -32,11 +35,39 @@ SAVE_IN_SELECTIVE = {
 }
 
 
+# alternate (module doc): the 2-D matmuls counted, every other one kept; attention and the TP collectives kept
+COUNTED_IN_ALTERNATE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+SAVE_IN_ALTERNATE = (
+    SAVE_IN_SELECTIVE
+    - COUNTED_IN_ALTERNATE
+    - {
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.linear.default,
+    }
+)
+
+
 def selective_kwargs(mode: str) -> dict:
-    """checkpoint()'s keyword arguments for a recompute mode: a context_fn for "selective", none for "full"."""
+    """checkpoint()'s keyword arguments for a recompute mode: a context_fn for "selective" and "alternate", none
+    for "full"."""
     if mode == "selective":
         return {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
+    if mode == "alternate":
+        return {"context_fn": _alternate_context}
     return {}
+
+
+def _alternate_context():
+    """One region's run: its own matmul counts (checkpoint calls this once per forward of the region)."""
+    return create_selective_checkpoint_contexts(partial(_alternate_policy, {"forward": 0, "recompute": 0}))
+
+
+def _alternate_policy(counts: dict[str, int], ctx, op, *args, **kwargs):
+    if op in COUNTED_IN_ALTERNATE:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_IN_ALTERNATE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

@@ -28,6 +28,7 @@ CASES = {  # name: (ranks, steps)
     **{name: (ranks, 3) for name, (_, _, ranks) in DP_ZERO.items()},
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
+    "llama-alternate-zero3-2": (2, 3),
     **{
         name: (2, 3)
         for name in (
@@ -100,6 +101,16 @@ def _plan(name):
             microbatch_size=1 if zero % 2 else None,
             recompute={0: "none", 1: "full", 2: "selective", 3: "full"}[zero],
         )
+    if name == "llama-alternate-zero3-2":  # torchtitan's op-level policy (runtime.selective)
+        return autoshard.plan(
+            MODELS["llama"],
+            cluster="local-cpu",
+            devices_per_node=2,
+            global_batch=8,
+            dp=2,
+            zero=3,
+            recompute="alternate",
+        )
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -113,6 +124,7 @@ def _case_of(test, params):
     return {
         "test_verify_eight_ranks_zero3": "eight-ranks-zero3",
         "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute",
+        "test_verify_alternate_recompute": "llama-alternate-zero3-2",
     }.get(test)
 
 
@@ -144,6 +156,14 @@ def test_verify_eight_ranks_zero3(verified):
     plan, report = verified("eight-ranks-zero3")
     assert plan.mesh.dp == 8
     assert report.ok, report.failure
+
+
+def test_verify_alternate_recompute(verified):
+    """--recompute alternate (attention and every other weight matmul kept) trains like one process."""
+    plan, report = verified("llama-alternate-zero3-2")
+    assert plan.recompute == "alternate" and plan.zero_stage == 3
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
 
 
 def test_verify_mixed_recompute_chosen_under_memory_pressure(verified):

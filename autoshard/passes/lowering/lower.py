@@ -242,6 +242,8 @@ def _ep_why(plan: Plan) -> str:
 _RECOMPUTE_WHY = {
     "full": "keep only each block's input; recompute the block in backward",
     "selective": "keep matmul and attention outputs; recompute the cheap ops",
+    "alternate": "keep attention and every other weight matmul's output (torchtitan's op-level policy); recompute "
+    "the rest",
     "mixed": "each block its own mode, the least recompute that fits (full: keep only the input; "
     "selective: keep matmul and attention outputs)",
 }

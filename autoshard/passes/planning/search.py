@@ -76,7 +76,7 @@ from autoshard.passes.planning.strategies import legal_tp_degrees, pinned_cuts, 
 from autoshard.passes.planning.tp_layout import hand_tp_layout
 
 MAX_ALTERNATIVES = 12
-RECOMPUTE_ORDER = ("none", "mixed", "selective", "full")  # ties go to less recompute
+RECOMPUTE_ORDER = ("none", "mixed", "selective", "alternate", "full")  # ties go to less recompute
 MESH_RIVALS = 6  # meshes pruned by their bound that are still priced once, for the alternatives table
 GIB = 2**30
 StageCutsPin = str | tuple[int, ...] | None  # ir.decisions.Pins.stage_cuts

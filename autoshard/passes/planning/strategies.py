@@ -14,6 +14,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
           FSDP2 shards over the g ranks of a node and all-reduces across nodes; also dp_replicate = 1
     EP (models with expert groups, ``passes.capturing.experts``): ep | dp and ep | E of every group, tp = 1,
           dp_replicate = 1; also ep = 1 (``ep_degrees``)
+    recompute: none | selective | full, and alternate (torchtitan's op-level policy) where pinned, pp = 1 only
     pp > 1: recompute none | selective | full, one mode for all blocks (``runtime.stage_recompute``;
             per-block mixed stays pp = 1's, ``passes.planning.recompute``); m ≥ pp; schedule gpipe |
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
@@ -43,6 +44,8 @@ from dataclasses import replace
 from autoshard.cost.units import node_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
+    ALTERNATE,
+    PIN_RECOMPUTE,
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -106,6 +109,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_sequence_parallel(pins)
     _check_precision(pins)
     _check_compile(pins)
+    _check_alternate(pins)
 
 
 def fp16_runs(c: Decisions) -> bool:
@@ -130,6 +134,16 @@ def _check_precision(pins: Pins) -> None:
                 f"--precision fp16 with {flag} {value} is not emitted yet (the loss scaler is "
                 f"verified over data parallelism only); pin {flag} 1 or --precision bf16"
             )
+
+
+def _check_alternate(pins: Pins) -> None:
+    """--recompute alternate where it is emitted: SPMD plans (a pipeline stage recomputes its blocks' regions by
+    selective or full policies only, ``runtime.stage_recompute``)."""
+    if pins.recompute == ALTERNATE and pins.wants_pipeline:
+        raise AutoshardError(
+            "--recompute alternate with pipeline stages is not emitted yet (stages recompute selective or full); "
+            "pin --pp 1, or --recompute selective or full"
+        )
 
 
 def _check_compile(pins: Pins) -> None:
@@ -661,7 +675,8 @@ def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> t
 def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> list[Decisions]:
     per_rank = global_batch // mesh.dp
     zeros = [z for z in zero_stages(mesh) if pins.zero_stage in (None, z)]
-    recomputes = [r for r in RECOMPUTE_MODES if pins.recompute in (None, r)]
+    recomputes = [pins.recompute] if pins.recompute else list(RECOMPUTE_MODES)  # alternate only where pinned
+    recomputes = [r for r in recomputes if r != ALTERNATE or mesh.pp == 1]  # _check_alternate
     out = []
     for schedule, v in schedule_choices(mesh, blocks, pins):
         for b in microbatch_sizes(per_rank, pins.microbatch_size, mesh.pp):
@@ -688,7 +703,7 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
             SCHEDULES.index(c.schedule),
             c.zero_stage,
             -c.microbatch_size,
-            RECOMPUTE_MODES.index(c.recompute),
+            PIN_RECOMPUTE.index(c.recompute),
         ),
     )
 

@@ -1,0 +1,73 @@
+"""--recompute alternate: torchtitan's op-level selective policy, emitted and priced beside autoshard's selective."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+import autoshard
+from autoshard.cost.hardware import load_cluster
+from autoshard.cost.memory import alternate_recomputed, block_saved_bytes, block_workspace_bytes
+from autoshard.cost.saved import MATMUL_OPS
+from autoshard.cost.tables import CostTables
+from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Pins
+from autoshard.ir.names import op_name
+from autoshard.ir.plan import Plan
+from autoshard.passes.planning import strategies
+from autoshard.pipeline import capture_graph
+from autoshard.runtime.selective import _alternate_context, _alternate_policy
+
+LLAMA = "tests/models/hf_llama.py:build"
+MM, ADDMM, BMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default
+SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+class Ctx:
+    def __init__(self, is_recompute):
+        self.is_recompute = is_recompute
+
+
+def test_the_policy_keeps_attention_and_every_other_weight_matmul_counted_apart_in_forward_and_recompute():
+    counts = {"forward": 0, "recompute": 0}
+    ops = [MM, ADDMM, SDPA, MM, BMM, MM, torch.ops.aten.gelu.default, ADDMM]
+    forward = [_alternate_policy(counts, Ctx(False), op) for op in ops]
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert forward == [save, again, save, save, again, again, again, save]
+    assert [_alternate_policy(counts, Ctx(True), op) for op in ops] == forward  # the recompute makes the same choices
+    assert _alternate_context() is not _alternate_context()  # each region's run counts from one
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return capture_graph(LLAMA, use_cache=True)[1]
+
+
+def test_alternate_keeps_between_full_and_selective_and_recomputes_every_other_weight_matmul(llama):
+    for block in llama.blocks:
+        weights = [
+            n for n in block.node_names if op_name(llama.node(n).target) in MATMUL_OPS and llama.node(n).param_inputs
+        ]
+        assert len(weights) >= 7  # q, k, v, o, gate, up, down
+        assert set(weights[1::2]) <= alternate_recomputed(llama, block)
+        assert not set(weights[0::2]) & alternate_recomputed(llama, block)
+        saved = {mode: block_saved_bytes(llama, block, mode) for mode in ("full", "alternate", "selective", "none")}
+        assert saved["full"] < saved["alternate"] < saved["selective"] <= saved["none"]
+        work = {mode: block_workspace_bytes(llama, block, mode) for mode in ("selective", "alternate", "full")}
+        assert work["selective"] < work["alternate"] <= work["full"]
+
+
+def test_alternate_recomputes_more_than_selective_and_less_than_full(llama):
+    tables = CostTables(llama, load_cluster("dgx-h100"))
+    rerun = {mode: sum(tables.units(4, mode).recompute_s) for mode in ("selective", "alternate", "full")}
+    assert rerun["selective"] < rerun["alternate"] < rerun["full"]
+
+
+def test_alternate_is_pinned_not_searched_and_refused_with_pipeline_stages():
+    cluster = load_cluster("local-cpu", devices_per_node=4)
+    with pytest.raises(AutoshardError, match="--recompute alternate with pipeline stages is not emitted yet"):
+        strategies.check_pins(Pins(recompute="alternate", pp=2), cluster, 8)
+    plan = autoshard.plan("examples/gpt.py:build", devices_per_node=2, global_batch=8, dp=2, recompute="alternate")
+    assert plan.recompute == "alternate" and plan.mesh.pp == 1
+    assert Plan.from_json(plan.to_json()).recompute == "alternate"
+    searched = autoshard.plan("examples/gpt.py:build", devices_per_node=2, global_batch=8, dp=2)
+    assert all(a.recompute != "alternate" for a in searched.review.alternatives)
