@@ -110,6 +110,8 @@ def decision_table(plan: Plan) -> Table:
         f"x {plan.microbatch_size}",
     )
     t.add_row("recompute", _recompute_text(plan))
+    if plan.decisions.compile:
+        t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
     sequence = sequence_text(plan)
     if sequence:
         t.add_row("sequence", sequence)
@@ -505,6 +507,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "HSDP replicas": str(plan.dp_replicate),
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
         "sequence": sequence_text(plan) or "whole on every rank",
+        "compiled blocks": "yes" if plan.decisions.compile else "no",
     }
     return rows
 

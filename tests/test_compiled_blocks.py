@@ -156,3 +156,14 @@ def test_the_compile_flag_is_on_plan_and_estimate():
             [sys.executable, "-m", "autoshard", command, "--help"], capture_output=True, text=True, check=True
         ).stdout
         assert "--compile {on,off}" in out
+
+
+def test_inspect_and_diff_say_the_blocks_are_compiled(compiled_plan, tmp_path):
+    from autoshard.show import decision_rows
+
+    assert decision_rows(compiled_plan)["compiled blocks"] == "yes"
+    compiled_plan.save(tmp_path / "p.json")
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "inspect", str(tmp_path / "p.json")], capture_output=True, text=True
+    ).stdout
+    assert "compiled" in out and "torch.compile" in out
