@@ -163,12 +163,22 @@ def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions])
 
 
 def capture_graph(
-    model_spec: str, fold: bool = True, seq_len: int | None = None, use_cache: bool = False
+    model_spec: str, fold: bool = True, seq_len: int | None = None, use_cache: bool = False, proofs: bool = True
 ) -> tuple[ModelFile, OpGraph]:
     """capture -> annotate -> unfold -> blocks, for tools that need only the graph (the capture cache
-    only where asked: its entries are what ``plan`` would capture)."""
+    only where asked: its entries are what ``plan`` would capture). ``proofs``: the TP proof at every degree
+    and the CP proof, for tools that read them; without, neither runs (a graph for the cost model's parts: a
+    later plan of the same model proves what it needs and adds it to the cache entry)."""
     done: list[str] = []
-    model_file, graph = capture_front(model_spec, done, fold, use_cache=use_cache, seq_len=seq_len, prove_cp=True)
+    model_file, graph = capture_front(
+        model_spec,
+        done,
+        fold,
+        use_cache=use_cache,
+        seq_len=seq_len,
+        prove_cp=proofs,
+        tp_degrees=None if proofs else (),
+    )
     return model_file, _later_graph_passes(graph, done)
 
 

@@ -72,9 +72,13 @@ def pins_of(config: Decisions) -> Pins:
 def config_key(config: Decisions) -> str:
     m = config.mesh
     sched = "" if config.schedule == "none" else f" {config.schedule}"
+    sched += f" v{config.virtual_stages}" if config.virtual_stages > 2 else ""  # 2 is the interleaved default
     experts = f" ep{config.ep}" if config.ep > 1 else ""
+    # sequence parallelism and compiled blocks apart: two plans must never share a key (their runs would merge)
+    extra = " sp" * config.sequence_parallel + " compiled" * config.compile
     return (
-        f"dp{m.dp} tp{m.tp} pp{m.pp}{experts} z{config.zero_stage} b{config.microbatch_size} {config.recompute}{sched}"
+        f"dp{m.dp} tp{m.tp} pp{m.pp}{experts} z{config.zero_stage} b{config.microbatch_size} {config.recompute}"
+        f"{sched}{extra}"
     )
 
 
@@ -104,6 +108,8 @@ def plan_key(plan) -> str:
             schedule=plan.schedule,
             virtual_stages=plan.virtual_stages,
             ep=plan.ep,
+            sequence_parallel=plan.sequence_parallel,
+            compile=plan.decisions.compile,
         )
     )
 
@@ -199,6 +205,8 @@ def run(args) -> dict:
         }
         for key, plan in plans
     ]
+    if args.output:  # the runs first: nothing after them (a calibration, a summary) may lose them
+        Path(args.output).write_text(json.dumps({"model": args.model, "ranks": args.ranks, "rows": rows}, indent=1))
     drift = {}
     if args.calibrate:  # again after the runs: how far the machine moved while they ran
         after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))

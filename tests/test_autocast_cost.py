@@ -22,7 +22,7 @@ H100 = PRESETS["dgx-h100"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    return capture_graph("benchmarks/llama3.py:llama3_tiny", use_cache=True)[1]
+    return capture_graph("benchmarks/llama3.py:llama3_tiny", use_cache=True, proofs=False)[1]
 
 
 def _matmul_weights(graph) -> dict[str, int]:
@@ -109,7 +109,7 @@ def test_a_convolutional_model_runs_its_convolutions_in_bf16_and_the_rest_as_pro
     """A model with no transformer in it (convolutions, BatchNorm, pooling): every node gets a traffic record,
     convolutions write bf16 (autocast's lower-precision list), and each fp32 weight a convolution reads is cast
     once; ops outside both lists keep their widest input's dtype."""
-    graph = capture_graph("tests/models/bn_cnn.py:build", use_cache=True)[1]
+    graph = capture_graph("tests/models/bn_cnn.py:build", use_cache=True, proofs=False)[1]
     traffic = autocast_traffic(graph, "bfloat16", None)
     assert len(traffic) == len(graph.nodes)
     convs = [i for i, n in enumerate(graph.nodes) if n.target.startswith("aten.conv")]

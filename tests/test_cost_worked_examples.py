@@ -187,7 +187,7 @@ def test_every_precision_keeps_16_bytes_per_param(precision):
 
 @pytest.fixture(scope="module")
 def mlp_graph():
-    return capture_graph(f"{ROOT / 'tests/models/mlp.py'}:build", use_cache=True)[1]
+    return capture_graph(f"{ROOT / 'tests/models/mlp.py'}:build", use_cache=True, proofs=False)[1]
 
 
 def test_zero3_communicates_1_5x_dp(mlp_graph):
@@ -214,7 +214,7 @@ GPT_S, GPT_H, GPT_LAYERS = 64, 64, 4  # examples/gpt.py's default config
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    return capture_graph(f"{ROOT / 'examples/gpt.py'}:build", use_cache=True)[1]
+    return capture_graph(f"{ROOT / 'examples/gpt.py'}:build", use_cache=True, proofs=False)[1]
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])

@@ -25,12 +25,12 @@ MODEL = "benchmarks/llama3.py"
 
 @pytest.fixture(scope="module")
 def tiny():
-    return capture_graph(f"{MODEL}:llama3_tiny", use_cache=True)[1]
+    return capture_graph(f"{MODEL}:llama3_tiny", use_cache=True, proofs=False)[1]
 
 
 @pytest.fixture(scope="module")
 def llama8b():
-    return capture_graph(f"{MODEL}:llama3_8b", use_cache=True)[1]
+    return capture_graph(f"{MODEL}:llama3_8b", use_cache=True, proofs=False)[1]
 
 
 def _parts(graph, cluster, dp=1, b=2, runtime=None):

@@ -158,7 +158,7 @@ def test_searched_fp16_plans_stay_on_data_parallelism(in_repo):
     from autoshard.passes.planning.strategies import candidate_configs, fp16_runs
     from autoshard.pipeline import capture_graph
 
-    _, graph = capture_graph(GPT, use_cache=True)
+    _, graph = capture_graph(GPT, use_cache=True, proofs=False)
     cluster = load_cluster("local-cpu", devices_per_node=4)
     every = candidate_configs(graph, cluster, 8, Pins())
     fp16 = candidate_configs(graph, cluster, 8, Pins(precision="fp16"))

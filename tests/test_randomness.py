@@ -93,8 +93,8 @@ def test_a_kernel_that_drops_out_inside_is_refused_by_name():
 
 
 def test_the_graph_names_each_random_op_and_its_modules(in_repo):
-    _, drop_path = capture_graph(DROP_PATH)
-    _, rand_mask = capture_graph(RAND_MASK)
+    _, drop_path = capture_graph(DROP_PATH, proofs=False)
+    _, rand_mask = capture_graph(RAND_MASK, proofs=False)
     assert random_ops(drop_path) == {"aten.bernoulli_.float": ["blocks.*"]}
     assert random_ops(rand_mask) == {"aten.rand.default": ["(root)"], "aten.randn_like.default": ["(root)"]}
     assert not is_random("aten.dropout.default", {"p": 0.0, "train": True})  # a rate of 0 draws nothing
