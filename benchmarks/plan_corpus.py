@@ -1,8 +1,8 @@
 """Plans byte-identical before and after a change: every golden plan re-planned from its command and compared.
 
 ``python benchmarks/plan_corpus.py [KIND ...]`` runs each ``tests/test_golden_programs.py`` ``PLAN_COMMANDS``
-entry (16 plan kinds: DDP, ZeRO-1/3, HSDP, dp x tp at ZeRO-0/1/2 with and without sequence parallelism, cp, ep,
-bf16 on a GPU cluster, per-block recompute, four pipeline schedules, tp x pp) with ``autoshard plan``, in
+entry (17 plan kinds: DDP, ZeRO-1/3, HSDP, dp x tp at ZeRO-0/1/2 with and without sequence parallelism, cp, ep,
+bf16 on a GPU cluster, per-block recompute, four pipeline schedules, tp x pp, compiled blocks) with ``autoshard plan``, in
 parallel, and compares the bytes with the committed ``tests/golden/<kind>.plan.json``. A refactor that must not
 change plans shows "identical" on every row; a change to the planner or the cost model names the plan sections
 that moved, so the golden plans are remade (``python tests/test_golden_programs.py KIND``) knowingly.

@@ -148,6 +148,7 @@ def _pin_text(plan, name: str) -> str:
         "virtual_stages": plan.virtual_stages,
         "dp_replicate": plan.dp_replicate,
         "sequence_parallel": "on" if plan.sequence_parallel else "off",
+        "compile": "on" if plan.decisions.compile else "off",
     }
     return str(values[name])
 
