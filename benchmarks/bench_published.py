@@ -292,12 +292,11 @@ def _tt(
     ar = "alternate" if recompute.startswith("selective") else "full"
     sched = schedule if pp > 1 else "none"
     args = (
-        _with_compile(llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v))
-        if priced and compiled
-        else llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
+        llama_args(factory, cluster, gpus, global_batch, seq, dp, tp, pp, cp, micro, ar, sched, cuts, v)
         if priced
         else ()
     )
+    args = _with_compile(args) if compiled and args else args
     missing = [t for t in needs if t not in ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")]
     emits = "yes" if not missing else "no: " + ", ".join(missing)
     return Run(

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from autoshard.cost import eager
 from autoshard.cost.autocast import NodeTraffic
-from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, alternate_recomputed
+from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS, alternate_reruns
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec
 
@@ -219,7 +219,7 @@ def _recompute_s(graph: OpGraph, fwd: dict[str, float], recompute: str) -> float
     if recompute == "selective":
         nodes = [n for n in nodes if not n.target.startswith(COMPUTE_HEAVY_TARGETS)]
     elif recompute == "alternate":
-        again = {n for b in graph.blocks for n in alternate_recomputed(graph, b)}
+        again = alternate_reruns(graph)
         nodes = [n for n in nodes if not n.target.startswith(COMPUTE_HEAVY_TARGETS) or n.name in again]
     return sum(fwd[n.name] for n in nodes)
 

@@ -182,6 +182,13 @@ def alternate_recomputed(graph: OpGraph, block: Block) -> frozenset[str]:
     return graph.derived(("alternate_recomputed", block.path), compute)
 
 
+def alternate_reruns(graph: OpGraph) -> frozenset[str]:
+    """The matmul-class ops that "alternate" recomputes, over every block (``alternate_recomputed``)."""
+    return graph.derived(
+        "alternate_reruns", lambda: frozenset().union(*(alternate_recomputed(graph, b) for b in graph.blocks))
+    )
+
+
 def _kept_by_policy(graph: OpGraph, block: Block, recompute: str, ratio: float, share: RankShare) -> dict[str, int]:
     kept = _selective_kept(graph, block, ratio, share)
     if recompute == "alternate":

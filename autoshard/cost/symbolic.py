@@ -87,7 +87,7 @@ import sympy
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
     Precision,
-    alternate_recomputed,
+    alternate_reruns,
     block_saved_bytes,
     non_block_saved_bytes,
 )
@@ -498,7 +498,7 @@ def _kept_nodes(graph: OpGraph, recompute: str, in_block: set[str]) -> list[OpNo
     if recompute == "selective":
         return [n for n in graph.nodes if n.name not in in_block or n.target.startswith(COMPUTE_HEAVY_TARGETS)]
     if recompute == "alternate":
-        again = {n for b in graph.blocks for n in alternate_recomputed(graph, b)}
+        again = alternate_reruns(graph)
         return [
             n
             for n in graph.nodes

@@ -68,7 +68,7 @@ from autoshard.cost.compute import (
 )
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
-    alternate_recomputed,
+    alternate_reruns,
     block_backward_bytes,
     block_saved_bytes,
     block_workspace_bytes,
@@ -425,13 +425,6 @@ def host_times(
         rerun = [0.0] * count
     rerun = [0.0] + rerun[1:-1] + [0.0] if graph.blocks else [0.0] * count  # blocks only, as recompute_s
     return [n * h_f for n in ops], [n * h_b for n in ops], rerun
-
-
-def alternate_reruns(graph: OpGraph) -> frozenset[str]:
-    """The matmul-class ops that "alternate" recomputes, over every block (``memory.alternate_recomputed``)."""
-    return graph.derived(
-        "alternate_reruns", lambda: frozenset().union(*(alternate_recomputed(graph, b) for b in graph.blocks))
-    )
 
 
 def compiled_host_times(graph: OpGraph, host_f: list[float], host_b: list[float]) -> tuple[list[float], list[float]]:
