@@ -76,6 +76,10 @@ GPU_CASES = (
     Case("ddp-mb2-selective", {"zero": 0, "microbatch_size": 2, "recompute": "selective"}),
     Case("ddp-mb8-selective", {"zero": 0, "microbatch_size": 8, "recompute": "selective"}),
     Case("ddp-mb8", {"zero": 0, "microbatch_size": 8, "recompute": "none"}),
+    Case("ddp-mb4-alternate", {"zero": 0, "microbatch_size": 4, "recompute": "alternate"}),
+    Case("ddp-mb4-compile", {"zero": 0, "microbatch_size": 4, "recompute": "none", "compile": "on"}),
+    Case("ddp-mb4-full-compile", {"zero": 0, "microbatch_size": 4, "recompute": "full", "compile": "on"}),
+    Case("ddp-mb8-alternate-compile", {"zero": 0, "microbatch_size": 8, "recompute": "alternate", "compile": "on"}),
 )
 GPU = Setting(
     "benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES, hand_microbatches=(1, 2, 4)
