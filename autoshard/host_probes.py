@@ -12,7 +12,8 @@ at once, as in training (CPU ranks share cores).
 With N ops in the probe's OpGraph (``probe_graph``, captured like any model: the cost model
 counts ops the same way), N_b of them in blocks, N_l of those light (not matmul-class), R(·) the
 roofline time of a set of ops on the calibrated device, K blocks, U = K + 1 FSDP units, T tensors,
-and t_* the measured medians (``fit_host``)::
+and t_* the measured medians (``fit_host``; t_fwd, t_selective and t_full as t_fwd+bwd plus their median
+difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
 
     op_forward_us        h_f = (t_fwd − R(all)) / N
     op_backward_us       h_b = (t_fwd+bwd − t_fwd − 2·R(all)) / N
@@ -35,6 +36,7 @@ Every figure is clamped at 0: a negative one means the part is within the noise.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,7 @@ from autoshard.passes.capturing.annotate import annotate
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
 PIPELINE_MICROBATCHES = (2, 8)
+PROBE_ROUNDS = 3  # the step probes, timed in rounds (``_paired_medians``)
 
 
 def probe_model(width: int = WIDTH):
@@ -115,9 +118,12 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
     x = probe_input()
     blocks = [f"h.{k}" for k in range(BLOCKS)]
     plain = probe_model()
-    out: dict[str, Any] = {"fwd": time_op(lambda: plain(x)), "fwd_bwd": time_op(_fwd_bwd(plain, x))}
-    for mode in ("selective", "full"):
-        out[mode] = time_op(_fwd_bwd(apply_recompute(probe_model(), blocks, mode), x))
+    steps = {
+        "fwd": lambda: plain(x),
+        "fwd_bwd": _fwd_bwd(plain, x),
+        **{mode: _fwd_bwd(apply_recompute(probe_model(), blocks, mode), x) for mode in ("selective", "full")},
+    }
+    out: dict[str, Any] = _paired_medians(time_op, steps, "fwd_bwd")
     out["adamw"], out["tensors"], out["params"] = _optimizer_probe(time_op, plain)
     if ranks > 1:
         out |= _fsdp_probes(time_op, blocks)
@@ -126,6 +132,19 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
     if ranks > 1 and ranks % 2 == 0:
         out["pipeline"] = {m: _pipeline_probe(time_op, m, ranks) for m in PIPELINE_MICROBATCHES}
     return out
+
+
+def _paired_medians(
+    time_op: Callable[[Callable[[], None]], float], steps: dict[str, Callable[[], None]], base: str
+) -> dict[str, float]:
+    """Each step's time as ``base``'s median over PROBE_ROUNDS rounds plus the median of its difference from
+    ``base`` in the same round: the figures are such differences, and a host's speed drifts between rounds
+    (on an H200 machine the selective probe's excess over a plain step read 13-34 ms in eight rounds in one
+    process, benchmarks/results/gpu-h200-2026-11-27/host-probe-noise.txt); paired, a slow period that falls on
+    one round moves that round's pair together and the median drops it."""
+    rounds = [{name: time_op(step) for name, step in steps.items()} for _ in range(PROBE_ROUNDS)]
+    middle = statistics.median(r[base] for r in rounds)
+    return {name: middle + statistics.median(r[name] - r[base] for r in rounds) for name in steps}
 
 
 def _fwd_bwd(model, x) -> Callable[[], None]:

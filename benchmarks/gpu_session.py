@@ -79,6 +79,8 @@ GPU_CASES = (
     Case("ddp-mb4-alternate", {"zero": 0, "microbatch_size": 4, "recompute": "alternate"}),
     Case("ddp-mb4-compile", {"zero": 0, "microbatch_size": 4, "recompute": "none", "compile": "on"}),
     Case("ddp-mb4-full-compile", {"zero": 0, "microbatch_size": 4, "recompute": "full", "compile": "on"}),
+    Case("ddp-mb8-compile", {"zero": 0, "microbatch_size": 8, "recompute": "none", "compile": "on"}),
+    Case("ddp-mb4-selective-compile", {"zero": 0, "microbatch_size": 4, "recompute": "selective", "compile": "on"}),
     Case("ddp-mb8-alternate-compile", {"zero": 0, "microbatch_size": 8, "recompute": "alternate", "compile": "on"}),
 )
 GPU = Setting(

@@ -150,6 +150,28 @@ def test_compiled_blocks_are_priced_with_fused_kernels_on_gpus_only(compiled_pla
     assert cpu_tables.units(4, "none", None, True) == cpu_tables.units(4, "none", None, False)
 
 
+def test_a_compiled_blocks_recompute_runs_no_checkpoint_policy_on_the_host():
+    """Compiled, a block's recompute is in its compiled backward: its host time is its share of the block's
+    kernel launches, k(u) · LAUNCH_US · recompute(u) / fwd(u), whatever the checkpoint policy costs per op
+    eager (units.compiled_recompute_host); eager, the policy's cost is there."""
+    from dataclasses import replace
+
+    from autoshard.cost import eager
+    from autoshard.cost.tables import EAGER_GPU_HOST
+    from autoshard.cost.units import unit_costs
+
+    graph = capture_graph(GPT, use_cache=True, proofs=False)[1]
+    device = load_cluster("dgx-h100").device
+    host = replace(EAGER_GPU_HOST, selective_op_us=400.0)
+    args = (graph, 4, "selective", device, 2, 4, "flash", host, False, "eager")
+    compiled, eager_units = unit_costs(*args, compiled=True), unit_costs(*args)
+    kernels = list(block_kernels(graph).values())
+    for u, k in enumerate(kernels, start=1):
+        expected = k * eager.LAUNCH_US * 1e-6 * compiled.recompute_s[u] / compiled.forward_s[u]
+        assert compiled.host_recompute_s[u] == pytest.approx(expected)
+        assert 0 < compiled.host_recompute_s[u] < 0.1 * eager_units.host_recompute_s[u]
+
+
 def test_the_compile_flag_is_on_plan_and_estimate():
     for command in ("plan", "estimate"):
         out = subprocess.run(

@@ -42,12 +42,14 @@ with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
     host_recompute(u) = n(u)·h_f + h_ckpt (full) | l(u)·h_f + (n(u) + l(u))·h_sel (selective) | 0
 
 On CPU ranks (gloo) the host is the device: these add to the roofline. On GPUs the host runs
-ahead of the kernels it launches, so only what it does not hide counts, per unit: in the forward
-max(0, host_fwd − fwd); in the backward, where the recompute's ops are queued among the backward's
-(autograd reruns a checkpointed region as its gradient is reached), the two together:
-max(0, host_bwd + host_recompute − bwd − recompute), reported as host_bwd's part first. (Hidden per
-pass alone, a selective recompute whose light ops take little device time paid its whole policy
-cost: +19 % on a 1.5B Llama on one H200, benchmarks/RESULTS.md "GPU".)
+ahead of the kernels it launches, so only what it does not hide counts, over the whole micro-batch
+(``exposed_host``): the host queues the forward's kernels faster than they run, and that lead hides the
+backward's host time where it exceeds the backward's device time (autograd reruns a checkpointed region
+as its gradient is reached, so a recompute's host time is the backward's). (Hidden per pass alone, a
+selective recompute whose light ops take little device time paid its whole policy cost: +19 % on a 1.5B
+Llama on one H200; hidden per unit, +30 %: benchmarks/RESULTS.md "GPU".) A compiled block's recompute runs
+inside its compiled backward: no checkpoint policy per op, one launch per recomputed kernel
+(``compiled_recompute_host``).
 """
 
 from __future__ import annotations
@@ -304,9 +306,10 @@ def unit_costs(
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
     if compiled:
         host_f, host_b = compiled_host_times(graph, host_f, host_b)
+    if compiled:
+        host_r = compiled_recompute_host(graph, host_r, forward, recompute_s)
     if host_overlaps:
-        host_f = _not_hidden(host_f, forward)
-        host_b, host_r = _backward_not_hidden(host_b, host_r, backward, recompute_s)
+        host_f, host_b, host_r = exposed_host(host_f, host_b, host_r, forward, backward, recompute_s)
     return Units(
         forward_s=tuple(forward),
         backward_s=tuple(backward),
@@ -435,6 +438,57 @@ def compiled_host_times(graph: OpGraph, host_f: list[float], host_b: list[float]
         [host_f[0], *launch_s, host_f[-1]] if graph.blocks else host_f,
         [host_b[0], *launch_s, host_b[-1]] if graph.blocks else host_b,
     )
+
+
+def compiled_recompute_host(
+    graph: OpGraph, host_r: list[float], forward: list[float], recompute: list[float]
+) -> list[float]:
+    """Host seconds of a compiled block's recompute: its share of the block's forward kernels, launched from the
+    compiled backward (the partitioner puts the recomputed ops in the backward graph: no checkpoint policy
+    runs per op), k(u) × LAUNCH_US × recompute(u) / fwd(u); the prefix and suffix as eager."""
+    if not graph.blocks:
+        return host_r
+    kernels = list(block_kernels(graph).values())
+    rerun = [
+        k * eager.LAUNCH_US * 1e-6 * (r / f if f > 0 else 0.0)
+        for k, r, f in zip(kernels, recompute[1:-1], forward[1:-1])
+    ]
+    return [host_r[0], *rerun, host_r[-1]]
+
+
+def exposed_host(
+    host_f: list[float],
+    host_b: list[float],
+    host_r: list[float],
+    forward: list[float],
+    backward: list[float],
+    recompute: list[float],
+) -> tuple[list[float], list[float], list[float]]:
+    """The host time per unit that the device's work does not hide in one micro-batch (module doc, "Host time").
+
+    The host queues kernels ahead of the device, so the device idles only where the host has fallen behind
+    over everything launched so far. With the micro-batch's passes in order (forward units 0..U−1, then each
+    unit's recompute and backward from U−1 down to 0), host time h_i and device time d_i per pass::
+
+        E = max(0, max_k Σ_{i≤k} (h_i − d_i))
+
+    E is what the micro-batch exposes (a two-stage flow with the device never ahead of the host). The units
+    report it in proportion to each pass's own excess (max(0, h − d) per forward, per backward with its
+    recompute, backward's part first), so a stage's units carry the share they cause."""
+    per_f = _not_hidden(host_f, forward)
+    per_b, per_r = _backward_not_hidden(host_b, host_r, backward, recompute)
+    each = sum(per_f) + sum(per_b) + sum(per_r)
+    if each <= 0.0:
+        return per_f, per_b, per_r
+    passes = [h - d for h, d in zip(host_f, forward)] + [
+        hb + hr - b - r for hb, hr, b, r in reversed(list(zip(host_b, host_r, backward, recompute)))
+    ]
+    lead, exposed = 0.0, 0.0
+    for excess in passes:
+        lead += excess
+        exposed = max(exposed, lead)
+    share = exposed / each
+    return [x * share for x in per_f], [x * share for x in per_b], [x * share for x in per_r]
 
 
 def _not_hidden(host: list[float], device: list[float]) -> list[float]:
