@@ -251,8 +251,8 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
 def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     """Under a zero-bubble schedule's split backward a fully recomputed block reruns its forward once for the
     inputs' gradient and once per op that reads a parameter for the weights' (torch's ``stage_backward_weight``,
-    ``benchmarks/split_backward_recompute.py``): its recompute is priced 1 + g times, and the step is slower
-    than the same plan would be with one recompute."""
+    ``benchmarks/split_backward_recompute.py``): its recompute is priced 1 + g times, but on the first stage,
+    and the step is slower than the same plan would be with one recompute."""
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
     from autoshard.cost.tp_units import pipeline_units, weight_groups
@@ -283,6 +283,13 @@ def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     assert pipeline_units(tables, none)[0].recompute_s == tables.config_units(none).recompute_s  # nothing to rerun
     loads = {s: rank_loads(tables, c, (1, 2, 3)) for s, c in configs.items()}
     assert all(z.recompute_s > o.recompute_s for z, o in zip(loads["interleaved-zb"], loads["interleaved-1f1b"]))
+    # torch runs the first stage's backward whole (its inputs need no gradient): its block reruns once. Stages
+    # 0 and 2 (blocks h.0 and h.2) sit on rank 0, stages 1 and 3 (h.1, h.3) on rank 1.
+    zb, plain = loads["interleaved-zb"], loads["interleaved-1f1b"]
+    assert zb[0].recompute_s == pytest.approx(plain[0].recompute_s + groups[2] * once.recompute_s[3])
+    assert zb[1].recompute_s == pytest.approx(
+        plain[1].recompute_s + groups[1] * once.recompute_s[2] + groups[3] * once.recompute_s[4]
+    )
 
 
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):

@@ -34,7 +34,8 @@ rank runs its m·T_r of actions). With equal stages and T_F = T_I = T_W it is (p
 ``schedule.rank_stages`` (in a V rank r holds stages r and 2p − 1 − r: the first and last stage's
 memory and work share rank 0), and a boundary between two stages of one rank (the V's tip, stages
 p − 1 and p on rank p − 1) sends nothing. Activations in flight are the rank's order counted action
-by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W.
+by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W. With full
+recompute each block of a stage but the first reruns 1 + g times (``tp_units.pipeline_units``).
 
 **Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
 figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
@@ -207,10 +208,10 @@ def stage_action_times(
     """(F work, B work, F wait, B wait) seconds of one micro-batch on each stage: its rank's compute
     (with host time) and its transfers and TP collectives (``RankLoad``) shared among the rank's
     stages by their compute, and within a stage between forward and backward + recompute the same way."""
-    units, _ = pipeline_units(tables, config)
-    ranges = stage_ranges(cuts, units.blocks)
+    ranges = stage_ranges(cuts, pipeline_units(tables, config)[0].blocks)
     parts = []
-    for rng in ranges:
+    for s, rng in enumerate(ranges):
+        units = stage_pipeline_units(tables, config, s)
         idx = stage_units(rng, units.blocks)
         parts.append(
             (sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] + units.recompute_s[u] for u in idx))
@@ -228,6 +229,12 @@ def stage_action_times(
     return out
 
 
+def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> Units:
+    """The units stage ``stage`` runs: ``pipeline_units``, whose split backward reruns a fully recomputed block
+    1 + g times on every stage but the first (``tp_units.pipeline_units``)."""
+    return pipeline_units(tables, config, first_stage=stage == 0)[0]
+
+
 def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
     units, tp_comm = pipeline_units(tables, config)
     tp_host = tp_host_per_unit_s(tables, config)
@@ -239,6 +246,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     for r in range(pp):
         mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
+        rerun = {u: stage_pipeline_units(tables, config, s) for s, rng in mine for u in stage_units(rng, units.blocks)}
         p2p = sum(
             2 * boundary_transfer_s(tables, config, units.boundary_bytes[i])
             for s, (i, _) in mine
@@ -248,7 +256,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
         stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
         host_s = (
-            sum(units.host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
+            sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
             + len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)
         )  # FSDP2: a unit per stage
@@ -256,7 +264,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
             RankLoad(
                 sum(units.forward_s[u] + experts[u].forward_s for u in idx),
                 sum(units.backward_s[u] + experts[u].backward_s for u in idx),
-                sum(units.recompute_s[u] + experts[u].recompute_s for u in idx),
+                sum(rerun[u].recompute_s[u] + experts[u].recompute_s for u in idx),
                 p2p,
                 sum(tp_comm[u] for u in idx),
                 params + expert_shards,
