@@ -66,6 +66,10 @@ def pins_of(config: Decisions) -> Pins:
         recompute=config.recompute,
         schedule=config.schedule,
         ep=config.ep,
+        # every decision the key names is pinned: unpinned, the planner chooses sequence parallelism itself, and a
+        # key's "sp" plan would be the plan without it (both then ran, and were priced, as one)
+        sequence_parallel=config.sequence_parallel if config.mesh.tp > 1 else None,
+        compile=config.compile or None,
     )
 
 
@@ -243,6 +247,8 @@ def pins_of_plan(plan) -> Pins:
         recompute=plan.recompute,
         schedule=plan.schedule,
         ep=plan.ep,
+        sequence_parallel=plan.sequence_parallel if plan.mesh.tp > 1 else None,
+        compile=plan.decisions.compile or None,
     )
 
 

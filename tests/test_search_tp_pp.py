@@ -292,6 +292,43 @@ def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     )
 
 
+def test_dualpipev_reruns_only_where_its_order_splits_the_backward(gpt):
+    """DualPipeV runs most backwards whole (its overlapped F + B pairs) and splits some into I and W
+    (``schedule.split_backward_share``, counted from its order): a stage's blocks are priced to rerun
+    1 + σ_s·g times, σ_s that stage's split share; interleaved-zb and zbv split every backward."""
+    from autoshard.cost.pipeline_step import stage_pipeline_units
+    from autoshard.cost.schedule import rank_orders, split_backward_share
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import pipeline_units, weight_groups
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    assert split_backward_share("zbv", 2, 4, 2) == (1.0, 1.0, 1.0, 1.0)
+    share = split_backward_share("dualpipev", 2, 4, 2)
+    orders = rank_orders("dualpipev", 2, 4, 2)
+    for stage, sigma in enumerate(share):
+        kinds = [a.kind for order in orders for a in order if a.stage == stage and a.kind in "IB"]
+        assert sigma == kinds.count("I") / len(kinds)
+    assert 0 < min(share) and max(share) < 1
+    graph = gpt[1]
+    tables = CostTables(graph, local(2))
+    config = Decisions(
+        mesh=Mesh(1, 1, 2),
+        zero_stage=0,
+        microbatch_size=2,
+        num_microbatches=4,
+        schedule="dualpipev",
+        virtual_stages=2,
+        recompute="full",
+    )
+    once = pipeline_units(tables, config, first_stage=True)[0]
+    groups = [weight_groups(graph, b.node_names) for b in graph.blocks]
+    for stage in (1, 2, 3):  # one block per stage with cuts (1, 2, 3); stage s holds unit s + 1
+        units = stage_pipeline_units(tables, config, stage)
+        u = stage + 1
+        assert units.recompute_s[u] == pytest.approx((1 + share[stage] * groups[stage]) * once.recompute_s[u])
+    assert stage_pipeline_units(tables, config, 0).recompute_s == once.recompute_s
+
+
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables

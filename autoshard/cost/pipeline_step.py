@@ -35,7 +35,8 @@ rank runs its m·T_r of actions). With equal stages and T_F = T_I = T_W it is (p
 memory and work share rank 0), and a boundary between two stages of one rank (the V's tip, stages
 p − 1 and p on rank p − 1) sends nothing. Activations in flight are the rank's order counted action
 by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W. With full
-recompute each block of a stage but the first reruns 1 + g times (``tp_units.pipeline_units``).
+recompute a block reruns 1 + g times in a split backward and once in a full one; the first stage's backward
+torch runs whole, and DualPipeV splits only some (``stage_pipeline_units``).
 
 **Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
 figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
@@ -60,7 +61,7 @@ DP × PP collectives are ``cost.dp_comm.pipeline_dp_comm``'s, all exposed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
@@ -75,6 +76,7 @@ from autoshard.cost.schedule import (
     schedule_makespan_s,
     schedule_peak_in_flight,
     shared_makespan_s,
+    split_backward_share,
     stage_owners,
 )
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
@@ -230,9 +232,32 @@ def stage_action_times(
 
 
 def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> Units:
-    """The units stage ``stage`` runs: ``pipeline_units``, whose split backward reruns a fully recomputed block
-    1 + g times on every stage but the first (``tp_units.pipeline_units``)."""
-    return pipeline_units(tables, config, first_stage=stage == 0)[0]
+    """The units stage ``stage`` runs. Under full recompute a block reruns once in a full backward and 1 + g
+    times in a split one (``tp_units.pipeline_units``); with σ_s the share of stage s's micro-batches whose
+    backward its rank splits (``schedule.split_backward_share``: 1 in interleaved-zb and zbv, part of them in
+    DualPipeV; 0 on the first stage, whose backward torch runs whole)::
+
+        recompute_s(u) = once(u) + σ_s · (split(u) − once(u))        (host time alike)"""
+    split = pipeline_units(tables, config)[0]
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES or config.recompute != "full":
+        return split
+    m, v = config.num_microbatches, config.virtual_stages
+    share = 0.0 if stage == 0 else split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
+    if share == 1.0:
+        return split
+    once = pipeline_units(tables, config, first_stage=True)[0]
+
+    def mixed(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(x + share * (y - x) for x, y in zip(a, b))
+
+    return tables.memo(
+        ("stage_pipeline_units", config.microbatch_size, config.mesh.tp, config.schedule, config.mesh.pp, m, v, stage),
+        lambda: replace(
+            split,
+            recompute_s=mixed(once.recompute_s, split.recompute_s),
+            host_recompute_s=mixed(once.host_recompute_s, split.host_recompute_s),
+        ),
+    )
 
 
 def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:

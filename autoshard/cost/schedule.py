@@ -93,6 +93,23 @@ def _build_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+@functools.lru_cache(maxsize=1024)
+def split_backward_share(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[float, ...]:
+    """Per stage, the share of its micro-batches whose backward its rank's order splits into I and W (the rest
+    run one full B): 1 on every stage of interleaved-zb and zbv; DualPipeV splits only some (its overlapped
+    F + B pairs run full backwards), 0 for the schedules that never split."""
+    split: dict[int, int] = {}
+    whole: dict[int, int] = {}
+    for order in _rank_orders(schedule, pp, microbatches, virtual_stages):
+        for action in order:
+            if action.kind == "I":
+                split[action.stage] = split.get(action.stage, 0) + 1
+            elif action.kind == "B":
+                whole[action.stage] = whole.get(action.stage, 0) + 1
+    stages = max([*split, *whole], default=-1) + 1
+    return tuple(split.get(s, 0) / max(1, split.get(s, 0) + whole.get(s, 0)) for s in range(stages))
+
+
 def rank_stages(schedule: str, pp: int, virtual_stages: int, pp_rank: int) -> list[int]:
     """The stages rank ``pp_rank`` holds: looped r, r + pp, r + 2·pp, ...; in a V r and 2·pp − 1 − r."""
     if schedule in V_SCHEDULES:
