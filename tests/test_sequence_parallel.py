@@ -221,3 +221,59 @@ def test_every_style_is_printable_python():
     for name, row in TP_STYLES.items():
         ast.parse(row.source)
         assert parallel_style(name) is not None, name
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo group, made here unless a test before made one."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def test_partial_gradients_are_settled_once_in_one_all_reduce(one_rank_group, monkeypatch):
+    """Gradients DTensor leaves Partial (sequence parallelism's norms) become Replicate after the step's
+    backward, summed in one all-reduce per mesh dimension and dtype (train_step.settle_partial_grads), so the
+    optimizer's ops no longer redistribute each of them again; sharded and plain gradients are left alone."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from autoshard.runtime import train_step
+
+    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.ModuleDict(
+        {"norm": torch.nn.LayerNorm(4), "proj": torch.nn.Linear(4, 2), "plain": torch.nn.Linear(2, 2)}
+    )
+    for name in ("norm", "proj"):
+        for pname, p in list(model[name].named_parameters()):
+            placement = Replicate() if name == "norm" else Shard(0)
+            setattr(model[name], pname, torch.nn.Parameter(DTensor.from_local(p.detach(), mesh, [placement])))
+    grads = {n: torch.randn_like(p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        if n.startswith("norm"):
+            p.grad = DTensor.from_local(grads[n], mesh, [Partial()], run_check=False)
+        elif n.startswith("proj"):
+            p.grad = DTensor.from_local(grads[n], mesh, [Shard(0)], run_check=False)
+        else:
+            p.grad = grads[n].clone()
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k))
+    assert train_step.settle_partial_grads(model) == 2
+    assert calls == [4 + 4]  # the norm's weight and bias in one bucket
+    for n, p in model.named_parameters():
+        g = p.grad
+        if n.startswith("norm"):
+            assert g.placements == (Replicate(),) and torch.equal(g.to_local(), grads[n])
+        elif n.startswith("proj"):
+            assert g.placements == (Shard(0),) and torch.equal(g.to_local(), grads[n])
+        else:
+            assert torch.equal(g, grads[n])
+    assert train_step.settle_partial_grads(model) == 0  # nothing left Partial

@@ -13,6 +13,14 @@ For this rank's share of a step's global batch, cut into m micro-batches (x_j, y
 
 The gradients left behind are, after the wrapper's reduction over the data axes, the one-process gradient of
 the global batch's mean loss; ``runtime.mean_over(Σ_j ℓ_j, loss axis)`` is that mean.
+
+**Partial gradients, settled once.** A replicated parameter that reads sharded activations (the norms of
+sequence parallelism) gets its gradient from DTensor as ``Partial``: each TP rank holds a summand. Left so, every
+op of the optimizer that reads it (AdamW's ``lerp_``, ``addcmul_``, the norm for clipping) redistributes it
+again, one all-reduce per tensor per op: on 2 CPU ranks 55 all-reduces per step for the example GPT's 18 norm
+tensors, 90 of its 200 ms. ``settle_partial_grads`` sums them over their mesh dimension after the last
+micro-batch, in one all-reduce per (mesh dimension, reduce op, dtype), and leaves them ``Replicate``: the values
+DTensor's own redistribution gives.
 """
 
 from __future__ import annotations
@@ -58,4 +66,52 @@ def forward_backward(
                 loss = loss_fn(model(*x), y) / num_microbatches  # the mean over this rank's tokens
             (loss if scaler is None else scaler.scale(loss)).backward()
         step_loss += loss.detach()
+    settle_partial_grads(model)
     return step_loss
+
+
+def settle_partial_grads(model: nn.Module) -> int:
+    """Every gradient DTensor left ``Partial`` made ``Replicate``, summed over its mesh dimension in one
+    all-reduce per (mesh, dimension, reduce op, dtype) (module doc); returns how many gradients it settled. A
+    DTensor's reduce ops are "sum", "avg", "max", "min" (``Partial.reduce_op``); the all-reduce takes the same.
+    This is DTensor's own Partial → Replicate redistribution, done once and bucketed (torch has no bucketed
+    redistribution of many DTensors)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            dims = tuple((i, pl.reduce_op) for i, pl in enumerate(g.placements) if isinstance(pl, Partial))
+            buckets.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
+    for (_, dims, _), params in buckets.items():
+        grads = [p.grad for p in params]
+        mesh = grads[0].device_mesh
+        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+        for dim, op in dims:
+            _all_reduce(flat, op, mesh.get_group(dim))
+        placements = [tuple(Replicate() if isinstance(pl, Partial) else pl for pl in g.placements) for g in grads]
+        for p, g, placed, local in zip(params, grads, placements, _split_like(flat, grads)):
+            p.grad = DTensor.from_local(local, mesh, placed, run_check=False, shape=g.shape, stride=g.stride())
+    return sum(len(params) for params in buckets.values())
+
+
+def _all_reduce(flat: torch.Tensor, op: str, group) -> None:
+    import torch.distributed as dist
+
+    if op == "avg":  # gloo has no AVG: sum, then divide, as DTensor's Partial("avg") does on gloo
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= dist.get_world_size(group)
+        return
+    dist.all_reduce(
+        flat, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=group
+    )
+
+
+def _split_like(flat: torch.Tensor, grads: list) -> list[torch.Tensor]:
+    out, start = [], 0
+    for g in grads:
+        local = g.to_local()
+        out.append(flat[start : start + local.numel()].view_as(local).clone())
+        start += local.numel()
+    return out
