@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lent GPU's measurements (benchmarks/gpu_session.py says what and in which order), in one command:
 #   bash benchmarks/gpu_session.sh OUT_DIR [--cpu]
+# On a lent machine that returns a few files only, write OUT_DIR outside the returned folder and bring back one
+# archive: bash benchmarks/gpu_session.sh /tmp/gs ...; tar czf "$OUT/gs.tgz" -C /tmp gs
 # Runs with .venv's python where it exists (this repository's set-up), else python3. A GPU machine whose
 # python3 has torch but not the planner's other packages takes them as wheels in .whl/ (pip download, README's
 # GPU section): they are installed into a private folder, never over the machine's own torch.
