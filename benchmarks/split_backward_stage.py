@@ -5,14 +5,16 @@
 Splits the model one block per stage (``runtime.pipeline_parallel.split_model``), takes stage 1 (not the first:
 its input needs a gradient) and runs its backward as torch's zero-bubble schedules do: the inputs' gradient
 (``stage_backward_input``), then the weights' (``stage_backward_weight``, one ``autograd`` call per parameter
-group), counting the matmuls each pass runs. With full recompute (``runtime.stage_recompute``) the weight pass
-reruns the block once per parameter group. One thread.
+group), counting the matmuls each pass runs, and times it (median of 30) against one backward call. With full
+recompute (``runtime.stage_recompute``) the weight pass reruns the block once per parameter group. One thread.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
+import time
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -40,6 +42,17 @@ def first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def median_ms(fn, calls: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def main(spec: str) -> None:
     torch.set_num_threads(1)
     model_file = load_model_file(spec)
@@ -49,8 +62,8 @@ def main(spec: str) -> None:
     stages = split_model(copy.deepcopy(model), inputs, blocks[1:]).split_gm
     x = first(stages.submod_pp_0(*inputs)).detach().requires_grad_(True)
     print(f"torch {torch.__version__}; stage 1 ({blocks[1]}), matmuls run by each pass:")
-    print("| recompute | forward | input pass | weight pass | parameter groups |")
-    print("|---|---|---|---|---|")
+    print("| recompute | forward | input pass | weight pass | parameter groups | one backward call | split |")
+    print("|---|---|---|---|---|---|---|")
     for mode in ("none", "full"):
         stage = copy.deepcopy(stages.submod_pp_1)
         if mode != "none":
@@ -62,7 +75,20 @@ def main(spec: str) -> None:
             input_pass = counter.count - forward
             stage_backward_weight(stage.parameters(), groups)
             weight_pass = counter.count - forward - input_pass
-        print(f"| {mode} | {forward} | {input_pass} | {weight_pass} | {len(groups)} |")
+
+        def one_call(stage=stage):
+            out = first(stage(x))
+            out.backward(torch.ones_like(out))
+
+        def split(stage=stage):
+            out = first(stage(x))
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], stage.parameters())
+            stage_backward_weight(stage.parameters(), groups)
+
+        one_ms, split_ms = median_ms(one_call), median_ms(split)
+        print(
+            f"| {mode} | {forward} | {input_pass} | {weight_pass} | {len(groups)} | {one_ms:.2f} ms | {split_ms:.2f} ms |"
+        )
 
 
 if __name__ == "__main__":
