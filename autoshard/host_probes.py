@@ -12,13 +12,15 @@ at once, as in training (CPU ranks share cores).
 With N ops in the probe's OpGraph (``probe_graph``, captured like any model: the cost model
 counts ops the same way), N_b of them in blocks, N_l of those light (not matmul-class), R(·) the
 roofline time of a set of ops on the calibrated device, K blocks, U = K + 1 FSDP units, T tensors,
-and t_* the measured medians (``fit_host``; t_fwd, t_selective and t_full as t_fwd+bwd plus their median
+and t_* the measured medians (``fit_host``; t_fwd, t_selective, t_full and t_split as t_fwd+bwd plus their median
 difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
 
     op_forward_us        h_f = (t_fwd − R(all)) / N
     op_backward_us       h_b = (t_fwd+bwd − t_fwd − 2·R(all)) / N
     selective_op_us      (t_selective − t_fwd+bwd − N_l·h_f − R(light)) / (N_b + N_l)
     checkpoint_block_us  (t_full − t_fwd+bwd − N_b·h_f − R(blocks)) / K
+    weight_group_us      (t_split − t_fwd+bwd) / G: the backward split as zero-bubble schedules run it (the input's
+                         gradient, then one autograd call per parameter group), G the ops that read a parameter
     fsdp_unit_zero{2,3}  r(w) = (t_fsdp − t_fwd+bwd − comm(U units)) / U at two widths w (comm by comm.py
                          on the link): r = a + S·c over the mean unit bytes S; a per unit, c per MiB
     ddp_tensor_us        (t_ddp − t_fwd+bwd − AR(all gradients)) / T
@@ -44,6 +46,7 @@ from typing import Any
 from autoshard.cost import comm
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
+from autoshard.cost.tp_units import weight_groups
 from autoshard.cost.units import node_forward_s
 from autoshard.ir.topology import Cluster, HostOverheads
 from autoshard.passes.capturing.annotate import annotate
@@ -122,6 +125,7 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
         "fwd": lambda: plain(x),
         "fwd_bwd": _fwd_bwd(plain, x),
         **{mode: _fwd_bwd(apply_recompute(probe_model(), blocks, mode), x) for mode in ("selective", "full")},
+        "split": _split_backward(plain, x),
     }
     out: dict[str, Any] = _paired_medians(time_op, steps, "fwd_bwd")
     out["adamw"], out["tensors"], out["params"] = _optimizer_probe(time_op, plain)
@@ -145,6 +149,23 @@ def _paired_medians(
     rounds = [{name: time_op(step) for name, step in steps.items()} for _ in range(PROBE_ROUNDS)]
     middle = statistics.median(r[base] for r in rounds)
     return {name: middle + statistics.median(r[name] - r[base] for r in rounds) for name in steps}
+
+
+def _split_backward(model, x) -> Callable[[], None]:
+    """A forward, then the backward as torch's zero-bubble schedules split it: the input's gradient, then the
+    weights' with one ``autograd`` call per parameter group (``torch.distributed.pipelining``'s own functions)."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x = x.detach().requires_grad_(True)  # as a stage past the first receives it: the input pass has work
+
+    def step():
+        x.grad = None  # the input pass writes it afresh each call
+        out = model(x).clone()  # the split detaches the output in place: not the head's view
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        stage_backward_weight(model.parameters(), groups)
+
+    return step
 
 
 def _fwd_bwd(model, x) -> Callable[[], None]:
@@ -273,6 +294,7 @@ class ProbeCounts:
     stage_ops: tuple[int, int]  # ops of the two pipeline stages
     stage_roofline_s: tuple[float, float]
     boundary_bytes: int  # one micro-batch's activation between the pipeline stages
+    weight_groups: int = 0  # ops that read a parameter: the split backward's autograd calls (weight pass)
 
 
 def probe_counts(cluster: Cluster) -> ProbeCounts:
@@ -298,6 +320,7 @@ def probe_counts(cluster: Cluster) -> ProbeCounts:
         stage_ops=(sum(first), len(first) - sum(first)),
         stage_roofline_s=(sum(t for t, f in zip(times, first) if f), sum(t for t, f in zip(times, first) if not f)),
         boundary_bytes=4 * TOKENS * WIDTH,
+        weight_groups=weight_groups(graph, [n.name for n in graph.nodes]),
     )
 
 
@@ -319,6 +342,8 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         "checkpoint_block_us": full,
         "optimizer_tensor_us": adamw,
     }
+    if "split" in t and c.weight_groups:
+        figures["weight_group_us"] = (t["split"] - t["fwd_bwd"]) / c.weight_groups
     if "fsdp2" in t:
         for stage in (2, 3):
             figures[f"fsdp_unit_zero{stage}_us"], figures[f"fsdp_zero{stage}_us_per_mib"] = _fsdp_fit(

@@ -37,6 +37,7 @@ TRUE = dict(
     pipeline_microbatch_us=3000.0,
     pipeline_step_us=1500.0,
     tp_module_us=400.0,
+    weight_group_us=90.0,
 )
 
 
@@ -66,6 +67,7 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
         + c.block_ops * h.op_forward_us * us
         + c.block_roofline_s
         + host_probes.BLOCKS * h.checkpoint_block_us * us,
+        "split": fwd_bwd + c.weight_groups * h.weight_group_us * us,
     }
     tensors, params = 6 * host_probes.BLOCKS + 6 + 2, 12345
     bandwidth = cluster.device.memory_bandwidth_gbps * 1e9

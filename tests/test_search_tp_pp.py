@@ -329,6 +329,42 @@ def test_dualpipev_reruns_only_where_its_order_splits_the_backward(gpt):
     assert stage_pipeline_units(tables, config, 0).recompute_s == once.recompute_s
 
 
+def test_the_split_backward_costs_an_autograd_call_per_parameter_group(gpt):
+    """A zero-bubble stage's weight pass makes one autograd call per parameter group (``stage_backward_weight``):
+    σ_s · G_s · weight_group_us of host time per micro-batch on each stage but the first (whose backward torch
+    runs whole), nothing where the cluster has no such figure or the schedule does not split."""
+    from autoshard.cost.pipeline_step import rank_loads
+    from autoshard.cost.schedule import rank_stages
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import unit_weight_groups
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    graph = gpt[1]
+    base = local(2)
+    priced = replace(base, host=replace(base.host, weight_group_us=100.0))
+    config = Decisions(
+        mesh=Mesh(1, 1, 2),
+        zero_stage=0,
+        microbatch_size=2,
+        num_microbatches=4,
+        schedule="zbv",
+        virtual_stages=2,
+        recompute="none",
+    )
+    cuts = (1, 2, 3)  # one block per stage: stage s holds unit s + 1, the first also the prefix, the last the suffix
+    groups = unit_weight_groups(graph)
+    assert groups[1:-1] == (8,) * len(graph.blocks)  # GPT's blocks: two LayerNorms and six linears
+    stage_groups = [groups[0] + groups[1], groups[2], groups[3], groups[4] + groups[5]]
+    plain = rank_loads(CostTables(graph, base), config, cuts)
+    split = rank_loads(CostTables(graph, priced), config, cuts)
+    for r in range(2):
+        extra = sum(stage_groups[s] * 100e-6 for s in rank_stages("zbv", 2, 2, r) if s != 0)
+        assert split[r].host_s - plain[r].host_s == pytest.approx(extra)
+    one_f_one_b = replace(config, schedule="interleaved-1f1b")
+    same = [r.host_s for r in rank_loads(CostTables(graph, priced), one_f_one_b, cuts)]
+    assert same == [r.host_s for r in rank_loads(CostTables(graph, base), one_f_one_b, cuts)]
+
+
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables

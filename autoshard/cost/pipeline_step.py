@@ -36,7 +36,8 @@ memory and work share rank 0), and a boundary between two stages of one rank (th
 p − 1 and p on rank p − 1) sends nothing. Activations in flight are the rank's order counted action
 by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W. With full
 recompute a block reruns 1 + g times in a split backward and once in a full one; the first stage's backward
-torch runs whole, and DualPipeV splits only some (``stage_pipeline_units``).
+torch runs whole, and DualPipeV splits only some (``stage_pipeline_units``). The weight pass's one autograd call
+per parameter group is host time beyond one backward call's (``split_backward_host_s``).
 
 **Shared cores.** CPU ranks on one node share its cores: ``autoshard calibrate`` measures every
 figure with all R ranks busy, min(1, C/R) of a core each (C = ``host.shared_cores``: the cores
@@ -80,7 +81,7 @@ from autoshard.cost.schedule import (
     stage_owners,
 )
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
-from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s
+from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s, unit_weight_groups
 from autoshard.cost.units import Units, stage_ranges, stage_units
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Memory
@@ -260,6 +261,19 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
     )
 
 
+def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx) -> float:
+    """Host seconds per micro-batch that stage ``stage``'s split backward costs beyond one backward call: its
+    weight pass makes one ``autograd`` call per parameter group (``stage_backward_weight``), σ_s · G_s ·
+    ``weight_group_us`` (σ_s: ``schedule.split_backward_share``; G_s: the ops of its units ``idx`` that read a
+    parameter, ``tp_units.unit_weight_groups``; 0 on the first stage, whose backward torch runs whole)."""
+    us = tables.cluster.host.weight_group_us
+    if not us or config.schedule not in ZERO_BUBBLE_SCHEDULES or stage == 0:
+        return 0.0
+    share = split_backward_share(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)
+    groups = unit_weight_groups(tables.graph)
+    return share[stage] * sum(groups[u] for u in idx) * us * 1e-6
+
+
 def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
     units, tp_comm = pipeline_units(tables, config)
     tp_host = tp_host_per_unit_s(tables, config)
@@ -282,6 +296,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
         host_s = (
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
+            + sum(split_backward_host_s(tables, config, s, stage_units(rng, units.blocks)) for s, rng in mine)
             + len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)
         )  # FSDP2: a unit per stage

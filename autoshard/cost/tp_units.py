@@ -84,6 +84,18 @@ def split_backward_recomputes(graph: OpGraph, units: Units) -> Units:
     )
 
 
+def unit_weight_groups(graph: OpGraph) -> tuple[int, ...]:
+    """``weight_groups`` of each unit (the prefix, each block, the suffix), once per graph."""
+
+    def compute() -> tuple[int, ...]:
+        counts = [0] * (len(graph.blocks) + 2)
+        for node, u in zip(graph.nodes, node_units(graph)):
+            counts[u] += any(not graph.param(p).is_buffer for p in node.param_inputs)
+        return tuple(counts)
+
+    return graph.derived("unit_weight_groups", compute)
+
+
 def weight_groups(graph: OpGraph, node_names) -> int:
     """The ops among ``node_names`` that read a parameter, not only buffers (g_b of ``split_backward_recomputes``)."""
     return sum(1 for name in node_names if any(not graph.param(p).is_buffer for p in graph.node(name).param_inputs))

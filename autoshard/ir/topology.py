@@ -197,6 +197,17 @@ class HostOverheads:
         },
     )
 
+    # Written by calibrate since it was added; a file without it prices no split backward's own cost (the default).
+    weight_group_us: float = field(
+        default=0.0,
+        metadata={
+            "doc": "a zero-bubble schedule's split backward: its weight pass's host time per parameter group and "
+            "micro-batch (one autograd call each) beyond one backward call's, e.g. 100",
+            "rule": _HOST_US,
+            "optional": True,
+        },
+    )
+
     def __post_init__(self):
         _check_dataclass(self)
 
