@@ -134,3 +134,16 @@ def _no_torch_mode_left_behind():
             f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')} left {left} torch mode(s) pushed; popped",
             file=sys.stderr,
         )
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group (FSDP2, DTensor and DCP need one), made here unless a test before made one."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()

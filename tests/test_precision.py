@@ -293,19 +293,6 @@ def test_hf_config_in_bf16_is_noted(tmp_path):
     assert precision_notes(PlanRequest(model_spec=GPT, cluster=cluster, global_batch=8)) == ()
 
 
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo group (DCP needs one), made here unless a test before made one."""
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def test_checkpoints_keep_the_loss_scale(tmp_path, one_rank):
     """A resumed fp16 run scales its loss as the uninterrupted one: the scale and growth count are saved and
     loaded; a checkpoint without them leaves a fresh scaler as it is."""

@@ -98,17 +98,6 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank gloo group (FSDP2, DTensor and DCP need one), made here unless a test before made one."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------- the recipe and its file
 
 

@@ -223,20 +223,7 @@ def test_every_style_is_printable_python():
         assert parallel_style(name) is not None, name
 
 
-@pytest.fixture
-def one_rank_group():
-    """A one-rank gloo group, made here unless a test before made one."""
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
-def test_partial_gradients_are_settled_once_in_one_all_reduce(one_rank_group, monkeypatch):
+def test_partial_gradients_are_settled_once_in_one_all_reduce(one_rank, monkeypatch):
     """Gradients DTensor leaves Partial (sequence parallelism's norms) become Replicate after the step's
     backward, summed in one all-reduce per mesh dimension and dtype (train_step.settle_partial_grads), so the
     optimizer's ops no longer redistribute each of them again; sharded and plain gradients are left alone."""
