@@ -12,11 +12,10 @@ recompute (``runtime.stage_recompute``) the weight pass reruns the block once pe
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
-import time
 
 import torch
+from stage_recompute_cost import median_ms  # benchmarks/, run as a script
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,17 +39,6 @@ class CountMatmuls(TorchDispatchMode):
 
 def first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def median_ms(fn, calls: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main(spec: str) -> None:
@@ -85,7 +73,7 @@ def main(spec: str) -> None:
             _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], stage.parameters())
             stage_backward_weight(stage.parameters(), groups)
 
-        one_ms, split_ms = median_ms(one_call), median_ms(split)
+        one_ms, split_ms = median_ms(one_call, calls=30), median_ms(split, calls=30)
         print(
             f"| {mode} | {forward} | {input_pass} | {weight_pass} | {len(groups)} | {one_ms:.2f} ms | {split_ms:.2f} ms |"
         )
