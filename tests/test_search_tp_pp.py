@@ -248,6 +248,21 @@ def test_interleaved_zero_bubble_is_shorter_than_interleaved_1f1b_run_with_the_s
     assert spans["interleaved-zb"] < spans["interleaved-1f1b"]
 
 
+def pp2_four_stages(schedule: str, recompute: str = "none"):
+    """pp 2 with two stages per rank (4 micro-batches of 2): the zero-bubble tests' configuration."""
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    return Decisions(
+        mesh=Mesh(1, 1, 2),
+        zero_stage=0,
+        microbatch_size=2,
+        num_microbatches=4,
+        schedule=schedule,
+        virtual_stages=2,
+        recompute=recompute,
+    )
+
+
 def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     """Under a zero-bubble schedule's split backward a fully recomputed block reruns its forward once for the
     inputs' gradient and once per op that reads a parameter for the weights' (torch's ``stage_backward_weight``,
@@ -256,22 +271,10 @@ def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
     from autoshard.cost.tp_units import pipeline_units, weight_groups
-    from autoshard.ir.decisions import Decisions, Mesh
 
     graph = gpt[1]
     tables = CostTables(graph, local(2))
-    configs = {
-        s: Decisions(
-            mesh=Mesh(1, 1, 2),
-            zero_stage=0,
-            microbatch_size=2,
-            num_microbatches=4,
-            schedule=s,
-            virtual_stages=2,
-            recompute="full",
-        )
-        for s in ("interleaved-1f1b", "interleaved-zb")
-    }
+    configs = {s: pp2_four_stages(s, "full") for s in ("interleaved-1f1b", "interleaved-zb")}
     once, split = (pipeline_units(tables, c)[0] for c in configs.values())
     groups = [weight_groups(graph, b.node_names) for b in graph.blocks]
     assert min(groups) == 8  # each GPT block: two LayerNorms and six linears (q, k, v, out, fc, proj)
@@ -300,7 +303,6 @@ def test_dualpipev_reruns_only_where_its_order_splits_the_backward(gpt):
     from autoshard.cost.schedule import rank_orders, split_backward_share
     from autoshard.cost.tables import CostTables
     from autoshard.cost.tp_units import pipeline_units, weight_groups
-    from autoshard.ir.decisions import Decisions, Mesh
 
     assert split_backward_share("zbv", 2, 4, 2) == (1.0, 1.0, 1.0, 1.0)
     share = split_backward_share("dualpipev", 2, 4, 2)
@@ -311,15 +313,7 @@ def test_dualpipev_reruns_only_where_its_order_splits_the_backward(gpt):
     assert 0 < min(share) and max(share) < 1
     graph = gpt[1]
     tables = CostTables(graph, local(2))
-    config = Decisions(
-        mesh=Mesh(1, 1, 2),
-        zero_stage=0,
-        microbatch_size=2,
-        num_microbatches=4,
-        schedule="dualpipev",
-        virtual_stages=2,
-        recompute="full",
-    )
+    config = pp2_four_stages("dualpipev", "full")
     once = pipeline_units(tables, config, first_stage=True)[0]
     groups = [weight_groups(graph, b.node_names) for b in graph.blocks]
     for stage in (1, 2, 3):  # one block per stage with cuts (1, 2, 3); stage s holds unit s + 1
@@ -337,20 +331,11 @@ def test_the_split_backward_costs_an_autograd_call_per_parameter_group(gpt):
     from autoshard.cost.schedule import rank_stages
     from autoshard.cost.tables import CostTables
     from autoshard.cost.tp_units import unit_weight_groups
-    from autoshard.ir.decisions import Decisions, Mesh
 
     graph = gpt[1]
     base = local(2)
     priced = replace(base, host=replace(base.host, weight_group_us=100.0))
-    config = Decisions(
-        mesh=Mesh(1, 1, 2),
-        zero_stage=0,
-        microbatch_size=2,
-        num_microbatches=4,
-        schedule="zbv",
-        virtual_stages=2,
-        recompute="none",
-    )
+    config = pp2_four_stages("zbv")
     cuts = (1, 2, 3)  # one block per stage: stage s holds unit s + 1, the first also the prefix, the last the suffix
     groups = unit_weight_groups(graph)
     assert groups[1:-1] == (8,) * len(graph.blocks)  # GPT's blocks: two LayerNorms and six linears
@@ -368,13 +353,9 @@ def test_the_split_backward_costs_an_autograd_call_per_parameter_group(gpt):
 def test_v_placement_prices_the_first_and_last_stage_on_rank_0(gpt):
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables
-    from autoshard.ir.decisions import Decisions, Mesh
 
     tables = CostTables(gpt[1], local(2))
-    looped, vee = (
-        Decisions(mesh=Mesh(1, 1, 2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule=s, virtual_stages=2)
-        for s in ("interleaved-zb", "zbv")
-    )
+    looped, vee = (pp2_four_stages(s) for s in ("interleaved-zb", "zbv"))
     units = tables.config_units(looped)
     ranges = stage_ranges((1, 2, 3), units.blocks)
     params = [sum(units.params[u] for u in stage_units(r, units.blocks)) for r in ranges]
