@@ -32,6 +32,9 @@ difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
     pipeline_step_us     t(m₀) − (m₀ + 1)·slope: what a step costs beyond its m₀ + p − 1 stage slots
     tp_module_us         (t_tp − t_fwd+bwd − the 4 all-reduces per block) / (6K sharded linears),
                          every rank one TP rank of a pair (colwise q, k, v, fc; rowwise o, proj)
+    sequence_module_us   (t_tp_sp − t_tp − the sequence collectives + the 4K all-reduces) / M: the same pair in
+                         the sequence-parallel layout (``SP_STYLES``), M its modules that shard no weight (the
+                         norms on the sequence shard, each sub-block's gather, the scatter in and the gather out)
 
 Every figure is clamped at 0: a negative one means the part is within the noise.
 """
@@ -58,7 +61,7 @@ PROBE_ROUNDS = 3  # the step probes, timed in rounds (``_paired_medians``)
 
 
 def probe_model(width: int = WIDTH):
-    """K narrow transformer blocks (pre-norm attention + GELU MLP) and a linear head."""
+    """K narrow transformer blocks (pre-norm attention + GELU MLP, each a module) and a linear head."""
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -73,15 +76,22 @@ def probe_model(width: int = WIDTH):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
-    class Block(nn.Module):
+    class MLP(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(width), Attention(), nn.LayerNorm(width)
             self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
         def forward(self, x):
+            return self.proj(F.gelu(self.fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(width), Attention(), nn.LayerNorm(width), MLP()
+
+        def forward(self, x):
             x = x + self.attn(self.ln_1(x))
-            return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+            return x + self.mlp(self.ln_2(x))
 
     class Probe(nn.Module):
         def __init__(self):
@@ -133,6 +143,8 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
         out |= _fsdp_probes(time_op, blocks)
         out |= _ddp_probes(time_op, x, plain)
         out["tp"] = _tp_probe(time_op, x)
+        if ranks % 2 == 0:  # the sequence (8 tokens) splits over the pair
+            out["tp_sp"] = _tp_probe(time_op, x, sequence_parallel=True)
     if ranks > 1 and ranks % 2 == 0:
         out["pipeline"] = {m: _pipeline_probe(time_op, m, ranks) for m in PIPELINE_MICROBATCHES}
     return out
@@ -213,12 +225,31 @@ TP_STYLES = {
     "attn.k": "colwise",
     "attn.v": "colwise",
     "attn.o": "rowwise",
-    "fc": "colwise",
-    "proj": "rowwise",
+    "mlp.fc": "colwise",
+    "mlp.proj": "rowwise",
 }  # Megatron's layout of the probe's blocks
+SP_STYLES = {
+    **TP_STYLES,
+    "ln_1": "sharded-input-dim1",
+    "attn": "gather-seq-module-input-dim1",
+    "attn.o": "rowwise-seq-output-dim1",
+    "ln_2": "sharded-input-dim1",
+    "mlp": "gather-seq-module-input-dim1",
+    "mlp.proj": "rowwise-seq-output-dim1",
+}  # Megatron's sequence-parallel layout of them, as the planner lays out GPT-2's blocks (norms on the sequence
+# shard, each sub-block's input gathered, its output reduce-scattered)
+SP_ENDS = {"h.0": "scatter-seq-input-dim1", "head": "gather-seq-input-dim1"}  # into and out of the sequence shard
 
 
-def _tp_probe(time_op, x) -> float:
+def sequence_modules() -> int:
+    """Modules of the sequence-parallel probe whose style shards no weight (``sequence_module_us``'s divisor)."""
+    from autoshard.ir.decisions import SHARDING_STYLES
+
+    return BLOCKS * sum(s not in SHARDING_STYLES for s in SP_STYLES.values()) + len(SP_ENDS)
+
+
+def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
+    """fwd + bwd of the probe over pairs of ranks in Megatron's layout, or its sequence-parallel one."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -227,7 +258,9 @@ def _tp_probe(time_op, x) -> float:
     world = dist.get_world_size()
     tp = 2 if world % 2 == 0 else world  # the probe's 2 heads split at most 2 ways; pairs of ranks
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in TP_STYLES.items()}
+    layout = SP_STYLES if sequence_parallel else TP_STYLES
+    styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in layout.items()}
+    styles |= SP_ENDS if sequence_parallel else {}
     model = apply_tensor_parallel(probe_model(), mesh["tp"], styles)
     return time_op(_fwd_bwd(model, x))
 
@@ -362,11 +395,24 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
+        if "tp_sp" in t:
+            figures["sequence_module_us"] = (t["tp_sp"] - t["tp"] - _sequence_comm_s(cluster, tp) + all_reduces) / (
+                sequence_modules()
+            )
     if "pipeline" in t:
         figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = _pipeline_residual_s(
             t["pipeline"], c, cluster, h_f, h_b
         )
     return HostOverheads(**{k: _us(v) for k, v in figures.items()} | _zeros_for_missing(figures), source=source)
+
+
+def _sequence_comm_s(cluster: Cluster, tp: int) -> float:
+    """The sequence-parallel probe's collectives as the cost model prices them: per block and sub-block an
+    all-gather of its input and a reduce-scatter of its output, forward and backward (each the other's
+    gradient), and the head's all-gather and its backward; every one of the whole activation's bytes."""
+    link, size = cluster.intra_node, 4 * TOKENS * WIDTH
+    pair = comm.all_gather_s(size, tp, link) + comm.reduce_scatter_s(size, tp, link)
+    return (2 * 2 * BLOCKS + 1) * pair
 
 
 def _fsdp_fit(t: dict[str, Any], cluster: Cluster, ranks: int, stage: int) -> tuple[float, float]:

@@ -38,6 +38,7 @@ TRUE = dict(
     pipeline_step_us=1500.0,
     tp_module_us=400.0,
     weight_group_us=90.0,
+    sequence_module_us=800.0,
 )
 
 
@@ -91,10 +92,16 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
     local = h.optimizer_tensor_us * us * tensors / ranks + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
     t["zero1"] = local + comm.all_gather_s(4 * params, ranks, link) + tensors * h.zero1_tensor_us * us
     tp_modules = len(host_probes.TP_STYLES) * host_probes.BLOCKS
+    activation = 4 * host_probes.TOKENS * host_probes.WIDTH
     t["tp"] = (
+        fwd_bwd + 4 * host_probes.BLOCKS * comm.allreduce_s(activation, ranks, link) + tp_modules * h.tp_module_us * us
+    )
+    gathers = 2 * 2 * host_probes.BLOCKS + 1  # each sub-block's input and the head's, forward and backward
+    t["tp_sp"] = (
         fwd_bwd
-        + 4 * host_probes.BLOCKS * comm.allreduce_s(4 * host_probes.TOKENS * host_probes.WIDTH, ranks, link)
+        + gathers * (comm.all_gather_s(activation, ranks, link) + comm.reduce_scatter_s(activation, ranks, link))
         + tp_modules * h.tp_module_us * us
+        + (4 * host_probes.BLOCKS + 2) * h.sequence_module_us * us  # 2 norms and 2 gathers a block, scatter, gather
     )
     stage = max(n * (h.op_forward_us + h.op_backward_us) * us + 3 * r for n, r in zip(c.stage_ops, c.stage_roofline_s))
     slope = stage + 2 * comm.p2p_s(c.boundary_bytes, link) + h.pipeline_microbatch_us * us
@@ -240,3 +247,31 @@ def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
     with pytest.raises(AutoshardError, match=message) as info:
         load_cluster(str(path))
     assert "\n" not in str(info.value) and "calibrate --model" in str(info.value)
+
+
+def test_dtensor_host_counts_every_tensor_parallel_module_in_its_unit(cluster, in_repo_module):
+    """Under sequence parallelism GPT-2's blocks hold 4 modules that shard no weight (2 norms on the sequence
+    shard, the attention's and the MLP's input gathers) beside 6 sharded linears; ``sequence_module_us`` prices
+    each of those per micro-batch in its block's unit and ``tp_module_us`` each linear; without SP only the
+    linears run DTensor."""
+    from autoshard.cost.tp_units import tp_host_per_unit_s
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    gpt = capture_graph(GPT, use_cache=True)[1]  # with the TP proof: what may be sharded is proved, not assumed
+    host = replace(
+        cluster, host=HostOverheads(**{**TRUE, "tp_module_us": 1000.0, "sequence_module_us": 10.0}, source="t")
+    )
+    tables = CostTables(gpt, host)
+    per_unit = {}
+    for sp in (False, True):
+        config = Decisions(Mesh(1, 2, 1), 0, 8, 1, sequence_parallel=sp)
+        choice = hand_tp_layout(tables, config)
+        assert choice.sequence_parallel == sp
+        per_unit[sp] = tp_host_per_unit_s(tables, config)
+    blocks = len(gpt.blocks)
+    for u in range(1, blocks + 1):
+        assert per_unit[False][u] == pytest.approx(6 * 1e-3)
+    # block 0 also scatters the sequence on its way in
+    assert per_unit[True][1] == pytest.approx(6 * 1e-3 + 5 * 1e-5)
+    for u in range(2, blocks + 1):
+        assert per_unit[True][u] == pytest.approx(6 * 1e-3 + 4 * 1e-5)

@@ -6,8 +6,8 @@ unit u: forward, backward and recompute × their shares left per rank, parameter
 (sharded weights / t), the saved activations, workspace and activation gradients of one TP rank
 (``CostTables.activation_units``: ``cost.saved``'s per-op rules on its shards' shapes), and the unit's
 own TP collectives (a block's are its segment's; those of the ops outside blocks are split evenly
-over prefix and suffix). DTensor's host time adds ``tp_module_us`` per sharded module and
-micro-batch in the unit that runs it.
+over prefix and suffix). DTensor's host time adds ``tp_module_us`` per module that shards a weight and
+``sequence_module_us`` per module of another tensor-parallel style, per micro-batch, in the unit that runs it.
 """
 
 from __future__ import annotations
@@ -156,16 +156,21 @@ def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, .
 
 
 def tp_host_per_unit_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
-    """DTensor's host time per micro-batch in each unit: its modules of a sharded style × tp_module_us."""
+    """DTensor's host time per micro-batch in each unit: its modules of a style that shards a weight ×
+    tp_module_us, and those of a style that shards none (a norm on a sequence or head shard, a sequence gather or
+    scatter) × sequence_module_us; a module counts in the unit of its first op."""
     count = len(tables.graph.blocks) + 2
-    if config.mesh.tp == 1 or not tables.cluster.host.tp_module_us:
+    host = tables.cluster.host
+    if config.mesh.tp == 1 or not (host.tp_module_us or host.sequence_module_us):
         return (0.0,) * count
     sharded = tables.layout_cost(config).choice.sharded
     unit_of = {}
     for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
-        unit_of.setdefault(node.module_path, u)
+        for depth in range(node.module_path.count(".") + 1):  # the module and every module holding it
+            unit_of.setdefault(node.module_path.rsplit(".", depth)[0], u)
     per_unit = [0.0] * count
     for path, style in sharded.items():
-        if style in SHARDING_STYLES and path in unit_of:
-            per_unit[unit_of[path]] += tables.cluster.host.tp_module_us * 1e-6
+        if path in unit_of:
+            us = host.tp_module_us if style in SHARDING_STYLES else host.sequence_module_us
+            per_unit[unit_of[path]] += us * 1e-6
     return tuple(per_unit)

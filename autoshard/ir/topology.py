@@ -208,6 +208,18 @@ class HostOverheads:
         },
     )
 
+    # Written by calibrate since it was added; a file without it prices no such module's own cost (the default).
+    sequence_module_us: float = field(
+        default=0.0,
+        metadata={
+            "doc": "DTensor's host time per tensor-parallel module that shards no weight (a norm on a sequence or "
+            "head shard, a sequence gather or scatter) and micro-batch, forward and backward, beyond its "
+            "collectives, e.g. 1000",
+            "rule": _HOST_US,
+            "optional": True,
+        },
+    )
+
     def __post_init__(self):
         _check_dataclass(self)
 
