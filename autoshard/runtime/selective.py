@@ -1,7 +1,7 @@
 """Selective recompute's policy: which op outputs a recomputed region keeps (torchtitan's op-level SAC).
 
 "selective" keeps the outputs of the ops that cost FLOPs (matmuls, attention) or communication (the
-traced TP collectives of pipeline stages) and recomputes the
+traced TP collectives of pipeline stages, DTensor's collectives) and recomputes the
 cheap ones (norms, activations, dropout, reshapes) in backward; "alternate" is torchtitan's op-level policy
 (its ``selective_ac_option = "op"``, ``torchtitan/models/llama3/infra/parallelize.py``): it keeps attention and
 every other weight matmul (``mm`` / ``addmm`` as they run: the 1st, 3rd, ... of each region, counted apart in
@@ -28,10 +28,17 @@ SAVE_IN_SELECTIVE = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    # the forward TP collectives of pipeline stages (tensor_parallel_stages): rerunning them would repeat
-    # communication, which the cost model charges to full recompute only
+    # the forward TP collectives of pipeline stages (tensor_parallel_stages) and DTensor's (its redistributions
+    # run c10d functional collectives: the rowwise outputs' all-reduces, sequence parallelism's all-gathers and
+    # reduce-scatters): rerunning them would repeat communication, which the cost model charges to full recompute
+    # only (torchtitan keeps reduce_scatter_tensor for the same reason). A gathered input kept costs no more
+    # than ``TPChoice.block_activation_fraction`` prices: the module that reads it keeps it for its backward.
+    # The wait after each is recomputed: on a kept output it has nothing to wait for.
     torch.ops.autoshard.tp_reduce.default,
     torch.ops.autoshard.tp_gather.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 

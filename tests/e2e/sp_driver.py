@@ -6,7 +6,8 @@ so every case shares one run)::
 
     sp_driver.py CASES_JSON OUT_DIR --tp 2 [--steps 2] [--batch 4] [--lr 1e-3]
 
-CASES_JSON is a list of ``{"name", "spec", "styles"}``. For each case every rank builds the same weights (seed 0,
+CASES_JSON is a list of ``{"name", "spec", "styles"}`` (with ``"recompute"`` and ``"blocks"``: that recompute mode
+on those blocks, after the styles, as programs apply them). For each case every rank builds the same weights (seed 0,
 dropout off: ``build_model(fixed_randomness=True)``), applies ``styles`` with ``apply_tensor_parallel`` on a tp mesh,
 and trains with AdamW on the same global batch; rank 0 writes ``OUT_DIR/<name>/losses.json``,
 ``OUT_DIR/<name>/weights/`` (a DCP checkpoint of the final weights, each rank its shards) and ``norm_tokens.json`` (the
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.runtime import build_model, global_batch, init_distributed, load_model_file, shutdown, take_shard
 from autoshard.runtime.checkpoint import save_weights
+from autoshard.runtime.parallel import apply_recompute
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 
@@ -44,6 +46,8 @@ def train(case: dict, mesh, args, ctx) -> tuple[list[float], dict, list[int]]:
     model = build_model(model_file, seed=0, fixed_randomness=True)
     seen = watch_norm_inputs(model, case["styles"])
     apply_tensor_parallel(model, mesh, case["styles"])
+    if case.get("recompute"):
+        apply_recompute(model, case["blocks"], case["recompute"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):

@@ -1,6 +1,6 @@
 """Tensor parallelism with sequence parallelism (chosen on the op graph, applied with DTensor) trains like one
-process (gloo, CPU, tp=2, dropout off): the bundled GPT, transformers Llama (rotary embeddings computed outside
-the blocks) and transformers GPT-2 (Conv1D), all in one run of sp_driver.py, a job of the session's 2-rank
+process (gloo, CPU, tp=2, dropout off): the bundled GPT (also with selective recompute), transformers Llama (rotary
+embeddings computed outside the blocks) and transformers GPT-2 (Conv1D), all in one run of sp_driver.py, a job of the session's 2-rank
 torchrun launch (``one_launch.Cases``)."""
 
 import json
@@ -46,6 +46,13 @@ CASES = {  # name: (spec, styles every block must hold, styles outside the block
         },
         {"model.layers.0": "scatter-seq-input-dim1", "model.norm": "sharded-input-dim1"},
     ),
+    # the same with selective recompute: the blocks keep DTensor's collectives' outputs (runtime.selective), so
+    # their gathers and reduce-scatters run once; what they kept must be what a rerun would have computed
+    "gpt-selective": (
+        "examples/gpt.py:build",
+        {"h.{i}.attn": "gather-seq-module-input-dim1", "h.{i}.ln_1": "sharded-input-dim1"},
+        {"h.0": "scatter-seq-input-dim1"},
+    ),
     "gpt2": (
         "tests/models/hf_gpt2.py:build",
         {
@@ -59,18 +66,20 @@ CASES = {  # name: (spec, styles every block must hold, styles outside the block
 }
 
 
-def sp_styles(spec: str) -> dict[str, str]:
+def sp_case(name: str, spec: str) -> dict:
+    """The driver's case: the styles the planner picks, and (name "-selective") selective recompute of every block."""
     graph = capture_graph(spec)[1]
     choice = choose_tp_styles(graph, TP, FAST_LINK, SLOW_DEVICE, sequence_parallel=True)
     assert choice.sequence_parallel, spec
-    return choice.sharded
+    recompute = {"recompute": "selective", "blocks": [b.path for b in graph.blocks]} if "-selective" in name else {}
+    return {"name": name, "spec": spec, "styles": choice.sharded, **recompute}
 
 
 def _prepare(names, ranks, folder):
     """The one case "all": sp_driver.py over every model, with the styles the planner picks."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        cases = [{"name": name, "spec": spec, "styles": sp_styles(spec)} for name, (spec, _, _) in CASES.items()]
+        cases = [sp_case(name, spec) for name, (spec, _, _) in CASES.items()]
     except Exception as exc:  # noqa: BLE001  (raised in the test)
         return {"all": exc}
     (folder / "cases.json").write_text(json.dumps(cases))
