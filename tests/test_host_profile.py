@@ -205,6 +205,23 @@ def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
     assert parts.optimizer_s == pytest.approx(0.01)  # the measured AdamW step
 
 
+def test_a_profile_is_the_least_squares_line_through_its_sizes(gpt):
+    """Times on a line a + c·b come back exactly at and between the sizes; one size measured high moves the line
+    by its share of the least-squares fit, not the whole error (``ModelProfile._at``)."""
+    line = {
+        b: {"none": (0.001 + 0.0005 * b, 0.003 + 0.0015 * b), "full": (0.001 + 0.0005 * b, 0.004 + 0.002 * b)}
+        for b in (1, 2, 4, 8)
+    }
+    exact = profile_of(gpt, line)
+    for b in (1, 2, 3, 4, 8, 16):
+        fwd, bwd, rerun = exact.totals(b, "full")
+        assert (fwd, fwd + bwd, rerun) == pytest.approx((0.001 + 0.0005 * b, 0.003 + 0.0015 * b, 0.001 + 0.0005 * b))
+    noisy = {**line, 2: {**line[2], "full": (line[2]["full"][0], line[2]["full"][1] + 0.008)}}  # b 2 read 8 ms high
+    rerun_2 = profile_of(gpt, noisy).totals(2, "full")[2]
+    true_2 = 0.002
+    assert true_2 < rerun_2 < true_2 + 0.008 / 2  # joining the points would give true + 8 ms
+
+
 def test_a_profile_of_another_model_is_not_used(cluster, gpt):
     other = ModelProfile("x.py:build", "0" * 16, 2, {1: {"none": (1.0, 3.0)}}, "test")
     assert CostTables(gpt, replace(cluster, profiles=(other,))).profile is None

@@ -17,7 +17,7 @@ the measured totals (``ModelProfile.totals``)::
     forward_s(u) = F · w_f(u) / Σ w_f      backward_s(u) = W · w_b(u) / Σ w_b
     recompute_s(u) = R · w_r(u) / Σ w_r    (host time is then inside the measured figures)
 
-Between measured sizes the totals are linear in b; beyond them the nearest two extend.
+The totals are the least-squares line in b through the measured sizes (``ModelProfile._at``).
 Everything distributed (collectives, FSDP2, pipelines, the optimizer) is still the cost model's.
 """
 
