@@ -8,7 +8,10 @@ Plain string functions that the passes and the cost model both read a graph by::
 
 from __future__ import annotations
 
+import functools
 
+
+@functools.cache  # a graph has a few hundred targets; the search reads them millions of times
 def op_name(target: str) -> str:
     """The table key of a target: "aten.add_.Tensor" -> "add"; non-aten targets stay whole."""
     if not target.startswith("aten."):

@@ -136,18 +136,20 @@ def _from_cache(spec: str, fold: bool, seq_len: int | None = None) -> tuple[OpGr
 
 
 def _capture_and_annotate(
-    spec: str, done: list[str], fold: bool, seq_len: int | None = None, tp_degrees=None
+    spec: str, done: list[str], fold: bool, seq_len: int | None = None, tp_degrees=None, in_child: bool = False
 ) -> tuple[ModelFile, OpGraph, capture_cache.Reads]:
     """The model file loaded, its annotated graph, and what loading and capturing it read: modules
     imported, environment variables, files (``capture_cache.recording``, for the cache entry). The
     same in this process and in the forked child, which records in itself. The tensor-parallel proof
-    checks ``tp_degrees`` (every degree when None)."""
+    checks ``tp_degrees`` (every degree when None); in the forked child (``in_child``), which may fork
+    again, its degrees in parallel (``tp_proof._each_degree``)."""
     from autoshard.modelfile import load_model_file
     from autoshard.passes.capturing.annotate import annotate
     from autoshard.passes.capturing.batch_coupling import check_batch_coupling
     from autoshard.passes.capturing.capture import capture, model_output_to_stderr
     from autoshard.passes.capturing.cp_proof import prove_context_parallel
     from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
+    from autoshard.passes.planning.tensor_parallel import PROOF_DEGREES
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
         model_file = load_model_file(spec, seq_len)
@@ -156,7 +158,8 @@ def _capture_and_annotate(
         with running("annotate", done):
             graph = annotate(graph)
         with running("tp_proof", done):
-            graph = prove_tensor_parallel(model_file, graph, *(() if tp_degrees is None else (tp_degrees,)))
+            degrees = PROOF_DEGREES if tp_degrees is None else tp_degrees
+            graph = prove_tensor_parallel(model_file, graph, degrees, parallel=in_child)
         with running("cp_proof", done):
             graph = prove_context_parallel(model_file, graph)
         with running("batch_coupling", done):
@@ -268,7 +271,7 @@ def _capture_in_child(
         return
     try:
         done: list[str] = []
-        _, graph, reads = _capture_and_annotate(spec, done, fold, seq_len, tp_degrees)
+        _, graph, reads = _capture_and_annotate(spec, done, fold, seq_len, tp_degrees, in_child=True)
     except BaseException as exc:  # KeyboardInterrupt included: the parent raises it as the CLI expects
         conn.send(("error", _portable(exc), traceback.format_exc()))
         conn.close()

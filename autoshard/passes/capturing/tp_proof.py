@@ -83,6 +83,10 @@ degree (``tensor_parallel.SP_REFUSED``).
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
+import signal
 import traceback
 from dataclasses import replace
 from functools import partial, wraps
@@ -137,19 +141,88 @@ UNEXERCISED = UNEXERCISED_PREFIX + " of the model's code:"
 MAX_ROUNDS = 6
 
 
-def prove_tensor_parallel(model_file: ModelFile, graph: OpGraph, degrees=PROOF_DEGREES) -> OpGraph:
+def prove_tensor_parallel(
+    model_file: ModelFile, graph: OpGraph, degrees=PROOF_DEGREES, parallel: bool = False
+) -> OpGraph:
     """``graph`` (captured, annotated, maybe folded) with ``tp_proofs`` for each of ``degrees`` it can take (every
     degree by default; a plan proves the ones its cluster offers, ``unproven_degrees``), with and without
     sequence parallelism, beside those it already has. Each degree's proof is its own: the order and the
-    other degrees proved change none of them."""
+    other degrees proved change none of them, so with ``parallel`` the degrees after the first are proved in
+    forked children meanwhile (``_each_degree``)."""
     full = find_blocks(unfold(replace(graph, blocks=[])))
     proofs = dict(graph.tp_proofs or {})
-    for tp in degrees:
-        if tp in PROOF_DEGREES and not check_divisibility(full, tp):
-            proofs[proof_key(tp)] = prove_degree(model_file, graph, full, tp)
-            proofs[proof_key(tp, True)] = prove_sequence_parallel(model_file, graph, full, tp, proofs[proof_key(tp)])
+    todo = [tp for tp in degrees if tp in PROOF_DEGREES and not check_divisibility(full, tp)]
+    for tp, (base, seq) in zip(todo, _each_degree(model_file, graph, full, todo, parallel)):
+        proofs[proof_key(tp)], proofs[proof_key(tp, True)] = base, seq
     graph.tp_proofs = dict(sorted(proofs.items(), key=lambda kv: _proof_order(kv[0])))
     return graph
+
+
+def prove_both(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int) -> tuple[dict, dict]:
+    """Degree tp's refusals without and with sequence parallelism (the second starts from the first)."""
+    base = prove_degree(model_file, captured, full, tp)
+    return base, prove_sequence_parallel(model_file, captured, full, tp, base)
+
+
+def _each_degree(
+    model_file: ModelFile, captured: OpGraph, full: OpGraph, degrees: list[int], parallel: bool
+) -> list[tuple[dict, dict]]:
+    """``prove_both`` of each degree, in order. With ``parallel`` (a process that may fork: the capture's own
+    child, ``passes.capturing.front``) every degree after the first is proved in a forked child while this
+    process proves the first: each proof is an export of the model on meta, one core each (a 2-core machine
+    proves tp 2, 4 and 8 in about half the time). A child that fails or dies answers nothing and its degree is
+    proved again here, so an error is raised as in one process."""
+    if not parallel or len(degrees) < 2:
+        return [prove_both(model_file, captured, full, tp) for tp in degrees]
+    children = [_ProofChild.start(partial(prove_both, model_file, captured, full, tp)) for tp in degrees[1:]]
+    try:
+        results = [prove_both(model_file, captured, full, degrees[0])]
+        for tp, child in zip(degrees[1:], children):
+            answer = child.result()
+            results.append(answer if answer is not None else prove_both(model_file, captured, full, tp))
+    finally:
+        for child in children:
+            child.stop()
+    return results
+
+
+class _ProofChild:
+    """One degree's proof in a forked process, its answer (two dicts of strings) sent back through a pipe.
+    ``os.fork`` itself: the capture's child is a daemon, which multiprocessing forbids to start processes; the
+    child ends with ``os._exit`` (no teardown of torch's modules) and a pipe leaves nothing to clean up."""
+
+    def __init__(self, pid: int, conn) -> None:
+        self.pid, self.conn = pid, conn
+
+    @classmethod
+    def start(cls, prove) -> _ProofChild:
+        parent_end, child_end = multiprocessing.Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:  # the child
+            parent_end.close()
+            try:
+                answer = prove()
+            except BaseException:  # noqa: BLE001 (the parent proves this degree again and raises what it raises)
+                answer = None
+            try:
+                child_end.send(answer)
+            finally:
+                os._exit(0)
+        child_end.close()
+        return cls(pid, parent_end)
+
+    def result(self) -> tuple[dict, dict] | None:
+        """The child's (base, sequence-parallel) refusals, or None if it failed or died."""
+        try:
+            return self.conn.recv()
+        except EOFError:
+            return None
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)  # one that answered is ending anyway
+        os.waitpid(self.pid, 0)
+        self.conn.close()
 
 
 def _proof_order(key: str) -> tuple[int, bool]:

@@ -1,0 +1,102 @@
+"""Pricing ahead on a second core: the search's candidates priced by two processes, the search unchanged.
+
+``passes.planning.search`` prices candidates one by one in increasing lower bound LB and stops at the first
+k with LB(k) > T*(k), T*(k) the fastest fitting price among positions < k. Pricing is most of a plan's time
+(GPT-3 175B on 1024 GPUs: ~2.9 s of ~7 s; DeepSeek-V3 on 2048: ~10 s of ~20 s) and each candidate's price is
+a pure function of the graph, the cluster and the candidate (``cost.tables.CostTables`` only caches).
+
+**How.** ``price_ahead`` forks one worker; it and this process take the next position from a shared counter,
+price it and lower a shared T_shared = min over every fitting price either has found; each stops at the first
+position it takes whose LB exceeds T_shared. The worker sends its prices back through a pipe; the search then
+runs its own loop on them, pricing in this process any position it needs that neither priced, so the
+candidates priced, the plan and its alternatives are those of the one-process search, byte for byte.
+
+**Why nothing it needs is missed.** A process skips position k only if LB(k) > T_shared. T_shared is some
+candidate j's price: if j precedes k, T*(k) ≤ T_j < LB(k) and the search stops at or before k; if j follows k,
+T_j ≥ LB(j) ≥ LB(k) (a bound is below its price; positions are in bound order), a contradiction. So every
+position the search reaches was priced (and a bound off by rounding is caught by the loop's own pricing).
+
+**When.** Only where forking is safe and pays: ``os.fork`` exists, one Python thread runs, the machine has a
+second core for this process, at least ``MIN_CANDIDATES`` candidates, and ``AUTOSHARD_PRICE_AHEAD`` is not
+"0". The worker ends with ``os._exit``; a worker that dies answers nothing and the search prices alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+MIN_CANDIDATES = 64  # fewer are priced in well under a second: a fork (~10-50 ms) would not pay
+
+
+def forking_pays(candidates: int) -> bool:
+    """Fork exists, this process has another core, one Python thread runs, enough candidates, not turned off."""
+    return (
+        hasattr(os, "fork")
+        and candidates >= MIN_CANDIDATES
+        and len(os.sched_getaffinity(0)) >= 2
+        and threading.active_count() == 1
+        and os.environ.get("AUTOSHARD_PRICE_AHEAD", "1") != "0"
+    )
+
+
+def price_ahead(
+    order: list[int], bounds: list[float], price_one: Callable[[int], list[Any]], fastest_of: Callable[[list], float]
+) -> dict[int, list[Any]]:
+    """Candidate index -> ``price_one(index)`` for the positions of ``order`` this process and one forked worker
+    priced (module doc): every position the search's loop will reach, and maybe a few after it. Each process
+    takes the next position: splitting by the tables a candidate needs (its TP layout, its recompute) was
+    tried and balanced worse (DeepSeek-V3: 7.6 and 9.5 s against 7.4 and 7.4 s)."""
+    context = multiprocessing.get_context("fork")
+    taken = context.RawValue("q", 0)
+    fastest = context.RawValue("d", math.inf)
+    lock = context.Lock()
+    parent_end, child_end = context.Pipe(duplex=False)
+    pid = os.fork()
+    if pid == 0:  # the worker
+        parent_end.close()
+        try:
+            mine = _take(order, bounds, price_one, fastest_of, taken, fastest, lock)
+        except BaseException:  # noqa: BLE001 (this process prices what the worker did not)
+            mine = {}
+        try:
+            child_end.send(mine)
+        finally:
+            os._exit(0)
+    child_end.close()
+    try:
+        mine = _take(order, bounds, price_one, fastest_of, taken, fastest, lock)
+        try:
+            theirs = parent_end.recv()
+        except EOFError:
+            theirs = {}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # one that answered is ending anyway
+        os.waitpid(pid, 0)
+        parent_end.close()
+    return theirs | mine
+
+
+def _take(order, bounds, price_one, fastest_of, taken, fastest, lock) -> dict[int, list[Any]]:
+    """Price the next position of ``order`` not taken yet, until none is left or its bound exceeds the shared
+    fastest price."""
+    out: dict[int, list[Any]] = {}
+    while True:
+        with lock:
+            k = taken.value
+            taken.value = k + 1
+        if k >= len(order) or bounds[order[k]] > fastest.value:
+            return out
+        i = order[k]
+        out[i] = price_one(i)
+        found = fastest_of(out[i])
+        if found < fastest.value:
+            with lock:
+                fastest.value = min(fastest.value, found)

@@ -1,0 +1,119 @@
+"""What a plan does on a second core changes nothing it returns: the TP proof's degrees proved in forked children
+(``passes.capturing.tp_proof._each_degree``) and the search's candidates priced ahead by a forked worker
+(``passes.planning.price_ahead``) give the proofs and the search result of one process, field for field.
+
+The test process may run threads (pytest-xdist), where neither forks by itself: here both are made to."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from autoshard.cost.hardware import load_cluster
+from autoshard.modelfile import load_model_file
+from autoshard.passes.capturing.annotate import annotate
+from autoshard.passes.capturing.capture import capture
+from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
+from autoshard.passes.planning import price_ahead as ahead_module
+from autoshard.passes.planning import search as search_module
+from autoshard.passes.planning.price_ahead import price_ahead
+from autoshard.passes.planning.strategies import Pins, candidate_configs
+from autoshard.pipeline import capture_graph
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("spec", ["examples/gpt.py:build", "tests/models/tp_cases.py:build_constant_heads"])
+def test_degrees_proved_in_forked_children_are_the_one_process_proofs(spec):
+    model_file = load_model_file(str(ROOT / spec))
+    graph = annotate(capture(model_file, 2, True))
+    one = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=False).tp_proofs
+    forked = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=True).tp_proofs
+    assert set(one) == {"2", "2sp", "4", "4sp"}
+    assert forked == one
+    if "constant_heads" in spec:  # the refusals the children found came back, not just empty proofs
+        assert any("on a shard where the layout needs" in why for why in forked["2"].values())
+
+
+def _search(graph, cluster, configs, batch, forks: bool, monkeypatch):
+    monkeypatch.setattr(search_module, "forking_pays", lambda candidates: forks)
+    return search_module.search(graph, cluster, configs, batch)
+
+
+@pytest.mark.parametrize(
+    "model, cluster_name, nodes, batch",
+    [("tests/models/wide_gpt.py:build", "dgx-a100-80gb", 2, 64), ("examples/gpt.py:build", "dgx-h100", 4, 128)],
+)
+def test_a_search_priced_on_two_cores_is_the_one_process_search(monkeypatch, model, cluster_name, nodes, batch):
+    graph = capture_graph(str(ROOT / model))[1]
+    cluster = load_cluster(cluster_name, nodes=nodes)
+    configs = candidate_configs(graph, cluster, batch, Pins())
+    one = _search(graph, cluster, configs, batch, False, monkeypatch)
+    two = _search(graph, cluster, configs, batch, True, monkeypatch)
+    assert one.report["priced"] < len(configs)  # the bound stopped it: the case where priced-ahead could differ
+    assert (two.best, two.alternatives, two.report) == (one.best, one.alternatives, one.report)
+
+
+def _loop(order, bounds, prices):
+    """The search's loop: the positions it prices, on a table of prices."""
+    reached, fastest = [], math.inf
+    for i in order:
+        if bounds[i] > fastest:
+            break
+        reached.append(i)
+        fastest = min(fastest, prices[i])
+    return reached
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_price_ahead_prices_every_position_the_loop_reaches(seed):
+    """Prices at or above their bounds, in random order: whatever the two processes' timing, each position the
+    one-process loop reaches was priced by one of them (module doc, "Why nothing it needs is missed")."""
+    import random
+
+    rng = random.Random(seed)
+    n = 300
+    bounds = [rng.uniform(1, 100) for _ in range(n)]
+    prices = [b * rng.uniform(1, 3) for b in bounds]
+    order = sorted(range(n), key=lambda i: (bounds[i], i))
+    got = price_ahead(order, bounds, lambda i: [prices[i]], lambda ps: min(ps, default=math.inf))
+    reached = _loop(order, bounds, prices)
+    assert len(reached) < n  # the bound stops the loop early: not everything is priced
+    assert set(reached) <= set(got)
+    assert all(got[i] == [prices[i]] for i in got)
+
+
+def test_a_search_whose_worker_dies_prices_alone(monkeypatch):
+    """The worker dies on the first candidate it takes: the search prices that one itself, and returns what one
+    process returns."""
+    graph = capture_graph(str(ROOT / "tests/models/wide_gpt.py:build"))[1]
+    cluster = load_cluster("dgx-a100-80gb", nodes=2)
+    configs = candidate_configs(graph, cluster, 64, Pins())
+    one = _search(graph, cluster, configs, 64, False, monkeypatch)
+    parent, price = os.getpid(), search_module.price_with_mixed
+
+    def dies_in_the_worker(*args, **kwargs):
+        if os.getpid() != parent:
+            os._exit(3)
+        return price(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "price_with_mixed", dies_in_the_worker)
+    two = _search(graph, cluster, configs, 64, True, monkeypatch)
+    assert (two.best, two.alternatives, two.report) == (one.best, one.alternatives, one.report)
+
+
+def test_forking_needs_enough_candidates_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(ahead_module.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(ahead_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("AUTOSHARD_PRICE_AHEAD", raising=False)
+    assert ahead_module.forking_pays(ahead_module.MIN_CANDIDATES)
+    assert not ahead_module.forking_pays(ahead_module.MIN_CANDIDATES - 1)
+    monkeypatch.setenv("AUTOSHARD_PRICE_AHEAD", "0")
+    assert not ahead_module.forking_pays(10_000)
+    monkeypatch.delenv("AUTOSHARD_PRICE_AHEAD")
+    monkeypatch.setattr(ahead_module.os, "sched_getaffinity", lambda pid: {0})
+    assert not ahead_module.forking_pays(10_000)
