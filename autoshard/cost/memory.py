@@ -234,7 +234,8 @@ def _op_grad_bytes(graph: OpGraph, name: str, ratio: float, share: RankShare) ->
         return 0
     # a parameter's gradient (read directly or through a view: an experts module's transposed weights) is
     # the rank's gradient state, priced as grads
-    ins = {storage_of(graph, i) for i in node.inputs if i in grads} - set(graph.placeholder_params)
+    params = graph.placeholder_params
+    ins = {storage for i in node.inputs if i in grads and (storage := storage_of(graph, i)) not in params}
     return share.value_bytes(graph, name, ratio) + sum(share.value_bytes(graph, i, ratio) for i in ins)
 
 

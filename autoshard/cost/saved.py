@@ -195,12 +195,16 @@ WHOLE = RankShare()  # no tensor parallelism: every tensor whole
 
 
 def storage_of(graph: OpGraph, name: str) -> str:
-    """The value whose storage ``name`` is: follow views (``VIEW_OPS``) back to a materialised tensor."""
-    node = graph._by_name().get(name)
-    while node is not None and node.inputs and _is_view(graph, node):
-        name = node.inputs[0]
-        node = graph._by_name().get(name)
-    return name
+    """The value whose storage ``name`` is: follow views (``VIEW_OPS``) back to a materialised tensor (once per
+    value of a graph: the search asks for the same values' storage hundreds of thousands of times)."""
+    known = graph.derived("storage_of", dict)
+    if name not in known:
+        node, storage = graph._by_name().get(name), name
+        while node is not None and node.inputs and _is_view(graph, node):
+            storage = node.inputs[0]
+            node = graph._by_name().get(storage)
+        known[name] = storage
+    return known[name]
 
 
 def _is_view(graph: OpGraph, node: OpNode) -> bool:

@@ -244,6 +244,9 @@ class _Child:
         if status == "error":
             self.process.join()
             raise _rebuilt(*payload) from RemoteTraceback(extra)
+        # The graph and the modules imported live until this process (a fresh ``autoshard plan``) ends: frozen,
+        # the collector's full passes skip them (DeepSeek-V3's search: 0.58 -> 0.27 s of collection).
+        gc.freeze()
         return payload, extra
 
     def stop(self) -> None:
