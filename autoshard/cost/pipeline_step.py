@@ -285,7 +285,8 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
     for r in range(pp):
         mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
-        rerun = {u: stage_pipeline_units(tables, config, s) for s, rng in mine for u in stage_units(rng, units.blocks)}
+        runs = {s: stage_pipeline_units(tables, config, s) for s, _ in mine}
+        rerun = {u: runs[s] for s, rng in mine for u in stage_units(rng, units.blocks)}
         p2p = sum(
             2 * boundary_transfer_s(tables, config, units.boundary_bytes[i])
             for s, (i, _) in mine
@@ -396,15 +397,20 @@ def stage_buffer_bytes(
     the split traced (the model's: ``CAPTURED_ELEM_BYTES``), and keeps them; a boundary is the residual
     stream entering a block and the tables the blocks share (``memory.shared_value_bytes``); none between two
     stages of one rank (the V's tip)."""
-    graph = tables.graph
-    scale = config.microbatch_size / graph.batch_size
-    shared = shared_value_bytes(graph)
-    boundary = [int((b.input_bytes + shared) * scale) for b in graph.blocks]
+    boundary = tables.memo(("stage_boundary_bytes", config.microbatch_size), lambda: _boundary_bytes(tables, config))
     first, end = block_range
     receives = boundary[first] if index > 0 and owner[index - 1] != owner[index] else 0
     if index < len(owner) - 1 and owner[index + 1] != owner[index]:
         receives += boundary[end]
     return receives
+
+
+def _boundary_bytes(tables: CostTables, config: Decisions) -> list[int]:
+    """Per block, what a stage beginning there receives of one micro-batch (``stage_buffer_bytes``)."""
+    graph = tables.graph
+    scale = config.microbatch_size / graph.batch_size
+    shared = shared_value_bytes(graph)
+    return [int((b.input_bytes + shared) * scale) for b in graph.blocks]
 
 
 def stage_in_flight(config: Decisions) -> tuple[float, ...]:

@@ -116,8 +116,12 @@ class Units:
         return len(self.forward_s) - 2
 
 
-def node_units(graph: OpGraph) -> list[int]:
-    """The unit index (module doc) of every node, in graph order."""
+def node_units(graph: OpGraph) -> tuple[int, ...]:
+    """The unit index (module doc) of every node, in graph order (once per graph: the search reads it per table)."""
+    return graph.derived("node_units", lambda: tuple(_node_units(graph)))
+
+
+def _node_units(graph: OpGraph) -> list[int]:
     block_index = {name: k for k, b in enumerate(graph.blocks) for name in b.node_names}
     units, current = [], 0
     for node in graph.nodes:
