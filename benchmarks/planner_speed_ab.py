@@ -1,5 +1,16 @@
-"""A/B of the whole `autoshard plan` command, two checkouts run alternately (cold, then capture cached)."""
+"""Two checkouts' whole `autoshard plan` command on the four planner-speed targets, run alternately.
+
+    git worktree add /tmp/base <commit>
+    python benchmarks/planner_speed_ab.py /tmp/base . 3 benchmarks/results/planner-speed/ab-<date>.json
+
+Per target: each checkout plans once to fill its own capture cache, then REPEATS times, alternating the two
+checkouts, a cold plan (``--no-cache``) and a cached one; the medians are printed and written with every
+time. Alternating keeps a drifting machine from favouring either side (a single checkout's figures:
+``bench_planner_speed.py --targets``). Each checkout runs its own code: ``-m autoshard.cli`` in its directory.
+"""
+
 import json, os, statistics, subprocess, sys, tempfile, time
+
 TARGETS = (
     ("benchmarks/models.py:llama3_8b_shape", "dgx-a100-80gb", 64, 512, 3.0),
     ("benchmarks/models.py:gpt3_175b", "dgx-a100-80gb", 1024, 2048, 5.0),
@@ -8,19 +19,39 @@ TARGETS = (
 )
 TREES = {"base": sys.argv[1], "new": sys.argv[2]}
 REPEATS = int(sys.argv[3])
+
+
 def run(tree, spec, cluster, gpus, batch, cache, cold):
-    cmd = [sys.executable, "-m", "autoshard.cli", "plan", spec, "--cluster", cluster, "--nodes", str(max(1, gpus // 8)),
-           "--global-batch", str(batch), "-o", f"{cache}/p.json"] + (["--no-cache"] if cold else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoshard.cli",
+        "plan",
+        spec,
+        "--cluster",
+        cluster,
+        "--nodes",
+        str(max(1, gpus // 8)),
+        "--global-batch",
+        str(batch),
+        "-o",
+        f"{cache}/p.json",
+    ] + (["--no-cache"] if cold else [])
     env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{cache}/cache")
-    t = time.perf_counter(); p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True); dt = time.perf_counter() - t
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    dt = time.perf_counter() - t
     assert p.returncode == 0, p.stderr[-1000:]
     return dt
+
+
 rows = {}
 for spec, cluster, gpus, batch, target in TARGETS:
     times = {(k, m): [] for k in TREES for m in ("cold", "cached")}
     with tempfile.TemporaryDirectory() as tmp:
         for k in TREES:
-            os.makedirs(f"{tmp}/{k}"); run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", False)  # fill the cache
+            os.makedirs(f"{tmp}/{k}")
+            run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", False)  # fill the cache
         for r in range(REPEATS):
             for k in TREES:
                 times[(k, "cold")].append(run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", True))
