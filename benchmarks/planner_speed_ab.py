@@ -9,58 +9,53 @@ time. Alternating keeps a drifting machine from favouring either side (a single 
 ``bench_planner_speed.py --targets``). Each checkout runs its own code: ``-m autoshard.cli`` in its directory.
 """
 
-import json, os, statistics, subprocess, sys, tempfile, time
+from __future__ import annotations
 
-TARGETS = (
-    ("benchmarks/models.py:llama3_8b_shape", "dgx-a100-80gb", 64, 512, 3.0),
-    ("benchmarks/models.py:gpt3_175b", "dgx-a100-80gb", 1024, 2048, 5.0),
-    ("benchmarks/llama3.py:llama3_405b", "dgx-h100", 16384, 2048, 10.0),
-    ("benchmarks/deepseek_v3.py:build", "dgx-h100", 2048, 4096, 15.0),
-)
-TREES = {"base": sys.argv[1], "new": sys.argv[2]}
-REPEATS = int(sys.argv[3])
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 
-
-def run(tree, spec, cluster, gpus, batch, cache, cold):
-    cmd = [
-        sys.executable,
-        "-m",
-        "autoshard.cli",
-        "plan",
-        spec,
-        "--cluster",
-        cluster,
-        "--nodes",
-        str(max(1, gpus // 8)),
-        "--global-batch",
-        str(batch),
-        "-o",
-        f"{cache}/p.json",
-    ] + (["--no-cache"] if cold else [])
-    env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{cache}/cache")
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-    dt = time.perf_counter() - t
-    assert p.returncode == 0, p.stderr[-1000:]
-    return dt
+from bench_planner_speed import TARGETS  # (spec, cluster preset, GPUs, batch, target s)
 
 
-rows = {}
-for spec, cluster, gpus, batch, target in TARGETS:
-    times = {(k, m): [] for k in TREES for m in ("cold", "cached")}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in TREES:
-            os.makedirs(f"{tmp}/{k}")
-            run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", False)  # fill the cache
-        for r in range(REPEATS):
-            for k in TREES:
-                times[(k, "cold")].append(run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", True))
-            for k in TREES:
-                times[(k, "cached")].append(run(TREES[k], spec, cluster, gpus, batch, f"{tmp}/{k}", False))
-    row = {f"{k}_{m}_s": [round(x, 2) for x in v] for (k, m), v in times.items()}
-    row |= {f"{k}_{m}_median_s": round(statistics.median(v), 2) for (k, m), v in times.items()}
-    row["target_s"] = target
-    rows[f"{spec} on {gpus}"] = row
-    print(spec, gpus, {k: v for k, v in row.items() if "median" in k}, flush=True)
-out = {"command": " ".join(sys.argv), "when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": rows}
-open(sys.argv[4], "w").write(json.dumps(out, indent=1))
+def plan_s(tree: str, spec: str, cluster: str, gpus: int, batch: int, work: str, cold: bool) -> float:
+    """Wall time of one ``autoshard plan`` of ``tree``'s code, its capture cache in ``work``."""
+    command = [
+        sys.executable, "-m", "autoshard.cli", "plan", spec, "--cluster", cluster, "--nodes", str(max(1, gpus // 8)),
+        "--global-batch", str(batch), "-o", f"{work}/p.json", *(["--no-cache"] if cold else []),
+    ]  # fmt: skip
+    env = dict(os.environ, AUTOSHARD_CACHE_DIR=f"{work}/cache")
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    trees, repeats, output = {"base": sys.argv[1], "new": sys.argv[2]}, int(sys.argv[3]), sys.argv[4]
+    rows = {}
+    for spec, cluster, gpus, batch, target_s in TARGETS:
+        times: dict[tuple[str, str], list[float]] = {(k, m): [] for k in trees for m in ("cold", "cached")}
+        with tempfile.TemporaryDirectory() as tmp:
+            for k, tree in trees.items():
+                os.makedirs(f"{tmp}/{k}")
+                plan_s(tree, spec, cluster, gpus, batch, f"{tmp}/{k}", False)  # fills its capture cache
+            for _ in range(repeats):
+                for mode in ("cold", "cached"):
+                    for k, tree in trees.items():
+                        times[(k, mode)].append(plan_s(tree, spec, cluster, gpus, batch, f"{tmp}/{k}", mode == "cold"))
+        row: dict = {f"{k}_{m}_s": [round(t, 2) for t in v] for (k, m), v in times.items()}
+        row |= {f"{k}_{m}_median_s": round(statistics.median(v), 2) for (k, m), v in times.items()}
+        rows[f"{spec} on {gpus}"] = row | {"target_s": target_s}
+        print(spec, gpus, {k: v for k, v in row.items() if "median" in k}, flush=True)
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    with open(output, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "when_utc": when, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
