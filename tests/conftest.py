@@ -12,6 +12,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The capture cache (passes.capturing.capture_cache) of this test session, not the user's; CLI subprocesses inherit it.
 os.environ.setdefault("AUTOSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="autoshard-test-cache-"))
+# One pytest-xdist worker per core already fills the machine: a search's forked pricing worker would only add forks
+# (passes.planning.price_ahead; tests/test_two_cores.py makes it fork and checks it).
+os.environ.setdefault("AUTOSHARD_PRICE_AHEAD", "0")
 
 
 @pytest.fixture(scope="module")
