@@ -7,6 +7,7 @@ The test process may run threads (pytest-xdist), where neither forks by itself: 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.modelfile import load_model_file
+from autoshard.passes.capturing import tp_proof
 from autoshard.passes.capturing.annotate import annotate
 from autoshard.passes.capturing.capture import capture
 from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
@@ -22,26 +24,38 @@ from autoshard.passes.planning import price_ahead as ahead_module
 from autoshard.passes.planning import search as search_module
 from autoshard.passes.planning.price_ahead import price_ahead
 from autoshard.passes.planning.strategies import Pins, candidate_configs
-from autoshard.pipeline import capture_graph
+from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("spec", ["examples/gpt.py:build", "tests/models/tp_cases.py:build_constant_heads"])
-def test_degrees_proved_in_forked_children_are_the_one_process_proofs(spec):
+def test_degrees_proved_in_forked_children_are_the_one_process_proofs(spec, monkeypatch):
     model_file = load_model_file(str(ROOT / spec))
     graph = annotate(capture(model_file, 2, True))
     one = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=False).tp_proofs
+    answers, result = [], tp_proof._ProofChild.result
+    monkeypatch.setattr(tp_proof._ProofChild, "result", lambda self: answers.append(result(self)) or answers[-1])
     forked = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=True).tp_proofs
+    assert len(answers) == 1 and answers[0] is not None, "degree 4 was proved in a child, which answered"
     assert set(one) == {"2", "2sp", "4", "4sp"}
     assert forked == one
-    if "constant_heads" in spec:  # the refusals the children found came back, not just empty proofs
-        assert any("on a shard where the layout needs" in why for why in forked["2"].values())
+    if "constant_heads" in spec:  # the refusals the child found came back, not just empty proofs
+        assert any("on a shard where the layout needs" in why for why in forked["4"].values())
 
 
-def _search(graph, cluster, configs, batch, forks: bool, monkeypatch):
+def _plan_json(graph, cluster, batch, forks: bool, monkeypatch) -> tuple[str, int]:
+    """The plan's JSON, and how many candidates this process priced itself."""
     monkeypatch.setattr(search_module, "forking_pays", lambda candidates: forks)
-    return search_module.search(graph, cluster, configs, batch)
+    parent, here, price = os.getpid(), [0], search_module.price_with_mixed
+
+    def counted(*args, **kwargs):
+        here[0] += os.getpid() == parent
+        return price(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "price_with_mixed", counted)
+    request = PlanRequest(model_spec="m.py:build", cluster=cluster, global_batch=batch)
+    return plan_graph(request, None, graph).to_json(), here[0]
 
 
 @pytest.mark.parametrize(
@@ -51,11 +65,11 @@ def _search(graph, cluster, configs, batch, forks: bool, monkeypatch):
 def test_a_search_priced_on_two_cores_is_the_one_process_search(monkeypatch, model, cluster_name, nodes, batch):
     graph = capture_graph(str(ROOT / model))[1]
     cluster = load_cluster(cluster_name, nodes=nodes)
-    configs = candidate_configs(graph, cluster, batch, Pins())
-    one = _search(graph, cluster, configs, batch, False, monkeypatch)
-    two = _search(graph, cluster, configs, batch, True, monkeypatch)
-    assert one.report["priced"] < len(configs)  # the bound stopped it: the case where priced-ahead could differ
-    assert (two.best, two.alternatives, two.report) == (one.best, one.alternatives, one.report)
+    one, priced_alone = _plan_json(copy.deepcopy(graph), cluster, batch, False, monkeypatch)
+    two, priced_here = _plan_json(copy.deepcopy(graph), cluster, batch, True, monkeypatch)
+    assert json.loads(one)["review"]["search"]["priced"] < len(candidate_configs(graph, cluster, batch, Pins()))
+    assert two == one  # the whole plan: decisions, layout (TP styles), prediction, alternatives, search report
+    assert 0 < priced_here < priced_alone, "the worker priced part of the candidates"
 
 
 def _loop(order, bounds, prices):
@@ -102,8 +116,14 @@ def test_a_search_whose_worker_dies_prices_alone(monkeypatch):
         return price(*args, **kwargs)
 
     monkeypatch.setattr(search_module, "price_with_mixed", dies_in_the_worker)
-    two = _search(graph, cluster, configs, 64, True, monkeypatch)
+    two = _search(copy.deepcopy(graph), cluster, configs, 64, True, monkeypatch)
     assert (two.best, two.alternatives, two.report) == (one.best, one.alternatives, one.report)
+    assert (two.best.tp_choice, two.best.cuts) == (one.best.tp_choice, one.best.cuts)
+
+
+def _search(graph, cluster, configs, batch, forks: bool, monkeypatch):
+    monkeypatch.setattr(search_module, "forking_pays", lambda candidates: forks)
+    return search_module.search(graph, cluster, configs, batch)
 
 
 def test_forking_needs_enough_candidates_and_can_be_turned_off(monkeypatch):

@@ -87,6 +87,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import traceback
 from dataclasses import replace
 from functools import partial, wraps
@@ -172,16 +173,19 @@ def _each_degree(
     process proves the first: each proof is an export of the model on meta, one core each (a 2-core machine
     proves tp 2, 4 and 8 in about half the time). A child that fails or dies answers nothing and its degree is
     proved again here, so an error is raised as in one process."""
-    if not parallel or len(degrees) < 2:
+    if not parallel or len(degrees) < 2 or threading.active_count() > 1:  # forking a threaded process is unsafe
         return [prove_both(model_file, captured, full, tp) for tp in degrees]
-    children = [_ProofChild.start(partial(prove_both, model_file, captured, full, tp)) for tp in degrees[1:]]
+    children: dict[int, _ProofChild] = {}
     try:
+        for tp in degrees[1:]:
+            with contextlib.suppress(OSError):  # no fork (memory, process limits): proved here instead
+                children[tp] = _ProofChild.start(partial(prove_both, model_file, captured, full, tp))
         results = [prove_both(model_file, captured, full, degrees[0])]
-        for tp, child in zip(degrees[1:], children):
-            answer = child.result()
+        for tp in degrees[1:]:
+            answer = children[tp].result() if tp in children else None
             results.append(answer if answer is not None else prove_both(model_file, captured, full, tp))
     finally:
-        for child in children:
+        for child in children.values():
             child.stop()
     return results
 
@@ -197,7 +201,12 @@ class _ProofChild:
     @classmethod
     def start(cls, prove) -> _ProofChild:
         parent_end, child_end = multiprocessing.Pipe(duplex=False)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            parent_end.close()
+            child_end.close()
+            raise
         if pid == 0:  # the child
             parent_end.close()
             try:

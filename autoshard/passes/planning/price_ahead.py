@@ -6,8 +6,8 @@ k with LB(k) > T*(k), T*(k) the fastest fitting price among positions < k. Prici
 a pure function of the graph, the cluster and the candidate (``cost.tables.CostTables`` only caches).
 
 **How.** ``price_ahead`` forks one worker; it and this process take the next position from a shared counter,
-price it and lower a shared T_shared = min over every fitting price either has found; each stops at the first
-position it takes whose LB exceeds T_shared. The worker sends its prices back through a pipe; the search then
+price it and lower a shared T_shared to the fitting prices it finds; each stops at the first position it takes
+whose LB exceeds T_shared. The worker sends its prices back through a pipe; the search then
 runs its own loop on them, pricing in this process any position it needs that neither priced, so the
 candidates priced, the plan and its alternatives are those of the one-process search, byte for byte.
 
@@ -50,15 +50,22 @@ def price_ahead(
     order: list[int], bounds: list[float], price_one: Callable[[int], list[Any]], fastest_of: Callable[[list], float]
 ) -> dict[int, list[Any]]:
     """Candidate index -> ``price_one(index)`` for the positions of ``order`` this process and one forked worker
-    priced (module doc): every position the search's loop will reach, and maybe a few after it. Each process
-    takes the next position: splitting by the tables a candidate needs (its TP layout, its recompute) was
-    tried and balanced worse (DeepSeek-V3: 7.6 and 9.5 s against 7.4 and 7.4 s)."""
-    context = multiprocessing.get_context("fork")
-    taken = context.RawValue("q", 0)
-    fastest = context.RawValue("d", math.inf)
-    lock = context.Lock()
-    parent_end, child_end = context.Pipe(duplex=False)
-    pid = os.fork()
+    priced (module doc): every position the search's loop will reach, and maybe a few after it; nothing where
+    the machine cannot fork (the loop then prices alone). Each process takes the next position: splitting by the
+    cost tables a candidate needs (its TP layout, its recompute) instead was tried and balanced worse
+    (DeepSeek-V3: 7.6 and 9.5 s against 7.4 and 7.4 s per process)."""
+    try:
+        context = multiprocessing.get_context("fork")
+        taken, fastest, lock = context.RawValue("q", 0), context.RawValue("d", math.inf), context.Lock()
+        parent_end, child_end = context.Pipe(duplex=False)
+    except OSError:  # no shared memory or semaphores here: the loop prices alone
+        return {}
+    try:
+        pid = os.fork()
+    except OSError:  # memory or process limits: the loop prices alone
+        parent_end.close()
+        child_end.close()
+        return {}
     if pid == 0:  # the worker
         parent_end.close()
         try:
@@ -69,8 +76,8 @@ def price_ahead(
             child_end.send(mine)
         finally:
             os._exit(0)
-    child_end.close()
     try:
+        child_end.close()
         mine = _take(order, bounds, price_one, fastest_of, taken, fastest, lock)
         try:
             theirs = parent_end.recv()
@@ -84,19 +91,25 @@ def price_ahead(
     return theirs | mine
 
 
+LOCK_WAIT_S = 5.0  # the other process holds the counter for microseconds; longer, it died holding it
+
+
 def _take(order, bounds, price_one, fastest_of, taken, fastest, lock) -> dict[int, list[Any]]:
     """Price the next position of ``order`` not taken yet, until none is left or its bound exceeds the shared
-    fastest price."""
+    fastest price. The fastest price is one aligned double, written without the lock: a write that loses a race
+    only leaves it higher than it could be (less pruning; still some candidate's price, as the module doc needs).
+    A worker killed while holding the lock stops this process's taking, not the search (the loop prices the rest)."""
     out: dict[int, list[Any]] = {}
     while True:
-        with lock:
-            k = taken.value
-            taken.value = k + 1
+        if not lock.acquire(timeout=LOCK_WAIT_S):
+            return out
+        k = taken.value
+        taken.value = k + 1
+        lock.release()
         if k >= len(order) or bounds[order[k]] > fastest.value:
             return out
         i = order[k]
         out[i] = price_one(i)
         found = fastest_of(out[i])
         if found < fastest.value:
-            with lock:
-                fastest.value = min(fastest.value, found)
+            fastest.value = found
