@@ -263,6 +263,27 @@ def pp2_four_stages(schedule: str, recompute: str = "none"):
     )
 
 
+def test_stage_cuts_are_the_configurations_own_under_a_split_backward(gpt, monkeypatch):
+    """The time-optimal cuts are cached per search, and a zero-bubble schedule with full recompute prices its
+    blocks' reruns 1 + g times: its partition problem is not that of the same stages without the split, so the
+    cuts found for one are never handed to the other (whichever the search priced first; with two processes
+    pricing, either may be)."""
+    from autoshard.cost.tables import CostTables
+    from autoshard.passes.planning import search as search_module
+
+    graph = gpt[1]
+    configs = {s: pp2_four_stages(s, "full") for s in ("interleaved-zb", "interleaved-1f1b")}
+    solved, best = [], search_module.best_cuts
+    monkeypatch.setattr(
+        search_module, "best_cuts", lambda problem, stages: solved.append(problem) or best(problem, stages)
+    )
+    tables = CostTables(graph, local(2))
+    for config in configs.values():
+        search_module.time_cuts(tables, config)
+    assert len(solved) == 2 and solved[0] != solved[1]  # each solved its own problem
+    assert solved[1] == search_module.partition_problem(CostTables(graph, local(2)), configs["interleaved-1f1b"], False)
+
+
 def test_split_backward_prices_full_recompute_once_per_weight_group_more(gpt):
     """Under a zero-bubble schedule's split backward a fully recomputed block reruns its forward once for the
     inputs' gradient and once per op that reads a parameter for the weights' (torch's ``stage_backward_weight``,
