@@ -10,38 +10,54 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.modelfile import load_model_file
-from autoshard.passes.capturing import tp_proof
-from autoshard.passes.capturing.annotate import annotate
-from autoshard.passes.capturing.capture import capture
-from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
+from autoshard.cost.tables import CostTables
 from autoshard.passes.planning import price_ahead as ahead_module
 from autoshard.passes.planning import search as search_module
-from autoshard.passes.planning.price_ahead import price_ahead
+from autoshard.passes.planning.price_ahead import price_ahead, units_on_two_cores
 from autoshard.passes.planning.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+PROVE_BOTH_WAYS = """
+import copy, json, sys
+from autoshard.modelfile import load_model_file
+from autoshard.passes.capturing import tp_proof
+from autoshard.passes.capturing.annotate import annotate
+from autoshard.passes.capturing.capture import capture
+
+model_file = load_model_file(sys.argv[1])
+graph = annotate(capture(model_file, 2, True))
+one = tp_proof.prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=False).tp_proofs
+answers, result = [], tp_proof._ProofChild.result
+tp_proof._ProofChild.result = lambda self: answers.append(result(self)) or answers[-1]
+forked = tp_proof.prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=True).tp_proofs
+print(json.dumps({"one": one, "forked": forked, "answered": [a is not None for a in answers]}))
+"""
+
+
 @pytest.mark.parametrize("spec", ["examples/gpt.py:build", "tests/models/tp_cases.py:build_constant_heads"])
-def test_degrees_proved_in_forked_children_are_the_one_process_proofs(spec, monkeypatch):
-    model_file = load_model_file(str(ROOT / spec))
-    graph = annotate(capture(model_file, 2, True))
-    one = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=False).tp_proofs
-    answers, result = [], tp_proof._ProofChild.result
-    monkeypatch.setattr(tp_proof._ProofChild, "result", lambda self: answers.append(result(self)) or answers[-1])
-    forked = prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=True).tp_proofs
-    assert len(answers) == 1 and answers[0] is not None, "degree 4 was proved in a child, which answered"
-    assert set(one) == {"2", "2sp", "4", "4sp"}
-    assert forked == one
+def test_degrees_proved_in_forked_children_are_the_one_process_proofs(spec):
+    """In a fresh interpreter, as the capture's child is (one thread: the test's worker may run others, and then
+    the proof does not fork)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PROVE_BOTH_WAYS, str(ROOT / spec)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["answered"] == [True], "degree 4 was proved in a child, which answered"
+    assert set(out["one"]) == {"2", "2sp", "4", "4sp"}
+    assert out["forked"] == out["one"]
     if "constant_heads" in spec:  # the refusals the child found came back, not just empty proofs
-        assert any("on a shard where the layout needs" in why for why in forked["4"].values())
+        assert any("on a shard where the layout needs" in why for why in out["forked"]["4"].values())
 
 
 def _plan_json(graph, cluster, batch, forks: bool, monkeypatch) -> tuple[str, int]:
@@ -70,6 +86,18 @@ def test_a_search_priced_on_two_cores_is_the_one_process_search(monkeypatch, mod
     assert json.loads(one)["review"]["search"]["priced"] < len(candidate_configs(graph, cluster, batch, Pins()))
     assert two == one  # the whole plan: decisions, layout (TP styles), prediction, alternatives, search report
     assert 0 < priced_here < priced_alone, "the worker priced part of the candidates"
+
+
+def test_unit_tables_computed_half_in_a_worker_are_the_one_process_tables():
+    graph = capture_graph(str(ROOT / "tests/models/wide_gpt.py:build"))[1]
+    cluster = load_cluster("dgx-a100-80gb", nodes=2)
+    configs = candidate_configs(graph, cluster, 64, Pins())
+    two = CostTables(graph, cluster)
+    units_on_two_cores(two, configs)
+    args = {two.unit_args(c) for c in configs if c.recompute != "mixed"}
+    assert len(args) >= 4 and len(two._units) == len(args)  # every table the bounds read, half from the worker
+    one = CostTables(copy.deepcopy(graph), cluster)
+    assert all(two.units(*a) == one.units(*a) for a in args)
 
 
 def _loop(order, bounds, prices):

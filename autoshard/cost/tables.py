@@ -154,7 +154,7 @@ class CostTables:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
         autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
         if config.recompute != MIXED:
-            return self.units(config.microbatch_size, config.recompute, autocast, config.compile)
+            return self.units(*self.unit_args(config))
         key = (config.microbatch_size, config.recompute_blocks, autocast, config.compile)
         if key not in self._units:
             self._units[key] = mixed_units(
@@ -162,13 +162,22 @@ class CostTables:
             )
         return self._units[key]
 
+    def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool]:
+        """The ``units`` arguments of a point that keeps one recompute mode in every block."""
+        autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
+        return config.microbatch_size, config.recompute, autocast, config.compile
+
+    def adopt_units(self, args: tuple, units: Units) -> None:
+        """``units(*args)`` as another process computed it (``passes.planning.price_ahead.units_on_two_cores``)."""
+        self._units.setdefault(_units_key(*args), units)
+
     def units(
         self, microbatch_size: int, recompute: str, autocast: Autocast | None = None, compiled: bool = False
     ) -> Units:
         """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan; ``compiled``: its
         blocks compiled, ``cost.compiled``); scaled to the model's measured profile when the cluster has one for
         this graph (``cost.profile``)."""
-        key = (microbatch_size, recompute, autocast) + ((True,) if compiled else ())
+        key = _units_key(microbatch_size, recompute, autocast, compiled)
         if key not in self._units:
             units = unit_costs(
                 self.graph,
@@ -297,3 +306,7 @@ def hides_comm(cluster: Cluster) -> bool:
     """Whether collectives can run behind compute: on GPUs (own engines and streams), not on CPU
     ranks, where gloo's threads and the compute share the same cores."""
     return cluster.backend != "gloo"
+
+
+def _units_key(microbatch_size: int, recompute: str, autocast: Autocast | None = None, compiled: bool = False) -> tuple:
+    return (microbatch_size, recompute, autocast) + ((True,) if compiled else ())

@@ -11,6 +11,9 @@ whose LB exceeds T_shared. The worker sends its prices back through a pipe; the 
 runs its own loop on them, pricing in this process any position it needs that neither priced, so the
 candidates priced, the plan and its alternatives are those of the one-process search, byte for byte.
 
+Before that, the per-unit cost tables the bounds read are split between two processes too
+(``units_on_two_cores``): the worker computes half and sends them back, so neither computes the other's.
+
 **Why nothing it needs is missed.** A process skips position k only if LB(k) > T_shared. T_shared is some
 candidate j's price: if j precedes k, T*(k) ≤ T_j < LB(k) and the search stops at or before k; if j follows k,
 T_j ≥ LB(j) ≥ LB(k) (a bound is below its price; positions are in bound order), a contradiction. So every
@@ -113,3 +116,48 @@ def _take(order, bounds, price_one, fastest_of, taken, fastest, lock) -> dict[in
         found = fastest_of(out[i])
         if found < fastest.value:
             fastest.value = found
+
+
+def units_on_two_cores(tables, configs) -> None:
+    """Fill ``tables`` with the per-unit costs every configuration's bound reads (``CostTables.config_units``, one
+    table per micro-batch, recompute and autocast: GPT-3 175B's 2,808 candidates read 23), half of them computed
+    by a forked worker meanwhile and sent back: the bounds then cost next to nothing, and the pricing worker forked
+    after them inherits every table. A worker that cannot be forked or dies leaves its half to be computed here."""
+    keys = sorted({tables.unit_args(c) for c in configs if c.recompute != "mixed"}, key=repr)
+    if len(keys) < 2:
+        return
+    try:
+        parent_end, child_end = multiprocessing.Pipe(duplex=False)
+    except OSError:
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        parent_end.close()
+        child_end.close()
+        return
+    if pid == 0:  # the worker
+        parent_end.close()
+        try:
+            answer = {args: tables.units(*args) for args in keys[1::2]}
+        except BaseException:  # noqa: BLE001 (this process computes what the worker did not)
+            answer = {}
+        try:
+            child_end.send(answer)
+        finally:
+            os._exit(0)
+    try:
+        child_end.close()
+        for args in keys[0::2]:
+            tables.units(*args)
+        try:
+            theirs = parent_end.recv()
+        except EOFError:
+            theirs = {}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        parent_end.close()
+    for args, units in theirs.items():
+        tables.adopt_units(args, units)

@@ -72,7 +72,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import MAX_DEVICES, Cluster
-from autoshard.passes.planning.price_ahead import MIN_CANDIDATES, forking_pays, price_ahead
+from autoshard.passes.planning.price_ahead import MIN_CANDIDATES, forking_pays, price_ahead, units_on_two_cores
 from autoshard.passes.planning.recompute import choose_recompute
 from autoshard.passes.planning.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
 from autoshard.passes.planning.strategies import legal_tp_degrees, pinned_cuts, pipeline_degrees
@@ -117,6 +117,8 @@ def search(
     ``--stage-cuts`` where pinned (``pinned_cuts``)."""
     start = time.perf_counter()
     tables = CostTables(graph, cluster, Runtime.named(runtime, cluster, graph, precision))
+    if time_limit_s is None and forking_pays(len(configs)):
+        units_on_two_cores(tables, [cp_equivalent(c) for c in configs])  # the tables the bounds read
     bounds = [lower_bound_s(tables, config) for config in configs]
     order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
 
