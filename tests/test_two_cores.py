@@ -32,13 +32,14 @@ import copy, json, sys
 from autoshard.modelfile import load_model_file
 from autoshard.passes.capturing import tp_proof
 from autoshard.passes.capturing.annotate import annotate
+from autoshard.passes.planning.forked import Forked
 from autoshard.passes.capturing.capture import capture
 
 model_file = load_model_file(sys.argv[1])
 graph = annotate(capture(model_file, 2, True))
 one = tp_proof.prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=False).tp_proofs
-answers, result = [], tp_proof._ProofChild.result
-tp_proof._ProofChild.result = lambda self: answers.append(result(self)) or answers[-1]
+answers, result = [], Forked.result
+Forked.result = lambda self: answers.append(result(self)) or answers[-1]
 forked = tp_proof.prove_tensor_parallel(model_file, copy.deepcopy(graph), (2, 4), parallel=True).tp_proofs
 print(json.dumps({"one": one, "forked": forked, "answered": [a is not None for a in answers]}))
 """

@@ -152,18 +152,16 @@ class CostTables:
 
     def config_units(self, config: Decisions) -> Units:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
-        autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
-        if config.recompute != MIXED:
-            return self.units(*self.unit_args(config))
-        key = (config.microbatch_size, config.recompute_blocks, autocast, config.compile)
+        b, recompute, autocast, compiled = self.unit_args(config)
+        if recompute != MIXED:
+            return self.units(b, recompute, autocast, compiled)
+        key = (b, config.recompute_blocks, autocast, compiled)
         if key not in self._units:
-            self._units[key] = mixed_units(
-                {m: self.units(config.microbatch_size, m, autocast, config.compile) for m in set(key[1])}, key[1]
-            )
+            self._units[key] = mixed_units({m: self.units(b, m, autocast, compiled) for m in set(key[1])}, key[1])
         return self._units[key]
 
     def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool]:
-        """The ``units`` arguments of a point that keeps one recompute mode in every block."""
+        """The ``units`` arguments of a point (with mixed recompute, its blocks' modes are ``recompute_blocks``)."""
         autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
         return config.microbatch_size, config.recompute, autocast, config.compile
 

@@ -83,10 +83,6 @@ degree (``tensor_parallel.SP_REFUSED``).
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import signal
 import threading
 import traceback
 from dataclasses import replace
@@ -111,6 +107,7 @@ from autoshard.passes.capturing.capture import (
     target_name,
 )
 from autoshard.passes.capturing.fold import fold_model, unfold
+from autoshard.passes.planning.forked import Forked
 from autoshard.passes.planning.tensor_parallel import (
     EMBEDDING_OPS,
     LINEAR_OPS,
@@ -175,63 +172,19 @@ def _each_degree(
     proved again here, so an error is raised as in one process."""
     if not parallel or len(degrees) < 2 or threading.active_count() > 1:  # forking a threaded process is unsafe
         return [prove_both(model_file, captured, full, tp) for tp in degrees]
-    children: dict[int, _ProofChild] = {}
+    children: dict[int, Forked | None] = {}
     try:
         for tp in degrees[1:]:
-            with contextlib.suppress(OSError):  # no fork (memory, process limits): proved here instead
-                children[tp] = _ProofChild.start(partial(prove_both, model_file, captured, full, tp))
+            children[tp] = Forked.start(partial(prove_both, model_file, captured, full, tp))
         results = [prove_both(model_file, captured, full, degrees[0])]
-        for tp in degrees[1:]:
-            answer = children[tp].result() if tp in children else None
+        for tp in degrees[1:]:  # one not forked (memory, process limits), failed or dead: proved here
+            answer = children[tp].result() if children[tp] is not None else None
             results.append(answer if answer is not None else prove_both(model_file, captured, full, tp))
     finally:
         for child in children.values():
-            child.stop()
+            if child is not None:
+                child.stop()
     return results
-
-
-class _ProofChild:
-    """One degree's proof in a forked process, its answer (two dicts of strings) sent back through a pipe.
-    ``os.fork`` itself: the capture's child is a daemon, which multiprocessing forbids to start processes; the
-    child ends with ``os._exit`` (no teardown of torch's modules) and a pipe leaves nothing to clean up."""
-
-    def __init__(self, pid: int, conn) -> None:
-        self.pid, self.conn = pid, conn
-
-    @classmethod
-    def start(cls, prove) -> _ProofChild:
-        parent_end, child_end = multiprocessing.Pipe(duplex=False)
-        try:
-            pid = os.fork()
-        except OSError:
-            parent_end.close()
-            child_end.close()
-            raise
-        if pid == 0:  # the child
-            parent_end.close()
-            try:
-                answer = prove()
-            except BaseException:  # noqa: BLE001 (the parent proves this degree again and raises what it raises)
-                answer = None
-            try:
-                child_end.send(answer)
-            finally:
-                os._exit(0)
-        child_end.close()
-        return cls(pid, parent_end)
-
-    def result(self) -> tuple[dict, dict] | None:
-        """The child's (base, sequence-parallel) refusals, or None if it failed or died."""
-        try:
-            return self.conn.recv()
-        except EOFError:
-            return None
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)  # one that answered is ending anyway
-        os.waitpid(self.pid, 0)
-        self.conn.close()
 
 
 def _proof_order(key: str) -> tuple[int, bool]:

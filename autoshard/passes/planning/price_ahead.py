@@ -21,19 +21,19 @@ position the search reaches was priced (and a bound off by rounding is caught by
 
 **When.** Only where forking is safe and pays: ``os.fork`` exists, one Python thread runs, the machine has a
 second core for this process, at least ``MIN_CANDIDATES`` candidates, and ``AUTOSHARD_PRICE_AHEAD`` is not
-"0". The worker ends with ``os._exit``; a worker that dies answers nothing and the search prices alone.
+"0". The worker is a ``passes.planning.forked.Forked``; one that dies answers nothing and the search prices alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
 import os
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from autoshard.passes.planning.forked import Forked
 
 MIN_CANDIDATES = 64  # fewer are priced in well under a second: a fork (~10-50 ms) would not pay
 
@@ -60,37 +60,16 @@ def price_ahead(
     try:
         context = multiprocessing.get_context("fork")
         taken, fastest, lock = context.RawValue("q", 0), context.RawValue("d", math.inf), context.Lock()
-        parent_end, child_end = context.Pipe(duplex=False)
     except OSError:  # no shared memory or semaphores here: the loop prices alone
         return {}
-    try:
-        pid = os.fork()
-    except OSError:  # memory or process limits: the loop prices alone
-        parent_end.close()
-        child_end.close()
+    worker = Forked.start(lambda: _take(order, bounds, price_one, fastest_of, taken, fastest, lock))
+    if worker is None:  # memory or process limits: the loop prices alone
         return {}
-    if pid == 0:  # the worker
-        parent_end.close()
-        try:
-            mine = _take(order, bounds, price_one, fastest_of, taken, fastest, lock)
-        except BaseException:  # noqa: BLE001 (this process prices what the worker did not)
-            mine = {}
-        try:
-            child_end.send(mine)
-        finally:
-            os._exit(0)
     try:
-        child_end.close()
         mine = _take(order, bounds, price_one, fastest_of, taken, fastest, lock)
-        try:
-            theirs = parent_end.recv()
-        except EOFError:
-            theirs = {}
+        theirs = worker.result() or {}  # a worker that raised or died: the loop prices what it took
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # one that answered is ending anyway
-        os.waitpid(pid, 0)
-        parent_end.close()
+        worker.stop()
     return theirs | mine
 
 
@@ -126,38 +105,13 @@ def units_on_two_cores(tables, configs) -> None:
     keys = sorted({tables.unit_args(c) for c in configs if c.recompute != "mixed"}, key=repr)
     if len(keys) < 2:
         return
+    worker = Forked.start(lambda: {args: tables.units(*args) for args in keys[1::2]})
     try:
-        parent_end, child_end = multiprocessing.Pipe(duplex=False)
-    except OSError:
-        return
-    try:
-        pid = os.fork()
-    except OSError:
-        parent_end.close()
-        child_end.close()
-        return
-    if pid == 0:  # the worker
-        parent_end.close()
-        try:
-            answer = {args: tables.units(*args) for args in keys[1::2]}
-        except BaseException:  # noqa: BLE001 (this process computes what the worker did not)
-            answer = {}
-        try:
-            child_end.send(answer)
-        finally:
-            os._exit(0)
-    try:
-        child_end.close()
         for args in keys[0::2]:
             tables.units(*args)
-        try:
-            theirs = parent_end.recv()
-        except EOFError:
-            theirs = {}
+        theirs = worker.result() if worker is not None else None
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        parent_end.close()
-    for args, units in theirs.items():
+        if worker is not None:
+            worker.stop()
+    for args, units in (theirs or {}).items():
         tables.adopt_units(args, units)
