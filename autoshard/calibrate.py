@@ -71,7 +71,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
 from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
 from autoshard.launch import MAX_LOCAL_CPU_RANKS
-from autoshard.model_probes import ProfileRequest, measure_model, model_profile
+from autoshard.model_probes import PROFILE_ROUNDS, ProfileRequest, measure_model, model_profile
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
@@ -601,7 +601,7 @@ class _Bench:
         self.report("host overheads")
         profiles = []
         for request in models:
-            profiles.append(measure_model(self._time_probe, request, self.device))
+            profiles.append(measure_model(self._time_model_round, request, self.device))
             self.report(f"model {request.spec}")
         return {
             "host": host,
@@ -753,6 +753,11 @@ class _Bench:
         every unit), so a call one rank loses to the scheduler is lost by all (measured on this
         machine: the ranks' own medians predicted the CPU plans' step times 20-40% low)."""
         return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
+
+    def _time_model_round(self, op: Callable[[], None]) -> float:
+        """``_time_probe`` for one of a model profile's rounds: the rounds share its budget, so ``calibrate --model``
+        takes as long as with one round (``model_probes._paired_rounds``)."""
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR / PROFILE_ROUNDS)
 
     def _time_op(self, op: Callable[[], None], point_s: float | None = None) -> float:
         """Median over calls of the slowest rank's time per call (module doc)."""

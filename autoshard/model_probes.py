@@ -3,14 +3,15 @@
 The parent captures each model as ``plan`` does (on meta) for its graph signature and block paths
 (``profile_request``), before the minutes of measuring; every worker then builds the real model
 with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
-one micro-batch's forward and forward + backward, and one AdamW step (``measure_model``). The
-slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost
+one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), and one AdamW
+step (``measure_model``). The slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost
 model scales its units to (``cost.profile``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +37,14 @@ def profile_request(spec: str, microbatch_sizes: tuple[int, ...]) -> ProfileRequ
     return ProfileRequest(spec, graph_signature(graph), tuple(b.path for b in graph.blocks), microbatch_sizes)
 
 
-def measure_model(time_op, request: ProfileRequest, device) -> dict[str, Any]:
+PROFILE_ROUNDS = 3  # every size and mode timed in this many rounds, interleaved (``_paired_rounds``)
+
+
+def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFILE_ROUNDS) -> dict[str, Any]:
     """Worker side: {"times": b -> mode -> [forward_s, forward_backward_s], "optimizer_s"} of the real
     model with the runtime's own recompute wrappers (``runtime.parallel.apply_recompute``) and
-    AdamW, on every rank at once."""
+    AdamW, on every rank at once. Every size and mode is timed once per round, ``rounds`` rounds one after
+    the other, and the figures are their paired medians (``_paired_rounds``)."""
     import torch  # the worker's: the planning side of calibrate stays torch-free
 
     from autoshard.runtime.model import build_model, load_model_file
@@ -51,23 +56,55 @@ def measure_model(time_op, request: ProfileRequest, device) -> dict[str, Any]:
         for mode in MODES
     }
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    out: dict[int, dict[str, list[float]]] = {}
+    batches = {}
     for b in request.microbatch_sizes:
         torch.manual_seed(b)
         inputs, targets = model_file.example_batch(b)
         inputs = tuple(t.to(device) for t in inputs)
-        targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
+        batches[b] = (inputs, targets.to(device) if isinstance(targets, torch.Tensor) else targets)
 
-        def forward(model):
-            with autocast:  # as the emitted program runs on GPUs (bf16), a no-op on CPUs
-                return model_file.loss(model(*inputs), targets)
+    def forward(model, b):
+        inputs, targets = batches[b]
+        with autocast:  # as the emitted program runs on GPUs (bf16), a no-op on CPUs
+            return model_file.loss(model(*inputs), targets)
 
-        out[b] = {
-            mode: _forward_and_step(time_op, lambda m=model: forward(m), lambda m=model: forward(m).backward())
-            for mode, model in models.items()
+    def one_round() -> dict[int, dict[str, list[float]]]:
+        return {
+            b: {
+                mode: _forward_and_step(
+                    time_op, lambda m=model, b=b: forward(m, b), lambda m=model, b=b: forward(m, b).backward()
+                )
+                for mode, model in models.items()
+            }
+            for b in request.microbatch_sizes
         }
+
+    out = _paired_rounds([one_round() for _ in range(rounds)])
     optimizer = torch.optim.AdamW(models["none"].parameters(), lr=1e-3)  # the gradients are there
     return {"times": out, "optimizer_s": time_op(optimizer.step)}
+
+
+def _paired_rounds(rounds: list[dict[int, dict[str, list[float]]]]) -> dict[int, dict[str, list[float]]]:
+    """Per micro-batch size b, "none"'s figures as their median over the rounds, and each other mode's as that
+    plus the median over the rounds of its difference from "none" in the same round::
+
+        t_m(b) = med_r t_none,r(b) + med_r (t_m,r(b) − t_none,r(b))
+
+    The cost model reads the modes' differences (a recompute's price is t_full − t_none), and on a shared host
+    a slow period of seconds lifts whatever is timed in it: in one round the modes of a size are timed seconds
+    apart, so a slow period moves the round's pair together, and the median drops the round it fell on (one
+    round measured the GPT example's b 4 forward and backward at 20.6 ms without recompute and 15.1 ms with
+    full recompute, 2026-11-27, ``benchmarks/results/cpu-ranks-2026-11-27/cluster8.yaml``). One round: its own
+    figures."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for b in rounds[0]:
+        base = [r[b]["none"] for r in rounds]
+        middle = [statistics.median(t[k] for t in base) for k in range(2)]
+        out[b] = {
+            mode: [middle[k] + statistics.median(r[b][mode][k] - r[b]["none"][k] for r in rounds) for k in range(2)]
+            for mode in rounds[0][b]
+        }
+    return out
 
 
 REMEASURES = 2  # a forward timed slower than its forward and backward is timed again, at most this often

@@ -118,8 +118,9 @@ def plan_key(plan) -> str:
     )
 
 
-def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
-    """The slowest rank's median step time of the emitted program (steps after the warm-up one), in seconds."""
+def measure(plan, ranks: int, steps: int, workdir: Path) -> tuple[float, list[list[float]]]:
+    """The slowest rank's median step time of the emitted program (steps after the warm-up one), in seconds,
+    and every rank's step times (the warm-up one included): kept, so that the runs can be read again."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)  # no rank's figure from the plan before
@@ -128,7 +129,8 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> float:
             program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"], quiet=True
         )
         if proc.returncode == 0:
-            return slowest_rank_median_step_s(out)
+            ranks_steps = [json.loads(p.read_text())["step_times_s"] for p in sorted(out.glob("rank-*.json"))]
+            return slowest_rank_median_step_s(out), ranks_steps
         print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
     raise RuntimeError(proc.stdout[-2000:])
 
@@ -189,11 +191,14 @@ def run(args) -> dict:
         plans = [(key, plan) for key, plan in plans if re.search(args.only, key) or key == plan_key(pick)]
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
+    steps: dict[str, list[list[list[float]]]] = {key: [] for key, _ in plans}  # per round, per rank
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for i, (key, plan) in enumerate(plans):
-                times[key].append(measure(plan, args.ranks, args.steps, Path(tmp)))
+                median_s, ranks_steps = measure(plan, args.ranks, args.steps, Path(tmp))
+                times[key].append(median_s)
+                steps[key].append(ranks_steps)
                 print(
                     f"round {rnd + 1}/{args.rounds} {i + 1}/{len(plans)} {key}: "
                     f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})",
@@ -206,6 +211,7 @@ def run(args) -> dict:
             "predicted_s": plan.predicted.step_time_s,
             "measured_s": statistics.median(times[key]),
             "measured_rounds_s": times[key],
+            "step_times_s": steps[key],
         }
         for key, plan in plans
     ]

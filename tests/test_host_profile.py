@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from autoshard import host_probes
+from autoshard import host_probes, model_probes
 from autoshard.cost import comm
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.parts import ADAM_BYTES_PER_PARAM
@@ -220,6 +220,21 @@ def test_a_profile_is_the_least_squares_line_through_its_sizes(gpt):
     rerun_2 = profile_of(gpt, noisy).totals(2, "full")[2]
     true_2 = 0.002
     assert true_2 < rerun_2 < true_2 + 0.008 / 2  # joining the points would give true + 8 ms
+
+
+def test_a_profile_s_rounds_are_paired_and_a_slow_round_is_dropped():
+    """A slow period lifts one round's figures: the median over rounds drops it, and a mode's figure is "none"'s
+    plus its median difference from "none" in the same round, so a slow period on one mode of one round (the
+    recompute then timed faster than none, as one measurement read) does not set the recompute's price."""
+    true = {4: {"none": [0.005, 0.012], "full": [0.005, 0.021]}}
+    slow_none = {4: {"none": [0.008, 0.020], "full": [0.005, 0.021]}}  # a slow period on "none" only
+    slow_all = {4: {m: [t * 1.5 for t in v] for m, v in true[4].items()}}  # a slow period on the whole round
+    for rounds in ([true, slow_none, true], [slow_all, true, true], [true, slow_none, slow_all]):
+        figures = model_probes._paired_rounds(rounds)[4]
+        assert figures["full"][1] - figures["none"][1] == pytest.approx(0.009)  # the recompute's 9 ms
+    dropped = model_probes._paired_rounds([true, slow_none, true])[4]
+    assert all(dropped[m] == pytest.approx(true[4][m]) for m in true[4])
+    assert model_probes._paired_rounds([slow_none]) == slow_none  # one round: its own figures
 
 
 def test_a_profile_of_another_model_is_not_used(cluster, gpt):

@@ -275,13 +275,13 @@ def read_weights(metrics_out: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _write_rank_median(out: Path, log: StepLog) -> None:
-    """Every rank's own median step, ``rank-{r}.json``: the job's pace is its slowest rank's, and
+    """Every rank's own median step and step times, ``rank-{r}.json``: the job's pace is its slowest rank's, and
     ranks that share no collective in a step (a replicated TP layout) drift apart, so rank 0's
     steps may not show it (``slowest_rank_median_step_s``). A file, not a collective: nothing
     more for the ranks to agree on at shutdown."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None
-    record = {"median_step_s": median, "peak_device_bytes": peak_device_bytes()}
+    record = {"median_step_s": median, "step_times_s": log.step_times_s, "peak_device_bytes": peak_device_bytes()}
     write_atomic(out / f"rank-{dist.get_rank()}.json", json.dumps(record).encode())
 
 
