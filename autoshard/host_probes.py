@@ -35,6 +35,12 @@ difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
     sequence_module_us   (t_tp_sp − t_tp − the sequence collectives + the 4K all-reduces) / M: the same pair in
                          the sequence-parallel layout (``SP_STYLES``), M its modules that shard no weight (the
                          norms on the sequence shard, each sub-block's gather, the scatter in and the gather out)
+    collective_wait_us   (t_between − t_matmuls − t_gathers) / K: K all-gathers of a probe activation over a pair of
+                         ranks, each issued after a matmul (as a tensor-parallel step issues its collectives), against
+                         the K matmuls alone and the K all-gathers back to back. Back to back, the ranks stay in step
+                         and the backend's worker thread stays awake; between compute each collective also waits for
+                         the other rank and for the worker to wake. The link's fit (and the probes above, whose ops
+                         take microseconds) see only the back-to-back time
 
 Every figure is clamped at 0: a negative one means the part is within the noise.
 """
@@ -58,6 +64,7 @@ WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
 PIPELINE_MICROBATCHES = (2, 8)
 PROBE_ROUNDS = 3  # the step probes, timed in rounds (``_paired_medians``)
+BETWEEN_MATMUL_N, BETWEEN_COLLECTIVES = 256, 8  # collective_wait_us: n×n matmuls (≈ 0.3 ms on a CPU rank), K gathers
 
 
 def probe_model(width: int = WIDTH):
@@ -143,6 +150,7 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
         out |= _fsdp_probes(time_op, blocks)
         out |= _ddp_probes(time_op, x, plain)
         out["tp"] = _tp_probe(time_op, x)
+        out |= _collective_wait_probe(time_op, x)
         if ranks % 2 == 0:  # the sequence (8 tokens) splits over the pair
             out["tp_sp"] = _tp_probe(time_op, x, sequence_parallel=True)
     if ranks > 1 and ranks % 2 == 0:
@@ -263,6 +271,39 @@ def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
     styles |= SP_ENDS if sequence_parallel else {}
     model = apply_tensor_parallel(probe_model(), mesh["tp"], styles)
     return time_op(_fwd_bwd(model, x))
+
+
+def _collective_wait_probe(time_op, x) -> dict[str, float]:
+    """K all-gathers of ``x`` over pairs of ranks (the TP probe's groups) through the functional collectives DTensor
+    issues, each after an n×n matmul; the matmuls alone; the all-gathers back to back (module doc)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    tp = 2 if world % 2 == 0 else world  # as ``_tp_probe``
+    group = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"].get_group()
+    a = torch.randn(BETWEEN_MATMUL_N, BETWEEN_MATMUL_N)
+
+    def gather() -> None:
+        funcol.wait_tensor(funcol.all_gather_single(x, 0, group))
+
+    def matmuls() -> None:
+        for _ in range(BETWEEN_COLLECTIVES):
+            a @ a
+
+    def between() -> None:
+        for _ in range(BETWEEN_COLLECTIVES):
+            a @ a
+            gather()
+
+    def gathers() -> None:
+        for _ in range(BETWEEN_COLLECTIVES):
+            gather()
+
+    steps = {"between": between, "matmuls": matmuls, "gathers": gathers}
+    return {f"collective_{k}": v for k, v in _paired_medians(time_op, steps, "matmuls").items()}
 
 
 def _ddp_probes(time_op, x, plain) -> dict[str, Any]:
@@ -395,6 +436,10 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
+        if "collective_between" in t:
+            figures["collective_wait_us"] = (
+                t["collective_between"] - t["collective_matmuls"] - t["collective_gathers"]
+            ) / BETWEEN_COLLECTIVES
         if "tp_sp" in t:
             figures["sequence_module_us"] = (t["tp_sp"] - t["tp"] - _sequence_comm_s(cluster, tp) + all_reduces) / (
                 sequence_modules()

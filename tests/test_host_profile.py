@@ -39,6 +39,7 @@ TRUE = dict(
     tp_module_us=400.0,
     weight_group_us=90.0,
     sequence_module_us=800.0,
+    collective_wait_us=1500.0,
 )
 
 
@@ -103,6 +104,9 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
         + tp_modules * h.tp_module_us * us
         + (4 * host_probes.BLOCKS + 2) * h.sequence_module_us * us  # 2 norms and 2 gathers a block, scatter, gather
     )
+    matmuls, gathers_alone = 0.003, host_probes.BETWEEN_COLLECTIVES * comm.all_gather_s(activation, ranks, link)
+    t["collective_matmuls"], t["collective_gathers"] = matmuls, gathers_alone
+    t["collective_between"] = matmuls + gathers_alone + host_probes.BETWEEN_COLLECTIVES * h.collective_wait_us * us
     stage = max(n * (h.op_forward_us + h.op_backward_us) * us + 3 * r for n, r in zip(c.stage_ops, c.stage_roofline_s))
     slope = stage + 2 * comm.p2p_s(c.boundary_bytes, link) + h.pipeline_microbatch_us * us
     t["pipeline"] = {m: (m + 1) * slope + h.pipeline_step_us * us for m in host_probes.PIPELINE_MICROBATCHES}
@@ -237,6 +241,23 @@ def test_a_profile_s_rounds_are_paired_and_a_slow_round_is_dropped():
     assert model_probes._paired_rounds([slow_none]) == slow_none  # one round: its own figures
 
 
+def test_a_collective_between_compute_is_priced_with_its_wait(gpt):
+    """The link a TP layout is solved and priced on (``tp_solve_link``) charges every collective its own fitted
+    latency (calibrate's per-collective fits, which it used to drop) plus ``collective_wait_us``, scaled to the
+    micro-batch like the rest of α."""
+    calibrated = load_cluster("tests/clusters/cpu4_shared_cores.yaml")
+    waits = replace(calibrated, host=replace(calibrated.host, collective_wait_us=1500.0))
+    b = 2 * gpt.batch_size  # r = 2: α is halved (the solve is at the captured batch)
+    own = calibrated.group_link([0, 1])
+    assert own.collectives
+    for cluster, wait_us in ((calibrated, 0.0), (waits, 1500.0)):
+        link = CostTables(gpt, cluster).tp_solve_link(2, b)
+        assert link.latency_us == pytest.approx((own.latency_us + wait_us) / 2)
+        for name, latency_us, bandwidth_gbps in own.collectives:
+            assert link.for_collective(name).latency_us == pytest.approx((latency_us + wait_us) / 2)
+            assert link.for_collective(name).bandwidth_gbps == pytest.approx(bandwidth_gbps)
+
+
 def test_a_profile_of_another_model_is_not_used(cluster, gpt):
     other = ModelProfile("x.py:build", "0" * 16, 2, {1: {"none": (1.0, 3.0)}}, "test")
     assert CostTables(gpt, replace(cluster, profiles=(other,))).profile is None
@@ -291,7 +312,10 @@ def test_dtensor_host_counts_every_tensor_parallel_module_in_its_unit(cluster, i
 
     gpt = capture_graph(GPT, use_cache=True)[1]  # with the TP proof: what may be sharded is proved, not assumed
     host = replace(
-        cluster, host=HostOverheads(**{**TRUE, "tp_module_us": 1000.0, "sequence_module_us": 10.0}, source="t")
+        cluster,
+        host=HostOverheads(
+            **{**TRUE, "tp_module_us": 1000.0, "sequence_module_us": 10.0, "collective_wait_us": 0.0}, source="t"
+        ),
     )
     tables = CostTables(gpt, host)
     per_unit = {}

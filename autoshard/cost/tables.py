@@ -203,11 +203,20 @@ class CostTables:
     def tp_solve_link(self, tp: int, microbatch_size: int) -> LinkSpec:
         """The link on which a layout solved at the captured batch is exact for micro-batch b: with
         r = b/b₀ and e = a/captured, comm(S·r·e; α, B) = r·comm(S; α/r, B/e) and compute scales by r,
-        so solving at the captured batch on the link (α/r, B/e) minimises r·(compute + comm) at b."""
+        so solving at the captured batch on the link (α/r, B/e) minimises r·(compute + comm) at b.
+        α is each collective's own (``LinkSpec.collectives``, as calibrate fits them) plus what one issued
+        between compute waits beyond it (``HostOverheads.collective_wait_us``)."""
         r = microbatch_size / self.graph.batch_size
         e = self.precision.activation_bytes / CAPTURED_ELEM_BYTES
         link = self.cluster.group_link(list(range(tp)))
-        return LinkSpec(link.bandwidth_gbps / e, link.latency_us / r, f"{link.source} (scaled to micro-batch)")
+        wait_us = self.cluster.host.collective_wait_us
+        collectives = tuple((name, (lat + wait_us) / r, bw / e) for name, lat, bw in link.collectives)
+        return LinkSpec(
+            link.bandwidth_gbps / e,
+            (link.latency_us + wait_us) / r,
+            f"{link.source} (scaled to micro-batch)",
+            collectives,
+        )
 
     def has_tp_layout(self, tp: int, microbatch_size: float, sequence_parallel: bool = False) -> bool:
         """Whether a layout for (tp, b, sequence parallelism asked for) was handed in."""

@@ -220,6 +220,18 @@ class HostOverheads:
         },
     )
 
+    # Written by calibrate since it was added; a file without it prices a tensor-parallel collective as the link's
+    # alone (the default).
+    collective_wait_us: float = field(
+        default=0.0,
+        metadata={
+            "doc": "what a tensor-parallel collective issued between compute costs beyond its own time measured back "
+            "to back (the ranks meet, the backend's worker wakes), per collective, e.g. 1500 on CPU ranks",
+            "rule": _HOST_US,
+            "optional": True,
+        },
+    )
+
     def __post_init__(self):
         _check_dataclass(self)
 
