@@ -50,7 +50,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from autoshard.cost import comm
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
@@ -63,6 +63,7 @@ from autoshard.passes.capturing.annotate import annotate
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
 PIPELINE_MICROBATCHES = (2, 8)
+K = TypeVar("K")
 PROBE_ROUNDS = 3  # the step probes, timed in rounds (``_paired_medians``)
 BETWEEN_MATMUL_N, BETWEEN_COLLECTIVES = 256, 8  # collective_wait_us: n×n matmuls (≈ 0.3 ms on a CPU rank), K gathers
 
@@ -162,13 +163,22 @@ def _paired_medians(
     time_op: Callable[[Callable[[], None]], float], steps: dict[str, Callable[[], None]], base: str
 ) -> dict[str, float]:
     """Each step's time as ``base``'s median over PROBE_ROUNDS rounds plus the median of its difference from
-    ``base`` in the same round: the figures are such differences, and a host's speed drifts between rounds
-    (on an H200 machine the selective probe's excess over a plain step read 13-34 ms in eight rounds in one
-    process, benchmarks/results/gpu-h200-2026-11-27/host-probe-noise.txt); paired, a slow period that falls on
-    one round moves that round's pair together and the median drops it."""
+    ``base`` in the same round (``paired_over_rounds``): the figures are such differences, and a host's speed drifts
+    between rounds (on an H200 machine the selective probe's excess over a plain step read 13-34 ms in eight rounds
+    in one process, benchmarks/results/gpu-h200-2026-11-27/host-probe-noise.txt); paired, a slow period that falls
+    on one round moves that round's pair together and the median drops it."""
     rounds = [{name: time_op(step) for name, step in steps.items()} for _ in range(PROBE_ROUNDS)]
-    middle = statistics.median(r[base] for r in rounds)
-    return {name: middle + statistics.median(r[name] - r[base] for r in rounds) for name in steps}
+    return paired_over_rounds(rounds, lambda _name: base)
+
+
+def paired_over_rounds(rounds: list[dict[K, float]], base_of: Callable[[K], K]) -> dict[K, float]:
+    """Per key k of the rounds' figures, with b = ``base_of(k)`` timed in the same rounds::
+
+    t(k) = med_r t_r(b) + med_r (t_r(k) − t_r(b))        (t(b) = med_r t_r(b))"""
+    return {
+        k: statistics.median(r[base_of(k)] for r in rounds) + statistics.median(r[k] - r[base_of(k)] for r in rounds)
+        for k in rounds[0]
+    }
 
 
 def _split_backward(model, x) -> Callable[[], None]:
@@ -256,16 +266,21 @@ def sequence_modules() -> int:
     return BLOCKS * sum(s not in SHARDING_STYLES for s in SP_STYLES.values()) + len(SP_ENDS)
 
 
-def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
-    """fwd + bwd of the probe over pairs of ranks in Megatron's layout, or its sequence-parallel one."""
+def _tp_pairs():
+    """The TP probes' (dp, tp) mesh: pairs of ranks (the probe's 2 heads split at most 2 ways), all ranks if odd."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    world = dist.get_world_size()
+    tp = 2 if world % 2 == 0 else world
+    return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
+    """fwd + bwd of the probe over pairs of ranks in Megatron's layout, or its sequence-parallel one."""
     from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
-    world = dist.get_world_size()
-    tp = 2 if world % 2 == 0 else world  # the probe's 2 heads split at most 2 ways; pairs of ranks
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = _tp_pairs()
     layout = SP_STYLES if sequence_parallel else TP_STYLES
     styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in layout.items()}
     styles |= SP_ENDS if sequence_parallel else {}
@@ -277,13 +292,9 @@ def _collective_wait_probe(time_op, x) -> dict[str, float]:
     """K all-gathers of ``x`` over pairs of ranks (the TP probe's groups) through the functional collectives DTensor
     issues, each after an n×n matmul; the matmuls alone; the all-gathers back to back (module doc)."""
     import torch
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    tp = 2 if world % 2 == 0 else world  # as ``_tp_probe``
-    group = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"].get_group()
+    group = _tp_pairs()["tp"].get_group()
     a = torch.randn(BETWEEN_MATMUL_N, BETWEEN_MATMUL_N)
 
     def gather() -> None:

@@ -11,12 +11,12 @@ model scales its units to (``cost.profile``).
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from autoshard.cost.profile import graph_signature
+from autoshard.host_probes import paired_over_rounds
 from autoshard.ir.profile import MODES, ModelProfile
 from autoshard.pipeline import capture_graph
 
@@ -86,7 +86,7 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
 
 def _paired_rounds(rounds: list[dict[int, dict[str, list[float]]]]) -> dict[int, dict[str, list[float]]]:
     """Per micro-batch size b, "none"'s figures as their median over the rounds, and each other mode's as that
-    plus the median over the rounds of its difference from "none" in the same round::
+    plus the median over the rounds of its difference from "none" in the same round (``host_probes.paired_over_rounds``)::
 
         t_m(b) = med_r t_none,r(b) + med_r (t_m,r(b) − t_none,r(b))
 
@@ -96,15 +96,12 @@ def _paired_rounds(rounds: list[dict[int, dict[str, list[float]]]]) -> dict[int,
     round measured the GPT example's b 4 forward and backward at 20.6 ms without recompute and 15.1 ms with
     full recompute, 2026-11-27, ``benchmarks/results/cpu-ranks-2026-11-27/cluster8.yaml``). One round: its own
     figures."""
-    out: dict[int, dict[str, list[float]]] = {}
-    for b in rounds[0]:
-        base = [r[b]["none"] for r in rounds]
-        middle = [statistics.median(t[k] for t in base) for k in range(2)]
-        out[b] = {
-            mode: [middle[k] + statistics.median(r[b][mode][k] - r[b]["none"][k] for r in rounds) for k in range(2)]
-            for mode in rounds[0][b]
-        }
-    return out
+    flat = [
+        {(b, mode, k): pair[k] for b, modes in r.items() for mode, pair in modes.items() for k in range(2)}
+        for r in rounds
+    ]
+    paired = paired_over_rounds(flat, lambda key: (key[0], "none", key[2]))
+    return {b: {mode: [paired[(b, mode, k)] for k in range(2)] for mode in modes} for b, modes in rounds[0].items()}
 
 
 REMEASURES = 2  # a forward timed slower than its forward and backward is timed again, at most this often

@@ -21,6 +21,10 @@ from pathlib import Path
 import yaml
 
 
+class CannotMerge(Exception):
+    """Two files whose structures differ (written by different versions of calibrate, or of different machines)."""
+
+
 def mean_of(a, b, where: str = "") -> object:
     """``a`` and ``b`` (parsed YAML) with every number replaced by the mean of the two."""
     if isinstance(a, bool) or isinstance(b, bool) or a == b:  # equal counts stay integers
@@ -29,11 +33,11 @@ def mean_of(a, b, where: str = "") -> object:
         return (a + b) / 2
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
-            raise SystemExit(f"{where or 'top'}: the files differ in keys {sorted(set(a) ^ set(b))}")
-        return {k: mean_of(a[k], b[k], f"{where}.{k}") for k in a}
+            raise CannotMerge(f"{where or 'the top level'} differs in keys {sorted(set(a) ^ set(b))}")
+        return {k: mean_of(a[k], b[k], f"{where}.{k}" if where else str(k)) for k in a}
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
-            raise SystemExit(f"{where}: lists of {len(a)} and {len(b)} items")
+            raise CannotMerge(f"{where} holds lists of {len(a)} and {len(b)} items")
         return [mean_of(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
     return a
 
@@ -44,7 +48,13 @@ def main() -> None:
     parser.add_argument("after", type=Path)
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args()
-    merged = mean_of(yaml.safe_load(args.before.read_text()), yaml.safe_load(args.after.read_text()))
+    try:
+        merged = mean_of(yaml.safe_load(args.before.read_text()), yaml.safe_load(args.after.read_text()))
+    except CannotMerge as exc:
+        print(
+            f"error: {exc}; fix: average two calibrations of one machine by one version of calibrate", file=sys.stderr
+        )
+        sys.exit(2)
     header = f"# The mean of {args.before} and {args.after} (benchmarks/mean_calibration.py).\n"
     args.output.write_text(header + yaml.safe_dump(merged, sort_keys=False))
     print(f"wrote {args.output}", file=sys.stderr)

@@ -262,7 +262,7 @@ def finish(model, optimizer, log: StepLog, metrics_out: str | None, mesh=None) -
     checkpoint.save_weights(Path(metrics_out) / WEIGHTS, model, optimizer, mesh)
     if dist.get_rank() == 0:
         _write_metrics(Path(metrics_out), log)
-    _write_rank_median(Path(metrics_out), log)
+    _write_rank_record(Path(metrics_out), log)
     dist.barrier()
 
 
@@ -274,7 +274,7 @@ def read_weights(metrics_out: str | Path) -> dict[str, torch.Tensor]:
     return checkpoint.read_weights(Path(metrics_out) / WEIGHTS)
 
 
-def _write_rank_median(out: Path, log: StepLog) -> None:
+def _write_rank_record(out: Path, log: StepLog) -> None:
     """Every rank's own median step and step times, ``rank-{r}.json``: the job's pace is its slowest rank's, and
     ranks that share no collective in a step (a replicated TP layout) drift apart, so rank 0's
     steps may not show it (``slowest_rank_median_step_s``). A file, not a collective: nothing
