@@ -186,8 +186,8 @@ def host_times_of(graph, recompute: str, selective_op_us: float) -> list[float]:
     return host_times(graph, node_units(graph), recompute, host)[2]
 
 
-def profile_of(graph, times, optimizer_s=0.01) -> ModelProfile:
-    return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s)
+def profile_of(graph, times, optimizer_s=0.01, step_loop_s=0.0) -> ModelProfile:
+    return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s, step_loop_s)
 
 
 def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
@@ -207,6 +207,25 @@ def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
         assert sum(u.compute_s) == pytest.approx(mode_total)  # everything measured; no host time added twice
     parts = price_parts(tables, Decisions(Mesh(1, 1, 1), 0, 4, 1))
     assert parts.optimizer_s == pytest.approx(0.01)  # the measured AdamW step
+
+
+@pytest.mark.parametrize(
+    "config, cuts",
+    [
+        (Decisions(Mesh(2, 1, 1), 0, 2, 2), None),
+        (Decisions(Mesh(2, 1, 1), 3, 4, 1), None),
+        (Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b"), (2,)),
+    ],
+)
+def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, cuts):
+    """t_loop (``cost.parts.step_loop_s``) joins the host time once a step, whatever the micro-batches, mesh or
+    schedule; a profile without it prices as before."""
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    before = price_parts(CostTables(gpt, replace(cluster, profiles=(profile_of(gpt, times),))), config, cuts)
+    looped = replace(cluster, profiles=(profile_of(gpt, times, step_loop_s=0.0042),))
+    after = price_parts(CostTables(gpt, looped), config, cuts)
+    assert after.host_s - before.host_s == pytest.approx(0.0042)
+    assert after.step_time_s - before.step_time_s == pytest.approx(0.0042)
 
 
 def test_a_profile_is_the_least_squares_line_through_its_sizes(gpt):
@@ -267,12 +286,15 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     full = replace(
         cluster,
         host=HostOverheads(**TRUE, source="t"),
-        profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}),),
+        profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}, step_loop_s=0.001),),
     )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(full.to_dict(), sort_keys=False))
     assert load_cluster(str(path)) == full
     assert Cluster.from_dict(full.to_dict()) == full
+    earlier = full.to_dict()  # a file from before the step loop was measured reads with none
+    del earlier["profiles"][0]["step_loop_s"]
+    assert Cluster.from_dict(earlier).profiles[0].step_loop_s == 0.0
     assert "host" not in cluster.to_dict() and "profiles" not in cluster.to_dict()  # presets: as before
 
 
@@ -284,6 +306,8 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"times": {1: {"sometimes": [1, 2]}}}, "positive micro-batch size"),
         ({"ranks": 0}, "malformed"),
         ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
+        ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
+        ({"loop_s": 0.001}, "may have step_loop_s"),
     ],
 )
 def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):

@@ -44,6 +44,23 @@ def run_steps(log: StepLog, losses, lr=1e-3, grad_norm=None):
         log.end(step, loss, lr=lr, grad_norm=grad_norm)
 
 
+def test_the_eta_is_the_pace_of_the_recent_steps(tmp_path, clock, capsys):
+    """Each step's ETA: the median of the last ETA_WINDOW_STEPS steps, not of the whole run (which sorted every step
+    so far, each step); the end's figures still take every step."""
+    stream = tmp_path / "steps.jsonl"
+    log = StepLog(tokens_per_step=1, is_main=True, log_every=1 << 30, last_step=1000, jsonl=str(stream))
+    clock.step_s = 10.0
+    run_steps(log, [1.0] * (1 + report.ETA_WINDOW_STEPS * 3 // 2))
+    clock.step_s = 1.0
+    for step in range(len(log.losses), len(log.losses) + report.ETA_WINDOW_STEPS):
+        log.start()
+        log.end(step, 1.0)
+    assert log.recent_median_step_s == 1.0 and log.median_step_s == 10.0  # the run's: 150 steps of 10 s, 100 of 1 s
+    assert capsys.readouterr().out.count("ETA") == 1  # step 0's line only
+    last = json.loads(stream.read_text().splitlines()[-1])
+    assert last["eta_s"] == (1000 - last["step"]) * 1.0
+
+
 def test_mfu_is_the_plans_model_flops_over_the_measured_step(clock):
     """F_step = mfu · t · N · P = 0.5 · 2 s · 4 · 1e12; a 4 s step: F / (4 s · 4 · 1e12) = 25 %."""
     prediction = Prediction(**PREDICTED)

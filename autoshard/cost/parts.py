@@ -8,7 +8,7 @@ gradient element::
                         parameters, / dp under FSDP without pipelining)
     optimizer         = k bytes · Ψ_opt / W       (``optimizer_step_s``: fp32 Adam, memory-bound; k the
                         runtime's ``optimizer_bytes_per_param``: 28 fused, 84 torch's foreach AdamW)
-    host              = m · Σ_u host(u)  +  m · U · h_fsdp  +  T_opt · h_opt
+    host              = m · Σ_u host(u)  +  m · U · h_fsdp  +  T_opt · h_opt  +  t_loop
 
 **Host** (``cluster.host``, measured by ``autoshard calibrate``; zero in the presets): the op
 dispatch of every unit (``cost.units``, forward, backward, recompute), FSDP2's hooks and copies
@@ -17,7 +17,10 @@ optimizer's loop over its T_opt parameter tensors (FSDP2's sharded DTensors cost
 with pipelining the schedule's bookkeeping per stage and micro-batch (``cost.pipeline_step``).
 ZeRO-1's ZeroRedundancyOptimizer broadcasts each parameter tensor alone: T broadcasts' latencies.
 Where the cluster has the model's measured profile (``cost.profile``), its AdamW step replaces
-the optimizer's formula and loop (``optimizer_parts``).
+the optimizer's formula and loop (``optimizer_parts``), and t_loop is its step loop: what the program's
+step does once besides forward, backward and the optimizer (the batch's draw, the scheduler, freeing the
+gradients, the loss's mean over the ranks, the log; ``step_loop_s``). Without a profile t_loop = 0: on a
+GPU it is a fraction of a millisecond against steps of seconds.
 """
 
 from __future__ import annotations
@@ -142,6 +145,12 @@ def optimizer_parts(tables: CostTables, config: Decisions, local_params: float, 
         optimizer_step_s(local_params, config, cluster, tables.runtime.optimizer_bytes_per_param),
         optimizer_host_s(cluster, config, tensors),
     )
+
+
+def step_loop_s(tables: CostTables) -> float:
+    """t_loop (module doc): the model's measured step loop, or 0 without its profile."""
+    profile = tables.profile
+    return profile.step_loop_s if profile is not None else 0.0
 
 
 def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:

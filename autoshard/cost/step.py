@@ -22,6 +22,7 @@ collectives and what hides them), ``cost.rank_memory`` (memory per rank) and
     dp_exposed = Σ_DP max(0, t_comm − t_compute it hides behind),
                  never less than the part that has nothing to hide behind
     host       = m · Σ_u (host(u) + tp_host(u))  +  m · h_fsdp(U units)  +  optimizer loop  +  DDP hooks
+                 +  the step loop (``cost.parts.step_loop_s``)
 
 with c_tp and T_tp the layout's (``cost.tp``) for tp > 1. Pipelines: ``cost.pipeline_step``.
 
@@ -46,6 +47,7 @@ from autoshard.cost.parts import (
     optimizer_parts,
     param_tensors,
     predicted,
+    step_loop_s,
 )
 from autoshard.cost.pipeline_step import pipeline_parts
 from autoshard.cost.rank_memory import memory_spmd
@@ -117,6 +119,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         + m * fsdp_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
         + optimizer_host
         + dp_host_s(cluster, config, tensors)
+        + step_loop_s(tables)
     )
     return StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),

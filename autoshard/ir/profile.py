@@ -2,8 +2,8 @@
 
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
-one AdamW step; the cost model scales its per-unit split of the work to these totals
-(``cost.profile``). A profile is keyed by the captured graph's signature
+one AdamW step, and what the emitted program's step does besides (``step_loop_s``); the cost model
+scales its per-unit split of the work to these totals (``cost.profile``). A profile is keyed by the captured graph's signature
 (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
 
@@ -28,6 +28,7 @@ class ModelProfile:
     times: Mapping[int, Mapping[str, tuple[float, float]]]  # b -> mode -> (forward_s, forward_backward_s)
     source: str
     optimizer_s: float = 0.0  # one AdamW step over all the parameters; 0: not measured
+    step_loop_s: float = 0.0  # the program's step outside forward, backward and optimizer.step(); 0: not measured
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
@@ -64,6 +65,7 @@ class ModelProfile:
             "ranks": self.ranks,
             "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
             "optimizer_s": self.optimizer_s,
+            **({"step_loop_s": self.step_loop_s} if self.step_loop_s else {}),  # files before it stay as they were
             "source": self.source,
         }
 
@@ -71,13 +73,16 @@ class ModelProfile:
     def from_dict(cls, d: Any, where: str) -> ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
-        if not isinstance(d, Mapping) or set(d) != {"model", "signature", "ranks", "times", "optimizer_s", "source"}:
+        required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
+        if not isinstance(d, Mapping) or not required <= set(d) <= required | {"step_loop_s"}:
             raise AutoshardError(
-                f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source; {fix}"
+                f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
+                f"have step_loop_s); {fix}"
             )
-        optimizer = d["optimizer_s"]
-        if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < 1e6:
-            raise AutoshardError(f"{where}: profile {d.get('model')!r}: optimizer_s must be seconds >= 0; {fix}")
+        for key in ("optimizer_s", "step_loop_s"):
+            seconds = d.get(key, 0.0)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e6:
+                raise AutoshardError(f"{where}: profile {d.get('model')!r}: {key} must be seconds >= 0; {fix}")
         if (
             not all(isinstance(d[k], str) for k in ("model", "signature", "source"))
             or not isinstance(d["ranks"], int)
@@ -93,7 +98,8 @@ class ModelProfile:
             d["ranks"],
             _times(d["times"], f"{where}: profile {d['model']!r}", fix),
             d["source"],
-            float(optimizer),
+            float(d["optimizer_s"]),
+            float(d.get("step_loop_s", 0.0)),
         )
 
 

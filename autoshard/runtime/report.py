@@ -30,6 +30,7 @@ from autoshard.ir.plan import write_atomic
 from autoshard.runtime import faults
 
 WARMUP_STEPS = 1  # the first step pays for allocation and lazy initialisation; throughput skips it
+ETA_WINDOW_STEPS = 100  # each step's ETA: the median of the last this many steps (``StepLog.recent_median_step_s``)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class StepLog:
     def _report(self, step: int, loss: float, elapsed_s: float, lr: float | None, grad_norm: float | None) -> None:
         record = step_record(step, loss, elapsed_s, self.tokens_per_step, lr, grad_norm, self.prediction)
         if self.last_step is not None:
-            record["eta_s"] = (self.last_step - step) * self.median_step_s  # the median so far: steady state
+            record["eta_s"] = (self.last_step - step) * self.recent_median_step_s  # steady state, in O(1) per step
         if step % self.log_every == 0:
             print(step_line(record), flush=True)
         if self.jsonl:
@@ -108,6 +109,13 @@ class StepLog:
                 if key != "step" and value is not None:
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
+
+    @property
+    def recent_median_step_s(self) -> float:
+        """The median of the last ETA_WINDOW_STEPS timed steps: each step's ETA, the run's pace now, at a cost that
+        does not grow with the run (the median of every step so far sorts them all, each step)."""
+        timed = self.step_times_s[WARMUP_STEPS:] or self.step_times_s
+        return statistics.median(timed[-ETA_WINDOW_STEPS:])
 
     @property
     def median_step_s(self) -> float:
