@@ -4,13 +4,15 @@ The parent captures each model as ``plan`` does (on meta) for its graph signatur
 (``profile_request``), before the minutes of measuring; every worker then builds the real model
 with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
-step, and the rest of the emitted program's step (``_step_loop``) (``measure_model``). The slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost
-model scales its units to (``cost.profile``).
+step, and what the emitted program's step costs beyond these (``_step_ops``) (``measure_model``). The slowest
+rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost model scales its units to
+(``cost.profile``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +45,7 @@ PROFILE_ROUNDS = 3  # every size and mode timed in this many rounds, interleaved
 def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFILE_ROUNDS) -> dict[str, Any]:
     """Worker side: {"times": b -> mode -> [forward_s, forward_backward_s], "optimizer_s", "step_loop_s"} of the
     real model with the runtime's own recompute wrappers (``runtime.parallel.apply_recompute``), AdamW and step
-    loop (``_step_loop``), on every rank at once. Every size and mode is timed once per round, ``rounds`` rounds one after
+    (``_step_ops``), on every rank at once. Every size and mode is timed once per round, ``rounds`` rounds one after
     the other, and the figures are their paired medians (``_paired_rounds``)."""
     import torch  # the worker's: the planning side of calibrate stays torch-free
 
@@ -82,23 +84,28 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     out = _paired_rounds([one_round() for _ in range(rounds)])
     optimizer = torch.optim.AdamW(models["none"].parameters(), lr=1e-3)  # the gradients are there
     optimizer_s = time_op(optimizer.step)
-    loop = _step_loop(model_file, models["none"], optimizer, max(request.microbatch_sizes), device)
-    return {"times": out, "optimizer_s": optimizer_s, "step_loop_s": time_op(loop)}
+    b = max(request.microbatch_sizes)
+    parts, whole = _step_ops(model_file, models["none"], optimizer, batches[b], autocast, device)
+    loop_rounds = [{"parts": time_op(parts), "whole": time_op(whole)} for _ in range(rounds)]
+    step_loop_s = max(0.0, statistics.median(r["whole"] - r["parts"] for r in loop_rounds))
+    return {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
 
 
-def _step_loop(model_file, model, optimizer, microbatch_size: int, device):
-    """The op of one training step's work outside forward, backward and ``optimizer.step()``, made of the emitted
-    program's own calls, in its order:
+def _step_ops(model_file, model, optimizer, batch, autocast, device):
+    """Two ops of one micro-batch of ``batch``'s size b per rank (m = 1), for the step loop (``measure_model``):
 
-        batches.take (example_batch's draw of the step, this rank's share) → scheduler.step()
-        → optimizer.zero_grad(set_to_none=True) → runtime.mean_over(loss) → log.end(step, ...)
+        parts: forward + backward, then optimizer.step(), as the profile times them (each alone, back to back)
+        whole: the emitted program's step, with its own calls in its order: batches.take (example_batch's draw of
+               the step, this rank's share; ``runtime.data.global_batch``, ``take_shard``) → forward + backward →
+               optimizer.step() → scheduler.step() → optimizer.zero_grad(set_to_none=True) →
+               runtime.mean_over(loss) (an all-reduce over every rank, its value read) → log.end(step, ...)
 
-    The draw is of ``microbatch_size`` samples per rank (``runtime.data.global_batch``, ``take_shard``); the loss's
-    mean is an all-reduce over every rank and a read of its value, as each step's log needs. Every call first puts
-    the gradients back (a reference per parameter), so that each frees them as a step does. Measured on 2 CPU ranks
-    (GPT example, dp 2, micro-batch 4, 2026-11-27): these parts took 1.3 ms of a 22.7 ms step, none of it priced
-    before (the draw 0.68, scheduler and zero_grad 0.13, the loss's all-reduce and read 0.43, the log 0.08)."""
-    import torch
+    t_loop = med_r (t_whole − t_parts) over rounds r, each timing both: what a step costs beyond its parts timed
+    alone. That is the work around them (measured alone, 2 CPU ranks, GPT example, dp 2, b 4, 2026-11-27: the draw
+    0.68 ms, scheduler and zero_grad 0.13, the loss's all-reduce and read 0.43, the log 0.08), and what the parts
+    cost more inside a step than back to back: the backward writes fresh gradients after zero_grad, where the
+    profile's calls add to kept ones, and the forward reads weights the optimizer has just written (the same two
+    ranks: whole 13.0-16.2 ms against parts 11.5, three rounds). Priced once per step (``cost.parts.step_loop_s``)."""
     import torch.distributed as dist
 
     from autoshard.runtime.data import global_batch, take_shard
@@ -107,24 +114,32 @@ def _step_loop(model_file, model, optimizer, microbatch_size: int, device):
     from autoshard.runtime.report import StepLog
 
     ranks, rank = dist.get_world_size(), dist.get_rank()
+    microbatch_size = batch[0][0].shape[0]
     scheduler = build_scheduler(optimizer, Recipe())
     # rank 0 makes each step's record as the program's main rank does; its console line never falls due
     log = StepLog(tokens_per_step=1, is_main=rank == 0, log_every=1 << 62, last_step=1 << 62)
-    grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-    loss = torch.ones((), device=device)
     steps = iter(range(1, 1 << 62))
 
-    def one_step() -> None:
-        for param, grad in grads:
-            param.grad = grad
+    def loss_of(inputs, targets):
+        with autocast:  # as the program runs on GPUs (bf16), a no-op on CPUs
+            return model_file.loss(model(*inputs), targets)
+
+    def parts() -> None:
+        loss_of(*batch).backward()
+        optimizer.step()
+
+    def whole() -> None:
         step = next(steps)
         log.start()
-        take_shard(global_batch(model_file, microbatch_size * ranks, 0, step), rank, ranks, device)
+        inputs, targets = take_shard(global_batch(model_file, microbatch_size * ranks, 0, step), rank, ranks, device)
+        loss = loss_of(inputs, targets)
+        loss.backward()
+        optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, mean_over(loss, None))
+        log.end(step, mean_over(loss.detach(), None))
 
-    return one_step
+    return parts, whole
 
 
 def _paired_rounds(rounds: list[dict[int, dict[str, list[float]]]]) -> dict[int, dict[str, list[float]]]:

@@ -22,6 +22,11 @@ it (the machine's speed drifts by tens of percent over tens of minutes on a shar
 calibration from earlier mispredicts every plan alike), and once more after them; the second
 summary shows how much the machine moved meanwhile.
 
+``--reference-every N`` runs the planner's pick again before every N-th run and after the last: the machine's
+drift over the runs (on this VM, tens of percent in minutes). The figures of record are the runs as measured; a
+second summary divides each run by the drift at its place (``drift_removed``), to tell the cost model's errors
+from the machine's moves.
+
 ``--reprice`` prices the stored configurations again with the current cost model and the
 stored cluster file, without running anything: the measurements stay, the predictions move.
 """
@@ -192,13 +197,20 @@ def run(args) -> dict:
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
     steps: dict[str, list[list[list[float]]]] = {key: [] for key, _ in plans}  # per round, per rank
+    positions: dict[str, list[int]] = {key: [] for key, _ in plans}  # each run's place in the sequence of runs
+    reference: list[dict] = []  # the pick, run again every --reference-every runs: the machine's drift
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for i, (key, plan) in enumerate(plans):
+                position = rnd * len(plans) + i
+                if args.reference_every and position % args.reference_every == 0:
+                    ref_s = measure(pick, args.ranks, args.steps, Path(tmp))[0]
+                    reference.append({"position": position, "measured_s": ref_s})
                 median_s, ranks_steps = measure(plan, args.ranks, args.steps, Path(tmp))
                 times[key].append(median_s)
                 steps[key].append(ranks_steps)
+                positions[key].append(position)
                 print(
                     f"round {rnd + 1}/{args.rounds} {i + 1}/{len(plans)} {key}: "
                     f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})",
@@ -211,12 +223,19 @@ def run(args) -> dict:
             "predicted_s": plan.predicted.step_time_s,
             "measured_s": statistics.median(times[key]),
             "measured_rounds_s": times[key],
+            "positions": positions[key],
             "step_times_s": steps[key],
         }
         for key, plan in plans
     ]
+    if args.reference_every:  # the reference after the last run too: the drift is interpolated between its runs
+        with tempfile.TemporaryDirectory() as tmp:
+            end = args.rounds * len(plans)
+            reference.append({"position": end, "measured_s": measure(pick, args.ranks, args.steps, Path(tmp))[0]})
     if args.output:  # the runs first: nothing after them (a calibration, a summary) may lose them
-        Path(args.output).write_text(json.dumps({"model": args.model, "ranks": args.ranks, "rows": rows}, indent=1))
+        Path(args.output).write_text(
+            json.dumps({"model": args.model, "ranks": args.ranks, "rows": rows, "reference": reference}, indent=1)
+        )
     drift = {}
     if args.calibrate:  # again after the runs: how far the machine moved while they ran
         after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))
@@ -239,8 +258,34 @@ def run(args) -> dict:
         "wall_s": time.perf_counter() - start,
         "load_1min_at_end": os.getloadavg()[0],
         "rows": rows,
+        "reference": reference,
         "summary": summary(rows, plan_key(pick)),
+        "summary_drift_removed": summary(drift_removed(rows, reference), plan_key(pick)) if reference else {},
     }
+
+
+def drift_removed(rows: list[dict], reference: list[dict]) -> list[dict]:
+    """The rows with each run divided by the machine's drift at its place in the sequence, for analysis beside the
+    figures of record (which are the runs as measured)::
+
+        d(p) = r(p) / median_q r(q)      measured'(run at p) = measured(run at p) / d(p)
+
+    r(p) the reference plan's (the pick's) step time run again every few runs, interpolated linearly between its
+    runs at p. d keeps the median machine: it moves no plan's level, only the runs' spread over time."""
+    points = sorted((r["position"], r["measured_s"]) for r in reference)
+    middle = statistics.median(t for _, t in points)
+
+    def drift(p: int) -> float:
+        for (p0, t0), (p1, t1) in zip(points, points[1:]):
+            if p0 <= p <= p1:
+                return (t0 + (t1 - t0) * (p - p0) / max(p1 - p0, 1)) / middle
+        return points[-1][1] / middle
+
+    out = []
+    for row in rows:
+        rounds = [t / drift(p) for t, p in zip(row["measured_rounds_s"], row["positions"])]
+        out.append(dict(row, measured_s=statistics.median(rounds), measured_rounds_s=rounds))
+    return out
 
 
 def pins_of_plan(plan) -> Pins:
@@ -270,7 +315,8 @@ def reprice(path: Path, cluster: str | None = None) -> dict:
     os.unlink(f.name)
     predicted = {key: plan.predicted.step_time_s for key, plan in plans}
     rows = [dict(r, predicted_s=predicted[r["key"]]) for r in data["rows"] if r["key"] in predicted]
-    return dict(data, rows=rows, summary=summary(rows, plan_key(pick)))
+    drift = summary(drift_removed(rows, data["reference"]), plan_key(pick)) if data.get("reference") else {}
+    return dict(data, rows=rows, summary=summary(rows, plan_key(pick)), summary_drift_removed=drift)
 
 
 def print_table(result: dict) -> None:
@@ -285,6 +331,12 @@ def print_table(result: dict) -> None:
         f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
         f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})"
     )
+    if result.get("summary_drift_removed"):
+        d, ref = result["summary_drift_removed"], [r["measured_s"] for r in result["reference"]]
+        print(
+            f"the reference ({len(ref)} runs of the pick) ranged {min(ref) * 1e3:.1f}-{max(ref) * 1e3:.1f} ms; "
+            f"with that drift removed: MAPE {d['mape']:.1%}, Spearman {d['spearman']:.3f}, regret {d['regret']:.3f}"
+        )
     if result.get("summary_calibrated_after"):
         a = result["summary_calibrated_after"]
         print(f"priced with the calibration after the runs: MAPE {a['mape']:.1%}, Spearman {a['spearman']:.3f}")
@@ -307,6 +359,14 @@ def main() -> None:
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
     parser.add_argument("--only", metavar="REGEX", help="run only the configurations whose key matches (and the pick)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
+    parser.add_argument(
+        "--reference-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="run the planner's pick again before every N-th run and after the last: the machine's drift over the "
+        "runs, removed in a second summary for analysis (0: no reference runs)",
+    )
     parser.add_argument(
         "--calibrate",
         metavar="CLUSTER_YAML",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -226,6 +227,32 @@ def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, c
     after = price_parts(CostTables(gpt, looped), config, cuts)
     assert after.host_s - before.host_s == pytest.approx(0.0042)
     assert after.step_time_s - before.step_time_s == pytest.approx(0.0042)
+
+
+def test_the_step_ops_are_the_program_s_step_and_its_parts(in_repo_module, one_rank):
+    """``model_probes._step_ops``: "whole" runs the program's step (a fresh batch, the optimizer's and the scheduler's
+    step, the gradients freed, the loss's mean logged), "parts" forward + backward and the optimizer's step, keeping
+    the gradients as the profile's calls do."""
+    import torch
+
+    from autoshard.runtime.model import build_model, load_model_file
+
+    model_file = load_model_file(GPT)
+    model = build_model(model_file, seed=0, device=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = model_file.example_batch(2)
+    parts, whole = model_probes._step_ops(model_file, model, optimizer, batch, contextlib.nullcontext(), "cpu")
+    weights = [p.detach().clone() for p in model.parameters()]
+    parts()
+    assert all(p.grad is not None for p in model.parameters())  # kept, as the profile's calls keep them
+    assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))  # the optimizer stepped
+    weights = [p.detach().clone() for p in model.parameters()]
+    steps = optimizer.state[next(iter(model.parameters()))]["step"].item()
+    whole()
+    whole()
+    assert all(p.grad is None for p in model.parameters())  # freed as each step frees them
+    assert optimizer.state[next(iter(model.parameters()))]["step"].item() == steps + 2  # one optimizer step each
+    assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
 
 
 def test_a_profile_is_the_least_squares_line_through_its_sizes(gpt):
