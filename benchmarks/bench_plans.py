@@ -22,6 +22,11 @@ it (the machine's speed drifts by tens of percent over tens of minutes on a shar
 calibration from earlier mispredicts every plan alike), and once more after them; the second
 summary shows how much the machine moved meanwhile.
 
+``--calibrate-every N`` (with ``--calibrate``) calibrates again before every N-th run; each run is then also priced
+from the calibrations just before and just after it, interpolated by its place (``rolling_prediction``): on this
+VM a calibration can land in a slow period of minutes (twice on 2026-11-27 the profile read 1.6 times the
+minutes around it), and the single calibration before the runs then sets every plan's level.
+
 ``--reference-every N`` runs the planner's pick again before every N-th run and after the last: the machine's
 drift over the runs (on this VM, tens of percent in minutes). The figures of record are the runs as measured; a
 second summary divides each run by the drift at its place (``drift_removed``), to tell the cost model's errors
@@ -195,6 +200,7 @@ def run(args) -> dict:
     if args.only:  # a subset of the configurations, by their keys ("dp2 tp1 pp1 ep2 z3 b4 none")
         plans = [(key, plan) for key, plan in plans if re.search(args.only, key) or key == plan_key(pick)]
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
+    calibrations = {0: {key: plan.predicted.step_time_s for key, plan in plans}} if args.calibrate else {}
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
     steps: dict[str, list[list[list[float]]]] = {key: [] for key, _ in plans}  # per round, per rank
     positions: dict[str, list[int]] = {key: [] for key, _ in plans}  # each run's place in the sequence of runs
@@ -204,6 +210,8 @@ def run(args) -> dict:
         for rnd in range(args.rounds):
             for i, (key, plan) in enumerate(plans):
                 position = rnd * len(plans) + i
+                if args.calibrate and args.calibrate_every and position and position % args.calibrate_every == 0:
+                    calibrations[position] = predictions(args, Path(args.calibrate).with_suffix(f".at{position}.yaml"))
                 if args.reference_every and position % args.reference_every == 0:
                     ref_s = measure(pick, args.ranks, args.steps, Path(tmp))[0]
                     reference.append({"position": position, "measured_s": ref_s})
@@ -237,6 +245,7 @@ def run(args) -> dict:
             json.dumps({"model": args.model, "ranks": args.ranks, "rows": rows, "reference": reference}, indent=1)
         )
     drift = {}
+    rolling = {}
     if args.calibrate:  # again after the runs: how far the machine moved while they ran
         after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))
         again, again_pick = plan_all(args.model, after, args.ranks, args.global_batch)
@@ -244,11 +253,17 @@ def run(args) -> dict:
         drift = summary(
             [dict(r, predicted_s=predicted[r["key"]]) for r in rows if r["key"] in predicted], plan_key(again_pick)
         )
+        calibrations[args.rounds * len(plans)] = predicted
+        for row in rows:
+            row["predicted_rolling_s"] = rolling_prediction(row, calibrations)
+        rolling = summary([dict(r, predicted_s=r["predicted_rolling_s"]) for r in rows], plan_key(pick))
     return {
         "model": args.model,
         "cluster": args.cluster,
         "cluster_file": Path(args.cluster).read_text(),
         "summary_calibrated_after": drift,
+        "calibrated_at_positions": sorted(calibrations),
+        "summary_rolling_calibration": rolling,
         "ranks": args.ranks,
         "global_batch": args.global_batch,
         "steps": args.steps,
@@ -262,6 +277,31 @@ def run(args) -> dict:
         "summary": summary(rows, plan_key(pick)),
         "summary_drift_removed": summary(drift_removed(rows, reference), plan_key(pick)) if reference else {},
     }
+
+
+def predictions(args, path: Path) -> dict[str, float]:
+    """A calibration now, written to ``path``: every configuration's predicted step time on it."""
+    again, _ = plan_all(args.model, calibrate(args.ranks, args.model, path), args.ranks, args.global_batch)
+    return {key: plan.predicted.step_time_s for key, plan in again}
+
+
+def rolling_prediction(row: dict, calibrations: dict[int, dict[str, float]]) -> float:
+    """The row's prediction from the calibrations made around each of its runs, the mean over its runs::
+
+        pred(run at p) = pred_a + (pred_b − pred_a) · (p − a) / (b − a)
+
+    a ≤ p < b the places of the calibrations just before and just after the run (``--calibrate-every``; the last
+    is the one after every run). Every figure is still the cost model's on a calibration: none is taken from the
+    runs; what moves is how close in time the calibration is to the run it prices."""
+    places = sorted(calibrations)
+    key, first = row["key"], calibrations[places[0]][row["key"]]
+    out = []
+    for p in row["positions"]:
+        a = max(q for q in places if q <= p)
+        b = min((q for q in places if q > p), default=a)
+        pa, pb = calibrations[a].get(key, first), calibrations[b].get(key, first)
+        out.append(pa + (pb - pa) * (p - a) / (b - a) if b > a else pa)
+    return statistics.fmean(out)
 
 
 def drift_removed(rows: list[dict], reference: list[dict]) -> list[dict]:
@@ -331,6 +371,12 @@ def print_table(result: dict) -> None:
         f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
         f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})"
     )
+    if result.get("summary_rolling_calibration"):
+        r = result["summary_rolling_calibration"]
+        print(
+            f"priced from the calibrations around each run (at runs {result['calibrated_at_positions']}): MAPE "
+            f"{r['mape']:.1%}, Spearman {r['spearman']:.3f}, regret {r['regret']:.3f}"
+        )
     if result.get("summary_drift_removed"):
         d, ref = result["summary_drift_removed"], [r["measured_s"] for r in result["reference"]]
         print(
@@ -359,6 +405,14 @@ def main() -> None:
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
     parser.add_argument("--only", metavar="REGEX", help="run only the configurations whose key matches (and the pick)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
+    parser.add_argument(
+        "--calibrate-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --calibrate, calibrate again before every N-th run: each run is also priced from the calibrations "
+        "just before and after it (a third summary; 0: only before and after all the runs)",
+    )
     parser.add_argument(
         "--reference-every",
         type=int,
