@@ -3,8 +3,8 @@
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
 one AdamW step, and what the emitted program's step does besides (``step_loop_s``); the cost model
-scales its per-unit split of the work to these totals (``cost.profile``). A profile is keyed by the captured graph's signature
-(``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
+scales its per-unit split of the work to these totals (``cost.profile``). A profile is keyed by the
+captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
 
 from __future__ import annotations

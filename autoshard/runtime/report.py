@@ -114,8 +114,9 @@ class StepLog:
     def recent_median_step_s(self) -> float:
         """The median of the last ETA_WINDOW_STEPS timed steps: each step's ETA, the run's pace now, at a cost that
         does not grow with the run (the median of every step so far sorts them all, each step)."""
-        timed = self.step_times_s[WARMUP_STEPS:] or self.step_times_s
-        return statistics.median(timed[-ETA_WINDOW_STEPS:])
+        times = self.step_times_s
+        first = max(WARMUP_STEPS, len(times) - ETA_WINDOW_STEPS) if len(times) > WARMUP_STEPS else 0
+        return statistics.median(times[first:])  # a slice of at most the window: no copy of the whole run
 
     @property
     def median_step_s(self) -> float:
