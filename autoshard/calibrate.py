@@ -75,6 +75,7 @@ from autoshard.model_probes import PROFILE_ROUNDS, ProfileRequest, measure_model
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
+MAX_REPEATS = 9  # --repeats: each repeat is a whole calibration (1-2 minutes on CPU ranks)
 PROBE_TIME_FACTOR = 3  # host probes and models: 3 × a collective's timing budget (their figures are differences)
 
 
@@ -147,6 +148,7 @@ class Measurements:
     models: list = field(default_factory=list)  # per --model: b -> mode -> [forward_s, forward_backward_s]
     load_1min: float = 0.0  # the machine's load average when calibration started (other jobs)
     cpus: int = 1
+    repeats: int = 1  # whole calibrations in a row whose every time is the median (``median_of_repeats``)
 
     @property
     def busy(self) -> str:
@@ -199,19 +201,68 @@ def calibrate(
     quick: bool = False,
     on_step: Callable[[int, int, str], None] | None = None,
     models: list[ProfileRequest] = (),
+    repeats: int = 1,
 ) -> Calibration:
-    """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``model_probes``);
-    ``on_step(done, total, name)`` reports progress."""
+    """Measure this machine with ``devices_per_node`` ranks (and ``models``, ``model_probes``), ``repeats`` times
+    in a row, every time the median over the repeats (``median_of_repeats``); ``on_step(done, total, name)``
+    reports progress."""
     start, load_1min = time.perf_counter(), os.getloadavg()[0]
     ranks, backend = resolve_ranks(devices_per_node)
     settings = Settings.for_backend(backend, quick)
-    steps = settings.steps(ranks, models)
+    total = len(settings.steps(ranks, models)) * repeats
     progress = on_step or (lambda done, total, name: None)
-    progress(0, len(steps), f"starting {ranks} {backend} ranks")
+    progress(0, total, f"starting {ranks} {backend} ranks")
     done = itertools.count(1)
-    measured = _run_workers(ranks, backend, settings, list(models), lambda name: progress(next(done), len(steps), name))
+    runs = [
+        _run_workers(ranks, backend, settings, list(models), lambda name: progress(next(done), total, name))
+        for _ in range(repeats)
+    ]
+    measured = median_of_repeats(runs)
     measured.load_1min, measured.cpus = load_1min, os.cpu_count() or 1
     return _calibration(measured, quick, time.perf_counter() - start, list(models))
+
+
+def median_of_repeats(runs: list[Measurements]) -> Measurements:
+    """One record of whole calibrations made one after the other: every time the median over them, the rest the
+    first's (the same probes run in the same order, so the records line up entry by entry)::
+
+        t = med_r t_r        for each collective and size, matmul size, the elementwise op, host probe, model time
+
+    A calibration takes one to two minutes, and on a shared machine a slow period of about that length moves every
+    figure of one calibration alike (on a 2-core VM, 2026-11-27: twice the model's times 1.5-1.6 times the
+    calibrations minutes either side, pricing the runs after it 23-80 % over). The median of three sits with the
+    two that agree. Times are combined before anything is fitted, so fits and differences (the host probes')
+    are of medians."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    comm = []
+    for i, s in enumerate(first.comm):
+        same = [r.comm[i] for r in runs]
+        assert all((x.collective, x.ranks, x.size_bytes) == (s.collective, s.ranks, s.size_bytes) for x in same)
+        comm.append(replace(s, time_s=statistics.median(x.time_s for x in same)))
+    return replace(
+        first,
+        comm=comm,
+        matmul_s=_median_tree([r.matmul_s for r in runs]),
+        elementwise_s=statistics.median(r.elementwise_s for r in runs),
+        host=_median_tree([r.host for r in runs]),
+        models=_median_tree([r.models for r in runs]),
+        repeats=len(runs),
+    )
+
+
+def _median_tree(trees: list[Any]) -> Any:
+    """Nested dicts and lists of numbers (the probes' records) with every number the median over ``trees``; counts
+    (equal in every tree) and anything not a number are the first tree's."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([t[k] for t in trees]) for k in first}
+    if isinstance(first, list):
+        return [_median_tree([t[i] for t in trees]) for i in range(len(first))]
+    if isinstance(first, bool) or not isinstance(first, (int, float)) or all(t == first for t in trees):
+        return first
+    return statistics.median(trees)
 
 
 def microbatch_sizes_flag(text: str) -> tuple[int, ...]:
@@ -226,6 +277,20 @@ def microbatch_sizes_flag(text: str) -> tuple[int, ...]:
             "fix: e.g. --microbatch-sizes 1,2,4,8"
         )
     return sizes
+
+
+def repeats_flag(text: str) -> int:
+    """--repeats "3" as a count of whole calibrations; one line naming the fix otherwise."""
+    try:
+        repeats = int(text)
+    except ValueError:
+        repeats = 0
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise AutoshardError(
+            f"--repeats {text!r} must be a whole number from 1 to {MAX_REPEATS}; fix: e.g. --repeats 3 (an odd "
+            "count, so the median is one calibration's time)"
+        )
+    return repeats
 
 
 def resolve_ranks(devices_per_node: int | None) -> tuple[int, str]:
@@ -321,6 +386,7 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
         origin = (
             f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} "
             f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
+            + (f", then over {m.repeats} calibrations in a row" if m.repeats > 1 else "")
         )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
         cluster = replace(cluster, profiles=profiles)
@@ -341,7 +407,8 @@ def build_cluster(
     """The measured cluster: one node of ``m.ranks`` devices (what is written and how: module doc)."""
     host = socket.gethostname()
     day = datetime.date.today().isoformat()
-    origin = f"measured by autoshard calibrate{' --quick' if quick else ''} on {host} {day} ({m.busy})"
+    repeats = f" --repeats {m.repeats}" if m.repeats > 1 else ""
+    origin = f"measured by autoshard calibrate{' --quick' if quick else ''}{repeats} on {host} {day} ({m.busy})"
     default = PRESETS["local-cpu" if m.backend == "gloo" else "dgx-h100"]
     inter = LinkSpec(
         default.inter_node.bandwidth_gbps,
@@ -453,7 +520,8 @@ def _header(cal: Calibration, command: str, path: Path) -> str:
     lines = [
         f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
         f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
-        f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank.",
+        f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank"
+        + (f", then over {m.repeats} calibrations in a row." if m.repeats > 1 else "."),
         f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.",
         "",
     ]

@@ -391,6 +391,12 @@ def _add_calibrate(sub, common) -> None:
     )
     p.add_argument("--microbatch-sizes", default="1,2,4,8", help="micro-batch sizes to measure --model at")
     p.add_argument(
+        "--repeats",
+        default="1",
+        help="calibrate this many times in a row and write every time's median over them: steadier on a shared "
+        "machine whose speed moves for minutes at a time (default 1)",
+    )
+    p.add_argument(
         "--across-nodes",
         metavar="NODE_FILE",
         help="under torchrun on every node: measure the links between nodes and write NODE_FILE's "
@@ -872,6 +878,7 @@ def cmd_calibrate(args) -> int:
         check_output,
         microbatch_sizes_flag,
         render,
+        repeats_flag,
         resolve_ranks,
         write_cluster_file,
     )
@@ -883,6 +890,7 @@ def cmd_calibrate(args) -> int:
     if args.across_nodes:
         return _calibrate_across_nodes(args, output)
     ranks, _ = resolve_ranks(args.devices_per_node)
+    repeats = repeats_flag(args.repeats)
     sizes = microbatch_sizes_flag(args.microbatch_sizes)
     models = [profile_request(spec, sizes) for spec in args.model]  # captured before minutes of measuring
     with Progress(console=Console(stderr=True), transient=True) as progress:
@@ -891,6 +899,7 @@ def cmd_calibrate(args) -> int:
             ranks,
             quick=args.quick,
             models=models,
+            repeats=repeats,
             on_step=lambda done, total, name: progress.update(
                 task, completed=done, total=total, description=f"calibrating: {name}"
             ),
@@ -901,6 +910,7 @@ def cmd_calibrate(args) -> int:
         + f" --devices-per-node {ranks}"
         + "".join(f" --model {m}" for m in args.model)
         + (f" --microbatch-sizes {args.microbatch_sizes}" if args.model else "")
+        + (f" --repeats {repeats}" if repeats > 1 else "")
         + f" -o {output}"
     )
     write_cluster_file(output, result, command)

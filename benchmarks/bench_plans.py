@@ -22,6 +22,9 @@ it (the machine's speed drifts by tens of percent over tens of minutes on a shar
 calibration from earlier mispredicts every plan alike), and once more after them; the second
 summary shows how much the machine moved meanwhile.
 
+``--calibration-repeats N`` makes each of those calibrations N in a row whose every time is the median
+(``autoshard calibrate --repeats``): one calibration that lands in a slow minute no longer sets the level.
+
 ``--calibrate-every N`` (with ``--calibrate``) calibrates again before every N-th run; each run is then also priced
 from the calibrations just before and just after it, interpolated by its place (``rolling_prediction``): on this
 VM a calibration can land in a slow period of minutes (twice on 2026-11-27 the profile read 1.6 times the
@@ -171,8 +174,9 @@ def summary(rows: list[dict], pick: str) -> dict:
     }
 
 
-def calibrate(ranks: int, model: str, path: Path) -> str:
-    """``autoshard calibrate`` of this machine and ``model`` at ``ranks`` ranks; the cluster file's path."""
+def calibrate(ranks: int, model: str, path: Path, repeats: int = 1) -> str:
+    """``autoshard calibrate`` of this machine and ``model`` at ``ranks`` ranks, ``repeats`` calibrations in a row
+    (every time their median); the cluster file's path."""
     subprocess.run(
         [
             sys.executable,
@@ -183,6 +187,8 @@ def calibrate(ranks: int, model: str, path: Path) -> str:
             str(ranks),
             "--model",
             model,
+            "--repeats",
+            str(repeats),
             "-o",
             str(path),
         ],
@@ -195,7 +201,7 @@ def calibrate(ranks: int, model: str, path: Path) -> str:
 
 def run(args) -> dict:
     if args.calibrate:  # right before the runs: the machine's speed drifts over tens of minutes
-        args.cluster = calibrate(args.ranks, args.model, Path(args.calibrate))
+        args.cluster = calibrate(args.ranks, args.model, Path(args.calibrate), args.calibration_repeats)
     plans, pick = plan_all(args.model, args.cluster, args.ranks, args.global_batch)
     if args.only:  # a subset of the configurations, by their keys ("dp2 tp1 pp1 ep2 z3 b4 none")
         plans = [(key, plan) for key, plan in plans if re.search(args.only, key) or key == plan_key(pick)]
@@ -247,7 +253,9 @@ def run(args) -> dict:
     drift = {}
     rolling = {}
     if args.calibrate:  # again after the runs: how far the machine moved while they ran
-        after = calibrate(args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"))
+        after = calibrate(
+            args.ranks, args.model, Path(args.calibrate).with_suffix(".after.yaml"), args.calibration_repeats
+        )
         again, again_pick = plan_all(args.model, after, args.ranks, args.global_batch)
         predicted = {key: plan.predicted.step_time_s for key, plan in again}
         drift = summary(
@@ -263,6 +271,7 @@ def run(args) -> dict:
         "cluster_file": Path(args.cluster).read_text(),
         "summary_calibrated_after": drift,
         "calibrated_at_positions": sorted(calibrations),
+        "calibration_repeats": args.calibration_repeats,
         "summary_rolling_calibration": rolling,
         "ranks": args.ranks,
         "global_batch": args.global_batch,
@@ -281,7 +290,8 @@ def run(args) -> dict:
 
 def predictions(args, path: Path) -> dict[str, float]:
     """A calibration now, written to ``path``: every configuration's predicted step time on it."""
-    again, _ = plan_all(args.model, calibrate(args.ranks, args.model, path), args.ranks, args.global_batch)
+    cluster = calibrate(args.ranks, args.model, path, args.calibration_repeats)
+    again, _ = plan_all(args.model, cluster, args.ranks, args.global_batch)
     return {key: plan.predicted.step_time_s for key, plan in again}
 
 
@@ -405,6 +415,13 @@ def main() -> None:
     parser.add_argument("-o", "--output", help="write the runs here (JSON)")
     parser.add_argument("--only", metavar="REGEX", help="run only the configurations whose key matches (and the pick)")
     parser.add_argument("--reprice", type=Path, help="price stored runs again instead of running")
+    parser.add_argument(
+        "--calibration-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each calibration is N in a row, every time their median (autoshard calibrate --repeats N)",
+    )
     parser.add_argument(
         "--calibrate-every",
         type=int,

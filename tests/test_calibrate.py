@@ -73,6 +73,45 @@ def fake_measurements(ranks=2):
     )
 
 
+def scaled(m, factor):
+    """``m`` with every time × ``factor``: the same calibration in a slower (> 1) or faster period."""
+    from dataclasses import replace
+
+    return replace(
+        m,
+        comm=[replace(s, time_s=s.time_s * factor) for s in m.comm],
+        matmul_s={n: t * factor for n, t in m.matmul_s.items()},
+        elementwise_s=m.elementwise_s * factor,
+        host={"fwd": 2e-3 * factor, "tensors": 26, "pipeline": {"2": 5e-3 * factor}},
+        models=[{"times": {"4": {"none": [1e-2 * factor, 3e-2 * factor]}}, "optimizer_s": 2e-3 * factor}],
+    )
+
+
+def test_repeats_take_every_time_s_median_before_the_fits():
+    """``--repeats 3``: one calibration in a period 1.6 times slower moves nothing; every time (collectives, matmuls,
+    the elementwise op, host probes, model times, nested) is the median of the three, counts stay, and the link is
+    fitted to the medians."""
+    from dataclasses import replace
+
+    from autoshard.calibrate import median_of_repeats
+
+    base = fake_measurements()
+    runs = [scaled(base, 1.0), scaled(base, 1.6), scaled(base, 1.02)]
+    m = median_of_repeats(runs)
+    expected = scaled(base, 1.02)
+    assert m.repeats == 3 and len(m.comm) == len(base.comm)
+    assert [s.time_s for s in m.comm] == pytest.approx([s.time_s for s in expected.comm])
+    assert m.matmul_s == pytest.approx(expected.matmul_s) and m.elementwise_s == pytest.approx(expected.elementwise_s)
+    assert m.host["tensors"] == 26 and m.host["fwd"] == pytest.approx(2.04e-3)
+    assert m.host["pipeline"]["2"] == pytest.approx(5.1e-3)
+    assert m.models[0]["times"]["4"]["none"] == pytest.approx([1.02e-2, 3.06e-2])
+    cluster = _calibration(replace(m, host={}, models=[]), quick=True, wall_s=1.0).cluster  # the link and device
+    assert cluster.intra_node.latency_us == pytest.approx(37.0 * 1.02, rel=1e-3)
+    assert cluster.device.peak_tflops == pytest.approx(0.055 / 1.02, rel=1e-3)
+    assert " --repeats 3 " in cluster.intra_node.source
+    assert median_of_repeats([base]) is base
+
+
 def test_cluster_file_round_trips_through_load_cluster(tmp_path):
     cal = _calibration(fake_measurements(), quick=True, wall_s=1.0)
     path = write_cluster_file(tmp_path / "c.yaml", cal, "autoshard calibrate --quick -o c.yaml")
@@ -103,6 +142,8 @@ def test_one_rank_keeps_the_preset_link():
         (["-o", "no/such/dir/cluster.yaml"], "output directory 'no/such/dir' does not exist"),
         (["-o", "cluster.json"], "must end in .yaml or .yml"),
         (["-o", "c.yaml", "--devices-per-node", "0"], "--devices-per-node 0 must be a positive integer"),
+        (["-o", "c.yaml", "--repeats", "0"], "--repeats '0' must be a whole number from 1 to 9"),
+        (["-o", "c.yaml", "--repeats", "three"], "--repeats 'three' must be a whole number from 1 to 9"),
         ([], "the following arguments are required: -o/--output"),
     ],
 )
