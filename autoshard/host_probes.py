@@ -32,6 +32,8 @@ difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
     pipeline_step_us     t(m₀) − (m₀ + 1)·slope: what a step costs beyond its m₀ + p − 1 stage slots
     tp_module_us         (t_tp − t_fwd+bwd − the 4 all-reduces per block) / (6K sharded linears),
                          every rank one TP rank of a pair (colwise q, k, v, fc; rowwise o, proj)
+    tp_forward_share     (t_tp_fwd − t_fwd − 2K all-reduces) / (t_tp − t_fwd+bwd − 4K all-reduces): the share of that
+                         DTensor time in the forward, which a recomputed forward pays again (``_forward_share``)
     sequence_module_us   (t_tp_sp − t_tp − the sequence collectives + the 4K all-reduces) / M: the same pair in
                          the sequence-parallel layout (``SP_STYLES``), M its modules that shard no weight (the
                          norms on the sequence shard, each sub-block's gather, the scatter in and the gather out)
@@ -64,6 +66,7 @@ WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 8, 4
 WIDE = 128  # FSDP2's cost grows with a unit's bytes: a second width separates the two
 PIPELINE_MICROBATCHES = (2, 8)
 K = TypeVar("K")
+SHARES = ("tp_forward_share",)  # figures that are shares, not seconds (written as they are, not in µs)
 PROBE_ROUNDS = 3  # the step probes, timed in rounds (``_paired_medians``)
 BETWEEN_MATMUL_N, BETWEEN_COLLECTIVES = 256, 8  # collective_wait_us: n×n matmuls (≈ 0.3 ms on a CPU rank), K gathers
 
@@ -151,6 +154,7 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
         out |= _fsdp_probes(time_op, blocks)
         out |= _ddp_probes(time_op, x, plain)
         out["tp"] = _tp_probe(time_op, x)
+        out["tp_fwd"] = _tp_probe(time_op, x, forward_only=True)
         out |= _collective_wait_probe(time_op, x)
         if ranks % 2 == 0:  # the sequence (8 tokens) splits over the pair
             out["tp_sp"] = _tp_probe(time_op, x, sequence_parallel=True)
@@ -276,8 +280,9 @@ def _tp_pairs():
     return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
-    """fwd + bwd of the probe over pairs of ranks in Megatron's layout, or its sequence-parallel one."""
+def _tp_probe(time_op, x, sequence_parallel: bool = False, forward_only: bool = False) -> float:
+    """fwd + bwd (or the forward alone) of the probe over pairs of ranks in Megatron's layout, or its
+    sequence-parallel one."""
     from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
     mesh = _tp_pairs()
@@ -285,7 +290,7 @@ def _tp_probe(time_op, x, sequence_parallel: bool = False) -> float:
     styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in layout.items()}
     styles |= SP_ENDS if sequence_parallel else {}
     model = apply_tensor_parallel(probe_model(), mesh["tp"], styles)
-    return time_op(_fwd_bwd(model, x))
+    return time_op((lambda: model(x)) if forward_only else _fwd_bwd(model, x))
 
 
 def _collective_wait_probe(time_op, x) -> dict[str, float]:
@@ -447,6 +452,8 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
+        if "tp_fwd" in t:
+            figures["tp_forward_share"] = _forward_share(t, cluster, tp)
         if "collective_between" in t:
             figures["collective_wait_us"] = (
                 t["collective_between"] - t["collective_matmuls"] - t["collective_gathers"]
@@ -459,7 +466,21 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         figures["pipeline_microbatch_us"], figures["pipeline_step_us"] = _pipeline_residual_s(
             t["pipeline"], c, cluster, h_f, h_b
         )
-    return HostOverheads(**{k: _us(v) for k, v in figures.items()} | _zeros_for_missing(figures), source=source)
+    shares = {k: float(f"{figures.pop(k):.4g}") for k in SHARES if k in figures}  # not seconds
+    return HostOverheads(
+        **{k: _us(v) for k, v in figures.items()} | shares | _zeros_for_missing(figures | shares), source=source
+    )
+
+
+def _forward_share(t: dict[str, Any], cluster: Cluster, tp: int) -> float:
+    """The share of the TP probe's DTensor time in its forward: its 2K forward all-reduces (the rowwise outputs)
+    and the plain forward taken from the forward alone, its 4K all-reduces and the plain step from the step::
+
+        s = (t_tp_fwd − t_fwd − 2K·AR) / (t_tp − t_fwd+bwd − 4K·AR),   clamped to [0, 1]"""
+    all_reduce = comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
+    whole = t["tp"] - t["fwd_bwd"] - 4 * BLOCKS * all_reduce
+    forward = t["tp_fwd"] - t["fwd"] - 2 * BLOCKS * all_reduce
+    return min(1.0, max(0.0, forward / whole)) if whole > 0 else 0.0
 
 
 def _sequence_comm_s(cluster: Cluster, tp: int) -> float:

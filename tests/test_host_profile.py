@@ -41,6 +41,7 @@ TRUE = dict(
     weight_group_us=90.0,
     sequence_module_us=800.0,
     collective_wait_us=1500.0,
+    tp_forward_share=0.35,
 )
 
 
@@ -97,6 +98,11 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
     activation = 4 * host_probes.TOKENS * host_probes.WIDTH
     t["tp"] = (
         fwd_bwd + 4 * host_probes.BLOCKS * comm.allreduce_s(activation, ranks, link) + tp_modules * h.tp_module_us * us
+    )
+    t["tp_fwd"] = (
+        fwd
+        + 2 * host_probes.BLOCKS * comm.allreduce_s(activation, ranks, link)
+        + h.tp_forward_share * tp_modules * h.tp_module_us * us
     )
     gathers = 2 * 2 * host_probes.BLOCKS + 1  # each sub-block's input and the head's, forward and backward
     t["tp_sp"] = (
@@ -351,6 +357,37 @@ def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
     with pytest.raises(AutoshardError, match=message) as info:
         load_cluster(str(path))
     assert "\n" not in str(info.value) and "calibrate --model" in str(info.value)
+
+
+def test_a_recomputed_forward_pays_its_dtensor_share_again(cluster, in_repo_module):
+    """Recompute reruns a block's forward through DTensor (its op dispatch and the styles' hooks; selective's policy
+    serves only the ops' outputs): each recomputed block's DTensor time grows by ``tp_forward_share`` per rerun,
+    under selective and full alike, and 1 + σ·g times in a zero-bubble schedule's split backward; nothing outside
+    the blocks, nothing without recompute, and the step prices the difference."""
+    from autoshard.cost.pipeline_step import stage_forward_reruns
+    from autoshard.cost.tp_units import modules_host_s, tp_host_per_unit_s, unit_weight_groups
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    gpt = capture_graph(GPT, use_cache=True)[1]
+    host = replace(cluster, host=HostOverheads(**{**TRUE, "tp_forward_share": 0.25}, source="t"))
+    no_share = replace(host, host=replace(host.host, tp_forward_share=0.0))
+    tables, bare = CostTables(gpt, host), CostTables(gpt, no_share)
+    base = Decisions(Mesh(1, 2, 1), 0, 4, 2, sequence_parallel=True)
+    hand_tp_layout(tables, base), hand_tp_layout(bare, base)
+    modules = modules_host_s(tables, base)
+    assert all(t > 0 for t in modules[1:-1])
+    assert tp_host_per_unit_s(tables, base) == modules
+    for mode in ("selective", "full"):
+        config = replace(base, recompute=mode)
+        per_unit = tp_host_per_unit_s(tables, config)
+        assert per_unit[0] == modules[0] and per_unit[-1] == modules[-1]
+        assert per_unit[1:-1] == pytest.approx([1.25 * t for t in modules[1:-1]])
+        extra = price_parts(tables, config).host_s - price_parts(bare, config).host_s
+        assert extra == pytest.approx(config.num_microbatches * 0.25 * sum(modules[1:-1]), rel=1e-9)
+    zb = Decisions(Mesh(1, 2, 2), 0, 1, 8, recompute="full", schedule="zbv", virtual_stages=2)
+    groups = unit_weight_groups(gpt)
+    assert stage_forward_reruns(tables, zb, 0) == (0.0, *([1.0] * len(gpt.blocks)), 0.0)  # torch runs it whole
+    assert stage_forward_reruns(tables, zb, 1) == (0.0, *(1.0 + g for g in groups[1:-1]), 0.0)
 
 
 def test_dtensor_host_counts_every_tensor_parallel_module_in_its_unit(cluster, in_repo_module):

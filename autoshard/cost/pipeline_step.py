@@ -81,7 +81,7 @@ from autoshard.cost.schedule import (
     stage_owners,
 )
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
-from autoshard.cost.tp_units import pipeline_units, tp_host_per_unit_s, unit_weight_groups
+from autoshard.cost.tp_units import forward_reruns, pipeline_units, tp_host_per_unit_s, unit_weight_groups
 from autoshard.cost.units import Units, stage_ranges, stage_units
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.plan import Memory
@@ -261,6 +261,18 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
     )
 
 
+def stage_forward_reruns(tables: CostTables, config: Decisions, stage: int) -> tuple[float, ...]:
+    """How many times stage ``stage`` reruns each unit's forward per micro-batch: once per recomputed block
+    (``tp_units.forward_reruns``), 1 + σ_s · g_u under full recompute in a zero-bubble schedule's split backward
+    (as ``stage_pipeline_units``; g_u: the unit's ops that read a parameter)."""
+    reruns = forward_reruns(config, len(tables.graph.blocks))
+    if config.schedule not in ZERO_BUBBLE_SCHEDULES or config.recompute != "full" or stage == 0:
+        return reruns
+    m, v = config.num_microbatches, config.virtual_stages
+    share = split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
+    return tuple(n * (1 + share * g) for n, g in zip(reruns, unit_weight_groups(tables.graph)))
+
+
 def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx) -> float:
     """Host seconds per micro-batch that stage ``stage``'s split backward costs beyond one backward call: its
     weight pass makes one ``autograd`` call per parameter group (``stage_backward_weight``), σ_s · G_s ·
@@ -276,7 +288,6 @@ def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx
 
 def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
     units, tp_comm = pipeline_units(tables, config)
-    tp_host = tp_host_per_unit_s(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
     pp, v = config.mesh.pp, config.virtual_stages
     owner = stage_owners(config.schedule, pp, v)
@@ -287,6 +298,8 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
         runs = {s: stage_pipeline_units(tables, config, s) for s, _ in mine}
         rerun = {u: runs[s] for s, rng in mine for u in stage_units(rng, units.blocks)}
+        tp_hosts = {s: tp_host_per_unit_s(tables, config, stage_forward_reruns(tables, config, s)) for s, _ in mine}
+        tp_host = {u: tp_hosts[s][u] for s, rng in mine for u in stage_units(rng, units.blocks)}
         p2p = sum(
             2 * boundary_transfer_s(tables, config, units.boundary_bytes[i])
             for s, (i, _) in mine

@@ -155,22 +155,47 @@ def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, .
     return (rest, *(by_path.get(b.representative, 0.0) for b in graph.blocks), rest)
 
 
-def tp_host_per_unit_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
+def forward_reruns(config: Decisions, blocks: int) -> tuple[float, ...]:
+    """How many times recompute reruns each unit's forward per micro-batch: once in a block under any recompute
+    mode, never outside the blocks (a zero-bubble split backward's are ``pipeline_step.stage_forward_reruns``)."""
+    return (0.0, *(float(mode != "none") for mode in config.block_modes(blocks)), 0.0)
+
+
+def tp_host_per_unit_s(
+    tables: CostTables, config: Decisions, reruns: tuple[float, ...] | None = None
+) -> tuple[float, ...]:
     """DTensor's host time per micro-batch in each unit: its modules of a style that shards a weight ×
     tp_module_us, and those of a style that shards none (a norm on a sequence or head shard, a sequence gather or
-    scatter) × sequence_module_us; a module counts in the unit of its first op."""
+    scatter) × sequence_module_us; a module counts in the unit of its first op. A forward that recompute reruns
+    (``reruns``, per unit; ``forward_reruns`` by default) pays the forward's share s_f of it again (DTensor's op
+    dispatch and the styles' hooks run again, also where selective recompute's policy serves an op's output, even
+    a collective's, from its cache)::
+
+        host(u) = Σ_{modules of u} us(style) · (1 + s_f · reruns(u))          s_f = tp_forward_share"""
+    per_unit = modules_host_s(tables, config)
+    reruns = forward_reruns(config, len(per_unit) - 2) if reruns is None else reruns
+    return tuple(t * (1 + tables.cluster.host.tp_forward_share * n) for t, n in zip(per_unit, reruns))
+
+
+def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
+    """Per unit: its DTensor modules' host time of one micro-batch's forward and backward (``tp_host_per_unit_s``),
+    once per (tp, micro-batch, sequence parallelism) in a search."""
     count = len(tables.graph.blocks) + 2
     host = tables.cluster.host
     if config.mesh.tp == 1 or not (host.tp_module_us or host.sequence_module_us):
         return (0.0,) * count
-    sharded = tables.layout_cost(config).choice.sharded
-    unit_of = {}
-    for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
-        for depth in range(node.module_path.count(".") + 1):  # the module and every module holding it
-            unit_of.setdefault(node.module_path.rsplit(".", depth)[0], u)
-    per_unit = [0.0] * count
-    for path, style in sharded.items():
-        if path in unit_of:
-            us = host.tp_module_us if style in SHARDING_STYLES else host.sequence_module_us
-            per_unit[unit_of[path]] += us * 1e-6
-    return tuple(per_unit)
+
+    def compute() -> tuple[float, ...]:
+        sharded = tables.layout_cost(config).choice.sharded
+        unit_of = {}
+        for node, u in zip(tables.graph.nodes, node_units(tables.graph)):
+            for depth in range(node.module_path.count(".") + 1):  # the module and every module holding it
+                unit_of.setdefault(node.module_path.rsplit(".", depth)[0], u)
+        per_unit = [0.0] * count
+        for path, style in sharded.items():
+            if path in unit_of:
+                us = host.tp_module_us if style in SHARDING_STYLES else host.sequence_module_us
+                per_unit[unit_of[path]] += us * 1e-6
+        return tuple(per_unit)
+
+    return tables.memo(("tp_modules_host", config.mesh.tp, config.microbatch_size, config.sequence_parallel), compute)

@@ -55,6 +55,7 @@ MAX_DEVICES = (
 _POSITIVE = ("> 0", lambda v: v > 0)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
 _FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+_SHARE = ("in [0, 1]", lambda v: 0 <= v <= 1)
 # Physical bounds (a rule's third part: lowest, highest, unit): every figure of a cluster lies far
 # inside them, and outside them the cost model's sums leave the range of CP-SAT's 64-bit integers.
 #   bandwidths    1e-3 .. 1e6 GB/s (1 MB/s: a slow WAN; 1 PB/s: 300x HBM3)
@@ -228,6 +229,18 @@ class HostOverheads:
             "doc": "what a tensor-parallel collective issued between compute costs beyond its own time measured back "
             "to back (the ranks meet, the backend's worker wakes), per collective, e.g. 1500 on CPU ranks",
             "rule": _HOST_US,
+            "optional": True,
+        },
+    )
+
+    # Written by calibrate since it was added; a file without it prices no recomputed forward's DTensor time (the
+    # default).
+    tp_forward_share: float = field(
+        default=0.0,
+        metadata={
+            "doc": "the share of DTensor's host time per tensor-parallel module (tp_module_us, sequence_module_us) "
+            "spent in its forward, paid again by a forward that recompute reruns, e.g. 0.35",
+            "rule": _SHARE,
             "optional": True,
         },
     )
