@@ -153,11 +153,12 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
     if ranks > 1:
         out |= _fsdp_probes(time_op, blocks)
         out |= _ddp_probes(time_op, x, plain)
-        out["tp"] = _tp_probe(time_op, x)
-        out["tp_fwd"] = _tp_probe(time_op, x, forward_only=True)
+        extra = _tp_probes(time_op, x, plain, sequence_parallel=ranks % 2 == 0)  # 8 tokens split over a pair
+        out["tp"] = out["fwd_bwd"] + extra["tp"]
+        out["tp_fwd"] = out["fwd"] + extra["tp_fwd"]
+        if "tp_sp" in extra:
+            out["tp_sp"] = out["tp"] + extra["tp_sp"]
         out |= _collective_wait_probe(time_op, x)
-        if ranks % 2 == 0:  # the sequence (8 tokens) splits over the pair
-            out["tp_sp"] = _tp_probe(time_op, x, sequence_parallel=True)
     if ranks > 1 and ranks % 2 == 0:
         out["pipeline"] = {m: _pipeline_probe(time_op, m, ranks) for m in PIPELINE_MICROBATCHES}
     return out
@@ -280,17 +281,30 @@ def _tp_pairs():
     return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _tp_probe(time_op, x, sequence_parallel: bool = False, forward_only: bool = False) -> float:
-    """fwd + bwd (or the forward alone) of the probe over pairs of ranks in Megatron's layout, or its
-    sequence-parallel one."""
+def _tp_model(sequence_parallel: bool):
+    """The probe over pairs of ranks in Megatron's layout, or its sequence-parallel one."""
     from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
-    mesh = _tp_pairs()
     layout = SP_STYLES if sequence_parallel else TP_STYLES
     styles = {f"h.{k}.{name}": style for k in range(BLOCKS) for name, style in layout.items()}
     styles |= SP_ENDS if sequence_parallel else {}
-    model = apply_tensor_parallel(probe_model(), mesh["tp"], styles)
-    return time_op((lambda: model(x)) if forward_only else _fwd_bwd(model, x))
+    return apply_tensor_parallel(probe_model(), _tp_pairs()["tp"], styles)
+
+
+def _tp_probes(time_op, x, plain, sequence_parallel: bool) -> dict[str, float]:
+    """What tensor parallelism adds to the probe, timed in PROBE_ROUNDS rounds, each figure the median of its
+    difference in a round from the step it adds DTensor to (as ``_paired_medians``): Megatron's layout's fwd + bwd
+    over the plain fwd + bwd ("tp"), its forward over the plain forward ("tp_fwd"), and the sequence-parallel
+    layout's fwd + bwd over Megatron's ("tp_sp"). Timed one by one, a difference of two probes read in different
+    periods of a shared machine moved by more than itself (sequence_module_us 0-1,829 µs over nine calibrations
+    in 40 minutes, 2026-11-27)."""
+    tp = _tp_model(sequence_parallel=False)
+    steps = {"plain": _fwd_bwd(plain, x), "plain_fwd": lambda: plain(x), "tp": _fwd_bwd(tp, x), "tp_fwd": lambda: tp(x)}
+    base = {"tp": "plain", "tp_fwd": "plain_fwd"}
+    if sequence_parallel:
+        steps["tp_sp"], base["tp_sp"] = _fwd_bwd(_tp_model(sequence_parallel=True), x), "tp"
+    rounds = [{name: time_op(step) for name, step in steps.items()} for _ in range(PROBE_ROUNDS)]
+    return {k: statistics.median(r[k] - r[b] for r in rounds) for k, b in base.items()}
 
 
 def _collective_wait_probe(time_op, x) -> dict[str, float]:
@@ -449,7 +463,7 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
         local_adamw = adamw * t["tensors"] / ranks + ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
         gathered = comm.all_gather_s(gradient_bytes, ranks, cluster.intra_node)
         figures["zero1_tensor_us"] = (t["zero1"] - local_adamw - gathered) / t["tensors"]
-        tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_probe``
+        tp = 2 if ranks % 2 == 0 else ranks  # as ``_tp_pairs``
         all_reduces = 4 * BLOCKS * comm.allreduce_s(4 * TOKENS * WIDTH, tp, cluster.intra_node)
         figures["tp_module_us"] = (t["tp"] - t["fwd_bwd"] - all_reduces) / (len(TP_STYLES) * BLOCKS)
         if "tp_fwd" in t:
