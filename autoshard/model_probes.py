@@ -4,9 +4,11 @@ The parent captures each model as ``plan`` does (on meta) for its graph signatur
 (``profile_request``), before the minutes of measuring; every worker then builds the real model
 with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
-step, and what the emitted program's step costs beyond these (``_step_ops``) (``measure_model``). The slowest
-rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the cost model scales its units to
-(``cost.profile``).
+step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
+own two-stage 1F1B pipeline (``_pipeline_times``) (``measure_model``). The slowest rank's medians become an
+``ir.profile.ModelProfile`` (``model_profile``), which the cost model scales its units to (``cost.profile``); the
+parent fits the pipeline's schedule time per micro-batch with the cost model itself (``pipeline_residual``,
+``with_pipeline``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.cost.profile import graph_signature
-from autoshard.host_probes import paired_over_rounds
+from autoshard.host_probes import PIPELINE_MICROBATCHES, paired_over_rounds
 from autoshard.ir.profile import MODES, ModelProfile
 from autoshard.pipeline import capture_graph
 
@@ -88,7 +90,97 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     parts, whole = _step_ops(model_file, models["none"], optimizer, batches[b], autocast, device)
     loop_rounds = [{"parts": time_op(parts), "whole": time_op(whole)} for _ in range(rounds)]
     step_loop_s = max(0.0, statistics.median(r["whole"] - r["parts"] for r in loop_rounds))
-    return {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
+    measured = {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
+    if _pipeline_measurable(request):
+        measured["pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds)
+    return measured
+
+
+def _pipeline_measurable(request: ProfileRequest) -> bool:
+    """A two-stage pipeline of the model needs two blocks and the ranks in pairs."""
+    import torch.distributed as dist
+
+    return len(request.blocks) >= 2 and dist.get_world_size() % 2 == 0
+
+
+def pipeline_split(request: ProfileRequest) -> str:
+    """Where ``_pipeline_times`` cuts the model: before its middle block."""
+    return request.blocks[len(request.blocks) // 2]
+
+
+def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds: int) -> dict[int, float] | None:
+    """Worker side: the model's 1F1B step over two stages (ranks paired: a (pp 2, dp N/2) mesh, each dp rank a
+    pipeline of its own, no gradient synchronised) at micro-batch b = the smallest size, for m ∈
+    PIPELINE_MICROBATCHES micro-batches, with the runtime's own pipeline (``runtime.pipeline_parallel``: the traced
+    stages and torch's schedule, as an emitted program builds them), the model cut before its middle block
+    (``pipeline_split``). Timed in ``rounds`` rounds, m₁'s figure m₀'s median plus the median of their difference
+    (``host_probes.paired_over_rounds``). The parent takes from these what the cost model's pipeline formula
+    leaves out for this model (``pipeline_residual``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.runtime import pipeline_parallel as pp
+    from autoshard.runtime.model import build_model
+
+    b, most = min(request.microbatch_sizes), max(PIPELINE_MICROBATCHES)
+    mesh = init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    inputs, targets = model_file.example_batch(b * most)
+    if not isinstance(targets, torch.Tensor):  # the schedule splits the targets along their first dim
+        return None
+    inputs, targets = tuple(t.to(device) for t in inputs), targets.to(device)
+    steps = {}
+    try:  # tracing: the same on every rank, before any collective (a model the split cannot trace is not timed)
+        for m in PIPELINE_MICROBATCHES:  # stages of their own per m: their buffers are sized by a first schedule
+            parts = pp.build_pipeline_stages(
+                build_model(model_file, seed=0, device=device),
+                tuple(t[:b] for t in inputs),
+                [pipeline_split(request)],
+                mesh.get_local_rank("pp"),
+                2,
+                1,
+                device,
+                mesh.get_group("pp"),
+            )
+            schedule = pp.make_torch_schedule(parts, m, model_file.loss, "1f1b")
+            batch = (tuple(t[: b * m] for t in inputs), targets[: b * m])
+            steps[m] = lambda schedule=schedule, parts=parts, batch=batch: pp.pipeline_step(schedule, parts, *batch)
+    except Exception:  # noqa: BLE001 - any tracing failure: the profile goes without, as for one block
+        return None
+    timed = [{m: time_op(step) for m, step in steps.items()} for _ in range(rounds)]
+    return paired_over_rounds(timed, lambda _m: min(PIPELINE_MICROBATCHES))
+
+
+def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: int) -> float:
+    """Parent side: the pipeline schedule's own time per stage and micro-batch that the model's measured 1F1B steps
+    (``_pipeline_times``) hold beyond everything else the cost model prices in them::
+
+        x = [(t(m₁) − t(m₀)) − (P₀(m₁) − P₀(m₀))] / (m₁ − m₀),   clamped at 0
+
+    P₀(m): the cost model's price of the same pipeline (``ranks`` / 2 pipelines of two stages cut at
+    ``pipeline_split``, 1F1B, micro-batch b, m of them) on ``cluster``, whose profile of this model scales the units
+    (``cost.profile``), with no schedule time. A price grows by x per micro-batch and stage in 1F1B's steady state
+    ((m + p − 1)·x), and in the difference everything per step (the optimizer, the step loop, the schedule's per-step
+    time, which the host probes still price) cancels. The host probes fit the same term on a probe whose tiny stages
+    keep both ranks waiting on each other at every transfer: on one 2-core VM it read 0.27-3.3 ms per micro-batch
+    through 2026-11-27, while a model's stages overlap part of that with compute."""
+    from autoshard.cost.step import price_parts
+    from autoshard.cost.tables import CostTables
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    (m0, t0), (m1, t1) = sorted((int(m), t) for m, t in times.items())
+    _, graph = capture_graph(request.spec)  # cached since ``profile_request``
+    unpriced = replace(
+        cluster,
+        profiles=tuple(
+            replace(p, pipeline_microbatch_s=0.0) if p.signature == request.signature else p for p in cluster.profiles
+        ),
+    )
+    tables = CostTables(graph, unpriced)
+    base = Decisions(Mesh(max(1, ranks // 2), 1, 2), 0, min(request.microbatch_sizes), m0, schedule="1f1b")
+    cuts = (request.blocks.index(pipeline_split(request)),)
+    p0, p1 = (price_parts(tables, replace(base, num_microbatches=m), cuts).step_time_s for m in (m0, m1))
+    return max(0.0, ((t1 - t0) - (p1 - p0)) / (m1 - m0))
 
 
 def _step_ops(model_file, model, optimizer, batch, autocast, device):
@@ -189,6 +281,15 @@ def model_profile(request: ProfileRequest, measured: Mapping, ranks: int, source
         source,
         _sig(measured["optimizer_s"]),
         _sig(measured.get("step_loop_s", 0.0)),
+    )
+
+
+def with_pipeline(profile: ModelProfile, request: ProfileRequest, measured: Mapping, cluster) -> ModelProfile:
+    """``profile`` with the pipeline figures ``pipeline_residual`` fits to the measured steps, if there are any."""
+    if not measured.get("pipeline"):
+        return profile
+    return replace(
+        profile, pipeline_microbatch_s=_sig(pipeline_residual(request, measured["pipeline"], cluster, profile.ranks))
     )
 
 

@@ -193,8 +193,8 @@ def host_times_of(graph, recompute: str, selective_op_us: float) -> list[float]:
     return host_times(graph, node_units(graph), recompute, host)[2]
 
 
-def profile_of(graph, times, optimizer_s=0.01, step_loop_s=0.0) -> ModelProfile:
-    return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s, step_loop_s)
+def profile_of(graph, times, optimizer_s=0.01, step_loop_s=0.0, **pipeline) -> ModelProfile:
+    return ModelProfile(GPT, graph_signature(graph), 2, times, "test", optimizer_s, step_loop_s, **pipeline)
 
 
 def test_profile_scales_units_to_the_measured_totals(cluster, gpt):
@@ -233,6 +233,52 @@ def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, c
     after = price_parts(CostTables(gpt, looped), config, cuts)
     assert after.host_s - before.host_s == pytest.approx(0.0042)
     assert after.step_time_s - before.step_time_s == pytest.approx(0.0042)
+
+
+PIPELINE_1F1B = Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b")
+
+
+def test_a_model_s_measured_pipeline_replaces_the_probes(cluster, gpt):
+    """A profile's pipeline figures (``calibrate --model`` on the model itself) price a pipeline's schedule in place
+    of the host probes' (``cost.parts.pipeline_host_s``): the same figures price the same, a smaller one less;
+    SPMD plans are untouched."""
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    host = HostOverheads(**TRUE, source="t")  # 3 ms per stage and micro-batch, 1.5 ms per step
+
+    def price(config, cuts, **pipeline):
+        profiled = replace(cluster, host=host, profiles=(profile_of(gpt, times, **pipeline),))
+        return price_parts(CostTables(gpt, profiled), config, cuts).step_time_s
+
+    probes = price(PIPELINE_1F1B, (2,))
+    assert price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.003) == pytest.approx(probes)
+    assert price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.001) < probes - 0.004  # (m + 1)·2 ms less
+    spmd = Decisions(Mesh(2, 1, 1), 0, 2, 2)
+    assert price(spmd, None, pipeline_microbatch_s=0.001) == price(spmd, None)
+
+
+def test_the_pipeline_fit_inverts_the_cost_model_s_pipeline(cluster, gpt):
+    """``model_probes.pipeline_residual`` on 1F1B steps that the cost model itself prices with a known schedule time
+    per micro-batch (two stages cut before the middle block, b = 1, m = 2 and 8; the optimizer and every other
+    per-step part priced too) gives it back: the fit and the price are one formula. Steps that take no longer than
+    the rest of the price give 0."""
+    from autoshard.model_probes import ProfileRequest, pipeline_residual, pipeline_split
+
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
+    cuts = (request.blocks.index(pipeline_split(request)),)
+    host = HostOverheads(**TRUE, source="t")  # the probes' own figures, which the model's replaces
+
+    def steps(per_microbatch_s):
+        known = replace(cluster, host=host, profiles=(profile_of(gpt, times, pipeline_microbatch_s=per_microbatch_s),))
+        config = replace(PIPELINE_1F1B, num_microbatches=2)
+        return {
+            m: price_parts(CostTables(gpt, known), replace(config, num_microbatches=m), cuts).step_time_s
+            for m in (2, 8)
+        }
+
+    profiled = replace(cluster, host=host, profiles=(profile_of(gpt, times),))
+    assert pipeline_residual(request, steps(0.0023), profiled, 2) == pytest.approx(0.0023, rel=1e-6)
+    assert pipeline_residual(request, steps(0.0), profiled, 2) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_the_step_ops_are_the_program_s_step_and_its_parts(in_repo_module, one_rank):
@@ -319,15 +365,24 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     full = replace(
         cluster,
         host=HostOverheads(**TRUE, source="t"),
-        profiles=(profile_of(gpt, {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}}, step_loop_s=0.001),),
+        profiles=(
+            profile_of(
+                gpt,
+                {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}},
+                step_loop_s=0.001,
+                pipeline_microbatch_s=0.0007,
+            ),
+        ),
     )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(full.to_dict(), sort_keys=False))
     assert load_cluster(str(path)) == full
     assert Cluster.from_dict(full.to_dict()) == full
     earlier = full.to_dict()  # a file from before the step loop was measured reads with none
-    del earlier["profiles"][0]["step_loop_s"]
+    for key in ("step_loop_s", "pipeline_microbatch_s"):
+        del earlier["profiles"][0][key]
     assert Cluster.from_dict(earlier).profiles[0].step_loop_s == 0.0
+    assert Cluster.from_dict(earlier).profiles[0].pipeline_microbatch_s is None  # the host probes price it
     assert "host" not in cluster.to_dict() and "profiles" not in cluster.to_dict()  # presets: as before
 
 
@@ -340,7 +395,8 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"ranks": 0}, "malformed"),
         ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
         ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
-        ({"loop_s": 0.001}, "may have step_loop_s"),
+        ({"loop_s": 0.001}, "may have pipeline_microbatch_s, step_loop_s"),
+        ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),
     ],
 )
 def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):

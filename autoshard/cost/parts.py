@@ -153,6 +153,17 @@ def step_loop_s(tables: CostTables) -> float:
     return profile.step_loop_s if profile is not None else 0.0
 
 
+def pipeline_host_s(tables: CostTables) -> tuple[float, float]:
+    """A pipeline schedule's own time, (per stage and micro-batch, per step): per micro-batch the model's, measured
+    on itself by ``calibrate --model`` (``ModelProfile.pipeline_microbatch_s``), else the host probes'
+    (``pipeline_microbatch_us``); per step the host probes' (``pipeline_step_us``)."""
+    profile, host = tables.profile, tables.cluster.host
+    per_step_s = host.pipeline_step_us * 1e-6
+    if profile is not None and profile.pipeline_microbatch_s is not None:
+        return profile.pipeline_microbatch_s, per_step_s
+    return host.pipeline_microbatch_us * 1e-6, per_step_s
+
+
 def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:
     """The optimizer's loop over its parameter tensors: T·h_opt (FSDP2: sharded tensors; ZeRO-1:
     each rank steps T/dp of them)."""

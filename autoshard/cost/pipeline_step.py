@@ -68,7 +68,14 @@ from autoshard.cost import comm
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
-from autoshard.cost.parts import StepParts, fsdp_host_s, grad_accumulation_s, optimizer_parts, step_loop_s
+from autoshard.cost.parts import (
+    StepParts,
+    fsdp_host_s,
+    grad_accumulation_s,
+    optimizer_parts,
+    pipeline_host_s,
+    step_loop_s,
+)
 from autoshard.cost.rank_memory import StageLoad, in_flight, megatron_pipeline_memory, memory_pipeline
 from autoshard.cost.schedule import (
     ZERO_BUBBLE_SCHEDULES,
@@ -127,7 +134,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     dp = pipeline_dp_comm(cluster, config, max(r.params - r.expert_params for r in loads), precision)
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
-    host_s = m * slowest.host_s + optimizer_host + cluster.host.pipeline_step_us * 1e-6 + step_loop_s(tables)
+    host_s = m * slowest.host_s + optimizer_host + pipeline_host_s(tables)[1] + step_loop_s(tables)
     span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
         forward_s=m * slowest.forward_s,
@@ -311,7 +318,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         host_s = (
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
             + sum(split_backward_host_s(tables, config, s, stage_units(rng, units.blocks)) for s, rng in mine)
-            + len(mine) * tables.cluster.host.pipeline_microbatch_us * 1e-6
+            + len(mine) * pipeline_host_s(tables)[0]
             + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)
         )  # FSDP2: a unit per stage
         loads.append(

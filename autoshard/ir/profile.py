@@ -2,8 +2,9 @@
 
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
-one AdamW step, and what the emitted program's step does besides (``step_loop_s``); the cost model
-scales its per-unit split of the work to these totals (``cost.profile``). A profile is keyed by the
+one AdamW step, what the emitted program's step does besides (``step_loop_s``), and a pipeline schedule's own
+time per stage and micro-batch on the model (``pipeline_microbatch_s``); the cost model scales its per-unit split
+of the work to these totals (``cost.profile``). A profile is keyed by the
 captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from autoshard.errors import AutoshardError
 
 MODES = ("none", "selective", "full")
+PIPELINE_FIELDS = ("pipeline_microbatch_s",)  # optional: files before it stay as they were
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class ModelProfile:
     source: str
     optimizer_s: float = 0.0  # one AdamW step over all the parameters; 0: not measured
     step_loop_s: float = 0.0  # the program's step outside forward, backward and optimizer.step(); 0: not measured
+    # a pipeline schedule's own time per stage and micro-batch for this model (``model_probes.pipeline_residual``);
+    # None: not measured (the cluster's host probes price it)
+    pipeline_microbatch_s: float | None = None
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
@@ -66,6 +71,7 @@ class ModelProfile:
             "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
             "optimizer_s": self.optimizer_s,
             **({"step_loop_s": self.step_loop_s} if self.step_loop_s else {}),  # files before it stay as they were
+            **{k: getattr(self, k) for k in PIPELINE_FIELDS if getattr(self, k) is not None},
             "source": self.source,
         }
 
@@ -74,12 +80,13 @@ class ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
-        if not isinstance(d, Mapping) or not required <= set(d) <= required | {"step_loop_s"}:
+        optional = {"step_loop_s", *PIPELINE_FIELDS}
+        if not isinstance(d, Mapping) or not required <= set(d) <= required | optional:
             raise AutoshardError(
                 f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
-                f"have step_loop_s); {fix}"
+                f"have {', '.join(sorted(optional))}); {fix}"
             )
-        for key in ("optimizer_s", "step_loop_s"):
+        for key in ("optimizer_s", *optional):
             seconds = d.get(key, 0.0)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e6:
                 raise AutoshardError(f"{where}: profile {d.get('model')!r}: {key} must be seconds >= 0; {fix}")
@@ -100,6 +107,7 @@ class ModelProfile:
             d["source"],
             float(d["optimizer_s"]),
             float(d.get("step_loop_s", 0.0)),
+            *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS),
         )
 
 
