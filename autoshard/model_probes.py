@@ -14,6 +14,7 @@ parent fits the pipeline's schedule time per micro-batch with the cost model its
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -144,26 +145,37 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
             )
             schedule = pp.make_torch_schedule(parts, m, model_file.loss, "1f1b")
             batch = (tuple(t[: b * m] for t in inputs), targets[: b * m])
-            steps[m] = lambda schedule=schedule, parts=parts, batch=batch: pp.pipeline_step(schedule, parts, *batch)
+            optimizer = torch.optim.AdamW([p for stage in parts.stages for p in stage.submod.parameters()], lr=1e-3)
+            steps[m] = functools.partial(_pipeline_step, pp, schedule, parts, batch, optimizer)
     except Exception:  # noqa: BLE001 - any tracing failure: the profile goes without, as for one block
         return None
     timed = [{m: time_op(step) for m, step in steps.items()} for _ in range(rounds)]
     return paired_over_rounds(timed, lambda _m: min(PIPELINE_MICROBATCHES))
 
 
-def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: int) -> float:
-    """Parent side: the pipeline schedule's own time per stage and micro-batch that the model's measured 1F1B steps
-    (``_pipeline_times``) hold beyond everything else the cost model prices in them::
+def _pipeline_step(pp, schedule, parts, batch, optimizer) -> None:
+    """A pipeline program's step without its step loop: the schedule, the optimizer's step, the gradients freed (as
+    an emitted pipeline program calls them)."""
+    pp.pipeline_step(schedule, parts, *batch)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
-        x = [(t(m₁) − t(m₀)) − (P₀(m₁) − P₀(m₀))] / (m₁ − m₀),   clamped at 0
 
-    P₀(m): the cost model's price of the same pipeline (``ranks`` / 2 pipelines of two stages cut at
+def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: int) -> tuple[float, float]:
+    """Parent side: the pipeline schedule's own time that the model's measured 1F1B steps (``_pipeline_times``) hold
+    beyond everything else the cost model prices in them, (per stage and micro-batch, per step)::
+
+        x = [(t(m₁) − t(m₀)) − (Q(m₁) − Q(m₀))] / (m₁ − m₀)
+        y = t(m₀) − Q(m₀) − (m₀ + 1)·x                                  each clamped at 0
+
+    Q(m): the cost model's price of the same pipeline (``ranks`` / 2 pipelines of two stages cut at
     ``pipeline_split``, 1F1B, micro-batch b, m of them) on ``cluster``, whose profile of this model scales the units
-    (``cost.profile``), with no schedule time. A price grows by x per micro-batch and stage in 1F1B's steady state
-    ((m + p − 1)·x), and in the difference everything per step (the optimizer, the step loop, the schedule's per-step
-    time, which the host probes still price) cancels. The host probes fit the same term on a probe whose tiny stages
-    keep both ranks waiting on each other at every transfer: on one 2-core VM it read 0.27-3.3 ms per micro-batch
-    through 2026-11-27, while a model's stages overlap part of that with compute."""
+    (``cost.profile``), with no schedule time, less what the timed step does not do (the step loop, the dp ranks'
+    gradient synchronisation). A 1F1B price over two stages grows by (m + 1)·x + y (x per micro-batch and stage, and
+    one slot of the bubble; y once). The host probes fit the same two terms on a probe whose tiny stages keep both
+    ranks waiting on each other at every transfer: on one 2-core VM the per-micro-batch term read 0.27-3.3 ms and the
+    per-step one 0 through 2026-11-27, while a model's stages overlap part of that with compute."""
+    from autoshard.cost.parts import step_loop_s
     from autoshard.cost.step import price_parts
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
@@ -172,15 +184,23 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
     _, graph = capture_graph(request.spec)  # cached since ``profile_request``
     unpriced = replace(
         cluster,
+        host=replace(cluster.host, pipeline_microbatch_us=0.0, pipeline_step_us=0.0),
         profiles=tuple(
-            replace(p, pipeline_microbatch_s=0.0) if p.signature == request.signature else p for p in cluster.profiles
+            replace(p, pipeline_microbatch_s=0.0, pipeline_step_s=0.0) if p.signature == request.signature else p
+            for p in cluster.profiles
         ),
     )
     tables = CostTables(graph, unpriced)
     base = Decisions(Mesh(max(1, ranks // 2), 1, 2), 0, min(request.microbatch_sizes), m0, schedule="1f1b")
     cuts = (request.blocks.index(pipeline_split(request)),)
-    p0, p1 = (price_parts(tables, replace(base, num_microbatches=m), cuts).step_time_s for m in (m0, m1))
-    return max(0.0, ((t1 - t0) - (p1 - p0)) / (m1 - m0))
+
+    def q(m: int) -> float:
+        parts = price_parts(tables, replace(base, num_microbatches=m), cuts)
+        return parts.step_time_s - step_loop_s(tables) - parts.dp_comm_exposed_s
+
+    q0, q1 = q(m0), q(m1)
+    x = max(0.0, ((t1 - t0) - (q1 - q0)) / (m1 - m0))
+    return x, max(0.0, t0 - q0 - (m0 + 1) * x)
 
 
 def _step_ops(model_file, model, optimizer, batch, autocast, device):
@@ -288,9 +308,8 @@ def with_pipeline(profile: ModelProfile, request: ProfileRequest, measured: Mapp
     """``profile`` with the pipeline figures ``pipeline_residual`` fits to the measured steps, if there are any."""
     if not measured.get("pipeline"):
         return profile
-    return replace(
-        profile, pipeline_microbatch_s=_sig(pipeline_residual(request, measured["pipeline"], cluster, profile.ranks))
-    )
+    per_microbatch_s, per_step_s = pipeline_residual(request, measured["pipeline"], cluster, profile.ranks)
+    return replace(profile, pipeline_microbatch_s=_sig(per_microbatch_s), pipeline_step_s=_sig(per_step_s))
 
 
 def _sig(x: float) -> float:

@@ -193,6 +193,7 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert profile.optimizer_s > 0 and 0 <= profile.step_loop_s < profile.times[2]["none"][1]  # a step's least part
     assert "step_loop_s" in path.read_text() or profile.step_loop_s == 0
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
+    assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
     assert 0 <= cluster.host.tp_forward_share <= 1
     code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
     out, _ = capsys.readouterr()

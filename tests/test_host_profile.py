@@ -250,35 +250,40 @@ def test_a_model_s_measured_pipeline_replaces_the_probes(cluster, gpt):
         return price_parts(CostTables(gpt, profiled), config, cuts).step_time_s
 
     probes = price(PIPELINE_1F1B, (2,))
-    assert price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.003) == pytest.approx(probes)
-    assert price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.001) < probes - 0.004  # (m + 1)·2 ms less
+    assert price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.003, pipeline_step_s=0.0015) == pytest.approx(probes)
+    lower = price(PIPELINE_1F1B, (2,), pipeline_microbatch_s=0.001, pipeline_step_s=0.0005)
+    assert lower == pytest.approx(probes - (4 + 1) * 0.002 - 0.001)  # (m + p − 1)·Δx + Δy
     spmd = Decisions(Mesh(2, 1, 1), 0, 2, 2)
     assert price(spmd, None, pipeline_microbatch_s=0.001) == price(spmd, None)
 
 
 def test_the_pipeline_fit_inverts_the_cost_model_s_pipeline(cluster, gpt):
     """``model_probes.pipeline_residual`` on 1F1B steps that the cost model itself prices with a known schedule time
-    per micro-batch (two stages cut before the middle block, b = 1, m = 2 and 8; the optimizer and every other
-    per-step part priced too) gives it back: the fit and the price are one formula. Steps that take no longer than
-    the rest of the price give 0."""
+    per micro-batch and per step (two stages cut before the middle block, b = 1, m = 2 and 8, the optimizer priced,
+    the step loop not: the timed step has none) gives both back: the fit and the price are one formula. Steps that
+    take no longer than the rest of the price give 0."""
     from autoshard.model_probes import ProfileRequest, pipeline_residual, pipeline_split
 
     times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
     request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
     cuts = (request.blocks.index(pipeline_split(request)),)
-    host = HostOverheads(**TRUE, source="t")  # the probes' own figures, which the model's replaces
+    host = HostOverheads(**TRUE, source="t")  # the probes' own figures, which the model's replace
+    loop_s = 0.0031  # in the program's step, not in the timed one
 
-    def steps(per_microbatch_s):
-        known = replace(cluster, host=host, profiles=(profile_of(gpt, times, pipeline_microbatch_s=per_microbatch_s),))
-        config = replace(PIPELINE_1F1B, num_microbatches=2)
+    def steps(per_microbatch_s, per_step_s):
+        known = profile_of(
+            gpt, times, step_loop_s=loop_s, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=per_step_s
+        )
+        tables = CostTables(gpt, replace(cluster, host=host, profiles=(known,)))
         return {
-            m: price_parts(CostTables(gpt, known), replace(config, num_microbatches=m), cuts).step_time_s
+            m: price_parts(tables, replace(PIPELINE_1F1B, num_microbatches=m), cuts).step_time_s - loop_s
             for m in (2, 8)
         }
 
-    profiled = replace(cluster, host=host, profiles=(profile_of(gpt, times),))
-    assert pipeline_residual(request, steps(0.0023), profiled, 2) == pytest.approx(0.0023, rel=1e-6)
-    assert pipeline_residual(request, steps(0.0), profiled, 2) == pytest.approx(0.0, abs=1e-9)
+    profiled = replace(cluster, host=host, profiles=(profile_of(gpt, times, step_loop_s=loop_s),))
+    fitted = pipeline_residual(request, steps(0.0023, 0.0041), profiled, 2)
+    assert fitted == pytest.approx((0.0023, 0.0041), rel=1e-6)
+    assert pipeline_residual(request, steps(0.0, 0.0), profiled, 2) == pytest.approx((0.0, 0.0), abs=1e-9)
 
 
 def test_the_step_ops_are_the_program_s_step_and_its_parts(in_repo_module, one_rank):
@@ -371,6 +376,7 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
                 {1: {"none": (0.002, 0.006)}, 2: {"none": (0.003, 0.008)}},
                 step_loop_s=0.001,
                 pipeline_microbatch_s=0.0007,
+                pipeline_step_s=0.0,
             ),
         ),
     )
@@ -379,7 +385,7 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     assert load_cluster(str(path)) == full
     assert Cluster.from_dict(full.to_dict()) == full
     earlier = full.to_dict()  # a file from before the step loop was measured reads with none
-    for key in ("step_loop_s", "pipeline_microbatch_s"):
+    for key in ("step_loop_s", "pipeline_microbatch_s", "pipeline_step_s"):
         del earlier["profiles"][0][key]
     assert Cluster.from_dict(earlier).profiles[0].step_loop_s == 0.0
     assert Cluster.from_dict(earlier).profiles[0].pipeline_microbatch_s is None  # the host probes price it
@@ -395,7 +401,7 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"ranks": 0}, "malformed"),
         ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
         ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
-        ({"loop_s": 0.001}, "may have pipeline_microbatch_s, step_loop_s"),
+        ({"loop_s": 0.001}, "may have pipeline_microbatch_s, pipeline_step_s, step_loop_s"),
         ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),
     ],
 )

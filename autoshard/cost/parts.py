@@ -154,14 +154,13 @@ def step_loop_s(tables: CostTables) -> float:
 
 
 def pipeline_host_s(tables: CostTables) -> tuple[float, float]:
-    """A pipeline schedule's own time, (per stage and micro-batch, per step): per micro-batch the model's, measured
-    on itself by ``calibrate --model`` (``ModelProfile.pipeline_microbatch_s``), else the host probes'
-    (``pipeline_microbatch_us``); per step the host probes' (``pipeline_step_us``)."""
+    """A pipeline schedule's own time, (per stage and micro-batch, per step): the model's, measured on itself by
+    ``calibrate --model`` (``ModelProfile.pipeline_microbatch_s``, ``pipeline_step_s``), else the host probes'
+    (``pipeline_microbatch_us``, ``pipeline_step_us``)."""
     profile, host = tables.profile, tables.cluster.host
-    per_step_s = host.pipeline_step_us * 1e-6
     if profile is not None and profile.pipeline_microbatch_s is not None:
-        return profile.pipeline_microbatch_s, per_step_s
-    return host.pipeline_microbatch_us * 1e-6, per_step_s
+        return profile.pipeline_microbatch_s, profile.pipeline_step_s or 0.0
+    return host.pipeline_microbatch_us * 1e-6, host.pipeline_step_us * 1e-6
 
 
 def optimizer_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:

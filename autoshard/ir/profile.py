@@ -3,7 +3,7 @@
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
 one AdamW step, what the emitted program's step does besides (``step_loop_s``), and a pipeline schedule's own
-time per stage and micro-batch on the model (``pipeline_microbatch_s``); the cost model scales its per-unit split
+time on the model, per stage and micro-batch and per step (``pipeline_microbatch_s``, ``pipeline_step_s``); the cost model scales its per-unit split
 of the work to these totals (``cost.profile``). A profile is keyed by the
 captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
@@ -17,7 +17,7 @@ from typing import Any
 from autoshard.errors import AutoshardError
 
 MODES = ("none", "selective", "full")
-PIPELINE_FIELDS = ("pipeline_microbatch_s",)  # optional: files before it stay as they were
+PIPELINE_FIELDS = ("pipeline_microbatch_s", "pipeline_step_s")  # optional: files before them stay as they were
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,10 @@ class ModelProfile:
     source: str
     optimizer_s: float = 0.0  # one AdamW step over all the parameters; 0: not measured
     step_loop_s: float = 0.0  # the program's step outside forward, backward and optimizer.step(); 0: not measured
-    # a pipeline schedule's own time per stage and micro-batch for this model (``model_probes.pipeline_residual``);
-    # None: not measured (the cluster's host probes price it)
+    # a pipeline schedule's own time for this model (``model_probes.pipeline_residual``), per stage and micro-batch
+    # and per step; None: not measured (the cluster's host probes price it)
     pipeline_microbatch_s: float | None = None
+    pipeline_step_s: float | None = None
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
