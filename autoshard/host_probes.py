@@ -23,6 +23,8 @@ difference from it over PROBE_ROUNDS rounds, ``_paired_medians``)::
                          gradient, then one autograd call per parameter group), G the ops that read a parameter
     fsdp_unit_zero{2,3}  r(w) = (t_fsdp − t_fwd+bwd − comm(U units)) / U at two widths w (comm by comm.py
                          on the link): r = a + S·c over the mean unit bytes S; a per unit, c per MiB
+    fsdp_accumulate_unit (t_fsdp_nosync − t_fwd+bwd) / U: FSDP2 (ZeRO-2) on a micro-batch that synchronises no gradient
+                         (weights gathered by a first call, gradients summed whole, no collective): its hooks alone
     ddp_tensor_us        (t_ddp − t_fwd+bwd − AR(all gradients)) / T
     zero1_tensor_us      (t_zero1 − AdamW(T/N tensors) − AG(all weights)) / T: per tensor, its broadcast's
                          latency as ZeroRedundancyOptimizer issues them (all at once, async) and its loop
@@ -236,11 +238,26 @@ def _fsdp_probes(time_op, blocks: list[str]) -> dict[str, Any]:
         for stage, reshard in ((2, False), (3, True)):
             model = apply_fsdp(probe_model(width), mesh, blocks, reshard_after_forward=reshard)
             out[f"fsdp{stage}{suffix}"] = time_op(_fwd_bwd(model, x))
+    out["fsdp_accumulate"] = time_op(
+        _accumulating_fwd_bwd(apply_fsdp(probe_model(), mesh, blocks, reshard_after_forward=False), probe_input())
+    )
     model = apply_fsdp(probe_model(), mesh, blocks, reshard_after_forward=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(probe_input()).sum().backward()
     out["sharded_adamw"] = time_op(opt.step)
     return out
+
+
+def _accumulating_fwd_bwd(model, x) -> Callable[[], None]:
+    """fwd + bwd of an FSDP2 model on a micro-batch that synchronises no gradient, as ZeRO-0/1 beside tp or pp runs
+    every micro-batch of a step but its last and a pipeline stage every one (``runtime.parallel.grad_sync``, torch's
+    ``PipelineStage.backward_maybe_with_nosync``): the weights stay gathered from a first call, the gradients are
+    summed whole, no collective runs."""
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    step = _fwd_bwd(model, x)
+    step()  # the one all-gather: the weights stay unsharded from here
+    return step
 
 
 TP_STYLES = {
@@ -453,6 +470,8 @@ def fit_host(t: dict[str, Any], counts: ProbeCounts, cluster: Cluster, ranks: in
             figures[f"fsdp_unit_zero{stage}_us"], figures[f"fsdp_zero{stage}_us_per_mib"] = _fsdp_fit(
                 t, cluster, ranks, stage
             )
+        if "fsdp_accumulate" in t:
+            figures["fsdp_accumulate_unit_us"] = (t["fsdp_accumulate"] - t["fwd_bwd"]) / len(unit_param_bytes(WIDTH))
         figures["sharded_optimizer_tensor_us"] = (
             t["sharded_adamw"] - ADAM_BYTES_PER_PARAM * t["params"] / ranks / bandwidth
         ) / t["tensors"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.cost.profile import graph_signature
-from autoshard.host_probes import PIPELINE_MICROBATCHES, paired_over_rounds
+from autoshard.host_probes import paired_over_rounds
 from autoshard.ir.profile import MODES, ModelProfile
 from autoshard.pipeline import capture_graph
 
@@ -97,6 +97,14 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     return measured
 
 
+MODEL_PIPELINE_MICROBATCHES = (
+    2,
+    4,
+    8,
+)  # the model's 1F1B is timed at each; a line through all three (``pipeline_residual``)
+PROBE_SCHEDULE_S = 1e-3  # δ of ``pipeline_residual``: a schedule time per micro-batch to price the pipeline with
+
+
 def _pipeline_measurable(request: ProfileRequest) -> bool:
     """A two-stage pipeline of the model needs two blocks and the ranks in pairs."""
     import torch.distributed as dist
@@ -112,10 +120,10 @@ def pipeline_split(request: ProfileRequest) -> str:
 def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds: int) -> dict[int, float] | None:
     """Worker side: the model's 1F1B step over two stages (ranks paired: a (pp 2, dp N/2) mesh, each dp rank a
     pipeline of its own, no gradient synchronised) at micro-batch b = the smallest size, for m ∈
-    PIPELINE_MICROBATCHES micro-batches, with the runtime's own pipeline (``runtime.pipeline_parallel``: the traced
+    MODEL_PIPELINE_MICROBATCHES micro-batches, with the runtime's own pipeline (``runtime.pipeline_parallel``: the traced
     stages and torch's schedule, as an emitted program builds them), the model cut before its middle block
-    (``pipeline_split``). Timed in ``rounds`` rounds, m₁'s figure m₀'s median plus the median of their difference
-    (``host_probes.paired_over_rounds``). The parent takes from these what the cost model's pipeline formula
+    (``pipeline_split``). Timed in ``rounds`` rounds, each m's figure the smallest m's median plus the median of
+    their difference (``host_probes.paired_over_rounds``). The parent takes from these what the cost model's pipeline formula
     leaves out for this model (``pipeline_residual``)."""
     import torch
     import torch.distributed as dist
@@ -124,7 +132,7 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
     from autoshard.runtime import pipeline_parallel as pp
     from autoshard.runtime.model import build_model
 
-    b, most = min(request.microbatch_sizes), max(PIPELINE_MICROBATCHES)
+    b, most = min(request.microbatch_sizes), max(MODEL_PIPELINE_MICROBATCHES)
     mesh = init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
     inputs, targets = model_file.example_batch(b * most)
     if not isinstance(targets, torch.Tensor):  # the schedule splits the targets along their first dim
@@ -132,7 +140,7 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
     inputs, targets = tuple(t.to(device) for t in inputs), targets.to(device)
     steps = {}
     try:  # tracing: the same on every rank, before any collective (a model the split cannot trace is not timed)
-        for m in PIPELINE_MICROBATCHES:  # stages of their own per m: their buffers are sized by a first schedule
+        for m in MODEL_PIPELINE_MICROBATCHES:  # stages of their own per m: their buffers are sized by a first schedule
             parts = pp.build_pipeline_stages(
                 build_model(model_file, seed=0, device=device),
                 tuple(t[:b] for t in inputs),
@@ -150,7 +158,7 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
     except Exception:  # noqa: BLE001 - any tracing failure: the profile goes without, as for one block
         return None
     timed = [{m: time_op(step) for m, step in steps.items()} for _ in range(rounds)]
-    return paired_over_rounds(timed, lambda _m: min(PIPELINE_MICROBATCHES))
+    return paired_over_rounds(timed, lambda _m: min(MODEL_PIPELINE_MICROBATCHES))
 
 
 def _pipeline_step(pp, schedule, parts, batch, optimizer) -> None:
@@ -163,16 +171,21 @@ def _pipeline_step(pp, schedule, parts, batch, optimizer) -> None:
 
 def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: int) -> tuple[float, float]:
     """Parent side: the pipeline schedule's own time that the model's measured 1F1B steps (``_pipeline_times``) hold
-    beyond everything else the cost model prices in them, (per stage and micro-batch, per step)::
+    beyond everything else the cost model prices in them, (per stage and micro-batch, per step): the least-squares line
+    through the residuals r(m) = t(m) − Q(m) of the timed micro-batch counts against n(m), what schedule time per
+    micro-batch and stage adds to the price per second of it (with shared cores the bubble's slot is partly free: an idle
+    rank lends its core)::
 
-        x = [(t(m₁) − t(m₀)) − (Q(m₁) − Q(m₀))] / (m₁ − m₀)
-        y = t(m₀) − Q(m₀) − (m₀ + 1)·x                                  each clamped at 0
+        n(m) = [Q(m; x = δ) − Q(m)] / δ             δ = 1 ms; m + 1 on cores of their own (m slots, one of the bubble)
+        x = Σ (n − n̄)(r − r̄) / Σ (n − n̄)²
+        y = r̄ − n̄·x                                each clamped at 0 (y refitted as r̄ − n̄·x after x's clamp)
 
-    Q(m): the cost model's price of the same pipeline (``ranks`` / 2 pipelines of two stages cut at
-    ``pipeline_split``, 1F1B, micro-batch b, m of them) on ``cluster``, whose profile of this model scales the units
-    (``cost.profile``), with no schedule time, less what the timed step does not do (the step loop, the dp ranks'
-    gradient synchronisation). A 1F1B price over two stages grows by (m + 1)·x + y (x per micro-batch and stage, and
-    one slot of the bubble; y once). The host probes fit the same two terms on a probe whose tiny stages keep both
+    Q(m): the cost model's price of one of the ``ranks`` / 2 pipelines that ran (two stages cut at ``pipeline_split``,
+    1F1B, micro-batch b, m of them, no data parallelism: the timed step has no dp wrapper, and its AdamW is the
+    profile's, on plain tensors) on ``cluster``, on its share of the node's cores where the ranks share them
+    (``HostOverheads.shared_cores`` / pipelines), whose profile of this model scales the units (``cost.profile``), with
+    no schedule time, less the step loop (the timed step has none). The price grows by n(m)·x + y (y once per step).
+    The host probes fit the same two terms on a probe whose tiny stages keep both
     ranks waiting on each other at every transfer: on one 2-core VM the per-micro-batch term read 0.27-3.3 ms and the
     per-step one 0 through 2026-11-27, while a model's stages overlap part of that with compute."""
     from autoshard.cost.parts import step_loop_s
@@ -180,27 +193,41 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
     from autoshard.cost.tables import CostTables
     from autoshard.ir.decisions import Decisions, Mesh
 
-    (m0, t0), (m1, t1) = sorted((int(m), t) for m, t in times.items())
+    points = sorted((int(m), t) for m, t in times.items())
     _, graph = capture_graph(request.spec)  # cached since ``profile_request``
+    pipelines = max(1, ranks // 2)
     unpriced = replace(
         cluster,
-        host=replace(cluster.host, pipeline_microbatch_us=0.0, pipeline_step_us=0.0),
+        host=replace(
+            cluster.host,
+            pipeline_microbatch_us=0.0,
+            pipeline_step_us=0.0,
+            shared_cores=cluster.host.shared_cores / pipelines,
+        ),
         profiles=tuple(
             replace(p, pipeline_microbatch_s=0.0, pipeline_step_s=0.0) if p.signature == request.signature else p
             for p in cluster.profiles
         ),
     )
-    tables = CostTables(graph, unpriced)
-    base = Decisions(Mesh(max(1, ranks // 2), 1, 2), 0, min(request.microbatch_sizes), m0, schedule="1f1b")
+    per_second = replace(
+        unpriced,
+        profiles=tuple(
+            replace(p, pipeline_microbatch_s=PROBE_SCHEDULE_S) if p.signature == request.signature else p
+            for p in unpriced.profiles
+        ),
+    )
+    tables, priced_tables = CostTables(graph, unpriced), CostTables(graph, per_second)
+    base = Decisions(Mesh(1, 1, 2), 0, min(request.microbatch_sizes), points[0][0], schedule="1f1b")
     cuts = (request.blocks.index(pipeline_split(request)),)
 
-    def q(m: int) -> float:
-        parts = price_parts(tables, replace(base, num_microbatches=m), cuts)
-        return parts.step_time_s - step_loop_s(tables) - parts.dp_comm_exposed_s
+    def q(m: int, on: CostTables) -> float:
+        return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on)
 
-    q0, q1 = q(m0), q(m1)
-    x = max(0.0, ((t1 - t0) - (q1 - q0)) / (m1 - m0))
-    return x, max(0.0, t0 - q0 - (m0 + 1) * x)
+    n = [(q(m, priced_tables) - q(m, tables)) / PROBE_SCHEDULE_S for m, _ in points]
+    r = [t - q(m, tables) for m, t in points]
+    n_mean, r_mean = statistics.fmean(n), statistics.fmean(r)
+    x = max(0.0, sum((a - n_mean) * (b - r_mean) for a, b in zip(n, r)) / sum((a - n_mean) ** 2 for a in n))
+    return x, max(0.0, r_mean - n_mean * x)
 
 
 def _step_ops(model_file, model, optimizer, batch, autocast, device):

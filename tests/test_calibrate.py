@@ -195,6 +195,7 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
     assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
     assert 0 <= cluster.host.tp_forward_share <= 1
+    assert "fsdp_accumulate_unit_us" in path.read_text()  # FSDP2's hooks on a micro-batch that syncs nothing
     code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
     out, _ = capsys.readouterr()
     assert code == 0 and f'"name": "{cluster.name}"' in out

@@ -42,6 +42,7 @@ TRUE = dict(
     sequence_module_us=800.0,
     collective_wait_us=1500.0,
     tp_forward_share=0.35,
+    fsdp_accumulate_unit_us=700.0,
 )
 
 
@@ -87,6 +88,9 @@ def synthetic_probe_times(h: HostOverheads, c: host_probes.ProbeCounts, cluster:
                 + host_probes._fsdp_comm_s(sizes, cluster, ranks, stage)
                 + sum(a * us + c_mib * us * b / 2**20 for b in sizes)
             )
+    t["fsdp_accumulate"] = (
+        fwd_bwd + len(host_probes.unit_param_bytes(host_probes.WIDTH)) * h.fsdp_accumulate_unit_us * us
+    )
     link = cluster.intra_node
     t["sharded_adamw"] = (
         tensors * h.sharded_optimizer_tensor_us * us + ADAM_BYTES_PER_PARAM * params / ranks / bandwidth
@@ -259,10 +263,10 @@ def test_a_model_s_measured_pipeline_replaces_the_probes(cluster, gpt):
 
 def test_the_pipeline_fit_inverts_the_cost_model_s_pipeline(cluster, gpt):
     """``model_probes.pipeline_residual`` on 1F1B steps that the cost model itself prices with a known schedule time
-    per micro-batch and per step (two stages cut before the middle block, b = 1, m = 2 and 8, the optimizer priced,
+    per micro-batch and per step (two stages cut before the middle block, b = 1, m = 2, 4 and 8, the optimizer priced,
     the step loop not: the timed step has none) gives both back: the fit and the price are one formula. Steps that
     take no longer than the rest of the price give 0."""
-    from autoshard.model_probes import ProfileRequest, pipeline_residual, pipeline_split
+    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_split
 
     times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
     request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
@@ -277,7 +281,7 @@ def test_the_pipeline_fit_inverts_the_cost_model_s_pipeline(cluster, gpt):
         tables = CostTables(gpt, replace(cluster, host=host, profiles=(known,)))
         return {
             m: price_parts(tables, replace(PIPELINE_1F1B, num_microbatches=m), cuts).step_time_s - loop_s
-            for m in (2, 8)
+            for m in MODEL_PIPELINE_MICROBATCHES
         }
 
     profiled = replace(cluster, host=host, profiles=(profile_of(gpt, times, step_loop_s=loop_s),))
@@ -481,3 +485,58 @@ def test_dtensor_host_counts_every_tensor_parallel_module_in_its_unit(cluster, i
     assert per_unit[True][1] == pytest.approx(6 * 1e-3 + 5 * 1e-5)
     for u in range(2, blocks + 1):
         assert per_unit[True][u] == pytest.approx(6 * 1e-3 + 4 * 1e-5)
+
+
+@pytest.mark.parametrize(
+    "config, accumulating",
+    [
+        (Decisions(Mesh(2, 2, 1), 0, 1, 4), 3),  # replicate beside tp: the last micro-batch all-reduces
+        (Decisions(Mesh(2, 2, 1), 1, 1, 4), 3),  # fully_shard beside tp, gradients summed whole until the last
+        (Decisions(Mesh(2, 2, 1), 2, 1, 4), 0),  # reduce-scatters every micro-batch
+        (Decisions(Mesh(2, 1, 2), 2, 1, 4, schedule="1f1b"), 3),  # torch's stages: every backward but after the last
+        (Decisions(Mesh(2, 1, 2), 3, 1, 4, schedule="1f1b"), 0),  # regathers every micro-batch
+    ],
+)
+def test_fsdp2_micro_batches_that_synchronise_nothing_pay_only_its_hooks(gpt, config, accumulating):
+    """A micro-batch on which FSDP2 synchronises no gradient (its weights kept gathered, no collective) costs
+    ``fsdp_accumulate_unit_us`` per unit, not the synchronising figure (``cost.parts.fsdp_step_host_s``,
+    ``fsdp_pipeline_host_s``): with m micro-batches the step's host time is (m − 1)·U·(h_sync − h_acc) below
+    pricing each as synchronising, U the units a rank steps through (blocks and root; a stage)."""
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    cluster = load_cluster("local-cpu", devices_per_node=4)
+    cuts = (2,) if config.mesh.pp > 1 else None
+    host_s = {}
+    for name, accumulate_us in (("synced", TRUE["fsdp_unit_zero2_us"]), ("measured", TRUE["fsdp_accumulate_unit_us"])):
+        host = HostOverheads(
+            **{**TRUE, "fsdp_zero2_us_per_mib": 0.0, "fsdp_accumulate_unit_us": accumulate_us}, source="t"
+        )
+        tables = CostTables(gpt, replace(cluster, host=host))
+        hand_tp_layout(tables, config)
+        host_s[name] = price_parts(tables, config, cuts).host_s
+    units = len(gpt.blocks) + 1 if config.mesh.pp == 1 else 1
+    saved_s = accumulating * units * (TRUE["fsdp_unit_zero2_us"] - TRUE["fsdp_accumulate_unit_us"]) * 1e-6
+    assert host_s["synced"] - host_s["measured"] == pytest.approx(saved_s, abs=1e-12)
+
+
+def test_the_pipeline_fit_on_shared_cores_prices_one_pipeline_on_its_cores(gpt):
+    """With 4 ranks on 2 cores, ``_pipeline_times`` runs two 2-stage pipelines side by side, each rank its own
+    pipeline's (no dp wrapper, a plain AdamW): ``pipeline_residual`` prices one of them on 1 core (the node's 2 over
+    the 2 pipelines), not a dp 2 × pp 2 plan whose FSDP2 hooks and sharded optimizer the timed step never ran, so it
+    gives back the schedule time such a pipeline was priced with."""
+    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_split
+
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
+    cuts = (request.blocks.index(pipeline_split(request)),)
+    node = load_cluster("local-cpu", devices_per_node=4)
+    host = HostOverheads(**TRUE, shared_cores=2.0, source="t")
+    one_core = replace(node, host=replace(host, shared_cores=1.0))
+    known = profile_of(gpt, times, pipeline_microbatch_s=0.0023, pipeline_step_s=0.0041)
+    tables = CostTables(gpt, replace(one_core, profiles=(known,)))
+    steps = {
+        m: price_parts(tables, replace(PIPELINE_1F1B, num_microbatches=m), cuts).step_time_s
+        for m in MODEL_PIPELINE_MICROBATCHES
+    }
+    profiled = replace(node, host=host, profiles=(profile_of(gpt, times),))
+    assert pipeline_residual(request, steps, profiled, 4) == pytest.approx((0.0023, 0.0041), rel=1e-6)

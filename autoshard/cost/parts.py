@@ -113,15 +113,49 @@ def param_tensors(graph: OpGraph) -> int:
     return sum(not p.is_buffer for p in graph.params)
 
 
-def fsdp_host_s(cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision) -> float:
-    """FSDP2's host time per micro-batch over ``units`` units holding ``params`` parameters:
-    U·a + c·MiB(params) (``HostOverheads``: per unit, and per MiB copied in and out); 0 without FSDP."""
+def fsdp_host_s(
+    cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision, synced: bool = True
+) -> float:
+    """FSDP2's host time per micro-batch over ``units`` units holding ``params`` parameters: on a micro-batch that
+    synchronises its gradients U·a + c·MiB(params) (``HostOverheads``: per unit, and per MiB copied in and out), on one
+    that does not (``synced`` False: weights kept gathered, gradients summed whole, no collective) U·a_acc
+    (``fsdp_accumulate_unit_us``); 0 without FSDP."""
     if config.mesh.dp == 1 or not config.dp_runtime.fsdp2:
         return 0.0
     host, z3 = cluster.host, config.zero_stage == 3
+    if not synced:
+        return units * host.fsdp_accumulate_unit_us * 1e-6
     per_unit_us = host.fsdp_unit_zero3_us if z3 else host.fsdp_unit_zero2_us
     per_mib_us = host.fsdp_zero3_us_per_mib if z3 else host.fsdp_zero2_us_per_mib
     return (units * per_unit_us + per_mib_us * params * precision.param_bytes / 2**20) * 1e-6
+
+
+def fsdp_step_host_s(cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision) -> float:
+    """FSDP2's host time over a step's m micro-batches of an SPMD step: m synchronised ones, or with a runtime that
+    synchronises only the last (``DPRuntime.sync_every_microbatch`` False: ZeRO-0 and 1 beside tp, ``grad_sync``)
+    m − 1 that accumulate and one that synchronises (``fsdp_host_s``)::
+
+        H = m·h_sync            or      (m − 1)·h_acc + h_sync"""
+    m = config.num_microbatches
+    synced = fsdp_host_s(cluster, config, units, params, precision)
+    if config.dp_runtime.sync_every_microbatch:
+        return m * synced
+    return (m - 1) * fsdp_host_s(cluster, config, units, params, precision, synced=False) + synced
+
+
+def fsdp_pipeline_host_s(
+    cluster: Cluster, config: Decisions, units: int, params: float, precision: Precision
+) -> tuple[float, float]:
+    """FSDP2's host time on a pipeline rank of ``units`` stage modules, (per micro-batch, per step). torch's stages run
+    every backward without synchronising gradients (``PipelineStage.backward_maybe_with_nosync``) and synchronise once
+    after the last (``perform_reduce_grad``). Under ZeRO-0 to 2 the weights stay gathered between micro-batches:
+    h_acc per micro-batch and h_sync − h_acc once; under ZeRO-3 they are gathered again each micro-batch: h_sync
+    each (``fsdp_host_s``)."""
+    synced = fsdp_host_s(cluster, config, units, params, precision)
+    if config.zero_stage == 3:
+        return synced, 0.0
+    accumulate = fsdp_host_s(cluster, config, units, params, precision, synced=False)
+    return accumulate, synced - accumulate
 
 
 def dp_host_s(cluster: Cluster, config: Decisions, tensors: int) -> float:

@@ -70,7 +70,7 @@ from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_e
 from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
 from autoshard.cost.parts import (
     StepParts,
-    fsdp_host_s,
+    fsdp_pipeline_host_s,
     grad_accumulation_s,
     optimizer_parts,
     pipeline_host_s,
@@ -134,7 +134,8 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     dp = pipeline_dp_comm(cluster, config, max(r.params - r.expert_params for r in loads), precision)
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
-    host_s = m * slowest.host_s + optimizer_host + pipeline_host_s(tables)[1] + step_loop_s(tables)
+    fsdp_sync_s = fsdp_pipeline_host_s(cluster, config, config.virtual_stages, params, precision)[1]
+    host_s = m * slowest.host_s + optimizer_host + fsdp_sync_s + pipeline_host_s(tables)[1] + step_loop_s(tables)
     span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
         forward_s=m * slowest.forward_s,
@@ -319,7 +320,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
             + sum(split_backward_host_s(tables, config, s, stage_units(rng, units.blocks)) for s, rng in mine)
             + len(mine) * pipeline_host_s(tables)[0]
-            + fsdp_host_s(tables.cluster, config, len(mine), params, tables.precision)
+            + fsdp_pipeline_host_s(tables.cluster, config, len(mine), params, tables.precision)[0]
         )  # FSDP2: a unit per stage
         loads.append(
             RankLoad(

@@ -42,7 +42,7 @@ from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state
 from autoshard.cost.parts import (
     StepParts,
     dp_host_s,
-    fsdp_host_s,
+    fsdp_step_host_s,
     grad_accumulation_s,
     optimizer_parts,
     param_tensors,
@@ -116,7 +116,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     expert_units = len(graph.experts) if config.ep > 1 else 0  # each expert group its own dp unit
     host_s = (
         m * (sum(units.host_s) + tp_host_s + sum(e.host_s for e in experts))
-        + m * fsdp_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
+        + fsdp_step_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
         + optimizer_host
         + dp_host_s(cluster, config, tensors)
         + step_loop_s(tables)

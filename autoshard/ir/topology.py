@@ -245,6 +245,19 @@ class HostOverheads:
         },
     )
 
+    # Written by calibrate since it was added; a file without it prices no FSDP2 host time on a micro-batch that
+    # synchronises no gradient (the default).
+    fsdp_accumulate_unit_us: float = field(
+        default=0.0,
+        metadata={
+            "doc": "FSDP2's host time per unit on a micro-batch that synchronises no gradient (its weights kept "
+            "gathered, its gradients summed whole: ZeRO-0 and 1 beside tp or pp before a step's last micro-batch, "
+            "and a pipeline stage's), e.g. 500",
+            "rule": _HOST_US,
+            "optional": True,
+        },
+    )
+
     def __post_init__(self):
         _check_dataclass(self)
 
