@@ -97,11 +97,8 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     return measured
 
 
-MODEL_PIPELINE_MICROBATCHES = (
-    2,
-    4,
-    8,
-)  # the model's 1F1B is timed at each; a line through all three (``pipeline_residual``)
+# the model's 1F1B is timed at each; a line through all three (``pipeline_residual``)
+MODEL_PIPELINE_MICROBATCHES = (2, 4, 8)
 PROBE_SCHEDULE_S = 1e-3  # δ of ``pipeline_residual``: a schedule time per micro-batch to price the pipeline with
 
 
@@ -196,27 +193,24 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
     points = sorted((int(m), t) for m, t in times.items())
     _, graph = capture_graph(request.spec)  # cached since ``profile_request``
     pipelines = max(1, ranks // 2)
-    unpriced = replace(
-        cluster,
-        host=replace(
-            cluster.host,
-            pipeline_microbatch_us=0.0,
-            pipeline_step_us=0.0,
-            shared_cores=cluster.host.shared_cores / pipelines,
-        ),
-        profiles=tuple(
-            replace(p, pipeline_microbatch_s=0.0, pipeline_step_s=0.0) if p.signature == request.signature else p
+    one_pipeline = replace(
+        cluster.host,
+        pipeline_microbatch_us=0.0,
+        pipeline_step_us=0.0,
+        shared_cores=cluster.host.shared_cores / pipelines,
+    )
+
+    def priced_with(per_microbatch_s: float) -> CostTables:
+        """The tables of one pipeline whose schedule time is ``per_microbatch_s`` per stage and micro-batch, 0 per step."""
+        profiles = tuple(
+            replace(p, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=0.0)
+            if p.signature == request.signature
+            else p
             for p in cluster.profiles
-        ),
-    )
-    per_second = replace(
-        unpriced,
-        profiles=tuple(
-            replace(p, pipeline_microbatch_s=PROBE_SCHEDULE_S) if p.signature == request.signature else p
-            for p in unpriced.profiles
-        ),
-    )
-    tables, priced_tables = CostTables(graph, unpriced), CostTables(graph, per_second)
+        )
+        return CostTables(graph, replace(cluster, host=one_pipeline, profiles=profiles))
+
+    tables, priced_tables = priced_with(0.0), priced_with(PROBE_SCHEDULE_S)
     base = Decisions(Mesh(1, 1, 2), 0, min(request.microbatch_sizes), points[0][0], schedule="1f1b")
     cuts = (request.blocks.index(pipeline_split(request)),)
 
@@ -225,9 +219,8 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
 
     n = [(q(m, priced_tables) - q(m, tables)) / PROBE_SCHEDULE_S for m, _ in points]
     r = [t - q(m, tables) for m, t in points]
-    n_mean, r_mean = statistics.fmean(n), statistics.fmean(r)
-    x = max(0.0, sum((a - n_mean) * (b - r_mean) for a, b in zip(n, r)) / sum((a - n_mean) ** 2 for a in n))
-    return x, max(0.0, r_mean - n_mean * x)
+    x = max(0.0, statistics.linear_regression(n, r).slope)
+    return x, max(0.0, statistics.fmean(r) - statistics.fmean(n) * x)
 
 
 def _step_ops(model_file, model, optimizer, batch, autocast, device):

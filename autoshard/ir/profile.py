@@ -10,6 +10,7 @@ captured graph's signature (``cost.profile.graph_signature``). Pure data and its
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +61,8 @@ class ModelProfile:
         ys = [self.times[s][mode][index] for s in sizes]
         if len(sizes) == 1:
             return ys[0] * b / sizes[0]
-        mean_b, mean_y = sum(sizes) / len(sizes), sum(ys) / len(ys)
-        slope = sum((s - mean_b) * (y - mean_y) for s, y in zip(sizes, ys)) / sum((s - mean_b) ** 2 for s in sizes)
-        return mean_y + slope * (b - mean_b)
+        line = statistics.linear_regression(sizes, ys)
+        return line.intercept + line.slope * b
 
     def to_dict(self) -> dict[str, Any]:
         return {
