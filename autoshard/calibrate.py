@@ -71,7 +71,14 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
 from autoshard.ir.topology import Cluster, DeviceSpec, HostOverheads, LinkSpec
 from autoshard.launch import MAX_LOCAL_CPU_RANKS
-from autoshard.model_probes import PROFILE_ROUNDS, ProfileRequest, measure_model, model_profile, with_pipeline
+from autoshard.model_probes import (
+    PROFILE_ROUNDS,
+    ProfileRequest,
+    measure_model,
+    model_profile,
+    with_pipeline,
+    with_tp,
+)
 
 KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
@@ -390,7 +397,9 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
         )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
         cluster = replace(cluster, profiles=profiles)  # the pipeline fits price stages with the profiles
-        profiles = tuple(with_pipeline(p, r, t, cluster) for p, r, t in zip(profiles, models, m.models))
+        profiles = tuple(
+            with_tp(with_pipeline(p, r, t, cluster), r, t, cluster) for p, r, t in zip(profiles, models, m.models)
+        )
         cluster = replace(cluster, profiles=profiles)
     return Calibration(m, link_fit, per_collective, cluster, wall_s)
 

@@ -5,10 +5,11 @@ The parent captures each model as ``plan`` does (on meta) for its graph signatur
 with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
 step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
-own two-stage 1F1B pipeline (``_pipeline_times``) (``measure_model``). The slowest rank's medians become an
-``ir.profile.ModelProfile`` (``model_profile``), which the cost model scales its units to (``cost.profile``); the
-parent fits the pipeline's schedule time per micro-batch with the cost model itself (``pipeline_residual``,
-``with_pipeline``).
+own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 (``_tp_times``)
+(``measure_model``). The slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the
+cost model scales its units to (``cost.profile``); the parent fits the pipeline's schedule time per micro-batch
+(``pipeline_residual``, ``with_pipeline``) and DTensor's host time per module (``tp_residual``, ``with_tp``) with the
+cost model itself.
 """
 
 from __future__ import annotations
@@ -34,12 +35,44 @@ class ProfileRequest:
     signature: str
     blocks: tuple[str, ...]
     microbatch_sizes: tuple[int, ...]
+    # the tensor-parallel layouts timed at TP_PROBE_DEGREE (``probe_layouts``): (name, ((module, style), ...))
+    tp_layouts: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
 
 def profile_request(spec: str, microbatch_sizes: tuple[int, ...]) -> ProfileRequest:
-    """Capture the model (on meta, as ``plan`` does) for its signature and blocks."""
+    """Capture the model (on meta, as ``plan`` does) for its signature, blocks and tensor-parallel layouts."""
     _, graph = capture_graph(spec)
-    return ProfileRequest(spec, graph_signature(graph), tuple(b.path for b in graph.blocks), microbatch_sizes)
+    layouts = tuple((name, tuple(sorted(c.sharded.items()))) for name, c in probe_layouts(graph).items())
+    return ProfileRequest(spec, graph_signature(graph), tuple(b.path for b in graph.blocks), microbatch_sizes, layouts)
+
+
+TP_PROBE_DEGREE = 2  # the model's tensor-parallel steps are timed over ranks in pairs
+TP_LAYOUTS = ("tp", "sp")  # Megatron's layout without and with sequence parallelism
+RECOMPUTED = "+full"  # ``_tp_times``: the last layout timed again with full recompute, under its name + this
+
+
+def probe_layouts(graph) -> dict[str, Any]:
+    """The layouts ``_tp_times`` times (name -> ``TPChoice``): the layout model's at tp = TP_PROBE_DEGREE without and
+    with sequence parallelism, solved on a link whose collectives cost nothing, so that every module the proof allows
+    is sharded (on a slow link the model would keep every module whole without sequence parallelism, and there
+    would be no DTensor module to time); a layout that shards nothing, or that the model refuses, is left out."""
+    from autoshard.cost.hardware import load_cluster
+    from autoshard.ir.topology import LinkSpec
+    from autoshard.passes.planning.tensor_parallel import check_divisibility, choose_tp_styles, sp_available
+
+    tp = TP_PROBE_DEGREE
+    if check_divisibility(graph, tp):
+        return {}
+    free = LinkSpec(1e9, 1e-6, "a link whose collectives cost nothing")
+    device = load_cluster("local-cpu", devices_per_node=tp).device  # on a free link the layouts shard all they can
+    out = {}
+    for name in TP_LAYOUTS:
+        if name == "sp" and not sp_available(graph, tp):
+            continue
+        choice = choose_tp_styles(graph, tp, free, device, sequence_parallel=name == "sp")
+        if any(style != "replicate" for style in choice.sharded.values()):
+            out[name] = choice
+    return out
 
 
 PROFILE_ROUNDS = 3  # every size and mode timed in this many rounds, interleaved (``_paired_rounds``)
@@ -51,6 +84,7 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     (``_step_ops``), on every rank at once. Every size and mode is timed once per round, ``rounds`` rounds one after
     the other, and the figures are their paired medians (``_paired_rounds``)."""
     import torch  # the worker's: the planning side of calibrate stays torch-free
+    import torch.distributed as dist
 
     from autoshard.runtime.model import build_model, load_model_file
     from autoshard.runtime.parallel import apply_recompute
@@ -94,7 +128,40 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     measured = {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
     if _pipeline_measurable(request):
         measured["pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds)
+    if request.tp_layouts and dist.get_world_size() % TP_PROBE_DEGREE == 0:
+        measured["tp"] = _tp_times(time_op, model_file, request, forward, device, rounds)
     return measured
+
+
+def _tp_times(time_op, model_file, request: ProfileRequest, forward, device, rounds: int) -> dict[str, float] | None:
+    """Worker side: one micro-batch's forward + backward (b = the smallest size, no recompute) of the model under each
+    of ``request.tp_layouts``, and under the last with full recompute (its name + RECOMPUTED), with the runtime's own
+    tensor parallelism and recompute (``runtime.parallel.apply_tp``, ``apply_recompute``: DTensor's styles and the
+    blocks' checkpoints, as an emitted program applies them), the ranks in pairs (a (dp N/2, tp 2) mesh, each pair a model of its
+    own, no gradient synchronised). Every layout timed once per round, ``rounds`` rounds; each figure the median of
+    its rounds. The parent takes from these DTensor's host time per module on this model (``tp_residual``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.runtime.model import build_model
+    from autoshard.runtime.parallel import apply_recompute, apply_tp
+
+    shape = (dist.get_world_size() // TP_PROBE_DEGREE, TP_PROBE_DEGREE)
+    tp_mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))["tp"]
+    b = min(request.microbatch_sizes)
+    last, last_styles = request.tp_layouts[-1]
+    try:  # the same on every rank, before any collective (a layout the runtime cannot apply is not timed)
+        models = {
+            name: apply_tp(build_model(model_file, seed=0, device=device), tp_mesh, dict(styles))
+            for name, styles in request.tp_layouts
+        }
+        rerun = apply_tp(build_model(model_file, seed=0, device=device), tp_mesh, dict(last_styles))
+        models[last + RECOMPUTED] = apply_recompute(rerun, list(request.blocks), "full")
+    except Exception:  # noqa: BLE001 - any failure: the profile goes without, and the host probes price it
+        return None
+    steps = {name: functools.partial(lambda m: forward(m, b).backward(), model) for name, model in models.items()}
+    timed = [{name: time_op(step) for name, step in steps.items()} for _ in range(rounds)]
+    return {name: statistics.median(r[name] for r in timed) for name in steps}
 
 
 # the model's 1F1B is timed at each; a line through all three (``pipeline_residual``)
@@ -330,6 +397,123 @@ def with_pipeline(profile: ModelProfile, request: ProfileRequest, measured: Mapp
         return profile
     per_microbatch_s, per_step_s = pipeline_residual(request, measured["pipeline"], cluster, profile.ranks)
     return replace(profile, pipeline_microbatch_s=_sig(per_microbatch_s), pipeline_step_s=_sig(per_step_s))
+
+
+def tp_residual(request: ProfileRequest, times: Mapping, cluster) -> tuple[float, float, float | None]:
+    """Parent side: DTensor's host time per module on this model, (of a style that shards a weight, of one that shards
+    none), from its measured tensor-parallel micro-batches (``_tp_times``): what each holds beyond everything else the
+    cost model prices in it, over its modules of each kind::
+
+        Q_L(τ, σ): the price of one micro-batch's forward + backward under layout L at tp 2 (compute, the layout's
+                   collectives, τ per module that shards a weight and σ per other module: ``cost.tp_units``)
+        n_L = [Q_L(δ, 0) − Q_L(0, 0)] / δ,   s_L = [Q_L(0, δ) − Q_L(0, 0)] / δ      (the modules of each kind)
+        τ = [t_tp − Q_tp(0, 0)] / n_tp                                             (Megatron's layout: no σ module)
+        σ = [t_sp − Q_sp(0, 0) − τ·n_sp] / s_sp                                    each clamped at 0
+
+    Without a sequence-parallel layout σ is the host probes'. Third: ``rerun_share`` at (τ, σ). The host probes fit the same two terms on a probe
+    model of their own, as a small difference of large times: ``sequence_module_us`` read 1,298-2,861 µs over
+    three 4-rank calibrations on one 2-core VM (2026-11-28), and the runs' sequence-parallel plans 5-10 times
+    their layouts without it."""
+    from autoshard.cost.tables import CostTables
+
+    _, graph = capture_graph(request.spec)  # cached since ``profile_request``
+    layouts = probe_layouts(graph)
+    b = min(request.microbatch_sizes)
+
+    def priced_with(tp_module_s: float, sequence_module_s: float) -> CostTables:
+        profiles = tuple(
+            replace(p, tp_module_s=tp_module_s, sequence_module_s=sequence_module_s)
+            if p.signature == request.signature
+            else p
+            for p in cluster.profiles
+        )
+        tables = CostTables(graph, replace(cluster, profiles=profiles))
+        for name, choice in layouts.items():
+            tables.add_tp_layout(choice, b, name == "sp")
+        return tables
+
+    def q(name: str, tables: CostTables) -> float:
+        return tp_microbatch_s(tables, tp_probe_decisions(name, b))
+
+    base, per_tp, per_seq = priced_with(0.0, 0.0), priced_with(PROBE_MODULE_S, 0.0), priced_with(0.0, PROBE_MODULE_S)
+
+    def count(name: str, on: CostTables) -> float:
+        return (q(name, on) - q(name, base)) / PROBE_MODULE_S
+
+    tau = max(0.0, (times["tp"] - q("tp", base)) / count("tp", per_tp))
+    sigma = cluster.host.sequence_module_us * 1e-6
+    if "sp" in times and count("sp", per_seq):
+        sigma = max(0.0, (times["sp"] - q("sp", base) - tau * count("sp", per_tp)) / count("sp", per_seq))
+    return tau, sigma, rerun_share(request, times, cluster, layouts, tau, sigma)
+
+
+def rerun_share(request: ProfileRequest, times: Mapping, cluster, layouts: Mapping, tau: float, sigma: float):
+    """Parent side: the share s_f of a module's DTensor host time that a recomputed forward runs again (``cost.tp_units
+    .forward_share``), from the last layout's micro-batch with full recompute (``_tp_times``), DTensor's time per
+    module at (τ, σ) (``tp_residual``); None where it was not timed::
+
+        s_f = [t_full − Q_full(s_f = 0)] / [Q_full(1) − Q_full(0)]          clamped to [0, 1]
+
+    Q_full: the price of that micro-batch (compute with the profile's rerun, the layout's collectives rerun, host).
+    The host probes' figure moved 0.24 → 0.70 between two 4-rank calibrations on one 2-core VM (2026-11-28)."""
+    from autoshard.cost.tables import CostTables
+
+    name = next((n for n in reversed(TP_LAYOUTS) if n in layouts), None)
+    if name is None or name + RECOMPUTED not in times:
+        return None
+    _, graph = capture_graph(request.spec)
+    b = min(request.microbatch_sizes)
+    config = replace(tp_probe_decisions(name, b), recompute="full")
+
+    def q(share: float) -> float:
+        profiles = tuple(
+            replace(p, tp_module_s=tau, sequence_module_s=sigma, tp_forward_share=share)
+            if p.signature == request.signature
+            else p
+            for p in cluster.profiles
+        )
+        tables = CostTables(graph, replace(cluster, profiles=profiles))
+        tables.add_tp_layout(layouts[name], b, name == "sp")
+        return tp_microbatch_s(tables, config)
+
+    none, whole = q(0.0), q(1.0)
+    if whole <= none:
+        return None
+    return min(1.0, max(0.0, (times[name + RECOMPUTED] - none) / (whole - none)))
+
+
+PROBE_MODULE_S = 1e-3  # δ of ``tp_residual``
+
+
+def tp_probe_decisions(name: str, microbatch_size: int):
+    """What ``_tp_times`` runs under layout ``name``, as decisions: tp 2, one micro-batch of b."""
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    return Decisions(Mesh(1, TP_PROBE_DEGREE, 1), 0, microbatch_size, 1, sequence_parallel=name == "sp")
+
+
+def tp_microbatch_s(tables, config) -> float:
+    """The cost model's price of one micro-batch's forward + backward (and recompute) under ``config``'s tensor parallelism: compute,
+    the layout's collectives, the op dispatch and DTensor's host time (the per-micro-batch part of
+    ``cost.step.spmd_parts``)."""
+    from autoshard.cost.tp_units import spmd_microbatch, tp_host_per_unit_s
+
+    micro, comm_s, _ = spmd_microbatch(tables, config)
+    host_s = sum(tables.config_units(config).host_s) + sum(tp_host_per_unit_s(tables, config))
+    return micro.forward_s + micro.backward_s + micro.recompute_s + comm_s + host_s
+
+
+def with_tp(profile: ModelProfile, request: ProfileRequest, measured: Mapping, cluster) -> ModelProfile:
+    """``profile`` with DTensor's host time per module that ``tp_residual`` fits to the measured steps, if any."""
+    if not measured.get("tp") or "tp" not in measured["tp"]:
+        return profile
+    tp_module_s, sequence_module_s, share = tp_residual(request, measured["tp"], cluster)
+    return replace(
+        profile,
+        tp_module_s=_sig(tp_module_s),
+        sequence_module_s=_sig(sequence_module_s),
+        tp_forward_share=None if share is None else _sig(share),
+    )
 
 
 def _sig(x: float) -> float:

@@ -195,6 +195,9 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
     assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
     assert 0 <= cluster.host.tp_forward_share <= 1
+    # its own tensor-parallel layouts at tp 2: DTensor's time per module, and the share a recomputed forward reruns
+    assert profile.tp_module_s is not None and profile.tp_module_s >= 0 and profile.sequence_module_s >= 0
+    assert profile.tp_forward_share is None or 0 <= profile.tp_forward_share <= 1
     assert "fsdp_accumulate_unit_us" in path.read_text()  # FSDP2's hooks on a micro-batch that syncs nothing
     code = main(["plan", "examples/gpt.py:build", "--cluster", str(path), "--global-batch", "8", "--json"])
     out, _ = capsys.readouterr()

@@ -405,7 +405,10 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"ranks": 0}, "malformed"),
         ({"optimizer_s": "fast"}, "optimizer_s must be seconds"),
         ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
-        ({"loop_s": 0.001}, "may have pipeline_microbatch_s, pipeline_step_s, step_loop_s"),
+        (
+            {"loop_s": 0.001},
+            "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, tp_forward_share, tp_module_s",
+        ),
         ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),
     ],
 )
@@ -540,3 +543,66 @@ def test_the_pipeline_fit_on_shared_cores_prices_one_pipeline_on_its_cores(gpt):
     }
     profiled = replace(node, host=host, profiles=(profile_of(gpt, times),))
     assert pipeline_residual(request, steps, profiled, 4) == pytest.approx((0.0023, 0.0041), rel=1e-6)
+
+
+def test_the_tp_fit_inverts_the_cost_model_s_dtensor_time(cluster, gpt):
+    """``model_probes.tp_residual`` on micro-batches whose DTensor time per module, and the share of it a recomputed
+    forward runs again, the cost model prices from the model's profile (``ModelProfile.tp_module_s``,
+    ``sequence_module_s``, ``tp_forward_share``, as ``cost.step`` adds them to a step) gives the three figures back;
+    steps that take no longer than the rest of the price give 0 and no share (the host probes' figures no longer count
+    once the profile has its own). The layouts timed shard every module the proof allows, with and without sequence
+    parallelism, whatever the link would choose."""
+    from autoshard.cost.tp_units import tp_host_per_unit_s
+    from autoshard.model_probes import (
+        RECOMPUTED,
+        probe_layouts,
+        profile_request,
+        tp_microbatch_s,
+        tp_probe_decisions,
+        tp_residual,
+    )
+
+    times = {
+        1: {"none": (0.002, 0.006), "full": (0.003, 0.009)},
+        4: {"none": (0.005, 0.015), "full": (0.006, 0.021)},
+    }
+    request = profile_request(GPT, (1, 4))
+    _, proved = capture_graph(GPT)
+    layouts = probe_layouts(proved)
+    assert set(layouts) == {"tp", "sp"} and dict(request.tp_layouts) == {
+        name: tuple(sorted(c.sharded.items())) for name, c in layouts.items()
+    }
+    assert layouts["sp"].sequence_parallel and all(style != "replicate" for style in layouts["tp"].sharded.values())
+    host = HostOverheads(**TRUE, source="t")  # the probes' own figures, which the model's replace
+    timed = {name: tp_probe_decisions(name, 1) for name in layouts}
+    timed["sp" + RECOMPUTED] = replace(timed["sp"], recompute="full")
+
+    def tables_with(*figures):
+        fields = dict(zip(("tp_module_s", "sequence_module_s", "tp_forward_share"), figures))
+        tables = CostTables(
+            proved, replace(cluster, host=host, profiles=(replace(profile_of(proved, times), **fields),))
+        )
+        for name, choice in layouts.items():
+            tables.add_tp_layout(choice, 1, name == "sp")
+        return tables
+
+    def steps(*figures):
+        """The timed steps: each price without DTensor time, plus what the step's price adds for it."""
+        known, none = tables_with(*figures), tables_with(0.0, 0.0, 0.0)
+        out = {}
+        for name, config in timed.items():
+            dtensor_s = price_parts(known, config).step_time_s - price_parts(none, config).step_time_s
+            assert dtensor_s == pytest.approx(
+                sum(tp_host_per_unit_s(known, config)) - sum(tp_host_per_unit_s(none, config))
+            )
+            out[name] = tp_microbatch_s(none, config) + dtensor_s
+        return out
+
+    profiled = replace(cluster, host=host, profiles=(profile_of(proved, times),))
+    assert tp_residual(request, steps(0.0021, 0.0034, 0.41), profiled) == pytest.approx(
+        (0.0021, 0.0034, 0.41), rel=1e-6
+    )
+    nothing = tp_residual(request, steps(0.0, 0.0, 0.0), profiled)  # no DTensor time: no share of it to fit
+    assert nothing[:2] == pytest.approx((0.0, 0.0), abs=1e-9) and nothing[2] is None
+    only_tp = {"tp": steps(0.0021, 0.0, 0.0)["tp"]}
+    assert tp_residual(request, only_tp, profiled) == pytest.approx((0.0021, TRUE["sequence_module_us"] * 1e-6, None))

@@ -7,7 +7,8 @@ unit u: forward, backward and recompute × their shares left per rank, parameter
 (``CostTables.activation_units``: ``cost.saved``'s per-op rules on its shards' shapes), and the unit's
 own TP collectives (a block's are its segment's; those of the ops outside blocks are split evenly
 over prefix and suffix). DTensor's host time adds ``tp_module_us`` per module that shards a weight and
-``sequence_module_us`` per module of another tensor-parallel style, per micro-batch, in the unit that runs it.
+``sequence_module_us`` per module of another tensor-parallel style, per micro-batch, in the unit that runs it (the
+model's own figures where ``calibrate --model`` measured them: ``module_host_s``).
 """
 
 from __future__ import annotations
@@ -171,18 +172,19 @@ def tp_host_per_unit_s(
     dispatch and the styles' hooks run again, also where selective recompute's policy serves an op's output, even
     a collective's, from its cache)::
 
-        host(u) = Σ_{modules of u} us(style) · (1 + s_f · reruns(u))          s_f = tp_forward_share"""
+        host(u) = Σ_{modules of u} us(style) · (1 + s_f · reruns(u))          s_f = ``forward_share``"""
     per_unit = modules_host_s(tables, config)
     reruns = forward_reruns(config, len(per_unit) - 2) if reruns is None else reruns
-    return tuple(t * (1 + tables.cluster.host.tp_forward_share * n) for t, n in zip(per_unit, reruns))
+    share = forward_share(tables)
+    return tuple(t * (1 + share * n) for t, n in zip(per_unit, reruns))
 
 
 def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
     """Per unit: its DTensor modules' host time of one micro-batch's forward and backward (``tp_host_per_unit_s``),
     once per (tp, micro-batch, sequence parallelism) in a search."""
     count = len(tables.graph.blocks) + 2
-    host = tables.cluster.host
-    if config.mesh.tp == 1 or not (host.tp_module_us or host.sequence_module_us):
+    tp_module_s, sequence_module_s = module_host_s(tables)
+    if config.mesh.tp == 1 or not (tp_module_s or sequence_module_s):
         return (0.0,) * count
 
     def compute() -> tuple[float, ...]:
@@ -194,8 +196,27 @@ def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
         per_unit = [0.0] * count
         for path, style in sharded.items():
             if path in unit_of:
-                us = host.tp_module_us if style in SHARDING_STYLES else host.sequence_module_us
-                per_unit[unit_of[path]] += us * 1e-6
+                per_unit[unit_of[path]] += tp_module_s if style in SHARDING_STYLES else sequence_module_s
         return tuple(per_unit)
 
     return tables.memo(("tp_modules_host", config.mesh.tp, config.microbatch_size, config.sequence_parallel), compute)
+
+
+def module_host_s(tables: CostTables) -> tuple[float, float]:
+    """DTensor's host time per module, (of a style that shards a weight, of one that shards none): the model's,
+    measured on its own tensor-parallel layouts by ``calibrate --model`` (``ModelProfile.tp_module_s``,
+    ``sequence_module_s``), else the host probes' (``tp_module_us``, ``sequence_module_us``)."""
+    profile, host = tables.profile, tables.cluster.host
+    if profile is not None and profile.tp_module_s is not None:
+        return profile.tp_module_s, profile.sequence_module_s or 0.0
+    return host.tp_module_us * 1e-6, host.sequence_module_us * 1e-6
+
+
+def forward_share(tables: CostTables) -> float:
+    """The share of a module's DTensor host time that its forward takes, which a recomputed forward runs again: the
+    model's, measured on its own sequence-parallel layout with full recompute (``ModelProfile.tp_forward_share``),
+    else the host probes' (``HostOverheads.tp_forward_share``)."""
+    profile = tables.profile
+    if profile is not None and profile.tp_forward_share is not None:
+        return profile.tp_forward_share
+    return tables.cluster.host.tp_forward_share

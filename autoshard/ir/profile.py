@@ -3,7 +3,9 @@
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
 one AdamW step, what the emitted program's step does besides (``step_loop_s``), and a pipeline schedule's own
-time on the model, per stage and micro-batch and per step (``pipeline_microbatch_s``, ``pipeline_step_s``); the cost model scales its per-unit split
+time on the model, per stage and micro-batch and per step (``pipeline_microbatch_s``, ``pipeline_step_s``), and DTensor's
+host time per tensor-parallel module on the model and the share a recomputed forward runs again (``tp_module_s``,
+``sequence_module_s``, ``tp_forward_share``); the cost model scales its per-unit split
 of the work to these totals (``cost.profile``). A profile is keyed by the
 captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
@@ -19,6 +21,7 @@ from autoshard.errors import AutoshardError
 
 MODES = ("none", "selective", "full")
 PIPELINE_FIELDS = ("pipeline_microbatch_s", "pipeline_step_s")  # optional: files before them stay as they were
+TP_FIELDS = ("tp_module_s", "sequence_module_s", "tp_forward_share")  # optional likewise
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class ModelProfile:
     # and per step; None: not measured (the cluster's host probes price it)
     pipeline_microbatch_s: float | None = None
     pipeline_step_s: float | None = None
+    # DTensor's host time per tensor-parallel module of this model, of a style that shards a weight and of one that
+    # shards none (``model_probes.tp_residual``); None: not measured (the cluster's host probes price it)
+    tp_module_s: float | None = None
+    sequence_module_s: float | None = None
+    tp_forward_share: float | None = None  # the share of that host time a recomputed forward runs again
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
@@ -72,7 +80,7 @@ class ModelProfile:
             "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
             "optimizer_s": self.optimizer_s,
             **({"step_loop_s": self.step_loop_s} if self.step_loop_s else {}),  # files before it stay as they were
-            **{k: getattr(self, k) for k in PIPELINE_FIELDS if getattr(self, k) is not None},
+            **{k: getattr(self, k) for k in PIPELINE_FIELDS + TP_FIELDS if getattr(self, k) is not None},
             "source": self.source,
         }
 
@@ -81,7 +89,7 @@ class ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
-        optional = {"step_loop_s", *PIPELINE_FIELDS}
+        optional = {"step_loop_s", *PIPELINE_FIELDS, *TP_FIELDS}
         if not isinstance(d, Mapping) or not required <= set(d) <= required | optional:
             raise AutoshardError(
                 f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
@@ -108,7 +116,7 @@ class ModelProfile:
             d["source"],
             float(d["optimizer_s"]),
             float(d.get("step_loop_s", 0.0)),
-            *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS),
+            *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS + TP_FIELDS),
         )
 
 

@@ -37,7 +37,7 @@ from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, spmd_moments
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM
-from autoshard.cost.tp_units import modules_host_s, spmd_microbatch
+from autoshard.cost.tp_units import forward_share, modules_host_s, spmd_microbatch
 from autoshard.ir.decisions import MIXED, Decisions
 from autoshard.ir.plan import RECOMPUTE_MODES
 
@@ -92,7 +92,7 @@ def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k
     tp = tables.layout_cost(config)
     share = tp.light_fraction[u] if mode == "selective" else tp.unit_fraction[u]
     repeated = (FULL_RECOMPUTE_TP_COMM - 1.0) * tp.comm_s / len(tables.graph.blocks) if mode == "full" else 0.0
-    dtensor = tables.cluster.host.tp_forward_share * modules_host_s(tables, config)[u] if mode != "none" else 0.0
+    dtensor = forward_share(tables) * modules_host_s(tables, config)[u] if mode != "none" else 0.0
     return units.recompute_s[u] * share + host + repeated + dtensor
 
 
