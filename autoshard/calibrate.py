@@ -641,8 +641,16 @@ def _worker(
         result = bench.run(models)
         if rank == 0:
             Path(tmp, "result.json").write_text(json.dumps(result))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Done: destroy the groups and exit 0 without the interpreter's teardown, as a program's rank ends
+    # (``runtime.shutdown``): the meshes and DTensor modules of the model probes hold their groups, whose C++ side
+    # gloo then tears down during finalization (pytorch/pytorch#179291); on the loaded 2-core CI machine a worker
+    # died there with SIGSEGV once (2026-11-28), failing a calibration whose figures were all taken.
+    from autoshard.runtime.distributed import shutdown
+
+    shutdown()
 
 
 KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (_Bench._time_kernel)
