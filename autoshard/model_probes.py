@@ -269,13 +269,8 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
 
     def priced_with(per_microbatch_s: float) -> CostTables:
         """The tables of one pipeline whose schedule time is ``per_microbatch_s`` per stage and micro-batch, 0 per step."""
-        profiles = tuple(
-            replace(p, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=0.0)
-            if p.signature == request.signature
-            else p
-            for p in cluster.profiles
-        )
-        return CostTables(graph, replace(cluster, host=one_pipeline, profiles=profiles))
+        profiled = _profile_with(cluster, request, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=0.0)
+        return CostTables(graph, replace(profiled, host=one_pipeline))
 
     tables, priced_tables = priced_with(0.0), priced_with(PROBE_SCHEDULE_S)
     base = Decisions(Mesh(1, 1, 2), 0, min(request.microbatch_sizes), points[0][0], schedule="1f1b")
@@ -410,8 +405,8 @@ def tp_residual(request: ProfileRequest, times: Mapping, cluster) -> tuple[float
         τ = [t_tp − Q_tp(0, 0)] / n_tp                                             (Megatron's layout: no σ module)
         σ = [t_sp − Q_sp(0, 0) − τ·n_sp] / s_sp                                    each clamped at 0
 
-    Without a sequence-parallel layout σ is the host probes'. Third: ``rerun_share`` at (τ, σ). The host probes fit the same two terms on a probe
-    model of their own, as a small difference of large times: ``sequence_module_us`` read 1,298-2,861 µs over
+    Without a sequence-parallel layout σ is the host probes'. Third: ``rerun_share`` at (τ, σ). The host probes fit
+    the same two terms on a probe model of their own, as a small difference of large times: ``sequence_module_us`` read 1,298-2,861 µs over
     three 4-rank calibrations on one 2-core VM (2026-11-28), and the runs' sequence-parallel plans 5-10 times
     their layouts without it."""
     from autoshard.cost.tables import CostTables
@@ -421,16 +416,8 @@ def tp_residual(request: ProfileRequest, times: Mapping, cluster) -> tuple[float
     b = min(request.microbatch_sizes)
 
     def priced_with(tp_module_s: float, sequence_module_s: float) -> CostTables:
-        profiles = tuple(
-            replace(p, tp_module_s=tp_module_s, sequence_module_s=sequence_module_s)
-            if p.signature == request.signature
-            else p
-            for p in cluster.profiles
-        )
-        tables = CostTables(graph, replace(cluster, profiles=profiles))
-        for name, choice in layouts.items():
-            tables.add_tp_layout(choice, b, name == "sp")
-        return tables
+        profiled = _profile_with(cluster, request, tp_module_s=tp_module_s, sequence_module_s=sequence_module_s)
+        return _with_layouts(CostTables(graph, profiled), layouts, b)
 
     def q(name: str, tables: CostTables) -> float:
         return tp_microbatch_s(tables, tp_probe_decisions(name, b))
@@ -466,15 +453,8 @@ def rerun_share(request: ProfileRequest, times: Mapping, cluster, layouts: Mappi
     config = replace(tp_probe_decisions(name, b), recompute="full")
 
     def q(share: float) -> float:
-        profiles = tuple(
-            replace(p, tp_module_s=tau, sequence_module_s=sigma, tp_forward_share=share)
-            if p.signature == request.signature
-            else p
-            for p in cluster.profiles
-        )
-        tables = CostTables(graph, replace(cluster, profiles=profiles))
-        tables.add_tp_layout(layouts[name], b, name == "sp")
-        return tp_microbatch_s(tables, config)
+        profiled = _profile_with(cluster, request, tp_module_s=tau, sequence_module_s=sigma, tp_forward_share=share)
+        return tp_microbatch_s(_with_layouts(CostTables(graph, profiled), layouts, b), config)
 
     none, whole = q(0.0), q(1.0)
     if whole <= none:
@@ -483,6 +463,19 @@ def rerun_share(request: ProfileRequest, times: Mapping, cluster, layouts: Mappi
 
 
 PROBE_MODULE_S = 1e-3  # δ of ``tp_residual``
+
+
+def _profile_with(cluster, request: ProfileRequest, **figures):
+    """``cluster`` with the profile of ``request``'s model given ``figures`` (the fits price with trial figures)."""
+    profiles = tuple(replace(p, **figures) if p.signature == request.signature else p for p in cluster.profiles)
+    return replace(cluster, profiles=profiles)
+
+
+def _with_layouts(tables, layouts: Mapping, microbatch_size: int):
+    """``tables`` with each of ``probe_layouts``' layouts handed in for micro-batch b."""
+    for name, choice in layouts.items():
+        tables.add_tp_layout(choice, microbatch_size, name == "sp")
+    return tables
 
 
 def tp_probe_decisions(name: str, microbatch_size: int):
