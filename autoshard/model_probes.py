@@ -128,6 +128,9 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     measured = {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
     if _pipeline_measurable(request):
         measured["pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds)
+        wide = wide_stages(request, dist.get_world_size())
+        if wide is not None:
+            measured["wide_pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds, wide)
     if request.tp_layouts and dist.get_world_size() % TP_PROBE_DEGREE == 0:
         measured["tp"] = _tp_times(time_op, model_file, request, forward, device, rounds)
     return measured
@@ -166,6 +169,14 @@ def _tp_times(time_op, model_file, request: ProfileRequest, forward, device, rou
 
 # the model's 1F1B is timed at each; a line through all three (``pipeline_residual``)
 MODEL_PIPELINE_MICROBATCHES = (2, 4, 8)
+
+
+def pipeline_microbatches(stages: int) -> tuple[int, ...]:
+    """The micro-batch counts a pipeline of ``stages`` stages is timed at: MODEL_PIPELINE_MICROBATCHES × ⌈p/2⌉, so that
+    every count is at least p (torch's 1F1B runs no fewer micro-batches than stages)."""
+    return tuple(m * -(-stages // 2) for m in MODEL_PIPELINE_MICROBATCHES)
+
+
 PROBE_SCHEDULE_S = 1e-3  # δ of ``pipeline_residual``: a schedule time per micro-batch to price the pipeline with
 
 
@@ -177,18 +188,34 @@ def _pipeline_measurable(request: ProfileRequest) -> bool:
 
 
 def pipeline_split(request: ProfileRequest) -> str:
-    """Where ``_pipeline_times`` cuts the model: before its middle block."""
-    return request.blocks[len(request.blocks) // 2]
+    """Where ``_pipeline_times`` cuts the model into two stages: before its middle block."""
+    return pipeline_splits(request, 2)[0]
 
 
-def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds: int) -> dict[int, float] | None:
-    """Worker side: the model's 1F1B step over two stages (ranks paired: a (pp 2, dp N/2) mesh, each dp rank a
+def pipeline_splits(request: ProfileRequest, stages: int) -> tuple[str, ...]:
+    """Where ``_pipeline_times`` cuts the model into ``stages`` stages: before blocks ⌊k·n/p⌋, k = 1 … p − 1, of its
+    n blocks (p = 2: the middle block)."""
+    n = len(request.blocks)
+    return tuple(request.blocks[k * n // stages] for k in range(1, stages))
+
+
+def wide_stages(request: ProfileRequest, ranks: int) -> int | None:
+    """The most stages, above 2, that a pipeline of the model can have on ``ranks`` ranks in equal groups (a stage
+    needs a block): p ≤ min(ranks, blocks), p dividing ranks; None where there is none (2 ranks, 2 blocks)."""
+    fits = [p for p in range(3, min(ranks, len(request.blocks)) + 1) if ranks % p == 0]
+    return max(fits, default=None)
+
+
+def _pipeline_times(
+    time_op, model_file, request: ProfileRequest, device, rounds: int, stages: int = 2
+) -> dict[int, float] | None:
+    """Worker side: the model's 1F1B step over ``stages`` stages (a (pp p, dp N/p) mesh: each group of p ranks a
     pipeline of its own, no gradient synchronised) at micro-batch b = the smallest size, for m ∈
-    MODEL_PIPELINE_MICROBATCHES micro-batches, with the runtime's own pipeline (``runtime.pipeline_parallel``: the traced
-    stages and torch's schedule, as an emitted program builds them), the model cut before its middle block
-    (``pipeline_split``). Timed in ``rounds`` rounds, each m's figure the smallest m's median plus the median of
-    their difference (``host_probes.paired_over_rounds``). The parent takes from these what the cost model's pipeline formula
-    leaves out for this model (``pipeline_residual``)."""
+    ``pipeline_microbatches(p)`` micro-batches, with the runtime's own pipeline (``runtime.pipeline_parallel``: the traced
+    stages and torch's schedule, as an emitted program builds them), the model cut at ``pipeline_splits``. Timed in
+    ``rounds`` rounds, each m's figure the smallest m's median plus the median of their difference
+    (``host_probes.paired_over_rounds``). The parent takes from these what the cost model's pipeline formula leaves out
+    for this model (``pipeline_residual``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -196,21 +223,22 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
     from autoshard.runtime import pipeline_parallel as pp
     from autoshard.runtime.model import build_model
 
-    b, most = min(request.microbatch_sizes), max(MODEL_PIPELINE_MICROBATCHES)
-    mesh = init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    counts = pipeline_microbatches(stages)
+    b, most = min(request.microbatch_sizes), max(counts)
+    mesh = init_device_mesh(device.type, (stages, dist.get_world_size() // stages), mesh_dim_names=("pp", "dp"))
     inputs, targets = model_file.example_batch(b * most)
     if not isinstance(targets, torch.Tensor):  # the schedule splits the targets along their first dim
         return None
     inputs, targets = tuple(t.to(device) for t in inputs), targets.to(device)
     steps = {}
     try:  # tracing: the same on every rank, before any collective (a model the split cannot trace is not timed)
-        for m in MODEL_PIPELINE_MICROBATCHES:  # stages of their own per m: their buffers are sized by a first schedule
+        for m in counts:  # stages of their own per m: their buffers are sized by a first schedule
             parts = pp.build_pipeline_stages(
                 build_model(model_file, seed=0, device=device),
                 tuple(t[:b] for t in inputs),
-                [pipeline_split(request)],
+                list(pipeline_splits(request, stages)),
                 mesh.get_local_rank("pp"),
-                2,
+                stages,
                 1,
                 device,
                 mesh.get_group("pp"),
@@ -222,7 +250,7 @@ def _pipeline_times(time_op, model_file, request: ProfileRequest, device, rounds
     except Exception:  # noqa: BLE001 - any tracing failure: the profile goes without, as for one block
         return None
     timed = [{m: time_op(step) for m, step in steps.items()} for _ in range(rounds)]
-    return paired_over_rounds(timed, lambda _m: min(MODEL_PIPELINE_MICROBATCHES))
+    return paired_over_rounds(timed, lambda _m: min(counts))
 
 
 def _pipeline_step(pp, schedule, parts, batch, optimizer) -> None:
@@ -233,7 +261,9 @@ def _pipeline_step(pp, schedule, parts, batch, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: int) -> tuple[float, float]:
+def pipeline_residual(
+    request: ProfileRequest, times: Mapping, cluster, ranks: int, stages: int = 2
+) -> tuple[float, float]:
     """Parent side: the pipeline schedule's own time that the model's measured 1F1B steps (``_pipeline_times``) hold
     beyond everything else the cost model prices in them, (per stage and micro-batch, per step): the least-squares line
     through the residuals r(m) = t(m) − Q(m) of the timed micro-batch counts against n(m), what schedule time per
@@ -244,7 +274,7 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
         x = Σ (n − n̄)(r − r̄) / Σ (n − n̄)²
         y = r̄ − n̄·x                                each clamped at 0 (y refitted as r̄ − n̄·x after x's clamp)
 
-    Q(m): the cost model's price of one of the ``ranks`` / 2 pipelines that ran (two stages cut at ``pipeline_split``,
+    Q(m): the cost model's price of one of the ``ranks`` / p pipelines that ran (p = ``stages`` cut at ``pipeline_splits``,
     1F1B, micro-batch b, m of them, no data parallelism: the timed step has no dp wrapper, and its AdamW is the
     profile's, on plain tensors) on ``cluster``, on its share of the node's cores where the ranks share them
     (``HostOverheads.shared_cores`` / pipelines), whose profile of this model scales the units (``cost.profile``), with
@@ -259,7 +289,7 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
 
     points = sorted((int(m), t) for m, t in times.items())
     _, graph = capture_graph(request.spec)  # cached since ``profile_request``
-    pipelines = max(1, ranks // 2)
+    pipelines = max(1, ranks // stages)
     one_pipeline = replace(
         cluster.host,
         pipeline_microbatch_us=0.0,
@@ -269,12 +299,14 @@ def pipeline_residual(request: ProfileRequest, times: Mapping, cluster, ranks: i
 
     def priced_with(per_microbatch_s: float) -> CostTables:
         """The tables of one pipeline whose schedule time is ``per_microbatch_s`` per stage and micro-batch, 0 per step."""
-        profiled = _profile_with(cluster, request, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=0.0)
+        profiled = _profile_with(
+            cluster, request, pipeline_microbatch_s=per_microbatch_s, pipeline_step_s=0.0, wide_pipeline_stages=None
+        )  # every pipeline priced with the trial figure
         return CostTables(graph, replace(profiled, host=one_pipeline))
 
     tables, priced_tables = priced_with(0.0), priced_with(PROBE_SCHEDULE_S)
-    base = Decisions(Mesh(1, 1, 2), 0, min(request.microbatch_sizes), points[0][0], schedule="1f1b")
-    cuts = (request.blocks.index(pipeline_split(request)),)
+    base = Decisions(Mesh(1, 1, stages), 0, min(request.microbatch_sizes), points[0][0], schedule="1f1b")
+    cuts = tuple(request.blocks.index(block) for block in pipeline_splits(request, stages))
 
     def q(m: int, on: CostTables) -> float:
         return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on)
@@ -391,7 +423,17 @@ def with_pipeline(profile: ModelProfile, request: ProfileRequest, measured: Mapp
     if not measured.get("pipeline"):
         return profile
     per_microbatch_s, per_step_s = pipeline_residual(request, measured["pipeline"], cluster, profile.ranks)
-    return replace(profile, pipeline_microbatch_s=_sig(per_microbatch_s), pipeline_step_s=_sig(per_step_s))
+    profile = replace(profile, pipeline_microbatch_s=_sig(per_microbatch_s), pipeline_step_s=_sig(per_step_s))
+    wide = wide_stages(request, profile.ranks)
+    if wide is None or not measured.get("wide_pipeline"):
+        return profile
+    per_microbatch_s, per_step_s = pipeline_residual(request, measured["wide_pipeline"], cluster, profile.ranks, wide)
+    return replace(
+        profile,
+        wide_pipeline_stages=wide,
+        wide_pipeline_microbatch_s=_sig(per_microbatch_s),
+        wide_pipeline_step_s=_sig(per_step_s),
+    )
 
 
 def tp_residual(request: ProfileRequest, times: Mapping, cluster) -> tuple[float, float, float | None]:

@@ -388,6 +388,16 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     path.write_text(yaml.safe_dump(full.to_dict(), sort_keys=False))
     assert load_cluster(str(path)) == full
     assert Cluster.from_dict(full.to_dict()) == full
+    wide = replace(
+        full,
+        profiles=(
+            replace(
+                full.profiles[0], wide_pipeline_stages=4, wide_pipeline_microbatch_s=0.002, wide_pipeline_step_s=0.0
+            ),
+        ),
+    )
+    assert Cluster.from_dict(wide.to_dict()) == wide and "wide_pipeline_stages" in wide.to_dict()["profiles"][0]
+    assert "wide_pipeline_stages" not in full.to_dict()["profiles"][0]
     earlier = full.to_dict()  # a file from before the step loop was measured reads with none
     for key in ("step_loop_s", "pipeline_microbatch_s", "pipeline_step_s"):
         del earlier["profiles"][0][key]
@@ -407,9 +417,15 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
         (
             {"loop_s": 0.001},
-            "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, tp_forward_share, tp_module_s",
+            "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, tp_forward_share, "
+            "tp_module_s, wide_pipeline_microbatch_s, wide_pipeline_stages, wide_pipeline_step_s",
         ),
         ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),
+        (
+            {"wide_pipeline_stages": 2, "wide_pipeline_microbatch_s": 0.001},
+            "wide_pipeline_stages must be a stage count",
+        ),
+        ({"wide_pipeline_stages": 4, "wide_pipeline_step_s": -1}, "wide_pipeline_step_s must be seconds"),
     ],
 )
 def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
@@ -543,6 +559,73 @@ def test_the_pipeline_fit_on_shared_cores_prices_one_pipeline_on_its_cores(gpt):
     }
     profiled = replace(node, host=host, profiles=(profile_of(gpt, times),))
     assert pipeline_residual(request, steps, profiled, 4) == pytest.approx((0.0023, 0.0041), rel=1e-6)
+
+
+def test_the_wide_pipeline_fit_inverts_the_cost_model_s_pipeline_of_as_many_stages(gpt):
+    """With 4 ranks and 4 blocks ``_pipeline_times`` also runs one 4-stage pipeline (``wide_stages``), cut before
+    blocks 1, 2 and 3 (``pipeline_splits``): ``pipeline_residual`` with ``stages`` 4 prices it on the node's 2 cores
+    and gives back the schedule time such a pipeline was priced with, whatever the 2-stage fit says."""
+    from autoshard.model_probes import (
+        ProfileRequest,
+        pipeline_microbatches,
+        pipeline_residual,
+        pipeline_splits,
+        wide_stages,
+    )
+
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
+    assert len(request.blocks) == 4 and wide_stages(request, 4) == 4
+    assert pipeline_splits(request, 4) == request.blocks[1:]
+    assert pipeline_microbatches(4) == (4, 8, 16) and min(pipeline_microbatches(3)) >= 3  # 1F1B: m >= stages
+    cuts = (1, 2, 3)
+    node = replace(
+        load_cluster("local-cpu", devices_per_node=4), host=HostOverheads(**TRUE, shared_cores=2.0, source="t")
+    )
+    pairs = dict(pipeline_microbatch_s=0.0009, pipeline_step_s=0.0002)
+    known = profile_of(gpt, times, **pairs, wide_pipeline_stages=4, wide_pipeline_microbatch_s=0.0031)
+    known = replace(known, wide_pipeline_step_s=0.0057)
+    tables = CostTables(gpt, replace(node, profiles=(known,)))
+    pp4 = Decisions(Mesh(1, 1, 4), 0, 1, 4, schedule="1f1b")
+    steps = {
+        m: price_parts(tables, replace(pp4, num_microbatches=m), cuts).step_time_s for m in pipeline_microbatches(4)
+    }
+    profiled = replace(node, profiles=(profile_of(gpt, times, **pairs),))
+    assert pipeline_residual(request, steps, profiled, 4, stages=4) == pytest.approx((0.0031, 0.0057), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "ranks, blocks, wide", [(2, 4, None), (4, 4, 4), (8, 4, 4), (6, 4, 3), (4, 2, None), (8, 12, 8), (16, 12, 8)]
+)
+def test_the_wide_pipeline_has_as_many_stages_as_the_ranks_and_blocks_allow(ranks, blocks, wide):
+    from autoshard.model_probes import ProfileRequest, pipeline_splits, wide_stages
+
+    request = ProfileRequest(GPT, "ab" * 8, tuple(f"h.{i}" for i in range(blocks)), (1,))
+    assert wide_stages(request, ranks) == wide
+    if wide is not None:
+        splits = pipeline_splits(request, wide)
+        assert len(splits) == wide - 1 and list(splits) == sorted(set(splits), key=request.blocks.index)
+        assert request.blocks[0] not in splits
+
+
+def test_each_pipeline_is_priced_with_the_fit_nearest_in_stages(gpt):
+    """A profile with both pipeline fits prices 2- and 3-stage pipelines with the pairs' (a tie goes to 2), 4 stages and
+    more with the wide one's (``ModelProfile.pipeline_fit``); without the wide fit every pipeline takes the pairs'."""
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    pairs = profile_of(gpt, times, pipeline_microbatch_s=0.001, pipeline_step_s=0.002)
+    both = replace(pairs, wide_pipeline_stages=4, wide_pipeline_microbatch_s=0.003, wide_pipeline_step_s=0.004)
+    assert [both.pipeline_fit(p) for p in (2, 3, 4, 8)] == [(0.001, 0.002)] * 2 + [(0.003, 0.004)] * 2
+    assert {pairs.pipeline_fit(p) for p in (2, 3, 4, 8)} == {(0.001, 0.002)}
+    node = replace(
+        load_cluster("local-cpu", devices_per_node=4), host=HostOverheads(**TRUE, shared_cores=2.0, source="t")
+    )
+
+    def price(config, cuts, profile):
+        return price_parts(CostTables(gpt, replace(node, profiles=(profile,))), config, cuts).step_time_s
+
+    pp2, pp4 = Decisions(Mesh(2, 1, 2), 0, 1, 4, schedule="1f1b"), Decisions(Mesh(1, 1, 4), 0, 1, 4, schedule="1f1b")
+    assert price(pp2, (2,), both) == price(pp2, (2,), pairs)
+    assert price(pp4, (1, 2, 3), both) > price(pp4, (1, 2, 3), pairs)
 
 
 def test_the_tp_fit_inverts_the_cost_model_s_dtensor_time(cluster, gpt):

@@ -187,13 +187,14 @@ def step_loop_s(tables: CostTables) -> float:
     return profile.step_loop_s if profile is not None else 0.0
 
 
-def pipeline_host_s(tables: CostTables) -> tuple[float, float]:
-    """A pipeline schedule's own time, (per stage and micro-batch, per step): the model's, measured on itself by
-    ``calibrate --model`` (``ModelProfile.pipeline_microbatch_s``, ``pipeline_step_s``), else the host probes'
-    (``pipeline_microbatch_us``, ``pipeline_step_us``)."""
+def pipeline_host_s(tables: CostTables, stages: int) -> tuple[float, float]:
+    """A pipeline schedule's own time over ``stages`` pipeline ranks, (per stage and micro-batch, per step): the
+    model's, measured on itself by ``calibrate --model`` on the timed pipeline nearest in stages
+    (``ModelProfile.pipeline_fit``), else the host probes' (``pipeline_microbatch_us``, ``pipeline_step_us``)."""
     profile, host = tables.profile, tables.cluster.host
-    if profile is not None and profile.pipeline_microbatch_s is not None:
-        return profile.pipeline_microbatch_s, profile.pipeline_step_s or 0.0
+    fit = profile.pipeline_fit(stages) if profile is not None else None
+    if fit is not None:
+        return fit
     return host.pipeline_microbatch_us * 1e-6, host.pipeline_step_us * 1e-6
 
 

@@ -135,7 +135,13 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     fsdp_sync_s = fsdp_pipeline_host_s(cluster, config, config.virtual_stages, params, precision)[1]
-    host_s = m * slowest.host_s + optimizer_host + fsdp_sync_s + pipeline_host_s(tables)[1] + step_loop_s(tables)
+    host_s = (
+        m * slowest.host_s
+        + optimizer_host
+        + fsdp_sync_s
+        + pipeline_host_s(tables, config.mesh.pp)[1]
+        + step_loop_s(tables)
+    )
     span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
         forward_s=m * slowest.forward_s,
@@ -319,7 +325,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         host_s = (
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
             + sum(split_backward_host_s(tables, config, s, stage_units(rng, units.blocks)) for s, rng in mine)
-            + len(mine) * pipeline_host_s(tables)[0]
+            + len(mine) * pipeline_host_s(tables, pp)[0]
             + fsdp_pipeline_host_s(tables.cluster, config, len(mine), params, tables.precision)[0]
         )  # FSDP2: a unit per stage
         loads.append(

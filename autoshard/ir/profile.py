@@ -5,7 +5,9 @@ one micro-batch's forward and forward + backward on every rank at once (``model_
 one AdamW step, what the emitted program's step does besides (``step_loop_s``), and a pipeline schedule's own
 time on the model, per stage and micro-batch and per step (``pipeline_microbatch_s``, ``pipeline_step_s``), and DTensor's
 host time per tensor-parallel module on the model and the share a recomputed forward runs again (``tp_module_s``,
-``sequence_module_s``, ``tp_forward_share``); the cost model scales its per-unit split
+``sequence_module_s``, ``tp_forward_share``), and with more than two ranks the pipeline's figures again over as many
+stages as the ranks allow (``wide_pipeline_stages``, ``wide_pipeline_microbatch_s``, ``wide_pipeline_step_s``: a
+pipeline of 4 stages on 4 ranks runs unlike two of 2 side by side, ``pipeline_fit``); the cost model scales its per-unit split
 of the work to these totals (``cost.profile``). A profile is keyed by the
 captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
@@ -22,6 +24,7 @@ from autoshard.errors import AutoshardError
 MODES = ("none", "selective", "full")
 PIPELINE_FIELDS = ("pipeline_microbatch_s", "pipeline_step_s")  # optional: files before them stay as they were
 TP_FIELDS = ("tp_module_s", "sequence_module_s", "tp_forward_share")  # optional likewise
+WIDE_PIPELINE_FIELDS = ("wide_pipeline_microbatch_s", "wide_pipeline_step_s")  # optional, with wide_pipeline_stages
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,26 @@ class ModelProfile:
     tp_module_s: float | None = None
     sequence_module_s: float | None = None
     tp_forward_share: float | None = None  # the share of that host time a recomputed forward runs again
+    # the pipeline figures again, fitted on one pipeline of this many stages (> 2; ``model_probes.wide_stages``)
+    wide_pipeline_stages: int | None = None
+    wide_pipeline_microbatch_s: float | None = None
+    wide_pipeline_step_s: float | None = None
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
+
+    def pipeline_fit(self, stages: int) -> tuple[float, float] | None:
+        """A pipeline schedule's own time for a pipeline of ``stages`` stages, (per stage and micro-batch, per step): the
+        fit on the timed pipeline whose stage count is nearest (2, or ``wide_pipeline_stages``; a tie takes 2); None
+        when neither was measured (the host probes price it). What a schedule costs beyond the cost model's parts
+        depends on how many ranks wait on one another: on 4 CPU ranks sharing 2 cores the 2-stage fit priced pp 4
+        plans of the example GPT 25-45 % over their runs (2026-11-28, RESULTS)."""
+        wide = self.wide_pipeline_stages
+        if wide is not None and self.wide_pipeline_microbatch_s is not None and abs(stages - wide) < abs(stages - 2):
+            return self.wide_pipeline_microbatch_s, self.wide_pipeline_step_s or 0.0
+        if self.pipeline_microbatch_s is None:
+            return None
+        return self.pipeline_microbatch_s, self.pipeline_step_s or 0.0
 
     def totals(self, microbatch_size: int, recompute: str) -> tuple[float, float, float] | None:
         """(forward, backward, recompute) seconds of one micro-batch of b; None when the mode was not
@@ -81,6 +101,12 @@ class ModelProfile:
             "optimizer_s": self.optimizer_s,
             **({"step_loop_s": self.step_loop_s} if self.step_loop_s else {}),  # files before it stay as they were
             **{k: getattr(self, k) for k in PIPELINE_FIELDS + TP_FIELDS if getattr(self, k) is not None},
+            **(
+                {"wide_pipeline_stages": self.wide_pipeline_stages}
+                | {k: getattr(self, k) for k in WIDE_PIPELINE_FIELDS if getattr(self, k) is not None}
+                if self.wide_pipeline_stages is not None
+                else {}
+            ),
             "source": self.source,
         }
 
@@ -89,13 +115,13 @@ class ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
-        optional = {"step_loop_s", *PIPELINE_FIELDS, *TP_FIELDS}
+        optional = {"step_loop_s", *PIPELINE_FIELDS, *TP_FIELDS, *WIDE_PIPELINE_FIELDS, "wide_pipeline_stages"}
         if not isinstance(d, Mapping) or not required <= set(d) <= required | optional:
             raise AutoshardError(
                 f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
                 f"have {', '.join(sorted(optional))}); {fix}"
             )
-        for key in ("optimizer_s", *optional):
+        for key in ("optimizer_s", *(optional - {"wide_pipeline_stages"})):
             seconds = d.get(key, 0.0)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e6:
                 raise AutoshardError(f"{where}: profile {d.get('model')!r}: {key} must be seconds >= 0; {fix}")
@@ -108,6 +134,11 @@ class ModelProfile:
             raise AutoshardError(
                 f"{where}: profile {d.get('model')!r} has a malformed model, signature, ranks or source; {fix}"
             )
+        wide = d.get("wide_pipeline_stages")
+        if wide is not None and (isinstance(wide, bool) or not isinstance(wide, int) or wide < 3):
+            raise AutoshardError(
+                f"{where}: profile {d.get('model')!r}: wide_pipeline_stages must be a stage count >= 3; {fix}"
+            )
         return cls(
             d["model"],
             d["signature"],
@@ -117,6 +148,8 @@ class ModelProfile:
             float(d["optimizer_s"]),
             float(d.get("step_loop_s", 0.0)),
             *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS + TP_FIELDS),
+            wide,
+            *(float(d[k]) if k in d and wide is not None else None for k in WIDE_PIPELINE_FIELDS),
         )
 
 
