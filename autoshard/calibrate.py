@@ -18,7 +18,8 @@ Every figure is timed like this (``_time_op``; on a GPU a matmul or elementwise 
 launches about 2 ms long, ``_time_kernel``): a warm-up call, then a timed one; the ranks
 agree (slowest rank) on k calls that take about ``Settings.point_s`` in all; after a
 barrier each rank times each of its k calls back to back; a call's time is the slowest
-rank's (a synchronous step waits for it); the figure is the median over the k calls, so a
+rank's (a synchronous step waits for it), or for the host probes and models, which time the
+parts of a step, the ranks' mean (``_time_probe``); the figure is the median over the k calls, so a
 call that another process on the machine delayed does not move it. CPU ranks use
 ``OMP_NUM_THREADS`` threads (default 1), as ``autoshard run`` starts them.
 
@@ -392,7 +393,7 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
     if models:
         origin = (
             f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} "
-            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the slowest rank"
+            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the ranks' mean"
             + (f", then over {m.repeats} calibrations in a row" if m.repeats > 1 else "")
         )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
@@ -532,6 +533,7 @@ def _header(cal: Calibration, command: str, path: Path) -> str:
         f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
         f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
         f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank"
+        " (the host probes and models: of the ranks' mean)"
         + (f", then over {m.repeats} calibrations in a row." if m.repeats > 1 else "."),
         f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.",
         "",
@@ -835,10 +837,17 @@ class _Bench:
 
     def _time_probe(self, op: Callable[[], None]) -> float:
         """``_time_op`` for the host probes and models: their figures are differences of times, so
-        each gets PROBE_TIME_FACTOR × the time of a collective's point. Still the median of each
-        call's slowest rank: training steps synchronise the ranks (collectives every step, FSDP2
-        every unit), so a call one rank loses to the scheduler is lost by all (measured on this
-        machine: the ranks' own medians predicted the CPU plans' step times 20-40% low)."""
+        each gets PROBE_TIME_FACTOR × the time of a collective's point, and a call's time is the mean
+        over the ranks of their k-th call, not the slowest rank's. The figures are parts of a step (a
+        forward, a backward, an optimizer step, a probe's ops), and where ranks share cores the
+        scheduler's slices land on one rank or another call by call: the slowest rank per call counts
+        every slice some rank lost, and a step's parts summed that way ran over the whole step that
+        syncs once (4 ranks on 2 cores, the GPT example at b 2, 2026-11-28: the slowest rank read a
+        forward + backward 31 % and an AdamW step 3.6 times above the ranks' own medians, and the CPU
+        runs' prices 10-40 % over the runs). What waiting for the slowest rank costs a step is
+        measured once per step, by the step loop (``model_probes._step_ops``: the program's step ends in
+        the loss's all-reduce). On 2 ranks the two statistics differ by a few per cent; a collective,
+        which the ranks finish together, and a device kernel keep the slowest rank (``_time_op``)."""
         return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
 
     def _time_model_round(self, op: Callable[[], None]) -> float:
@@ -863,7 +872,14 @@ class _Bench:
             op()
             self._sync()
             times.append(time.perf_counter() - t0)
+        if point_s is not None:  # the probes and models: a call's time is the ranks' mean (``_time_probe``)
+            return statistics.median(self._mean_over_ranks(times))
         return statistics.median(self._max_over_ranks(times))
+
+    def _mean_over_ranks(self, values: list[float]) -> list[float]:
+        t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return (t / self.ranks).tolist()
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
         t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)

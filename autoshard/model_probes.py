@@ -6,7 +6,7 @@ with the runtime's recompute wrappers and times, for each micro-batch size b and
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
 step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
 own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 (``_tp_times``)
-(``measure_model``). The slowest rank's medians become an ``ir.profile.ModelProfile`` (``model_profile``), which the
+(``measure_model``). The medians over calls of the ranks' mean become an ``ir.profile.ModelProfile`` (``model_profile``), which the
 cost model scales its units to (``cost.profile``); the parent fits the pipeline's schedule time per micro-batch
 (``pipeline_residual``, ``with_pipeline``) and DTensor's host time per module (``tp_residual``, ``with_tp``) with the
 cost model itself.
@@ -394,7 +394,7 @@ REMEASURES = 2  # a forward timed slower than its forward and backward is timed 
 def _forward_and_step(time_op, forward, step) -> list[float]:
     """[forward_s, forward_backward_s] of one model and micro-batch. On a loaded machine a burst can land on the
     forward's calls alone and time it above the whole step, which no run does: the pair is timed again then.
-    ``time_op`` gives every rank the same figure (the slowest rank's), so every rank re-times alike."""
+    ``time_op`` gives every rank the same figure (the ranks' mean), so every rank re-times alike."""
     for _ in range(1 + REMEASURES):
         pair = [time_op(forward), time_op(step)]
         if pair[0] < pair[1]:

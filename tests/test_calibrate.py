@@ -229,6 +229,33 @@ def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     assert launch_s <= t < launch_s + sync_s / 2, t  # per launch; a lone launch would read launch + sync
 
 
+def test_a_probe_s_call_is_the_ranks_mean_a_collective_s_the_slowest_rank():
+    """Four ranks sharing cores, each of a 1 ms call's k-th runs slowed to 4 ms on one rank or another (a scheduler
+    slice): a collective's figure (``_time_op``) is the median over calls of the slowest rank, 4 ms; a host probe's or
+    a model's part (``_time_probe``, ``_time_model_round``) the median over calls of the ranks' mean, 1.75 ms: over a
+    step the slices even out, and what waiting on the slowest rank costs is the step loop's."""
+    import types
+
+    from autoshard import calibrate
+
+    calls = 64
+    per_rank = [[4e-3 if k % 4 == r else 1e-3 for k in range(calls)] for r in range(4)]
+
+    def over_ranks(reduce):
+        return lambda values: [reduce(p[k % calls] for p in per_rank) for k in range(len(values))]
+
+    bench = calibrate._Bench.__new__(calibrate._Bench)
+    bench.gpu, bench.ranks = False, 4
+    bench.s = calibrate.Settings.for_backend("gloo", quick=True)
+    bench.dist = types.SimpleNamespace(barrier=lambda: None)
+    bench._sync = lambda: None
+    bench._max_over_ranks = over_ranks(max)
+    bench._mean_over_ranks = over_ranks(lambda xs: sum(xs) / 4)
+    assert bench._time_op(lambda: None) == pytest.approx(4e-3)
+    assert bench._time_probe(lambda: None) == pytest.approx(1.75e-3)
+    assert bench._time_model_round(lambda: None) == pytest.approx(1.75e-3)
+
+
 def test_gpu_peak_is_the_largest_matmul_cpu_peak_the_median():
     """GPUs: the 8192³ matmul's throughput (the eager model's η_large; smaller shapes it scales down itself);
     CPU ranks: the median over the sizes (the fused roofline's one η)."""
