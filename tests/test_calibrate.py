@@ -194,6 +194,7 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert "step_loop_s" in path.read_text() or profile.step_loop_s == 0
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
     assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
+    assert profile.wide_pipeline_stages is None  # 2 ranks: the pairs' pipeline is the widest there is
     assert 0 <= cluster.host.tp_forward_share <= 1
     # its own tensor-parallel layouts at tp 2: DTensor's time per module, and the share a recomputed forward reruns
     assert profile.tp_module_s is not None and profile.tp_module_s >= 0 and profile.sequence_module_s >= 0
