@@ -177,7 +177,7 @@ def summary(rows: list[dict], pick: str) -> dict:
 def calibrate(ranks: int, model: str, path: Path, repeats: int = 1) -> str:
     """``autoshard calibrate`` of this machine and ``model`` at ``ranks`` ranks, ``repeats`` calibrations in a row
     (every time their median); the cluster file's path."""
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -192,10 +192,13 @@ def calibrate(ranks: int, model: str, path: Path, repeats: int = 1) -> str:
             "-o",
             str(path),
         ],
-        check=True,
+        check=False,
         capture_output=True,
+        text=True,
         cwd=ROOT,
     )
+    if done.returncode != 0:  # its one-line error (or traceback) is the only account of what failed
+        sys.exit(f"calibrate failed (exit {done.returncode}): {(done.stderr or done.stdout)[-2000:]}")
     return str(path)
 
 
