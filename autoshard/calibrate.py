@@ -848,15 +848,21 @@ class _Bench:
         measured once per step, by the step loop (``model_probes._step_ops``: the program's step ends in
         the loss's all-reduce). On 2 ranks the two statistics differ by a few per cent; a collective,
         which the ranks finish together, and a device kernel keep the slowest rank (``_time_op``)."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR)
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR, self._mean_over_ranks)
 
     def _time_model_round(self, op: Callable[[], None]) -> float:
         """``_time_probe`` for one of a model profile's rounds: the rounds share its budget, so ``calibrate --model``
         takes as long as with one round (``model_probes._paired_rounds``)."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR / PROFILE_ROUNDS)
+        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR / PROFILE_ROUNDS, self._mean_over_ranks)
 
-    def _time_op(self, op: Callable[[], None], point_s: float | None = None) -> float:
-        """Median over calls of the slowest rank's time per call (module doc)."""
+    def _time_op(
+        self,
+        op: Callable[[], None],
+        point_s: float | None = None,
+        over_ranks: Callable[[list[float]], list[float]] | None = None,
+    ) -> float:
+        """Median over calls of the slowest rank's time per call (module doc), or of ``over_ranks``' (the probes':
+        the ranks' mean, ``_time_probe``)."""
         op()
         self._sync()
         t0 = time.perf_counter()
@@ -872,9 +878,7 @@ class _Bench:
             op()
             self._sync()
             times.append(time.perf_counter() - t0)
-        if point_s is not None:  # the probes and models: a call's time is the ranks' mean (``_time_probe``)
-            return statistics.median(self._mean_over_ranks(times))
-        return statistics.median(self._max_over_ranks(times))
+        return statistics.median((over_ranks or self._max_over_ranks)(times))
 
     def _mean_over_ranks(self, values: list[float]) -> list[float]:
         t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
