@@ -112,6 +112,25 @@ def test_repeats_take_every_time_s_median_before_the_fits():
     assert median_of_repeats([base]) is base
 
 
+def test_a_model_probe_one_repeat_lacks_is_the_median_of_the_others():
+    """A model probe that failed in one calibration of ``--repeats 3`` (``_pipeline_times`` gives None) is the median of
+    the calibrations that have it, whichever repeat failed; one none of them has stays None."""
+    from dataclasses import replace
+
+    from autoshard.calibrate import median_of_repeats
+
+    runs = [scaled(fake_measurements(), f) for f in (1.0, 1.6, 1.02)]
+    for failed in range(3):
+        tried = [
+            replace(r, models=[{**r.models[0], "pipeline": None if i == failed else {"2": 5e-3 * (1 + i)}, "tp": None}])
+            for i, r in enumerate(runs)
+        ]
+        model = median_of_repeats(tried).models[0]
+        present = [5e-3 * (1 + i) for i in range(3) if i != failed]
+        assert model["pipeline"]["2"] == pytest.approx(sum(present) / 2) and model["tp"] is None
+        assert model["times"]["4"]["none"] == pytest.approx([1.02e-2, 3.06e-2])
+
+
 def test_cluster_file_round_trips_through_load_cluster(tmp_path):
     cal = _calibration(fake_measurements(), quick=True, wall_s=1.0)
     path = write_cluster_file(tmp_path / "c.yaml", cal, "autoshard calibrate --quick -o c.yaml")
@@ -198,6 +217,7 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
     assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
     assert profile.wide_pipeline_stages is None  # 2 ranks: the pairs' pipeline is the widest there is
+    assert profile.wide_tp_degree is None  # 2 ranks: the pairs are the widest tensor parallelism there is
     assert 0 <= cluster.host.tp_forward_share <= 1
     # its own tensor-parallel layouts at tp 2: DTensor's time per module, and the share a recomputed forward reruns
     assert profile.tp_module_s is not None and profile.tp_module_s >= 0 and profile.sequence_module_s >= 0
