@@ -263,12 +263,14 @@ def median_of_repeats(runs: list[Measurements]) -> Measurements:
 def _median_tree(trees: list[Any]) -> Any:
     """Nested dicts and lists of numbers (the probes' records) with every number the median over ``trees``; counts
     (equal in every tree) and anything not a number are the first tree's. A record one calibration lacks (a model
-    probe that failed in it and gave None, ``model_probes._pipeline_times``) is the median of those that have it."""
+    probe that failed in it and gave None or left its key out, ``model_probes._pipeline_times``) is the median of those
+    that have it."""
     trees = [t for t in trees if t is not None] or trees
     first = trees[0]
     if isinstance(first, dict):
         present = [t for t in trees if isinstance(t, dict)]
-        return {k: _median_tree([t[k] for t in present if k in t]) for k in first}
+        keys = dict.fromkeys(k for t in present for k in t)  # every tree's, in the order they first appear
+        return {k: _median_tree([t[k] for t in present if k in t]) for k in keys}
     if isinstance(first, list):
         return [_median_tree([t[i] for t in trees]) for i in range(len(first))]
     if isinstance(first, bool) or not isinstance(first, (int, float)) or all(t == first for t in trees):

@@ -892,7 +892,7 @@ def cmd_calibrate(args) -> int:
     ranks, _ = resolve_ranks(args.devices_per_node)
     repeats = repeats_flag(args.repeats)
     sizes = microbatch_sizes_flag(args.microbatch_sizes)
-    models = [profile_request(spec, sizes, ranks) for spec in args.model]  # captured before minutes of measuring
+    models = [profile_request(spec, sizes) for spec in args.model]  # captured before minutes of measuring
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("calibrating", total=None)
         result = calibrate(

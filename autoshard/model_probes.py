@@ -5,8 +5,7 @@ The parent captures each model as ``plan`` does (on meta) for its graph signatur
 with the runtime's recompute wrappers and times, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
 step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
-own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 and, on more ranks, at the widest degree they
-allow (``_tp_times``, ``wide_tp_degree``)
+own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 (``_tp_times``)
 (``measure_model``). The medians over calls of the ranks' mean become an ``ir.profile.ModelProfile`` (``model_profile``), which the
 cost model scales its units to (``cost.profile``); the parent fits the pipeline's schedule time per micro-batch
 (``pipeline_residual``, ``with_pipeline``) and DTensor's host time per module (``tp_residual``, ``with_tp``) with the
@@ -38,35 +37,13 @@ class ProfileRequest:
     microbatch_sizes: tuple[int, ...]
     # the tensor-parallel layouts timed at TP_PROBE_DEGREE (``probe_layouts``): (name, ((module, style), ...))
     tp_layouts: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
-    # the same timed again at the widest degree above it that the ranks and the model allow (``wide_tp_degree``)
-    wide_tp_degree: int | None = None
-    wide_tp_layouts: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
-
-    def layouts_at(self, degree: int) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-        """The layouts timed at tensor-parallel ``degree``."""
-        return self.tp_layouts if degree == TP_PROBE_DEGREE else self.wide_tp_layouts
 
 
-def profile_request(spec: str, microbatch_sizes: tuple[int, ...], ranks: int = 2) -> ProfileRequest:
-    """Capture the model (on meta, as ``plan`` does) for its signature, blocks and tensor-parallel layouts, at
-    TP_PROBE_DEGREE and, on more ranks, at ``wide_tp_degree`` too."""
+def profile_request(spec: str, microbatch_sizes: tuple[int, ...]) -> ProfileRequest:
+    """Capture the model (on meta, as ``plan`` does) for its signature, blocks and tensor-parallel layouts."""
     _, graph = capture_graph(spec)
-    layouts = _styles(probe_layouts(graph))
-    wide = wide_tp_degree(graph, ranks)
-    wide_layouts = _styles(probe_layouts(graph, wide)) if wide is not None else ()
-    return ProfileRequest(
-        spec,
-        graph_signature(graph),
-        tuple(b.path for b in graph.blocks),
-        microbatch_sizes,
-        layouts,
-        wide if wide_layouts else None,
-        wide_layouts,
-    )
-
-
-def _styles(layouts: Mapping) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-    return tuple((name, tuple(sorted(c.sharded.items()))) for name, c in layouts.items())
+    layouts = tuple((name, tuple(sorted(c.sharded.items()))) for name, c in probe_layouts(graph).items())
+    return ProfileRequest(spec, graph_signature(graph), tuple(b.path for b in graph.blocks), microbatch_sizes, layouts)
 
 
 TP_PROBE_DEGREE = 2  # the model's tensor-parallel steps are timed over ranks in pairs
@@ -74,19 +51,8 @@ TP_LAYOUTS = ("tp", "sp")  # Megatron's layout without and with sequence paralle
 RECOMPUTED = "+full"  # ``_tp_times``: the last layout timed again with full recompute, under its name + this
 
 
-def wide_tp_degree(graph, ranks: int) -> int | None:
-    """The largest tensor-parallel degree t > TP_PROBE_DEGREE that divides ``ranks`` and the model's heads
-    (``check_divisibility``); None where there is none (2 ranks). DTensor's time per module on t ranks that meet at
-    every module is not the pairs' (on 4 CPU ranks sharing 2 cores, the pairs' fit priced tp 4 plans 11-13 % over their
-    runs, 2026-11-28, RESULTS)."""
-    from autoshard.passes.planning.tensor_parallel import check_divisibility
-
-    fits = [t for t in range(TP_PROBE_DEGREE + 1, ranks + 1) if ranks % t == 0 and not check_divisibility(graph, t)]
-    return max(fits, default=None)
-
-
-def probe_layouts(graph, tp: int = TP_PROBE_DEGREE) -> dict[str, Any]:
-    """The layouts ``_tp_times`` times (name -> ``TPChoice``): the layout model's at tensor-parallel degree ``tp`` without and
+def probe_layouts(graph) -> dict[str, Any]:
+    """The layouts ``_tp_times`` times (name -> ``TPChoice``): the layout model's at tp = TP_PROBE_DEGREE without and
     with sequence parallelism, solved on a link whose collectives cost nothing, so that every module the proof allows
     is sharded (on a slow link the model would keep every module whole without sequence parallelism, and there
     would be no DTensor module to time); a layout that shards nothing, or that the model refuses, is left out."""
@@ -94,6 +60,7 @@ def probe_layouts(graph, tp: int = TP_PROBE_DEGREE) -> dict[str, Any]:
     from autoshard.ir.topology import LinkSpec
     from autoshard.passes.planning.tensor_parallel import check_divisibility, choose_tp_styles, sp_available
 
+    tp = TP_PROBE_DEGREE
     if check_divisibility(graph, tp):
         return {}
     free = LinkSpec(1e9, 1e-6, "a link whose collectives cost nothing")
@@ -166,37 +133,30 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
             measured["wide_pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds, wide)
     if request.tp_layouts and dist.get_world_size() % TP_PROBE_DEGREE == 0:
         measured["tp"] = _tp_times(time_op, model_file, request, forward, device, rounds)
-    wide = request.wide_tp_degree
-    if wide is not None and request.wide_tp_layouts and dist.get_world_size() % wide == 0:
-        measured["wide_tp"] = _tp_times(time_op, model_file, request, forward, device, rounds, wide)
     return measured
 
 
-def _tp_times(
-    time_op, model_file, request: ProfileRequest, forward, device, rounds: int, degree: int = TP_PROBE_DEGREE
-) -> dict[str, float] | None:
+def _tp_times(time_op, model_file, request: ProfileRequest, forward, device, rounds: int) -> dict[str, float] | None:
     """Worker side: one micro-batch's forward + backward (b = the smallest size, no recompute) of the model under each
-    of its layouts at tensor-parallel ``degree`` t (``request.layouts_at``), and under the last with full recompute
-    (its name + RECOMPUTED), with the runtime's own tensor parallelism and recompute (``runtime.parallel.apply_tp``,
-    ``apply_recompute``: DTensor's styles and the blocks' checkpoints, as an emitted program applies them), the ranks
-    in groups of t (a (dp N/t, tp t) mesh, each group a model of its own, no gradient synchronised). Every layout
-    timed once per round, ``rounds`` rounds; each figure the median of its rounds. The parent takes from these
-    DTensor's host time per module on this model (``tp_residual``)."""
+    of ``request.tp_layouts``, and under the last with full recompute (its name + RECOMPUTED), with the runtime's own
+    tensor parallelism and recompute (``runtime.parallel.apply_tp``, ``apply_recompute``: DTensor's styles and the
+    blocks' checkpoints, as an emitted program applies them), the ranks in pairs (a (dp N/2, tp 2) mesh, each pair a model of its
+    own, no gradient synchronised). Every layout timed once per round, ``rounds`` rounds; each figure the median of
+    its rounds. The parent takes from these DTensor's host time per module on this model (``tp_residual``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoshard.runtime.model import build_model
     from autoshard.runtime.parallel import apply_recompute, apply_tp
 
-    shape = (dist.get_world_size() // degree, degree)
+    shape = (dist.get_world_size() // TP_PROBE_DEGREE, TP_PROBE_DEGREE)
     tp_mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))["tp"]
     b = min(request.microbatch_sizes)
-    layouts = request.layouts_at(degree)
-    last, last_styles = layouts[-1]
+    last, last_styles = request.tp_layouts[-1]
     try:  # the same on every rank, before any collective (a layout the runtime cannot apply is not timed)
         models = {
             name: apply_tp(build_model(model_file, seed=0, device=device), tp_mesh, dict(styles))
-            for name, styles in layouts
+            for name, styles in request.tp_layouts
         }
         rerun = apply_tp(build_model(model_file, seed=0, device=device), tp_mesh, dict(last_styles))
         models[last + RECOMPUTED] = apply_recompute(rerun, list(request.blocks), "full")
@@ -476,14 +436,12 @@ def with_pipeline(profile: ModelProfile, request: ProfileRequest, measured: Mapp
     )
 
 
-def tp_residual(
-    request: ProfileRequest, times: Mapping, cluster, degree: int = TP_PROBE_DEGREE
-) -> tuple[float, float, float | None]:
+def tp_residual(request: ProfileRequest, times: Mapping, cluster) -> tuple[float, float, float | None]:
     """Parent side: DTensor's host time per module on this model, (of a style that shards a weight, of one that shards
-    none), from its measured tensor-parallel micro-batches at ``degree`` (``_tp_times``): what each holds beyond
-    everything else the cost model prices in it, over its modules of each kind::
+    none), from its measured tensor-parallel micro-batches (``_tp_times``): what each holds beyond everything else the
+    cost model prices in it, over its modules of each kind::
 
-        Q_L(τ, σ): the price of one micro-batch's forward + backward under layout L at tp t (compute, the layout's
+        Q_L(τ, σ): the price of one micro-batch's forward + backward under layout L at tp 2 (compute, the layout's
                    collectives, τ per module that shards a weight and σ per other module: ``cost.tp_units``)
         n_L = [Q_L(δ, 0) − Q_L(0, 0)] / δ,   s_L = [Q_L(0, δ) − Q_L(0, 0)] / δ      (the modules of each kind)
         τ = [t_tp − Q_tp(0, 0)] / n_tp                                             (Megatron's layout: no σ module)
@@ -496,17 +454,15 @@ def tp_residual(
     from autoshard.cost.tables import CostTables
 
     _, graph = capture_graph(request.spec)  # cached since ``profile_request``
-    layouts = probe_layouts(graph, degree)
+    layouts = probe_layouts(graph)
     b = min(request.microbatch_sizes)
 
     def priced_with(tp_module_s: float, sequence_module_s: float) -> CostTables:
-        profiled = _profile_with(
-            cluster, request, tp_module_s=tp_module_s, sequence_module_s=sequence_module_s, wide_tp_degree=None
-        )  # every degree priced with the trial figures
+        profiled = _profile_with(cluster, request, tp_module_s=tp_module_s, sequence_module_s=sequence_module_s)
         return _with_layouts(CostTables(graph, profiled), layouts, b)
 
     def q(name: str, tables: CostTables) -> float:
-        return tp_microbatch_s(tables, tp_probe_decisions(name, b, degree))
+        return tp_microbatch_s(tables, tp_probe_decisions(name, b))
 
     base, per_tp, per_seq = priced_with(0.0, 0.0), priced_with(PROBE_MODULE_S, 0.0), priced_with(0.0, PROBE_MODULE_S)
 
@@ -517,18 +473,10 @@ def tp_residual(
     sigma = cluster.host.sequence_module_us * 1e-6
     if "sp" in times and count("sp", per_seq):
         sigma = max(0.0, (times["sp"] - q("sp", base) - tau * count("sp", per_tp)) / count("sp", per_seq))
-    return tau, sigma, rerun_share(request, times, cluster, layouts, tau, sigma, degree)
+    return tau, sigma, rerun_share(request, times, cluster, layouts, tau, sigma)
 
 
-def rerun_share(
-    request: ProfileRequest,
-    times: Mapping,
-    cluster,
-    layouts: Mapping,
-    tau: float,
-    sigma: float,
-    degree: int = TP_PROBE_DEGREE,
-):
+def rerun_share(request: ProfileRequest, times: Mapping, cluster, layouts: Mapping, tau: float, sigma: float):
     """Parent side: the share s_f of a module's DTensor host time that a recomputed forward runs again (``cost.tp_units
     .forward_share``), from the last layout's micro-batch with full recompute (``_tp_times``), DTensor's time per
     module at (τ, σ) (``tp_residual``); None where it was not timed::
@@ -544,12 +492,10 @@ def rerun_share(
         return None
     _, graph = capture_graph(request.spec)
     b = min(request.microbatch_sizes)
-    config = replace(tp_probe_decisions(name, b, degree), recompute="full")
+    config = replace(tp_probe_decisions(name, b), recompute="full")
 
     def q(share: float) -> float:
-        profiled = _profile_with(
-            cluster, request, tp_module_s=tau, sequence_module_s=sigma, tp_forward_share=share, wide_tp_degree=None
-        )
+        profiled = _profile_with(cluster, request, tp_module_s=tau, sequence_module_s=sigma, tp_forward_share=share)
         return tp_microbatch_s(_with_layouts(CostTables(graph, profiled), layouts, b), config)
 
     none, whole = q(0.0), q(1.0)
@@ -574,11 +520,11 @@ def _with_layouts(tables, layouts: Mapping, microbatch_size: int):
     return tables
 
 
-def tp_probe_decisions(name: str, microbatch_size: int, degree: int = TP_PROBE_DEGREE):
-    """What ``_tp_times`` runs under layout ``name``, as decisions: tp ``degree``, one micro-batch of b."""
+def tp_probe_decisions(name: str, microbatch_size: int):
+    """What ``_tp_times`` runs under layout ``name``, as decisions: tp 2, one micro-batch of b."""
     from autoshard.ir.decisions import Decisions, Mesh
 
-    return Decisions(Mesh(1, degree, 1), 0, microbatch_size, 1, sequence_parallel=name == "sp")
+    return Decisions(Mesh(1, TP_PROBE_DEGREE, 1), 0, microbatch_size, 1, sequence_parallel=name == "sp")
 
 
 def tp_microbatch_s(tables, config) -> float:
@@ -593,27 +539,15 @@ def tp_microbatch_s(tables, config) -> float:
 
 
 def with_tp(profile: ModelProfile, request: ProfileRequest, measured: Mapping, cluster) -> ModelProfile:
-    """``profile`` with DTensor's host time per module that ``tp_residual`` fits to the measured steps, if any, at
-    TP_PROBE_DEGREE and at ``request.wide_tp_degree``."""
+    """``profile`` with DTensor's host time per module that ``tp_residual`` fits to the measured steps, if any."""
     if not measured.get("tp") or "tp" not in measured["tp"]:
         return profile
     tp_module_s, sequence_module_s, share = tp_residual(request, measured["tp"], cluster)
-    profile = replace(
+    return replace(
         profile,
         tp_module_s=_sig(tp_module_s),
         sequence_module_s=_sig(sequence_module_s),
         tp_forward_share=None if share is None else _sig(share),
-    )
-    wide = request.wide_tp_degree
-    if wide is None or not measured.get("wide_tp") or "tp" not in measured["wide_tp"]:
-        return profile
-    tp_module_s, sequence_module_s, share = tp_residual(request, measured["wide_tp"], cluster, wide)
-    return replace(
-        profile,
-        wide_tp_degree=wide,
-        wide_tp_module_s=_sig(tp_module_s),
-        wide_sequence_module_s=_sig(sequence_module_s),
-        wide_tp_forward_share=None if share is None else _sig(share),
     )
 
 

@@ -129,6 +129,9 @@ def test_a_model_probe_one_repeat_lacks_is_the_median_of_the_others():
         present = [5e-3 * (1 + i) for i in range(3) if i != failed]
         assert model["pipeline"]["2"] == pytest.approx(sum(present) / 2) and model["tp"] is None
         assert model["times"]["4"]["none"] == pytest.approx([1.02e-2, 3.06e-2])
+    left_out = [replace(r, models=[{**r.models[0], "tp": {"sp": 0.1 * i}}]) for i, r in enumerate(runs)]
+    del left_out[0].models[0]["tp"]  # a key the first calibration left out is still the median of the others
+    assert median_of_repeats(left_out).models[0]["tp"] == {"sp": pytest.approx(0.15)}
 
 
 def test_cluster_file_round_trips_through_load_cluster(tmp_path):
@@ -217,7 +220,6 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
     assert profile.pipeline_microbatch_s is not None and profile.pipeline_microbatch_s >= 0  # its own pipeline
     assert profile.pipeline_step_s is not None and profile.pipeline_step_s >= 0
     assert profile.wide_pipeline_stages is None  # 2 ranks: the pairs' pipeline is the widest there is
-    assert profile.wide_tp_degree is None  # 2 ranks: the pairs are the widest tensor parallelism there is
     assert 0 <= cluster.host.tp_forward_share <= 1
     # its own tensor-parallel layouts at tp 2: DTensor's time per module, and the share a recomputed forward reruns
     assert profile.tp_module_s is not None and profile.tp_module_s >= 0 and profile.sequence_module_s >= 0

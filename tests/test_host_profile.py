@@ -398,20 +398,6 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     )
     assert Cluster.from_dict(wide.to_dict()) == wide and "wide_pipeline_stages" in wide.to_dict()["profiles"][0]
     assert "wide_pipeline_stages" not in full.to_dict()["profiles"][0]
-    wide_tp = replace(
-        full,
-        profiles=(
-            replace(
-                full.profiles[0],
-                wide_tp_degree=4,
-                wide_tp_module_s=0.003,
-                wide_sequence_module_s=0.001,
-                wide_tp_forward_share=0.4,
-            ),
-        ),
-    )
-    assert Cluster.from_dict(wide_tp.to_dict()) == wide_tp and "wide_tp_degree" in wide_tp.to_dict()["profiles"][0]
-    assert "wide_tp_degree" not in full.to_dict()["profiles"][0]
     earlier = full.to_dict()  # a file from before the step loop was measured reads with none
     for key in ("step_loop_s", "pipeline_microbatch_s", "pipeline_step_s"):
         del earlier["profiles"][0][key]
@@ -432,11 +418,8 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         (
             {"loop_s": 0.001},
             "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, tp_forward_share, "
-            "tp_module_s, wide_pipeline_microbatch_s, wide_pipeline_stages, wide_pipeline_step_s, "
-            "wide_sequence_module_s, wide_tp_degree, wide_tp_forward_share, wide_tp_module_s",
+            "tp_module_s, wide_pipeline_microbatch_s, wide_pipeline_stages, wide_pipeline_step_s",
         ),
-        ({"wide_tp_degree": 2, "wide_tp_module_s": 0.001}, "wide_tp_degree must be a tensor-parallel degree"),
-        ({"wide_tp_degree": 4, "wide_sequence_module_s": -1}, "wide_sequence_module_s must be seconds"),
         ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),
         (
             {"wide_pipeline_stages": 2, "wide_pipeline_microbatch_s": 0.001},
@@ -459,56 +442,6 @@ def test_a_bad_profile_is_one_line(tmp_path, cluster, bad, message):
     with pytest.raises(AutoshardError, match=message) as info:
         load_cluster(str(path))
     assert "\n" not in str(info.value) and "calibrate --model" in str(info.value)
-
-
-def test_the_wide_tp_fit_inverts_the_cost_model_s_dtensor_time_at_its_degree(cluster, gpt):
-    """On 4 ranks ``calibrate --model`` also times the layouts at tp 4 (``wide_tp_degree``: the widest degree above 2
-    dividing the ranks and the heads): ``tp_residual`` at that degree prices tp 4 micro-batches and gives back the
-    figures they were priced with, whatever the pairs' fit says; a profile prices each degree with the fit nearest it
-    (``ModelProfile.tp_fit``, a tie to 2), so tp 2 plans keep the pairs' figures."""
-    from autoshard.cost.tp_units import forward_share, module_host_s
-    from autoshard.model_probes import (
-        RECOMPUTED,
-        probe_layouts,
-        profile_request,
-        tp_microbatch_s,
-        tp_probe_decisions,
-        tp_residual,
-        wide_tp_degree,
-    )
-
-    times = {1: {"none": (0.002, 0.006), "full": (0.003, 0.009)}, 4: {"none": (0.005, 0.015), "full": (0.006, 0.021)}}
-    _, proved = capture_graph(GPT)
-    assert [wide_tp_degree(proved, r) for r in (1, 2, 3, 4, 8)] == [None, None, None, 4, 4]  # 4 heads
-    request = profile_request(GPT, (1, 4), 4)
-    layouts = probe_layouts(proved, 4)
-    assert request.wide_tp_degree == 4 and [n for n, _ in request.wide_tp_layouts] == ["tp", "sp"]
-    assert dict(request.wide_tp_layouts) == {n: tuple(sorted(c.sharded.items())) for n, c in layouts.items()}
-    assert profile_request(GPT, (1, 4)).wide_tp_degree is None  # 2 ranks: the pairs are the widest
-    host = HostOverheads(**TRUE, source="t")
-    pairs = dict(tp_module_s=0.0009, sequence_module_s=0.0004, tp_forward_share=0.2)
-    timed = {name: tp_probe_decisions(name, 1, 4) for name in layouts}
-    timed["sp" + RECOMPUTED] = replace(timed["sp"], recompute="full")
-
-    def tables_with(*figures):
-        wide = dict(zip(("wide_tp_module_s", "wide_sequence_module_s", "wide_tp_forward_share"), figures))
-        profile = replace(profile_of(proved, times), **pairs, wide_tp_degree=4, **wide)
-        tables = CostTables(proved, replace(cluster, host=host, profiles=(profile,)))
-        for name, choice in layouts.items():
-            tables.add_tp_layout(choice, 1, name == "sp")
-        return tables
-
-    known, none = tables_with(0.0031, 0.0017, 0.55), tables_with(0.0, 0.0, 0.0)
-    assert module_host_s(known, 4) == (0.0031, 0.0017) and forward_share(known, 4) == 0.55
-    assert module_host_s(known, 2) == (0.0009, 0.0004) and forward_share(known, 2) == 0.2
-    steps = {
-        name: tp_microbatch_s(none, config)
-        + price_parts(known, config).step_time_s
-        - price_parts(none, config).step_time_s
-        for name, config in timed.items()
-    }
-    profiled = replace(cluster, host=host, profiles=(replace(profile_of(proved, times), **pairs),))
-    assert tp_residual(request, steps, profiled, 4) == pytest.approx((0.0031, 0.0017, 0.55), rel=1e-6)
 
 
 def test_a_recomputed_forward_pays_its_dtensor_share_again(cluster, in_repo_module):

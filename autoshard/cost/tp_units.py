@@ -175,7 +175,7 @@ def tp_host_per_unit_s(
         host(u) = Σ_{modules of u} us(style) · (1 + s_f · reruns(u))          s_f = ``forward_share``"""
     per_unit = modules_host_s(tables, config)
     reruns = forward_reruns(config, len(per_unit) - 2) if reruns is None else reruns
-    share = forward_share(tables, config.mesh.tp)
+    share = forward_share(tables)
     return tuple(t * (1 + share * n) for t, n in zip(per_unit, reruns))
 
 
@@ -183,7 +183,7 @@ def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
     """Per unit: its DTensor modules' host time of one micro-batch's forward and backward (``tp_host_per_unit_s``),
     once per (tp, micro-batch, sequence parallelism) in a search."""
     count = len(tables.graph.blocks) + 2
-    tp_module_s, sequence_module_s = module_host_s(tables, config.mesh.tp)
+    tp_module_s, sequence_module_s = module_host_s(tables)
     if config.mesh.tp == 1 or not (tp_module_s or sequence_module_s):
         return (0.0,) * count
 
@@ -202,22 +202,21 @@ def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
     return tables.memo(("tp_modules_host", config.mesh.tp, config.microbatch_size, config.sequence_parallel), compute)
 
 
-def module_host_s(tables: CostTables, tp: int) -> tuple[float, float]:
-    """DTensor's host time per module at tensor-parallel degree ``tp``, (of a style that shards a weight, of one that
-    shards none): the model's, measured on its own tensor-parallel layouts by ``calibrate --model`` at the degree
-    nearest ``tp`` (``ModelProfile.tp_fit``), else the host probes' (``tp_module_us``, ``sequence_module_us``)."""
-    fit = tables.profile.tp_fit(tp) if tables.profile is not None else None
-    if fit is not None:
-        return fit[0], fit[1]
-    host = tables.cluster.host
+def module_host_s(tables: CostTables) -> tuple[float, float]:
+    """DTensor's host time per module, (of a style that shards a weight, of one that shards none): the model's,
+    measured on its own tensor-parallel layouts by ``calibrate --model`` (``ModelProfile.tp_module_s``,
+    ``sequence_module_s``), else the host probes' (``tp_module_us``, ``sequence_module_us``)."""
+    profile, host = tables.profile, tables.cluster.host
+    if profile is not None and profile.tp_module_s is not None:
+        return profile.tp_module_s, profile.sequence_module_s or 0.0
     return host.tp_module_us * 1e-6, host.sequence_module_us * 1e-6
 
 
-def forward_share(tables: CostTables, tp: int) -> float:
+def forward_share(tables: CostTables) -> float:
     """The share of a module's DTensor host time that its forward takes, which a recomputed forward runs again: the
-    model's, measured on its own sequence-parallel layout with full recompute at the degree nearest ``tp``
-    (``ModelProfile.tp_fit``), else the host probes' (``HostOverheads.tp_forward_share``)."""
-    fit = tables.profile.tp_fit(tp) if tables.profile is not None else None
-    if fit is not None and fit[2] is not None:
-        return fit[2]
+    model's, measured on its own sequence-parallel layout with full recompute (``ModelProfile.tp_forward_share``),
+    else the host probes' (``HostOverheads.tp_forward_share``)."""
+    profile = tables.profile
+    if profile is not None and profile.tp_forward_share is not None:
+        return profile.tp_forward_share
     return tables.cluster.host.tp_forward_share

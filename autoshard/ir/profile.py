@@ -7,9 +7,7 @@ time on the model, per stage and micro-batch and per step (``pipeline_microbatch
 host time per tensor-parallel module on the model and the share a recomputed forward runs again (``tp_module_s``,
 ``sequence_module_s``, ``tp_forward_share``), and with more than two ranks the pipeline's figures again over as many
 stages as the ranks allow (``wide_pipeline_stages``, ``wide_pipeline_microbatch_s``, ``wide_pipeline_step_s``: a
-pipeline of 4 stages on 4 ranks runs unlike two of 2 side by side, ``pipeline_fit``), and DTensor's figures again at
-the widest tensor-parallel degree the ranks allow (``wide_tp_degree``, ``wide_tp_module_s``,
-``wide_sequence_module_s``, ``wide_tp_forward_share``: ``tp_fit``); the cost model scales its per-unit split
+pipeline of 4 stages on 4 ranks runs unlike two of 2 side by side, ``pipeline_fit``); the cost model scales its per-unit split
 of the work to these totals (``cost.profile``). A profile is keyed by the
 captured graph's signature (``cost.profile.graph_signature``). Pure data and its checked reader: no torch here.
 """
@@ -27,11 +25,6 @@ MODES = ("none", "selective", "full")
 PIPELINE_FIELDS = ("pipeline_microbatch_s", "pipeline_step_s")  # optional: files before them stay as they were
 TP_FIELDS = ("tp_module_s", "sequence_module_s", "tp_forward_share")  # optional likewise
 WIDE_PIPELINE_FIELDS = ("wide_pipeline_microbatch_s", "wide_pipeline_step_s")  # optional, with wide_pipeline_stages
-WIDE_TP_FIELDS = (
-    "wide_tp_module_s",
-    "wide_sequence_module_s",
-    "wide_tp_forward_share",
-)  # optional, with wide_tp_degree
 
 
 @dataclass(frozen=True)
@@ -58,11 +51,6 @@ class ModelProfile:
     wide_pipeline_stages: int | None = None
     wide_pipeline_microbatch_s: float | None = None
     wide_pipeline_step_s: float | None = None
-    # DTensor's figures again, fitted on the layouts at this tensor-parallel degree (> 2; ``model_probes.wide_tp_degree``)
-    wide_tp_degree: int | None = None
-    wide_tp_module_s: float | None = None
-    wide_sequence_module_s: float | None = None
-    wide_tp_forward_share: float | None = None
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
@@ -79,19 +67,6 @@ class ModelProfile:
         if self.pipeline_microbatch_s is None:
             return None
         return self.pipeline_microbatch_s, self.pipeline_step_s or 0.0
-
-    def tp_fit(self, tp: int) -> tuple[float, float, float | None] | None:
-        """DTensor's host time for tensor parallelism of degree ``tp``, (per module of a style that shards a weight, per
-        other module, the share a recomputed forward runs again or None): the fit on the layouts timed at the degree
-        nearest ``tp`` (2, or ``wide_tp_degree``; a tie takes 2); None when neither was measured (the host probes
-        price it). t ranks meet at every module: on 4 CPU ranks sharing 2 cores the pairs' fit priced tp 4 plans of
-        the example GPT 11-13 % over their runs (2026-11-28, RESULTS)."""
-        wide = self.wide_tp_degree
-        if wide is not None and self.wide_tp_module_s is not None and abs(tp - wide) < abs(tp - 2):
-            return self.wide_tp_module_s, self.wide_sequence_module_s or 0.0, self.wide_tp_forward_share
-        if self.tp_module_s is None:
-            return None
-        return self.tp_module_s, self.sequence_module_s or 0.0, self.tp_forward_share
 
     def totals(self, microbatch_size: int, recompute: str) -> tuple[float, float, float] | None:
         """(forward, backward, recompute) seconds of one micro-batch of b; None when the mode was not
@@ -132,12 +107,6 @@ class ModelProfile:
                 if self.wide_pipeline_stages is not None
                 else {}
             ),
-            **(
-                {"wide_tp_degree": self.wide_tp_degree}
-                | {k: getattr(self, k) for k in WIDE_TP_FIELDS if getattr(self, k) is not None}
-                if self.wide_tp_degree is not None
-                else {}
-            ),
             "source": self.source,
         }
 
@@ -146,21 +115,13 @@ class ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
-        optional = {
-            "step_loop_s",
-            *PIPELINE_FIELDS,
-            *TP_FIELDS,
-            *WIDE_PIPELINE_FIELDS,
-            "wide_pipeline_stages",
-            "wide_tp_degree",
-            *WIDE_TP_FIELDS,
-        }
+        optional = {"step_loop_s", *PIPELINE_FIELDS, *TP_FIELDS, *WIDE_PIPELINE_FIELDS, "wide_pipeline_stages"}
         if not isinstance(d, Mapping) or not required <= set(d) <= required | optional:
             raise AutoshardError(
                 f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
                 f"have {', '.join(sorted(optional))}); {fix}"
             )
-        for key in ("optimizer_s", *(optional - {"wide_pipeline_stages", "wide_tp_degree"})):
+        for key in ("optimizer_s", *(optional - {"wide_pipeline_stages"})):
             seconds = d.get(key, 0.0)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e6:
                 raise AutoshardError(f"{where}: profile {d.get('model')!r}: {key} must be seconds >= 0; {fix}")
@@ -178,11 +139,6 @@ class ModelProfile:
             raise AutoshardError(
                 f"{where}: profile {d.get('model')!r}: wide_pipeline_stages must be a stage count >= 3; {fix}"
             )
-        wide_tp = d.get("wide_tp_degree")
-        if wide_tp is not None and (isinstance(wide_tp, bool) or not isinstance(wide_tp, int) or wide_tp < 3):
-            raise AutoshardError(
-                f"{where}: profile {d.get('model')!r}: wide_tp_degree must be a tensor-parallel degree >= 3; {fix}"
-            )
         return cls(
             d["model"],
             d["signature"],
@@ -194,8 +150,6 @@ class ModelProfile:
             *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS + TP_FIELDS),
             wide,
             *(float(d[k]) if k in d and wide is not None else None for k in WIDE_PIPELINE_FIELDS),
-            wide_tp,
-            *(float(d[k]) if k in d and wide_tp is not None else None for k in WIDE_TP_FIELDS),
         )
 
 

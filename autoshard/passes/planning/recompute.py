@@ -92,7 +92,7 @@ def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k
     tp = tables.layout_cost(config)
     share = tp.light_fraction[u] if mode == "selective" else tp.unit_fraction[u]
     repeated = (FULL_RECOMPUTE_TP_COMM - 1.0) * tp.comm_s / len(tables.graph.blocks) if mode == "full" else 0.0
-    dtensor = forward_share(tables, config.mesh.tp) * modules_host_s(tables, config)[u] if mode != "none" else 0.0
+    dtensor = forward_share(tables) * modules_host_s(tables, config)[u] if mode != "none" else 0.0
     return units.recompute_s[u] * share + host + repeated + dtensor
 
 
