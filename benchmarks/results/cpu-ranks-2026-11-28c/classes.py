@@ -1,6 +1,6 @@
 """Class tables (mean error / MAPE per mesh and schedule) of `bench_plans.py --reprice` outputs, side by side:
 
-    python classes.py A.table.txt [B.table.txt ...]
+python classes.py A.table.txt [B.table.txt ...]
 """
 
 import collections
