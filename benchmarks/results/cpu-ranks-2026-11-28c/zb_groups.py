@@ -46,8 +46,8 @@ print(
     "weight pass per block",
     calls[0] / len(blocks),
 )
-from autoshard.cost.tp_units import weight_groups
-from autoshard.pipeline import capture_graph
+from autoshard.cost.tp_units import weight_groups  # noqa: E402
+from autoshard.pipeline import capture_graph  # noqa: E402
 
 _, g = capture_graph("examples/gpt.py:build")
 print("cost model g per block", [weight_groups(g, b.node_names) for b in g.blocks])
