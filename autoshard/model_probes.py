@@ -187,11 +187,6 @@ def _pipeline_measurable(request: ProfileRequest) -> bool:
     return len(request.blocks) >= 2 and dist.get_world_size() % 2 == 0
 
 
-def pipeline_split(request: ProfileRequest) -> str:
-    """Where ``_pipeline_times`` cuts the model into two stages: before its middle block."""
-    return pipeline_splits(request, 2)[0]
-
-
 def pipeline_splits(request: ProfileRequest, stages: int) -> tuple[str, ...]:
     """Where ``_pipeline_times`` cuts the model into ``stages`` stages: before blocks ⌊k·n/p⌋, k = 1 … p − 1, of its
     n blocks (p = 2: the middle block)."""

@@ -266,11 +266,11 @@ def test_the_pipeline_fit_inverts_the_cost_model_s_pipeline(cluster, gpt):
     per micro-batch and per step (two stages cut before the middle block, b = 1, m = 2, 4 and 8, the optimizer priced,
     the step loop not: the timed step has none) gives both back: the fit and the price are one formula. Steps that
     take no longer than the rest of the price give 0."""
-    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_split
+    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_splits
 
     times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
     request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
-    cuts = (request.blocks.index(pipeline_split(request)),)
+    cuts = (request.blocks.index(pipeline_splits(request, 2)[0]),)
     host = HostOverheads(**TRUE, source="t")  # the probes' own figures, which the model's replace
     loop_s = 0.0031  # in the program's step, not in the timed one
 
@@ -543,11 +543,11 @@ def test_the_pipeline_fit_on_shared_cores_prices_one_pipeline_on_its_cores(gpt):
     pipeline's (no dp wrapper, a plain AdamW): ``pipeline_residual`` prices one of them on 1 core (the node's 2 over
     the 2 pipelines), not a dp 2 × pp 2 plan whose FSDP2 hooks and sharded optimizer the timed step never ran, so it
     gives back the schedule time such a pipeline was priced with."""
-    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_split
+    from autoshard.model_probes import MODEL_PIPELINE_MICROBATCHES, ProfileRequest, pipeline_residual, pipeline_splits
 
     times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
     request = ProfileRequest(GPT, graph_signature(gpt), tuple(b.path for b in gpt.blocks), (1, 4))
-    cuts = (request.blocks.index(pipeline_split(request)),)
+    cuts = (request.blocks.index(pipeline_splits(request, 2)[0]),)
     node = load_cluster("local-cpu", devices_per_node=4)
     host = HostOverheads(**TRUE, shared_cores=2.0, source="t")
     one_core = replace(node, host=replace(host, shared_cores=1.0))
