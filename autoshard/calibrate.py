@@ -18,9 +18,11 @@ Every figure is timed like this (``_time_op``; on a GPU a matmul or elementwise 
 launches about 2 ms long, ``_time_kernel``): a warm-up call, then a timed one; the ranks
 agree (slowest rank) on k calls that take about ``Settings.point_s`` in all; after a
 barrier each rank times each of its k calls back to back; a call's time is the slowest
-rank's (a synchronous step waits for it), or for the host probes and models, which time the
-parts of a step, the ranks' mean (``_time_probe``); the figure is the median over the k calls, so a
-call that another process on the machine delayed does not move it. CPU ranks use
+rank's (a synchronous step waits for it); the figure is the median over the k calls, so a
+call that another process on the machine delayed does not move it. The host probes and models,
+which time the parts of a step, run their k calls in PROBE_BLOCKS blocks, each after a barrier,
+and take the median over blocks of the slowest rank's block time per call (``_time_blocks``): what
+the ranks take together, as a step that syncs them once does, however the scheduler orders them. CPU ranks use
 ``OMP_NUM_THREADS`` threads (default 1), as ``autoshard run`` starts them.
 
 What is written (``build_cluster``):
@@ -85,6 +87,7 @@ KIB, MIB = 2**10, 2**20
 WORKER_TIMEOUT_S = 300  # a collective that hangs this long means a broken process group
 MAX_REPEATS = 9  # --repeats: each repeat is a whole calibration (1-2 minutes on CPU ranks)
 PROBE_TIME_FACTOR = 3  # host probes and models: 3 × a collective's timing budget (their figures are differences)
+PROBE_BLOCKS = 3  # host probes and models: their calls run in this many blocks, each after a barrier (_time_blocks)
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,7 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
     if models:
         origin = (
             f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} "
-            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over calls of the ranks' mean"
+            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over blocks of calls of the slowest rank's time per call"
             + (f", then over {m.repeats} calibrations in a row" if m.repeats > 1 else "")
         )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
@@ -538,7 +541,7 @@ def _header(cal: Calibration, command: str, path: Path) -> str:
         f"Cluster file written by `{command}` ({cal.wall_s:.0f} s).",
         f"Use it: autoshard plan model.py:build --cluster {path} --global-batch ...",
         f"{m.ranks} {m.backend} ranks, {m.dtype}; every time is the median over calls of the slowest rank"
-        " (the host probes and models: of the ranks' mean)"
+        " (the host probes and models: over blocks of calls)"
         + (f", then over {m.repeats} calibrations in a row." if m.repeats > 1 else "."),
         f"Machine {m.busy}: other processes slow what is measured; calibrate an idle machine.",
         "",
@@ -841,41 +844,44 @@ class _Bench:
             self._sync()
 
     def _time_probe(self, op: Callable[[], None]) -> float:
-        """``_time_op`` for the host probes and models: their figures are differences of times, so
-        each gets PROBE_TIME_FACTOR × the time of a collective's point, and a call's time is the mean
-        over the ranks of their k-th call, not the slowest rank's. The figures are parts of a step (a
-        forward, a backward, an optimizer step, a probe's ops), and where ranks share cores the
-        scheduler's slices land on one rank or another call by call: the slowest rank per call counts
-        every slice some rank lost, and a step's parts summed that way ran over the whole step that
-        syncs once (4 ranks on 2 cores, the GPT example at b 2, 2026-11-28: the slowest rank read a
-        forward + backward 31 % and an AdamW step 3.6 times above the ranks' own medians, and the CPU
-        runs' prices 10-40 % over the runs). What waiting for the slowest rank costs a step is
-        measured once per step, by the step loop (``model_probes._step_ops``: the program's step ends in
-        the loss's all-reduce). On 2 ranks the two statistics differ by a few per cent; a collective,
-        which the ranks finish together, and a device kernel keep the slowest rank (``_time_op``)."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR, self._mean_over_ranks)
+        """``_time_blocks`` for the host probes and models: their figures are differences of times, so each gets
+        PROBE_TIME_FACTOR × the time of a collective's point."""
+        return self._time_blocks(op, self.s.point_s * PROBE_TIME_FACTOR)
 
     def _time_model_round(self, op: Callable[[], None]) -> float:
         """``_time_probe`` for one of a model profile's rounds: the rounds share its budget, so ``calibrate --model``
         takes as long as with one round (``model_probes._paired_rounds``)."""
-        return self._time_op(op, self.s.point_s * PROBE_TIME_FACTOR / PROFILE_ROUNDS, self._mean_over_ranks)
+        return self._time_blocks(op, self.s.point_s * PROBE_TIME_FACTOR / PROFILE_ROUNDS)
 
-    def _time_op(
-        self,
-        op: Callable[[], None],
-        point_s: float | None = None,
-        over_ranks: Callable[[list[float]], list[float]] | None = None,
-    ) -> float:
-        """Median over calls of the slowest rank's time per call (module doc), or of ``over_ranks``' (the probes':
-        the ranks' mean, ``_time_probe``)."""
-        op()
-        self._sync()
-        t0 = time.perf_counter()
-        op()
-        self._sync()
-        warm = self._max_over_ranks([time.perf_counter() - t0])[0]
-        budget_s = self.s.point_s if point_s is None else point_s
-        calls = max(self.s.min_calls, min(self.s.max_calls, math.floor(budget_s / max(warm, 1e-9))))
+    def _time_blocks(self, op: Callable[[], None], budget_s: float) -> float:
+        """The time per call of the parts of a step (a forward, a backward, an optimizer step, a probe's ops) as a step
+        spends it: the k calls of ``_time_op`` run as PROBE_BLOCKS blocks of n = ⌈k / PROBE_BLOCKS⌉, each after a
+        barrier, and the figure is the median over blocks of the slowest rank's block time / n.
+
+        A step syncs its ranks once (its loss's all-reduce), so on ranks that share cores it lasts as long as all of
+        them take to run its parts, however the scheduler orders them. A call's own time does not tell that: where
+        the scheduler runs two of 4 ranks on 2 cores while the other two wait, the first two time every call at a
+        whole core's speed and the two others time one call long (the wait) and the rest as fast. Timed side by
+        side (4 ranks on 2 cores, the GPT example's b 8 forward and backward, 2026-11-28,
+        ``benchmarks/results/cpu-ranks-2026-11-28d/block_vs_call.py``), the median over calls of the ranks' mean
+        read 13-17 ms after ``host_probes`` had run and 30 ms before, the block time 25-31 ms in both, and one
+        rank alone 13 ms (2 ranks: both statistics 13-14 ms); a calibration's profile that read 38.9 ms priced
+        the 4-rank runs after it 10-30 % over. The slowest rank per call, which collectives keep (``_time_op``),
+        counts every slice some rank lost and sums to more than a step takes."""
+        per_block = math.ceil(self._calls(op, budget_s) / PROBE_BLOCKS)
+        times = []
+        for _ in range(PROBE_BLOCKS):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                op()
+                self._sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(self._max_over_ranks(times)) / per_block
+
+    def _time_op(self, op: Callable[[], None]) -> float:
+        """Median over calls of the slowest rank's time per call (module doc)."""
+        calls = self._calls(op, self.s.point_s)
         times = []
         self.dist.barrier()
         for _ in range(calls):
@@ -883,12 +889,18 @@ class _Bench:
             op()
             self._sync()
             times.append(time.perf_counter() - t0)
-        return statistics.median((over_ranks or self._max_over_ranks)(times))
+        return statistics.median(self._max_over_ranks(times))
 
-    def _mean_over_ranks(self, values: list[float]) -> list[float]:
-        t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
-        self.dist.all_reduce(t)
-        return (t / self.ranks).tolist()
+    def _calls(self, op: Callable[[], None], budget_s: float) -> int:
+        """A warm-up call, then a timed one: the calls (``Settings.min_calls`` … ``max_calls``) that take about
+        ``budget_s`` on the slowest rank, the same on every rank."""
+        op()
+        self._sync()
+        t0 = time.perf_counter()
+        op()
+        self._sync()
+        warm = self._max_over_ranks([time.perf_counter() - t0])[0]
+        return max(self.s.min_calls, min(self.s.max_calls, math.floor(budget_s / max(warm, 1e-9))))
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
         t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)

@@ -6,7 +6,7 @@ with the runtime's recompute wrappers and times, for each micro-batch size b and
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
 step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
 own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 (``_tp_times``)
-(``measure_model``). The medians over calls of the ranks' mean become an ``ir.profile.ModelProfile`` (``model_profile``), which the
+(``measure_model``). Their figures (``calibrate._time_blocks``: over blocks of calls, the slowest rank's time per call) become an ``ir.profile.ModelProfile`` (``model_profile``), which the
 cost model scales its units to (``cost.profile``); the parent fits the pipeline's schedule time per micro-batch
 (``pipeline_residual``, ``with_pipeline``) and DTensor's host time per module (``tp_residual``, ``with_tp``) with the
 cost model itself.
@@ -122,10 +122,11 @@ def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFIL
     optimizer = torch.optim.AdamW(models["none"].parameters(), lr=1e-3)  # the gradients are there
     optimizer_s = time_op(optimizer.step)
     b = max(request.microbatch_sizes)
-    parts, whole = _step_ops(model_file, models["none"], optimizer, batches[b], autocast, device)
-    loop_rounds = [{"parts": time_op(parts), "whole": time_op(whole)} for _ in range(rounds)]
+    parts, whole, alone = _step_ops(model_file, models["none"], optimizer, batches[b], autocast, device)
+    loop_rounds = [{"parts": time_op(parts), "whole": time_op(whole), "alone": time_op(alone)} for _ in range(rounds)]
     step_loop_s = max(0.0, statistics.median(r["whole"] - r["parts"] for r in loop_rounds))
-    measured = {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s}
+    step_sync_s = min(step_loop_s, max(0.0, statistics.median(r["whole"] - r["alone"] for r in loop_rounds)))
+    measured = {"times": out, "optimizer_s": optimizer_s, "step_loop_s": step_loop_s, "step_sync_s": step_sync_s}
     if _pipeline_measurable(request):
         measured["pipeline"] = _pipeline_times(time_op, model_file, request, device, rounds)
         wide = wide_stages(request, dist.get_world_size())
@@ -313,20 +314,27 @@ def pipeline_residual(
 
 
 def _step_ops(model_file, model, optimizer, batch, autocast, device):
-    """Two ops of one micro-batch of ``batch``'s size b per rank (m = 1), for the step loop (``measure_model``):
+    """Three ops of one micro-batch of ``batch``'s size b per rank (m = 1), for the step loop (``measure_model``):
 
         parts: forward + backward, then optimizer.step(), as the profile times them (each alone, back to back)
         whole: the emitted program's step, with its own calls in its order: batches.take (example_batch's draw of
                the step, this rank's share; ``runtime.data.global_batch``, ``take_shard``) → forward + backward →
                optimizer.step() → scheduler.step() → optimizer.zero_grad(set_to_none=True) →
                runtime.mean_over(loss) (an all-reduce over every rank, its value read) → log.end(step, ...)
+        alone: the same step with the loss read on its own rank (a program whose loss group is one rank: one
+               data-parallel rank, no pipeline)
 
     t_loop = med_r (t_whole − t_parts) over rounds r, each timing both: what a step costs beyond its parts timed
     alone. That is the work around them (measured alone, 2 CPU ranks, GPT example, dp 2, b 4, 2026-11-27: the draw
     0.68 ms, scheduler and zero_grad 0.13, the loss's all-reduce and read 0.43, the log 0.08), and what the parts
     cost more inside a step than back to back: the backward writes fresh gradients after zero_grad, where the
     profile's calls add to kept ones, and the forward reads weights the optimizer has just written (the same two
-    ranks: whole 13.0-16.2 ms against parts 11.5, three rounds). Priced once per step (``cost.parts.step_loop_s``)."""
+    ranks: whole 13.0-16.2 ms against parts 11.5, three rounds). Priced once per step (``cost.parts.step_loop_s``).
+
+    t_sync = med_r (t_whole − t_alone), at most t_loop: the loss's all-reduce, and the wait for the slowest rank it
+    makes every step pay. Where ranks share cores that wait is most of the loop (4 ranks on 2 cores, GPT example,
+    b 2 and 8, 2026-11-28, ``benchmarks/results/cpu-ranks-2026-11-28d/loop_sync.py``: t_loop 1.1-5.1 ms, "alone"
+    minus "parts" −1.0-2.0 ms); a step whose ranks share no collective runs without it (``cost.parts.step_loop_s``)."""
     import torch.distributed as dist
 
     from autoshard.runtime.data import global_batch, take_shard
@@ -360,7 +368,18 @@ def _step_ops(model_file, model, optimizer, batch, autocast, device):
         optimizer.zero_grad(set_to_none=True)
         log.end(step, mean_over(loss.detach(), None))
 
-    return parts, whole
+    def alone() -> None:
+        step = next(steps)
+        log.start()
+        inputs, targets = take_shard(global_batch(model_file, microbatch_size * ranks, 0, step), rank, ranks, device)
+        loss = loss_of(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, loss.item())
+
+    return parts, whole, alone
 
 
 def _paired_rounds(rounds: list[dict[int, dict[str, list[float]]]]) -> dict[int, dict[str, list[float]]]:
@@ -389,7 +408,7 @@ REMEASURES = 2  # a forward timed slower than its forward and backward is timed 
 def _forward_and_step(time_op, forward, step) -> list[float]:
     """[forward_s, forward_backward_s] of one model and micro-batch. On a loaded machine a burst can land on the
     forward's calls alone and time it above the whole step, which no run does: the pair is timed again then.
-    ``time_op`` gives every rank the same figure (the ranks' mean), so every rank re-times alike."""
+    ``time_op`` gives every rank the same figure (the slowest rank's), so every rank re-times alike."""
     for _ in range(1 + REMEASURES):
         pair = [time_op(forward), time_op(step)]
         if pair[0] < pair[1]:
@@ -410,6 +429,7 @@ def model_profile(request: ProfileRequest, measured: Mapping, ranks: int, source
         source,
         _sig(measured["optimizer_s"]),
         _sig(measured.get("step_loop_s", 0.0)),
+        step_sync_s=_sig(measured.get("step_sync_s", 0.0)),
     )
 
 

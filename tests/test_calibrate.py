@@ -255,31 +255,39 @@ def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     assert launch_s <= t < launch_s + sync_s / 2, t  # per launch; a lone launch would read launch + sync
 
 
-def test_a_probe_s_call_is_the_ranks_mean_a_collective_s_the_slowest_rank():
-    """Four ranks sharing cores, each of a 1 ms call's k-th runs slowed to 4 ms on one rank or another (a scheduler
-    slice): a collective's figure (``_time_op``) is the median over calls of the slowest rank, 4 ms; a host probe's or
-    a model's part (``_time_probe``, ``_time_model_round``) the median over calls of the ranks' mean, 1.75 ms: over a
-    step the slices even out, and what waiting on the slowest rank costs is the step loop's."""
+def test_a_probe_is_timed_as_the_ranks_take_it_together_a_collective_per_call(monkeypatch):
+    """4 ranks on 2 cores, where the scheduler runs two ranks' n calls of a block (1 ms each) while the other two
+    wait, then theirs: seen from a waiting rank, a block is one call of n + 1 ms and n − 1 calls of 1 ms. Every
+    call but one reads 1 ms, so the median over calls (a collective's ``_time_op``) is 1 ms; a host probe's or a
+    model's part (``_time_probe``, ``_time_model_round``) is the block's time per call, 2 ms: the 4 ranks' 4n
+    calls on 2 cores, as a step that syncs them once takes them. Each block starts at a barrier."""
+    import math
     import types
 
     from autoshard import calibrate
 
-    calls = 64
-    per_rank = [[4e-3 if k % 4 == r else 1e-3 for k in range(calls)] for r in range(4)]
-
-    def over_ranks(reduce):
-        return lambda values: [reduce(p[k % calls] for p in per_rank) for k in range(len(values))]
-
+    clock = {"now": 0.0, "waits": False, "barriers": 0}
     bench = calibrate._Bench.__new__(calibrate._Bench)
     bench.gpu, bench.ranks = False, 4
     bench.s = calibrate.Settings.for_backend("gloo", quick=True)
-    bench.dist = types.SimpleNamespace(barrier=lambda: None)
+    n = math.ceil(bench.s.max_calls / calibrate.PROBE_BLOCKS)  # 1 ms calls: as many as the settings allow
+
+    def barrier():
+        clock["waits"], clock["barriers"] = True, clock["barriers"] + 1
+
+    def call():  # 1 ms of a core; the first after a barrier also waits for the other pair's n calls
+        clock["now"] += (1e-3 * n if clock["waits"] else 0.0) + 1e-3
+        clock["waits"] = False
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    bench.dist = types.SimpleNamespace(barrier=barrier)
     bench._sync = lambda: None
-    bench._max_over_ranks = over_ranks(max)
-    bench._mean_over_ranks = over_ranks(lambda xs: sum(xs) / 4)
-    assert bench._time_op(lambda: None) == pytest.approx(4e-3)
-    assert bench._time_probe(lambda: None) == pytest.approx(1.75e-3)
-    assert bench._time_model_round(lambda: None) == pytest.approx(1.75e-3)
+    bench._max_over_ranks = lambda values: values  # this rank, a waiting one, is the slowest
+    assert bench._time_op(call) == pytest.approx(1e-3)
+    clock["barriers"] = 0
+    assert bench._time_probe(call) == pytest.approx(2e-3)
+    assert clock["barriers"] == calibrate.PROBE_BLOCKS
+    assert bench._time_model_round(call) == pytest.approx(2e-3)
 
 
 def test_gpu_peak_is_the_largest_matmul_cpu_peak_the_median():

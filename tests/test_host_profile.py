@@ -239,6 +239,39 @@ def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, c
     assert after.step_time_s - before.step_time_s == pytest.approx(0.0042)
 
 
+@pytest.mark.parametrize(
+    "config, link_gbps, synced",
+    [
+        (Decisions(Mesh(1, 1, 1), 0, 8, 1), 1e6, False),  # one rank: its loss's mean is its own
+        (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e-3, False),  # tp 2 on a slow link keeps every module whole: no collective
+        (Decisions(Mesh(2, 1, 1), 0, 4, 1), 1e6, True),  # dp 2: the gradients' and the loss's all-reduce
+        (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e6, True),  # tp 2 on a fast link shards modules: DTensor's collectives
+    ],
+)
+def test_a_step_whose_ranks_share_no_collective_pays_the_loop_without_its_sync(
+    cluster, in_repo_module, config, link_gbps, synced
+):
+    """t_sync (``step_sync_s``, the loss's all-reduce over every rank in the profile's step loop) is paid by every
+    step whose ranks meet in a collective; a step with none (one data-parallel rank, no pipeline, a layout that
+    shards nothing) pays t_loop − t_sync."""
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    gpt = capture_graph(GPT, use_cache=True)[1]  # with the TP proof: what may be sharded is proved, not assumed
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    loop, sync = 0.0042, 0.0030
+    link = replace(cluster.intra_node, bandwidth_gbps=link_gbps, latency_us=0.01 if link_gbps > 1 else 1e5)
+
+    def host_s(step_sync_s: float) -> float:
+        profile = replace(profile_of(gpt, times, step_loop_s=loop), step_sync_s=step_sync_s)
+        tables = CostTables(gpt, replace(cluster, intra_node=link, profiles=(profile,)))
+        hand_tp_layout(tables, config)
+        if config.mesh.tp > 1:  # the layout solved on the link: whole on the slow one, sharded on the fast one
+            assert (tables.layout_cost(config).comm_s > 0) == synced
+        return price_parts(tables, config).host_s
+
+    assert host_s(sync) - host_s(0.0) == pytest.approx(0.0 if synced else -sync)
+
+
 PIPELINE_1F1B = Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b")
 
 
@@ -302,7 +335,7 @@ def test_the_step_ops_are_the_program_s_step_and_its_parts(in_repo_module, one_r
     model = build_model(model_file, seed=0, device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = model_file.example_batch(2)
-    parts, whole = model_probes._step_ops(model_file, model, optimizer, batch, contextlib.nullcontext(), "cpu")
+    parts, whole, alone = model_probes._step_ops(model_file, model, optimizer, batch, contextlib.nullcontext(), "cpu")
     weights = [p.detach().clone() for p in model.parameters()]
     parts()
     assert all(p.grad is not None for p in model.parameters())  # kept, as the profile's calls keep them
@@ -314,6 +347,9 @@ def test_the_step_ops_are_the_program_s_step_and_its_parts(in_repo_module, one_r
     assert all(p.grad is None for p in model.parameters())  # freed as each step frees them
     assert optimizer.state[next(iter(model.parameters()))]["step"].item() == steps + 2  # one optimizer step each
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    alone()  # the same step, the loss read on its own rank
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.state[next(iter(model.parameters()))]["step"].item() == steps + 3
 
 
 def test_a_profile_is_the_least_squares_line_through_its_sizes(gpt):
@@ -381,6 +417,7 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
                 step_loop_s=0.001,
                 pipeline_microbatch_s=0.0007,
                 pipeline_step_s=0.0,
+                step_sync_s=0.0006,
             ),
         ),
     )
@@ -399,9 +436,10 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
     assert Cluster.from_dict(wide.to_dict()) == wide and "wide_pipeline_stages" in wide.to_dict()["profiles"][0]
     assert "wide_pipeline_stages" not in full.to_dict()["profiles"][0]
     earlier = full.to_dict()  # a file from before the step loop was measured reads with none
-    for key in ("step_loop_s", "pipeline_microbatch_s", "pipeline_step_s"):
+    for key in ("step_loop_s", "pipeline_microbatch_s", "pipeline_step_s", "step_sync_s"):
         del earlier["profiles"][0][key]
     assert Cluster.from_dict(earlier).profiles[0].step_loop_s == 0.0
+    assert Cluster.from_dict(earlier).profiles[0].step_sync_s == 0.0  # every step pays the whole loop
     assert Cluster.from_dict(earlier).profiles[0].pipeline_microbatch_s is None  # the host probes price it
     assert "host" not in cluster.to_dict() and "profiles" not in cluster.to_dict()  # presets: as before
 
@@ -417,7 +455,8 @@ def test_cluster_file_round_trip_with_host_and_profiles(tmp_path, cluster, gpt):
         ({"step_loop_s": -0.001}, "step_loop_s must be seconds"),
         (
             {"loop_s": 0.001},
-            "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, tp_forward_share, "
+            "may have pipeline_microbatch_s, pipeline_step_s, sequence_module_s, step_loop_s, step_sync_s, "
+            "tp_forward_share, "
             "tp_module_s, wide_pipeline_microbatch_s, wide_pipeline_stages, wide_pipeline_step_s",
         ),
         ({"pipeline_microbatch_s": -1}, "pipeline_microbatch_s must be seconds"),

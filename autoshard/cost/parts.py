@@ -19,8 +19,11 @@ ZeRO-1's ZeroRedundancyOptimizer broadcasts each parameter tensor alone: T broad
 Where the cluster has the model's measured profile (``cost.profile``), its AdamW step replaces
 the optimizer's formula and loop (``optimizer_parts``), and t_loop is its step loop: what the program's
 step does once besides forward, backward and the optimizer (the batch's draw, the scheduler, freeing the
-gradients, the loss's mean over the ranks, the log; ``step_loop_s``). Without a profile t_loop = 0: on a
-GPU it is a fraction of a millisecond against steps of seconds.
+gradients, the loss's mean over the ranks, the log; ``step_loop_s``). A step whose ranks share no
+collective (one data-parallel rank, no pipeline, a tensor-parallel layout that shards nothing) runs
+no all-reduce of its loss either, and does not wait for the slowest rank: it pays t_loop − t_sync,
+t_sync what the profile's step loop spent in that all-reduce (``step_sync_s``). Without a profile
+t_loop = 0: on a GPU it is a fraction of a millisecond against steps of seconds.
 """
 
 from __future__ import annotations
@@ -181,10 +184,13 @@ def optimizer_parts(tables: CostTables, config: Decisions, local_params: float, 
     )
 
 
-def step_loop_s(tables: CostTables) -> float:
-    """t_loop (module doc): the model's measured step loop, or 0 without its profile."""
+def step_loop_s(tables: CostTables, synced: bool = True) -> float:
+    """t_loop (module doc): the model's measured step loop, without its sync where the step's ranks share no
+    collective (``synced`` False), or 0 without its profile."""
     profile = tables.profile
-    return profile.step_loop_s if profile is not None else 0.0
+    if profile is None:
+        return 0.0
+    return profile.step_loop_s if synced else max(0.0, profile.step_loop_s - profile.step_sync_s)
 
 
 def pipeline_host_s(tables: CostTables, stages: int) -> tuple[float, float]:

@@ -22,7 +22,8 @@ collectives and what hides them), ``cost.rank_memory`` (memory per rank) and
     dp_exposed = Σ_DP max(0, t_comm − t_compute it hides behind),
                  never less than the part that has nothing to hide behind
     host       = m · Σ_u (host(u) + tp_host(u))  +  m · h_fsdp(U units)  +  optimizer loop  +  DDP hooks
-                 +  the step loop (``cost.parts.step_loop_s``)
+                 +  the step loop (``cost.parts.step_loop_s``; without its sync where the ranks share no
+                    collective: dp = ep = 1 and a layout that shards nothing)
 
 with c_tp and T_tp the layout's (``cost.tp``) for tp > 1. Pipelines: ``cost.pipeline_step``.
 
@@ -119,7 +120,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         + fsdp_step_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
         + optimizer_host
         + dp_host_s(cluster, config, tensors)
-        + step_loop_s(tables)
+        + step_loop_s(tables, synced=config.mesh.dp > 1 or config.ep > 1 or tp_comm_s > 0 or dp.total_s > 0)
     )
     return StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),

@@ -2,7 +2,8 @@
 
 ``autoshard calibrate --model SPEC`` measures, for each micro-batch size b and recompute mode,
 one micro-batch's forward and forward + backward on every rank at once (``model_probes``), and
-one AdamW step, what the emitted program's step does besides (``step_loop_s``), and a pipeline schedule's own
+one AdamW step, what the emitted program's step does besides (``step_loop_s``) and how much of that is the step's
+sync of the ranks (``step_sync_s``), and a pipeline schedule's own
 time on the model, per stage and micro-batch and per step (``pipeline_microbatch_s``, ``pipeline_step_s``), and DTensor's
 host time per tensor-parallel module on the model and the share a recomputed forward runs again (``tp_module_s``,
 ``sequence_module_s``, ``tp_forward_share``), and with more than two ranks the pipeline's figures again over as many
@@ -51,6 +52,9 @@ class ModelProfile:
     wide_pipeline_stages: int | None = None
     wide_pipeline_microbatch_s: float | None = None
     wide_pipeline_step_s: float | None = None
+    # what of ``step_loop_s`` is the loss's all-reduce over every rank (the wait for the slowest included), which a
+    # step whose ranks share no collective does not run (``cost.parts.step_loop_s``); 0: not measured
+    step_sync_s: float = 0.0
 
     def __hash__(self) -> int:  # clusters are cache keys; ``times`` is a dict, the rest names it
         return hash((self.model, self.signature, self.ranks, self.source))
@@ -100,6 +104,7 @@ class ModelProfile:
             "times": {b: {m: list(v) for m, v in modes.items()} for b, modes in sorted(self.times.items())},
             "optimizer_s": self.optimizer_s,
             **({"step_loop_s": self.step_loop_s} if self.step_loop_s else {}),  # files before it stay as they were
+            **({"step_sync_s": self.step_sync_s} if self.step_sync_s else {}),
             **{k: getattr(self, k) for k in PIPELINE_FIELDS + TP_FIELDS if getattr(self, k) is not None},
             **(
                 {"wide_pipeline_stages": self.wide_pipeline_stages}
@@ -115,7 +120,14 @@ class ModelProfile:
         """Inverse of ``to_dict``; a mistake is one line naming the field and the fix."""
         fix = "fix: run `autoshard calibrate --model MODEL` again, or delete the profiles section"
         required = {"model", "signature", "ranks", "times", "optimizer_s", "source"}
-        optional = {"step_loop_s", *PIPELINE_FIELDS, *TP_FIELDS, *WIDE_PIPELINE_FIELDS, "wide_pipeline_stages"}
+        optional = {
+            "step_loop_s",
+            "step_sync_s",
+            *PIPELINE_FIELDS,
+            *TP_FIELDS,
+            *WIDE_PIPELINE_FIELDS,
+            "wide_pipeline_stages",
+        }
         if not isinstance(d, Mapping) or not required <= set(d) <= required | optional:
             raise AutoshardError(
                 f"{where}: a profile must have model, signature, ranks, times, optimizer_s and source (and may "
@@ -150,6 +162,7 @@ class ModelProfile:
             *(float(d[k]) if k in d else None for k in PIPELINE_FIELDS + TP_FIELDS),
             wide,
             *(float(d[k]) if k in d and wide is not None else None for k in WIDE_PIPELINE_FIELDS),
+            step_sync_s=float(d.get("step_sync_s", 0.0)),
         )
 
 
