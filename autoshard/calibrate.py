@@ -864,10 +864,11 @@ class _Bench:
         whole core's speed and the two others time one call long (the wait) and the rest as fast. Timed side by
         side (4 ranks on 2 cores, the GPT example's b 8 forward and backward, 2026-11-28,
         ``benchmarks/results/cpu-ranks-2026-11-28d/block_vs_call.py``), the median over calls of the ranks' mean
-        read 13-17 ms after ``host_probes`` had run and 30 ms before, the block time 25-31 ms in both, and one
-        rank alone 13 ms (2 ranks: both statistics 13-14 ms); a calibration's profile that read 38.9 ms priced
-        the 4-rank runs after it 10-30 % over. The slowest rank per call, which collectives keep (``_time_op``),
-        counts every slice some rank lost and sums to more than a step takes."""
+        read 25-28 ms in a fresh process and 15-26 ms once ``host_probes`` had run, the block time 22-31 ms (2 ranks:
+        both 13.5-15 ms). Against a run's own statistic (each rank's median over steps back to back, the slowest
+        rank's; ``statistics_ab.py``, one process, interleaved), forward + backward + AdamW at b 8 read 36.2 ms as a
+        run reads it, 35.5 as blocks and 30.7 as the median of the ranks' mean. The slowest rank per call, which
+        collectives keep (``_time_op``), counts every slice some rank lost: 39.3 ms there."""
         per_block = math.ceil(self._calls(op, budget_s) / PROBE_BLOCKS)
         times = []
         for _ in range(PROBE_BLOCKS):
