@@ -855,7 +855,7 @@ class _Bench:
 
     def _time_blocks(self, op: Callable[[], None], budget_s: float) -> float:
         """The time per call of the parts of a step (a forward, a backward, an optimizer step, a probe's ops) as a step
-        spends it: the k calls of ``_time_op`` run as PROBE_BLOCKS blocks of n = ⌈k / PROBE_BLOCKS⌉, each after a
+        spends it: the k calls that take about ``budget_s`` (``_calls``) run as PROBE_BLOCKS blocks of n = ⌈k / PROBE_BLOCKS⌉, each after a
         barrier, and the figure is the median over blocks of the slowest rank's block time / n.
 
         A step syncs its ranks once (its loss's all-reduce), so on ranks that share cores it lasts as long as all of

@@ -6,7 +6,7 @@ with the runtime's recompute wrappers and times, for each micro-batch size b and
 one micro-batch's forward and forward + backward (in interleaved rounds, ``_paired_rounds``), one AdamW
 step, what the emitted program's step costs beyond these (``_step_ops``), and with the ranks in pairs the model's
 own two-stage 1F1B pipeline (``_pipeline_times``) and its tensor-parallel layouts at tp 2 (``_tp_times``)
-(``measure_model``). Their figures (``calibrate._time_blocks``: over blocks of calls, the slowest rank's time per call) become an ``ir.profile.ModelProfile`` (``model_profile``), which the
+(``measure_model``). Their figures (``calibrate._time_blocks``: over blocks of calls, the slowest rank's block time per call) become an ``ir.profile.ModelProfile`` (``model_profile``), which the
 cost model scales its units to (``cost.profile``); the parent fits the pipeline's schedule time per micro-batch
 (``pipeline_residual``, ``with_pipeline``) and DTensor's host time per module (``tp_residual``, ``with_tp``) with the
 cost model itself.
@@ -79,7 +79,7 @@ PROFILE_ROUNDS = 3  # every size and mode timed in this many rounds, interleaved
 
 
 def measure_model(time_op, request: ProfileRequest, device, rounds: int = PROFILE_ROUNDS) -> dict[str, Any]:
-    """Worker side: {"times": b -> mode -> [forward_s, forward_backward_s], "optimizer_s", "step_loop_s"} of the
+    """Worker side: {"times": b -> mode -> [forward_s, forward_backward_s], "optimizer_s", "step_loop_s", "step_sync_s"} of the
     real model with the runtime's own recompute wrappers (``runtime.parallel.apply_recompute``), AdamW and step
     (``_step_ops``), on every rank at once. Every size and mode is timed once per round, ``rounds`` rounds one after
     the other, and the figures are their paired medians (``_paired_rounds``)."""
@@ -305,7 +305,7 @@ def pipeline_residual(
     cuts = tuple(request.blocks.index(block) for block in pipeline_splits(request, stages))
 
     def q(m: int, on: CostTables) -> float:
-        return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on)
+        return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on, synced=False)
 
     n = [(q(m, priced_tables) - q(m, tables)) / PROBE_SCHEDULE_S for m, _ in points]
     r = [t - q(m, tables) for m, t in points]

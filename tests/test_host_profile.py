@@ -243,6 +243,8 @@ def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, c
     "config, link_gbps, synced",
     [
         (Decisions(Mesh(1, 1, 1), 0, 8, 1), 1e6, False),  # one rank: its loss's mean is its own
+        (Decisions(Mesh(1, 1, 1, cp=2), 0, 8, 1), 1e6, True),  # cp 2: the ring's exchanges, the gradients' all-reduce
+        (Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b"), 1e6, False),  # its loss's all-reduce is the schedule's
         (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e-3, False),  # tp 2 on a slow link keeps every module whole: no collective
         (Decisions(Mesh(2, 1, 1), 0, 4, 1), 1e6, True),  # dp 2: the gradients' and the loss's all-reduce
         (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e6, True),  # tp 2 on a fast link shards modules: DTensor's collectives
@@ -252,8 +254,9 @@ def test_a_step_whose_ranks_share_no_collective_pays_the_loop_without_its_sync(
     cluster, in_repo_module, config, link_gbps, synced
 ):
     """t_sync (``step_sync_s``, the loss's all-reduce over every rank in the profile's step loop) is paid by every
-    step whose ranks meet in a collective; a step with none (one data-parallel rank, no pipeline, a layout that
-    shards nothing) pays t_loop − t_sync."""
+    SPMD step whose ranks meet in a collective; a step with none (one data-parallel rank, a layout that shards
+    nothing) pays t_loop − t_sync, and so does a pipeline, whose schedule's step ends in its loss's all-reduce (priced
+    with the schedule, ``pipeline_host_s``). A sync above the loop takes the whole loop and no more."""
     from autoshard.passes.planning.tp_layout import hand_tp_layout
 
     gpt = capture_graph(GPT, use_cache=True)[1]  # with the TP proof: what may be sharded is proved, not assumed
@@ -267,9 +270,10 @@ def test_a_step_whose_ranks_share_no_collective_pays_the_loop_without_its_sync(
         hand_tp_layout(tables, config)
         if config.mesh.tp > 1:  # the layout solved on the link: whole on the slow one, sharded on the fast one
             assert (tables.layout_cost(config).comm_s > 0) == synced
-        return price_parts(tables, config).host_s
+        return price_parts(tables, config, (2,) if config.mesh.pp > 1 else None).host_s
 
     assert host_s(sync) - host_s(0.0) == pytest.approx(0.0 if synced else -sync)
+    assert host_s(2 * loop) - host_s(0.0) == pytest.approx(0.0 if synced else -loop)
 
 
 PIPELINE_1F1B = Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b")

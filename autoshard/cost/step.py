@@ -23,7 +23,7 @@ collectives and what hides them), ``cost.rank_memory`` (memory per rank) and
                  never less than the part that has nothing to hide behind
     host       = m · Σ_u (host(u) + tp_host(u))  +  m · h_fsdp(U units)  +  optimizer loop  +  DDP hooks
                  +  the step loop (``cost.parts.step_loop_s``; without its sync where the ranks share no
-                    collective: dp = ep = 1 and a layout that shards nothing)
+                    collective: dp = cp = 1 and a layout that shards nothing, ``ranks_meet``)
 
 with c_tp and T_tp the layout's (``cost.tp``) for tp > 1. Pipelines: ``cost.pipeline_step``.
 
@@ -98,6 +98,14 @@ def with_ring(parts: StepParts, ring: RingCost, m: int) -> StepParts:
     )
 
 
+def ranks_meet(tables: CostTables, config: Decisions) -> bool:
+    """Whether an SPMD step's ranks meet in a collective: more than one data-parallel rank (context parallelism is
+    priced as data parallelism, and expert parallelism needs dp > 1), or a tensor-parallel layout that shards a
+    module. A tp group whose layout keeps every module whole runs the model on each rank alone: its loss's mean is
+    over one data-parallel rank (``cost.parts.step_loop_s``)."""
+    return config.mesh.dp > 1 or (config.mesh.tp > 1 and bool(tables.layout_cost(config).choice.sharded))
+
+
 def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
@@ -120,7 +128,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         + fsdp_step_host_s(cluster, config, len(graph.blocks) + 1 + expert_units, local, precision)
         + optimizer_host
         + dp_host_s(cluster, config, tensors)
-        + step_loop_s(tables, synced=config.mesh.dp > 1 or config.ep > 1 or tp_comm_s > 0 or dp.total_s > 0)
+        + step_loop_s(tables, synced=ranks_meet(tables, config))
     )
     return StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),
