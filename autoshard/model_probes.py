@@ -305,7 +305,7 @@ def pipeline_residual(
     cuts = tuple(request.blocks.index(block) for block in pipeline_splits(request, stages))
 
     def q(m: int, on: CostTables) -> float:
-        return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on, synced=False)
+        return price_parts(on, replace(base, num_microbatches=m), cuts).step_time_s - step_loop_s(on)
 
     n = [(q(m, priced_tables) - q(m, tables)) / PROBE_SCHEDULE_S for m, _ in points]
     r = [t - q(m, tables) for m, t in points]

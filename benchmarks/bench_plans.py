@@ -372,6 +372,11 @@ def reprice(path: Path, cluster: str | None = None) -> dict:
     return dict(data, rows=rows, summary=summary(rows, plan_key(pick)), summary_drift_removed=drift)
 
 
+def _regret(summary_: dict) -> str:
+    """The summary's regret, or why there is none: stored runs priced again may pick a plan they did not run."""
+    return "not measured (the pick was not run)" if summary_["regret"] is None else f"{summary_['regret']:.3f}"
+
+
 def print_table(result: dict) -> None:
     for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
         err = r["predicted_s"] / r["measured_s"] - 1
@@ -382,19 +387,19 @@ def print_table(result: dict) -> None:
     s = result["summary"]
     print(
         f"{s['plans']} plans: MAPE {s['mape']:.1%} (max {s['max_error']:.1%}), Spearman {s['spearman']:.3f}; "
-        f"pick {s['pick']} regret {s['regret']:.3f} (best measured {s['best_measured']})"
+        f"pick {s['pick']} regret {_regret(s)} (best measured {s['best_measured']})"
     )
     if result.get("summary_rolling_calibration"):
         r = result["summary_rolling_calibration"]
         print(
             f"priced from the calibrations around each run (at runs {result['calibrated_at_positions']}): MAPE "
-            f"{r['mape']:.1%}, Spearman {r['spearman']:.3f}, regret {r['regret']:.3f}"
+            f"{r['mape']:.1%}, Spearman {r['spearman']:.3f}, regret {_regret(r)}"
         )
     if result.get("summary_drift_removed"):
         d, ref = result["summary_drift_removed"], [r["measured_s"] for r in result["reference"]]
         print(
             f"the reference ({len(ref)} runs of the pick) ranged {min(ref) * 1e3:.1f}-{max(ref) * 1e3:.1f} ms; "
-            f"with that drift removed: MAPE {d['mape']:.1%}, Spearman {d['spearman']:.3f}, regret {d['regret']:.3f}"
+            f"with that drift removed: MAPE {d['mape']:.1%}, Spearman {d['spearman']:.3f}, regret {_regret(d)}"
         )
     if result.get("summary_calibrated_after"):
         a = result["summary_calibrated_after"]

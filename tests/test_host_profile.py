@@ -244,7 +244,7 @@ def test_the_profile_s_step_loop_is_priced_once_per_step(cluster, gpt, config, c
     [
         (Decisions(Mesh(1, 1, 1), 0, 8, 1), 1e6, False),  # one rank: its loss's mean is its own
         (Decisions(Mesh(1, 1, 1, cp=2), 0, 8, 1), 1e6, True),  # cp 2: the ring's exchanges, the gradients' all-reduce
-        (Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b"), 1e6, False),  # its loss's all-reduce is the schedule's
+        (Decisions(Mesh(1, 1, 2), 0, 1, 4, schedule="1f1b"), 1e6, True),  # a pipeline pays the whole loop
         (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e-3, False),  # tp 2 on a slow link keeps every module whole: no collective
         (Decisions(Mesh(2, 1, 1), 0, 4, 1), 1e6, True),  # dp 2: the gradients' and the loss's all-reduce
         (Decisions(Mesh(1, 2, 1), 0, 8, 1), 1e6, True),  # tp 2 on a fast link shards modules: DTensor's collectives
@@ -255,8 +255,8 @@ def test_a_step_whose_ranks_share_no_collective_pays_the_loop_without_its_sync(
 ):
     """t_sync (``step_sync_s``, the loss's all-reduce over every rank in the profile's step loop) is paid by every
     SPMD step whose ranks meet in a collective; a step with none (one data-parallel rank, a layout that shards
-    nothing) pays t_loop − t_sync, and so does a pipeline, whose schedule's step ends in its loss's all-reduce (priced
-    with the schedule, ``pipeline_host_s``). A sync above the loop takes the whole loop and no more."""
+    nothing) pays t_loop − t_sync; a pipeline pays the whole loop (``cost.parts`` module doc). A sync above the loop
+    takes the whole loop and no more."""
     from autoshard.passes.planning.tp_layout import hand_tp_layout
 
     gpt = capture_graph(GPT, use_cache=True)[1]  # with the TP proof: what may be sharded is proved, not assumed

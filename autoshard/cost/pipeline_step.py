@@ -140,7 +140,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
         + optimizer_host
         + fsdp_sync_s
         + pipeline_host_s(tables, config.mesh.pp)[1]
-        + step_loop_s(tables, synced=False)  # the loss's all-reduce is the schedule's step's (pipeline_host_s)
+        + step_loop_s(tables)
     )
     span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
