@@ -234,26 +234,30 @@ def test_calibrate_quick_writes_a_cluster_that_plans(in_repo, tmp_path, capsys):
 def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     """On a GPU a kernel's figure is its time per launch in back-to-back batches (a step queues its kernels),
     not launch + synchronise per call: the op runs in batches of ⌈KERNEL_BATCH_S / t_warm⌉, and the figure
-    divides the batch's time by its size."""
-    import time
+    divides the batch's time by its size. A fake clock: a launch takes 0.5 ms, a synchronise 2 ms (real sleeps
+    of that size read several times longer on a loaded machine)."""
     import types
-
-    import torch
 
     from autoshard import calibrate
 
     launch_s, sync_s = 5e-4, 2e-3  # each launch's own time; what a synchronise costs after a call
-    monkeypatch.setattr(calibrate, "KERNEL_BATCH_S", 0.02)  # batches of ~8 launches: sleep's jitter stays small
+    clock = {"now": 0.0}
+
+    def advance(seconds: float) -> None:
+        clock["now"] += seconds
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(calibrate, "KERNEL_BATCH_S", 0.02)  # batches of ⌈0.02 / 2.5 ms⌉ launches (8, or 9 by rounding)
     launches = []
     bench = calibrate._Bench.__new__(calibrate._Bench)
-    bench.gpu, bench.torch = True, torch
+    bench.gpu, bench.torch = True, types.SimpleNamespace()
     bench.s = calibrate.Settings.for_backend("nccl", quick=True)
     bench.dist = types.SimpleNamespace(barrier=lambda: None)
     bench._max_over_ranks = lambda values: values
-    bench._sync = lambda: time.sleep(sync_s)
-    t = bench._time_kernel(lambda: (launches.append(1), time.sleep(launch_s)))
+    bench._sync = lambda: advance(sync_s)
+    t = bench._time_kernel(lambda: (launches.append(1), advance(launch_s)))
     assert len(launches) > 2 * (2 + bench.s.min_calls)  # batches, not one launch per call
-    assert launch_s <= t < launch_s + sync_s / 2, t  # per launch; a lone launch would read launch + sync
+    assert launch_s < t <= launch_s + sync_s / 8  # per launch of a batch of 8 or 9; a lone launch would read 2.5 ms
 
 
 def test_a_probe_is_timed_as_the_ranks_take_it_together_a_collective_per_call(monkeypatch):
