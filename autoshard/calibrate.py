@@ -401,7 +401,7 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
     if models:
         origin = (
             f"measured by autoshard calibrate on {socket.gethostname()} {datetime.date.today().isoformat()} "
-            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over blocks of calls of the slowest rank's time per call"
+            f"({m.busy}), {m.ranks} {m.backend} ranks at once, median over blocks of calls of the slowest rank's block time per call"
             + (f", then over {m.repeats} calibrations in a row" if m.repeats > 1 else "")
         )
         profiles = tuple(model_profile(r, t, m.ranks, origin) for r, t in zip(models, m.models))
