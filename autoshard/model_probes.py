@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -357,7 +357,7 @@ def _step_ops(model_file, model, optimizer, batch, autocast, device):
         loss_of(*batch).backward()
         optimizer.step()
 
-    def whole() -> None:
+    def program_step(read_loss: Callable) -> None:
         step = next(steps)
         log.start()
         inputs, targets = take_shard(global_batch(model_file, microbatch_size * ranks, 0, step), rank, ranks, device)
@@ -366,18 +366,13 @@ def _step_ops(model_file, model, optimizer, batch, autocast, device):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        log.end(step, mean_over(loss.detach(), None))
+        log.end(step, read_loss(loss.detach()))
+
+    def whole() -> None:
+        program_step(lambda loss: mean_over(loss, None))
 
     def alone() -> None:
-        step = next(steps)
-        log.start()
-        inputs, targets = take_shard(global_batch(model_file, microbatch_size * ranks, 0, step), rank, ranks, device)
-        loss = loss_of(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.end(step, loss.item())
+        program_step(lambda loss: loss.item())
 
     return parts, whole, alone
 
