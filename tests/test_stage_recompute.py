@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.pipeline_parallel import split_model
+from autoshard.runtime.pipeline_parallel import _recompute_once_per_weight_pass, split_model
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,6 +177,77 @@ def test_recompute_keeps_fewer_bytes(case, baseline):
     full = run(case, {path: "full" for path in blocks})[3]
     selective = run(case, {path: "selective" for path in blocks})[3]
     assert full < selective < baseline[3], (full, selective, baseline[3])
+
+
+class WeightPass:
+    """The weight pass as torch's ``PipelineStage.backward_weight_one_chunk`` runs it past the first stage:
+    ``stage_backward_weight`` over the parameter groups the input pass captured."""
+
+    def __init__(self, module: torch.nn.Module, groups: list):
+        self.module, self.groups = module, groups
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        stage_backward_weight(self.module.parameters(), self.groups)
+
+
+def last_stage_inputs(pipe, ids) -> list[torch.Tensor]:
+    """What the first stage sends the last, as the last receives it: detached, floats needing a gradient."""
+    first, last = (n for n in pipe.split_gm.graph.nodes if n.op == "call_module")
+    out = getattr(pipe.split_gm, first.target)(ids)
+    outs = out if isinstance(out, tuple) else (out,)
+    sent = [outs[a.args[1]] if a.op == "call_function" else out for a in last.args]
+    return [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
+
+
+def last_stage_backward(case: str, split: str) -> tuple[int, int, dict, list]:
+    """The last stage of ``case`` under full recompute, its backward run as ``split`` says ("whole": one call;
+    "split": torch's input pass then weight pass; "grouped": the weight pass as the emitted program runs it).
+    Returns (block forwards rerun by the input pass or the whole backward, by the weight pass, parameter
+    gradients, input gradients)."""
+    build, ids, targets, cuts, loss_fn = CASES[case]()
+    torch.manual_seed(0)
+    pipe = split_model(build(), (ids,), cuts)
+    stage = pipe.split_gm.get_submodule("submod_pp_1")
+    calls = [0]
+    for path in apply_recompute_to_stage(stage, {path: "full" for path in blocks_of(case)}):
+        stage.get_submodule(path).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    inputs = last_stage_inputs(pipe, ids)
+    torch.manual_seed(1)  # the dropout masks
+    flat = stage(*inputs)
+    loss = loss_fn(
+        pytree.tree_unflatten(list(flat) if isinstance(flat, tuple) else [flat], pipe.model_output_spec), targets
+    )
+    calls[0] = 0
+    if split == "whole":
+        loss.backward()
+        first = calls[0]
+    else:
+        _, groups = stage_backward_input([loss], None, [x for x in inputs if x.requires_grad], stage.parameters())
+        first, calls[0] = calls[0], 0
+        weight_pass = WeightPass(stage, groups)
+        if split == "grouped":
+            _recompute_once_per_weight_pass(weight_pass)
+        weight_pass.backward_weight_one_chunk(0, last_backward=True)
+    grads = {name: p.grad for name, p in stage.named_parameters()}
+    return first, (calls[0] if split != "whole" else 0), grads, [x.grad for x in inputs]
+
+
+def test_the_weight_pass_reruns_each_block_once_and_trains_alike(case):
+    """A zero-bubble schedule's weight pass makes one ``autograd`` call per parameter group, and torch reruns a
+    checkpointed block in each (8 for each of GPT's blocks, 9 for Llama's); the emitted program's weight pass
+    (``_recompute_once_per_weight_pass``: one ``GraphExecGroup``) reruns each block once, and the stage's
+    parameter and input gradients equal those of one backward call bit for bit (GPT with dropout on)."""
+    blocks = 2  # the last stage's blocks
+    whole = last_stage_backward(case, "whole")
+    plain = last_stage_backward(case, "split")
+    grouped = last_stage_backward(case, "grouped")
+    assert whole[:2] == (blocks, 0)
+    assert plain[0] == grouped[0] == blocks
+    assert plain[1] >= 8 * blocks and grouped[1] == blocks
+    for run in (plain, grouped):
+        assert run[2].keys() == whole[2].keys()
+        assert all(g is not None and torch.equal(g, run[2][name]) for name, g in whole[2].items())
+        assert all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(whole[3], run[3]))
 
 
 def test_state_is_unchanged(case, baseline):

@@ -35,7 +35,7 @@ rank runs its m·T_r of actions). With equal stages and T_F = T_I = T_W it is (p
 memory and work share rank 0), and a boundary between two stages of one rank (the V's tip, stages
 p − 1 and p on rank p − 1) sends nothing. Activations in flight are the rank's order counted action
 by action (``split_backward_in_flight_bytes``): a stage keeps a micro-batch's until its W. With full
-recompute a block reruns 1 + g times in a split backward and once in a full one; the first stage's backward
+recompute a block reruns twice in a split backward (once per pass; g = 0: once) and once in a full one; the first stage's backward
 torch runs whole, and DualPipeV splits only some (``stage_pipeline_units``). The weight pass's one autograd call
 per parameter group is host time beyond one backward call's (``split_backward_host_s``).
 
@@ -247,8 +247,8 @@ def stage_action_times(
 
 
 def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> Units:
-    """The units stage ``stage`` runs. Under full recompute a block reruns once in a full backward and 1 + g
-    times in a split one (``tp_units.pipeline_units``); with σ_s the share of stage s's micro-batches whose
+    """The units stage ``stage`` runs. Under full recompute a block reruns once in a full backward and twice
+    in a split one (``tp_units.pipeline_units``); with σ_s the share of stage s's micro-batches whose
     backward its rank splits (``schedule.split_backward_share``: 1 in interleaved-zb and zbv, part of them in
     DualPipeV; 0 on the first stage, whose backward torch runs whole)::
 
@@ -277,14 +277,15 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
 
 def stage_forward_reruns(tables: CostTables, config: Decisions, stage: int) -> tuple[float, ...]:
     """How many times stage ``stage`` reruns each unit's forward per micro-batch: once per recomputed block
-    (``tp_units.forward_reruns``), 1 + σ_s · g_u under full recompute in a zero-bubble schedule's split backward
-    (as ``stage_pipeline_units``; g_u: the unit's ops that read a parameter)."""
+    (``tp_units.forward_reruns``), 1 + σ_s · [g_u > 0] under full recompute in a zero-bubble schedule's split
+    backward (as ``stage_pipeline_units``; g_u: the unit's ops that read a parameter, whose weight pass reruns
+    the unit once)."""
     reruns = forward_reruns(config, len(tables.graph.blocks))
     if config.schedule not in ZERO_BUBBLE_SCHEDULES or config.recompute != "full" or stage == 0:
         return reruns
     m, v = config.num_microbatches, config.virtual_stages
     share = split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
-    return tuple(n * (1 + share * g) for n, g in zip(reruns, unit_weight_groups(tables.graph)))
+    return tuple(n * (1 + share * min(g, 1)) for n, g in zip(reruns, unit_weight_groups(tables.graph)))
 
 
 def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx) -> float:

@@ -66,18 +66,19 @@ def pipeline_units(tables: CostTables, config: Decisions, first_stage: bool = Fa
 
 
 def split_backward_recomputes(graph: OpGraph, units: Units) -> Units:
-    """``units`` with each block's recompute run 1 + g_b times, g_b the ops of block b that read a parameter.
+    """``units`` with each block's recompute run twice when a weight pass reaches it, once otherwise.
 
     torch's zero-bubble schedules split a stage's backward into the inputs' gradient (``stage_backward_input``)
     and the weights' (``stage_backward_weight``: one ``autograd`` call per parameter group, a group being the
-    parameters one op reads). A block under non-reentrant activation checkpointing reruns its forward in
-    each of those calls: once for the inputs' gradient and once per group for the weights'
-    (``benchmarks/split_backward_recompute.py`` counts them: 1 + 7 for a block of 7 linears; a LayerNorm's
-    weight and bias are one group more). Host time of the recompute is multiplied alike."""
+    parameters one op reads). A block under non-reentrant activation checkpointing reruns its forward in the
+    input pass, and in the weight pass once if any of its ops reads a parameter (g_b > 0): the emitted program
+    runs the weight pass's calls under one ``GraphExecGroup`` (``runtime.pipeline_parallel``), which shares one
+    rerun among them; without it a block reran 1 + g_b times (``benchmarks/split_backward_recompute.py``).
+    Host time of the recompute is multiplied alike."""
     groups = [0] + [weight_groups(graph, b.node_names) for b in graph.blocks] + [0]
     if len(groups) != len(units.recompute_s):
         raise ValueError(f"{len(units.recompute_s)} units for {len(graph.blocks)} blocks")
-    reruns = [1 + g for g in groups]
+    reruns = [1 + min(g, 1) for g in groups]
     return replace(
         units,
         recompute_s=tuple(t * n for t, n in zip(units.recompute_s, reruns)),
@@ -98,7 +99,8 @@ def unit_weight_groups(graph: OpGraph) -> tuple[int, ...]:
 
 
 def weight_groups(graph: OpGraph, node_names) -> int:
-    """The ops among ``node_names`` that read a parameter, not only buffers (g_b of ``split_backward_recomputes``)."""
+    """The ops among ``node_names`` that read a parameter, not only buffers (g_b of ``split_backward_recomputes``:
+    the weight pass's ``autograd`` calls in the block)."""
     return sum(1 for name in node_names if any(not graph.param(p).is_buffer for p in graph.node(name).param_inputs))
 
 

@@ -88,7 +88,7 @@ class ModelProfile:
         carries the machine's noise besides, and a line through all of them averages it where joining the
         points would pass it on. Measured on 2 CPU ranks (benchmarks/results/cpu-ranks-2026-11-27/cluster6.yaml,
         GPT): full recompute's fwd + bwd read 10.5, 18.6, 21.3 ms at b 1, 2, 4, so its rerun at b 2 read 11.2 ms
-        against 3.0 and 9.0 on either side, and a zero-bubble schedule multiplies a rerun by 1 + g."""
+        against 3.0 and 9.0 on either side, and a zero-bubble schedule's split backward runs a rerun twice."""
         sizes = sorted(self.times)
         ys = [self.times[s][mode][index] for s in sizes]
         if len(sizes) == 1:

@@ -70,6 +70,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import GraphExecGroup
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.model import no_decay_names
@@ -86,6 +87,7 @@ SCHEDULES = {
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 PLACEMENTS = ("loop", "v")  # stage_indices
 V_PLACED_SCHEDULES = {"zbv", "dualpipev"}  # torch's V schedules: stages r and 2·pp − 1 − r on rank r
+SPLIT_BACKWARD_SCHEDULES = {"interleaved-zb", "zbv", "dualpipev"}  # backward as an input pass and a weight pass
 
 
 @dataclass(frozen=True)
@@ -524,6 +526,9 @@ def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Cal
     if parts.placement == "v":
         for stage in parts.stages:
             _skip_own_rank_in_warmup(stage)
+    for stage in parts.stages if schedule in SPLIT_BACKWARD_SCHEDULES else ():
+        _keep_passed_inputs_needing_grad(stage)
+        _recompute_once_per_weight_pass(stage)
     return SCHEDULES[schedule](stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
 
 
@@ -537,6 +542,49 @@ def _skip_own_rank_in_warmup(stage: _PipelineStageBase) -> None:
         return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
 
     stage._get_init_p2p_neighbors_ops = ops_to_other_ranks
+
+
+def _keep_passed_inputs_needing_grad(stage: _PipelineStageBase) -> None:
+    """A stage that passes an input on unchanged (transformers' rotary ``cos`` / ``sin``, a value routed past
+    it: ``pipeline_skips``) outputs the input tensor itself, and a split backward's input pass
+    (``stage_backward_input``) ends with ``detach_()`` on every output: the input, a leaf, stops needing a
+    gradient. The weight pass then reruns a checkpointed block on an input that no longer needs one, autograd
+    saves fewer tensors than the forward did, and checkpoint raises ``CheckpointError`` (Llama with 8 layers
+    at pp 4 under zbv: 43 saved, 39 recomputed, one fewer per ``q * cos``-like product). The inputs that
+    needed a gradient before the input pass need it again after; nothing reads their ``requires_grad``
+    between the two passes but the weight pass's rerun."""
+    input_pass = stage.backward_one_chunk
+
+    def input_pass_keeping_inputs(bwd_chunk_id: int, *args, **kwargs):
+        _, inputs = stage.fwd_cache.get(bwd_chunk_id, (None, ()))
+        leaves = [
+            t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+        ]
+        result = input_pass(bwd_chunk_id, *args, **kwargs)
+        for leaf in leaves:
+            if not leaf.requires_grad:
+                leaf.requires_grad_(True)
+        return result
+
+    stage.backward_one_chunk = input_pass_keeping_inputs
+
+
+def _recompute_once_per_weight_pass(stage: _PipelineStageBase) -> None:
+    """A zero-bubble schedule's weight pass (``backward_weight_one_chunk``: ``stage_backward_weight``) makes one
+    ``autograd`` call per parameter group, and a block under non-reentrant checkpointing reruns its forward in
+    each call: 1 + g reruns per micro-batch with the input pass, g the block's ops that read a parameter
+    (``benchmarks/split_backward_recompute.py``: 8 for each GPT block). Under one ``GraphExecGroup`` the calls
+    share one rerun, so a block reruns twice (once per pass). The groups' calls never unpack one saved tensor
+    twice (each op's weight gradient reads its own saved inputs); if a model's ever did, checkpoint raises
+    ``CheckpointError`` rather than computing a wrong gradient. Schedules that never split the backward never
+    call it."""
+    weight_pass = stage.backward_weight_one_chunk
+
+    def weight_pass_in_one_group(bwd_chunk_id: int, last_backward: bool = False) -> None:
+        with GraphExecGroup():
+            weight_pass(bwd_chunk_id, last_backward=last_backward)
+
+    stage.backward_weight_one_chunk = weight_pass_in_one_group
 
 
 def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec) -> Callable:

@@ -5,17 +5,19 @@ torch's ``ScheduleInterleavedZeroBubble`` (interleaved-zb), ``ScheduleZBVZeroBub
 weights' (``stage_backward_input`` / ``stage_backward_weight``) and run on the traced stage modules
 of ``pipeline()``; zbv and dualpipev place the stages in a V (rank r holds stages r and 3 − r at
 pp = 2). Each plan is pinned to pp = 2 beside dp = 2 (FSDP2 on each stage module, ZeRO-0 and -1) or
-tp = 2 (local shards whose collectives are custom ops), one with full recompute inside the stages,
+tp = 2 (local shards whose collectives are custom ops), each schedule with and without full recompute
+inside the stages (the weight pass's calls share one rerun of each block: ``GraphExecGroup``),
 on the bundled GPT and on transformers' Llama with 4 layers (``build_4_layers``: two stages per
 rank need 4 blocks; the 2-layer ``build`` is refused in one line; with 8 layers at pp = 4, the V over
 4 ranks, dp = tp = 1), and on transformers' GPT-2, whose
 tied embedding and head both sit on rank 0 in a V (their gradients are summed there, no peer to
 wait for). The emitted programs run in
 the session's 4-rank torchrun launch (``one_launch.Cases``), and each is judged against fp32 and
-float64 one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3, selective recompute, and full
-recompute beside tp > 1 do not train like one process with the split backward (wrong weights, or
-checkpoint errors) and are refused by the planner (``strategies.split_backward_refusal``;
-``tests/test_search_tp_pp.py``).
+float64 one-process runs (``zoo._verdict``: ``verify.compare``). ZeRO-3 and selective recompute do not
+train like one process with the split backward (wrong weights, or checkpoint errors) and are refused by
+the planner (``strategies.split_backward_refusal``; ``tests/test_search_tp_pp.py``). Full recompute beside
+tp = 2 trains like one process since the stages' passed-on inputs keep needing a gradient into the weight
+pass (``pipeline_parallel._keep_passed_inputs_needing_grad``).
 """
 
 from __future__ import annotations
@@ -39,25 +41,30 @@ GPT2_TIED = "tests/models/hf_gpt2.py:build_4_layers"  # embedding and head tied:
 RANKS = 4
 CASES = {  # name: (model, cluster, pins); each schedule meets dp = 2 and tp = 2, each model all three
     "gpt-dp2-pp2-zbv": (GPT, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
-    "gpt-tp2-pp2-dualpipev": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="dualpipev", recompute="none")),
+    "gpt-tp2-pp2-dualpipev-full": (GPT, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="dualpipev", recompute="full")),
     "gpt-dp2-pp2-interleaved-zb-full": (
         GPT,
         "local-cpu",
         dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb", recompute="full"),
     ),
-    "llama-dp2-pp2-dualpipev": (
+    "llama-dp2-pp2-dualpipev-full": (
         LLAMA,
         "local-cpu",
-        dict(dp=2, tp=1, pp=2, zero=0, schedule="dualpipev", recompute="none"),
+        dict(dp=2, tp=1, pp=2, zero=0, schedule="dualpipev", recompute="full"),
     ),
     "llama-tp2-pp2-zbv": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="zbv", recompute="none")),
+    "llama-tp2-pp2-zbv-full": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="zbv", recompute="full")),
     "llama-dp2-pp2-interleaved-zb": (
         LLAMA,
         "local-cpu",
         dict(dp=2, tp=1, pp=2, zero=1, schedule="interleaved-zb", recompute="none"),
     ),
-    "gpt2-tied-dp2-pp2-zbv": (GPT2_TIED, "local-cpu", dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="none")),
-    "llama8-pp4-zbv": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="zbv", recompute="none")),
+    "gpt2-tied-dp2-pp2-zbv-full": (
+        GPT2_TIED,
+        "local-cpu",
+        dict(dp=2, tp=1, pp=2, zero=1, schedule="zbv", recompute="full"),
+    ),
+    "llama8-pp4-zbv-full": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="zbv", recompute="full")),
     "llama8-pp4-dualpipev": (LLAMA_8, "local-cpu", dict(dp=1, tp=1, pp=4, schedule="dualpipev", recompute="none")),
 }
 

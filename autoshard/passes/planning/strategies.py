@@ -20,8 +20,8 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             1f1b (v = 1) | interleaved-1f1b (v = 2, or --virtual-stages v > 1; L ≥ v·pp,
             m mod max(1, ⌊m/pp⌋) = 0: torch's interleaved rounds) | interleaved-zb (the same, zero
             bubble) | zbv (v = 2 in a V, L ≥ 2·pp) | dualpipev (v = 2 in a V, L ≥ 2·pp, m ≥ 2·pp)
-            (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3, selective
-            recompute, or full recompute beside tp > 1 (``split_backward_refusal``)
+            (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3 or selective
+            recompute (``split_backward_refusal``)
     pp = 1: schedule none
     compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
             (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
@@ -216,20 +216,21 @@ def _check_schedule(pins: Pins) -> None:
             f"drop --schedule or pin --pp 2 or more"
         )
     if pins.schedule in ZERO_BUBBLE_SCHEDULES:
-        why = split_backward_refusal(pins.zero_stage, pins.recompute, pins.tp)
+        why = split_backward_refusal(pins.zero_stage, pins.recompute)
         if why:
             raise AutoshardError(f"--schedule {pins.schedule} with {why}")
 
 
-def split_backward_refusal(zero: int | None, recompute: str | None, tp: int | None = None) -> str:
+def split_backward_refusal(zero: int | None, recompute: str | None) -> str:
     """Why a zero-bubble schedule (backward split into the inputs' and the weights' gradients, torch's
-    ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage, recompute
-    mode and tp ("" when it can), found on CPU ranks against one process
-    (``tests/e2e/test_pipeline_schedules.py``): ZeRO-3 trains to other weights (FSDP2's post-backward,
-    which reshards the stage's weights and reduce-scatters their gradients, runs when the gradient
-    reaches the stage's inputs, so at the end of I and before W); selective recompute's saved-tensor policy lets a region run backward
-    once, not twice; full recompute of TP local shards recomputes another number of tensors than
-    the forward saved (transformers' Llama)."""
+    ``stage_backward_input`` / ``stage_backward_weight``) cannot run with this ZeRO stage and recompute
+    mode ("" when it can), found on CPU ranks against one process (``tests/e2e/test_pipeline_schedules.py``):
+    ZeRO-3 trains to other weights (FSDP2's post-backward, which reshards the stage's weights and
+    reduce-scatters their gradients, runs when the gradient reaches the stage's inputs, so at the end of I
+    and before W); selective recompute's saved-tensor policy lets a region run backward once, not twice.
+    Full recompute runs at any tp: the stage inputs a stage passes on keep needing a gradient into the weight
+    pass (``runtime.pipeline_parallel._keep_passed_inputs_needing_grad``; without it Llama's rotary inputs
+    made the rerun save fewer tensors than the forward, at tp 2 and at tp 1 alike)."""
     if zero == 3:
         return (
             "--zero 3: FSDP2 reshards each stage and reduce-scatters its gradients when the input gradient "
@@ -240,11 +241,6 @@ def split_backward_refusal(zero: int | None, recompute: str | None, tp: int | No
         return (
             "--recompute selective: its policy lets a recomputed region run backward once, and the split "
             "backward runs it twice; pin --recompute full or none, or --schedule 1f1b"
-        )
-    if recompute == "full" and (tp or 1) > 1:
-        return (
-            f"--recompute full and --tp {tp}: recomputing tensor-parallel shards under the split backward "
-            f"saves other tensors than the forward did; pin --recompute none, or --schedule 1f1b"
         )
     return ""
 
@@ -695,7 +691,7 @@ def _mesh_configs(mesh: Mesh, global_batch: int, pins: Pins, blocks: int) -> lis
                 )
                 for z in zeros
                 for r in recomputes
-                if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r, mesh.tp)
+                if schedule not in ZERO_BUBBLE_SCHEDULES or not split_backward_refusal(z, r)
             ]
     return sorted(
         out,
