@@ -26,7 +26,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.pipeline_parallel import _recompute_once_per_weight_pass, split_model
+from autoshard.runtime.pipeline_parallel import (
+    _keep_passed_inputs_needing_grad,
+    _recompute_once_per_weight_pass,
+    split_model,
+)
 from autoshard.runtime.stage_recompute import apply_recompute_to_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,75 +183,134 @@ def test_recompute_keeps_fewer_bytes(case, baseline):
     assert full < selective < baseline[3], (full, selective, baseline[3])
 
 
-class WeightPass:
-    """The weight pass as torch's ``PipelineStage.backward_weight_one_chunk`` runs it past the first stage:
-    ``stage_backward_weight`` over the parameter groups the input pass captured."""
+class SplitStage:
+    """A split backward's two passes as torch's ``PipelineStage`` runs them past the first stage: the input pass
+    (``backward_one_chunk(full_backward=False)``: ``stage_backward_input``, which ends in ``detach_()`` on every
+    output) and the weight pass (``backward_weight_one_chunk``: ``stage_backward_weight`` over the parameter groups
+    the input pass captured)."""
 
-    def __init__(self, module: torch.nn.Module, groups: list):
-        self.module, self.groups = module, groups
+    def __init__(self, module: torch.nn.Module, outputs: list, inputs: list, output_grads: list | None):
+        self.module, self.output_grads = module, output_grads
+        self.fwd_cache = {0: (outputs, inputs)}
+        self.groups: list = []
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward=True, last_backward=False) -> None:
+        outputs, inputs = self.fwd_cache.pop(bwd_chunk_id)
+        needing = [x for x in inputs if x.requires_grad]
+        _, self.groups = stage_backward_input(list(outputs), self.output_grads, needing, self.module.parameters())
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         stage_backward_weight(self.module.parameters(), self.groups)
 
 
-def last_stage_inputs(pipe, ids) -> list[torch.Tensor]:
-    """What the first stage sends the last, as the last receives it: detached, floats needing a gradient."""
-    first, last = (n for n in pipe.split_gm.graph.nodes if n.op == "call_module")
-    out = getattr(pipe.split_gm, first.target)(ids)
-    outs = out if isinstance(out, tuple) else (out,)
-    sent = [outs[a.args[1]] if a.op == "call_function" else out for a in last.args]
-    return [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
+class _Received(Exception):
+    pass
 
 
-def last_stage_backward(case: str, split: str) -> tuple[int, int, dict, list]:
-    """The last stage of ``case`` under full recompute, its backward run as ``split`` says ("whole": one call;
-    "split": torch's input pass then weight pass; "grouped": the weight pass as the emitted program runs it).
-    Returns (block forwards rerun by the input pass or the whole backward, by the weight pass, parameter
-    gradients, input gradients)."""
-    build, ids, targets, cuts, loss_fn = CASES[case]()
+class _UpTo(torch.fx.Interpreter):
+    """Runs the pipe's top graph until it calls stage ``target``, keeps that call's arguments (``received``) and
+    stops there (the interpreter rewrites an exception's message, so they are kept here, not on it)."""
+
+    def __init__(self, module, target: str):
+        super().__init__(module)
+        self.target, self.received = target, None
+
+    def call_module(self, target, args, kwargs):
+        if target == self.target:
+            self.received = args
+            raise _Received
+        return super().call_module(target, args, kwargs)
+
+
+def stage_inputs(pipe, ids, stage: str) -> list[torch.Tensor]:
+    """What ``stage`` receives from the stages before it, as it receives it: detached, floats needing a gradient."""
+    interpreter = _UpTo(pipe.split_gm, stage)
+    with torch.no_grad(), pytest.raises(_Received):
+        interpreter.run(ids)
+    return [t.detach().requires_grad_(t.is_floating_point()) for t in interpreter.received]
+
+
+def stage_backward(case: str, cuts: list[str], stage_name: str, split: str) -> tuple[int, int, dict, list, list]:
+    """Stage ``stage_name`` of ``case`` cut at ``cuts``, under full recompute, its backward run as ``split`` says:
+    "whole" (one backward call), "split" (torch's input pass, then its weight pass), "grouped" (the weight pass in
+    one ``GraphExecGroup``: ``_recompute_once_per_weight_pass``), "program" (the emitted program's: grouped, and
+    the inputs it passes on needing a gradient again after the input pass: ``_keep_passed_inputs_needing_grad``).
+    The last stage's backward starts from the loss, another's from ones on each output. Returns (block forwards
+    rerun by the input pass or the whole backward, by the weight pass, parameter gradients, input gradients,
+    whether each output is one of the stage's inputs)."""
+    build, ids, targets, _, loss_fn = CASES[case]()
     torch.manual_seed(0)
     pipe = split_model(build(), (ids,), cuts)
-    stage = pipe.split_gm.get_submodule("submod_pp_1")
+    stage = pipe.split_gm.get_submodule(stage_name)
     calls = [0]
     for path in apply_recompute_to_stage(stage, {path: "full" for path in blocks_of(case)}):
         stage.get_submodule(path).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    inputs = last_stage_inputs(pipe, ids)
+    inputs = stage_inputs(pipe, ids, stage_name)
     torch.manual_seed(1)  # the dropout masks
     flat = stage(*inputs)
-    loss = loss_fn(
-        pytree.tree_unflatten(list(flat) if isinstance(flat, tuple) else [flat], pipe.model_output_spec), targets
-    )
+    flat = list(flat) if isinstance(flat, tuple) else [flat]
+    passed = [any(out is x for x in inputs) for out in flat]
+    if stage_name == max(name for name, _ in pipe.split_gm.named_children()):
+        outputs, output_grads = [loss_fn(pytree.tree_unflatten(flat, pipe.model_output_spec), targets)], None
+    else:
+        outputs = [out for out in flat if out.requires_grad]  # torch's stage sends no gradient for the others
+        output_grads = [torch.ones_like(out) for out in outputs]
     calls[0] = 0
     if split == "whole":
-        loss.backward()
-        first = calls[0]
+        torch.autograd.backward(outputs, output_grads)
+        first, weight = calls[0], 0
     else:
-        _, groups = stage_backward_input([loss], None, [x for x in inputs if x.requires_grad], stage.parameters())
+        runner = SplitStage(stage, outputs, inputs, output_grads)
+        if split == "program":
+            _keep_passed_inputs_needing_grad(runner)
+        if split in ("grouped", "program"):
+            _recompute_once_per_weight_pass(runner)
+        runner.backward_one_chunk(0, full_backward=False)
         first, calls[0] = calls[0], 0
-        weight_pass = WeightPass(stage, groups)
-        if split == "grouped":
-            _recompute_once_per_weight_pass(weight_pass)
-        weight_pass.backward_weight_one_chunk(0, last_backward=True)
+        runner.backward_weight_one_chunk(0, last_backward=True)
+        weight = calls[0]
     grads = {name: p.grad for name, p in stage.named_parameters()}
-    return first, (calls[0] if split != "whole" else 0), grads, [x.grad for x in inputs]
+    return first, weight, grads, [x.grad for x in inputs], passed
+
+
+def assert_same_gradients(whole, other) -> None:
+    assert other[2].keys() == whole[2].keys()
+    assert all(g is not None and torch.equal(g, other[2][name]) for name, g in whole[2].items())
+    assert all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(whole[3], other[3]))
 
 
 def test_the_weight_pass_reruns_each_block_once_and_trains_alike(case):
     """A zero-bubble schedule's weight pass makes one ``autograd`` call per parameter group, and torch reruns a
     checkpointed block in each (8 for each of GPT's blocks, 9 for Llama's); the emitted program's weight pass
-    (``_recompute_once_per_weight_pass``: one ``GraphExecGroup``) reruns each block once, and the stage's
+    (``_recompute_once_per_weight_pass``: one ``GraphExecGroup``) reruns each block once, and the last stage's
     parameter and input gradients equal those of one backward call bit for bit (GPT with dropout on)."""
-    blocks = 2  # the last stage's blocks
-    whole = last_stage_backward(case, "whole")
-    plain = last_stage_backward(case, "split")
-    grouped = last_stage_backward(case, "grouped")
+    blocks, cuts = 2, ["h.2"] if case == "gpt" else ["model.layers.2"]  # the last stage's blocks
+    whole, plain, grouped = (
+        stage_backward(case, cuts, "submod_pp_1", split) for split in ("whole", "split", "grouped")
+    )
     assert whole[:2] == (blocks, 0)
     assert plain[0] == grouped[0] == blocks
     assert plain[1] >= 8 * blocks and grouped[1] == blocks
-    for run in (plain, grouped):
-        assert run[2].keys() == whole[2].keys()
-        assert all(g is not None and torch.equal(g, run[2][name]) for name, g in whole[2].items())
-        assert all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(whole[3], run[3]))
+    assert_same_gradients(whole, plain)
+    assert_same_gradients(whole, grouped)
+
+
+def test_a_stage_that_passes_inputs_on_reruns_its_blocks_as_the_forward_ran():
+    """Llama's middle stage passes the rotary ``cos`` and ``sin`` on unchanged: those outputs are its input tensors,
+    and torch's input pass ``detach_()``es every output, so the inputs stop needing a gradient. The weight pass's
+    rerun then saves fewer tensors than the forward did and checkpoint refuses it; the program gives the inputs
+    their ``requires_grad`` back after the input pass (``_keep_passed_inputs_needing_grad``), and the weights'
+    gradients equal one backward call's bit for bit."""
+    from torch.utils.checkpoint import CheckpointError
+
+    cuts = ["model.layers.1", "model.layers.3"]  # the middle stage holds layers 1 and 2
+    whole = stage_backward("llama", cuts, "submod_pp_1", "whole")
+    assert sum(whole[4]) >= 2, "the middle stage passes cos and sin on as they came"
+    with pytest.raises(CheckpointError, match="A different number of tensors was saved"):
+        stage_backward("llama", cuts, "submod_pp_1", "grouped")
+    program = stage_backward("llama", cuts, "submod_pp_1", "program")
+    assert program[:2] == (2, 2)
+    assert_same_gradients(whole, program)
 
 
 def test_state_is_unchanged(case, baseline):
