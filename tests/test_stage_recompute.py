@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.pipeline_parallel import (
-    _keep_passed_inputs_needing_grad,
+    _prepare_split_backward,
     _recompute_once_per_weight_pass,
     split_model,
 )
@@ -234,7 +234,8 @@ def stage_backward(case: str, cuts: list[str], stage_name: str, split: str) -> t
     """Stage ``stage_name`` of ``case`` cut at ``cuts``, under full recompute, its backward run as ``split`` says:
     "whole" (one backward call), "split" (torch's input pass, then its weight pass), "grouped" (the weight pass in
     one ``GraphExecGroup``: ``_recompute_once_per_weight_pass``), "program" (the emitted program's: grouped, and
-    the inputs it passes on needing a gradient again after the input pass: ``_keep_passed_inputs_needing_grad``).
+    the inputs it passes on needing a gradient again after the input pass: ``_prepare_split_backward``, applied
+    twice as two schedules over the same stages would).
     The last stage's backward starts from the loss, another's from ones on each output. Returns (block forwards
     rerun by the input pass or the whole backward, by the weight pass, parameter gradients, input gradients,
     whether each output is one of the stage's inputs)."""
@@ -262,8 +263,9 @@ def stage_backward(case: str, cuts: list[str], stage_name: str, split: str) -> t
     else:
         runner = SplitStage(stage, outputs, inputs, output_grads)
         if split == "program":
-            _keep_passed_inputs_needing_grad(runner)
-        if split in ("grouped", "program"):
+            for _ in range(2):  # a second schedule over the same stages wraps nothing twice
+                _prepare_split_backward(runner)
+        if split == "grouped":
             _recompute_once_per_weight_pass(runner)
         runner.backward_one_chunk(0, full_backward=False)
         first, calls[0] = calls[0], 0

@@ -527,8 +527,7 @@ def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Cal
         for stage in parts.stages:
             _skip_own_rank_in_warmup(stage)
     for stage in parts.stages if schedule in SPLIT_BACKWARD_SCHEDULES else ():
-        _keep_passed_inputs_needing_grad(stage)
-        _recompute_once_per_weight_pass(stage)
+        _prepare_split_backward(stage)
     return SCHEDULES[schedule](stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
 
 
@@ -542,6 +541,16 @@ def _skip_own_rank_in_warmup(stage: _PipelineStageBase) -> None:
         return [op for op in neighbour_ops() if op.group_peer != stage.group_rank]
 
     stage._get_init_p2p_neighbors_ops = ops_to_other_ranks
+
+
+def _prepare_split_backward(stage: _PipelineStageBase) -> None:
+    """``_keep_passed_inputs_needing_grad`` and ``_recompute_once_per_weight_pass``, once per stage: a second
+    schedule over the same stages would nest the weight pass's groups, which torch refuses."""
+    if getattr(stage, "_autoshard_split_backward", False):
+        return
+    _keep_passed_inputs_needing_grad(stage)
+    _recompute_once_per_weight_pass(stage)
+    stage._autoshard_split_backward = True
 
 
 def _keep_passed_inputs_needing_grad(stage: _PipelineStageBase) -> None:
