@@ -73,6 +73,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import GraphExecGroup
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import ZERO_BUBBLE_SCHEDULES
 from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 
@@ -87,7 +88,6 @@ SCHEDULES = {
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 PLACEMENTS = ("loop", "v")  # stage_indices
 V_PLACED_SCHEDULES = {"zbv", "dualpipev"}  # torch's V schedules: stages r and 2·pp − 1 − r on rank r
-SPLIT_BACKWARD_SCHEDULES = {"interleaved-zb", "zbv", "dualpipev"}  # backward as an input pass and a weight pass
 
 
 @dataclass(frozen=True)
@@ -526,7 +526,7 @@ def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Cal
     if parts.placement == "v":
         for stage in parts.stages:
             _skip_own_rank_in_warmup(stage)
-    for stage in parts.stages if schedule in SPLIT_BACKWARD_SCHEDULES else ():
+    for stage in parts.stages if schedule in ZERO_BUBBLE_SCHEDULES else ():
         _prepare_split_backward(stage)
     return SCHEDULES[schedule](stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
 
