@@ -375,6 +375,20 @@ def test_a_calibrated_cluster_gets_no_preset_caveat(in_repo, capsys):
     assert code == 0 and "uncalibrated preset" in " ".join(out.split())
 
 
+def test_a_pipeline_on_shared_cores_writes_a_plan_inspect_reads(in_repo, capsys, tmp_path):
+    """4 ranks on 2 cores: a rank runs faster while the others wait in the schedule's bubbles, so the
+    pipelined span can be under m·T_max. The plan still holds parts >= 0 that add up to the step."""
+    plan = tmp_path / "pp.json"
+    pins = ["--dp", "1", "--tp", "2", "--pp", "2", "--zero", "0", "--microbatch-size", "1", "--recompute", "none"]
+    cluster = ["--cluster", "tests/clusters/cpu4_shared_cores.yaml", "--global-batch", "8"]
+    code, _, _ = run_cli(capsys, "estimate", GPT, *cluster, *pins, "--schedule", "1f1b", "-o", str(plan))
+    assert code == 0
+    code, out, err = run_cli(capsys, "inspect", str(plan))
+    assert code == 0, err
+    predicted = json.loads(plan.read_text())["predicted"]
+    assert predicted["bubble_s"] >= 0.0 and "pipeline bubble" in out
+
+
 def test_inspect_folds_the_repeated_layers_tensor_parallel_rows(in_repo, capsys, tmp_path):
     plan = tmp_path / "tp.json"
     code, _, _ = run_cli(

@@ -135,30 +135,41 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     fsdp_sync_s = fsdp_pipeline_host_s(cluster, config, config.virtual_stages, params, precision)[1]
+    span_s = pipeline_span_s(tables, config, cuts, loads)
+    pace = paced_share(span_s, m * slowest.time_s)
     host_s = (
-        m * slowest.host_s
+        m * slowest.host_s * pace
         + optimizer_host
         + fsdp_sync_s
         + pipeline_host_s(tables, config.mesh.pp)[1]
         + step_loop_s(tables)
     )
-    span_s = pipeline_span_s(tables, config, cuts, loads)
     return StepParts(
-        forward_s=m * slowest.forward_s,
-        backward_s=m * slowest.backward_s,
-        recompute_s=m * slowest.recompute_s,
+        forward_s=m * slowest.forward_s * pace,
+        backward_s=m * slowest.backward_s * pace,
+        recompute_s=m * slowest.recompute_s * pace,
         grad_accumulation_s=grad_accumulation_s(params, config, precision, cluster),
         optimizer_s=optimizer_s,
-        tp_comm_s=m * slowest.tp_comm_s,
-        p2p_s=m * slowest.p2p_s,
+        tp_comm_s=m * slowest.tp_comm_s * pace,
+        p2p_s=m * slowest.p2p_s * pace,
         dp_comm_exposed_s=dp.exposed_s,
-        bubble_s=span_s - m * slowest.time_s,
+        bubble_s=max(0.0, span_s - m * slowest.time_s),
         dp_comm_total_s=dp.total_s,
         memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
         host_s=host_s,
-        ep_comm_s=m * slowest.ep_comm_s,
+        ep_comm_s=m * slowest.ep_comm_s * pace,
         pp_rank_memory=tuple(r.memory for r in loads),
     )
+
+
+def paced_share(span_s: float, slowest_work_s: float) -> float:
+    """The share of its m·T_max of work the slowest pp rank's parts are priced at: 1, unless the span is
+    shorter. On ranks that share cores (``shared_cores``) T was measured with every rank busy, and a rank
+    runs faster while the others wait in the schedule's bubbles, so the span can be under m·T_max; the parts
+    then shrink by span / (m·T_max) and the bubble is 0 (a plan's parts are ≥ 0 and add up to the step)."""
+    if slowest_work_s <= 0.0 or span_s >= slowest_work_s:
+        return 1.0
+    return span_s / slowest_work_s
 
 
 def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, expert_params: int, precision) -> CommTime:
