@@ -7,8 +7,10 @@ For one model, cluster file (from ``autoshard calibrate``) and global batch: eve
 ``passes.planning.strategies`` offers (every mesh, ZeRO stage, micro-batch, recompute mode and schedule
 the runtime supports) is planned with all its decisions pinned, emitted, and run with torchrun
 on this machine's CPU ranks for ``--steps`` steps; the measured step time is the slowest rank's
-median over the steps after the first (``runtime.report.WARMUP_STEPS``): ranks that share no
-collective in a step (a replicated TP layout) drift apart, and the job goes at its slowest one. The runs are interleaved round by
+median over the steps after the first (``runtime.report.WARMUP_STEPS``) that it ran while every rank ran its
+timed steps (``runtime.report.steady_step_s``): ranks that share no collective in a step (a replicated TP
+layout) drift apart, the job goes at its slowest one, and a rank that runs before the others start or after
+they end has a shared core to itself. The runs are interleaved round by
 round (``--rounds``: every plan once, then every plan again) so that a slow phase of the machine
 hits all plans alike, and each plan's figure is the median of its rounds.
 
@@ -63,7 +65,7 @@ from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.launch import run_torchrun, write_program
 from autoshard.passes.planning.strategies import Pins, candidate_configs
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
-from autoshard.runtime.report import slowest_rank_median_step_s
+from autoshard.runtime.report import steady_step_s
 
 RETRIES = 1  # a run that dies (seen: SIGABRT in gloo's shutdown on the loaded 2-core machine) is run again
 
@@ -131,9 +133,10 @@ def plan_key(plan) -> str:
     )
 
 
-def measure(plan, ranks: int, steps: int, workdir: Path) -> tuple[float, list[list[float]]]:
-    """The slowest rank's median step time of the emitted program (steps after the warm-up one), in seconds,
-    and every rank's step times (the warm-up one included): kept, so that the runs can be read again."""
+def measure(plan, ranks: int, steps: int, workdir: Path) -> tuple[float, list[list[list[float]]]]:
+    """The emitted program's step time (``runtime.report.steady_step_s``), in seconds, and every rank's
+    [step times, step ends] (the warm-up one included; ends on the wall clock): kept, so that the runs can be
+    read again."""
     program = write_program(plan, workdir / "train.py")
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)  # no rank's figure from the plan before
@@ -142,8 +145,8 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> tuple[float, list[li
             program, ranks, ["--steps", str(steps), "--metrics-out", str(out), "--log-every", "1000"], quiet=True
         )
         if proc.returncode == 0:
-            ranks_steps = [json.loads(p.read_text())["step_times_s"] for p in sorted(out.glob("rank-*.json"))]
-            return slowest_rank_median_step_s(out), ranks_steps
+            records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+            return steady_step_s(out), [[r["step_times_s"], r.get("step_ends_s", [])] for r in records]
         print(f"run failed (attempt {attempt + 1}): {proc.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
     raise RuntimeError(proc.stdout[-2000:])
 
@@ -211,7 +214,7 @@ def run(args) -> dict:
     print(f"{len(plans)} plans; the planner picks {plan_key(pick)}", flush=True)
     calibrations = {0: {key: plan.predicted.step_time_s for key, plan in plans}} if args.calibrate else {}
     times: dict[str, list[float]] = {key: [] for key, _ in plans}
-    steps: dict[str, list[list[list[float]]]] = {key: [] for key, _ in plans}  # per round, per rank
+    steps: dict[str, list] = {key: [] for key, _ in plans}  # per round, per rank: [times, ends]
     positions: dict[str, list[int]] = {key: [] for key, _ in plans}  # each run's place in the sequence of runs
     reference: list[dict] = []  # the pick, run again every --reference-every runs: the machine's drift
     start = time.perf_counter()
@@ -241,7 +244,7 @@ def run(args) -> dict:
             "measured_s": statistics.median(times[key]),
             "measured_rounds_s": times[key],
             "positions": positions[key],
-            "step_times_s": steps[key],
+            "rank_steps_s": steps[key],  # per round, per rank: [step times, step ends on the wall clock]
         }
         for key, plan in plans
     ]

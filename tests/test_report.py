@@ -130,3 +130,49 @@ def test_run_refuses_tensorboard_without_its_package_before_anything_starts(in_r
     err = capsys.readouterr().err
     assert code == 2 and "pip install tensorboard" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no program written, nothing launched
+
+
+def write_ranks(out, ranks):
+    """rank-r.json as ``report._write_rank_record`` writes it: each rank's (step times, step ends)."""
+    out.mkdir(exist_ok=True)
+    for r, (times, ends) in enumerate(ranks):
+        record = {"median_step_s": report.statistics.median(times[report.WARMUP_STEPS :]), "step_times_s": times}
+        if ends is not None:
+            record["step_ends_s"] = ends
+        (out / f"rank-{r}.json").write_text(json.dumps(record))
+
+
+def ends_of(start_s, times):
+    """Each step's end on the wall clock, steps back to back from ``start_s``."""
+    out, now = [], start_s
+    for t in times:
+        now += t
+        out.append(now)
+    return out
+
+
+def test_the_jobs_step_is_read_where_every_rank_runs(tmp_path):
+    """Two ranks that share one core and no collective: a step takes 1 s alone, 2 s shared. Rank 1 starts 3 s late
+    and rank 0 ends first, so each has steps alone at the edges of a short run, which pull their medians under the
+    pace they keep together; the window where both run holds only the shared steps."""
+    rank0 = [1.0] + [1.0] * 4 + [2.0] * 3  # warm-up, alone until rank 1's warm-up ends at 5 s, shared until 11 s
+    rank1 = [2.0] + [2.0] * 3 + [1.0] * 4  # from 3 s: warm-up and steps shared until 11 s, then alone
+    write_ranks(tmp_path / "free", [(rank0, ends_of(0.0, rank0)), (rank1, ends_of(3.0, rank1))])
+    assert report.slowest_rank_median_step_s(tmp_path / "free") == 1.0
+    assert report.steady_step_s(tmp_path / "free") == 2.0
+
+    together = [1.0, 2.0, 2.0, 3.0, 2.0]  # ranks that meet every step: ends a few ms apart, the same steps
+    write_ranks(tmp_path / "met", [(together, ends_of(0.0, together)), (together, ends_of(0.004, together))])
+    assert report.steady_step_s(tmp_path / "met") == report.slowest_rank_median_step_s(tmp_path / "met") == 2.0
+
+    write_ranks(tmp_path / "old", [(rank0, None), (rank1, None)])  # records written before the step ends
+    assert report.steady_step_s(tmp_path / "old") == report.slowest_rank_median_step_s(tmp_path / "old")
+
+
+def test_each_rank_records_its_steps_ends_on_the_wall_clock(tmp_path, clock, monkeypatch):
+    monkeypatch.setattr(report.time, "time", lambda: 1000.0 + clock.now)
+    log = StepLog(tokens_per_step=8, is_main=False)
+    for step in range(3):
+        log.start()
+        log.end(step, 1.0)
+    assert log.step_ends_s == [1008.0, 1016.0, 1024.0]  # each end() after its start(), 4 s apart

@@ -60,6 +60,7 @@ class StepLog:
     log_every: int = 1
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    step_ends_s: list[float] = field(default_factory=list)  # each step's end, wall clock (time.time()): ranks compare
     lrs: list[float] = field(default_factory=list)  # each step's learning rate (the scheduler's)
     grad_norms: list[float | None] = field(default_factory=list)  # before clipping; None: the recipe does not clip
     prediction: Prediction | dict | None = None  # the plan's (MFU per step, the end's comparison); a dict: its fields
@@ -86,6 +87,7 @@ class StepLog:
         elapsed_s = time.perf_counter() - self._t0
         self.losses.append(loss)
         self.step_times_s.append(elapsed_s)
+        self.step_ends_s.append(time.time())
         if lr is not None:
             self.lrs.append(lr)
             self.grad_norms.append(grad_norm)
@@ -290,7 +292,12 @@ def _write_rank_record(out: Path, log: StepLog) -> None:
     more for the ranks to agree on at shutdown."""
     out.mkdir(parents=True, exist_ok=True)
     median = log.median_step_s if log.step_times_s else None
-    record = {"median_step_s": median, "step_times_s": log.step_times_s, "peak_device_bytes": peak_device_bytes()}
+    record = {
+        "median_step_s": median,
+        "step_times_s": log.step_times_s,
+        "step_ends_s": log.step_ends_s,
+        "peak_device_bytes": peak_device_bytes(),
+    }
     write_atomic(out / f"rank-{dist.get_rank()}.json", json.dumps(record).encode())
 
 
@@ -298,6 +305,32 @@ def slowest_rank_median_step_s(out: str | Path) -> float | None:
     """The largest of the ranks' median steps that ``finish`` wrote to ``out``."""
     medians = [json.loads(p.read_text())["median_step_s"] for p in Path(out).glob("rank-*.json")]
     return max((m for m in medians if m is not None), default=None)
+
+
+def steady_step_s(out: str | Path) -> float | None:
+    """The job's step time while every rank runs its timed steps: the largest over ranks of the median of its
+    steps that lie in the window W = [latest end of a rank's warm-up, earliest end of a rank's last step]::
+
+        W = [max_r e_r(WARMUP_STEPS − 1), min_r e_r(n − 1)]     step i of rank r counts if e_r(i) − t_r(i) ≥ W₀, e_r(i) ≤ W₁
+
+    Ranks that meet every step (a collective, a pipeline's transfers) keep together, and this is their median
+    step (``slowest_rank_median_step_s``). Ranks that share nothing in a step (a replicated TP layout) drift apart,
+    and where they share cores a rank that starts early or ends late has a core to itself: those steps are not
+    the pace the job keeps (4 ranks on 2 cores, GPT example, 2026-11-29, ``benchmarks/results/cpu-ranks-2026-11-29/
+    steady.out.txt``: tp 4 at micro-batch 8 read 62.5 ms by the slowest median and 70.1 ms here, dp 4 alike within
+    3 %). Falls back to the slowest rank's median where a rank has no step in W or a record has no step ends."""
+    records = [json.loads(p.read_text()) for p in Path(out).glob("rank-*.json")]
+    ends = [r.get("step_ends_s") or [] for r in records]
+    if not records or any(len(e) <= WARMUP_STEPS or len(e) != len(r["step_times_s"]) for e, r in zip(ends, records)):
+        return slowest_rank_median_step_s(out)
+    first, last = max(e[WARMUP_STEPS - 1] for e in ends), min(e[-1] for e in ends)
+    inside = [
+        [t for t, e in zip(r["step_times_s"][WARMUP_STEPS:], end[WARMUP_STEPS:]) if e - t >= first and e <= last]
+        for r, end in zip(records, ends)
+    ]
+    if not all(inside):
+        return slowest_rank_median_step_s(out)
+    return max(statistics.median(steps) for steps in inside)
 
 
 def _write_metrics(out: Path, log: StepLog) -> None:
