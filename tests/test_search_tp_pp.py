@@ -343,6 +343,32 @@ def test_dualpipev_reruns_only_where_its_order_splits_the_backward(gpt):
     assert stage_pipeline_units(tables, config, 0).recompute_s == once.recompute_s
 
 
+def test_a_split_backward_holds_every_checkpointed_blocks_rerun_of_its_stage(in_repo_module):
+    """The weight pass reruns each checkpointed block under one group, and what a rerun's pass does not read stays
+    until the stage's graph is freed: a stage whose backward is split holds its blocks' recompute workspaces
+    summed, where one run whole holds one block's at a time (the first stage; the non-split schedules)."""
+    from autoshard.cost.experts import unit_expert_costs
+    from autoshard.cost.pipeline_step import stage_load
+    from autoshard.cost.schedule import stage_owners
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import pipeline_units
+
+    _, graph = capture_graph("tests/models/hf_llama.py:build_8_layers")
+    tables = CostTables(graph, local(2))
+    cuts = (2, 4, 6)  # two blocks per stage
+    for schedule, recompute in itertools.product(("zbv", "interleaved-1f1b"), ("full", "none")):
+        config = pp2_four_stages(schedule, recompute)
+        units = pipeline_units(tables, config)[0]
+        owner = stage_owners(schedule, 2, 2)
+        for index, rng in enumerate(stage_ranges(cuts, units.blocks)):
+            blocks = [units.workspace_bytes[u] for u in stage_units(rng, units.blocks) if 0 < u <= units.blocks]
+            load = stage_load(tables, config, units, unit_expert_costs(tables, config), index, rng, owner)
+            assert len(blocks) == 2
+            split = schedule == "zbv" and recompute == "full" and index > 0
+            assert load.workspace_bytes == (sum(blocks) if split else max(blocks))
+            assert (load.workspace_bytes > 0) == (recompute == "full")
+
+
 def test_the_split_backward_costs_an_autograd_call_per_parameter_group(gpt):
     """A zero-bubble stage's weight pass makes one autograd call per parameter group (``stage_backward_weight``):
     σ_s · G_s · weight_group_us of host time per micro-batch on each stage but the first (whose backward torch

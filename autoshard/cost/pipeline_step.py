@@ -90,7 +90,7 @@ from autoshard.cost.schedule import (
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.tp_units import forward_reruns, pipeline_units, tp_host_per_unit_s, unit_weight_groups
 from autoshard.cost.units import Units, stage_ranges, stage_units
-from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.decisions import MIXED, Decisions, Mesh
 from autoshard.ir.plan import Memory
 from autoshard.ir.topology import Cluster
 
@@ -410,11 +410,33 @@ def stage_load(
         params,
         expert_shards,
         saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
-        workspace_bytes=max((units.workspace_bytes[u] for u in in_blocks), default=0),
+        workspace_bytes=stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks]),
         backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
         loss_bytes=units.workspace_bytes[-1] if last else 0,
         buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner),
     )
+
+
+def stage_workspace_bytes(config: Decisions, index: int, workspaces: list[int]) -> int:
+    """R_s of ``rank_memory.pipeline_moments``: what a recomputed block keeps again for its backward, the largest
+    of the stage's blocks', R_k; the sum of them where the stage's rank splits its backward under checkpointed
+    blocks (a zero-bubble schedule, full or per-block recompute, not the first stage: ``split_backward_share``)::
+
+        R_s = Σ_k R_k   (split)        R_s = max_k R_k   (otherwise)
+
+    Each checkpointed block reruns in the input pass and again in the weight pass (``runtime.pipeline_parallel``'s
+    group); a rerun's tensors that its pass does not read stay until the stage's graph is freed at the end of the
+    weight pass, so the blocks' reruns pile up instead of following one another. Σ_k R_k bounds it from above: the
+    weight pass of a probe of 4 GPT blocks under the group held 2.9 MB at its peak against one block's 1.2 MB (4.8 MB
+    summed; 2026-11-28). What each pass reads of a block, and frees, is not priced."""
+    split = (
+        index > 0
+        and config.recompute in ("full", MIXED)
+        and config.schedule in ZERO_BUBBLE_SCHEDULES
+        and split_backward_share(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)[index]
+        > 0
+    )
+    return sum(workspaces) if split else max(workspaces, default=0)
 
 
 def model_output_bytes(tables: CostTables, config: Decisions) -> int:
