@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from autoshard.cost.rank_memory import in_flight
 from autoshard.cost.schedule import (
     Action,
+    backward_held,
     bubble_fraction,
     draw,
     format_grid,
@@ -283,3 +284,19 @@ def test_zbv_grid_text_golden():
         "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .\n"
         "rank 1 |   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"
     )
+
+
+def test_a_split_backwards_moments_count_the_weight_passes_still_to_run():
+    """``backward_held``'s vectors: per stage the micro-batches held (F to B or W), then those whose input pass
+    has run and weight pass not (I to W, the action's own from its I), at every B, I and W. ZBV, pp 2, m 4,
+    rank 0 (stages 0 and 3) runs F0 F0 F0 F3 I3 W3 F3 I3 W3 F0 I0 W0 ...: as stage 3's first I begins it holds
+    three micro-batches on stage 0 and one on 3, whose weight pass is pending; at stage 0's first I, four
+    and none, one pending on 0. 1F1B splits nothing: nothing is ever pending."""
+    head = [(a.kind, a.stage) for a in rank_orders("zbv", 2, 4, 2)[0][:12]]
+    assert head == [("F", 0)] * 3 + [("F", 3), ("I", 3), ("W", 3)] * 2 + [("F", 0), ("I", 0), ("W", 0)]
+    stages, at = backward_held("zbv", 2, 4, 2, 0)
+    assert stages == (0, 3)
+    assert at[3] == ((3, 1, 0, 1),)
+    assert at[0] == ((4, 0, 1, 0),)
+    _, one_f_one_b = backward_held("1f1b", 2, 4, 1, 0)
+    assert all(v[1:] == (0,) for vs in one_f_one_b.values() for v in vs)

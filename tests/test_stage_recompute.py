@@ -532,3 +532,27 @@ def test_second_application_is_refused():
     apply_recompute_to_stage(pipe.split_gm.submod_pp_0, {"h.0": "full"})
     with pytest.raises(AutoshardError, match="already recomputed"):
         apply_recompute_to_stage(pipe.split_gm.submod_pp_0, {"h.0": "full"})
+
+
+def test_the_weight_pass_inputs_are_priced_as_torch_keeps_them(in_repo):
+    """What a split backward keeps of a micro-batch from its input pass to its weight pass: torch's
+    ``stage_backward_input`` hooks, for each parameter group, the gradients flowing into the ops where the weights'
+    paths meet the inputs'. Their bytes on a GPT block equal ``cost.saved.weight_grad_inputs`` of the block's
+    captured ops (the gradients of the outputs of the ops that read a trained parameter)."""
+    from autoshard.cost.saved import weight_grad_inputs
+    from autoshard.pipeline import capture_graph
+
+    _, graph = capture_graph("examples/gpt.py:build")
+    torch.manual_seed(0)
+    model = gpt.build()
+    block = graph.blocks[1]
+    module = model.get_submodule(block.path)
+    batch, cfg = 2, gpt.CONFIG
+    x = torch.randn(batch, cfg.block_size, cfg.n_embd, requires_grad=True)
+    out = module(x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
+    grads = [t for g in groups for grad in g.get("grads") or () for t in pytree.tree_leaves(grad) if t is not None]
+    kept = {t.data_ptr(): t.numel() * t.element_size() for t in grads}  # per output of each hooked op
+    priced = weight_grad_inputs(graph, (graph.node(n) for n in block.node_names), 1.0) * batch / graph.batch_size
+    assert len(kept) >= 8 and sum(kept.values()) == pytest.approx(priced, rel=0.01)
+    stage_backward_weight(module.parameters(), groups)

@@ -411,6 +411,9 @@ def stage_load(
         expert_shards,
         saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
         workspace_bytes=stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks]),
+        weight_grad_bytes=sum(tables.weight_grad_units(config)[u] for u in idx)
+        if splits_backward(config, index)
+        else 0,
         backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
         loss_bytes=units.workspace_bytes[-1] if last else 0,
         buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner),
@@ -429,14 +432,18 @@ def stage_workspace_bytes(config: Decisions, index: int, workspaces: list[int]) 
     weight pass, so the blocks' reruns pile up instead of following one another. Σ_k R_k bounds it from above: the
     weight pass of a probe of 4 GPT blocks under the group held 2.9 MB at its peak against one block's 1.2 MB (4.8 MB
     summed; 2026-11-28). What each pass reads of a block, and frees, is not priced."""
-    split = (
-        index > 0
-        and config.recompute in ("full", MIXED)
-        and config.schedule in ZERO_BUBBLE_SCHEDULES
-        and split_backward_share(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)[index]
-        > 0
-    )
+    split = config.recompute in ("full", MIXED) and splits_backward(config, index)
     return sum(workspaces) if split else max(workspaces, default=0)
+
+
+def splits_backward(config: Decisions, index: int) -> bool:
+    """Whether stage ``index``'s rank splits any of its backwards into input and weight passes: a zero-bubble
+    schedule's (``split_backward_share`` > 0), never the first stage's (torch runs it whole: its inputs need
+    no gradient)."""
+    if index == 0 or config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return False
+    m, v = config.num_microbatches, config.virtual_stages
+    return split_backward_share(config.schedule, config.mesh.pp, m, v)[index] > 0
 
 
 def model_output_bytes(tables: CostTables, config: Decisions) -> int:

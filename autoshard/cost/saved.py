@@ -267,6 +267,22 @@ def _saved_whole(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) ->
     return [(node.name, int(node.output_bytes * ratio))]
 
 
+def weight_grad_inputs(graph: OpGraph, nodes: Iterable[OpNode], ratio: float, share: RankShare = WHOLE) -> int:
+    """Bytes of the gradients of ``nodes``' outputs that read a trained parameter (not a view of one), on one TP
+    rank: what torch's split backward keeps of a micro-batch from its input pass to its weight pass
+    (``stage_backward_input`` hooks the op where each weight's path meets the inputs' and keeps the gradient
+    flowing into it; ``stage_backward_weight`` starts from those)::
+
+        G = Σ_{n reads a trained parameter} |out(n)|      a linear's dy, a norm's weight-mul's, the head's logits'"""
+    total = 0
+    for node in nodes:
+        if not node.param_inputs or _is_view(graph, node):
+            continue
+        if any(not graph.param(p).is_buffer for p in node.param_inputs):
+            total += share.value_bytes(graph, node.name, ratio)
+    return total
+
+
 def saved_set(
     graph: OpGraph, nodes: Iterable[OpNode], ratio: float, grads: set[str] | None = None, share: RankShare = WHOLE
 ) -> dict[str, int]:

@@ -396,9 +396,10 @@ def _held_counts(schedule: str, pp: int, microbatches: int, virtual_stages: int,
 def backward_held(
     schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int
 ) -> tuple[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]]:
-    """(the stages of ``pp_rank``, for each of them the micro-batches held on each stage as one of its
-    backwards begins: B or I, its own micro-batch still held; the undominated vectors). A stage holds a
-    micro-batch from its F until its B or W (``peak_in_flight``)."""
+    """(the stages of ``pp_rank``, for each of them the micro-batches held as one of its backward actions begins:
+    B, I or W; the undominated vectors). A vector holds, per stage, the micro-batches it holds from F until B or W
+    (``peak_in_flight``), then, per stage, those whose input pass has run and weight pass not (I to W, the
+    action's own micro-batch counted from its I: its weight pass's inputs are made during it)."""
     return _backward_held(schedule, pp, microbatches, virtual_stages, pp_rank)
 
 
@@ -407,14 +408,19 @@ def _backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: in
     order = _rank_orders(schedule, pp, microbatches, virtual_stages)[pp_rank]
     stages = tuple(sorted({a.stage for a in order}))
     held = dict.fromkeys(stages, 0)
+    pending = dict.fromkeys(stages, 0)
     at: dict[int, set[tuple[int, ...]]] = {s: set() for s in stages}
     for a in order:
-        if a.kind in "BI":
-            at[a.stage].add(tuple(held[s] for s in stages))
+        if a.kind == "I":
+            pending[a.stage] += 1
+        if a.kind in "BIW":
+            at[a.stage].add(tuple(held[s] for s in stages) + tuple(pending[s] for s in stages))
         if a.kind == "F":
             held[a.stage] += 1
         elif a.kind in "BW":
             held[a.stage] -= 1
+        if a.kind == "W":
+            pending[a.stage] -= 1
     return stages, {s: _undominated(vectors) for s, vectors in at.items() if vectors}
 
 

@@ -39,7 +39,7 @@ from autoshard.cost.memory import (
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
-from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs
+from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs, unit_weight_grad_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
@@ -286,6 +286,17 @@ class CostTables:
             self.rank_share(config),
         )
         return replace(units, saved_bytes=saved, workspace_bytes=workspace, backward_bytes=backward)
+
+    def weight_grad_units(self, config: Decisions) -> tuple[int, ...]:
+        """Per unit, one micro-batch's gradients a split backward keeps from its input pass to its weight pass, on
+        one TP rank (``units.unit_weight_grad_bytes``)."""
+        return unit_weight_grad_bytes(
+            self.graph,
+            config.microbatch_size,
+            self.precision.activation_bytes,
+            CAPTURED_ELEM_BYTES,
+            self.rank_share(config),
+        )
 
 
 def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:

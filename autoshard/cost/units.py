@@ -77,7 +77,7 @@ from autoshard.cost.memory import (
     non_block_saved_bytes,
     output_bytes,
 )
-from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by
+from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by, weight_grad_inputs
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import DeviceSpec, HostOverheads
 
@@ -356,6 +356,24 @@ def unit_activation_bytes(
 
     key = ("unit_activation_bytes", microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, share)
     return graph.derived(key, compute)
+
+
+def unit_weight_grad_bytes(
+    graph: OpGraph, microbatch_size: int, activation_elem_bytes: int, captured_bytes: int = 4, share: RankShare = WHOLE
+) -> tuple[int, ...]:
+    """Per unit, what a split backward keeps of one micro-batch between its input and weight passes
+    (``cost.saved.weight_grad_inputs``), on one TP rank of ``share``, at ``microbatch_size``."""
+
+    def at_capture() -> tuple[int, ...]:
+        ratio = activation_elem_bytes / captured_bytes
+        by_unit: list[list] = [[] for _ in range(len(graph.blocks) + 2)]
+        for node, u in zip(graph.nodes, node_units(graph)):
+            by_unit[u].append(node)
+        return tuple(weight_grad_inputs(graph, nodes, ratio, share) for nodes in by_unit)
+
+    captured = graph.derived(("unit_weight_grad_bytes", activation_elem_bytes, captured_bytes, share), at_capture)
+    scale = microbatch_size / graph.batch_size
+    return tuple(int(b * scale) for b in captured)
 
 
 def _unit_bytes_at_capture(
