@@ -287,18 +287,16 @@ def test_zbv_grid_text_golden():
 
 
 def test_a_split_backwards_moments_count_the_weight_passes_still_to_run():
-    """``backward_held``'s vectors: per stage the micro-batches held, then those whose input pass has run and
-    weight pass not (I to W, the action's own from its I), at every B, I and W. A rank whose order splits its
-    backwards holds every micro-batch from its F to the step's end (what the dry run measured; the docstring);
-    one that does not frees each at its B. ZBV, pp 2, m 4, rank 0 (stages 0 and 3) runs
-    F0 F0 F0 F3 I3 W3 F3 I3 W3 F0 I0 W0 ...: its last moments hold all four micro-batches of both stages, one
-    weight pass pending on the stage whose backward runs. 1F1B splits nothing: nothing is ever pending, and
-    rank 0 holds at most pp micro-batches."""
+    """``backward_held``'s vectors: per stage the micro-batches held (F to B or W), then those whose input pass
+    has run and weight pass not (I to W, the action's own from its I), at every B, I and W. ZBV, pp 2, m 4,
+    rank 0 (stages 0 and 3) runs F0 F0 F0 F3 I3 W3 F3 I3 W3 F0 I0 W0 ...: as stage 3's first I begins it holds
+    three micro-batches on stage 0 and one on 3, whose weight pass is pending; at stage 0's first I, four
+    and none, one pending on 0. 1F1B splits nothing: nothing is ever pending."""
     head = [(a.kind, a.stage) for a in rank_orders("zbv", 2, 4, 2)[0][:12]]
     assert head == [("F", 0)] * 3 + [("F", 3), ("I", 3), ("W", 3)] * 2 + [("F", 0), ("I", 0), ("W", 0)]
     stages, at = backward_held("zbv", 2, 4, 2, 0)
     assert stages == (0, 3)
-    assert at[3] == ((4, 4, 0, 1),)
-    assert at[0] == ((4, 4, 1, 0),)
+    assert at[3] == ((3, 1, 0, 1),)
+    assert at[0] == ((4, 0, 1, 0),)
     _, one_f_one_b = backward_held("1f1b", 2, 4, 1, 0)
-    assert one_f_one_b[0] == ((2, 0),)
+    assert all(v[1:] == (0,) for vs in one_f_one_b.values() for v in vs)

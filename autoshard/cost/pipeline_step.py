@@ -405,16 +405,15 @@ def stage_load(
     )
     output = model_output_bytes(tables, config) if last else units.boundary_bytes[block_range[1]]
     in_blocks = [u for u in idx if 0 < u <= blocks]
-    split = splits_backward(config, index)
-    workspace = stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks])
     return StageLoad(
         index,
         params,
         expert_shards,
         saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
-        workspace_bytes=workspace,
-        weight_grad_bytes=sum(tables.weight_grad_units(config)[u] for u in idx) if split else 0,
-        rerun_kept_bytes=workspace if split and config.recompute in ("full", MIXED) else 0,
+        workspace_bytes=stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks]),
+        weight_grad_bytes=sum(tables.weight_grad_units(config)[u] for u in idx)
+        if splits_backward(config, index)
+        else 0,
         backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
         loss_bytes=units.workspace_bytes[-1] if last else 0,
         buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner),

@@ -256,7 +256,6 @@ class StageLoad:
     loss_bytes: int = 0  # the loss's backward workspace (the last stage)
     buffer_bytes: int = 0  # its receive buffers of one micro-batch: inputs (but the first) and output gradients
     weight_grad_bytes: int = 0  # a split backward's: one micro-batch's gradients kept from its I to its W
-    rerun_kept_bytes: int = 0  # a split backward's under recompute: one micro-batch's reruns, held with it
 
 
 def memory_pipeline(tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad]) -> Memory:
@@ -274,9 +273,7 @@ def pipeline_moments(
     optimizer step. With W, G, O the state of its stages after the step (``rank_state_bytes`` of the dense
     parameters over dp, the expert shards whole), K the bf16 weights FSDP2 keeps gathered (``keeps_gathered``),
     G_a the gradients summed whole over micro-batches (``pipeline_accumulated_grad_bytes``), h_s(t) the
-    micro-batches stage s holds, A_s one's saved activations and kept output (with a split backward under
-    recompute, and its blocks' reruns: ``schedule.backward_held`` holds them to the step's end), w_s(t) the
-    micro-batches whose
+    micro-batches stage s holds, A_s one's saved activations and kept output, w_s(t) the micro-batches whose
     backward stage s has split and whose weight pass is still to run, D_s one's gradients kept for it
     (``cost.saved.weight_grad_inputs``; a backward of s is its B, I or W), B the receive buffers, m per
     stage boundary (torch's stages make one per micro-batch, in the traced dtype, and keep them)::
@@ -315,11 +312,7 @@ def pipeline_moments(
     for stage in stages:
         for counts in held_at.get(stage.index, ()):
             held_counts, pending_counts = counts[: len(order)], counts[len(order) :]
-            acts = sum(
-                c * (by_index[s].saved_bytes + by_index[s].rerun_kept_bytes)
-                for s, c in zip(order, held_counts)
-                if s in by_index
-            )
+            acts = sum(c * by_index[s].saved_bytes for s, c in zip(order, held_counts) if s in by_index)
             acts += sum(c * by_index[s].weight_grad_bytes for s, c in zip(order, pending_counts) if s in by_index)
             moments[f"backward {stage.index} {counts}"] = dict(
                 params_bytes=p + kept + (gathered * stage.params if z3 else 0),

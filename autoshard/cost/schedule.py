@@ -397,17 +397,9 @@ def backward_held(
     schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int
 ) -> tuple[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]]:
     """(the stages of ``pp_rank``, for each of them the micro-batches held as one of its backward actions begins:
-    B, I or W; the undominated vectors). A vector holds, per stage, the micro-batches it holds: from F until B,
-    and, where the order splits backwards (a rank with I actions), from F to the step's end; then, per stage, those
-    whose input pass has run and weight pass not (I to W, the action's own micro-batch counted from its I: its
-    weight pass's inputs are made during it).
-
-    Held to the step's end: ``autoshard dryrun`` of zero-bubble plans (transformers Llama, 8 layers, pp 2,
-    2026-11-29, RESULTS "The split backward") reads a rank's activations growing by about its stages' saved
-    activations per micro-batch (zbv, m 4 → 8: +3.91 MiB, 1.18 MiB of saved activations per micro-batch), where
-    the order frees each at its W (+0.17 MiB priced that way). torch's split backward alone frees them
-    (``benchmarks/results/dryrun-zero-bubble-2026-11-29/split_alive.py``); what keeps them in the program is not
-    found, and until it is the plan prices what the program was measured to hold."""
+    B, I or W; the undominated vectors). A vector holds, per stage, the micro-batches it holds from F until B or W
+    (``peak_in_flight``), then, per stage, those whose input pass has run and weight pass not (I to W, the
+    action's own micro-batch counted from its I: its weight pass's inputs are made during it)."""
     return _backward_held(schedule, pp, microbatches, virtual_stages, pp_rank)
 
 
@@ -415,7 +407,6 @@ def backward_held(
 def _backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int) -> tuple:
     order = _rank_orders(schedule, pp, microbatches, virtual_stages)[pp_rank]
     stages = tuple(sorted({a.stage for a in order}))
-    freed_at = "B" if any(a.kind == "I" for a in order) else "BW"  # split: held to the step's end (docstring)
     held = dict.fromkeys(stages, 0)
     pending = dict.fromkeys(stages, 0)
     at: dict[int, set[tuple[int, ...]]] = {s: set() for s in stages}
@@ -426,7 +417,7 @@ def _backward_held(schedule: str, pp: int, microbatches: int, virtual_stages: in
             at[a.stage].add(tuple(held[s] for s in stages) + tuple(pending[s] for s in stages))
         if a.kind == "F":
             held[a.stage] += 1
-        elif a.kind in freed_at:
+        elif a.kind in "BW":
             held[a.stage] -= 1
         if a.kind == "W":
             pending[a.stage] -= 1
