@@ -1,8 +1,9 @@
 """After one micro-batch's forward and backward on a stage of two MLP blocks, which tensors its forward saved
 for backward are still alive: with one backward call, and split as torch's zero-bubble schedules split it
-(``stage_backward_input``, then ``stage_backward_weight``). Weak references taken by a saved-tensors pack hook;
-the parameters left out."""
+(``stage_backward_input``, then ``stage_backward_weight``); each alone and under torch's ``MemTracker`` (the tracker
+``autoshard dryrun`` reads). Weak references taken by a saved-tensors pack hook; the parameters left out."""
 
+import contextlib
 import gc
 import weakref
 
@@ -23,7 +24,15 @@ class Block(nn.Module):
         return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
 
 
-def alive_after(stage: nn.Module, split: bool) -> tuple[int, list]:
+def alive_after(stage: nn.Module, split: bool, tracked: bool) -> tuple[int, list]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker() if tracked else contextlib.nullcontext()
+    with tracker:
+        return _step(stage, split)
+
+
+def _step(stage: nn.Module, split: bool) -> tuple[int, list]:
     params = {id(p) for p in stage.parameters()}
     refs = []
 
@@ -49,6 +58,8 @@ def alive_after(stage: nn.Module, split: bool) -> tuple[int, list]:
 
 
 stage = nn.Sequential(Block(), Block())
-for split in (False, True):
-    saved, alive = alive_after(stage, split)
-    print(f"{'split' if split else 'one call'}: {saved} saved, {len(alive)} alive after the step: {alive}")
+for tracked in (False, True):
+    for split in (False, True):
+        saved, alive = alive_after(stage, split, tracked)
+        how = ("split" if split else "one call") + (", under MemTracker" if tracked else "")
+        print(f"{how}: {saved} saved, {len(alive)} alive after the step: {alive}")
