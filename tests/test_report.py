@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 import pytest
 
@@ -136,7 +137,7 @@ def write_ranks(out, ranks):
     """rank-r.json as ``report._write_rank_record`` writes it: each rank's (step times, step ends)."""
     out.mkdir(exist_ok=True)
     for r, (times, ends) in enumerate(ranks):
-        record = {"median_step_s": report.statistics.median(times[report.WARMUP_STEPS :]), "step_times_s": times}
+        record = {"median_step_s": statistics.median(times[report.WARMUP_STEPS :]), "step_times_s": times}
         if ends is not None:
             record["step_ends_s"] = ends
         (out / f"rank-{r}.json").write_text(json.dumps(record))

@@ -268,7 +268,7 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
     if config.schedule not in ZERO_BUBBLE_SCHEDULES or config.recompute != "full":
         return split
     m, v = config.num_microbatches, config.virtual_stages
-    share = 0.0 if stage == 0 else split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
+    share = stage_split_share(config, stage)
     if share == 1.0:
         return split
     once = pipeline_units(tables, config, first_stage=True)[0]
@@ -292,10 +292,9 @@ def stage_forward_reruns(tables: CostTables, config: Decisions, stage: int) -> t
     backward (as ``stage_pipeline_units``; g_u: the unit's ops that read a parameter, whose weight pass reruns
     the unit once)."""
     reruns = forward_reruns(config, len(tables.graph.blocks))
-    if config.schedule not in ZERO_BUBBLE_SCHEDULES or config.recompute != "full" or stage == 0:
+    share = stage_split_share(config, stage)
+    if config.recompute != "full" or not share:
         return reruns
-    m, v = config.num_microbatches, config.virtual_stages
-    share = split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
     return tuple(n * (1 + share * min(g, 1)) for n, g in zip(reruns, unit_weight_groups(tables.graph)))
 
 
@@ -304,12 +303,11 @@ def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx
     weight pass makes one ``autograd`` call per parameter group (``stage_backward_weight``), σ_s · G_s ·
     ``weight_group_us`` (σ_s: ``schedule.split_backward_share``; G_s: the ops of its units ``idx`` that read a
     parameter, ``tp_units.unit_weight_groups``; 0 on the first stage, whose backward torch runs whole)."""
-    us = tables.cluster.host.weight_group_us
-    if not us or config.schedule not in ZERO_BUBBLE_SCHEDULES or stage == 0:
+    us, share = tables.cluster.host.weight_group_us, stage_split_share(config, stage)
+    if not us or not share:
         return 0.0
-    share = split_backward_share(config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages)
     groups = unit_weight_groups(tables.graph)
-    return share[stage] * sum(groups[u] for u in idx) * us * 1e-6
+    return share * sum(groups[u] for u in idx) * us * 1e-6
 
 
 def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
@@ -412,7 +410,7 @@ def stage_load(
         saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
         workspace_bytes=stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks]),
         weight_grad_bytes=sum(tables.weight_grad_units(config)[u] for u in idx)
-        if splits_backward(config, index)
+        if stage_split_share(config, index) > 0
         else 0,
         backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
         loss_bytes=units.workspace_bytes[-1] if last else 0,
@@ -432,18 +430,19 @@ def stage_workspace_bytes(config: Decisions, index: int, workspaces: list[int]) 
     weight pass, so the blocks' reruns pile up instead of following one another. Σ_k R_k bounds it from above: the
     weight pass of a probe of 4 GPT blocks under the group held 2.9 MB at its peak against one block's 1.2 MB (4.8 MB
     summed; 2026-11-28). What each pass reads of a block, and frees, is not priced."""
-    split = config.recompute in ("full", MIXED) and splits_backward(config, index)
+    split = config.recompute in ("full", MIXED) and stage_split_share(config, index) > 0
     return sum(workspaces) if split else max(workspaces, default=0)
 
 
-def splits_backward(config: Decisions, index: int) -> bool:
-    """Whether stage ``index``'s rank splits any of its backwards into input and weight passes: a zero-bubble
-    schedule's (``split_backward_share`` > 0), never the first stage's (torch runs it whole: its inputs need
-    no gradient)."""
-    if index == 0 or config.schedule not in ZERO_BUBBLE_SCHEDULES:
-        return False
+def stage_split_share(config: Decisions, stage: int) -> float:
+    """σ_s: the share of stage ``stage``'s micro-batches whose backward its rank splits into input and weight
+    passes (``schedule.split_backward_share``: 1 in interleaved-zb and zbv, part of them in DualPipeV); 0 for the
+    schedules that never split, and on the first stage, whose backward torch runs whole (its inputs need no
+    gradient)."""
+    if stage == 0 or config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return 0.0
     m, v = config.num_microbatches, config.virtual_stages
-    return split_backward_share(config.schedule, config.mesh.pp, m, v)[index] > 0
+    return split_backward_share(config.schedule, config.mesh.pp, m, v)[stage]
 
 
 def model_output_bytes(tables: CostTables, config: Decisions) -> int:
