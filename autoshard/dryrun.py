@@ -36,7 +36,9 @@ keep the layout they were built with (``_ddp_on_the_fake_group``); a pipeline's 
 (``pipeline_parallel.global_mean_loss``: nan on fake tensors); transformers' experts' ``grouped_mm`` is
 shaped without its fake kernel's bf16-only check (``_grouped_mm_shapes_in_any_dtype``). The tracker's module
 hooks take a pipeline stage's received inputs through a view (``_tracked_stages``: they cannot wait on a
-leaf's gradient inside the zero-bubble schedules' ``autograd.grad``).
+leaf's gradient inside the zero-bubble schedules' ``autograd.grad``), and a micro-batch's multi-grad hooks are removed
+once its backward is over (``_chunk_hooks_released``: left on the graph they keep a split backward's saved tensors
+alive, which a real run frees).
 
 What it does not see: kernels' workspaces and the caching allocator's fragmentation; fake tensors are CPU
 tensors, so where a kernel saves other tensors on CUDA than on CPU (SDPA's flash backend keeps its logsumexp,
@@ -199,7 +201,8 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
         optimizers = optimizer.optimizers if pipeline else [optimizer]
         tracker.track_external(*modules, *optimizers)
         _ddp_on_the_fake_group(model, tracker)
-        with _tracked_stages(tracker, modules if pipeline else []), _propagation_apart(), tracker:
+        released = _chunk_hooks_released(applied["schedule"]) if pipeline else contextlib.nullcontext()
+        with _tracked_stages(tracker, modules if pipeline else []), released, _propagation_apart(), tracker:
             for step in range(steps):
                 if pipeline:
                     _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)
@@ -285,6 +288,78 @@ def _tracked_stages(tracker, stage_modules: list):
     finally:
         if handle is not None:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _chunk_hooks_released(schedule):
+    """The tracker's multi-grad hooks of a stage's micro-batch removed once that micro-batch's backward is over
+    (after ``backward_one_chunk`` with the full backward, after ``backward_weight_one_chunk`` when it is split).
+
+    ``ModTracker`` hooks every module's inputs (``register_multi_grad_hook``, mode "all") and keeps no handle. Each
+    hook's closure holds the ``grad_fn`` of the tensors it waits on and is stored on that same node: a cycle,
+    which Python's collector does not free. A one-call backward releases every node's saved tensors as it runs
+    it, so the nodes kept alive hold nothing. A split backward does not: the input pass runs with the graph
+    retained, and a node it ran that the weight pass does not reach (GELU's, between a block's two linears)
+    keeps its saved input until the process ends, one per hooked node per micro-batch. The dry run read that as
+    activations held to the step's end; a real run without the tracker frees them (benchmarks/RESULTS.md, "Dry
+    run", "The split backward"). Removing a micro-batch's hooks when its backward is over breaks the cycle;
+    the hooks have all run by then."""
+    from torch.distributed._tools import mod_tracker
+
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    handles: dict[tuple[int, int], list] = {}  # (stage index, micro-batch) -> the hooks its forward registered
+    forwarding: list[list] = []  # the handles of the micro-batch whose forward is running
+    register = mod_tracker.register_multi_grad_hook
+
+    def registered(*args, **kwargs):
+        handle = register(*args, **kwargs)
+        if forwarding:
+            forwarding[-1].append(handle)
+        return handle
+
+    def release(stage, chunk: int) -> None:
+        for handle in handles.pop((stage.stage_index, chunk), []):
+            handle.remove()
+
+    def wrapped(stage):
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            forwarding.append(handles.setdefault((stage.stage_index, fwd_chunk_id), []))
+            try:
+                return forward(fwd_chunk_id, *args, **kwargs)
+            finally:
+                forwarding.pop()
+
+        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            out = backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            if full_backward:
+                release(stage, bwd_chunk_id)
+            return out
+
+        def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+            out = weight(bwd_chunk_id, last_backward=last_backward)
+            release(stage, bwd_chunk_id)
+            return out
+
+        return forward_one_chunk, backward_one_chunk, backward_weight_one_chunk
+
+    names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    own = [{name: stage.__dict__[name] for name in names if name in stage.__dict__} for stage in stages]
+    mod_tracker.register_multi_grad_hook = registered
+    for stage in stages:  # over the program's own wrappers (``pipeline_parallel``'s split backward), if any
+        for name, method in zip(names, wrapped(stage)):
+            setattr(stage, name, method)
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for stage, methods in zip(stages, own):
+            for name in names:
+                if name in methods:
+                    setattr(stage, name, methods[name])
+                else:
+                    delattr(stage, name)
 
 
 def _ddp_on_the_fake_group(model, tracker) -> None:
