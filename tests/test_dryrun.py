@@ -189,13 +189,14 @@ def test_a_split_backward_holds_no_micro_batch_past_its_weight_pass(in_repo):
     """A zero-bubble schedule splits each micro-batch's backward into an input pass (the graph retained) and a weight
     pass; a real run then frees every saved tensor, and so must the dry run: the tracker's multi-grad hooks, left on
     the graph, kept a node the weight pass never reaches (GELU's saved input) alive to the step's end, one per
-    micro-batch (``dryrun._chunk_hooks_released``). ZBV holds a few micro-batches in flight: its activations grow
-    with their number as the plan's do, and stay within 10 % of the plan's."""
+    micro-batch (``dryrun._chunk_hooks_released``). ZBV holds a few micro-batches in flight: its peak grows with
+    their number as the plan's does, and stays within 10 % of the plan's. (The parts differ: the gradients an input
+    pass keeps for its weight pass are temporaries to the tracker, made in a backward, and activations to the plan.)"""
     from autoshard.api import estimate
 
-    def activations(global_batch: int) -> tuple[int, int]:
+    def peaks(global_batch: int) -> tuple[int, int]:
         plan = estimate(
-            "tests/models/hf_llama.py:build_8_layers",
+            "examples/gpt.py:build",
             "local-cpu",
             devices_per_node=2,
             global_batch=global_batch,
@@ -208,9 +209,11 @@ def test_a_split_backward_holds_no_micro_batch_past_its_weight_pass(in_repo):
             schedule="zbv",
         )
         (report,) = dryrun(plan)
-        return report.parts["activations"]
+        return report.peak_bytes, report.predicted_peak_bytes
 
-    (measured_4, predicted_4), (measured_8, predicted_8) = activations(8), activations(16)
-    # as many more as the schedule holds in flight, no more: was +3.9 MiB on 6.0, a micro-batch's saved tensors each
-    assert measured_8 - measured_4 <= predicted_8 - predicted_4 + 0.02 * measured_4
+    (measured_4, predicted_4), (measured_8, predicted_8) = peaks(8), peaks(16)
+    # what the schedule holds in flight more, within 5 %: held to the step's end, each micro-batch added its saved
+    # tensors (here +2.9 MiB on 7.8 from 4 micro-batches to 8, against +0.26 priced; +0.40 read since)
+    assert measured_8 - measured_4 <= predicted_8 - predicted_4 + 0.05 * measured_4
+    assert measured_4 == pytest.approx(predicted_4, rel=0.10)
     assert measured_8 == pytest.approx(predicted_8, rel=0.10)
