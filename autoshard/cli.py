@@ -380,7 +380,12 @@ def _add_calibrate(sub, common) -> None:
     p = sub.add_parser("calibrate", parents=[common], help="measure this machine and write a cluster file")
     p.add_argument("-o", "--output", required=True, help="the cluster YAML to write, e.g. cluster.yaml")
     p.add_argument("--devices-per-node", type=int, help="ranks to measure with (default: 2 on CPU, every GPU)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 30 s)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and repeats (about 30 s on 2 idle CPU cores; each --model adds its profile, 20 s for the "
+        "example GPT)",
+    )
     p.add_argument(
         "--model",
         action="append",
