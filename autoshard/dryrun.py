@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
@@ -345,21 +346,12 @@ def _chunk_hooks_released(schedule):
         return forward_one_chunk, backward_one_chunk, backward_weight_one_chunk
 
     names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-    own = [{name: stage.__dict__[name] for name in names if name in stage.__dict__} for stage in stages]
-    mod_tracker.register_multi_grad_hook = registered
-    for stage in stages:  # over the program's own wrappers (``pipeline_parallel``'s split backward), if any
-        for name, method in zip(names, wrapped(stage)):
-            setattr(stage, name, method)
-    try:
+    with contextlib.ExitStack() as patches:  # each restored on exit: the program's own wrappers, or the class's method
+        patches.enter_context(mock.patch.object(mod_tracker, "register_multi_grad_hook", registered))
+        for stage in stages:  # over the program's own wrappers (``pipeline_parallel``'s split backward), if any
+            for name, method in zip(names, wrapped(stage)):
+                patches.enter_context(mock.patch.object(stage, name, method))
         yield
-    finally:
-        mod_tracker.register_multi_grad_hook = register
-        for stage, methods in zip(stages, own):
-            for name in names:
-                if name in methods:
-                    setattr(stage, name, methods[name])
-                else:
-                    delattr(stage, name)
 
 
 def _ddp_on_the_fake_group(model, tracker) -> None:

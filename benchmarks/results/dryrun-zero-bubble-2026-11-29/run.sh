@@ -4,7 +4,7 @@
 # estimate`), dy_*.json the dry runs (`autoshard dryrun --json`), the table in benchmarks/RESULTS.md ("Dry run",
 # "The split backward"). Run from the repository root.
 set -euo pipefail
-D=benchmarks/results/dryrun-zero-bubble-2026-11-29
+D=${D:-benchmarks/results/dryrun-zero-bubble-2026-11-29}  # the folder written (the mended rows: ../dryrun-zero-bubble-mended-2026-11-29)
 row() {  # schedule, global batch, recompute
   autoshard estimate tests/models/hf_llama.py:build_8_layers --cluster local-cpu --devices-per-node 2 \
     --global-batch "$2" --dp 1 --tp 1 --pp 2 --zero 0 --microbatch-size 2 --schedule "$1" --recompute "$3" \
