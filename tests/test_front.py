@@ -72,6 +72,28 @@ def test_the_planning_process_imports_torch_only_when_it_captures_itself(tmp_pat
     assert json.loads(proc.stdout)["decisions"]["mesh"]["dp"] == 2
 
 
+def test_the_console_script_plans_without_importing_pandas_and_a_later_import_gets_the_real_one(tmp_path):
+    """``cli.entry`` imports OR-Tools' cp_model with a stand-in for pandas (0.3-0.45 s of a cold plan's capture
+    child); the capture child, its TP proof's CP-SAT and the search run on it, and the real pandas is untouched."""
+    proc = python(
+        f"""
+        import sys
+        from autoshard.cli import import_cp_model_without_pandas, main
+        import_cp_model_without_pandas()
+        code = main(["plan", "{GPT}", *{LOCAL!r}, "--no-cache", "--tp", "2", "--json"])
+        held = "pandas" in sys.modules
+        import pandas
+        from ortools.sat.python import cp_model
+        print(held, code, pandas.Series is not cp_model.pd.Series, hasattr(pandas, "DataFrame"), file=sys.stderr)
+    """,
+        tmp_path,
+    )
+    assert proc.stderr.strip().splitlines()[-1] == "False 0 True True", proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["decisions"]["mesh"]["tp"] == 2, plan["decisions"]
+    assert plan["layout"]["tensor_parallel"]["h.0.attn.q_proj"] == "colwise", plan["layout"]  # the child's proof
+
+
 def test_the_child_fills_the_capture_cache_and_answers_from_it(tmp_path):
     cache = tmp_path / "cache"
     first = autoshard("plan", GPT, *LOCAL, "-o", str(tmp_path / "first.json"), cache=cache)

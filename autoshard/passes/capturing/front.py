@@ -4,7 +4,8 @@ process or ahead of time in a forked child.
 **Why a child.** A cold ``autoshard plan`` does two long things that need nothing of each other:
 
     capture   import torch (~1.1 s), torch.export with dynamo (~0.7 s), export on meta (~0.3 s)
-    planner   import OR-Tools and the pandas it imports (~0.4 s), sympy (~0.2 s), networkx, rich
+    planner   import OR-Tools (~0.1 s; ``cli.entry`` gives it a stand-in for the pandas it imports,
+              another 0.3-0.45 s), sympy (~0.2 s), networkx, rich
 
 In one process they run one after the other on one core. ``capture_ahead`` forks a child before
 either starts; the child captures while the parent imports the planner's libraries on another
