@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -626,13 +627,25 @@ def _resolved(path: Path) -> Path:
         return path.absolute()
 
 
-def _loaded_modules() -> dict[Path, str]:
-    """Resolved file -> what it is, for every module imported in this process (the model's among them)."""
+def _loaded_modules(outputs: list[Path]) -> dict[Path, str]:
+    """Resolved output -> what it is, for each of ``outputs`` that is the file of a module imported in this
+    process (the model's among them). Compared by the file's identity (device, inode), one ``stat`` per module:
+    resolving every module's path took 0.1 s of a plan on 2 cores (about 1,000 modules, a ``lstat`` per part)."""
+    wanted: dict[tuple[int, int], Path] = {}
+    for output in outputs:
+        with contextlib.suppress(OSError):  # not there: nothing it could replace
+            stat = os.stat(output)
+            wanted[(stat.st_dev, stat.st_ino)] = output
     out: dict[Path, str] = {}
-    for name, module in list(sys.modules.items()):
+    for name, module in list(sys.modules.items()) if wanted else ():
         file = getattr(module, "__file__", None)
-        if isinstance(file, str):
-            out.setdefault(_resolved(Path(file)), f"the module '{name}' that the model imports")
+        try:
+            stat = os.stat(file) if isinstance(file, str) else None
+        except OSError:
+            continue
+        output = wanted.get((stat.st_dev, stat.st_ino)) if stat is not None else None
+        if output is not None:
+            out.setdefault(_resolved(output), f"the module '{name}' that the model imports")
     return out
 
 
@@ -660,7 +673,8 @@ def _write_plan(plan, args) -> None:
     from autoshard.show import render_plan
 
     if args.output:
-        check_outputs([Path(args.output)], _plan_inputs(args), {**_model_reads(args), **_loaded_modules()})
+        output = Path(args.output)
+        check_outputs([output], _plan_inputs(args), {**_model_reads(args), **_loaded_modules([output])})
         plan.save(args.output)
     if args.json:
         sys.stdout.write(plan.to_json())
@@ -756,7 +770,7 @@ def cmd_compile(args) -> int:
         plan.model["spec"], expected_hash=plan.model["hash"], seq_len=plan.model.get("seq_len")
     )
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
-    check_outputs([path, sbatch], inputs, _loaded_modules())  # not a module the model imported
+    check_outputs([path, sbatch], inputs, _loaded_modules([path, sbatch]))  # not a module the model imported
     write_files_atomic(
         {path: emit_program(plan, str(path), args.plan, recipe).encode(), sbatch: emit_sbatch(plan, path.name).encode()}
     )
@@ -838,7 +852,7 @@ def cmd_run(args) -> int:
     check_plan_modules(plan, model_file)  # every module the plan names is the model's
     data = DataSource(args.data, args.data_dtype)
     open_dataset(model_file, data, layout(plan).tokens_per_sample)  # its samples match example_batch's rows
-    check_outputs([program], inputs, _loaded_modules())
+    check_outputs([program], inputs, _loaded_modules([program]))
     write_program(plan, program, plan_file=args.plan, recipe=recipe)
     print(f"running {program} on {plan.world_size} local ranks", flush=True)
     extra = ["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []
