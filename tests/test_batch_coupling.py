@@ -32,3 +32,28 @@ def test_the_planner_keeps_a_coupled_batch_whole_or_refuses_in_one_line(in_repo)
         "tests/models/mlp.py:build", cluster="local-cpu", global_batch=8, devices_per_node=2, dp=2
     )
     assert mean_loss.mesh.dp == 2 and not any("batch stays whole" in note for note in mean_loss.notes)
+
+
+def test_a_check_that_would_take_long_is_not_run(in_repo, monkeypatch):
+    """The check's work is read off the captured graph before anything runs: the same folded (its layers copied back)
+    or not, growing with the tokens; over ``MAX_CHECK_FLOPS`` or ``MAX_CHECK_VALUE_BYTES`` the model is not run and
+    ``batch_coupling`` is None (the plan's notes say it was not checked)."""
+    from autoshard.passes.capturing import batch_coupling
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
+
+    model_file = load_model_file("examples/gpt.py:build")
+    folded, whole = (annotate(capture(model_file, 2, fold)) for fold in (True, False))
+    assert folded.fold is not None and len(folded.nodes) < len(whole.nodes)
+    flops, largest_bytes = batch_coupling.check_work(folded)
+    assert (flops, largest_bytes) == batch_coupling.check_work(whole) and flops > 0 and largest_bytes > 0
+    shorter = annotate(capture(load_model_file("examples/gpt.py:build", seq_len=whole.tokens_per_sample // 2), 2, True))
+    shorter_flops, shorter_bytes = batch_coupling.check_work(shorter)
+    assert 2 * shorter_flops <= flops and shorter_bytes < largest_bytes
+
+    assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling == ""  # within the bounds: run
+    monkeypatch.setattr(batch_coupling, "coupling_reason", lambda *a, **k: pytest.fail("the model was run"))
+    for name, bound in (("MAX_CHECK_FLOPS", flops), ("MAX_CHECK_VALUE_BYTES", largest_bytes)):
+        with monkeypatch.context() as m:
+            m.setattr(batch_coupling, name, bound - 1)
+            assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling is None, name

@@ -19,12 +19,21 @@ its running statistics (the programs synchronise BatchNorm's batch statistics ov
 themselves: ``runtime.model.sync_batch_norm``), L of the batch against the mean of L of its two halves,
 in float64 (so rounding cannot pass for a difference), relative tolerance ``RTOL`` (fp32 and ``RTOL_FP32`` for a
 model that does not run in float64; a model that runs in neither is not checked). A model whose weights
-would not fit in ``MAX_CHECK_BYTES`` is not run (``graph.batch_coupling`` None, and the plan says so).
+would not fit in ``MAX_CHECK_BYTES``, or whose check would take more than a few seconds or a large share of
+the machine's memory, is not run (``graph.batch_coupling`` None, and the plan says so). The check's work, from
+the captured graph at its batch b (unfolded: every layer's FLOPs and outputs):
+
+    FLOPs         2 · CHECK_BATCH / b · Σ_n flops(n)          (the whole batch, then its halves)    ≤ MAX_CHECK_FLOPS
+    largest value CHECK_BATCH / b · max_n numel(n) · 8 bytes  (float64; the logits, usually)        ≤ MAX_CHECK_VALUE_BYTES
+
+GPT-2 124M at 1,024 tokens is 2.0e12 FLOPs and a 1.6 GB logits tensor: 47 s and 5.5 GB of memory on a 2-core
+machine, for a plan that otherwise takes seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -35,12 +44,14 @@ CHECK_BATCH = 4  # samples of the example batch checked; halves of 2
 RTOL = 1e-6  # float64: a mean of shares differs from the whole by rounding of ~1e-15
 RTOL_FP32 = 1e-4  # for a model with an op that has no float64 kernel, checked in fp32
 MAX_CHECK_BYTES = 2**30  # weights (fp32 on the CPU) of the largest model run for the check
+MAX_CHECK_FLOPS = 5 * 10**10  # ~1-2 s of float64 on 2 cores (GPT-2 124M's 2.0e12 ran at ~43 GFLOP/s: 47 s)
+MAX_CHECK_VALUE_BYTES = 2**28  # the largest tensor of the check in float64 (a few such are alive at its peak)
 
 
 def check_batch_coupling(model_file: ModelFile, graph: OpGraph) -> OpGraph:
     """``graph`` with ``batch_coupling``: "" when (*) holds, the reason when not, None when not run (module doc)."""
     weight_bytes = 4 * sum(p.numel() for p in model_file.build("meta").parameters())  # the whole model, unfolded
-    if weight_bytes > MAX_CHECK_BYTES:
+    if weight_bytes > MAX_CHECK_BYTES or not _runs_quickly(graph):
         graph.batch_coupling = None
         return graph
     try:
@@ -52,6 +63,21 @@ def check_batch_coupling(model_file: ModelFile, graph: OpGraph) -> OpGraph:
             graph.batch_coupling = None
             del exc
     return graph
+
+
+def check_work(graph: OpGraph) -> tuple[int, int]:
+    """(FLOPs, bytes of the largest value) of the check on ``graph``'s model (module doc)."""
+    from autoshard.passes.capturing.fold import unfold
+
+    full = unfold(replace(graph, blocks=[])) if graph.fold is not None else graph
+    flops = 2 * CHECK_BATCH * sum(n.flops for n in full.nodes) // graph.batch_size
+    largest = max((n.output_numel for n in full.nodes), default=0)
+    return flops, 8 * CHECK_BATCH * largest // graph.batch_size
+
+
+def _runs_quickly(graph: OpGraph) -> bool:
+    flops, largest_bytes = check_work(graph)
+    return flops <= MAX_CHECK_FLOPS and largest_bytes <= MAX_CHECK_VALUE_BYTES
 
 
 def coupling_reason(model_file: ModelFile, batch_size: int = CHECK_BATCH, dtype: torch.dtype = torch.float64) -> str:
