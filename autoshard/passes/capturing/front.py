@@ -48,7 +48,20 @@ if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture 
 
 CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch dimension visible
 # Imported by the parent while the child captures: what the passes after the front import anyway.
-PLANNER_MODULES = ("autoshard.pipeline", "autoshard.passes.planning.tensor_parallel", "autoshard.show")
+PLANNER_MODULES = (
+    "autoshard.pipeline",
+    "autoshard.passes.planning.tensor_parallel",
+    "autoshard.show",
+    # imported lazily after the front, ~50 ms on 2 cores: by sympy's first division of the symbolic cost
+    # (``cost.symbolic``), by ``importlib.metadata`` (the capture cache's key reads torch's version) and by
+    # the search's shared counter (``passes.planning.price_ahead``)
+    "sympy.combinatorics",
+    "sympy.tensor.tensor",
+    "sympy.assumptions.wrapper",
+    "email.parser",
+    "multiprocessing.sharedctypes",
+    "multiprocessing.synchronize",
+)
 
 _Key = tuple[str, bool, bool, "int | None"]  # (model spec, fold, use the capture cache, --seq-len)
 _ahead: dict[_Key, _Child] = {}
