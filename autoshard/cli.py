@@ -637,7 +637,9 @@ def _loaded_modules(outputs: list[Path]) -> dict[Path, str]:
             stat = os.stat(output)
             wanted[(stat.st_dev, stat.st_ino)] = output
     out: dict[Path, str] = {}
-    for name, module in list(sys.modules.items()) if wanted else ():
+    if not wanted:
+        return out
+    for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         try:
             stat = os.stat(file) if isinstance(file, str) else None

@@ -10,9 +10,13 @@ same way, and each pair.
 import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "cpu-ranks-2026-11-29"))
+from pooled import ranks  # noqa: E402  (the two-run pooling's ranks, for Spearman's rho)
+
 RUNS = (
     HERE.parent / "cpu-ranks-2026-11-29" / "plans34-4ranks.json",
     HERE.parent / "cpu-ranks-2026-11-29" / "plans36-4ranks.json",
@@ -22,14 +26,6 @@ RUNS = (
 
 def rows(path: Path) -> dict[str, dict]:
     return {r["key"]: r for r in json.loads(path.read_text())["rows"]}
-
-
-def ranks(values: list[float]) -> list[int]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    out = [0] * len(values)
-    for rank, i in enumerate(order):
-        out[i] = rank
-    return out
 
 
 def pooled(runs: list[dict[str, dict]], pick: str) -> str:
