@@ -317,7 +317,9 @@ def _selective_kept(graph: OpGraph, block: Block, ratio: float, share: RankShare
 
 
 def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
-    """Whether the block's largest input from outside it (the residual stream) is split over the TP ranks."""
+    """Whether the block's largest input from outside it (the residual stream) is split over the TP ranks. Largest
+    in bytes, then by name: a causal mask of (b, 1, s, s) booleans has as many elements as a (b, s, d) residual
+    stream where s = d (8,192 tokens at d = 8,192), and a set's order is the process's hash order."""
     inside = set(block.node_names)
     outer = {
         storage_of(graph, i)
@@ -325,7 +327,7 @@ def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
         for i in graph.node(n).inputs
         if i not in inside and i not in graph.placeholder_params and i in graph._by_name()
     }
-    largest = max(outer, key=lambda name: graph.node(name).output_numel, default=None)
+    largest = max(sorted(outer), key=lambda name: graph.node(name).output_bytes, default=None)
     return largest in share.split
 
 

@@ -157,7 +157,9 @@ class CostTables:
             return self.units(b, recompute, autocast, compiled)
         key = (b, config.recompute_blocks, autocast, compiled)
         if key not in self._units:
-            self._units[key] = mixed_units({m: self.units(b, m, autocast, compiled) for m in set(key[1])}, key[1])
+            self._units[key] = mixed_units(
+                {m: self.units(b, m, autocast, compiled) for m in sorted(set(key[1]))}, key[1]
+            )
         return self._units[key]
 
     def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool]:
@@ -269,7 +271,7 @@ class CostTables:
         (``rank_share``); the units themselves without TP."""
         if recompute is None and config.recompute == MIXED:
             modes = config.recompute_blocks
-            return mixed_units({m: self.activation_units(config, m) for m in set(modes)}, modes)
+            return mixed_units({m: self.activation_units(config, m) for m in sorted(set(modes))}, modes)
         recompute = recompute or config.recompute
         units = self.units(
             config.microbatch_size, recompute, self.runtime.autocast_for(config.dp_runtime.fsdp2), config.compile
@@ -302,7 +304,7 @@ class CostTables:
 def mixed_units(by_mode: dict[str, Units], modes: tuple[str, ...]) -> Units:
     """Units whose block k recomputes in ``modes[k]``: its recompute time, saved activations and
     workspace from that mode's units (forward and backward are the same in every mode)."""
-    base = next(iter(by_mode.values()))
+    base = by_mode[min(by_mode)]  # by name: a dict built from a set would make it the process's hash order's
 
     def pick(field_name: str) -> tuple:
         values = list(getattr(base, field_name))

@@ -1224,8 +1224,10 @@ def add_layouts(
     }
 
 
-TRANSITIONS = {(R, R), (S, S), (P, P), (P, R), (S, R)}
-SP_TRANSITIONS = TRANSITIONS | {(Q, Q), (G, G), (H, H)}  # gathers and reduce-scatters sit in rules (module hooks)
+# tuples, not sets: the model's variables are made in this order, and a set of strings iterates in the process's
+# hash order, so CP-SAT met the same model in another order in each process and chose another of its optima
+TRANSITIONS = ((R, R), (S, S), (P, P), (P, R), (S, R))
+SP_TRANSITIONS = TRANSITIONS + ((Q, Q), (G, G), (H, H))  # gathers and reduce-scatters sit in rules (module hooks)
 SCATTER = (R, Q)  # a value of the rest sliced at a block's input (scatter-seq-input); only on a boundary
 
 
