@@ -40,9 +40,15 @@ leaf's gradient inside the zero-bubble schedules' ``autograd.grad``), and a micr
 once its backward is over (``_chunk_hooks_released``: left on the graph they keep a split backward's saved tensors
 alive, which a real run frees).
 
-What it does not see: kernels' workspaces and the caching allocator's fragmentation; fake tensors are CPU
-tensors, so where a kernel saves other tensors on CUDA than on CPU (SDPA's flash backend keeps its logsumexp,
-the CPU math path its attention weights), the activations follow the CPU kernels. The tracker's parts are
+Attention runs as the plan's device runs it (``attention_kernel``, named in the report's notes). Fake tensors are
+CPU tensors, and on the CPU scaled-dot-product attention with dropout takes the math path, which keeps the
+attention probabilities and their dropout mask for its backward (b·h·s² each); CUDA's flash and memory-efficient
+kernels keep q, k, v, the output, its log-sum-exp and a random-number state instead. For a plan of a GPU cluster
+the dry run therefore calls attention with its dropout set aside (``_attention_as_on_the_device``): the CPU's
+flash kernel then keeps what CUDA's does (the values differ; fake tensors have none). Without dropout the CPU
+takes its flash kernel already, as CUDA does.
+
+What it does not see: kernels' workspaces and the caching allocator's fragmentation. The tracker's parts are
 those alive at the moment of the peak: gradients still being reduced count as temporaries there.
 
 Expert parallelism sizes each all-to-all from the routing's values, which fake tensors do not have: on fake
@@ -107,14 +113,27 @@ class RankMemory:
 
 
 def notes(plan: Plan) -> list[str]:
-    """What the dry run assumes where fake tensors have no values, for the printed report."""
+    """What the dry run assumes where fake tensors have no values or the CPU's kernels differ, for the report."""
+    said = [f"attention: counted as {attention_kernel(plan)} keeps it"]
     if plan.ep == 1:
-        return []
-    return [
+        return said
+    return said + [
         f"expert parallelism: each all-to-all's splits assumed balanced (each rank sends its token-expert "
         f"pairs evenly to the {plan.ep} ep ranks and receives as many, its mean load): fake tensors have no "
         f"routing to count; the cost model prices the time of the most loaded rank"
     ]
+
+
+def on_gpus(plan: Plan) -> bool:
+    """Whether the plan's cluster runs on GPUs (NCCL), not on CPU ranks (gloo)."""
+    return plan.cluster.get("backend") != "gloo"
+
+
+def attention_kernel(plan: Plan) -> str:
+    """The attention kernel whose saved tensors the dry run counts (module doc)."""
+    if on_gpus(plan):
+        return "CUDA's flash or memory-efficient kernel (q, k, v, the output and its log-sum-exp)"
+    return "the CPU's kernels (flash without dropout; with dropout the math path, its probabilities and mask)"
 
 
 def default_ranks(plan: Plan) -> list[int]:
@@ -203,7 +222,8 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
         tracker.track_external(*modules, *optimizers)
         _ddp_on_the_fake_group(model, tracker)
         released = _chunk_hooks_released(applied["schedule"]) if pipeline else contextlib.nullcontext()
-        with _tracked_stages(tracker, modules if pipeline else []), released, _propagation_apart(), tracker:
+        attention = _attention_as_on_the_device() if on_gpus(plan) else contextlib.nullcontext()
+        with _tracked_stages(tracker, modules if pipeline else []), released, _propagation_apart(), attention, tracker:
             for step in range(steps):
                 if pipeline:
                     _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)
@@ -397,6 +417,29 @@ class _BucketsAsBuilt:
 
     def _rebuild_buckets(self) -> bool:
         return False
+
+
+@contextmanager
+def _attention_as_on_the_device():
+    """``F.scaled_dot_product_attention`` called with dropout set aside while the dry run trains (module doc): the
+    CPU then runs its flash kernel, whose saved tensors are CUDA's flash kernel's, where with dropout it would take
+    the math path and keep the probabilities. A function mode, so that it sees the call however the model file
+    names the function (transformers' ``sdpa_attention_forward``, a module's own ``F.``)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class AsOnTheDevice(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                if len(args) > 4:
+                    args = (*args[:4], 0.0, *args[5:])
+                elif kwargs.get("dropout_p"):
+                    kwargs = {**kwargs, "dropout_p": 0.0}
+            return func(*args, **kwargs)
+
+    with AsOnTheDevice():
+        yield
 
 
 @contextmanager

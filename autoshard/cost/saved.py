@@ -164,7 +164,10 @@ class RankShare:
     """What one tensor-parallel rank keeps of each saved tensor (module doc): ``split`` values (storage
     names) weigh 1/tp, as do the statistics of ``split_ops``; ``gathers`` are the matmuls that keep their
     split input gathered whole, ``gathers_own`` those of them that gather it themselves (one copy each);
-    ``copies`` the matmuls that keep a copy of their own input (a pipeline stage's column-parallel linears)."""
+    ``copies`` the matmuls that keep a copy of their own input (a pipeline stage's column-parallel linears);
+    ``partial`` the matmuls whose local output is a partial sum of the whole shape (row-parallel: a collective
+    then reduces it), ``gathered_out`` those whose split output a collective then gathers whole (colwise-gather):
+    selective recompute keeps both the matmul's own output and the collective's (``cost.memory``)."""
 
     tp: int = 1
     split: frozenset[str] = frozenset()
@@ -172,6 +175,8 @@ class RankShare:
     gathers: frozenset[str] = frozenset()
     gathers_own: frozenset[str] = frozenset()
     copies: frozenset[str] = frozenset()
+    partial: frozenset[str] = frozenset()
+    gathered_out: frozenset[str] = frozenset()
 
     def entry(self, graph: OpGraph, node: OpNode, key: str, nbytes: int) -> tuple[str, int]:
         """(key, bytes on this rank) of what ``node`` keeps as (``key``, ``nbytes`` whole)."""

@@ -144,7 +144,34 @@ def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int, in_stages: bool
         and node.param_inputs
         and styles.get(node.module_path) in STAGE_COPYING_STYLES
     )
-    return RankShare(tp, frozenset(storage | split), frozenset(sharded), frozenset(gathers), frozenset(own), copies)
+    partial, gathered_out = _collective_outputs(graph, styles)
+    return RankShare(
+        tp,
+        frozenset(storage | split),
+        frozenset(sharded),
+        frozenset(gathers),
+        frozenset(own),
+        copies,
+        partial,
+        gathered_out,
+    )
+
+
+def _collective_outputs(graph: OpGraph, styles: dict[str, str]) -> tuple[frozenset[str], frozenset[str]]:
+    """(the matmuls of a row-parallel weight: their local output is a whole-shaped partial sum, reduced after;
+    the matmuls of a colwise-gather weight: their split output is all-gathered whole after)."""
+    partial, gathered = set(), set()
+    for node in graph.nodes:
+        if op_name(node.target) not in MATMUL_OPS or not node.param_inputs:
+            continue
+        style = TP_STYLES.get(styles.get(node.module_path, ""))
+        if style is None or not style.shards_weight:
+            continue
+        if style.constructor in ROW_CONSTRUCTORS:
+            partial.add(node.name)
+        elif style.output == "replicated":
+            gathered.add(node.name)
+    return frozenset(partial), frozenset(gathered)
 
 
 def _scattered_inputs(graph: OpGraph, styles: dict[str, str]) -> set[tuple[str]]:
