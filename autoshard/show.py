@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.cost.rank_memory import MEASURED_MEMORY_ERROR
 from autoshard.cost.schedule import bubble_fraction, draw, format_grid
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan, Predicted
@@ -192,7 +193,21 @@ def memory_table(plan: Plan) -> Table:
         t.add_row(name, f"{value / MIB:,.1f}")
     t.add_row("[bold]peak[/bold] (+ allocator slack)", f"[bold]{m.peak_bytes / MIB:,.1f}[/bold]")
     t.add_row("device memory", device_memory_text(m.peak_bytes, device))
+    t.caption = thin_margin_text(m.peak_bytes, device)
     return t
+
+
+def thin_margin_text(peak_bytes: int, device_bytes: int) -> str | None:
+    """For a plan that fits with less room than the memory model's measured error (``MEASURED_MEMORY_ERROR`` of the
+    device), what to run before trusting it; None otherwise."""
+    room = device_bytes - peak_bytes
+    if room < 0 or room >= MEASURED_MEMORY_ERROR * device_bytes:
+        return None
+    return (
+        f"[yellow]thin margin: {room / GIB:.1f} GiB ({room / device_bytes:.1%}) left of {device_bytes / GIB:.1f} GiB, "
+        f"within the memory model's measured error (±{MEASURED_MEMORY_ERROR:.0%}); check it with "
+        f"`autoshard dryrun PLAN.json` before a cluster job[/yellow]"
+    )
 
 
 def device_memory_text(peak_bytes: int, device_bytes: int) -> str:

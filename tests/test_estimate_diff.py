@@ -8,6 +8,7 @@ import pytest
 from autoshard.cli import main
 
 GPT = "examples/gpt.py:build"
+GOLDEN = Path(__file__).resolve().parent / "golden"
 CLUSTER = ["--cluster", "local-cpu", "--devices-per-node", "4", "--global-batch", "16"]
 PINS = ["--dp", "4", "--tp", "1", "--pp", "1", "--zero", "1", "--microbatch-size", "2", "--recompute", "selective"]
 PIPELINE = [
@@ -190,3 +191,30 @@ def test_estimate_that_fits_is_pinned_not_chosen(in_repo, capsys):
     assert code == 0 and "% used)" in out
     rows = [line for line in out.split("Alternatives considered")[1].splitlines() if line.startswith("│ 4x1x1")]
     assert rows and "pinned: nothing else priced" in rows[0] and "chosen" not in rows[0]
+
+
+def test_a_plan_with_less_room_than_the_memory_models_error_says_to_dry_run_it():
+    """inspect's memory table: a plan that fits with less room than the memory model's measured error (8 % of the
+    device) says so and names `autoshard dryrun`; one with more room, or one that does not fit, says nothing of it."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from autoshard.cost.rank_memory import MEASURED_MEMORY_ERROR
+    from autoshard.ir.plan import load_plan
+    from autoshard.show import memory_table
+
+    plan = load_plan(GOLDEN / "bf16_dp_zero3.plan.json")
+    device = plan.cluster["device"]["memory_bytes"]
+
+    def shown(peak_fraction: float) -> str:
+        memory = replace(plan.predicted.memory, peak_bytes=int(device * peak_fraction))
+        predicted = replace(plan.predicted, memory=memory, memory_peak_bytes_per_rank=memory.peak_bytes)
+        console = Console(width=200, record=True)
+        console.print(memory_table(replace(plan, predicted=predicted)))
+        return console.export_text()
+
+    thin = shown(1 - MEASURED_MEMORY_ERROR / 2)
+    assert "thin margin" in thin and "autoshard dryrun" in thin and "(4.0%) left" in thin
+    assert "thin margin" not in shown(1 - 2 * MEASURED_MEMORY_ERROR)
+    assert "thin margin" not in shown(1.1)
