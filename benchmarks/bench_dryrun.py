@@ -8,6 +8,13 @@ the planner would choose another), then one rank runs the program's setup and tw
 predicted peak per rank, each part's measured / predicted. Rows whose full depth would take a CPU dry run
 more than about ten minutes run the model's shape at fewer layers (``llama3_8b_2l`` ...: every layer is the
 same, so the per-layer figures are the full model's): the column "layers run" says how many.
+
+Long sequences with tensor parallelism (declared 2026-12-01 before their first run, every row run once and
+reported as run; nothing in the cost model is fitted to them): ``hf8b-dp2-tp4-sp-8k`` and ``hf8b-dp2-tp4-8k``
+(transformers' Llama-3.1-8B config at its full 32 layers, 8,192 tokens, dp 2 x tp 4, ZeRO-3, selective recompute,
+micro-batch 1, with and without sequence parallelism), ``8b-dp2-tp2-cp2-32k`` (dp 2 x tp 2 x cp 2 at 32,768
+tokens, selective) and ``hf70b-plan-32nodes-8k`` (the plan ``autoshard plan`` picks for Llama-3.1-70B on 32
+dgx-h100 nodes at global batch 512 and 8,192 tokens, its full 80 layers). Target: each within 5 % of its dry run.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ L8, L8_4, L70 = (
 )
 L8_2 = "benchmarks/llama3.py:llama3_8b_2l"
 MOE = "benchmarks/mixtral.py:build_2l"
+# transformers' Llama-3.1 configs (meta-llama/Llama-3.1-8B and -70B config.json), written by ``hf_folder`` as
+# ``hf:DIR`` models: the library's own attention (its causal mask) and RMSNorm (its fp32 upcast)
+HF8, HF70 = "hf:llama-3.1-8b", "hf:llama-3.1-70b"
+LONG = ["--seq-len", "8192"]
+SELECTIVE_TP4 = [*LONG, "--pp", "1", "--dp", "2", "--tp", "4", "--zero", "3", "--recompute", "selective"]
 H100, TWO_NODES = ["--cluster", "dgx-h100"], ["--cluster", "dgx-h100", "--nodes", "2"]
 BASE = ["--global-batch", "8", "--microbatch-size", "1"]
 SPMD = ["--pp", "1"]
@@ -81,6 +93,22 @@ CASES = {  # name: (model, layers run of the model's, cluster arguments, pins)
         H100,
         [*SPMD, "--dp", "8", "--tp", "1", "--ep", "8", "--zero", "3", "--recompute", "full"],
     ),
+    # long sequences with tensor parallelism and selective recompute (the policy keeps the TP collectives' outputs)
+    "hf8b-dp2-tp4-sp-8k": (HF8, "32 of 32", H100, [*SELECTIVE_TP4, "--sequence-parallel", "on"]),
+    "hf8b-dp2-tp4-8k": (HF8, "32 of 32", H100, [*SELECTIVE_TP4, "--sequence-parallel", "off"]),
+    "8b-dp2-tp2-cp2-32k": (
+        L8_2,
+        "2 of 32",
+        H100,
+        [*SPMD, "--dp", "2", "--tp", "2", "--cp", "2", "--zero", "3", "--recompute", "selective", "--seq-len", "32768"],
+    ),
+    # the plan `autoshard plan` picks (None: searched, not pinned) for Llama-3.1-70B on 32 nodes at 8k tokens
+    "hf70b-plan-32nodes-8k": (
+        HF70,
+        "80 of 80",
+        ["--cluster", "dgx-h100", "--nodes", "32", "--global-batch", "512", *LONG],
+        None,
+    ),
     "70b-fsdp-2nodes": (
         L70,
         "2 of 80",
@@ -90,11 +118,50 @@ CASES = {  # name: (model, layers run of the model's, cluster arguments, pins)
 }
 
 
+HF_LLAMA_3_1 = {  # hidden, FFN, layers, heads, KV heads (the configs' own)
+    HF8: (4096, 14336, 32, 32, 8),
+    HF70: (8192, 28672, 80, 64, 8),
+}
+
+
+def hf_folder(model: str, folder: Path) -> str:
+    """``hf:DIR`` of a Llama-3.1 config written under ``folder`` (``HF_LLAMA_3_1``); other models as they are."""
+    if model not in HF_LLAMA_3_1:
+        return model
+    import transformers
+
+    hidden, ffn, layers, heads, kv_heads = HF_LLAMA_3_1[model]
+    out = folder / model.removeprefix("hf:")
+    transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        tie_word_embeddings=False,
+    ).save_pretrained(out)
+    return f"hf:{out}"
+
+
 def run_case(name: str, folder: Path) -> dict:
     model, layers, cluster, pins = CASES[name]
+    model = hf_folder(model, folder)
     plan = folder / f"{name}.plan.json"
+    # pins None: the planner's pick for the row's cluster and batch
+    command = ["estimate", model, *cluster, *BASE, *pins] if pins is not None else ["plan", model, *cluster]
     estimate = subprocess.run(
-        [sys.executable, "-m", "autoshard", "estimate", model, *cluster, *BASE, *pins, "-o", str(plan)],
+        [sys.executable, "-m", "autoshard", *command, "-o", str(plan)],
         cwd=ROOT,
         capture_output=True,
         text=True,
