@@ -105,7 +105,7 @@ class Settings:
     def for_backend(cls, backend: str, quick: bool) -> Settings:
         if backend == "nccl":  # GPUs: bf16 matmuls to 8192 (the peak's size, _device), up to 256 MiB messages
             return cls(
-                sizes_bytes=_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
+                sizes_bytes=message_sizes(4 * KIB, 64 * MIB if quick else 256 * MIB),
                 matmul_sizes=(2048, 4096, 8192),
                 elementwise_numel=2**28,
                 point_s=0.05 if quick else 0.2,
@@ -114,7 +114,7 @@ class Settings:
             )
         if quick:
             return cls(
-                sizes_bytes=_sizes(4 * KIB, 4 * MIB),
+                sizes_bytes=message_sizes(4 * KIB, 4 * MIB),
                 matmul_sizes=(512, 1024),
                 elementwise_numel=2**23,
                 point_s=0.08,
@@ -122,7 +122,7 @@ class Settings:
                 max_calls=40,
             )
         return cls(
-            sizes_bytes=_sizes(4 * KIB, 64 * MIB),
+            sizes_bytes=message_sizes(4 * KIB, 64 * MIB),
             matmul_sizes=(512, 1024, 2048),
             elementwise_numel=2**24,
             point_s=0.3,
@@ -395,7 +395,7 @@ def _read_result(path: Path) -> Measurements:
 
 
 def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[ProfileRequest] = ()) -> Calibration:
-    per_collective = {c: _fit_or_none([s for s in m.comm if s.collective == c]) for c in COLLECTIVES} if m.comm else {}
+    per_collective = {c: fit_or_none([s for s in m.comm if s.collective == c]) for c in COLLECTIVES} if m.comm else {}
     link_fit = fit_link(m.comm) if m.comm else None
     cluster = build_cluster(m, link_fit, quick, per_collective)
     if models:
@@ -413,7 +413,7 @@ def _calibration(m: Measurements, quick: bool, wall_s: float, models: list[Profi
     return Calibration(m, link_fit, per_collective, cluster, wall_s)
 
 
-def _fit_or_none(samples: list[Sample]) -> LinkFit | None:
+def fit_or_none(samples: list[Sample]) -> LinkFit | None:
     """A per-collective fit, only reported: one whose times do not grow with size is left out."""
     try:
         return fit_link(samples)
@@ -471,9 +471,9 @@ def _device(m: Measurements, origin: str) -> DeviceSpec:
     who = f"{m.ranks} {m.backend} ranks" + (f" of {m.threads} thread(s)" if m.backend == "gloo" else "")
     return DeviceSpec(
         name=m.device_name,
-        peak_tflops=_round(tflops),
+        peak_tflops=four_digits(tflops),
         memory_bytes=m.memory_bytes,
-        memory_bandwidth_gbps=_round(m.elementwise_bytes / m.elementwise_s / 1e9),
+        memory_bandwidth_gbps=four_digits(m.elementwise_bytes / m.elementwise_s / 1e9),
         matmul_efficiency=1.0,
         source=f"{origin}, {who} at once: peak_tflops = {rule} (matmul_efficiency 1, so the roofline predicts "
         f"measured matmuls), "
@@ -497,11 +497,11 @@ def _intra_link(
         )
     sizes = sorted(s.size_bytes for s in m.comm)
     own = tuple(
-        (name, _round(f.latency_us), _round(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f
+        (name, four_digits(f.latency_us), four_digits(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f
     )
     return LinkSpec(
-        _round(fit.bandwidth_gbps),
-        _round(fit.latency_us),
+        four_digits(fit.bandwidth_gbps),
+        four_digits(fit.latency_us),
         f"{origin}, {m.backend} with {m.ranks} ranks: α and B fitted by least squares of relative error "
         f"to comm.py's formulas over {', '.join(COLLECTIVES)} at {_size(sizes[0])}-{_size(sizes[-1])} "
         f"({fit.samples} medians); fit error max {fit.max_rel_error:.0%}, rms {fit.rms_rel_error:.0%}; "
@@ -510,12 +510,12 @@ def _intra_link(
     )
 
 
-def _round(x: float) -> float:
+def four_digits(x: float) -> float:
     """Four significant digits: the measurements are not better than that."""
     return float(f"{x:.4g}")
 
 
-def _sizes(smallest: int, largest: int) -> tuple[int, ...]:
+def message_sizes(smallest: int, largest: int) -> tuple[int, ...]:
     """Message sizes ×4 apart."""
     return tuple(smallest * 4**i for i in range(round(math.log(largest / smallest, 4)) + 1))
 
@@ -647,7 +647,7 @@ def _worker(
         timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S),
     )
     try:
-        bench = _Bench(device, settings, (lambda name: queue.put(name)) if rank == 0 else (lambda name: None))
+        bench = Bench(device, settings, (lambda name: queue.put(name)) if rank == 0 else (lambda name: None))
         result = bench.run(models)
         if rank == 0:
             Path(tmp, "result.json").write_text(json.dumps(result))
@@ -663,7 +663,7 @@ def _worker(
     shutdown()
 
 
-KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (_Bench._time_kernel)
+KERNEL_BATCH_S = 2e-3  # a GPU kernel is timed in batches of about this long (Bench._time_kernel)
 # ... after this long of back-to-back launches: on one H200 the quick calibration's 8192³ matmul read 700 TFLOP/s
 # timed from cold (2026-11-26 20:03 UTC) where the same shapes ran 795-828 inside a training step
 GPU_WARMUP_S = 0.5
@@ -677,7 +677,7 @@ GPU_WARMUP_S = 0.5
 GPU_MATMUL_DUTY = 0.5
 
 
-class _Bench:
+class Bench:
     """The measurements of one rank (the timing scheme is in the module doc)."""
 
     def __init__(self, device, settings: Settings, report: Callable[[str], None]):

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import yaml
 
-from autoshard.calibrate import KIB, MIB, Settings, _Bench, _fit_or_none, _round, _sizes
+from autoshard.calibrate import KIB, MIB, Settings, Bench, fit_or_none, four_digits, message_sizes
 from autoshard.cost.calibrate import COLLECTIVES, Sample, fit_link
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import write_text_atomic
 from autoshard.ir.topology import Cluster, LinkSpec
 
-CROSS_NODE_SIZES = _sizes(4 * KIB, 4 * MIB)  # a slow inter-node link makes 64 MiB points minutes long
+CROSS_NODE_SIZES = message_sizes(4 * KIB, 4 * MIB)  # a slow inter-node link makes 64 MiB points minutes long
 
 
 def launched_across_nodes() -> bool:
@@ -76,8 +76,8 @@ def _measure(device) -> list[Sample]:
     return [Sample(*row) for row in bench.collectives() + bench.p2p()]
 
 
-class _CrossNodeBench(_Bench):
-    """``_Bench``'s collectives in this rank's cross-node group; ping-pong between node pairs."""
+class _CrossNodeBench(Bench):
+    """``Bench``'s collectives in this rank's cross-node group; ping-pong between node pairs."""
 
     def __init__(self, device, settings, report, group, nodes: int, local: int):
         super().__init__(device, settings, report)
@@ -100,9 +100,9 @@ def _cluster(node: Cluster, samples: list[Sample]) -> Cluster:
 
     fit = fit_link(samples)
     own = tuple(
-        (c, _round(f.latency_us), _round(f.bandwidth_gbps))
+        (c, four_digits(f.latency_us), four_digits(f.bandwidth_gbps))
         for c in COLLECTIVES
-        if (f := _fit_or_none([s for s in samples if s.collective == c]))
+        if (f := fit_or_none([s for s in samples if s.collective == c]))
     )
     origin = (
         f"measured by autoshard calibrate --across-nodes on {socket.gethostname()} "
@@ -110,7 +110,7 @@ def _cluster(node: Cluster, samples: list[Sample]) -> Cluster:
         f"nodes, {os.environ['LOCAL_WORLD_SIZE']} groups across them at once; α and B fitted to comm.py's "
         f"formulas (fit error max {fit.max_rel_error:.0%}); collectives: each one's own fit"
     )
-    inter = LinkSpec(_round(fit.bandwidth_gbps), _round(fit.latency_us), origin, own)
+    inter = LinkSpec(four_digits(fit.bandwidth_gbps), four_digits(fit.latency_us), origin, own)
     nodes = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
     return replace(node, name=f"{node.name}-x{nodes}", nodes=nodes, inter_node=inter)
 

@@ -657,10 +657,10 @@ def _model_reads(args) -> dict[Path, str]:
     import json
 
     try:
-        from autoshard.passes.capturing.capture_cache import _entry_path
+        from autoshard.passes.capturing.capture_cache import entry_path
         from autoshard.passes.capturing.front import CAPTURE_BATCH
 
-        entry = _entry_path(args.model, CAPTURE_BATCH, not args.no_fold)
+        entry = entry_path(args.model, CAPTURE_BATCH, not args.no_fold)
         rows = json.loads(entry.read_text())["dependencies"] if entry is not None and entry.is_file() else []
         return {
             _resolved(Path(row[0])): f"a file the model read while it was built ('{row[0]}')"

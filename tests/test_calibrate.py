@@ -249,7 +249,7 @@ def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(calibrate, "KERNEL_BATCH_S", 0.02)  # batches of ⌈0.02 / 2.5 ms⌉ launches (8, or 9 by rounding)
     launches = []
-    bench = calibrate._Bench.__new__(calibrate._Bench)
+    bench = calibrate.Bench.__new__(calibrate.Bench)
     bench.gpu, bench.torch = True, types.SimpleNamespace()
     bench.s = calibrate.Settings.for_backend("nccl", quick=True)
     bench.dist = types.SimpleNamespace(barrier=lambda: None)
@@ -272,7 +272,7 @@ def test_a_probe_is_timed_as_the_ranks_take_it_together_a_collective_per_call(mo
     from autoshard import calibrate
 
     clock = {"now": 0.0, "waits": False, "barriers": 0}
-    bench = calibrate._Bench.__new__(calibrate._Bench)
+    bench = calibrate.Bench.__new__(calibrate.Bench)
     bench.gpu, bench.ranks = False, 4
     bench.s = calibrate.Settings.for_backend("gloo", quick=True)
     n = math.ceil(bench.s.max_calls / calibrate.PROBE_BLOCKS)  # 1 ms calls: as many as the settings allow

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from autoshard.cost import eager
 from autoshard.cost.autocast import NodeTraffic
-from autoshard.cost.compute import _weight_bytes_per_node
+from autoshard.cost.compute import weight_bytes_per_node
 from autoshard.ir.graph import OpGraph, OpNode
 
 LIBRARY_TARGETS = (
@@ -93,7 +93,7 @@ def _fused_ops(graph: OpGraph) -> dict[str, FusedOp]:
             name = group[name]
         return name
 
-    weights = _weight_bytes_per_node(graph)
+    weights = weight_bytes_per_node(graph)
     consumers: dict[str, list[str]] = {}
     for node in graph.nodes:
         for i in node.inputs:

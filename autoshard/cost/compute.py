@@ -198,7 +198,7 @@ def microbatch_compute(
     """Forward, backward and recompute seconds of one micro-batch on one device."""
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
-    weights = _weight_bytes_per_node(graph)
+    weights = weight_bytes_per_node(graph)
     fwd = {
         n.name: op_forward_s(n, weights.get(n.name, 0), scale, device, ratio, attention, captured_bytes)
         for n in graph.nodes
@@ -224,7 +224,7 @@ def _recompute_s(graph: OpGraph, fwd: dict[str, float], recompute: str) -> float
     return sum(fwd[n.name] for n in nodes)
 
 
-def _weight_bytes_per_node(graph: OpGraph) -> dict[str, int]:
+def weight_bytes_per_node(graph: OpGraph) -> dict[str, int]:
     return graph.derived("weight_bytes_per_node", lambda: _weight_bytes(graph))
 
 

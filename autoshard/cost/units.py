@@ -64,7 +64,7 @@ from autoshard.cost.compute import (
     BACKWARD_TO_FORWARD,
     CONVOLUTION_TARGETS,
     SDPA_TARGET,
-    _weight_bytes_per_node,
+    weight_bytes_per_node,
     op_backward_s,
     op_forward_s,
 )
@@ -191,7 +191,7 @@ def _node_forward_s(
 ) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
-    weights = _weight_bytes_per_node(graph)
+    weights = weight_bytes_per_node(graph)
     fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
     times = []
     for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast)):
@@ -236,7 +236,7 @@ def node_backward_s(
         return [BACKWARD_TO_FORWARD * t for t in forward]
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
-    weights = _weight_bytes_per_node(graph)
+    weights = weight_bytes_per_node(graph)
     fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
     times = []
     for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast)):

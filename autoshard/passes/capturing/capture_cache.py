@@ -97,7 +97,7 @@ def entry_key(model_path: Path, factory: str, batch_size: int, fold: bool, seq_l
 
 def lookup(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -> OpGraph | None:
     """The cached graph of ``spec`` (``file.py:factory``), or None (off, absent, stale, unreadable)."""
-    path = _entry_path(spec, batch_size, fold, seq_len)
+    path = entry_path(spec, batch_size, fold, seq_len)
     if path is None or not path.is_file():
         return None
     try:
@@ -112,7 +112,7 @@ def lookup(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -
 def store(spec: str, batch_size: int, fold: bool, graph: OpGraph, reads: Reads, seq_len: int | None = None) -> None:
     """Write ``graph`` for ``spec`` with the files and settings it came from (``reads``, from
     ``recording``); quietly skip what cannot be cached."""
-    path = _entry_path(spec, batch_size, fold, seq_len)
+    path = entry_path(spec, batch_size, fold, seq_len)
     if path is None or reads.uncacheable:
         return
     try:
@@ -135,7 +135,7 @@ def store(spec: str, batch_size: int, fold: bool, graph: OpGraph, reads: Reads, 
 def update_graph(spec: str, batch_size: int, fold: bool, graph: OpGraph, seq_len: int | None = None) -> None:
     """Replace the graph of ``spec``'s entry, keeping what it was captured from (the tensor-parallel proofs of
     more degrees, made later from the same model file: ``passes.capturing.front.capture_front``)."""
-    path = _entry_path(spec, batch_size, fold, seq_len)
+    path = entry_path(spec, batch_size, fold, seq_len)
     if path is None or not path.is_file():
         return
     try:
@@ -467,7 +467,7 @@ def _decode(x: Any) -> Any:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _entry_path(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -> Path | None:
+def entry_path(spec: str, batch_size: int, fold: bool, seq_len: int | None = None) -> Path | None:
     directory = cache_dir()
     if directory is None or ":" not in spec:
         return None
