@@ -159,7 +159,7 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
     fp32 loss (its upcast counted as "copy", as the profiler files it) and AdamW's foreach step."""
     from autoshard.cost import eager
     from autoshard.cost.autocast import autocast_traffic
-    from autoshard.cost.compute import SDPA_TARGET, _casts_s, weight_bytes_per_node, op_backward_s, op_forward_s
+    from autoshard.cost.compute import SDPA_TARGET, _casts_s, op_backward_s, op_forward_s, weight_bytes_per_node
     from autoshard.cost.hardware import load_cluster
     from autoshard.cost.step import price_parts
     from autoshard.cost.tables import CostTables

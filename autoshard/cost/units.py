@@ -64,9 +64,9 @@ from autoshard.cost.compute import (
     BACKWARD_TO_FORWARD,
     CONVOLUTION_TARGETS,
     SDPA_TARGET,
-    weight_bytes_per_node,
     op_backward_s,
     op_forward_s,
+    weight_bytes_per_node,
 )
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
