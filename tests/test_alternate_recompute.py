@@ -15,7 +15,7 @@ from autoshard.ir.names import op_name
 from autoshard.ir.plan import Plan
 from autoshard.passes.planning import strategies
 from autoshard.pipeline import capture_graph
-from autoshard.runtime.selective import _alternate_context, _alternate_policy
+from autoshard.runtime.selective import _alternate_policy, recompute_contexts
 
 LLAMA = "tests/models/hf_llama.py:build"
 MM, ADDMM, BMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default
@@ -34,7 +34,7 @@ def test_the_policy_keeps_attention_and_every_other_weight_matmul_counted_apart_
     save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert forward == [save, again, save, save, again, again, again, save]
     assert [_alternate_policy(counts, Ctx(True), op) for op in ops] == forward  # the recompute makes the same choices
-    assert _alternate_context() is not _alternate_context()  # each region's run counts from one
+    assert recompute_contexts("alternate")[0] is not recompute_contexts("alternate")[0]  # each region counts from one
 
 
 @pytest.fixture(scope="module")

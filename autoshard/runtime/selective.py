@@ -12,6 +12,7 @@ pipeline stages (``runtime.stage_recompute``).
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -55,18 +56,38 @@ SAVE_IN_ALTERNATE = (
 
 
 def selective_kwargs(mode: str) -> dict:
-    """checkpoint()'s keyword arguments for a recompute mode: a context_fn for "selective" and "alternate", none
-    for "full"."""
+    """checkpoint()'s keyword arguments for a recompute mode: its context_fn (``recompute_contexts``)."""
+    return {"context_fn": partial(recompute_contexts, mode)}
+
+
+def recompute_contexts(mode: str) -> tuple:
+    """(the forward's context, the recomputation's) of one region's run (checkpoint calls this as the region's
+    forward begins): "selective" and "alternate" their policies' (``create_selective_checkpoint_contexts``),
+    "full" none; and the recomputation runs under the torch function modes the forward ran under.
+
+    Autograd runs the recomputation inside the backward, where no torch function mode is active: the modes
+    entered around the forward and the backward (context parallelism's ring attention and global positions,
+    ``runtime.context_parallel``; verify's fixed randomness; the dry run's attention) would see the forward's
+    calls but not their recomputation, which then computed attention on the rank's own tokens alone, and
+    checkpoint refused the program ("Recomputed values ... have different metadata")."""
+    forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
     if mode == "selective":
-        return {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
-    if mode == "alternate":
-        return {"context_fn": _alternate_context}
-    return {}
+        forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+    elif mode == "alternate":
+        forward, recompute = create_selective_checkpoint_contexts(
+            partial(_alternate_policy, {"forward": 0, "recompute": 0})  # this region's own matmul counts
+        )
+    return forward, _under_modes(torch.overrides._get_current_function_mode_stack(), recompute)
 
 
-def _alternate_context():
-    """One region's run: its own matmul counts (checkpoint calls this once per forward of the region)."""
-    return create_selective_checkpoint_contexts(partial(_alternate_policy, {"forward": 0, "recompute": 0}))
+@contextlib.contextmanager
+def _under_modes(modes: list, inner):
+    """``inner`` entered with ``modes`` (a function-mode stack, outermost first) active again around it."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        with inner:
+            yield
 
 
 def _alternate_policy(counts: dict[str, int], ctx, op, *args, **kwargs):

@@ -3,7 +3,8 @@
 Each case is planned with its degrees pinned (``autoshard.plan``), emitted, run on CPU ranks and
 judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off:
 
-    2 ranks    cp 2 (each rank 1/2 of every sequence, attention a ring, ZeRO over the dp x cp ranks);
+    2 ranks    cp 2 (each rank 1/2 of every sequence, attention a ring, ZeRO over the dp x cp ranks), and with
+               full or selective recompute (the recomputation inside the backward runs the ring too);
                tp 2 with sequence parallelism (the norms between the parallel linears on 1/2 of the
                tokens, reduce-scatter and all-gather for each all-reduce)
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
@@ -40,6 +41,9 @@ MICROBATCHES = 2
 CASES_2 = {
     **{f"{m}-cp2": (m, dict(cp=2, dp=1, tp=1, zero=1)) for m in MODELS},
     **{f"{m}-tp2-sp": (m, dict(cp=1, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
+    # recompute inside the backward runs the ring too (runtime.selective.recompute_contexts)
+    "gpt-cp2-full": ("gpt", dict(cp=2, dp=1, tp=1, zero=1, recompute="full")),
+    "llama-cp2-selective": ("llama", dict(cp=2, dp=1, tp=1, zero=1, recompute="selective")),
 }
 CASES_4 = {
     **{f"{m}-cp2-dp2-zero3": (m, dict(cp=2, dp=2, tp=1, zero=3)) for m in MODELS},
@@ -64,9 +68,8 @@ def _plan(model: str, ranks: int, pins: dict):
         devices_per_node=ranks,
         global_batch=GLOBAL_BATCH,
         microbatch_size=microbatch,
-        recompute="none",
         pp=1,
-        **pins,
+        **{"recompute": "none", **pins},
     )
 
 

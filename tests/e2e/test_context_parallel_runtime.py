@@ -106,3 +106,43 @@ def test_shard_sequence_takes_contiguous_chunks():
     assert shard_sequence(t, 1, 2, 3).tolist() == [[8, 9, 10, 11], [20, 21, 22, 23]]
     with pytest.raises(AutoshardError, match="divisible by 5, got 12"):
         shard_sequence(t, 1, 0, 5)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "alternate"])
+def test_a_recomputed_block_recomputes_under_the_ring(group, mode):
+    """Autograd recomputes a checkpointed block inside the backward, where no torch function mode is active: the
+    recomputation must run the ring and the global positions as the forward did (``runtime.selective``
+    ``recompute_contexts``). It ran plain SDPA instead, and checkpoint refused it ("Recomputed values ... have
+    different metadata"); every plan with context parallelism and recompute crashed so."""
+    from torch import nn
+
+    from autoshard.runtime.parallel import apply_recompute
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+            positions = torch.arange(x.shape[1]).float()  # shifted by the mode to the global positions
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1) + positions[:, None]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x)
+
+    torch.manual_seed(0)
+    reference, recomputed = Model(), Model()
+    recomputed.load_state_dict(reference.state_dict())
+    apply_recompute(recomputed, ["block"], mode)
+    x = torch.randn(2, 8, 16)
+    for model in (reference, recomputed):
+        with ContextParallelMode(group, 0, 1, 8):
+            model(x).square().sum().backward()
+    for a, b in zip(recomputed.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
