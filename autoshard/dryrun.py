@@ -115,6 +115,11 @@ class RankMemory:
 def notes(plan: Plan) -> list[str]:
     """What the dry run assumes where fake tensors have no values or the CPU's kernels differ, for the report."""
     said = [f"attention: counted as {attention_kernel(plan)} keeps it"]
+    if plan.model["spec"].startswith("hf:"):
+        said.append(
+            "transformers' causal mask: positions taken as one sequence per sample (fake tensors have no values "
+            "for its packed-sequence check), so no mask is built, as on a real run of the program's own positions"
+        )
     if plan.ep == 1:
         return said
     return said + [
@@ -223,7 +228,14 @@ def _setup_and_train(plan: Plan, spec, steps: int) -> dict[str, int]:
         _ddp_on_the_fake_group(model, tracker)
         released = _chunk_hooks_released(applied["schedule"]) if pipeline else contextlib.nullcontext()
         attention = _attention_as_on_the_device() if on_gpus(plan) else contextlib.nullcontext()
-        with _tracked_stages(tracker, modules if pipeline else []), released, _propagation_apart(), attention, tracker:
+        with (
+            _tracked_stages(tracker, modules if pipeline else []),
+            released,
+            _propagation_apart(),
+            attention,
+            _one_sequence_per_sample(),
+            tracker,
+        ):
             for step in range(steps):
                 if pipeline:
                     _pipeline_step(plan, spec, model_file, model, applied["schedule"], optimizer, mesh, device, step)
@@ -417,6 +429,23 @@ class _BucketsAsBuilt:
 
     def _rebuild_buckets(self) -> bool:
         return False
+
+
+@contextmanager
+def _one_sequence_per_sample():
+    """transformers' causal-mask builder reads the positions' values to find packed sequences
+    (``masking_utils.find_packed_sequence_indices``); on fake tensors it cannot, keeps the "packed" mask, and
+    materialises a (b, 1, s, s) mask that every layer's attention converts and keeps (Llama-3.1-70B at 8,192
+    tokens: 128 MiB a layer). A program's positions are its own ``arange``, one sequence per sample: a real run
+    finds no packing, builds no mask and attends with ``is_causal``. The dry run answers as the real run does."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
 
 
 @contextmanager
