@@ -58,7 +58,8 @@ def probe_layouts(graph) -> dict[str, Any]:
     would be no DTensor module to time); a layout that shards nothing, or that the model refuses, is left out."""
     from autoshard.cost.hardware import load_cluster
     from autoshard.ir.topology import LinkSpec
-    from autoshard.passes.planning.tensor_parallel import check_divisibility, choose_tp_styles, sp_available
+    from autoshard.passes.layouts.allowed import check_divisibility, sp_available
+    from autoshard.passes.layouts.styles import choose_tp_styles
 
     tp = TP_PROBE_DEGREE
     if check_divisibility(graph, tp):

@@ -9,7 +9,7 @@ final LayerNorm, sequence 2048, vocabulary 51200 (Megatron's ``--attention-dropo
 q, k and v come from one [3h] linear laid out per head, as Megatron's (a column shard holds
 whole heads, so the backward all-reduces its input gradient once, not three times). One
 departure, so that autoshard's tensor-parallel layout model can shard the vocabulary projection
-(``passes.planning.tensor_parallel`` keeps a tied weight replicated): the head is its own weight, not the
+(``passes.layouts.rules`` keeps a tied weight replicated): the head is its own weight, not the
 word embedding's as in Megatron: V·h more parameters (0.12B of 1.7B, 0.63B of 145.6B), the same
 FLOPs.
 

@@ -40,7 +40,7 @@ def test_the_front_proves_the_example_gpt_for_every_degree(gpt):
 def test_a_capture_below_the_searched_length_defers_the_proof_and_refuses_every_cp(in_repo):
     """Below CP_SEARCH_MIN_TOKENS the search never offers cp, so the capture skips the symbolic export; cp is
     then refused with the fix (pin --cp), never assumed, and a request pinning cp gets the proof run."""
-    from autoshard.passes.planning.context_parallel import DEFERRED, proof_deferred
+    from autoshard.passes.layouts.context_parallel import DEFERRED, proof_deferred
 
     _, graph = capture_front("examples/gpt.py:build", [], True, False)
     assert proof_deferred(graph) and graph.cp_proofs == {"*": DEFERRED}

@@ -3,7 +3,8 @@
 Layers (pyproject.toml, ``[tool.importlinter]``), top to bottom: cli; the commands (api, verify,
 calibrate, calibrate_nodes, show, launch, host_probes, model_probes); pipeline; passes; cost and
 runtime (neither imports the other); modelfile; ir; errors. A module imports only its own layer
-and lower ones; the runtime only ir, errors and modelfile.
+and lower ones; the runtime only ir, errors and modelfile. Inside passes: lowering; capturing and
+planning (neither imports the other); the layout models (layouts) and forked.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sequence parallelism is a layout of the TP model (passes/planning/tensor_parallel, layout Q), proven on the model's code
+"""Sequence parallelism is a layout of the TP model (passes/layouts/sequence.py, layout Q), proven on the model's code
 (passes/capturing/tp_proof): which modules gather, reduce-scatter and run on sequence shards, what it costs, and where it
 is refused. No processes: tests/e2e/test_sequence_parallel.py trains the same choices on gloo ranks."""
 
@@ -10,7 +10,9 @@ import pytest
 from autoshard.cost.comm import allreduce_s
 from autoshard.ir.decisions import TP_STYLES
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.planning.tensor_parallel import SP_REFUSED, choose_tp_styles, sp_boundary
+from autoshard.passes.layouts.allowed import SP_REFUSED
+from autoshard.passes.layouts.boundary import sp_boundary
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 
 SLOW_DEVICE = DeviceSpec("slow-test-device", 0.05, 2**34, 20.0, 1.0, "test")  # compute-bound: TP pays

@@ -6,7 +6,8 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph, OpNode, ParamInfo
 from autoshard.ir.topology import DeviceSpec, LinkSpec
 from autoshard.passes.capturing.annotate import annotate
-from autoshard.passes.planning.tensor_parallel import check_divisibility, choose_tp_styles
+from autoshard.passes.layouts.allowed import check_divisibility
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 
 # A compute-bound regime (slow device, fast link): sharding pays, as for large models on NVLink.

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.planning.tensor_parallel import choose_tp_styles
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.show import tensor_parallel_table
 

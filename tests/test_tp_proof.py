@@ -3,7 +3,7 @@
 import pytest
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.planning.tensor_parallel import choose_tp_styles
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 
 SPEC = "tests/models/tp_cases.py"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.passes.capturing.tp_proof import UNEXERCISED
-from autoshard.passes.planning.tensor_parallel import choose_tp_styles
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from tests.test_tp_proof import ATTN, FAST_LINK, SLOW_DEVICE
 

@@ -32,7 +32,7 @@ import copy, json, sys
 from autoshard.modelfile import load_model_file
 from autoshard.passes.capturing import tp_proof
 from autoshard.passes.capturing.annotate import annotate
-from autoshard.passes.planning.forked import Forked
+from autoshard.passes.forked import Forked
 from autoshard.passes.capturing.capture import capture
 
 model_file = load_model_file(sys.argv[1])

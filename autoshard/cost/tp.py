@@ -78,7 +78,7 @@ def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[st
     """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
     every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
     ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
-    there: ``passes.planning.tensor_parallel``). Norms, residual adds and the rest stay replicated.
+    there: ``passes.layouts``). Norms, residual adds and the rest stay replicated.
 
     With sequence parallelism the tokens are split too: a style that leaves this rank's tokens (a row linear's
     reduce-scatter, a replicated linear's slice) splits its output, a block taking ``scatter-seq-input`` splits

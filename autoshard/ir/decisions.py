@@ -17,7 +17,7 @@ constructor, built). Pure data: no torch here, so plans stay torch-free.
     replicate                  (nothing)                                        none                  replicated
 
 Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022): the residual stream between the
-parallel linears is sharded over tp along the sequence dim d ("Q" in ``passes.planning.tensor_parallel``);
+parallel linears is sharded over tp along the sequence dim d ("Q" in ``passes.layouts.sequence``);
 the reduce-scatter and all-gather that replace each all-reduce sit in these styles' hooks:
 
     colwise-seq-input-dim{d}          ColwiseParallel(input_layouts=Shard(d))        weight 0, bias 0   local shard
@@ -336,13 +336,13 @@ class SegmentCost:
 @dataclass
 class TPChoice:
     """A tensor-parallel layout of a graph over tp ranks: each module's style and what it costs
-    (solved by ``passes.planning.tensor_parallel``, priced by ``cost.tp``)."""
+    (solved by ``passes.layouts.styles``, priced by ``cost.tp``)."""
 
     tp: int
     styles: dict[str, str]  # module path -> a TP_STYLES name (colwise, rowwise-seq-output-dim1, ...) or replicate
     reasons: dict[str, str]  # module path -> why it stays replicated (or, colwise-gather, which op keeps heads whole)
     segments: list[SegmentCost] = field(default_factory=list)
-    # True when at least one value runs sharded over the sequence (layout Q of passes.planning.tensor_parallel): asked
+    # True when at least one value runs sharded over the sequence (layout Q of passes.layouts.sequence): asked
     # for with ``choose_tp_styles(..., sequence_parallel=True)`` and possible for the model.
     sequence_parallel: bool = False
     # Per-rank bytes of the blocks' activations over the same activations unsharded (None: no blocks, or tp=1),
@@ -488,7 +488,7 @@ class Decisions:
     # (``runtime.compiled``, priced by ``cost.compiled``); SPMD plans without cp or ep (``compile_runs``)
     compile: bool = field(default=False, metadata=in_plan("flag"))
     # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
-    # parallel linears on 1/tp of the tokens (``passes.planning.tensor_parallel``, layout Q), where the model allows.
+    # parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.ir.topology import DeviceSpec, LinkSpec
-from autoshard.passes.planning.tensor_parallel import choose_tp_styles
+from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 from autoshard.runtime import load_model_file
 from autoshard.runtime.report import read_weights

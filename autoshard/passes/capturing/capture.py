@@ -148,7 +148,7 @@ def build_on_meta(model_file: ModelFile) -> nn.Module:
         cause = exc.__cause__
         if cause is None or isinstance(cause, SystemExit):  # not meta's fault (no module returned, exit())
             raise
-        where = _user_location(cause)
+        where = user_location(cause)
         if "overflow" in str(cause).lower():  # a size beyond int64: the dimensions are wrong, not meta
             raise AutoshardError(
                 f"{model_file.spec}: a tensor is too large to exist ({type(cause).__name__}: {_first_line(cause)}"
@@ -167,7 +167,7 @@ def build_on_meta(model_file: ModelFile) -> nn.Module:
 
 def export_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)``; a failure is one line with the user's source line."""
-    with _quiet_export():
+    with quiet_export():
         try:
             return torch.export.export(model, inputs, strict=False)
         except Exception as exc:
@@ -205,7 +205,7 @@ def check_static_shapes(program: torch.export.ExportedProgram, where: str) -> No
     for node in program.graph.nodes:
         values = torch.utils._pytree.tree_leaves(node.meta.get("val"))
         if any(isinstance(t, torch.Tensor) and not all(isinstance(d, int) for d in t.shape) for t in values):
-            path, _ = _module_of(node)
+            path, _ = module_of(node)
             raise AutoshardError(
                 f"{where}: the output shape of {target_name(node.target)} in module '{path or 'the root'}' "
                 f"depends on tensor values (boolean-mask indexing, nonzero, unique); planning needs fixed "
@@ -249,7 +249,7 @@ def check_position_tables(program: torch.export.ExportedProgram, where: str) -> 
         last = _largest_position(node.args[1])
         if rows is None or last is None or last < rows:
             continue
-        path, _ = _module_of(node)
+        path, _ = module_of(node)
         raise AutoshardError(
             f"{where}: module '{path or 'the root'}' looks up positions up to {last} in a table of {rows} rows: "
             f"the sequence is longer than the model's positions; plan with --seq-len {rows} or less, or give the "
@@ -319,7 +319,7 @@ def graph_from_export(
 
 def op_node(node: torch.fx.Node, placeholder_params: dict[str, str], module_types: dict[str, str]) -> OpNode:
     """One exported ``call_function`` node as an OpNode."""
-    path, stack_type = _module_of(node)
+    path, stack_type = module_of(node)
     inputs = tuple(a.name for a in _node_args(node))
     shape, dtype, extra = _outputs(node.meta.get("val"))
     params = tuple(dict.fromkeys(placeholder_params[i] for i in inputs if i in placeholder_params))
@@ -405,7 +405,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------- modules and params
 
 
-def _module_of(node: torch.fx.Node) -> tuple[str, str]:
+def module_of(node: torch.fx.Node) -> tuple[str, str]:
     """(path, class name) of the innermost module on the node's ``nn_module_stack``; root is ""."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -479,7 +479,7 @@ def _tokens_per_sample(first: torch.Tensor | None) -> int:
 
 def describe_export_failure(exc: BaseException, where: str) -> str:
     """One line: what torch.export could not trace, where in the user's code, and the fix."""
-    location = _user_location(exc)
+    location = user_location(exc)
     at = f" at {location}" if location else ""
     if _is_data_dependent(exc):
         return (
@@ -542,16 +542,16 @@ def _failing_op(exc: BaseException) -> str:
     return ""
 
 
-def _user_location(exc: BaseException) -> str:
+def user_location(exc: BaseException) -> str:
     """ "file.py:7 (`code`)" for the innermost frame outside torch, the stdlib and autoshard."""
     for e in reversed(_chain(exc)):
         frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_tb(e.__traceback__)]
         frames += re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', str(e))
-        user = [f for f in frames if _is_user_file(f[0])]
+        user = [f for f in frames if is_user_file(f[0])]
         if user:
             filename, lineno, line = user[-1]
             code = f" (`{line.strip()}`)" if line and line.strip() else ""
-            return f"{_short_path(filename)}:{lineno}{code}"
+            return f"{short_path(filename)}:{lineno}{code}"
     return ""
 
 
@@ -560,13 +560,13 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(str(d.resolve()) for d in dirs)
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     if not filename or filename.startswith("<"):
         return False
     return not str(Path(filename).resolve()).startswith(_library_dirs())
 
 
-def _short_path(filename: str) -> str:
+def short_path(filename: str) -> str:
     path = Path(filename).resolve()
     try:
         return str(path.relative_to(Path.cwd()))
@@ -580,12 +580,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_export() -> Iterator[None]:
+def quiet_export() -> Iterator[None]:
     """Export fast and quietly; everything is restored after.
 
     * no per-node stack traces (``torch.fx.config.do_not_emit_stack_traces``): the OpGraph
       does not keep them, and collecting them is ~25% of exporting GPT-3 175B; failures are
-      still located from the exception's own traceback (``_user_location``);
+      still located from the exception's own traceback (``user_location``);
     * torch's loggers, and its ``print`` of the partial graph to stderr on a failure, are held
       back: the user gets one line instead. Text written to stderr is replayed on success;
     * torch's structured trace log (``TORCH_TRACE``) is settled first: its handler is installed

@@ -82,9 +82,9 @@ from autoshard.cost.compute import SDPA_TARGET
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
-from autoshard.passes.capturing.capture import _module_of, _quiet_export, build_on_meta, target_name
+from autoshard.passes.capturing.capture import build_on_meta, module_of, quiet_export, target_name
 from autoshard.passes.capturing.fold import fold_model
-from autoshard.passes.planning.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
+from autoshard.passes.layouts.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
 
 ALL = "*"  # the cp_proofs key of every degree without its own entry
 MIN_LOCAL = 2  # the shortest local length proven (export specializes lengths 0 and 1)
@@ -158,7 +158,7 @@ def export_local(model_file: ModelFile, graph: OpGraph, length: int, symbolic: b
     if symbolic:
         tokens = torch.export.Dim("tokens", min=MIN_LOCAL, max=s // 2)
         dims = tuple({1: tokens} if c else None for c in cut)
-    with _quiet_export():
+    with quiet_export():
         return torch.export.export(model, local, dynamic_shapes=dims, strict=False)
 
 
@@ -388,7 +388,7 @@ def mask_from_inputs(local: Local) -> str | None:
 
 
 def _where(node: torch.fx.Node) -> str:
-    path, _ = _module_of(node)
+    path, _ = module_of(node)
     return f"{op_name(target_name(node.target))} in {path or 'the root'}"
 
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from autoshard.errors import AutoshardError
 from autoshard.ir.graph import OpGraph
 from autoshard.passes.capturing import capture_cache
-from autoshard.passes.planning.context_parallel import proof_deferred
+from autoshard.passes.layouts.context_parallel import proof_deferred
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
@@ -50,7 +50,7 @@ CAPTURE_BATCH = 2  # costs scale with the batch; a batch of 2 keeps the batch di
 # Imported by the parent while the child captures: what the passes after the front import anyway.
 PLANNER_MODULES = (
     "autoshard.pipeline",
-    "autoshard.passes.planning.tensor_parallel",
+    "autoshard.passes.layouts.styles",  # the TP layout models and OR-Tools
     "autoshard.show",
     # imported lazily after the front, ~50 ms on 2 cores: by sympy's first division of the symbolic cost
     # (``cost.symbolic``), by ``importlib.metadata`` (the capture cache's key reads torch's version) and by
@@ -101,7 +101,7 @@ def capture_front(
     entry. The context-parallel proof runs where the search offers cp, or everywhere with ``prove_cp`` (a
     request pinning cp > 1, tools that read the proofs): on a graph that deferred it, here
     (``passes.capturing.cp_proof``, "Deferred")."""
-    from autoshard.passes.planning.tensor_parallel import PROOF_DEGREES, unproven_degrees
+    from autoshard.passes.layouts.allowed import PROOF_DEGREES, unproven_degrees
 
     degrees = tuple(PROOF_DEGREES if tp_degrees is None else tp_degrees)
     model_file, graph = _front(spec, done, fold, use_cache, seq_len, degrees)
@@ -163,7 +163,7 @@ def _capture_and_annotate(
     from autoshard.passes.capturing.capture import capture, model_output_to_stderr
     from autoshard.passes.capturing.cp_proof import prove_context_parallel
     from autoshard.passes.capturing.tp_proof import prove_tensor_parallel
-    from autoshard.passes.planning.tensor_parallel import PROOF_DEGREES
+    from autoshard.passes.layouts.allowed import PROOF_DEGREES
 
     with capture_cache.recording() as reads, model_output_to_stderr():  # stdout: autoshard's output only
         model_file = load_model_file(spec, seq_len)

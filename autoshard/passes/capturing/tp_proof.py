@@ -1,6 +1,6 @@
 """TP proof: a sharded layout is accepted only where the model's own code computes it on a shard.
 
-``passes.planning.tensor_parallel`` propagates a sharded dim through the captured graph, whose sizes are
+``passes.layouts.rules`` propagates a sharded dim through the captured graph, whose sizes are
 constants. The program does not run that graph: it runs the model's Python code on each rank's
 local shards (``use_local_output=True``), and that code may have written a size as a constant
 (OPT's ``q.view(bsz, -1, num_heads, head_dim)`` keeps all heads and folds the shard into the
@@ -11,7 +11,7 @@ For each degree t in 2..8 (``PROOF_DEGREES``) that divides the model's heads (``
 plan's cluster offers (``PlanRequest.tp_degrees``: t divides the devices per node; a degree a cached graph lacks
 is proved when a later plan needs it and added to the cache entry, ``passes.capturing.front.capture_front``):
 
-1. **The widest layout** (``widest_layout``): the layout model of ``passes.planning.tensor_parallel`` per
+1. **The widest layout** (``widest_layout``): the layout model of ``passes.layouts.segment_model`` per
    segment with the objective min Σ_n x[n, rep] over nodes that have another rule, i.e. as many
    ops as possible on shards, without the nodes refused so far.
 2. **The local program** (``local_failures``): the model built on meta as capture builds it (folded
@@ -54,7 +54,7 @@ refused by the propagation itself (``fused_split``, splits over the sharded dim)
 ``OpGraph.tp_proofs[str(t)]``: node -> the reason it is refused; degrees not checked refuse all.
 
 **Sequence parallelism** (``prove_sequence_parallel``, ``OpGraph.tp_proofs[f"{t}sp"]``): the same steps
-on the widest layout with the Q layouts of ``passes.planning.tensor_parallel`` (the residual stream sharded over
+on the widest layout with the Q layouts of ``passes.layouts.sequence`` (the residual stream sharded over
 the sequence where the boundary fixed point allows it). It starts from degree t's refusals, kept for the
 rules that touch S or P only (``node:kind`` entries: the Q rules are what this run checks). The local
 program also stands in for the sequence-parallel styles of linears (a gather multiplies the sequence
@@ -78,7 +78,7 @@ a node with L(n)=Q should give its shape with q(n) divided by t. A refusal names
 Step 4 refuses every Q rule (and every block scatter) the final widest layout did not use: a Q rule is
 a module hook or a per-token op whose neighbours' sizes the code may read, so only what ran is trusted.
 A widest layout without any Q, or ``MAX_ROUNDS`` failed rounds, refuse sequence parallelism at that
-degree (``tensor_parallel.SP_REFUSED``).
+degree (``passes.layouts.allowed.SP_REFUSED``).
 """
 
 from __future__ import annotations
@@ -98,42 +98,41 @@ from autoshard.ir.names import op_name
 from autoshard.modelfile import ModelFile
 from autoshard.passes.capturing.blocks import find_blocks
 from autoshard.passes.capturing.capture import (
-    _is_user_file,
-    _module_of,
-    _short_path,
-    _user_location,
     build_on_meta,
     export_module,
+    is_user_file,
+    module_of,
+    short_path,
     target_name,
+    user_location,
 )
 from autoshard.passes.capturing.fold import fold_model, unfold
-from autoshard.passes.planning.forked import Forked
-from autoshard.passes.planning.tensor_parallel import (
+from autoshard.passes.forked import Forked
+from autoshard.passes.layouts.allowed import (
+    PROOF_DEGREES,
+    SP_REFUSED,
+    UNEXERCISED_PREFIX,
+    check_divisibility,
+    proof_key,
+)
+from autoshard.passes.layouts.boundary import representatives, sp_boundary
+from autoshard.passes.layouts.rules import (
     EMBEDDING_OPS,
     LINEAR_OPS,
-    PROOF_DEGREES,
     SEQ_GATHER_KINDS,
     SEQ_SOURCE_KINDS,
     SINK_OPS,
-    SP_REFUSED,
-    UNEXERCISED_PREFIX,
     Q,
     R,
     S,
-    _default_styles,
-    _record_styles,
-    check_divisibility,
     consumer_map,
-    module_gathers,
-    proof_key,
-    representatives,
-    segment_model,
     segments,
-    seq_dims,
     shard_dims,
-    sp_boundary,
     uses_seq,
 )
+from autoshard.passes.layouts.segment_model import segment_model
+from autoshard.passes.layouts.sequence import module_gathers, seq_dims
+from autoshard.passes.layouts.styles import default_styles, record_styles
 
 UNEXERCISED = UNEXERCISED_PREFIX + " of the model's code:"
 MAX_ROUNDS = 6
@@ -243,7 +242,7 @@ class Layout:
         self.rules: dict = {}
         self.allowed: dict = {}
         self.dims: dict = {}
-        self.choice = TPChoice(tp, *_default_styles(full))
+        self.choice = TPChoice(tp, *default_styles(full))
         self.rep_of = representatives(full)
         self.sp = sp
         self.qdims = seq_dims(full) if sp else {}
@@ -267,7 +266,7 @@ class Layout:
 
 def widest_layout(full: OpGraph, tp: int, sp: bool = False) -> Layout:
     """Step 1: per segment, as many ops on shards as the (refusal-filtered) rules allow; with ``sp`` on the
-    sequence-parallel boundary (``tensor_parallel.sp_boundary``), preferring any rule to a replicated one."""
+    sequence-parallel boundary (``passes.layouts.boundary.sp_boundary``), preferring any rule to a replicated one."""
     layout = Layout(full, tp, sp)
     consumers = consumer_map(full)
     layout.boundary = boundary = sp_boundary(full, tp) if sp else None
@@ -295,7 +294,7 @@ def widest_layout(full: OpGraph, tp: int, sp: bool = False) -> Layout:
         layout.allowed |= rules
         layout.dims |= shard_dims(full, nodes, tp)
         layout.scatters |= scatters
-        _record_styles(full, layout.choice, nodes, chosen, path, sp, scatters)
+        record_styles(full, layout.choice, nodes, chosen, path, sp, scatters)
     return layout
 
 
@@ -655,9 +654,9 @@ def _called(func) -> str:
 def _model_location() -> str:
     """ "file.py:7 (`code`)" of the innermost frame of the model's own code on the Python stack."""
     for frame in reversed(traceback.extract_stack()):
-        if _is_user_file(frame.filename):
+        if is_user_file(frame.filename):
             code = f" (`{frame.line.strip()}`)" if frame.line and frame.line.strip() else ""
-            return f"{_short_path(frame.filename)}:{frame.lineno}{code}"
+            return f"{short_path(frame.filename)}:{frame.lineno}{code}"
     return "the model's code"
 
 
@@ -786,7 +785,7 @@ def compare_shapes(captured: OpGraph, full: OpGraph, layout: Layout, local: list
     styled = {p for p, s in layout.choice.styles.items() if s in STAND_INS}
     ours = [n for n in captured.nodes if not _inside(n.module_path, styled)]
     matched = {n.name for n in captured.nodes if _inside(n.module_path, styled)}
-    theirs = [n for n in local if not _inside(_module_of(n)[0], styled)]
+    theirs = [n for n in local if not _inside(module_of(n)[0], styled)]
     failures: dict[str, str] = {}
     for i, node in enumerate(ours):
         if i >= len(theirs) or node.target != target_name(theirs[i].target):
@@ -877,7 +876,7 @@ def _refuse_module(
     sequence parallelism one split or gather of the tokens (``_refuse_module_seq``)."""
     root = exc.__cause__ or exc
     first = (str(root).strip().splitlines() or [""])[0][:120]
-    where = _user_location(root)
+    where = user_location(root)
     why = (
         f"the model's code fails on a tp={tp} shard in {module or 'the root'} ({type(root).__name__}: {first}"
         f"{' at ' + where if where else ''}); replicated"

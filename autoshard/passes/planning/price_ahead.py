@@ -21,7 +21,7 @@ position the search reaches was priced (and a bound off by rounding is caught by
 
 **When.** Only where forking is safe and pays: ``os.fork`` exists, one Python thread runs, the machine has a
 second core for this process, at least ``MIN_CANDIDATES`` candidates, and ``AUTOSHARD_PRICE_AHEAD`` is not
-"0". The worker is a ``passes.planning.forked.Forked``; one that dies answers nothing and the search prices alone.
+"0". The worker is a ``passes.forked.Forked``; one that dies answers nothing and the search prices alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from autoshard.passes.planning.forked import Forked
+from autoshard.passes.forked import Forked
 
 MIN_CANDIDATES = 64  # fewer are priced in well under a second: a fork (~10-50 ms) would not pay
 

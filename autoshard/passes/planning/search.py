@@ -5,7 +5,7 @@ schedule σ with v virtual stages) from ``passes.planning.strategies`` (every co
 supports, pins applied), and inside it three decisions solved exactly for that c:
 
     TP layout  L(v) ∈ {R, S, P} on every value of a block      CP-SAT, once per (tp, b) and block
-               signature (repeated blocks share one model)      (``passes.planning.tensor_parallel``)
+               signature (repeated blocks share one model)      (``passes.layouts.segment_model``)
     stage cuts 0 = c_0 < c_1 < … < c_{pp·v} = L                 dynamic programming, once per
                                                                  (b, r, stages, tp) (``passes.planning.stage_cuts``)
     DDP bucket B ∈ BUCKET_CAP_CHOICES_MB                         least exposed all-reduce (``cost.dp_comm``)

@@ -61,9 +61,9 @@ from autoshard.ir.decisions import (
 )
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.topology import Cluster
+from autoshard.passes.layouts.allowed import check_divisibility
 from autoshard.passes.planning.context_parallel import cp_refusal, searched_cp_degrees
 from autoshard.passes.planning.stage_cuts import cut_refusals, max_stages
-from autoshard.passes.planning.tensor_parallel import check_divisibility
 
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
 # The largest global batch planned: 2^30 samples per step, ~10^5 times the largest in use (a few

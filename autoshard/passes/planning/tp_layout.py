@@ -2,7 +2,7 @@
 
 The cost model prices decisions with a layout handed to it and never solves one
 (``cost.tables.CostTables.add_tp_layout``). This pass solves the layout model
-(``passes.planning.tensor_parallel.choose_tp_styles``) at the captured batch on the link that makes the
+(``passes.layouts.styles.choose_tp_styles``) at the captured batch on the link that makes the
 answer exact for micro-batch b (``CostTables.tp_solve_link``), the first time a point of that
 (tp, b) is priced, and hands it over; later points of the same (tp, b) reuse it.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from autoshard.cost.tables import CostTables
 from autoshard.ir.decisions import Decisions, TPChoice
-from autoshard.passes.planning.tensor_parallel import choose_tp_styles
+from autoshard.passes.layouts.styles import choose_tp_styles
 
 
 def hand_tp_layout(tables: CostTables, decisions: Decisions) -> TPChoice | None:

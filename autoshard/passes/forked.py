@@ -2,7 +2,8 @@
 
 The TP proof's degrees (``passes.capturing.tp_proof._each_degree``), the search's candidates priced ahead and the
 unit tables its bounds read (``passes.planning.price_ahead``) each hand ``Forked.start`` a computation whose answer
-is plain data, and compute it themselves where there is no answer:
+is plain data, and compute it themselves where there is no answer. Both phases use it and neither may import the
+other, so it sits beneath them beside ``passes.layouts`` (pyproject.toml's passes contract):
 
     Forked.start(compute)   None where the machine cannot fork or make a pipe (memory, process limits)
     .result()               compute()'s value, or None if it raised or the process died
