@@ -497,7 +497,9 @@ def _intra_link(
         )
     sizes = sorted(s.size_bytes for s in m.comm)
     own = tuple(
-        (name, four_digits(f.latency_us), four_digits(f.bandwidth_gbps)) for name, f in (per_collective or {}).items() if f
+        (name, four_digits(f.latency_us), four_digits(f.bandwidth_gbps))
+        for name, f in (per_collective or {}).items()
+        if f
     )
     return LinkSpec(
         four_digits(fit.bandwidth_gbps),
