@@ -69,25 +69,51 @@ def recompute_contexts(mode: str) -> tuple:
     entered around the forward and the backward (context parallelism's ring attention and global positions,
     ``runtime.context_parallel``; verify's fixed randomness; the dry run's attention) would see the forward's
     calls but not their recomputation, which then computed attention on the rank's own tokens alone, and
-    checkpoint refused the program ("Recomputed values ... have different metadata")."""
-    forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    checkpoint refused the program ("Recomputed values ... have different metadata").
+
+    Under torch.compile (compiled blocks: never beside context parallelism) checkpoint takes only dispatch modes:
+    the policies' own, and for "full" a policy that keeps nothing, which is full recompute."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_policy(mode) or _keep_nothing)
+    policy = _policy(mode)
+    forward, recompute = (
+        create_selective_checkpoint_contexts(policy) if policy else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
+    modes = torch.overrides._get_current_function_mode_stack()
+    return forward, (UnderModes(modes, recompute) if modes else recompute)
+
+
+def _policy(mode: str):
+    """The selective policy of a recompute mode (None for "full": no policy, everything rerun)."""
     if mode == "selective":
-        forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
-    elif mode == "alternate":
-        forward, recompute = create_selective_checkpoint_contexts(
-            partial(_alternate_policy, {"forward": 0, "recompute": 0})  # this region's own matmul counts
-        )
-    return forward, _under_modes(torch.overrides._get_current_function_mode_stack(), recompute)
+        return _selective_policy
+    if mode == "alternate":
+        return partial(_alternate_policy, {"forward": 0, "recompute": 0})  # this region's own matmul counts
+    return None
 
 
-@contextlib.contextmanager
-def _under_modes(modes: list, inner):
-    """``inner`` entered with ``modes`` (a function-mode stack, outermost first) active again around it."""
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
+def _keep_nothing(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class UnderModes:
+    """``inner`` entered with ``modes`` (a function-mode stack, outermost first) active again around it; entered
+    as often as the region is recomputed (a split backward reruns it for its input and its weight pass)."""
+
+    def __init__(self, modes: list, inner):
+        self.modes, self.inner = list(modes), inner
+        self._open: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        for mode in self.modes:
             stack.enter_context(mode)
-        with inner:
-            yield
+        stack.enter_context(self.inner)
+        self._open.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self._open.pop().__exit__(*exc)
 
 
 def _alternate_policy(counts: dict[str, int], ctx, op, *args, **kwargs):
