@@ -35,9 +35,9 @@ L8, L8_4, L70 = (
 )
 L8_2 = "benchmarks/llama3.py:llama3_8b_2l"
 MOE = "benchmarks/mixtral.py:build_2l"
-# transformers' Llama-3.1 configs (meta-llama/Llama-3.1-8B and -70B config.json), written by ``hf_folder`` as
-# ``hf:DIR`` models: the library's own attention (its causal mask) and RMSNorm (its fp32 upcast)
-HF8, HF70 = "hf:llama-3.1-8b", "hf:llama-3.1-70b"
+# transformers' Llama-3.1 configs (meta-llama/Llama-3.1-8B and -70B's shapes, examples/configs/) as ``hf:DIR``
+# models: the library's own attention (its causal mask) and RMSNorm (its fp32 upcast)
+HF8, HF70 = "hf:examples/configs/llama-3.1-8b", "hf:examples/configs/llama-3.1-70b"
 LONG = ["--seq-len", "8192"]
 SELECTIVE_TP4 = [*LONG, "--pp", "1", "--dp", "2", "--tp", "4", "--zero", "3", "--recompute", "selective"]
 H100, TWO_NODES = ["--cluster", "dgx-h100"], ["--cluster", "dgx-h100", "--nodes", "2"]
@@ -118,45 +118,8 @@ CASES = {  # name: (model, layers run of the model's, cluster arguments, pins)
 }
 
 
-HF_LLAMA_3_1 = {  # hidden, FFN, layers, heads, KV heads (the configs' own)
-    HF8: (4096, 14336, 32, 32, 8),
-    HF70: (8192, 28672, 80, 64, 8),
-}
-
-
-def hf_folder(model: str, folder: Path) -> str:
-    """``hf:DIR`` of a Llama-3.1 config written under ``folder`` (``HF_LLAMA_3_1``); other models as they are."""
-    if model not in HF_LLAMA_3_1:
-        return model
-    import transformers
-
-    hidden, ffn, layers, heads, kv_heads = HF_LLAMA_3_1[model]
-    out = folder / model.removeprefix("hf:")
-    transformers.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        rope_scaling={
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        tie_word_embeddings=False,
-    ).save_pretrained(out)
-    return f"hf:{out}"
-
-
 def run_case(name: str, folder: Path) -> dict:
     model, layers, cluster, pins = CASES[name]
-    model = hf_folder(model, folder)
     plan = folder / f"{name}.plan.json"
     # pins None: the planner's pick for the row's cluster and batch
     command = ["estimate", model, *cluster, *BASE, *pins] if pins is not None else ["plan", model, *cluster]
