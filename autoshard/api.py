@@ -38,7 +38,7 @@ def plan(
     **pins,
 ) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions, one keyword per row of
-    ``ir.decisions.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
+    ``ir.pins.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
     schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel, precision, compile; each also by its
     ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
     exports every repeated layer (``passes.capturing.fold``); ``time_limit_s`` stops the search early (the plan's

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import PIN_OF, PINS, Pins
+from autoshard.ir.pins import PIN_OF, PINS, Pins
 from autoshard.ir.plan import model_source
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.recipe import RECIPE_FILE_HELP, RECIPE_FLAGS, recipe_of
@@ -220,7 +220,7 @@ def _add_plan_arguments(p) -> None:
 
 
 def _add_pin_arguments(p) -> None:
-    """One flag per row of ``ir.decisions.PINS``, stored under its ``Pins`` field (``args.zero_stage`` for
+    """One flag per row of ``ir.pins.PINS``, stored under its ``Pins`` field (``args.zero_stage`` for
     --zero): ``pins_of`` hands them to ``Pins`` as they are, which checks them."""
     for row in PINS:
         p.add_argument(

@@ -10,8 +10,8 @@ from autoshard.cost.memory import alternate_recomputed, block_saved_bytes, block
 from autoshard.cost.saved import MATMUL_OPS
 from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Pins
 from autoshard.ir.names import op_name
+from autoshard.ir.pins import Pins
 from autoshard.ir.plan import Plan
 from autoshard.passes.planning import strategies
 from autoshard.pipeline import capture_graph

@@ -12,7 +12,7 @@ from autoshard.cost.compiled import block_kernels, fused_ops
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Pins
+from autoshard.ir.pins import Pins
 from autoshard.ir.plan import Plan
 from autoshard.passes.lowering.lower import lower
 from autoshard.passes.planning import strategies

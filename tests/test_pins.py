@@ -1,4 +1,4 @@
-"""The pins: one table (``ir.decisions.PINS``) gives ``Pins``' fields, the flags of ``autoshard plan`` and
+"""The pins: one table (``ir.pins.PINS``) gives ``Pins``' fields, the flags of ``autoshard plan`` and
 ``estimate``, and the Python API's keywords; each pin is a field of ``Decisions`` (the mesh's by axis) or the
 stage cuts."""
 
@@ -8,7 +8,8 @@ import pytest
 
 from autoshard.cli import build_parser, pins_of
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import PIN_OF, PINS, Decisions, Mesh, Pins
+from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.pins import PIN_OF, PINS, Pins
 from autoshard.passes.planning import strategies
 
 GPT = "examples/gpt.py:build"

@@ -14,7 +14,8 @@ from autoshard.api import estimate
 from autoshard.cli import main
 from autoshard.cost.memory import BF16_AUTOCAST, BF16_PURE, FP16_AUTOCAST, FP32, pinned_precision
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import PIN_PRECISIONS, Pins, precision_policy
+from autoshard.ir.decisions import PIN_PRECISIONS, precision_policy
+from autoshard.ir.pins import Pins
 from autoshard.passes.lowering.codegen import emit_program
 from autoshard.passes.lowering.lower import lower
 from autoshard.pipeline import PlanRequest, precision_notes

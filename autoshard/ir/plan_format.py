@@ -143,7 +143,7 @@ class PlanReview:
 class PlanProvenance:
     """How the plan was asked for (``plan.json``'s ``provenance`` section): ``Plan.provenance``."""
 
-    pinned: tuple[str, ...] = ()  # the decisions the user fixed by hand, by their API keyword (ir.decisions.PINS)
+    pinned: tuple[str, ...] = ()  # the decisions the user fixed by hand, by their API keyword (ir.pins.PINS)
     runtime: str = "autoshard"  # what the prediction priced (PLAN_RUNTIMES); the program is autoshard's
 
 

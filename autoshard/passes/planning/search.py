@@ -82,7 +82,7 @@ MAX_ALTERNATIVES = 12
 RECOMPUTE_ORDER = ("none", "mixed", "selective", "alternate", "full")  # ties go to less recompute
 MESH_RIVALS = 6  # meshes pruned by their bound that are still priced once, for the alternatives table
 GIB = 2**30
-StageCutsPin = str | tuple[int, ...] | None  # ir.decisions.Pins.stage_cuts
+StageCutsPin = str | tuple[int, ...] | None  # ir.pins.Pins.stage_cuts
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.planning.stage_cuts`` chooses them
 
-The pins are ``ir.decisions.Pins`` (one field per row of ``ir.decisions.PINS``, each row's check run
+The pins are ``ir.pins.Pins`` (one field per row of ``ir.pins.PINS``, each row's check run
 when they are made). Pins that fall outside the space are refused with one line naming the fix;
 ``check_pins`` does the checks that need no graph before capture (seconds on large models).
 ``Pins.with_defaults`` fills the decisions with a natural default (virtual stages follow the
@@ -49,17 +49,15 @@ from autoshard.ir.decisions import (
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
     SCHEDULES,
-    STAGE_CUTS_EVEN,
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     ZERO_STAGES,
     Decisions,
     Mesh,
-    Pins,
     compile_runs,
-    parse_stage_cuts,  # noqa: F401 (re-exported: --stage-cuts' parser)
 )
 from autoshard.ir.graph import OpGraph
+from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
 from autoshard.ir.topology import Cluster
 from autoshard.passes.layouts.allowed import check_divisibility
 from autoshard.passes.planning.context_parallel import cp_refusal, searched_cp_degrees
