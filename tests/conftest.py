@@ -43,6 +43,9 @@ def pytest_itemcollected(item):
 
 
 def _group(item) -> str:
+    own = getattr(getattr(item, "module", None), "XDIST_GROUP", None)  # a module that must not run beside another's
+    if own is not None:
+        return own
     if "launches" in getattr(item, "fixturenames", ()):
         return f"launch-{_launch_size(item)}"
     params = getattr(getattr(item, "callspec", None), "params", {})
