@@ -458,6 +458,8 @@ def _attention_as_on_the_device():
     from torch.overrides import TorchFunctionMode
 
     class AsOnTheDevice(TorchFunctionMode):
+        rerun_under_recompute = True  # a recomputed block's attention too (runtime.selective.recompute_contexts)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is F.scaled_dot_product_attention:

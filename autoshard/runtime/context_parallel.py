@@ -251,6 +251,8 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
     calls SDPA with ``attn_mask=None, is_causal=True``.)
     """
 
+    rerun_under_recompute = True  # a checkpointed block's recomputation runs the ring too (runtime.selective)
+
     def __init__(self, cp_group: dist.ProcessGroup, cp_rank: int, cp_size: int, local_seq_len: int):
         super().__init__()
         assert 0 <= cp_rank < cp_size and local_seq_len > 0, (cp_rank, cp_size, local_seq_len)

@@ -63,7 +63,8 @@ def selective_kwargs(mode: str) -> dict:
 def recompute_contexts(mode: str) -> tuple:
     """(the forward's context, the recomputation's) of one region's run (checkpoint calls this as the region's
     forward begins): "selective" and "alternate" their policies' (``create_selective_checkpoint_contexts``),
-    "full" none; and the recomputation runs under the torch function modes the forward ran under.
+    "full" none; and the recomputation runs under the torch function modes the forward ran under that ask for it
+    (``RERUN_UNDER``).
 
     Autograd runs the recomputation inside the backward, where no torch function mode is active: the modes
     entered around the forward and the backward (context parallelism's ring attention and global positions,
@@ -79,8 +80,14 @@ def recompute_contexts(mode: str) -> tuple:
     forward, recompute = (
         create_selective_checkpoint_contexts(policy) if policy else (contextlib.nullcontext(), contextlib.nullcontext())
     )
-    modes = torch.overrides._get_current_function_mode_stack()
+    modes = [m for m in torch.overrides._get_current_function_mode_stack() if getattr(m, RERUN_UNDER, False)]
     return forward, (UnderModes(modes, recompute) if modes else recompute)
+
+
+# A torch function mode with this attribute true is entered again around a recomputation (``recompute_contexts``):
+# context parallelism's, the dry run's attention. Others are not: each would see every op of every recomputation
+# (verify's fixed randomness has its dispatch-level twin for that: ``runtime.randomness``).
+RERUN_UNDER = "rerun_under_recompute"
 
 
 def _policy(mode: str):
