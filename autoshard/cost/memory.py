@@ -338,18 +338,12 @@ def _matmul_kept(
     """(key, bytes) a selective policy keeps of one matmul on a TP rank (``_selective_kept``)."""
     name = node.name
     whole = value_bytes(graph, name, ratio)
-    if share.tp == 1 or not node.param_inputs:
-        own = [(name, share.value_bytes(graph, name, ratio))]
-        collectives = []
-    elif name in share.partial:
+    own, collectives = [(name, share.value_bytes(graph, name, ratio))], []
+    if name in share.partial:
         own = [(f"{name}:partial", whole)]
         collectives = [(name, share.value_bytes(graph, name, ratio))]  # reduce-scatter: 1/tp; all-reduce: whole
     elif name in share.gathered_out:
-        own = [(f"{name}:shard", whole // share.tp)]
-        collectives = [(name, whole)]
-    else:
-        own = [(name, share.value_bytes(graph, name, ratio))]
-        collectives = []
+        own, collectives = [(f"{name}:shard", whole // share.tp)], [(name, whole)]
     gathered = [(k, b) for k, b in saved_by(graph, node, grads, ratio, share) if k.endswith(":gathered")]
     return ([] if rerun else own) + collectives + gathered
 

@@ -66,11 +66,11 @@ def recompute_contexts(mode: str) -> tuple:
     "full" none; and the recomputation runs under the torch function modes the forward ran under that ask for it
     (``RERUN_UNDER``).
 
-    Autograd runs the recomputation inside the backward, where no torch function mode is active: the modes
-    entered around the forward and the backward (context parallelism's ring attention and global positions,
-    ``runtime.context_parallel``; verify's fixed randomness; the dry run's attention) would see the forward's
-    calls but not their recomputation, which then computed attention on the rank's own tokens alone, and
-    checkpoint refused the program ("Recomputed values ... have different metadata").
+    Autograd runs the recomputation inside the backward, where no torch function mode is active: a mode entered
+    around the forward and the backward (context parallelism's ring attention and global positions,
+    ``runtime.context_parallel``; the dry run's attention) would see the forward's calls but not their
+    recomputation, which then computed attention on the rank's own tokens alone, and checkpoint refused the
+    program ("Recomputed values ... have different metadata").
 
     Under torch.compile (compiled blocks: never beside context parallelism) checkpoint takes only dispatch modes:
     the policies' own, and for "full" a policy that keeps nothing, which is full recompute."""

@@ -38,7 +38,6 @@ def tracing_tracker():
             self.peak_live: list[tuple] = []
             self.timeline: list[tuple] = []
             self._op = "?"
-            self._shape = ()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._op = str(func.overloadpacket.__name__)
