@@ -24,7 +24,9 @@ Bytes: a graph value of e elements in the captured dtype weighs e·a bytes as tr
 precision's activation bytes: bf16 under autocast and FSDP2's bf16 parameters); the fp32
 statistics above weigh 4 bytes per element whatever a. A view counts as the tensor it views, and
 a tensor kept by several ops once (``saved_set``): the union over a block's ops is what the
-block keeps.
+block keeps. Where a < 4, the model's own casts that are no-ops in the fp32 capture copy
+(``cost.casts``): ``x.to(torch.float32)`` of a 16-bit activation is an fp32 tensor of its own (4 B per
+element, and what is computed from it alone), the cast back to the input's dtype a 16-bit one.
 
 A tensor-parallel rank (``RankShare``, made from the layout by ``cost.tp.rank_share``) keeps the same
 tensors on its shards' shapes: a value the layout splits over the t TP ranks (a column-parallel linear's
@@ -49,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from autoshard.cost.casts import sixteen_bit_casts
 from autoshard.ir.graph import OpGraph, OpNode, dtype_bytes
 from autoshard.ir.names import op_name
 
@@ -148,6 +151,11 @@ _SAVES_NOTHING = frozenset(
         "scalar_tensor",
         "pad",
         "constant_pad_nd",
+        "to",  # ToCopyBackward and CloneBackward keep no tensor
+        "_to_copy",
+        "type_as",
+        "clone",
+        "contiguous",
     }
 )
 _INPUT_SAVERS = frozenset(
@@ -193,28 +201,31 @@ class RankShare:
     def value_bytes(self, graph: OpGraph, name: str, ratio: float) -> int:
         """``value_bytes`` of one TP rank's part of ``name``."""
         nbytes = value_bytes(graph, name, ratio)
-        return nbytes // self.tp if self.tp > 1 and storage_of(graph, name) in self.split else nbytes
+        return nbytes // self.tp if self.tp > 1 and storage_of(graph, name, ratio) in self.split else nbytes
 
 
 WHOLE = RankShare()  # no tensor parallelism: every tensor whole
 
 
-def storage_of(graph: OpGraph, name: str) -> str:
+def storage_of(graph: OpGraph, name: str, ratio: float = 1.0) -> str:
     """The value whose storage ``name`` is: follow views (``VIEW_OPS``) back to a materialised tensor (once per
-    value of a graph: the search asks for the same values' storage hundreds of thousands of times)."""
-    known = graph.derived("storage_of", dict)
+    value of a graph: the search asks for the same values' storage hundreds of thousands of times). With 16-bit
+    activations (``ratio`` < 1) the model's own casts that copy are storages (``cost.casts``)."""
+    known = graph.derived(("storage_of", ratio < 1), dict)
     if name not in known:
         node, storage = graph._by_name().get(name), name
-        while node is not None and node.inputs and _is_view(graph, node):
+        while node is not None and node.inputs and _is_view(graph, node, ratio):
             storage = node.inputs[0]
             node = graph._by_name().get(storage)
         known[name] = storage
     return known[name]
 
 
-def _is_view(graph: OpGraph, node: OpNode) -> bool:
+def _is_view(graph: OpGraph, node: OpNode, ratio: float = 1.0) -> bool:
     op = op_name(node.target)
     if op in ("to", "type_as", "_to_copy", "clone", "contiguous"):
+        if ratio < 1 and node.name in sixteen_bit_casts(graph).copies:
+            return False  # a no-op as captured in fp32, a copy in 16 bits
         return graph.value_meta(node.inputs[0]) == (node.shape, node.dtype)  # a cast that changes nothing
     if op in _DROPOUT_OPS:
         return node.attrs.get("p") == 0 or node.attrs.get("train") is False
@@ -245,7 +256,7 @@ def saved_by(
 
 
 def _saved_whole(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
-    if node.name not in grads or _is_view(graph, node):
+    if node.name not in grads or _is_view(graph, node, ratio):
         return []
     op = op_name(node.target)
     acts = [i for i in node.inputs if i not in graph.placeholder_params]
@@ -269,7 +280,7 @@ def _saved_whole(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) ->
         return _values(graph, acts[:1], ratio)
     if op in _OUTPUT_SAVERS:
         return _values(graph, [node.name], ratio)
-    return [(node.name, int(node.output_bytes * ratio))]
+    return [(node.name, value_bytes(graph, node.name, ratio))]
 
 
 def weight_grad_inputs(graph: OpGraph, nodes: Iterable[OpNode], ratio: float, share: RankShare = WHOLE) -> int:
@@ -281,7 +292,7 @@ def weight_grad_inputs(graph: OpGraph, nodes: Iterable[OpNode], ratio: float, sh
         G = Σ_{n reads a trained parameter} |out(n)|      a linear's dy, a norm's weight-mul's, the head's logits'"""
     total = 0
     for node in nodes:
-        if not node.param_inputs or _is_view(graph, node):
+        if not node.param_inputs or _is_view(graph, node, ratio):
             continue
         if any(not graph.param(p).is_buffer for p in node.param_inputs):
             total += share.value_bytes(graph, node.name, ratio)
@@ -300,14 +311,17 @@ def saved_set(
 
 
 def value_bytes(graph: OpGraph, name: str, ratio: float) -> int:
-    """Bytes of a graph value as trained: activations at ``ratio`` of their captured bytes, integers whole."""
+    """Bytes of a graph value as trained: activations at ``ratio`` of their captured bytes, integers whole, and
+    the values the model upcasts itself in fp32 where activations run in 16 bits (``cost.casts``)."""
     shape, dtype = graph.value_meta(name)
     nbytes = _numel(shape) * dtype_bytes(dtype) if dtype else 0
+    if ratio < 1 and name in sixteen_bit_casts(graph).upcast:
+        return nbytes
     return int(nbytes * ratio) if dtype.startswith(("float", "bfloat")) else nbytes
 
 
 def _values(graph: OpGraph, names: list[str], ratio: float) -> list[tuple[str, int]]:
-    return [(key, value_bytes(graph, key, ratio)) for key in (storage_of(graph, n) for n in names)]
+    return [(key, value_bytes(graph, key, ratio)) for key in (storage_of(graph, n, ratio) for n in names)]
 
 
 def _mul_saved(graph: OpGraph, node: OpNode, grads: set[str], ratio: float) -> list[tuple[str, int]]:
@@ -325,7 +339,7 @@ def _rms_norm_saved(graph: OpGraph, node: OpNode, ratio: float) -> list[tuple[st
     elements = _numel(graph.value_meta(x)[0])
     trained = value_bytes(graph, x, ratio)
     upcast = (
-        [(storage_of(graph, x), trained)]
+        [(storage_of(graph, x, ratio), trained)]
         if trained >= elements * FP32_BYTES
         else [(f"{node.name}:upcast", elements * FP32_BYTES)]
     )
