@@ -43,7 +43,7 @@ from autoshard.cost.autocast import FLOATING
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.names import op_name
 
-CAST_OPS = frozenset({"to", "_to_copy", "type_as"})
+EXPLICIT_CASTS = frozenset({"to", "_to_copy", "type_as"})  # the CAST_OPS that take a dtype
 FP32 = "float32"
 
 
@@ -72,7 +72,7 @@ def _walk(graph: OpGraph) -> SixteenBitCasts:
         if node.dtype != FP32 or not acts:
             continue
         floating = [i for i in acts if _dtype(graph, i) in FLOATING]
-        if op_name(node.target) in CAST_OPS and _casts_to_fp32(graph, node):
+        if op_name(node.target) in EXPLICIT_CASTS and _casts_to_fp32(graph, node):
             if not floating:
                 upcast.add(node.name)  # ids or positions made floating: fp32 in any precision
             elif floating[0] in upcast:

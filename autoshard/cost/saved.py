@@ -53,60 +53,15 @@ from dataclasses import dataclass
 
 from autoshard.cost.casts import sixteen_bit_casts
 from autoshard.ir.graph import OpGraph, OpNode, dtype_bytes
-from autoshard.ir.names import op_name
+from autoshard.ir.names import CAST_OPS, op_name
+from autoshard.ir.names import VIEW_OPS as NAMED_VIEW_OPS
 
 FP32_BYTES = 4
 INDEX_BYTES = 8  # int64 token ids
 MASK_BYTES = 1  # a dropout mask is a bool tensor
 
-# views and no-ops: their output is their input's storage (passes.capturing.annotate ALIAS_OPS, as the cost model sees them)
-VIEW_OPS = frozenset(
-    {
-        "view",
-        "_unsafe_view",
-        "reshape",
-        "view_as",
-        "reshape_as",
-        "transpose",
-        "t",
-        "permute",
-        "expand",
-        "expand_as",
-        "unsqueeze",
-        "squeeze",
-        "slice",
-        "select",
-        "split",
-        "split_with_sizes",
-        "chunk",
-        "unbind",
-        "narrow",
-        "alias",
-        "detach",
-        "as_strided",
-        "unflatten",
-        "flatten",
-        "movedim",
-        "moveaxis",
-        "swapaxes",
-        "swapdims",
-        "diagonal",
-        "view_as_real",
-        "view_as_complex",
-        "real",
-        "imag",
-        "lift_fresh",
-        "numpy_T",
-        "mT",
-        "adjoint",
-        "operator.getitem",
-        "contiguous",
-        "clone",
-        "to",
-        "type_as",
-        "_to_copy",
-    }
-)
+# views, and casts that change nothing: their output is their input's storage (``_is_view``)
+VIEW_OPS = NAMED_VIEW_OPS | CAST_OPS
 MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum"})
 SDPA_OPS = frozenset(
     {
@@ -223,7 +178,7 @@ def storage_of(graph: OpGraph, name: str, ratio: float = 1.0) -> str:
 
 def _is_view(graph: OpGraph, node: OpNode, ratio: float = 1.0) -> bool:
     op = op_name(node.target)
-    if op in ("to", "type_as", "_to_copy", "clone", "contiguous"):
+    if op in CAST_OPS:
         if ratio < 1 and node.name in sixteen_bit_casts(graph).copies:
             return False  # a no-op as captured in fp32, a copy in 16 bits
         return graph.value_meta(node.inputs[0]) == (node.shape, node.dtype)  # a cast that changes nothing

@@ -4,6 +4,9 @@ Plain string functions that the passes and the cost model both read a graph by::
 
     op_name("aten.add_.Tensor")  -> "add"      (in-place variants look up as their op)
     block_of("h.3.mlp.0")        -> "h.3"      (the outermost "<prefix>.<int>" prefix)
+
+and the op lists they share: ``VIEW_OPS`` (an output that is a view of input 0), ``NO_OP_OPS`` (checks and
+symbolic sizes: compute nothing), ``CAST_OPS`` (copies, or views where they change nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +30,67 @@ def block_of(module_path: str) -> str | None:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return None
+
+
+# Ops whose output is a view or alias of input 0, by op_name: no FLOPs, no bytes, no storage of their own
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "expand_as",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "narrow",
+        "alias",
+        "detach",
+        "as_strided",
+        "unflatten",
+        "flatten",
+        "movedim",
+        "moveaxis",
+        "swapaxes",
+        "swapdims",
+        "diagonal",
+        "view_as_real",
+        "view_as_complex",
+        "real",
+        "imag",
+        "lift_fresh",
+        "numpy_T",
+        "mT",
+        "adjoint",
+        "operator.getitem",
+    }
+)
+# Ops that compute nothing a step pays for: checks and symbolic sizes
+NO_OP_OPS = frozenset(
+    {
+        "_assert_tensor_metadata",
+        "_assert_scalar",
+        "_assert_async",
+        "sym_size",
+        "sym_numel",
+        "sym_stride",
+        "sym_storage_offset",
+        "sym_constrain_range",
+        "sym_constrain_range_for_size",
+    }
+)
+# Casts and copies: a view where they change neither shape nor dtype (and the dtype they run in, ``cost.casts``)
+CAST_OPS = frozenset({"to", "_to_copy", "type_as", "clone", "contiguous"})
 
 
 # Random ops, by op_name: torch 2.13's ``nondeterministic_seeded`` tag (tests/test_randomness.py checks it

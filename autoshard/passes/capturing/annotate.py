@@ -74,64 +74,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autoshard.ir.graph import OpGraph, OpNode
-from autoshard.ir.names import is_random, op_name
+from autoshard.ir.names import NO_OP_OPS, VIEW_OPS, is_random, op_name
 
 if TYPE_CHECKING:  # torch is imported where FLOPs are counted; op_name and is_alias serve the
     import torch  # cost model on graphs from the capture cache, where torch is never imported
 
-# Ops that return a view or alias of an input: no FLOPs, no bytes. Names are aten op names
-# without overload (in-place variants "add_" are looked up as "add"), or full targets.
-ALIAS_OPS = frozenset(
-    {
-        "view",
-        "_unsafe_view",
-        "reshape",
-        "view_as",
-        "reshape_as",
-        "transpose",
-        "t",
-        "permute",
-        "expand",
-        "expand_as",
-        "unsqueeze",
-        "squeeze",
-        "slice",
-        "select",
-        "split",
-        "split_with_sizes",
-        "chunk",
-        "unbind",
-        "narrow",
-        "alias",
-        "detach",
-        "as_strided",
-        "unflatten",
-        "flatten",
-        "movedim",
-        "moveaxis",
-        "swapaxes",
-        "swapdims",
-        "diagonal",
-        "view_as_real",
-        "view_as_complex",
-        "real",
-        "imag",
-        "lift_fresh",
-        "numpy_T",
-        "mT",
-        "adjoint",
-        "_assert_tensor_metadata",
-        "_assert_scalar",
-        "_assert_async",
-        "sym_size",
-        "sym_numel",
-        "sym_stride",
-        "sym_storage_offset",
-        "sym_constrain_range",
-        "sym_constrain_range_for_size",
-        "operator.getitem",
-    }
-)
+# Ops that return a view or alias of an input, or compute nothing: no FLOPs, no bytes (ir.names' lists: aten op
+# names without overload, in-place variants "add_" looked up as "add", or full targets)
+ALIAS_OPS = VIEW_OPS | NO_OP_OPS
 
 # Pointwise, normalisation and softmax-like ops: FLOPs per output element.
 POINTWISE_FLOPS = {
