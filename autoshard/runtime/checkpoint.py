@@ -169,10 +169,12 @@ def load_weights(source: str | Path, model, optimizer, mesh=None) -> None:
     restore()
 
 
-def export_hf(folder: str | Path, model, optimizer, mesh=None) -> Path:
+def export_hf(folder: str | Path, model, optimizer, mesh=None, configs: tuple | None = None) -> Path:
     """The final weights as a Hugging Face folder of ``.safetensors`` (``--export-hf``), by the model's names:
     each rank writes its shards, then they are joined file by file (DCP's ``HuggingFaceStorageWriter`` with
-    consolidation: one tensor at a time, never the whole model on one rank)."""
+    consolidation: one tensor at a time, never the whole model on one rank). Rank 0 writes ``configs`` beside
+    them (``hf_configs``: a transformers model's, so ``from_pretrained(folder)`` loads the export; a pipeline
+    program passes its whole model's, which its stages no longer hold)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     model_state, _ = _model_weights(model, optimizer, mesh)
@@ -181,7 +183,18 @@ def export_hf(folder: str | Path, model, optimizer, mesh=None) -> Path:
         model_state,
         storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True),
     )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for config in hf_configs(model) if configs is None else configs:
+            config.save_pretrained(str(folder))
     return Path(folder)
+
+
+def hf_configs(module) -> tuple:
+    """A transformers module's ``config`` and ``generation_config`` (what ``save_pretrained`` writes beside the
+    weights: config.json, generation_config.json); () for another module."""
+    module = getattr(module, "module", module)  # DDP's wrapper
+    found = (getattr(module, "config", None), getattr(module, "generation_config", None))
+    return tuple(config for config in found if callable(getattr(config, "save_pretrained", None)))
 
 
 def _model_weights(model, optimizer, mesh) -> tuple[dict, Callable[[], None]]:

@@ -1,6 +1,7 @@
 """Pretrained weights in and out: a transformers checkpoint (``save_pretrained``) loaded into an emitted program with
-``--init-from``, trained 0 steps and written back with ``--export-hf``, equals the original tensor for tensor; each
-rank reads and writes only its shards (DCP's Hugging Face storage reader and writer).
+``--init-from``, trained 0 steps and written back with ``--export-hf``, equals the original tensor for tensor, and
+``from_pretrained`` loads the export as written (its config beside the weights); each rank reads and writes only
+its shards (DCP's Hugging Face storage reader and writer).
 
 Each case's run is a job of the session's one torchrun launch per world size (``one_launch.Cases``)."""
 
@@ -75,6 +76,12 @@ def test_pretrained_weights_round_trip_through_a_sharded_program(launches, case)
     assert before and set(before) <= set(after), sorted(set(before) - set(after))
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
+    # the program wrote the model's config beside the weights: transformers loads the export as it is
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert (exported / "config.json").is_file() and set(before) <= set(loaded)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in before.items())
     torch.manual_seed(0)  # the program's own initialisation differs: the load did replace it
     initial = hf_llama().build_4_layers().state_dict()
     assert all(not torch.equal(initial[name], tensor) for name, tensor in before.items() if tensor.dim() == 2)

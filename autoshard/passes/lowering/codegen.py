@@ -540,6 +540,7 @@ def main():
     recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
     stages, schedule, optimizer = build_pipeline(model, mesh, ctx.device, recipe, example_microbatch, model_file.loss)
     scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
+    hf_configs = checkpoint.hf_configs(model)  # a transformers model's config, written beside --export-hf
     del model  # the stages hold what this rank needs
     # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
     # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
@@ -574,7 +575,7 @@ def main():
 
     runtime.finish(stages, optimizer, log, args.metrics_out, mesh)  # final weights: each rank writes its shards
     if args.export_hf:
-        checkpoint.export_hf(args.export_hf, stages, optimizer, mesh)
+        checkpoint.export_hf(args.export_hf, stages, optimizer, mesh, configs=hf_configs)
     runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
 
 
