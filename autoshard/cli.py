@@ -307,6 +307,18 @@ def _add_run(sub, common) -> None:
     )
     p.add_argument("--metrics-out", help="folder for losses, step times and final weights")
     p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from these weights: a Hugging Face folder of *.safetensors (save_pretrained's) or a DCP "
+        "checkpoint; each rank reads only its shards",
+    )
+    p.add_argument(
+        "--export-hf",
+        metavar="DIR",
+        help="at the end, write the weights here as Hugging Face safetensors, with a transformers model's config "
+        "(from_pretrained loads the folder)",
+    )
+    p.add_argument(
         "--log-jsonl",
         metavar="FILE",
         help="append each step's figures (loss, step time, tokens/s, lr, grad norm, MFU, memory) here as JSON lines",
@@ -843,6 +855,12 @@ def cmd_run(args) -> int:
     _check_output_folder("--metrics-out", args.metrics_out)  # every output checked before anything starts
     _check_output_folder("--checkpoint-dir", args.checkpoint_dir)
     _check_output_folder("--tensorboard", args.tensorboard)
+    _check_output_folder("--export-hf", args.export_hf)
+    if args.init_from and not Path(args.init_from).is_dir():
+        raise AutoshardError(
+            f"--init-from '{args.init_from}' is not a folder; fix: name a Hugging Face folder of *.safetensors "
+            f"(save_pretrained's) or a DCP checkpoint"
+        )
     if args.tensorboard:
         tensorboard_available()
     if args.log_jsonl and Path(args.log_jsonl).is_dir():
@@ -861,6 +879,8 @@ def cmd_run(args) -> int:
     extra += ["--metrics-out", args.metrics_out] if args.metrics_out else []
     extra += ["--log-jsonl", args.log_jsonl] if args.log_jsonl else []
     extra += ["--tensorboard", args.tensorboard] if args.tensorboard else []
+    extra += ["--init-from", args.init_from] if args.init_from else []
+    extra += ["--export-hf", args.export_hf] if args.export_hf else []
     extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
     proc = run_torchrun(
         program,

@@ -570,3 +570,35 @@ def test_hf_folder_of_a_bf16_config_builds_fp32_weights(tmp_path):
     model = load_model_file(f"hf:{tmp_path}").build("meta")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_run_passes_pretrained_weights_in_and_out_and_refuses_a_missing_folder(tmp_path, capsys, monkeypatch):
+    """``autoshard run --init-from DIR --export-hf DIR``: the program's own flags, checked before anything starts."""
+    import autoshard.launch
+
+    plan = tmp_path / "p.json"
+    run_cli(
+        capsys, "plan", GPT, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "-o", str(plan)
+    )
+    started = []
+    monkeypatch.setattr(
+        autoshard.launch,
+        "run_torchrun",
+        lambda program, ranks, args, **kw: started.append(args) or subprocess.CompletedProcess([], 0),
+    )
+    (tmp_path / "weights").mkdir()
+    program = str(tmp_path / "t.py")
+    flags = ["--init-from", str(tmp_path / "weights"), "--export-hf", str(tmp_path / "out")]
+    code, _, err = run_cli(capsys, "run", str(plan), "--steps", "1", "--program", program, *flags)
+    assert code == 0, err
+    args = started[0]
+    assert args[args.index("--init-from") + 1] == flags[1] and args[args.index("--export-hf") + 1] == flags[3]
+    (tmp_path / "a-file").write_text("")
+    for bad, says in [
+        (["--init-from", str(tmp_path / "missing")], "is not a folder; fix: name a Hugging Face folder"),
+        (["--export-hf", str(tmp_path / "a-file")], "--export-hf"),
+    ]:
+        Path(program).unlink(missing_ok=True)
+        code, _, err = run_cli(capsys, "run", str(plan), "--program", program, *bad)
+        assert code == 2 and says in err and err.count("\n") == 1, err
+    assert len(started) == 1
