@@ -301,13 +301,17 @@ _PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeou
 def crash_block(failures: dict) -> str:
     """The first rank to fail: its exception, its last frame and the model file's line (``summarize_crash``).
 
-    First by the error file's time; among ranks that failed in the same second, one whose error
-    is not a lost connection to another rank (those follow the rank that really failed).
+    A rank torchrun stopped (SIGTERM, sent to the others once one fails) comes after every rank that
+    failed on its own; then by the error file's time; among ranks that failed in the same second, one
+    whose error is not a lost connection to another rank (those follow the rank that really failed).
+    A stopped rank's time is when torchrun saw it, often the same second as the real failure's, or
+    earlier than a rank whose error file was written later.
     """
 
     def order(item):
         rank, failure = item
-        return failure.timestamp, bool(_PEER_GONE.search(str(failure.message))), rank
+        stopped = failure.exitcode == -signal.SIGTERM
+        return stopped, failure.timestamp, bool(_PEER_GONE.search(str(failure.message))), rank
 
     rank, failure = min(failures.items(), key=order)
     others = len(failures) - 1

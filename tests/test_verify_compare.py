@@ -84,6 +84,11 @@ def test_crash_block_names_the_first_rank_and_the_model_line():
     )
     block = crash_block({0: peer, 1: first})
     assert block.splitlines()[0] == "rank 1 failed: RuntimeError: bad shape"
+    # torchrun stops the other ranks with SIGTERM once one fails: seen earlier than the failed rank's error file
+    stopped = SimpleNamespace(
+        timestamp=99, message="Signal 15 (SIGTERM) received by PID 7", error_file_data={}, exitcode=-15
+    )
+    assert crash_block({0: stopped, 2: first}).splitlines()[0] == "rank 2 failed: RuntimeError: bad shape"
     assert "my_model.py:12 in forward: raise RuntimeError" in block and "1 other rank(s)" in block
     assert last_own_frame(stack).endswith('my_model.py:12 in forward: raise RuntimeError("bad shape")')
 
