@@ -127,3 +127,63 @@ def test_build_meta_model_builds_nothing_but_shapes():
     model = build_meta_model(model_file, seed=0)
     assert init_replay.is_pending(model)
     assert all(t.is_meta for t in _state(model).values())
+
+
+class _TablePerKind(nn.Module):
+    """A table per attention kind, made in ``__init__`` as a non-persistent buffer (transformers 5's Gemma3-style
+    rotary embedding), and called once per kind: ``torch.export`` unflattens the second call as ``tables@1``."""
+
+    def __init__(self):
+        super().__init__()
+        for kind, base in (("local", 10.0), ("full", 1000.0)):
+            self.register_buffer(f"{kind}_freq", base ** -(torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+    def forward(self, x, kind: str):
+        return x * getattr(self, f"{kind}_freq").repeat(2)
+
+
+class _ScaledBlock(nn.Module):
+    """A constant the forward makes from Python data (ALiBi's slopes): export lifts it (``lifted_tensor_0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x) * torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 4.0, 0.75])
+
+
+class _StagedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tables = _TablePerKind()
+        self.blocks = nn.ModuleList([_ScaledBlock(), _ScaledBlock()])
+
+    def forward(self, x):
+        local, full = self.tables(x, "local"), self.tables(x, "full")
+        return self.blocks[1](self.blocks[0](x) + local) + full
+
+
+def test_pipeline_stages_start_with_the_state_the_split_names_its_own_way(one_rank):
+    """A stage holds state under names the factory never gave: a model buffer under the name of a module's second
+    call (its first name dropped when the stage reads it only through the second) and export's lifted constants.
+    Initialised on meta, the stages compute what one process's build computes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.runtime.parallel import init_weights, split_pipeline
+
+    x = torch.randn(2, 8)
+    torch.manual_seed(0)
+    want = _StagedNet()(x)
+    model, record = record_build(_StagedNet)
+    init_replay.attach(model, record, seed=0)
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    stages = split_pipeline(model, mesh, ("blocks.1",), 2, {}, (x,), torch.device("cpu"))
+    held = {name for module in stages.modules for name, _ in module.named_buffers()}
+    assert any("@1" in name for name in held) and any("lifted_tensor" in name for name in held)
+    init_weights(stages, mesh, torch.device("cpu"))
+    out = (x,)
+    for module in stages.modules:
+        out = module(*out)
+        out = out if isinstance(out, tuple) else (out,)
+    assert torch.equal(out[0], want)

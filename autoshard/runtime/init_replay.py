@@ -495,19 +495,41 @@ def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- a rank's shards from the replay
 
-_PENDING = "_autoshard_pending_init"  # attribute of a meta model (or its stages): (Record, seed)
+_PENDING = "_autoshard_pending_init"  # attribute of a meta model (or its stages): a _Pending
+
+
+@dataclass(frozen=True)
+class _Pending:
+    record: Record
+    seed: int
+    renamed: dict[str, str] = field(default_factory=dict)  # a stage's name of a model tensor -> the model's name
 
 
 def attach(model, record: Record, seed: int) -> None:
     """Mark ``model`` (built on meta by ``record_build``) as waiting for ``materialize``."""
-    object.__setattr__(model, _PENDING, (record, seed))
+    object.__setattr__(model, _PENDING, _Pending(record, seed))
 
 
-def carry(source, target) -> None:
-    """``target`` (the stages split from ``source``) waits for the same initialisation."""
+def carry(source, target, parts: Iterable[nn.Module] = ()) -> None:
+    """``target`` (the stages split from ``source``, ``parts`` their modules) waits for the same initialisation.
+
+    A stage may hold a tensor of ``source`` under a name ``source`` never gives it: ``torch.export`` unflattens a
+    module the forward calls twice under a second name (``rotary_emb@1``) holding the very same buffers, and the
+    stage may drop the first name if its graph reads the tensor only through the second. Such a tensor is found
+    by identity, here, where ``source`` still holds it, and is read under its name in ``source``."""
     pending = getattr(source, _PENDING, None)
-    if pending is not None:
-        object.__setattr__(target, _PENDING, pending)
+    if pending is None:
+        return
+    names: dict[int, list[str]] = {}
+    for name, tensor in _named_state(source):
+        names.setdefault(id(tensor), []).append(name)
+    renamed = {
+        name: names[id(tensor)][0]
+        for part in parts
+        for name, tensor in _named_state(part)
+        if id(tensor) in names and name not in names[id(tensor)]
+    }
+    object.__setattr__(target, _PENDING, _Pending(pending.record, pending.seed, {**pending.renamed, **renamed}))
 
 
 def is_pending(model) -> bool:
@@ -527,21 +549,29 @@ def on_fake_tensors(modules: list[nn.Module]) -> bool:
 
 
 def materialize(
-    model, modules: list[nn.Module], state: dict, restore: Callable[[], None], original_name: Callable[[str], str]
+    model,
+    modules: list[nn.Module],
+    state: dict,
+    restore: Callable[[], None],
+    original_name: Callable[[str], str],
+    valued: frozenset[str] = frozenset(),
 ) -> None:
     """Allocate ``modules``' tensors on ``device`` and fill them with the factory's initial values.
 
     ``state`` is the model's state as checkpoints hold it (``runtime.checkpoint.model_state``: by the original
     names, DTensors where sharded), made after ``to_empty``; DCP's planner reads from the replay only the parts
     this rank holds, and ``restore`` puts them back. Buffers no state dict lists (non-persistent: rotary tables)
-    are filled whole, found by ``original_name`` (a module's tensor name without wrappers' parts)."""
-    record, seed = getattr(model, _PENDING)
-    held = {
-        original_name(name)
-        for module in modules
-        for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    }
-    unknown = sorted((set(state) | held) - set(record.state))
+    are filled whole, found by ``original_name`` (a module's tensor name without wrappers' parts).
+
+    Pipeline stages may hold state under names the factory never gave: a model tensor under a stage's own name
+    (``carry``), read under the model's, and the names in ``valued`` (``valued_state``: state that held values
+    before ``to_empty``, which keeps them). Any other name is refused."""
+    pending: _Pending = getattr(model, _PENDING)
+    record, seed = pending.record, pending.seed
+    held = {original_name(name) for module in modules for name, _ in _named_state(module)}
+    renamed = {name: pending.renamed[name] for name in held | set(state) if name in pending.renamed}
+    kept = {name for name in valued if name not in record.state and name not in renamed}
+    unknown = sorted((set(state) | held) - set(record.state) - set(renamed) - kept)
     if unknown:
         raise AutoshardError(
             f"the sharded model has state the factory did not make ({', '.join(unknown[:3])}); "
@@ -551,8 +581,8 @@ def materialize(
     for module in modules:
         for name, buffer in module.named_buffers(remove_duplicate=False):
             name = original_name(name)
-            if name not in state and name in record.state:
-                extra.setdefault(name, []).append(buffer)
+            if name not in state and renamed.get(name, name) in record.state:
+                extra.setdefault(renamed.get(name, name), []).append(buffer)
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -560,9 +590,34 @@ def materialize(
     # warns that it "assumes the intent is to load in a single process", which is this intent exactly
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        load(state, storage_reader=ReplayReader(record, seed, extra), planner=DefaultLoadPlanner(), no_dist=True)
+        load(
+            _read_by_model_names(state, renamed, kept),
+            storage_reader=ReplayReader(record, seed, extra),
+            planner=DefaultLoadPlanner(),
+            no_dist=True,
+        )
     restore()
     forget(model)
+
+
+def _read_by_model_names(state: dict, renamed: dict[str, str], kept: set[str]) -> dict:
+    """``state`` as the replay is read: a tensor held under a stage's own name read under the model's (once, if
+    the stage holds it under both), the state that keeps its values left out."""
+    read = {name: value for name, value in state.items() if name not in renamed and name not in kept}
+    for name, model_name in renamed.items():
+        if name in state:
+            read.setdefault(model_name, state[name])
+    return read
+
+
+def valued_state(modules: list[nn.Module], original_name: Callable[[str], str]) -> frozenset[str]:
+    """The names of ``modules``' state that holds values already, read before ``to_empty``: the tensors that are
+    not on the meta device. A pipeline split adds such state: the constants ``torch.export`` lifts out of the
+    forward (``lifted_tensor_0``: a tensor the forward makes from Python data, such as ALiBi's slopes or an index
+    list), traced with the values one process's forward makes."""
+    return frozenset(
+        original_name(name) for module in modules for name, tensor in _named_state(module) if not _is_meta(tensor)
+    )
 
 
 def to_empty(module: nn.Module, device: torch.device) -> None:

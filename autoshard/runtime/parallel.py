@@ -134,7 +134,7 @@ def split_pipeline(
         tp_group=mesh.get_group("tp") if tp else None,
         placement=placement,
     )
-    init_replay.carry(model, stages)
+    init_replay.carry(model, stages, stages.modules)
     return stages
 
 
@@ -312,13 +312,14 @@ def init_weights(model, mesh: DeviceMesh, device: torch.device):
     if not init_replay.is_pending(model):
         return model
     modules = model.modules if _is_stages(model) else [model]
+    valued = init_replay.valued_state(modules, model_utils.strip_wrapper_names)  # a split's constants keep theirs
     for module in modules:
         init_replay.to_empty(module, device)
     if init_replay.on_fake_tensors(modules):  # a setup run on fake tensors (no values to fill): nothing to read
         init_replay.forget(model)
         return model
     state, restore = checkpoint.model_state(model, mesh)
-    init_replay.materialize(model, modules, state, restore, model_utils.strip_wrapper_names)
+    init_replay.materialize(model, modules, state, restore, model_utils.strip_wrapper_names, valued)
     return model
 
 
