@@ -302,16 +302,17 @@ def crash_block(failures: dict) -> str:
     """The first rank to fail: its exception, its last frame and the model file's line (``summarize_crash``).
 
     A rank torchrun stopped (SIGTERM, sent to the others once one fails) comes after every rank that
-    failed on its own; then by the error file's time; among ranks that failed in the same second, one
-    whose error is not a lost connection to another rank (those follow the rank that really failed).
-    A stopped rank's time is when torchrun saw it, often the same second as the real failure's, or
-    earlier than a rank whose error file was written later.
+    failed on its own, and a rank whose error is a lost connection to another rank after every rank
+    that failed otherwise (they follow the rank that really failed); then by the error file's time.
+    The times alone mislead: a rank without an error file (one that printed its error and exited) is
+    timed when torchrun saw it, later than its peers' error files, and a stopped rank can be seen
+    before the failed rank's error file is read.
     """
 
     def order(item):
         rank, failure = item
         stopped = failure.exitcode == -signal.SIGTERM
-        return stopped, failure.timestamp, bool(_PEER_GONE.search(str(failure.message))), rank
+        return stopped, bool(_PEER_GONE.search(str(failure.message))), failure.timestamp, rank
 
     rank, failure = min(failures.items(), key=order)
     others = len(failures) - 1
