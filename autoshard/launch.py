@@ -301,8 +301,8 @@ _PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeou
 def crash_block(failures: dict) -> str:
     """The first rank to fail: its exception, its last frame and the model file's line (``summarize_crash``).
 
-    A rank torchrun stopped (SIGTERM, sent to the others once one fails) comes after every rank that
-    failed on its own, and a rank whose error is a lost connection to another rank after every rank
+    A rank torchrun stopped (SIGTERM, sent to the others once one fails) before it recorded an error
+    comes after every rank that failed on its own, and a rank whose error is a lost connection to another rank after every rank
     that failed otherwise (they follow the rank that really failed); then by the error file's time.
     The times alone mislead: a rank without an error file (one that printed its error and exited) is
     timed when torchrun saw it, later than its peers' error files, and a stopped rank can be seen
@@ -311,7 +311,7 @@ def crash_block(failures: dict) -> str:
 
     def order(item):
         rank, failure = item
-        stopped = failure.exitcode == -signal.SIGTERM
+        stopped = failure.exitcode == -signal.SIGTERM and not _recorded(failure)  # stopped before it failed
         return stopped, bool(_PEER_GONE.search(str(failure.message))), failure.timestamp, rank
 
     rank, failure = min(failures.items(), key=order)

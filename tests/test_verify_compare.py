@@ -89,6 +89,9 @@ def test_crash_block_names_the_first_rank_and_the_model_line():
         timestamp=99, message="Signal 15 (SIGTERM) received by PID 7", error_file_data={}, exitcode=-15
     )
     assert crash_block({0: stopped, 2: first}).splitlines()[0] == "rank 2 failed: RuntimeError: bad shape"
+    # ... but a rank that recorded its error before torchrun's SIGTERM reached it failed on its own
+    recorded_then_stopped = SimpleNamespace(**{**vars(first), "exitcode": -15})
+    assert crash_block({0: peer, 1: recorded_then_stopped}).splitlines()[0] == "rank 1 failed: RuntimeError: bad shape"
     # a rank that printed its error and exited has no error file: timed when torchrun saw it, after its peer's
     printed = SimpleNamespace(timestamp=101, message="error: the data file is short", error_file_data={}, exitcode=1)
     assert crash_block({0: peer, 3: printed}).splitlines()[0].startswith("rank 3 failed:")
