@@ -1,0 +1,201 @@
+"""Every causal LM registered in the installed transformers, planned and verified from its config folder.
+
+    python benchmarks/bench_hf_sweep.py [--only REGEX] [--chunk I/N] [--kinds chosen,tp2,pp2,dp2-zero3]
+                                        [-o runs/sweep.jsonl]
+
+For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk (2 layers,
+width 64, 4 heads and 2 key/value heads where it has them, head dim 16, feed-forward 128, vocabulary 256, 4 experts
+top-2 where it has experts, per-layer lists cut to the layers kept; every other default as the library sets it,
+dropout included), written with ``save_pretrained`` into a folder; then ``autoshard plan hf:DIR`` on 2 CPU ranks
+(``local-cpu``) for each kind (chosen: nothing pinned; tp2; pp2; dp2-zero3) and ``autoshard verify`` of the plan
+(2 steps). Each case ends as one of:
+
+    verified    verify says the program trains like one process
+    refused     plan or verify said why in one line (exit 2): the reason is kept
+    crashed     plan or the program failed any other way: its last line is kept
+    wrong       verify ran both and they differ
+    not built   the shrunk config does not build (the sweep's own limit, not autoshard's): the error is kept
+
+Writes one JSON line per case (``-o``) as it goes, then prints the table (architecture x kind) and the
+refusals grouped by reason. The whole sweep takes hours on 2 cores: ``--chunk I/N`` runs the I-th of N
+equal parts of the architectures, in the mapping's order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"chosen": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2-zero3": ["--dp", "2", "--zero", "3"]}
+LAYERS = 2
+SIZES = {  # the standard names (a config's attribute_map routes them to its own)
+    "hidden_size": 64,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+TIMEOUT_S = 900
+
+
+def architectures() -> list[tuple[str, str]]:
+    """(model type, causal-LM class name) of every registered architecture, in the mapping's order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+
+
+def small_config(model_type: str, architecture: str):
+    """The config class's defaults with the sizes of ``SIZES`` where the config has them (per-layer lists cut to
+    ``LAYERS``, special token ids inside the vocabulary), ``use_cache`` off; raises where the library refuses the
+    result."""
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    layers = getattr(config, "num_hidden_layers", None)
+    for name, value in SIZES.items():
+        if getattr(config, name, None) is not None:
+            with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim)
+                setattr(config, name, value)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the shrunk vocabulary
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab_size"]:
+            setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
+    for name, value in list(vars(config).items()):  # layer_types and the like
+        if isinstance(value, list) and layers and len(value) == layers and layers != LAYERS:
+            setattr(config, name, value[:LAYERS])
+    config.use_cache = False
+    config.architectures = [architecture]
+    return config
+
+
+def write_folder(model_type: str, architecture: str, folder: Path) -> str:
+    """The shrunk config saved into ``folder``, built once on meta to check it builds: "" or why not."""
+    try:
+        import torch
+        import transformers
+
+        config = small_config(model_type, architecture)
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config)
+        folder.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(str(folder))
+        return ""
+    except Exception as exc:  # noqa: BLE001 (any failure of the library on its own defaults is reported)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def run_case(folder: Path, kind: str) -> dict:
+    """plan then verify one kind: {"outcome", "detail", "seconds"}."""
+    start = time.perf_counter()
+    plan = folder / f"{kind}.plan.json"
+    planned = _autoshard(
+        ["plan", f"hf:{folder}", "--cluster", "local-cpu", "--devices-per-node", "2"]
+        + ["--global-batch", "8", *KINDS[kind], "-o", str(plan)]
+    )
+    if planned.returncode != 0 or not plan.exists():
+        outcome = _failure(planned)
+    else:
+        verified = _autoshard(["verify", str(plan), "--steps", "2"])
+        outcome = ("verified", "") if verified.returncode == 0 else _failure(verified)
+    return {"outcome": outcome[0], "detail": outcome[1], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _autoshard(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "autoshard", *argv], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {TIMEOUT_S} s")
+
+
+def _failure(proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if line.startswith(("error:", "FAILED"))), lines[-1] if lines else "")
+    if proc.returncode == 2:
+        return "refused", last.removeprefix("error: ")
+    if "FAILED" in last and "the emitted program failed" not in last:
+        return "wrong", last
+    crash = next((line for line in lines if re.match(r"rank \d+ failed:", line)), last)
+    return "crashed", crash[:300]
+
+
+def table(rows: list[dict], kinds: list[str]) -> str:
+    """Architecture x kind, then the totals, then the refusals and crashes grouped by their line."""
+    by_arch: dict[str, dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        by_arch[row["architecture"]][row["kind"]] = row
+    lines = ["| architecture | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for arch, cells in by_arch.items():
+        lines.append(f"| {arch} | " + " | ".join(_cell(cells.get(k)) for k in kinds) + " |")
+    totals = defaultdict(int)
+    for row in rows:
+        totals[row["outcome"]] += 1
+    lines += ["", ", ".join(f"{n} {outcome}" for outcome, n in sorted(totals.items())) + f" of {len(rows)} cases"]
+    reasons: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for row in rows:
+        if row["outcome"] != "verified":
+            reasons[row["outcome"], _reason(row["detail"])].append(f"{row['architecture']} {row['kind']}")
+    for (outcome, reason), cases in sorted(reasons.items(), key=lambda item: (item[0][0], -len(item[1]))):
+        lines.append(f"- {outcome} ({len(cases)}): {reason} — {', '.join(cases[:8])}{' ...' if len(cases) > 8 else ''}")
+    return "\n".join(lines)
+
+
+def _cell(row: dict | None) -> str:
+    return "" if row is None else f"{row['outcome']} ({row['seconds']:.0f} s)"
+
+
+def _reason(detail: str) -> str:
+    """A refusal's line without the names and numbers that differ between models (for grouping)."""
+    return re.sub(r"'[^']*'|\b\d+\b", "…", detail)[:160]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", metavar="REGEX", help="only the model types this matches")
+    parser.add_argument("--chunk", default="1/1", metavar="I/N", help="the I-th of N parts of the architectures")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("-o", "--output", help="append one JSON line per case here")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    index, parts = (int(x) for x in args.chunk.split("/"))
+    chosen = [a for a in architectures() if not args.only or re.search(args.only, a[0])]
+    chosen = chosen[(index - 1) * len(chosen) // parts : index * len(chosen) // parts]
+    rows = []
+    start_s = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autoshard-sweep-") as tmp:
+        for model_type, architecture in chosen:
+            folder = Path(tmp) / model_type
+            why = write_folder(model_type, architecture, folder)
+            for kind in kinds:
+                result = {"outcome": "not built", "detail": why, "seconds": 0.0} if why else run_case(folder, kind)
+                row = {"architecture": architecture, "model_type": model_type, "kind": kind, **result}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.output:
+                    with open(args.output, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    print(table(rows, kinds))
+    print(f"\n{len(rows)} cases in {time.perf_counter() - start_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
