@@ -302,8 +302,9 @@ def crash_block(failures: dict) -> str:
     """The first rank to fail: its exception, its last frame and the model file's line (``summarize_crash``).
 
     A rank torchrun stopped (SIGTERM, sent to the others once one fails) before it recorded an error
-    comes after every rank that failed on its own, and a rank whose error is a lost connection to another rank after every rank
-    that failed otherwise (they follow the rank that really failed); then by the error file's time.
+    comes after every rank that failed on its own, and a rank whose error is a lost connection to
+    another rank after every rank that failed otherwise (they follow the rank that really failed);
+    then by the error file's time.
     The times alone mislead: a rank without an error file (one that printed its error and exited) is
     timed when torchrun saw it, later than its peers' error files, and a stopped rank can be seen
     before the failed rank's error file is read.
