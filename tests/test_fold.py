@@ -9,6 +9,7 @@ import pytest
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.passes.capturing.fold import fold_model, repeated_stack
+from autoshard.ir.pins import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +69,19 @@ def test_folded_capture_is_the_whole_graph_node_for_node(both):
 def test_plans_are_byte_identical_with_and_without_folding(in_repo, model):
     cluster = load_cluster(FAST, devices_per_node=4)
     plans = [plan_model(PlanRequest(model, cluster, 16, fold=fold)).to_json() for fold in (True, False)]
+    assert plans[0] == plans[1]
+
+
+# 8 layers: copies 3-7 of layer 2, of which 3-6 are twins (``OpGraph.layer_twins``): every per-block figure of a
+# twin is layer 2's, read, not walked. Pinned to tp 2 (with sequence parallelism; in pipeline stages), the figures
+# are priced on a TP rank's shares; the unfolded capture has no twins and walks every block.
+@pytest.mark.parametrize("pins", [dict(tp=2, sequence_parallel=True), dict(tp=2, pp=2)])
+def test_twin_layers_price_as_their_walk(in_repo, pins):
+    cluster = load_cluster(FAST, devices_per_node=4)
+    model = "tests/models/hf_llama.py:build_8_layers"
+    folded = capture_graph(model, fold=True, use_cache=True, proofs=False)[1]
+    assert sorted(folded.layer_twins) == [f"model.layers.{k}" for k in range(3, 7)]
+    plans = [plan_model(PlanRequest(model, cluster, 16, Pins(**pins), fold=fold)).to_json() for fold in (True, False)]
     assert plans[0] == plans[1]
 
 

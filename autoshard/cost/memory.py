@@ -256,7 +256,7 @@ def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare =
     large as the model output), on a TP rank of ``share`` (the loss reads the output whole)."""
     in_block = {n for b in graph.blocks for n in b.node_names}
     kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph), share)
-    for block in graph.blocks:
+    for block in graph.untwinned_blocks():  # a twin reads the same tables as its source
         kept.update(
             (key, nbytes)
             for key, nbytes in _block_saved(graph, block, ratio, own=False, share=share).items()

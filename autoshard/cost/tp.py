@@ -113,8 +113,20 @@ def rank_share(graph: OpGraph, choice: TPChoice, in_stages: bool = False) -> Ran
     split value, which keep it gathered whole (sequence parallelism); ``in_stages`` (pipeline stages,
     ``runtime.tensor_parallel_stages``): the linears of ``STAGE_COPYING_STYLES`` each keep their own copy of
     their input; computed once per layout."""
-    key = ("rank_share", choice.tp, tuple(sorted(choice.styles.items())), in_stages)
+    key = ("rank_share", choice.tp, styles_key(choice), in_stages)
     return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp, in_stages))
+
+
+def styles_key(choice: TPChoice) -> frozenset[tuple[str, str]]:
+    """``choice.styles`` as a memo key, made once per layout: the search reads it for every priced plan, and a
+    126-block layout has about a thousand styles (a frozenset keeps its hash once computed; a tuple would be
+    hashed again at every read). Styles are filled while the layout is solved (``passes.layouts.styles``) and read
+    only after, so the key is kept with the dict it was made from."""
+    made = choice.__dict__.get("_styles_key")
+    if made is None or made[0] is not choice.styles or made[1] != len(choice.styles):
+        made = (choice.styles, len(choice.styles), frozenset(choice.styles.items()))
+        choice.__dict__["_styles_key"] = made
+    return made[2]
 
 
 # Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage

@@ -389,7 +389,9 @@ def _unit_bytes_at_capture(
             tuple(_workspace_bytes(graph, recompute, ratio, share)),
             graph.derived(
                 ("block_backward_bytes", ratio, share),  # the same under every recompute mode
-                lambda: tuple(block_backward_bytes(graph, b, ratio, share) for b in graph.blocks),
+                lambda: graph.per_block(
+                    ("block_backward_bytes", ratio, share), lambda b: block_backward_bytes(graph, b, ratio, share)
+                ),
             ),
         )
 
@@ -580,11 +582,18 @@ def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float,
                     saved[u] += nbytes
     outside, output = sum(saved), output_bytes(graph, ratio)
     saved[0] += non_block_saved_bytes(graph, ratio, share) - outside - output  # the tables the blocks share
-    for k, block in enumerate(graph.blocks):
-        saved[k + 1] += block_saved_bytes(graph, block, recompute, ratio, share)
+    per_block = graph.per_block(
+        ("block_saved_bytes", recompute, ratio, share), lambda b: block_saved_bytes(graph, b, recompute, ratio, share)
+    )
+    for k, nbytes in enumerate(per_block):
+        saved[k + 1] += nbytes
     saved[-1] += output  # the loss's copy of the output
     return saved
 
 
 def _workspace_bytes(graph: OpGraph, recompute: str, ratio: float, share: RankShare = WHOLE) -> list[int]:
-    return [0] + [block_workspace_bytes(graph, b, recompute, ratio, share) for b in graph.blocks] + [0]
+    per_block = graph.per_block(
+        ("block_workspace_bytes", recompute, ratio, share),
+        lambda b: block_workspace_bytes(graph, b, recompute, ratio, share),
+    )
+    return [0, *per_block, 0]

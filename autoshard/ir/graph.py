@@ -174,6 +174,11 @@ class OpGraph:
     # passes/capturing/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
     # checked: a hand-built graph, or a model too large to run for the check).
     batch_coupling: str | None = None
+    # passes/capturing/fold's unfold: module path of a copied layer -> the captured layer it was copied from, for
+    # the copies whose neighbours are copies too (copy k reads copy k-1 as the source reads the layer before it,
+    # and copy k+1 reads copy k as the first copy reads the source), so every per-block figure of the source is
+    # the copy's by construction (``per_block``). Empty when nothing was folded.
+    layer_twins: dict[str, str] = field(default_factory=dict)
 
     def node(self, name: str) -> OpNode:
         return self._by_name()[name]
@@ -195,6 +200,22 @@ class OpGraph:
         if full_key not in memo:
             memo[full_key] = compute()
         return memo[full_key]
+
+    def per_block(self, key: Hashable, compute: Callable[[Block], Any]) -> tuple[Any, ...]:
+        """``compute(block)`` for each block in order, computed once per block that is not a twin
+        (``layer_twins``; a twin takes its source's value, which must be immutable), once per ``key``
+        (as ``derived``). A 126-layer model folded at capture walks 3 layers instead of 126."""
+
+        def compute_all() -> tuple[Any, ...]:
+            by_path = {b.path: compute(b) for b in self.untwinned_blocks()}
+            return tuple(by_path[b.path] if b.path in by_path else by_path[self.layer_twins[b.path]] for b in self.blocks)
+
+        return self.derived(("per_block", key), compute_all)
+
+    def untwinned_blocks(self) -> list[Block]:
+        """The blocks ``per_block`` computes: all but the twins (``layer_twins``) whose source is a block."""
+        paths = {b.path for b in self.blocks}
+        return [b for b in self.blocks if self.layer_twins.get(b.path) not in paths]
 
     def value_meta(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, dtype) of anything ``OpNode.inputs`` names: a node's first output or a placeholder."""

@@ -160,6 +160,7 @@ def unfold(graph: OpGraph) -> OpGraph:
         placeholders={**graph.placeholders, **{new: meta for new, (meta, _) in placeholders.items()}},
         blocks=[],
         fold=None,
+        layer_twins={f"{fold.path}.{k}": f"{fold.path}.{source}" for k in range(source + 1, fold.layers - 1)},
     )
 
 
