@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from autoshard.cost.hardware import load_cluster
-from autoshard.passes.capturing.fold import fold_model, repeated_stack
 from autoshard.ir.pins import Pins
+from autoshard.passes.capturing.fold import fold_model, repeated_stack
 from autoshard.pipeline import PlanRequest, capture_graph, plan_model
 
 ROOT = Path(__file__).resolve().parent.parent

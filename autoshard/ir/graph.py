@@ -208,7 +208,9 @@ class OpGraph:
 
         def compute_all() -> tuple[Any, ...]:
             by_path = {b.path: compute(b) for b in self.untwinned_blocks()}
-            return tuple(by_path[b.path] if b.path in by_path else by_path[self.layer_twins[b.path]] for b in self.blocks)
+            return tuple(
+                by_path[b.path] if b.path in by_path else by_path[self.layer_twins[b.path]] for b in self.blocks
+            )
 
         return self.derived(("per_block", key), compute_all)
 
