@@ -372,7 +372,7 @@ def shared_value_bytes(graph: OpGraph) -> int:
 
 
 def _grads(graph: OpGraph) -> set[str]:
-    return graph.derived(("needs_grad",), lambda: needs_grad(graph))
+    return needs_grad(graph)
 
 
 def _shared_values(graph: OpGraph) -> frozenset[str]:

@@ -188,7 +188,12 @@ def _is_view(graph: OpGraph, node: OpNode, ratio: float = 1.0) -> bool:
 
 
 def needs_grad(graph: OpGraph) -> set[str]:
-    """Values whose gradient backward computes: parameters (not buffers) and what is computed from them."""
+    """Values whose gradient backward computes: parameters (not buffers) and what is computed from them (once per
+    graph; the set is shared, not to be changed)."""
+    return graph.derived(("needs_grad",), lambda: _needs_grad(graph))
+
+
+def _needs_grad(graph: OpGraph) -> set[str]:
     params = {name for name, path in graph.placeholder_params.items() if not graph.param(path).is_buffer}
     out = set(params)
     for node in graph.nodes:

@@ -371,9 +371,14 @@ def unit_weight_grad_bytes(
             by_unit[u].append(node)
         return tuple(weight_grad_inputs(graph, nodes, ratio, share) for nodes in by_unit)
 
-    captured = graph.derived(("unit_weight_grad_bytes", activation_elem_bytes, captured_bytes, share), at_capture)
-    scale = microbatch_size / graph.batch_size
-    return tuple(int(b * scale) for b in captured)
+    def scaled() -> tuple[int, ...]:
+        captured = graph.derived(("unit_weight_grad_bytes", activation_elem_bytes, captured_bytes, share), at_capture)
+        scale = microbatch_size / graph.batch_size
+        return tuple(int(b * scale) for b in captured)
+
+    return graph.derived(
+        ("unit_weight_grad_bytes", microbatch_size, activation_elem_bytes, captured_bytes, share), scaled
+    )
 
 
 def _unit_bytes_at_capture(
