@@ -12,8 +12,8 @@ import json
 import pytest
 
 from autoshard.cost.context_parallel import add_rings, attention_nodes, cp_equivalent, ring_cost, unit_ring_costs
-from autoshard.cost.pipeline_step import rank_loads
 from autoshard.cost.hardware import load_cluster
+from autoshard.cost.pipeline_step import rank_loads
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s

@@ -288,9 +288,7 @@ def stage_action_times(
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
         load, total = loads[owner[s]], rank_compute[owner[s]]
-        work, wait = (
-            (load.compute_s / total, load.wait_s / total) if total else (0.0, 0.0)
-        )
+        work, wait = (load.compute_s / total, load.wait_s / total) if total else (0.0, 0.0)
         for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
             column.append(value)
     return out
