@@ -6,12 +6,14 @@ tests/e2e/test_context_parallel.py.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
-from autoshard.cost.context_parallel import attention_nodes, cp_equivalent, ring_cost
+from autoshard.cost.context_parallel import add_rings, attention_nodes, cp_equivalent, ring_cost, unit_ring_costs
 from autoshard.cost.hardware import load_cluster
+from autoshard.cost.pipeline_step import rank_loads
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s
@@ -21,7 +23,7 @@ from autoshard.ir.plan import Plan
 from autoshard.modelfile import load_model_file
 from autoshard.passes.lowering.codegen import emit_program
 from autoshard.passes.planning.context_parallel import cp_refusal
-from autoshard.passes.planning.strategies import Pins
+from autoshard.passes.planning.strategies import Pins, cp_choices
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 from autoshard.show import plan_figures
 
@@ -126,8 +128,12 @@ def test_pinned_cp_is_checked_against_the_model_and_the_other_pins(gpt):
     cluster = load_cluster("local-cpu", devices_per_node=4)
     with pytest.raises(AutoshardError, match=r"--cp 3: the sequence length 64 is not a multiple of cp=3; pin --cp in"):
         plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=3), 6, cp=3)
-    with pytest.raises(AutoshardError, match="--cp 2 with pipeline stages is not emitted yet"):
-        plan(gpt, "examples/gpt.py:build", cluster, 8, cp=2, pp=2)
+    masked = copy.deepcopy(gpt[1])  # attention called with a mask, as transformers' traced graphs call it
+    for _, node in attention_nodes(masked):
+        node.attrs.pop("attn_mask")
+    with pytest.raises(AutoshardError, match="--cp 2 with pipeline stages: attention .* explicit mask .*; pin --pp 1"):
+        plan((gpt[0], masked), "examples/gpt.py:build", cluster, 8, cp=2, pp=2)
+    assert cp_choices(masked, 4, 2, Pins()) == [1] and cp_choices(masked, 4, 1, Pins(cp=2)) == [2]
     dense = plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu"), 8, dp=2)
     assert "cp" not in json.loads(dense.to_json())["decisions"]["mesh"]
     assert "cp" not in dense.symbolic["symbols"]
@@ -142,6 +148,53 @@ def test_a_cp_program_splits_the_mesh_and_the_tokens(gpt):
     assert 'apply_fsdp(model, mesh["dp_cp"]' in program
     # the step function cuts each micro-batch's tokens along SEQUENCE_AXIS (runtime.train_step.forward_backward)
     assert "SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler)" in program.split("runtime.forward_backward(")[1]
+    compile(program, "train.py", "exec")
+
+
+def test_the_search_offers_cp_inside_pipeline_stages(llama_long):
+    """At 128k tokens on two nodes with pp pinned to 2, each stage's ranks split the sequence: the search offers cp
+    inside the stages (pp 2 x cp 8 is the plan)."""
+    assert cp_choices(llama_long[1], 4, 2, Pins()) == [1, 2, 4]
+    cluster = load_cluster("dgx-h100", nodes=2)
+    chosen = plan(llama_long, LLAMA3_8B, cluster, 2, seq_len=LONG, pp=2, microbatch_size=1)
+    assert chosen.mesh.pp == 2 and chosen.mesh.cp > 1
+    assert chosen.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
+    assert chosen.model["seq_len"] == LONG and Plan.from_json(chosen.to_json()).to_json() == chosen.to_json()
+
+
+def test_a_pipeline_prices_each_stages_ring_with_its_own_attentions(gpt):
+    """pp 2 x cp 2: each pp rank is its data-parallel equivalent's (dp·cp ranks at b/cp) plus the ring of the
+    attentions in its own stage; the step charges the slowest rank's, not the whole model's ring
+    (``cost.pipeline_step`` "CP × PP")."""
+    graph = gpt[1]
+    tables = CostTables(graph, load_cluster("local-cpu", devices_per_node=4))
+    config = Decisions(
+        mesh=Mesh(dp=1, tp=1, pp=2, cp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b"
+    )
+    cuts, m = (2,), 4
+    rings, equivalent = unit_ring_costs(tables, config), cp_equivalent(config)
+    plain, ringed = rank_loads(tables, equivalent, cuts), rank_loads(tables, equivalent, cuts, rings)
+    halves = [add_rings(rings[: cuts[0] + 1]), add_rings(rings[cuts[0] + 1 :])]  # units: prefix, blocks, suffix
+    assert add_rings(rings) == ring_cost(tables, config) and all(h.forward_extra_s > 0 for h in halves)
+    for load, base, ring in zip(ringed, plain, halves):
+        assert load.forward_s == pytest.approx(base.forward_s + ring.forward_extra_s)
+        assert load.backward_s == pytest.approx(base.backward_s + ring.backward_extra_s)
+        assert load.cp_comm_s == pytest.approx(ring.exposed_s)
+    parts = price_parts(tables, config, cuts)
+    slowest = max(ringed, key=lambda r: r.time_s)
+    assert parts.forward_s == pytest.approx(m * slowest.forward_s)
+    assert parts.cp_comm_s == pytest.approx(m * slowest.cp_comm_s)
+    whole_ring = price_parts(tables, equivalent, cuts).forward_s + m * ring_cost(tables, config).forward_extra_s
+    assert parts.forward_s < whole_ring  # one stage's ring per slot, not every stage's
+
+
+def test_a_pipeline_cp_program_cuts_the_tokens_in_its_split(gpt):
+    chosen = plan(gpt, "examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=4), 8, cp=2, pp=2, dp=1)
+    assert (chosen.mesh.pp, chosen.mesh.cp, chosen.mesh.dp) == (2, 2, 1)
+    program = emit_program(chosen)
+    assert 'MESH = {"pp": 2, "dp": 1, "cp": 2, "tp": 1}' in program and 'SEQUENCE_AXIS = "cp"' in program
+    assert "sequence_axis=SEQUENCE_AXIS, tokens_per_sample=TOKENS_PER_SAMPLE" in program
+    assert 'mesh["dp_cp"]' in program.split("split_pipeline(")[1]  # the stages' dp wrapper over dp x cp
     compile(program, "train.py", "exec")
 
 

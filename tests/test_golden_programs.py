@@ -69,6 +69,9 @@ PLAN_COMMANDS = {
     # bf16: a GPU cluster (NCCL) trains fp32 parameters under bf16 autocast, FSDP2 gathering bf16 weights
     "bf16_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
     "--microbatch-size 8 --recompute none",
+    # context parallel inside pipeline stages: the split traces a cp rank's tokens, the schedule runs the ring
+    "pp_cp": f"{GPT} {CPU4} --global-batch 8 --dp 1 --tp 1 --pp 2 --cp 2 --zero 0 --microbatch-size 2 "
+    "--schedule 1f1b --recompute none",
     # per-block recompute: recompute is left to the planner, which mixes modes to fit 2.5 MiB ranks
     "mixed_recompute": f"{GPT} --cluster tests/clusters/cpu4_tight_memory.yaml --global-batch 8 --dp 4 --tp 1 --pp 1 "
     "--zero 3 --microbatch-size 1",
@@ -236,8 +239,10 @@ def test_program_constants_are_the_plans_layout(kind):
         "SEQ_LEN": spec.seq_len,
         "TOKENS_PER_SAMPLE": spec.tokens_per_sample,
     }
-    if plan.mesh.pp == 1:  # a pipeline's schedule averages the loss itself; cp is not emitted with pp
+    if plan.mesh.pp == 1:
         expected |= {"SEQUENCE_AXIS": spec.sequence_axis, "LOSS_AXIS": spec.loss_axis}
+    elif spec.sequence_axis:  # a pipeline's schedule averages the loss itself; its split cuts the tokens
+        expected |= {"SEQUENCE_AXIS": spec.sequence_axis}
     assert constants == expected
     assert list(constants["MESH"]) == [d for d in ("pp", "dp", "cp", "tp") if d != "cp" or plan.mesh.cp > 1]
     assert spec.world_size == plan.world_size

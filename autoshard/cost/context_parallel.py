@@ -34,13 +34,13 @@ t_blk the full-block compute of one step (forward: T_attn,full(s)/cp² at micro-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from autoshard.cost import eager
 from autoshard.cost.comm import p2p_s
 from autoshard.cost.compute import SDPA_TARGET
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
-from autoshard.cost.units import node_forward_s
+from autoshard.cost.units import node_forward_s, node_units
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import Cluster, LinkSpec
@@ -84,14 +84,26 @@ def cp_link(cluster: Cluster, mesh: Mesh) -> LinkSpec:
 
 def ring_cost(tables: CostTables, config: Decisions) -> RingCost:
     """The ring's extra attention compute and exposed exchange of one micro-batch (module doc)."""
-    cp = config.mesh.cp
-    if cp == 1:
-        return NO_RING
-    key = ("cp-ring", cp, config.mesh.tp, config.microbatch_size, config.recompute, config.recompute_blocks)
-    return tables.memo(key, lambda: _ring_cost(tables, config))
+    return add_rings(unit_ring_costs(tables, config))
 
 
-def _ring_cost(tables: CostTables, config: Decisions) -> RingCost:
+def add_rings(rings) -> RingCost:
+    """The sum of ``rings``, part by part."""
+    rings = list(rings)
+    return RingCost(*(sum((getattr(r, part.name) for r in rings), 0.0) for part in fields(RingCost)))
+
+
+def unit_ring_costs(tables: CostTables, config: Decisions) -> tuple[RingCost, ...]:
+    """``ring_cost`` per pipeline unit (``cost.units``: prefix, each block, suffix), of the attentions each holds:
+    a pipeline prices each stage's ring with its own units (``cost.pipeline_step``)."""
+    units = len(tables.graph.blocks) + 2
+    if config.mesh.cp == 1:
+        return (NO_RING,) * units
+    key = ("cp-ring", config.mesh.cp, config.mesh.tp, config.microbatch_size, config.recompute, config.recompute_blocks)
+    return tables.memo(key, lambda: _unit_ring_costs(tables, config, units))
+
+
+def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple[RingCost, ...]:
     graph, cluster, runtime = tables.graph, tables.cluster, tables.runtime
     cp, tp, b = config.mesh.cp, config.mesh.tp, config.microbatch_size
     share = node_forward_s(
@@ -105,7 +117,8 @@ def _ring_cost(tables: CostTables, config: Decisions) -> RingCost:
     )
     link = cp_link(cluster, config.mesh)
     recomputes = _recompute_full_attention(graph, config)
-    fwd = bwd = rec = exposed = 0.0
+    unit_of = node_units(graph)
+    out = [NO_RING] * units
     for i, node in attention_nodes(graph):
         t_share = share[i] / tp  # heads split over tp (an attention left whole on each TP rank is rare)
         extra = t_share * (cp - 1) / cp if node.attrs.get("is_causal") else 0.0
@@ -114,10 +127,14 @@ def _ring_cost(tables: CostTables, config: Decisions) -> RingCost:
         forward_exposed = max(0.0, p2p_s(kv_bytes, link) - block_s)
         backward_exposed = max(0.0, p2p_s(2 * kv_bytes, link) - eager.FLASH_BACKWARD_TO_FORWARD * block_s)
         again = i in recomputes
-        fwd, bwd = fwd + extra, bwd + eager.FLASH_BACKWARD_TO_FORWARD * extra
-        rec += extra if again else 0.0
-        exposed += (cp - 1) * (forward_exposed * (2 if again else 1) + backward_exposed)
-    return RingCost(fwd, bwd, rec, exposed)
+        ring = RingCost(
+            extra,
+            eager.FLASH_BACKWARD_TO_FORWARD * extra,
+            extra if again else 0.0,
+            (cp - 1) * (forward_exposed * (2 if again else 1) + backward_exposed),
+        )
+        out[unit_of[i]] = add_rings((out[unit_of[i]], ring))
+    return tuple(out)
 
 
 def _kv_chunk_bytes(node: OpNode, samples: float, captured_batch: int, elem_bytes: int) -> float:

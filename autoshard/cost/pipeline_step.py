@@ -58,6 +58,16 @@ stage, α + S/B on the pp link; a runtime that scatter-gathers (Megatron-LM, Nar
 §4.1) sends S/t per rank and all-gathers it on the TP link: p2p(S/t) + AG(S, t).
 
 DP × PP collectives are ``cost.dp_comm.pipeline_dp_comm``'s, all exposed.
+
+**CP × PP** (``cost.step.price_parts``). Each stage is priced as its data-parallel equivalent (dp·cp
+ranks at micro-batch b/cp: ``cost.context_parallel.cp_equivalent``) plus the ring of the attentions in
+its own units (``context_parallel.unit_ring_costs``): with R_u the ring's extra attention work of unit u
+(forward, backward, recompute) and E_u its exposed exchange, rank r of stages S_r takes::
+
+    C_r += Σ_{u ∈ S_r} R_u        T_r += Σ_{u ∈ S_r} E_u      (a wait beside its transfers, "cp_comm")
+
+so a stage holding more attentions is slower by its own ring, and the schedule's fill and drain and the
+slowest rank's m slots follow from those per-stage times as for any pipeline.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
+from autoshard.cost.context_parallel import NO_RING, RingCost, add_rings
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
@@ -115,6 +126,7 @@ class RankLoad:
     tensors: int = 0  # parameter tensors of its stages
     ep_comm_s: float = 0.0  # its stages' expert all-to-alls (``cost.experts``)
     expert_params: int = 0  # of ``params``, its expert shards (ep = dp: no other rank holds them, none synced)
+    cp_comm_s: float = 0.0  # its stages' exposed ring exchange (``cost.context_parallel``)
 
     @property
     def compute_s(self) -> float:
@@ -122,12 +134,21 @@ class RankLoad:
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.p2p_s + self.tp_comm_s + self.ep_comm_s
+        return self.compute_s + self.p2p_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
+
+    @property
+    def wait_s(self) -> float:
+        """Its transfers and collectives: what its stages wait on, beside their compute."""
+        return self.p2p_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
-def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> StepParts:
+def pipeline_parts(
+    tables: CostTables, config: Decisions, cuts: tuple[int, ...], rings: tuple[RingCost, ...] | None = None
+) -> StepParts:
+    """The step's parts (module doc); ``rings``: the ring's cost per unit under context parallelism ("CP × PP"),
+    ``config`` then being its data-parallel equivalent."""
     cluster, precision = tables.cluster, tables.precision
-    loads = rank_loads(tables, config, cuts)
+    loads = rank_loads(tables, config, cuts, rings)
     slowest = max(loads, key=lambda r: r.time_s)
     m = config.num_microbatches
     params = max(r.params for r in loads)
@@ -135,7 +156,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
     dp = _with_expert_replicas(dp, cluster, config, max(r.expert_params for r in loads), precision)
     optimizer_s, optimizer_host = optimizer_parts(tables, config, params, max(r.tensors for r in loads))
     fsdp_sync_s = fsdp_pipeline_host_s(cluster, config, config.virtual_stages, params, precision)[1]
-    span_s = pipeline_span_s(tables, config, cuts, loads)
+    span_s = pipeline_span_s(tables, config, cuts, loads, rings)
     pace = paced_share(span_s, m * slowest.time_s)
     host_s = (
         m * slowest.host_s * pace
@@ -158,6 +179,7 @@ def pipeline_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...])
         memory=max((r.memory for r in loads), key=lambda mem: mem.peak_bytes),
         host_s=host_s,
         ep_comm_s=m * slowest.ep_comm_s * pace,
+        cp_comm_s=m * slowest.cp_comm_s * pace,
         pp_rank_memory=tuple(r.memory for r in loads),
     )
 
@@ -182,7 +204,13 @@ def _with_expert_replicas(dp: CommTime, cluster: Cluster, config: Decisions, exp
     return CommTime(dp.total_s + total, dp.exposed_s + total)
 
 
-def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]) -> float:
+def pipeline_span_s(
+    tables: CostTables,
+    config: Decisions,
+    cuts: tuple[int, ...],
+    loads: list[RankLoad],
+    rings: tuple[RingCost, ...] | None = None,
+) -> float:
     """The pipelined part of the step: m·T_max + (Σ_r T_r − T_max)/v (module doc); a zero-bubble
     schedule's orders run with each stage's times ("Zero bubble"); on a host whose ranks share fewer
     cores (``shared_cores``), the schedule run with processor sharing."""
@@ -192,7 +220,7 @@ def pipeline_span_s(tables: CostTables, config: Decisions, cuts: tuple[int, ...]
     split = config.schedule in ZERO_BUBBLE_SCHEDULES
     if cores is None and not split:
         return m * max(times) + (sum(times) - max(times)) / v
-    forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads)
+    forward, backward, forward_wait, backward_wait = stage_action_times(tables, config, cuts, loads, rings)
     weight = [WEIGHT_GRAD_SHARE * b for b in backward] if split else None
     if cores is None:  # every rank runs its m·T_r of actions: at least m·T_max (max() drops float rounding)
         return max(
@@ -231,27 +259,36 @@ def shared_cores(cluster: Cluster, mesh: Mesh) -> float | None:
 
 
 def stage_action_times(
-    tables: CostTables, config: Decisions, cuts: tuple[int, ...], loads: list[RankLoad]
+    tables: CostTables,
+    config: Decisions,
+    cuts: tuple[int, ...],
+    loads: list[RankLoad],
+    rings: tuple[RingCost, ...] | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(F work, B work, F wait, B wait) seconds of one micro-batch on each stage: its rank's compute
-    (with host time) and its transfers and TP collectives (``RankLoad``) shared among the rank's
-    stages by their compute, and within a stage between forward and backward + recompute the same way."""
+    (with host time; the ring's extra attention work of its units under context parallelism, ``rings``) and its
+    transfers and collectives (``RankLoad``) shared among the rank's stages by their compute, and within a
+    stage between forward and backward + recompute the same way."""
     ranges = stage_ranges(cuts, pipeline_units(tables, config)[0].blocks)
     parts = []
     for s, rng in enumerate(ranges):
         units = stage_pipeline_units(tables, config, s)
         idx = stage_units(rng, units.blocks)
+        ring = _ring_of(rings, idx)
         parts.append(
-            (sum(units.forward_s[u] for u in idx), sum(units.backward_s[u] + units.recompute_s[u] for u in idx))
+            (
+                sum(units.forward_s[u] for u in idx) + ring.forward_extra_s,
+                sum(units.backward_s[u] + units.recompute_s[u] for u in idx)
+                + ring.backward_extra_s
+                + ring.recompute_extra_s,
+            )
         )
     pp, owner = config.mesh.pp, stage_owners(config.schedule, config.mesh.pp, config.virtual_stages)
     rank_compute = [sum(f + b for s, (f, b) in enumerate(parts) if owner[s] == r) for r in range(pp)]
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
         load, total = loads[owner[s]], rank_compute[owner[s]]
-        work, wait = (
-            (load.compute_s / total, (load.p2p_s + load.tp_comm_s + load.ep_comm_s) / total) if total else (0.0, 0.0)
-        )
+        work, wait = (load.compute_s / total, load.wait_s / total) if total else (0.0, 0.0)
         for column, value in zip(out, (f * work, b * work, f * wait, b * wait)):
             column.append(value)
     return out
@@ -310,7 +347,16 @@ def split_backward_host_s(tables: CostTables, config: Decisions, stage: int, idx
     return share * sum(groups[u] for u in idx) * us * 1e-6
 
 
-def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> list[RankLoad]:
+def _ring_of(rings: tuple[RingCost, ...] | None, idx) -> RingCost:
+    """The ring's cost of the units ``idx`` (none without context parallelism)."""
+    return add_rings(rings[u] for u in idx) if rings else NO_RING
+
+
+def rank_loads(
+    tables: CostTables, config: Decisions, cuts: tuple[int, ...], rings: tuple[RingCost, ...] | None = None
+) -> list[RankLoad]:
+    """Each pp rank's load per micro-batch (``RankLoad``); ``rings``: the ring's cost per unit under context
+    parallelism, added to the units of the rank's stages ("CP × PP")."""
     units, tp_comm = pipeline_units(tables, config)
     ranges = stage_ranges(cuts, units.blocks)
     pp, v = config.mesh.pp, config.virtual_stages
@@ -332,6 +378,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         whole_experts = sum(experts[u].params for u in idx)
         params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
         stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
+        ring = _ring_of(rings, idx)
         host_s = (
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)
             + sum(split_backward_host_s(tables, config, s, stage_units(rng, units.blocks)) for s, rng in mine)
@@ -340,9 +387,9 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
         )  # FSDP2: a unit per stage
         loads.append(
             RankLoad(
-                sum(units.forward_s[u] + experts[u].forward_s for u in idx),
-                sum(units.backward_s[u] + experts[u].backward_s for u in idx),
-                sum(rerun[u].recompute_s[u] + experts[u].recompute_s for u in idx),
+                sum(units.forward_s[u] + experts[u].forward_s for u in idx) + ring.forward_extra_s,
+                sum(units.backward_s[u] + experts[u].backward_s for u in idx) + ring.backward_extra_s,
+                sum(rerun[u].recompute_s[u] + experts[u].recompute_s for u in idx) + ring.recompute_extra_s,
                 p2p,
                 sum(tp_comm[u] for u in idx),
                 params + expert_shards,
@@ -351,6 +398,7 @@ def rank_loads(tables: CostTables, config: Decisions, cuts: tuple[int, ...]) -> 
                 sum(units.tensors[u] for u in idx),
                 a2a_microbatch_s(experts, idx),
                 expert_shards,
+                ring.exposed_s,
             )
         )
     return loads

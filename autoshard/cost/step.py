@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost
+from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost, unit_ring_costs
 from autoshard.cost.dp_comm import CommTime, dp_comm_time
 from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
 from autoshard.cost.parts import (
@@ -75,7 +75,11 @@ def price(
 
 def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | None = None) -> StepParts:
     """The step's time by part (``StepParts``) and its peak memory; pipelines need ``cuts``. Context
-    parallelism is priced as its data-parallel equivalent plus the ring (``cost.context_parallel``)."""
+    parallelism is priced as its data-parallel equivalent plus the ring (``cost.context_parallel``); inside
+    pipeline stages, each stage plus the ring of its own attentions (``cost.pipeline_step``, "CP × PP")."""
+    if config.mesh.cp > 1 and config.mesh.pp > 1:  # each stage its own attentions' ring (cost.pipeline_step)
+        assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
+        return pipeline_parts(tables, cp_equivalent(config), cuts, unit_ring_costs(tables, config))
     if config.mesh.cp > 1:
         return with_ring(
             price_parts(tables, cp_equivalent(config), cuts), ring_cost(tables, config), config.num_microbatches

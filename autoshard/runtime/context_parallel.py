@@ -223,13 +223,20 @@ def ring_attention(
 # --------------------------------------------------------------------------- the mode
 
 
+# The aten ops a traced graph calls where the model's code called F.scaled_dot_product_attention and torch.arange
+# (a pipeline stage: ``runtime.pipeline_parallel``); each takes its arguments in the order the function does.
+_ATEN_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+
+
 class ContextParallelMode(torch.overrides.TorchFunctionMode):
     """Run a model's forward (and backward) on this rank's sequence chunk as if on the whole sequence.
 
     Enter it around the forward and the backward on every rank of the cp group (the backward too:
     activation checkpointing recomputes the forward there). It changes two kinds of call:
 
-    ``F.scaled_dot_product_attention`` becomes ``ring_attention`` over ``cp_group``. Refused with
+    ``F.scaled_dot_product_attention`` becomes ``ring_attention`` over ``cp_group``; so does the aten op a traced
+    graph calls in its place (a pipeline stage, traced by ``torch.export``: ``aten.scaled_dot_product_attention``,
+    and ``aten.arange`` for ``torch.arange`` below). Refused with
     an ``AutoshardError``: an explicit ``attn_mask`` (the ring computes only "causal" or "none"),
     ``dropout_p > 0``, query and key lengths that differ (cross-attention, a KV cache) or a
     query that is not this rank's ``local_seq_len`` tokens. ``enable_gqa=True``: the key/value
@@ -260,9 +267,9 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func is aten.scaled_dot_product_attention.default:
             return self._attention(*args, **kwargs)
-        if func is torch.arange:
+        if func is torch.arange or func in _ATEN_ARANGES:
             return self._positions(func(*args, **kwargs), args, kwargs)
         return func(*args, **kwargs)
 

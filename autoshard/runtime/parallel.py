@@ -117,13 +117,18 @@ def split_pipeline(
     example_microbatch: tuple,
     device: torch.device,
     placement: str = "loop",
+    sequence_axis: str | None = None,
+    tokens_per_sample: int = 1,
 ) -> pp.PipelineStages:
     """This rank's stages of ``model`` cut before each of ``split_points`` (mesh dims pp, dp, tp), placed
-    "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r)."""
+    "loop" (rank r: r, r + pp, ...) or "v" (rank r: r and 2·pp − 1 − r). With a ``sequence_axis`` (context
+    parallelism) the stages are traced on this rank's chunk of the micro-batch's ``tokens_per_sample`` tokens and
+    ``pipeline_step`` runs them the same way (``pipeline_parallel.SequenceShard``)."""
     tp = tp_styles and mesh["tp"].size() > 1
+    sequence = _pipeline_parallel().SequenceShard(mesh, sequence_axis, tokens_per_sample) if sequence_axis else None
     stages = _pipeline_parallel().build_pipeline_stages(
         model,
-        example_microbatch,
+        sequence.cut(example_microbatch, None)[0] if sequence else example_microbatch,
         list(split_points),
         mesh.get_local_rank("pp"),
         mesh["pp"].size(),
@@ -133,6 +138,7 @@ def split_pipeline(
         tp_shard_dims=shard_dims(model, tp_styles) if tp else None,
         tp_group=mesh.get_group("tp") if tp else None,
         placement=placement,
+        sequence=sequence,
     )
     init_replay.carry(model, stages, stages.modules)
     return stages

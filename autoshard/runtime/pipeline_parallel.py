@@ -42,13 +42,28 @@ DP × PP. ``runtime.parallel.apply_fsdp`` puts FSDP2 ``fully_shard`` on each sta
 sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselves
 (``perform_reduce_grad``), and tied copies are summed shard by shard (every copy is sharded the
 same way over dp).
+
+CP × PP (``SequenceShard``). Each of the cp ranks of a pipeline rank holds tokens [r·s/cp, (r+1)·s/cp)
+of every sample: the stages are traced on that chunk of one micro-batch (so every boundary carries the
+rank's token shard), each step cuts the rank's batch the same way before the schedule splits it into
+micro-batches, and the schedule runs under ``context_parallel.ContextParallelMode``, which turns the
+traced graphs' ``aten.scaled_dot_product_attention`` into the ring over the cp ranks of the same stage
+and their ``aten.arange`` of s/cp positions into the rank's global ones. The cp ranks of a stage run the
+same schedule, so their rings meet action by action (a recomputation, in a split backward's weight pass
+too, reruns the ring under the mode: ``runtime.selective``). With ℓ_{j,c} the mean loss over cp rank c's
+tokens of micro-batch j (every rank the same count), the dp wrapper over the dp·cp ranks ("dp_cp") and
+the schedule's 1/m give::
+
+    g = (1/(dp·cp·m)) Σ_{replica, c, j} ∇ℓ_{j,c} = ∇ ℓ(B)
+
+and ``global_mean_loss`` averages the same ℓ_{j,c} over every rank holding the last stage.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +89,7 @@ from torch.utils.checkpoint import GraphExecGroup
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import ZERO_BUBBLE_SCHEDULES
+from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
 
@@ -88,6 +104,24 @@ SCHEDULES = {
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 PLACEMENTS = ("loop", "v")  # stage_indices
 V_PLACED_SCHEDULES = {"zbv", "dualpipev"}  # torch's V schedules: stages r and 2·pp − 1 − r on rank r
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Context parallelism inside the stages (module doc, "CP × PP"): the mesh dim ``axis`` whose ranks each
+    take 1/cp of every sample's ``tokens_per_sample`` tokens."""
+
+    mesh: object  # DeviceMesh
+    axis: str
+    tokens_per_sample: int
+
+    def cut(self, inputs: tuple, targets):
+        """This rank's chunk of every tensor whose dim 1 holds the tokens (``take_sequence_shard``)."""
+        return take_sequence_shard(inputs, targets, self.mesh, self.axis, self.tokens_per_sample)
+
+    def ring(self):
+        """The mode the schedule runs under: attention as a ring over the axis, positions made global."""
+        return context_parallel(self.mesh, self.axis, self.tokens_per_sample)
 
 
 @dataclass(frozen=True)
@@ -121,6 +155,7 @@ class PipelineStages:
     # The names of the parameters that take no weight decay (norms', biases, embeddings'), found by module type
     # on the whole model: a stage's graph module has lost the types (``model.no_decay_names``)
     no_decay: frozenset[str] = frozenset()
+    sequence: SequenceShard | None = None  # context parallelism inside the stages; None: whole samples
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -174,6 +209,7 @@ def build_pipeline_stages(
     tp_shard_dims: dict[str, int] | None = None,
     tp_group: dist.ProcessGroup | None = None,
     placement: str = "loop",
+    sequence: SequenceShard | None = None,
 ) -> PipelineStages:
     """Split ``model`` before each of ``split_points`` and build this rank's stages.
 
@@ -182,7 +218,8 @@ def build_pipeline_stages(
     parameter objects; drop ``model`` afterwards and train the stages. With tensor parallelism
     the model is already sharded (``tensor_parallel_stages.shard_for_tracing``, which returns
     ``tp_shard_dims``), by which checkpoints save each shard as part of its whole tensor.
-    ``placement`` is "loop" or "v" (module doc, ``stage_indices``).
+    ``placement`` is "loop" or "v" (module doc, ``stage_indices``). With ``sequence`` (context parallelism)
+    ``example_microbatch_inputs`` is this rank's token chunk already (module doc, "CP × PP").
     """
     num_stages = pp_size * virtual_stages
     if len(split_points) != num_stages - 1:
@@ -217,6 +254,7 @@ def build_pipeline_stages(
         state_aliases(model),
         placement,
         no_decay=no_decay,
+        sequence=sequence,
     )
 
 
@@ -608,13 +646,18 @@ def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch
     """One forward/backward of this rank's batch through the pipeline; returns the global mean loss.
 
     ``inputs`` and ``targets`` are this dp replica's batch (the schedule splits it into
-    micro-batches); only the first stage reads inputs and only the last reads targets.
+    micro-batches); only the first stage reads inputs and only the last reads targets. With context
+    parallelism (``parts.sequence``) this rank keeps its chunk of every sample's tokens and the schedule
+    runs the ring (module doc, "CP × PP").
     Gradients are left summed over tied copies, ready for ``optimizer.step()``.
     """
     losses: list[torch.Tensor] = []
+    if parts.sequence is not None:
+        inputs, targets = parts.sequence.cut(tuple(inputs), targets)
     args = inputs if parts.has_first else ()
     kwargs = {"target": targets, "losses": losses} if parts.has_last else {}
-    schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
+    with parts.sequence.ring() if parts.sequence is not None else nullcontext():
+        schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
     sync_tied_grads(parts)
     sync_expert_grads(parts)
     sync_replicated_grads(parts)

@@ -8,7 +8,8 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
                tp 2 with sequence parallelism (the norms between the parallel linears on 1/2 of the
                tokens, reduce-scatter and all-gather for each all-reduce)
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
-               parallelism (the TP layout's collectives inside each cp rank)
+               parallelism (the TP layout's collectives inside each cp rank); pp 2 x cp 2 (each stage's
+               ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens)
 
 Every case runs two micro-batches per step. The Python API takes the 2-rank cp plan of the GPT too:
 ``api_driver.py`` applies it with ``autoshard.parallelize`` and trains it in a loop of its own that reads
@@ -49,6 +50,8 @@ CASES_4 = {
     **{f"{m}-cp2-dp2-zero3": (m, dict(cp=2, dp=2, tp=1, zero=3)) for m in MODELS},
     **{f"{m}-cp2-tp2-sp": (m, dict(cp=2, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
 }
+# inside pipeline stages: the GPT (transformers' Llama attends with the mask its traced graph builds: refused)
+CASES_PP = {"gpt-pp2-cp2-1f1b": ("gpt", dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b"))}
 # api_driver.py: the Python API on a case of CASES_2's plan
 API_CASES = {"gpt-cp2-api": "gpt-cp2"}
 API_DRIVER = Path(__file__).with_name("api_driver.py")
@@ -68,8 +71,7 @@ def _plan(model: str, ranks: int, pins: dict):
         devices_per_node=ranks,
         global_batch=GLOBAL_BATCH,
         microbatch_size=microbatch,
-        pp=1,
-        **{"recompute": "none", **pins},
+        **{"recompute": "none", "pp": 1, **pins},
     )
 
 
@@ -95,7 +97,7 @@ def _driver_job(out: Path, dp: int, cp: int) -> dict:
     )
 
 
-CASES = {**CASES_2, **CASES_4}
+CASES = {**CASES_2, **CASES_4, **CASES_PP}
 
 
 def _prepare(names, ranks, folder):
@@ -125,6 +127,7 @@ LAUNCHES = Cases(
     {
         **dict.fromkeys(CASES_2, 2),
         **dict.fromkeys(CASES_4, 4),
+        **dict.fromkeys(CASES_PP, 4),
         **dict.fromkeys(API_CASES, 2),
         **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()},
     },
@@ -133,6 +136,7 @@ LAUNCHES = Cases(
     case_of=lambda test, params: {
         "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
         "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
+        "test_context_parallel_inside_pipeline_stages_trains_like_one_process": list(CASES_PP),
         "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
         "test_context_parallel_matches_one_process": [
             name for name, mesh in DRIVER_MESHES.items() if mesh == (params.get("dp"), params.get("cp"))
@@ -146,6 +150,7 @@ def _run(cases: dict, launches) -> None:
     for name, (model, pins) in cases.items():
         plan, folder, failure = launches.result(LAUNCHES, name)
         assert (plan.mesh.cp, plan.mesh.dp, plan.mesh.tp) == (pins["cp"], pins["dp"], pins["tp"]), name
+        assert (plan.mesh.pp, plan.schedule) == (pins.get("pp", 1), pins.get("schedule", "none")), name
         if pins["tp"] > 1:
             assert any(s != "replicate" for s in plan.tensor_parallel.values()), f"{name}: nothing sharded over tp"
         assert plan.sequence_parallel == pins.get("sequence_parallel", False), name
@@ -163,6 +168,10 @@ def test_sequences_split_over_two_ranks_train_like_one_process(in_repo, launches
 
 def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(in_repo, launches):
     _run(CASES_4, launches)
+
+
+def test_context_parallel_inside_pipeline_stages_trains_like_one_process(in_repo, launches):
+    _run(CASES_PP, launches)
 
 
 def test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop(in_repo, launches):

@@ -229,7 +229,7 @@ def _seq_len_comment(spec: Layout) -> str:
 
 def _layout_constants(spec: Layout, pipeline: bool) -> str:
     """The layout's fields (``passes.lowering.lower.layout``) as the constants the loop hands to the runtime; a pipeline's
-    loop reads the mesh and the data axis only."""
+    loop reads the mesh and the data axis only, and its split the sequence axis where the plan has one."""
     sizes = dict(spec.mesh)
     mesh = "{" + ", ".join(f'"{name}": {ranks}' for name, ranks in spec.mesh) + "}"
     innermost = spec.mesh[-1][0]
@@ -252,7 +252,7 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
         f"FLATTEN = {flatten}  # {joined}\n"
         f'DATA_AXIS = "{spec.data_axis}"  # its ranks take different samples{same}\n'
     )
-    if pipeline:
+    if pipeline and spec.sequence_axis is None:
         return text
     if spec.sequence_axis is None:
         sequence = "None  # no context parallelism: each rank takes whole samples"
@@ -261,6 +261,8 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
             f'"{spec.sequence_axis}"  # context parallel: each sample\'s tokens split over its '
             f"{sizes[spec.sequence_axis]} ranks, attention as a ring"
         )
+    if pipeline:  # the stages cut the tokens and run the ring (runtime.pipeline_parallel, "CP × PP")
+        return text + f"SEQUENCE_AXIS = {sequence}\n"
     return (
         text
         + f"SEQUENCE_AXIS = {sequence}\n"
@@ -348,6 +350,8 @@ CONSTANT_OF_ARGUMENT = {
     "num_microbatches": "NUM_MICROBATCHES",
     "precision": "PRECISION",
     "placement": "PLACEMENT",
+    "sequence_axis": "SEQUENCE_AXIS",
+    "tokens_per_sample": "TOKENS_PER_SAMPLE",
     "experts": "EXPERTS",
     "ep": "EP",
 }

@@ -11,7 +11,7 @@ the same order. The order, and why:
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
       apply_compile   each block compiled
     4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
-    5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp > 1)
+    5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp·cp > 1)
       (ir.decisions.DP_RUNTIMES)
     6 init_weights    this rank's shards     6 init_weights    this rank's shards
     7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one per stage
@@ -55,7 +55,8 @@ def lower(plan: Plan) -> tuple[Step, ...]:
 def layout(plan: Plan) -> Layout:
     """The plan's mesh and batch shares (module doc). A dim of one rank is kept (every step and the loop name
     pp, dp and tp), except cp, which exists only where the plan splits sequences. A pipeline's loop reads the
-    mesh and the data axis only: its schedule averages the loss over the global batch itself."""
+    mesh and the data axis only: its schedule averages the loss over the global batch itself, and its
+    split_pipeline step carries the sequence axis (the stages cut the tokens themselves)."""
     mesh = plan.mesh
     sizes = {"pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp}
     dims = tuple((name, sizes[name]) for name in MESH_ORDER if name != "cp" or mesh.cp > 1)
@@ -140,6 +141,12 @@ def _init_step() -> Step:
 def _pipeline_steps(plan: Plan) -> list[Step]:
     stages = plan.mesh.pp * plan.virtual_stages
     placement = (("placement", "v"),) if plan.schedule in V_SCHEDULES else ()
+    spec = layout(plan)
+    sequence = (
+        (("sequence_axis", spec.sequence_axis), ("tokens_per_sample", spec.tokens_per_sample))
+        if spec.sequence_axis
+        else ()
+    )
     steps = [
         *_cast_steps(plan),
         *_tp_steps(plan, before_split=True),
@@ -152,13 +159,14 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
                 ("virtual_stages", plan.virtual_stages),
                 ("tp_styles", dict(sorted(plan.tensor_parallel.items()))),
                 *placement,
+                *sequence,
             ),
             f"{stages} stages cut at the split points by tracing one micro-batch; {_stages_held(plan)} "
-            f"and drops the rest of the model",
+            f"and drops the rest of the model" + _SEQUENCE_WHY * bool(sequence),
         ),
         *_recompute_steps(plan),
     ]
-    if plan.mesh.dp > 1:
+    if plan.mesh.dp_cp > 1:
         steps.append(_dp_step(plan, ()))
     steps.append(_init_step())
     steps.append(_optimizer_step(plan))
@@ -173,6 +181,11 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
     )
     return steps
 
+
+_SEQUENCE_WHY = (
+    "; context parallel: traced on this cp rank's chunk of each sample's tokens, which every stage boundary "
+    "carries, and each step runs the schedule with attention as a ring over the cp ranks"
+)
 
 _SPLIT_BACKWARD_WHY = (
     "; each backward is split into the inputs' gradient, sent on at once, and the weights', "

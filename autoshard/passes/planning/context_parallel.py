@@ -15,7 +15,10 @@ numbers its tokens for position embeddings, both examples/gpt.py's ``arange(0, t
     no position tables   no slice of s rows out of a tensor the tokens do not flow into (a buffer of
                          precomputed rotary angles, ``rope_cos[:s]``): a cp rank's code would take rows
                          0 .. s/cp − 1, the first rank's positions (``table_slices``)
-    no pipeline          cp with pp > 1 is not emitted yet
+    inside a pipeline    (pp > 1, ``pipeline_cp_refusal``) every attention of the captured graph takes no
+                         explicit mask: a pipeline's stages are traced graphs, which call attention with the
+                         mask the model built while traced (transformers always builds one then), and the
+                         ring takes none; eager SPMD code passes ``is_causal`` instead
 
 What the runtime checks as it runs (the captured graph cannot show it): attention gets no explicit
 mask (transformers builds its causal mask only when tracing; at run time it passes ``is_causal``), and
@@ -70,6 +73,18 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
     clash = [n.name for n in graph.nodes if n.target.startswith(ARANGE_TARGET) and n.shape == (local,)]
     if clash:
         return f"{clash[0]} is an arange of {local} elements, which a cp={cp} rank would take for its token positions"
+    return None
+
+
+def pipeline_cp_refusal(graph: OpGraph) -> str | None:
+    """Why cp cannot run inside this model's pipeline stages (module doc, "inside a pipeline"), or None. The
+    capture records an attention's ``attn_mask`` only when the call passes none (a mask is a tensor input)."""
+    masked = [n.name for _, n in attention_nodes(graph) if n.attrs.get("attn_mask", "a tensor") is not None]
+    if masked:
+        return (
+            f"attention {masked[0]} takes an explicit mask when traced (transformers builds its causal mask "
+            f"whenever torch.export traces it, and pipeline stages are traced graphs), which the ring cannot split"
+        )
     return None
 
 

@@ -245,10 +245,11 @@ def price_config(
     pinned = pinned_cuts(stage_cuts, config, len(graph.blocks))
     if pinned is not None:
         return _priced(tables, config, global_batch, pinned, choice)
-    fastest = _priced(tables, config, global_batch, time_cuts(tables, config), choice)
+    rank = cp_equivalent(config)  # cp: the stages cut by a cp rank's units, its b/cp share (the ring aside)
+    fastest = _priced(tables, config, global_batch, time_cuts(tables, rank), choice)
     if fastest.fits:
         return fastest
-    cuts = memory_cuts(tables, config)
+    cuts = memory_cuts(tables, rank)
     return _priced(tables, config, global_batch, cuts, choice) if cuts is not None else fastest
 
 

@@ -60,7 +60,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
 from autoshard.ir.topology import Cluster
 from autoshard.passes.layouts.allowed import check_divisibility
-from autoshard.passes.planning.context_parallel import cp_refusal, searched_cp_degrees
+from autoshard.passes.planning.context_parallel import cp_refusal, pipeline_cp_refusal, searched_cp_degrees
 from autoshard.passes.planning.stage_cuts import cut_refusals, max_stages
 
 MAX_MICROBATCH_CHOICES = 12  # the largest divisors of the per-rank batch are tried
@@ -491,7 +491,8 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
 
 
 def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
-    """--cp c > 1 needs sequences the ring can split (``passes.planning.context_parallel.cp_refusal``), no pipeline."""
+    """--cp c > 1 needs sequences the ring can split (``passes.planning.context_parallel.cp_refusal``), and with
+    pipeline stages attention without an explicit mask (``pipeline_cp_refusal``)."""
     c = pins.cp or 1
     if c == 1:
         return
@@ -500,8 +501,8 @@ def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
         legal = [d for d in divisors(max(1, graph.tokens_per_sample))[1:9] if cp_refusal(graph, d) is None]
         fix = f"pin --cp in {legal}" if legal else "pin --cp 1"
         raise AutoshardError(f"--cp {c}: {why}; {fix}")
-    if pins.wants_pipeline:
-        raise AutoshardError(f"--cp {c} with pipeline stages is not emitted yet; pin --pp 1 or --cp 1")
+    if pins.wants_pipeline and pipeline_cp_refusal(graph):
+        raise AutoshardError(f"--cp {c} with pipeline stages: {pipeline_cp_refusal(graph)}; pin --pp 1 or --cp 1")
     if (pins.ep or 1) > 1 or (pins.dp_replicate or 1) > 1:
         raise AutoshardError(
             f"--cp {c} is planned without expert parallelism and HSDP; drop --ep / --dp-replicate or pin --cp 1"
@@ -604,10 +605,12 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
 
 def cp_choices(graph: OpGraph, ranks: int, pp: int, pins: Pins) -> list[int]:
     """cp over ``ranks`` = dp·cp ranks: the pinned one, else 1 and the degrees ``passes.planning.context_parallel``
-    offers for long sequences; none with pipeline stages (cp with pp is not emitted yet)."""
+    offers for long sequences; with pipeline stages (pp > 1) only where they can run the ring
+    (``pipeline_cp_refusal``)."""
+    ring = pp == 1 or pipeline_cp_refusal(graph) is None
     if pins.cp is not None:
-        return [pins.cp] if ranks % pins.cp == 0 and (pins.cp == 1 or pp == 1) else []
-    return [1] + (searched_cp_degrees(graph, ranks) if pp == 1 else [])
+        return [pins.cp] if ranks % pins.cp == 0 and (pins.cp == 1 or ring) else []
+    return [1] + (searched_cp_degrees(graph, ranks) if ring else [])
 
 
 def _honours(mesh: Mesh, pins: Pins) -> bool:
