@@ -90,6 +90,15 @@ def fold_layer_rows(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, st
     return [tuple(row) for row in folded.values()]
 
 
+def float8_text(plan: Plan) -> str:
+    """The float8 recipe and the linears it converts, each layer's numbers written "*" (``fold_layer_rows``)."""
+    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path) for path in plan.float8_linears))
+    return (
+        f"{plan.decisions.float8} scaling (torchao Float8Linear) on {len(plan.float8_linears)} linears: "
+        + ", ".join(patterns)
+    )
+
+
 def decision_table(plan: Plan) -> Table:
     c = plan.cluster
     t = Table(title=f"Plan for {plan.model['spec']}", show_header=False, title_justify="left")
@@ -113,6 +122,8 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("recompute", _recompute_text(plan))
     if plan.decisions.compile:
         t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
+    if plan.float8_linears:
+        t.add_row("float8", Text(float8_text(plan)))  # module paths from the plan file: not markup
     sequence = sequence_text(plan)
     if sequence:
         t.add_row("sequence", sequence)
@@ -523,6 +534,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
         "sequence": sequence_text(plan) or "whole on every rank",
         "compiled blocks": "yes" if plan.decisions.compile else "no",
+        "float8": f"{plan.decisions.float8} ({len(plan.float8_linears)} linears)" if plan.float8_linears else "off",
     }
     return rows
 
