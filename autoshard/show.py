@@ -284,6 +284,8 @@ def stages_table(plan: Plan) -> Table:
 
 
 def alternatives_table(plan: Plan) -> Table:
+    """The chosen configuration and the alternatives; a float8 column where any of them trains in float8."""
+    float8 = plan.decisions.float8 != "off" or any(a.float8 != "off" for a in plan.alternatives)
     t = Table(title="Alternatives considered", title_justify="left")
     for col in (
         "dp x tp x pp",
@@ -291,6 +293,7 @@ def alternatives_table(plan: Plan) -> Table:
         "ZeRO",
         "micro-batch",
         "recompute",
+        *(("float8",) if float8 else ()),
         "step ms",
         "peak MiB",
         "why not chosen",
@@ -302,6 +305,7 @@ def alternatives_table(plan: Plan) -> Table:
         str(plan.zero_stage),
         str(plan.microbatch_size),
         plan.recompute,
+        *((plan.decisions.float8,) if float8 else ()),
         *_time_mem(plan.predicted),
         chosen_row_text(plan),
     )
@@ -312,6 +316,7 @@ def alternatives_table(plan: Plan) -> Table:
             str(a.zero_stage),
             str(a.microbatch_size),
             a.recompute,
+            *((a.float8,) if float8 else ()),
             *_time_mem(a.predicted),
             Text(a.why_not),
         )  # prose from the plan file: not rich markup

@@ -19,18 +19,22 @@ bytes of an activation element (2 in bf16) and n the operand's elements::
     one cast   = an amax pass (a reduction: reads n·a) + the scaled cast (reads n·a, writes n bytes)
                  = n·(2a + 1) bytes, 2 kernels
     tensorwise: one cast per operand, and its transposed float8 copy for the matmul that takes the transpose
-                (reads n, writes n): n·(2a + 3) bytes, 3 kernels
-    rowwise:    two casts per operand (one scale per row, along each axis): 2·n·(2a + 1) bytes, 4 kernels
+                (``torch._scaled_mm`` takes its second operand column-major): reads n, writes n, one kernel;
+                in a compiled block the cast writes both layouts at once (writes n, no kernel of its own)
+    rowwise:    two casts per operand (one scale per row, along each axis), no transposed copy
 
-    forward casts:   x (M·K) and W (N·K)          backward casts: dy (M·N)
+    forward casts:   x (M·K) and W (N·K)·s_W      backward casts: dy (M·N)
     T_casts = kernels·T_KERNEL + bytes / (c·W)    (``eager.cast_s``: c = 0.62, dtype-converting copies
                                                    measured on one H200, ``cost.eager`` module doc "Casts")
 
-The amax reductions are the reads above, each its own kernel; FSDP2's float8 weight all-gather (tensorwise:
-``precompute_float8_dynamic_scale_for_fsdp`` after the optimizer step, one amax of every weight shard and one
-small all-reduce) is not priced: its bytes are a fraction 1/dp of the weights' forward cast. A recomputed
-forward (full recompute) casts again: its time is the forward's. Memory is unchanged: torchao's table moves
-0.1 GiB between bf16 and float8 for Llama-3 8B on 8 H100s (``reference/NUMBERS.md``).
+s_W, the share of the weight a rank casts: 1, or 1/dp_shard where FSDP2 gathers the weights in float8
+(tensorwise, ``Decisions.float8_all_gather``): each rank casts its shard before the all-gather, with the scale
+``precompute_float8_dynamic_scale_for_fsdp`` computed after the optimizer step (one amax per weight shard and
+one small all-reduce a step: not priced, 1/(dp·m) of the per-micro-batch weight casts), and the gathered float8
+weight needs only its transposed copy. The all-gather's bytes stay the bf16 ones (an upper bound: float8
+weights are half). A recomputed forward (full recompute) casts again: its time is the forward's. Memory is
+unchanged: torchao's table moves 0.1 GiB between bf16 and float8 for Llama-3 8B on 8 H100s
+(``reference/NUMBERS.md``).
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autoshard.cost import eager
-from autoshard.ir.decisions import FLOAT8_DIM_MULTIPLE, FLOAT8_RECIPES, Float8Recipe
+from autoshard.ir.decisions import FLOAT8_DIM_MULTIPLE, FLOAT8_OFF, FLOAT8_RECIPES, Decisions, Float8Recipe
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec
+
+# float8 training as the cost model takes it: (the recipe of ir.decisions.FLOAT8_RECIPES, the converted linears'
+# module paths, s_W: the share of each weight a rank casts, module doc); None: off
+Float8 = tuple[str, tuple[str, ...], float]
 
 LINEAR_TYPE = "torch.nn.modules.linear.Linear"
 LINEAR_TARGETS = ("aten.linear", "aten.mm", "aten.addmm")
@@ -70,6 +78,14 @@ def _divisible(shape: tuple[int, ...], multiple: int) -> bool:
     return len(shape) == 2 and all(d % multiple == 0 for d in shape)
 
 
+def float8_of(decisions: Decisions, graph: OpGraph) -> Float8 | None:
+    """(recipe, the linears it converts, s_W) of a point with float8 on, else None (module doc)."""
+    if decisions.float8 == FLOAT8_OFF:
+        return None
+    share = 1 / decisions.dp_shard if decisions.float8_all_gather else 1.0
+    return decisions.float8, float8_linears(graph), share
+
+
 def float8_nodes(graph: OpGraph, linears: tuple[str, ...]) -> frozenset[str]:
     """The matmul nodes of the converted linears: what runs in float8."""
     paths = frozenset(linears)
@@ -88,13 +104,33 @@ def float8_device(device: DeviceSpec) -> DeviceSpec:
 
 
 def cast_bytes_per_element(recipe: Float8Recipe, elem_bytes: float) -> float:
-    """Bytes moved per operand element (module doc): casts·(2a + 1), and 2 more for tensorwise's transposed copy."""
-    per_cast = 2 * elem_bytes + FLOAT8_ELEMENT_BYTES
-    return recipe.casts * per_cast + (2 * FLOAT8_ELEMENT_BYTES if recipe.transposed_copy else 0)
+    """Bytes a rank's casts move per operand element (module doc): casts·(2a + 1)."""
+    return recipe.casts * (2 * elem_bytes + FLOAT8_ELEMENT_BYTES)
 
 
-def cast_kernels_per_operand(recipe: Float8Recipe) -> int:
-    return recipe.casts * (AMAX_KERNELS + CAST_KERNELS) + (TRANSPOSE_KERNELS if recipe.transposed_copy else 0)
+def transpose_bytes_per_element(recipe: Float8Recipe, compiled: bool = False) -> float:
+    """tensorwise's transposed float8 copy (module doc): read and write 1 byte each; in a compiled block only the
+    write (the cast writes both layouts)."""
+    if not recipe.transposed_copy:
+        return 0.0
+    return FLOAT8_ELEMENT_BYTES * (1 if compiled else 2)
+
+
+def cast_kernels(recipe: Float8Recipe, compiled: bool = False) -> int:
+    """Kernels per operand: an amax and a cast per cast, and the transposed copy's own in eager."""
+    transpose = TRANSPOSE_KERNELS if recipe.transposed_copy and not compiled else 0
+    return recipe.casts * (AMAX_KERNELS + CAST_KERNELS) + transpose
+
+
+def operand_casts_s(
+    elements: float, cast_share: float, recipe: str, elem_bytes: float, device: DeviceSpec, compiled: bool = False
+) -> float:
+    """One operand of ``elements``: a rank casts ``cast_share`` of it, and transposes it whole (module doc)."""
+    row = FLOAT8_RECIPES[recipe]
+    moved = elements * (
+        cast_share * cast_bytes_per_element(row, elem_bytes) + transpose_bytes_per_element(row, compiled)
+    )
+    return eager.cast_s(moved, device, kernels=cast_kernels(row, compiled))
 
 
 def linear_dims(node: OpNode, weight_shape: tuple[int, int], scale: float) -> tuple[float, int, int]:
@@ -104,22 +140,34 @@ def linear_dims(node: OpNode, weight_shape: tuple[int, int], scale: float) -> tu
 
 
 def forward_casts_s(
-    node: OpNode, weight_shape: tuple[int, int], scale: float, recipe: str, elem_bytes: float, device: DeviceSpec
+    node: OpNode,
+    weight_shape: tuple[int, int],
+    scale: float,
+    float8: Float8,
+    elem_bytes: float,
+    device: DeviceSpec,
+    compiled: bool = False,
 ) -> float:
-    """The casts before the forward matmul: x (M·K) and W (N·K) (module doc)."""
-    row = FLOAT8_RECIPES[recipe]
+    """The casts before the forward matmul: x (M·K), and the rank's share s_W of W (N·K) (module doc)."""
+    recipe, _, weight_share = float8
     m, n, k = linear_dims(node, weight_shape, scale)
-    moved = (m * k + n * k) * cast_bytes_per_element(row, elem_bytes)
-    return eager.cast_s(moved, device, kernels=2 * cast_kernels_per_operand(row))
+    return operand_casts_s(m * k, 1.0, recipe, elem_bytes, device, compiled) + operand_casts_s(
+        n * k, weight_share, recipe, elem_bytes, device, compiled
+    )
 
 
 def backward_casts_s(
-    node: OpNode, weight_shape: tuple[int, int], scale: float, recipe: str, elem_bytes: float, device: DeviceSpec
+    node: OpNode,
+    weight_shape: tuple[int, int],
+    scale: float,
+    float8: Float8,
+    elem_bytes: float,
+    device: DeviceSpec,
+    compiled: bool = False,
 ) -> float:
     """The casts before the two gradient matmuls: dy (M·N) (module doc)."""
-    row = FLOAT8_RECIPES[recipe]
     m, n, _ = linear_dims(node, weight_shape, scale)
-    return eager.cast_s(m * n * cast_bytes_per_element(row, elem_bytes), device, kernels=cast_kernels_per_operand(row))
+    return operand_casts_s(m * n, 1.0, float8[0], elem_bytes, device, compiled)
 
 
 def weight_shapes(graph: OpGraph) -> dict[str, tuple[int, int]]:

@@ -29,7 +29,7 @@ from typing import Any
 from autoshard.cost import eager
 from autoshard.cost.autocast import Autocast
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
-from autoshard.cost.float8 import float8_linears
+from autoshard.cost.float8 import Float8, float8_of
 from autoshard.cost.memory import (
     MEGATRON_MIXED,
     Precision,
@@ -41,7 +41,6 @@ from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
 from autoshard.cost.units import (
-    Float8,
     Units,
     node_forward_s,
     unit_activation_bytes,
@@ -49,7 +48,7 @@ from autoshard.cost.units import (
     unit_weight_grad_bytes,
 )
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import FLOAT8_OFF, MIXED, Decisions, TPChoice
+from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.profile import ModelProfile
 from autoshard.ir.topology import Cluster, HostOverheads, LinkSpec
@@ -176,10 +175,9 @@ class CostTables:
         return config.microbatch_size, config.recompute, autocast, config.compile, self.float8_for(config)
 
     def float8_for(self, config: Decisions) -> Float8 | None:
-        """(recipe, the linears it converts) of a point with float8 on (``cost.float8``), else None."""
-        if config.float8 == FLOAT8_OFF:
-            return None
-        return config.float8, float8_linears(self.graph)
+        """(recipe, the linears it converts, the weights' cast share) of a point with float8 on (``cost.float8``),
+        else None."""
+        return float8_of(config, self.graph)
 
     def adopt_units(self, args: tuple, units: Units) -> None:
         """``units(*args)`` as another process computed it (``passes.planning.price_ahead.units_on_two_cores``)."""

@@ -68,7 +68,14 @@ from autoshard.cost.compute import (
     op_forward_s,
     weight_bytes_per_node,
 )
-from autoshard.cost.float8 import backward_casts_s, float8_device, float8_nodes, forward_casts_s, weight_shapes
+from autoshard.cost.float8 import (
+    Float8,
+    backward_casts_s,
+    float8_device,
+    float8_nodes,
+    forward_casts_s,
+    weight_shapes,
+)
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
     alternate_reruns,
@@ -79,11 +86,8 @@ from autoshard.cost.memory import (
     output_bytes,
 )
 from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by, weight_grad_inputs
-from autoshard.ir.graph import OpGraph
+from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec, HostOverheads
-
-# float8 training: (the recipe of ir.decisions.FLOAT8_RECIPES, the converted linears' module paths); None: off
-Float8 = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,8 @@ def _node_forward_s(
                 node, weight, scale, float8_device(device), ratio, attention, captured_bytes, kernels, traffic
             )
             shape = shapes[node.name]
-            times.append(t + forward_casts_s(node, shape, scale, float8[0], activation_elem_bytes, device))
+            casts = forward_casts_s(node, shape, scale, float8, activation_elem_bytes, device, node.name in in_block)
+            times.append(t + casts)
             continue
         times.append(op_forward_s(node, weight, scale, device, ratio, attention, captured_bytes, kernels, traffic))
     return times
@@ -291,8 +296,9 @@ def node_backward_s(
                     kernels,
                     traffic,
                     shapes[node.name],
-                    float8[0],
+                    float8,
                     activation_elem_bytes,
+                    node.name in in_block,
                 )
             )
             continue
@@ -304,22 +310,23 @@ def node_backward_s(
 
 
 def _float8_backward_s(
-    node,
+    node: OpNode,
     weight: int,
     scale: float,
     device: DeviceSpec,
     ratio: float,
     kernels: str,
-    traffic,
-    shape,
-    recipe: str,
+    traffic: NodeTraffic | None,
+    shape: tuple[int, int],
+    float8: Float8,
     elem_bytes: int,
+    compiled: bool,
 ) -> float:
     """A float8 linear's two gradient matmuls at the float8 peak and the output gradient's casts (``cost.float8``)."""
     device8 = float8_device(device)
     matmul_s = op_forward_s(node, weight, scale, device8, ratio, kernels=kernels, traffic=traffic)
     own = op_backward_s(node, weight, scale, device8, ratio, matmul_s, kernels, traffic)
-    return own + backward_casts_s(node, shape, scale, recipe, elem_bytes, device)
+    return own + backward_casts_s(node, shape, scale, float8, elem_bytes, device, compiled)
 
 
 def _traffic(graph: OpGraph, kernels: str, autocast: Autocast | None) -> tuple[NodeTraffic | None, ...]:

@@ -548,6 +548,15 @@ class Decisions:
         return self.mesh.dp // self.ep
 
     @property
+    def float8_all_gather(self) -> bool:
+        """FSDP2 gathers the float8 weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): where the
+        recipe allows it (tensorwise) and FSDP2's fully_shard is the dp wrapper over more than one rank."""
+        recipe = FLOAT8_RECIPES.get(self.float8)
+        if recipe is None or not recipe.fsdp_float8_all_gather or self.mesh.dp_cp == 1:
+            return False
+        return self.dp_runtime.wrapper not in ("DistributedDataParallel", "replicate")
+
+    @property
     def dp_shard(self) -> int:
         """The ranks each FSDP2 shard group spans: dp, or dp / dp_replicate under HSDP."""
         return self.mesh.dp // self.dp_replicate

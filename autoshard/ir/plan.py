@@ -577,6 +577,7 @@ def _alternative(d: dict[str, Any]) -> Alternative:
         schedule=d["schedule"],
         predicted=_predicted(d.get("predicted")),
         why_not=d["why_not"],
+        float8=d.get("float8", FLOAT8_OFF),
     )
 
 

@@ -108,6 +108,9 @@ class Alternative:
     schedule: str
     predicted: Predicted | None  # None where it does not fit
     why_not: str
+    float8: str = "off"  # decisions.float8 of the alternative (ir.decisions.FLOAT8_CHOICES)
+
+    WRITTEN_UNLESS = {"float8": "off"}
 
 
 @dataclass(frozen=True)

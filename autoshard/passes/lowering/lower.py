@@ -43,7 +43,7 @@ plan was made for.
 
 from __future__ import annotations
 
-from autoshard.ir.decisions import FLOAT8_OFF, FLOAT8_RECIPES, precision_policy
+from autoshard.ir.decisions import FLOAT8_OFF, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.steps import MESH_ORDER, WHOLE_MESH, Layout, Step
@@ -102,20 +102,11 @@ def _cast_steps(plan: Plan) -> list[Step]:
     ]
 
 
-def float8_all_gather(plan: Plan) -> bool:
-    """FSDP2 gathers the float8 weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): where the recipe
-    allows it (tensorwise) and FSDP2's fully_shard is the dp wrapper over more than one rank."""
-    recipe = FLOAT8_RECIPES.get(plan.decisions.float8)
-    if recipe is None or not recipe.fsdp_float8_all_gather or plan.mesh.dp_cp == 1:
-        return False
-    return plan.decisions.dp_runtime.wrapper not in ("DistributedDataParallel", "replicate")
-
-
 def _float8_steps(plan: Plan) -> list[Step]:
     recipe = plan.decisions.float8
     if recipe == FLOAT8_OFF:
         return []
-    gather = float8_all_gather(plan)
+    gather = plan.decisions.float8_all_gather
     return [
         Step(
             "apply_float8",
@@ -407,7 +398,7 @@ def _optimizer_step(plan: Plan) -> Step:
         why = "the recipe's optimizer over the replicated DTensor parameters, whole on every dp rank"
     else:
         why = "the recipe's optimizer, whole on every rank"
-    if float8_all_gather(plan):
+    if plan.decisions.float8_all_gather:
         why += "; after each step, the float8 weights' scales for the next all-gather (one amax all-reduce)"
         return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage), ("float8_scales", True)), why)
     return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage),), why)
