@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_map
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import FLOAT8_OFF, PrecisionPolicy, precision_policy
 from autoshard.ir.names import op_name
-from autoshard.ir.plan import Plan
+from autoshard.ir.plan import Plan, without_float8
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
@@ -195,9 +195,7 @@ def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
     recipe = plan.decisions.float8
     if recipe == FLOAT8_OFF:
         return plan, ()
-    twin = replace(
-        plan, decisions=replace(plan.decisions, float8=FLOAT8_OFF), layout=replace(plan.layout, float8_linears=())
-    )
+    twin = without_float8(plan)
     note = (
         f"float8 {recipe} ({len(plan.float8_linears)} linears) verified through its twin: the same plan with float8 "
         f"off ({plan.precision}), since CPU ranks have no float8 matmuls; the float8 program itself runs on GPUs "

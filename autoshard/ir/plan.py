@@ -480,6 +480,16 @@ def _memory(d: Any) -> Memory:
     return Memory(**d)
 
 
+def without_float8(plan: Plan) -> Plan:
+    """The plan's twin with float8 off: the same layout (mesh, sharding, recompute, micro-batches) without torchao's
+    float8 linears, what CPU ranks run of a float8 plan (``verify``, ``dryrun``); any other plan as it is."""
+    if plan.decisions.float8 == FLOAT8_OFF:
+        return plan
+    return replace(
+        plan, decisions=replace(plan.decisions, float8=FLOAT8_OFF), layout=replace(plan.layout, float8_linears=())
+    )
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     """The plan of a flat (version 1 shaped) document that ``check_plan_dict`` passed; an absent optional key
     reads as its field's default."""
