@@ -44,8 +44,8 @@ def apply_float8(
     fsdp_float8_all_gather: bool = False,
     emulate: bool = False,
 ) -> nn.Module:
-    """The linears named in ``linears`` replaced by torchao's ``Float8Linear`` with the scaling of recipe ``float8`` (in
-    place, on the meta device as well, as torchtitan converts: each module keeps its weight tensor).
+    """The linears named in ``linears`` replaced by torchao's ``Float8Linear`` with the scaling of recipe ``float8``
+    (in place, on the meta device as well, as torchtitan converts: each module keeps its weight tensor).
     ``emulate``: torchao's emulated float8 matmul (any device; for checks on CPUs, never a plan's program)."""
     why = "" if emulate else float8_refusal()
     if why:
