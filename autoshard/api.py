@@ -39,8 +39,8 @@ def plan(
 ) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions, one keyword per row of
     ``ir.pins.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
-    schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel, precision, compile; each also by its
-    ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
+    schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel, precision, compile, float8; each
+    also by its ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
     exports every repeated layer (``passes.capturing.fold``); ``time_limit_s`` stops the search early (the plan's
     ``search`` gives the gap); ``cache=False`` captures the model even when the capture cache has it
     (``passes.capturing.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted

@@ -909,8 +909,9 @@ def cmd_verify(args) -> int:
     plan = load_plan(args.plan)
     recipe = recipe_of_args(args)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
+    twin = f" (float8 {plan.decisions.float8} through its twin with float8 off)" if plan.float8_linears else ""
     print(
-        f"verifying {args.plan}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
+        f"verifying {args.plan}{twin}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
         f"{plan.world_size} CPU ranks vs one process, {args.steps} steps",
         flush=True,
     )

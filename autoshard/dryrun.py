@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import Plan
+from autoshard.ir.plan import Plan, without_float8
 from autoshard.ir.plan_format import V_SCHEDULES
 
 PARTS = ("weights", "grads", "optimizer", "activations", "transient")
@@ -115,6 +115,11 @@ class RankMemory:
 def notes(plan: Plan) -> list[str]:
     """What the dry run assumes where fake tensors have no values or the CPU's kernels differ, for the report."""
     said = [f"attention: counted as {attention_kernel(plan)} keeps it"]
+    if plan.float8_linears:
+        said.append(
+            f"float8 {plan.decisions.float8}: its {len(plan.float8_linears)} linears run as their bf16 twin (the CPU "
+            "kernels have no float8 matmuls; torchao's float8 keeps each weight and adds transient casts)"
+        )
     if plan.model["spec"].startswith("hf:"):
         said.append(
             "transformers' causal mask: positions taken as one sequence per sample (fake tensors have no values "
@@ -158,7 +163,8 @@ def dryrun(plan: Plan, ranks: list[int] | None = None, steps: int = 2) -> list[R
     for rank in ranks or ():
         if not 0 <= rank < world:
             raise AutoshardError(f"--rank {rank} is not a rank of this plan's {world}; give 0 to {world - 1}")
-    return [_one_rank(plan, rank, steps) for rank in ranks or default_ranks(plan)]
+    twin = without_float8(plan)  # the dry run's CPU kernels have no float8 matmuls (notes)
+    return [_one_rank(twin, rank, steps) for rank in ranks or default_ranks(plan)]
 
 
 def _one_rank(plan: Plan, rank: int, steps: int) -> RankMemory:

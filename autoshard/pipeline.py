@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoshard.cost.dp_comm import ranks_of_stage
+from autoshard.cost.float8 import float8_linears
 from autoshard.cost.memory import precision_for_graph
 from autoshard.cost.schedule import stage_owners
 from autoshard.cost.step import price_parts
@@ -41,7 +42,7 @@ from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import HF_PREFIX, Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
@@ -210,6 +211,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
             split_points=tuple(blocks[k] for k in best.cuts),
             stages=pipeline_stages(graph, c.mesh, best.cuts, c.schedule, c.virtual_stages),
             experts=tuple(g.path for g in graph.experts) if c.ep > 1 else (),
+            float8_linears=float8_linears(graph) if c.float8 != FLOAT8_OFF else (),
         ),
         predicted=result.best.predicted,
         review=PlanReview(

@@ -90,6 +90,15 @@ def fold_layer_rows(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, st
     return [tuple(row) for row in folded.values()]
 
 
+def float8_text(plan: Plan) -> str:
+    """The float8 recipe and the linears it converts, each layer's numbers written "*" (``fold_layer_rows``)."""
+    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path) for path in plan.float8_linears))
+    return (
+        f"{plan.decisions.float8} scaling (torchao Float8Linear) on {len(plan.float8_linears)} linears: "
+        + ", ".join(patterns)
+    )
+
+
 def decision_table(plan: Plan) -> Table:
     c = plan.cluster
     t = Table(title=f"Plan for {plan.model['spec']}", show_header=False, title_justify="left")
@@ -113,6 +122,8 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("recompute", _recompute_text(plan))
     if plan.decisions.compile:
         t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
+    if plan.float8_linears:
+        t.add_row("float8", Text(float8_text(plan)))  # module paths from the plan file: not markup
     sequence = sequence_text(plan)
     if sequence:
         t.add_row("sequence", sequence)
@@ -273,6 +284,8 @@ def stages_table(plan: Plan) -> Table:
 
 
 def alternatives_table(plan: Plan) -> Table:
+    """The chosen configuration and the alternatives; a float8 column where any of them trains in float8."""
+    float8 = plan.decisions.float8 != "off" or any(a.float8 != "off" for a in plan.alternatives)
     t = Table(title="Alternatives considered", title_justify="left")
     for col in (
         "dp x tp x pp",
@@ -280,6 +293,7 @@ def alternatives_table(plan: Plan) -> Table:
         "ZeRO",
         "micro-batch",
         "recompute",
+        *(("float8",) if float8 else ()),
         "step ms",
         "peak MiB",
         "why not chosen",
@@ -291,6 +305,7 @@ def alternatives_table(plan: Plan) -> Table:
         str(plan.zero_stage),
         str(plan.microbatch_size),
         plan.recompute,
+        *((plan.decisions.float8,) if float8 else ()),
         *_time_mem(plan.predicted),
         chosen_row_text(plan),
     )
@@ -301,6 +316,7 @@ def alternatives_table(plan: Plan) -> Table:
             str(a.zero_stage),
             str(a.microbatch_size),
             a.recompute,
+            *((a.float8,) if float8 else ()),
             *_time_mem(a.predicted),
             Text(a.why_not),
         )  # prose from the plan file: not rich markup
@@ -523,6 +539,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
         "sequence": sequence_text(plan) or "whole on every rank",
         "compiled blocks": "yes" if plan.decisions.compile else "no",
+        "float8": f"{plan.decisions.float8} ({len(plan.float8_linears)} linears)" if plan.float8_linears else "off",
     }
     return rows
 

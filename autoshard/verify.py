@@ -82,9 +82,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import PrecisionPolicy, precision_policy
+from autoshard.ir.decisions import FLOAT8_OFF, PrecisionPolicy, precision_policy
 from autoshard.ir.names import op_name
-from autoshard.ir.plan import Plan
+from autoshard.ir.plan import Plan, without_float8
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
@@ -179,10 +179,29 @@ def verify(
     ``recipe``: what both train with (None: ``Recipe()``, the programs' default); ``data``: what both train on
     (``--data``; by default the model file's dataset, else example_batch draws)."""
     recipe = recipe or Recipe()
+    plan, twin_notes = float8_twin(plan)
     model_file, notes = prepare(plan, steps, seed, data)
+    notes = twin_notes + notes
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         parallel = run_parallel(plan, Path(tmp), steps, seed, recipe, data)
     return judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
+
+
+def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
+    """What CPU ranks verify of a float8 plan: its twin, the same plan with float8 off (CPUs have no float8
+    matmuls), and the note that says so; any other plan as it is. The twin checks the layout (mesh, sharding,
+    recompute, micro-batches) the float8 program runs; float8's own numerics (torchao's scaled casts) are
+    checked on a GPU against the same twin (benchmarks/gpu_session.sh)."""
+    recipe = plan.decisions.float8
+    if recipe == FLOAT8_OFF:
+        return plan, ()
+    twin = without_float8(plan)
+    note = (
+        f"float8 {recipe} ({len(plan.float8_linears)} linears) verified through its twin: the same plan with float8 "
+        f"off ({plan.precision}), since CPU ranks have no float8 matmuls; the float8 program itself runs on GPUs "
+        "(benchmarks/gpu_session.sh compares it with this twin)"
+    )
+    return twin, (note,)
 
 
 def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) -> tuple[ModelFile, tuple[str, ...]]:

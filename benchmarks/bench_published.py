@@ -21,13 +21,16 @@ What a row's prediction means (``Run.status``):
 
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
                  eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
-                 the bf16 torch.compile FSDP rows; ``--runtime megatron-lm`` for Megatron-LM's). Only these
-                 rows make the headline error.
-    compile      the configuration in bf16 under torch.compile, with what autoshard's programs do not have
-                 (loss parallelism, async TP); priced as autoshard's eager program.
-    float8       the run used float8 matmuls (torchao), which the cost model cannot express; the bf16
-                 layout is priced for reference (memory is close: torchao's table moves 0.1 GiB between
-                 bf16 and float8), its time is not a prediction of the run.
+                 the bf16 torch.compile FSDP rows, with torchao's float8 linears (``--float8 tensorwise`` or
+                 ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
+                 Megatron-LM's). Only these rows make the headline error.
+    compile      the configuration under torch.compile, with what autoshard's programs do not have (loss
+                 parallelism, async TP, compiled blocks beside context parallelism); priced as autoshard's
+                 eager program (with its float8 linears where the run had them).
+    float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
+                 parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
+                 reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
+                 is not a prediction of the run.
     not priced   no command: the reason says why (hardware not described, ...).
 
 Published time → step time: torchtitan logs ``tps`` = tokens a data-parallel rank saw / (seconds ·
@@ -64,6 +67,7 @@ from benchmarks.bench_megatron import autoshard_command  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "published.json"
 GRAND_TETON = "benchmarks/clusters/grand_teton_h100.yaml"  # relative to ROOT, where the commands run
+H200 = "benchmarks/clusters/h200_whitefiber.yaml"
 LLAMA = "benchmarks/llama3.py"
 STATUSES = ("as run", "compile", "float8", "not priced")
 
@@ -101,7 +105,7 @@ H200_HW = Hardware(
     "141 GB HBM3e, 4.8 TB/s (datasheet; the file does not say)",
     "not stated",
     "8 per host, NVLink; RDMA 400 Gb/s (Mellanox CX-7) per GPU",
-    None,
+    H200,
 )
 MI300X_HW = Hardware(
     "AMD MI300X", "192 GB HBM3 (datasheet; the README does not say)", "not stated", "8 GPUs, one node", None
@@ -243,8 +247,27 @@ LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
 EAGER_8B_REASON = "as run: eager bf16 FSDP2, torchtitan's 'op' selective AC as --recompute alternate"
 FLOAT8_REASON = (
-    "float8 matmuls (torchao Float8Linear) are not in autoshard's cost model or programs; the "
-    "same layout in bf16 is priced for reference"
+    "float8 matmuls (torchao Float8Linear) beside tensor parallelism or pipeline stages are not emitted yet "
+    "(torchao's float8 TP styles are not among autoshard's); the same layout in bf16 is priced for reference"
+)
+FLOAT8_8B_REASON = (
+    "as run: float8 tensorwise (torchao, FSDP2 gathering float8 weights) with each block compiled (--compile on "
+    "--float8 tensorwise), torchtitan's 'op' selective AC as --recompute alternate"
+)
+FLOAT8_CP1_REASON = "as run: float8 tensorwise with each block compiled, full AC, one rank per sequence"
+FLOAT8_CP_REASON = (
+    "torch.compile beside context parallelism is not emitted (--compile on refuses --cp > 1): priced eager, "
+    "with its float8 linears (--float8 tensorwise); the CP ring's causal load balancing is not modelled"
+)
+FLOAT8_AO_REASON = (
+    "as run: float8 {recipe} (torchao{gather}) with each block compiled, per-op SAC as --recompute alternate"
+)
+# techniques autoshard emits on meshes without TP or pipeline stages (ir.decisions.float8_runs)
+FLOAT8_EMITTED = (
+    "float8 (tensorwise)",
+    "float8 (rowwise)",
+    "float8 (tensorwise + fp8 all-gather)",
+    "float8 all-gather",
 )
 CP_WITH_PP = (
     "not priced",
@@ -285,6 +308,7 @@ def _tt(
     v=1,
     extra_needs=(),
     compiled=False,
+    float8=None,
 ) -> Run:
     needs = tuple(techniques) + tuple(extra_needs) + (("sequence parallel with PP",) if tp > 1 and pp > 1 else ())
     priced = status != "not priced"
@@ -297,7 +321,9 @@ def _tt(
         else ()
     )
     args = _with_compile(args) if compiled and args else args
-    missing = [t for t in needs if t not in ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")]
+    args = _with_flags(args, "--float8", float8) if float8 and args else args
+    emitted = ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile") + (FLOAT8_EMITTED if tp == pp == 1 else ())
+    missing = [t for t in needs if t not in emitted]
     emits = "yes" if not missing else "no: " + ", ".join(missing)
     return Run(
         name,
@@ -327,7 +353,12 @@ def _tt(
 
 def _with_compile(args: tuple[str, ...]) -> tuple[str, ...]:
     """``autoshard estimate`` arguments with ``--compile on`` before the closing ``--json``."""
-    return (*args[:-1], "--compile", "on", args[-1])
+    return _with_flags(args, "--compile", "on")
+
+
+def _with_flags(args: tuple[str, ...], *flags: str) -> tuple[str, ...]:
+    """``autoshard estimate`` arguments with ``flags`` before the closing ``--json``."""
+    return (*args[:-1], *flags, args[-1])
 
 
 def torchtitan_rows() -> list[Run]:
@@ -357,8 +388,10 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "torch.compile", "float8 (tensorwise)"),
                 f_tps,
                 f_mem,
-                "float8",
-                FLOAT8_REASON,
+                "as run",
+                FLOAT8_8B_REASON,
+                compiled=True,
+                float8="tensorwise",
             ),
         ]
     # Table 2: 8B, FSDP + CP, compile + Float8, local batch 1, full AC
@@ -386,8 +419,9 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "CP", "torch.compile", "float8 (tensorwise)"),
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON + "; the CP ring's causal load balancing is not modelled",
+                *(("as run", FLOAT8_CP1_REASON) if cp == 1 else ("compile", FLOAT8_CP_REASON)),
+                compiled=cp == 1,
+                float8="tensorwise",
             )
         )
     # Table 4: 70B, FSDP 32 x TP 8, local batch 16, full AC, compile + Float8 (+ async TP)
@@ -552,9 +586,12 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "torch.compile", "float8 (tensorwise)", "float8 all-gather"),
                 tps,
                 mem,
-                "not priced",
-                "float8 with float8 FSDP all-gathers, on H200s no cluster file here describes",
+                "as run",
+                FLOAT8_8B_REASON + "; H200 from its datasheet (benchmarks/clusters/h200_whitefiber.yaml)",
                 hardware=H200_HW,
+                cluster=H200,
+                compiled=True,
+                float8="tensorwise",
             )
         )
     return rows
@@ -591,8 +628,12 @@ def torchao_rows() -> list[Run]:
                     "not priced",
                     "AMD MI300X (ROCm): no cluster file here describes it" + ("; and float8" if fp8 else ""),
                 )
+            elif fp8:
+                recipe = quant.split()[1]
+                gather = ", FSDP2 gathering float8 weights" if "all-gather" in quant else ""
+                status, reason = "as run", FLOAT8_AO_REASON.format(recipe=recipe, gather=gather)
             else:
-                status, reason = ("float8", FLOAT8_REASON) if fp8 else ("as run", COMPILED_8B_REASON)
+                status, reason = "as run", COMPILED_8B_REASON
             rows.append(
                 _tt(
                     f"ao-8b-{gpu}-{q}",
@@ -615,7 +656,8 @@ def torchao_rows() -> list[Run]:
                     reason,
                     hardware=hw,
                     cluster=cluster or "-",
-                    compiled=not fp8 and cluster is not None,
+                    compiled=cluster is not None,
+                    float8=quant.split()[1] if fp8 and cluster is not None else None,
                 )
             )
     return rows

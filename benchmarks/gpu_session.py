@@ -12,6 +12,10 @@ so a run cut short still returns what it measured:
    parallel, each priced by the planner.
 4. Each plan's program run with ``autoshard run`` (bf16 on a GPU): its median step (the first
    step skipped) and ``torch.cuda.max_memory_allocated`` from the program's summary line.
+   The float8 cases (``--float8 tensorwise``, torchao) and their twins (the same plans with ``--float8 off``)
+   plan on ``OUT/cluster-float8.yaml``: the calibrated cluster with the device's float8 matmul throughput
+   measured here (``float8_tflops``: ``torch._scaled_mm`` at 8192³); a device without float8 matmuls leaves
+   them as rows with that error. CPU ranks verify a float8 plan through the same twin (``autoshard verify``).
 5. A plain hand-written loop on the same model, micro-batches and optimizer (``hand_loop``:
    autocast bf16, ``torch.optim.AdamW``, gradient accumulation, nothing else), so the program's
    overhead is measured against what a user would write by hand.
@@ -82,6 +86,14 @@ GPU_CASES = (
     Case("ddp-mb8-compile", {"zero": 0, "microbatch_size": 8, "recompute": "none", "compile": "on"}),
     Case("ddp-mb4-selective-compile", {"zero": 0, "microbatch_size": 4, "recompute": "selective", "compile": "on"}),
     Case("ddp-mb8-alternate-compile", {"zero": 0, "microbatch_size": 8, "recompute": "alternate", "compile": "on"}),
+    # float8 (torchao, tensorwise) and its bf16 twin: the same plan with float8 off (ddp-mb4-compile above and this
+    # eager pair), on the calibrated cluster with the device's measured float8 matmul peak (float8_cluster)
+    Case("ddp-mb4-float8", {"zero": 0, "microbatch_size": 4, "recompute": "none", "float8": "tensorwise"}),
+    Case("ddp-mb4-float8-off", {"zero": 0, "microbatch_size": 4, "recompute": "none", "float8": "off"}),
+    Case(
+        "ddp-mb4-float8-compile",
+        {"zero": 0, "microbatch_size": 4, "recompute": "none", "compile": "on", "float8": "tensorwise"},
+    ),
 )
 GPU = Setting(
     "benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES, hand_microbatches=(1, 2, 4)
@@ -151,8 +163,53 @@ def pin_flags(pins: dict) -> list[str]:
     return [part for key, value in pins.items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
-def plan_case(setting: Setting, case: Case, cluster: str, out: Path) -> Row:
+FLOAT8_MATMUL_N = 8192  # the float8 matmul measured: N x N x N, as calibrate's bf16 one
+
+
+def float8_tflops() -> float | None:
+    """The device's float8 matmul throughput (``torch._scaled_mm``, e4m3, tensorwise scales, N³), median of 10
+    after 3 warm-ups; None where there is no float8 matmul (no CUDA, compute capability below 8.9)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9):
+        return None
+    n = FLOAT8_MATMUL_N
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+    one = torch.ones((), device="cuda")
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def float8_cluster(cluster: str, out: Path) -> str | None:
+    """``cluster`` with its device's measured float8 peak (``float8_tflops``), written beside it, or None where the
+    device has no float8 matmuls (its float8 cases are then rows with that error)."""
+    import yaml
+
+    tflops = float8_tflops()
+    if tflops is None:
+        return None
+    data = yaml.safe_load(Path(cluster).read_text())
+    data["device"]["float8_tflops"] = round(tflops, 1)
+    data["device"]["source"] += f"; float8_tflops: torch._scaled_mm {FLOAT8_MATMUL_N}^3 e4m3 measured here"
+    path = out / "cluster-float8.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def plan_case(setting: Setting, case: Case, cluster: str | None, out: Path) -> Row:
     row = Row(case.name, case.pins)
+    if cluster is None:
+        row.error = "plan: this device has no float8 matmuls (torch._scaled_mm needs compute capability 8.9+)"
+        return row
     plan = out / f"{case.name}.plan.json"
     done = autoshard(
         [
@@ -431,8 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
         if done.returncode != 0:
             return 1
+    floating = float8_cluster(cluster, out) if any("float8" in c.pins for c in setting.cases) else None
+    print(f"float8 cluster: {floating or 'none (no float8 matmuls here)'}", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        rows = list(pool.map(lambda c: plan_case(setting, c, cluster, out), setting.cases))
+        rows = list(
+            pool.map(lambda c: plan_case(setting, c, floating if "float8" in c.pins else cluster, out), setting.cases)
+        )
     hand: list[dict] = []
 
     def save() -> None:

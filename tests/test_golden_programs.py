@@ -86,6 +86,10 @@ PLAN_COMMANDS = {
     # compiled blocks (torch.compile after recompute, before FSDP2) with torchtitan's op-level selective recompute
     "compiled_alternate": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 "
     "--zero 3 --microbatch-size 4 --recompute alternate --compile on",
+    # float8 (torchao, tensorwise) on an H100 cluster: the linears converted first, FSDP2 gathering float8 weights
+    # and their scales computed after each optimizer step
+    "float8_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
+    "--microbatch-size 8 --recompute none --float8 tensorwise",
 }
 REQUEST_FLAGS = ("--cluster", "--nodes", "--devices-per-node", "--global-batch", "--seq-len")  # not decisions
 
@@ -106,6 +110,7 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.mesh.cp > 1 and p.mesh.dp > 1 and p.model.get("seq_len") for p in plans)  # context parallel, --seq-len
     assert any(p.ep > 1 for p in plans)  # expert parallel
     assert any(p.precision == "bf16-autocast" for p in plans)
+    assert any(p.decisions.float8 == "tensorwise" and p.float8_linears for p in plans)
     assert any(p.recompute == "mixed" and len(set(p.recompute_blocks.values())) > 1 for p in plans)
     assert {p.schedule for p in pipelines} >= {"1f1b", "interleaved-1f1b", "zbv"}  # zbv: stages in a V, backward split
     assert {p.zero_stage for p in pipelines} >= {0, 1, 3}
@@ -152,6 +157,7 @@ def _pin_text(plan, name: str) -> str:
         "dp_replicate": plan.dp_replicate,
         "sequence_parallel": "on" if plan.sequence_parallel else "off",
         "compile": "on" if plan.decisions.compile else "off",
+        "float8": plan.decisions.float8,
     }
     return str(values[name])
 

@@ -9,8 +9,9 @@ Presets (figures from docs/reference-numbers.md, each marked in ``source``):
     dgx-a100-80gb  A100 SXM 80GB: 312 TFLOP/s bf16, 1.83 TB/s achieved (2.04 TB/s datasheet),
                    80 GiB; NVLink 3 at the measured all-reduce busbw 235 GB/s, 3 µs; HDR IB
                    25 GB/s per GPU, 6 µs. 1 node × 8.
-    dgx-h100       H100 SXM 80GB: 989 TFLOP/s bf16, 3.0 TB/s achieved (3.35 TB/s datasheet),
-                   80 GiB; NVLink 4 450 GB/s, 3 µs; 50 GB/s per GPU NIC, 6 µs. 1 node × 8.
+    dgx-h100       H100 SXM 80GB: 989 TFLOP/s bf16, 1979 float8 (datasheet, dense), 3.0 TB/s achieved
+                   (3.35 TB/s datasheet), 80 GiB; NVLink 4 450 GB/s, 3 µs; 50 GB/s per GPU NIC, 6 µs.
+                   1 node × 8.
     local-cpu      this machine's CPU processes over gloo, 1 node × 2; memory per process =
                    host memory / devices_per_node; speeds are rough defaults (calibrate).
 
@@ -31,7 +32,8 @@ Cluster file (YAML)::
     devices_per_node: 8
     backend: nccl                 # nccl (GPUs) or gloo (CPUs)
     device: {name: H100-SXM-80GB, peak_tflops: 989, memory_bytes: 85899345920,
-             memory_bandwidth_gbps: 3350, matmul_efficiency: 0.8}
+             memory_bandwidth_gbps: 3350, matmul_efficiency: 0.8,
+             float8_tflops: 1979}    # optional: float8 matmuls (absent or 0: none, e.g. A100)
     intra_node: {bandwidth_gbps: 450, latency_us: 3}   # per device per direction
     inter_node: {bandwidth_gbps: 50, latency_us: 8}    # per device's share of the NICs
 
@@ -76,6 +78,10 @@ _IB_LATENCY_SOURCE = (
     "α fitted to nccl-tests all-reduce 8 B ≈ 55-58 µs on 32 A100 over HDR IB = 2·log2(32)·α (docs/reference-numbers.md)"
 )
 
+# NVIDIA H100 SXM (and H200, the same Hopper die) datasheet: 1,979 dense FP8 Tensor Core TFLOP/s ("3,958*"
+# with sparsity), twice the 989 of bf16. A100 has no float8 Tensor Cores (float8_tflops 0).
+H100_SXM_FLOAT8_TFLOPS = 1979.0
+
 A100_SXM_80GB = DeviceSpec(
     name="A100-SXM-80GB",
     peak_tflops=312.0,
@@ -94,7 +100,9 @@ H100_SXM_80GB = DeviceSpec(
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (~989 TFLOP/s bf16, ~3.35 TB/s, 80 GB); matmul_efficiency "
     "from 8192³ bf16 matmul measured 790-800 TFLOP/s and memory_bandwidth_gbps from a device-to-device "
-    "copy measured ≈ 3.0 TB/s (read + write) on one H100 (docs/reference-numbers.md)",
+    "copy measured ≈ 3.0 TB/s (read + write) on one H100 (docs/reference-numbers.md); float8_tflops: "
+    "1979 dense FP8 Tensor Core TFLOP/s (3958 with sparsity), NVIDIA H100 SXM datasheet",
+    float8_tflops=H100_SXM_FLOAT8_TFLOPS,
 )
 NVLINK3 = LinkSpec(
     bandwidth_gbps=235.0,

@@ -29,6 +29,7 @@ from typing import Any
 from autoshard.cost import eager
 from autoshard.cost.autocast import Autocast
 from autoshard.cost.compute import ATTENTION_KERNELS, KERNELS
+from autoshard.cost.float8 import Float8, float8_of
 from autoshard.cost.memory import (
     MEGATRON_MIXED,
     Precision,
@@ -39,7 +40,13 @@ from autoshard.cost.memory import (
 from autoshard.cost.profile import graph_signature, scaled_to
 from autoshard.cost.saved import WHOLE, RankShare
 from autoshard.cost.tp import TPCost, price_layout, rank_share
-from autoshard.cost.units import Units, node_forward_s, unit_activation_bytes, unit_costs, unit_weight_grad_bytes
+from autoshard.cost.units import (
+    Units,
+    node_forward_s,
+    unit_activation_bytes,
+    unit_costs,
+    unit_weight_grad_bytes,
+)
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import MIXED, Decisions, TPChoice
 from autoshard.ir.graph import OpGraph
@@ -152,32 +159,42 @@ class CostTables:
 
     def config_units(self, config: Decisions) -> Units:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
-        b, recompute, autocast, compiled = self.unit_args(config)
+        b, recompute, autocast, compiled, float8 = self.unit_args(config)
         if recompute != MIXED:
-            return self.units(b, recompute, autocast, compiled)
-        key = (b, config.recompute_blocks, autocast, compiled)
+            return self.units(b, recompute, autocast, compiled, float8)
+        key = (b, config.recompute_blocks, autocast, compiled) + ((float8,) if float8 else ())
         if key not in self._units:
             self._units[key] = mixed_units(
-                {m: self.units(b, m, autocast, compiled) for m in sorted(set(key[1]))}, key[1]
+                {m: self.units(b, m, autocast, compiled, float8) for m in sorted(set(key[1]))}, key[1]
             )
         return self._units[key]
 
-    def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool]:
+    def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool, Float8 | None]:
         """The ``units`` arguments of a point (with mixed recompute, its blocks' modes are ``recompute_blocks``)."""
         autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
-        return config.microbatch_size, config.recompute, autocast, config.compile
+        return config.microbatch_size, config.recompute, autocast, config.compile, self.float8_for(config)
+
+    def float8_for(self, config: Decisions) -> Float8 | None:
+        """(recipe, the linears it converts, the weights' cast share) of a point with float8 on (``cost.float8``),
+        else None."""
+        return float8_of(config, self.graph)
 
     def adopt_units(self, args: tuple, units: Units) -> None:
         """``units(*args)`` as another process computed it (``passes.planning.price_ahead.units_on_two_cores``)."""
         self._units.setdefault(_units_key(*args), units)
 
     def units(
-        self, microbatch_size: int, recompute: str, autocast: Autocast | None = None, compiled: bool = False
+        self,
+        microbatch_size: int,
+        recompute: str,
+        autocast: Autocast | None = None,
+        compiled: bool = False,
+        float8: Float8 | None = None,
     ) -> Units:
         """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan; ``compiled``: its
-        blocks compiled, ``cost.compiled``); scaled to the model's measured profile when the cluster has one for
-        this graph (``cost.profile``)."""
-        key = _units_key(microbatch_size, recompute, autocast, compiled)
+        blocks compiled, ``cost.compiled``; ``float8``: ``float8_for`` the plan, ``cost.float8``); scaled to the
+        model's measured profile when the cluster has one for this graph (``cost.profile``)."""
+        key = _units_key(microbatch_size, recompute, autocast, compiled, float8)
         if key not in self._units:
             units = unit_costs(
                 self.graph,
@@ -192,6 +209,7 @@ class CostTables:
                 self.runtime.kernels,
                 autocast,
                 compiled,
+                float8,
             )
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
@@ -274,7 +292,11 @@ class CostTables:
             return mixed_units({m: self.activation_units(config, m) for m in sorted(set(modes))}, modes)
         recompute = recompute or config.recompute
         units = self.units(
-            config.microbatch_size, recompute, self.runtime.autocast_for(config.dp_runtime.fsdp2), config.compile
+            config.microbatch_size,
+            recompute,
+            self.runtime.autocast_for(config.dp_runtime.fsdp2),
+            config.compile,
+            self.float8_for(config),
         )
         if config.mesh.tp == 1:
             return units
@@ -328,5 +350,11 @@ def hides_comm(cluster: Cluster) -> bool:
     return cluster.backend != "gloo"
 
 
-def _units_key(microbatch_size: int, recompute: str, autocast: Autocast | None = None, compiled: bool = False) -> tuple:
-    return (microbatch_size, recompute, autocast) + ((True,) if compiled else ())
+def _units_key(
+    microbatch_size: int,
+    recompute: str,
+    autocast: Autocast | None = None,
+    compiled: bool = False,
+    float8: Float8 | None = None,
+) -> tuple:
+    return (microbatch_size, recompute, autocast) + ((True,) if compiled else ()) + ((float8,) if float8 else ())

@@ -68,6 +68,14 @@ from autoshard.cost.compute import (
     op_forward_s,
     weight_bytes_per_node,
 )
+from autoshard.cost.float8 import (
+    Float8,
+    backward_casts_s,
+    float8_device,
+    float8_nodes,
+    forward_casts_s,
+    weight_shapes,
+)
 from autoshard.cost.memory import (
     COMPUTE_HEAVY_TARGETS,
     alternate_reruns,
@@ -78,7 +86,7 @@ from autoshard.cost.memory import (
     output_bytes,
 )
 from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by, weight_grad_inputs
-from autoshard.ir.graph import OpGraph
+from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import DeviceSpec, HostOverheads
 
 
@@ -144,12 +152,14 @@ def node_forward_s(
     kernels: str = "fused",
     autocast: Autocast | None = None,
     compiled: bool = False,
+    float8: Float8 | None = None,
 ) -> list[float]:
     """t_fwd of every node of one micro-batch, in graph order (``compute.op_forward_s``); computed once
     per graph and arguments (a search asks for each micro-batch size once per TP degree and recompute mode).
     ``autocast``: (autocast dtype, the dtype parameters are read in or None) where eager kernels run under
     autocast: each op's bytes in its own dtypes, with the casts autocast adds (``cost.autocast``).
-    ``compiled``: eager kernels with each block compiled (``cost.compiled``)."""
+    ``compiled``: eager kernels with each block compiled (``cost.compiled``). ``float8``: (recipe, the converted
+    linears): their matmuls at the float8 peak, with their casts (``cost.float8``)."""
     compiled = compiled and kernels == "eager"  # the fused roofline already prices fused kernels
     key = (
         "node_forward_s",
@@ -161,7 +171,7 @@ def node_forward_s(
         kernels,
         autocast,
         compiled,
-    )
+    ) + ((float8,) if float8 else ())
     return graph.derived(
         key,
         lambda: _node_forward_s(
@@ -174,6 +184,7 @@ def node_forward_s(
             kernels,
             autocast,
             compiled,
+            float8,
         ),
     )
 
@@ -188,11 +199,13 @@ def _node_forward_s(
     kernels: str,
     autocast: Autocast | None,
     compiled: bool = False,
+    float8: Float8 | None = None,
 ) -> list[float]:
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = weight_bytes_per_node(graph)
     fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
+    in_float8, shapes = _float8_nodes(graph, float8)
     times = []
     for node, traffic in zip(graph.nodes, _traffic(graph, kernels, autocast)):
         weight = weights.get(node.name, 0)
@@ -201,8 +214,23 @@ def _node_forward_s(
             continue
         if node.name in in_block:
             traffic = compiled_traffic(traffic)
+        if node.name in in_float8:
+            t = op_forward_s(
+                node, weight, scale, float8_device(device), ratio, attention, captured_bytes, kernels, traffic
+            )
+            shape = shapes[node.name]
+            casts = forward_casts_s(node, shape, scale, float8, activation_elem_bytes, device, node.name in in_block)
+            times.append(t + casts)
+            continue
         times.append(op_forward_s(node, weight, scale, device, ratio, attention, captured_bytes, kernels, traffic))
     return times
+
+
+def _float8_nodes(graph: OpGraph, float8: Float8 | None) -> tuple[frozenset[str], dict[str, tuple[int, int]]]:
+    """The nodes that run in float8 (``cost.float8``) and each linear's weight shape; none without float8."""
+    if not float8:
+        return frozenset(), {}
+    return float8_nodes(graph, float8[1]), weight_shapes(graph)
 
 
 def _fused_forward_s(op: FusedOp, weight_bytes: int, byte_scale: float, device: DeviceSpec) -> float:
@@ -226,17 +254,29 @@ def node_backward_s(
     kernels: str = "fused",
     autocast: Autocast | None = None,
     compiled: bool = False,
+    float8: Float8 | None = None,
 ) -> list[float]:
     """t_bwd of every node of one micro-batch, in graph order (``compute.op_backward_s``); a fused op of a
-    compiled block 2·t_fwd (``cost.compiled``)."""
+    compiled block 2·t_fwd (``cost.compiled``); a float8 linear's gradient matmuls at the float8 peak, after
+    the output gradient's casts (``cost.float8``)."""
     forward = node_forward_s(
-        graph, microbatch_size, device, activation_elem_bytes, captured_bytes, attention, kernels, autocast, compiled
+        graph,
+        microbatch_size,
+        device,
+        activation_elem_bytes,
+        captured_bytes,
+        attention,
+        kernels,
+        autocast,
+        compiled,
+        float8,
     )
-    if kernels != "eager":
-        return [BACKWARD_TO_FORWARD * t for t in forward]
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
     weights = weight_bytes_per_node(graph)
+    in_float8, shapes = _float8_nodes(graph, float8)
+    if kernels != "eager" and not in_float8:
+        return [BACKWARD_TO_FORWARD * t for t in forward]
     fused, in_block = (fused_ops(graph), _block_nodes(graph)) if compiled else ({}, frozenset())
     times = []
     for node, t, traffic in zip(graph.nodes, forward, _traffic(graph, kernels, autocast)):
@@ -245,8 +285,48 @@ def node_backward_s(
             continue
         if node.name in in_block:
             traffic = compiled_traffic(traffic)
+        if node.name in in_float8:
+            times.append(
+                _float8_backward_s(
+                    node,
+                    weights.get(node.name, 0),
+                    scale,
+                    device,
+                    ratio,
+                    kernels,
+                    traffic,
+                    shapes[node.name],
+                    float8,
+                    activation_elem_bytes,
+                    node.name in in_block,
+                )
+            )
+            continue
+        if kernels != "eager":
+            times.append(BACKWARD_TO_FORWARD * t)
+            continue
         times.append(op_backward_s(node, weights.get(node.name, 0), scale, device, ratio, t, kernels, traffic))
     return times
+
+
+def _float8_backward_s(
+    node: OpNode,
+    weight: int,
+    scale: float,
+    device: DeviceSpec,
+    ratio: float,
+    kernels: str,
+    traffic: NodeTraffic | None,
+    shape: tuple[int, int],
+    float8: Float8,
+    elem_bytes: int,
+    compiled: bool,
+) -> float:
+    """A float8 linear's two gradient matmuls at the float8 peak and the output gradient's casts (``cost.float8``)."""
+    device8 = float8_device(device)
+    matmul_s = op_forward_s(node, weight, scale, device8, ratio, kernels=kernels, traffic=traffic)
+    own = op_backward_s(node, weight, scale, device8, ratio, matmul_s, kernels, traffic)
+    return own + backward_casts_s(node, shape, scale, float8, elem_bytes, device, compiled)
 
 
 def _traffic(graph: OpGraph, kernels: str, autocast: Autocast | None) -> tuple[NodeTraffic | None, ...]:
@@ -274,9 +354,10 @@ def unit_costs(
     kernels: str = "fused",
     autocast: Autocast | None = None,
     compiled: bool = False,
+    float8: Float8 | None = None,
 ) -> Units:
-    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast`` and
-    ``compiled`` as ``node_forward_s`` takes them."""
+    """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast``,
+    ``compiled`` and ``float8`` as ``node_forward_s`` takes them."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
@@ -293,6 +374,7 @@ def unit_costs(
         kernels,
         autocast,
         compiled,
+        float8,
     )
     rerun = alternate_reruns(graph) if recompute == "alternate" else frozenset()
     for node, u, t, b in zip(graph.nodes, units, node_forward_s(*args), node_backward_s(*args)):

@@ -455,9 +455,46 @@ def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recom
 
 
 @dataclass(frozen=True)
+class Float8Recipe:
+    """One float8 training recipe of torchao (``torchao.float8.Float8LinearConfig.from_recipe_name``): how each
+    operand of a converted linear's three matmuls (input, weight, output gradient) is scaled into float8.
+
+    ``casts``: the float8 copies made of each operand per use, each one amax pass (a reduction reading the
+    bf16 tensor) and one cast (reading it, writing the float8 copy): tensorwise takes one scale per tensor, so
+    one copy serves a matmul and, transposed, the next (``transposed_copy``); rowwise takes one scale per row,
+    and the gradient matmuls reduce over the other axis, so each operand is scaled twice, once per axis.
+    ``fsdp_float8_all_gather``: FSDP2 may gather the converted weights in float8 (torchao allows it for
+    tensorwise scaling only)."""
+
+    name: str  # torchao's Float8LinearRecipeName value
+    casts: int
+    transposed_copy: bool
+    fsdp_float8_all_gather: bool
+
+
+FLOAT8_RECIPES: dict[str, Float8Recipe] = {
+    "tensorwise": Float8Recipe("tensorwise", casts=1, transposed_copy=True, fsdp_float8_all_gather=True),
+    "rowwise": Float8Recipe("rowwise", casts=2, transposed_copy=False, fsdp_float8_all_gather=False),
+}
+FLOAT8_OFF = "off"
+FLOAT8_CHOICES = (FLOAT8_OFF, *FLOAT8_RECIPES)  # --float8 and decisions.float8
+# torch._scaled_mm (float8 matmul) needs both of a weight's dims divisible by 16: torchao converts only such linears
+FLOAT8_DIM_MULTIPLE = 16
+
+
+def float8_runs(mesh: Mesh, ep: int = 1) -> bool:
+    """Where float8 linears are emitted: SPMD plans (pipeline stages are traced from the model, and torchao's
+    float8 tensors are not traced by the split yet) without tensor or expert parallelism (torchao's float8
+    TP styles, ``Float8ColwiseParallel`` and its kin, are not among ``TP_STYLES`` yet). Context parallelism
+    leaves the linears alone: it runs."""
+    return mesh.pp == 1 and mesh.tp == 1 and ep == 1
+
+
+@dataclass(frozen=True)
 class Decisions:
     """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching, pipeline schedule,
-    recompute, DDP bucket size, precision, HSDP replicas, expert and sequence parallelism. A plan's
+    recompute, DDP bucket size, precision, HSDP replicas, expert and sequence parallelism, compiled blocks, float8
+    linears. A plan's
     decisions are this record (``Plan.decisions``, ``plan.json``'s decisions section: the fields in this
     order, each as its ``in_plan`` metadata says); ``Pins`` is the same fields, each optional, that the
     user fixes by hand."""
@@ -486,13 +523,16 @@ class Decisions:
     # torch.compile of each block (inductor): its elementwise chains fused between the matmuls and attention
     # (``runtime.compiled``, priced by ``cost.compiled``); SPMD plans without cp or ep (``compile_runs``)
     compile: bool = field(default=False, metadata=in_plan("flag"))
+    # float8 training (torchao's Float8Linear) of the linears ``layout.float8_linears`` names: off, or a recipe of
+    # FLOAT8_RECIPES; searched (tensorwise) on devices with float8 matmuls (``DeviceSpec.float8_tflops``)
+    float8: str = field(default=FLOAT8_OFF, metadata=in_plan("choice", FLOAT8_CHOICES))
     # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
     # parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 
     # plan keys written only when they differ (plans without them read and write as before)
-    WRITTEN_UNLESS = {"ep": 1, "compile": False}
+    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF}
 
     @property
     def num_stages(self) -> int:
@@ -506,6 +546,15 @@ class Decisions:
     def expert_dp(self) -> int:
         """The dp ranks holding the same expert shard, over which its gradients are reduced: dp / ep."""
         return self.mesh.dp // self.ep
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """FSDP2 gathers the float8 weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): where the
+        recipe allows it (tensorwise) and FSDP2's fully_shard is the dp wrapper over more than one rank."""
+        recipe = FLOAT8_RECIPES.get(self.float8)
+        if recipe is None or not recipe.fsdp_float8_all_gather or self.mesh.dp_cp == 1:
+            return False
+        return self.dp_runtime.wrapper not in ("DistributedDataParallel", "replicate")
 
     @property
     def dp_shard(self) -> int:

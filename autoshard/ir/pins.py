@@ -15,6 +15,7 @@ from typing import Any
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
+    FLOAT8_CHOICES,
     PIN_PRECISIONS,
     PIN_RECOMPUTE,
     PIPELINE_SCHEDULES,
@@ -78,6 +79,13 @@ def _precision(value: Any, flag: str) -> str:
     value = value.lower() if isinstance(value, str) else value
     if value not in PIN_PRECISIONS:
         raise AutoshardError(f"{flag} {value} must be one of {', '.join(PIN_PRECISIONS)}")
+    return value
+
+
+def _float8(value: Any, flag: str) -> str:
+    value = value.lower() if isinstance(value, str) else value
+    if value not in FLOAT8_CHOICES:
+        raise AutoshardError(f"{flag} {value} must be one of {', '.join(FLOAT8_CHOICES)}")
     return value
 
 
@@ -202,6 +210,17 @@ PINS: tuple[PinRow, ...] = (
         _on_off,
         choices=("on", "off"),
         default=lambda p: False,
+    ),
+    PinRow(
+        "float8",
+        "--float8",
+        str.lower,
+        "float8 training of the linears torchao converts (their dims divisible by 16, not the output "
+        "projection): tensorwise (one scale per tensor; FSDP2 gathers the weights in float8), rowwise (one scale "
+        "per row), or off (default: searched on devices with float8 matmuls, off elsewhere; estimate: off)",
+        _float8,
+        choices=FLOAT8_CHOICES,
+        default=lambda p: FLOAT8_CHOICES[0],
     ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, Mesh, tp_style
+from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh, tp_style
 from autoshard.ir.plan_format import (  # noqa: F401 (the records and names are re-exported)
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -127,6 +127,11 @@ class Plan:
         if d.ep < 1 or mesh.dp % d.ep or (d.ep > 1 and not layout.experts):
             raise AutoshardError(
                 f"ep={d.ep} must divide dp={mesh.dp}, and ep > 1 needs the expert groups it shards (layout.experts)"
+            )
+        if (d.float8 != FLOAT8_OFF) != bool(layout.float8_linears):
+            raise AutoshardError(
+                f"float8={d.float8!r} and {len(layout.float8_linears)} float8 linears: a float8 recipe needs the "
+                f"linears it converts (layout.float8_linears), and float8 off none"
             )
         per_step = mesh.dp * d.microbatch_size * d.num_microbatches
         if per_step != self.global_batch:
@@ -475,6 +480,16 @@ def _memory(d: Any) -> Memory:
     return Memory(**d)
 
 
+def without_float8(plan: Plan) -> Plan:
+    """The plan's twin with float8 off: the same layout (mesh, sharding, recompute, micro-batches) without torchao's
+    float8 linears, what CPU ranks run of a float8 plan (``verify``, ``dryrun``); any other plan as it is."""
+    if plan.decisions.float8 == FLOAT8_OFF:
+        return plan
+    return replace(
+        plan, decisions=replace(plan.decisions, float8=FLOAT8_OFF), layout=replace(plan.layout, float8_linears=())
+    )
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     """The plan of a flat (version 1 shaped) document that ``check_plan_dict`` passed; an absent optional key
     reads as its field's default."""
@@ -484,6 +499,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         split_points=tuple(d.get("split_points", ())),
         stages=tuple(Stage(s["index"], tuple(s["modules"]), tuple(s["ranks"])) for s in d["stages"]),
         experts=tuple(d.get("experts", ())),
+        float8_linears=tuple(d.get("float8_linears", ())),
     )
     return Plan(
         model=_check_file_sha256(dict(_require_keys(d["model"], ("spec", "hash", "params", "layers"), "model"))),
@@ -571,6 +587,7 @@ def _alternative(d: dict[str, Any]) -> Alternative:
         schedule=d["schedule"],
         predicted=_predicted(d.get("predicted")),
         why_not=d["why_not"],
+        float8=d.get("float8", FLOAT8_OFF),
     )
 
 

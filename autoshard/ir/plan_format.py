@@ -9,9 +9,11 @@ Version 2 (written) groups the plan's fields into sections, in this order::
     version, model, cluster, global_batch
     decisions    ir.decisions.Decisions: mesh, zero_stage, microbatch_size, num_microbatches, schedule,
                  virtual_stages, recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate
-                 (HSDP; absent: 1), ep (expert parallelism; written only when > 1)
+                 (HSDP; absent: 1), ep (expert parallelism; written only when > 1), compile and float8
+                 (written only when on)
     layout       PlanLayout: blocks, tensor_parallel, split_points, stages, experts (the expert groups ep
-                 shards; written only with ep > 1)
+                 shards; written only with ep > 1), float8_linears (the linears float8 converts; written only
+                 with float8 on)
     predicted    Predicted: step time and memory by part (pipelines: each pp rank's, pp_rank_memory)
     review       PlanReview: alternatives, tensor_parallel_reasons, notes, symbolic, search
     provenance   PlanProvenance: pinned, runtime
@@ -106,6 +108,9 @@ class Alternative:
     schedule: str
     predicted: Predicted | None  # None where it does not fit
     why_not: str
+    float8: str = "off"  # decisions.float8 of the alternative (ir.decisions.FLOAT8_CHOICES)
+
+    WRITTEN_UNLESS = {"float8": "off"}
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,10 @@ class PlanLayout:
     split_points: tuple[str, ...] = ()  # module paths where pipeline stages 1 .. pp·v−1 begin
     stages: tuple[Stage, ...] = ()
     experts: tuple[str, ...] = ()  # the expert groups (passes.capturing.experts) the ep axis shards, when ep > 1
+    # the linears float8 training converts (cost.float8.float8_linears), when decisions.float8 is a recipe
+    float8_linears: tuple[str, ...] = ()
 
-    WRITTEN_UNLESS = {"experts": ()}
+    WRITTEN_UNLESS = {"experts": (), "float8_linears": ()}
 
 
 @dataclass(frozen=True)

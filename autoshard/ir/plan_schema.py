@@ -50,7 +50,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import TP_STYLES, Decisions
+from autoshard.ir.decisions import FLOAT8_CHOICES, FLOAT8_OFF, TP_STYLES, Decisions
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -202,7 +202,7 @@ def _check_decisions(f: _Fields) -> int:
 
 
 def _check_optional(f: _Fields) -> None:
-    for key in ("blocks", "split_points", "experts"):
+    for key in ("blocks", "split_points", "experts", "float8_linears"):
         for i, path in enumerate(f.get_list(key, [])):
             _path(path, f"{f.path(key)}[{i}]")
     for key, reason in f.get_mapping("tensor_parallel_reasons", {}).items():
@@ -321,6 +321,7 @@ def _check_alternative(a: Any, where: str, recompute_modes: tuple[str, ...], sch
     _choice(_get(a, "recompute", where=where), f"{where}.recompute", recompute_modes)
     _choice(_get(a, "schedule", where=where), f"{where}.schedule", schedules)
     _string(_get(a, "why_not", where=where), f"{where}.why_not")
+    _choice(a.get("float8", FLOAT8_OFF), f"{where}.float8", FLOAT8_CHOICES)
     if a.get("predicted") is not None:
         _check_predicted(_mapping(a, "predicted", where=where), f"{where}.predicted")
 

@@ -15,6 +15,7 @@ record.
 
     op                  SPMD plans                          pipeline plans
     cast_params         the meta model's parameters in bf16 (--precision bf16-pure on fp32 parameters), first
+    apply_float8        the plan's float8 linears made torchao Float8Linear (--float8), before any wrapper   -
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
@@ -27,7 +28,8 @@ record.
                         (the model so far is on the meta device; ``runtime.init_replay``)
     apply_ddp           DDP with the plan's bucket size     -
     build_optimizer     the recipe's optimizer (runtime.recipe), ZeroRedundancyOptimizer for ZeRO-1 over DDP;
-                        pipeline plans: one per stage
+                        pipeline plans: one per stage; float8 under FSDP2 (tensorwise): the weights' float8
+                        scales computed after each step (torchao's precompute_float8_dynamic_scale_for_fsdp)
     build_schedule      -                                   torch's schedule (GPipe, 1F1B, interleaved, zero bubble)
 """
 
@@ -38,6 +40,7 @@ from typing import Any
 
 OPS = (
     "cast_params",
+    "apply_float8",
     "apply_tp",
     "apply_ep",
     "split_pipeline",

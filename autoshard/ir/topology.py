@@ -97,9 +97,25 @@ class DeviceSpec:
     memory_bandwidth_gbps: float = _spec("the memory bandwidth in GB/s, e.g. 3350 for H100 HBM3", _BANDWIDTH)
     matmul_efficiency: float = _spec("achieved/peak FLOP/s on large matmuls, e.g. 0.8", _EFFICIENCY)
     source: str = _spec("where the figures come from (datasheet, measurement)")
+    # Optional, written only when > 0: a device without float8 matmuls (CPUs, A100) has none.
+    float8_tflops: float = field(
+        default=0.0,
+        metadata={
+            "doc": "optional: the dense peak float8 TFLOP/s of its matmuls, e.g. 1979 for H100 SXM (0: none, "
+            "as on CPUs and A100)",
+            "rule": (*_NON_NEGATIVE, (0.0, BOUNDS["tflops"][1], "TFLOP/s")),
+            "optional": True,
+            "written_unless": 0.0,
+        },
+    )
 
     def __post_init__(self):
         _check_dataclass(self)
+
+    @property
+    def has_float8(self) -> bool:
+        """Whether its matmuls run in float8 (torch._scaled_mm: NVIDIA SM 8.9 and later)."""
+        return self.float8_tflops > 0
 
 
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p", "all_to_all")
@@ -281,7 +297,7 @@ _CLUSTER_DOCS = {
     "nodes": _COUNTS["nodes"][0],
     "devices_per_node": _COUNTS["devices_per_node"][0],
     "backend": "nccl for GPUs, gloo for CPUs",
-    "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency",
+    "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency (float8_tflops optional)",
     "intra_node": "a mapping of bandwidth_gbps, latency_us for the link inside a node",
     "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
     "host": "optional: host overheads per op, unit and tensor, as autoshard calibrate writes them",
@@ -511,7 +527,12 @@ def _tree_edges(graph: nx.Graph, vertices: list[str]) -> list[dict[str, Any]]:
 
 
 def _spec_dict(spec: DeviceSpec | LinkSpec) -> dict[str, Any]:
-    d = {f.name: getattr(spec, f.name) for f in fields(spec) if not f.metadata.get("composite")}
+    d = {
+        f.name: getattr(spec, f.name)
+        for f in fields(spec)
+        if not f.metadata.get("composite")
+        and ("written_unless" not in f.metadata or getattr(spec, f.name) != f.metadata["written_unless"])
+    }
     if getattr(spec, "collectives", ()):
         d["collectives"] = {name: {"latency_us": lat, "bandwidth_gbps": bw} for name, lat, bw in spec.collectives}
     return d

@@ -12,6 +12,7 @@ prints the steps):
     apply_ac          recompute per block: "full" recomputes the block in backward, "selective" keeps
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
                       stages the block's region of its stage graph (``stage_recompute``)
+    apply_float8      the plan's linears made torchao Float8Linear (``float8``), before every wrapper
     apply_compile     torch.compile of each block's forward, its recompute inside, hooks outside (``compiled``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
@@ -55,6 +56,7 @@ from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.compiled import apply_compile
 from autoshard.runtime.expert_parallel import apply_ep
+from autoshard.runtime.float8 import apply_float8, compute_float8_scales_after_step
 from autoshard.runtime.model import get_block
 from autoshard.runtime.recipe import Recipe
 from autoshard.runtime.selective import selective_kwargs
@@ -348,12 +350,23 @@ def apply_ddp(
 
 
 def build_optimizer(
-    model, dp_mesh: DeviceMesh | None = None, zero_stage: int = 0, lr: float = 1e-3, recipe: Recipe | None = None
+    model,
+    dp_mesh: DeviceMesh | None = None,
+    zero_stage: int = 0,
+    lr: float = 1e-3,
+    recipe: Recipe | None = None,
+    float8_scales: bool = False,
 ):
     """AdamW at ``lr`` with torch's settings (``recipe`` None: what programs without a recipe train with), or
     ``recipe``'s optimizer, settings and weight-decay groups at its own lr, fused on CUDA (``runtime.recipe``).
     ZeRO-1 over DDP shards its state with ZeroRedundancyOptimizer (FSDP2 shards it for ZeRO-1 with tp or pp, and
-    for 2 and 3); pipeline stages get one optimizer each (``checkpoint.StageOptimizers``)."""
+    for 2 and 3); pipeline stages get one optimizer each (``checkpoint.StageOptimizers``). ``float8_scales``: the
+    float8 weights' scales computed after each step, for FSDP2's float8 all-gather (``float8``)."""
+    optimizer = _build_optimizer(model, dp_mesh, zero_stage, lr, recipe)
+    return compute_float8_scales_after_step(optimizer, model) if float8_scales else optimizer
+
+
+def _build_optimizer(model, dp_mesh: DeviceMesh | None, zero_stage: int, lr: float, recipe: Recipe | None):
     zero_redundancy = zero_stage == 1 and isinstance(model, DDP) and dp_mesh is not None and dp_mesh.size() > 1
     if recipe is None:
         if _is_stages(model):
@@ -400,6 +413,7 @@ def cast_params(model: nn.Module, precision: str) -> nn.Module:
 
 
 APPLIERS: dict[str, Callable] = {
+    "apply_float8": apply_float8,
     "cast_params": cast_params,
     "apply_tp": apply_tp,
     "apply_ep": apply_ep,

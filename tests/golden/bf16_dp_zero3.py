@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 0f458fba87b2.
+"""Training program emitted by autoshard from plan 229bd4143698.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    dgx-h100: 1 node(s) x 8 devices, nccl

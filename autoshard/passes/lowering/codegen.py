@@ -174,7 +174,8 @@ GLOBAL_BATCH = {plan.global_batch}
 NUM_MICROBATCHES = {plan.num_microbatches}  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = {plan.precision!r}  # {_precision_comment(plan.precision)}
 BLOCKS = {blocks_expression(plan.blocks)}  # repeated blocks: recompute and FSDP units
-{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}{_predicted_constant(plan)}"""
+{pipeline}{_tp_constants(plan)}{_recompute_constants(plan)}{_expert_constants(plan)}{_float8_constants(plan)}\
+{_predicted_constant(plan)}"""
 
 
 def _predicted_constant(plan: Plan) -> str:
@@ -279,6 +280,37 @@ def _expert_constants(plan: Plan) -> str:
     )
 
 
+def _float8_constants(plan: Plan) -> str:
+    if not plan.float8_linears:
+        return ""
+    return (
+        f'FLOAT8 = "{plan.decisions.float8}"  # torchao\'s float8 recipe (Float8LinearConfig.from_recipe_name)\n'
+        f"# the linears made torchao Float8Linear: dims divisible by 16, not the output projection\n"
+        f"FLOAT8_LINEARS = {linears_expression(plan.float8_linears, plan.blocks)}\n"
+    )
+
+
+def linears_expression(linears: tuple[str, ...], blocks: tuple[str, ...]) -> str:
+    """``[f"{b}.{name}" for b in BLOCKS for name in (...)]`` when each block holds the same linears and nothing
+    else is converted, else the list; one name a line where it is long."""
+    if blocks:
+        names = tuple(p.removeprefix(blocks[0] + ".") for p in linears if p.startswith(blocks[0] + "."))
+        if names and tuple(f"{b}.{n}" for b in blocks for n in names) == tuple(linears):
+            return (
+                '[\n    f"{b}.{name}"\n    for b in BLOCKS\n    for name in ' + _quoted_lines(names, ("(", ")")) + "\n]"
+            )
+    return _quoted_lines(tuple(linears), ("[", "]"))
+
+
+def _quoted_lines(names: tuple[str, ...], brackets: tuple[str, str]) -> str:
+    """The names in double quotes between ``brackets``, on one line when short, else one a line."""
+    quoted = [f'"{n}"' for n in names]
+    one_line = brackets[0] + ", ".join(quoted) + ("," if len(quoted) == 1 and brackets[0] == "(" else "") + brackets[1]
+    if len(one_line) <= 80:
+        return one_line
+    return brackets[0] + "\n" + "".join(f"        {q},\n" for q in quoted) + "    " + brackets[1]
+
+
 def _precision_comment(precision: str) -> str:
     policy = precision_policy(precision)
     if policy.cast_dtype is not None:
@@ -354,6 +386,8 @@ CONSTANT_OF_ARGUMENT = {
     "tokens_per_sample": "TOKENS_PER_SAMPLE",
     "experts": "EXPERTS",
     "ep": "EP",
+    "linears": "FLOAT8_LINEARS",
+    "float8": "FLOAT8",
 }
 
 

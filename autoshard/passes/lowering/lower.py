@@ -6,6 +6,7 @@ the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)
     0 cast_params     bf16-pure on fp32 parameters only: the meta model in bf16, first, both kinds
+      apply_float8    float8 plans (SPMD): the linears of layout.float8_linears made torchao Float8Linear
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
     2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
@@ -16,8 +17,11 @@ the same order. The order, and why:
     6 init_weights    this rank's shards     6 init_weights    this rank's shards
     7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one per stage
     8 build_optimizer                        8 build_schedule
+      (float8 tensorwise under FSDP2: the weights' float8 scales computed after each optimizer step)
 
-TP comes first because it replaces parameters with DTensors (or local shards) that everything
+float8 conversion comes before everything that wraps the linears (torchtitan converts the model before it
+parallelizes it): FSDP2 then gathers the float8 weights' tensor subclass, and each block compiled or checkpointed
+holds Float8Linear modules. TP comes first among the parallel steps because it replaces parameters with DTensors (or local shards) that everything
 after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
 (torchtitan's order: TP, activation checkpointing, compile, FSDP: each block is compiled with its
 recompute inside, and FSDP's hooks stay outside the compiled code); the optimizer is built last, over the
@@ -39,7 +43,7 @@ plan was made for.
 
 from __future__ import annotations
 
-from autoshard.ir.decisions import precision_policy
+from autoshard.ir.decisions import FLOAT8_OFF, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.steps import MESH_ORDER, WHOLE_MESH, Layout, Step
@@ -99,9 +103,28 @@ def _cast_steps(plan: Plan) -> list[Step]:
     ]
 
 
+def _float8_steps(plan: Plan) -> list[Step]:
+    recipe = plan.decisions.float8
+    if recipe == FLOAT8_OFF:
+        return []
+    gather = plan.decisions.float8_all_gather
+    return [
+        Step(
+            "apply_float8",
+            None,
+            (("float8", recipe), ("linears", tuple(plan.float8_linears)), ("fsdp_float8_all_gather", gather)),
+            f"float8 training ({recipe} scaling, torchao's convert_to_float8_training) of the "
+            f"{len(plan.float8_linears)} linears whose dims are divisible by 16, not the output projection: their "
+            "matmuls in float8, each operand scaled and cast first"
+            + ("; FSDP2 gathers their weights in float8" if gather else ""),
+        )
+    ]
+
+
 def _spmd_steps(plan: Plan) -> list[Step]:
     steps = [
         *_cast_steps(plan),
+        *_float8_steps(plan),
         *_tp_steps(plan, before_split=False),
         *_ep_steps(plan),
         *_recompute_steps(plan),
@@ -388,4 +411,7 @@ def _optimizer_step(plan: Plan) -> Step:
         why = "the recipe's optimizer over the replicated DTensor parameters, whole on every dp rank"
     else:
         why = "the recipe's optimizer, whole on every rank"
+    if plan.decisions.float8_all_gather:
+        why += "; after each step, the float8 weights' scales for the next all-gather (one amax all-reduce)"
+        return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage), ("float8_scales", True)), why)
     return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage),), why)

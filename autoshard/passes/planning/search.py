@@ -426,6 +426,7 @@ def _alternative(p: Priced, best: Priced, cluster: Cluster) -> Alternative:
         schedule=c.schedule,
         predicted=p.predicted and replace(p.predicted, pp_rank_memory=()),  # the plan keeps its own
         why_not=why_not(p, best, cluster),
+        float8=c.float8,
     )
 
 

@@ -26,6 +26,11 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
             (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
             its start-up (tens of seconds per block kind on CPU ranks, minutes on large models)
+    float8 (torchao's Float8Linear on the linears ``cost.float8.float8_linears`` names): off, and tensorwise on
+            a device with float8 matmuls (``DeviceSpec.float8_tflops`` > 0) when the model has such linears,
+            on meshes with pp = 1, tp = 1 and ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
+            (``--float8``): it prices above tensorwise (twice the casts, the same matmuls) and is chosen for its
+            numerics, not its speed (``float8_choices``)
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.planning.stage_cuts`` chooses them
 
@@ -41,10 +46,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from autoshard.cost.float8 import float8_linears
 from autoshard.cost.units import node_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
     ALTERNATE,
+    FLOAT8_OFF,
     PIN_RECOMPUTE,
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
@@ -55,6 +62,7 @@ from autoshard.ir.decisions import (
     Decisions,
     Mesh,
     compile_runs,
+    float8_runs,
 )
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
@@ -107,6 +115,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_sequence_parallel(pins)
     _check_precision(pins)
     _check_compile(pins)
+    _check_float8(pins, cluster)
     _check_alternate(pins)
 
 
@@ -132,6 +141,47 @@ def _check_precision(pins: Pins) -> None:
                 f"--precision fp16 with {flag} {value} is not emitted yet (the loss scaler is "
                 f"verified over data parallelism only); pin {flag} 1 or --precision bf16"
             )
+
+
+def _check_float8(pins: Pins, cluster: Cluster) -> None:
+    """--float8 RECIPE where float8 linears are not emitted (``ir.decisions.float8_runs``) or the device has no
+    float8 matmuls: one line each."""
+    if pins.float8 in (None, FLOAT8_OFF):
+        return
+    if not cluster.device.has_float8:
+        raise AutoshardError(
+            f"--float8 {pins.float8}: {cluster.name}'s device {cluster.device.name} has no float8 matmuls "
+            f"(float8_tflops is 0: CPU ranks, A100; torch._scaled_mm needs an H100-class GPU); pin --float8 off, or "
+            f"plan for a cluster whose device gives float8_tflops"
+        )
+    for flag, value, why in (
+        ("--pp", pins.pp, "pipeline stages are traced, and torchao's float8 tensors are not traced by the split yet"),
+        ("--tp", pins.tp, "torchao's float8 TP styles are not among autoshard's yet"),
+        ("--ep", pins.ep, "expert shards are not converted"),
+    ):
+        if (value or 1) > 1:
+            raise AutoshardError(
+                f"--float8 {pins.float8} with {flag} {value} is not emitted yet ({why}); pin {flag} 1 or --float8 off"
+            )
+
+
+def float8_choices(graph: OpGraph, cluster: Cluster, pins: Pins) -> tuple[str, ...]:
+    """The float8 values searched (module doc): the pinned one; else off, and tensorwise where the device has
+    float8 matmuls and the model has linears torchao converts."""
+    if pins.float8 is not None:
+        return (pins.float8,)
+    if cluster.device.has_float8 and float8_linears(graph):
+        return (FLOAT8_OFF, "tensorwise")
+    return (FLOAT8_OFF,)
+
+
+def _check_graph_float8(graph: OpGraph, pins: Pins) -> None:
+    """--float8 RECIPE on a model without a linear torchao converts: one line."""
+    if pins.float8 not in (None, FLOAT8_OFF) and not float8_linears(graph):
+        raise AutoshardError(
+            f"--float8 {pins.float8}: this model has no linear float8 converts (an nn.Linear whose weight's dims "
+            f"are both divisible by 16, other than the output projection); pin --float8 off"
+        )
 
 
 def _check_alternate(pins: Pins) -> None:
@@ -388,10 +438,11 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     blocks, refusals = max_stages(graph), cut_refusals(graph)  # blocks a stage may begin at, and why not
     split_backward = not split_backward_graph_refusal(graph)  # zero-bubble schedules train this model right
     experts = tuple(g.experts for g in graph.experts)
+    float8s = float8_choices(graph, cluster, pins)
     configs = [
         c
         for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-        for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts)
+        for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts, float8s)
         if _honours_cuts(c, pins, len(graph.blocks), refusals)
         and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
         and (not graph.batch_coupling or keeps_batch_whole(c))
@@ -488,6 +539,7 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
     _check_pinned_cuts(graph, pins)
     _check_graph_ep(graph, pins)
     _check_graph_cp(graph, pins)
+    _check_graph_float8(graph, pins)
 
 
 def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:
@@ -636,13 +688,16 @@ def mesh_configs(
     blocks: int,
     cluster: Cluster | None = None,
     experts: tuple[int, ...] = (),
+    float8s: tuple[str, ...] = (FLOAT8_OFF,),
 ) -> list[Decisions]:
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
-    group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each."""
+    group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each;
+    float8 variants of ``float8s`` (``float8_choices``) where they run."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
     compiled = bool(pins.compile)  # off unless pinned: compiling costs each launch minutes of start-up
     return [
-        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, compile=compiled)
+        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, compile=compiled, float8=f8)
+        for f8 in float8s
         for c in configs
         for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
         if pins.dp_replicate in (None, r)
@@ -651,6 +706,7 @@ def mesh_configs(
         for sp in sequence_parallel_choices(mesh)
         if pins.sequence_parallel in (None, sp)
         if not compiled or compile_runs(mesh, e, sp, c.recompute)
+        if f8 == FLOAT8_OFF or float8_runs(mesh, e)
     ]
 
 
@@ -827,6 +883,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
             f"pin an --ep that divides one of them, or plan for more devices"
+        )
+    if pins.float8 not in (None, FLOAT8_OFF) and not any(float8_runs(m) for m in meshes):
+        return (
+            f"--float8 {pins.float8} converts the linears of plans without pipeline stages or tensor parallelism, "
+            "and this cluster's meshes that honour the pins have one of them; pin --pp 1 --tp 1, or --float8 off"
         )
     if pins.compile and not any(compile_runs(m) for m in meshes):
         return (

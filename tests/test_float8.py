@@ -1,0 +1,187 @@
+"""--float8: torchao's float8 training as a decision: searched and priced on H100s, refused where there are no float8
+matmuls, lowered before every wrapper, printed in the program and in inspect, verified through its twin."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.cli import main
+from autoshard.cost.float8 import (
+    cast_bytes_per_element,
+    float8_linears,
+    forward_casts_s,
+    transpose_bytes_per_element,
+)
+from autoshard.cost.hardware import PRESETS, load_cluster
+from autoshard.cost.tables import CostTables
+from autoshard.cost.units import node_forward_s
+from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import FLOAT8_RECIPES
+from autoshard.ir.plan import load_plan
+from autoshard.ir.topology import Cluster
+from autoshard.passes.lowering.codegen import emit_program
+from autoshard.passes.lowering.lower import lower
+from autoshard.pipeline import capture_graph
+from autoshard.runtime.float8 import apply_float8
+from autoshard.show import float8_text
+from autoshard.verify import float8_twin
+
+LLAMA_8B = "benchmarks/llama3.py:llama3_8b_2l"  # Llama-3 8B's shape (d 4096, FFN 14336, vocab 128256), 2 layers
+GPT = "examples/gpt.py:build"
+H100 = PRESETS["dgx-h100"].device
+PINS_8B = dict(global_batch=16, dp=8, tp=1, pp=1, zero=3, microbatch_size=1, recompute="selective")
+
+
+@pytest.fixture(scope="module")
+def plans_8b():
+    """The 8B shape on one DGX H100 with float8 left to the search, and its bf16 twin (float8 pinned off)."""
+    chosen = autoshard.plan(LLAMA_8B, cluster="dgx-h100", **PINS_8B)
+    twin = autoshard.plan(LLAMA_8B, cluster="dgx-h100", float8="off", **PINS_8B)
+    return chosen, twin
+
+
+def test_the_search_chooses_float8_on_h100_for_the_8b_shape_and_lists_its_linears(plans_8b):
+    chosen, twin = plans_8b
+    assert chosen.decisions.float8 == "tensorwise" and twin.decisions.float8 == "off"
+    # every linear of the two blocks (q, k, v, o, w1, w2, w3), not the output projection (torchtitan's filter)
+    assert len(chosen.float8_linears) == 2 * 7 and "output" not in chosen.float8_linears
+    assert chosen.float8_linears[:4] == tuple(f"layers.0.attention.w{x}" for x in "qkvo")
+    assert twin.float8_linears == ()
+    assert "tensorwise scaling (torchao Float8Linear) on 14 linears: layers.*.attention.wq" in float8_text(chosen)
+
+
+def test_float8_step_is_faster_than_its_bf16_twin_by_a_datasheet_consistent_ratio(plans_8b):
+    """The matmuls at 1979 instead of 989 TFLOP/s (H100 SXM datasheet): the step gains, by less than the peaks'
+    ratio (attention, elementwise work, the casts and communication are not float8), and the same memory."""
+    chosen, twin = plans_8b
+    speedup = twin.predicted.step_time_s / chosen.predicted.step_time_s
+    assert 1.05 < speedup < H100.float8_tflops / H100.peak_tflops
+    assert chosen.predicted.memory_peak_bytes_per_rank == twin.predicted.memory_peak_bytes_per_rank
+
+
+def test_a_converted_linear_runs_at_the_float8_peak_plus_its_casts():
+    """Per node: the float8 matmul is the bf16 one at P / P₈ (compute-bound), plus the casts' bytes (cost.float8)."""
+    _, graph = capture_graph(LLAMA_8B, use_cache=True, proofs=False)
+    tables = CostTables(graph, load_cluster("dgx-h100"))
+    linears = float8_linears(graph)
+    bf16 = tables.units(1, "none", None, False, None)
+    f8 = tables.units(1, "none", None, False, ("tensorwise", linears, 1.0))
+    rowwise = tables.units(1, "none", None, False, ("rowwise", linears, 1.0))
+    block = 1  # unit 1: block 0
+    assert f8.forward_s[block] < bf16.forward_s[block] and f8.backward_s[block] < bf16.backward_s[block]
+    assert rowwise.forward_s[block] > f8.forward_s[block]  # twice the casts, the same matmuls
+    assert f8.forward_s[0] == bf16.forward_s[0] and f8.forward_s[-1] == bf16.forward_s[-1]  # embedding, head
+    # one FFN matmul (M = 8192 tokens, N = 14336, K = 4096): compute-bound, so exactly P / P₈ of its bf16 time
+    node = next(n for n in graph.nodes if n.module_path == "layers.0.feed_forward.w1")
+    at = [n.name for n in graph.nodes].index(node.name)
+    args = (graph, 1, tables.cluster.device, tables.precision.activation_bytes, 4, "flash", tables.runtime.kernels)
+    t_bf16 = node_forward_s(*args)[at]
+    t_f8 = node_forward_s(*args, None, False, ("tensorwise", linears, 1.0))[at]
+    scale = 1 / graph.batch_size
+    casts = forward_casts_s(node, (14336, 4096), scale, ("tensorwise", linears, 1.0), 2, H100)
+    assert t_f8 - casts == pytest.approx(t_bf16 * H100.peak_tflops / H100.float8_tflops, rel=1e-9)
+    # x (8192 x 4096) and W (14336 x 4096) cast, 7 bytes an element at 0.62 of 3.0 TB/s, 3 kernels each
+    assert casts == pytest.approx(2 * 3 * 1.3e-6 + (8192 + 14336) * 4096 * 7 / (0.62 * 3000e9), rel=1e-9)
+    # FSDP2's float8 all-gather over 8 ranks: W cast by shards, each rank an eighth of it (and transposed whole)
+    sharded = forward_casts_s(node, (14336, 4096), scale, ("tensorwise", linears, 1 / 8), 2, H100)
+    assert sharded == pytest.approx(casts - 14336 * 4096 * 5 * (7 / 8) / (0.62 * 3000e9), rel=1e-9)
+    assert cast_bytes_per_element(FLOAT8_RECIPES["tensorwise"], 2) == 5  # amax 2 + cast 2 + 1
+    assert transpose_bytes_per_element(FLOAT8_RECIPES["tensorwise"]) == 2  # read 1 + write 1
+    assert transpose_bytes_per_element(FLOAT8_RECIPES["tensorwise"], compiled=True) == 1  # written by the cast
+    assert cast_bytes_per_element(FLOAT8_RECIPES["rowwise"], 2) == 10  # two casts of 5, no transposed copy
+
+
+def test_pinned_float8_without_float8_matmuls_is_refused_in_one_line(capsys):
+    for cluster, device in (("local-cpu", "cpu-process"), ("dgx-a100-80gb", "A100-SXM-80GB")):
+        code = main(["plan", GPT, "--cluster", cluster, "--global-batch", "8", "--float8", "tensorwise"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"--float8 tensorwise: {cluster}'s device {device} has no float8 matmuls" in err
+        assert "pin --float8 off" in err
+
+
+def test_float8_pins_outside_what_is_emitted_are_refused():
+    with pytest.raises(AutoshardError, match="--float8 rowwise with --tp 2 is not emitted yet"):
+        autoshard.plan(GPT, cluster="dgx-h100", global_batch=8, tp=2, float8="rowwise")
+    with pytest.raises(AutoshardError, match="--float8 bf8 must be one of off, tensorwise, rowwise"):
+        autoshard.plan(GPT, cluster="dgx-h100", global_batch=8, float8="bf8")
+
+
+def test_cpu_clusters_search_no_float8_and_write_no_float8_key(tmp_path):
+    plan = autoshard.plan(GPT, cluster="local-cpu", global_batch=8, dp=2, tp=1, pp=1, zero=0, microbatch_size=4)
+    assert plan.decisions.float8 == "off" and not plan.float8_linears
+    text = plan.to_json()
+    assert "float8" not in text  # decisions.float8, layout.float8_linears and device.float8_tflops: all absent
+
+
+def test_the_cluster_files_name_the_float8_peak():
+    assert PRESETS["dgx-h100"].device.float8_tflops == 1979.0
+    assert not PRESETS["dgx-a100-80gb"].device.has_float8 and not PRESETS["local-cpu"].device.has_float8
+    assert load_cluster("examples/cluster.yaml").device.float8_tflops == 1979.0
+    assert load_cluster("benchmarks/clusters/grand_teton_h100.yaml").device.float8_tflops == 1979.0
+    d = PRESETS["dgx-h100"].to_dict()
+    assert Cluster.from_dict(d).device == PRESETS["dgx-h100"].device
+    with pytest.raises(AutoshardError, match="float8_tflops"):
+        Cluster.from_dict({**d, "device": {**d["device"], "float8_tflops": -1}})
+
+
+def test_the_program_converts_before_fsdp_and_computes_scales_after_each_step():
+    plan = load_plan("tests/golden/float8_dp_zero3.plan.json")
+    ops = [step.op for step in lower(plan)]
+    assert ops.index("apply_float8") < ops.index("apply_fsdp") < ops.index("build_optimizer")
+    program = emit_program(plan)
+    assert 'FLOAT8 = "tensorwise"' in program
+    assert "model = apply_float8(model, float8=FLOAT8, linears=FLOAT8_LINEARS, fsdp_float8_all_gather=True)" in program
+    assert "float8_scales=True" in program
+
+
+def test_rowwise_gathers_bf16_weights():
+    """torchao's float8 all-gather is tensorwise only: a rowwise plan gathers its weights as FSDP2 does."""
+    plan = autoshard.plan(
+        GPT, cluster="dgx-h100", global_batch=64, dp=8, tp=1, pp=1, zero=3, microbatch_size=8, float8="rowwise"
+    )
+    step = next(s for s in lower(plan) if s.op == "apply_float8")
+    assert step.kwargs["float8"] == "rowwise" and step.kwargs["fsdp_float8_all_gather"] is False
+    assert "float8_scales" not in next(s for s in lower(plan) if s.op == "build_optimizer").kwargs
+
+
+def test_verify_runs_the_twin_with_float8_off():
+    plan = load_plan("tests/golden/float8_dp_zero3.plan.json")
+    twin, notes = float8_twin(plan)
+    assert twin.decisions == dataclasses.replace(plan.decisions, float8="off") and twin.float8_linears == ()
+    assert "apply_float8" not in [s.op for s in lower(twin)]
+    assert "verified through its twin: the same plan with float8 off (bf16-autocast)" in notes[0]
+    assert float8_twin(twin) == (twin, ())
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.out = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.out(self.down(torch.relu(self.up(x))))
+
+
+def test_the_applier_converts_the_named_linears_only():
+    """On the meta device (as programs build), and emulated on CPU: the float8 model trains close to its twin."""
+    with torch.device("meta"):
+        meta = _Mlp()
+    apply_float8(meta, "tensorwise", ("up", "down"), emulate=True)
+    assert [type(m).__name__ for m in (meta.up, meta.down, meta.out)] == ["Float8Linear", "Float8Linear", "Linear"]
+    torch.manual_seed(0)
+    twin, model = _Mlp(), _Mlp()
+    model.load_state_dict(twin.state_dict())
+    apply_float8(model, "tensorwise", ("up", "down"), emulate=True)
+    x = torch.randn(16, 32)
+    assert torch.allclose(model(x), twin(x), atol=0.1)
+
+
+def test_the_applier_refuses_without_float8_matmuls():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(AutoshardError, match="--float8 tensorwise: this torch build .* has no CUDA device"):
+        apply_float8(_Mlp(), "tensorwise", ("up",))
