@@ -112,7 +112,7 @@ def rank_share(graph: OpGraph, choice: TPChoice, in_stages: bool = False) -> Ran
     layout splits (``shard_flow``), and the matmuls of a replicated or column-parallel weight that read a
     split value, which keep it gathered whole (sequence parallelism); ``in_stages`` (pipeline stages,
     ``runtime.tensor_parallel_stages``): the linears of ``STAGE_COPYING_STYLES`` each keep their own copy of
-    their input; computed once per layout."""
+    their input (but those reading a sequence-parallel module's gathered input); computed once per layout."""
     key = ("rank_share", choice.tp, styles_key(choice), in_stages)
     return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp, in_stages))
 
@@ -130,7 +130,8 @@ def styles_key(choice: TPChoice) -> frozenset[tuple[str, str]]:
 
 
 # Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage
-# (runtime.tensor_parallel_stages: Megatron's f before a column split)
+# (runtime.tensor_parallel_stages: Megatron's f before a column split), but inside a gather-seq-module-input module,
+# whose gathered input its column linears read as it is
 STAGE_COPYING_STYLES = frozenset({"colwise", "colwise-gather", "conv1d-colwise"})
 
 

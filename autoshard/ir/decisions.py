@@ -486,8 +486,9 @@ class Decisions:
     # torch.compile of each block (inductor): its elementwise chains fused between the matmuls and attention
     # (``runtime.compiled``, priced by ``cost.compiled``); SPMD plans without cp or ep (``compile_runs``)
     compile: bool = field(default=False, metadata=in_plan("flag"))
-    # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
-    # parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model allows.
+    # Sequence parallelism (tp > 1, with or without pipeline stages): the TP layout is solved with the regions
+    # between the parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model
+    # allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 
