@@ -141,11 +141,7 @@ def sequence_text(plan: Plan) -> str:
         parts.append(
             f"sequence parallel with tp={plan.mesh.tp}: the regions between TP's linears on 1/{plan.mesh.tp} "
             f"of the tokens (reduce-scatter + all-gather for each all-reduce)"
-            + (
-                f"; a pipeline boundary between them sends 1/{plan.mesh.tp} of the tokens"
-                if plan.mesh.pp > 1
-                else ""
-            )
+            + (f"; a pipeline boundary between them sends 1/{plan.mesh.tp} of the tokens" if plan.mesh.pp > 1 else "")
         )
     return "; ".join(parts)
 

@@ -681,7 +681,9 @@ def test_sequence_parallel_is_a_choice_inside_pipeline_stages(gpt):
 
     assert sequence_parallel_choices(Mesh(1, 2, 2)) == (False, True)
     assert sequence_parallel_choices(Mesh(2, 1, 2)) == (False,)
-    p = plan(gpt, GPT, load_cluster(FAST_LINK, devices_per_node=4), 16, tp=2, pp=2, schedule="1f1b", sequence_parallel=True)
+    p = plan(
+        gpt, GPT, load_cluster(FAST_LINK, devices_per_node=4), 16, tp=2, pp=2, schedule="1f1b", sequence_parallel=True
+    )
     assert p.sequence_parallel and p.mesh.pp == 2 and p.split_points
     assert p.tensor_parallel["h.0.attn.c_proj"] == "rowwise-seq-output-dim1"
 

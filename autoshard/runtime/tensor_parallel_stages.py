@@ -475,12 +475,12 @@ def _local_module(module: nn.Module, shard: Shard) -> nn.Module:
 
 
 def _sequence_hooks(module: nn.Module, shard: Shard) -> nn.Module:
-    """``module`` (in place) calling its forward between the sequence ops of its style (module doc):
+    """``module`` (in place) calling its forward between the sequence ops of its style (module doc)::
 
-        gather-seq-input-dimd         first positional input  sp_gather (slice back: its code's gradient is whole)
-        gather-seq-module-input-dimd  first tensor argument   sp_gather (reduce-scatter back), kept in ``gathered``
-        scatter-seq-input-dimd        first positional input  sp_split
-        scatter-seq-output-dimd       output                  sp_split
+    gather-seq-input-dimd         first positional input  sp_gather (slice back: its code's gradient is whole)
+    gather-seq-module-input-dimd  first tensor argument   sp_gather (reduce-scatter back), kept in ``gathered``
+    scatter-seq-input-dimd        first positional input  sp_split
+    scatter-seq-output-dimd       output                  sp_split
     """
     inner, d, group = module.forward, shard.seq_dim, shard.group_name
     kind = shard.style.removesuffix(f"-dim{d}")

@@ -268,8 +268,8 @@ def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
     parallelism, and whether a split backward reruns full recompute: the units ``partition_problem`` reads,
     ``pipeline_units``)."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full"
-    mesh = config.mesh
-    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, mesh.tp, config.sequence_parallel, split)
+    tp, sp = config.mesh.tp, config.sequence_parallel
+    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, tp, sp, split)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False), config.num_stages))
     assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
     return cuts
