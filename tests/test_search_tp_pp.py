@@ -678,6 +678,7 @@ def test_sequence_parallel_is_a_choice_inside_pipeline_stages(gpt):
     """tp > 1 offers sequence parallelism with or without stages; the pinned plan's stages run its styles."""
     from autoshard.ir.decisions import Mesh
     from autoshard.passes.planning.strategies import sequence_parallel_choices
+    from autoshard.show import sequence_text
 
     assert sequence_parallel_choices(Mesh(1, 2, 2)) == (False, True)
     assert sequence_parallel_choices(Mesh(2, 1, 2)) == (False,)
@@ -686,6 +687,7 @@ def test_sequence_parallel_is_a_choice_inside_pipeline_stages(gpt):
     )
     assert p.sequence_parallel and p.mesh.pp == 2 and p.split_points
     assert p.tensor_parallel["h.0.attn.c_proj"] == "rowwise-seq-output-dim1"
+    assert "a pipeline boundary between them sends 1/2 of the tokens" in sequence_text(p)  # autoshard inspect
 
 
 def test_sequence_parallel_stages_send_and_keep_a_tp_share_of_the_boundary(gpt):
