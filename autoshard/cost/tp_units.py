@@ -18,7 +18,14 @@ from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import TPCost, block_input_shares, local_params_by_block, splits_param, tp_comm_factor
+from autoshard.cost.tp import (
+    TPCost,
+    block_input_shares,
+    local_params_by_block,
+    splits_param,
+    styles_key,
+    tp_comm_factor,
+)
 from autoshard.cost.units import Units, node_units, unit_param_names
 from autoshard.ir.decisions import SHARDING_STYLES, ZERO_BUBBLE_SCHEDULES, Decisions
 from autoshard.ir.graph import OpGraph
@@ -142,7 +149,7 @@ def boundary_shares(tables: CostTables, config: Decisions) -> tuple[float, ...]:
     if config.mesh.tp == 1:
         return (1.0,) * len(tables.graph.blocks)
     choice = tables.layout_cost(config).choice
-    key = ("block_input_shares", choice.tp, tuple(sorted(choice.styles.items())))
+    key = ("block_input_shares", choice.tp, styles_key(choice))
     return tables.graph.derived(key, lambda: block_input_shares(tables.graph, tables.rank_share(config)))
 
 
