@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autoshard.errors import AutoshardError
 from autoshard.runtime.tensor_parallel_stages import param_shard_dims, shard_for_tracing
 
 
@@ -124,3 +125,21 @@ def test_sequence_parallel_styles_trace_their_ops_and_train_like_the_model(group
     sharded(ids).square().sum().backward()
     for (name, p), q in zip(reference.named_parameters(), sharded.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_a_gathered_input_no_column_linear_reads_as_it_is_is_refused(group):
+    """The gather's backward reduce-scatters its readers' partial gradients: a module whose column linears read
+    something else than the gathered tokens (here a copy of them) would sum them twice, so its trace is refused."""
+
+    class Copying(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.up(x * 1.0)
+
+    model = nn.Sequential(Copying())
+    shard_for_tracing(model, group, {"0": "gather-seq-module-input-dim1", "0.up": "colwise"})
+    with pytest.raises(AutoshardError, match="read the tokens it gathered as they are"):
+        model(torch.randn(2, 4, 8))

@@ -235,9 +235,12 @@ class GatheredInput:
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
+        self.reads = 0  # column linears that took it as it is, in the call in progress
 
     def holds(self, x: torch.Tensor) -> bool:
-        return self.value is not None and x is self.value
+        held = self.value is not None and x is self.value
+        self.reads += held
+        return held
 
 
 def _column_input(x: torch.Tensor, seq_dim: int | None, gathered: GatheredInput | None, group_name: str):
@@ -498,8 +501,18 @@ def _sequence_hooks(module: nn.Module, shard: Shard) -> nn.Module:
         return args, {**kwargs, key: change(kwargs[key])}
 
     def keep(x: torch.Tensor) -> torch.Tensor:
-        shard.gathered.value = sp_gather(x, d, True, group)
+        shard.gathered.value, shard.gathered.reads = sp_gather(x, d, True, group), 0
         return shard.gathered.value
+
+    def check_read() -> None:
+        """The gather's backward reduce-scatters partial gradients: a column linear must have read the gathered
+        tokens as they are (the planner gives them no other reader), or the program would not train as one
+        process does."""
+        if not shard.gathered.reads:
+            raise AutoshardError(
+                f"sequence parallel: no column-parallel linear of {shard.path} ({type(module).__name__}) read the "
+                f"tokens it gathered as they are; re-plan with --sequence-parallel off"
+            )
 
     def forward(*args, **kwargs):
         if kind == "scatter-seq-output":
@@ -507,9 +520,11 @@ def _sequence_hooks(module: nn.Module, shard: Shard) -> nn.Module:
         if kind == "gather-seq-module-input":
             args, kwargs = first_input(keep, args, kwargs, keyword=True)
             try:
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
             finally:
                 shard.gathered.value = None
+            check_read()
+            return out
         if kind == "gather-seq-input":
             args, kwargs = first_input(lambda x: sp_gather(x, d, False, group), args, kwargs, keyword=False)
         else:  # scatter-seq-input
