@@ -48,7 +48,8 @@ The sequence-parallel styles (``ir.decisions``' second table), the same shards w
     scatter-seq-output-dimd         a replicated module: its output sp_split
     gather-seq-module-input-dimd    a module whose colwise linears read its input: its first tensor argument
                                     sp_gather'd once (reduce-scatter back); those linears then take no f, as
-                                    DTensor's ColwiseParallel takes the gathered Replicate DTensor as it is
+                                    DTensor's ColwiseParallel takes the gathered Replicate DTensor as it is (a
+                                    trace where none of them read it as it is is refused)
     scatter-seq-input-dimd          a block: its first positional input sp_split
 
 Every TP rank builds the same seeded model and keeps its slice, so no weights are sent. Module
@@ -376,7 +377,7 @@ def shard_for_tracing(model: nn.Module, tp_group: dist.ProcessGroup, styles: dic
             continue
         original = model.get_submodule(path)
         gathered = next((g for p, g in gathering.items() if path.startswith(p + ".")), None)
-        shard = Shard(path, style, rank, size, name, gathering.get(path) or gathered)
+        shard = LocalStyle(path, style, rank, size, name, gathering.get(path) or gathered)
         local = _keep_attributes(_local_module(original, shard), original)
         parent, _, child = path.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_module(child, local)
@@ -429,7 +430,7 @@ def param_shard_dims(style: str) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class Shard:
+class LocalStyle:
     """What one module's local form needs: its path and style, this rank of the tp group, and the gathered input of
     the ``gather-seq-module-input`` module holding it (or its own, if it is one)."""
 
@@ -458,7 +459,7 @@ _GATHER_MODULE = "gather-seq-module-input-dim"
 _MODULE_HOOKS = ("gather", "scatter")  # bases of the styles that wrap a module's forward, sharding nothing
 
 
-def _local_module(module: nn.Module, shard: Shard) -> nn.Module:
+def _local_module(module: nn.Module, shard: LocalStyle) -> nn.Module:
     style, base, seq = shard.style, shard.base, shard.seq_dim
     args = (shard.rank, shard.size, shard.group_name)
     if style.startswith(SHARDED_INPUT):
@@ -477,7 +478,7 @@ def _local_module(module: nn.Module, shard: Shard) -> nn.Module:
     )
 
 
-def _sequence_hooks(module: nn.Module, shard: Shard) -> nn.Module:
+def _sequence_hooks(module: nn.Module, shard: LocalStyle) -> nn.Module:
     """``module`` (in place) calling its forward between the sequence ops of its style (module doc)::
 
     gather-seq-input-dimd         first positional input  sp_gather (slice back: its code's gradient is whole)
