@@ -139,7 +139,8 @@ def decision_table(plan: Plan) -> Table:
 
 def sequence_text(plan: Plan) -> str:
     """Which axes bear the sequence: context parallelism (each sample's tokens split over cp ranks) and
-    sequence parallelism (TP's norm and dropout regions on 1/tp of the tokens); "" when neither."""
+    sequence parallelism (TP's norm and dropout regions on 1/tp of the tokens, and so a pipeline boundary there);
+    "" when neither."""
     tokens = plan.model.get("tokens_per_sample", 1)
     parts = []
     if plan.mesh.cp > 1:
@@ -151,6 +152,7 @@ def sequence_text(plan: Plan) -> str:
         parts.append(
             f"sequence parallel with tp={plan.mesh.tp}: the regions between TP's linears on 1/{plan.mesh.tp} "
             f"of the tokens (reduce-scatter + all-gather for each all-reduce)"
+            + (f"; a pipeline boundary between them sends 1/{plan.mesh.tp} of the tokens" if plan.mesh.pp > 1 else "")
         )
     return "; ".join(parts)
 

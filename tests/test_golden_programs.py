@@ -82,7 +82,11 @@ PLAN_COMMANDS = {
     "--schedule interleaved-1f1b --virtual-stages 2 --recompute none",
     "zbv_pipeline": f"{GPT} {CPU4} --global-batch 16 --dp 2 --tp 1 --pp 2 --zero 1 --schedule zbv",
     "tp_pp": f"{GPT} {FAST_LINK} --devices-per-node 8 --global-batch 16 --dp 2 --tp 2 --pp 2 --zero 0 "
-    "--microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none",
+    "--microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none --sequence-parallel off",
+    # the same with sequence parallelism inside the stages (its styles as local shards with traced sequence ops)
+    "tp_pp_sequence_parallel": f"{GPT} {FAST_LINK} --devices-per-node 8 --global-batch 16 --dp 2 --tp 2 --pp 2 "
+    "--zero 0 --microbatch-size 4 --schedule interleaved-1f1b --virtual-stages 2 --recompute none "
+    "--sequence-parallel on",
     # compiled blocks (torch.compile after recompute, before FSDP2) with torchtitan's op-level selective recompute
     "compiled_alternate": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 "
     "--zero 3 --microbatch-size 4 --recompute alternate --compile on",

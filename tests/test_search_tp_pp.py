@@ -662,3 +662,54 @@ def test_split_backward_is_refused_where_it_would_drop_part_of_a_gradient(in_rep
     ]
     assert plan(t5, "tests/models/hf_t5.py:build", local(2), 8, pp=2).schedule in ("gpipe", "1f1b", "interleaved-1f1b")
     assert split_backward_graph_refusal(capture_graph(GPT)[1]) == ""
+
+
+# ---------------------------------------------------------------------------- sequence parallelism in stages
+
+
+def tp2_pp2(sequence_parallel: bool):
+    """tp 2 x pp 2, 1F1B over 4 micro-batches of 2, with or without sequence parallelism."""
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    return Decisions(Mesh(1, 2, 2), 0, 2, 4, schedule="1f1b", sequence_parallel=sequence_parallel)
+
+
+def test_sequence_parallel_is_a_choice_inside_pipeline_stages(gpt):
+    """tp > 1 offers sequence parallelism with or without stages; the pinned plan's stages run its styles."""
+    from autoshard.ir.decisions import Mesh
+    from autoshard.passes.planning.strategies import sequence_parallel_choices
+    from autoshard.show import sequence_text
+
+    assert sequence_parallel_choices(Mesh(1, 2, 2)) == (False, True)
+    assert sequence_parallel_choices(Mesh(2, 1, 2)) == (False,)
+    p = plan(
+        gpt, GPT, load_cluster(FAST_LINK, devices_per_node=4), 16, tp=2, pp=2, schedule="1f1b", sequence_parallel=True
+    )
+    assert p.sequence_parallel and p.mesh.pp == 2 and p.split_points
+    assert p.tensor_parallel["h.0.attn.c_proj"] == "rowwise-seq-output-dim1"
+    assert "a pipeline boundary between them sends 1/2 of the tokens" in sequence_text(p)  # autoshard inspect
+
+
+def test_sequence_parallel_stages_send_and_keep_a_tp_share_of_the_boundary(gpt):
+    """With sequence parallelism the residual stream between blocks is each TP rank's 1/tp of the tokens: a
+    pipeline boundary there sends (and its receive buffer holds) half of what it does without, at tp 2; the
+    stages' saved activations are smaller, and the rank's p2p time with them."""
+    from autoshard.cost.pipeline_step import rank_loads, stage_buffer_bytes
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import boundary_shares, pipeline_units
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    tables = CostTables(gpt[1], load_cluster(FAST_LINK, devices_per_node=4))
+    off, on = tp2_pp2(False), tp2_pp2(True)
+    for config in (off, on):
+        hand_tp_layout(tables, config)
+    assert boundary_shares(tables, off) == (1.0,) * 4
+    assert boundary_shares(tables, on)[1:] == (0.5,) * 3  # h.0 takes its input whole and slices it itself
+    whole, sharded = pipeline_units(tables, off)[0], pipeline_units(tables, on)[0]
+    assert [s * 2 for s in sharded.boundary_bytes[1:]] == pytest.approx(whole.boundary_bytes[1:], rel=1e-3)
+    assert sum(sharded.saved_bytes) < sum(whole.saved_bytes)
+    owner = [0, 1]
+    assert stage_buffer_bytes(tables, on, 1, (2, 4), owner) < stage_buffer_bytes(tables, off, 1, (2, 4), owner)
+    loads = {c.sequence_parallel: rank_loads(tables, c, (2,)) for c in (off, on)}
+    assert loads[True][1].p2p_s < loads[False][1].p2p_s
+    assert loads[True][1].memory.activations_bytes < loads[False][1].memory.activations_bytes

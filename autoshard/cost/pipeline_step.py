@@ -55,7 +55,10 @@ grad_accumulation and optimizer are priced on the rank with the most parameters.
 TP × PP: each stage is split over tp as without pipelining (``pipeline_units``). The boundary
 activation is whole on every TP rank; each TP rank sends its own copy to its peer in the next
 stage, α + S/B on the pp link; a runtime that scatter-gathers (Megatron-LM, Narayanan et al.
-§4.1) sends S/t per rank and all-gathers it on the TP link: p2p(S/t) + AG(S, t).
+§4.1) sends S/t per rank and all-gathers it on the TP link: p2p(S/t) + AG(S, t). With sequence
+parallelism a boundary inside the sequence-sharded stream (``tp_units.boundary_shares``) holds S/t on
+each TP rank, which it sends as it is, α + S/(t·B), and the stage's output kept for its backward and its
+receive buffers are 1/t likewise.
 
 DP × PP collectives are ``cost.dp_comm.pipeline_dp_comm``'s, all exposed.
 
@@ -99,7 +102,13 @@ from autoshard.cost.schedule import (
     stage_owners,
 )
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
-from autoshard.cost.tp_units import forward_reruns, pipeline_units, tp_host_per_unit_s, unit_weight_groups
+from autoshard.cost.tp_units import (
+    boundary_shares,
+    forward_reruns,
+    pipeline_units,
+    tp_host_per_unit_s,
+    unit_weight_groups,
+)
 from autoshard.cost.units import Units, stage_ranges, stage_units
 from autoshard.ir.decisions import MIXED, Decisions, Mesh
 from autoshard.ir.plan import Memory
@@ -314,7 +323,17 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
         return tuple(x + share * (y - x) for x, y in zip(a, b))
 
     return tables.memo(
-        ("stage_pipeline_units", config.microbatch_size, config.mesh.tp, config.schedule, config.mesh.pp, m, v, stage),
+        (
+            "stage_pipeline_units",
+            config.microbatch_size,
+            config.mesh.tp,
+            config.sequence_parallel,
+            config.schedule,
+            config.mesh.pp,
+            m,
+            v,
+            stage,
+        ),
         lambda: replace(
             split,
             recompute_s=mixed(once.recompute_s, split.recompute_s),
@@ -370,8 +389,9 @@ def rank_loads(
         rerun = {u: runs[s] for s, rng in mine for u in stage_units(rng, units.blocks)}
         tp_hosts = {s: tp_host_per_unit_s(tables, config, stage_forward_reruns(tables, config, s)) for s, _ in mine}
         tp_host = {u: tp_hosts[s][u] for s, rng in mine for u in stage_units(rng, units.blocks)}
+        shares = boundary_shares(tables, config)
         p2p = sum(
-            2 * boundary_transfer_s(tables, config, units.boundary_bytes[i])
+            2 * boundary_transfer_s(tables, config, units.boundary_bytes[i], sequence_sharded=shares[i] < 1)
             for s, (i, _) in mine
             if s > 0 and owner[s - 1] != r
         )  # adjacent stages on one rank (the V's tip) send nothing
@@ -512,7 +532,8 @@ def stage_buffer_bytes(
     the split traced (the model's: ``CAPTURED_ELEM_BYTES``), and keeps them; a boundary is the residual
     stream entering a block and the tables the blocks share (``memory.shared_value_bytes``); none between two
     stages of one rank (the V's tip)."""
-    boundary = tables.memo(("stage_boundary_bytes", config.microbatch_size), lambda: _boundary_bytes(tables, config))
+    key = ("stage_boundary_bytes", config.microbatch_size, config.mesh.tp, config.sequence_parallel)
+    boundary = tables.memo(key, lambda: _boundary_bytes(tables, config))
     first, end = block_range
     receives = boundary[first] if index > 0 and owner[index - 1] != owner[index] else 0
     if index < len(owner) - 1 and owner[index + 1] != owner[index]:
@@ -521,11 +542,14 @@ def stage_buffer_bytes(
 
 
 def _boundary_bytes(tables: CostTables, config: Decisions) -> list[int]:
-    """Per block, what a stage beginning there receives of one micro-batch (``stage_buffer_bytes``)."""
+    """Per block, what a stage beginning there receives of one micro-batch (``stage_buffer_bytes``): the residual
+    stream on one TP rank (1/tp of its tokens under sequence parallelism: ``tp_units.boundary_shares``) and the
+    shared tables whole."""
     graph = tables.graph
     scale = config.microbatch_size / graph.batch_size
     shared = shared_value_bytes(graph)
-    return [int((b.input_bytes + shared) * scale) for b in graph.blocks]
+    shares = boundary_shares(tables, config)
+    return [int((b.input_bytes * k + shared) * scale) for b, k in zip(graph.blocks, shares)]
 
 
 def stage_in_flight(config: Decisions) -> tuple[float, ...]:
@@ -553,11 +577,14 @@ def split_backward_in_flight_bytes(config: Decisions, pp_rank: int, stage_bytes:
     )
 
 
-def boundary_transfer_s(tables: CostTables, config: Decisions, size_bytes: float) -> float:
-    """One pipeline boundary of S bytes, one way: each TP rank sends its whole copy to its peer,
+def boundary_transfer_s(
+    tables: CostTables, config: Decisions, size_bytes: float, sequence_sharded: bool = False
+) -> float:
+    """One pipeline boundary of S bytes on a TP rank, one way: each TP rank sends its whole copy to its peer,
     α + S/B on the pp link; or, with the runtime's scatter-gather (Narayanan et al. §4.1), 1/t of it,
-    then the t receivers all-gather: p2p(S/t) + AG(S, t) on the TP link."""
+    then the t receivers all-gather: p2p(S/t) + AG(S, t) on the TP link. ``sequence_sharded`` (sequence
+    parallelism: S is already this rank's 1/t of the tokens, and its stage runs on them): α + S/B."""
     link, tp = pp_link(tables.cluster, config.mesh), config.mesh.tp
-    if not tables.runtime.p2p_scatter_gather or tp == 1:
+    if not tables.runtime.p2p_scatter_gather or tp == 1 or sequence_sharded:
         return comm.p2p_s(size_bytes, link)
     return comm.p2p_s(size_bytes / tp, link) + comm.all_gather_s(size_bytes, tp, tp_link(tables.cluster, tp))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
-from autoshard.cost.saved import MATMUL_OPS, RankShare, storage_of
+from autoshard.cost.saved import MATMUL_OPS, WHOLE, RankShare, storage_of
 from autoshard.cost.units import node_units
 from autoshard.ir.decisions import SHARD_OUTPUT_STYLES, SHARDING_STYLES, TP_STYLES, TPChoice
 from autoshard.ir.graph import OpGraph
@@ -112,7 +112,7 @@ def rank_share(graph: OpGraph, choice: TPChoice, in_stages: bool = False) -> Ran
     layout splits (``shard_flow``), and the matmuls of a replicated or column-parallel weight that read a
     split value, which keep it gathered whole (sequence parallelism); ``in_stages`` (pipeline stages,
     ``runtime.tensor_parallel_stages``): the linears of ``STAGE_COPYING_STYLES`` each keep their own copy of
-    their input; computed once per layout."""
+    their input (but those reading a sequence-parallel module's gathered input); computed once per layout."""
     key = ("rank_share", choice.tp, styles_key(choice), in_stages)
     return graph.derived(key, lambda: _rank_share(graph, choice.styles, choice.tp, in_stages))
 
@@ -130,7 +130,8 @@ def styles_key(choice: TPChoice) -> frozenset[tuple[str, str]]:
 
 
 # Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage
-# (runtime.tensor_parallel_stages: Megatron's f before a column split)
+# (runtime.tensor_parallel_stages: Megatron's f before a column split), but inside a gather-seq-module-input module,
+# whose gathered input its column linears read as it is
 STAGE_COPYING_STYLES = frozenset({"colwise", "colwise-gather", "conv1d-colwise"})
 
 
@@ -148,6 +149,7 @@ def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int, in_stages: bool
             gathers.add(node.name)
             if style is not None and any(k == "input_layouts" and v.startswith("Shard") for k, v in style.arguments):
                 own.add(node.name)
+    gathering = tuple(p + "." for p, s in styles.items() if s.startswith("gather-seq-module-input-dim"))
     copies = frozenset(
         node.name
         for node in graph.nodes
@@ -155,6 +157,7 @@ def _rank_share(graph: OpGraph, styles: dict[str, str], tp: int, in_stages: bool
         and op_name(node.target) in MATMUL_OPS
         and node.param_inputs
         and styles.get(node.module_path) in STAGE_COPYING_STYLES
+        and not node.module_path.startswith(gathering)  # they read their module's gathered input as it is
     )
     partial, gathered_out = _collective_outputs(graph, styles)
     return RankShare(
@@ -243,3 +246,34 @@ def local_param_count(graph: OpGraph, sharded: dict[str, str], tp: int, block: s
     """Parameters per TP rank, of ``block`` only if given (``local_params_by_block``)."""
     totals = local_params_by_block(graph, sharded, tp)
     return totals.get(block, 0) if block is not None else sum(totals.values())
+
+
+def block_input_shares(graph: OpGraph, share: RankShare) -> tuple[float, ...]:
+    """Per block: the part of the activation entering it that one TP rank holds, over the whole: its own inputs
+    (as ``Block.input_bytes`` counts them: the values from outside that no other block reads, else the largest
+    one) on the rank (``RankShare.value_bytes``) over their whole bytes. 1/tp where the layout leaves the residual
+    stream sharded over the sequence (sequence parallelism: a pipeline boundary there sends 1/tp of the tokens,
+    ``runtime.tensor_parallel_stages``), 1 elsewhere (the stream whole on every TP rank)."""
+    inputs = {b.path: _external_inputs(graph, b.node_names) for b in graph.blocks}
+    readers: dict[str, set[str]] = {}
+    for path, names in inputs.items():
+        for name in names:
+            readers.setdefault(name, set()).add(path)
+    shares = []
+    for block in graph.blocks:
+        names = inputs[block.path]
+        own = [n for n in names if readers[n] == {block.path}]
+        if not own and names:
+            own = [max(names, key=lambda n: WHOLE.value_bytes(graph, n, 1.0))]
+        whole = sum(WHOLE.value_bytes(graph, n, 1.0) for n in own)
+        shares.append(sum(share.value_bytes(graph, n, 1.0) for n in own) / whole if whole else 1.0)
+    return tuple(shares)
+
+
+def _external_inputs(graph: OpGraph, node_names: tuple[str, ...]) -> list[str]:
+    """The activations a block reads from outside it: other nodes' outputs and the user's inputs, no parameters
+    (``passes.capturing.blocks``' rule)."""
+    inside = set(node_names)
+    users = set(graph.input_names)
+    names = (x for n in node_names for x in graph.node(n).inputs if x not in inside)
+    return list(dict.fromkeys(x for x in names if x in users or x not in graph.placeholders))

@@ -4,7 +4,8 @@ Without TP every rank runs every unit whole. With tp = t > 1 and the layout's sh
 (``cost.tp``: f(u) over all of unit u's ops, over its light ops for selective recompute), per
 unit u: forward, backward and recompute × their shares left per rank, parameters × local(u)/params(u)
 (sharded weights / t), the saved activations, workspace and activation gradients of one TP rank
-(``CostTables.activation_units``: ``cost.saved``'s per-op rules on its shards' shapes), and the unit's
+(``CostTables.activation_units``: ``cost.saved``'s per-op rules on its shards' shapes), the activation entering
+each block on the rank (1/t of the tokens where sequence parallelism shards it: ``boundary_shares``), and the unit's
 own TP collectives (a block's are its segment's; those of the ops outside blocks are split evenly
 over prefix and suffix). DTensor's host time adds ``tp_module_us`` per module that shards a weight and
 ``sequence_module_us`` per module of another tensor-parallel style, per micro-batch, in the unit that runs it (the
@@ -17,7 +18,14 @@ from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import TPCost, local_params_by_block, splits_param, tp_comm_factor
+from autoshard.cost.tp import (
+    TPCost,
+    block_input_shares,
+    local_params_by_block,
+    splits_param,
+    styles_key,
+    tp_comm_factor,
+)
 from autoshard.cost.units import Units, node_units, unit_param_names
 from autoshard.ir.decisions import SHARDING_STYLES, ZERO_BUBBLE_SCHEDULES, Decisions
 from autoshard.ir.graph import OpGraph
@@ -50,13 +58,14 @@ def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction:
 
 
 def pipeline_units(tables: CostTables, config: Decisions, first_stage: bool = False) -> tuple[Units, tuple[float, ...]]:
-    """``tp_sharded_units``, once per (micro-batch, recompute, tp, split backward) in a search; with a zero-bubble
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward) in a search;
+    with a zero-bubble
     schedule's split backward, full recompute rerun as often as it runs (``split_backward_recomputes``) but on
     the ``first_stage``: torch runs the first stage's backward whole, in its weight step (its inputs need no
     gradient, so ``stage_backward_input`` would leave its parameter groups uncaptured: ``PipelineStage``'s
     ``backward_weight_one_chunk``), and its blocks rerun once."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full" and not first_stage
-    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp, split)
+    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp, config.sequence_parallel, split)
 
     def compute() -> tuple[Units, tuple[float, ...]]:
         units, comm = tp_sharded_units(tables, config)
@@ -110,7 +119,8 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
     With tp = t > 1 (the layout choice of ``CostTables.tp_cost``): per unit u, forward and
     recompute × their shares left per rank (``unit_tp_fractions``; selective recompute: of the
     light ops), parameters × local(u)/params(u) (sharded weights / t), saved activations,
-    workspace and activation gradients on the rank's shapes (``CostTables.activation_units``); TP
+    workspace and activation gradients on the rank's shapes (``CostTables.activation_units``), the activation
+    entering each block on the rank (``boundary_shares``: what a pipeline boundary there sends); TP
     collectives of a block are its segment's, those of the ops outside blocks are split evenly over
     prefix and suffix. They sit between dependent matmuls, so they count with the compute of the
     unit (exposed).
@@ -128,8 +138,19 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
         backward_s=tuple(x * k for x, k in zip(units.backward_s, f)),
         recompute_s=tuple(x * k for x, k in zip(units.recompute_s, f_recompute)),
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
+        boundary_bytes=tuple(int(n * k) for n, k in zip(units.boundary_bytes, boundary_shares(tables, config))),
     )
     return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
+
+
+def boundary_shares(tables: CostTables, config: Decisions) -> tuple[float, ...]:
+    """Per block, the part of the activation entering it that one TP rank holds (``cost.tp.block_input_shares``):
+    1/tp where sequence parallelism leaves the residual stream sharded over the tokens, 1 elsewhere."""
+    if config.mesh.tp == 1:
+        return (1.0,) * len(tables.graph.blocks)
+    choice = tables.layout_cost(config).choice
+    key = ("block_input_shares", choice.tp, styles_key(choice))
+    return tables.graph.derived(key, lambda: block_input_shares(tables.graph, tables.rank_share(config)))
 
 
 def _unit_param_share(graph: OpGraph, sharded: dict[str, str], tp: int) -> tuple[float, ...]:

@@ -526,8 +526,9 @@ class Decisions:
     # float8 training (torchao's Float8Linear) of the linears ``layout.float8_linears`` names: off, or a recipe of
     # FLOAT8_RECIPES; searched (tensorwise) on devices with float8 matmuls (``DeviceSpec.float8_tflops``)
     float8: str = field(default=FLOAT8_OFF, metadata=in_plan("choice", FLOAT8_CHOICES))
-    # Sequence parallelism (tp > 1, no pipeline): the TP layout is solved with the regions between the
-    # parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model allows.
+    # Sequence parallelism (tp > 1, with or without pipeline stages): the TP layout is solved with the regions
+    # between the parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model
+    # allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
 

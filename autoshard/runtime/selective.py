@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoshard.runtime.tensor_parallel_stages import tp_gather, tp_reduce  # noqa: F401  (registers the ops)
+from autoshard.runtime.tensor_parallel_stages import sp_gather, sp_scatter, tp_gather, tp_reduce  # noqa: F401 (the ops)
 
 SAVE_IN_SELECTIVE = {
     torch.ops.aten.mm.default,
@@ -37,6 +37,8 @@ SAVE_IN_SELECTIVE = {
     # The wait after each is recomputed: on a kept output it has nothing to wait for.
     torch.ops.autoshard.tp_reduce.default,
     torch.ops.autoshard.tp_gather.default,
+    torch.ops.autoshard.sp_gather.default,
+    torch.ops.autoshard.sp_scatter.default,
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,

@@ -30,7 +30,7 @@ and leave the graph calling the old names. So the graph is rewritten instead.
 ``checkpointed_call`` runs the region under ``torch.utils.checkpoint.checkpoint(use_reentrant=
 False)``: full keeps only the region's inputs and reruns it in backward; selective keeps the
 outputs of ``runtime.selective.SAVE_IN_SELECTIVE`` (matmuls, attention, and the
-forward TP collectives ``tp_reduce``, ``tp_gather``: the cost model charges the repeated
+forward TP collectives ``tp_reduce``, ``tp_gather``, ``sp_gather``, ``sp_scatter``: the cost model charges the repeated
 collectives to full recompute only), and reruns the rest. Recompute reads the same inputs and runs
 the same ops, so values and gradients are bit for bit those without it; dropout draws the same
 masks because checkpoint restores the RNG state it saved before the forward (``preserve_rng_state``).
@@ -42,7 +42,7 @@ recomputed (a second application), and an unknown mode. A block with no node and
 stage is another stage's: skipped.
 
 TP stages (``tensor_parallel_stages``): the collectives are custom ops, plain calls in the
-graph; full recompute reruns ``tp_reduce``/``tp_gather`` (Megatron's full recompute repeats the
+graph; full recompute reruns ``tp_reduce``/``tp_gather`` and the sequence ops (Megatron's full recompute repeats the
 forward all-reduces), which is sound since every TP rank recomputes the same ops in the same
 order. FSDP2 on the stage module afterwards: the stage is one FSDP unit, unsharded by its
 pre-backward hook before any recompute runs, and the parameters passed into a region are the

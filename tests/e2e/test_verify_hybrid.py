@@ -34,15 +34,23 @@ CASES = {  # name: (model, ranks, pins)
     "llama-dp2-tp2-zero3": (LLAMA, 4, dict(dp=2, tp=2, zero=3)),
     "llama-dp2-pp2-zero3": (LLAMA, 4, dict(dp=2, pp=2, zero=3, schedule="gpipe")),
     "gpt2-pp2-1f1b": (GPT2, 2, dict(pp=2, schedule="1f1b")),
+    # tp x pp: the search picks sequence parallelism for these models on this cluster; the plain stage form (Megatron's
+    # f and g only) is pinned where a case is to keep it, and gpt-tp2-pp2 and qwen3-tp2-pp2 take the search's
     "gpt-tp2-pp2": (GPT, 4, dict(tp=2, pp=2, schedule="1f1b")),
-    "llama-tp2-pp2": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe")),
-    "gpt2-tp2-pp2": (GPT2, 4, dict(tp=2, pp=2, schedule="1f1b")),
-    "gpt-dp2-tp2-pp2-zero3": (GPT, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
-    "llama-dp2-tp2-pp2-zero3": (LLAMA, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b")),
+    "llama-tp2-pp2": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe", sequence_parallel=False)),
+    "gpt2-tp2-pp2": (GPT2, 4, dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=False)),
+    "gpt-dp2-tp2-pp2-zero3": (GPT, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", sequence_parallel=False)),
+    "llama-dp2-tp2-pp2-zero3": (LLAMA, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", sequence_parallel=False)),
     # the norms' replicated weights get their tp-partial gradients summed: DTensor (SequenceParallel) with
     # FSDP2 on dp; the traced tp_copy on each weight inside pipeline stages
     "qwen3-dp2-tp2-zero3": (QWEN3, 4, dict(dp=2, tp=2, zero=3)),
     "qwen3-tp2-pp2": (QWEN3, 4, dict(tp=2, pp=2, schedule="1f1b")),
+    # sequence parallelism inside pipeline stages (runtime.tensor_parallel_stages' sp_* ops): the stage boundary
+    # carries each tp rank's half of the tokens. Llama: attention and MLP gathering their input once, the row
+    # linears reduce-scattering, the norms' weights summed over tp; GPT-2 with FSDP2 on dp: Conv1D's sequence
+    # styles (a row bias meeting half the tokens), a replicated c_attn gathering and c_proj slicing
+    "llama-tp2-pp2-sp": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe", sequence_parallel=True)),
+    "gpt2-dp2-tp2-pp2-zero3-sp": (GPT2, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", sequence_parallel=True)),
 }
 
 
@@ -93,6 +101,8 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
         assert plan.schedule == pins["schedule"] and len(plan.split_points) == plan.mesh.pp * plan.virtual_stages - 1
     if plan.mesh.tp > 1:
         assert plan.tensor_parallel, "a tp plan shards something"
+    if "sequence_parallel" in pins:
+        assert plan.sequence_parallel == pins["sequence_parallel"]
     if model == QWEN3:
         assert plan.tensor_parallel["model.layers.0.self_attn.q_norm"] == "sharded-input-dim2"
     assert report.ok, report.failure

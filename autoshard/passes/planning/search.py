@@ -265,10 +265,12 @@ def _priced(
 
 
 def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
-    """Cuts minimising the slowest stage, memory aside (cached per micro-batch, recompute, stage count, tp, and
-    whether a split backward reruns full recompute: the units ``partition_problem`` reads, ``pipeline_units``)."""
+    """Cuts minimising the slowest stage, memory aside (cached per micro-batch, recompute, stage count, tp, sequence
+    parallelism, and whether a split backward reruns full recompute: the units ``partition_problem`` reads,
+    ``pipeline_units``)."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full"
-    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, config.mesh.tp, split)
+    tp, sp = config.mesh.tp, config.sequence_parallel
+    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, tp, sp, split)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False), config.num_stages))
     assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
     return cuts

@@ -222,18 +222,13 @@ def _check_compile(pins: Pins) -> None:
 
 
 def _check_sequence_parallel(pins: Pins) -> None:
-    """--sequence-parallel on: TP's layout without pipeline stages (``sequence_parallel_choices``)."""
+    """--sequence-parallel on: TP's layout, with or without pipeline stages (``sequence_parallel_choices``)."""
     if not pins.sequence_parallel:
         return
     if pins.tp == 1:
         raise AutoshardError(
             "--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
             "pin --tp 2 or more, or --sequence-parallel off"
-        )
-    if pins.wants_pipeline:
-        raise AutoshardError(
-            "--sequence-parallel on with pipeline stages is not emitted yet (stages run TP on local "
-            "shards); pin --pp 1 or --sequence-parallel off"
         )
 
 
@@ -711,9 +706,9 @@ def mesh_configs(
 
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
-    """Sequence parallelism is a choice of the SPMD TP layout (tp > 1, no pipeline: stages run TP on local
-    shards with traced collectives, which have no sequence-parallel form yet)."""
-    return (False, True) if mesh.tp > 1 and mesh.pp == 1 else (False,)
+    """Sequence parallelism is a choice of the TP layout (tp > 1): SPMD, where DTensor's styles run it, and inside
+    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do."""
+    return (False, True) if mesh.tp > 1 else (False,)
 
 
 def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:
