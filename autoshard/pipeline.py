@@ -233,7 +233,10 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     tables = request.cost_tables(graph)
     if best.tp_choice is not None:
         tables.add_tp_layout(
-            best.tp_choice, best.config.microbatch_size / best.config.mesh.cp, best.config.sequence_parallel
+            best.tp_choice,
+            best.config.microbatch_size / best.config.mesh.cp,
+            best.config.sequence_parallel,
+            best.config.loss_parallel,
         )
     parts = price_parts(tables, best.config, best.cuts or None)
     assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, (
