@@ -79,7 +79,8 @@ def forward_backward(
             vocabulary_shards(loss_parallel),
         ):
             with autocast(precision, targets.device):
-                loss = local_loss(loss_fn(model(*x), y), loss_parallel) / num_microbatches  # the mean over this rank's tokens
+                # the mean over this rank's tokens
+                loss = local_loss(loss_fn(model(*x), y), loss_parallel) / num_microbatches
             (loss if scaler is None else scaler.scale(loss)).backward()
         step_loss += loss.detach()
     settle_partial_grads(model)

@@ -29,7 +29,8 @@ from autoshard.ir.names import op_name
 from autoshard.passes.layouts.rules import ELEMENTWISE_OPS, LINEAR_OPS, consumer_map
 
 # ops that act on each logit alone (with constants): on a vocabulary shard each gives its own slice of the whole
-LOGIT_ELEMENTWISE_OPS = (ELEMENTWISE_OPS - {"masked_fill", "where"}) | {"to", "_to_copy", "alias", "clone", "contiguous"}
+PASSING_OPS = {"to", "_to_copy", "alias", "clone", "contiguous"}  # a cast or a copy
+LOGIT_ELEMENTWISE_OPS = (ELEMENTWISE_OPS - {"masked_fill", "where"}) | PASSING_OPS
 LOSS_ALLREDUCES = 3  # per token: the max logit, Σ exp, the target logit
 LOSS_STAT_BYTES = 4  # each an fp32 number per token
 GATHERED_PREFIX = "colwise-gather"

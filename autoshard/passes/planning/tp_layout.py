@@ -19,8 +19,8 @@ def hand_tp_layout(tables: CostTables, decisions: Decisions) -> TPChoice | None:
     """The layout ``decisions`` are priced with, in ``tables`` from now on; None without TP. With
     ``sequence_parallel`` the layout model may put the regions between the parallel linears on 1/tp of
     the tokens; the choice says whether it did (a model where it cannot keeps them whole). With ``loss_parallel``
-the same layout with the output projection's logits left on vocabulary shards (``passes.layouts.loss``), or the
-layout without it where it does not apply (the search then drops the point: ``choice.loss_parallel`` False)."""
+    the same layout with the output projection's logits left on vocabulary shards (``passes.layouts.loss``), or the
+    layout without it where it does not apply (the search then drops the point: ``choice.loss_parallel`` False)."""
     tp, b = decisions.mesh.tp, decisions.microbatch_size / decisions.mesh.cp  # a cp rank: b/cp samples' tokens
     sp, lp = decisions.sequence_parallel, decisions.loss_parallel
     if tp == 1:
