@@ -2,9 +2,11 @@
 cross-entropy computed on them. Where the proof accepts it, what the cost model prices for it, and that the search
 picks it at a 128k vocabulary. No processes: tests/e2e/test_hf_folders.py trains it on gloo ranks."""
 
+import io
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.tables import CostTables
@@ -15,6 +17,7 @@ from autoshard.passes.planning.search import price_config
 from autoshard.passes.planning.strategies import Pins, loss_parallel_refusal
 from autoshard.passes.planning.tp_layout import hand_tp_layout
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+from autoshard.show import decision_table
 
 LLAMA_8B = "hf:examples/configs/llama-3.1-8b"  # meta-llama/Llama-3.1-8B's config.json: V = 128,256
 SEQ_LEN = 4096
@@ -75,11 +78,17 @@ def test_the_search_picks_it_at_a_128k_vocabulary(llama_8b):
     plan = plan_graph(request, model_file, graph)
     assert plan.decisions.loss_parallel and plan.tensor_parallel["lm_head"].startswith("colwise-loss-parallel")
     assert "loss parallelism" in plan.review.tensor_parallel_reasons["lm_head"]
+    shown = io.StringIO()
+    Console(file=shown, width=400).print(decision_table(plan))
+    assert "loss parallel with tp=8: lm_head's logits on 1/8 of the vocabulary" in shown.getvalue()
 
 
-def test_a_pin_the_model_cannot_run_is_one_line(gpt):
+def test_a_pin_the_model_cannot_run_is_one_line_and_a_gathered_head_says_why(gpt):
     model_file, graph = gpt
     request = PlanRequest("examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=4), 8)
+    plan = plan_graph(replace(request, pins=Pins(tp=2)), model_file, graph)
+    if plan.tensor_parallel.get("lm_head", "").startswith("colwise-gather"):
+        assert "no loss parallelism: the model file's own loss_fn" in plan.review.tensor_parallel_reasons["lm_head"]
     with pytest.raises(AutoshardError, match="--loss-parallel on: the model file's own loss_fn"):
         plan_graph(replace(request, pins=Pins(tp=2, loss_parallel="on")), model_file, graph)
     with pytest.raises(AutoshardError, match="--loss-parallel on: pipeline stages"):
