@@ -87,8 +87,8 @@ def test_a_pin_the_model_cannot_run_is_one_line_and_a_gathered_head_says_why(gpt
     model_file, graph = gpt
     request = PlanRequest("examples/gpt.py:build", load_cluster("local-cpu", devices_per_node=4), 8)
     plan = plan_graph(replace(request, pins=Pins(tp=2)), model_file, graph)
-    if plan.tensor_parallel.get("lm_head", "").startswith("colwise-gather"):
-        assert "no loss parallelism: the model file's own loss_fn" in plan.review.tensor_parallel_reasons["lm_head"]
+    assert plan.tensor_parallel["lm_head"].startswith("colwise-gather")
+    assert "no loss parallelism: the model file's own loss_fn" in plan.review.tensor_parallel_reasons["lm_head"]
     with pytest.raises(AutoshardError, match="--loss-parallel on: the model file's own loss_fn"):
         plan_graph(replace(request, pins=Pins(tp=2, loss_parallel="on")), model_file, graph)
     with pytest.raises(AutoshardError, match="--loss-parallel on: pipeline stages"):
