@@ -53,7 +53,7 @@ def _priced(graph, tp: int, loss_parallel: bool):
 def test_loss_parallelism_keeps_a_vocabulary_shard_of_the_logits(llama_8b):
     """At tp 8 and one sample of 4,096 tokens: bf16 logits of 4096 x 128256 (1.0 GB) gathered whole on every rank,
     the fp32 loss's log-softmax (2.1 GB) kept and its two fp32 gradients (4.2 GB) in backward; with loss parallelism
-    1/8 of each. Its
+    1/8 of the log-softmax and three fp32 tensors of 1/8 in backward. Its
     collectives: 3 all-reduces of 4,096 fp32 numbers in place of the all-gather of the logits."""
     graph = llama_8b[1]
     tp = 8
@@ -66,7 +66,8 @@ def test_loss_parallelism_keeps_a_vocabulary_shard_of_the_logits(llama_8b):
     saved_split = sharded_tables.activation_units(sharded).saved_bytes[-1]
     assert saved - saved_split == pytest.approx((1 - 1 / tp) * 4 * logits, rel=1e-3)  # the fp32 log-softmax kept
     peak_saved = whole.predicted.memory_peak_bytes_per_rank - split.predicted.memory_peak_bytes_per_rank
-    assert peak_saved > (1 - 1 / tp) * (4 + 8) * logits  # and the loss backward's two fp32 gradients
+    # and the loss backward's two fp32 gradients, in place of its three fp32 tensors of a shard
+    assert peak_saved >= ((1 - 1 / tp) * 4 + 8 - 12 / tp) * logits * 0.999
     assert sharded_tables.layout_cost(sharded).comm_s < gathered_tables.layout_cost(gathered).comm_s
     assert split.predicted.step_time_s < whole.predicted.step_time_s
     assert LOSS_ALLREDUCES == 3

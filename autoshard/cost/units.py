@@ -439,12 +439,19 @@ def _add_fp32_loss_bytes(
 ) -> None:
     """The eager fp32 loss's bytes in the suffix (module doc, "Eager kernels"): the fp32 log-softmax kept in
     place of the logits and the loss's copy, and its two fp32 gradients as workspace; on a TP rank of ``share``
-    holding 1/tp of the logits (loss parallelism, ``memory.output_split``) 1/tp of each."""
-    tp = share.tp if output_split(graph, share) else 1
+    holding 1/tp of the logits (loss parallelism, ``memory.output_split``) its shard's log-softmax and the three
+    fp32 tensors of the shard its backward holds at once."""
+    split = output_split(graph, share)
+    tp = share.tp if split else 1
     n = loss_logits(graph, microbatch_size) / tp
     logits = int(graph.nodes[-1].bytes_written * byte_scale) // tp
     saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - logits  # in place of the loss's copy _saved_bytes counted
-    workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
+    transient = (
+        eager.LOSS_PARALLEL_BACKWARD_TRANSIENT_BYTES_PER_LOGIT
+        if split
+        else eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT
+    )
+    workspace[-1] = max(workspace[-1], int(transient * n))
 
 
 def host_times(
