@@ -176,7 +176,10 @@ def prove_loss_parallel(model_file: ModelFile, graph: OpGraph) -> str:
         return why
     if getattr(model_file.module, "loss_fn", None) is not None:
         return "the model file's own loss_fn is not shown to be the default cross-entropy on the logits"
-    _, targets = model_file.example_batch(1)
+    try:
+        _, targets = model_file.example_batch(graph.batch_size)  # the batch size capture drew
+    except Exception as exc:  # noqa: BLE001 (a draw that fails here refuses loss parallelism only)
+        return f"the example batch could not be drawn again to check the targets ({type(exc).__name__})"
     if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point:
         return "the targets are not integer classes: the default loss is not cross-entropy"
     if targets.dim() + 1 != len(graph.nodes[-1].shape):
