@@ -39,8 +39,8 @@ def plan(
 ) -> Plan:
     """Plan ``model`` ("file.py:factory") on ``cluster``; keyword pins fix decisions, one keyword per row of
     ``ir.pins.PINS`` (the flags of ``autoshard plan``: dp, tp, pp, zero, microbatch_size, recompute,
-    schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel, precision, compile, float8; each
-    also by its ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
+    schedule, virtual_stages, stage_cuts, dp_replicate, ep, cp, sequence_parallel, loss_parallel, precision,
+    compile, float8; each also by its ``Decisions`` field name, ``zero_stage`` for ``zero``); ``fold=False``
     exports every repeated layer (``passes.capturing.fold``); ``time_limit_s`` stops the search early (the plan's
     ``search`` gives the gap); ``cache=False`` captures the model even when the capture cache has it
     (``passes.capturing.capture_cache``); ``runtime`` names what the cost model prices ("autoshard", the emitted
@@ -170,6 +170,12 @@ def parallelize(
     ctx = runtime.init_distributed(expected_world_size=spec.world_size)
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
     model_file = _model_file_once(plan, spec.seq_len)
+    if loss_fn is not None and plan.decisions.loss_parallel:
+        raise AutoshardError(
+            "this plan computes the model file's cross-entropy on the logits' vocabulary shards (loss "
+            "parallelism), which another loss_fn was not shown to compute the same; fix: drop loss_fn, or "
+            "re-plan with --loss-parallel off"
+        )
     loss_fn = loss_fn or model_file().loss
     recipe = recipe or Recipe()
     recipe = recipe if lr is None else replace(recipe, lr=lr)

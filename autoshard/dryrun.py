@@ -521,6 +521,7 @@ def _train_step(plan: Plan, spec, model_file, model, optimizer, mesh, device, st
         spec.tokens_per_sample,
         plan.precision,
         before_each=tracker.reset_mod_stats,
+        loss_parallel=spec.loss_parallel,
     )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -42,7 +42,7 @@ from autoshard.cost.symbolic import symbolic_cost
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh
+from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh, TPChoice
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import HF_PREFIX, Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
@@ -52,8 +52,9 @@ from autoshard.passes.capturing.blocks import find_blocks
 from autoshard.passes.capturing.experts import find_experts
 from autoshard.passes.capturing.fold import unfold
 from autoshard.passes.capturing.front import CAPTURE_BATCH, PassError, capture_front, running  # noqa: F401 (re-exported)
+from autoshard.passes.layouts.loss import output_projection
 from autoshard.passes.planning.search import Priced, SearchResult, price_config, search, search_report, why_not
-from autoshard.passes.planning.strategies import Pins, candidate_configs, check_pins
+from autoshard.passes.planning.strategies import Pins, candidate_configs, check_pins, loss_parallel_refusal
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile
@@ -192,6 +193,21 @@ def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
         return find_experts(graph)
 
 
+def tp_reasons(graph: OpGraph, config: Decisions, tp: TPChoice | None) -> dict[str, str]:
+    """The layout's reasons, and for an output projection whose logits are gathered whole why loss parallelism
+    is not run (``strategies.loss_parallel_refusal``, else the price: the search found the gathered logits
+    faster)."""
+    if tp is None:
+        return {}
+    reasons = dict(tp.reasons)
+    name, _ = output_projection(graph)
+    path = graph.node(name).module_path if name else ""
+    if path and not config.loss_parallel and tp.styles.get(path, "").startswith("colwise-gather"):
+        why = loss_parallel_refusal(config.mesh, graph.loss_parallel_proof) or "the gathered logits priced faster"
+        reasons[path] = "; ".join(filter(None, (reasons.get(path), f"no loss parallelism: {why}")))
+    return reasons
+
+
 def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult) -> Plan:
     best = result.best
     c = best.config
@@ -216,7 +232,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         predicted=result.best.predicted,
         review=PlanReview(
             alternatives=result.alternatives,
-            tensor_parallel_reasons=dict(tp.reasons) if tp is not None else {},
+            tensor_parallel_reasons=tp_reasons(graph, c, tp),
             notes=plan_notes(best, request.runtime)
             + batch_notes(graph, c)
             + precision_notes(request)
@@ -235,7 +251,10 @@ def plan_symbolic(request: PlanRequest, graph: OpGraph, best: Priced) -> dict[st
     tables = request.cost_tables(graph)
     if best.tp_choice is not None:
         tables.add_tp_layout(
-            best.tp_choice, best.config.microbatch_size / best.config.mesh.cp, best.config.sequence_parallel
+            best.tp_choice,
+            best.config.microbatch_size / best.config.mesh.cp,
+            best.config.sequence_parallel,
+            best.config.loss_parallel,
         )
     parts = price_parts(tables, best.config, best.cuts or None)
     assert abs(parts.step_time_s - best.predicted.step_time_s) <= 1e-9 * best.predicted.step_time_s, (

@@ -12,6 +12,7 @@ from rich.text import Text
 from autoshard.cost.rank_memory import MEASURED_MEMORY_ERROR
 from autoshard.cost.schedule import bubble_fraction, draw, format_grid
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import LOSS_PARALLEL
 from autoshard.ir.plan import Plan, Predicted
 from autoshard.pipeline import DTYPE_NOTE
 
@@ -127,6 +128,8 @@ def decision_table(plan: Plan) -> Table:
     sequence = sequence_text(plan)
     if sequence:
         t.add_row("sequence", sequence)
+    if plan.decisions.loss_parallel:
+        t.add_row("loss", loss_text(plan))
     t.add_row("schedule", plan.schedule)
     dtype_note = next((note for note in plan.notes if note.startswith(DTYPE_NOTE)), None)
     t.add_row("precision", plan.precision + (f"\n{dtype_note}" if dtype_note else ""))  # hf:DIR in 16 bits
@@ -155,6 +158,15 @@ def sequence_text(plan: Plan) -> str:
             + (f"; a pipeline boundary between them sends 1/{plan.mesh.tp} of the tokens" if plan.mesh.pp > 1 else "")
         )
     return "; ".join(parts)
+
+
+def loss_text(plan: Plan) -> str:
+    """Loss parallelism's row: the output projection, its logits on vocabulary shards, its collectives."""
+    head = next(m for m, style in plan.tensor_parallel.items() if style.startswith(LOSS_PARALLEL))
+    return (
+        f"loss parallel with tp={plan.mesh.tp}: {head}'s logits on 1/{plan.mesh.tp} of the vocabulary, the "
+        f"cross-entropy on the shards (all-reduces of the max, Σ exp and target logit per token)"
+    )
 
 
 def runtime_text(runtime: str) -> str:

@@ -127,11 +127,13 @@ def test_the_runtime_that_priced_a_plan_round_trips_and_older_files_read_as_auto
 
 def test_the_plan_is_one_record_per_section_of_its_json():
     """Plan's fields are the JSON's top keys; each section's keys are its record's fields in their order (less
-    sequence_parallel, which the TP styles record); every field of a section reads flat and read-only."""
+    sequence_parallel and loss_parallel, which the TP styles record); every field of a section reads flat and
+    read-only."""
     assert [f.name for f in fields(Plan)] == [*TOP_KEYS[1:], "version"]
     assert list(SECTION_RECORDS) == list(SECTIONS) and [f.name for f in fields(Decisions)] == [
         *SECTIONS["decisions"],
         "sequence_parallel",
+        "loss_parallel",
     ]
     for section in ("layout", "review", "provenance"):
         assert [f.name for f in fields(SECTION_RECORDS[section])] == list(SECTIONS[section])
@@ -180,7 +182,7 @@ def test_a_version_1_file_loads_and_saves_as_version_2(tmp_path):
 def test_decisions_and_layout_are_the_flat_fields():
     plan = load_plan(GOLDEN_V1)
     # sequence_parallel is a decision the plan records in its TP styles (Plan.sequence_parallel reads them)
-    assert {f.name for f in fields(Decisions)} == {*DECISIONS_EP, "sequence_parallel"}
+    assert {f.name for f in fields(Decisions)} == {*DECISIONS_EP, "sequence_parallel", "loss_parallel"}
     assert [f.name for f in fields(PlanLayout)] == LAYOUT_EP
     decisions = plan.decisions
     for name in DECISIONS_EP:

@@ -121,6 +121,10 @@ LOSS_BACKWARD_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 2  # nll grad, log-softmax g
 LOSS_FORWARD_KERNELS, LOSS_BACKWARD_KERNELS = 2, 3
 LOSS_SAVED_BYTES_PER_LOGIT = 4  # the fp32 log-softmax kept for backward
 LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 8  # the fp32 nll gradient and log-softmax gradient, at once
+# loss parallelism (torch's loss_parallel) on a vocabulary shard: three fp32 tensors of the shard at once in its
+# backward (autoshard dryrun of an hf Llama, V = 32,000, tp 2, fake tensors: 187.5 MiB transient, 3 x 62.5 MiB, where
+# the gathered loss held 2 x 125 MiB)
+LOSS_PARALLEL_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 12
 # AdamW foreach step: bytes per fp32 parameter (module doc; torch/optim/adam.py _multi_tensor_adam)
 ADAMW_FOREACH_BYTES_PER_PARAM = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
 

@@ -253,7 +253,8 @@ def module_bytes(graph: OpGraph, path: str, ratio: float = 1.0, share: RankShare
 def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
     """Bytes kept by nodes outside any block (embeddings, final norm, head) and the tables the blocks
     share (rotary angles), plus the loss's copy of the output (cross-entropy keeps its log-softmax, as
-    large as the model output), on a TP rank of ``share`` (the loss reads the output whole)."""
+    large as the model output), on a TP rank of ``share`` (the loss reads the output whole, or under loss
+    parallelism its vocabulary shard: ``output_bytes``)."""
     in_block = {n for b in graph.blocks for n in b.node_names}
     kept = saved_set(graph, (n for n in graph.nodes if n.name not in in_block), ratio, _grads(graph), share)
     for block in graph.untwinned_blocks():  # a twin reads the same tables as its source
@@ -262,12 +263,22 @@ def non_block_saved_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare =
             for key, nbytes in _block_saved(graph, block, ratio, own=False, share=share).items()
             if key in _shared_values(graph)
         )
-    return sum(kept.values()) + output_bytes(graph, ratio)
+    return sum(kept.values()) + output_bytes(graph, ratio, share)
 
 
-def output_bytes(graph: OpGraph, ratio: float = 1.0) -> int:
-    """The model's output at ``ratio``: what the loss keeps a copy of."""
-    return int(graph.nodes[-1].output_bytes * ratio) if graph.nodes else 0
+def output_bytes(graph: OpGraph, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
+    """The model's output at ``ratio``: what the loss keeps a copy of; on a TP rank of ``share`` 1/tp of it where
+    the layout leaves the output split (loss parallelism: the cross-entropy on the vocabulary shards keeps its
+    log-softmax of this rank's shard), else whole."""
+    if not graph.nodes:
+        return 0
+    whole = int(graph.nodes[-1].output_bytes * ratio)
+    return whole // share.tp if output_split(graph, share) else whole
+
+
+def output_split(graph: OpGraph, share: RankShare) -> bool:
+    """Whether a TP rank of ``share`` holds 1/tp of the model's output (loss parallelism's vocabulary shard)."""
+    return share.tp > 1 and bool(graph.nodes) and storage_of(graph, graph.nodes[-1].name) in share.split
 
 
 def activation_bytes(

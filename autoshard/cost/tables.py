@@ -238,13 +238,22 @@ class CostTables:
             collectives,
         )
 
-    def has_tp_layout(self, tp: int, microbatch_size: float, sequence_parallel: bool = False) -> bool:
-        """Whether a layout for (tp, b, sequence parallelism asked for) was handed in."""
-        return (tp, microbatch_size, sequence_parallel) in self._tp
+    def has_tp_layout(
+        self, tp: int, microbatch_size: float, sequence_parallel: bool = False, loss_parallel: bool = False
+    ) -> bool:
+        """Whether a layout for (tp, b, sequence parallelism asked for, loss parallelism asked for) was handed in."""
+        return (tp, microbatch_size, sequence_parallel, loss_parallel) in self._tp
 
-    def add_tp_layout(self, choice: TPChoice, microbatch_size: float, sequence_parallel: bool | None = None) -> TPCost:
+    def add_tp_layout(
+        self,
+        choice: TPChoice,
+        microbatch_size: float,
+        sequence_parallel: bool | None = None,
+        loss_parallel: bool | None = None,
+    ) -> TPCost:
         """Price the layout solved for micro-batch b (on ``tp_solve_link``) for every point of its
-        (tp, b, sequence parallelism asked for: the choice's own unless given) (``cost.tp.price_layout``)."""
+        (tp, b, sequence parallelism asked for, loss parallelism asked for: the choice's own unless given)
+        (``cost.tp.price_layout``)."""
         times = node_forward_s(
             self.graph,
             microbatch_size,
@@ -257,23 +266,27 @@ class CostTables:
         )  # tp runs on FSDP2's wrappers
         cost = price_layout(self.graph, choice, microbatch_size / self.graph.batch_size, times)
         asked = choice.sequence_parallel if sequence_parallel is None else sequence_parallel
-        self._tp[(choice.tp, microbatch_size, asked)] = cost
+        vocab = choice.loss_parallel if loss_parallel is None else loss_parallel
+        self._tp[(choice.tp, microbatch_size, asked, vocab)] = cost
         return cost
 
-    def tp_cost(self, tp: int, microbatch_size: float, sequence_parallel: bool = False) -> TPCost:
-        """The layout handed in for (tp, b, sequence parallelism), priced (``add_tp_layout``)."""
-        cost = self._tp.get((tp, microbatch_size, sequence_parallel))
+    def tp_cost(
+        self, tp: int, microbatch_size: float, sequence_parallel: bool = False, loss_parallel: bool = False
+    ) -> TPCost:
+        """The layout handed in for (tp, b, sequence parallelism, loss parallelism), priced (``add_tp_layout``)."""
+        cost = self._tp.get((tp, microbatch_size, sequence_parallel, loss_parallel))
         if cost is None:
             raise LookupError(
                 f"no TP layout for tp={tp}, micro-batch {microbatch_size}"
-                f"{', sequence parallel' if sequence_parallel else ''} was handed to the cost "
+                f"{', sequence parallel' if sequence_parallel else ''}"
+                f"{', loss parallel' if loss_parallel else ''} was handed to the cost "
                 "tables; hand one with passes.planning.tp_layout.hand_tp_layout first"
             )
         return cost
 
     def layout_cost(self, config: Decisions) -> TPCost:
-        """The TP layout ``config`` is priced with (its tp, micro-batch and sequence parallelism)."""
-        return self.tp_cost(config.mesh.tp, config.microbatch_size, config.sequence_parallel)
+        """The TP layout ``config`` is priced with (its tp, micro-batch, sequence and loss parallelism)."""
+        return self.tp_cost(config.mesh.tp, config.microbatch_size, config.sequence_parallel, config.loss_parallel)
 
     def rank_share(self, config: Decisions) -> RankShare:
         """What one TP rank of ``config``'s layout keeps of each saved tensor (``cost.tp.rank_share``)."""

@@ -84,6 +84,7 @@ from autoshard.cost.memory import (
     block_workspace_bytes,
     non_block_saved_bytes,
     output_bytes,
+    output_split,
 )
 from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by, weight_grad_inputs
 from autoshard.ir.graph import OpGraph, OpNode
@@ -423,7 +424,8 @@ def unit_activation_bytes(
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(saved, workspace, backward) bytes per unit of one micro-batch (module doc), on one TP rank of
     ``share`` (``cost.saved.RankShare``: the per-op rules on its shards' shapes); with eager kernels the
-    fp32 loss's (``_add_fp32_loss_bytes``: the loss reads the model's output whole on every TP rank)."""
+    fp32 loss's (``_add_fp32_loss_bytes``: the loss reads the model's output whole on every TP rank, or its
+    vocabulary shard under loss parallelism)."""
 
     def compute():
         scale = microbatch_size / graph.batch_size
@@ -432,7 +434,7 @@ def unit_activation_bytes(
         saved = [int(b * scale) for b in captured_saved]
         workspace = [int(b * scale) for b in captured_workspace]
         if kernels == "eager" and graph.nodes:
-            _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace)
+            _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace, share)
         backward = (0, *(int(b * scale) for b in captured_backward), 0)
         return tuple(saved), tuple(workspace), backward
 
@@ -510,14 +512,28 @@ def _add_fp32_loss_time(
 
 
 def _add_fp32_loss_bytes(
-    graph: OpGraph, microbatch_size: int, byte_scale: float, saved: list[int], workspace: list[int]
+    graph: OpGraph,
+    microbatch_size: int,
+    byte_scale: float,
+    saved: list[int],
+    workspace: list[int],
+    share: RankShare = WHOLE,
 ) -> None:
     """The eager fp32 loss's bytes in the suffix (module doc, "Eager kernels"): the fp32 log-softmax kept in
-    place of the logits and the loss's copy, and its two fp32 gradients as workspace."""
-    n = loss_logits(graph, microbatch_size)
-    logits = int(graph.nodes[-1].bytes_written * byte_scale)
+    place of the logits and the loss's copy, and its two fp32 gradients as workspace; on a TP rank of ``share``
+    holding 1/tp of the logits (loss parallelism, ``memory.output_split``) its shard's log-softmax and the three
+    fp32 tensors of the shard its backward holds at once."""
+    split = output_split(graph, share)
+    tp = share.tp if split else 1
+    n = loss_logits(graph, microbatch_size) / tp
+    logits = int(graph.nodes[-1].bytes_written * byte_scale) // tp
     saved[-1] += int(eager.LOSS_SAVED_BYTES_PER_LOGIT * n) - logits  # in place of the loss's copy _saved_bytes counted
-    workspace[-1] = max(workspace[-1], int(eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT * n))
+    transient = (
+        eager.LOSS_PARALLEL_BACKWARD_TRANSIENT_BYTES_PER_LOGIT
+        if split
+        else eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT
+    )
+    workspace[-1] = max(workspace[-1], int(transient * n))
 
 
 def host_times(
@@ -667,7 +683,7 @@ def _saved_bytes(graph: OpGraph, recompute: str, units: list[int], ratio: float,
                 if key not in seen:
                     seen.add(key)
                     saved[u] += nbytes
-    outside, output = sum(saved), output_bytes(graph, ratio)
+    outside, output = sum(saved), output_bytes(graph, ratio, share)
     saved[0] += non_block_saved_bytes(graph, ratio, share) - outside - output  # the tables the blocks share
     per_block = graph.per_block(
         ("block_saved_bytes", recompute, ratio, share), lambda b: block_saved_bytes(graph, b, recompute, ratio, share)

@@ -8,6 +8,8 @@ constructor, built). Pure data: no torch here, so plans stay torch-free.
     style                      constructor                                      weight dims sharded   output
     colwise                    ColwiseParallel()                                weight 0, bias 0      local shard
     colwise-gather             ColwiseParallel(output_layouts=Replicate())      weight 0, bias 0      replicated
+    colwise-loss-parallel      ColwiseParallel(output_layouts=Shard(-1),        weight 0, bias 0      vocab shard
+                                 use_local_output=False)
     rowwise                    RowwiseParallel()                                weight 1              all-reduced
     vocab-parallel-embedding   RowwiseParallel(input_layouts=Replicate())       weight 0              all-reduced
     conv1d-colwise             Conv1DColwiseParallel()   (transformers Conv1D)  weight 1, bias 0      local shard
@@ -44,6 +46,14 @@ the reduce-scatter and all-gather that replace each all-reduce sit in these styl
                                         (a block: its first positional input sliced, backward all-gathered)
 
 d < MAX_SEQ_DIM. The norms between them take ``sharded-input-dim{d}`` (torch's SequenceParallel).
+
+Loss parallelism (Megatron-LM's vocab-parallel cross-entropy; torch's ``loss_parallel``): the output projection
+leaves its logits a DTensor sharded on the vocabulary, and the loss runs on the shards under
+``torch.distributed.tensor.parallel.loss_parallel()`` (``runtime.train_step``), so the whole logits never exist
+on a rank. With sequence parallelism its input is the sequence shard:
+
+    colwise-loss-parallel-seq-input-dim{d}   ColwiseParallel(input_layouts=Shard(d),    weight 0, bias 0   vocab shard
+                                               output_layouts=Shard(-1), use_local_output=False)
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ PIPELINE_SCHEDULES = (
 )
 
 REPLICATE = "replicate"
+LOSS_PARALLEL = "colwise-loss-parallel"  # the output projection's style under loss parallelism (module doc)
 SHARDED_INPUT = "sharded-input-dim"
 MAX_SHARDED_INPUT_DIM = 8  # sharded-input-dim0 .. 7
 MAX_SEQ_DIM = 3  # the sequence-parallel styles exist for sequence dims 0 .. 2 (a token dim is 0 or 1)
@@ -160,6 +171,11 @@ class TPStyle:
         return self.output == "seq-shard"
 
     @property
+    def loss_parallel(self) -> bool:
+        """The output projection's style under loss parallelism: its logits a DTensor sharded on the vocabulary."""
+        return self.name.startswith(LOSS_PARALLEL)
+
+    @property
     def sequence_parallel(self) -> bool:
         """One of the sequence-parallel styles (module doc, second table)."""
         return self.name.endswith(
@@ -173,6 +189,8 @@ class TPStyle:
 
 
 _COL, _ROW = "ColwiseParallel", "RowwiseParallel"
+# the logits left a DTensor sharded on the vocabulary (the last dim) for the loss (module doc, loss parallelism)
+_VOCAB_SHARD_OUTPUT = (("output_layouts", "Shard(-1)"), ("use_local_output", "False"))
 
 
 def _sequence_parallel_rows(d: int) -> tuple[TPStyle, ...]:
@@ -188,6 +206,13 @@ def _sequence_parallel_rows(d: int) -> tuple[TPStyle, ...]:
             (("input_layouts", shard), ("output_layouts", rep)),
             col_weight,
             "replicated",
+        ),
+        TPStyle(
+            f"{LOSS_PARALLEL}-seq-input-dim{d}",
+            _COL,
+            (("input_layouts", shard), *_VOCAB_SHARD_OUTPUT),
+            col_weight,
+            "shard",
         ),
         TPStyle(f"rowwise-seq-output-dim{d}", _ROW, (("output_layouts", shard),), (("weight", 1),), "seq-shard"),
         TPStyle(
@@ -249,6 +274,7 @@ def _sequence_parallel_rows(d: int) -> tuple[TPStyle, ...]:
 _ROWS = (
     TPStyle("colwise", _COL, (), (("weight", 0), ("bias", 0)), "shard"),
     TPStyle("colwise-gather", _COL, (("output_layouts", "Replicate()"),), (("weight", 0), ("bias", 0)), "replicated"),
+    TPStyle(LOSS_PARALLEL, _COL, _VOCAB_SHARD_OUTPUT, (("weight", 0), ("bias", 0)), "shard"),
     TPStyle("rowwise", _ROW, (), (("weight", 1),), "all-reduced"),
     TPStyle("vocab-parallel-embedding", _ROW, (("input_layouts", "Replicate()"),), (("weight", 0),), "all-reduced"),
     # transformers' Conv1D (GPT-2): weight (in, out), y = x @ W + b, the transpose of nn.Linear
@@ -364,6 +390,11 @@ class TPChoice:
     @property
     def compute_s(self) -> float:
         return sum(s.compute_s * s.repeats for s in self.segments)
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The output projection's logits left sharded on the vocabulary for the loss (``LOSS_PARALLEL``)."""
+        return any(style.startswith(LOSS_PARALLEL) for style in self.styles.values())
 
     @property
     def sharded(self) -> dict[str, str]:
@@ -531,6 +562,11 @@ class Decisions:
     # allows.
     # Not written: a plan records it in its TP styles (``layout.tensor_parallel``).
     sequence_parallel: bool = False
+    # Loss parallelism (tp > 1, no pipeline, no cp): the output projection's logits stay sharded on the vocabulary
+    # and the cross-entropy runs on the shards (``LOSS_PARALLEL``'s style; where ``passes.capturing.tp_proof``
+    # ``prove_loss_parallel`` showed the loss is the default cross-entropy on them). Not written: a plan records it
+    # in its TP styles (``layout.tensor_parallel``), as sequence parallelism.
+    loss_parallel: bool = False
 
     # plan keys written only when they differ (plans without them read and write as before)
     WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF}

@@ -174,6 +174,10 @@ class OpGraph:
     # passes/capturing/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
     # checked: a hand-built graph, or a model too large to run for the check).
     batch_coupling: str | None = None
+    # passes/capturing/tp_proof (``prove_loss_parallel``): why the loss is not shown to be the default cross-entropy on
+    # the output projection's logits through elementwise ops only, which loss parallelism computes on vocabulary
+    # shards ("" = it is; None = not checked: a hand-built graph)
+    loss_parallel_proof: str | None = None
     # passes/capturing/fold's unfold: module path of a copied layer -> the captured layer it was copied from, for
     # the copies whose neighbours are copies too (copy k reads copy k-1 as the source reads the layer before it,
     # and copy k+1 reads copy k as the first copy reads the source), so every per-block figure of the source is

@@ -190,6 +190,17 @@ PINS: tuple[PinRow, ...] = (
         default=lambda p: (p.tp or 1) > 1 and (p.pp or 1) == 1,
     ),
     PinRow(
+        "loss_parallel",
+        "--loss-parallel",
+        str.lower,
+        "the output projection's logits sharded on the vocabulary over tp and the cross-entropy computed on "
+        "the shards: no rank holds the whole logits (default: searched where tp > 1 without pipeline stages or "
+        "cp; estimate: off)",
+        _on_off,
+        choices=("on", "off"),
+        default=lambda p: False,
+    ),
+    PinRow(
         "precision",
         "--precision",
         str.lower,

@@ -72,7 +72,8 @@ class Plan:
     """The plan: what it is for (model, cluster, global batch), and one record per section of ``plan.json``
     (``ir.plan_format``). Its checks (``__post_init__``) are the ones no section can make alone.
     ``decisions.sequence_parallel`` is what the TP styles run (a sequence-parallel style of ``ir.decisions``'
-    second table in ``layout.tensor_parallel``): the plan records it there only."""
+    second table in ``layout.tensor_parallel``): the plan records it there only; ``decisions.loss_parallel``
+    likewise (the output projection's ``colwise-loss-parallel`` style)."""
 
     model: dict[str, Any]  # spec, hash, params, layers
     cluster: dict[str, Any]  # Cluster.to_dict()
@@ -86,9 +87,17 @@ class Plan:
 
     def __post_init__(self):
         d, layout = self.decisions, self.layout
-        sequence_parallel = any(tp_style(style).sequence_parallel for style in layout.tensor_parallel.values())
-        if d.sequence_parallel != sequence_parallel:
-            object.__setattr__(self, "decisions", replace(d, sequence_parallel=sequence_parallel))
+        rows = [tp_style(style) for style in layout.tensor_parallel.values()]
+        sequence_parallel = any(row.sequence_parallel for row in rows)
+        loss_parallel = any(row.loss_parallel for row in rows)
+        if (d.sequence_parallel, d.loss_parallel) != (sequence_parallel, loss_parallel):
+            d = replace(d, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+            object.__setattr__(self, "decisions", d)
+        if loss_parallel and (d.mesh.pp > 1 or d.mesh.cp > 1):
+            raise AutoshardError(
+                f"the colwise-loss-parallel style runs without pipeline stages or cp only (mesh {d.mesh}); "
+                f"re-plan, or give the output projection colwise-gather"
+            )
         if d.zero_stage not in (0, 1, 2, 3):
             raise AutoshardError(f"zero_stage={d.zero_stage} must be 0, 1, 2 or 3")
         if d.recompute not in PLAN_RECOMPUTE:
@@ -147,7 +156,7 @@ class Plan:
         flat accessor gives it. A section given whole (``decisions=...``) takes the flat names of its fields
         on top of it."""
         own = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in flat if k not in own and k not in SECTION_OF and k != "sequence_parallel")
+        unknown = sorted(k for k in flat if k not in own and k not in SECTION_OF and k not in _STYLE_RECORDED)
         if unknown:
             raise TypeError(f"Plan.of() got an unknown field {unknown[0]!r}")
         top = {k: v for k, v in flat.items() if k in own}
@@ -235,6 +244,7 @@ class Plan:
             ) from exc
 
 
+_STYLE_RECORDED = ("sequence_parallel", "loss_parallel")  # Decisions fields the TP styles record (Plan doc)
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of a 2^18-device cluster with every alternative is a few MiB
 
 

@@ -98,6 +98,8 @@ class Layout:
     loss_axis: str  # the step's logged loss is the mean over the ranks along it
     tokens_per_sample: int
     seq_len: int | None  # handed to the model file's example_batch (--seq-len); None: the file's own
+    # the loss and its backward on the logits' vocabulary shards over tp (``runtime.train_step``, loss parallelism)
+    loss_parallel: bool = False
 
     def __post_init__(self):
         dims = [name for name, _ in self.mesh]

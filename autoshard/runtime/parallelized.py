@@ -97,6 +97,7 @@ class Parallelized:
             spec.sequence_axis,
             spec.tokens_per_sample,
             self.plan.precision,
+            loss_parallel=spec.loss_parallel,
         )
         return mean_over(step_loss, self.mesh.get_group(spec.loss_axis))
 
@@ -183,5 +184,10 @@ class Parallelized:
             raise AutoshardError(
                 "a pipeline's schedule computes the loss it was built with; fix: pass loss_fn to "
                 "autoshard.parallelize, not to train_step"
+            )
+        if self.layout.loss_parallel:
+            raise AutoshardError(
+                "this plan computes the model file's cross-entropy on the logits' vocabulary shards (loss "
+                "parallelism); fix: call train_step without loss_fn, or re-plan with --loss-parallel off"
             )
         return loss_fn

@@ -11,6 +11,17 @@ For this rank's share of a step's global batch, cut into m micro-batches (x_j, y
         backward of scale · ℓ_j            (scale: fp16's loss scale; 1 otherwise)
     returns Σ_j ℓ_j (detached, this rank's)
 
+**Loss parallelism** (``loss_parallel``: the plan's output projection leaves its logits a DTensor sharded on the
+vocabulary over tp): ℓ_j and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``, so
+``F.cross_entropy`` computes on the vocabulary shards, per token t with logits z_t split over the tp ranks,
+
+    m_t = max_r max_{v∈V_r} z_tv          (all-reduce max)
+    Z_t = Σ_r Σ_{v∈V_r} exp(z_tv − m_t)   (all-reduce sum)
+    ℓ_t = log Z_t + m_t − z_{t,y_t}       (the target logit: all-reduce sum of the one rank holding it)
+
+and its gradient softmax(z_t) − onehot(y_t) stays on each rank's shard. ℓ_j comes back a replicated DTensor:
+its local value (the same on every tp rank) is what the loop adds up and scales.
+
 The gradients left behind are, after the wrapper's reduction over the data axes, the one-process gradient of
 the global batch's mean loss; ``runtime.mean_over(Σ_j ℓ_j, loss axis)`` is that mean.
 
@@ -25,11 +36,13 @@ DTensor's own redistribution gives.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
+from autoshard.errors import AutoshardError
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.data import split_microbatches
 from autoshard.runtime.parallel import autocast, cast_inputs, grad_sync
@@ -47,11 +60,13 @@ def forward_backward(
     precision: str,
     scaler=None,
     before_each: Callable[[], None] | None = None,
+    loss_parallel: bool = False,
 ) -> torch.Tensor:
     """Forward and backward of each of ``num_microbatches`` micro-batches of this rank's samples (module doc);
     returns the sum of their losses, each divided by ``num_microbatches``. ``scaler``: ``runtime.grad_scaler``'s
     (fp16 scales the loss before backward; a disabled scaler, or None, passes it through). ``before_each`` is
-    called before each micro-batch's forward (``autoshard dryrun`` resets its memory tracker's records there)."""
+    called before each micro-batch's forward (``autoshard dryrun`` resets its memory tracker's records there).
+    ``loss_parallel``: the loss and its backward on the logits' vocabulary shards (module doc)."""
     step_loss = torch.zeros((), device=targets.device)
     for j, (x, y) in enumerate(split_microbatches(inputs, targets, num_microbatches)):
         x, y = take_sequence_shard(x, y, mesh, sequence_axis, tokens_per_sample)
@@ -61,13 +76,40 @@ def forward_backward(
         with (
             grad_sync(model, enabled=j == num_microbatches - 1),
             context_parallel(mesh, sequence_axis, tokens_per_sample),
+            vocabulary_shards(loss_parallel),
         ):
             with autocast(precision, targets.device):
-                loss = loss_fn(model(*x), y) / num_microbatches  # the mean over this rank's tokens
+                # the mean over this rank's tokens
+                loss = local_loss(loss_fn(model(*x), y), loss_parallel) / num_microbatches
             (loss if scaler is None else scaler.scale(loss)).backward()
         step_loss += loss.detach()
     settle_partial_grads(model)
     return step_loss
+
+
+def vocabulary_shards(enabled: bool):
+    """torch's ``loss_parallel()`` context where ``enabled`` (module doc, loss parallelism), else nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def local_loss(loss: torch.Tensor, loss_parallel: bool) -> torch.Tensor:
+    """With ``loss_parallel`` the loss computed on vocabulary shards comes back a replicated DTensor: its local
+    value, the same on every rank (its backward hands the gradient back as the replicated DTensor); a loss that
+    never read the sharded logits (a plain tensor) is refused. Without, the loss as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not loss_parallel:
+        return loss
+    if not isinstance(loss, DTensor) or not all(isinstance(p, Replicate) for p in loss.placements):
+        raise AutoshardError(
+            "loss parallelism: the loss did not come from the logits' vocabulary shards (got "
+            f"{type(loss).__name__}); the model's output is not what the plan proved; re-plan with --loss-parallel off"
+        )
+    return loss.to_local()
 
 
 def settle_partial_grads(model: nn.Module) -> int:

@@ -3,7 +3,8 @@
 Three architectures at their library defaults but for the sizes (``save_pretrained`` of a config, no weights):
 Llama (rotary, GQA, SiLU MLP), Qwen2 (biased q/k/v) and GPT-2 (learned positions, tied embeddings, Conv1D),
 each planned by ``autoshard.plan("hf:DIR", ...)`` on 2 CPU ranks as a user would, and verified in the session's
-2-rank launch (``one_launch.verify_cases``).
+2-rank launch (``one_launch.verify_cases``). Llama again at tp 2 with loss parallelism pinned: its logits on
+vocabulary shards and the cross-entropy computed on them (torch's ``loss_parallel``), trained like one process.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _config(name: str):
 
 
 CASES = ("llama", "qwen2", "gpt2")
+LOSS_PARALLEL = "llama-loss-parallel"  # the llama folder, tp 2, the loss on vocabulary shards
 
 
 @cache
@@ -52,11 +54,22 @@ def folder(name: str) -> Path:
 
 
 def _plan(name: str):
+    if name == LOSS_PARALLEL:
+        return autoshard.plan(
+            f"hf:{folder('llama')}",
+            cluster="local-cpu",
+            devices_per_node=RANKS,
+            global_batch=8,
+            tp=2,
+            loss_parallel=True,
+        )
     return autoshard.plan(f"hf:{folder(name)}", cluster="local-cpu", devices_per_node=RANKS, global_batch=8)
 
 
 LAUNCHES = Cases(
-    dict.fromkeys(CASES, RANKS), *verify_cases(_plan, lambda name: 3), case_of=lambda test, params: params.get("name")
+    dict.fromkeys((*CASES, LOSS_PARALLEL), RANKS),
+    *verify_cases(_plan, lambda name: 3),
+    case_of=lambda test, params: params.get("name", LOSS_PARALLEL),
 )
 
 
@@ -67,3 +80,13 @@ def test_a_saved_config_plans_and_trains_like_one_process(launches, name):
     assert plan.model["layers"] == 2 and plan.world_size == RANKS
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+
+
+def test_loss_parallelism_trains_like_one_process(launches):
+    """lm_head's logits stay sharded on the vocabulary over the 2 ranks (ColwiseParallel with a Shard(-1) output),
+    the cross-entropy runs on the shards under loss_parallel, and the losses and weights match one process."""
+    plan, report = launches.result(LAUNCHES, LOSS_PARALLEL)
+    assert plan.decisions.loss_parallel and plan.mesh.tp == 2
+    assert plan.tensor_parallel["lm_head"].startswith("colwise-loss-parallel")
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]

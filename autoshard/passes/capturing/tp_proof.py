@@ -53,6 +53,13 @@ zoo's tp2 programs are verified numerically). Per-head mixing that keeps shapes 
 refused by the propagation itself (``fused_split``, splits over the sharded dim). The result is
 ``OpGraph.tp_proofs[str(t)]``: node -> the reason it is refused; degrees not checked refuse all.
 
+**Loss parallelism** (``prove_loss_parallel``, ``OpGraph.loss_parallel_proof``): the loss computed on the
+output projection's vocabulary shards is the one-process loss where the model's output is the projection's
+logits after elementwise ops only (each on a shard is its own slice of the whole), and the loss is the model
+file's default cross-entropy on them (torch's ``loss_parallel`` computes that exactly: the max, Σ exp and the
+target logit reduced over the shards). At run time the loss must come back a DTensor (``runtime.train_step``
+``local_loss``): a loss that never read the sharded logits is refused there.
+
 **Sequence parallelism** (``prove_sequence_parallel``, ``OpGraph.tp_proofs[f"{t}sp"]``): the same steps
 on the widest layout with the Q layouts of ``passes.layouts.sequence`` (the residual stream sharded over
 the sequence where the boundary fixed point allows it). It starts from degree t's refusals, kept for the
@@ -116,6 +123,7 @@ from autoshard.passes.layouts.allowed import (
     proof_key,
 )
 from autoshard.passes.layouts.boundary import representatives, sp_boundary
+from autoshard.passes.layouts.loss import output_projection
 from autoshard.passes.layouts.rules import (
     EMBEDDING_OPS,
     LINEAR_OPS,
@@ -152,7 +160,31 @@ def prove_tensor_parallel(
     for tp, (base, seq) in zip(todo, _each_degree(model_file, graph, full, todo, parallel)):
         proofs[proof_key(tp)], proofs[proof_key(tp, True)] = base, seq
     graph.tp_proofs = dict(sorted(proofs.items(), key=lambda kv: _proof_order(kv[0])))
+    if graph.loss_parallel_proof is None:
+        graph.loss_parallel_proof = prove_loss_parallel(model_file, graph)
     return graph
+
+
+def prove_loss_parallel(model_file: ModelFile, graph: OpGraph) -> str:
+    """Why the loss is not shown to be cross-entropy on the output projection's logits through elementwise ops
+    only ("" where it is; ``OpGraph.loss_parallel_proof``, module doc "Loss parallelism"): the graph's output
+    is the logits (``passes.layouts.loss.output_projection``), the model file keeps the default loss, and its
+    targets are integer classes with one dimension fewer than the logits (``modelfile.default_loss`` then takes
+    ``F.cross_entropy``, which torch's ``loss_parallel`` computes on vocabulary shards)."""
+    _, why = output_projection(graph)
+    if why:
+        return why
+    if getattr(model_file.module, "loss_fn", None) is not None:
+        return "the model file's own loss_fn is not shown to be the default cross-entropy on the logits"
+    try:
+        _, targets = model_file.example_batch(graph.batch_size)  # the batch size capture drew
+    except Exception as exc:  # noqa: BLE001 (a draw that fails here refuses loss parallelism only)
+        return f"the example batch could not be drawn again to check the targets ({type(exc).__name__})"
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point:
+        return "the targets are not integer classes: the default loss is not cross-entropy"
+    if targets.dim() + 1 != len(graph.nodes[-1].shape):
+        return "the targets do not have one dimension fewer than the logits: the default loss is not cross-entropy"
+    return ""
 
 
 def prove_both(model_file: ModelFile, captured: OpGraph, full: OpGraph, tp: int) -> tuple[dict, dict]:

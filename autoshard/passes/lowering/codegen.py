@@ -41,7 +41,7 @@ def emit_program(
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _MAIN_SPMD
+    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec)
     parts = [
         _header(plan, program, plan_file),
         _imports(plan, steps),
@@ -264,11 +264,34 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
         )
     if pipeline:  # the stages cut the tokens and run the ring (runtime.pipeline_parallel, "CP × PP")
         return text + f"SEQUENCE_AXIS = {sequence}\n"
+    vocabulary = (
+        "LOSS_PARALLEL = True  # the cross-entropy on the logits' vocabulary shards over tp (torch's loss_parallel)\n"
+        if spec.loss_parallel
+        else ""
+    )
     return (
         text
         + f"SEQUENCE_AXIS = {sequence}\n"
         + f'LOSS_AXIS = "{spec.loss_axis}"  # the logged loss: the mean of its ranks\' losses\n'
+        + vocabulary
     )
+
+
+# The SPMD loop's call, and its form with loss parallelism (``runtime.train_step``: the loss and its backward
+# under torch's loss_parallel)
+_FORWARD_BACKWARD = "SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler)"
+_FORWARD_BACKWARD_LOSS_PARALLEL = (
+    "SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler,\n"
+    "                                             loss_parallel=LOSS_PARALLEL)"
+)
+
+
+def _spmd_main(spec: Layout) -> str:
+    """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``."""
+    if not spec.loss_parallel:
+        return _MAIN_SPMD
+    assert _MAIN_SPMD.count(_FORWARD_BACKWARD) == 1
+    return _MAIN_SPMD.replace(_FORWARD_BACKWARD, _FORWARD_BACKWARD_LOSS_PARALLEL)
 
 
 def _expert_constants(plan: Plan) -> str:

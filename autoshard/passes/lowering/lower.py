@@ -73,6 +73,7 @@ def layout(plan: Plan) -> Layout:
         loss_axis=dp_axis(plan),
         tokens_per_sample=plan.model.get("tokens_per_sample", 1),
         seq_len=plan.model.get("seq_len"),
+        loss_parallel=plan.decisions.loss_parallel,
     )
 
 

@@ -72,6 +72,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.topology import MAX_DEVICES, Cluster
+from autoshard.passes.layouts.loss import loss_parallel_layout
 from autoshard.passes.planning.price_ahead import MIN_CANDIDATES, forking_pays, price_ahead, units_on_two_cores
 from autoshard.passes.planning.recompute import choose_recompute
 from autoshard.passes.planning.stage_cuts import PS_PER_S, PartitionProblem, best_cuts, cut_refusals
@@ -125,6 +126,8 @@ def search(
     def price_one(i: int) -> list[Priced]:
         if configs[i].sequence_parallel and not hand_tp_layout(tables, configs[i]).sequence_parallel:
             return []  # the model keeps no region on 1/tp of the tokens: the same plan as without
+        if configs[i].loss_parallel and not hand_tp_layout(tables, configs[i]).loss_parallel:
+            return []  # the layout gathers no output projection it could leave on vocabulary shards
         return price_with_mixed(graph, cluster, configs[i], global_batch, tables, mixed_recompute, stage_cuts)
 
     ahead = (
@@ -150,6 +153,13 @@ def search(
             f"{configs[0].mesh.tp} keeps no region between its sharded linears that sequence "
             f"parallelism could hold on 1/tp of the tokens; "
             f"leave --sequence-parallel off, or let the planner choose"
+        )
+    if not priced and configs and all(c.loss_parallel for c in configs):
+        choice = hand_tp_layout(tables, replace(configs[0], loss_parallel=False))
+        _, why = loss_parallel_layout(graph, choice, tables.tp_solve_link(configs[0].mesh.tp, 1))
+        raise AutoshardError(
+            f"--loss-parallel on: at tp={configs[0].mesh.tp} {why}; leave --loss-parallel off, or let the "
+            f"planner choose"
         )
     if not feasible:
         raise AutoshardError(explain_infeasible(graph, cluster, priced))

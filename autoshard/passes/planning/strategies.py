@@ -23,6 +23,9 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             (``microbatch_refusal``); the zero-bubble ones (split backward) not with ZeRO-3 or selective
             recompute (``split_backward_refusal``)
     pp = 1: schedule none
+    loss parallelism (tp > 1, pp = 1, cp = 1, the loss proven the default cross-entropy on the output projection's
+            logits: ``OpGraph.loss_parallel_proof``): on or off (``loss_parallel_choices``); a point whose TP layout
+            gathers no output projection is dropped by the search
     compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
             (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
             its start-up (tens of seconds per block kind on CPU ranks, minutes on large models)
@@ -113,6 +116,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_zero(pins)
     _check_ep(pins)
     _check_sequence_parallel(pins)
+    _check_loss_parallel(pins)
     _check_precision(pins)
     _check_compile(pins)
     _check_float8(pins, cluster)
@@ -219,6 +223,16 @@ def _check_compile(pins: Pins) -> None:
             f"trace that checkpointed block); pin --recompute none (or selective without sequence parallelism), or "
             f"--compile off"
         )
+
+
+def _check_loss_parallel(pins: Pins) -> None:
+    """--loss-parallel on: a mesh that may run it (``loss_parallel_refusal``), as far as the pins say."""
+    if not pins.loss_parallel:
+        return
+    mesh = Mesh(tp=pins.tp or 2, pp=2 if pins.wants_pipeline else 1, cp=pins.cp or 1)
+    why = loss_parallel_refusal(mesh, "")
+    if why:
+        raise AutoshardError(f"--loss-parallel on: {why}; pin --tp 2 or more without --pp or --cp, or leave it off")
 
 
 def _check_sequence_parallel(pins: Pins) -> None:
@@ -437,7 +451,7 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     configs = [
         c
         for mesh in candidate_meshes(graph, cluster, global_batch, pins)
-        for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts, float8s)
+        for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts, float8s, graph.loss_parallel_proof)
         if _honours_cuts(c, pins, len(graph.blocks), refusals)
         and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
         and (not graph.batch_coupling or keeps_batch_whole(c))
@@ -517,6 +531,10 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
             f"--pp {pins.pp} needs at least {pins.pp} blocks, the model has {blocks}; pin --pp {max(1, blocks)} or less"
         )
     _check_cuts(graph, pins)
+    if pins.loss_parallel and graph.loss_parallel_proof != "":
+        raise AutoshardError(
+            f"--loss-parallel on: {graph.loss_parallel_proof or 'the loss was not checked'}; leave --loss-parallel off"
+        )
     if pins.schedule in ZERO_BUBBLE_SCHEDULES and split_backward_graph_refusal(graph):
         raise AutoshardError(
             f"--schedule {pins.schedule} splits backward, but "
@@ -684,14 +702,16 @@ def mesh_configs(
     cluster: Cluster | None = None,
     experts: tuple[int, ...] = (),
     float8s: tuple[str, ...] = (FLOAT8_OFF,),
+    loss_proof: str | None = None,
 ) -> list[Decisions]:
     """The configurations of one mesh (module doc), zero stage outermost; HSDP variants where the dp
     group spans nodes of ``cluster``; ep variants where the model has expert groups of ``experts`` each;
-    float8 variants of ``float8s`` (``float8_choices``) where they run."""
+    float8 variants of ``float8s`` (``float8_choices``) where they run; loss parallelism where ``loss_proof``
+    (``OpGraph.loss_parallel_proof``) is "" (``loss_parallel_choices``)."""
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
     compiled = bool(pins.compile)  # off unless pinned: compiling costs each launch minutes of start-up
     return [
-        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, compile=compiled, float8=f8)
+        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, loss_parallel=lp, compile=compiled, float8=f8)
         for f8 in float8s
         for c in configs
         for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
@@ -700,6 +720,8 @@ def mesh_configs(
         if pins.ep in (None, e)
         for sp in sequence_parallel_choices(mesh)
         if pins.sequence_parallel in (None, sp)
+        for lp in loss_parallel_choices(mesh, loss_proof)
+        if pins.loss_parallel in (None, lp)
         if not compiled or compile_runs(mesh, e, sp, c.recompute)
         if f8 == FLOAT8_OFF or float8_runs(mesh, e)
     ]
@@ -709,6 +731,29 @@ def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
     """Sequence parallelism is a choice of the TP layout (tp > 1): SPMD, where DTensor's styles run it, and inside
     pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do."""
     return (False, True) if mesh.tp > 1 else (False,)
+
+
+def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
+    """Loss parallelism is a choice of the SPMD TP layout where the loss is proven the default cross-entropy on
+    the output projection's logits (``loss_proof`` ""): tp > 1, no pipeline (stages run TP on local shards and
+    hand the loss whole logits), no cp (the ring's sequence shards are not checked with vocabulary shards)."""
+    return (False, True) if loss_parallel_refusal(mesh, loss_proof) == "" else (False,)
+
+
+def loss_parallel_refusal(mesh: Mesh, loss_proof: str | None) -> str:
+    """Why ``mesh`` runs no loss parallelism ("" where it may; ``loss_parallel_choices``)."""
+    if mesh.tp == 1:
+        return "no TP: the logits are whole on each rank already"
+    if mesh.pp > 1:
+        return (
+            "pipeline stages run TP on local shards with traced collectives and hand the schedule's loss whole "
+            "logits; the output projection gathers them"
+        )
+    if mesh.cp > 1:
+        return "context parallelism's sequence shards are not checked with vocabulary shards"
+    if loss_proof is None:
+        return "the loss was not checked (a graph without the proof)"
+    return loss_proof
 
 
 def ep_degrees(mesh: Mesh, experts: tuple[int, ...], dp_replicate: int = 1) -> tuple[int, ...]:
