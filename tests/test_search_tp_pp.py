@@ -713,3 +713,10 @@ def test_sequence_parallel_stages_send_and_keep_a_tp_share_of_the_boundary(gpt):
     loads = {c.sequence_parallel: rank_loads(tables, c, (2,)) for c in (off, on)}
     assert loads[True][1].p2p_s < loads[False][1].p2p_s
     assert loads[True][1].memory.activations_bytes < loads[False][1].memory.activations_bytes
+
+
+def test_sequence_parallel_beside_cp_in_stages_is_refused_and_not_searched(gpt):
+    """tp x pp x cp: the stages run TP on the cp rank's tokens, without sequence shards of them."""
+    with pytest.raises(AutoshardError, match="sequence shards of a cp rank's tokens inside pipeline stages"):
+        plan(gpt, GPT, local(8), 16, dp=1, tp=2, pp=2, cp=2, sequence_parallel=True)
+    assert not plan(gpt, GPT, local(8), 16, dp=1, tp=2, pp=2, cp=2).sequence_parallel

@@ -244,6 +244,11 @@ def _check_sequence_parallel(pins: Pins) -> None:
             "--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
             "pin --tp 2 or more, or --sequence-parallel off"
         )
+    if (pins.pp or 1) > 1 and (pins.cp or 1) > 1:
+        raise AutoshardError(
+            f"--sequence-parallel on with --pp {pins.pp} and --cp {pins.cp}: sequence shards of a cp rank's tokens "
+            "inside pipeline stages are not emitted yet; pin --sequence-parallel off, --cp 1 or --pp 1"
+        )
 
 
 def check_global_batch(global_batch: int) -> None:
@@ -729,8 +734,9 @@ def mesh_configs(
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
     """Sequence parallelism is a choice of the TP layout (tp > 1): SPMD, where DTensor's styles run it, and inside
-    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do."""
-    return (False, True) if mesh.tp > 1 else (False,)
+    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do, but not beside cp there (a
+    cp rank's token chunk split again over tp inside a traced stage does not build yet)."""
+    return (False, True) if mesh.tp > 1 and not (mesh.pp > 1 and mesh.cp > 1) else (False,)
 
 
 def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
