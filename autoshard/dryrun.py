@@ -340,8 +340,8 @@ def _chunk_hooks_released(schedule):
     it, so the nodes kept alive hold nothing. A split backward does not: the input pass runs with the graph
     retained, and a node it ran that the weight pass does not reach (GELU's, between a block's two linears)
     keeps its saved input until the process ends, one per hooked node per micro-batch. The dry run read that as
-    activations held to the step's end; a real run without the tracker frees them (benchmarks/RESULTS.md, "Dry
-    run", "The split backward"). Removing a micro-batch's hooks when its backward is over breaks the cycle;
+    activations held to the step's end; a real run without the tracker frees them (benchmarks/reports/
+    dryrun-zero-bubble-2026-11-29). Removing a micro-batch's hooks when its backward is over breaks the cycle;
     the hooks have all run by then."""
     from torch.distributed._tools import mod_tracker
 

@@ -1,4 +1,4 @@
-"""The model zoo as a table for RESULTS.md: every model x case, verified against one process or refused.
+"""The model zoo as a table for a report: every model x case, verified against one process or refused.
 
     python benchmarks/bench_zoo.py [--models gpt2,llama] [--cases tp2,pp2]
 

@@ -29,7 +29,7 @@ Memory is compared like with like: ``torch.cuda.max_memory_allocated`` counts th
 peak, so beside it stands the plan's sum of parts (the peak before ``ALLOCATOR_SLACK``, which models the
 caching allocator's reserve, not its allocations).
 
-``OUT/results.json`` holds every row; ``OUT/results.md`` the table RESULTS.md takes. MFU here is
+``OUT/results.json`` holds every row; ``OUT/results.md`` the table a report takes. MFU here is
 model FLOPs (the plan's, ``predicted.mfu × peak × predicted step``) over the measured step and the
 calibrated peak.
 """

@@ -181,7 +181,7 @@ def test_the_dispatch_keeps_none_of_the_experts_activations_and_recomputes_them_
     """Under ep > 1 the experts module is one op that keeps only its inputs and its output's product with the
     routing weights: what the captured module keeps (its grouped GEMMs' outputs, the activation) leaves the
     block's recompute workspace, and its backward holds them again, recomputed on the received pairs, beside the
-    exchanged tokens and gradients (``cost.experts.dispatch_memory``; benchmarks/RESULTS.md "Dry run": Mixtral
+    exchanged tokens and gradients (``cost.experts.dispatch_memory``; benchmarks/reports/dryrun-2026-11-26: Mixtral
     ep 8 was -7.2 % with the module's activations counted in the workspace and its largest backward op missing)."""
     from autoshard.cost.experts import dispatch_memory
     from autoshard.cost.memory import module_bytes

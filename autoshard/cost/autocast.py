@@ -23,7 +23,7 @@ micro-batch, 4 + 2 bytes per element, and its bf16 gradient back to fp32, 2 + 4)
 cast to the fp32 reduce dtype, 2 + 4). Buffers keep their stored dtype.
 
 Measured on one H200 (``benchmarks/gpu_kernels.py``, Llama-3.2-1B's shape at micro-batch 4 under
-DDP, RESULTS.md "Where a GPU step goes"): copy kernels were 15 % of the step's device time, and the
+DDP, benchmarks/reports/gpu-h200-2026-11-26): copy kernels were 15 % of the step's device time, and the
 elementwise ops of the fp32 residual stream and of rotary embeddings (fp32 ``cos``/``sin`` promote
 bf16 q and k) moved twice the bytes a uniform 2-byte activation prices.
 """

@@ -32,7 +32,7 @@ of H200's 4.8 TB/s, as a device-to-device copy reaches on H100 (3.0 of 3.35 TB/s
 preset's W), so W is the asymptote. Those were timed one launch at a time with CUDA events, which includes
 the GPU's launch latency (meta-pytorch/tritonbench#50); in a training step the kernels run back to back
 and hide it. Measured so, in a step (``benchmarks/gpu_kernels.py``: torch.profiler's kernel times, one
-H200, torch 2.11, Llama-3.2-1B's shape; RESULTS.md "Where a GPU step goes"): the smallest kernels (``add_``
+H200, torch 2.11, Llama-3.2-1B's shape; benchmarks/reports/gpu-h200-2026-11-26): the smallest kernels (``add_``
 on 2,048 fp32 elements, 231 calls; ``fill_`` of one element; a 2,048 × 32 ``mul``) took 1.25-1.26 µs each,
 and large ones bytes / W within 1 µs (a bf16 ``mul`` of 3 × 33.6 MB: 24.6 µs measured, 23.4 µs at W):
 T_KERNEL = 1.3 µs, the fixed device time of one kernel in a stream. With
@@ -48,7 +48,7 @@ u is taken relative to what a large matmul reaches on the same card (η_ref = 0.
 measured matmul throughput (``autoshard calibrate``: η = 1) prices attention like a preset whose P is
 the datasheet's (η = 0.8): the same 346 TFLOP/s on an H100 either way. Backward: 2.5× the forward (FA2
 §3.1.2: five matmuls against the forward's two), at the same u. Checked on one H200 (torch 2.11, whose
-SDPA ran cuDNN's attention; RESULTS.md "Where a GPU step goes"): priced 0.224 ms forward and 0.56 ms
+SDPA ran cuDNN's attention; benchmarks/reports/gpu-h200-2026-11-26): priced 0.224 ms forward and 0.56 ms
 backward for a causal (4, 32, 2048, 64) call, measured 0.191 and 0.590.
 
 **Casts** (autocast's, ``cost.autocast``): a copy that converts dtypes runs torch's non-vectorized

@@ -327,7 +327,7 @@ def _selective_kept(
     - attention's output and its log-sum-exp.
 
     On Llama-3-8B at 8,192 tokens, tp 4 with sequence parallelism, this is 456 MiB a block where the output
-    values alone were 200 MiB (benchmarks/RESULTS.md, "Dry run")."""
+    values alone were 200 MiB (benchmarks/reports/dryrun-long-tp-2026-12-01/README.md)."""
     kept: dict[str, int] = {}
     grads = _grads(graph)
     for name in block.node_names:

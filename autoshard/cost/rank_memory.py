@@ -28,7 +28,7 @@ from autoshard.ir.plan import Memory
 
 ALLOCATOR_SLACK = 0.05  # caching-allocator fragmentation, a few % in practice (torch.cuda.memory_stats)
 # How far a predicted peak has been from a measured one: one H200 measured −0.1 to +7.7 % on five of six plans
-# (benchmarks/RESULTS.md, "GPU: one H200"; the sixth +26 %, over), the dry-run table within 5 % of its rows
+# (benchmarks/reports/gpu-h200-2026-11-26; the sixth +26 %, over), the dry-run table within 5 % of its rows
 # ("Dry run"). A plan with less room than this on its device is worth a dry run before a cluster job.
 MEASURED_MEMORY_ERROR = 0.08
 

@@ -47,7 +47,7 @@ ahead of the kernels it launches, so only what it does not hide counts, over the
 backward's host time where it exceeds the backward's device time (autograd reruns a checkpointed region
 as its gradient is reached, so a recompute's host time is the backward's). (Hidden per pass alone, a
 selective recompute whose light ops take little device time paid its whole policy cost: +19 % on a 1.5B
-Llama on one H200; hidden per unit, +30 %: benchmarks/RESULTS.md "GPU".) A compiled block's recompute runs
+Llama on one H200; hidden per unit, +30 %: benchmarks/reports/gpu-h200-2026-11-26.) A compiled block's recompute runs
 inside its compiled backward: no checkpoint policy per op, one launch per recomputed kernel
 (``compiled_recompute_host``).
 """
