@@ -215,8 +215,8 @@ def llama_args(
         "--schedule",
         schedule,
     ]
-    if tp > 1:  # autoshard emits sequence parallelism only without pipeline stages (the CLI refuses it with them)
-        args += ["--sequence-parallel", "on" if pp == 1 else "off"]
+    if tp > 1:  # sequence parallelism, inside pipeline stages too, but not beside cp there (the CLI refuses it)
+        args += ["--sequence-parallel", "off" if pp > 1 and cp > 1 else "on"]
     if virtual_stages > 1:
         args += ["--virtual-stages", str(virtual_stages)]
     if cuts:
@@ -270,9 +270,9 @@ FLOAT8_EMITTED = (
     "float8 all-gather",
 )
 CP_WITH_PP = (
-    "not priced",
-    "context parallelism with pipeline stages: `autoshard estimate` refuses --cp > 1 with "
-    "--pp > 1 (not emitted yet); and float8",
+    "float8",
+    "float8 matmuls beside tensor parallelism are not emitted yet, and neither is sequence parallelism beside cp "
+    "inside pipeline stages: the same layout in bf16, without sequence parallelism, is priced for reference",
 )
 COMPILE_REASON = "loss parallelism (and, where named, async TP): not in autoshard's programs; priced eager"
 COMPILED_8B_REASON = (
@@ -310,7 +310,12 @@ def _tt(
     compiled=False,
     float8=None,
 ) -> Run:
-    needs = tuple(techniques) + tuple(extra_needs) + (("sequence parallel with PP",) if tp > 1 and pp > 1 else ())
+    # sequence parallelism inside pipeline stages is emitted, but not beside cp there (the CLI refuses it)
+    needs = (
+        tuple(techniques)
+        + tuple(extra_needs)
+        + (("sequence parallel with PP and CP",) if tp > 1 and pp > 1 < cp else ())
+    )
     priced = status != "not priced"
     # torchtitan's 'op' selective AC is autoshard's --recompute alternate (runtime.selective: the same policy)
     ar = "alternate" if recompute.startswith("selective") else "full"
