@@ -5,12 +5,15 @@ from dataclasses import replace
 import pytest
 
 import autoshard
+from autoshard.cost.hardware import load_cluster
+from autoshard.errors import AutoshardError
 from autoshard.modelfile import load_model_file
 from autoshard.passes.capturing.capture import capture
 from autoshard.passes.capturing.capture_cache import decode_graph, encode_graph
 from autoshard.passes.capturing.cp_proof import NO_SEQUENCE, prove_context_parallel
 from autoshard.passes.capturing.front import CAPTURE_BATCH, capture_front
 from autoshard.passes.planning.context_parallel import cp_refusal
+from autoshard.passes.planning.strategies import Pins, check_graph_pins
 
 CASES = "tests/models/cp_cases.py"
 
@@ -179,10 +182,13 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(in_repo, tmp_path
     why = (
         f"scaled_dot_product_attention in model.layers.{layer}.self_attn masks its 64 tokens other than causally "
         f"(query {query} does not see key 0, an earlier token: a sliding window?), while a cp rank's code attends "
-        f"causally over them as a ring; pin --cp 1"
+        f"causally over them as a ring"
     )
     assert graph.cp_proofs == {"*": why}
     assert cp_refusal(graph, 2) == why and cp_refusal(graph, 4) == why
+    with pytest.raises(AutoshardError) as pinned:  # as `autoshard plan ... --cp 2` says it
+        check_graph_pins(graph, load_cluster("local-cpu", devices_per_node=2), Pins(cp=2))
+    assert str(pinned.value) == f"--cp 2: {why}; pin --cp 1"
 
 
 def test_a_window_that_covers_the_sequence_is_proven(in_repo, tmp_path):
@@ -202,5 +208,8 @@ def test_masks_are_compared_with_causal_element_by_element():
     assert _not_causal(causal.expand(2, 1, 4, 4), 4) is None and _not_causal(additive, 4) is None
     assert _not_causal(additive.clamp(min=torch.finfo(torch.float32).min), 4) is None
     assert _not_causal(torch.ones(4, 4, dtype=torch.bool), 4) == "query 0 sees key 1, a later token"
+    window = causal & ~torch.ones(4, 4, dtype=torch.bool).tril(-2)  # each query sees itself and 1 key back
+    assert _not_causal(window, 4) == "query 2 does not see key 0, an earlier token: a sliding window?"
+    assert _not_causal(~causal, 4) == "query 0 does not see its own key"
     assert _not_causal(additive + 1, 4) == "it adds values other than 0 and -inf to the scores"
     assert _not_causal(causal[:, :2], 4) == "a mask of shape [4, 2]"

@@ -435,17 +435,17 @@ def mask_refusal(model_file: ModelFile, graph: OpGraph) -> str | None:
         program = export_local(model_file, graph, s, symbolic=False, batch=1)
     except Exception as exc:
         return f"the model's attention masks could not be computed on its {s} tokens ({_why_not(exc)})"
-    for sdpa in program.graph.nodes:
+    for sdpa in walk(program.graph_module):  # a wrapper's subgraph too
         mask = _bound(sdpa).get("attn_mask") if _is_sdpa(sdpa) else None
         if isinstance(mask, torch.fx.Node):
             why = _mask_value(mask, s)
             if isinstance(why, str):
-                return f"{_where(sdpa)}: {why}; pin --cp 1"
+                return f"{_where(sdpa)}: {why}"
             why = _not_causal(why, s)
             if why:
                 return (
-                    f"{_where(sdpa)} masks its {s} tokens other than causally ({why}: a sliding window?), while "
-                    f"a cp rank's code attends causally over them as a ring; pin --cp 1"
+                    f"{_where(sdpa)} masks its {s} tokens other than causally ({why}), while "
+                    f"a cp rank's code attends causally over them as a ring"
                 )
     return None
 
@@ -503,8 +503,10 @@ def _not_causal(mask: torch.Tensor, s: int) -> str | None:
 
 def _said(q: int, k: int) -> str:
     """A query and key pair on which the mask and the causal mask disagree, in words."""
-    if k <= q:
-        return f"query {q} does not see key {k}, an earlier token"
+    if k == q:
+        return f"query {q} does not see its own key"
+    if k < q:
+        return f"query {q} does not see key {k}, an earlier token: a sliding window?"
     return f"query {q} sees key {k}, a later token"
 
 
