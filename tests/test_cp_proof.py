@@ -5,12 +5,15 @@ from dataclasses import replace
 import pytest
 
 import autoshard
+from autoshard.cost.hardware import load_cluster
+from autoshard.errors import AutoshardError
 from autoshard.modelfile import load_model_file
 from autoshard.passes.capturing.capture import capture
 from autoshard.passes.capturing.capture_cache import decode_graph, encode_graph
 from autoshard.passes.capturing.cp_proof import NO_SEQUENCE, prove_context_parallel
 from autoshard.passes.capturing.front import CAPTURE_BATCH, capture_front
 from autoshard.passes.planning.context_parallel import cp_refusal
+from autoshard.passes.planning.strategies import Pins, check_graph_pins
 
 CASES = "tests/models/cp_cases.py"
 
@@ -144,3 +147,69 @@ def test_attention_dropout_is_refused(in_repo):
 def test_a_model_without_a_sequence_is_not_exported(in_repo):
     graph = proven("tests/models/mlp.py:build")
     assert graph.cp_proofs == {"*": NO_SEQUENCE} and cp_refusal(graph, 2) == NO_SEQUENCE
+
+
+def _windowed(tmp_path, kind: str, window: int):
+    """A saved transformers config (``hf:DIR``) whose attention slides a window of ``window`` tokens."""
+    import transformers as tf
+
+    sizes = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=window,
+    )  # fmt: skip
+    if kind == "mistral":  # every layer slides
+        config = tf.MistralConfig(**sizes)
+    else:  # Qwen2 with layer 0 full and layer 1 sliding
+        config = tf.Qwen2Config(**sizes, use_sliding_window=True, layer_types=["full_attention", "sliding_attention"])
+    config.save_pretrained(tmp_path)
+    return f"hf:{tmp_path}"
+
+
+@pytest.mark.parametrize(
+    "kind, window, layer, query",
+    [
+        ("mistral", 48, 0, 48),  # s/cp = 32 < 48 < 64: a rank's code skips the window and trained causally
+        ("mistral", 16, 0, 16),  # 16 < s/cp: a rank's code passed the mask, which the runtime refused mid-run
+        ("qwen2", 48, 1, 48),  # only the sliding layer differs from causal
+    ],
+)
+def test_a_sliding_window_shorter_than_the_sequence_is_refused(in_repo, tmp_path, kind, window, layer, query):
+    """One process at s = 64 masks keys more than ``window`` tokens back; a rank's code on s/cp tokens
+    passes ``is_causal`` alone wherever they fit the window (transformers skips the mask then), and the
+    ring attends causally over all 64: the plan trained unlike one process (``autoshard verify`` failed at
+    step 0 for Mistral, window 48, cp 2). The mask of the program at s is computed and compared with causal."""
+    graph = proven(_windowed(tmp_path, kind, window), seq_len=64)
+    why = (
+        f"scaled_dot_product_attention in model.layers.{layer}.self_attn masks its 64 tokens other than causally "
+        f"(query {query} does not see key 0, an earlier token: a sliding window?), while a cp rank's code attends "
+        f"causally over them as a ring"
+    )
+    assert graph.cp_proofs == {"*": why}
+    assert cp_refusal(graph, 2) == why and cp_refusal(graph, 4) == why
+    with pytest.raises(AutoshardError) as pinned:  # as `autoshard plan ... --cp 2` says it
+        check_graph_pins(graph, load_cluster("local-cpu", devices_per_node=2), Pins(cp=2))
+    assert str(pinned.value) == f"--cp 2: {why}; pin --cp 1"
+
+
+def test_a_window_that_covers_the_sequence_is_proven(in_repo, tmp_path):
+    """At s = 32 <= 48 the window masks nothing: one process and every rank attend causally."""
+    graph = proven(_windowed(tmp_path, "mistral", 48), seq_len=32)
+    assert graph.cp_proofs == {"*": ""} and cp_refusal(graph, 2) is None
+
+
+def test_masks_are_compared_with_causal_element_by_element():
+    """Boolean (True attends) and additive (0 attends, -inf not) masks, broadcast over batch and heads."""
+    import torch
+
+    from autoshard.passes.capturing.cp_proof import _not_causal
+
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    additive = torch.zeros(4, 4).masked_fill(~causal, float("-inf"))
+    assert _not_causal(causal.expand(2, 1, 4, 4), 4) is None and _not_causal(additive, 4) is None
+    assert _not_causal(additive.clamp(min=torch.finfo(torch.float32).min), 4) is None
+    assert _not_causal(torch.ones(4, 4, dtype=torch.bool), 4) == "query 0 sees key 1, a later token"
+    window = causal & ~torch.ones(4, 4, dtype=torch.bool).tril(-2)  # each query sees itself and 1 key back
+    assert _not_causal(window, 4) == "query 2 does not see key 0, an earlier token: a sliding window?"
+    assert _not_causal(~causal, 4) == "query 0 does not see its own key"
+    assert _not_causal(additive + 1, 4) == "it adds values other than 0 and -inf to the scores"
+    assert _not_causal(causal[:, :2], 4) == "a mask of shape [4, 2]"

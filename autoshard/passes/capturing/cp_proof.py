@@ -46,9 +46,19 @@ the captured graph; this pass runs the model's code on a rank's share and reads 
    run time it passes ``attn_mask=None, is_causal=True``; the runtime refuses every explicit mask, so
    what such a mask would contain is never computed. Nodes whose every use leads only into SDPA's
    ``attn_mask`` (transitively) are exempt from 2's dim rule and from 3.
+5. **The one-process mask is causal** (``mask_refusal``, once some degree passes 1-4): what a rank's ring
+   computes is causal attention over all s tokens, so the mask one process applies at s must be exactly
+   that. transformers decides per length whether to build one: with a sliding window w (Mistral, Qwen2,
+   Gemma 2/3, any ``layer_types`` with sliding attention) it passes ``is_causal`` alone while the tokens fit
+   the window, so at s/cp <= w < s a rank skips the window one process applies (the plan trained unlike
+   one process, silently), and at w < s/cp a rank passes the window's mask, which the runtime refuses
+   mid-run. A window is one more comparison among the mask's ops, not a shape: each mask of a static
+   export at s (one sample) is computed on the CPU from its own ops and compared with the causal mask
+   element by element; any other mask refuses every degree, naming a query and key on which they differ.
 
 What is proven: every op of the model's forward on a rank's t tokens is, op for op, the one-process op
-restricted to those tokens, attention and the arange positions aside, which the runtime replaces. Not
+restricted to those tokens, attention and the arange positions aside, which the runtime replaces, and
+every attention of one process attends causally or as the call says (no mask). Not
 proven here, and checked by ``cp_refusal`` per degree on the captured graph: that no *static* arange of
 s/cp elements exists (the runtime would shift it too), attention dropout, and by the runtime as it runs:
 no explicit mask, the ring's shapes. Random ops (dropout) draw per rank, as under data parallelism.
@@ -56,8 +66,9 @@ no explicit mask, the ring's shapes. Random ops (dropout) draw per rank, as unde
 The result is ``OpGraph.cp_proofs``, which ``passes.planning.context_parallel.cp_refusal`` reads right after the
 sequence's own conditions (s > 1, s mod cp = 0) and before its graph checks: {"*": reason}
 from the symbolic export (every degree with s/cp >= 2), or {"*": why the symbolic export failed, str(cp):
-reason, ...} per degree; "" is proven; models without a sequence or without attention get {"*": that reason}
-without an export (the cheap skip). None: never checked (hand-built graphs).
+reason, ...} per degree, or {"*": why the one-process mask is not causal} (step 5); "" is proven; models
+without a sequence or without attention get {"*": that reason} without an export (the cheap skip). None: never
+checked (hand-built graphs).
 
 **Deferred.** The symbolic export is the costliest part of a capture (3-6 s of a small transformers
 model's 8-18 s on 2 cores), and most plans never consider cp: the search offers it only from
@@ -110,6 +121,17 @@ def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
         return {ALL: NO_ATTENTION}
     if s // 2 < MIN_LOCAL:
         return {ALL: f"a sequence of {s} tokens is too short to split (a cp rank needs {MIN_LOCAL} or more)"}
+    proofs = local_proofs(model_file, graph)
+    if "" in proofs.values():  # some degree's rank computes its share: then one process must mask causally
+        why = mask_refusal(model_file, graph)
+        if why:
+            return {ALL: why}
+    return proofs
+
+
+def local_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
+    """Steps 1-4: the symbolic export, or one static export per degree."""
+    s = graph.tokens_per_sample
     try:
         program = export_local(model_file, graph, s // 2, symbolic=True)
     except Exception as exc:  # the path depends on the length, or an op has no symbolic rule: per degree
@@ -145,13 +167,14 @@ def per_degree(model_file: ModelFile, graph: OpGraph, why: str) -> dict[str, str
 # ---------------------------------------------------------------------------- the local program
 
 
-def export_local(model_file: ModelFile, graph: OpGraph, length: int, symbolic: bool):
-    """The model's program on ``length`` of the s tokens (symbolic: any length 2 .. s/2, hint ``length``)."""
+def export_local(model_file: ModelFile, graph: OpGraph, length: int, symbolic: bool, batch: int | None = None):
+    """The model's program on ``length`` of the s tokens (symbolic: any length 2 .. s/2, hint ``length``), on
+    the captured batch or ``batch`` samples."""
     model = build_on_meta(model_file)
     if graph.fold is not None:
         fold_model(model)
     s = graph.tokens_per_sample
-    inputs = model_file.example_batch(graph.batch_size)[0]
+    inputs = model_file.example_batch(batch or graph.batch_size)[0]
     cut = [t.dim() >= 2 and t.shape[1] == s for t in inputs]
     local = tuple((t[:, :length] if c else t).to("meta") for t, c in zip(inputs, cut))
     dims = None
@@ -385,6 +408,106 @@ def mask_from_inputs(local: Local) -> str | None:
                 )
             todo += [a for a in x.all_input_nodes if _tensors(a)]  # data, not sizes read (sym_size)
     return None
+
+
+# ---------------------------------------------------------------------------- the one-process mask
+
+MASK_BUDGET = 1 << 30  # the most elements of one tensor of a mask evaluated (s = 32,768: 1 GiB of bools)
+MASK_ROWS = 1024  # the query rows compared with the causal mask at a time
+
+
+def mask_refusal(model_file: ModelFile, graph: OpGraph) -> str | None:
+    """Step 5: the mask each attention of the one-process program applies to its s tokens is the causal one.
+
+    A rank's code never builds its mask (the runtime refuses one), so the mask the captured graph feeds an
+    attention is what one process applies and the ring does not: the ring attends causally over all s tokens.
+    transformers decides per length whether to build it: with a sliding window w it passes ``is_causal``
+    alone while the tokens fit the window, so a rank's s/cp <= w tokens skip the window that one process
+    applies to s > w (Mistral, Qwen2, Gemma 2/3; ``_ignore_causal_mask_sdpa``). What the mask allows cannot
+    be read off the ops (a window is one more comparison): each mask is computed on the program at s tokens
+    (a static export of one sample; its ops have no model input but the positions it numbers) and compared
+    with the causal mask, element by element. None where every one is causal, or where no attention of the
+    captured graph takes a mask (no export). Beyond ``MASK_BUDGET`` elements a mask is not computed: refused."""
+    if not any(n.target.startswith(SDPA_TARGET) and n.attrs.get("attn_mask", "") is not None for n in graph.nodes):
+        return None
+    s = graph.tokens_per_sample
+    try:
+        program = export_local(model_file, graph, s, symbolic=False, batch=1)
+    except Exception as exc:
+        return f"the model's attention masks could not be computed on its {s} tokens ({_why_not(exc)})"
+    for sdpa in walk(program.graph_module):  # a wrapper's subgraph too
+        mask = _bound(sdpa).get("attn_mask") if _is_sdpa(sdpa) else None
+        if isinstance(mask, torch.fx.Node):
+            why = _mask_value(mask, s)
+            if isinstance(why, str):
+                return f"{_where(sdpa)}: {why}"
+            why = _not_causal(why, s)
+            if why:
+                return (
+                    f"{_where(sdpa)} masks its {s} tokens other than causally ({why}), while "
+                    f"a cp rank's code attends causally over them as a ring"
+                )
+    return None
+
+
+def _mask_value(mask: torch.fx.Node, s: int) -> torch.Tensor | str:
+    """The mask's value, computed on the CPU op by op from its ops alone, or why it cannot be."""
+    needed, todo = set(), [mask]
+    while todo:
+        node = todo.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        if node.op != "call_function":
+            return f"its mask reads {node.name}, whose value the plan does not have"
+        big = [t for t in _tensors(node) if t.numel() > MASK_BUDGET]
+        if big:
+            return (
+                f"its mask on {s} tokens has {big[0].numel()} elements, more than the {MASK_BUDGET} computed to "
+                f"check that it is causal"
+            )
+        todo += node.all_input_nodes
+    values: dict[torch.fx.Node, Any] = {}
+    uses = {n: sum(u in needed for u in n.users) for n in needed}
+    on_cpu = lambda a: torch.device("cpu") if isinstance(a, torch.device) else values.get(a, a)  # noqa: E731
+    for node in (n for n in mask.graph.nodes if n in needed):
+        args = torch.fx.node.map_aggregate(node.args, on_cpu)
+        values[node] = node.target(*args, **torch.fx.node.map_aggregate(node.kwargs, on_cpu))
+        for used in node.all_input_nodes:  # a value no later op reads is let go (masks of s^2 elements)
+            uses[used] -= 1
+            if not uses[used]:
+                del values[used]
+    return values[mask]
+
+
+def _not_causal(mask: torch.Tensor, s: int) -> str | None:
+    """Where a boolean (True: attends) or additive (0: attends; -inf, or the dtype's lowest value as older
+    transformers adds, not: its exp is 0 where the row attends anywhere, as a causal row does) mask over
+    [.., s, s] differs from the causal mask, or None."""
+    if mask.dtype != torch.bool:
+        masked = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | masked).all()):
+            return "it adds values other than 0 and -inf to the scores"
+        mask = mask == 0
+    if tuple(mask.shape[-2:]) != (s, s):
+        return f"a mask of shape {list(mask.shape)}"
+    keys = torch.arange(s)
+    for start in range(0, s, MASK_ROWS):
+        queries = torch.arange(start, min(start + MASK_ROWS, s))
+        differs = mask[..., start : start + MASK_ROWS, :] != (keys <= queries[:, None])
+        found = differs.reshape(-1, len(queries), s).any(0).nonzero()
+        if len(found):
+            return _said(start + int(found[0][0]), int(found[0][1]))
+    return None
+
+
+def _said(q: int, k: int) -> str:
+    """A query and key pair on which the mask and the causal mask disagree, in words."""
+    if k == q:
+        return f"query {q} does not see its own key"
+    if k < q:
+        return f"query {q} does not see key {k}, an earlier token: a sliding window?"
+    return f"query {q} sees key {k}, a later token"
 
 
 def _where(node: torch.fx.Node) -> str:

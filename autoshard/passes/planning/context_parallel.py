@@ -22,7 +22,9 @@ numbers its tokens for position embeddings, both examples/gpt.py's ``arange(0, t
 
 What the runtime checks as it runs (the captured graph cannot show it): attention gets no explicit
 mask (transformers builds its causal mask only when tracing; at run time it passes ``is_causal``), and
-no attention dropout while training.
+no attention dropout while training. That a rank passing ``is_causal`` computes what one process does is
+the proof's (step 5): the mask one process applies at s tokens is computed and must be the causal one
+(a sliding window shorter than s is refused: a rank's s/cp tokens fit the window, and its code skips it).
 """
 
 from __future__ import annotations
