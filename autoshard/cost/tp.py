@@ -124,9 +124,23 @@ def styles_key(choice: TPChoice) -> frozenset[tuple[str, str]]:
     only after, so the key is kept with the dict it was made from."""
     made = choice.__dict__.get("_styles_key")
     if made is None or made[0] is not choice.styles or made[1] != len(choice.styles):
-        made = (choice.styles, len(choice.styles), frozenset(choice.styles.items()))
+        made = (choice.styles, len(choice.styles), _interned(frozenset(choice.styles.items())))
         choice.__dict__["_styles_key"] = made
     return made[2]
+
+
+_INTERNED_STYLES: dict[frozenset[tuple[str, str]], frozenset[tuple[str, str]]] = {}
+INTERNED_STYLES_KEPT = 64  # distinct layouts remembered; a search hands in a few per (tp, micro-batch)
+
+
+def _interned(key: frozenset[tuple[str, str]]) -> frozenset[tuple[str, str]]:
+    """One object per distinct set of styles: the search makes a new ``TPChoice`` with the same styles for many
+    points (each (tp, micro-batch) solved again, copies from the forked pricer), and a memo lookup whose key holds
+    an equal but other frozenset compares its thousand items, where the same object compares by identity. Only
+    the speed depends on it, so the table forgets everything when it grows past ``INTERNED_STYLES_KEPT``."""
+    if len(_INTERNED_STYLES) >= INTERNED_STYLES_KEPT and key not in _INTERNED_STYLES:
+        _INTERNED_STYLES.clear()
+    return _INTERNED_STYLES.setdefault(key, key)
 
 
 # Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage
