@@ -316,24 +316,30 @@ def _pipeline_moments(
     buffers = m * sum(s.buffer_bytes for s in stages)
     order, held_at = backward_held(config.schedule, config.mesh.pp, m, config.virtual_stages, pp_rank)
     by_index = {s.index: s for s in stages}
-    yield "optimizer", dict(
-        params_bytes=p,
-        grads_bytes=g,
-        optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
-        activations_bytes=buffers,
-        transient_bytes=0,
+    yield (
+        "optimizer",
+        dict(
+            params_bytes=p,
+            grads_bytes=g,
+            optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
+            activations_bytes=buffers,
+            transient_bytes=0,
+        ),
     )
     for stage in stages:
         for counts in held_at.get(stage.index, ()):
             held_counts, pending_counts = counts[: len(order)], counts[len(order) :]
             acts = sum(c * by_index[s].saved_bytes for s, c in zip(order, held_counts) if s in by_index)
             acts += sum(c * by_index[s].weight_grad_bytes for s, c in zip(order, pending_counts) if s in by_index)
-            yield (stage.index, counts), dict(
-                params_bytes=p + kept + (gathered * stage.params if z3 else 0),
-                grads_bytes=held,
-                optimizer_bytes=o,
-                activations_bytes=acts + buffers + stage.workspace_bytes,
-                transient_bytes=max(stage.backward_bytes, stage.loss_bytes),
+            yield (
+                (stage.index, counts),
+                dict(
+                    params_bytes=p + kept + (gathered * stage.params if z3 else 0),
+                    grads_bytes=held,
+                    optimizer_bytes=o,
+                    activations_bytes=acts + buffers + stage.workspace_bytes,
+                    transient_bytes=max(stage.backward_bytes, stage.loss_bytes),
+                ),
             )
 
 
