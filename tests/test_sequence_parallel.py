@@ -266,3 +266,32 @@ def test_partial_gradients_are_settled_once_in_one_all_reduce(one_rank, monkeypa
         else:
             assert torch.equal(g, grads[n])
     assert train_step.settle_partial_grads(model) == 0  # nothing left Partial
+
+
+def test_tp_figures_read_from_memo_are_the_walks(gpt_graph):
+    """The shard flow and parameters per TP rank are kept once per set of styles (``cost.tp``): equal to a fresh walk
+    of the graph, whichever object holds the styles; a module's gathering holders found by lookup are the modules a
+    prefix test finds; equal styles give one memo key object (lookups compare by identity)."""
+    from dataclasses import replace
+
+    from autoshard.cost import tp as tp_cost
+
+    plain, sp = choices(gpt_graph)
+    gathered = dict(sp.styles, **{"h.1.mlp": "gather-seq-input-dim1"})  # a module gathering its input's tokens
+    for styles in (plain.styles, sp.styles, gathered):
+        copy = dict(styles)
+        assert tp_cost.shard_flow(gpt_graph, copy) == tp_cost._shard_flow(gpt_graph, styles)
+        assert tp_cost.shard_flow(gpt_graph, styles) is tp_cost.shard_flow(gpt_graph, copy)
+        sharded = {m: s for m, s in styles.items() if s != "replicate"}
+        by_block = tp_cost.local_params_by_block(gpt_graph, sharded, 2)
+        assert by_block == tp_cost._local_params_by_block(gpt_graph, sharded, 2)
+        by_block.clear()  # the caller's copy
+        assert tp_cost.local_params_by_block(gpt_graph, sharded, 2) == tp_cost._local_params_by_block(
+            gpt_graph, sharded, 2
+        )
+    assert tp_cost.shard_flow(gpt_graph, gathered) != tp_cost.shard_flow(gpt_graph, sp.styles)
+    for node in gpt_graph.nodes:
+        holders = set(tp_cost.module_and_holders(node.module_path))
+        for p in gathered:
+            assert (p in holders) == (node.module_path == p or node.module_path.startswith(p + "."))
+    assert tp_cost.styles_key(replace(sp, styles=dict(sp.styles))) is tp_cost.styles_key(sp)

@@ -477,13 +477,16 @@ def stage_load(
         expert_shards,
         saved_bytes=sum(units.saved_bytes[u] for u in idx) + output,
         workspace_bytes=stage_workspace_bytes(config, index, [units.workspace_bytes[u] for u in in_blocks]),
-        weight_grad_bytes=sum(tables.weight_grad_units(config)[u] for u in idx)
-        if stage_split_share(config, index) > 0
-        else 0,
+        weight_grad_bytes=_sum_at(tables.weight_grad_units(config), idx) if stage_split_share(config, index) > 0 else 0,
         backward_bytes=max((units.backward_bytes[u] for u in in_blocks), default=0) if units.backward_bytes else 0,
         loss_bytes=units.workspace_bytes[-1] if last else 0,
         buffer_bytes=stage_buffer_bytes(tables, config, index, block_range, owner),
     )
+
+
+def _sum_at(values: tuple[int, ...], idx) -> int:
+    """Σ values[u] over ``idx``, the per-unit tuple read once rather than looked up again for each unit."""
+    return sum(values[u] for u in idx)
 
 
 def stage_workspace_bytes(config: Decisions, index: int, workspaces: list[int]) -> int:

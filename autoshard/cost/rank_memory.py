@@ -17,6 +17,7 @@ Korthikanti et al.) prices the stage-cut search's memory constraint (``passes.pl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from autoshard.cost.experts import dispatch_memory
@@ -264,8 +265,8 @@ class StageLoad:
 
 def memory_pipeline(tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad]) -> Memory:
     """The largest of ``pipeline_moments`` of pp rank ``pp_rank`` holding ``stages``."""
-    moments = pipeline_moments(tables, config, pp_rank, stages)
-    worst = max(moments.values(), key=lambda parts: sum(parts.values()))
+    moments = (parts for _, parts in _pipeline_moments(tables, config, pp_rank, stages))
+    worst = max(moments, key=lambda parts: sum(parts.values()))
     return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
 
 
@@ -289,6 +290,17 @@ def pipeline_moments(
     R_s, T_s a block's recompute workspace and activation gradients, L_s the loss's two fp32 gradients (the
     last stage). Parts as ``spmd_moments``' (``autoshard.dryrun`` maps the tracker's alike; the tracker files
     G_a, which FSDP2 sums in fp32 outside the parameters' .grad, under temporaries)."""
+    return {
+        moment if isinstance(moment, str) else f"backward {moment[0]} {moment[1]}": parts
+        for moment, parts in _pipeline_moments(tables, config, pp_rank, stages)
+    }
+
+
+def _pipeline_moments(
+    tables: CostTables, config: Decisions, pp_rank: int, stages: list[StageLoad]
+) -> Iterator[tuple[str | tuple[int, tuple[int, ...]], dict[str, float]]]:
+    """``pipeline_moments`` in order, each named "optimizer" or by (stage, held counts): the search takes only the
+    largest, so it formats no names."""
     precision, dp = tables.precision, config.dp_shard
     dense = sum(s.params for s in stages)
     experts = sum(s.expert_params for s in stages)
@@ -304,28 +316,31 @@ def pipeline_moments(
     buffers = m * sum(s.buffer_bytes for s in stages)
     order, held_at = backward_held(config.schedule, config.mesh.pp, m, config.virtual_stages, pp_rank)
     by_index = {s.index: s for s in stages}
-    moments = {
-        "optimizer": dict(
+    yield (
+        "optimizer",
+        dict(
             params_bytes=p,
             grads_bytes=g,
             optimizer_bytes=o + optimizer_step_bytes(tables, config, o),
             activations_bytes=buffers,
             transient_bytes=0,
-        )
-    }
+        ),
+    )
     for stage in stages:
         for counts in held_at.get(stage.index, ()):
             held_counts, pending_counts = counts[: len(order)], counts[len(order) :]
             acts = sum(c * by_index[s].saved_bytes for s, c in zip(order, held_counts) if s in by_index)
             acts += sum(c * by_index[s].weight_grad_bytes for s, c in zip(order, pending_counts) if s in by_index)
-            moments[f"backward {stage.index} {counts}"] = dict(
-                params_bytes=p + kept + (gathered * stage.params if z3 else 0),
-                grads_bytes=held,
-                optimizer_bytes=o,
-                activations_bytes=acts + buffers + stage.workspace_bytes,
-                transient_bytes=max(stage.backward_bytes, stage.loss_bytes),
+            yield (
+                (stage.index, counts),
+                dict(
+                    params_bytes=p + kept + (gathered * stage.params if z3 else 0),
+                    grads_bytes=held,
+                    optimizer_bytes=o,
+                    activations_bytes=acts + buffers + stage.workspace_bytes,
+                    transient_bytes=max(stage.backward_bytes, stage.loss_bytes),
+                ),
             )
-    return moments
 
 
 def pipeline_accumulated_grad_bytes(precision: Precision, config: Decisions, dense: int, experts: int) -> int:

@@ -69,12 +69,19 @@ def tp_comm_factor(modes: tuple[str, ...]) -> float:
     return 1.0 + (FULL_RECOMPUTE_TP_COMM - 1.0) * sum(m == "full" for m in modes) / len(modes)
 
 
-def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> set[str]:
+def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> frozenset[str]:
     """The ops a TP layout runs on 1/tp of their data (``shard_flow``)."""
     return shard_flow(graph, styles)[0]
 
 
-def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[str]]:
+def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[frozenset[str], frozenset[str]]:
+    """``_shard_flow``, once per set of styles of a graph: the search prices a layout's fractions and each
+    rank's share of it many times (``unit_tp_fractions``, ``rank_share``), each a walk of every op."""
+    key = ("shard_flow", _interned(frozenset(styles.items())))
+    return graph.derived(key, lambda: _shard_flow(graph, styles))
+
+
+def _shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[frozenset[str], frozenset[str]]:
     """The ops a TP layout runs on 1/tp of their data: linears / embeddings of a sharded style, and
     every op reading a sharded (S) value; S values are a colwise linear's output and the outputs of
     ops reading one, up to the rowwise linear that reduces them (the layout model allows S only
@@ -89,7 +96,7 @@ def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[st
     a linear whose style leaves its output whole: all-reduced, or gathered)."""
     sharded: set[str] = set()
     split_values: set[str] = set()
-    gathering = tuple(p for p, s in styles.items() if s.startswith("gather-seq-input-dim"))
+    gathering = frozenset(p for p, s in styles.items() if s.startswith("gather-seq-input-dim"))
     scattered = _scattered_inputs(graph, styles)
     for node in graph.nodes:
         op = op_name(node.target)
@@ -99,12 +106,20 @@ def shard_flow(graph: OpGraph, styles: dict[str, str]) -> tuple[set[str], set[st
                 sharded.add(node.name)
             if style in SHARD_OUTPUT_STYLES or (style in TP_STYLES and TP_STYLES[style].leaves_seq_shard):
                 split_values.add(node.name)
-        elif any(node.module_path == p or node.module_path.startswith(p + ".") for p in gathering):
+        elif gathering and not gathering.isdisjoint(module_and_holders(node.module_path)):
             continue
         elif any(name in split_values for name in node.inputs) or (node.name,) in scattered:
             sharded.add(node.name)
             split_values.add(node.name)
-    return sharded, split_values
+    return frozenset(sharded), frozenset(split_values)
+
+
+def module_and_holders(path: str) -> tuple[str, ...]:
+    """``path`` and every module holding it ("a.b.c" -> "a", "a.b", "a.b.c"): p is one of them exactly when
+    ``path == p or path.startswith(p + ".")``, so a set of module paths is tested against a node's module in a
+    few lookups rather than a prefix test per module."""
+    parts = path.split(".")
+    return tuple(".".join(parts[: k + 1]) for k in range(len(parts)))
 
 
 def rank_share(graph: OpGraph, choice: TPChoice, in_stages: bool = False) -> RankShare:
@@ -124,9 +139,23 @@ def styles_key(choice: TPChoice) -> frozenset[tuple[str, str]]:
     only after, so the key is kept with the dict it was made from."""
     made = choice.__dict__.get("_styles_key")
     if made is None or made[0] is not choice.styles or made[1] != len(choice.styles):
-        made = (choice.styles, len(choice.styles), frozenset(choice.styles.items()))
+        made = (choice.styles, len(choice.styles), _interned(frozenset(choice.styles.items())))
         choice.__dict__["_styles_key"] = made
     return made[2]
+
+
+_INTERNED_STYLES: dict[frozenset[tuple[str, str]], frozenset[tuple[str, str]]] = {}
+INTERNED_STYLES_KEPT = 64  # distinct layouts remembered; a search hands in a few per (tp, micro-batch)
+
+
+def _interned(key: frozenset[tuple[str, str]]) -> frozenset[tuple[str, str]]:
+    """One object per distinct set of styles: the search makes a new ``TPChoice`` with the same styles for many
+    points (each (tp, micro-batch) solved again, copies from the forked pricer), and a memo lookup whose key holds
+    an equal but other frozenset compares its thousand items, where the same object compares by identity. Only
+    the speed depends on it, so the table forgets everything when it grows past ``INTERNED_STYLES_KEPT``."""
+    if len(_INTERNED_STYLES) >= INTERNED_STYLES_KEPT and key not in _INTERNED_STYLES:
+        _INTERNED_STYLES.clear()
+    return _INTERNED_STYLES.setdefault(key, key)
 
 
 # Styles whose module reads its input through tp_copy (a clone) inside a pipeline stage
@@ -221,7 +250,14 @@ def unit_tp_fractions(
 
 def local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> dict[str | None, int]:
     """Parameters per TP rank of every block (None: outside blocks), in one pass: sharded modules'
-    weights / tp; a row-parallel bias stays whole (RowwiseParallel replicates it)."""
+    weights / tp; a row-parallel bias stays whole (RowwiseParallel replicates it). Once per (styles, tp) of a
+    graph (the search reads it for every layout it prices and every unit's share); a copy, so callers may keep
+    or change theirs."""
+    key = ("local_params_by_block", _interned(frozenset(sharded.items())), tp)
+    return dict(graph.derived(key, lambda: _local_params_by_block(graph, sharded, tp)))
+
+
+def _local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> dict[str | None, int]:
     totals: dict[str | None, int] = {}
     for p in graph.params:
         if not p.is_buffer:

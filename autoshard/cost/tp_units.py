@@ -14,6 +14,7 @@ model's own figures where ``calibrate --model`` measured them: ``module_host_s``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
@@ -182,7 +183,14 @@ def _unit_tp_comm(graph: OpGraph, cost: TPCost, factor: float) -> tuple[float, .
 def forward_reruns(config: Decisions, blocks: int) -> tuple[float, ...]:
     """How many times recompute reruns each unit's forward per micro-batch: once in a block under any recompute
     mode, never outside the blocks (a zero-bubble split backward's are ``pipeline_step.stage_forward_reruns``)."""
-    return (0.0, *(float(mode != "none") for mode in config.block_modes(blocks)), 0.0)
+    return _forward_reruns(config.block_modes(blocks))
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_reruns(modes: tuple[str, ...]) -> tuple[float, ...]:
+    """``forward_reruns`` of the blocks' ``modes``, once per distinct modes (the search reads it per stage of
+    every priced plan)."""
+    return (0.0, *(float(mode != "none") for mode in modes), 0.0)
 
 
 def tp_host_per_unit_s(
@@ -198,8 +206,11 @@ def tp_host_per_unit_s(
         host(u) = Σ_{modules of u} us(style) · (1 + s_f · reruns(u))          s_f = ``forward_share``"""
     per_unit = modules_host_s(tables, config)
     reruns = forward_reruns(config, len(per_unit) - 2) if reruns is None else reruns
+    if not any(per_unit):
+        return per_unit  # t·(1 + s_f·n) of every t = 0.0 is 0.0
     share = forward_share(tables)
-    return tuple(t * (1 + share * n) for t, n in zip(per_unit, reruns))
+    key = ("tp_host_per_unit", config.mesh.tp, config.microbatch_size, config.sequence_parallel, share, reruns)
+    return tables.memo(key, lambda: tuple(t * (1 + share * n) for t, n in zip(per_unit, reruns)))
 
 
 def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:

@@ -41,6 +41,7 @@ def find_blocks(graph: OpGraph) -> OpGraph:
     """Fill ``graph.blocks`` in graph order (in place; returns graph)."""
     members = block_members(graph)
     readers = _blocks_reading(graph, members)
+    param_counts = _param_counts(graph)
     blocks: list[Block] = []
     first_with: dict[str, str] = {}
     for path, nodes in members.items():
@@ -52,7 +53,7 @@ def find_blocks(graph: OpGraph) -> OpGraph:
                 signature=signature,
                 representative=first_with[signature],
                 node_names=tuple(n.name for n in nodes),
-                param_count=_param_count(graph, path),
+                param_count=param_counts.get(path, 0),
                 flops_fwd=sum(n.flops for n in nodes),
                 activation_bytes=sum(n.output_bytes for n in nodes if not is_alias(graph, n)),
                 input_bytes=_input_bytes(graph, path, nodes, readers),
@@ -106,8 +107,14 @@ def _relative(name: str, path: str) -> str:
     return name
 
 
-def _param_count(graph: OpGraph, path: str) -> int:
-    return sum(p.numel for p in graph.params if not p.is_buffer and block_of(p.module_path) == path)
+def _param_counts(graph: OpGraph) -> dict[str | None, int]:
+    """Parameters (no buffers) of each block path, in one walk of the parameters rather than one per block."""
+    counts: dict[str | None, int] = {}
+    for p in graph.params:
+        if not p.is_buffer:
+            path = block_of(p.module_path)
+            counts[path] = counts.get(path, 0) + p.numel
+    return counts
 
 
 def _external_inputs(graph: OpGraph, nodes: list[OpNode]) -> list[str]:
