@@ -1,8 +1,9 @@
 """Plans byte-identical before and after a change: every golden plan re-planned from its command and compared.
 
 ``python benchmarks/plan_corpus.py [KIND ...]`` runs each ``tests/test_golden_programs.py`` ``PLAN_COMMANDS``
-entry (17 plan kinds: DDP, ZeRO-1/3, HSDP, dp x tp at ZeRO-0/1/2 with and without sequence parallelism, cp, ep,
-bf16 on a GPU cluster, per-block recompute, four pipeline schedules, tp x pp, compiled blocks) with ``autoshard plan``, in
+entry (20 plan kinds: DDP, ZeRO-1/3, HSDP, dp x tp at ZeRO-0/1/2 with and without sequence parallelism, cp, ep,
+bf16 and float8 on a GPU cluster, per-block recompute, four pipeline schedules, tp x pp with and without sequence
+parallelism, pp x cp, compiled blocks) with ``autoshard plan``, in
 parallel, and compares the bytes with the committed ``tests/golden/<kind>.plan.json``. A refactor that must not
 change plans shows "identical" on every row; a change to the planner or the cost model names the plan sections
 that moved, so the golden plans are remade (``python tests/test_golden_programs.py KIND``) knowingly.
@@ -62,6 +63,15 @@ def main(argv: list[str]) -> int:
     if "--hash-seeds" in argv:
         at = argv.index("--hash-seeds")
         seeds, argv = tuple(argv[at + 1].split(",")), argv[:at] + argv[at + 2 :]
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    unknown = [k for k in argv if k not in PLAN_COMMANDS]
+    if unknown:
+        print(
+            f"error: unknown plan kind {', '.join(unknown)}; one of {', '.join(sorted(PLAN_COMMANDS))}", file=sys.stderr
+        )
+        return 2
     kinds = argv or sorted(PLAN_COMMANDS)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         rows = list(pool.map(lambda k: replan(k, Path(tmp), seeds), kinds))
