@@ -292,7 +292,12 @@ def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
             f"'{folder}' has no config.json; hf:DIR names a transformers model's folder (as "
             f"save_pretrained writes it), e.g. hf:models/llama"
         )
-    config = _hf_config(folder)
+    return _hf_model_file(spec, _hf_config(folder), config_path, seq_len)
+
+
+def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) -> ModelFile:
+    """The contract of ``hf_causal_lm`` for a transformers ``config``; its module's ``narrowed()`` is the same for
+    ``narrowed_config(config)`` (what checks run on where the model is too large to run whole)."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     default_seq = min(positions or HF_DEFAULT_SEQ_LEN, HF_DEFAULT_SEQ_LEN)
 
@@ -316,9 +321,53 @@ def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
         tokens = (start + step * torch.arange(seq + 1)) % config.vocab_size
         return (tokens[:, :-1],), tokens[:, 1:]
 
-    module = types.ModuleType(f"autoshard_hf_{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]}")
-    module.build, module.example_batch = build, example_batch
+    def narrowed() -> ModelFile:
+        return _hf_model_file(f"{spec} (narrowed)", narrowed_config(config), config_path, None)
+
+    module = types.ModuleType(
+        f"autoshard_hf_{hashlib.sha1(str(config_path.parent.resolve()).encode()).hexdigest()[:12]}"
+    )
+    module.build, module.example_batch, module.narrowed = build, example_batch, narrowed
     return ModelFile(spec=spec, path=config_path, factory_name="build", module=module, seq_len=seq_len)
+
+
+NARROW_LAYERS = 2
+NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to its own)
+    "hidden_size": 64,
+    "num_hidden_layers": NARROW_LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+
+
+def narrowed_config(config):
+    """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them (per-layer lists cut
+    to ``NARROW_LAYERS``, special token ids inside the vocabulary), ``use_cache`` off; every other setting as it was.
+    The same architecture's code runs on it, at a width a CPU runs in a second."""
+    config = copy.deepcopy(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    for name, value in NARROW_SIZES.items():
+        if getattr(config, name, None) is not None:
+            with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim)
+                setattr(config, name, value)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the narrowed vocabulary
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= NARROW_SIZES["vocab_size"]:
+            setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
+    for name, value in list(vars(config).items()):  # layer_types and the like
+        if isinstance(value, list) and layers and len(value) == layers and layers != NARROW_LAYERS:
+            setattr(config, name, value[:NARROW_LAYERS])
+    config.use_cache = False
+    return config
 
 
 def _hf_config(folder: Path):

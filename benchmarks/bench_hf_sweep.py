@@ -24,7 +24,6 @@ equal parts of the architectures, in the mapping's order.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import subprocess
@@ -36,23 +35,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"chosen": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2-zero3": ["--dp", "2", "--zero", "3"]}
-LAYERS = 2
-SIZES = {  # the standard names (a config's attribute_map routes them to its own)
-    "hidden_size": 64,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-}
 TIMEOUT_S = 900
 
 
@@ -64,24 +46,13 @@ def architectures() -> list[tuple[str, str]]:
 
 
 def small_config(model_type: str, architecture: str):
-    """The config class's defaults with the sizes of ``SIZES`` where the config has them (per-layer lists cut to
-    ``LAYERS``, special token ids inside the vocabulary), ``use_cache`` off; raises where the library refuses the
-    result."""
+    """The config class's defaults narrowed (``autoshard.modelfile.narrowed_config``: width 64, 2 layers, ...);
+    raises where the library refuses the result."""
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
-    layers = getattr(config, "num_hidden_layers", None)
-    for name, value in SIZES.items():
-        if getattr(config, name, None) is not None:
-            with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim)
-                setattr(config, name, value)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the shrunk vocabulary
-        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab_size"]:
-            setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
-    for name, value in list(vars(config).items()):  # layer_types and the like
-        if isinstance(value, list) and layers and len(value) == layers and layers != LAYERS:
-            setattr(config, name, value[:LAYERS])
-    config.use_cache = False
+    from autoshard.modelfile import narrowed_config
+
+    config = narrowed_config(CONFIG_MAPPING[model_type]())
     config.architectures = [architecture]
     return config
 

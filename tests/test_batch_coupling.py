@@ -34,10 +34,11 @@ def test_the_planner_keeps_a_coupled_batch_whole_or_refuses_in_one_line(in_repo)
     assert mean_loss.mesh.dp == 2 and not any("batch stays whole" in note for note in mean_loss.notes)
 
 
-def test_a_check_that_would_take_long_is_not_run(in_repo, monkeypatch):
+def test_a_check_that_would_take_long_runs_on_a_reduced_copy_or_not_at_all(in_repo, monkeypatch):
     """The check's work is read off the captured graph before anything runs: the same folded (its layers copied back)
-    or not, growing with the tokens; over ``MAX_CHECK_FLOPS`` or ``MAX_CHECK_VALUE_BYTES`` the model is not run and
-    ``batch_coupling`` is None (the plan's notes say it was not checked)."""
+    or not, growing with the tokens. Over ``MAX_CHECK_FLOPS`` or ``MAX_CHECK_VALUE_BYTES`` the whole model is not
+    run: a copy with its repeated layers cut to three and 16 tokens is, its own work held to the same bounds; where
+    no copy is within them, ``batch_coupling`` is None (the plan's notes say it was not checked)."""
     from autoshard.passes.capturing import batch_coupling
     from autoshard.passes.capturing.annotate import annotate
     from autoshard.passes.capturing.capture import capture
@@ -52,8 +53,62 @@ def test_a_check_that_would_take_long_is_not_run(in_repo, monkeypatch):
     assert 2 * shorter_flops <= flops and shorter_bytes < largest_bytes
 
     assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling == ""  # within the bounds: run
-    monkeypatch.setattr(batch_coupling, "coupling_reason", lambda *a, **k: pytest.fail("the model was run"))
+    real = batch_coupling.coupling_reason
+    copies = []
+
+    def on_the_copy_only(source, *args, model=None, **kwargs):
+        assert model is not None, "the whole model was run"
+        copies.append((source.seq_len, len(model.get_submodule(folded.fold.path))))
+        return real(source, *args, model=model, **kwargs)
+
+    monkeypatch.setattr(batch_coupling, "coupling_reason", on_the_copy_only)
     for name, bound in (("MAX_CHECK_FLOPS", flops), ("MAX_CHECK_VALUE_BYTES", largest_bytes)):
         with monkeypatch.context() as m:
             m.setattr(batch_coupling, name, bound - 1)
-            assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling is None, name
+            assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling == "", name
+    assert copies and all(copy == (16, folded.fold.first + 3) for copy in copies)
+    monkeypatch.setattr(batch_coupling, "MAX_CHECK_FLOPS", 0)  # no copy is within it
+    assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling is None
+
+
+def test_a_contrastive_model_over_the_whole_check_s_bounds_is_found_on_its_reduced_copy(in_repo):
+    """transformers' CLIP with two towers of 12 layers at width 1,024: 1.2 GB of weights, over ``MAX_CHECK_BYTES``;
+    checked on the copy with each tower cut to 3 layers, its weights made by replaying the factory's."""
+    from autoshard.passes.capturing import batch_coupling
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
+
+    model_file = load_model_file("tests/models/hf_clip.py:build_deep")
+    weights = sum(p.numel() for p in model_file.build("meta").parameters())
+    assert 4 * weights > batch_coupling.MAX_CHECK_BYTES
+    graph = batch_coupling.check_batch_coupling(model_file, annotate(capture(model_file, 2, True)))
+    assert "couples the samples" in graph.batch_coupling and "3 of 12" in graph.batch_coupling
+
+
+def test_an_hf_model_over_the_bounds_is_checked_on_its_architecture_narrowed(tmp_path, monkeypatch):
+    """``hf:DIR`` over the bounds: the same transformers architecture at width 64 (``modelfile.narrowed_config``), its
+    other settings kept; ``MAX_CHECK_BYTES`` set below the tiny model stands for a model over it."""
+    import transformers
+
+    from autoshard.modelfile import NARROW_SIZES, narrowed_config
+    from autoshard.passes.capturing import batch_coupling
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
+
+    config = transformers.LlamaConfig(
+        hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=5,
+        vocab_size=300, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    narrow = narrowed_config(config)
+    assert (narrow.hidden_size, narrow.num_hidden_layers, narrow.vocab_size) == (64, 2, NARROW_SIZES["vocab_size"])
+    assert narrow.tie_word_embeddings is False and config.hidden_size == 96  # the rest kept; the original untouched
+    model_file = load_model_file(f"hf:{tmp_path}")
+    graph = annotate(capture(model_file, 2, True))
+    real, checked = batch_coupling.coupling_reason, []
+    monkeypatch.setattr(
+        batch_coupling, "coupling_reason", lambda source, **k: checked.append(source) or real(source, **k)
+    )
+    monkeypatch.setattr(batch_coupling, "MAX_CHECK_BYTES", 0)
+    assert batch_coupling.check_batch_coupling(model_file, graph).batch_coupling == ""
+    assert [source.spec for source in checked] == [f"hf:{tmp_path} (narrowed)"]

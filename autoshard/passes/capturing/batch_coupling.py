@@ -20,8 +20,11 @@ themselves: ``runtime.model.sync_batch_norm``), L of the batch against the mean 
 in float64 (so rounding cannot pass for a difference), relative tolerance ``RTOL`` (fp32 and ``RTOL_FP32`` for a
 model that does not run in float64; a model that runs in neither is not checked). A model whose weights
 would not fit in ``MAX_CHECK_BYTES``, or whose check would take more than a few seconds or a large share of
-the machine's memory, is not run (``graph.batch_coupling`` None, and the plan says so). The check's work, from
-the captured graph at its batch b (unfolded: every layer's FLOPs and outputs):
+the machine's memory, is checked on a reduced copy instead: an ``hf:DIR`` model on its config narrowed
+(``modelfile.narrowed_config``: the same architecture's code at width 64), any other on ``reduced_copy`` (its
+repeated layers cut to three, fewer tokens, its work held to the same bounds); one that no copy brings within them is not run
+(``graph.batch_coupling`` None, and the plan says so). The check's work, from the captured graph at its batch b
+(unfolded: every layer's FLOPs and outputs):
 
     FLOPs         2 · CHECK_BATCH / b · Σ_n flops(n)          (the whole batch, then its halves)    ≤ MAX_CHECK_FLOPS
     largest value CHECK_BATCH / b · max_n numel(n) · 8 bytes  (float64; the logits, usually)        ≤ MAX_CHECK_VALUE_BYTES
@@ -51,20 +54,69 @@ MAX_CHECK_VALUE_BYTES = 2**28  # the largest tensor of the check in float64 (a f
 
 
 def check_batch_coupling(model_file: ModelFile, graph: OpGraph) -> OpGraph:
-    """``graph`` with ``batch_coupling``: "" when (*) holds, the reason when not, None when not run (module doc)."""
-    weight_bytes = 4 * sum(p.numel() for p in model_file.build("meta").parameters())  # the whole model, unfolded
-    if weight_bytes > MAX_CHECK_BYTES or not _runs_quickly(graph):
-        graph.batch_coupling = None
-        return graph
-    try:
-        graph.batch_coupling = coupling_reason(model_file)
-    except Exception as exc:  # noqa: BLE001 (a model that does not run in float64 on the CPU: checked in fp32)
-        try:
-            graph.batch_coupling = coupling_reason(model_file, dtype=torch.float32)
-        except Exception:  # noqa: BLE001 (nor in fp32: the plan says it was not checked)
-            graph.batch_coupling = None
-            del exc
+    """``graph`` with ``batch_coupling``: "" when (*) holds, the reason when not, None when not run (module doc).
+    A model over the bounds is checked on a reduced copy (``reduced_copy``)."""
+    from autoshard.passes.capturing.reduced_copy import numel
+
+    meta = model_file.build("meta")
+    weight_bytes = 4 * sum(p.numel() for p in meta.parameters())  # the whole model, unfolded
+    if weight_bytes <= MAX_CHECK_BYTES and _runs_quickly(graph):
+        graph.batch_coupling = _in_float64_else_fp32(lambda dtype: coupling_reason(model_file, dtype=dtype))
+    else:
+        graph.batch_coupling = reduced_coupling(model_file, graph, numel(meta))
     return graph
+
+
+def _in_float64_else_fp32(check) -> str | None:
+    """``check(dtype)`` in float64, else in fp32 for a model with an op that has no float64 kernel; None if neither
+    runs (the plan says it was not checked)."""
+    for dtype in (torch.float64, torch.float32):
+        try:
+            return check(dtype)
+        except Exception:  # noqa: BLE001 (the model's own code, on a CPU it was not written for)
+            continue
+    return None
+
+
+NARROWED = "width 64, 2 layers, vocabulary 256 (modelfile.narrowed_config)"
+
+
+def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) -> str | None:
+    """The check on a reduced copy of the model (``reduced_copy``'s doc: fewer layers, fewer tokens), its work
+    held to the same bounds; the reason says it was found on the copy. None where no copy is within them, or
+    the whole model's ``whole_numel`` elements are too many to replay."""
+    from autoshard.passes.capturing import reduced_copy
+
+    narrowed = getattr(model_file.module, "narrowed", None)  # hf:DIR: the same architecture, narrow
+    if narrowed is not None:
+        source = narrowed()
+        reason = _in_float64_else_fp32(lambda dtype: coupling_reason(source, dtype=dtype))
+        if reason is not None:
+            return f"{reason} (found on the same architecture narrowed: {NARROWED})" if reason else ""
+    if whole_numel > reduced_copy.MAX_REPLAY_NUMEL:
+        return None
+    made = reduced_copy.reduced_copy(model_file)
+    if made is None:
+        return None
+    model, cut, whole_numel = made
+    flops, largest_bytes = check_work(graph)
+    weight_share = reduced_copy.numel(model) / whole_numel
+    tokens = graph.tokens_per_sample
+    for source in (reduced_copy.shorter(model_file, tokens), model_file):
+        if source is None:
+            continue
+        token_share = (source.seq_len or tokens) / tokens
+        if (
+            4 * sum(p.numel() for p in model.parameters()) > MAX_CHECK_BYTES
+            or flops * weight_share * token_share > MAX_CHECK_FLOPS
+            or largest_bytes * token_share > MAX_CHECK_VALUE_BYTES
+        ):
+            continue
+        reason = _in_float64_else_fp32(lambda dtype: coupling_reason(source, dtype=dtype, model=model))  # noqa: B023
+        if reason is not None:
+            shown = reduced_copy.describe(cut, source.seq_len if source is not model_file else None)
+            return f"{reason} (found on a reduced copy: {shown})" if reason else ""
+    return None
 
 
 def check_work(graph: OpGraph) -> tuple[int, int]:
@@ -82,13 +134,19 @@ def _runs_quickly(graph: OpGraph) -> bool:
     return flops <= MAX_CHECK_FLOPS and largest_bytes <= MAX_CHECK_VALUE_BYTES
 
 
-def coupling_reason(model_file: ModelFile, batch_size: int = CHECK_BATCH, dtype: torch.dtype = torch.float64) -> str:
-    """Why the loss of a batch is not the mean of its halves' losses ("" when it is); in ``dtype``."""
+def coupling_reason(
+    model_file: ModelFile,
+    batch_size: int = CHECK_BATCH,
+    dtype: torch.dtype = torch.float64,
+    model: torch.nn.Module | None = None,
+) -> str:
+    """Why the loss of a batch is not the mean of its halves' losses ("" when it is); in ``dtype``; on ``model``
+    (converted in place) when given, else on the model file's, built at seed 0."""
     from autoshard.runtime.data import global_batch, take_shard
     from autoshard.runtime.model import build_model, zero_dropout_rates
     from autoshard.runtime.randomness import fixed_randomness
 
-    model = build_model(model_file, seed=0).to(dtype)
+    model = (build_model(model_file, seed=0) if model is None else model).to(dtype)
     zero_dropout_rates(model)
     for module in model.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):

@@ -68,11 +68,11 @@ def fingerprint(module: nn.Module) -> str:
 
 def repeated_stack(model: nn.Module) -> str | None:
     """The path of the one stack ending in ≥ MIN_LAYERS identical layers, outermost; None if none or several."""
-    found = _stacks(model)
+    found = stacks(model)
     return found[0][0] if len(found) == 1 else None
 
 
-def _stacks(model: nn.Module) -> list[tuple[str, int]]:
+def stacks(model: nn.Module) -> list[tuple[str, int]]:
     """(path, f) of each stack whose layers f .. L − 1 are identical, L − f ≥ MIN_LAYERS (f the fewest)."""
     import torch.nn as nn
 
@@ -94,7 +94,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, int]]:
 def fold_model(model: nn.Module) -> Fold | None:
     """Keep the distinct first layers and KEPT of the identical ones of the model's repeated stack (in place);
     what was removed."""
-    found = _stacks(model)
+    found = stacks(model)
     if len(found) != 1:
         return None
     path, first = found[0]
