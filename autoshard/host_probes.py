@@ -146,8 +146,8 @@ def measure(time_op: Callable[[Callable[[], None]], float], ranks: int) -> dict[
     plain = probe_model()
     steps = {
         "fwd": lambda: plain(x),
-        "fwd_bwd": _fwd_bwd(plain, x),
-        **{mode: _fwd_bwd(apply_recompute(probe_model(), blocks, mode), x) for mode in ("selective", "full")},
+        "fwd_bwd": fwd_bwd(plain, x),
+        **{mode: fwd_bwd(apply_recompute(probe_model(), blocks, mode), x) for mode in ("selective", "full")},
         "split": _split_backward(plain, x),
     }
     out: dict[str, Any] = _paired_medians(time_op, steps, "fwd_bwd")
@@ -205,7 +205,7 @@ def _split_backward(model, x) -> Callable[[], None]:
     return step
 
 
-def _fwd_bwd(model, x) -> Callable[[], None]:
+def fwd_bwd(model, x) -> Callable[[], None]:
     def step():
         model(x).sum().backward()
 
@@ -232,12 +232,12 @@ def _fsdp_probes(time_op, blocks: list[str]) -> dict[str, Any]:
     from autoshard.runtime.parallel import apply_fsdp
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    out = {"fwd_bwd_wide": time_op(_fwd_bwd(probe_model(WIDE), probe_input(width=WIDE)))}
+    out = {"fwd_bwd_wide": time_op(fwd_bwd(probe_model(WIDE), probe_input(width=WIDE)))}
     for width, suffix in ((WIDTH, ""), (WIDE, "_wide")):
         x = probe_input(width=width)
         for stage, reshard in ((2, False), (3, True)):
             model = apply_fsdp(probe_model(width), mesh, blocks, reshard_after_forward=reshard)
-            out[f"fsdp{stage}{suffix}"] = time_op(_fwd_bwd(model, x))
+            out[f"fsdp{stage}{suffix}"] = time_op(fwd_bwd(model, x))
     out["fsdp_accumulate"] = time_op(
         _accumulating_fwd_bwd(apply_fsdp(probe_model(), mesh, blocks, reshard_after_forward=False), probe_input())
     )
@@ -255,7 +255,7 @@ def _accumulating_fwd_bwd(model, x) -> Callable[[], None]:
     summed whole, no collective runs."""
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False)
-    step = _fwd_bwd(model, x)
+    step = fwd_bwd(model, x)
     step()  # the one all-gather: the weights stay unsharded from here
     return step
 
@@ -316,10 +316,10 @@ def _tp_probes(time_op, x, plain, sequence_parallel: bool) -> dict[str, float]:
     periods of a shared machine moved by more than itself (sequence_module_us 0-1,829 µs over nine calibrations
     in 40 minutes, 2026-11-27)."""
     tp = _tp_model(sequence_parallel=False)
-    steps = {"plain": _fwd_bwd(plain, x), "plain_fwd": lambda: plain(x), "tp": _fwd_bwd(tp, x), "tp_fwd": lambda: tp(x)}
+    steps = {"plain": fwd_bwd(plain, x), "plain_fwd": lambda: plain(x), "tp": fwd_bwd(tp, x), "tp_fwd": lambda: tp(x)}
     base = {"tp": "plain", "tp_fwd": "plain_fwd"}
     if sequence_parallel:
-        steps["tp_sp"], base["tp_sp"] = _fwd_bwd(_tp_model(sequence_parallel=True), x), "tp"
+        steps["tp_sp"], base["tp_sp"] = fwd_bwd(_tp_model(sequence_parallel=True), x), "tp"
     rounds = [{name: time_op(step) for name, step in steps.items()} for _ in range(PROBE_ROUNDS)]
     return {k: statistics.median(r[k] - r[b] for r in rounds) for k, b in base.items()}
 
@@ -361,7 +361,7 @@ def _ddp_probes(time_op, x, plain) -> dict[str, Any]:
     from autoshard.runtime.parallel import apply_ddp
 
     ddp = apply_ddp(probe_model(), bucket_cap_mb=25.0)  # the default group: every rank
-    out = {"ddp": time_op(_fwd_bwd(ddp, x))}
+    out = {"ddp": time_op(fwd_bwd(ddp, x))}
     zero1 = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
     out["zero1"] = time_op(zero1.step)
     return out

@@ -159,7 +159,7 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
     fp32 loss (its upcast counted as "copy", as the profiler files it) and AdamW's foreach step."""
     from autoshard.cost import eager
     from autoshard.cost.autocast import autocast_traffic
-    from autoshard.cost.compute import SDPA_TARGET, _casts_s, op_backward_s, op_forward_s, weight_bytes_per_node
+    from autoshard.cost.compute import SDPA_TARGET, casts_s, op_backward_s, op_forward_s, weight_bytes_per_node
     from autoshard.cost.hardware import load_cluster
     from autoshard.cost.step import price_parts
     from autoshard.cost.tables import CostTables
@@ -176,7 +176,7 @@ def predicted_by_class(model_spec: str, microbatch: int, global_batch: int, clus
         w = weights.get(node.name, 0)
         forward = op_forward_s(node, w, scale, device, 0.5, "flash", 4, "eager", traffic)
         backward = op_backward_s(node, w, scale, device, 0.5, forward, "eager", traffic)
-        casts = _casts_s(traffic, scale, device, backward=False) + _casts_s(traffic, scale, device, backward=True)
+        casts = casts_s(traffic, scale, device, backward=False) + casts_s(traffic, scale, device, backward=True)
         cls = (
             "matmul"
             if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS)

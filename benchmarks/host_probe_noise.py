@@ -55,10 +55,10 @@ def main(rounds: int, device: str) -> None:
             if collector == "off":
                 gc.collect()
                 gc.disable()
-            fwd_bwd = time_op(host_probes._fwd_bwd(plain, x))
+            fwd_bwd = time_op(host_probes.fwd_bwd(plain, x))
             fwd = time_op(lambda: plain(x))
-            sel = time_op(host_probes._fwd_bwd(recomputed["selective"], x))
-            full = time_op(host_probes._fwd_bwd(recomputed["full"], x))
+            sel = time_op(host_probes.fwd_bwd(recomputed["selective"], x))
+            full = time_op(host_probes.fwd_bwd(recomputed["full"], x))
             gc.enable()
             print(
                 f"gc {collector} fwd {fwd * 1e3:.2f} fb {fwd_bwd * 1e3:.2f} sel {sel * 1e3:.2f} full {full * 1e3:.2f} ms"

@@ -85,7 +85,7 @@ def op_forward_s(
         return materialized_attention_s(node, scale, device, elem_ratio, captured_bytes)
     flops, moved = node.flops * scale, _moved_bytes(node, weight_bytes, scale, elem_ratio, traffic)
     if kernels == "eager":
-        return _eager_forward_s(node, flops, moved, device) + _casts_s(traffic, scale, device, backward=False)
+        return _eager_forward_s(node, flops, moved, device) + casts_s(traffic, scale, device, backward=False)
     return max(flops / _matmul_flops_per_s(device), moved / _bytes_per_s(device))
 
 
@@ -104,8 +104,8 @@ def op_backward_s(
     its autocast casts undone on the gradients (``traffic``)."""
     if kernels != "eager":
         return BACKWARD_TO_FORWARD * forward_s
-    casts = _casts_s(traffic, scale, device, backward=True)
-    own_s = forward_s - _casts_s(traffic, scale, device, backward=False)
+    casts = casts_s(traffic, scale, device, backward=True)
+    own_s = forward_s - casts_s(traffic, scale, device, backward=False)
     if node.target.startswith(eager.MATMUL_2D_TARGETS + eager.MATMUL_BATCHED_TARGETS):
         moved = _moved_bytes(node, weight_bytes, scale, elem_ratio, traffic)
         return eager.matmul_backward_s(node.target, node.shape, node.flops * scale, moved, device) + casts
@@ -138,7 +138,7 @@ def _moved_bytes(
     return moved
 
 
-def _casts_s(traffic: NodeTraffic | None, scale: float, device: DeviceSpec, backward: bool) -> float:
+def casts_s(traffic: NodeTraffic | None, scale: float, device: DeviceSpec, backward: bool) -> float:
     """The autocast casts around one op (``cost.autocast``): its activations' (× b/b₀) and, on a
     parameter's first read of the micro-batch, the parameter's; one copy kernel each."""
     if traffic is None:
