@@ -673,7 +673,7 @@ GPU_WARMUP_S = 0.5
 # time, because its throughput depends on it: back to back, bf16 GEMMs hold an H200 at its 700 W power cap
 # (nvidia-smi's throttle reason "SW power cap") and its SM clock falls to 1.5 GHz (644-690 TFLOP/s); between
 # memory-bound kernels the clock stays at 1.9-1.98 GHz (757-808). The Llama-3.2-1B step spent 46 % of its device
-# time in matmuls and 53 % in matmuls and attention, whose GEMMs ran 743-828 (benchmarks/gpu_matmul_probe.py,
+# time in matmuls and 53 % in matmuls and attention, whose GEMMs ran 743-828 (benchmarks/experiments/gpu_matmul_probe.py,
 # benchmarks/results/gpu-h200-2026-11-26/probe.json: an (8192, 8192) x (8192, 2048) GEMM read 690 back to back,
 # 742 at duty 0.77, 799 at 0.52, 808 at 0.32; the step's 800).
 GPU_MATMUL_DUTY = 0.5

@@ -287,7 +287,7 @@ def test_split_backward_prices_full_recompute_once_per_pass(gpt):
     """Under a zero-bubble schedule's split backward a fully recomputed block reruns its forward once for the
     inputs' gradient and once for the weights' (torch's ``stage_backward_weight`` makes one call per op that
     reads a parameter, and the program runs them under one ``GraphExecGroup``,
-    ``benchmarks/split_backward_recompute.py``): its recompute is priced twice, but on the first stage, and the
+    ``benchmarks/experiments/split_backward_recompute.py``): its recompute is priced twice, but on the first stage, and the
     step is slower than the same plan would be with one recompute."""
     from autoshard.cost.pipeline_step import rank_loads
     from autoshard.cost.tables import CostTables

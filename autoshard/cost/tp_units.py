@@ -83,7 +83,7 @@ def split_backward_recomputes(graph: OpGraph, units: Units) -> Units:
     parameters one op reads). A block under non-reentrant activation checkpointing reruns its forward in the
     input pass, and in the weight pass once if any of its ops reads a parameter (g_b > 0): the emitted program
     runs the weight pass's calls under one ``GraphExecGroup`` (``runtime.pipeline_parallel``), which shares one
-    rerun among them; without it a block reran 1 + g_b times (``benchmarks/split_backward_recompute.py``).
+    rerun among them; without it a block reran 1 + g_b times (``benchmarks/experiments/split_backward_recompute.py``).
     Host time of the recompute is multiplied alike."""
     groups = [0] + [weight_groups(graph, b.node_names) for b in graph.blocks] + [0]
     if len(groups) != len(units.recompute_s):

@@ -303,7 +303,7 @@ def run_generated_code(pipe):
     ``pipeline()`` outlines each stage's module calls into ``torch.export.unflatten``'s ``InterpreterModule``s,
     which by default interpret their graph node by node in Python (``RUN_WITH_INTERPRETER``), a host cost per op
     that no SPMD program pays. The generated code runs the same ops in the same order. Measured in one process
-    (GPT split in two, stage 0's forward and backward at micro-batch 4, ``benchmarks/stage_recompute_cost.py``'s
+    (GPT split in two, stage 0's forward and backward at micro-batch 4, ``benchmarks/experiments/stage_recompute_cost.py``'s
     setting): 11.1 → 6.3 ms without recompute, 28.6 → 11.3 ms selective, 18.3 → 12.1 ms full.
     ``runtime.stage_recompute`` re-finalizes a module whose graph it edits, so its generated code follows. A module
     whose graph names a value ``self`` stays interpreted: the generated code assigns it to a local ``self`` and then
@@ -620,7 +620,7 @@ def _recompute_once_per_weight_pass(stage: _PipelineStageBase) -> None:
     """A zero-bubble schedule's weight pass (``backward_weight_one_chunk``: ``stage_backward_weight``) makes one
     ``autograd`` call per parameter group, and a block under non-reentrant checkpointing reruns its forward in
     each call: 1 + g reruns per micro-batch with the input pass, g the block's ops that read a parameter
-    (``benchmarks/split_backward_recompute.py``: 8 for each GPT block). Under one ``GraphExecGroup`` the calls
+    (``benchmarks/experiments/split_backward_recompute.py``: 8 for each GPT block). Under one ``GraphExecGroup`` the calls
     share one rerun, so a block reruns twice (once per pass). The groups' calls never unpack one saved tensor
     twice (each op's weight gradient reads its own saved inputs); if a model's ever did, checkpoint raises
     ``CheckpointError`` rather than computing a wrong gradient. Schedules that never split the backward never

@@ -1,6 +1,6 @@
 """A zero-bubble split backward on a pipeline stage of the example GPT, with and without full recompute.
 
-    python benchmarks/split_backward_stage.py [MODEL]
+    python benchmarks/experiments/split_backward_stage.py [MODEL]
 
 Splits the model one block per stage (``runtime.pipeline_parallel.split_model``), takes stage 1 (not the first:
 its input needs a gradient) and runs its backward as torch's zero-bubble schedules do: the inputs' gradient

@@ -1,6 +1,6 @@
 """Recompute inside a pipeline stage against the same blocks recomputed on the whole model, in one process.
 
-    python benchmarks/stage_recompute_cost.py [MODEL] [--microbatch 4]
+    python benchmarks/experiments/stage_recompute_cost.py [MODEL] [--microbatch 4]
 
 Splits the model in two (``runtime.pipeline_parallel.split_model``) and times stage 0's forward and backward
 (a squared-mean loss on its output) with its blocks recomputed none / selective / full

@@ -1,7 +1,7 @@
 """How far one calibration of this machine moves every plan's price: N calibrations back to back, each plan priced
 on each.
 
-    python benchmarks/calibration_spread.py --ranks 2 --times 4 --runs RUNS.json -o OUT.json
+    python benchmarks/experiments/calibration_spread.py --ranks 2 --times 4 --runs RUNS.json -o OUT.json
 
 ``autoshard calibrate --model`` is run ``--times`` times in a row (nothing else running), and every configuration
 ``bench_plans.py`` runs is priced on each file. Reported per calibration: the mean signed difference of its
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_plans import calibrate, plan_all  # benchmarks/, run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_plans import calibrate, plan_all  # benchmarks/bench_plans.py, run as a script
 
 
 def main() -> None:

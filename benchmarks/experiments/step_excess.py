@@ -1,6 +1,6 @@
 """The program's step against its parts timed back to back, at m = 1 and m = 4 micro-batches of 1 sample.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/step_excess.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/experiments/step_excess.py
 
 Does what a step costs beyond forward + backward and the optimizer (``model_probes._step_ops``) grow with the
 micro-batches (a cost per micro-batch) or not (per step, as ``cost.parts.step_loop_s`` prices it)? Each rank runs

@@ -1,6 +1,6 @@
 """How often a zero-bubble schedule's split backward reruns a fully recomputed block (one process, no ranks).
 
-    python benchmarks/split_backward_recompute.py
+    python benchmarks/experiments/split_backward_recompute.py
 
 torch's zero-bubble schedules (interleaved-zb, zbv, dualpipev) split a stage's backward into the inputs'
 gradient (``stage_backward_input``) and the weights' (``stage_backward_weight``, one ``autograd`` call per

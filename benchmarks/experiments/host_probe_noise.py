@@ -1,6 +1,6 @@
 """How steady calibrate's host probes are: the probe model's steps (``autoshard.host_probes``) timed in rounds.
 
-    python benchmarks/host_probe_noise.py ROUNDS [cpu|cuda]
+    python benchmarks/experiments/host_probe_noise.py ROUNDS [cpu|cuda]
 
 Each round times a forward, a forward and backward, and the same with selective and with full recompute
 (median over about 0.3 s of calls each, with the garbage collector on, then off), and prints the

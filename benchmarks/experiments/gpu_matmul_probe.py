@@ -1,6 +1,6 @@
 """Why a back-to-back GEMM loop reads a lower peak than the same GEMMs inside a training step (one GPU).
 
-    python benchmarks/gpu_matmul_probe.py OUT.json
+    python benchmarks/experiments/gpu_matmul_probe.py OUT.json
 
 On an H200 (2026-11-26) calibrate's 8192³ loop read 675-700 TFLOP/s while the Llama-3.2-1B step's GEMMs ran
 743-828 (``gpu_kernels.py``). This probe times bf16 GEMMs of calibrate's and the step's shapes
