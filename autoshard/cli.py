@@ -701,7 +701,7 @@ def _write_plan(plan, args) -> None:
 def cmd_inspect(args) -> int:
     from rich.console import Console
 
-    from autoshard.cost.symbolic import what_if_values
+    from autoshard.cost.expressions import what_if_values
     from autoshard.ir.plan import load_plan
     from autoshard.show import render_plan, what_if_view, what_if_warnings
 

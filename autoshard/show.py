@@ -423,7 +423,7 @@ SYMBOL_LABELS = {
 def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, float]:
     """The plan's symbolic cost (``cost.symbolic``) at its own point with ``values`` changed, plus
     throughput and MFU; one-line errors for plans without it or with a damaged one."""
-    from autoshard.cost.symbolic import evaluate  # sympy: loaded when a plan's figures are asked for
+    from autoshard.cost.expressions import evaluate  # sympy: loaded when a plan's figures are asked for
 
     if not plan.symbolic:
         raise AutoshardError(

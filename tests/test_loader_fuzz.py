@@ -410,7 +410,7 @@ def mutated_expression(draw) -> str:
 )
 def test_expressions_evaluate_or_raise_value_error(text, values):
     """Whatever the string: a finite float or a ValueError naming the problem, never anything else."""
-    from autoshard.cost.symbolic import evaluate_expression
+    from autoshard.cost.expressions import evaluate_expression
 
     point = {**base_plan()["review"]["symbolic"]["symbols"], **values}
     try:

@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoshard.cli import main
+from autoshard.cost.expressions import evaluate, evaluate_expression, parse_expression
 from autoshard.cost.hardware import MAX_CLUSTER_FILE_BYTES, load_cluster
-from autoshard.cost.symbolic import SYMBOLS, evaluate, evaluate_expression, parse_expression
+from autoshard.cost.symbolic import SYMBOLS
 from autoshard.errors import AutoshardError
 from autoshard.ir.topology import BOUNDS, MAX_DEVICES, Cluster
 from autoshard.passes.planning.search import MAX_TOTAL_PS, _time_scale

@@ -12,13 +12,8 @@ import sympy
 
 from autoshard import api
 from autoshard.cli import main
-from autoshard.cost.symbolic import (
-    MEMORY_PARTS,
-    SYMBOLS,
-    TIME_PARTS,
-    evaluate,
-    parse_expression,
-)
+from autoshard.cost.expressions import evaluate, parse_expression
+from autoshard.cost.symbolic import MEMORY_PARTS, SYMBOLS, TIME_PARTS
 from autoshard.ir.plan import Plan, load_plan
 from autoshard.show import plan_figures
 
