@@ -46,8 +46,8 @@ rounds partial sums one process never makes, so K grows with tp there (``noise_f
 so a bug in its layout hides in it: on the bf16 tp 2 GPT, one rank's linear outputs 1 % off, its optimizer step 1 %
 longer, its loss gradient doubled all sat within 100x the bf16 noise. So ``verify`` runs such a plan twice
 (``fp32_twin``: bf16 and fp16 autocast, bf16-pure): its fp32 twin, the same plan at precision fp32 (the same mesh,
-sharding, recompute and micro-batches), judged first at fp32's tolerance, where the same bugs are 10⁴ to 10⁶
-times the noise; then the 16-bit run at its own precision's tolerance (K·noise of the one-process run in that
+sharding, recompute and micro-batches), judged first at fp32's tolerance, where the same bugs are 5·10³ to
+2·10⁶ times the noise (docs/verify.md, Injected bugs); then the 16-bit run at its own precision's tolerance (K·noise of the one-process run in that
 precision), which checks that the program runs the precision as one process does (its casts, gathers and loss
 scaling). A layout that fails in fp32 fails the plan, whatever the 16-bit run shows (``TWIN_FAILED``). A plan
 whose model is 16-bit itself (``bf16-params``) has no fp32 run and is judged in its precision alone.
@@ -135,7 +135,8 @@ def noise_factor(plan: Plan) -> float:
     products each rounded to 16 bits, summed and rounded again: up to 1 + ⌈log₂ tp⌉ roundings where one
     process's output has one, an error one process does not make and its noise cannot show. Measured, dp 1 x tp 2
     bf16 autocast on the example GPT, 3 steps, seeds 0, 1, 2: worst tensor 53.5x, 49.7x and 13.6x the one-process
-    noise (an fp32 run's worst is 12.3x, module doc); a bug stays far outside (735x for 1 % of a step)."""
+    noise (an fp32 run's worst is 12.3x, module doc). A bug in the layout can hide within that (one rank's linear
+    outputs 1 % off: 64x); the plan's fp32 twin catches it (``fp32_twin``, module doc)."""
     policy = precision_policy(plan.precision)
     sixteen_bit = policy.autocast_dtype or policy.cast_dtype or policy.name in ("bf16-params", "fp16-params")
     if plan.mesh.tp > 1 and plan.tensor_parallel and sixteen_bit:
