@@ -42,15 +42,16 @@ A bug is far outside: one layer's update off by 1% of an AdamW step shows as 735
 of that layer's tensor (excess 15); off by a whole step, ~10⁵x. Tensor parallelism in a 16-bit precision
 rounds partial sums one process never makes, so K grows with tp there (``noise_factor``: 100 at tp 2).
 
-16-bit plans: the layout in fp32 first. A 16-bit plan's tolerance is its precision's noise, its spacing 2¹² (fp16) to 2¹⁵ (bf16) times fp32's,
-so a bug in its layout hides in it: on the bf16 tp 2 GPT, one rank's linear outputs 1 % off, its optimizer step 1 %
-longer, its loss gradient doubled all sat within 100x the bf16 noise. So ``verify`` runs such a plan twice
-(``fp32_twin``: bf16 and fp16 autocast, bf16-pure): its fp32 twin, the same plan at precision fp32 (the same mesh,
-sharding, recompute and micro-batches), judged first at fp32's tolerance, where the same bugs are 5·10³ to
-2·10⁶ times the noise (docs/verify.md, Injected bugs); then the 16-bit run at its own precision's tolerance (K·noise of the one-process run in that
-precision), which checks that the program runs the precision as one process does (its casts, gathers and loss
-scaling). A layout that fails in fp32 fails the plan, whatever the 16-bit run shows (``TWIN_FAILED``). A plan
-whose model is 16-bit itself (``bf16-params``) has no fp32 run and is judged in its precision alone.
+16-bit plans: the layout in fp32 first. A 16-bit plan's tolerance is its precision's noise, its spacing 2¹²
+(fp16) to 2¹⁵ (bf16) times fp32's, so a bug in its layout hides in it: on the bf16 tp 2 GPT, one rank's linear
+outputs 1 % off, its optimizer step 1 % longer, its loss gradient doubled all sat within 100x the bf16 noise.
+So ``verify`` runs such a plan twice (``fp32_twin``: bf16 and fp16 autocast, bf16-pure): its fp32 twin, the same
+plan at precision fp32 (the same mesh, sharding, recompute and micro-batches), judged first at fp32's
+tolerance, where the same bugs are 5·10³ to 2·10⁶ times the noise (docs/verify.md, Injected bugs); then the
+16-bit run at its own precision's tolerance (K·noise of the one-process run in that precision), which checks
+that the program runs the precision as one process does (its casts, gathers and loss scaling). A layout that
+fails in fp32 fails the plan, whatever the 16-bit run shows (``TWIN_FAILED``). A plan whose model is 16-bit
+itself (``bf16-params``) has no fp32 run and is judged in its precision alone.
 
 Random and stateful layers. Each rank of a parallel program draws its own random numbers, so
 both sides run with every random op at one value (``runtime.randomness``, by op, not by name):
