@@ -904,12 +904,13 @@ def cmd_run(args) -> int:
 def cmd_verify(args) -> int:
     from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.runtime.data import DataSource
-    from autoshard.verify import summary_lines, verify
+    from autoshard.verify import fp32_twin, summary_lines, verify
 
     plan = load_plan(args.plan)
     recipe = recipe_of_args(args)
     check_model_file(plan)  # its bytes are the planned ones: nothing is imported before this
     twin = f" (float8 {plan.decisions.float8} through its twin with float8 off)" if plan.float8_linears else ""
+    twin += f" ({plan.precision}: its layout first in fp32, then in {plan.precision})" if fp32_twin(plan) else ""
     print(
         f"verifying {args.plan}{twin}: {plan.mesh}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, "
         f"{plan.world_size} CPU ranks vs one process, {args.steps} steps",

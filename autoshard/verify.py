@@ -42,6 +42,17 @@ A bug is far outside: one layer's update off by 1% of an AdamW step shows as 735
 of that layer's tensor (excess 15); off by a whole step, ~10⁵x. Tensor parallelism in a 16-bit precision
 rounds partial sums one process never makes, so K grows with tp there (``noise_factor``: 100 at tp 2).
 
+16-bit plans: the layout in fp32 first. A 16-bit plan's tolerance is its precision's noise, its spacing 2¹²
+(fp16) to 2¹⁵ (bf16) times fp32's, so a bug in its layout hides in it: on the bf16 tp 2 GPT, one rank's linear
+outputs 1 % off, its optimizer step 1 % longer, its loss gradient doubled all sat within 100x the bf16 noise.
+So ``verify`` runs such a plan twice (``fp32_twin``: bf16 and fp16 autocast, bf16-pure): its fp32 twin, the same
+plan at precision fp32 (the same mesh, sharding, recompute and micro-batches), judged first at fp32's
+tolerance, where the same bugs are 5·10³ to 2·10⁶ times the noise (docs/verify.md, Injected bugs); then the
+16-bit run at its own precision's tolerance (K·noise of the one-process run in that precision), which checks
+that the program runs the precision as one process does (its casts, gathers and loss scaling). A layout that
+fails in fp32 fails the plan, whatever the 16-bit run shows (``TWIN_FAILED``). A plan whose model is 16-bit
+itself (``bf16-params``) has no fp32 run and is judged in its precision alone.
+
 Random and stateful layers. Each rank of a parallel program draws its own random numbers, so
 both sides run with every random op at one value (``runtime.randomness``, by op, not by name):
 dropout of any form, stochastic depth's ``bernoulli`` or ``rand``, ``torch.rand`` masks, ``randn``
@@ -84,7 +95,7 @@ from torch.utils._pytree import tree_map
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import FLOAT8_OFF, PrecisionPolicy, precision_policy
 from autoshard.ir.names import op_name
-from autoshard.ir.plan import Plan, without_float8
+from autoshard.ir.plan import Plan, in_fp32, without_float8
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
@@ -125,7 +136,8 @@ def noise_factor(plan: Plan) -> float:
     products each rounded to 16 bits, summed and rounded again: up to 1 + ⌈log₂ tp⌉ roundings where one
     process's output has one, an error one process does not make and its noise cannot show. Measured, dp 1 x tp 2
     bf16 autocast on the example GPT, 3 steps, seeds 0, 1, 2: worst tensor 53.5x, 49.7x and 13.6x the one-process
-    noise (an fp32 run's worst is 12.3x, module doc); a bug stays far outside (735x for 1 % of a step)."""
+    noise (an fp32 run's worst is 12.3x, module doc). A bug in the layout can hide within that (one rank's linear
+    outputs 1 % off: 64x); the plan's fp32 twin catches it (``fp32_twin``, module doc)."""
     policy = precision_policy(plan.precision)
     sixteen_bit = policy.autocast_dtype or policy.cast_dtype or policy.name in ("bf16-params", "fp16-params")
     if plan.mesh.tp > 1 and plan.tensor_parallel and sixteen_bit:
@@ -166,6 +178,7 @@ class VerifyReport:
     notes: tuple[str, ...] = ()  # what verify changed or kept about the model
     grad_norms: tuple[float | None, ...] = ()  # the program's, each step's before clipping (None: no clipping)
     noise_factor: float = NOISE_FACTOR  # K the run was judged with (``noise_factor``)
+    twin: VerifyReport | None = None  # a 16-bit plan's fp32 twin's (``fp32_twin``), judged first
 
     @property
     def ok(self) -> bool:
@@ -182,9 +195,21 @@ def verify(
     plan, twin_notes = float8_twin(plan)
     model_file, notes = prepare(plan, steps, seed, data)
     notes = twin_notes + notes
+    twin = fp32_twin(plan)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
-        parallel = run_parallel(plan, Path(tmp), steps, seed, recipe, data)
-    return judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
+        parallel = run_parallel(plan, Path(tmp) / "plan", steps, seed, recipe, data)
+        layout_run = run_parallel(twin, Path(tmp) / "fp32-twin", steps, seed, recipe, data) if twin else None
+    return judge(plan, model_file, parallel, steps, seed, recipe, notes, data, layout_run)
+
+
+def fp32_twin(plan: Plan) -> Plan | None:
+    """The fp32 twin a 16-bit plan is verified through first (module doc, 16-bit plans): the same layout with
+    precision fp32 (``ir.plan.in_fp32``); None for a plan in fp32, or whose model is 16-bit itself (``*-params``:
+    its weights are built in that dtype, there is no fp32 run of it to compare with)."""
+    policy = precision_policy(plan.precision)
+    if not (policy.autocast_dtype or policy.cast_dtype):
+        return None
+    return in_fp32(plan)
 
 
 def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
@@ -243,9 +268,18 @@ def judge(
     recipe: Recipe,
     notes: tuple[str, ...] = (),
     data: DataSource = DataSource(),
+    layout_run: Run | str | None = None,
 ) -> VerifyReport:
     """The parallel run (or why it failed) against the fp32 and float64 one-process runs with ``recipe`` (the
-    program's), with a likely cause."""
+    program's), with a likely cause. ``layout_run``: the run of the plan's fp32 twin (``fp32_twin``), judged first
+    at fp32's tolerance; a layout that fails there fails the plan (module doc, 16-bit plans)."""
+    if layout_run is not None:
+        twin = judge(in_fp32(plan), model_file, layout_run, steps, seed, recipe, (), data)
+        if not twin.ok:
+            return _with(twin, notes=notes, failure=f"{TWIN_FAILED}\n{twin.failure}", twin=twin)
+        return _with(
+            judge(plan, model_file, parallel, steps, seed, recipe, notes + (twin_note(plan, twin),), data), twin=twin
+        )
     if isinstance(parallel, str):
         return VerifyReport(steps, [], [], math.nan, math.nan, "", parallel, notes=notes)
     microbatches = reference_microbatches(model_file, plan)
@@ -290,6 +324,22 @@ def judge(
         return _with(report, notes=notes)
     cause = likely_cause(report, plan, model_file, seed)
     return _with(report, notes=notes, failure=report.failure + (f"\nlikely cause: {cause}" if cause else ""))
+
+
+TWIN_FAILED = (
+    "the plan's layout does not train like one process in fp32 (its fp32 twin: the same plan at --precision fp32, "
+    "judged at fp32's tolerance)"
+)
+
+
+def twin_note(plan: Plan, twin: VerifyReport) -> str:
+    """The note that a 16-bit plan's layout passed in fp32, with its worst tensor."""
+    worst = twin.most_off[0] if twin.most_off else None
+    at = f"; most off: {worst.name} at {_times(worst.excess, twin.noise_factor)} fp32's noise" if worst else ""
+    return (
+        f"the layout verified first in fp32 (the same plan at --precision fp32, within {NOISE_FACTOR}x the "
+        f"one-process fp32 noise{at}); the {plan.precision} run then within its own precision's tolerance"
+    )
 
 
 def _with(report: VerifyReport, **changes) -> VerifyReport:

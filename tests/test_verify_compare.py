@@ -145,3 +145,46 @@ def test_tensor_parallel_in_16_bits_is_judged_with_its_extra_roundings():
     par_losses, par, ref32, ref64 = _runs({NOISY: 160e-5 - 1e-5})
     failed = compare(3, par_losses, ref32.losses, par, ref32.params, exact=ref64, noise_factor=100)
     assert not failed.ok and "160x the rounding noise" in failed.failure
+
+
+def _fake_references(monkeypatch):
+    """verify's one-process runs, made up: float64 exact, fp32 off by 1e-7, bf16 autocast off by 1e-3."""
+    import autoshard.verify as verify
+
+    off = {"fp32": 1e-7, "bf16-autocast": 1e-3}
+
+    def train_reference(model_file, batch_size, steps, seed, lr, dtype=torch.float32, precision="fp32", **_):
+        shift = 0.0 if dtype == torch.float64 else off[precision]
+        return Run([2.0 + shift, 1.9 + shift], {CLEAN: torch.ones(4, 4, dtype=dtype) + shift})
+
+    monkeypatch.setattr(verify, "train_reference", train_reference)
+
+
+def _run_off_by(shift: float) -> Run:
+    return Run([2.0 + shift, 1.9 + shift], {CLEAN: torch.ones(4, 4) + shift})
+
+
+@pytest.mark.parametrize("twin_shift, ok", [(2e-7, True), (1e-4, False)])
+def test_a_16_bit_plan_is_judged_first_through_its_fp32_twin(monkeypatch, twin_shift, ok):
+    """The bf16 run is 5x bf16's noise off (within K = 50 of it); its fp32 twin (the same layout) 2x fp32's noise
+    (it passes, and the report says the layout was verified in fp32) or 1000x (a layout bug the bf16 tolerance
+    hides: the plan fails, saying it is the layout)."""
+    from autoshard.ir.plan import load_plan
+    from autoshard.ir.recipe import Recipe
+    from autoshard.modelfile import load_model_file
+    from autoshard.verify import TWIN_FAILED, fp32_twin, judge
+
+    _fake_references(monkeypatch)
+    plan = load_plan("tests/golden/bf16_dp_zero3.plan.json")
+    twin = fp32_twin(plan)
+    assert (plan.precision, twin.precision, twin.mesh, twin.layout) == ("bf16-autocast", "fp32", plan.mesh, plan.layout)
+    assert fp32_twin(twin) is None  # an fp32 plan is verified once
+    model_file = load_model_file(plan.model["spec"])
+    alone = judge(plan, model_file, _run_off_by(5e-3), 2, 0, Recipe())
+    assert alone.ok and alone.twin is None, alone.failure
+    report = judge(plan, model_file, _run_off_by(5e-3), 2, 0, Recipe(), layout_run=_run_off_by(twin_shift))
+    assert report.ok == ok and report.twin.ok == ok, report.failure
+    if ok:
+        assert any("verified first in fp32" in note for note in report.notes)
+    else:
+        assert report.failure.startswith(TWIN_FAILED) and CLEAN in report.failure

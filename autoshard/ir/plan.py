@@ -500,6 +500,12 @@ def without_float8(plan: Plan) -> Plan:
     )
 
 
+def in_fp32(plan: Plan) -> Plan:
+    """The plan's twin in fp32: the same layout (mesh, sharding, recompute, micro-batches, float8) with
+    ``precision`` fp32, what ``verify`` runs beside a 16-bit plan to judge its layout at fp32's tolerance."""
+    return replace(plan, decisions=replace(plan.decisions, precision="fp32"))
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     """The plan of a flat (version 1 shaped) document that ``check_plan_dict`` passed; an absent optional key
     reads as its field's default."""

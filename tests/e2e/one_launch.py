@@ -57,7 +57,7 @@ from typing import Any
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import run_torchrun, write_program
 from autoshard.runtime.data import DataSource
-from autoshard.verify import DEFAULT_LR, judge, prepare, program_args, read_run
+from autoshard.verify import DEFAULT_LR, Run, fp32_twin, judge, prepare, program_args, read_run
 
 DRIVER = Path(__file__).with_name("jobs_driver.py")
 JOB_SECONDS: dict[str, float] = {}  # job name -> seconds on rank 0, of every shared launch (``timing_lines``)
@@ -296,7 +296,7 @@ def verify_cases(
     plan (``make_plan(name)``, ``steps_of(name)``, ``data_of(name, its folder)``, by default the model file's dataset
     or example_batch draws; ``recipe_of(name)``, by default or None ``Recipe(lr=lr)``): the result is (plan, its
     ``VerifyReport``), or the exception planning or verify raised before launching. The verify run is the case's
-    first job."""
+    first job; a 16-bit plan's fp32 twin (``verify.fp32_twin``), which verify runs too, its second."""
 
     def prepare_all(names: list[str], ranks: int, folder: Path) -> dict[str, Any]:
         def one(name):
@@ -307,23 +307,40 @@ def verify_cases(
         return {name: attempt(lambda: one(name)) for name in names}
 
     def finish(name: str, state: tuple, failures: list[str]) -> tuple:
-        plan, steps, model_file, notes, out, data, recipe = state
-        parallel = f"the emitted program failed:\n{failures[0]}" if failures[0] else read_run(out)
-        return plan, judge(plan, model_file, parallel, steps, seed, recipe, notes, data)
+        plan, steps, model_file, notes, outs, data, recipe = state
+        parallel, *twin = (program_run(out, failure) for out, failure in zip(outs, failures))
+        return plan, judge(plan, model_file, parallel, steps, seed, recipe, notes, data, *twin)
 
     return prepare_all, finish
+
+
+def program_run(out: Path, failure: str) -> Run | str:
+    """What a program job wrote with ``--metrics-out out`` (``verify.read_run``), or why it did not finish."""
+    return f"the emitted program failed:\n{failure}" if failure else read_run(out)
+
+
+def verify_jobs(
+    plan, steps: int, folder: Path, seed: int, recipe: Recipe, data: DataSource, wrap: Callable = lambda job: job
+) -> tuple[list[dict], list[Path]]:
+    """The program runs ``verify`` makes of ``plan``: its program, and a 16-bit plan's fp32 twin's
+    (``verify.fp32_twin``), each written under ``folder`` with verify's command line (``program_args``); the jobs
+    (each passed through ``wrap``) and their metrics folders."""
+    plans = [(plan, folder), *[(twin, folder / "fp32-twin") for twin in [fp32_twin(plan)] if twin]]
+    jobs, outs = [], []
+    for each, where in plans:
+        program = write_program(each, where / "train.py", recipe=recipe)
+        out = where / "metrics"
+        jobs.append(wrap(job(program, program_args(steps, seed, recipe.lr, out, data), out)))
+        outs.append(out)
+    return jobs, outs
 
 
 def _prepare_verify(
     plan, steps: int, folder: Path, seed: int, recipe: Recipe, data: DataSource
 ) -> tuple[list[dict], tuple]:
     model_file, notes = prepare(plan, steps, seed, data)  # raises AutoshardError as verify would
-    out = folder / "metrics"
-    program = write_program(plan, folder / "train.py", recipe=recipe)
-    return (
-        [job(program, program_args(steps, seed, recipe.lr, out, data), out)],
-        (plan, steps, model_file, notes, out, data, recipe),
-    )
+    jobs, outs = verify_jobs(plan, steps, folder, seed, recipe, data)
+    return jobs, (plan, steps, model_file, notes, outs, data, recipe)
 
 
 def assert_trains_like_one_process(name: str, spec: str, plan, out: Path, failure: str) -> None:
