@@ -905,7 +905,7 @@ def cmd_run(args) -> int:
         *extra,
     ]
     if elastic:
-        first = Attempt(plan, program, Path(args.plan))
+        first = Attempt(plan, program)
         return run_elastic(first, elastic, program_args, args.checkpoint_dir, args.max_restarts, recipe)
     return run_torchrun(program, plan.world_size, program_args, max_restarts=args.max_restarts).returncode
 

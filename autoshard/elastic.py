@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,7 @@ def plan_for_ranks(plan: Plan, available: int, elastic: ElasticRange) -> tuple[P
 
 
 def describe(plan: Plan) -> str:
-    """How a plan splits the global batch: ``dp=2 tp=1 pp=1, 2 micro-batches of 2 samples per rank``."""
+    """How a plan splits the global batch: ``dp=2 tp=1 pp=1 zero=2, 2 micro-batch(es) of 2 sample(s) per rank``."""
     d = plan.decisions
     mesh = f"dp={d.mesh.dp} tp={d.mesh.tp} pp={d.mesh.pp}" + (f" cp={d.mesh.cp}" if d.mesh.cp > 1 else "")
     return f"{mesh} zero={d.zero_stage}, {d.num_microbatches} micro-batch(es) of {d.microbatch_size} sample(s) per rank"
@@ -151,13 +152,12 @@ def elastic_paths(checkpoint_dir: str | Path, world_size: int) -> tuple[Path, Pa
     return folder / f"plan-{world_size}ranks.json", folder / f"train-{world_size}ranks.py"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Attempt:
-    """One torchrun launch of the elastic job: its plan, program and plan file."""
+    """One torchrun launch of the elastic job: its plan and the program emitted for it."""
 
     plan: Plan
     program: Path
-    plan_file: Path
 
 
 def run_elastic(
@@ -173,6 +173,7 @@ def run_elastic(
     from autoshard.launch import run_torchrun, write_program
     from autoshard.runtime.faults import ELASTIC_ATTEMPT_ENV
 
+    threading.Thread(target=warm_planner, name="autoshard-warm-planner", daemon=True).start()
     attempt, relaunches = first, 0
     while True:
         result = run_torchrun(
@@ -202,6 +203,14 @@ def run_elastic(
         )
 
 
+def warm_planner() -> None:
+    """Import what a re-plan runs (the search, OR-Tools, sympy's symbolic cost: most of a first re-plan's time in a
+    fresh process, seconds) while the first launch trains, so that a re-plan after a loss takes only its search.
+    (The console script imported OR-Tools' ``cp_model`` already, without pandas: ``cli.entry``.)"""
+    import autoshard.cost.symbolic  # noqa: F401
+    import autoshard.pipeline  # noqa: F401
+
+
 def _attempt_for(plan: Plan, first: Attempt, checkpoint_dir: str, recipe, write_program) -> Attempt:
     """The attempt running ``plan``: ``first`` for its own plan, else the re-planned plan written beside the
     checkpoints with its program."""
@@ -211,7 +220,7 @@ def _attempt_for(plan: Plan, first: Attempt, checkpoint_dir: str, recipe, write_
     plan_file.parent.mkdir(parents=True, exist_ok=True)
     plan.save(plan_file)
     write_program(plan, program, plan_file=str(plan_file), recipe=recipe)
-    return Attempt(plan, program, plan_file)
+    return Attempt(plan, program)
 
 
 def _say(line: str) -> None:
