@@ -171,14 +171,13 @@ def run_elastic(
     """Run ``first`` and relaunch it after each failure, re-planned where ranks were lost (module doc); the exit
     status of the last attempt. At most ``max_restarts`` relaunches."""
     from autoshard.launch import run_torchrun, write_program
-    from autoshard.runtime.faults import ELASTIC_ATTEMPT_ENV
+    from autoshard.runtime.faults import ELASTIC_ATTEMPT_ENV, ELASTIC_LEFT_ENV
 
     threading.Thread(target=warm_planner, name="autoshard-warm-planner", daemon=True).start()
     attempt, relaunches = first, 0
     while True:
-        result = run_torchrun(
-            attempt.program, attempt.plan.world_size, program_args, extra_env={ELASTIC_ATTEMPT_ENV: str(relaunches)}
-        )
+        launch_env = {ELASTIC_ATTEMPT_ENV: str(relaunches), ELASTIC_LEFT_ENV: str(max_restarts - relaunches)}
+        result = run_torchrun(attempt.program, attempt.plan.world_size, program_args, extra_env=launch_env)
         if result.returncode == 0 or result.returncode == AutoshardError.exit_code or result.returncode >= 128:
             return result.returncode  # done, bad input (said in one line), or stopped by a signal (said too)
         if relaunches >= max_restarts:

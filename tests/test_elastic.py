@@ -85,3 +85,12 @@ def test_no_plan_that_keeps_the_global_batch_is_one_line(gpt_four_ranks):
     assert "fix: " in message
     with pytest.raises(AutoshardError, match=r"1 rank\(s\) left, fewer than --elastic 2:4 allows"):
         plan_for_ranks(gpt_four_ranks, 1, ElasticRange(2, 4))
+
+
+def test_a_survivor_says_the_elastic_job_goes_on(monkeypatch):
+    """The rank that saw its peer go says what comes next: a relaunch while the job has some left, else the end."""
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    monkeypatch.setenv(faults.ELASTIC_LEFT_ENV, "2")
+    assert "autoshard run --elastic launches the job again" in faults.peer_gone_message()
+    monkeypatch.setenv(faults.ELASTIC_LEFT_ENV, "0")
+    assert "the job stops" in faults.peer_gone_message()

@@ -46,6 +46,7 @@ from autoshard.errors import AutoshardError
 
 INJECT_ENV = "AUTOSHARD_INJECT_FAULT"
 ELASTIC_ATTEMPT_ENV = "AUTOSHARD_ELASTIC_ATTEMPT"  # the relaunch of an elastic job its ranks run in (0: the first)
+ELASTIC_LEFT_ENV = "AUTOSHARD_ELASTIC_RELAUNCHES_LEFT"  # how many more times an elastic job may be launched
 KINDS = ("kill", "hang", "kill-in-checkpoint")
 STRAGGLER_GRACE_S = 3.0  # how long a timed-out rank waits for the others to time out too
 _progress = {"step": None}
@@ -194,6 +195,11 @@ def peer_gone_message() -> str:
         then = (
             f"torchrun restarts every rank (restart {restarts + 1} of {allowed}) and the job resumes from "
             f"its newest checkpoint"
+        )
+    elif int(os.environ.get(ELASTIC_LEFT_ENV, "0")) > 0:
+        then = (
+            "autoshard run --elastic launches the job again from its newest checkpoint, re-planned for the "
+            "ranks left if any were lost"
         )
     else:
         then = "the job stops; the rank that failed first is named below"
