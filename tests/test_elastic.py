@@ -94,3 +94,19 @@ def test_a_survivor_says_the_elastic_job_goes_on(monkeypatch):
     assert "autoshard run --elastic launches the job again" in faults.peer_gone_message()
     monkeypatch.setenv(faults.ELASTIC_LEFT_ENV, "0")
     assert "the job stops" in faults.peer_gone_message()
+
+
+def test_a_steps_samples_do_not_depend_on_the_data_parallel_degree():
+    """``runtime.data``'s module doc: step k of a dataset holds the same samples at every dp that divides the global
+    batch (their order aside), so a job re-planned at another dp reads on where it stopped."""
+    from autoshard.runtime.data import position, rank_indices, steps_per_epoch
+
+    def samples(length, batch, dp, step):
+        per_rank = batch // dp
+        epoch, j = position(step, steps_per_epoch(length, batch, dp))
+        ranks = (rank_indices(length, dp, r, 3, epoch)[j * per_rank : (j + 1) * per_rank] for r in range(dp))
+        return sorted(i for indices in ranks for i in indices)
+
+    for length, batch in ((37, 8), (101, 12)):
+        for step in range(2 * (length // batch) + 1):  # across two epochs' ends
+            assert samples(length, batch, 4, step) == samples(length, batch, 2, step) == samples(length, batch, 1, step)
