@@ -296,8 +296,15 @@ def _add_run(sub, common) -> None:
     p.add_argument(
         "--max-restarts",
         type=_int_flag("--max-restarts", 0, 100, 1),
-        default=0,
-        help="restart every rank this many times when one fails (resumes from --checkpoint-dir)",
+        default=None,
+        help="restart every rank this many times when one fails (resumes from --checkpoint-dir; "
+        "default: 0, and 3 relaunches with --elastic)",
+    )
+    p.add_argument(
+        "--elastic",
+        metavar="MIN:MAX",
+        help="when ranks are lost (killed outright), re-plan for the ranks left (at least MIN, at most MAX), "
+        "keeping the global batch, and resume from the newest checkpoint in --checkpoint-dir",
     )
     p.add_argument(
         "--timeout-s",
@@ -830,6 +837,7 @@ def _check_output_folder(flag: str, folder: str | None) -> None:
 
 
 def cmd_run(args) -> int:
+    from autoshard.elastic import DEFAULT_ELASTIC_RESTARTS, Attempt, run_elastic
     from autoshard.ir.plan import check_model_file, load_plan
     from autoshard.launch import check_runs_here, run_torchrun, write_program
     from autoshard.passes.lowering.lower import layout
@@ -840,6 +848,9 @@ def cmd_run(args) -> int:
     plan = load_plan(args.plan)
     recipe = recipe_of_args(args)
     check_runs_here(plan)
+    elastic = _elastic_of(args, plan)
+    if args.max_restarts is None:
+        args.max_restarts = DEFAULT_ELASTIC_RESTARTS if elastic else 0
     if args.max_restarts and not args.checkpoint_dir:
         raise AutoshardError(
             f"--max-restarts {args.max_restarts} without --checkpoint-dir would restart from "
@@ -882,23 +893,37 @@ def cmd_run(args) -> int:
     extra += ["--init-from", args.init_from] if args.init_from else []
     extra += ["--export-hf", args.export_hf] if args.export_hf else []
     extra += [*data.program_args(), "--data-workers", str(args.data_workers)]
-    proc = run_torchrun(
-        program,
-        plan.world_size,
-        [
-            "--steps",
-            str(args.steps),
-            "--seed",
-            str(args.seed),
-            "--timeout-s",
-            str(args.timeout_s),
-            "--checkpoint-every",
-            str(args.checkpoint_every),
-            *extra,
-        ],
-        max_restarts=args.max_restarts,
-    )
-    return proc.returncode
+    program_args = [
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(args.seed),
+        "--timeout-s",
+        str(args.timeout_s),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+        *extra,
+    ]
+    if elastic:
+        first = Attempt(plan, program)
+        return run_elastic(first, elastic, program_args, args.checkpoint_dir, args.max_restarts, recipe)
+    return run_torchrun(program, plan.world_size, program_args, max_restarts=args.max_restarts).returncode
+
+
+def _elastic_of(args, plan):
+    """``--elastic MIN:MAX`` read and checked against the plan (None without it): it needs a checkpoint folder."""
+    from autoshard.elastic import ElasticRange
+
+    if not args.elastic:
+        return None
+    elastic = ElasticRange.parse(args.elastic)
+    if not args.checkpoint_dir:
+        raise AutoshardError(
+            f"--elastic {args.elastic} without --checkpoint-dir would re-plan and start again from step 0; "
+            f"add --checkpoint-dir DIR (and --checkpoint-every N)"
+        )
+    elastic.check_plan(plan.world_size)
+    return elastic
 
 
 def cmd_verify(args) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -54,15 +55,18 @@ def check_runs_here(plan: Plan) -> None:
 
 
 class TorchrunResult(subprocess.CompletedProcess):
-    """A finished torchrun job; ``crash`` is the block that names the failed rank ("" when none)."""
+    """A finished torchrun job; ``crash`` is the block that names the failed rank ("" when none); ``failures``
+    each failed or stopped rank's exit status (negative: the signal that ended it; {} when none failed)."""
 
     crash: str = ""
+    failures: dict[int, int] = {}
 
 
 # torchrun's own entry point, run so that a failed rank ends in ``crash_block`` instead of
 # torchrun's ChildFailedError traceback and banner.
 _AGENT = "import sys; from autoshard.launch import torchrun_main; sys.exit(torchrun_main(sys.argv[1:]))"
 CRASH_FILE_ENV = "AUTOSHARD_CRASH_FILE"
+FAILURES_FILE_ENV = "AUTOSHARD_FAILURES_FILE"  # torchrun_main writes each failed rank's exit status here (JSON)
 USER_ERROR_EXIT = 2  # a rank's exit status for bad input (AutoshardError)
 
 
@@ -107,13 +111,14 @@ def run_torchrun(
     lock = _lock_checkpoint_dir(args)
     try:
         with tempfile.TemporaryDirectory(prefix="autoshard-torchrun-") as tmp:
-            crash_file = Path(tmp) / "crash.txt"
+            crash_file, failures_file = Path(tmp) / "crash.txt", Path(tmp) / "failures.json"
             token = uuid.uuid4().hex
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                 "PYTHONPATH": _pythonpath_with_autoshard(),
                 CRASH_FILE_ENV: str(crash_file),
+                FAILURES_FILE_ENV: str(failures_file),
                 JOB_ENV: token,
                 LAUNCHER_PID_ENV: str(os.getpid()),
                 **(extra_env or {}),
@@ -122,6 +127,7 @@ def run_torchrun(
                 env[_checkpoint().LOCK_HELD_ENV] = lock.folder
             result = _run_owned([sys.executable, "-c", _AGENT, *torchrun_args], env, token, lock, kwargs)
             result.crash = crash_file.read_text() if crash_file.exists() else ""
+            result.failures = read_failures(failures_file)
     finally:
         if lock is not None:
             lock.release()
@@ -277,6 +283,8 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError as exc:
+        if os.environ.get(FAILURES_FILE_ENV):
+            write_failures(Path(os.environ[FAILURES_FILE_ENV]), exc.failures)
         if refused_bad_input(exc.failures):
             return USER_ERROR_EXIT  # the ranks refused bad input and said why in one line (runtime.faults.guard)
         block = crash_block(exc.failures)
@@ -287,6 +295,19 @@ def torchrun_main(argv: list[str]) -> int:
     except SignalException as exc:  # stopped (its ranks too) by a signal: the launcher says so in one line
         return 128 + int(exc.sigval)
     return 0
+
+
+def write_failures(path: Path, failures: dict) -> None:
+    """Each failed rank's exit status (torchrun's ``ProcessFailure.exitcode``: negative, the signal that ended
+    it), as JSON ``{"rank": status}``, for the launcher (``read_failures``)."""
+    path.write_text(json.dumps({str(rank): int(failure.exitcode) for rank, failure in sorted(failures.items())}))
+
+
+def read_failures(path: Path) -> dict[int, int]:
+    """``write_failures``' file as {rank: exit status}; {} when there is none (the job did not fail)."""
+    if not path.exists():
+        return {}
+    return {int(rank): int(status) for rank, status in json.loads(path.read_text()).items()}
 
 
 def refused_bad_input(failures: dict) -> bool:

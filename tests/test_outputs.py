@@ -178,6 +178,9 @@ FLAGS = [  # checked before anything is launched
     (["run", "plan.json", "--timeout-s", "0"], "--timeout-s 0 must be an integer from 1"),
     (["run", "plan.json", "--timeout-s", "99999999999"], "--timeout-s 99999999999 must be an integer from 1"),
     (["run", "plan.json", "--max-restarts", "-1"], "--max-restarts -1 must be an integer from 0"),
+    (["run", "plan.json", "--elastic", "3:2", "--checkpoint-dir", "ckpt"], "--elastic '3:2' must be MIN:MAX"),
+    (["run", "plan.json", "--elastic", "1:2"], "without --checkpoint-dir would re-plan and start again from step 0"),
+    (["run", "plan.json", "--elastic", "3:4", "--checkpoint-dir", "ckpt"], "runs on 2 ranks, outside --elastic 3:4"),
     (["run", "plan.json", "--seed", "-1"], "--seed -1 must be an integer >= 0"),
     (["run", "plan.json", "--seed", str(2**64)], f"--seed {2**64} must be an integer >= 0"),
     (["verify", "plan.json", "--steps", "0"], "--steps 0 must be an integer from 1"),
@@ -364,4 +367,4 @@ def test_compile_replaces_its_own_slurm_script_and_others_only_with_force(capsys
 
 
 def test_counts_match_tests_readme():
-    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 17, 11, 7)
+    assert (len(SECURITY), len(FILES), len(FLAGS), len(MESSAGES)) == (12, 17, 14, 7)

@@ -338,6 +338,15 @@ PRECISIONS: dict[str, PrecisionPolicy] = {
 # read as before): fp32 -> "fp32"; bf16 -> "bf16-autocast"; bf16-pure -> "bf16-params" on a model whose parameters
 # are bf16 already, else "bf16-pure" (cast); fp16 -> "fp16-autocast". ``cost.memory.pinned_precision`` maps them.
 PIN_PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+# the plan's precision -> the --precision that gives it (the inverse of the map above; "fp16-params" and
+# "fp64-params" come only unpinned, from the parameters' dtype)
+PIN_OF_PRECISION = {
+    "fp32": "fp32",
+    "bf16-autocast": "bf16",
+    "bf16-pure": "bf16-pure",
+    "bf16-params": "bf16-pure",
+    "fp16-autocast": "fp16",
+}
 
 
 def precision_policy(name: str) -> PrecisionPolicy:

@@ -22,7 +22,11 @@ the other mesh dims (tp, pp, cp) read what their dp index reads (cp ranks then c
     global batch of step k = concat over r = 0..dp−1 of π_e[r::dp][j·b : (j+1)·b]
 
 whose contiguous slice r (``take_shard``, as with ``example_batch``) is rank r's loader batch: one process
-rebuilds it (``dataset_global_batch``, what ``autoshard verify``'s reference trains on).
+rebuilds it (``dataset_global_batch``, what ``autoshard verify``'s reference trains on). Its samples do not
+depend on dp (an elastic run re-planned at another dp goes on with the same data): rank r's i-th sample of batch
+j is π_e[r + dp·(j·b + i)] = π_e[j·B + (r + dp·i)], and r + dp·i over r < dp, i < b is 0 .. B − 1, so step k
+holds π_e[j·B : (j+1)·B] in another order; and E = ⌊len / B⌋ whatever dp, since B is a multiple of dp
+(⌊len / dp⌋·dp = len − (len mod B) mod dp, which lies in [⌊len / B⌋·B, (⌊len / B⌋ + 1)·B)).
 
 A stream (an iterable dataset) has no length and no indexing, so no sampler: step k's global batch is its
 samples [k·B, (k+1)·B) counted within the pass, a pass that ends inside a batch drops the rest and the next

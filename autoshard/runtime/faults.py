@@ -21,8 +21,11 @@ hang costs T plus a few seconds instead of forever.
 Injection (tests and drills only): ``AUTOSHARD_INJECT_FAULT=KIND:RANK:STEP`` with KIND one of
 ``kill`` (SIGKILL after the step), ``hang`` (sleep forever after the step) or
 ``kill-in-checkpoint`` (SIGKILL after writing the checkpoint of that step, before it is
-renamed into place). Acted on only in torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT``
-= 0), so a restarted job runs clean.
+renamed into place). RANK may name several ranks, ``kill:2,3:4``: they die together, as a node's ranks
+do when it goes away (each ignores torchrun's SIGTERM from then on and waits in the store for the others
+before it kills itself, so torchrun sees every one of them killed outright). Acted on only in the first
+attempt of a job (``TORCHELASTIC_RESTART_COUNT`` = 0, and ``ELASTIC_ATTEMPT_ENV`` = 0 under
+``autoshard run --elastic``, whose relaunches are new torchrun jobs), so a restarted job runs clean.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import torch.distributed as dist
 from autoshard.errors import AutoshardError
 
 INJECT_ENV = "AUTOSHARD_INJECT_FAULT"
+ELASTIC_ATTEMPT_ENV = "AUTOSHARD_ELASTIC_ATTEMPT"  # the relaunch of an elastic job its ranks run in (0: the first)
+ELASTIC_LEFT_ENV = "AUTOSHARD_ELASTIC_RELAUNCHES_LEFT"  # how many more times an elastic job may be launched
 KINDS = ("kill", "hang", "kill-in-checkpoint")
 STRAGGLER_GRACE_S = 3.0  # how long a timed-out rank waits for the others to time out too
 _progress = {"step": None}
@@ -55,25 +60,49 @@ def note_step(step: int) -> None:
 def inject(kind: str, step: int) -> None:
     """Carry out the injected fault ``kind`` if it is due on this rank at this step (module doc)."""
     spec = os.environ.get(INJECT_ENV, "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not spec or not first_attempt or os.environ.get(ELASTIC_ATTEMPT_ENV, "0") != "0":
         return
-    want_kind, rank, at_step = _parse(spec)
-    if want_kind != kind or at_step != step or rank != int(os.environ.get("RANK", "0")):
+    want_kind, ranks, at_step = _parse(spec)
+    rank = int(os.environ.get("RANK", "0"))
+    if want_kind != kind or at_step != step or rank not in ranks:
         return
     print(f"fault injected: {kind} on rank {rank} at step {step}", file=sys.stderr, flush=True)
     if kind == "hang":
         while True:
             time.sleep(3600)
+    if len(ranks) > 1:
+        _die_together(ranks, step)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _parse(spec: str) -> tuple[str, int, int]:
+def _die_together(ranks: tuple[int, ...], step: int) -> None:
+    """Wait until every rank of ``ranks`` is here, deaf to torchrun's SIGTERM (which it sends the others once the
+    first of them is gone), so that each of them ends killed outright (module doc)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    store = dist.distributed_c10d._get_default_store()
+    key = f"autoshard/inject/{step}"
+    store.add(key, 1)
+    while store.add(key, 0) < len(ranks):
+        time.sleep(0.01)
+
+
+def _parse(spec: str) -> tuple[str, tuple[int, ...], int]:
     parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
+    ranks = parts[1].split(",") if len(parts) == 3 else []
+    if (
+        len(parts) != 3
+        or parts[0] not in KINDS
+        or not all(r.isdigit() for r in ranks)
+        or not parts[2].isdigit()
+        or len(ranks) > 1
+        and parts[0] != "kill"
+    ):
         raise SystemExit(
-            f"error: {INJECT_ENV}={spec!r} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)}; e.g. kill:1:5"
+            f"error: {INJECT_ENV}={spec!r} must be KIND:RANK:STEP with KIND one of {', '.join(KINDS)} "
+            f"(kill may name several ranks, kill:2,3:5); e.g. kill:1:5"
         )
-    return parts[0], int(parts[1]), int(parts[2])
+    return parts[0], tuple(int(r) for r in ranks), int(parts[2])
 
 
 def guard(main: Callable[[], None]) -> None:
@@ -166,6 +195,11 @@ def peer_gone_message() -> str:
         then = (
             f"torchrun restarts every rank (restart {restarts + 1} of {allowed}) and the job resumes from "
             f"its newest checkpoint"
+        )
+    elif int(os.environ.get(ELASTIC_LEFT_ENV, "0")) > 0:
+        then = (
+            "autoshard run --elastic launches the job again from its newest checkpoint, re-planned for the "
+            "ranks left if any were lost"
         )
     else:
         then = "the job stops; the rank that failed first is named below"
