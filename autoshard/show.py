@@ -460,9 +460,7 @@ def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, 
     out["samples_per_s"] = point["B"] / out["step_time_s"]
     out["tokens_per_s"] = out["samples_per_s"] * tokens
     out["mfu"] = (
-        point["B"]
-        * out["model_flops_per_sample"]
-        / (out["step_time_s"] * world * plan.cluster["device"]["peak_tflops"] * 1e12)
+        point["B"] * out["model_flops_per_sample"] / (out["step_time_s"] * world * plan.peak_tflops_per_rank * 1e12)
     )
     return out
 

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Plan
 from autoshard.ir.topology import Cluster
 from autoshard.passes.planning.stage_cuts import PartitionProblem, best_cuts, bottleneck_ps
 from autoshard.passes.planning.strategies import Pins
@@ -127,8 +128,9 @@ def test_plan_puts_more_layers_on_the_faster_group_in_either_order(gpt, in_repo)
     q = plan(gpt, slow_first, **PINS)
     assert q.stage_group(q.stages[1].ranks)["name"] == "fast"
     assert blocks_of(q, 1) > blocks_of(q, 0)
-    # the same file planned again: the same bytes
+    # the same file planned again: the same bytes; plan.json reads back with its groups
     assert plan(gpt, load_cluster(HETERO_CPU), **PINS).to_json() == p.to_json()
+    assert Plan.from_json(p.to_json()).to_json() == p.to_json()
     # inspect names each stage's group
     out = io.StringIO()
     Console(file=out, width=200).print(stages_table(p))

@@ -187,6 +187,14 @@ class Plan:
                 return group if max(ranks) < end else None
         return None
 
+    @property
+    def peak_tflops_per_rank(self) -> float:
+        """The devices' peak TFLOP/s averaged over the ranks (``Cluster.mean_peak_tflops``): MFU's per rank."""
+        groups = self.cluster.get("groups")
+        if not groups:
+            return self.cluster["device"]["peak_tflops"]
+        return sum(g["nodes"] * g["device"]["peak_tflops"] for g in groups) / self.cluster["nodes"]
+
     def tightest_memory(self) -> tuple[int, int]:
         """(peak bytes, device bytes) of the rank with the least room: on node groups each pipeline rank against its
         own group's device (``Predicted.pp_rank_memory``), else the peak against the cluster's device (the

@@ -15,6 +15,12 @@ The graph (``Cluster.graph``) has
   ``inter_node.bandwidth_gbps · devices_per_node``), each with ``bandwidth_gbps``,
   ``latency_us`` and ``source``.
 
+**Node groups** (``Cluster.groups``, ``NodeGroup``): a heterogeneous cluster is groups of whole nodes, in rank
+order, each with its own device, intra-node link and link between its own nodes; ``inter_node`` is then the
+link between groups. A collective inside one group is priced on the group's links (the group as a cluster of
+its own, ``group_clusters``); one across groups on the slowest of the groups' intra-node links and the
+between-groups link. ``device`` and ``intra_node`` are the slowest of the groups' (``slowest_device``).
+
 ``Cluster.group_link(ranks)`` prices a collective over ``ranks`` with one alpha-beta link
 (α = latency, B = bandwidth; the formulas are in ``autoshard.cost.comm``):
 
@@ -454,6 +460,14 @@ class Cluster:
             profiles=profiles,
             groups=groups,
         )
+
+    @property
+    def mean_peak_tflops(self) -> float:
+        """The devices' peak TFLOP/s, averaged over the ranks: MFU's denominator per rank (node groups: each group's
+        device weighted by its ranks; a homogeneous cluster: its device's)."""
+        if not self.groups:
+            return self.device.peak_tflops
+        return sum(g.nodes * g.device.peak_tflops for g in self.groups) / self.nodes
 
     @functools.cached_property
     def _group_first_nodes(self) -> tuple[int, ...]:

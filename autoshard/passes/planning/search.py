@@ -387,10 +387,24 @@ def alternatives(best: Priced, priced: list[Priced], cluster: Cluster) -> tuple[
     return tuple(_alternative(p, best, cluster) for p in chosen)
 
 
+def tightest_memory(p: Priced, cluster: Cluster) -> tuple[int, int]:
+    """(peak bytes, device bytes) of the rank with the least room: on node groups each pipeline rank against its
+    own group's device (``fits_memory``), else the peak against the cluster's device."""
+    by_rank, mesh = p.predicted.pp_rank_memory, p.config.mesh
+    if not cluster.groups or mesh.pp == 1 or not by_rank:
+        return p.predicted.memory_peak_bytes_per_rank, cluster.device.memory_bytes
+    per_stage = mesh.world_size // mesh.pp
+    pairs = [
+        (m.peak_bytes, cluster.groups[cluster.rank_group(r * per_stage)].device.memory_bytes)
+        for r, m in enumerate(by_rank)
+    ]
+    return min(pairs, key=lambda pair: (pair[1] - pair[0], pair))
+
+
 def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
     if not p.fits:
-        over = p.predicted.memory_peak_bytes_per_rank - cluster.device.memory_bytes
-        return f"does not fit: {over / GIB:.2f} GiB over the {cluster.device.memory_bytes / GIB:.1f} GiB per device"
+        peak, device = tightest_memory(p, cluster)
+        return f"does not fit: {(peak - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device"
     slower = p.predicted.step_time_s / best.predicted.step_time_s - 1.0
     if slower > 1e-9:
         part = _largest_gap(p.predicted, best.predicted)
@@ -401,8 +415,7 @@ def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
 def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -> str:
     """Name the binding constraint, by how much it is missed, and what to change."""
     least = min(priced, key=lambda p: p.predicted.memory_peak_bytes_per_rank)
-    need = least.predicted.memory_peak_bytes_per_rank
-    have = cluster.device.memory_bytes
+    need, have = tightest_memory(least, cluster)
     c = least.config
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
