@@ -574,11 +574,11 @@ def cmd_estimate(args) -> int:
             **pins,
         )
     _write_plan(plan, args)
-    device = plan.cluster["device"]["memory_bytes"]
-    if plan.predicted.memory_peak_bytes_per_rank > device:
-        over = plan.predicted.memory_peak_bytes_per_rank - device
+    peak, device = plan.tightest_memory()
+    if peak > device:
+        over = peak - device
         print(
-            f"does not fit: {plan.predicted.memory_peak_bytes_per_rank / 2**30:.2f} GiB per rank, "
+            f"does not fit: {peak / 2**30:.2f} GiB per rank, "
             f"{over / 2**30:.2f} GiB over the {device / 2**30:.1f} GiB per device (exit {EXIT_DOES_NOT_FIT})",
             file=sys.stderr,
         )

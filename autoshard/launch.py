@@ -45,9 +45,13 @@ def write_program(
 
 
 def check_runs_here(plan: Plan) -> None:
-    """A plan runs here when it needs one node of at most MAX_LOCAL_CPU_RANKS ranks."""
+    """A plan runs here when it needs one node of at most MAX_LOCAL_CPU_RANKS ranks, or CPU node groups (gloo) of
+    as many ranks in all: their nodes' ranks run as this machine's processes, which trains the same numbers (where
+    a rank sits changes its speed, never what it computes), so a plan for groups of different speeds is checked
+    here."""
     nodes = plan.cluster.get("nodes", 1)
-    if nodes > 1 or plan.world_size > MAX_LOCAL_CPU_RANKS:
+    cpu_groups = bool(plan.cluster.get("groups")) and plan.cluster["backend"] == "gloo"
+    if (nodes > 1 and not cpu_groups) or plan.world_size > MAX_LOCAL_CPU_RANKS:
         raise AutoshardError(
             f"this plan needs {plan.world_size} ranks on {nodes} node(s); run its program on the cluster with "
             f"the torchrun command in its header, or re-plan with --cluster local-cpu --devices-per-node 4 to try it here"

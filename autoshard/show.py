@@ -204,7 +204,7 @@ def random_ops_text(drawn: dict[str, list[str]]) -> str:
 
 def memory_table(plan: Plan) -> Table:
     m = plan.predicted.memory
-    device = plan.cluster["device"]["memory_bytes"]
+    device = plan.tightest_memory()[1] if plan.cluster.get("groups") else plan.cluster["device"]["memory_bytes"]
     t = Table(title="Memory per rank (predicted peak)", title_justify="left")
     t.add_column("part")
     t.add_column("MiB", justify="right")
@@ -245,7 +245,8 @@ def device_memory_text(peak_bytes: int, device_bytes: int) -> str:
 def chosen_row_text(plan: Plan) -> str:
     """What the alternatives table says of the plan itself: "chosen" among others, "pinned" for a configuration
     fixed by hand (``estimate``: nothing else was priced), "does not fit" when over the device's memory."""
-    if plan.predicted.memory_peak_bytes_per_rank > plan.cluster["device"]["memory_bytes"]:
+    peak, device = plan.tightest_memory()
+    if peak > device:
         return "[red]does not fit[/red]"
     return "[green]chosen[/green]" if plan.alternatives else "[green]pinned: nothing else priced[/green]"
 
@@ -289,12 +290,24 @@ def stages_table(plan: Plan) -> Table:
     t = Table(title="Stages and tensor parallelism", title_justify="left")
     t.add_column("stage")
     t.add_column("ranks")
+    grouped = bool(plan.cluster.get("groups"))
+    if grouped:
+        t.add_column("node group")
     t.add_column("modules")
     for s in plan.stages:
-        t.add_row(str(s.index), _ranks(s.ranks), ", ".join(s.modules))
+        group = (_group_text(plan.stage_group(s.ranks)),) if grouped else ()
+        t.add_row(str(s.index), _ranks(s.ranks), *group, ", ".join(s.modules))
     if not plan.tensor_parallel:
         t.caption = "tensor parallel: none"
     return t
+
+
+def _group_text(group: dict | None) -> str:
+    """ "h100 (H100-SXM-80GB, 989 TFLOP/s, 80.0 GiB)": a node group and its device."""
+    if group is None:
+        return "every group, at the slowest's pace"
+    d = group["device"]
+    return f"{group['name']} ({d['name']}, {d['peak_tflops']:g} TFLOP/s, {d['memory_bytes'] / GIB:.1f} GiB)"
 
 
 def alternatives_table(plan: Plan) -> Table:
@@ -447,9 +460,7 @@ def plan_figures(plan: Plan, values: dict[str, int] | None = None) -> dict[str, 
     out["samples_per_s"] = point["B"] / out["step_time_s"]
     out["tokens_per_s"] = out["samples_per_s"] * tokens
     out["mfu"] = (
-        point["B"]
-        * out["model_flops_per_sample"]
-        / (out["step_time_s"] * world * plan.cluster["device"]["peak_tflops"] * 1e12)
+        point["B"] * out["model_flops_per_sample"] / (out["step_time_s"] * world * plan.peak_tflops_per_rank * 1e12)
     )
     return out
 

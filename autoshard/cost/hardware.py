@@ -44,6 +44,18 @@ preset and override any field; a section you override keeps the preset's other f
     nodes: 4
     inter_node: {bandwidth_gbps: 25}
 
+Node groups (a heterogeneous cluster): instead of ``nodes``, ``device`` and ``intra_node``, a list of
+groups in rank order, each with its name, nodes and a preset or its own sections; the top-level
+``inter_node`` is the link between groups (``ir.topology.NodeGroup``, docs/usage.md "Node groups")::
+
+    name: h100-a100
+    devices_per_node: 8
+    backend: nccl
+    inter_node: {bandwidth_gbps: 25, latency_us: 6}
+    groups:
+      - {name: h100, nodes: 2, preset: dgx-h100}
+      - {name: a100, nodes: 2, preset: dgx-a100-80gb, device: {memory_bytes: 42949672960}}
+
 Every mistake (syntax, a non-mapping document, a missing or unknown field, a wrong type, a
 non-positive bandwidth) is an ``AutoshardError`` naming the file, the field and the fix.
 
@@ -183,6 +195,8 @@ def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: 
             f"unknown cluster {name_or_path!r}; fix: use a preset ({', '.join(PRESETS)}) "
             "or a path to a cluster YAML file (see examples/cluster.yaml)"
         )
+    if "groups" in d:
+        return _cluster_of_groups(d, where, nodes, devices_per_node)
     if nodes is not None:
         d["nodes"] = nodes
     if devices_per_node is not None:
@@ -192,10 +206,48 @@ def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: 
     return Cluster.from_dict(d, where=where, default_source=default_source)
 
 
+def _cluster_of_groups(d: dict[str, Any], where: str, nodes: int | None, devices_per_node: int | None) -> Cluster:
+    """A cluster file with node groups: each group's ``preset`` merged under its own sections (as a file's
+    preset is), ``--devices-per-node`` applied to every group; ``--nodes`` refused (each group counts its own)."""
+    if nodes is not None:
+        raise AutoshardError(
+            f"{where}: --nodes does not apply to a cluster of node groups; fix: set nodes in each group of the file"
+        )
+    if devices_per_node is not None:
+        d["devices_per_node"] = devices_per_node
+    groups = d["groups"]
+    if isinstance(groups, list):
+        d["groups"] = [_group_over_preset(g, where, d.get("devices_per_node")) for g in groups]
+    return Cluster.from_dict(d, where=where, default_source=where)
+
+
+def _group_over_preset(group: Any, where: str, devices_per_node: Any) -> Any:
+    """A group's mapping with its ``preset``'s device, intra_node and inter_node under its own sections."""
+    if not isinstance(group, dict) or "preset" not in group:
+        return group
+    group = dict(group)
+    preset = group.pop("preset")
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise AutoshardError(
+            f"{where}: a group's preset must be one of {', '.join(PRESETS)}, got {preset!r}; "
+            "fix: name a preset, or drop it and give device and intra_node"
+        )
+    base = {key: PRESETS[preset].to_dict()[key] for key in ("device", "intra_node", "inter_node")}
+    merged = _merge_preset(base, group, where, f"{where} over preset {preset}")
+    memory_given = isinstance(group.get("device"), dict) and "memory_bytes" in group["device"]
+    if preset in HOST_MEMORY_PRESETS and not memory_given and _is_count(devices_per_node):
+        merged["device"] = {**merged["device"], "memory_bytes": host_memory_bytes() // devices_per_node}
+    return merged
+
+
 def read_cluster_file(path: Path) -> tuple[dict[str, Any], bool]:
     """The file as a cluster mapping (preset merged in), and whether memory is a host share."""
     where = f"cluster file {path}"
     raw = _read_yaml(path, where)
+    if "groups" in raw and "preset" in raw:
+        raise AutoshardError(
+            f"{where}: a cluster of node groups takes no top-level preset; fix: name a preset in each group"
+        )
     preset = raw.pop("preset", None)
     if preset is None:
         return raw, False

@@ -100,7 +100,7 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
         memory=parts.memory,
         tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
         samples_per_s=global_batch / step_s,
-        mfu=flops / (step_s * config.mesh.world_size * cluster.device.peak_tflops * 1e12),
+        mfu=flops / (step_s * config.mesh.world_size * cluster.mean_peak_tflops * 1e12),
         comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s + parts.ep_comm_s,
         pp_rank_memory=parts.pp_rank_memory,
     )

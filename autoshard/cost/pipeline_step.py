@@ -280,8 +280,9 @@ def stage_action_times(
     stage between forward and backward + recompute the same way."""
     ranges = stage_ranges(cuts, pipeline_units(tables, config)[0].blocks)
     parts = []
+    pp, owner = config.mesh.pp, stage_owners(config.schedule, config.mesh.pp, config.virtual_stages)
     for s, rng in enumerate(ranges):
-        units = stage_pipeline_units(tables, config, s)
+        units = stage_pipeline_units(tables.for_pp_rank(config, owner[s]), config, s)
         idx = stage_units(rng, units.blocks)
         ring = _ring_of(rings, idx)
         parts.append(
@@ -292,7 +293,6 @@ def stage_action_times(
                 + ring.recompute_extra_s,
             )
         )
-    pp, owner = config.mesh.pp, stage_owners(config.schedule, config.mesh.pp, config.virtual_stages)
     rank_compute = [sum(f + b for s, (f, b) in enumerate(parts) if owner[s] == r) for r in range(pp)]
     out: tuple[list[float], ...] = ([], [], [], [])
     for s, (f, b) in enumerate(parts):
@@ -376,22 +376,24 @@ def rank_loads(
 ) -> list[RankLoad]:
     """Each pp rank's load per micro-batch (``RankLoad``); ``rings``: the ring's cost per unit under context
     parallelism, added to the units of the rank's stages ("CP × PP")."""
-    units, tp_comm = pipeline_units(tables, config)
-    ranges = stage_ranges(cuts, units.blocks)
+    whole = tables  # the pipeline's transfers run on the whole cluster's links
     pp, v = config.mesh.pp, config.virtual_stages
     owner = stage_owners(config.schedule, pp, v)
-    experts = unit_expert_costs(tables, config)
     loads = []
     for r in range(pp):
+        tables = whole.for_pp_rank(config, r)  # heterogeneous: priced on its node group's device ("Node groups")
+        units, tp_comm = pipeline_units(tables, config)
+        ranges = stage_ranges(cuts, units.blocks)
+        experts = unit_expert_costs(tables, config)
         mine = [(s, ranges[s]) for s in rank_stages(config.schedule, pp, v, r)]
         idx = [u for s, rng in mine for u in stage_units(rng, units.blocks)]
         runs = {s: stage_pipeline_units(tables, config, s) for s, _ in mine}
         rerun = {u: runs[s] for s, rng in mine for u in stage_units(rng, units.blocks)}
         tp_hosts = {s: tp_host_per_unit_s(tables, config, stage_forward_reruns(tables, config, s)) for s, _ in mine}
         tp_host = {u: tp_hosts[s][u] for s, rng in mine for u in stage_units(rng, units.blocks)}
-        shares = boundary_shares(tables, config)
+        shares = boundary_shares(whole, config)
         p2p = sum(
-            2 * boundary_transfer_s(tables, config, units.boundary_bytes[i], sequence_sharded=shares[i] < 1)
+            2 * boundary_transfer_s(whole, config, units.boundary_bytes[i], sequence_sharded=shares[i] < 1)
             for s, (i, _) in mine
             if s > 0 and owner[s - 1] != r
         )  # adjacent stages on one rank (the V's tip) send nothing

@@ -150,6 +150,7 @@ class CostTables:
         self._units: dict[tuple, Units] = {}
         self._tp: dict[tuple[int, int], TPCost] = {}
         self._memo: dict[tuple, Any] = {}
+        self._layouts_from: CostTables | None = None  # a node group's tables: the whole cluster's (``group_tables``)
 
     def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per ``key`` (for other passes' per-search quantities, e.g. stage cuts)."""
@@ -270,10 +271,41 @@ class CostTables:
         self._tp[(choice.tp, microbatch_size, asked, vocab)] = cost
         return cost
 
+    def group_tables(self, index: int) -> CostTables:
+        """The tables of node group ``index`` of a heterogeneous cluster: its own device and links
+        (``Cluster.group_clusters``), this search's runtime, and the TP layouts handed to these tables, priced again
+        on its device (``tp_cost``). A pipeline stage's units are priced on the group its ranks are in."""
+
+        def make() -> CostTables:
+            sub = CostTables(self.graph, self.cluster.group_clusters[index], self.runtime)
+            sub._layouts_from = self
+            return sub
+
+        return self.memo(("group_tables", index), make)
+
+    def pp_rank_group(self, config: Decisions, pp_rank: int) -> int:
+        """The node group that holds pipeline rank ``pp_rank``'s ranks (0 on a homogeneous cluster). The mesh
+        offered on a heterogeneous cluster keeps each pp rank inside one group
+        (``passes.planning.strategies.stages_fit_groups``)."""
+        if not self.cluster.groups:
+            return 0
+        per_stage = config.mesh.world_size // config.mesh.pp
+        first = pp_rank * per_stage
+        group = self.cluster.rank_group(first)
+        assert group == self.cluster.rank_group(first + per_stage - 1), "a pp rank spans two node groups"
+        return group
+
+    def for_pp_rank(self, config: Decisions, pp_rank: int) -> CostTables:
+        """The tables pipeline rank ``pp_rank`` is priced on: its node group's, or these on a homogeneous cluster."""
+        return self.group_tables(self.pp_rank_group(config, pp_rank)) if self.cluster.groups else self
+
     def tp_cost(
         self, tp: int, microbatch_size: float, sequence_parallel: bool = False, loss_parallel: bool = False
     ) -> TPCost:
         """The layout handed in for (tp, b, sequence parallelism, loss parallelism), priced (``add_tp_layout``)."""
+        key = (tp, microbatch_size, sequence_parallel, loss_parallel)
+        if key not in self._tp and self._layouts_from is not None and key in self._layouts_from._tp:
+            self.add_tp_layout(self._layouts_from._tp[key].choice, microbatch_size, sequence_parallel, loss_parallel)
         cost = self._tp.get((tp, microbatch_size, sequence_parallel, loss_parallel))
         if cost is None:
             raise LookupError(

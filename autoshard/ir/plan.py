@@ -174,6 +174,41 @@ class Plan:
             top[section] = replace(top[section], **values) if section in top else record(**values)
         return cls(**top)
 
+    def stage_group(self, ranks: tuple[int, ...]) -> dict[str, Any] | None:
+        """The node group (its ``cluster.groups`` entry) whose ranks hold all of ``ranks``; None on a homogeneous
+        cluster or where they span groups. Groups hold consecutive whole nodes in the order listed."""
+        groups, per_node = self.cluster.get("groups"), self.cluster["devices_per_node"]
+        if not groups or not ranks:
+            return None
+        end = 0
+        for group in groups:
+            start, end = end, end + group["nodes"] * per_node
+            if start <= min(ranks) < end:
+                return group if max(ranks) < end else None
+        return None
+
+    @property
+    def peak_tflops_per_rank(self) -> float:
+        """The devices' peak TFLOP/s averaged over the ranks (``Cluster.mean_peak_tflops``): MFU's per rank."""
+        groups = self.cluster.get("groups")
+        if not groups:
+            return self.cluster["device"]["peak_tflops"]
+        return sum(g["nodes"] * g["device"]["peak_tflops"] for g in groups) / self.cluster["nodes"]
+
+    def tightest_memory(self) -> tuple[int, int]:
+        """(peak bytes, device bytes) of the rank with the least room: on node groups each pipeline rank against its
+        own group's device (``Predicted.pp_rank_memory``), else the peak against the cluster's device (the
+        smallest of the groups')."""
+        device = self.cluster["device"]["memory_bytes"]
+        by_rank = self.predicted.pp_rank_memory
+        if not self.cluster.get("groups") or self.mesh.pp == 1 or not by_rank:
+            return self.predicted.memory_peak_bytes_per_rank, device
+        per_stage = self.world_size // self.mesh.pp
+        pairs = [
+            (m.peak_bytes, self.stage_group((r * per_stage,))["device"]["memory_bytes"]) for r, m in enumerate(by_rank)
+        ]
+        return min(pairs, key=lambda pair: (pair[1] - pair[0], pair))
+
     @property
     def world_size(self) -> int:
         return self.mesh.world_size

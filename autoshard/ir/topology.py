@@ -15,6 +15,12 @@ The graph (``Cluster.graph``) has
   ``inter_node.bandwidth_gbps · devices_per_node``), each with ``bandwidth_gbps``,
   ``latency_us`` and ``source``.
 
+**Node groups** (``Cluster.groups``, ``NodeGroup``): a heterogeneous cluster is groups of whole nodes, in rank
+order, each with its own device, intra-node link and link between its own nodes; ``inter_node`` is then the
+link between groups. A collective inside one group is priced on the group's links (the group as a cluster of
+its own, ``group_clusters``); one across groups on the slowest of the groups' intra-node links and the
+between-groups link. ``device`` and ``intra_node`` are the slowest of the groups' (``slowest_device``).
+
 ``Cluster.group_link(ranks)`` prices a collective over ``ranks`` with one alpha-beta link
 (α = latency, B = bandwidth; the formulas are in ``autoshard.cost.comm``):
 
@@ -35,6 +41,7 @@ several nodes is pessimistic (every byte is charged at NIC speed); use
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -302,8 +309,85 @@ _CLUSTER_DOCS = {
     "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
     "host": "optional: host overheads per op, unit and tensor, as autoshard calibrate writes them",
     "profiles": "optional: measured models, as autoshard calibrate --model writes them",
+    "groups": "optional: node groups of different devices or links, each {name, nodes, device, intra_node, "
+    "inter_node}, in rank order (nodes, device and intra_node then come from the groups)",
 }
 CLUSTER_KEYS = tuple(_CLUSTER_DOCS)
+_GROUP_DOCS = {
+    "name": "a group name, e.g. h100",
+    "nodes": "the number of nodes in the group, e.g. 2",
+    "device": _CLUSTER_DOCS["device"],
+    "intra_node": _CLUSTER_DOCS["intra_node"],
+    "inter_node": "optional: the link between this group's own nodes (default: the cluster's inter_node)",
+}
+_DERIVED_FROM_GROUPS = ("nodes", "device", "intra_node")
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Nodes of one kind inside a heterogeneous cluster: their device, the link inside each node and the
+    link between the group's own nodes. Groups hold consecutive ranks, in the order the cluster lists them."""
+
+    name: str
+    nodes: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    def __post_init__(self):
+        where = f"node group {self.name!r}"
+        _check_value(self.name, str, _NON_EMPTY, where, "name", _GROUP_DOCS["name"])
+        _check_value(self.nodes, int, _POSITIVE, where, "nodes", _GROUP_DOCS["nodes"])
+        for key, kind in _SECTIONS.items():
+            if not isinstance(getattr(self, key), kind):
+                raise AutoshardError(
+                    f"{where}: {key} must be a {kind.__name__}; fix: build it with {kind.__name__}(...)"
+                )
+            _check_bounds(getattr(self, key), where, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "nodes": self.nodes, **{key: _spec_dict(getattr(self, key)) for key in _SECTIONS}}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str, default_source: str | None, inter_node: LinkSpec) -> NodeGroup:
+        _check_mapping(d, where, "a group", "a mapping with keys " + ", ".join(_GROUP_DOCS))
+        _check_keys(d, _GROUP_DOCS, where, "groups.", optional=("inter_node",))
+        name = _check_value(d["name"], str, _NON_EMPTY, where, "groups.name", _GROUP_DOCS["name"])
+        at = f"{where}: group {name}"
+        sections = {
+            key: _spec_from_mapping(kind, d[key], at, key, default_source)
+            for key, kind in _SECTIONS.items()
+            if key in d
+        }
+        nodes = _check_value(d["nodes"], int, _POSITIVE, at, "nodes", _GROUP_DOCS["nodes"])
+        return cls(name, nodes, sections["device"], sections["intra_node"], sections.get("inter_node", inter_node))
+
+
+def slowest_device(groups: Sequence[NodeGroup]) -> DeviceSpec:
+    """The device an SPMD step over every group runs at: each figure the lowest of the groups' (a collective
+    waits for the slowest rank; a plan must fit the smallest memory). Pipeline stages are priced on their own
+    group's device (``Cluster.rank_group``)."""
+    devices = [g.device for g in groups]
+    return DeviceSpec(
+        name=" | ".join(dict.fromkeys(d.name for d in devices)),
+        peak_tflops=min(d.peak_tflops for d in devices),
+        memory_bytes=min(d.memory_bytes for d in devices),
+        memory_bandwidth_gbps=min(d.memory_bandwidth_gbps for d in devices),
+        matmul_efficiency=min(d.matmul_efficiency for d in devices),
+        source="the lowest of each figure over the node groups",
+        float8_tflops=min(d.float8_tflops for d in devices),
+    )
+
+
+def slowest_link(links: Sequence[LinkSpec]) -> LinkSpec:
+    """The lowest bandwidth and highest latency of ``links`` (a collective over groups waits for the slowest)."""
+    if len(set(links)) == 1:
+        return links[0]
+    return LinkSpec(
+        min(k.bandwidth_gbps for k in links),
+        max(k.latency_us for k in links),
+        "the slowest of the node groups' links",
+    )
 
 
 @dataclass(frozen=True)
@@ -319,9 +403,12 @@ class Cluster:
     backend: str  # "nccl" or "gloo"
     host: HostOverheads = field(default_factory=HostOverheads.none)
     profiles: tuple[ModelProfile, ...] = ()  # models measured on these devices
+    groups: tuple[NodeGroup, ...] = ()  # heterogeneous: node groups in rank order (``of_groups``); () homogeneous
 
     def __post_init__(self):
         where = f"cluster {self.name!r}"
+        if self.groups:
+            _check_groups(self, where)
         _check_value(self.name, str, _NON_EMPTY, where, "name", "a cluster name")
         for key, (doc, rule) in _COUNTS.items():
             _check_value(getattr(self, key), int, rule, where, key, doc)
@@ -343,6 +430,81 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @classmethod
+    def of_groups(
+        cls,
+        name: str,
+        devices_per_node: int,
+        backend: str,
+        inter_node: LinkSpec,
+        groups: Sequence[NodeGroup],
+        host: HostOverheads | None = None,
+        profiles: tuple[ModelProfile, ...] = (),
+    ) -> Cluster:
+        """A heterogeneous cluster: ``groups`` in rank order, ``inter_node`` the link between groups. Its
+        ``device`` and ``intra_node`` are the slowest of the groups' (``slowest_device``, ``slowest_link``):
+        what a step that spans the groups runs at."""
+        groups = tuple(groups)
+        if not groups:
+            raise AutoshardError(f"cluster {name!r}: groups is empty; fix: give at least one node group")
+        return cls(
+            name=name,
+            nodes=sum(g.nodes for g in groups),
+            devices_per_node=devices_per_node,
+            device=slowest_device(groups),
+            intra_node=slowest_link([g.intra_node for g in groups]),
+            inter_node=inter_node,
+            backend=backend,
+            host=host or HostOverheads.none(),
+            profiles=profiles,
+            groups=groups,
+        )
+
+    @property
+    def mean_peak_tflops(self) -> float:
+        """The devices' peak TFLOP/s, averaged over the ranks: MFU's denominator per rank (node groups: each group's
+        device weighted by its ranks; a homogeneous cluster: its device's)."""
+        if not self.groups:
+            return self.device.peak_tflops
+        return sum(g.nodes * g.device.peak_tflops for g in self.groups) / self.nodes
+
+    @functools.cached_property
+    def _group_first_nodes(self) -> tuple[int, ...]:
+        firsts, n = [], 0
+        for g in self.groups:
+            firsts.append(n)
+            n += g.nodes
+        return tuple(firsts)
+
+    def rank_group(self, rank: int) -> int:
+        """The index of the node group that holds ``rank`` (0 on a homogeneous cluster)."""
+        if not self.groups:
+            return 0
+        return bisect.bisect_right(self._group_first_nodes, self.node_of(rank)) - 1
+
+    def group_ranks(self, index: int) -> range:
+        """The ranks of group ``index``: consecutive, its nodes' devices."""
+        first = self._group_first_nodes[index] * self.devices_per_node
+        return range(first, first + self.groups[index].nodes * self.devices_per_node)
+
+    @functools.cached_property
+    def group_clusters(self) -> tuple[Cluster, ...]:
+        """Each group as a homogeneous cluster of its own (its device and links, this cluster's host figures)."""
+        return tuple(
+            Cluster(
+                f"{self.name}/{g.name}",
+                g.nodes,
+                self.devices_per_node,
+                g.device,
+                g.intra_node,
+                g.inter_node,
+                self.backend,
+                self.host,
+                self.profiles,
+            )
+            for g in self.groups
+        )
 
     def tp_degrees(self, pinned: int | None = None) -> list[int]:
         """The tensor-parallel degrees above 1 this cluster offers: t divides the devices per node and the
@@ -382,6 +544,10 @@ class Cluster:
             for r in ranks:
                 self._check_rank(r)
         low, high = min(ranks), max(ranks)
+        if self.groups and self.rank_group(low) == self.rank_group(high):  # inside one group: its own links
+            g = self.rank_group(low)
+            first = self.group_ranks(g).start
+            return self.group_clusters[g].group_link([r - first for r in ranks])
         if low == high:
             return self.intra_node
         inside = low // self.devices_per_node == high // self.devices_per_node
@@ -428,6 +594,7 @@ class Cluster:
             "inter_node": _spec_dict(self.inter_node),
             **({"host": _spec_dict(self.host)} if self.host.measured else {}),
             **({"profiles": [p.to_dict() for p in self.profiles]} if self.profiles else {}),
+            **({"groups": [g.to_dict() for g in self.groups]} if self.groups else {}),
         }
 
     def profile_for(self, signature: str) -> ModelProfile | None:
@@ -442,7 +609,9 @@ class Cluster:
         are required.
         """
         _check_mapping(d, where, "the cluster", "a mapping with keys " + ", ".join(CLUSTER_KEYS))
-        _check_keys(d, _CLUSTER_DOCS, where, "", optional=(*_OPTIONAL_SECTIONS, "profiles"))
+        if "groups" in d:
+            return _cluster_of_groups(d, where, default_source)
+        _check_keys(d, _CLUSTER_DOCS, where, "", optional=(*_OPTIONAL_SECTIONS, "profiles", "groups"))
         sections = {
             key: _spec_from_mapping(kind, d[key], where, key, default_source) for key, kind in _SECTIONS.items()
         }
@@ -489,6 +658,53 @@ class Cluster:
                 g.add_node(f"node{n}/dev{d}", kind="device", rank=n * self.devices_per_node + d, node=n)
                 g.add_edge(f"node{n}/dev{d}", switch, **intra)
         return g
+
+
+def _cluster_of_groups(d: Mapping[str, Any], where: str, default_source: str | None) -> Cluster:
+    """``Cluster.from_dict`` of a mapping with groups: nodes, device and intra_node come from the groups; where
+    they are given too (plan.json writes them), they must be what the groups give."""
+    _check_keys(d, _CLUSTER_DOCS, where, "", optional=(*_OPTIONAL_SECTIONS, "profiles", *_DERIVED_FROM_GROUPS))
+    raw = d["groups"]
+    if not isinstance(raw, list) or not raw:
+        raise AutoshardError(
+            f"{where}: groups must be a non-empty list, got {_short(raw)}; fix: list each node group as "
+            "{name, nodes, device, intra_node}"
+        )
+    inter = _spec_from_mapping(LinkSpec, d["inter_node"], where, "inter_node", default_source)
+    groups = [NodeGroup.from_dict(g, where, default_source, inter) for g in raw]
+    host = _spec_from_mapping(HostOverheads, d["host"], where, "host", default_source) if "host" in d else None
+    cluster = Cluster.of_groups(
+        _check_value(d["name"], str, _NON_EMPTY, where, "name", "a cluster name"),
+        _check_value(d["devices_per_node"], int, _COUNTS["devices_per_node"][1], where, "devices_per_node", ""),
+        _check_backend(d["backend"], where),
+        inter,
+        groups,
+        host,
+        _profiles(d.get("profiles", []), where),
+    )
+    written = cluster.to_dict()
+    for key in _DERIVED_FROM_GROUPS:
+        if key in d and d[key] != written[key]:
+            raise AutoshardError(
+                f"{where}: {key} is given beside groups and differs from what the groups give; fix: remove {key}: "
+                "a cluster with groups takes it from them"
+            )
+    return cluster
+
+
+def _check_groups(cluster: Cluster, where: str) -> None:
+    """A heterogeneous cluster's groups: named once each, their nodes the cluster's."""
+    if not all(isinstance(g, NodeGroup) for g in cluster.groups):
+        raise AutoshardError(f"{where}: groups must be NodeGroup records; fix: build them with NodeGroup(...)")
+    names = [g.name for g in cluster.groups]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise AutoshardError(f"{where}: group {twice[0]!r} is named twice; fix: give each node group its own name")
+    if sum(g.nodes for g in cluster.groups) != cluster.nodes:
+        raise AutoshardError(
+            f"{where}: the groups hold {sum(g.nodes for g in cluster.groups)} nodes, not the cluster's {cluster.nodes}; "
+            "fix: leave nodes to the groups (Cluster.of_groups)"
+        )
 
 
 def _profiles(raw: Any, where: str) -> tuple[ModelProfile, ...]:

@@ -51,7 +51,10 @@ CASES = {  # name: (model, ranks, pins)
     # styles (a row bias meeting half the tokens), a replicated c_attn gathering and c_proj slicing
     "llama-tp2-pp2-sp": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe", sequence_parallel=True)),
     "gpt2-dp2-tp2-pp2-zero3-sp": (GPT2, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", sequence_parallel=True)),
+    # node groups: two groups of 2 CPU ranks, the first given twice the FLOP/s (HETERO); its stage takes more layers
+    "gpt-hetero-dp2-pp2": (GPT, 4, dict(dp=2, pp=2, schedule="1f1b")),
 }
+HETERO = {"gpt-hetero-dp2-pp2": "tests/clusters/hetero_cpu.yaml"}  # case: its cluster file of node groups
 
 
 MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
@@ -74,6 +77,8 @@ RECIPES = {
 
 def _plan(case):
     model, ranks, pins = CASES[case]
+    if case in HETERO:  # its groups count their own ranks
+        return autoshard.plan(model, cluster=HETERO[case], global_batch=8, **pins)
     cluster = "tests/clusters/fast_link_cpu.yaml" if pins.get("tp", 1) > 1 else "local-cpu"
     return autoshard.plan(model, cluster=cluster, devices_per_node=ranks, global_batch=8, **pins)
 
@@ -106,6 +111,10 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
     if model == QWEN3:
         assert plan.tensor_parallel["model.layers.0.self_attn.q_norm"] == "sharded-input-dim2"
     assert report.ok, report.failure
+    if case in HETERO:  # the faster group's stage holds more of the blocks
+        fast, slow = (plan.stages[i] for i in (0, 1))
+        assert [plan.stage_group(s.ranks)["name"] for s in (fast, slow)] == ["fast", "slow"]
+        assert sum(m.startswith("h.") for m in fast.modules) > sum(m.startswith("h.") for m in slow.modules)
     if case in RECIPES:  # the program clipped every step (the norm it logged is the one before clipping)
         assert len(report.grad_norms) == 3 and min(report.grad_norms) > 5 * MAX_NORM, report.grad_norms
     else:

@@ -121,7 +121,7 @@ def _header(plan: Plan, program: str, plan_file: str) -> str:
 
 Model      {m["spec"]}  ({m["params"]:,} parameters, {m["layers"]} blocks, fingerprint {m["hash"]})
 Cluster    {c["name"]}: {c["nodes"]} node(s) x {c["devices_per_node"]} devices, {c["backend"]}
-Plan       {plan.mesh} | ZeRO-{plan.zero_stage} | global batch {plan.global_batch} = {plan.mesh.dp} dp ranks x {plan.num_microbatches} micro-batches x {plan.microbatch_size} | recompute {plan.recompute}
+{_groups_lines(c)}Plan       {plan.mesh} | ZeRO-{plan.zero_stage} | global batch {plan.global_batch} = {plan.mesh.dp} dp ranks x {plan.num_microbatches} micro-batches x {plan.microbatch_size} | recompute {plan.recompute}
 Predicted  step {ms_text(p.step_time_s)} ms = compute {ms_text(p.compute_s)} ms + exposed comm {ms_text(p.comm_exposed_s)} ms + bubble {ms_text(p.bubble_s)} ms
            peak {mem.peak_bytes / MIB:,.1f} MiB per rank (weights {mem.params_bytes / MIB:,.1f}, grads {mem.grads_bytes / MIB:,.1f}, optimizer {mem.optimizer_bytes / MIB:,.1f}, activations {mem.activations_bytes / MIB:,.1f}, transient {mem.transient_bytes / MIB:,.1f})
            {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}
@@ -129,6 +129,19 @@ Predicted  step {ms_text(p.step_time_s)} ms = compute {ms_text(p.compute_s)} ms 
 Run:  {torchrun_command(plan, program)} [--steps 20]
   or: autoshard run {plan_file}
 """'''
+
+
+def _groups_lines(cluster: dict) -> str:
+    """A cluster of node groups: which node ranks (torchrun's --node-rank) each group's nodes must be launched
+    as, since a pipeline stage runs on the group that holds its ranks; "" on a homogeneous cluster."""
+    groups, first = cluster.get("groups") or (), 0
+    parts = []
+    for g in groups:
+        last = first + g["nodes"] - 1
+        nodes = f"node rank {first}" if last == first else f"node ranks {first}-{last}"
+        parts.append(f"{g['name']} ({g['device']['name']}) as {nodes}")
+        first = last + 1
+    return f"Groups     {'; '.join(parts)}\n" if parts else ""
 
 
 def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
@@ -184,7 +197,7 @@ def _predicted_constant(plan: Plan) -> str:
     p = plan.predicted
     m = p.memory
     allocated = m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.transient_bytes
-    peak_flops = float(plan.cluster["device"]["peak_tflops"]) * 1e12
+    peak_flops = float(plan.peak_tflops_per_rank) * 1e12
     return (
         f"PREDICTED = dict(step_time_s={p.step_time_s!r}, mfu={p.mfu!r}, peak_flops_per_s={peak_flops!r}, "
         f"devices={plan.world_size},\n"

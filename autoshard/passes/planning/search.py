@@ -63,6 +63,7 @@ from autoshard.cost.dp_comm import choose_bucket_cap_mb
 from autoshard.cost.memory import precision_for_backend
 from autoshard.cost.pipeline_step import shared_cores, stage_in_flight
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, state_bytes_per_param
+from autoshard.cost.schedule import stage_owners
 from autoshard.cost.step import price
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp_units import pipeline_units
@@ -227,13 +228,20 @@ def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     """(m + (p − 1)/v) · Σ_units c(u) / (tp · p): no configuration of this mesh and micro-batch is faster
     (module doc; p = pp, v virtual stages; without pipelining the factor is m)."""
     units = tables.config_units(cp_equivalent(config))  # cp: the ring only adds to a rank's b/cp share
+    compute = units.compute_s
     p = config.mesh.pp
+    if p > 1 and tables.cluster.groups:  # node groups: each unit at the fastest group's time, a bound on any cuts
+        each = [
+            tables.group_tables(g).config_units(cp_equivalent(config)).compute_s
+            for g in range(len(tables.cluster.groups))
+        ]
+        compute = tuple(min(times) for times in zip(*each))
     slots = config.num_microbatches + (p - 1) / config.virtual_stages
     if p > 1 and shared_cores(tables.cluster, config.mesh) is not None:
         slots = config.num_microbatches  # idle ranks lend their cores: only the work itself bounds it
     if config.schedule in ZERO_BUBBLE_SCHEDULES:
         slots = config.num_microbatches  # weight gradients fill the fill and the drain
-    return slots * sum(units.compute_s) / (config.mesh.tp * p)
+    return slots * sum(compute) / (config.mesh.tp * p)
 
 
 def price_config(
@@ -267,8 +275,18 @@ def _priced(
     tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...], choice: TPChoice | None
 ) -> Priced:
     predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
-    fits = predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
-    return Priced(config, predicted, fits, cuts, choice)
+    return Priced(config, predicted, fits_memory(tables, config, predicted), cuts, choice)
+
+
+def fits_memory(tables: CostTables, config: Decisions, predicted: Predicted) -> bool:
+    """Whether each rank's peak fits its device: on node groups each pp rank's against its own group's device
+    (an SPMD step's against the smallest, ``topology.slowest_device``)."""
+    if tables.cluster.groups and config.mesh.pp > 1 and predicted.pp_rank_memory:
+        return all(
+            memory.peak_bytes <= tables.for_pp_rank(config, r).cluster.device.memory_bytes
+            for r, memory in enumerate(predicted.pp_rank_memory)
+        )
+    return predicted.memory_peak_bytes_per_rank <= tables.cluster.device.memory_bytes
 
 
 # ---------------------------------------------------------------------------- stage cuts
@@ -281,6 +299,8 @@ def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full"
     tp, sp = config.mesh.tp, config.sequence_parallel
     key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, tp, sp, split)
+    if tables.cluster.groups:  # which node group runs each stage: the mesh's and the schedule's
+        key += (config.mesh, config.schedule, config.virtual_stages)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False), config.num_stages))
     assert cuts is not None, f"{config.num_stages} stages need at least as many blocks"
     return cuts
@@ -299,12 +319,14 @@ def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) 
     ps = [round((t + c) * scale) for t, c in zip(units.compute_s, tp_comm)]
     forbidden = tables.memo(("cut_refusals",), lambda: frozenset(cut_refusals(tables.graph)))
     problem = PartitionProblem(tuple(ps[1:-1]), ps[0], ps[-1], forbidden_starts=forbidden)
+    v = config.virtual_stages
+    if tables.cluster.groups:
+        problem = replace(problem, **_group_stage_figures(tables, config, scale, v))
     if not with_memory:
         return problem
     per_param = state_bytes_per_param(tables.precision, config)
     fixed = [per_param * n for n in units.params]
     acts = [s + w for s, w in zip(units.saved_bytes, units.workspace_bytes)]
-    v = config.virtual_stages
     flights = stage_in_flight(config)
     cap = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) / v
     return replace(
@@ -318,6 +340,21 @@ def partition_problem(tables: CostTables, config: Decisions, with_memory: bool) 
         in_flight=flights,
         cap_bytes=cap,
     )
+
+
+def _group_stage_figures(tables: CostTables, config: Decisions, scale: float, v: int) -> dict:
+    """Each stage's unit times and memory cap on the node group its pp rank is in (``stage_cuts``, "Node
+    groups"): the group's tables' units, at one common scale (the slowest device's, ``scale``), and its device's
+    memory over (1 + slack)·v."""
+    owner = stage_owners(config.schedule, config.mesh.pp, v)
+    times, caps = [], []
+    for s in range(config.num_stages):
+        group = tables.for_pp_rank(config, owner[s])
+        units, tp_comm = pipeline_units(group, config)
+        ps = [round((t + c) * scale) for t, c in zip(units.compute_s, tp_comm)]
+        times.append((tuple(ps[1:-1]), ps[0], ps[-1]))
+        caps.append(group.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK) / v)
+    return {"stage_times": tuple(times), "stage_caps": tuple(caps)}
 
 
 MAX_TOTAL_PS = 2**52  # the stage-cut tables sum unit times in int64: a step above ~75 minutes is scaled down
@@ -350,10 +387,24 @@ def alternatives(best: Priced, priced: list[Priced], cluster: Cluster) -> tuple[
     return tuple(_alternative(p, best, cluster) for p in chosen)
 
 
+def tightest_memory(p: Priced, cluster: Cluster) -> tuple[int, int]:
+    """(peak bytes, device bytes) of the rank with the least room: on node groups each pipeline rank against its
+    own group's device (``fits_memory``), else the peak against the cluster's device."""
+    by_rank, mesh = p.predicted.pp_rank_memory, p.config.mesh
+    if not cluster.groups or mesh.pp == 1 or not by_rank:
+        return p.predicted.memory_peak_bytes_per_rank, cluster.device.memory_bytes
+    per_stage = mesh.world_size // mesh.pp
+    pairs = [
+        (m.peak_bytes, cluster.groups[cluster.rank_group(r * per_stage)].device.memory_bytes)
+        for r, m in enumerate(by_rank)
+    ]
+    return min(pairs, key=lambda pair: (pair[1] - pair[0], pair))
+
+
 def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
     if not p.fits:
-        over = p.predicted.memory_peak_bytes_per_rank - cluster.device.memory_bytes
-        return f"does not fit: {over / GIB:.2f} GiB over the {cluster.device.memory_bytes / GIB:.1f} GiB per device"
+        peak, device = tightest_memory(p, cluster)
+        return f"does not fit: {(peak - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device"
     slower = p.predicted.step_time_s / best.predicted.step_time_s - 1.0
     if slower > 1e-9:
         part = _largest_gap(p.predicted, best.predicted)
@@ -364,8 +415,7 @@ def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
 def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -> str:
     """Name the binding constraint, by how much it is missed, and what to change."""
     least = min(priced, key=lambda p: p.predicted.memory_peak_bytes_per_rank)
-    need = least.predicted.memory_peak_bytes_per_rank
-    have = cluster.device.memory_bytes
+    need, have = tightest_memory(least, cluster)
     c = least.config
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out

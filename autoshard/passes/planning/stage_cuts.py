@@ -16,6 +16,16 @@ solved exactly by dynamic programming over cut positions (``best_cuts``)::
     D[s][j] = min_{s ≤ i < j} max(D[s−1][i], time(i, j))        over i with mem(s, i, j) ≤ cap
     answer  = D[S−1][L]
 
+Node groups (a heterogeneous cluster, ``Cluster.groups``). Stage s runs on the group of its pp rank, so its
+unit times t_k^(s), t_pre^(s), t_suf^(s) and its memory cap C_s are its group's (``PartitionProblem.stage_times``,
+``stage_caps``)::
+
+    time(s, i, j) = Σ_{i≤k<j} t_k^(s) + t_pre^(s)·[i = 0] + t_suf^(s)·[j = L]
+    D[s][j] = min_{s ≤ i < j} max(D[s−1][i], time(s, i, j))   over i with mem(s, i, j) ≤ C_s
+
+the same programme, exact, with a matrix per group: a faster group's stages take more blocks, a group with
+less memory fewer.
+
 Legal cuts. A stage begins where torch's split begins it: at each call of the block's module.
 So no stage may begin at block k when k runs more than once per forward (weights shared
 across depth, as in ALBERT or a looped GPT: every call would begin a stage), nor when a block
@@ -63,13 +73,26 @@ class PartitionProblem:
     in_flight: tuple[float, ...] = ()  # per stage; empty: no memory constraint
     cap_bytes: float = float("inf")
     forbidden_starts: frozenset[int] = frozenset()  # blocks no stage may begin at (``cut_refusals``)
+    # node groups (module doc): per stage its (block times, prefix, suffix) ps and its cap; empty: the ones above
+    stage_times: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    stage_caps: tuple[float, ...] = ()
+
+    def times_of(self, s: int) -> tuple[tuple[int, ...], int, int]:
+        """Stage ``s``'s (block times, prefix time, suffix time) in ps."""
+        if self.stage_times:
+            return self.stage_times[s]
+        return self.block_time_ps, self.prefix_time_ps, self.suffix_time_ps
+
+    def cap_of(self, s: int) -> float:
+        return self.stage_caps[s] if self.stage_caps else self.cap_bytes
 
     @property
     def blocks(self) -> int:
         return len(self.block_time_ps)
 
-    def stage_time_ps(self, i: int, j: int) -> int:
-        return sum(self.block_time_ps[i:j]) + self.prefix_time_ps * (i == 0) + self.suffix_time_ps * (j == self.blocks)
+    def stage_time_ps(self, i: int, j: int, s: int = 0) -> int:
+        blocks, prefix, suffix = self.times_of(s)
+        return sum(blocks[i:j]) + prefix * (i == 0) + suffix * (j == self.blocks)
 
     def stage_bytes(self, s: int, i: int, j: int) -> float:
         if not self.in_flight:
@@ -85,12 +108,19 @@ def best_cuts(problem: PartitionProblem, stages: int) -> tuple[int, ...] | None:
     n = problem.blocks
     if not 1 <= stages <= n:
         return None
-    time = _range_matrix(problem.block_time_ps, problem.prefix_time_ps, problem.suffix_time_ps, np.int64)
+    matrices: dict[tuple, np.ndarray] = {}
+
+    def time(s: int) -> np.ndarray:  # one matrix per distinct unit times (per node group)
+        key = problem.times_of(s)
+        if key not in matrices:
+            matrices[key] = _range_matrix(*key, np.int64)
+        return matrices[key]
+
     fits = _fits(problem)
-    best = np.where(fits(0)[0], time[0], _INF)
+    best = np.where(fits(0)[0], time(0)[0], _INF)
     choice = []
     for s in range(1, stages):
-        cand = np.maximum(best[:, None], time)
+        cand = np.maximum(best[:, None], time(s))
         cand = np.where(fits(s) & (best[:, None] < _INF), cand, _INF)
         choice.append(np.argmin(cand, axis=0))
         best = cand.min(axis=0)
@@ -100,7 +130,7 @@ def best_cuts(problem: PartitionProblem, stages: int) -> tuple[int, ...] | None:
 
 
 def bottleneck_ps(problem: PartitionProblem, cuts: tuple[int, ...]) -> int:
-    return max(problem.stage_time_ps(i, j) for i, j in stage_ranges(cuts, problem.blocks))
+    return max(problem.stage_time_ps(i, j, s) for s, (i, j) in enumerate(stage_ranges(cuts, problem.blocks)))
 
 
 def _range_matrix(per_block, prefix, suffix, dtype) -> np.ndarray:
@@ -128,7 +158,7 @@ def _fits(problem: PartitionProblem):
         return lambda s: upper
     fixed = _range_matrix(problem.block_fixed_bytes, problem.prefix_fixed_bytes, problem.suffix_fixed_bytes, np.float64)
     act = _range_matrix(problem.block_act_bytes, problem.prefix_act_bytes, problem.suffix_act_bytes, np.float64)
-    return lambda s: upper & (fixed + problem.in_flight[s] * act <= problem.cap_bytes)
+    return lambda s: upper & (fixed + problem.in_flight[s] * act <= problem.cap_of(s))
 
 
 def _trace(choice: list[np.ndarray], n: int) -> tuple[int, ...]:

@@ -111,6 +111,8 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_virtual_stages(pins)
     _check_stage_cuts(pins)
     _check_degrees(pins, cluster)
+    if pins.pp is not None and cluster.world_size % pins.pp == 0 and group_refusal(cluster, pins.pp):
+        raise AutoshardError(group_refusal(cluster, pins.pp))
     if pins.dp is not None and global_batch % pins.dp:
         raise AutoshardError(_batch_message(global_batch, pins.dp))
     _check_zero(pins)
@@ -667,10 +669,35 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
             for cp in cp_choices(graph, world // (tp * pp), pp, pins):
                 dp = world // (tp * pp * cp)
                 mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
-                if global_batch % dp or not _honours(mesh, pins):
+                if global_batch % dp or not _honours(mesh, pins) or not stages_fit_groups(cluster, mesh):
                     continue
                 meshes.append(mesh)
     return meshes
+
+
+def stages_fit_groups(cluster: Cluster, mesh: Mesh) -> bool:
+    """Whether each pipeline rank's ranks lie inside one node group (always on a homogeneous cluster). A pp rank
+    holds world/pp consecutive ranks (``ir.decisions.Mesh``) and a group consecutive whole nodes, so this holds
+    when every group's rank count is a multiple of world/pp. An SPMD mesh (pp = 1) spans the groups and runs at the
+    slowest group's pace (``topology.slowest_device``); a pipeline whose stage would span two groups is not offered:
+    its stage would run at the slower group's pace and the cuts could not give the faster one more work."""
+    if not cluster.groups or mesh.pp == 1:
+        return True
+    per_stage = mesh.world_size // mesh.pp
+    return all((g.nodes * cluster.devices_per_node) % per_stage == 0 for g in cluster.groups)
+
+
+def group_refusal(cluster: Cluster, pp: int) -> str | None:
+    """Why --pp ``pp`` cannot run on this cluster's node groups (``stages_fit_groups``), or None."""
+    world = cluster.world_size
+    if stages_fit_groups(cluster, Mesh(dp=world // pp, pp=pp)):
+        return None
+    sizes = ", ".join(f"{g.name} {g.nodes * cluster.devices_per_node}" for g in cluster.groups)
+    fitting = [p for p in divisors(world) if p > 1 and stages_fit_groups(cluster, Mesh(dp=world // p, pp=p))]
+    return (
+        f"--pp {pp} puts {cluster.world_size // pp} ranks in each pipeline stage, which would span two node groups "
+        f"(ranks per group: {sizes}); pin --pp in {', '.join(map(str, fitting))} or leave it to the search"
+    )
 
 
 def cp_choices(graph: OpGraph, ranks: int, pp: int, pins: Pins) -> list[int]:
