@@ -52,6 +52,13 @@ CASES = {  # name: (model, ranks, pins)
     "llama-tp2-pp2-sp": (LLAMA, 4, dict(tp=2, pp=2, schedule="gpipe", sequence_parallel=True)),
     "gpt2-dp2-tp2-pp2-zero3-sp": (GPT2, 8, dict(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", sequence_parallel=True)),
 }
+# Plans whose stages, schedule and micro-batches are those of a pp_driver.py case that
+# tests/e2e/test_pipeline_parallel.py leaves to them: case -> (split points, micro-batches)
+DRIVER_LAYOUTS = {
+    "gpt-pp2-interleaved": (("h.1", "h.2", "h.3"), 4),
+    "llama-pp2-1f1b": (("model.layers.1",), 4),
+    "gpt2-pp2-1f1b": (("transformer.h.1",), 4),
+}
 
 
 MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
@@ -99,6 +106,8 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
         assert getattr(plan.mesh, axis) == pins.get(axis, 1)
     if "schedule" in pins:
         assert plan.schedule == pins["schedule"] and len(plan.split_points) == plan.mesh.pp * plan.virtual_stages - 1
+    if case in DRIVER_LAYOUTS:
+        assert (tuple(plan.split_points), plan.num_microbatches) == DRIVER_LAYOUTS[case]
     if plan.mesh.tp > 1:
         assert plan.tensor_parallel, "a tp plan shards something"
     if "sequence_parallel" in pins:
