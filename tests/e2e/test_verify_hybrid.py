@@ -56,7 +56,18 @@ CASES = {  # name: (model, ranks, pins)
 }
 HETERO = {"gpt-hetero-dp2-pp2": "tests/clusters/hetero_cpu.yaml"}  # case: its cluster file of node groups
 
+# Plans whose stages, schedule and micro-batches are those of a pp_driver.py case that
+# tests/e2e/test_pipeline_parallel.py leaves to them: case -> (split points, micro-batches)
+DRIVER_LAYOUTS = {
+    "gpt-pp2-interleaved": (("h.1", "h.2", "h.3"), 4),
+    "llama-pp2-1f1b": (("model.layers.1",), 4),
+    "gpt2-pp2-1f1b": (("transformer.h.1",), 4),
+}
 
+
+# Two steps show a plan's gradients (the first update) and its optimizer state carried into the next step; the
+# recipe cases take a third, the first whose learning rate the cosine decay sets after 2 warmup steps.
+STEPS, RECIPE_STEPS = 2, 3
 MAX_NORM = 0.1  # examples/gpt.py's gradient norm is about 1 in these steps: every step is clipped
 RECIPES = {
     "gpt-tp2-pp2": Recipe(
@@ -85,7 +96,7 @@ def _plan(case):
 
 LAUNCHES = Cases(
     {case: ranks for case, (_, ranks, _) in CASES.items()},
-    *verify_cases(_plan, lambda case: 3, recipe_of=RECIPES.get),
+    *verify_cases(_plan, lambda case: RECIPE_STEPS if case in RECIPES else STEPS, recipe_of=RECIPES.get),
     case_of=lambda test, params: params.get("case"),
 )
 
@@ -104,6 +115,8 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
         assert getattr(plan.mesh, axis) == pins.get(axis, 1)
     if "schedule" in pins:
         assert plan.schedule == pins["schedule"] and len(plan.split_points) == plan.mesh.pp * plan.virtual_stages - 1
+    if case in DRIVER_LAYOUTS:
+        assert (tuple(plan.split_points), plan.num_microbatches) == DRIVER_LAYOUTS[case]
     if plan.mesh.tp > 1:
         assert plan.tensor_parallel, "a tp plan shards something"
     if "sequence_parallel" in pins:
@@ -116,6 +129,6 @@ def test_hybrid_plan_trains_like_one_process(verified, case):
         assert [plan.stage_group(s.ranks)["name"] for s in (fast, slow)] == ["fast", "slow"]
         assert sum(m.startswith("h.") for m in fast.modules) > sum(m.startswith("h.") for m in slow.modules)
     if case in RECIPES:  # the program clipped every step (the norm it logged is the one before clipping)
-        assert len(report.grad_norms) == 3 and min(report.grad_norms) > 5 * MAX_NORM, report.grad_norms
+        assert len(report.grad_norms) == RECIPE_STEPS and min(report.grad_norms) > 5 * MAX_NORM, report.grad_norms
     else:
-        assert report.grad_norms == (None,) * 3
+        assert report.grad_norms == (None,) * STEPS
