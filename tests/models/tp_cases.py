@@ -59,8 +59,10 @@ class Attention(nn.Module):
     def __init__(self, constant_heads: bool, head_norm: bool, kv_heads: int = HEADS):
         super().__init__()
         self.head_dim, self.repeats = WIDTH // HEADS, HEADS // kv_heads
-        self.q_proj, self.o_proj = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
-        self.k_proj, self.v_proj = (nn.Linear(WIDTH, kv_heads * self.head_dim) for _ in range(2))
+        kv_width = kv_heads * self.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(WIDTH, width) for width in (WIDTH, kv_width, kv_width, WIDTH)
+        )
         self.constant_heads = constant_heads
         self.q_norm = HeadNorm(self.head_dim) if head_norm else nn.Identity()
         self.k_norm = HeadNorm(self.head_dim) if head_norm else nn.Identity()
@@ -82,7 +84,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, constant_heads: bool, head_norm: bool, router: bool, kv_heads: int):
+    def __init__(self, constant_heads: bool, head_norm: bool, router: bool, kv_heads: int = HEADS):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
         self.attn = Attention(constant_heads, head_norm, kv_heads)
