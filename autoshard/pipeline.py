@@ -151,7 +151,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     with running("price", done):
         result = price_pinned(request, graph, configs)
     with running("assemble", done):
-        return assemble_plan(request, model_file, graph, result)
+        return assemble_plan(request, model_file, graph, result, estimated=True)
 
 
 def price_pinned(request: PlanRequest, graph: OpGraph, configs: list[Decisions]) -> SearchResult:
@@ -193,22 +193,37 @@ def _later_graph_passes(graph: OpGraph, done: list[str]) -> OpGraph:
         return find_experts(graph)
 
 
-def tp_reasons(graph: OpGraph, config: Decisions, tp: TPChoice | None) -> dict[str, str]:
+def tp_reasons(graph: OpGraph, config: Decisions, tp: TPChoice | None, not_chosen: str = "") -> dict[str, str]:
     """The layout's reasons, and for an output projection whose logits are gathered whole why loss parallelism
-    is not run (``strategies.loss_parallel_refusal``, else the price: the search found the gathered logits
-    faster)."""
+    is not run (``strategies.loss_parallel_refusal``, else ``not_chosen``: why the plan's pins left it off, else
+    the price: the search found the gathered logits faster)."""
     if tp is None:
         return {}
     reasons = dict(tp.reasons)
     name, _ = output_projection(graph)
     path = graph.node(name).module_path if name else ""
     if path and not config.loss_parallel and tp.styles.get(path, "").startswith("colwise-gather"):
-        why = loss_parallel_refusal(config.mesh, graph.loss_parallel_proof) or "the gathered logits priced faster"
+        why = (
+            loss_parallel_refusal(config.mesh, graph.loss_parallel_proof)
+            or not_chosen
+            or "the gathered logits priced faster"
+        )
         reasons[path] = "; ".join(filter(None, (reasons.get(path), f"no loss parallelism: {why}")))
     return reasons
 
 
-def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult) -> Plan:
+def loss_parallel_left_off(pins: Pins, estimated: bool) -> str:
+    """Why the pins, rather than the search, left loss parallelism off ("" where the search chose)."""
+    if pins.loss_parallel is False:
+        return "pinned --loss-parallel off"
+    if estimated and pins.loss_parallel is None:
+        return "estimate prices it off unless pinned (--loss-parallel on)"
+    return ""
+
+
+def assemble_plan(
+    request: PlanRequest, model_file: ModelFile | None, graph: OpGraph, result: SearchResult, estimated: bool = False
+) -> Plan:
     best = result.best
     c = best.config
     tp = best.tp_choice
@@ -232,7 +247,7 @@ def assemble_plan(request: PlanRequest, model_file: ModelFile | None, graph: OpG
         predicted=result.best.predicted,
         review=PlanReview(
             alternatives=result.alternatives,
-            tensor_parallel_reasons=tp_reasons(graph, c, tp),
+            tensor_parallel_reasons=tp_reasons(graph, c, tp, loss_parallel_left_off(request.pins, estimated)),
             notes=plan_notes(best, request.runtime)
             + batch_notes(graph, c)
             + precision_notes(request)

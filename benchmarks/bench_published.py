@@ -24,9 +24,11 @@ What a row's prediction means (``Run.status``):
                  the bf16 torch.compile FSDP rows, with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
-    compile      the configuration under torch.compile, with what autoshard's programs do not have (loss
-                 parallelism, async TP, compiled blocks beside context parallelism); priced as autoshard's
-                 eager program (with its float8 linears where the run had them).
+    compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
+                 blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
+                 context parallelism); priced as autoshard's eager program (with its float8 linears where the
+                 run had them, and loss parallelism where the run had it and the mesh has no pipeline stages
+                 or context parallelism: ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
                  parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
                  reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
@@ -224,6 +226,13 @@ def llama_args(
     return (*args, "--json")
 
 
+def loss_parallel_emitted(tp: int, pp: int, cp: int) -> bool:
+    """Whether autoshard runs loss parallelism (``--loss-parallel on``: the cross-entropy on the output projection's
+    vocabulary shards) on this mesh: with TP, without pipeline stages or context parallelism
+    (``strategies.loss_parallel_refusal``). A run that had it is priced with it there."""
+    return tp > 1 and pp == 1 and cp == 1
+
+
 def torchtitan_cuts(layers: int, stages: int) -> tuple[int, ...]:
     """torchtitan's ``generate_split_points`` (9dec370): layers // stages each; the middle stages one more
     each while the remainder lasts (the first never), the last stage what is left."""
@@ -274,7 +283,10 @@ CP_WITH_PP = (
     "float8 matmuls beside tensor parallelism are not emitted yet, and neither is sequence parallelism beside cp "
     "inside pipeline stages: the same layout in bf16, without sequence parallelism, is priced for reference",
 )
-COMPILE_REASON = "loss parallelism (and, where named, async TP): not in autoshard's programs; priced eager"
+COMPILE_REASON = (
+    "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
+    "programs (--compile on refuses it); priced eager, with loss parallelism as run"
+)
 COMPILED_8B_REASON = (
     "as run: bf16 FSDP2 with each block compiled (--compile on), torchtitan's 'op' selective AC as --recompute "
     "alternate"
@@ -325,9 +337,15 @@ def _tt(
         if priced
         else ()
     )
+    lp = "loss parallel" in techniques and loss_parallel_emitted(tp, pp, cp)
+    args = _with_flags(args, "--loss-parallel", "on") if lp and args else args
     args = _with_compile(args) if compiled and args else args
     args = _with_flags(args, "--float8", float8) if float8 and args else args
-    emitted = ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile") + (FLOAT8_EMITTED if tp == pp == 1 else ())
+    emitted = (
+        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")
+        + (FLOAT8_EMITTED if tp == pp == 1 else ())
+        + (("loss parallel",) if lp else ())
+    )
     missing = [t for t in needs if t not in emitted]
     emits = "yes" if not missing else "no: " + ", ".join(missing)
     return Run(

@@ -22,8 +22,9 @@ Factories (``path:factory`` model specs)::
                 (benchmarks/bench_dryrun.py: a deep model's per-layer figures at a depth a dry run
                 on a CPU finishes quickly)
 
-``example_batch(batch_size)`` gives random token ids of the factory's sequence length;
-``loss_fn`` is cross-entropy over the vocabulary (under autocast it runs in fp32).
+``example_batch(batch_size)`` gives random token ids of the factory's sequence length. The file defines no
+``loss_fn``: the default loss (``modelfile.default_loss``) is cross-entropy over the vocabulary for these integer
+targets (under autocast it runs in fp32), which loss parallelism can compute on the logits' vocabulary shards.
 """
 
 from __future__ import annotations
@@ -182,7 +183,3 @@ def example_batch(batch_size: int, seq_len: int | None = None):
     tokens when given: ``--seq-len``)."""
     tokens = torch.randint(0, _vocab, (batch_size, (seq_len or _seq_len) + 1))
     return (tokens[:, :-1],), tokens[:, 1:]
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

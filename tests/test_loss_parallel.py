@@ -16,7 +16,7 @@ from autoshard.passes.layouts.loss import LOSS_ALLREDUCES, output_projection
 from autoshard.passes.planning.search import price_config
 from autoshard.passes.planning.strategies import Pins, loss_parallel_refusal
 from autoshard.passes.planning.tp_layout import hand_tp_layout
-from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
+from autoshard.pipeline import PlanRequest, capture_graph, loss_parallel_left_off, plan_graph
 from autoshard.show import decision_table
 
 LLAMA_8B = "hf:examples/configs/llama-3.1-8b"  # meta-llama/Llama-3.1-8B's config.json: V = 128,256
@@ -94,3 +94,19 @@ def test_a_pin_the_model_cannot_run_is_one_line_and_a_gathered_head_says_why(gpt
         plan_graph(replace(request, pins=Pins(tp=2, loss_parallel="on")), model_file, graph)
     with pytest.raises(AutoshardError, match="--loss-parallel on: pipeline stages"):
         plan_graph(replace(request, pins=Pins(tp=2, pp=2, loss_parallel="on")), model_file, graph)
+
+
+@pytest.mark.parametrize(
+    ("pins", "estimated", "why"),
+    [
+        (Pins(tp=2, loss_parallel="off"), False, "pinned --loss-parallel off"),
+        (Pins(tp=2, loss_parallel="off"), True, "pinned --loss-parallel off"),
+        (Pins(tp=2), True, "estimate prices it off unless pinned (--loss-parallel on)"),
+        (Pins(tp=2), False, ""),  # the search chose: the price says why
+        (Pins(tp=2, loss_parallel="on"), True, ""),
+    ],
+)
+def test_gathered_logits_say_whether_a_pin_or_the_price_left_loss_parallelism_off(pins, estimated, why):
+    """``estimate`` prices loss parallelism off unless pinned on; its plan's reason says so rather than that the
+    gathered logits priced faster (which only a search that priced both can say)."""
+    assert loss_parallel_left_off(pins, estimated) == why

@@ -2,7 +2,9 @@
 
 import pytest
 
+from autoshard.ir.graph import OpNode
 from autoshard.ir.topology import DeviceSpec, LinkSpec
+from autoshard.passes.layouts.rules import repeat_dim
 from autoshard.passes.layouts.styles import choose_tp_styles
 from autoshard.pipeline import capture_graph
 
@@ -24,6 +26,30 @@ def test_heads_read_from_the_tensor_shard(in_repo, tp):
     for i in range(2):
         assert all(choice.styles[f"h.{i}.attn.{m}"] == "colwise" for m in ATTN)
         assert choice.styles[f"h.{i}.attn.o_proj"] == "rowwise"
+
+
+def test_gqa_heads_repeated_in_place_stay_sharded(in_repo):
+    """``repeat_interleave(2, dim=1)`` of 2 KV heads on a tp 2 shard repeats the rank's one KV head into its own 2
+    query heads: the projections are column-parallel and attention runs on the heads' shards (no gather)."""
+    graph, choice = styles("build_gqa_repeat")
+    assert not graph.tp_proofs["2"]
+    for i in range(2):
+        assert all(choice.styles[f"h.{i}.attn.{m}"] == "colwise" for m in ATTN), choice.reasons
+        assert choice.styles[f"h.{i}.attn.o_proj"] == "rowwise"
+
+
+@pytest.mark.parametrize(
+    ("attrs", "dim"),
+    [
+        ({"repeats": 4, "dim": 1}, 1),  # the sharded heads repeated in place: the same dim, rank i's rows
+        ({"repeats": 4, "dim": 2}, 1),  # another dim repeated: each shard its own slice
+        ({"repeats": 4, "dim": None}, None),  # flattened first: the shard's rows land elsewhere
+        ({"dim": 1}, None),  # a tensor of repeats (a count per row): rows move between ranks
+    ],
+)
+def test_repeat_interleave_keeps_the_shard_only_in_place(attrs, dim):
+    node = OpNode("r", "aten.repeat_interleave.self_int", "attn", "", ("k",), (2, 8, 16, 8), "float32", attrs=attrs)
+    assert repeat_dim(node, 1) == dim
 
 
 def test_a_constant_head_count_is_refused_with_its_reason(in_repo):

@@ -34,6 +34,9 @@ CASES = {  # name: (spec, dp, tp, expected sharded-module count or None for "any
     # attention written out (transformers' "eager": q @ kᵀ, the sliding-window mask added, softmax, @ v; GQA's
     # repeat_kv), sharded by heads; Gemma-3's per-head q/k norms (1 + weight) on the sharded heads
     "gemma3-eager-tp2": ("tests/models/hf_attention_forms.py:gemma3_eager", 1, 2, 18),
+    # Llama 3's GQA as Meta and torchtitan write it: the KV heads repeated in place (repeat_interleave on the
+    # heads dim), each rank repeating its own KV head into its own query heads; the logits gathered
+    "llama3-gqa-tp2": ("benchmarks/llama3.py:llama3_tiny", 1, 2, 15),
 }
 
 

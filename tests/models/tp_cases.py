@@ -10,6 +10,9 @@ Factories (model-file contract, docs/design.md), each 2 blocks of width 32 with 
                            weights acting on heads that tp shards
     build_router           an MLP scaled by a router that is not an nn.Linear (``F.linear`` on a
                            parameter of its own, as MoE routers do)
+    build_gqa_repeat       grouped-query attention: 2 KV heads repeated in place to the 4 query heads with
+                           ``repeat_interleave(2, dim=1)`` (Meta's and torchtitan's Llama 3 order: KV head j
+                           serves query heads 2j and 2j + 1)
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ class Router(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, constant_heads: bool, head_norm: bool):
+    def __init__(self, constant_heads: bool, head_norm: bool, kv_heads: int = HEADS):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.constant_heads, self.head_dim = constant_heads, WIDTH // HEADS
+        self.head_dim, self.repeats = WIDTH // HEADS, HEADS // kv_heads
+        kv_width = kv_heads * self.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(WIDTH, width) for width in (WIDTH, kv_width, kv_width, WIDTH)
+        )
+        self.constant_heads = constant_heads
         self.q_norm = HeadNorm(self.head_dim) if head_norm else nn.Identity()
         self.k_norm = HeadNorm(self.head_dim) if head_norm else nn.Identity()
 
@@ -70,15 +77,17 @@ class Attention(nn.Module):
         q = self.q_norm(self.heads(self.q_proj(x), b, s)).transpose(1, 2)
         k = self.k_norm(self.heads(self.k_proj(x), b, s)).transpose(1, 2)
         v = self.heads(self.v_proj(x), b, s).transpose(1, 2)
+        if self.repeats > 1:
+            k, v = (t.repeat_interleave(self.repeats, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, constant_heads: bool, head_norm: bool, router: bool):
+    def __init__(self, constant_heads: bool, head_norm: bool, router: bool, kv_heads: int = HEADS):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = Attention(constant_heads, head_norm)
+        self.attn = Attention(constant_heads, head_norm, kv_heads)
         self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
         self.router = Router(WIDTH) if router else None
 
@@ -90,10 +99,12 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, constant_heads: bool = False, head_norm: bool = False, router: bool = False):
+    def __init__(
+        self, constant_heads: bool = False, head_norm: bool = False, router: bool = False, kv_heads: int = HEADS
+    ):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.h = nn.ModuleList(Block(constant_heads, head_norm, router) for _ in range(2))
+        self.h = nn.ModuleList(Block(constant_heads, head_norm, router, kv_heads) for _ in range(2))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
 
@@ -118,6 +129,10 @@ def build_head_norm() -> TinyLM:
 
 def build_router() -> TinyLM:
     return TinyLM(router=True)
+
+
+def build_gqa_repeat() -> TinyLM:
+    return TinyLM(kv_heads=2)
 
 
 def example_batch(batch_size: int):

@@ -10,8 +10,8 @@ block per block ``signature``, plus the ops outside all blocks) gets a layout
 
 The sharded dimension s(v) is fixed by shape propagation before the solve
 (``shard_dims``): a linear shards its last dim; view/reshape map it through equal prefix
-products (F = H·hd → H, needs H mod tp = 0); transpose / unsqueeze / expand move it; an
-elementwise op aligns broadcast dims from the right; a split / slice / cat / reduction / norm
+products (F = H·hd → H, needs H mod tp = 0); transpose / unsqueeze / expand move it; repeat_interleave
+keeps it (``repeat_dim``); an elementwise op aligns broadcast dims from the right; a split / slice / cat / reduction / norm
 over s(v) makes S illegal downstream. S is allowed on v only where s(v) exists and
 size(v, s(v)) mod tp = 0.
 
@@ -26,6 +26,8 @@ output layout. Boolean x[n,k], Σ_k x[n,k] = 1 (``passes.layouts.segment_model.a
     matmul / bmm of two activations    (R,R)→R | (S,S)→S on a batch dim   (attention written out:
                                        q @ kᵀ and probs @ v per head; ``_batched_matmul_dim``)
     elementwise / views                all R → R    | S (with broadcast inputs R) → S
+    repeat_interleave (integer k, a    R → R | S → S on the same dim (GQA's KV heads repeated in place:
+    dim)                               ``repeat_dim``)
     norms, softmax / mean over s(v),   R → R only
     anything unknown
 """
@@ -86,6 +88,7 @@ DIM_OPS = {"split", "split_with_sizes", "slice", "cat", "chunk", "narrow", "sele
 SINK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async"}
 NORM_OPS = {"layer_norm", "rms_norm", "native_layer_norm"}  # over the trailing normalized_shape dims
 MOVE_OPS = {"transpose", "unsqueeze", "expand"}
+REPEAT_OPS = {"repeat_interleave"}  # GQA's KV heads repeated in place: ``k.repeat_interleave(H // H_kv, dim=1)``
 PER_TOKEN_OPS = PASS_OPS | VIEW_OPS | MOVE_OPS | REDUCE_OPS | NORM_OPS | DIM_OPS  # per token where q survives
 SEQ_KINDS = frozenset({"seq", "colq", "colm", "rowq", "vocabq", "repg", "reps", "gath", "scat", "slice"})  # use Q/G/H
 SEQ_SOURCE_KINDS = frozenset({"rowq", "vocabq", "reps", "scat", "slice"})  # make Q from values that are not Q
@@ -176,6 +179,8 @@ def _shard_dim(graph: OpGraph, node: OpNode, dims: dict, tp: int) -> int | None:
         out = first + (d <= first)
     elif op == "expand":
         out = first if in_shape[first] == shape[first] else None
+    elif op in REPEAT_OPS:
+        out = repeat_dim(node, first)
     elif op in PASS_OPS:
         out = first
     elif op in SDPA_OPS:
@@ -276,6 +281,18 @@ def view_dim(in_shape: tuple, out_shape: tuple, d: int) -> int | None:
 def transpose_dim(node: OpNode, rank: int, d: int) -> int:
     a, b = node.attrs["dim0"] % rank, node.attrs["dim1"] % rank
     return b if d == a else a if d == b else d
+
+
+def repeat_dim(node: OpNode, d: int) -> int | None:
+    """The shard dim after ``repeat_interleave(x, k, dim=r)`` of an input sharded on d: d itself, for an integer
+    k and a given r. Along r = d rank i holds the rows [i·n/t, (i+1)·n/t) of the input, each repeated k times in
+    place: exactly the rows [i·n·k/t, (i+1)·n·k/t) of the output, its own shard (GQA's KV head j becomes query
+    heads j·k .. j·k + k − 1, the rows the query's head shard holds). Along r ≠ d each shard repeats its own
+    slice. A tensor of repeats (a length per row) or no dim (the input flattened first) is not sharded."""
+    repeats, dim = node.attrs.get("repeats"), node.attrs.get("dim")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1 or not isinstance(dim, int):
+        return None
+    return d
 
 
 def dim_attr(node: OpNode, rank: int) -> int:
