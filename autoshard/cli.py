@@ -898,7 +898,18 @@ def cmd_run(args) -> int:
         ],
         max_restarts=args.max_restarts,
     )
+    _note_preset(plan)
     return proc.returncode
+
+
+def _note_preset(plan) -> None:
+    """Under the run's measured-against-predicted table: a plan priced on a preset's figures says so, and how to
+    get a prediction to hold the run to (``show.preset_caveat``)."""
+    from autoshard.show import preset_caveat
+
+    caveat = preset_caveat(plan.cluster)
+    if caveat:
+        print(f"note: the prediction is the preset's: {caveat}", flush=True)
 
 
 def cmd_verify(args) -> int:
