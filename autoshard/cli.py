@@ -907,7 +907,9 @@ def cmd_run(args) -> int:
     if elastic:
         first = Attempt(plan, program)
         return run_elastic(first, elastic, program_args, args.checkpoint_dir, args.max_restarts, recipe)
-    return run_torchrun(program, plan.world_size, program_args, max_restarts=args.max_restarts).returncode
+    proc = run_torchrun(program, plan.world_size, program_args, max_restarts=args.max_restarts)
+    _note_preset(plan)
+    return proc.returncode
 
 
 def _elastic_of(args, plan):
@@ -924,6 +926,16 @@ def _elastic_of(args, plan):
         )
     elastic.check_plan(plan.world_size)
     return elastic
+
+
+def _note_preset(plan) -> None:
+    """Under the run's measured-against-predicted table: a plan priced on a preset's figures says so, and how to
+    get a prediction to hold the run to (``show.preset_caveat``)."""
+    from autoshard.show import preset_caveat
+
+    caveat = preset_caveat(plan.cluster)
+    if caveat:
+        print(f"note: the prediction is the preset's: {caveat}", flush=True)
 
 
 def cmd_verify(args) -> int:

@@ -589,8 +589,9 @@ def test_run_passes_pretrained_weights_in_and_out_and_refuses_a_missing_folder(t
     (tmp_path / "weights").mkdir()
     program = str(tmp_path / "t.py")
     flags = ["--init-from", str(tmp_path / "weights"), "--export-hf", str(tmp_path / "out")]
-    code, _, err = run_cli(capsys, "run", str(plan), "--steps", "1", "--program", program, *flags)
+    code, out, err = run_cli(capsys, "run", str(plan), "--steps", "1", "--program", program, *flags)
     assert code == 0, err
+    assert "local-cpu is an uncalibrated preset" in " ".join(out.split())  # under the measured vs predicted table
     args = started[0]
     assert args[args.index("--init-from") + 1] == flags[1] and args[args.index("--export-hf") + 1] == flags[3]
     (tmp_path / "a-file").write_text("")
