@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from autoshard.calibrate import KIB, MIB, Bench, Settings, fit_or_none, four_digits, message_sizes
+from autoshard.calibrate import fit_or_none, four_digits
+from autoshard.calibrate_bench import KIB, MIB, Bench, Settings, message_sizes
 from autoshard.cost.calibrate import COLLECTIVES, Sample, fit_link
 from autoshard.cost.hardware import load_cluster
 from autoshard.errors import AutoshardError

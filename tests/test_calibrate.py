@@ -240,7 +240,7 @@ def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     of that size read several times longer on a loaded machine)."""
     import types
 
-    from autoshard import calibrate
+    from autoshard import calibrate_bench
 
     launch_s, sync_s = 5e-4, 2e-3  # each launch's own time; what a synchronise costs after a call
     clock = {"now": 0.0}
@@ -248,12 +248,14 @@ def test_gpu_kernels_are_timed_in_batches_per_launch(monkeypatch):
     def advance(seconds: float) -> None:
         clock["now"] += seconds
 
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(calibrate, "KERNEL_BATCH_S", 0.02)  # batches of ⌈0.02 / 2.5 ms⌉ launches (8, or 9 by rounding)
+    monkeypatch.setattr(calibrate_bench.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(
+        calibrate_bench, "KERNEL_BATCH_S", 0.02
+    )  # batches of ⌈0.02 / 2.5 ms⌉ launches (8, or 9 by rounding)
     launches = []
-    bench = calibrate.Bench.__new__(calibrate.Bench)
+    bench = calibrate_bench.Bench.__new__(calibrate_bench.Bench)
     bench.gpu, bench.torch = True, types.SimpleNamespace()
-    bench.s = calibrate.Settings.for_backend("nccl", quick=True)
+    bench.s = calibrate_bench.Settings.for_backend("nccl", quick=True)
     bench.dist = types.SimpleNamespace(barrier=lambda: None)
     bench._max_over_ranks = lambda values: values
     bench._sync = lambda: advance(sync_s)
@@ -271,13 +273,13 @@ def test_a_probe_is_timed_as_the_ranks_take_it_together_a_collective_per_call(mo
     import math
     import types
 
-    from autoshard import calibrate
+    from autoshard import calibrate_bench
 
     clock = {"now": 0.0, "waits": False, "barriers": 0}
-    bench = calibrate.Bench.__new__(calibrate.Bench)
+    bench = calibrate_bench.Bench.__new__(calibrate_bench.Bench)
     bench.gpu, bench.ranks = False, 4
-    bench.s = calibrate.Settings.for_backend("gloo", quick=True)
-    n = math.ceil(bench.s.max_calls / calibrate.PROBE_BLOCKS)  # 1 ms calls: as many as the settings allow
+    bench.s = calibrate_bench.Settings.for_backend("gloo", quick=True)
+    n = math.ceil(bench.s.max_calls / calibrate_bench.PROBE_BLOCKS)  # 1 ms calls: as many as the settings allow
 
     def barrier():
         clock["waits"], clock["barriers"] = True, clock["barriers"] + 1
@@ -286,14 +288,14 @@ def test_a_probe_is_timed_as_the_ranks_take_it_together_a_collective_per_call(mo
         clock["now"] += (1e-3 * n if clock["waits"] else 0.0) + 1e-3
         clock["waits"] = False
 
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(calibrate_bench.time, "perf_counter", lambda: clock["now"])
     bench.dist = types.SimpleNamespace(barrier=barrier)
     bench._sync = lambda: None
     bench._max_over_ranks = lambda values: values  # this rank, a waiting one, is the slowest
     assert bench._time_op(call) == pytest.approx(1e-3)
     clock["barriers"] = 0
     assert bench._time_probe(call) == pytest.approx(2e-3)
-    assert clock["barriers"] == calibrate.PROBE_BLOCKS
+    assert clock["barriers"] == calibrate_bench.PROBE_BLOCKS
     assert bench._time_model_round(call) == pytest.approx(2e-3)
 
 
