@@ -49,6 +49,7 @@ always held out); every other priced row is held out. No fit has been made.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import shlex
@@ -787,11 +788,26 @@ def run_estimate(args: list[str]) -> tuple[dict, float]:
     return json.loads(proc.stdout) | {"fits": True}, wall
 
 
+def inputs_key(command: str) -> str:
+    """What a row's prediction depends on besides its command: sha256 of autoshard's source and of every file the
+    command names (a model file, a cluster file, an ``hf:DIR``'s config.json), so ``--reuse`` keeps a prediction only
+    where a fresh run would give the same."""
+    from autoshard.passes.capturing.capture_cache import autoshard_source_hash
+
+    h = hashlib.sha256(autoshard_source_hash().encode())
+    for word in shlex.split(command)[1:]:
+        path = ROOT / (word.removeprefix("hf:") + "/config.json" if word.startswith("hf:") else word.split(":")[0])
+        if path.is_file():
+            h.update(f"{word}\n".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
 def result(run: Run, plan: dict | None, wall: float | None) -> dict:
     """The row's record, its prediction and errors (predicted / published − 1)."""
     out = {k: v for k, v in asdict(run).items() if k != "args"}
     out |= {
         "command": run.command_line(),
+        "inputs": inputs_key(run.command_line()) if run.args else "",
         "published_step_s": run.published_step_s,
         "fit": run.name in FIT,
         "estimate_wall_s": wall,
@@ -928,7 +944,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="keep the output file's predictions of rows whose command is unchanged; price the rest",
+        help="keep the output file's predictions of rows whose command and inputs (autoshard's source, the files the "
+        "command names) are unchanged (inputs_key); price the rest",
     )
     parser.add_argument(
         "--fit",
@@ -943,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
     plans: dict[tuple[str, ...], tuple[dict, float]] = {}  # one estimate per distinct command
     if args.reuse and args.output.exists():
         for old in json.loads(args.output.read_text())["rows"]:
-            if old.get("command") and "predicted_step_s" in old:
+            if old.get("command") and "predicted_step_s" in old and old.get("inputs") == inputs_key(old["command"]):
                 plan = {
                     "predicted": {
                         "step_time_s": old["predicted_step_s"],

@@ -90,7 +90,7 @@ def entry_key(model_path: Path, factory: str, batch_size: int, fold: bool, seq_l
         fold,
         _torch_version(),
         sys.version,
-        _autoshard_source_hash(),
+        autoshard_source_hash(),
     ] + ([seq_len] if seq_len is not None else [])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
@@ -511,7 +511,8 @@ def _torch_version() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _autoshard_source_hash() -> str:
+def autoshard_source_hash() -> str:
+    """sha256 of every source file of the package, by path: what a result computed by this code is keyed by."""
     h = hashlib.sha256()
     for file in sorted(AUTOSHARD_ROOT.rglob("*.py")):
         h.update(file.relative_to(AUTOSHARD_ROOT).as_posix().encode())
