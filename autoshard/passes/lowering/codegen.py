@@ -124,11 +124,22 @@ Cluster    {c["name"]}: {c["nodes"]} node(s) x {c["devices_per_node"]} devices, 
 Plan       {plan.mesh} | ZeRO-{plan.zero_stage} | global batch {plan.global_batch} = {plan.mesh.dp} dp ranks x {plan.num_microbatches} micro-batches x {plan.microbatch_size} | recompute {plan.recompute}
 Predicted  step {ms_text(p.step_time_s)} ms = compute {ms_text(p.compute_s)} ms + exposed comm {ms_text(p.comm_exposed_s)} ms + bubble {ms_text(p.bubble_s)} ms
            peak {mem.peak_bytes / MIB:,.1f} MiB per rank (weights {mem.params_bytes / MIB:,.1f}, grads {mem.grads_bytes / MIB:,.1f}, optimizer {mem.optimizer_bytes / MIB:,.1f}, activations {mem.activations_bytes / MIB:,.1f}, transient {mem.transient_bytes / MIB:,.1f})
-           {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}
+           {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}{_offload_line(plan)}
 
 Run:  {torchrun_command(plan, program)} [--steps 20]
   or: autoshard run {plan_file}
 """'''
+
+
+def _offload_line(plan: Plan) -> str:
+    """The header's line for host offload: the state a node's host memory holds; nothing without offload."""
+    if not plan.decisions.offloaded:
+        return ""
+    host = plan.predicted.host_memory_bytes_per_node / 2**30
+    return (
+        f"\nOffload    parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy): "
+        f"{host:,.1f} GiB per node; the optimizer steps on the CPU"
+    )
 
 
 def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
