@@ -379,6 +379,14 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     need = least.predicted.memory_peak_bytes_per_rank
     have = cluster.device.memory_bytes
     c = least.config
+    if need <= have:  # it fits the device with its state offloaded, not the host
+        host = least.predicted.host_memory_bytes_per_node
+        return (
+            f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, offload {c.offload}) fits the "
+            f"devices, but its offloaded state needs {host / GIB:.1f} GiB of host memory per node, over "
+            f"{HOST_USABLE:.0%} of the {cluster.device.host_memory_bytes / GIB:.0f} GiB a node has; try more nodes "
+            f"(--nodes), or a cluster file whose device gives the hosts' host_memory_bytes"
+        )
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
     if (
