@@ -302,9 +302,10 @@ def stages_table(plan: Plan) -> Table:
 def offload_text(plan: Plan) -> str:
     """What host offload moves and why it was chosen: the fastest plan without it does not fit (its why_not), or
     is slower; the host memory it takes per node."""
-    host = plan.predicted.host_memory_bytes_per_node / GIB
+    host = plan.predicted.host_memory_bytes_per_node
+    size = f"{host / GIB:,.1f} GiB" if host >= GIB else f"{host / MIB:,.1f} MiB"
     what = (
-        f"parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy; {host:,.1f} GiB per node), "
+        f"parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy; {size} per node), "
         f"the optimizer step on the CPU"
     )
     without = [a for a in plan.alternatives if a.offload == "none"]

@@ -234,7 +234,14 @@ def apply_fsdp(
 def offload_policy_for(dp_mesh: DeviceMesh) -> CPUOffloadPolicy:
     """FSDP2's ``CPUOffloadPolicy``, its host shards pinned (page-locked: the copies run asynchronously beside the
     compute) where the mesh is on an accelerator; on CPU ranks (``autoshard verify``) the host is the device, and
-    pinning needs an accelerator, so they are not."""
+    pinning needs an accelerator, so they are not. On GPUs the process group must take CPU tensors too (the
+    offloaded gradients' norm, ``runtime.recipe.clip_grad_norm``): one line otherwise."""
+    if dp_mesh.device_type != "cpu" and "cpu:" not in dist.get_backend_config():
+        raise AutoshardError(
+            "host offload on GPUs needs a process group that also runs collectives on CPU tensors (the gradients' "
+            "norm is taken on the host): init_process_group('cuda:nccl,cpu:gloo'), as "
+            "runtime.init_distributed(host_collectives=True) does"
+        )
     return CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
 
 

@@ -41,7 +41,7 @@ def emit_program(
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec)
+    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec, plan.decisions.offloaded)
     parts = [
         _header(plan, program, plan_file),
         _imports(plan, steps),
@@ -135,10 +135,11 @@ def _offload_line(plan: Plan) -> str:
     """The header's line for host offload: the state a node's host memory holds; nothing without offload."""
     if not plan.decisions.offloaded:
         return ""
-    host = plan.predicted.host_memory_bytes_per_node / 2**30
+    host = plan.predicted.host_memory_bytes_per_node
+    size = f"{host / 2**30:,.1f} GiB" if host >= 2**30 else f"{host / 2**20:,.1f} MiB"
     return (
         f"\nOffload    parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy): "
-        f"{host:,.1f} GiB per node; the optimizer steps on the CPU"
+        f"{size} per node; the optimizer steps on the CPU"
     )
 
 
@@ -297,12 +298,25 @@ _FORWARD_BACKWARD_LOSS_PARALLEL = (
 )
 
 
-def _spmd_main(spec: Layout) -> str:
-    """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``."""
+# The process group's start, and its form under host offload (gloo beside NCCL for the host's gradients)
+_INIT = "timeout_s=args.timeout_s)\n"
+_INIT_HOST = (
+    "timeout_s=args.timeout_s,\n"
+    "                                  host_collectives=True)  # offload: gloo for the gradients on the host\n"
+)
+
+
+def _spmd_main(spec: Layout, offloaded: bool = False) -> str:
+    """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``; with host offload its
+    process group collectives on the host too (``runtime.init_distributed``)."""
+    main = _MAIN_SPMD
+    if offloaded:
+        assert main.count(_INIT) == 1
+        main = main.replace(_INIT, _INIT_HOST)
     if not spec.loss_parallel:
-        return _MAIN_SPMD
-    assert _MAIN_SPMD.count(_FORWARD_BACKWARD) == 1
-    return _MAIN_SPMD.replace(_FORWARD_BACKWARD, _FORWARD_BACKWARD_LOSS_PARALLEL)
+        return main
+    assert main.count(_FORWARD_BACKWARD) == 1
+    return main.replace(_FORWARD_BACKWARD, _FORWARD_BACKWARD_LOSS_PARALLEL)
 
 
 def _expert_constants(plan: Plan) -> str:
