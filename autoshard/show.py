@@ -125,6 +125,8 @@ def decision_table(plan: Plan) -> Table:
         t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
     if plan.float8_linears:
         t.add_row("float8", Text(float8_text(plan)))  # module paths from the plan file: not markup
+    if plan.decisions.offloaded:
+        t.add_row("offload", Text(offload_text(plan)))  # prose from the plan file: not markup
     sequence = sequence_text(plan)
     if sequence:
         t.add_row("sequence", sequence)
@@ -310,9 +312,27 @@ def _group_text(group: dict | None) -> str:
     return f"{group['name']} ({d['name']}, {d['peak_tflops']:g} TFLOP/s, {d['memory_bytes'] / GIB:.1f} GiB)"
 
 
+def offload_text(plan: Plan) -> str:
+    """What host offload moves and why it was chosen: the fastest plan without it does not fit (its why_not), or
+    is slower; the host memory it takes per node."""
+    host = plan.predicted.host_memory_bytes_per_node
+    size = f"{host / GIB:,.1f} GiB" if host >= GIB else f"{host / MIB:,.1f} MiB"
+    what = (
+        f"parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy; {size} per node), "
+        f"the optimizer step on the CPU"
+    )
+    without = [a for a in plan.alternatives if a.offload == "none"]
+    if not without:
+        return f"{what}: no plan without offload was priced (pinned, or pruned by its bound)"
+    best = without[0]  # alternatives are ranked: the best without offload first
+    return f"{what}; without it the best plan ({_mesh(best.mesh)}, ZeRO-{best.zero_stage}) {best.why_not}"
+
+
 def alternatives_table(plan: Plan) -> Table:
-    """The chosen configuration and the alternatives; a float8 column where any of them trains in float8."""
+    """The chosen configuration and the alternatives; a float8 column where any of them trains in float8, an
+    offload column where any of them offloads."""
     float8 = plan.decisions.float8 != "off" or any(a.float8 != "off" for a in plan.alternatives)
+    offload = plan.decisions.offloaded or any(a.offload != "none" for a in plan.alternatives)
     t = Table(title="Alternatives considered", title_justify="left")
     for col in (
         "dp x tp x pp",
@@ -321,6 +341,7 @@ def alternatives_table(plan: Plan) -> Table:
         "micro-batch",
         "recompute",
         *(("float8",) if float8 else ()),
+        *(("offload",) if offload else ()),
         "step ms",
         "peak MiB",
         "why not chosen",
@@ -333,6 +354,7 @@ def alternatives_table(plan: Plan) -> Table:
         str(plan.microbatch_size),
         plan.recompute,
         *((plan.decisions.float8,) if float8 else ()),
+        *((plan.decisions.offload,) if offload else ()),
         *_time_mem(plan.predicted),
         chosen_row_text(plan),
     )
@@ -344,6 +366,7 @@ def alternatives_table(plan: Plan) -> Table:
             str(a.microbatch_size),
             a.recompute,
             *((a.float8,) if float8 else ()),
+            *((a.offload,) if offload else ()),
             *_time_mem(a.predicted),
             Text(a.why_not),
         )  # prose from the plan file: not rich markup
@@ -565,6 +588,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "sequence": sequence_text(plan) or "whole on every rank",
         "compiled blocks": "yes" if plan.decisions.compile else "no",
         "float8": f"{plan.decisions.float8} ({len(plan.float8_linears)} linears)" if plan.float8_linears else "off",
+        "offload": plan.decisions.offload,
     }
     return rows
 

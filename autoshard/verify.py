@@ -193,7 +193,7 @@ def verify(
     recipe = recipe or Recipe()
     plan, twin_notes = float8_twin(plan)
     model_file, notes = prepare(plan, steps, seed, data)
-    notes = twin_notes + notes
+    notes = twin_notes + offload_notes(plan) + notes
     twin = fp32_twin(plan)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         parallel = run_parallel(plan, Path(tmp) / "plan", steps, seed, recipe, data)
@@ -226,6 +226,19 @@ def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
         "(benchmarks/gpu_session.sh compares it with this twin)"
     )
     return twin, (note,)
+
+
+def offload_notes(plan: Plan) -> tuple[str, ...]:
+    """What CPU ranks prove of a host-offload plan: the program itself runs (FSDP2 with ``CPUOffloadPolicy``, its
+    shards made in host memory, the optimizer stepping them there), but with the host as the device its copies
+    between the two move nothing and its shards are not pinned (pinning needs an accelerator)."""
+    if not plan.decisions.offloaded:
+        return ()
+    return (
+        "host offload verified as the program runs it on CPU ranks (FSDP2's CPUOffloadPolicy, shards and "
+        "optimizer state on the host); there the host is the device, so the host-device copies and pinned "
+        "memory of a GPU run are not exercised",
+    )
 
 
 def prepare(plan: Plan, steps: int, seed: int, data: DataSource = DataSource()) -> tuple[ModelFile, tuple[str, ...]]:

@@ -139,6 +139,8 @@ BAD = [
     (["plan", GPT, "--global-batch", "7", "--dp", "2"], "not divisible by dp=2"),
     (["plan", GPT, "--cluster", "dgx-z9000"], "dgx-z9000"),
     (["plan", GPT, "--zero", "5"], "--zero 5"),
+    (["plan", GPT, "--offload", "nvme"], "--offload nvme is not emitted: no maintained library"),
+    (["plan", GPT, "--offload", "cpu"], "--offload cpu: CPU ranks (gloo) keep their state in host memory already"),
     (["plan", GPT, "--microbatch-size", "3"], "does not divide"),
     (["plan", GPT, "--seq-len", "128"], "'wpe' looks up positions up to 127 in a table of 64 rows"),
     (["plan", "hf:tests/bad_models"], "'tests/bad_models' has no config.json; hf:DIR names a transformers model"),

@@ -94,6 +94,9 @@ PLAN_COMMANDS = {
     # and their scales computed after each optimizer step
     "float8_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
     "--microbatch-size 8 --recompute none --float8 tensorwise",
+    # host offload (FSDP2's CPUOffloadPolicy) on an H100 cluster: the shards and the optimizer state in host memory
+    "offload_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
+    "--microbatch-size 8 --recompute none --float8 off --offload cpu",
 }
 REQUEST_FLAGS = ("--cluster", "--nodes", "--devices-per-node", "--global-batch", "--seq-len")  # not decisions
 
@@ -162,6 +165,7 @@ def _pin_text(plan, name: str) -> str:
         "sequence_parallel": "on" if plan.sequence_parallel else "off",
         "compile": "on" if plan.decisions.compile else "off",
         "float8": plan.decisions.float8,
+        "offload": plan.decisions.offload,
     }
     return str(values[name])
 

@@ -595,7 +595,9 @@ def test_wide_gpt_on_two_dgx_a100_nodes_needs_tp_or_pp(deep):
 def test_wide_gpt_with_dp_only_pinned_suggests_tp_and_pp(wide, deep):
     cluster = load_cluster("dgx-a100-80gb", nodes=2)
     with pytest.raises(AutoshardError, match=r"no plan fits in memory.*--tp 8.*--pp 8"):
-        plan(deep, DEEP, cluster, 64, tp=1, pp=1)
+        plan(deep, DEEP, cluster, 64, tp=1, pp=1, offload="none")  # host offload would let it fit
+    offloaded = plan(deep, DEEP, cluster, 64, tp=1, pp=1)
+    assert offloaded.decisions.offload == "cpu" and offloaded.zero_stage == 3
     with pytest.raises(AutoshardError, match="stays inside a node"):
         plan(wide, WIDE, cluster, 64, tp=16)
 

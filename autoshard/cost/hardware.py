@@ -33,7 +33,9 @@ Cluster file (YAML)::
     backend: nccl                 # nccl (GPUs) or gloo (CPUs)
     device: {name: H100-SXM-80GB, peak_tflops: 989, memory_bytes: 85899345920,
              memory_bandwidth_gbps: 3350, matmul_efficiency: 0.8,
-             float8_tflops: 1979}    # optional: float8 matmuls (absent or 0: none, e.g. A100)
+             float8_tflops: 1979,    # optional: float8 matmuls (absent or 0: none, e.g. A100)
+             host_link_gbps: 55, host_memory_bytes: 2199023255552,
+             host_memory_bandwidth_gbps: 400}   # optional: the host, for --offload (defaults: a DGX H100)
     intra_node: {bandwidth_gbps: 450, latency_us: 3}   # per device per direction
     inter_node: {bandwidth_gbps: 50, latency_us: 8}    # per device's share of the NICs
 

@@ -65,6 +65,8 @@ class StepParts:
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed (``cost.experts``)
     cp_comm_s: float = 0.0  # context parallelism's ring exchange, exposed (``cost.context_parallel``)
     pp_rank_memory: tuple[Memory, ...] = ()  # pipelines: each pp rank's (``memory`` is the largest)
+    offload_s: float = 0.0  # host offload's copies over the host link, exposed (``cost.offload``)
+    host_memory_bytes_per_node: int = 0  # host offload: the state a node's host memory holds (``cost.offload``)
 
     @property
     def compute_s(self) -> float:
@@ -79,7 +81,7 @@ class StepParts:
 
     @property
     def comm_exposed_s(self) -> float:
-        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s + self.ep_comm_s + self.cp_comm_s
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_exposed_s + self.ep_comm_s + self.cp_comm_s + self.offload_s
 
     @property
     def step_time_s(self) -> float:
@@ -101,8 +103,9 @@ def predicted(tables: CostTables, config: Decisions, global_batch: int, parts: S
         tokens_per_s=global_batch * graph.tokens_per_sample / step_s,
         samples_per_s=global_batch / step_s,
         mfu=flops / (step_s * config.mesh.world_size * cluster.mean_peak_tflops * 1e12),
-        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s + parts.ep_comm_s,
+        comm_total_s=parts.tp_comm_s + parts.p2p_s + parts.dp_comm_total_s + parts.ep_comm_s + parts.offload_s,
         pp_rank_memory=parts.pp_rank_memory,
+        host_memory_bytes_per_node=parts.host_memory_bytes_per_node,
     )
 
 

@@ -1,7 +1,8 @@
 """Memory per rank at its peak: model state by ZeRO stage, activations in flight, transients.
 
 ``memory_spmd``: model state by ZeRO stage over dp (``memory.model_state_bytes``; FSDP2's
-``rank_state_bytes``) of the rank's parameters (TP: sharded modules' weights / tp), one micro-batch's
+``rank_state_bytes``; none on the device under host offload, ``cost.offload``) of the rank's parameters (TP:
+sharded modules' weights / tp), one micro-batch's
 activations, and the largest of the step's moments (``spmd_moments``). With TP each op keeps what
 ``cost.saved`` says on the rank's shards' shapes (``CostTables.activation_units``).
 
@@ -50,6 +51,8 @@ def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert
     rank's expert shards) over the dp / ep ranks holding the same ones; the largest of the step's
     moments (``spmd_moments``)."""
     p, g, o = rank_state_bytes(tables.precision, config, local_params, config.dp_shard)  # HSDP: a node's shard
+    if config.offloaded:  # FSDP2's CPUOffloadPolicy: the shards live in host memory (``cost.offload``)
+        p = g = o = 0
     pe = ge = oe = 0
     if expert_params:
         pe, ge, oe = rank_state_bytes(tables.precision, config, expert_params, config.expert_dp)

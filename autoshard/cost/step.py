@@ -8,7 +8,10 @@ Every step is a ``StepParts`` (``price_parts``), and ``Predicted`` sums it::
 
     step_time    = compute + comm_exposed + bubble
     compute      = forward + backward + recompute + grad_accumulation + optimizer + host
-    comm_exposed = tp_comm + p2p + dp_exposed
+    comm_exposed = tp_comm + p2p + dp_exposed + offload
+
+Host offload (``cost.offload``, SPMD ZeRO-3): the gradient sum and the optimizer on the CPU, the host link's
+exposed copies as ``offload``, no model state in the device's memory (``with_offload``).
 
 The parts come from the modules beside this one: ``cost.tables`` (what runs the plan, per-unit
 costs, the TP layouts handed in), ``cost.tp`` and ``cost.tp_units`` (a TP rank's share of each
@@ -40,6 +43,7 @@ from dataclasses import replace
 from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost, unit_ring_costs
 from autoshard.cost.dp_comm import CommTime, dp_comm_time
 from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
+from autoshard.cost.offload import offload_cost
 from autoshard.cost.parts import (
     StepParts,
     dp_host_s,
@@ -134,7 +138,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         + dp_host_s(cluster, config, tensors)
         + step_loop_s(tables, synced=ranks_meet(tables, config))
     )
-    return StepParts(
+    parts = StepParts(
         forward_s=m * (micro.forward_s + sum(e.forward_s for e in experts)),
         backward_s=m * (micro.backward_s + sum(e.backward_s for e in experts)),
         recompute_s=m * (micro.recompute_s + sum(e.recompute_s for e in experts)),
@@ -148,4 +152,19 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         memory=memory_spmd(tables, config, dense, expert_local),
         host_s=host_s,
         ep_comm_s=m * a2a_microbatch_s(experts),
+    )
+    return with_offload(parts, tables, config, local) if config.offloaded else parts
+
+
+def with_offload(parts: StepParts, tables: CostTables, config: Decisions, local_params: int) -> StepParts:
+    """``parts`` with the state on the host (``cost.offload``): the gradient sum and AdamW on the CPU in place of
+    the device's, the host link's exposed copies, and the host memory a node holds."""
+    compute_s = parts.forward_s + parts.backward_s + parts.recompute_s
+    cost = offload_cost(tables.cluster, config, tables.precision, local_params, compute_s, parts.dp_comm_total_s)
+    return replace(
+        parts,
+        grad_accumulation_s=cost.grad_accumulation_s,
+        optimizer_s=cost.optimizer_s,
+        offload_s=cost.exposed_s,
+        host_memory_bytes_per_node=cost.host_bytes_per_node,
     )

@@ -47,6 +47,10 @@ reduced (ZeRO, the DP collectives, the FSDP transient); and::
 
     cp_comm_s        = k·m·b·(s/cp)·(cp − 1)/pp        the ring's exposed k, v exchange
 
+**Host offload** (``cost.offload``; the anchored optimizer and accumulation laws above hold, on the host)::
+
+    offload_s        = k·m·P / dp                       the host link's exposed copies of the rank's shard
+
 (``time_expressions``, ``memory_expressions``; every k, f, g, r, a is a plan's figure over its law.)
 A part that is zero at the plan's point only because of the point (tp = 1: no TP all-reduces;
 pp = 1: no p2p; m = 1: no accumulation; dp = 1: no DP collectives) has no price to scale, so its
@@ -111,13 +115,14 @@ TIME_PARTS = (
     "bubble_s",
     "ep_comm_s",
     "cp_comm_s",
+    "offload_s",
 )
 
 
 COMPUTE_PARTS = TIME_PARTS[:6]
 
 
-COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s", "cp_comm_s")
+COMM_PARTS = ("tp_comm_s", "p2p_s", "dp_comm_exposed_s", "ep_comm_s", "cp_comm_s", "offload_s")
 
 
 MEMORY_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes")
@@ -274,6 +279,8 @@ def time_expressions(
         e["ep_comm_s"] = _anchored(parts.ep_comm_s, tokens / PP, point)
     if parts.cp_comm_s:  # the ring's exposed exchange: (cp − 1) chunks of k and v per attention (absent without)
         e["cp_comm_s"] = _anchored(parts.cp_comm_s, tokens * (point.cp - 1) / PP, point)
+    if parts.offload_s:  # host offload's exposed copies: the rank's shard, each micro-batch (absent without)
+        e["offload_s"] = _anchored(parts.offload_s, M * param_share / dp_cp, point)
     per_microbatch = (
         sum(
             (

@@ -530,11 +530,38 @@ def float8_runs(mesh: Mesh, ep: int = 1) -> bool:
     return mesh.pp == 1 and mesh.tp == 1 and ep == 1
 
 
+# Offload of the model state to host memory (``offload_runs``): none; cpu, FSDP2's ``CPUOffloadPolicy``
+# (parameters, gradients and optimizer state on the host, the optimizer step on the CPU); nvme is priced and refused
+# (no maintained library offloads FSDP2's state to NVMe), so a plan holds none or cpu.
+OFFLOAD_NONE = "none"
+OFFLOAD_CPU = "cpu"
+OFFLOAD_NVME = "nvme"
+OFFLOAD_CHOICES = (OFFLOAD_NONE, OFFLOAD_CPU)  # decisions.offload
+PIN_OFFLOAD = (*OFFLOAD_CHOICES, OFFLOAD_NVME)  # --offload
+
+
+def offload_refusal(mesh: Mesh, zero_stage: int, ep: int = 1, backend: str = "nccl") -> str | None:
+    """Why host offload (FSDP2's ``CPUOffloadPolicy``) is not emitted for this point, or None where it is: ZeRO-3
+    over more than one dp rank (the policy is FSDP2's, and keeps the sharded state on the host: ZeRO-3's shards),
+    without pipeline stages (the stages' schedule steps the FSDP2 units itself; not verified with the policy), expert
+    parallelism (its expert shards are units over other ranks) or context parallelism, on GPUs (CPU ranks have no
+    device memory to offload from)."""
+    if backend == "gloo":
+        return "CPU ranks (gloo) keep their state in host memory already: there is nothing to offload"
+    if zero_stage != 3 or mesh.dp == 1:
+        return "FSDP2's CPUOffloadPolicy offloads ZeRO-3's shards: it needs ZeRO-3 over dp > 1"
+    if mesh.pp > 1:
+        return "pipeline stages are not offloaded yet (the schedule drives the FSDP2 units)"
+    if ep > 1 or mesh.cp > 1:
+        return "expert and context parallelism are not offloaded yet"
+    return None
+
+
 @dataclass(frozen=True)
 class Decisions:
     """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching, pipeline schedule,
     recompute, DDP bucket size, precision, HSDP replicas, expert and sequence parallelism, compiled blocks, float8
-    linears. A plan's
+    linears, host offload. A plan's
     decisions are this record (``Plan.decisions``, ``plan.json``'s decisions section: the fields in this
     order, each as its ``in_plan`` metadata says); ``Pins`` is the same fields, each optional, that the
     user fixes by hand."""
@@ -566,6 +593,9 @@ class Decisions:
     # float8 training (torchao's Float8Linear) of the linears ``layout.float8_linears`` names: off, or a recipe of
     # FLOAT8_RECIPES; searched (tensorwise) on devices with float8 matmuls (``DeviceSpec.float8_tflops``)
     float8: str = field(default=FLOAT8_OFF, metadata=in_plan("choice", FLOAT8_CHOICES))
+    # Host offload: none, or cpu (FSDP2's CPUOffloadPolicy: ZeRO-3's parameter, gradient and optimizer-state shards
+    # on the host, the optimizer step on the CPU; ``offload_refusal`` says where it runs, ``cost.offload`` prices it)
+    offload: str = field(default=OFFLOAD_NONE, metadata=in_plan("choice", OFFLOAD_CHOICES))
     # Sequence parallelism (tp > 1, with or without pipeline stages): the TP layout is solved with the regions
     # between the parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model
     # allows.
@@ -578,7 +608,7 @@ class Decisions:
     loss_parallel: bool = False
 
     # plan keys written only when they differ (plans without them read and write as before)
-    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF}
+    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF, "offload": OFFLOAD_NONE}
 
     @property
     def num_stages(self) -> int:
@@ -601,6 +631,11 @@ class Decisions:
         if recipe is None or not recipe.fsdp_float8_all_gather or self.mesh.dp_cp == 1:
             return False
         return self.dp_runtime.wrapper not in ("DistributedDataParallel", "replicate")
+
+    @property
+    def offloaded(self) -> bool:
+        """ZeRO-3's shards live on the host (FSDP2's CPUOffloadPolicy)."""
+        return self.offload == OFFLOAD_CPU
 
     @property
     def dp_shard(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
     FLOAT8_CHOICES,
+    PIN_OFFLOAD,
     PIN_PRECISIONS,
     PIN_RECOMPUTE,
     PIPELINE_SCHEDULES,
@@ -86,6 +87,13 @@ def _float8(value: Any, flag: str) -> str:
     value = value.lower() if isinstance(value, str) else value
     if value not in FLOAT8_CHOICES:
         raise AutoshardError(f"{flag} {value} must be one of {', '.join(FLOAT8_CHOICES)}")
+    return value
+
+
+def _offload(value: Any, flag: str) -> str:
+    value = value.lower() if isinstance(value, str) else value
+    if value not in PIN_OFFLOAD:
+        raise AutoshardError(f"{flag} {value} must be one of {', '.join(PIN_OFFLOAD)}")
     return value
 
 
@@ -232,6 +240,17 @@ PINS: tuple[PinRow, ...] = (
         _float8,
         choices=FLOAT8_CHOICES,
         default=lambda p: FLOAT8_CHOICES[0],
+    ),
+    PinRow(
+        "offload",
+        "--offload",
+        str.lower,
+        "offload the model state to host memory: cpu (FSDP2's CPUOffloadPolicy: ZeRO-3's parameter, gradient and "
+        "optimizer-state shards on the host, the optimizer step on the CPU, ZeRO-3 without pipeline stages on GPUs); "
+        "nvme is priced and refused; none (default: searched where a plan needs it or it wins; estimate: none)",
+        _offload,
+        choices=PIN_OFFLOAD,
+        default=lambda p: PIN_OFFLOAD[0],
     ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}

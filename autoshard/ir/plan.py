@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh, tp_style
+from autoshard.ir.decisions import FLOAT8_OFF, OFFLOAD_NONE, Decisions, Mesh, offload_refusal, tp_style
 from autoshard.ir.plan_format import (  # noqa: F401 (the records and names are re-exported)
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -142,6 +142,9 @@ class Plan:
                 f"float8={d.float8!r} and {len(layout.float8_linears)} float8 linears: a float8 recipe needs the "
                 f"linears it converts (layout.float8_linears), and float8 off none"
             )
+        refusal = offload_refusal(mesh, d.zero_stage, d.ep) if d.offloaded else None
+        if refusal:
+            raise AutoshardError(f"offload={d.offload!r}: {refusal}; re-create the plan with `autoshard plan`")
         per_step = mesh.dp * d.microbatch_size * d.num_microbatches
         if per_step != self.global_batch:
             raise AutoshardError(
@@ -639,6 +642,7 @@ def _alternative(d: dict[str, Any]) -> Alternative:
         predicted=_predicted(d.get("predicted")),
         why_not=d["why_not"],
         float8=d.get("float8", FLOAT8_OFF),
+        offload=d.get("offload", OFFLOAD_NONE),
     )
 
 

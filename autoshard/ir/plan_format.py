@@ -10,11 +10,12 @@ Version 2 (written) groups the plan's fields into sections, in this order::
     decisions    ir.decisions.Decisions: mesh, zero_stage, microbatch_size, num_microbatches, schedule,
                  virtual_stages, recompute, recompute_blocks, ddp_bucket_cap_mb, precision, dp_replicate
                  (HSDP; absent: 1), ep (expert parallelism; written only when > 1), compile and float8
-                 (written only when on)
+                 (written only when on), offload (host offload; written only when cpu)
     layout       PlanLayout: blocks, tensor_parallel, split_points, stages, experts (the expert groups ep
                  shards; written only with ep > 1), float8_linears (the linears float8 converts; written only
                  with float8 on)
-    predicted    Predicted: step time and memory by part (pipelines: each pp rank's, pp_rank_memory)
+    predicted    Predicted: step time and memory by part (pipelines: each pp rank's, pp_rank_memory; host
+                 offload: the host memory per node, host_memory_bytes_per_node)
     review       PlanReview: alternatives, tensor_parallel_reasons, notes, symbolic, search
     provenance   PlanProvenance: pinned, runtime
 
@@ -86,8 +87,11 @@ class Predicted:
     # Pipelines: each pp rank's own peak by part, rank r at index r (``memory`` is the largest of them); written
     # only with pp > 1, so plans without pipeline stages, and those made before the field, read and write as before
     pp_rank_memory: tuple[Memory, ...] = ()
+    # Host offload (``decisions.offload`` cpu): the offloaded state one node's host memory holds (``cost.offload``);
+    # written only then
+    host_memory_bytes_per_node: int = 0
 
-    WRITTEN_UNLESS = {"pp_rank_memory": ()}
+    WRITTEN_UNLESS = {"pp_rank_memory": (), "host_memory_bytes_per_node": 0}
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,9 @@ class Alternative:
     predicted: Predicted | None  # None where it does not fit
     why_not: str
     float8: str = "off"  # decisions.float8 of the alternative (ir.decisions.FLOAT8_CHOICES)
+    offload: str = "none"  # decisions.offload of the alternative (ir.decisions.OFFLOAD_CHOICES)
 
-    WRITTEN_UNLESS = {"float8": "off"}
+    WRITTEN_UNLESS = {"float8": "off", "offload": "none"}
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import FLOAT8_CHOICES, FLOAT8_OFF, TP_STYLES, Decisions
+from autoshard.ir.decisions import FLOAT8_CHOICES, FLOAT8_OFF, OFFLOAD_CHOICES, OFFLOAD_NONE, TP_STYLES, Decisions
 from autoshard.ir.plan_format import (
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -294,6 +294,8 @@ def _check_predicted(p: dict[str, Any], where: str) -> None:
         _amount(p["comm_total_s"], f"{where}.comm_total_s")
     _size(_get(p, "memory_peak_bytes_per_rank", where=where), f"{where}.memory_peak_bytes_per_rank")
     _check_memory(_mapping(p, "memory", where=where), f"{where}.memory")
+    if "host_memory_bytes_per_node" in p:
+        _size(p["host_memory_bytes_per_node"], f"{where}.host_memory_bytes_per_node")
     if "pp_rank_memory" in p:
         for i, memory in enumerate(_list(p, "pp_rank_memory", where=where)):
             if not isinstance(memory, dict):
@@ -322,6 +324,7 @@ def _check_alternative(a: Any, where: str, recompute_modes: tuple[str, ...], sch
     _choice(_get(a, "schedule", where=where), f"{where}.schedule", schedules)
     _string(_get(a, "why_not", where=where), f"{where}.why_not")
     _choice(a.get("float8", FLOAT8_OFF), f"{where}.float8", FLOAT8_CHOICES)
+    _choice(a.get("offload", OFFLOAD_NONE), f"{where}.offload", OFFLOAD_CHOICES)
     if a.get("predicted") is not None:
         _check_predicted(_mapping(a, "predicted", where=where), f"{where}.predicted")
 

@@ -23,6 +23,7 @@ record.
     apply_compile       torch.compile of each block's forward (--compile on; inductor)   -
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
+                        (--offload cpu: with CPUOffloadPolicy, the shards in host memory)
     apply_replicate     FSDP2's replicate per block, root   replicate per stage module (ZeRO-0 with tp or pp)
     init_weights        this rank's shards made on its device and filled with one process's initial weights
                         (the model so far is on the meta device; ``runtime.init_replay``)

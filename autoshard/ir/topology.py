@@ -116,6 +116,40 @@ class DeviceSpec:
         },
     )
 
+    # Optional, written only when they differ from the defaults: the host each device is attached to, as offload
+    # (``cost.offload``) sees it. Defaults: a DGX H100 (``HOST_LINK_GBPS``, ``HOST_MEMORY_BYTES``,
+    # ``HOST_MEMORY_BANDWIDTH_GBPS``; their sources beside them).
+    host_link_gbps: float = field(
+        default=55.0,
+        metadata={
+            "doc": "optional: the device's link to host memory in GB/s per direction, e.g. 55 for PCIe Gen5 x16 "
+            "(64 GB/s raw, about 55 achieved by pinned copies)",
+            "rule": _BANDWIDTH,
+            "optional": True,
+            "written_unless": 55.0,
+        },
+    )
+    host_memory_bytes: int = field(
+        default=2 * 2**40,
+        metadata={
+            "doc": "optional: the host memory of one node in bytes, shared by its devices, e.g. 2199023255552 "
+            "(2 TiB, a DGX H100)",
+            "rule": _MEMORY,
+            "optional": True,
+            "written_unless": 2 * 2**40,
+        },
+    )
+    host_memory_bandwidth_gbps: float = field(
+        default=400.0,
+        metadata={
+            "doc": "optional: one node's host memory bandwidth in GB/s, shared by its devices' CPU work, e.g. 400 "
+            "(a DGX H100's two Xeon 8480C: 16 channels of DDR5-4800, 614 GB/s peak, about 65% achieved)",
+            "rule": _BANDWIDTH,
+            "optional": True,
+            "written_unless": 400.0,
+        },
+    )
+
     def __post_init__(self):
         _check_dataclass(self)
 
@@ -304,7 +338,8 @@ _CLUSTER_DOCS = {
     "nodes": _COUNTS["nodes"][0],
     "devices_per_node": _COUNTS["devices_per_node"][0],
     "backend": "nccl for GPUs, gloo for CPUs",
-    "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency (float8_tflops optional)",
+    "device": "a mapping of name, peak_tflops, memory_bytes, memory_bandwidth_gbps, matmul_efficiency (float8_tflops, "
+    "host_link_gbps, host_memory_bytes, host_memory_bandwidth_gbps optional)",
     "intra_node": "a mapping of bandwidth_gbps, latency_us for the link inside a node",
     "inter_node": "a mapping of bandwidth_gbps, latency_us for each device's share of the NICs",
     "host": "optional: host overheads per op, unit and tensor, as autoshard calibrate writes them",

@@ -39,8 +39,12 @@ class DistContext:
         return contextlib.nullcontext()
 
 
-def init_distributed(expected_world_size: int | None = None, timeout_s: int = DEFAULT_TIMEOUT_S) -> DistContext:
-    """Join the job torchrun started; check its size against the plan's."""
+def init_distributed(
+    expected_world_size: int | None = None, timeout_s: int = DEFAULT_TIMEOUT_S, host_collectives: bool = False
+) -> DistContext:
+    """Join the job torchrun started; check its size against the plan's. ``host_collectives`` (host offload): on
+    GPUs the group gets gloo for CPU tensors beside NCCL ("cuda:nccl,cpu:gloo", torchtitan's way), since the
+    offloaded gradients' norm is taken on the host (``runtime.recipe.clip_grad_norm``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if expected_world_size is not None and world_size != expected_world_size:
         print(
@@ -57,7 +61,7 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
@@ -66,7 +70,7 @@ def init_distributed(expected_world_size: int | None = None, timeout_s: int = DE
             backend,
             timeout=timeout,
             **_attempt_store(world_size, timeout),
-            **({"device_id": device} if backend == "nccl" else {}),
+            **({"device_id": device} if device.type == "cuda" else {}),
         )
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 

@@ -626,16 +626,18 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
     DTensor over meta) swaps contents with an empty one on ``device`` (``torch.utils.swap_tensors``, as
     ``Module._apply`` does under ``torch.__future__.set_swap_module_params_on_conversion``, whose own
     checks refuse a traced stage's parameters), and FSDP2 re-pads its sharded parameters as its
-    ``_apply`` would (``reset_sharded_param``)."""
+    ``_apply`` would (``reset_sharded_param``). FSDP2's sharded parameters under its ``CPUOffloadPolicy`` are made
+    in host memory, where the policy keeps them (``host_params``); buffers and every other tensor on ``device``."""
     done: set[int] = set()
     replaced: dict[int, torch.Tensor] = {}
+    host = host_params(module)
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for tensor in table.values():
                 if tensor is None or id(tensor) in done or not _is_meta(tensor):
                     continue
                 done.add(id(tensor))
-                empty = _empty_like(tensor, device)
+                empty = _empty_like(tensor, torch.device("cpu") if id(tensor) in host else device)
                 if isinstance(tensor, nn.Parameter):
                     empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
                 attributes = dict(tensor.__dict__)
@@ -658,6 +660,21 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
                 for group in sub._get_fsdp_state()._fsdp_param_groups:
                     for fsdp_param in group.fsdp_params:
                         fsdp_param.reset_sharded_param()
+
+
+def host_params(module: nn.Module) -> set[int]:
+    """The ids of FSDP2's sharded parameters whose unit offloads them to the host (``CPUOffloadPolicy``: FSDP2
+    checks at its first forward that they are on CPU, and copies each to the device before its all-gather)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {
+        id(fsdp_param.sharded_param)
+        for sub in module.modules()
+        if isinstance(sub, FSDPModule)
+        for group in sub._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+        if fsdp_param.offload_to_cpu
+    }
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate  # torch's own; pipelining uses it
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -186,6 +186,7 @@ def apply_fsdp(
     replicas: int = 1,
     sync_every_microbatch: bool = True,
     ep: int = 1,
+    offload: bool = False,
 ):
     """FSDP2 with each block a unit, then the root (embeddings, head); on pipeline stages, each stage
     module a unit (torchtitan's way; the schedule drives the post-backward reduce-scatter).
@@ -196,8 +197,11 @@ def apply_fsdp(
     micro-batches and reduce-scatters them on the last (``grad_sync``). ``ep`` > 1: experts modules
     sharded by ``apply_ep`` are units of their own first, over the dp/ep ranks holding the same experts
     (``expert_parallel.expert_units``); on stages (dp = ep) FSDP leaves them out. 0-d parameters stay
-    whole on every rank (``_keep_scalars_whole``)."""
+    whole on every rank (``_keep_scalars_whole``). ``offload``: every unit with FSDP2's ``CPUOffloadPolicy``
+    (``offload_policy``): its parameter and gradient shards in host memory, copied to the device before each
+    all-gather and back after each reduce-scatter, so the optimizer steps them on the CPU."""
     policy = mixed_precision(precision)
+    offload_policy = offload_policy_for(dp_mesh) if offload else OffloadPolicy()
     mesh = (
         dp_mesh
         if replicas == 1
@@ -215,11 +219,30 @@ def apply_fsdp(
     ignored = _keep_scalars_whole(model, dp_mesh, ignored)
     for unit in units:
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored,
         )
     if not sync_every_microbatch and not _is_stages(model):
         _ACCUMULATING.add(model)
     return model
+
+
+def offload_policy_for(dp_mesh: DeviceMesh) -> CPUOffloadPolicy:
+    """FSDP2's ``CPUOffloadPolicy``, its host shards pinned (page-locked: the copies run asynchronously beside the
+    compute) where the mesh is on an accelerator; on CPU ranks (``autoshard verify``) the host is the device, and
+    pinning needs an accelerator, so they are not. On GPUs the process group must take CPU tensors too (the
+    offloaded gradients' norm, ``runtime.recipe.clip_grad_norm``): one line otherwise."""
+    if dp_mesh.device_type != "cpu" and "cpu:" not in dist.get_backend_config():
+        raise AutoshardError(
+            "host offload on GPUs needs a process group that also runs collectives on CPU tensors (the gradients' "
+            "norm is taken on the host): init_process_group('cuda:nccl,cpu:gloo'), as "
+            "runtime.init_distributed(host_collectives=True) does"
+        )
+    return CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
 
 
 def apply_replicate(

@@ -229,7 +229,8 @@ def clip_grad_norm(model, max_norm: float | None) -> float:
     buckets = _norm_buckets(model)
     squares = [_bucket_square(bucket) for bucket in buckets]
     device = _device_of(model)
-    total_square = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    # host offload leaves FSDP2's gradients (and their bucket's square) on the host: every square on the device
+    total_square = torch.stack([sq.to(device) for sq in squares]).sum() if squares else torch.zeros((), device=device)
     pp_group = getattr(model, "pp_group", None)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:  # torch has no pipeline-wide norm (torchtitan
         dist.all_reduce(total_square, op=dist.ReduceOp.SUM, group=pp_group)  # reduces it over pp the same way)

@@ -1,15 +1,17 @@
-"""ZeRO-0 and ZeRO-1 beside tensor and pipeline parallelism, and HSDP, train like one process.
+"""ZeRO-0 and ZeRO-1 beside tensor and pipeline parallelism, HSDP and host offload train like one process.
 
 The configurations practitioners run (``ir.decisions.DP_RUNTIMES``): plain data parallelism beside
 TP (FSDP2's ``replicate``), Megatron's distributed optimizer beside TP and PP (ZeRO-1: FSDP2 with
-gradients summed whole over the micro-batches), and HSDP (FSDP2 sharding inside a node and
-replicating across nodes), each planned with its decisions pinned, emitted, run on CPU ranks and
-judged against fp32 and float64 one-process runs (``zoo._verdict``). Every case runs two
+gradients summed whole over the micro-batches), HSDP (FSDP2 sharding inside a node and
+replicating across nodes), and ZeRO-3 with host offload (FSDP2's ``CPUOffloadPolicy``), each
+planned with its decisions pinned, emitted, run on CPU ranks and judged against fp32 and float64 one-process runs (``zoo._verdict``). Every case runs two
 micro-batches per step, so gradient accumulation without synchronisation is exercised. The
 programs run in the session's one torchrun launch per world size (``one_launch.Cases``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +32,7 @@ CASES_4 = {
     "gpt-dp2-pp2-zero0": (GPT, "local-cpu", 1, 4, dict(dp=2, tp=1, pp=2, zero=0, schedule="gpipe"), "apply_replicate("),
     "gpt-hsdp2x2-zero3": (GPT, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=3, dp_replicate=2), "replicas=2"),
     "llama-hsdp2x2-zero2": (LLAMA, "local-cpu", 2, 2, dict(dp=4, tp=1, pp=1, zero=2, dp_replicate=2), "replicas=2"),
+    "gpt-dp4-zero3-offload": (GPT, "local-cpu", 1, 4, dict(dp=4, tp=1, pp=1, zero=3, offload="cpu"), "offload=True"),
 }
 CASES_8 = {
     "gpt-dp2-tp2-pp2-zero1": (GPT, FAST_LINK, 1, 8, dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b"), "apply_fsdp("),
@@ -46,6 +49,16 @@ CASES_8 = {
 
 
 def _plan(model, cluster, nodes, per_node, pins):
+    """The case's plan; with ``offload`` its host-offload twin: CPU ranks have no device memory to offload from,
+    so the planner refuses offload on them, and the case runs the same ZeRO-3 plan with FSDP2's CPUOffloadPolicy
+    on (``verify.offload_notes`` says what that proves)."""
+    pins = dict(pins)
+    offload = pins.pop("offload", "none")
+    plan = _planned(model, cluster, nodes, per_node, pins)
+    return replace(plan, decisions=replace(plan.decisions, offload=offload))
+
+
+def _planned(model, cluster, nodes, per_node, pins):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
     return autoshard.plan(
         model,

@@ -41,7 +41,7 @@ def emit_program(
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec)
+    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec, plan.decisions.offloaded)
     parts = [
         _header(plan, program, plan_file),
         _imports(plan, steps),
@@ -124,7 +124,7 @@ Cluster    {c["name"]}: {c["nodes"]} node(s) x {c["devices_per_node"]} devices, 
 {_groups_lines(c)}Plan       {plan.mesh} | ZeRO-{plan.zero_stage} | global batch {plan.global_batch} = {plan.mesh.dp} dp ranks x {plan.num_microbatches} micro-batches x {plan.microbatch_size} | recompute {plan.recompute}
 Predicted  step {ms_text(p.step_time_s)} ms = compute {ms_text(p.compute_s)} ms + exposed comm {ms_text(p.comm_exposed_s)} ms + bubble {ms_text(p.bubble_s)} ms
            peak {mem.peak_bytes / MIB:,.1f} MiB per rank (weights {mem.params_bytes / MIB:,.1f}, grads {mem.grads_bytes / MIB:,.1f}, optimizer {mem.optimizer_bytes / MIB:,.1f}, activations {mem.activations_bytes / MIB:,.1f}, transient {mem.transient_bytes / MIB:,.1f})
-           {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}
+           {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}{_offload_line(plan)}
 
 Run:  {torchrun_command(plan, program)} [--steps 20]
   or: autoshard run {plan_file}
@@ -142,6 +142,18 @@ def _groups_lines(cluster: dict) -> str:
         parts.append(f"{g['name']} ({g['device']['name']}) as {nodes}")
         first = last + 1
     return f"Groups     {'; '.join(parts)}\n" if parts else ""
+
+
+def _offload_line(plan: Plan) -> str:
+    """The header's line for host offload: the state a node's host memory holds; nothing without offload."""
+    if not plan.decisions.offloaded:
+        return ""
+    host = plan.predicted.host_memory_bytes_per_node
+    size = f"{host / 2**30:,.1f} GiB" if host >= 2**30 else f"{host / 2**20:,.1f} MiB"
+    return (
+        f"\nOffload    parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy): "
+        f"{size} per node; the optimizer steps on the CPU"
+    )
 
 
 def _imports(plan: Plan, steps: tuple[Step, ...]) -> str:
@@ -299,12 +311,25 @@ _FORWARD_BACKWARD_LOSS_PARALLEL = (
 )
 
 
-def _spmd_main(spec: Layout) -> str:
-    """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``."""
+# The process group's start, and its form under host offload (gloo beside NCCL for the host's gradients)
+_INIT = "timeout_s=args.timeout_s)\n"
+_INIT_HOST = (
+    "timeout_s=args.timeout_s,\n"
+    "                                  host_collectives=True)  # offload: gloo for the gradients on the host\n"
+)
+
+
+def _spmd_main(spec: Layout, offloaded: bool = False) -> str:
+    """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``; with host offload its
+    process group collectives on the host too (``runtime.init_distributed``)."""
+    main = _MAIN_SPMD
+    if offloaded:
+        assert main.count(_INIT) == 1
+        main = main.replace(_INIT, _INIT_HOST)
     if not spec.loss_parallel:
-        return _MAIN_SPMD
-    assert _MAIN_SPMD.count(_FORWARD_BACKWARD) == 1
-    return _MAIN_SPMD.replace(_FORWARD_BACKWARD, _FORWARD_BACKWARD_LOSS_PARALLEL)
+        return main
+    assert main.count(_FORWARD_BACKWARD) == 1
+    return main.replace(_FORWARD_BACKWARD, _FORWARD_BACKWARD_LOSS_PARALLEL)
 
 
 def _expert_constants(plan: Plan) -> str:

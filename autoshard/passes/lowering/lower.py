@@ -13,8 +13,9 @@ the same order. The order, and why:
       apply_compile   each block compiled
     4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
     5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp·cp > 1)
-      (ir.decisions.DP_RUNTIMES)
+      (ir.decisions.DP_RUNTIMES; offload: CPUOffloadPolicy on every unit)
     6 init_weights    this rank's shards     6 init_weights    this rank's shards
+      (offload: FSDP2's shards made in host memory, buffers on the device)
     7 apply_ddp       (DP_RUNTIMES)          7 build_optimizer one per stage
     8 build_optimizer                        8 build_schedule
       (float8 tensorwise under FSDP2: the weights' float8 scales computed after each optimizer step)
@@ -372,6 +373,12 @@ def _fsdp_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
         )
     elif plan.mesh.pp > 1:
         what += "; the schedule sums gradients whole and reduce-scatters them after the last micro-batch"
+    if plan.decisions.offloaded:
+        arguments += (("offload", True),)
+        what += (
+            "; the shards kept in host memory (CPUOffloadPolicy): copied to the device before each all-gather, "
+            "gradients copied back after each reduce-scatter"
+        )
     return Step(
         "apply_fsdp",
         dp_axis(plan),
@@ -412,6 +419,8 @@ def _optimizer_step(plan: Plan) -> Step:
         why = "the recipe's optimizer over the replicated DTensor parameters, whole on every dp rank"
     else:
         why = "the recipe's optimizer, whole on every rank"
+    if plan.decisions.offloaded:
+        why += "; the shards on the host, so its state is made there and it steps on the CPU"
     if plan.decisions.float8_all_gather:
         why += "; after each step, the float8 weights' scales for the next all-gather (one amax all-reduce)"
         return Step("build_optimizer", dp_axis(plan), (("zero_stage", plan.zero_stage), ("float8_scales", True)), why)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.dp_comm import choose_bucket_cap_mb
 from autoshard.cost.memory import precision_for_backend
+from autoshard.cost.offload import HOST_USABLE, cpu_optimizer_s, host_fits
 from autoshard.cost.pipeline_step import shared_cores, stage_in_flight
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, state_bytes_per_param
 from autoshard.cost.schedule import stage_owners
@@ -68,7 +69,7 @@ from autoshard.cost.step import price
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.tp_units import pipeline_units
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import Decisions, Mesh, TPChoice
+from autoshard.ir.decisions import Decisions, Mesh, TPChoice, offload_refusal
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.plan import RECOMPUTE_MODES, SCHEDULES, Alternative, Predicted
 from autoshard.ir.plan_format import ZERO_BUBBLE_SCHEDULES
@@ -226,7 +227,8 @@ def mesh_rivals(configs: list[Decisions], unpriced: list[int], priced_meshes: se
 
 def lower_bound_s(tables: CostTables, config: Decisions) -> float:
     """(m + (p − 1)/v) · Σ_units c(u) / (tp · p): no configuration of this mesh and micro-batch is faster
-    (module doc; p = pp, v virtual stages; without pipelining the factor is m)."""
+    (module doc; p = pp, v virtual stages; without pipelining the factor is m); with host offload plus AdamW's
+    step on the CPU over the Ψ/(tp·N) parameters a rank holds at least."""
     units = tables.config_units(cp_equivalent(config))  # cp: the ring only adds to a rank's b/cp share
     compute = units.compute_s
     p = config.mesh.pp
@@ -241,7 +243,10 @@ def lower_bound_s(tables: CostTables, config: Decisions) -> float:
         slots = config.num_microbatches  # idle ranks lend their cores: only the work itself bounds it
     if config.schedule in ZERO_BUBBLE_SCHEDULES:
         slots = config.num_microbatches  # weight gradients fill the fill and the drain
-    return slots * sum(compute) / (config.mesh.tp * p)
+    bound_s = slots * sum(compute) / (config.mesh.tp * p)
+    if config.offloaded:  # AdamW on the CPU over at least Ψ/(tp·N) parameters (``cost.offload``)
+        bound_s += cpu_optimizer_s(tables.cluster, tables.graph.param_count / (config.mesh.tp * config.dp_shard))
+    return bound_s
 
 
 def price_config(
@@ -275,7 +280,9 @@ def _priced(
     tables: CostTables, config: Decisions, global_batch: int, cuts: tuple[int, ...], choice: TPChoice | None
 ) -> Priced:
     predicted = price(tables.graph, tables.cluster, config, global_batch, tables, cuts or None)
-    return Priced(config, predicted, fits_memory(tables, config, predicted), cuts, choice)
+    fits = fits_memory(tables, config, predicted)
+    fits = fits and host_fits(tables.cluster, predicted.host_memory_bytes_per_node)  # offload: the host's too
+    return Priced(config, predicted, fits, cuts, choice)
 
 
 def fits_memory(tables: CostTables, config: Decisions, predicted: Predicted) -> bool:
@@ -402,6 +409,12 @@ def tightest_memory(p: Priced, cluster: Cluster) -> tuple[int, int]:
 
 
 def why_not(p: Priced, best: Priced, cluster: Cluster) -> str:
+    if not host_fits(cluster, p.predicted.host_memory_bytes_per_node):
+        host = p.predicted.host_memory_bytes_per_node
+        return (
+            f"offloaded state does not fit the host: {host / GIB:.1f} GiB per node over "
+            f"{HOST_USABLE:.0%} of its {cluster.device.host_memory_bytes / GIB:.0f} GiB"
+        )
     if not p.fits:
         peak, device = tightest_memory(p, cluster)
         return f"does not fit: {(peak - device) / GIB:.2f} GiB over the {device / GIB:.1f} GiB per device"
@@ -417,6 +430,14 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
     least = min(priced, key=lambda p: p.predicted.memory_peak_bytes_per_rank)
     need, have = tightest_memory(least, cluster)
     c = least.config
+    if need <= have:  # it fits the device with its state offloaded, not the host
+        host = least.predicted.host_memory_bytes_per_node
+        return (
+            f"no plan fits in memory: the leanest ({c.mesh}, ZeRO-{c.zero_stage}, offload {c.offload}) fits the "
+            f"devices, but its offloaded state needs {host / GIB:.1f} GiB of host memory per node, over "
+            f"{HOST_USABLE:.0%} of the {cluster.device.host_memory_bytes / GIB:.0f} GiB a node has; try more nodes "
+            f"(--nodes), or a cluster file whose device gives the hosts' host_memory_bytes"
+        )
     hints = _mesh_hints(graph, cluster, priced)
     tried = {(p.config.zero_stage, p.config.recompute) for p in priced}  # pins may have ruled some out
     if (
@@ -425,6 +446,8 @@ def explain_infeasible(graph: OpGraph, cluster: Cluster, priced: list[Priced]) -
         hints.append("allow --zero 3")
     if c.recompute != "full" and "full" not in {r for _, r in tried}:
         hints.append("allow --recompute full")
+    if not any(p.config.offloaded for p in priced) and offload_refusal(c.mesh, 3, c.ep, cluster.backend) is None:
+        hints.append("allow --offload cpu")
     if c.microbatch_size > 1:
         hints.append("a smaller --microbatch-size")
     devices_needed = _devices_needed(graph, cluster, least)
@@ -489,6 +512,7 @@ def _alternative(p: Priced, best: Priced, cluster: Cluster) -> Alternative:
         predicted=p.predicted and replace(p.predicted, pp_rank_memory=()),  # the plan keeps its own
         why_not=why_not(p, best, cluster),
         float8=c.float8,
+        offload=c.offload,
     )
 
 
@@ -509,6 +533,7 @@ def _rank(p: Priced) -> tuple:
         round(p.predicted.step_time_s, 12),
         p.predicted.memory_peak_bytes_per_rank,
         c.zero_stage,
+        c.offloaded,  # ties: the state on the device
         -c.microbatch_size,
         RECOMPUTE_ORDER.index(c.recompute),
         c.mesh.tp,

@@ -34,6 +34,11 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             on meshes with pp = 1, tp = 1 and ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
             (``--float8``): it prices above tensorwise (twice the casts, the same matmuls) and is chosen for its
             numerics, not its speed (``float8_choices``)
+    offload (FSDP2's CPUOffloadPolicy: ZeRO-3's shards and the optimizer step on the host): none, and cpu on GPU
+            clusters (nccl) for ZeRO-3 over dp > 1 without pipeline stages, ep or cp (``ir.decisions.offload_refusal``;
+            ``offload_choices``); searched, so it is chosen where it lets a plan fit or wins (priced by
+            ``cost.offload``: the host link's copies, the optimizer on the CPU, the host memory per node);
+            --offload nvme is refused (no maintained library offloads FSDP2's state to NVMe)
     --stage-cuts: the pp·v − 1 cuts fixed (``pinned_cuts``; "even" is Megatron-LM's L/(pp·v)
             blocks per stage), else ``passes.planning.stage_cuts`` chooses them
 
@@ -55,6 +60,9 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
     ALTERNATE,
     FLOAT8_OFF,
+    OFFLOAD_CPU,
+    OFFLOAD_NONE,
+    OFFLOAD_NVME,
     PIN_RECOMPUTE,
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
@@ -66,6 +74,7 @@ from autoshard.ir.decisions import (
     Mesh,
     compile_runs,
     float8_runs,
+    offload_refusal,
 )
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
@@ -122,7 +131,24 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_precision(pins)
     _check_compile(pins)
     _check_float8(pins, cluster)
+    _check_offload(pins, cluster)
     _check_alternate(pins)
+
+
+def _check_offload(pins: Pins, cluster: Cluster) -> None:
+    """--offload nvme, and --offload cpu where it is not emitted (``ir.decisions.offload_refusal``): one line each."""
+    if pins.offload == OFFLOAD_NVME:
+        raise AutoshardError(
+            "--offload nvme is not emitted: no maintained library offloads FSDP2's state to NVMe (DeepSpeed's "
+            "ZeRO-Infinity runs its own engine); pin --offload cpu, or leave --offload unpinned"
+        )
+    if pins.offload != OFFLOAD_CPU:
+        return
+    mesh = Mesh(dp=pins.dp or 2, tp=pins.tp or 1, pp=pins.pp or 1, cp=pins.cp or 1)
+    zero = pins.zero_stage if pins.zero_stage is not None else 3
+    why = offload_refusal(mesh, zero, pins.ep or 1, cluster.backend)
+    if why:
+        raise AutoshardError(f"--offload cpu: {why}; pin --offload none, or --zero 3 --pp 1 on a GPU cluster")
 
 
 def fp16_runs(c: Decisions) -> bool:
@@ -456,9 +482,10 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     experts = tuple(g.experts for g in graph.experts)
     float8s = float8_choices(graph, cluster, pins)
     configs = [
-        c
+        o
         for mesh in candidate_meshes(graph, cluster, global_batch, pins)
         for c in mesh_configs(mesh, global_batch, pins, blocks, cluster, experts, float8s, graph.loss_parallel_proof)
+        for o in with_offload_choices(c, pins, cluster)
         if _honours_cuts(c, pins, len(graph.blocks), refusals)
         and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
         and (not graph.batch_coupling or keeps_batch_whole(c))
@@ -467,6 +494,20 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     if not configs:
         raise AutoshardError(explain_no_config(graph, cluster, global_batch, pins))
     return configs
+
+
+def offload_choices(c: Decisions, pins: Pins, cluster: Cluster) -> tuple[str, ...]:
+    """The offload values searched for point ``c``: the pinned one where it runs; else none, and cpu where
+    ``offload_refusal`` has no reason against it."""
+    runs = offload_refusal(c.mesh, c.zero_stage, c.ep, cluster.backend) is None
+    if pins.offload is not None:
+        return (pins.offload,) if pins.offload == OFFLOAD_NONE or runs else ()
+    return (OFFLOAD_NONE, OFFLOAD_CPU) if runs else (OFFLOAD_NONE,)
+
+
+def with_offload_choices(c: Decisions, pins: Pins, cluster: Cluster) -> list[Decisions]:
+    """``c`` with each of its ``offload_choices``."""
+    return [c if o == OFFLOAD_NONE else replace(c, offload=o) for o in offload_choices(c, pins, cluster)]
 
 
 def keeps_batch_whole(c: Decisions) -> bool:
@@ -961,6 +1002,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             f"--float8 {pins.float8} converts the linears of plans without pipeline stages or tensor parallelism, "
             "and this cluster's meshes that honour the pins have one of them; pin --pp 1 --tp 1, or --float8 off"
+        )
+    if pins.offload == OFFLOAD_CPU and not any(offload_refusal(m, 3, 1, cluster.backend) is None for m in meshes):
+        return (
+            "--offload cpu offloads ZeRO-3 over dp > 1 without pipeline stages or cp, and this cluster's meshes that "
+            "honour the pins have none such; pin --pp 1 and a --dp above 1, or --offload none"
         )
     if pins.compile and not any(compile_runs(m) for m in meshes):
         return (
