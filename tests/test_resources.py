@@ -25,7 +25,8 @@ from autoshard.cost.expressions import evaluate, evaluate_expression, parse_expr
 from autoshard.cost.hardware import MAX_CLUSTER_FILE_BYTES, load_cluster
 from autoshard.cost.symbolic import SYMBOLS
 from autoshard.errors import AutoshardError
-from autoshard.ir.topology import BOUNDS, MAX_DEVICES, Cluster
+from autoshard.ir.specs import BOUNDS, MAX_DEVICES
+from autoshard.ir.topology import Cluster
 from autoshard.passes.planning.search import MAX_TOTAL_PS, _time_scale
 from autoshard.passes.planning.stage_cuts import PS_PER_S
 from autoshard.passes.planning.strategies import MAX_GLOBAL_BATCH, divisors, microbatch_sizes

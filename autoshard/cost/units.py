@@ -35,7 +35,7 @@ logits (the model's output, ``eager`` module doc "Loss")::
     saved(suffix) = outputs of the suffix nodes but the bf16 logits (the upcast frees them) + 4·n
     workspace(suffix) = 8·n            (the loss's two fp32 gradients, at the start of backward)
 
-**Host time** (``host_times``; figures h from ``autoshard calibrate``, ``ir.topology.HostOverheads``):
+**Host time** (``host_times``; figures h from ``autoshard calibrate``, ``ir.specs.HostOverheads``):
 with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
 
     host_fwd(u) = n(u)·h_f        host_bwd(u) = n(u)·h_b
