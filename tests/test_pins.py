@@ -6,7 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from autoshard.cli import build_parser, pins_of
+from autoshard.cli import build_parser
+from autoshard.commands import pins_of
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.ir.pins import PIN_OF, PINS, Pins
