@@ -53,8 +53,10 @@ from autoshard.passes.capturing.experts import find_experts
 from autoshard.passes.capturing.fold import unfold
 from autoshard.passes.capturing.front import CAPTURE_BATCH, PassError, capture_front, running  # noqa: F401 (re-exported)
 from autoshard.passes.layouts.loss import output_projection
+from autoshard.passes.planning.pin_checks import check_pins
 from autoshard.passes.planning.search import Priced, SearchResult, price_config, search, search_report, why_not
-from autoshard.passes.planning.strategies import Pins, candidate_configs, check_pins, loss_parallel_refusal
+from autoshard.passes.planning.space import candidate_configs
+from autoshard.passes.planning.strategies import Pins, loss_parallel_refusal
 
 if TYPE_CHECKING:  # capture and annotate import torch; a plan from the capture cache never does
     from autoshard.modelfile import ModelFile

@@ -63,7 +63,8 @@ if str(ROOT) not in sys.path:
 from autoshard.cost.hardware import load_cluster
 from autoshard.ir.decisions import Decisions, Mesh
 from autoshard.launch import run_torchrun, write_program
-from autoshard.passes.planning.strategies import Pins, candidate_configs
+from autoshard.passes.planning.space import candidate_configs
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 from autoshard.runtime.report import steady_step_s
 

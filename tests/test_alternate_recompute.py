@@ -13,7 +13,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.names import op_name
 from autoshard.ir.pins import Pins
 from autoshard.ir.plan import Plan
-from autoshard.passes.planning import strategies
+from autoshard.passes.planning import pin_checks
 from autoshard.pipeline import capture_graph
 from autoshard.runtime.selective import _alternate_policy, recompute_contexts
 
@@ -65,7 +65,7 @@ def test_alternate_recomputes_more_than_selective_and_less_than_full(llama):
 def test_alternate_is_pinned_not_searched_and_refused_with_pipeline_stages():
     cluster = load_cluster("local-cpu", devices_per_node=4)
     with pytest.raises(AutoshardError, match="--recompute alternate with pipeline stages is not emitted yet"):
-        strategies.check_pins(Pins(recompute="alternate", pp=2), cluster, 8)
+        pin_checks.check_pins(Pins(recompute="alternate", pp=2), cluster, 8)
     plan = autoshard.plan("examples/gpt.py:build", devices_per_node=2, global_batch=8, dp=2, recompute="alternate")
     assert plan.recompute == "alternate" and plan.mesh.pp == 1
     assert Plan.from_json(plan.to_json()).recompute == "alternate"

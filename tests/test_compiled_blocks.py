@@ -15,7 +15,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.pins import Pins
 from autoshard.ir.plan import Plan
 from autoshard.passes.lowering.lower import lower
-from autoshard.passes.planning import strategies
+from autoshard.passes.planning import pin_checks
 from autoshard.pipeline import capture_graph
 from autoshard.runtime.compiled import apply_compile
 from autoshard.runtime.randomness import RandomOpNotFixed, fixed_randomness
@@ -115,7 +115,7 @@ def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
 def test_compile_where_it_is_not_emitted_is_one_line(pins, words):
     cluster = load_cluster("local-cpu", devices_per_node=4)
     with pytest.raises(AutoshardError, match=words):
-        strategies.check_pins(Pins(compile=True, **pins), cluster, 8)
+        pin_checks.check_pins(Pins(compile=True, **pins), cluster, 8)
 
 
 def test_the_search_never_turns_compile_on_and_keeps_it_off_tp_with_full_recompute():

@@ -13,7 +13,8 @@ from autoshard.passes.capturing.capture_cache import decode_graph, encode_graph
 from autoshard.passes.capturing.cp_proof import NO_SEQUENCE, prove_context_parallel
 from autoshard.passes.capturing.front import CAPTURE_BATCH, capture_front
 from autoshard.passes.planning.context_parallel import cp_refusal
-from autoshard.passes.planning.strategies import Pins, check_graph_pins
+from autoshard.passes.planning.pin_checks import check_graph_pins
+from autoshard.passes.planning.strategies import Pins
 
 CASES = "tests/models/cp_cases.py"
 

@@ -156,7 +156,8 @@ def test_refusals_are_one_line(in_repo, capsys, argv, message):
 def test_searched_fp16_plans_stay_on_data_parallelism(in_repo):
     """Unpinned tp and pp with --precision fp16: the search offers only what its loss scaling runs on."""
     from autoshard.cost.hardware import load_cluster
-    from autoshard.passes.planning.strategies import candidate_configs, fp16_runs
+    from autoshard.passes.planning.space import candidate_configs
+    from autoshard.passes.planning.strategies import fp16_runs
     from autoshard.pipeline import capture_graph
 
     _, graph = capture_graph(GPT, use_cache=True, proofs=False)

@@ -9,7 +9,8 @@ import pytest
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.tables import CostTables
 from autoshard.passes.planning.search import _rank, price_config, price_with_mixed, search
-from autoshard.passes.planning.strategies import Pins, candidate_configs
+from autoshard.passes.planning.space import candidate_configs
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import capture_graph
 
 ROOT = Path(__file__).resolve().parent.parent

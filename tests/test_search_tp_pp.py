@@ -195,7 +195,7 @@ def test_zero_bubble_schedules_are_planned_with_their_placement(gpt, schedule):
 
 
 def test_the_space_has_no_split_backward_that_does_not_train_like_one_process(gpt):
-    from autoshard.passes.planning.strategies import candidate_configs
+    from autoshard.passes.planning.space import candidate_configs
 
     configs = candidate_configs(gpt[1], local(4), 16, Pins())
     split = [c for c in configs if c.schedule in ("interleaved-zb", "zbv", "dualpipev")]
@@ -651,7 +651,8 @@ def test_split_backward_is_refused_where_it_would_drop_part_of_a_gradient(in_rep
     stage after the first, torch's split backward finds that weight's gradient only where it meets the
     stage's inputs, and the part coming back from the next stage would be dropped (it crashed with
     "a tied copy got no gradient" on 2 CPU ranks). GPT's weights all meet the residual stream."""
-    from autoshard.passes.planning.strategies import candidate_configs, split_backward_graph_refusal
+    from autoshard.passes.planning.space import candidate_configs
+    from autoshard.passes.planning.strategies import split_backward_graph_refusal
 
     t5 = capture_graph("tests/models/hf_t5.py:build")
     assert "relative_attention_bias.weight reaches" in split_backward_graph_refusal(t5[1])

@@ -472,7 +472,8 @@ TIGHT = str(ROOT / "tests/clusters/cpu4_tight_memory.yaml")
 
 def test_pipeline_configurations_enumerate_uniform_recompute():
     from autoshard.ir.decisions import Mesh
-    from autoshard.passes.planning.strategies import Pins, check_pins, mesh_configs
+    from autoshard.passes.planning.pin_checks import check_pins
+    from autoshard.passes.planning.strategies import Pins, mesh_configs
 
     configs = mesh_configs(Mesh(dp=2, tp=1, pp=2), 8, Pins(), blocks=4)
     assert {c.recompute for c in configs} == {"none", "selective", "full"}

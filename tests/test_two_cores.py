@@ -21,7 +21,8 @@ from autoshard.cost.tables import CostTables
 from autoshard.passes.planning import price_ahead as ahead_module
 from autoshard.passes.planning import search as search_module
 from autoshard.passes.planning.price_ahead import price_ahead, units_on_two_cores
-from autoshard.passes.planning.strategies import Pins, candidate_configs
+from autoshard.passes.planning.space import candidate_configs
+from autoshard.passes.planning.strategies import Pins
 from autoshard.pipeline import PlanRequest, capture_graph, plan_graph
 
 ROOT = Path(__file__).resolve().parent.parent
