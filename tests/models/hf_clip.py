@@ -23,27 +23,23 @@ IMAGE_SIZE, CLASSES, SEQ_LEN, VOCAB_SIZE = 16, 4, 8, 64
 class TwoTower(torch.nn.Module):
     """``CLIPModel`` called with its two inputs, returning its B x B similarities."""
 
-    def __init__(self):
+    def __init__(self, width: int = 32, feed_forward: int = 64, layers: int = 2, heads: int = 4):
         super().__init__()
+        sizes = dict(
+            hidden_size=width,
+            intermediate_size=feed_forward,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+        )
         text = dict(
             vocab_size=VOCAB_SIZE,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             max_position_embeddings=SEQ_LEN,
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
+            **sizes,
         )
-        vision = dict(
-            image_size=IMAGE_SIZE,
-            patch_size=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-        )
+        vision = dict(image_size=IMAGE_SIZE, patch_size=4, **sizes)
         self.clip = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -72,33 +68,7 @@ def loss_fn(logits_per_image: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return (F.cross_entropy(logits_per_image, pairs) + F.cross_entropy(logits_per_image.T, pairs)) / 2
 
 
-class DeepTwoTower(TwoTower):
+def build_deep():
     """CLIP one size up from what the batch-coupling check runs whole: towers of 12 layers at width 1,024
     (302 M parameters, 1.2 GB in fp32, over ``batch_coupling.MAX_CHECK_BYTES``), the same loss."""
-
-    def __init__(self):
-        torch.nn.Module.__init__(self)
-        text = dict(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=12,
-            num_attention_heads=16,
-            max_position_embeddings=SEQ_LEN,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        vision = dict(
-            image_size=IMAGE_SIZE,
-            patch_size=4,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=12,
-            num_attention_heads=16,
-        )
-        self.clip = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-
-
-def build_deep():
-    return DeepTwoTower()
+    return TwoTower(width=1024, feed_forward=4096, layers=12, heads=16)
