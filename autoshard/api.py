@@ -167,7 +167,7 @@ def parallelize(
             f"{world})"
         )
     spec = lower_layout(plan)
-    ctx = runtime.init_distributed(expected_world_size=spec.world_size)
+    ctx = runtime.init_distributed(expected_world_size=spec.world_size, host_collectives=plan.decisions.offloaded)
     mesh = runtime.build_mesh(ctx.device_type, dict(spec.mesh), dict(spec.flatten))  # as the emitted program
     model_file = _model_file_once(plan, spec.seq_len)
     if loss_fn is not None and plan.decisions.loss_parallel:

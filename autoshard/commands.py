@@ -503,6 +503,11 @@ def _elastic_of(args, plan):
             f"--elastic {args.elastic} without --checkpoint-dir would re-plan and start again from step 0; "
             f"add --checkpoint-dir DIR (and --checkpoint-every N)"
         )
+    if plan.cluster.get("groups"):
+        raise AutoshardError(
+            f"--elastic {args.elastic} on a cluster of node groups: re-planning node groups for fewer ranks is "
+            f"not built (which group lost them decides the new cluster); run without --elastic"
+        )
     elastic.check_plan(plan.world_size)
     return elastic
 

@@ -36,9 +36,10 @@ def test_the_planner_keeps_a_coupled_batch_whole_or_refuses_in_one_line(in_repo)
 
 def test_a_check_that_would_take_long_runs_on_a_reduced_copy_or_not_at_all(in_repo, monkeypatch):
     """The check's work is read off the captured graph before anything runs: the same folded (its layers copied back)
-    or not, growing with the tokens. Over ``MAX_CHECK_FLOPS`` or ``MAX_CHECK_VALUE_BYTES`` the whole model is not
-    run: a copy with its repeated layers cut to three and 16 tokens is, its own work held to the same bounds; where
-    no copy is within them, ``batch_coupling`` is None (the plan's notes say it was not checked)."""
+    or not, growing with the tokens. Over ``MAX_CHECK_FLOPS`` the whole model is not run: a copy with its repeated
+    layers cut to three is, at the model's own tokens, its own work held to the same bounds. Over
+    ``MAX_CHECK_VALUE_BYTES`` (a tensor the tokens make, which the copy keeps) nothing is: ``batch_coupling`` is None
+    (the plan's notes say it was not checked)."""
     from autoshard.passes.capturing import batch_coupling
     from autoshard.passes.capturing.annotate import annotate
     from autoshard.passes.capturing.capture import capture
@@ -62,13 +63,39 @@ def test_a_check_that_would_take_long_runs_on_a_reduced_copy_or_not_at_all(in_re
         return real(source, *args, model=model, **kwargs)
 
     monkeypatch.setattr(batch_coupling, "coupling_reason", on_the_copy_only)
-    for name, bound in (("MAX_CHECK_FLOPS", flops), ("MAX_CHECK_VALUE_BYTES", largest_bytes)):
-        with monkeypatch.context() as m:
-            m.setattr(batch_coupling, name, bound - 1)
-            assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling == "", name
-    assert copies and all(copy == (16, folded.fold.first + 3) for copy in copies)
+    with monkeypatch.context() as m:
+        m.setattr(batch_coupling, "MAX_CHECK_FLOPS", flops - 1)
+        assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling == ""
+    assert copies == [(None, folded.fold.first + 3)]
+    with monkeypatch.context() as m:
+        m.setattr(batch_coupling, "MAX_CHECK_VALUE_BYTES", largest_bytes - 1)
+        assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling is None
     monkeypatch.setattr(batch_coupling, "MAX_CHECK_FLOPS", 0)  # no copy is within it
     assert batch_coupling.check_batch_coupling(model_file, folded).batch_coupling is None
+    assert len(copies) == 1
+
+
+def test_layers_of_one_structure_but_other_settings_are_not_cut():
+    """A stack whose layers have one structure but not one setting (here a flag that mixes the batch in one layer,
+    as expert-choice routing would) is not cut: the copy would lose the layer that couples the samples."""
+    import torch.nn as nn
+
+    from autoshard.passes.capturing.reduced_copy import cut_stacks
+
+    class Block(nn.Module):
+        def __init__(self, index: int, mixes: bool):
+            super().__init__()
+            self.layer_idx, self.mixes_batch = index, mixes  # the index differs in every layer: not a setting
+            self.proj = nn.Linear(8, 8)
+
+    def stack(flagged: int | None) -> nn.Module:
+        model = nn.Module()
+        model.layers = nn.ModuleList(Block(i, i == flagged) for i in range(6))
+        return model
+
+    plain, flagged = stack(None), stack(4)
+    assert cut_stacks(plain) == [("layers", 3, 6)] and len(plain.layers) == 3
+    assert cut_stacks(flagged) == [] and len(flagged.layers) == 6
 
 
 def test_a_contrastive_model_over_the_whole_check_s_bounds_is_found_on_its_reduced_copy(in_repo):

@@ -110,3 +110,17 @@ def test_a_steps_samples_do_not_depend_on_the_data_parallel_degree():
     for length, batch in ((37, 8), (101, 12)):
         for step in range(2 * (length // batch) + 1):  # across two epochs' ends
             assert samples(length, batch, 4, step) == samples(length, batch, 2, step) == samples(length, batch, 1, step)
+
+
+def test_elastic_on_node_groups_is_refused_in_one_line():
+    """Re-planning node groups for fewer ranks is not built: ``--elastic`` on such a plan is one line, before anything
+    starts (else every world size's re-plan would fail and the job stop on a misleading reason)."""
+    from types import SimpleNamespace
+
+    from autoshard.commands import _elastic_of
+
+    args = SimpleNamespace(elastic="2:4", checkpoint_dir="ckpt")
+    groups = SimpleNamespace(cluster={"groups": [{"name": "fast"}, {"name": "slow"}]}, world_size=4)
+    with pytest.raises(AutoshardError, match="node groups: re-planning node groups for fewer ranks is not built"):
+        _elastic_of(args, groups)
+    assert _elastic_of(args, SimpleNamespace(cluster={}, world_size=4)).min_ranks == 2

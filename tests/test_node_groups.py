@@ -58,6 +58,7 @@ def test_group_file_gives_each_group_its_device_and_links(in_repo):
     assert (h100.peak_tflops, a100.peak_tflops) == (989.0, 312.0)
     # an SPMD step runs at the slowest rank's pace: each figure the lowest of the groups'
     assert c.device.peak_tflops == 312.0 and c.device.float8_tflops == 0.0
+    assert (c.device.host_link_gbps, c.device.host_memory_bytes) == (25.0, 2**40)  # offload: the A100 nodes' host
     assert [c.rank_group(r) for r in (0, 15, 16, 31)] == [0, 0, 1, 1]
     # inside a group its own links; across groups the cluster's inter_node, shared by the node's devices
     assert c.group_link([0, 1]).bandwidth_gbps == 450.0  # H100 NVLink 4

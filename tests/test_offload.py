@@ -8,7 +8,13 @@ import pytest
 
 import autoshard
 from autoshard.cost.hardware import load_cluster
-from autoshard.cost.offload import CPU_ADAM_BYTES_PER_PARAM, HOST_USABLE, offload_cost, offloaded_bytes_per_rank
+from autoshard.cost.offload import (
+    CPU_ADAM_BYTES_PER_PARAM,
+    HOST_CORE_GBPS,
+    HOST_USABLE,
+    offload_cost,
+    offloaded_bytes_per_rank,
+)
 from autoshard.cost.step import price_parts
 from autoshard.cost.tables import CostTables
 from autoshard.errors import AutoshardError
@@ -50,7 +56,8 @@ def test_offload_moves_the_state_off_the_device_and_onto_the_host(gpt_tables):
 
 def test_the_host_link_time_is_the_bytes_over_its_bandwidth_and_the_optimizer_runs_on_the_host(gpt_tables):
     """H2D = m·2·p·Ψ/N / B_h (two all-gathers a micro-batch), D2H = m·g·Ψ/N / B_h; a link twice as fast takes half;
-    the optimizer reads and writes K bytes per parameter at the node's host bandwidth shared by its 8 ranks."""
+    the optimizer reads and writes K bytes per parameter at a rank's host bandwidth: the node's shared by its 8
+    ranks, at most one core's (each rank runs on one thread)."""
     tables, psi = gpt_tables, gpt_tables.graph.param_count
     cluster, config = tables.cluster, _zero3("cpu", m=4)
     cost = offload_cost(cluster, config, tables.precision, psi, compute_s=1.0, dp_total_s=0.0)
@@ -60,8 +67,12 @@ def test_the_host_link_time_is_the_bytes_over_its_bandwidth_and_the_optimizer_ru
     fast = replace(cluster, device=replace(cluster.device, host_link_gbps=2 * cluster.device.host_link_gbps))
     faster = offload_cost(fast, config, tables.precision, psi, compute_s=1.0, dp_total_s=0.0)
     assert (faster.h2d_s, faster.d2h_s) == pytest.approx((cost.h2d_s / 2, cost.d2h_s / 2))
-    host = cluster.device.host_memory_bandwidth_gbps * 1e9 / cluster.devices_per_node
-    assert cost.optimizer_s == pytest.approx(CPU_ADAM_BYTES_PER_PARAM * psi / 8 / host)
+    shared = cluster.device.host_memory_bandwidth_gbps / cluster.devices_per_node
+    assert shared > HOST_CORE_GBPS  # a DGX H100: 50 GB/s of the host's per rank, but one thread streams 10
+    assert cost.optimizer_s == pytest.approx(CPU_ADAM_BYTES_PER_PARAM * psi / 8 / (HOST_CORE_GBPS * 1e9))
+    narrow = replace(cluster, device=replace(cluster.device, host_memory_bandwidth_gbps=8 * HOST_CORE_GBPS / 4))
+    slower = offload_cost(narrow, config, tables.precision, psi, compute_s=1.0, dp_total_s=0.0)
+    assert slower.optimizer_s == pytest.approx(4 * cost.optimizer_s)  # where the host's share is below a core's
 
 
 def test_overlapped_copies_hide_behind_compute_and_the_accumulating_ones_do_not(gpt_tables):

@@ -104,7 +104,12 @@ A100_SXM_80GB = DeviceSpec(
     matmul_efficiency=0.8,
     source=f"NVIDIA datasheet via {_NUMBERS} (312 TFLOP/s bf16, ~2.0 TB/s (2039 GB/s), 80 GB); matmul_efficiency "
     "and memory_bandwidth_gbps assumed at the measured H100 ratios (790-800/989 TFLOP/s; copy 3.0/3.35 "
-    "TB/s: 0.896 × 2039 ≈ 1830 GB/s); calibrate",
+    "TB/s: 0.896 × 2039 ≈ 1830 GB/s); calibrate. Host (DGX A100 user guide): PCIe Gen4 x16 per GPU (32 GB/s raw, "
+    "about 25 achieved by pinned copies), 1 TiB of DDR4 (2 TiB optional), two EPYC 7742 with 16 channels of "
+    "DDR4-3200 (410 GB/s peak, about 65 % achieved as on the H100 preset: 265 GB/s)",
+    host_link_gbps=25.0,
+    host_memory_bytes=2**40,
+    host_memory_bandwidth_gbps=265.0,
 )
 H100_SXM_80GB = DeviceSpec(
     name="H100-SXM-80GB",

@@ -16,11 +16,13 @@ direction), with D devices per node sharing the host's memory bandwidth B_m (``h
                                    non-blocking into pinned memory: OVERLAPPED as H2D
     D2H_a = (m − 1)·g·Ψ/N / B_h    every later micro-batch's: FSDP2 copies them blocking, since the CPU adds them
                                    to the sum at once (torch 2.13 ``foreach_reduce``): EXPOSED
-    add   = (m − 1)·3·g·Ψ/N / (B_m / D)      that sum on the CPU (read both, write one), ``grad_accumulation``
-    opt   = K·Ψ/N / (B_m / D)      AdamW on the CPU: the optimizer kernel picks torch's per-tensor loop for
+    add   = (m − 1)·3·g·Ψ/N / B_r      that sum on the CPU (read both, write one), ``grad_accumulation``
+    opt   = K·Ψ/N / B_r            AdamW on the CPU: the optimizer kernel picks torch's per-tensor loop for
                                    host tensors (``runtime.recipe.optimizer_kernel``), the same elementwise passes
-                                   as its foreach AdamW, K = 84 bytes per parameter (``cost.eager``); the D ranks
-                                   of a node step at once on its memory bandwidth
+                                   as its foreach AdamW, K = 84 bytes per parameter (``cost.eager``)
+    B_r   = min(B_m / D, T·B_core) a rank's host bandwidth: the D ranks of a node step at once on its memory
+                                   bandwidth, each on T = 1 thread (torchrun and ``autoshard run`` start ranks
+                                   with OMP_NUM_THREADS=1), which streams at most B_core = HOST_CORE_GBPS
 
     exposed = max(0, H2D + D2H_1 − max(0, C − T_dp)) + D2H_a
 
@@ -45,6 +47,11 @@ from autoshard.ir.topology import Cluster
 # processes (torch's CPU libraries, the program) keep the rest.
 HOST_USABLE = 0.8
 CPU_ADAM_BYTES_PER_PARAM = ADAMW_FOREACH_BYTES_PER_PARAM  # per-tensor AdamW on the host: foreach's passes (doc)
+# One core's streaming bandwidth, which a rank's single-threaded CPU work reaches at most: single-thread STREAM on
+# server cores (Sapphire Rapids, EPYC) reads 10-15 GB/s; torch's per-tensor AdamW on one thread measured 102 M
+# parameters/s = 8.6 GB/s at K = 84 B on dev-cpu (EPYC, 2026-12-02). The low end of the first.
+HOST_CORE_GBPS = 10.0
+THREADS_PER_RANK = 1  # OMP_NUM_THREADS as ranks are started (``launch.run_torchrun``, torchrun's own default)
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def offload_cost(
     device, m = cluster.device, config.num_microbatches
     shard = local_params / config.dp_shard
     link_bps = device.host_link_gbps * 1e9
-    host_bps = device.host_memory_bandwidth_gbps * 1e9 / cluster.devices_per_node
+    host_bps = rank_host_bps(cluster)
     h2d_s = m * 2 * precision.param_bytes * shard / link_bps
     d2h_first_s = precision.grad_bytes * shard / link_bps
     d2h_later_s = (m - 1) * d2h_first_s
@@ -88,10 +95,15 @@ def offload_cost(
     )
 
 
+def rank_host_bps(cluster: Cluster) -> float:
+    """B_r = min(B_m / D, T·B_core) (module doc), bytes per second."""
+    shared = cluster.device.host_memory_bandwidth_gbps / cluster.devices_per_node
+    return min(shared, THREADS_PER_RANK * HOST_CORE_GBPS) * 1e9
+
+
 def cpu_optimizer_s(cluster: Cluster, shard_params: float) -> float:
-    """opt = K·Ψ/N / (B_m / D) (module doc) for a rank's ``shard_params`` = Ψ/N."""
-    host_bps = cluster.device.host_memory_bandwidth_gbps * 1e9 / cluster.devices_per_node
-    return CPU_ADAM_BYTES_PER_PARAM * shard_params / host_bps
+    """opt = K·Ψ/N / B_r (module doc) for a rank's ``shard_params`` = Ψ/N."""
+    return CPU_ADAM_BYTES_PER_PARAM * shard_params / rank_host_bps(cluster)
 
 
 def host_fits(cluster: Cluster, host_bytes_per_node: int) -> bool:

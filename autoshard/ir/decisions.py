@@ -540,12 +540,15 @@ OFFLOAD_CHOICES = (OFFLOAD_NONE, OFFLOAD_CPU)  # decisions.offload
 PIN_OFFLOAD = (*OFFLOAD_CHOICES, OFFLOAD_NVME)  # --offload
 
 
-def offload_refusal(mesh: Mesh, zero_stage: int, ep: int = 1, backend: str = "nccl") -> str | None:
+def offload_refusal(
+    mesh: Mesh, zero_stage: int, ep: int = 1, backend: str = "nccl", float8: str = FLOAT8_OFF
+) -> str | None:
     """Why host offload (FSDP2's ``CPUOffloadPolicy``) is not emitted for this point, or None where it is: ZeRO-3
     over more than one dp rank (the policy is FSDP2's, and keeps the sharded state on the host: ZeRO-3's shards),
     without pipeline stages (the stages' schedule steps the FSDP2 units itself; not verified with the policy), expert
     parallelism (its expert shards are units over other ranks) or context parallelism, on GPUs (CPU ranks have no
-    device memory to offload from)."""
+    device memory to offload from), nor beside float8 linears (torchao's precomputed scales through FSDP2's host
+    copies are not run anywhere yet)."""
     if backend == "gloo":
         return "CPU ranks (gloo) keep their state in host memory already: there is nothing to offload"
     if zero_stage != 3 or mesh.dp == 1:
@@ -554,6 +557,8 @@ def offload_refusal(mesh: Mesh, zero_stage: int, ep: int = 1, backend: str = "nc
         return "pipeline stages are not offloaded yet (the schedule drives the FSDP2 units)"
     if ep > 1 or mesh.cp > 1:
         return "expert and context parallelism are not offloaded yet"
+    if float8 != FLOAT8_OFF:
+        return "float8 linears are not offloaded yet (their scales through FSDP2's host copies are untested)"
     return None
 
 

@@ -142,7 +142,7 @@ class Plan:
                 f"float8={d.float8!r} and {len(layout.float8_linears)} float8 linears: a float8 recipe needs the "
                 f"linears it converts (layout.float8_linears), and float8 off none"
             )
-        refusal = offload_refusal(mesh, d.zero_stage, d.ep) if d.offloaded else None
+        refusal = offload_refusal(mesh, d.zero_stage, d.ep, float8=d.float8) if d.offloaded else None
         if refusal:
             raise AutoshardError(f"offload={d.offload!r}: {refusal}; re-create the plan with `autoshard plan`")
         per_step = mesh.dp * d.microbatch_size * d.num_microbatches

@@ -163,6 +163,9 @@ def slowest_device(groups: Sequence[NodeGroup]) -> DeviceSpec:
         matmul_efficiency=min(d.matmul_efficiency for d in devices),
         source="the lowest of each figure over the node groups",
         float8_tflops=min(d.float8_tflops for d in devices),
+        host_link_gbps=min(d.host_link_gbps for d in devices),
+        host_memory_bytes=min(d.host_memory_bytes for d in devices),
+        host_memory_bandwidth_gbps=min(d.host_memory_bandwidth_gbps for d in devices),
     )
 
 

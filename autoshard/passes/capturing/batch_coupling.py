@@ -22,9 +22,9 @@ model that does not run in float64; a model that runs in neither is not checked)
 would not fit in ``MAX_CHECK_BYTES``, or whose check would take more than a few seconds or a large share of
 the machine's memory, is checked on a reduced copy instead: an ``hf:DIR`` model on its config narrowed
 (``modelfile.narrowed_config``: the same architecture's code at width 64), any other on ``reduced_copy`` (its
-repeated layers cut to three, fewer tokens, its work held to the same bounds); one that no copy brings within them is not run
-(``graph.batch_coupling`` None, and the plan says so). The check's work, from the captured graph at its batch b
-(unfolded: every layer's FLOPs and outputs):
+repeated layers cut to three where their settings agree, its work held to the same bounds); one that no copy
+brings within them is not run (``graph.batch_coupling`` None, and the plan says so). The check's work, from
+the captured graph at its batch b (unfolded: every layer's FLOPs and outputs):
 
     FLOPs         2 · CHECK_BATCH / b · Σ_n flops(n)          (the whole batch, then its halves)    ≤ MAX_CHECK_FLOPS
     largest value CHECK_BATCH / b · max_n numel(n) · 8 bytes  (float64; the logits, usually)        ≤ MAX_CHECK_VALUE_BYTES
@@ -82,7 +82,7 @@ NARROWED = "width 64, 2 layers, vocabulary 256 (modelfile.narrowed_config)"
 
 
 def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) -> str | None:
-    """The check on a reduced copy of the model (``reduced_copy``'s doc: fewer layers, fewer tokens), its work
+    """The check on a reduced copy of the model (``reduced_copy``'s doc: fewer layers), its work
     held to the same bounds; the reason says it was found on the copy. None where no copy is within them, or
     the whole model's ``whole_numel`` elements are too many to replay."""
     from autoshard.passes.capturing import reduced_copy
@@ -100,22 +100,16 @@ def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) ->
         return None
     model, cut, whole_numel = made
     flops, largest_bytes = check_work(graph)
-    weight_share = reduced_copy.numel(model) / whole_numel
-    tokens = graph.tokens_per_sample
-    for source in (reduced_copy.shorter(model_file, tokens), model_file):
-        if source is None:
-            continue
-        token_share = (source.seq_len or tokens) / tokens
-        if (
-            4 * sum(p.numel() for p in model.parameters()) > MAX_CHECK_BYTES
-            or flops * weight_share * token_share > MAX_CHECK_FLOPS
-            or largest_bytes * token_share > MAX_CHECK_VALUE_BYTES
-        ):
-            continue
-        reason = _in_float64_else_fp32(lambda dtype: coupling_reason(source, dtype=dtype, model=model))  # noqa: B023
-        if reason is not None:
-            shown = reduced_copy.describe(cut, source.seq_len if source is not model_file else None)
-            return f"{reason} (found on a reduced copy: {shown})" if reason else ""
+    if (
+        4 * sum(p.numel() for p in model.parameters()) > MAX_CHECK_BYTES
+        or flops * reduced_copy.numel(model) / whole_numel > MAX_CHECK_FLOPS
+        or largest_bytes > MAX_CHECK_VALUE_BYTES
+    ):
+        return None
+    reason = _in_float64_else_fp32(lambda dtype: coupling_reason(model_file, dtype=dtype, model=model))
+    if reason:
+        return f"{reason} (found on a reduced copy: {reduced_copy.describe(cut)})"
+    return reason
     return None
 
 

@@ -7,9 +7,13 @@ copy with:
 - **fewer layers**: every repeated stack (an ``nn.ModuleList`` / ``nn.Sequential`` ending in ≥ ``fold.MIN_LAYERS``
   layers of one structure, ``fold.stacks``; a two-tower model has two) cut to its distinct first layers and
   ``fold.KEPT`` of the identical ones, as the capture's fold cuts the one stack it folds. The cut layers'
-  structure is that of the kept ones (``fold.fingerprint``), so a coupling inside a layer is in the copy too;
-- **fewer tokens**, where ``example_batch`` takes ``seq_len``: ``REDUCED_SEQ_LEN`` (tried again at the file's own
-  length if the model refuses the shorter one).
+  structure is that of the kept ones (``fold.fingerprint``), and so must be their plain settings (``settings``:
+  every bool, int, float and str attribute of their modules, a layer's own index aside): a flag that makes some
+  layers route tokens over the whole batch would otherwise be cut away with them. A stack whose layers' settings
+  differ is not cut, and without any cut there is no copy.
+
+The tokens are the model's own: a loss averaged over a count the data decide (padding to the length, an ignore
+index) can be even at a short length and uneven at the real one, so no shorter batch is tried.
 
 The copy is built on the meta device with the factory's initialisation recorded (``runtime.init_replay``), cut,
 and only its kept tensors made on the CPU by replaying the record: the kept layers hold exactly the weights one
@@ -20,8 +24,8 @@ drawing every random number of the whole model's initialisation (the generator c
 The copy's work is estimated from the whole check's (``batch_coupling.check_work``), each term scaled by what the
 copy keeps, for transformer-like models whose FLOPs go with their weights times their tokens:
 
-    FLOPs         F · (W_copy / W) · (s_copy / s)
-    largest value V · (s_copy / s)
+    FLOPs         F · W_copy / W
+    largest value V
 
 and held to the whole check's bounds, as are its weights W_copy. A model the copy cannot bring within them (a
 vocabulary projection that alone is over ``MAX_CHECK_BYTES``), a factory whose initialisation cannot be
@@ -30,47 +34,48 @@ replayed, or a copy that does not run is not checked (None), and the plan says s
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import replace
-
 import torch
 import torch.nn as nn
 
 from autoshard.modelfile import ModelFile
 from autoshard.passes.capturing.fold import KEPT, stacks
 
-REDUCED_SEQ_LEN = 16  # tokens per sample of the copy, where the model file takes --seq-len
 MAX_REPLAY_NUMEL = 2**30  # elements of the whole model's initialisation replayed to make the copy (~5 s on 2 cores)
 
 
 def cut_stacks(model: nn.Module) -> list[tuple[str, int, int]]:
-    """Cut every repeated stack of ``model`` (in place) to its distinct first layers and KEPT identical ones;
-    (path, layers kept, layers before) of each."""
+    """Cut every repeated stack of ``model`` whose identical layers also share their ``settings`` (in place) to its
+    distinct first layers and KEPT identical ones; (path, layers kept, layers before) of each."""
     cut = []
     for path, first in stacks(model):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         stack = getattr(parent, name)
+        if len({settings(layer, i) for i, layer in enumerate(stack) if i >= first} - {None}) != 1:
+            continue
         parent.register_module(name, stack[: first + KEPT])  # ModuleList / Sequential slices keep their class
         cut.append((path, first + KEPT, len(stack)))
     return cut
 
 
+def settings(layer: nn.Module, index: int) -> str:
+    """Every bool, int, float and str attribute of ``layer``'s modules by path, those equal to the layer's ``index``
+    (``layer_idx``) aside, as one string: what makes layers of one structure run differently."""
+    plain = []
+    for path, module in layer.named_modules():
+        for key, value in sorted(vars(module).items()):
+            if (
+                key != "training"
+                and type(value) in (bool, int, float, str)
+                and not (type(value) is int and value == index)
+            ):
+                plain.append(f"{path}.{key}={value!r}")
+    return "\n".join(plain)
+
+
 def numel(model: nn.Module) -> int:
     """Elements of the model's parameters and buffers, each tensor once."""
     return sum(t.numel() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-
-
-def shorter(model_file: ModelFile, tokens: int) -> ModelFile | None:
-    """``model_file`` drawing batches of ``REDUCED_SEQ_LEN`` tokens, or None where that is no reduction or the
-    file's ``example_batch`` takes no ``seq_len``."""
-    if tokens <= REDUCED_SEQ_LEN:
-        return None
-    try:
-        takes = "seq_len" in inspect.signature(model_file.module.example_batch).parameters
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return replace(model_file, seq_len=REDUCED_SEQ_LEN) if takes else None
 
 
 def reduced_copy(model_file: ModelFile, seed: int = 0) -> tuple[nn.Module, list[tuple[str, int, int]], int] | None:
@@ -94,7 +99,6 @@ def reduced_copy(model_file: ModelFile, seed: int = 0) -> tuple[nn.Module, list[
     return model, cut, whole
 
 
-def describe(cut: list[tuple[str, int, int]], tokens: int | None) -> str:
+def describe(cut: list[tuple[str, int, int]]) -> str:
     """What the copy keeps, for the plan's note."""
-    layers = ", ".join(f"{kept} of {total} ({path})" for path, kept, total in cut)
-    return f"layers: {layers}" + (f"; {tokens} tokens" if tokens else "")
+    return "layers: " + ", ".join(f"{kept} of {total} ({path})" for path, kept, total in cut)

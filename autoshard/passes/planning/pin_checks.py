@@ -74,9 +74,11 @@ def _check_offload(pins: Pins, cluster: Cluster) -> None:
         return
     mesh = Mesh(dp=pins.dp or 2, tp=pins.tp or 1, pp=pins.pp or 1, cp=pins.cp or 1)
     zero = pins.zero_stage if pins.zero_stage is not None else 3
-    why = offload_refusal(mesh, zero, pins.ep or 1, cluster.backend)
+    why = offload_refusal(mesh, zero, pins.ep or 1, cluster.backend, pins.float8 or FLOAT8_OFF)
     if why:
-        raise AutoshardError(f"--offload cpu: {why}; pin --offload none, or --zero 3 --pp 1 on a GPU cluster")
+        raise AutoshardError(
+            f"--offload cpu: {why}; pin --offload none, or --zero 3 --pp 1 --float8 off on a GPU cluster"
+        )
 
 
 def _check_precision(pins: Pins) -> None:

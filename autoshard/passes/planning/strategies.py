@@ -158,7 +158,7 @@ def split_backward_refusal(zero: int | None, recompute: str | None) -> str:
 def offload_choices(c: Decisions, pins: Pins, cluster: Cluster) -> tuple[str, ...]:
     """The offload values searched for point ``c``: the pinned one where it runs; else none, and cpu where
     ``offload_refusal`` has no reason against it."""
-    runs = offload_refusal(c.mesh, c.zero_stage, c.ep, cluster.backend) is None
+    runs = offload_refusal(c.mesh, c.zero_stage, c.ep, cluster.backend, c.float8) is None
     if pins.offload is not None:
         return (pins.offload,) if pins.offload == OFFLOAD_NONE or runs else ()
     return (OFFLOAD_NONE, OFFLOAD_CPU) if runs else (OFFLOAD_NONE,)
