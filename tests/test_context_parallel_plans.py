@@ -47,12 +47,14 @@ def plan(captured, spec, cluster, global_batch, seq_len=None, **pins):
     return plan_graph(PlanRequest(spec, cluster, global_batch, Pins(**pins), seq_len=seq_len), model_file, graph)
 
 
-def test_at_128k_tokens_only_context_parallelism_fits_one_node(llama_long):
+def test_at_128k_tokens_only_context_parallelism_fits_one_node_at_tp_2(llama_long):
+    """At tp 2 (tp 8 with sequence parallelism fits alone, its attention on head shards), one node holds 128k
+    tokens of Llama-3-8B only by cutting the sequence: cp 1 fits no plan, the search picks cp > 1."""
     cluster = load_cluster("dgx-h100", nodes=1)
     assert llama_long[1].tokens_per_sample == LONG
     with pytest.raises(AutoshardError, match="no plan fits"):
-        plan(llama_long, LLAMA3_8B, cluster, 2, seq_len=LONG, cp=1)
-    chosen = plan(llama_long, LLAMA3_8B, cluster, 2, seq_len=LONG)
+        plan(llama_long, LLAMA3_8B, cluster, 4, seq_len=LONG, cp=1, tp=2)
+    chosen = plan(llama_long, LLAMA3_8B, cluster, 4, seq_len=LONG, tp=2)
     assert chosen.mesh.cp > 1 and chosen.mesh.world_size == 8
     assert chosen.predicted.memory_peak_bytes_per_rank <= cluster.device.memory_bytes
     assert chosen.model["seq_len"] == LONG
@@ -101,7 +103,7 @@ def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long):
 
 
 def test_what_if_seq_len_and_cp_re_evaluate_with_the_ring(llama_long):
-    chosen = plan(llama_long, LLAMA3_8B, load_cluster("dgx-h100", nodes=1), 2, seq_len=LONG)
+    chosen = plan(llama_long, LLAMA3_8B, load_cluster("dgx-h100", nodes=1), 4, seq_len=LONG, tp=2)
     cp, base = chosen.mesh.cp, plan_figures(chosen)
     assert base["step_time_s"] == pytest.approx(chosen.predicted.step_time_s, rel=1e-4)
     longer = plan_figures(chosen, {"s": 2 * LONG})
