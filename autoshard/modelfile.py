@@ -299,8 +299,15 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     """The contract of ``hf_causal_lm`` for a transformers ``config``; its module's ``narrowed()`` is the same for
     ``narrowed_config(config)`` (what checks run on where the model is too large to run whole)."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions:
-        positions -= position_offset(config)
+    offset = position_offset(config)
+    if positions and offset:
+        if seq_len is not None and seq_len > positions - offset:
+            raise AutoshardError(
+                f"--seq-len {seq_len}: {type(config).__name__} numbers positions from pad_token_id + 1 = {offset}, "
+                f"so its {positions} position rows hold {positions - offset} tokens; pass --seq-len "
+                f"{positions - offset} or less"
+            )
+        positions -= offset
     default_seq = min(positions or HF_DEFAULT_SEQ_LEN, HF_DEFAULT_SEQ_LEN)
 
     def build() -> nn.Module:

@@ -579,6 +579,7 @@ def test_hf_folder_of_a_roberta_style_model_takes_the_tokens_its_positions_hold(
     pad 1, 14 tokens fit; a 16-token default read row 17 and every run of the model failed (verify's first forward)."""
     import transformers
 
+    from autoshard.errors import AutoshardError
     from autoshard.modelfile import load_model_file, position_offset
 
     for config_class in (transformers.CamembertConfig, transformers.Data2VecTextConfig):
@@ -598,6 +599,8 @@ def test_hf_folder_of_a_roberta_style_model_takes_the_tokens_its_positions_hold(
         (inputs,), _ = model_file.example_batch(2)
         assert inputs.shape == (2, 14)
         model_file.build("cpu")(inputs)  # runs: every position inside the table
+        with pytest.raises(AutoshardError, match=r"--seq-len 15: .* its 16 position rows hold 14 tokens"):
+            load_model_file(f"hf:{folder}", seq_len=15)
     llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, max_position_embeddings=8)
     assert position_offset(llama) == 0
 
