@@ -64,3 +64,26 @@ def test_final_weights_of_the_stages_are_the_whole_models(one_rank, tmp_path):
     assert set(saved) == set(model.state_dict())
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(saved[name], tensor)
+
+
+def test_every_tied_copy_is_found_in_its_stage_under_the_name_the_split_lists(one_rank):
+    """CamemBERT's last stage holds its copy of the word embeddings under their name, listed in
+    ``Pipe.replicated_params``, while its graph reads it as ``lm_head.decoder.weight``: that name stays, so the
+    gradient sum after the schedule finds every copy."""
+    import transformers
+
+    config = transformers.CamembertConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    model = transformers.CamembertForCausalLM(config)
+    ids = torch.randint(2, 64, (2, 6))
+    parts = pp.build_pipeline_stages(model, (ids,), ["roberta.encoder.layer.1"], 0, 1, 2, torch.device("cpu"))
+    assert parts.tied
+    for tie in parts.tied:
+        copies = [parts.stages[position].submod.get_parameter(name) for position, name in tie.copies]
+        assert len(copies) == 2
+    last = parts.stages[1].submod
+    assert last.get_parameter("lm_head.decoder.weight") is last.get_parameter(
+        "roberta.embeddings.word_embeddings.weight"
+    )

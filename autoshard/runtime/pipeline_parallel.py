@@ -546,11 +546,14 @@ def _attach(stage_module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def drop_unused_state(stage_module: nn.Module) -> list[str]:
-    """Remove parameters and buffers the stage's graphs never read; returns their names."""
+    """Remove parameters and buffers the stage's graphs never read; returns their names. A name of a tensor the
+    graphs read under another name stays (a tie made one parameter: RoBERTa's copy of its word embeddings,
+    listed in ``Pipe.replicated_params`` under that name, which its head reads as ``lm_head.decoder.weight``)."""
     used = _used_state_names(stage_module)
     named = list(stage_module.named_parameters(remove_duplicate=False))
     named += list(stage_module.named_buffers(remove_duplicate=False))
-    dropped = [name for name, _ in named if name not in used]
+    read = {id(tensor) for name, tensor in named if name in used}
+    dropped = [name for name, tensor in named if name not in used and id(tensor) not in read]
     for name in dropped:
         parent_path, _, leaf = name.rpartition(".")
         delattr(stage_module.get_submodule(parent_path), leaf)
