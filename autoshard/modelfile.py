@@ -299,6 +299,15 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     """The contract of ``hf_causal_lm`` for a transformers ``config``; its module's ``narrowed()`` is the same for
     ``narrowed_config(config)`` (what checks run on where the model is too large to run whole)."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    offset = position_offset(config)
+    if positions and offset:
+        if seq_len is not None and seq_len > positions - offset:
+            raise AutoshardError(
+                f"--seq-len {seq_len}: {type(config).__name__} numbers positions from pad_token_id + 1 = {offset}, "
+                f"so its {positions} position rows hold {positions - offset} tokens; pass --seq-len "
+                f"{positions - offset} or less"
+            )
+        positions -= offset
     default_seq = min(positions or HF_DEFAULT_SEQ_LEN, HF_DEFAULT_SEQ_LEN)
 
     def build() -> nn.Module:
@@ -329,6 +338,26 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     )
     module.build, module.example_batch, module.narrowed = build, example_batch, narrowed
     return ModelFile(spec=spec, path=config_path, factory_name="build", module=module, seq_len=seq_len)
+
+
+def position_offset(config) -> int:
+    """The rows of the position table a transformers causal LM never reads before its first token's: RoBERTa's
+    embeddings (CamemBERT's, Data2VecText's, XLM-R's, ...) number a sequence's positions from ``pad_token_id + 1``
+    (``create_position_ids_from_input_ids``), so of ``max_position_embeddings`` rows only that many fewer tokens fit
+    (roberta-base: 514 rows, 512 tokens). 0 for every other model."""
+    import transformers
+
+    try:
+        model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ImportError, AttributeError):
+        return 0
+    module = sys.modules.get(model_class.__module__)
+    counts_from_padding = any(
+        inspect.isclass(value) and name.endswith("Embeddings") and hasattr(value, "create_position_ids_from_input_ids")
+        for name, value in vars(module or types.ModuleType("none")).items()
+    )
+    pad = getattr(config, "pad_token_id", None)
+    return pad + 1 if counts_from_padding and isinstance(pad, int) and pad >= 0 else 0
 
 
 NARROW_LAYERS = 2

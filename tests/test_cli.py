@@ -574,6 +574,37 @@ def test_hf_folder_of_a_bf16_config_builds_fp32_weights(tmp_path):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_hf_folder_of_a_roberta_style_model_takes_the_tokens_its_positions_hold(tmp_path):
+    """RoBERTa-style embeddings (CamemBERT's, Data2VecText's) number positions from pad_token_id + 1: of 16 rows with
+    pad 1, 14 tokens fit; a 16-token default read row 17 and every run of the model failed (verify's first forward)."""
+    import transformers
+
+    from autoshard.errors import AutoshardError
+    from autoshard.modelfile import load_model_file, position_offset
+
+    for config_class in (transformers.CamembertConfig, transformers.Data2VecTextConfig):
+        folder = tmp_path / config_class.model_type
+        config = config_class(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            pad_token_id=1,
+        )
+        config.save_pretrained(folder)
+        assert position_offset(config) == 2
+        model_file = load_model_file(f"hf:{folder}")
+        (inputs,), _ = model_file.example_batch(2)
+        assert inputs.shape == (2, 14)
+        model_file.build("cpu")(inputs)  # runs: every position inside the table
+        with pytest.raises(AutoshardError, match=r"--seq-len 15: .* its 16 position rows hold 14 tokens"):
+            load_model_file(f"hf:{folder}", seq_len=15)
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, max_position_embeddings=8)
+    assert position_offset(llama) == 0
+
+
 def test_run_passes_pretrained_weights_in_and_out_and_refuses_a_missing_folder(tmp_path, capsys, monkeypatch):
     """``autoshard run --init-from DIR --export-hf DIR``: the program's own flags, checked before anything starts."""
     import autoshard.launch

@@ -514,8 +514,8 @@ def carry(source, target, parts: Iterable[nn.Module] = ()) -> None:
     """``target`` (the stages split from ``source``, ``parts`` their modules) waits for the same initialisation.
 
     A stage may hold a tensor of ``source`` under a name ``source`` never gives it: ``torch.export`` unflattens a
-    module the forward calls twice under a second name (``rotary_emb@1``) holding the very same buffers, and the
-    stage may drop the first name if its graph reads the tensor only through the second. Such a tensor is found
+    module the forward calls twice under a second name (``rotary_emb@1``) holding the very same buffers, which a
+    stage may hold under that name alone. Such a tensor is found
     by identity, here, where ``source`` still holds it, and is read under its name in ``source``."""
     pending = getattr(source, _PENDING, None)
     if pending is None:
