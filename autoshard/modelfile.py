@@ -361,42 +361,162 @@ def position_offset(config) -> int:
 
 
 NARROW_LAYERS = 2
-NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to its own)
+NARROW_HEAD_DIM = 16
+NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to its own), and encoder-decoder kin
     "hidden_size": 64,
     "num_hidden_layers": NARROW_LAYERS,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": NARROW_HEAD_DIM,
     "intermediate_size": 128,
     "vocab_size": 256,
     "max_position_embeddings": 128,
     "num_local_experts": 4,
     "num_experts": 4,
     "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_layers": NARROW_LAYERS,
+    "encoder_layers": NARROW_LAYERS,
+    "num_decoder_layers": NARROW_LAYERS,
+    "num_encoder_layers": NARROW_LAYERS,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "d_head": NARROW_HEAD_DIM,  # XLNet's head width
+    "qk_nope_head_dim": NARROW_HEAD_DIM // 2,  # latent attention: query/key width without and with rotary positions
+    "qk_rope_head_dim": NARROW_HEAD_DIM // 2,
+    "v_head_dim": NARROW_HEAD_DIM,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "linear_num_key_heads": 2,  # gated linear attention: value heads a multiple of key heads
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": NARROW_HEAD_DIM,
+    "linear_value_head_dim": NARROW_HEAD_DIM,
+    "feed_forward_size": 128,  # Reformer's and XLNet's feed-forward widths
+    "d_inner": 128,
 }
+NARROW_TOP_K = 2  # experts per token: at most this, never more than the architecture's own
+# Derived sizes a narrowed config keeps consistent: (a head count, its head width, the expansion factor, the inner
+# width if the config names it) of Mamba-style mixers, whose heads x head width = the expansion x the hidden size.
+MAMBA_HEADS = (
+    ("num_heads", "head_dim", "expand", None),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_ssm"),
+)
+NARROW_PER_KIND = 2  # layers kept of each distinct kind of a per-layer list (a kind's second may tie to its first)
+# Counts of layers that must sum to the model's layers (a looped model's prelude, recurrent and coda layers).
+LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
 
 
 def narrowed_config(config):
-    """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them (per-layer lists cut
-    to ``NARROW_LAYERS``, special token ids inside the vocabulary), ``use_cache`` off; every other setting as it was.
-    The same architecture's code runs on it, at a width a CPU runs in a second."""
+    """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them, per-layer lists
+    cut to layers that keep one of each kind (``_kept_layers``), special token ids inside the vocabulary, sizes
+    derived from others kept consistent, ``use_cache`` off; every other setting as it was. The same
+    architecture's code runs on it, at a width a CPU runs in a second."""
     config = copy.deepcopy(config)
-    layers = getattr(config, "num_hidden_layers", None)
+    layers = _attribute(config, "num_hidden_layers")
     for name, value in NARROW_SIZES.items():
-        if getattr(config, name, None) is not None:
-            with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim)
-                setattr(config, name, value)
+        _narrow(config, name, value)
+    _narrow_unset_heads(config)
+    top_k = _attribute(config, "num_experts_per_tok")
+    if isinstance(top_k, int):
+        _narrow(config, "num_experts_per_tok", min(top_k, NARROW_TOP_K))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the narrowed vocabulary
-        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= NARROW_SIZES["vocab_size"]:
+        if isinstance(_attribute(config, name), int) and _attribute(config, name) >= NARROW_SIZES["vocab_size"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
-    for name, value in list(vars(config).items()):  # layer_types and the like
-        if isinstance(value, list) and layers and len(value) == layers and layers != NARROW_LAYERS:
-            setattr(config, name, value[:NARROW_LAYERS])
+    if isinstance(layers, int):
+        _cut_layers(config, layers)
+    _narrow_mamba_heads(config)
+    _narrow_axial_positions(config)
     config.use_cache = False
     return config
+
+
+def _attribute(config, name: str):
+    """``config.name``, or None where the config has none or refuses to say (a per-layer attribute of a config
+    whose layers differ raises rather than answer for all of them)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 (transformers' AmbiguousGlobalPerLayerAttributeError and the like)
+        return None
+
+
+def _narrow(config, name: str, value) -> None:
+    """``config.name = value`` where the config holds a value there; a derived or unsettable attribute kept."""
+    if _attribute(config, name) is not None:
+        with contextlib.suppress(AttributeError, NotImplementedError):  # Falcon's head_dim; XLNet's positions
+            setattr(config, name, value)
+
+
+def _narrow_unset_heads(config) -> None:
+    """A head width or key/value head count the config declares but leaves None, which some architectures read
+    as it is: the narrowed width's own (64 / 4 heads = 16; key/value heads = heads)."""
+    fields = vars(config)
+    if "head_dim" in fields and fields["head_dim"] is None:
+        config.head_dim = NARROW_SIZES["hidden_size"] // NARROW_SIZES["num_attention_heads"]
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:
+        config.num_key_value_heads = _attribute(config, "num_attention_heads")
+
+
+def _kept_layers(kinds: list, count: int) -> list[int]:
+    """Which of the layers to keep: the first ``NARROW_PER_KIND`` of each distinct kind in ``kinds`` (a per-layer
+    list of hashable values), then the earliest others, ``count`` at least, in the model's order: every kind of
+    layer the model has is in the narrowed one (a check on it covers each kind's code)."""
+    of_kind: dict = {}
+    for index, kind in enumerate(kinds):
+        with contextlib.suppress(TypeError):  # an unhashable entry: the layers by position alone
+            if len(of_kind.setdefault(kind, [])) < NARROW_PER_KIND:
+                of_kind[kind].append(index)
+    kept = {index for indices in of_kind.values() for index in indices} if len(of_kind) > 1 else set()
+    for index in range(len(kinds)):
+        if len(kept) >= count:
+            break
+        kept.add(index)
+    return sorted(kept)
+
+
+def _cut_layers(config, layers: int) -> None:
+    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers, the layer
+    count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
+    taking any more."""
+    lists = {name: value for name, value in vars(config).items() if isinstance(value, list) and len(value) == layers}
+    parts = next(
+        (p for p in LAYER_PARTS if sum(c if isinstance(c := _attribute(config, n), int) else -1 for n in p) == layers),
+        (),
+    )
+    kinds = lists.get("layer_types") or next(iter(lists.values()), [None] * layers)
+    count = max(NARROW_LAYERS, len(parts))
+    kept = _kept_layers(kinds, count) if layers > count else list(range(layers))
+    for name, value in lists.items():
+        setattr(config, name, [value[i] for i in kept])
+    if len(kept) != _attribute(config, "num_hidden_layers"):
+        _narrow(config, "num_hidden_layers", len(kept))
+    for index, name in enumerate(parts):
+        setattr(config, name, 1 + (len(kept) - len(parts) if index == len(parts) // 2 else 0))
+
+
+def _narrow_axial_positions(config) -> None:
+    """Axial position embeddings (Reformer): their two widths sum to the hidden size, their two lengths multiply to
+    the narrowed positions (128 = 8 x 16)."""
+    if isinstance(_attribute(config, "axial_pos_embds_dim"), (list, tuple)):
+        half = NARROW_SIZES["hidden_size"] // 2
+        config.axial_pos_embds_dim = [half, half]
+        config.axial_pos_shape = [8, NARROW_SIZES["max_position_embeddings"] // 8]
+
+
+def _narrow_mamba_heads(config) -> None:
+    """Mamba-style mixers: heads x head width = expansion x hidden size, with the narrowed head width (16)."""
+    hidden = _attribute(config, "hidden_size")
+    for heads, width, expand, inner in MAMBA_HEADS:
+        factor = _attribute(config, expand)
+        if isinstance(factor, (int, float)) and _attribute(config, heads) and _attribute(config, width):
+            count = max(1, int(factor * hidden) // NARROW_HEAD_DIM)
+            with contextlib.suppress(AttributeError):
+                setattr(config, width, NARROW_HEAD_DIM)
+                setattr(config, heads, count)
+                if inner and _attribute(config, inner):
+                    setattr(config, inner, count * NARROW_HEAD_DIM)
 
 
 def _hf_config(folder: Path):

@@ -3,10 +3,11 @@
     python benchmarks/bench_hf_sweep.py [--only REGEX] [--chunk I/N] [--kinds chosen,tp2,pp2,dp2-zero3]
                                         [-o runs/sweep.jsonl]
 
-For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk (2 layers,
-width 64, 4 heads and 2 key/value heads where it has them, head dim 16, feed-forward 128, vocabulary 256, 4 experts
-top-2 where it has experts, per-layer lists cut to the layers kept; every other default as the library sets it,
-dropout included), written with ``save_pretrained`` into a folder; then ``autoshard plan hf:DIR`` on 2 CPU ranks
+For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk
+(``autoshard.modelfile.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
+2 key/value heads where it has them, head dim 16, feed-forward 128, vocabulary 256, 4 experts and at most top-2 where
+it has experts, sizes derived from these kept consistent; ``is_decoder`` set where the family has it; every other
+default as the library sets it, dropout included), written with ``save_pretrained`` into a folder; then ``autoshard plan hf:DIR`` on 2 CPU ranks
 (``local-cpu``) for each kind (chosen: nothing pinned; tp2; pp2; dp2-zero3) and ``autoshard verify`` of the plan
 (2 steps). Each case ends as one of:
 
@@ -54,6 +55,8 @@ def small_config(model_type: str, architecture: str):
 
     config = narrowed_config(CONFIG_MAPPING[model_type]())
     config.architectures = [architecture]
+    if getattr(config, "is_decoder", None) is False:  # an encoder family's causal LM, as transformers asks for it
+        config.is_decoder = True
     return config
 
 
