@@ -297,8 +297,10 @@ def hf_causal_lm(spec: str, seq_len: int | None = None) -> ModelFile:
 
 def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) -> ModelFile:
     """The contract of ``hf_causal_lm`` for a transformers ``config``; its module's ``narrowed()`` is the same for
-    ``narrowed_config(config)`` (what checks run on where the model is too large to run whole)."""
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    ``narrowed_config(config)`` (what checks run on where the model is too large to run whole). A composite config
+    (a text model's beside a vision or audio tower's) gives its text config's vocabulary and positions."""
+    text = text_config(config)
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     offset = position_offset(config)
     if positions and offset:
         if seq_len is not None and seq_len > positions - offset:
@@ -314,7 +316,7 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
         import transformers
 
         fresh = copy.deepcopy(config)  # each build its own config (transformers writes into it)
-        fresh.use_cache = False  # no cache object in the traced graph
+        fresh.use_cache = text_config(fresh).use_cache = False  # no cache object in the traced graph
         # fp32 whatever dtype the config names (fp32 master weights); transformers < 5 calls the keyword torch_dtype
         fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
         try:
@@ -325,9 +327,9 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     def example_batch(batch_size: int, seq_len: int | None = None):
         """examples/gpt.py's sequences: arithmetic progressions modulo the vocabulary, the next token the target."""
         seq = seq_len or default_seq
-        start = torch.randint(0, config.vocab_size, (batch_size, 1))
+        start = torch.randint(0, text.vocab_size, (batch_size, 1))
         step = torch.randint(1, 8, (batch_size, 1))
-        tokens = (start + step * torch.arange(seq + 1)) % config.vocab_size
+        tokens = (start + step * torch.arange(seq + 1)) % text.vocab_size
         return (tokens[:, :-1],), tokens[:, 1:]
 
     def narrowed() -> ModelFile:
@@ -396,6 +398,8 @@ NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to 
     "linear_value_head_dim": NARROW_HEAD_DIM,
     "feed_forward_size": 128,  # Reformer's and XLNet's feed-forward widths
     "d_inner": 128,
+    "vocab_size_per_layer_input": 256,  # Gemma's per-layer token embeddings
+    "hidden_size_per_layer_input": 16,
 }
 NARROW_TOP_K = 2  # experts per token: at most this, never more than the architecture's own
 # Derived sizes a narrowed config keeps consistent: (a head count, its head width, the expansion factor, the inner
@@ -413,8 +417,15 @@ def narrowed_config(config):
     """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them, per-layer lists
     cut to layers that keep one of each kind (``_kept_layers``), special token ids inside the vocabulary, sizes
     derived from others kept consistent, ``use_cache`` off; every other setting as it was. The same
-    architecture's code runs on it, at a width a CPU runs in a second."""
+    architecture's code runs on it, at a width a CPU runs in a second. A composite config has each of its parts
+    narrowed (the text model's, and the vision or audio towers' where the library accepts it)."""
     config = copy.deepcopy(config)
+    if text_config(config) is not config:
+        for name, value in list(vars(config).items()):
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config: the text model, a tower
+                with contextlib.suppress(Exception):  # noqa: BLE001 (a tower the library will not narrow: as it is)
+                    setattr(config, name, narrowed_config(value))
+        return config
     layers = _attribute(config, "num_hidden_layers")
     for name, value in NARROW_SIZES.items():
         _narrow(config, name, value)
@@ -433,6 +444,15 @@ def narrowed_config(config):
     return config
 
 
+def text_config(config):
+    """The config of a composite model's text decoder (``get_text_config``), or ``config`` itself."""
+    getter = getattr(config, "get_text_config", None)
+    try:
+        return getter() if callable(getter) else config
+    except Exception:  # noqa: BLE001 (a config class without a text part may refuse)
+        return config
+
+
 def _attribute(config, name: str):
     """``config.name``, or None where the config has none or refuses to say (a per-layer attribute of a config
     whose layers differ raises rather than answer for all of them)."""
@@ -443,10 +463,12 @@ def _attribute(config, name: str):
 
 
 def _narrow(config, name: str, value) -> None:
-    """``config.name = value`` where the config holds a value there; a derived or unsettable attribute kept."""
-    if _attribute(config, name) is not None:
+    """``config.name = value`` where the config holds a value there (a per-layer list: ``value`` for each layer); a
+    derived or unsettable attribute kept."""
+    old = _attribute(config, name)
+    if old is not None:
         with contextlib.suppress(AttributeError, NotImplementedError):  # Falcon's head_dim; XLNet's positions
-            setattr(config, name, value)
+            setattr(config, name, [value] * len(old) if isinstance(old, list) else value)
 
 
 def _narrow_unset_heads(config) -> None:
@@ -477,8 +499,9 @@ def _kept_layers(kinds: list, count: int) -> list[int]:
 
 
 def _cut_layers(config, layers: int) -> None:
-    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers, the layer
-    count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
+    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers (a kind of layer
+    among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own),
+    the layer count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
     taking any more."""
     lists = {name: value for name, value in vars(config).items() if isinstance(value, list) and len(value) == layers}
     parts = next(
@@ -486,12 +509,17 @@ def _cut_layers(config, layers: int) -> None:
         (),
     )
     kinds = lists.get("layer_types") or next(iter(lists.values()), [None] * layers)
+    shared = _attribute(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys and values
+    shared = min(shared, layers) if isinstance(shared, int) and shared > 0 else 0
+    kinds = [(kind, index >= layers - shared) for index, kind in enumerate(kinds)] if shared else kinds
     count = max(NARROW_LAYERS, len(parts))
     kept = _kept_layers(kinds, count) if layers > count else list(range(layers))
     for name, value in lists.items():
         setattr(config, name, [value[i] for i in kept])
     if len(kept) != _attribute(config, "num_hidden_layers"):
         _narrow(config, "num_hidden_layers", len(kept))
+    if shared:
+        config.num_kv_shared_layers = sum(index >= layers - shared for index in kept)
     for index, name in enumerate(parts):
         setattr(config, name, 1 + (len(kept) - len(parts) if index == len(parts) // 2 else 0))
 

@@ -21,6 +21,8 @@ CASES = {  # model type -> the rule its narrowed config needs
     "hunyuan_v1_dense": "a head width declared None",
     "nemotron": "key/value heads declared None",
     "reformer": "axial position embeddings",
+    "gemma3n_text": "per-layer widths, and the last layers sharing earlier layers' keys and values",
+    "gemma3": "a composite config: its text model and its vision tower",
 }
 
 
@@ -52,6 +54,34 @@ def test_a_narrowed_config_keeps_each_kind_of_layer_and_their_order():
     linear = [i for i, kind in enumerate(kinds) if kind != "full_attention"][:2]
     assert narrow.layer_types == [kinds[i] for i in sorted(full + linear)]
     assert config.num_hidden_layers == len(kinds)  # the original untouched
+
+
+def test_a_composite_config_is_narrowed_in_each_part_and_plans_from_its_text_part(tmp_path):
+    """Gemma 3's config holds a text config and a vision tower's: both narrowed, so its causal LM is small; ``hf:DIR``
+    reads the vocabulary from the text part (the composite has none of its own)."""
+    from autoshard.modelfile import load_model_file, text_config
+
+    config = _narrowed("gemma3")
+    assert text_config(config) is not config and text_config(config).hidden_size == NARROW_SIZES["hidden_size"]
+    assert config.vision_config.hidden_size == NARROW_SIZES["hidden_size"]
+    config.save_pretrained(tmp_path)
+    model_file = load_model_file(f"hf:{tmp_path}")
+    (tokens,), targets = model_file.module.example_batch(2, seq_len=8)
+    assert tokens.shape == targets.shape == (2, 8) and int(tokens.max()) < NARROW_SIZES["vocab_size"]
+    with torch.device("meta"):
+        model = model_file.module.build()
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_kv_sharing_layers_stay_last_and_counted():
+    """Gemma 3n: its last layers reuse earlier layers' keys and values; the narrowed model keeps two of each kind
+    among them too, last, and says how many it kept."""
+    config = transformers.CONFIG_MAPPING["gemma3n_text"]()
+    narrow = narrowed_config(config)
+    shared = narrow.num_kv_shared_layers
+    assert 0 < shared < narrow.num_hidden_layers
+    assert set(narrow.layer_types[-shared:]) == set(narrow.layer_types[:-shared]) == set(config.layer_types)
+    assert narrow.intermediate_size == [NARROW_SIZES["intermediate_size"]] * narrow.num_hidden_layers
 
 
 def test_a_single_kind_model_keeps_its_first_two_layers():
