@@ -348,9 +348,10 @@ def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
 
 
 def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
-    """Loss parallelism is a choice of the SPMD TP layout where the loss is proven the default cross-entropy on
-    the output projection's logits (``loss_proof`` ""): tp > 1, no pipeline (stages run TP on local shards and
-    hand the loss whole logits), no cp (the ring's sequence shards are not checked with vocabulary shards)."""
+    """Loss parallelism is a choice of the TP layout where the loss is proven the default cross-entropy on the
+    output projection's logits (``loss_proof`` ""): tp > 1, SPMD or inside pipeline stages (the last stage hands
+    the schedule's loss its vocabulary shard: ``runtime.pipeline_parallel``), no cp (the ring's sequence shards
+    are not checked with vocabulary shards)."""
     return (False, True) if loss_parallel_refusal(mesh, loss_proof) == "" else (False,)
 
 
@@ -358,11 +359,6 @@ def loss_parallel_refusal(mesh: Mesh, loss_proof: str | None) -> str:
     """Why ``mesh`` runs no loss parallelism ("" where it may; ``loss_parallel_choices``)."""
     if mesh.tp == 1:
         return "no TP: the logits are whole on each rank already"
-    if mesh.pp > 1:
-        return (
-            "pipeline stages run TP on local shards with traced collectives and hand the schedule's loss whole "
-            "logits; the output projection gathers them"
-        )
     if mesh.cp > 1:
         return "context parallelism's sequence shards are not checked with vocabulary shards"
     if loss_proof is None:
