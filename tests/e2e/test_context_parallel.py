@@ -10,6 +10,8 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank); pp 2 x cp 2 (each stage's
                ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens)
+    8 ranks    pp 2 x cp 2 x tp 2 with sequence parallelism (a stage boundary carrying 1/tp of a cp rank's
+               tokens)
 
 Every case runs two micro-batches per step. The Python API takes the 2-rank cp plan of the GPT too:
 ``api_driver.py`` applies it with ``autoshard.parallelize`` and trains it in a loop of its own that reads
@@ -52,6 +54,10 @@ CASES_4 = {
 }
 # inside pipeline stages: the GPT (transformers' Llama attends with the mask its traced graph builds: refused)
 CASES_PP = {"gpt-pp2-cp2-1f1b": ("gpt", dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b"))}
+# and with tp 2 and sequence parallelism on 8 ranks: a stage boundary carries 1/tp of a cp rank's tokens
+CASES_PP_8 = {
+    "gpt-pp2-cp2-tp2-sp": ("gpt", dict(cp=2, dp=1, tp=2, zero=0, pp=2, schedule="1f1b", sequence_parallel=True))
+}
 # api_driver.py: the Python API on a case of CASES_2's plan
 API_CASES = {"gpt-cp2-api": "gpt-cp2"}
 API_DRIVER = Path(__file__).with_name("api_driver.py")
@@ -97,7 +103,7 @@ def _driver_job(out: Path, dp: int, cp: int) -> dict:
     )
 
 
-CASES = {**CASES_2, **CASES_4, **CASES_PP}
+CASES = {**CASES_2, **CASES_4, **CASES_PP, **CASES_PP_8}
 
 
 def _prepare(names, ranks, folder):
@@ -128,6 +134,7 @@ LAUNCHES = Cases(
         **dict.fromkeys(CASES_2, 2),
         **dict.fromkeys(CASES_4, 4),
         **dict.fromkeys(CASES_PP, 4),
+        **dict.fromkeys(CASES_PP_8, 8),
         **dict.fromkeys(API_CASES, 2),
         **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()},
     },
@@ -137,6 +144,7 @@ LAUNCHES = Cases(
         "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
         "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
         "test_context_parallel_inside_pipeline_stages_trains_like_one_process": list(CASES_PP),
+        "test_sequence_parallel_beside_cp_inside_pipeline_stages_trains_like_one_process": list(CASES_PP_8),
         "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
         "test_context_parallel_matches_one_process": [
             name for name, mesh in DRIVER_MESHES.items() if mesh == (params.get("dp"), params.get("cp"))
@@ -172,6 +180,12 @@ def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(
 
 def test_context_parallel_inside_pipeline_stages_trains_like_one_process(in_repo, launches):
     _run(CASES_PP, launches)
+
+
+def test_sequence_parallel_beside_cp_inside_pipeline_stages_trains_like_one_process(in_repo, launches):
+    """pp 2 x cp 2 x tp 2 with sequence parallelism: each stage is traced on a cp rank's half of the tokens, which
+    the sequence ops split again over tp, so a stage boundary carries a quarter of every sample's tokens."""
+    _run(CASES_PP_8, launches)
 
 
 def test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop(in_repo, launches):

@@ -342,9 +342,9 @@ def mesh_configs(
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
     """Sequence parallelism is a choice of the TP layout (tp > 1): SPMD, where DTensor's styles run it, and inside
-    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do, but not beside cp there (a
-    cp rank's token chunk split again over tp inside a traced stage does not build yet)."""
-    return (False, True) if mesh.tp > 1 and not (mesh.pp > 1 and mesh.cp > 1) else (False,)
+    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do, beside cp there too (the
+    stages are traced on a cp rank's token chunk, which the sequence ops split again over tp)."""
+    return (False, True) if mesh.tp > 1 else (False,)
 
 
 def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
