@@ -27,8 +27,8 @@ What a row's prediction means (``Run.status``):
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
                  blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
                  context parallelism); priced as autoshard's eager program (with its float8 linears where the
-                 run had them, and loss parallelism where the run had it and the mesh has no context
-                 parallelism: ``loss_parallel_emitted``).
+                 run had them, and loss parallelism where the run had it and autoshard emits it:
+                 ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
                  parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
                  reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
@@ -229,9 +229,9 @@ def llama_args(
 
 def loss_parallel_emitted(tp: int, pp: int, cp: int) -> bool:
     """Whether autoshard runs loss parallelism (``--loss-parallel on``: the cross-entropy on the output projection's
-    vocabulary shards) on this mesh: with TP, with or without pipeline stages, without context parallelism
-    (``strategies.loss_parallel_refusal``). A run that had it is priced with it there."""
-    return tp > 1 and cp == 1
+    vocabulary shards) on this mesh: with TP, with or without pipeline stages, beside context parallelism only
+    inside them (``strategies.loss_parallel_refusal``). A run that had it is priced with it there."""
+    return tp > 1 and (cp == 1 or pp > 1)
 
 
 def torchtitan_cuts(layers: int, stages: int) -> tuple[int, ...]:
@@ -278,11 +278,6 @@ FLOAT8_EMITTED = (
     "float8 (rowwise)",
     "float8 (tensorwise + fp8 all-gather)",
     "float8 all-gather",
-)
-CP_WITH_PP = (
-    "float8",
-    "float8 matmuls beside tensor parallelism are not emitted yet, and neither is loss parallelism beside cp: the "
-    "same layout in bf16, with the logits gathered, is priced for reference",
 )
 COMPILE_REASON = (
     "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
@@ -521,7 +516,8 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                *(("float8", FLOAT8_REASON) if cp == 1 else CP_WITH_PP),
+                "float8",
+                FLOAT8_REASON,
                 cuts=torchtitan_cuts(126, 8),
             )
         )

@@ -41,6 +41,7 @@ def test_the_proof_accepts_the_default_loss_and_refuses_a_model_files_own(llama_
     assert "own loss_fn" in gpt[1].loss_parallel_proof
     assert loss_parallel_refusal(Mesh(tp=2, pp=2), "") == ""  # the last stage hands the loss its vocabulary shard
     assert loss_parallel_refusal(Mesh(tp=2, cp=2), "").startswith("context parallelism")
+    assert loss_parallel_refusal(Mesh(tp=2, pp=2, cp=2), "") == ""  # a cp rank's tokens' loss, inside the stages
 
 
 def _priced(graph, tp: int, loss_parallel: bool):

@@ -68,7 +68,11 @@ of the weight and returns rank k's vocabulary shard of the logits, z[..., k·V/t
 ``loss_parallel()``, so the cross-entropy and its backward run on the shards (``runtime.train_step`` module doc:
 three all-reduces of one fp32 number per token), as torchtitan's pipelines run it: no rank holds whole logits.
 ℓ_j comes back a replicated DTensor; its local value (the same on every tp rank) is what the schedule's backward
-starts from and what ``global_mean_loss`` averages.
+starts from and what ``global_mean_loss`` averages. Beside cp the logits are a cp rank's tokens' and ℓ_{j,c} their
+mean, as without loss parallelism; the loss's forward calls no ``torch.arange`` and its backward runs outside the
+ring's function mode (autograd runs it where no function mode is active: ``runtime.selective``), so no row index of
+the vocabulary-parallel backward is taken for a position (checked with one sample per micro-batch, where the rows
+number as the rank's tokens: tests/e2e/test_context_parallel.py).
 """
 
 from __future__ import annotations

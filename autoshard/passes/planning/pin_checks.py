@@ -173,7 +173,9 @@ def _check_loss_parallel(pins: Pins) -> None:
     mesh = Mesh(tp=pins.tp or 2, pp=2 if pins.wants_pipeline else 1, cp=pins.cp or 1)
     why = loss_parallel_refusal(mesh, "")
     if why:
-        raise AutoshardError(f"--loss-parallel on: {why}; pin --tp 2 or more without --cp, or leave it off")
+        raise AutoshardError(
+            f"--loss-parallel on: {why}; pin --tp 2 or more without --cp (or with --pp 2 or more), or leave it off"
+        )
 
 
 def _check_sequence_parallel(pins: Pins) -> None:

@@ -350,8 +350,9 @@ def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
 def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
     """Loss parallelism is a choice of the TP layout where the loss is proven the default cross-entropy on the
     output projection's logits (``loss_proof`` ""): tp > 1, SPMD or inside pipeline stages (the last stage hands
-    the schedule's loss its vocabulary shard: ``runtime.pipeline_parallel``), no cp (the ring's sequence shards
-    are not checked with vocabulary shards)."""
+    the schedule's loss its vocabulary shard: ``runtime.pipeline_parallel``), with cp only inside pipeline stages
+    (the loss on a cp rank's tokens is checked there; the SPMD ring's sequence shards are not checked with
+    vocabulary shards)."""
     return (False, True) if loss_parallel_refusal(mesh, loss_proof) == "" else (False,)
 
 
@@ -359,8 +360,8 @@ def loss_parallel_refusal(mesh: Mesh, loss_proof: str | None) -> str:
     """Why ``mesh`` runs no loss parallelism ("" where it may; ``loss_parallel_choices``)."""
     if mesh.tp == 1:
         return "no TP: the logits are whole on each rank already"
-    if mesh.cp > 1:
-        return "context parallelism's sequence shards are not checked with vocabulary shards"
+    if mesh.cp > 1 and mesh.pp == 1:
+        return "context parallelism's sequence shards are not checked with vocabulary shards outside pipeline stages"
     if loss_proof is None:
         return "the loss was not checked (a graph without the proof)"
     return loss_proof
