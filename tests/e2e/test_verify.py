@@ -33,7 +33,7 @@ CASES = {  # name: (ranks, steps)
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
     "llama-alternate-zero3-2": (2, 3),
-    "llama-alternate-tp2-sp": (2, 3),
+    "llama-alternate-tp2-sp": (2, DP_ZERO_STEPS),
     **{
         name: (2, 3)
         for name in (
