@@ -27,8 +27,8 @@ What a row's prediction means (``Run.status``):
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
                  blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
                  context parallelism); priced as autoshard's eager program (with its float8 linears where the
-                 run had them, and loss parallelism where the run had it and the mesh has no pipeline stages
-                 or context parallelism: ``loss_parallel_emitted``).
+                 run had them, and loss parallelism where the run had it and autoshard emits it:
+                 ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
                  parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
                  reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
@@ -218,8 +218,8 @@ def llama_args(
         "--schedule",
         schedule,
     ]
-    if tp > 1:  # sequence parallelism, inside pipeline stages too, but not beside cp there (the CLI refuses it)
-        args += ["--sequence-parallel", "off" if pp > 1 and cp > 1 else "on"]
+    if tp > 1:  # sequence parallelism, inside pipeline stages too, beside cp there as well
+        args += ["--sequence-parallel", "on"]
     if virtual_stages > 1:
         args += ["--virtual-stages", str(virtual_stages)]
     if cuts:
@@ -229,9 +229,9 @@ def llama_args(
 
 def loss_parallel_emitted(tp: int, pp: int, cp: int) -> bool:
     """Whether autoshard runs loss parallelism (``--loss-parallel on``: the cross-entropy on the output projection's
-    vocabulary shards) on this mesh: with TP, without pipeline stages or context parallelism
-    (``strategies.loss_parallel_refusal``). A run that had it is priced with it there."""
-    return tp > 1 and pp == 1 and cp == 1
+    vocabulary shards) on this mesh: with TP, with or without pipeline stages, beside context parallelism only
+    inside them (``strategies.loss_parallel_refusal``). A run that had it is priced with it there."""
+    return tp > 1 and (cp == 1 or pp > 1)
 
 
 def torchtitan_cuts(layers: int, stages: int) -> tuple[int, ...]:
@@ -279,11 +279,6 @@ FLOAT8_EMITTED = (
     "float8 (tensorwise + fp8 all-gather)",
     "float8 all-gather",
 )
-CP_WITH_PP = (
-    "float8",
-    "float8 matmuls beside tensor parallelism are not emitted yet, and neither is sequence parallelism beside cp "
-    "inside pipeline stages: the same layout in bf16, without sequence parallelism, is priced for reference",
-)
 COMPILE_REASON = (
     "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
     "programs (--compile on refuses it); priced eager, with loss parallelism as run"
@@ -323,12 +318,7 @@ def _tt(
     compiled=False,
     float8=None,
 ) -> Run:
-    # sequence parallelism inside pipeline stages is emitted, but not beside cp there (the CLI refuses it)
-    needs = (
-        tuple(techniques)
-        + tuple(extra_needs)
-        + (("sequence parallel with PP and CP",) if tp > 1 and pp > 1 < cp else ())
-    )
+    needs = tuple(techniques) + tuple(extra_needs)
     priced = status != "not priced"
     # torchtitan's 'op' selective AC is autoshard's --recompute alternate (runtime.selective: the same policy)
     ar = "alternate" if recompute.startswith("selective") else "full"
@@ -526,7 +516,8 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                *(("float8", FLOAT8_REASON) if cp == 1 else CP_WITH_PP),
+                "float8",
+                FLOAT8_REASON,
                 cuts=torchtitan_cuts(126, 8),
             )
         )

@@ -30,8 +30,8 @@ Factories (``path:factory`` model specs)::
 
 ``example_batch(batch_size, seq_len=None)`` gives examples/gpt.py's synthetic token ids in the
 vocabulary and at the sequence length of the factory built last (the full model's before any:
-benchmarks/llama3.py's convention), ``seq_len`` overriding the length; ``loss_fn`` is
-cross-entropy on ``outputs.logits``. Config flags: ``use_cache=False``, ``attn_implementation=
+benchmarks/llama3.py's convention), ``seq_len`` overriding the length; the loss is the model file's
+default (cross-entropy on ``outputs.logits``), so loss parallelism may run on it. Config flags: ``use_cache=False``, ``attn_implementation=
 "sdpa"``; transformers' default experts implementation (grouped matmuls). No download.
 """
 
@@ -41,7 +41,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
@@ -172,11 +171,6 @@ def build_tiny_deep() -> DeepseekV3ForCausalLM:
 def example_batch(batch_size: int, seq_len: int | None = None):
     """``((token ids (batch, seq),), next tokens)`` of the factory built last (module doc)."""
     return gpt.example_batch(batch_size, seq_len=seq_len or _shape["seq_len"], vocab_size=_shape["vocab_size"])
-
-
-def loss_fn(outputs, targets: torch.Tensor) -> torch.Tensor:
-    logits = outputs.logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

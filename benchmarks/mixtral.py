@@ -2,7 +2,9 @@
 
 transformers' ``MixtralForCausalLM`` at the published configuration (mistralai/Mixtral-8x7B-v0.1
 ``config.json``): 32 layers, hidden 4096, 32 heads, 8 KV heads, 8 experts of FFN 14336, top-2,
-vocab 32000; 46.7B parameters, 12.9B active per token. Sequence 4096 (its training context).
+vocab 32000; 46.7B parameters, 12.9B active per token. Sequence 4096 (its training context). The loss is
+the model file's default (cross-entropy on ``outputs.logits``, in fp32 under autocast), so loss parallelism may
+run on it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
@@ -50,8 +50,3 @@ def build_2l() -> MixtralForCausalLM:
 
 def example_batch(batch_size: int, seq_len: int = SEQ_LEN):
     return gpt.example_batch(batch_size, seq_len=seq_len, vocab_size=VOCAB_SIZE)
-
-
-def loss_fn(outputs, targets: torch.Tensor) -> torch.Tensor:
-    logits = outputs.logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -39,8 +39,9 @@ def test_the_proof_accepts_the_default_loss_and_refuses_a_model_files_own(llama_
     assert llama_8b[1].loss_parallel_proof == ""
     assert llama_8b[1].node(output_projection(llama_8b[1])[0]).module_path == "lm_head"
     assert "own loss_fn" in gpt[1].loss_parallel_proof
-    assert loss_parallel_refusal(Mesh(tp=2, pp=2), "").startswith("pipeline stages")
+    assert loss_parallel_refusal(Mesh(tp=2, pp=2), "") == ""  # the last stage hands the loss its vocabulary shard
     assert loss_parallel_refusal(Mesh(tp=2, cp=2), "").startswith("context parallelism")
+    assert loss_parallel_refusal(Mesh(tp=2, pp=2, cp=2), "") == ""  # a cp rank's tokens' loss, inside the stages
 
 
 def _priced(graph, tp: int, loss_parallel: bool):
@@ -92,8 +93,8 @@ def test_a_pin_the_model_cannot_run_is_one_line_and_a_gathered_head_says_why(gpt
     assert "no loss parallelism: the model file's own loss_fn" in plan.review.tensor_parallel_reasons["lm_head"]
     with pytest.raises(AutoshardError, match="--loss-parallel on: the model file's own loss_fn"):
         plan_graph(replace(request, pins=Pins(tp=2, loss_parallel="on")), model_file, graph)
-    with pytest.raises(AutoshardError, match="--loss-parallel on: pipeline stages"):
-        plan_graph(replace(request, pins=Pins(tp=2, pp=2, loss_parallel="on")), model_file, graph)
+    with pytest.raises(AutoshardError, match="--loss-parallel on: context parallelism"):
+        plan_graph(replace(request, pins=Pins(tp=2, cp=2, loss_parallel="on")), model_file, graph)
 
 
 @pytest.mark.parametrize(

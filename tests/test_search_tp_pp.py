@@ -718,8 +718,28 @@ def test_sequence_parallel_stages_send_and_keep_a_tp_share_of_the_boundary(gpt):
     assert loads[True][1].memory.activations_bytes < loads[False][1].memory.activations_bytes
 
 
-def test_sequence_parallel_beside_cp_in_stages_is_refused_and_not_searched(gpt):
-    """tp x pp x cp: the stages run TP on the cp rank's tokens, without sequence shards of them."""
-    with pytest.raises(AutoshardError, match="sequence shards of a cp rank's tokens inside pipeline stages"):
-        plan(gpt, GPT, local(8), 16, dp=1, tp=2, pp=2, cp=2, sequence_parallel=True)
-    assert not plan(gpt, GPT, local(8), 16, dp=1, tp=2, pp=2, cp=2).sequence_parallel
+def test_sequence_parallel_beside_cp_in_stages_is_searched_and_sends_a_tp_share_of_a_cp_ranks_tokens(gpt):
+    """tp x pp x cp: the stages are traced on a cp rank's tokens, which sequence parallelism splits again over tp.
+    Priced as the sequence-parallel stages of the micro-batch's b/cp samples (``cp_equivalent``): at tp 2 a boundary
+    sends half of a cp rank's tokens, and the stages keep fewer activations."""
+    from autoshard.cost.context_parallel import cp_equivalent
+    from autoshard.cost.tables import CostTables
+    from autoshard.cost.tp_units import pipeline_units
+    from autoshard.ir.decisions import Decisions, Mesh
+    from autoshard.passes.planning.strategies import sequence_parallel_choices
+    from autoshard.passes.planning.tp_layout import hand_tp_layout
+
+    assert sequence_parallel_choices(Mesh(tp=2, pp=2, cp=2)) == (False, True)
+    tables = CostTables(gpt[1], load_cluster(FAST_LINK, devices_per_node=8))
+    off, on = (
+        cp_equivalent(Decisions(Mesh(tp=2, pp=2, cp=2), 0, 2, 4, schedule="1f1b", sequence_parallel=sp))
+        for sp in (False, True)
+    )
+    for config in (off, on):
+        hand_tp_layout(tables, config)
+    whole, sharded = pipeline_units(tables, off)[0], pipeline_units(tables, on)[0]
+    assert [s * 2 for s in sharded.boundary_bytes[1:]] == pytest.approx(whole.boundary_bytes[1:], rel=1e-3)
+    assert sum(sharded.saved_bytes) < sum(whole.saved_bytes)
+    fast = load_cluster(FAST_LINK, devices_per_node=8)
+    pinned = plan(gpt, GPT, fast, 16, dp=1, tp=2, pp=2, cp=2, schedule="1f1b", sequence_parallel=True)
+    assert pinned.sequence_parallel and (pinned.mesh.cp, pinned.mesh.pp) == (2, 2)

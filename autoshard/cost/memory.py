@@ -191,8 +191,9 @@ def alternate_reruns(graph: OpGraph) -> frozenset[str]:
 
 
 def _kept_by_policy(graph: OpGraph, block: Block, recompute: str, ratio: float, share: RankShare) -> dict[str, int]:
-    rerun = alternate_recomputed(graph, block) if recompute == "alternate" else frozenset()
-    return _selective_kept(graph, block, ratio, share, rerun)
+    if recompute == "alternate":
+        return _selective_kept(graph, block, ratio, share, alternate_recomputed(graph, block), scatters_only=True)
+    return _selective_kept(graph, block, ratio, share)
 
 
 def block_input_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share: RankShare = WHOLE) -> int:
@@ -310,7 +311,12 @@ def _block_saved(
 
 
 def _selective_kept(
-    graph: OpGraph, block: Block, ratio: float, share: RankShare = WHOLE, rerun: frozenset[str] = frozenset()
+    graph: OpGraph,
+    block: Block,
+    ratio: float,
+    share: RankShare = WHOLE,
+    rerun: frozenset[str] = frozenset(),
+    scatters_only: bool = False,
 ) -> dict[str, int]:
     """What selective recompute keeps besides the block's input, on one TP rank: the outputs of the ops the
     runtime's policy saves (``runtime.selective.SAVE_IN_SELECTIVE``), as the rank holds them; ``rerun``: the
@@ -326,6 +332,11 @@ def _selective_kept(
       column-parallel matmul reads gathered (``RankShare.gathers``: once per gathering module);
     - attention's output and its log-sum-exp.
 
+    ``scatters_only`` ("alternate": torchtitan's op-level policy, whose save list holds ``reduce_scatter_tensor``
+    and no other collective) keeps of the collectives only the reduce-scatters' outputs (1/tp of the tokens): the
+    all-reduces, the all-gathers of the split inputs and a colwise-gather's are rerun in backward
+    (``cost.tp.recompute_tp_comm``), so a column-parallel matmul's gathered input is not kept whole.
+
     On Llama-3-8B at 8,192 tokens, tp 4 with sequence parallelism, this is 456 MiB a block where the output
     values alone were 200 MiB (benchmarks/reports/dryrun-long-tp-2026-12-01/README.md)."""
     kept: dict[str, int] = {}
@@ -334,7 +345,7 @@ def _selective_kept(
         node = graph.node(name)
         op = op_name(node.target)
         if op in MATMUL_OPS:
-            kept.update(_matmul_kept(graph, node, ratio, share, grads, name in rerun))
+            kept.update(_matmul_kept(graph, node, ratio, share, grads, name in rerun, scatters_only))
         elif op in SDPA_OPS:
             kept[name] = share.value_bytes(graph, name, ratio)
             kept.update(
@@ -344,18 +355,24 @@ def _selective_kept(
 
 
 def _matmul_kept(
-    graph: OpGraph, node: OpNode, ratio: float, share: RankShare, grads: set[str], rerun: bool
+    graph: OpGraph, node: OpNode, ratio: float, share: RankShare, grads: set[str], rerun: bool, scatters_only: bool
 ) -> list[tuple[str, int]]:
-    """(key, bytes) a selective policy keeps of one matmul on a TP rank (``_selective_kept``)."""
+    """(key, bytes) a selective policy keeps of one matmul on a TP rank (``_selective_kept``; ``scatters_only``:
+    of its collectives only a reduce-scatter's output)."""
     name = node.name
     whole = value_bytes(graph, name, ratio)
     own, collectives = [(name, share.value_bytes(graph, name, ratio))], []
     if name in share.partial:
         own = [(f"{name}:partial", whole)]
-        collectives = [(name, share.value_bytes(graph, name, ratio))]  # reduce-scatter: 1/tp; all-reduce: whole
+        reduced = share.value_bytes(graph, name, ratio)  # reduce-scatter: 1/tp; all-reduce: whole
+        collectives = [(name, reduced)] if not scatters_only or reduced < whole else []
     elif name in share.gathered_out:
-        own, collectives = [(f"{name}:shard", whole // share.tp)], [(name, whole)]
-    gathered = [(k, b) for k, b in saved_by(graph, node, grads, ratio, share) if k.endswith(":gathered")]
+        own, collectives = [(f"{name}:shard", whole // share.tp)], [] if scatters_only else [(name, whole)]
+    gathered = (
+        []
+        if scatters_only
+        else [k_b for k_b in saved_by(graph, node, grads, ratio, share) if k_b[0].endswith(":gathered")]
+    )
     return ([] if rerun else own) + collectives + gathered
 
 

@@ -87,7 +87,7 @@ from autoshard.cost.memory import (
 from autoshard.cost.parts import StepParts
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM, sharded_nodes, splits_param, tp_activation_fraction
+from autoshard.cost.tp import recompute_tp_comm, sharded_nodes, splits_param, tp_activation_fraction
 from autoshard.ir.decisions import Decisions, TPChoice
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.plan import Memory
@@ -535,7 +535,7 @@ def _fallbacks(
     state_dp = p["dp"] * p.get("cp", 1) if point.zero_stage >= 3 else 1
     local = parts.memory.params_bytes * state_dp / w  # the rank's parameters
     per_token = sum(blk.input_bytes for blk in graph.blocks) * a / 4 / (graph.batch_size * max(1, p["s"]))
-    recompute_factor = FULL_RECOMPUTE_TP_COMM if point.recompute == "full" else 1.0
+    recompute_factor = recompute_tp_comm(point.recompute, False)  # the fallback's four all-reduces per block
     if point.zero_stage <= 1:  # all-reduce (2(n−1)/n) of the gradients, ZeRO-1 a gather of the weights
         dp_bytes = 2 * g + (w if point.zero_stage == 1 else 0)
     elif point.pipeline and point.zero_stage == 3:  # X = 2·a·m + g carries the bytes

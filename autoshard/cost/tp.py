@@ -13,7 +13,9 @@ the residual stream stay replicated, as in Megatron-LM without sequence parallel
 T_tp is that layout's TP collectives per micro-batch (forward all-reduces of row-parallel
 outputs, backward all-reduces of column-parallel input gradients), all exposed: they sit
 between dependent matmuls. Full recompute runs the forward again, so T_tp ×
-``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer).
+``FULL_RECOMPUTE_TP_COMM`` (the forward half of Megatron's four per layer); "alternate" (torchtitan's op-level
+policy, which keeps only the reduce-scatters) the same without sequence parallelism, and with it T_tp ×
+``ALTERNATE_SEQUENCE_TP_COMM`` (the two forward all-gathers of eight per layer: ``recompute_tp_comm``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from autoshard.ir.names import block_of, op_name
 
 ROW_CONSTRUCTORS = ("RowwiseParallel", "Conv1DRowwiseParallel")  # weights split on the input features
 FULL_RECOMPUTE_TP_COMM = 1.5  # full recompute repeats the forward TP all-reduces (half of them)
+# "alternate" (torchtitan's op-level policy, ``runtime.selective``) keeps the reduce-scatters only: it repeats the
+# forward all-reduces (half of the four per block, as full recompute) or, with sequence parallelism, the two forward
+# all-gathers of the eight collectives per block (all-gather, reduce-scatter per region, and their backward twins)
+ALTERNATE_SEQUENCE_TP_COMM = 1.25
 
 
 def tp_activation_fraction(tp: int) -> float:
@@ -61,12 +67,21 @@ def price_layout(graph: OpGraph, choice: TPChoice, scale: float, times: list[flo
     return TPCost(choice, *fractions, scale * choice.comm_s, local, block)
 
 
-def tp_comm_factor(modes: tuple[str, ...]) -> float:
-    """TP collectives of a micro-batch over those without recompute: full recompute repeats a
-    block's forward ones (FULL_RECOMPUTE_TP_COMM for the whole model), by the share of such blocks."""
+def recompute_tp_comm(mode: str, sequence_parallel: bool) -> float:
+    """TP collectives of a micro-batch over those without recompute, every block under ``mode``: full recompute
+    repeats the forward ones; "alternate" the forward ones it does not keep (``ALTERNATE_SEQUENCE_TP_COMM``: the
+    all-reduces without sequence parallelism, the all-gathers with it); selective keeps every collective."""
+    if mode == "full" or (mode == "alternate" and not sequence_parallel):
+        return FULL_RECOMPUTE_TP_COMM
+    return ALTERNATE_SEQUENCE_TP_COMM if mode == "alternate" else 1.0
+
+
+def tp_comm_factor(modes: tuple[str, ...], sequence_parallel: bool = False) -> float:
+    """TP collectives of a micro-batch over those without recompute: each block's ``recompute_tp_comm`` (for the
+    whole model), by the share of such blocks."""
     if not modes:
         return 1.0
-    return 1.0 + (FULL_RECOMPUTE_TP_COMM - 1.0) * sum(m == "full" for m in modes) / len(modes)
+    return 1.0 + sum(recompute_tp_comm(m, sequence_parallel) - 1.0 for m in modes) / len(modes)
 
 
 def sharded_nodes(graph: OpGraph, styles: dict[str, str]) -> frozenset[str]:

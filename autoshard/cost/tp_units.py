@@ -40,7 +40,8 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
         return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
     tp = tables.layout_cost(config)
     modes = config.block_modes(len(tables.graph.blocks))
-    return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes), tp.local_params
+    comm_s = tp.comm_s * tp_comm_factor(modes, config.sequence_parallel)
+    return _compute_time(units, *_fractions(tp, modes)), comm_s, tp.local_params
 
 
 def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -141,7 +142,8 @@ def tp_sharded_units(tables: CostTables, config: Decisions) -> tuple[Units, tupl
         params=tuple(round(n * k) for n, k in zip(units.params, share)),
         boundary_bytes=tuple(int(n * k) for n, k in zip(units.boundary_bytes, boundary_shares(tables, config))),
     )
-    return sharded, _unit_tp_comm(tables.graph, cost, tp_comm_factor(config.block_modes(units.blocks)))
+    factor = tp_comm_factor(config.block_modes(units.blocks), config.sequence_parallel)
+    return sharded, _unit_tp_comm(tables.graph, cost, factor)
 
 
 def boundary_shares(tables: CostTables, config: Decisions) -> tuple[float, ...]:

@@ -93,9 +93,9 @@ class Plan:
         if (d.sequence_parallel, d.loss_parallel) != (sequence_parallel, loss_parallel):
             d = replace(d, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
             object.__setattr__(self, "decisions", d)
-        if loss_parallel and (d.mesh.pp > 1 or d.mesh.cp > 1):
+        if loss_parallel and d.mesh.cp > 1 and d.mesh.pp == 1:
             raise AutoshardError(
-                f"the colwise-loss-parallel style runs without pipeline stages or cp only (mesh {d.mesh}); "
+                f"the colwise-loss-parallel style runs beside cp only inside pipeline stages (mesh {d.mesh}); "
                 f"re-plan, or give the output projection colwise-gather"
             )
         if d.zero_stage not in (0, 1, 2, 3):

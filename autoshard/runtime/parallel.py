@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import precision_policy
+from autoshard.ir.decisions import LOSS_PARALLEL, precision_policy
 from autoshard.ir.steps import RESULTS, RUN_INPUTS, WHOLE_MESH, Step
 from autoshard.runtime import checkpoint, init_replay
 from autoshard.runtime import expert_parallel as ep_runtime
@@ -141,6 +141,7 @@ def split_pipeline(
         tp_group=mesh.get_group("tp") if tp else None,
         placement=placement,
         sequence=sequence,
+        vocabulary_mesh=mesh["tp"] if tp and any(s.startswith(LOSS_PARALLEL) for s in tp_styles.values()) else None,
     )
     init_replay.carry(model, stages, stages.modules)
     return stages

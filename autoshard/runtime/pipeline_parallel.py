@@ -60,6 +60,19 @@ the schedule's 1/m give::
     g = (1/(dp·cp·m)) Σ_{replica, c, j} ∇ℓ_{j,c} = ∇ ℓ(B)
 
 and ``global_mean_loss`` averages the same ℓ_{j,c} over every rank holding the last stage.
+
+Loss parallelism (``PipelineStages.vocabulary_mesh``). The last stage's output projection keeps its local rows
+of the weight and returns rank k's vocabulary shard of the logits, z[..., k·V/t:(k+1)·V/t] (the local form of
+``colwise-loss-parallel``: no gather). The schedule's loss sees that shard as the DTensor of the whole logits,
+``Shard(-1)`` over the tp mesh (``vocabulary_shards``), and ``schedule.step`` runs under torch's
+``loss_parallel()``, so the cross-entropy and its backward run on the shards (``runtime.train_step`` module doc:
+three all-reduces of one fp32 number per token), as torchtitan's pipelines run it: no rank holds whole logits.
+ℓ_j comes back a replicated DTensor; its local value (the same on every tp rank) is what the schedule's backward
+starts from and what ``global_mean_loss`` averages. Beside cp the logits are a cp rank's tokens' and ℓ_{j,c} their
+mean, as without loss parallelism; the loss's forward calls no ``torch.arange`` and its backward runs outside the
+ring's function mode (autograd runs it where no function mode is active: ``runtime.selective``), so no row index of
+the vocabulary-parallel backward is taken for a position (checked with one sample per micro-batch, where the rows
+number as the rank's tokens: tests/e2e/test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -95,6 +108,8 @@ from autoshard.ir.decisions import ZERO_BUBBLE_SCHEDULES
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
+from autoshard.runtime.train_step import local_loss
+from autoshard.runtime.train_step import vocabulary_shards as loss_on_shards
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -159,6 +174,9 @@ class PipelineStages:
     # on the whole model: a stage's graph module has lost the types (``model.no_decay_names``)
     no_decay: frozenset[str] = frozenset()
     sequence: SequenceShard | None = None  # context parallelism inside the stages; None: whole samples
+    # Loss parallelism (module doc, "Loss parallelism"): the tp DeviceMesh the last stage's logits are sharded over
+    # on the vocabulary; None: the last stage hands the loss whole logits
+    vocabulary_mesh: object = None
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -213,6 +231,7 @@ def build_pipeline_stages(
     tp_group: dist.ProcessGroup | None = None,
     placement: str = "loop",
     sequence: SequenceShard | None = None,
+    vocabulary_mesh=None,
 ) -> PipelineStages:
     """Split ``model`` before each of ``split_points`` and build this rank's stages.
 
@@ -222,7 +241,9 @@ def build_pipeline_stages(
     the model is already sharded (``tensor_parallel_stages.shard_for_tracing``, which returns
     ``tp_shard_dims``), by which checkpoints save each shard as part of its whole tensor.
     ``placement`` is "loop" or "v" (module doc, ``stage_indices``). With ``sequence`` (context parallelism)
-    ``example_microbatch_inputs`` is this rank's token chunk already (module doc, "CP × PP").
+    ``example_microbatch_inputs`` is this rank's token chunk already (module doc, "CP × PP"). With a
+    ``vocabulary_mesh`` (the tp mesh) the model's output is its vocabulary shard, and the loss runs on the shards
+    (module doc, "Loss parallelism").
     """
     num_stages = pp_size * virtual_stages
     if len(split_points) != num_stages - 1:
@@ -261,6 +282,7 @@ def build_pipeline_stages(
         placement,
         no_decay=no_decay,
         sequence=sequence,
+        vocabulary_mesh=vocabulary_mesh,
     )
 
 
@@ -628,7 +650,7 @@ def make_torch_schedule(parts: PipelineStages, n_microbatches: int, loss_fn: Cal
             f"schedule '{schedule}' runs stages placed '{want}', but this rank's were placed "
             f"'{parts.placement}'; split with placement='{want}'"
         )
-    stage_loss = _structured_loss(loss_fn, parts.output_spec)
+    stage_loss = _structured_loss(loss_fn, parts.output_spec, parts.vocabulary_mesh)
     stages = parts.stages if multi else parts.stages[0]
     if parts.placement == "v":
         for stage in parts.stages:
@@ -703,12 +725,35 @@ def _recompute_once_per_weight_pass(stage: _PipelineStageBase) -> None:
     stage.backward_weight_one_chunk = weight_pass_in_one_group
 
 
-def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec) -> Callable:
+def _structured_loss(loss_fn: Callable, output_spec: pytree.TreeSpec, vocabulary_mesh=None) -> Callable:
+    """The schedule's loss: ``loss_fn`` on the model's output structure rebuilt from the last stage's tensors; with
+    a ``vocabulary_mesh`` (module doc, "Loss parallelism") on the logits' vocabulary shards, its local value."""
+
     def stage_loss(stage_output, targets):
         flat = list(stage_output) if isinstance(stage_output, (tuple, list)) else [stage_output]
-        return loss_fn(pytree.tree_unflatten(flat, output_spec), targets)
+        if vocabulary_mesh is None:
+            return loss_fn(pytree.tree_unflatten(flat, output_spec), targets)
+        shards = vocabulary_shards(flat, vocabulary_mesh)
+        return local_loss(loss_fn(pytree.tree_unflatten(shards, output_spec), targets), True)
 
     return stage_loss
+
+
+def vocabulary_shards(flat: list, tp_mesh) -> list:
+    """The last stage's one output, this rank's vocabulary shard of the logits, as the DTensor of the whole logits
+    sharded on its last dim over ``tp_mesh`` (what DTensor's ``ColwiseParallel(output_layouts=Shard(-1))`` hands
+    the loss in an SPMD plan); an output of more tensors than the logits is refused."""
+    from torch.distributed.tensor import Shard
+
+    tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    if len(tensors) != 1:
+        raise AutoshardError(
+            f"loss parallelism: the last stage outputs {len(tensors)} tensors, not the logits alone; the model's "
+            f"output is not what the plan proved; re-plan with --loss-parallel off"
+        )
+    i = tensors[0]
+    shard = DTensor.from_local(flat[i], tp_mesh, [Shard(flat[i].dim() - 1)], run_check=False)
+    return [*flat[:i], shard, *flat[i + 1 :]]
 
 
 def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch.Tensor) -> float:
@@ -725,7 +770,10 @@ def pipeline_step(schedule, parts: PipelineStages, inputs: tuple, targets: torch
         inputs, targets = parts.sequence.cut(tuple(inputs), targets)
     args = inputs if parts.has_first else ()
     kwargs = {"target": targets, "losses": losses} if parts.has_last else {}
-    with parts.sequence.ring() if parts.sequence is not None else nullcontext():
+    with (
+        parts.sequence.ring() if parts.sequence is not None else nullcontext(),
+        loss_on_shards(parts.vocabulary_mesh is not None),  # the loss's forward and backward, inside the schedule
+    ):
         schedule.step(*args, **kwargs, return_outputs=False)  # the losses suffice; merging 0-d outputs would fail
     sync_tied_grads(parts)
     sync_expert_grads(parts)

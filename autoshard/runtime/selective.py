@@ -5,7 +5,8 @@ traced TP collectives of pipeline stages, DTensor's collectives) and recomputes 
 cheap ones (norms, activations, dropout, reshapes) in backward; "alternate" is torchtitan's op-level policy
 (its ``selective_ac_option = "op"``, ``torchtitan/models/llama3/infra/parallelize.py``): it keeps attention and
 every other weight matmul (``mm`` / ``addmm`` as they run: the 1st, 3rd, ... of each region, counted apart in
-the forward and in the recomputation) and recomputes the rest, batched matmuls included; "full" keeps only the
+the forward and in the recomputation) and the reduce-scatters, and recomputes the rest, batched matmuls, all-reduces
+and all-gathers included; "full" keeps only the
 region's inputs. Shared by block recompute (``runtime.parallel.apply_recompute``) and recompute inside
 pipeline stages (``runtime.stage_recompute``).
 """
@@ -45,11 +46,22 @@ SAVE_IN_SELECTIVE = {
 }
 
 
-# alternate (module doc): the 2-D matmuls counted, every other one kept; attention and the TP collectives kept
+# alternate (module doc): the 2-D matmuls counted, every other one kept; attention and, of the TP collectives, the
+# reduce-scatters kept, as torchtitan's save list holds ``reduce_scatter_tensor`` and no other collective: the
+# all-reduces and the all-gathers (a column-parallel linear's gathered input, b·s·h whole per region) are rerun in
+# the backward, so the gathered tokens are never kept whole (``cost.memory._selective_kept``, ``scatters_only``)
 COUNTED_IN_ALTERNATE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+RERUN_IN_ALTERNATE = {
+    torch.ops.autoshard.tp_reduce.default,
+    torch.ops.autoshard.tp_gather.default,
+    torch.ops.autoshard.sp_gather.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
 SAVE_IN_ALTERNATE = (
     SAVE_IN_SELECTIVE
     - COUNTED_IN_ALTERNATE
+    - RERUN_IN_ALTERNATE
     - {
         torch.ops.aten.bmm.default,
         torch.ops.aten.linear.default,

@@ -27,6 +27,9 @@ Styles (the planner's names, as in ``runtime.tensor_parallel``), rank k of t::
 
     colwise           W[k·o/t:(k+1)·o/t, :], b likewise     y_k = x W_kᵀ + b_k           (input via f)
     colwise-gather    the same, then tp_gather               y = [y_0 … y_{t−1}]
+    colwise-loss-     the same, no gather: the last stage's     y_k, this rank's vocabulary shard, which the
+      parallel        output (loss parallelism)                 loss reads as a Shard(-1) DTensor
+                                                              (``pipeline_parallel`` module doc)
     rowwise           W[:, k·i/t:(k+1)·i/t], b whole        y = g(x_k W_kᵀ) + b
     vocab-parallel-   rows [k·V/t, (k+1)·V/t) of the table   y = g(E_k[id − k·V/t] · 1[id in range])
       embedding
@@ -39,6 +42,8 @@ The sequence-parallel styles (``ir.decisions``' second table), the same shards w
 
     colwise-seq-input-dimd          y_k = sp_gather(x) W_kᵀ + b_k, no f: the gather's backward reduce-scatters
     colwise-gather-seq-input-dimd   the same, then tp_gather
+    colwise-loss-parallel-seq-      the same, no gather (loss parallelism)
+      input-dimd
     rowwise-seq-output-dimd         y = sp_scatter(x_k W_kᵀ) + f(b): the bias meets this rank's tokens only,
                                     so its gradient is summed over tp
     vocab-parallel-embedding-       sp_scatter in place of g
@@ -69,7 +74,7 @@ import torch.nn.functional as F
 from torch._C._distributed_c10d import _resolve_process_group
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import SHARDED_INPUT, tp_style
+from autoshard.ir.decisions import LOSS_PARALLEL, SHARDED_INPUT, tp_style
 
 # ---------------------------------------------------------------------------- traceable collectives
 
@@ -470,6 +475,8 @@ def _local_module(module: nn.Module, shard: LocalStyle) -> nn.Module:
         return ShardedConv1D(module, base, *args, seq_dim=seq, gathered=shard.gathered)
     if base == "vocab-parallel-embedding" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding(module, *args, seq_dim=seq)
+    if base == LOSS_PARALLEL and isinstance(module, nn.Linear):  # its vocabulary shard is the stage's output
+        return ShardedLinear(module, "colwise", *args, seq_dim=seq, gathered=shard.gathered)
     if base in ("colwise", "colwise-gather", "rowwise") and isinstance(module, nn.Linear):
         return ShardedLinear(module, base, *args, seq_dim=seq, gathered=shard.gathered)
     raise AutoshardError(

@@ -10,6 +10,8 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank); pp 2 x cp 2 (each stage's
                ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens)
+    8 ranks    pp 2 x cp 2 x tp 2 with sequence and loss parallelism (benchmarks/llama3.py's tiny Llama: a stage
+               boundary carrying 1/tp of a cp rank's tokens, the loss on vocabulary shards of its logits)
 
 Every case runs two micro-batches per step. The Python API takes the 2-rank cp plan of the GPT too:
 ``api_driver.py`` applies it with ``autoshard.parallelize`` and trains it in a loop of its own that reads
@@ -38,6 +40,7 @@ from e2e.zoo import FAST_LINK, GLOBAL_BATCH, program_case
 pytestmark = pytest.mark.e2e
 
 MODELS = {"gpt": "examples/gpt.py:build", "llama": "tests/models/hf_llama.py:build"}
+SPECS = {**MODELS, "llama3-tiny": "benchmarks/llama3.py:llama3_tiny"}  # the default loss, attention without a mask
 MICROBATCHES = 2
 CASES_2 = {
     **{f"{m}-cp2": (m, dict(cp=2, dp=1, tp=1, zero=1)) for m in MODELS},
@@ -52,6 +55,16 @@ CASES_4 = {
 }
 # inside pipeline stages: the GPT (transformers' Llama attends with the mask its traced graph builds: refused)
 CASES_PP = {"gpt-pp2-cp2-1f1b": ("gpt", dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b"))}
+# and with tp 2, sequence and loss parallelism on 8 ranks: a stage boundary carries 1/tp of a cp rank's tokens, and
+# the last stage's loss reads its vocabulary shard of them; one sample per micro-batch, so a cp rank's rows of the
+# loss number as its tokens (an arange of them inside the loss's backward must not be taken for positions)
+LLAMA3_TINY = "llama3-tiny"
+CASES_PP_8 = {
+    "llama3-pp2-cp2-tp2-sp-lp": (
+        LLAMA3_TINY,
+        dict(cp=2, dp=1, tp=2, zero=0, pp=2, schedule="1f1b", sequence_parallel=True, loss_parallel=True),
+    )
+}
 # api_driver.py: the Python API on a case of CASES_2's plan
 API_CASES = {"gpt-cp2-api": "gpt-cp2"}
 API_DRIVER = Path(__file__).with_name("api_driver.py")
@@ -65,6 +78,11 @@ TOL = 1e-5  # fp32: the ring merges partial softmaxes in another order than one 
 def _plan(model: str, ranks: int, pins: dict):
     microbatch = GLOBAL_BATCH // (pins["dp"] * MICROBATCHES)
     cluster = FAST_LINK if pins["tp"] > 1 else "local-cpu"  # a link where TP pays, so the layout shards
+    if model == LLAMA3_TINY:  # one sample of its 128 tokens per micro-batch (CASES_PP_8)
+        pins = {"microbatch_size": 1, **pins}
+        return autoshard.plan(
+            SPECS[model], cluster=cluster, devices_per_node=ranks, global_batch=2, recompute="none", **pins
+        )
     return autoshard.plan(
         MODELS[model],
         cluster=cluster,
@@ -97,7 +115,7 @@ def _driver_job(out: Path, dp: int, cp: int) -> dict:
     )
 
 
-CASES = {**CASES_2, **CASES_4, **CASES_PP}
+CASES = {**CASES_2, **CASES_4, **CASES_PP, **CASES_PP_8}
 
 
 def _prepare(names, ranks, folder):
@@ -128,6 +146,7 @@ LAUNCHES = Cases(
         **dict.fromkeys(CASES_2, 2),
         **dict.fromkeys(CASES_4, 4),
         **dict.fromkeys(CASES_PP, 4),
+        **dict.fromkeys(CASES_PP_8, 8),
         **dict.fromkeys(API_CASES, 2),
         **{name: dp * cp for name, (dp, cp) in DRIVER_MESHES.items()},
     },
@@ -137,6 +156,7 @@ LAUNCHES = Cases(
         "test_sequences_split_over_two_ranks_train_like_one_process": list(CASES_2),
         "test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process": list(CASES_4),
         "test_context_parallel_inside_pipeline_stages_trains_like_one_process": list(CASES_PP),
+        "test_sequence_and_loss_parallel_beside_cp_inside_pipeline_stages_train_like_one_process": list(CASES_PP_8),
         "test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop": list(API_CASES),
         "test_context_parallel_matches_one_process": [
             name for name, mesh in DRIVER_MESHES.items() if mesh == (params.get("dp"), params.get("cp"))
@@ -159,7 +179,7 @@ def _run(cases: dict, launches) -> None:
         assert splits == (pins["cp"] > 1), f"{name}: the program does not split the sequence as planned"
         runs[name] = plan, folder, failure
     for name, (plan, folder, failure) in runs.items():
-        assert_trains_like_one_process(name, MODELS[cases[name][0]], plan, folder / "out", failure)
+        assert_trains_like_one_process(name, SPECS[cases[name][0]], plan, folder / "out", failure)
 
 
 def test_sequences_split_over_two_ranks_train_like_one_process(in_repo, launches):
@@ -172,6 +192,16 @@ def test_context_parallel_with_data_and_tensor_parallel_trains_like_one_process(
 
 def test_context_parallel_inside_pipeline_stages_trains_like_one_process(in_repo, launches):
     _run(CASES_PP, launches)
+
+
+def test_sequence_and_loss_parallel_beside_cp_inside_pipeline_stages_train_like_one_process(in_repo, launches):
+    """pp 2 x cp 2 x tp 2 with sequence and loss parallelism: each stage is traced on a cp rank's half of the tokens,
+    which the sequence ops split again over tp, so a stage boundary carries a quarter of every sample's tokens; the
+    last stage's output projection returns its vocabulary shard of the cp rank's logits, the loss runs on it."""
+    for name in CASES_PP_8:
+        plan = launches.result(LAUNCHES, name)[0]
+        assert plan.decisions.loss_parallel and plan.tensor_parallel["output"].startswith("colwise-loss-parallel")
+    _run(CASES_PP_8, launches)
 
 
 def test_parallelize_applies_a_cp_plan_to_a_scripts_own_loop(in_repo, launches):

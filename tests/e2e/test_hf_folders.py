@@ -4,7 +4,9 @@ Three architectures at their library defaults but for the sizes (``save_pretrain
 Llama (rotary, GQA, SiLU MLP), Qwen2 (biased q/k/v) and GPT-2 (learned positions, tied embeddings, Conv1D),
 each planned by ``autoshard.plan("hf:DIR", ...)`` on 2 CPU ranks as a user would, and verified in the session's
 2-rank launch (``one_launch.verify_cases``). Llama again at tp 2 with loss parallelism pinned: its logits on
-vocabulary shards and the cross-entropy computed on them (torch's ``loss_parallel``), trained like one process.
+vocabulary shards and the cross-entropy computed on them (torch's ``loss_parallel``), trained like one process;
+and on 4 ranks in two pipeline stages of tp 2 (the session's 4-rank launch), the last stage handing the schedule's
+loss its vocabulary shard.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _config(name: str):
 
 CASES = ("llama", "qwen2", "gpt2")
 LOSS_PARALLEL = "llama-loss-parallel"  # the llama folder, tp 2, the loss on vocabulary shards
+STAGES_LOSS_PARALLEL = "llama-stages-loss-parallel"  # the same, in 2 pipeline stages (pp 2 x tp 2)
 
 
 @cache
@@ -54,6 +57,16 @@ def folder(name: str) -> Path:
 
 
 def _plan(name: str):
+    if name == STAGES_LOSS_PARALLEL:
+        return autoshard.plan(
+            f"hf:{folder('llama')}",
+            cluster="local-cpu",
+            devices_per_node=2 * RANKS,
+            global_batch=8,
+            tp=2,
+            pp=2,
+            loss_parallel=True,
+        )
     if name == LOSS_PARALLEL:
         return autoshard.plan(
             f"hf:{folder('llama')}",
@@ -67,9 +80,9 @@ def _plan(name: str):
 
 
 LAUNCHES = Cases(
-    dict.fromkeys((*CASES, LOSS_PARALLEL), RANKS),
-    *verify_cases(_plan, lambda name: 3),
-    case_of=lambda test, params: params.get("name", LOSS_PARALLEL),
+    {**dict.fromkeys((*CASES, LOSS_PARALLEL), RANKS), STAGES_LOSS_PARALLEL: 2 * RANKS},
+    *verify_cases(_plan, lambda name: 2 if name == STAGES_LOSS_PARALLEL else 3),  # two: the first update carried on
+    case_of=lambda test, params: params.get("name", STAGES_LOSS_PARALLEL if "stages" in test else LOSS_PARALLEL),
 )
 
 
@@ -87,6 +100,17 @@ def test_loss_parallelism_trains_like_one_process(launches):
     the cross-entropy runs on the shards under loss_parallel, and the losses and weights match one process."""
     plan, report = launches.result(LAUNCHES, LOSS_PARALLEL)
     assert plan.decisions.loss_parallel and plan.mesh.tp == 2
+    assert plan.tensor_parallel["lm_head"].startswith("colwise-loss-parallel")
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
+
+
+def test_loss_parallelism_in_pipeline_stages_trains_like_one_process(launches):
+    """In two stages of tp 2 the last stage's lm_head keeps its rows of the weight and returns its vocabulary shard;
+    the schedule's loss reads it as a Shard(-1) DTensor under loss_parallel, and the losses and weights match one
+    process."""
+    plan, report = launches.result(LAUNCHES, STAGES_LOSS_PARALLEL)
+    assert plan.decisions.loss_parallel and (plan.mesh.tp, plan.mesh.pp) == (2, 2)
     assert plan.tensor_parallel["lm_head"].startswith("colwise-loss-parallel")
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]

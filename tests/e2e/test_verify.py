@@ -11,6 +11,7 @@ import pytest
 
 import autoshard
 from e2e.one_launch import Cases, verify_cases
+from e2e.zoo import FAST_LINK
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +33,7 @@ CASES = {  # name: (ranks, steps)
     "eight-ranks-zero3": (8, 2),
     "mixed-recompute": (2, 3),
     "llama-alternate-zero3-2": (2, 3),
+    "llama-alternate-tp2-sp": (2, DP_ZERO_STEPS),
     **{
         name: (2, 3)
         for name in (
@@ -114,6 +116,16 @@ def _plan(name):
             zero=3,
             recompute="alternate",
         )
+    if name == "llama-alternate-tp2-sp":  # the same policy over sequence-parallel TP: all-gathers rerun in backward
+        return autoshard.plan(
+            MODELS["llama"],
+            cluster=FAST_LINK,
+            devices_per_node=2,
+            global_batch=8,
+            tp=2,
+            sequence_parallel=True,
+            recompute="alternate",
+        )
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -128,6 +140,7 @@ def _case_of(test, params):
         "test_verify_eight_ranks_zero3": "eight-ranks-zero3",
         "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute",
         "test_verify_alternate_recompute": "llama-alternate-zero3-2",
+        "test_verify_alternate_recompute_reruns_the_tp_all_gathers": "llama-alternate-tp2-sp",
     }.get(test)
 
 
@@ -165,6 +178,16 @@ def test_verify_alternate_recompute(verified):
     """--recompute alternate (attention and every other weight matmul kept) trains like one process."""
     plan, report = verified("llama-alternate-zero3-2")
     assert plan.recompute == "alternate" and plan.zero_stage == 3
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
+
+
+def test_verify_alternate_recompute_reruns_the_tp_all_gathers(verified):
+    """Over tp 2 with sequence parallelism alternate keeps the reduce-scatters only, as torchtitan's policy does: the
+    all-gathers of the column-parallel linears' inputs run again in the backward's recomputation, and the program
+    trains like one process."""
+    plan, report = verified("llama-alternate-tp2-sp")
+    assert plan.recompute == "alternate" and plan.mesh.tp == 2 and plan.sequence_parallel
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 

@@ -173,22 +173,19 @@ def _check_loss_parallel(pins: Pins) -> None:
     mesh = Mesh(tp=pins.tp or 2, pp=2 if pins.wants_pipeline else 1, cp=pins.cp or 1)
     why = loss_parallel_refusal(mesh, "")
     if why:
-        raise AutoshardError(f"--loss-parallel on: {why}; pin --tp 2 or more without --pp or --cp, or leave it off")
+        raise AutoshardError(
+            f"--loss-parallel on: {why}; pin --tp 2 or more without --cp (or with --pp 2 or more), or leave it off"
+        )
 
 
 def _check_sequence_parallel(pins: Pins) -> None:
-    """--sequence-parallel on: TP's layout, with or without pipeline stages (``sequence_parallel_choices``)."""
+    """--sequence-parallel on: TP's layout, with or without pipeline stages and cp (``sequence_parallel_choices``)."""
     if not pins.sequence_parallel:
         return
     if pins.tp == 1:
         raise AutoshardError(
             "--sequence-parallel on shards TP's regions along the sequence, and --tp 1 has no TP; "
             "pin --tp 2 or more, or --sequence-parallel off"
-        )
-    if (pins.pp or 1) > 1 and (pins.cp or 1) > 1:
-        raise AutoshardError(
-            f"--sequence-parallel on with --pp {pins.pp} and --cp {pins.cp}: sequence shards of a cp rank's tokens "
-            "inside pipeline stages are not emitted yet; pin --sequence-parallel off, --cp 1 or --pp 1"
         )
 
 

@@ -36,7 +36,7 @@ from autoshard.cost.context_parallel import cp_equivalent
 from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, spmd_moments
 from autoshard.cost.tables import CostTables
-from autoshard.cost.tp import FULL_RECOMPUTE_TP_COMM
+from autoshard.cost.tp import recompute_tp_comm
 from autoshard.cost.tp_units import forward_share, modules_host_s, spmd_microbatch
 from autoshard.ir.decisions import MIXED, Decisions
 from autoshard.ir.plan import RECOMPUTE_MODES
@@ -82,8 +82,8 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
 
 def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k: int) -> float:
     """t[g, r] of the module doc for block k: its recompute on one TP rank (a selective block reruns
-    its light ops' share), its host time, and for full recompute its share of the repeated forward
-    TP collectives (``cost.tp.tp_comm_factor``), and under either mode the forward's share of its DTensor modules'
+    its light ops' share), its host time, and its share of the forward TP collectives the mode repeats
+    (``cost.tp.recompute_tp_comm``), and under either mode the forward's share of its DTensor modules'
     host time (``cost.tp_units.tp_host_per_unit_s``)."""
     u = k + 1
     host = units.host_recompute_s[u] if units.host_recompute_s else 0.0
@@ -91,7 +91,7 @@ def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k
         return units.recompute_s[u] + host
     tp = tables.layout_cost(config)
     share = tp.light_fraction[u] if mode == "selective" else tp.unit_fraction[u]
-    repeated = (FULL_RECOMPUTE_TP_COMM - 1.0) * tp.comm_s / len(tables.graph.blocks) if mode == "full" else 0.0
+    repeated = (recompute_tp_comm(mode, config.sequence_parallel) - 1.0) * tp.comm_s / len(tables.graph.blocks)
     dtensor = forward_share(tables) * modules_host_s(tables, config)[u] if mode != "none" else 0.0
     return units.recompute_s[u] * share + host + repeated + dtensor
 

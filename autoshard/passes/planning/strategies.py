@@ -342,15 +342,17 @@ def mesh_configs(
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
     """Sequence parallelism is a choice of the TP layout (tp > 1): SPMD, where DTensor's styles run it, and inside
-    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do, but not beside cp there (a
-    cp rank's token chunk split again over tp inside a traced stage does not build yet)."""
-    return (False, True) if mesh.tp > 1 and not (mesh.pp > 1 and mesh.cp > 1) else (False,)
+    pipeline stages, where the sequence ops of ``runtime.tensor_parallel_stages`` do, beside cp there too (the
+    stages are traced on a cp rank's token chunk, which the sequence ops split again over tp)."""
+    return (False, True) if mesh.tp > 1 else (False,)
 
 
 def loss_parallel_choices(mesh: Mesh, loss_proof: str | None) -> tuple[bool, ...]:
-    """Loss parallelism is a choice of the SPMD TP layout where the loss is proven the default cross-entropy on
-    the output projection's logits (``loss_proof`` ""): tp > 1, no pipeline (stages run TP on local shards and
-    hand the loss whole logits), no cp (the ring's sequence shards are not checked with vocabulary shards)."""
+    """Loss parallelism is a choice of the TP layout where the loss is proven the default cross-entropy on the
+    output projection's logits (``loss_proof`` ""): tp > 1, SPMD or inside pipeline stages (the last stage hands
+    the schedule's loss its vocabulary shard: ``runtime.pipeline_parallel``), with cp only inside pipeline stages
+    (the loss on a cp rank's tokens is checked there; the SPMD ring's sequence shards are not checked with
+    vocabulary shards)."""
     return (False, True) if loss_parallel_refusal(mesh, loss_proof) == "" else (False,)
 
 
@@ -358,13 +360,8 @@ def loss_parallel_refusal(mesh: Mesh, loss_proof: str | None) -> str:
     """Why ``mesh`` runs no loss parallelism ("" where it may; ``loss_parallel_choices``)."""
     if mesh.tp == 1:
         return "no TP: the logits are whole on each rank already"
-    if mesh.pp > 1:
-        return (
-            "pipeline stages run TP on local shards with traced collectives and hand the schedule's loss whole "
-            "logits; the output projection gathers them"
-        )
-    if mesh.cp > 1:
-        return "context parallelism's sequence shards are not checked with vocabulary shards"
+    if mesh.cp > 1 and mesh.pp == 1:
+        return "context parallelism's sequence shards are not checked with vocabulary shards outside pipeline stages"
     if loss_proof is None:
         return "the loss was not checked (a graph without the proof)"
     return loss_proof
