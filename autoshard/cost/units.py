@@ -672,11 +672,7 @@ def _unread_param_homes(graph: OpGraph, units: list[int]) -> dict[str, int]:
     for node, u in zip(graph.nodes, units):
         read[u].update(graph.param(n).name for n in node.param_inputs)
     every_read = set().union(*read)
-    return {
-        p.name: _home_unit(p.name, read)
-        for p in graph.params
-        if not p.is_buffer and p.name not in every_read
-    }
+    return {p.name: _home_unit(p.name, read) for p in graph.params if not p.is_buffer and p.name not in every_read}
 
 
 def _home_unit(name: str, read: list[set[str]]) -> int:

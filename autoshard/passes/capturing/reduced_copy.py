@@ -40,10 +40,10 @@ replayed, or a copy that does not run is not checked (None), and the plan says s
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn as nn
-
-from dataclasses import dataclass, replace
 
 from autoshard.ir.graph import OpGraph
 from autoshard.modelfile import ModelFile
