@@ -98,6 +98,79 @@ def test_layers_of_one_structure_but_other_settings_are_not_cut():
     assert cut_stacks(flagged) == [] and len(flagged.layers) == 6
 
 
+def test_a_setting_equal_to_the_index_in_one_layer_only_is_a_setting_and_other_plain_types_are_compared():
+    """The layer's own index is no setting only where every layer holds its index there (``layer_idx``): 16 heads in
+    layer 16 of 20 are the same setting as in the others, so the stack is cut; a tuple, an enum or None that differs
+    in one layer keeps the stack whole."""
+    import enum
+
+    import torch.nn as nn
+
+    from autoshard.passes.capturing.reduced_copy import cut_stacks
+
+    class Kind(enum.Enum):
+        DENSE, ROUTED = 1, 2
+
+    class Block(nn.Module):
+        def __init__(self, index: int, **odd):
+            super().__init__()
+            self.layer_idx, self.n_heads, self.kind, self.window, self.scale = index, 16, Kind.DENSE, (4, 4), None
+            vars(self).update(odd)
+            self.proj = nn.Linear(8, 8)
+
+    def stack(layers: int = 20, **odd) -> nn.Module:
+        model = nn.Module()
+        model.layers = nn.ModuleList(Block(i, **(odd if i == 16 else {})) for i in range(layers))
+        return model
+
+    deep = stack()
+    assert cut_stacks(deep) == [("layers", 3, 20)] and len(deep.layers) == 3
+    for odd in (dict(window=(4, 8)), dict(kind=Kind.ROUTED), dict(scale=0.5), dict(n_heads=8)):
+        assert cut_stacks(stack(**odd)) == [], odd
+
+
+@pytest.mark.parametrize(
+    "factory, cut",
+    [("build_parent", True), ("build_parent_last", True), ("build_object", True), ("build_tuple", False)],
+)
+def test_a_copy_is_trusted_to_hold_only_where_the_graphs_prove_the_cut_layers_run_as_the_kept(
+    in_repo, monkeypatch, factory, cut
+):
+    """Six layers of one structure, one coupling the batch by the parent's branch on the layer's index (after layer 4,
+    or after the last), by an object no setting shows, or by a tuple setting: over the bounds, a copy that kept three
+    layers would find no coupling. The copy's graph with the cut layers copied back is not the whole model's, so the
+    model is not checked (None), never found to hold (""); the tuple setting keeps the stack whole (no copy)."""
+    from autoshard.passes.capturing import batch_coupling, reduced_copy
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
+
+    model_file = load_model_file(f"tests/models/deep_mix.py:{factory}")
+    assert "couples the samples" in coupling_reason(model_file)  # run whole
+    graph = annotate(capture(model_file, 2, True))
+    monkeypatch.setattr(batch_coupling, "MAX_CHECK_FLOPS", batch_coupling.check_work(graph)[0] - 1)
+    made = reduced_copy.reduced_copy(model_file, graph.batch_size)
+    assert (made is not None) == cut
+    if cut:
+        assert made.cut == [("layers", 3, 6)] and coupling_reason(model_file, model=made.model) == ""  # the trap
+        assert not reduced_copy.runs_like_the_whole(model_file, graph, made.graph, made.cut)
+    assert batch_coupling.check_batch_coupling(model_file, graph).batch_coupling is None
+
+
+def test_a_copy_of_layers_proven_alike_holds_on_a_folded_or_whole_capture(in_repo, monkeypatch):
+    """The same six layers, none coupling: the copy's graph with the cut layers copied back is op for op the whole
+    model's, against the whole model captured again (the plan's graph folded) or the plan's own (not folded)."""
+    from autoshard.passes.capturing import batch_coupling
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.capture import capture
+
+    model_file = load_model_file("tests/models/deep_mix.py:build")
+    for fold in (True, False):
+        graph = annotate(capture(model_file, 2, fold))
+        assert (graph.fold is not None) == fold
+        monkeypatch.setattr(batch_coupling, "MAX_CHECK_FLOPS", batch_coupling.check_work(graph)[0] - 1)
+        assert batch_coupling.check_batch_coupling(model_file, graph).batch_coupling == ""
+
+
 def test_a_contrastive_model_over_the_whole_check_s_bounds_is_found_on_its_reduced_copy(in_repo):
     """transformers' CLIP with two towers of 12 layers at width 1,024: 1.2 GB of weights, over ``MAX_CHECK_BYTES``;
     checked on the copy with each tower cut to 3 layers, its weights made by replaying the factory's."""

@@ -87,3 +87,20 @@ def test_every_tied_copy_is_found_in_its_stage_under_the_name_the_split_lists(on
     assert last.get_parameter("lm_head.decoder.weight") is last.get_parameter(
         "roberta.embeddings.word_embeddings.weight"
     )
+
+
+def test_each_unit_is_priced_for_the_parameters_no_graph_reads_that_its_stage_holds():
+    """``cost.units.unit_params``: a layer's unread cross-attention in that layer's unit, a head outside every
+    layer in the first (the stage that holds it, as above); all together the model's parameters, as SPMD counts."""
+    from autoshard.cost.units import node_units, unit_params
+    from autoshard.modelfile import load_model_file
+    from autoshard.passes.capturing.annotate import annotate
+    from autoshard.passes.capturing.blocks import find_blocks
+    from autoshard.passes.capturing.capture import capture
+
+    graph = find_blocks(annotate(capture(load_model_file("tests/models/unread_cross.py:build"), 2)))
+    linear = lambda n_in, n_out: n_in * n_out + n_out  # noqa: E731
+    layer = linear(16, 16) + linear(16, 48)  # mix, and cross (never called)
+    embed_and_unused_head, out = linear(16, 16) + linear(16, 5), linear(16, 16)
+    assert unit_params(graph, node_units(graph)) == (embed_and_unused_head, layer, layer, layer, layer, out)
+    assert sum(unit_params(graph, node_units(graph))) == graph.param_count

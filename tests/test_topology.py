@@ -53,6 +53,19 @@ def test_local_cpu_memory_is_a_share_of_the_host():
     assert load_cluster("local-cpu").device.memory_bytes == host_memory_bytes() // 2
     c = load_cluster("local-cpu", devices_per_node=4)
     assert (c.devices_per_node, c.backend, c.device.memory_bytes) == (4, "gloo", host_memory_bytes() // 4)
+    # every node of the preset runs on this one machine: its memory is shared by all of their ranks
+    assert load_cluster("local-cpu", nodes=2, devices_per_node=2).device.memory_bytes == host_memory_bytes() // 4
+
+
+def test_local_cpu_groups_share_the_host_between_all_their_ranks(tmp_path):
+    doc = (
+        "name: x\nbackend: gloo\ndevices_per_node: 2\ninter_node: {bandwidth_gbps: 25, latency_us: 6}\n"
+        "groups:\n- {name: a, nodes: 1, preset: local-cpu}\n- {name: b, nodes: 2, preset: local-cpu}\n"
+        "- {name: c, nodes: 1, preset: dgx-h100, device: {memory_bytes: 1000}}\n"
+    )
+    c = load_cluster(write(tmp_path, doc))
+    memory = [g.device.memory_bytes for g in c.groups]
+    assert memory == [host_memory_bytes() // 6, host_memory_bytes() // 6, 1000]  # 6 ranks of local-cpu in all
 
 
 def test_graph_shape():

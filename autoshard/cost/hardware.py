@@ -208,8 +208,9 @@ def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: 
         d["nodes"] = nodes
     if devices_per_node is not None:
         d["devices_per_node"] = devices_per_node
-    if host_share and _is_count(d.get("devices_per_node")):
-        d["device"] = {**d["device"], "memory_bytes": host_memory_bytes() // d["devices_per_node"]}
+    if host_share and _is_count(d.get("devices_per_node")) and _is_count(d.get("nodes", 1)):
+        ranks = d.get("nodes", 1) * d["devices_per_node"]  # every node of a host preset runs on this machine
+        d["device"] = {**d["device"], "memory_bytes": host_memory_bytes() // ranks}
     return Cluster.from_dict(d, where=where, default_source=default_source)
 
 
@@ -224,12 +225,24 @@ def _cluster_of_groups(d: dict[str, Any], where: str, nodes: int | None, devices
         d["devices_per_node"] = devices_per_node
     groups = d["groups"]
     if isinstance(groups, list):
-        d["groups"] = [_group_over_preset(g, where, d.get("devices_per_node")) for g in groups]
+        host_ranks = _host_share_ranks(groups, d.get("devices_per_node"))
+        d["groups"] = [_group_over_preset(g, where, host_ranks) for g in groups]
     return Cluster.from_dict(d, where=where, default_source=where)
 
 
-def _group_over_preset(group: Any, where: str, devices_per_node: Any) -> Any:
-    """A group's mapping with its ``preset``'s device, intra_node and inter_node under its own sections."""
+def _host_share_ranks(groups: list[Any], devices_per_node: Any) -> int | None:
+    """Ranks of every group of a host-memory preset (``local-cpu``): all of them run on this one machine, so they
+    share its memory, Σ_g nodes_g · devices_per_node ranks of host / that count each; None where a count is not
+    one (``Cluster.from_dict`` says which)."""
+    host = [g for g in groups if isinstance(g, dict) and g.get("preset") in HOST_MEMORY_PRESETS]
+    if not _is_count(devices_per_node) or not all(_is_count(g.get("nodes")) for g in host):
+        return None
+    return sum(g["nodes"] for g in host) * devices_per_node
+
+
+def _group_over_preset(group: Any, where: str, host_ranks: int | None) -> Any:
+    """A group's mapping with its ``preset``'s device, intra_node and inter_node under its own sections; a
+    host-memory preset's device memory the host's share of each of the ``host_ranks`` ranks on it."""
     if not isinstance(group, dict) or "preset" not in group:
         return group
     group = dict(group)
@@ -242,8 +255,8 @@ def _group_over_preset(group: Any, where: str, devices_per_node: Any) -> Any:
     base = {key: PRESETS[preset].to_dict()[key] for key in ("device", "intra_node", "inter_node")}
     merged = _merge_preset(base, group, where, f"{where} over preset {preset}")
     memory_given = isinstance(group.get("device"), dict) and "memory_bytes" in group["device"]
-    if preset in HOST_MEMORY_PRESETS and not memory_given and _is_count(devices_per_node):
-        merged["device"] = {**merged["device"], "memory_bytes": host_memory_bytes() // devices_per_node}
+    if preset in HOST_MEMORY_PRESETS and not memory_given and host_ranks:
+        merged["device"] = {**merged["device"], "memory_bytes": host_memory_bytes() // host_ranks}
     return merged
 
 

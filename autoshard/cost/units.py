@@ -650,8 +650,39 @@ def stage_units(block_range: tuple[int, int], blocks: int) -> list[int]:
 
 
 def unit_params(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
-    """Parameters (not buffers) read by each unit; a tied one in every unit that reads it."""
-    return tuple(sum(graph.param(n).numel for n in names) for names in _unit_param_names(graph, units))
+    """Parameters (not buffers) held by each unit: those it reads, a tied one in every unit that reads it, and
+    each one no unit reads in its home unit (``unread_param_homes``)."""
+    held = [sum(graph.param(n).numel for n in names) for names in _unit_param_names(graph, units)]
+    for name, home in unread_param_homes(graph, units).items():
+        held[home] += graph.param(name).numel
+    return tuple(held)
+
+
+def unread_param_homes(graph: OpGraph, units: list[int]) -> dict[str, int]:
+    """The unit that holds each parameter no node reads (a causal-LM decoder's cross-attention, which its forward
+    never calls), by name: as a pipeline stage does (``runtime.pipeline_parallel.unread_state_homes``), the first
+    unit that reads state (parameters or buffers) of its nearest enclosing module, else unit 0. One process and
+    the SPMD programs hold it too (``OpGraph.param_count``); only its weight is ever made, but it is priced as
+    any parameter, as the SPMD estimate prices it."""
+    return graph.derived(("unread_param_homes", tuple(units)), lambda: _unread_param_homes(graph, units))
+
+
+def _unread_param_homes(graph: OpGraph, units: list[int]) -> dict[str, int]:
+    read: list[set[str]] = [set() for _ in range(len(graph.blocks) + 2)]
+    for node, u in zip(graph.nodes, units):
+        read[u].update(graph.param(n).name for n in node.param_inputs)
+    every_read = set().union(*read)
+    return {p.name: _home_unit(p.name, read) for p in graph.params if not p.is_buffer and p.name not in every_read}
+
+
+def _home_unit(name: str, read: list[set[str]]) -> int:
+    scope = name
+    while "." in scope:
+        scope = scope.rpartition(".")[0]
+        readers = [u for u, names in enumerate(read) if any(n.startswith(scope + ".") for n in names)]
+        if readers:
+            return readers[0]
+    return 0
 
 
 def unit_param_names(graph: OpGraph) -> list[set[str]]:

@@ -39,7 +39,8 @@ embedding stage); ``drop_unused_state`` removes such leftovers so no stale copy 
 saved. State no stage's graph reads at all (a causal-LM decoder's cross-attention, which its forward never
 calls) ``pipeline()`` puts in no stage: one stage keeps each such tensor (``unread_state_homes``: the stage of
 its layer, else the first), untouched by training as in one process, so the final weights, checkpoints and
-exports hold every tensor of the model.
+exports hold every tensor of the model. The cost model prices each such parameter in the unit of the same home
+(``cost.units.unread_param_homes``), so the stage that holds it is priced for it.
 
 DP × PP. ``runtime.parallel.apply_fsdp`` puts FSDP2 ``fully_shard`` on each stage module over the dp
 sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselves

@@ -22,8 +22,9 @@ model that does not run in float64; a model that runs in neither is not checked)
 would not fit in ``MAX_CHECK_BYTES``, or whose check would take more than a few seconds or a large share of
 the machine's memory, is checked on a reduced copy instead: an ``hf:DIR`` model on its config narrowed
 (``modelfile.narrowed_config``: the same architecture's code at width 64), any other on ``reduced_copy`` (its
-repeated layers cut to three where their settings agree, its work held to the same bounds); one that no copy
-brings within them is not run (``graph.batch_coupling`` None, and the plan says so). The check's work, from
+repeated layers cut to three where their settings agree, its work held to the same bounds, a finding of no coupling
+kept only where the captured graphs prove the cut layers run as the kept ones); one that no copy brings within them,
+or whose cut is not proven, is not checked (``graph.batch_coupling`` None, and the plan says so). The check's work, from
 the captured graph at its batch b (unfolded: every layer's FLOPs and outputs):
 
     FLOPs         2 · CHECK_BATCH / b · Σ_n flops(n)          (the whole batch, then its halves)    ≤ MAX_CHECK_FLOPS
@@ -83,8 +84,9 @@ NARROWED = "width 64, 2 layers, vocabulary 256 (modelfile.narrowed_config)"
 
 def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) -> str | None:
     """The check on a reduced copy of the model (``reduced_copy``'s doc: fewer layers), its work
-    held to the same bounds; the reason says it was found on the copy. None where no copy is within them, or
-    the whole model's ``whole_numel`` elements are too many to replay."""
+    held to the same bounds; the reason says it was found on the copy. None where no copy is within them, the
+    whole model's ``whole_numel`` elements are too many to replay, or the copy finds no coupling but the graphs do
+    not prove its cut layers run as the kept ones (``reduced_copy.runs_like_the_whole``)."""
     from autoshard.passes.capturing import reduced_copy
 
     narrowed = getattr(model_file.module, "narrowed", None)  # hf:DIR: the same architecture, narrow
@@ -95,22 +97,22 @@ def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) ->
             return f"{reason} (found on the same architecture narrowed: {NARROWED})" if reason else ""
     if whole_numel > reduced_copy.MAX_REPLAY_NUMEL:
         return None
-    made = reduced_copy.reduced_copy(model_file)
+    made = reduced_copy.reduced_copy(model_file, graph.batch_size)
     if made is None:
         return None
-    model, cut, whole_numel = made
     flops, largest_bytes = check_work(graph)
     if (
-        4 * sum(p.numel() for p in model.parameters()) > MAX_CHECK_BYTES
-        or flops * reduced_copy.numel(model) / whole_numel > MAX_CHECK_FLOPS
+        4 * sum(p.numel() for p in made.model.parameters()) > MAX_CHECK_BYTES
+        or flops * reduced_copy.numel(made.model) / made.whole_numel > MAX_CHECK_FLOPS
         or largest_bytes > MAX_CHECK_VALUE_BYTES
     ):
         return None
-    reason = _in_float64_else_fp32(lambda dtype: coupling_reason(model_file, dtype=dtype, model=model))
+    reason = _in_float64_else_fp32(lambda dtype: coupling_reason(model_file, dtype=dtype, model=made.model))
     if reason:
-        return f"{reason} (found on a reduced copy: {reduced_copy.describe(cut)})"
-    return reason
-    return None
+        return f"{reason} (found on a reduced copy: {reduced_copy.describe(made.cut)})"
+    if reason == "" and reduced_copy.runs_like_the_whole(model_file, graph, made.graph, made.cut):
+        return ""
+    return None  # not run, or the cut layers are not proven to run as the kept ones
 
 
 def check_work(graph: OpGraph) -> tuple[int, int]:
