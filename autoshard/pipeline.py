@@ -102,11 +102,11 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _request_graph(request, done)
+    model_file, graph = request_graph(request, done)
     return plan_graph(request, model_file, graph, done)
 
 
-def _request_graph(request: PlanRequest, done: list[str]) -> tuple[ModelFile | None, OpGraph]:
+def request_graph(request: PlanRequest, done: list[str]) -> tuple[ModelFile | None, OpGraph]:
     """capture -> ... -> experts for a plan or estimate request: the TP proof at the degrees its cluster offers,
     the context-parallel proof where cp is pinned."""
     model_file, graph = capture_front(
@@ -178,7 +178,7 @@ def estimate_model(request: PlanRequest) -> Plan:
     pins = request.pins.with_defaults()
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _request_graph(request, done)
+    model_file, graph = request_graph(request, done)
     with running("strategies", done):
         configs = candidate_configs(graph, request.cluster, request.global_batch, pins)
     with running("price", done):
