@@ -5,9 +5,18 @@ ranks (``launch.run_torchrun``, no torchrun restarts of its own) and, when the j
 again, every attempt resuming from the newest complete checkpoint (``runtime.checkpoint``):
 
     a rank killed outright (SIGKILL: its process, device or host went away)   a lost worker: the next
-                                                                                attempt has W - lost ranks
-    any other failure (an exception, an exit status, a rank stopped by         the same W ranks again, as
-    torchrun after a peer failed, a rank that lost its peer)                  torchrun's own restarts do
+                                                                                attempt has W - lost ranks,
+                                                                                on the devices left
+    an error of the program on a rank (an exception: exit status 1; any       the job stops in one line,
+    positive status but a peer fault's), and no rank lost                     with the run's failure code:
+                                                                                the same plan would fail again
+    any other failure (a crash by another signal, ranks stopped by torchrun   the same W ranks again, as
+    or by a peer fault: a lost peer, a timed-out collective, exit 3,          torchrun's own restarts do
+    ``runtime.faults.PEER_FAULT_EXIT``)
+
+The devices: torchrun runs local rank r on ``cuda:r`` of the devices ``CUDA_VISIBLE_DEVICES`` shows (all of them
+when it is unset), so a relaunch after a loss sets it to the surviving ranks' devices (``surviving_devices``):
+rank r of the next attempt runs on the r-th device left, and a device that went away is not used again.
 
 Each attempt with another world size W' runs a plan re-planned for W' (``replan``): the same model,
 cluster (its devices per node set to W', one node), global batch, precision and float8 recipe, every
@@ -18,7 +27,11 @@ taken; where none does, the job stops with one line. DCP loads the checkpoint in
 of the step and B (``runtime.data``: the global batch of step k is the same samples whatever dp is), so
 the resumed attempt trains on exactly the samples the lost one would have: none skipped, none repeated.
 What changes with W' is how B is split (more micro-batches or larger ones per rank) and the order of the
-reductions, so the run is the same computation up to fp32 rounding.
+reductions, so the run is the same computation up to fp32 rounding. Except where the split is the computation:
+BatchNorm normalises over each micro-batch (its dp·b samples, statistics synchronised over dp), so a model with
+BatchNorm keeps its micro-batch count m (``PlanRequest.num_microbatches``), and for m > 1 its dp as well, since
+which samples share micro-batch j depends on dp (rank r takes slice r of the step's samples, then its j-th b);
+where no plan at W' keeps them, that W' is refused like one that cannot keep B.
 
 Why a supervisor and not torchrun's own elastic rendezvous (``--nnodes MIN:MAX``): torchrun's agents
 re-rendezvous and start the *same* program with a new ``WORLD_SIZE``, but a program is one plan's, compiled
@@ -33,11 +46,12 @@ The re-planned plans and programs are kept in ``CHECKPOINT_DIR/elastic/`` (``pla
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -46,6 +60,7 @@ from autoshard.ir.recipe import Recipe
 
 ELASTIC_FOLDER = "elastic"  # under the checkpoint folder: the re-planned plans and programs
 DEFAULT_ELASTIC_RESTARTS = 3  # --elastic without --max-restarts: this many relaunches at most
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"  # the GPUs a launch's local ranks 0, 1, ... run on, in order
 
 
 @dataclass(frozen=True)
@@ -81,15 +96,38 @@ def lost_ranks(failures: dict[int, int]) -> list[int]:
     return sorted(rank for rank, exitcode in failures.items() if exitcode == -signal.SIGKILL)
 
 
+def program_errors(failures: dict[int, int]) -> list[int]:
+    """The ranks of ``failures`` (rank -> exit status) that failed by an error of their own: a positive status
+    other than ``PEER_FAULT_EXIT`` (a rank that a peer's fault ended: ``runtime.faults.guard``)."""
+    from autoshard.runtime.faults import PEER_FAULT_EXIT
+
+    return sorted(rank for rank, exitcode in failures.items() if exitcode > 0 and exitcode != PEER_FAULT_EXIT)
+
+
+def visible_devices(world_size: int, environ=os.environ) -> list[str]:
+    """The devices local ranks 0 .. W-1 run on, in order: the first W of ``CUDA_VISIBLE_DEVICES`` (indices or
+    UUIDs), or 0 .. W-1 when it is unset."""
+    listed = [device.strip() for device in environ.get(VISIBLE_DEVICES_ENV, "").split(",") if device.strip()]
+    return listed[:world_size] if listed else [str(rank) for rank in range(world_size)]
+
+
+def surviving_devices(devices: list[str], lost: list[int], world_size: int) -> list[str]:
+    """The devices of the next attempt's ``world_size`` ranks: local rank r ran on ``devices[r]``; the lost
+    ranks' devices are left out and the first ``world_size`` of the others kept, in order."""
+    return [device for rank, device in enumerate(devices) if rank not in lost][:world_size]
+
+
 def replan(plan: Plan, world_size: int) -> Plan:
     """``plan``'s request at ``world_size`` ranks on one node of the same devices (module doc): the model, the
-    global batch and the precision and float8 pins kept, the rest searched. A re-plan whose precision or float8
-    recipe would differ from ``plan``'s (they follow the model and the devices, so they should not) is refused:
-    it would train another computation."""
+    global batch and the precision and float8 pins kept, the rest searched; for a model with BatchNorm the
+    micro-batches too (``batch_norm_pins``). A re-plan whose precision or float8 recipe would differ from
+    ``plan``'s (they follow the model and the devices, so they should not) is refused: it would train another
+    computation."""
     from autoshard.ir.decisions import PIN_OF_PRECISION
     from autoshard.ir.pins import Pins
     from autoshard.ir.topology import Cluster
-    from autoshard.pipeline import PlanRequest, plan_model
+    from autoshard.passes.planning.pin_checks import check_pins
+    from autoshard.pipeline import PlanRequest, has_batch_norm, plan_graph, request_graph
 
     cluster = Cluster.from_dict(
         {**plan.cluster, "nodes": 1, "devices_per_node": world_size}, where="the plan's cluster"
@@ -97,22 +135,47 @@ def replan(plan: Plan, world_size: int) -> Plan:
     pinned = plan.provenance.pinned
     kept = {"precision": PIN_OF_PRECISION[plan.decisions.precision]} if "precision" in pinned else {}
     kept |= {"float8": plan.decisions.float8} if "float8" in pinned else {}
-    new = plan_model(
-        PlanRequest(
-            model_spec=plan.model["spec"],
-            cluster=cluster,
-            global_batch=plan.global_batch,
-            pins=Pins(**kept),
-            runtime=plan.provenance.runtime,
-            seq_len=plan.model.get("seq_len"),
-        )
+    request = PlanRequest(
+        model_spec=plan.model["spec"],
+        cluster=cluster,
+        global_batch=plan.global_batch,
+        pins=Pins(**kept),
+        runtime=plan.provenance.runtime,
+        seq_len=plan.model.get("seq_len"),
     )
+    check_pins(request.pins, request.cluster, request.global_batch)
+    done: list[str] = []
+    model_file, graph = request_graph(request, done)
+    if has_batch_norm(graph):
+        pins, count = batch_norm_pins(plan, world_size)
+        request = replace(request, pins=Pins(**kept, **pins), num_microbatches=count)
+        check_pins(request.pins, request.cluster, request.global_batch)
+    new = plan_graph(request, model_file, graph, done)
     before, after = (plan.decisions.precision, plan.decisions.float8), (new.decisions.precision, new.decisions.float8)
     if after != before:
         raise AutoshardError(
             f"re-planned at {world_size} ranks, the precision and float8 recipe would be {after}, not {before}"
         )
     return new
+
+
+def batch_norm_pins(plan: Plan, world_size: int) -> tuple[dict[str, int], int]:
+    """(pins, micro-batch count) that keep a BatchNorm model's batches of statistics those of ``plan``.
+
+    BatchNorm normalises over each micro-batch j, the j-th b samples of every dp rank (statistics synchronised
+    over dp: ``runtime.model.sync_batch_norm``). With m micro-batches of B samples, micro-batch j holds B/m
+    samples, so m is kept. For m = 1 that is the whole step at any dp; for m > 1, rank r takes slice r of the
+    step's samples (``runtime.data.take_shard``) and micro-batch j its j-th b of them, so which samples
+    share micro-batch j depends on dp: dp is kept too, and a ``world_size`` it does not divide is refused."""
+    d = plan.decisions
+    if d.num_microbatches == 1:
+        return {}, 1
+    if world_size % d.mesh.dp:
+        raise AutoshardError(
+            f"the model's BatchNorm normalises over each of the plan's {d.num_microbatches} micro-batches, whose "
+            f"samples follow dp, so dp {d.mesh.dp} is kept, which {world_size} ranks cannot hold"
+        )
+    return {"dp": d.mesh.dp}, d.num_microbatches
 
 
 def plan_for_ranks(plan: Plan, available: int, elastic: ElasticRange) -> tuple[Plan, float]:
@@ -175,16 +238,26 @@ def run_elastic(
 
     threading.Thread(target=warm_planner, name="autoshard-warm-planner", daemon=True).start()
     attempt, relaunches = first, 0
+    devices, device_env = visible_devices(first.plan.world_size), {}  # the first launch: the caller's devices
     while True:
         launch_env = {ELASTIC_ATTEMPT_ENV: str(relaunches), ELASTIC_LEFT_ENV: str(max_restarts - relaunches)}
+        launch_env |= device_env
         result = run_torchrun(attempt.program, attempt.plan.world_size, program_args, extra_env=launch_env)
         if result.returncode == 0 or result.returncode == AutoshardError.exit_code or result.returncode >= 128:
             return result.returncode  # done, bad input (said in one line), or stopped by a signal (said too)
+        lost = lost_ranks(result.failures)
+        errors = program_errors(result.failures)
+        if errors and not lost:
+            _say(
+                f"rank(s) {', '.join(map(str, errors))} failed with an error of the program, not a lost rank: the "
+                f"same plan would fail again, so the job stops and the newest checkpoint is kept; fix: mend what "
+                f"the error above names, then run the same command to resume"
+            )
+            return result.returncode
         if relaunches >= max_restarts:
             _say(f"the job failed and its {max_restarts} relaunch(es) are spent; the newest checkpoint is kept")
             return result.returncode
         relaunches += 1
-        lost = lost_ranks(result.failures)
         world_size = attempt.plan.world_size
         if not lost:
             _say(f"relaunch {relaunches} of {max_restarts}: no rank was lost; {world_size} ranks resume")
@@ -194,6 +267,8 @@ def run_elastic(
         except AutoshardError as exc:
             _say(f"lost rank(s) {', '.join(map(str, lost))}: {exc}")
             return result.returncode
+        devices = surviving_devices(devices, lost, plan.world_size)
+        device_env = {VISIBLE_DEVICES_ENV: ",".join(devices)}
         attempt = _attempt_for(plan, first, checkpoint_dir, recipe, write_program)
         _say(
             f"relaunch {relaunches} of {max_restarts}: lost rank(s) {', '.join(map(str, lost))}; re-planned for "

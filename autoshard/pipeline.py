@@ -73,6 +73,9 @@ class PlanRequest:
     cache: bool = True  # read and write the capture cache (passes.capturing.capture_cache); --no-cache
     runtime: str = "autoshard"  # what the cost model prices (cost.tables.Runtime.named); --runtime
     seq_len: int | None = None  # tokens per sample handed to example_batch (None: the model file's); --seq-len
+    # keep exactly this many micro-batches per step (None: searched): an elastic re-plan of a model with BatchNorm,
+    # which normalises over each micro-batch (``elastic.replan``)
+    num_microbatches: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -99,11 +102,11 @@ def plan_model(request: PlanRequest) -> Plan:
     # The request is checked before capture, which takes seconds on large models.
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _request_graph(request, done)
+    model_file, graph = request_graph(request, done)
     return plan_graph(request, model_file, graph, done)
 
 
-def _request_graph(request: PlanRequest, done: list[str]) -> tuple[ModelFile | None, OpGraph]:
+def request_graph(request: PlanRequest, done: list[str]) -> tuple[ModelFile | None, OpGraph]:
     """capture -> ... -> experts for a plan or estimate request: the TP proof at the degrees its cluster offers,
     the context-parallel proof where cp is pinned."""
     model_file, graph = capture_front(
@@ -124,7 +127,9 @@ def plan_graph(
     """strategies -> search -> assemble on an already captured graph (tests plan many requests on one)."""
     done = done if done is not None else ["capture", "annotate", "blocks", "experts"]
     with running("strategies", done):
-        configs = candidate_configs(graph, request.cluster, request.global_batch, request.pins)
+        configs = with_microbatches(
+            candidate_configs(graph, request.cluster, request.global_batch, request.pins), request.num_microbatches
+        )
     with running("search", done):
         result = search(
             graph,
@@ -141,13 +146,39 @@ def plan_graph(
         return assemble_plan(request, model_file, graph, result)
 
 
+def with_microbatches(configs: list[Decisions], count: int | None) -> list[Decisions]:
+    """The configurations of ``count`` micro-batches per step (all of them for None); one line when none is."""
+    if count is None:
+        return configs
+    kept = [c for c in configs if c.num_microbatches == count]
+    if not kept:
+        found = sorted({c.num_microbatches for c in configs})
+        raise AutoshardError(
+            f"no configuration splits the global batch into {count} micro-batch(es) (the search space has "
+            f"{', '.join(map(str, found)) or 'none'}); fix: keep the micro-batch count reachable, e.g. another world size"
+        )
+    return kept
+
+
+def has_batch_norm(graph: OpGraph) -> bool:
+    """The captured model runs a batch normalisation (by its aten op: BatchNorm*, SyncBatchNorm, functional
+    ``batch_norm``), which normalises over the samples of each micro-batch."""
+    return any(node.target.split(".")[1] in BATCH_NORM_OPS for node in graph.nodes if node.target.startswith("aten."))
+
+
+BATCH_NORM_OPS = frozenset(
+    "batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
+    "_native_batch_norm_legit_no_training cudnn_batch_norm miopen_batch_norm".split()
+)
+
+
 def estimate_model(request: PlanRequest) -> Plan:
     """The plan of the one configuration the pins fix (all of them, or their defaults:
     ``Pins.with_defaults``; the CLI checks), fit or not."""
     pins = request.pins.with_defaults()
     check_pins(pins, request.cluster, request.global_batch)
     done: list[str] = []
-    model_file, graph = _request_graph(request, done)
+    model_file, graph = request_graph(request, done)
     with running("strategies", done):
         configs = candidate_configs(graph, request.cluster, request.global_batch, pins)
     with running("price", done):

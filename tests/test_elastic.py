@@ -124,3 +124,101 @@ def test_elastic_on_node_groups_is_refused_in_one_line():
     with pytest.raises(AutoshardError, match="node groups: re-planning node groups for fewer ranks is not built"):
         _elastic_of(args, groups)
     assert _elastic_of(args, SimpleNamespace(cluster={}, world_size=4)).min_ranks == 2
+
+
+def _fake_plan(world_size):
+    mesh = SimpleNamespace(dp=world_size, tp=1, pp=1, cp=1)
+    decisions = SimpleNamespace(mesh=mesh, zero_stage=0, num_microbatches=1, microbatch_size=8 // world_size)
+    return SimpleNamespace(world_size=world_size, global_batch=8, decisions=decisions)
+
+
+def _supervise(monkeypatch, launches, environ=None):
+    """``run_elastic`` over fake launches (each a torchrun result: exit status, failed ranks' statuses); the
+    environment each launch was given beside the caller's, and the exit status."""
+    import autoshard.elastic as elastic
+    import autoshard.launch as launch
+
+    given = []
+
+    def run_torchrun(program, nproc, args, extra_env=None):
+        given.append((nproc, dict(extra_env or {})))
+        returncode, failures = launches[len(given) - 1]
+        return SimpleNamespace(returncode=returncode, failures=failures)
+
+    monkeypatch.setattr(launch, "run_torchrun", run_torchrun)
+    monkeypatch.setattr(elastic, "warm_planner", lambda: None)
+    monkeypatch.setattr(elastic, "plan_for_ranks", lambda plan, available, _: (_fake_plan(available), 0.01))
+    monkeypatch.setattr(elastic, "_attempt_for", lambda plan, *_: elastic.Attempt(plan, "train.py"))
+    for key, value in (environ or {}).items():
+        monkeypatch.setenv(key, value)
+    first = elastic.Attempt(_fake_plan(4), "train.py")
+    code = elastic.run_elastic(first, ElasticRange(1, 4), [], "ckpt", max_restarts=3)
+    return given, code
+
+
+def test_a_relaunch_after_a_loss_runs_on_the_surviving_devices(monkeypatch):
+    """Local rank r runs on the r-th device CUDA_VISIBLE_DEVICES shows: after rank 1 of devices 4,5,6,7 is lost the
+    3 ranks left run on 4,6,7, and after the new rank 2 (device 7) is lost too, on 4,6."""
+    kill, term = -signal.SIGKILL, -signal.SIGTERM
+    given, code = _supervise(
+        monkeypatch,
+        [(1, {1: kill, 0: faults.PEER_FAULT_EXIT, 2: term, 3: term}), (1, {2: kill, 0: term, 1: term}), (0, {})],
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+    )
+    assert code == 0
+    assert [nproc for nproc, _ in given] == [4, 3, 2]
+    assert [env.get("CUDA_VISIBLE_DEVICES") for _, env in given] == [None, "4,6,7", "4,6"]
+
+
+def test_without_a_device_list_the_survivors_are_named_by_index(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    given, code = _supervise(monkeypatch, [(1, {0: -signal.SIGKILL, 1: -signal.SIGTERM}), (0, {})])
+    assert code == 0 and given[1][1]["CUDA_VISIBLE_DEVICES"] == "1,2,3"
+
+
+def test_an_error_of_the_program_stops_the_elastic_job(monkeypatch, capsys):
+    """An exception on a rank (exit 1) with no rank lost would fail the same way again: one line, the run's status,
+    no relaunch. A rank ended by a peer's fault (a timed-out collective: exit 3) is relaunched."""
+    given, code = _supervise(monkeypatch, [(1, {0: 1, 1: -signal.SIGTERM, 2: faults.PEER_FAULT_EXIT})])
+    assert (code, len(given)) == (1, 1)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("elastic: rank(s) 0 failed with an error of the program"), said
+    given, code = _supervise(monkeypatch, [(1, {0: faults.PEER_FAULT_EXIT, 1: -signal.SIGTERM}), (0, {})])
+    assert code == 0 and [nproc for nproc, _ in given] == [4, 4]
+
+
+def test_tied_optimizer_state_is_kept_under_the_first_name():
+    """A pipeline's last stage holds lm_head.weight, tied to transformer.wte.weight: its optimizer state is saved
+    and loaded under the first name, as an SPMD plan's is; a rank holding both copies saves one."""
+    from autoshard.runtime.checkpoint import one_name_per_tie
+
+    aliases = (("transformer.wte.weight", "lm_head.weight"),)
+    last_stage = {"state.lm_head.weight.exp_avg": 1, "param_groups.lm_head.weight.lr": 0.1, "state.h.1.w.step": 2}
+    saved, copies = one_name_per_tie(last_stage, aliases)
+    assert saved == {
+        "state.transformer.wte.weight.exp_avg": 1,
+        "param_groups.transformer.wte.weight.lr": 0.1,
+        "state.h.1.w.step": 2,
+    }
+    assert copies == {}
+    both = {"state.transformer.wte.weight.exp_avg": 1, "state.lm_head.weight.exp_avg": 1}  # a V placement's rank 0
+    saved, copies = one_name_per_tie(both, aliases)
+    assert saved == {"state.transformer.wte.weight.exp_avg": 1}
+    assert copies == {"state.lm_head.weight.exp_avg": "state.transformer.wte.weight.exp_avg"}
+
+
+def test_a_batch_norm_model_keeps_its_micro_batches(in_repo_module):
+    """BatchNorm normalises over each micro-batch: one micro-batch (the whole step) is kept at any dp; with two, which
+    samples share one depends on dp, so dp 4 is kept and 3 or 2 ranks are refused (the search alone would take
+    another split, another computation)."""
+    cnn = "tests/models/bn_cnn.py:build"
+    whole = autoshard.plan(cnn, cluster="local-cpu", devices_per_node=4, global_batch=8, dp=4)
+    assert whole.decisions.num_microbatches == 1
+    replanned, _ = plan_for_ranks(whole, 3, ElasticRange(2, 4))
+    assert replanned.world_size < 4 and replanned.decisions.num_microbatches == 1
+    halves = autoshard.plan(cnn, cluster="local-cpu", devices_per_node=4, global_batch=16, dp=4, microbatch_size=2)
+    assert halves.decisions.num_microbatches == 2
+    with pytest.raises(AutoshardError) as refused:
+        plan_for_ranks(halves, 3, ElasticRange(2, 4))
+    assert "\n" not in str(refused.value)
+    assert "3 ranks: the model's BatchNorm normalises over each of the plan's 2 micro-batches" in str(refused.value)

@@ -24,7 +24,9 @@ State is keyed by the original model's names (``h.0.attn.q_proj.weight``,
     ZeRO-1                     the same on ZeroRedundancyOptimizer's local AdamW: each rank
                                saves the state of the parameters it owns, under their names
     pipeline stages            one model part and one optimizer per stage (``StageOptimizers``),
-                               their state dicts merged (a tied weight's copies are equal)
+                               their state dicts merged (a tied weight's copies are equal), a
+                               tied weight's optimizer state under its first name only, as
+                               torch keeps it for the others (``one_name_per_tie``)
     TP inside stages           a local shard is plain, so it is saved as the DTensor it is a
                                shard of: Shard(d) over tp, and under FSDP2 on dp
                                (Shard(0) over dp, Shard(d) over tp), or
@@ -577,8 +579,11 @@ def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dic
     wrapped = _as_globals(originals, parts, optimizers.modules, mesh)
     model_state.update({k: v for (kind, k), v in wrapped.items() if kind == "model"})
     optim_state.update({k: v for (kind, k), v in wrapped.items() if kind == "optim"})
+    saved, copies = one_name_per_tie(optim_state, parts.aliases)
 
     def restore() -> None:
+        for key, held in copies.items():  # this rank's other copy of a tied weight: the state loaded for the first
+            _copy_state(optim_state[key], saved[held])
         for key, value in wrapped.items():
             _local(originals[key]).copy_(value.to_local())
         for (module, optimizer), (m, o) in zip(zip(optimizers.modules, optimizers.optimizers), per_stage):
@@ -590,7 +595,44 @@ def _pipeline_state(parts, optimizers: StageOptimizers, mesh) -> tuple[dict, dic
                 optim_state_dict={k: originals[("optim", k)] for k in o},
             )
 
-    return model_state, optim_state, restore
+    return model_state, saved, restore
+
+
+def one_name_per_tie(optim_state: dict, aliases: tuple[tuple[str, ...], ...]) -> tuple[dict, dict[str, str]]:
+    """A pipeline rank's optimizer state with one name per tied weight, and the keys it leaves out.
+
+    A tied weight has one optimizer state whatever the plan, kept under the first of its names
+    (``pipeline_parallel.state_aliases``: the order of ``named_parameters``, the name torch's ``get_state_dict``
+    keeps for an SPMD plan's one parameter): ``state.lm_head.weight.exp_avg`` of the last stage is saved and
+    loaded as ``state.transformer.wte.weight.exp_avg``, so a checkpoint of any plan resumes under any other.
+    Where one rank holds two copies (interleaved or V stages), one is saved; the other is left out and
+    returned as key -> the key it takes its loaded state from (the copies are equal: their gradients are
+    summed, ``TiedCopies``)."""
+    first = {
+        f"{kind}.{name}.": f"{kind}.{group[0]}."
+        for group in aliases
+        for name in group[1:]
+        for kind in ("state", "param_groups")  # DCP's flattened keys: state.<name>.<key>, param_groups.<name>.<key>
+    }
+    saved: dict = {}
+    copies: dict[str, str] = {}
+    for key, value in optim_state.items():
+        prefix = next((prefix for prefix in first if key.startswith(prefix)), None)
+        held = first[prefix] + key[len(prefix) :] if prefix is not None else key
+        if held in saved:
+            copies[key] = held
+        else:
+            saved[held] = value
+    return saved, copies
+
+
+def _copy_state(into, value) -> None:
+    """Put a loaded state tensor's values into another copy's (a DTensor in that copy's layout)."""
+    if not isinstance(into, torch.Tensor):
+        return  # a hyper-parameter (``param_groups``): the run's own, as for every other parameter
+    if isinstance(value, DTensor) and isinstance(into, DTensor) and value.placements != into.placements:
+        value = value.redistribute(into.device_mesh, into.placements)
+    _local(into).copy_(_local(value))
 
 
 def _param_name(kind: str, key: str) -> str:

@@ -9,7 +9,9 @@ the last checkpoint are computed again, nothing is lost.
 
 A rank that survives (its collective lost the dead peer: "Connection reset by peer") says so in one
 line, and whether torchrun restarts the job, instead of a traceback (``peer_gone_message``): the
-dead rank is the one to name, and torchrun's block names it when the job ends.
+dead rank is the one to name, and torchrun's block names it when the job ends. It exits with
+``PEER_FAULT_EXIT`` (3), as a rank whose collective timed out does, so that the launcher tells a fault of
+another rank from an exception of the rank's own (exit 1; ``autoshard.elastic``: relaunch, or stop).
 
 Hangs. Every collective runs under the process group's timeout T (``init_distributed``,
 ``--timeout-s`` on the program). A rank whose collective times out marks itself in
@@ -45,6 +47,9 @@ import torch.distributed as dist
 from autoshard.errors import AutoshardError
 
 INJECT_ENV = "AUTOSHARD_INJECT_FAULT"
+# A rank's exit status when another rank's fault ended it (its peer went away, or a collective timed out: ``guard``);
+# an exception of its own exits 1 (Python's), bad input 2 (``AutoshardError.exit_code``)
+PEER_FAULT_EXIT = 3
 ELASTIC_ATTEMPT_ENV = "AUTOSHARD_ELASTIC_ATTEMPT"  # the relaunch of an elastic job its ranks run in (0: the first)
 ELASTIC_LEFT_ENV = "AUTOSHARD_ELASTIC_RELAUNCHES_LEFT"  # how many more times an elastic job may be launched
 KINDS = ("kill", "hang", "kill-in-checkpoint")
@@ -118,12 +123,12 @@ def guard(main: Callable[[], None]) -> None:
         if dist.is_initialized() and _is_peer_gone(exc):  # another rank died: it is the one to name, not us
             record_for_torchrun(exc)
             print(f"rank {dist.get_rank()}: {peer_gone_message()}", file=sys.stderr, flush=True)
-            os._exit(1)  # no traceback, and no destroy_process_group: its peers are gone
+            os._exit(PEER_FAULT_EXIT)  # no traceback, and no destroy_process_group: its peers are gone
         if not _is_timeout(exc) or not dist.is_initialized():
             record_for_torchrun(exc)
             raise
         print(f"error: {hang_message(exc)}", file=sys.stderr, flush=True)
-        os._exit(1)  # skip destroy_process_group: it would wait on the stuck ranks
+        os._exit(PEER_FAULT_EXIT)  # skip destroy_process_group: it would wait on the stuck ranks
 
 
 def record_for_torchrun(exc: BaseException) -> None:

@@ -23,7 +23,11 @@ CASES = {  # name: (cluster, ranks, pins saved under), (cluster, ranks, pins res
         ("local-cpu", 2, dict(pp=2, schedule="interleaved-1f1b")),
     ),
     "dp2-zero0-to-pp2": (("local-cpu", 2, dict(dp=2, zero=0)), ("local-cpu", 2, dict(pp=2, schedule="gpipe"))),
+    # lm_head.weight tied to transformer.wte.weight: one optimizer state under DDP; in a V, rank 0 holds both
+    # copies (stages 0 and 3), which load that one state
+    "tied-dp2-zero0-to-pp2-zbv": (("local-cpu", 2, dict(dp=2, zero=0)), ("local-cpu", 2, dict(pp=2, schedule="zbv"))),
 }
+MODELS = {"tied-dp2-zero0-to-pp2-zbv": "tests/models/nanogpt.py:build_4_layers"}  # the others: GPT
 
 
 def reshard_runs(case, folder, ranks):
@@ -31,7 +35,8 @@ def reshard_runs(case, folder, ranks):
     then each plan runs step 3 from its own copy. Each run a fresh program, model and optimizer."""
     a, b = (
         write_program(
-            autoshard.plan(GPT, cluster=cluster, devices_per_node=n, global_batch=8, **pins), folder / f"{name}.py"
+            autoshard.plan(MODELS.get(case, GPT), cluster=cluster, devices_per_node=n, global_batch=8, **pins),
+            folder / f"{name}.py",
         )
         for name, (cluster, n, pins) in zip("ab", CASES[case])
     )
