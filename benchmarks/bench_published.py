@@ -288,6 +288,12 @@ COMPILE_REASON = (
     "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
     "programs (--compile on refuses it); priced eager, with loss parallelism as run"
 )
+ASYNC_TP_AS_RUN = {  # the async-TP benchmark's bf16 rows, without and with async TP
+    False: "as run: FSDP2 x TP with sequence and loss parallelism, each block compiled (--compile on) beside "
+    "torchtitan's AC (70B full, 8B 'op' selective as --recompute alternate)",
+    True: "as run: the same with async TP (--async-tp on: each sequence-parallel collective overlapped with its "
+    "matmul, cost.async_tp)",
+}
 COMPILED_8B_REASON = (
     "as run: bf16 FSDP2 with each block compiled (--compile on), torchtitan's 'op' selective AC as --recompute "
     "alternate"
@@ -322,6 +328,7 @@ def _tt(
     extra_needs=(),
     compiled=False,
     float8=None,
+    async_tp=False,
 ) -> Run:
     # sequence parallelism inside pipeline stages is emitted, but not beside cp there (the CLI refuses it)
     needs = (
@@ -342,8 +349,9 @@ def _tt(
     args = _with_flags(args, "--loss-parallel", "on") if lp and args else args
     args = _with_compile(args) if compiled and args else args
     args = _with_flags(args, "--float8", float8) if float8 and args else args
+    args = _with_flags(args, "--async-tp", "on") if async_tp and args else args
     emitted = (
-        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")
+        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile", "async TP")
         + (FLOAT8_EMITTED if tp == pp == 1 else ())
         + (("loss parallel",) if lp else ())
     )
@@ -559,13 +567,8 @@ def torchtitan_rows() -> list[Run]:
                     + ((quant,) if quant != "bf16" else ())
                     + (("async TP",) * async_tp)
                 )
-                status = "float8" if quant != "bf16" else "compile"
-                reason = (
-                    FLOAT8_REASON
-                    if quant != "bf16"
-                    else COMPILE_REASON
-                    + ("; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
-                )
+                status = "float8" if quant != "bf16" else "as run"
+                reason = FLOAT8_REASON if quant != "bf16" else ASYNC_TP_AS_RUN[async_tp]
                 q = {"bf16": "bf16", "float8 tensorwise": "fp8tw", "float8 rowwise": "fp8rw"}[quant]
                 rows.append(
                     _tt(
@@ -587,6 +590,8 @@ def torchtitan_rows() -> list[Run]:
                         None,
                         status,
                         reason,
+                        compiled=quant == "bf16",
+                        async_tp=async_tp and quant == "bf16",
                     )
                 )
     # H200 (Trainy on WhiteFiber, June 2025): 8B FSDP, local batch 2, compile + float8 with float8 all-gather
