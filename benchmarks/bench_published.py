@@ -21,12 +21,12 @@ What a row's prediction means (``Run.status``):
 
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
                  eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
-                 the bf16 torch.compile FSDP rows, with torchao's float8 linears (``--float8 tensorwise`` or
+                 the bf16 torch.compile FSDP rows and the async-TP benchmark's bf16 FSDP x TP rows (with
+                 ``--async-tp on`` where the run had it), with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
-                 blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
-                 context parallelism); priced as autoshard's eager program (with its float8 linears where the
+                 blocks beside context parallelism or pipeline stages); priced as autoshard's eager program (with its float8 linears where the
                  run had them, and loss parallelism where the run had it and the mesh has no pipeline stages
                  or context parallelism: ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
