@@ -123,6 +123,12 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("recompute", _recompute_text(plan))
     if plan.decisions.compile:
         t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
+    if plan.decisions.async_tp:
+        t.add_row(
+            "async TP",
+            "inductor's micro-pipeline TP: each sequence-parallel all-gather and reduce-scatter overlapped with its "
+            "matmul in chunks over symmetric memory (CUDA ranks; verify runs its twin without it)",
+        )
     if plan.float8_linears:
         t.add_row("float8", Text(float8_text(plan)))  # module paths from the plan file: not markup
     if plan.decisions.offloaded:
@@ -587,6 +593,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "expert parallel": f"ep={plan.ep} over {len(plan.experts)} expert groups" if plan.ep > 1 else "ep=1",
         "sequence": sequence_text(plan) or "whole on every rank",
         "compiled blocks": "yes" if plan.decisions.compile else "no",
+        "async TP": "on" if plan.decisions.async_tp else "off",
         "float8": f"{plan.decisions.float8} ({len(plan.float8_linears)} linears)" if plan.float8_linears else "off",
         "offload": plan.decisions.offload,
     }

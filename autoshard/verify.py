@@ -90,7 +90,7 @@ import torch
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import FLOAT8_OFF, precision_policy
 from autoshard.ir.names import op_name
-from autoshard.ir.plan import Plan, in_fp32, without_float8
+from autoshard.ir.plan import Plan, in_fp32, without_async_tp, without_float8
 from autoshard.ir.recipe import Recipe
 from autoshard.launch import check_runs_here, run_torchrun, write_program
 from autoshard.modelfile import ModelFile
@@ -192,6 +192,8 @@ def verify(
     (``--data``; by default the model file's dataset, else example_batch draws)."""
     recipe = recipe or Recipe()
     plan, twin_notes = float8_twin(plan)
+    plan, async_notes = async_tp_twin(plan)
+    twin_notes += async_notes
     model_file, notes = prepare(plan, steps, seed, data)
     notes = twin_notes + offload_notes(plan) + notes
     twin = fp32_twin(plan)
@@ -226,6 +228,21 @@ def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
         "(benchmarks/gpu_session.sh compares it with this twin)"
     )
     return twin, (note,)
+
+
+def async_tp_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
+    """What CPU ranks verify of an async-TP plan: its twin with async TP off (``ir.plan.without_async_tp``: gloo
+    has no symmetric memory, and inductor's micro-pipeline pass fuses only CUDA collectives), and the note that
+    says what that leaves unproven; any other plan as it is. The twin runs the same compiled blocks and TP
+    layout; the program's async-TP lines are checked as text (tests/test_async_tp.py)."""
+    if not plan.decisions.async_tp:
+        return plan, ()
+    note = (
+        "async TP verified through its twin: the same plan with async TP off, since CPU ranks (gloo) have no "
+        "symmetric memory; inductor's fused all-gather-matmul and matmul-reduce-scatter kernels run on CUDA ranks "
+        "only and are not proven here"
+    )
+    return without_async_tp(plan), (note,)
 
 
 def offload_notes(plan: Plan) -> tuple[str, ...]:

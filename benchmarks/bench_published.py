@@ -21,14 +21,14 @@ What a row's prediction means (``Run.status``):
 
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
                  eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
-                 the bf16 torch.compile FSDP rows, with torchao's float8 linears (``--float8 tensorwise`` or
+                 the bf16 torch.compile FSDP rows and the async-TP benchmark's bf16 FSDP x TP rows (with
+                 ``--async-tp on`` where the run had it), with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
-                 blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
-                 context parallelism); priced as autoshard's eager program (with its float8 linears where the
-                 run had them, and loss parallelism where the run had it and autoshard emits it:
-                 ``loss_parallel_emitted``).
+                 blocks beside context parallelism or pipeline stages); priced as autoshard's eager program (with
+                 its float8 linears where the run had them, and loss parallelism where the run had it and autoshard
+                 emits it: ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
                  parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
                  reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
@@ -283,6 +283,12 @@ COMPILE_REASON = (
     "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
     "programs (--compile on refuses it); priced eager, with loss parallelism as run"
 )
+ASYNC_TP_AS_RUN = {  # the async-TP benchmark's bf16 rows, without and with async TP
+    False: "as run: FSDP2 x TP with sequence and loss parallelism, each block compiled (--compile on) beside "
+    "torchtitan's AC (70B full, 8B 'op' selective as --recompute alternate)",
+    True: "as run: the same with async TP (--async-tp on: each sequence-parallel collective overlapped with its "
+    "matmul, cost.async_tp)",
+}
 COMPILED_8B_REASON = (
     "as run: bf16 FSDP2 with each block compiled (--compile on), torchtitan's 'op' selective AC as --recompute "
     "alternate"
@@ -317,6 +323,7 @@ def _tt(
     extra_needs=(),
     compiled=False,
     float8=None,
+    async_tp=False,
 ) -> Run:
     needs = tuple(techniques) + tuple(extra_needs)
     priced = status != "not priced"
@@ -332,8 +339,9 @@ def _tt(
     args = _with_flags(args, "--loss-parallel", "on") if lp and args else args
     args = _with_compile(args) if compiled and args else args
     args = _with_flags(args, "--float8", float8) if float8 and args else args
+    args = _with_flags(args, "--async-tp", "on") if async_tp and args else args
     emitted = (
-        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")
+        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile", "async TP")
         + (FLOAT8_EMITTED if tp == pp == 1 else ())
         + (("loss parallel",) if lp else ())
     )
@@ -550,13 +558,8 @@ def torchtitan_rows() -> list[Run]:
                     + ((quant,) if quant != "bf16" else ())
                     + (("async TP",) * async_tp)
                 )
-                status = "float8" if quant != "bf16" else "compile"
-                reason = (
-                    FLOAT8_REASON
-                    if quant != "bf16"
-                    else COMPILE_REASON
-                    + ("; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
-                )
+                status = "float8" if quant != "bf16" else "as run"
+                reason = FLOAT8_REASON if quant != "bf16" else ASYNC_TP_AS_RUN[async_tp]
                 q = {"bf16": "bf16", "float8 tensorwise": "fp8tw", "float8 rowwise": "fp8rw"}[quant]
                 rows.append(
                     _tt(
@@ -578,6 +581,8 @@ def torchtitan_rows() -> list[Run]:
                         None,
                         status,
                         reason,
+                        compiled=quant == "bf16",
+                        async_tp=async_tp and quant == "bf16",
                     )
                 )
     # H200 (Trainy on WhiteFiber, June 2025): 8B FSDP, local batch 2, compile + float8 with float8 all-gather

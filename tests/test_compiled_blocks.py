@@ -105,11 +105,6 @@ def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
         (dict(pp=2), "--compile on with pipeline stages is not emitted yet"),
         (dict(cp=2), "--compile on with --cp 2 is not emitted yet"),
         (dict(ep=2), "--compile on with --ep 2 is not emitted yet"),
-        (dict(tp=2, recompute="full"), "--compile on with --tp 2 and --recompute full is not emitted yet"),
-        (
-            dict(tp=2, recompute="selective", sequence_parallel=True),
-            "--tp 2 and --sequence-parallel on and --recompute selective",
-        ),
     ],
 )
 def test_compile_where_it_is_not_emitted_is_one_line(pins, words):
@@ -118,14 +113,13 @@ def test_compile_where_it_is_not_emitted_is_one_line(pins, words):
         pin_checks.check_pins(Pins(compile=True, **pins), cluster, 8)
 
 
-def test_the_search_never_turns_compile_on_and_keeps_it_off_tp_with_full_recompute():
+def test_the_search_never_turns_compile_on_and_compiles_tp_with_sequence_parallelism_under_full_recompute():
     plan = autoshard.plan(GPT, devices_per_node=2, global_batch=8)
     assert not plan.decisions.compile
-    tp = autoshard.plan(
-        GPT, cluster="tests/clusters/fast_link_cpu.yaml", devices_per_node=2, global_batch=8, tp=2, compile=True
-    )
-    assert tp.decisions.compile and tp.recompute in ("none", "selective")
-    assert not (tp.recompute == "selective" and any("seq" in s for s in tp.tensor_parallel.values()))
+    pins = dict(tp=2, compile=True, sequence_parallel=True, recompute="full")
+    tp = autoshard.plan(GPT, cluster="tests/clusters/fast_link_cpu.yaml", devices_per_node=2, global_batch=8, **pins)
+    assert tp.decisions.compile and tp.recompute == "full" and any("seq" in s for s in tp.tensor_parallel.values())
+    pin_checks.check_pins(Pins(**pins), load_cluster("local-cpu", devices_per_node=2), 8)  # no refusal left
 
 
 def test_compiled_blocks_are_priced_with_fused_kernels_on_gpus_only(compiled_plan):

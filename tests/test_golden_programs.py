@@ -90,6 +90,10 @@ PLAN_COMMANDS = {
     # compiled blocks (torch.compile after recompute, before FSDP2) with torchtitan's op-level selective recompute
     "compiled_alternate": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 "
     "--zero 3 --microbatch-size 4 --recompute alternate --compile on",
+    # async TP on an H100 cluster: compiled blocks recomputed in full beside TP with sequence parallelism, symmetric
+    # memory for the TP group and inductor's micro-pipeline TP pass turned on before the blocks compile
+    "async_tp": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 4 --tp 2 --pp 1 --zero 3 "
+    "--microbatch-size 8 --recompute full --sequence-parallel on --compile on --async-tp on",
     # float8 (torchao, tensorwise) on an H100 cluster: the linears converted first, FSDP2 gathering float8 weights
     # and their scales computed after each optimizer step
     "float8_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
@@ -118,6 +122,7 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.ep > 1 for p in plans)  # expert parallel
     assert any(p.precision == "bf16-autocast" for p in plans)
     assert any(p.decisions.float8 == "tensorwise" and p.float8_linears for p in plans)
+    assert any(p.decisions.async_tp and p.decisions.compile and p.recompute == "full" for p in plans)
     assert any(p.recompute == "mixed" and len(set(p.recompute_blocks.values())) > 1 for p in plans)
     assert {p.schedule for p in pipelines} >= {"1f1b", "interleaved-1f1b", "zbv"}  # zbv: stages in a V, backward split
     assert {p.zero_stage for p in pipelines} >= {0, 1, 3}
@@ -166,6 +171,7 @@ def _pin_text(plan, name: str) -> str:
         "compile": "on" if plan.decisions.compile else "off",
         "float8": plan.decisions.float8,
         "offload": plan.decisions.offload,
+        "async_tp": "on" if plan.decisions.async_tp else "off",
     }
     return str(values[name])
 

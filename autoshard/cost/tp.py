@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.cost.eager import MATMUL_2D_TARGETS
 from autoshard.cost.memory import COMPUTE_HEAVY_TARGETS
 from autoshard.cost.saved import MATMUL_OPS, WHOLE, RankShare, storage_of
 from autoshard.cost.units import node_units
@@ -52,6 +53,7 @@ class TPCost:
     comm_s: float  # TP collectives of one micro-batch (forward + backward)
     local_params: int  # parameters per rank: sharded modules' weights / tp
     largest_block_params: int  # the same, of the largest block (the largest FSDP unit)
+    matmul_fraction: tuple[float, ...] = ()  # share of each unit's per-rank forward time in 2-D matmuls (async TP)
 
 
 def price_layout(graph: OpGraph, choice: TPChoice, scale: float, times: list[float]) -> TPCost:
@@ -64,7 +66,8 @@ def price_layout(graph: OpGraph, choice: TPChoice, scale: float, times: list[flo
     local = sum(by_block.values())
     block = by_block.get(largest, 0) if largest else local
     fractions = unit_tp_fractions(graph, choice.styles, tp, times)
-    return TPCost(choice, *fractions, scale * choice.comm_s, local, block)
+    matmuls = unit_matmul_fractions(graph, choice.styles, tp, times)
+    return TPCost(choice, *fractions, scale * choice.comm_s, local, block, matmuls)
 
 
 def recompute_tp_comm(mode: str, sequence_parallel: bool) -> float:
@@ -261,6 +264,19 @@ def unit_tp_fractions(
             local[k][u] += t / tp if node.name in sharded else t
     all_ops, light_ops = (tuple(lo / wh if wh else 1.0 for lo, wh in zip(local[k], whole[k])) for k in (0, 1))
     return all_ops, light_ops
+
+
+def unit_matmul_fractions(graph: OpGraph, styles: dict[str, str], tp: int, times: list[float]) -> tuple[float, ...]:
+    """Per unit u: Σ_{n∈u, n a 2-D matmul} s(n)·t(n) / Σ_{n∈u} s(n)·t(n), the share of a TP rank's forward time
+    in 2-D matmuls (``cost.async_tp``: what the TP collectives overlap with); s(n) as ``unit_tp_fractions``."""
+    sharded = sharded_nodes(graph, styles)
+    count = len(graph.blocks) + 2
+    matmul, total = [0.0] * count, [0.0] * count
+    for node, u, t in zip(graph.nodes, node_units(graph), times):
+        local = t / tp if node.name in sharded else t
+        total[u] += local
+        matmul[u] += local if node.target.startswith(MATMUL_2D_TARGETS) else 0.0
+    return tuple(m / t if t else 0.0 for m, t in zip(matmul, total))
 
 
 def local_params_by_block(graph: OpGraph, sharded: dict[str, str], tp: int) -> dict[str | None, int]:

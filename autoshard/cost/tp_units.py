@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from autoshard.cost.async_tp import exposed_tp_comm_s, fused_collectives, matmul_s
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import (
@@ -40,8 +41,24 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
         return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
     tp = tables.layout_cost(config)
     modes = config.block_modes(len(tables.graph.blocks))
-    comm_s = tp.comm_s * tp_comm_factor(modes, config.sequence_parallel)
-    return _compute_time(units, *_fractions(tp, modes)), comm_s, tp.local_params
+    compute = _compute_time(units, *_fractions(tp, modes))
+    comm = tp.comm_s * tp_comm_factor(modes, config.sequence_parallel)
+    if config.async_tp:
+        comm = _async_tp_comm_s(tables, config, tp, compute, comm, tp_comm_factor(modes, config.sequence_parallel))
+    return compute, comm, tp.local_params
+
+
+def _async_tp_comm_s(
+    tables: CostTables, config: Decisions, tp: TPCost, compute: ComputeTime, comm_s: float, factor: float
+) -> float:
+    """The TP collectives left exposed under async TP (``cost.async_tp``): M the micro-batch's compute on the
+    rank × its blocks' share in 2-D matmuls (the units' forward-weighted mean of ``TPCost.matmul_fraction``)."""
+    units = tables.config_units(config)
+    weights = [f * x for f, x in zip(tp.unit_fraction, units.forward_s)]
+    fraction = sum(w * m for w, m in zip(weights, tp.matmul_fraction)) / sum(weights) if sum(weights) else 0.0
+    blocks = tuple(b.path for b in tables.graph.blocks)
+    collectives = fused_collectives(tp.choice.styles, blocks, factor)
+    return exposed_tp_comm_s(comm_s, matmul_s(compute, fraction), collectives, config.mesh.tp)
 
 
 def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -485,13 +485,31 @@ def in_plan(rule: str, choices: tuple = (), required: bool = False) -> dict[str,
 def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> bool:
     """Where compiled blocks are emitted and verified: SPMD plans (a pipeline's stages are traced graphs whose
     blocks are regions, not modules) without context parallelism (its ring patches attention at the function
-    level, outside the compiled graph) or expert parallelism (its all-to-all dispatch is not traced); with tensor
-    parallelism, no recompute but selective without sequence parallelism. In torch 2.13 dynamo's trace of a
-    checkpointed block fails on TP's parameters under full recompute (AOT autograd's saved-tensor check meets
-    the DTensor parameters) and on sequence parallelism's gathered input under any recompute (wrong shapes)."""
-    if mesh.pp > 1 or mesh.cp > 1 or ep > 1:
-        return False
-    return mesh.tp == 1 or recompute == "none" or (recompute in ("selective", ALTERNATE) and not sequence_parallel)
+    level, outside the compiled graph) or expert parallelism (its all-to-all dispatch is not traced); beside
+    tensor parallelism, with or without sequence parallelism, under every recompute mode (a TP block recomputed
+    in full is compiled inside its checkpoint: ``runtime.compiled``). ``sequence_parallel`` and ``recompute``
+    no longer narrow it; callers still pass them, so a combination found not to run is refused here."""
+    del sequence_parallel, recompute
+    return mesh.pp == 1 and mesh.cp == 1 and ep == 1
+
+
+def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backend: str) -> str:
+    """Why async TP (inductor's micro-pipelined TP: each sequence-parallel all-gather fused with the matmul
+    reading it, each matmul with the reduce-scatter of its output, over symmetric memory) cannot run ("" when it
+    can): it is an inductor pass, so compiled blocks; it rewrites sequence parallelism's all-gathers and
+    reduce-scatters, so tp > 1 with sequence parallelism; symmetric memory is CUDA's, so NCCL ranks, not gloo."""
+    if mesh.tp == 1:
+        return "it overlaps tensor parallelism's collectives, and the plan has tp 1"
+    if not compiled:
+        return "it is an inductor pass over compiled blocks; pin --compile on"
+    if not sequence_parallel:
+        return (
+            "it fuses sequence parallelism's all-gathers and reduce-scatters with their matmuls; pin "
+            "--sequence-parallel on"
+        )
+    if backend == "gloo":
+        return "it needs symmetric memory (CUDA ranks on NCCL), and this cluster's ranks are CPUs on gloo"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -566,7 +584,7 @@ def offload_refusal(
 class Decisions:
     """The decisions of one point of the search space: mesh, ZeRO stage, micro-batching, pipeline schedule,
     recompute, DDP bucket size, precision, HSDP replicas, expert and sequence parallelism, compiled blocks, float8
-    linears, host offload. A plan's
+    linears, host offload, async TP. A plan's
     decisions are this record (``Plan.decisions``, ``plan.json``'s decisions section: the fields in this
     order, each as its ``in_plan`` metadata says); ``Pins`` is the same fields, each optional, that the
     user fixes by hand."""
@@ -601,6 +619,10 @@ class Decisions:
     # Host offload: none, or cpu (FSDP2's CPUOffloadPolicy: ZeRO-3's parameter, gradient and optimizer-state shards
     # on the host, the optimizer step on the CPU; ``offload_refusal`` says where it runs, ``cost.offload`` prices it)
     offload: str = field(default=OFFLOAD_NONE, metadata=in_plan("choice", OFFLOAD_CHOICES))
+    # Async TP (torchtitan's enable_async_tensor_parallel): inductor's micro-pipeline TP pass over the compiled
+    # blocks, each sequence-parallel collective overlapped with its matmul in chunks over symmetric memory
+    # (``async_tp_refusal`` says where it runs, ``cost.async_tp`` prices it, ``runtime.compiled`` applies it)
+    async_tp: bool = field(default=False, metadata=in_plan("flag"))
     # Sequence parallelism (tp > 1, with or without pipeline stages): the TP layout is solved with the regions
     # between the parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model
     # allows.
@@ -613,7 +635,7 @@ class Decisions:
     loss_parallel: bool = False
 
     # plan keys written only when they differ (plans without them read and write as before)
-    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF, "offload": OFFLOAD_NONE}
+    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF, "offload": OFFLOAD_NONE, "async_tp": False}
 
     @property
     def num_stages(self) -> int:

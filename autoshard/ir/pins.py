@@ -252,6 +252,17 @@ PINS: tuple[PinRow, ...] = (
         choices=PIN_OFFLOAD,
         default=lambda p: PIN_OFFLOAD[0],
     ),
+    PinRow(
+        "async_tp",
+        "--async-tp",
+        str.lower,
+        "async TP: inductor overlaps each sequence-parallel all-gather and reduce-scatter with its matmul in "
+        "chunks over symmetric memory (needs --compile on, tp > 1 with sequence parallelism, NCCL ranks) "
+        "(default: searched there; estimate: off)",
+        _on_off,
+        choices=("on", "off"),
+        default=lambda p: False,
+    ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}
 

@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir.decisions import FLOAT8_OFF, OFFLOAD_NONE, Decisions, Mesh, offload_refusal, tp_style
+from autoshard.ir.decisions import (
+    FLOAT8_OFF,
+    OFFLOAD_NONE,
+    Decisions,
+    Mesh,
+    async_tp_refusal,
+    offload_refusal,
+    tp_style,
+)
 from autoshard.ir.plan_format import (  # noqa: F401 (the records and names are re-exported)
     PLAN_RECOMPUTE,
     PLAN_RUNTIMES,
@@ -98,6 +106,9 @@ class Plan:
                 f"the colwise-loss-parallel style runs beside cp only inside pipeline stages (mesh {d.mesh}); "
                 f"re-plan, or give the output projection colwise-gather"
             )
+        refusal = async_tp_refusal(d.mesh, d.compile, sequence_parallel, "nccl") if d.async_tp else ""
+        if refusal:
+            raise AutoshardError(f"async_tp is true but cannot run in this plan: {refusal}; or set it false")
         if d.zero_stage not in (0, 1, 2, 3):
             raise AutoshardError(f"zero_stage={d.zero_stage} must be 0, 1, 2 or 3")
         if d.recompute not in PLAN_RECOMPUTE:
@@ -536,6 +547,13 @@ def without_float8(plan: Plan) -> Plan:
     return replace(
         plan, decisions=replace(plan.decisions, float8=FLOAT8_OFF), layout=replace(plan.layout, float8_linears=())
     )
+
+
+def without_async_tp(plan: Plan) -> Plan:
+    """The plan's twin with async TP off: the same layout and compiled blocks, the TP collectives run as DTensor
+    issues them rather than micro-pipelined with their matmuls; what CPU ranks run of an async-TP plan
+    (``verify``: gloo has no symmetric memory); any other plan as it is."""
+    return replace(plan, decisions=replace(plan.decisions, async_tp=False)) if plan.decisions.async_tp else plan
 
 
 def in_fp32(plan: Plan) -> Plan:

@@ -20,6 +20,7 @@ record.
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined
+    apply_async_tp      symmetric memory for tp, inductor's micro-pipeline TP pass (--async-tp on)   -
     apply_compile       torch.compile of each block's forward (--compile on; inductor)   -
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
@@ -46,6 +47,7 @@ OPS = (
     "apply_ep",
     "split_pipeline",
     "apply_ac",
+    "apply_async_tp",
     "apply_compile",
     "sync_batch_norm",
     "apply_fsdp",

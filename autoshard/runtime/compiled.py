@@ -5,8 +5,13 @@ its parameters' names stay as they were (``nn.Module.compile`` would compile ``_
 ``torch.compile(module)`` would wrap it and rename every parameter ``_orig_mod.*``), and the hooks that the
 steps after it register on the block (FSDP2's gathers and reduce-scatters, DDP's) run outside the compiled
 code, as they do in torchtitan (TP, recompute, compile, then FSDP). The block's recompute wrapper, when it has
-one, is what is compiled, so dynamo traces the checkpoint with the block inside it. Blocks with the same code
-share one compiled graph (dynamo caches by code and guards on shapes, not on the module).
+one, is what is compiled, so dynamo traces the checkpoint with the block inside it; but a tensor-parallel block
+recomputed in full is compiled inside its checkpoint (the wrapped block's forward; the checkpoint runs eager
+around it and reruns the compiled forward in backward). In torch 2.13 dynamo's checkpoint of a block holding
+DTensors that recomputes everything, DTensor's collectives included, saves the DeviceMesh those collectives
+take for backward, and AOT autograd refuses it ("expected all tensors_saved_with_vc_check to be Tensors"); a
+selective policy keeps the collectives' outputs, so it traces. Blocks with the same code share one compiled
+graph (dynamo caches by code and guards on shapes, not on the module).
 
 Verified like every plan (``autoshard verify``): verify runs with every random op fixed
 (``runtime.randomness``). Its function mode (``FixedFunctions``: dropout the identity, attention's
@@ -20,14 +25,18 @@ ones verify can fix.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 
+from autoshard.errors import AutoshardError
 from autoshard.ir.names import RANDOM_OPS, RANDOM_SWITCHES
 from autoshard.runtime.model import get_block
 from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name
+from autoshard.runtime.selective import recompute_mode
 
 _SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
@@ -35,9 +44,40 @@ _SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_ma
 def apply_compile(model: nn.Module, blocks: tuple[str, ...] | list[str] = ()) -> nn.Module:
     """Compile each block's forward in place (module doc); the whole model's where there are no blocks."""
     for path in blocks or ("",):
-        module = get_block(model, path) if path else model
+        module = _compiled_module(get_block(model, path) if path else model)
         module.forward = _compiled_forward(module.forward, path or "the model")
     return model
+
+
+def apply_async_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """Async TP for the blocks compiled after it, as torchtitan turns it on (``torchtitan.distributed.compile``
+    ``_maybe_enable_async_tp``): symmetric memory for the TP group, then inductor's micro-pipeline TP pass, which
+    rewrites each all-gather feeding a matmul and each matmul feeding a reduce-scatter into one fused op
+    exchanging chunks over symmetric memory while the matmul runs. torch 2.13 deprecates
+    ``enable_symm_mem_for_group`` (it says groups no longer need it); torchtitan still calls it, with the warning
+    silenced, until torch registers the groups async TP uses by itself. Refused in one line on non-CUDA ranks
+    (gloo has no symmetric memory). Returns the model unchanged."""
+    if tp_mesh.device_type != "cuda":
+        raise AutoshardError(
+            f"async TP needs CUDA ranks (symmetric memory), and this program runs on {tp_mesh.device_type} ranks; "
+            f"re-plan with --async-tp off (verify runs this plan's twin without it)"
+        )
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+    return model
+
+
+def _compiled_module(block: nn.Module) -> nn.Module:
+    """The module whose forward is compiled (module doc): the block's recompute wrapper, or the block inside it
+    where the block holds DTensors and recomputes in full."""
+    inner = getattr(block, "_checkpoint_wrapped_module", None)
+    if inner is None or recompute_mode(block) != "full":
+        return block
+    return inner if any(isinstance(p, DTensor) for p in inner.parameters()) else block
 
 
 def _compiled_forward(forward, where: str):

@@ -13,6 +13,7 @@ prints the steps):
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
                       stages the block's region of its stage graph (``stage_recompute``)
     apply_float8      the plan's linears made torchao Float8Linear (``float8``), before every wrapper
+    apply_async_tp    async TP: symmetric memory for the TP group, inductor's micro-pipeline TP pass (``compiled``)
     apply_compile     torch.compile of each block's forward, its recompute inside, hooks outside (``compiled``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
@@ -54,7 +55,7 @@ from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
-from autoshard.runtime.compiled import apply_compile
+from autoshard.runtime.compiled import apply_async_tp, apply_compile
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.float8 import apply_float8, compute_float8_scales_after_step
 from autoshard.runtime.model import get_block
@@ -443,6 +444,7 @@ APPLIERS: dict[str, Callable] = {
     "apply_ep": apply_ep,
     "split_pipeline": split_pipeline,
     "apply_ac": apply_ac,
+    "apply_async_tp": apply_async_tp,
     "apply_compile": apply_compile,
     "sync_batch_norm": sync_batch_norm,
     "apply_fsdp": apply_fsdp,

@@ -74,6 +74,13 @@ def selective_kwargs(mode: str) -> dict:
     return {"context_fn": partial(recompute_contexts, mode)}
 
 
+def recompute_mode(wrapper: torch.nn.Module) -> str:
+    """The recompute mode a ``checkpoint_wrapper`` made with ``selective_kwargs`` runs ("" for any other)."""
+    context_fn = getattr(getattr(wrapper, "checkpoint_fn", None), "keywords", {}).get("context_fn")
+    is_ours = isinstance(context_fn, partial) and context_fn.func is recompute_contexts
+    return context_fn.args[0] if is_ours else ""
+
+
 def recompute_contexts(mode: str) -> tuple:
     """(the forward's context, the recomputation's) of one region's run (checkpoint calls this as the region's
     forward begins): "selective" and "alternate" their policies' (``create_selective_checkpoint_contexts``),

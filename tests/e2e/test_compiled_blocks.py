@@ -2,7 +2,9 @@
 
 Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch: FSDP2 over compiled blocks that
 recompute in full (the checkpoint traced inside the compiled block, FSDP2's hooks outside it), and DTensor tensor
-parallelism inside compiled blocks with selective recompute, on a transformers Llama with its default dropout.
+parallelism inside compiled blocks with selective recompute, and with sequence parallelism under full recompute (the
+block compiled inside its checkpoint) and under op-level selective recompute, on a transformers Llama with its
+default dropout.
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
 
@@ -23,6 +25,18 @@ CASES = {  # name: (model, cluster, pins)
         "tests/models/hf_llama.py:build",
         "tests/clusters/fast_link_cpu.yaml",  # where TP pays
         dict(dp=1, tp=2, zero=0, recompute="selective"),
+    ),
+    # torchtitan's async-TP rows' layout (70B): sequence parallelism, the block compiled inside its full recompute
+    "llama-tp2-sp-full": (
+        "tests/models/hf_llama.py:build",
+        "tests/clusters/fast_link_cpu.yaml",
+        dict(dp=1, tp=2, zero=0, recompute="full", sequence_parallel=True),
+    ),
+    # (8B): sequence parallelism under torchtitan's op-level selective recompute, traced inside the compiled block
+    "llama-tp2-sp-alternate": (
+        "tests/models/hf_llama.py:build",
+        "tests/clusters/fast_link_cpu.yaml",
+        dict(dp=1, tp=2, zero=0, recompute="alternate", sequence_parallel=True),
     ),
 }
 STEPS = 3
@@ -45,5 +59,6 @@ def test_compiled_blocks_train_like_one_process(launches, name):
     plan, report = launches.result(LAUNCHES, name)
     assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
     assert plan.mesh.tp == CASES[name][2]["tp"]
+    assert plan.sequence_parallel == CASES[name][2].get("sequence_parallel", plan.sequence_parallel)
     assert report.ok, report.failure
     assert len(report.parallel_losses) == STEPS and report.parallel_losses[-1] < report.parallel_losses[0]

@@ -306,7 +306,16 @@ def _compile_steps(plan: Plan) -> list[Step]:
     if not plan.decisions.compile:
         return []
     what = "each block (with its recompute)" if plan.blocks else "the model (it has no blocks)"
-    return [
+    async_tp = [
+        Step(
+            "apply_async_tp",
+            "tp",
+            (),
+            "async TP: symmetric memory for the TP group and inductor's micro-pipeline TP pass, each sequence-"
+            "parallel all-gather and reduce-scatter overlapped with its matmul in chunks",
+        )
+    ]
+    return async_tp * plan.decisions.async_tp + [
         Step(
             "apply_compile",
             None,

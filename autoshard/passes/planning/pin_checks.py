@@ -19,7 +19,7 @@ from autoshard.ir.decisions import (
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     Mesh,
-    compile_runs,
+    async_tp_refusal,
     offload_refusal,
 )
 from autoshard.ir.graph import OpGraph
@@ -58,6 +58,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_loss_parallel(pins)
     _check_precision(pins)
     _check_compile(pins)
+    _check_async_tp(pins, cluster)
     _check_float8(pins, cluster)
     _check_offload(pins, cluster)
     _check_alternate(pins)
@@ -156,14 +157,17 @@ def _check_compile(pins: Pins) -> None:
             raise AutoshardError(
                 f"--compile on with {flag} {value} is not emitted yet ({why}); pin {flag} 1 or --compile off"
             )
-    tp = Mesh(tp=pins.tp) if (pins.tp or 1) > 1 else None
-    if tp and pins.recompute and not compile_runs(tp, 1, bool(pins.sequence_parallel), pins.recompute):
-        sp = " and --sequence-parallel on" if pins.sequence_parallel else ""
-        raise AutoshardError(
-            f"--compile on with --tp {pins.tp}{sp} and --recompute {pins.recompute} is not emitted yet (dynamo cannot "
-            f"trace that checkpointed block); pin --recompute none (or selective without sequence parallelism), or "
-            f"--compile off"
-        )
+
+
+def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
+    """--async-tp on where it does not run (``ir.decisions.async_tp_refusal``), as far as the pins say: one line."""
+    if not pins.async_tp:
+        return
+    tp = pins.tp if pins.tp is not None else 2  # unpinned: the search keeps it to meshes with tp > 1
+    sequence_parallel = pins.sequence_parallel is not False
+    why = async_tp_refusal(Mesh(tp=tp), bool(pins.compile), sequence_parallel, cluster.backend)
+    if why:
+        raise AutoshardError(f"--async-tp on is not emitted here: {why}; or pin --async-tp off")
 
 
 def _check_loss_parallel(pins: Pins) -> None:

@@ -126,6 +126,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
             "--compile on compiles the blocks of plans without pipeline stages or context parallelism, and this "
             "cluster's meshes that honour the pins have one of them; pin --pp 1 --cp 1, or --compile off"
         )
+    if pins.async_tp and not any(m.tp > 1 and compile_runs(m) for m in meshes):
+        return (
+            "--async-tp on overlaps the TP collectives of compiled blocks, and this cluster's meshes that honour the "
+            "pins have tp 1, pipeline stages or cp; pin --tp 2 or more with --pp 1 --cp 1, or --async-tp off"
+        )
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):
         mesh = piped[0]

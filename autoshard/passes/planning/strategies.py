@@ -29,6 +29,8 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
             (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
             its start-up (tens of seconds per block kind on CPU ranks, minutes on large models)
+    async TP (inductor's micro-pipelined TP): off, and on under compile with tp > 1, sequence parallelism and NCCL
+            ranks (``ir.decisions.async_tp_refusal``; ``async_tp_choices``), priced by ``cost.async_tp``
     float8 (torchao's Float8Linear on the linears ``cost.float8.float8_linears`` names): off, and tensorwise on
             a device with float8 matmuls (``DeviceSpec.float8_tflops`` > 0) when the model has such linears,
             on meshes with pp = 1, tp = 1 and ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
@@ -70,6 +72,7 @@ from autoshard.ir.decisions import (
     ZERO_STAGES,
     Decisions,
     Mesh,
+    async_tp_refusal,
     compile_runs,
     float8_runs,
     offload_refusal,
@@ -324,7 +327,9 @@ def mesh_configs(
     configs = _mesh_configs(mesh, global_batch, pins, blocks)
     compiled = bool(pins.compile)  # off unless pinned: compiling costs each launch minutes of start-up
     return [
-        replace(c, dp_replicate=r, ep=e, sequence_parallel=sp, loss_parallel=lp, compile=compiled, float8=f8)
+        replace(
+            c, dp_replicate=r, ep=e, sequence_parallel=sp, loss_parallel=lp, compile=compiled, float8=f8, async_tp=at
+        )
         for f8 in float8s
         for c in configs
         for r in (hsdp_replicas(mesh, c.zero_stage, cluster) if cluster is not None else (1,))
@@ -337,7 +342,16 @@ def mesh_configs(
         if pins.loss_parallel in (None, lp)
         if not compiled or compile_runs(mesh, e, sp, c.recompute)
         if f8 == FLOAT8_OFF or float8_runs(mesh, e)
+        for at in async_tp_choices(mesh, compiled, sp, cluster)
+        if pins.async_tp in (None, at)
     ]
+
+
+def async_tp_choices(mesh: Mesh, compiled: bool, sequence_parallel: bool, cluster: Cluster | None) -> tuple[bool, ...]:
+    """Async TP is searched where it runs (``ir.decisions.async_tp_refusal``: compiled blocks, tp > 1 with
+    sequence parallelism, NCCL ranks); off elsewhere."""
+    backend = cluster.backend if cluster is not None else "gloo"
+    return (False, True) if not async_tp_refusal(mesh, compiled, sequence_parallel, backend) else (False,)
 
 
 def sequence_parallel_choices(mesh: Mesh) -> tuple[bool, ...]:
