@@ -482,16 +482,30 @@ def in_plan(rule: str, choices: tuple = (), required: bool = False) -> dict[str,
     return {"plan": rule, "choices": choices, "required": required}
 
 
-def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> bool:
-    """Where compiled blocks are emitted and verified: SPMD plans (a pipeline's stages are traced graphs whose
-    blocks are regions, not modules) without context parallelism (its ring patches attention at the function
-    level, outside the compiled graph) or expert parallelism (its all-to-all dispatch is not traced); with tensor
-    parallelism, no recompute but selective without sequence parallelism. In torch 2.13 dynamo's trace of a
-    checkpointed block fails on TP's parameters under full recompute (AOT autograd's saved-tensor check meets
-    the DTensor parameters) and on sequence parallelism's gathered input under any recompute (wrong shapes)."""
-    if mesh.pp > 1 or mesh.cp > 1 or ep > 1:
+def compile_runs(
+    mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none", schedule: str = "none"
+) -> bool:
+    """Where compiled blocks are emitted and verified (``runtime.compiled``): without expert parallelism (its
+    all-to-all dispatch is not traced). With tensor parallelism (SPMD), no recompute but selective without
+    sequence parallelism: in torch 2.13 dynamo's trace of a checkpointed block fails on TP's parameters under
+    full recompute (AOT autograd's saved-tensor check meets the DTensor parameters) and on sequence
+    parallelism's gathered input under any recompute (wrong shapes). Beside context parallelism (the ring eager
+    between compiled graphs) and inside pipeline stages (each stage's blocks compiled), the recompute stays
+    eager around the compiled block, so none or full (selective's policy is a dispatch mode, under which dynamo
+    compiles nothing), without tensor parallelism, and in stages not beside cp nor with a schedule that splits
+    the backward (its weight pass would rerun a compiled block's whole backward)."""
+    if ep > 1:
         return False
+    if mesh.pp > 1 or mesh.cp > 1:
+        return (
+            mesh.tp == 1
+            and recompute in COMPILED_RECOMPUTE_OUTSIDE
+            and (mesh.pp == 1 or (mesh.cp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES))
+        )
     return mesh.tp == 1 or recompute == "none" or (recompute in ("selective", ALTERNATE) and not sequence_parallel)
+
+
+COMPILED_RECOMPUTE_OUTSIDE = ("none", "full")  # compile_runs beside cp and in stages: recompute eager, around
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ record.
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined
-    apply_compile       torch.compile of each block's forward (--compile on; inductor)   -
+    apply_compile       torch.compile of each block's forward   each stage's block modules' (--compile on; inductor)
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
                         (--offload cpu: with CPUOffloadPolicy, the shards in host memory)

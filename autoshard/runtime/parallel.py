@@ -54,7 +54,8 @@ from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
-from autoshard.runtime.compiled import apply_compile
+from autoshard.runtime.compiled import apply_compile as compile_blocks
+from autoshard.runtime.compiled import compile_stage_blocks
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.float8 import apply_float8, compute_float8_scales_after_step
 from autoshard.runtime.model import get_block
@@ -154,6 +155,16 @@ def apply_ac(model, modes: dict[str, str]):
             apply_recompute_to_stage(module, modes)
         return model
     return apply_recompute(model, list(modes), modes)
+
+
+def apply_compile(model, blocks: tuple[str, ...] | list[str] = (), recompute_outside: bool = False):
+    """torch.compile of each block's forward, in place (``runtime.compiled``); returns the model. On pipeline
+    stages, each stage compiles the blocks it holds (their recompute, if any, eager around them)."""
+    if _is_stages(model):
+        for module in model.modules:
+            compile_stage_blocks(module, blocks)
+        return model
+    return compile_blocks(model, blocks, recompute_outside)
 
 
 def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, str]) -> nn.Module:

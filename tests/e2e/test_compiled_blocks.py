@@ -2,7 +2,9 @@
 
 Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch: FSDP2 over compiled blocks that
 recompute in full (the checkpoint traced inside the compiled block, FSDP2's hooks outside it), and DTensor tensor
-parallelism inside compiled blocks with selective recompute, on a transformers Llama with its default dropout.
+parallelism inside compiled blocks with selective recompute, on a transformers Llama with its default dropout;
+context parallelism's ring run eager between compiled graphs, and two pipeline stages each compiling the blocks
+it holds, both with full recompute eager around the compiled block.
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
 
@@ -24,13 +26,15 @@ CASES = {  # name: (model, cluster, pins)
         "tests/clusters/fast_link_cpu.yaml",  # where TP pays
         dict(dp=1, tp=2, zero=0, recompute="selective"),
     ),
+    "gpt-cp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, cp=2, recompute="full")),
+    "gpt-pp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, pp=2, schedule="1f1b", recompute="full")),
 }
 STEPS = 3
 
 
 def _plan(name):
     model, cluster, pins = CASES[name]
-    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, pp=1, compile=True, **pins)
+    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, compile=True, **{"pp": 1, **pins})
 
 
 LAUNCHES = Cases(
@@ -44,6 +48,7 @@ LAUNCHES = Cases(
 def test_compiled_blocks_train_like_one_process(launches, name):
     plan, report = launches.result(LAUNCHES, name)
     assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
-    assert plan.mesh.tp == CASES[name][2]["tp"]
+    pins = CASES[name][2]
+    assert (plan.mesh.tp, plan.mesh.cp, plan.mesh.pp) == (pins["tp"], pins.get("cp", 1), pins.get("pp", 1))
     assert report.ok, report.failure
     assert len(report.parallel_losses) == STEPS and report.parallel_losses[-1] < report.parallel_losses[0]
