@@ -258,3 +258,11 @@ def test_beside_cp_and_in_stages_the_recompute_is_eager_around_the_compiled_bloc
     ops = [s.op for s in steps]
     assert ops.index("apply_ac") < ops.index("apply_compile")
     assert dict(steps[ops.index("apply_compile")].arguments).get("recompute_outside", False) == outside
+
+
+def test_verify_says_what_cpu_ranks_leave_unproven_of_compiled_blocks(compiled_plan):
+    from autoshard.verify import compile_notes
+
+    (note,) = compile_notes(compiled_plan)
+    assert "inductor's CPU kernels" in note and "Triton kernels" in note
+    assert compile_notes(autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3)) == ()
