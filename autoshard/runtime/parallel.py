@@ -13,7 +13,8 @@ prints the steps):
                       matmul/attention outputs and recomputes the rest (op-level SAC); on pipeline
                       stages the block's region of its stage graph (``stage_recompute``)
     apply_float8      the plan's linears made torchao Float8Linear (``float8``), before every wrapper
-    apply_compile     torch.compile of each block's forward, its recompute inside, hooks outside (``compiled``)
+    apply_compile     torch.compile of each block's forward, its recompute inside (beside cp, and on pipeline
+                      stages: outside, eager), hooks outside (``compiled``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
                       False, ZeRO-3: True), or per stage module; HSDP; the plan's precision policy
