@@ -195,7 +195,7 @@ def verify(
     plan, async_notes = async_tp_twin(plan)
     twin_notes += async_notes
     model_file, notes = prepare(plan, steps, seed, data)
-    notes = twin_notes + offload_notes(plan) + notes
+    notes = twin_notes + offload_notes(plan) + compile_notes(plan) + notes
     twin = fp32_twin(plan)
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         parallel = run_parallel(plan, Path(tmp) / "plan", steps, seed, recipe, data)
@@ -255,6 +255,18 @@ def offload_notes(plan: Plan) -> tuple[str, ...]:
         "host offload verified as the program runs it on CPU ranks (FSDP2's CPUOffloadPolicy, shards and "
         "optimizer state on the host); there the host is the device, so the host-device copies and pinned "
         "memory of a GPU run are not exercised",
+    )
+
+
+def compile_notes(plan: Plan) -> tuple[str, ...]:
+    """What CPU ranks prove of compiled blocks (``runtime.compiled``): dynamo's graphs, their breaks (the cp ring's,
+    eager between them) and the recompute around or inside them, as the program runs them; inductor's kernels are
+    its CPU ones, not the Triton kernels a GPU run compiles."""
+    if not plan.decisions.compile:
+        return ()
+    return (
+        "compiled blocks verified with inductor's CPU kernels (dynamo's graphs, the recompute and, beside cp, the "
+        "ring eager between graphs, as a GPU run has them); the Triton kernels a GPU run compiles are not exercised",
     )
 
 

@@ -266,8 +266,9 @@ FLOAT8_8B_REASON = (
 )
 FLOAT8_CP1_REASON = "as run: float8 tensorwise with each block compiled, full AC, one rank per sequence"
 FLOAT8_CP_REASON = (
-    "torch.compile beside context parallelism is not emitted (--compile on refuses --cp > 1): priced eager, "
-    "with its float8 linears (--float8 tensorwise); the CP ring's causal load balancing is not modelled"
+    "as run: float8 tensorwise with each block compiled (the CP ring eager between its compiled graphs), full AC; "
+    "autoshard's ring runs contiguous chunks, without torchtitan's causal load balancing, so its last cp rank "
+    "attends (2cp-1)/cp times a balanced rank's share, and it is priced so"
 )
 FLOAT8_AO_REASON = (
     "as run: float8 {recipe} (torchao{gather}) with each block compiled, per-op SAC as --recompute alternate"
@@ -441,8 +442,9 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "CP", "torch.compile", "float8 (tensorwise)"),
                 tps,
                 mem,
-                *(("as run", FLOAT8_CP1_REASON) if cp == 1 else ("compile", FLOAT8_CP_REASON)),
-                compiled=cp == 1,
+                "as run",
+                FLOAT8_CP1_REASON if cp == 1 else FLOAT8_CP_REASON,
+                compiled=True,
                 float8="tensorwise",
             )
         )
@@ -944,6 +946,12 @@ def main(argv: list[str] | None = None) -> None:
         "command names) are unchanged (inputs_key); price the rest",
     )
     parser.add_argument(
+        "--rows",
+        nargs="+",
+        metavar="NAME",
+        help="price only these rows; keep every other row's prediction (and its inputs key) from the output file",
+    )
+    parser.add_argument(
         "--fit",
         action="store_true",
         help="print the Grand Teton file's matmul efficiency the fitting rows imply (fit_matmul_efficiency) and stop",
@@ -954,9 +962,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"matmul_efficiency": eta, "implied_by_row": implied}, indent=2))
         return
     plans: dict[tuple[str, ...], tuple[dict, float]] = {}  # one estimate per distinct command
-    if args.reuse and args.output.exists():
+    kept: dict[str, str] = {}  # --rows: the inputs key of each row kept from the output file, by name
+    if (args.reuse or args.rows) and args.output.exists():
         for old in json.loads(args.output.read_text())["rows"]:
-            if old.get("command") and "predicted_step_s" in old and old.get("inputs") == inputs_key(old["command"]):
+            if args.rows and old["name"] not in args.rows:
+                kept[old["name"]] = old.get("inputs", "")
+            reused = args.reuse and old.get("inputs") == inputs_key(old.get("command") or "")
+            if old.get("command") and "predicted_step_s" in old and (reused or old["name"] in kept):
                 plan = {
                     "predicted": {
                         "step_time_s": old["predicted_step_s"],
@@ -984,7 +996,7 @@ def main(argv: list[str] | None = None) -> None:
         if plan is not None and "error" in plan:
             results.append(result(run, None, None) | {"error": plan["error"]})
         else:
-            results.append(result(run, plan, wall))
+            results.append(result(run, plan, wall) | ({"inputs": kept[run.name]} if run.name in kept else {}))
     reserve = fit_reserve(results)
     results = with_reserve(results, reserve)
     sums = {status: summary(results, status) for status in ("as run", "compile")}

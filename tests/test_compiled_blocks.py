@@ -102,8 +102,12 @@ def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
 @pytest.mark.parametrize(
     "pins, words",
     [
-        (dict(pp=2), "--compile on with pipeline stages is not emitted yet"),
-        (dict(cp=2), "--compile on with --cp 2 is not emitted yet"),
+        (dict(pp=2, recompute="selective"), "--compile on with pipeline stages and --recompute selective"),
+        (dict(cp=2, recompute="alternate"), "--compile on with --cp 2 and --recompute alternate"),
+        (dict(cp=2, tp=2), "--compile on with --cp 2 and --tp 2"),
+        (dict(pp=2, tp=2), "--compile on with pipeline stages and --tp 2"),
+        (dict(pp=2, cp=2), "--compile on with pipeline stages and --cp 2"),
+        (dict(pp=2, schedule="zbv"), "--compile on with pipeline stages and --schedule zbv"),
         (dict(ep=2), "--compile on with --ep 2 is not emitted yet"),
     ],
 )
@@ -183,3 +187,76 @@ def test_inspect_and_diff_say_the_blocks_are_compiled(compiled_plan, tmp_path):
         [sys.executable, "-m", "autoshard", "inspect", str(tmp_path / "p.json")], capture_output=True, text=True
     ).stdout
     assert "compiled" in out and "torch.compile" in out
+
+
+class Attention(nn.Module):
+    """Causal self-attention then a residual: one block that calls SDPA, as context parallelism's ring takes it."""
+
+    def __init__(self, width=16, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(torch.nn.functional.gelu(y.transpose(1, 2).reshape(b, s, w)))
+
+
+def test_beside_context_parallelism_the_ring_runs_eager_in_the_compiled_block_and_in_its_recompute(monkeypatch):
+    """Beside cp a recomputed block is compiled inside its eager checkpoint (recompute_outside): the ring (here one
+    rank's attention, counted) runs between compiled graphs, once in the forward and once in the recomputation,
+    under the mode; the compiled block trains as the eager one."""
+    import torch.distributed as dist
+
+    from autoshard.runtime import parallel
+
+    cp = sys.modules["autoshard.runtime.context_parallel"]
+    calls = []
+
+    def one_rank_ring(query, key, value, group, is_causal=False, scale=None):
+        calls.append(torch.compiler.is_compiling())
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
+
+    monkeypatch.setattr(cp, "ring_attention", one_rank_ring)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    torch.manual_seed(0)
+    eager, compiled = nn.Sequential(Attention()), nn.Sequential(Attention())
+    compiled.load_state_dict(eager.state_dict())
+    parallel.apply_recompute(compiled, ["0"], "full")
+    apply_compile(compiled, ("0",), recompute_outside=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(2, 8, 16)
+    with cp.ContextParallelMode(None, 0, 1, 8):
+        for _ in range(2):
+            compiled(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    counters = torch._dynamo.utils.counters
+    assert calls == [False] * 4  # forward and recomputation, two steps, never traced
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["recompiles"]  # compiled around the ring, once
+    assert any("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    for got, want in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("pins, outside", [(dict(dp=1, cp=2), True), (dict(dp=1, pp=2), False)])
+def test_beside_cp_and_in_stages_the_recompute_is_eager_around_the_compiled_block(pins, outside):
+    """The search keeps compile beside cp and in stages to none or full recompute; beside cp the lowered step says
+    the recompute wraps the compiled block (an older plan's step is unchanged), in stages the stage applier does."""
+    plan = autoshard.plan(GPT, devices_per_node=2, global_batch=8, tp=1, compile=True, **pins)
+    assert plan.decisions.compile and plan.recompute in ("none", "full")
+    full = autoshard.plan(GPT, devices_per_node=2, global_batch=8, tp=1, compile=True, recompute="full", **pins)
+    steps = lower(full)
+    ops = [s.op for s in steps]
+    assert ops.index("apply_ac") < ops.index("apply_compile")
+    assert dict(steps[ops.index("apply_compile")].arguments).get("recompute_outside", False) == outside
+
+
+def test_verify_says_what_cpu_ranks_leave_unproven_of_compiled_blocks(compiled_plan):
+    from autoshard.verify import compile_notes
+
+    (note,) = compile_notes(compiled_plan)
+    assert "inductor's CPU kernels" in note and "Triton kernels" in note
+    assert compile_notes(autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3)) == ()

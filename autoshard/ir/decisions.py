@@ -482,15 +482,27 @@ def in_plan(rule: str, choices: tuple = (), required: bool = False) -> dict[str,
     return {"plan": rule, "choices": choices, "required": required}
 
 
-def compile_runs(mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> bool:
-    """Where compiled blocks are emitted and verified: SPMD plans (a pipeline's stages are traced graphs whose
-    blocks are regions, not modules) without context parallelism (its ring patches attention at the function
-    level, outside the compiled graph) or expert parallelism (its all-to-all dispatch is not traced); beside
-    tensor parallelism, with or without sequence parallelism, under every recompute mode (a TP block recomputed
-    in full is compiled inside its checkpoint: ``runtime.compiled``). ``sequence_parallel`` and ``recompute``
-    no longer narrow it; callers still pass them, so a combination found not to run is refused here."""
-    del sequence_parallel, recompute
-    return mesh.pp == 1 and mesh.cp == 1 and ep == 1
+def compile_runs(
+    mesh: Mesh, ep: int = 1, sequence_parallel: bool = False, recompute: str = "none", schedule: str = "none"
+) -> bool:
+    """Where compiled blocks are emitted and verified (``runtime.compiled``): without expert parallelism (its
+    all-to-all dispatch is not traced). SPMD, beside tensor parallelism with or without sequence parallelism,
+    under every recompute mode (a TP block recomputed in full is compiled inside its checkpoint). Beside context
+    parallelism (the ring eager between compiled graphs) and inside pipeline stages (each stage's blocks
+    compiled), the recompute stays eager around the compiled block, so none or full (selective's policy is a
+    dispatch mode, under which dynamo compiles nothing), without tensor parallelism, and in stages not beside cp
+    nor with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
+    backward). ``sequence_parallel`` no longer narrows it; callers still pass it."""
+    del sequence_parallel
+    if ep > 1:
+        return False
+    if mesh.pp > 1 or mesh.cp > 1:
+        return (
+            mesh.tp == 1
+            and recompute in COMPILED_RECOMPUTE_OUTSIDE
+            and (mesh.pp == 1 or (mesh.cp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES))
+        )
+    return True
 
 
 def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backend: str) -> str:
@@ -510,6 +522,9 @@ def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backen
     if backend == "gloo":
         return "it needs symmetric memory (CUDA ranks on NCCL), and this cluster's ranks are CPUs on gloo"
     return ""
+
+
+COMPILED_RECOMPUTE_OUTSIDE = ("none", "full")  # compile_runs beside cp and in stages: recompute eager, around
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ record.
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined
     apply_async_tp      symmetric memory for tp, inductor's micro-pipeline TP pass (--async-tp on)   -
-    apply_compile       torch.compile of each block's forward (--compile on; inductor)   -
+    apply_compile       torch.compile of each block's forward   each stage's block modules' (--compile on; inductor)
     sync_batch_norm     SyncBatchNorm over dp               -
     apply_fsdp          FSDP2 per block, then the root      FSDP2 per stage module
                         (--offload cpu: with CPUOffloadPolicy, the shards in host memory)

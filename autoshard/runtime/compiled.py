@@ -20,6 +20,23 @@ Verified like every plan (``autoshard verify``): verify runs with every random o
 silently run eager. A compiled block is therefore called with that mode set aside, and its graph is refused
 (``RandomOpNotFixed``, naming the op) if it still draws random numbers: inductor's random kernels are not the
 ones verify can fix.
+
+Beside context parallelism. The ring (``runtime.context_parallel``) is entered as a torch function mode around
+the forward and the backward, and dynamo traces the mode's ``__torch_function__`` into the compiled code.
+The ring call itself is ``torch.compiler.disable``d (``ContextParallelMode._attention``: torch's ring sends
+through ProcessGroup calls dynamo cannot trace), so a compiled block breaks its graph there and runs the ring
+eager between two compiled graphs, as a torch function would. A checkpoint traced inside the compiled code
+(dynamo's ``tag_activation_checkpoint`` region) does NOT apply a torch function mode to what it traces: the
+attention inside it would be the rank's own tokens alone. So beside context parallelism a recomputed block is
+compiled inside its recompute (``recompute_outside``): ``checkpoint_wrapper`` stays eager around the compiled
+block, and its recomputation reruns the compiled block under the ring's mode (``runtime.selective``). Only
+full recompute: selective recompute's policy is a dispatch mode, under which dynamo compiles nothing.
+
+Inside pipeline stages. A stage is a traced graph, and each block it holds is a module it calls (``pipeline()``
+unflattens the stage: ``runtime.stage_recompute``), or, recomputed, the module a ``checkpointed_call`` runs.
+That module's forward is compiled in place (``compile_stage_blocks``): the stage's own graph, its transfers and
+FSDP2's hooks on the stage module stay eager, and the block's recompute, eager around it, reruns the compiled
+block (so, as beside context parallelism, full recompute only). Blocks of other stages are skipped.
 """
 
 from __future__ import annotations
@@ -37,14 +54,20 @@ from autoshard.ir.names import RANDOM_OPS, RANDOM_SWITCHES
 from autoshard.runtime.model import get_block
 from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name
 from autoshard.runtime.selective import recompute_mode
+from autoshard.runtime.stage_recompute import block_module
 
+_WRAPPED = "_checkpoint_wrapped_module"  # checkpoint_wrapper's child: the block it recomputes
 _SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
 
-def apply_compile(model: nn.Module, blocks: tuple[str, ...] | list[str] = ()) -> nn.Module:
-    """Compile each block's forward in place (module doc); the whole model's where there are no blocks."""
+def apply_compile(
+    model: nn.Module, blocks: tuple[str, ...] | list[str] = (), recompute_outside: bool = False
+) -> nn.Module:
+    """Compile each block's forward in place (module doc); the whole model's where there are no blocks.
+    ``recompute_outside``: a recomputed block's wrapper stays eager and the block inside it is compiled (module
+    doc, "Beside context parallelism")."""
     for path in blocks or ("",):
-        module = _compiled_module(get_block(model, path) if path else model)
+        module = _compiled_module(get_block(model, path) if path else model, recompute_outside)
         module.forward = _compiled_forward(module.forward, path or "the model")
     return model
 
@@ -71,11 +94,29 @@ def apply_async_tp(model: nn.Module, tp_mesh) -> nn.Module:
     return model
 
 
-def _compiled_module(block: nn.Module) -> nn.Module:
-    """The module whose forward is compiled (module doc): the block's recompute wrapper, or the block inside it
-    where the block holds DTensors and recomputes in full."""
-    inner = getattr(block, "_checkpoint_wrapped_module", None)
-    if inner is None or recompute_mode(block) != "full":
+def compile_stage_blocks(stage_module: nn.Module, blocks: tuple[str, ...] | list[str]) -> list[str]:
+    """Compile, in place, each block of ``blocks`` that the pipeline stage ``stage_module`` holds (module doc,
+    "Inside pipeline stages"); returns their paths."""
+    compiled = []
+    for path in blocks:
+        module = block_module(stage_module, path)
+        if module is not None:
+            module.forward = _compiled_forward(module.forward, path)
+            compiled.append(path)
+    return compiled
+
+
+def _compiled_module(block: nn.Module, recompute_outside: bool = False) -> nn.Module:
+    """The module whose forward is compiled (module doc): the block's recompute wrapper; under
+    ``recompute_outside`` (beside cp, on pipeline stages) the module its ``checkpoint_wrapper`` wraps; and that
+    inner module too where the block holds DTensors and recomputes in full (dynamo cannot trace TP's DTensors
+    through a checkpoint)."""
+    inner = getattr(block, _WRAPPED, None)
+    if inner is None:
+        return block
+    if recompute_outside:
+        return inner
+    if recompute_mode(block) != "full":
         return block
     return inner if any(isinstance(p, DTensor) for p in inner.parameters()) else block
 

@@ -273,6 +273,7 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
             return self._positions(func(*args, **kwargs), args, kwargs)
         return func(*args, **kwargs)
 
+    @torch.compiler.disable  # a compiled block runs the ring eager, between two graphs (runtime.compiled)
     def _attention(
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ) -> torch.Tensor:

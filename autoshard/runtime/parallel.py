@@ -14,7 +14,8 @@ prints the steps):
                       stages the block's region of its stage graph (``stage_recompute``)
     apply_float8      the plan's linears made torchao Float8Linear (``float8``), before every wrapper
     apply_async_tp    async TP: symmetric memory for the TP group, inductor's micro-pipeline TP pass (``compiled``)
-    apply_compile     torch.compile of each block's forward, its recompute inside, hooks outside (``compiled``)
+    apply_compile     torch.compile of each block's forward, its recompute inside (beside cp, and on pipeline
+                      stages: outside, eager), hooks outside (``compiled``)
     sync_batch_norm   SyncBatchNorm over dp (GlooSyncBatchNorm on CPUs)
     apply_fsdp        FSDP2 ``fully_shard`` per block then the root (ZeRO-1, 2: reshard_after_forward
                       False, ZeRO-3: True), or per stage module; HSDP; the plan's precision policy
@@ -55,7 +56,8 @@ from autoshard.runtime import expert_parallel as ep_runtime
 from autoshard.runtime import model as model_utils
 from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
-from autoshard.runtime.compiled import apply_async_tp, apply_compile
+from autoshard.runtime.compiled import apply_async_tp, compile_stage_blocks
+from autoshard.runtime.compiled import apply_compile as compile_blocks
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.float8 import apply_float8, compute_float8_scales_after_step
 from autoshard.runtime.model import get_block
@@ -156,6 +158,16 @@ def apply_ac(model, modes: dict[str, str]):
             apply_recompute_to_stage(module, modes)
         return model
     return apply_recompute(model, list(modes), modes)
+
+
+def apply_compile(model, blocks: tuple[str, ...] | list[str] = (), recompute_outside: bool = False):
+    """torch.compile of each block's forward, in place (``runtime.compiled``); returns the model. On pipeline
+    stages, each stage compiles the blocks it holds (their recompute, if any, eager around them)."""
+    if _is_stages(model):
+        for module in model.modules:
+            compile_stage_blocks(module, blocks)
+        return model
+    return compile_blocks(model, blocks, recompute_outside)
 
 
 def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, str]) -> nn.Module:

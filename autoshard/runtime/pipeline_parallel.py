@@ -107,10 +107,10 @@ from torch.utils.checkpoint import GraphExecGroup
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import ZERO_BUBBLE_SCHEDULES
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
+from autoshard.runtime.loss_shards import local_loss
+from autoshard.runtime.loss_shards import vocabulary_shards as loss_on_shards
 from autoshard.runtime.model import no_decay_names
 from autoshard.runtime.pipeline_skips import make_transfers_contiguous, route_skipped_values
-from autoshard.runtime.train_step import local_loss
-from autoshard.runtime.train_step import vocabulary_shards as loss_on_shards
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -94,6 +94,30 @@ def apply_recompute_to_stage(stage_module: nn.Module, modes: dict[str, str]) -> 
     return wrapped
 
 
+def block_module(stage_module: nn.Module, path: str) -> nn.Module | None:
+    """The module block ``path`` runs as in ``stage_module``: its one ``call_module`` (module doc, case 1), or
+    the module or outlined region a ``checkpointed_call`` runs for it; None for another stage's block.
+
+    Refused (``AutoshardError``): a block the stage runs as flat nodes without recompute (no module to hand
+    on) or calls more than once."""
+    found = [
+        owner.get_submodule(node.target if node.op == "call_module" else node.args[0].target)
+        for prefix, owner in _graph_owners(stage_module)
+        for node in owner.graph.nodes
+        if (node.op == "call_module" and _block_target(prefix, node.target, path))
+        or _wrapped_path(prefix, node) == path
+    ]
+    if len(found) > 1:
+        raise AutoshardError(f"block {path} is called more than once in its pipeline stage; plan --compile off")
+    if found:
+        return found[0]
+    if any(_nodes_of(owner.graph, path) for _, owner in _graph_owners(stage_module)):
+        raise AutoshardError(
+            f"block {path} runs as loose nodes of its pipeline stage's graph, not as a module; plan --compile off"
+        )
+    return None
+
+
 def checkpointed_call(fn: nn.Module, mode: str, *args, **kwargs):
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint in ``mode`` (the call the graph makes)."""
     return checkpoint(fn, *args, use_reentrant=False, **selective_kwargs(mode), **kwargs)

@@ -36,15 +36,14 @@ DTensor's own redistribution gives.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from autoshard.errors import AutoshardError
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
 from autoshard.runtime.data import split_microbatches
+from autoshard.runtime.loss_shards import local_loss, vocabulary_shards
 from autoshard.runtime.parallel import autocast, cast_inputs, grad_sync
 
 
@@ -85,31 +84,6 @@ def forward_backward(
         step_loss += loss.detach()
     settle_partial_grads(model)
     return step_loss
-
-
-def vocabulary_shards(enabled: bool):
-    """torch's ``loss_parallel()`` context where ``enabled`` (module doc, loss parallelism), else nothing."""
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
-def local_loss(loss: torch.Tensor, loss_parallel: bool) -> torch.Tensor:
-    """With ``loss_parallel`` the loss computed on vocabulary shards comes back a replicated DTensor: its local
-    value, the same on every rank (its backward hands the gradient back as the replicated DTensor); a loss that
-    never read the sharded logits (a plain tensor) is refused. Without, the loss as it is."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not loss_parallel:
-        return loss
-    if not isinstance(loss, DTensor) or not all(isinstance(p, Replicate) for p in loss.placements):
-        raise AutoshardError(
-            "loss parallelism: the loss did not come from the logits' vocabulary shards (got "
-            f"{type(loss).__name__}); the model's output is not what the plan proved; re-plan with --loss-parallel off"
-        )
-    return loss.to_local()
 
 
 def settle_partial_grads(model: nn.Module) -> int:

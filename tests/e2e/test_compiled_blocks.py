@@ -4,7 +4,8 @@ Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch: FS
 recompute in full (the checkpoint traced inside the compiled block, FSDP2's hooks outside it), and DTensor tensor
 parallelism inside compiled blocks with selective recompute, and with sequence parallelism under full recompute (the
 block compiled inside its checkpoint) and under op-level selective recompute, on a transformers Llama with its
-default dropout.
+default dropout; context parallelism's ring run eager between compiled graphs, and two pipeline stages each compiling
+the blocks it holds, both with full recompute eager around the compiled block.
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
 
@@ -38,13 +39,15 @@ CASES = {  # name: (model, cluster, pins)
         "tests/clusters/fast_link_cpu.yaml",
         dict(dp=1, tp=2, zero=0, recompute="alternate", sequence_parallel=True),
     ),
+    "gpt-cp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, cp=2, recompute="full")),
+    "gpt-pp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, pp=2, schedule="1f1b", recompute="full")),
 }
 STEPS = 3
 
 
 def _plan(name):
     model, cluster, pins = CASES[name]
-    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, pp=1, compile=True, **pins)
+    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, compile=True, **{"pp": 1, **pins})
 
 
 LAUNCHES = Cases(
@@ -58,7 +61,8 @@ LAUNCHES = Cases(
 def test_compiled_blocks_train_like_one_process(launches, name):
     plan, report = launches.result(LAUNCHES, name)
     assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
-    assert plan.mesh.tp == CASES[name][2]["tp"]
-    assert plan.sequence_parallel == CASES[name][2].get("sequence_parallel", plan.sequence_parallel)
+    pins = CASES[name][2]
+    assert (plan.mesh.tp, plan.mesh.cp, plan.mesh.pp) == (pins["tp"], pins.get("cp", 1), pins.get("pp", 1))
+    assert plan.sequence_parallel == pins.get("sequence_parallel", plan.sequence_parallel)
     assert report.ok, report.failure
     assert len(report.parallel_losses) == STEPS and report.parallel_losses[-1] < report.parallel_losses[0]

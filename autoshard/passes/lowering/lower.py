@@ -190,6 +190,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
             f"and drops the rest of the model" + _SEQUENCE_WHY * bool(sequence),
         ),
         *_recompute_steps(plan),
+        *_compile_steps(plan),
     ]
     if plan.mesh.dp_cp > 1:
         steps.append(_dp_step(plan, ()))
@@ -305,7 +306,10 @@ def _recompute_steps(plan: Plan) -> list[Step]:
 def _compile_steps(plan: Plan) -> list[Step]:
     if not plan.decisions.compile:
         return []
-    what = "each block (with its recompute)" if plan.blocks else "the model (it has no blocks)"
+    outside = plan.mesh.pp > 1 or plan.mesh.cp > 1
+    inside = "" if outside else " (with its recompute)"
+    what = f"each block{inside}" if plan.blocks else "the model (it has no blocks)"
+    recompute_outside = (("recompute_outside", True),) if plan.mesh.pp == 1 and plan.mesh.cp > 1 else ()
     async_tp = [
         Step(
             "apply_async_tp",
@@ -319,11 +323,19 @@ def _compile_steps(plan: Plan) -> list[Step]:
         Step(
             "apply_compile",
             None,
-            (("blocks", tuple(plan.blocks)),),
+            (("blocks", tuple(plan.blocks)), *recompute_outside),
             f"torch.compile {what}: inductor fuses the elementwise ops between the matmuls and attention into a "
-            "few kernels; repeated blocks share one compiled graph",
+            "few kernels; repeated blocks share one compiled graph"
+            + _COMPILE_WHERE[(plan.mesh.pp > 1, plan.mesh.cp > 1)],
         )
     ]
+
+
+_COMPILE_WHERE = {  # (pipeline stages, context parallelism): where the compiled code ends (runtime.compiled)
+    (False, False): "",
+    (False, True): "; the ring runs eager between compiled graphs, and a block's recompute eager around it",
+    (True, False): "; each stage compiles the blocks it holds, its graph and a block's recompute eager around them",
+}
 
 
 def dp_axis(plan: Plan) -> str:

@@ -11,6 +11,7 @@ from autoshard.cost.float8 import float8_linears
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
     ALTERNATE,
+    COMPILED_RECOMPUTE_OUTSIDE,
     FLOAT8_OFF,
     OFFLOAD_CPU,
     OFFLOAD_NVME,
@@ -144,19 +145,13 @@ def _check_compile(pins: Pins) -> None:
     """--compile on where compiled blocks are not emitted (``ir.decisions.compile_runs``): one line each."""
     if not pins.compile:
         return
-    if pins.wants_pipeline:
+    if (pins.ep or 1) > 1:
         raise AutoshardError(
-            "--compile on with pipeline stages is not emitted yet (each stage is a traced graph whose blocks are "
-            "regions, not modules); pin --pp 1 or --compile off"
+            f"--compile on with --ep {pins.ep} is not emitted yet (its all-to-all dispatch is not traced); "
+            f"pin --ep 1 or --compile off"
         )
-    for flag, value, why in (
-        ("--cp", pins.cp, "its ring replaces attention outside the compiled graph"),
-        ("--ep", pins.ep, "its all-to-all dispatch is not traced"),
-    ):
-        if (value or 1) > 1:
-            raise AutoshardError(
-                f"--compile on with {flag} {value} is not emitted yet ({why}); pin {flag} 1 or --compile off"
-            )
+    if pins.wants_pipeline or (pins.cp or 1) > 1:
+        _check_compile_recompute_outside(pins)
 
 
 def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
@@ -168,6 +163,35 @@ def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
     why = async_tp_refusal(Mesh(tp=tp), bool(pins.compile), sequence_parallel, cluster.backend)
     if why:
         raise AutoshardError(f"--async-tp on is not emitted here: {why}; or pin --async-tp off")
+
+
+def _check_compile_recompute_outside(pins: Pins) -> None:
+    """--compile on beside --cp > 1 or pipeline stages (``compile_runs``: the recompute eager around the compiled
+    block): no TP, none or full recompute, and in stages no cp and no split backward."""
+    where = "pipeline stages" if pins.wants_pipeline else f"--cp {pins.cp}"
+    fixes = (
+        ((pins.tp or 1) > 1, f"--tp {pins.tp} (TP's collectives in compiled blocks there are not verified)", "--tp 1"),
+        (
+            pins.recompute not in (None, *COMPILED_RECOMPUTE_OUTSIDE),
+            f"--recompute {pins.recompute} (its policy is a dispatch mode, under which dynamo compiles nothing)",
+            "--recompute full or none",
+        ),
+        (
+            pins.wants_pipeline and (pins.cp or 1) > 1,
+            f"--cp {pins.cp} (the ring inside compiled stage blocks is not verified)",
+            "--cp 1",
+        ),
+        (
+            pins.wants_pipeline and pins.schedule in ZERO_BUBBLE_SCHEDULES,
+            f"--schedule {pins.schedule} (its weight pass would rerun a compiled block's whole backward)",
+            "--schedule 1f1b, gpipe or interleaved-1f1b",
+        ),
+    )
+    for refused, what, fix in fixes:
+        if refused:
+            raise AutoshardError(
+                f"--compile on with {where} and {what} is not emitted yet; pin {fix}, or --compile off"
+            )
 
 
 def _check_loss_parallel(pins: Pins) -> None:

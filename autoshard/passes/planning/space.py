@@ -121,10 +121,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
             "--offload cpu offloads ZeRO-3 over dp > 1 without pipeline stages or cp, and this cluster's meshes that "
             "honour the pins have none such; pin --pp 1 and a --dp above 1, or --offload none"
         )
-    if pins.compile and not any(compile_runs(m) for m in meshes):
+    if pins.compile and not any(compile_runs(m, recompute="full") for m in meshes):
         return (
-            "--compile on compiles the blocks of plans without pipeline stages or context parallelism, and this "
-            "cluster's meshes that honour the pins have one of them; pin --pp 1 --cp 1, or --compile off"
+            "--compile on compiles the blocks of plans without tensor parallelism beside pipeline stages or context "
+            "parallelism, nor context parallelism inside stages, and this cluster's meshes that honour the pins "
+            "have one of those; pin --tp 1, or --pp 1 --cp 1, or --compile off"
         )
     if pins.async_tp and not any(m.tp > 1 and compile_runs(m) for m in meshes):
         return (

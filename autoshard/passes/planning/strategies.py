@@ -340,7 +340,7 @@ def mesh_configs(
         if pins.sequence_parallel in (None, sp)
         for lp in loss_parallel_choices(mesh, loss_proof)
         if pins.loss_parallel in (None, lp)
-        if not compiled or compile_runs(mesh, e, sp, c.recompute)
+        if not compiled or compile_runs(mesh, e, sp, c.recompute, c.schedule)
         if f8 == FLOAT8_OFF or float8_runs(mesh, e)
         for at in async_tp_choices(mesh, compiled, sp, cluster)
         if pins.async_tp in (None, at)
