@@ -18,6 +18,7 @@ import functools
 from dataclasses import replace
 
 from autoshard.cost.compute import ComputeTime
+from autoshard.cost.float8 import float8_tp_comm_factor
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import (
     TPCost,
@@ -40,7 +41,8 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
         return _compute_time(units, ones, ones), 0.0, tables.graph.param_count
     tp = tables.layout_cost(config)
     modes = config.block_modes(len(tables.graph.blocks))
-    return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes), tp.local_params
+    float8 = float8_tp_comm_factor(config, tables.precision.activation_bytes)
+    return _compute_time(units, *_fractions(tp, modes)), tp.comm_s * tp_comm_factor(modes) * float8, tp.local_params
 
 
 def _fractions(tp: TPCost, modes: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
