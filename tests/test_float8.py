@@ -241,6 +241,10 @@ def test_rowwise_beside_tp_keeps_the_plain_styles():
     program = emit_program(tensorwise)
     assert 'model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=False, float8=FLOAT8)' in program
     assert program.index("model = apply_float8(") < program.index("model = apply_tp(")
+    assert float8_text(tensorwise).endswith("(torchao's float8 TP styles, all-gathers in float8)")
+    assert float8_text(plan).endswith("(plain TP styles)")
+    notes = float8_twin(tensorwise)[1]
+    assert len(notes) == 2 and notes[1].startswith("float8 beside TP: torchao's Float8ColwiseParallel")
 
 
 def test_float8_pipeline_converts_each_stage_after_the_split():
@@ -255,6 +259,8 @@ def test_float8_pipeline_converts_each_stage_after_the_split():
     ops = [s.op for s in lower(plan)]
     assert ops.index("split_pipeline") + 1 == ops.index("apply_float8") and not plan.decisions.float8_all_gather
     assert "stages = apply_float8(stages, float8=FLOAT8" in emit_program(plan)
+    assert float8_text(plan).endswith("(each stage's linears converted after the split)")
+    assert float8_twin(plan)[1][1].startswith("float8 beside pipeline stages")
 
     twin, model = _float8_pair()
     bf16 = _Mlp()
