@@ -247,13 +247,16 @@ def test_rowwise_beside_tp_keeps_the_plain_styles():
     assert len(notes) == 2 and notes[1].startswith("float8 beside TP: torchao's Float8ColwiseParallel")
 
 
-def test_float8_pipeline_converts_each_stage_after_the_split():
-    """The split traces the bf16 model; each stage's linear ops then become float8 matmuls (runtime.float8):
-    state names unchanged, outputs and gradients those of torchao's Float8Linear model."""
+def test_float8_pipeline_converts_each_stage_after_the_split(one_rank):
+    """The split traces the bf16 model, here with TP's local shards and traced collectives on a one-rank group;
+    each stage's linear ops then become float8 matmuls (runtime.float8): state names unchanged, outputs and
+    gradients those of torchao's Float8Linear model."""
+    import torch.distributed as dist
     from torchao.float8 import Float8LinearConfig
 
     from autoshard.runtime.float8 import FLOAT8_MATMUL
     from autoshard.runtime.pipeline_parallel import split_model
+    from autoshard.runtime.tensor_parallel_stages import shard_for_tracing
 
     plan = autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=1, pp=2, float8="tensorwise")
     ops = [s.op for s in lower(plan)]
@@ -266,6 +269,7 @@ def test_float8_pipeline_converts_each_stage_after_the_split():
     bf16 = _Mlp()
     bf16.load_state_dict(model.state_dict())
     x = torch.randn(16, 32)
+    shard_for_tracing(bf16, dist.group.WORLD, {"up": "colwise-seq-input-dim0", "down": "rowwise-seq-output-dim0"})
     pipe = split_model(bf16, (x,), ["down"])
     stages = [pipe.get_stage_module(i) for i in range(2)]
     names = [list(s.state_dict()) for s in stages]
