@@ -256,9 +256,14 @@ SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
 LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
 EAGER_8B_REASON = "as run: eager bf16 FSDP2, torchtitan's 'op' selective AC as --recompute alternate"
-FLOAT8_REASON = (
-    "float8 matmuls (torchao Float8Linear) beside tensor parallelism or pipeline stages are not emitted yet "
-    "(torchao's float8 TP styles are not among autoshard's); the same layout in bf16 is priced for reference"
+FLOAT8_TP_REASON = (
+    "torch.compile beside TP with sequence parallelism and full AC (and, where named, async TP): not in autoshard's "
+    "programs (--compile on refuses it); priced eager with its float8 linears (--float8 tensorwise: torchao's float8 "
+    "TP styles) and loss parallelism as run"
+)
+FLOAT8_PP_REASON = (
+    "torch.compile beside pipeline stages and async TP: not in autoshard's programs (--compile on refuses --pp > 1); "
+    "priced eager with its float8 linears (--float8 tensorwise: each stage's linears converted after the split)"
 )
 FLOAT8_8B_REASON = (
     "as run: float8 tensorwise (torchao, FSDP2 gathering float8 weights) with each block compiled (--compile on "
@@ -272,17 +277,21 @@ FLOAT8_CP_REASON = (
 FLOAT8_AO_REASON = (
     "as run: float8 {recipe} (torchao{gather}) with each block compiled, per-op SAC as --recompute alternate"
 )
-# techniques autoshard emits on meshes without TP or pipeline stages (ir.decisions.float8_runs)
+# float8 techniques autoshard emits (ir.decisions.float8_runs: any tp and pp; FSDP2's float8 all-gather outside
+# pipeline stages, Decisions.float8_all_gather)
 FLOAT8_EMITTED = (
     "float8 (tensorwise)",
     "float8 (rowwise)",
     "float8 (tensorwise + fp8 all-gather)",
-    "float8 all-gather",
+    "float8 tensorwise",
+    "float8 rowwise",
 )
+FLOAT8_ALL_GATHER = ("float8 all-gather",)
 CP_WITH_PP = (
-    "float8",
-    "float8 matmuls beside tensor parallelism are not emitted yet, and neither is sequence parallelism beside cp "
-    "inside pipeline stages: the same layout in bf16, without sequence parallelism, is priced for reference",
+    "compile",
+    "sequence parallelism beside cp inside pipeline stages, and torch.compile beside pipeline stages, are not "
+    "emitted: the same layout eager, with its float8 linears and without sequence parallelism, is priced for "
+    "reference",
 )
 COMPILE_REASON = (
     "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
@@ -344,7 +353,8 @@ def _tt(
     args = _with_flags(args, "--float8", float8) if float8 and args else args
     emitted = (
         ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile")
-        + (FLOAT8_EMITTED if tp == pp == 1 else ())
+        + FLOAT8_EMITTED
+        + (FLOAT8_ALL_GATHER if pp == 1 else ())
         + (("loss parallel",) if lp else ())
     )
     missing = [t for t in needs if t not in emitted]
@@ -469,8 +479,9 @@ def torchtitan_rows() -> list[Run]:
                 tech,
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON,
+                "compile",
+                FLOAT8_TP_REASON,
+                float8="tensorwise",
             )
         )
     # Table 5: 405B, FSDP 8 x TP 8 x PP 8, local batch 32 = 8 micro-batches of 4 (9dec370: microbatches default
@@ -495,10 +506,11 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON,
+                "compile",
+                FLOAT8_PP_REASON,
                 cuts=torchtitan_cuts(126, 8 * v),
                 v=v,
+                float8="tensorwise",
             )
         )
     # Table 6: 405B, TP 8 x PP 8 (1F1B) x FSDP x CP, local batch 8 = 8 micro-batches of 1, full AC
@@ -526,8 +538,9 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                *(("float8", FLOAT8_REASON) if cp == 1 else CP_WITH_PP),
+                *(("compile", FLOAT8_PP_REASON) if cp == 1 else CP_WITH_PP),
                 cuts=torchtitan_cuts(126, 8),
+                float8="tensorwise",
             )
         )
     # async TP benchmark (June 2025): tokens/s per GPU, no memory published; compile + full AC (70B) / per-op SAC (8B)
@@ -559,13 +572,12 @@ def torchtitan_rows() -> list[Run]:
                     + ((quant,) if quant != "bf16" else ())
                     + (("async TP",) * async_tp)
                 )
-                status = "float8" if quant != "bf16" else "compile"
+                status = "compile"
                 reason = (
-                    FLOAT8_REASON
+                    COMPILE_REASON.replace("priced eager", f"priced eager with its float8 linears ({quant})")
                     if quant != "bf16"
                     else COMPILE_REASON
-                    + ("; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
-                )
+                ) + ("; async TP (matmuls overlapped with TP collectives) not modelled" if async_tp else "")
                 q = {"bf16": "bf16", "float8 tensorwise": "fp8tw", "float8 rowwise": "fp8rw"}[quant]
                 rows.append(
                     _tt(
@@ -587,6 +599,7 @@ def torchtitan_rows() -> list[Run]:
                         None,
                         status,
                         reason,
+                        float8={"float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise"}.get(quant),
                     )
                 )
     # H200 (Trainy on WhiteFiber, June 2025): 8B FSDP, local batch 2, compile + float8 with float8 all-gather
