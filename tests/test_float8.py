@@ -196,32 +196,59 @@ def _trained_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dic
     return y, whole
 
 
-def _float8_pair() -> tuple[nn.Module, nn.Module]:
+class _SpBlock(nn.Module):
+    """An attention-like module (two column linears reading its input) and an MLP, residuals between."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.Module()
+        self.att.q, self.att.k = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.o, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.att.forward = lambda x: self.att.q(x) * self.att.k(x)
+
+    def forward(self, x):
+        h = x + self.o(self.att(x))
+        return h + self.down(torch.relu(self.up(h)))
+
+
+SP_LINEARS = ("att.q", "att.k", "o", "up", "down")
+SP_STYLES = {
+    "att": "gather-seq-module-input-dim0",
+    "att.q": "colwise",
+    "att.k": "colwise",
+    "o": "rowwise-seq-output-dim0",
+    "up": "colwise-seq-input-dim0",
+    "down": "rowwise-seq-output-dim0",
+}
+
+
+def _float8_pair(build=_Mlp, linears=("up", "down")) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    twin, model = _Mlp(), _Mlp()
+    twin, model = build(), build()
     model.load_state_dict(twin.state_dict())
     for m in (twin, model):
-        apply_float8(m, "tensorwise", ("up", "down"), emulate=True)
+        apply_float8(m, "tensorwise", linears, emulate=True)
     return twin, model
 
 
 def test_float8_beside_tp_takes_torchaos_float8_styles_and_trains_as_the_float8_model(one_rank):
-    """Emulated on a one-rank TP mesh: torchao's Float8ColwiseParallel / Float8RowwiseParallel on the converted
-    linears (the output projection keeps ColwiseParallel), outputs and weight gradients those of the unsharded
-    float8 model. (gloo all-gathers no float8 bytes, so the sequence-parallel gathers run on GPUs only.)"""
+    """Emulated on a one-rank TP mesh with sequence parallelism: torchao's Float8ColwiseParallel /
+    Float8RowwiseParallel on the converted linears and the float8 gather into the attention-like module, outputs and
+    weight gradients those of the unsharded float8 model. (gloo all-gathers no float8 bytes, so more ranks than one
+    run these gathers on GPUs only.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
     from autoshard.runtime.parallel import apply_tp
     from autoshard.runtime.tensor_parallel import float8_styled, parallel_style
 
-    twin, model = _float8_pair()
-    styles = {"up": "colwise", "down": "rowwise", "out": "colwise-gather"}
-    assert float8_styled(model, styles) == {"up", "down"}
+    twin, model = _float8_pair(_SpBlock, SP_LINEARS)
+    assert float8_styled(model, SP_STYLES) == {"att", *SP_LINEARS}
+    assert float8_styled(model, {**SP_STYLES, "att.k": "replicate"}) == {"att", "att.q", "o", "up", "down"}
     assert isinstance(parallel_style("colwise-seq-input-dim1", float8=True), Float8ColwiseParallel)
     assert parallel_style("colwise-seq-input-dim1", float8=True).input_layouts[0].dim == 1
     assert parallel_style("gather-seq-module-input-dim1", float8=True).float8
-    apply_tp(model, init_device_mesh("cpu", (1,)), styles, float8="tensorwise")
+    apply_tp(model, init_device_mesh("cpu", (1,)), SP_STYLES, float8="tensorwise")
     x = torch.randn(16, 32)
     (y, grads), (y_twin, grads_twin) = _trained_grads(model, x), _trained_grads(twin, x)
     assert torch.equal(y, y_twin)
