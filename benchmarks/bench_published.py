@@ -26,13 +26,14 @@ What a row's prediction means (``Run.status``):
                  Megatron-LM's). Only these rows make the headline error.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
                  blocks beside TP with sequence parallelism and recompute, async TP, compiled blocks beside
-                 context parallelism); priced as autoshard's eager program (with its float8 linears where the
-                 run had them, and loss parallelism where the run had it and the mesh has no pipeline stages
-                 or context parallelism: ``loss_parallel_emitted``).
-    float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
-                 parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
-                 reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
-                 is not a prediction of the run.
+                 context parallelism or pipeline stages); priced as autoshard's eager program (with its float8
+                 linears where the run had them, beside TP and pipeline stages too, and loss parallelism where
+                 the run had it and the mesh has no pipeline stages or context parallelism:
+                 ``loss_parallel_emitted``).
+    float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for
+                 (``ir.decisions.float8_runs``: expert parallelism); the bf16 layout is priced for reference
+                 (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time is not a
+                 prediction of the run. No row holds it today.
     not priced   no command: the reason says why (hardware not described, ...).
 
 Published time → step time: torchtitan logs ``tps`` = tokens a data-parallel rank saw / (seconds ·
