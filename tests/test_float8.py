@@ -260,10 +260,18 @@ def test_float8_beside_tp_takes_torchaos_float8_styles_and_trains_as_the_float8_
         assert torch.allclose(grads[name], grads_twin[name], atol=0.125 * grads_twin[name].abs().max().item())
 
 
-def test_rowwise_beside_tp_keeps_the_plain_styles():
+@pytest.fixture(scope="module")
+def tp_plans():
+    """GPT over dp 4 x tp 2 on one DGX H100 (sequence parallelism searched), tensorwise and rowwise."""
+    return {
+        recipe: autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=2, pp=1, float8=recipe)
+        for recipe in ("tensorwise", "rowwise")
+    }
+
+
+def test_rowwise_beside_tp_keeps_the_plain_styles(tp_plans):
     """torchtitan's choice: torchao's float8 TP styles assume tensorwise scales; rowwise takes the plain ones."""
-    plan = autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=2, pp=1, float8="rowwise")
-    tensorwise = autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=2, pp=1, float8="tensorwise")
+    plan, tensorwise = tp_plans["rowwise"], tp_plans["tensorwise"]
     assert "float8" not in next(s for s in lower(plan) if s.op == "apply_tp").kwargs
     program = emit_program(tensorwise)
     assert 'model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=False, float8=FLOAT8)' in program
@@ -312,10 +320,9 @@ def test_float8_pipeline_converts_each_stage_after_the_split(one_rank):
     assert torch.equal(y, y_twin) and torch.equal(stages[0].up.weight.grad, grads["up.weight"])
 
 
-def test_float8_tp_collectives_priced_with_float8_all_gathers():
+def test_float8_tp_collectives_priced_with_float8_all_gathers(tp_plans):
     """Tensorwise under sequence parallelism: the all-gathers (half a block's TP bytes) in 1 byte, not 2."""
-    plan = autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=2, pp=1, float8="tensorwise")
-    d = plan.decisions
+    d = tp_plans["tensorwise"].decisions
     assert d.sequence_parallel and float8_tp_comm_factor(d, 2) == 0.75
     assert float8_tp_comm_factor(dataclasses.replace(d, float8="rowwise"), 2) == 1.0
     assert float8_tp_comm_factor(dataclasses.replace(d, sequence_parallel=False), 2) == 1.0
