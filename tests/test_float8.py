@@ -327,3 +327,18 @@ def test_float8_tp_collectives_priced_with_float8_all_gathers(tp_plans):
     assert float8_tp_comm_factor(dataclasses.replace(d, float8="rowwise"), 2) == 1.0
     assert float8_tp_comm_factor(dataclasses.replace(d, sequence_parallel=False), 2) == 1.0
     assert float8_tp_comm_factor(dataclasses.replace(d, float8="off"), 2) == 1.0
+
+
+def test_a_pipeline_search_prices_float8_and_bf16_stages_apart():
+    """One search's tables price both float8 and bf16 points of a pipeline mesh: a stage's units are cached per
+    float8 recipe too, so the float8 point priced after its bf16 twin is priced as in tables of its own."""
+    from autoshard.cost.step import price_parts
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    _, graph = capture_graph(LLAMA_8B, use_cache=True, proofs=False)
+    off = Decisions(Mesh(dp=4, pp=2), 1, 1, 4, schedule="1f1b", precision="bf16-autocast")
+    on = dataclasses.replace(off, float8="tensorwise")
+    shared = CostTables(graph, load_cluster("dgx-h100"))
+    bf16, float8 = price_parts(shared, off, (1,)), price_parts(shared, on, (1,))
+    alone = price_parts(CostTables(graph, load_cluster("dgx-h100")), on, (1,))
+    assert float8 == alone and float8.forward_s < bf16.forward_s and float8.backward_s < bf16.backward_s

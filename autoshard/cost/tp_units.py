@@ -61,14 +61,23 @@ def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction:
 
 
 def pipeline_units(tables: CostTables, config: Decisions, first_stage: bool = False) -> tuple[Units, tuple[float, ...]]:
-    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward) in a search;
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward, float8) in a
+    search;
     with a zero-bubble
     schedule's split backward, full recompute rerun as often as it runs (``split_backward_recomputes``) but on
     the ``first_stage``: torch runs the first stage's backward whole, in its weight step (its inputs need no
     gradient, so ``stage_backward_input`` would leave its parameter groups uncaptured: ``PipelineStage``'s
     ``backward_weight_one_chunk``), and its blocks rerun once."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full" and not first_stage
-    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp, config.sequence_parallel, split)
+    key = (
+        "pipeline_units",
+        config.microbatch_size,
+        config.recompute,
+        config.mesh.tp,
+        config.sequence_parallel,
+        split,
+        config.float8,  # the float8 linears' matmuls and casts (``cost.float8``)
+    )
 
     def compute() -> tuple[Units, tuple[float, ...]]:
         units, comm = tp_sharded_units(tables, config)
