@@ -97,7 +97,25 @@ def float8_text(plan: Plan) -> str:
     return (
         f"{plan.decisions.float8} scaling (torchao Float8Linear) on {len(plan.float8_linears)} linears: "
         + ", ".join(patterns)
+        + _float8_beside(plan)
     )
+
+
+def _float8_beside(plan: Plan) -> str:
+    """How float8 sits beside TP (torchao's float8 styles, tensorwise) and pipeline stages (after the split)."""
+    parts = []
+    if plan.mesh.tp > 1 and plan.mesh.pp > 1:
+        parts.append("TP's traced collectives in bf16")
+    elif plan.mesh.tp > 1:
+        parts.append(
+            "torchao's float8 TP styles"
+            + (", all-gathers in float8" if any("-seq-" in s for s in plan.tensor_parallel.values()) else "")
+            if plan.decisions.float8 == "tensorwise"
+            else "plain TP styles"
+        )
+    if plan.mesh.pp > 1:
+        parts.append("each stage's linears converted after the split")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def decision_table(plan: Plan) -> Table:

@@ -227,7 +227,25 @@ def float8_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:
         f"off ({plan.precision}), since CPU ranks have no float8 matmuls; the float8 program itself runs on GPUs "
         "(benchmarks/gpu_session.sh compares it with this twin)"
     )
-    return twin, (note,)
+    return twin, (note, *_float8_layout_notes(plan))
+
+
+def _float8_layout_notes(plan: Plan) -> tuple[str, ...]:
+    """What the twin leaves unproven beside TP or pipeline stages: the float8 styles' casts and float8 collectives
+    (gloo moves no float8 bytes), and each stage's float8 matmuls, checked in one process with torchao's emulated
+    matmul (tests/test_float8.py) rather than on these ranks."""
+    notes = []
+    if plan.mesh.tp > 1 and plan.mesh.pp == 1 and plan.decisions.float8 == "tensorwise":
+        notes.append(
+            "float8 beside TP: torchao's Float8ColwiseParallel / Float8RowwiseParallel and their float8 all-gathers "
+            "are not run on CPU ranks (gloo has no float8 collectives); one process checks them emulated"
+        )
+    if plan.mesh.pp > 1:
+        notes.append(
+            "float8 beside pipeline stages: each stage's linear ops made float8 matmuls after the split are not run "
+            "on CPU ranks; one process checks them emulated against torchao's Float8Linear"
+        )
+    return tuple(notes)
 
 
 def async_tp_twin(plan: Plan) -> tuple[Plan, tuple[str, ...]]:

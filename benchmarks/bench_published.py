@@ -26,13 +26,13 @@ What a row's prediction means (``Run.status``):
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
-                 blocks beside context parallelism or pipeline stages); priced as autoshard's eager program (with
-                 its float8 linears where the run had them, and loss parallelism where the run had it and autoshard
-                 emits it: ``loss_parallel_emitted``).
-    float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for (tensor
-                 parallelism, pipeline stages: ``ir.decisions.float8_runs``); the bf16 layout is priced for
-                 reference (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time
-                 is not a prediction of the run.
+                 blocks beside TP inside pipeline stages, or beside cp inside them); priced as autoshard's eager
+                 program (with its float8 linears where the run had them, beside TP and pipeline stages too, and
+                 loss parallelism where the run had it and autoshard emits it: ``loss_parallel_emitted``).
+    float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for
+                 (``ir.decisions.float8_runs``: expert parallelism); the bf16 layout is priced for reference
+                 (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time is not a
+                 prediction of the run. No row holds it today.
     not priced   no command: the reason says why (hardware not described, ...).
 
 Published time → step time: torchtitan logs ``tps`` = tokens a data-parallel rank saw / (seconds ·
@@ -256,9 +256,9 @@ SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
 LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
 EAGER_8B_REASON = "as run: eager bf16 FSDP2, torchtitan's 'op' selective AC as --recompute alternate"
-FLOAT8_REASON = (
-    "float8 matmuls (torchao Float8Linear) beside tensor parallelism or pipeline stages are not emitted yet "
-    "(torchao's float8 TP styles are not among autoshard's); the same layout in bf16 is priced for reference"
+FLOAT8_PP_REASON = (
+    "torch.compile beside pipeline stages and async TP: not in autoshard's programs (--compile on refuses --pp > 1); "
+    "priced eager with its float8 linears (--float8 tensorwise: each stage's linears converted after the split)"
 )
 FLOAT8_8B_REASON = (
     "as run: float8 tensorwise (torchao, FSDP2 gathering float8 weights) with each block compiled (--compile on "
@@ -273,16 +273,21 @@ FLOAT8_CP_REASON = (
 FLOAT8_AO_REASON = (
     "as run: float8 {recipe} (torchao{gather}) with each block compiled, per-op SAC as --recompute alternate"
 )
-# techniques autoshard emits on meshes without TP or pipeline stages (ir.decisions.float8_runs)
+# float8 techniques autoshard emits (ir.decisions.float8_runs: any tp and pp; FSDP2's float8 all-gather outside
+# pipeline stages, Decisions.float8_all_gather)
 FLOAT8_EMITTED = (
     "float8 (tensorwise)",
     "float8 (rowwise)",
     "float8 (tensorwise + fp8 all-gather)",
-    "float8 all-gather",
+    "float8 tensorwise",
+    "float8 rowwise",
 )
-COMPILE_REASON = (
-    "torch.compile beside TP with sequence parallelism and recompute (and, where named, async TP): not in autoshard's "
-    "programs (--compile on refuses it); priced eager, with loss parallelism as run"
+FLOAT8_ALL_GATHER = ("float8 all-gather",)
+CP_WITH_PP = (
+    "compile",
+    "sequence parallelism beside cp inside pipeline stages, and torch.compile beside pipeline stages, are not "
+    "emitted: the same layout eager, with its float8 linears and without sequence parallelism, is priced for "
+    "reference",
 )
 ASYNC_TP_AS_RUN = {  # the async-TP benchmark's bf16 rows, without and with async TP
     False: "as run: FSDP2 x TP with sequence and loss parallelism, each block compiled (--compile on) beside "
@@ -343,7 +348,8 @@ def _tt(
     args = _with_flags(args, "--async-tp", "on") if async_tp and args else args
     emitted = (
         ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile", "async TP")
-        + (FLOAT8_EMITTED if tp == pp == 1 else ())
+        + FLOAT8_EMITTED
+        + (FLOAT8_ALL_GATHER if pp == 1 else ())
         + (("loss parallel",) if lp else ())
     )
     missing = [t for t in needs if t not in emitted]
@@ -469,8 +475,11 @@ def torchtitan_rows() -> list[Run]:
                 tech,
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON,
+                "as run",
+                ASYNC_TP_AS_RUN[async_tp] + "; float8 tensorwise linears (torchao's float8 TP styles)",
+                compiled=True,
+                async_tp=async_tp,
+                float8="tensorwise",
             )
         )
     # Table 5: 405B, FSDP 8 x TP 8 x PP 8, local batch 32 = 8 micro-batches of 4 (9dec370: microbatches default
@@ -495,10 +504,11 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON,
+                "compile",
+                FLOAT8_PP_REASON,
                 cuts=torchtitan_cuts(126, 8 * v),
                 v=v,
+                float8="tensorwise",
             )
         )
     # Table 6: 405B, TP 8 x PP 8 (1F1B) x FSDP x CP, local batch 8 = 8 micro-batches of 1, full AC
@@ -526,9 +536,9 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                "float8",
-                FLOAT8_REASON,
+                *(("compile", FLOAT8_PP_REASON) if cp == 1 else CP_WITH_PP),
                 cuts=torchtitan_cuts(126, 8),
+                float8="tensorwise",
             )
         )
     # async TP benchmark (June 2025): tokens/s per GPU, no memory published; compile + full AC (70B) / per-op SAC (8B)
@@ -560,8 +570,8 @@ def torchtitan_rows() -> list[Run]:
                     + ((quant,) if quant != "bf16" else ())
                     + (("async TP",) * async_tp)
                 )
-                status = "float8" if quant != "bf16" else "as run"
-                reason = FLOAT8_REASON if quant != "bf16" else ASYNC_TP_AS_RUN[async_tp]
+                status = "as run"
+                reason = ASYNC_TP_AS_RUN[async_tp] + (f"; float8 {quant.split()[1]} linears" if quant != "bf16" else "")
                 q = {"bf16": "bf16", "float8 tensorwise": "fp8tw", "float8 rowwise": "fp8rw"}[quant]
                 rows.append(
                     _tt(
@@ -583,8 +593,9 @@ def torchtitan_rows() -> list[Run]:
                         None,
                         status,
                         reason,
-                        compiled=quant == "bf16",
-                        async_tp=async_tp and quant == "bf16",
+                        compiled=True,
+                        async_tp=async_tp,
+                        float8={"float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise"}.get(quant),
                     )
                 )
     # H200 (Trainy on WhiteFiber, June 2025): 8B FSDP, local batch 2, compile + float8 with float8 all-gather

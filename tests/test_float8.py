@@ -12,6 +12,7 @@ from autoshard.cli import main
 from autoshard.cost.float8 import (
     cast_bytes_per_element,
     float8_linears,
+    float8_tp_comm_factor,
     forward_casts_s,
     transpose_bytes_per_element,
 )
@@ -25,7 +26,7 @@ from autoshard.ir.topology import Cluster
 from autoshard.passes.lowering.codegen import emit_program
 from autoshard.passes.lowering.lower import lower
 from autoshard.pipeline import capture_graph
-from autoshard.runtime.float8 import apply_float8
+from autoshard.runtime.float8 import apply_float8, convert_stage_linears
 from autoshard.show import float8_text
 from autoshard.verify import float8_twin
 
@@ -104,8 +105,8 @@ def test_pinned_float8_without_float8_matmuls_is_refused_in_one_line(capsys):
 
 
 def test_float8_pins_outside_what_is_emitted_are_refused():
-    with pytest.raises(AutoshardError, match="--float8 rowwise with --tp 2 is not emitted yet"):
-        autoshard.plan(GPT, cluster="dgx-h100", global_batch=8, tp=2, float8="rowwise")
+    with pytest.raises(AutoshardError, match="--float8 rowwise with --ep 2 is not emitted yet"):
+        autoshard.plan(GPT, cluster="dgx-h100", global_batch=8, ep=2, float8="rowwise")
     with pytest.raises(AutoshardError, match="--float8 bf8 must be one of off, tensorwise, rowwise"):
         autoshard.plan(GPT, cluster="dgx-h100", global_batch=8, float8="bf8")
 
@@ -185,3 +186,159 @@ def test_the_applier_refuses_without_float8_matmuls():
         pytest.skip("a CUDA device is present")
     with pytest.raises(AutoshardError, match="--float8 tensorwise: this torch build .* has no CUDA device"):
         apply_float8(_Mlp(), "tensorwise", ("up",))
+
+
+def _trained_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward: the output and each parameter's gradient (DTensors made whole)."""
+    y = model(x)
+    y.float().square().sum().backward()
+    whole = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
+    return y, whole
+
+
+class _SpBlock(nn.Module):
+    """An attention-like module (two column linears reading its input) and an MLP, residuals between."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.Module()
+        self.att.q, self.att.k = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.o, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.att.forward = lambda x: self.att.q(x) * self.att.k(x)
+
+    def forward(self, x):
+        h = x + self.o(self.att(x))
+        return h + self.down(torch.relu(self.up(h)))
+
+
+SP_LINEARS = ("att.q", "att.k", "o", "up", "down")
+SP_STYLES = {
+    "att": "gather-seq-module-input-dim0",
+    "att.q": "colwise",
+    "att.k": "colwise",
+    "o": "rowwise-seq-output-dim0",
+    "up": "colwise-seq-input-dim0",
+    "down": "rowwise-seq-output-dim0",
+}
+
+
+def _float8_pair(build=_Mlp, linears=("up", "down")) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    twin, model = build(), build()
+    model.load_state_dict(twin.state_dict())
+    for m in (twin, model):
+        apply_float8(m, "tensorwise", linears, emulate=True)
+    return twin, model
+
+
+def test_float8_beside_tp_takes_torchaos_float8_styles_and_trains_as_the_float8_model(one_rank):
+    """Emulated on a one-rank TP mesh with sequence parallelism: torchao's Float8ColwiseParallel /
+    Float8RowwiseParallel on the converted linears and the float8 gather into the attention-like module, outputs and
+    weight gradients those of the unsharded float8 model. (gloo all-gathers no float8 bytes, so more ranks than one
+    run these gathers on GPUs only.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    from autoshard.runtime.parallel import apply_tp
+    from autoshard.runtime.tensor_parallel import float8_styled, parallel_style
+
+    twin, model = _float8_pair(_SpBlock, SP_LINEARS)
+    assert float8_styled(model, SP_STYLES) == {"att", *SP_LINEARS}
+    assert float8_styled(model, {**SP_STYLES, "att.k": "replicate"}) == {"att", "att.q", "o", "up", "down"}
+    assert isinstance(parallel_style("colwise-seq-input-dim1", float8=True), Float8ColwiseParallel)
+    assert parallel_style("colwise-seq-input-dim1", float8=True).input_layouts[0].dim == 1
+    assert parallel_style("gather-seq-module-input-dim1", float8=True).float8
+    apply_tp(model, init_device_mesh("cpu", (1,)), SP_STYLES, float8="tensorwise")
+    x = torch.randn(16, 32)
+    (y, grads), (y_twin, grads_twin) = _trained_grads(model, x), _trained_grads(twin, x)
+    assert torch.equal(y, y_twin)
+    assert all(torch.equal(grads[n], grads_twin[n]) for n in grads_twin if n.endswith("weight"))
+    # the styles cast the output gradient to float8 (e5m2) at the module's output, after the bias is added, so a
+    # bias's gradient is the sum of rounded values: within e5m2's relative step (2⁻²), not bitwise
+    for name in ("up.bias", "down.bias"):
+        assert not torch.equal(grads[name], grads_twin[name])
+        assert torch.allclose(grads[name], grads_twin[name], atol=0.125 * grads_twin[name].abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tp_plans():
+    """GPT over dp 4 x tp 2 on one DGX H100 (sequence parallelism searched), tensorwise and rowwise."""
+    return {
+        recipe: autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=2, pp=1, float8=recipe)
+        for recipe in ("tensorwise", "rowwise")
+    }
+
+
+def test_rowwise_beside_tp_keeps_the_plain_styles(tp_plans):
+    """torchtitan's choice: torchao's float8 TP styles assume tensorwise scales; rowwise takes the plain ones."""
+    plan, tensorwise = tp_plans["rowwise"], tp_plans["tensorwise"]
+    assert "float8" not in next(s for s in lower(plan) if s.op == "apply_tp").kwargs
+    program = emit_program(tensorwise)
+    assert 'model = apply_tp(model, mesh["tp"], styles=TP_STYLES, before_split=False, float8=FLOAT8)' in program
+    assert program.index("model = apply_float8(") < program.index("model = apply_tp(")
+    assert float8_text(tensorwise).endswith("(torchao's float8 TP styles, all-gathers in float8)")
+    assert float8_text(plan).endswith("(plain TP styles)")
+    notes = float8_twin(tensorwise)[1]
+    assert len(notes) == 2 and notes[1].startswith("float8 beside TP: torchao's Float8ColwiseParallel")
+
+
+def test_float8_pipeline_converts_each_stage_after_the_split(one_rank):
+    """The split traces the bf16 model, here with TP's local shards and traced collectives on a one-rank group;
+    each stage's linear ops then become float8 matmuls (runtime.float8): state names unchanged, outputs and
+    gradients those of torchao's Float8Linear model."""
+    import torch.distributed as dist
+    from torchao.float8 import Float8LinearConfig
+
+    from autoshard.runtime.float8 import FLOAT8_MATMUL
+    from autoshard.runtime.pipeline_parallel import split_model
+    from autoshard.runtime.tensor_parallel_stages import shard_for_tracing
+
+    plan = autoshard.plan(GPT, cluster="dgx-h100", global_batch=64, dp=4, tp=1, pp=2, float8="tensorwise")
+    ops = [s.op for s in lower(plan)]
+    assert ops.index("split_pipeline") + 1 == ops.index("apply_float8") and not plan.decisions.float8_all_gather
+    assert "stages = apply_float8(stages, float8=FLOAT8" in emit_program(plan)
+    assert float8_text(plan).endswith("(each stage's linears converted after the split)")
+    assert float8_twin(plan)[1][1].startswith("float8 beside pipeline stages")
+
+    twin, model = _float8_pair()
+    bf16 = _Mlp()
+    bf16.load_state_dict(model.state_dict())
+    x = torch.randn(16, 32)
+    shard_for_tracing(bf16, dist.group.WORLD, {"up": "colwise-seq-input-dim0", "down": "rowwise-seq-output-dim0"})
+    pipe = split_model(bf16, (x,), ["down"])
+    stages = [pipe.get_stage_module(i) for i in range(2)]
+    names = [list(s.state_dict()) for s in stages]
+    for stage in stages:
+        convert_stage_linears(
+            stage, dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True), ("up", "down")
+        )
+    assert [list(s.state_dict()) for s in stages] == names
+    assert hasattr(stages[0].up, FLOAT8_MATMUL) and not hasattr(stages[1].out, FLOAT8_MATMUL)
+    y = stages[1](stages[0](x))
+    y.float().square().sum().backward()
+    y_twin, grads = _trained_grads(twin, x)
+    assert torch.equal(y, y_twin) and torch.equal(stages[0].up.weight.grad, grads["up.weight"])
+
+
+def test_float8_tp_collectives_priced_with_float8_all_gathers(tp_plans):
+    """Tensorwise under sequence parallelism: the all-gathers (half a block's TP bytes) in 1 byte, not 2."""
+    d = tp_plans["tensorwise"].decisions
+    assert d.sequence_parallel and float8_tp_comm_factor(d, 2) == 0.75
+    assert float8_tp_comm_factor(dataclasses.replace(d, float8="rowwise"), 2) == 1.0
+    assert float8_tp_comm_factor(dataclasses.replace(d, sequence_parallel=False), 2) == 1.0
+    assert float8_tp_comm_factor(dataclasses.replace(d, float8="off"), 2) == 1.0
+
+
+def test_a_pipeline_search_prices_float8_and_bf16_stages_apart():
+    """One search's tables price both float8 and bf16 points of a pipeline mesh: a stage's units are cached per
+    float8 recipe too, so the float8 point priced after its bf16 twin is priced as in tables of its own."""
+    from autoshard.cost.step import price_parts
+    from autoshard.ir.decisions import Decisions, Mesh
+
+    _, graph = capture_graph(LLAMA_8B, use_cache=True, proofs=False)
+    off = Decisions(Mesh(dp=4, pp=2), 1, 1, 4, schedule="1f1b", precision="bf16-autocast")
+    on = dataclasses.replace(off, float8="tensorwise")
+    shared = CostTables(graph, load_cluster("dgx-h100"))
+    bf16, float8 = price_parts(shared, off, (1,)), price_parts(shared, on, (1,))
+    alone = price_parts(CostTables(graph, load_cluster("dgx-h100")), on, (1,))
+    assert float8 == alone and float8.forward_s < bf16.forward_s and float8.backward_s < bf16.backward_s

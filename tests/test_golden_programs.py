@@ -98,6 +98,12 @@ PLAN_COMMANDS = {
     # and their scales computed after each optimizer step
     "float8_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
     "--microbatch-size 8 --recompute none --float8 tensorwise",
+    # float8 beside TP with sequence parallelism: torchao's float8 TP styles on the converted linears (apply_tp's float8)
+    "float8_tp_sequence_parallel": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 4 --tp 2 --pp 1 "
+    "--zero 3 --microbatch-size 8 --recompute none --sequence-parallel on --float8 tensorwise",
+    # float8 beside pipeline stages and TP: each stage's linears converted right after the split
+    "float8_tp_pp": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 2 --tp 2 --pp 2 --zero 1 "
+    "--microbatch-size 8 --schedule 1f1b --recompute none --sequence-parallel on --float8 tensorwise",
     # host offload (FSDP2's CPUOffloadPolicy) on an H100 cluster: the shards and the optimizer state in host memory
     "offload_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
     "--microbatch-size 8 --recompute none --float8 off --offload cpu",
@@ -123,6 +129,8 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.precision == "bf16-autocast" for p in plans)
     assert any(p.decisions.float8 == "tensorwise" and p.float8_linears for p in plans)
     assert any(p.decisions.async_tp and p.decisions.compile and p.recompute == "full" for p in plans)
+    assert any(p.decisions.float8 == "tensorwise" and p.mesh.tp > 1 for p in spmd)  # torchao's float8 TP styles
+    assert any(p.decisions.float8 == "tensorwise" and p.mesh.tp > 1 for p in pipelines)  # converted after the split
     assert any(p.recompute == "mixed" and len(set(p.recompute_blocks.values())) > 1 for p in plans)
     assert {p.schedule for p in pipelines} >= {"1f1b", "interleaved-1f1b", "zbv"}  # zbv: stages in a V, backward split
     assert {p.zero_stage for p in pipelines} >= {0, 1, 3}

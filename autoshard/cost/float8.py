@@ -32,7 +32,21 @@ s_W, the share of the weight a rank casts: 1, or 1/dp_shard where FSDP2 gathers 
 ``precompute_float8_dynamic_scale_for_fsdp`` computed after the optimizer step (one amax per weight shard and
 one small all-reduce a step: not priced, 1/(dp·m) of the per-micro-batch weight casts), and the gathered float8
 weight needs only its transposed copy. The all-gather's bytes stay the bf16 ones (an upper bound: float8
-weights are half). A recomputed forward (full recompute) casts again: its time is the forward's. Memory is
+weights are half). A recomputed forward (full recompute) casts again: its time is the forward's.
+
+Beside tensor parallelism each TP rank runs its shard of a converted linear: the unit's times above scale by the
+layout's share per rank (``cost.tp_units``), matmuls and casts alike, which is exact for the matmul and the weight
+cast (a shard of W) and, under sequence parallelism, for the input and output-gradient casts too (torchao's float8
+TP styles cast the sequence shard before its all-gather). With tensorwise scaling under sequence parallelism
+those all-gathers move float8 (``runtime.tensor_parallel``): of a block's collectives, the forward all-gathers
+of the column splits' inputs and the backward all-gathers of the row splits' output gradients (half of them, in
+bytes, as Megatron-LM counts them: 2 all-gathers and 2 reduce-scatters each way) move 1 byte an element instead
+of a, and the reduce-scatters stay in a bytes::
+
+    T_tp8 = T_tp · (1 − ½ + ½ · 1/a)    (a = 2: T_tp · 3/4; ``float8_tp_comm_factor``)
+
+Pipeline stages keep TP's collectives in bf16 (``runtime.tensor_parallel_stages``' traced ops), and their
+float8 weights are gathered by FSDP2 in bf16 (``Decisions.float8_all_gather`` is off there). Memory is
 unchanged: torchao's table moves 0.1 GiB between bf16 and float8 for Llama-3 8B on 8 H100s
 (``reference/NUMBERS.md``).
 """
@@ -84,6 +98,18 @@ def float8_of(decisions: Decisions, graph: OpGraph) -> Float8 | None:
         return None
     share = 1 / decisions.dp_shard if decisions.float8_all_gather else 1.0
     return decisions.float8, float8_linears(graph), share
+
+
+GATHER_SHARE = 0.5  # a sequence-parallel block's TP bytes that are all-gathers (module doc)
+
+
+def float8_tp_comm_factor(decisions: Decisions, elem_bytes: float) -> float:
+    """T_tp8 / T_tp (module doc): 1 − ½ + ½ · 1/a for tensorwise under sequence parallelism outside pipeline
+    stages, else 1."""
+    recipe = FLOAT8_RECIPES.get(decisions.float8)
+    if recipe is None or not recipe.fsdp_float8_all_gather or not decisions.sequence_parallel or decisions.mesh.pp > 1:
+        return 1.0
+    return 1 - GATHER_SHARE + GATHER_SHARE * FLOAT8_ELEMENT_BYTES / elem_bytes
 
 
 def float8_nodes(graph: OpGraph, linears: tuple[str, ...]) -> frozenset[str]:

@@ -333,6 +333,7 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
             m,
             v,
             stage,
+            config.float8,
         ),
         lambda: replace(
             split,

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from autoshard.cost.async_tp import exposed_tp_comm_s, fused_collectives, matmul_s
 from autoshard.cost.compute import ComputeTime
+from autoshard.cost.float8 import float8_tp_comm_factor
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import (
     TPCost,
@@ -42,7 +43,8 @@ def spmd_microbatch(tables: CostTables, config: Decisions) -> tuple[ComputeTime,
     tp = tables.layout_cost(config)
     modes = config.block_modes(len(tables.graph.blocks))
     compute = _compute_time(units, *_fractions(tp, modes))
-    comm = tp.comm_s * tp_comm_factor(modes, config.sequence_parallel)
+    float8 = float8_tp_comm_factor(config, tables.precision.activation_bytes)
+    comm = tp.comm_s * tp_comm_factor(modes, config.sequence_parallel) * float8
     if config.async_tp:
         comm = _async_tp_comm_s(tables, config, tp, compute, comm, tp_comm_factor(modes, config.sequence_parallel))
     return compute, comm, tp.local_params
@@ -77,14 +79,23 @@ def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction:
 
 
 def pipeline_units(tables: CostTables, config: Decisions, first_stage: bool = False) -> tuple[Units, tuple[float, ...]]:
-    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward) in a search;
+    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward, float8) in a
+    search;
     with a zero-bubble
     schedule's split backward, full recompute rerun as often as it runs (``split_backward_recomputes``) but on
     the ``first_stage``: torch runs the first stage's backward whole, in its weight step (its inputs need no
     gradient, so ``stage_backward_input`` would leave its parameter groups uncaptured: ``PipelineStage``'s
     ``backward_weight_one_chunk``), and its blocks rerun once."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full" and not first_stage
-    key = ("pipeline_units", config.microbatch_size, config.recompute, config.mesh.tp, config.sequence_parallel, split)
+    key = (
+        "pipeline_units",
+        config.microbatch_size,
+        config.recompute,
+        config.mesh.tp,
+        config.sequence_parallel,
+        split,
+        config.float8,  # the float8 linears' matmuls and casts (``cost.float8``)
+    )
 
     def compute() -> tuple[Units, tuple[float, ...]]:
         units, comm = tp_sharded_units(tables, config)

@@ -556,11 +556,12 @@ FLOAT8_DIM_MULTIPLE = 16
 
 
 def float8_runs(mesh: Mesh, ep: int = 1) -> bool:
-    """Where float8 linears are emitted: SPMD plans (pipeline stages are traced from the model, and torchao's
-    float8 tensors are not traced by the split yet) without tensor or expert parallelism (torchao's float8
-    TP styles, ``Float8ColwiseParallel`` and its kin, are not among ``TP_STYLES`` yet). Context parallelism
-    leaves the linears alone: it runs."""
-    return mesh.pp == 1 and mesh.tp == 1 and ep == 1
+    """Where float8 linears are emitted: without expert parallelism (expert shards are not converted). Tensor
+    parallelism takes torchao's float8 TP styles for tensorwise (``runtime.tensor_parallel``); pipeline stages,
+    traced from the bf16 model, have their linears converted after the split (``runtime.float8``); context
+    parallelism leaves the linears alone."""
+    del mesh  # every mesh: the argument stays for the callers that ask per mesh
+    return ep == 1
 
 
 # Offload of the model state to host memory (``offload_runs``): none; cpu, FSDP2's ``CPUOffloadPolicy``
@@ -668,9 +669,10 @@ class Decisions:
     @property
     def float8_all_gather(self) -> bool:
         """FSDP2 gathers the float8 weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): where the
-        recipe allows it (tensorwise) and FSDP2's fully_shard is the dp wrapper over more than one rank."""
+        recipe allows it (tensorwise) and FSDP2's fully_shard is the dp wrapper over more than one rank, outside
+        pipeline stages (a stage's linears are float8 matmuls on its plain weights: FSDP2 gathers them in bf16)."""
         recipe = FLOAT8_RECIPES.get(self.float8)
-        if recipe is None or not recipe.fsdp_float8_all_gather or self.mesh.dp_cp == 1:
+        if recipe is None or not recipe.fsdp_float8_all_gather or self.mesh.dp_cp == 1 or self.mesh.pp > 1:
             return False
         return self.dp_runtime.wrapper not in ("DistributedDataParallel", "replicate")
 

@@ -15,8 +15,10 @@ record.
 
     op                  SPMD plans                          pipeline plans
     cast_params         the meta model's parameters in bf16 (--precision bf16-pure on fp32 parameters), first
-    apply_float8        the plan's float8 linears made torchao Float8Linear (--float8), before any wrapper   -
+    apply_float8        the plan's float8 linears made torchao  each stage's linear ops made float8 matmuls,
+                        Float8Linear (--float8), first      right after split_pipeline (runtime.float8)
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
+                        (float8 tensorwise: torchao's float8 styles)
     apply_ep            each rank keeps its experts; tokens reach them by all-to-all (one op the split traces)
     split_pipeline      -                                   this rank's stages (torch.distributed.pipelining)
     apply_ac            checkpoint_wrapper per block        the block's region of its stage graph, outlined

@@ -104,13 +104,16 @@ def apply_steps(model: nn.Module, steps: tuple[Step, ...], mesh: DeviceMesh, **r
     return results
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], before_split: bool = False) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], before_split: bool = False, float8: str = "off"
+) -> nn.Module:
     """Shard the modules named in ``styles`` over ``tp_mesh`` (in place): DTensor styles, or, before a
-    pipeline split, each module replaced by its local shard with traceable collectives."""
+    pipeline split, each module replaced by its local shard with traceable collectives. ``float8`` tensorwise:
+    torchao's float8 styles on the Float8Linear modules (``runtime.tensor_parallel``)."""
     if before_split:
         shard_for_tracing(model, tp_mesh.get_group(), styles)
         return model
-    return apply_tensor_parallel(model, tp_mesh, styles)
+    return apply_tensor_parallel(model, tp_mesh, styles, float8=float8 == "tensorwise")
 
 
 def split_pipeline(

@@ -43,6 +43,14 @@ Replicate DTensor that its code reads whole, one reduce-scatter of the summed in
 block whose input comes replicated from outside the blocks takes ``ScatterSequenceInput`` (its first
 positional input sliced, its gradient all-gathered back). The two Conv1D styles take the same
 ``input_layouts`` / ``output_layouts`` keywords.
+
+float8 (tensorwise, ``float8=True``; torchtitan's ``apply_tp(enable_float8_tensorwise_tp=True)``): a linear
+torchao made ``Float8Linear`` takes torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` in place of
+ColwiseParallel / RowwiseParallel, with the same keywords: the input is cast to float8 before its layout changes,
+so a sequence-parallel all-gather moves float8 bytes, and the output gradient is cast before its all-gather. A
+module whose column-parallel linears are all float8 gathers its input in float8 once (``GatherSequenceInput``
+with ``float8``, as torchao's ``PrepareFloat8ModuleInput`` does). rowwise recipes keep the plain styles
+(torchtitan's choice: torchao's float8 TP styles assume tensorwise scales).
 """
 
 from __future__ import annotations
@@ -69,14 +77,27 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import REPLICATE, tp_style
 
 
-def parallel_style(style: str) -> ParallelStyle | None:
+def parallel_style(style: str, float8: bool = False) -> ParallelStyle | None:
     """The DTensor ParallelStyle of a planner style name (its row in ``ir.decisions.TP_STYLES``, built);
-    None for "replicate"."""
+    None for "replicate". ``float8``: torchao's float8 twin of the constructor where it has one (module doc)."""
     if style == REPLICATE:
         return None
     row = tp_style(style)
-    constructor = _CONSTRUCTORS[row.constructor]
-    return constructor(**{key: _argument(source) for key, source in row.arguments})
+    arguments = {key: _argument(source) for key, source in row.arguments}
+    if float8 and row.constructor == "GatherSequenceInput":
+        return GatherSequenceInput(**arguments, float8=True)
+    name = FLOAT8_CONSTRUCTORS.get(row.constructor, row.constructor) if float8 else row.constructor
+    return _float8_constructor(name)(**arguments) if name.startswith("Float8") else _CONSTRUCTORS[name](**arguments)
+
+
+# torchao's float8 TP styles (``torchao.float8.float8_tensor_parallel``) by the constructor they replace
+FLOAT8_CONSTRUCTORS = {"ColwiseParallel": "Float8ColwiseParallel", "RowwiseParallel": "Float8RowwiseParallel"}
+
+
+def _float8_constructor(name: str):
+    from torchao.float8 import float8_tensor_parallel
+
+    return getattr(float8_tensor_parallel, name)
 
 
 def _argument(source: str):
@@ -160,18 +181,38 @@ class GatherSequenceInput(ParallelStyle):
     backward) instead of all-reduced per linear (torchtitan's PrepareModuleInput on attention). The planner
     gives such a module's input no other reader than those linears: nothing else meets the DTensor."""
 
-    def __init__(self, *, sequence_dim: int = 1):
+    def __init__(self, *, sequence_dim: int = 1, float8: bool = False):
         super().__init__()
-        self.sequence_dim = sequence_dim
+        self.sequence_dim, self.float8 = sequence_dim, float8
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(_gather_first_input, self.sequence_dim, device_mesh), with_kwargs=True)
+        cast = _float8_input_cast(module) if self.float8 else None
+        hook = partial(_gather_first_input, self.sequence_dim, device_mesh, cast)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
 
 
-def _gather_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict):
+def _float8_input_cast(module: nn.Module):
+    """The cast of torchao's ``PrepareFloat8ModuleInput``: the input scaled to float8 (e4m3, one scale for the
+    tensor, the amax all-reduced over the shards by DTensor) with the module's Float8Linear matmul settings."""
+    from torchao.float8.config import e4m3_dtype
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    config = next(m.linear_mm_config for m in module.modules() if isinstance(m, Float8Linear))
+    return partial(
+        hp_tensor_to_float8_dynamic,
+        float8_dtype=e4m3_dtype,
+        linear_mm_config=config,
+        gemm_input_role=GemmInputRole.INPUT,
+    )
+
+
+def _gather_first_input(dim: int, mesh: DeviceMesh, cast, module: nn.Module, args: tuple, kwargs: dict):
     def gather(x: torch.Tensor) -> DTensor:
-        return DTensor.from_local(x, mesh, (Shard(dim),), run_check=False).redistribute(mesh, (Replicate(),))
+        shard = DTensor.from_local(x, mesh, (Shard(dim),), run_check=False)
+        return (cast(shard) if cast is not None else shard).redistribute(mesh, (Replicate(),))
 
     if args and isinstance(args[0], torch.Tensor):
         return (gather(args[0]), *args[1:]), kwargs
@@ -237,14 +278,41 @@ def _output_to_local(layout: Placement | None, module: nn.Module, output: DTenso
     return output.to_local()
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str]) -> nn.Module:
-    """Shard the modules named in ``styles`` over ``tp_mesh`` (in place; returns the model)."""
-    plan = {path: parallel_style(style) for path, style in styles.items() if style != "replicate"}
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, str], float8: bool = False
+) -> nn.Module:
+    """Shard the modules named in ``styles`` over ``tp_mesh`` (in place; returns the model). ``float8``: torchao's
+    float8 styles for the Float8Linear modules, and a float8 gather into modules whose column-parallel linears are
+    all Float8Linear (module doc)."""
+    in_float8 = float8_styled(model, styles) if float8 else frozenset()
+    plan = {path: parallel_style(style, path in in_float8) for path, style in styles.items() if style != "replicate"}
     for path in plan:
         _check_module(model, path, styles[path])
     if plan:
         parallelize_module(model, tp_mesh, plan)
     return model
+
+
+def float8_styled(model: nn.Module, styles: dict[str, str]) -> frozenset[str]:
+    """The paths that take a float8 style: Float8Linear modules under a column or row split, and each module
+    gathering its input for column-parallel linears (``GatherSequenceInput``) when those are all Float8Linear."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    def float8_linear(path: str) -> bool:
+        return isinstance(model.get_submodule(path), Float8Linear)
+
+    split = {p for p, s in styles.items() if s != REPLICATE and tp_style(s).constructor in FLOAT8_CONSTRUCTORS}
+    linears = {p for p in split if float8_linear(p)}
+    gathers = set()
+    for path, style in styles.items():
+        if style == REPLICATE or tp_style(style).constructor != "GatherSequenceInput":
+            continue
+        readers = [
+            p for p in split if p.startswith(path + ".") and tp_style(styles[p]).constructor == "ColwiseParallel"
+        ]
+        if readers and all(p in linears for p in readers):
+            gathers.add(path)
+    return frozenset(linears | gathers)
 
 
 def _check_module(model: nn.Module, path: str, style: str) -> None:

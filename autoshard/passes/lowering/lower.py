@@ -6,11 +6,12 @@ the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)
     0 cast_params     bf16-pure on fp32 parameters only: the meta model in bf16, first, both kinds
-      apply_float8    float8 plans (SPMD): the linears of layout.float8_linears made torchao Float8Linear
+      apply_float8    float8 plans: the linears of layout.float8_linears made torchao Float8Linear
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
+                      (float8 tensorwise: torchao's float8 styles)
     2 apply_ep        expert shards          2 apply_ep        expert shards, before the split
     3 apply_ac        recompute per block    3 split_pipeline  this rank's stages
-      apply_compile   each block compiled
+      apply_compile   each block compiled      apply_float8    float8 plans: each stage's linears (after the split)
     4 sync_batch_norm over dp                4 apply_ac        recompute inside the stages
     5 apply_fsdp | apply_replicate           5 apply_fsdp | apply_replicate   on each stage module (dp·cp > 1)
       (ir.decisions.DP_RUNTIMES; offload: CPUOffloadPolicy on every unit)
@@ -21,7 +22,8 @@ the same order. The order, and why:
       (float8 tensorwise under FSDP2: the weights' float8 scales computed after each optimizer step)
 
 float8 conversion comes before everything that wraps the linears (torchtitan converts the model before it
-parallelizes it): FSDP2 then gathers the float8 weights' tensor subclass, and each block compiled or checkpointed
+parallelizes it; a pipeline's split traces the bf16 model, so there each stage's linears are converted right after
+the split, ``runtime.float8``): FSDP2 then gathers the float8 weights' tensor subclass, and each block compiled or checkpointed
 holds Float8Linear modules. TP comes first among the parallel steps because it replaces parameters with DTensors (or local shards) that everything
 after wraps; recompute wraps whole blocks, so it goes before FSDP wraps the same blocks as units
 (torchtitan's order: TP, activation checkpointing, compile, FSDP: each block is compiled with its
@@ -110,12 +112,17 @@ def _float8_steps(plan: Plan) -> list[Step]:
     if recipe == FLOAT8_OFF:
         return []
     gather = plan.decisions.float8_all_gather
+    how = (
+        "each stage's linear ops made torchao float8 matmuls after the split"
+        if plan.mesh.pp > 1
+        else "torchao's convert_to_float8_training"
+    )
     return [
         Step(
             "apply_float8",
             None,
             (("float8", recipe), ("linears", tuple(plan.float8_linears)), ("fsdp_float8_all_gather", gather)),
-            f"float8 training ({recipe} scaling, torchao's convert_to_float8_training) of the "
+            f"float8 training ({recipe} scaling, {how}) of the "
             f"{len(plan.float8_linears)} linears whose dims are divisible by 16, not the output projection: their "
             "matmuls in float8, each operand scaled and cast first"
             + ("; FSDP2 gathers their weights in float8" if gather else ""),
@@ -189,6 +196,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
             f"{stages} stages cut at the split points by tracing one micro-batch; {_stages_held(plan)} "
             f"and drops the rest of the model" + _SEQUENCE_WHY * bool(sequence),
         ),
+        *_float8_steps(plan),
         *_recompute_steps(plan),
         *_compile_steps(plan),
     ]
@@ -241,11 +249,14 @@ def _tp_steps(plan: Plan, before_split: bool) -> list[Step]:
     )
     if before_split:
         why += "; each rank keeps its shard and the collectives are custom ops, so the split traces them"
+    float8 = () if before_split or plan.decisions.float8 != "tensorwise" else (("float8", plan.decisions.float8),)
+    if float8:
+        why += "; torchao's float8 styles on the float8 linears: inputs cast before they are gathered"
     return [
         Step(
             "apply_tp",
             "tp",
-            (("styles", dict(sorted(plan.tensor_parallel.items()))), ("before_split", before_split)),
+            (("styles", dict(sorted(plan.tensor_parallel.items()))), ("before_split", before_split), *float8),
             why,
         )
     ]

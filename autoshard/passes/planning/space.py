@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import (
-    FLOAT8_OFF,
     OFFLOAD_CPU,
     ZERO_BUBBLE_SCHEDULES,
     Decisions,
     compile_runs,
-    float8_runs,
     offload_refusal,
 )
 from autoshard.ir.graph import OpGraph
@@ -110,11 +108,6 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             f"--ep {pins.ep} borrows {pins.ep} of the dp ranks, but this cluster's meshes give dp in {dps}; "
             f"pin an --ep that divides one of them, or plan for more devices"
-        )
-    if pins.float8 not in (None, FLOAT8_OFF) and not any(float8_runs(m) for m in meshes):
-        return (
-            f"--float8 {pins.float8} converts the linears of plans without pipeline stages or tensor parallelism, "
-            "and this cluster's meshes that honour the pins have one of them; pin --pp 1 --tp 1, or --float8 off"
         )
     if pins.offload == OFFLOAD_CPU and not any(offload_refusal(m, 3, 1, cluster.backend) is None for m in meshes):
         return (

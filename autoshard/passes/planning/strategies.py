@@ -33,7 +33,7 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
             ranks (``ir.decisions.async_tp_refusal``; ``async_tp_choices``), priced by ``cost.async_tp``
     float8 (torchao's Float8Linear on the linears ``cost.float8.float8_linears`` names): off, and tensorwise on
             a device with float8 matmuls (``DeviceSpec.float8_tflops`` > 0) when the model has such linears,
-            on meshes with pp = 1, tp = 1 and ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
+            on meshes with ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
             (``--float8``): it prices above tensorwise (twice the casts, the same matmuls) and is chosen for its
             numerics, not its speed (``float8_choices``)
     offload (FSDP2's CPUOffloadPolicy: ZeRO-3's shards and the optimizer step on the host): none, and cpu on GPU
