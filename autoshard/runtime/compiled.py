@@ -36,7 +36,12 @@ Inside pipeline stages. A stage is a traced graph, and each block it holds is a 
 unflattens the stage: ``runtime.stage_recompute``), or, recomputed, the module a ``checkpointed_call`` runs.
 That module's forward is compiled in place (``compile_stage_blocks``): the stage's own graph, its transfers and
 FSDP2's hooks on the stage module stay eager, and the block's recompute, eager around it, reruns the compiled
-block (so, as beside context parallelism, full recompute only). Blocks of other stages are skipped.
+block (so, as beside context parallelism, full recompute only). Blocks of other stages are skipped. Beside
+tensor parallelism a stage's blocks hold local shards and call TP's collectives as custom ops
+(``runtime.tensor_parallel_stages``): dynamo keeps each as one call in the compiled graph, with its own autograd,
+so the compiled block communicates as the eager one does (and full recompute reruns those calls). Async TP cannot
+apply there: inductor's micro-pipeline pass matches ``_c10d_functional``'s collectives, not these ops
+(``ir.decisions.async_tp_refusal``).
 """
 
 from __future__ import annotations
