@@ -272,3 +272,25 @@ def test_verify_says_what_cpu_ranks_leave_unproven_of_compiled_blocks(compiled_p
     (note,) = compile_notes(compiled_plan)
     assert "inductor's CPU kernels" in note and "Triton kernels" in note
     assert compile_notes(autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3)) == ()
+
+
+def test_stage_blocks_compile_static_so_the_recompute_reruns_the_forwards_graph(monkeypatch):
+    """A rank holding several stages meets one block code under more than one guard set; compiled static, no dynamic
+    graph can match the same inputs as the static one, so an eager recompute reruns the forward's graph."""
+    import torch.fx
+
+    from autoshard.runtime import compiled
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.h[1](self.h[0](x))
+
+    calls = []
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    stage = torch.fx.symbolic_trace(Stage())
+    assert compiled.compile_stage_blocks(stage, ["h.0", "h.1", "h.2"]) == ["h.0", "h.1"]  # h.2: another stage's
+    assert [kw["dynamic"] for kw in calls] == [False, False]
