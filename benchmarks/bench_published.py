@@ -25,8 +25,12 @@ What a row's prediction means (``Run.status``):
                  ``--async-tp on`` where the run had it), with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
+    async TP     the run as it ran save async TP inside pipeline stages, which autoshard's programs do not have
+                 (``ir.decisions.async_tp_refusal``: there TP's collectives are traced custom ops, which inductor's
+                 micro-pipeline pass does not match); priced as autoshard's compiled program with the rest of the
+                 run (float8 linears, loss parallelism), TP's collectives exposed, so its time is not the run's.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
-                 blocks beside TP inside pipeline stages, or beside cp inside them); priced as autoshard's eager
+                 blocks beside cp inside pipeline stages); priced as autoshard's eager
                  program (with its float8 linears where the run had them, beside TP and pipeline stages too, and
                  loss parallelism where the run had it and autoshard emits it: ``loss_parallel_emitted``).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for
@@ -72,7 +76,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "published.json"
 GRAND_TETON = "benchmarks/clusters/grand_teton_h100.yaml"  # relative to ROOT, where the commands run
 H200 = "benchmarks/clusters/h200_whitefiber.yaml"
 LLAMA = "benchmarks/llama3.py"
-STATUSES = ("as run", "compile", "float8", "not priced")
+STATUSES = ("as run", "async TP", "compile", "float8", "not priced")
 
 TT_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (at b5bcd76; runs at torchtitan 9dec370)"
 TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (at b5bcd76)"
@@ -256,9 +260,11 @@ SHAPE = {  # benchmarks/llama3.py SHAPES (Dubey et al. 2024, Table 3)
 LAYERS = {"llama3_8b": 32, "llama3_70b": 80, "llama3_405b": 126}
 SAC = "selective ('op': every other matmul output saved)"
 EAGER_8B_REASON = "as run: eager bf16 FSDP2, torchtitan's 'op' selective AC as --recompute alternate"
-FLOAT8_PP_REASON = (
-    "torch.compile beside pipeline stages and async TP: not in autoshard's programs (--compile on refuses --pp > 1); "
-    "priced eager with its float8 linears (--float8 tensorwise: each stage's linears converted after the split)"
+ASYNC_TP_PP_REASON = (
+    "async TP inside pipeline stages is not in autoshard's programs (there TP's collectives are traced custom ops, "
+    "which inductor's micro-pipeline pass does not match; --async-tp on refuses --pp > 1): priced as run otherwise, "
+    "each stage's blocks compiled beside TP with sequence and loss parallelism (--compile on), float8 tensorwise "
+    "linears converted after the split (--float8 tensorwise), TP's collectives left exposed"
 )
 FLOAT8_8B_REASON = (
     "as run: float8 tensorwise (torchao, FSDP2 gathering float8 weights) with each block compiled (--compile on "
@@ -346,8 +352,8 @@ def _tt(
     args = _with_compile(args) if compiled and args else args
     args = _with_flags(args, "--float8", float8) if float8 and args else args
     args = _with_flags(args, "--async-tp", "on") if async_tp and args else args
-    emitted = (
-        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile", "async TP")
+    emitted = (  # async TP SPMD only (ir.decisions.async_tp_refusal)
+        ("FSDP2", "TP", "PP", "CP", "eager bf16", "torch.compile", *(("async TP",) if pp == 1 else ()))
         + FLOAT8_EMITTED
         + (FLOAT8_ALL_GATHER if pp == 1 else ())
         + (("loss parallel",) if lp else ())
@@ -504,10 +510,11 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                "compile",
-                FLOAT8_PP_REASON,
+                "async TP",
+                ASYNC_TP_PP_REASON,
                 cuts=torchtitan_cuts(126, 8 * v),
                 v=v,
+                compiled=True,
                 float8="tensorwise",
             )
         )
@@ -536,8 +543,9 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                *(("compile", FLOAT8_PP_REASON) if cp == 1 else CP_WITH_PP),
+                *(("async TP", ASYNC_TP_PP_REASON) if cp == 1 else CP_WITH_PP),
                 cuts=torchtitan_cuts(126, 8),
+                compiled=cp == 1,
                 float8="tensorwise",
             )
         )
@@ -1010,7 +1018,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(result(run, plan, wall) | ({"inputs": kept[run.name]} if run.name in kept else {}))
     reserve = fit_reserve(results)
     results = with_reserve(results, reserve)
-    sums = {status: summary(results, status) for status in ("as run", "compile")}
+    sums = {status: summary(results, status) for status in ("as run", "async TP", "compile")}
     import torch
 
     doc = {

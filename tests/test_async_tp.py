@@ -33,6 +33,7 @@ def plan():
         (dict(tp=2, compile=False), "pin --compile on"),
         (dict(tp=2, compile=True, sequence_parallel=False), "pin --sequence-parallel on"),
         (dict(tp=1, compile=True), "the plan has tp 1"),
+        (dict(tp=2, pp=2, compile=True), "micro-pipeline pass does not match"),
     ],
 )
 def test_async_tp_where_it_does_not_run_is_one_line(pins, words):
@@ -51,6 +52,7 @@ def test_async_tp_is_refused_on_gloo_and_searched_only_under_compile_with_sequen
     assert async_tp_choices(tp2, True, True, gloo) == (False,)
     assert async_tp_choices(tp2, False, True, nccl) == async_tp_choices(tp2, True, False, nccl) == (False,)
     assert async_tp_refusal(tp2, True, True, "nccl") == ""
+    assert async_tp_choices(Mesh(dp=2, tp=2, pp=2), True, True, nccl) == (False,)  # stages: custom-op collectives
 
 
 def test_the_plan_records_async_tp_and_older_plans_read_and_write_as_before(plan):

@@ -12,6 +12,7 @@ from autoshard.cost.compiled import block_kernels, fused_ops
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.tables import CostTables, Runtime
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import Mesh, compile_runs
 from autoshard.ir.pins import Pins
 from autoshard.ir.plan import Plan
 from autoshard.passes.lowering.lower import lower
@@ -105,7 +106,6 @@ def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
         (dict(pp=2, recompute="selective"), "--compile on with pipeline stages and --recompute selective"),
         (dict(cp=2, recompute="alternate"), "--compile on with --cp 2 and --recompute alternate"),
         (dict(cp=2, tp=2), "--compile on with --cp 2 and --tp 2"),
-        (dict(pp=2, tp=2), "--compile on with pipeline stages and --tp 2"),
         (dict(pp=2, cp=2), "--compile on with pipeline stages and --cp 2"),
         (dict(pp=2, schedule="zbv"), "--compile on with pipeline stages and --schedule zbv"),
         (dict(ep=2), "--compile on with --ep 2 is not emitted yet"),
@@ -124,6 +124,18 @@ def test_the_search_never_turns_compile_on_and_compiles_tp_with_sequence_paralle
     tp = autoshard.plan(GPT, cluster="tests/clusters/fast_link_cpu.yaml", devices_per_node=2, global_batch=8, **pins)
     assert tp.decisions.compile and tp.recompute == "full" and any("seq" in s for s in tp.tensor_parallel.values())
     pin_checks.check_pins(Pins(**pins), load_cluster("local-cpu", devices_per_node=2), 8)  # no refusal left
+
+
+def test_compile_runs_beside_tp_inside_stages_but_not_beside_tp_and_cp():
+    """Stages compile blocks holding TP's local shards (their collectives are custom-op calls); beside cp, TP stays
+    refused, and a stage beside cp too."""
+    four = load_cluster("local-cpu", devices_per_node=4)
+    pin_checks.check_pins(Pins(compile=True, tp=2, pp=2, recompute="full", sequence_parallel=True), four, 8)
+    assert compile_runs(Mesh(tp=2, pp=2), recompute="full", schedule="1f1b")
+    assert compile_runs(Mesh(tp=2, pp=2), recompute="none", schedule="interleaved-1f1b")
+    assert not compile_runs(Mesh(tp=2, cp=2), recompute="full")
+    assert not compile_runs(Mesh(tp=2, pp=2, cp=2), recompute="full", schedule="1f1b")
+    assert not compile_runs(Mesh(tp=2, pp=2), recompute="selective", schedule="1f1b")
 
 
 def test_compiled_blocks_are_priced_with_fused_kernels_on_gpus_only(compiled_plan):
@@ -260,3 +272,25 @@ def test_verify_says_what_cpu_ranks_leave_unproven_of_compiled_blocks(compiled_p
     (note,) = compile_notes(compiled_plan)
     assert "inductor's CPU kernels" in note and "Triton kernels" in note
     assert compile_notes(autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=2, zero=3)) == ()
+
+
+def test_stage_blocks_compile_static_so_the_recompute_reruns_the_forwards_graph(monkeypatch):
+    """A rank holding several stages meets one block code under more than one guard set; compiled static, no dynamic
+    graph can match the same inputs as the static one, so an eager recompute reruns the forward's graph."""
+    import torch.fx
+
+    from autoshard.runtime import compiled
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.h[1](self.h[0](x))
+
+    calls = []
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    stage = torch.fx.symbolic_trace(Stage())
+    assert compiled.compile_stage_blocks(stage, ["h.0", "h.1", "h.2"]) == ["h.0", "h.1"]  # h.2: another stage's
+    assert [kw["dynamic"] for kw in calls] == [False, False]

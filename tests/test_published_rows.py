@@ -37,7 +37,7 @@ def test_every_record_is_complete_and_priced_or_explained():
     for r in ROWS:
         if any("float8" in n for n in r.needs) and r.status != "not priced":
             flags = r.estimate_args()
-            assert "--float8" in flags and r.status in ("as run", "compile"), r.name
+            assert "--float8" in flags and r.status in ("as run", "async TP", "compile"), r.name
     # the Megatron-LM rows are bench_megatron's own records and commands, not copies
     for m in MEGATRON_ROWS:
         assert BY_NAME[f"megatron-{m.name}"].estimate_args() == m.estimate_args()
@@ -126,3 +126,13 @@ def test_the_reserve_is_fitted_on_the_fitting_rows_only():
     assert fit_reserve(moved) == fit_reserve(rows)
     row = next(r for r in with_reserve(rows, 1.25) if r["name"] == "tt-8b-8g-eager")
     assert row["predicted_reserved_gib"] == row["predicted_memory_gib"] * 1.25
+
+
+def test_torchtitans_405b_rows_are_priced_compiled_in_stages_without_the_async_tp_they_ran_with():
+    """Table 5 and 6's cp 1 row: compiled blocks beside TP inside pipeline stages are emitted, async TP there is not
+    (``ir.decisions.async_tp_refusal``), so the row is priced compiled without it and is not "as run"."""
+    for name in ("tt-405b-512g-1f1b", "tt-405b-512g-interleaved-1f1b", "tt-405b-cp1-32k"):
+        row, args = BY_NAME[name], BY_NAME[name].estimate_args()
+        assert row.status == "async TP" and "async TP" in row.needs and row.emits == "no: async TP", name
+        assert "--compile" in args and args[args.index("--compile") + 1] == "on" and "--async-tp" not in args, name
+        assert args[args.index("--float8") + 1] == "tensorwise" and "--loss-parallel" in args, name

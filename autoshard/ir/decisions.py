@@ -490,15 +490,16 @@ def compile_runs(
     under every recompute mode (a TP block recomputed in full is compiled inside its checkpoint). Beside context
     parallelism (the ring eager between compiled graphs) and inside pipeline stages (each stage's blocks
     compiled), the recompute stays eager around the compiled block, so none or full (selective's policy is a
-    dispatch mode, under which dynamo compiles nothing), without tensor parallelism, and in stages not beside cp
-    nor with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
+    dispatch mode, under which dynamo compiles nothing); beside cp without tensor parallelism; in stages with or
+    without it (TP's local shards and their traced collectives, custom ops inductor calls as they are), not
+    beside cp nor with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
     backward). ``sequence_parallel`` no longer narrows it; callers still pass it."""
     del sequence_parallel
     if ep > 1:
         return False
     if mesh.pp > 1 or mesh.cp > 1:
         return (
-            mesh.tp == 1
+            (mesh.tp == 1 or mesh.pp > 1)
             and recompute in COMPILED_RECOMPUTE_OUTSIDE
             and (mesh.pp == 1 or (mesh.cp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES))
         )
@@ -509,9 +510,17 @@ def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backen
     """Why async TP (inductor's micro-pipelined TP: each sequence-parallel all-gather fused with the matmul
     reading it, each matmul with the reduce-scatter of its output, over symmetric memory) cannot run ("" when it
     can): it is an inductor pass, so compiled blocks; it rewrites sequence parallelism's all-gathers and
-    reduce-scatters, so tp > 1 with sequence parallelism; symmetric memory is CUDA's, so NCCL ranks, not gloo."""
+    reduce-scatters, so tp > 1 with sequence parallelism; symmetric memory is CUDA's, so NCCL ranks, not gloo.
+    Not inside pipeline stages: there TP's collectives are autoshard's own custom ops
+    (``runtime.tensor_parallel_stages``), which the pass cannot match (it matches ``_c10d_functional``'s
+    all-gather and reduce-scatter, each followed by its ``wait_tensor``) and would leave unfused."""
     if mesh.tp == 1:
         return "it overlaps tensor parallelism's collectives, and the plan has tp 1"
+    if mesh.pp > 1:
+        return (
+            "inside pipeline stages TP's collectives are traced custom ops that inductor's micro-pipeline pass does "
+            "not match, so nothing would overlap; pin --pp 1"
+        )
     if not compiled:
         return "it is an inductor pass over compiled blocks; pin --compile on"
     if not sequence_parallel:

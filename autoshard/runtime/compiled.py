@@ -36,7 +36,17 @@ Inside pipeline stages. A stage is a traced graph, and each block it holds is a 
 unflattens the stage: ``runtime.stage_recompute``), or, recomputed, the module a ``checkpointed_call`` runs.
 That module's forward is compiled in place (``compile_stage_blocks``): the stage's own graph, its transfers and
 FSDP2's hooks on the stage module stay eager, and the block's recompute, eager around it, reruns the compiled
-block (so, as beside context parallelism, full recompute only). Blocks of other stages are skipped.
+block (so, as beside context parallelism, full recompute only). Blocks of other stages are skipped. Each is
+compiled static (``dynamic=False``): a rank holding several stages (interleaved schedules) meets one block code
+with more than one set of guards, and under automatic dynamic shapes dynamo would add a dynamic graph beside the
+static one, both matching; the eager recompute could then rerun the other graph, which saves other tensors
+(torch.utils.checkpoint's "Recomputed values ... have different metadata", pytorch/pytorch#166926). Static
+graphs' guards exclude each other, so the recompute reruns the forward's graph. Beside
+tensor parallelism a stage's blocks hold local shards and call TP's collectives as custom ops
+(``runtime.tensor_parallel_stages``): dynamo keeps each as one call in the compiled graph, with its own autograd,
+so the compiled block communicates as the eager one does (and full recompute reruns those calls). Async TP cannot
+apply there: inductor's micro-pipeline pass matches ``_c10d_functional``'s collectives, not these ops
+(``ir.decisions.async_tp_refusal``).
 """
 
 from __future__ import annotations
@@ -101,7 +111,7 @@ def compile_stage_blocks(stage_module: nn.Module, blocks: tuple[str, ...] | list
     for path in blocks:
         module = block_module(stage_module, path)
         if module is not None:
-            module.forward = _compiled_forward(module.forward, path)
+            module.forward = _compiled_forward(module.forward, path, dynamic=False)
             compiled.append(path)
     return compiled
 
@@ -121,8 +131,9 @@ def _compiled_module(block: nn.Module, recompute_outside: bool = False) -> nn.Mo
     return inner if any(isinstance(p, DTensor) for p in inner.parameters()) else block
 
 
-def _compiled_forward(forward, where: str):
-    compiled = torch.compile(forward, backend=_inductor)  # one backend for all: dynamo reuses a graph only with it
+def _compiled_forward(forward, where: str, dynamic: bool | None = None):
+    # one backend for all: dynamo reuses a graph only with it
+    compiled = torch.compile(forward, backend=_inductor, dynamic=dynamic)
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

@@ -1,7 +1,8 @@
 """Pipeline plans with recompute inside the stages train like one process (4 ranks).
 
 Each plan is pinned to pp = 2 with recompute full or selective, beside dp = 2 (FSDP2 on each stage
-module) or tp = 2 (local shards whose collectives are custom ops, repeated by full recompute). The
+module) or tp = 2 (local shards whose collectives are custom ops, repeated by full recompute), and tp = 2 with
+sequence parallelism and each block compiled inside its full recompute (``runtime.compiled``). The
 emitted programs run in the session's 4-rank torchrun launch (``one_launch.Cases``), and each is
 judged against fp32 and float64 one-process runs (``zoo._verdict``: ``verify.compare``).
 """
@@ -27,6 +28,13 @@ CASES = {  # name: (model, cluster, pins); each model meets both modes and both 
         dict(dp=2, tp=1, pp=2, zero=3, schedule="gpipe", recompute="selective"),
     ),
     "llama-tp2-pp2-full": (LLAMA, FAST_LINK, dict(dp=1, tp=2, pp=2, schedule="gpipe", recompute="full")),
+    # torchtitan's 405B layout in small: TP with sequence parallelism in stages, each block compiled inside its full
+    # recompute, the traced TP collectives called from the compiled code
+    "llama-tp2-pp2-sp-full-compiled": (
+        LLAMA,
+        FAST_LINK,
+        dict(dp=1, tp=2, pp=2, schedule="1f1b", recompute="full", sequence_parallel=True, compile=True),
+    ),
 }
 
 
@@ -52,6 +60,8 @@ def test_pipeline_recompute_trains_like_one_process(in_repo, launches):
             assert plan.tensor_parallel, f"{name}: a tp plan shards something"
         program = folder / "train.py"
         assert "apply_ac" in program.read_text(), f"{name}: the program recomputes nothing"
+        assert plan.decisions.compile == pins.get("compile", False) == ("apply_compile" in program.read_text()), name
+        assert plan.sequence_parallel == pins.get("sequence_parallel", plan.sequence_parallel), name
         runs[name] = plan, folder, failure
     for name, (plan, folder, failure) in runs.items():
         assert_trains_like_one_process(name, CASES[name][0], plan, folder / "out", failure)

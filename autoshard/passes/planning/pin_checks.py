@@ -155,18 +155,23 @@ def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
     if not pins.async_tp:
         return
     tp = pins.tp if pins.tp is not None else 2  # unpinned: the search keeps it to meshes with tp > 1
+    pp = 2 if pins.wants_pipeline else 1
     sequence_parallel = pins.sequence_parallel is not False
-    why = async_tp_refusal(Mesh(tp=tp), bool(pins.compile), sequence_parallel, cluster.backend)
+    why = async_tp_refusal(Mesh(tp=tp, pp=pp), bool(pins.compile), sequence_parallel, cluster.backend)
     if why:
         raise AutoshardError(f"--async-tp on is not emitted here: {why}; or pin --async-tp off")
 
 
 def _check_compile_recompute_outside(pins: Pins) -> None:
     """--compile on beside --cp > 1 or pipeline stages (``compile_runs``: the recompute eager around the compiled
-    block): no TP, none or full recompute, and in stages no cp and no split backward."""
+    block): none or full recompute; beside cp no TP; in stages no cp and no split backward."""
     where = "pipeline stages" if pins.wants_pipeline else f"--cp {pins.cp}"
     fixes = (
-        ((pins.tp or 1) > 1, f"--tp {pins.tp} (TP's collectives in compiled blocks there are not verified)", "--tp 1"),
+        (
+            not pins.wants_pipeline and (pins.tp or 1) > 1,
+            f"--tp {pins.tp} (TP's collectives in compiled blocks there are not verified)",
+            "--tp 1",
+        ),
         (
             pins.recompute not in (None, *COMPILED_RECOMPUTE_OUTSIDE),
             f"--recompute {pins.recompute} (its policy is a dispatch mode, under which dynamo compiles nothing)",

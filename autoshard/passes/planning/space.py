@@ -116,11 +116,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         )
     if pins.compile and not any(compile_runs(m, recompute="full") for m in meshes):
         return (
-            "--compile on compiles the blocks of plans without tensor parallelism beside pipeline stages or context "
-            "parallelism, nor context parallelism inside stages, and this cluster's meshes that honour the pins "
-            "have one of those; pin --tp 1, or --pp 1 --cp 1, or --compile off"
+            "--compile on compiles the blocks of plans without tensor parallelism beside context parallelism, nor "
+            "context parallelism inside pipeline stages, and this cluster's meshes that honour the pins have one of "
+            "those; pin --tp 1, or --cp 1, or --compile off"
         )
-    if pins.async_tp and not any(m.tp > 1 and compile_runs(m) for m in meshes):
+    if pins.async_tp and not any(m.tp > 1 and m.pp == 1 and compile_runs(m) for m in meshes):
         return (
             "--async-tp on overlaps the TP collectives of compiled blocks, and this cluster's meshes that honour the "
             "pins have tp 1, pipeline stages or cp; pin --tp 2 or more with --pp 1 --cp 1, or --async-tp off"

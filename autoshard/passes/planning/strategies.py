@@ -26,11 +26,12 @@ and virtual stages v. The space is what the runtime supports (``candidate_meshes
     loss parallelism (tp > 1, pp = 1, cp = 1, the loss proven the default cross-entropy on the output projection's
             logits: ``OpGraph.loss_parallel_proof``): on or off (``loss_parallel_choices``); a point whose TP layout
             gathers no output projection is dropped by the search
-    compile: off, or on where pinned (``--compile on``), on meshes with pp = 1, cp = 1 and ep = 1 only
-            (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
+    compile: off, or on where pinned (``--compile on``), on meshes with ep = 1, and beside cp or pipeline stages
+            with recompute none or full, without tp beside cp, without cp in stages (``ir.decisions.compile_runs``): the search never turns it on, since compiling costs each launch
             its start-up (tens of seconds per block kind on CPU ranks, minutes on large models)
     async TP (inductor's micro-pipelined TP): off, and on under compile with tp > 1, sequence parallelism and NCCL
-            ranks (``ir.decisions.async_tp_refusal``; ``async_tp_choices``), priced by ``cost.async_tp``
+            ranks, without pipeline stages (``ir.decisions.async_tp_refusal``; ``async_tp_choices``), priced by
+            ``cost.async_tp``
     float8 (torchao's Float8Linear on the linears ``cost.float8.float8_linears`` names): off, and tensorwise on
             a device with float8 matmuls (``DeviceSpec.float8_tflops`` > 0) when the model has such linears,
             on meshes with ep = 1 (``ir.decisions.float8_runs``); rowwise only where pinned
