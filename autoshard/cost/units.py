@@ -660,7 +660,7 @@ def unit_params(graph: OpGraph, units: list[int]) -> tuple[int, ...]:
 
 def unread_param_homes(graph: OpGraph, units: list[int]) -> dict[str, int]:
     """The unit that holds each parameter no node reads (a causal-LM decoder's cross-attention, which its forward
-    never calls), by name: as a pipeline stage does (``runtime.pipeline_parallel.unread_state_homes``), the first
+    never calls), by name: as a pipeline stage does (``runtime.stage_state.unread_state_homes``), the first
     unit that reads state (parameters or buffers) of its nearest enclosing module, else unit 0. One process and
     the SPMD programs hold it too (``OpGraph.param_count``); only its weight is ever made, but it is priced as
     any parameter, as the SPMD estimate prices it."""
