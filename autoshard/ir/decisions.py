@@ -524,12 +524,19 @@ def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backen
     return ""
 
 
-def compile_loss_refusal(mesh: Mesh) -> str:
+def compile_loss_refusal(mesh: Mesh, loss_parallel: bool = False) -> str:
     """Why the compiled loss cannot run ("" when it can): a pipeline's schedule calls the loss inside its last
-    stage (``runtime.pipeline_parallel``), where it stays eager; SPMD plans compile it, beside tp (with loss
-    parallelism the compiled loss traces ``loss_parallel``'s DTensor cross-entropy), cp and ep."""
+    stage (``runtime.pipeline_parallel``), where it stays eager; under loss parallelism torch 2.13's compiled
+    ``loss_parallel`` cross-entropy hands the logits' DTensor backward a plain tensor gradient (2 CPU ranks: the
+    backward raises in DTensor's redistribute), so it stays eager there too. SPMD plans compile it beside tp, cp
+    and ep."""
     if mesh.pp > 1:
         return "a pipeline's schedule calls the loss inside its last stage, where it runs eager"
+    if loss_parallel:
+        return (
+            "under loss parallelism torch's compiled cross-entropy hands the logits' DTensor backward a plain "
+            "tensor; pin --loss-parallel off to compile it"
+        )
     return ""
 
 

@@ -110,7 +110,7 @@ class Plan:
         refusal = async_tp_refusal(d.mesh, d.compile, sequence_parallel, "nccl") if d.async_tp else ""
         if refusal:
             raise AutoshardError(f"async_tp is true but cannot run in this plan: {refusal}; or set it false")
-        refusal = compile_loss_refusal(d.mesh) if d.compile_loss else ""
+        refusal = compile_loss_refusal(d.mesh, loss_parallel) if d.compile_loss else ""
         if refusal:
             raise AutoshardError(f"compile_loss is true but cannot run in this plan: {refusal}; or set it false")
         if d.zero_stage not in (0, 1, 2, 3):

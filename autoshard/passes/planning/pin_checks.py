@@ -165,9 +165,14 @@ def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
 
 def _check_compile_loss(pins: Pins) -> None:
     """--compile-loss on where the loss is not compiled (``ir.decisions.compile_loss_refusal``): one line."""
-    why = compile_loss_refusal(Mesh(pp=2)) if pins.compile_loss and pins.wants_pipeline else ""
-    if why:
+    if not pins.compile_loss:
+        return
+    if pins.wants_pipeline:
+        why = compile_loss_refusal(Mesh(pp=2))
         raise AutoshardError(f"--compile-loss on is not emitted here: {why}; pin --compile-loss off or --pp 1")
+    if pins.loss_parallel:
+        why = compile_loss_refusal(Mesh(), loss_parallel=True)
+        raise AutoshardError(f"--compile-loss on is not emitted here: {why}, or --compile-loss off")
 
 
 def _check_compile_recompute_outside(pins: Pins) -> None:

@@ -353,14 +353,17 @@ def mesh_configs(
         if f8 == FLOAT8_OFF or float8_runs(mesh, e)
         for at in async_tp_choices(mesh, compiled, sp, cluster)
         if pins.async_tp in (None, at)
-        for cl in compile_loss_choices(mesh, compiled, pins.compile_loss)
+        for cl in compile_loss_choices(mesh, compiled, pins.compile_loss, lp)
     ]
 
 
-def compile_loss_choices(mesh: Mesh, compiled: bool, pinned: bool | None) -> tuple[bool, ...]:
+def compile_loss_choices(
+    mesh: Mesh, compiled: bool, pinned: bool | None, loss_parallel: bool = False
+) -> tuple[bool, ...]:
     """The compiled loss (``ir.decisions.compile_loss_refusal``): the pin where it runs, else on with compiled
-    blocks (torchtitan compiles the loss with the model under --training.compile); off in pipelines."""
-    runs = not compile_loss_refusal(mesh)
+    blocks (torchtitan compiles the loss with the model under --training.compile); off in pipelines and beside loss
+    parallelism."""
+    runs = not compile_loss_refusal(mesh, loss_parallel)
     if pinned is None:
         return (compiled and runs,)
     return (pinned,) if runs or not pinned else ()
