@@ -6,7 +6,7 @@ parallelism inside compiled blocks with selective recompute, and with sequence p
 block compiled inside its checkpoint) and under op-level selective recompute, on a transformers Llama with its
 default dropout; context parallelism's ring run eager between compiled graphs, and two pipeline stages each compiling
 the blocks it holds, both with full recompute eager around the compiled block. Outside pipelines the loss is
-compiled too (``runtime.compiled_loss``, the default under ``--compile on``), under loss parallelism in one case.
+compiled too (``runtime.compiled_loss``, the default under ``--compile on``).
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
 
@@ -28,12 +28,11 @@ CASES = {  # name: (model, cluster, pins)
         "tests/clusters/fast_link_cpu.yaml",  # where TP pays
         dict(dp=1, tp=2, zero=0, recompute="selective"),
     ),
-    # torchtitan's async-TP rows' layout (70B): sequence parallelism, the block compiled inside its full recompute,
-    # loss parallelism under the compiled loss (dynamo traces loss_parallel's DTensor cross-entropy)
+    # torchtitan's async-TP rows' layout (70B): sequence parallelism, the block compiled inside its full recompute
     "llama-tp2-sp-full": (
         "tests/models/hf_llama.py:build",
         "tests/clusters/fast_link_cpu.yaml",
-        dict(dp=1, tp=2, zero=0, recompute="full", sequence_parallel=True, loss_parallel=True),
+        dict(dp=1, tp=2, zero=0, recompute="full", sequence_parallel=True),
     ),
     # (8B): sequence parallelism under torchtitan's op-level selective recompute, traced inside the compiled block
     "llama-tp2-sp-alternate": (
@@ -64,9 +63,8 @@ def test_compiled_blocks_train_like_one_process(launches, name):
     plan, report = launches.result(LAUNCHES, name)
     assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
     pins = CASES[name][2]
-    # the loss compiled with the blocks (torchtitan's default) outside pipelines; in stages it runs eager
-    assert plan.decisions.compile_loss == (pins.get("pp", 1) == 1)
-    assert plan.loss_parallel == pins.get("loss_parallel", plan.loss_parallel)
+    # the loss compiled with the blocks (torchtitan's default) outside pipelines and loss parallelism; eager there
+    assert plan.decisions.compile_loss == (pins.get("pp", 1) == 1 and not plan.loss_parallel)
     assert (plan.mesh.tp, plan.mesh.cp, plan.mesh.pp) == (pins["tp"], pins.get("cp", 1), pins.get("pp", 1))
     assert plan.sequence_parallel == pins.get("sequence_parallel", plan.sequence_parallel)
     assert report.ok, report.failure
