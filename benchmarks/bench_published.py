@@ -22,7 +22,8 @@ What a row's prediction means (``Run.status``):
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
                  eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
                  the bf16 torch.compile FSDP rows and the async-TP benchmark's bf16 FSDP x TP rows (with
-                 ``--async-tp on`` where the run had it), with torchao's float8 linears (``--float8 tensorwise`` or
+                 ``--async-tp on`` where the run had it, and ``--compile-loss`` as the run's torchtitan compiled its
+                 loss: ``COMPILED_LOSS_BY_SOURCE``), with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
     compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
