@@ -177,6 +177,7 @@ def parallelize(
             "re-plan with --loss-parallel off"
         )
     loss_fn = loss_fn or model_file().loss
+    loss_fn = runtime.compiled_loss(loss_fn) if plan.decisions.compile_loss else loss_fn  # as the emitted program
     recipe = recipe or Recipe()
     recipe = recipe if lr is None else replace(recipe, lr=lr)
     run_inputs = dict(device=ctx.device, recipe=recipe)

@@ -141,6 +141,8 @@ def decision_table(plan: Plan) -> Table:
     t.add_row("recompute", _recompute_text(plan))
     if plan.decisions.compile:
         t.add_row("compiled", "each block by torch.compile (inductor; the first steps compile)")
+    if plan.decisions.compile_loss:
+        t.add_row("compiled loss", "by torch.compile (inductor: no fp32 copy of the logits kept for backward)")
     if plan.decisions.async_tp:
         t.add_row(
             "async TP",
@@ -612,6 +614,7 @@ def decision_rows(plan: Plan) -> dict[str, str]:
         "sequence": sequence_text(plan) or "whole on every rank",
         "compiled blocks": "yes" if plan.decisions.compile else "no",
         "async TP": "on" if plan.decisions.async_tp else "off",
+        "compiled loss": "yes" if plan.decisions.compile_loss else "no",
         "float8": f"{plan.decisions.float8} ({len(plan.float8_linears)} linears)" if plan.float8_linears else "off",
         "offload": plan.decisions.offload,
     }

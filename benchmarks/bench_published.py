@@ -22,7 +22,8 @@ What a row's prediction means (``Run.status``):
     as run       the run as it ran: the configuration and the runtime the cost model prices (autoshard's
                  eager bf16 program for torchtitan's eager FSDP rows, its compiled one (``--compile on``) for
                  the bf16 torch.compile FSDP rows and the async-TP benchmark's bf16 FSDP x TP rows (with
-                 ``--async-tp on`` where the run had it), with torchao's float8 linears (``--float8 tensorwise`` or
+                 ``--async-tp on`` where the run had it, and ``--compile-loss`` as the run's torchtitan compiled its
+                 loss: ``COMPILED_LOSS_BY_SOURCE``), with torchao's float8 linears (``--float8 tensorwise`` or
                  ``rowwise``, ``cost.float8``) for the float8 FSDP rows; ``--runtime megatron-lm`` for
                  Megatron-LM's). Only these rows make the headline error.
     async TP     the run as it ran save async TP inside pipeline stages, which autoshard's programs do not have
@@ -82,6 +83,12 @@ TT_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (at b5
 TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (at b5bcd76)"
 TT_H200 = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (at b5bcd76)"
 TORCHAO = "pytorch/ao torchao/float8/README.md, 'e2e training benchmarks' (at 49cb18a; moved to the docs since)"
+# Whether the torchtitan a source's runs used compiled its loss (--compile-loss): torchtitan compiles the loss under
+# --training.compile since its commit bbb1b616e (2025-04-02; components/loss.py build_cross_entropy_loss). The
+# December 2024 runs (9dec370) predate it; the async-TP benchmark (820504e, 2025-06-13) and the H200 runs (e7c0cae,
+# 2025-06-13) have it; torchao's table names torchtitan 0.0.2 beside torch 2.7.0a0, a main-branch build from before
+# torch 2.7's branch cut (March 2025), so a torchtitan from before the commit
+COMPILED_LOSS_BY_SOURCE = {TT_2412: False, TT_ASYNC: True, TT_H200: True, TORCHAO: False}
 
 
 @dataclass(frozen=True)
@@ -350,6 +357,7 @@ def _tt(
     lp = "loss parallel" in techniques and loss_parallel_emitted(tp, pp, cp)
     args = _with_flags(args, "--loss-parallel", "on") if lp and args else args
     args = _with_compile(args) if compiled and args else args
+    args = _with_flags(args, "--compile-loss", _compiled_loss(source, lp)) if compiled and args else args
     args = _with_flags(args, "--float8", float8) if float8 and args else args
     args = _with_flags(args, "--async-tp", "on") if async_tp and args else args
     emitted = (  # async TP SPMD only (ir.decisions.async_tp_refusal)
@@ -384,6 +392,15 @@ def _tt(
         memory_gib=mem,
         args=args,
     )
+
+
+def _compiled_loss(source: str, loss_parallel: bool) -> str:
+    """--compile-loss for a compiled row: on where its torchtitan compiled the loss (``COMPILED_LOSS_BY_SOURCE``),
+    but beside loss parallelism, where autoshard runs the loss eager (``ir.decisions.compile_loss_refusal``; the
+    async-TP benchmark's rows compiled it)."""
+    compiled = [loss for prefix, loss in COMPILED_LOSS_BY_SOURCE.items() if source.startswith(prefix)]
+    assert len(compiled) == 1, source
+    return "on" if compiled[0] and not loss_parallel else "off"
 
 
 def _with_compile(args: tuple[str, ...]) -> tuple[str, ...]:

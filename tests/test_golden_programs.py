@@ -94,6 +94,9 @@ PLAN_COMMANDS = {
     # memory for the TP group and inductor's micro-pipeline TP pass turned on before the blocks compile
     "async_tp": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 4 --tp 2 --pp 1 --zero 3 "
     "--microbatch-size 8 --recompute full --sequence-parallel on --compile on --async-tp on",
+    # the loss compiled beside compiled blocks (torchtitan's build_cross_entropy_loss under --training.compile)
+    "compiled_loss": f"{GPT} --cluster local-cpu --devices-per-node 2 --global-batch 8 --dp 2 --tp 1 --pp 1 "
+    "--zero 3 --microbatch-size 4 --recompute none --compile on --compile-loss on",
     # float8 (torchao, tensorwise) on an H100 cluster: the linears converted first, FSDP2 gathering float8 weights
     # and their scales computed after each optimizer step
     "float8_dp_zero3": f"{GPT} --cluster dgx-h100 --nodes 1 --global-batch 64 --dp 8 --tp 1 --pp 1 --zero 3 "
@@ -129,6 +132,7 @@ def test_the_kinds_cover_every_plan_shape():
     assert any(p.precision == "bf16-autocast" for p in plans)
     assert any(p.decisions.float8 == "tensorwise" and p.float8_linears for p in plans)
     assert any(p.decisions.async_tp and p.decisions.compile and p.recompute == "full" for p in plans)
+    assert any(p.decisions.compile_loss for p in spmd)
     assert any(p.decisions.float8 == "tensorwise" and p.mesh.tp > 1 for p in spmd)  # torchao's float8 TP styles
     assert any(p.decisions.float8 == "tensorwise" and p.mesh.tp > 1 for p in pipelines)  # converted after the split
     assert any(p.recompute == "mixed" and len(set(p.recompute_blocks.values())) > 1 for p in plans)
@@ -180,6 +184,7 @@ def _pin_text(plan, name: str) -> str:
         "float8": plan.decisions.float8,
         "offload": plan.decisions.offload,
         "async_tp": "on" if plan.decisions.async_tp else "off",
+        "compile_loss": "on" if plan.decisions.compile_loss else "off",
     }
     return str(values[name])
 

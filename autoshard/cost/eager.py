@@ -79,6 +79,14 @@ input gradient (4 + 4 + 4), the upcast's backward casts it to bf16 (4 + 2)::
     forward  14·n bytes, 2 kernels      backward 22·n bytes, 3 kernels
     memory   saved 4·n (the fp32 log-softmax), and in backward 8·n more (two fp32 gradients) at once
 
+Compiled (``--compile-loss on``, ``runtime.compiled.compiled_loss``; torchtitan compiles its loss so since
+bbb1b616e): inductor fuses the upcast, log-softmax and nll, and AOT autograd's partitioner keeps the p-byte
+logits (p = 2 in bf16) and one fp32 statistic per row instead of the fp32 log-softmax; its backward is one kernel
+reading the logits and writing their gradient in their own dtype::
+
+    forward  2·p·n bytes, 1 kernel      backward 2·p·n bytes, 1 kernel
+    memory   saved p·n (the logits), and in backward p·n more (their gradient)
+
 **Optimizer** (``torch.optim.AdamW``, foreach, torch 2.13 ``_multi_tensor_adam``): per fp32
 parameter, each foreach kernel reads and writes whole tensors: ``mul_(p)`` 8, ``lerp_(m, g)`` 12,
 ``mul_(v)`` 8, ``addcmul_(v, g, g)`` 16, ``sqrt(v)`` 8, ``div_`` 8, ``add_(eps)`` 8,
@@ -125,6 +133,11 @@ LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 8  # the fp32 nll gradient and log-sof
 # backward (autoshard dryrun of an hf Llama, V = 32,000, tp 2, fake tensors: 187.5 MiB transient, 3 x 62.5 MiB, where
 # the gathered loss held 2 x 125 MiB)
 LOSS_PARALLEL_BACKWARD_TRANSIENT_BYTES_PER_LOGIT = 12
+# The compiled loss (``--compile-loss on``, module doc "Loss"): inductor's fused cross-entropy reads the 16-bit logits
+# twice forward (the row max, then the sum of exponentials with the target's logit) and once backward, where one
+# kernel writes the input gradient in the logits' dtype; it keeps the logits and a row statistic for backward
+COMPILED_LOSS_FORWARD_READS, COMPILED_LOSS_BACKWARD_READS = 2, 1
+COMPILED_LOSS_FORWARD_KERNELS, COMPILED_LOSS_BACKWARD_KERNELS = 1, 1
 # AdamW foreach step: bytes per fp32 parameter (module doc; torch/optim/adam.py _multi_tensor_adam)
 ADAMW_FOREACH_BYTES_PER_PARAM = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
 
@@ -230,6 +243,17 @@ def loss_forward_s(logits: float, device: DeviceSpec) -> float:
 def loss_backward_s(logits: float, device: DeviceSpec) -> float:
     """nll and log-softmax gradients in fp32, cast back to bf16 (module doc, "Loss")."""
     return elementwise_s(LOSS_BACKWARD_BYTES_PER_LOGIT * logits, device, LOSS_BACKWARD_KERNELS)
+
+
+def compiled_loss_forward_s(logits: float, logit_bytes: float, device: DeviceSpec) -> float:
+    """The compiled loss's forward: the logits read twice (module doc, "Loss")."""
+    return elementwise_s(COMPILED_LOSS_FORWARD_READS * logit_bytes * logits, device, COMPILED_LOSS_FORWARD_KERNELS)
+
+
+def compiled_loss_backward_s(logits: float, logit_bytes: float, device: DeviceSpec) -> float:
+    """The compiled loss's backward: the logits read, their gradient written, one kernel (module doc, "Loss")."""
+    moved = (COMPILED_LOSS_BACKWARD_READS + 1) * logit_bytes * logits
+    return elementwise_s(moved, device, COMPILED_LOSS_BACKWARD_KERNELS)
 
 
 def bytes_per_s(device: DeviceSpec) -> float:

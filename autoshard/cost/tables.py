@@ -160,20 +160,27 @@ class CostTables:
 
     def config_units(self, config: Decisions) -> Units:
         """``units`` of a point; mixed recompute takes each block's figures from its mode."""
-        b, recompute, autocast, compiled, float8 = self.unit_args(config)
+        b, recompute, autocast, compiled, float8, loss = self.unit_args(config)
         if recompute != MIXED:
-            return self.units(b, recompute, autocast, compiled, float8)
-        key = (b, config.recompute_blocks, autocast, compiled) + ((float8,) if float8 else ())
+            return self.units(b, recompute, autocast, compiled, float8, loss)
+        key = (b, config.recompute_blocks, autocast, compiled) + ((float8,) if float8 else ()) + _loss_key(loss)
         if key not in self._units:
             self._units[key] = mixed_units(
-                {m: self.units(b, m, autocast, compiled, float8) for m in sorted(set(key[1]))}, key[1]
+                {m: self.units(b, m, autocast, compiled, float8, loss) for m in sorted(set(key[1]))}, key[1]
             )
         return self._units[key]
 
-    def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool, Float8 | None]:
+    def unit_args(self, config: Decisions) -> tuple[int, str, Autocast | None, bool, Float8 | None, bool]:
         """The ``units`` arguments of a point (with mixed recompute, its blocks' modes are ``recompute_blocks``)."""
         autocast = self.runtime.autocast_for(config.dp_runtime.fsdp2)
-        return config.microbatch_size, config.recompute, autocast, config.compile, self.float8_for(config)
+        return (
+            config.microbatch_size,
+            config.recompute,
+            autocast,
+            config.compile,
+            self.float8_for(config),
+            config.compile_loss,
+        )
 
     def float8_for(self, config: Decisions) -> Float8 | None:
         """(recipe, the linears it converts, the weights' cast share) of a point with float8 on (``cost.float8``),
@@ -191,11 +198,13 @@ class CostTables:
         autocast: Autocast | None = None,
         compiled: bool = False,
         float8: Float8 | None = None,
+        compiled_loss: bool = False,
     ) -> Units:
         """Per-unit costs of one micro-batch (``autocast``: ``Runtime.autocast_for`` the plan; ``compiled``: its
-        blocks compiled, ``cost.compiled``; ``float8``: ``float8_for`` the plan, ``cost.float8``); scaled to the
-        model's measured profile when the cluster has one for this graph (``cost.profile``)."""
-        key = _units_key(microbatch_size, recompute, autocast, compiled, float8)
+        blocks compiled, ``cost.compiled``; ``float8``: ``float8_for`` the plan, ``cost.float8``;
+        ``compiled_loss``: the loss compiled, ``cost.units``); scaled to the model's measured profile when the
+        cluster has one for this graph (``cost.profile``)."""
+        key = _units_key(microbatch_size, recompute, autocast, compiled, float8, compiled_loss)
         if key not in self._units:
             units = unit_costs(
                 self.graph,
@@ -211,6 +220,7 @@ class CostTables:
                 autocast,
                 compiled,
                 float8,
+                compiled_loss,
             )
             measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
             self._units[key] = scaled_to(units, measured) if measured else units
@@ -342,6 +352,7 @@ class CostTables:
             self.runtime.autocast_for(config.dp_runtime.fsdp2),
             config.compile,
             self.float8_for(config),
+            config.compile_loss,
         )
         if config.mesh.tp == 1:
             return units
@@ -353,6 +364,7 @@ class CostTables:
             CAPTURED_ELEM_BYTES,
             self.runtime.kernels,
             self.rank_share(config),
+            config.compile_loss,
         )
         return replace(units, saved_bytes=saved, workspace_bytes=workspace, backward_bytes=backward)
 
@@ -401,5 +413,16 @@ def _units_key(
     autocast: Autocast | None = None,
     compiled: bool = False,
     float8: Float8 | None = None,
+    compiled_loss: bool = False,
 ) -> tuple:
-    return (microbatch_size, recompute, autocast) + ((True,) if compiled else ()) + ((float8,) if float8 else ())
+    return (
+        (microbatch_size, recompute, autocast)
+        + ((True,) if compiled else ())
+        + ((float8,) if float8 else ())
+        + _loss_key(compiled_loss)
+    )
+
+
+def _loss_key(compiled_loss: bool) -> tuple:
+    """What a units key adds for the compiled loss: nothing without it (keys as before)."""
+    return ("compiled loss",) if compiled_loss else ()

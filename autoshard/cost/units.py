@@ -35,6 +35,12 @@ logits (the model's output, ``eager`` module doc "Loss")::
     saved(suffix) = outputs of the suffix nodes but the bf16 logits (the upcast frees them) + 4·n
     workspace(suffix) = 8·n            (the loss's two fp32 gradients, at the start of backward)
 
+and with the loss compiled (``compiled_loss``, ``eager`` module doc "Loss"; p the logits' bytes)::
+
+    fwd(suffix) += T_kernel + 2·p·n / W      bwd(suffix) += T_kernel + 2·p·n / W
+    saved(suffix) = outputs of the suffix nodes (the logits kept)
+    workspace(suffix) = p·n            (the logits' gradient)
+
 **Host time** (``host_times``; figures h from ``autoshard calibrate``, ``ir.specs.HostOverheads``):
 with n(u) the unit's ops and l(u) its light ones (blocks only, recompute)::
 
@@ -356,9 +362,11 @@ def unit_costs(
     autocast: Autocast | None = None,
     compiled: bool = False,
     float8: Float8 | None = None,
+    compiled_loss: bool = False,
 ) -> Units:
     """The ``Units`` of one micro-batch of ``microbatch_size`` samples (module doc); ``autocast``,
-    ``compiled`` and ``float8`` as ``node_forward_s`` takes them."""
+    ``compiled`` and ``float8`` as ``node_forward_s`` takes them; ``compiled_loss``: the loss compiled (module
+    doc, "Eager kernels")."""
     count = len(graph.blocks) + 2
     scale = microbatch_size / graph.batch_size
     ratio = activation_elem_bytes / captured_bytes
@@ -386,10 +394,11 @@ def unit_costs(
     recomputed = {"none": [0.0] * count, "full": list(forward), "selective": light, "alternate": light}[recompute]
     recompute_s = [0.0] + list(recomputed[1:-1]) + [0.0] if graph.blocks else [0.0] * count
     saved, workspace, backward_bytes = unit_activation_bytes(
-        graph, microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels
+        graph, microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, compiled_loss=compiled_loss
     )
     if kernels == "eager" and graph.nodes:
-        _add_fp32_loss_time(graph, microbatch_size, device, forward, backward)
+        add_loss_time = _add_compiled_loss_time if compiled_loss else _add_fp32_loss_time
+        add_loss_time(graph, microbatch_size, device, forward, backward, activation_elem_bytes)
     host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
     if compiled:
         host_f, host_b = compiled_host_times(graph, host_f, host_b)
@@ -421,11 +430,13 @@ def unit_activation_bytes(
     captured_bytes: int = 4,
     kernels: str = "fused",
     share: RankShare = WHOLE,
+    compiled_loss: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(saved, workspace, backward) bytes per unit of one micro-batch (module doc), on one TP rank of
     ``share`` (``cost.saved.RankShare``: the per-op rules on its shards' shapes); with eager kernels the
     fp32 loss's (``_add_fp32_loss_bytes``: the loss reads the model's output whole on every TP rank, or its
-    vocabulary shard under loss parallelism)."""
+    vocabulary shard under loss parallelism), or with ``compiled_loss`` the compiled loss's
+    (``_add_compiled_loss_bytes``)."""
 
     def compute():
         scale = microbatch_size / graph.batch_size
@@ -434,11 +445,13 @@ def unit_activation_bytes(
         saved = [int(b * scale) for b in captured_saved]
         workspace = [int(b * scale) for b in captured_workspace]
         if kernels == "eager" and graph.nodes:
-            _add_fp32_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace, share)
+            add_loss_bytes = _add_compiled_loss_bytes if compiled_loss else _add_fp32_loss_bytes
+            add_loss_bytes(graph, microbatch_size, scale * ratio, saved, workspace, share)
         backward = (0, *(int(b * scale) for b in captured_backward), 0)
         return tuple(saved), tuple(workspace), backward
 
     key = ("unit_activation_bytes", microbatch_size, recompute, activation_elem_bytes, captured_bytes, kernels, share)
+    key += ("compiled loss",) if compiled_loss else ()
     return graph.derived(key, compute)
 
 
@@ -503,12 +516,34 @@ def kernel_fixed_s(graph: OpGraph, recompute: str) -> float:
 
 
 def _add_fp32_loss_time(
-    graph: OpGraph, microbatch_size: int, device: DeviceSpec, forward: list[float], backward: list[float]
+    graph: OpGraph,
+    microbatch_size: int,
+    device: DeviceSpec,
+    forward: list[float],
+    backward: list[float],
+    activation_elem_bytes: int,
 ) -> None:
-    """The eager fp32 loss's time in the suffix (module doc, "Eager kernels")."""
+    """The eager fp32 loss's time in the suffix (module doc, "Eager kernels"); its bytes are fp32's and the
+    16-bit logits' whatever ``activation_elem_bytes``."""
+    del activation_elem_bytes
     n = loss_logits(graph, microbatch_size)
     forward[-1] += eager.loss_forward_s(n, device)
     backward[-1] += eager.loss_backward_s(n, device)
+
+
+def _add_compiled_loss_time(
+    graph: OpGraph,
+    microbatch_size: int,
+    device: DeviceSpec,
+    forward: list[float],
+    backward: list[float],
+    activation_elem_bytes: int,
+) -> None:
+    """The compiled loss's time in the suffix (``cost.eager`` module doc, "Loss": the logits of
+    ``activation_elem_bytes`` each read twice forward, read and their gradient written backward)."""
+    n = loss_logits(graph, microbatch_size)
+    forward[-1] += eager.compiled_loss_forward_s(n, activation_elem_bytes, device)
+    backward[-1] += eager.compiled_loss_backward_s(n, activation_elem_bytes, device)
 
 
 def _add_fp32_loss_bytes(
@@ -534,6 +569,24 @@ def _add_fp32_loss_bytes(
         else eager.LOSS_BACKWARD_TRANSIENT_BYTES_PER_LOGIT
     )
     workspace[-1] = max(workspace[-1], int(transient * n))
+
+
+def _add_compiled_loss_bytes(
+    graph: OpGraph,
+    microbatch_size: int,
+    byte_scale: float,
+    saved: list[int],
+    workspace: list[int],
+    share: RankShare = WHOLE,
+) -> None:
+    """The compiled loss's bytes in the suffix (``cost.eager`` module doc, "Loss"): it keeps the logits
+    (``_saved_bytes`` counted them as the loss's input; its fp32 row statistic, 1/V of that, is left out) and
+    its backward writes their gradient in their dtype; on a TP rank holding 1/tp of the logits (loss
+    parallelism, ``memory.output_split``) its shard's."""
+    del microbatch_size, saved
+    tp = share.tp if output_split(graph, share) else 1
+    logits = int(graph.nodes[-1].bytes_written * byte_scale) // tp
+    workspace[-1] = max(workspace[-1], logits)
 
 
 def host_times(

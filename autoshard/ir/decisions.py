@@ -533,6 +533,22 @@ def async_tp_refusal(mesh: Mesh, compiled: bool, sequence_parallel: bool, backen
     return ""
 
 
+def compile_loss_refusal(mesh: Mesh, loss_parallel: bool = False) -> str:
+    """Why the compiled loss cannot run ("" when it can): a pipeline's schedule calls the loss inside its last
+    stage (``runtime.pipeline_parallel``), where it stays eager; under loss parallelism torch 2.13's compiled
+    ``loss_parallel`` cross-entropy hands the logits' DTensor backward a plain tensor gradient (2 CPU ranks: the
+    backward raises in DTensor's redistribute), so it stays eager there too. SPMD plans compile it beside tp, cp
+    and ep."""
+    if mesh.pp > 1:
+        return "a pipeline's schedule calls the loss inside its last stage, where it runs eager"
+    if loss_parallel:
+        return (
+            "under loss parallelism torch's compiled cross-entropy hands the logits' DTensor backward a plain "
+            "tensor; pin --loss-parallel off to compile it"
+        )
+    return ""
+
+
 COMPILED_RECOMPUTE_OUTSIDE = ("none", "full")  # compile_runs beside cp and in stages: recompute eager, around
 
 
@@ -648,6 +664,11 @@ class Decisions:
     # blocks, each sequence-parallel collective overlapped with its matmul in chunks over symmetric memory
     # (``async_tp_refusal`` says where it runs, ``cost.async_tp`` prices it, ``runtime.compiled`` applies it)
     async_tp: bool = field(default=False, metadata=in_plan("flag"))
+    # torch.compile of the loss the step calls (torchtitan's build_cross_entropy_loss under --training.compile, since
+    # its commit bbb1b616e of 2025-04-02): inductor fuses the fp32 upcast, log-softmax and nll into a few kernels that
+    # keep no fp32 copy of the logits (``compile_loss_refusal`` says where it runs, ``cost.units`` prices it,
+    # ``runtime.compiled`` ``compiled_loss`` applies it)
+    compile_loss: bool = field(default=False, metadata=in_plan("flag"))
     # Sequence parallelism (tp > 1, with or without pipeline stages): the TP layout is solved with the regions
     # between the parallel linears on 1/tp of the tokens (``passes.layouts.sequence``, layout Q), where the model
     # allows.
@@ -660,7 +681,14 @@ class Decisions:
     loss_parallel: bool = False
 
     # plan keys written only when they differ (plans without them read and write as before)
-    WRITTEN_UNLESS = {"ep": 1, "compile": False, "float8": FLOAT8_OFF, "offload": OFFLOAD_NONE, "async_tp": False}
+    WRITTEN_UNLESS = {
+        "ep": 1,
+        "compile": False,
+        "float8": FLOAT8_OFF,
+        "offload": OFFLOAD_NONE,
+        "async_tp": False,
+        "compile_loss": False,
+    }
 
     @property
     def num_stages(self) -> int:

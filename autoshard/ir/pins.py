@@ -263,6 +263,17 @@ PINS: tuple[PinRow, ...] = (
         choices=("on", "off"),
         default=lambda p: False,
     ),
+    PinRow(
+        "compile_loss",
+        "--compile-loss",
+        str.lower,
+        "torch.compile the loss (inductor fuses the fp32 upcast, log-softmax and nll: no fp32 copy of the logits "
+        "kept for backward), as torchtitan does under --training.compile since April 2025; not in pipelines nor "
+        "beside loss parallelism (default: on under --compile on without either, else off)",
+        _on_off,
+        choices=("on", "off"),
+        default=lambda p: bool(p.compile) and (p.pp or 1) == 1 and not p.loss_parallel,
+    ),
 )
 PIN_OF: dict[str, PinRow] = {**{row.keyword: row for row in PINS}, **{row.name: row for row in PINS}}
 

@@ -37,6 +37,7 @@ from autoshard.ir.decisions import (
     Decisions,
     Mesh,
     async_tp_refusal,
+    compile_loss_refusal,
     offload_refusal,
     tp_style,
 )
@@ -109,6 +110,9 @@ class Plan:
         refusal = async_tp_refusal(d.mesh, d.compile, sequence_parallel, "nccl") if d.async_tp else ""
         if refusal:
             raise AutoshardError(f"async_tp is true but cannot run in this plan: {refusal}; or set it false")
+        refusal = compile_loss_refusal(d.mesh, loss_parallel) if d.compile_loss else ""
+        if refusal:
+            raise AutoshardError(f"compile_loss is true but cannot run in this plan: {refusal}; or set it false")
         if d.zero_stage not in (0, 1, 2, 3):
             raise AutoshardError(f"zero_stage={d.zero_stage} must be 0, 1, 2 or 3")
         if d.recompute not in PLAN_RECOMPUTE:

@@ -49,6 +49,7 @@ _LAZY = {  # name: the module that defines it, imported on first use
     ),
     **dict.fromkeys(("StepLog", "finish", "read_weights"), "autoshard.runtime.report"),
     "forward_backward": "autoshard.runtime.train_step",
+    "compiled_loss": "autoshard.runtime.compiled",
 }
 # emitted programs name runtime.tensor_parallel.Conv1D*Parallel; any submodule is imported as it is named
 _SUBMODULES = (
@@ -114,6 +115,7 @@ __all__ = [
     "tensor_parallel",
     "faults",
     "forward_backward",
+    "compiled_loss",
 ]
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -102,6 +103,16 @@ def apply_async_tp(model: nn.Module, tp_mesh) -> nn.Module:
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     torch._inductor.config._micro_pipeline_tp = True
     return model
+
+
+def compiled_loss(loss_fn: Callable) -> Callable:
+    """The loss the step calls, compiled (``Decisions.compile_loss``), as torchtitan's build_cross_entropy_loss
+    compiles it under --training.compile (its commit bbb1b616e, 2025-04-02): inductor fuses the fp32 upcast,
+    log-softmax and nll into one kernel forward and one backward, keeping the logits and a statistic per row where
+    eager keeps the fp32 log-softmax and its backward two fp32 gradients (``cost.eager`` "Loss"). Called like the
+    blocks (``_compiled_forward``: verify's fixed randomness set aside so dynamo compiles it); with loss parallelism
+    dynamo traces ``loss_parallel``'s DTensor cross-entropy on the vocabulary shards."""
+    return _compiled_forward(loss_fn, "the loss")
 
 
 def compile_stage_blocks(stage_module: nn.Module, blocks: tuple[str, ...] | list[str]) -> list[str]:

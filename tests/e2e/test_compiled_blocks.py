@@ -5,7 +5,8 @@ recompute in full (the checkpoint traced inside the compiled block, FSDP2's hook
 parallelism inside compiled blocks with selective recompute, and with sequence parallelism under full recompute (the
 block compiled inside its checkpoint) and under op-level selective recompute, on a transformers Llama with its
 default dropout; context parallelism's ring run eager between compiled graphs, and two pipeline stages each compiling
-the blocks it holds, both with full recompute eager around the compiled block.
+the blocks it holds, both with full recompute eager around the compiled block. Outside pipelines the loss is
+compiled too (``runtime.compiled_loss``, the default under ``--compile on``).
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
 
@@ -62,6 +63,8 @@ def test_compiled_blocks_train_like_one_process(launches, name):
     plan, report = launches.result(LAUNCHES, name)
     assert plan.decisions.compile and plan.recompute == CASES[name][2]["recompute"]
     pins = CASES[name][2]
+    # the loss compiled with the blocks (torchtitan's default) outside pipelines and loss parallelism; eager there
+    assert plan.decisions.compile_loss == (pins.get("pp", 1) == 1 and not plan.loss_parallel)
     assert (plan.mesh.tp, plan.mesh.cp, plan.mesh.pp) == (pins["tp"], pins.get("cp", 1), pins.get("pp", 1))
     assert plan.sequence_parallel == pins.get("sequence_parallel", plan.sequence_parallel)
     assert report.ok, report.failure

@@ -41,7 +41,7 @@ def emit_program(
     (None: ``Recipe()``, the defaults), printed as its ``RECIPE`` constant."""
     steps, spec, pipeline = lower(plan), layout(plan), plan.mesh.pp > 1
     body = _build_pipeline(plan, steps) if pipeline else _parallelize(plan, steps)
-    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec, plan.decisions.offloaded)
+    main = _MAIN_PIPELINE if pipeline else _spmd_main(spec, plan.decisions.offloaded, plan.decisions.compile_loss)
     parts = [
         _header(plan, program, plan_file),
         _imports(plan, steps),
@@ -312,6 +312,13 @@ _FORWARD_BACKWARD_LOSS_PARALLEL = (
 
 
 # The process group's start, and its form under host offload (gloo beside NCCL for the host's gradients)
+_PARALLELIZE = "    model, optimizer = parallelize(model, mesh, ctx.device, recipe)\n"
+_COMPILED_LOSS = (
+    "    # The loss compiled (torch.compile, inductor): its fp32 upcast, log-softmax and nll fused, no fp32 copy of the\n"
+    "    # logits kept for backward\n"
+    "    loss_fn = runtime.compiled_loss(model_file.loss)\n"
+)
+_STEP_LOSS = "model_file.loss, mesh,"
 _INIT = "timeout_s=args.timeout_s)\n"
 _INIT_HOST = (
     "timeout_s=args.timeout_s,\n"
@@ -319,10 +326,14 @@ _INIT_HOST = (
 )
 
 
-def _spmd_main(spec: Layout, offloaded: bool = False) -> str:
+def _spmd_main(spec: Layout, offloaded: bool = False, compile_loss: bool = False) -> str:
     """The SPMD loop; with loss parallelism its forward and backward take ``LOSS_PARALLEL``; with host offload its
-    process group collectives on the host too (``runtime.init_distributed``)."""
+    process group collectives on the host too (``runtime.init_distributed``); with the loss compiled
+    (``runtime.compiled_loss``) the step calls the compiled loss."""
     main = _MAIN_SPMD
+    if compile_loss:
+        assert main.count(_PARALLELIZE) == 1 and main.count(_STEP_LOSS) == 1
+        main = main.replace(_PARALLELIZE, _PARALLELIZE + _COMPILED_LOSS).replace(_STEP_LOSS, "loss_fn, mesh,")
     if offloaded:
         assert main.count(_INIT) == 1
         main = main.replace(_INIT, _INIT_HOST)

@@ -21,6 +21,7 @@ from autoshard.ir.decisions import (
     ZERO_BUBBLE_SCHEDULES,
     Mesh,
     async_tp_refusal,
+    compile_loss_refusal,
     offload_refusal,
 )
 from autoshard.ir.graph import OpGraph
@@ -60,6 +61,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch: int) -> None:
     _check_precision(pins)
     _check_compile(pins)
     _check_async_tp(pins, cluster)
+    _check_compile_loss(pins)
     _check_float8(pins, cluster)
     _check_offload(pins, cluster)
     _check_alternate(pins)
@@ -160,6 +162,18 @@ def _check_async_tp(pins: Pins, cluster: Cluster) -> None:
     why = async_tp_refusal(Mesh(tp=tp, pp=pp), bool(pins.compile), sequence_parallel, cluster.backend)
     if why:
         raise AutoshardError(f"--async-tp on is not emitted here: {why}; or pin --async-tp off")
+
+
+def _check_compile_loss(pins: Pins) -> None:
+    """--compile-loss on where the loss is not compiled (``ir.decisions.compile_loss_refusal``): one line."""
+    if not pins.compile_loss:
+        return
+    if pins.wants_pipeline:
+        why = compile_loss_refusal(Mesh(pp=2))
+        raise AutoshardError(f"--compile-loss on is not emitted here: {why}; pin --compile-loss off or --pp 1")
+    if pins.loss_parallel:
+        why = compile_loss_refusal(Mesh(), loss_parallel=True)
+        raise AutoshardError(f"--compile-loss on is not emitted here: {why}, or --compile-loss off")
 
 
 def _check_compile_recompute_outside(pins: Pins) -> None:

@@ -9,6 +9,7 @@ from autoshard.ir.decisions import (
     OFFLOAD_CPU,
     ZERO_BUBBLE_SCHEDULES,
     Decisions,
+    compile_loss_refusal,
     compile_runs,
     offload_refusal,
 )
@@ -124,6 +125,11 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             "--async-tp on overlaps the TP collectives of compiled blocks, and this cluster's meshes that honour the "
             "pins have tp 1, pipeline stages or cp; pin --tp 2 or more with --pp 1 --cp 1, or --async-tp off"
+        )
+    if pins.compile_loss and all(compile_loss_refusal(m) for m in meshes):
+        return (
+            "--compile-loss on compiles the loss of plans without pipeline stages, and this cluster's meshes that "
+            "honour the pins all have them; pin --pp 1, or --compile-loss off"
         )
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):

@@ -74,6 +74,7 @@ from autoshard.ir.decisions import (
     Decisions,
     Mesh,
     async_tp_refusal,
+    compile_loss_refusal,
     compile_runs,
     float8_runs,
     offload_refusal,
@@ -329,7 +330,15 @@ def mesh_configs(
     compiled = bool(pins.compile)  # off unless pinned: compiling costs each launch minutes of start-up
     return [
         replace(
-            c, dp_replicate=r, ep=e, sequence_parallel=sp, loss_parallel=lp, compile=compiled, float8=f8, async_tp=at
+            c,
+            dp_replicate=r,
+            ep=e,
+            sequence_parallel=sp,
+            loss_parallel=lp,
+            compile=compiled,
+            float8=f8,
+            async_tp=at,
+            compile_loss=cl,
         )
         for f8 in float8s
         for c in configs
@@ -345,7 +354,20 @@ def mesh_configs(
         if f8 == FLOAT8_OFF or float8_runs(mesh, e)
         for at in async_tp_choices(mesh, compiled, sp, cluster)
         if pins.async_tp in (None, at)
+        for cl in compile_loss_choices(mesh, compiled, pins.compile_loss, lp)
     ]
+
+
+def compile_loss_choices(
+    mesh: Mesh, compiled: bool, pinned: bool | None, loss_parallel: bool = False
+) -> tuple[bool, ...]:
+    """The compiled loss (``ir.decisions.compile_loss_refusal``): the pin where it runs, else on with compiled
+    blocks (torchtitan compiles the loss with the model under --training.compile); off in pipelines and beside loss
+    parallelism."""
+    runs = not compile_loss_refusal(mesh, loss_parallel)
+    if pinned is None:
+        return (compiled and runs,)
+    return (pinned,) if runs or not pinned else ()
 
 
 def async_tp_choices(mesh: Mesh, compiled: bool, sequence_parallel: bool, cluster: Cluster | None) -> tuple[bool, ...]:

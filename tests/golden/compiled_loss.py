@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Training program emitted by autoshard from plan 18dedd522f72.
+
+Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
+Cluster    local-cpu: 1 node(s) x 2 devices, gloo
+Plan       dp=2 tp=1 pp=1 | ZeRO-3 | global batch 8 = 2 dp ranks x 1 micro-batches x 4 | recompute none
+Predicted  step 10.3 ms = compute 9.44 ms + exposed comm 0.811 ms + bubble 0 ms
+           peak 7.1 MiB per rank (weights 1.0, grads 0.3, optimizer 0.9, activations 4.0, transient 0.6)
+           49,937 tokens/s, MFU 75.6%
+
+Run:  torchrun --standalone --nproc-per-node 2 train.py [--steps 20]
+  or: autoshard run plan.json
+"""
+
+
+import argparse
+import math
+
+from autoshard import runtime
+from autoshard.runtime import checkpoint
+from autoshard.runtime.parallel import apply_compile, apply_fsdp, build_optimizer, init_weights, sync_batch_norm
+from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
+
+
+MODEL = 'examples/gpt.py:build'
+MODEL_FINGERPRINT = 'e24db38cfafd48b5'  # the program refuses a different model
+SEQ_LEN = None  # handed to example_batch; None: the model file's own sequence length (no --seq-len)
+TOKENS_PER_SAMPLE = 64
+GLOBAL_BATCH = 8
+# The device mesh and each rank's share of a global batch (passes.lowering.lower.layout)
+MESH = {"pp": 1, "dp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
+FLATTEN = {}  # no dims joined
+DATA_AXIS = "dp"  # its ranks take different samples
+SEQUENCE_AXIS = None  # no context parallelism: each rank takes whole samples
+LOSS_AXIS = "dp"  # the logged loss: the mean of its ranks' losses
+MICROBATCH_SIZE = 4
+NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
+PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
+BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
+PREDICTED = dict(step_time_s=0.010253, mfu=0.755524, peak_flops_per_s=50000000000.0, devices=2,
+                 allocated_bytes=7055360, memory_peak_bytes=7408128)  # the plan's step, per rank
+
+
+# The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
+# here is lost at the next compile)
+RECIPE = {
+    "optimizer": "adamw",
+    "lr": 0.001,  # the peak learning rate; the program's --lr overrides it
+    "betas": [0.9, 0.999],  # adam, adamw
+    "eps": 1e-08,  # adam, adamw
+    "momentum": 0.0,  # sgd
+    "weight_decay": 0.01,
+    "decay_all": False,  # False: no weight decay on norms, biases, embeddings; True: on all
+    "schedule": "constant",  # constant, linear or cosine decay to min_lr_ratio * lr
+    "warmup_steps": 0,  # linear warmup from lr / warmup_steps to lr
+    "min_lr_ratio": 0.0,  # the decay's floor, a fraction of lr
+    "max_grad_norm": None,  # the whole model's gradient 2-norm clipped to this; None: no clipping
+    "steps": None,  # the decay's length; None: the run's --steps
+}
+
+
+def parallelize(model, mesh, device, recipe):
+    """Apply the plan's steps in order (passes.lowering.lower): ZeRO-3 over 2 dp ranks (FSDP2)."""
+    # Torch.compile each block (with its recompute): inductor fuses the elementwise ops between the
+    # matmuls and attention into a few kernels; repeated blocks share one compiled graph.
+    model = apply_compile(model, blocks=BLOCKS)
+    # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
+    # BatchNorm).
+    model = sync_batch_norm(model, mesh["dp"])
+    # ZeRO-3: FSDP2 over 2 dp ranks shards weights, gradients and optimizer state; each unit gathered just
+    # before use (each block a unit, then the root).
+    model = apply_fsdp(model, mesh["dp"], blocks=BLOCKS, reshard_after_forward=True, precision=PRECISION)
+    # This rank's shards made on its device and filled with the initial weights one process draws from the
+    # same seed (the model file's initialisation replayed, runtime.init_replay); nothing whole is made.
+    model = init_weights(model, mesh, device=device)
+    # The recipe's optimizer over the FSDP2-sharded parameters (its state is sharded with them).
+    optimizer = build_optimizer(model, mesh["dp"], zero_stage=3, recipe=recipe)
+    return model, optimizer
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train with the plan in this file's header.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, help="the peak learning rate (default: RECIPE's lr)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data are drawn from this seed")
+    parser.add_argument("--log-every", type=int, default=1, help="print every n-th step's line")
+    parser.add_argument("--log-jsonl", help="append each step's figures here as one JSON object per line (rank 0)")
+    parser.add_argument("--tensorboard", help="write each step's figures as TensorBoard scalars to this folder "
+                        "(needs the tensorboard package)")
+    parser.add_argument("--metrics-out", help="folder for losses and final weights (used by autoshard verify)")
+    parser.add_argument("--fixed-randomness", action="store_true", help="every random op (dropout, stochastic "
+                        "depth, rand masks, noise) at its expectation, as autoshard verify runs: each rank would "
+                        "draw its own numbers")
+    parser.add_argument("--init-from", help="start from these weights: a Hugging Face folder of *.safetensors "
+                        "(save_pretrained's) or a DCP checkpoint, each rank reading its shards (a checkpoint in "
+                        "--checkpoint-dir comes first)")
+    parser.add_argument("--export-hf", help="at the end, write the weights here as Hugging Face safetensors")
+    parser.add_argument("--checkpoint-dir", help="save DCP checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--timeout-s", type=int, default=300, help="a collective waiting longer ends the job, "
+                        "naming the ranks that never joined it")
+    parser.add_argument("--data", help="train on this flat token file (nanoGPT's .bin: tokens back to back, no "
+                        "header) instead of the model file's dataset or, without one, example_batch draws")
+    parser.add_argument("--data-dtype", choices=["uint16", "int32"], default="uint16", help="--data's token type")
+    parser.add_argument("--data-workers", type=int, default=1, help="DataLoader processes per rank reading the "
+                        "dataset ahead (0: read in the training process)")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    ctx = runtime.init_distributed(expected_world_size=math.prod(MESH.values()), timeout_s=args.timeout_s)
+    mesh = runtime.build_mesh(ctx.device_type, MESH, FLATTEN)
+    model_file = runtime.load_model_file(MODEL, expected_hash=MODEL_FINGERPRINT, seq_len=SEQ_LEN)
+    # On the meta device: shapes only; init_weights makes this rank's shards, as one process would have drawn them
+    model = runtime.build_meta_model(model_file, seed=args.seed, device=ctx.device,
+                                     fixed_randomness=args.fixed_randomness)
+    recipe = Recipe(**RECIPE).for_run(args.steps, lr=args.lr)  # a decay without steps of its own spans --steps
+    model, optimizer = parallelize(model, mesh, ctx.device, recipe)
+    # The loss compiled (torch.compile, inductor): its fp32 upcast, log-softmax and nll fused, no fp32 copy of the
+    # logits kept for backward
+    loss_fn = runtime.compiled_loss(model_file.loss)
+    scheduler = build_scheduler(optimizer, recipe)  # each step's learning rate: RECIPE's warmup and schedule
+    # fp16's loss scaler: the loss scaled before backward, the gradients unscaled before clipping, a step with an
+    # inf or nan gradient skipped (ShardedGradScaler agrees over sharded gradients); every other PRECISION's
+    # passes the loss through and steps the optimizer as it is
+    scaler = runtime.grad_scaler(PRECISION, model, ctx.device)
+    # What each rank trains on: --data's token file, else the model file's dataset (a DataLoader over a
+    # DistributedSampler on DATA_AXIS; a stream each rank reads itself), else example_batch draws; the same samples
+    # one process sees per step
+    batches = runtime.RankBatches(model_file, runtime.DataSource(args.data, args.data_dtype), GLOBAL_BATCH,
+                                  TOKENS_PER_SAMPLE, mesh, DATA_AXIS, ctx.device, args.seed, args.data_workers)
+
+    start = checkpoint.resume(args.checkpoint_dir, model, optimizer, data=batches,  # 0 without a checkpoint
+                              scheduler=scheduler, scaler=scaler)
+    if start == 0 and args.init_from:
+        checkpoint.load_weights(args.init_from, model, optimizer)  # pretrained: each rank reads its shards
+
+    log = runtime.StepLog(GLOBAL_BATCH * TOKENS_PER_SAMPLE, is_main=ctx.is_main, log_every=args.log_every,
+                          prediction=PREDICTED, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+                          last_step=args.steps - 1)  # each step: MFU against PREDICTED, memory, ETA
+    for step in range(start, args.steps):
+        log.start()
+        inputs, targets = batches.take(step)  # this rank's samples of the step's global batch
+        # Forward and backward of each of NUM_MICROBATCHES micro-batches (runtime.forward_backward): along
+        # SEQUENCE_AXIS (context parallelism) each rank keeps its chunk of every sequence and attention runs as a
+        # ring over the axis's ranks; gradients synchronised on the last micro-batch only; PRECISION's autocast
+        step_loss = runtime.forward_backward(model, inputs, targets, loss_fn, mesh, NUM_MICROBATCHES,
+                                             SEQUENCE_AXIS, TOKENS_PER_SAMPLE, PRECISION, scaler)
+        scaler.unscale_(optimizer)  # fp16: the gradients unscaled before clipping
+        # Clipping: the whole model's gradient norm over every mesh axis (collectives on every rank)
+        grad_norm = None if recipe.max_grad_norm is None else clip_grad_norm(model, recipe.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # this step's
+        scaler.step(optimizer)  # optimizer.step(), unless fp16 found an inf or nan gradient
+        scaler.update()
+        scheduler.step()  # the next step's learning rate
+        optimizer.zero_grad(set_to_none=True)
+        log.end(step, runtime.mean_over(step_loss, mesh.get_group(LOSS_AXIS)), lr=lr, grad_norm=grad_norm)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, data=batches, scheduler=scheduler,
+                            scaler=scaler)
+
+    runtime.finish(model, optimizer, log, args.metrics_out)  # final weights: each rank writes its shards
+    if args.export_hf:
+        checkpoint.export_hf(args.export_hf, model, optimizer)
+    runtime.shutdown()  # destroy the process groups and exit 0, skipping gloo's fragile teardown
+
+
+if __name__ == "__main__":
+    runtime.faults.guard(main)  # a timed-out collective ends the job in one line naming the stuck ranks
