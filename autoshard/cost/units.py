@@ -94,6 +94,7 @@ from autoshard.cost.memory import (
 )
 from autoshard.cost.saved import WHOLE, RankShare, needs_grad, saved_by, weight_grad_inputs
 from autoshard.ir.graph import OpGraph, OpNode
+from autoshard.ir.names import home_index
 from autoshard.ir.topology import DeviceSpec, HostOverheads
 
 
@@ -725,17 +726,7 @@ def _unread_param_homes(graph: OpGraph, units: list[int]) -> dict[str, int]:
     for node, u in zip(graph.nodes, units):
         read[u].update(graph.param(n).name for n in node.param_inputs)
     every_read = set().union(*read)
-    return {p.name: _home_unit(p.name, read) for p in graph.params if not p.is_buffer and p.name not in every_read}
-
-
-def _home_unit(name: str, read: list[set[str]]) -> int:
-    scope = name
-    while "." in scope:
-        scope = scope.rpartition(".")[0]
-        readers = [u for u, names in enumerate(read) if any(n.startswith(scope + ".") for n in names)]
-        if readers:
-            return readers[0]
-    return 0
+    return {p.name: home_index(p.name, read) for p in graph.params if not p.is_buffer and p.name not in every_read}
 
 
 def unit_param_names(graph: OpGraph) -> list[set[str]]:

@@ -178,3 +178,17 @@ def is_random(target: str, attrs: dict) -> bool:
         return False
     switch = RANDOM_SWITCHES.get(name)
     return switch is None or bool(attrs.get(switch))
+
+
+def home_index(name: str, read_by: list[set[str]]) -> int:
+    """Where state named ``name`` that nothing reads lives, among places each reading the names in ``read_by``
+    (pipeline stages, cost units): the first that reads state of its nearest enclosing module (``a.b.w``: a name
+    under ``a.b.``, else under ``a.``), else the first. The runtime's stages and the cost model's units use the
+    same rule, so the bytes are priced where the program keeps them."""
+    scope = name
+    while "." in scope:
+        scope = scope.rpartition(".")[0]
+        readers = [i for i, names in enumerate(read_by) if any(n.startswith(scope + ".") for n in names)]
+        if readers:
+            return readers[0]
+    return 0

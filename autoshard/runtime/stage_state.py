@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from autoshard.ir.names import home_index
+
 
 def unread_state_homes(model: nn.Module, pipe) -> dict[int, list[tuple[str, torch.Tensor]]]:
     """The model's state no stage's graph reads, by the stage that keeps it: {stage index: [(name, tensor)]}.
@@ -37,19 +39,9 @@ def unread_state_homes(model: nn.Module, pipe) -> dict[int, list[tuple[str, torc
     for key, names in names_of.items():
         if key in used_ids or any(name in every_used for name in names):
             continue
-        home = _home_stage(names[0], used_names)
+        home = home_index(names[0], used_names)
         homes.setdefault(home, []).extend((name, state[name]) for name in names)
     return homes
-
-
-def _home_stage(name: str, used_names: list[set[str]]) -> int:
-    scope = name
-    while "." in scope:
-        scope = scope.rpartition(".")[0]
-        readers = [i for i, names in enumerate(used_names) if any(n.startswith(scope + ".") for n in names)]
-        if readers:
-            return readers[0]
-    return 0
 
 
 def attach(stage_module: nn.Module, name: str, tensor: torch.Tensor) -> None:
