@@ -99,7 +99,7 @@ def unit_ring_costs(tables: CostTables, config: Decisions) -> tuple[RingCost, ..
     units = len(tables.graph.blocks) + 2
     if config.mesh.cp == 1:
         return (NO_RING,) * units
-    key = ("cp-ring", config.mesh.cp, config.mesh.tp, config.microbatch_size, config.recompute, config.recompute_blocks)
+    key = ("cp-ring", config.mesh.cp, tables.point_key(config))
     return tables.memo(key, lambda: _unit_ring_costs(tables, config, units))
 
 

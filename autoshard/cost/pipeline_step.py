@@ -101,7 +101,7 @@ from autoshard.cost.schedule import (
     split_backward_share,
     stage_owners,
 )
-from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables, layout_key
 from autoshard.cost.tp_units import (
     boundary_shares,
     forward_reruns,
@@ -323,18 +323,7 @@ def stage_pipeline_units(tables: CostTables, config: Decisions, stage: int) -> U
         return tuple(x + share * (y - x) for x, y in zip(a, b))
 
     return tables.memo(
-        (
-            "stage_pipeline_units",
-            config.microbatch_size,
-            config.mesh.tp,
-            config.sequence_parallel,
-            config.schedule,
-            config.mesh.pp,
-            m,
-            v,
-            stage,
-            config.float8,
-        ),
+        ("stage_pipeline_units", config.schedule, config.mesh.pp, m, v, stage, tables.point_key(config)),
         lambda: replace(
             split,
             recompute_s=mixed(once.recompute_s, split.recompute_s),
@@ -538,7 +527,7 @@ def stage_buffer_bytes(
     the split traced (the model's: ``CAPTURED_ELEM_BYTES``), and keeps them; a boundary is the residual
     stream entering a block and the tables the blocks share (``memory.shared_value_bytes``); none between two
     stages of one rank (the V's tip)."""
-    key = ("stage_boundary_bytes", config.microbatch_size, config.mesh.tp, config.sequence_parallel)
+    key = ("stage_boundary_bytes", layout_key(config))
     boundary = tables.memo(key, lambda: _boundary_bytes(tables, config))
     first, end = block_range
     receives = boundary[first] if index > 0 and owner[index - 1] != owner[index] else 0

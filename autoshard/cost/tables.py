@@ -182,6 +182,12 @@ class CostTables:
             config.compile_loss,
         )
 
+    def point_key(self, config: Decisions) -> tuple:
+        """What one rank's units of a point are computed from: its ``units`` arguments, its blocks' recompute modes
+        and its TP layout (``layout_key``). A memo of anything computed from a point's units or layout is keyed by
+        all of it: a key naming fewer of the point's fields serves one point's figures to another."""
+        return self.unit_args(config) + (config.recompute_blocks,) + layout_key(config)
+
     def float8_for(self, config: Decisions) -> Float8 | None:
         """(recipe, the linears it converts, the weights' cast share) of a point with float8 on (``cost.float8``),
         else None."""
@@ -313,7 +319,7 @@ class CostTables:
         self, tp: int, microbatch_size: float, sequence_parallel: bool = False, loss_parallel: bool = False
     ) -> TPCost:
         """The layout handed in for (tp, b, sequence parallelism, loss parallelism), priced (``add_tp_layout``)."""
-        key = (tp, microbatch_size, sequence_parallel, loss_parallel)
+        key = (tp, microbatch_size, sequence_parallel, loss_parallel)  # layout_key of a point
         if key not in self._tp and self._layouts_from is not None and key in self._layouts_from._tp:
             self.add_tp_layout(self._layouts_from._tp[key].choice, microbatch_size, sequence_parallel, loss_parallel)
         cost = self._tp.get((tp, microbatch_size, sequence_parallel, loss_parallel))
@@ -405,6 +411,11 @@ def hides_comm(cluster: Cluster) -> bool:
     """Whether collectives can run behind compute: on GPUs (own engines and streams), not on CPU
     ranks, where gloo's threads and the compute share the same cores."""
     return cluster.backend != "gloo"
+
+
+def layout_key(config: Decisions) -> tuple:
+    """What names a point's TP layout (``CostTables.tp_cost``): tp, micro-batch, sequence and loss parallelism."""
+    return (config.mesh.tp, config.microbatch_size, config.sequence_parallel, config.loss_parallel)
 
 
 def _units_key(

@@ -20,7 +20,7 @@ from dataclasses import replace
 from autoshard.cost.async_tp import exposed_tp_comm_s, fused_collectives, matmul_s
 from autoshard.cost.compute import ComputeTime
 from autoshard.cost.float8 import float8_tp_comm_factor
-from autoshard.cost.tables import CostTables
+from autoshard.cost.tables import CostTables, layout_key
 from autoshard.cost.tp import (
     TPCost,
     block_input_shares,
@@ -79,23 +79,13 @@ def _compute_time(units: Units, fraction: tuple[float, ...], recompute_fraction:
 
 
 def pipeline_units(tables: CostTables, config: Decisions, first_stage: bool = False) -> tuple[Units, tuple[float, ...]]:
-    """``tp_sharded_units``, once per (micro-batch, recompute, tp, sequence parallelism, split backward, float8) in a
-    search;
-    with a zero-bubble
+    """``tp_sharded_units``, once per (split backward, ``CostTables.point_key``) in a search; with a zero-bubble
     schedule's split backward, full recompute rerun as often as it runs (``split_backward_recomputes``) but on
     the ``first_stage``: torch runs the first stage's backward whole, in its weight step (its inputs need no
     gradient, so ``stage_backward_input`` would leave its parameter groups uncaptured: ``PipelineStage``'s
     ``backward_weight_one_chunk``), and its blocks rerun once."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full" and not first_stage
-    key = (
-        "pipeline_units",
-        config.microbatch_size,
-        config.recompute,
-        config.mesh.tp,
-        config.sequence_parallel,
-        split,
-        config.float8,  # the float8 linears' matmuls and casts (``cost.float8``)
-    )
+    key = ("pipeline_units", split, tables.point_key(config))
 
     def compute() -> tuple[Units, tuple[float, ...]]:
         units, comm = tp_sharded_units(tables, config)
@@ -239,13 +229,13 @@ def tp_host_per_unit_s(
     if not any(per_unit):
         return per_unit  # t·(1 + s_f·n) of every t = 0.0 is 0.0
     share = forward_share(tables)
-    key = ("tp_host_per_unit", config.mesh.tp, config.microbatch_size, config.sequence_parallel, share, reruns)
+    key = ("tp_host_per_unit", layout_key(config), share, reruns)
     return tables.memo(key, lambda: tuple(t * (1 + share * n) for t, n in zip(per_unit, reruns)))
 
 
 def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
     """Per unit: its DTensor modules' host time of one micro-batch's forward and backward (``tp_host_per_unit_s``),
-    once per (tp, micro-batch, sequence parallelism) in a search."""
+    once per TP layout (``layout_key``) in a search."""
     count = len(tables.graph.blocks) + 2
     tp_module_s, sequence_module_s = module_host_s(tables)
     if config.mesh.tp == 1 or not (tp_module_s or sequence_module_s):
@@ -263,7 +253,7 @@ def modules_host_s(tables: CostTables, config: Decisions) -> tuple[float, ...]:
                 per_unit[unit_of[path]] += tp_module_s if style in SHARDING_STYLES else sequence_module_s
         return tuple(per_unit)
 
-    return tables.memo(("tp_modules_host", config.mesh.tp, config.microbatch_size, config.sequence_parallel), compute)
+    return tables.memo(("tp_modules_host", layout_key(config)), compute)
 
 
 def module_host_s(tables: CostTables) -> tuple[float, float]:

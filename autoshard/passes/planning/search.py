@@ -300,12 +300,11 @@ def fits_memory(tables: CostTables, config: Decisions, predicted: Predicted) -> 
 
 
 def time_cuts(tables: CostTables, config: Decisions) -> tuple[int, ...]:
-    """Cuts minimising the slowest stage, memory aside (cached per micro-batch, recompute, stage count, tp, sequence
-    parallelism, whether a split backward reruns full recompute and float8: the units ``partition_problem`` reads,
-    ``pipeline_units``)."""
+    """Cuts minimising the slowest stage, memory aside (cached per stage count, whether a split backward reruns full
+    recompute and the point's ``CostTables.point_key``: what the units ``partition_problem`` reads are computed
+    from, ``pipeline_units``)."""
     split = config.schedule in ZERO_BUBBLE_SCHEDULES and config.recompute == "full"
-    tp, sp = config.mesh.tp, config.sequence_parallel
-    key = ("time_cuts", config.microbatch_size, config.recompute, config.num_stages, tp, sp, split, config.float8)
+    key = ("time_cuts", config.num_stages, split, tables.point_key(config))
     if tables.cluster.groups:  # which node group runs each stage: the mesh's and the schedule's
         key += (config.mesh, config.schedule, config.virtual_stages)
     cuts = tables.memo(key, lambda: best_cuts(partition_problem(tables, config, with_memory=False), config.num_stages))
