@@ -127,7 +127,8 @@ def replan(plan: Plan, world_size: int) -> Plan:
     from autoshard.ir.pins import Pins
     from autoshard.ir.topology import Cluster
     from autoshard.passes.planning.pin_checks import check_pins
-    from autoshard.pipeline import PlanRequest, has_batch_norm, plan_graph, request_graph
+    from autoshard.passes.planning.strategies import graph_batch_norm
+    from autoshard.pipeline import PlanRequest, plan_graph, request_graph
 
     cluster = Cluster.from_dict(
         {**plan.cluster, "nodes": 1, "devices_per_node": world_size}, where="the plan's cluster"
@@ -146,7 +147,7 @@ def replan(plan: Plan, world_size: int) -> Plan:
     check_pins(request.pins, request.cluster, request.global_batch)
     done: list[str] = []
     model_file, graph = request_graph(request, done)
-    if has_batch_norm(graph):
+    if graph_batch_norm(graph):
         pins, count = batch_norm_pins(plan, world_size)
         request = replace(request, pins=Pins(**kept, **pins), num_microbatches=count)
         check_pins(request.pins, request.cluster, request.global_batch)

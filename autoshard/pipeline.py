@@ -160,18 +160,6 @@ def with_microbatches(configs: list[Decisions], count: int | None) -> list[Decis
     return kept
 
 
-def has_batch_norm(graph: OpGraph) -> bool:
-    """The captured model runs a batch normalisation (by its aten op: BatchNorm*, SyncBatchNorm, functional
-    ``batch_norm``), which normalises over the samples of each micro-batch."""
-    return any(node.target.split(".")[1] in BATCH_NORM_OPS for node in graph.nodes if node.target.startswith("aten."))
-
-
-BATCH_NORM_OPS = frozenset(
-    "batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
-    "_native_batch_norm_legit_no_training cudnn_batch_norm miopen_batch_norm".split()
-)
-
-
 def estimate_model(request: PlanRequest) -> Plan:
     """The plan of the one configuration the pins fix (all of them, or their defaults:
     ``Pins.with_defaults``; the CLI checks), fit or not."""

@@ -294,3 +294,30 @@ def test_stage_blocks_compile_static_so_the_recompute_reruns_the_forwards_graph(
     stage = torch.fx.symbolic_trace(Stage())
     assert compiled.compile_stage_blocks(stage, ["h.0", "h.1", "h.2"]) == ["h.0", "h.1"]  # h.2: another stage's
     assert [kw["dynamic"] for kw in calls] == [False, False]
+
+
+def test_per_block_recompute_beside_compiled_blocks_takes_only_the_modes_they_run_under():
+    """Beside cp the search's per-block recompute (``passes.planning.recompute``) offers none and full only: a
+    selective block's policy is a dispatch mode under which dynamo compiles nothing, so it would be priced compiled
+    and run eager. SPMD without cp every mode runs compiled; without compile every mode is offered."""
+    from autoshard.ir.decisions import Decisions
+    from autoshard.passes.planning.recompute import block_modes_run
+
+    def point(mesh, compile):
+        return Decisions(mesh=mesh, zero_stage=0, microbatch_size=2, num_microbatches=1, compile=compile)
+
+    assert block_modes_run(point(Mesh(dp=1, cp=2), True)) == ("none", "full")
+    assert block_modes_run(point(Mesh(dp=1, cp=2), False)) == ("none", "selective", "full")
+    assert block_modes_run(point(Mesh(dp=1, tp=2), True)) == ("none", "selective", "full")
+
+
+def test_a_plan_file_with_compile_where_it_is_not_emitted_is_one_line(in_repo):
+    """A hand-edited plan whose compiled blocks are not emitted (pipeline stages beside cp) is refused when read."""
+    import json
+
+    plan = autoshard.plan(GPT, devices_per_node=4, global_batch=8, dp=1, pp=2, cp=2, recompute="full")
+    doc = json.loads(plan.to_json())
+    doc["decisions"]["compile"] = True
+    with pytest.raises(AutoshardError, match="compiled blocks are not emitted") as refused:
+        Plan.from_json(json.dumps(doc))
+    assert "\n" not in str(refused.value)

@@ -24,7 +24,8 @@ def llama(in_repo_module):
 
 
 def points() -> list[Decisions]:
-    """tp 2 × pp 2 (× cp 2) points that differ in one field each, the fields a memo key could leave out."""
+    """tp 2 × pp 2 (× cp 2) points that differ in one field each, the fields a memo key could leave out, and SPMD
+    points beside them on the same tables."""
     base = Decisions(mesh=Mesh(dp=1, tp=2, pp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b")
     variants = [
         dict(),
@@ -38,12 +39,19 @@ def points() -> list[Decisions]:
         dict(mesh=Mesh(dp=1, tp=2, pp=2, cp=2)),
         dict(mesh=Mesh(dp=1, tp=2, pp=2, cp=2), sequence_parallel=True),
         dict(mesh=Mesh(dp=1, tp=2, pp=2, cp=2), sequence_parallel=True, loss_parallel=True),
+        dict(float8="tensorwise"),
+        dict(float8="rowwise", sequence_parallel=True),
+        dict(mesh=Mesh(dp=1, tp=2), schedule="none"),
+        dict(mesh=Mesh(dp=1, tp=2), schedule="none", compile=True, compile_loss=True),
+        dict(mesh=Mesh(dp=1, tp=2), schedule="none", compile=True, sequence_parallel=True, async_tp=True),
     ]
     return [replace(base, **v) for v in variants]
 
 
 def priced(tables: CostTables, config: Decisions) -> float:
     hand_tp_layout(tables, config)
+    if config.mesh.pp == 1:
+        return price_parts(tables, config).step_time_s
     cuts = CUTS if config.virtual_stages == 1 else (1, 2, 3)
     return price_parts(tables, config, cuts).step_time_s
 

@@ -222,3 +222,17 @@ def test_a_batch_norm_model_keeps_its_micro_batches(in_repo_module):
         plan_for_ranks(halves, 3, ElasticRange(2, 4))
     assert "\n" not in str(refused.value)
     assert "3 ranks: the model's BatchNorm normalises over each of the plan's 2 micro-batches" in str(refused.value)
+
+
+def test_a_batch_norm_model_gets_no_pipeline_beside_data_parallelism(in_repo_module):
+    """Inside pipeline stages BatchNorm's statistics are not synchronised over dp (a stage is a traced graph: no
+    module to swap for SyncBatchNorm), so a BatchNorm model's search offers pipelines only at dp 1, and pinning one
+    beside dp > 1 is refused in one line; a model without BatchNorm keeps them."""
+    cnn = "tests/models/bn_cnn.py:build"
+    with pytest.raises(AutoshardError) as refused:
+        autoshard.plan(cnn, cluster="local-cpu", devices_per_node=4, global_batch=8, dp=2, pp=2)
+    assert "\n" not in str(refused.value) and "BatchNorm" in str(refused.value) and "--dp 1" in str(refused.value)
+    piped = autoshard.plan(cnn, cluster="local-cpu", devices_per_node=2, global_batch=8, pp=2)
+    assert piped.mesh.pp == 2 and piped.mesh.dp == 1
+    gpt = autoshard.plan("examples/gpt.py:build", cluster="local-cpu", devices_per_node=4, global_batch=8, dp=2, pp=2)
+    assert (gpt.mesh.dp, gpt.mesh.pp) == (2, 2)

@@ -734,3 +734,30 @@ def test_the_tp_fit_inverts_the_cost_model_s_dtensor_time(cluster, gpt):
     assert nothing[:2] == pytest.approx((0.0, 0.0), abs=1e-9) and nothing[2] is None
     only_tp = {"tp": steps(0.0021, 0.0, 0.0)["tp"]}
     assert tp_residual(request, only_tp, profiled) == pytest.approx((0.0021, TRUE["sequence_module_us"] * 1e-6, None))
+
+
+def test_a_profile_keeps_the_modelled_gain_of_compiled_blocks_and_float8(gpt):
+    """The profile times the eager model; a compiled or float8 variant's forward and backward are the measured ones
+    times the cost model's ratio of the variant to the eager model, compute and host (``cost.tables.variant_totals``),
+    not the eager totals again."""
+    from autoshard.cost.float8 import float8_of
+
+    def forward_backward(units) -> tuple[float, float]:
+        host_f, host_b = units.host_forward_s or (0.0,), units.host_backward_s or (0.0,)
+        return sum(units.forward_s) + sum(host_f), sum(units.backward_s) + sum(host_b)
+
+    h100 = load_cluster("dgx-h100", nodes=1)
+    times = {1: {"none": (0.002, 0.006)}, 4: {"none": (0.005, 0.015)}}
+    modelled, profiled = CostTables(gpt, h100), CostTables(gpt, replace(h100, profiles=(profile_of(gpt, times),)))
+    float8 = float8_of(Decisions(Mesh(1, 1, 1), 0, 4, 1, float8="tensorwise"), gpt)
+    eager = forward_backward(profiled.units(4, "none"))
+    for variant in (dict(compiled=True), dict(float8=float8)):
+        gain = [
+            v / e
+            for v, e in zip(
+                forward_backward(modelled.units(4, "none", **variant)), forward_backward(modelled.units(4, "none"))
+            )
+        ]
+        assert any(abs(g - 1) > 0.01 for g in gain), variant  # the variant is priced apart from the eager model
+        got = forward_backward(profiled.units(4, "none", **variant))
+        assert got == pytest.approx([t * g for t, g in zip(eager, gain)], rel=1e-9)

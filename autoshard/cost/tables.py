@@ -212,7 +212,21 @@ class CostTables:
         cluster has one for this graph (``cost.profile``)."""
         key = _units_key(microbatch_size, recompute, autocast, compiled, float8, compiled_loss)
         if key not in self._units:
-            units = unit_costs(
+            units = self._modelled_units(key, microbatch_size, recompute, autocast, compiled, float8, compiled_loss)
+            measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
+            if measured and (compiled or float8 or compiled_loss):  # the profile times the eager model only
+                eager = self._modelled_units(
+                    _units_key(microbatch_size, recompute, autocast), microbatch_size, recompute, autocast
+                )
+                measured = variant_totals(measured, units, eager)
+            self._units[key] = scaled_to(units, measured) if measured else units
+        return self._units[key]
+
+    def _modelled_units(self, key: tuple, microbatch_size: int, recompute: str, *variant) -> Units:
+        """``unit_costs`` of the point, as the cost model prices it (before any profile), once per ``key``."""
+        return self.memo(
+            ("modelled_units", key),
+            lambda: unit_costs(
                 self.graph,
                 microbatch_size,
                 recompute,
@@ -223,14 +237,9 @@ class CostTables:
                 self.runtime.host_for(self.cluster),
                 hides_comm(self.cluster),
                 self.runtime.kernels,
-                autocast,
-                compiled,
-                float8,
-                compiled_loss,
-            )
-            measured = self.profile.totals(microbatch_size, recompute) if self.profile else None
-            self._units[key] = scaled_to(units, measured) if measured else units
-        return self._units[key]
+                *variant,
+            ),
+        )
 
     @functools.cached_property
     def profile(self) -> ModelProfile | None:
@@ -411,6 +420,24 @@ def hides_comm(cluster: Cluster) -> bool:
     """Whether collectives can run behind compute: on GPUs (own engines and streams), not on CPU
     ranks, where gloo's threads and the compute share the same cores."""
     return cluster.backend != "gloo"
+
+
+def variant_totals(measured: tuple[float, float, float], variant: Units, eager: Units) -> tuple[float, float, float]:
+    """The measured (forward, backward, recompute) totals of the eager model carried over to a variant of it
+    (compiled blocks, float8 linears, the compiled loss), which the profile does not time: each total times the
+    variant's modelled one over the eager model's, so the variant keeps the gain the cost model gives it::
+
+        T_variant = T_measured · Σ_u (t + h)_variant(u) / Σ_u (t + h)_eager(u)     (t compute, h host, per unit u)"""
+
+    def totals(units: Units) -> tuple[float, float, float]:
+        zeros = (0.0,) * len(units.forward_s)
+        return (
+            sum(units.forward_s) + sum(units.host_forward_s or zeros),
+            sum(units.backward_s) + sum(units.host_backward_s or zeros),
+            sum(units.recompute_s) + sum(units.host_recompute_s or zeros),
+        )
+
+    return tuple(m * (v / e if e > 0 else 1.0) for m, v, e in zip(measured, totals(variant), totals(eager)))
 
 
 def layout_key(config: Decisions) -> tuple:

@@ -93,6 +93,19 @@ NO_OP_OPS = frozenset(
 CAST_OPS = frozenset({"to", "_to_copy", "type_as", "clone", "contiguous"})
 
 
+# Batch normalisation, by op_name: normalises over the samples of each micro-batch (``has_batch_norm``).
+BATCH_NORM_OPS = frozenset(
+    "batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
+    "_native_batch_norm_legit_no_training cudnn_batch_norm miopen_batch_norm".split()
+)
+
+
+def has_batch_norm(targets) -> bool:
+    """Whether any of the captured ops' ``targets`` ("aten.<op>.<overload>") runs a batch normalisation
+    (BatchNorm*, SyncBatchNorm, functional ``batch_norm``)."""
+    return any(t.split(".")[1] in BATCH_NORM_OPS for t in targets if t.startswith("aten."))
+
+
 # Random ops, by op_name: torch 2.13's ``nondeterministic_seeded`` tag (tests/test_randomness.py checks it
 # against torch), ``random_`` which the tag leaves out, and the composite calls a captured graph keeps
 # (feature dropout, attention, rrelu). ``runtime.randomness`` gives each a value every rank shares.

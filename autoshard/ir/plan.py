@@ -38,6 +38,8 @@ from autoshard.ir.decisions import (
     Mesh,
     async_tp_refusal,
     compile_loss_refusal,
+    compile_runs,
+    float8_runs,
     offload_refusal,
     tp_style,
 )
@@ -157,6 +159,14 @@ class Plan:
                 f"float8={d.float8!r} and {len(layout.float8_linears)} float8 linears: a float8 recipe needs the "
                 f"linears it converts (layout.float8_linears), and float8 off none"
             )
+        modes = sorted(set(d.recompute_blocks or (d.recompute,)))
+        if d.compile and not all(compile_runs(mesh, d.ep, sequence_parallel, m, d.schedule) for m in modes):
+            raise AutoshardError(
+                f"compile is true, but compiled blocks are not emitted beside mesh {mesh}, ep {d.ep}, recompute "
+                f"{'/'.join(modes)} and schedule {d.schedule} (ir.decisions.compile_runs); set it false or re-plan"
+            )
+        if d.float8 != FLOAT8_OFF and not float8_runs(mesh, d.ep):
+            raise AutoshardError(f"float8={d.float8!r} is not emitted beside ep {d.ep}; set it off or re-plan")
         refusal = offload_refusal(mesh, d.zero_stage, d.ep, float8=d.float8) if d.offloaded else None
         if refusal:
             raise AutoshardError(f"offload={d.offload!r}: {refusal}; re-create the plan with `autoshard plan`")

@@ -91,8 +91,7 @@ def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) ->
 
     narrowed = getattr(model_file.module, "narrowed", None)  # hf:DIR: the same architecture, narrow
     if narrowed is not None:
-        source = narrowed()
-        reason = _in_float64_else_fp32(lambda dtype: coupling_reason(source, dtype=dtype))
+        reason = _in_float64_else_fp32(lambda dtype: coupling_reason(narrowed(), dtype=dtype))  # its config too
         if reason is not None:
             return f"{reason} (found on the same architecture narrowed: {NARROWED})" if reason else ""
     if whole_numel > reduced_copy.MAX_REPLAY_NUMEL:

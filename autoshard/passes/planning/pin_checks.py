@@ -32,6 +32,7 @@ from autoshard.passes.planning.context_parallel import cp_refusal, pipeline_cp_r
 from autoshard.passes.planning.stage_cuts import cut_refusals, max_stages
 from autoshard.passes.planning.strategies import (
     MAX_GLOBAL_BATCH,
+    batch_norm_refusal,
     divisors,
     even_cuts,
     group_refusal,
@@ -435,6 +436,16 @@ def check_graph_pins(graph: OpGraph, cluster: Cluster, pins: Pins) -> None:
     _check_graph_ep(graph, pins)
     _check_graph_cp(graph, pins)
     _check_graph_float8(graph, pins)
+    _check_graph_batch_norm(graph, pins)
+
+
+def _check_graph_batch_norm(graph: OpGraph, pins: Pins) -> None:
+    """--pp > 1 beside --dp > 1 on a BatchNorm model (``strategies.batch_norm_refusal``): one line."""
+    if not pins.wants_pipeline or (pins.dp or 1) == 1:
+        return
+    why = batch_norm_refusal(graph, Mesh(dp=pins.dp, pp=pins.pp or 2))
+    if why:
+        raise AutoshardError(f"--dp {pins.dp} with pipeline stages: {why}; pin --dp 1 or --pp 1")
 
 
 def _check_graph_cp(graph: OpGraph, pins: Pins) -> None:

@@ -38,7 +38,7 @@ from autoshard.cost.rank_memory import ALLOCATOR_SLACK, spmd_moments
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import recompute_tp_comm
 from autoshard.cost.tp_units import forward_share, modules_host_s, spmd_microbatch
-from autoshard.ir.decisions import MIXED, Decisions
+from autoshard.ir.decisions import MIXED, Decisions, compile_runs
 from autoshard.ir.plan import RECOMPUTE_MODES
 
 PS_PER_S = 10**12
@@ -56,15 +56,14 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
         cp_equivalent(config),
     )  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
     groups = signature_groups(tables)
-    by_mode = {r: tables.activation_units(config, r) for r in RECOMPUTE_MODES}  # a TP rank's bytes
+    modes_run = block_modes_run(decided)
+    by_mode = {r: tables.activation_units(config, r) for r in modes_run}  # a TP rank's bytes
     model = cp_model.CpModel()
-    count = {
-        (g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items() for r in RECOMPUTE_MODES
-    }
+    count = {(g, r): model.NewIntVar(0, len(blocks), f"n_{g}_{r}") for g, blocks in groups.items() for r in modes_run}
     used = {key: model.NewBoolVar(f"u_{key[0]}_{key[1]}") for key in count}
     for g, blocks in groups.items():
-        model.Add(sum(count[g, r] for r in RECOMPUTE_MODES) == len(blocks))
-        for r in RECOMPUTE_MODES:
+        model.Add(sum(count[g, r] for r in modes_run) == len(blocks))
+        for r in modes_run:
             model.Add(count[g, r] <= len(blocks) * used[g, r])
     add_memory_constraint(model, tables, config, groups, by_mode, count, used)
     model.Minimize(
@@ -78,6 +77,16 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
     if len(set(modes)) == 1:
         return None
     return replace(decided, recompute=MIXED, recompute_blocks=modes)  # every other decision kept (HSDP, ep, cp, ...)
+
+
+def block_modes_run(config: Decisions) -> tuple[str, ...]:
+    """The recompute modes a block of ``config`` may take: all, but beside compiled blocks those they run under
+    (``ir.decisions.compile_runs``: beside cp none or full, since selective's policy is a dispatch mode under which
+    dynamo compiles nothing)."""
+    if not config.compile:
+        return RECOMPUTE_MODES
+    mesh, ep, sp, schedule = config.mesh, config.ep, config.sequence_parallel, config.schedule
+    return tuple(r for r in RECOMPUTE_MODES if compile_runs(mesh, ep, sp, r, schedule))
 
 
 def block_recompute_s(tables: CostTables, config: Decisions, units, mode: str, k: int) -> float:
@@ -118,9 +127,7 @@ def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, 
         for name in ("loss", "backward")
         if name in moments
     }
-    largest = max(
-        by_mode[r].workspace_bytes[k + 1] for r in RECOMPUTE_MODES for blocks in groups.values() for k in blocks
-    )
+    largest = max(by_mode[r].workspace_bytes[k + 1] for r in by_mode for blocks in groups.values() for k in blocks)
     workspace = model.NewIntVar(0, int(largest) + 1, "workspace")
     for (gi, r), var in used.items():
         model.Add(workspace >= int(by_mode[r].workspace_bytes[groups[gi][0] + 1]) * var)

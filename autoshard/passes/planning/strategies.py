@@ -80,6 +80,7 @@ from autoshard.ir.decisions import (
     offload_refusal,
 )
 from autoshard.ir.graph import OpGraph
+from autoshard.ir.names import has_batch_norm
 from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
 from autoshard.ir.topology import Cluster
 from autoshard.passes.layouts.allowed import check_divisibility
@@ -245,9 +246,29 @@ def pipeline_degrees(graph: OpGraph, world_size: int) -> list[int]:
     return [p for p in divisors(world_size) if 1 < p <= max_stages(graph)]
 
 
+def graph_batch_norm(graph: OpGraph) -> bool:
+    """The captured model runs a batch normalisation (``ir.names.has_batch_norm``), which normalises over the
+    samples of each micro-batch."""
+    return graph.derived("has_batch_norm", lambda: has_batch_norm(node.target for node in graph.nodes))
+
+
+def batch_norm_refusal(graph: OpGraph, mesh: Mesh) -> str:
+    """Why ``mesh`` would normalise a BatchNorm model's micro-batch over other samples than one process ("" where
+    it does not): BatchNorm's statistics are synchronised over dp in SPMD steps (``runtime.parallel.sync_batch_norm``
+    swaps the modules for SyncBatchNorm), but a pipeline stage is a traced graph of aten ops with no module to
+    swap, so each of dp > 1 ranks would normalise over its own b samples where one process normalises over dp·b."""
+    if mesh.pp == 1 or mesh.dp == 1 or not graph_batch_norm(graph):
+        return ""
+    return (
+        f"the model's BatchNorm would normalise over each dp rank's samples alone inside pipeline stages (their "
+        f"statistics are synchronised over dp only without stages), and this mesh has dp {mesh.dp} beside pp "
+        f"{mesh.pp}"
+    )
+
+
 def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: Pins) -> list[Mesh]:
     """(dp, tp, pp, cp) honouring the pins: pure DP first, then tp ascending, then pp ascending, cp last
-    (``cp_choices``)."""
+    (``cp_choices``); pipelines of a BatchNorm model only at dp 1 (``batch_norm_refusal``)."""
     world = cluster.world_size
     meshes = []
     for tp in legal_tp_degrees(graph, cluster):
@@ -256,6 +277,8 @@ def candidate_meshes(graph: OpGraph, cluster: Cluster, global_batch: int, pins: 
                 dp = world // (tp * pp * cp)
                 mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
                 if global_batch % dp or not _honours(mesh, pins) or not stages_fit_groups(cluster, mesh):
+                    continue
+                if batch_norm_refusal(graph, mesh):
                     continue
                 meshes.append(mesh)
     return meshes
