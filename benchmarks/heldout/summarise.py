@@ -1,0 +1,119 @@
+"""The held-out benchmark's figures, per model and per round as run (README.md beside this file).
+
+    python benchmarks/heldout/summarise.py benchmarks/heldout/out/hf_llama.json benchmarks/heldout/out/hf_mixtral.json
+
+For each model and each round r (every plan run once in it): MAPE of the predictions against that round's times,
+Spearman's ρ, the pick's regret (its round-r time over the round's best) and the largest error; then the machine's
+own noise beside them: the pick's reference runs (``--reference-every``), their spread (max/min − 1) and their
+coefficient of variation. No round is averaged with another and no signed error is pooled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's ρ: Pearson's r of the ranks."""
+    return statistics.correlation(ranks(xs), ranks(ys))
+
+
+def round_figures(rows: list[dict], pick: str, rnd: int) -> dict:
+    """MAPE, ρ, regret and the largest error of round ``rnd`` (its times only; the plans it ran, where a run was
+    stopped inside a round)."""
+    rows = [r for r in rows if len(r["measured_rounds_s"]) > rnd]
+    measured = [r["measured_rounds_s"][rnd] for r in rows]
+    predicted = [r["predicted_s"] for r in rows]
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    best = min(measured)
+    picked = next((m for r, m in zip(rows, measured) if r["key"] == pick), None)
+    worst = max(range(len(rows)), key=lambda i: errors[i])
+    return {
+        "round": rnd + 1,
+        "plans": len(rows),
+        "mape": statistics.fmean(errors),
+        "median_ape": statistics.median(errors),
+        "spearman": spearman(predicted, measured),
+        "regret": picked / best if picked else None,
+        "max_error": errors[worst],
+        "max_error_plan": rows[worst]["key"],
+        "under_predicted": sum(p < m for p, m in zip(predicted, measured)),
+    }
+
+
+def noise(reference: list[dict]) -> dict:
+    """The pick run again through the benchmark: spread (max/min − 1) and coefficient of variation."""
+    times = [r["measured_s"] for r in reference]
+    return {
+        "runs": len(times),
+        "spread": max(times) / min(times) - 1,
+        "cv": statistics.pstdev(times) / statistics.fmean(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+
+
+def model_figures(path: Path) -> dict:
+    """A model's figures from ``bench_plans.py``'s JSON (or the same rows recovered from a stopped run's log)."""
+    doc = json.loads(path.read_text())
+    pick = doc["summary"]["pick"] if "summary" in doc else doc["pick"]
+    rounds = max(len(r["measured_rounds_s"]) for r in doc["rows"])
+    return {
+        "model": doc["model"],
+        "pick": pick,
+        "rounds": [round_figures(doc["rows"], pick, r) for r in range(rounds)],
+        "noise": noise(doc["reference"]),
+    }
+
+
+def table(figures: list[dict]) -> str:
+    lines = [
+        "| model | round | plans run | MAPE | median APE | max error (plan) | Spearman ρ | regret | under-predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        for r in f["rounds"]:
+            regret = f"{r['regret']:.3f}" if r["regret"] else "-"
+            lines.append(
+                f"| {f['model']} | {r['round']} | {r['plans']} | {r['mape']:.1%} | {r['median_ape']:.1%} | "
+                f"{r['max_error']:.1%} ({r['max_error_plan']}) | {r['spearman']:.3f} | {regret} | "
+                f"{r['under_predicted']}/{r['plans']} |"
+            )
+    lines += ["", "| model | pick | reference runs | spread (max/min − 1) | CV |", "|---|---|---|---|---|"]
+    for f in figures:
+        n = f["noise"]
+        lines.append(f"| {f['model']} | {f['pick']} | {n['runs']} | {n['spread']:.1%} | {n['cv']:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="bench_plans.py outputs of the held-out models")
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    figures = [model_figures(p) for p in args.runs]
+    print(table(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
