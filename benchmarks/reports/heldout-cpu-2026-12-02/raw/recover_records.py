@@ -1,8 +1,12 @@
 """The held-out run's records from its log and the per-run rank files a watcher copied (the run was stopped before
 bench_plans wrote its JSON): rows in bench_plans' format, each plan's rounds as far as they ran, and the reference
 runs (the pick rerun before every 20th position) told apart from the plans' runs by their times."""
-import json, re, sys
+
+import json
+import re
+import sys
 from pathlib import Path
+
 sys.path.insert(0, "/work/main")
 from autoshard.runtime.report import steady_step_s
 
@@ -22,9 +26,17 @@ for text in log.read_text().splitlines():
     order.append(key)
 runs = []
 for d in sorted(p for p in snaps.iterdir() if p.is_dir() and (p / "at").exists()):
-    runs.append({"snapshot": d.name, "at": int((d / "at").read_text()), "measured_s": steady_step_s(d),
-                 "rank_steps_s": [[r["step_times_s"], r.get("step_ends_s", [])] for r in
-                                  (json.loads(f.read_text()) for f in sorted(d.glob("rank-*.json")))]})
+    runs.append(
+        {
+            "snapshot": d.name,
+            "at": int((d / "at").read_text()),
+            "measured_s": steady_step_s(d),
+            "rank_steps_s": [
+                [r["step_times_s"], r.get("step_ends_s", [])]
+                for r in (json.loads(f.read_text()) for f in sorted(d.glob("rank-*.json")))
+            ],
+        }
+    )
 logged = [round(r["measured_rounds_s"][k] * 1e3, 1) for r in rows.values() for k in range(len(r["measured_rounds_s"]))]
 by_line = []  # the measured ms of each logged run, in log order
 for text in log.read_text().splitlines():
@@ -32,14 +44,31 @@ for text in log.read_text().splitlines():
     if m:
         by_line.append(float(m.group(6)))
 seen, reference = set(), []
-for r in runs:  # a snapshot taken after L log lines is run L's (or run L+1's, copied before its line); else the pick's rerun
+for r in (
+    runs
+):  # a snapshot taken after L log lines is run L's (or run L+1's, copied before its line); else the pick's rerun
     sig = json.dumps(r["rank_steps_s"])
     lines = int(r["snapshot"].rsplit("-", 1)[1])
     near = {round(by_line[k], 1) for k in (lines - 1, lines) if 0 <= k < len(by_line)}
     if round(r["measured_s"] * 1e3, 1) not in near and sig not in seen:
         reference.append(r)
     seen.add(sig)
-json.dump({"model": model, "pick": pick, "rows": list(rows.values()), "reference": reference,
-           "snapshots": [{k: v for k, v in r.items() if k != "rank_steps_s"} for r in runs]},
-          out.open("w"), indent=1)
-print(len(rows), "plans;", sum(len(r["measured_rounds_s"]) for r in rows.values()), "runs;", len(reference), "reference runs")
+json.dump(
+    {
+        "model": model,
+        "pick": pick,
+        "rows": list(rows.values()),
+        "reference": reference,
+        "snapshots": [{k: v for k, v in r.items() if k != "rank_steps_s"} for r in runs],
+    },
+    out.open("w"),
+    indent=1,
+)
+print(
+    len(rows),
+    "plans;",
+    sum(len(r["measured_rounds_s"]) for r in rows.values()),
+    "runs;",
+    len(reference),
+    "reference runs",
+)
