@@ -63,11 +63,15 @@ def test_at_128k_tokens_only_context_parallelism_fits_one_node_at_tp_2(llama_lon
     assert Plan.from_json(chosen.to_json()).to_json() == chosen.to_json()
 
 
-def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long):
-    """A cp rank's linear work is a dp rank's at b/cp; its causal attention the ring's lockstep share
-    T·(2cp − 1)/cp² of the whole sequence's (``cost.context_parallel`` module doc), checked against the
-    attention kernels' own times at the whole micro-batch."""
+@pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
+def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long, monkeypatch, balanced):
+    """A cp rank's linear work is a dp rank's at b/cp; its causal attention the ring's lockstep share of the whole
+    sequence's (``cost.context_parallel`` module doc): T/cp with head-tail chunks (128k tokens are a multiple of
+    2cp), T·(2cp − 1)/cp² with contiguous ones (the layout where s is not), checked against the attention
+    kernels' own times at the whole micro-batch."""
     _, graph = llama_long
+    if not balanced:
+        monkeypatch.setattr("autoshard.cost.context_parallel.cp_load_balanced", lambda tokens, cp: False)
     tables = CostTables(graph, load_cluster("dgx-h100", nodes=1))
     cp = 4
     config = Decisions(
@@ -99,7 +103,8 @@ def test_a_cp_rank_costs_its_data_parallel_share_plus_the_ring(llama_long):
         tables.runtime.kernels,
     )
     attention_rank = sum(share[i] for i, n in attention_nodes(graph)) + ring.forward_extra_s
-    assert attention_rank == pytest.approx(attention_whole * (2 * cp - 1) / cp**2, rel=1e-6)
+    lockstep = 1 / cp if balanced else (2 * cp - 1) / cp**2
+    assert attention_rank == pytest.approx(attention_whole * lockstep, rel=1e-6)
 
 
 def test_what_if_seq_len_and_cp_re_evaluate_with_the_ring(llama_long):
@@ -165,10 +170,11 @@ def test_the_search_offers_cp_inside_pipeline_stages(llama_long):
     assert chosen.model["seq_len"] == LONG and Plan.from_json(chosen.to_json()).to_json() == chosen.to_json()
 
 
-def test_a_pipeline_prices_each_stages_ring_with_its_own_attentions(gpt):
+def test_a_pipeline_prices_each_stages_ring_with_its_own_attentions(gpt, monkeypatch):
     """pp 2 x cp 2: each pp rank is its data-parallel equivalent's (dp·cp ranks at b/cp) plus the ring of the
     attentions in its own stage; the step charges the slowest rank's, not the whole model's ring
-    (``cost.pipeline_step`` "CP × PP")."""
+    (``cost.pipeline_step`` "CP × PP"). Contiguous chunks, whose causal imbalance is a ring cost to place."""
+    monkeypatch.setattr("autoshard.cost.context_parallel.cp_load_balanced", lambda tokens, cp: False)
     graph = gpt[1]
     tables = CostTables(graph, load_cluster("local-cpu", devices_per_node=4))
     config = Decisions(
@@ -218,3 +224,16 @@ def test_seq_len_is_handed_to_example_batch_and_recorded(in_repo, tmp_path):
     chosen = plan(captured, "examples/gpt.py:build", load_cluster("local-cpu"), 8, seq_len=32, dp=2)
     assert captured[1].tokens_per_sample == 32 and chosen.model["seq_len"] == 32
     assert "SEQ_LEN = 32" in emit_program(chosen) and "seq_len=SEQ_LEN" in emit_program(chosen)
+
+
+def test_head_tail_chunks_where_the_tokens_allow_them(gpt, in_repo):
+    """s a multiple of 2cp: each cp rank holds a head-tail pair of chunks and the causal ring is even (no extra
+    attention priced); otherwise contiguous chunks and the last rank's extra blocks. The program says which."""
+    cluster = load_cluster("local-cpu", devices_per_node=2)
+    short = capture_graph("examples/gpt.py:build", seq_len=18)  # 18 = 2·9: cp 2 splits it, 2cp = 4 does not
+    for captured, seq_len, chunks in ((gpt, None, "head-tail pairs of chunks"), (short, 18, "contiguous chunks")):
+        chosen = plan(captured, "examples/gpt.py:build", cluster, 4, seq_len=seq_len, cp=2, dp=1)
+        program = emit_program(chosen)
+        assert f"over its 2 ranks ({chunks})" in program and "model = use_cp_attention(model)" in program
+        extra = ring_cost(CostTables(captured[1], cluster), chosen.decisions).forward_extra_s
+        assert (extra == 0) == (chunks.startswith("head-tail")), (seq_len, extra)

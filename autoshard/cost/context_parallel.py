@@ -1,7 +1,7 @@
 """Context parallelism: each sample's sequence split over cp ranks, attention as a ring.
 
-A cp rank holds s/cp of the tokens of every sample of its micro-batch (contiguous chunks: rank r
-tokens [r·s/cp, (r+1)·s/cp)). Every op but attention works token by token, so a cp rank computes
+A cp rank holds s/cp of the tokens of every sample of its micro-batch (head-tail pairs of chunks where s is
+a multiple of 2cp, else contiguous chunks: ``ir.decisions.cp_load_balanced``, ``runtime.context_parallel``). Every op but attention works token by token, so a cp rank computes
 what a data-parallel rank computes at a micro-batch of b/cp samples, and its gradients are one
 more share of the same mean: the cost model prices cp as dp·cp data-parallel ranks at micro-batch
 b/cp (``cp_equivalent``). That one substitution gives the compute of the linear ops, the
@@ -9,7 +9,7 @@ activations (÷ cp), the loss's logits (÷ cp), and the gradient reduction and Z
 dp·cp ranks holding the same parameters (FSDP2 / DDP span them, as torchtitan's dp_shard_cp).
 Attention is where cp differs (Liu et al., Ring Attention, 2023; torch's context_parallel):
 
-**Causal imbalance** (``attention_extra_s``). Without load balancing, rank r's queries need the
+**Causal imbalance** (``attention_extra_s``). With contiguous chunks, rank r's queries need the
 kv chunks 0 .. r: the diagonal block (half the work under a causal mask) and r full blocks. The
 ring runs in lockstep, one kv chunk per step, so the step takes the slowest rank's block: a half
 block at step 0, a full one at each of the cp − 1 later steps (the last rank)::
@@ -18,13 +18,17 @@ block at step 0, a full one at each of the cp − 1 later steps (the last rank):
 
 against the even share T_attn(s)/cp that ``cp_equivalent`` prices, hence an extra
 T_attn(b/cp)·(cp − 1)/cp per attention (forward, backward and a recompute alike); none without a
-causal mask (every block is full and every rank busy).
+causal mask (every block is full and every rank busy). **None with head-tail chunks** (load-balanced):
+rank r holds chunks r and 2cp − 1 − r of size h = s/(2cp), and torch's balanced ring gives every rank
+half a c×c block (c = 2h) at every step (step 0: the local causal 2h×2h; then either all queries against the
+first kv half or the second query half against all kv), so the causal work is even: the share is exact.
 
 **Ring exchange** (``ring_exposed_s``). At each of the cp − 1 later steps every rank sends its
 current k and v chunk to the next rank (P2P over the cp group's link) while it computes on the
 chunk it holds; the backward sends k, v and their gradient accumulators (2× the bytes). Per
 attention and micro-batch, with K the k and v bytes of the chunk (b samples, s/cp tokens) and
-t_blk the full-block compute of one step (forward: T_attn,full(s)/cp² at micro-batch b)::
+t_blk the compute of one step (forward: T_attn,full(s)/cp², the full block of the contiguous ring's busiest
+rank; head-tail: the even share T_attn(s)/cp², half a full block under a causal mask)::
 
     exposed = (cp − 1)·[max(0, p2p(K) − t_blk) + max(0, p2p(2K) − 2.5·t_blk)] (+ the forward again
               under full recompute)
@@ -41,7 +45,7 @@ from autoshard.cost.comm import p2p_s
 from autoshard.cost.compute import SDPA_TARGET
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s, node_units
-from autoshard.ir.decisions import Decisions, Mesh
+from autoshard.ir.decisions import Decisions, Mesh, cp_load_balanced
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import Cluster, LinkSpec
 
@@ -116,14 +120,16 @@ def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple
         runtime.kernels,
     )
     link = cp_link(cluster, config.mesh)
+    balanced = cp_load_balanced(graph.tokens_per_sample, cp)
     recomputes = _recompute_full_attention(graph, config)
     unit_of = node_units(graph)
     out = [NO_RING] * units
     for i, node in attention_nodes(graph):
         t_share = share[i] / tp  # heads split over tp (an attention left whole on each TP rank is rare)
-        extra = t_share * (cp - 1) / cp if node.attrs.get("is_causal") else 0.0
+        uneven = node.attrs.get("is_causal") and not balanced
+        extra = t_share * (cp - 1) / cp if uneven else 0.0
         kv_bytes = _kv_chunk_bytes(node, b / cp, graph.batch_size, tables.precision.activation_bytes) / tp
-        block_s = t_share / cp / (eager.CAUSAL_WORK if node.attrs.get("is_causal") else 1.0)
+        block_s = t_share / cp / (eager.CAUSAL_WORK if uneven else 1.0)
         forward_exposed = max(0.0, p2p_s(kv_bytes, link) - block_s)
         backward_exposed = max(0.0, p2p_s(2 * kv_bytes, link) - eager.FLASH_BACKWARD_TO_FORWARD * block_s)
         again = i in recomputes

@@ -91,6 +91,16 @@ MAX_SHARDED_INPUT_DIM = 8  # sharded-input-dim0 .. 7
 MAX_SEQ_DIM = 3  # the sequence-parallel styles exist for sequence dims 0 .. 2 (a token dim is 0 or 1)
 
 
+def cp_load_balanced(tokens_per_sample: int, cp: int) -> bool:
+    """Whether a cp plan's ranks hold head-tail pairs of chunks (load-balanced causal ring) rather than one
+    contiguous chunk: rank r of cp holds chunks r and 2cp − 1 − r of size s/(2cp), so that each rank's causal
+    attention work is the same c²/2 at every ring step (torch's ``_HeadTailLoadBalancer``, the layout
+    torchtitan's cp runs train on). It needs s divisible by 2cp; otherwise the chunks stay contiguous. The one
+    rule the runtime's sharding (``runtime.context_parallel``), the emitted program and the cost
+    (``cost.context_parallel``) all read."""
+    return cp > 1 and tokens_per_sample % (2 * cp) == 0
+
+
 @dataclass(frozen=True)
 class Mesh:
     """Parallel degrees; ``dp * cp * tp * pp`` ranks in all, laid out (pp, dp, cp, tp): TP innermost

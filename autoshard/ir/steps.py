@@ -15,6 +15,8 @@ record.
 
     op                  SPMD plans                          pipeline plans
     cast_params         the meta model's parameters in bf16 (--precision bf16-pure on fp32 parameters), first
+    use_cp_attention    cp plans: a transformers model's attention made the ring's (no mask built: head-tail
+                        positions are not read as packed sequences; runtime.context_parallel), both kinds
     apply_float8        the plan's float8 linears made torchao  each stage's linear ops made float8 matmuls,
                         Float8Linear (--float8), first      right after split_pipeline (runtime.float8)
     apply_tp            DTensor styles per module           local shards + traceable collectives, before the split
@@ -44,6 +46,7 @@ from typing import Any
 
 OPS = (
     "cast_params",
+    "use_cp_attention",
     "apply_float8",
     "apply_tp",
     "apply_ep",

@@ -1,9 +1,18 @@
 """Context parallelism: ring attention along the sequence, on CPU ranks (gloo) and CUDA ranks.
 
-Each of the ``cp`` ranks of a context-parallel group holds one contiguous chunk of every
-sequence: rank ``r`` holds tokens ``[r*c, (r+1)*c)`` with ``c = S / cp`` (``shard_sequence``).
-Everything but attention is per token, so it runs unchanged on the chunk; attention needs
-every key, and gets them by a ring.
+Each of the ``cp`` ranks of a context-parallel group holds ``c = S / cp`` tokens of every sequence
+(``shard_sequence``), in one of two layouts (``ir.decisions.cp_load_balanced`` picks):
+
+- **head-tail** (load-balanced, S divisible by 2cp): with ``h = S / (2cp)``, rank ``r`` holds the chunks
+  ``r`` and ``2cp - 1 - r``, i.e. tokens ``[r*h, (r+1)*h)`` then ``[(2cp-1-r)*h, (2cp-r)*h)``
+  (``head_tail_positions``; torch's ``_HeadTailLoadBalancer``). Under a causal mask every rank then does the
+  same work at every ring step (torch's balanced ring: step 0 the local causal block, later steps half a
+  block each), where contiguous chunks leave the last rank with cp times the first's.
+- **contiguous**: rank ``r`` holds tokens ``[r*c, (r+1)*c)``.
+
+Everything but attention is per token, so it runs unchanged on the rank's tokens in either order; attention
+needs every key, and gets them by a ring; the positions a model numbers its tokens with (``torch.arange`` of
+the local length) are made the rank's global ones (``ContextParallelMode``).
 
 The maths (online softmax). Rank ``r`` holds its queries ``q`` and, step by step, the key and
 value chunks ``(k_i, v_i)`` of every rank ``i``. A kernel run on one chunk gives the partial
@@ -35,8 +44,10 @@ process. Entry points:
 - ``ContextParallelMode``: a TorchFunctionMode entered around the model's forward and backward;
   it routes ``F.scaled_dot_product_attention`` to the ring (refusing what the ring cannot
   compute) and turns the local positions a model builds with ``torch.arange`` into global ones.
-- ``shard_sequence``: this rank's chunk of a batch tensor; ``average_gradients``: the gradient
+- ``shard_sequence``: this rank's tokens of a batch tensor; ``average_gradients``: the gradient
   mean over the cp (x dp) ranks for a model no dp wrapper reduces.
+- ``use_cp_attention``: a transformers model's attention switched to a key of its own that builds no mask
+  (``CP_ATTENTION``), so that head-tail positions, which jump in the middle, are not read as packed sequences.
 
 GPU-only and untested here (no GPU in CI): the CUDA kernel pair (flash attention forward and
 backward, bf16/fp16 only, its extra outputs passed to the backward as torch's own ring does).
@@ -53,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.decisions import cp_load_balanced
 
 SEQ_DIM = 2  # [batch, heads, seq, head_dim], as SDPA and torch's ring take it
 aten = torch.ops.aten
@@ -75,6 +87,10 @@ __all__ = [
     "average_gradients",
     "take_sequence_shard",
     "context_parallel",
+    "head_tail_positions",
+    "use_cp_attention",
+    "cp_attention_refusal",
+    "CP_ATTENTION",
 ]
 
 
@@ -148,20 +164,13 @@ def _kernel_for(query: torch.Tensor) -> _Kernel:
 
 
 @contextlib.contextmanager
-def _contiguous_chunks():
-    """torch's ring with load balancing off, restored after.
-
-    Load balancing (torch's default) gives rank r the head-tail pair of chunks r and 2cp-1-r, so
-    that causal work is even. Not here: the positions a model computes for its local tokens would
-    jump in the middle (e.g. [0..c) then [3c..4c)), and transformers reads such jumps in the
-    positions as "packed sequences" (masking_utils.find_packed_sequence_indices) and builds an
-    explicit block mask, which the ring cannot take. With contiguous chunks the positions rise by
-    one throughout, transformers keeps ``attn_mask=None, is_causal=True``, and the ring skips the
-    future chunks (rank r computes r+1 of cp blocks: the last rank does most of the work).
-    """
+def _load_balance(enabled: bool):
+    """torch's ring with load balancing ``enabled`` (head-tail chunks, module doc) or off (contiguous chunks:
+    the ring skips the future chunks, rank r computes r+1 of cp blocks), restored after. torch's flag is
+    process-global and read on every ring call, so it is set around each call."""
     options = _torch_ring()._cp_options
     saved = options.enable_load_balance
-    options.enable_load_balance = False
+    options.enable_load_balance = enabled
     try:
         yield
     finally:
@@ -173,24 +182,28 @@ def _contiguous_chunks():
 
 class RingAttention(torch.autograd.Function):
     """Attention of local ``query, key, value`` ``[B, H, S_local, D]`` over the whole sequence of
-    the cp group (contiguous chunks, rank order = sequence order); no mask, no dropout; ``key``
-    and ``value`` have the query's head count. Returns the local output ``[B, H, S_local, D]``."""
+    the cp group (rank order = the group's ranks; ``balanced``: each rank's tokens are its head-tail pair of
+    chunks, else one contiguous chunk, module doc); no mask, no dropout; ``key`` and ``value`` have the
+    query's head count. Returns the local output ``[B, H, S_local, D]``. Attention without a causal mask is
+    order-free (every block is whole), so it runs unbalanced on either layout (torch balances causal only)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal: bool, scale: float | None, group: dist.ProcessGroup):
+    def forward(ctx, query, key, value, is_causal: bool, scale: float | None, group: dist.ProcessGroup, balanced: bool):
         kernel = _kernel_for(query)
-        with _contiguous_chunks():
+        balanced = balanced and is_causal
+        with _load_balance(balanced):
             out, lse, *rest = _torch_ring()._templated_ring_attention(
                 group, SEQ_DIM, kernel.forward, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale
             )
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.rest, ctx.is_causal, ctx.scale, ctx.group, ctx.kernel = tuple(rest), is_causal, scale, group, kernel
+        ctx.balanced = balanced
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        with _contiguous_chunks():
+        with _load_balance(ctx.balanced):
             grad_q, grad_k, grad_v, *_ = _torch_ring()._templated_ring_attention_backward(
                 ctx.group,
                 SEQ_DIM,
@@ -205,7 +218,7 @@ class RingAttention(torch.autograd.Function):
                 is_causal=ctx.is_causal,
                 **ctx.kernel.backward_kwargs(ctx.rest, ctx.scale),
             )
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def ring_attention(
@@ -215,9 +228,10 @@ def ring_attention(
     group: dist.ProcessGroup,
     is_causal: bool = False,
     scale: float | None = None,
+    balanced: bool = False,
 ) -> torch.Tensor:
     """``RingAttention.apply`` with keywords (see the class)."""
-    return RingAttention.apply(query, key, value, is_causal, scale, group)
+    return RingAttention.apply(query, key, value, is_causal, scale, group, balanced)
 
 
 # --------------------------------------------------------------------------- the mode
@@ -243,8 +257,9 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
     heads are repeated (``repeat_interleave`` on dim 1), as SDPA does.
 
     ``torch.arange`` with step 1 whose result has exactly ``local_seq_len`` elements returns
-    the global positions: ``cp_rank * local_seq_len`` is added (so ``arange(0, c)`` gives
-    ``[r*c, (r+1)*c)``; transformers' ``arange(c) + past`` likewise). That is how examples/gpt.py
+    the global positions: the rank's token positions minus ``arange(c)`` are added element by element
+    (``head_tail_positions`` when ``balanced``, else ``cp_rank * local_seq_len`` throughout; so ``arange(0, c)``
+    gives the rank's positions, ``[r*c, (r+1)*c)`` when contiguous; transformers' ``arange(c) + past`` likewise). That is how examples/gpt.py
     (``torch.arange(t)``) and transformers Llama (``position_ids``) number their tokens.
     SOUNDNESS: it is right only if every such arange in the model's forward numbers the local
     tokens. An arange of that length for anything else (heads, a hidden axis, a mask built over
@@ -260,10 +275,15 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
 
     rerun_under_recompute = True  # a checkpointed block's recomputation runs the ring too (runtime.selective)
 
-    def __init__(self, cp_group: dist.ProcessGroup, cp_rank: int, cp_size: int, local_seq_len: int):
+    def __init__(
+        self, cp_group: dist.ProcessGroup, cp_rank: int, cp_size: int, local_seq_len: int, balanced: bool = False
+    ):
         super().__init__()
         assert 0 <= cp_rank < cp_size and local_seq_len > 0, (cp_rank, cp_size, local_seq_len)
+        assert not balanced or local_seq_len % 2 == 0, f"head-tail chunks of {local_seq_len} tokens"
         self.cp_group, self.cp_rank, self.cp_size, self.local_seq_len = cp_group, cp_rank, cp_size, local_seq_len
+        self.balanced = balanced
+        self._deltas: dict[tuple, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -286,16 +306,31 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
         if enable_gqa and key.shape[1] != query.shape[1]:
             repeats = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-        return ring_attention(query, key, value, self.cp_group, is_causal=bool(is_causal), scale=scale)
+        return ring_attention(
+            query, key, value, self.cp_group, is_causal=bool(is_causal), scale=scale, balanced=self.balanced
+        )
 
     def _positions(self, result: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         step = args[2] if len(args) > 2 else kwargs.get("step", 1)
         if result.dim() != 1 or result.numel() != self.local_seq_len or step != 1:
             return result
-        offset = self.cp_rank * self.local_seq_len
+        delta = self._delta(result.device, result.dtype)
         if kwargs.get("out") is not None:
-            return result.add_(offset)
-        return result + offset
+            return result.add_(delta)
+        return result + delta
+
+    def _delta(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """What turns ``arange(a, a + c)`` into this rank's global positions ``a + positions``: ``positions −
+        arange(c)``, per element (cached per device and dtype; made with the mode off, inside its handler)."""
+        key = (device, dtype)
+        if key not in self._deltas:
+            c = self.local_seq_len
+            if self.balanced:
+                positions = head_tail_positions(self.cp_rank, self.cp_size, c)
+            else:
+                positions = torch.arange(self.cp_rank * c, (self.cp_rank + 1) * c)
+            self._deltas[key] = (positions - torch.arange(c)).to(device=device, dtype=dtype)
+        return self._deltas[key]
 
 
 def _check_attention(query: torch.Tensor, key: torch.Tensor, attn_mask, dropout_p: float, local_seq_len: int) -> None:
@@ -330,19 +365,125 @@ def _check_attention(query: torch.Tensor, key: torch.Tensor, attn_mask, dropout_
         )
 
 
+# --------------------------------------------------------------------------- transformers models
+
+CP_ATTENTION = "autoshard_cp"  # the attention key a transformers model runs under cp (``use_cp_attention``)
+
+
+def _cp_attention(module, query, key, value, attention_mask, **kwargs):
+    """``CP_ATTENTION``: transformers' own SDPA attention. The key has no mask function registered, so
+    transformers builds no mask for it (``masking_utils._preprocess_mask_arguments`` exits early for such keys,
+    before its packed-sequence detection, which would read head-tail positions as two documents) and this
+    gets ``attention_mask=None``: SDPA with ``is_causal``, which ``ContextParallelMode`` runs as the ring."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _transformers_parts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost transformers ``PreTrainedModel`` modules of ``model`` (itself, or those a model file's own
+    module holds); none without transformers loaded."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return []
+    pretrained = transformers.PreTrainedModel
+    parts, inside = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, pretrained) and not any(name.startswith(p + ".") or p == "" for p in inside):
+            parts.append(module)
+            inside.add(name)
+    return parts
+
+
+def cp_attention_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``use_cp_attention`` cannot switch this model's transformers attention (an attention of its own, e.g.
+    eager or flash: the ring replaces SDPA only; a class whose code does not read transformers'
+    ``AttentionInterface``), or None (nothing to switch counts as None)."""
+    for part in _transformers_parts(model):
+        current = part.config._attn_implementation
+        if current not in ("sdpa", CP_ATTENTION):
+            return f"{type(part).__name__} attends with {current!r}, not transformers' 'sdpa', which the ring replaces"
+        if not type(part)._can_set_attn_implementation():
+            return f"{type(part).__name__}'s attention does not go through transformers' AttentionInterface"
+    return None
+
+
+def use_cp_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch every transformers part of ``model`` to ``CP_ATTENTION`` (in place; idempotent) and refuse a padding
+    ``attention_mask`` at its forward (under that key transformers would drop it silently, where one process
+    masks the padding). A model calling ``F.scaled_dot_product_attention`` itself is returned unchanged."""
+    parts = _transformers_parts(model)
+    if not parts:
+        return model
+    why = cp_attention_refusal(model)
+    if why:
+        raise AutoshardError(f"context parallelism: {why}; plan without context parallelism (cp=1)")
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(CP_ATTENTION) is not _cp_attention:
+        AttentionInterface.register(CP_ATTENTION, _cp_attention)
+    for part in parts:
+        if part.config._attn_implementation != CP_ATTENTION:
+            part.set_attn_implementation(CP_ATTENTION)
+            part.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        unswitched = [type(m).__name__ for m in part.modules() if _attention_of(m) not in (None, CP_ATTENTION)]
+        if unswitched:
+            raise AutoshardError(
+                f"context parallelism: {unswitched[0]} kept its attention after the switch to the ring's; "
+                f"plan without context parallelism (cp=1)"
+            )
+    return model
+
+
+def _attention_of(module: torch.nn.Module) -> str | None:
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) if hasattr(module, "set_attn_implementation") else None
+
+
+def _refuse_padding(module, args, kwargs):
+    import inspect
+
+    mask = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise AutoshardError(
+            "context parallelism: the batch has a padding attention_mask, which the ring cannot apply; "
+            "train on unpadded (packed or equal-length) sequences or plan without context parallelism (cp=1)"
+        )
+    return None
+
+
 # --------------------------------------------------------------------------- data and gradients
 
 
-def shard_sequence(tensor: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """This rank's contiguous chunk of ``tensor`` along ``seq_dim``: tokens ``[r*c, (r+1)*c)``."""
+def head_tail_positions(cp_rank: int, cp_size: int, local_seq_len: int) -> torch.Tensor:
+    """The global positions of a balanced rank's ``local_seq_len`` = 2h tokens (module doc): ``[r*h, (r+1)*h)``
+    then ``[(2cp-1-r)*h, (2cp-r)*h)``. The one definition the sharding and the positions read."""
+    h = local_seq_len // 2
+    assert 2 * h == local_seq_len, local_seq_len
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * h, (cp_rank + 1) * h), torch.arange(tail * h, (tail + 1) * h)])
+
+
+def shard_sequence(
+    tensor: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int, balanced: bool = False
+) -> torch.Tensor:
+    """This rank's tokens of ``tensor`` along ``seq_dim``: its head-tail pair of chunks when ``balanced``
+    (``head_tail_positions``), else the contiguous chunk ``[r*c, (r+1)*c)``."""
     length = tensor.shape[seq_dim]
-    if length % cp_size:
+    parts = 2 * cp_size if balanced else cp_size
+    if length % parts:
         raise AutoshardError(
             f"context parallelism over {cp_size} ranks needs a sequence length divisible by "
-            f"{cp_size}, got {length}; pick a --seq-len that is a multiple of {cp_size}"
+            f"{parts}, got {length}; pick a --seq-len that is a multiple of {parts}"
         )
-    chunk = length // cp_size
-    return tensor.narrow(seq_dim, cp_rank * chunk, chunk)
+    if not balanced:
+        chunk = length // cp_size
+        return tensor.narrow(seq_dim, cp_rank * chunk, chunk)
+    h = length // parts
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat([tensor.narrow(seq_dim, cp_rank * h, h), tensor.narrow(seq_dim, tail * h, h)], dim=seq_dim)
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
@@ -366,18 +507,19 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
 
 
 def take_sequence_shard(inputs: tuple, targets, mesh, axis: str | None, seq_len: int):
-    """This rank's chunk of a micro-batch along the mesh dim ``axis`` (the plan's sequence axis, "cp"):
-    every input and target tensor whose dim 1 is the ``seq_len`` tokens is cut along it
-    (``shard_sequence``); the others (a per-sample tensor) stay whole. ``axis`` None (no context
-    parallelism): the micro-batch unchanged."""
+    """This rank's tokens of a micro-batch along the mesh dim ``axis`` (the plan's sequence axis, "cp"):
+    every input and target tensor whose dim 1 is the ``seq_len`` tokens is cut along it, inputs and targets
+    alike (``shard_sequence``, head-tail where ``ir.decisions.cp_load_balanced``); the others (a per-sample
+    tensor) stay whole. ``axis`` None (no context parallelism): the micro-batch unchanged."""
     if axis is None:
         return inputs, targets
     cp_mesh = mesh[axis]
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    balanced = cp_load_balanced(seq_len, size)
 
     def cut(t):
         is_tokens = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq_len
-        return shard_sequence(t, 1, rank, size) if is_tokens else t
+        return shard_sequence(t, 1, rank, size, balanced) if is_tokens else t
 
     return tuple(cut(t) for t in inputs), cut(targets)
 
@@ -389,4 +531,5 @@ def context_parallel(mesh, axis: str | None, seq_len: int) -> ContextParallelMod
         return contextlib.nullcontext()
     cp_mesh = mesh[axis]
     size = cp_mesh.size()
-    return ContextParallelMode(cp_mesh.get_group(), cp_mesh.get_local_rank(), size, seq_len // size)
+    balanced = cp_load_balanced(seq_len, size)
+    return ContextParallelMode(cp_mesh.get_group(), cp_mesh.get_local_rank(), size, seq_len // size, balanced)

@@ -4,6 +4,8 @@ One function per step, torchtitan-shaped, each found by its op in ``APPLIERS``; 
 a list of them, and the emitted programs call the same functions in the same order (``passes.lowering.codegen``
 prints the steps):
 
+    use_cp_attention  a transformers model's attention switched to one that builds no mask (context parallelism:
+                      ``context_parallel.use_cp_attention``); a model calling SDPA itself is left as it is
     apply_tp          DTensor ``parallelize_module`` (styles: ``ir.decisions.TP_STYLES``); before a
                       pipeline split, local shards with traceable collectives (``tensor_parallel_stages``)
     apply_ep          expert parallelism: each rank keeps E/ep experts of each MoE experts module, tokens
@@ -58,6 +60,7 @@ from autoshard.runtime import recipe as training_recipe
 from autoshard.runtime.checkpoint import StageOptimizers
 from autoshard.runtime.compiled import apply_async_tp, compile_stage_blocks
 from autoshard.runtime.compiled import apply_compile as compile_blocks
+from autoshard.runtime.context_parallel import use_cp_attention
 from autoshard.runtime.expert_parallel import apply_ep
 from autoshard.runtime.float8 import apply_float8, compute_float8_scales_after_step
 from autoshard.runtime.model import get_block
@@ -455,6 +458,7 @@ def cast_params(model: nn.Module, precision: str) -> nn.Module:
 APPLIERS: dict[str, Callable] = {
     "apply_float8": apply_float8,
     "cast_params": cast_params,
+    "use_cp_attention": use_cp_attention,
     "apply_tp": apply_tp,
     "apply_ep": apply_ep,
     "split_pipeline": split_pipeline,

@@ -47,8 +47,9 @@ sub-mesh (as torchtitan does); the schedules call FSDP's post-backward themselve
 (``perform_reduce_grad``), and tied copies are summed shard by shard (every copy is sharded the
 same way over dp).
 
-CP × PP (``SequenceShard``). Each of the cp ranks of a pipeline rank holds tokens [r·s/cp, (r+1)·s/cp)
-of every sample: the stages are traced on that chunk of one micro-batch (so every boundary carries the
+CP × PP (``SequenceShard``). Each of the cp ranks of a pipeline rank holds s/cp tokens of every sample
+(a head-tail pair of chunks, or one contiguous chunk: ``context_parallel.shard_sequence``): the stages are
+traced on those tokens of one micro-batch (so every boundary carries the
 rank's token shard), each step cuts the rank's batch the same way before the schedule splits it into
 micro-batches, and the schedule runs under ``context_parallel.ContextParallelMode``, which turns the
 traced graphs' ``aten.scaled_dot_product_attention`` into the ring over the cp ranks of the same stage

@@ -7,7 +7,8 @@ or alone under torchrun::
 
 One launch trains every model given (process start-up is the slow part on a small machine).
 Ranks form a (dp, cp) mesh: each dp row draws its slice of the global batch, and its cp ranks
-take contiguous chunks of those sequences (``shard_sequence``). The forward and backward run
+take contiguous chunks of those sequences (``shard_sequence``; the emitted programs' head-tail chunks are
+their own cases, and ``--check-op`` checks the ring on both). The forward and backward run
 under ``ContextParallelMode``; the plain (unwrapped) model's gradients are averaged over all
 ranks (``average_gradients``), then AdamW steps. Rank 0 writes ``NAME/losses.json`` (the global
 mean loss per step) and ``NAME/params.pt``. ``--check-op`` first compares ring attention with
@@ -52,23 +53,25 @@ def parse_args() -> argparse.Namespace:
 
 
 def check_op(cp_group, cp_rank: int, cp: int) -> dict:
-    """Largest |ring - one process| of out, dq, dk, dv over this cp group, per is_causal."""
+    """Largest |ring - one process| of out, dq, dk, dv over this cp group, per is_causal and layout (contiguous
+    chunks, and head-tail pairs of chunks: torch's load-balanced ring)."""
     result = {}
-    for is_causal in (True, False):
+    for is_causal, balanced in ((True, False), (False, False), (True, True), (False, True)):
         torch.manual_seed(1)  # the same full tensors on every rank
         q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
         weight = torch.randn(2, 4, 16, 8)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*full, is_causal=is_causal, enable_gqa=True)
         (out * weight).sum().backward()
-        local = [shard_sequence(t, 2, cp_rank, cp).clone().requires_grad_() for t in (q, k, v)]
-        with ContextParallelMode(cp_group, cp_rank, cp, local[0].shape[2]):
+        local = [shard_sequence(t, 2, cp_rank, cp, balanced).clone().requires_grad_() for t in (q, k, v)]
+        with ContextParallelMode(cp_group, cp_rank, cp, local[0].shape[2], balanced):
             local_out = F.scaled_dot_product_attention(*local, is_causal=is_causal, enable_gqa=True)
-            (local_out * shard_sequence(weight, 2, cp_rank, cp)).sum().backward()
+            (local_out * shard_sequence(weight, 2, cp_rank, cp, balanced)).sum().backward()
         pairs = [(local_out, out)] + [(mine.grad, whole.grad) for mine, whole in zip(local, full)]
-        diffs = torch.tensor([(a - shard_sequence(b, 2, cp_rank, cp)).abs().max().item() for a, b in pairs])
+        diffs = torch.tensor([(a - shard_sequence(b, 2, cp_rank, cp, balanced)).abs().max().item() for a, b in pairs])
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp_group)
-        result["causal" if is_causal else "full"] = dict(zip(("out", "dq", "dk", "dv"), diffs.tolist()))
+        name = ("causal" if is_causal else "full") + ("-head-tail" if balanced else "")
+        result[name] = dict(zip(("out", "dq", "dk", "dv"), diffs.tolist()))
     return result
 
 

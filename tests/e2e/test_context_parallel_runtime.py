@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime import load_model_file
-from autoshard.runtime.context_parallel import ContextParallelMode, ring_attention, shard_sequence
+from autoshard.runtime.context_parallel import (
+    CP_ATTENTION,
+    ContextParallelMode,
+    cp_attention_refusal,
+    head_tail_positions,
+    ring_attention,
+    shard_sequence,
+    use_cp_attention,
+)
 
 MODELS = {"gpt": "examples/gpt.py:build", "llama": "tests/models/hf_llama.py:build"}
 
@@ -106,6 +114,97 @@ def test_shard_sequence_takes_contiguous_chunks():
     assert shard_sequence(t, 1, 2, 3).tolist() == [[8, 9, 10, 11], [20, 21, 22, 23]]
     with pytest.raises(AutoshardError, match="divisible by 5, got 12"):
         shard_sequence(t, 1, 0, 5)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_head_tail_shards_are_torchs_load_balanced_ones(cp):
+    """Rank r's tokens are chunks r and 2cp − 1 − r: the indices of torch's head-tail load balancer, which its
+    balanced ring assumes; the sharding of a batch and the positions read the same definition."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    s = 8 * cp
+    torchs = _HeadTailLoadBalancer(s, cp, torch.device("cpu"))._generate_indices()[0].view(cp, s // cp)
+    batch = torch.arange(2 * s).reshape(2, s)
+    for rank in range(cp):
+        assert head_tail_positions(rank, cp, s // cp).tolist() == torchs[rank].tolist()
+        assert shard_sequence(batch, 1, rank, cp, balanced=True).tolist() == [
+            torchs[rank].tolist(),
+            (torchs[rank] + s).tolist(),
+        ]
+    with pytest.raises(AutoshardError, match=f"divisible by {2 * cp}, got {2 * cp + cp}"):
+        shard_sequence(torch.zeros(1, 3 * cp), 1, 0, cp, balanced=True)
+
+
+def test_mode_numbers_head_tail_positions(group):
+    """Rank 0 of 2 holding a head-tail pair of 4-token chunks of 16: an arange of its 8 local tokens numbers
+    0..3 then 12..15, also from an offset (``arange(c) + past``) and into ``out=``."""
+    with ContextParallelMode(group, 0, 2, 8, balanced=True):
+        assert torch.arange(8).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+        assert torch.arange(5, 13).tolist() == [5, 6, 7, 8, 17, 18, 19, 20]
+        assert torch.arange(8, dtype=torch.float64).tolist() == [0.0, 1.0, 2.0, 3.0, 12.0, 13.0, 14.0, 15.0]
+        out = torch.empty(8, dtype=torch.long)
+        torch.arange(8, out=out)
+        assert out.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+        assert torch.arange(4).tolist() == [0, 1, 2, 3]  # not the local length: not positions
+
+
+def _sdpa_calls(monkeypatch) -> list:
+    """Record (attn_mask, is_causal) of every SDPA call transformers makes."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def test_llama_under_the_cp_attention_builds_no_mask_for_jumping_positions(monkeypatch, in_repo):
+    """Head-tail positions jump (0..3 then 12..15). Under "sdpa" transformers reads the jump as two packed
+    documents and masks across it (what a cp rank must not do: its second chunk attends to its first); under the
+    ring's key (``use_cp_attention``) it builds no mask, never looks for packed sequences, and calls SDPA with
+    ``is_causal`` and no mask, which the mode turns into the ring. On ordinary positions both compute the same."""
+    import transformers.masking_utils as masking
+
+    model = load_model_file(MODELS["llama"]).build().eval()
+    ids, jumping = torch.randint(0, 256, (1, 8)), torch.tensor([[0, 1, 2, 3, 12, 13, 14, 15]])
+    calls = _sdpa_calls(monkeypatch)
+    plain = model(ids).logits
+    model(ids, position_ids=jumping)
+    assert any(mask is not None for mask, _ in calls), "sdpa masks packed positions: the test would prove nothing"
+    use_cp_attention(model)
+    assert model.config._attn_implementation == CP_ATTENTION
+    assert use_cp_attention(model) is model  # idempotent
+
+    def packed(*args, **kwargs):
+        raise AssertionError("packed-sequence detection ran under the ring's attention")
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", packed)
+    calls.clear()
+    model(ids, position_ids=jumping)
+    assert calls and all(mask is None and causal for mask, causal in calls), calls
+    torch.testing.assert_close(model(ids).logits, plain)
+
+
+def test_the_cp_attention_refuses_padding_and_attention_of_its_own(in_repo):
+    """Under the ring's key transformers would drop a padding mask silently: refused at the forward (a mask of
+    ones is no padding); a model built with eager attention is not switched to SDPA behind its back."""
+    import transformers
+
+    model_file = load_model_file(MODELS["llama"])
+    model = use_cp_attention(model_file.build())
+    ids, padding = torch.randint(0, 256, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    model(ids, attention_mask=padding)
+    padding[0, :2] = 0
+    with pytest.raises(AutoshardError, match="padding attention_mask"):
+        model(ids, attention_mask=padding)
+    eager = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    assert "attends with 'eager'" in cp_attention_refusal(eager)
+    with pytest.raises(AutoshardError, match="attends with 'eager'.*plan without context parallelism"):
+        use_cp_attention(eager)
+    gpt = load_model_file(MODELS["gpt"]).build()
+    assert cp_attention_refusal(gpt) is None and use_cp_attention(gpt) is gpt  # SDPA called by its own code
 
 
 @pytest.mark.parametrize("mode", ["full", "selective", "alternate"])

@@ -18,7 +18,7 @@ import math
 
 from autoshard import runtime
 from autoshard.runtime import checkpoint
-from autoshard.runtime.parallel import apply_fsdp, build_optimizer, init_weights, sync_batch_norm
+from autoshard.runtime.parallel import apply_fsdp, build_optimizer, init_weights, sync_batch_norm, use_cp_attention
 from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
 
 
@@ -31,7 +31,7 @@ GLOBAL_BATCH = 8
 MESH = {"pp": 1, "dp": 2, "cp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {"dp_cp": ("dp", "cp")}  # dp x cp joined: the ranks holding the same parameters, gradients and the loss averaged over them
 DATA_AXIS = "dp"  # its ranks take different samples; the cp ranks of one dp rank take the same ones
-SEQUENCE_AXIS = "cp"  # context parallel: each sample's tokens split over its 2 ranks, attention as a ring
+SEQUENCE_AXIS = "cp"  # context parallel: each sample's tokens split over its 2 ranks (head-tail pairs of chunks), attention as a ring
 LOSS_AXIS = "dp_cp"  # the logged loss: the mean of its ranks' losses
 MICROBATCH_SIZE = 4
 NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
@@ -61,6 +61,11 @@ RECIPE = {
 
 def parallelize(model, mesh, device, recipe):
     """Apply the plan's steps in order (passes.lowering.lower): ZeRO-3 over 4 dp x cp ranks (FSDP2)."""
+    # Context parallel: each cp rank holds a head-tail pair of chunks of every sample (32 tokens in 4
+    # chunks: rank r chunks r and 3 - r), so that causal attention's work is even; a transformers model
+    # attends through SDPA without building a mask (its positions would read as packed sequences), a
+    # padding mask refused; no change to a model calling SDPA itself.
+    model = use_cp_attention(model)
     # BatchNorm statistics over every dp rank's samples, as one process sees them (no change without
     # BatchNorm).
     model = sync_batch_norm(model, mesh["dp_cp"])

@@ -19,7 +19,7 @@ import math
 from autoshard import runtime
 from autoshard.runtime import checkpoint
 from autoshard.runtime import pipeline_parallel as pp
-from autoshard.runtime.parallel import apply_replicate, build_optimizer, build_schedule, init_weights, split_pipeline
+from autoshard.runtime.parallel import apply_replicate, build_optimizer, build_schedule, init_weights, split_pipeline, use_cp_attention
 from autoshard.runtime.recipe import Recipe, build_scheduler, clip_grad_norm
 
 
@@ -32,7 +32,7 @@ GLOBAL_BATCH = 8
 MESH = {"pp": 2, "dp": 1, "cp": 2, "tp": 1}  # ranks along each dim, outermost first: tp innermost (inside a node)
 FLATTEN = {"dp_cp": ("dp", "cp")}  # dp x cp joined: the ranks holding the same parameters, gradients and the loss averaged over them
 DATA_AXIS = "dp"  # its ranks take different samples; the pp and cp ranks of one dp rank take the same ones
-SEQUENCE_AXIS = "cp"  # context parallel: each sample's tokens split over its 2 ranks, attention as a ring
+SEQUENCE_AXIS = "cp"  # context parallel: each sample's tokens split over its 2 ranks (head-tail pairs of chunks), attention as a ring
 MICROBATCH_SIZE = 2
 NUM_MICROBATCHES = 4  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
@@ -66,9 +66,15 @@ def build_pipeline(model, mesh, device, recipe, example_microbatch, loss_fn):
     """1f1b pipeline over 2 ranks, 2 stages cut at SPLIT_POINTS; this rank
     keeps its stages (torch.distributed.pipelining) and drops the rest of the model. The plan's steps in
     order (passes.lowering.lower)."""
+    # Context parallel: each cp rank holds a head-tail pair of chunks of every sample (64 tokens in 4
+    # chunks: rank r chunks r and 3 - r), so that causal attention's work is even; a transformers model
+    # attends through SDPA without building a mask (its positions would read as packed sequences), a
+    # padding mask refused; no change to a model calling SDPA itself.
+    model = use_cp_attention(model)
     # 2 stages cut at the split points by tracing one micro-batch; rank r keeps stage r and drops the rest
-    # of the model; context parallel: traced on this cp rank's chunk of each sample's tokens, which every
-    # stage boundary carries, and each step runs the schedule with attention as a ring over the cp ranks.
+    # of the model; context parallel: traced on this cp rank's tokens of each sample (use_cp_attention
+    # says which), which every stage boundary carries, and each step runs the schedule with attention as a
+    # ring over the cp ranks.
     stages = split_pipeline(model, mesh, split_points=SPLIT_POINTS, virtual_stages=VIRTUAL_STAGES, tp_styles={},
                             sequence_axis=SEQUENCE_AXIS, tokens_per_sample=TOKENS_PER_SAMPLE,
                             example_microbatch=example_microbatch, device=device)

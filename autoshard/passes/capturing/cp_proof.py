@@ -1,13 +1,19 @@
 """CP proof: context parallelism is accepted only where each rank's program computes its share.
 
-A cp plan (``runtime.context_parallel``) gives rank r the tokens [r·s/cp, (r+1)·s/cp) of every sample
-and runs the model's own Python code on them; ``ContextParallelMode`` makes attention a ring over the cp
+A cp plan (``runtime.context_parallel``) gives rank r s/cp tokens of every sample (contiguous, or a head-tail
+pair of chunks: any subset of the tokens in any order is proven alike, below) and runs the model's own Python
+code on them; ``ContextParallelMode`` makes attention a ring over the cp
 ranks and shifts every ``torch.arange`` of the local length to the rank's global positions. That is the
 one-process computation only if every other op works token by token: a cumsum or a mean over the
 sequence, a pooler that takes token 0, a label shift ``x[:, :-1]``, a conv over the tokens or a slice of a
 precomputed position table would each train silently wrong. ``passes.planning.context_parallel.cp_refusal`` reads
 the captured graph; this pass runs the model's code on a rank's share and reads what it computes.
 
+0. **The attention switch** (``attention_switch_refusal``): a transformers part must take the ring's attention
+   key (built with "sdpa", its code reading transformers' ``AttentionInterface``); the cp program switches it
+   first, and under that key transformers builds no mask at all (so the positions of head-tail chunks, which
+   jump, are not read as packed sequences). The proof below runs on the "sdpa" model: step 5 is what makes
+   dropping the mask exact.
 1. **The local program** (``export_local``): the model built on meta as capture builds it (folded
    likewise), exported on the capture batch with dim 1 of every input of s tokens (``input_shapes``) cut
    to a *symbolic* length t with 2 <= t <= s/2, hint s/2 (``torch.export`` with a ``Dim``). Why one
@@ -81,6 +87,7 @@ on the graph it gets, cached or not (``passes.capturing.front.capture_front``).
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import torch
@@ -105,6 +112,7 @@ from autoshard.passes.capturing.cp_local import (
 from autoshard.passes.capturing.cp_mixing import mixing
 from autoshard.passes.capturing.fold import fold_model
 from autoshard.passes.layouts.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
+from autoshard.runtime.context_parallel import cp_attention_refusal
 
 ALL = "*"  # the cp_proofs key of every degree without its own entry
 
@@ -135,12 +143,24 @@ def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
         return {ALL: NO_ATTENTION}
     if s // 2 < MIN_LOCAL:
         return {ALL: f"a sequence of {s} tokens is too short to split (a cp rank needs {MIN_LOCAL} or more)"}
+    why = attention_switch_refusal(model_file)
+    if why:
+        return {ALL: why}
     proofs = local_proofs(model_file, graph)
     if "" in proofs.values():  # some degree's rank computes its share: then one process must mask causally
         why = mask_refusal(model_file, graph)
         if why:
             return {ALL: why}
     return proofs
+
+
+def attention_switch_refusal(model_file: ModelFile) -> str | None:
+    """Step 0: a transformers model (or a model file holding one) must take the ring's attention key
+    (``runtime.context_parallel.use_cp_attention``, which a cp program applies first); why not, or None. Only
+    where transformers is loaded: a model file without it has nothing to switch."""
+    if "transformers" not in sys.modules:
+        return None
+    return cp_attention_refusal(build_on_meta(model_file))
 
 
 def local_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:

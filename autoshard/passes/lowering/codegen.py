@@ -23,7 +23,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from autoshard.ir.decisions import TP_STYLES, precision_policy
+from autoshard.ir.decisions import TP_STYLES, cp_load_balanced, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES
 from autoshard.ir.recipe import Recipe
@@ -283,9 +283,11 @@ def _layout_constants(spec: Layout, pipeline: bool) -> str:
     if spec.sequence_axis is None:
         sequence = "None  # no context parallelism: each rank takes whole samples"
     else:
+        cp = sizes[spec.sequence_axis]
+        chunks = "head-tail pairs of chunks" if cp_load_balanced(spec.tokens_per_sample, cp) else "contiguous chunks"
         sequence = (
             f'"{spec.sequence_axis}"  # context parallel: each sample\'s tokens split over its '
-            f"{sizes[spec.sequence_axis]} ranks, attention as a ring"
+            f"{cp} ranks ({chunks}), attention as a ring"
         )
     if pipeline:  # the stages cut the tokens and run the ring (runtime.pipeline_parallel, "CP × PP")
         return text + f"SEQUENCE_AXIS = {sequence}\n"

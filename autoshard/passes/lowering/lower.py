@@ -6,6 +6,7 @@ the same order. The order, and why:
 
     SPMD plans (pp = 1)                      pipeline plans (pp > 1)
     0 cast_params     bf16-pure on fp32 parameters only: the meta model in bf16, first, both kinds
+      use_cp_attention  cp plans: transformers attention that builds no mask (head-tail tokens), both kinds
       apply_float8    float8 plans: the linears of layout.float8_linears made torchao Float8Linear
     1 apply_tp        tensor parallelism     1 apply_tp        local shards, before the split
                       (float8 tensorwise: torchao's float8 styles)
@@ -46,7 +47,7 @@ plan was made for.
 
 from __future__ import annotations
 
-from autoshard.ir.decisions import FLOAT8_OFF, precision_policy
+from autoshard.ir.decisions import FLOAT8_OFF, cp_load_balanced, precision_policy
 from autoshard.ir.plan import Plan
 from autoshard.ir.plan_format import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from autoshard.ir.steps import MESH_ORDER, WHOLE_MESH, Layout, Step
@@ -107,6 +108,30 @@ def _cast_steps(plan: Plan) -> list[Step]:
     ]
 
 
+def _cp_attention_steps(plan: Plan) -> list[Step]:
+    """cp plans: a transformers model's attention under a key that builds no mask (``runtime.context_parallel``)."""
+    if plan.mesh.cp == 1:
+        return []
+    tokens = plan.model.get("tokens_per_sample", 1)
+    how = (
+        f"each cp rank holds a head-tail pair of chunks of every sample ({tokens} tokens in {2 * plan.mesh.cp} "
+        f"chunks: rank r chunks r and {2 * plan.mesh.cp - 1} - r), so that causal attention's work is even"
+        if cp_load_balanced(tokens, plan.mesh.cp)
+        else f"each cp rank holds one contiguous chunk of every sample ({tokens} tokens are not a multiple of "
+        f"{2 * plan.mesh.cp}, which head-tail chunks need)"
+    )
+    return [
+        Step(
+            "use_cp_attention",
+            None,
+            (),
+            f"context parallel: {how}; a transformers model attends through SDPA without building a mask (its "
+            "positions would read as packed sequences), a padding mask refused; no change to a model calling "
+            "SDPA itself",
+        )
+    ]
+
+
 def _float8_steps(plan: Plan) -> list[Step]:
     recipe = plan.decisions.float8
     if recipe == FLOAT8_OFF:
@@ -133,6 +158,7 @@ def _float8_steps(plan: Plan) -> list[Step]:
 def _spmd_steps(plan: Plan) -> list[Step]:
     steps = [
         *_cast_steps(plan),
+        *_cp_attention_steps(plan),
         *_float8_steps(plan),
         *_tp_steps(plan, before_split=False),
         *_ep_steps(plan),
@@ -181,6 +207,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
     )
     steps = [
         *_cast_steps(plan),
+        *_cp_attention_steps(plan),
         *_tp_steps(plan, before_split=True),
         *_ep_steps(plan),
         Step(
@@ -217,7 +244,7 @@ def _pipeline_steps(plan: Plan) -> list[Step]:
 
 
 _SEQUENCE_WHY = (
-    "; context parallel: traced on this cp rank's chunk of each sample's tokens, which every stage boundary "
+    "; context parallel: traced on this cp rank's tokens of each sample (use_cp_attention says which), which every stage boundary "
     "carries, and each step runs the schedule with attention as a ring over the cp ranks"
 )
 

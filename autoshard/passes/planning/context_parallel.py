@@ -1,6 +1,7 @@
 """Context parallelism on the graph: which cp degrees the model can run, and why not the others.
 
-A cp plan gives each rank s/cp consecutive tokens of every sample and runs the model's own code on
+A cp plan gives each rank s/cp tokens of every sample (a head-tail pair of chunks where s is a multiple of
+2cp, else consecutive ones: ``ir.decisions.cp_load_balanced``) and runs the model's own code on
 them (``runtime.context_parallel``): attention becomes a ring over the cp ranks, and every
 ``torch.arange`` of the local length s/cp becomes the rank's global positions (how the model's code
 numbers its tokens for position embeddings, both examples/gpt.py's ``arange(0, t)`` and transformers'
