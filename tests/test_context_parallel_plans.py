@@ -237,3 +237,30 @@ def test_head_tail_chunks_where_the_tokens_allow_them(gpt, in_repo):
         assert f"over its 2 ranks ({chunks})" in program and "model = use_cp_attention(model)" in program
         extra = ring_cost(CostTables(captured[1], cluster), chosen.decisions).forward_extra_s
         assert (extra == 0) == (chunks.startswith("head-tail")), (seq_len, extra)
+
+
+def test_the_ring_exposes_only_what_its_blocks_cannot_hide(llama_long):
+    """torch's ring (``cost.context_parallel`` "Ring exchange"): k and v all-gathered once behind the local block,
+    dk and dv passed on behind each later block, the last pass after the loop. At 128k tokens on NVLink every block
+    is long enough to hide its exchange: what is left exposed is that last pass of each attention's fp32 gradient
+    accumulators, in the backward alone; on a link 1000x slower the gathers show too, and more with more ranks."""
+    from dataclasses import replace as swap
+
+    from autoshard.cost.comm import p2p_s
+    from autoshard.cost.context_parallel import RING_GRAD_BYTES, _kv_chunk_bytes, cp_link
+
+    _, graph = llama_long
+    cluster = load_cluster("dgx-h100", nodes=1)
+    tables = CostTables(graph, cluster)
+    config = Decisions(mesh=Mesh(dp=1, tp=1, pp=1, cp=4), zero_stage=3, microbatch_size=1, num_microbatches=1)
+    link, elem = cp_link(cluster, config.mesh), tables.precision.activation_bytes
+    last_passes = sum(
+        p2p_s(_kv_chunk_bytes(node, 1 / 4, graph.batch_size, elem) * RING_GRAD_BYTES / elem, link)
+        for _, node in attention_nodes(graph)
+    )
+    ring = ring_cost(tables, config)
+    assert ring.exposed_s == pytest.approx(last_passes, rel=1e-9)
+    slow_link = swap(cluster.intra_node, bandwidth_gbps=cluster.intra_node.bandwidth_gbps / 1000, collectives=())
+    slow = CostTables(graph, swap(cluster, intra_node=slow_link))
+    exposed = [ring_cost(slow, swap(config, mesh=Mesh(cp=cp))).exposed_s for cp in (2, 4, 8)]
+    assert exposed[0] > 10 * ring.exposed_s and exposed[0] < exposed[1] < exposed[2]

@@ -23,17 +23,23 @@ rank r holds chunks r and 2cp − 1 − r of size h = s/(2cp), and torch's balan
 half a c×c block (c = 2h) at every step (step 0: the local causal 2h×2h; then either all queries against the
 first kv half or the second query half against all kv), so the causal work is even: the share is exact.
 
-**Ring exchange** (``ring_exposed_s``). At each of the cp − 1 later steps every rank sends its
-current k and v chunk to the next rank (P2P over the cp group's link) while it computes on the
-chunk it holds; the backward sends k, v and their gradient accumulators (2× the bytes). Per
-attention and micro-batch, with K the k and v bytes of the chunk (b samples, s/cp tokens) and
-t_blk the compute of one step (forward: T_attn,full(s)/cp², the full block of the contiguous ring's busiest
-rank; head-tail: the even share T_attn(s)/cp², half a full block under a causal mask)::
+**Ring exchange** (``ring_exposed_s``), as torch's ring templates run it (``_templated_ring_attention`` and its
+backward with torch's default ``_cp_options``; autoshard's runtime and torchtitan both call them). The forward
+does not pass k and v around the ring: it all-gathers every rank's k and v chunk once, issued before step 0 and
+waited at step 1, so only the local block hides it. The backward all-gathers k and v again the same way, and passes
+the dk, dv accumulators (fp32: ``convert_to_f32``) to the next rank after every step (a send/recv pair), each
+waited at the next step, behind its block, the last one after the loop with nothing to hide behind. Per attention
+and micro-batch, with K the k and v bytes of a rank's chunk (b samples, s/cp tokens), G = K·4/e the fp32 gradient
+bytes of the same (e the activations' element bytes), t_0 = T_attn(s)/cp² the local block of step 0 (half a full
+block under a causal mask, a full one without), and t_blk a later step's block (the even share T_attn(s)/cp² with
+head-tail chunks or without a causal mask; the contiguous ring's busiest rank computes a full block, twice that)::
 
-    exposed = (cp − 1)·[max(0, p2p(K) − t_blk) + max(0, p2p(2K) − 2.5·t_blk)] (+ the forward again
-              under full recompute)
+    exposed = max(0, AG(cp·K) − t_0)                                 the forward's gather
+            + max(0, AG(cp·K) − 2.5·t_0)                             the backward's gather
+            + (cp − 1)·max(0, p2p(G) − 2.5·t_blk) + p2p(G)           dk, dv passed on
+            (+ the forward's gather again under full recompute)
 
-(2.5: FlashAttention's backward over its forward, ``cost.eager``).
+(2.5: FlashAttention's backward over its forward, ``cost.eager``; AG the cp group's all-gather.)
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from autoshard.cost import eager
-from autoshard.cost.comm import p2p_s
+from autoshard.cost.comm import all_gather_s, p2p_s
 from autoshard.cost.compute import SDPA_TARGET
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import node_forward_s, node_units
@@ -129,18 +135,35 @@ def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple
         uneven = node.attrs.get("is_causal") and not balanced
         extra = t_share * (cp - 1) / cp if uneven else 0.0
         kv_bytes = _kv_chunk_bytes(node, b / cp, graph.batch_size, tables.precision.activation_bytes) / tp
-        block_s = t_share / cp / (eager.CAUSAL_WORK if uneven else 1.0)
-        forward_exposed = max(0.0, p2p_s(kv_bytes, link) - block_s)
-        backward_exposed = max(0.0, p2p_s(2 * kv_bytes, link) - eager.FLASH_BACKWARD_TO_FORWARD * block_s)
+        local_s = t_share / cp
+        block_s = local_s / (eager.CAUSAL_WORK if uneven else 1.0)
+        forward_exposed, backward_exposed = _exchange_exposed_s(
+            kv_bytes, tables.precision.activation_bytes, local_s, block_s, cp, link
+        )
         again = i in recomputes
         ring = RingCost(
             extra,
             eager.FLASH_BACKWARD_TO_FORWARD * extra,
             extra if again else 0.0,
-            (cp - 1) * (forward_exposed * (2 if again else 1) + backward_exposed),
+            forward_exposed * (2 if again else 1) + backward_exposed,
         )
         out[unit_of[i]] = add_rings((out[unit_of[i]], ring))
     return tuple(out)
+
+
+RING_GRAD_BYTES = 4  # torch's ring accumulates dq, dk, dv in fp32 and passes dk, dv on so (``convert_to_f32``)
+
+
+def _exchange_exposed_s(
+    kv_bytes: float, elem_bytes: int, local_s: float, block_s: float, cp: int, link: LinkSpec
+) -> tuple[float, float]:
+    """(forward, backward) exposed exchange of one attention's ring (module doc, "Ring exchange")."""
+    gather_s = all_gather_s(cp * kv_bytes, cp, link)
+    pass_s = p2p_s(kv_bytes * RING_GRAD_BYTES / elem_bytes, link)
+    back = eager.FLASH_BACKWARD_TO_FORWARD
+    forward = max(0.0, gather_s - local_s)
+    backward = max(0.0, gather_s - back * local_s) + (cp - 1) * max(0.0, pass_s - back * block_s) + pass_s
+    return forward, backward
 
 
 def _kv_chunk_bytes(node: OpNode, samples: float, captured_batch: int, elem_bytes: int) -> float:

@@ -643,7 +643,8 @@ def _param_name(kind: str, key: str) -> str:
 
 
 def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
-    """A TP-local shard (plain, or FSDP2's Shard(0) over dp) as the DTensor of the whole tensor."""
+    """A TP-local shard (plain, or FSDP2's Shard(0) over dp, or over the dp·cp ranks with context parallelism) as
+    the DTensor of the whole tensor."""
     tp = mesh["tp"].size()
     if isinstance(value, DTensor):  # FSDP2 on dp over a tp shard: 2-D, as FSDP2 itself lays out TP params
         shape = list(value.shape)
@@ -651,9 +652,10 @@ def _as_global(value: torch.Tensor, dim: int, mesh) -> DTensor:
         dp_placement = _StridedShard(0, split_factor=tp) if dim == 0 else Shard(0)
         if value.placements[0].is_replicate():  # FSDP2's replicate (ZeRO-0): whole on every dp rank
             dp_placement = Replicate()
+        (dp_axis,) = value.device_mesh.mesh_dim_names  # the dp wrapper's own axis: "dp", or "dp_cp" beside cp
         return DTensor.from_local(
             value.to_local(),
-            mesh["dp", "tp"],
+            mesh[dp_axis, "tp"],
             (dp_placement, Shard(dim)),
             run_check=False,
             shape=torch.Size(shape),

@@ -10,7 +10,7 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank); pp 2 x cp 2 (each stage's
                ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens)
-    8 ranks    pp 2 x cp 2 x tp 2 with sequence and loss parallelism (benchmarks/llama3.py's tiny Llama: a stage
+    8 ranks    pp 2 x cp 2 x tp 2 with sequence and loss parallelism, ZeRO-1 (benchmarks/llama3.py's tiny Llama: a stage
                boundary carrying 1/tp of a cp rank's tokens, the loss on vocabulary shards of its logits)
 
 Every case runs two micro-batches per step. The Python API takes the 2-rank cp plan of the GPT too:
@@ -55,14 +55,16 @@ CASES_4 = {
 }
 # inside pipeline stages: the GPT (transformers' Llama attends with the mask its traced graph builds: refused)
 CASES_PP = {"gpt-pp2-cp2-1f1b": ("gpt", dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b"))}
-# and with tp 2, sequence and loss parallelism on 8 ranks: a stage boundary carries 1/tp of a cp rank's tokens, and
+# and with tp 2, sequence and loss parallelism on 8 ranks, ZeRO-1 (FSDP2 over the dp x cp ranks of each stage, whose
+# parameters are TP's local shards: its checkpoint state a 2-D DTensor over dp_cp x tp, which init_weights loads
+# through): a stage boundary carries 1/tp of a cp rank's tokens, and
 # the last stage's loss reads its vocabulary shard of them; one sample per micro-batch, so a cp rank's rows of the
 # loss number as its tokens (an arange of them inside the loss's backward must not be taken for positions)
 LLAMA3_TINY = "llama3-tiny"
 CASES_PP_8 = {
     "llama3-pp2-cp2-tp2-sp-lp": (
         LLAMA3_TINY,
-        dict(cp=2, dp=1, tp=2, zero=0, pp=2, schedule="1f1b", sequence_parallel=True, loss_parallel=True),
+        dict(cp=2, dp=1, tp=2, zero=1, pp=2, schedule="1f1b", sequence_parallel=True, loss_parallel=True),
     )
 }
 # api_driver.py: the Python API on a case of CASES_2's plan
