@@ -30,10 +30,11 @@ What a row's prediction means (``Run.status``):
                  (``ir.decisions.async_tp_refusal``: there TP's collectives are traced custom ops, which inductor's
                  micro-pipeline pass does not match); priced as autoshard's compiled program with the rest of the
                  run (float8 linears, loss parallelism), TP's collectives exposed, so its time is not the run's.
-    compile      the configuration under torch.compile, with what autoshard's programs do not have (compiled
-                 blocks beside cp inside pipeline stages); priced as autoshard's eager
-                 program (with its float8 linears where the run had them, beside TP and pipeline stages too, and
-                 loss parallelism where the run had it and autoshard emits it: ``loss_parallel_emitted``).
+    compile      the configuration under torch.compile, with what autoshard's programs would not compile; priced
+                 as autoshard's eager program (with its float8 linears where the run had them, beside TP and
+                 pipeline stages too, and loss parallelism where the run had it and autoshard emits it:
+                 ``loss_parallel_emitted``). No row holds it today (compiled blocks beside cp inside pipeline stages
+                 are emitted since 2026-12-02).
     float8       the run used float8 matmuls (torchao) in a layout autoshard emits no float8 for
                  (``ir.decisions.float8_runs``: expert parallelism); the bf16 layout is priced for reference
                  (memory is close: torchao's table moves 0.1 GiB between bf16 and float8), its time is not a
@@ -280,8 +281,7 @@ FLOAT8_8B_REASON = (
 FLOAT8_CP1_REASON = "as run: float8 tensorwise with each block compiled, full AC, one rank per sequence"
 FLOAT8_CP_REASON = (
     "as run: float8 tensorwise with each block compiled (the CP ring eager between its compiled graphs), full AC; "
-    "autoshard's ring runs contiguous chunks, without torchtitan's causal load balancing, so its last cp rank "
-    "attends (2cp-1)/cp times a balanced rank's share, and it is priced so"
+    "head-tail chunks (torch's load-balanced causal ring, as torchtitan's), k and v all-gathered once"
 )
 FLOAT8_AO_REASON = (
     "as run: float8 {recipe} (torchao{gather}) with each block compiled, per-op SAC as --recompute alternate"
@@ -296,11 +296,11 @@ FLOAT8_EMITTED = (
     "float8 rowwise",
 )
 FLOAT8_ALL_GATHER = ("float8 all-gather",)
-CP_WITH_PP = (
-    "compile",
-    "sequence parallelism beside cp inside pipeline stages, and torch.compile beside pipeline stages, are not "
-    "emitted: the same layout eager, with its float8 linears and without sequence parallelism, is priced for "
-    "reference",
+ASYNC_TP_CP_PP_REASON = (
+    "async TP inside pipeline stages is not in autoshard's programs (see the cp 1 row): priced as run otherwise, "
+    "each stage's blocks compiled (--compile on) with the CP ring eager between their graphs (head-tail chunks), "
+    "TP with sequence and loss parallelism, float8 tensorwise linears converted after the split, TP's collectives "
+    "left exposed"
 )
 ASYNC_TP_AS_RUN = {  # the async-TP benchmark's bf16 rows, without and with async TP
     False: "as run: FSDP2 x TP with sequence and loss parallelism, each block compiled (--compile on) beside "
@@ -560,9 +560,10 @@ def torchtitan_rows() -> list[Run]:
                 ("FSDP2", "TP", "PP", "CP", "torch.compile", "float8 (tensorwise)", "async TP", "loss parallel"),
                 tps,
                 mem,
-                *(("async TP", ASYNC_TP_PP_REASON) if cp == 1 else CP_WITH_PP),
+                "async TP",
+                ASYNC_TP_PP_REASON if cp == 1 else ASYNC_TP_CP_PP_REASON,
                 cuts=torchtitan_cuts(126, 8),
-                compiled=cp == 1,
+                compiled=True,
                 float8="tensorwise",
             )
         )

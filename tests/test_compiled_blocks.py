@@ -106,7 +106,6 @@ def test_a_plan_whose_compile_is_not_a_flag_is_one_line(compiled_plan):
         (dict(pp=2, recompute="selective"), "--compile on with pipeline stages and --recompute selective"),
         (dict(cp=2, recompute="alternate"), "--compile on with --cp 2 and --recompute alternate"),
         (dict(cp=2, tp=2), "--compile on with --cp 2 and --tp 2"),
-        (dict(pp=2, cp=2), "--compile on with pipeline stages and --cp 2"),
         (dict(pp=2, schedule="zbv"), "--compile on with pipeline stages and --schedule zbv"),
         (dict(ep=2), "--compile on with --ep 2 is not emitted yet"),
     ],
@@ -126,15 +125,18 @@ def test_the_search_never_turns_compile_on_and_compiles_tp_with_sequence_paralle
     pin_checks.check_pins(Pins(**pins), load_cluster("local-cpu", devices_per_node=2), 8)  # no refusal left
 
 
-def test_compile_runs_beside_tp_inside_stages_but_not_beside_tp_and_cp():
-    """Stages compile blocks holding TP's local shards (their collectives are custom-op calls); beside cp, TP stays
-    refused, and a stage beside cp too."""
+def test_compile_runs_beside_tp_and_cp_inside_stages_but_not_beside_tp_and_cp_outside():
+    """Stages compile blocks holding TP's local shards (their collectives are custom-op calls), beside cp too (the
+    traced attention runs the ring eager between compiled graphs); SPMD beside cp, TP stays refused."""
     four = load_cluster("local-cpu", devices_per_node=4)
     pin_checks.check_pins(Pins(compile=True, tp=2, pp=2, recompute="full", sequence_parallel=True), four, 8)
+    pin_checks.check_pins(Pins(compile=True, pp=2, cp=2, recompute="full"), four, 8)
     assert compile_runs(Mesh(tp=2, pp=2), recompute="full", schedule="1f1b")
     assert compile_runs(Mesh(tp=2, pp=2), recompute="none", schedule="interleaved-1f1b")
+    assert compile_runs(Mesh(pp=2, cp=2), recompute="full", schedule="1f1b")
+    assert compile_runs(Mesh(tp=2, pp=2, cp=2), recompute="full", schedule="1f1b")
     assert not compile_runs(Mesh(tp=2, cp=2), recompute="full")
-    assert not compile_runs(Mesh(tp=2, pp=2, cp=2), recompute="full", schedule="1f1b")
+    assert not compile_runs(Mesh(pp=2, cp=2), recompute="full", schedule="zbv")
     assert not compile_runs(Mesh(tp=2, pp=2), recompute="selective", schedule="1f1b")
 
 
@@ -253,6 +255,49 @@ def test_beside_context_parallelism_the_ring_runs_eager_in_the_compiled_block_an
         torch.testing.assert_close(got.grad, want.grad)
 
 
+def test_a_stage_block_compiled_runs_its_traced_attention_as_the_ring_eager(monkeypatch):
+    """Inside a pipeline stage a block is a module of a torch.export-traced graph: its attention is
+    ``aten.scaled_dot_product_attention`` and its positions ``aten.arange``. Compiled (``compile_stage_blocks``) and
+    run under the ring's mode, dynamo breaks the graph at the ring (``torch.compiler.disable``), which runs eager,
+    once per block, and the arange is the rank's global positions; the block trains as the eager stage does."""
+    import torch.distributed as dist
+
+    from autoshard.runtime import compiled as compiled_runtime
+
+    cp = sys.modules["autoshard.runtime.context_parallel"]
+    calls = []
+
+    def one_rank_ring(query, key, value, group, is_causal=False, scale=None, balanced=False):
+        calls.append(torch.compiler.is_compiling())
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
+
+    class Positioned(Attention):
+        def forward(self, x):
+            return super().forward(x) + torch.arange(x.shape[1]).float()[:, None]
+
+    monkeypatch.setattr(cp, "ring_attention", one_rank_ring)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # rank 1 of 2: positions 8 .. 15
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    model = nn.Sequential(Positioned(), Positioned())
+    stages = [torch.export.unflatten(torch.export.export(model, (x,))) for _ in range(3)]
+    assert compiled_runtime.compile_stage_blocks(stages[1], ["0", "1"]) == ["0", "1"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    outs = []
+    for stage in stages[:2]:
+        with cp.ContextParallelMode(None, 1, 2, 8):
+            outs.append(stage(x))
+            outs[-1].square().sum().backward()
+    counters = torch._dynamo.utils.counters
+    assert calls == [False] * 4  # each block's ring, eager, in both stages
+    assert counters["stats"]["unique_graphs"] >= 2 and any("torch.compiler.disable" in r for r in counters["graph_break"])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(stages[2](x), outs[0], atol=1e-2)  # the local positions 0 .. 7 differ: shifted
+    for got, want in zip(stages[1].parameters(), stages[0].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-3, atol=1e-3)  # inductor's rounding beside eager
+
+
 @pytest.mark.parametrize("pins, outside", [(dict(dp=1, cp=2), True), (dict(dp=1, pp=2), False)])
 def test_beside_cp_and_in_stages_the_recompute_is_eager_around_the_compiled_block(pins, outside):
     """The search keeps compile beside cp and in stages to none or full recompute; beside cp the lowered step says
@@ -312,10 +357,11 @@ def test_per_block_recompute_beside_compiled_blocks_takes_only_the_modes_they_ru
 
 
 def test_a_plan_file_with_compile_where_it_is_not_emitted_is_one_line(in_repo):
-    """A hand-edited plan whose compiled blocks are not emitted (pipeline stages beside cp) is refused when read."""
+    """A hand-edited plan whose compiled blocks are not emitted (a zero-bubble schedule's split backward) is refused
+    when read."""
     import json
 
-    plan = autoshard.plan(GPT, devices_per_node=4, global_batch=8, dp=1, pp=2, cp=2, recompute="full")
+    plan = autoshard.plan(GPT, devices_per_node=2, global_batch=8, dp=1, pp=2, schedule="zbv", recompute="full")
     doc = json.loads(plan.to_json())
     doc["decisions"]["compile"] = True
     with pytest.raises(AutoshardError, match="compiled blocks are not emitted") as refused:

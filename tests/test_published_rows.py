@@ -131,9 +131,10 @@ def test_the_reserve_is_fitted_on_the_fitting_rows_only():
 
 
 def test_torchtitans_405b_rows_are_priced_compiled_in_stages_without_the_async_tp_they_ran_with():
-    """Table 5 and 6's cp 1 row: compiled blocks beside TP inside pipeline stages are emitted, async TP there is not
-    (``ir.decisions.async_tp_refusal``), so the row is priced compiled without it and is not "as run"."""
-    for name in ("tt-405b-512g-1f1b", "tt-405b-512g-interleaved-1f1b", "tt-405b-cp1-32k"):
+    """Table 5 and 6: compiled blocks beside TP (and beside cp) inside pipeline stages are emitted, async TP there is
+    not (``ir.decisions.async_tp_refusal``), so each row is priced compiled without it and is not "as run"."""
+    six = ("tt-405b-512g-1f1b", "tt-405b-512g-interleaved-1f1b", *(f"tt-405b-cp{c}-{32 * c}k" for c in (1, 2, 4, 8)))
+    for name in six:
         row, args = BY_NAME[name], BY_NAME[name].estimate_args()
         assert row.status == "async TP" and "async TP" in row.needs and row.emits == "no: async TP", name
         assert "--compile" in args and args[args.index("--compile") + 1] == "on" and "--async-tp" not in args, name

@@ -501,8 +501,9 @@ def compile_runs(
     parallelism (the ring eager between compiled graphs) and inside pipeline stages (each stage's blocks
     compiled), the recompute stays eager around the compiled block, so none or full (selective's policy is a
     dispatch mode, under which dynamo compiles nothing); beside cp without tensor parallelism; in stages with or
-    without it (TP's local shards and their traced collectives, custom ops inductor calls as they are), not
-    beside cp nor with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
+    without it (TP's local shards and their traced collectives, custom ops inductor calls as they are) and beside
+    cp there too (the stage's traced attention and positions run eager under the ring's mode between compiled
+    graphs), not with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
     backward). ``sequence_parallel`` no longer narrows it; callers still pass it."""
     del sequence_parallel
     if ep > 1:
@@ -511,7 +512,7 @@ def compile_runs(
         return (
             (mesh.tp == 1 or mesh.pp > 1)
             and recompute in COMPILED_RECOMPUTE_OUTSIDE
-            and (mesh.pp == 1 or (mesh.cp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES))
+            and (mesh.pp == 1 or schedule not in ZERO_BUBBLE_SCHEDULES)
         )
     return True
 

@@ -1,11 +1,12 @@
 """Plans with ``--compile on`` (each block compiled by inductor, ``runtime.compiled``) train like one process.
 
-Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch: FSDP2 over compiled blocks that
+Each case is ``autoshard.verify`` of one plan in the session's 2-rank launch (one, 4 ranks, in its 4-rank launch): FSDP2 over compiled blocks that
 recompute in full (the checkpoint traced inside the compiled block, FSDP2's hooks outside it), and DTensor tensor
 parallelism inside compiled blocks with selective recompute, and with sequence parallelism under full recompute (the
 block compiled inside its checkpoint) and under op-level selective recompute, on a transformers Llama with its
-default dropout; context parallelism's ring run eager between compiled graphs, and two pipeline stages each compiling
-the blocks it holds, both with full recompute eager around the compiled block. Outside pipelines the loss is
+default dropout; context parallelism's ring run eager between compiled graphs, two pipeline stages each compiling
+the blocks it holds, and both at once (pp 2 x cp 2, interleaved: the ring inside each stage's compiled blocks), all
+with full recompute eager around the compiled block. Outside pipelines the loss is
 compiled too (``runtime.compiled_loss``, the default under ``--compile on``).
 The one-process reference runs eager, so the comparison covers inductor's kernels as well as the parallelism.
 """
@@ -42,17 +43,28 @@ CASES = {  # name: (model, cluster, pins)
     ),
     "gpt-cp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, cp=2, recompute="full")),
     "gpt-pp2-full": ("examples/gpt.py:build", "local-cpu", dict(dp=1, tp=1, pp=2, schedule="1f1b", recompute="full")),
+    # 4 ranks: the ring inside compiled stage blocks (a traced graph's attention, eager between compiled graphs)
+    "gpt-pp2-cp2-full": (
+        "examples/gpt.py:build",
+        "local-cpu",
+        dict(dp=1, tp=1, pp=2, cp=2, schedule="interleaved-1f1b", recompute="full"),
+    ),
+}
+RANKS = {
+    name: (pins.get("pp", 1) * pins.get("cp", 1) * pins["tp"] * pins["dp"]) for name, (_, _, pins) in CASES.items()
 }
 STEPS = 3
 
 
 def _plan(name):
     model, cluster, pins = CASES[name]
-    return autoshard.plan(model, cluster=cluster, devices_per_node=2, global_batch=8, compile=True, **{"pp": 1, **pins})
+    return autoshard.plan(
+        model, cluster=cluster, devices_per_node=RANKS[name], global_batch=8, compile=True, **{"pp": 1, **pins}
+    )
 
 
 LAUNCHES = Cases(
-    dict.fromkeys(CASES, 2),
+    RANKS,
     *verify_cases(_plan, lambda name: STEPS),
     case_of=lambda test, params: params.get("name"),
 )

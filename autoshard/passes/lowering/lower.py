@@ -373,6 +373,8 @@ _COMPILE_WHERE = {  # (pipeline stages, context parallelism): where the compiled
     (False, False): "",
     (False, True): "; the ring runs eager between compiled graphs, and a block's recompute eager around it",
     (True, False): "; each stage compiles the blocks it holds, its graph and a block's recompute eager around them",
+    (True, True): "; each stage compiles the blocks it holds, its graph, a block's recompute and the ring eager "
+    "around and between them",
 }
 
 

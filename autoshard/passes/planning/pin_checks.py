@@ -179,7 +179,7 @@ def _check_compile_loss(pins: Pins) -> None:
 
 def _check_compile_recompute_outside(pins: Pins) -> None:
     """--compile on beside --cp > 1 or pipeline stages (``compile_runs``: the recompute eager around the compiled
-    block): none or full recompute; beside cp no TP; in stages no cp and no split backward."""
+    block): none or full recompute; beside cp no TP outside stages; in stages no split backward."""
     where = "pipeline stages" if pins.wants_pipeline else f"--cp {pins.cp}"
     fixes = (
         (
@@ -191,11 +191,6 @@ def _check_compile_recompute_outside(pins: Pins) -> None:
             pins.recompute not in (None, *COMPILED_RECOMPUTE_OUTSIDE),
             f"--recompute {pins.recompute} (its policy is a dispatch mode, under which dynamo compiles nothing)",
             "--recompute full or none",
-        ),
-        (
-            pins.wants_pipeline and (pins.cp or 1) > 1,
-            f"--cp {pins.cp} (the ring inside compiled stage blocks is not verified)",
-            "--cp 1",
         ),
         (
             pins.wants_pipeline and pins.schedule in ZERO_BUBBLE_SCHEDULES,
