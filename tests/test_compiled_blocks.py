@@ -228,7 +228,7 @@ def test_beside_context_parallelism_the_ring_runs_eager_in_the_compiled_block_an
     cp = sys.modules["autoshard.runtime.context_parallel"]
     calls = []
 
-    def one_rank_ring(query, key, value, group, is_causal=False, scale=None):
+    def one_rank_ring(query, key, value, group, is_causal=False, scale=None, balanced=False):
         calls.append(torch.compiler.is_compiling())
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
 
@@ -291,7 +291,9 @@ def test_a_stage_block_compiled_runs_its_traced_attention_as_the_ring_eager(monk
             outs[-1].square().sum().backward()
     counters = torch._dynamo.utils.counters
     assert calls == [False] * 4  # each block's ring, eager, in both stages
-    assert counters["stats"]["unique_graphs"] >= 2 and any("torch.compiler.disable" in r for r in counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 2 and any(
+        "torch.compiler.disable" in r for r in counters["graph_break"]
+    )
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
     assert not torch.allclose(stages[2](x), outs[0], atol=1e-2)  # the local positions 0 .. 7 differ: shifted
     for got, want in zip(stages[1].parameters(), stages[0].parameters()):
