@@ -237,6 +237,8 @@ def run(args) -> dict:
                     f"{times[key][-1] * 1e3:.1f} ms (predicted {plan.predicted.step_time_s * 1e3:.1f})",
                     flush=True,
                 )
+                if args.output:  # the runs so far, each time: a run stopped early keeps every record it made
+                    _save_partial(Path(args.output), args, plans, times, positions, reference)
     rows = [
         {
             "key": key,
@@ -293,6 +295,23 @@ def run(args) -> dict:
         "summary": summary(rows, plan_key(pick)),
         "summary_drift_removed": summary(drift_removed(rows, reference), plan_key(pick)) if reference else {},
     }
+
+
+def _save_partial(path: Path, args, plans, times: dict, positions: dict, reference: list) -> None:
+    """The runs made so far (``"partial": true``), which the final write replaces: every plan run at least once,
+    with its predicted and measured times, its places in the sequence, and the reference runs."""
+    rows = [
+        {
+            "key": key,
+            "predicted_s": plan.predicted.step_time_s,
+            "measured_rounds_s": times[key],
+            "positions": positions[key],
+        }
+        for key, plan in plans
+        if times[key]
+    ]
+    doc = {"partial": True, "model": args.model, "ranks": args.ranks, "rows": rows, "reference": reference}
+    path.write_text(json.dumps(doc, indent=1))
 
 
 def predictions(args, path: Path) -> dict[str, float]:
