@@ -138,6 +138,7 @@ def test_pinned_cp_is_checked_against_the_model_and_the_other_pins(gpt):
     masked = copy.deepcopy(gpt[1])  # attention called with a mask, as transformers' traced graphs call it
     for _, node in attention_nodes(masked):
         node.attrs.pop("attn_mask")
+    masked.cp_proofs.pop("pipeline", None)  # and no proof that a cp pipeline's trace takes none
     with pytest.raises(AutoshardError, match="--cp 2 with pipeline stages: attention .* explicit mask .*; pin --pp 1"):
         plan((gpt[0], masked), "examples/gpt.py:build", cluster, 8, cp=2, pp=2)
     assert cp_choices(masked, 4, 2, Pins()) == [1] and cp_choices(masked, 4, 1, Pins(cp=2)) == [2]
@@ -264,3 +265,20 @@ def test_the_ring_exposes_only_what_its_blocks_cannot_hide(llama_long):
     slow = CostTables(graph, swap(cluster, intra_node=slow_link))
     exposed = [ring_cost(slow, swap(config, mesh=Mesh(cp=cp))).exposed_s for cp in (2, 4, 8)]
     assert exposed[0] > 10 * ring.exposed_s and exposed[0] < exposed[1] < exposed[2]
+
+
+def test_a_transformers_model_gets_cp_inside_stages_by_tracing_under_the_rings_attention(in_repo):
+    """transformers' Llama builds its causal mask whenever torch.export traces it under "sdpa", so the captured graph's
+    attention takes a mask; traced under the ring's attention key, as a cp pipeline's split traces it, none does
+    (the cp proof's step 6), and cp inside its pipeline stages is planned. (A graph whose masks that proof did not
+    clear stays refused: ``test_pinned_cp_is_checked_against_the_model_and_the_other_pins``.)"""
+    from autoshard.passes.planning.context_parallel import pipeline_cp_refusal
+
+    spec = "tests/models/hf_llama.py:build"
+    captured = capture_graph(spec)
+    chosen = plan(captured, spec, load_cluster("local-cpu", devices_per_node=4), 8, cp=2, pp=2, dp=1, tp=1)
+    graph = captured[1]
+    assert any(n.attrs.get("attn_mask", "a tensor") is not None for _, n in attention_nodes(graph))
+    assert graph.cp_proofs.get("pipeline") == "" and pipeline_cp_refusal(graph) is None
+    assert (chosen.mesh.pp, chosen.mesh.cp) == (2, 2)
+    assert "model = use_cp_attention(model)" in emit_program(chosen).split("split_pipeline(")[0]

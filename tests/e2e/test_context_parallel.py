@@ -9,7 +9,8 @@ judged against fp32 and float64 one-process runs (``zoo._verdict``), dropout off
                tokens, reduce-scatter and all-gather for each all-reduce)
     4 ranks    cp 2 x dp 2 (ZeRO-3: FSDP2 over the 4 dp x cp ranks); cp 2 x tp 2 with sequence
                parallelism (the TP layout's collectives inside each cp rank); pp 2 x cp 2 (each stage's
-               ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens)
+               ring inside the 1F1B schedule, every stage boundary carrying a cp rank's tokens; the Llama's
+               stages traced under the ring's attention key, which builds no mask)
     8 ranks    pp 2 x cp 2 x tp 2 with sequence and loss parallelism, ZeRO-1 (benchmarks/llama3.py's tiny Llama: a stage
                boundary carrying 1/tp of a cp rank's tokens, the loss on vocabulary shards of its logits)
 
@@ -53,8 +54,9 @@ CASES_4 = {
     **{f"{m}-cp2-dp2-zero3": (m, dict(cp=2, dp=2, tp=1, zero=3)) for m in MODELS},
     **{f"{m}-cp2-tp2-sp": (m, dict(cp=2, dp=1, tp=2, zero=0, sequence_parallel=True)) for m in MODELS},
 }
-# inside pipeline stages: the GPT (transformers' Llama attends with the mask its traced graph builds: refused)
-CASES_PP = {"gpt-pp2-cp2-1f1b": ("gpt", dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b"))}
+# inside pipeline stages: the GPT, and transformers' Llama, whose stages are traced under the ring's attention key
+# (no mask built: ``runtime.context_parallel.use_cp_attention``, before the split)
+CASES_PP = {f"{m}-pp2-cp2-1f1b": (m, dict(cp=2, dp=1, tp=1, zero=0, pp=2, schedule="1f1b")) for m in MODELS}
 # and with tp 2, sequence and loss parallelism on 8 ranks, ZeRO-1 (FSDP2 over the dp x cp ranks of each stage, whose
 # parameters are TP's local shards: its checkpoint state a 2-D DTensor over dp_cp x tp, which init_weights loads
 # through): a stage boundary carries 1/tp of a cp rank's tokens, and

@@ -69,6 +69,11 @@ proven here, and checked by ``cp_refusal`` per degree on the captured graph: tha
 s/cp elements exists (the runtime would shift it too), attention dropout, and by the runtime as it runs:
 no explicit mask, the ring's shapes. Random ops (dropout) draw per rank, as under data parallelism.
 
+6. **Inside pipeline stages** (``stage_mask_refusal``, once some degree passes 1-5): a stage is a traced graph, so
+   its attention must take no mask when traced; a transformers model is exported under the ring's attention key
+   (what a cp pipeline traces) and every attention checked for ``attn_mask=None, is_causal=True``. Recorded under
+   ``cp_proofs["pipeline"]``, which ``passes.planning.context_parallel.pipeline_cp_refusal`` reads.
+
 The result is ``OpGraph.cp_proofs``, which ``passes.planning.context_parallel.cp_refusal`` reads right after the
 sequence's own conditions (s > 1, s mod cp = 0) and before its graph checks: {"*": reason}
 from the symbolic export (every degree with s/cp >= 2), or {"*": why the symbolic export failed, str(cp):
@@ -112,7 +117,7 @@ from autoshard.passes.capturing.cp_local import (
 from autoshard.passes.capturing.cp_mixing import mixing
 from autoshard.passes.capturing.fold import fold_model
 from autoshard.passes.layouts.context_parallel import CP_MAX, CP_SEARCH_MIN_TOKENS, DEFERRED
-from autoshard.runtime.context_parallel import cp_attention_refusal
+from autoshard.runtime.context_parallel import cp_attention_refusal, use_cp_attention
 
 ALL = "*"  # the cp_proofs key of every degree without its own entry
 
@@ -151,7 +156,40 @@ def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
         why = mask_refusal(model_file, graph)
         if why:
             return {ALL: why}
+        proofs[PIPELINE] = stage_mask_refusal(model_file, graph)
     return proofs
+
+
+PIPELINE = "pipeline"  # the cp_proofs key of cp inside pipeline stages (step 6): "" where their traced attention
+# takes no mask
+
+
+def stage_mask_refusal(model_file: ModelFile, graph: OpGraph) -> str:
+    """Step 6: why cp cannot run inside pipeline stages, or "". A stage is a traced graph, which calls attention
+    as the trace saw it: with a mask where the model builds one while traced (transformers always does under
+    "sdpa"), which the ring cannot take. Where the capture shows no mask, nothing to prove. Else, for a
+    transformers model, the program a cp pipeline traces: the model under the ring's attention key
+    (``use_cp_attention``, applied before the split), exported statically at s/2 tokens of one sample; every
+    attention must take no mask and be causal (step 5 proved that the causal mask is the one process's)."""
+    masked = [n for n in graph.nodes if n.target.startswith(SDPA_TARGET) and n.attrs.get("attn_mask", "") is not None]
+    if not masked:
+        return ""
+    why = (
+        f"attention {masked[0].name} takes an explicit mask when traced (pipeline stages are traced graphs), "
+        f"which the ring cannot split"
+    )
+    if "transformers" not in sys.modules:
+        return why
+    s = graph.tokens_per_sample
+    try:
+        program = export_local(model_file, graph, s // 2, symbolic=False, batch=1, cp_attention=True)
+    except Exception as exc:
+        return f"{why}; traced under the ring's attention key it fails ({_why_not(exc)})"
+    for sdpa in walk(program.graph_module):
+        args = bound_args(sdpa) if is_sdpa(sdpa) else {}
+        if args and (args.get("attn_mask") is not None or not args.get("is_causal")):
+            return f"{where(sdpa)} takes a mask or is not causal when traced under the ring's attention key"
+    return ""
 
 
 def attention_switch_refusal(model_file: ModelFile) -> str | None:
@@ -198,10 +236,20 @@ def per_degree(model_file: ModelFile, graph: OpGraph, why: str) -> dict[str, str
     return out
 
 
-def export_local(model_file: ModelFile, graph: OpGraph, length: int, symbolic: bool, batch: int | None = None):
+def export_local(
+    model_file: ModelFile,
+    graph: OpGraph,
+    length: int,
+    symbolic: bool,
+    batch: int | None = None,
+    cp_attention: bool = False,
+):
     """The model's program on ``length`` of the s tokens (symbolic: any length 2 .. s/2, hint ``length``), on
-    the captured batch or ``batch`` samples."""
+    the captured batch or ``batch`` samples; ``cp_attention``: under the ring's attention key, as a cp program
+    runs it (``runtime.context_parallel.use_cp_attention``)."""
     model = build_on_meta(model_file)
+    if cp_attention:
+        use_cp_attention(model)
     if graph.fold is not None:
         fold_model(model)
     s = graph.tokens_per_sample

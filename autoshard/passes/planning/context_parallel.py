@@ -18,8 +18,9 @@ numbers its tokens for position embeddings, both examples/gpt.py's ``arange(0, t
                          0 .. s/cp − 1, the first rank's positions (``table_slices``)
     inside a pipeline    (pp > 1, ``pipeline_cp_refusal``) every attention of the captured graph takes no
                          explicit mask: a pipeline's stages are traced graphs, which call attention with the
-                         mask the model built while traced (transformers always builds one then), and the
-                         ring takes none; eager SPMD code passes ``is_causal`` instead
+                         mask the model built while traced, and the ring takes none; or, where it does (a
+                         transformers model under "sdpa"), the cp proof's step 6 shows that traced under the
+                         ring's attention key (``runtime.context_parallel.use_cp_attention``) none does
 
 What the runtime checks as it runs (the captured graph cannot show it): attention gets no explicit
 mask (transformers builds its causal mask only when tracing; at run time it passes ``is_causal``), and
@@ -81,8 +82,13 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
 
 def pipeline_cp_refusal(graph: OpGraph) -> str | None:
     """Why cp cannot run inside this model's pipeline stages (module doc, "inside a pipeline"), or None. The
-    capture records an attention's ``attn_mask`` only when the call passes none (a mask is a tensor input)."""
+    capture records an attention's ``attn_mask`` only when the call passes none (a mask is a tensor input).
+    Where the captured graph's attention takes a mask, the cp proof's step 6 (``cp_proofs["pipeline"]``: the
+    model traced as a cp pipeline traces it, under the ring's attention key) decides; without it, refused."""
     masked = [n.name for _, n in attention_nodes(graph) if n.attrs.get("attn_mask", "a tensor") is not None]
+    proven = (graph.cp_proofs or {}).get("pipeline")
+    if masked and proven is not None:
+        return proven or None
     if masked:
         return (
             f"attention {masked[0]} takes an explicit mask when traced (transformers builds its causal mask "
