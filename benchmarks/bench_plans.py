@@ -311,7 +311,9 @@ def _save_partial(path: Path, args, plans, times: dict, positions: dict, referen
         if times[key]
     ]
     doc = {"partial": True, "model": args.model, "ranks": args.ranks, "rows": rows, "reference": reference}
-    path.write_text(json.dumps(doc, indent=1))
+    part = path.with_name(path.name + ".writing")
+    part.write_text(json.dumps(doc, indent=1))
+    os.replace(part, path)  # whole or not at all: a stop mid-write keeps the last complete file
 
 
 def predictions(args, path: Path) -> dict[str, float]:

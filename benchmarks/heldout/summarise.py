@@ -4,16 +4,24 @@
 
 For each model and each round r (every plan run once in it): MAPE of the predictions against that round's times,
 Spearman's ρ, the pick's regret (its round-r time over the round's best) and the largest error; then the machine's
-own noise beside them: the pick's reference runs (``--reference-every``), their spread (max/min − 1) and their
-coefficient of variation. No round is averaged with another and no signed error is pooled.
+own noise beside them: the pick's reference runs (``--reference-every``), their spread (max/min − 1), their
+coefficient of variation and the short-range noise (the median relative change between consecutive reference
+runs); the same round with the drift those runs trace removed (``bench_plans.drift_removed``); and the signed
+errors by plan kind (how many over- and under-priced, the median signed error). No round is averaged with another
+and no signed error is pooled across kinds or models.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_plans import drift_removed  # noqa: E402  (the benchmark's own drift removal)
 
 
 def ranks(xs: list[float]) -> list[float]:
@@ -61,14 +69,36 @@ def round_figures(rows: list[dict], pick: str, rnd: int) -> dict:
 
 def noise(reference: list[dict]) -> dict:
     """The pick run again through the benchmark: spread (max/min − 1) and coefficient of variation."""
-    times = [r["measured_s"] for r in reference]
+    times = [r["measured_s"] for r in sorted(reference, key=lambda r: r.get("position", r.get("at", 0)))]
+    steps = [abs(b / a - 1) for a, b in zip(times, times[1:])]
     return {
         "runs": len(times),
         "spread": max(times) / min(times) - 1,
         "cv": statistics.pstdev(times) / statistics.fmean(times),
+        "short_range": statistics.median(steps) if steps else None,
         "min_s": min(times),
         "max_s": max(times),
     }
+
+
+def kind(key: str) -> str:
+    """A plan's kind: its mesh and what it adds (``dp1 tp2 pp2 z0 b4 none gpipe sp`` -> ``tp2 x pp2 sp``)."""
+    degrees = [f"{d}{n}" for d, n in re.findall(r"\b(dp|tp|pp|ep)(\d+)", key) if int(n) > 1]
+    extras = [w for w in ("selective", "full", "alternate", "sp") if re.search(rf"\b{w}\b", key)]
+    return " x ".join(degrees or ["one rank"]) + "".join(f" {w}" for w in extras)
+
+
+def by_kind(rows: list[dict], rnd: int = 0) -> list[dict]:
+    """Signed errors (predicted / measured − 1) of round ``rnd`` per plan kind: count, over- and under-priced,
+    median."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        if len(r["measured_rounds_s"]) > rnd:
+            groups.setdefault(kind(r["key"]), []).append(r["predicted_s"] / r["measured_rounds_s"][rnd] - 1)
+    return [
+        {"kind": k, "plans": len(e), "over": sum(x > 0 for x in e), "median_error": statistics.median(e)}
+        for k, e in sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    ]
 
 
 def model_figures(path: Path) -> dict:
@@ -76,10 +106,14 @@ def model_figures(path: Path) -> dict:
     doc = json.loads(path.read_text())
     pick = doc["summary"]["pick"] if "summary" in doc else doc["pick"]
     rounds = max(len(r["measured_rounds_s"]) for r in doc["rows"])
+    placed = len(doc["reference"]) > 1 and all("position" in r for r in doc["reference"])  # the first run's
+    steady = drift_removed(doc["rows"], doc["reference"]) if placed else []  # recovered records have no places
     return {
         "model": doc["model"],
         "pick": pick,
         "rounds": [round_figures(doc["rows"], pick, r) for r in range(rounds)],
+        "drift_removed": [round_figures(steady, pick, r) for r in range(rounds)] if steady else [],
+        "kinds": by_kind(doc["rows"]),
         "noise": noise(doc["reference"]),
     }
 
@@ -90,17 +124,27 @@ def table(figures: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
-        for r in f["rounds"]:
-            regret = f"{r['regret']:.3f}" if r["regret"] else "-"
-            lines.append(
-                f"| {f['model']} | {r['round']} | {r['plans']} | {r['mape']:.1%} | {r['median_ape']:.1%} | "
-                f"{r['max_error']:.1%} ({r['max_error_plan']}) | {r['spearman']:.3f} | {regret} | "
-                f"{r['under_predicted']}/{r['plans']} |"
-            )
-    lines += ["", "| model | pick | reference runs | spread (max/min − 1) | CV |", "|---|---|---|---|---|"]
+        for label, rounds in (("", f["rounds"]), (" (drift removed)", f.get("drift_removed", []))):
+            for r in rounds:
+                regret = f"{r['regret']:.3f}" if r["regret"] else "-"
+                lines.append(
+                    f"| {f['model']} | {r['round']}{label} | {r['plans']} | {r['mape']:.1%} | {r['median_ape']:.1%} | "
+                    f"{r['max_error']:.1%} ({r['max_error_plan']}) | {r['spearman']:.3f} | {regret} | "
+                    f"{r['under_predicted']}/{r['plans']} |"
+                )
+    lines += [
+        "",
+        "| model | pick | reference runs | spread (max/min − 1) | CV | short-range (median consecutive change) |",
+        "|---|---|---|---|---|---|",
+    ]
     for f in figures:
         n = f["noise"]
-        lines.append(f"| {f['model']} | {f['pick']} | {n['runs']} | {n['spread']:.1%} | {n['cv']:.1%} |")
+        short = f"{n['short_range']:.1%}" if n.get("short_range") is not None else "-"
+        lines.append(f"| {f['model']} | {f['pick']} | {n['runs']} | {n['spread']:.1%} | {n['cv']:.1%} | {short} |")
+    lines += ["", "| model | plan kind | plans | over-priced | median signed error |", "|---|---|---|---|---|"]
+    for f in figures:
+        for k in f.get("kinds", []):
+            lines.append(f"| {f['model']} | {k['kind']} | {k['plans']} | {k['over']} | {k['median_error']:+.1%} |")
     return "\n".join(lines)
 
 
