@@ -153,10 +153,24 @@ def measure(plan, ranks: int, steps: int, workdir: Path) -> tuple[float, list[li
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's ρ: Pearson's r of the ranks (ties share their mean rank)."""
-    from scipy.stats import spearmanr
+    """Spearman's ρ: Pearson's r of the ranks (ties share their mean rank); the standard library's, scipy is not
+    among the test extras."""
+    return statistics.correlation(_ranks(xs), _ranks(ys))
 
-    return float(spearmanr(xs, ys).statistic)
+
+def _ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
 
 
 def summary(rows: list[dict], pick: str) -> dict:
