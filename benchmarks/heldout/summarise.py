@@ -104,7 +104,7 @@ def by_kind(rows: list[dict], rnd: int = 0) -> list[dict]:
 def model_figures(path: Path) -> dict:
     """A model's figures from ``bench_plans.py``'s JSON (or the same rows recovered from a stopped run's log)."""
     doc = json.loads(path.read_text())
-    pick = doc["summary"]["pick"] if "summary" in doc else doc["pick"]
+    pick = doc["summary"]["pick"] if "summary" in doc else doc.get("pick") or _logged_pick(path.with_suffix(".log"))
     rounds = max(len(r["measured_rounds_s"]) for r in doc["rows"])
     placed = len(doc["reference"]) > 1 and all("position" in r for r in doc["reference"])  # the first run's
     steady = drift_removed(doc["rows"], doc["reference"]) if placed else []  # recovered records have no places
@@ -116,6 +116,15 @@ def model_figures(path: Path) -> dict:
         "kinds": by_kind(doc["rows"]),
         "noise": noise(doc["reference"]),
     }
+
+
+def _logged_pick(log: Path) -> str:
+    """The planner's pick as ``bench_plans.py`` logs it ("N plans; the planner picks KEY"), for a JSON written before
+    its summary (the runs are written first; a summary that fails after them leaves no pick in the file)."""
+    found = re.search(r"the planner picks (.+)", log.read_text())
+    if not found:
+        raise SystemExit(f"{log}: no pick logged; the JSON has none either")
+    return found.group(1).strip()
 
 
 def table(figures: list[dict]) -> str:
