@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -282,3 +283,18 @@ def test_a_transformers_model_gets_cp_inside_stages_by_tracing_under_the_rings_a
     assert graph.cp_proofs.get("pipeline") == "" and pipeline_cp_refusal(graph) is None
     assert (chosen.mesh.pp, chosen.mesh.cp) == (2, 2)
     assert "model = use_cp_attention(model)" in emit_program(chosen).split("split_pipeline(")[0]
+
+
+def test_what_if_expressions_keep_the_plans_chunk_layout():
+    """The s² work per cp rank in the plan's expressions (``cost.symbolic``): 1/cp where the plan's chunks are
+    head-tail (s a multiple of 2cp), (2cp − 1)/cp² on contiguous chunks of causal attention, as the ring is priced."""
+    from autoshard.cost.symbolic import CP, PlanPoint, Shares, _ring_work
+
+    shares = Shares(0.2, 0.2, 0.0, 0.0, 0.0, 0.1, 0.1, causal=True)
+
+    def point(s, cp):
+        return PlanPoint({"B": 8, "s": s, "dp": 1, "tp": 1, "pp": 1, "b": 1, "v": 1, "cp": cp}, 0, "none", "none")
+
+    assert _ring_work(point(64, 2), shares) == 1 / CP
+    assert _ring_work(point(18, 2), shares) == (2 * CP - 1) / CP**2
+    assert _ring_work(point(18, 2), replace(shares, causal=False)) == 1 / CP

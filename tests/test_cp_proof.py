@@ -36,7 +36,7 @@ def test_the_front_proves_the_example_gpt_for_every_degree(gpt):
     graph, done = gpt
     # a 64-token model defers the proof in the capture; asked for (prove_cp), it runs last
     assert done[-1] == "cp_proof" and done.index("tp_proof") < done.index("cp_proof")
-    assert graph.cp_proofs == {"*": ""}  # one symbolic export covers every s/cp >= 2
+    assert graph.cp_proofs == {"*": "", "pipeline": ""}  # one symbolic export covers every s/cp >= 2
     assert all(cp_refusal(graph, cp) is None for cp in (2, 4, 8, 16))
     assert decode_graph(encode_graph(graph)).cp_proofs == graph.cp_proofs  # the capture cache keeps it
 
@@ -71,7 +71,7 @@ def test_models_that_work_token_by_token_are_proven(in_repo, spec):
     """Llama's traced causal mask (aranges, a cumsum over position differences, index ops) only feeds SDPA's
     attn_mask and is exempt; its rotary angles, computed inside a no-grad wrapper, are checked op by op."""
     graph = proven(spec)
-    assert graph.cp_proofs == {"*": ""}
+    assert graph.cp_proofs == {"*": "", "pipeline": ""}
     assert cp_refusal(graph, 2) is None and cp_refusal(graph, 4) is None
 
 
@@ -141,7 +141,7 @@ def test_bert_is_refused_for_its_padding_mask(in_repo):
 def test_attention_dropout_is_refused(in_repo):
     """The code is proven token by token; the graph check on SDPA's dropout_p refuses."""
     graph = proven("tests/models/hf_gpt2.py:build_with_dropout")
-    assert graph.cp_proofs == {"*": ""}
+    assert graph.cp_proofs == {"*": "", "pipeline": ""}
     assert "drops out with p=0.1" in cp_refusal(graph, 2)
 
 
@@ -195,7 +195,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(in_repo, tmp_path
 def test_a_window_that_covers_the_sequence_is_proven(in_repo, tmp_path):
     """At s = 32 <= 48 the window masks nothing: one process and every rank attend causally."""
     graph = proven(_windowed(tmp_path, "mistral", 48), seq_len=32)
-    assert graph.cp_proofs == {"*": ""} and cp_refusal(graph, 2) is None
+    assert graph.cp_proofs == {"*": "", "pipeline": ""} and cp_refusal(graph, 2) is None
 
 
 def test_masks_are_compared_with_causal_element_by_element():
@@ -214,3 +214,12 @@ def test_masks_are_compared_with_causal_element_by_element():
     assert _not_causal(~causal, 4) == "query 0 does not see its own key"
     assert _not_causal(additive + 1, 4) == "it adds values other than 0 and -inf to the scores"
     assert _not_causal(causal[:, :2], 4) == "a mask of shape [4, 2]"
+
+
+def test_attention_that_still_takes_a_mask_as_a_cp_rank_runs_it_is_refused(in_repo):
+    """A causal mask the model builds itself passes steps 1-5 (mask-only ops, and the causal mask), but a cp rank
+    would hand it to the ring, which takes none: step 6 traces the program as a cp rank runs it and refuses every
+    degree at plan time, not mid-run. transformers' own mask is not built under the ring's key: proven above."""
+    graph = proven(f"{CASES}:build_own_mask")
+    assert "takes a mask" in graph.cp_proofs["*"] and "pipeline" not in graph.cp_proofs
+    assert cp_refusal(graph, 2) == graph.cp_proofs["*"]

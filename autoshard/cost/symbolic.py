@@ -41,11 +41,14 @@ plan's TP layout leaves replicated), P = (ψ + (1−ψ)/tp)/pp the rank's share 
 
 **Context parallelism** (plans with cp > 1 carry the symbol cp; ``cost.context_parallel``): a rank
 holds s/cp of each sample's tokens, so every s above reads s/cp, and the s² terms read s²·q(cp) with
-q = (2cp − 1)/cp² for causal attention (the ring's lockstep waits for its last rank), 1/cp otherwise;
-activations' s² part reads s²/cp; dp reads dp·cp wherever parameters are sharded or gradients
-reduced (ZeRO, the DP collectives, the FSDP transient); and::
+q = (2cp − 1)/cp² for causal attention on contiguous chunks (the ring's lockstep waits for its last rank),
+1/cp otherwise (head-tail chunks, where the plan's s is a multiple of 2cp, even the causal work out: the plan's
+layout is kept for other values); activations' s² part reads s²/cp; dp reads dp·cp wherever parameters are
+sharded or gradients reduced (ZeRO, the DP collectives, the FSDP transient); and::
 
-    cp_comm_s        = k·m·b·(s/cp)·(cp − 1)/pp        the ring's exposed k, v exchange
+    cp_comm_s        = k·m·b·(s/cp)/pp                 the ring's exposed exchange: what its blocks cannot hide is
+                                                       mostly the last pass of each attention's dk, dv (s/cp
+                                                       tokens), its gathers hidden behind the local block
 
 **Host offload** (``cost.offload``; the anchored optimizer and accumulation laws above hold, on the host)::
 
@@ -88,7 +91,7 @@ from autoshard.cost.parts import StepParts
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK
 from autoshard.cost.tables import CostTables
 from autoshard.cost.tp import recompute_tp_comm, sharded_nodes, splits_param, tp_activation_fraction
-from autoshard.ir.decisions import Decisions, TPChoice
+from autoshard.ir.decisions import Decisions, TPChoice, cp_load_balanced
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.plan import Memory
 from autoshard.ir.topology import Cluster
@@ -187,7 +190,7 @@ class Shares:
     replicated_params: float  # ψ
     activation_attention: float  # bytes share of saved activations that grow as s²
     outside_blocks: float  # β: share of saved activations that TP does not split
-    causal: bool = False  # every attention is causal: a cp ring's last rank does (2cp − 1)/cp² of its work
+    causal: bool = False  # every attention is causal: a contiguous cp ring's last rank does (2cp − 1)/cp² of its work
     sequence_keep: float | None = None  # sequence parallelism: t·(a TP rank's share of a block's activations)
 
 
@@ -277,8 +280,8 @@ def time_expressions(
     )
     if parts.ep_comm_s:  # expert parallelism's all-to-alls: the tokens of each micro-batch (absent without)
         e["ep_comm_s"] = _anchored(parts.ep_comm_s, tokens / PP, point)
-    if parts.cp_comm_s:  # the ring's exposed exchange: (cp − 1) chunks of k and v per attention (absent without)
-        e["cp_comm_s"] = _anchored(parts.cp_comm_s, tokens * (point.cp - 1) / PP, point)
+    if parts.cp_comm_s:  # the ring's exposed exchange: what its blocks leave unhidden (absent without)
+        e["cp_comm_s"] = _anchored(parts.cp_comm_s, tokens / PP, point)
     if parts.offload_s:  # host offload's exposed copies: the rank's shard, each micro-batch (absent without)
         e["offload_s"] = _anchored(parts.offload_s, M * param_share / dp_cp, point)
     per_microbatch = (
@@ -371,10 +374,13 @@ def _split(
 
 def _ring_work(point: PlanPoint, shares: Shares) -> sympy.Expr:
     """A cp rank's share of the attention work (``cost.context_parallel``): (2cp − 1)/cp² for causal
-    attention (the ring's lockstep waits for the last rank), 1/cp otherwise; 1 without cp."""
+    attention on contiguous chunks (the ring's lockstep waits for the last rank), 1/cp otherwise (head-tail
+    chunks even out the causal work: the plan's layout, ``cp_load_balanced`` at its s and cp, is the one the
+    expressions keep for other values); 1 without cp."""
     if "cp" not in point.symbols:
         return sympy.Integer(1)
-    return (2 * CP - 1) / CP**2 if shares.causal else 1 / CP
+    balanced = cp_load_balanced(point.symbols["s"], point.symbols["cp"])
+    return (2 * CP - 1) / CP**2 if shares.causal and not balanced else 1 / CP
 
 
 def _anchored(value: float, law: sympy.Expr, point: PlanPoint, fallback: float = 0.0) -> sympy.Expr:

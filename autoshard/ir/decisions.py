@@ -502,8 +502,8 @@ def compile_runs(
     compiled), the recompute stays eager around the compiled block, so none or full (selective's policy is a
     dispatch mode, under which dynamo compiles nothing); beside cp without tensor parallelism; in stages with or
     without it (TP's local shards and their traced collectives, custom ops inductor calls as they are) and beside
-    cp there too (the stage's traced attention and positions run eager under the ring's mode between compiled
-    graphs), not with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
+    cp there too (the stage's traced attention runs the ring eager between compiled graphs; its positions are the
+    mode's, traced into the compiled code), not with a schedule that splits the backward (its weight pass would rerun a compiled block's whole
     backward). ``sequence_parallel`` no longer narrows it; callers still pass it."""
     del sequence_parallel
     if ep > 1:

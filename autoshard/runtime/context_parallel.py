@@ -427,7 +427,9 @@ def use_cp_attention(model: torch.nn.Module) -> torch.nn.Module:
     for part in parts:
         if part.config._attn_implementation != CP_ATTENTION:
             part.set_attn_implementation(CP_ATTENTION)
+        if not getattr(part, _PADDING_REFUSED, False):  # per module: two models may share one config object
             part.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+            setattr(part, _PADDING_REFUSED, True)
         unswitched = [type(m).__name__ for m in part.modules() if _attention_of(m) not in (None, CP_ATTENTION)]
         if unswitched:
             raise AutoshardError(
@@ -435,6 +437,9 @@ def use_cp_attention(model: torch.nn.Module) -> torch.nn.Module:
                 f"plan without context parallelism (cp=1)"
             )
     return model
+
+
+_PADDING_REFUSED = "_autoshard_padding_refused"  # set on a part once its forward refuses padding masks
 
 
 def _attention_of(module: torch.nn.Module) -> str | None:

@@ -93,7 +93,8 @@ def recompute_contexts(mode: str) -> tuple:
     recomputation, which then computed attention on the rank's own tokens alone, and checkpoint refused the
     program ("Recomputed values ... have different metadata").
 
-    Under torch.compile (compiled blocks: never beside context parallelism) checkpoint takes only dispatch modes:
+    Under torch.compile (compiled blocks; beside context parallelism the recompute stays eager around the compiled
+    block, ``runtime.compiled``) checkpoint takes only dispatch modes:
     the policies' own, and for "full" a policy that keeps nothing, which is full recompute."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_policy(mode) or _keep_nothing)

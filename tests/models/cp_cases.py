@@ -12,6 +12,8 @@ Factories (model-file contract, docs/design.md), each 2 blocks of width 32 with 
     build_position_table  sinusoidal positions precomputed for 16 tokens and sliced ``table[:s]``
     build_position_branch the same table of 8 rows, the angles of ``arange(s)`` when s exceeds it
                           (Llama-style rotary tables: a rank holding at most 8 tokens takes the table)
+    build_own_mask        attention given a causal mask the model builds itself (``ones(s, s).tril()``):
+                          causal, yet a mask, which the ring cannot take
 
 ``example_batch(batch_size, seq_len=16)``.
 """
@@ -26,8 +28,9 @@ WIDTH, HEADS, VOCAB, SEQ = 32, 4, 64, 16
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, own_mask: bool = False):
         super().__init__()
+        self.own_mask = own_mask
         self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
         self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
         self.proj = nn.Linear(WIDTH, WIDTH)
@@ -36,7 +39,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, -1, WIDTH // HEADS).transpose(1, 2) for t in self.qkv(self.ln_1(x)).split(WIDTH, -1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.own_mask:
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
         return x + self.down(F.gelu(self.up(self.ln_2(x))))
 
@@ -47,7 +54,7 @@ class Model(nn.Module):
         self.kind = kind
         self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ + 1, WIDTH)
         self.conv = nn.Conv1d(WIDTH, WIDTH, 4, groups=WIDTH, padding=3) if kind == "causal_conv" else None
-        self.h = nn.ModuleList(Block() for _ in range(2))
+        self.h = nn.ModuleList(Block(own_mask=kind == "own_mask") for _ in range(2))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
         self.pooler = nn.Linear(WIDTH, WIDTH) if kind in ("mean_pool", "pooler") else None
@@ -87,6 +94,10 @@ def sinusoid(positions: torch.Tensor) -> torch.Tensor:
     freq = 1.0 / 10000 ** (torch.arange(0, WIDTH, 2, dtype=torch.float32, device=positions.device) / WIDTH)
     angles = positions.float()[:, None] * freq[None, :]
     return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+def build_own_mask() -> Model:
+    return Model("own_mask")
 
 
 def build() -> Model:

@@ -69,10 +69,11 @@ proven here, and checked by ``cp_refusal`` per degree on the captured graph: tha
 s/cp elements exists (the runtime would shift it too), attention dropout, and by the runtime as it runs:
 no explicit mask, the ring's shapes. Random ops (dropout) draw per rank, as under data parallelism.
 
-6. **Inside pipeline stages** (``stage_mask_refusal``, once some degree passes 1-5): a stage is a traced graph, so
-   its attention must take no mask when traced; a transformers model is exported under the ring's attention key
-   (what a cp pipeline traces) and every attention checked for ``attn_mask=None, is_causal=True``. Recorded under
-   ``cp_proofs["pipeline"]``, which ``passes.planning.context_parallel.pipeline_cp_refusal`` reads.
+6. **The program a cp rank runs** (``stage_mask_refusal``, once some degree passes 1-5): a transformers model is
+   exported under the ring's attention key (what a cp rank runs, eagerly or as a pipeline's traced stages) and
+   every attention checked for ``attn_mask=None, is_causal=True``; a model that still passes a mask there is
+   refused for every degree. ``cp_proofs["pipeline"] = ""`` records it for
+   ``passes.planning.context_parallel.pipeline_cp_refusal``.
 
 The result is ``OpGraph.cp_proofs``, which ``passes.planning.context_parallel.cp_refusal`` reads right after the
 sequence's own conditions (s > 1, s mod cp = 0) and before its graph checks: {"*": reason}
@@ -153,10 +154,10 @@ def cp_proofs(model_file: ModelFile, graph: OpGraph) -> dict[str, str]:
         return {ALL: why}
     proofs = local_proofs(model_file, graph)
     if "" in proofs.values():  # some degree's rank computes its share: then one process must mask causally
-        why = mask_refusal(model_file, graph)
+        why = mask_refusal(model_file, graph) or stage_mask_refusal(model_file, graph)
         if why:
             return {ALL: why}
-        proofs[PIPELINE] = stage_mask_refusal(model_file, graph)
+        proofs[PIPELINE] = ""
     return proofs
 
 
@@ -165,12 +166,15 @@ PIPELINE = "pipeline"  # the cp_proofs key of cp inside pipeline stages (step 6)
 
 
 def stage_mask_refusal(model_file: ModelFile, graph: OpGraph) -> str:
-    """Step 6: why cp cannot run inside pipeline stages, or "". A stage is a traced graph, which calls attention
-    as the trace saw it: with a mask where the model builds one while traced (transformers always does under
-    "sdpa"), which the ring cannot take. Where the capture shows no mask, nothing to prove. Else, for a
-    transformers model, the program a cp pipeline traces: the model under the ring's attention key
-    (``use_cp_attention``, applied before the split), exported statically at s/2 tokens of one sample; every
-    attention must take no mask and be causal (step 5 proved that the causal mask is the one process's)."""
+    """Step 6: why the program a cp rank runs would not call attention as the ring does, or "". Steps 1-5 prove
+    the model's "sdpa" program, which builds a mask while traced (transformers always does); a cp rank runs it
+    under the ring's attention key (``use_cp_attention``, applied first, before a pipeline's split too), which
+    builds none, and a pipeline stage is a traced graph that calls attention as the trace saw it. So that
+    program is exported statically at s/2 tokens of one sample, under the key, and every attention must take no
+    mask and be causal (step 5 proved the causal mask the one process's): then the eager SPMD program and the
+    traced stages alike attend as the ring does. A model whose own attention passes a mask, or one whose code
+    branches on its attention key into something else, is refused for every degree (the runtime would refuse the
+    mask mid-run). Where the capture shows no mask, nothing to prove."""
     masked = [n for n in graph.nodes if n.target.startswith(SDPA_TARGET) and n.attrs.get("attn_mask", "") is not None]
     if not masked:
         return ""
