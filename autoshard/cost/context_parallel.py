@@ -40,17 +40,30 @@ head-tail chunks or without a causal mask; the contiguous ring's busiest rank co
             (+ the forward's gather again under full recompute)
 
 (2.5: FlashAttention's backward over its forward, ``cost.eager``; AG the cp group's all-gather.)
+
+**Ring memory** (``RingCost.backward_bytes``). The same templates hold buffers a plain attention does not: the
+backward's all-gathered k and v of every rank (cp·|kv| elements, held through its loop), the local chunk
+concatenated for that gather (|kv|), the fp32 accumulators of dq, dk and dv (|q| + |kv|), and the fp32 dk, dv
+it concatenates for the next rank beside the one it receives (2·|kv|). With |q|, |kv| the elements of a rank's
+q and of its k and v chunks (b samples, s/cp tokens, a TP rank's heads) and e the activations' element
+bytes, an attention's backward holds, beside the activation gradients a plain attention's does::
+
+    R = e·(cp + 1)·|kv| + 4·(|q| + 3·|kv|)
+
+which the block's backward moment adds to its activation gradients (``with_ring_bytes``: ``cost.rank_memory``'s
+T_k; a pipeline stage's alike). The forward's gathered k and v (e·(cp + 1)·|kv|, and its fp32 output 4·|q|)
+are smaller and are freed before the block's backward: not priced.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from autoshard.cost import eager
 from autoshard.cost.comm import all_gather_s, p2p_s
 from autoshard.cost.compute import SDPA_TARGET
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
-from autoshard.cost.units import node_forward_s, node_units
+from autoshard.cost.units import Units, node_forward_s, node_units
 from autoshard.ir.decisions import Decisions, Mesh, cp_load_balanced
 from autoshard.ir.graph import OpGraph, OpNode
 from autoshard.ir.topology import Cluster, LinkSpec
@@ -71,12 +84,14 @@ def cp_equivalent(config: Decisions) -> Decisions:
 @dataclass(frozen=True)
 class RingCost:
     """Per micro-batch, summed over the model's attentions: compute the even split leaves out
-    (``attention_extra_s``, forward / backward / recompute) and the exposed ring exchange."""
+    (``attention_extra_s``, forward / backward / recompute) and the exposed ring exchange; and the largest of
+    their backwards' own buffers (``backward_bytes``, module doc "Ring memory": one attention runs at a time)."""
 
     forward_extra_s: float
     backward_extra_s: float
     recompute_extra_s: float
     exposed_s: float
+    backward_bytes: int = 0
 
 
 NO_RING = RingCost(0.0, 0.0, 0.0, 0.0)
@@ -98,9 +113,23 @@ def ring_cost(tables: CostTables, config: Decisions) -> RingCost:
 
 
 def add_rings(rings) -> RingCost:
-    """The sum of ``rings``, part by part."""
+    """``rings`` together: their times summed, the largest of their buffers (one attention at a time)."""
     rings = list(rings)
-    return RingCost(*(sum((getattr(r, part.name) for r in rings), 0.0) for part in fields(RingCost)))
+    return RingCost(
+        sum((r.forward_extra_s for r in rings), 0.0),
+        sum((r.backward_extra_s for r in rings), 0.0),
+        sum((r.recompute_extra_s for r in rings), 0.0),
+        sum((r.exposed_s for r in rings), 0.0),
+        max((r.backward_bytes for r in rings), default=0),
+    )
+
+
+def with_ring_bytes(units: Units, rings: tuple[RingCost, ...] | None) -> Units:
+    """``units`` whose backward holds, beside its activation gradients, the ring buffers of its attentions'
+    backward (module doc, "Ring memory"); unchanged without a ring."""
+    if not rings or not units.backward_bytes:
+        return units
+    return replace(units, backward_bytes=tuple(held + r.backward_bytes for held, r in zip(units.backward_bytes, rings)))
 
 
 def unit_ring_costs(tables: CostTables, config: Decisions) -> tuple[RingCost, ...]:
@@ -134,24 +163,33 @@ def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple
         t_share = share[i] / tp  # heads split over tp (an attention left whole on each TP rank is rare)
         uneven = node.attrs.get("is_causal") and not balanced
         extra = t_share * (cp - 1) / cp if uneven else 0.0
-        kv_bytes = _kv_chunk_bytes(node, b / cp, graph.batch_size, tables.precision.activation_bytes) / tp
+        elem = tables.precision.activation_bytes
+        kv_bytes = _kv_chunk_bytes(node, b / cp, graph.batch_size, elem) / tp
         local_s = t_share / cp
         block_s = local_s / (eager.CAUSAL_WORK if uneven else 1.0)
         forward_exposed, backward_exposed = _exchange_exposed_s(
             kv_bytes, tables.precision.activation_bytes, local_s, block_s, cp, link
         )
         again = i in recomputes
+        q_numel = node.output_numel * (b / cp) / graph.batch_size / tp
         ring = RingCost(
             extra,
             eager.FLASH_BACKWARD_TO_FORWARD * extra,
             extra if again else 0.0,
             forward_exposed * (2 if again else 1) + backward_exposed,
+            ring_backward_bytes(q_numel, kv_bytes / elem, elem, cp),
         )
         out[unit_of[i]] = add_rings((out[unit_of[i]], ring))
     return tuple(out)
 
 
 RING_GRAD_BYTES = 4  # torch's ring accumulates dq, dk, dv in fp32 and passes dk, dv on so (``convert_to_f32``)
+
+
+def ring_backward_bytes(q_numel: float, kv_numel: float, elem_bytes: int, cp: int) -> int:
+    """R = e·(cp + 1)·|kv| + 4·(|q| + 3·|kv|): one attention's ring buffers in its backward (module doc, "Ring
+    memory")."""
+    return int(elem_bytes * (cp + 1) * kv_numel + RING_GRAD_BYTES * (q_numel + 3 * kv_numel))
 
 
 def _exchange_exposed_s(

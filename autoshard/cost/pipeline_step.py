@@ -78,7 +78,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.cost import comm
-from autoshard.cost.context_parallel import NO_RING, RingCost, add_rings
+from autoshard.cost.context_parallel import NO_RING, RingCost, add_rings, with_ring_bytes
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
 from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
@@ -389,7 +389,8 @@ def rank_loads(
         )  # adjacent stages on one rank (the V's tip) send nothing
         whole_experts = sum(experts[u].params for u in idx)
         params, expert_shards = expert_state_params(sum(units.params[u] for u in idx), whole_experts, config)
-        stages = [stage_load(tables, config, units, experts, s, rng, owner) for s, rng in mine]
+        held = with_ring_bytes(units, rings)  # a cp ring's buffers in its blocks' backwards
+        stages = [stage_load(tables, config, held, experts, s, rng, owner) for s, rng in mine]
         ring = _ring_of(rings, idx)
         host_s = (
             sum(rerun[u].host_s[u] + tp_host[u] + experts[u].host_s for u in idx)

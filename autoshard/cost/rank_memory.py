@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from autoshard.cost.context_parallel import with_ring_bytes
 from autoshard.cost.experts import dispatch_memory
 from autoshard.cost.memory import DTYPE_BYTES, Precision, model_state_bytes
 from autoshard.cost.schedule import backward_held
@@ -46,17 +47,20 @@ def in_flight(schedule: str, m: int, pp: int, v: int, pp_rank: int) -> float:
     return float(min(m, pp - pp_rank))
 
 
-def memory_spmd(tables: CostTables, config: Decisions, local_params: int, expert_params: int = 0) -> Memory:
+def memory_spmd(
+    tables: CostTables, config: Decisions, local_params: int, expert_params: int = 0, rings: tuple | None = None
+) -> Memory:
     """``local_params`` sharded by ZeRO over dp (HSDP: a node's shard), ``expert_params`` (ep > 1: the
     rank's expert shards) over the dp / ep ranks holding the same ones; the largest of the step's
-    moments (``spmd_moments``)."""
+    moments (``spmd_moments``); ``rings``: a cp ring's cost per unit, whose buffers its backwards hold
+    (``cost.context_parallel``, "Ring memory")."""
     p, g, o = rank_state_bytes(tables.precision, config, local_params, config.dp_shard)  # HSDP: a node's shard
     if config.offloaded:  # FSDP2's CPUOffloadPolicy: the shards live in host memory (``cost.offload``)
         p = g = o = 0
     pe = ge = oe = 0
     if expert_params:
         pe, ge, oe = rank_state_bytes(tables.precision, config, expert_params, config.expert_dp)
-    moments = spmd_moments(tables, config, local_params, (p + pe, g + ge, o + oe), expert_params, ge)
+    moments = spmd_moments(tables, config, local_params, (p + pe, g + ge, o + oe), expert_params, ge, rings)
     worst = max(moments.values(), key=lambda parts: sum(parts.values()))
     return Memory.from_parts(ALLOCATOR_SLACK, **{key: int(value) for key, value in worst.items()})
 
@@ -92,12 +96,13 @@ def spmd_moments(
     state: tuple[int, int, int],
     expert_params: int = 0,
     expert_grads_bytes: int = 0,
+    rings: tuple | None = None,
 ) -> dict[str, dict[str, float]]:
     """A rank's memory by part at each moment of an SPMD step that can be its peak (without pipelining
     one micro-batch is in flight; the last micro-batch's moments are the largest). With W, G, O the
     state after the step (``rank_state_bytes``), S_u unit u's saved activations, L the loss's backward
-    workspace, R_k block k's recompute workspace and T_k its backward's activation gradients, all on one TP
-    rank's shapes (``CostTables.activation_units``), p_c the
+    workspace, R_k block k's recompute workspace and T_k its backward's activation gradients (with a cp ring's
+    buffers: ``context_parallel.with_ring_bytes``), all on one TP rank's shapes (``CostTables.activation_units``), p_c the
     bytes of a gathered parameter (the policy's param dtype: bf16 under FSDP2's mixed precision), Ψ_u a
     unit's parameters on the rank, G_a the gradients summed over the earlier micro-batches
     (``accumulated_grad_bytes``) and K = p_c·Ψ the weights FSDP2 keeps gathered from forward to backward (ZeRO-1 beside tp,
@@ -127,7 +132,7 @@ def spmd_moments(
     the saved ones and a recomputed block's, transient = the loss's workspace, the activation gradients
     and the reduce-scatter copy (``autoshard.dryrun`` maps the tracker's parts alike)."""
     p, g, o = state
-    units = tables.activation_units(config)  # a TP rank's shapes (cost.saved.RankShare)
+    units = with_ring_bytes(tables.activation_units(config), rings)  # a TP rank's shapes (cost.saved.RankShare)
     dispatch = dispatch_memory(tables, config, CAPTURED_ELEM_BYTES) if expert_params else ()
     if dispatch:
         units = _with_dispatch(units, config, dispatch)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autoshard.cost.context_parallel import RingCost, cp_equivalent, ring_cost, unit_ring_costs
+from autoshard.cost.context_parallel import RingCost, add_rings, cp_equivalent, unit_ring_costs
 from autoshard.cost.dp_comm import CommTime, dp_comm_time
 from autoshard.cost.experts import a2a_microbatch_s, expert_params, expert_state_params, unit_expert_costs
 from autoshard.cost.offload import offload_cost
@@ -85,9 +85,8 @@ def price_parts(tables: CostTables, config: Decisions, cuts: tuple[int, ...] | N
         assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
         return pipeline_parts(tables, cp_equivalent(config), cuts, unit_ring_costs(tables, config))
     if config.mesh.cp > 1:
-        return with_ring(
-            price_parts(tables, cp_equivalent(config), cuts), ring_cost(tables, config), config.num_microbatches
-        )
+        rings = unit_ring_costs(tables, config)
+        return with_ring(spmd_parts(tables, cp_equivalent(config), rings), add_rings(rings), config.num_microbatches)
     if config.mesh.pp > 1:
         assert cuts is not None and len(cuts) == config.num_stages - 1, "a pipeline is priced with its stage cuts"
         return pipeline_parts(tables, config, cuts)
@@ -114,7 +113,9 @@ def ranks_meet(tables: CostTables, config: Decisions) -> bool:
     return config.mesh.dp > 1 or (config.mesh.tp > 1 and bool(tables.layout_cost(config).choice.sharded))
 
 
-def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
+def spmd_parts(tables: CostTables, config: Decisions, rings: tuple[RingCost, ...] | None = None) -> StepParts:
+    """An SPMD step's parts; ``rings``: the ring's cost per unit under context parallelism, ``config`` then being
+    its data-parallel equivalent (its buffers join the units' backward moments: ``rank_memory.memory_spmd``)."""
     graph, cluster, precision = tables.graph, tables.cluster, tables.precision
     micro, tp_comm_s, local = spmd_microbatch(tables, config)
     m = config.num_microbatches
@@ -149,7 +150,7 @@ def spmd_parts(tables: CostTables, config: Decisions) -> StepParts:
         dp_comm_exposed_s=dp.exposed_s,
         bubble_s=0.0,
         dp_comm_total_s=dp.total_s,
-        memory=memory_spmd(tables, config, dense, expert_local),
+        memory=memory_spmd(tables, config, dense, expert_local, rings),
         host_s=host_s,
         ep_comm_s=m * a2a_microbatch_s(experts),
     )
