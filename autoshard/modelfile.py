@@ -315,14 +315,12 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     def build() -> nn.Module:
         import transformers
 
-        fresh = copy.deepcopy(config)  # each build its own config (transformers writes into it)
-        fresh.use_cache = text_config(fresh).use_cache = False  # no cache object in the traced graph
         # fp32 whatever dtype the config names (fp32 master weights); transformers < 5 calls the keyword torch_dtype
         fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
         try:
-            return transformers.AutoModelForCausalLM.from_config(fresh, attn_implementation="sdpa", **fp32)
-        except ValueError:  # an architecture without SDPA: its own attention
-            return transformers.AutoModelForCausalLM.from_config(fresh, **fp32)
+            return transformers.AutoModelForCausalLM.from_config(_fresh(config), attn_implementation="sdpa", **fp32)
+        except ValueError:  # an architecture without SDPA: its own attention, on a config the refusal did not touch
+            return transformers.AutoModelForCausalLM.from_config(_fresh(config), **fp32)
 
     def example_batch(batch_size: int, seq_len: int | None = None):
         """examples/gpt.py's sequences: arithmetic progressions modulo the vocabulary, the next token the target."""
@@ -340,6 +338,14 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
     )
     module.build, module.example_batch, module.narrowed = build, example_batch, narrowed
     return ModelFile(spec=spec, path=config_path, factory_name="build", module=module, seq_len=seq_len)
+
+
+def _fresh(config):
+    """A copy of ``config`` for one build: transformers writes into the config it builds from (the attention
+    implementation asked for, even when it then refuses it), and a cache object has no place in a traced graph."""
+    fresh = copy.deepcopy(config)
+    fresh.use_cache = text_config(fresh).use_cache = False
+    return fresh
 
 
 def position_offset(config) -> int:

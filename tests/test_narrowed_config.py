@@ -88,3 +88,16 @@ def test_a_single_kind_model_keeps_its_first_two_layers():
     config = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=96, num_attention_heads=6)
     narrow = narrowed_config(config)
     assert (narrow.num_hidden_layers, narrow.hidden_size, narrow.head_dim) == (2, 64, 16)
+
+
+def test_an_architecture_without_sdpa_builds_with_its_own_attention(tmp_path):
+    """hf:DIR asks for SDPA first; an architecture that refuses it (Bloom: ALiBi through its own attention) is built
+    again with its own. transformers writes the refused implementation into the config it was given, so the second
+    build takes a copy the refusal did not touch: built from the same one, it refused again and hf:DIR could not
+    build Bloom at all."""
+    from autoshard.modelfile import hf_causal_lm
+
+    transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = hf_causal_lm(f"hf:{tmp_path}").module.build()
+    assert type(model).__name__ == "BloomForCausalLM" and model.config._attn_implementation == "eager"
