@@ -307,7 +307,8 @@ def test_attention_with_dropout_keeps_what_the_gpu_kernel_keeps():
 def test_a_context_parallel_ranks_peak_holds_the_rings_buffers(tmp_path):
     """cp 4 of a one-layer Llama over 1,024 tokens with a small vocabulary: the peak is the attention's backward,
     where torch's ring holds every rank's k and v gathered and its fp32 gradient accumulators
-    (``cost.context_parallel``, "Ring memory"). Priced without them the peak read 36 % under the dry run's."""
+    (``cost.context_parallel``, "Ring memory"), on the first rank and on the last alike. Priced without them the
+    peak read 36 % under the dry run's (transient 8.3 MiB against 35.0); now 33.2."""
     import transformers
 
     from autoshard import api
@@ -325,7 +326,8 @@ def test_a_context_parallel_ranks_peak_holds_the_rings_buffers(tmp_path):
     plan = api.estimate(
         f"hf:{tmp_path}", cluster="dgx-h100", nodes=1, devices_per_node=4, global_batch=8, seq_len=1024, cp=4, **pins
     )
-    (report,) = dryrun(plan, [0])
-    measured, predicted = report.parts["transient"]
-    assert predicted == pytest.approx(measured, rel=0.15), summary_lines(plan, [report])
-    assert report.predicted_peak_bytes == pytest.approx(report.peak_bytes, rel=0.10), summary_lines(plan, [report])
+    reports = dryrun(plan, [0, 3])  # the first rank and the last, whose head-tail ring updates dk, dv in part
+    worst = max(reports, key=lambda r: r.peak_bytes)
+    measured, predicted = worst.parts["transient"]
+    assert predicted == pytest.approx(measured, rel=0.15), summary_lines(plan, reports)
+    assert worst.predicted_peak_bytes == pytest.approx(worst.peak_bytes, rel=0.10), summary_lines(plan, reports)

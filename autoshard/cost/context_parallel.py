@@ -42,17 +42,22 @@ head-tail chunks or without a causal mask; the contiguous ring's busiest rank co
 (2.5: FlashAttention's backward over its forward, ``cost.eager``; AG the cp group's all-gather.)
 
 **Ring memory** (``RingCost.backward_bytes``). The same templates hold buffers a plain attention does not: the
-backward's all-gathered k and v of every rank (cp·|kv| elements, held through its loop), the local chunk
+backward's all-gathered k and v of every rank (cp·|kv| elements, held through its loop), the chunk of the step
 concatenated for that gather (|kv|), the fp32 accumulators of dq, dk and dv (|q| + |kv|), and the fp32 dk, dv
-it concatenates for the next rank beside the one it receives (2·|kv|). With |q|, |kv| the elements of a rank's
-q and of its k and v chunks (b samples, s/cp tokens, a TP rank's heads) and e the activations' element
-bytes, an attention's backward holds, beside the activation gradients a plain attention's does::
+it concatenates for the next rank beside the one it receives (2·|kv|); at a kernel call the previous step's
+gradients are still held (|q| + |kv|, in the activations' dtype); with contiguous causal chunks a step a rank
+skips makes fp32 zeros for its gradients (|q| + |kv| in fp32, not e). (With head-tail chunks a rank past the first
+updates half of the received dk, dv into a fresh fp32 copy: a dry run of cp 4's last rank holds no more than its
+first at its peak, ``tests/test_dryrun.py``, so it is not counted.) With |q|, |kv| the elements of a rank's q and
+of its k and v chunks (b samples, s/cp tokens, a TP rank's shapes: ``CostTables.rank_share``) and e the
+activations' element bytes, an attention's backward holds, beside its own gradients (its output's and its
+inputs', ``memory.op_grad_bytes``) and the block's input gradient, at its worst rank::
 
-    R = e·(cp + 1)·|kv| + 4·(|q| + 3·|kv|)
+    R = e·(cp + 1)·|kv| + 4·(|q| + 3·|kv|) + e·(|q| + |kv|)     (+ (4 − e)·(|q| + |kv|) with contiguous causal chunks)
 
-which the block's backward moment adds to its activation gradients (``with_ring_bytes``: ``cost.rank_memory``'s
-T_k; a pipeline stage's alike). The forward's gathered k and v (e·(cp + 1)·|kv|, and its fp32 output 4·|q|)
-are smaller and are freed before the block's backward: not priced.
+and that moment, I_block + the attention's gradients + R, is a candidate for the block's backward moment beside
+its largest op's (``with_ring_bytes``: ``cost.rank_memory``'s T_k, a pipeline stage's T_s alike). The forward's
+gathered k and v (e·(cp + 1)·|kv|, and its fp32 output 4·|q|) are smaller and are freed before the block's backward: not priced.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from dataclasses import dataclass, replace
 from autoshard.cost import eager
 from autoshard.cost.comm import all_gather_s, p2p_s
 from autoshard.cost.compute import SDPA_TARGET
+from autoshard.cost.memory import block_input_bytes, op_grad_bytes
 from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
 from autoshard.cost.units import Units, node_forward_s, node_units
 from autoshard.ir.decisions import Decisions, Mesh, cp_load_balanced
@@ -85,7 +91,8 @@ def cp_equivalent(config: Decisions) -> Decisions:
 class RingCost:
     """Per micro-batch, summed over the model's attentions: compute the even split leaves out
     (``attention_extra_s``, forward / backward / recompute) and the exposed ring exchange; and the largest of
-    their backwards' own buffers (``backward_bytes``, module doc "Ring memory": one attention runs at a time)."""
+    their backwards' largest moment (``backward_bytes``: the block's input gradient, the attention's gradients and
+    the ring's buffers, module doc "Ring memory"; one attention runs at a time)."""
 
     forward_extra_s: float
     backward_extra_s: float
@@ -125,11 +132,13 @@ def add_rings(rings) -> RingCost:
 
 
 def with_ring_bytes(units: Units, rings: tuple[RingCost, ...] | None) -> Units:
-    """``units`` whose backward holds, beside its activation gradients, the ring buffers of its attentions'
-    backward (module doc, "Ring memory"); unchanged without a ring."""
+    """``units`` whose backward's largest moment is its largest op's or its ring attention's, with the ring's
+    buffers (module doc, "Ring memory"); unchanged without a ring."""
     if not rings or not units.backward_bytes:
         return units
-    return replace(units, backward_bytes=tuple(held + r.backward_bytes for held, r in zip(units.backward_bytes, rings)))
+    return replace(
+        units, backward_bytes=tuple(max(held, r.backward_bytes) for held, r in zip(units.backward_bytes, rings))
+    )
 
 
 def unit_ring_costs(tables: CostTables, config: Decisions) -> tuple[RingCost, ...]:
@@ -171,13 +180,12 @@ def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple
             kv_bytes, tables.precision.activation_bytes, local_s, block_s, cp, link
         )
         again = i in recomputes
-        q_numel = node.output_numel * (b / cp) / graph.batch_size / tp
         ring = RingCost(
             extra,
             eager.FLASH_BACKWARD_TO_FORWARD * extra,
             extra if again else 0.0,
             forward_exposed * (2 if again else 1) + backward_exposed,
-            ring_backward_bytes(q_numel, kv_bytes / elem, elem, cp),
+            ring_moment_bytes(tables, config, node, unit_of[i], balanced),
         )
         out[unit_of[i]] = add_rings((out[unit_of[i]], ring))
     return tuple(out)
@@ -186,10 +194,32 @@ def _unit_ring_costs(tables: CostTables, config: Decisions, units: int) -> tuple
 RING_GRAD_BYTES = 4  # torch's ring accumulates dq, dk, dv in fp32 and passes dk, dv on so (``convert_to_f32``)
 
 
-def ring_backward_bytes(q_numel: float, kv_numel: float, elem_bytes: int, cp: int) -> int:
-    """R = e·(cp + 1)·|kv| + 4·(|q| + 3·|kv|): one attention's ring buffers in its backward (module doc, "Ring
-    memory")."""
-    return int(elem_bytes * (cp + 1) * kv_numel + RING_GRAD_BYTES * (q_numel + 3 * kv_numel))
+def ring_backward_bytes(q_bytes: float, kv_bytes: float, elem_bytes: int, cp: int, balanced: bool, causal: bool) -> int:
+    """R: one attention's ring buffers in its backward at its worst rank (module doc, "Ring memory"), from the
+    bytes of a rank's q and of its k and v chunks in the activations' dtype (e bytes an element)."""
+    grad = RING_GRAD_BYTES / elem_bytes
+    held = (cp + 1) * kv_bytes + grad * (q_bytes + 3 * kv_bytes) + q_bytes + kv_bytes
+    if causal and not balanced:
+        held += (grad - 1) * (q_bytes + kv_bytes)
+    return int(held)
+
+
+def ring_moment_bytes(tables: CostTables, config: Decisions, node: OpNode, unit: int, balanced: bool) -> int:
+    """The largest moment of a ring attention's backward on a rank: the block's input gradient, the attention's own
+    gradients and R (module doc, "Ring memory"), on the rank's shapes at b/cp samples."""
+    graph, elem = tables.graph, tables.precision.activation_bytes
+    equivalent = cp_equivalent(config)
+    share = tables.rank_share(equivalent)
+    ratio = equivalent.microbatch_size / graph.batch_size * elem / CAPTURED_ELEM_BYTES
+    q, k, v = (share.value_bytes(graph, name, ratio) for name in node.inputs[:3])
+    block = graph.blocks[unit - 1] if 0 < unit <= len(graph.blocks) else None
+    held = block_input_bytes(graph, block, ratio, share) if block is not None else 0
+    causal = bool(node.attrs.get("is_causal"))
+    return (
+        held
+        + op_grad_bytes(graph, node.name, ratio, share)
+        + ring_backward_bytes(q, k + v, elem, config.mesh.cp, balanced, causal)
+    )
 
 
 def _exchange_exposed_s(

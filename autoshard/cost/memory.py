@@ -221,12 +221,13 @@ def block_backward_bytes(graph: OpGraph, block: Block, ratio: float = 1.0, share
     output beside those of its inputs that need one: max_n (|out(n)| + Σ_{i ∈ in(n), needs grad} |i|),
     each on the TP rank's shapes."""
     return block_input_bytes(graph, block, ratio, share) + max(
-        (_op_grad_bytes(graph, n, ratio, share) for n in block.node_names), default=0
+        (op_grad_bytes(graph, n, ratio, share) for n in block.node_names), default=0
     )
 
 
-def _op_grad_bytes(graph: OpGraph, name: str, ratio: float, share: RankShare) -> int:
-    """The gradient of ``name``'s output beside those of its inputs that need one (``block_backward_bytes``)."""
+def op_grad_bytes(graph: OpGraph, name: str, ratio: float, share: RankShare) -> int:
+    """The gradient of ``name``'s output beside those of its inputs that need one (``block_backward_bytes``; a cp
+    ring's attention, ``cost.context_parallel``)."""
     grads = _grads(graph)
     node = graph.node(name)
     if name not in grads or op_name(node.target) in VIEW_OPS:
@@ -246,7 +247,7 @@ def module_bytes(graph: OpGraph, path: str, ratio: float = 1.0, share: RankShare
     def compute() -> tuple[int, int]:
         names = [n.name for n in graph.nodes if n.module_path == path or n.module_path.startswith(path + ".")]
         saved = saved_set(graph, (graph.node(n) for n in names), ratio, _grads(graph), share)
-        return sum(saved.values()), max((_op_grad_bytes(graph, n, ratio, share) for n in names), default=0)
+        return sum(saved.values()), max((op_grad_bytes(graph, n, ratio, share) for n in names), default=0)
 
     return graph.derived(("module_bytes", path, ratio, share), compute)
 

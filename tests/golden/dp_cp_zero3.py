@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training program emitted by autoshard from plan 23e52f023b21.
+"""Training program emitted by autoshard from plan 9daabd4bb448.
 
 Model      examples/gpt.py:build  (236,928 parameters, 4 blocks, fingerprint e24db38cfafd48b5)
 Cluster    local-cpu: 1 node(s) x 4 devices, gloo
@@ -38,7 +38,7 @@ NUM_MICROBATCHES = 1  # GLOBAL_BATCH // (dp * MICROBATCH_SIZE)
 PRECISION = 'fp32'  # weights, gradients and compute in the parameters' own dtype
 BLOCKS = [f"h.{i}" for i in range(4)]  # repeated blocks: recompute and FSDP units
 PREDICTED = dict(step_time_s=0.0046396, mfu=0.390284, peak_flops_per_s=50000000000.0, devices=4,
-                 allocated_bytes=2942592, memory_peak_bytes=3089721)  # the plan's step, per rank
+                 allocated_bytes=2926208, memory_peak_bytes=3072518)  # the plan's step, per rank
 
 
 # The training recipe (runtime.recipe), written by autoshard compile --recipe FILE and its flags (an edit
