@@ -224,17 +224,21 @@ def test_a_split_backward_holds_no_micro_batch_past_its_weight_pass(in_repo):
 def llama_at_its_width(tmp_path_factory) -> str:
     """A transformers Llama (its defaults, shrunk) whose sequence is as long as its hidden size, as Llama-3-70B's 8,192
     tokens are: its causal mask then has as many elements as the residual stream."""
+    return _llama_folder(tmp_path_factory.mktemp("llama"), layers=2, kv_heads=2, vocab=512, positions=256)
+
+
+def _llama_folder(folder, layers: int, kv_heads: int, vocab: int, positions: int) -> str:
+    """A transformers Llama at width 256 (4 heads, feed-forward 512), its defaults otherwise, as hf:DIR."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("llama")
     transformers.LlamaConfig(
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=256,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
     ).save_pretrained(folder)
     return f"hf:{folder}"
 
@@ -309,22 +313,12 @@ def test_a_context_parallel_ranks_peak_holds_the_rings_buffers(tmp_path):
     where torch's ring holds every rank's k and v gathered and its fp32 gradient accumulators
     (``cost.context_parallel``, "Ring memory"), on the first rank and on the last alike. Priced without them the
     peak read 36 % under the dry run's (transient 8.3 MiB against 35.0); now 33.2."""
-    import transformers
-
     from autoshard import api
 
-    transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=64,
-        max_position_embeddings=1024,
-    ).save_pretrained(tmp_path)
+    model = _llama_folder(tmp_path, layers=1, kv_heads=4, vocab=64, positions=1024)
     pins = dict(dp=1, tp=1, pp=1, schedule="none", zero=0, microbatch_size=8, recompute="none")
     plan = api.estimate(
-        f"hf:{tmp_path}", cluster="dgx-h100", nodes=1, devices_per_node=4, global_batch=8, seq_len=1024, cp=4, **pins
+        model, cluster="dgx-h100", nodes=1, devices_per_node=4, global_batch=8, seq_len=1024, cp=4, **pins
     )
     reports = dryrun(plan, [0, 3])  # the first rank and the last, whose head-tail ring updates dk, dv in part
     worst = max(reports, key=lambda r: r.peak_bytes)
