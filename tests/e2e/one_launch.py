@@ -25,8 +25,9 @@ process group and whose ``runtime.shutdown`` waits for the last job.
     program_cases(make_plan)           prepare / finish for emitted programs run as the zoo runs them,
                                        judged by ``assert_trains_like_one_process`` (``zoo.run_and_judge``'s
                                        checks, one program at a time)
-    timing_lines()                     seconds per world size and module: prepare, jobs, finish (printed
-                                       at the end of the session; a test's duration holds its whole launch)
+    timing_lines()                     seconds per world size and module: prepare, jobs, finish; then the
+                                       slowest jobs (printed at the end of the session; a test's duration
+                                       holds its whole launch)
     once_per_arguments(train_reference)
                                        the one-process reference runs with random ops fixed, each computed
                                        once per session (tests/e2e/conftest.py): many cases train the same
@@ -62,6 +63,7 @@ from autoshard.verify import DEFAULT_LR, Run, fp32_twin, judge, prepare, program
 DRIVER = Path(__file__).with_name("jobs_driver.py")
 JOB_SECONDS: dict[str, float] = {}  # job name -> seconds on rank 0, of every shared launch (``timing_lines``)
 ROOT = DRIVER.parents[2]
+SLOWEST_JOBS = 15  # listed by ``timing_lines``
 MAX_LAUNCHES = 4  # per world size: the first, and again after each of up to 3 jobs that ended theirs
 
 
@@ -221,7 +223,7 @@ class SharedLaunches:
 def timing_lines() -> list[str]:
     """Where the shared launches' time went, per world size and test module: preparing the cases (planning,
     writing programs), their jobs (rank 0's seconds inside the launch), finishing them (one-process references,
-    judging); for the session's summary (tests/e2e/conftest.py)."""
+    judging); then the slowest jobs; for the session's summary (tests/e2e/conftest.py)."""
     rows = [
         (ranks, module, parts)
         for launches in SharedLaunches.made_here
@@ -238,6 +240,9 @@ def timing_lines() -> list[str]:
         f"{parts.get('finish', 0):>9.1f}"
         for ranks, module, parts in rows
     ]
+    slowest = sorted(JOB_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_JOBS]
+    lines += [f"the {len(slowest)} slowest jobs (module/case/job, rank 0's seconds):"]
+    lines += [f"{seconds:>9.1f}  {name}" for name, seconds in slowest]
     return lines
 
 
