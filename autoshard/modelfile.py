@@ -400,6 +400,7 @@ NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to 
     "q_lora_rank": 32,
     "linear_num_key_heads": 2,  # gated linear attention: value heads a multiple of key heads
     "linear_num_value_heads": 4,
+    "linear_head_dim": NARROW_HEAD_DIM,  # linear attention's head width where one is shared (Bailing's hybrid)
     "linear_key_head_dim": NARROW_HEAD_DIM,
     "linear_value_head_dim": NARROW_HEAD_DIM,
     "feed_forward_size": 128,  # Reformer's and XLNet's feed-forward widths
@@ -408,6 +409,12 @@ NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to 
     "hidden_size_per_layer_input": 16,
 }
 NARROW_TOP_K = 2  # experts per token: at most this, never more than the architecture's own
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # a model has experts where one is set
+NARROW_AT_MOST = {  # counts lowered to at most these, never raised
+    "n_group": 2,  # grouped routing (DeepSeek-V3): the 4 experts in 2 groups, chosen from the best 1
+    "topk_group": 1,
+    "first_k_dense_replace": 1,  # dense layers before the first expert layer: one, so one of two layers has experts
+}
 # Derived sizes a narrowed config keeps consistent: (a head count, its head width, the expansion factor, the inner
 # width if the config names it) of Mamba-style mixers, whose heads x head width = the expansion x the hidden size.
 MAMBA_HEADS = (
@@ -422,7 +429,9 @@ LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
 def narrowed_config(config):
     """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them, per-layer lists
     cut to layers that keep one of each kind (``_kept_layers``), special token ids inside the vocabulary, sizes
-    derived from others kept consistent, ``use_cache`` off; every other setting as it was. The same
+    derived from others kept consistent (latent attention's widths, Mamba heads), experts per token set where
+    declared None beside experts, the counts of ``NARROW_AT_MOST`` lowered, ``use_cache`` off; every other setting
+    as it was. The same
     architecture's code runs on it, at a width a CPU runs in a second. A composite config has each of its parts
     narrowed (the text model's, and the vision or audio towers' where the library accepts it)."""
     config = copy.deepcopy(config)
@@ -433,12 +442,19 @@ def narrowed_config(config):
                     setattr(config, name, narrowed_config(value))
         return config
     layers = _attribute(config, "num_hidden_layers")
+    latent = _latent_head_rules(config)
     for name, value in NARROW_SIZES.items():
         _narrow(config, name, value)
+    _narrow_latent_heads(config, latent)
     _narrow_unset_heads(config)
     top_k = _attribute(config, "num_experts_per_tok")
     if isinstance(top_k, int):
         _narrow(config, "num_experts_per_tok", min(top_k, NARROW_TOP_K))
+    elif "num_experts_per_tok" in vars(config) and any(_attribute(config, n) for n in EXPERT_COUNTS):
+        config.num_experts_per_tok = NARROW_TOP_K  # declared None beside experts (DeepSeek-V2's default)
+    for name, most in NARROW_AT_MOST.items():
+        if isinstance(count := _attribute(config, name), int) and count > most:
+            _narrow(config, name, most)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the narrowed vocabulary
         if isinstance(_attribute(config, name), int) and _attribute(config, name) >= NARROW_SIZES["vocab_size"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
@@ -537,6 +553,27 @@ def _narrow_axial_positions(config) -> None:
         half = NARROW_SIZES["hidden_size"] // 2
         config.axial_pos_embds_dim = [half, half]
         config.axial_pos_shape = [8, NARROW_SIZES["max_position_embeddings"] // 8]
+
+
+def _latent_head_rules(config) -> tuple[bool, bool]:
+    """Which of latent attention's derived widths the config's ``__init__`` set from the others (DeepSeek-V2/V3 and
+    their kin): (query/key width = without + with rotary positions, the head width = the rotary part's)."""
+    nope, rope = _attribute(config, "qk_nope_head_dim"), _attribute(config, "qk_rope_head_dim")
+    if not (isinstance(nope, int) and isinstance(rope, int)):
+        return False, False
+    return _attribute(config, "qk_head_dim") == nope + rope, _attribute(config, "head_dim") == rope
+
+
+def _narrow_latent_heads(config, rules: tuple[bool, bool]) -> None:
+    """Latent attention's derived widths set again from the narrowed ones (``_latent_head_rules``): the rotary
+    embedding is sized by ``head_dim``, the query projection by ``qk_head_dim``."""
+    total, rotary = rules
+    nope, rope = _attribute(config, "qk_nope_head_dim"), _attribute(config, "qk_rope_head_dim")
+    with contextlib.suppress(AttributeError):
+        if total:
+            config.qk_head_dim = nope + rope
+        if rotary:
+            config.head_dim = rope
 
 
 def _narrow_mamba_heads(config) -> None:

@@ -101,3 +101,22 @@ def test_an_architecture_without_sdpa_builds_with_its_own_attention(tmp_path):
     with torch.device("meta"):
         model = hf_causal_lm(f"hf:{tmp_path}").module.build()
     assert type(model).__name__ == "BloomForCausalLM" and model.config._attn_implementation == "eager"
+
+
+RUN_CASES = {  # model type -> the rule its narrowed config needs to run a forward (building on meta is not enough)
+    "deepseek_v3": "latent attention's head_dim and qk_head_dim from the narrowed rotary and non-rotary widths; "
+    "routing groups and dense layers lowered, so the second layer has experts",
+    "deepseek_v2": "experts per token declared None beside experts",
+    "bailing_hybrid": "linear attention's shared head width; 4 experts in at most 2 routing groups",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(RUN_CASES))
+def test_a_narrowed_config_runs_forward_and_keeps_its_experts(model_type):
+    config = _narrowed(model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    logits = model(torch.randint(0, NARROW_SIZES["vocab_size"], (2, 16))).logits
+    assert logits.shape == (2, 16, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
+    experts = [name for name, _ in model.named_modules() if name.endswith(".experts")]
+    assert experts, f"{model_type}: no expert layer left in {config.num_hidden_layers} layers"
