@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from autoshard.cost.context_parallel import cp_equivalent
+from autoshard.cost.context_parallel import cp_equivalent, unit_ring_costs
 from autoshard.cost.memory import model_state_bytes
 from autoshard.cost.rank_memory import ALLOCATOR_SLACK, spmd_moments
 from autoshard.cost.tables import CostTables
@@ -55,6 +55,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
         config,
         cp_equivalent(config),
     )  # a cp rank's blocks are a dp rank's at b/cp (cost.context_parallel)
+    rings = unit_ring_costs(tables, decided) if decided.mesh.cp > 1 else None  # their buffers, in each backward
     groups = signature_groups(tables)
     modes_run = block_modes_run(decided)
     by_mode = {r: tables.activation_units(config, r) for r in modes_run}  # a TP rank's bytes
@@ -65,7 +66,7 @@ def choose_recompute(tables: CostTables, config: Decisions) -> Decisions | None:
         model.Add(sum(count[g, r] for r in modes_run) == len(blocks))
         for r in modes_run:
             model.Add(count[g, r] <= len(blocks) * used[g, r])
-    add_memory_constraint(model, tables, config, groups, by_mode, count, used)
+    add_memory_constraint(model, tables, config, groups, by_mode, count, used, rings)
     model.Minimize(
         sum(count[g, r] * _ps(block_recompute_s(tables, config, by_mode[r], r, groups[g][0])) for g, r in count)
     )
@@ -113,13 +114,16 @@ def signature_groups(tables: CostTables) -> dict[int, list[int]]:
     return dict(enumerate(by_signature.values()))
 
 
-def add_memory_constraint(model, tables: CostTables, config: Decisions, groups, by_mode, count, used) -> None:
+def add_memory_constraint(
+    model, tables: CostTables, config: Decisions, groups, by_mode, count, used, rings=None
+) -> None:
     """Σ n·a + W ≤ A (module doc), in bytes, at each moment whose activations the modes change
-    (``cost.rank_memory.spmd_moments``: the loss's, without W, and the last block's backward)."""
+    (``cost.rank_memory.spmd_moments``: the loss's, without W, and the last block's backward, whose activation
+    gradients hold a cp ring's buffers where ``rings``, as the step prices them)."""
     _, _, local = spmd_microbatch(tables, config)
     state = model_state_bytes(local, config.zero_stage, config.dp_shard, tables.precision)
     none = replace(config, recompute="none", recompute_blocks=())
-    moments = spmd_moments(tables, none, local, state)
+    moments = spmd_moments(tables, none, local, state, rings=rings)
     blocks_none = sum(by_mode["none"].saved_bytes[1:-1])
     capacity = tables.cluster.device.memory_bytes / (1 + ALLOCATOR_SLACK)
     room = {
