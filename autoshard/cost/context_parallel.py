@@ -237,7 +237,10 @@ def _exchange_exposed_s(
 def _kv_chunk_bytes(node: OpNode, samples: float, captured_batch: int, elem_bytes: int) -> float:
     """Bytes of the k and v chunks a rank holds: ``samples`` = b/cp of the captured batch's. The graph
     records what the attention reads (q, k, v, a mask) at CAPTURED_ELEM_BYTES; k and v are what is left
-    after q (the output's size), at most twice q's (self-attention; GQA sends fewer heads)."""
+    after q (the output's size), at most twice q's: self-attention with k and v at q's head count, which is
+    also GQA's where the model repeats its key/value heads before the call (transformers' ``repeat_kv``).
+    Fewer only where the attention is handed the grouped heads (``enable_gqa``); a mask read beside them
+    counts with them, up to that cap."""
     out_numel = node.output_numel
     kv_numel = min(2 * out_numel, max(0, node.bytes_read // CAPTURED_ELEM_BYTES - out_numel))
     return kv_numel * samples / captured_batch * elem_bytes
