@@ -94,7 +94,20 @@ def test_a_pin_the_model_cannot_run_is_one_line_and_a_gathered_head_says_why(gpt
     with pytest.raises(AutoshardError, match="--loss-parallel on: the model file's own loss_fn"):
         plan_graph(replace(request, pins=Pins(tp=2, loss_parallel="on")), model_file, graph)
     with pytest.raises(AutoshardError, match="--loss-parallel on: context parallelism"):
-        plan_graph(replace(request, pins=Pins(tp=2, cp=2, loss_parallel="on")), model_file, graph)
+        plan_graph(replace(request, pins=Pins(tp=2, cp=2, pp=1, loss_parallel="on")), model_file, graph)
+
+
+def test_loss_parallel_beside_cp_with_pp_unpinned_plans_pipeline_stages_where_the_devices_allow(llama_8b):
+    """Beside cp the loss runs on vocabulary shards inside pipeline stages only: with pp unpinned the search keeps
+    the meshes with stages (it was refused at the pins, as if pp were 1), and where the devices leave none it says
+    why in one line."""
+    model_file, graph = llama_8b
+    pins = Pins(tp=2, cp=2, loss_parallel="on")
+    request = PlanRequest(LLAMA_8B, load_cluster("dgx-h100", devices_per_node=8), 8, seq_len=SEQ_LEN, pins=pins)
+    plan = plan_graph(request, model_file, graph)
+    assert plan.loss_parallel and (plan.mesh.tp, plan.mesh.cp) == (2, 2) and plan.mesh.pp >= 2
+    with pytest.raises(AutoshardError, match=r"--loss-parallel on: context parallelism.*\(mesh dp=1 tp=2 pp=1 cp=2\)"):
+        plan_graph(replace(request, cluster=load_cluster("dgx-h100", devices_per_node=4)), model_file, graph)
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,8 @@ def _check_loss_parallel(pins: Pins) -> None:
     """--loss-parallel on: a mesh that may run it (``loss_parallel_refusal``), as far as the pins say."""
     if not pins.loss_parallel:
         return
-    mesh = Mesh(tp=pins.tp or 2, pp=2 if pins.wants_pipeline else 1, cp=pins.cp or 1)
+    pipelined = pins.wants_pipeline or pins.pp is None  # an unpinned pp may be 2 or more: the search keeps those
+    mesh = Mesh(tp=pins.tp or 2, pp=2 if pipelined else 1, cp=pins.cp or 1)
     why = loss_parallel_refusal(mesh, "")
     if why:
         raise AutoshardError(

@@ -27,6 +27,7 @@ from autoshard.passes.planning.strategies import (
     honours_cuts,
     keeps_batch_whole,
     legal_tp_degrees,
+    loss_parallel_refusal,
     mesh_configs,
     microbatch_refusal,
     pipeline_degrees,
@@ -130,6 +131,12 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         return (
             "--compile-loss on compiles the loss of plans without pipeline stages, and this cluster's meshes that "
             "honour the pins all have them; pin --pp 1, or --compile-loss off"
+        )
+    if pins.loss_parallel and all(loss_parallel_refusal(m, "") for m in meshes):
+        return (
+            f"--loss-parallel on: {loss_parallel_refusal(meshes[0], '')} (mesh {meshes[0]}), and every mesh of this "
+            f"cluster that honours the pins is such; pin --tp 2 or more without --cp, or plan for enough devices "
+            f"for --pp 2 or more, or leave it off"
         )
     piped = [m for m in meshes if m.pp > 1]
     if pins.schedule == "dualpipev" and piped and all(global_batch // m.dp < 2 * m.pp for m in piped):
