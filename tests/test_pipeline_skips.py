@@ -181,6 +181,33 @@ def test_every_transfer_is_contiguous():
     torch.testing.assert_close(run_by_order(pipe, x)[0], model(x))
 
 
+class TransposingLayer(nn.Module):
+    """A layer whose first op transposes its input (DeepSeek-V4's hyper-connection streams are permuted alike), so
+    the gradient of its input is a transposed view."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h):
+        return torch.tanh(self.linear(h.transpose(0, 1)))
+
+
+def test_every_gradient_sent_back_is_contiguous():
+    """A stage's inputs' gradients, which torch's stages send to the stage before (gloo sends only contiguous
+    tensors), are contiguous though the stage's first op transposes its input."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(TransposingLayer(), TransposingLayer()), torch.randn(2, 4, 8)
+    pipe = split_model(model, (x,), ["1"])
+    sent = pipe.get_stage_module(0)(x)
+    inputs = [t.detach().requires_grad_() for t in (sent if isinstance(sent, tuple) else (sent,))]
+    out = pipe.get_stage_module(1)(*inputs)
+    grads = torch.autograd.grad((out[0] if isinstance(out, tuple) else out).sum(), inputs)  # as torch's stages do
+    assert grads and all(g.is_contiguous() for g in grads), [g.stride() for g in grads]
+    whole = x.detach().requires_grad_()
+    torch.autograd.grad(model(whole).sum(), whole)  # the same model runs
+
+
 class TiedThreeWays(nn.Module):
     """One weight as two embeddings in the first stage and the head in the last (T5's ``shared``)."""
 

@@ -51,7 +51,10 @@ bias. Every stage output but the last stage's becomes ``sendable(output)``: ``ou
 contiguous view (HF Llama's rotary tables), so no output is a view: the zero-bubble schedules'
 split backward detaches each stage output in place (``stage_backward_input``), which autograd
 refuses on a view. The receiving placeholders are described with contiguous strides, from which
-the stages size their buffers (``make_transfers_contiguous``).
+the stages size their buffers (``make_transfers_contiguous``). Gradients flow back the same way: a stage's inputs'
+gradients are what it sends to the stage before, and they are views where its first op on an input is one (a
+transpose or permute: DeepSeek-V4's hyper-connection streams), so each floating input of stage s > 0 is read
+through ``grad_sendable``, the identity whose backward makes the gradient contiguous.
 """
 
 from __future__ import annotations
@@ -366,8 +369,45 @@ def make_transfers_contiguous(pipe):
         if s > 0:
             for inner in _placeholders(module.graph):
                 _describe_contiguous(inner)
+                _contiguous_gradient(module.graph, inner)
         module.recompile()
     return pipe
+
+
+def _contiguous_gradient(graph: fx.Graph, placeholder: fx.Node) -> None:
+    """Every reader of ``placeholder`` but the stage's outputs reads ``grad_sendable(placeholder)`` instead (module
+    doc): a value carried on unchanged stays the input tensor itself (its gradient comes whole from the next
+    stage's buffer)."""
+    readers = [user for user in placeholder.users if not _is_sendable(user)]
+    if not readers:
+        return
+    with graph.inserting_after(placeholder):
+        sent = graph.call_function(grad_sendable, (placeholder,))
+    sent.meta.update({k: v for k, v in placeholder.meta.items() if k in ("val", "tensor_meta")})  # in no module
+    placeholder.replace_all_uses_with(sent, delete_user_cb=lambda user: user in readers)
+
+
+def _is_sendable(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is sendable
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity; its backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grad_sendable(value):
+    """``value``; its gradient, where autograd makes one, contiguous (module doc): what the stage before receives."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+        return _ContiguousGradient.apply(value)
+    return value
 
 
 def _contiguous_outputs(module: fx.GraphModule) -> None:
