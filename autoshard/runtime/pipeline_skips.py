@@ -53,8 +53,8 @@ split backward detaches each stage output in place (``stage_backward_input``), w
 refuses on a view. The receiving placeholders are described with contiguous strides, from which
 the stages size their buffers (``make_transfers_contiguous``). Gradients flow back the same way: a stage's inputs'
 gradients are what it sends to the stage before, and they are views where its first op on an input is one (a
-transpose or permute: DeepSeek-V4's hyper-connection streams), so each floating input of stage s > 0 is read
-through ``grad_sendable``, the identity whose backward makes the gradient contiguous.
+transpose or permute: DeepSeek-V4's hyper-connection streams), so the inputs of stage s > 0 are read through
+``grad_sendable``: the identity, whose backward makes the gradient contiguous where the input needs one.
 """
 
 from __future__ import annotations
