@@ -71,6 +71,59 @@ def test_blocks_compile_once_keep_their_names_and_run_with_dropout_fixed():
         assert not torch.equal(compiled(x), compiled(x))  # outside verify dropout still draws
 
 
+def test_a_first_blocks_input_hook_runs_before_its_recompute_so_every_block_shares_one_graph():
+    """Sequence parallelism slices the first block's input in a forward pre-hook (``ScatterSequenceInput``). Under
+    selective recompute the recompute wrapper is what is compiled; the hook runs before the wrapper
+    (``parallel._hoist_input_hooks``), so every block traces the same code on the same shapes: one graph, where the
+    first block's slicing inside its graph made a second (a recompilation on the sequence length, compiled
+    dynamic). The checkpoint saves the slice, and the result is the eager one."""
+    from autoshard.runtime.parallel import apply_recompute
+
+    torch.manual_seed(0)
+    eager, compiled = Stack(), Stack()
+    compiled.load_state_dict(eager.state_dict())
+    blocks = ("layers.0", "layers.1", "layers.2")
+    for model in (eager, compiled):
+        # this rank's slice of the sequence, contiguous as DTensor's scatter gives it
+        model.layers[0].register_forward_pre_hook(lambda _, args: (args[0][:, :2].contiguous(), *args[1:]))
+        apply_recompute(model, list(blocks), "selective")
+    apply_compile(compiled, blocks)
+    assert not compiled.layers[0]._checkpoint_wrapped_module._forward_pre_hooks  # on the wrapper now
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    with fixed_randomness():
+        want, got = eager(x), compiled(x)
+        got.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert got.shape == (2, 2, 16)
+    torch.testing.assert_close(got, want)
+    assert x.grad is not None and torch.equal(x.grad[:, 2:], torch.zeros_like(x.grad[:, 2:]))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_a_compiled_checkpoints_dropout_is_fixed_under_verify_and_its_rand_refused(mode):
+    """A recompute wrapper compiled whole: dynamo traces the checkpoint's body as a graph of its own, which verify's
+    function mode does not reach, so its dropout drew random numbers in a run that fixes them (a false mismatch
+    against one process, on every model with dropout). The body's dropout is now fixed as the mode fixes it
+    (``randomness.fix_graph_functions``); a random op no mode can fix there (stochastic depth's ``rand``) is refused
+    in one line, not drawn."""
+    from autoshard.runtime.parallel import apply_recompute
+
+    torch.manual_seed(0)
+    eager, compiled = Stack(), Stack()
+    compiled.load_state_dict(eager.state_dict())
+    blocks = ("layers.0", "layers.1", "layers.2")
+    apply_compile(apply_recompute(compiled, list(blocks), mode), blocks)
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, 16)
+    with fixed_randomness():
+        torch.testing.assert_close(compiled(x), eager(x))
+    drawing = apply_compile(apply_recompute(Stack(blocks=1, stochastic_depth=True), ["layers.0"], mode), ("layers.0",))
+    with fixed_randomness(), pytest.raises(RandomOpNotFixed, match="rand in layers.0 draws random numbers"):
+        drawing(x)
+
+
 def test_a_block_that_draws_random_numbers_is_refused_under_fixed_randomness():
     torch._dynamo.reset()
     model = apply_compile(Stack(blocks=1, stochastic_depth=True), ("layers.0",))

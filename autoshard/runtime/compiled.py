@@ -19,7 +19,10 @@ Verified like every plan (``autoshard verify``): verify runs with every random o
 (``ExpectedRandomness``) cannot be: dynamo compiles nothing while a dispatch mode is on, so the block would
 silently run eager. A compiled block is therefore called with that mode set aside, and its graph is refused
 (``RandomOpNotFixed``, naming the op) if it still draws random numbers: inductor's random kernels are not the
-ones verify can fix.
+ones verify can fix. A checkpoint traced inside the compiled code is a graph of its own (dynamo's
+``tag_activation_checkpoint`` body), which the function mode does not reach: its calls are fixed as the mode
+fixes them before inductor sees them (``randomness.fix_graph_functions``), and the refusal reads the nested
+graphs too.
 
 Beside context parallelism. The ring (``runtime.context_parallel``) is entered as a torch function mode around
 the forward and the backward, and dynamo traces the mode's ``__torch_function__`` into the compiled code.
@@ -63,7 +66,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from autoshard.errors import AutoshardError
 from autoshard.ir.names import RANDOM_OPS, RANDOM_SWITCHES
 from autoshard.runtime.model import get_block
-from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name
+from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name, fix_graph_functions
 from autoshard.runtime.selective import recompute_mode
 from autoshard.runtime.stage_recompute import block_module
 
@@ -170,15 +173,23 @@ _fixed = ""  # the block being called with verify's random ops fixed, or ""
 
 
 def _inductor(graph: torch.fx.GraphModule, example_inputs):
-    """Inductor, after refusing a graph that draws random numbers while randomness is fixed (module doc)."""
+    """Inductor, after fixing the random functions of the graphs nested in ``graph`` (a checkpoint's body, which
+    verify's function mode does not reach) and refusing a graph, or a graph nested in it, that still draws random
+    numbers while randomness is fixed (module doc)."""
     if _fixed:
-        drawn = [node for node in graph.graph.nodes if _random_op(node)]
+        fix_graph_functions(graph)
+        drawn = [node for module in _graphs(graph) for node in module.graph.nodes if _random_op(node)]
         if drawn:
             raise RandomOpNotFixed(
                 f"{_random_op(drawn[0])} in {_fixed} draws random numbers inside a compiled block, which verify "
                 f"cannot fix; verify the plan with --compile off (the same model, run eager)"
             )
     return torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
+
+
+def _graphs(graph: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``graph`` and every graph nested in it (higher-order ops' bodies)."""
+    return [module for module in graph.modules() if isinstance(module, torch.fx.GraphModule)]
 
 
 def _random_op(node: torch.fx.Node) -> str:

@@ -185,11 +185,25 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
             continue
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        wrapped = checkpoint_wrapper(
-            get_block(model, path), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective_kwargs(modes[path])
-        )
-        parent.register_module(child, wrapped)
+        block = get_block(model, path)
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective_kwargs(modes[path]))
+        parent.register_module(child, _hoist_input_hooks(block, wrapped))
     return model
+
+
+def _hoist_input_hooks(block: nn.Module, wrapper: nn.Module) -> nn.Module:
+    """``wrapper`` (the block's ``checkpoint_wrapper``), given the block's forward pre-hooks (tensor parallelism's
+    input layouts on the block: ``ScatterSequenceInput`` on the first block under sequence parallelism), which
+    then run before the checkpoint, not inside it: the checkpoint saves the input as the block computes on it
+    (this rank's slice, not the whole sequence), and a recompute wrapper compiled whole (``runtime.compiled``)
+    traces the same code for every block, so dynamo compiles one graph for all of them (the first block's
+    slicing inside its graph made a second one). torch has no public call to move a hook: each is re-registered on
+    the wrapper, with its keyword flag, and removed from the block. Returns ``wrapper``."""
+    for handle_id, hook in list(block._forward_pre_hooks.items()):
+        wrapper.register_forward_pre_hook(hook, with_kwargs=handle_id in block._forward_pre_hooks_with_kwargs)
+        del block._forward_pre_hooks[handle_id]
+        block._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+    return wrapper
 
 
 def sync_batch_norm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:

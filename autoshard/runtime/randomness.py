@@ -249,6 +249,37 @@ class FixedFunctions(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def fix_graph_functions(graph: torch.fx.GraphModule) -> int:
+    """``FixedFunctions`` applied to a graph dynamo traced (torch functions as its nodes), in place, in it and in every
+    graph nested in it: each dropout call replaced by its input, attention's ``dropout_p`` set to 0. Dynamo traces
+    the function mode into the graph it compiles, but not into the body of a higher-order op it traces as a graph
+    of its own (a checkpoint's: ``tag_activation_checkpoint``), where the calls stay as the model wrote them
+    (``runtime.compiled``). Returns how many calls it fixed."""
+    fixed = 0
+    for module in graph.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            fixed += sum(_fix_call(node) for node in list(module.graph.nodes) if node.op == "call_function")
+            module.recompile()
+    return fixed
+
+
+def _fix_call(node: torch.fx.Node) -> bool:
+    """One node as ``FixedFunctions`` would run its call (dropout its input, attention without dropout); whether it
+    changed it."""
+    if node.target in _DROPOUT_FUNCTIONS:
+        node.replace_all_uses_with(node.args[0] if node.args else node.kwargs["input"])
+        node.graph.erase_node(node)
+        return True
+    if node.target in _SDPA_FUNCTIONS:
+        if node.kwargs.get("dropout_p"):
+            node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+            return True
+        if len(node.args) > _SDPA_DROPOUT_ARG and node.args[_SDPA_DROPOUT_ARG]:
+            node.args = (*node.args[:_SDPA_DROPOUT_ARG], 0.0, *node.args[_SDPA_DROPOUT_ARG + 1 :])
+            return True
+    return False
+
+
 def _mean_slope_rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False, **_):
     return torch.nn.functional.leaky_relu(input, (lower + upper) / 2, inplace=inplace)
 

@@ -228,11 +228,16 @@ def _gather_first_input(dim: int, mesh: DeviceMesh, cast, module: nn.Module, arg
 def _scatter_first_input(dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple):
     if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
         raise AutoshardError(
-            f"tensor parallel: ScatterSequenceInput on {type(module).__name__} needs the sequence "
+            f"tensor parallel: ScatterSequenceInput on {type(_unwrapped(module)).__name__} needs the sequence "
             f"as a plain tensor in its first positional argument; re-plan this model"
         )
     whole = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
     return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The block a recompute wrapper holds (its input hooks run on the wrapper: ``parallel._hoist_input_hooks``)."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
 
 
 def _check_conv1d(module: nn.Module, style: str) -> None:
