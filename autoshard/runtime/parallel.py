@@ -186,7 +186,9 @@ def apply_recompute(model: nn.Module, blocks: list[str], mode: str | dict[str, s
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         block = get_block(model, path)
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective_kwargs(modes[path]))
+        wrapped = checkpoint_wrapper(
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective_kwargs(modes[path])
+        )
         parent.register_module(child, _hoist_input_hooks(block, wrapped))
     return model
 
