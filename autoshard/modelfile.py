@@ -443,8 +443,11 @@ def narrowed_config(config):
         return config
     layers = _attribute(config, "num_hidden_layers")
     latent = _latent_head_rules(config)
+    kv_heads = _kv_heads_kept(config)
     for name, value in NARROW_SIZES.items():
         _narrow(config, name, value)
+    if kv_heads is not None:
+        _narrow(config, "num_key_value_heads", kv_heads)
     _narrow_latent_heads(config, latent)
     _narrow_unset_heads(config)
     top_k = _attribute(config, "num_experts_per_tok")
@@ -491,6 +494,19 @@ def _narrow(config, name: str, value) -> None:
     if old is not None:
         with contextlib.suppress(AttributeError, NotImplementedError):  # Falcon's head_dim; XLNet's positions
             setattr(config, name, [value] * len(old) if isinstance(old, list) else value)
+
+
+def _kv_heads_kept(config) -> int | None:
+    """The narrowed key/value head count where the config's own is not grouped query attention's: as many as the
+    narrowed query heads where it has as many as its query heads (multi-head attention; latent attention expands
+    its keys to every head and then repeats them by heads / key/value heads, so fewer would break its shapes), 1
+    where it has 1 (multi-query); None (``NARROW_SIZES``' grouped count) otherwise."""
+    heads, kv_heads = _attribute(config, "num_attention_heads"), _attribute(config, "num_key_value_heads")
+    if not (isinstance(heads, int) and isinstance(kv_heads, int)):
+        return None
+    if kv_heads == heads:
+        return NARROW_SIZES["num_attention_heads"]
+    return 1 if kv_heads == 1 else None
 
 
 def _narrow_unset_heads(config) -> None:

@@ -5,7 +5,7 @@
 
 For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk
 (``autoshard.modelfile.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
-2 key/value heads where it has them, head dim 16, feed-forward 128, vocabulary 256, 4 experts and at most top-2 where
+2 key/value heads where it groups them (as many as heads where it has as many, 1 where it has 1), head dim 16, feed-forward 128, vocabulary 256, 4 experts and at most top-2 where
 it has experts (in at most 2 routing groups, one dense layer before the first expert layer), sizes derived from these
 kept consistent; ``is_decoder`` set where the family has it; every other
 default as the library sets it, dropout included), written with ``save_pretrained`` into a folder; then ``autoshard plan hf:DIR`` on 2 CPU ranks

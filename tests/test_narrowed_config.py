@@ -120,3 +120,22 @@ def test_a_narrowed_config_runs_forward_and_keeps_its_experts(model_type):
     assert logits.shape == (2, 16, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
     experts = [name for name, _ in model.named_modules() if name.endswith(".experts")]
     assert experts, f"{model_type}: no expert layer left in {config.num_hidden_layers} layers"
+
+
+@pytest.mark.parametrize(
+    "model_type, kind", [("deepseek_v3", "multi-head"), ("gpt_bigcode", "multi-query"), ("mistral", "grouped")]
+)
+def test_a_narrowed_config_keeps_its_kind_of_key_value_heads(model_type, kind):
+    """Multi-head attention stays multi-head (as many key/value heads as heads), multi-query one key/value head, and
+    grouped attention gets 2 per 4 heads. Latent attention (DeepSeek) expands its keys to every head and repeats them
+    by heads / key/value heads: narrowed to 2 key/value heads it made 8 key heads for 4 query heads, which
+    torch.export refused at attention (the masked path; unmasked, SDPA's grouped kernel hid the mismatch)."""
+    config = _narrowed(model_type)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    assert kv_heads == {"multi-head": heads, "multi-query": 1, "grouped": NARROW_SIZES["num_key_value_heads"]}[kind]
+    if model_type == "deepseek_v3":
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        tokens = torch.randint(0, NARROW_SIZES["vocab_size"], (2, 16))
+        mask = torch.ones_like(tokens).tril(-1).flip(1)  # left padding: a mask the attention must apply
+        assert model(tokens, attention_mask=mask).logits.shape == (2, 16, NARROW_SIZES["vocab_size"])
