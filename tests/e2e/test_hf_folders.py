@@ -11,6 +11,8 @@ loss its vocabulary shard.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -52,6 +54,7 @@ STAGES_LOSS_PARALLEL = "llama-stages-loss-parallel"  # the same, in 2 pipeline s
 def folder(name: str) -> Path:
     """The config saved as save_pretrained writes it, in a folder of its own for the session."""
     path = Path(tempfile.mkdtemp(prefix=f"autoshard-hf-{name}-"))
+    atexit.register(shutil.rmtree, path, True)  # the session's: gone at its end
     _config(name).save_pretrained(path)
     return path
 
