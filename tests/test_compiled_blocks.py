@@ -104,10 +104,11 @@ def test_a_first_blocks_input_hook_runs_before_its_recompute_so_every_block_shar
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_a_compiled_checkpoints_dropout_is_fixed_under_verify_and_its_rand_refused(mode):
     """A recompute wrapper compiled whole: dynamo traces the checkpoint's body as a graph of its own, which verify's
-    function mode does not reach, so its dropout drew random numbers in a run that fixes them (a false mismatch
-    against one process, on every model with dropout). The body's dropout is now fixed as the mode fixes it
-    (``randomness.fix_graph_functions``); a random op no mode can fix there (stochastic depth's ``rand``) is refused
-    in one line, not drawn."""
+    function mode does not reach, so its dropout drew random numbers in a run that fixes them: a false mismatch
+    against one process wherever the program could not zero the rate first (``model.zero_dropout_rates`` zeroes
+    dropout modules and attributes named so, not a functional call's own rate; here no rate is zeroed, as for such a
+    call). The body's dropout is now fixed as the mode fixes it (``randomness.fix_graph_functions``); a random op no
+    mode can fix there (stochastic depth's ``rand``) is refused in one line, not drawn."""
     from autoshard.runtime.parallel import apply_recompute
 
     torch.manual_seed(0)
