@@ -429,7 +429,7 @@ LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
 def narrowed_config(config):
     """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them, per-layer lists
     cut to layers that keep one of each kind (``_kept_layers``), special token ids inside the vocabulary, sizes
-    derived from others kept consistent (latent attention's widths, Mamba heads), experts per token set where
+    derived from others kept consistent (latent attention's widths, a rotary width, Mamba heads), experts per token set where
     declared None beside experts, the counts of ``NARROW_AT_MOST`` lowered, ``use_cache`` off; every other setting
     as it was. The same
     architecture's code runs on it, at a width a CPU runs in a second. A composite config has each of its parts
@@ -444,10 +444,13 @@ def narrowed_config(config):
     layers = _attribute(config, "num_hidden_layers")
     latent = _latent_head_rules(config)
     kv_heads = _kv_heads_kept(config)
+    rotary_share = _rotary_share(config)
     for name, value in NARROW_SIZES.items():
         _narrow(config, name, value)
     if kv_heads is not None:
         _narrow(config, "num_key_value_heads", kv_heads)
+    if rotary_share is not None:
+        _narrow(config, "rotary_dim", _rotary_width(config, rotary_share))
     _narrow_latent_heads(config, latent)
     _narrow_unset_heads(config)
     top_k = _attribute(config, "num_experts_per_tok")
@@ -578,6 +581,27 @@ def _latent_head_rules(config) -> tuple[bool, bool]:
     if not (isinstance(nope, int) and isinstance(rope, int)):
         return False, False
     return _attribute(config, "qk_head_dim") == nope + rope, _attribute(config, "head_dim") == rope
+
+
+def _head_width(config) -> int | None:
+    """A head's width: ``head_dim`` where the config sets one, else hidden size / heads."""
+    width = _attribute(config, "head_dim")
+    if isinstance(width, int):
+        return width
+    hidden, heads = _attribute(config, "hidden_size"), _attribute(config, "num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _rotary_share(config) -> float | None:
+    """The share of a head's width that rotary positions take where the config gives it as a width (``rotary_dim``:
+    CodeGen, GPT-J, MiniMax), or None."""
+    rotary, width = _attribute(config, "rotary_dim"), _head_width(config)
+    return rotary / width if isinstance(rotary, int) and width else None
+
+
+def _rotary_width(config, share: float) -> int:
+    """The narrowed ``rotary_dim``: the same share of the narrowed head width, even (rotary pairs), at least 2."""
+    return max(2, 2 * round(share * (_head_width(config) or NARROW_HEAD_DIM) / 2))
 
 
 def _narrow_latent_heads(config, rules: tuple[bool, bool]) -> None:

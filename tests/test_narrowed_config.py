@@ -139,3 +139,16 @@ def test_a_narrowed_config_keeps_its_kind_of_key_value_heads(model_type, kind):
         tokens = torch.randint(0, NARROW_SIZES["vocab_size"], (2, 16))
         mask = torch.ones_like(tokens).tril(-1).flip(1)  # left padding: a mask the attention must apply
         assert model(tokens, attention_mask=mask).logits.shape == (2, 16, NARROW_SIZES["vocab_size"])
+
+
+@pytest.mark.parametrize("model_type", ["codegen", "gptj"])
+def test_a_rotary_width_is_narrowed_with_the_head_width(model_type):
+    """CodeGen and GPT-J give rotary positions a width of their own (``rotary_dim`` 64 of 256 per head): left at 64
+    beside the narrowed heads of 16 it broke the forward's shapes (torch.export refused CodeGen at its rotary
+    embedding). It keeps its share of the head: 4 of 16."""
+    config = _narrowed(model_type)
+    assert config.rotary_dim == 4 and config.hidden_size // config.num_attention_heads == 16
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    logits = model(torch.randint(0, NARROW_SIZES["vocab_size"], (2, 16))).logits
+    assert logits.shape == (2, 16, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
