@@ -420,7 +420,11 @@ NARROW_AT_MOST = {  # counts lowered to at most these, never raised
 MAMBA_HEADS = (
     ("num_heads", "head_dim", "expand", None),
     ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_ssm"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand", None),  # Zamba2
 )
+# Widths a config derives from its hidden size as a whole multiple of it (Zamba's attention input: the hidden state
+# beside the embeddings, 2x; xLSTM's embedding width; OPT's word embedding projection): kept that multiple.
+HIDDEN_MULTIPLES = ("attention_hidden_size", "embedding_dim", "word_embed_proj_dim")
 NARROW_PER_KIND = 2  # layers kept of each distinct kind of a per-layer list (a kind's second may tie to its first)
 # Counts of layers that must sum to the model's layers (a looped model's prelude, recurrent and coda layers).
 LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
@@ -445,8 +449,11 @@ def narrowed_config(config):
     latent = _latent_head_rules(config)
     kv_heads = _kv_heads_kept(config)
     rotary_share = _rotary_share(config)
+    multiples = _hidden_multiples(config)
     for name, value in NARROW_SIZES.items():
         _narrow(config, name, value)
+    for name, multiple in multiples.items():
+        _narrow(config, name, multiple * NARROW_SIZES["hidden_size"])
     if kv_heads is not None:
         _narrow(config, "num_key_value_heads", kv_heads)
     if rotary_share is not None:
@@ -540,7 +547,8 @@ def _kept_layers(kinds: list, count: int) -> list[int]:
 
 
 def _cut_layers(config, layers: int) -> None:
-    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers (a kind of layer
+    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers, lists of layer
+    indices (``..._layer_ids``) renumbered to them (a kind of layer
     among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own),
     the layer count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
     taking any more."""
@@ -557,6 +565,8 @@ def _cut_layers(config, layers: int) -> None:
     kept = _kept_layers(kinds, count) if layers > count else list(range(layers))
     for name, value in lists.items():
         setattr(config, name, [value[i] for i in kept])
+    for name, ids in _layer_id_lists(config, layers).items():  # Zamba2's hybrid_layer_ids: renumbered
+        setattr(config, name, [kept.index(i) for i in ids if i in kept])
     if len(kept) != _attribute(config, "num_hidden_layers"):
         _narrow(config, "num_hidden_layers", len(kept))
     if shared:
@@ -565,13 +575,25 @@ def _cut_layers(config, layers: int) -> None:
         setattr(config, name, 1 + (len(kept) - len(parts) if index == len(parts) // 2 else 0))
 
 
+def _layer_id_lists(config, layers: int) -> dict[str, list[int]]:
+    """The config's lists of layer indices (a name ending in ``layer_ids``, every entry a layer of ``layers``)."""
+    return {
+        name: value
+        for name, value in vars(config).items()
+        if name.endswith("layer_ids")
+        and isinstance(value, list)
+        and all(isinstance(i, int) for i in value)
+        and all(0 <= i < layers for i in value)
+    }
+
+
 def _narrow_axial_positions(config) -> None:
     """Axial position embeddings (Reformer): their two widths sum to the hidden size, their two lengths multiply to
     the narrowed positions (128 = 8 x 16)."""
     if isinstance(_attribute(config, "axial_pos_embds_dim"), (list, tuple)):
-        half = NARROW_SIZES["hidden_size"] // 2
-        config.axial_pos_embds_dim = [half, half]
-        config.axial_pos_shape = [8, NARROW_SIZES["max_position_embeddings"] // 8]
+        half, kind = NARROW_SIZES["hidden_size"] // 2, type(config.axial_pos_shape)  # a tuple: the model adds tuples
+        config.axial_pos_embds_dim = kind([half, half])
+        config.axial_pos_shape = kind([8, NARROW_SIZES["max_position_embeddings"] // 8])
 
 
 def _latent_head_rules(config) -> tuple[bool, bool]:
@@ -581,6 +603,15 @@ def _latent_head_rules(config) -> tuple[bool, bool]:
     if not (isinstance(nope, int) and isinstance(rope, int)):
         return False, False
     return _attribute(config, "qk_head_dim") == nope + rope, _attribute(config, "head_dim") == rope
+
+
+def _hidden_multiples(config) -> dict[str, int]:
+    """Each width of ``HIDDEN_MULTIPLES`` the config has as a whole multiple of its hidden size: that multiple."""
+    hidden = _attribute(config, "hidden_size")
+    if not isinstance(hidden, int) or hidden <= 0:
+        return {}
+    widths = {name: _attribute(config, name) for name in HIDDEN_MULTIPLES}
+    return {name: w // hidden for name, w in widths.items() if isinstance(w, int) and w >= hidden and w % hidden == 0}
 
 
 def _head_width(config) -> int | None:

@@ -152,3 +152,23 @@ def test_a_rotary_width_is_narrowed_with_the_head_width(model_type):
     model = transformers.AutoModelForCausalLM.from_config(config)
     logits = model(torch.randint(0, NARROW_SIZES["vocab_size"], (2, 16))).logits
     assert logits.shape == (2, 16, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
+
+
+FORWARD_CASES = {  # model type -> the rule its narrowed config needs to run a forward
+    "zamba": "the attention's input width, twice the hidden size (the hidden state beside the embeddings)",
+    "zamba2": "its Mamba heads x their width = expansion x hidden, and its hybrid layers' indices renumbered",
+    "xlstm": "its embedding width, the hidden size's",
+    "reformer": "axial position shapes kept tuples (the model adds them to tuples)",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FORWARD_CASES))
+def test_a_narrowed_config_runs_a_forward(model_type):
+    """Each failed in its first forward before its rule (a width derived from the hidden size left at the full
+    model's, layer indices past the kept layers, a list where the model adds a tuple), at 128 tokens, the sweep's."""
+    config = _narrowed(model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tokens = torch.randint(3, NARROW_SIZES["vocab_size"], (2, NARROW_SIZES["max_position_embeddings"]))
+    logits = model(tokens).logits
+    assert logits.shape == (*tokens.shape, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
