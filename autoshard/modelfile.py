@@ -446,6 +446,8 @@ def narrowed_config(config):
                     setattr(config, name, narrowed_config(value))
         return config
     layers = _attribute(config, "num_hidden_layers")
+    overrides = _without_per_layer_overrides(config)
+    before = {name: _attribute(config, name) for layer in overrides.values() for name in layer}
     latent = _latent_head_rules(config)
     kv_heads = _kv_heads_kept(config)
     rotary_share = _rotary_share(config)
@@ -471,8 +473,9 @@ def narrowed_config(config):
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids inside the narrowed vocabulary
         if isinstance(_attribute(config, name), int) and _attribute(config, name) >= NARROW_SIZES["vocab_size"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
-    if isinstance(layers, int):
-        _cut_layers(config, layers)
+    kept = _cut_layers(config, layers) if isinstance(layers, int) else []
+    if overrides:
+        config.per_layer_config = _narrowed_overrides(config, overrides, before, kept)
     _narrow_mamba_heads(config)
     _narrow_axial_positions(config)
     config.use_cache = False
@@ -546,12 +549,12 @@ def _kept_layers(kinds: list, count: int) -> list[int]:
     return sorted(kept)
 
 
-def _cut_layers(config, layers: int) -> None:
+def _cut_layers(config, layers: int) -> list[int]:
     """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers, lists of layer
     indices (``..._layer_ids``) renumbered to them (a kind of layer
     among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own),
     the layer count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
-    taking any more."""
+    taking any more. Returns the kept layers' indices."""
     lists = {name: value for name, value in vars(config).items() if isinstance(value, list) and len(value) == layers}
     parts = next(
         (p for p in LAYER_PARTS if sum(c if isinstance(c := _attribute(config, n), int) else -1 for n in p) == layers),
@@ -573,6 +576,40 @@ def _cut_layers(config, layers: int) -> None:
         config.num_kv_shared_layers = sum(index >= layers - shared for index in kept)
     for index, name in enumerate(parts):
         setattr(config, name, 1 + (len(kept) - len(parts) if index == len(parts) // 2 else 0))
+    return kept
+
+
+def _without_per_layer_overrides(config) -> dict[int, dict]:
+    """A heterogeneous config's per-layer overrides (transformers' ``per_layer_config``: Gemma 4's global-attention
+    layers' wider heads), taken off it so that its global attributes read and narrow as any config's; {} for
+    another config."""
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is None:
+        return {}
+    overrides = copy.deepcopy(spec.per_layer_overrides)
+    config.per_layer_config = None
+    return overrides
+
+
+def _narrowed_overrides(config, overrides: dict[int, dict], before: dict, kept: list[int]) -> dict[int, dict]:
+    """``overrides`` of the ``kept`` layers (all where none were cut), renumbered to them, each whole-number override
+    of an attribute the narrowing changed scaled as its global value was (Gemma 4: heads of 512 beside 256 become 32
+    beside 16), every other override as it was."""
+    narrowed = {}
+    for new, old in enumerate(kept or sorted(overrides)):
+        layer = {}
+        for name, value in overrides.get(old, {}).items():
+            was, now = before.get(name), _attribute(config, name)
+            if _whole(value) and _whole(was) and _whole(now) and was and now != was:
+                value = max(1, round(value * now / was))
+            layer[name] = value
+        if layer:
+            narrowed[new if kept else old] = layer
+    return narrowed
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _layer_id_lists(config, layers: int) -> dict[str, list[int]]:

@@ -172,3 +172,19 @@ def test_a_narrowed_config_runs_a_forward(model_type):
     tokens = torch.randint(3, NARROW_SIZES["vocab_size"], (2, NARROW_SIZES["max_position_embeddings"]))
     logits = model(tokens).logits
     assert logits.shape == (*tokens.shape, NARROW_SIZES["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_a_heterogeneous_configs_per_layer_overrides_follow_the_kept_layers(tmp_path):
+    """Gemma 4 gives its global-attention layers (5, 11, ... of 30) heads of 512 beside 256 through transformers'
+    per-layer config. Cut to its first two layers of each kind, the overrides kept layers 5 and 11 past the 4 kept
+    and the library refused to read the folder back; they now follow the kept layers (2 and 3), their widths scaled as
+    the global one was (32 beside 16)."""
+    config = _narrowed("gemma4_text")
+    config.save_pretrained(tmp_path)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+    types = loaded.layer_types
+    overrides = loaded.to_dict()["per_layer_config"]
+    assert {int(i) for i in overrides} == {i for i, kind in enumerate(types) if kind == "full_attention"}
+    assert all(layer == {"head_dim": 32} for layer in overrides.values())
+    model = transformers.AutoModelForCausalLM.from_config(loaded)
+    assert model(torch.randint(3, NARROW_SIZES["vocab_size"], (2, 16))).logits.shape[-1] == NARROW_SIZES["vocab_size"]
