@@ -9,7 +9,7 @@ For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config c
 it has experts (in at most 2 routing groups, one dense layer before the first expert layer), sizes derived from these
 kept consistent; ``is_decoder`` set where the family has it; every other
 default as the library sets it, dropout included), written with ``save_pretrained`` into a folder; then ``autoshard plan hf:DIR`` on 2 CPU ranks
-(``local-cpu``) at 128 tokens per sample for each kind (chosen: nothing pinned; tp2; pp2; dp2-zero3) and ``autoshard verify`` of the plan
+(``local-cpu``; 128 tokens per sample where it has no positions) for each kind (chosen: nothing pinned; tp2; pp2; dp2-zero3) and ``autoshard verify`` of the plan
 (2 steps). Each case ends as one of:
 
     verified    verify says the program trains like one process
@@ -38,10 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"chosen": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2-zero3": ["--dp", "2", "--zero", "3"]}
 TIMEOUT_S = 900
-# tokens per sample: the narrowed positions (``NARROW_SIZES``' 128), given to every model, so that one without
-# position embeddings (Mamba's, whose reference scan is a Python loop per token on CPUs) runs as many tokens as the
-# others, not hf:DIR's 2,048 (FalconMamba's verify ran past 14 minutes at 2,048)
+# tokens per sample of a model without position embeddings: the narrowed positions (``NARROW_SIZES``' 128), so that
+# it (Mamba's, whose reference scan is a Python loop per token on CPUs) runs as many tokens as the others, not
+# hf:DIR's 2,048 (FalconMamba's verify ran past 14 minutes at 2,048); a model with positions takes hf:DIR's own
+# default from them (RoBERTa's numbering from the padding index + 1 leaves 126 of its 128)
 SEQ_LEN = 128
+POSITIONS = ("max_position_embeddings", "n_positions")
 
 
 def architectures() -> list[tuple[str, str]]:
@@ -86,7 +88,7 @@ def run_case(folder: Path, kind: str) -> dict:
     start = time.perf_counter()
     plan = folder / f"{kind}.plan.json"
     planned = _autoshard(
-        ["plan", f"hf:{folder}", "--cluster", "local-cpu", "--devices-per-node", "2", "--seq-len", str(SEQ_LEN)]
+        ["plan", f"hf:{folder}", "--cluster", "local-cpu", "--devices-per-node", "2", *_seq_len(folder)]
         + ["--global-batch", "8", *KINDS[kind], "-o", str(plan)]
     )
     if planned.returncode != 0 or not plan.exists():
@@ -95,6 +97,13 @@ def run_case(folder: Path, kind: str) -> dict:
         verified = _autoshard(["verify", str(plan), "--steps", "2"])
         outcome = ("verified", "") if verified.returncode == 0 else _failure(verified)
     return {"outcome": outcome[0], "detail": outcome[1], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _seq_len(folder: Path) -> list[str]:
+    """``--seq-len SEQ_LEN`` for a config without position embeddings (nor its text model's); [] for one with."""
+    config = json.loads((folder / "config.json").read_text())
+    parts = [config, *(v for v in config.values() if isinstance(v, dict))]
+    return [] if any(name in part for part in parts for name in POSITIONS) else ["--seq-len", str(SEQ_LEN)]
 
 
 def _autoshard(argv: list[str]) -> subprocess.CompletedProcess:
