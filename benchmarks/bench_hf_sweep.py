@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hf_sweep.py [--only REGEX] [--chunk I/N] [--kinds chosen,tp2,pp2,dp2-zero3]
                                         [-o runs/sweep.jsonl]
+    python benchmarks/bench_hf_sweep.py --kinds forward      (each shrunk model's eager loss, about 6 s each, no plan)
 
 For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk
 (``autoshard.modelfile.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
@@ -83,9 +84,28 @@ def write_folder(model_type: str, architecture: str, folder: Path) -> str:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
+# The "forward" kind: the folder read as hf:DIR reads it, the model built and its loss computed on example_batch(2)
+# eagerly on the CPU, nothing planned: a minute-scale check of the shrink across every architecture
+FORWARD = """
+import sys, torch
+from autoshard.modelfile import load_model_file
+model_file = load_model_file("hf:" + sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+torch.manual_seed(0)
+inputs, targets = model_file.example_batch(2)
+loss = model_file.loss(model_file.build()(*inputs), targets)
+if not torch.isfinite(loss):
+    raise SystemExit(f"error: a non-finite loss ({loss.item()})")
+"""
+FORWARD_TIMEOUT_S = 120
+
+
 def run_case(folder: Path, kind: str) -> dict:
-    """plan then verify one kind: {"outcome", "detail", "seconds"}."""
+    """plan then verify one kind (``forward``: the forward alone): {"outcome", "detail", "seconds"}."""
     start = time.perf_counter()
+    if kind == "forward":
+        ran = _python(["-c", FORWARD, str(folder), *_seq_len(folder)[1:]], FORWARD_TIMEOUT_S)
+        outcome = ("verified", "") if ran.returncode == 0 else ("crashed", _failure(ran)[1])
+        return {"outcome": outcome[0], "detail": outcome[1], "seconds": round(time.perf_counter() - start, 1)}
     plan = folder / f"{kind}.plan.json"
     planned = _autoshard(
         ["plan", f"hf:{folder}", "--cluster", "local-cpu", "--devices-per-node", "2", *_seq_len(folder)]
@@ -107,12 +127,14 @@ def _seq_len(folder: Path) -> list[str]:
 
 
 def _autoshard(argv: list[str]) -> subprocess.CompletedProcess:
+    return _python(["-m", "autoshard", *argv], TIMEOUT_S)
+
+
+def _python(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "autoshard", *argv], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {TIMEOUT_S} s")
+        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {timeout_s} s")
 
 
 def _failure(proc: subprocess.CompletedProcess) -> tuple[str, str]:
