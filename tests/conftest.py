@@ -3,6 +3,7 @@ import os
 import resource
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,7 @@ def pytest_configure(config):
 
 
 CPU_SECONDS: dict[str, float] = {}  # test id -> CPU seconds of its setup, call and teardown, its subprocesses included
+SPANS: dict[str, tuple[float, float]] = {}  # test id -> (start, end) in seconds since the epoch: the workers' timelines
 CPU_LINES = 30  # the tests that used the most CPU, in the summary
 
 
@@ -86,9 +88,10 @@ def _cpu_s() -> float:
 def pytest_runtest_protocol(item, nextitem):
     """Each test's CPU seconds (``CPU_SECONDS``): on 2 cores the suite's wall is its CPU over 2, so this, not
     ``--durations``, says what a test costs (a test's wall is shared with what the other worker runs)."""
-    started = _cpu_s()
+    started, start_s = _cpu_s(), time.time()
     yield
     CPU_SECONDS[item.nodeid] = _cpu_s() - started
+    SPANS[item.nodeid] = (start_s, time.time())
 
 
 def pytest_sessionfinish(session):
@@ -97,7 +100,9 @@ def pytest_sessionfinish(session):
     worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
     if folder:
         lines = launches.timing_lines() if launches is not None else []
-        (Path(folder) / f"{worker}.json").write_text(json.dumps({"launches": lines, "cpu": CPU_SECONDS}))
+        (Path(folder) / f"{worker}.json").write_text(
+            json.dumps({"launches": lines, "cpu": CPU_SECONDS, "spans": SPANS})
+        )
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -105,9 +110,12 @@ def pytest_terminal_summary(terminalreporter):
     CPU, and the suite's CPU in all."""
     folder = os.environ.get("AUTOSHARD_LAUNCH_TIMINGS")
     cpu: dict[str, float] = {}
+    spans: dict[str, list] = {}
     for worker in sorted(Path(folder).glob("*.json")) if folder else []:
         record = json.loads(worker.read_text())
         cpu.update(record["cpu"])
+        if record.get("spans"):
+            spans[worker.stem] = list(record["spans"].values())
         if record["launches"]:
             for line in ([f"{worker.stem}:"] if worker.stem != "main" else []) + record["launches"]:
                 terminalreporter.write_line(line)
@@ -117,6 +125,23 @@ def pytest_terminal_summary(terminalreporter):
         )
         for nodeid, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:CPU_LINES]:
             terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+    for line in _timeline_lines(spans):
+        terminalreporter.write_line(line)
+
+
+def _timeline_lines(spans: dict[str, list]) -> list[str]:
+    """Each worker's last test's end and the seconds it ran tests, from the suite's first start: a worker that ends
+    long before another left a core idle that long (a group too large, or scheduled late)."""
+    if not spans:
+        return []
+    first = min(start for worker in spans.values() for start, _ in worker)
+    lines = ["the workers' timelines (seconds from the first test's start):"]
+    for name, worker in sorted(spans.items()):
+        running = sum(end - start for start, end in worker)
+        lines.append(
+            f"  {name}: {len(worker)} tests, the last ended at {max(e for _, e in worker) - first:7.1f}, running tests {running:7.1f}"
+        )
+    return lines
 
 
 @pytest.fixture(autouse=True)
