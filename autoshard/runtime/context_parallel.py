@@ -242,6 +242,16 @@ def ring_attention(
 _ATEN_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
+def _attention_eager_under_compile() -> None:
+    """``ContextParallelMode._attention`` under ``torch.compiler.disable`` (once): a compiled block runs the ring
+    eager, between two graphs (``runtime.compiled``). Applied as the first mode is made, not as this module is
+    imported: the decorator imports ``torch._dynamo``, about 1.2 s of CPU in every process that imports the runtime,
+    which a program without context parallelism never needs."""
+    method = ContextParallelMode.__dict__["_attention"]
+    if not getattr(method, "_torchdynamo_disable", False):
+        ContextParallelMode._attention = torch.compiler.disable(method)
+
+
 class ContextParallelMode(torch.overrides.TorchFunctionMode):
     """Run a model's forward (and backward) on this rank's sequence chunk as if on the whole sequence.
 
@@ -284,6 +294,7 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
         self.cp_group, self.cp_rank, self.cp_size, self.local_seq_len = cp_group, cp_rank, cp_size, local_seq_len
         self.balanced = balanced
         self._deltas: dict[tuple, torch.Tensor] = {}
+        _attention_eager_under_compile()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -293,7 +304,6 @@ class ContextParallelMode(torch.overrides.TorchFunctionMode):
             return self._positions(func(*args, **kwargs), args, kwargs)
         return func(*args, **kwargs)
 
-    @torch.compiler.disable  # a compiled block runs the ring eager, between two graphs (runtime.compiled)
     def _attention(
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ) -> torch.Tensor:
