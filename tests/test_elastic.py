@@ -96,6 +96,31 @@ def test_a_survivor_says_the_elastic_job_goes_on(monkeypatch):
     assert "the job stops" in faults.peer_gone_message()
 
 
+@pytest.mark.parametrize(
+    "text, gone",
+    [
+        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4513", True),
+        ("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error", True),
+        (
+            "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
+            True,
+        ),
+        ("socketProgress: Connection closed by remote peer node-7<41280>", True),
+        ("NCCL communicator was aborted on rank 3.", True),
+        (
+            "NCCL communicator was aborted on rank 3. Original reason for failure was: [Rank 3] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE) ran for 600000 milliseconds",
+            False,
+        ),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ],
+)
+def test_a_lost_peer_is_told_from_a_hang_and_from_a_rank_s_own_error_in_gloo_and_nccl_words(text, gone):
+    """A survivor names the lost peer only where the backend says one went away; an aborted NCCL communicator whose
+    reason is the watchdog's timeout is a hang (``hang_message``), and any other error is the rank's own."""
+    assert faults._is_peer_gone(RuntimeError(text)) is gone
+
+
 def test_a_steps_samples_do_not_depend_on_the_data_parallel_degree():
     """``runtime.data``'s module doc: step k of a dataset holds the same samples at every dp that divides the global
     batch (their order aside), so a job re-planned at another dp reads on where it stopped."""

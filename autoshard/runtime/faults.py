@@ -174,19 +174,29 @@ def loaded_model_files() -> list[str]:
     )
 
 
-# What gloo and NCCL say when the other end of a collective went away (its process ended).
+# What gloo and NCCL say when the other end of a collective went away (its process ended): gloo's socket errors;
+# NCCL's ncclRemoteError ("remote process exited or there was a network error", "... a remote process exiting
+# prematurely"), its socket's "connection closed by remote peer", and ProcessGroupNCCL's "NCCL communicator was
+# aborted on rank N" (a communicator its watchdog aborted after an error on it).
 _PEER_GONE = (
     "connection reset by peer",
     "connection closed by peer",
+    "connection closed by remote peer",
     "broken pipe",
     "connection refused",
     "socket closed",
     "remote process exited",
+    "remote process exiting",
+    "communicator was aborted",
 )
 
 
 def _is_peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer of a collective went away. An aborted NCCL communicator whose reason is a timeout
+    (the watchdog's "Watchdog caught collective operation timeout") is a hang, not a peer gone: ``hang_message``."""
     text = str(exc).lower()
+    if "communicator was aborted" in text and _is_timeout(exc):
+        return False
     return any(phrase in text for phrase in _PEER_GONE)
 
 
