@@ -431,13 +431,21 @@ LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
 
 
 def narrowed_config(config):
-    """A copy of a transformers ``config`` with the sizes of ``NARROW_SIZES`` where it has them, per-layer lists
-    cut to layers that keep one of each kind (``_kept_layers``), special token ids inside the vocabulary, sizes
-    derived from others kept consistent (latent attention's widths, a rotary width, Mamba heads), experts per token set where
-    declared None beside experts, the counts of ``NARROW_AT_MOST`` lowered, ``use_cache`` off; every other setting
-    as it was. The same
-    architecture's code runs on it, at a width a CPU runs in a second. A composite config has each of its parts
-    narrowed (the text model's, and the vision or audio towers' where the library accepts it)."""
+    """A copy of a transformers ``config`` small enough that a CPU runs the same architecture's code in a second:
+
+    - the sizes of ``NARROW_SIZES`` where it has them;
+    - the kind of key/value heads kept (multi-head stays multi-head, one head stays one, grouped stays grouped:
+      ``_kv_heads_kept``);
+    - sizes derived from others kept consistent: latent attention's widths, the rotary width's share of a head,
+      the hidden-size multiples of ``HIDDEN_MULTIPLES``, Mamba heads (``MAMBA_HEADS``), Reformer's axial positions;
+    - per-layer lists cut to layers that keep ``NARROW_PER_KIND`` of each kind (``_kept_layers``), the lists of layer
+      indices renumbered, and per-layer overrides following the layers kept, their widths scaled;
+    - experts per token at most ``NARROW_TOP_K`` (set where declared None beside experts), the counts of
+      ``NARROW_AT_MOST`` lowered;
+    - special token ids inside the vocabulary, ``use_cache`` off;
+
+    every other setting as it was. A composite config has each of its parts narrowed (the text model's, and the
+    vision or audio towers' where the library accepts it)."""
     config = copy.deepcopy(config)
     if text_config(config) is not config:
         for name, value in list(vars(config).items()):

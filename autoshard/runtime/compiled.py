@@ -66,12 +66,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from autoshard.errors import AutoshardError
 from autoshard.ir.names import RANDOM_OPS, RANDOM_SWITCHES
 from autoshard.runtime.model import get_block
-from autoshard.runtime.randomness import ExpectedRandomness, RandomOpNotFixed, base_name, fix_graph_functions
+from autoshard.runtime.randomness import (
+    SDPA_DROPOUT_ARG,
+    ExpectedRandomness,
+    RandomOpNotFixed,
+    base_name,
+    fix_graph_functions,
+    nested_graphs,
+)
 from autoshard.runtime.selective import recompute_mode
 from autoshard.runtime.stage_recompute import block_module
 
 _WRAPPED = "_checkpoint_wrapped_module"  # checkpoint_wrapper's child: the block it recomputes
-_SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
 
 def apply_compile(
@@ -178,18 +184,13 @@ def _inductor(graph: torch.fx.GraphModule, example_inputs):
     numbers while randomness is fixed (module doc)."""
     if _fixed:
         fix_graph_functions(graph)
-        drawn = [node for module in _graphs(graph) for node in module.graph.nodes if _random_op(node)]
+        drawn = [node for module in nested_graphs(graph) for node in module.graph.nodes if _random_op(node)]
         if drawn:
             raise RandomOpNotFixed(
                 f"{_random_op(drawn[0])} in {_fixed} draws random numbers inside a compiled block, which verify "
                 f"cannot fix; verify the plan with --compile off (the same model, run eager)"
             )
     return torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
-
-
-def _graphs(graph: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
-    """``graph`` and every graph nested in it (higher-order ops' bodies)."""
-    return [module for module in graph.modules() if isinstance(module, torch.fx.GraphModule)]
 
 
 def _random_op(node: torch.fx.Node) -> str:
@@ -202,6 +203,6 @@ def _random_op(node: torch.fx.Node) -> str:
     switch = RANDOM_SWITCHES.get(name)
     if switch == "dropout_p":
         args = node.args
-        value = node.kwargs.get(switch, args[_SDPA_DROPOUT_ARG] if len(args) > _SDPA_DROPOUT_ARG else 0.0)
+        value = node.kwargs.get(switch, args[SDPA_DROPOUT_ARG] if len(args) > SDPA_DROPOUT_ARG else 0.0)
         return name if value else ""
     return name

@@ -215,7 +215,7 @@ _SDPA_FUNCTIONS = {
     torch.nn.functional.scaled_dot_product_attention,
     torch.ops.aten.scaled_dot_product_attention.default,
 }
-_SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+SDPA_DROPOUT_ARG = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
 
 
 class FixedFunctions(torch.overrides.TorchFunctionMode):
@@ -242,8 +242,8 @@ class FixedFunctions(torch.overrides.TorchFunctionMode):
         if func in _RRELU_FUNCTIONS:
             return _mean_slope_rrelu(*args, **kwargs)
         if func in _SDPA_FUNCTIONS:
-            if len(args) > _SDPA_DROPOUT_ARG:
-                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1 :])
+            if len(args) > SDPA_DROPOUT_ARG:
+                args = (*args[:SDPA_DROPOUT_ARG], 0.0, *args[SDPA_DROPOUT_ARG + 1 :])
             if "dropout_p" in kwargs:
                 kwargs["dropout_p"] = 0.0
         return func(*args, **kwargs)
@@ -256,11 +256,17 @@ def fix_graph_functions(graph: torch.fx.GraphModule) -> int:
     of its own (a checkpoint's: ``tag_activation_checkpoint``), where the calls stay as the model wrote them
     (``runtime.compiled``). Returns how many calls it fixed."""
     fixed = 0
-    for module in graph.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            fixed += sum(_fix_call(node) for node in list(module.graph.nodes) if node.op == "call_function")
+    for module in nested_graphs(graph):
+        changed = sum(_fix_call(node) for node in list(module.graph.nodes) if node.op == "call_function")
+        if changed:
             module.recompile()
+        fixed += changed
     return fixed
+
+
+def nested_graphs(graph: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``graph`` and every graph nested in it (higher-order ops' bodies: a checkpoint's)."""
+    return [module for module in graph.modules() if isinstance(module, torch.fx.GraphModule)]
 
 
 def _fix_call(node: torch.fx.Node) -> bool:
@@ -274,8 +280,8 @@ def _fix_call(node: torch.fx.Node) -> bool:
         if node.kwargs.get("dropout_p"):
             node.kwargs = {**node.kwargs, "dropout_p": 0.0}
             return True
-        if len(node.args) > _SDPA_DROPOUT_ARG and node.args[_SDPA_DROPOUT_ARG]:
-            node.args = (*node.args[:_SDPA_DROPOUT_ARG], 0.0, *node.args[_SDPA_DROPOUT_ARG + 1 :])
+        if len(node.args) > SDPA_DROPOUT_ARG and node.args[SDPA_DROPOUT_ARG]:
+            node.args = (*node.args[:SDPA_DROPOUT_ARG], 0.0, *node.args[SDPA_DROPOUT_ARG + 1 :])
             return True
     return False
 
