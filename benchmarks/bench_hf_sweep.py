@@ -5,7 +5,7 @@
     python benchmarks/bench_hf_sweep.py --kinds forward      (each shrunk model's eager loss, about 6 s each, no plan)
 
 For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk
-(``autoshard.modelfile.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
+(``autoshard.narrowing.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
 2 key/value heads where it groups them (as many as heads where it has as many, 1 where it has 1), head dim 16, feed-forward 128, vocabulary 256, 4 experts and at most top-2 where
 it has experts (in at most 2 routing groups, one dense layer before the first expert layer), sizes derived from these
 kept consistent; ``is_decoder`` set where the family has it; every other
@@ -55,11 +55,11 @@ def architectures() -> list[tuple[str, str]]:
 
 
 def small_config(model_type: str, architecture: str):
-    """The config class's defaults narrowed (``autoshard.modelfile.narrowed_config``: width 64, 2 layers, ...);
+    """The config class's defaults narrowed (``autoshard.narrowing.narrowed_config``: width 64, 2 layers, ...);
     raises where the library refuses the result."""
     from transformers import CONFIG_MAPPING
 
-    from autoshard.modelfile import narrowed_config
+    from autoshard.narrowing import narrowed_config
 
     config = narrowed_config(CONFIG_MAPPING[model_type]())
     config.architectures = [architecture]

@@ -186,11 +186,11 @@ def test_a_contrastive_model_over_the_whole_check_s_bounds_is_found_on_its_reduc
 
 
 def test_an_hf_model_over_the_bounds_is_checked_on_its_architecture_narrowed(tmp_path, monkeypatch):
-    """``hf:DIR`` over the bounds: the same transformers architecture at width 64 (``modelfile.narrowed_config``), its
+    """``hf:DIR`` over the bounds: the same transformers architecture at width 64 (``narrowing.narrowed_config``), its
     other settings kept; ``MAX_CHECK_BYTES`` set below the tiny model stands for a model over it."""
     import transformers
 
-    from autoshard.modelfile import NARROW_SIZES, narrowed_config
+    from autoshard.narrowing import NARROW_SIZES, narrowed_config
     from autoshard.passes.capturing import batch_coupling
     from autoshard.passes.capturing.annotate import annotate
     from autoshard.passes.capturing.capture import capture

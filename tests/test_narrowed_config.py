@@ -1,4 +1,4 @@
-"""``modelfile.narrowed_config``: a transformers config at width 64 that still builds, and keeps every kind of layer.
+"""``narrowing.narrowed_config``: a transformers config at width 64 that still builds, and keeps every kind of layer.
 
 Each case is an architecture whose own defaults build, and whose narrowed copy failed to build before the rule it
 names (the library validates sizes derived from one another)."""
@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from autoshard.modelfile import NARROW_SIZES, narrowed_config  # noqa: E402
+from autoshard.narrowing import NARROW_SIZES, narrowed_config  # noqa: E402
 
 CASES = {  # model type -> the rule its narrowed config needs
     "olmo_hybrid": "every kind of layer kept (its first layers are all linear attention)",
@@ -59,7 +59,8 @@ def test_a_narrowed_config_keeps_each_kind_of_layer_and_their_order():
 def test_a_composite_config_is_narrowed_in_each_part_and_plans_from_its_text_part(tmp_path):
     """Gemma 3's config holds a text config and a vision tower's: both narrowed, so its causal LM is small; ``hf:DIR``
     reads the vocabulary from the text part (the composite has none of its own)."""
-    from autoshard.modelfile import load_model_file, text_config
+    from autoshard.modelfile import load_model_file
+    from autoshard.narrowing import text_config
 
     config = _narrowed("gemma3")
     assert text_config(config) is not config and text_config(config).hidden_size == NARROW_SIZES["hidden_size"]

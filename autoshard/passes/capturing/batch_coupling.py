@@ -21,7 +21,7 @@ in float64 (so rounding cannot pass for a difference), relative tolerance ``RTOL
 model that does not run in float64; a model that runs in neither is not checked). A model whose weights
 would not fit in ``MAX_CHECK_BYTES``, or whose check would take more than a few seconds or a large share of
 the machine's memory, is checked on a reduced copy instead: an ``hf:DIR`` model on its config narrowed
-(``modelfile.narrowed_config``: the same architecture's code at width 64), any other on ``reduced_copy`` (its
+(``narrowing.narrowed_config``: the same architecture's code at width 64), any other on ``reduced_copy`` (its
 repeated layers cut to three where their settings agree, its work held to the same bounds, a finding of no coupling
 kept only where the captured graphs prove the cut layers run as the kept ones); one that no copy brings within them,
 or whose cut is not proven, is not checked (``graph.batch_coupling`` None, and the plan says so). The check's work, from
@@ -79,7 +79,7 @@ def _in_float64_else_fp32(check) -> str | None:
     return None
 
 
-NARROWED = "width 64, 2 layers, vocabulary 256 (modelfile.narrowed_config)"
+NARROWED = "width 64, 2 layers, vocabulary 256 (narrowing.narrowed_config)"
 
 
 def reduced_coupling(model_file: ModelFile, graph: OpGraph, whole_numel: int) -> str | None:
