@@ -85,6 +85,19 @@ def test_a_linear_outside_nn_linear_gets_no_style(in_repo):
         assert "not an nn.Linear" in choice.reasons[f"h.{i}.router"]
 
 
+def test_a_linear_whose_output_the_model_writes_into_stays_replicated(in_repo, tmp_path):
+    """``y = down(...); y.add_(h)``: a DTensor style hands the model the output's local tensor, a view autograd forbids
+    writing into while it records gradients, so the program would fail at its first step (transformers' Llama 4 MoE
+    at tp 2, found by the causal-LM sweep). The down projection stays replicated and says why."""
+    _, choice = styles("build_in_place_sum")
+    for i in range(2):
+        assert choice.styles[f"h.{i}.down"] == "replicate"
+        assert "writes into its output in place (aten.add_.Tensor)" in choice.reasons[f"h.{i}.down"]
+        assert all(choice.styles[f"h.{i}.attn.{m}"] == "colwise" for m in ATTN)  # the rest is untouched
+    _, plain = styles("build")
+    assert plain.styles["h.0.down"] == "rowwise"
+
+
 def test_degrees_not_checked_shard_nothing(in_repo):
     graph, _ = styles("build")
     assert "3" not in graph.tp_proofs  # 3 does not divide the 4 heads; 16 is not a checked degree

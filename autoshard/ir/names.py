@@ -23,6 +23,15 @@ def op_name(target: str) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
+def is_in_place(target: str) -> bool:
+    """Whether an aten target writes into its first input: "aten.add_.Tensor", "aten.copy_.default" (ATen's
+    trailing underscore); not "aten.__and__.Tensor"."""
+    if not target.startswith("aten."):
+        return False
+    name = target.split(".")[1]
+    return name.endswith("_") and not name.endswith("__")
+
+
 def block_of(module_path: str) -> str | None:
     """The outermost "<prefix>.<int>" prefix of a module path: "h.3.mlp.0" -> "h.3"; None if none."""
     parts = module_path.split(".") if module_path else []

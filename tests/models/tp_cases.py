@@ -84,8 +84,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, constant_heads: bool, head_norm: bool, router: bool, kv_heads: int = HEADS):
+    def __init__(
+        self, constant_heads: bool, head_norm: bool, router: bool, kv_heads: int = HEADS, in_place: bool = False
+    ):
         super().__init__()
+        self.in_place = in_place  # the MLP's input added into its output in place (Llama 4's MoE: ``out.add_(...)``)
         self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
         self.attn = Attention(constant_heads, head_norm, kv_heads)
         self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
@@ -95,16 +98,23 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         h = self.ln_2(x)
         y = self.down(F.gelu(self.up(h)))
+        if self.in_place:
+            y.add_(h)
         return x + (y * self.router(h) if self.router is not None else y)
 
 
 class TinyLM(nn.Module):
     def __init__(
-        self, constant_heads: bool = False, head_norm: bool = False, router: bool = False, kv_heads: int = HEADS
+        self,
+        constant_heads: bool = False,
+        head_norm: bool = False,
+        router: bool = False,
+        kv_heads: int = HEADS,
+        in_place: bool = False,
     ):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.h = nn.ModuleList(Block(constant_heads, head_norm, router, kv_heads) for _ in range(2))
+        self.h = nn.ModuleList(Block(constant_heads, head_norm, router, kv_heads, in_place) for _ in range(2))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
 
@@ -133,6 +143,10 @@ def build_router() -> TinyLM:
 
 def build_gqa_repeat() -> TinyLM:
     return TinyLM(kv_heads=2)
+
+
+def build_in_place_sum() -> TinyLM:
+    return TinyLM(in_place=True)
 
 
 def example_batch(batch_size: int):

@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.ir.graph import OpGraph, OpNode
-from autoshard.ir.names import op_name
+from autoshard.ir.names import VIEW_OPS as ALIASING_OPS
+from autoshard.ir.names import is_in_place, op_name
 
 R, S, P = "R", "S", "P"
 Q = "Q"  # sharded over the sequence (sequence parallelism)
@@ -215,7 +216,31 @@ def linear_refusal(graph: OpGraph, node: OpNode, tp: int) -> str:
         return FUSED_REASON.format(op=splitter) if splitter else ""
     if op_name(node.target) != "linear":
         return f"{op_name(node.target)} outside an nn.Linear: no ParallelStyle for it; replicated"
-    return style_module_refusal(node, LINEAR_TYPES, "nn.Linear")
+    return style_module_refusal(node, LINEAR_TYPES, "nn.Linear") or in_place_output_refusal(graph, node)
+
+
+def in_place_output_refusal(graph: OpGraph, node: OpNode) -> str:
+    """Why a module's DTensor style cannot hand its output to the model's code ("" when it can): the styles return
+    the output's local tensor (``DTensor.to_local``), a view made inside an autograd Function, and autograd refuses
+    an in-place op on such a view while it records gradients. A model that writes into the module's output, or into
+    a view of it (Llama 4's MoE adds its routed experts into its shared expert's output: ``out.add_(...)``), would
+    fail at its first training step; the module stays replicated."""
+    readers, seen, values = consumer_map(graph), set(), [node.name]
+    while values:
+        value = values.pop()
+        for name in readers.get(value, ()):
+            reader = graph.node(name)
+            if not reader.inputs or reader.inputs[0] != value or name in seen:
+                continue
+            seen.add(name)
+            if is_in_place(reader.target):
+                return (
+                    f"the code calling it writes into its output in place ({reader.target}), which the local tensor "
+                    f"a DTensor style hands back does not allow while gradients are recorded; replicated"
+                )
+            if op_name(reader.target) in ALIASING_OPS:
+                values.append(name)
+    return ""
 
 
 def style_module_refusal(node: OpNode, types: frozenset[str], kind: str) -> str:
