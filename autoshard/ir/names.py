@@ -20,7 +20,7 @@ def op_name(target: str) -> str:
     if not target.startswith("aten."):
         return target
     name = target.split(".")[1]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    return name[:-1] if is_in_place(target) else name
 
 
 def is_in_place(target: str) -> bool:
