@@ -55,6 +55,8 @@ class ModelFile:
     factory_name: str
     module: types.ModuleType
     seq_len: int | None = None  # --seq-len: example_batch(batch_size, seq_len=...) (None: the file's own)
+    # where the file's own length is every position the model has (hf:DIR's default): that length, else None
+    length_at_positions: int | None = None
 
     @property
     def factory(self) -> Callable[[], nn.Module]:
@@ -338,7 +340,15 @@ def _hf_model_file(spec: str, config, config_path: Path, seq_len: int | None) ->
         f"autoshard_hf_{hashlib.sha1(str(config_path.parent.resolve()).encode()).hexdigest()[:12]}"
     )
     module.build, module.example_batch, module.narrowed = build, example_batch, narrowed
-    return ModelFile(spec=spec, path=config_path, factory_name="build", module=module, seq_len=seq_len)
+    at_positions = default_seq if seq_len is None and positions and default_seq == positions else None
+    return ModelFile(
+        spec=spec,
+        path=config_path,
+        factory_name="build",
+        module=module,
+        seq_len=seq_len,
+        length_at_positions=at_positions,
+    )
 
 
 def _fresh(config):

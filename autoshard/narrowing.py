@@ -26,6 +26,8 @@ NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to 
     "shared_expert_intermediate_size": 64,
     "decoder_attention_heads": 4,
     "encoder_attention_heads": 4,
+    "num_decoder_attention_heads": 4,  # ProphetNet's names for them
+    "num_encoder_attention_heads": 4,
     "decoder_layers": NARROW_LAYERS,
     "encoder_layers": NARROW_LAYERS,
     "num_decoder_layers": NARROW_LAYERS,

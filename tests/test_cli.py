@@ -605,6 +605,40 @@ def test_hf_folder_of_a_roberta_style_model_takes_the_tokens_its_positions_hold(
     assert position_offset(llama) == 0
 
 
+def test_hf_folder_whose_model_reads_past_its_positions_says_to_shorten_the_default_length(tmp_path):
+    """ProphetNet's n-gram stream looks up position + 1 of positions numbered from the padding index: at hf:DIR's
+    default (every one of its 16 positions) it fails to trace with a shape error far from the cause; the refusal
+    says first that a shorter --seq-len is the fix, and 14 tokens capture. ProphetNet's own head counts narrow."""
+    import transformers
+
+    from autoshard.errors import AutoshardError
+    from autoshard.modelfile import load_model_file
+    from autoshard.narrowing import narrowed_config
+    from autoshard.passes.capturing.capture import capture
+
+    config = transformers.ProphetNetConfig(
+        vocab_size=64,
+        hidden_size=16,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        num_encoder_attention_heads=2,
+        num_decoder_attention_heads=2,
+        max_position_embeddings=16,
+        num_buckets=8,
+        relative_max_distance=16,
+        is_decoder=True,
+    )
+    config.save_pretrained(tmp_path)
+    with pytest.raises(AutoshardError, match=r"at 16 tokens per sample, every position .* needs a shorter --seq-len"):
+        capture(load_model_file(f"hf:{tmp_path}"))
+    assert capture(load_model_file(f"hf:{tmp_path}", seq_len=14)).nodes
+    assert load_model_file(f"hf:{tmp_path}", seq_len=14).length_at_positions is None
+    narrowed = narrowed_config(transformers.ProphetNetConfig())
+    assert (narrowed.num_decoder_attention_heads, narrowed.num_encoder_attention_heads) == (4, 4)
+
+
 def test_run_passes_pretrained_weights_in_and_out_and_refuses_a_missing_folder(tmp_path, capsys, monkeypatch):
     """``autoshard run --init-from DIR --export-hf DIR``: the program's own flags, checked before anything starts."""
     import autoshard.launch

@@ -71,7 +71,10 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
     inputs, targets = model_file.example_batch(batch_size)
     check_targets(model_file, targets)
     meta_inputs = tuple(t.to("meta") for t in inputs)
-    graph = capture_module(model, meta_inputs, where=model_file.spec)
+    try:
+        graph = capture_module(model, meta_inputs, where=model_file.spec)
+    except AutoshardError as exc:
+        raise AutoshardError(_with_length_hint(str(exc), model_file)) from exc.__cause__
     if folded is not None and not layers_match(graph, folded):
         model = build_on_meta(model_file)
         graph, folded = capture_module(model, meta_inputs, where=model_file.spec), None
@@ -82,6 +85,21 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
             f"train or shard; return the model with its layers from the factory"
         )
     return graph
+
+
+def _with_length_hint(message: str, model_file: ModelFile) -> str:
+    """``message`` (a capture's refusal, ``spec: why``) saying first, where the file's own length is every position
+    the model has (hf:DIR without --seq-len), that a shorter --seq-len is what to try: a model that reads a row or
+    two past its tokens' positions (ProphetNet's n-gram stream reads position + 1 of positions numbered from the
+    padding index) fails to trace at that length only, with a shape error far from its cause."""
+    prefix = f"{model_file.spec}: "
+    if model_file.length_at_positions is None or not message.startswith(prefix):
+        return message
+    return (
+        f"{prefix}at {model_file.length_at_positions} tokens per sample, every position the model has (hf:DIR's "
+        f"default), it does not trace; a model that reads past its tokens' positions needs a shorter --seq-len: "
+        f"{message[len(prefix) :]}"
+    )
 
 
 def check_targets(model_file: ModelFile, targets: Any) -> None:
