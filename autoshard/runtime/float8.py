@@ -13,7 +13,11 @@ not trace torchao's float8 tensor subclass, so the stages are cut from the bf16 
 Each stage is unflattened: a linear of the model is a child module whose graph holds its one ``aten.linear`` on
 ``get_attr`` weight (and bias), with TP's traceable collectives around it (``tensor_parallel_stages``). That node
 becomes a call of a state-less ``Float8Matmul`` child, which runs torchao's ``matmul_with_hp_or_float8_args``
-as ``Float8Linear.forward`` does: parameters and their names stay where the split left them.
+as ``Float8Linear.forward`` does: parameters and their names stay where the split left them. Beside TP the stage's
+linears hold plain local shards, so each rank scales its own shard of the input, the weight and the output gradient
+(tensorwise: one scale per shard; rowwise: per row of the shard), where one process, and DTensor's SPMD layout through
+torchao's float8 TP styles, take one scale over the whole tensor: the same layout, a float8 rounding that differs
+within float8's own. ``verify`` checks the layout through the twin with float8 off; a GPU run checks the numerics.
 
 A float8 matmul (``torch._scaled_mm``) needs a CUDA device of compute capability 8.9 or later (H100, L40S, ...):
 elsewhere the conversion is refused in one line. ``autoshard verify`` checks a float8 plan's layout on CPU ranks
