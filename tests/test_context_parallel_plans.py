@@ -16,7 +16,7 @@ from autoshard.cost.context_parallel import add_rings, attention_nodes, cp_equiv
 from autoshard.cost.hardware import load_cluster
 from autoshard.cost.pipeline_step import rank_loads
 from autoshard.cost.step import price_parts
-from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables
+from autoshard.cost.tables import CAPTURED_ELEM_BYTES, CostTables, Runtime
 from autoshard.cost.units import node_forward_s
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import Decisions, Mesh
@@ -197,6 +197,26 @@ def test_a_pipeline_prices_each_stages_ring_with_its_own_attentions(gpt, monkeyp
     assert parts.cp_comm_s == pytest.approx(m * slowest.cp_comm_s)
     whole_ring = price_parts(tables, equivalent, cuts).forward_s + m * ring_cost(tables, config).forward_extra_s
     assert parts.forward_s < whole_ring  # one stage's ring per slot, not every stage's
+
+
+def test_megatron_lm_pipeline_memory_holds_the_ring_s_backward(gpt):
+    """Priced for Megatron-LM (``Runtime.named("megatron-lm")``), a pipeline rank's activations are its in-flight
+    micro-batches plus a block's workspace or, with a cp ring, the ring attention's backward where larger, as
+    autoshard's own stages count it (``RingCost.backward_bytes``): without it a cp plan read the ring's buffers in
+    one runtime's memory and not the other's."""
+    graph = gpt[1]
+    cluster = load_cluster("local-cpu", devices_per_node=4)
+    tables = CostTables(graph, cluster, Runtime.named("megatron-lm", cluster))
+    config = Decisions(
+        mesh=Mesh(dp=1, tp=1, pp=2, cp=2), zero_stage=0, microbatch_size=2, num_microbatches=4, schedule="1f1b"
+    )
+    cuts, equivalent, big = (2,), cp_equivalent(config), 2**30  # a ring's backward past any block's workspace
+    rings = tuple(replace(r, backward_bytes=big) for r in unit_ring_costs(tables, config))
+    plain, ringed = rank_loads(tables, equivalent, cuts), rank_loads(tables, equivalent, cuts, rings)
+    for base, load in zip(plain, ringed):
+        assert base.memory.activations_bytes < big <= load.memory.activations_bytes
+        # the in-flight micro-batches kept, the ring in the workspace's place (the larger of the two), not beside it
+        assert load.memory.activations_bytes <= base.memory.activations_bytes + big
 
 
 def test_a_pipeline_cp_program_cuts_the_tokens_in_its_split(gpt):

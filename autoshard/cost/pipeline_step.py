@@ -406,7 +406,7 @@ def rank_loads(
                 p2p,
                 sum(tp_comm[u] for u in idx),
                 params + expert_shards,
-                rank_memory(tables, config, r, stages, units, mine),
+                rank_memory(tables, config, r, stages, units, mine, ring.backward_bytes),
                 host_s,
                 sum(units.tensors[u] for u in idx),
                 a2a_microbatch_s(experts, idx),
@@ -424,9 +424,12 @@ def rank_memory(
     stages: list[StageLoad],
     units: Units,
     mine: list[tuple[int, tuple[int, int]]],
+    ring_bytes: int = 0,
 ) -> Memory:
     """Pipeline rank ``pp_rank``'s peak: the moments of autoshard's programs (``rank_memory.memory_pipeline``),
-    or, priced for Megatron-LM, its in-flight micro-batches over its own state (``megatron_pipeline_memory``)."""
+    or, priced for Megatron-LM, its in-flight micro-batches over its own state (``megatron_pipeline_memory``), with a
+    block's workspace or, under context parallelism, its ring attention's backward (``ring_bytes``: the largest of
+    the rank's units', ``RingCost.backward_bytes``) if larger, as the stages' moments hold it."""
     if tables.precision != MEGATRON_MIXED:
         return memory_pipeline(tables, config, pp_rank, stages)
     pp, v = config.mesh.pp, config.virtual_stages
@@ -438,7 +441,7 @@ def rank_memory(
         acts = in_flight(config.schedule, config.num_microbatches, pp, v, pp_rank) * sum(
             units.saved_bytes[u] for u in idx
         )
-    acts += max(units.workspace_bytes[u] for u in idx)
+    acts += max(max(units.workspace_bytes[u] for u in idx), ring_bytes)
     return megatron_pipeline_memory(
         tables.precision, config, sum(s.params for s in stages), acts, sum(s.expert_params for s in stages)
     )
