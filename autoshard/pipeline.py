@@ -43,7 +43,7 @@ from autoshard.cost.tables import CostTables, Runtime
 from autoshard.cost.units import node_units, stage_ranges, stage_units
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import FLOAT8_OFF, Decisions, Mesh, TPChoice
-from autoshard.ir.graph import OpGraph
+from autoshard.ir.graph import OpGraph, unread_params
 from autoshard.ir.plan import HF_PREFIX, Plan, PlanLayout, PlanProvenance, PlanReview, Stage, model_file_sha256
 from autoshard.ir.plan_format import PLAN_RUNTIMES
 from autoshard.ir.topology import Cluster
@@ -264,6 +264,7 @@ def assemble_plan(
             stages=pipeline_stages(graph, c.mesh, best.cuts, c.schedule, c.virtual_stages),
             experts=tuple(g.path for g in graph.experts) if c.ep > 1 else (),
             float8_linears=float8_linears(graph) if c.float8 != FLOAT8_OFF else (),
+            unread_params=unread_params(graph),
         ),
         predicted=result.best.predicted,
         review=PlanReview(

@@ -3,6 +3,8 @@
     python benchmarks/bench_hf_sweep.py [--only REGEX] [--chunk I/N] [--kinds chosen,tp2,pp2,dp2-zero3]
                                         [-o runs/sweep.jsonl]
     python benchmarks/bench_hf_sweep.py --kinds forward      (each shrunk model's eager loss, about 6 s each, no plan)
+    python benchmarks/bench_hf_sweep.py --summarise A.jsonl B.jsonl ...   (the sweep's table from runs, a later run's
+                                                                           case replacing an earlier one's)
 
 For each ``*ForCausalLM`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class's defaults, shrunk
 (``autoshard.narrowing.narrowed_config``: 2 layers, or 2 of each kind where its layers differ, width 64, 4 heads and
@@ -178,14 +180,43 @@ def _reason(detail: str) -> str:
     return re.sub(r"'[^']*'|\b\d+\b", "…", detail)[:160]
 
 
+def summarise(paths: list[str], kinds: list[str]) -> str:
+    """The sweep's table from the JSON lines of several runs (chunks, re-runs), each case as the last file that ran
+    it says, over the architectures registered now; then how many of them verify on the chosen plan, and those not
+    run."""
+    latest: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line)
+            latest[row["model_type"], row["kind"]] = row
+    registered = architectures()
+    rows = [latest[m, k] for m, _ in registered for k in kinds if (m, k) in latest]
+    chosen = [latest[m, "chosen"] for m, _ in registered if (m, "chosen") in latest]
+    verified = sum(row["outcome"] == "verified" for row in chosen)
+    missing = [m for m, _ in registered if not any((m, k) in latest for k in kinds)]
+    return "\n".join(
+        [
+            table(rows, kinds),
+            "",
+            f"{len(registered)} architectures registered; {len(chosen)} run on the chosen plan, {verified} verified "
+            f"there ({100 * verified / len(registered):.1f} % of those registered)",
+            f"not run ({len(missing)}): {', '.join(missing)}",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--summarise", nargs="+", metavar="JSONL", help="print the table of these runs, run nothing")
     parser.add_argument("--only", metavar="REGEX", help="only the model types this matches")
     parser.add_argument("--chunk", default="1/1", metavar="I/N", help="the I-th of N parts of the architectures")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("-o", "--output", help="append one JSON line per case here")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
+    if args.summarise:
+        print(summarise(args.summarise, kinds))
+        return
     index, parts = (int(x) for x in args.chunk.split("/"))
     chosen = [a for a in architectures() if not args.only or re.search(args.only, a[0])]
     chosen = chosen[(index - 1) * len(chosen) // parts : index * len(chosen) // parts]

@@ -44,10 +44,10 @@ PROVENANCE = ["pinned", "runtime"]
 # written only when the plan has them (expert parallelism, compiled blocks): a dense eager plan's sections are the
 # lists above
 # written only when they differ from WRITTEN_UNLESS: ep, compile, float8, offload, async_tp, compile_loss; experts,
-# float8_linears
+# float8_linears, unread_params
 DECISIONS_EP, LAYOUT_EP = (
     DECISIONS + ["ep", "compile", "float8", "offload", "async_tp", "compile_loss"],
-    LAYOUT + ["experts", "float8_linears"],
+    LAYOUT + ["experts", "float8_linears", "unread_params"],
 )
 GOLDEN_V1 = Path(__file__).resolve().parent / "plan_v1" / "dp_zero1.plan.json"  # version 1 files, kept as is
 

@@ -108,6 +108,29 @@ class ParamInfo:
         return n
 
 
+def unread_params(graph: OpGraph) -> tuple[str, ...]:
+    """The trainable parameters the captured forward never reads (a vision tower a text-only batch leaves out),
+    each under the outermost module all of whose parameters are unread, else its own name, sorted: a short list
+    for a program to name. DDP must leave them out of its buckets (their gradients never come); one process leaves
+    them untouched."""
+    read = {name for node in graph.nodes for name in node.param_inputs}
+    params = [p.name for p in graph.params if not p.is_buffer]
+    unread = {name for name in params if name not in read}
+    if not unread:
+        return ()
+    read_prefixes = {
+        name.rsplit(".", depth)[0] for name in params if name not in unread for depth in range(name.count(".") + 1)
+    }
+    covered = set()
+    for name in sorted(unread):
+        parts = name.split(".")
+        outermost = next(
+            (".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k]) not in read_prefixes), name
+        )
+        covered.add(outermost)
+    return tuple(sorted(covered))
+
+
 @dataclass
 class Block:
     """A module that the planner treats as a unit (FSDP wrap, recompute, pipeline cut).

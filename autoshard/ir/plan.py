@@ -586,6 +586,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         stages=tuple(Stage(s["index"], tuple(s["modules"]), tuple(s["ranks"])) for s in d["stages"]),
         experts=tuple(d.get("experts", ())),
         float8_linears=tuple(d.get("float8_linears", ())),
+        unread_params=tuple(d.get("unread_params", ())),
     )
     return Plan(
         model=_check_file_sha256(dict(_require_keys(d["model"], ("spec", "hash", "params", "layers"), "model"))),

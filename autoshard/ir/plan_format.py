@@ -13,7 +13,8 @@ Version 2 (written) groups the plan's fields into sections, in this order::
                  (written only when on), offload (host offload; written only when cpu)
     layout       PlanLayout: blocks, tensor_parallel, split_points, stages, experts (the expert groups ep
                  shards; written only with ep > 1), float8_linears (the linears float8 converts; written only
-                 with float8 on)
+                 with float8 on), unread_params (what the forward never reads, by outermost module; written
+                 only where there is some)
     predicted    Predicted: step time and memory by part (pipelines: each pp rank's, pp_rank_memory; host
                  offload: the host memory per node, host_memory_bytes_per_node)
     review       PlanReview: alternatives, tensor_parallel_reasons, notes, symbolic, search
@@ -131,8 +132,11 @@ class PlanLayout:
     experts: tuple[str, ...] = ()  # the expert groups (passes.capturing.experts) the ep axis shards, when ep > 1
     # the linears float8 training converts (cost.float8.float8_linears), when decisions.float8 is a recipe
     float8_linears: tuple[str, ...] = ()
+    # the trainable parameters the captured forward never reads, by their outermost module (``ir.graph.unread_params``):
+    # DDP leaves them out of its buckets
+    unread_params: tuple[str, ...] = ()
 
-    WRITTEN_UNLESS = {"experts": (), "float8_linears": ()}
+    WRITTEN_UNLESS = {"experts": (), "float8_linears": (), "unread_params": ()}
 
 
 @dataclass(frozen=True)

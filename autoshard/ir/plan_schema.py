@@ -202,7 +202,7 @@ def _check_decisions(f: _Fields) -> int:
 
 
 def _check_optional(f: _Fields) -> None:
-    for key in ("blocks", "split_points", "experts", "float8_linears"):
+    for key in ("blocks", "split_points", "experts", "float8_linears", "unread_params"):
         for i, path in enumerate(f.get_list(key, [])):
             _path(path, f"{f.path(key)}[{i}]")
     for key, reason in f.get_mapping("tensor_parallel_reasons", {}).items():

@@ -391,9 +391,19 @@ def init_weights(model, mesh: DeviceMesh, device: torch.device):
 
 
 def apply_ddp(
-    model: nn.Module, dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0, device: torch.device | None = None
+    model: nn.Module,
+    dp_mesh: DeviceMesh | None = None,
+    bucket_cap_mb: float = 25.0,
+    device: torch.device | None = None,
+    unread: tuple[str, ...] = (),
 ) -> nn.Module:
+    """DDP over ``dp_mesh``; ``unread``: modules (or parameter names) whose parameters the forward never reads
+    (``ir.graph.unread_params``), left out of DDP's buckets, whose reducer would otherwise wait for their
+    gradients and stop the next step ("Expected to have finished reduction in the prior iteration"): untouched, as
+    one process leaves them, and never sent."""
     ep_runtime.refuse_expert_shards(model, "DDP")  # it would average different experts; apply_replicate does not
+    if unread:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, _parameters_under(model, unread))
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
     # DDP's construction checks every rank's parameter shapes and broadcasts rank 0's values (``init_sync``):
     # fake tensors (a setup run for its memory only, ``autoshard.dryrun``) have no values to check or send
@@ -406,6 +416,11 @@ def apply_ddp(
         process_group=dp_mesh.get_group() if dp_mesh is not None else None,
         init_sync=init_sync,
     )
+
+
+def _parameters_under(model: nn.Module, paths: tuple[str, ...]) -> list[str]:
+    """The names of ``model``'s parameters that are ``paths`` or lie under one of them."""
+    return [name for name, _ in model.named_parameters() if any(name == p or name.startswith(p + ".") for p in paths)]
 
 
 def build_optimizer(

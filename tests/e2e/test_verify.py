@@ -34,6 +34,7 @@ CASES = {  # name: (ranks, steps)
     "mixed-recompute": (2, 3),
     "llama-alternate-zero3-2": (2, 3),
     "llama-alternate-tp2-sp": (2, DP_ZERO_STEPS),
+    "unread-ddp-2": (2, DP_ZERO_STEPS),
     **{
         name: (2, 3)
         for name in (
@@ -56,6 +57,7 @@ PRECISION_CASES = {
     "gpt-bf16-pure-tp2": ("bf16-pure", 0, 8, 2),
 }
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
+UNREAD = "tests/models/unread_cross.py:build"  # a layer's module and a head that forward never calls
 
 
 @cache
@@ -126,6 +128,8 @@ def _plan(name):
             sequence_parallel=True,
             recompute="alternate",
         )
+    if name == "unread-ddp-2":  # modules the forward never calls: DDP's reducer waited for their gradients
+        return autoshard.plan(UNREAD, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=0)
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -141,6 +145,7 @@ def _case_of(test, params):
         "test_verify_mixed_recompute_chosen_under_memory_pressure": "mixed-recompute",
         "test_verify_alternate_recompute": "llama-alternate-zero3-2",
         "test_verify_alternate_recompute_reruns_the_tp_all_gathers": "llama-alternate-tp2-sp",
+        "test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets": "unread-ddp-2",
     }.get(test)
 
 
@@ -166,6 +171,18 @@ def test_verify_dp_and_zero(verified, model, zero, ranks):
     assert report.ok, report.failure
     assert len(report.parallel_losses) == DP_ZERO_STEPS
     assert report.parallel_losses[-1] < report.parallel_losses[0]  # it trains
+
+
+def test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets(verified):
+    """A model holding modules its forward never calls (each layer's ``cross``, an ``unused_head``) under DDP: their
+    gradients never come, so DDP's reducer stopped the second step ("Expected to have finished reduction in the
+    prior iteration"). The plan names them by their outermost module, the program leaves them out of DDP's
+    buckets, and it trains like one process, which leaves them untouched."""
+    plan, report = verified("unread-ddp-2")
+    assert plan.decisions.dp_runtime.name == "ddp" and plan.mesh.dp == 2
+    assert plan.layout.unread_params == (*(f"layers.{i}.cross" for i in range(4)), "unused_head")
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
 
 
 def test_verify_eight_ranks_zero3(verified):

@@ -460,12 +460,19 @@ def _replicate_step(plan: Plan, blocks: tuple[str, ...]) -> Step:
 
 
 def _ddp_step(plan: Plan) -> Step:
+    unread = tuple(plan.layout.unread_params)
     return Step(
         "apply_ddp",
         dp_axis(plan),
-        (("bucket_cap_mb", plan.ddp_bucket_cap_mb),),
+        (("bucket_cap_mb", plan.ddp_bucket_cap_mb), *((("unread", unread),) if unread else ())),
         f"DDP all-reduces gradients in {plan.ddp_bucket_cap_mb:g} MiB buckets (the cost model's choice), "
-        f"overlapped with backward",
+        f"overlapped with backward"
+        + (
+            f"; what the forward never reads ({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}) is left "
+            f"out of its buckets: its gradients never come"
+            if unread
+            else ""
+        ),
     )
 
 
