@@ -4,6 +4,7 @@ transfers are contiguous and received in the order sent; a tie is one parameter 
 
 import operator
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
@@ -292,3 +293,47 @@ def test_a_first_stage_reading_every_input_out_of_order_is_reordered():
     pipe = split_model(model, (ids, pixels), ["layers.1"])
     assert [n.name for n in pipe.get_stage_module(0).graph.nodes if n.op == "placeholder"] == ["ids", "pixels"]
     torch.testing.assert_close(run_by_order(pipe, ids, pixels)[0], model(ids, pixels))
+
+
+class SharedActivationNet(nn.Module):
+    """Blocks whose MLPs share one activation module (OpenAI GPT's ``ACT2FN`` instance, every MLP's ``act``)."""
+
+    class MLP(nn.Module):
+        def __init__(self, width: int, act: nn.Module):
+            super().__init__()
+            self.fc, self.act = nn.Linear(width, width), act
+
+        def forward(self, x):
+            return self.act(self.fc(x))
+
+    class Block(nn.Module):
+        def __init__(self, width: int, act: nn.Module):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(width, width), SharedActivationNet.MLP(width, act)
+
+        def forward(self, x):
+            return x + self.mlp(x + self.attn(x))
+
+    def __init__(self, width: int = 8, layers: int = 3):
+        super().__init__()
+        act = nn.GELU()
+        self.h = nn.ModuleList(self.Block(width, act) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def test_layers_sharing_a_module_split_with_every_call_under_its_layer():
+    """torch's trace records the calls of a split layer that shares a module with another by paths relative to the
+    layer (``attn``, ``act`` under ``h.1``), and ``pipeline()`` then stopped ("Child module 'attn' is not a
+    descendant of parent module 'h.1'"); ``split_model`` roots them (``root_module_stacks``), and the stages run
+    the model."""
+    torch.manual_seed(0)
+    model, x = SharedActivationNet(), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="is not a descendant of parent module"):
+        pipeline(SharedActivationNet(), mb_args=(x,), split_spec={"h.1": SplitPoint.BEGINNING})
+    pipe = split_model(model, (x,), ["h.1", "h.2"])
+    assert pipe.num_stages == 3
+    torch.testing.assert_close(run_adjacent(pipe, x), model(x))

@@ -487,8 +487,9 @@ def _recording_exports(exported: list):
     """
     original = Pipe.__dict__["_trace_with_export"]
 
-    def recording(*args, **kwargs):
-        program = original.__func__(*args, **kwargs)
+    def recording(mod, *args, **kwargs):
+        program = original.__func__(mod, *args, **kwargs)
+        root_module_stacks(program.graph, {name for name, _ in mod.named_modules(remove_duplicate=False)})
         exported.append(program)
         return program
 
@@ -497,6 +498,27 @@ def _recording_exports(exported: list):
         yield
     finally:
         Pipe._trace_with_export = original
+
+
+def root_module_stacks(graph: torch.fx.Graph, modules: set[str]) -> None:
+    """Each node's record of the module calls it ran (``nn_module_stack``) with every path rooted at the model, in
+    place. ``pipeline()``'s trace can record a module by a path relative to the call holding it: OpenAI GPT's
+    post-norm block, split at its start, calls ``self.attn`` first (``attn`` and ``attn.c_attn`` under
+    ``transformer.h.1``), and its one activation module serves every layer's MLP (``mlp.act`` under
+    ``transformer.h.1.mlp``). Its outlining then stops ("Child module 'attn' is not a descendant of parent module
+    'transformer.h.1'"). Such a path is read under the nearest enclosing call where that makes a module of the model
+    (``modules``: every name of every module, a shared one's included)."""
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        rooted: list[str] = []
+        for key, (path, kind) in list(stack.items()):
+            parent = rooted[-1] if rooted else ""
+            if path and parent and path != parent and not path.startswith(parent + "."):
+                path = next((f"{a}.{path}" for a in reversed(rooted) if a and f"{a}.{path}" in modules), path)
+                stack[key] = (path, kind)
+            rooted.append(path)
 
 
 def _has_grad_mode_region(pipe) -> bool:
