@@ -66,7 +66,14 @@ MAMBA_HEADS = (
 )
 # Widths a config derives from its hidden size as a whole multiple of it (Zamba's attention input: the hidden state
 # beside the embeddings, 2x; xLSTM's embedding width; OPT's word embedding projection): kept that multiple.
-HIDDEN_MULTIPLES = ("attention_hidden_size", "embedding_dim", "word_embed_proj_dim")
+HIDDEN_MULTIPLES = (
+    "attention_hidden_size",
+    "embedding_dim",
+    "word_embed_proj_dim",
+    "ext_pw_out_channel",  # a conformer audio encoder's convolution widths (Phi-4-multimodal's)
+    "depthwise_separable_out_channel",
+    "nemo_conv_channels",
+)
 NARROW_PER_KIND = 2  # layers kept of each distinct kind of a per-layer list (a kind's second may tie to its first)
 # Counts of layers that must sum to the model's layers (a looped model's prelude, recurrent and coda layers).
 LAYER_PARTS = (("n_input_layers", "n_recurrent_layers", "n_output_layers"),)
@@ -89,11 +96,8 @@ def narrowed_config(config):
     every other setting as it was. A composite config has each of its parts narrowed (the text model's, and the
     vision or audio towers' where the library accepts it)."""
     config = copy.deepcopy(config)
+    _narrow_sub_configs(config)
     if text_config(config) is not config:
-        for name, value in list(vars(config).items()):
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config: the text model, a tower
-                with contextlib.suppress(Exception):  # noqa: BLE001 (a tower the library will not narrow: as it is)
-                    setattr(config, name, narrowed_config(value))
         return config
     layers = _attribute(config, "num_hidden_layers")
     overrides = _without_per_layer_overrides(config)
@@ -130,6 +134,16 @@ def narrowed_config(config):
     _narrow_axial_positions(config)
     config.use_cache = False
     return config
+
+
+def _narrow_sub_configs(config) -> None:
+    """Each sub-config of ``config`` narrowed in place: a composite's text model and towers, and the towers of a model
+    whose text part is the config itself (Phi-4-multimodal's vision and audio encoders, 0.87 B parameters left
+    whole beside a text model of width 64)."""
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config: the text model, a tower
+            with contextlib.suppress(Exception):  # noqa: BLE001 (a tower the library will not narrow: as it is)
+                setattr(config, name, narrowed_config(value))
 
 
 def text_config(config):

@@ -23,7 +23,13 @@ CASES = {  # model type -> the rule its narrowed config needs
     "reformer": "axial position embeddings",
     "gemma3n_text": "per-layer widths, and the last layers sharing earlier layers' keys and values",
     "gemma3": "a composite config: its text model and its vision tower",
+    "phi4_multimodal": "vision and audio towers beside a text model that is the config itself, the audio "
+    "encoder's convolution widths with them",
 }
+# the widest weight as a multiple of the narrowed width where it is not 4: Phi-4-multimodal's audio subsampling
+# flattens its 64 channels over 10 of its 80 mel bins (a width of the input, not of the model); 10 240 before its
+# towers were narrowed
+WIDEST = {"phi4_multimodal": 10}
 
 
 def _narrowed(model_type: str):
@@ -40,7 +46,7 @@ def test_a_narrowed_config_builds_at_the_narrowed_width(model_type, tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     widths = {p.shape[-1] for p in model.parameters() if p.dim() == 2}
-    assert max(widths) <= 4 * NARROW_SIZES["hidden_size"], (model_type, sorted(widths))
+    assert max(widths) <= WIDEST.get(model_type, 4) * NARROW_SIZES["hidden_size"], (model_type, sorted(widths))
 
 
 def test_a_narrowed_config_keeps_each_kind_of_layer_and_their_order():
