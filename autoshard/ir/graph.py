@@ -108,6 +108,24 @@ class ParamInfo:
         return n
 
 
+def hidden_backward_units(graph: OpGraph) -> tuple[str, ...]:
+    """The FSDP units an autograd Function's own backward runs again out of FSDP2's sight: each block called inside
+    one (``hidden_backward``), and each module outside the blocks holding parameters called inside one (the root
+    unit's). A block that calls such a Function around its own layers is not one: FSDP2 hooks the block's outputs."""
+    inside = set(graph.hidden_backward)
+    if not inside:
+        return ()
+    blocks = tuple(b.path for b in graph.blocks)
+    loose = {
+        p.module_path
+        for p in graph.params
+        if not p.is_buffer
+        and p.module_path in inside
+        and not any(p.module_path == b or p.module_path.startswith(b + ".") for b in blocks)
+    }
+    return tuple(b for b in blocks if b in inside) + tuple(sorted(loose))
+
+
 def unread_params(graph: OpGraph) -> tuple[str, ...]:
     """The trainable parameters the captured forward never reads (a vision tower a text-only batch leaves out),
     each under the outermost module all of whose parameters are unread, else its own name, sorted: a short list
@@ -197,6 +215,9 @@ class OpGraph:
     # passes/capturing/batch_coupling: why the loss of a batch is not the mean of its shares' losses ("" = it is; None = not
     # checked: a hand-built graph, or a model too large to run for the check).
     batch_coupling: str | None = None
+    # passes/capturing/capture: the modules called inside an autograd Function's forward (Reformer's reversible layers),
+    # whose backward, which export does not see, may run them again (``hidden_backward_units``). Sorted paths.
+    hidden_backward: tuple[str, ...] = ()
     # passes/capturing/tp_proof (``prove_loss_parallel``): why the loss is not shown to be the default cross-entropy on
     # the output projection's logits through elementwise ops only, which loss parallelism computes on vocabulary
     # shards ("" = it is; None = not checked: a hand-built graph)

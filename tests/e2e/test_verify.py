@@ -35,6 +35,7 @@ CASES = {  # name: (ranks, steps)
     "llama-alternate-zero3-2": (2, 3),
     "llama-alternate-tp2-sp": (2, DP_ZERO_STEPS),
     "unread-ddp-2": (2, DP_ZERO_STEPS),
+    "rerun-zero2-2": (2, DP_ZERO_STEPS),
     **{
         name: (2, 3)
         for name in (
@@ -58,6 +59,7 @@ PRECISION_CASES = {
 }
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 UNREAD = "tests/models/unread_cross.py:build"  # a layer's module and a head that forward never calls
+RERUN = "tests/models/rerun_in_backward.py:build"  # blocks an autograd Function runs again in its own backward
 
 
 @cache
@@ -130,6 +132,8 @@ def _plan(name):
         )
     if name == "unread-ddp-2":  # modules the forward never calls: DDP's reducer waited for their gradients
         return autoshard.plan(UNREAD, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=0)
+    if name == "rerun-zero2-2":  # ZeRO-3 refused for it (tests/test_hidden_backward.py); ZeRO-2 keeps them gathered
+        return autoshard.plan(RERUN, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=2)
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -146,6 +150,7 @@ def _case_of(test, params):
         "test_verify_alternate_recompute": "llama-alternate-zero3-2",
         "test_verify_alternate_recompute_reruns_the_tp_all_gathers": "llama-alternate-tp2-sp",
         "test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets": "unread-ddp-2",
+        "test_zero2_trains_blocks_an_autograd_function_runs_again_in_backward": "rerun-zero2-2",
     }.get(test)
 
 
@@ -181,6 +186,16 @@ def test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets(verified):
     plan, report = verified("unread-ddp-2")
     assert plan.decisions.dp_runtime.name == "ddp" and plan.mesh.dp == 2
     assert plan.layout.unread_params == (*(f"layers.{i}.cross" for i in range(4)), "unused_head")
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
+
+
+def test_zero2_trains_blocks_an_autograd_function_runs_again_in_backward(verified):
+    """Blocks inside an autograd Function whose own backward runs their layers again (Reformer's reversible layers):
+    FSDP2 at ZeRO-2 keeps their parameters gathered until the end of the backward, and the program trains like one
+    process (ZeRO-3 is refused for this model: tests/test_hidden_backward.py)."""
+    plan, report = verified("rerun-zero2-2")
+    assert plan.zero_stage == 2 and plan.decisions.dp_runtime.fsdp2
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 

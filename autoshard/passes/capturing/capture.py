@@ -151,11 +151,45 @@ def model_output_to_stderr() -> Iterator[None]:
 
 def capture_module(model: nn.Module, inputs: tuple[torch.Tensor, ...], where: str = "model") -> OpGraph:
     """Export ``model`` on ``inputs`` (same device as its parameters) and convert the result."""
-    program = export_module(model, inputs, where)
+    with modules_inside_autograd_functions(model) as hidden:
+        program = export_module(model, inputs, where)
     check_output(program, where)
     check_static_shapes(program, where)
     check_position_tables(program, where)
-    return graph_from_export(model, program, inputs)
+    graph = graph_from_export(model, program, inputs)
+    graph.hidden_backward = tuple(sorted(hidden))
+    return graph
+
+
+@contextlib.contextmanager
+def modules_inside_autograd_functions(model: nn.Module) -> Iterator[set[str]]:
+    """The modules of ``model`` called inside an ``autograd.Function``'s forward while the block runs (yielded as a
+    set filled then). Such a Function's backward is its own code, which export does not trace: Reformer's reversible
+    layers run each layer again there, from the outputs, with gradients on; a reentrant checkpoint alike. An FSDP2
+    unit called inside one gets no backward hook (its outputs there need no gradient), so ZeRO-3, which shards its
+    parameters again after forward, hands them to that backward sharded ("got mixed torch.Tensor and DTensor")."""
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    depth, found = [0], set()
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        depth[0] += 1
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def record(module: nn.Module, _args) -> None:
+        if depth[0] and id(module) in names:
+            found.add(names[id(module)])
+
+    torch.autograd.Function.apply = classmethod(apply)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield found
+    finally:
+        handle.remove()
+        torch.autograd.Function.apply = original
 
 
 def build_on_meta(model_file: ModelFile) -> nn.Module:

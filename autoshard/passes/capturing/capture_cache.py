@@ -59,8 +59,8 @@ from typing import Any
 from autoshard.ir.graph import Block, OpGraph, OpNode, ParamInfo
 from autoshard.ir.plan import model_source
 
-CACHE_VERSION = 5  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs;
-# 4: graphs carry batch_coupling; 5: graphs carry loss_parallel_proof
+CACHE_VERSION = 6  # 2: entries record the environment, opened files and distributions read; 3: graphs carry cp_proofs;
+# 4: graphs carry batch_coupling; 5: graphs carry loss_parallel_proof; 6: graphs carry hidden_backward
 # Packages the key already pins (torch's and Python's versions, autoshard's sources): their
 # modules need no entry of their own.
 PINNED_PACKAGES = frozenset({"torch", "autoshard", "torchgen", "functorch"})

@@ -24,6 +24,7 @@ from autoshard.passes.planning.strategies import (
     divisors,
     float8_choices,
     fp16_runs,
+    hidden_backward_refusal,
     honours_cuts,
     keeps_batch_whole,
     legal_tp_degrees,
@@ -52,6 +53,7 @@ def candidate_configs(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
         if honours_cuts(c, pins, len(graph.blocks), refusals)
         and (split_backward or c.schedule not in ZERO_BUBBLE_SCHEDULES)
         and (not graph.batch_coupling or keeps_batch_whole(c))
+        and not hidden_backward_refusal(graph, c.zero_stage)
         and (pins.precision != "fp16" or fp16_runs(c))
     ]  # loss scaling: _check_precision
     if not configs:
@@ -63,6 +65,8 @@ def explain_no_config(graph: OpGraph, cluster: Cluster, global_batch: int, pins:
     """Why the pins leave nothing to plan, with the fix."""
     if graph.batch_coupling:
         return batch_coupling_refusal(graph, pins)
+    if hidden_backward_refusal(graph, pins.zero_stage or 0):
+        return hidden_backward_refusal(graph, pins.zero_stage)
     meshes = candidate_meshes(graph, cluster, global_batch, pins)
     if not meshes:
         dps = sorted(

@@ -79,7 +79,7 @@ from autoshard.ir.decisions import (
     float8_runs,
     offload_refusal,
 )
-from autoshard.ir.graph import OpGraph
+from autoshard.ir.graph import OpGraph, hidden_backward_units
 from autoshard.ir.names import has_batch_norm
 from autoshard.ir.pins import STAGE_CUTS_EVEN, Pins
 from autoshard.ir.topology import Cluster
@@ -192,6 +192,21 @@ def batch_coupling_refusal(graph: OpGraph, pins: Pins) -> str:
     return (
         f"{how} the batch over ranks or micro-batches, but {graph.batch_coupling}; plan with --dp 1 and one "
         f"micro-batch (tensor or pipeline parallelism over the devices), or make the loss a mean over samples"
+    )
+
+
+def hidden_backward_refusal(graph: OpGraph, zero_stage: int) -> str:
+    """Why ZeRO-3 cannot shard this model ("" where it can): FSDP2 shards a unit's parameters again after its
+    forward, and an autograd Function's own backward that runs the unit again out of FSDP2's sight
+    (``ir.graph.hidden_backward_units``) would meet them sharded; ZeRO-2 keeps them gathered until the end of the
+    backward."""
+    units = hidden_backward_units(graph) if zero_stage >= 3 else ()
+    if not units:
+        return ""
+    return (
+        f"--zero 3 shards each unit's parameters again after its forward, but {units[0]} runs inside an autograd "
+        f"Function whose own backward runs it again (a reversible layer, a reentrant checkpoint), where FSDP2 would "
+        f"hand it shards; pin --zero 2 (FSDP2 keeps the parameters gathered until the backward) or less"
     )
 
 
