@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +106,9 @@ def train_reference(
         scheduler, max_norm = build_scheduler(optimizer, recipe), recipe.max_grad_norm
     losses = []
     fallback = Float64Fallback() if dtype == torch.float64 else contextlib.nullcontext()
+    default = default_dtype(torch.float64) if dtype == torch.float64 else contextlib.nullcontext()
     batch_of = global_batches(model_file, data, batch_size, seed, tokens_per_sample, dp)
-    with _fixed_randomness() if fixed_randomness else contextlib.nullcontext(), fallback:
+    with _fixed_randomness() if fixed_randomness else contextlib.nullcontext(), fallback, default:
         for step in range(steps):
             batch = _cast(batch_of(step), dtype)
             if policy.cast_dtype is not None:
@@ -136,6 +137,20 @@ def train_reference(
 
 
 _fixed_randomness = fixed_randomness  # the context manager, under a name the parameter does not shadow
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to ``dtype`` (the float64 reference's steps): a model that makes a tensor
+    without a dtype from a value of its weights' dtype (XGLM's ``torch.full((), torch.finfo(weights.dtype).min)``)
+    makes it in that dtype, as it does where the default and the weights agree; in float32 the float64 minimum
+    overflows ("value cannot be converted to type float without overflow")."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class Float64Fallback(TorchFunctionMode):

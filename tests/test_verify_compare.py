@@ -1,6 +1,7 @@
 """verify's parts in one process: the noise-relative comparison, its failure text, the crash block,
 and the CPU BatchNorm over a process group (random ops fixed: test_randomness.py)."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -188,3 +189,15 @@ def test_a_16_bit_plan_is_judged_first_through_its_fp32_twin(monkeypatch, twin_s
         assert any("verified first in fp32" in note for note in report.notes)
     else:
         assert report.failure.startswith(TWIN_FAILED) and CLEAN in report.failure
+
+
+def test_the_float64_reference_makes_dtype_less_tensors_in_float64(in_repo):
+    """The float64 reference's steps run with torch's default dtype at float64: a model that makes a tensor without a
+    dtype from its activations' dtype's minimum (XGLM's attention) stopped it with "value cannot be converted to
+    type float without overflow" on every plan; the default is restored after."""
+    from autoshard.modelfile import load_model_file
+    from autoshard.reference import train_reference
+
+    run = train_reference(load_model_file("tests/models/dtype_min_mask.py:build"), 4, 2, 0, 1e-3, dtype=torch.float64)
+    assert len(run.losses) == 2 and all(math.isfinite(loss) for loss in run.losses)
+    assert torch.get_default_dtype() == torch.float32
