@@ -243,7 +243,7 @@ def apply_fsdp(
         if replicas == 1
         else dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas), ("dp_replicate", "dp_shard"))
     )
-    units = model.modules if _is_stages(model) else [get_block(model, p) for p in blocks] + [model]
+    units = model.modules if _is_stages(model) else [*_blocks_sharing_nothing(model, blocks), model]
     ignored = _experts_apart(
         model,
         dp_mesh,
@@ -298,11 +298,23 @@ def apply_replicate(
         for module in model.modules:
             replicate(module, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
         return model
-    for path in blocks:
-        replicate(get_block(model, path), mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+    for block in _blocks_sharing_nothing(model, blocks):
+        replicate(block, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     replicate(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     _ACCUMULATING.add(model)
     return model
+
+
+def _blocks_sharing_nothing(model, blocks: tuple[str, ...] | list[str]) -> list[nn.Module]:
+    """The blocks that hold no parameter another block holds too, each an FSDP2 unit of its own; the others (Zamba's
+    one transformer block, a child of every hybrid layer) are left to the root's unit: FSDP2 refuses a parameter in
+    two units ("is shared with a parameter already managed by another FSDP group")."""
+    modules = [get_block(model, path) for path in blocks]
+    owners: dict[int, int] = {}
+    for module in modules:
+        for param in module.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [m for m in modules if all(owners[id(p)] == 1 for p in m.parameters())]
 
 
 def _experts_apart(model, dp_mesh: DeviceMesh, ep: int, wrap: Callable) -> set[nn.Parameter] | None:

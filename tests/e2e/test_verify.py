@@ -36,6 +36,7 @@ CASES = {  # name: (ranks, steps)
     "llama-alternate-tp2-sp": (2, DP_ZERO_STEPS),
     "unread-ddp-2": (2, DP_ZERO_STEPS),
     "rerun-zero2-2": (2, DP_ZERO_STEPS),
+    "shared-child-zero3-2": (2, DP_ZERO_STEPS),
     **{
         name: (2, 3)
         for name in (
@@ -60,6 +61,7 @@ PRECISION_CASES = {
 MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 UNREAD = "tests/models/unread_cross.py:build"  # a layer's module and a head that forward never calls
 RERUN = "tests/models/rerun_in_backward.py:build"  # blocks an autograd Function runs again in its own backward
+SHARED_CHILD = "tests/models/shared_child.py:build"  # every other layer holds one shared child (Zamba's)
 
 
 @cache
@@ -134,6 +136,8 @@ def _plan(name):
         return autoshard.plan(UNREAD, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=0)
     if name == "rerun-zero2-2":  # ZeRO-3 refused for it (tests/test_hidden_backward.py); ZeRO-2 keeps them gathered
         return autoshard.plan(RERUN, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=2)
+    if name == "shared-child-zero3-2":  # FSDP2 refused a parameter in two blocks' units
+        return autoshard.plan(SHARED_CHILD, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=3)
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -151,6 +155,7 @@ def _case_of(test, params):
         "test_verify_alternate_recompute_reruns_the_tp_all_gathers": "llama-alternate-tp2-sp",
         "test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets": "unread-ddp-2",
         "test_zero2_trains_blocks_an_autograd_function_runs_again_in_backward": "rerun-zero2-2",
+        "test_zero3_leaves_blocks_sharing_a_child_to_the_root_unit": "shared-child-zero3-2",
     }.get(test)
 
 
@@ -196,6 +201,16 @@ def test_zero2_trains_blocks_an_autograd_function_runs_again_in_backward(verifie
     process (ZeRO-3 is refused for this model: tests/test_hidden_backward.py)."""
     plan, report = verified("rerun-zero2-2")
     assert plan.zero_stage == 2 and plan.decisions.dp_runtime.fsdp2
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]
+
+
+def test_zero3_leaves_blocks_sharing_a_child_to_the_root_unit(verified):
+    """Layers that hold one shared child module (Zamba's transformer block): FSDP2 refuses a parameter in two units,
+    so the blocks holding it are left to the root's unit (``runtime.parallel._blocks_sharing_nothing``), and ZeRO-3
+    trains like one process."""
+    plan, report = verified("shared-child-zero3-2")
+    assert plan.zero_stage == 3 and plan.layout.blocks == ("layers.0", "layers.1", "layers.2", "layers.3")
     assert report.ok, report.failure
     assert report.parallel_losses[-1] < report.parallel_losses[0]
 
