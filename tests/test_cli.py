@@ -608,7 +608,7 @@ def test_hf_folder_of_a_roberta_style_model_takes_the_tokens_its_positions_hold(
 def test_hf_folder_whose_model_reads_past_its_positions_says_to_shorten_the_default_length(tmp_path):
     """ProphetNet's n-gram stream looks up position + 1 of positions numbered from the padding index: at hf:DIR's
     default (every one of its 16 positions) it fails to trace with a shape error far from the cause; the refusal
-    says first that a shorter --seq-len is the fix, and 14 tokens capture. ProphetNet's own head counts narrow."""
+    names first the length that traces (14), and 14 tokens capture. ProphetNet's own head counts narrow."""
     import transformers
 
     from autoshard.errors import AutoshardError
@@ -631,7 +631,9 @@ def test_hf_folder_whose_model_reads_past_its_positions_says_to_shorten_the_defa
         is_decoder=True,
     )
     config.save_pretrained(tmp_path)
-    with pytest.raises(AutoshardError, match=r"at 16 tokens per sample, every position .* needs a shorter --seq-len"):
+    with pytest.raises(
+        AutoshardError, match=r"at 16 tokens per sample, every position .* at 14 it does .* --seq-len 14"
+    ):
         capture(load_model_file(f"hf:{tmp_path}"))
     assert capture(load_model_file(f"hf:{tmp_path}", seq_len=14)).nodes
     assert load_model_file(f"hf:{tmp_path}", seq_len=14).length_at_positions is None

@@ -27,6 +27,7 @@ every ``param_inputs`` name is a ``ParamInfo.name``; nodes are in execution orde
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -74,7 +75,7 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
     try:
         graph = capture_module(model, meta_inputs, where=model_file.spec)
     except AutoshardError as exc:
-        raise AutoshardError(_with_length_hint(str(exc), model_file)) from exc.__cause__
+        raise AutoshardError(_with_length_hint(str(exc), model_file, model, batch_size)) from exc.__cause__
     if folded is not None and not layers_match(graph, folded):
         model = build_on_meta(model_file)
         graph, folded = capture_module(model, meta_inputs, where=model_file.spec), None
@@ -87,19 +88,32 @@ def capture(model_file: ModelFile, batch_size: int = 2, fold: bool = False) -> O
     return graph
 
 
-def _with_length_hint(message: str, model_file: ModelFile) -> str:
-    """``message`` (a capture's refusal, ``spec: why``) saying first, where the file's own length is every position
-    the model has (hf:DIR without --seq-len), that a shorter --seq-len is what to try: a model that reads a row or
-    two past its tokens' positions (ProphetNet's n-gram stream reads position + 1 of positions numbered from the
-    padding index) fails to trace at that length only, with a shape error far from its cause."""
-    prefix = f"{model_file.spec}: "
-    if model_file.length_at_positions is None or not message.startswith(prefix):
+SHORTER_BY = (2, 8)  # tokens fewer than every position the model has, tried where that length does not trace
+
+
+def _with_length_hint(message: str, model_file: ModelFile, model: nn.Module, batch_size: int) -> str:
+    """``message`` (a capture's refusal, ``spec: why``), or, where the file's own length is every position the model
+    has (hf:DIR without --seq-len) and a length ``SHORTER_BY`` fewer traces, a refusal that names that length
+    first: a model that reads a row or two past its tokens' positions (ProphetNet's n-gram stream reads position +
+    1 of positions numbered from the padding index) fails only there, with a shape error far from its cause."""
+    prefix, positions = f"{model_file.spec}: ", model_file.length_at_positions
+    if positions is None or not message.startswith(prefix):
         return message
-    return (
-        f"{prefix}at {model_file.length_at_positions} tokens per sample, every position the model has (hf:DIR's "
-        f"default), it does not trace; a model that reads past its tokens' positions needs a shorter --seq-len: "
-        f"{message[len(prefix) :]}"
-    )
+    for fewer in SHORTER_BY:
+        shorter = dataclasses.replace(model_file, seq_len=positions - fewer, length_at_positions=None)
+        if shorter.seq_len < 1:
+            continue
+        inputs, _ = shorter.example_batch(batch_size)
+        try:
+            capture_module(model, tuple(t.to("meta") for t in inputs), where=shorter.spec)
+        except AutoshardError:
+            continue
+        return (
+            f"{prefix}at {positions} tokens per sample, every position the model has (hf:DIR's default), it does not "
+            f"trace, and at {shorter.seq_len} it does (it reads past its tokens' positions); pass --seq-len "
+            f"{shorter.seq_len}: {message[len(prefix) :]}"
+        )
+    return message
 
 
 def check_targets(model_file: ModelFile, targets: Any) -> None:
