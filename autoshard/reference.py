@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from autoshard.runtime.data import (
     split_microbatches,
     take_shard,
 )
-from autoshard.runtime.model import build_model, has_batch_norm, zero_dropout_rates
+from autoshard.runtime.model import build_model, default_dtype, has_batch_norm, zero_dropout_rates
 from autoshard.runtime.randomness import fixed_randomness
 from autoshard.runtime.recipe import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -137,20 +137,6 @@ def train_reference(
 
 
 _fixed_randomness = fixed_randomness  # the context manager, under a name the parameter does not shadow
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """torch's default floating dtype set to ``dtype`` (the float64 reference's steps): a model that makes a tensor
-    without a dtype from a value of its weights' dtype (XGLM's ``torch.full((), torch.finfo(weights.dtype).min)``)
-    makes it in that dtype, as it does where the default and the weights agree; in float32 the float64 minimum
-    overflows ("value cannot be converted to type float without overflow")."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 class Float64Fallback(TorchFunctionMode):

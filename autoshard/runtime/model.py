@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -241,3 +243,17 @@ def no_decay_params(model: nn.Module) -> dict[int, nn.Parameter]:
             if kind or name == "bias" or name.endswith("_bias"):
                 found[id(param)] = param
     return found
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype at ``dtype`` (restored after): a model run in float64 (verify's reference, the
+    batch-coupling check) makes the tensors it creates without a dtype in float64 too, a mask or a position table,
+    and a value of its weights' dtype fits them (XGLM's ``torch.full((), torch.finfo(weights.dtype).min)`` overflows
+    float32)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

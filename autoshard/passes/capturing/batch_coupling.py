@@ -36,7 +36,6 @@ machine, for a plan that otherwise takes seconds.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
@@ -138,7 +137,7 @@ def coupling_reason(
     """Why the loss of a batch is not the mean of its halves' losses ("" when it is); in ``dtype``; on ``model``
     (converted in place) when given, else on the model file's, built at seed 0."""
     from autoshard.runtime.data import global_batch, take_shard
-    from autoshard.runtime.model import build_model, zero_dropout_rates
+    from autoshard.runtime.model import build_model, default_dtype, zero_dropout_rates
     from autoshard.runtime.randomness import fixed_randomness
 
     model = (build_model(model_file, seed=0) if model is None else model).to(dtype)
@@ -149,7 +148,7 @@ def coupling_reason(
     batch = _cast(global_batch(model_file, batch_size, 0, 0), dtype)
     cpu = torch.device("cpu")
     rtol = RTOL if dtype == torch.float64 else RTOL_FP32
-    with fixed_randomness(), torch.no_grad(), _default_dtype(dtype):
+    with fixed_randomness(), torch.no_grad(), default_dtype(dtype):
         whole = float(model_file.loss(model(*batch[0]), batch[1]))
         halves = [float(model_file.loss(model(*x), y)) for x, y in (take_shard(batch, i, 2, cpu) for i in range(2))]
     mean = sum(halves) / 2
@@ -171,14 +170,3 @@ def _cast(batch, dtype: torch.dtype):
     inputs, targets = batch
     cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
     return tuple(cast(t) for t in inputs), cast(targets)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Tensors the model makes in forward (a mask, a position table) in ``dtype`` too."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
