@@ -9,6 +9,10 @@ coefficient of variation and the short-range noise (the median relative change b
 runs); the same round with the drift those runs trace removed (``bench_plans.drift_removed``); and the signed
 errors by plan kind (how many over- and under-priced, the median signed error). No round is averaged with another
 and no signed error is pooled across kinds or models.
+
+A confirmation run beside a model's JSON (``X.confirm.json``, the third declaration): the pick and the round's
+fastest other plans run again in interleaved rounds; the regret of record is the pick's median over the best median
+of them, each plan's spread beside it. ``--confirm-regex X.json`` prints the ``--only`` pattern of those plans.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ def by_kind(rows: list[dict], rnd: int = 0) -> list[dict]:
 def model_figures(path: Path) -> dict:
     """A model's figures from ``bench_plans.py``'s JSON (or the same rows recovered from a stopped run's log)."""
     doc = json.loads(path.read_text())
-    pick = doc["summary"]["pick"] if "summary" in doc else doc.get("pick") or _logged_pick(path.with_suffix(".log"))
+    pick = _pick(doc, path)
+    confirm = path.with_suffix(".confirm.json")
     rounds = max(len(r["measured_rounds_s"]) for r in doc["rows"])
     placed = len(doc["reference"]) > 1 and all("position" in r for r in doc["reference"])  # the first run's
     steady = drift_removed(doc["rows"], doc["reference"]) if placed else []  # recovered records have no places
@@ -115,7 +120,47 @@ def model_figures(path: Path) -> dict:
         "drift_removed": [round_figures(steady, pick, r) for r in range(rounds)] if steady else [],
         "kinds": by_kind(doc["rows"]),
         "noise": noise(doc["reference"]),
+        "confirmation": confirmation(confirm, pick) if confirm.exists() else None,
     }
+
+
+def confirmation_keys(path: Path, others: int = 2) -> list[str]:
+    """The pick and the ``others`` fastest other plans of a model's round as run, the pick first."""
+    doc = json.loads(path.read_text())
+    pick = _pick(doc, path)
+    fastest = sorted((r for r in doc["rows"] if r["key"] != pick), key=lambda r: r["measured_rounds_s"][0])
+    return [pick] + [r["key"] for r in fastest[:others]]
+
+
+def confirmation_regex(keys: list[str]) -> str:
+    """An anchored ``bench_plans.py --only`` pattern matching exactly these keys."""
+    return "^(" + "|".join(re.escape(k) for k in keys) + ")$"
+
+
+def confirmation(path: Path, pick: str) -> dict:
+    """The regret of record from a confirmation run: the pick's median over the best plan's median, every plan's
+    runs and spread (max/min − 1) beside it."""
+    doc = json.loads(path.read_text())
+    medians = {r["key"]: statistics.median(r["measured_rounds_s"]) for r in doc["rows"]}
+    best = min(medians, key=medians.get)
+    return {
+        "rounds": max(len(r["measured_rounds_s"]) for r in doc["rows"]),
+        "regret": medians[pick] / medians[best],
+        "best": best,
+        "plans": [
+            {
+                "key": r["key"],
+                "median_s": medians[r["key"]],
+                "runs_s": r["measured_rounds_s"],
+                "spread": max(r["measured_rounds_s"]) / min(r["measured_rounds_s"]) - 1,
+            }
+            for r in doc["rows"]
+        ],
+    }
+
+
+def _pick(doc: dict, path: Path) -> str:
+    return doc["summary"]["pick"] if "summary" in doc else doc.get("pick") or _logged_pick(path.with_suffix(".log"))
 
 
 def _logged_pick(log: Path) -> str:
@@ -150,6 +195,23 @@ def table(figures: list[dict]) -> str:
         n = f["noise"]
         short = f"{n['short_range']:.1%}" if n.get("short_range") is not None else "-"
         lines.append(f"| {f['model']} | {f['pick']} | {n['runs']} | {n['spread']:.1%} | {n['cv']:.1%} | {short} |")
+    confirmed = [f for f in figures if f.get("confirmation")]
+    if confirmed:
+        lines += [
+            "",
+            "| model | confirmation: plan | rounds | median | runs (ms) | spread | regret of record |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for f in confirmed:
+        c = f["confirmation"]
+        for p in c["plans"]:
+            runs = ", ".join(f"{t * 1e3:.1f}" for t in p["runs_s"])
+            mark = " (pick)" if p["key"] == f["pick"] else ""
+            regret = f"**{c['regret']:.3f}**" if p["key"] == f["pick"] else ""
+            lines.append(
+                f"| {f['model']} | {p['key']}{mark} | {c['rounds']} | {p['median_s'] * 1e3:.1f} ms | {runs} | "
+                f"{p['spread']:.1%} | {regret} |"
+            )
     lines += ["", "| model | plan kind | plans | over-priced | median signed error |", "|---|---|---|---|---|"]
     for f in figures:
         for k in f.get("kinds", []):
@@ -161,7 +223,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench_plans.py outputs of the held-out models")
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument(
+        "--confirm-regex", action="store_true", help="print the confirmation run's --only pattern of the one run given"
+    )
     args = parser.parse_args()
+    if args.confirm_regex:
+        print(confirmation_regex(confirmation_keys(args.runs[0])))
+        return
     figures = [model_figures(p) for p in args.runs]
     print(table(figures))
     if args.json:
