@@ -76,6 +76,7 @@ def pytest_configure(config):
 CPU_SECONDS: dict[str, float] = {}  # test id -> CPU seconds of its setup, call and teardown, its subprocesses included
 SPANS: dict[str, tuple[float, float]] = {}  # test id -> (start, end) in seconds since the epoch: the workers' timelines
 CPU_LINES = 30  # the tests that used the most CPU, in the summary
+CPU_FILE_LINES = 40  # the test files that used the most CPU (every test of the file summed), in the summary
 
 
 def _cpu_s() -> float:
@@ -125,8 +126,22 @@ def pytest_terminal_summary(terminalreporter):
         )
         for nodeid, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:CPU_LINES]:
             terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+        for line in _cpu_by_file(cpu):
+            terminalreporter.write_line(line)
     for line in _timeline_lines(spans):
         terminalreporter.write_line(line)
+
+
+def _cpu_by_file(cpu: dict[str, float]) -> list[str]:
+    """The test files that used the most CPU, each test of a file summed (a shared launch counts in the file of the
+    test that made it), with their tests' count: where the suite's CPU goes, file by file."""
+    files: dict[str, list[float]] = {}
+    for nodeid, seconds in cpu.items():
+        files.setdefault(nodeid.split("::")[0], []).append(seconds)
+    ranked = sorted(files.items(), key=lambda kv: -sum(kv[1]))[:CPU_FILE_LINES]
+    return ["CPU seconds per test file (its tests summed), the largest:"] + [
+        f"{sum(times):8.1f}  {len(times):4d} tests  {name}" for name, times in ranked
+    ]
 
 
 def _timeline_lines(spans: dict[str, list]) -> list[str]:
