@@ -116,6 +116,11 @@ def all_to_all_s(bytes_per_rank_sent: float, ranks: int, link: LinkSpec) -> floa
     return (ranks - 1) * _alpha_s(link) + (ranks - 1) / ranks * bytes_per_rank_sent * _beta_s_per_byte(link)
 
 
+def p2p_bytes_s(size_bytes: float, link: LinkSpec) -> float:
+    """S/B on the p2p fit: bytes sent beside others in one batch of P2P ops, whose latency they share."""
+    return size_bytes * _beta_s_per_byte(link.for_collective("p2p"))
+
+
 def p2p_s(size_bytes: float, link: LinkSpec) -> float:
     """α + S/B: one send/recv pair (a pipeline-stage boundary)."""
     link = link.for_collective("p2p")

@@ -400,6 +400,17 @@ def shared_value_bytes(graph: OpGraph) -> int:
     )
 
 
+def shared_value_sizes(graph: OpGraph) -> tuple[tuple[int, bool], ...]:
+    """Each shared value (``shared_value_bytes``), in name order: its bytes as captured and whether it carries a
+    gradient (one made from parameters: its gradient goes back across a stage boundary too)."""
+
+    def compute() -> tuple[tuple[int, bool], ...]:
+        grads = _grads(graph)
+        return tuple((value_bytes(graph, name, 1.0), name in grads) for name in sorted(_shared_values(graph)))
+
+    return graph.derived(("shared_value_sizes",), compute)
+
+
 def _grads(graph: OpGraph) -> set[str]:
     return needs_grad(graph)
 

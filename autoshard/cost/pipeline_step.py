@@ -5,7 +5,7 @@ With pp > 1 (``pipeline_parts``), stage s holds a run of units
 micro-batch, rank r spends T_r = C_r + P_r + X_r: C_r the compute of its stages, X_r their TP
 collectives, P_r two transfers (activation forward, gradient backward) of the boundary
 activation entering each of its stages but the first (docs/reference-numbers.md: b·s·h·bytes each way;
-``boundary_transfer_s``)::
+``boundary_transfer_s``), and the bytes of the tables the blocks share beside it (``boundary_round_trip_s``)::
 
     step_time    = m · T_max + (Σ_r T_r − T_max)/v + grad_accumulation + optimizer + DP_exposed
     compute      = m · C_{r*} + grad_accumulation + optimizer      r* the slowest rank, T_max = T_{r*}
@@ -81,7 +81,7 @@ from autoshard.cost import comm
 from autoshard.cost.context_parallel import NO_RING, RingCost, add_rings, with_ring_bytes
 from autoshard.cost.dp_comm import CommTime, dp_collective_s, pipeline_dp_comm, pp_link, tp_link
 from autoshard.cost.experts import a2a_microbatch_s, expert_state_params, unit_expert_costs
-from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes
+from autoshard.cost.memory import MEGATRON_MIXED, shared_value_bytes, shared_value_sizes
 from autoshard.cost.parts import (
     StepParts,
     fsdp_pipeline_host_s,
@@ -383,7 +383,7 @@ def rank_loads(
         tp_host = {u: tp_hosts[s][u] for s, rng in mine for u in stage_units(rng, units.blocks)}
         shares = boundary_shares(whole, config)
         p2p = sum(
-            2 * boundary_transfer_s(whole, config, units.boundary_bytes[i], sequence_sharded=shares[i] < 1)
+            boundary_round_trip_s(whole, config, units.boundary_bytes[i], sequence_sharded=shares[i] < 1)
             for s, (i, _) in mine
             if s > 0 and owner[s - 1] != r
         )  # adjacent stages on one rank (the V's tip) send nothing
@@ -574,6 +574,25 @@ def split_backward_in_flight_bytes(config: Decisions, pp_rank: int, stage_bytes:
     return schedule_peak_in_flight(
         config.schedule, config.mesh.pp, config.num_microbatches, config.virtual_stages, pp_rank, stage_bytes
     )
+
+
+def boundary_round_trip_s(
+    tables: CostTables, config: Decisions, residual_bytes: float, sequence_sharded: bool = False
+) -> float:
+    """One pipeline boundary per micro-batch, both ways: the residual stream forward and its gradient back
+    (``boundary_transfer_s`` each), and beside it the tables the blocks share (``memory.shared_value_sizes``: a
+    causal mask, rotary cos and sin), forward whole and back only where they carry a gradient. torch's stage posts
+    a boundary's tensors as one batch of P2P ops, so their latencies overlap: the tables add their bytes, not a
+    latency each (gloo, 4 ranks on 2 cores: one 8 KiB boundary 320-390 µs, with three 2 KiB tables beside it
+    610-690 µs, against p2p α 450 µs; that per-op host time has no calibrated figure and is not priced)::
+
+        P = 2·X(S_res) + Σ_j s_j/B · (1 + [j has a gradient])        s_j at the micro-batch's size, as the receive buffers (``stage_buffer_bytes``)
+
+    (a boundary of a (b, 1, s, s) mask is s² bytes a sample: 64 MiB at 8,192 tokens)."""
+    scale = config.microbatch_size / tables.graph.batch_size
+    shared_bytes = sum(size * scale * (1 + grad) for size, grad in shared_value_sizes(tables.graph))
+    tables_s = comm.p2p_bytes_s(shared_bytes, pp_link(tables.cluster, config.mesh))
+    return 2 * boundary_transfer_s(tables, config, residual_bytes, sequence_sharded) + tables_s
 
 
 def boundary_transfer_s(
