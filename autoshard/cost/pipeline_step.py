@@ -583,8 +583,9 @@ def boundary_round_trip_s(
     (``boundary_transfer_s`` each), and beside it the tables the blocks share (``memory.shared_value_sizes``: a
     causal mask, rotary cos and sin), forward whole and back only where they carry a gradient. torch's stage posts
     a boundary's tensors as one batch of P2P ops, so their latencies overlap: the tables add their bytes, not a
-    latency each (gloo, 4 ranks on 2 cores: one 8 KiB boundary 320-390 µs, with three 2 KiB tables beside it
-    610-690 µs, against p2p α 450 µs; that per-op host time has no calibrated figure and is not priced)::
+    latency each (``benchmarks/experiments/p2p_tables.py``, gloo, 4 ranks on 2 cores: one 8 KiB boundary 410-455 µs,
+    with three 2 KiB tables beside it 495-655 µs, against p2p α 450 µs; that per-op host time has no calibrated
+    figure and is not priced)::
 
         P = 2·X(S_res) + Σ_j s_j/B · (1 + [j has a gradient])        s_j at the micro-batch's size, as the receive buffers (``stage_buffer_bytes``)
 
