@@ -395,9 +395,7 @@ def _input_split(graph: OpGraph, block: Block, share: RankShare) -> bool:
 def shared_value_bytes(graph: OpGraph) -> int:
     """Bytes of the values made outside the blocks and read by several of them (rotary tables, masks), as
     captured: what every pipeline stage receives beside the residual stream."""
-    return graph.derived(
-        ("shared_value_bytes",), lambda: sum(value_bytes(graph, name, 1.0) for name in _shared_values(graph))
-    )
+    return sum(size for size, _ in shared_value_sizes(graph))
 
 
 def shared_value_sizes(graph: OpGraph) -> tuple[tuple[int, bool], ...]:

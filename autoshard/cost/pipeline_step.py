@@ -587,9 +587,9 @@ def boundary_round_trip_s(
     with three 2 KiB tables beside it 495-655 µs, against p2p α 450 µs; that per-op host time has no calibrated
     figure and is not priced)::
 
-        P = 2·X(S_res) + Σ_j s_j/B · (1 + [j has a gradient])        s_j at the micro-batch's size, as the receive buffers (``stage_buffer_bytes``)
+        P = 2·X(S_res) + Σ_j s_j/B · (1 + [j has a gradient])        s_j at the micro-batch's size
 
-    (a boundary of a (b, 1, s, s) mask is s² bytes a sample: 64 MiB at 8,192 tokens)."""
+    (s_j scaled as the receive buffers count it, ``stage_buffer_bytes``; a boundary of a (b, 1, s, s) mask is s² bytes a sample: 64 MiB at 8,192 tokens)."""
     scale = config.microbatch_size / tables.graph.batch_size
     shared_bytes = sum(size * scale * (1 + grad) for size, grad in shared_value_sizes(tables.graph))
     tables_s = comm.p2p_bytes_s(shared_bytes, pp_link(tables.cluster, config.mesh))

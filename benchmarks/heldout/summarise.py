@@ -228,6 +228,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.confirm_regex:
+        if len(args.runs) != 1:
+            parser.error("--confirm-regex takes one model's run; pass its JSON alone")
         print(confirmation_regex(confirmation_keys(args.runs[0])))
         return
     figures = [model_figures(p) for p in args.runs]
