@@ -38,7 +38,7 @@ def pytest_itemcollected(item):
     """Under pytest-xdist (``scripts/test.sh``: ``-n auto --dist loadgroup``) each test module runs on one worker,
     so its module-scoped fixtures (captures, estimates) are made once; but the tests that ask for the session's
     shared torchrun launch of one world size (tests/e2e/one_launch.py) are one group across modules, so that launch
-    is made once, and the zoo's chunks are a group each, so they spread. (Marked as each test is collected:
+    is made once. (Marked as each test is collected:
     pytest-xdist reads the groups in its own ``pytest_collection_modifyitems``.)"""
     item.add_marker(pytest.mark.xdist_group(_group(item)))
 
@@ -49,9 +49,6 @@ def _group(item) -> str:
         return own
     if "launches" in getattr(item, "fixturenames", ()):
         return f"launch-{_launch_size(item)}"
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if getattr(item, "module", None) is not None and item.module.__name__.endswith("test_zoo") and "index" in params:
-        return f"zoo-{params['index']}"
     return item.nodeid.split("::")[0]
 
 

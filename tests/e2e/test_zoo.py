@@ -7,7 +7,8 @@ for another reason, a tp layout that loses (or gains) a sharded module: each fai
 case named. After a deliberate change, rewrite the file with ``AUTOSHARD_UPDATE_ZOO=1 pytest
 tests/e2e/test_zoo.py`` and review its diff.
 
-The models run in ``CHUNKS`` groups, a test and a launch each, so that the suite's workers share them.
+Every case is a job of the session's shared 2-rank launch (tests/e2e/one_launch.py), beside the other modules'
+2-rank cases: one process start, one set of imports and one process group for all of them; a test per model.
 """
 
 import fcntl
@@ -18,19 +19,54 @@ from pathlib import Path
 
 import pytest
 
-from e2e.zoo import CASES, MODELS, run_zoo, table
+import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.launch import write_program
+from e2e.one_launch import Cases, attempt, program_job
+from e2e.zoo import CASES, GLOBAL_BATCH, MODELS, RANKS, Outcome, _last_lines, _verdict, table
 
 pytestmark = pytest.mark.e2e
 
 OUTCOMES = Path(__file__).with_name("zoo_outcomes.json")
 REASON_WORDS = 20  # words of a refusal's reason pinned: enough to name it, few enough to survive a number changing
-CHUNKS = 4  # groups of models, each planned, launched and judged by one test (a launch costs ~10 s)
 
 
-def chunk(index: int) -> dict[str, str]:
-    """The ``index``-th of ``CHUNKS`` groups of the zoo's models, in ``MODELS`` order."""
-    names = list(MODELS)[index::CHUNKS]
-    return {name: MODELS[name] for name in names}
+def _prepare(names: list[str], ranks: int, folder: Path) -> dict:
+    """Each "model/case" planned: a refusal is its outcome (no job), a plan its program as a job (``zoo.program_case``'s
+    command line: the zoo's steps, seed, lr, random ops fixed)."""
+    return {name: attempt(lambda: _prepare_one(name, folder / name)) for name in names}
+
+
+def _prepare_one(name: str, folder: Path) -> tuple[list[dict], tuple[Outcome, Path]]:
+    model, case = name.split("/")
+    cluster, pins = CASES[case]
+    try:
+        plan = autoshard.plan(MODELS[model], cluster=cluster, global_batch=GLOBAL_BATCH, devices_per_node=RANKS, **pins)
+    except AutoshardError as exc:
+        return [], (Outcome("refused", str(exc)), folder / "out")
+    program = write_program(plan, folder / "train.py")
+    return [program_job(program, folder / "out")], (Outcome("not run", plan=plan), folder / "out")
+
+
+def _finish(name: str, state: tuple[Outcome, Path], failures: list[str]) -> Outcome:
+    """A planned case's outcome: crashed (the traceback's last lines, or why its launch ended), else its verdict
+    against one process (``zoo._verdict``: fp32 and float64 one-process runs)."""
+    outcome, out = state
+    if outcome.plan is None:
+        return outcome
+    if failures[0]:
+        errors = sorted(out.glob("error-rank*.txt"))
+        return Outcome("crashed", _last_lines(errors[0].read_text()) if errors else failures[0], outcome.plan)
+    status, detail = _verdict(MODELS[name.split("/")[0]], outcome.plan, out)
+    return Outcome(status, detail, outcome.plan)
+
+
+LAUNCHES = Cases(
+    {f"{model}/{case}": RANKS for model in MODELS for case in CASES},
+    _prepare,
+    _finish,
+    case_of=lambda test, params: [f"{params['model']}/{case}" for case in CASES] if "model" in params else None,
+)
 
 
 def expected_of(outcomes: dict) -> dict[str, dict]:
@@ -59,14 +95,12 @@ def test_the_pins_name_every_case_of_every_model():
     pinned = json.loads(OUTCOMES.read_text())
     expected = {f"{model}/{case}" for model in MODELS for case in CASES}
     assert set(pinned) == expected, f"cases added or gone: {sorted(set(pinned) ^ expected)}"
-    assert sorted(name for i in range(CHUNKS) for name in chunk(i)) == sorted(MODELS)
 
 
-@pytest.mark.parametrize("index", range(CHUNKS))
-def test_every_zoo_case_ends_as_pinned(in_repo, tmp_path, index):
-    models = chunk(index)
-    outcomes = run_zoo(models, CASES, tmp_path)
-    print(table(outcomes, models, CASES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_zoo_case_ends_as_pinned(launches, model):
+    outcomes = {(model, case): launches.result(LAUNCHES, f"{model}/{case}") for case in CASES}
+    print(table(outcomes, {model: MODELS[model]}, CASES))
     bad = {key: o for key, o in outcomes.items() if o.status not in ("verified", "refused")}
     assert not bad, "\n".join(f"{m}/{c}: {o.status}: {o.detail}" for (m, c), o in bad.items())
     refusals = [o.detail for o in outcomes.values() if o.status == "refused"]
