@@ -19,11 +19,9 @@ from pathlib import Path
 
 import pytest
 
-import autoshard
-from autoshard.errors import AutoshardError
 from autoshard.launch import write_program
 from e2e.one_launch import Cases, attempt, program_job
-from e2e.zoo import CASES, GLOBAL_BATCH, MODELS, RANKS, Outcome, _last_lines, _verdict, table
+from e2e.zoo import CASES, MODELS, RANKS, Outcome, plan_case, settle, table
 
 pytestmark = pytest.mark.e2e
 
@@ -39,26 +37,18 @@ def _prepare(names: list[str], ranks: int, folder: Path) -> dict:
 
 def _prepare_one(name: str, folder: Path) -> tuple[list[dict], tuple[Outcome, Path]]:
     model, case = name.split("/")
-    cluster, pins = CASES[case]
-    try:
-        plan = autoshard.plan(MODELS[model], cluster=cluster, global_batch=GLOBAL_BATCH, devices_per_node=RANKS, **pins)
-    except AutoshardError as exc:
-        return [], (Outcome("refused", str(exc)), folder / "out")
-    program = write_program(plan, folder / "train.py")
-    return [program_job(program, folder / "out")], (Outcome("not run", plan=plan), folder / "out")
+    outcome = plan_case(MODELS[model], CASES[case])
+    if outcome.plan is None:
+        return [], (outcome, folder / "out")
+    program = write_program(outcome.plan, folder / "train.py")
+    return [program_job(program, folder / "out")], (outcome, folder / "out")
 
 
 def _finish(name: str, state: tuple[Outcome, Path], failures: list[str]) -> Outcome:
-    """A planned case's outcome: crashed (the traceback's last lines, or why its launch ended), else its verdict
-    against one process (``zoo._verdict``: fp32 and float64 one-process runs)."""
+    """A planned case's outcome (``zoo.settle``: crashed, not run with why its launch ended, or its verdict against
+    one process)."""
     outcome, out = state
-    if outcome.plan is None:
-        return outcome
-    if failures[0]:
-        errors = sorted(out.glob("error-rank*.txt"))
-        return Outcome("crashed", _last_lines(errors[0].read_text()) if errors else failures[0], outcome.plan)
-    status, detail = _verdict(MODELS[name.split("/")[0]], outcome.plan, out)
-    return Outcome(status, detail, outcome.plan)
+    return outcome if outcome.plan is None else settle(MODELS[name.split("/")[0]], outcome.plan, out, failures[0])
 
 
 LAUNCHES = Cases(

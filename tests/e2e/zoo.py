@@ -87,15 +87,22 @@ def plan_cases(models: dict[str, str], cases: dict[str, tuple], workdir: Path) -
     """Plan every (model, case); a refusal is an outcome, a plan becomes a program under ``workdir``."""
     out = {}
     for model, spec in models.items():
-        for case, (cluster, pins) in cases.items():
-            try:
-                plan = autoshard.plan(spec, cluster=cluster, global_batch=GLOBAL_BATCH, devices_per_node=RANKS, **pins)
-            except AutoshardError as exc:
-                out[model, case] = Outcome("refused", str(exc))
-                continue
-            write_program(plan, workdir / model / case / "train.py")
-            out[model, case] = Outcome("not run", plan=plan)
+        for case in cases:
+            out[model, case] = plan_case(spec, cases[case])
+            if out[model, case].plan is not None:
+                write_program(out[model, case].plan, workdir / model / case / "train.py")
     return out
+
+
+def plan_case(spec: str, case: tuple) -> Outcome:
+    """One (cluster, pins) case of ``spec`` planned for RANKS ranks: "not run" with its plan, or "refused" with the
+    planner's one line."""
+    cluster, pins = case
+    try:
+        plan = autoshard.plan(spec, cluster=cluster, global_batch=GLOBAL_BATCH, devices_per_node=RANKS, **pins)
+    except AutoshardError as exc:
+        return Outcome("refused", str(exc))
+    return Outcome("not run", plan=plan)
 
 
 def program_case(name: str, program: Path, out: Path, lr: float = LR, fixed_randomness: bool = True) -> dict:
@@ -134,17 +141,20 @@ def run_programs(outcomes: dict[tuple, Outcome], workdir: Path) -> str:
 def judge(models: dict[str, str], outcomes: dict[tuple, Outcome], workdir: Path, crash: str) -> None:
     """Each planned case against one process (fp32 and float64), in place."""
     for (model, case), outcome in outcomes.items():
-        if outcome.plan is None:
-            continue
-        out = workdir / model / case / "out"
-        if not (out / "metrics.json").exists():
-            errors = sorted(out.glob("error-rank*.txt"))
-            if errors:
-                outcome.status, outcome.detail = "crashed", _last_lines(errors[0].read_text())
-            elif crash:
-                outcome.detail = "an earlier case crashed the launch"
-            continue
-        outcome.status, outcome.detail = _verdict(models[model], outcome.plan, out)
+        if outcome.plan is not None:
+            why = "an earlier case crashed the launch" if crash else ""
+            outcomes[model, case] = settle(models[model], outcome.plan, workdir / model / case / "out", why)
+
+
+def settle(spec: str, plan, out: Path, why_not_run: str) -> Outcome:
+    """A planned case's outcome from what its program left in ``out``: crashed (the traceback's last lines), not run
+    (``why_not_run``), or its verdict against one process (``_verdict``)."""
+    if not (out / "metrics.json").exists():
+        errors = sorted(out.glob("error-rank*.txt"))
+        if errors:
+            return Outcome("crashed", _last_lines(errors[0].read_text()), plan)
+        return Outcome("not run", why_not_run, plan)
+    return Outcome(*_verdict(spec, plan, out), plan)
 
 
 def _last_lines(traceback_text: str) -> str:
