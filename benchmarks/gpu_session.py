@@ -16,6 +16,9 @@ so a run cut short still returns what it measured:
    plan on ``OUT/cluster-float8.yaml``: the calibrated cluster with the device's float8 matmul throughput
    measured here (``float8_tflops``: ``torch._scaled_mm`` at 8192³); a device without float8 matmuls leaves
    them as rows with that error. CPU ranks verify a float8 plan through the same twin (``autoshard verify``).
+   Every step's loss is kept; ``--text FILE`` trains on a text's bytes, so each float8 run's loss curve is held
+   against its twin's (``float8_curves``: the largest per-step relative difference, against
+   ``FLOAT8_LOSS_TOLERANCE``), with the measured and predicted step-time ratios.
 5. A plain hand-written loop on the same model, micro-batches and optimizer (``hand_loop``:
    autocast bf16, ``torch.optim.AdamW``, gradient accumulation, nothing else), so the program's
    overhead is measured against what a user would write by hand.
@@ -94,9 +97,10 @@ GPU_CASES = (
         "ddp-mb4-float8-compile",
         {"zero": 0, "microbatch_size": 4, "recompute": "none", "compile": "on", "float8": "tensorwise"},
     ),
+    Case("ddp-mb4-float8-rowwise", {"zero": 0, "microbatch_size": 4, "recompute": "none", "float8": "rowwise"}),
 )
 GPU = Setting(
-    "benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=150, cases=GPU_CASES, hand_microbatches=(1, 2, 4)
+    "benchmarks/llama3.py:llama3_1b", global_batch=8, steps=8, limit_s=240, cases=GPU_CASES, hand_microbatches=(1, 2, 4)
 )
 CPU = Setting(
     "examples/gpt.py:build",
@@ -122,6 +126,7 @@ class Row:
     dryrun_peak_bytes: int | None = None
     first_loss: float | None = None
     last_loss: float | None = None
+    losses: list[float] = field(default_factory=list)  # every step's loss, from the program's step lines
     error: str | None = None
 
 
@@ -247,10 +252,16 @@ SUMMARY = re.compile(
 )
 
 
-def run_case(setting: Setting, row: Row, out: Path) -> None:
+STEP_LOSS = re.compile(r"^step\s+\d+ \| loss (?P<loss>[-\d.naninf]+) \|", re.M)
+
+
+def run_case(setting: Setting, row: Row, out: Path, data: Path | None = None) -> None:
+    """The plan's program for ``setting.steps`` steps (on ``data``'s tokens where given, else the model file's
+    draws): its median step, peak, and every step's loss."""
     plan = out / f"{row.case}.plan.json"
+    feed = ["--data", str(data)] if data is not None else []
     done = autoshard(
-        ["run", str(plan), "--steps", str(setting.steps), "--program", str(out / f"{row.case}.py")],
+        ["run", str(plan), "--steps", str(setting.steps), "--program", str(out / f"{row.case}.py"), *feed],
         setting.limit_s,
         out / f"{row.case}.log",
     )
@@ -260,6 +271,7 @@ def run_case(setting: Setting, row: Row, out: Path) -> None:
         return
     row.measured_step_s = float(match["ms"]) / 1e3
     row.first_loss, row.last_loss = float(match["first"]), float(match["last"])
+    row.losses = [float(m["loss"]) for m in STEP_LOSS.finditer(done.stdout)]
     row.measured_peak_bytes = int(float(match["gib"]) * 2**30) if match["gib"] else None
 
 
@@ -397,6 +409,86 @@ def dcp_resume(out: Path, cluster: str, limit_s: float) -> dict:
     return {"runs": runs, "resumed": runs[1]["exit"] == 0 and runs[1]["steps_logged"][:1] == [runs[0]["steps"]]}
 
 
+def byte_tokens(text: Path, out: Path) -> Path:
+    """``text``'s bytes as a flat uint16 token file (``autoshard run --data``'s format, one token per byte, ids
+    0-255: inside any model's vocabulary), so loss curves follow a real text rather than uniform draws."""
+    import numpy as np
+
+    path = out / "text-bytes.bin"
+    np.frombuffer(text.read_bytes(), dtype=np.uint8).astype(np.uint16).tofile(path)
+    return path
+
+
+# A float8 run's loss curve is taken to match its bf16 twin's when no step's loss is further from the twin's than
+# this fraction of it (declared in benchmarks/reports/gpu-h200-2026-12-04/README.md before the run).
+FLOAT8_LOSS_TOLERANCE = 0.03
+
+
+def float8_twin(row: Row, rows: list[Row]) -> Row | None:
+    """The bf16 run of ``row``'s plan: the first case with losses whose pins are ``row``'s with float8 off (or not
+    pinned: the calibrated cluster has no float8 peak, so its plans keep bf16)."""
+    bare = {k: v for k, v in row.pins.items() if k != "float8"}
+    for other in rows:
+        other_bare = {k: v for k, v in other.pins.items() if k != "float8"}
+        if other.pins.get("float8", "off") == "off" and other_bare == bare and other.losses:
+            return other
+    return None
+
+
+def float8_curves(rows: list[Row]) -> list[dict]:
+    """Each float8 run beside its bf16 twin: the largest per-step relative loss difference
+    max_s |L8(s) − L16(s)| / L16(s) over the steps both ran, the last losses, and the measured and predicted step
+    time ratios (float8 / bf16)."""
+    curves = []
+    for row in rows:
+        if row.pins.get("float8", "off") == "off" or not row.losses:
+            continue
+        twin = float8_twin(row, rows)
+        if twin is None:
+            continue
+        pairs = list(zip(row.losses, twin.losses))
+        worst = max(abs(a - b) / abs(b) for a, b in pairs)
+        curves.append(
+            {
+                "case": row.case,
+                "twin": twin.case,
+                "steps": len(pairs),
+                "max_relative_loss_difference": worst,
+                "within_tolerance": worst <= FLOAT8_LOSS_TOLERANCE,
+                "last_loss": [row.losses[len(pairs) - 1], twin.losses[len(pairs) - 1]],
+                "measured_step_ratio": ratio(row.measured_step_s, twin.measured_step_s),
+                "predicted_step_ratio": ratio(row.predicted_step_s, twin.predicted_step_s),
+            }
+        )
+    return curves
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def curves_table(curves: list[dict]) -> str:
+    """The float8 runs beside their bf16 twins, for results.md."""
+    if not curves:
+        return ""
+    lines = [
+        "",
+        f"float8 against its bf16 twin (tolerance: every step's loss within {FLOAT8_LOSS_TOLERANCE:.0%} of the twin's)",
+        "",
+        "| float8 case | bf16 twin | steps | max per-step loss difference | last loss (float8 / bf16) | "
+        "measured step float8 / bf16 | predicted step float8 / bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in curves:
+        measured, predicted = c["measured_step_ratio"], c["predicted_step_ratio"]
+        lines.append(
+            f"| {c['case']} | {c['twin']} | {c['steps']} | {c['max_relative_loss_difference']:.2%}"
+            f"{'' if c['within_tolerance'] else ' (outside)'} | {c['last_loss'][0]:.4f} / {c['last_loss'][1]:.4f} | "
+            f"{f'{measured:.3f}' if measured else '-'} | {f'{predicted:.3f}' if predicted else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | None) -> str:
     """The markdown table: predicted vs measured step and peak, measured MFU, hand-written loop."""
     hand_by_mb = {h["microbatch_size"]: h["median_step_s"] for h in hand if "median_step_s" in h}
@@ -428,7 +520,7 @@ def table(facts_: dict, rows: list[Row], hand: list[dict], peak_tflops: float | 
             f"{f'{mfu:.1%}' if mfu is not None else '-'} | {ms(hand_s)} | "
             f"{f'{r.measured_step_s / hand_s:.3f}' if hand_s else '-'} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + curves_table(float8_curves(rows))
 
 
 def ms(s: float | None) -> str:
@@ -460,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cases", help="only these cases, comma-separated (default: every case)")
     parser.add_argument("--hand-microbatches", help="micro-batch sizes of the hand-written loop, comma-separated")
+    parser.add_argument("--steps", type=int, help="optimizer steps per program run (default: the setting's)")
+    parser.add_argument(
+        "--text",
+        type=Path,
+        help="train the plans' programs on this text's bytes (one token per byte) instead of the model file's "
+        "draws: loss curves of a real text (the float8 runs beside their bf16 twins)",
+    )
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP save and resume")
     parser.add_argument("--no-dryrun", action="store_true", help="skip the plans' dry runs")
     parser.add_argument(
@@ -475,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hand_microbatches is not None:
         sizes = tuple(int(m) for m in args.hand_microbatches.split(",") if m)
         setting = replace(setting, hand_microbatches=sizes)
+    if args.steps is not None:
+        setting = replace(setting, steps=args.steps)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     info = facts()
@@ -488,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate: exit {done.returncode} {last_line(done)}", flush=True)
         if done.returncode != 0:
             return 1
+    data = byte_tokens(args.text, out) if args.text else None
     floating = float8_cluster(cluster, out) if any("float8" in c.pins for c in setting.cases) else None
     print(f"float8 cluster: {floating or 'none (no float8 matmuls here)'}", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -497,13 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     hand: list[dict] = []
 
     def save() -> None:
-        results = {"facts": info, "rows": [asdict(r) for r in rows], "hand_loop": hand}
+        results = {
+            "facts": info,
+            "rows": [asdict(r) for r in rows],
+            "hand_loop": hand,
+            "float8_curves": float8_curves(rows),
+        }
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(table(info, rows, hand, calibrated_peak(cluster)))
 
     for row in rows:
         if row.error is None:
-            run_case(setting, row, out)
+            run_case(setting, row, out, data)
         print(
             f"{row.case}: predicted {ms(row.predicted_step_s)} {gib(row.predicted_peak_bytes)}, measured "
             f"{ms(row.measured_step_s)} {gib(row.measured_peak_bytes)} {row.error or ''}",
