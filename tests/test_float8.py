@@ -10,6 +10,7 @@ from torch import nn
 import autoshard
 from autoshard.cli import main
 from autoshard.cost.float8 import (
+    EAGER_EXTRA_OPS,
     cast_bytes_per_element,
     float8_linears,
     float8_tp_comm_factor,
@@ -17,8 +18,8 @@ from autoshard.cost.float8 import (
     transpose_bytes_per_element,
 )
 from autoshard.cost.hardware import PRESETS, load_cluster
-from autoshard.cost.tables import CostTables
-from autoshard.cost.units import node_forward_s
+from autoshard.cost.tables import EAGER_GPU_HOST, CostTables
+from autoshard.cost.units import node_forward_s, unit_costs
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import FLOAT8_RECIPES
 from autoshard.ir.plan import load_plan
@@ -93,6 +94,69 @@ def test_a_converted_linear_runs_at_the_float8_peak_plus_its_casts():
     assert transpose_bytes_per_element(FLOAT8_RECIPES["tensorwise"]) == 2  # read 1 + write 1
     assert transpose_bytes_per_element(FLOAT8_RECIPES["tensorwise"], compiled=True) == 1  # written by the cast
     assert cast_bytes_per_element(FLOAT8_RECIPES["rowwise"], 2) == 10  # two casts of 5, no transposed copy
+
+
+def _entered_ops(run) -> int:
+    """The aten ops ``run`` enters from Python or autograd: torch.profiler's aten events with no aten parent."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(
+        e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        for e in prof.events()
+    )
+
+
+@pytest.mark.parametrize("recipe", sorted(EAGER_EXTRA_OPS))
+def test_the_eager_host_ops_are_those_the_installed_torchao_adds(recipe):
+    """EAGER_EXTRA_OPS, counted again: one Linear(64, 64) converted by the installed torchao (emulated matmuls on a
+    CPU) against the plain one, forward and backward apart. A torchao that issues other ops fails here."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def counts(linear: nn.Module) -> tuple[int, int]:
+        x = torch.randn(8, 64, requires_grad=True)
+        linear(x).sum().backward()  # warm: the first call's lazy set-up is not a step's
+        out = []
+        forward = _entered_ops(lambda: out.append(linear(x)))
+        return forward, _entered_ops(lambda: out[0].sum().backward())
+
+    plain = counts(nn.Linear(64, 64, bias=False))
+    converted = nn.Sequential(nn.Linear(64, 64, bias=False))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    float8 = counts(convert_to_float8_training(converted, config=config))
+    assert (float8[0] - plain[0], float8[1] - plain[1]) == EAGER_EXTRA_OPS[recipe]
+
+
+def test_eager_float8_prices_its_own_host_ops_and_compiled_blocks_fuse_them():
+    """Each converted linear adds n_f·h_f to its unit's host forward and n_b·h_f to its backward (cost.float8,
+    "Host, eager"); a full recompute reruns n_f; in compiled blocks the casts are fused (no host of their own)."""
+    _, graph = capture_graph(LLAMA_8B, use_cache=True, proofs=False)
+    tables = CostTables(graph, load_cluster("dgx-h100"))
+    linears = float8_linears(graph)
+    h_f = EAGER_GPU_HOST.op_forward_us * 1e-6  # the host the units are priced with below
+    n_f, n_b = EAGER_EXTRA_OPS["tensorwise"]
+    per_block = 7  # q, k, v, o, w1, w2, w3
+    raw = {}
+    for recompute in ("none", "full"):
+        for f8 in (None, ("tensorwise", linears, 1.0)):
+            raw[recompute, f8 is not None] = unit_costs(
+                graph, 1, recompute, tables.cluster.device, 2, host=EAGER_GPU_HOST, kernels="eager", float8=f8
+            )
+    bf16, f8 = raw["none", False], raw["none", True]
+    assert f8.host_forward_s[1] - bf16.host_forward_s[1] == pytest.approx(per_block * n_f * h_f, rel=1e-9)
+    assert f8.host_backward_s[1] - bf16.host_backward_s[1] == pytest.approx(per_block * n_b * h_f, rel=1e-9)
+    assert f8.host_forward_s[0] == bf16.host_forward_s[0] and f8.host_forward_s[-1] == bf16.host_forward_s[-1]
+    full_bf16, full_f8 = raw["full", False], raw["full", True]
+    assert full_f8.host_recompute_s[1] - full_bf16.host_recompute_s[1] == pytest.approx(per_block * n_f * h_f)
+    compiled = [
+        unit_costs(
+            graph, 1, "none", tables.cluster.device, 2, host=EAGER_GPU_HOST, kernels="eager", compiled=True, float8=x
+        )
+        for x in (None, ("tensorwise", linears, 1.0))
+    ]
+    assert compiled[0].host_forward_s == compiled[1].host_forward_s
+    assert compiled[0].host_backward_s == compiled[1].host_backward_s
 
 
 def test_pinned_float8_without_float8_matmuls_is_refused_in_one_line(capsys):

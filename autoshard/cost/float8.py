@@ -45,6 +45,20 @@ of a, and the reduce-scatters stay in a bytes::
 
     T_tp8 = T_tp · (1 − ½ + ½ · 1/a)    (a = 2: T_tp · 3/4; ``float8_tp_comm_factor``)
 
+**Host, eager** (``eager_host_ops``): outside a compiled block torchao issues each amax, scale and cast as its own
+op from Python, through its float8 tensor subclass, and its backward is an ``autograd.Function`` written in Python,
+so every op it adds costs the host the calibrated time of a Python-dispatched op, h_f (``cost.units``, "Host
+time"). With n_f and n_b the ops one converted linear adds to a forward and to a backward (``EAGER_EXTRA_OPS``)::
+
+    host_fwd(u) += n_f·h_f        host_bwd(u) += n_b·h_f        (per converted linear of unit u; a full recompute
+                                                                 reruns the forward's n_f)
+
+Inside a compiled block inductor fuses the casts into the block's kernels: no op of their own. On one H200
+(torch 2.11, torchao 0.18, Llama-3.2-1B's shapes, benchmarks/reports/gpu-h200-2026-12-04) eager tensorwise float8
+took 2.4× bf16's step, ~2.14 ms more per converted linear and micro-batch, against (32 + 68)·h_f = 2.09 ms at
+that machine's h_f = 20.93 µs; the term was written after that run, so the run is not held out for it. Compiled
+float8 ran 0.884 of compiled bf16's step, priced 0.916.
+
 Pipeline stages keep TP's collectives in bf16 (``runtime.tensor_parallel_stages``' traced ops), and their
 float8 weights are gathered by FSDP2 in bf16 (``Decisions.float8_all_gather`` is off there). Memory is
 unchanged: torchao's table moves 0.1 GiB between bf16 and float8 for Llama-3 8B on 8 H100s
@@ -70,6 +84,10 @@ FLOAT8_ELEMENT_BYTES = 1  # torch.float8_e4m3fn / e5m2
 AMAX_KERNELS = 1  # per cast: the amax reduction
 CAST_KERNELS = 1  # per cast: the scaled cast
 TRANSPOSE_KERNELS = 1  # tensorwise: the transposed float8 copy
+# The ops torchao 0.18's eager Float8Linear adds to nn.Linear's, (n_f per forward, n_b per backward), by recipe:
+# torch.profiler's aten events with no aten parent (what Python and autograd enter), one Linear(64, 64) on a CPU
+# with emulate=True; tests/test_float8.py recounts them against the installed torchao
+EAGER_EXTRA_OPS = {"tensorwise": (32, 68), "rowwise": (39, 82)}
 
 
 def float8_linears(graph: OpGraph) -> tuple[str, ...]:
@@ -157,6 +175,11 @@ def operand_casts_s(
         cast_share * cast_bytes_per_element(row, elem_bytes) + transpose_bytes_per_element(row, compiled)
     )
     return eager.cast_s(moved, device, kernels=cast_kernels(row, compiled))
+
+
+def eager_host_ops(recipe: str) -> tuple[int, int]:
+    """(n_f, n_b): the ops one eagerly converted linear adds to the host's forward and backward (module doc)."""
+    return EAGER_EXTRA_OPS[recipe]
 
 
 def linear_dims(node: OpNode, weight_shape: tuple[int, int], scale: float) -> tuple[float, int, int]:
