@@ -94,8 +94,16 @@ def narrowed_config(config):
     - special token ids inside the vocabulary, ``use_cache`` off;
 
     every other setting as it was. A composite config has each of its parts narrowed (the text model's, and the
-    vision or audio towers' where the library accepts it)."""
-    config = copy.deepcopy(config)
+    vision or audio towers' where the library accepts it), and widths tied across its parts kept tied
+    (``_retie_widths``)."""
+    original = config
+    config = _narrowed_parts(copy.deepcopy(config))
+    _retie_widths(original, config)
+    return config
+
+
+def _narrowed_parts(config):
+    """``narrowed_config``'s work on ``config`` (a copy) and each of its sub-configs, before widths are re-tied."""
     _narrow_sub_configs(config)
     if text_config(config) is not config:
         return config
@@ -141,9 +149,57 @@ def _narrow_sub_configs(config) -> None:
     whose text part is the config itself (Phi-4-multimodal's vision and audio encoders, 0.87 B parameters left
     whole beside a text model of width 64)."""
     for name, value in list(vars(config).items()):
-        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config: the text model, a tower
+        if _is_sub_config(value):  # a sub-config: the text model, a tower
             with contextlib.suppress(Exception):  # noqa: BLE001 (a tower the library will not narrow: as it is)
-                setattr(config, name, narrowed_config(value))
+                setattr(config, name, _narrowed_parts(copy.deepcopy(value)))
+
+
+def _is_sub_config(value) -> bool:
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _parts(config) -> list:
+    """``config`` and its sub-configs, depth first, in attribute order."""
+    return [config] + [p for v in vars(config).values() if _is_sub_config(v) for p in _parts(v)]
+
+
+WIDTH_WORDS = ("dim", "size", "width", "channels")  # what the name of a width says
+
+
+def _retie_widths(original, config) -> None:
+    """Widths a composite config ties across its parts by equality, kept equal (in place). A tower's adapter maps its
+    own width to the text model's (Dots3Note: the vision adapter's ``adapter_in_dim`` is the tower's ``hidden_size``,
+    its ``adapter_out_dim`` the text model's), and the config's validators refuse any other value; narrowing each
+    part's ``hidden_size`` left those widths as they were. Only where a part fails its own validation: each whole-number
+    width (named with ``WIDTH_WORDS``) the narrowing left unchanged and that equals a part's original ``hidden_size``
+    takes that part's narrowed one, the text model's first where two parts had the same."""
+    before, after = _parts(original), _parts(config)
+    if len(before) != len(after) or all(_valid(part) for part in after):
+        return
+    text_first = sorted(zip(before, after), key=lambda pair: pair[1] is not text_config(config))
+    widths: dict[int, int] = {}
+    for old, new in text_first:
+        old_width, new_width = _attribute(old, "hidden_size"), _attribute(new, "hidden_size")
+        if isinstance(old_width, int) and isinstance(new_width, int) and old_width != new_width:
+            widths.setdefault(old_width, new_width)
+    for old, new in zip(before, after):
+        for name, value in vars(old).items():
+            tied = isinstance(value, int) and not isinstance(value, bool) and value in widths
+            if tied and any(word in name for word in WIDTH_WORDS) and vars(new).get(name) == value:
+                with contextlib.suppress(Exception):  # noqa: BLE001 (a width the config will not take: as it was)
+                    setattr(new, name, widths[value])
+
+
+def _valid(config) -> bool:
+    """Whether ``config`` passes its own validators (a config without them: True)."""
+    validate = getattr(config, "validate", None)
+    if not callable(validate):
+        return True
+    try:
+        validate()
+    except Exception:  # noqa: BLE001 (any validator's refusal)
+        return False
+    return True
 
 
 def text_config(config):

@@ -80,6 +80,39 @@ def test_a_composite_config_is_narrowed_in_each_part_and_plans_from_its_text_par
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
 
 
+def test_widths_tied_across_a_composite_configs_parts_stay_tied(tmp_path):
+    """Dots3Note's towers map their width to the text model's through adapters whose widths its validators require
+    equal to those hidden sizes: narrowed, each adapter takes the narrowed widths, so the config saves (its
+    validators run) and builds. Before, the adapters kept 1536 and 5120 and save_pretrained refused the config."""
+    import transformers
+
+    original = transformers.Dots3NoteConfig()
+    config = narrowed_config(original)
+    width = NARROW_SIZES["hidden_size"]
+    vision, audio = config.vision_config, config.audio_config
+    assert config.text_config.hidden_size == vision.hidden_size == audio.hidden_size == width
+    assert vision.adapter_in_dim == vision.adapter_out_dim == audio.adapter_input_size == audio.adapter_out_dim == width
+    assert original.vision_config.adapter_out_dim == original.text_config.hidden_size != width  # the original untouched
+    config.architectures = ["Dots3NoteForCausalLM"]
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_a_valid_narrowed_config_keeps_widths_that_only_happen_to_be_equal():
+    """Widths are re-tied only where a part fails its own validation: Gemma 3 (valid once narrowed) keeps every
+    other whole-number setting as the library set it."""
+    import transformers
+
+    original = transformers.Gemma3Config()
+    config = narrowed_config(original)
+    for part, before in ((config.vision_config, original.vision_config), (config.text_config, original.text_config)):
+        for name in ("image_size", "patch_size", "max_position_embeddings"):
+            if name in vars(before) and name not in NARROW_SIZES:
+                assert getattr(part, name) == getattr(before, name)
+
+
 def test_kv_sharing_layers_stay_last_and_counted():
     """Gemma 3n: its last layers reuse earlier layers' keys and values; the narrowed model keeps two of each kind
     among them too, last, and says how many it kept."""
