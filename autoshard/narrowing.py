@@ -109,7 +109,8 @@ def _narrowed_parts(config):
         return config
     layers = _attribute(config, "num_hidden_layers")
     overrides = _without_per_layer_overrides(config)
-    before = {name: _attribute(config, name) for layer in overrides.values() for name in layer}
+    sums = {name for total, parts in LAYER_SUMS for name in (total, *parts)}
+    before = {name: _attribute(config, name) for name in sums | {n for layer in overrides.values() for n in layer}}
     latent = _latent_head_rules(config)
     kv_heads = _kv_heads_kept(config)
     rotary_share = _rotary_share(config)
@@ -314,7 +315,7 @@ def _without_per_layer_overrides(config) -> dict[int, dict]:
 def _narrowed_overrides(config, overrides: dict[int, dict], before: dict, kept: list[int]) -> dict[int, dict]:
     """``overrides`` of the ``kept`` layers (all where none were cut), renumbered to them, each whole-number override
     of an attribute the narrowing changed scaled as its global value was (Gemma 4: heads of 512 beside 256 become 32
-    beside 16), every other override as it was."""
+    beside 16), every other override as it was; a layer's sums kept (``_keep_layer_sums``)."""
     narrowed = {}
     for new, old in enumerate(kept or sorted(overrides)):
         layer = {}
@@ -323,9 +324,28 @@ def _narrowed_overrides(config, overrides: dict[int, dict], before: dict, kept: 
             if _whole(value) and _whole(was) and _whole(now) and was and now != was:
                 value = max(1, round(value * now / was))
             layer[name] = value
+        _keep_layer_sums(config, layer, overrides.get(old, {}), before)
         if layer:
             narrowed[new if kept else old] = layer
     return narrowed
+
+
+# A layer's width that was the sum of others (Dots3Note's sliding-window layers: head width = query/key width without
+# + with rotary positions, which its validator requires), and the parts; the first part takes the difference
+LAYER_SUMS = (("head_dim", ("qk_nope_head_dim", "qk_rope_head_dim")),)
+
+
+def _keep_layer_sums(config, layer: dict, original: dict, before: dict) -> None:
+    """Each sum of ``LAYER_SUMS`` the layer's original widths held (its overrides, else the global values ``before``
+    narrowing), held again in ``layer`` (in place): its first part set to the narrowed total less the other parts
+    (the layer's overrides, else the narrowed global values)."""
+    for total, parts in LAYER_SUMS:
+        was = [original.get(name, before.get(name)) for name in (total, *parts)]
+        if not all(_whole(w) for w in was) or was[0] != sum(was[1:]):
+            continue
+        now = [layer.get(name, _attribute(config, name)) for name in (total, *parts[1:])]
+        if all(_whole(n) for n in now) and now[0] - sum(now[1:]) >= 1:
+            layer[parts[0]] = now[0] - sum(now[1:])
 
 
 def _whole(value) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from autoshard.narrowing import NARROW_SIZES, narrowed_config  # noqa: E402
+from autoshard.narrowing import NARROW_HEAD_DIM, NARROW_SIZES, narrowed_config  # noqa: E402
 
 CASES = {  # model type -> the rule its narrowed config needs
     "olmo_hybrid": "every kind of layer kept (its first layers are all linear attention)",
@@ -98,6 +98,29 @@ def test_widths_tied_across_a_composite_configs_parts_stay_tied(tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_a_layers_head_width_stays_the_sum_of_its_parts_and_the_folder_reads_back(tmp_path):
+    """Dots3Note's sliding-window layers override the query/key width without rotary positions (192 beside the
+    global 128) and take head width = that + the rotary part (256 = 192 + 64), which its validator requires when the
+    folder is read back: narrowed, the sum holds again (16 = 8 + 8); before, the override scaled alone to 12 and
+    ``from_pretrained`` refused the folder."""
+    import transformers
+
+    from autoshard.narrowing import _keep_layer_sums
+
+    config = narrowed_config(transformers.Dots3NoteConfig())
+    config.architectures = ["Dots3NoteForCausalLM"]
+    config.save_pretrained(tmp_path)
+    read = transformers.AutoConfig.from_pretrained(tmp_path)
+    sliding = read.text_config.per_layer_config[read.text_config.layer_types.index("sliding_attention")]
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim == NARROW_HEAD_DIM
+    # the rule alone: only a sum the original layer held is kept
+    held, not_held = {"qk_nope_head_dim": 12}, {"qk_nope_head_dim": 12}
+    narrow = transformers.PretrainedConfig(head_dim=16, qk_nope_head_dim=8, qk_rope_head_dim=8)
+    _keep_layer_sums(narrow, held, {"qk_nope_head_dim": 192}, {"head_dim": 256, "qk_rope_head_dim": 64})
+    _keep_layer_sums(narrow, not_held, {"qk_nope_head_dim": 128}, {"head_dim": 256, "qk_rope_head_dim": 64})
+    assert held == {"qk_nope_head_dim": 8} and not_held == {"qk_nope_head_dim": 12}
 
 
 def test_a_valid_narrowed_config_keeps_widths_that_only_happen_to_be_equal():

@@ -68,6 +68,7 @@ def test_a_no_grad_region_reading_weights_keeps_the_model_in_one_stage(in_repo, 
     code = main(["plan", spec, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--pp", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "torch.no_grad() region in 0" in err
+    assert err.count("torch.no_grad() region") == 1  # each block's same reason said once
 
 
 def test_a_no_grad_region_on_buffers_only_keeps_every_cut(in_repo):

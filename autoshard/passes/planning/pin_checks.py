@@ -517,7 +517,8 @@ def _check_cuts(graph: OpGraph, pins: Pins) -> None:
     stages = (pins.pp or 1) * interleaved_v(pins)
     most = max_stages(graph, refusals)
     if refusals and stages > max(1, most):
-        why = "; ".join(refusals[k] for k in sorted(refusals)[:2]) + ("; ..." if len(refusals) > 2 else "")
+        reasons = list(dict.fromkeys(refusals[k] for k in sorted(refusals)))  # each reason once, in block order
+        why = "; ".join(reasons[:2]) + ("; ..." if len(reasons) > 2 else "")
         fix = f"pin --pp {most} or less" if most > 1 else "pin --pp 1"
         raise AutoshardError(
             f"--pp {pins.pp} needs {stages} pipeline stages, but a stage can begin at only "
