@@ -23,6 +23,19 @@ def test_ruff_format_changes_nothing():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
+MAX_MODULE_LINES = 800  # a package file a reader takes in at once
+
+
+def test_no_package_file_is_over_800_lines():
+    """Every file of the package stays at most ``MAX_MODULE_LINES`` long: a larger one is split by concern."""
+    long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for path in sorted((ROOT / "autoshard").rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
 def test_no_module_imports_another_modules_private_name():
     """A name with a leading underscore is its module's own: no module of the package, nor a benchmark harness,
     takes one from another module of the package, by import (``from autoshard.x import _y``) or through the module

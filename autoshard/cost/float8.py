@@ -72,7 +72,7 @@ from dataclasses import replace
 from autoshard.cost import eager
 from autoshard.ir.decisions import FLOAT8_DIM_MULTIPLE, FLOAT8_OFF, FLOAT8_RECIPES, Decisions, Float8Recipe
 from autoshard.ir.graph import OpGraph, OpNode
-from autoshard.ir.topology import DeviceSpec
+from autoshard.ir.topology import DeviceSpec, HostOverheads
 
 # float8 training as the cost model takes it: (the recipe of ir.decisions.FLOAT8_RECIPES, the converted linears'
 # module paths, s_W: the share of each weight a rank casts, module doc); None: off
@@ -180,6 +180,31 @@ def operand_casts_s(
 def eager_host_ops(recipe: str) -> tuple[int, int]:
     """(n_f, n_b): the ops one eagerly converted linear adds to the host's forward and backward (module doc)."""
     return EAGER_EXTRA_OPS[recipe]
+
+
+def add_float8_host(
+    graph: OpGraph,
+    units: list[int],
+    float8: Float8,
+    recompute: str,
+    host: HostOverheads,
+    times: tuple[list[float], list[float], list[float]],
+) -> None:
+    """Each eagerly converted linear's own ops (``cost.float8``, "Host, eager"), added in place to the units' host
+    forward, backward and full recompute: n_f·h_f, n_b·h_f, n_f·h_f. A compiled block's are replaced after
+    (``cost.units.compiled_host_times``), as its casts are fused."""
+    host_f, host_b, host_r = times
+    n_f, n_b = eager_host_ops(float8[0])
+    h_f = host.op_forward_us * 1e-6
+    in_float8 = float8_nodes(graph, float8[1])
+    last = len(graph.blocks) + 1
+    for node, u in zip(graph.nodes, units):
+        if node.name not in in_float8:
+            continue
+        host_f[u] += n_f * h_f
+        host_b[u] += n_b * h_f
+        if recompute == "full" and graph.blocks and 0 < u < last:
+            host_r[u] += n_f * h_f
 
 
 def linear_dims(node: OpNode, weight_shape: tuple[int, int], scale: float) -> tuple[float, int, int]:

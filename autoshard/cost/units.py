@@ -78,8 +78,8 @@ from autoshard.cost.compute import (
 )
 from autoshard.cost.float8 import (
     Float8,
+    add_float8_host,
     backward_casts_s,
-    eager_host_ops,
     float8_device,
     float8_nodes,
     forward_casts_s,
@@ -614,31 +614,6 @@ def host_times(
         rerun = [0.0] * count
     rerun = [0.0] + rerun[1:-1] + [0.0] if graph.blocks else [0.0] * count  # blocks only, as recompute_s
     return [n * h_f for n in ops], [n * h_b for n in ops], rerun
-
-
-def add_float8_host(
-    graph: OpGraph,
-    units: list[int],
-    float8: Float8,
-    recompute: str,
-    host: HostOverheads,
-    times: tuple[list[float], list[float], list[float]],
-) -> None:
-    """Each eagerly converted linear's own ops (``cost.float8``, "Host, eager"), added in place to the units' host
-    forward, backward and full recompute: n_f·h_f, n_b·h_f, n_f·h_f. A compiled block's are replaced after
-    (``compiled_host_times``), as its casts are fused."""
-    host_f, host_b, host_r = times
-    n_f, n_b = eager_host_ops(float8[0])
-    h_f = host.op_forward_us * 1e-6
-    in_float8 = float8_nodes(graph, float8[1])
-    last = len(graph.blocks) + 1
-    for node, u in zip(graph.nodes, units):
-        if node.name not in in_float8:
-            continue
-        host_f[u] += n_f * h_f
-        host_b[u] += n_b * h_f
-        if recompute == "full" and graph.blocks and 0 < u < last:
-            host_r[u] += n_f * h_f
 
 
 def compiled_host_times(graph: OpGraph, host_f: list[float], host_b: list[float]) -> tuple[list[float], list[float]]:
