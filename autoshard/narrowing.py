@@ -88,7 +88,8 @@ def narrowed_config(config):
     - sizes derived from others kept consistent: latent attention's widths, the rotary width's share of a head,
       the hidden-size multiples of ``HIDDEN_MULTIPLES``, Mamba heads (``MAMBA_HEADS``), Reformer's axial positions;
     - per-layer lists cut to layers that keep ``NARROW_PER_KIND`` of each kind (``_kept_layers``), the lists of layer
-      indices renumbered, and per-layer overrides following the layers kept, their widths scaled;
+      indices renumbered, and per-layer overrides following the layers kept, their widths scaled and a layer's sums of
+      widths held (``LAYER_SUMS``);
     - experts per token at most ``NARROW_TOP_K`` (set where declared None beside experts), the counts of
       ``NARROW_AT_MOST`` lowered;
     - special token ids inside the vocabulary, ``use_cache`` off;
