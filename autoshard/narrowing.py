@@ -178,7 +178,8 @@ def _retie_widths(original, config) -> None:
     before, after = _parts(original), _parts(config)
     if len(before) != len(after) or all(_valid(part) for part in after):
         return
-    text_first = sorted(zip(before, after), key=lambda pair: pair[1] is not text_config(config))
+    text = text_config(config)
+    text_first = sorted(zip(before, after), key=lambda pair: pair[1] is not text)
     widths: dict[int, int] = {}
     for old, new in text_first:
         old_width, new_width = _attribute(old, "hidden_size"), _attribute(new, "hidden_size")

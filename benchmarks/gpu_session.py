@@ -576,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         setting = replace(setting, hand_microbatches=sizes)
     if args.steps is not None:
         setting = replace(setting, steps=args.steps)
+    if args.text is not None and not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file; give a text file (e.g. examples/data/northanger_abbey.txt)")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     info = facts()

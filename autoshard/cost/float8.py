@@ -45,7 +45,7 @@ of a, and the reduce-scatters stay in a bytes::
 
     T_tp8 = T_tp · (1 − ½ + ½ · 1/a)    (a = 2: T_tp · 3/4; ``float8_tp_comm_factor``)
 
-**Host, eager** (``eager_host_ops``): outside a compiled block torchao issues each amax, scale and cast as its own
+**Host, eager** (``add_float8_host``): outside a compiled block torchao issues each amax, scale and cast as its own
 op from Python, through its float8 tensor subclass, and its backward is an ``autograd.Function`` written in Python,
 so every op it adds costs the host the calibrated time of a Python-dispatched op, h_f (``cost.units``, "Host
 time"). With n_f and n_b the ops one converted linear adds to a forward and to a backward (``EAGER_EXTRA_OPS``)::
@@ -177,11 +177,6 @@ def operand_casts_s(
     return eager.cast_s(moved, device, kernels=cast_kernels(row, compiled))
 
 
-def eager_host_ops(recipe: str) -> tuple[int, int]:
-    """(n_f, n_b): the ops one eagerly converted linear adds to the host's forward and backward (module doc)."""
-    return EAGER_EXTRA_OPS[recipe]
-
-
 def add_float8_host(
     graph: OpGraph,
     units: list[int],
@@ -194,7 +189,7 @@ def add_float8_host(
     forward, backward and full recompute: n_f·h_f, n_b·h_f, n_f·h_f. A compiled block's are replaced after
     (``cost.units.compiled_host_times``), as its casts are fused."""
     host_f, host_b, host_r = times
-    n_f, n_b = eager_host_ops(float8[0])
+    n_f, n_b = EAGER_EXTRA_OPS[float8[0]]
     h_f = host.op_forward_us * 1e-6
     in_float8 = float8_nodes(graph, float8[1])
     last = len(graph.blocks) + 1

@@ -403,9 +403,10 @@ def unit_costs(
     if kernels == "eager" and graph.nodes:
         add_loss_time = _add_compiled_loss_time if compiled_loss else _add_fp32_loss_time
         add_loss_time(graph, microbatch_size, device, forward, backward, activation_elem_bytes)
-    host_f, host_b, host_r = host_times(graph, units, recompute, host or HostOverheads.none())
+    host = host or HostOverheads.none()
+    host_f, host_b, host_r = host_times(graph, units, recompute, host)
     if float8:
-        add_float8_host(graph, units, float8, recompute, host or HostOverheads.none(), (host_f, host_b, host_r))
+        add_float8_host(graph, units, float8, recompute, host, (host_f, host_b, host_r))
     if compiled:
         host_f, host_b = compiled_host_times(graph, host_f, host_b)
     if compiled:
