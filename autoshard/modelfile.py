@@ -440,6 +440,10 @@ def _import_file(path: Path, spec: str) -> types.ModuleType:
     import_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(import_spec)
     sys.path.insert(0, str(path.resolve().parent))
+    dont_write_before, sys.dont_write_bytecode = (
+        sys.dont_write_bytecode,
+        True,
+    )  # no __pycache__ left in the user's folder
     try:
         sys.modules[name] = module
         import_spec.loader.exec_module(module)
@@ -450,6 +454,7 @@ def _import_file(path: Path, spec: str) -> types.ModuleType:
         ) from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
+        sys.dont_write_bytecode = dont_write_before
     return module
 
 

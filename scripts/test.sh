@@ -9,5 +9,9 @@ bash scripts/setup.sh
 # Inductor compiles in this process alone (no pool of compile workers per process): on 2 cores shared by two
 # workers and their ranks a pool only adds its workers' start (torch imported again in each); the 2-rank compiled
 # cases read 317 against 351 CPU-s with it (benchmarks/reports/ci-time-2026-12-03).
+# Bytecode is cached (`__pycache__/`, git-ignored) even where the machine sets PYTHONDONTWRITEBYTECODE: every rank,
+# CLI child and worker would otherwise compile autoshard's sources again, and pytest its rewritten test modules
+# (collection read 13.2 CPU-s per worker without the cache, 8.0 with it: benchmarks/reports/ci-time-2026-12-04).
+unset PYTHONDONTWRITEBYTECODE
 export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 exec .venv/bin/python -m pytest -q --durations=25 --timeout 1800 -n "${AUTOSHARD_TEST_WORKERS:-auto}" --dist loadgroup "$@"

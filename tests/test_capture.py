@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -283,3 +284,28 @@ def test_positions_past_a_learned_position_table_are_refused(seq, refused):
         r"rows.*--seq-len 16 or less",
     ):
         capture_module(model, (ids,), "gpt2")
+
+
+def test_loading_a_model_file_leaves_no_bytecode_in_its_folder(tmp_path, monkeypatch):
+    """The user's folder is theirs: importing their model file (and a module beside it that it imports) writes no
+    ``__pycache__`` there, even where Python writes bytecode; the setting is restored after."""
+    (tmp_path / "layers.py").write_text("import torch\nWIDTH = 8\n")
+    (tmp_path / "net.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from layers import WIDTH
+
+            def build():
+                return torch.nn.Linear(WIDTH, WIDTH)
+
+            def example_batch(batch_size):
+                return (torch.randn(batch_size, WIDTH),), torch.randn(batch_size, WIDTH)
+            """
+        )
+    )
+    monkeypatch.setattr("sys.dont_write_bytecode", False)
+    monkeypatch.delitem(sys.modules, "layers", raising=False)
+    load_model_file(f"{tmp_path / 'net.py'}:build")
+    assert not (tmp_path / "__pycache__").exists()
+    assert sys.dont_write_bytecode is False
