@@ -68,9 +68,43 @@ def _launch_size(item) -> str:
 
 
 def pytest_configure(config):
-    """A folder where each pytest-xdist worker leaves its shared launches' timing lines for the summary."""
+    """A folder where each pytest-xdist worker leaves its shared launches' timing lines for the summary; the
+    machine's CPU counters at the start (``machine_lines``)."""
     if not hasattr(config, "workerinput"):
         os.environ["AUTOSHARD_LAUNCH_TIMINGS"] = tempfile.mkdtemp(prefix="autoshard-launch-timings-")
+        MACHINE_START.update(_machine_cpu_s())
+
+
+MACHINE_START: dict[str, float] = {}  # the machine's CPU seconds by kind when the session started
+PROC_STAT_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # /proc/stat's "cpu" line
+
+
+def _machine_cpu_s() -> dict[str, float]:
+    """The whole machine's CPU seconds by kind since boot (/proc/stat), {} where there is none."""
+    try:
+        ticks = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return {}
+    return {kind: int(t) / os.sysconf("SC_CLK_TCK") for kind, t in zip(PROC_STAT_KINDS, ticks)}
+
+
+def machine_lines() -> list[str]:
+    """The machine the suite ran on and its CPU over the run, everything on it counted: the same suite has read
+    17.7 to 24.7 minutes on this kind of machine within a day (benchmarks/reports/ci-time-2026-12-04); steal is time
+    the host gave to others."""
+    now = _machine_cpu_s()
+    if not (now and MACHINE_START):
+        return []
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown")
+    spent = ", ".join(f"{kind} {now[kind] - MACHINE_START[kind]:.0f}" for kind in ("user", "system", "idle", "steal"))
+    return [f"the machine: {model}, {os.cpu_count()} cores; its CPU seconds over the run: {spent}"]
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
 
 
 CPU_SECONDS: dict[str, float] = {}  # test id -> CPU seconds of its setup, call and teardown, its subprocesses included
@@ -128,7 +162,7 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
         for line in _cpu_by_file(cpu):
             terminalreporter.write_line(line)
-    for line in _timeline_lines(spans):
+    for line in _timeline_lines(spans) + machine_lines():
         terminalreporter.write_line(line)
 
 
