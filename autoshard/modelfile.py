@@ -440,10 +440,8 @@ def _import_file(path: Path, spec: str) -> types.ModuleType:
     import_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(import_spec)
     sys.path.insert(0, str(path.resolve().parent))
-    dont_write_before, sys.dont_write_bytecode = (
-        sys.dont_write_bytecode,
-        True,
-    )  # no __pycache__ left in the user's folder
+    # no __pycache__ left in the user's folder (the file and the siblings it imports)
+    dont_write_before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         sys.modules[name] = module
         import_spec.loader.exec_module(module)

@@ -1,4 +1,3 @@
-import gc
 import json
 import os
 import resource
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs_driver import GC_THRESHOLDS
+from tests.e2e.jobs_driver import keep_collector_off_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -231,8 +230,7 @@ def one_rank():
 
 def pytest_collection_finish(session):
     """The cyclic garbage collector kept off what collection imported (``gc.freeze``: torch, transformers, sympy,
-    autoshard, the test modules, alive all session), its young generation 10,000 objects and its oldest collected a
-    tenth as often (``jobs_driver.GC_THRESHOLDS``): seven unit test files in one process spent 18.6 of 147.7 CPU-s
-    in collections, 9.7 of 140.3 so (benchmarks/reports/ci-time-2026-12-04)."""
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    autoshard, the test modules, alive all session), as in the ranks (``jobs_driver.keep_collector_off_imports``):
+    seven unit test files in one process spent 18.6 of 147.7 CPU-s in collections, 9.7 of 140.3 so
+    (benchmarks/reports/ci-time-2026-12-04)."""
+    keep_collector_off_imports()

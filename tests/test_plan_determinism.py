@@ -43,14 +43,17 @@ def _plan(out: Path, hash_seed: str, *extra: str, cores: set[int] | None = None,
         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     ) as proc:
         stop = threading.Event()
-        starver = threading.Thread(target=_starve, args=(proc.pid, stop), daemon=True)
-        if starved:
+        starver = threading.Thread(target=_starve, args=(proc.pid, stop), daemon=True) if starved else None
+        if starver:
             starver.start()
         try:
             _, stderr = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # a hang: the planner and whatever it started, stopped or not
+            raise
         finally:
             stop.set()
-            if starved:
+            if starver:
                 starver.join()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGCONT)
