@@ -1,7 +1,7 @@
 """Every causal LM registered in the installed transformers, planned and verified from its config folder.
 
     python benchmarks/bench_hf_sweep.py [--only REGEX] [--chunk I/N] [--kinds chosen,tp2,pp2,dp2-zero3]
-                                        [-o runs/sweep.jsonl]
+                                        [-o runs/sweep.jsonl [--resume]]
     python benchmarks/bench_hf_sweep.py --kinds forward      (each shrunk model's eager loss, about 6 s each, no plan)
     python benchmarks/bench_hf_sweep.py --summarise A.jsonl B.jsonl ...   (the sweep's table from runs, a later run's
                                                                            case replacing an earlier one's)
@@ -21,9 +21,12 @@ default as the library sets it, dropout included), written with ``save_pretraine
     wrong       verify ran both and they differ
     not built   the shrunk config does not build (the sweep's own limit, not autoshard's): the error is kept
 
-Writes one JSON line per case (``-o``) as it goes, then prints the table (architecture x kind) and the
-refusals grouped by reason. The whole sweep takes hours on 2 cores: ``--chunk I/N`` runs the I-th of N
-equal parts of the architectures, in the mapping's order.
+Writes one JSON line per case (``-o``) as it goes, each with the code it ran (``tree``: the git tree of
+``autoshard/``, "+changes" where the work tree differs from it; torch's and transformers' versions), then prints the
+table (architecture x kind) and the refusals grouped by reason. The whole sweep takes hours on 2 cores: ``--chunk
+I/N`` runs the I-th of N equal parts of the architectures, in the mapping's order, and ``--resume`` skips the cases
+the output already holds at the same code, so that one sweep can stop and go on. ``--summarise`` says which code
+its rows ran. Gemma 3n's vision tower needs Pillow (``pip install pillow``); without it, it is not built.
 """
 
 from __future__ import annotations
@@ -47,6 +50,27 @@ TIMEOUT_S = 900
 # default from them (RoBERTa's numbering from the padding index + 1 leaves 126 of its 128)
 SEQ_LEN = 128
 POSITIONS = ("max_position_embeddings", "n_positions")
+
+
+def code() -> dict:
+    """What a case runs: the git tree of ``autoshard/`` (its hash, "+changes" where the work tree differs), torch's
+    and transformers' versions."""
+    import torch
+    import transformers
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    tree = git("rev-parse", "HEAD:autoshard")[:12] + ("+changes" if git("status", "--porcelain", "autoshard") else "")
+    return {"tree": tree, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def done_cases(path: str, ran: dict) -> set[tuple[str, str]]:
+    """(model type, kind) of the cases ``path`` holds that ran this code (``--resume``)."""
+    if not Path(path).exists():
+        return set()
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return {(row["model_type"], row["kind"]) for row in rows if all(row.get(k) == v for k, v in ran.items())}
 
 
 def architectures() -> list[tuple[str, str]]:
@@ -194,10 +218,14 @@ def summarise(paths: list[str], kinds: list[str]) -> str:
     chosen = [latest[m, "chosen"] for m, _ in registered if (m, "chosen") in latest]
     verified = sum(row["outcome"] == "verified" for row in chosen)
     missing = [m for m, _ in registered if not any((m, k) in latest for k in kinds)]
+    ran = defaultdict(int)
+    for row in rows:
+        ran[" ".join(f"{k} {row.get(k, '(not recorded)')}" for k in ("tree", "torch", "transformers"))] += 1
     return "\n".join(
         [
             table(rows, kinds),
             "",
+            *(f"code: {what} ({n} cases)" for what, n in sorted(ran.items())),
             f"{len(registered)} architectures registered; {len(chosen)} run on the chosen plan, {verified} verified "
             f"there ({100 * verified / len(registered):.1f} % of those registered)",
             f"not run ({len(missing)}): {', '.join(missing)}",
@@ -212,6 +240,7 @@ def main() -> None:
     parser.add_argument("--chunk", default="1/1", metavar="I/N", help="the I-th of N parts of the architectures")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("-o", "--output", help="append one JSON line per case here")
+    parser.add_argument("--resume", action="store_true", help="skip the cases --output holds at the same code")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     if args.summarise:
@@ -220,15 +249,20 @@ def main() -> None:
     index, parts = (int(x) for x in args.chunk.split("/"))
     chosen = [a for a in architectures() if not args.only or re.search(args.only, a[0])]
     chosen = chosen[(index - 1) * len(chosen) // parts : index * len(chosen) // parts]
+    if args.resume and not args.output:
+        parser.error("--resume needs -o: the file whose cases to skip")
+    ran = code()
+    done = done_cases(args.output, ran) if args.resume else set()
     rows = []
     start_s = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autoshard-sweep-") as tmp:
         for model_type, architecture in chosen:
+            todo = [kind for kind in kinds if (model_type, kind) not in done]
             folder = Path(tmp) / model_type
-            why = write_folder(model_type, architecture, folder)
-            for kind in kinds:
+            why = write_folder(model_type, architecture, folder) if todo else ""
+            for kind in todo:
                 result = {"outcome": "not built", "detail": why, "seconds": 0.0} if why else run_case(folder, kind)
-                row = {"architecture": architecture, "model_type": model_type, "kind": kind, **result}
+                row = {"architecture": architecture, "model_type": model_type, "kind": kind, **result, **ran}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.output:
