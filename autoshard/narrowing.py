@@ -24,6 +24,7 @@ NARROW_SIZES = {  # the standard names (a config's attribute_map routes them to 
     "n_routed_experts": 4,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
+    "mlp_only_intermediate_size": 128,  # the dense MLPs of the layers without experts (Kolibri 1.1's)
     "decoder_attention_heads": 4,
     "encoder_attention_heads": 4,
     "num_decoder_attention_heads": 4,  # ProphetNet's names for them
@@ -56,6 +57,7 @@ NARROW_AT_MOST = {  # counts lowered to at most these, never raised
     "n_group": 2,  # grouped routing (DeepSeek-V3): the 4 experts in 2 groups, chosen from the best 1
     "topk_group": 1,
     "first_k_dense_replace": 1,  # dense layers before the first expert layer: one, so one of two layers has experts
+    "index_num_heads": 2,  # an attention indexer's heads (Kolibri 1.1's): at most the query heads of one key head
 }
 # Derived sizes a narrowed config keeps consistent: (a head count, its head width, the expansion factor, the inner
 # width if the config names it) of Mamba-style mixers, whose heads x head width = the expansion x the hidden size.
@@ -273,11 +275,12 @@ def _kept_layers(kinds: list, count: int) -> list[int]:
 
 
 def _cut_layers(config, layers: int) -> list[int]:
-    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers, lists of layer
-    indices (``..._layer_ids``) renumbered to them (a kind of layer
-    among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own),
-    the layer count set to match, and counts of layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part
-    taking any more. Returns the kept layers' indices."""
+    """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers (a kind of layer
+    among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own; the
+    layers a kept layer reads from, ``_source_lists``, kept too), lists of layer indices (``_layer_id_lists``) and
+    the per-layer lists of the layer each reads from renumbered to them, the layer count set to match, and counts of
+    layer parts that must sum to it (``LAYER_PARTS``) one each, the middle part taking any more. Returns the kept
+    layers' indices."""
     lists = {name: value for name, value in vars(config).items() if isinstance(value, list) and len(value) == layers}
     parts = next(
         (p for p in LAYER_PARTS if sum(c if isinstance(c := _attribute(config, n), int) else -1 for n in p) == layers),
@@ -289,10 +292,13 @@ def _cut_layers(config, layers: int) -> list[int]:
     kinds = [(kind, index >= layers - shared) for index, kind in enumerate(kinds)] if shared else kinds
     count = max(NARROW_LAYERS, len(parts))
     kept = _kept_layers(kinds, count) if layers > count else list(range(layers))
+    sources = _source_lists(lists)
+    kept = sorted({*kept, *(value[i] for value in sources.values() for i in kept)})
+    ids = _layer_id_lists(config, layers, lists)
     for name, value in lists.items():
-        setattr(config, name, [value[i] for i in kept])
-    for name, ids in _layer_id_lists(config, layers).items():  # Zamba2's hybrid_layer_ids: renumbered
-        setattr(config, name, [kept.index(i) for i in ids if i in kept])
+        setattr(config, name, [kept.index(value[i]) if name in sources else value[i] for i in kept])
+    for name, value in ids.items():  # Zamba2's hybrid_layer_ids, Kolibri 1.1's index_layers: renumbered
+        setattr(config, name, [kept.index(i) for i in value if i in kept])
     if len(kept) != _attribute(config, "num_hidden_layers"):
         _narrow(config, "num_hidden_layers", len(kept))
     if shared:
@@ -354,15 +360,28 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _layer_id_lists(config, layers: int) -> dict[str, list[int]]:
-    """The config's lists of layer indices (a name ending in ``layer_ids``, every entry a layer of ``layers``)."""
+def _layer_id_lists(config, layers: int, per_layer: dict) -> dict[str, list[int]]:
+    """The config's lists of layer indices: a name ending in ``layer_ids`` or ``_layers`` (Qwen-MoE's and Kolibri
+    1.1's ``mlp_only_layers``), every entry a layer of ``layers``, not one of the ``per_layer`` lists (SmolLM3's
+    ``no_rope_layers`` holds a flag per layer)."""
     return {
         name: value
         for name, value in vars(config).items()
-        if name.endswith("layer_ids")
+        if name.endswith(("layer_ids", "_layers"))
+        and name not in per_layer
         and isinstance(value, list)
-        and all(isinstance(i, int) for i in value)
+        and all(_whole(i) for i in value)
         and all(0 <= i < layers for i in value)
+    }
+
+
+def _source_lists(per_layer: dict[str, list]) -> dict[str, list[int]]:
+    """The per-layer lists that name, for each layer, the earlier layer it reads from (a name with ``source``, layer
+    ``i``'s entry a layer ``j <= i``, itself where it reads its own: Kolibri 1.1's ``kv_source_layers``)."""
+    return {
+        name: value
+        for name, value in per_layer.items()
+        if "source" in name and all(_whole(j) and 0 <= j <= i for i, j in enumerate(value))
     }
 
 

@@ -25,6 +25,7 @@ CASES = {  # model type -> the rule its narrowed config needs
     "gemma3": "a composite config: its text model and its vision tower",
     "phi4_multimodal": "vision and audio towers beside a text model that is the config itself, the audio "
     "encoder's convolution widths with them",
+    "kolibri1_1": "lists of layer indices renumbered, the layer each reads keys and values from kept, indexer heads",
 }
 # the widest weight as a multiple of the narrowed width where it is not 4: Phi-4-multimodal's audio subsampling
 # flattens its 64 channels over 10 of its 80 mel bins (a width of the input, not of the model); 10 240 before its
@@ -145,6 +146,21 @@ def test_kv_sharing_layers_stay_last_and_counted():
     assert 0 < shared < narrow.num_hidden_layers
     assert set(narrow.layer_types[-shared:]) == set(narrow.layer_types[:-shared]) == set(config.layer_types)
     assert narrow.intermediate_size == [NARROW_SIZES["intermediate_size"]] * narrow.num_hidden_layers
+
+
+def test_lists_of_layer_indices_follow_the_kept_layers():
+    """Kolibri 1.1: ``index_layers`` and ``mlp_only_layers`` list layers, ``kv_source_layers`` names per layer the
+    layer whose keys and values it reads; narrowed, each names the same layers by their new numbers, and a kept layer's
+    source is kept. Before, Kolibri 1.1's lists kept the old numbers and its narrowed config failed the library's validation."""
+    config = transformers.CONFIG_MAPPING["kolibri1_1"]()
+    narrow = narrowed_config(config)
+    indexed = [i for i, kind in enumerate(config.layer_types) if kind == "indexed_attention"][:2]
+    kept = sorted({0, 1, *indexed, *(config.kv_source_layers[i] for i in indexed)})
+    assert narrow.layer_types == [config.layer_types[i] for i in kept]
+    assert narrow.index_layers == [kept.index(i) for i in config.index_layers if i in kept]
+    assert narrow.kv_source_layers == [kept.index(config.kv_source_layers[i]) for i in kept]
+    assert narrow.mlp_only_layers == [kept.index(i) for i in config.mlp_only_layers if i in kept]
+    narrow.validate_architecture()
 
 
 def test_a_single_kind_model_keeps_its_first_two_layers():
