@@ -26,7 +26,8 @@ Writes one JSON line per case (``-o``) as it goes, each with the code it ran (``
 table (architecture x kind) and the refusals grouped by reason. The whole sweep takes hours on 2 cores: ``--chunk
 I/N`` runs the I-th of N equal parts of the architectures, in the mapping's order, and ``--resume`` skips the cases
 the output already holds at the same code, so that one sweep can stop and go on. ``--summarise`` says which code
-its rows ran. Gemma 3n's vision tower needs Pillow (``pip install pillow``); without it, it is not built.
+its rows ran. Gemma 3n's vision tower is timm's (``pip install timm``, which brings torchvision: a CPU build only);
+without it, Gemma 3n is not built.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def write_folder(model_type: str, architecture: str, folder: Path) -> str:
         config.save_pretrained(str(folder))
         return ""
     except Exception as exc:  # noqa: BLE001 (any failure of the library on its own defaults is reported)
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        return f"{type(exc).__name__}: {first}"[:300]
 
 
 # The "forward" kind: the folder read as hf:DIR reads it, the model built and its loss computed on example_batch(2)
