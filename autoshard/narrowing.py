@@ -89,9 +89,10 @@ def narrowed_config(config):
       ``_kv_heads_kept``);
     - sizes derived from others kept consistent: latent attention's widths, the rotary width's share of a head,
       the hidden-size multiples of ``HIDDEN_MULTIPLES``, Mamba heads (``MAMBA_HEADS``), Reformer's axial positions;
-    - per-layer lists cut to layers that keep ``NARROW_PER_KIND`` of each kind (``_kept_layers``), the lists of layer
-      indices renumbered, and per-layer overrides following the layers kept, their widths scaled and a layer's sums of
-      widths held (``LAYER_SUMS``);
+    - per-layer lists cut to layers that keep ``NARROW_PER_KIND`` of each kind (``_kept_layers``) and of each value
+      of every per-layer list that says a kind (``_with_each_kind``), the lists of layer indices renumbered, and
+      per-layer overrides following the layers kept, their widths scaled and a layer's sums of widths held
+      (``LAYER_SUMS``);
     - experts per token at most ``NARROW_TOP_K`` (set where declared None beside experts), the counts of
       ``NARROW_AT_MOST`` lowered;
     - special token ids inside the vocabulary, ``use_cache`` off;
@@ -274,6 +275,27 @@ def _kept_layers(kinds: list, count: int) -> list[int]:
     return sorted(kept)
 
 
+KIND_VALUES_AT_MOST = 4  # a per-layer list of at most this many distinct values says a kind of layer (not a width)
+
+
+def _with_each_kind(kept: list[int], per_layer: list[list]) -> list[int]:
+    """``kept`` and, for each value of each of the ``per_layer`` lists that say a kind (more than one distinct value,
+    at most ``KIND_VALUES_AT_MOST``, hashable: ``mlp_layer_types``' dense and sparse, SmolLM3's RoPE flags) held by
+    fewer than ``NARROW_PER_KIND`` kept layers, the earliest other layers of that value up to that many: a check on the
+    narrowed model runs each kind's code, and not only ``layer_types``' (DeepSeek-V3.2's first 2 layers are dense,
+    and its experts were not in the narrowed model)."""
+    kept = set(kept)
+    for value in per_layer:
+        with contextlib.suppress(TypeError):  # an unhashable entry: not a kind
+            if not 1 < len(set(value)) <= KIND_VALUES_AT_MOST:
+                continue
+            for kind in dict.fromkeys(value):
+                of_kind = [index for index, entry in enumerate(value) if entry == kind]
+                missing = NARROW_PER_KIND - sum(index in kept for index in of_kind)
+                kept.update([index for index in of_kind if index not in kept][: max(missing, 0)])
+    return sorted(kept)
+
+
 def _cut_layers(config, layers: int) -> list[int]:
     """Per-layer lists (``layer_types`` and the like, ``layers`` long) cut to the same kept layers (a kind of layer
     among the last ones that share earlier layers' keys and values, ``num_kv_shared_layers``, a kind of its own; the
@@ -286,15 +308,20 @@ def _cut_layers(config, layers: int) -> list[int]:
         (p for p in LAYER_PARTS if sum(c if isinstance(c := _attribute(config, n), int) else -1 for n in p) == layers),
         (),
     )
+    ids = _layer_id_lists(config, layers, lists)  # Llama 4's moe_layers, every layer's index: renumbered, not cut
+    lists = {name: value for name, value in lists.items() if name not in ids}
     kinds = lists.get("layer_types") or next(iter(lists.values()), [None] * layers)
     shared = _attribute(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys and values
     shared = min(shared, layers) if isinstance(shared, int) and shared > 0 else 0
     kinds = [(kind, index >= layers - shared) for index, kind in enumerate(kinds)] if shared else kinds
     count = max(NARROW_LAYERS, len(parts))
-    kept = _kept_layers(kinds, count) if layers > count else list(range(layers))
     sources = _source_lists(lists)
+    if layers > count:
+        kept = _kept_layers(kinds, count)
+        kept = _with_each_kind(kept, [value for name, value in lists.items() if name not in sources])
+    else:
+        kept = list(range(layers))
     kept = sorted({*kept, *(value[i] for value in sources.values() for i in kept)})
-    ids = _layer_id_lists(config, layers, lists)
     for name, value in lists.items():
         setattr(config, name, [kept.index(value[i]) if name in sources else value[i] for i in kept])
     for name, value in ids.items():  # Zamba2's hybrid_layer_ids, Kolibri 1.1's index_layers: renumbered
@@ -362,16 +389,17 @@ def _whole(value) -> bool:
 
 def _layer_id_lists(config, layers: int, per_layer: dict) -> dict[str, list[int]]:
     """The config's lists of layer indices: a name ending in ``layer_ids`` or ``_layers`` (Qwen-MoE's and Kolibri
-    1.1's ``mlp_only_layers``), every entry a layer of ``layers``, not one of the ``per_layer`` lists (SmolLM3's
-    ``no_rope_layers`` holds a flag per layer)."""
+    1.1's ``mlp_only_layers``), every entry a layer of ``layers``; one as long as the ``per_layer`` lists only where
+    its entries rise strictly (Llama 4's ``moe_layers`` naming every layer; SmolLM3's ``no_rope_layers``, as long,
+    holds a flag per layer)."""
     return {
         name: value
         for name, value in vars(config).items()
         if name.endswith(("layer_ids", "_layers"))
-        and name not in per_layer
         and isinstance(value, list)
         and all(_whole(i) for i in value)
         and all(0 <= i < layers for i in value)
+        and (name not in per_layer or all(a < b for a, b in zip(value, value[1:])))
     }
 
 

@@ -163,6 +163,34 @@ def test_lists_of_layer_indices_follow_the_kept_layers():
     narrow.validate_architecture()
 
 
+@pytest.mark.parametrize(
+    ("model_type", "kinds"),
+    [("deepseek_v32", "mlp_layer_types"), ("hy_v4", "indexer_types"), ("smollm3", "no_rope_layers")],
+)
+def test_each_kind_of_every_per_layer_list_is_kept_twice(model_type, kinds):
+    """A kind of layer said by a per-layer list other than ``layer_types`` (DeepSeek-V3.2's dense and sparse MLPs,
+    Hy v4's full and shared indexers, SmolLM3's layers with and without RoPE) is in the narrowed model twice, each
+    at its place: before, the narrowing kept the first 2 layers, so DeepSeek-V3.2's narrowed model had no experts
+    and SmolLM3's no layer without RoPE, and a check on them ran neither's code."""
+    config = transformers.CONFIG_MAPPING[model_type]()
+    narrow = narrowed_config(config)
+    original, cut = getattr(config, kinds), getattr(narrow, kinds)
+    assert all(cut.count(kind) == min(2, original.count(kind)) for kind in set(original)), (original, cut)
+    assert narrow.num_hidden_layers == len(cut) == len(narrow.layer_types)
+    assert [original.index(kind) for kind in dict.fromkeys(cut)] == sorted(original.index(k) for k in set(original))
+
+
+def test_a_list_of_every_layers_index_is_renumbered_not_cut():
+    """Llama 4's ``moe_layers`` names every layer (one expert layer per layer by default): as long as the per-layer
+    lists, it is still a list of indices, so the narrowed model's layers are all expert layers. Cut as a per-layer
+    list it kept old numbers ([0, 1, 3, 7] of 4 layers), and the third narrowed layer lost its experts."""
+    config = transformers.CONFIG_MAPPING["llama4_text"]()
+    narrow = narrowed_config(config)
+    assert config.moe_layers == list(range(config.num_hidden_layers))
+    assert narrow.moe_layers == list(range(narrow.num_hidden_layers))
+    assert narrow.num_hidden_layers == len(narrow.no_rope_layers) > 2
+
+
 def test_a_single_kind_model_keeps_its_first_two_layers():
     config = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=96, num_attention_heads=6)
     narrow = narrowed_config(config)
