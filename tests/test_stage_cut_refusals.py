@@ -3,8 +3,9 @@
 tests/models/looped_gpt.py runs its two blocks twice per forward (shared weights): a stage
 beginning at h.1 would begin at each of its calls, so the planner never cuts there, and a
 --pp that needs the cut is refused in one line naming the block and the reason.
-tests/models/no_grad_gate.py computes a gate from its weights under ``torch.no_grad()``:
-no stage boundary at all.
+tests/models/no_grad_gate.py computes a gate from its weights under ``torch.no_grad()`` inside
+each block: every cut stays; tests/models/no_grad_scale.py does so outside the blocks: no stage
+boundary at all.
 """
 
 import json
@@ -60,14 +61,24 @@ def test_the_planner_never_proposes_the_cut(in_repo, capsys):
     assert all(alt["mesh"]["pp"] == 1 for alt in plan["review"]["alternatives"])
 
 
-def test_a_no_grad_region_reading_weights_keeps_the_model_in_one_stage(in_repo, capsys):
-    spec = "tests/models/no_grad_gate.py:build"
-    _, graph = capture_graph(spec, proofs=False)
+def test_a_no_grad_region_inside_each_block_keeps_every_cut(in_repo):
+    """The regions of tests/models/no_grad_gate.py read each block's weights and input, inside the block: the runtime
+    inlines them (runtime.grad_regions) and each ends in its block, so every block may begin a stage (before, the
+    model was kept in one stage; its pp 2 plan verifies: tests/e2e/test_verify.py)."""
+    _, graph = capture_graph("tests/models/no_grad_gate.py:build", proofs=False)
     assert gradient_stopping_regions(graph) == ["0", "1", "2", "3"]
+    assert cut_refusals(graph) == {} and max_stages(graph) == 4
+
+
+def test_a_no_grad_region_reading_weights_outside_the_blocks_keeps_the_model_in_one_stage(in_repo, capsys):
+    spec = "tests/models/no_grad_scale.py:build"
+    _, graph = capture_graph(spec, proofs=False)
+    assert gradient_stopping_regions(graph) == ["the model's forward"]
     assert max_stages(graph) == 1
     code = main(["plan", spec, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--pp", "2"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "torch.no_grad() region in 0" in err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "torch.no_grad() region in the model's forward, outside the blocks" in err
     assert err.count("torch.no_grad() region") == 1  # each block's same reason said once
 
 

@@ -108,6 +108,7 @@ from torch.utils.checkpoint import GraphExecGroup
 from autoshard.errors import AutoshardError
 from autoshard.ir.decisions import ZERO_BUBBLE_SCHEDULES
 from autoshard.runtime.context_parallel import context_parallel, take_sequence_shard
+from autoshard.runtime.grad_regions import check_balanced, inline_grad_mode_regions
 from autoshard.runtime.loss_shards import local_loss
 from autoshard.runtime.loss_shards import vocabulary_shards as loss_on_shards
 from autoshard.runtime.model import no_decay_names
@@ -302,10 +303,10 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
 
     ``pipeline()`` cannot split a graph holding a ``torch.no_grad()`` region (export keeps it
     as a ``wrap_with_set_grad_enabled`` higher-order op whose body the splitter cuts off from
-    its module: HF Llama's rotary embedding fails at run time with StopIteration). Such a
-    model is traced again under ``no_grad``, which inlines those regions. That is exact when
-    they compute only from tensors that need no gradient (rotary tables from buffers and
-    positions); a region that reads trainable weights would then pass gradients through.
+    its module: HF Llama's rotary embedding fails at run time with StopIteration). Each region
+    is inlined into the traced graph between calls that set the grad mode and put it back
+    (``grad_regions``), before the split: exact whether it reads buffers only (rotary tables)
+    or weights and activations (a sparse-attention indexer's scores), and no stage ends inside one.
 
     The first stage takes the model's inputs in the order they are fed (the order the traced
     graph's placeholders have: the declared one), whatever order its code reads them in.
@@ -319,9 +320,7 @@ def split_model(model: nn.Module, example_inputs: tuple, split_points: list[str]
     """
     with _traced_on_device(model, example_inputs) as (inputs, meta_of):
         pipe = _pipeline_once(model, inputs, split_points)
-        if _has_grad_mode_region(pipe):
-            with torch.no_grad():
-                pipe = _pipeline_once(model, inputs, split_points)
+    check_balanced(pipe.split_gm, "the pipeline split")
     _back_to_meta(pipe, meta_of)
     _check_inputs_as_fed(pipe, example_inputs)
     one_parameter_per_tie(pipe, state_aliases(model))
@@ -483,12 +482,13 @@ def _recording_exports(exported: list):
     Its ``call_spec.out_spec`` is the model's output structure without a second run of the
     model: a forward on fake tensors outside export takes other code paths (transformers' MoE
     experts call ``grouped_mm``, whose fake kernel takes only bf16, where export's trace takes
-    a fallback).
+    a fallback). Its grad-mode regions are inlined there, before ``pipeline()`` splits it (``split_model``).
     """
     original = Pipe.__dict__["_trace_with_export"]
 
     def recording(mod, *args, **kwargs):
         program = original.__func__(mod, *args, **kwargs)
+        inline_grad_mode_regions(program.graph_module)
         root_module_stacks(program.graph, {name for name, _ in mod.named_modules(remove_duplicate=False)})
         exported.append(program)
         return program
@@ -519,17 +519,6 @@ def root_module_stacks(graph: torch.fx.Graph, modules: set[str]) -> None:
                 path = next((f"{a}.{path}" for a in reversed(rooted) if a and f"{a}.{path}" in modules), path)
                 stack[key] = (path, kind)
             rooted.append(path)
-
-
-def _has_grad_mode_region(pipe) -> bool:
-    for module in pipe.split_gm.modules():
-        graph = getattr(module, "graph", None)
-        if isinstance(graph, torch.fx.Graph) and any(
-            node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled
-            for node in graph.nodes
-        ):
-            return True
-    return False
 
 
 def _local_tied_copies(pipe, local: list[int], owner: dict[int, int], pp_size: int, pp_group) -> list[TiedCopies]:

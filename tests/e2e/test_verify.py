@@ -37,6 +37,7 @@ CASES = {  # name: (ranks, steps)
     "unread-ddp-2": (2, DP_ZERO_STEPS),
     "rerun-zero2-2": (2, DP_ZERO_STEPS),
     "shared-child-zero3-2": (2, DP_ZERO_STEPS),
+    "no-grad-gate-pp2-2": (2, 3),
     **{
         name: (2, 3)
         for name in (
@@ -62,6 +63,7 @@ MIXED_PINS = dict(dp=2, zero=0, microbatch_size=4)
 UNREAD = "tests/models/unread_cross.py:build"  # a layer's module and a head that forward never calls
 RERUN = "tests/models/rerun_in_backward.py:build"  # blocks an autograd Function runs again in its own backward
 SHARED_CHILD = "tests/models/shared_child.py:build"  # every other layer holds one shared child (Zamba's)
+NO_GRAD_GATE = "tests/models/no_grad_gate.py:build"  # each block's gate computed from its weights under no_grad
 
 
 @cache
@@ -138,6 +140,8 @@ def _plan(name):
         return autoshard.plan(RERUN, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=2)
     if name == "shared-child-zero3-2":  # FSDP2 refused a parameter in two blocks' units
         return autoshard.plan(SHARED_CHILD, cluster="local-cpu", devices_per_node=2, global_batch=8, dp=2, zero=3)
+    if name == "no-grad-gate-pp2-2":  # pipeline() could not split around the regions; they are inlined now
+        return autoshard.plan(NO_GRAD_GATE, cluster="local-cpu", devices_per_node=2, global_batch=8, pp=2)
     if name == "eight-ranks-zero3":
         return autoshard.plan(MODELS["gpt"], cluster="local-cpu", devices_per_node=8, global_batch=16, zero=3)
     return autoshard.plan(MODELS["gpt"], cluster=_tight_cluster(), global_batch=8, **MIXED_PINS)
@@ -156,6 +160,7 @@ def _case_of(test, params):
         "test_ddp_leaves_what_the_forward_never_reads_out_of_its_buckets": "unread-ddp-2",
         "test_zero2_trains_blocks_an_autograd_function_runs_again_in_backward": "rerun-zero2-2",
         "test_zero3_leaves_blocks_sharing_a_child_to_the_root_unit": "shared-child-zero3-2",
+        "test_pp2_splits_a_model_with_no_grad_regions_reading_its_weights": "no-grad-gate-pp2-2",
     }.get(test)
 
 
@@ -277,3 +282,14 @@ def test_verify_pinned_precision(verified, name):
         assert abs(first - same_precision) < abs(first - fp32)
     else:  # its 16-bit partial sums round otherwise than one process; an fp32 run would sit on fp32's loss (~1e-7)
         assert abs(first - fp32) > abs(same_precision - fp32) / 4
+
+
+def test_pp2_splits_a_model_with_no_grad_regions_reading_its_weights(verified):
+    """Each block computes a gate from its own weights and input under ``torch.no_grad()`` (a sparse-attention
+    indexer's scores, a router's choice alike). ``pipeline()`` could not split a graph holding such regions, so the
+    model was kept in one stage; inlined between calls that set the grad mode and put it back (runtime.grad_regions),
+    the pp 2 program trains like one process: the gates' weights get no gradient, as in one process."""
+    plan, report = verified("no-grad-gate-pp2-2")
+    assert plan.mesh.pp == 2 and plan.layout.split_points
+    assert report.ok, report.failure
+    assert report.parallel_losses[-1] < report.parallel_losses[0]

@@ -29,10 +29,12 @@ less memory fewer.
 Legal cuts. A stage begins where torch's split begins it: at each call of the block's module.
 So no stage may begin at block k when k runs more than once per forward (weights shared
 across depth, as in ALBERT or a looped GPT: every call would begin a stage), nor when a block
-before k runs again after k begins (the boundary would be crossed twice). No stage boundary
-at all when a ``torch.no_grad()`` region reads values that need gradients (parameters, or
-activations made from them): torch's ``pipeline()`` cannot split around such a region, and
-tracing it under ``no_grad`` (as the runtime does for rotary tables) would let gradients through. ``cut_refusals``
+before k runs again after k begins (the boundary would be crossed twice). A ``torch.no_grad()``
+region is inlined into the traced graph between calls that set the grad mode and put it back
+(``runtime.grad_regions``), so no stage may begin inside one: a region inside a block's module
+ends in that block, but where a region that reads values needing gradients (parameters, or
+activations made from them) lies outside the blocks, no stage boundary at all (it may hold
+blocks; a region on buffers only, a rotary table, is the prefix's). ``cut_refusals``
 names those k with the reason; the dynamic programme takes only ranges [i, j) with i not
 refused (``PartitionProblem.forbidden_starts``), and ``max_stages`` = 1 + the legal cuts bounds
 the pipeline degrees the planner proposes and the pins it accepts.
@@ -180,11 +182,11 @@ def _cut_refusals(graph: OpGraph) -> dict[int, str]:
     calls = Counter(runs)
     first = {path: runs.index(path) for path in paths}
     last = {path: len(runs) - 1 - runs[::-1].index(path) for path in paths}
-    regions = gradient_stopping_regions(graph)
+    regions = [path for path in gradient_stopping_regions(graph) if block_of(path) is None]
     if regions:
         why = (
-            f"a torch.no_grad() region in {regions[0]} reads values that need gradients, and torch's "
-            f"pipeline() cannot split a model around it"
+            f"a torch.no_grad() region in {regions[0]}, outside the blocks, reads values that need gradients, and "
+            f"a stage must not begin inside it"
         )
         return {k: why for k in range(1, len(paths))}
     refusals = {}
