@@ -12,8 +12,8 @@ it back::
 
 which is what the region's ``with`` block does when the model runs eagerly: the values it makes from weights or
 activations carry no gradient (a sparse-attention indexer's token scores, a router's choice, a stop-gradient
-gate), and everything after it runs in the mode around it. ``outer`` is a constant, the mode the graph was traced
-in (gradients on, as the stages' schedules run their forwards; a nested region's, its enclosing region's).
+gate), and everything after it runs in the mode around it. ``outer`` is a constant: gradients on, the mode the
+stages' schedules run their forwards in (a nested region's, its enclosing region's), whatever mode the split ran in.
 ``set_grad_mode`` is registered as a side effect (``torch.fx.node.has_side_effect``), so no pass drops the calls that
 set the mode back. It is ``torch._C._set_grad_enabled`` under another name: ``torch.fx.passes.split_module`` treats
 that one as global state to carry across partitions, and calls ``pipeline()``'s split callback, which counts the split
@@ -43,10 +43,9 @@ def set_grad_mode(enabled: bool) -> None:
     torch._C._set_grad_enabled(enabled)
 
 
-def inline_grad_mode_regions(module: fx.GraphModule, outer: bool | None = None) -> int:
+def inline_grad_mode_regions(module: fx.GraphModule, outer: bool = True) -> int:
     """Every grad-mode region of ``module``'s graph (nested ones too) inlined, in place; returns how many. ``outer``:
-    the mode the graph runs in (None: the one it is inlined in, that of its trace)."""
-    outer = torch.is_grad_enabled() if outer is None else outer
+    the mode the graph runs in (a stage's forward in a training schedule: gradients on)."""
     count = 0
     for node in list(module.graph.nodes):
         if node.op == "call_function" and node.target is REGION:
