@@ -4,8 +4,8 @@ tests/models/looped_gpt.py runs its two blocks twice per forward (shared weights
 beginning at h.1 would begin at each of its calls, so the planner never cuts there, and a
 --pp that needs the cut is refused in one line naming the block and the reason.
 tests/models/no_grad_gate.py computes a gate from its weights under ``torch.no_grad()`` inside
-each block: every cut stays; tests/models/no_grad_scale.py does so outside the blocks: no stage
-boundary at all.
+each block: every cut stays; tests/models/no_grad_frozen_middle.py runs two blocks in one region:
+no stage begins inside it.
 """
 
 import json
@@ -70,16 +70,21 @@ def test_a_no_grad_region_inside_each_block_keeps_every_cut(in_repo):
     assert cut_refusals(graph) == {} and max_stages(graph) == 4
 
 
-def test_a_no_grad_region_reading_weights_outside_the_blocks_keeps_the_model_in_one_stage(in_repo, capsys):
-    spec = "tests/models/no_grad_scale.py:build"
+def test_no_stage_begins_inside_a_no_grad_region_that_runs_blocks(in_repo, capsys):
+    """tests/models/no_grad_frozen_middle.py runs blocks 1 and 2 in one no_grad region of its own forward: a stage
+    beginning at block 2 would begin inside it (the stage before would end with gradients off), so that cut is
+    refused; block 3 may begin a stage, and a --pp 3, which needs every cut, is refused in one line."""
+    spec = "tests/models/no_grad_frozen_middle.py:build"
     _, graph = capture_graph(spec, proofs=False)
     assert gradient_stopping_regions(graph) == ["the model's forward"]
-    assert max_stages(graph) == 1
-    code = main(["plan", spec, "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "8", "--pp", "2"])
+    refusals = cut_refusals(graph)
+    assert [graph.blocks[k].path for k in refusals] == ["blocks.2"], refusals
+    assert "no_grad() region in the model's forward runs blocks blocks.2 to blocks.2" in next(iter(refusals.values()))
+    assert max_stages(graph) == len(graph.blocks) - 1
+    code = main(["plan", spec, "--cluster", "local-cpu", "--devices-per-node", "3", "--global-batch", "6", "--pp", "3"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "torch.no_grad() region in the model's forward, outside the blocks" in err
-    assert err.count("torch.no_grad() region") == 1  # each block's same reason said once
+    assert "a stage must not begin inside it" in err
 
 
 def test_a_no_grad_region_on_buffers_only_keeps_every_cut(in_repo):

@@ -398,9 +398,31 @@ def op_node(node: torch.fx.Node, placeholder_params: dict[str, str], module_type
         shape=shape,
         dtype=dtype,
         param_inputs=params,
-        attrs=_attrs(node),
+        attrs=_attrs(node) | _region_modules(node),
         extra_outputs=extra,
     )
+
+
+GRAD_MODE_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def _region_modules(node: torch.fx.Node) -> dict[str, list[str]]:
+    """For a grad-mode region (``torch.no_grad()``, export's ``wrap_with_set_grad_enabled``): ``body_modules``, the
+    modules its body's ops run in (nested regions' too), which say the blocks it spans; {} for another node."""
+    if node.target is not GRAD_MODE_REGION:
+        return {}
+    return {"body_modules": sorted(_body_modules(node))}
+
+
+def _body_modules(node: torch.fx.Node) -> set[str]:
+    body = getattr(node.graph.owning_module, node.args[1].target)
+    found = set()
+    for inner in body.graph.nodes:
+        if inner.op == "call_function":
+            found.add(module_of(inner)[0])
+            if inner.target is GRAD_MODE_REGION:
+                found |= _body_modules(inner)
+    return found
 
 
 def target_name(target: Any) -> str:

@@ -31,10 +31,10 @@ So no stage may begin at block k when k runs more than once per forward (weights
 across depth, as in ALBERT or a looped GPT: every call would begin a stage), nor when a block
 before k runs again after k begins (the boundary would be crossed twice). A ``torch.no_grad()``
 region is inlined into the traced graph between calls that set the grad mode and put it back
-(``runtime.grad_regions``), so no stage may begin inside one: a region inside a block's module
-ends in that block, but where a region that reads values needing gradients (parameters, or
-activations made from them) lies outside the blocks, no stage boundary at all (it may hold
-blocks; a region on buffers only, a rotary table, is the prefix's). ``cut_refusals``
+(``runtime.grad_regions``), so no stage may begin inside one: no stage begins at a block whose
+ops a region runs when the region began before the block's call (``_region_refusals``, from
+the modules its body runs in; a region inside a block's module ends in that block, a rotary
+table's is the prefix's, a frozen first half's refuses the cuts inside it). ``cut_refusals``
 names those k with the reason; the dynamic programme takes only ranges [i, j) with i not
 refused (``PartitionProblem.forbidden_starts``), and ``max_stages`` = 1 + the legal cuts bounds
 the pipeline degrees the planner proposes and the pins it accepts.
@@ -182,15 +182,16 @@ def _cut_refusals(graph: OpGraph) -> dict[int, str]:
     calls = Counter(runs)
     first = {path: runs.index(path) for path in paths}
     last = {path: len(runs) - 1 - runs[::-1].index(path) for path in paths}
-    regions = [path for path in gradient_stopping_regions(graph) if block_of(path) is None]
-    if regions:
+    if graph.hidden_backward:  # Reformer's reversible layers: the Function's forward runs them without gradients
         why = (
-            f"a torch.no_grad() region in {regions[0]}, outside the blocks, reads values that need gradients, and "
-            f"a stage must not begin inside it"
+            f"{graph.hidden_backward[0]} runs inside an autograd Function, whose own backward a traced pipeline "
+            f"stage would not run"
         )
         return {k: why for k in range(1, len(paths))}
-    refusals = {}
+    refusals = _region_refusals(graph, paths)
     for k in range(1, len(paths)):
+        if k in refusals:
+            continue
         path = paths[k]
         late = [p for p in paths[:k] if last[p] > first[path]]
         if calls[path] > 1:
@@ -204,6 +205,33 @@ def _cut_refusals(graph: OpGraph) -> dict[int, str]:
 
 
 GRAD_MODE_REGION = "higher_order.wrap_with_set_grad_enabled"
+
+
+def _region_refusals(graph: OpGraph, paths: list[str]) -> dict[int, str]:
+    """k -> why, for each block k a grad-mode region spans the beginning of: its body runs block k's ops and began
+    before block k's call (it runs an earlier block's ops too, or was entered outside block k: a frozen middle of
+    the model). A region without the modules of its body recorded (``body_modules``) that reads values needing
+    gradients outside the blocks refuses every cut."""
+    index = {path: k for k, path in enumerate(paths)}
+    refusals: dict[int, str] = {}
+    for node in graph.nodes:
+        if node.target != GRAD_MODE_REGION:
+            continue
+        where = node.module_path or "the model's forward"
+        if "body_modules" not in node.attrs:
+            if block_of(node.module_path) is None and where in gradient_stopping_regions(graph):
+                why = f"a torch.no_grad() region in {where}, outside the blocks, reads values that need gradients"
+                refusals.update({k: why for k in range(1, len(paths)) if k not in refusals})
+            continue
+        spans = sorted({index[b] for m in node.attrs["body_modules"] if (b := block_of(m)) in index})
+        inside = [k for k in spans if k > 0 and (k > spans[0] or block_of(node.module_path) != paths[k])]
+        for k in inside:
+            refusals.setdefault(
+                k,
+                f"a torch.no_grad() region in {where} runs blocks {paths[spans[0]]} to {paths[spans[-1]]}, and a stage "
+                f"must not begin inside it",
+            )
+    return refusals
 
 
 def gradient_stopping_regions(graph: OpGraph) -> list[str]:

@@ -1,7 +1,7 @@
-"""Residual blocks scaled by a factor the model's own forward computes from its weights under ``torch.no_grad()``,
-outside the blocks: a region that reads values needing gradients where a stage boundary could fall inside it, so
-the planner keeps the model in one stage. Model-file contract (docs/design.md); the default loss (mean squared
-error) on float targets.
+"""Residual blocks whose middle two run under ``torch.no_grad()`` in the model's own forward (frozen layers): one
+region that reads weights and runs blocks 1 and 2, entered outside them. A stage may not begin inside it (at block
+1 or 2); it may at block 3. Model-file contract (docs/design.md); the default loss (mean squared error) on float
+targets.
 """
 
 from __future__ import annotations
@@ -21,22 +21,21 @@ class Block(nn.Module):
         return h + torch.tanh(self.lin(h))
 
 
-class ScaledStack(nn.Module):
+class FrozenMiddle(nn.Module):
     def __init__(self, width: int = WIDTH, depth: int = 4):
         super().__init__()
-        self.scale = nn.Linear(width, 1)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
         with torch.no_grad():
-            s = torch.sigmoid(self.scale(x))
-        for block in self.blocks:
-            x = block(x)
-        return x * s
+            for block in self.blocks[1:-1]:
+                x = block(x)
+        return self.blocks[-1](x)
 
 
-def build() -> ScaledStack:
-    return ScaledStack()
+def build() -> FrozenMiddle:
+    return FrozenMiddle()
 
 
 def example_batch(batch_size: int):
