@@ -21,7 +21,9 @@ with tempfile.TemporaryDirectory(prefix="autoshard-replan-") as tmp, open(sys.ar
             argv = ["plan", f"hf:{folder}", "--cluster", "local-cpu", "--devices-per-node", "2", "--global-batch", "4"]
             proc = subprocess.run(
                 [sys.executable, "-m", "autoshard", *argv, "--pp", "2", "-o", str(folder / "pp2.plan.json")],
-                capture_output=True, text=True, timeout=600,
+                capture_output=True,
+                text=True,
+                timeout=600,
             )
             lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
             row = {"outcome": "planned" if proc.returncode == 0 else "refused", "detail": (lines or [""])[-1][:400]}
