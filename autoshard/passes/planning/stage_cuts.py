@@ -210,20 +210,14 @@ GRAD_MODE_REGION = "higher_order.wrap_with_set_grad_enabled"
 def _region_refusals(graph: OpGraph, paths: list[str]) -> dict[int, str]:
     """k -> why, for each block k a grad-mode region spans the beginning of: its body runs block k's ops and began
     before block k's call (it runs an earlier block's ops too, or was entered outside block k: a frozen middle of
-    the model). A region without the modules of its body recorded (``body_modules``) that reads values needing
-    gradients outside the blocks refuses every cut."""
+    the model). ``body_modules``: the modules its body runs in, recorded at capture."""
     index = {path: k for k, path in enumerate(paths)}
     refusals: dict[int, str] = {}
     for node in graph.nodes:
         if node.target != GRAD_MODE_REGION:
             continue
         where = node.module_path or "the model's forward"
-        if "body_modules" not in node.attrs:
-            if block_of(node.module_path) is None and where in gradient_stopping_regions(graph):
-                why = f"a torch.no_grad() region in {where}, outside the blocks, reads values that need gradients"
-                refusals.update({k: why for k in range(1, len(paths)) if k not in refusals})
-            continue
-        spans = sorted({index[b] for m in node.attrs["body_modules"] if (b := block_of(m)) in index})
+        spans = sorted({index[b] for m in node.attrs.get("body_modules", ()) if (b := block_of(m)) in index})
         inside = [k for k in spans if k > 0 and (k > spans[0] or block_of(node.module_path) != paths[k])]
         for k in inside:
             refusals.setdefault(
